@@ -1,0 +1,86 @@
+"""azyx: an asyncio-native lazy tensor runtime. Build graphs synchronously; `await t.realize()`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from azyx.dtypes import DType, dtypes
+from azyx.errors import (
+    AllocationError,
+    AxisError,
+    AzyxError,
+    AzyxIOError,
+    CompileError,
+    DeviceError,
+    DTypeError,
+    IndexOutOfRange,
+    RuntimeStateError,
+    ShapeError,
+)
+from azyx.realize import realize as _realize
+from azyx.runtime import GRAPH, RT
+from azyx.tensor import Tensor
+from azyx.viz import plot_graph
+
+__all__ = [
+    "AllocationError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
+    "DeviceError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor", "configure",
+    "devices", "dtypes", "manual_seed", "plot_graph", "realize", "synchronize", "train",
+]
+
+
+async def realize(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Compute several tensors in one ExecutionPlan. Returns them."""
+    await _realize(*tensors)
+    return tensors
+
+
+def devices() -> list[str]:
+    """Available compute devices, in AUTO preference order."""
+    return RT.device_names()
+
+
+def configure(cfg: dict[str, Any]) -> None:
+    """Configure backends from a dict (same sections as the JSON config file); call before first use."""
+    RT.configure(cfg)
+
+
+def manual_seed(seed: int) -> None:
+    """Make the random factories reproducible."""
+    import numpy as np
+
+    RT.rng = np.random.default_rng(seed)
+
+
+async def synchronize() -> None:
+    """Wait until every device has finished all the work submitted so far."""
+    await RT.executor.synchronize_all()
+
+
+class train:
+    """`with azyx.train():` switches training mode on (dropout active); `azyx.train(False)` off."""
+
+    def __init__(self, mode: bool = True):
+        self.mode, self.prev = mode, Tensor.training
+
+    def __enter__(self) -> train:
+        self.prev, Tensor.training = Tensor.training, self.mode
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Tensor.training = self.prev
+
+
+class GradientTape:
+    """Records the nodes built inside it so a later autograd pass can walk them (the autograd issue)."""
+
+    def __init__(self, persistent: bool = False):
+        self.persistent = persistent
+        self.ids: set[int] = set()
+
+    def __enter__(self) -> GradientTape:
+        GRAPH.tapes.append(self.ids)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        GRAPH.tapes.remove(self.ids)

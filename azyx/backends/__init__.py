@@ -1,0 +1,22 @@
+"""Backends: one module per device API. Each registers a factory in BACKENDS; a backend whose driver or
+package is missing is skipped at start-up (AZYX_DEBUG=1 says why)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from azyx.device import Device
+
+# name -> (module, class name); imported lazily so a missing package only disables its backend
+BACKENDS: dict[str, tuple[str, str]] = {
+    "c": ("azyx.backends.c", "CDevice"),
+    "dummy": ("azyx.backends.dummy", "DummyDevice"),
+}
+
+
+def load_backend(name: str) -> Callable[[int, dict[str, Any]], Device]:
+    import importlib
+
+    mod, cls = BACKENDS[name]
+    return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return]

@@ -1,0 +1,92 @@
+"""The C backend: kernels rendered to C99, compiled by the system compiler as an async subprocess, loaded
+with ctypes and launched on the device's worker thread (OpenMP parallelises inside a kernel)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from azyx import debug
+from azyx.backends.host import HostDevice
+from azyx.config import cache_dir
+from azyx.cstyle import C, kernel_source
+from azyx.device import Buffer
+from azyx.errors import CompileError, DeviceError
+from azyx.plan import KernelStep
+
+_PROGRAMS: dict[str, Any] = {}  # kernel name -> ctypes function; shared by every C device (same compiler)
+_LIBS: list[ctypes.CDLL] = []
+
+
+class CDevice(HostDevice):
+    kind = "c"
+    dialect = C
+    tiles = True
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        self.compiler = options.get("compiler", "gcc")
+        if shutil.which(self.compiler) is None:
+            raise DeviceError(f"C compiler {self.compiler!r} not found on PATH")
+        self.flags = list(options.get("flags", []))
+        self.threads = int(options.get("threads") or os.cpu_count() or 1)
+        self.compute = 30.0 * self.threads  # rough GFLOP/s, for AUTO placement
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))
+
+    def has_program(self, name: str) -> bool:
+        return name in _PROGRAMS
+
+    async def compile(self, steps: list[KernelStep]) -> None:
+        todo = {s.name: s.src for s in steps if s.name not in _PROGRAMS}
+        if not todo:
+            return
+        src = kernel_source(list(todo.values()), C)
+        flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
+        key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
+        out_dir = cache_dir() / "c"
+        lib_path = out_dir / f"{key}.so"
+        if not lib_path.exists():
+            debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            await self._build(src, flags, lib_path)
+        lib = ctypes.CDLL(str(lib_path))
+        _LIBS.append(lib)
+        for name, ksrc in todo.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p] * ksrc[: ksrc.index(")")].count("*")
+            fn.restype = None
+            _PROGRAMS[name] = fn
+
+    async def _build(self, src: str, flags: list[str], lib_path: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="azyx-") as tmp:
+            c_path = Path(tmp) / "kernels.c"
+            c_path.write_text(src)
+            tmp_lib = lib_path.with_suffix(f".{os.getpid()}.{id(src)}.tmp")
+            cmd = [self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"]
+            result = await anyio.run_process(cmd, check=False)
+            if result.returncode != 0:
+                raise CompileError(f"{self.compiler} failed (exit {result.returncode}):\n"
+                                   f"{result.stderr.decode(errors='replace')}\n--- source ---\n{src}")
+            os.replace(tmp_lib, lib_path)  # atomic: a concurrent reader never sees half a library
+
+    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
+        fn = _PROGRAMS[step.name]
+        ptrs = [b.ptr for b in bufs]
+        if debug.enabled(debug.LAUNCHES):
+            import time
+
+            def timed(bufs: list[Buffer] = bufs) -> None:
+                t0 = time.perf_counter()
+                fn(*ptrs)
+                debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
+                                          f"{(time.perf_counter() - t0) * 1e6:.1f} us")
+            return timed
+        return lambda bufs=bufs: fn(*ptrs)

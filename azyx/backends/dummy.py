@@ -1,0 +1,65 @@
+"""The dummy device: fake memory and compute capacity. It plans, allocates and 'runs' without computing,
+so the scheduler, placement and allocation errors can be tested without real hardware."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from azyx.cstyle import C
+from azyx.device import Buffer, Device
+from azyx.dtypes import DType
+from azyx.errors import AllocationError, DeviceError
+from azyx.graph import Shape, StridedView
+from azyx.plan import KernelStep
+from azyx.timeline import TimelineSignal
+
+
+class DummyDevice(Device):
+    kind = "dummy"
+    dialect = C
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        self.capacity = int(options.get("memory", 1 << 30))
+        self.compute = float(options.get("compute", 0.0))
+        self.in_use = 0
+        self.submitted = 0
+        self.launched: list[str] = []  # kernel names, in launch order (for tests)
+
+    def free_memory(self) -> int:
+        return self.capacity - self.in_use
+
+    def alloc(self, nbytes: int) -> Buffer:
+        if self.in_use + nbytes > self.capacity:
+            raise AllocationError(f"{self.name}: allocating {nbytes} bytes exceeds its capacity of {self.capacity}")
+        self.in_use += nbytes
+        return Buffer(self, nbytes, None, 0, True)
+
+    def release(self, buf: Buffer) -> None:
+        self.in_use -= buf.nbytes
+
+    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
+        return self.alloc(arr.nbytes)
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        raise DeviceError(f"{self.name} is a dummy device: it plans and accounts memory but holds no data")
+
+    def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], work: int) -> int:
+        self.submitted += 1
+        fn()
+        self.timeline.signal(self.submitted)
+        return self.submitted
+
+    async def compile(self, steps: list[KernelStep]) -> None:
+        return None
+
+    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
+        return lambda: self.launched.append(step.name)
+
+    def copy_fn(self, src: Buffer, dst: Buffer) -> Callable[[], None]:
+        return lambda: None
+
+    staged_copy_fn = copy_fn

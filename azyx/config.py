@@ -1,0 +1,60 @@
+"""Configuration: JSON at $AZYX_CONFIG, else $XDG_CONFIG_HOME/azyx/config.json (else ~/.config/azyx/),
+sections per backend; a missing file or section means defaults. `azyx.configure(dict)` does the same
+from code."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from azyx.errors import AzyxError
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "c": {"enabled": True, "devices": 1, "compiler": "gcc", "flags": ["-O3", "-march=native", "-fopenmp",
+                                                                      "-fno-math-errno"],
+          "threads": None, "memory": None, "inline_work": 1 << 16},
+    "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
+}
+
+
+class ConfigError(AzyxError, ValueError):
+    """A malformed configuration file or dict."""
+
+
+def config_path() -> Path:
+    if p := os.environ.get("AZYX_CONFIG"):
+        return Path(p)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "azyx" / "config.json"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "azyx"
+
+
+def merge(base: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out = copy.deepcopy(base)
+    if not isinstance(extra, dict):
+        raise ConfigError(f"configuration must be a dict of sections, got {type(extra).__name__}")
+    for section, values in extra.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a dict, got {values!r}")
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def load(overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    cfg = copy.deepcopy(DEFAULTS)
+    path = config_path()
+    if path.is_file():
+        try:
+            cfg = merge(cfg, json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    if overrides:
+        cfg = merge(cfg, overrides)
+    return cfg

@@ -1,0 +1,398 @@
+"""The C-family renderer: one linear pass from a `Kernel` to C99 (OpenCL C, CUDA C and GLSL are dialects).
+
+Placement: a value is computed in the outermost loop where all of its variables are defined; values that
+depend on a reduce's variables live in that reduce's loop; values that depend on upcast (register-tile)
+variables are computed inside small constant-bound loops that the compiler unrolls and vectorises.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from azyx.dtypes import DType, dtypes
+from azyx.ir import Kernel, V, toposort
+from azyx.symbolic import Var
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    kernel_prefix: str
+    buffer_qual: str
+    restrict: str
+    index_type: str
+    types: dict[str, str]
+    fn_suffix_f32: str  # math functions on float: "f" for C's expf, "" where names are overloaded
+    prelude: str
+    pragmas: bool  # OpenMP pragmas for host loops
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def ctype(self, d: DType) -> str:
+        return self.types[d.name]
+
+    def compute_type(self, d: DType) -> str:
+        return self.types["float32"] if d in (dtypes.float16, dtypes.bfloat16) else self.types[d.name]
+
+
+_C_PRELUDE = """#include <math.h>
+typedef unsigned short bf16_t;
+static inline float bf2f(bf16_t x) { union { unsigned int i; float f; } u; u.i = ((unsigned int)x) << 16; return u.f; }
+static inline bf16_t f2bf(float f) {
+  union { unsigned int i; float f; } u; u.f = f;
+  if (f != f) return (bf16_t)0x7fc0;
+  return (bf16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+static inline long long ipow(long long a, long long b) {
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  long long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
+}
+"""
+
+C = Dialect(
+    name="c",
+    kernel_prefix="void",
+    buffer_qual="",
+    restrict="restrict",
+    index_type="long",
+    types={"bool": "_Bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short", "int32": "int",
+           "uint32": "unsigned int", "int64": "long long", "float16": "_Float16", "bfloat16": "bf16_t",
+           "float32": "float", "float64": "double"},
+    fn_suffix_f32="f",
+    prelude=_C_PRELUDE,
+    pragmas=True,
+)
+
+
+def _literal(v: object, d: DType, dl: Dialect) -> str:
+    if d.is_bool:
+        return "1" if v else "0"
+    if d.is_int:
+        iv = int(v)  # type: ignore[call-overload]
+        if d.itemsize == 8:
+            return f"{iv}LL" if iv != -(2**63) else "(-9223372036854775807LL-1)"
+        if iv == -(2**31) and d.itemsize == 4:
+            return "(-2147483647-1)"
+        return f"{iv}u" if d.kind == "u" else str(iv)
+    fv = float(v)  # type: ignore[arg-type]
+    single = dl.compute_type(d) == dl.types["float32"]
+    if math.isnan(fv):
+        return "(0.0f/0.0f)" if single else "(0.0/0.0)"
+    if math.isinf(fv):
+        s = "-" if fv < 0 else ""
+        return f"({s}1.0f/0.0f)" if single else f"({s}1.0/0.0)"
+    r = repr(fv)
+    if "e" not in r and "." not in r:
+        r += ".0"
+    return f"{r}f" if single else r
+
+
+def _fn(name: str, d: DType, dl: Dialect) -> str:
+    return name + (dl.fn_suffix_f32 if dl.compute_type(d) == dl.types["float32"] else "")
+
+
+def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> str:
+    """Source text of one elementwise op; `d` is the result dtype, `src_dtype` the operands' dtype."""
+    x = a[0]
+    sd = src_dtype
+    t = dl.compute_type(sd)
+    fl = sd.is_float
+    if op == "neg":
+        return f"(-{x})"
+    if op == "abs":
+        return f"{_fn('fabs', sd, dl)}({x})" if fl else f"({x}<0?-{x}:{x})"
+    if op == "not":
+        return f"(!{x})" if sd.is_bool else f"(~{x})"
+    if op == "square":
+        return f"({x}*{x})"
+    if op == "sign":
+        return f"(({t})(({x}>0)-({x}<0)))" if not fl else f"({x}!={x}?{x}:({t})(({x}>0)-({x}<0)))"
+    if op == "relu":
+        return f"({x}>0?{x}:({t})0)"
+    if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil"):
+        return f"{_fn(op, sd, dl)}({x})"
+    if op == "round":
+        return f"{_fn('rint', sd, dl)}({x})"
+    if op == "rsqrt":
+        return f"(({t})1/{_fn('sqrt', sd, dl)}({x}))"
+    if op == "reciprocal":
+        return f"(({t})1/{x})"
+    if op == "sigmoid":
+        return f"(({t})1/(({t})1+{_fn('exp', sd, dl)}(-{x})))"
+    if op == "silu":
+        return f"({x}/(({t})1+{_fn('exp', sd, dl)}(-{x})))"
+    if op == "gelu":
+        return f"(({t})0.5*{x}*(({t})1+{_fn('erf', sd, dl)}({x}*({t})0.7071067811865476)))"
+    if op == "gelu_tanh":
+        return (f"(({t})0.5*{x}*(({t})1+{_fn('tanh', sd, dl)}(({t})0.7978845608028654*"
+                f"({x}+({t})0.044715*{x}*{x}*{x}))))")
+    if op == "softplus":
+        return f"(({x}>0?{x}:({t})0)+{_fn('log1p', sd, dl)}({_fn('exp', sd, dl)}(-{_fn('fabs', sd, dl)}({x}))))"
+    y = a[1] if len(a) > 1 else ""
+    binops = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+              "eq": "==", "ne": "!="}
+    if op in binops:
+        return f"({x}{binops[op]}{y})"
+    if op in ("and", "or", "xor"):
+        if sd.is_bool:
+            return {"and": f"({x}&&{y})", "or": f"({x}||{y})", "xor": f"({x}!={y})"}[op]
+        return f"({x}{ {'and': '&', 'or': '|', 'xor': '^'}[op] }{y})"
+    if op == "max":
+        return f"(({x}>{y}||{x}!={x})?{x}:{y})" if fl else f"({x}>{y}?{x}:{y})"
+    if op == "min":
+        return f"(({x}<{y}||{x}!={x})?{x}:{y})" if fl else f"({x}<{y}?{x}:{y})"
+    if op == "floordiv":
+        if fl:
+            return f"{_fn('floor', sd, dl)}({x}/{y})"
+        return f"({y}==0?({t})0:({t})({x}/{y}-((({x}%{y})!=0)&&(({x}<0)!=({y}<0)))))"
+    if op == "mod":
+        if fl:
+            r = f"{_fn('fmod', sd, dl)}({x},{y})"
+            return f"(({r}!=0&&(({r}<0)!=({y}<0)))?{r}+{y}:{r})"
+        r = f"({x}%{y})"
+        return f"({y}==0?({t})0:(({r}!=0&&(({r}<0)!=({y}<0)))?({t})({r}+{y}):{r}))"
+    if op == "pow":
+        return f"{_fn('pow', sd, dl)}({x},{y})" if fl else f"(({t})ipow({x},{y}))"
+    raise AssertionError(f"no rendering for op {op}")
+
+
+_COMBINE = {"sum": "{a}+{b}", "prod": "{a}*{b}", "max": "(({b}>{a}||{b}!={b})?{b}:{a})",
+            "min": "(({b}<{a}||{b}!={b})?{b}:{a})"}
+_COMBINE_INT = {"max": "({b}>{a}?{b}:{a})", "min": "({b}<{a}?{b}:{a})"}
+_OMP_RED = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
+
+
+class _Renderer:
+    def __init__(self, k: Kernel, name: str, dl: Dialect, threads: int):
+        self.k, self.name, self.dl, self.threads = k, name, dl, threads
+        self.names: dict[int, str] = {}
+        self.lines: list[str] = []
+        self.depth = 1
+        self.count = 0
+        self.uset = set(k.uvars)
+
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * self.depth + line)
+
+    def open(self, line: str) -> None:
+        self.emit(line + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.emit("}")
+
+    def loop(self, v: Var, pragma: str = "") -> None:
+        if pragma and self.dl.pragmas:
+            self.emit(pragma)
+        it = self.dl.index_type
+        self.open(f"for ({it} {v.name} = 0; {v.name} < {v.vmax + 1}; {v.name}++)")
+
+    def ref(self, v: V) -> str:
+        if v.op == "const":
+            return _literal(v.arg, v.dtype, self.dl)
+        return self.names[id(v)]
+
+    def expr(self, v: V) -> str:
+        dl = self.dl
+        if v.op == "load":
+            param, idx, cond = v.arg
+            p = f"d{param}[{idx.render()}]"
+            if v.dtype is dtypes.bfloat16:
+                p = f"bf2f({p})"
+            elif v.dtype is dtypes.float16:
+                p = f"(float){p}"
+            if cond.always:
+                return p
+            return f"({cond.render()}?{p}:({dl.compute_type(v.dtype)})0)"
+        if v.op == "cond":
+            return f"({v.arg.render()})"
+        if v.op == "cast":
+            s, t = v.src[0], dl.compute_type(v.dtype)
+            if v.dtype.is_bool:
+                return f"({self.ref(s)}!=0)"
+            return f"(({t}){self.ref(s)})"
+        if v.op == "where":
+            c, a, b = (self.ref(s) for s in v.src)
+            return f"({c}?{a}:{b})"
+        if v.op == "alu":
+            return alu_expr(v.arg, v.dtype, [self.ref(s) for s in v.src], dl, v.src[0].dtype)
+        raise AssertionError(v.op)
+
+    def stmt(self, v: V) -> None:
+        if v.op in ("const", "reduce") or id(v) in self.names:
+            return
+        name = f"v{self.count}"
+        self.count += 1
+        self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
+        self.names[id(v)] = name
+
+    def block(self, nodes: list[V], inner: str | None) -> None:
+        """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs."""
+        uvars = self.k.uvars
+        depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in nodes}
+        saved = dict(self.names)
+        for d in range(len(uvars) + 1):
+            if d > 0:
+                self.loop(uvars[d - 1])
+            for v in nodes:
+                if depth[id(v)] == d:
+                    self.stmt(v)
+        if inner:
+            self.emit(inner)
+        for _ in uvars:
+            self.close()
+        self.names = saved  # names declared inside the block's braces go out of scope
+
+    def render(self) -> str:
+        k, dl = self.k, self.dl
+        order = toposort(k.value)
+        gindex = {v: i for i, v in enumerate(k.gvars)}
+        n = len(k.gvars)
+        reduces = [v for v in order if v.op == "reduce"]
+        owner: dict[Var, V] = {rv: r for r in reduces for rv in r.arg[1]}
+        place: dict[int, object] = {}  # id -> level (int) | reduce V (its body) | "U" (per block)
+        dep_red: dict[int, bool] = {}
+        for v in order:
+            dr = v.op == "reduce" or any(dep_red[id(s)] for s in v.src)
+            dep_red[id(v)] = dr
+            own = next((owner[x] for x in v.vars if x in owner), None)
+            if v.op == "reduce":
+                place[id(v)] = n
+            elif own is not None:
+                place[id(v)] = own
+            elif v.vars & self.uset:
+                place[id(v)] = "U"
+            else:
+                place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
+
+        params = []
+        for i, d in enumerate(k.params):
+            const = "" if i == 0 else "const "
+            params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
+        header = f"{dl.kernel_prefix} {self.name}({', '.join(params)})"
+
+        par = self._parallel_plan(reduces, place, order)
+        for lvl in range(n + 1):
+            items = [v for v in order if place[id(v)] == lvl]
+            if lvl < n:
+                for v in items:
+                    self.stmt(v)
+                self.loop(k.gvars[lvl], par.get(lvl, ""))
+                continue
+            for v in items:
+                if v.op == "reduce":
+                    self.reduce_block(v, order, place, par.get("reduce", ""))
+                else:
+                    self.stmt(v)
+        # epilogue: everything that depends on upcast vars, then the store
+        epi = self.collect(k.value, place, None)
+        store_val = self.store_value(k.value)
+        self.block(epi, f"d0[{k.out_idx.render()}] = {store_val};")
+        for _ in k.gvars:
+            self.close()
+        body = "\n".join(self.lines)
+        return f"{header} {{\n{body}\n}}\n"
+
+    def store_value(self, v: V) -> str:
+        r = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
+        d = self.k.params[0]
+        if d is dtypes.bfloat16:
+            return f"f2bf({r})"
+        if d is dtypes.float16:
+            return f"(_Float16){r}"
+        return r
+
+    def collect(self, root: V, place: dict[int, object], body_of: V | None) -> list[V]:
+        """Nodes of one block: those placed in it, plus per-block ("U") nodes it needs, in topological order."""
+        out: list[V] = []
+        seen: set[int] = set()
+
+        def visit(v: V) -> None:
+            if id(v) in seen:
+                return
+            seen.add(id(v))
+            p = place.get(id(v))
+            if v.op == "reduce" and v is not body_of:
+                return
+            if not (p == "U" or (body_of is not None and p is body_of) or (body_of is None and p is None)):
+                return
+            for s in v.src:
+                visit(s)
+            out.append(v)
+
+        if body_of is not None:
+            visit(body_of.src[0])
+        else:
+            visit(root)
+        return [v for v in out if v.op != "reduce"]
+
+    def reduce_block(self, r: V, order: list[V], place: dict[int, object], pragma: str) -> None:
+        op, rvars = r.arg
+        acc_t = self.dl.compute_type(r.dtype) if not r.dtype.is_bool else "int"
+        from azyx.ops import REDUCE
+
+        init = _literal(REDUCE[op][0](r.dtype), r.dtype if not r.dtype.is_bool else dtypes.int32, self.dl)
+        name = f"acc{self.count}"
+        self.count += 1
+        dims = "".join(f"[{u.vmax + 1}]" for u in self.k.uvars)
+        if dims:
+            self.emit(f"{acc_t} {name}{dims};")
+            self.block([], f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)} = {init};")
+        else:
+            self.emit(f"{acc_t} {name} = {init};")
+        use_red = not dims and self.dl.pragmas
+        for i, rv in enumerate(rvars):
+            p = ""
+            if i == 0 and pragma:
+                p = pragma.replace("ACC", name)
+            elif i == len(rvars) - 1 and use_red:
+                p = f"#pragma omp simd reduction({_OMP_RED[op]}:{name})"
+            self.loop(rv, p)
+        body = self.collect(r, place, r)
+        body_v = r.src[0]
+        ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
+        comb = (_COMBINE_INT if not r.dtype.is_float and op in _COMBINE_INT else _COMBINE)[op]
+        # the body value is referenced after emission inside the block
+        saved = dict(self.names)
+        uvars = self.k.uvars
+        depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in body}
+        for d in range(len(uvars) + 1):
+            if d > 0:
+                self.loop(uvars[d - 1])
+            for v in body:
+                if depth[id(v)] == d:
+                    self.stmt(v)
+        val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
+        self.emit(f"{ref} = {comb.format(a=ref, b=val)};")
+        for _ in uvars:
+            self.close()
+        self.names = saved
+        for _ in rvars:
+            self.close()
+        self.names[id(r)] = f"({ref}!=0)" if r.dtype.is_bool else ref
+
+    def _parallel_plan(self, reduces: list[V], place: dict[int, object], order: list[V]) -> dict[object, str]:
+        k = self.k
+        if not self.dl.pragmas or self.threads <= 1 or k.work < (1 << 15):
+            return {}
+        if k.gvars:
+            sizes = [v.vmax + 1 for v in k.gvars]
+            if sizes[0] >= 2 * self.threads or len(sizes) == 1:
+                return {0: "#pragma omp parallel for schedule(static)"}
+            level1 = [v for v in order if place[id(v)] == 1]
+            if not level1 and sizes[0] * sizes[1] >= 2 * self.threads:
+                return {0: "#pragma omp parallel for collapse(2) schedule(static)"}
+            return {0: "#pragma omp parallel for schedule(static)"}
+        if len(reduces) == 1 and not k.uvars:
+            op = reduces[0].arg[0]
+            return {"reduce": f"#pragma omp parallel for simd reduction({_OMP_RED[op]}:ACC)"}
+        return {}
+
+
+def render(k: Kernel, name: str, dl: Dialect, threads: int = 1) -> str:
+    return _Renderer(k, name, dl, threads).render()
+
+
+def kernel_source(kernels: list[str], dl: Dialect) -> str:
+    return dl.prelude + "\n" + "\n".join(kernels)

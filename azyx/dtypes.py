@@ -1,0 +1,133 @@
+"""The dtype table: every fact about a dtype lives here once, and every backend reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from azyx.errors import DTypeError
+
+
+@dataclass(frozen=True, eq=False)
+class DType:
+    name: str
+    itemsize: int
+    kind: str  # "b" bool, "i" signed int, "u" unsigned int, "f" float
+    rank: int  # order inside its kind, for promotion
+    np: Any  # numpy dtype used for host storage (bfloat16 is stored as uint16)
+    safetensors: str
+
+    def __repr__(self) -> str:
+        return f"dtypes.{self.name}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (to_dtype, (self.name,))
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "f"
+
+    @property
+    def is_int(self) -> bool:
+        return self.kind in "iu"
+
+    @property
+    def is_bool(self) -> bool:
+        return self.kind == "b"
+
+    @property
+    def numpy(self) -> np.dtype:
+        """The dtype `Tensor.numpy()` returns: bfloat16 is widened to float32 (numpy has no bfloat16)."""
+        return np.dtype(np.float32) if self is dtypes.bfloat16 else np.dtype(self.np)
+
+
+class dtypes:
+    bool = DType("bool", 1, "b", 0, np.bool_, "BOOL")
+    int8 = DType("int8", 1, "i", 1, np.int8, "I8")
+    uint8 = DType("uint8", 1, "u", 1, np.uint8, "U8")
+    int16 = DType("int16", 2, "i", 2, np.int16, "I16")
+    int32 = DType("int32", 4, "i", 3, np.int32, "I32")
+    uint32 = DType("uint32", 4, "u", 3, np.uint32, "U32")  # internal: random bits, never a default
+    int64 = DType("int64", 8, "i", 4, np.int64, "I64")
+    float16 = DType("float16", 2, "f", 1, np.float16, "F16")
+    bfloat16 = DType("bfloat16", 2, "f", 1, np.uint16, "BF16")
+    float32 = DType("float32", 4, "f", 2, np.float32, "F32")
+    float64 = DType("float64", 8, "f", 3, np.float64, "F64")
+    default_float = float32
+    default_int = int32
+
+    @staticmethod
+    def all() -> tuple[DType, ...]:
+        return ALL
+
+
+ALL: tuple[DType, ...] = tuple(v for v in vars(dtypes).values() if isinstance(v, DType) and v.name != "uint32")
+ALL = tuple(dict.fromkeys(ALL))  # default_float/default_int are aliases
+_BY_NAME: dict[str, DType] = {d.name: d for d in (*ALL, dtypes.uint32)}
+_BY_NAME.update({"half": dtypes.float16, "float": dtypes.float32, "double": dtypes.float64, "int": dtypes.int32,
+                 "long": dtypes.int64, "bool_": dtypes.bool})
+_BY_NP: dict[np.dtype, DType] = {np.dtype(d.np): d for d in (*ALL, dtypes.uint32) if d is not dtypes.bfloat16}
+
+
+def to_dtype(x: Any) -> DType:
+    """Accept a DType, a numpy dtype (or type), or a dtype name."""
+    if isinstance(x, DType):
+        return x
+    if isinstance(x, str):
+        if x in _BY_NAME:
+            return _BY_NAME[x]
+        raise DTypeError(f"unknown dtype {x!r}; known: {', '.join(d.name for d in ALL)}")
+    try:
+        nd = np.dtype(x)
+    except TypeError:
+        raise DTypeError(f"unknown dtype {x!r}") from None
+    if nd in _BY_NP:
+        return _BY_NP[nd]
+    raise DTypeError(f"unsupported dtype {x!r}; supported: {', '.join(d.name for d in ALL)}")
+
+
+def from_numpy(nd: np.dtype) -> DType:
+    return to_dtype(nd)
+
+
+def promote(a: DType, b: DType) -> DType:
+    """PyTorch's promotion between two tensor dtypes: higher kind wins, then the wider type."""
+    if a is b:
+        return a
+    ka, kb = _KIND_ORDER[a.kind], _KIND_ORDER[b.kind]
+    if ka != kb:
+        if a.kind in "iu" and b.kind in "iu":  # signed with unsigned: a signed type that holds both
+            s, u = (a, b) if a.kind == "i" else (b, a)
+            return s if s.itemsize > u.itemsize else _SIGNED_BY_SIZE.get(u.itemsize * 2, dtypes.int64)
+        return a if ka > kb else b
+    if a.kind == "f" and a.itemsize == b.itemsize:  # float16 with bfloat16
+        return dtypes.float32
+    return a if a.itemsize > b.itemsize else b
+
+
+def scalar_dtype(v: Any) -> DType:
+    """The dtype a Python scalar gets when it creates a tensor."""
+    if isinstance(v, bool | np.bool_):
+        return dtypes.bool
+    if isinstance(v, int | np.integer):
+        return dtypes.default_int
+    if isinstance(v, float | np.floating):
+        return dtypes.default_float
+    raise DTypeError(f"unsupported scalar {v!r} of type {type(v).__name__}")
+
+
+def promote_scalar(t: DType, v: Any) -> DType:
+    """Tensor op Python scalar: the scalar only matters when its kind is higher (PyTorch rule)."""
+    s = scalar_dtype(v)
+    return s if _KIND_ORDER[s.kind] > _KIND_ORDER[t.kind] else t
+
+
+def least_float(d: DType) -> DType:
+    """The dtype of a float-valued op (exp, /, mean) on `d`."""
+    return d if d.is_float else dtypes.default_float
+
+
+_KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2}
+_SIGNED_BY_SIZE = {2: dtypes.int16, 4: dtypes.int32, 8: dtypes.int64}

@@ -1,0 +1,119 @@
+"""UnifiedExecutor: runs an ExecutionPlan on any mix of devices, with no dependency graph at run time.
+
+Each step goes to its device's in-order queue. A step that reads a buffer from another device waits for
+that buffer's (device, timeline value) on the device side (the worker thread, or the API's own wait
+primitive), never on the event loop. Buffers freed by the plan return to their pool only once the queued
+work that holds them has run.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from azyx import debug
+from azyx.device import Buffer, Device
+from azyx.errors import DeviceError
+from azyx.graph import StridedView
+from azyx.plan import ExecutionPlan, KernelStep, TransferStep
+from azyx.timeline import TimelineSignal
+
+
+class SyncStrategy(Enum):
+    SAME_DEVICE = "same device"
+    PEER = "peer-to-peer"
+    HOST_STAGED = "host-staged"
+
+
+class UnifiedExecutor:
+    def __init__(self) -> None:
+        self.devices: dict[str, Device] = {}
+
+    def add_device(self, device: Device) -> None:
+        assert device.name not in self.devices, f"device {device.name} added twice"
+        self.devices[device.name] = device
+        debug.log(debug.DEVICES, f"device {device.name}: {device.capacity >> 20} MiB, ~{device.compute:.0f} GFLOP/s")
+
+    def context(self, name: str) -> Device:
+        """The per-device context: its queue, allocator and TimelineSignal."""
+        try:
+            return self.devices[name]
+        except KeyError:
+            raise DeviceError(f"unknown device {name!r}; available: {', '.join(self.devices)}") from None
+
+    def sync_strategy(self, src: str, dst: str) -> SyncStrategy:
+        if src == dst:
+            return SyncStrategy.SAME_DEVICE
+        if self.context(src).kind == self.context(dst).kind:
+            return SyncStrategy.PEER
+        return SyncStrategy.HOST_STAGED
+
+    def single_device_check(self, plan: ExecutionPlan) -> Device | None:
+        """The one device a plan touches, for the fast path without cross-device waits; None if several."""
+        return self.devices[plan.devices[0]] if len(plan.devices) == 1 else None
+
+    @staticmethod
+    def _waits(dev: Device, bufs: list[Buffer]) -> list[tuple[TimelineSignal, int]]:
+        return [(b.device.timeline, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
+
+    def execute_kernel(self, step: KernelStep, bufs: list[Buffer], same_device: bool = False) -> int:
+        dev = self.devices[step.device]
+        waits = [] if same_device else self._waits(dev, bufs[1:])
+        v = dev.submit(dev.launch_fn(step, bufs), waits, step.work)
+        bufs[0].ready = v
+        return v
+
+    def execute_transfer(self, src: Buffer, dst: Buffer) -> int:
+        """Copy src into dst on the destination's queue, after src is ready (same device, peer or host-staged)."""
+        sdev, ddev = src.device, dst.device
+        strategy = self.sync_strategy(sdev.name, ddev.name)
+        fn = ddev.staged_copy_fn(src, dst) if strategy is SyncStrategy.HOST_STAGED else ddev.copy_fn(src, dst)
+        v = ddev.submit(fn, self._waits(ddev, [src]), src.nbytes // 64)
+        dst.ready = v
+        return v
+
+    def run(self, plan: ExecutionPlan, bindings: list[Buffer]) -> list[tuple[Buffer, StridedView]]:
+        """Submit every step of `plan` with `bindings` as its inputs; returns the targets' buffers (not yet
+        necessarily ready: each carries the timeline value at which it will be)."""
+        assert len(bindings) == plan.n_inputs
+        slots = plan.slots
+        bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
+        single = self.single_device_check(plan) is not None
+        try:
+            for step, frees in zip(plan.steps, plan.frees):
+                if isinstance(step, KernelStep):
+                    out = step.args[0]
+                    if bufs[out] is None:
+                        bufs[out] = self.devices[step.device].alloc(max(slots[out].nbytes, 1))
+                    args = [bufs[a] for a in step.args]
+                    self.execute_kernel(step, args, single)  # type: ignore[arg-type]
+                else:
+                    assert isinstance(step, TransferStep)
+                    if bufs[step.dst] is None:
+                        bufs[step.dst] = self.devices[step.dst_device].alloc(max(slots[step.dst].nbytes, 1))
+                    self.execute_transfer(bufs[step.src], bufs[step.dst])  # type: ignore[arg-type]
+                for s in frees:
+                    bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
+            outs = []
+            for slot, view in plan.outputs:
+                b = bufs[slot]
+                if b is None:  # an empty output: no kernel wrote it
+                    b = bufs[slot] = self.devices[slots[slot].device].alloc(max(slots[slot].nbytes, 1))
+                outs.append((b, view))
+            return outs  # type: ignore[return-value]
+        finally:
+            bufs.clear()
+
+    def synchronize_sync(self) -> None:
+        """Block the calling thread until every device has finished what it was given (not on the loop)."""
+        for dev in self.devices.values():
+            dev.timeline.wait_sync(dev.timeline.value + dev.pending())
+
+    async def synchronize_all(self) -> None:
+        """Wait (on the event loop) until every device has finished everything submitted so far."""
+        for dev in list(self.devices.values()):
+            await dev.timeline.wait(dev.timeline.value + dev.pending())
+
+    def close(self) -> None:
+        for dev in self.devices.values():
+            dev.close()
+        self.devices.clear()

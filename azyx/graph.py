@@ -1,0 +1,146 @@
+"""The graph: a dense node table indexed by TensorId, with refcounts, free-list reuse and the tape hook.
+
+Every op appends one `Node`. Shapes, dtypes and devices are computed once, when the node is made. A node
+lives while tensor handles, consumer nodes or a live gradient tape reference it; releasing the last
+reference frees its slot and releases its sources in turn.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from azyx.dtypes import DType
+
+if TYPE_CHECKING:
+    from azyx.buffer import Buffer
+
+TensorId = int
+Shape = tuple[int, ...]
+
+
+class Op(IntEnum):
+    CONST = 0  # arg: the value (a Python scalar); the shape is broadcast
+    LEAF = 1  # holds a realized buffer (node.buffer, node.view)
+    EXPAND = 2  # arg: new shape
+    PERMUTE = 3  # arg: axes order
+    RESHAPE = 4  # arg: new shape
+    PAD = 5  # arg: ((before, after), ...) per axis, negative is a shrink; value in node.arg2
+    FLIP = 6  # arg: axes
+    REDUCE = 7  # arg: (op name, axes); output keeps reduced axes as size 1
+    CAST = 8  # dtype in node.dtype
+    UNARY = 9  # arg: op name
+    BINARY = 10  # arg: op name
+    WHERE = 11  # cond, a, b
+    TODEVICE = 12  # copy to node.device
+    CUSTOM = 13  # arg: a callable rendering the value from the index (see plan.py)
+
+
+MOVEMENT = frozenset({Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP})
+ELEMENTWISE = frozenset({Op.CAST, Op.UNARY, Op.BINARY, Op.WHERE})
+
+
+class Node:
+    __slots__ = ("op", "src", "arg", "arg2", "shape", "dtype", "device", "pinned", "rc", "buffer", "view")
+
+    def __init__(self, op: Op, src: tuple[TensorId, ...], arg: Any, shape: Shape, dtype: DType, device: str,
+                 pinned: bool, arg2: Any = None):
+        self.op, self.src, self.arg, self.arg2 = op, src, arg, arg2
+        self.shape, self.dtype, self.device, self.pinned = shape, dtype, device, pinned
+        self.rc = 0
+        self.buffer: Buffer | None = None  # set when realized
+        self.view: StridedView | None = None  # how the realized buffer is indexed
+
+    def __repr__(self) -> str:
+        return f"Node({self.op.name}, src={self.src}, arg={self.arg!r}, shape={self.shape}, {self.dtype.name}, {self.device})"
+
+
+class StridedView:
+    """How a realized node reads its buffer: element offset and per-axis strides (in elements)."""
+
+    __slots__ = ("offset", "strides")
+
+    def __init__(self, offset: int, strides: tuple[int, ...]):
+        self.offset, self.strides = offset, strides
+
+    @staticmethod
+    def contiguous(shape: Shape) -> StridedView:
+        return StridedView(0, contiguous_strides(shape))
+
+    def is_contiguous(self, shape: Shape) -> bool:
+        return self.offset == 0 and all(s == c or n == 1 for s, c, n in zip(self.strides, contiguous_strides(shape), shape))
+
+    def __repr__(self) -> str:
+        return f"StridedView(offset={self.offset}, strides={self.strides})"
+
+
+def contiguous_strides(shape: Shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def prod(xs: tuple[int, ...] | list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+class Graph:
+    def __init__(self) -> None:
+        self.nodes: list[Node | None] = []
+        self.free: list[TensorId] = []
+        self.tapes: list[set[TensorId]] = []  # live gradient tapes: ids they keep with their sources
+
+    def __len__(self) -> int:
+        return len(self.nodes) - len(self.free)
+
+    def add(self, node: Node) -> TensorId:
+        for s in node.src:
+            self.nodes[s].rc += 1  # type: ignore[union-attr]
+        if self.free:
+            i = self.free.pop()
+            self.nodes[i] = node
+        else:
+            i = len(self.nodes)
+            self.nodes.append(node)
+        for tape in self.tapes:
+            tape.add(i)
+        return i
+
+    def __getitem__(self, i: TensorId) -> Node:
+        n = self.nodes[i]
+        assert n is not None, f"node {i} was released"
+        return n
+
+    def retain(self, i: TensorId) -> None:
+        self.nodes[i].rc += 1  # type: ignore[union-attr]
+
+    def release(self, i: TensorId) -> None:
+        stack = [i]
+        nodes = self.nodes
+        while stack:
+            j = stack.pop()
+            n = nodes[j]
+            assert n is not None and n.rc > 0, f"release of dead node {j}"
+            n.rc -= 1
+            if n.rc == 0:
+                nodes[j] = None
+                self.free.append(j)
+                n.buffer = None
+                stack.extend(n.src)
+
+    def on_tape(self, i: TensorId) -> bool:
+        return any(i in t for t in self.tapes)
+
+    def become_leaf(self, i: TensorId, buffer: Buffer, view: StridedView) -> None:
+        """A realized node keeps its buffer; without a tape holding it, it forgets how it was made."""
+        n = self[i]
+        n.buffer, n.view = buffer, view
+        if n.src and not self.on_tape(i):
+            src, n.src, n.op, n.arg, n.arg2 = n.src, (), Op.LEAF, None, None
+            for s in src:
+                self.release(s)

@@ -1,0 +1,117 @@
+"""The kernel IR: one loop nest with a value DAG, which every renderer turns into source in one pass.
+
+A `Kernel` writes `value` at `out_idx` of parameter 0 for every point of its global loops (`gvars`, outer
+first). Upcast vars (`uvars`) are small register-tile loops, innermost. A `V` of op "reduce" is an
+accumulation loop over its own vars, placed inside the innermost global loop. Values are interned, so equal
+expressions are one object (common subexpressions are computed once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from azyx.dtypes import DType
+from azyx.symbolic import Cond, Lin, Var, lin_vars
+
+
+class V:
+    """A value: op is one of const, load, cond, alu, cast, where, reduce."""
+
+    __slots__ = ("op", "dtype", "src", "arg", "vars", "has_reduce")
+
+    def __init__(self, op: str, dtype: DType, src: tuple[V, ...], arg: Any, vars: frozenset[Var], has_reduce: bool):
+        self.op, self.dtype, self.src, self.arg, self.vars, self.has_reduce = op, dtype, src, arg, vars, has_reduce
+
+    def __repr__(self) -> str:
+        return f"V({self.op}, {self.dtype.name}, {self.arg!r})"
+
+
+class ValueBuilder:
+    """Interns values so that equal expressions are the same object."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, V] = {}
+
+    def _v(self, key: tuple, op: str, dtype: DType, src: tuple[V, ...], arg: Any, vars: frozenset[Var],
+           has_reduce: bool = False) -> V:
+        v = self.cache.get(key)
+        if v is None:
+            v = self.cache[key] = V(op, dtype, src, arg, vars, has_reduce or any(s.has_reduce for s in src))
+        return v
+
+    def const(self, value: Any, dtype: DType) -> V:
+        return self._v(("const", value, type(value), dtype), "const", dtype, (), value, frozenset())
+
+    def load(self, param: int, dtype: DType, idx: Lin, cond: Cond) -> V:
+        vs = frozenset(lin_vars(idx) | cond.vars())
+        return self._v(("load", param, idx.key, cond.key), "load", dtype, (), (param, idx, cond), vs)
+
+    def cond(self, c: Cond, dtype: DType) -> V:
+        return self._v(("cond", c.key), "cond", dtype, (), c, frozenset(c.vars()))
+
+    def alu(self, op: str, dtype: DType, *src: V) -> V:
+        return self._v(("alu", op, dtype, *map(id, src)), "alu", dtype, src, op, frozenset().union(*(s.vars for s in src)))
+
+    def cast(self, x: V, dtype: DType) -> V:
+        if x.dtype is dtype:
+            return x
+        if x.op == "const":
+            return self.const(_cast_scalar(x.arg, dtype), dtype)
+        return self._v(("cast", id(x), dtype), "cast", dtype, (x,), None, x.vars)
+
+    def where(self, c: V, a: V, b: V) -> V:
+        if c.op == "const":
+            return a if c.arg else b
+        if a is b:
+            return a
+        return self._v(("where", id(c), id(a), id(b)), "where", a.dtype, (c, a, b), None, c.vars | a.vars | b.vars)
+
+    def reduce(self, op: str, dtype: DType, body: V, rvars: tuple[Var, ...]) -> V:
+        vs = body.vars - frozenset(rvars)
+        return self._v(("reduce", op, dtype, id(body), rvars), "reduce", dtype, (body,), (op, rvars), vs, True)
+
+
+def _cast_scalar(v: Any, dtype: DType) -> Any:
+    if dtype.is_bool:
+        return bool(v)
+    if dtype.is_int:
+        return int(v)
+    return float(v)
+
+
+@dataclass
+class Kernel:
+    params: list[DType]  # parameter 0 is the output
+    gvars: list[Var]
+    uvars: list[Var]
+    out_idx: Lin
+    value: V
+    work: int = 0  # iterations of the innermost loops, for launch decisions
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def global_size(self) -> int:
+        out = 1
+        for v in self.gvars:
+            out *= v.vmax + 1
+        return out
+
+
+def toposort(root: V) -> list[V]:
+    order: list[V] = []
+    seen: set[int] = set()
+    stack: list[tuple[V, bool]] = [(root, False)]
+    while stack:
+        v, done = stack.pop()
+        if done:
+            order.append(v)
+            continue
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        stack.append((v, True))
+        for s in reversed(v.src):
+            if id(s) not in seen:
+                stack.append((s, False))
+    return order

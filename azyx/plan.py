@@ -1,0 +1,540 @@
+"""Scheduling: graph -> fused kernels -> an immutable `ExecutionPlan`, computed once per graph structure.
+
+`canonicalize` walks from the targets to realized nodes and produces a structural key (ops, args, shapes,
+dtypes, devices, and how inputs are shared) plus the input leaves in a fixed order; the plan cache is keyed
+by it, so a repeated graph with new data skips scheduling and compilation.
+
+Fusion: a kernel is a root node and everything it can compute by index arithmetic: elementwise ops and
+movement ops fuse, a reduce fuses into a consumer of the same size, constants are literals. A node is
+realized into its own buffer when it is a target, a reduce consumed by a kernel of another size or by more
+than one consumer, a node a kernel would read under two different index maps, or a device transfer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from azyx import debug
+from azyx.dtypes import DType
+from azyx.errors import AllocationError
+from azyx.graph import ELEMENTWISE, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
+from azyx.ir import Kernel, V, ValueBuilder, toposort
+from azyx.ops import REDUCE
+from azyx.symbolic import Cond, Lin, Var, count_divmod, var
+
+if TYPE_CHECKING:
+    from azyx.device import Device
+    from azyx.runtime import Runtime
+
+TILE = (4, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
+
+
+@dataclass(frozen=True)
+class Slot:
+    device: str
+    dtype: DType
+    nbytes: int
+    kind: str  # "input" | "temp" | "output"
+
+
+@dataclass(frozen=True)
+class KernelStep:
+    device: str
+    name: str
+    src: str
+    args: tuple[int, ...]  # slot ids; args[0] is written
+    work: int
+    kernel: Kernel = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class TransferStep:
+    src: int
+    dst: int
+    src_device: str
+    dst_device: str
+
+
+Step = KernelStep | TransferStep
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Everything decided before anything runs: steps in order, buffer slots, lifetimes, devices."""
+
+    steps: tuple[Step, ...]
+    slots: tuple[Slot, ...]
+    n_inputs: int
+    outputs: tuple[tuple[int, StridedView], ...]  # per target: the slot and how to index it
+    frees: tuple[tuple[int, ...], ...]  # per step: temp slots whose last use it is
+    devices: tuple[str, ...]
+
+    @property
+    def kernels(self) -> list[KernelStep]:
+        return [s for s in self.steps if isinstance(s, KernelStep)]
+
+    def describe(self) -> str:
+        lines = [f"ExecutionPlan: {len(self.steps)} steps, {len(self.slots)} slots on {', '.join(self.devices)}"]
+        for i, s in enumerate(self.steps):
+            if isinstance(s, KernelStep):
+                lines.append(f"  {i}: kernel {s.name} on {s.device} args={s.args} work={s.work}")
+            else:
+                lines.append(f"  {i}: transfer slot {s.src} ({s.src_device}) -> slot {s.dst} ({s.dst_device})")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ canonical walk
+@dataclass
+class Walk:
+    key: tuple
+    topo: list[int]  # unrealized node ids, sources first
+    leaves: list[int]  # realized node ids read by the graph, in a fixed order
+    consumers: dict[int, int]
+
+
+def canonicalize(graph: Graph, targets: list[int]) -> Walk:
+    nodes = graph.nodes
+    index: dict[int, int] = {}
+    entries: list[Any] = []
+    leaves: list[int] = []
+    topo: list[int] = []
+    consumers: dict[int, int] = {}
+    for t in targets:
+        stack: list[tuple[int, bool]] = [(t, False)]
+        while stack:
+            i, done = stack.pop()
+            n = nodes[i]
+            assert n is not None
+            if done:
+                index[i] = len(entries)
+                entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned,
+                                tuple(index[s] for s in n.src)))
+                topo.append(i)
+                for s in n.src:
+                    consumers[s] = consumers.get(s, 0) + 1
+                continue
+            if i in index:
+                continue
+            if n.buffer is not None:
+                index[i] = len(entries)
+                v = n.view
+                assert v is not None
+                entries.append(("buf", n.shape, n.dtype, n.device, v.offset, v.strides, n.buffer.device.name))
+                leaves.append(i)
+                continue
+            stack.append((i, True))
+            for s in reversed(n.src):
+                if s not in index:
+                    stack.append((s, False))
+    for t in targets:
+        consumers[t] = consumers.get(t, 0) + 1
+    key = (tuple(entries), tuple(index[t] for t in targets))
+    return Walk(key, topo, leaves, consumers)
+
+
+# ------------------------------------------------------------------------------------------------ planner
+class Planner:
+    def __init__(self, rt: Runtime, graph: Graph, walk: Walk, targets: list[int], override: dict[str, str]):
+        self.rt, self.graph, self.walk, self.targets = rt, graph, walk, set(targets)
+        self.override = override
+        self.slots: list[Slot] = []
+        self.steps: list[Step] = []
+        self.done: dict[int, tuple[int, StridedView]] = {}
+        self.transfers: dict[tuple[int, str], int] = {}
+        for leaf in walk.leaves:
+            n = graph[leaf]
+            assert n.buffer is not None and n.view is not None
+            self.done[leaf] = (self._slot(n.buffer.device.name, n.dtype, n.buffer.nbytes, "input"), n.view)
+
+    def _slot(self, device: str, dtype: DType, nbytes: int, kind: str) -> int:
+        self.slots.append(Slot(device, dtype, nbytes, kind))
+        return len(self.slots) - 1
+
+    def device_of(self, n: Node) -> str:
+        return n.device if n.pinned else self.override.get(n.device, n.device)
+
+    def on_device(self, slot: int, device: str) -> int:
+        """The slot's contents on `device`, inserting a transfer the first time."""
+        s = self.slots[slot]
+        if s.device == device:
+            return slot
+        key = (slot, device)
+        if key not in self.transfers:
+            dst = self._slot(device, s.dtype, s.nbytes, "temp")
+            self.steps.append(TransferStep(slot, dst, s.device, device))
+            self.transfers[key] = dst
+        return self.transfers[key]
+
+    def realize(self, nid: int) -> tuple[int, StridedView]:
+        if nid in self.done:
+            return self.done[nid]
+        n = self.graph[nid]
+        if n.op is Op.TODEVICE:
+            slot, view = self.realize(n.src[0])
+            out = (self.on_device(slot, self.device_of(n)), view)
+        elif nid in self.targets and (sv := self.strided(nid)) is not None:
+            out = sv  # a pure view of a realized buffer: no kernel
+        else:
+            out = self.kernel(nid)
+        self.done[nid] = out
+        return out
+
+    def strided(self, nid: int) -> tuple[int, StridedView] | None:
+        """Movement ops over a realized buffer that a strided view expresses (no copy needed)."""
+        n = self.graph[nid]
+        if nid in self.done:
+            return self.done[nid]
+        if n.op not in (Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP) or n.op is Op.PAD and any(
+                b > 0 or a > 0 for b, a in n.arg):
+            return None
+        inner = self.strided(n.src[0])
+        if inner is None:
+            return None
+        slot, v = inner
+        src_shape = self.graph[n.src[0]].shape
+        if self.slots[slot].device != self.device_of(n):
+            return None
+        st, off = list(v.strides), v.offset
+        if n.op is Op.EXPAND:
+            st = [0 if s != o else x for x, s, o in zip(st, src_shape, n.shape)]
+        elif n.op is Op.PERMUTE:
+            st = [st[a] for a in n.arg]
+        elif n.op is Op.FLIP:
+            for a in n.arg:
+                off += (src_shape[a] - 1) * st[a]
+                st[a] = -st[a]
+        elif n.op is Op.PAD:
+            for a, (b, _) in enumerate(n.arg):
+                off += -b * st[a]
+        else:
+            new = reshape_strides(src_shape, tuple(st), n.shape)
+            if new is None:
+                return None
+            st = list(new)
+        return slot, StridedView(off, tuple(st))
+
+    def kernel(self, root: int) -> tuple[int, StridedView]:
+        n = self.graph[root]
+        device = self.device_of(n)
+        shape = n.shape
+        kind = "output" if root in self.targets else "temp"
+        out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
+        if prod(shape) == 0:
+            return out, StridedView.contiguous(shape)
+        dims = [i for i, s in enumerate(shape) if s != 1]
+        groups = [[d] for d in dims]
+        best = self.attempt(root, device, groups, None)
+        i = 0
+        while i < len(groups) - 1:
+            cand = groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2 :]
+            trial = self.attempt(root, device, cand, None)
+            if trial.meta["cost"] <= best.meta["cost"]:
+                groups, best = cand, trial
+            else:
+                i += 1
+        tile = self.tile_for(best, groups, shape)
+        if tile is not None:
+            best = self.attempt(root, device, groups, tile)
+        dev = self.rt.device(device)
+        params = best.meta.pop("slots")
+        name, src = dev.render(best)
+        self.steps.append(KernelStep(device, name, src, (out, *params), best.work, best))
+        return out, StridedView.contiguous(shape)
+
+    def tile_for(self, k: Kernel, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
+        if len(groups) < 2 or not k.value.has_reduce or not self.rt.device(k.meta["device"]).tiles:
+            return None
+        a = prod([shape[d] for d in groups[-2]])
+        b = prod([shape[d] for d in groups[-1]])
+        ta = next((t for t in (TILE[0], 2) if a % t == 0), None)
+        tb = next((t for t in (TILE[1], 16, 8) if b % t == 0), None)
+        if ta is None or tb is None:
+            return None
+        gi, gj = k.gvars[-2], k.gvars[-1]
+        loads = [v for v in toposort(k.value) if v.op == "load"]
+        if not (any(gi not in v.vars and gj in v.vars for v in loads) and any(gj not in v.vars and gi in v.vars
+                                                                                for v in loads)):
+            return None
+        return ta, tb
+
+    def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None) -> Kernel:
+        n = self.graph[root]
+        shape = n.shape
+        idx: list[Lin] = [Lin({}, 0)] * len(shape)
+        gvars: list[Var] = []
+        uvars: list[Var] = []
+        for gi, group in enumerate(groups):
+            size = prod([shape[d] for d in group])
+            t = tile[gi - len(groups) + 2] if tile is not None and gi >= len(groups) - 2 else 1
+            if t > 1:
+                g = Var(f"g{gi}", size // t)
+                u = Var(f"u{gi}", t)
+                gvars.append(g)
+                uvars.append(u)
+                gidx = var(g) * t + var(u)
+            else:
+                g = Var(f"g{gi}", size)
+                gvars.append(g)
+                gidx = var(g)
+            inner = 1
+            for d in reversed(group):
+                idx[d] = (gidx // inner) % shape[d] if d != group[0] else gidx // inner
+                inner *= shape[d]
+        kb = KernelBuild(self, root, device, prod(shape))
+        value = kb.value(root, tuple(idx), Cond(), False, top=True)
+        strides = contiguous_strides(shape)
+        out_idx = Lin({}, 0)
+        for i, s in zip(idx, strides):
+            out_idx = out_idx + i * s
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, out_idx, value)
+        k.work = prod(shape) * (1 + kb.reduce_work)
+        k.meta.update(slots=kb.params, device=device, cost=kb.cost + count_divmod(out_idx) * 0)
+        return k
+
+    def check_memory(self) -> dict[str, int]:
+        need: dict[str, int] = {}
+        for s in self.slots:
+            if s.kind != "input":
+                need[s.device] = need.get(s.device, 0) + s.nbytes
+        return need
+
+    def finish(self, target_ids: list[int]) -> ExecutionPlan:
+        outputs = tuple(self.done[t] for t in target_ids)
+        last: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            for s in (st.args if isinstance(st, KernelStep) else (st.src, st.dst)):
+                last[s] = i
+        out_slots = {s for s, _ in outputs}
+        frees: list[list[int]] = [[] for _ in self.steps]
+        for s, i in last.items():
+            if self.slots[s].kind == "temp" and s not in out_slots:
+                frees[i].append(s)
+        slots = tuple(Slot(s.device, s.dtype, s.nbytes, "output") if i in out_slots and s.kind == "temp" else s
+                      for i, s in enumerate(self.slots))
+        devices = tuple(sorted({s.device for s in slots}))
+        return ExecutionPlan(tuple(self.steps), slots, len(self.walk.leaves), outputs,
+                             tuple(tuple(f) for f in frees), devices)
+
+
+class KernelBuild:
+    """Builds one kernel's value DAG by pushing index maps through movement ops down to loads."""
+
+    def __init__(self, planner: Planner, root: int, device: str, out_numel: int):
+        self.p, self.root, self.device, self.out_numel = planner, root, device, out_numel
+        self.vb = ValueBuilder()
+        self.params: list[int] = []  # slots read, in parameter order (parameter 0 is the output)
+        self.memo: dict[tuple, V] = {}
+        self.contexts: dict[int, set] = {}
+        self.cost = 0
+        self.reduce_work = 0
+        self.rcount = 0
+
+    def load(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> V:
+        n = self.p.graph[nid]
+        slot, view = self.p.realize(nid)
+        slot = self.p.on_device(slot, self.device)
+        if slot not in self.params:
+            self.params.append(slot)
+        if cond.never:
+            return self.vb.const(0, n.dtype)
+        off = Lin({}, view.offset)
+        for i, s in zip(idx, view.strides):
+            off = off + i * s
+        self.cost += count_divmod(off) + sum(count_divmod(x) for x, _, _ in cond.facts)
+        return self.vb.load(self.params.index(slot) + 1, n.dtype, off, cond)
+
+    def value(self, nid: int, idx: tuple[Lin, ...], cond: Cond, in_reduce: bool, top: bool = False) -> V:
+        key = (nid, tuple(i.key for i in idx), cond.key, in_reduce)
+        got = self.memo.get(key)
+        if got is not None:
+            return got
+        v = self._value(nid, idx, cond, in_reduce, top)
+        self.memo[key] = v
+        return v
+
+    def _value(self, nid: int, idx: tuple[Lin, ...], cond: Cond, in_reduce: bool, top: bool) -> V:
+        p = self.p
+        n = p.graph[nid]
+        vb = self.vb
+        if not top and (nid in p.done or n.buffer is not None or n.op is Op.TODEVICE or nid in p.targets):
+            return self.load(nid, idx, cond)
+        op = n.op
+        if op is Op.CONST:
+            return vb.const(n.arg, n.dtype)
+        if op in ELEMENTWISE:
+            if not top and p.walk.consumers.get(nid, 0) > 1:
+                ctx = self.contexts.setdefault(nid, set())
+                ctx.add((tuple(i.key for i in idx), cond.key))
+                if len(ctx) > 1:  # read under a second index map: compute it once instead
+                    return self.load(nid, idx, cond)
+            srcs = [self.value(s, idx, cond, in_reduce) for s in n.src]
+            if op is Op.CAST:
+                return vb.cast(srcs[0], n.dtype)
+            if op is Op.WHERE:
+                return vb.where(*srcs)
+            return vb.alu(n.arg, n.dtype, *srcs)
+        src = p.graph[n.src[0]]
+        if op is Op.REDUCE:
+            fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel)
+            if not fuse:
+                return self.load(nid, idx, cond)
+            return self.reduce(n, idx, cond)
+        if op is Op.EXPAND:
+            return self.value(n.src[0], tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape)), cond,
+                              in_reduce)
+        if op is Op.PERMUTE:
+            new: list[Lin] = [Lin({}, 0)] * len(idx)
+            for k, a in enumerate(n.arg):
+                new[a] = idx[k]
+            return self.value(n.src[0], tuple(new), cond, in_reduce)
+        if op is Op.FLIP:
+            return self.value(n.src[0], tuple(Lin({}, s - 1) - i if a in n.arg else i
+                                              for a, (i, s) in enumerate(zip(idx, src.shape))), cond, in_reduce)
+        if op is Op.RESHAPE:
+            linear = Lin({}, 0)
+            for i, s in zip(idx, contiguous_strides(n.shape)):
+                linear = linear + i * s
+            out = []
+            for d, (size, st) in enumerate(zip(src.shape, contiguous_strides(src.shape))):
+                out.append(Lin({}, 0) if size == 1 else (linear // st if d == 0 else (linear // st) % size))
+            return self.value(n.src[0], tuple(out), cond, in_reduce)
+        if op is Op.PAD:
+            local = Cond()
+            new = []
+            for i, (b, a), size in zip(idx, n.arg, src.shape):
+                x = i - b
+                new.append(x)
+                if b > 0 or a > 0:
+                    local = local.add(x, 0, size)
+            fill = vb.const(n.arg2, n.dtype)
+            if local.never:
+                return fill
+            inner_cond = cond
+            for x, lo, hi in local.facts:
+                inner_cond = inner_cond.add(x, lo, hi)
+            inner = self.value(n.src[0], tuple(new), inner_cond, in_reduce)
+            if local.always:
+                return inner
+            self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
+            return vb.where(vb.cond(local, _bool()), inner, fill)
+        raise AssertionError(f"cannot fuse {n}")
+
+    def reduce(self, n: Node, idx: tuple[Lin, ...], cond: Cond) -> V:
+        op, axes = n.arg
+        src_shape = self.p.graph[n.src[0]].shape
+        if any(src_shape[a] == 0 for a in axes):
+            return self.vb.const(REDUCE[op][0](n.dtype), n.dtype)
+        groups: list[list[int]] = []
+        for a in axes:
+            if groups and groups[-1][-1] == a - 1:
+                groups[-1].append(a)
+            else:
+                groups.append([a])
+        new = list(idx)
+        rvars = []
+        for group in groups:
+            size = prod([src_shape[a] for a in group])
+            rv = Var(f"r{self.rcount}", size)
+            self.rcount += 1
+            rvars.append(rv)
+            inner = 1
+            for a in reversed(group):
+                new[a] = (var(rv) // inner) % src_shape[a] if a != group[0] else var(rv) // inner
+                inner *= src_shape[a]
+        self.reduce_work += prod([src_shape[a] for a in axes])
+        body = self.value(n.src[0], tuple(new), cond, True)
+        return self.vb.reduce(op, n.dtype, body, tuple(rvars))
+
+
+def _bool() -> DType:
+    from azyx.dtypes import dtypes
+
+    return dtypes.bool
+
+
+def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[int, ...] | None:
+    """Strides that read `old` (with `strides`) as `new` without a copy, or None (numpy's nocopy reshape)."""
+    o = [(s, st) for s, st in zip(old, strides) if s != 1]
+    out: list[int] = []
+    oi = 0
+    ni = 0
+    new_nz = [(i, s) for i, s in enumerate(new)]
+    res = [0] * len(new)
+    while ni < len(new_nz):
+        i, s = new_nz[ni]
+        if s == 1:
+            res[i] = 0
+            ni += 1
+            continue
+        if oi >= len(o):
+            return None
+        # gather old dims until their product matches a run of new dims
+        op_, np_ = o[oi][0], s
+        ochunk, nchunk = [o[oi]], [(i, s)]
+        oi += 1
+        ni += 1
+        while op_ != np_:
+            if op_ < np_:
+                if oi >= len(o):
+                    return None
+                ochunk.append(o[oi])
+                op_ *= o[oi][0]
+                oi += 1
+            else:
+                while ni < len(new_nz) and new_nz[ni][1] == 1:
+                    res[new_nz[ni][0]] = 0
+                    ni += 1
+                if ni >= len(new_nz):
+                    return None
+                nchunk.append(new_nz[ni])
+                np_ *= new_nz[ni][1]
+                ni += 1
+        for (s1, st1), (s2, st2) in zip(ochunk, ochunk[1:]):
+            if st1 != s2 * st2:
+                return None
+        acc = ochunk[-1][1]
+        for j, sz in reversed(nchunk):
+            res[j] = acc
+            acc *= sz
+    if oi != len(o):
+        return None
+    del out
+    return tuple(res)
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
+    planner = Planner(rt, graph, walk, targets, {})
+    for t in targets:
+        planner.realize(t)
+    need = planner.check_memory()
+    short = {d: b for d, b in need.items() if b > rt.device(d).free_memory()}
+    if short:
+        movable = any(not graph[i].pinned for i in walk.topo)
+        for alt in rt.auto_order() if movable else []:
+            if alt in short:
+                continue
+            override = {d: alt for d in short}
+            cand = Planner(rt, graph, walk, targets, override)
+            for t in targets:
+                cand.realize(t)
+            if all(b <= rt.device(d).free_memory() for d, b in cand.check_memory().items()):
+                planner = cand
+                break
+        else:
+            d, b = next(iter(short.items()))
+            raise AllocationError(f"the plan needs {b} bytes on {d}, which has {rt.device(d).free_memory()} free; "
+                                  f"no other device has room for it")
+    plan = planner.finish(targets)
+    debug.log(debug.PLANS, plan.describe)
+    return plan
+
+
+def kernel_name(src: str, prefix: str = "k") -> str:
+    return f"{prefix}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
+
+
+def device_of(rt: Runtime, name: str) -> Device:
+    return rt.device(name)

@@ -1,0 +1,96 @@
+"""The asynchronous path of one realize: canonical walk -> cached plan (or schedule + compile) -> submit ->
+the targets become leaves -> wait for their timeline values on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from azyx.errors import RuntimeStateError
+from azyx.plan import canonicalize, make_plan
+from azyx.runtime import GRAPH, RT
+
+if TYPE_CHECKING:
+    from azyx.tensor import Tensor
+
+T = TypeVar("T")
+
+
+async def realize(*tensors: Tensor) -> None:
+    """Compute all `tensors` in one plan; returns when their buffers are ready."""
+    rt = RT
+    ex = rt.executor
+    while True:
+        targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
+        if not targets:
+            break
+        walk = canonicalize(GRAPH, targets)
+        plan = rt.plan_cache.get(walk.key)
+        if plan is None:
+            plan = make_plan(rt, GRAPH, walk, targets)
+            await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
+            rt.plan_cache[walk.key] = plan
+            continue
+        bindings = [GRAPH[i].buffer for i in walk.leaves]
+        outs = ex.run(plan, bindings)
+        for t, (buf, view) in zip(targets, outs):
+            GRAPH.become_leaf(t, buf, view)
+        break
+    for t in tensors:
+        buf = GRAPH[t.id].buffer
+        assert buf is not None
+        if buf.device.timeline.value < buf.ready:
+            await buf.device.timeline.wait(buf.ready)
+    for t in tensors:
+        _check(GRAPH[t.id].buffer.device)  # type: ignore[union-attr]
+
+
+def _check(dev: Any) -> None:
+    q = getattr(dev, "queue", None)
+    if q is not None and q.errors:
+        err = q.errors.pop(0)
+        raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
+
+
+async def to_numpy(t: Tensor) -> np.ndarray:
+    await realize(t)
+    n = GRAPH[t.id]
+    assert n.buffer is not None and n.view is not None
+    buf, view, shape, dtype = n.buffer, n.view, n.shape, n.dtype
+    if buf.nbytes >= (8 << 20):  # large copies leave the loop free
+        import anyio
+
+        return await anyio.to_thread.run_sync(buf.device.read, buf, view, shape, dtype)
+    return buf.device.read(buf, view, shape, dtype)
+
+
+_local = threading.local()
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion for scripts; refuses inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+        running = True
+    except RuntimeError:
+        running = False
+    if not running:
+        try:
+            import sniffio
+
+            sniffio.current_async_library()
+            running = True
+        except Exception:
+            running = False
+    if running:
+        coro.close()
+        raise RuntimeStateError("realize_sync()/numpy_sync() called inside a running event loop; "
+                                "use `await t.realize()` / `await t.numpy()` there")
+    loop = getattr(_local, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _local.loop = asyncio.new_event_loop()
+    return loop.run_until_complete(coro)

@@ -1,0 +1,158 @@
+"""The one Runtime: configuration, devices, executor, plan cache, program compilation, random state.
+
+Devices start lazily, on first use, so `azyx.configure()` can run first. The graph outlives restarts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import sniffio
+
+from azyx import config as _config
+from azyx import debug
+from azyx.device import Buffer, Device
+from azyx.errors import AllocationError, DeviceError, RuntimeStateError
+from azyx.graph import Graph, StridedView
+
+GRAPH = Graph()
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.cfg: dict[str, dict[str, Any]] | None = None
+        self.overrides: dict[str, Any] = {}
+        self._executor: Any = None
+        self.plan_cache: dict[tuple, Any] = {}
+        self.rng = np.random.default_rng()
+        self.lock = threading.Lock()
+        self.inflight: dict[str, tuple[Any, Any]] = {}  # kernel name -> (loop identity, anyio.Event)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def executor(self) -> Any:
+        if self._executor is None:
+            self.start()
+        return self._executor
+
+    def start(self) -> None:
+        with self.lock:
+            if self._executor is not None:
+                return
+            from azyx.backends import BACKENDS, load_backend
+            from azyx.executor import UnifiedExecutor
+
+            self.cfg = _config.load(self.overrides)
+            ex = UnifiedExecutor()
+            for kind in BACKENDS:
+                section = self.cfg.get(kind, {})
+                if not section.get("enabled", kind != "dummy"):
+                    continue
+                try:
+                    factory = load_backend(kind)
+                    for i in range(int(section.get("devices", 1))):
+                        ex.add_device(factory(i, section))
+                except (ImportError, OSError, DeviceError) as e:
+                    debug.log(debug.DEVICES, f"backend {kind} skipped: {e}")
+            if not any(d.kind != "dummy" for d in ex.devices.values()):
+                debug.log(debug.DEVICES, "no compute device available")
+            self._executor = ex
+
+    def configure(self, overrides: dict[str, Any]) -> None:
+        _config.merge(_config.DEFAULTS, overrides)  # validates the shape of the dict
+        if self._executor is not None:
+            if len(GRAPH):
+                raise RuntimeStateError(f"configure() after tensors exist ({len(GRAPH)} live nodes); call it first")
+            self.shutdown()
+        self.overrides = overrides
+        self.plan_cache.clear()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            if self._executor is not None:
+                self._executor.close()
+                self._executor = None
+
+    # ------------------------------------------------------------------ devices
+    def device(self, name: str) -> Device:
+        return self.executor.context(name)  # type: ignore[no-any-return]
+
+    def device_names(self) -> list[str]:
+        return [n for n in self.auto_order() if self.executor.devices[n].kind != "dummy"]
+
+    def auto_order(self) -> list[str]:
+        devs = list(self.executor.devices.values())
+        devs.sort(key=lambda d: (-d.compute / (1 + d.pending()), d.name))
+        return [d.name for d in devs]
+
+    def check_device(self, device: str) -> str:
+        if not isinstance(device, str):
+            raise DeviceError(f"device must be a string like 'c:0', got {device!r}")
+        name = device if ":" in device else f"{device}:0"
+        if name not in self.executor.devices:
+            raise DeviceError(f"unknown device {device!r}; available: {', '.join(self.executor.devices) or 'none'}")
+        return name
+
+    def resolve_device(self, device: str | None, nbytes: int) -> tuple[str, bool]:
+        """AUTO (None): the device with the most free compute that has room; else the named device, pinned."""
+        if device is not None:
+            return self.check_device(device), True
+        order = self.auto_order()
+        for name in order:
+            if self.executor.devices[name].free_memory() >= nbytes:
+                return name, False
+        if not order:
+            raise DeviceError("no device is available (check the configuration and AZYX_DEBUG=1)")
+        raise AllocationError(f"{nbytes} bytes fit on no device: " + ", ".join(
+            f"{n} has {self.executor.devices[n].free_memory()} free" for n in order))
+
+    def buffer_from_numpy(self, arr: np.ndarray, device: str) -> tuple[Buffer, StridedView]:
+        return self.device(device).buffer_from_numpy(arr), StridedView.contiguous(arr.shape)
+
+    # ------------------------------------------------------------------ compilation
+    async def compile(self, plan: Any) -> None:
+        """Compile the plan's kernels not yet loaded, one batch per device; concurrent realizes of the same
+        kernels wait for the compile already running instead of starting another."""
+        import anyio
+
+        by_dev: dict[str, list[Any]] = {}
+        for k in plan.kernels:
+            by_dev.setdefault(k.device, []).append(k)
+        loop_id = _loop_identity()
+        for name, steps in by_dev.items():
+            dev = self.device(name)
+            while True:
+                waiting = [self.inflight[s.name] for s in steps if s.name in self.inflight]
+                mine = [w for w in waiting if w[0] == loop_id]
+                if not mine:
+                    break
+                await mine[0][1].wait()
+            todo = [s for s in steps if not getattr(dev, "has_program", lambda n: True)(s.name)]
+            if not todo:
+                continue
+            event = anyio.Event()
+            for s in todo:
+                self.inflight[s.name] = (loop_id, event)
+            try:
+                await dev.compile(todo)
+            finally:
+                for s in todo:
+                    if self.inflight.get(s.name, (None, None))[1] is event:
+                        del self.inflight[s.name]
+                event.set()
+
+
+def _loop_identity() -> Any:
+    lib = sniffio.current_async_library()
+    if lib == "asyncio":
+        import asyncio
+
+        return id(asyncio.get_running_loop())
+    import trio
+
+    return id(trio.lowlevel.current_trio_token())
+
+
+RT = Runtime()

@@ -1,0 +1,1122 @@
+"""The user API: a `Tensor` is a handle (an id into the graph); every op appends one node and returns.
+
+Nothing here touches a device. `await t.realize()` hands the graph to the planner (plan.py) and the
+executor (executor.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+from azyx import ops as _ops
+from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
+from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
+from azyx.graph import Node, Op, Shape, prod
+from azyx.runtime import GRAPH, RT
+
+_nodes = GRAPH.nodes
+Scalar = bool | int | float
+
+
+def _norm_axis(axis: int, ndim: int, extra: int = 0) -> int:
+    n = ndim + extra
+    if not isinstance(axis, int | np.integer) or isinstance(axis, bool):
+        raise AxisError(f"axis must be an int, got {axis!r}")
+    if not -max(n, 1) <= axis < max(n, 1):
+        raise AxisError(f"axis {axis} is out of range for a tensor of {ndim} dimensions")
+    return int(axis) % max(n, 1) if n else 0
+
+
+def _norm_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
+    out = tuple(sorted({_norm_axis(a, ndim) for a in axes}))
+    if len(out) != len(axes):
+        raise AxisError(f"repeated axis in {axis!r}")
+    return out if ndim else ()
+
+
+def broadcast_shapes(*shapes: Shape) -> Shape:
+    nd = max(len(s) for s in shapes)
+    out = []
+    for i in range(-nd, 0):
+        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+        if len(sizes) > 1:
+            raise ShapeError(f"shapes {' and '.join(str(s) for s in shapes)} cannot be broadcast together")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _fold_value(v: Any, dtype: DType) -> Scalar:
+    """A numpy scalar result as the Python scalar a CONST node of `dtype` holds."""
+    if dtype is dtypes.bfloat16:
+        return float(np.float32(v))
+    x = np.asarray(v).astype(dtype.np)
+    return x.item()
+
+
+def _shape_arg(shape: Any) -> Shape:
+    if len(shape) == 1 and isinstance(shape[0], list | tuple):
+        shape = shape[0]
+    try:
+        out = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ShapeError(f"shape must be ints, got {shape!r}") from None
+    if any(s < 0 for s in out):
+        raise ShapeError(f"negative dimension in shape {out}")
+    return out
+
+
+class Tensor:
+    """A lazy tensor: a handle into azyx's graph.
+
+    >>> import azyx
+    >>> t = azyx.Tensor([1.0, 2.0, 3.0]) * 2
+    >>> t.numpy_sync().tolist()
+    [2.0, 4.0, 6.0]
+    """
+
+    __slots__ = ("id", "__weakref__")
+    id: int
+    training: bool = False  # dropout is active only while True (see azyx.train())
+
+    def __init__(self, data: Any, dtype: Any = None, device: str | None = None):
+        if isinstance(data, Tensor):
+            src = data.cast(dtype) if dtype is not None else data
+            src = src.to(device) if device is not None else src
+            self.id = src.id
+            GRAPH.retain(self.id)
+            return
+        arr = _to_numpy(data, dtype)
+        dt = to_dtype(dtype) if dtype is not None else from_numpy(arr.dtype)
+        dev, pinned = RT.resolve_device(device, arr.nbytes)
+        buf, view = RT.buffer_from_numpy(_to_storage(arr, dt), dev)
+        node = Node(Op.LEAF, (), None, tuple(arr.shape), dt, dev, pinned)
+        node.buffer, node.view = buf, view
+        self.id = GRAPH.add(node)
+        node.rc += 1
+
+    @staticmethod
+    def _from_node(node: Node) -> Tensor:
+        t = object.__new__(Tensor)
+        t.id = GRAPH.add(node)
+        node.rc += 1
+        return t
+
+    def __del__(self) -> None:
+        try:
+            GRAPH.release(self.id)
+        except (AttributeError, TypeError):  # interpreter shutdown or a failed __init__
+            pass
+
+    # ---------------------------------------------------------------- attributes
+    @property
+    def _node(self) -> Node:
+        return _nodes[self.id]  # type: ignore[return-value]
+
+    @property
+    def shape(self) -> Shape:
+        return _nodes[self.id].shape  # type: ignore[union-attr]
+
+    @property
+    def dtype(self) -> DType:
+        return _nodes[self.id].dtype  # type: ignore[union-attr]
+
+    @property
+    def device(self) -> str:
+        return _nodes[self.id].device  # type: ignore[union-attr]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise ShapeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        n = self._node
+        state = "realized" if n.buffer is not None else "lazy"
+        return f"<Tensor {state} shape={n.shape} dtype={n.dtype.name} device={n.device}>"
+
+    def __bool__(self) -> bool:
+        raise DTypeError("the truth value of a lazy tensor is unknown until realized; use `await t.item()`")
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    # ---------------------------------------------------------------- node building
+    def _new(self, op: Op, src: tuple[int, ...], arg: Any, shape: Shape, dtype: DType, arg2: Any = None) -> Tensor:
+        n = _nodes[self.id]
+        return Tensor._from_node(Node(op, src, arg, shape, dtype, n.device, n.pinned, arg2))  # type: ignore[union-attr]
+
+    @staticmethod
+    def _const(value: Scalar, shape: Shape, dtype: DType, device: str, pinned: bool) -> Tensor:
+        return Tensor._from_node(Node(Op.CONST, (), _fold_value(value, dtype), shape, dtype, device, pinned))
+
+    def _const_like(self, value: Scalar, shape: Shape | None = None, dtype: DType | None = None) -> Tensor:
+        n = self._node
+        return Tensor._const(value, n.shape if shape is None else shape, dtype or n.dtype, n.device, n.pinned)
+
+    # ---------------------------------------------------------------- realizing
+    async def realize(self) -> Tensor:
+        """Compute this tensor; returns it (realized).
+
+        >>> import asyncio, azyx
+        >>> asyncio.run((azyx.Tensor([1, 2]) + 1).realize()).shape
+        (2,)
+        """
+        from azyx.realize import realize
+
+        await realize(self)
+        return self
+
+    async def numpy(self) -> np.ndarray:
+        """Realize and return a numpy array the caller owns."""
+        from azyx.realize import to_numpy
+
+        return await to_numpy(self)
+
+    async def item(self) -> Scalar:
+        if self.numel() != 1:
+            raise ShapeError(f"item() needs exactly one element, the tensor has shape {self.shape}")
+        return (await self.numpy()).reshape(()).item()
+
+    async def tolist(self) -> Any:
+        return (await self.numpy()).tolist()
+
+    def realize_sync(self) -> Tensor:
+        from azyx.realize import run_sync
+
+        run_sync(self.realize())
+        return self
+
+    def numpy_sync(self) -> np.ndarray:
+        from azyx.realize import run_sync
+
+        return run_sync(self.numpy())
+
+    # ---------------------------------------------------------------- factories
+    @staticmethod
+    def _factory_device(device: str | None, nbytes: int) -> tuple[str, bool]:
+        return RT.resolve_device(device, nbytes)
+
+    @staticmethod
+    def full(shape: Any, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
+        shape = _shape_arg(shape if isinstance(shape, list | tuple) else (shape,))
+        dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
+        dev, pinned = RT.resolve_device(device, prod(shape) * dt.itemsize)
+        return Tensor._const(value, shape, dt, dev, pinned)
+
+    @staticmethod
+    def zeros(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        return Tensor.full(_shape_arg(shape), 0.0, dtype=dtype or dtypes.default_float, device=device)
+
+    @staticmethod
+    def ones(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        return Tensor.full(_shape_arg(shape), 1.0, dtype=dtype or dtypes.default_float, device=device)
+
+    @staticmethod
+    def zeros_like(t: Tensor, dtype: Any = None, device: str | None = None) -> Tensor:
+        return Tensor.full(t.shape, 0, dtype=dtype or t.dtype, device=device or t.device)
+
+    @staticmethod
+    def ones_like(t: Tensor, dtype: Any = None, device: str | None = None) -> Tensor:
+        return Tensor.full(t.shape, 1, dtype=dtype or t.dtype, device=device or t.device)
+
+    @staticmethod
+    def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: Any = None,
+               device: str | None = None) -> Tensor:
+        if stop is None:
+            start, stop = 0, start
+        if step == 0:
+            raise ShapeError("arange step must not be 0")
+        is_float = any(isinstance(v, float) for v in (start, stop, step))
+        dt = to_dtype(dtype) if dtype is not None else (dtypes.default_float if is_float else dtypes.default_int)
+        return Tensor(np.arange(start, stop, step).astype(dt.numpy), dtype=dt, device=device)
+
+    @staticmethod
+    def eye(n: int, dtype: Any = None, device: str | None = None) -> Tensor:
+        dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
+        return Tensor(np.eye(n, dtype=dt.numpy), dtype=dt, device=device)
+
+    @staticmethod
+    def rand(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        return Tensor.uniform(*shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def uniform(*shape: Any, low: float = 0.0, high: float = 1.0, dtype: Any = None, device: str | None = None) -> Tensor:
+        dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
+        x = RT.rng.random(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
+        if low != 0.0 or high != 1.0:
+            x = x * (high - low) + low
+        return Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device)
+
+    @staticmethod
+    def randn(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
+        x = RT.rng.standard_normal(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
+        return Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device)
+
+    # ---------------------------------------------------------------- elementwise
+    def _operand(self, other: Any) -> Tensor:
+        if isinstance(other, Tensor):
+            return other
+        if isinstance(other, bool | int | float | np.generic):
+            dt = promote_scalar(self.dtype, other)
+            return self._const_like(other.item() if isinstance(other, np.generic) else other, dtype=dt)
+        return Tensor(other, device=self.device)
+
+    def _binary(self, op: str, other: Any, reverse: bool = False) -> Tensor:
+        a, b = self, self._operand(other)
+        if reverse:
+            a, b = b, a
+        na, nb = a._node, b._node
+        kind = _ops.BINARY[op][0]
+        dt = na.dtype if na.dtype is nb.dtype else promote(na.dtype, nb.dtype)
+        if op in _ops.BITWISE and dt.is_float:
+            raise DTypeError(f"{op} needs bool or integer tensors, got {na.dtype.name} and {nb.dtype.name}")
+        if kind == "float":
+            dt = least_float(dt)
+        a, b = a.cast(dt), b.cast(dt)
+        shape = na.shape if na.shape == nb.shape else broadcast_shapes(na.shape, nb.shape)
+        a, b = a._broadcast_to(shape), b._broadcast_to(shape)
+        na, nb = a._node, b._node
+        device, pinned = _join_devices(na, nb)
+        out_dt = dtypes.bool if kind == "bool" else dt
+        if na.op is Op.CONST and nb.op is Op.CONST:
+            with np.errstate(all="ignore"):
+                v = _ops.BINARY[op][1](np.asarray(na.arg, dt.numpy), np.asarray(nb.arg, dt.numpy))
+            return Tensor._const(v, shape, out_dt, device, pinned)
+        return Tensor._from_node(Node(Op.BINARY, (a.id, b.id), op, shape, out_dt, device, pinned))
+
+    def _unary(self, op: str) -> Tensor:
+        x = self.cast(least_float(self.dtype)) if _ops.UNARY[op][0] else self
+        n = x._node
+        if op == "not" and n.dtype.is_float:
+            raise DTypeError(f"~ needs a bool or integer tensor, got {n.dtype.name}")
+        if n.op is Op.CONST:
+            with np.errstate(all="ignore"):
+                return x._const_like(_ops.UNARY[op][1](np.asarray(n.arg, n.dtype.numpy)))
+        return x._new(Op.UNARY, (x.id,), op, n.shape, n.dtype)
+
+    def cast(self, dtype: Any) -> Tensor:
+        dt = to_dtype(dtype)
+        n = self._node
+        if n.dtype is dt:
+            return self
+        if n.op is Op.CONST:
+            return self._const_like(n.arg, dtype=dt)
+        return self._new(Op.CAST, (self.id,), None, n.shape, dt)
+
+    def float(self) -> Tensor:
+        return self.cast(dtypes.float32)
+
+    def half(self) -> Tensor:
+        return self.cast(dtypes.float16)
+
+    def int(self) -> Tensor:
+        return self.cast(dtypes.int32)
+
+    def bool(self) -> Tensor:
+        return self.cast(dtypes.bool)
+
+    def __add__(self, o: Any) -> Tensor:
+        return self._binary("add", o)
+
+    def __radd__(self, o: Any) -> Tensor:
+        return self._binary("add", o, True)
+
+    def __sub__(self, o: Any) -> Tensor:
+        return self._binary("sub", o)
+
+    def __rsub__(self, o: Any) -> Tensor:
+        return self._binary("sub", o, True)
+
+    def __mul__(self, o: Any) -> Tensor:
+        return self._binary("mul", o)
+
+    def __rmul__(self, o: Any) -> Tensor:
+        return self._binary("mul", o, True)
+
+    def __truediv__(self, o: Any) -> Tensor:
+        return self._binary("truediv", o)
+
+    def __rtruediv__(self, o: Any) -> Tensor:
+        return self._binary("truediv", o, True)
+
+    def __floordiv__(self, o: Any) -> Tensor:
+        return self._binary("floordiv", o)
+
+    def __rfloordiv__(self, o: Any) -> Tensor:
+        return self._binary("floordiv", o, True)
+
+    def __mod__(self, o: Any) -> Tensor:
+        return self._binary("mod", o)
+
+    def __rmod__(self, o: Any) -> Tensor:
+        return self._binary("mod", o, True)
+
+    def __pow__(self, o: Any) -> Tensor:
+        if isinstance(o, int | float) and not isinstance(o, bool):
+            if o == 2:
+                return self.square()
+            if o == 1:
+                return self
+            if o == 0.5 and self.dtype.is_float:
+                return self.sqrt()
+        return self._binary("pow", o)
+
+    def __rpow__(self, o: Any) -> Tensor:
+        return self._binary("pow", o, True)
+
+    def __neg__(self) -> Tensor:
+        if self.dtype.is_bool:
+            raise DTypeError("negation of a bool tensor; use ~ instead")
+        return self._unary("neg")
+
+    def __lt__(self, o: Any) -> Tensor:
+        return self._binary("lt", o)
+
+    def __le__(self, o: Any) -> Tensor:
+        return self._binary("le", o)
+
+    def __gt__(self, o: Any) -> Tensor:
+        return self._binary("gt", o)
+
+    def __ge__(self, o: Any) -> Tensor:
+        return self._binary("ge", o)
+
+    def __eq__(self, o: Any) -> Tensor:  # type: ignore[override]
+        return self._binary("eq", o)
+
+    def __ne__(self, o: Any) -> Tensor:  # type: ignore[override]
+        return self._binary("ne", o)
+
+    def __and__(self, o: Any) -> Tensor:
+        return self._binary("and", o)
+
+    def __rand__(self, o: Any) -> Tensor:
+        return self._binary("and", o, True)
+
+    def __or__(self, o: Any) -> Tensor:
+        return self._binary("or", o)
+
+    def __ror__(self, o: Any) -> Tensor:
+        return self._binary("or", o, True)
+
+    def __xor__(self, o: Any) -> Tensor:
+        return self._binary("xor", o)
+
+    def __rxor__(self, o: Any) -> Tensor:
+        return self._binary("xor", o, True)
+
+    def __invert__(self) -> Tensor:
+        return self._unary("not")
+
+    def __abs__(self) -> Tensor:
+        return self.abs()
+
+    def __matmul__(self, o: Tensor) -> Tensor:
+        return self.matmul(o)
+
+    def __rmatmul__(self, o: Tensor) -> Tensor:
+        return self._operand(o).matmul(self)
+
+    def abs(self) -> Tensor:
+        return self._unary("abs")
+
+    def exp(self) -> Tensor:
+        return self._unary("exp")
+
+    def log(self) -> Tensor:
+        return self._unary("log")
+
+    def exp2(self) -> Tensor:
+        return self._unary("exp2")
+
+    def log2(self) -> Tensor:
+        return self._unary("log2")
+
+    def sqrt(self) -> Tensor:
+        return self._unary("sqrt")
+
+    def rsqrt(self) -> Tensor:
+        return self._unary("rsqrt")
+
+    def reciprocal(self) -> Tensor:
+        return self._unary("reciprocal")
+
+    def sin(self) -> Tensor:
+        return self._unary("sin")
+
+    def cos(self) -> Tensor:
+        return self._unary("cos")
+
+    def tan(self) -> Tensor:
+        return self._unary("tan")
+
+    def tanh(self) -> Tensor:
+        return self._unary("tanh")
+
+    def erf(self) -> Tensor:
+        return self._unary("erf")
+
+    def sigmoid(self) -> Tensor:
+        return self._unary("sigmoid")
+
+    def relu(self) -> Tensor:
+        return self._unary("relu")
+
+    def gelu(self, approximate: str = "none") -> Tensor:
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
+        return self._unary("gelu" if approximate == "none" else "gelu_tanh")
+
+    def silu(self) -> Tensor:
+        return self._unary("silu")
+
+    def softplus(self) -> Tensor:
+        return self._unary("softplus")
+
+    def sign(self) -> Tensor:
+        return self._unary("sign")
+
+    def floor(self) -> Tensor:
+        return self if not self.dtype.is_float else self._unary("floor")
+
+    def ceil(self) -> Tensor:
+        return self if not self.dtype.is_float else self._unary("ceil")
+
+    def round(self) -> Tensor:
+        return self if not self.dtype.is_float else self._unary("round")
+
+    def square(self) -> Tensor:
+        return self._unary("square")
+
+    def maximum(self, other: Any) -> Tensor:
+        return self._binary("max", other)
+
+    def minimum(self, other: Any) -> Tensor:
+        return self._binary("min", other)
+
+    def clip(self, lo: Any = None, hi: Any = None) -> Tensor:
+        out = self
+        if lo is not None:
+            out = out.maximum(lo)
+        if hi is not None:
+            out = out.minimum(hi)
+        return out
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Tensor:
+        """Elementwise `a if cond else b`, broadcasting all three."""
+        anchor = next((x for x in (cond, a, b) if isinstance(x, Tensor)), None)
+        if anchor is None:
+            anchor = Tensor(cond)
+        c = anchor._operand(cond) if not isinstance(cond, Tensor) else cond
+        if not isinstance(c, Tensor) or not c.dtype.is_bool:
+            c = c.cast(dtypes.bool)
+        ta = a if isinstance(a, Tensor) else None
+        tb = b if isinstance(b, Tensor) else None
+        if ta is None and tb is None:
+            dt = promote(scalar_dtype(a), scalar_dtype(b))
+        elif ta is None:
+            dt = promote_scalar(tb.dtype, a)  # type: ignore[union-attr]
+        elif tb is None:
+            dt = promote_scalar(ta.dtype, b)
+        else:
+            dt = promote(ta.dtype, tb.dtype)
+        shapes = [x.shape for x in (c, ta, tb) if x is not None]
+        shape = broadcast_shapes(*shapes)
+        x = (ta if ta is not None else c._const_like(a, shape=(), dtype=dt)).cast(dt)._broadcast_to(shape)
+        y = (tb if tb is not None else c._const_like(b, shape=(), dtype=dt)).cast(dt)._broadcast_to(shape)
+        c = c._broadcast_to(shape)
+        nc, nx, ny = c._node, x._node, y._node
+        device, pinned = _join_devices(nc, nx, ny)
+        if nc.op is Op.CONST:
+            return x if nc.arg else y
+        return Tensor._from_node(Node(Op.WHERE, (c.id, x.id, y.id), None, shape, dt, device, pinned))
+
+    # ---------------------------------------------------------------- movement
+    def _broadcast_to(self, shape: Shape) -> Tensor:
+        s = self.shape
+        if s == shape:
+            return self
+        if len(s) < len(shape):
+            return self.reshape((1,) * (len(shape) - len(s)) + s)._broadcast_to(shape)
+        return self.expand(*shape)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], list | tuple):
+            shape = tuple(shape[0])
+        if shape.count(-1) > 1:
+            raise ShapeError(f"reshape to {shape}: at most one dimension can be -1")
+        n = self._node
+        total = prod(n.shape)
+        if -1 in shape:
+            rest = prod([s for s in shape if s != -1])
+            if rest == 0 or total % rest:
+                raise ShapeError(f"cannot reshape {n.shape} into {shape}")
+            shape = tuple(total // rest if s == -1 else s for s in shape)
+        new = _shape_arg(shape)
+        if prod(new) != total:
+            raise ShapeError(f"cannot reshape {n.shape} ({total} elements) into {new} ({prod(new)} elements)")
+        if new == n.shape:
+            return self
+        if n.op is Op.CONST:
+            return self._const_like(n.arg, shape=new)
+        if n.op is Op.RESHAPE:  # reshape of a reshape is one reshape
+            return Tensor._wrap(n.src[0])._new(Op.RESHAPE, (n.src[0],), new, new, n.dtype)
+        return self._new(Op.RESHAPE, (self.id,), new, new, n.dtype)
+
+    @staticmethod
+    def _wrap(i: int) -> Tensor:
+        t = object.__new__(Tensor)
+        t.id = i
+        GRAPH.retain(i)
+        return t
+
+    def expand(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], list | tuple):
+            shape = tuple(shape[0])
+        n = self._node
+        if len(shape) < len(n.shape):
+            raise ShapeError(f"cannot expand {n.shape} to {shape}")
+        if len(shape) > len(n.shape):
+            return self.reshape((1,) * (len(shape) - len(n.shape)) + n.shape).expand(*shape)
+        new = tuple(o if s == -1 else s for s, o in zip(shape, n.shape))
+        for o, s in zip(n.shape, new):
+            if o != s and o != 1:
+                raise ShapeError(f"cannot expand {n.shape} to {tuple(shape)}: only size-1 dimensions expand")
+        new = _shape_arg(new)
+        if new == n.shape:
+            return self
+        if n.op is Op.CONST:
+            return self._const_like(n.arg, shape=new)
+        return self._new(Op.EXPAND, (self.id,), new, new, n.dtype)
+
+    def permute(self, *dims: Any) -> Tensor:
+        if len(dims) == 1 and isinstance(dims[0], list | tuple):
+            dims = tuple(dims[0])
+        n = self._node
+        nd = len(n.shape)
+        axes = tuple(_norm_axis(d, nd) for d in dims)
+        if len(axes) != nd or sorted(axes) != list(range(nd)):
+            raise AxisError(f"permute {dims} is not a permutation of the {nd} axes of shape {n.shape}")
+        if axes == tuple(range(nd)):
+            return self
+        shape = tuple(n.shape[a] for a in axes)
+        if n.op is Op.CONST:
+            return self._const_like(n.arg, shape=shape)
+        return self._new(Op.PERMUTE, (self.id,), axes, shape, n.dtype)
+
+    def transpose(self, d0: int = -2, d1: int = -1) -> Tensor:
+        nd = self.ndim
+        a, b = _norm_axis(d0, nd), _norm_axis(d1, nd)
+        order = list(range(nd))
+        order[a], order[b] = order[b], order[a]
+        return self.permute(*order)
+
+    @property
+    def T(self) -> Tensor:
+        return self.permute(*reversed(range(self.ndim)))
+
+    def moveaxis(self, src: int, dst: int) -> Tensor:
+        nd = self.ndim
+        s, d = _norm_axis(src, nd), _norm_axis(dst, nd)
+        order = [i for i in range(nd) if i != s]
+        order.insert(d, s)
+        return self.permute(*order)
+
+    def pad(self, pads: Any, value: Scalar = 0.0) -> Tensor:
+        n = self._node
+        try:
+            pads = tuple((int(b), int(a)) for b, a in pads)
+        except (TypeError, ValueError):
+            raise ShapeError(f"pads must be ((before, after), ...) per axis, got {pads!r}") from None
+        if len(pads) != len(n.shape):
+            raise ShapeError(f"pads {pads} has {len(pads)} entries for a tensor of shape {n.shape}")
+        for (b, a), s in zip(pads, n.shape):
+            if b + a + s < 0 or -b > s or -a > s:
+                raise ShapeError(f"pads {pads} shrink shape {n.shape} below zero")
+        if all(b == 0 and a == 0 for b, a in pads):
+            return self
+        shape = tuple(s + b + a for s, (b, a) in zip(n.shape, pads))
+        grows = any(b > 0 or a > 0 for b, a in pads)
+        if n.op is Op.CONST and (not grows or _fold_value(value, n.dtype) == n.arg):
+            return self._const_like(n.arg, shape=shape)
+        return self._new(Op.PAD, (self.id,), pads, shape, n.dtype, arg2=_fold_value(value, n.dtype))
+
+    def _shrink(self, bounds: Sequence[tuple[int, int]]) -> Tensor:
+        return self.pad(tuple((-lo, hi - s) for (lo, hi), s in zip(bounds, self.shape)))
+
+    def flip(self, axis: int | Sequence[int]) -> Tensor:
+        n = self._node
+        axes = tuple(a for a in _norm_axes(axis, len(n.shape)) if n.shape[a] > 1)
+        if not axes:
+            return self
+        if n.op is Op.CONST:
+            return self
+        return self._new(Op.FLIP, (self.id,), axes, n.shape, n.dtype)
+
+    def squeeze(self, axis: int | Sequence[int] | None = None) -> Tensor:
+        shape = self.shape
+        if axis is None:
+            return self.reshape(tuple(s for s in shape if s != 1))
+        axes = _norm_axes(axis, len(shape))
+        for a in axes:
+            if shape[a] != 1:
+                raise ShapeError(f"cannot squeeze axis {a} of shape {shape}: its size is {shape[a]}, not 1")
+        return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes))
+
+    def unsqueeze(self, axis: int) -> Tensor:
+        shape = self.shape
+        a = _norm_axis(axis, len(shape), 1)
+        return self.reshape(shape[:a] + (1,) + shape[a:])
+
+    def flatten(self, start: int = 0, end: int = -1) -> Tensor:
+        shape = self.shape
+        if not shape:
+            return self.reshape(1)
+        s, e = _norm_axis(start, len(shape)), _norm_axis(end, len(shape))
+        if e < s:
+            raise AxisError(f"flatten end axis {end} comes before start axis {start}")
+        return self.reshape(shape[:s] + (prod(shape[s : e + 1]),) + shape[e + 1 :])
+
+    def repeat(self, *reps: Any) -> Tensor:
+        """Tile like numpy.tile."""
+        if len(reps) == 1 and isinstance(reps[0], list | tuple):
+            reps = tuple(reps[0])
+        reps = _shape_arg(reps)
+        x = self
+        if len(reps) > x.ndim:
+            x = x.reshape((1,) * (len(reps) - x.ndim) + x.shape)
+        reps = (1,) * (x.ndim - len(reps)) + reps
+        if all(r == 1 for r in reps):
+            return x
+        inter = tuple(v for s in x.shape for v in (1, s))
+        big = tuple(v for r, s in zip(reps, x.shape) for v in (r, s))
+        return x.reshape(inter).expand(*big).reshape(tuple(r * s for r, s in zip(reps, x.shape)))
+
+    def _stride(self, axis: int, step: int) -> Tensor:
+        """Every `step`-th element along `axis`, as pad + reshape + shrink (index arithmetic only)."""
+        shape = self.shape
+        n = shape[axis]
+        m = -(-n // step)
+        x = self.pad(tuple((0, m * step - n) if i == axis else (0, 0) for i in range(len(shape))))
+        x = x.reshape(shape[:axis] + (m, step) + shape[axis + 1 :])
+        x = x._shrink([(0, s) for s in shape[:axis]] + [(0, m), (0, 1)] + [(0, s) for s in shape[axis + 1 :]])
+        return x.reshape(shape[:axis] + (m,) + shape[axis + 1 :])
+
+    @staticmethod
+    def cat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+        if not tensors:
+            raise ShapeError("cat of an empty list")
+        first = tensors[0]
+        a = _norm_axis(axis, first.ndim)
+        for t in tensors[1:]:
+            if t.ndim != first.ndim or any(s != o for i, (s, o) in enumerate(zip(t.shape, first.shape)) if i != a):
+                raise ShapeError(f"cat along axis {axis}: shape {t.shape} does not match {first.shape}")
+        dt = first.dtype
+        for t in tensors[1:]:
+            dt = promote(dt, t.dtype)
+        total = sum(t.shape[a] for t in tensors)
+        out: Tensor | None = None
+        start = 0
+        for t in tensors:
+            n = t.shape[a]
+            pads = tuple((start, total - start - n) if i == a else (0, 0) for i in range(first.ndim))
+            piece = t.cast(dt).pad(pads)
+            out = piece if out is None else (out | piece if dt.is_bool else out + piece)
+            start += n
+        assert out is not None
+        return out
+
+    @staticmethod
+    def stack(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+        if not tensors:
+            raise ShapeError("stack of an empty list")
+        a = _norm_axis(axis, tensors[0].ndim, 1)
+        for t in tensors[1:]:
+            if t.shape != tensors[0].shape:
+                raise ShapeError(f"stack needs equal shapes, got {tensors[0].shape} and {t.shape}")
+        return Tensor.cat([t.unsqueeze(a) for t in tensors], axis=a)
+
+    def split(self, size: int | Sequence[int], axis: int = 0) -> list[Tensor]:
+        a = _norm_axis(axis, self.ndim)
+        n = self.shape[a]
+        if isinstance(size, int):
+            if size <= 0:
+                raise ShapeError(f"split size must be positive, got {size}")
+            sizes = [min(size, n - i) for i in range(0, n, size)] or [0]
+        else:
+            sizes = list(size)
+            if sum(sizes) != n:
+                raise ShapeError(f"split sizes {sizes} do not add up to {n} along axis {axis}")
+        out, start = [], 0
+        for s in sizes:
+            out.append(self._shrink([(start, start + s) if i == a else (0, d) for i, d in enumerate(self.shape)]))
+            start += s
+        return out
+
+    def chunk(self, n: int, axis: int = 0) -> list[Tensor]:
+        if n <= 0:
+            raise ShapeError(f"chunk count must be positive, got {n}")
+        size = self.shape[_norm_axis(axis, self.ndim)]
+        return self.split(max(1, -(-size // n)), axis)
+
+    def __getitem__(self, key: Any) -> Tensor:
+        if isinstance(key, Tensor | list | np.ndarray):
+            return self._index_tensor(key)
+        if not isinstance(key, tuple):
+            key = (key,)
+        if key and isinstance(key[0], Tensor | list | np.ndarray):
+            return self._index_tensor(key[0])[(slice(None),) + key[1:]] if len(key) > 1 else self._index_tensor(key[0])
+        shape = self.shape
+        n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
+        if sum(1 for k in key if k is Ellipsis) > 1:
+            raise IndexOutOfRange("an index can only have a single ellipsis")
+        if n_real > len(shape):
+            raise IndexOutOfRange(f"too many indices ({n_real}) for a tensor of shape {shape}")
+        expanded: list[Any] = []
+        for k in key:
+            if k is Ellipsis:
+                expanded.extend([slice(None)] * (len(shape) - n_real))
+            else:
+                expanded.append(k)
+        if Ellipsis not in key:
+            expanded.extend([slice(None)] * (len(shape) - n_real))
+        bounds, flips, strides, final = [], [], [], []
+        dim = 0
+        for k in expanded:
+            if k is None:
+                final.append(1)
+                continue
+            n = shape[dim]
+            if isinstance(k, int | np.integer) and not isinstance(k, bool):
+                i = int(k)
+                if not -n <= i < n:
+                    raise IndexOutOfRange(f"index {i} is out of range for axis {dim} of size {n}")
+                i %= n
+                bounds.append((i, i + 1))
+            elif isinstance(k, slice):
+                start, stop, step = k.indices(n)
+                count = len(range(start, stop, step))
+                if count == 0:
+                    bounds.append((0, 0))
+                elif step > 0:
+                    bounds.append((start, start + (count - 1) * step + 1))
+                else:
+                    bounds.append((start + (count - 1) * step, start + 1))
+                    flips.append(dim)
+                if abs(step) > 1 and count > 1:
+                    strides.append((dim, abs(step)))
+                final.append(count)
+            else:
+                raise IndexOutOfRange(f"unsupported index {k!r}")
+            dim += 1
+        x = self._shrink(bounds)
+        if flips:
+            x = x.flip(flips)
+        for d, s in strides:
+            x = x._stride(d, s)
+        return x.reshape(tuple(final))
+
+    def _index_tensor(self, idx: Any) -> Tensor:
+        if not isinstance(idx, Tensor):
+            idx = Tensor(np.asarray(idx), device=self.device)
+        if idx.dtype.is_float:
+            raise DTypeError(f"index tensors must be integer, got {idx.dtype.name}")
+        if not self.shape:
+            raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
+        n = self.shape[0]
+        idx = idx.cast(dtypes.int32)
+        idx = Tensor.where(idx < 0, idx + n, idx)
+        rest = self.shape[1:]
+        one_hot = idx.reshape(idx.shape + (1,) * (1 + len(rest))) == Tensor.arange(n, device=self.device).reshape(
+            (n,) + (1,) * len(rest))
+        picked = Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0)
+        return picked.sum(axis=idx.ndim)
+
+    def gather(self, axis: int, index: Tensor) -> Tensor:
+        """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0."""
+        a = _norm_axis(axis, self.ndim)
+        if index.ndim != self.ndim:
+            raise ShapeError(f"gather index of shape {index.shape} needs {self.ndim} dimensions like {self.shape}")
+        for d, (s, i) in enumerate(zip(self.shape, index.shape)):
+            if d != a and i > s:
+                raise ShapeError(f"gather index shape {index.shape} exceeds {self.shape} on axis {d}")
+        if index.dtype.is_float:
+            raise DTypeError(f"gather index must be integer, got {index.dtype.name}")
+        n = self.shape[a]
+        x = self._shrink([(0, n) if d == a else (0, i) for d, i in enumerate(index.shape)])
+        x = x.moveaxis(a, -1).unsqueeze(a)
+        one_hot = index.cast(dtypes.int32).unsqueeze(-1) == Tensor.arange(n, device=self.device)
+        return Tensor.where(one_hot, x, 0).sum(axis=-1)
+
+    # ---------------------------------------------------------------- reductions
+    def _reduce(self, op: str, axis: Any, keepdim: bool) -> Tensor:
+        n = self._node
+        axes = _norm_axes(axis, len(n.shape))
+        out_keep = tuple(1 if i in axes else s for i, s in enumerate(n.shape))
+        dt = n.dtype
+        if op in ("sum", "prod") and dt.is_bool:
+            dt = dtypes.int32
+        x = self.cast(dt)
+        if not axes:
+            return x
+        if op in ("max", "min") and any(n.shape[a] == 0 for a in axes):
+            raise ShapeError(f"{op} over an empty axis of shape {n.shape}")
+        nx = x._node
+        if nx.op is Op.CONST and op in ("max", "min"):
+            out = x._const_like(nx.arg, shape=out_keep)
+        else:
+            out = x._new(Op.REDUCE, (x.id,), (op, axes), out_keep, dt)
+        return out if keepdim else out.reshape(tuple(s for i, s in enumerate(n.shape) if i not in axes))
+
+    def sum(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("sum", axis, keepdim)
+
+    def prod(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("prod", axis, keepdim)
+
+    def max(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("max", axis, keepdim)
+
+    def min(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("min", axis, keepdim)
+
+    def _count(self, axis: Any) -> int:
+        return prod([self.shape[a] for a in _norm_axes(axis, self.ndim)])
+
+    def mean(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+        x = self.cast(least_float(self.dtype))
+        n = self._count(axis)
+        return x.sum(axis, keepdim) * (1.0 / n if n else math.nan)
+
+    def var(self, axis: Any = None, keepdim: bool = False, correction: int = 1) -> Tensor:
+        x = self.cast(least_float(self.dtype))
+        n = self._count(axis)
+        sq = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
+        return sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)
+
+    def std(self, axis: Any = None, keepdim: bool = False, correction: int = 1) -> Tensor:
+        return self.var(axis, keepdim, correction).sqrt()
+
+    def _arg_extreme(self, axis: Any, keepdim: bool, op: str) -> Tensor:
+        if axis is None:
+            return self.flatten()._arg_extreme(0, keepdim=False, op=op) if not keepdim else \
+                self.flatten()._arg_extreme(0, False, op).reshape((1,) * self.ndim)
+        a = _norm_axis(axis, self.ndim)
+        n = self.shape[a]
+        if n == 0:
+            raise ShapeError(f"arg{op} over an empty axis of shape {self.shape}")
+        m = self._reduce(op, a, keepdim=True)
+        rev = Tensor.arange(n, 0, -1, device=self.device).reshape((n,) + (1,) * (self.ndim - a - 1))
+        hit = Tensor.where(self == m, rev, 0)
+        return (n - hit.max(a, keepdim)).cast(dtypes.int32)
+
+    def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+        return self._arg_extreme(axis, keepdim, "max")
+
+    def argmin(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+        return self._arg_extreme(axis, keepdim, "min")
+
+    def logsumexp(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+        x = self.cast(least_float(self.dtype))
+        m = x.max(axis, keepdim=True)
+        m = Tensor.where(m.abs() == math.inf, 0.0, m)
+        out = (x - m).exp().sum(axis, keepdim=True).log() + m
+        return out if keepdim else out.squeeze(_norm_axes(axis, self.ndim) or None) if self.ndim else out
+
+    def softmax(self, axis: int = -1) -> Tensor:
+        x = self.cast(least_float(self.dtype))
+        e = (x - x.max(axis, keepdim=True)).exp()
+        return e / e.sum(axis, keepdim=True)
+
+    def log_softmax(self, axis: int = -1) -> Tensor:
+        x = self.cast(least_float(self.dtype))
+        s = x - x.max(axis, keepdim=True)
+        return s - s.exp().sum(axis, keepdim=True).log()
+
+    # ---------------------------------------------------------------- linear algebra, nn
+    def matmul(self, other: Tensor) -> Tensor:
+        """Matrix product with numpy's rules (1-D operands, broadcast batch dims), as a fused multiply-reduce."""
+        a, b = self, self._operand(other)
+        if a.ndim == 0 or b.ndim == 0:
+            raise ShapeError(f"matmul needs at least 1-D operands, got shapes {a.shape} and {b.shape}")
+        a1, b1 = a.ndim == 1, b.ndim == 1
+        if a1:
+            a = a.reshape(1, a.shape[0])
+        if b1:
+            b = b.reshape(b.shape[0], 1)
+        if a.shape[-1] != b.shape[-2]:
+            raise ShapeError(f"matmul shapes {self.shape} and {other.shape}: inner dimensions "
+                             f"{a.shape[-1]} and {b.shape[-2]} differ")
+        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        dt = promote(a.dtype, b.dtype)
+        if dt.is_bool:
+            dt = dtypes.int32
+        x = a.cast(dt).reshape(a.shape[:-2] + (m, 1, k))
+        y = b.cast(dt).transpose(-1, -2).reshape(b.shape[:-2] + (1, n, k))
+        out = (x * y).sum(axis=-1)
+        if batch and out.shape[:-2] != batch:
+            out = out._broadcast_to(batch + (m, n))
+        if a1:
+            out = out.squeeze(-2)
+        if b1:
+            out = out.squeeze(-1)
+        return out
+
+    def dot(self, other: Tensor) -> Tensor:
+        return self.matmul(other)
+
+    def _windows(self, axis: int, k: int) -> Tensor:
+        """Replace `axis` (size n) by (n-k+1, k) sliding windows, with index arithmetic only."""
+        n = self.shape[axis]
+        o = n - k + 1
+        x = self.moveaxis(axis, -1)
+        pre = x.shape[:-1]
+        x = x.unsqueeze(-2).expand(*pre, k, n).reshape(*pre, k * n)
+        x = x.pad(((0, 0),) * len(pre) + ((0, k),)).reshape(*pre, k, n + 1)[..., :o]
+        x = x.transpose(-1, -2)  # (..., o, k)
+        order = list(range(len(pre)))
+        order.insert(axis, len(pre))
+        return x.permute(*order, len(pre) + 1)
+
+    def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: int | tuple[int, int] = 1,
+               padding: int | tuple[int, int] = 0) -> Tensor:
+        """2-D convolution (cross-correlation, like PyTorch) of (N, C, H, W) with (O, C, KH, KW)."""
+        if self.ndim != 4 or weight.ndim != 4:
+            raise ShapeError(f"conv2d needs (N, C, H, W) input and (O, C, KH, KW) weight, got {self.shape} and "
+                             f"{weight.shape}")
+        sh, sw = (stride, stride) if isinstance(stride, int) else stride
+        ph, pw = (padding, padding) if isinstance(padding, int) else padding
+        nb, c, h, w = self.shape
+        o, wc, kh, kw = weight.shape
+        if wc != c:
+            raise ShapeError(f"conv2d input has {c} channels but weight {weight.shape} expects {wc}")
+        if h + 2 * ph < kh or w + 2 * pw < kw:
+            raise ShapeError(f"conv2d kernel {(kh, kw)} is larger than the padded input {(h + 2 * ph, w + 2 * pw)}")
+        x = self.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        x = x._windows(2, kh)._windows(4, kw)  # (N, C, OH1, KH, OW1, KW)
+        if sh > 1:
+            x = x._stride(2, sh)
+        if sw > 1:
+            x = x._stride(4, sw)
+        oh, ow = x.shape[2], x.shape[4]
+        x = x.permute(0, 2, 4, 1, 3, 5).reshape(nb, 1, oh, ow, c * kh * kw)
+        wt = weight.reshape(1, o, 1, 1, c * kh * kw)
+        out = (x * wt).sum(axis=-1)
+        if bias is not None:
+            out = out + bias.reshape(1, o, 1, 1)
+        return out
+
+    def _pool(self, k: int, op: str) -> Tensor:
+        if self.ndim < 2:
+            raise ShapeError(f"pooling needs at least 2 dimensions, got shape {self.shape}")
+        if k <= 0:
+            raise ShapeError(f"pool size must be positive, got {k}")
+        *pre, h, w = self.shape
+        oh, ow = h // k, w // k
+        x = self._shrink([(0, s) for s in pre] + [(0, oh * k), (0, ow * k)])
+        x = x.reshape(*pre, oh, k, ow, k)
+        nd = len(pre)
+        return x.max(axis=(nd + 1, nd + 3)) if op == "max" else x.mean(axis=(nd + 1, nd + 3))
+
+    def max_pool2d(self, k: int = 2) -> Tensor:
+        return self._pool(k, "max")
+
+    def avg_pool2d(self, k: int = 2) -> Tensor:
+        return self._pool(k, "mean")
+
+    def layernorm(self, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
+        x = self.cast(least_float(self.dtype))
+        y = x - x.mean(axis, keepdim=True)
+        return y * (y.square().mean(axis, keepdim=True) + eps).rsqrt()
+
+    def one_hot(self, num_classes: int) -> Tensor:
+        if self.dtype.is_float:
+            raise DTypeError(f"one_hot needs an integer tensor, got {self.dtype.name}")
+        return (self.unsqueeze(-1) == Tensor.arange(num_classes, device=self.device)).cast(dtypes.int32)
+
+    def dropout(self, p: float = 0.5) -> Tensor:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+        if not Tensor.training or p == 0.0:
+            return self
+        if p == 1.0:
+            return self * 0
+        keep = Tensor.rand(*self.shape, device=self.device) >= p
+        return Tensor.where(keep, self * (1.0 / (1.0 - p)), 0).cast(self.dtype)
+
+    # ---------------------------------------------------------------- devices
+    def to(self, device: str) -> Tensor:
+        """A lazy copy on `device` (the copy runs when realized)."""
+        name = RT.check_device(device)
+        n = self._node
+        if name == n.device:
+            return self
+        if n.op is Op.CONST:
+            return Tensor._const(n.arg, n.shape, n.dtype, name, True)
+        return Tensor._from_node(Node(Op.TODEVICE, (self.id,), None, n.shape, n.dtype, name, True))
+
+
+def _join_devices(*nodes: Node) -> tuple[str, bool]:
+    """The device of an op's result: a pinned operand's device wins; mixing pinned devices is an error."""
+    first = nodes[0]
+    if all(n.device == first.device for n in nodes):
+        return first.device, any(n.pinned for n in nodes)
+    pinned = {n.device for n in nodes if n.pinned}
+    if len(pinned) > 1:
+        raise DeviceError(f"operands are on different devices {sorted(pinned)}; move them with .to(device)")
+    return (pinned.pop(), True) if pinned else (first.device, False)
+
+
+def _to_numpy(data: Any, dtype: Any) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        arr = data
+        if arr.dtype == np.float16 or arr.dtype == np.float64 or arr.dtype.kind in "biuf":
+            pass
+        else:
+            raise DTypeError(f"unsupported numpy dtype {arr.dtype}")
+    elif isinstance(data, np.generic):
+        arr = np.asarray(data)
+    else:
+        try:
+            arr = np.asarray(data)
+        except ValueError as e:
+            raise ShapeError(f"ragged nested sequence: {e}") from None
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        elif arr.dtype.kind in "iu":
+            arr = arr.astype(np.int32)
+        elif arr.dtype.kind not in "bf":
+            raise DTypeError(f"cannot make a tensor from {type(data).__name__} with numpy dtype {arr.dtype}")
+    if dtype is not None:
+        dt = to_dtype(dtype)
+        arr = arr.astype(np.float32 if dt is dtypes.bfloat16 else dt.np, copy=False)
+    else:
+        from_numpy(arr.dtype)  # raises DTypeError for unsupported dtypes
+    return arr
+
+
+def _to_storage(arr: np.ndarray, dt: DType) -> np.ndarray:
+    """A C-contiguous copy in the dtype's storage format (bfloat16: the upper 16 bits, rounded to nearest even)."""
+    if dt is dtypes.bfloat16:
+        bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.astype(np.uint16)
+    return np.array(arr, dtype=dt.np, order="C", copy=True)

@@ -1,0 +1,109 @@
+"""TimelineSignal: one monotonically increasing value per device.
+
+A device signals `v` when all work it was given up to timeline value `v` is complete, from any thread or a
+driver callback. Coroutines `await wait(v)`; the wake-up reaches their event loop through
+`call_soon_threadsafe` (asyncio) or the trio token (trio, via anyio), never by polling. Worker threads use
+`wait_sync(v)`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import sniffio
+
+
+class TimelineSignal:
+    def __init__(self, name: str = ""):
+        self.name = name
+        self.value = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._waiters: list[tuple[int, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"TimelineSignal({self.name}, value={self.value})"
+
+    def reached(self, v: int) -> bool:
+        return self.value >= v
+
+    def signal(self, v: int) -> None:
+        """Advance to `v` (callable from any thread) and wake everything waiting for a value <= v."""
+        ready: list[Callable[[], None]] = []
+        with self._cond:
+            if v <= self.value:
+                return
+            self.value = v
+            while self._waiters and self._waiters[0][0] <= v:
+                ready.append(heapq.heappop(self._waiters)[2])
+            self._cond.notify_all()
+        for wake in ready:
+            wake()
+
+    def wait_sync(self, v: int) -> None:
+        """Block the calling (worker) thread until the value reaches `v`. Never call it on the event loop."""
+        with self._cond:
+            while self.value < v:
+                self._cond.wait()
+
+    def on_reach(self, v: int, callback: Callable[[], None]) -> None:
+        """Run `callback` (on the signalling thread) once the value reaches `v`; at once if it has."""
+        with self._cond:
+            if self.value < v:
+                heapq.heappush(self._waiters, (v, next(self._seq), callback))
+                return
+        callback()
+
+    async def wait(self, v: int) -> None:
+        """Wait on the event loop (asyncio or trio) until the value reaches `v`."""
+        if self.value >= v:
+            return
+        waiter = _LoopWaiter()
+        self.on_reach(v, waiter.wake)
+        await waiter.wait()
+
+
+class _LoopWaiter:
+    """The bridge from a device-side wake-up (any thread) to an awaitable on the current event loop."""
+
+    __slots__ = ("_lib", "_fut", "_loop", "_event", "_token")
+
+    def __init__(self) -> None:
+        self._lib = sniffio.current_async_library()
+        if self._lib == "asyncio":
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
+            self._fut: Any = self._loop.create_future()
+        else:
+            import trio
+
+            self._event = trio.Event()
+            self._token = trio.lowlevel.current_trio_token()
+
+    def wake(self) -> None:
+        if self._lib == "asyncio":
+            try:
+                self._loop.call_soon_threadsafe(_resolve, self._fut)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+        else:
+            try:
+                self._token.run_sync_soon(self._event.set)
+            except Exception:  # trio.RunFinishedError: nobody is waiting any more
+                pass
+
+    async def wait(self) -> None:
+        if self._lib == "asyncio":
+            await self._fut
+        else:
+            await self._event.wait()
+
+
+def _resolve(fut: Any) -> None:
+    if not fut.done():
+        fut.set_result(None)
