@@ -17,6 +17,7 @@ from azyx.errors import (
     RuntimeStateError,
     ShapeError,
 )
+from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
 from azyx.tensor import Tensor
@@ -25,7 +26,8 @@ from azyx.viz import plot_graph
 __all__ = [
     "AllocationError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
     "DeviceError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor", "configure",
-    "devices", "dtypes", "manual_seed", "plot_graph", "realize", "synchronize", "train",
+    "devices", "dtypes", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
+    "ExecutionPlan",
 ]
 
 
@@ -33,6 +35,15 @@ async def realize(*tensors: Tensor) -> tuple[Tensor, ...]:
     """Compute several tensors in one ExecutionPlan. Returns them."""
     await _realize(*tensors)
     return tensors
+
+
+def schedule(*tensors: Tensor) -> ExecutionPlan:
+    """The ExecutionPlan that realizing `tensors` would run (cached like realize's), without running it."""
+    from azyx.plan import canonicalize, make_plan
+
+    targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
+    walk = canonicalize(GRAPH, targets)
+    return RT.plan_cache.get(walk.key) or make_plan(RT, GRAPH, walk, targets)
 
 
 def devices() -> list[str]:

@@ -211,6 +211,10 @@ class _Renderer:
             s, t = v.src[0], dl.compute_type(v.dtype)
             if v.dtype.is_bool:
                 return f"({self.ref(s)}!=0)"
+            if v.dtype is dtypes.bfloat16:  # computed in float, but rounded like the storage type
+                return f"bf2f(f2bf((float){self.ref(s)}))"
+            if v.dtype is dtypes.float16:
+                return f"((float)(_Float16){self.ref(s)})"
             return f"(({t}){self.ref(s)})"
         if v.op == "where":
             c, a, b = (self.ref(s) for s in v.src)

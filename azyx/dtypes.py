@@ -96,11 +96,11 @@ def promote(a: DType, b: DType) -> DType:
     """PyTorch's promotion between two tensor dtypes: higher kind wins, then the wider type."""
     if a is b:
         return a
+    if a.kind in "iu" and b.kind in "iu" and a.kind != b.kind:  # signed with unsigned: a signed type holding both
+        s, u = (a, b) if a.kind == "i" else (b, a)
+        return s if s.itemsize > u.itemsize else _SIGNED_BY_SIZE.get(u.itemsize * 2, dtypes.int64)
     ka, kb = _KIND_ORDER[a.kind], _KIND_ORDER[b.kind]
     if ka != kb:
-        if a.kind in "iu" and b.kind in "iu":  # signed with unsigned: a signed type that holds both
-            s, u = (a, b) if a.kind == "i" else (b, a)
-            return s if s.itemsize > u.itemsize else _SIGNED_BY_SIZE.get(u.itemsize * 2, dtypes.int64)
         return a if ka > kb else b
     if a.kind == "f" and a.itemsize == b.itemsize:  # float16 with bfloat16
         return dtypes.float32

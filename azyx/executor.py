@@ -109,7 +109,10 @@ class UnifiedExecutor:
             dev.timeline.wait_sync(dev.timeline.value + dev.pending())
 
     async def synchronize_all(self) -> None:
-        """Wait (on the event loop) until every device has finished everything submitted so far."""
+        """Wait (on the event loop) until every device, and every compile started, has finished."""
+        from azyx.workers import drain
+
+        await drain()
         for dev in list(self.devices.values()):
             await dev.timeline.wait(dev.timeline.value + dev.pending())
 

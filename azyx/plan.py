@@ -13,6 +13,7 @@ than one consumer, a node a kernel would read under two different index maps, or
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -506,6 +507,16 @@ def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[i
 
 # ------------------------------------------------------------------------------------------------ entry point
 def make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
+    # kernel building recurses along the graph's depth: allow deep chains
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 8 * len(walk.topo) + 1000))
+    try:
+        return _make_plan(rt, graph, walk, targets)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
     planner = Planner(rt, graph, walk, targets, {})
     for t in targets:
         planner.realize(t)

@@ -62,9 +62,9 @@ async def to_numpy(t: Tensor) -> np.ndarray:
     assert n.buffer is not None and n.view is not None
     buf, view, shape, dtype = n.buffer, n.view, n.shape, n.dtype
     if buf.nbytes >= (8 << 20):  # large copies leave the loop free
-        import anyio
+        from azyx.workers import in_worker_thread
 
-        return await anyio.to_thread.run_sync(buf.device.read, buf, view, shape, dtype)
+        return await in_worker_thread(buf.device.read, buf, view, shape, dtype)
     return buf.device.read(buf, view, shape, dtype)
 
 

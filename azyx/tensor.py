@@ -260,6 +260,9 @@ class Tensor:
         x = RT.rng.random(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
         if low != 0.0 or high != 1.0:
             x = x * (high - low) + low
+        if dt.itemsize < 4:  # rounding to a narrow float can reach `high`: keep the interval half-open
+            top = np.float32(high) * (1 - 2.0 ** -(8 if dt is dtypes.bfloat16 else 11))
+            x = np.minimum(x, top)
         return Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device)
 
     @staticmethod
@@ -674,11 +677,8 @@ class Tensor:
         shape = self.shape
         if axis is None:
             return self.reshape(tuple(s for s in shape if s != 1))
-        axes = _norm_axes(axis, len(shape))
-        for a in axes:
-            if shape[a] != 1:
-                raise ShapeError(f"cannot squeeze axis {a} of shape {shape}: its size is {shape[a]}, not 1")
-        return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes))
+        axes = _norm_axes(axis, len(shape))  # like PyTorch, axes whose size is not 1 are left alone
+        return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes or s != 1))
 
     def unsqueeze(self, axis: int) -> Tensor:
         shape = self.shape
@@ -815,10 +815,10 @@ class Tensor:
                 count = len(range(start, stop, step))
                 if count == 0:
                     bounds.append((0, 0))
-                elif step > 0:
-                    bounds.append((start, start + (count - 1) * step + 1))
+                elif step > 0:  # take whole steps where the axis allows, so the slice stays a strided view
+                    bounds.append((start, min(n, start + count * step)))
                 else:
-                    bounds.append((start + (count - 1) * step, start + 1))
+                    bounds.append((max(0, start + 1 + count * step), start + 1))
                     flips.append(dim)
                 if abs(step) > 1 and count > 1:
                     strides.append((dim, abs(step)))
@@ -964,7 +964,11 @@ class Tensor:
         if a.shape[-1] != b.shape[-2]:
             raise ShapeError(f"matmul shapes {self.shape} and {other.shape}: inner dimensions "
                              f"{a.shape[-1]} and {b.shape[-2]} differ")
-        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        try:
+            batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except ShapeError:
+            raise ShapeError(f"matmul shapes {self.shape} and {other.shape}: batch dimensions cannot be broadcast"
+                             ) from None
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
         dt = promote(a.dtype, b.dtype)
         if dt.is_bool:
@@ -991,10 +995,9 @@ class Tensor:
         pre = x.shape[:-1]
         x = x.unsqueeze(-2).expand(*pre, k, n).reshape(*pre, k * n)
         x = x.pad(((0, 0),) * len(pre) + ((0, k),)).reshape(*pre, k, n + 1)[..., :o]
-        x = x.transpose(-1, -2)  # (..., o, k)
-        order = list(range(len(pre)))
-        order.insert(axis, len(pre))
-        return x.permute(*order, len(pre) + 1)
+        x = x.transpose(-1, -2)  # (*pre, o, k)
+        p = len(pre)
+        return x.permute(*range(axis), p, p + 1, *range(axis, p))
 
     def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: int | tuple[int, int] = 1,
                padding: int | tuple[int, int] = 0) -> Tensor:

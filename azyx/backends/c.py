@@ -7,12 +7,12 @@ import ctypes
 import hashlib
 import os
 import shutil
+import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import anyio
 
 from azyx import debug
 from azyx.backends.host import HostDevice
@@ -21,6 +21,7 @@ from azyx.cstyle import C, kernel_source
 from azyx.device import Buffer
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
+from azyx.workers import in_worker_thread
 
 _PROGRAMS: dict[str, Any] = {}  # kernel name -> ctypes function; shared by every C device (same compiler)
 _LIBS: list[ctypes.CDLL] = []
@@ -66,12 +67,17 @@ class CDevice(HostDevice):
             _PROGRAMS[name] = fn
 
     async def _build(self, src: str, flags: list[str], lib_path: Path) -> None:
+        # The compiler runs on a worker thread; a cancelled realize stops waiting and the build still finishes
+        # into the cache (atomically).
+        await in_worker_thread(self._build_sync, src, flags, lib_path)
+
+    def _build_sync(self, src: str, flags: list[str], lib_path: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="azyx-") as tmp:
             c_path = Path(tmp) / "kernels.c"
             c_path.write_text(src)
-            tmp_lib = lib_path.with_suffix(f".{os.getpid()}.{id(src)}.tmp")
+            tmp_lib = lib_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             cmd = [self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"]
-            result = await anyio.run_process(cmd, check=False)
+            result = subprocess.run(cmd, capture_output=True, check=False)
             if result.returncode != 0:
                 raise CompileError(f"{self.compiler} failed (exit {result.returncode}):\n"
                                    f"{result.stderr.decode(errors='replace')}\n--- source ---\n{src}")

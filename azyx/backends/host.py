@@ -19,6 +19,7 @@ from azyx.graph import Shape, StridedView
 from azyx.timeline import TimelineSignal
 
 ALIGN = 64
+WORKER_NICE = 10
 
 
 def bucket(nbytes: int) -> int:
@@ -90,7 +91,9 @@ class WorkQueue:
             self.submitted += 1
             v = self.submitted
             if inline and self.timeline.value == v - 1 and all(t.value >= w for t, w in waits):
-                self._run(fn, v)
+                self._execute(fn, v)
+                del fn  # the work's buffers go back to the pool before anyone sees the timeline advance
+                self.timeline.signal(v)
                 return v
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
@@ -98,24 +101,31 @@ class WorkQueue:
             self.q.put((fn, waits, v))
         return v
 
-    def _run(self, fn: Callable[[], None], v: int) -> None:
+    def _execute(self, fn: Callable[[], None], v: int) -> None:
         try:
             fn()
-        except BaseException as e:  # the loop sees it through Device.check(); the queue keeps going
+        except BaseException as e:  # the loop sees it through realize's check; the queue keeps going
             self.errors.append(e)
             debug.log(debug.DEVICES, f"{self.name}: work item {v} failed: {e!r}")
-        self.timeline.signal(v)
 
     def _loop(self) -> None:
+        # Device work runs at a lower priority than the event loop thread (OpenMP threads started from here
+        # inherit it), so the loop wakes on time even while kernels keep every core busy.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+        except (OSError, AttributeError):
+            pass
         while True:
             item = self.q.get()
             if item is None:
                 return
             fn, waits, v = item
+            del item
             for t, w in waits:
                 t.wait_sync(w)
-            self._run(fn, v)
-            del fn, item
+            self._execute(fn, v)
+            del fn  # release the work's buffers before signalling completion
+            self.timeline.signal(v)
 
     def close(self) -> None:
         if self.thread is not None:

@@ -1,0 +1,59 @@
+"""Blocking host work (compilers, large copies) on worker threads, awaited from asyncio or trio.
+
+Completion comes back through the same loop bridge as device completion. A cancelled waiter abandons the
+work, which still runs to its end; `drain()` waits for everything started so far.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from azyx.timeline import _LoopWaiter
+
+T = TypeVar("T")
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pending: set[concurrent.futures.Future[Any]] = set()
+_lock = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                                          thread_name_prefix="azyx-worker")
+        return _pool
+
+
+async def in_worker_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(*args)` on a worker thread; the event loop stays free while it runs."""
+    fut = _executor().submit(fn, *args)
+    with _lock:
+        _pending.add(fut)
+    fut.add_done_callback(_forget)
+    if not fut.done():
+        waiter = _LoopWaiter()
+        fut.add_done_callback(lambda _: waiter.wake())
+        await waiter.wait()
+    return fut.result()
+
+
+def _forget(fut: concurrent.futures.Future[Any]) -> None:
+    with _lock:
+        _pending.discard(fut)
+
+
+async def drain() -> None:
+    """Wait until all worker-thread work started so far (including abandoned work) has finished."""
+    with _lock:
+        pending = list(_pending)
+    for fut in pending:
+        if not fut.done():
+            waiter = _LoopWaiter()
+            fut.add_done_callback(lambda _, w=waiter: w.wake())
+            await waiter.wait()

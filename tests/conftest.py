@@ -1,0 +1,22 @@
+"""Test configuration: two logical C devices (so cross-device transfers run in CI) and a dummy device for
+scheduler tests. The op suite runs once per device kind (`device` fixture)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import azyx
+
+azyx.configure({"c": {"devices": 2}, "dummy": {"enabled": True, "devices": 1, "memory": 1 << 20, "compute": 0.0}})
+
+# one device of each kind: c:1 behaves like c:0, so the op suite runs on c:0 (and opencl:0, ... when present)
+DEVICES = [d for d in azyx.devices() if d.endswith(":0")]
+if os.environ.get("AZYX_TEST_DEVICES"):
+    DEVICES = os.environ["AZYX_TEST_DEVICES"].split(",")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]

@@ -1,0 +1,181 @@
+"""The scheduler: fusion decisions, the plan cache, views without kernels, constant folding, transfers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import Tensor
+from azyx.executor import SyncStrategy
+from azyx.graph import Op
+from azyx.plan import KernelStep, TransferStep
+from azyx.runtime import GRAPH, RT
+
+rng = np.random.default_rng(7)
+
+
+def _kernels(*ts: Tensor) -> list[KernelStep]:
+    return azyx.schedule(*ts).kernels
+
+
+def test_elementwise_chain_is_one_kernel() -> None:
+    a, b, c = (Tensor(rng.standard_normal((16, 8)).astype(np.float32)) for _ in range(3))
+    y = ((a * b + c).relu() * 0.5 + a).exp().permute(1, 0).reshape(4, 32)
+    assert len(_kernels(y)) == 1
+    an, bn, cn = a.numpy_sync(), b.numpy_sync(), c.numpy_sync()
+    np.testing.assert_allclose(y.numpy_sync(), np.exp(np.maximum(an * bn + cn, 0) * 0.5 + an).T.reshape(4, 32),
+                               rtol=1e-5)
+
+
+def test_reduce_fuses_its_inputs_and_same_size_consumers() -> None:
+    x = Tensor(rng.standard_normal((32, 64)).astype(np.float32))
+    y = ((x * 2).exp().sum(axis=1) + 1).sqrt()
+    assert len(_kernels(y)) == 1
+    xn = x.numpy_sync()
+    np.testing.assert_allclose(y.numpy_sync(), np.sqrt(np.exp(xn * 2).sum(axis=1) + 1), rtol=1e-5)
+
+
+def test_matmul_is_one_fused_multiply_reduce() -> None:
+    a = Tensor(rng.standard_normal((64, 48)).astype(np.float32))
+    b = Tensor(rng.standard_normal((48, 32)).astype(np.float32))
+    ks = _kernels(a @ b)
+    assert len(ks) == 1 and "acc" in ks[0].src
+    np.testing.assert_allclose((a @ b).numpy_sync(), a.numpy_sync() @ b.numpy_sync(), rtol=1e-4, atol=1e-4)
+
+
+def test_softmax_realizes_its_reductions() -> None:
+    x = Tensor(rng.standard_normal((8, 100)).astype(np.float32))
+    assert len(_kernels(x.softmax())) == 3  # max, sum of exp, normalise
+
+
+def test_pure_view_makes_no_kernel_and_shares_the_buffer() -> None:
+    xn = rng.standard_normal((6, 4)).astype(np.float32)
+    x = Tensor(xn).realize_sync()
+    for view, ref in [(x.T, xn.T), (x[1:5:2, ::-1], xn[1:5:2, ::-1]), (x.reshape(3, 8), xn.reshape(3, 8)),
+                      (x[None, 2].expand(3, 4), np.broadcast_to(xn[None, 2], (3, 4)))]:
+        assert _kernels(view) == []
+        np.testing.assert_array_equal(view.numpy_sync(), ref)
+        assert GRAPH[view.id].buffer is GRAPH[x.id].buffer
+    # a view of a view still reads right, and feeds kernels through its strides
+    vv = x.T[::-1]
+    np.testing.assert_array_equal((vv.realize_sync() + 1).numpy_sync(), xn.T[::-1] + 1)
+
+
+def test_constants_fold_at_build_time() -> None:
+    t = (Tensor.full((3, 4), 2.0) + 3) * Tensor.ones(3, 4) - 1
+    n = GRAPH[t.id]
+    assert n.op is Op.CONST and n.arg == 4.0
+    x = Tensor(np.ones((3, 4), np.float32))
+    k = _kernels(x * (Tensor.full((3, 4), 2.0) * 3))[0]
+    assert "6.0f" in k.src and len(k.args) == 2  # the folded constant is a literal, not a buffer
+
+
+def test_plan_cache_skips_scheduling_for_a_repeated_structure() -> None:
+    def graph(data: np.ndarray) -> Tensor:
+        x = Tensor(data)
+        return ((x * 3).relu() + x).sum(axis=0)
+
+    d1, d2 = (rng.standard_normal((5, 7)).astype(np.float32) for _ in range(2))
+    out1 = graph(d1).numpy_sync()
+    before = len(RT.plan_cache)
+    p1 = azyx.schedule(graph(d1))
+    p2 = azyx.schedule(graph(d2))
+    assert p1 is p2 and len(RT.plan_cache) == before
+    np.testing.assert_allclose(out1, (np.maximum(d1 * 3, 0) + d1).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(graph(d2).numpy_sync(), (np.maximum(d2 * 3, 0) + d2).sum(0), rtol=1e-5)
+    assert len(RT.plan_cache) == before
+    # the structure includes how inputs are shared: x + x and x + y are different plans
+    x, y = Tensor(d1), Tensor(d2)
+    assert azyx.schedule(x + x) is not azyx.schedule(x + y)
+    np.testing.assert_allclose((x + x).numpy_sync(), d1 + d1)
+    np.testing.assert_allclose((x + y).numpy_sync(), d1 + d2)
+
+
+def test_transfers_between_c_devices() -> None:
+    xn = rng.standard_normal(1000).astype(np.float32)
+    x = Tensor(xn, device="c:0")
+    y = ((x * 2).to("c:1") + 1).to("c:0") * x
+    plan = azyx.schedule(y)
+    transfers = [s for s in plan.steps if isinstance(s, TransferStep)]
+    assert [(s.src_device, s.dst_device) for s in transfers] == [("c:0", "c:1"), ("c:1", "c:0")]
+    assert RT.executor.sync_strategy("c:0", "c:1") is SyncStrategy.PEER
+    assert RT.executor.sync_strategy("c:0", "c:0") is SyncStrategy.SAME_DEVICE
+    assert RT.executor.single_device_check(plan) is None
+    assert RT.executor.single_device_check(azyx.schedule(x * 3)) is RT.device("c:0")
+    np.testing.assert_allclose(y.numpy_sync(), (xn * 2 + 1) * xn, rtol=1e-6)
+    assert y.device == "c:0"
+
+
+def test_mixing_pinned_devices_needs_an_explicit_move() -> None:
+    a, b = Tensor([1.0], device="c:0"), Tensor([2.0], device="c:1")
+    with pytest.raises(azyx.DeviceError, match="c:1"):
+        a + b
+    np.testing.assert_allclose((a + b.to("c:0")).numpy_sync(), [3.0])
+    # an AUTO-placed operand follows the pinned one
+    auto = Tensor([5.0])
+    assert (auto + b).device == "c:1"
+    np.testing.assert_allclose((auto + b).numpy_sync(), [7.0])
+
+
+def test_dummy_device_plans_and_accounts_without_computing() -> None:
+    dummy = RT.device("dummy:0")
+    x = Tensor.zeros(64, 64, device="dummy:0") + 1
+    y = (x @ x).relu()
+    plan = azyx.schedule(y)
+    assert plan.devices == ("dummy:0",)
+    before = list(dummy.launched)
+    y.realize_sync()
+    assert dummy.launched[len(before):] == [k.name for k in plan.kernels]
+    with pytest.raises(azyx.DeviceError, match="dummy"):
+        y.numpy_sync()
+
+
+def test_a_plan_that_fits_nowhere_raises_and_the_runtime_stays_usable() -> None:
+    big = Tensor.zeros(1024, 1024, device="dummy:0") + 1  # 4 MiB on a 1 MiB device
+    with pytest.raises(azyx.AllocationError, match="4194304 bytes on dummy:0"):
+        big.realize_sync()
+    small = Tensor.zeros(16, device="dummy:0") + 1
+    small.realize_sync()
+    np.testing.assert_allclose((Tensor([1.0, 2.0]) * 2).numpy_sync(), [2.0, 4.0])
+
+
+def test_auto_placement_prefers_compute_then_memory() -> None:
+    from azyx.runtime import Runtime
+
+    rt = Runtime()
+    rt.configure({"c": {"devices": 1}, "dummy": {"enabled": True, "memory": 1 << 20, "compute": 1e9}})
+    try:
+        assert rt.auto_order()[0] == "dummy:0"
+        assert rt.resolve_device(None, 1 << 10) == ("dummy:0", False)  # most compute, and it fits
+        assert rt.resolve_device(None, 1 << 24) == ("c:0", False)  # does not fit there: next by compute
+        assert rt.resolve_device("c:0", 1 << 40) == ("c:0", True)  # explicit devices are honoured
+        with pytest.raises(azyx.AllocationError, match="fit on no device"):
+            rt.resolve_device(None, 1 << 60)
+        with pytest.raises(azyx.DeviceError, match="'tpu:3'"):
+            rt.resolve_device("tpu:3", 1)
+    finally:
+        rt.shutdown()
+
+
+async def test_compiler_failure_raises_compile_error_with_its_message() -> None:
+    from azyx.backends.c import CDevice
+
+    x = Tensor(np.arange(4, dtype=np.float32)) + 41.5
+    step = azyx.schedule(x).kernels[0]
+    bad = CDevice(9, {"compiler": "gcc", "flags": ["-O2", "-fazyx-no-such-flag"]})
+    with pytest.raises(azyx.CompileError, match="azyx-no-such-flag"):
+        await bad.compile([step])
+    np.testing.assert_allclose(await x.numpy(), np.arange(4) + 41.5)
+
+
+def test_memory_is_pooled_and_returned() -> None:
+    dev = RT.device("c:0")
+    x = Tensor(rng.standard_normal(1 << 16).astype(np.float32), device="c:0")
+    base = dev.allocator.in_use
+    for _ in range(3):
+        y = (x * 2 + 1).realize_sync()
+        assert dev.allocator.in_use == base + (1 << 18)
+        del y
+        assert dev.allocator.in_use == base
+    assert dev.allocator.cached >= 1 << 18
