@@ -8,6 +8,7 @@ variables are computed inside small constant-bound loops that the compiler unrol
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from azyx.dtypes import DType, dtypes
@@ -231,7 +232,7 @@ class _Renderer:
         self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
         self.names[id(v)] = name
 
-    def block(self, nodes: list[V], inner: str | None) -> None:
+    def block(self, nodes: list[V], inner: str | Callable[[], str] | None) -> None:
         """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs."""
         uvars = self.k.uvars
         depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in nodes}
@@ -243,7 +244,7 @@ class _Renderer:
                 if depth[id(v)] == d:
                     self.stmt(v)
         if inner:
-            self.emit(inner)
+            self.emit(inner if isinstance(inner, str) else inner())
         for _ in uvars:
             self.close()
         self.names = saved  # names declared inside the block's braces go out of scope
@@ -291,8 +292,7 @@ class _Renderer:
                     self.stmt(v)
         # epilogue: everything that depends on upcast vars, then the store
         epi = self.collect(k.value, place, None)
-        store_val = self.store_value(k.value)
-        self.block(epi, f"d0[{k.out_idx.render()}] = {store_val};")
+        self.block(epi, lambda: f"d0[{k.out_idx.render()}] = {self.store_value(k.value)};")
         for _ in k.gvars:
             self.close()
         body = "\n".join(self.lines)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from azyx.device import Device
     from azyx.runtime import Runtime
 
-TILE = (4, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
+TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ class Walk:
     topo: list[int]  # unrealized node ids, sources first
     leaves: list[int]  # realized node ids read by the graph, in a fixed order
     consumers: dict[int, int]
+    heavy: set[int]  # unrealized nodes with an unrealized reduce below them: never recomputed per consumer
 
 
 def canonicalize(graph: Graph, targets: list[int]) -> Walk:
@@ -102,6 +103,7 @@ def canonicalize(graph: Graph, targets: list[int]) -> Walk:
     leaves: list[int] = []
     topo: list[int] = []
     consumers: dict[int, int] = {}
+    heavy: set[int] = set()
     for t in targets:
         stack: list[tuple[int, bool]] = [(t, False)]
         while stack:
@@ -115,6 +117,7 @@ def canonicalize(graph: Graph, targets: list[int]) -> Walk:
                 topo.append(i)
                 for s in n.src:
                     consumers[s] = consumers.get(s, 0) + 1
+                # a reduce of the same size would fuse into every consumer's kernel: recomputing it is costly
                 continue
             if i in index:
                 continue
@@ -131,8 +134,15 @@ def canonicalize(graph: Graph, targets: list[int]) -> Walk:
                     stack.append((s, False))
     for t in targets:
         consumers[t] = consumers.get(t, 0) + 1
+    for i in topo:
+        # a reduce of the same size fuses into its consumer's kernel: a node above one is costly to recompute,
+        # unless the reduce (or a heavy node between) has several consumers and so gets its own buffer anyway
+        n = nodes[i]
+        if n.op is Op.REDUCE or any(s in heavy and consumers[s] == 1 and prod(nodes[s].shape) == prod(n.shape)
+                                    for s in n.src):  # type: ignore[union-attr]
+            heavy.add(i)
     key = (tuple(entries), tuple(index[t] for t in targets))
-    return Walk(key, topo, leaves, consumers)
+    return Walk(key, topo, leaves, consumers, heavy)
 
 
 # ------------------------------------------------------------------------------------------------ planner
@@ -237,7 +247,9 @@ class Planner:
                 i += 1
         tile = self.tile_for(best, groups, shape)
         if tile is not None:
-            best = self.attempt(root, device, groups, tile)
+            tiled = self.attempt(root, device, groups, tile)
+            if tiled.value.has_reduce:
+                best = tiled
         dev = self.rt.device(device)
         params = best.meta.pop("slots")
         name, src = dev.render(best)
@@ -249,7 +261,7 @@ class Planner:
             return None
         a = prod([shape[d] for d in groups[-2]])
         b = prod([shape[d] for d in groups[-1]])
-        ta = next((t for t in (TILE[0], 2) if a % t == 0), None)
+        ta = next((t for t in (TILE[0], 4, 2) if a % t == 0), None)
         tb = next((t for t in (TILE[1], 16, 8) if b % t == 0), None)
         if ta is None or tb is None:
             return None
@@ -283,6 +295,8 @@ class Planner:
             for d in reversed(group):
                 idx[d] = (gidx // inner) % shape[d] if d != group[0] else gidx // inner
                 inner *= shape[d]
+        if tile is not None:  # column tiles outermost: a tile of the right operand stays in cache over all rows
+            gvars[-2], gvars[-1] = gvars[-1], gvars[-2]
         kb = KernelBuild(self, root, device, prod(shape))
         value = kb.value(root, tuple(idx), Cond(), False, top=True)
         strides = contiguous_strides(shape)
@@ -366,6 +380,8 @@ class KernelBuild:
             return vb.const(n.arg, n.dtype)
         if op in ELEMENTWISE:
             if not top and p.walk.consumers.get(nid, 0) > 1:
+                if nid in p.walk.heavy:  # a reduce below it: compute once, not once per consumer
+                    return self.load(nid, idx, cond)
                 ctx = self.contexts.setdefault(nid, set())
                 ctx.add((tuple(i.key for i in idx), cond.key))
                 if len(ctx) > 1:  # read under a second index map: compute it once instead

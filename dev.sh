@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine, then run one job:
+#   bash dev.sh quickstart   - the main job: examples/quickstart.py on the default C device
+#   bash dev.sh test         - lint, type-check and the whole test suite (what CI runs)
+#   bash dev.sh bench        - the benchmarks (bench/run.py), writing bench/RESULTS.md
+set -euo pipefail
+cd "$(dirname "$0")"
+job="${1:-test}"
+
+need_apt=()
+command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq "${need_apt[@]}"
+fi
+
+export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$PWD/.cache}"  # compiled kernels, pip and driver caches stay here
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test]'
+
+case "$job" in
+  quickstart) exec .venv/bin/python examples/quickstart.py ;;
+  test)
+    .venv/bin/ruff check azyx tests bench examples
+    .venv/bin/mypy
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider ;;
+  bench) exec .venv/bin/python bench/run.py "${@:2}" ;;
+  *) echo "usage: bash dev.sh quickstart|test|bench" >&2; exit 2 ;;
+esac
