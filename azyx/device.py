@@ -51,6 +51,7 @@ class Device:
         self.capacity = 0
         self.compute = 1.0
         self.threads = 1
+        self.errors: list[BaseException] = []  # failures of queued work, raised by the next realize that waits
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"

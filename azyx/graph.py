@@ -120,18 +120,25 @@ class Graph:
         self.nodes[i].rc += 1  # type: ignore[union-attr]
 
     def release(self, i: TensorId) -> None:
-        stack = [i]
         nodes = self.nodes
-        while stack:
+        n = nodes[i]
+        assert n is not None and n.rc > 0, f"release of dead node {i}"
+        n.rc -= 1
+        if n.rc:
+            return
+        free = self.free
+        stack = [i]
+        while stack:  # the last reference went: free the node, then release its sources in turn
             j = stack.pop()
             n = nodes[j]
-            assert n is not None and n.rc > 0, f"release of dead node {j}"
-            n.rc -= 1
-            if n.rc == 0:
-                nodes[j] = None
-                self.free.append(j)
-                n.buffer = None
-                stack.extend(n.src)
+            nodes[j] = None
+            free.append(j)
+            for s in n.src:  # type: ignore[union-attr]
+                m = nodes[s]
+                assert m is not None and m.rc > 0, f"release of dead node {s}"
+                m.rc -= 1
+                if not m.rc:
+                    stack.append(s)
 
     def on_tape(self, i: TensorId) -> bool:
         return any(i in t for t in self.tapes)

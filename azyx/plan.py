@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from azyx import debug
@@ -87,23 +88,82 @@ class ExecutionPlan:
 
 
 # ------------------------------------------------------------------------------------------------ canonical walk
-@dataclass
 class Walk:
-    key: tuple
-    topo: list[int]  # unrealized node ids, sources first
-    leaves: list[int]  # realized node ids read by the graph, in a fixed order
-    consumers: dict[int, int]
-    heavy: set[int]  # unrealized nodes with an unrealized reduce below them: never recomputed per consumer
+    """The structure of the graph below some targets: its cache key, its nodes and its input leaves."""
+
+    def __init__(self, graph: Graph, key: tuple, topo: list[int], leaves: list[int], targets: list[int]):
+        self.graph, self.key, self.topo, self.leaves, self.targets = graph, key, topo, leaves, targets
+
+    @cached_property
+    def consumers(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for i in self.topo:
+            for s in self.graph[i].src:
+                out[s] = out.get(s, 0) + 1
+        for t in self.targets:
+            out[t] = out.get(t, 0) + 1
+        return out
+
+    @cached_property
+    def heavy(self) -> set[int]:
+        """Unrealized nodes above a reduce that would fuse into their kernel: costly to recompute per consumer,
+        unless the reduce (or a heavy node between) has several consumers and so gets its own buffer anyway."""
+        heavy: set[int] = set()
+        consumers, g = self.consumers, self.graph
+        for i in self.topo:
+            n = g[i]
+            if n.op is Op.REDUCE or any(s in heavy and consumers[s] == 1 and prod(g[s].shape) == prod(n.shape)
+                                        for s in n.src):
+                heavy.add(i)
+        return heavy
 
 
 def canonicalize(graph: Graph, targets: list[int]) -> Walk:
+    """Walk from the targets down to realized nodes; the key captures ops, args, shapes, dtypes, devices, views and
+    how nodes are shared (x + x differs from x + y), so equal keys mean one plan serves both graphs."""
+    try:
+        return _walk_recursive(graph, targets)
+    except RecursionError:  # a very deep chain: the same walk with an explicit stack
+        return _walk_iterative(graph, targets)
+
+
+def _leaf_entry(n: Node) -> tuple:
+    v = n.view
+    assert v is not None and n.buffer is not None
+    return (n.shape, n.dtype, n.device, v.offset, v.strides, n.buffer.device.name)
+
+
+def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
     nodes = graph.nodes
     index: dict[int, int] = {}
-    entries: list[Any] = []
+    entries: list[tuple] = []
     leaves: list[int] = []
     topo: list[int] = []
-    consumers: dict[int, int] = {}
-    heavy: set[int] = set()
+
+    def visit(i: int) -> int:
+        n = nodes[i]
+        assert n is not None
+        if n.buffer is not None:
+            k = index[i] = len(entries)
+            entries.append(_leaf_entry(n))
+            leaves.append(i)
+            return k
+        srck = tuple([index.get(s) if s in index else visit(s) for s in n.src])
+        k = index[i] = len(entries)
+        entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
+        topo.append(i)
+        return k
+
+    tk = tuple([index[t] if t in index else visit(t) for t in targets])
+    return Walk(graph, (tuple(entries), tk), topo, leaves, targets)
+
+
+def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
+    nodes = graph.nodes
+    index: dict[int, int] = {}
+    entries: list[tuple] = []
+    leaves: list[int] = []
+    topo: list[int] = []
     for t in targets:
         stack: list[tuple[int, bool]] = [(t, False)]
         while stack:
@@ -113,36 +173,21 @@ def canonicalize(graph: Graph, targets: list[int]) -> Walk:
             if done:
                 index[i] = len(entries)
                 entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned,
-                                tuple(index[s] for s in n.src)))
+                                tuple([index[s] for s in n.src])))
                 topo.append(i)
-                for s in n.src:
-                    consumers[s] = consumers.get(s, 0) + 1
-                # a reduce of the same size would fuse into every consumer's kernel: recomputing it is costly
                 continue
             if i in index:
                 continue
             if n.buffer is not None:
                 index[i] = len(entries)
-                v = n.view
-                assert v is not None
-                entries.append(("buf", n.shape, n.dtype, n.device, v.offset, v.strides, n.buffer.device.name))
+                entries.append(_leaf_entry(n))
                 leaves.append(i)
                 continue
             stack.append((i, True))
             for s in reversed(n.src):
                 if s not in index:
                     stack.append((s, False))
-    for t in targets:
-        consumers[t] = consumers.get(t, 0) + 1
-    for i in topo:
-        # a reduce of the same size fuses into its consumer's kernel: a node above one is costly to recompute,
-        # unless the reduce (or a heavy node between) has several consumers and so gets its own buffer anyway
-        n = nodes[i]
-        if n.op is Op.REDUCE or any(s in heavy and consumers[s] == 1 and prod(nodes[s].shape) == prod(n.shape)
-                                    for s in n.src):  # type: ignore[union-attr]
-            heavy.add(i)
-    key = (tuple(entries), tuple(index[t] for t in targets))
-    return Walk(key, topo, leaves, consumers, heavy)
+    return Walk(graph, (tuple(entries), tuple(index[t] for t in targets)), topo, leaves, targets)
 
 
 # ------------------------------------------------------------------------------------------------ planner

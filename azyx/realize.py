@@ -43,17 +43,12 @@ async def realize(*tensors: Tensor) -> None:
     for t in tensors:
         buf = GRAPH[t.id].buffer
         assert buf is not None
-        if buf.device.timeline.value < buf.ready:
-            await buf.device.timeline.wait(buf.ready)
-    for t in tensors:
-        _check(GRAPH[t.id].buffer.device)  # type: ignore[union-attr]
-
-
-def _check(dev: Any) -> None:
-    q = getattr(dev, "queue", None)
-    if q is not None and q.errors:
-        err = q.errors.pop(0)
-        raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
+        dev = buf.device
+        if dev.timeline.value < buf.ready:
+            await dev.timeline.wait(buf.ready)
+        if dev.errors:
+            err = dev.errors.pop(0)
+            raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
 
 
 async def to_numpy(t: Tensor) -> np.ndarray:

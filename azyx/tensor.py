@@ -55,6 +55,8 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
 
 def _fold_value(v: Any, dtype: DType) -> Scalar:
     """A numpy scalar result as the Python scalar a CONST node of `dtype` holds."""
+    if type(v) is float and dtype.kind == "f" and dtype.itemsize >= 4:
+        return v if dtype.itemsize == 8 else float(np.float32(v))
     if dtype is dtypes.bfloat16:
         return float(np.float32(v))
     x = np.asarray(v).astype(dtype.np)
@@ -281,6 +283,27 @@ class Tensor:
         return Tensor(other, device=self.device)
 
     def _binary(self, op: str, other: Any, reverse: bool = False) -> Tensor:
+        na = _nodes[self.id]
+        assert na is not None
+        tp = type(other)
+        kind = _ops.BINARY[op][0]
+        # fast paths (most ops of a model): same dtype, same shape, same device, nothing to fold or promote
+        if (tp is float or tp is int) and na.op is not Op.CONST:
+            k = na.dtype.kind
+            if (k == "f" or (tp is int and k in "iu" and kind != "float")) and (k != "f" or op not in _ops.BITWISE):
+                c = GRAPH.add(Node(Op.CONST, (), float(other) if k == "f" else other, na.shape, na.dtype, na.device,
+                                   na.pinned))
+                return Tensor._from_node(Node(Op.BINARY, (c, self.id) if reverse else (self.id, c), op, na.shape,
+                                              dtypes.bool if kind == "bool" else na.dtype, na.device, na.pinned))
+        elif tp is Tensor:
+            nb = _nodes[other.id]
+            assert nb is not None
+            if (nb.dtype is na.dtype and nb.shape == na.shape and nb.device == na.device and
+                    (na.op is not Op.CONST or nb.op is not Op.CONST) and (kind != "float" or na.dtype.kind == "f")
+                    and (na.dtype.kind != "f" or op not in _ops.BITWISE)):
+                return Tensor._from_node(Node(Op.BINARY, (other.id, self.id) if reverse else (self.id, other.id), op,
+                                              na.shape, dtypes.bool if kind == "bool" else na.dtype, na.device,
+                                              na.pinned or nb.pinned))
         a, b = self, self._operand(other)
         if reverse:
             a, b = b, a
@@ -1080,6 +1103,8 @@ class Tensor:
 def _join_devices(*nodes: Node) -> tuple[str, bool]:
     """The device of an op's result: a pinned operand's device wins; mixing pinned devices is an error."""
     first = nodes[0]
+    if len(nodes) == 2 and nodes[1].device == first.device:
+        return first.device, first.pinned or nodes[1].pinned
     if all(n.device == first.device for n in nodes):
         return first.device, any(n.pinned for n in nodes)
     pinned = {n.device for n in nodes if n.pinned}

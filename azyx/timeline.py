@@ -24,6 +24,7 @@ class TimelineSignal:
         self._cond = threading.Condition(threading.Lock())
         self._waiters: list[tuple[int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
+        self._sync_waiters = 0
 
     def __repr__(self) -> str:
         return f"TimelineSignal({self.name}, value={self.value})"
@@ -40,15 +41,20 @@ class TimelineSignal:
             self.value = v
             while self._waiters and self._waiters[0][0] <= v:
                 ready.append(heapq.heappop(self._waiters)[2])
-            self._cond.notify_all()
+            if self._sync_waiters:
+                self._cond.notify_all()
         for wake in ready:
             wake()
 
     def wait_sync(self, v: int) -> None:
         """Block the calling (worker) thread until the value reaches `v`. Never call it on the event loop."""
         with self._cond:
-            while self.value < v:
-                self._cond.wait()
+            self._sync_waiters += 1
+            try:
+                while self.value < v:
+                    self._cond.wait()
+            finally:
+                self._sync_waiters -= 1
 
     def on_reach(self, v: int, callback: Callable[[], None]) -> None:
         """Run `callback` (on the signalling thread) once the value reaches `v`; at once if it has."""

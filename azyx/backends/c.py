@@ -95,4 +95,16 @@ class CDevice(HostDevice):
                 debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
                                           f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        return lambda bufs=bufs: fn(*ptrs)
+        return _Launch(fn, ptrs, bufs)
+
+
+class _Launch:
+    """One kernel launch; holds its buffers until it has run (then the pool may reuse them)."""
+
+    __slots__ = ("fn", "ptrs", "bufs")
+
+    def __init__(self, fn: Any, ptrs: list[int], bufs: list[Buffer]):
+        self.fn, self.ptrs, self.bufs = fn, ptrs, bufs
+
+    def __call__(self) -> None:
+        self.fn(*self.ptrs)

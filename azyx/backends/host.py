@@ -78,13 +78,13 @@ class HostAllocator:
 class WorkQueue:
     """An in-order queue drained by one worker thread; small work runs inline when the queue is idle."""
 
-    def __init__(self, timeline: TimelineSignal, name: str):
+    def __init__(self, timeline: TimelineSignal, name: str, errors: list[BaseException]):
         self.timeline, self.name = timeline, name
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.submitted = 0
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.errors: list[BaseException] = []
+        self.errors = errors
 
     def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], inline: bool) -> int:
         with self.lock:
@@ -148,7 +148,7 @@ class HostDevice(Device):
         super().__init__(index, options)
         self.capacity = int(options.get("memory") or memory_bytes() * 3 // 4)
         self.allocator = HostAllocator(self.capacity, cache_limit=self.capacity // 4)
-        self.queue = WorkQueue(self.timeline, self.name)
+        self.queue = WorkQueue(self.timeline, self.name, self.errors)
         self.inline_work = int(options.get("inline_work", 1 << 16))
 
     def free_memory(self) -> int:
