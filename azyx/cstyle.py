@@ -44,6 +44,14 @@ static inline bf16_t f2bf(float f) {
   if (f != f) return (bf16_t)0x7fc0;
   return (bf16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
 }
+#pragma omp declare reduction(nmaxf : float : omp_out = (omp_in > omp_out || omp_in != omp_in) ? omp_in : omp_out) \
+  initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(nminf : float : omp_out = (omp_in < omp_out || omp_in != omp_in) ? omp_in : omp_out) \
+  initializer(omp_priv = INFINITY)
+#pragma omp declare reduction(nmaxd : double : omp_out = (omp_in > omp_out || omp_in != omp_in) ? omp_in : omp_out) \
+  initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(nmind : double : omp_out = (omp_in < omp_out || omp_in != omp_in) ? omp_in : omp_out) \
+  initializer(omp_priv = INFINITY)
 static inline long long ipow(long long a, long long b) {
   if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
   long long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
@@ -109,7 +117,7 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
     if op == "sign":
         return f"(({t})(({x}>0)-({x}<0)))" if not fl else f"({x}!={x}?{x}:({t})(({x}>0)-({x}<0)))"
     if op == "relu":
-        return f"({x}>0?{x}:({t})0)"
+        return f"({x}<0?({t})0:{x})"  # NaN stays NaN
     if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil"):
         return f"{_fn(op, sd, dl)}({x})"
     if op == "round":
@@ -163,6 +171,13 @@ _COMBINE_INT = {"max": "({b}>{a}?{b}:{a})", "min": "({b}<{a}?{b}:{a})"}
 _OMP_RED = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
 
 
+def omp_reduction(op: str, d: DType) -> str:
+    """The OpenMP reduction identifier: floats' max/min use NaN-propagating declared reductions (see prelude)."""
+    if op in ("max", "min") and d.is_float:
+        return f"n{op}{'d' if d is dtypes.float64 else 'f'}"
+    return _OMP_RED[op]
+
+
 class _Renderer:
     def __init__(self, k: Kernel, name: str, dl: Dialect, threads: int):
         self.k, self.name, self.dl, self.threads = k, name, dl, threads
@@ -198,14 +213,14 @@ class _Renderer:
         dl = self.dl
         if v.op == "load":
             param, idx, cond = v.arg
-            p = f"d{param}[{idx.render()}]"
+            # A masked load (under a pad) reads a clamped, always valid index; the pad's select above it picks
+            # the fill value. No conditional memory access: gcc 12 -O3 -march=native vectorises `c ? p[i] : 0`
+            # wrongly when `c` depends on an outer loop.
+            i = idx.render() if cond.always else f"({cond.render()})?{idx.render()}:0"
+            p = f"d{param}[{i}]"
             if v.dtype is dtypes.bfloat16:
-                p = f"bf2f({p})"
-            elif v.dtype is dtypes.float16:
-                p = f"(float){p}"
-            if cond.always:
-                return p
-            return f"({cond.render()}?{p}:({dl.compute_type(v.dtype)})0)"
+                return f"bf2f({p})"
+            return f"(float){p}" if v.dtype is dtypes.float16 else p
         if v.op == "cond":
             return f"({v.arg.render()})"
         if v.op == "cast":
@@ -351,7 +366,7 @@ class _Renderer:
             if i == 0 and pragma:
                 p = pragma.replace("ACC", name)
             elif i == len(rvars) - 1 and use_red:
-                p = f"#pragma omp simd reduction({_OMP_RED[op]}:{name})"
+                p = f"#pragma omp simd reduction({omp_reduction(op, r.dtype)}:{name})"
             self.loop(rv, p)
         body = self.collect(r, place, r)
         body_v = r.src[0]
@@ -390,7 +405,7 @@ class _Renderer:
             return {0: "#pragma omp parallel for schedule(static)"}
         if len(reduces) == 1 and not k.uvars:
             op = reduces[0].arg[0]
-            return {"reduce": f"#pragma omp parallel for simd reduction({_OMP_RED[op]}:ACC)"}
+            return {"reduce": f"#pragma omp parallel for simd reduction({omp_reduction(op, reduces[0].dtype)}:ACC)"}
         return {}
 
 

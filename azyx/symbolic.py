@@ -222,15 +222,17 @@ class Cond:
         return (self.never, tuple((x.key, lo, hi) for x, lo, hi in self.facts))
 
     def render(self) -> str:
+        """C-family text; a two-sided fact is one unsigned compare, `(unsigned long)(x - lo) < hi - lo`."""
         if self.never:
             return "0"
         parts: list[str] = []
         for x, lo, hi in self.facts:
-            s = x.render()
-            if x.vmin < lo:
-                parts.append(f"{s}>={lo}")
-            if x.vmax >= hi:
-                parts.append(f"{s}<{hi}")
+            if x.vmin >= lo:
+                parts.append(f"{x.render()}<{hi}")
+            elif x.vmax < hi:
+                parts.append(f"{x.render()}>={lo}")
+            else:
+                parts.append(f"(unsigned long)({(x - lo).render()})<{hi - lo}ul")
         return "&&".join(parts) if parts else "1"
 
     def vars(self) -> set[Var]:

@@ -838,11 +838,13 @@ class Tensor:
                 count = len(range(start, stop, step))
                 if count == 0:
                     bounds.append((0, 0))
-                elif step > 0:  # take whole steps where the axis allows, so the slice stays a strided view
-                    bounds.append((start, min(n, start + count * step)))
-                else:
-                    bounds.append((max(0, start + 1 + count * step), start + 1))
-                    flips.append(dim)
+                else:  # whole steps where the axis allows them, so a stepped slice stays a strided view
+                    span = count * abs(step) if abs(step) > 1 and count > 1 else (count - 1) * abs(step) + 1
+                    if step > 0:
+                        bounds.append((start, min(n, start + span)))
+                    else:
+                        bounds.append((max(0, start + 1 - span), start + 1))
+                        flips.append(dim)
                 if abs(step) > 1 and count > 1:
                     strides.append((dim, abs(step)))
                 final.append(count)
@@ -947,7 +949,8 @@ class Tensor:
             raise ShapeError(f"arg{op} over an empty axis of shape {self.shape}")
         m = self._reduce(op, a, keepdim=True)
         rev = Tensor.arange(n, 0, -1, device=self.device).reshape((n,) + (1,) * (self.ndim - a - 1))
-        hit = Tensor.where(self == m, rev, 0)
+        is_m = (self == m) | (self != self) if self.dtype.is_float else self == m  # a NaN is the extreme (numpy)
+        hit = Tensor.where(is_m, rev, 0)
         return (n - hit.max(a, keepdim)).cast(dtypes.int32)
 
     def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
