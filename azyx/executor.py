@@ -99,7 +99,7 @@ class UnifiedExecutor:
                 if b is None:  # an empty output: no kernel wrote it
                     b = bufs[slot] = self.devices[slots[slot].device].alloc(max(slots[slot].nbytes, 1))
                 outs.append((b, view))
-            return outs  # type: ignore[return-value]
+            return outs
         finally:
             bufs.clear()
 

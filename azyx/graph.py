@@ -52,7 +52,8 @@ class Node:
         self.view: StridedView | None = None  # how the realized buffer is indexed
 
     def __repr__(self) -> str:
-        return f"Node({self.op.name}, src={self.src}, arg={self.arg!r}, shape={self.shape}, {self.dtype.name}, {self.device})"
+        return (f"Node({self.op.name}, src={self.src}, arg={self.arg!r}, shape={self.shape}, {self.dtype.name}, "
+                f"{self.device})")
 
 
 class StridedView:
@@ -68,7 +69,8 @@ class StridedView:
         return StridedView(0, contiguous_strides(shape))
 
     def is_contiguous(self, shape: Shape) -> bool:
-        return self.offset == 0 and all(s == c or n == 1 for s, c, n in zip(self.strides, contiguous_strides(shape), shape))
+        expected = contiguous_strides(shape)
+        return self.offset == 0 and all(s == c or n == 1 for s, c, n in zip(self.strides, expected, shape))
 
     def __repr__(self) -> str:
         return f"StridedView(offset={self.offset}, strides={self.strides})"

@@ -51,7 +51,8 @@ class ValueBuilder:
         return self._v(("cond", c.key), "cond", dtype, (), c, frozenset(c.vars()))
 
     def alu(self, op: str, dtype: DType, *src: V) -> V:
-        return self._v(("alu", op, dtype, *map(id, src)), "alu", dtype, src, op, frozenset().union(*(s.vars for s in src)))
+        vs = frozenset().union(*(s.vars for s in src))
+        return self._v(("alu", op, dtype, *map(id, src)), "alu", dtype, src, op, vs)
 
     def cast(self, x: V, dtype: DType) -> V:
         if x.dtype is dtype:

@@ -82,7 +82,6 @@ BINARY: dict[str, tuple[str, Callable[[Any, Any], Any]]] = {
     "xor": ("same", lambda a, b: np.logical_xor(a, b) if np.asarray(a).dtype == np.bool_ else np.bitwise_xor(a, b)),
 }
 BITWISE = frozenset({"and", "or", "xor", "not"})
-FLOAT_ONLY_BINARY = frozenset()
 
 # Reduce ops: name -> (identity for a dtype, numpy reference)
 REDUCE: dict[str, tuple[Callable[[Any], Any], Callable[..., Any]]] = {

@@ -16,7 +16,7 @@ import hashlib
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from azyx import debug
 from azyx.dtypes import DType
@@ -517,53 +517,31 @@ def _bool() -> DType:
 
 
 def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[int, ...] | None:
-    """Strides that read `old` (with `strides`) as `new` without a copy, or None (numpy's nocopy reshape)."""
+    """Strides that read `old` (laid out with `strides`) as shape `new` without a copy, or None when the
+    reshape needs one (numpy's no-copy reshape: each run of merged or split dims must be contiguous)."""
+    if prod(old) == 0:
+        return contiguous_strides(new)
     o = [(s, st) for s, st in zip(old, strides) if s != 1]
-    out: list[int] = []
-    oi = 0
-    ni = 0
-    new_nz = [(i, s) for i, s in enumerate(new)]
     res = [0] * len(new)
-    while ni < len(new_nz):
-        i, s = new_nz[ni]
-        if s == 1:
-            res[i] = 0
-            ni += 1
-            continue
-        if oi >= len(o):
-            return None
-        # gather old dims until their product matches a run of new dims
-        op_, np_ = o[oi][0], s
-        ochunk, nchunk = [o[oi]], [(i, s)]
-        oi += 1
-        ni += 1
-        while op_ != np_:
-            if op_ < np_:
-                if oi >= len(o):
-                    return None
-                ochunk.append(o[oi])
-                op_ *= o[oi][0]
-                oi += 1
+    oi = ni = 0
+    while oi < len(o) and ni < len(new):
+        nsize, osize = new[ni], o[oi][0]
+        nj, oj = ni + 1, oi + 1
+        while nsize != osize:  # grow the smaller side until both runs hold the same elements
+            if nsize < osize:
+                nsize *= new[nj]
+                nj += 1
             else:
-                while ni < len(new_nz) and new_nz[ni][1] == 1:
-                    res[new_nz[ni][0]] = 0
-                    ni += 1
-                if ni >= len(new_nz):
-                    return None
-                nchunk.append(new_nz[ni])
-                np_ *= new_nz[ni][1]
-                ni += 1
-        for (s1, st1), (s2, st2) in zip(ochunk, ochunk[1:]):
-            if st1 != s2 * st2:
-                return None
-        acc = ochunk[-1][1]
-        for j, sz in reversed(nchunk):
-            res[j] = acc
-            acc *= sz
-    if oi != len(o):
-        return None
-    del out
-    return tuple(res)
+                osize *= o[oj][0]
+                oj += 1
+        if any(o[k][1] != o[k + 1][0] * o[k + 1][1] for k in range(oi, oj - 1)):
+            return None
+        acc = o[oj - 1][1]
+        for k in range(nj - 1, ni - 1, -1):
+            res[k] = acc
+            acc *= new[k]
+        oi, ni = oj, nj
+    return tuple(res)  # trailing new dims are size 1: any stride reads them
 
 
 # ------------------------------------------------------------------------------------------------ entry point

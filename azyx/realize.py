@@ -37,8 +37,8 @@ async def realize(*tensors: Tensor) -> None:
             continue
         bindings = [GRAPH[i].buffer for i in walk.leaves]
         outs = ex.run(plan, bindings)
-        for t, (buf, view) in zip(targets, outs):
-            GRAPH.become_leaf(t, buf, view)
+        for tid, (buf, view) in zip(targets, outs):
+            GRAPH.become_leaf(tid, buf, view)
         break
     for t in tensors:
         buf = GRAPH[t.id].buffer

@@ -77,7 +77,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ devices
     def device(self, name: str) -> Device:
-        return self.executor.context(name)  # type: ignore[no-any-return]
+        return self.executor.context(name)
 
     def device_names(self) -> list[str]:
         return [n for n in self.auto_order() if self.executor.devices[n].kind != "dummy"]

@@ -6,12 +6,12 @@ executor (executor.py).
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
 
 from azyx import ops as _ops
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
@@ -135,13 +135,13 @@ class Tensor:
         return _nodes[self.id].device  # type: ignore[union-attr]
 
     @property
-    def ndim(self) -> int:
+    def ndim(self) -> builtins.int:
         return len(self.shape)
 
-    def numel(self) -> int:
+    def numel(self) -> builtins.int:
         return prod(self.shape)
 
-    def __len__(self) -> int:
+    def __len__(self) -> builtins.int:
         if not self.shape:
             raise ShapeError("len() of a 0-d tensor")
         return self.shape[0]
@@ -151,19 +151,20 @@ class Tensor:
         state = "realized" if n.buffer is not None else "lazy"
         return f"<Tensor {state} shape={n.shape} dtype={n.dtype.name} device={n.device}>"
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> builtins.bool:
         raise DTypeError("the truth value of a lazy tensor is unknown until realized; use `await t.item()`")
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> builtins.int:
         return id(self)
 
     # ---------------------------------------------------------------- node building
-    def _new(self, op: Op, src: tuple[int, ...], arg: Any, shape: Shape, dtype: DType, arg2: Any = None) -> Tensor:
+    def _new(self, op: Op, src: tuple[builtins.int, ...], arg: Any, shape: Shape, dtype: DType,
+             arg2: Any = None) -> Tensor:
         n = _nodes[self.id]
         return Tensor._from_node(Node(op, src, arg, shape, dtype, n.device, n.pinned, arg2))  # type: ignore[union-attr]
 
     @staticmethod
-    def _const(value: Scalar, shape: Shape, dtype: DType, device: str, pinned: bool) -> Tensor:
+    def _const(value: Scalar, shape: Shape, dtype: DType, device: str, pinned: builtins.bool) -> Tensor:
         return Tensor._from_node(Node(Op.CONST, (), _fold_value(value, dtype), shape, dtype, device, pinned))
 
     def _const_like(self, value: Scalar, shape: Shape | None = None, dtype: DType | None = None) -> Tensor:
@@ -210,7 +211,7 @@ class Tensor:
 
     # ---------------------------------------------------------------- factories
     @staticmethod
-    def _factory_device(device: str | None, nbytes: int) -> tuple[str, bool]:
+    def _factory_device(device: str | None, nbytes: builtins.int) -> tuple[str, builtins.bool]:
         return RT.resolve_device(device, nbytes)
 
     @staticmethod
@@ -248,7 +249,7 @@ class Tensor:
         return Tensor(np.arange(start, stop, step).astype(dt.numpy), dtype=dt, device=device)
 
     @staticmethod
-    def eye(n: int, dtype: Any = None, device: str | None = None) -> Tensor:
+    def eye(n: builtins.int, dtype: Any = None, device: str | None = None) -> Tensor:
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         return Tensor(np.eye(n, dtype=dt.numpy), dtype=dt, device=device)
 
@@ -257,7 +258,8 @@ class Tensor:
         return Tensor.uniform(*shape, dtype=dtype, device=device)
 
     @staticmethod
-    def uniform(*shape: Any, low: float = 0.0, high: float = 1.0, dtype: Any = None, device: str | None = None) -> Tensor:
+    def uniform(*shape: Any, low: builtins.float = 0.0, high: builtins.float = 1.0, dtype: Any = None,
+                device: str | None = None) -> Tensor:
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         x = RT.rng.random(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
         if low != 0.0 or high != 1.0:
@@ -282,7 +284,7 @@ class Tensor:
             return self._const_like(other.item() if isinstance(other, np.generic) else other, dtype=dt)
         return Tensor(other, device=self.device)
 
-    def _binary(self, op: str, other: Any, reverse: bool = False) -> Tensor:
+    def _binary(self, op: str, other: Any, reverse: builtins.bool = False) -> Tensor:
         na = _nodes[self.id]
         assert na is not None
         tp = type(other)
@@ -607,7 +609,7 @@ class Tensor:
         return self._new(Op.RESHAPE, (self.id,), new, new, n.dtype)
 
     @staticmethod
-    def _wrap(i: int) -> Tensor:
+    def _wrap(i: builtins.int) -> Tensor:
         t = object.__new__(Tensor)
         t.id = i
         GRAPH.retain(i)
@@ -647,7 +649,7 @@ class Tensor:
             return self._const_like(n.arg, shape=shape)
         return self._new(Op.PERMUTE, (self.id,), axes, shape, n.dtype)
 
-    def transpose(self, d0: int = -2, d1: int = -1) -> Tensor:
+    def transpose(self, d0: builtins.int = -2, d1: builtins.int = -1) -> Tensor:
         nd = self.ndim
         a, b = _norm_axis(d0, nd), _norm_axis(d1, nd)
         order = list(range(nd))
@@ -658,7 +660,7 @@ class Tensor:
     def T(self) -> Tensor:
         return self.permute(*reversed(range(self.ndim)))
 
-    def moveaxis(self, src: int, dst: int) -> Tensor:
+    def moveaxis(self, src: builtins.int, dst: builtins.int) -> Tensor:
         nd = self.ndim
         s, d = _norm_axis(src, nd), _norm_axis(dst, nd)
         order = [i for i in range(nd) if i != s]
@@ -684,10 +686,10 @@ class Tensor:
             return self._const_like(n.arg, shape=shape)
         return self._new(Op.PAD, (self.id,), pads, shape, n.dtype, arg2=_fold_value(value, n.dtype))
 
-    def _shrink(self, bounds: Sequence[tuple[int, int]]) -> Tensor:
+    def _shrink(self, bounds: Sequence[tuple[builtins.int, builtins.int]]) -> Tensor:
         return self.pad(tuple((-lo, hi - s) for (lo, hi), s in zip(bounds, self.shape)))
 
-    def flip(self, axis: int | Sequence[int]) -> Tensor:
+    def flip(self, axis: builtins.int | Sequence[builtins.int]) -> Tensor:
         n = self._node
         axes = tuple(a for a in _norm_axes(axis, len(n.shape)) if n.shape[a] > 1)
         if not axes:
@@ -696,19 +698,19 @@ class Tensor:
             return self
         return self._new(Op.FLIP, (self.id,), axes, n.shape, n.dtype)
 
-    def squeeze(self, axis: int | Sequence[int] | None = None) -> Tensor:
+    def squeeze(self, axis: builtins.int | Sequence[builtins.int] | None = None) -> Tensor:
         shape = self.shape
         if axis is None:
             return self.reshape(tuple(s for s in shape if s != 1))
         axes = _norm_axes(axis, len(shape))  # like PyTorch, axes whose size is not 1 are left alone
         return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes or s != 1))
 
-    def unsqueeze(self, axis: int) -> Tensor:
+    def unsqueeze(self, axis: builtins.int) -> Tensor:
         shape = self.shape
         a = _norm_axis(axis, len(shape), 1)
         return self.reshape(shape[:a] + (1,) + shape[a:])
 
-    def flatten(self, start: int = 0, end: int = -1) -> Tensor:
+    def flatten(self, start: builtins.int = 0, end: builtins.int = -1) -> Tensor:
         shape = self.shape
         if not shape:
             return self.reshape(1)
@@ -732,7 +734,7 @@ class Tensor:
         big = tuple(v for r, s in zip(reps, x.shape) for v in (r, s))
         return x.reshape(inter).expand(*big).reshape(tuple(r * s for r, s in zip(reps, x.shape)))
 
-    def _stride(self, axis: int, step: int) -> Tensor:
+    def _stride(self, axis: builtins.int, step: builtins.int) -> Tensor:
         """Every `step`-th element along `axis`, as pad + reshape + shrink (index arithmetic only)."""
         shape = self.shape
         n = shape[axis]
@@ -743,7 +745,7 @@ class Tensor:
         return x.reshape(shape[:axis] + (m,) + shape[axis + 1 :])
 
     @staticmethod
-    def cat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    def cat(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
         if not tensors:
             raise ShapeError("cat of an empty list")
         first = tensors[0]
@@ -767,7 +769,7 @@ class Tensor:
         return out
 
     @staticmethod
-    def stack(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    def stack(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
         if not tensors:
             raise ShapeError("stack of an empty list")
         a = _norm_axis(axis, tensors[0].ndim, 1)
@@ -776,7 +778,7 @@ class Tensor:
                 raise ShapeError(f"stack needs equal shapes, got {tensors[0].shape} and {t.shape}")
         return Tensor.cat([t.unsqueeze(a) for t in tensors], axis=a)
 
-    def split(self, size: int | Sequence[int], axis: int = 0) -> list[Tensor]:
+    def split(self, size: builtins.int | Sequence[builtins.int], axis: builtins.int = 0) -> list[Tensor]:
         a = _norm_axis(axis, self.ndim)
         n = self.shape[a]
         if isinstance(size, int):
@@ -793,7 +795,7 @@ class Tensor:
             start += s
         return out
 
-    def chunk(self, n: int, axis: int = 0) -> list[Tensor]:
+    def chunk(self, n: builtins.int, axis: builtins.int = 0) -> list[Tensor]:
         if n <= 0:
             raise ShapeError(f"chunk count must be positive, got {n}")
         size = self.shape[_norm_axis(axis, self.ndim)]
@@ -874,7 +876,7 @@ class Tensor:
         picked = Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0)
         return picked.sum(axis=idx.ndim)
 
-    def gather(self, axis: int, index: Tensor) -> Tensor:
+    def gather(self, axis: builtins.int, index: Tensor) -> Tensor:
         """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0."""
         a = _norm_axis(axis, self.ndim)
         if index.ndim != self.ndim:
@@ -891,7 +893,7 @@ class Tensor:
         return Tensor.where(one_hot, x, 0).sum(axis=-1)
 
     # ---------------------------------------------------------------- reductions
-    def _reduce(self, op: str, axis: Any, keepdim: bool) -> Tensor:
+    def _reduce(self, op: str, axis: Any, keepdim: builtins.bool) -> Tensor:
         n = self._node
         axes = _norm_axes(axis, len(n.shape))
         out_keep = tuple(1 if i in axes else s for i, s in enumerate(n.shape))
@@ -910,36 +912,36 @@ class Tensor:
             out = x._new(Op.REDUCE, (x.id,), (op, axes), out_keep, dt)
         return out if keepdim else out.reshape(tuple(s for i, s in enumerate(n.shape) if i not in axes))
 
-    def sum(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+    def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("sum", axis, keepdim)
 
-    def prod(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+    def prod(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("prod", axis, keepdim)
 
-    def max(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+    def max(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("max", axis, keepdim)
 
-    def min(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+    def min(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("min", axis, keepdim)
 
-    def _count(self, axis: Any) -> int:
+    def _count(self, axis: Any) -> builtins.int:
         return prod([self.shape[a] for a in _norm_axes(axis, self.ndim)])
 
-    def mean(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+    def mean(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         x = self.cast(least_float(self.dtype))
         n = self._count(axis)
         return x.sum(axis, keepdim) * (1.0 / n if n else math.nan)
 
-    def var(self, axis: Any = None, keepdim: bool = False, correction: int = 1) -> Tensor:
+    def var(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         x = self.cast(least_float(self.dtype))
         n = self._count(axis)
         sq = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
         return sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)
 
-    def std(self, axis: Any = None, keepdim: bool = False, correction: int = 1) -> Tensor:
+    def std(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         return self.var(axis, keepdim, correction).sqrt()
 
-    def _arg_extreme(self, axis: Any, keepdim: bool, op: str) -> Tensor:
+    def _arg_extreme(self, axis: Any, keepdim: builtins.bool, op: str) -> Tensor:
         if axis is None:
             return self.flatten()._arg_extreme(0, keepdim=False, op=op) if not keepdim else \
                 self.flatten()._arg_extreme(0, False, op).reshape((1,) * self.ndim)
@@ -953,25 +955,25 @@ class Tensor:
         hit = Tensor.where(is_m, rev, 0)
         return (n - hit.max(a, keepdim)).cast(dtypes.int32)
 
-    def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+    def argmax(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         return self._arg_extreme(axis, keepdim, "max")
 
-    def argmin(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
+    def argmin(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         return self._arg_extreme(axis, keepdim, "min")
 
-    def logsumexp(self, axis: Any = None, keepdim: bool = False) -> Tensor:
+    def logsumexp(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         x = self.cast(least_float(self.dtype))
         m = x.max(axis, keepdim=True)
         m = Tensor.where(m.abs() == math.inf, 0.0, m)
         out = (x - m).exp().sum(axis, keepdim=True).log() + m
         return out if keepdim else out.squeeze(_norm_axes(axis, self.ndim) or None) if self.ndim else out
 
-    def softmax(self, axis: int = -1) -> Tensor:
+    def softmax(self, axis: builtins.int = -1) -> Tensor:
         x = self.cast(least_float(self.dtype))
         e = (x - x.max(axis, keepdim=True)).exp()
         return e / e.sum(axis, keepdim=True)
 
-    def log_softmax(self, axis: int = -1) -> Tensor:
+    def log_softmax(self, axis: builtins.int = -1) -> Tensor:
         x = self.cast(least_float(self.dtype))
         s = x - x.max(axis, keepdim=True)
         return s - s.exp().sum(axis, keepdim=True).log()
@@ -1013,7 +1015,7 @@ class Tensor:
     def dot(self, other: Tensor) -> Tensor:
         return self.matmul(other)
 
-    def _windows(self, axis: int, k: int) -> Tensor:
+    def _windows(self, axis: builtins.int, k: builtins.int) -> Tensor:
         """Replace `axis` (size n) by (n-k+1, k) sliding windows, with index arithmetic only."""
         n = self.shape[axis]
         o = n - k + 1
@@ -1025,8 +1027,9 @@ class Tensor:
         p = len(pre)
         return x.permute(*range(axis), p, p + 1, *range(axis, p))
 
-    def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: int | tuple[int, int] = 1,
-               padding: int | tuple[int, int] = 0) -> Tensor:
+    def conv2d(self, weight: Tensor, bias: Tensor | None = None,
+               stride: builtins.int | tuple[builtins.int, builtins.int] = 1,
+               padding: builtins.int | tuple[builtins.int, builtins.int] = 0) -> Tensor:
         """2-D convolution (cross-correlation, like PyTorch) of (N, C, H, W) with (O, C, KH, KW)."""
         if self.ndim != 4 or weight.ndim != 4:
             raise ShapeError(f"conv2d needs (N, C, H, W) input and (O, C, KH, KW) weight, got {self.shape} and "
@@ -1053,7 +1056,7 @@ class Tensor:
             out = out + bias.reshape(1, o, 1, 1)
         return out
 
-    def _pool(self, k: int, op: str) -> Tensor:
+    def _pool(self, k: builtins.int, op: str) -> Tensor:
         if self.ndim < 2:
             raise ShapeError(f"pooling needs at least 2 dimensions, got shape {self.shape}")
         if k <= 0:
@@ -1065,23 +1068,23 @@ class Tensor:
         nd = len(pre)
         return x.max(axis=(nd + 1, nd + 3)) if op == "max" else x.mean(axis=(nd + 1, nd + 3))
 
-    def max_pool2d(self, k: int = 2) -> Tensor:
+    def max_pool2d(self, k: builtins.int = 2) -> Tensor:
         return self._pool(k, "max")
 
-    def avg_pool2d(self, k: int = 2) -> Tensor:
+    def avg_pool2d(self, k: builtins.int = 2) -> Tensor:
         return self._pool(k, "mean")
 
-    def layernorm(self, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
+    def layernorm(self, axis: builtins.int | Sequence[builtins.int] = -1, eps: builtins.float = 1e-5) -> Tensor:
         x = self.cast(least_float(self.dtype))
         y = x - x.mean(axis, keepdim=True)
         return y * (y.square().mean(axis, keepdim=True) + eps).rsqrt()
 
-    def one_hot(self, num_classes: int) -> Tensor:
+    def one_hot(self, num_classes: builtins.int) -> Tensor:
         if self.dtype.is_float:
             raise DTypeError(f"one_hot needs an integer tensor, got {self.dtype.name}")
         return (self.unsqueeze(-1) == Tensor.arange(num_classes, device=self.device)).cast(dtypes.int32)
 
-    def dropout(self, p: float = 0.5) -> Tensor:
+    def dropout(self, p: builtins.float = 0.5) -> Tensor:
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability must be in [0, 1], got {p}")
         if not Tensor.training or p == 0.0:

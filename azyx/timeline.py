@@ -103,6 +103,10 @@ class _LoopWaiter:
             except Exception:  # trio.RunFinishedError: nobody is waiting any more
                 pass
 
+    def wake_from(self, _source: object) -> None:
+        """`wake` as a done-callback (it ignores the future that calls it)."""
+        self.wake()
+
     async def wait(self) -> None:
         if self._lib == "asyncio":
             await self._fut

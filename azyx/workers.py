@@ -38,7 +38,7 @@ async def in_worker_thread(fn: Callable[..., T], *args: Any) -> T:
     fut.add_done_callback(_forget)
     if not fut.done():
         waiter = _LoopWaiter()
-        fut.add_done_callback(lambda _: waiter.wake())
+        fut.add_done_callback(waiter.wake_from)
         await waiter.wait()
     return fut.result()
 
@@ -55,5 +55,5 @@ async def drain() -> None:
     for fut in pending:
         if not fut.done():
             waiter = _LoopWaiter()
-            fut.add_done_callback(lambda _, w=waiter: w.wake())
+            fut.add_done_callback(waiter.wake_from)
             await waiter.wait()

@@ -19,4 +19,4 @@ def load_backend(name: str) -> Callable[[int, dict[str, Any]], Device]:
     import importlib
 
     mod, cls = BACKENDS[name]
-    return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return,unused-ignore]

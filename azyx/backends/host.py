@@ -185,7 +185,11 @@ class HostDevice(Device):
 
     def copy_fn(self, src: Buffer, dst: Buffer) -> Callable[[], None]:
         n = min(src.nbytes, dst.nbytes)
-        return lambda: ctypes.memmove(dst.ptr, src.ptr, n) and None
+
+        def copy() -> None:
+            ctypes.memmove(dst.ptr, src.ptr, n)
+
+        return copy
 
     def close(self) -> None:
         self.queue.close()
