@@ -25,8 +25,7 @@ async def _settle() -> tuple[int, dict[str, int]]:
     return len(GRAPH), _in_use()
 
 
-async def test_200_concurrent_tasks_with_overlapping_graphs() -> None:
-    base_nodes, base_mem = await _settle()
+async def _two_hundred_tasks() -> None:
     rng = np.random.default_rng(0)
     xs = rng.standard_normal(4096).astype(np.float32)
     x = Tensor(xs, device="c:0")
@@ -44,7 +43,11 @@ async def test_200_concurrent_tasks_with_overlapping_graphs() -> None:
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
     await asyncio.gather(*(task(i) for i in range(200)))
-    del x, shared, other
+
+
+async def test_200_concurrent_tasks_with_overlapping_graphs() -> None:
+    base_nodes, base_mem = await _settle()
+    await _two_hundred_tasks()
     nodes, mem = await _settle()
     assert nodes == base_nodes
     assert mem == base_mem
