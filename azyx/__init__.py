@@ -20,6 +20,7 @@ from azyx.errors import (
 from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
+from azyx.tape import GradientTape
 from azyx.tensor import Tensor
 from azyx.viz import plot_graph
 
@@ -80,18 +81,3 @@ class train:
 
     def __exit__(self, *exc: object) -> None:
         Tensor.training = self.prev
-
-
-class GradientTape:
-    """Records the nodes built inside it so a later autograd pass can walk them (the autograd issue)."""
-
-    def __init__(self, persistent: bool = False):
-        self.persistent = persistent
-        self.ids: set[int] = set()
-
-    def __enter__(self) -> GradientTape:
-        GRAPH.tapes.append(self.ids)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        GRAPH.tapes.remove(self.ids)

@@ -7,6 +7,7 @@ reference frees its slot and releases its sources in turn.
 
 from __future__ import annotations
 
+import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,8 @@ class Graph:
     def __init__(self) -> None:
         self.nodes: list[Node | None] = []
         self.free: list[TensorId] = []
-        self.tapes: list[set[TensorId]] = []  # live gradient tapes: ids they keep with their sources
+        self.recording: list[set[TensorId]] = []  # tapes inside their `with` block: new nodes are recorded
+        self.tapes: weakref.WeakSet[Any] = weakref.WeakSet()  # live tapes: the nodes they recorded keep sources
 
     def __len__(self) -> int:
         return len(self.nodes) - len(self.free)
@@ -109,8 +111,8 @@ class Graph:
         else:
             i = len(self.nodes)
             self.nodes.append(node)
-        for tape in self.tapes:
-            tape.add(i)
+        for ids in self.recording:
+            ids.add(i)
         return i
 
     def __getitem__(self, i: TensorId) -> Node:
@@ -143,7 +145,7 @@ class Graph:
                     stack.append(s)
 
     def on_tape(self, i: TensorId) -> bool:
-        return any(i in t for t in self.tapes)
+        return any(i in t.ids for t in self.tapes)
 
     def become_leaf(self, i: TensorId, buffer: Buffer, view: StridedView) -> None:
         """A realized node keeps its buffer; without a tape holding it, it forgets how it was made."""

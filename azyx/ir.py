@@ -116,3 +116,27 @@ def toposort(root: V) -> list[V]:
             if id(s) not in seen:
                 stack.append((s, False))
     return order
+
+
+def format_kernel(k: Kernel) -> str:
+    """A readable dump of a kernel's loops and value DAG (AZYX_DEBUG=8)."""
+    loops = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.gvars)
+    ups = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.uvars)
+    lines = [f"kernel params={[d.name for d in k.params]} loops=[{loops}]" + (f" upcast=[{ups}]" if ups else "")]
+    names: dict[int, str] = {}
+    for i, v in enumerate(toposort(k.value)):
+        names[id(v)] = f"%{i}"
+        src = ", ".join(names[id(s)] for s in v.src)
+        if v.op == "load":
+            param, idx, cond = v.arg
+            arg = f"d{param}[{idx.render()}]" + ("" if cond.always else f" if {cond.render()}")
+        elif v.op == "reduce":
+            arg = f"{v.arg[0]} over {' '.join(f'{r.name}<{r.vmax + 1}' for r in v.arg[1])}"
+        elif v.op == "cond":
+            arg = v.arg.render()
+        else:
+            arg = "" if v.arg is None else repr(v.arg)
+        parts = [f"  %{i} = {v.op} {v.dtype.name}", arg, f"({src})" if src else ""]
+        lines.append(" ".join(p for p in parts if p))
+    lines.append(f"  store d0[{k.out_idx.render()}] = {names[id(k.value)]}")
+    return "\n".join(lines)

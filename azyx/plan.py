@@ -22,7 +22,7 @@ from azyx import debug
 from azyx.dtypes import DType
 from azyx.errors import AllocationError
 from azyx.graph import ELEMENTWISE, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
-from azyx.ir import Kernel, V, ValueBuilder, toposort
+from azyx.ir import Kernel, V, ValueBuilder, format_kernel, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Lin, Var, count_divmod, var
 
@@ -296,6 +296,7 @@ class Planner:
             if tiled.value.has_reduce:
                 best = tiled
         dev = self.rt.device(device)
+        debug.log(debug.IR, lambda: format_kernel(best))
         params = best.meta.pop("slots")
         name, src = dev.render(best)
         self.steps.append(KernelStep(device, name, src, (out, *params), best.work, best))

@@ -1,0 +1,107 @@
+"""Runtime surface: configuration file, AZYX_DEBUG stages, plot_graph, the gradient-tape hook, devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import Tensor
+from azyx.graph import Op
+from azyx.runtime import GRAPH
+
+SCRIPT = """
+import numpy as np, azyx
+from azyx import Tensor
+print("DEVICES", azyx.devices())
+x = Tensor(np.arange(12, dtype=np.float32).reshape(3, 4), device="c:0")
+y = ((x * 2).sum(axis=1) + 1).to(azyx.devices()[-1])
+print("RESULT", y.numpy_sync().tolist())
+"""
+
+
+def _run(env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AZYX_")}
+    env.update(env_extra)
+    env.setdefault("XDG_CONFIG_HOME", str(tmp_path / "noconfig"))
+    return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120,
+                          check=True)
+
+
+def test_config_file_from_azyx_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "azyx.json"
+    cfg.write_text(json.dumps({"c": {"devices": 3, "threads": 1}}))
+    out = _run({"AZYX_CONFIG": str(cfg)}, tmp_path)
+    assert "DEVICES ['c:0', 'c:1', 'c:2']" in out.stdout
+    assert "RESULT [13.0, 45.0, 77.0]" in out.stdout
+
+
+def test_config_file_from_xdg_config_home(tmp_path: Path) -> None:
+    (tmp_path / "xdg" / "azyx").mkdir(parents=True)
+    (tmp_path / "xdg" / "azyx" / "config.json").write_text(json.dumps({"c": {"devices": 2}}))
+    out = _run({"XDG_CONFIG_HOME": str(tmp_path / "xdg")}, tmp_path)
+    assert "DEVICES ['c:0', 'c:1']" in out.stdout
+    out = _run({}, tmp_path)  # no file: defaults, one C device
+    assert "DEVICES ['c:0']" in out.stdout and "RESULT [13.0, 45.0, 77.0]" in out.stdout
+
+
+def test_debug_bitmask_prints_each_stage(tmp_path: Path) -> None:
+    cfg = tmp_path / "azyx.json"
+    cfg.write_text(json.dumps({"c": {"devices": 2}}))
+    env = {"AZYX_CONFIG": str(cfg), "XDG_CACHE_HOME": str(tmp_path / "cache")}  # a cold cache: it compiles
+    err = _run({**env, "AZYX_DEBUG": str(1 | 2 | 4 | 8 | 16)}, tmp_path).stderr
+    assert "device c:0" in err and "device c:1" in err  # 1: devices
+    assert "ExecutionPlan:" in err and "transfer slot" in err  # 2: plans
+    assert "work=" in err and " us" in err  # 4: launches with timings
+    assert "reduce float32 sum over" in err  # 8: IR
+    assert "void k_" in err  # 16: generated source
+    quiet = _run({**env, "AZYX_DEBUG": "0"}, tmp_path).stderr
+    assert "azyx:" not in quiet
+
+
+def test_configure_validates_and_refuses_once_tensors_exist() -> None:
+    with pytest.raises(azyx.AzyxError, match="section 'c'"):
+        azyx.configure({"c": 3})
+    t = Tensor([1.0])
+    with pytest.raises(azyx.RuntimeStateError, match="live nodes"):
+        azyx.configure({"c": {"devices": 1}})
+    np.testing.assert_allclose((t + 1).numpy_sync(), [2.0])
+
+
+def test_plot_graph_writes_dot(tmp_path: Path) -> None:
+    a = Tensor(np.ones((2, 3), np.float32))
+    b = (a * 2).sum(axis=0)
+    path = azyx.plot_graph(b, tmp_path / "g.dot")
+    text = path.read_text()
+    assert text.startswith("digraph azyx") and "REDUCE" in text and "BINARY" in text and "LEAF" in text
+    assert text.count("->") >= 3
+    np.testing.assert_allclose(b.numpy_sync(), [4.0, 4.0, 4.0])
+
+
+def test_a_live_tape_keeps_how_realized_nodes_were_made() -> None:
+    x = Tensor(np.arange(4, dtype=np.float32))
+    with azyx.GradientTape() as tape:
+        y = x * 2 + 1
+    y.realize_sync()
+    n = GRAPH[y.id]
+    assert y.id in tape.ids and n.op is Op.BINARY and n.src and n.buffer is not None
+    z = x * 3 + 1  # no tape: realized nodes forget their sources, so the graph stays small
+    before = len(GRAPH)
+    z.realize_sync()
+    assert GRAPH[z.id].op is Op.LEAF and len(GRAPH) < before
+    np.testing.assert_allclose(y.numpy_sync(), np.arange(4) * 2 + 1)
+
+
+def test_devices_and_unknown_device() -> None:
+    assert azyx.devices()[0] == "c:0" and "c:1" in azyx.devices() and "dummy:0" not in azyx.devices()
+    with pytest.raises(azyx.DeviceError, match="'gpu:7'"):
+        Tensor([1.0], device="gpu:7")
+    with pytest.raises(azyx.DeviceError, match="'vulkan:0'"):
+        Tensor([1.0]).to("vulkan:0")
+    assert Tensor([1.0], device="c").device == "c:0"
