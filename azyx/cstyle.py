@@ -27,6 +27,7 @@ class Dialect:
     fn_suffix_f32: str  # math functions on float: "f" for C's expf, "" where names are overloaded
     prelude: str
     pragmas: bool  # OpenMP pragmas for host loops
+    guarded_prefix: str = ""  # before kernels whose loads are guarded by index conditions (pads)
     extra: dict[str, str] = field(default_factory=dict)
 
     def ctype(self, d: DType) -> str:
@@ -70,6 +71,9 @@ C = Dialect(
     fn_suffix_f32="f",
     prelude=_C_PRELUDE,
     pragmas=True,
+    # gcc 12.2 vectorises loop nests whose loads are guarded by range tests on an outer loop index wrongly (whole
+    # rows read as zeros) under its default cost model; the cheapest model compiles them right
+    guarded_prefix='__attribute__((optimize("vect-cost-model=very-cheap"))) ',
 )
 
 
@@ -290,7 +294,8 @@ class _Renderer:
         for i, d in enumerate(k.params):
             const = "" if i == 0 else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
-        header = f"{dl.kernel_prefix} {self.name}({', '.join(params)})"
+        guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
+        header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 
         par = self._parallel_plan(reduces, place, order)
         for lvl in range(n + 1):

@@ -46,10 +46,10 @@ class CDevice(HostDevice):
         return name in _PROGRAMS
 
     async def compile(self, steps: list[KernelStep]) -> None:
-        todo = {s.name: s.src for s in steps if s.name not in _PROGRAMS}
+        todo = {s.name: s for s in steps if s.name not in _PROGRAMS}
         if not todo:
             return
-        src = kernel_source(list(todo.values()), C)
+        src = kernel_source([s.src for s in todo.values()], C)
         flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
         key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
         out_dir = cache_dir() / "c"
@@ -60,9 +60,9 @@ class CDevice(HostDevice):
             await self._build(src, flags, lib_path)
         lib = ctypes.CDLL(str(lib_path))
         _LIBS.append(lib)
-        for name, ksrc in todo.items():
+        for name, step in todo.items():
             fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * ksrc[: ksrc.index(")")].count("*")
+            fn.argtypes = [ctypes.c_void_p] * len(step.args)  # one pointer per buffer
             fn.restype = None
             _PROGRAMS[name] = fn
 
