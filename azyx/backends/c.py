@@ -8,10 +8,8 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from azyx import debug
@@ -46,42 +44,43 @@ class CDevice(HostDevice):
         return name in _PROGRAMS
 
     async def compile(self, steps: list[KernelStep]) -> None:
-        todo = {s.name: s for s in steps if s.name not in _PROGRAMS}
+        todo = {s.name: len(s.args) for s in steps if s.name not in _PROGRAMS}
         if not todo:
             return
-        src = kernel_source([s.src for s in todo.values()], C)
+        src = kernel_source([s.src for s in steps if s.name in todo], C)
+        debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
+        # build (or find in the disk cache) and load on a worker thread: the loop only waits; a cancelled realize
+        # stops waiting while the build still finishes into the cache
+        _PROGRAMS.update(await in_worker_thread(self._build_and_load, src, todo))
+
+    def _build_and_load(self, src: str, arity: dict[str, int]) -> dict[str, Any]:
         flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
         key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
-        out_dir = cache_dir() / "c"
-        lib_path = out_dir / f"{key}.so"
+        lib_path = cache_dir() / "c" / f"{key}.so"
         if not lib_path.exists():
-            debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            await self._build(src, flags, lib_path)
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            stem = lib_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}")
+            c_path, tmp_lib = stem.with_suffix(stem.suffix + ".c"), stem.with_suffix(stem.suffix + ".tmp")
+            try:
+                c_path.write_text(src)
+                cmd = [self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"]
+                result = subprocess.run(cmd, capture_output=True, check=False)
+                if result.returncode != 0:
+                    raise CompileError(f"{self.compiler} failed (exit {result.returncode}):\n"
+                                       f"{result.stderr.decode(errors='replace')}\n--- source ---\n{src}")
+                os.replace(tmp_lib, lib_path)  # atomic: a concurrent reader never sees half a library
+            finally:
+                c_path.unlink(missing_ok=True)
+                tmp_lib.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(lib_path))
         _LIBS.append(lib)
-        for name, step in todo.items():
+        programs = {}
+        for name, n in arity.items():
             fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * len(step.args)  # one pointer per buffer
+            fn.argtypes = [ctypes.c_void_p] * n  # one pointer per buffer
             fn.restype = None
-            _PROGRAMS[name] = fn
-
-    async def _build(self, src: str, flags: list[str], lib_path: Path) -> None:
-        # The compiler runs on a worker thread; a cancelled realize stops waiting and the build still finishes
-        # into the cache (atomically).
-        await in_worker_thread(self._build_sync, src, flags, lib_path)
-
-    def _build_sync(self, src: str, flags: list[str], lib_path: Path) -> None:
-        with tempfile.TemporaryDirectory(prefix="azyx-") as tmp:
-            c_path = Path(tmp) / "kernels.c"
-            c_path.write_text(src)
-            tmp_lib = lib_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            cmd = [self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"]
-            result = subprocess.run(cmd, capture_output=True, check=False)
-            if result.returncode != 0:
-                raise CompileError(f"{self.compiler} failed (exit {result.returncode}):\n"
-                                   f"{result.stderr.decode(errors='replace')}\n--- source ---\n{src}")
-            os.replace(tmp_lib, lib_path)  # atomic: a concurrent reader never sees half a library
+            programs[name] = fn
+        return programs
 
     def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
         fn = _PROGRAMS[step.name]
