@@ -835,7 +835,8 @@ def machine_info(cfg: Config, ax: Any, ax_err: str | None, torch: Any, torch_err
             devs = ", ".join(ax.devices())
         except Exception as e:
             devs = f"azyx.devices() failed: {type(e).__name__}: {e}"
-        where = Path(ax.__file__).parent if getattr(ax, "__file__", None) else "?"
+        here = Path(ax.__file__).resolve().parent if getattr(ax, "__file__", None) else None
+        where = "this checkout" if here is not None and here.parent == REPO else "an installed copy"  # no host paths
         ax_line = f"azyx {ax_ver} from {where}; device {cfg.device}; azyx.devices(): {devs}"
     else:
         ax_line = f"azyx: import failed ({(ax_err or '').splitlines()[-1] if ax_err else '?'})"
