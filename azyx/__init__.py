@@ -7,6 +7,7 @@ from typing import Any
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
     AllocationError,
+    ArgumentError,
     AxisError,
     AzyxError,
     AzyxIOError,
@@ -16,6 +17,7 @@ from azyx.errors import (
     IndexOutOfRange,
     RuntimeStateError,
     ShapeError,
+    StateDictError,
 )
 from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
@@ -25,10 +27,10 @@ from azyx.tensor import Tensor
 from azyx.viz import plot_graph
 
 __all__ = [
-    "AllocationError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
+    "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
     "DeviceError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor", "configure",
     "devices", "dtypes", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
-    "ExecutionPlan",
+    "ExecutionPlan", "StateDictError", "io", "nn", "optim",
 ]
 
 
@@ -81,3 +83,6 @@ class train:
 
     def __exit__(self, *exc: object) -> None:
         Tensor.training = self.prev
+
+
+from azyx import io, nn, optim  # noqa: E402  (safetensors files, layers and optimisers, built on everything above)

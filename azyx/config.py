@@ -18,6 +18,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "c": {"enabled": True, "devices": 1, "compiler": "gcc",
           "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno"],
           "threads": None, "memory": None, "inline_work": 1 << 16},
+    "opencl": {"enabled": True, "platform_ids": []},
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
 }
 

@@ -28,13 +28,23 @@ class Dialect:
     prelude: str
     pragmas: bool  # OpenMP pragmas for host loops
     guarded_prefix: str = ""  # before kernels whose loads are guarded by index conditions (pads)
-    extra: dict[str, str] = field(default_factory=dict)
+    global_ids: str = ""  # GPU-style: the expression of a work item's linear id; global loops become index math
+    # hides a value from the optimiser ({x}): gcc turns the register-tiled reduce loop of a matmul into slow code
+    # for some constant trip counts (18 instead of 270 GFLOP/s at K=784); an opaque bound keeps the fast form
+    opaque: str = ""
+    compute_types: dict[str, str] = field(default_factory=dict)  # where the compute type differs from storage
+    # per storage dtype: how to load ({buf}, {idx}), store ({buf}, {idx}, {val}) and round to it ({x})
+    loads: dict[str, str] = field(default_factory=dict)
+    stores: dict[str, str] = field(default_factory=dict)
+    rounds: dict[str, str] = field(default_factory=dict)
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
 
     def compute_type(self, d: DType) -> str:
-        return self.types["float32"] if d in (dtypes.float16, dtypes.bfloat16) else self.types[d.name]
+        if d in (dtypes.float16, dtypes.bfloat16):
+            return self.types["float32"]
+        return self.compute_types.get(d.name) or self.types[d.name]
 
 
 _C_PRELUDE = """#include <math.h>
@@ -71,9 +81,47 @@ C = Dialect(
     fn_suffix_f32="f",
     prelude=_C_PRELUDE,
     pragmas=True,
+    opaque='__asm__("" : "+r"({x}));',
+    loads={"float16": "(float){buf}[{idx}]", "bfloat16": "bf2f({buf}[{idx}])"},
+    stores={"float16": "{buf}[{idx}] = (_Float16){val};", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
+    rounds={"float16": "((float)(_Float16){x})", "bfloat16": "bf2f(f2bf((float){x}))"},
     # gcc 12.2 vectorises loop nests whose loads are guarded by range tests on an outer loop index wrongly (whole
     # rows read as zeros) under its default cost model; the cheapest model compiles them right
     guarded_prefix='__attribute__((optimize("vect-cost-model=very-cheap"))) ',
+)
+
+_CL_PRELUDE = """#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+inline float bf2f(ushort x) { return as_float(((uint)x) << 16); }
+inline ushort f2bf(float f) {
+  uint i = as_uint(f);
+  if (f != f) return (ushort)0x7fc0;
+  return (ushort)((i + 0x7fffu + ((i >> 16) & 1u)) >> 16);
+}
+inline float f16r(float x) {
+  ushort h; vstore_half(x, 0, (__private half*)&h); return vload_half(0, (__private half*)&h);
+}
+inline long ipow(long a, long b) {
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
+}
+"""
+
+OPENCL = Dialect(
+    name="opencl",
+    kernel_prefix="__kernel void",
+    buffer_qual="__global ",
+    restrict="restrict",
+    index_type="long",
+    types={"bool": "uchar", "int8": "char", "uint8": "uchar", "int16": "short", "int32": "int", "uint32": "uint",
+           "int64": "long", "float16": "half", "bfloat16": "ushort", "float32": "float", "float64": "double"},
+    fn_suffix_f32="",
+    prelude=_CL_PRELUDE,
+    pragmas=False,
+    global_ids="get_global_id(0)",
+    compute_types={"bool": "bool"},
+    loads={"float16": "vload_half({idx}, {buf})", "bfloat16": "bf2f({buf}[{idx}])"},
+    stores={"float16": "vstore_half({val}, {idx}, {buf});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
+    rounds={"float16": "f16r({x})", "bfloat16": "bf2f(f2bf((float){x}))"},
 )
 
 
@@ -90,10 +138,10 @@ def _literal(v: object, d: DType, dl: Dialect) -> str:
     fv = float(v)  # type: ignore[arg-type]
     single = dl.compute_type(d) == dl.types["float32"]
     if math.isnan(fv):
-        return "(0.0f/0.0f)" if single else "(0.0/0.0)"
+        return "NAN" if single else "((double)NAN)"
     if math.isinf(fv):
         s = "-" if fv < 0 else ""
-        return f"({s}1.0f/0.0f)" if single else f"({s}1.0/0.0)"
+        return f"({s}INFINITY)" if single else f"({s}(double)INFINITY)"
     r = repr(fv)
     if "e" not in r and "." not in r:
         r += ".0"
@@ -136,8 +184,8 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
         return f"({x}/(({t})1+{_fn('exp', sd, dl)}(-{x})))"
     if op == "gelu":
         return f"(({t})0.5*{x}*(({t})1+{_fn('erf', sd, dl)}({x}*({t})0.7071067811865476)))"
-    if op == "gelu_tanh":
-        return (f"(({t})0.5*{x}*(({t})1+{_fn('tanh', sd, dl)}(({t})0.7978845608028654*"
+    if op == "gelu_tanh":  # 0.5*x*(1+tanh(z)) == x*sigmoid(2z): no cancellation in 1+tanh for very negative x
+        return (f"({x}/(({t})1+{_fn('exp', sd, dl)}(({t})-1.5957691216057308*"
                 f"({x}+({t})0.044715*{x}*{x}*{x}))))")
     if op == "softplus":
         return f"(({x}>0?{x}:({t})0)+{_fn('log1p', sd, dl)}({_fn('exp', sd, dl)}(-{_fn('fabs', sd, dl)}({x}))))"
@@ -190,6 +238,8 @@ class _Renderer:
         self.depth = 1
         self.count = 0
         self.uset = set(k.uvars)
+        # the innermost register-tile loop is the one to vectorise (gcc may otherwise pick an outer one)
+        self.simd = "#pragma omp simd"
 
     def emit(self, line: str) -> None:
         self.lines.append("  " * self.depth + line)
@@ -202,11 +252,15 @@ class _Renderer:
         self.depth -= 1
         self.emit("}")
 
-    def loop(self, v: Var, pragma: str = "") -> None:
+    def loop(self, v: Var, pragma: str = "", opaque: bool = False) -> None:
         if pragma and self.dl.pragmas:
             self.emit(pragma)
         it = self.dl.index_type
-        self.open(f"for ({it} {v.name} = 0; {v.name} < {v.vmax + 1}; {v.name}++)")
+        bound = str(v.vmax + 1)
+        if opaque and self.dl.opaque:
+            bound = f"{v.name}_n"
+            self.emit(f"{it} {bound} = {v.vmax + 1}; {self.dl.opaque.format(x=bound)}")
+        self.open(f"for ({it} {v.name} = 0; {v.name} < {bound}; {v.name}++)")
 
     def ref(self, v: V) -> str:
         if v.op == "const":
@@ -221,20 +275,15 @@ class _Renderer:
             # the fill value. No conditional memory access: gcc 12 -O3 -march=native vectorises `c ? p[i] : 0`
             # wrongly when `c` depends on an outer loop.
             i = idx.render() if cond.always else f"({cond.render()})?{idx.render()}:0"
-            p = f"d{param}[{i}]"
-            if v.dtype is dtypes.bfloat16:
-                return f"bf2f({p})"
-            return f"(float){p}" if v.dtype is dtypes.float16 else p
+            return dl.loads.get(v.dtype.name, "{buf}[{idx}]").format(buf=f"d{param}", idx=i)
         if v.op == "cond":
             return f"({v.arg.render()})"
         if v.op == "cast":
             s, t = v.src[0], dl.compute_type(v.dtype)
             if v.dtype.is_bool:
                 return f"({self.ref(s)}!=0)"
-            if v.dtype is dtypes.bfloat16:  # computed in float, but rounded like the storage type
-                return f"bf2f(f2bf((float){self.ref(s)}))"
-            if v.dtype is dtypes.float16:
-                return f"((float)(_Float16){self.ref(s)})"
+            if v.dtype.name in dl.rounds:  # computed in float, but rounded like the storage type
+                return dl.rounds[v.dtype.name].format(x=self.ref(s))
             return f"(({t}){self.ref(s)})"
         if v.op == "where":
             c, a, b = (self.ref(s) for s in v.src)
@@ -258,7 +307,7 @@ class _Renderer:
         saved = dict(self.names)
         for d in range(len(uvars) + 1):
             if d > 0:
-                self.loop(uvars[d - 1])
+                self.loop(uvars[d - 1], self.simd if d == len(uvars) else "")
             for v in nodes:
                 if depth[id(v)] == d:
                     self.stmt(v)
@@ -298,12 +347,24 @@ class _Renderer:
         header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 
         par = self._parallel_plan(reduces, place, order)
+        if dl.global_ids and n:  # one work item per point of the global loops
+            it = dl.index_type
+            self.emit(f"{it} gid = {dl.global_ids};")
+            self.emit(f"if (gid >= {k.global_size}) return;")
         for lvl in range(n + 1):
             items = [v for v in order if place[id(v)] == lvl]
             if lvl < n:
                 for v in items:
                     self.stmt(v)
-                self.loop(k.gvars[lvl], par.get(lvl, ""))
+                if dl.global_ids:
+                    g = k.gvars[lvl]
+                    stride = 1
+                    for later in k.gvars[lvl + 1 :]:
+                        stride *= later.vmax + 1
+                    idx = "gid" if stride == 1 else f"(gid/{stride})"
+                    self.emit(f"{dl.index_type} {g.name} = {idx if lvl == 0 else f'{idx}%{g.vmax + 1}'};")
+                else:
+                    self.loop(k.gvars[lvl], par.get(lvl, ""))
                 continue
             for v in items:
                 if v.op == "reduce":
@@ -312,20 +373,16 @@ class _Renderer:
                     self.stmt(v)
         # epilogue: everything that depends on upcast vars, then the store
         epi = self.collect(k.value, place, None)
-        self.block(epi, lambda: f"d0[{k.out_idx.render()}] = {self.store_value(k.value)};")
-        for _ in k.gvars:
-            self.close()
+        self.block(epi, lambda: self.dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};").format(
+            buf="d0", idx=k.out_idx.render(), val=self.store_value(k.value)))
+        if not dl.global_ids:
+            for _ in k.gvars:
+                self.close()
         body = "\n".join(self.lines)
         return f"{header} {{\n{body}\n}}\n"
 
     def store_value(self, v: V) -> str:
-        r = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
-        d = self.k.params[0]
-        if d is dtypes.bfloat16:
-            return f"f2bf({r})"
-        if d is dtypes.float16:
-            return f"(_Float16){r}"
-        return r
+        return self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
 
     def collect(self, root: V, place: dict[int, object], body_of: V | None) -> list[V]:
         """Nodes of one block: those placed in it, plus per-block ("U") nodes it needs, in topological order."""
@@ -372,7 +429,7 @@ class _Renderer:
                 p = pragma.replace("ACC", name)
             elif i == len(rvars) - 1 and use_red:
                 p = f"#pragma omp simd reduction({omp_reduction(op, r.dtype)}:{name})"
-            self.loop(rv, p)
+            self.loop(rv, p, opaque=bool(dims))
         body = self.collect(r, place, r)
         body_v = r.src[0]
         ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
@@ -383,7 +440,7 @@ class _Renderer:
         depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in body}
         for d in range(len(uvars) + 1):
             if d > 0:
-                self.loop(uvars[d - 1])
+                self.loop(uvars[d - 1], self.simd if d == len(uvars) else "")
             for v in body:
                 if depth[id(v)] == d:
                     self.stmt(v)

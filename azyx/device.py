@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +41,9 @@ class Device:
     kind: str = "abstract"
     dialect: Dialect | None = None
     tiles = False  # whether register tiling pays off on this device
+    host_memory = False  # buffers are host memory (Buffer.mem is a numpy array, Buffer.ptr its address)
+    listed = True  # a compute device that azyx.devices() lists
+    storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
@@ -72,11 +74,17 @@ class Device:
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         raise NotImplementedError
 
-    # work
+    # work: the executor's two entry points; `waits` are (device, timeline value) pairs to wait for first,
+    # on the device side (its queue's wait primitive or its worker thread), never on the event loop
     def pending(self) -> int:
         return 0
 
-    def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], work: int) -> int:
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+        """Queue a kernel; returns the timeline value at which it will have completed."""
+        raise NotImplementedError
+
+    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+        """Queue a copy of `src` (on this or any other device) into `dst` (on this device)."""
         raise NotImplementedError
 
     def render(self, k: Kernel) -> tuple[str, str]:
@@ -87,29 +95,32 @@ class Device:
         name = kernel_name(body)
         return name, body.replace("KERNEL", name, 1)
 
+    def has_program(self, name: str) -> bool:
+        """Whether kernel `name` is compiled and loaded for this device."""
+        return False
+
     async def compile(self, steps: list[KernelStep]) -> None:
         raise NotImplementedError
 
-    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
-        raise NotImplementedError
-
-    def copy_fn(self, src: Buffer, dst: Buffer) -> Callable[[], None]:
-        """A copy between two buffers of this device's API (same device or peer)."""
-        raise NotImplementedError
-
     def write(self, buf: Buffer, host: np.ndarray) -> None:
+        """Blocking write of raw bytes into `buf` (called on worker threads)."""
         raise NotImplementedError
 
-    def staged_copy_fn(self, src: Buffer, dst: Buffer) -> Callable[[], None]:
-        """A copy from another API's device into `dst`, staged through host memory."""
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
+        """Queue a read of `buf` into the host array `out`, in program order on this device's own queue; returns
+        the timeline value at which it is done, or None where the device has no queue (then `read_into` runs on
+        the reader's worker thread). Reading in program order is what keeps cross-device waits free of cycles."""
+        return None
+
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        """Blocking read of the first `out.nbytes` raw bytes of `buf` into the uint8 array `out` (worker threads)."""
         from azyx.dtypes import dtypes
         from azyx.graph import StridedView
 
-        def copy() -> None:
-            n = min(src.nbytes, dst.nbytes)
-            self.write(dst, src.device.read(src, StridedView(0, (1,)), (n,), dtypes.uint8))
+        out[...] = self.read(buf, StridedView(0, (1,)), (out.nbytes,), dtypes.uint8)
 
-        return copy
+    def collect(self) -> None:
+        """Drop what completed work still holds (called by `synchronize` once the device is idle)."""
 
     def close(self) -> None:
         pass

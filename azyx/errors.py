@@ -39,3 +39,14 @@ class AzyxIOError(AzyxError, OSError):
 
 class RuntimeStateError(AzyxError, RuntimeError):
     """A call made in the wrong state (e.g. a synchronous call inside a running event loop)."""
+
+
+class ArgumentError(AzyxError, ValueError):
+    """An argument outside its allowed values (a probability, a learning rate, a reduction name)."""
+
+
+class StateDictError(AzyxError, KeyError):
+    """A state dict with missing or unexpected keys (the message names them)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""

@@ -15,7 +15,6 @@ from azyx.device import Buffer, Device
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
-from azyx.timeline import TimelineSignal
 
 
 class SyncStrategy(Enum):
@@ -27,6 +26,7 @@ class SyncStrategy(Enum):
 class UnifiedExecutor:
     def __init__(self) -> None:
         self.devices: dict[str, Device] = {}
+        self.adopted: list[Buffer] = []  # the last run's uploads that their leaves keep (ExecutionPlan.adopt)
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"
@@ -52,22 +52,21 @@ class UnifiedExecutor:
         return self.devices[plan.devices[0]] if len(plan.devices) == 1 else None
 
     @staticmethod
-    def _waits(dev: Device, bufs: list[Buffer]) -> list[tuple[TimelineSignal, int]]:
-        return [(b.device.timeline, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
+    def _waits(dev: Device, bufs: list[Buffer]) -> list[tuple[Device, int]]:
+        """What `dev` must wait for: buffers of other devices not ready yet (its own queue is in order)."""
+        return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
     def execute_kernel(self, step: KernelStep, bufs: list[Buffer], same_device: bool = False) -> int:
         dev = self.devices[step.device]
-        waits = [] if same_device else self._waits(dev, bufs[1:])
-        v = dev.submit(dev.launch_fn(step, bufs), waits, step.work)
+        v = dev.launch(step, bufs, [] if same_device else self._waits(dev, bufs[1:]))
         bufs[0].ready = v
         return v
 
     def execute_transfer(self, src: Buffer, dst: Buffer) -> int:
-        """Copy src into dst on the destination's queue, after src is ready (same device, peer or host-staged)."""
-        sdev, ddev = src.device, dst.device
-        strategy = self.sync_strategy(sdev.name, ddev.name)
-        fn = ddev.staged_copy_fn(src, dst) if strategy is SyncStrategy.HOST_STAGED else ddev.copy_fn(src, dst)
-        v = ddev.submit(fn, self._waits(ddev, [src]), src.nbytes // 64)
+        """Copy src into dst on the destination's queue once src is ready: on the device (same device, peer) or
+        staged through host memory (different APIs); which one is the destination device's `copy_in`'s choice,
+        by `sync_strategy`."""
+        v = dst.device.copy_in(src, dst, self._waits(dst.device, [src]))
         dst.ready = v
         return v
 
@@ -99,6 +98,7 @@ class UnifiedExecutor:
                 if b is None:  # an empty output: no kernel wrote it
                     b = bufs[slot] = self.devices[slots[slot].device].alloc(max(slots[slot].nbytes, 1))
                 outs.append((b, view))
+            self.adopted = [bufs[dst] for _, dst in plan.adopt]  # type: ignore[misc]
             return outs
         finally:
             bufs.clear()
@@ -115,6 +115,8 @@ class UnifiedExecutor:
         await drain()
         for dev in list(self.devices.values()):
             await dev.timeline.wait(dev.timeline.value + dev.pending())
+        for dev in list(self.devices.values()):
+            dev.collect()
 
     def close(self) -> None:
         for dev in self.devices.values():

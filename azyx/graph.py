@@ -1,13 +1,13 @@
 """The graph: a dense node table indexed by TensorId, with refcounts, free-list reuse and the tape hook.
 
 Every op appends one `Node`. Shapes, dtypes and devices are computed once, when the node is made. A node
-lives while tensor handles, consumer nodes or a live gradient tape reference it; releasing the last
-reference frees its slot and releases its sources in turn.
+lives while tensor handles or consumer nodes reference it; releasing the last reference frees its slot and
+releases its sources in turn. A live gradient tape (tape.py) holds the ids it recorded: those nodes keep their
+sources when realized, and a freed id leaves every tape at once, so a reused id is never mistaken for a recorded one.
 """
 
 from __future__ import annotations
 
-import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +97,7 @@ class Graph:
         self.nodes: list[Node | None] = []
         self.free: list[TensorId] = []
         self.recording: list[set[TensorId]] = []  # tapes inside their `with` block: new nodes are recorded
-        self.tapes: weakref.WeakSet[Any] = weakref.WeakSet()  # live tapes: the nodes they recorded keep sources
+        self.kept: list[set[TensorId]] = []  # the id sets of live tapes: realized nodes in them keep their sources
 
     def __len__(self) -> int:
         return len(self.nodes) - len(self.free)
@@ -130,13 +130,16 @@ class Graph:
         n.rc -= 1
         if n.rc:
             return
-        free = self.free
+        free, kept = self.free, self.kept
         stack = [i]
         while stack:  # the last reference went: free the node, then release its sources in turn
             j = stack.pop()
             n = nodes[j]
             nodes[j] = None
             free.append(j)
+            if kept:  # the id will be reused: it must not look recorded to any tape
+                for ids in kept:
+                    ids.discard(j)
             for s in n.src:  # type: ignore[union-attr]
                 m = nodes[s]
                 assert m is not None and m.rc > 0, f"release of dead node {s}"
@@ -145,13 +148,34 @@ class Graph:
                     stack.append(s)
 
     def on_tape(self, i: TensorId) -> bool:
-        return any(i in t.ids for t in self.tapes)
+        return any(i in ids for ids in self.kept)
 
     def become_leaf(self, i: TensorId, buffer: Buffer, view: StridedView) -> None:
         """A realized node keeps its buffer; without a tape holding it, it forgets how it was made."""
         n = self[i]
         n.buffer, n.view = buffer, view
-        if n.src and not self.on_tape(i):
-            src, n.src, n.op, n.arg, n.arg2 = n.src, (), Op.LEAF, None, None
-            for s in src:
-                self.release(s)
+        if not n.pinned and buffer.device.listed:  # AUTO placed: the tensor is where its data ended up
+            n.device = buffer.device.name
+        if n.src and not (self.kept and self.on_tape(i)):
+            self._forget_sources(n)
+
+    def _forget_sources(self, n: Node) -> None:
+        src, n.src, n.op, n.arg, n.arg2 = n.src, (), Op.LEAF, None, None
+        for s in src:
+            self.release(s)
+
+    def add_tape(self, ids: set[TensorId]) -> None:
+        self.kept = [*self.kept, ids]
+
+    def drop_tape(self, ids: set[TensorId]) -> None:
+        """A tape is gone (or released): stop recording into `ids`, and let the realized nodes it kept forget their
+        sources (unless another live tape holds them), so the graph shrinks back."""
+        self.kept = [s for s in self.kept if s is not ids]  # by identity: two tapes may hold equal sets
+        self.recording = [s for s in self.recording if s is not ids]
+        todo = list(ids)
+        ids.clear()
+        nodes = self.nodes
+        for i in todo:
+            n = nodes[i]
+            if n is not None and n.buffer is not None and n.src and not self.on_tape(i):
+                self._forget_sources(n)

@@ -16,12 +16,12 @@ import hashlib
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from azyx import debug
 from azyx.dtypes import DType
 from azyx.errors import AllocationError
-from azyx.graph import ELEMENTWISE, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
+from azyx.graph import ELEMENTWISE, MOVEMENT, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Lin, Var, count_divmod, var
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from azyx.device import Device
     from azyx.runtime import Runtime
 
+EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realized first instead of recomputed
+SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-stage reductions on GPU-style devices
+TRANSFER_BYTES_PER_S = 5e9  # what moving an input to another device costs, for AUTO placement
 TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
 
 
@@ -72,6 +75,7 @@ class ExecutionPlan:
     outputs: tuple[tuple[int, StridedView], ...]  # per target: the slot and how to index it
     frees: tuple[tuple[int, ...], ...]  # per step: temp slots whose last use it is
     devices: tuple[str, ...]
+    adopt: tuple[tuple[int, int], ...] = ()  # (input slot, slot): host data a leaf keeps on its device from now on
 
     @property
     def kernels(self) -> list[KernelStep]:
@@ -199,10 +203,14 @@ class Planner:
         self.steps: list[Step] = []
         self.done: dict[int, tuple[int, StridedView]] = {}
         self.transfers: dict[tuple[int, str], int] = {}
+        self.adopt: list[tuple[int, int]] = []  # (input slot, slot holding it on the tensor's own device)
+        self.temp_nodes: list[int] = []  # graph nodes the planner made (split reductions); released when done
+        self.leaf_device: dict[int, str] = {}
         for leaf in walk.leaves:
             n = graph[leaf]
             assert n.buffer is not None and n.view is not None
             self.done[leaf] = (self._slot(n.buffer.device.name, n.dtype, n.buffer.nbytes, "input"), n.view)
+            self.leaf_device[self.done[leaf][0]] = n.device
 
     def _slot(self, device: str, dtype: DType, nbytes: int, kind: str) -> int:
         self.slots.append(Slot(device, dtype, nbytes, kind))
@@ -221,6 +229,8 @@ class Planner:
             dst = self._slot(device, s.dtype, s.nbytes, "temp")
             self.steps.append(TransferStep(slot, dst, s.device, device))
             self.transfers[key] = dst
+            if s.kind == "input" and s.device == "host:0" and self.leaf_device[slot] == device:
+                self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
         return self.transfers[key]
 
     def realize(self, nid: int) -> tuple[int, StridedView]:
@@ -242,6 +252,8 @@ class Planner:
         n = self.graph[nid]
         if nid in self.done:
             return self.done[nid]
+        if n.op is Op.REDUCE and self.split_parts(nid, self.place(nid)) is not None:
+            return self.realize(nid)  # a split reduce is its own kernels anyway: views of it need no copy
         if n.op not in (Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP) or n.op is Op.PAD and any(
                 b > 0 or a > 0 for b, a in n.arg):
             return None
@@ -271,9 +283,96 @@ class Planner:
             st = list(new)
         return slot, StridedView(off, tuple(st))
 
+    def place(self, root: int) -> str:
+        """The device of a kernel. Pinned: its own. AUTO: the cheapest of moving its inputs to a device and
+        computing there (so it stays where its inputs already are unless another device is clearly faster)."""
+        n = self.graph[root]
+        home = self.device_of(n)
+        if n.pinned or home in self.override.values():
+            return home
+        held: dict[str, int] = {}
+        seen: set[int] = set()
+        flops = 0
+        stack = [root]
+        while stack:  # the realized buffers this kernel would read, and the work above them (a node per element)
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i in self.done:
+                slot = self.slots[self.done[i][0]]
+                held[slot.device] = held.get(slot.device, 0) + slot.nbytes
+            else:
+                m = self.graph[i]
+                flops += prod(m.shape)
+                stack.extend(m.src)
+
+        def cost(name: str) -> float:
+            dev = self.rt.device(name)
+            moved = sum(b for d, b in held.items() if d != name)
+            return moved / TRANSFER_BYTES_PER_S + flops / (dev.compute * 1e9 / (1 + dev.pending()))
+
+        candidates = [d for d in self.rt.device_names() if d == home or self.rt.device(d).free_memory() > 0]
+        return min(candidates, key=lambda d: (cost(d), d != home)) if candidates else home
+
+    def computes(self, nid: int) -> bool:
+        """Whether reading `nid` means computing something (an op below it), not just loading through views."""
+        while True:
+            if nid in self.done:
+                return False
+            n = self.graph[nid]
+            if n.op in MOVEMENT:
+                nid = n.src[0]
+                continue
+            return n.op not in (Op.CONST, Op.LEAF) and n.buffer is None
+
+    def split_parts(self, nid: int, device: str) -> int | None:
+        """How many partial results a reduce should be split into on `device` (see split_reduce), or None."""
+        n = self.graph[nid]
+        dialect = self.rt.device(device).dialect
+        if n.op is not Op.REDUCE or dialect is None or not dialect.global_ids:
+            return None
+        src = self.graph[n.src[0]]
+        r = prod([src.shape[a] for a in n.arg[1]])
+        if prod(n.shape) >= SPLIT_MAX_OUTPUTS or r < SPLIT_MIN_REDUCE:
+            return None
+        return next((d for d in range(min(SPLIT_PARTS, r // 64), 15, -1) if r % d == 0), None)
+
+    def split_reduce(self, root: int, device: str) -> int | None:
+        """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would
+        leave the device idle: reduce in two stages, P partial results per output computed in parallel, then P
+        into one. Built from temporary view and reduce nodes (index arithmetic, no copies); None if not worth it."""
+        p = self.split_parts(root, device)
+        if p is None:
+            return None
+        n = self.graph[root]
+        op, axes = n.arg
+        src = self.graph[n.src[0]]
+        r = prod([src.shape[a] for a in axes])
+        keep = [a for a in range(len(src.shape)) if a not in axes]
+        outer = tuple(src.shape[a] for a in keep)
+        g = self.graph
+
+        def node(op: Op, srcs: tuple[int, ...], arg: Any, shape: Shape) -> int:
+            i = g.add(Node(op, srcs, arg, shape, n.dtype, n.device, n.pinned))
+            g.retain(i)
+            self.temp_nodes.append(i)
+            return i
+
+        x = n.src[0]
+        if keep + list(axes) != list(range(len(src.shape))):
+            x = node(Op.PERMUTE, (x,), tuple(keep + list(axes)), outer + tuple(src.shape[a] for a in axes))
+        x = node(Op.RESHAPE, (x,), outer + (p, r // p), outer + (p, r // p))
+        k = len(outer)
+        x = node(Op.REDUCE, (x,), (op, (k + 1,)), outer + (p, 1))  # stage 1: P partials per output
+        return node(Op.REDUCE, (x,), (op, (k,)), outer + (1, 1))  # stage 2: as many elements as `root`
+
     def kernel(self, root: int) -> tuple[int, StridedView]:
         n = self.graph[root]
-        device = self.device_of(n)
+        device = self.place(root)
+        split = self.split_reduce(root, device)
+        if split is not None:  # same elements, contiguous: only the shape differs
+            return self.realize(split)[0], StridedView.contiguous(n.shape)
         shape = n.shape
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
@@ -313,9 +412,11 @@ class Planner:
             return None
         gi, gj = k.gvars[-2], k.gvars[-1]
         loads = [v for v in toposort(k.value) if v.op == "load"]
-        if not (any(gi not in v.vars and gj in v.vars for v in loads) and any(gj not in v.vars and gi in v.vars
-                                                                                for v in loads)):
+        col = [v for v in loads if gi not in v.vars and gj in v.vars]  # the right operand: varies along columns
+        if not (col and any(gj not in v.vars and gi in v.vars for v in loads)):
             return None
+        if any(v.arg[1].terms.get(gj, 0) != 1 for v in col):
+            return None  # columns not contiguous (x @ W.T): a dot product per output, vectorised along the reduce
         return ta, tb
 
     def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None) -> Kernel:
@@ -367,7 +468,7 @@ class Planner:
         for i, st in enumerate(self.steps):
             for s in (st.args if isinstance(st, KernelStep) else (st.src, st.dst)):
                 last[s] = i
-        out_slots = {s for s, _ in outputs}
+        out_slots = {s for s, _ in outputs} | {dst for _, dst in self.adopt}
         frees: list[list[int]] = [[] for _ in self.steps]
         for s, i in last.items():
             if self.slots[s].kind == "temp" and s not in out_slots:
@@ -376,7 +477,7 @@ class Planner:
                       for i, s in enumerate(self.slots))
         devices = tuple(sorted({s.device for s in slots}))
         return ExecutionPlan(tuple(self.steps), slots, len(self.walk.leaves), outputs,
-                             tuple(tuple(f) for f in frees), devices)
+                             tuple(tuple(f) for f in frees), devices, tuple(self.adopt))
 
 
 class KernelBuild:
@@ -424,10 +525,11 @@ class KernelBuild:
         op = n.op
         if op is Op.CONST:
             return vb.const(n.arg, n.dtype)
+        multi = not top and p.walk.consumers.get(nid, 0) > 1
+        if multi and nid in p.walk.heavy:  # a fused reduce below it (through any ops): compute once, not per consumer
+            return self.load(nid, idx, cond)
         if op in ELEMENTWISE:
-            if not top and p.walk.consumers.get(nid, 0) > 1:
-                if nid in p.walk.heavy:  # a reduce below it: compute once, not once per consumer
-                    return self.load(nid, idx, cond)
+            if multi:
                 ctx = self.contexts.setdefault(nid, set())
                 ctx.add((tuple(i.key for i in idx), cond.key))
                 if len(ctx) > 1:  # read under a second index map: compute it once instead
@@ -440,13 +542,16 @@ class KernelBuild:
             return vb.alu(n.arg, n.dtype, *srcs)
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:
-            fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel)
+            fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
+                           and p.split_parts(nid, self.device) is None)
             if not fuse:
                 return self.load(nid, idx, cond)
             return self.reduce(n, idx, cond)
         if op is Op.EXPAND:
-            return self.value(n.src[0], tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape)), cond,
-                              in_reduce)
+            src_idx = tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape))
+            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) and p.computes(n.src[0]):
+                return self.load(n.src[0], src_idx, cond)  # computed once, not once per broadcast copy (matmul inputs)
+            return self.value(n.src[0], src_idx, cond, in_reduce)
         if op is Op.PERMUTE:
             new: list[Lin] = [Lin({}, 0)] * len(idx)
             for k, a in enumerate(n.arg):
@@ -556,10 +661,18 @@ def make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> Exec
         sys.setrecursionlimit(limit)
 
 
+def _plan_targets(planner: Planner, targets: list[int]) -> None:
+    try:
+        for t in targets:
+            planner.realize(t)
+    finally:
+        for i in planner.temp_nodes:
+            planner.graph.release(i)
+
+
 def _make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
     planner = Planner(rt, graph, walk, targets, {})
-    for t in targets:
-        planner.realize(t)
+    _plan_targets(planner, targets)
     need = planner.check_memory()
     short = {d: b for d, b in need.items() if b > rt.device(d).free_memory()}
     if short:
@@ -569,8 +682,7 @@ def _make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> Exe
                 continue
             override = {d: alt for d in short}
             cand = Planner(rt, graph, walk, targets, override)
-            for t in targets:
-                cand.realize(t)
+            _plan_targets(cand, targets)
             if all(b <= rt.device(d).free_memory() for d, b in cand.check_memory().items()):
                 planner = cand
                 break

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from azyx.errors import RuntimeStateError
+from azyx.errors import AzyxIOError, RuntimeStateError
 from azyx.plan import canonicalize, make_plan
 from azyx.runtime import GRAPH, RT
 
@@ -37,6 +37,9 @@ async def realize(*tensors: Tensor) -> None:
             continue
         bindings = [GRAPH[i].buffer for i in walk.leaves]
         outs = ex.run(plan, bindings)
+        for (slot, _), buf in zip(plan.adopt, ex.adopted):  # uploaded host data stays on its device
+            GRAPH[walk.leaves[slot]].buffer = buf
+        ex.adopted = []
         for tid, (buf, view) in zip(targets, outs):
             GRAPH.become_leaf(tid, buf, view)
         break
@@ -48,6 +51,8 @@ async def realize(*tensors: Tensor) -> None:
             await dev.timeline.wait(buf.ready)
         if dev.errors:
             err = dev.errors.pop(0)
+            if isinstance(err, AzyxIOError):  # a file read failed (e.g. truncated after opening): it names the file
+                raise err
             raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
 
 
@@ -56,7 +61,7 @@ async def to_numpy(t: Tensor) -> np.ndarray:
     n = GRAPH[t.id]
     assert n.buffer is not None and n.view is not None
     buf, view, shape, dtype = n.buffer, n.view, n.shape, n.dtype
-    if buf.nbytes >= (8 << 20):  # large copies leave the loop free
+    if buf.nbytes >= (8 << 20) or buf.device.storage:  # large copies and file reads leave the loop free
         from azyx.workers import in_worker_thread
 
         return await in_worker_thread(buf.device.read, buf, view, shape, dtype)

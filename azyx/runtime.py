@@ -5,6 +5,7 @@ Devices start lazily, on first use, so `azyx.configure()` can run first. The gra
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any
 
@@ -41,23 +42,27 @@ class Runtime:
         with self.lock:
             if self._executor is not None:
                 return
-            from azyx.backends import BACKENDS, load_backend
+            from azyx.backends import BACKENDS, device_count, load_backend
+            from azyx.backends.disk import DiskDevice
+            from azyx.backends.host import HostMemory
             from azyx.executor import UnifiedExecutor
 
             self.cfg = _config.load(self.overrides)
             ex = UnifiedExecutor()
+            ex.add_device(HostMemory(0, {}))
             for kind in BACKENDS:
                 section = self.cfg.get(kind, {})
                 if not section.get("enabled", kind != "dummy"):
                     continue
                 try:
                     factory = load_backend(kind)
-                    for i in range(int(section.get("devices", 1))):
+                    for i in range(device_count(kind, section)):
                         ex.add_device(factory(i, section))
-                except (ImportError, OSError, DeviceError) as e:
-                    debug.log(debug.DEVICES, f"backend {kind} skipped: {e}")
-            if not any(d.kind != "dummy" for d in ex.devices.values()):
+                except Exception as e:  # a missing package or driver disables that backend only
+                    debug.log(debug.DEVICES, f"backend {kind} skipped: {type(e).__name__}: {e}")
+            if not any(d.listed for d in ex.devices.values()):
                 debug.log(debug.DEVICES, "no compute device available")
+            ex.add_device(DiskDevice())  # file-backed tensors (azyx.io): not a compute device, never listed
             self._executor = ex
 
     def configure(self, overrides: dict[str, Any]) -> None:
@@ -80,25 +85,29 @@ class Runtime:
         return self.executor.context(name)
 
     def device_names(self) -> list[str]:
-        return [n for n in self.auto_order() if self.executor.devices[n].kind != "dummy"]
+        return [n for n in self.auto_order() if self.executor.devices[n].listed]
 
     def auto_order(self) -> list[str]:
-        devs = list(self.executor.devices.values())
+        """Devices that can compute, most free compute first (the dummy device plans but holds no data)."""
+        devs = [d for d in self.executor.devices.values() if d.listed or d.kind == "dummy"]
         devs.sort(key=lambda d: (-d.compute / (1 + d.pending()), d.name))
         return [d.name for d in devs]
 
     def check_device(self, device: str) -> str:
         if not isinstance(device, str):
             raise DeviceError(f"device must be a string like 'c:0', got {device!r}")
-        name = device if ":" in device else f"{device}:0"
+        name = device if ":" in device or device in self.executor.devices else f"{device}:0"  # "c" is c:0; "disk"
         if name not in self.executor.devices:
             raise DeviceError(f"unknown device {device!r}; available: {', '.join(self.executor.devices) or 'none'}")
         return name
 
     def resolve_device(self, device: str | None, nbytes: int) -> tuple[str, bool]:
-        """AUTO (None): the device with the most free compute that has room; else the named device, pinned."""
+        """AUTO (None): the device with the most free compute that has room; else the named device, pinned. What is
+        made "on" a storage device (disk: a constant beside a disk tensor) is made on AUTO: storage computes nothing."""
         if device is not None:
-            return self.check_device(device), True
+            name = self.check_device(device)
+            if not self.executor.devices[name].storage:
+                return name, True
         order = self.auto_order()
         for name in order:
             if self.executor.devices[name].free_memory() >= nbytes:
@@ -109,7 +118,12 @@ class Runtime:
             f"{n} has {self.executor.devices[n].free_memory()} free" for n in order))
 
     def buffer_from_numpy(self, arr: np.ndarray, device: str) -> tuple[Buffer, StridedView]:
-        return self.device(device).buffer_from_numpy(arr), StridedView.contiguous(arr.shape)
+        """Host data for a tensor on `device`: in place on host-memory devices, else held in host memory until a
+        plan copies it over (building never touches a device)."""
+        dev = self.device(device)
+        if not dev.host_memory:
+            dev = self.device("host:0")
+        return dev.buffer_from_numpy(arr), StridedView.contiguous(arr.shape)
 
     # ------------------------------------------------------------------ compilation
     async def compile(self, plan: Any) -> None:
@@ -129,7 +143,7 @@ class Runtime:
                 if not mine:
                     break
                 await mine[0][1].wait()
-            todo = [s for s in steps if not getattr(dev, "has_program", lambda n: True)(s.name)]
+            todo = [s for s in steps if not dev.has_program(s.name)]
             if not todo:
                 continue
             event = anyio.Event()
@@ -156,3 +170,4 @@ def _loop_identity() -> Any:
 
 
 RT = Runtime()
+atexit.register(RT.shutdown)  # finish device queues before the interpreter goes (drivers call back into Python)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from azyx import ops as _ops
+from azyx.backends.disk import DISK
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
 from azyx.graph import Node, Op, Shape, prod
@@ -106,6 +107,10 @@ class Tensor:
 
     @staticmethod
     def _from_node(node: Node) -> Tensor:
+        if node.device == DISK:  # over a file-backed tensor: views stay on disk (narrower ranges), compute goes AUTO
+            from azyx.io.lazy import on_build
+
+            node = on_build(node)
         t = object.__new__(Tensor)
         t.id = GRAPH.add(node)
         node.rc += 1
@@ -274,6 +279,23 @@ class Tensor:
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         x = RT.rng.standard_normal(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
         return Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device)
+
+    @staticmethod
+    def from_safetensors(path: Any, name: str) -> Tensor:
+        """Tensor `name` of a safetensors file, lazily: a Leaf on device "disk" (only the header is read now).
+        `.to(device)`, an op with tensors on a compute device, or `numpy()` reads it when realized; a slice of a
+        row-major tensor (`t[2:5]`, `t[i]`) reads only its own bytes. See `azyx.io`.
+
+        >>> import numpy as np, azyx
+        >>> from safetensors.numpy import save_file
+        >>> save_file({"w": np.arange(6, dtype=np.float32).reshape(3, 2)}, "/tmp/azyx_doc.safetensors")
+        >>> w = Tensor.from_safetensors("/tmp/azyx_doc.safetensors", "w")
+        >>> w.device, (w[1] * 10).numpy_sync().tolist()
+        ('disk', [20.0, 30.0])
+        """
+        from azyx.io.lazy import from_safetensors
+
+        return from_safetensors(path, name)
 
     # ---------------------------------------------------------------- elementwise
     def _operand(self, other: Any) -> Tensor:
@@ -608,6 +630,17 @@ class Tensor:
             return Tensor._wrap(n.src[0])._new(Op.RESHAPE, (n.src[0],), new, new, n.dtype)
         return self._new(Op.RESHAPE, (self.id,), new, new, n.dtype)
 
+    def _placed_like(self, t: Tensor) -> Tensor:
+        """`t`, a fresh helper tensor made on self's device (an arange, a random mask, optimiser state), placed like
+        self: pinned only when self is. Ops joining them then keep self's placement, so a model created on AUTO stays
+        AUTO through a training step and the step's graph structure (and cached plan) is the same every step."""
+        n = t._node
+        # (a disk tensor's helpers are made on AUTO: the disk computes nothing)
+        assert (n.device == self.device or self.device == DISK) and n.rc == 1 and not n.src, \
+            "only a fresh tensor on self's device"
+        n.pinned = self._node.pinned
+        return t
+
     @staticmethod
     def _wrap(i: builtins.int) -> Tensor:
         t = object.__new__(Tensor)
@@ -871,8 +904,8 @@ class Tensor:
         idx = idx.cast(dtypes.int32)
         idx = Tensor.where(idx < 0, idx + n, idx)
         rest = self.shape[1:]
-        one_hot = idx.reshape(idx.shape + (1,) * (1 + len(rest))) == Tensor.arange(n, device=self.device).reshape(
-            (n,) + (1,) * len(rest))
+        rows = self._placed_like(Tensor.arange(n, device=self.device))
+        one_hot = idx.reshape(idx.shape + (1,) * (1 + len(rest))) == rows.reshape((n,) + (1,) * len(rest))
         picked = Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0)
         return picked.sum(axis=idx.ndim)
 
@@ -889,7 +922,7 @@ class Tensor:
         n = self.shape[a]
         x = self._shrink([(0, n) if d == a else (0, i) for d, i in enumerate(index.shape)])
         x = x.moveaxis(a, -1).unsqueeze(a)
-        one_hot = index.cast(dtypes.int32).unsqueeze(-1) == Tensor.arange(n, device=self.device)
+        one_hot = index.cast(dtypes.int32).unsqueeze(-1) == self._placed_like(Tensor.arange(n, device=self.device))
         return Tensor.where(one_hot, x, 0).sum(axis=-1)
 
     # ---------------------------------------------------------------- reductions
@@ -950,7 +983,7 @@ class Tensor:
         if n == 0:
             raise ShapeError(f"arg{op} over an empty axis of shape {self.shape}")
         m = self._reduce(op, a, keepdim=True)
-        rev = Tensor.arange(n, 0, -1, device=self.device).reshape((n,) + (1,) * (self.ndim - a - 1))
+        rev = self._placed_like(Tensor.arange(n, 0, -1, device=self.device)).reshape((n,) + (1,) * (self.ndim - a - 1))
         is_m = (self == m) | (self != self) if self.dtype.is_float else self == m  # a NaN is the extreme (numpy)
         hit = Tensor.where(is_m, rev, 0)
         return (n - hit.max(a, keepdim)).cast(dtypes.int32)
@@ -1082,7 +1115,8 @@ class Tensor:
     def one_hot(self, num_classes: builtins.int) -> Tensor:
         if self.dtype.is_float:
             raise DTypeError(f"one_hot needs an integer tensor, got {self.dtype.name}")
-        return (self.unsqueeze(-1) == Tensor.arange(num_classes, device=self.device)).cast(dtypes.int32)
+        classes = self._placed_like(Tensor.arange(num_classes, device=self.device))
+        return (self.unsqueeze(-1) == classes).cast(dtypes.int32)
 
     def dropout(self, p: builtins.float = 0.5) -> Tensor:
         if not 0.0 <= p <= 1.0:
@@ -1091,8 +1125,34 @@ class Tensor:
             return self
         if p == 1.0:
             return self * 0
-        keep = Tensor.rand(*self.shape, device=self.device) >= p
+        keep = self._placed_like(Tensor.rand(*self.shape, device=self.device)) >= p
         return Tensor.where(keep, self * (1.0 / (1.0 - p)), 0).cast(self.dtype)
+
+    # ---------------------------------------------------------------- rebinding
+    def assign(self, other: Any) -> Tensor:
+        """Rebind this handle to `other` (same shape, dtype and device); returns self. Lazy and functional: the
+        old value is not overwritten, other handles to it keep it, and it is freed when nothing needs it. This is how
+        an optimiser step updates parameters in place of the model's handles.
+
+        >>> w = Tensor([1.0, 2.0])
+        >>> w.assign(w * 2 + 1).numpy_sync().tolist()
+        [3.0, 5.0]
+        """
+        n = self._node
+        if not isinstance(other, Tensor):
+            other = Tensor(other, dtype=n.dtype, device=n.device)
+        o = other._node
+        if o.shape != n.shape:
+            raise ShapeError(f"assign of a tensor of shape {o.shape} to one of shape {n.shape}")
+        if o.dtype is not n.dtype:
+            raise DTypeError(f"assign of a {o.dtype.name} tensor to a {n.dtype.name} one; cast it first")
+        if o.device != n.device:
+            raise DeviceError(f"assign of a tensor on {o.device} to one on {n.device}; move it with .to() first")
+        if other.id != self.id:
+            GRAPH.retain(other.id)
+            old, self.id = self.id, other.id
+            GRAPH.release(old)
+        return self
 
     # ---------------------------------------------------------------- devices
     def to(self, device: str) -> Tensor:
@@ -1116,7 +1176,9 @@ def _join_devices(*nodes: Node) -> tuple[str, bool]:
     pinned = {n.device for n in nodes if n.pinned}
     if len(pinned) > 1:
         raise DeviceError(f"operands are on different devices {sorted(pinned)}; move them with .to(device)")
-    return (pinned.pop(), True) if pinned else (first.device, False)
+    if pinned:
+        return pinned.pop(), True
+    return next((n.device for n in nodes if n.device != DISK), first.device), False  # the disk computes nothing
 
 
 def _to_numpy(data: Any, dtype: Any) -> np.ndarray:

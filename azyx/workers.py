@@ -30,12 +30,45 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def _call(job: list[Any]) -> Any:
+    """Run a job and let go of its function and arguments before its future completes: the pool's work item
+    outlives the call by a moment, and must not keep buffers alive past the wake-up it triggers."""
+    fn, args = job.pop()
+    return fn(*args)
+
+
 async def in_worker_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run `fn(*args)` on a worker thread; the event loop stays free while it runs."""
-    fut = _executor().submit(fn, *args)
+    fut = _executor().submit(_call, [(fn, args)])
     with _lock:
         _pending.add(fut)
     fut.add_done_callback(_forget)
+    if not fut.done():
+        waiter = _LoopWaiter()
+        fut.add_done_callback(waiter.wake_from)
+        await waiter.wait()
+    return fut.result()
+
+
+def in_background(fn: Callable[[], Any]) -> None:
+    """Run `fn()` on a worker thread without waiting for it (`drain()` still does)."""
+    fut = _executor().submit(fn)
+    with _lock:
+        _pending.add(fut)
+    fut.add_done_callback(_forget)
+
+
+def start_in_worker_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """Start `fn(*args)` on a worker thread now and return its future; `await result_of(fut)` later (read-ahead)."""
+    fut = _executor().submit(_call, [(fn, args)])
+    with _lock:
+        _pending.add(fut)
+    fut.add_done_callback(_forget)
+    return fut
+
+
+async def result_of(fut: concurrent.futures.Future[T]) -> T:
+    """Wait on the event loop for a future of `start_in_worker_thread`; a cancelled waiter leaves the work running."""
     if not fut.done():
         waiter = _LoopWaiter()
         fut.add_done_callback(waiter.wake_from)

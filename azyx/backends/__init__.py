@@ -11,8 +11,18 @@ from azyx.device import Device
 # name -> (module, class name); imported lazily so a missing package only disables its backend
 BACKENDS: dict[str, tuple[str, str]] = {
     "c": ("azyx.backends.c", "CDevice"),
+    "opencl": ("azyx.backends.opencl", "OpenCLDevice"),
     "dummy": ("azyx.backends.dummy", "DummyDevice"),
 }
+
+
+def device_count(kind: str, section: dict[str, Any]) -> int:
+    """How many devices of a backend to start: what the config says, or what the driver reports."""
+    if kind == "opencl" and "devices" not in section:
+        from azyx.backends.opencl import device_list
+
+        return len(device_list(section))
+    return int(section.get("devices", 1))
 
 
 def load_backend(name: str) -> Callable[[int, dict[str, Any]], Device]:

@@ -47,7 +47,7 @@ class CDevice(HostDevice):
         todo = {s.name: len(s.args) for s in steps if s.name not in _PROGRAMS}
         if not todo:
             return
-        src = kernel_source([s.src for s in steps if s.name in todo], C)
+        src = kernel_source([s.src for s in {s.name: s for s in steps if s.name in todo}.values()], C)  # once each
         debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
         # build (or find in the disk cache) and load on a worker thread: the loop only waits; a cancelled realize
         # stops waiting while the build still finishes into the cache

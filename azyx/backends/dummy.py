@@ -3,7 +3,6 @@ so the scheduler, placement and allocation errors can be tested without real har
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,12 +13,12 @@ from azyx.dtypes import DType
 from azyx.errors import AllocationError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
-from azyx.timeline import TimelineSignal
 
 
 class DummyDevice(Device):
     kind = "dummy"
     dialect = C
+    listed = False
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
@@ -47,19 +46,22 @@ class DummyDevice(Device):
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         raise DeviceError(f"{self.name} is a dummy device: it plans and accounts memory but holds no data")
 
-    def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], work: int) -> int:
+    def _done(self) -> int:
         self.submitted += 1
-        fn()
         self.timeline.signal(self.submitted)
         return self.submitted
+
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+        self.launched.append(step.name)
+        return self._done()
+
+    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+        return self._done()
+
+    def has_program(self, name: str) -> bool:
+        return True
 
     async def compile(self, steps: list[KernelStep]) -> None:
         return None
 
-    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
-        return lambda: self.launched.append(step.name)
 
-    def copy_fn(self, src: Buffer, dst: Buffer) -> Callable[[], None]:
-        return lambda: None
-
-    staged_copy_fn = copy_fn

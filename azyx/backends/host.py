@@ -12,67 +12,33 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
+from azyx.allocator import PoolAllocator
+from azyx.backends.disk import DiskDevice
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType, dtypes
-from azyx.errors import AllocationError
 from azyx.graph import Shape, StridedView
+from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
 ALIGN = 64
 WORKER_NICE = 10
 
 
-def bucket(nbytes: int) -> int:
-    """Round a request up so that freed blocks are reused by requests of nearly the same size."""
-    if nbytes <= 4096:
-        return max(64, 1 << (nbytes - 1).bit_length())
-    gran = 4096 if nbytes <= (1 << 20) else 1 << 16
-    return -(-nbytes // gran) * gran
+def _aligned(size: int) -> np.ndarray:
+    raw = np.empty(size + ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return raw[off : off + size]
 
 
-class HostAllocator:
-    """Size-bucketed free lists of 64-byte aligned host blocks, with in-use accounting for device choice."""
+class HostAllocator(PoolAllocator):
+    """Pooled 64-byte aligned host blocks."""
 
     def __init__(self, capacity: int, cache_limit: int):
-        self.capacity, self.cache_limit = capacity, cache_limit
-        self.lock = threading.Lock()
-        self.free_lists: dict[int, list[np.ndarray]] = {}
-        self.in_use = 0
-        self.cached = 0
+        super().__init__(capacity, cache_limit, _aligned, "host memory")
 
-    def alloc(self, nbytes: int) -> tuple[np.ndarray, int, int]:
-        size = bucket(nbytes)
-        with self.lock:
-            lst = self.free_lists.get(size)
-            mem = lst.pop() if lst else None
-            if mem is not None:
-                self.cached -= size
-            elif self.in_use + size > self.capacity:
-                raise AllocationError(f"allocating {nbytes} bytes exceeds the device's capacity of {self.capacity} "
-                                      f"bytes ({self.in_use} in use)")
-            self.in_use += size
-        if mem is None:
-            try:
-                raw = np.empty(size + ALIGN, np.uint8)
-            except MemoryError:
-                with self.lock:
-                    self.in_use -= size
-                raise AllocationError(f"host allocation of {size} bytes failed") from None
-            off = (-raw.ctypes.data) % ALIGN
-            mem = raw[off : off + size]
+    def alloc(self, nbytes: int) -> tuple[np.ndarray, int, int]:  # type: ignore[override]
+        mem, size = super().alloc(nbytes)
         return mem, mem.ctypes.data, size
-
-    def free(self, mem: np.ndarray, size: int) -> None:
-        with self.lock:
-            self.in_use -= size
-            if self.cached + size <= self.cache_limit:
-                self.free_lists.setdefault(size, []).append(mem)
-                self.cached += size
-
-    def trim(self) -> None:
-        with self.lock:
-            self.free_lists.clear()
-            self.cached = 0
 
 
 class WorkQueue:
@@ -144,6 +110,8 @@ def memory_bytes() -> int:
 class HostDevice(Device):
     """A device whose buffers are host memory: allocation, copies and reads are plain memory operations."""
 
+    host_memory = True
+
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         self.capacity = int(options.get("memory") or memory_bytes() * 3 // 4)
@@ -177,22 +145,59 @@ class HostDevice(Device):
     def pending(self) -> int:
         return self.queue.submitted - self.timeline.value
 
-    def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], work: int) -> int:
-        return self.queue.submit(fn, waits, work <= self.inline_work)
+    def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
+        return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
+
+    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+        return self.submit(self.launch_fn(step, bufs), waits, step.work)
+
+    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+        """Host memory to host memory is a memmove (same device, or peer: c:0 -> c:1). Another API's buffer is
+        read straight into this device's memory: queued on the source device in program order where it has a
+        queue (this queue then only waits for it), else read on this device's worker thread (host-staged)."""
+        n = min(src.nbytes, dst.nbytes)
+        if src.device.host_memory:
+
+            def copy() -> None:
+                ctypes.memmove(dst.ptr, src.ptr, n)
+
+            return self.submit(copy, waits, n // 64)
+        done = src.device.copy_to_host(src, dst.mem[:n], waits)
+        if done is not None:
+            return self.submit(_keep_alive(src, dst), [(src.device, done)], 0)
+
+        if isinstance(src.device, DiskDevice) and not waits:  # a file range is always ready and `dst` is fresh:
+            pending = src.device.start_read_into(src, dst.mem[:n])  # read now, beside the plan's other reads;
+
+            def wait() -> None:  # this queue only waits for it (and raises its error); it holds both buffers till then
+                assert src is not None and dst is not None
+                pending.wait()
+
+            return self.submit(wait, [], self.inline_work + 1)
+
+        def read() -> None:
+            src.device.read_into(src, dst.mem[:n])
+
+        # a file read (disk) waits on storage: never inline on the loop, always on the worker thread
+        return self.submit(read, waits, n // 64 if not src.device.storage else self.inline_work + 1)
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         ctypes.memmove(buf.ptr, host.ctypes.data, min(buf.nbytes, host.nbytes))
 
-    def copy_fn(self, src: Buffer, dst: Buffer) -> Callable[[], None]:
-        n = min(src.nbytes, dst.nbytes)
-
-        def copy() -> None:
-            ctypes.memmove(dst.ptr, src.ptr, n)
-
-        return copy
-
     def close(self) -> None:
         self.queue.close()
+
+
+def _keep_alive(*objs: object) -> Callable[[], None]:
+    """A no-op work item that holds `objs` (buffers) until the queue has run it."""
+
+    def hold() -> None:
+        assert objs
+
+    return hold
 
 
 def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
@@ -208,3 +213,11 @@ def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) ->
     if dtype is dtypes.bfloat16:
         out = (out.astype(np.uint32) << 16).view(np.float32)
     return out
+
+
+class HostMemory(HostDevice):
+    """Plain host memory ("host"): where tensors made from numpy data wait for a device whose memory is not
+    host memory; the plan copies them over when it first needs them. Not a compute device."""
+
+    kind = "host"
+    listed = False

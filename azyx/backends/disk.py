@@ -1,0 +1,275 @@
+"""The disk as a device: its buffers are byte ranges of open files, its memory pool the files it holds open.
+
+A tensor of a safetensors file is a Leaf on device "disk" whose Buffer is (file, offset, length). Nothing is read
+until a plan copies it to a compute device or `numpy()` reads it. Reads run on reader threads (never on the event
+loop), straight into the destination's memory when that is host memory: a host device's `copy_in` starts them when
+the plan is submitted (a file range is always ready and the destination buffer is fresh) and its queue waits for
+them; other devices call `read_into` from their own worker threads.
+The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
+(see `azyx.io.lazy.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import stat
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import sniffio
+
+from azyx.device import Buffer, Device
+from azyx.dtypes import DType, dtypes
+from azyx.errors import AzyxIOError, DeviceError
+from azyx.graph import Shape, StridedView, contiguous_strides, prod
+from azyx.plan import KernelStep
+from azyx.timeline import TimelineSignal
+
+DISK = "disk"  # the device's name (there is one disk device)
+SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
+_readers: concurrent.futures.ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock)."""
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            _readers = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
+                                                             thread_name_prefix="azyx-disk")
+        return _readers
+
+
+class DiskFile:
+    """One file opened read-only, shared by every buffer over its ranges and closed when the last of them goes.
+    Reads go through this descriptor, so a file replaced on disk (`os.replace`) keeps serving the old contents to
+    the tensors made from it."""
+
+    __slots__ = ("path", "fd", "size", "identity", "header", "close", "__weakref__")
+
+    def __init__(self, path: str):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise AzyxIOError(f"{path}: cannot open: {e.strerror or e}") from e
+        self.fd, self.path = fd, path
+        # closed once unreachable, by a finalizer rather than __del__: a finalizer runs after the weak references are
+        # cleared, so a cache of open files (weak values) can never hand out a file whose descriptor is closing
+        self.close = weakref.finalize(self, os.close, fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise AzyxIOError(f"{path}: not a regular file")
+        self.size = st.st_size
+        self.identity = file_identity(st)
+        self.header: Any = None  # what a format parser made of the file (azyx.io keeps its parsed header here)
+
+    def __repr__(self) -> str:
+        return f"DiskFile({self.path!r}, {self.size} bytes)"
+
+    def pread_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` (a writable byte view) with the bytes at `offset`: positional reads, safe from any thread."""
+        done, n = 0, len(out)
+        while done < n:
+            try:
+                got = _preadv(self.fd, out[done:], offset + done)
+            except OSError as e:
+                raise AzyxIOError(f"{self.path}: read of {n} bytes at {offset} failed: {e.strerror or e}") from e
+            if got == 0:
+                raise AzyxIOError(f"{self.path}: unexpected end of file at byte {offset + done} while reading "
+                                  f"{n} bytes at {offset} (truncated, or changed after it was opened)")
+            done += got
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another: device, inode, size, modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _preadv(fd: int, out: memoryview, offset: int) -> int:
+    try:
+        if hasattr(os, "preadv"):
+            return os.preadv(fd, [out], offset)
+        data = os.pread(fd, len(out), offset)  # platforms without preadv: one extra copy
+        out[: len(data)] = data
+        return len(data)
+    except InterruptedError:
+        return _preadv(fd, out, offset)
+
+
+class FileRange:
+    """A disk Buffer's memory: `nbytes` bytes (the Buffer's) of `file`, starting at byte `offset`."""
+
+    __slots__ = ("file", "offset")
+
+    def __init__(self, file: DiskFile, offset: int):
+        self.file, self.offset = file, offset
+
+    def __repr__(self) -> str:
+        return f"FileRange({self.file.path!r}, offset={self.offset})"
+
+
+class PendingRead:
+    """Reads under way on the reader threads; `wait()` returns when all are done (raising the first error)."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[concurrent.futures.Future[None]]):
+        self.pieces = pieces
+
+    def wait(self) -> None:
+        concurrent.futures.wait(self.pieces)
+        for f in self.pieces:
+            f.result()
+
+
+def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
+    dev, buf, start, out = job.pop()  # hold nothing once done: the pool's work item outlives the call a moment
+    dev._read(buf, start, out)
+
+
+def _on_event_loop() -> bool:
+    """Whether the calling thread is running an asyncio or trio event loop."""
+    try:
+        sniffio.current_async_library()
+        return True
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+
+
+def covering(view: StridedView, shape: Shape) -> tuple[int, int]:
+    """The element range [lo, hi) that `view` reads for `shape` (empty when the shape has no elements)."""
+    if 0 in shape:
+        return view.offset, view.offset
+    lo = hi = view.offset
+    for n, s in zip(shape, view.strides):
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + 1
+
+
+class DiskDevice(Device):
+    """Device "disk": buffers over file ranges, positional reads, no kernels, no allocation."""
+
+    kind = DISK
+    listed = False
+    storage = True
+
+    def __init__(self, index: int = 0, options: dict[str, Any] | None = None):
+        super().__init__(index, options or {})
+        self.name = DISK
+        self.timeline = TimelineSignal(DISK)  # its buffers are ready at 0: nothing ever waits on it
+        self.compute = 0.0
+        self.lock = threading.Lock()
+        self.in_use = 0  # bytes of file ranges that live buffers describe
+        self.buffers = 0  # how many such buffers live
+        self.bytes_read = 0  # bytes read from files so far (tests: lazy loading and partial reads)
+        self.reads = 0
+        self.reads_on_loop = 0  # reads made on an event loop's thread, which they would block: should stay 0
+
+    # memory: file ranges, accounted like a pool
+    def buffer(self, file: DiskFile, offset: int, nbytes: int) -> Buffer:
+        """A buffer describing bytes [offset, offset + nbytes) of `file`."""
+        assert 0 <= offset and offset + nbytes <= file.size, f"range {offset}+{nbytes} outside {file}"
+        with self.lock:
+            self.in_use += nbytes
+            self.buffers += 1
+        return Buffer(self, nbytes, FileRange(file, offset), 0, False)
+
+    def free_memory(self) -> int:
+        return 0
+
+    def alloc(self, nbytes: int) -> Buffer:
+        raise DeviceError("the disk device holds file-backed tensors only: nothing is allocated or computed there")
+
+    def release(self, buf: Buffer) -> None:
+        with self.lock:
+            self.in_use -= buf.nbytes
+            self.buffers -= 1
+
+    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
+        raise DeviceError("the disk device holds file-backed tensors only; write files with azyx.io.save_safetensors")
+
+    # reads (blocking: called on worker threads)
+    def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
+        assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
+        rng: FileRange = buf.mem
+        rng.file.pread_into(rng.offset + start, out)
+        on_loop = _on_event_loop()
+        with self.lock:
+            self.bytes_read += len(out)
+            self.reads += 1
+            self.reads_on_loop += on_loop
+
+    def _read_parallel(self, buf: Buffer, start: int, out: memoryview) -> None:
+        """`_read`, split into pieces (4 KiB multiples) read in parallel when large, the caller's thread reading the
+        first: faulting fresh destination memory in is most of a cached file read's cost, and it parallelises."""
+        n = len(out)
+        pieces = min(os.cpu_count() or 1, n // SPLIT)
+        if pieces < 2:
+            if n:
+                self._read(buf, start, out)
+            return
+        step = (-(-n // pieces) + 4095) // 4096 * 4096
+        bounds = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        rest = [_reader_pool().submit(_read_piece, [(self, buf, start + lo, out[lo:hi])]) for lo, hi in bounds[1:]]
+        try:
+            self._read(buf, start, out[: bounds[0][1]])
+        finally:
+            concurrent.futures.wait(rest)  # never return while a piece may still write into `out`
+        for f in rest:
+            f.result()
+
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
+        self._read_parallel(buf, 0, out.data.cast("B"))
+
+    def start_read_into(self, buf: Buffer, out: np.ndarray) -> PendingRead:
+        """Start reading the first `out.nbytes` bytes of the range into `out` on the reader threads, now (large
+        reads in pieces). For a destination that no queued work can touch, like a transfer's fresh buffer: a file
+        range is always ready, so a plan's reads need not wait for their turn in the destination's queue."""
+        view = out.data.cast("B")
+        n = len(view)
+        step = max(SPLIT, 4096)
+        return PendingRead([_reader_pool().submit(_read_piece, [(self, buf, lo, view[lo : min(lo + step, n)])])
+                            for lo in range(0, n, step)])
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        """A new C-contiguous array of the view (bfloat16 widened to float32, like every device's `read`); only the
+        bytes the view covers are read."""
+        lo, hi = covering(view, shape)
+        if lo == hi:
+            return np.empty(shape, dtype.numpy)
+        item = dtype.itemsize
+        if view.strides == contiguous_strides(shape) or prod(shape) == 1:
+            out = np.empty(shape, dtype.np)
+            self._read_parallel(buf, lo * item, out.reshape(-1).view(np.uint8).data)
+        else:
+            raw = np.empty((hi - lo) * item, np.uint8)
+            self._read(buf, lo * item, raw.data)
+            flat = raw.view(dtype.np)
+            strided = np.lib.stride_tricks.as_strided(flat[view.offset - lo :], shape,
+                                                      tuple(s * item for s in view.strides))
+            out = np.array(strided, copy=True, order="C")
+        if dtype is dtypes.bfloat16:
+            out = (out.astype(np.uint32) << 16).view(np.float32)
+        return out
+
+    # work: none happens here
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+        raise DeviceError("the disk device runs no kernels")
+
+    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+        raise DeviceError("nothing is copied to the disk device; write files with azyx.io.save_safetensors")
+
+    async def compile(self, steps: list[KernelStep]) -> None:
+        raise DeviceError("the disk device runs no kernels")
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        raise DeviceError("disk tensors are read-only; write files with azyx.io.save_safetensors")

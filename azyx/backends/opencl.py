@@ -1,0 +1,259 @@
+"""The OpenCL backend (pyopencl): kernels in OpenCL C from the shared C-family renderer, one in-order queue per
+device, completion through the queue's events into the device's TimelineSignal.
+
+Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
+while it waits), then advances the timeline; nothing polls. pyopencl's `Event.set_callback` was the first
+choice, but it starts an OS thread per callback, which costs more than the work of a small kernel and races the
+interpreter's shutdown (a callback thread acquiring the GIL of a finalizing interpreter aborts the process).
+
+Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
+any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
+wait happens in the OpenCL runtime, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from azyx import debug
+from azyx.allocator import PoolAllocator
+from azyx.cstyle import OPENCL, kernel_source
+from azyx.device import Buffer, Device
+from azyx.dtypes import DType
+from azyx.errors import CompileError, DeviceError
+from azyx.graph import Shape, StridedView
+from azyx.plan import KernelStep
+from azyx.workers import in_background, in_worker_thread
+
+try:
+    import pyopencl as cl
+except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
+    raise ImportError(f"pyopencl is not installed: {e}") from None
+
+_CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
+_LOCAL = 64  # preferred work-group size (a multiple of every SIMD width seen), capped by the device
+
+
+def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
+    """(platform index, cl.Device) for every device of the configured platforms (all when none are named)."""
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as e:
+        raise DeviceError(f"no OpenCL platform: {e}") from None
+    wanted = options.get("platform_ids") or list(range(len(platforms)))
+    return [(p, d) for p in wanted if p < len(platforms) for d in platforms[p].get_devices()]
+
+
+class OpenCLDevice(Device):
+    kind = "opencl"
+    dialect = OPENCL
+    tiles = True
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        devices = device_list(options)
+        if index >= len(devices):
+            raise DeviceError(f"no OpenCL device {index} (found {len(devices)})")
+        plat, self.cl_device = devices[index]
+        if plat not in _CONTEXTS:
+            _CONTEXTS[plat] = cl.Context([d for p, d in devices if p == plat])
+        self.ctx = _CONTEXTS[plat]
+        self.queue = cl.CommandQueue(self.ctx, self.cl_device)
+        self.capacity = int(options.get("memory") or self.cl_device.global_mem_size * 3 // 4)
+        self.allocator = PoolAllocator(self.capacity, self.capacity // 4,
+                                       lambda size: cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size), self.name)
+        self.compute = float(self.cl_device.max_compute_units * 25)  # rough GFLOP/s, for AUTO placement
+        self.max_local = int(self.cl_device.max_work_group_size)
+        self.submitted = 0
+        self.events: dict[int, Any] = {}  # timeline value -> the cl.Event completing it (pruned once reached)
+        # what queued commands use (buffers, host arrays), held until they complete; the waiter thread only moves
+        # it to `finished`, which a submitting thread drops (buffers return to pools outside the waiter)
+        self.holding: dict[int, Any] = {}
+        self.finished: list[Any] = []
+        self.kernels: dict[str, Any] = {}  # kernel name -> cl.Kernel
+        self.lock = threading.Lock()  # enqueues come from the loop and from other devices' worker threads
+        self.completions: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
+        self.waiter.start()
+        debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
+
+    # ------------------------------------------------------------------ memory
+    def free_memory(self) -> int:
+        return self.capacity - self.allocator.in_use
+
+    def alloc(self, nbytes: int) -> Buffer:
+        mem, size = self.allocator.alloc(nbytes)
+        return Buffer(self, size, mem, 0, True)
+
+    def release(self, buf: Buffer) -> None:
+        self.allocator.free(buf.mem, buf.nbytes)
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False, wait_for=w),
+                             waits, (buf, out))
+
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        if out.nbytes:
+            with self.lock:
+                ev = cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False)
+            ev.wait()
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        from azyx.backends.host import host_read
+
+        host = np.empty(buf.nbytes, np.uint8)
+        self.read_into(buf, host)
+        return host_read(host, view, shape, dtype)
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        with self.lock:
+            ev = cl.enqueue_copy(self.queue, buf.mem, host, is_blocking=False)
+        ev.wait()
+
+    # ------------------------------------------------------------------ compile and launch
+    def has_program(self, name: str) -> bool:
+        return name in self.kernels
+
+    async def compile(self, steps: list[KernelStep]) -> None:
+        todo = [s for s in steps if s.name not in self.kernels]
+        if not todo:
+            return
+        src = kernel_source([s.src for s in {s.name: s for s in todo}.values()], OPENCL)
+        debug.log(debug.SOURCE, lambda: f"OpenCL source for {', '.join(s.name for s in todo)}:\n{src}")
+        program = await in_worker_thread(self._build, src)
+        for s in todo:
+            self.kernels[s.name] = cl.Kernel(program, s.name)  # fetched once: prg.name on each launch is slow
+
+    def _build(self, src: str) -> Any:
+        try:
+            return cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
+        except cl.Error as e:
+            raise CompileError(f"OpenCL build failed on {self.name}:\n{e}\n--- source ---\n{src}") from None
+
+    def pending(self) -> int:
+        return self.submitted - self.timeline.value
+
+    def _wait_events(self, waits: list[tuple[Device, int]]) -> list[Any]:
+        """Translate (device, value) waits into OpenCL events the queue can wait on."""
+        out = []
+        for dev, v in waits:
+            if dev.timeline.value >= v:
+                continue
+            if isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx and v in dev.events:
+                out.append(dev.events[v])
+                continue
+            uev = cl.UserEvent(self.ctx)  # completed by the other device's timeline, from its thread
+            dev.timeline.on_reach(v, partial(uev.set_status, cl.command_execution_status.COMPLETE))
+            out.append(uev)
+        return out
+
+    def _enqueue(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]],
+                 keep: Any) -> int:
+        wait_for = self._wait_events(waits)
+        with self.lock:
+            ev = enqueue(wait_for or None)
+            self.submitted += 1
+            v = self.submitted
+            self.events[v] = ev
+            self.holding[v] = keep
+            done = self._take_done()
+        del done  # buffers of completed commands go back to their pools here, on the submitting thread
+        self.completions.put((ev, v))
+        return v
+
+    def _wait_loop(self) -> None:
+        while (item := self.completions.get()) is not None:
+            ev, v = item
+            try:
+                ev.wait()
+                status = 0
+            except cl.Error as e:
+                status = -1
+                self.errors.append(e)
+            del ev, item
+            self._complete(v, status)
+
+    def _take_done(self) -> list[Any]:
+        """Under the lock: what completed commands held (the queue is in order, so everything up to the timeline's
+        value is complete even when its callback has not run yet)."""
+        reached = self.timeline.value
+        done, self.finished = self.finished, []
+        for k in [k for k in self.holding if k <= reached]:
+            done.append(self.holding.pop(k))
+        for k in [k for k in self.events if k <= reached]:
+            del self.events[k]
+        return done
+
+    def _complete(self, v: int, status: int) -> None:
+        if status < 0:
+            self.errors.append(RuntimeError(f"{self.name}: command {v} failed with status {status}"))
+        with self.lock:
+            self.finished.append(self.holding.pop(v, None))
+        self.timeline.signal(v)
+
+    def collect(self) -> None:
+        with self.lock:
+            done = self._take_done()
+        del done
+
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+        knl = self.kernels[step.name]
+        n = max(step.kernel.global_size, 1)
+        local = min(_LOCAL, self.max_local, n)
+        glob = -(-n // local) * local  # the kernel returns early past its global size
+        mems = [b.mem for b in bufs]
+
+        def enqueue(wait_for: list[Any] | None) -> Any:
+            knl.set_args(*mems)
+            return cl.enqueue_nd_range_kernel(self.queue, knl, (glob,), (local,), wait_for=wait_for)
+
+        return self._enqueue(enqueue, waits, bufs)
+
+    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+        """Same context: a copy on the device. A host-memory source (C): one enqueued write from its memory, which
+        waits for the source through a user event. Any other API: staged through host memory on a worker."""
+        n = min(src.nbytes, dst.nbytes)
+        keep = (src, dst)
+        if isinstance(src.device, OpenCLDevice) and src.device.ctx is self.ctx:
+            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n,
+                                                           wait_for=w), waits, keep)
+        if src.device.host_memory:
+            host = src.mem.reshape(-1).view(np.uint8)[:n]
+            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, is_blocking=False,
+                                                           wait_for=w), waits, keep)
+        staged = np.empty(n, np.uint8)
+        done = src.device.copy_to_host(src, staged, waits)  # another API with a queue: read in program order
+        if done is not None:
+            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
+                                                           wait_for=w), [(src.device, done)], (keep, staged))
+        ready = cl.UserEvent(self.ctx)
+
+        def stage() -> None:  # a source without a queue (the disk): read it on a worker thread, then release
+            try:
+                for dev, v in waits:
+                    dev.timeline.wait_sync(v)
+                src.device.read_into(src, staged)
+                ready.set_status(cl.command_execution_status.COMPLETE)
+            except BaseException as e:
+                self.errors.append(e)
+                ready.set_status(-1)  # the write fails too, and the timeline still advances
+
+        in_background(stage)
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
+                                                       wait_for=[ready]), [], (keep, staged))
+
+    def close(self) -> None:
+        """Finish the queue, stop the waiter thread and drop what completed work held."""
+        try:
+            self.queue.finish()
+        except cl.Error:
+            pass
+        self.completions.put(None)
+        self.waiter.join(timeout=10)
+        self.collect()

@@ -1,0 +1,168 @@
+"""Optimisers whose step is lazy: `opt.step(grads)` rebinds every parameter handle (and every state tensor) to its
+updated value with `Tensor.assign`, building graph nodes only. Realizing the loss, the parameters and the state
+together runs forward, backward and update as ONE plan; since every iteration builds the same structure, the plan
+cache hits from the second iteration on.
+
+There is no `zero_grad`: gradients are not accumulated on the parameters, they are the lazy tensors that
+`tape.gradient` returns, passed straight to `step`.
+
+    with azyx.GradientTape() as tape:
+        loss = nn.cross_entropy(model(x), y)
+    opt.step(tape.gradient(loss, opt.params))
+    await azyx.realize(loss, *opt.tensors())     # or: await azyx.realize(loss, *opt.step(...))
+
+Every state tensor (moments, step powers) is a realized tensor from the start, so the first iteration's graph has
+the same structure as every later one. Hyper-parameters are Python floats baked into the graph: changing one (a
+learning-rate schedule) makes a new plan structure for each distinct value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from azyx.dtypes import dtypes
+from azyx.errors import ArgumentError, DTypeError, ShapeError
+from azyx.tensor import Tensor
+
+
+class Optimizer:
+    """Holds the parameter handles and the state tensors; subclasses define `_update`."""
+
+    def __init__(self, params: Sequence[Tensor], lr: float):
+        self.params = list(params)
+        if not self.params:
+            raise ArgumentError("an optimiser needs at least one parameter")
+        for i, p in enumerate(self.params):
+            if not isinstance(p, Tensor):
+                raise DTypeError(f"parameter {i} is a {type(p).__name__}, not a Tensor")
+            if not p.dtype.is_float:
+                raise DTypeError(f"parameter {i} of shape {p.shape} is {p.dtype.name}; only float tensors train")
+        if lr < 0:
+            raise ArgumentError(f"learning rate must be >= 0, got {lr}")
+        self.lr = lr
+        self.state: list[Tensor] = []  # every state tensor, in a fixed order (realize them with the parameters)
+
+    def _zeros_like(self, p: Tensor, *lead: int) -> Tensor:
+        # realized from the start and placed like p, so the first step's graph has the structure of every later one
+        t = p._placed_like(Tensor(np.zeros((*lead, *p.shape), p.dtype.numpy), dtype=p.dtype, device=p.device))
+        self.state.append(t)
+        return t
+
+    def _scalar(self, value: float) -> Tensor:
+        """A realized 0-d state tensor in the widest parameter dtype (at least float32)."""
+        dt = max((p.dtype for p in self.params), key=lambda d: d.itemsize)
+        dt = dt if dt.itemsize >= 4 else dtypes.float32
+        p = self.params[0]
+        t = p._placed_like(Tensor(np.asarray(value, dt.numpy), dtype=dt, device=p.device))
+        self.state.append(t)
+        return t
+
+    def tensors(self) -> list[Tensor]:
+        """The parameters, then the state: everything a step rebinds (realize them all, with the loss)."""
+        return [*self.params, *self.state]
+
+    def step(self, grads: Sequence[Tensor | None]) -> list[Tensor]:
+        """Lazily update every parameter from its gradient (one per parameter, in order; None skips it) and rebind
+        the parameter and state handles. Returns `tensors()` to realize."""
+        grads = list(grads)
+        if len(grads) != len(self.params):
+            raise ArgumentError(f"step() got {len(grads)} gradients for {len(self.params)} parameters")
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is not None and g.shape != p.shape:
+                raise ShapeError(f"gradient {i} has shape {g.shape}, its parameter {p.shape}")
+        self._update([g.cast(p.dtype) if g is not None else None for p, g in zip(self.params, grads)])
+        return self.tensors()
+
+    def _update(self, grads: list[Tensor | None]) -> None:
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum (PyTorch's form: buf = momentum * buf + g, no dampening),
+    Nesterov momentum and L2 weight decay (added to the gradient).
+
+    >>> import azyx
+    >>> from azyx import Tensor, GradientTape, optim
+    >>> w = Tensor([1.0, -2.0])
+    >>> opt = optim.SGD([w], lr=0.1)
+    >>> with GradientTape() as tape:
+    ...     loss = (w * w).sum()
+    >>> _ = opt.step(tape.gradient(loss, [w]))
+    >>> w.numpy_sync().tolist()
+    [0.800000011920929, -1.600000023841858]
+    """
+
+    def __init__(self, params: Sequence[Tensor], lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False):
+        super().__init__(params, lr)
+        if nesterov and momentum <= 0:
+            raise ArgumentError("nesterov momentum needs momentum > 0")
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
+        self.bufs = [self._zeros_like(p) for p in self.params] if momentum else []
+
+    def _update(self, grads: list[Tensor | None]) -> None:
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                continue
+            if self.weight_decay:
+                g = g + p * self.weight_decay
+            if self.momentum:
+                buf = self.bufs[i].assign(self.bufs[i] * self.momentum + g)
+                g = g + buf * self.momentum if self.nesterov else buf
+            p.assign(p - g * self.lr)
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) with PyTorch's bias correction; `weight_decay` is L2 added to the gradient. The step count
+    lives on the device as running powers beta1**t and beta2**t, so every step has the same graph structure."""
+
+    decoupled = False
+
+    def __init__(self, params: Sequence[Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ArgumentError(f"betas must be in [0, 1), got {betas}")
+        self.b1, self.b2, self.eps, self.weight_decay = b1, b2, eps, weight_decay
+        # both moments of a parameter in one (2, *shape) tensor: the gradient is then read by one kernel of twice
+        # its size, so the planner computes it once instead of fusing it into two moment kernels
+        self.moments = [self._zeros_like(p, 2) for p in self.params]
+        self.b1t, self.b2t = self._scalar(1.0), self._scalar(1.0)  # beta1**t, beta2**t
+
+    def _update(self, grads: list[Tensor | None]) -> None:
+        b1, b2 = self.b1, self.b2
+        b1t = self.b1t.assign(self.b1t * b1)
+        b2t = self.b2t.assign(self.b2t * b2)
+        scalars: dict[Any, tuple[Tensor, Tensor]] = {}  # per dtype: lr / (1 - beta1**t), 1 / (1 - beta2**t)
+        for p, g, mv in zip(self.params, grads, self.moments):
+            if g is None:
+                continue
+            if self.weight_decay and self.decoupled:
+                p.assign(p * (1 - self.lr * self.weight_decay))
+            elif self.weight_decay:
+                g = g + p * self.weight_decay
+            mv.assign(Tensor.stack([_moment(mv, 0) * b1 + g * (1 - b1), _moment(mv, 1) * b2 + g.square() * (1 - b2)]))
+            if p.dtype not in scalars:
+                scalars[p.dtype] = ((1 - b1t).cast(p.dtype).reciprocal() * self.lr,
+                                    (1 - b2t).cast(p.dtype).reciprocal())
+            step, inv_bc2 = scalars[p.dtype]
+            p.assign(p - _moment(mv, 0) * step / ((_moment(mv, 1) * inv_bc2).sqrt() + self.eps))
+
+
+def _moment(mv: Tensor, i: int) -> Tensor:
+    """mv[i] of a (2, *shape) moments tensor, as one shrink and one reshape (cheaper to build than indexing)."""
+    return mv.pad(((-i, i - 1),) + ((0, 0),) * (mv.ndim - 1)).reshape(mv.shape[1:])
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter): p *= 1 - lr * weight_decay before the Adam step."""
+
+    decoupled = True
+
+    def __init__(self, params: Sequence[Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr, betas, eps, weight_decay)
