@@ -128,9 +128,8 @@ class Adam(Optimizer):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ArgumentError(f"betas must be in [0, 1), got {betas}")
         self.b1, self.b2, self.eps, self.weight_decay = b1, b2, eps, weight_decay
-        # both moments of a parameter in one (2, *shape) tensor: the gradient is then read by one kernel of twice
-        # its size, so the planner computes it once instead of fusing it into two moment kernels
-        self.moments = [self._zeros_like(p, 2) for p in self.params]
+        self.m = [self._zeros_like(p) for p in self.params]  # first moments
+        self.v = [self._zeros_like(p) for p in self.params]  # second moments
         self.b1t, self.b2t = self._scalar(1.0), self._scalar(1.0)  # beta1**t, beta2**t
 
     def _update(self, grads: list[Tensor | None]) -> None:
@@ -138,24 +137,21 @@ class Adam(Optimizer):
         b1t = self.b1t.assign(self.b1t * b1)
         b2t = self.b2t.assign(self.b2t * b2)
         scalars: dict[Any, tuple[Tensor, Tensor]] = {}  # per dtype: lr / (1 - beta1**t), 1 / (1 - beta2**t)
-        for p, g, mv in zip(self.params, grads, self.moments):
+        for p, g, m, v in zip(self.params, grads, self.m, self.v):
             if g is None:
                 continue
             if self.weight_decay and self.decoupled:
                 p.assign(p * (1 - self.lr * self.weight_decay))
             elif self.weight_decay:
                 g = g + p * self.weight_decay
-            mv.assign(Tensor.stack([_moment(mv, 0) * b1 + g * (1 - b1), _moment(mv, 1) * b2 + g.square() * (1 - b2)]))
+            # g feeds both moments: the planner computes it once (a reduce below it is never recomputed per use)
+            m.assign(m * b1 + g * (1 - b1))
+            v.assign(v * b2 + g.square() * (1 - b2))
             if p.dtype not in scalars:
                 scalars[p.dtype] = ((1 - b1t).cast(p.dtype).reciprocal() * self.lr,
                                     (1 - b2t).cast(p.dtype).reciprocal())
             step, inv_bc2 = scalars[p.dtype]
-            p.assign(p - _moment(mv, 0) * step / ((_moment(mv, 1) * inv_bc2).sqrt() + self.eps))
-
-
-def _moment(mv: Tensor, i: int) -> Tensor:
-    """mv[i] of a (2, *shape) moments tensor, as one shrink and one reshape (cheaper to build than indexing)."""
-    return mv.pad(((-i, i - 1),) + ((0, 0),) * (mv.ndim - 1)).reshape(mv.shape[1:])
+            p.assign(p - m * step / ((v * inv_bc2).sqrt() + self.eps))
 
 
 class AdamW(Adam):

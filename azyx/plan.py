@@ -390,6 +390,10 @@ class Planner:
             else:
                 i += 1
         tile = self.tile_for(best, groups, shape)
+        if tile == "retry":  # an operand was made contiguous: build again, reading it
+            best = self.attempt(root, device, groups, None)
+            tile = self.tile_for(best, groups, shape)
+            tile = None if tile == "retry" else tile
         if tile is not None:
             tiled = self.attempt(root, device, groups, tile)
             if tiled.value.has_reduce:
@@ -415,8 +419,15 @@ class Planner:
         col = [v for v in loads if gi not in v.vars and gj in v.vars]  # the right operand: varies along columns
         if not (col and any(gj not in v.vars and gi in v.vars for v in loads)):
             return None
-        if any(v.arg[1].terms.get(gj, 0) != 1 for v in col):
-            return None  # columns not contiguous (x @ W.T): a dot product per output, vectorised along the reduce
+        strided = [v for v in col if v.arg[1].terms.get(gj, 0) != 1]
+        if strided:  # columns not contiguous (x @ W.T with W as stored): copy the transposed operand once
+            paths = [k.meta["load_paths"].get(id(v), ()) for v in strided]
+            perms = [next((i for i in reversed(path) if self.graph[i].op is Op.PERMUTE), None) for path in paths]
+            if all(i is not None and i not in self.done for i in perms):
+                for i in perms:
+                    self.realize(i)  # type: ignore[arg-type]
+                return "retry"  # type: ignore[return-value]
+            return None  # a dot product per output instead, vectorised along the reduce
         return ta, tb
 
     def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None) -> Kernel:
@@ -452,7 +463,7 @@ class Planner:
             out_idx = out_idx + i * s
         k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, out_idx, value)
         k.work = prod(shape) * (1 + kb.reduce_work)
-        k.meta.update(slots=kb.params, device=device, cost=kb.cost + count_divmod(out_idx) * 0)
+        k.meta.update(slots=kb.params, device=device, cost=kb.cost, load_paths=kb.load_paths)
         return k
 
     def check_memory(self) -> dict[str, int]:
@@ -492,6 +503,8 @@ class KernelBuild:
         self.cost = 0
         self.reduce_work = 0
         self.rcount = 0
+        self.path: list[int] = []  # nodes being built, outermost first
+        self.load_paths: dict[int, tuple[int, ...]] = {}
 
     def load(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> V:
         n = self.p.graph[nid]
@@ -505,14 +518,20 @@ class KernelBuild:
         for i, s in zip(idx, view.strides):
             off = off + i * s
         self.cost += count_divmod(off) + sum(count_divmod(x) for x, _, _ in cond.facts)
-        return self.vb.load(self.params.index(slot) + 1, n.dtype, off, cond)
+        v = self.vb.load(self.params.index(slot) + 1, n.dtype, off, cond)
+        self.load_paths.setdefault(id(v), tuple(self.path))  # the nodes it was read through, outermost first
+        return v
 
     def value(self, nid: int, idx: tuple[Lin, ...], cond: Cond, in_reduce: bool, top: bool = False) -> V:
         key = (nid, tuple(i.key for i in idx), cond.key, in_reduce)
         got = self.memo.get(key)
         if got is not None:
             return got
-        v = self._value(nid, idx, cond, in_reduce, top)
+        self.path.append(nid)
+        try:
+            v = self._value(nid, idx, cond, in_reduce, top)
+        finally:
+            self.path.pop()
         self.memo[key] = v
         return v
 
