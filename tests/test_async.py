@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import time
 
 import numpy as np
 import pytest
+from runtime_state import settle
 
 import azyx
 from azyx import Tensor
-from azyx.runtime import GRAPH, RT
-
-
-def _in_use() -> dict[str, int]:
-    return {n: d.allocator.in_use for n, d in RT.executor.devices.items() if hasattr(d, "allocator")}
-
-
-async def _settle() -> tuple[int, dict[str, int]]:
-    await azyx.synchronize()
-    gc.collect()
-    return len(GRAPH), _in_use()
+from azyx.runtime import RT
 
 
 async def _two_hundred_tasks() -> None:
@@ -46,9 +36,9 @@ async def _two_hundred_tasks() -> None:
 
 
 async def test_200_concurrent_tasks_with_overlapping_graphs() -> None:
-    base_nodes, base_mem = await _settle()
+    base_nodes, base_mem = await settle()
     await _two_hundred_tasks()
-    nodes, mem = await _settle()
+    nodes, mem = await settle()
     assert nodes == base_nodes
     assert mem == base_mem
 
@@ -72,15 +62,15 @@ async def _realize_cancel_and_check(yields: int) -> None:
 
 @pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 10, 40])
 async def test_cancelling_a_realize_leaks_nothing(yields: int) -> None:
-    base_nodes, base_mem = await _settle()
+    base_nodes, base_mem = await settle()
     await _realize_cancel_and_check(yields)  # its frame (and the cancelled tasks' tracebacks) ends here
-    nodes, mem = await _settle()
+    nodes, mem = await settle()
     assert nodes == base_nodes
     assert mem == base_mem
 
 
 async def test_cancelling_while_the_device_computes_leaks_nothing() -> None:
-    base_nodes, base_mem = await _settle()
+    base_nodes, base_mem = await settle()
     n = 1 << 22
     x1, x2 = Tensor.rand(n, device="c:0"), Tensor.rand(n, device="c:0")
     await azyx.realize(x1, x2)
@@ -95,12 +85,12 @@ async def test_cancelling_while_the_device_computes_leaks_nothing() -> None:
     xs = await x2.numpy()
     np.testing.assert_allclose(await y.numpy(), np.exp(xs * 1.75) + xs, rtol=1e-5)
     del x1, x2, y, task
-    nodes, mem = await _settle()
+    nodes, mem = await settle()
     assert (nodes, mem) == (base_nodes, base_mem)
 
 
 async def test_cancel_mid_transfer_leaks_nothing() -> None:
-    base_nodes, base_mem = await _settle()
+    base_nodes, base_mem = await settle()
     xs = np.arange(1 << 20, dtype=np.float32)
     x = Tensor(xs, device="c:0")
     y = (x + 1).to("c:1") * 2
@@ -111,7 +101,7 @@ async def test_cancel_mid_transfer_leaks_nothing() -> None:
         await task
     np.testing.assert_array_equal(await y.numpy(), (xs + 1) * 2)
     del x, y, task
-    nodes, mem = await _settle()
+    nodes, mem = await settle()
     assert (nodes, mem) == (base_nodes, base_mem)
 
 

@@ -5,32 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from runtime_state import settle
 
 import azyx
 from azyx import Tensor
 from azyx.executor import SyncStrategy
 from azyx.plan import TransferStep
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 
 pytestmark = pytest.mark.skipif("opencl:0" not in azyx.devices(), reason="no OpenCL device (install PoCL)")
 rng = np.random.default_rng(3)
-
-
-def _in_use() -> dict[str, int]:
-    return {n: d.allocator.in_use for n, d in RT.executor.devices.items() if hasattr(d, "allocator")}
-
-
-async def _settle() -> tuple[int, dict[str, int]]:
-    await azyx.synchronize()
-    gc.collect()
-    return len(GRAPH), _in_use()
 
 
 def test_sync_strategies() -> None:
@@ -84,9 +74,9 @@ async def _spread_tasks() -> None:
 
 
 async def test_200_concurrent_tasks_spread_over_all_devices() -> None:
-    base = await _settle()
+    base = await settle()
     await _spread_tasks()
-    assert await _settle() == base
+    assert await settle() == base
 
 
 async def _cancel_transfers(yields: int) -> None:
@@ -104,9 +94,9 @@ async def _cancel_transfers(yields: int) -> None:
 
 @pytest.mark.parametrize("yields", [0, 1, 3, 10])
 async def test_cancelling_mid_transfer_leaks_nothing(yields: int) -> None:
-    base = await _settle()
+    base = await settle()
     await _cancel_transfers(yields)
-    assert await _settle() == base
+    assert await settle() == base
 
 
 def test_auto_placement_keeps_a_kernel_with_its_inputs() -> None:
