@@ -54,8 +54,3 @@ class PoolAllocator:
             if self.cached + size <= self.cache_limit:
                 self.free_lists.setdefault(size, []).append(mem)
                 self.cached += size
-
-    def trim(self) -> None:
-        with self.lock:
-            self.free_lists.clear()
-            self.cached = 0

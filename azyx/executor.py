@@ -103,11 +103,6 @@ class UnifiedExecutor:
         finally:
             bufs.clear()
 
-    def synchronize_sync(self) -> None:
-        """Block the calling thread until every device has finished what it was given (not on the loop)."""
-        for dev in self.devices.values():
-            dev.timeline.wait_sync(dev.timeline.value + dev.pending())
-
     async def synchronize_all(self) -> None:
         """Wait (on the event loop) until every device, and every compile started, has finished."""
         from azyx.workers import drain

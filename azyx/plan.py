@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from azyx import debug
-from azyx.dtypes import DType
+from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
 from azyx.graph import ELEMENTWISE, MOVEMENT, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, toposort
@@ -27,7 +27,6 @@ from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Lin, Var, count_divmod, var
 
 if TYPE_CHECKING:
-    from azyx.device import Device
     from azyx.runtime import Runtime
 
 EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realized first instead of recomputed
@@ -605,7 +604,7 @@ class KernelBuild:
             if local.always:
                 return inner
             self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
-            return vb.where(vb.cond(local, _bool()), inner, fill)
+            return vb.where(vb.cond(local, dtypes.bool), inner, fill)
         raise AssertionError(f"cannot fuse {n}")
 
     def reduce(self, n: Node, idx: tuple[Lin, ...], cond: Cond) -> V:
@@ -633,12 +632,6 @@ class KernelBuild:
         self.reduce_work += prod([src_shape[a] for a in axes])
         body = self.value(n.src[0], tuple(new), cond, True)
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
-
-
-def _bool() -> DType:
-    from azyx.dtypes import dtypes
-
-    return dtypes.bool
 
 
 def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[int, ...] | None:
@@ -716,7 +709,3 @@ def _make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> Exe
 
 def kernel_name(src: str, prefix: str = "k") -> str:
     return f"{prefix}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
-
-
-def device_of(rt: Runtime, name: str) -> Device:
-    return rt.device(name)

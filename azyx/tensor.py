@@ -216,10 +216,6 @@ class Tensor:
 
     # ---------------------------------------------------------------- factories
     @staticmethod
-    def _factory_device(device: str | None, nbytes: builtins.int) -> tuple[str, builtins.bool]:
-        return RT.resolve_device(device, nbytes)
-
-    @staticmethod
     def full(shape: Any, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
         shape = _shape_arg(shape if isinstance(shape, list | tuple) else (shape,))
         dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
