@@ -19,6 +19,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
           "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno"],
           "threads": None, "memory": None, "inline_work": 1 << 16},
     "opencl": {"enabled": True, "platform_ids": []},
+    "cuda": {"enabled": True, "memory": None},
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
 }
 

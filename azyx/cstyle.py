@@ -1,8 +1,13 @@
-"""The C-family renderer: one linear pass from a `Kernel` to C99 (OpenCL C, CUDA C and GLSL are dialects).
+"""The C-family renderer: one linear pass from a `Kernel` to C99 (OpenCL C and CUDA C are dialects).
 
 Placement: a value is computed in the outermost loop where all of its variables are defined; values that
 depend on a reduce's variables live in that reduce's loop; values that depend on upcast (register-tile)
 variables are computed inside small constant-bound loops that the compiler unrolls and vectorises.
+
+GPU-style dialects (`global_ids`) run one work item per output point. Where a reduce is long and its loads
+are contiguous along it (a row sum), or there are too few outputs to fill the device, a work group of
+`group_size` items reduces each output instead ("grouped"): each item accumulates a strided share, then a tree
+in shared memory combines them, so neighbouring items read neighbouring addresses (see `group_size`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass, field
 
 from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V, toposort
-from azyx.symbolic import Var
+from azyx.symbolic import Div, Lin, Mod, Var
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,13 @@ class Dialect:
     loads: dict[str, str] = field(default_factory=dict)
     stores: dict[str, str] = field(default_factory=dict)
     rounds: dict[str, str] = field(default_factory=dict)
+    narrow_index: str = ""  # a 32-bit index type for kernels whose indices fit (64-bit division is slow on GPUs)
+    # grouped reductions: work-group size (0: none), group and local id, shared-memory qualifier, barrier
+    group_size: int = 0
+    group_ids: tuple[str, str] = ("", "")
+    shared: str = ""
+    barrier: str = ""
+    unroll: str = ""  # before a strided reduce loop, so several loads are in flight per work item
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -122,6 +134,53 @@ OPENCL = Dialect(
     loads={"float16": "vload_half({idx}, {buf})", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "vstore_half({val}, {idx}, {buf});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
     rounds={"float16": "f16r({x})", "bfloat16": "bf2f(f2bf((float){x}))"},
+    narrow_index="int",
+    group_size=64,
+    group_ids=("get_group_id(0)", "get_local_id(0)"),
+    shared="__local",
+    barrier="barrier(CLK_LOCAL_MEM_FENCE);",
+)
+
+_CUDA_PRELUDE = """#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+typedef unsigned short f16_t;
+typedef unsigned short bf16_t;
+__device__ inline float bf2f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }
+__device__ inline bf16_t f2bf(float f) {
+  unsigned int i = __float_as_uint(f);
+  if (f != f) return (bf16_t)0x7fc0;
+  return (bf16_t)((i + 0x7fffu + ((i >> 16) & 1u)) >> 16);
+}
+__device__ inline float h2f(f16_t x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
+__device__ inline f16_t f2h(float f) { f16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ inline long long ipow(long long a, long long b) {
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  long long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
+}
+"""
+
+CUDA = Dialect(
+    name="cuda",
+    kernel_prefix='extern "C" __global__ void',
+    buffer_qual="",
+    restrict="__restrict__",
+    index_type="long long",
+    types={"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short", "int32": "int",
+           "uint32": "unsigned int", "int64": "long long", "float16": "f16_t", "bfloat16": "bf16_t",
+           "float32": "float", "float64": "double"},
+    fn_suffix_f32="f",
+    prelude=_CUDA_PRELUDE,
+    pragmas=False,
+    global_ids="((long long)blockIdx.x*blockDim.x+threadIdx.x)",
+    loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
+    stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
+    rounds={"float16": "h2f(f2h({x}))", "bfloat16": "bf2f(f2bf((float){x}))"},
+    narrow_index="int",
+    group_size=256,
+    group_ids=("blockIdx.x", "threadIdx.x"),
+    shared="__shared__",
+    barrier="__syncthreads();",
+    unroll="#pragma unroll 8",
 )
 
 
@@ -240,6 +299,8 @@ class _Renderer:
         self.uset = set(k.uvars)
         # the innermost register-tile loop is the one to vectorise (gcc may otherwise pick an outer one)
         self.simd = "#pragma omp simd"
+        self.group = group_size(k, dl)
+        self.it = dl.narrow_index if dl.narrow_index and index_fits(k, self.group) else dl.index_type
 
     def emit(self, line: str) -> None:
         self.lines.append("  " * self.depth + line)
@@ -255,7 +316,7 @@ class _Renderer:
     def loop(self, v: Var, pragma: str = "", opaque: bool = False) -> None:
         if pragma and self.dl.pragmas:
             self.emit(pragma)
-        it = self.dl.index_type
+        it = self.it
         bound = str(v.vmax + 1)
         if opaque and self.dl.opaque:
             bound = f"{v.name}_n"
@@ -347,8 +408,10 @@ class _Renderer:
         header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 
         par = self._parallel_plan(reduces, place, order)
-        if dl.global_ids and n:  # one work item per point of the global loops
-            it = dl.index_type
+        it = self.it
+        if self.group:  # one work group per point of the global loops; no early return (all reach the barriers)
+            self.emit(f"{it} gid = {dl.group_ids[0]}, lid = {dl.group_ids[1]};")
+        elif dl.global_ids and n:  # one work item per point of the global loops
             self.emit(f"{it} gid = {dl.global_ids};")
             self.emit(f"if (gid >= {k.global_size}) return;")
         for lvl in range(n + 1):
@@ -362,7 +425,7 @@ class _Renderer:
                     for later in k.gvars[lvl + 1 :]:
                         stride *= later.vmax + 1
                     idx = "gid" if stride == 1 else f"(gid/{stride})"
-                    self.emit(f"{dl.index_type} {g.name} = {idx if lvl == 0 else f'{idx}%{g.vmax + 1}'};")
+                    self.emit(f"{it} {g.name} = {idx if lvl == 0 else f'{idx}%{g.vmax + 1}'};")
                 else:
                     self.loop(k.gvars[lvl], par.get(lvl, ""))
                 continue
@@ -373,7 +436,8 @@ class _Renderer:
                     self.stmt(v)
         # epilogue: everything that depends on upcast vars, then the store
         epi = self.collect(k.value, place, None)
-        self.block(epi, lambda: self.dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};").format(
+        only = "if (lid == 0) " if self.group else ""  # the group's result is in every item: one stores it
+        self.block(epi, lambda: only + self.dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};").format(
             buf="d0", idx=k.out_idx.render(), val=self.store_value(k.value)))
         if not dl.global_ids:
             for _ in k.gvars:
@@ -408,6 +472,44 @@ class _Renderer:
             visit(root)
         return [v for v in out if v.op != "reduce"]
 
+    def grouped_reduce(self, r: V, place: dict[int, object], acc_t: str, init: str, name: str) -> None:
+        """The work group's items accumulate strided shares of the reduce (neighbours read neighbouring elements),
+        then combine them in a tree in shared memory; every item ends with the result."""
+        op, rvars = r.arg
+        dl, it, size = self.dl, self.it, self.group
+        comb = (_COMBINE_INT if not r.dtype.is_float and op in _COMBINE_INT else _COMBINE)[op]
+        total = 1
+        for rv in rvars:
+            total *= rv.vmax + 1
+        self.emit(f"{acc_t} {name} = {init};")
+        if dl.unroll:
+            self.emit(dl.unroll)
+        self.open(f"for ({it} rl = lid; rl < {total}; rl += {size})")
+        inner = 1
+        for rv in reversed(rvars):  # the flat index back into the reduce's own variables
+            n = rv.vmax + 1
+            idx = "rl" if inner == 1 else f"(rl/{inner})"
+            self.emit(f"{it} {rv.name} = {idx if rv is rvars[0] else f'{idx}%{n}'};")
+            inner *= n
+        saved = dict(self.names)
+        for v in self.collect(r, place, r):
+            self.stmt(v)
+        body_v = r.src[0]
+        val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
+        self.emit(f"{name} = {comb.format(a=name, b=val)};")
+        self.names = saved
+        self.close()
+        sh = f"{name}_s"
+        self.emit(f"{dl.shared} {acc_t} {sh}[{size}];")
+        self.emit(f"{sh}[lid] = {name};")
+        self.emit(dl.barrier)
+        self.open(f"for (int s = {size // 2}; s > 0; s >>= 1)")
+        self.emit(f"if (lid < s) {sh}[lid] = {comb.format(a=f'{sh}[lid]', b=f'{sh}[lid+s]')};")
+        self.emit(dl.barrier)
+        self.close()
+        self.emit(f"{name} = {sh}[0];")
+        self.names[id(r)] = f"({name}!=0)" if r.dtype.is_bool else name
+
     def reduce_block(self, r: V, order: list[V], place: dict[int, object], pragma: str) -> None:
         op, rvars = r.arg
         acc_t = self.dl.compute_type(r.dtype) if not r.dtype.is_bool else "int"
@@ -416,6 +518,9 @@ class _Renderer:
         init = _literal(REDUCE[op][0](r.dtype), r.dtype if not r.dtype.is_bool else dtypes.int32, self.dl)
         name = f"acc{self.count}"
         self.count += 1
+        if self.group:
+            self.grouped_reduce(r, place, acc_t, init, name)
+            return
         dims = "".join(f"[{u.vmax + 1}]" for u in self.k.uvars)
         if dims:
             self.emit(f"{acc_t} {name}{dims};")
@@ -469,6 +574,57 @@ class _Renderer:
             op = reduces[0].arg[0]
             return {"reduce": f"#pragma omp parallel for simd reduction({omp_reduction(op, reduces[0].dtype)}:ACC)"}
         return {}
+
+
+def group_size(k: Kernel, dl: Dialect) -> int:
+    """The work-group size that reduces each output point of `k` on `dl`, or 0 for one work item per point.
+    Grouped: every reduce is flat (no reduce in its body), at least a group long, and either its loads run
+    contiguously along it, or they do not along the outputs (then neither layout coalesces, and a group at least
+    spreads the work), or the outputs are too few to occupy the device."""
+    size = dl.group_size
+    if not size or k.uvars:
+        return 0
+    reduces = [v for v in toposort(k.value) if v.op == "reduce"]
+    if not reduces or any(r.src[0].has_reduce for r in reduces):
+        return 0
+    longest = max(reduces, key=lambda r: _numel(r.arg[1]))
+    if _numel(longest.arg[1]) < size:
+        return 0
+    loads = [v.arg[1] for v in toposort(longest.src[0]) if v.op == "load"]
+    along_r = any(x.terms.get(longest.arg[1][-1]) == 1 for x in loads)
+    along_g = bool(k.gvars) and any(x.terms.get(k.gvars[-1]) == 1 for x in loads)
+    return size if along_r or not along_g or k.global_size < size else 0
+
+
+def _numel(vs: tuple[Var, ...] | list[Var]) -> int:
+    out = 1
+    for v in vs:
+        out *= v.vmax + 1
+    return out
+
+
+def _magnitude(x: Lin) -> int:
+    """A bound on |x| and on every partial sum and product that evaluating it forms."""
+    total = abs(x.const)
+    for a, c in x.terms.items():
+        inner = _magnitude(a.x) if isinstance(a, Div | Mod) else 0
+        total += abs(c) * max(abs(a.vmin), abs(a.vmax), inner)
+    return total
+
+
+def index_fits(k: Kernel, group: int = 0) -> bool:
+    """Whether every index `k` computes fits a 32-bit int (then GPU dialects use one: 64-bit division is slow)."""
+    limit = (1 << 31) - 1
+    sizes = [k.global_size * max(group, 1), _magnitude(k.out_idx)]
+    for v in toposort(k.value):
+        if v.op == "load":
+            sizes.append(_magnitude(v.arg[1]))
+            sizes.extend(_magnitude(x) + abs(lo) + abs(hi) for x, lo, hi in v.arg[2].facts)
+        elif v.op == "cond":
+            sizes.extend(_magnitude(x) + abs(lo) + abs(hi) for x, lo, hi in v.arg.facts)
+        elif v.op == "reduce":
+            sizes.append(_numel(v.arg[1]) + group)
+    return max(sizes) < limit
 
 
 def render(k: Kernel, name: str, dl: Dialect, threads: int = 1) -> str:

@@ -87,6 +87,13 @@ class Device:
         """Queue a copy of `src` (on this or any other device) into `dst` (on this device)."""
         raise NotImplementedError
 
+    def begin_batch(self) -> None:
+        """The launches until `end_batch` are one plan's, on this device alone: a device may submit them together
+        (CUDA replays them as a graph once steady)."""
+
+    def end_batch(self) -> None:
+        pass
+
     def render(self, k: Kernel) -> tuple[str, str]:
         from azyx.plan import kernel_name
 

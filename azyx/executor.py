@@ -76,7 +76,10 @@ class UnifiedExecutor:
         assert len(bindings) == plan.n_inputs
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
-        single = self.single_device_check(plan) is not None
+        only = self.single_device_check(plan)
+        single = only is not None
+        if only is not None:
+            only.begin_batch()
         try:
             for step, frees in zip(plan.steps, plan.frees):
                 if isinstance(step, KernelStep):
@@ -102,6 +105,8 @@ class UnifiedExecutor:
             return outs
         finally:
             bufs.clear()
+            if only is not None:
+                only.end_batch()
 
     async def synchronize_all(self) -> None:
         """Wait (on the event loop) until every device, and every compile started, has finished."""

@@ -335,7 +335,8 @@ class Planner:
         r = prod([src.shape[a] for a in n.arg[1]])
         if prod(n.shape) >= SPLIT_MAX_OUTPUTS or r < SPLIT_MIN_REDUCE:
             return None
-        return next((d for d in range(min(SPLIT_PARTS, r // 64), 15, -1) if r % d == 0), None)
+        per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
+        return next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1) if r % d == 0), None)
 
     def split_reduce(self, root: int, device: str) -> int | None:
         """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would

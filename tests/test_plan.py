@@ -50,8 +50,9 @@ def test_softmax_realizes_its_reductions() -> None:
 
 
 def test_pure_view_makes_no_kernel_and_shares_the_buffer() -> None:
+    """On a host-memory device a view of host data is that data (a GPU would upload, and copy the view then)."""
     xn = rng.standard_normal((6, 4)).astype(np.float32)
-    x = Tensor(xn).realize_sync()
+    x = Tensor(xn, device="c:0").realize_sync()
     for view, ref in [(x.T, xn.T), (x[1:5:2, ::-1], xn[1:5:2, ::-1]), (x.reshape(3, 8), xn.reshape(3, 8)),
                       (x[None, 2].expand(3, 4), np.broadcast_to(xn[None, 2], (3, 4)))]:
         assert _kernels(view) == []
@@ -144,7 +145,8 @@ def test_auto_placement_prefers_compute_then_memory() -> None:
     from azyx.runtime import Runtime
 
     rt = Runtime()
-    rt.configure({"c": {"devices": 1}, "dummy": {"enabled": True, "memory": 1 << 20, "compute": 1e9}})
+    rt.configure({"c": {"devices": 1}, "cuda": {"enabled": False}, "opencl": {"enabled": False},
+                  "dummy": {"enabled": True, "memory": 1 << 20, "compute": 1e9}})
     try:
         assert rt.auto_order()[0] == "dummy:0"
         assert rt.resolve_device(None, 1 << 10) == ("dummy:0", False)  # most compute, and it fits

@@ -12,6 +12,7 @@ from azyx.device import Device
 BACKENDS: dict[str, tuple[str, str]] = {
     "c": ("azyx.backends.c", "CDevice"),
     "opencl": ("azyx.backends.opencl", "OpenCLDevice"),
+    "cuda": ("azyx.backends.cuda", "CUDADevice"),
     "dummy": ("azyx.backends.dummy", "DummyDevice"),
 }
 
@@ -22,6 +23,10 @@ def device_count(kind: str, section: dict[str, Any]) -> int:
         from azyx.backends.opencl import device_list
 
         return len(device_list(section))
+    if kind == "cuda" and "devices" not in section:
+        from azyx.backends.cuda import init
+
+        return init()
     return int(section.get("devices", 1))
 
 

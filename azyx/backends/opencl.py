@@ -23,7 +23,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator
-from azyx.cstyle import OPENCL, kernel_source
+from azyx.cstyle import OPENCL, group_size, kernel_source
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
 from azyx.errors import CompileError, DeviceError
@@ -70,6 +70,8 @@ class OpenCLDevice(Device):
                                        lambda size: cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size), self.name)
         self.compute = float(self.cl_device.max_compute_units * 25)  # rough GFLOP/s, for AUTO placement
         self.max_local = int(self.cl_device.max_work_group_size)
+        if self.max_local < OPENCL.group_size:
+            raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
         self.submitted = 0
         self.events: dict[int, Any] = {}  # timeline value -> the cl.Event completing it (pruned once reached)
         # what queued commands use (buffers, host arrays), held until they complete; the waiter thread only moves
@@ -205,8 +207,12 @@ class OpenCLDevice(Device):
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
         knl = self.kernels[step.name]
         n = max(step.kernel.global_size, 1)
-        local = min(_LOCAL, self.max_local, n)
-        glob = -(-n // local) * local  # the kernel returns early past its global size
+        group = group_size(step.kernel, OPENCL)
+        if group:  # a work group per output point (a grouped reduce)
+            local, glob = group, n * group
+        else:
+            local = min(_LOCAL, self.max_local, n)
+            glob = -(-n // local) * local  # the kernel returns early past its global size
         mems = [b.mem for b in bufs]
 
         def enqueue(wait_for: list[Any] | None) -> Any:

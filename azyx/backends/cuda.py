@@ -1,0 +1,594 @@
+"""The CUDA backend on NVIDIA's cuda-bindings (driver API + NVRTC): kernels in CUDA C from the shared C-family
+renderer (matrix products from the tiled kernel in `azyx.gemm`), compiled by NVRTC to a cubin for the device's
+architecture, launched on one stream per device.
+
+Completion: an event is recorded after each command, and one waiter thread per device waits on them in stream
+order (the GIL is released while it waits) and advances the device's TimelineSignal; nothing polls the loop.
+
+Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it; on a buffer of any
+other device (a C kernel's output), a 32-bit word of pinned host memory that mirrors that device's timeline
+(`cuStreamWaitValue32`), so the wait happens on the GPU, never on the event loop. Copies: peer-to-peer between
+CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers to and from
+host memory, in chunks so the DMA and the host copy overlap.
+
+Steady state: when a single-device plan submits the same kernels on the same buffers again (the caching
+allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from azyx import debug, gemm
+from azyx.allocator import PoolAllocator
+from azyx.config import cache_dir
+from azyx.cstyle import CUDA, group_size, kernel_source, render
+from azyx.device import Buffer, Device
+from azyx.dtypes import DType
+from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.graph import Shape, StridedView
+from azyx.ir import Kernel
+from azyx.plan import KernelStep, kernel_name
+from azyx.workers import in_background, in_worker_thread
+
+try:
+    from cuda.bindings import driver as cu
+    from cuda.bindings import nvrtc
+except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
+    raise ImportError(f"cuda-bindings is not installed (pip install 'azyx[cuda]'): {e}") from None
+
+BLOCK = 256  # threads per block of an elementwise kernel (one output point per thread)
+STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
+GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
+SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
+# waits on host-side progress: a one-thread kernel that sleeps until a word of mapped pinned memory reaches a value
+# (cuStreamWaitValue32 does the same, but failed intermittently with CUDA_ERROR_INVALID_VALUE on the H200 VM)
+_WAIT_SRC = """extern "C" __global__ void azyx_wait_word(const volatile unsigned int* word, unsigned int v) {
+  while ((int)(*word - v) < 0) __nanosleep(4096);
+}
+"""
+_TLS = threading.local()  # the context current on this thread
+_INIT: list[bool] = []
+
+
+def check(result: Any, what: str) -> Any:
+    """cuda-bindings returns (error, *values): raise on an error, return the values."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        if isinstance(err, nvrtc.nvrtcResult):
+            name = nvrtc.nvrtcGetErrorString(err)[1].decode()
+        else:
+            name = cu.cuGetErrorName(err)[1].decode() if cu.cuGetErrorName(err)[0] == 0 else str(err)
+        raise DeviceError(f"{what} failed: {name}")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def init() -> int:
+    """Initialise the driver once; the number of CUDA devices."""
+    if not _INIT:
+        check(cu.cuInit(0), "cuInit")
+        _INIT.append(True)
+    return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def device_count(options: dict[str, Any]) -> int:
+    return init()
+
+
+# ------------------------------------------------------------------------------------------------ compilation
+def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
+    """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
+    architecture and NVRTC version."""
+    version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    key = hashlib.sha256(f"{src}\0{arch}\0{version}".encode()).hexdigest()[:24]
+    path = cache_dir() / "cuda" / f"{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    prog = check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise CompileError(f"NVRTC failed for {arch}:\n{log.decode(errors='replace')}\n--- source ---\n{src}")
+        size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+    tmp.write_bytes(cubin)
+    tmp.replace(path)
+    return cubin
+
+
+def render_kernel(k: Kernel) -> tuple[str, str]:
+    """(name, CUDA C) of a kernel: the tiled matmul where it applies, else the generic C-family rendering."""
+    g = gemm.match(k)
+    body = gemm.render_cuda(g, "KERNEL") if g is not None else render(k, "KERNEL", CUDA)
+    name = kernel_name(body)
+    return name, body.replace("KERNEL", name, 1)
+
+
+def launch_dims(k: Kernel) -> tuple[tuple[int, int, int], int]:
+    """(grid, threads per block) of a kernel rendered by `render_kernel`."""
+    g = gemm.match(k)
+    if g is not None:
+        return g.grid(), gemm.THREADS
+    n = max(k.global_size, 1)
+    group = group_size(k, CUDA)
+    if group:
+        return (n, 1, 1), group
+    return (-(-n // BLOCK), 1, 1), min(BLOCK, n)
+
+
+# ------------------------------------------------------------------------------------------------ the device
+class _Pinned:
+    """Page-locked host memory (mapped, so the GPU can also read a word of it), freed with its last reference."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP),
+                             "cuMemHostAlloc"))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+        self.dev_ptr = int(check(cu.cuMemHostGetDevicePointer(self.ptr, 0), "cuMemHostGetDevicePointer"))
+
+    def __del__(self) -> None:
+        try:
+            cu.cuMemFreeHost(self.ptr)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _Staging:
+    """A pinned block lent by a device's staging pool; back to the pool with its last reference."""
+
+    __slots__ = ("pool", "pinned", "size")
+
+    def __init__(self, pool: PoolAllocator, nbytes: int):
+        self.pool = pool
+        self.pinned, self.size = pool.alloc(nbytes)
+
+    def __del__(self) -> None:
+        if hasattr(self, "size"):  # not when the allocation failed
+            self.pool.free(self.pinned, self.size)
+
+
+class CUDADevice(Device):
+    kind = "cuda"
+    dialect = CUDA
+    tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        count = init()
+        if index >= count:
+            raise DeviceError(f"no CUDA device {index} (found {count})")
+        self.cu_device = check(cu.cuDeviceGet(index), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
+        self.use()
+        attr = cu.CUdevice_attribute
+        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "")
+        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "")
+        self.arch = f"sm_{major}{minor}"
+        sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "")
+        self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        self.capacity = int(options.get("memory") or free * 0.9)
+        self.driver_free = int(free)
+        # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
+        self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name)
+        self.staging = PoolAllocator(1 << 40, 1 << 30, self._pinned, f"{self.name} staging")
+        self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
+        self.submitted = 0
+        self.events: dict[int, Any] = {}  # timeline value -> its event (pruned once reached)
+        self.free_events: list[Any] = []
+        self.holding: dict[int, Any] = {}  # what queued commands use, held until they complete
+        self.finished: list[Any] = []
+        self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
+        self.modules: list[Any] = []
+        self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
+        # (event, timeline value, what to do on the host once it completed, before the timeline says so)
+        self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
+        self.mirrors: dict[str, _Pinned] = {}  # host device -> a pinned word that follows its timeline
+        self.peers: set[int] = set()
+        self.batch: list[tuple[Any, tuple[int, int, int], int, tuple[int, ...], Any]] | None = None
+        self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
+        module = check(cu.cuModuleLoadData(nvrtc_compile(_WAIT_SRC, self.arch)), "cuModuleLoadData")
+        self.modules.append(module)
+        self.wait_fn = check(cu.cuModuleGetFunction(module, b"azyx_wait_word"), "cuModuleGetFunction")
+        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
+        self.waiter.start()
+        debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
+
+    def use(self) -> None:
+        """Make this device's context current on the calling thread (once per thread and device switch)."""
+        if getattr(_TLS, "ctx", None) is not self.ctx:
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            _TLS.ctx = self.ctx
+
+    # ------------------------------------------------------------------ memory
+    def _create(self, size: int) -> int:
+        self.use()
+        err, ptr = cu.cuMemAlloc(size)
+        if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            self.empty_cache()
+            err, ptr = cu.cuMemAlloc(size)
+        if int(err) != 0:
+            raise AllocationError(f"{self.name}: cuMemAlloc of {size} bytes failed: {cu.cuGetErrorName(err)[1]}")
+        self.driver_free -= size
+        return int(ptr)
+
+    def _pinned(self, size: int) -> _Pinned:
+        self.use()  # pinned memory is allocated in a context, on whichever thread needs staging
+        return _Pinned(size)
+
+    def empty_cache(self) -> None:
+        """Return every cached block to the driver."""
+        self.use()
+        with self.allocator.lock:
+            lists, self.allocator.free_lists = self.allocator.free_lists, {}
+            self.allocator.cached = 0
+        for blocks in lists.values():
+            for ptr in blocks:
+                cu.cuMemFree(ptr)
+        self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
+
+    def free_memory(self) -> int:
+        """What this device can still take: its budget less what is in use, and no more than the driver has free
+        (other processes share the GPU) plus the blocks cached here."""
+        return max(0, min(self.capacity - self.allocator.in_use, self.driver_free + self.allocator.cached))
+
+    def alloc(self, nbytes: int) -> Buffer:
+        ptr, size = self.allocator.alloc(nbytes)
+        return Buffer(self, size, ptr, ptr, True)
+
+    def release(self, buf: Buffer) -> None:
+        self.allocator.free(buf.mem, buf.nbytes)
+
+    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
+        raise AssertionError("host data reaches a CUDA device through host:0 and a transfer")
+
+    # ------------------------------------------------------------------ compile and launch
+    def render(self, k: Kernel) -> tuple[str, str]:
+        return render_kernel(k)
+
+    def has_program(self, name: str) -> bool:
+        return name in self.functions
+
+    async def compile(self, steps: list[KernelStep]) -> None:
+        todo = {s.name: s for s in steps if s.name not in self.functions}
+        if not todo:
+            return
+        src = kernel_source([s.src for s in todo.values()], CUDA)
+        debug.log(debug.SOURCE, lambda: f"CUDA source for {', '.join(todo)}:\n{src}")
+        cubin = await in_worker_thread(nvrtc_compile, src, self.arch)
+        self.use()
+        module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.modules.append(module)
+        for name in todo:
+            self.functions[name] = check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+
+    def pending(self) -> int:
+        return self.submitted - self.timeline.value
+
+    def _wait_on(self, waits: list[tuple[Device, int]]) -> None:
+        """Make the stream wait for (device, value) pairs: on the other CUDA device's event, or on the pinned word
+        that mirrors a host device's timeline."""
+        for dev, v in waits:
+            if dev.timeline.value >= v:
+                continue
+            ev = dev.events.get(v) if isinstance(dev, CUDADevice) else None
+            if ev is not None:
+                check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
+            elif dev.timeline.value < v:
+                self._wait_word(self._mirror(dev, v).dev_ptr, v)
+
+    def _wait_word(self, addr: int, v: int) -> None:
+        """The stream waits until the mapped pinned word at `addr` reaches `v` (modulo 2**32)."""
+        word, value = ctypes.c_uint64(addr), ctypes.c_uint32(v & 0xFFFFFFFF)
+        params = (ctypes.c_void_p * 2)(ctypes.addressof(word), ctypes.addressof(value))
+        check(cu.cuLaunchKernel(self.wait_fn, 1, 1, 1, 1, 1, 1, 0, self.stream, ctypes.addressof(params), 0),
+              "cuLaunchKernel (wait)")
+
+    def _mirror(self, dev: Device, v: int) -> _Pinned:
+        """The pinned word that follows `dev`'s timeline, set to (at least) `v` once it reaches `v`."""
+        word = self.mirrors.get(dev.name)
+        if word is None:
+            word = self.mirrors[dev.name] = _Pinned(64)
+        view = word.array.view(np.uint32)
+
+        def reached() -> None:  # on the signalling thread; callbacks come in value order
+            view[0] = v & 0xFFFFFFFF
+
+        dev.timeline.on_reach(v, reached)
+        return word
+
+    def _event(self) -> Any:
+        ev = self.free_events.pop() if self.free_events else check(
+            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        check(cu.cuEventRecord(ev, self.stream), "cuEventRecord")
+        return ev
+
+    def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
+                post: Callable[[], None] | None = None) -> int:
+        """Enqueue work on the stream after `waits`; returns its timeline value. `post` runs on the waiter thread
+        once the work completed, before the timeline reaches the value."""
+        with self.lock:
+            self.use()
+            if self.batch:  # launches collected so far go first: the stream is in order
+                self._flush(self.batch)
+                self.batch = []
+            self._wait_on(waits)
+            enqueue()
+            ev = self._event()
+            self.submitted += 1
+            v = self.submitted
+            self.events[v] = ev
+            self.holding[v] = keep
+            done = self._take_done()
+            self.completions.put((ev, v, post))
+        del done  # buffers of completed commands go back to their pools here, on the submitting thread
+        return v
+
+    def _wait_loop(self) -> None:
+        self.use()
+        while (item := self.completions.get()) is not None:
+            ev, v, post = item
+            err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
+            if int(err) != 0:
+                self.errors.append(DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1]}"))
+            if post is not None:
+                try:
+                    post()
+                except BaseException as e:
+                    self.errors.append(e)
+            del ev, item, post
+            with self.lock:
+                self.finished.append(self.holding.pop(v, None))
+            self.timeline.signal(v)
+
+    def _take_done(self) -> list[Any]:
+        """Under the lock: what completed commands held; their events go back to the free list (a batch's values
+        share one event)."""
+        reached = self.timeline.value
+        done, self.finished = self.finished, []
+        for k in [k for k in self.holding if k <= reached]:
+            done.append(self.holding.pop(k))
+        freed = {id(self.events[k]): self.events.pop(k) for k in [k for k in self.events if k <= reached]}
+        self.free_events.extend(ev for ev in freed.values() if all(e is not ev for e in self.events.values()))
+        return done
+
+    def collect(self) -> None:
+        with self.lock:
+            done = self._take_done()
+        del done
+
+    def _params(self, ptrs: tuple[int, ...]) -> tuple[Any, Any]:
+        values = (ctypes.c_uint64 * len(ptrs))(*ptrs)
+        base = ctypes.addressof(values)
+        return values, (ctypes.c_void_p * len(ptrs))(*(base + 8 * i for i in range(len(ptrs))))
+
+    def _launch_now(self, fn: Any, grid: tuple[int, int, int], block: int, ptrs: tuple[int, ...]) -> None:
+        values, params = self._params(ptrs)
+        check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, ctypes.addressof(params), 0),
+              "cuLaunchKernel")
+        del values
+
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+        fn = self.functions[step.name]
+        grid, block = launch_dims(step.kernel)
+        ptrs = tuple(b.ptr for b in bufs)
+        if self.batch is not None and not waits:
+            self.batch.append((fn, grid, block, ptrs, step.name))
+            self.submitted += 1  # reserved: end_batch records the event that completes it
+            v = self.submitted
+            self.holding[v] = bufs
+            return v
+        return self._submit(lambda: self._launch_now(fn, grid, block, ptrs), waits, bufs)
+
+    # ------------------------------------------------------------------ graphs of a steady plan
+    def begin_batch(self) -> None:
+        """Launches until `end_batch` are collected, then submitted together (as a CUDA graph once steady)."""
+        self.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
+        self.batch = []
+
+    def end_batch(self) -> None:
+        batch, self.batch = self.batch, None
+        try:
+            assert batch is not None
+            if batch:
+                self._flush(batch)
+        finally:
+            self.lock.release()
+
+    def _flush(self, batch: list[tuple[Any, tuple[int, int, int], int, tuple[int, ...], Any]]) -> None:
+        """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last."""
+        self.use()
+        key = tuple((name, ptrs) for _, _, _, ptrs, name in batch)
+        graph = self.graphs.get(key)
+        if isinstance(graph, int) or graph is None:
+            seen = (graph or 0) + 1
+            if seen >= GRAPH_AFTER and len(batch) > 1:
+                graph = self._capture(batch)
+                self.graphs[key] = graph
+            else:
+                self.graphs[key] = seen
+                graph = None
+                for fn, grid, block, ptrs, _ in batch:
+                    self._launch_now(fn, grid, block, ptrs)
+        if graph is not None:
+            check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
+        ev = self._event()
+        v = self.submitted
+        for u in range(v - len(batch) + 1, v + 1):
+            self.events[u] = ev  # every reserved value completes with the batch's last command
+        self.completions.put((ev, v, None))  # the timeline jumps over the batch's values at once
+        if len(self.graphs) > 256:  # plans that come and go: keep the cache bounded
+            self.graphs.pop(next(iter(self.graphs)))
+
+    def _capture(self, batch: list[tuple[Any, tuple[int, int, int], int, tuple[int, ...], Any]]) -> Any:
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        try:
+            for fn, grid, block, ptrs, _ in batch:
+                self._launch_now(fn, grid, block, ptrs)
+        finally:
+            graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        cu.cuGraphDestroy(graph)
+        debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
+        return exe
+
+    # ------------------------------------------------------------------ copies
+    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+        """Same device: a device copy. Another CUDA device: peer-to-peer. Host memory (C): staged through pinned
+        chunks. Any other API: read into pinned memory in its program order, then copied over."""
+        n = min(src.nbytes, dst.nbytes)
+        keep = (src, dst)
+        sdev = src.device
+        if sdev is self:
+            return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"),
+                                waits, keep)
+        if isinstance(sdev, CUDADevice):
+            self._enable_peer(sdev)
+            return self._submit(lambda: check(cu.cuMemcpyPeerAsync(dst.ptr, self.ctx, src.ptr, sdev.ctx, n,
+                                                                   self.stream), "cuMemcpyPeerAsync"), waits, keep)
+        if sdev.host_memory:
+            host = src.mem.reshape(-1).view(np.uint8)[:n]
+            return self._upload(n, lambda o, out: out.__setitem__(slice(None), host[o:o + out.nbytes]), dst, waits,
+                                keep, at_once=n <= SYNC_STAGE)
+        staged = _Staging(self.staging, max(n, 1))
+        done = sdev.copy_to_host(src, staged.pinned.array[:n], waits)
+        if done is None:  # no queue (the disk): read on a worker thread, in one piece
+            return self._upload(n, lambda o, out: sdev.read_into(src, out), dst, waits, keep, chunk=max(n, 1))
+        return self._submit(lambda: check(cu.cuMemcpyHtoDAsync(dst.ptr, staged.pinned.ptr, n, self.stream), "H2D"),
+                            [(sdev, done)], (keep, staged))
+
+    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, waits: list[tuple[Device, int]],
+                keep: Any, chunk: int = STAGE, at_once: bool = False) -> int:
+        """Host bytes -> this device through pinned chunks: `fill(offset, chunk)` writes each. A ready source that
+        may be staged `at_once` (small host memory, never a file) is staged here; otherwise a worker thread fills the
+        chunks once the source is ready, counting them in a pinned word, and the stream waits for each count before
+        that chunk's DMA (the DMA of one chunk overlaps the filling of the next)."""
+        chunks = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
+        stages = [_Staging(self.staging, max(size, 1)) for _, size in chunks]
+
+        def dma(i: int) -> None:
+            o, size = chunks[i]
+            if size:
+                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, stages[i].pinned.ptr, size, self.stream), "H2D")
+
+        def dma_all() -> None:
+            for i in range(len(chunks)):
+                dma(i)
+
+        if at_once and all(d.timeline.value >= v for d, v in waits):
+            for i, (o, size) in enumerate(chunks):
+                fill(o, stages[i].pinned.array[:size])
+            return self._submit(dma_all, [], (keep, stages))
+        flag = _Staging(self.staging, 64)
+        count = flag.pinned.array.view(np.uint32)
+        count[0] = 0
+
+        def stage() -> None:
+            try:
+                for i, (o, size) in enumerate(chunks):
+                    fill(o, stages[i].pinned.array[:size])
+                    count[0] = i + 1
+            except BaseException as e:
+                self.errors.append(e)
+            finally:
+                count[0] = len(chunks)  # never leave the stream waiting
+
+        def enqueue() -> None:
+            for i in range(len(chunks)):
+                self._wait_word(flag.pinned.dev_ptr, i + 1)
+                dma(i)
+
+        v = self._submit(enqueue, [], (keep, stages, flag))
+        _after(waits, lambda: in_background(stage))
+        return v
+
+    def _enable_peer(self, other: CUDADevice) -> None:
+        if other.index in self.peers:
+            return
+        self.peers.add(other.index)
+        can = check(cu.cuDeviceCanAccessPeer(self.cu_device, other.cu_device), "cuDeviceCanAccessPeer")
+        if can:
+            self.use()
+            err = cu.cuCtxEnablePeerAccess(other.ctx, 0)[0]
+            if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                check((err,), "cuCtxEnablePeerAccess")
+        debug.log(debug.DEVICES, f"{self.name} <- {other.name}: peer access {'on' if can else 'unavailable'}")
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
+        """A read in stream order into the host array `out`, overlapped: each chunk's DMA lands in pinned memory and
+        the waiter thread copies it out while the next chunk's DMA runs. Returns the last chunk's value."""
+        n = out.nbytes
+        flat = out.reshape(-1).view(np.uint8)
+        v = 0
+        for o in range(0, max(n, 1), STAGE):
+            size = min(STAGE, n - o)
+            staged = _Staging(self.staging, max(size, 1))
+
+            def enqueue(o: int = o, size: int = size, staged: _Staging = staged) -> None:
+                if size:
+                    check(cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream), "D2H")
+
+            def post(o: int = o, size: int = size, staged: _Staging = staged) -> None:
+                flat[o:o + size] = staged.pinned.array[:size]
+
+            v = self._submit(enqueue, waits if o == 0 else [], (buf, staged, out), post)
+        return v
+
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        """Blocking read on a worker thread (the buffer is ready): queued in stream order, then waited for."""
+        v = self.copy_to_host(buf, out, [])
+        assert v is not None
+        self.timeline.wait_sync(v)
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        from azyx.backends.host import host_read
+
+        host = np.empty(buf.nbytes, np.uint8)
+        self.read_into(buf, host)
+        return host_read(host, view, shape, dtype)
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        """Blocking write of raw bytes (worker threads)."""
+        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
+        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, [],
+                         (buf, host), at_once=True)
+        self.timeline.wait_sync(v)
+
+    def close(self) -> None:
+        """Finish the stream, stop the waiter thread and drop what completed work held."""
+        try:
+            self.use()
+            cu.cuStreamSynchronize(self.stream)
+        except Exception:
+            pass
+        self.completions.put(None)
+        self.waiter.join(timeout=10)
+        self.collect()
+
+
+def _after(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
+    """Run `fn` once every (device, value) of `waits` is reached (on the thread that reaches the last one)."""
+    if not waits:
+        fn()
+        return
+    (dev, v), rest = waits[0], waits[1:]
+    dev.timeline.on_reach(v, lambda: _after(rest, fn))

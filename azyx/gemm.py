@@ -1,0 +1,205 @@
+"""A matmul kernel with shared-memory and register tiling, for GPU dialects that declare one (CUDA).
+
+`match` recognises a kernel of the IR that is a (batched) matrix product, `C[b, i, j] = sum_r A[..] * B[..]` with
+affine, unmasked loads and a contiguous output, whatever the operands' strides (a transposed operand is read
+where it lies). `render_cuda` fills a classic tiled kernel for it: a block computes a BM x BN tile of C, stepping
+over K in slices of BK that the block stages in shared memory (the next slice is fetched into registers while the
+current one is multiplied); each thread accumulates a TM x TN register tile. Loads are 16 bytes wide where an
+operand's contiguous axis allows it. Anything else renders through the generic C-family path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from azyx.dtypes import dtypes
+from azyx.ir import Kernel, V
+from azyx.symbolic import Lin, Var
+
+THREADS = 256
+BK = 8
+
+
+@dataclass(frozen=True)
+class Gemm:
+    m: int
+    n: int
+    k: int
+    batch: int
+    a: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along i, along r
+    b: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along r, along j
+
+    @property
+    def tile(self) -> int:
+        """128 x 128 tiles where they fill a big GPU; 64 x 64 for smaller products (more blocks in flight)."""
+        return 128 if (self.m // 128) * (self.n // 128) * self.batch >= 128 else 64
+
+    def grid(self) -> tuple[int, int, int]:
+        t = self.tile
+        return -(-self.n // t), -(-self.m // t), self.batch
+
+
+def _affine(x: Lin, allowed: dict[Var, str]) -> dict[str, int] | None:
+    out = {"off": x.const}
+    for a, c in x.terms.items():
+        if not isinstance(a, Var) or a not in allowed:
+            return None
+        out[allowed[a]] = c
+    return out
+
+
+def _operand(v: V) -> V | None:
+    return v if v.op == "load" and v.dtype is dtypes.float32 and v.arg[2].always else None
+
+
+def match(k: Kernel) -> Gemm | None:
+    r = k.value
+    if r.op != "reduce" or r.arg[0] != "sum" or r.dtype is not dtypes.float32 or k.uvars or len(r.arg[1]) != 1:
+        return None
+    if not 2 <= len(k.gvars) <= 3 or any(p is not dtypes.float32 for p in k.params):
+        return None
+    body = r.src[0]
+    if body.op != "alu" or body.arg != "mul":
+        return None
+    x, y = (_operand(s) for s in body.src)
+    if x is None or y is None:
+        return None
+    rv = r.arg[1][0]
+    gb = k.gvars[0] if len(k.gvars) == 3 else None
+    gi, gj = k.gvars[-2], k.gvars[-1]
+    names = {gi: "i", gj: "j", rv: "r", **({gb: "b"} if gb is not None else {})}
+    fx, fy = _affine(x.arg[1], names), _affine(y.arg[1], names)
+    if fx is None or fy is None:
+        return None
+    if "j" in fx or "i" in fy:  # x must be the left operand: swap when written the other way round
+        x, y, fx, fy = y, x, fy, fx
+    if "j" in fx or "i" in fy or "r" not in fx or "r" not in fy:
+        return None
+    m, n, kk = gi.vmax + 1, gj.vmax + 1, rv.vmax + 1
+    batch = gb.vmax + 1 if gb is not None else 1
+    out = _affine(k.out_idx, names)
+    if out is None or out.get("off") != 0 or out.get("i") != n or out.get("j") != 1:
+        return None
+    if batch > 1 and out.get("b") != m * n:
+        return None
+    return Gemm(m, n, kk, batch,
+                (x.arg[0], fx["off"], fx.get("b", 0), fx.get("i", 0), fx["r"]),
+                (y.arg[0], fy["off"], fy.get("b", 0), fy["r"], fy.get("j", 0)))
+
+
+def render_cuda(g: Gemm, name: str) -> str:
+    t = g.tile
+    tm = tn = t // 16  # 16 x 16 threads, each a tm x tn register tile
+    pa, a_off, a_sb, a_si, a_sk = g.a
+    pb, b_off, b_sb, b_sk, b_sj = g.b
+    # A's slice is BK x t (k-major in shared memory); a 16-byte load takes 4 consecutive k (A's k contiguous) or
+    # 4 consecutive rows (A's rows contiguous); otherwise single elements
+    a_vec = 4 if (a_sk == 1 and a_si % 4 == 0 and a_off % 4 == 0 and a_sb % 4 == 0 and g.k % 4 == 0) else 1
+    b_vec = 4 if (b_sj == 1 and b_sk % 4 == 0 and b_off % 4 == 0 and b_sb % 4 == 0 and g.n % 4 == 0) else 1
+    a_elems, b_elems = BK * t // a_vec, BK * t // b_vec
+    a_load = _tile_load("A", "As", a_vec, a_elems, "m", t, "i", a_si, a_sk, g.m, g.k, along_k=a_sk == 1)
+    b_load = _tile_load("B", "Bs", b_vec, b_elems, "n", t, "j", b_sj, b_sk, g.n, g.k, along_k=b_sj != 1)
+    params = ", ".join(f"const float* __restrict__ d{i}" for i in range(1, 1 + max(pa, pb)))
+    return f"""extern "C" __global__ void __launch_bounds__({THREADS}) {name}(float* __restrict__ C, {params}) {{
+  __shared__ __align__(16) float As[2][{BK}][{t + 4}];
+  __shared__ __align__(16) float Bs[2][{BK}][{t + 4}];
+  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+  const int bi = blockIdx.y * {t}, bj = blockIdx.x * {t};
+  const long long bz = blockIdx.z;
+  const float* A = d{pa} + {a_off}LL + bz * {a_sb}LL;
+  const float* B = d{pb} + {b_off}LL + bz * {b_sb}LL;
+  float acc[{tm}][{tn}];
+  #pragma unroll
+  for (int m = 0; m < {tm}; m++)
+    #pragma unroll
+    for (int n = 0; n < {tn}; n++) acc[m][n] = 0.f;
+  float ra[{-(-a_elems // THREADS)}][{a_vec}], rb[{-(-b_elems // THREADS)}][{b_vec}];
+  {a_load.fetch.replace("@K0@", "0")}
+  {b_load.fetch.replace("@K0@", "0")}
+  {a_load.store.replace("@BUF@", "0")}
+  {b_load.store.replace("@BUF@", "0")}
+  __syncthreads();
+  int buf = 0;
+  for (int k0 = 0; k0 < {g.k}; k0 += {BK}) {{
+    const bool more = k0 + {BK} < {g.k};
+    if (more) {{
+      {a_load.fetch.replace("@K0@", f"k0 + {BK}")}
+      {b_load.fetch.replace("@K0@", f"k0 + {BK}")}
+    }}
+    #pragma unroll
+    for (int kk = 0; kk < {BK}; kk++) {{
+      float a[{tm}], b[{tn}];
+      #pragma unroll
+      for (int m = 0; m < {tm}; m += 4) *(float4*)&a[m] = *(const float4*)&As[buf][kk][ty * {tm} + m];
+      #pragma unroll
+      for (int n = 0; n < {tn}; n += 4) *(float4*)&b[n] = *(const float4*)&Bs[buf][kk][tx * {tn} + n];
+      #pragma unroll
+      for (int m = 0; m < {tm}; m++)
+        #pragma unroll
+        for (int n = 0; n < {tn}; n++) acc[m][n] += a[m] * b[n];
+    }}
+    if (more) {{
+      buf ^= 1;
+      {a_load.store.replace("@BUF@", "buf")}
+      {b_load.store.replace("@BUF@", "buf")}
+    }}
+    __syncthreads();
+  }}
+  float* Cb = C + bz * {g.m * g.n}LL;
+  #pragma unroll
+  for (int m = 0; m < {tm}; m++) {{
+    const int i = bi + ty * {tm} + m;
+    if (i >= {g.m}) continue;
+    #pragma unroll
+    for (int n = 0; n < {tn}; n += 4) {{
+      const int j = bj + tx * {tn} + n;
+      if ({"true" if g.n % 4 == 0 else "false"} && j + 3 < {g.n}) {{
+        *(float4*)&Cb[(long long)i * {g.n} + j] = make_float4(acc[m][n], acc[m][n + 1], acc[m][n + 2], acc[m][n + 3]);
+      }} else {{
+        for (int q = 0; q < 4; q++) if (j + q < {g.n}) Cb[(long long)i * {g.n} + j + q] = acc[m][n + q];
+      }}
+    }}
+  }}
+}}
+"""
+
+
+@dataclass(frozen=True)
+class _Load:
+    fetch: str  # global memory -> registers (@K0@: the slice's first k)
+    store: str  # registers -> shared memory slice (@BUF@)
+
+
+def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str, s_outer: int, s_k: int,
+               extent: int, kdim: int, along_k: bool) -> _Load:
+    """Moving one BK x t slice of an operand: `elems` loads of `vec` floats, THREADS at a time. `along_k`: a load's
+    consecutive elements (and consecutive threads) run along k; else along the operand's row/column axis."""
+    base = "bi" if gv == "i" else "bj"
+    slots = -(-elems // THREADS)
+    if along_k:
+        per = BK // vec
+        pos = f"const int {ax} = e / {per}, kk = (e % {per}) * {vec};"
+    else:
+        per = t // vec
+        pos = f"const int kk = e / {per}, {ax} = (e % {per}) * {vec};"
+    fetch, store = [], []
+    for s in range(slots):
+        guard = f"if (tid + {s * THREADS} < {elems}) " if (s + 1) * THREADS > elems else ""
+        e = f"tid + {s * THREADS}"
+        idx = f"(long long)({base} + {ax}) * {s_outer} + (long long)(@K0@ + kk) * {s_k}"
+        ok = f"{base} + {ax} < {extent} && @K0@ + kk < {kdim}"
+        if vec == 4:
+            get = (f"{{ float4 v = ({ok}) ? *(const float4*)&{mat}[{idx}] : make_float4(0.f, 0.f, 0.f, 0.f); "
+                   f"r{mat.lower()}[{s}][0] = v.x; r{mat.lower()}[{s}][1] = v.y; r{mat.lower()}[{s}][2] = v.z; "
+                   f"r{mat.lower()}[{s}][3] = v.w; }}")
+        else:
+            get = f"r{mat.lower()}[{s}][0] = ({ok}) ? {mat}[{idx}] : 0.f;"
+        fetch.append(f"{guard}{{ const int e = {e}; {pos} {get} }}")
+        if vec == 4 and along_k:
+            put = "; ".join(f"{sh}[@BUF@][kk + {q}][{ax}] = r{mat.lower()}[{s}][{q}]" for q in range(4)) + ";"
+        elif vec == 4:
+            put = f"*(float4*)&{sh}[@BUF@][kk][{ax}] = *(const float4*)&r{mat.lower()}[{s}][0];"
+        else:
+            put = f"{sh}[@BUF@][kk][{ax}] = r{mat.lower()}[{s}][0];"
+        store.append(f"{guard}{{ const int e = {e}; {pos} {put} }}")
+    return _Load(" ".join(fetch), " ".join(store))

@@ -1,0 +1,194 @@
+"""The CUDA backend beside PyTorch on the same GPU, in the same run (issue 6's table).
+
+    python bench/gpu.py [--quick] [--out bench/RESULTS.md]
+
+Two timings per workload, both wall-clock around the await (azyx) or the call plus `torch.cuda.synchronize()`
+(PyTorch), median of repeats after warm-up:
+- "1 op": one realize awaited (host overhead included: what a request handler sees);
+- "8 in flight": eight realizes submitted together and awaited together, per op (device throughput: the host
+  work of one overlaps the GPU work of another), against eight PyTorch ops and one synchronize.
+Ratios are PyTorch time over azyx time (> 1: azyx is faster). TF32 is off in PyTorch. Transfers run through
+`UnifiedExecutor.execute_transfer` for every pair of devices present (peer between GPUs, host-staged to c:0).
+Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->`. Never asserts: it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import azyx  # noqa: E402
+from azyx import Tensor  # noqa: E402
+from azyx.runtime import GRAPH, RT  # noqa: E402
+
+START, END = "<!-- bench:cuda:start -->", "<!-- bench:cuda:end -->"
+FLIGHT = 8
+
+
+async def timed(fn: Callable[[], Awaitable[Any]], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        await fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torch_timed(torch: Any, fn: Callable[[], Any], repeats: int, n: int = 1, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]], float]:
+    rng = np.random.default_rng(0)
+    n_chain = 1 << (22 if quick else 26)
+    n_sum = 1 << (24 if quick else 28)
+    side = 2048 if quick else 8192
+    reps = 5 if quick else 20
+    td = torch.device("cuda:0")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    def both(arr: np.ndarray) -> tuple[Tensor, Any]:
+        return Tensor(arr, device=dev), torch.from_numpy(arr).to(td)
+
+    (a, ta), (b, tb), (c, tc) = (both(rng.standard_normal(n_chain, dtype=np.float32)) for _ in range(3))
+    s, ts = both(rng.standard_normal(n_sum, dtype=np.float32))
+    m, tm = both(rng.standard_normal((side, side), dtype=np.float32))
+    mats = {n: (both(rng.standard_normal((n, n), dtype=np.float32)), both(rng.standard_normal((n, n),
+                                                                                            dtype=np.float32)))
+            for n in ((512, 1024) if quick else (1024, 4096))}
+    small, tsmall = both(rng.standard_normal(1024, dtype=np.float32))
+    await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])))
+
+    # the device's copy bandwidth, the ceiling of the memory-bound rows (bytes read + written)
+    big = torch.empty(n_sum, dtype=torch.float32, device=td)
+    copy_bw = 2 * 4 * n_sum / torch_timed(torch, lambda: big.copy_(ts), reps)
+
+    cases: list[tuple[str, Callable[[], Tensor], Callable[[], Any], float, str]] = [
+        (f"relu(a*b+c)*0.5+a, {n_chain >> 20}M f32", lambda: (a * b + c).relu() * 0.5 + a,
+         lambda: torch.relu(ta * tb + tc) * 0.5 + ta, 16 * n_chain, "GB/s"),
+        (f"sum, {n_sum >> 20}M f32", lambda: s.sum(), lambda: ts.sum(), 4 * n_sum, "GB/s"),
+        (f"row-sum {side}x{side} f32", lambda: m.sum(axis=1), lambda: tm.sum(dim=1), 4 * side * side, "GB/s"),
+    ]
+    for n, ((x, tx), (y, ty)) in mats.items():
+        cases.append((f"sgemm {n} f32", lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3,
+                      "GFLOP/s"))
+    cases.append(("10-op graph, 1024 f32, steady", lambda: ((((small * 1.5 + small) * 2 - small) / 3).relu()
+                                                           * small + 1).exp().sqrt() - small,
+                  lambda: ((((tsmall * 1.5 + tsmall) * 2 - tsmall) / 3).relu() * tsmall + 1).exp().sqrt() - tsmall,
+                  0, "us"))
+    rows = []
+    for name, make, tfn, work, unit in cases:
+        one = await timed(lambda make=make: make().realize(), reps)
+
+        async def flight(make: Callable[[], Tensor] = make) -> None:
+            await asyncio.gather(*(make().realize() for _ in range(FLIGHT)))
+
+        many = await timed(flight, reps) / FLIGHT
+        t_one = torch_timed(torch, tfn, reps)
+        t_many = torch_timed(torch, tfn, reps, FLIGHT)
+
+        def rate(t: float, work: float = work, unit: str = unit) -> str:
+            return f"{t * 1e6:.1f}" if unit == "us" else f"{work / t / 1e9:.0f}"
+
+        rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
+                     f"{t_many / many:.2f}x"])
+    # correctness of what was timed, against PyTorch
+    for name, make, tfn, _, _ in cases:
+        got = await make().numpy()
+        want = tfn().cpu().numpy()
+        err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        assert err < 1e-4, f"{name}: relative error {err:.2e} against PyTorch"
+    return rows, copy_bw
+
+
+async def transfers(torch: Any, quick: bool) -> list[list[str]]:
+    nbytes = (64 if quick else 1024) << 20
+    reps = 3 if quick else 10
+    src_np = np.random.default_rng(1).random(nbytes // 4, dtype=np.float32)
+    ex = RT.executor
+    gpus = [d for d in azyx.devices() if d.startswith("cuda:")]
+    pairs = [(g, h) for g in gpus for h in gpus if g != h] + [(gpus[0], "c:0"), ("c:0", gpus[0])]
+    rows = []
+    for s, d in pairs:
+        src_t = Tensor(src_np, device=s)
+        await src_t.realize()
+        src = GRAPH[src_t.id].buffer
+        assert src is not None
+        dst_dev = RT.device(d)
+
+        async def once(src: Any = src, dst_dev: Any = dst_dev) -> None:
+            dst = dst_dev.alloc(nbytes)
+            v = ex.execute_transfer(src, dst)
+            await dst.device.timeline.wait(v)
+
+        t = await timed(once, reps)
+        ts = torch.from_numpy(src_np).to(s.replace("c:0", "cpu"))
+        tt = torch_timed(torch, lambda ts=ts, d=d: ts.to(d.replace("c:0", "cpu")), reps)
+        rows.append([f"{s} -> {d}", ex.sync_strategy(s, d).value, f"{nbytes / t / 1e9:.1f}",
+                     f"{nbytes / tt / 1e9:.1f}", f"{tt / t:.2f}x"])
+        del src_t
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+async def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    args = ap.parse_args()
+    dev = "cuda:0"
+    label = RT.device(dev).label  # type: ignore[attr-defined]
+    w, copy_bw = await workloads(torch, dev, args.quick)
+    tr = await transfers(torch, args.quick)
+    text = "\n".join([
+        START, "", f"## CUDA beside PyTorch {torch.__version__} ({'quick' if args.quick else 'full'} run, "
+        f"{time.strftime('%Y-%m-%d')}, {label} x{len(RT.executor.devices) and torch.cuda.device_count()})", "",
+        f"Device copy bandwidth (PyTorch copy_, bytes read + written): {copy_bw / 1e9:.0f} GB/s. Rates: higher is "
+        "better; ratio = PyTorch time / azyx time.", "",
+        table(["workload", "unit", "azyx 1 op", "torch 1 op", "ratio", f"azyx {FLIGHT} in flight",
+               f"torch {FLIGHT} in flight", "ratio"], w), "",
+        "Transfers (GB/s of payload) through `UnifiedExecutor.execute_transfer`, beside PyTorch's `.to()`:", "",
+        table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "", END])
+    print(text)
+    out = Path(args.out)
+    old = out.read_text() if out.exists() else ""
+    if START in old and END in old:
+        new = old[: old.index(START)] + text + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip() + "\n\n" + text + "\n"
+    out.write_text(new)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,133 @@
+"""The CUDA backend without a GPU: the planner makes its GPU-style decisions for a device that renders CUDA C, and
+NVRTC compiles every kernel to a cubin for Hopper (sm_90). On a machine with a GPU the op suite runs on cuda:0
+itself (AZYX_TEST_DEVICES=cuda:0); here the rendering and the compiler are what can be checked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+try:  # NVRTC's library ships in the nvidia-cuda-nvrtc wheel
+    from cuda.bindings import nvrtc
+
+    nvrtc.nvrtcVersion()
+except Exception as e:  # pragma: no cover - depends on the environment
+    pytest.skip(f"NVRTC unavailable: {e}", allow_module_level=True)
+
+import azyx  # noqa: E402
+from azyx import Tensor, gemm  # noqa: E402
+from azyx.backends.cuda import launch_dims, nvrtc_compile, render_kernel  # noqa: E402
+from azyx.cstyle import CUDA, group_size, kernel_source  # noqa: E402
+from azyx.errors import CompileError  # noqa: E402
+from azyx.runtime import RT  # noqa: E402
+
+DEV = "dummy:0"  # plans without running; made to render CUDA C here
+
+
+@pytest.fixture
+def cuda_planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    dev = RT.device(DEV)
+    monkeypatch.setattr(dev, "dialect", CUDA)
+    monkeypatch.setattr(dev, "tiles", False)
+    monkeypatch.setattr(dev, "render", render_kernel)
+    RT.plan_cache.clear()
+    yield
+    RT.plan_cache.clear()
+
+
+def t(*shape: int, dtype: str = "float32") -> Tensor:
+    return Tensor(np.random.default_rng(0).standard_normal(shape).astype(dtype), device=DEV)
+
+
+def kernels_of(*targets: Tensor) -> list:
+    return azyx.schedule(*targets).kernels
+
+
+def compile_all(steps: list) -> bytes:
+    cubin = nvrtc_compile(kernel_source([s.src for s in {s.name: s for s in steps}.values()], CUDA), "sm_90")
+    assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF image
+    return cubin
+
+
+UNARY = ["abs", "exp", "log", "exp2", "log2", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tan", "tanh",
+         "erf", "sigmoid", "relu", "gelu", "silu", "softplus", "sign", "floor", "ceil", "round", "square"]
+BINARY: list[Callable[[Tensor, Tensor], Tensor]] = [
+    lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda a, b: a / b, lambda a, b: a // b,
+    lambda a, b: a % b, lambda a, b: a ** b, lambda a, b: a.maximum(b), lambda a, b: a.minimum(b),
+    lambda a, b: Tensor.where(a < b, a, b), lambda a, b: (a == b) | (a >= b),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_elementwise_ops_compile(cuda_planning: None, dtype: str) -> None:
+    x = t(8, 33).cast(dtype)
+    y = t(8, 33).cast(dtype) + 2
+    outs = [getattr(x, name)() for name in UNARY] + [f(x, y) for f in BINARY]
+    outs += [-x, x.gelu(approximate="tanh")]
+    compile_all(kernels_of(*outs))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "uint32", "int64", "bool"])
+def test_integer_and_bool_ops_compile(cuda_planning: None, dtype: str) -> None:
+    x = Tensor(np.arange(-20, 20).reshape(4, 10).astype(dtype), device=DEV)
+    y = Tensor((np.arange(40).reshape(4, 10) % 7 + 1).astype(dtype), device=DEV)
+    outs = [x + y, x * y, x.maximum(y), x < y, x == y, x.cast("float32"), x.sum(axis=1), x.max()]
+    if dtype != "bool":
+        outs += [x // y, x % y, x & y, x | y, x ^ y, ~x, x ** Tensor(np.full((4, 10), 2, dtype), device=DEV)]
+    compile_all(kernels_of(*outs))
+
+
+def test_reductions_movement_and_pads_compile(cuda_planning: None) -> None:
+    x = t(16, 1024)
+    outs = [x.sum(axis=1), x.sum(axis=0), x.max(axis=1), x.min(), x.sum(), x.mean(axis=1), x.prod(axis=1),
+            x.softmax(axis=-1), x.log_softmax(axis=-1), x.T + 1, x.reshape(32, 512)[::2, 3:300].flip(1),
+            x.pad(((1, 2), (3, 4))) * 2, x[:4].expand(2, 4, 1024).permute(2, 0, 1) + 0, (x > 0).max(axis=1)]
+    compile_all(kernels_of(*outs))
+
+
+def test_grouped_reduce_for_rows_and_split_full_reduce(cuda_planning: None) -> None:
+    """A row sum reduces each row with a block of 256 threads reading neighbouring elements; a column sum keeps a
+    thread per column (neighbouring threads read neighbouring columns); a full sum runs in two stages, the first
+    grouped."""
+    x = t(32, 2048)
+    (row,) = kernels_of(x.sum(axis=1))
+    assert group_size(row.kernel, CUDA) == 256 and "__syncthreads" in row.src
+    assert launch_dims(row.kernel) == ((32, 1, 1), 256)
+    (col,) = kernels_of(x.sum(axis=0))
+    assert group_size(col.kernel, CUDA) == 0
+    assert launch_dims(col.kernel) == ((8, 1, 1), 256)
+    full = kernels_of(t(1 << 16).sum())  # 64 grouped partial sums of 1024, then one pass over the 64
+    assert len(full) == 2 and group_size(full[0].kernel, CUDA) == 256 and full[0].kernel.global_size == 64
+    compile_all([row, col, *full])
+
+
+def test_narrow_indices_where_they_fit(cuda_planning: None) -> None:
+    (k,) = kernels_of(t(64, 64) + 1)
+    assert "int gid" in k.src and "long long gid" not in k.src
+
+
+@pytest.mark.parametrize("shape", [(64, 96, 48), (33, 17, 29), (128, 64, 256)])
+def test_matmul_uses_the_tiled_kernel(cuda_planning: None, shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    a, b = t(m, k), t(k, n)
+    steps = kernels_of(a @ b, a @ t(n, k).T, t(k, m).T @ b)
+    for s in steps:
+        g = gemm.match(s.kernel)
+        assert g is not None and (g.m, g.n, g.k) == (m, n, k)
+        assert "__shared__" in s.src
+        assert launch_dims(s.kernel)[1] == gemm.THREADS
+    compile_all(steps)
+
+
+def test_matmul_with_an_epilogue_renders_generically(cuda_planning: None) -> None:
+    (s,) = kernels_of((t(16, 32) @ t(32, 8)).relu())
+    assert gemm.match(s.kernel) is None
+    compile_all([s])
+
+
+def test_nvrtc_errors_raise_compile_error() -> None:
+    with pytest.raises(CompileError, match="NVRTC failed"):
+        nvrtc_compile('extern "C" __global__ void broken(float* x) { x[0] = undefined_name; }', "sm_90")

@@ -1,0 +1,147 @@
+"""CUDA devices with the rest of the runtime: uploads and downloads through pinned staging (small, chunked and
+overlapped), peer copies between GPUs, one plan across cuda and c devices, cross-device waits, concurrency,
+cancellation, graph replay of a steady plan, and memory accounting. Runs where a GPU is present (the lent H200:
+`nvidia-h200` for one GPU, `nvidia-h200-x2` for the peer routes); the op suite itself runs with
+AZYX_TEST_DEVICES=cuda:0."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from runtime_state import settle
+
+import azyx
+from azyx import Tensor
+from azyx.executor import SyncStrategy
+from azyx.plan import TransferStep
+from azyx.runtime import RT
+
+GPUS = [d for d in azyx.devices() if d.startswith("cuda:")]
+pytestmark = pytest.mark.skipif(not GPUS, reason="no CUDA device")
+two_gpus = pytest.mark.skipif(len(GPUS) < 2, reason="needs two CUDA devices")
+rng = np.random.default_rng(6)
+
+
+def test_sync_strategies() -> None:
+    ex = RT.executor
+    assert ex.sync_strategy("cuda:0", "cuda:0") is SyncStrategy.SAME_DEVICE
+    assert ex.sync_strategy("cuda:0", "c:0") is SyncStrategy.HOST_STAGED
+    if len(GPUS) > 1:
+        assert ex.sync_strategy("cuda:0", "cuda:1") is SyncStrategy.PEER
+
+
+@pytest.mark.parametrize("n", [1, 4097, 3 << 20, 5 << 20])  # one chunk staged at once ... several, overlapped
+def test_uploads_and_downloads_of_every_size(n: int) -> None:
+    xn = rng.standard_normal(n).astype(np.float32)
+    t = Tensor(xn, device="c:0").to("cuda:0")
+    np.testing.assert_array_equal(t.numpy_sync(), xn)
+    back = (t * 2).to("c:1")
+    np.testing.assert_array_equal(back.numpy_sync(), xn * 2)
+
+
+@pytest.mark.parametrize("route", [("c:0", "cuda:0", "c:1", "cuda:0", "c:0"), ("cuda:0", "c:0", "cuda:0")])
+def test_round_trips_keep_every_dtype(route: tuple[str, ...]) -> None:
+    for dt in ["float32", "float64", "int32", "int8", "bool", "float16", "int64"]:
+        xn = (rng.standard_normal(257) * 10).astype(dt)
+        t = Tensor(xn, device=route[0])
+        for d in route[1:]:
+            t = t.to(d)
+        np.testing.assert_array_equal(t.numpy_sync(), xn)
+
+
+def test_a_chain_hopping_devices_is_one_plan_with_transfers() -> None:
+    gpu_b = GPUS[-1]
+    an, bn = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 32)).astype(np.float32)
+    a, b = Tensor(an, device="c:0"), Tensor(bn, device="c:0")
+    h1 = (a * 2 + 1).to("cuda:0")
+    h2 = (h1 @ b.to("cuda:0")).relu().to(gpu_b)  # peer where there are two GPUs
+    h3 = (h2.sum(axis=1, keepdim=True) - h2).to("c:1")
+    out = (h3 * 0.5 + h3.max()).to("c:0")
+    plan = azyx.schedule(out)
+    hops = {(s.src_device, s.dst_device) for s in plan.steps if isinstance(s, TransferStep)}
+    assert ("c:0", "cuda:0") in hops and (gpu_b, "c:1") in hops
+    r2 = np.maximum((an * 2 + 1) @ bn, 0)
+    r3 = r2.sum(axis=1, keepdims=True) - r2
+    np.testing.assert_allclose(out.numpy_sync(), r3 * 0.5 + r3.max(), rtol=1e-4, atol=1e-3)
+
+
+@two_gpus
+@pytest.mark.parametrize("n", [1000, 9 << 20])
+def test_peer_copies_both_ways(n: int) -> None:
+    xn = rng.standard_normal(n).astype(np.float32)
+    x = Tensor(xn, device="cuda:0")
+    y = (x + 1).to("cuda:1")
+    z = (y * 3).to("cuda:0") - x  # cuda:1 waits for cuda:0's kernel, then cuda:0 for cuda:1's
+    np.testing.assert_allclose(z.numpy_sync(), (xn + 1) * 3 - xn, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(y.numpy_sync(), xn + 1, rtol=1e-6)
+
+
+async def _spread_tasks() -> None:
+    xs = rng.standard_normal(2048).astype(np.float32)
+    devices = ["c:0", "c:1", *GPUS]
+    bases = {d: Tensor(xs, device=d) for d in devices}
+
+    async def task(i: int) -> None:
+        d0, d1 = devices[i % len(devices)], devices[(i // len(devices)) % len(devices)]
+        t = ((bases[d0] * (i % 7) + 1).to(d1) * bases[d1]).sum(axis=0, keepdim=True) + i
+        out = await t.numpy()
+        np.testing.assert_allclose(out, [((xs * (i % 7) + 1) * xs).sum() + i], rtol=1e-4, atol=1e-3)
+
+    await asyncio.gather(*(task(i) for i in range(200)))
+
+
+async def test_200_concurrent_tasks_spread_over_all_devices() -> None:
+    base = await settle()
+    await _spread_tasks()
+    assert await settle() == base
+
+
+async def _cancel_transfers(yields: int) -> None:
+    xs = np.arange(3 << 20, dtype=np.float32)
+    x = Tensor(xs, device="c:0")
+    ys = [((x + i).to("cuda:0") * 2).to("c:1") - 1 for i in range(3)]
+    tasks = [asyncio.create_task(y.realize()) for y in ys]
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    np.testing.assert_array_equal(await ys[2].numpy(), (xs + 2) * 2 - 1)
+
+
+@pytest.mark.parametrize("yields", [0, 1, 3, 10])
+async def test_cancelling_mid_transfer_leaks_nothing(yields: int) -> None:
+    base = await settle()
+    await _cancel_transfers(yields)
+    assert await settle() == base
+
+
+async def test_a_steady_plan_replays_as_a_cuda_graph() -> None:
+    """A single-device plan of several kernels, run again on new data: from the second sighting of the same buffers
+    it is one graph launch, and every run still computes its own inputs."""
+    dev = RT.device("cuda:0")
+    x = Tensor(rng.standard_normal((256, 512)).astype(np.float32), device="cuda:0")
+    for _ in range(8):
+        x = x * 0.5 + 0.25  # new data each run, made on the device (host data would make it a two-device plan)
+        await x.realize()
+        out = ((x * 3).softmax(axis=-1) @ x.T).sum(axis=0)  # several kernels: max, sum, normalise, matmul, sum
+        got = await out.numpy()
+        xn = (await x.numpy()).astype(np.float64)
+        e = np.exp(xn * 3 - (xn * 3).max(axis=-1, keepdims=True))
+        ref = ((e / e.sum(axis=-1, keepdims=True)) @ xn.T).sum(axis=0)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert any(not isinstance(g, int) for g in dev.graphs.values())  # type: ignore[attr-defined]
+
+
+def test_memory_accounting_and_allocation_errors() -> None:
+    dev = RT.device("cuda:0")
+    before = dev.free_memory()
+    buf = dev.alloc(256 << 20)
+    assert dev.free_memory() <= before - (256 << 20)
+    del buf
+    assert dev.free_memory() >= before - (1 << 20)
+    with pytest.raises(azyx.AllocationError, match="cuda:0"):
+        dev.alloc(dev.capacity + (1 << 30))
+    np.testing.assert_allclose((Tensor([1.0, 2.0], device="cuda:0") * 2).numpy_sync(), [2.0, 4.0])
