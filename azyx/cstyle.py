@@ -49,6 +49,9 @@ class Dialect:
     shared: str = ""
     barrier: str = ""
     unroll: str = ""  # before a strided reduce loop, so several loads are in flight per work item
+    shuffle: str = ""  # a warp's butterfly shuffle of {x} with lane ^ {o} (32 lanes): no barrier inside a warp
+    warp: int = 0  # with `shuffle`: where outputs are many, a warp (not a whole group) reduces each output
+    warp_outputs: int = 4096  # ... from this many outputs on
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -181,6 +184,8 @@ CUDA = Dialect(
     shared="__shared__",
     barrier="__syncthreads();",
     unroll="#pragma unroll 8",
+    shuffle="__shfl_xor_sync(0xffffffffu, {x}, {o})",
+    warp=32,
 )
 
 
@@ -409,7 +414,12 @@ class _Renderer:
 
         par = self._parallel_plan(reduces, place, order)
         it = self.it
-        if self.group:  # one work group per point of the global loops; no early return (all reach the barriers)
+        if self.group and self.group == dl.warp:  # a warp per output point, the group's size / warp points a group
+            per = dl.group_size // dl.warp
+            self.emit(f"{it} gid = {dl.group_ids[0]} * {per} + ({dl.group_ids[1]} / {dl.warp}), "
+                      f"lid = {dl.group_ids[1]} % {dl.warp};")
+            self.emit(f"if (gid >= {k.global_size}) return;  /* whole warps return: their shuffles stay uniform */")
+        elif self.group:  # one work group per point of the global loops; no early return (all reach the barriers)
             self.emit(f"{it} gid = {dl.group_ids[0]}, lid = {dl.group_ids[1]};")
         elif dl.global_ids and n:  # one work item per point of the global loops
             self.emit(f"{it} gid = {dl.global_ids};")
@@ -500,15 +510,38 @@ class _Renderer:
         self.names = saved
         self.close()
         sh = f"{name}_s"
-        self.emit(f"{dl.shared} {acc_t} {sh}[{size}];")
-        self.emit(f"{sh}[lid] = {name};")
-        self.emit(dl.barrier)
-        self.open(f"for (int s = {size // 2}; s > 0; s >>= 1)")
-        self.emit(f"if (lid < s) {sh}[lid] = {comb.format(a=f'{sh}[lid]', b=f'{sh}[lid+s]')};")
-        self.emit(dl.barrier)
-        self.close()
-        self.emit(f"{name} = {sh}[0];")
+        if size == dl.warp:  # a warp per output: the butterfly leaves the result in every lane
+            self._warp_tree(name, comb, acc_t)
+            self.names[id(r)] = f"({name}!=0)" if r.dtype.is_bool else name
+            return
+        if dl.shuffle:  # within each warp by shuffles, then the warps' results in one warp
+            warps = size // dl.warp
+            self.emit(f"{dl.shared} {acc_t} {sh}[{warps}];")
+            self._warp_tree(name, comb, acc_t)
+            self.emit(f"if (lid % {dl.warp} == 0) {sh}[lid / {dl.warp}] = {name};")
+            self.emit(dl.barrier)
+            self.emit(f"{name} = {sh}[lid % {warps}];")
+            self._warp_tree(name, comb, acc_t, warps)
+            self.emit(dl.barrier)  # every item has read before a later reduce of this kernel writes shared memory
+        else:  # a tree in shared memory
+            self.emit(f"{dl.shared} {acc_t} {sh}[{size}];")
+            self.emit(f"{sh}[lid] = {name};")
+            self.emit(dl.barrier)
+            self.open(f"for (int s = {size // 2}; s > 0; s >>= 1)")
+            self.emit(f"if (lid < s) {sh}[lid] = {comb.format(a=f'{sh}[lid]', b=f'{sh}[lid+s]')};")
+            self.emit(dl.barrier)
+            self.close()
+            self.emit(f"{name} = {sh}[0];")
         self.names[id(r)] = f"({name}!=0)" if r.dtype.is_bool else name
+
+    def _warp_tree(self, name: str, comb: str, acc_t: str, lanes: int = 0) -> None:
+        """Combine `lanes` values of a warp (each lane holding one, repeating every `lanes` lanes) into every lane:
+        a butterfly, each lane shuffling exactly once per step (no divergence)."""
+        self.emit("#pragma unroll")
+        self.open(f"for (int o = {(lanes or self.dl.warp) // 2}; o > 0; o >>= 1)")
+        self.emit(f"{acc_t} other = {self.dl.shuffle.format(x=name, o='o')};")
+        self.emit(f"{name} = {comb.format(a=name, b='other')};")
+        self.close()
 
     def reduce_block(self, r: V, order: list[V], place: dict[int, object], pragma: str) -> None:
         op, rvars = r.arg
@@ -584,6 +617,8 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     size = dl.group_size
     if not size or k.uvars:
         return 0
+    if dl.warp and k.global_size >= dl.warp_outputs:
+        size = dl.warp  # outputs enough to fill the device with a warp each (no shared memory, no barrier)
     reduces = [v for v in toposort(k.value) if v.op == "reduce"]
     if not reduces or any(r.src[0].has_reduce for r in reduces):
         return 0

@@ -30,13 +30,29 @@ class Gemm:
     b: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along r, along j
 
     @property
-    def tile(self) -> int:
-        """128 x 128 tiles where they fill a big GPU; 64 x 64 for smaller products (more blocks in flight)."""
-        return 128 if (self.m // 128) * (self.n // 128) * self.batch >= 128 else 64
+    def tile(self) -> tuple[int, int]:
+        """Rows x columns of C per block: 128 x 128 where there are enough such tiles to spread (with K split over
+        blocks where they are still too few: `split`), else 128 x 64, else 64 x 64."""
+        for bm, bn in ((128, 128), (128, 64)):
+            if -(-self.m // bm) * -(-self.n // bn) * self.batch >= 32:
+                return bm, bn
+        return 64, 64
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """(parts, slice) of K: where the tiles alone leave the GPU under-occupied (a 1024 x 1024 product is 64
+        tiles), each part of K gets its own blocks and adds its partial tile into C atomically (C is zeroed
+        first); a part is a whole number of BK-slices, at least 4."""
+        bm, bn = self.tile
+        tiles = -(-self.m // bm) * -(-self.n // bn) * self.batch
+        parts = max(1, min(8, 264 // tiles, self.k // (4 * BK)))
+        per = -(-self.k // parts)
+        chunk = -(-per // BK) * BK
+        return -(-self.k // chunk), chunk
 
     def grid(self) -> tuple[int, int, int]:
-        t = self.tile
-        return -(-self.n // t), -(-self.m // t), self.batch
+        bm, bn = self.tile
+        return -(-self.n // bn), -(-self.m // bm), self.batch * self.split[0]
 
 
 def _affine(x: Lin, allowed: dict[Var, str]) -> dict[str, int] | None:
@@ -88,24 +104,26 @@ def match(k: Kernel) -> Gemm | None:
 
 
 def render_cuda(g: Gemm, name: str) -> str:
-    t = g.tile
-    tm = tn = t // 16  # 16 x 16 threads, each a tm x tn register tile
+    tr, tc = g.tile
+    tm, tn = tr // 16, tc // 16  # 16 x 16 threads, each a tm x tn register tile
     pa, a_off, a_sb, a_si, a_sk = g.a
     pb, b_off, b_sb, b_sk, b_sj = g.b
     # A's slice is BK x t (k-major in shared memory); a 16-byte load takes 4 consecutive k (A's k contiguous) or
     # 4 consecutive rows (A's rows contiguous); otherwise single elements
     a_vec = 4 if (a_sk == 1 and a_si % 4 == 0 and a_off % 4 == 0 and a_sb % 4 == 0 and g.k % 4 == 0) else 1
     b_vec = 4 if (b_sj == 1 and b_sk % 4 == 0 and b_off % 4 == 0 and b_sb % 4 == 0 and g.n % 4 == 0) else 1
-    a_elems, b_elems = BK * t // a_vec, BK * t // b_vec
-    a_load = _tile_load("A", "As", a_vec, a_elems, "m", t, "i", a_si, a_sk, g.m, g.k, along_k=a_sk == 1)
-    b_load = _tile_load("B", "Bs", b_vec, b_elems, "n", t, "j", b_sj, b_sk, g.n, g.k, along_k=b_sj != 1)
+    a_elems, b_elems = BK * tr // a_vec, BK * tc // b_vec
+    a_load = _tile_load("A", "As", a_vec, a_elems, "m", tr, "i", a_si, a_sk, g.m, along_k=a_sk == 1)
+    b_load = _tile_load("B", "Bs", b_vec, b_elems, "n", tc, "j", b_sj, b_sk, g.n, along_k=b_sj != 1)
+    parts, chunk = g.split
     params = ", ".join(f"const float* __restrict__ d{i}" for i in range(1, 1 + max(pa, pb)))
     return f"""extern "C" __global__ void __launch_bounds__({THREADS}) {name}(float* __restrict__ C, {params}) {{
-  __shared__ __align__(16) float As[2][{BK}][{t + 4}];
-  __shared__ __align__(16) float Bs[2][{BK}][{t + 4}];
+  __shared__ __align__(16) float As[2][{BK}][{tr + 4}];
+  __shared__ __align__(16) float Bs[2][{BK}][{tc + 4}];
   const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-  const int bi = blockIdx.y * {t}, bj = blockIdx.x * {t};
-  const long long bz = blockIdx.z;
+  const int bi = blockIdx.y * {tr}, bj = blockIdx.x * {tc};
+  const long long bz = blockIdx.z / {parts};
+  const int kbeg = (blockIdx.z % {parts}) * {chunk}, kend = min({g.k}, kbeg + {chunk});
   const float* A = d{pa} + {a_off}LL + bz * {a_sb}LL;
   const float* B = d{pb} + {b_off}LL + bz * {b_sb}LL;
   float acc[{tm}][{tn}];
@@ -114,14 +132,14 @@ def render_cuda(g: Gemm, name: str) -> str:
     #pragma unroll
     for (int n = 0; n < {tn}; n++) acc[m][n] = 0.f;
   float ra[{-(-a_elems // THREADS)}][{a_vec}], rb[{-(-b_elems // THREADS)}][{b_vec}];
-  {a_load.fetch.replace("@K0@", "0")}
-  {b_load.fetch.replace("@K0@", "0")}
+  {a_load.fetch.replace("@K0@", "kbeg")}
+  {b_load.fetch.replace("@K0@", "kbeg")}
   {a_load.store.replace("@BUF@", "0")}
   {b_load.store.replace("@BUF@", "0")}
   __syncthreads();
   int buf = 0;
-  for (int k0 = 0; k0 < {g.k}; k0 += {BK}) {{
-    const bool more = k0 + {BK} < {g.k};
+  for (int k0 = kbeg; k0 < kend; k0 += {BK}) {{
+    const bool more = k0 + {BK} < kend;
     if (more) {{
       {a_load.fetch.replace("@K0@", f"k0 + {BK}")}
       {b_load.fetch.replace("@K0@", f"k0 + {BK}")}
@@ -153,15 +171,23 @@ def render_cuda(g: Gemm, name: str) -> str:
     #pragma unroll
     for (int n = 0; n < {tn}; n += 4) {{
       const int j = bj + tx * {tn} + n;
-      if ({"true" if g.n % 4 == 0 else "false"} && j + 3 < {g.n}) {{
-        *(float4*)&Cb[(long long)i * {g.n} + j] = make_float4(acc[m][n], acc[m][n + 1], acc[m][n + 2], acc[m][n + 3]);
-      }} else {{
-        for (int q = 0; q < 4; q++) if (j + q < {g.n}) Cb[(long long)i * {g.n} + j + q] = acc[m][n + q];
-      }}
+      {_store(g)}
     }}
   }}
 }}
 """
+
+
+def _store(g: Gemm) -> str:
+    """Four accumulators (columns j..j+3 of row i) into C: added atomically when K is split, else stored (one
+    16-byte store where the row allows it)."""
+    at = f"Cb[(long long)i * {g.n} + j + q]"
+    if g.split[0] > 1:
+        return f"for (int q = 0; q < 4; q++) if (j + q < {g.n}) atomicAdd(&{at}, acc[m][n + q]);"
+    whole = f"*(float4*)&Cb[(long long)i * {g.n} + j] = make_float4(acc[m][n], acc[m][n + 1], acc[m][n + 2], " \
+            "acc[m][n + 3]);"
+    part = f"for (int q = 0; q < 4; q++) if (j + q < {g.n}) {at} = acc[m][n + q];"
+    return f"if (j + 3 < {g.n}) {{ {whole} }} else {{ {part} }}" if g.n % 4 == 0 else part
 
 
 @dataclass(frozen=True)
@@ -171,7 +197,7 @@ class _Load:
 
 
 def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str, s_outer: int, s_k: int,
-               extent: int, kdim: int, along_k: bool) -> _Load:
+               extent: int, along_k: bool) -> _Load:
     """Moving one BK x t slice of an operand: `elems` loads of `vec` floats, THREADS at a time. `along_k`: a load's
     consecutive elements (and consecutive threads) run along k; else along the operand's row/column axis."""
     base = "bi" if gv == "i" else "bj"
@@ -187,7 +213,7 @@ def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str
         guard = f"if (tid + {s * THREADS} < {elems}) " if (s + 1) * THREADS > elems else ""
         e = f"tid + {s * THREADS}"
         idx = f"(long long)({base} + {ax}) * {s_outer} + (long long)(@K0@ + kk) * {s_k}"
-        ok = f"{base} + {ax} < {extent} && @K0@ + kk < {kdim}"
+        ok = f"{base} + {ax} < {extent} && @K0@ + kk < kend"
         if vec == 4:
             get = (f"{{ float4 v = ({ok}) ? *(const float4*)&{mat}[{idx}] : make_float4(0.f, 0.f, 0.f, 0.f); "
                    f"r{mat.lower()}[{s}][0] = v.x; r{mat.lower()}[{s}][1] = v.y; r{mat.lower()}[{s}][2] = v.z; "

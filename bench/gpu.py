@@ -81,7 +81,9 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
                                                                                             dtype=np.float32)))
             for n in ((512, 1024) if quick else (1024, 4096))}
     small, tsmall = both(rng.standard_normal(1024, dtype=np.float32))
+    t0 = time.perf_counter()
     await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])))
+    print(f"uploaded the inputs in {time.perf_counter() - t0:.2f} s", flush=True)
 
     # the device's copy bandwidth, the ceiling of the memory-bound rows (bytes read + written)
     big = torch.empty(n_sum, dtype=torch.float32, device=td)
@@ -102,6 +104,7 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
                   0, "us"))
     rows = []
     for name, make, tfn, work, unit in cases:
+        print(f"timing {name}", flush=True)
         one = await timed(lambda make=make: make().realize(), reps)
 
         async def flight(make: Callable[[], Tensor] = make) -> None:
@@ -161,8 +164,11 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 async def main() -> None:
+    import faulthandler
+
     import torch
 
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread's stack
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))

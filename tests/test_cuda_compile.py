@@ -95,13 +95,16 @@ def test_grouped_reduce_for_rows_and_split_full_reduce(cuda_planning: None) -> N
     x = t(32, 2048)
     (row,) = kernels_of(x.sum(axis=1))
     assert group_size(row.kernel, CUDA) == 256 and "__syncthreads" in row.src
-    assert launch_dims(row.kernel) == ((32, 1, 1), 256)
+    assert launch_dims(row.kernel) == ((32, 1, 1), 256, 0)
     (col,) = kernels_of(x.sum(axis=0))
     assert group_size(col.kernel, CUDA) == 0
-    assert launch_dims(col.kernel) == ((8, 1, 1), 256)
+    assert launch_dims(col.kernel) == ((8, 1, 1), 256, 0)
+    (many,) = kernels_of(t(4096, 32).sum(axis=1))  # outputs enough for a warp each: 8 rows per block
+    assert group_size(many.kernel, CUDA) == 32 and "__shfl_xor_sync" in many.src and "__shared__" not in many.src
+    assert launch_dims(many.kernel) == ((512, 1, 1), 256, 0)
     full = kernels_of(t(1 << 16).sum())  # 64 grouped partial sums of 1024, then one pass over the 64
     assert len(full) == 2 and group_size(full[0].kernel, CUDA) == 256 and full[0].kernel.global_size == 64
-    compile_all([row, col, *full])
+    compile_all([row, col, many, *full])
 
 
 def test_narrow_indices_where_they_fit(cuda_planning: None) -> None:
@@ -120,6 +123,14 @@ def test_matmul_uses_the_tiled_kernel(cuda_planning: None, shape: tuple[int, int
         assert "__shared__" in s.src
         assert launch_dims(s.kernel)[1] == gemm.THREADS
     compile_all(steps)
+
+
+def test_a_matmul_of_few_tiles_splits_k_and_adds_atomically(cuda_planning: None) -> None:
+    (s,) = kernels_of(t(64, 1024) @ t(1024, 64))
+    g = gemm.match(s.kernel)
+    assert g is not None and g.split == (8, 128) and g.grid() == (1, 1, 8)
+    assert "atomicAdd" in s.src and launch_dims(s.kernel)[2] == 64 * 64 * 4  # C is zeroed before the launch
+    compile_all([s])
 
 
 def test_matmul_with_an_epilogue_renders_generically(cuda_planning: None) -> None:

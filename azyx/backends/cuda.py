@@ -120,16 +120,22 @@ def render_kernel(k: Kernel) -> tuple[str, str]:
     return name, body.replace("KERNEL", name, 1)
 
 
-def launch_dims(k: Kernel) -> tuple[tuple[int, int, int], int]:
-    """(grid, threads per block) of a kernel rendered by `render_kernel`."""
+Dims = tuple[tuple[int, int, int], int, int]  # grid, threads per block, bytes of the output to zero first
+
+
+def launch_dims(k: Kernel) -> Dims:
+    """(grid, threads per block, bytes to zero) of a kernel rendered by `render_kernel`."""
     g = gemm.match(k)
-    if g is not None:
-        return g.grid(), gemm.THREADS
+    if g is not None:  # a product with K split over blocks adds into a zeroed C
+        return g.grid(), gemm.THREADS, (4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
     n = max(k.global_size, 1)
     group = group_size(k, CUDA)
+    if group == CUDA.warp:  # a warp per output point
+        per = CUDA.group_size // CUDA.warp
+        return (-(-n // per), 1, 1), CUDA.group_size, 0
     if group:
-        return (n, 1, 1), group
-    return (-(-n // BLOCK), 1, 1), min(BLOCK, n)
+        return (n, 1, 1), group, 0
+    return (-(-n // BLOCK), 1, 1), min(BLOCK, n), 0
 
 
 # ------------------------------------------------------------------------------------------------ the device
@@ -189,7 +195,8 @@ class CUDADevice(Device):
         self.driver_free = int(free)
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
         self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name)
-        self.staging = PoolAllocator(1 << 40, 1 << 30, self._pinned, f"{self.name} staging")
+        # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
+        self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.submitted = 0
         self.events: dict[int, Any] = {}  # timeline value -> its event (pruned once reached)
@@ -197,13 +204,14 @@ class CUDADevice(Device):
         self.holding: dict[int, Any] = {}  # what queued commands use, held until they complete
         self.finished: list[Any] = []
         self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
+        self.dims: dict[str, Dims] = {}  # kernel name -> launch dimensions
         self.modules: list[Any] = []
         self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
         # (event, timeline value, what to do on the host once it completed, before the timeline says so)
         self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
         self.mirrors: dict[str, _Pinned] = {}  # host device -> a pinned word that follows its timeline
         self.peers: set[int] = set()
-        self.batch: list[tuple[Any, tuple[int, int, int], int, tuple[int, ...], Any]] | None = None
+        self.batch: list[tuple[Any, Dims, tuple[int, ...], str]] | None = None
         self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
         module = check(cu.cuModuleLoadData(nvrtc_compile(_WAIT_SRC, self.arch)), "cuModuleLoadData")
         self.modules.append(module)
@@ -380,7 +388,10 @@ class CUDADevice(Device):
         base = ctypes.addressof(values)
         return values, (ctypes.c_void_p * len(ptrs))(*(base + 8 * i for i in range(len(ptrs))))
 
-    def _launch_now(self, fn: Any, grid: tuple[int, int, int], block: int, ptrs: tuple[int, ...]) -> None:
+    def _launch_now(self, fn: Any, dims: Dims, ptrs: tuple[int, ...]) -> None:
+        grid, block, zero = dims
+        if zero:
+            check(cu.cuMemsetD32Async(ptrs[0], 0, zero // 4, self.stream), "cuMemsetD32Async")
         values, params = self._params(ptrs)
         check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, ctypes.addressof(params), 0),
               "cuLaunchKernel")
@@ -388,15 +399,17 @@ class CUDADevice(Device):
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
         fn = self.functions[step.name]
-        grid, block = launch_dims(step.kernel)
+        dims = self.dims.get(step.name)
+        if dims is None:
+            dims = self.dims[step.name] = launch_dims(step.kernel)
         ptrs = tuple(b.ptr for b in bufs)
         if self.batch is not None and not waits:
-            self.batch.append((fn, grid, block, ptrs, step.name))
+            self.batch.append((fn, dims, ptrs, step.name))
             self.submitted += 1  # reserved: end_batch records the event that completes it
             v = self.submitted
             self.holding[v] = bufs
             return v
-        return self._submit(lambda: self._launch_now(fn, grid, block, ptrs), waits, bufs)
+        return self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
 
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:
@@ -413,10 +426,10 @@ class CUDADevice(Device):
         finally:
             self.lock.release()
 
-    def _flush(self, batch: list[tuple[Any, tuple[int, int, int], int, tuple[int, ...], Any]]) -> None:
+    def _flush(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last."""
         self.use()
-        key = tuple((name, ptrs) for _, _, _, ptrs, name in batch)
+        key = tuple((name, ptrs) for _, _, ptrs, name in batch)
         graph = self.graphs.get(key)
         if isinstance(graph, int) or graph is None:
             seen = (graph or 0) + 1
@@ -426,8 +439,8 @@ class CUDADevice(Device):
             else:
                 self.graphs[key] = seen
                 graph = None
-                for fn, grid, block, ptrs, _ in batch:
-                    self._launch_now(fn, grid, block, ptrs)
+                for fn, dims, ptrs, _ in batch:
+                    self._launch_now(fn, dims, ptrs)
         if graph is not None:
             check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
         ev = self._event()
@@ -435,15 +448,16 @@ class CUDADevice(Device):
         for u in range(v - len(batch) + 1, v + 1):
             self.events[u] = ev  # every reserved value completes with the batch's last command
         self.completions.put((ev, v, None))  # the timeline jumps over the batch's values at once
+        self.finished.append(self._take_done())  # dropped by the next submit or collect, outside this lock
         if len(self.graphs) > 256:  # plans that come and go: keep the cache bounded
             self.graphs.pop(next(iter(self.graphs)))
 
-    def _capture(self, batch: list[tuple[Any, tuple[int, int, int], int, tuple[int, ...], Any]]) -> Any:
+    def _capture(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> Any:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:
-            for fn, grid, block, ptrs, _ in batch:
-                self._launch_now(fn, grid, block, ptrs)
+            for fn, dims, ptrs, _ in batch:
+                self._launch_now(fn, dims, ptrs)
         finally:
             graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
