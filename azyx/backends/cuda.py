@@ -50,8 +50,14 @@ GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is capture
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
 # waits on host-side progress: a one-thread kernel that sleeps until a word of mapped pinned memory reaches a value
 # (cuStreamWaitValue32 does the same, but failed intermittently with CUDA_ERROR_INVALID_VALUE on the H200 VM)
-_WAIT_SRC = """extern "C" __global__ void azyx_wait_word(const volatile unsigned int* word, unsigned int v) {
-  while ((int)(*word - v) < 0) __nanosleep(4096);
+# (reads at system scope with acquire semantics: a plain or volatile load may see a stale cached copy of host memory)
+_WAIT_SRC = """extern "C" __global__ void azyx_wait_word(const unsigned int* word, unsigned int v) {
+  unsigned int x;
+  while (true) {
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(x) : "l"(word) : "memory");
+    if ((int)(x - v) >= 0) break;
+    __nanosleep(2048);
+  }
 }
 """
 _TLS = threading.local()  # the context current on this thread
@@ -211,6 +217,7 @@ class CUDADevice(Device):
         self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
         self.mirrors: dict[str, _Pinned] = {}  # host device -> a pinned word that follows its timeline
         self.peers: set[int] = set()
+        self.tickets = 1  # staging progress counts (see _upload)
         self.batch: list[tuple[Any, Dims, tuple[int, ...], str]] | None = None
         self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
         module = check(cu.cuModuleLoadData(nvrtc_compile(_WAIT_SRC, self.arch)), "cuModuleLoadData")
@@ -314,7 +321,7 @@ class CUDADevice(Device):
         """The pinned word that follows `dev`'s timeline, set to (at least) `v` once it reaches `v`."""
         word = self.mirrors.get(dev.name)
         if word is None:
-            word = self.mirrors[dev.name] = _Pinned(64)
+            word = self.mirrors[dev.name] = self._pinned(64)
         view = word.array.view(np.uint32)
 
         def reached() -> None:  # on the signalling thread; callbacks come in value order
@@ -502,7 +509,8 @@ class CUDADevice(Device):
         def dma(i: int) -> None:
             o, size = chunks[i]
             if size:
-                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, stages[i].pinned.ptr, size, self.stream), "H2D")
+                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, stages[i].pinned.ptr, size, self.stream),
+                      f"H2D of {size} bytes to {dst.ptr + o:#x} (of {dst.nbytes}) from {stages[i].pinned.ptr:#x}")
 
         def dma_all() -> None:
             for i in range(len(chunks)):
@@ -512,23 +520,28 @@ class CUDADevice(Device):
             for i, (o, size) in enumerate(chunks):
                 fill(o, stages[i].pinned.array[:size])
             return self._submit(dma_all, [], (keep, stages))
+        # a reused word would still hold its last upload's count: counts continue from a per-device ticket, so a
+        # stale value is always behind what this upload waits for
         flag = _Staging(self.staging, 64)
         count = flag.pinned.array.view(np.uint32)
-        count[0] = 0
+        with self.lock:
+            base = self.tickets
+            self.tickets += len(chunks) + 1
+        count[0] = base & 0xFFFFFFFF
 
         def stage() -> None:
             try:
                 for i, (o, size) in enumerate(chunks):
                     fill(o, stages[i].pinned.array[:size])
-                    count[0] = i + 1
+                    count[0] = (base + i + 1) & 0xFFFFFFFF
             except BaseException as e:
                 self.errors.append(e)
             finally:
-                count[0] = len(chunks)  # never leave the stream waiting
+                count[0] = (base + len(chunks)) & 0xFFFFFFFF  # never leave the stream waiting
 
         def enqueue() -> None:
             for i in range(len(chunks)):
-                self._wait_word(flag.pinned.dev_ptr, i + 1)
+                self._wait_word(flag.pinned.dev_ptr, base + i + 1)
                 dma(i)
 
         v = self._submit(enqueue, [], (keep, stages, flag))
@@ -559,7 +572,8 @@ class CUDADevice(Device):
 
             def enqueue(o: int = o, size: int = size, staged: _Staging = staged) -> None:
                 if size:
-                    check(cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream), "D2H")
+                    check(cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream),
+                          f"D2H of {size} bytes from {buf.ptr + o:#x} (of {buf.nbytes}) to {staged.pinned.ptr:#x}")
 
             def post(o: int = o, size: int = size, staged: _Staging = staged) -> None:
                 flat[o:o + size] = staged.pinned.array[:size]
