@@ -5,9 +5,12 @@ architecture, launched on one stream per device.
 Completion: an event is recorded after each command, and one waiter thread per device waits on them in stream
 order (the GIL is released while it waits) and advances the device's TimelineSignal; nothing polls the loop.
 
-Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it; on a buffer of any
-other device (a C kernel's output), a 32-bit word of pinned host memory that mirrors that device's timeline
-(`cuStreamWaitValue32`), so the wait happens on the GPU, never on the event loop. Copies: peer-to-peer between
+Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it. A command that must
+wait for progress on the host side (a C kernel's output, a staging copy into pinned memory) is not put on the
+stream before it can run: it waits in the device's deferred queue, in order, and a submitter thread puts it on
+the stream once its conditions hold (every later command queues behind it, so the stream keeps program order).
+A GPU-side wait on host memory (a spinning kernel, `cuStreamWaitValue32`) was tried first: it can hold the
+device busy while a module load waits for the device to idle, which deadlocks. Copies: peer-to-peer between
 CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers to and from
 host memory, in chunks so the DMA and the host copy overlap.
 
@@ -17,11 +20,13 @@ allocator hands back the same blocks), its launches replay as one CUDA graph (`b
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -48,18 +53,6 @@ BLOCK = 256  # threads per block of an elementwise kernel (one output point per 
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
-# waits on host-side progress: a one-thread kernel that sleeps until a word of mapped pinned memory reaches a value
-# (cuStreamWaitValue32 does the same, but failed intermittently with CUDA_ERROR_INVALID_VALUE on the H200 VM)
-# (reads at system scope with acquire semantics: a plain or volatile load may see a stale cached copy of host memory)
-_WAIT_SRC = """extern "C" __global__ void azyx_wait_word(const unsigned int* word, unsigned int v) {
-  unsigned int x;
-  while (true) {
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(x) : "l"(word) : "memory");
-    if ((int)(x - v) >= 0) break;
-    __nanosleep(2048);
-  }
-}
-"""
 _TLS = threading.local()  # the context current on this thread
 _INIT: list[bool] = []
 
@@ -74,6 +67,16 @@ def check(result: Any, what: str) -> Any:
             name = cu.cuGetErrorName(err)[1].decode() if cu.cuGetErrorName(err)[0] == 0 else str(err)
         raise DeviceError(f"{what} failed: {name}")
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def describe_pointer(ptr: int) -> str:
+    """What the driver knows of an address (for error messages)."""
+    attr = cu.CUpointer_attribute
+    kind = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    rng = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr)
+    start = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)
+    return f"{ptr:#x}: type {kind[1] if kind[0] == 0 else kind[0]}, range {rng[1] if rng[0] == 0 else rng[0]} " \
+           f"from {start[1] if start[0] == 0 else start[0]}"
 
 
 def init() -> int:
@@ -162,6 +165,20 @@ class _Pinned:
             pass
 
 
+class _Job:
+    """A command deferred until host-side progress lets it go on the stream (see CUDADevice._submit)."""
+
+    __slots__ = ("host_wait", "waits", "enqueue", "keep", "post", "value", "first")
+
+    def __init__(self, host_wait: Callable[[], None] | None, waits: list[tuple[Device, int]],
+                 enqueue: Callable[[], None], keep: Any, post: Callable[[], None] | None, value: int, first: int = 0):
+        self.host_wait, self.waits, self.enqueue, self.keep, self.post = host_wait, waits, enqueue, keep, post
+        self.value, self.first = value, first or value
+
+
+_STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter thread
+
+
 class _Staging:
     """A pinned block lent by a device's staging pool; back to the pool with its last reference."""
 
@@ -215,14 +232,13 @@ class CUDADevice(Device):
         self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
         # (event, timeline value, what to do on the host once it completed, before the timeline says so)
         self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
-        self.mirrors: dict[str, _Pinned] = {}  # host device -> a pinned word that follows its timeline
+        # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
+        self.deferred: collections.deque[_Job] = collections.deque()
+        self.ready = threading.Condition(self.lock)
+        self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
-        self.tickets = 1  # staging progress counts (see _upload)
         self.batch: list[tuple[Any, Dims, tuple[int, ...], str]] | None = None
         self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
-        module = check(cu.cuModuleLoadData(nvrtc_compile(_WAIT_SRC, self.arch)), "cuModuleLoadData")
-        self.modules.append(module)
-        self.wait_fn = check(cu.cuModuleGetFunction(module, b"azyx_wait_word"), "cuModuleGetFunction")
         self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
         self.waiter.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
@@ -298,37 +314,27 @@ class CUDADevice(Device):
     def pending(self) -> int:
         return self.submitted - self.timeline.value
 
-    def _wait_on(self, waits: list[tuple[Device, int]]) -> None:
-        """Make the stream wait for (device, value) pairs: on the other CUDA device's event, or on the pinned word
-        that mirrors a host device's timeline."""
+    def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
+        """The events on the stream of other CUDA devices that `waits` translate to; None when a wait has none
+        (host-side progress, or a CUDA command still deferred): then the command must be deferred."""
+        out = []
         for dev, v in waits:
             if dev.timeline.value >= v:
                 continue
             ev = dev.events.get(v) if isinstance(dev, CUDADevice) else None
-            if ev is not None:
-                check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-            elif dev.timeline.value < v:
-                self._wait_word(self._mirror(dev, v).dev_ptr, v)
+            if ev is None:
+                return None
+            out.append((ev, v))
+        return out
 
-    def _wait_word(self, addr: int, v: int) -> None:
-        """The stream waits until the mapped pinned word at `addr` reaches `v` (modulo 2**32)."""
-        word, value = ctypes.c_uint64(addr), ctypes.c_uint32(v & 0xFFFFFFFF)
-        params = (ctypes.c_void_p * 2)(ctypes.addressof(word), ctypes.addressof(value))
-        check(cu.cuLaunchKernel(self.wait_fn, 1, 1, 1, 1, 1, 1, 0, self.stream, ctypes.addressof(params), 0),
-              "cuLaunchKernel (wait)")
-
-    def _mirror(self, dev: Device, v: int) -> _Pinned:
-        """The pinned word that follows `dev`'s timeline, set to (at least) `v` once it reaches `v`."""
-        word = self.mirrors.get(dev.name)
-        if word is None:
-            word = self.mirrors[dev.name] = self._pinned(64)
-        view = word.array.view(np.uint32)
-
-        def reached() -> None:  # on the signalling thread; callbacks come in value order
-            view[0] = v & 0xFFFFFFFF
-
-        dev.timeline.on_reach(v, reached)
-        return word
+    def _record(self, v: int, keep: Any, post: Callable[[], None] | None, first: int = 0) -> None:
+        """Under the lock, after the command of value `v` is on the stream: its event (also for the values from
+        `first` on that a batch reserved), and its completion."""
+        ev = self._event()
+        for u in range(first or v, v + 1):
+            self.events[u] = ev
+        self.holding[v] = keep
+        self.completions.put((ev, v, post))
 
     def _event(self) -> Any:
         ev = self.free_events.pop() if self.free_events else check(
@@ -337,25 +343,74 @@ class CUDADevice(Device):
         return ev
 
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
-                post: Callable[[], None] | None = None) -> int:
-        """Enqueue work on the stream after `waits`; returns its timeline value. `post` runs on the waiter thread
-        once the work completed, before the timeline reaches the value."""
+                post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None) -> int:
+        """Put work on the stream after `waits` (now, or deferred until they can be expressed on the GPU); returns
+        its timeline value. `host_wait` blocks (on the submitter thread) until host-side inputs are ready; `post`
+        runs on the waiter thread once the work completed, before the timeline reaches its value."""
         with self.lock:
             self.use()
             if self.batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
                 self.batch = []
-            self._wait_on(waits)
-            enqueue()
-            ev = self._event()
             self.submitted += 1
             v = self.submitted
-            self.events[v] = ev
-            self.holding[v] = keep
+            events = None if (host_wait is not None or self.deferred) else self._event_waits(waits)
+            if events is None:
+                self._defer(_Job(host_wait, waits, enqueue, keep, post, v))
+            else:
+                for ev, _ in events:
+                    check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
+                enqueue()
+                self._record(v, keep, post)
             done = self._take_done()
-            self.completions.put((ev, v, post))
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         return v
+
+    def _defer(self, job: _Job) -> None:
+        """Under the lock: queue a command behind the deferred ones, for the submitter thread."""
+        self.deferred.append(job)
+        if self.submitter is None:
+            self.submitter = threading.Thread(target=self._submit_loop, name=f"azyx-{self.name}-submit",
+                                              daemon=True)
+            self.submitter.start()
+        self.ready.notify()
+
+    def _submit_loop(self) -> None:
+        """Put deferred commands on the stream in order, each once what it waits for is there."""
+        while True:
+            with self.lock:
+                while not self.deferred:
+                    self.ready.wait()
+                job = self.deferred[0]
+            if job is _STOP:
+                return
+            try:
+                if job.host_wait is not None:
+                    job.host_wait()
+                for dev, v in job.waits:  # host devices, and CUDA commands deferred on their own device
+                    if not isinstance(dev, CUDADevice):
+                        dev.timeline.wait_sync(v)
+                    else:
+                        dev.wait_recorded(v)
+                with self.lock:
+                    self.use()
+                    events = self._event_waits(job.waits) or []  # every wait is recorded or reached by now
+                    for ev, _ in events:
+                        check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
+                    job.enqueue()
+            except BaseException as e:  # the command is lost; its value still completes, and the error is raised
+                self.errors.append(e)
+            with self.lock:
+                self.use()
+                self._record(job.value, job.keep, job.post, job.first)
+                self.deferred.popleft()
+                self.ready.notify_all()
+
+    def wait_recorded(self, v: int) -> None:
+        """Block (worker threads) until the command of value `v` is on the stream (its event exists)."""
+        with self.lock:
+            while any(j.first <= v <= j.value for j in self.deferred):
+                self.ready.wait()
 
     def _wait_loop(self) -> None:
         self.use()
@@ -434,8 +489,19 @@ class CUDADevice(Device):
             self.lock.release()
 
     def _flush(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
-        """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last."""
+        """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;
+        behind the deferred commands when there are any."""
         self.use()
+        first, v = self.submitted - len(batch) + 1, self.submitted
+        if self.deferred:
+            self._defer(_Job(None, [], lambda: self._launch_batch(batch), None, None, v, first))
+            return
+        self._launch_batch(batch)
+        self._record(v, None, None, first)
+        self.finished.append(self._take_done())  # dropped by the next submit or collect, outside this lock
+
+    def _launch_batch(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
+        """Under the lock: the batch's launches on the stream, one graph launch once the batch is steady."""
         key = tuple((name, ptrs) for _, _, ptrs, name in batch)
         graph = self.graphs.get(key)
         if isinstance(graph, int) or graph is None:
@@ -450,12 +516,6 @@ class CUDADevice(Device):
                     self._launch_now(fn, dims, ptrs)
         if graph is not None:
             check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
-        ev = self._event()
-        v = self.submitted
-        for u in range(v - len(batch) + 1, v + 1):
-            self.events[u] = ev  # every reserved value completes with the batch's last command
-        self.completions.put((ev, v, None))  # the timeline jumps over the batch's values at once
-        self.finished.append(self._take_done())  # dropped by the next submit or collect, outside this lock
         if len(self.graphs) > 256:  # plans that come and go: keep the cache bounded
             self.graphs.pop(next(iter(self.graphs)))
 
@@ -501,8 +561,8 @@ class CUDADevice(Device):
                 keep: Any, chunk: int = STAGE, at_once: bool = False) -> int:
         """Host bytes -> this device through pinned chunks: `fill(offset, chunk)` writes each. A ready source that
         may be staged `at_once` (small host memory, never a file) is staged here; otherwise a worker thread fills the
-        chunks once the source is ready, counting them in a pinned word, and the stream waits for each count before
-        that chunk's DMA (the DMA of one chunk overlaps the filling of the next)."""
+        chunks once the source is ready, and each chunk's DMA is a deferred command that goes on the stream once
+        its chunk is filled (the DMA of one chunk overlaps the filling of the next)."""
         chunks = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
         stages = [_Staging(self.staging, max(size, 1)) for _, size in chunks]
 
@@ -520,31 +580,22 @@ class CUDADevice(Device):
             for i, (o, size) in enumerate(chunks):
                 fill(o, stages[i].pinned.array[:size])
             return self._submit(dma_all, [], (keep, stages))
-        # a reused word would still hold its last upload's count: counts continue from a per-device ticket, so a
-        # stale value is always behind what this upload waits for
-        flag = _Staging(self.staging, 64)
-        count = flag.pinned.array.view(np.uint32)
-        with self.lock:
-            base = self.tickets
-            self.tickets += len(chunks) + 1
-        count[0] = base & 0xFFFFFFFF
+        staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
             try:
                 for i, (o, size) in enumerate(chunks):
                     fill(o, stages[i].pinned.array[:size])
-                    count[0] = (base + i + 1) & 0xFFFFFFFF
+                    staged[i].set()
             except BaseException as e:
                 self.errors.append(e)
             finally:
-                count[0] = (base + len(chunks)) & 0xFFFFFFFF  # never leave the stream waiting
+                for ev in staged:  # never leave the submitter waiting
+                    ev.set()
 
-        def enqueue() -> None:
-            for i in range(len(chunks)):
-                self._wait_word(flag.pinned.dev_ptr, base + i + 1)
-                dma(i)
-
-        v = self._submit(enqueue, [], (keep, stages, flag))
+        v = 0
+        for i in range(len(chunks)):
+            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
         _after(waits, lambda: in_background(stage))
         return v
 
@@ -572,8 +623,11 @@ class CUDADevice(Device):
 
             def enqueue(o: int = o, size: int = size, staged: _Staging = staged) -> None:
                 if size:
-                    check(cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream),
-                          f"D2H of {size} bytes from {buf.ptr + o:#x} (of {buf.nbytes}) to {staged.pinned.ptr:#x}")
+                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream)[0]
+                    if int(err) != 0:
+                        raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(buf.ptr + o)} (of "
+                                          f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
+                                          f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
 
             def post(o: int = o, size: int = size, staged: _Staging = staged) -> None:
                 flat[o:o + size] = staged.pinned.array[:size]
@@ -608,9 +662,19 @@ class CUDADevice(Device):
             cu.cuStreamSynchronize(self.stream)
         except Exception:
             pass
+        with self.lock:
+            if self.submitter is not None:
+                self.deferred.append(_STOP)
+                self.ready.notify_all()
+        if self.submitter is not None:
+            self.submitter.join(timeout=10)
         self.completions.put(None)
         self.waiter.join(timeout=10)
         self.collect()
+
+
+def _wait_set(ev: threading.Event) -> None:
+    ev.wait()
 
 
 def _after(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
