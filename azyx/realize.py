@@ -49,11 +49,16 @@ async def realize(*tensors: Tensor) -> None:
         dev = buf.device
         if dev.timeline.value < buf.ready:
             await dev.timeline.wait(buf.ready)
-        if dev.errors:
-            err = dev.errors.pop(0)
-            if isinstance(err, AzyxIOError):  # a file read failed (e.g. truncated after opening): it names the file
-                raise err
-            raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
+        _raise_failure(dev)
+
+
+def _raise_failure(dev: Any) -> None:
+    """Raise the first failure of `dev`'s queued work, if any (the runtime stays usable)."""
+    if dev.errors:
+        err = dev.errors.pop(0)
+        if isinstance(err, AzyxIOError):  # a file read failed (e.g. truncated after opening): it names the file
+            raise err
+        raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
 
 
 async def to_numpy(t: Tensor) -> np.ndarray:
@@ -61,7 +66,17 @@ async def to_numpy(t: Tensor) -> np.ndarray:
     n = GRAPH[t.id]
     assert n.buffer is not None and n.view is not None
     buf, view, shape, dtype = n.buffer, n.view, n.shape, n.dtype
-    if buf.nbytes >= (8 << 20) or buf.device.storage:  # large copies and file reads leave the loop free
+    dev = buf.device
+    if not dev.host_memory and not dev.storage:  # a device with a queue: read in its order, await the timeline
+        host = np.empty(buf.nbytes, np.uint8)
+        v = dev.copy_to_host(buf, host, [])
+        if v is not None:
+            await dev.timeline.wait(v)
+            _raise_failure(dev)
+            from azyx.backends.host import host_read
+
+            return host_read(host, view, shape, dtype)
+    if buf.nbytes >= (8 << 20) or dev.storage:  # large copies and file reads leave the loop free
         from azyx.workers import in_worker_thread
 
         return await in_worker_thread(buf.device.read, buf, view, shape, dtype)

@@ -333,7 +333,8 @@ class CUDADevice(Device):
         ev = self._event()
         for u in range(first or v, v + 1):
             self.events[u] = ev
-        self.holding[v] = keep
+        if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
+            self.holding[v] = keep
         self.completions.put((ev, v, post))
 
     def _event(self) -> Any:
