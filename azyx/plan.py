@@ -232,7 +232,8 @@ class Planner:
                 self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
         return self.transfers[key]
 
-    def realize(self, nid: int) -> tuple[int, StridedView]:
+    def realize(self, nid: int, copy: bool = False) -> tuple[int, StridedView]:
+        """The slot holding `nid` and how to index it; `copy`: in a contiguous buffer of its own, not as a view."""
         if nid in self.done:
             return self.done[nid]
         n = self.graph[nid]
@@ -241,6 +242,8 @@ class Planner:
             out = (self.on_device(slot, self.device_of(n)), view)
         elif nid in self.targets and (sv := self.strided(nid)) is not None:
             out = sv  # a pure view of a realized buffer: no kernel
+        elif not copy and nid not in self.targets and (sv := self.viewed(nid)) is not None:
+            out = sv
         else:
             out = self.kernel(nid)
         self.done[nid] = out
@@ -253,34 +256,32 @@ class Planner:
             return self.done[nid]
         if n.op is Op.REDUCE and self.split_parts(nid, self.place(nid)) is not None:
             return self.realize(nid)  # a split reduce is its own kernels anyway: views of it need no copy
-        if n.op not in (Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP) or n.op is Op.PAD and any(
-                b > 0 or a > 0 for b, a in n.arg):
+        if n.op not in MOVEMENT:
             return None
         inner = self.strided(n.src[0])
-        if inner is None:
+        if inner is None or self.slots[inner[0]].device != self.device_of(n):
             return None
-        slot, v = inner
-        src_shape = self.graph[n.src[0]].shape
-        if self.slots[slot].device != self.device_of(n):
+        view = view_through(n, self.graph[n.src[0]].shape, inner[1])
+        return None if view is None else (inner[0], view)
+
+    def viewed(self, nid: int) -> tuple[int, StridedView] | None:
+        """A movement node read as a whole (broadcast operands, shared views of a reduce): when its movement ops are a
+        strided view of the node they start from, realize that node and read it through the view, instead of
+        copying the moved data into a buffer of its own."""
+        g, chain, base = self.graph, [], nid
+        while g[base].op in MOVEMENT and base not in self.done:
+            chain.append(g[base])
+            base = g[base].src[0]
+        if not chain:
             return None
-        st, off = list(v.strides), v.offset
-        if n.op is Op.EXPAND:
-            st = [0 if s != o else x for x, s, o in zip(st, src_shape, n.shape)]
-        elif n.op is Op.PERMUTE:
-            st = [st[a] for a in n.arg]
-        elif n.op is Op.FLIP:
-            for a in n.arg:
-                off += (src_shape[a] - 1) * st[a]
-                st[a] = -st[a]
-        elif n.op is Op.PAD:
-            for a, (b, _) in enumerate(n.arg):
-                off += -b * st[a]
-        else:
-            new = reshape_strides(src_shape, tuple(st), n.shape)
-            if new is None:
+        if base not in self.done:  # realize it only if the ops above will be a view of its contiguous result
+            view: StridedView | None = StridedView.contiguous(g[base].shape)
+            for m in reversed(chain):
+                view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
+            if view is None:
                 return None
-            st = list(new)
-        return slot, StridedView(off, tuple(st))
+            self.realize(base)
+        return self.strided(nid)
 
     def place(self, root: int) -> str:
         """The device of a kernel. Pinned: its own. AUTO: the cheapest of moving its inputs to a device and
@@ -424,7 +425,7 @@ class Planner:
             perms = [next((i for i in reversed(path) if self.graph[i].op is Op.PERMUTE), None) for path in paths]
             if all(i is not None and i not in self.done for i in perms):
                 for i in perms:
-                    self.realize(i)  # type: ignore[arg-type]
+                    self.realize(i, copy=True)  # type: ignore[arg-type]
                 return "retry"  # type: ignore[return-value]
             return None  # a dot product per output instead, vectorised along the reduce
         return ta, tb
@@ -567,8 +568,10 @@ class KernelBuild:
             return self.reduce(n, idx, cond)
         if op is Op.EXPAND:
             src_idx = tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape))
-            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) and p.computes(n.src[0]):
-                return self.load(n.src[0], src_idx, cond)  # computed once, not once per broadcast copy (matmul inputs)
+            # computed once, not once per broadcast copy (matmul inputs); a single element is computed once per kernel
+            # anyway (it depends on no loop), so it fuses instead of costing a kernel of its own
+            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) > EXPAND_REALIZE and p.computes(n.src[0]):
+                return self.load(n.src[0], src_idx, cond)
             return self.value(n.src[0], src_idx, cond, in_reduce)
         if op is Op.PERMUTE:
             new: list[Lin] = [Lin({}, 0)] * len(idx)
@@ -632,6 +635,31 @@ class KernelBuild:
         self.reduce_work += prod([src_shape[a] for a in axes])
         body = self.value(n.src[0], tuple(new), cond, True)
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
+
+
+def view_through(n: Node, src_shape: Shape, v: StridedView) -> StridedView | None:
+    """The view that movement node `n` makes of its source's view `v`, or None when it is not a strided view (a pad
+    that adds elements, a reshape that needs a copy)."""
+    if n.op is Op.PAD and any(b > 0 or a > 0 for b, a in n.arg):
+        return None
+    st, off = list(v.strides), v.offset
+    if n.op is Op.EXPAND:
+        st = [0 if s != o else x for x, s, o in zip(st, src_shape, n.shape)]
+    elif n.op is Op.PERMUTE:
+        st = [st[a] for a in n.arg]
+    elif n.op is Op.FLIP:
+        for a in n.arg:
+            off += (src_shape[a] - 1) * st[a]
+            st[a] = -st[a]
+    elif n.op is Op.PAD:
+        for a, (b, _) in enumerate(n.arg):
+            off += -b * st[a]
+    else:
+        new = reshape_strides(src_shape, tuple(st), n.shape)
+        if new is None:
+            return None
+        st = list(new)
+    return StridedView(off, tuple(st))
 
 
 def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[int, ...] | None:
