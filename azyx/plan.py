@@ -240,10 +240,8 @@ class Planner:
         if n.op is Op.TODEVICE:
             slot, view = self.realize(n.src[0])
             out = (self.on_device(slot, self.device_of(n)), view)
-        elif nid in self.targets and (sv := self.strided(nid)) is not None:
-            out = sv  # a pure view of a realized buffer: no kernel
-        elif not copy and nid not in self.targets and (sv := self.viewed(nid)) is not None:
-            out = sv
+        elif not copy and (sv := self.viewed(nid)) is not None:
+            out = sv  # a view of a buffer: no kernel
         else:
             out = self.kernel(nid)
         self.done[nid] = out
@@ -265,9 +263,10 @@ class Planner:
         return None if view is None else (inner[0], view)
 
     def viewed(self, nid: int) -> tuple[int, StridedView] | None:
-        """A movement node read as a whole (broadcast operands, shared views of a reduce): when its movement ops are a
-        strided view of the node they start from, realize that node and read it through the view, instead of
-        copying the moved data into a buffer of its own."""
+        """A movement node realized whole (a target, a broadcast operand, a shared view of a reduce) is a view of the
+        node its movement ops start from, instead of a copy, when they are a strided view of it and that node has a
+        buffer: it is realized, or it gets one anyway (read by other kernels too, or not a target: read whole, the
+        moved copy would cost a kernel as well)."""
         g, chain, base = self.graph, [], nid
         while g[base].op in MOVEMENT and base not in self.done:
             chain.append(g[base])
