@@ -300,8 +300,9 @@ class _Renderer:
         self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
         self.names[id(v)] = name
 
-    def block(self, nodes: list[V], inner: str | Callable[[], str] | None) -> None:
-        """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs."""
+    def block(self, nodes: list[V], inner: Callable[[], list[str]]) -> None:
+        """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs, then the
+        statements `inner` makes, innermost."""
         uvars = self.k.uvars
         depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in nodes}
         saved = dict(self.names)
@@ -311,15 +312,15 @@ class _Renderer:
             for v in nodes:
                 if depth[id(v)] == d:
                     self.stmt(v)
-        if inner:
-            self.emit(inner if isinstance(inner, str) else inner())
+        for line in inner():
+            self.emit(line)
         for _ in uvars:
             self.close()
         self.names = saved  # names declared inside the block's braces go out of scope
 
     def render(self) -> str:
         k, dl = self.k, self.dl
-        order = toposort(k.value)
+        order = toposort(*k.values)
         gindex = {v: i for i, v in enumerate(k.gvars)}
         n = len(k.gvars)
         reduces = [v for v in order if v.op == "reduce"]
@@ -341,7 +342,7 @@ class _Renderer:
 
         params = []
         for i, d in enumerate(k.params):
-            const = "" if i == 0 else "const "
+            const = "" if i < len(k.stores) else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
         header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
@@ -371,10 +372,10 @@ class _Renderer:
                     self.reduce_block(v, order, place, par.get("reduce", ""))
                 else:
                     self.stmt(v)
-        # epilogue: everything that depends on upcast vars, then the store
-        epi = self.collect(k.value, place, None)
-        self.block(epi, lambda: self.dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};").format(
-            buf="d0", idx=k.out_idx.render(), val=self.store_value(k.value)))
+        # epilogue: everything that depends on upcast vars, then the stores
+        epi = self.collect(k.values, place, None)
+        self.block(epi, lambda: [self.dl.stores.get(k.params[i].name, "{buf}[{idx}] = {val};").format(
+            buf=f"d{i}", idx=idx.render(), val=self.store_value(v)) for i, (idx, v) in enumerate(k.stores)])
         if not dl.global_ids:
             for _ in k.gvars:
                 self.close()
@@ -384,7 +385,7 @@ class _Renderer:
     def store_value(self, v: V) -> str:
         return self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
 
-    def collect(self, root: V, place: dict[int, object], body_of: V | None) -> list[V]:
+    def collect(self, roots: list[V], place: dict[int, object], body_of: V | None) -> list[V]:
         """Nodes of one block: those placed in it, plus per-block ("U") nodes it needs, in topological order."""
         out: list[V] = []
         seen: set[int] = set()
@@ -402,10 +403,8 @@ class _Renderer:
                 visit(s)
             out.append(v)
 
-        if body_of is not None:
-            visit(body_of.src[0])
-        else:
-            visit(root)
+        for r in roots:
+            visit(r)
         return [v for v in out if v.op != "reduce"]
 
     def reduce_block(self, r: V, order: list[V], place: dict[int, object], pragma: str) -> None:
@@ -419,7 +418,7 @@ class _Renderer:
         dims = "".join(f"[{u.vmax + 1}]" for u in self.k.uvars)
         if dims:
             self.emit(f"{acc_t} {name}{dims};")
-            self.block([], f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)} = {init};")
+            self.block([], lambda: [f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)} = {init};"])
         else:
             self.emit(f"{acc_t} {name} = {init};")
         use_red = not dims and self.dl.pragmas
@@ -430,7 +429,7 @@ class _Renderer:
             elif i == len(rvars) - 1 and use_red:
                 p = f"#pragma omp simd reduction({omp_reduction(op, r.dtype)}:{name})"
             self.loop(rv, p, opaque=bool(dims))
-        body = self.collect(r, place, r)
+        body = self.collect([r.src[0]], place, r)
         body_v = r.src[0]
         ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
         comb = (_COMBINE_INT if not r.dtype.is_float and op in _COMBINE_INT else _COMBINE)[op]

@@ -48,9 +48,10 @@ class KernelStep:
     device: str
     name: str
     src: str
-    args: tuple[int, ...]  # slot ids; args[0] is written
+    args: tuple[int, ...]  # slot ids; the first `outs` are written, the rest read
     work: int
     kernel: Kernel = field(repr=False, compare=False)
+    outs: int = 1
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,8 @@ class Planner:
         if not chain:
             return None
         if base not in self.done:  # realize it only if the ops above will be a view of its contiguous result
+            if nid in self.targets and self.walk.consumers.get(base, 0) < 2:
+                return None  # computed straight into the target's own layout instead
             view: StridedView | None = StridedView.contiguous(g[base].shape)
             for m in reversed(chain):
                 view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
@@ -395,7 +398,7 @@ class Planner:
             tile = None if tile == "retry" else tile
         if tile is not None:
             tiled = self.attempt(root, device, groups, tile)
-            if tiled.value.has_reduce:
+            if tiled.stores[0][1].has_reduce:
                 best = tiled
         dev = self.rt.device(device)
         debug.log(debug.IR, lambda: format_kernel(best))
@@ -405,7 +408,7 @@ class Planner:
         return out, StridedView.contiguous(shape)
 
     def tile_for(self, k: Kernel, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
-        if len(groups) < 2 or not k.value.has_reduce or not self.rt.device(k.meta["device"]).tiles:
+        if len(groups) < 2 or not k.stores[0][1].has_reduce or not self.rt.device(k.meta["device"]).tiles:
             return None
         a = prod([shape[d] for d in groups[-2]])
         b = prod([shape[d] for d in groups[-1]])
@@ -414,7 +417,7 @@ class Planner:
         if ta is None or tb is None:
             return None
         gi, gj = k.gvars[-2], k.gvars[-1]
-        loads = [v for v in toposort(k.value) if v.op == "load"]
+        loads = [v for v in toposort(*k.values) if v.op == "load"]
         col = [v for v in loads if gi not in v.vars and gj in v.vars]  # the right operand: varies along columns
         if not (col and any(gj not in v.vars and gi in v.vars for v in loads)):
             return None
@@ -460,7 +463,7 @@ class Planner:
         out_idx = Lin({}, 0)
         for i, s in zip(idx, strides):
             out_idx = out_idx + i * s
-        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, out_idx, value)
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, [(out_idx, value)])
         k.work = prod(shape) * (1 + kb.reduce_work)
         k.meta.update(slots=kb.params, device=device, cost=kb.cost, load_paths=kb.load_paths)
         return k
@@ -473,6 +476,9 @@ class Planner:
         return need
 
     def finish(self, target_ids: list[int]) -> ExecutionPlan:
+        from azyx.merge import merge_kernels  # (merge.py works on this module's step types)
+
+        self.steps = merge_kernels(self.steps, lambda device, k: self.rt.device(device).render(k))
         outputs = tuple(self.done[t] for t in target_ids)
         last: dict[int, int] = {}
         for i, st in enumerate(self.steps):
