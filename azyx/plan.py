@@ -138,28 +138,36 @@ def _leaf_entry(n: Node) -> tuple:
 
 
 def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
-    nodes = graph.nodes
-    index: dict[int, int] = {}
-    entries: list[tuple] = []
-    leaves: list[int] = []
-    topo: list[int] = []
+    w = _Walker(graph.nodes)
+    tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
+    return Walk(graph, (tuple(w.entries), tk), w.topo, w.leaves, targets)
 
-    def visit(i: int) -> int:
-        n = nodes[i]
+
+class _Walker:
+    """The recursive walk's state (a method, not a closure that calls itself: that would be a reference cycle, and
+    every realize would leave its walk for the cyclic garbage collector)."""
+
+    def __init__(self, nodes: list[Node | None]):
+        self.nodes = nodes
+        self.index: dict[int, int] = {}
+        self.entries: list[tuple] = []
+        self.leaves: list[int] = []
+        self.topo: list[int] = []
+
+    def visit(self, i: int) -> int:
+        n = self.nodes[i]
         assert n is not None
+        index, entries = self.index, self.entries
         if n.buffer is not None:
             k = index[i] = len(entries)
             entries.append(_leaf_entry(n))
-            leaves.append(i)
+            self.leaves.append(i)
             return k
-        srck = tuple([index.get(s) if s in index else visit(s) for s in n.src])
+        srck = tuple([index[s] if s in index else self.visit(s) for s in n.src])
         k = index[i] = len(entries)
         entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
-        topo.append(i)
+        self.topo.append(i)
         return k
-
-    tk = tuple([index[t] if t in index else visit(t) for t in targets])
-    return Walk(graph, (tuple(entries), tk), topo, leaves, targets)
 
 
 def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
