@@ -14,9 +14,12 @@ from azyx.errors import AzyxError
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
-    # loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C)
+    # loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
+    # An OpenMP loop body loses its pointers' `restrict`, so gcc vectorises it behind run-time overlap checks, 10 pairs
+    # at most by default: a multi-output kernel (3 stores, 6 loads) needs more, or runs scalar (4x slower)
     "c": {"enabled": True, "devices": 1, "compiler": "gcc",
-          "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno"],
+          "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
+                    "--param=vect-max-version-for-alias-checks=64"],
           "threads": None, "memory": None, "inline_work": 1 << 16},
     "opencl": {"enabled": True, "platform_ids": []},
     "cuda": {"enabled": True, "memory": None},

@@ -366,8 +366,9 @@ class _Renderer:
         self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
         self.names[id(v)] = name
 
-    def block(self, nodes: list[V], inner: str | Callable[[], str] | None) -> None:
-        """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs."""
+    def block(self, nodes: list[V], inner: Callable[[], list[str]]) -> None:
+        """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs, then the
+        statements `inner` makes, innermost."""
         uvars = self.k.uvars
         depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in nodes}
         saved = dict(self.names)
@@ -377,15 +378,15 @@ class _Renderer:
             for v in nodes:
                 if depth[id(v)] == d:
                     self.stmt(v)
-        if inner:
-            self.emit(inner if isinstance(inner, str) else inner())
+        for line in inner():
+            self.emit(line)
         for _ in uvars:
             self.close()
         self.names = saved  # names declared inside the block's braces go out of scope
 
     def render(self) -> str:
         k, dl = self.k, self.dl
-        order = toposort(k.value)
+        order = toposort(*k.values)
         gindex = {v: i for i, v in enumerate(k.gvars)}
         n = len(k.gvars)
         reduces = [v for v in order if v.op == "reduce"]
@@ -407,7 +408,7 @@ class _Renderer:
 
         params = []
         for i, d in enumerate(k.params):
-            const = "" if i == 0 else "const "
+            const = "" if i < len(k.stores) else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
         header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
@@ -444,11 +445,11 @@ class _Renderer:
                     self.reduce_block(v, order, place, par.get("reduce", ""))
                 else:
                     self.stmt(v)
-        # epilogue: everything that depends on upcast vars, then the store
-        epi = self.collect(k.value, place, None)
+        # epilogue: everything that depends on upcast vars, then the stores
+        epi = self.collect(k.values, place, None)
         only = "if (lid == 0) " if self.group else ""  # the group's result is in every item: one stores it
-        self.block(epi, lambda: only + self.dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};").format(
-            buf="d0", idx=k.out_idx.render(), val=self.store_value(k.value)))
+        self.block(epi, lambda: [only + self.dl.stores.get(k.params[i].name, "{buf}[{idx}] = {val};").format(
+            buf=f"d{i}", idx=idx.render(), val=self.store_value(v)) for i, (idx, v) in enumerate(k.stores)])
         if not dl.global_ids:
             for _ in k.gvars:
                 self.close()
@@ -458,7 +459,7 @@ class _Renderer:
     def store_value(self, v: V) -> str:
         return self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
 
-    def collect(self, root: V, place: dict[int, object], body_of: V | None) -> list[V]:
+    def collect(self, roots: list[V], place: dict[int, object], body_of: V | None) -> list[V]:
         """Nodes of one block: those placed in it, plus per-block ("U") nodes it needs, in topological order."""
         out: list[V] = []
         seen: set[int] = set()
@@ -476,10 +477,8 @@ class _Renderer:
                 visit(s)
             out.append(v)
 
-        if body_of is not None:
-            visit(body_of.src[0])
-        else:
-            visit(root)
+        for r in roots:
+            visit(r)
         return [v for v in out if v.op != "reduce"]
 
     def grouped_reduce(self, r: V, place: dict[int, object], acc_t: str, init: str, name: str) -> None:
@@ -502,7 +501,7 @@ class _Renderer:
             self.emit(f"{it} {rv.name} = {idx if rv is rvars[0] else f'{idx}%{n}'};")
             inner *= n
         saved = dict(self.names)
-        for v in self.collect(r, place, r):
+        for v in self.collect([r.src[0]], place, r):
             self.stmt(v)
         body_v = r.src[0]
         val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
@@ -557,7 +556,7 @@ class _Renderer:
         dims = "".join(f"[{u.vmax + 1}]" for u in self.k.uvars)
         if dims:
             self.emit(f"{acc_t} {name}{dims};")
-            self.block([], f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)} = {init};")
+            self.block([], lambda: [f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)} = {init};"])
         else:
             self.emit(f"{acc_t} {name} = {init};")
         use_red = not dims and self.dl.pragmas
@@ -568,7 +567,7 @@ class _Renderer:
             elif i == len(rvars) - 1 and use_red:
                 p = f"#pragma omp simd reduction({omp_reduction(op, r.dtype)}:{name})"
             self.loop(rv, p, opaque=bool(dims))
-        body = self.collect(r, place, r)
+        body = self.collect([r.src[0]], place, r)
         body_v = r.src[0]
         ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
         comb = (_COMBINE_INT if not r.dtype.is_float and op in _COMBINE_INT else _COMBINE)[op]
@@ -619,7 +618,7 @@ def group_size(k: Kernel, dl: Dialect) -> int:
         return 0
     if dl.warp and k.global_size >= dl.warp_outputs:
         size = dl.warp  # outputs enough to fill the device with a warp each (no shared memory, no barrier)
-    reduces = [v for v in toposort(k.value) if v.op == "reduce"]
+    reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
     if not reduces or any(r.src[0].has_reduce for r in reduces):
         return 0
     longest = max(reduces, key=lambda r: _numel(r.arg[1]))
@@ -650,8 +649,8 @@ def _magnitude(x: Lin) -> int:
 def index_fits(k: Kernel, group: int = 0) -> bool:
     """Whether every index `k` computes fits a 32-bit int (then GPU dialects use one: 64-bit division is slow)."""
     limit = (1 << 31) - 1
-    sizes = [k.global_size * max(group, 1), _magnitude(k.out_idx)]
-    for v in toposort(k.value):
+    sizes = [k.global_size * max(group, 1), *(_magnitude(idx) for idx, _ in k.stores)]
+    for v in toposort(*k.values):
         if v.op == "load":
             sizes.append(_magnitude(v.arg[1]))
             sizes.extend(_magnitude(x) + abs(lo) + abs(hi) for x, lo, hi in v.arg[2].facts)

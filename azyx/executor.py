@@ -58,8 +58,9 @@ class UnifiedExecutor:
 
     def execute_kernel(self, step: KernelStep, bufs: list[Buffer], same_device: bool = False) -> int:
         dev = self.devices[step.device]
-        v = dev.launch(step, bufs, [] if same_device else self._waits(dev, bufs[1:]))
-        bufs[0].ready = v
+        v = dev.launch(step, bufs, [] if same_device else self._waits(dev, bufs[step.outs:]))
+        for b in bufs[:step.outs]:
+            b.ready = v
         return v
 
     def execute_transfer(self, src: Buffer, dst: Buffer) -> int:
@@ -83,9 +84,9 @@ class UnifiedExecutor:
         try:
             for step, frees in zip(plan.steps, plan.frees):
                 if isinstance(step, KernelStep):
-                    out = step.args[0]
-                    if bufs[out] is None:
-                        bufs[out] = self.devices[step.device].alloc(max(slots[out].nbytes, 1))
+                    for out in step.args[:step.outs]:
+                        if bufs[out] is None:
+                            bufs[out] = self.devices[step.device].alloc(max(slots[out].nbytes, 1))
                     args = [bufs[a] for a in step.args]
                     self.execute_kernel(step, args, single)  # type: ignore[arg-type]
                 else:

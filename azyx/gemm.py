@@ -69,7 +69,9 @@ def _operand(v: V) -> V | None:
 
 
 def match(k: Kernel) -> Gemm | None:
-    r = k.value
+    if len(k.stores) != 1:
+        return None
+    out_idx, r = k.stores[0]
     if r.op != "reduce" or r.arg[0] != "sum" or r.dtype is not dtypes.float32 or k.uvars or len(r.arg[1]) != 1:
         return None
     if not 2 <= len(k.gvars) <= 3 or any(p is not dtypes.float32 for p in k.params):
@@ -93,7 +95,7 @@ def match(k: Kernel) -> Gemm | None:
         return None
     m, n, kk = gi.vmax + 1, gj.vmax + 1, rv.vmax + 1
     batch = gb.vmax + 1 if gb is not None else 1
-    out = _affine(k.out_idx, names)
+    out = _affine(out_idx, names)
     if out is None or out.get("off") != 0 or out.get("i") != n or out.get("j") != 1:
         return None
     if batch > 1 and out.get("b") != m * n:

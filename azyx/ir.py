@@ -1,9 +1,10 @@
 """The kernel IR: one loop nest with a value DAG, which every renderer turns into source in one pass.
 
-A `Kernel` writes `value` at `out_idx` of parameter 0 for every point of its global loops (`gvars`, outer
-first). Upcast vars (`uvars`) are small register-tile loops, innermost. A `V` of op "reduce" is an
-accumulation loop over its own vars, placed inside the innermost global loop. Values are interned, so equal
-expressions are one object (common subexpressions are computed once).
+A `Kernel` writes, for every point of its global loops (`gvars`, outer first), each of its `stores`: a value at an
+index of an output parameter (outputs are the first parameters; a kernel with several is a multi-output kernel).
+Upcast vars (`uvars`) are small register-tile loops, innermost. A `V` of op "reduce" is an accumulation loop over its
+own vars, placed inside the innermost global loop. Values are interned, so equal expressions are one object (common
+subexpressions are computed once).
 """
 
 from __future__ import annotations
@@ -83,11 +84,10 @@ def _cast_scalar(v: Any, dtype: DType) -> Any:
 
 @dataclass
 class Kernel:
-    params: list[DType]  # parameter 0 is the output
+    params: list[DType]  # parameters 0 .. len(stores)-1 are the outputs, the rest are read
     gvars: list[Var]
     uvars: list[Var]
-    out_idx: Lin
-    value: V
+    stores: list[tuple[Lin, V]]  # per output parameter, in order: the index written and the value written there
     work: int = 0  # iterations of the innermost loops, for launch decisions
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -98,11 +98,16 @@ class Kernel:
             out *= v.vmax + 1
         return out
 
+    @property
+    def values(self) -> list[V]:
+        return [v for _, v in self.stores]
 
-def toposort(root: V) -> list[V]:
+
+def toposort(*roots: V) -> list[V]:
+    """Every value the roots depend on, each after its sources."""
     order: list[V] = []
     seen: set[int] = set()
-    stack: list[tuple[V, bool]] = [(root, False)]
+    stack: list[tuple[V, bool]] = [(r, False) for r in reversed(roots)]
     while stack:
         v, done = stack.pop()
         if done:
@@ -124,7 +129,7 @@ def format_kernel(k: Kernel) -> str:
     ups = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.uvars)
     lines = [f"kernel params={[d.name for d in k.params]} loops=[{loops}]" + (f" upcast=[{ups}]" if ups else "")]
     names: dict[int, str] = {}
-    for i, v in enumerate(toposort(k.value)):
+    for i, v in enumerate(toposort(*k.values)):
         names[id(v)] = f"%{i}"
         src = ", ".join(names[id(s)] for s in v.src)
         if v.op == "load":
@@ -138,5 +143,5 @@ def format_kernel(k: Kernel) -> str:
             arg = "" if v.arg is None else repr(v.arg)
         parts = [f"  %{i} = {v.op} {v.dtype.name}", arg, f"({src})" if src else ""]
         lines.append(" ".join(p for p in parts if p))
-    lines.append(f"  store d0[{k.out_idx.render()}] = {names[id(k.value)]}")
+    lines += [f"  store d{i}[{idx.render()}] = {names[id(v)]}" for i, (idx, v) in enumerate(k.stores)]
     return "\n".join(lines)

@@ -48,9 +48,10 @@ class KernelStep:
     device: str
     name: str
     src: str
-    args: tuple[int, ...]  # slot ids; args[0] is written
+    args: tuple[int, ...]  # slot ids; the first `outs` are written, the rest read
     work: int
     kernel: Kernel = field(repr=False, compare=False)
+    outs: int = 1
 
 
 @dataclass(frozen=True)
@@ -137,28 +138,36 @@ def _leaf_entry(n: Node) -> tuple:
 
 
 def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
-    nodes = graph.nodes
-    index: dict[int, int] = {}
-    entries: list[tuple] = []
-    leaves: list[int] = []
-    topo: list[int] = []
+    w = _Walker(graph.nodes)
+    tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
+    return Walk(graph, (tuple(w.entries), tk), w.topo, w.leaves, targets)
 
-    def visit(i: int) -> int:
-        n = nodes[i]
+
+class _Walker:
+    """The recursive walk's state (a method, not a closure that calls itself: that would be a reference cycle, and
+    every realize would leave its walk for the cyclic garbage collector)."""
+
+    def __init__(self, nodes: list[Node | None]):
+        self.nodes = nodes
+        self.index: dict[int, int] = {}
+        self.entries: list[tuple] = []
+        self.leaves: list[int] = []
+        self.topo: list[int] = []
+
+    def visit(self, i: int) -> int:
+        n = self.nodes[i]
         assert n is not None
+        index, entries = self.index, self.entries
         if n.buffer is not None:
             k = index[i] = len(entries)
             entries.append(_leaf_entry(n))
-            leaves.append(i)
+            self.leaves.append(i)
             return k
-        srck = tuple([index.get(s) if s in index else visit(s) for s in n.src])
+        srck = tuple([index[s] if s in index else self.visit(s) for s in n.src])
         k = index[i] = len(entries)
         entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
-        topo.append(i)
+        self.topo.append(i)
         return k
-
-    tk = tuple([index[t] if t in index else visit(t) for t in targets])
-    return Walk(graph, (tuple(entries), tk), topo, leaves, targets)
 
 
 def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
@@ -232,15 +241,16 @@ class Planner:
                 self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
         return self.transfers[key]
 
-    def realize(self, nid: int) -> tuple[int, StridedView]:
+    def realize(self, nid: int, copy: bool = False) -> tuple[int, StridedView]:
+        """The slot holding `nid` and how to index it; `copy`: in a contiguous buffer of its own, not as a view."""
         if nid in self.done:
             return self.done[nid]
         n = self.graph[nid]
         if n.op is Op.TODEVICE:
             slot, view = self.realize(n.src[0])
             out = (self.on_device(slot, self.device_of(n)), view)
-        elif nid in self.targets and (sv := self.strided(nid)) is not None:
-            out = sv  # a pure view of a realized buffer: no kernel
+        elif not copy and (sv := self.viewed(nid)) is not None:
+            out = sv  # a view of a buffer: no kernel
         else:
             out = self.kernel(nid)
         self.done[nid] = out
@@ -253,34 +263,35 @@ class Planner:
             return self.done[nid]
         if n.op is Op.REDUCE and self.split_parts(nid, self.place(nid)) is not None:
             return self.realize(nid)  # a split reduce is its own kernels anyway: views of it need no copy
-        if n.op not in (Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP) or n.op is Op.PAD and any(
-                b > 0 or a > 0 for b, a in n.arg):
+        if n.op not in MOVEMENT:
             return None
         inner = self.strided(n.src[0])
-        if inner is None:
+        if inner is None or self.slots[inner[0]].device != self.device_of(n):
             return None
-        slot, v = inner
-        src_shape = self.graph[n.src[0]].shape
-        if self.slots[slot].device != self.device_of(n):
+        view = view_through(n, self.graph[n.src[0]].shape, inner[1])
+        return None if view is None else (inner[0], view)
+
+    def viewed(self, nid: int) -> tuple[int, StridedView] | None:
+        """A movement node realized whole (a target, a broadcast operand, a shared view of a reduce) is a view of the
+        node its movement ops start from, instead of a copy, when they are a strided view of it and that node has a
+        buffer: it is realized, or it gets one anyway (read by other kernels too, or not a target: read whole, the
+        moved copy would cost a kernel as well)."""
+        g, chain, base = self.graph, [], nid
+        while g[base].op in MOVEMENT and base not in self.done:
+            chain.append(g[base])
+            base = g[base].src[0]
+        if not chain:
             return None
-        st, off = list(v.strides), v.offset
-        if n.op is Op.EXPAND:
-            st = [0 if s != o else x for x, s, o in zip(st, src_shape, n.shape)]
-        elif n.op is Op.PERMUTE:
-            st = [st[a] for a in n.arg]
-        elif n.op is Op.FLIP:
-            for a in n.arg:
-                off += (src_shape[a] - 1) * st[a]
-                st[a] = -st[a]
-        elif n.op is Op.PAD:
-            for a, (b, _) in enumerate(n.arg):
-                off += -b * st[a]
-        else:
-            new = reshape_strides(src_shape, tuple(st), n.shape)
-            if new is None:
+        if base not in self.done:  # realize it only if the ops above will be a view of its contiguous result
+            if nid in self.targets and self.walk.consumers.get(base, 0) < 2:
+                return None  # computed straight into the target's own layout instead
+            view: StridedView | None = StridedView.contiguous(g[base].shape)
+            for m in reversed(chain):
+                view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
+            if view is None:
                 return None
-            st = list(new)
-        return slot, StridedView(off, tuple(st))
+            self.realize(base)
+        return self.strided(nid)
 
     def place(self, root: int) -> str:
         """The device of a kernel. Pinned: its own. AUTO: the cheapest of moving its inputs to a device and
@@ -396,7 +407,7 @@ class Planner:
             tile = None if tile == "retry" else tile
         if tile is not None:
             tiled = self.attempt(root, device, groups, tile)
-            if tiled.value.has_reduce:
+            if tiled.stores[0][1].has_reduce:
                 best = tiled
         dev = self.rt.device(device)
         debug.log(debug.IR, lambda: format_kernel(best))
@@ -406,7 +417,7 @@ class Planner:
         return out, StridedView.contiguous(shape)
 
     def tile_for(self, k: Kernel, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
-        if len(groups) < 2 or not k.value.has_reduce or not self.rt.device(k.meta["device"]).tiles:
+        if len(groups) < 2 or not k.stores[0][1].has_reduce or not self.rt.device(k.meta["device"]).tiles:
             return None
         a = prod([shape[d] for d in groups[-2]])
         b = prod([shape[d] for d in groups[-1]])
@@ -415,7 +426,7 @@ class Planner:
         if ta is None or tb is None:
             return None
         gi, gj = k.gvars[-2], k.gvars[-1]
-        loads = [v for v in toposort(k.value) if v.op == "load"]
+        loads = [v for v in toposort(*k.values) if v.op == "load"]
         col = [v for v in loads if gi not in v.vars and gj in v.vars]  # the right operand: varies along columns
         if not (col and any(gj not in v.vars and gi in v.vars for v in loads)):
             return None
@@ -425,7 +436,7 @@ class Planner:
             perms = [next((i for i in reversed(path) if self.graph[i].op is Op.PERMUTE), None) for path in paths]
             if all(i is not None and i not in self.done for i in perms):
                 for i in perms:
-                    self.realize(i)  # type: ignore[arg-type]
+                    self.realize(i, copy=True)  # type: ignore[arg-type]
                 return "retry"  # type: ignore[return-value]
             return None  # a dot product per output instead, vectorised along the reduce
         return ta, tb
@@ -461,7 +472,7 @@ class Planner:
         out_idx = Lin({}, 0)
         for i, s in zip(idx, strides):
             out_idx = out_idx + i * s
-        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, out_idx, value)
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, [(out_idx, value)])
         k.work = prod(shape) * (1 + kb.reduce_work)
         k.meta.update(slots=kb.params, device=device, cost=kb.cost, load_paths=kb.load_paths)
         return k
@@ -474,6 +485,9 @@ class Planner:
         return need
 
     def finish(self, target_ids: list[int]) -> ExecutionPlan:
+        from azyx.merge import merge_kernels  # (merge.py works on this module's step types)
+
+        self.steps = merge_kernels(self.steps, lambda device, k: self.rt.device(device).render(k))
         outputs = tuple(self.done[t] for t in target_ids)
         last: dict[int, int] = {}
         for i, st in enumerate(self.steps):
@@ -568,8 +582,10 @@ class KernelBuild:
             return self.reduce(n, idx, cond)
         if op is Op.EXPAND:
             src_idx = tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape))
-            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) and p.computes(n.src[0]):
-                return self.load(n.src[0], src_idx, cond)  # computed once, not once per broadcast copy (matmul inputs)
+            # computed once, not once per broadcast copy (matmul inputs); a single element is computed once per kernel
+            # anyway (it depends on no loop), so it fuses instead of costing a kernel of its own
+            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) > EXPAND_REALIZE and p.computes(n.src[0]):
+                return self.load(n.src[0], src_idx, cond)
             return self.value(n.src[0], src_idx, cond, in_reduce)
         if op is Op.PERMUTE:
             new: list[Lin] = [Lin({}, 0)] * len(idx)
@@ -633,6 +649,31 @@ class KernelBuild:
         self.reduce_work += prod([src_shape[a] for a in axes])
         body = self.value(n.src[0], tuple(new), cond, True)
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
+
+
+def view_through(n: Node, src_shape: Shape, v: StridedView) -> StridedView | None:
+    """The view that movement node `n` makes of its source's view `v`, or None when it is not a strided view (a pad
+    that adds elements, a reshape that needs a copy)."""
+    if n.op is Op.PAD and any(b > 0 or a > 0 for b, a in n.arg):
+        return None
+    st, off = list(v.strides), v.offset
+    if n.op is Op.EXPAND:
+        st = [0 if s != o else x for x, s, o in zip(st, src_shape, n.shape)]
+    elif n.op is Op.PERMUTE:
+        st = [st[a] for a in n.arg]
+    elif n.op is Op.FLIP:
+        for a in n.arg:
+            off += (src_shape[a] - 1) * st[a]
+            st[a] = -st[a]
+    elif n.op is Op.PAD:
+        for a, (b, _) in enumerate(n.arg):
+            off += -b * st[a]
+    else:
+        new = reshape_strides(src_shape, tuple(st), n.shape)
+        if new is None:
+            return None
+        st = list(new)
+    return StridedView(off, tuple(st))
 
 
 def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[int, ...] | None:

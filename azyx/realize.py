@@ -15,6 +15,7 @@ from azyx.plan import canonicalize, make_plan
 from azyx.runtime import GRAPH, RT
 
 if TYPE_CHECKING:
+    from azyx.device import Device
     from azyx.tensor import Tensor
 
 T = TypeVar("T")
@@ -43,12 +44,15 @@ async def realize(*tensors: Tensor) -> None:
         for tid, (buf, view) in zip(targets, outs):
             GRAPH.become_leaf(tid, buf, view)
         break
+    last: dict[Device, int] = {}  # a device's queue is in order: its latest value covers every earlier one
     for t in tensors:
         buf = GRAPH[t.id].buffer
         assert buf is not None
-        dev = buf.device
-        if dev.timeline.value < buf.ready:
-            await dev.timeline.wait(buf.ready)
+        if buf.ready > last.get(buf.device, -1):
+            last[buf.device] = buf.ready
+    for dev, ready in last.items():  # one wake-up per device, not one per tensor
+        if dev.timeline.value < ready:
+            await dev.timeline.wait(ready)
         _raise_failure(dev)
 
 

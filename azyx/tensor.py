@@ -26,6 +26,8 @@ Scalar = bool | int | float
 
 def _norm_axis(axis: int, ndim: int, extra: int = 0) -> int:
     n = ndim + extra
+    if type(axis) is int and -n <= axis < n:  # the common case, checked cheaply
+        return axis % n
     if not isinstance(axis, int | np.integer) or isinstance(axis, bool):
         raise AxisError(f"axis must be an int, got {axis!r}")
     if not -max(n, 1) <= axis < max(n, 1):
@@ -36,6 +38,8 @@ def _norm_axis(axis: int, ndim: int, extra: int = 0) -> int:
 def _norm_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(ndim))
+    if type(axis) is int and -ndim <= axis < ndim:  # one axis, the common case
+        return (axis % ndim,)
     axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
     out = tuple(sorted({_norm_axis(a, ndim) for a in axes}))
     if len(out) != len(axes):
@@ -44,6 +48,19 @@ def _norm_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
 
 
 def broadcast_shapes(*shapes: Shape) -> Shape:
+    if len(shapes) == 2:  # the common case, without sets
+        a, b = shapes
+        if len(a) != len(b):
+            a, b = (1,) * (len(b) - len(a)) + a, (1,) * (len(a) - len(b)) + b
+        out2 = []
+        for x, y in zip(a, b):
+            if x != y and y != 1:
+                if x != 1:
+                    break
+                x = y
+            out2.append(x)
+        else:
+            return tuple(out2)
     nd = max(len(s) for s in shapes)
     out = []
     for i in range(-nd, 0):
@@ -67,6 +84,11 @@ def _fold_value(v: Any, dtype: DType) -> Scalar:
 def _shape_arg(shape: Any) -> Shape:
     if len(shape) == 1 and isinstance(shape[0], list | tuple):
         shape = shape[0]
+    for s in shape:  # plain non-negative ints (the common case) need no conversion
+        if type(s) is not int or s < 0:
+            break
+    else:
+        return tuple(shape)
     try:
         out = tuple(int(s) for s in shape)
     except (TypeError, ValueError):
@@ -318,11 +340,16 @@ class Tensor:
         elif tp is Tensor:
             nb = _nodes[other.id]
             assert nb is not None
-            if (nb.dtype is na.dtype and nb.shape == na.shape and nb.device == na.device and
+            if (nb.dtype is na.dtype and nb.device == na.device and
                     (na.op is not Op.CONST or nb.op is not Op.CONST) and (kind != "float" or na.dtype.kind == "f")
                     and (na.dtype.kind != "f" or op not in _ops.BITWISE)):
-                return Tensor._from_node(Node(Op.BINARY, (other.id, self.id) if reverse else (self.id, other.id), op,
-                                              na.shape, dtypes.bool if kind == "bool" else na.dtype, na.device,
+                a, b = self, other
+                shape = na.shape
+                if nb.shape != shape:  # broadcasting
+                    shape = broadcast_shapes(shape, nb.shape)
+                    a, b = a._broadcast_to(shape), b._broadcast_to(shape)
+                return Tensor._from_node(Node(Op.BINARY, (b.id, a.id) if reverse else (a.id, b.id), op,
+                                              shape, dtypes.bool if kind == "bool" else na.dtype, na.device,
                                               na.pinned or nb.pinned))
         a, b = self, self._operand(other)
         if reverse:
@@ -584,9 +611,9 @@ class Tensor:
         else:
             dt = promote(ta.dtype, tb.dtype)
         shapes = [x.shape for x in (c, ta, tb) if x is not None]
-        shape = broadcast_shapes(*shapes)
-        x = (ta if ta is not None else c._const_like(a, shape=(), dtype=dt)).cast(dt)._broadcast_to(shape)
-        y = (tb if tb is not None else c._const_like(b, shape=(), dtype=dt)).cast(dt)._broadcast_to(shape)
+        shape = shapes[0] if len(shapes) == 1 else broadcast_shapes(*shapes)
+        x = ta.cast(dt)._broadcast_to(shape) if ta is not None else c._const_like(a, shape=shape, dtype=dt)
+        y = tb.cast(dt)._broadcast_to(shape) if tb is not None else c._const_like(b, shape=shape, dtype=dt)
         c = c._broadcast_to(shape)
         nc, nx, ny = c._node, x._node, y._node
         device, pinned = _join_devices(nc, nx, ny)
@@ -596,12 +623,38 @@ class Tensor:
 
     # ---------------------------------------------------------------- movement
     def _broadcast_to(self, shape: Shape) -> Tensor:
-        s = self.shape
+        """Broadcast to `shape` (which the caller knows it broadcasts to): leading 1s by a reshape, then an expand."""
+        n = _nodes[self.id]
+        assert n is not None
+        s = n.shape
         if s == shape:
             return self
+        if n.op is Op.CONST:
+            return Tensor._from_node(Node(Op.CONST, (), n.arg, shape, n.dtype, n.device, n.pinned))
+        x = self
         if len(s) < len(shape):
-            return self.reshape((1,) * (len(shape) - len(s)) + s)._broadcast_to(shape)
-        return self.expand(*shape)
+            s = (1,) * (len(shape) - len(s)) + s
+            x = x._reshaped(s)
+            if s == shape:
+                return x
+        for o, t in zip(s, shape):
+            if o != t and o != 1:
+                raise ShapeError(f"cannot expand {n.shape} to {shape}: only size-1 dimensions expand")
+        return x._new(Op.EXPAND, (x.id,), shape, shape, n.dtype)
+
+    def _reshaped(self, new: Shape) -> Tensor:
+        """Reshape to `new`, a shape of as many elements (checked by the caller)."""
+        n = _nodes[self.id]
+        assert n is not None
+        if new == n.shape:
+            return self
+        if n.op is Op.CONST:
+            return Tensor._from_node(Node(Op.CONST, (), n.arg, new, n.dtype, n.device, n.pinned))
+        if n.op is Op.RESHAPE:  # reshape of a reshape is one reshape
+            m = _nodes[n.src[0]]
+            assert m is not None
+            return Tensor._from_node(Node(Op.RESHAPE, (n.src[0],), new, new, m.dtype, m.device, m.pinned))
+        return Tensor._from_node(Node(Op.RESHAPE, (self.id,), new, new, n.dtype, n.device, n.pinned))
 
     def reshape(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], list | tuple):
@@ -618,13 +671,7 @@ class Tensor:
         new = _shape_arg(shape)
         if prod(new) != total:
             raise ShapeError(f"cannot reshape {n.shape} ({total} elements) into {new} ({prod(new)} elements)")
-        if new == n.shape:
-            return self
-        if n.op is Op.CONST:
-            return self._const_like(n.arg, shape=new)
-        if n.op is Op.RESHAPE:  # reshape of a reshape is one reshape
-            return Tensor._wrap(n.src[0])._new(Op.RESHAPE, (n.src[0],), new, new, n.dtype)
-        return self._new(Op.RESHAPE, (self.id,), new, new, n.dtype)
+        return self._reshaped(new)
 
     def _placed_like(self, t: Tensor) -> Tensor:
         """`t`, a fresh helper tensor made on self's device (an arange, a random mask, optimiser state), placed like
@@ -668,7 +715,12 @@ class Tensor:
             dims = tuple(dims[0])
         n = self._node
         nd = len(n.shape)
-        axes = tuple(_norm_axis(d, nd) for d in dims)
+        for d in dims:
+            if type(d) is not int or not 0 <= d < nd:
+                axes = tuple(_norm_axis(d, nd) for d in dims)
+                break
+        else:
+            axes = tuple(dims)
         if len(axes) != nd or sorted(axes) != list(range(nd)):
             raise AxisError(f"permute {dims} is not a permutation of the {nd} axes of shape {n.shape}")
         if axes == tuple(range(nd)):
@@ -939,7 +991,7 @@ class Tensor:
             out = x._const_like(nx.arg, shape=out_keep)
         else:
             out = x._new(Op.REDUCE, (x.id,), (op, axes), out_keep, dt)
-        return out if keepdim else out.reshape(tuple(s for i, s in enumerate(n.shape) if i not in axes))
+        return out if keepdim else out._reshaped(tuple(s for i, s in enumerate(n.shape) if i not in axes))
 
     def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("sum", axis, keepdim)

@@ -63,6 +63,26 @@ def test_pure_view_makes_no_kernel_and_shares_the_buffer() -> None:
     np.testing.assert_array_equal((vv.realize_sync() + 1).numpy_sync(), xn.T[::-1] + 1)
 
 
+def test_a_broadcast_single_element_fuses_into_its_consumer() -> None:
+    s = Tensor(np.float32(2.0))
+    xn = rng.standard_normal((64, 64)).astype(np.float32)
+    z = Tensor(xn) * (s * 3 + 1).reciprocal()  # computed once per kernel (it depends on no loop): no kernel of its own
+    ks = _kernels(z)
+    assert len(ks) == 1
+    np.testing.assert_allclose(z.numpy_sync(), xn / 7, rtol=1e-6)
+
+
+def test_a_computed_value_read_whole_through_a_transpose_is_not_copied() -> None:
+    xn, wn, yn = (rng.standard_normal(s).astype(np.float32) for s in ((32, 48), (16, 48), (32, 20)))
+    g = (Tensor(xn) @ Tensor(wn).T).relu()  # read by two kernels: it gets a buffer of its own
+    dw, db = g.T @ Tensor(yn), g.sum(axis=0)
+    ks = _kernels(dw, db)  # W transposed once (matmul operand), g, dw (reading g through a view), db
+    assert len(ks) == 4
+    gn = np.maximum(xn @ wn.T, 0)
+    np.testing.assert_allclose(dw.numpy_sync(), gn.T @ yn, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(db.numpy_sync(), gn.sum(axis=0), rtol=1e-4, atol=1e-4)
+
+
 def test_constants_fold_at_build_time() -> None:
     t = (Tensor.full((3, 4), 2.0) + 3) * Tensor.ones(3, 4) - 1
     n = GRAPH[t.id]

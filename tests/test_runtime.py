@@ -109,3 +109,24 @@ def test_devices_and_unknown_device() -> None:
     with pytest.raises(azyx.DeviceError, match="'vulkan:0'"):
         Tensor([1.0]).to("vulkan:0")
     assert Tensor([1.0], device="c").device == "c:0"
+
+
+async def test_a_cached_realize_leaves_no_garbage_cycles() -> None:
+    # a training step realizes every iteration: garbage cycles would make the cyclic GC run about once per step
+    import gc
+
+    w = Tensor(np.ones((16, 8), np.float32))
+    x = Tensor(np.ones((4, 16), np.float32))
+    for i in range(3):  # the first realize plans and compiles (that may leave cycles); the others hit the plan cache
+        gc.collect()
+        gc.disable()
+        try:
+            with azyx.GradientTape() as tape:
+                loss = (x @ w).relu().sum()
+            grad = tape.gradient(loss, w)
+            await azyx.realize(loss, grad)
+            del loss, grad, tape
+            found = gc.collect()
+        finally:
+            gc.enable()
+        assert i == 0 or found == 0, f"realize {i} left {found} objects in reference cycles"
