@@ -87,10 +87,6 @@ def init() -> int:
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
-def device_count(options: dict[str, Any]) -> int:
-    return init()
-
-
 # ------------------------------------------------------------------------------------------------ compilation
 def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
     """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
@@ -149,14 +145,13 @@ def launch_dims(k: Kernel) -> Dims:
 
 # ------------------------------------------------------------------------------------------------ the device
 class _Pinned:
-    """Page-locked host memory (mapped, so the GPU can also read a word of it), freed with its last reference."""
+    """Page-locked host memory, freed with its last reference."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP),
                              "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
-        self.dev_ptr = int(check(cu.cuMemHostGetDevicePointer(self.ptr, 0), "cuMemHostGetDevicePointer"))
 
     def __del__(self) -> None:
         try:
