@@ -135,6 +135,16 @@ async def transfers(quick: bool) -> list[list[str]]:
     return rows
 
 
+def write_section(out: Path, start: str, end: str, text: str) -> None:
+    """Replace the section between `start` and `end` in `out` with `text` (append it when absent)."""
+    old = out.read_text() if out.exists() else ""
+    if start in old and end in old:
+        new = old[: old.index(start)] + text + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip() + "\n\n" + text + "\n"
+    out.write_text(new)
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -159,13 +169,7 @@ async def main() -> None:
         "of the same size:", "",
         table(["route", "sync strategy", "GB/s", "numpy copy GB/s", "ratio"], tr), "", END])
     print(text)
-    out = Path(args.out)
-    old = out.read_text() if out.exists() else ""
-    if START in old and END in old:
-        new = old[: old.index(START)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + text + "\n"
-    out.write_text(new)
+    write_section(Path(args.out), START, END, text)
 
 
 if __name__ == "__main__":

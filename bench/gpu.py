@@ -19,7 +19,7 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +28,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from devices import table, timed, write_section  # noqa: E402  (beside this script)
+
 import azyx  # noqa: E402
 from azyx import Tensor  # noqa: E402
 from azyx.runtime import GRAPH, RT  # noqa: E402
 
 START, END = "<!-- bench:cuda:start -->", "<!-- bench:cuda:end -->"
 FLIGHT = 8
-
-
-async def timed(fn: Callable[[], Awaitable[Any]], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        await fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        await fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def torch_timed(torch: Any, fn: Callable[[], Any], repeats: int, n: int = 1, warmup: int = 3) -> float:
@@ -105,12 +96,12 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     rows = []
     for name, make, tfn, work, unit in cases:
         print(f"timing {name}", flush=True)
-        one = await timed(lambda make=make: make().realize(), reps)
+        one = await timed(lambda make=make: make().realize(), reps, warmup=3)
 
         async def flight(make: Callable[[], Tensor] = make) -> None:
             await asyncio.gather(*(make().realize() for _ in range(FLIGHT)))
 
-        many = await timed(flight, reps) / FLIGHT
+        many = await timed(flight, reps, warmup=3) / FLIGHT
         t_one = torch_timed(torch, tfn, reps)
         t_many = torch_timed(torch, tfn, reps, FLIGHT)
 
@@ -148,19 +139,13 @@ async def transfers(torch: Any, quick: bool) -> list[list[str]]:
             v = ex.execute_transfer(src, dst)
             await dst.device.timeline.wait(v)
 
-        t = await timed(once, reps)
+        t = await timed(once, reps, warmup=3)
         ts = torch.from_numpy(src_np).to(s.replace("c:0", "cpu"))
         tt = torch_timed(torch, lambda ts=ts, d=d: ts.to(d.replace("c:0", "cpu")), reps)
         rows.append([f"{s} -> {d}", ex.sync_strategy(s, d).value, f"{nbytes / t / 1e9:.1f}",
                      f"{nbytes / tt / 1e9:.1f}", f"{tt / t:.2f}x"])
         del src_t
     return rows
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
 
 
 async def main() -> None:
@@ -187,13 +172,7 @@ async def main() -> None:
         "Transfers (GB/s of payload) through `UnifiedExecutor.execute_transfer`, beside PyTorch's `.to()`:", "",
         table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "", END])
     print(text)
-    out = Path(args.out)
-    old = out.read_text() if out.exists() else ""
-    if START in old and END in old:
-        new = old[: old.index(START)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + text + "\n"
-    out.write_text(new)
+    write_section(Path(args.out), START, END, text)
 
 
 if __name__ == "__main__":
