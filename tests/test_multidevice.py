@@ -3,7 +3,6 @@ cancellation, and the OpenCL backend's errors and absence."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from runtime_state import settle
+from scenarios import cancel_transfers, spread_tasks
 
 import azyx
 from azyx import Tensor
@@ -59,43 +59,16 @@ def test_round_trips_keep_every_dtype(route: tuple[str, ...]) -> None:
         np.testing.assert_array_equal(t.numpy_sync(), xn)
 
 
-async def _spread_tasks() -> None:
-    xs = rng.standard_normal(2048).astype(np.float32)
-    devices = ["c:0", "c:1", "opencl:0"]
-    bases = {d: Tensor(xs, device=d) for d in devices}
-
-    async def task(i: int) -> None:
-        d0, d1 = devices[i % 3], devices[(i // 3) % 3]
-        t = ((bases[d0] * (i % 7) + 1).to(d1) * bases[d1]).sum(axis=0, keepdim=True) + i
-        out = await t.numpy()
-        np.testing.assert_allclose(out, [((xs * (i % 7) + 1) * xs).sum() + i], rtol=1e-4, atol=1e-3)
-
-    await asyncio.gather(*(task(i) for i in range(200)))
-
-
 async def test_200_concurrent_tasks_spread_over_all_devices() -> None:
     base = await settle()
-    await _spread_tasks()
+    await spread_tasks(["c:0", "c:1", "opencl:0"], rng)
     assert await settle() == base
-
-
-async def _cancel_transfers(yields: int) -> None:
-    xs = np.arange(1 << 20, dtype=np.float32)
-    x = Tensor(xs, device="c:0")
-    ys = [((x + i).to("opencl:0") * 2).to("c:1") - 1 for i in range(3)]
-    tasks = [asyncio.create_task(y.realize()) for y in ys]
-    for _ in range(yields):
-        await asyncio.sleep(0)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    np.testing.assert_array_equal(await ys[2].numpy(), (xs + 2) * 2 - 1)
 
 
 @pytest.mark.parametrize("yields", [0, 1, 3, 10])
 async def test_cancelling_mid_transfer_leaks_nothing(yields: int) -> None:
     base = await settle()
-    await _cancel_transfers(yields)
+    await cancel_transfers(yields, "opencl:0", 1 << 20)
     assert await settle() == base
 
 
