@@ -62,6 +62,15 @@ class Dialect:
         return self.compute_types.get(d.name) or self.types[d.name]
 
 
+def _ipow(qualifiers: str, t: str) -> str:
+    """Integer power in every C-family prelude (b < 0: only 1 and -1 have an integer result)."""
+    return f"""{qualifiers} {t} ipow({t} a, {t} b) {{
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  {t} r = 1; while (b) {{ if (b & 1) r *= a; a *= a; b >>= 1; }} return r;
+}}
+"""
+
+
 _C_PRELUDE = """#include <math.h>
 typedef unsigned short bf16_t;
 static inline float bf2f(bf16_t x) { union { unsigned int i; float f; } u; u.i = ((unsigned int)x) << 16; return u.f; }
@@ -78,11 +87,7 @@ static inline bf16_t f2bf(float f) {
   initializer(omp_priv = -INFINITY)
 #pragma omp declare reduction(nmind : double : omp_out = (omp_in < omp_out || omp_in != omp_in) ? omp_in : omp_out) \
   initializer(omp_priv = INFINITY)
-static inline long long ipow(long long a, long long b) {
-  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
-  long long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
-}
-"""
+""" + _ipow("static inline", "long long")
 
 C = Dialect(
     name="c",
@@ -115,11 +120,7 @@ inline ushort f2bf(float f) {
 inline float f16r(float x) {
   ushort h; vstore_half(x, 0, (__private half*)&h); return vload_half(0, (__private half*)&h);
 }
-inline long ipow(long a, long b) {
-  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
-  long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
-}
-"""
+""" + _ipow("inline", "long")
 
 OPENCL = Dialect(
     name="opencl",
@@ -156,11 +157,7 @@ __device__ inline bf16_t f2bf(float f) {
 }
 __device__ inline float h2f(f16_t x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
 __device__ inline f16_t f2h(float f) { f16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
-__device__ inline long long ipow(long long a, long long b) {
-  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
-  long long r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
-}
-"""
+""" + _ipow("__device__ inline", "long long")
 
 CUDA = Dialect(
     name="cuda",
