@@ -433,7 +433,8 @@ class CUDADevice(Device):
         for k in [k for k in self.holding if k <= reached]:
             done.append(self.holding.pop(k))
         freed = {id(self.events[k]): self.events.pop(k) for k in [k for k in self.events if k <= reached]}
-        self.free_events.extend(ev for ev in freed.values() if all(e is not ev for e in self.events.values()))
+        live = {id(e) for e in self.events.values()}  # an event a batch still shares with a later value stays
+        self.free_events.extend(ev for i, ev in freed.items() if i not in live)
         return done
 
     def collect(self) -> None:
