@@ -82,11 +82,15 @@ def _forget(fut: concurrent.futures.Future[Any]) -> None:
 
 
 async def drain() -> None:
-    """Wait until all worker-thread work started so far (including abandoned work) has finished."""
-    with _lock:
-        pending = list(_pending)
-    for fut in pending:
-        if not fut.done():
-            waiter = _LoopWaiter()
-            fut.add_done_callback(waiter.wake_from)
-            await waiter.wait()
+    """Wait until all worker-thread work started so far (including abandoned work, and work that it started, such
+    as the clean-up of a cancelled save) has finished."""
+    while True:
+        with _lock:
+            pending = [f for f in _pending if not f.done()]
+        if not pending:
+            return
+        for fut in pending:
+            if not fut.done():
+                waiter = _LoopWaiter()
+                fut.add_done_callback(waiter.wake_from)
+                await waiter.wait()

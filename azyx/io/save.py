@@ -13,6 +13,7 @@ import os
 import secrets
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from azyx.errors import AzyxIOError, DTypeError
 from azyx.graph import Shape, StridedView, prod
 from azyx.io.format import DTYPES, SafetensorsError, TensorEntry, header_bytes
 from azyx.runtime import GRAPH
-from azyx.workers import in_background, in_worker_thread
+from azyx.workers import in_background, in_worker_thread, result_of, start_in_worker_thread
 
 if TYPE_CHECKING:
     from azyx.tensor import Tensor
@@ -73,7 +74,12 @@ async def save_safetensors(path: Any, tensors: Mapping[str, Tensor], metadata: M
         pos += n
     head = header_bytes(entries, dict(metadata) if metadata else None)
 
-    writer = await in_worker_thread(AtomicWriter, p)
+    opening = start_in_worker_thread(AtomicWriter, p)
+    try:
+        writer = await result_of(opening)
+    except BaseException:  # cancelled while the temporary file is being created: remove it once it exists
+        opening.add_done_callback(_abort_opened)
+        raise
     committed = False
     try:
         await in_worker_thread(writer.write, head)
@@ -87,6 +93,11 @@ async def save_safetensors(path: Any, tensors: Mapping[str, Tensor], metadata: M
     finally:
         if not committed:
             writer.abort_soon()
+
+
+def _abort_opened(opening: Future[AtomicWriter]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        in_background(opening.result().abort)
 
 
 def _raw_bytes(buf: Buffer | None, view: StridedView | None, shape: Shape, dtype: DType) -> memoryview:
