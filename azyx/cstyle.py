@@ -315,7 +315,8 @@ class _Renderer:
         self.depth -= 1
         self.emit("}")
 
-    def loop(self, v: Var, pragma: str = "", opaque: bool = False) -> None:
+    def loop(self, v: Var, pragma: str = "", opaque: bool = False, shared: bool = False) -> None:
+        """A loop over `v`; `shared`: only over the caller's range of it, [lo, hi) (see parallel_loop)."""
         if pragma and self.dl.pragmas:
             self.emit(pragma)
         it = self.it
@@ -323,6 +324,9 @@ class _Renderer:
         if opaque and self.dl.opaque:
             bound = f"{v.name}_n"
             self.emit(f"{it} {bound} = {v.vmax + 1}; {self.dl.opaque.format(x=bound)}")
+        if shared:
+            self.open(f"for ({it} {v.name} = lo; {v.name} < hi; {v.name}++)")
+            return
         self.open(f"for ({it} {v.name} = 0; {v.name} < {bound}; {v.name}++)")
 
     def ref(self, v: V) -> str:
@@ -403,7 +407,8 @@ class _Renderer:
             else:
                 place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
 
-        params = []
+        shared = parallel_loop(k, dl, self.threads)
+        params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
         for i, d in enumerate(k.params):
             const = "" if i < len(k.stores) else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
@@ -411,6 +416,10 @@ class _Renderer:
         header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 
         par = self._parallel_plan(reduces, place, order)
+        # the innermost loop of a plain elementwise kernel vectorises along itself: left to choose, gcc vectorises the
+        # loop around it instead where the inner one reads with a stride (a transposing copy: 15x slower); not where
+        # loads are guarded (see C.guarded_prefix)
+        simd = "#pragma omp simd" if not k.uvars and not reduces and not guarded else ""
         it = self.it
         if self.group and self.group == dl.warp:  # a warp per output point, the group's size / warp points a group
             per = dl.group_size // dl.warp
@@ -435,7 +444,7 @@ class _Renderer:
                     idx = "gid" if stride == 1 else f"(gid/{stride})"
                     self.emit(f"{it} {g.name} = {idx if lvl == 0 else f'{idx}%{g.vmax + 1}'};")
                 else:
-                    self.loop(k.gvars[lvl], par.get(lvl, ""))
+                    self.loop(k.gvars[lvl], par.get(lvl, "") or (simd if lvl == n - 1 else ""), shared=lvl == shared)
                 continue
             for v in items:
                 if v.op == "reduce":
@@ -588,18 +597,7 @@ class _Renderer:
         self.names[id(r)] = f"({ref}!=0)" if r.dtype.is_bool else ref
 
     def _parallel_plan(self, reduces: list[V], place: dict[int, object], order: list[V]) -> dict[object, str]:
-        k = self.k
-        if not self.dl.pragmas or self.threads <= 1 or k.work < (1 << 15):
-            return {}
-        if k.gvars:
-            sizes = [v.vmax + 1 for v in k.gvars]
-            if sizes[0] >= 2 * self.threads or len(sizes) == 1:
-                return {0: "#pragma omp parallel for schedule(static)"}
-            level1 = [v for v in order if place[id(v)] == 1]
-            if not level1 and sizes[0] * sizes[1] >= 2 * self.threads:
-                return {0: "#pragma omp parallel for collapse(2) schedule(static)"}
-            return {0: "#pragma omp parallel for schedule(static)"}
-        if len(reduces) == 1 and not k.uvars:
+        if parallel_kind(self.k, self.dl, self.threads) == OWN_REGION:
             op = reduces[0].arg[0]
             return {"reduce": f"#pragma omp parallel for simd reduction({omp_reduction(op, reduces[0].dtype)}:ACC)"}
         return {}
@@ -656,6 +654,33 @@ def index_fits(k: Kernel, group: int = 0) -> bool:
         elif v.op == "reduce":
             sizes.append(_numel(v.arg[1]) + group)
     return max(sizes) < limit
+
+
+# How a host kernel runs in parallel. SHARED: one of its global loops (parallel_loop) runs over a range [lo, hi) its
+# caller passes, so that several threads share the loop, each calling it with its own part (the C backend's batches
+# hand out parts to a pool of threads). OWN_REGION: it opens its own OpenMP region (a reduction of all its elements
+# into one). SERIAL: one call does it all (too little work to share, or nothing to share).
+SERIAL, SHARED, OWN_REGION = 0, 1, 2
+PARALLEL_WORK = 1 << 15  # innermost iterations below which a kernel runs on one thread
+
+
+def parallel_kind(k: Kernel, dl: Dialect, threads: int) -> int:
+    if not dl.pragmas or threads <= 1 or k.work < PARALLEL_WORK:
+        return SERIAL
+    if k.gvars:
+        return SHARED
+    if not k.uvars and sum(v.op == "reduce" for v in toposort(*k.values)) == 1:
+        return OWN_REGION
+    return SERIAL
+
+
+def parallel_loop(k: Kernel, dl: Dialect, threads: int) -> int | None:
+    """Which global loop of a SHARED kernel is shared out: the outermost, or the next one when the outermost is too
+    short to give every thread a part (then each part runs all of the outermost)."""
+    if parallel_kind(k, dl, threads) != SHARED:
+        return None
+    sizes = [v.vmax + 1 for v in k.gvars]
+    return 1 if len(sizes) > 1 and sizes[0] < 2 * threads and sizes[1] > sizes[0] else 0
 
 
 def render(k: Kernel, name: str, dl: Dialect, threads: int = 1) -> str:

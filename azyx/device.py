@@ -83,6 +83,14 @@ class Device:
         """Queue a kernel; returns the timeline value at which it will have completed."""
         raise NotImplementedError
 
+    def launch_many(self, items: list[tuple[KernelStep, list[Buffer]]], waits: list[tuple[Device, int]]) -> int:
+        """Queue kernels that run back to back (a device may submit them as one piece of work); returns the timeline
+        value at which all have completed. The queue is in order: the first kernel's waits hold for the rest."""
+        v = 0
+        for i, (step, bufs) in enumerate(items):
+            v = self.launch(step, bufs, waits if i == 0 else [])
+        return v
+
     def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
         """Queue a copy of `src` (on this or any other device) into `dst` (on this device)."""
         raise NotImplementedError

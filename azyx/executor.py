@@ -57,10 +57,16 @@ class UnifiedExecutor:
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
     def execute_kernel(self, step: KernelStep, bufs: list[Buffer], same_device: bool = False) -> int:
-        dev = self.devices[step.device]
-        v = dev.launch(step, bufs, [] if same_device else self._waits(dev, bufs[step.outs:]))
-        for b in bufs[:step.outs]:
-            b.ready = v
+        return self.execute_kernels([(step, bufs)], same_device)
+
+    def execute_kernels(self, items: list[tuple[KernelStep, list[Buffer]]], same_device: bool = False) -> int:
+        """Kernels of one device that run back to back (one piece of work where the device can make it one)."""
+        dev = self.devices[items[0][0].device]
+        waits = [] if same_device else [w for step, bufs in items for w in self._waits(dev, bufs[step.outs:])]
+        v = dev.launch_many(items, waits)
+        for step, bufs in items:
+            for b in bufs[:step.outs]:
+                b.ready = v
         return v
 
     def execute_transfer(self, src: Buffer, dst: Buffer) -> int:
@@ -81,21 +87,30 @@ class UnifiedExecutor:
         single = only is not None
         if only is not None:
             only.begin_batch()
+        steps, n = plan.steps, len(plan.steps)
         try:
-            for step, frees in zip(plan.steps, plan.frees):
-                if isinstance(step, KernelStep):
-                    for out in step.args[:step.outs]:
-                        if bufs[out] is None:
-                            bufs[out] = self.devices[step.device].alloc(max(slots[out].nbytes, 1))
-                    args = [bufs[a] for a in step.args]
-                    self.execute_kernel(step, args, single)  # type: ignore[arg-type]
-                else:
-                    assert isinstance(step, TransferStep)
-                    if bufs[step.dst] is None:
-                        bufs[step.dst] = self.devices[step.dst_device].alloc(max(slots[step.dst].nbytes, 1))
-                    self.execute_transfer(bufs[step.src], bufs[step.dst])  # type: ignore[arg-type]
-                for s in frees:
+            i = 0
+            while i < n:
+                step = steps[i]
+                if isinstance(step, KernelStep):  # with the kernels right after it on the same device: one batch
+                    batch: list[tuple[KernelStep, list[Buffer]]] = []
+                    while i < n and isinstance(k := steps[i], KernelStep) and k.device == step.device:
+                        for out in k.args[:k.outs]:
+                            if bufs[out] is None:
+                                bufs[out] = self.devices[k.device].alloc(max(slots[out].nbytes, 1))
+                        batch.append((k, [bufs[a] for a in k.args]))  # type: ignore[misc]
+                        for s in plan.frees[i]:
+                            bufs[s] = None  # the batch holds it; the pool gets it back after the batch ran
+                        i += 1
+                    self.execute_kernels(batch, single)
+                    continue
+                assert isinstance(step, TransferStep)
+                if bufs[step.dst] is None:
+                    bufs[step.dst] = self.devices[step.dst_device].alloc(max(slots[step.dst].nbytes, 1))
+                self.execute_transfer(bufs[step.src], bufs[step.dst])  # type: ignore[arg-type]
+                for s in plan.frees[i]:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
+                i += 1
             outs = []
             for slot, view in plan.outputs:
                 b = bufs[slot]

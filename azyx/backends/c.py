@@ -1,5 +1,16 @@
 """The C backend: kernels rendered to C99, compiled by the system compiler as an async subprocess, loaded
-with ctypes and launched on the device's worker thread (OpenMP parallelises inside a kernel)."""
+with ctypes and launched on the device's worker thread.
+
+The kernels a plan runs back to back on the device are one batch: one work item, one call into C (`azyx_run`, built
+into every kernel library), the GIL released for all of it. The device's worker thread runs the batch's kernels in
+order; a kernel that shares a loop (cstyle.parallel_kind SHARED: its loop over [lo, hi) of a range) is split into
+parts, and the device's pool of helper threads (threads - 1 of them, in C) takes parts too. Each thread starts with its
+own run of parts (a static schedule, so that it keeps to its slice of the data) and then takes what others have left.
+Nobody waits for a helper that has not taken a part: a helper that sleeps or lost its core means fewer hands, never a
+stall, which keeps a busy machine (or PyTorch's OpenMP team beside ours, which makes OpenMP sleep between regions) from
+costing a wake-up per kernel. Helpers spin for a while between batches and sleep after that, or at once when they lose
+their core; one woken onto the worker's core moves off it (its CPU affinity then excludes that core).
+"""
 
 from __future__ import annotations
 
@@ -9,20 +20,299 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from azyx import debug
 from azyx.backends.host import HostDevice
 from azyx.config import cache_dir
-from azyx.cstyle import C, kernel_source
+from azyx.cstyle import SHARED, C, kernel_source, parallel_kind, parallel_loop
 from azyx.device import Buffer
 from azyx.errors import CompileError, DeviceError
+from azyx.ir import Kernel
 from azyx.plan import KernelStep
 from azyx.workers import in_worker_thread
 
-_PROGRAMS: dict[str, Any] = {}  # kernel name -> ctypes function; shared by every C device (same compiler)
+# kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
+_PROGRAMS: dict[str, tuple[int, int]] = {}
 _LIBS: list[ctypes.CDLL] = []
+_RUNTIME_LIB: list[ctypes.CDLL] = []  # the first library loaded: its azyx_run and pool (every library has them)
+
+_RUNTIME = r"""
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+typedef void (*azyx_kernel)(long lo, long hi, void** args);
+
+static inline void azyx_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static long azyx_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void azyx_sleep_while(int* word, int value) {  /* until *word changes (or a spurious wake-up) */
+#if defined(__linux__)
+  syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+#else
+  (void)word; (void)value; sched_yield();
+#endif
+}
+
+static void azyx_wake_all(int* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#else
+  (void)word;
+#endif
+}
+
+/* Wait until *word != value: spin for up to `ns` (a thread that sleeps costs a wake-up, tens of microseconds on a VM),
+   then sleep; sleep at once when the spinning thread lost its core for a while (another thread wants it: spinning on
+   would only take time from that thread). */
+static void azyx_wait_change(int* word, int value, long ns, int* sleepers) {
+  long t0 = azyx_ns(), last = t0;
+  for (long spins = 1; __atomic_load_n(word, __ATOMIC_ACQUIRE) == value; spins++) {
+    azyx_pause();
+    if (spins % 256 != 0) continue;
+    long now = azyx_ns(), gap = now - last;
+    last = now;
+    if (now - t0 > ns || gap > 100000L) {
+      __atomic_add_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
+      while (__atomic_load_n(word, __ATOMIC_SEQ_CST) == value) azyx_sleep_while(word, value);
+      __atomic_sub_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
+      return;
+    }
+  }
+}
+
+/* One batch: the thread that called azyx_run runs its kernels in order; the pool's threads help with the parts of
+   shared kernels while they are awake. Each thread has its own run of a loop's parts (thread t the t-th of T equal
+   runs, like a static schedule: a thread keeps to the same slice of the data from kernel to kernel) and, once done,
+   takes parts from the far end of the others' runs. Nobody waits for a helper that has not taken a part, so a helper
+   that sleeps or lost its core only means fewer hands, never a stall. */
+typedef struct {
+  long n, threads;
+  azyx_kernel* fns;  /* copies of the caller's tables: a helper may still look at them after azyx_run returned */
+  void*** args;
+  unsigned char* kinds;
+  long *trip, *step, *parts, *done;  /* per kernel: loop trip count, part length, parts, parts done */
+  unsigned long* runs;  /* per kernel and thread, a cache line apart: its run of parts [first, end) as first|end<<32 */
+  int published;  /* kernels [0, published) are open to helpers (all before them are done); a futex word */
+  int finished;
+  int sleepers;
+  int refs;       /* the caller and the helpers inside; the last one out frees it (under the pool lock) */
+  int cpu;        /* where the caller runs */
+} azyx_job;
+
+typedef struct azyx_pool azyx_pool;
+typedef struct { azyx_pool* pool; long id; } azyx_helper_arg;
+
+struct azyx_pool {
+  pthread_mutex_t lock;
+  azyx_job* job;  /* the batch running now, NULL between batches */
+  int epoch;      /* a futex word: one more for every batch */
+  int sleepers, stop, nthreads, started;
+  azyx_helper_arg ids[63];
+#if defined(__linux__)
+  cpu_set_t cpus; /* where the pool's threads may run */
+#endif
+  pthread_t threads[63];
+};
+
+static void azyx_release(azyx_pool* p, azyx_job* job) {
+  pthread_mutex_lock(&p->lock);
+  int last = --job->refs == 0;
+  pthread_mutex_unlock(&p->lock);
+  if (last) free(job);
+}
+
+/* Take a part of kernel k from run r: its first part (own == 1) or its last; -1 when the run is empty. */
+static long azyx_take(azyx_job* job, long k, long r, int own) {
+  unsigned long* run = &job->runs[(k * job->threads + r) * 8];
+  unsigned long v = __atomic_load_n(run, __ATOMIC_RELAXED);
+  for (;;) {
+    unsigned long first = v & 0xffffffffUL, end = v >> 32;
+    if (first >= end) return -1;
+    unsigned long next = own ? (first + 1) | end << 32 : first | (end - 1) << 32;
+    if (__atomic_compare_exchange_n(run, &v, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+      return (long)(own ? first : end - 1);
+  }
+}
+
+static void azyx_work(azyx_job* job, long k, long me) {  /* parts of shared kernel k: its own run, then the others' */
+  for (long i = 0; i < job->threads; i++) {
+    long r = (me + i) % job->threads;
+    for (long part; (part = azyx_take(job, k, r, i == 0)) >= 0;) {
+      long lo = part * job->step[k], hi = lo + job->step[k] < job->trip[k] ? lo + job->step[k] : job->trip[k];
+      job->fns[k](lo, hi, job->args[k]);
+      __atomic_add_fetch(&job->done[k], 1, __ATOMIC_RELEASE);
+    }
+  }
+}
+
+/* A helper woken on the caller's core would only take turns with it: move it to the others (the scheduler tends to
+   wake a thread where its waker runs, and a helper that sleeps between batches is woken anew for each). */
+static void azyx_move_off(azyx_pool* p, int cpu) {
+#if defined(__linux__)
+  if (cpu < 0 || sched_getcpu() != cpu || !CPU_ISSET(cpu, &p->cpus) || CPU_COUNT(&p->cpus) < 2) return;
+  cpu_set_t others = p->cpus;
+  CPU_CLR(cpu, &others);
+  sched_setaffinity(0, sizeof(others), &others);
+#else
+  (void)p; (void)cpu;
+#endif
+}
+
+static void* azyx_helper(void* arg) {
+  azyx_pool* p = ((azyx_helper_arg*)arg)->pool;
+  long me = ((azyx_helper_arg*)arg)->id;
+  int seen = __atomic_load_n(&p->epoch, __ATOMIC_ACQUIRE);
+  for (;;) {
+    azyx_wait_change(&p->epoch, seen, 1000000L, &p->sleepers);  /* between batches */
+    seen = __atomic_load_n(&p->epoch, __ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
+    pthread_mutex_lock(&p->lock);
+    azyx_job* job = p->job;
+    if (job) job->refs++;
+    pthread_mutex_unlock(&p->lock);
+    if (!job) continue;
+    azyx_move_off(p, job->cpu);
+    for (long k = 0; k < job->n;) {
+      int open = __atomic_load_n(&job->published, __ATOMIC_ACQUIRE);
+      if (k < open) {
+        if (job->kinds[k] == 1 && me < job->threads) azyx_work(job, k, me);
+        k++;
+      } else if (__atomic_load_n(&job->finished, __ATOMIC_ACQUIRE)) {
+        break;
+      } else {
+        azyx_wait_change(&job->published, open, 100000L, &job->sleepers);  /* the caller runs a serial kernel */
+      }
+    }
+    azyx_release(p, job);
+  }
+}
+
+void* azyx_pool_new(int threads) {
+  azyx_pool* p = (azyx_pool*)calloc(1, sizeof(azyx_pool));
+  pthread_mutex_init(&p->lock, NULL);
+  p->nthreads = threads < 1 ? 1 : (threads > 64 ? 64 : threads);
+#if defined(__linux__)
+  if (sched_getaffinity(0, sizeof(p->cpus), &p->cpus) != 0) CPU_ZERO(&p->cpus);
+#endif
+  return p;
+}
+
+void azyx_pool_free(void* pool) {
+  azyx_pool* p = (azyx_pool*)pool;
+  __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&p->epoch, 1, __ATOMIC_SEQ_CST);
+  azyx_wake_all(&p->epoch);
+  for (int i = 0; i < p->started; i++) pthread_join(p->threads[i], NULL);
+  pthread_mutex_destroy(&p->lock);
+  free(p);
+}
+
+/* Run n kernels in order on the calling thread, the pool helping with shared ones. kinds: 0 serial (one call), 1 shared
+   (called for parts of its shared loop, trip[k] iterations), 2 opens its own OpenMP region (one call). */
+void azyx_run(void* pool, long n, azyx_kernel* fns, void*** args, const unsigned char* kinds, const long* trip) {
+  azyx_pool* p = (azyx_pool*)pool;
+  long shared = 0;
+  for (long k = 0; k < n; k++) shared += kinds[k] == 1;
+  if (!shared || p->nthreads < 2) {
+    for (long k = 0; k < n; k++) fns[k](0, trip[k], args[k]);
+    return;
+  }
+  if (!p->started)  /* the helpers start with the first batch, from the device's worker (they inherit its priority) */
+    for (; p->started < p->nthreads - 1; p->started++) {
+      p->ids[p->started].pool = p, p->ids[p->started].id = p->started + 1;
+      if (pthread_create(&p->threads[p->started], NULL, azyx_helper, &p->ids[p->started]) != 0) break;
+    }
+  long nt = p->started + 1;
+  size_t size = (sizeof(azyx_job) + n * ((4 + 8 * nt) * sizeof(long) + 2 * sizeof(void*) + 1) + 63) / 64 * 64;
+  azyx_job* job = (azyx_job*)aligned_alloc(64, size);  /* (its runs a cache line apart) */
+  memset(job, 0, size);
+  long* tables = (long*)(job + 1);
+  job->n = n, job->threads = nt, job->refs = 1;
+  job->trip = tables, job->step = tables + n, job->parts = tables + 2 * n, job->done = tables + 3 * n;
+  job->runs = (unsigned long*)(tables + 4 * n);
+  job->fns = (azyx_kernel*)(tables + (4 + 8 * nt) * n);
+  job->args = (void***)(job->fns + n);
+  job->kinds = (unsigned char*)(job->args + n);
+  memcpy(job->fns, fns, n * sizeof(void*));
+  memcpy(job->args, args, n * sizeof(void*));
+  memcpy(job->kinds, kinds, n);
+#if defined(__linux__)
+  job->cpu = sched_getcpu();
+#else
+  job->cpu = -1;
+#endif
+  long most = 4L * nt;  /* parts per loop: a few per thread, so that whoever is free can take over the rest */
+  for (long k = 0; k < n; k++) {
+    long t = trip[k] > 0 ? trip[k] : 0, parts = t < most ? t : most;
+    job->trip[k] = t;
+    job->step[k] = parts ? (t + parts - 1) / parts : 0;
+    job->parts[k] = parts = job->step[k] ? (t + job->step[k] - 1) / job->step[k] : 0;
+    for (long r = 0; r < nt; r++)
+      job->runs[(k * nt + r) * 8] = (unsigned long)(parts * r / nt) | (unsigned long)(parts * (r + 1) / nt) << 32;
+  }
+  pthread_mutex_lock(&p->lock);
+  p->job = job;
+  pthread_mutex_unlock(&p->lock);
+  __atomic_add_fetch(&p->epoch, 1, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) azyx_wake_all(&p->epoch);
+  for (long k = 0; k < n; k++) {
+    if (job->kinds[k] != 1) {
+      fns[k](0, trip[k], args[k]);
+      continue;
+    }
+    __atomic_store_n(&job->published, (int)(k + 1), __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&job->sleepers, __ATOMIC_SEQ_CST)) azyx_wake_all(&job->published);
+    azyx_work(job, k, 0);
+    long t0 = 0;  /* parts still in helpers' hands: spin, yielding once it takes long (a helper lost its core) */
+    for (long spins = 1; __atomic_load_n(&job->done[k], __ATOMIC_ACQUIRE) < job->parts[k]; spins++) {
+      if (spins == 1) t0 = azyx_ns();
+      if (spins % 256 == 0 && azyx_ns() - t0 > 50000L) sched_yield(); else azyx_pause();
+    }
+  }
+  __atomic_store_n(&job->finished, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&job->published, (int)n + 1, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&job->sleepers, __ATOMIC_SEQ_CST)) azyx_wake_all(&job->published);
+  pthread_mutex_lock(&p->lock);
+  p->job = NULL;
+  pthread_mutex_unlock(&p->lock);
+  azyx_release(p, job);
+}
+"""
+
+
+def _entries(arity: dict[str, int], kinds: dict[str, int]) -> str:
+    """`name_argv(lo, hi, args)`: every kernel callable the same way, its buffers as one array (what azyx_run calls);
+    lo and hi bound the shared loop of a SHARED kernel, the others ignore them."""
+    out = []
+    for name, n in arity.items():
+        bufs = ", ".join(f"a[{i}]" for i in range(n))
+        call = f"{name}(lo, hi, {bufs})" if kinds[name] == SHARED else f"(void)lo; (void)hi; {name}({bufs})"
+        out.append(f"void {name}_argv(long lo, long hi, void** a) {{ {call}; }}")
+    return "\n".join(out)
 
 
 class CDevice(HostDevice):
@@ -38,22 +328,27 @@ class CDevice(HostDevice):
         self.flags = list(options.get("flags", []))
         self.threads = int(options.get("threads") or os.cpu_count() or 1)
         self.compute = 30.0 * self.threads  # rough GFLOP/s, for AUTO placement
-        os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))
+        self.pool: int | None = None  # the C thread pool that shares kernels' loops (azyx_pool_new)
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # for kernels with a region of their own
 
     def has_program(self, name: str) -> bool:
         return name in _PROGRAMS
 
     async def compile(self, steps: list[KernelStep]) -> None:
-        todo = {s.name: len(s.args) for s in steps if s.name not in _PROGRAMS}
+        todo = {s.name: s for s in steps if s.name not in _PROGRAMS}
         if not todo:
             return
-        src = kernel_source([s.src for s in {s.name: s for s in steps if s.name in todo}.values()], C)  # once each
+        arity = {name: len(s.args) for name, s in todo.items()}
+        kinds = {name: parallel_kind(s.kernel, C, self.threads) for name, s in todo.items()}
+        src = kernel_source([s.src for s in todo.values()], C)  # once each
         debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
+        src = "#define _GNU_SOURCE\n" + src + "\n" + _entries(arity, kinds) + "\n" + _RUNTIME  # (sched_getcpu)
         # build (or find in the disk cache) and load on a worker thread: the loop only waits; a cancelled realize
         # stops waiting while the build still finishes into the cache
-        _PROGRAMS.update(await in_worker_thread(self._build_and_load, src, todo))
+        entries = await in_worker_thread(self._build_and_load, src, arity)
+        _PROGRAMS.update({name: (address, kinds[name]) for name, address in entries.items()})
 
-    def _build_and_load(self, src: str, arity: dict[str, int]) -> dict[str, Any]:
+    def _build_and_load(self, src: str, arity: dict[str, int]) -> dict[str, int]:
         flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
         key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
         lib_path = cache_dir() / "c" / f"{key}.so"
@@ -74,36 +369,68 @@ class CDevice(HostDevice):
                 tmp_lib.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(lib_path))
         _LIBS.append(lib)
-        programs = {}
-        for name, n in arity.items():
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * n  # one pointer per buffer
-            fn.restype = None
-            programs[name] = fn
-        return programs
+        if not _RUNTIME_LIB:
+            lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                                     ctypes.c_void_p]
+            lib.azyx_run.restype = None
+            lib.azyx_pool_new.argtypes = [ctypes.c_int]
+            lib.azyx_pool_new.restype = ctypes.c_void_p
+            lib.azyx_pool_free.argtypes = [ctypes.c_void_p]
+            lib.azyx_pool_free.restype = None
+            _RUNTIME_LIB.append(lib)
+        return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
 
-    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
-        fn = _PROGRAMS[step.name]
-        ptrs = [b.ptr for b in bufs]
-        if debug.enabled(debug.LAUNCHES):
-            import time
+    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer]]]) -> Callable[[], None]:
+        if self.pool is None:  # its helper threads start with the first batch that shares a loop
+            self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
+        if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
+            calls = [_Batch([(step, bufs)], self.pool, self.threads) for step, bufs in items]
 
-            def timed(bufs: list[Buffer] = bufs) -> None:
-                t0 = time.perf_counter()
-                fn(*ptrs)
-                debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
-                                          f"{(time.perf_counter() - t0) * 1e6:.1f} us")
+            def timed() -> None:
+                for call, (step, _) in zip(calls, items):
+                    t0 = time.perf_counter()
+                    call()
+                    debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
+                                              f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        return _Launch(fn, ptrs, bufs)
+        return _Batch(items, self.pool, self.threads)
+
+    def close(self) -> None:
+        worker = self.queue.thread
+        super().close()
+        if self.pool is not None and (worker is None or not worker.is_alive()):  # nothing runs on the pool any more
+            _RUNTIME_LIB[0].azyx_pool_free(self.pool)
+            self.pool = None
 
 
-class _Launch:
-    """One kernel launch; holds its buffers until it has run (then the pool may reuse them)."""
+def _trip(k: Kernel, threads: int) -> int:
+    """How many iterations the shared loop of a SHARED kernel has. Not part of its source (it loops over [lo, hi)):
+    kernels that differ only in it are one program, so it comes from each plan's own kernel."""
+    trip = k.meta.get("trip")
+    if trip is None:
+        loop = parallel_loop(k, C, threads)
+        trip = k.meta["trip"] = 0 if loop is None else k.gvars[loop].vmax + 1
+    return int(trip)
 
-    __slots__ = ("fn", "ptrs", "bufs")
 
-    def __init__(self, fn: Any, ptrs: list[int], bufs: list[Buffer]):
-        self.fn, self.ptrs, self.bufs = fn, ptrs, bufs
+class _Batch:
+    """Kernels run back to back by one call into C; holds their buffers until it has run (then the pool may reuse
+    them). Its tables are numpy arrays: a ctypes array type per batch length would be garbage for the cyclic GC."""
+
+    __slots__ = ("n", "fns", "args", "ptrs", "kinds", "trips", "pool", "bufs")
+
+    def __init__(self, items: list[tuple[KernelStep, list[Buffer]]], pool: int, threads: int):
+        self.n = len(items)
+        entries = [_PROGRAMS[step.name] for step, _ in items]
+        self.fns = np.array([address for address, _ in entries], np.uintp)
+        self.kinds = bytes([kind for _, kind in entries])
+        self.trips = np.array([_trip(step.kernel, threads) for step, _ in items], np.int64)
+        self.ptrs = np.array([b.ptr for _, bufs in items for b in bufs], np.uintp)  # every kernel's buffers in a row
+        starts = np.cumsum([0] + [len(bufs) for _, bufs in items[:-1]], dtype=np.uintp)
+        self.args = self.ptrs.ctypes.data + starts * np.uintp(self.ptrs.itemsize)  # where each kernel's buffers start
+        self.pool = pool
+        self.bufs = [bufs for _, bufs in items]
 
     def __call__(self) -> None:
-        self.fn(*self.ptrs)
+        _RUNTIME_LIB[0].azyx_run(self.pool, self.n, self.fns.ctypes.data, self.args.ctypes.data, self.kinds,
+                                 self.trips.ctypes.data)

@@ -148,11 +148,16 @@ class HostDevice(Device):
     def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
 
-    def launch_fn(self, step: KernelStep, bufs: list[Buffer]) -> Callable[[], None]:
+    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer]]]) -> Callable[[], None]:
+        """The work item that runs these kernels in order (it holds their buffers until it has run)."""
         raise NotImplementedError
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
-        return self.submit(self.launch_fn(step, bufs), waits, step.work)
+        return self.launch_many([(step, bufs)], waits)
+
+    def launch_many(self, items: list[tuple[KernelStep, list[Buffer]]], waits: list[tuple[Device, int]]) -> int:
+        """Kernels back to back: one work item, so one hand-off to the worker thread for all of them."""
+        return self.submit(self.batch_fn(items), waits, sum(step.work for step, _ in items))
 
     def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
         """Host memory to host memory is a memmove (same device, or peer: c:0 -> c:1). Another API's buffer is
