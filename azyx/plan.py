@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from azyx.runtime import Runtime
 
 EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realized first instead of recomputed
-SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-stage reductions on GPU-style devices
+SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-stage reductions (split_reduce)
 TRANSFER_BYTES_PER_S = 5e9  # what moving an input to another device costs, for AUTO placement
 TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
 
@@ -274,8 +274,8 @@ class Planner:
     def viewed(self, nid: int) -> tuple[int, StridedView] | None:
         """A movement node realized whole (a target, a broadcast operand, a shared view of a reduce) is a view of the
         node its movement ops start from, instead of a copy, when they are a strided view of it and that node has a
-        buffer: it is realized, or it gets one anyway (read by other kernels too, or not a target: read whole, the
-        moved copy would cost a kernel as well)."""
+        buffer: it is realized, or it gets one anyway (read by other kernels too, a reduce in two stages, or not a
+        target: read whole, the moved copy would cost a kernel as well)."""
         g, chain, base = self.graph, [], nid
         while g[base].op in MOVEMENT and base not in self.done:
             chain.append(g[base])
@@ -283,7 +283,8 @@ class Planner:
         if not chain:
             return None
         if base not in self.done:  # realize it only if the ops above will be a view of its contiguous result
-            if nid in self.targets and self.walk.consumers.get(base, 0) < 2:
+            shared = self.walk.consumers.get(base, 0) > 1 or self.split_parts(base, self.place(base)) is not None
+            if nid in self.targets and not shared:
                 return None  # computed straight into the target's own layout instead
             view: StridedView | None = StridedView.contiguous(g[base].shape)
             for m in reversed(chain):
@@ -339,8 +340,12 @@ class Planner:
     def split_parts(self, nid: int, device: str) -> int | None:
         """How many partial results a reduce should be split into on `device` (see split_reduce), or None."""
         n = self.graph[nid]
-        dialect = self.rt.device(device).dialect
-        if n.op is not Op.REDUCE or dialect is None or not dialect.global_ids:
+        dev = self.rt.device(device)
+        dialect = dev.dialect
+        # GPU-style devices run one work item per output; host devices with several threads share loops of outputs
+        # (a reduction into one would need an OpenMP region of its own: that team makes OpenMP in the rest of the
+        # process, PyTorch's, sleep between its regions)
+        if n.op is not Op.REDUCE or dialect is None or not (dialect.global_ids or dialect.pragmas and dev.threads > 1):
             return None
         src = self.graph[n.src[0]]
         r = prod([src.shape[a] for a in n.arg[1]])

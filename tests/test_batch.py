@@ -21,15 +21,16 @@ rng = np.random.default_rng(5)
 
 
 async def test_shared_serial_and_own_region_kernels_in_one_batch(device: str) -> None:
-    xn = sample(rng, (300, 700), "small")
-    x = Tensor(xn, device=device)
+    xn, qn = sample(rng, (300, 700), "small"), sample(rng, (65537,), "small")
+    x, q = Tensor(xn, device=device), Tensor(qn, device=device)
     a = (x * 2).exp()  # shares its loop among the threads
-    s = a.sum()  # a reduction of every element: opens its own region
-    b = a / s  # shared again, reading the reduction
+    s = a.sum()  # a reduction of every element: in two stages (many partial sums shared out, then one)
+    t = q.exp().sum()  # the same over a prime number of elements: no two stages, a region of its own
+    b = a / s + t  # shared again, reading the reductions
     c = x[:3, :5] * 3  # too small to share: one thread
     d = b * c.sum()  # shared, after a serial kernel
     e = d.sum(axis=1)  # a reduction per row, shared by rows
-    targets = [a, s, b, c, d, e]
+    targets = [a, s, t, b, c, d, e]
     plan = azyx.schedule(*targets)
     dev = RT.device(device)
     if dev.kind == "c":
@@ -40,10 +41,10 @@ async def test_shared_serial_and_own_region_kernels_in_one_batch(device: str) ->
         assert len({GRAPH[t.id].buffer.ready for t in targets}) == 1  # type: ignore[union-attr]
     x64 = xn.astype(np.float64)
     a_ref = np.exp(x64 * 2)
-    s_ref = a_ref.sum()
+    s_ref, t_ref = a_ref.sum(), np.exp(qn.astype(np.float64)).sum()
     c_ref = x64[:3, :5] * 3
-    d_ref = a_ref / s_ref * c_ref.sum()
-    refs = [a_ref, s_ref, a_ref / s_ref, c_ref, d_ref, d_ref.sum(axis=1)]
+    d_ref = (a_ref / s_ref + t_ref) * c_ref.sum()
+    refs = [a_ref, s_ref, t_ref, a_ref / s_ref + t_ref, c_ref, d_ref, d_ref.sum(axis=1)]
     for t, ref in zip(targets, refs):
         np.testing.assert_allclose(await t.numpy(), ref, rtol=1e-4, atol=1e-7)
 
