@@ -469,23 +469,23 @@ class _Renderer:
         """Nodes of one block: those placed in it, plus per-block ("U") nodes it needs, in topological order."""
         out: list[V] = []
         seen: set[int] = set()
-
-        def visit(v: V) -> None:
-            if id(v) in seen:
-                return
-            seen.add(id(v))
-            p = place.get(id(v))
-            if v.op == "reduce" and v is not body_of:
-                return
-            if not (p == "U" or (body_of is not None and p is body_of) or (body_of is None and p is None)):
-                return
-            for s in v.src:
-                visit(s)
-            out.append(v)
-
         for r in roots:
-            visit(r)
+            self._collect(r, place, body_of, seen, out)
         return [v for v in out if v.op != "reduce"]
+
+    def _collect(self, v: V, place: dict[int, object], body_of: V | None, seen: set[int], out: list[V]) -> None:
+        # a method, not a recursive closure: that would be a reference cycle left to the cyclic GC per kernel
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        p = place.get(id(v))
+        if v.op == "reduce" and v is not body_of:
+            return
+        if not (p == "U" or (body_of is not None and p is body_of) or (body_of is None and p is None)):
+            return
+        for s in v.src:
+            self._collect(s, place, body_of, seen, out)
+        out.append(v)
 
     def grouped_reduce(self, r: V, place: dict[int, object], acc_t: str, init: str, name: str) -> None:
         """The work group's items accumulate strided shares of the reduce (neighbours read neighbouring elements),

@@ -110,6 +110,7 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
 
         rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
                      f"{t_many / many:.2f}x"])
+    rows.append(await realize_only(torch, cases[-1][1], cases[-1][2], reps))
     # correctness of what was timed, against PyTorch
     for name, make, tfn, _, _ in cases:
         got = await make().numpy()
@@ -117,6 +118,41 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         assert err < 1e-4, f"{name}: relative error {err:.2e} against PyTorch"
     return rows, copy_bw
+
+
+async def realize_only(torch: Any, make: Callable[[], Tensor], tfn: Callable[[], Any], reps: int) -> list[str]:
+    """The 10-op graph with its building left out of the timing: what `await t.realize()` itself costs once the
+    plan is cached, beside PyTorch replaying the same ops captured as a CUDA graph."""
+    async def once() -> float:
+        t = make()
+        t0 = time.perf_counter()
+        await t.realize()
+        return time.perf_counter() - t0
+
+    async def flight() -> float:
+        ts = [make() for _ in range(FLIGHT)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(t.realize() for t in ts))
+        return (time.perf_counter() - t0) / FLIGHT
+
+    for _ in range(3):
+        await once()
+        await flight()
+    one = statistics.median([await once() for _ in range(reps)])
+    many = statistics.median([await flight() for _ in range(reps)])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        for _ in range(3):
+            tfn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tfn()
+    t_one, t_many = torch_timed(torch, graph.replay, reps), torch_timed(torch, graph.replay, reps, FLIGHT)
+    return ["10-op graph, realize only (built before the clock; torch: CUDA graph replay)", "us", f"{one * 1e6:.1f}",
+            f"{t_one * 1e6:.1f}", f"{t_one / one:.2f}x", f"{many * 1e6:.1f}", f"{t_many * 1e6:.1f}",
+            f"{t_many / many:.2f}x"]
 
 
 async def transfers(torch: Any, quick: bool) -> list[list[str]]:

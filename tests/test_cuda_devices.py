@@ -107,6 +107,29 @@ async def test_a_steady_plan_replays_as_a_cuda_graph() -> None:
     assert any(not isinstance(g, int) for g in dev.graphs.values())  # type: ignore[attr-defined]
 
 
+def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> None:
+    """Pinned staging blocks reach the cyclic GC inside garbage cycles (a traceback, a cancelled task's frames): the
+    block goes back to the pool and must still be its own pinned memory. (It was once freed under the pool by its
+    own finalizer, then handed out again: two blocks aliased, copies failed or read each other's data.)"""
+    import gc
+
+    from azyx.backends.cuda import _Staging, check, cu
+
+    dev = RT.device("cuda:0")
+    size_attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE
+    for n in (64, 8192, 3 << 20):
+        staged = _Staging(dev.staging, n)  # type: ignore[attr-defined]
+        ptr, size = staged.pinned.ptr, staged.size
+        cycle: list[object] = [staged]
+        cycle.append(cycle)
+        del staged, cycle
+        gc.collect()
+        assert ptr in [b.ptr for b in dev.staging.free_lists[size]]  # type: ignore[attr-defined]
+        assert check(cu.cuPointerGetAttribute(size_attr, ptr), "cuPointerGetAttribute") == size
+        xn = rng.standard_normal(n // 4).astype(np.float32)
+        np.testing.assert_array_equal((Tensor(xn, device="c:0").to("cuda:0") + 1).numpy_sync(), xn + 1)
+
+
 def test_memory_accounting_and_allocation_errors() -> None:
     dev = RT.device("cuda:0")
     before = dev.free_memory()

@@ -74,8 +74,9 @@ def test_a_broadcast_single_element_fuses_into_its_consumer() -> None:
 
 def test_a_computed_value_read_whole_through_a_transpose_is_not_copied() -> None:
     xn, wn, yn = (rng.standard_normal(s).astype(np.float32) for s in ((32, 48), (16, 48), (32, 20)))
-    g = (Tensor(xn) @ Tensor(wn).T).relu()  # read by two kernels: it gets a buffer of its own
-    dw, db = g.T @ Tensor(yn), g.sum(axis=0)
+    c = "c:0"  # a device with register-tiled matmuls (which read their right operand transposed)
+    g = (Tensor(xn, device=c) @ Tensor(wn, device=c).T).relu()  # read by two kernels: it gets a buffer of its own
+    dw, db = g.T @ Tensor(yn, device=c), g.sum(axis=0)
     ks = _kernels(dw, db)  # W transposed once (matmul operand), g, dw (reading g through a view), db
     assert len(ks) == 4
     gn = np.maximum(xn @ wn.T, 0)

@@ -117,7 +117,9 @@ async def test_a_cached_realize_leaves_no_garbage_cycles() -> None:
 
     w = Tensor(np.ones((16, 8), np.float32))
     x = Tensor(np.ones((4, 16), np.float32))
-    for i in range(2):  # the first realize plans and compiles (that may leave cycles); the second hits the plan cache
+    # the first realize plans and compiles (that may leave cycles); on a device without host memory it also uploads x
+    # and w, so the second plans anew for the uploaded inputs; the third hits the plan cache everywhere
+    for i in range(3):
         gc.collect(0)  # what the step makes is young: a collection of the youngest generation finds its cycles
         gc.disable()
         try:
@@ -129,4 +131,4 @@ async def test_a_cached_realize_leaves_no_garbage_cycles() -> None:
             found = gc.collect(0)
         finally:
             gc.enable()
-        assert i == 0 or found == 0, f"realize {i} left {found} objects in reference cycles"
+        assert i < 2 or found == 0, f"realize {i} left {found} objects in reference cycles"

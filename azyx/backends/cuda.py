@@ -145,19 +145,17 @@ def launch_dims(k: Kernel) -> Dims:
 
 # ------------------------------------------------------------------------------------------------ the device
 class _Pinned:
-    """Page-locked host memory, freed with its last reference."""
+    """Page-locked host memory. Owned by a device's staging pool, which frees it when the device closes: never
+    with its last reference, because a `__del__` here would run when the cyclic GC finalizes a garbage cycle that
+    holds a `_Staging` (whose own `__del__` then puts this block back in the pool: resurrected, with its memory
+    freed under it; the driver then hands the address out again, and two blocks alias)."""
+
+    __slots__ = ("nbytes", "ptr", "array")
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP),
-                             "cuMemHostAlloc"))
+        self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
-
-    def __del__(self) -> None:
-        try:
-            cu.cuMemFreeHost(self.ptr)
-        except Exception:  # interpreter shutdown
-            pass
 
 
 class _Job:
@@ -401,6 +399,7 @@ class CUDADevice(Device):
                 self._record(job.value, job.keep, job.post, job.first)
                 self.deferred.popleft()
                 self.ready.notify_all()
+            del job  # its buffers go back to their pools when the command completes, not when the next one comes
 
     def wait_recorded(self, v: int) -> None:
         """Block (worker threads) until the command of value `v` is on the stream (its event exists)."""
@@ -442,19 +441,16 @@ class CUDADevice(Device):
             done = self._take_done()
         del done
 
-    def _params(self, ptrs: tuple[int, ...]) -> tuple[Any, Any]:
-        values = (ctypes.c_uint64 * len(ptrs))(*ptrs)
-        base = ctypes.addressof(values)
-        return values, (ctypes.c_void_p * len(ptrs))(*(base + 8 * i for i in range(len(ptrs))))
-
     def _launch_now(self, fn: Any, dims: Dims, ptrs: tuple[int, ...]) -> None:
         grid, block, zero = dims
         if zero:
             check(cu.cuMemsetD32Async(ptrs[0], 0, zero // 4, self.stream), "cuMemsetD32Async")
-        values, params = self._params(ptrs)
-        check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, ctypes.addressof(params), 0),
-              "cuLaunchKernel")
-        del values
+        # kernelParams: one pointer per argument, to where its value (a device pointer) is. numpy arrays, not ctypes
+        # ones: a ctypes array type per argument count is garbage for the cyclic GC on every launch
+        values = np.array(ptrs, np.uint64)
+        params = values.ctypes.data + np.arange(len(ptrs), dtype=np.uint64) * np.uint64(8)
+        check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, params.ctypes.data, 0), "cuLaunchKernel")
+        del values, params  # the driver copied the arguments at launch
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
         fn = self.functions[step.name]
@@ -475,6 +471,9 @@ class CUDADevice(Device):
         """Launches until `end_batch` are collected, then submitted together (as a CUDA graph once steady)."""
         self.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
         self.batch = []
+        # what completed work held goes back to the pools before the plan allocates: a steady loop then gets the
+        # same blocks each time, and its batch the same key (a graph replay)
+        self._take_done()
 
     def end_batch(self) -> None:
         batch, self.batch = self.batch, None
@@ -653,7 +652,7 @@ class CUDADevice(Device):
         self.timeline.wait_sync(v)
 
     def close(self) -> None:
-        """Finish the stream, stop the waiter thread and drop what completed work held."""
+        """Finish the stream, stop the threads, drop what completed work held and free the pools' cached memory."""
         try:
             self.use()
             cu.cuStreamSynchronize(self.stream)
@@ -668,6 +667,15 @@ class CUDADevice(Device):
         self.completions.put(None)
         self.waiter.join(timeout=10)
         self.collect()
+        try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
+            self.empty_cache()
+            with self.staging.lock:
+                lists, self.staging.free_lists, self.staging.cached = self.staging.free_lists, {}, 0
+            for blocks in lists.values():
+                for block in blocks:
+                    cu.cuMemFreeHost(block.ptr)
+        except Exception:  # interpreter shutdown
+            pass
 
 
 def _wait_set(ev: threading.Event) -> None:
