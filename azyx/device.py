@@ -137,5 +137,9 @@ class Device:
     def collect(self) -> None:
         """Drop what completed work still holds (called by `synchronize` once the device is idle)."""
 
+    def poll(self, v: int) -> None:
+        """Advance the timeline to `v` if the device can tell at once that its work up to `v` has completed (one
+        query, never a wait): a realize of a small plan then needs no wake-up from another thread. Optional."""
+
     def close(self) -> None:
         pass

@@ -52,6 +52,8 @@ async def realize(*tensors: Tensor) -> None:
             last[buf.device] = buf.ready
     for dev, ready in last.items():  # one wake-up per device, not one per tensor
         if dev.timeline.value < ready:
+            dev.poll(ready)  # a small plan may be done already: then no wake-up from the device's thread
+        if dev.timeline.value < ready:
             await dev.timeline.wait(ready)
         _raise_failure(dev)
 

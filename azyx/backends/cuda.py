@@ -20,6 +20,7 @@ allocator hands back the same blocks), its launches replay as one CUDA graph (`b
 
 from __future__ import annotations
 
+import array
 import collections
 import ctypes
 import hashlib
@@ -225,6 +226,8 @@ class CUDADevice(Device):
         self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
         # (event, timeline value, what to do on the host once it completed, before the timeline says so)
         self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
+        self.waited = 0  # the last value the waiter thread has passed (events up to it may be recorded anew)
+        self.posts: collections.deque[int] = collections.deque()  # values whose host-side `post` has not run yet
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
         self.ready = threading.Condition(self.lock)
@@ -328,6 +331,8 @@ class CUDADevice(Device):
             self.events[u] = ev
         if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
             self.holding[v] = keep
+        if post is not None:
+            self.posts.append(v)
         self.completions.put((ev, v, post))
 
     def _event(self) -> Any:
@@ -419,9 +424,22 @@ class CUDADevice(Device):
                     post()
                 except BaseException as e:
                     self.errors.append(e)
-            del ev, item, post
             with self.lock:
+                if post is not None:
+                    self.posts.popleft()
                 self.finished.append(self.holding.pop(v, None))
+                self.waited = v
+            del ev, item, post
+            self.timeline.signal(v)
+
+    def poll(self, v: int) -> None:
+        """On the loop, before it would sleep: a command's event already complete (a small plan usually is by the time
+        the loop awaits it) advances the timeline here, without the waiter thread's wake-up (~70 us on the H200
+        machine's VM). Not past a value whose host-side `post` has yet to run (a read's copy out of pinned memory)."""
+        ev = self.events.get(v)
+        if ev is None or (self.posts and self.posts[0] <= v):
+            return
+        if cu.cuEventQuery(ev)[0] == cu.CUresult.CUDA_SUCCESS:  # an error stays for the waiter thread to report
             self.timeline.signal(v)
 
     def _take_done(self) -> list[Any]:
@@ -431,7 +449,8 @@ class CUDADevice(Device):
         done, self.finished = self.finished, []
         for k in [k for k in self.holding if k <= reached]:
             done.append(self.holding.pop(k))
-        freed = {id(self.events[k]): self.events.pop(k) for k in [k for k in self.events if k <= reached]}
+        # events only once the waiter thread is past them (the timeline may be ahead of it: see poll)
+        freed = {id(self.events[k]): self.events.pop(k) for k in [k for k in self.events if k <= self.waited]}
         live = {id(e) for e in self.events.values()}  # an event a batch still shares with a later value stays
         self.free_events.extend(ev for i, ev in freed.items() if i not in live)
         return done
@@ -445,11 +464,12 @@ class CUDADevice(Device):
         grid, block, zero = dims
         if zero:
             check(cu.cuMemsetD32Async(ptrs[0], 0, zero // 4, self.stream), "cuMemsetD32Async")
-        # kernelParams: one pointer per argument, to where its value (a device pointer) is. numpy arrays, not ctypes
-        # ones: a ctypes array type per argument count is garbage for the cyclic GC on every launch
-        values = np.array(ptrs, np.uint64)
-        params = values.ctypes.data + np.arange(len(ptrs), dtype=np.uint64) * np.uint64(8)
-        check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, params.ctypes.data, 0), "cuLaunchKernel")
+        # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
+        # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch)
+        values = array.array("Q", ptrs)
+        base = values.buffer_info()[0]
+        params = array.array("Q", range(base, base + 8 * len(ptrs), 8))
+        check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, params.buffer_info()[0], 0), "cuLaunchKernel")
         del values, params  # the driver copied the arguments at launch
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
@@ -494,7 +514,10 @@ class CUDADevice(Device):
             return
         self._launch_batch(batch)
         self._record(v, None, None, first)
-        self.finished.append(self._take_done())  # dropped by the next submit or collect, outside this lock
+        # dropped by the next submit or collect, outside this lock. (Not `self.finished.append(self._take_done())`:
+        # that appends to the list _take_done hands back, which then holds itself: a cycle only the GC frees)
+        done = self._take_done()
+        self.finished.extend(done)
 
     def _launch_batch(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
         """Under the lock: the batch's launches on the stream, one graph launch once the batch is steady."""
