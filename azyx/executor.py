@@ -9,6 +9,7 @@ work that holds them has run.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 from azyx import debug
 from azyx.device import Buffer, Device
@@ -59,11 +60,13 @@ class UnifiedExecutor:
     def execute_kernel(self, step: KernelStep, bufs: list[Buffer], same_device: bool = False) -> int:
         return self.execute_kernels([(step, bufs)], same_device)
 
-    def execute_kernels(self, items: list[tuple[KernelStep, list[Buffer]]], same_device: bool = False) -> int:
-        """Kernels of one device that run back to back (one piece of work where the device can make it one)."""
+    def execute_kernels(self, items: list[tuple[KernelStep, list[Buffer]]], same_device: bool = False,
+                        memo: dict[str, Any] | None = None) -> int:
+        """Kernels of one device that run back to back (one piece of work where the device can make it one); `memo`
+        is where the device may keep what it derives from these steps for the next run of the same plan."""
         dev = self.devices[items[0][0].device]
         waits = [] if same_device else [w for step, bufs in items for w in self._waits(dev, bufs[step.outs:])]
-        v = dev.launch_many(items, waits)
+        v = dev.launch_many(items, waits, memo)
         for step, bufs in items:
             for b in bufs[:step.outs]:
                 b.ready = v
@@ -81,36 +84,28 @@ class UnifiedExecutor:
         """Submit every step of `plan` with `bindings` as its inputs; returns the targets' buffers (not yet
         necessarily ready: each carries the timeline value at which it will be)."""
         assert len(bindings) == plan.n_inputs
+        segments: list[_Segment] | None = plan.memo.get("segments")
+        if segments is None:
+            segments = plan.memo["segments"] = _segments(plan)
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
         only = self.single_device_check(plan)
         single = only is not None
         if only is not None:
             only.begin_batch()
-        steps, n = plan.steps, len(plan.steps)
         try:
-            i = 0
-            while i < n:
-                step = steps[i]
-                if isinstance(step, KernelStep):  # with the kernels right after it on the same device: one batch
-                    batch: list[tuple[KernelStep, list[Buffer]]] = []
-                    while i < n and isinstance(k := steps[i], KernelStep) and k.device == step.device:
-                        for out in k.args[:k.outs]:
-                            if bufs[out] is None:
-                                bufs[out] = self.devices[k.device].alloc(max(slots[out].nbytes, 1))
-                        batch.append((k, [bufs[a] for a in k.args]))  # type: ignore[misc]
-                        for s in plan.frees[i]:
-                            bufs[s] = None  # the batch holds it; the pool gets it back after the batch ran
-                        i += 1
-                    self.execute_kernels(batch, single)
-                    continue
-                assert isinstance(step, TransferStep)
-                if bufs[step.dst] is None:
-                    bufs[step.dst] = self.devices[step.dst_device].alloc(max(slots[step.dst].nbytes, 1))
-                self.execute_transfer(bufs[step.src], bufs[step.dst])  # type: ignore[arg-type]
-                for s in plan.frees[i]:
+            for seg in segments:
+                dev = self.devices[seg.device]
+                for s in seg.allocs:  # a slot is written once: its buffer is made right before the work that writes it
+                    if bufs[s] is None:
+                        bufs[s] = dev.alloc(max(slots[s].nbytes, 1))
+                if seg.transfer is not None:
+                    self.execute_transfer(bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
+                else:
+                    self.execute_kernels([(k, [bufs[a] for a in k.args]) for k in seg.kernels],  # type: ignore[misc]
+                                         single, seg.memo)
+                for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
-                i += 1
             outs = []
             for slot, view in plan.outputs:
                 b = bufs[slot]
@@ -138,3 +133,34 @@ class UnifiedExecutor:
         for dev in self.devices.values():
             dev.close()
         self.devices.clear()
+
+
+class _Segment:
+    """One piece of submitted work of a plan: a transfer, or kernels in a row on one device (one batch); the slots
+    its outputs need and the slots whose last use it is. Derived once per plan (ExecutionPlan.memo)."""
+
+    __slots__ = ("device", "transfer", "kernels", "allocs", "frees", "memo")
+
+    def __init__(self, device: str, transfer: TransferStep | None, kernels: list[KernelStep]):
+        self.device, self.transfer, self.kernels = device, transfer, kernels
+        self.allocs: list[int] = [transfer.dst] if transfer is not None else [
+            s for k in kernels for s in k.args[:k.outs]]
+        self.frees: list[int] = []
+        self.memo: dict[str, Any] = {}
+
+
+def _segments(plan: ExecutionPlan) -> list[_Segment]:
+    out: list[_Segment] = []
+    for step, frees in zip(plan.steps, plan.frees):
+        if isinstance(step, KernelStep):
+            last = out[-1] if out else None
+            if last is not None and last.transfer is None and last.device == step.device:
+                last.kernels.append(step)
+                last.allocs.extend(step.args[:step.outs])
+            else:
+                out.append(last := _Segment(step.device, None, [step]))
+        else:
+            assert isinstance(step, TransferStep)
+            out.append(last := _Segment(step.dst_device, step, []))
+        last.frees.extend(frees)
+    return out

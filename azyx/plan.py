@@ -76,6 +76,8 @@ class ExecutionPlan:
     frees: tuple[tuple[int, ...], ...]  # per step: temp slots whose last use it is
     devices: tuple[str, ...]
     adopt: tuple[tuple[int, int], ...] = ()  # (input slot, slot): host data a leaf keeps on its device from now on
+    # what the executor and devices derive from the plan once and reuse on every run (its batches, their tables)
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def kernels(self) -> list[KernelStep]:

@@ -24,8 +24,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from azyx import debug
 from azyx.backends.host import HostDevice
 from azyx.config import cache_dir
@@ -232,13 +230,15 @@ void azyx_pool_free(void* pool) {
 }
 
 /* Run n kernels in order on the calling thread, the pool helping with shared ones. kinds: 0 serial (one call), 1 shared
-   (called for parts of its shared loop, trip[k] iterations), 2 opens its own OpenMP region (one call). */
-void azyx_run(void* pool, long n, azyx_kernel* fns, void*** args, const unsigned char* kinds, const long* trip) {
+   (called for parts of its shared loop, trip[k] iterations), 2 opens its own OpenMP region (one call). Kernel k's
+   buffers are argc[k] entries of ptrs, right after kernel k-1's. */
+void azyx_run(void* pool, long n, azyx_kernel* fns, void** ptrs, const long* argc, const unsigned char* kinds,
+              const long* trip) {
   azyx_pool* p = (azyx_pool*)pool;
   long shared = 0;
   for (long k = 0; k < n; k++) shared += kinds[k] == 1;
   if (!shared || p->nthreads < 2) {
-    for (long k = 0; k < n; k++) fns[k](0, trip[k], args[k]);
+    for (long k = 0; k < n; ptrs += argc[k], k++) fns[k](0, trip[k], ptrs);
     return;
   }
   if (!p->started)  /* the helpers start with the first batch, from the device's worker (they inherit its priority) */
@@ -258,7 +258,7 @@ void azyx_run(void* pool, long n, azyx_kernel* fns, void*** args, const unsigned
   job->args = (void***)(job->fns + n);
   job->kinds = (unsigned char*)(job->args + n);
   memcpy(job->fns, fns, n * sizeof(void*));
-  memcpy(job->args, args, n * sizeof(void*));
+  for (long k = 0, at = 0; k < n; at += argc[k], k++) job->args[k] = ptrs + at;
   memcpy(job->kinds, kinds, n);
 #if defined(__linux__)
   job->cpu = sched_getcpu();
@@ -281,7 +281,7 @@ void azyx_run(void* pool, long n, azyx_kernel* fns, void*** args, const unsigned
   if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) azyx_wake_all(&p->epoch);
   for (long k = 0; k < n; k++) {
     if (job->kinds[k] != 1) {
-      fns[k](0, trip[k], args[k]);
+      fns[k](0, trip[k], job->args[k]);
       continue;
     }
     __atomic_store_n(&job->published, (int)(k + 1), __ATOMIC_SEQ_CST);
@@ -370,8 +370,8 @@ class CDevice(HostDevice):
         lib = ctypes.CDLL(str(lib_path))
         _LIBS.append(lib)
         if not _RUNTIME_LIB:
-            lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
-                                     ctypes.c_void_p]
+            lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_char_p, ctypes.c_void_p]
             lib.azyx_run.restype = None
             lib.azyx_pool_new.argtypes = [ctypes.c_int]
             lib.azyx_pool_new.restype = ctypes.c_void_p
@@ -380,11 +380,12 @@ class CDevice(HostDevice):
             _RUNTIME_LIB.append(lib)
         return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
 
-    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer]]]) -> Callable[[], None]:
+    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer]]], memo: dict[str, Any] | None = None
+                 ) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            calls = [_Batch([(step, bufs)], self.pool, self.threads) for step, bufs in items]
+            calls = [_Batch([(step, bufs)], _Layout([step], self.threads), self.pool) for step, bufs in items]
 
             def timed() -> None:
                 for call, (step, _) in zip(calls, items):
@@ -393,7 +394,12 @@ class CDevice(HostDevice):
                     debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
                                               f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        return _Batch(items, self.pool, self.threads)
+        layout = memo.get("c") if memo is not None else None
+        if layout is None:
+            layout = _Layout([step for step, _ in items], self.threads)
+            if memo is not None:
+                memo["c"] = layout
+        return _Batch(items, layout, self.pool)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -413,24 +419,32 @@ def _trip(k: Kernel, threads: int) -> int:
     return int(trip)
 
 
+class _Layout:
+    """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
+    buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
+
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type")
+
+    def __init__(self, steps: list[KernelStep], threads: int):
+        self.n = len(steps)
+        entries = [_PROGRAMS[step.name] for step in steps]
+        self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
+        self.argc = (ctypes.c_long * self.n)(*[len(step.args) for step in steps])
+        self.kinds = bytes([kind for _, kind in entries])
+        self.trips = (ctypes.c_long * self.n)(*[_trip(step.kernel, threads) for step in steps])
+        self.ptrs_type = ctypes.c_void_p * sum(len(step.args) for step in steps)  # one type per layout, not per run
+
+
 class _Batch:
     """Kernels run back to back by one call into C; holds their buffers until it has run (then the pool may reuse
-    them). Its tables are numpy arrays: a ctypes array type per batch length would be garbage for the cyclic GC."""
+    them)."""
 
-    __slots__ = ("n", "fns", "args", "ptrs", "kinds", "trips", "pool", "bufs")
+    __slots__ = ("layout", "ptrs", "pool", "items")
 
-    def __init__(self, items: list[tuple[KernelStep, list[Buffer]]], pool: int, threads: int):
-        self.n = len(items)
-        entries = [_PROGRAMS[step.name] for step, _ in items]
-        self.fns = np.array([address for address, _ in entries], np.uintp)
-        self.kinds = bytes([kind for _, kind in entries])
-        self.trips = np.array([_trip(step.kernel, threads) for step, _ in items], np.int64)
-        self.ptrs = np.array([b.ptr for _, bufs in items for b in bufs], np.uintp)  # every kernel's buffers in a row
-        starts = np.cumsum([0] + [len(bufs) for _, bufs in items[:-1]], dtype=np.uintp)
-        self.args = self.ptrs.ctypes.data + starts * np.uintp(self.ptrs.itemsize)  # where each kernel's buffers start
-        self.pool = pool
-        self.bufs = [bufs for _, bufs in items]
+    def __init__(self, items: list[tuple[KernelStep, list[Buffer]]], layout: _Layout, pool: int):
+        self.layout, self.pool, self.items = layout, pool, items
+        self.ptrs = layout.ptrs_type(*[b.ptr for _, bufs in items for b in bufs])  # every kernel's buffers in a row
 
     def __call__(self) -> None:
-        _RUNTIME_LIB[0].azyx_run(self.pool, self.n, self.fns.ctypes.data, self.args.ctypes.data, self.kinds,
-                                 self.trips.ctypes.data)
+        lay = self.layout
+        _RUNTIME_LIB[0].azyx_run(self.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
