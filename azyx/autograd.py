@@ -29,8 +29,9 @@ Grads = tuple[Tensor | None, ...]
 
 
 def _expand_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[bool, ...]) -> Grads:
-    axes = tuple(a for a, (s, o) in enumerate(zip(src[0].shape, n.shape)) if s != o)
-    return (g.sum(axes, keepdim=True),)
+    shape = src[0].shape  # an expand keeps the number of axes: its gradient sums g over the broadcast ones
+    axes = tuple([a for a, (s, o) in enumerate(zip(shape, n.shape)) if s != o])
+    return (g._new(Op.REDUCE, (g.id,), ("sum", axes), shape, g.dtype),)
 
 
 def _permute_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[bool, ...]) -> Grads:
@@ -44,7 +45,7 @@ def _reduce_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple
     op, axes = n.arg  # the node keeps reduced axes as size 1, so g broadcasts back over them
     x = src[0]
     if op == "sum":
-        return (g.expand(*x.shape),)
+        return (g._broadcast_to(x.shape),)
     if op in ("max", "min"):  # ties share the gradient equally
         hit = x == out
         count = hit.cast(g.dtype).sum(axes, keepdim=True)
@@ -76,7 +77,7 @@ Rule = Callable[[Node, Tensor, list[Tensor], Tensor, tuple[bool, ...]], Grads]
 RULES: dict[Op, Rule] = {
     Op.EXPAND: _expand_grad,  # sum over the broadcast axes
     Op.PERMUTE: _permute_grad,  # the inverse permutation
-    Op.RESHAPE: lambda n, out, src, g, need: (g.reshape(src[0].shape),),
+    Op.RESHAPE: lambda n, out, src, g, need: (g._reshaped(src[0].shape),),
     Op.PAD: lambda n, out, src, g, need: (g.pad(tuple((-b, -a) for b, a in n.arg)),),  # pad <-> shrink
     Op.FLIP: lambda n, out, src, g, need: (g.flip(n.arg),),
     Op.REDUCE: _reduce_grad,
@@ -105,26 +106,32 @@ def _order(recorded: set[int], target: int, source_ids: set[int]) -> tuple[list[
     """Recorded nodes below the target in topological order (sources first), and those that lead to a source."""
     nodes = GRAPH.nodes
     post: list[int] = []
-    seen: set[int] = set()
-    stack = [(target, False)]
-    while stack:
-        i, done = stack.pop()
-        if done:
+    seen: set[int] = {target}
+    stack = [(target, iter(nodes[target].src if target in recorded else ()))]  # type: ignore[union-attr]
+    while stack:  # depth first, each node's sources iterated in place (no per-edge stack entries)
+        i, it = stack[-1]
+        for s in it:
+            if s not in seen:
+                seen.add(s)
+                stack.append((s, iter(nodes[s].src if s in recorded else ())))  # type: ignore[union-attr]
+                break
+        else:
+            stack.pop()
             post.append(i)
-            continue
-        if i in seen:
-            continue
-        seen.add(i)
-        stack.append((i, True))
-        if i in recorded:
-            stack.extend((s, False) for s in nodes[i].src if s not in seen)  # type: ignore[union-attr]
     needs: set[int] = set()
     for i in post:
         n = nodes[i]
         assert n is not None
-        if n.dtype.is_float and (i in source_ids or (i in recorded and any(s in needs for s in n.src))):
+        if n.dtype.kind == "f" and (i in source_ids or (i in recorded and not needs.isdisjoint(n.src))):
             needs.add(i)
     return post, needs
+
+
+def _handle(handles: dict[int, Tensor], i: int) -> Tensor:
+    t = handles.get(i)
+    if t is None:
+        t = handles[i] = Tensor._wrap(i)
+    return t
 
 
 def gradient(recorded: set[int], target: Tensor, sources: list[Tensor], seed: Any = None) -> list[Tensor]:
@@ -142,6 +149,7 @@ def gradient(recorded: set[int], target: Tensor, sources: list[Tensor], seed: An
     post, needs = _order(recorded, target.id, source_ids)
     grads: dict[int, Tensor] = {target.id: g0} if target.id in needs else {}
     nodes = GRAPH.nodes
+    handles: dict[int, Tensor] = {}  # one handle per node for the walk (a node is one op's output, others' input)
     for i in reversed(post):
         g = grads.get(i)
         if g is None or i not in recorded:
@@ -151,11 +159,11 @@ def gradient(recorded: set[int], target: Tensor, sources: list[Tensor], seed: An
         rule = RULES.get(n.op)
         if rule is None or not n.src:
             continue
-        need = tuple(s in needs for s in n.src)
-        if not any(need):
+        need = tuple([s in needs for s in n.src])
+        if True not in need:
             continue
-        out = Tensor._wrap(i)
-        inputs = [Tensor._wrap(s) for s in n.src]
+        out = _handle(handles, i)
+        inputs = [_handle(handles, s) for s in n.src]
         for s, gs in zip(n.src, rule(n, out, inputs, g, need)):
             if gs is None or s not in needs:
                 continue

@@ -140,6 +140,10 @@ class Tensor:
 
     def __del__(self) -> None:
         try:
+            n = _nodes[self.id]
+            if n is not None and n.rc > 1:  # (GRAPH.release's common case, without the call)
+                n.rc -= 1
+                return
             GRAPH.release(self.id)
         except (AttributeError, TypeError):  # interpreter shutdown or a failed __init__
             pass
