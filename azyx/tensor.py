@@ -1066,6 +1066,13 @@ class Tensor:
     # ---------------------------------------------------------------- linear algebra, nn
     def matmul(self, other: Tensor) -> Tensor:
         """Matrix product with numpy's rules (1-D operands, broadcast batch dims), as a fused multiply-reduce."""
+        if type(other) is Tensor:
+            na, nb = _nodes[self.id], _nodes[other.id]
+            assert na is not None and nb is not None
+            if (len(na.shape) == 2 and len(nb.shape) == 2 and na.shape[1] == nb.shape[0] and na.dtype is nb.dtype
+                    and not na.dtype.is_bool and na.device == nb.device and na.pinned == nb.pinned
+                    and na.op is not Op.CONST and nb.op is not Op.CONST):
+                return self._matmul_2d(other, na, nb)  # the common case: the nodes below, without the general checks
         a, b = self, self._operand(other)
         if a.ndim == 0 or b.ndim == 0:
             raise ShapeError(f"matmul needs at least 1-D operands, got shapes {a.shape} and {b.shape}")
@@ -1096,6 +1103,14 @@ class Tensor:
         if b1:
             out = out.squeeze(-1)
         return out
+
+    def _matmul_2d(self, other: Tensor, na: Node, nb: Node) -> Tensor:
+        """(m, k) @ (k, n) of one dtype and device: the same nodes the general path builds for it."""
+        (m, k), n = na.shape, nb.shape[1]
+        x = self._reshaped((m, 1, k))
+        y = other.permute(1, 0)._reshaped((1, n, k))
+        prod3 = x._broadcast_to((m, n, k))._binary("mul", y._broadcast_to((m, n, k)))
+        return prod3._new(Op.REDUCE, (prod3.id,), ("sum", (2,)), (m, n, 1), na.dtype)._reshaped((m, n))
 
     def dot(self, other: Tensor) -> Tensor:
         return self.matmul(other)
