@@ -165,7 +165,12 @@ class _Walker:
             entries.append(_leaf_entry(n))
             self.leaves.append(i)
             return k
-        srck = tuple([index[s] if s in index else self.visit(s) for s in n.src])
+        src = n.src
+        if len(src) == 1:  # (most nodes: without a comprehension's frame)
+            s = src[0]
+            srck: tuple[int, ...] = (index[s] if s in index else self.visit(s),)
+        else:
+            srck = tuple([index[s] if s in index else self.visit(s) for s in src])
         k = index[i] = len(entries)
         entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
         self.topo.append(i)
