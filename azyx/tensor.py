@@ -598,6 +598,17 @@ class Tensor:
     @staticmethod
     def where(cond: Any, a: Any, b: Any) -> Tensor:
         """Elementwise `a if cond else b`, broadcasting all three."""
+        tc, ta_, tb_ = type(cond), type(a), type(b)
+        if tc is Tensor and (ta_ is Tensor) != (tb_ is Tensor) and (ta_ in (float, int) or tb_ in (float, int)):
+            t, value = (a, b) if ta_ is Tensor else (b, a)  # the common case: a mask, a float tensor and a scalar
+            nc, nt = _nodes[cond.id], _nodes[t.id]
+            assert nc is not None and nt is not None
+            if (nc.dtype is dtypes.bool and nt.dtype.kind == "f" and nc.shape == nt.shape and nc.device == nt.device
+                    and nc.op is not Op.CONST):
+                c = Tensor._const(value, nt.shape, nt.dtype, nc.device, nc.pinned)
+                xy = (t.id, c.id) if ta_ is Tensor else (c.id, t.id)
+                return Tensor._from_node(Node(Op.WHERE, (cond.id, *xy), None, nt.shape, nt.dtype, nt.device,
+                                              nc.pinned or nt.pinned))
         anchor = next((x for x in (cond, a, b) if isinstance(x, Tensor)), None)
         if anchor is None:
             anchor = Tensor(cond)
