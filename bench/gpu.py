@@ -3,7 +3,7 @@
     python bench/gpu.py [--quick] [--out bench/RESULTS.md]
 
 Two timings per workload, both wall-clock around the await (azyx) or the call plus `torch.cuda.synchronize()`
-(PyTorch), median of repeats after warm-up:
+(PyTorch, every GPU synchronized), median of repeats after warm-up:
 - "1 op": one realize awaited (host overhead included: what a request handler sees);
 - "8 in flight": eight realizes submitted together and awaited together, per op (device throughput: the host
   work of one overlaps the GPU work of another), against eight PyTorch ops and one synchronize.
@@ -38,16 +38,23 @@ START, END = "<!-- bench:cuda:start -->", "<!-- bench:cuda:end -->"
 FLIGHT = 8
 
 
+def sync_all(torch: Any) -> None:
+    """Every GPU, each named: a bare synchronize() waits for the thread's current device only, and azyx makes the
+    context of whichever device it last submitted to current on the loop's thread."""
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
 def torch_timed(torch: Any, fn: Callable[[], Any], repeats: int, n: int = 1, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync_all(torch)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        torch.cuda.synchronize()
+        sync_all(torch)
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
@@ -140,16 +147,17 @@ async def realize_only(torch: Any, make: Callable[[], Tensor], tfn: Callable[[],
         await flight()
     one = statistics.median([await once() for _ in range(reps)])
     many = statistics.median([await flight() for _ in range(reps)])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-        for _ in range(3):
+    with torch.cuda.device(0):  # the tensors' device (streams and graphs belong to the current one)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            for _ in range(3):
+                tfn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             tfn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tfn()
-    t_one, t_many = torch_timed(torch, graph.replay, reps), torch_timed(torch, graph.replay, reps, FLIGHT)
+        t_one, t_many = torch_timed(torch, graph.replay, reps), torch_timed(torch, graph.replay, reps, FLIGHT)
     return ["10-op graph, realize only (built before the clock; torch: CUDA graph replay)", "us", f"{one * 1e6:.1f}",
             f"{t_one * 1e6:.1f}", f"{t_one / one:.2f}x", f"{many * 1e6:.1f}", f"{t_many * 1e6:.1f}",
             f"{t_many / many:.2f}x"]

@@ -54,7 +54,6 @@ BLOCK = 256  # threads per block of an elementwise kernel (one output point per 
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
-_TLS = threading.local()  # the context current on this thread
 _INIT: list[bool] = []
 
 
@@ -199,6 +198,7 @@ class CUDADevice(Device):
             raise DeviceError(f"no CUDA device {index} (found {count})")
         self.cu_device = check(cu.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
+        self.ctx_id = int(self.ctx)
         self.use()
         attr = cu.CUdevice_attribute
         major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "")
@@ -240,10 +240,12 @@ class CUDADevice(Device):
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
     def use(self) -> None:
-        """Make this device's context current on the calling thread (once per thread and device switch)."""
-        if getattr(_TLS, "ctx", None) is not self.ctx:
+        """Make this device's context current on the calling thread. Asked of the driver each time, not remembered
+        per thread: other code on the thread (PyTorch's set_device, another device of ours) may have made another
+        context current since."""
+        err, current = cu.cuCtxGetCurrent()
+        if int(err) != 0 or int(current) != self.ctx_id:
             check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-            _TLS.ctx = self.ctx
 
     # ------------------------------------------------------------------ memory
     def _create(self, size: int) -> int:
@@ -619,16 +621,21 @@ class CUDADevice(Device):
         return v
 
     def _enable_peer(self, other: CUDADevice) -> None:
+        """Peer access between the two contexts, both ways (a copy may run on either one's stream)."""
         if other.index in self.peers:
             return
         self.peers.add(other.index)
-        can = check(cu.cuDeviceCanAccessPeer(self.cu_device, other.cu_device), "cuDeviceCanAccessPeer")
+        other.peers.add(self.index)
+        can = all(check(cu.cuDeviceCanAccessPeer(a.cu_device, b.cu_device), "cuDeviceCanAccessPeer")
+                  for a, b in ((self, other), (other, self)))
         if can:
+            for a, b in ((self, other), (other, self)):
+                a.use()
+                err = cu.cuCtxEnablePeerAccess(b.ctx, 0)[0]
+                if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                    check((err,), "cuCtxEnablePeerAccess")
             self.use()
-            err = cu.cuCtxEnablePeerAccess(other.ctx, 0)[0]
-            if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-                check((err,), "cuCtxEnablePeerAccess")
-        debug.log(debug.DEVICES, f"{self.name} <- {other.name}: peer access {'on' if can else 'unavailable'}")
+        debug.log(debug.DEVICES, f"{self.name} <-> {other.name}: peer access {'on' if can else 'unavailable'}")
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
         """A read in stream order into the host array `out`, overlapped: each chunk's DMA lands in pinned memory and
