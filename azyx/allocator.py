@@ -4,8 +4,10 @@ device choice reads as free memory. Only how a block is created differs per back
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from azyx.errors import AllocationError
@@ -20,17 +22,46 @@ def bucket(nbytes: int) -> int:
 
 
 class PoolAllocator:
+    """Free lists per bucket and in-use accounting, under one lock. `free` may be called from a finalizer
+    (`Buffer.__del__`) at any point of any thread, the thread that holds the lock included: the cyclic GC runs
+    finalizers wherever an allocation triggers it. So a free never waits for the lock: it queues itself, and
+    whoever holds the lock takes the queue in before letting go."""
+
     def __init__(self, capacity: int, cache_limit: int, create: Callable[[int], Any], what: str):
         self.capacity, self.cache_limit, self.create, self.what = capacity, cache_limit, create, what
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # frees not yet taken in
         self.free_lists: dict[int, list[Any]] = {}
         self.in_use = 0
         self.cached = 0
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the lock (to read or change the free lists and counts from outside)."""
+        self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        """Take in the queued frees, then release; again if more came between the last look and the release."""
+        while True:
+            while self._pending:
+                mem, size = self._pending.popleft()
+                self.in_use -= size
+                if mem is not None and self.cached + size <= self.cache_limit:
+                    self.free_lists.setdefault(size, []).append(mem)
+                    self.cached += size
+            self._lock.release()
+            if not self._pending or not self._lock.acquire(blocking=False):
+                return
+
     def alloc(self, nbytes: int) -> tuple[Any, int]:
         """A block of at least `nbytes`: (memory, its bucketed size)."""
         size = bucket(max(nbytes, 1))
-        with self.lock:
+        self._lock.acquire()
+        try:
             lst = self.free_lists.get(size)
             mem = lst.pop() if lst else None
             if mem is not None:
@@ -39,18 +70,18 @@ class PoolAllocator:
                 raise AllocationError(f"allocating {nbytes} bytes exceeds the {self.what}'s capacity of "
                                       f"{self.capacity} bytes ({self.in_use} in use)")
             self.in_use += size
+        finally:
+            self._unlock()
         if mem is None:
             try:
                 mem = self.create(size)
             except Exception as e:  # MemoryError, a driver's out-of-resources error
-                with self.lock:
-                    self.in_use -= size
+                self.free(None, size)
                 raise AllocationError(f"{self.what}: allocating {size} bytes failed: {e}") from None
         return mem, size
 
     def free(self, mem: Any, size: int) -> None:
-        with self.lock:
-            self.in_use -= size
-            if self.cached + size <= self.cache_limit:
-                self.free_lists.setdefault(size, []).append(mem)
-                self.cached += size
+        """Give a block back (`mem` None: only its `size` leaves the in-use count). Never waits (see the class)."""
+        self._pending.append((mem, size))
+        if self._lock.acquire(blocking=False):
+            self._unlock()

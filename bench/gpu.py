@@ -172,8 +172,8 @@ async def transfers(torch: Any, quick: bool) -> list[list[str]]:
     pairs = [(g, h) for g in gpus for h in gpus if g != h] + [(gpus[0], "c:0"), ("c:0", gpus[0])]
     rows = []
     for s, d in pairs:
-        src_t = Tensor(src_np, device=s)
-        await src_t.realize()
+        src_t = Tensor(src_np, device=s) + 1  # computed there: the source is that device's own buffer (a plain
+        await src_t.realize()  # Tensor of host data may still sit in host:0's pool, which made every route a host one)
         src = GRAPH[src_t.id].buffer
         assert src is not None
         dst_dev = RT.device(d)

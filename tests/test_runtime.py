@@ -132,3 +132,26 @@ async def test_a_cached_realize_leaves_no_garbage_cycles() -> None:
         finally:
             gc.enable()
         assert i < 2 or found == 0, f"realize {i} left {found} objects in reference cycles"
+
+
+def test_a_buffer_freed_by_the_cyclic_gc_while_its_pool_is_locked_is_taken_back() -> None:
+    """The cyclic GC runs finalizers wherever the interpreter checks for it, also on a thread inside an allocator's
+    lock: a Buffer freed there must not wait for that lock (its own thread holds it: the suite hung on two GPUs)."""
+    import gc
+
+    from azyx.runtime import RT
+
+    dev = RT.device("c:0")
+    pool = dev.allocator  # type: ignore[attr-defined]
+    buf = dev.alloc(1 << 16)
+    size = buf.nbytes
+    cycle: list[object] = [buf]
+    cycle.append(cycle)
+    used = pool.in_use
+    del buf, cycle
+    with pool.locked():
+        gc.collect()  # the Buffer's finalizer runs here, on this thread, with the lock held
+    assert pool.in_use == used - size
+    again = dev.alloc(1 << 16)  # the block was taken back into the free lists
+    assert pool.in_use == used
+    del again

@@ -266,7 +266,7 @@ class CUDADevice(Device):
     def empty_cache(self) -> None:
         """Return every cached block to the driver."""
         self.use()
-        with self.allocator.lock:
+        with self.allocator.locked():
             lists, self.allocator.free_lists = self.allocator.free_lists, {}
             self.allocator.cached = 0
         for blocks in lists.values():
@@ -699,7 +699,7 @@ class CUDADevice(Device):
         self.collect()
         try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
             self.empty_cache()
-            with self.staging.lock:
+            with self.staging.locked():
                 lists, self.staging.free_lists, self.staging.cached = self.staging.free_lists, {}, 0
             for blocks in lists.values():
                 for block in blocks:

@@ -166,7 +166,8 @@ class DiskDevice(Device):
         self.name = DISK
         self.timeline = TimelineSignal(DISK)  # its buffers are ready at 0: nothing ever waits on it
         self.compute = 0.0
-        self.lock = threading.Lock()
+        # re-entrant: release() runs from Buffer.__del__, which the cyclic GC may call while this thread holds it
+        self.lock = threading.RLock()
         self.in_use = 0  # bytes of file ranges that live buffers describe
         self.buffers = 0  # how many such buffers live
         self.bytes_read = 0  # bytes read from files so far (tests: lazy loading and partial reads)

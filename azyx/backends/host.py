@@ -135,12 +135,11 @@ class HostDevice(Device):
         if buf.pooled:
             self.allocator.free((buf.mem, buf.ptr), buf.nbytes)
         else:
-            with self.allocator.lock:
-                self.allocator.in_use -= buf.nbytes
+            self.allocator.free(None, buf.nbytes)  # only the accounting (the array is its owner's)
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
         assert arr.flags.c_contiguous
-        with self.allocator.lock:
+        with self.allocator.locked():
             self.allocator.in_use += arr.nbytes
         return Buffer(self, arr.nbytes, arr, arr.ctypes.data if arr.nbytes else 0, False)
 
