@@ -52,6 +52,7 @@ class Dialect:
     shuffle: str = ""  # a warp's butterfly shuffle of {x} with lane ^ {o} (32 lanes): no barrier inside a warp
     warp: int = 0  # with `shuffle`: where outputs are many, a warp (not a whole group) reduces each output
     warp_outputs: int = 4096  # ... from this many outputs on
+    vector4: str = ""  # a 4-float vector type: plain elementwise float32 kernels move 16 bytes per load and store
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -183,6 +184,7 @@ CUDA = Dialect(
     unroll="#pragma unroll 8",
     shuffle="__shfl_xor_sync(0xffffffffu, {x}, {o})",
     warp=32,
+    vector4="float4",
 )
 
 
@@ -428,6 +430,9 @@ class _Renderer:
             self.emit(f"if (gid >= {k.global_size}) return;  /* whole warps return: their shuffles stay uniform */")
         elif self.group:  # one work group per point of the global loops; no early return (all reach the barriers)
             self.emit(f"{it} gid = {dl.group_ids[0]}, lid = {dl.group_ids[1]};")
+        elif vectorized(k, dl):  # four points per work item, 16-byte loads and stores
+            self.vector_body(order)
+            return f"{header} {{\n" + "\n".join(self.lines) + "\n}\n"
         elif dl.global_ids and n:  # one work item per point of the global loops
             self.emit(f"{it} gid = {dl.global_ids};")
             self.emit(f"if (gid >= {k.global_size}) return;")
@@ -461,6 +466,37 @@ class _Renderer:
                 self.close()
         body = "\n".join(self.lines)
         return f"{header} {{\n{body}\n}}\n"
+
+    def vector_body(self, order: list[V]) -> None:
+        """A plain elementwise float32 kernel over one loop (see `vectorized`), four points per work item: each
+        operand read along the loop is one 16-byte load, each output one 16-byte store, and the body is computed
+        for each of the four lanes (other loads, broadcast ones, stay per lane)."""
+        k, dl, it, vec = self.k, self.dl, self.it, self.dl.vector4
+        g = k.gvars[0]
+        self.emit(f"{it} gid = {dl.global_ids};")
+        self.emit(f"if (gid >= {k.global_size // 4}) return;")
+        along = {p for p in range(len(k.stores), len(k.params)) if k.params[p] is dtypes.float32 and all(
+            _is_var(v.arg[1], g) and v.arg[2].always for v in order if v.op == "load" and v.arg[0] == p)}
+        along &= {v.arg[0] for v in order if v.op == "load"}
+        for p in sorted(along):
+            self.emit(f"{vec} l{p} = ((const {vec}*)d{p})[gid];")
+        for i in range(len(k.stores)):
+            self.emit(f"{vec} s{i};")
+        for lane, c in enumerate("xyzw"):
+            self.open("")
+            self.emit(f"{it} {g.name} = gid * 4 + {lane};")
+            saved = dict(self.names)
+            for v in order:
+                if v.op == "load" and v.arg[0] in along:
+                    self.names[id(v)] = f"l{v.arg[0]}.{c}"
+            for v in order:
+                self.stmt(v)
+            for i, (_, v) in enumerate(k.stores):
+                self.emit(f"s{i}.{c} = {self.store_value(v)};")
+            self.names = saved
+            self.close()
+        for i in range(len(k.stores)):
+            self.emit(f"(({vec}*)d{i})[gid] = s{i};")
 
     def store_value(self, v: V) -> str:
         return self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
@@ -623,6 +659,21 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     along_r = any(x.terms.get(longest.arg[1][-1]) == 1 for x in loads)
     along_g = bool(k.gvars) and any(x.terms.get(k.gvars[-1]) == 1 for x in loads)
     return size if along_r or not along_g or k.global_size < size else 0
+
+
+def vectorized(k: Kernel, dl: Dialect) -> bool:
+    """Whether `k` renders with `dl.vector4` (four points per work item): a plain elementwise kernel (no reduce, no
+    upcast loop) over one global loop whose length is a multiple of 4, writing float32 outputs along that loop."""
+    if not dl.vector4 or len(k.gvars) != 1 or k.uvars or k.global_size % 4:
+        return False
+    if any(v.op == "reduce" for v in toposort(*k.values)):
+        return False
+    return all(k.params[i] is dtypes.float32 and _is_var(idx, k.gvars[0]) for i, (idx, _) in enumerate(k.stores))
+
+
+def _is_var(x: Lin, g: Var) -> bool:
+    """`x` is exactly `g` (offset 0, stride 1): the points of a 16-byte vector are four consecutive elements."""
+    return x.const == 0 and x.terms == {g: 1}
 
 
 def _numel(vs: tuple[Var, ...] | list[Var]) -> int:

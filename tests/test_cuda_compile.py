@@ -125,6 +125,22 @@ def test_matmul_uses_the_tiled_kernel(cuda_planning: None, shape: tuple[int, int
     compile_all(steps)
 
 
+def test_plain_float32_elementwise_kernels_move_16_bytes_per_access(cuda_planning: None) -> None:
+    """Four points per thread with float4 loads and stores where every output runs along one loop of a length
+    divisible by 4; a broadcast operand stays a scalar load per lane; anything else keeps one point per thread."""
+    a, b, bias = t(4096), t(4096), t(1)
+    (vec,) = kernels_of((a * b + bias).relu() * 0.5 + a)
+    assert "float4 l1 = ((const float4*)d1)[gid];" in vec.src and "((float4*)d0)[gid] = s0;" in vec.src
+    assert "d3[0]" in vec.src  # the broadcast bias, per lane
+    assert launch_dims(vec.kernel)[0][0] * launch_dims(vec.kernel)[1] == 4096 // 4
+    scalar = [kernels_of(t(4097) + 1)[0], kernels_of(t(4096, dtype="float16") * 2)[0], kernels_of(t(64, 64).T + 1)[0]]
+    for s in scalar:
+        assert "float4" not in s.src
+    (mixed,) = kernels_of(t(4096) + t(4096)[::-1])  # the flipped operand reads against the loop: per lane
+    assert "float4 l1" in mixed.src and "float4 l2" not in mixed.src
+    compile_all([vec, mixed, *scalar])
+
+
 def test_a_matmul_of_few_tiles_splits_k_and_adds_atomically(cuda_planning: None) -> None:
     (s,) = kernels_of(t(64, 1024) @ t(1024, 64))
     g = gemm.match(s.kernel)

@@ -35,7 +35,7 @@ import numpy as np
 from azyx import debug, gemm
 from azyx.allocator import PoolAllocator
 from azyx.config import cache_dir
-from azyx.cstyle import CUDA, group_size, kernel_source, render
+from azyx.cstyle import CUDA, group_size, kernel_source, render, vectorized
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
@@ -140,6 +140,8 @@ def launch_dims(k: Kernel) -> Dims:
         return (-(-n // per), 1, 1), CUDA.group_size, 0
     if group:
         return (n, 1, 1), group, 0
+    if vectorized(k, CUDA):  # four points per thread
+        n //= 4
     return (-(-n // BLOCK), 1, 1), min(BLOCK, n), 0
 
 
