@@ -535,20 +535,41 @@ class _Renderer:
         self.emit(f"{acc_t} {name} = {init};")
         if dl.unroll:
             self.emit(dl.unroll)
-        self.open(f"for ({it} rl = lid; rl < {total}; rl += {size})")
-        inner = 1
-        for rv in reversed(rvars):  # the flat index back into the reduce's own variables
-            n = rv.vmax + 1
-            idx = "rl" if inner == 1 else f"(rl/{inner})"
-            self.emit(f"{it} {rv.name} = {idx if rv is rvars[0] else f'{idx}%{n}'};")
-            inner *= n
-        saved = dict(self.names)
-        for v in self.collect([r.src[0]], place, r):
-            self.stmt(v)
-        body_v = r.src[0]
-        val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
-        self.emit(f"{name} = {comb.format(a=name, b=val)};")
-        self.names = saved
+        body = self.collect([r.src[0]], place, r)
+        along = self._vector_operands(r, body)
+        if along is not None:  # four elements per step, each operand read along the reduce in one 16-byte load
+            (rv,) = rvars
+            self.open(f"for ({it} rl = lid; rl < {total // 4}; rl += {size})")
+            self.emit(f"{it} {rv.name} = rl * 4;")
+            loads = {p: v for v in body if v.op == "load" and (p := v.arg[0]) in along}
+            for p, v in sorted(loads.items()):
+                self.emit(f"{dl.vector4} l{p} = *(const {dl.vector4}*)(d{p} + {v.arg[1].render()});")
+            lanes: list[tuple[str, int]] = [(c, i) for i, c in enumerate("xyzw")]
+        else:
+            self.open(f"for ({it} rl = lid; rl < {total}; rl += {size})")
+            inner = 1
+            for rv in reversed(rvars):  # the flat index back into the reduce's own variables
+                n = rv.vmax + 1
+                idx = "rl" if inner == 1 else f"(rl/{inner})"
+                self.emit(f"{it} {rv.name} = {idx if rv is rvars[0] else f'{idx}%{n}'};")
+                inner *= n
+            lanes = [("", 0)]
+        for c, lane in lanes:
+            saved = dict(self.names)
+            if c:  # one lane of the vectors: its own copy of the reduce variable and of the values computed from it
+                self.open("")
+                self.emit(f"{it} {rvars[0].name} = rl * 4 + {lane};")
+                for v in body:
+                    if v.op == "load" and v.arg[0] in along:  # type: ignore[operator]
+                        self.names[id(v)] = f"l{v.arg[0]}.{c}"
+            for v in body:
+                self.stmt(v)
+            body_v = r.src[0]
+            val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
+            self.emit(f"{name} = {comb.format(a=name, b=val)};")
+            if c:
+                self.close()
+            self.names = saved
         self.close()
         sh = f"{name}_s"
         if size == dl.warp:  # a warp per output: the butterfly leaves the result in every lane
@@ -574,6 +595,28 @@ class _Renderer:
             self.close()
             self.emit(f"{name} = {sh}[0];")
         self.names[id(r)] = f"({name}!=0)" if r.dtype.is_bool else name
+
+    def _vector_operands(self, r: V, body: list[V]) -> set[int] | None:
+        """With `dl.vector4`: the float32 parameters a grouped reduce's body reads along its one reduce variable, each
+        at an index that is 4-aligned once that variable is (so four neighbours are one 16-byte load); None where the
+        reduce cannot step four elements at a time (several reduce variables, a length not divisible by 4, an
+        operand read along it otherwise, nothing to read along it)."""
+        rvars = r.arg[1]
+        if not self.dl.vector4 or len(rvars) != 1 or (rvars[0].vmax + 1) % 4:
+            return None
+        rv, along = rvars[0], set()
+        for v in body:
+            if v.op != "load" or rv not in v.arg[1].terms:
+                continue
+            idx = v.arg[1]
+            aligned = idx.const % 4 == 0 and all(c % 4 == 0 for a, c in idx.terms.items() if a is not rv)
+            if self.k.params[v.arg[0]] is not dtypes.float32 or idx.terms[rv] != 1 or not aligned or \
+                    not v.arg[2].always or not all(isinstance(a, Var) for a in idx.terms):
+                return None
+            along.add(v.arg[0])
+        if not along or any(v.op == "load" and v.arg[0] in along and rv not in v.arg[1].terms for v in body):
+            return None
+        return along
 
     def _warp_tree(self, name: str, comb: str, acc_t: str, lanes: int = 0) -> None:
         """Combine `lanes` values of a warp (each lane holding one, repeating every `lanes` lanes) into every lane:

@@ -141,6 +141,22 @@ def test_plain_float32_elementwise_kernels_move_16_bytes_per_access(cuda_plannin
     compile_all([vec, mixed, *scalar])
 
 
+def test_reductions_read_four_neighbours_at_once_along_the_reduce(cuda_planning: None) -> None:
+    """Row sums, a row dot (two operands along the reduce) and both stages of a split full sum step four elements
+    at a time with float4 loads; a reduce whose operand is read across it, or of a length not divisible by 4, stays
+    scalar."""
+    rows, dot = kernels_of(t(128, 1024).sum(axis=1))[0], kernels_of((t(64, 1024) * t(1024)).max(axis=1))[0]
+    full = kernels_of(t(1 << 17).sum())
+    for k in (rows, dot, full[0]):
+        assert "*(const float4*)(d1 + " in k.src and "rl < 256" in k.src
+    assert "float4 l2" in dot.src
+    scalar = [kernels_of(t(256, 512).sum(axis=0))[0], kernels_of(t(64, 1022).sum(axis=1))[0],
+              kernels_of(t(64, 1024, dtype="float16").sum(axis=1))[0]]
+    for k in scalar:
+        assert "float4" not in k.src
+    compile_all([rows, dot, *full, *scalar])
+
+
 def test_a_matmul_of_few_tiles_splits_k_and_adds_atomically(cuda_planning: None) -> None:
     (s,) = kernels_of(t(64, 1024) @ t(1024, 64))
     g = gemm.match(s.kernel)
