@@ -4,6 +4,7 @@ numpy on every device kind, and batches split where a plan moves data between de
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from azyx import Tensor
 from azyx.cstyle import OWN_REGION, SERIAL, SHARED, parallel_kind
 from azyx.runtime import GRAPH, RT
 from tests.compare import sample
+from tests.runtime_state import settle
 
 rng = np.random.default_rng(5)
 
@@ -87,6 +89,82 @@ for _ in range(20):
     ref = np.exp(np.maximum(xn @ wn, 0) * 2) / (np.maximum(xn @ wn, 0).sum() + 1)
     np.testing.assert_allclose(out.numpy_sync(), ref.sum(axis=1), rtol=1e-4)
 print("OK")
+"""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr
+
+
+# ---- the C runner: batches start with no Python thread, in the device queue's order -------------------------------
+async def test_batch_copy_batch_on_one_device_keep_program_order() -> None:
+    dev = RT.device("c:0")
+    n = 1 << 21  # 8 MiB: neither the batches nor the copy are small enough to run inline
+    xn = sample(rng, (n,), "small")
+    x, b = Tensor(xn, device="c:0"), Tensor(np.zeros(n, np.float32), device="c:0")
+    await azyx.realize(x, b)
+    a = x * 2 + 1
+    await (x * 2 + 1).realize()  # the same structure: a's plan is cached, so its realize submits at once
+    first = asyncio.ensure_future(a.realize())
+    await asyncio.sleep(0)  # a's batch is queued
+    buf_a, buf_b = GRAPH[a.id].buffer, GRAPH[b.id].buffer
+    assert buf_a is not None and buf_b is not None
+    batch_v = buf_a.ready
+    copy_v = dev.copy_in(buf_a, buf_b, [])  # a Python work item after it: copies a into b once a's batch has run
+    buf_b.ready = copy_v
+    c = b * 3 - x  # a batch after the copy: reads what the copy wrote
+    assert batch_v < copy_v
+    got = await c.numpy()
+    await first
+    assert dev.queue.native_last >= batch_v  # a's batch went to the runner (the queue was idle before it)
+    np.testing.assert_allclose(got, (xn * 2 + 1) * 3 - xn, rtol=1e-6)
+    np.testing.assert_allclose(await a.numpy(), xn * 2 + 1, rtol=1e-6)
+
+
+async def test_cancelling_a_realize_whose_batch_is_queued_in_c_leaks_nothing() -> None:
+    base_nodes, base_mem = await settle()
+    xn = sample(rng, (1 << 20,), "small")
+    x = Tensor(xn, device="c:0")
+    await ((x * 1.5).exp() - x).realize()  # compiles and caches the plan
+    ys = [(x * 1.5).exp() - x for _ in range(4)]  # same structure: each realize submits its batch at once
+    tasks = [asyncio.ensure_future(y.realize()) for y in ys]
+    await asyncio.sleep(0)
+    assert RT.device("c:0").queue.native_last > 0
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for y in ys:
+        np.testing.assert_allclose(await y.numpy(), np.exp(xn * 1.5) - xn, rtol=1e-5)
+    del x, y, ys, t, tasks
+    nodes, mem = await settle()
+    assert (nodes, mem) == (base_nodes, base_mem)
+
+
+def test_shutdown_runs_the_batches_queued_in_c_first(tmp_path: Path) -> None:
+    script = """
+import asyncio, numpy as np, azyx
+from azyx import Tensor
+from azyx.runtime import GRAPH, RT
+azyx.configure({"opencl": {"enabled": False}})
+
+async def main():
+    xn = np.linspace(-1, 1, 1 << 20, dtype=np.float32)
+    xs = [Tensor(xn + i, device="c:0") for i in range(8)]
+    await azyx.realize(*xs)
+    await (xs[0] * 0.5 + 1).realize()  # compiled and cached: the realizes below submit at once
+    ys = [x * 0.5 + 1 for x in xs]
+    tasks = [asyncio.ensure_future(y.realize()) for y in ys]
+    await asyncio.sleep(0)
+    dev = RT.device("c:0")
+    assert dev.pending() > 0 and dev.queue.native_last > 0, "nothing was queued in C"
+    bufs = [GRAPH[y.id].buffer for y in ys]
+    RT.shutdown()  # the runner finishes what it was given, then stops
+    for i, b in enumerate(bufs):
+        np.testing.assert_allclose(b.mem.view(np.float32)[:xn.size], (xn + i) * 0.5 + 1, rtol=1e-6)
+    await asyncio.gather(*tasks)  # every waiter was woken
+    print("OK")
+
+asyncio.run(main())
 """
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,

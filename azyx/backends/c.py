@@ -2,7 +2,11 @@
 with ctypes and launched on the device's worker thread.
 
 The kernels a plan runs back to back on the device are one batch: one work item, one call into C (`azyx_run`, built
-into every kernel library), the GIL released for all of it. The device's worker thread runs the batch's kernels in
+into every kernel library), the GIL released for all of it. A batch whose turn has come when it is submitted (all
+before it on the device's queue done or queued in C, its waits met) goes to the device's runner, a C thread that runs
+queued batches in order with no Python, so it starts even while the submitting thread holds the GIL (building the next
+step's graph); a thread that waits in C with the GIL released advances the timeline as they complete (`_Runner`).
+Other batches run on the device's worker thread. The thread that runs a batch runs its kernels in
 order; a kernel that shares a loop (cstyle.parallel_kind SHARED: its loop over [lo, hi) of a range) is split into
 parts, and the device's pool of helper threads (threads - 1 of them, in C) takes parts too. Each thread starts with its
 own run of parts (a static schedule, so that it keeps to its slice of the data) and then takes what others have left.
@@ -21,6 +25,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +37,7 @@ from azyx.device import Buffer
 from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel
 from azyx.plan import KernelStep
+from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread
 
 # kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
@@ -47,6 +53,7 @@ _RUNTIME = r"""
 #include <time.h>
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -124,6 +131,17 @@ typedef struct {
 typedef struct azyx_pool azyx_pool;
 typedef struct { azyx_pool* pool; long id; } azyx_helper_arg;
 
+/* A batch handed to the runner (azyx_submit): the caller keeps the tables alive until it has completed. */
+typedef struct azyx_batch {
+  struct azyx_batch* next;
+  long n;
+  azyx_kernel* fns;
+  void** ptrs;
+  const long* argc;
+  const unsigned char* kinds;
+  const long* trip;
+} azyx_batch;
+
 struct azyx_pool {
   pthread_mutex_t lock;
   azyx_job* job;  /* the batch running now, NULL between batches */
@@ -134,6 +152,14 @@ struct azyx_pool {
   cpu_set_t cpus; /* where the pool's threads may run */
 #endif
   pthread_t threads[63];
+  /* the runner: a thread of its own (no Python) that runs submitted batches in order */
+  azyx_batch *head, *tail;  /* under lock */
+  int submitted;            /* a futex word: one more for every batch submitted */
+  int runner_sleeping, runner_started, runner_stop, runner_exited;
+  long completed;           /* batches the runner has run */
+  int events;               /* a futex word: one more for every completion, and when the runner exits */
+  int done_waiters;
+  pthread_t runner;
 };
 
 static void azyx_release(azyx_pool* p, azyx_job* job) {
@@ -219,8 +245,89 @@ void* azyx_pool_new(int threads) {
   return p;
 }
 
+void azyx_run(void* pool, long n, azyx_kernel* fns, void** ptrs, const long* argc, const unsigned char* kinds,
+              const long* trip);
+
+/* The runner: takes submitted batches in order and runs each like azyx_run, with no Python (and so no GIL) between
+   them; it spins a while for the next batch, then sleeps. It leaves once told to stop and nothing is left. */
+static void* azyx_runner(void* arg) {
+  azyx_pool* p = (azyx_pool*)arg;
+#if defined(__linux__)
+  setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);  /* like the device's worker (the helpers inherit it) */
+#endif
+  for (;;) {
+    pthread_mutex_lock(&p->lock);
+    azyx_batch* b = p->head;
+    if (b && !(p->head = b->next)) p->tail = NULL;
+    int seen = __atomic_load_n(&p->submitted, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&p->lock);
+    if (!b) {
+      if (__atomic_load_n(&p->runner_stop, __ATOMIC_ACQUIRE)) break;
+      azyx_wait_change(&p->submitted, seen, 200000L, &p->runner_sleeping);
+      continue;
+    }
+    azyx_run(p, b->n, b->fns, b->ptrs, b->argc, b->kinds, b->trip);
+    free(b);
+    __atomic_add_fetch(&p->completed, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&p->events, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&p->done_waiters, __ATOMIC_SEQ_CST)) azyx_wake_all(&p->events);
+  }
+  __atomic_store_n(&p->runner_exited, 1, __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&p->events, 1, __ATOMIC_SEQ_CST);
+  azyx_wake_all(&p->events);
+  return NULL;
+}
+
+/* Queue a batch for the runner and return at once; its tables must live until azyx_wait_done has counted it. */
+void azyx_submit(void* pool, long n, azyx_kernel* fns, void** ptrs, const long* argc, const unsigned char* kinds,
+                 const long* trip) {
+  azyx_pool* p = (azyx_pool*)pool;
+  azyx_batch* b = (azyx_batch*)malloc(sizeof(azyx_batch));
+  b->next = NULL, b->n = n, b->fns = fns, b->ptrs = ptrs, b->argc = argc, b->kinds = kinds, b->trip = trip;
+  pthread_mutex_lock(&p->lock);
+  if (p->tail) p->tail->next = b; else p->head = b;
+  p->tail = b;
+  __atomic_add_fetch(&p->submitted, 1, __ATOMIC_SEQ_CST);
+  if (!p->runner_started && pthread_create(&p->runner, NULL, azyx_runner, p) == 0) p->runner_started = 1;
+  pthread_mutex_unlock(&p->lock);
+  if (__atomic_load_n(&p->runner_sleeping, __ATOMIC_SEQ_CST)) azyx_wake_all(&p->submitted);
+}
+
+/* Block until the runner has completed more than `seen` batches: returns how many it has, or -1 once it has exited
+   with no more (it spins briefly, then sleeps on a futex: call it with the GIL released). */
+long azyx_wait_done(void* pool, long seen) {
+  azyx_pool* p = (azyx_pool*)pool;
+  for (;;) {
+    int ev = __atomic_load_n(&p->events, __ATOMIC_SEQ_CST);
+    long done = __atomic_load_n(&p->completed, __ATOMIC_SEQ_CST);
+    if (done != seen) return done;
+    if (__atomic_load_n(&p->runner_exited, __ATOMIC_SEQ_CST)) return -1;
+    azyx_wait_change(&p->events, ev, 20000L, &p->done_waiters);
+  }
+}
+
+/* Let the runner finish what was submitted and leave; returns once it has (the pool itself stays). */
+void azyx_runner_stop(void* pool) {
+  azyx_pool* p = (azyx_pool*)pool;
+  pthread_mutex_lock(&p->lock);
+  int started = p->runner_started;
+  __atomic_store_n(&p->runner_stop, 1, __ATOMIC_SEQ_CST);
+  pthread_mutex_unlock(&p->lock);
+  if (!started) {
+    __atomic_store_n(&p->runner_exited, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&p->events, 1, __ATOMIC_SEQ_CST);
+    azyx_wake_all(&p->events);
+    return;
+  }
+  __atomic_add_fetch(&p->submitted, 1, __ATOMIC_SEQ_CST);  /* wakes a sleeping runner (it finds nothing new) */
+  azyx_wake_all(&p->submitted);
+  pthread_join(p->runner, NULL);
+  p->runner_started = 0;
+}
+
 void azyx_pool_free(void* pool) {
   azyx_pool* p = (azyx_pool*)pool;
+  azyx_runner_stop(p);
   __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
   __atomic_add_fetch(&p->epoch, 1, __ATOMIC_SEQ_CST);
   azyx_wake_all(&p->epoch);
@@ -377,6 +484,12 @@ class CDevice(HostDevice):
             lib.azyx_pool_new.restype = ctypes.c_void_p
             lib.azyx_pool_free.argtypes = [ctypes.c_void_p]
             lib.azyx_pool_free.restype = None
+            lib.azyx_submit.argtypes = lib.azyx_run.argtypes
+            lib.azyx_submit.restype = None
+            lib.azyx_wait_done.argtypes = [ctypes.c_void_p, ctypes.c_long]
+            lib.azyx_wait_done.restype = ctypes.c_long
+            lib.azyx_runner_stop.argtypes = [ctypes.c_void_p]
+            lib.azyx_runner_stop.restype = None
             _RUNTIME_LIB.append(lib)
         return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
 
@@ -384,6 +497,7 @@ class CDevice(HostDevice):
                  ) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
+            self.queue.native = _Runner(self.pool, self.timeline, self.name)
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
             calls = [_Batch([(step, bufs)], _Layout([step], self.threads), self.pool) for step, bufs in items]
 
@@ -404,6 +518,10 @@ class CDevice(HostDevice):
     def close(self) -> None:
         worker = self.queue.thread
         super().close()
+        runner = self.queue.native
+        if isinstance(runner, _Runner):
+            runner.close()  # after the worker: it may wait for a batch in the runner's queue
+            self.queue.native = None
         if self.pool is not None and (worker is None or not worker.is_alive()):  # nothing runs on the pool any more
             _RUNTIME_LIB[0].azyx_pool_free(self.pool)
             self.pool = None
@@ -448,3 +566,42 @@ class _Batch:
     def __call__(self) -> None:
         lay = self.layout
         _RUNTIME_LIB[0].azyx_run(self.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
+
+
+class _Runner:
+    """The device's C runner seen from Python (a WorkQueue's native queue): `put` hands a batch to it (azyx_submit
+    only queues it, so it starts with no Python thread and no GIL), and a completion thread that waits in C with the
+    GIL released drops each batch, so its buffers, once it has run, then advances the timeline."""
+
+    def __init__(self, pool: int, timeline: TimelineSignal, name: str):
+        self.pool, self.timeline, self.name = pool, timeline, name
+        self.held: deque[tuple[int, _Batch]] = deque()  # (timeline value, batch) handed over, in order
+        self.thread: threading.Thread | None = None
+
+    def takes(self, fn: Callable[[], None]) -> bool:
+        return type(fn) is _Batch
+
+    def put(self, fn: Callable[[], None], v: int) -> None:
+        assert isinstance(fn, _Batch)
+        self.held.append((v, fn))  # before the runner can count it
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._complete, name=f"azyx-{self.name}-done", daemon=True)
+            self.thread.start()
+        lay = fn.layout
+        _RUNTIME_LIB[0].azyx_submit(self.pool, lay.n, lay.fns, fn.ptrs, lay.argc, lay.kinds, lay.trips)
+
+    def _complete(self) -> None:
+        seen, wait_done = 0, _RUNTIME_LIB[0].azyx_wait_done
+        while (done := wait_done(self.pool, seen)) >= 0:
+            v = 0
+            for _ in range(done - seen):
+                v = self.held.popleft()[0]  # the batch goes, and its buffers back to the pool, before the signal
+            seen = done
+            self.timeline.signal(v)
+
+    def close(self) -> None:
+        """Let the runner run what it was given, then stop it and the completion thread."""
+        _RUNTIME_LIB[0].azyx_runner_stop(self.pool)
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None

@@ -7,7 +7,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,8 +46,20 @@ class HostAllocator(PoolAllocator):
         return mem, ptr, size
 
 
+class NativeQueue(Protocol):
+    """A queue beside the worker thread that runs some work items with no Python (a C device's runner): `put` hands
+    one over (returning at once, in the queue's order) and signals the timeline with `v` once it has run."""
+
+    def takes(self, fn: Callable[[], None]) -> bool: ...
+
+    def put(self, fn: Callable[[], None], v: int) -> None: ...
+
+
 class WorkQueue:
-    """An in-order queue drained by one worker thread; small work runs inline when the queue is idle."""
+    """An in-order queue drained by one worker thread; small work runs inline when the queue is idle. Where the device
+    has a native queue, work it takes goes there instead when everything before it is done or there too (and its
+    waits are met), so that it starts without this thread, and without the GIL; the rest keeps program order by
+    waiting for the item before it."""
 
     def __init__(self, timeline: TimelineSignal, name: str, errors: list[BaseException]):
         self.timeline, self.name = timeline, name
@@ -56,16 +68,24 @@ class WorkQueue:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.errors = errors
+        self.native: NativeQueue | None = None
+        self.native_last = 0  # the value of the last item handed to the native queue
 
     def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], inline: bool) -> int:
         with self.lock:
             self.submitted += 1
             v = self.submitted
-            if inline and self.timeline.value == v - 1 and all(t.value >= w for t, w in waits):
-                self._execute(fn, v)
-                del fn  # the work's buffers go back to the pool before anyone sees the timeline advance
-                self.timeline.signal(v)
-                return v
+            idle = self.timeline.value == v - 1
+            if (idle or self.native_last == v - 1) and all(t.value >= w for t, w in waits):
+                if inline and idle:
+                    self._execute(fn, v)
+                    del fn  # the work's buffers go back to the pool before anyone sees the timeline advance
+                    self.timeline.signal(v)
+                    return v
+                if self.native is not None and self.native.takes(fn):
+                    self.native.put(fn, v)
+                    self.native_last = v
+                    return v
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
                 self.thread.start()
@@ -92,6 +112,7 @@ class WorkQueue:
                 return
             fn, waits, v = item
             del item
+            self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
             for t, w in waits:
                 t.wait_sync(w)
             self._execute(fn, v)
