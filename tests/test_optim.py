@@ -4,6 +4,7 @@ size and RSS stay flat, and a small classifier reaching the accuracy PyTorch rea
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
@@ -276,3 +277,67 @@ async def test_classifier_reaches_the_accuracy_pytorch_reaches() -> None:
     assert 0.9 <= tacc < 1.0, f"the reference should learn but not memorise: {tacc}"
     assert abs(acc - tacc) <= 0.02 and abs(test_acc - ttest) <= 0.03, (acc, tacc, test_acc, ttest)
     assert abs(final_loss - tloss.item()) <= 0.1 * tloss.item(), (final_loss, tloss.item())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+async def test_a_pipelined_loop_trains_exactly_like_the_awaited_one(kind: str) -> None:
+    # step i's realize runs as a task (its batch queued in C) while step i+1 is built; then it is awaited
+    device, steps = "c:0", 6
+    rng = np.random.default_rng(7)
+    data = [(rng.standard_normal((128, 64)).astype(np.float32), rng.integers(0, 4, 128).astype(np.int32))
+            for _ in range(3)]
+
+    def setup() -> tuple[MLP, optim.Optimizer, list[tuple[Tensor, Tensor]]]:
+        azyx.manual_seed(2)
+        model = MLP([64, 128, 4], device)
+        opt: optim.Optimizer = (optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "sgd"
+                                else optim.Adam(model.parameters(), lr=1e-2))
+        return model, opt, [(Tensor(x, device=device), Tensor(y, device=device)) for x, y in data]
+
+    def build(model: MLP, opt: optim.Optimizer, x: Tensor, y: Tensor) -> list[Tensor]:
+        with GradientTape() as tape:
+            loss = nn.cross_entropy(model(x), y)
+        return [loss, *opt.step(tape.gradient(loss, opt.params))]
+
+    model, opt, batches = setup()
+    init = [await p.numpy() for p in model.parameters()]
+    awaited = []
+    for i in range(steps):
+        targets = build(model, opt, *batches[i % 3])
+        await azyx.realize(*targets)
+        awaited.append(await targets[0].item())
+    want = [await t.numpy() for t in opt.tensors()]
+
+    model, opt, batches = setup()
+    queued = RT.device(device).queue.native_last
+    running: list[tuple[asyncio.Future[None], Tensor]] = []
+    for i in range(steps):
+        targets = build(model, opt, *batches[i % 3])
+        running.append((asyncio.ensure_future(azyx.realize(*targets)), targets[0]))
+        await asyncio.sleep(0)  # its plan is submitted; the next step is built while it runs
+        if len(running) > 1:
+            await running.pop(0)[0]
+    await running.pop()[0]
+    assert RT.device(device).queue.native_last > queued  # the steps' batches went to the C runner
+    got = [await t.numpy() for t in opt.tensors()]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    if torch is None:
+        return
+    tmodel = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    with torch.no_grad():
+        for tp, p in zip(tmodel.parameters(), init):
+            tp.copy_(torch.from_numpy(p))
+    topt = (torch.optim.SGD(tmodel.parameters(), lr=0.05, momentum=0.9) if kind == "sgd"
+            else torch.optim.Adam(tmodel.parameters(), lr=1e-2))
+    tlosses = []
+    for i in range(steps):
+        x, y = data[i % 3]
+        topt.zero_grad()
+        tloss = torch.nn.functional.cross_entropy(tmodel(torch.from_numpy(x)), torch.from_numpy(y.astype(np.int64)))
+        tloss.backward()
+        topt.step()
+        tlosses.append(tloss.item())
+    np.testing.assert_allclose(awaited, tlosses, rtol=1e-4, atol=1e-5)
+    for a, tp in zip(got, tmodel.parameters()):  # opt.tensors() starts with the parameters, in order
+        np.testing.assert_allclose(a, tp.detach().numpy(), rtol=1e-4, atol=1e-5)
