@@ -93,6 +93,8 @@ class _LoopWaiter:
 
     def wake(self) -> None:
         if self._lib == "asyncio":
+            if self._fut is None:  # the wait was cancelled (see wait)
+                return
             try:
                 self._loop.call_soon_threadsafe(_resolve, self._fut)
             except RuntimeError:  # the loop has closed: nobody is waiting any more
@@ -109,7 +111,14 @@ class _LoopWaiter:
 
     async def wait(self) -> None:
         if self._lib == "asyncio":
-            await self._fut
+            try:
+                await self._fut
+            except BaseException:
+                # cancelled: let go of the future at once. It keeps the CancelledError, whose traceback holds the
+                # waiting frames and their tensors, and the device still holds this waiter (a timeline callback, a
+                # worker future's done-callback) until its work ends: those tensors would outlive the cancellation
+                self._fut = None
+                raise
         else:
             await self._event.wait()
 
