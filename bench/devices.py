@@ -115,24 +115,30 @@ async def transfers(quick: bool) -> list[list[str]]:
     pairs = [(s, d) for s in names for d in names if "c:1" not in (s, d) or (s, d) == ("c:0", "c:1")]
     rows = []
     for s, d in pairs:
-        src_t = Tensor(src_np, device=s)
-        await src_t.realize()
-        src = GRAPH[src_t.id].buffer
-        assert src is not None
-        dst_dev = RT.device(d)
-
-        async def once(src: Any = src, dst_dev: Any = dst_dev) -> None:
-            dst = dst_dev.alloc(nbytes)
-            v = ex.execute_transfer(src, dst)
-            await dst.device.timeline.wait(v)
-            await azyx.synchronize()
-
-        t = await timed(once, reps)
+        t = await transfer_time(src_np, s, d, reps)
         strategy = ex.sync_strategy(s, d).value
         rows.append([f"{s} -> {d}", strategy, f"{nbytes / t / 1e9:.1f}", f"{nbytes / copy_t / 1e9:.1f}",
                      f"{copy_t / t:.2f}x"])
-        del src_t
     return rows
+
+
+async def transfer_time(src_np: np.ndarray, s: str, d: str, reps: int, warmup: int = 2) -> float:
+    """Seconds per `UnifiedExecutor.execute_transfer` of `src_np`'s bytes from device `s` to device `d` (median). The
+    source is computed on `s`, so it is that device's own buffer: a Tensor of host data may still sit in host:0's
+    pool, which would time a host route instead."""
+    src_t = Tensor(src_np, device=s) + 1
+    await src_t.realize()
+    src = GRAPH[src_t.id].buffer
+    assert src is not None
+    dst_dev, ex = RT.device(d), RT.executor
+
+    async def once() -> None:
+        dst = dst_dev.alloc(src_np.nbytes)
+        v = ex.execute_transfer(src, dst)
+        await dst.device.timeline.wait(v)
+        await azyx.synchronize()
+
+    return await timed(once, reps, warmup)
 
 
 def write_section(out: Path, start: str, end: str, text: str) -> None:

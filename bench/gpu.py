@@ -28,11 +28,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from devices import table, timed, write_section  # noqa: E402  (beside this script)
+from devices import table, timed, transfer_time, write_section  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
 from azyx import Tensor  # noqa: E402
-from azyx.runtime import GRAPH, RT  # noqa: E402
+from azyx.runtime import RT  # noqa: E402
 
 START, END = "<!-- bench:cuda:start -->", "<!-- bench:cuda:end -->"
 FLIGHT = 8
@@ -172,23 +172,11 @@ async def transfers(torch: Any, quick: bool) -> list[list[str]]:
     pairs = [(g, h) for g in gpus for h in gpus if g != h] + [(gpus[0], "c:0"), ("c:0", gpus[0])]
     rows = []
     for s, d in pairs:
-        src_t = Tensor(src_np, device=s) + 1  # computed there: the source is that device's own buffer (a plain
-        await src_t.realize()  # Tensor of host data may still sit in host:0's pool, which made every route a host one)
-        src = GRAPH[src_t.id].buffer
-        assert src is not None
-        dst_dev = RT.device(d)
-
-        async def once(src: Any = src, dst_dev: Any = dst_dev) -> None:
-            dst = dst_dev.alloc(nbytes)
-            v = ex.execute_transfer(src, dst)
-            await dst.device.timeline.wait(v)
-
-        t = await timed(once, reps, warmup=3)
+        t = await transfer_time(src_np, s, d, reps, warmup=3)
         ts = torch.from_numpy(src_np).to(s.replace("c:0", "cpu"))
         tt = torch_timed(torch, lambda ts=ts, d=d: ts.to(d.replace("c:0", "cpu")), reps)
         rows.append([f"{s} -> {d}", ex.sync_strategy(s, d).value, f"{nbytes / t / 1e9:.1f}",
                      f"{nbytes / tt / 1e9:.1f}", f"{tt / t:.2f}x"])
-        del src_t
     return rows
 
 
