@@ -536,8 +536,9 @@ class _Renderer:
         if dl.unroll:
             self.emit(dl.unroll)
         body = self.collect([r.src[0]], place, r)
-        along = self._vector_operands(r, body)
-        if along is not None:  # four elements per step, each operand read along the reduce in one 16-byte load
+        vector = self._vector_operands(r, body)
+        along = vector or set()
+        if vector is not None:  # four elements per step, each operand read along the reduce in one 16-byte load
             (rv,) = rvars
             self.open(f"for ({it} rl = lid; rl < {total // 4}; rl += {size})")
             self.emit(f"{it} {rv.name} = rl * 4;")
@@ -560,7 +561,7 @@ class _Renderer:
                 self.open("")
                 self.emit(f"{it} {rvars[0].name} = rl * 4 + {lane};")
                 for v in body:
-                    if v.op == "load" and v.arg[0] in along:  # type: ignore[operator]
+                    if v.op == "load" and v.arg[0] in along:
                         self.names[id(v)] = f"l{v.arg[0]}.{c}"
             for v in body:
                 self.stmt(v)
