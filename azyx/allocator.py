@@ -80,6 +80,12 @@ class PoolAllocator:
                 raise AllocationError(f"{self.what}: allocating {size} bytes failed: {e}") from None
         return mem, size
 
+    def take_cached(self) -> list[Any]:
+        """Every cached block, out of the free lists (for its owner to give back to the driver)."""
+        with self.locked():
+            lists, self.free_lists, self.cached = self.free_lists, {}, 0
+        return [mem for blocks in lists.values() for mem in blocks]
+
     def free(self, mem: Any, size: int) -> None:
         """Give a block back (`mem` None: only its `size` leaves the in-use count). Never waits (see the class)."""
         self._pending.append((mem, size))

@@ -268,12 +268,8 @@ class CUDADevice(Device):
     def empty_cache(self) -> None:
         """Return every cached block to the driver."""
         self.use()
-        with self.allocator.locked():
-            lists, self.allocator.free_lists = self.allocator.free_lists, {}
-            self.allocator.cached = 0
-        for blocks in lists.values():
-            for ptr in blocks:
-                cu.cuMemFree(ptr)
+        for ptr in self.allocator.take_cached():
+            cu.cuMemFree(ptr)
         self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
 
     def free_memory(self) -> int:
@@ -701,11 +697,8 @@ class CUDADevice(Device):
         self.collect()
         try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
             self.empty_cache()
-            with self.staging.locked():
-                lists, self.staging.free_lists, self.staging.cached = self.staging.free_lists, {}, 0
-            for blocks in lists.values():
-                for block in blocks:
-                    cu.cuMemFreeHost(block.ptr)
+            for block in self.staging.take_cached():
+                cu.cuMemFreeHost(block.ptr)
         except Exception:  # interpreter shutdown
             pass
 
