@@ -22,7 +22,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "--param=vect-max-version-for-alias-checks=64"],
           "threads": None, "memory": None, "inline_work": 1 << 16},
     "opencl": {"enabled": True, "platform_ids": []},
-    "cuda": {"enabled": True, "memory": None},
+    "cuda": {"enabled": True, "memory": None, "spin_us": 20},
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
 }
 

@@ -44,6 +44,7 @@ class Device:
     host_memory = False  # buffers are host memory (Buffer.mem is a numpy array, Buffer.ptr its address)
     listed = True  # a compute device that azyx.devices() lists
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
+    spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
@@ -140,9 +141,11 @@ class Device:
     def collect(self) -> None:
         """Drop what completed work still holds (called by `synchronize` once the device is idle)."""
 
-    def poll(self, v: int) -> None:
-        """Advance the timeline to `v` if the device can tell at once that its work up to `v` has completed (one
-        query, never a wait): a realize of a small plan then needs no wake-up from another thread. Optional."""
+    def poll(self, v: int, spin: float = 0.0) -> bool:
+        """Advance the timeline to `v` if the device can tell that its work up to `v` has completed, without a wake-up
+        from another thread: at once, or by querying for up to `spin` seconds (the caller's loop has nothing else to
+        do). Returns whether `v` is reached. Optional: a device without a cheap query says no."""
+        return self.timeline.value >= v
 
     def close(self) -> None:
         pass

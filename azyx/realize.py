@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -15,47 +15,77 @@ from azyx.plan import canonicalize, make_plan
 from azyx.runtime import GRAPH, RT
 
 if TYPE_CHECKING:
-    from azyx.device import Device
+    from azyx.device import Buffer, Device
+    from azyx.plan import ExecutionPlan, Walk
     from azyx.tensor import Tensor
 
 T = TypeVar("T")
+SPIN_MISSES = 3  # a plan whose work outlasted the device's spin window this many times in a row is not polled for
 
 
 async def realize(*tensors: Tensor) -> None:
     """Compute all `tensors` in one plan; returns when their buffers are ready."""
+    plan, _, _ = await submit(tensors)
+    await wait_for([GRAPH[t.id].buffer for t in tensors], plan)  # type: ignore[misc]
+
+
+async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk | None, list[Buffer]]:
+    """Plan (or find the cached plan), compile and submit the computation of the unrealized `tensors`, which become
+    leaves holding buffers that are ready once their work is done. Returns the plan that ran, its walk and the
+    buffers bound to the walk's leaves (None, None, [] when everything was realized already)."""
     rt = RT
-    ex = rt.executor
     while True:
         targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
         if not targets:
-            break
+            return None, None, []
         walk = canonicalize(GRAPH, targets)
         plan = rt.plan_cache.get(walk.key)
-        if plan is None:
-            plan = make_plan(rt, GRAPH, walk, targets)
-            await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
-            rt.plan_cache[walk.key] = plan
-            continue
-        bindings = [GRAPH[i].buffer for i in walk.leaves]
-        outs = ex.run(plan, bindings)
-        for (slot, _), buf in zip(plan.adopt, ex.adopted):  # uploaded host data stays on its device
-            GRAPH[walk.leaves[slot]].buffer = buf
-        ex.adopted = []
-        for tid, (buf, view) in zip(targets, outs):
-            GRAPH.become_leaf(tid, buf, view)
-        break
-    last: dict[Device, int] = {}  # a device's queue is in order: its latest value covers every earlier one
-    for t in tensors:
-        buf = GRAPH[t.id].buffer
-        assert buf is not None
+        if plan is not None:
+            break
+        plan = make_plan(rt, GRAPH, walk, targets)
+        await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
+        rt.plan_cache[walk.key] = plan
+    ex = rt.executor
+    bindings = [GRAPH[i].buffer for i in walk.leaves]
+    outs = ex.run(plan, bindings)
+    for (slot, _), buf in zip(plan.adopt, ex.adopted):  # uploaded host data stays on its device
+        GRAPH[walk.leaves[slot]].buffer = buf
+    ex.adopted = []
+    for tid, (buf, view) in zip(targets, outs):
+        GRAPH.become_leaf(tid, buf, view)
+    return plan, walk, bindings  # type: ignore[return-value]
+
+
+async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> None:
+    """Wait until every buffer of `bufs` is ready (one wait per device: its queue is in order, so its latest value
+    covers every earlier one), then raise the first failure of the work. The work of a small plan is often done
+    by now, or within a few microseconds: `poll` sees that without a wake-up from a device thread (about 70 us on
+    a VM). It may query for up to the device's `spin` seconds, but only while the loop has nothing else to run and
+    only for a plan whose work has not outlasted that window `SPIN_MISSES` times in a row."""
+    last: dict[Device, int] = {}
+    for buf in bufs:
         if buf.ready > last.get(buf.device, -1):
             last[buf.device] = buf.ready
-    for dev, ready in last.items():  # one wake-up per device, not one per tensor
+    for dev, ready in last.items():
         if dev.timeline.value < ready:
-            dev.poll(ready)  # a small plan may be done already: then no wake-up from the device's thread
+            if dev.spin and plan is not None and plan.memo.get(key := ("spin misses", dev.name), 0) < SPIN_MISSES \
+                    and _loop_idle():
+                plan.memo[key] = 0 if dev.poll(ready, dev.spin) else plan.memo.get(key, 0) + 1
+            else:
+                dev.poll(ready)
         if dev.timeline.value < ready:
             await dev.timeline.wait(ready)
         _raise_failure(dev)
+
+
+def _loop_idle() -> bool:
+    """Whether the running asyncio loop has no callback ready to run (it would sleep next); False under trio and
+    loops without that queue."""
+    try:
+        ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    except RuntimeError:
+        return False
+    return ready is not None and not ready
 
 
 def _raise_failure(dev: Any) -> None:

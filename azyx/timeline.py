@@ -25,6 +25,9 @@ class TimelineSignal:
         self._waiters: list[tuple[int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._sync_waiters = 0
+        # the device's hook, told when someone starts waiting for a value not reached yet (from any thread, with no
+        # lock of this signal held): a device that completes work lazily (CUDA) then makes sure it is watched
+        self.demand: Callable[[int], None] | None = None
 
     def __repr__(self) -> str:
         return f"TimelineSignal({self.name}, value={self.value})"
@@ -48,6 +51,8 @@ class TimelineSignal:
 
     def wait_sync(self, v: int) -> None:
         """Block the calling (worker) thread until the value reaches `v`. Never call it on the event loop."""
+        if self.demand is not None and self.value < v:
+            self.demand(v)
         with self._cond:
             self._sync_waiters += 1
             try:
@@ -59,10 +64,13 @@ class TimelineSignal:
     def on_reach(self, v: int, callback: Callable[[], None]) -> None:
         """Run `callback` (on the signalling thread) once the value reaches `v`; at once if it has."""
         with self._cond:
-            if self.value < v:
+            pending = self.value < v
+            if pending:
                 heapq.heappush(self._waiters, (v, next(self._seq), callback))
-                return
-        callback()
+        if not pending:
+            callback()
+        elif self.demand is not None:
+            self.demand(v)
 
     async def wait(self, v: int) -> None:
         """Wait on the event loop (asyncio or trio) until the value reaches `v`."""

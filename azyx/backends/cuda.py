@@ -26,6 +26,7 @@ import ctypes
 import hashlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -54,6 +55,8 @@ BLOCK = 256  # threads per block of an elementwise kernel (one output point per 
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
+NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
+UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
 _INIT: list[bool] = []
 
 
@@ -208,6 +211,7 @@ class CUDADevice(Device):
         self.arch = f"sm_{major}{minor}"
         sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "")
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
+        self.spin = float(options.get("spin_us", 20)) * 1e-6
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
         self.capacity = int(options.get("memory") or free * 0.9)
@@ -223,12 +227,22 @@ class CUDADevice(Device):
         self.holding: dict[int, Any] = {}  # what queued commands use, held until they complete
         self.finished: list[Any] = []
         self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
+        self.params: dict[tuple[int, ...], tuple[Any, Any, int]] = {}  # pointers -> kernelParams arrays (_launch_now)
         self.dims: dict[str, Dims] = {}  # kernel name -> launch dimensions
         self.modules: list[Any] = []
         self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
         # (event, timeline value, what to do on the host once it completed, before the timeline says so)
         self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
-        self.waited = 0  # the last value the waiter thread has passed (events up to it may be recorded anew)
+        self.waited = 0  # the last value whose completion was handled (events up to it may be recorded anew)
+        # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
+        # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread
+        # is handed it. A realize that `poll` finds complete never wakes that thread: its wake-up, and its taking
+        # the GIL from the loop's thread while the next plan is submitted, cost more than the work on that VM.
+        self.qlock = threading.Lock()  # guards `unwatched` and `handed`; taken under `lock`, never the reverse
+        self.unwatched: collections.deque[tuple[Any, int]] = collections.deque()
+        self.handed = 0  # the last value given to the waiter thread
+        self.demanded = 0  # the highest value someone waited for: a command recorded later up to it is handed over
+        self.timeline.demand = self._demand
         self.posts: collections.deque[int] = collections.deque()  # values whose host-side `post` has not run yet
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
@@ -333,7 +347,27 @@ class CUDADevice(Device):
             self.holding[v] = keep
         if post is not None:
             self.posts.append(v)
-        self.completions.put((ev, v, post))
+        with self.qlock:
+            if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
+                self.unwatched.append((ev, v))
+            else:
+                self._hand_over()
+                self.completions.put((ev, v, post))
+                self.handed = v
+
+    def _hand_over(self) -> None:
+        """Under `qlock`: the waiter thread takes every unwatched command, in order."""
+        while self.unwatched:
+            ev, v = self.unwatched.popleft()
+            self.completions.put((ev, v, None))
+            self.handed = v
+
+    def _demand(self, v: int) -> None:
+        """The timeline's hook: someone waits for a value not reached yet, so the waiter thread must watch it: now, or
+        when it is recorded (a command still in a batch or deferred)."""
+        with self.qlock:
+            self.demanded = max(self.demanded, v)
+            self._hand_over()
 
     def _event(self) -> Any:
         ev = self.free_events.pop() if self.free_events else check(
@@ -432,27 +466,46 @@ class CUDADevice(Device):
             del ev, item, post
             self.timeline.signal(v)
 
-    def poll(self, v: int) -> None:
-        """On the loop, before it would sleep: a command's event already complete (a small plan usually is by the time
-        the loop awaits it) advances the timeline here, without the waiter thread's wake-up (~70 us on the H200
-        machine's VM). Not past a value whose host-side `post` has yet to run (a read's copy out of pinned memory)."""
+    def poll(self, v: int, spin: float = 0.0) -> bool:
+        """On the loop, before it would sleep: a command's event complete now or within `spin` seconds (a small plan's
+        is, a few microseconds after its launch) advances the timeline here, without the waiter thread. Not past a
+        value whose host-side `post` has yet to run (a read's copy out of pinned memory). Unwatched commands up to `v`
+        are complete then (the stream is in order): when the waiter thread has nothing older left, their completion
+        is handled here."""
         ev = self.events.get(v)
         if ev is None or (self.posts and self.posts[0] <= v):
-            return
-        if cu.cuEventQuery(ev)[0] == cu.CUresult.CUDA_SUCCESS:  # an error stays for the waiter thread to report
-            self.timeline.signal(v)
+            return self.timeline.value >= v
+        status = int(cu.cuEventQuery(ev)[0])
+        if status == NOT_READY and spin > 0:
+            deadline = time.perf_counter() + spin
+            while (status := int(cu.cuEventQuery(ev)[0])) == NOT_READY:
+                if time.perf_counter() > deadline:
+                    break
+        if status:  # not yet; an error stays for the waiter thread to report
+            return self.timeline.value >= v
+        done = []
+        with self.lock, self.qlock:
+            if self.waited >= self.handed:
+                while self.unwatched and self.unwatched[0][1] <= v:
+                    u = self.unwatched.popleft()[1]
+                    done.append(self.holding.pop(u, None))
+                    self.waited = u
+        del done  # the commands' buffers go back to their pools, outside the lock
+        self.timeline.signal(v)
+        return True
 
     def _take_done(self) -> list[Any]:
-        """Under the lock: what completed commands held; their events go back to the free list (a batch's values
-        share one event)."""
+        """Under the lock: what completed commands held; their events go back to the free list once the waiter thread
+        is past them (the timeline may be ahead of it: see poll). Both tables are in the order of their values."""
         reached = self.timeline.value
         done, self.finished = self.finished, []
-        for k in [k for k in self.holding if k <= reached]:
-            done.append(self.holding.pop(k))
-        # events only once the waiter thread is past them (the timeline may be ahead of it: see poll)
-        freed = {id(self.events[k]): self.events.pop(k) for k in [k for k in self.events if k <= self.waited]}
-        live = {id(e) for e in self.events.values()}  # an event a batch still shares with a later value stays
-        self.free_events.extend(ev for i, ev in freed.items() if i not in live)
+        holding, events = self.holding, self.events
+        while holding and (k := next(iter(holding))) <= reached:
+            done.append(holding.pop(k))
+        while events and (k := next(iter(events))) <= self.waited:
+            ev = events.pop(k)
+            if events.get(k + 1) is not ev:  # a batch's values share one event: free once its last value is past
+                self.free_events.append(ev)
         return done
 
     def collect(self) -> None:
@@ -465,12 +518,19 @@ class CUDADevice(Device):
         if zero:
             check(cu.cuMemsetD32Async(ptrs[0], 0, zero // 4, self.stream), "cuMemsetD32Async")
         # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
-        # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch)
-        values = array.array("Q", ptrs)
-        base = values.buffer_info()[0]
-        params = array.array("Q", range(base, base + 8 * len(ptrs), 8))
-        check(cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, params.buffer_info()[0], 0), "cuLaunchKernel")
-        del values, params  # the driver copied the arguments at launch
+        # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch). The driver
+        # copies them at launch, so the pair is kept for the next launch with these pointers (a steady plan's)
+        arrays = self.params.get(ptrs)
+        if arrays is None:
+            values = array.array("Q", ptrs)
+            base = values.buffer_info()[0]
+            params = array.array("Q", range(base, base + 8 * len(ptrs), 8))
+            if len(self.params) >= 4096:
+                self.params.clear()
+            arrays = self.params[ptrs] = (values, params, params.buffer_info()[0])
+        err = cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, arrays[2], 0)[0]
+        if err:
+            check((err,), "cuLaunchKernel")
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
         fn = self.functions[step.name]
@@ -514,18 +574,18 @@ class CUDADevice(Device):
             return
         self._launch_batch(batch)
         self._record(v, None, None, first)
-        # dropped by the next submit or collect, outside this lock. (Not `self.finished.append(self._take_done())`:
-        # that appends to the list _take_done hands back, which then holds itself: a cycle only the GC frees)
-        done = self._take_done()
-        self.finished.extend(done)
 
     def _launch_batch(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
         """Under the lock: the batch's launches on the stream, one graph launch once the batch is steady."""
+        if len(batch) == 1:
+            fn, dims, ptrs, _ = batch[0]
+            self._launch_now(fn, dims, ptrs)
+            return
         key = tuple((name, ptrs) for _, _, ptrs, name in batch)
         graph = self.graphs.get(key)
         if isinstance(graph, int) or graph is None:
             seen = (graph or 0) + 1
-            if seen >= GRAPH_AFTER and len(batch) > 1:
+            if seen >= GRAPH_AFTER:
                 graph = self._capture(batch)
                 self.graphs[key] = graph
             else:
@@ -692,6 +752,8 @@ class CUDADevice(Device):
                 self.ready.notify_all()
         if self.submitter is not None:
             self.submitter.join(timeout=10)
+        with self.qlock:
+            self._hand_over()
         self.completions.put(None)
         self.waiter.join(timeout=10)
         self.collect()
