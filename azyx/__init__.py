@@ -19,6 +19,7 @@ from azyx.errors import (
     ShapeError,
     StateDictError,
 )
+from azyx.jit import jit
 from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
@@ -29,7 +30,7 @@ from azyx.viz import plot_graph
 __all__ = [
     "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
     "DeviceError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor", "configure",
-    "devices", "dtypes", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
+    "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim",
 ]
 

@@ -28,6 +28,7 @@ class Runtime:
         self._executor: Any = None
         self.plan_cache: dict[tuple, Any] = {}
         self.rng = np.random.default_rng()
+        self.trace: Any = None  # azyx.jit's Recorder while a function is traced: told of rebinding and random draws
         self.lock = threading.Lock()
         self.inflight: dict[str, tuple[Any, Any]] = {}  # kernel name -> (loop identity, anyio.Event)
 

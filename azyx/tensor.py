@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import builtins
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,13 @@ def _fold_value(v: Any, dtype: DType) -> Scalar:
         return float(np.float32(v))
     x = np.asarray(v).astype(dtype.np)
     return x.item()
+
+
+def _drawn(t: Tensor, again: Callable[[], Tensor]) -> Tensor:
+    """A random tensor just drawn: a function that azyx.jit traces draws it anew on each replay with `again`."""
+    if RT.trace is not None:
+        RT.trace.draw(t, again)
+    return t
 
 
 def _shape_arg(shape: Any) -> Shape:
@@ -294,13 +301,15 @@ class Tensor:
         if dt.itemsize < 4:  # rounding to a narrow float can reach `high`: keep the interval half-open
             top = np.float32(high) * (1 - 2.0 ** -(8 if dt is dtypes.bfloat16 else 11))
             x = np.minimum(x, top)
-        return Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device)
+        return _drawn(Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device),
+                      lambda: Tensor.uniform(*shape, low=low, high=high, dtype=dtype, device=device))
 
     @staticmethod
     def randn(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         x = RT.rng.standard_normal(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
-        return Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device)
+        return _drawn(Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device),
+                      lambda: Tensor.randn(*shape, dtype=dtype, device=device))
 
     @staticmethod
     def from_safetensors(path: Any, name: str) -> Tensor:
@@ -1227,6 +1236,8 @@ class Tensor:
         if o.device != n.device:
             raise DeviceError(f"assign of a tensor on {o.device} to one on {n.device}; move it with .to() first")
         if other.id != self.id:
+            if RT.trace is not None:
+                RT.trace.rebinding(self)
             GRAPH.retain(other.id)
             old, self.id = self.id, other.id
             GRAPH.release(old)

@@ -1,0 +1,276 @@
+"""`azyx.jit`: a function's graph is built and planned once; later calls run its plan again with new inputs.
+
+    @azyx.jit
+    def train_step(x, y):
+        with GradientTape() as tape:
+            loss = nn.cross_entropy(model(x), y)
+        opt.step(tape.gradient(loss, opt.params))
+        return loss
+
+    loss = await train_step(x, y)  # realized
+
+The first call with a new signature (the shapes, dtypes, devices and layouts of the tensor arguments, the values of
+the others, and the training mode) runs the function, which builds a lazy graph, and realizes what it returns
+together with every tensor it rebound (`Tensor.assign`: an optimiser's parameters and state), in one plan: the
+trace. A later call with that signature does not run the function. It binds the trace's plan to this call's
+tensors and submits it, makes the results leaves and rebinds the same handles to them, like the function would
+have. What it skips is the Python work: building the graph, the canonical walk that finds the cached plan, and
+turning the targets into leaves.
+
+What the function reads, on a replay:
+- its tensor arguments: this call's;
+- tensors it rebinds: their current value (so an optimiser's parameters and state move on from call to call);
+- random tensors it draws (`Tensor.rand`, `randn`, `uniform`, `dropout`): new numbers from azyx's generator, drawn
+  in the same order as the function draws them, so a replay gives what a call of the function would;
+- any other tensor (a closure's tensor, a constant made inside): its value at the trace, like a constant of
+  `jax.jit`. A tensor that changes between calls must be an argument, or be rebound by the function.
+Python control flow runs once, at the trace: a branch on an argument's value needs that argument to be static.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from azyx import debug
+from azyx.device import Buffer
+from azyx.errors import ArgumentError
+from azyx.graph import Node, Op
+from azyx.plan import ExecutionPlan, Walk
+from azyx.realize import submit, wait_for
+from azyx.runtime import GRAPH, RT
+from azyx.tensor import Tensor
+
+MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
+
+ARG, STATE, DRAWN, CONST = range(4)  # where a trace's leaf comes from on a replay
+
+
+class Recorder:
+    """What a function does while it is traced, besides building nodes: the handles it rebinds (with the node each
+    held first, kept until the trace is made so that its id is not reused meanwhile) and the random tensors it draws
+    (by the buffer they were drawn into: their nodes may be gone by the time the trace is made, and an upload gives
+    a node another buffer), with how to draw them again. Set as `RT.trace`."""
+
+    def __init__(self) -> None:
+        self.rebound: dict[Tensor, int] = {}  # handle -> the node it held when the function first rebound it
+        self.drawn: list[tuple[Buffer, Callable[[], Tensor]]] = []
+
+    def rebinding(self, handle: Tensor) -> None:
+        if handle not in self.rebound:
+            self.rebound[handle] = handle.id
+            GRAPH.retain(handle.id)
+
+    def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None:
+        buf = t._node.buffer
+        assert buf is not None
+        self.drawn.append((buf, again))
+
+    def close(self) -> None:
+        for i in self.rebound.values():
+            GRAPH.release(i)
+        self.rebound.clear()
+        self.drawn.clear()
+
+
+class Trace:
+    """One signature's plan, and where each of its leaves and results comes from on a replay."""
+
+    def __init__(self, plan: ExecutionPlan | None, sources: list[tuple[int, Any]], entries: list[tuple | None],
+                 results: list[tuple[int, Any]], targets: list[tuple[Any, ...]], handles: list[Tensor],
+                 handle_results: list[int], output: Callable[[list[Tensor]], Any],
+                 drawn: list[Callable[[], Tensor]]):
+        self.plan = plan
+        self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
+        #                         index) | (CONST, the buffer bound at the trace)
+        # (handle index, how its value must look for the plan to fit it) for each STATE leaf
+        self.checks = [(x, e) for (kind, x), e in zip(sources, entries) if e is not None]
+        self.results = results  # per result: (-1, target index) or a leaf source
+        self.targets = targets  # per target of the plan: (shape, dtype, device, pinned) of its leaf
+        self.handles = handles  # the handles the function rebinds ...
+        self.handle_results = handle_results  # ... and the result each one is rebound to
+        self.output = output  # the function's results (tensors) -> what it returned (their structure)
+        self.drawn = drawn
+
+
+class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
+    """Trace `fn` on its first call with each signature, replay the trace on later calls (module docstring)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        import inspect
+
+        if inspect.iscoroutinefunction(fn):
+            raise ArgumentError(f"azyx.jit needs a function that builds a lazy graph, not a coroutine function "
+                                f"({fn.__qualname__}): it realizes what the function returns itself")
+        self.fn = fn
+        self.traces: dict[tuple, Trace] = {}
+        self.replays = 0  # calls answered by a replay (for tests and debugging)
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        """On a class: a method, whose instance is a static argument."""
+        return self if obj is None else functools.partial(self.__call__, obj)
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        nodes = GRAPH.nodes
+        named = (*enumerate(args), *sorted(kwargs.items())) if kwargs else tuple(enumerate(args))
+        tensors = [a for _, a in named if isinstance(a, Tensor)]
+        lazy = [t for t in tensors if nodes[t.id].buffer is None]  # type: ignore[union-attr]
+        if lazy:  # arguments are leaves of the trace: realize them first
+            await submit(lazy)
+        key = self._signature(named)
+        trace = self.traces.get(key)
+        if trace is not None:
+            handles = [h for h in trace.handles if nodes[h.id].buffer is None]  # type: ignore[union-attr]
+            if handles:  # rebound outside the function since: their new values first
+                await submit(handles)
+            replay = self._replay(trace, tensors)
+            if replay is not None:
+                self.replays += 1
+                results, plan = replay
+                await wait_for([nodes[t.id].buffer for t in results], plan)  # type: ignore[union-attr,misc]
+                return trace.output(results)
+        return await self._trace(key, args, kwargs, tensors)
+
+    def _signature(self, named: tuple[tuple[Any, Any], ...]) -> tuple:
+        nodes = GRAPH.nodes
+        out: list[Any] = [Tensor.training]
+        first: dict[int, Any] = {}  # which arguments are the same node (the trace's plan binds it once)
+        for name, a in named:
+            if isinstance(a, Tensor):
+                out.append((name, first.setdefault(a.id, name), _entry(nodes[a.id])))  # type: ignore[arg-type]
+                continue
+            try:
+                hash(a)
+            except TypeError:
+                raise ArgumentError(f"argument {name!r} of {self.fn.__qualname__} is a {type(a).__name__}: azyx.jit "
+                                    f"takes tensors and hashable values (a value is part of the signature)") from None
+            out.append((name, type(a), a))
+        return tuple(out)
+
+    async def _trace(self, key: tuple, args: tuple, kwargs: dict[str, Any], tensors: list[Tensor]) -> Any:
+        rec = RT.trace = Recorder()
+        try:
+            try:
+                returned = self.fn(*args, **kwargs)
+            finally:
+                RT.trace = None
+            outputs, output = _flatten(returned, self.fn.__qualname__)
+            handles = list(rec.rebound)
+            plan, walk, bindings = await submit([*outputs, *handles])
+            trace = self._make(rec, tensors, outputs, output, handles, plan, walk, bindings)
+        finally:
+            rec.close()
+        if trace is not None:
+            if len(self.traces) >= MAX_TRACES:
+                self.traces.pop(next(iter(self.traces)))
+            self.traces[key] = trace
+        await wait_for([GRAPH[t.id].buffer for t in outputs], plan)  # type: ignore[misc]
+        return output(outputs)
+
+    def _make(self, rec: Recorder, tensors: list[Tensor], outputs: list[Tensor],
+              output: Callable[[list[Tensor]], Any], handles: list[Tensor], plan: ExecutionPlan | None,
+              walk: Walk | None, bindings: list[Buffer]) -> Trace | None:
+        """The trace of a call that just ran; None when it cannot be replayed (a rebound handle held a lazy value
+        when the function took it: the next call traces again, from the realized values)."""
+        if any(GRAPH[i].buffer is None for i in rec.rebound.values()):
+            return None
+        # where each leaf comes from on a replay (an argument first: it may also be a handle's first value)
+        arg_of = {t.id: k for k, t in reversed(list(enumerate(tensors)))}
+        state_of = {i: k for k, i in enumerate(rec.rebound.values())}
+        drawn_of = {id(b): k for k, (b, _) in enumerate(rec.drawn)}
+
+        def source(i: int, bound: Buffer) -> tuple[int, Any]:
+            if i in arg_of:
+                return ARG, arg_of[i]
+            if i in state_of:
+                return STATE, state_of[i]
+            if id(bound) in drawn_of:
+                return DRAWN, drawn_of[id(bound)]
+            return CONST, bound
+
+        leaves = walk.leaves if walk is not None else []
+        sources = [source(i, b) for i, b in zip(leaves, bindings)]
+        # a handle's value must fit the plan as its first one did (an argument's fits: it is in the signature)
+        entries = [(*_entry(GRAPH[i])[:-1], b.device.name) if kind == STATE else None
+                   for i, b, (kind, _) in zip(leaves, bindings, sources)]
+        target_ids = walk.targets if walk is not None else []
+        target_of = {i: k for k, i in enumerate(target_ids)}
+        results: list[tuple[int, Any]] = []
+        for t in [*outputs, *handles]:
+            if t.id in target_of:
+                results.append((-1, target_of[t.id]))
+            else:  # realized before: an argument, a handle's first value, a drawn or a captured tensor
+                kind, x = source(t.id, GRAPH[t.id].buffer)  # type: ignore[arg-type]
+                results.append((kind, Tensor._wrap(t.id) if kind == CONST else x))
+        targets = [(n.shape, n.dtype, n.device, n.pinned) for n in (GRAPH[i] for i in target_ids)]
+        debug.log(debug.PLANS, lambda: f"jit {self.fn.__qualname__}: traced {len(leaves)} leaves, {len(target_ids)} "
+                                       f"targets, {len(handles)} rebound handles, {len(rec.drawn)} random tensors")
+        return Trace(plan, sources, entries, results, targets, handles,
+                     list(range(len(outputs), len(results))), output, [again for _, again in rec.drawn])
+
+    @staticmethod
+    def _replay(trace: Trace, tensors: list[Tensor]) -> tuple[list[Tensor], ExecutionPlan | None] | None:
+        """Bind and submit the trace's plan; None when a leaf does not fit it (then the caller traces again)."""
+        handles, gn = trace.handles, GRAPH.nodes
+        for x, entry in trace.checks:
+            if _entry(gn[handles[x].id]) != entry:
+                return None
+        drawn = [again() for again in trace.drawn]  # in the function's order: the generator's stream is the same
+        nodes: list[Node | None] = []
+        bindings: list[Buffer] = []
+        for kind, x in trace.sources:
+            if kind == CONST:
+                bindings.append(x)
+                nodes.append(None)
+                continue
+            n = gn[(tensors[x] if kind == ARG else handles[x] if kind == STATE else drawn[x]).id]
+            nodes.append(n)
+            bindings.append(n.buffer)
+        plan = trace.plan
+        ids: list[int] = []
+        if plan is not None:
+            ex = RT.executor
+            outs = ex.run(plan, bindings)
+            for (slot, _), buf in zip(plan.adopt, ex.adopted):  # uploaded host data stays on its device
+                if (node := nodes[slot]) is not None:
+                    node.buffer = buf
+            ex.adopted = []
+            for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs):
+                node = Node(Op.LEAF, (), None, shape, dtype, device, pinned)
+                node.buffer, node.view = buf, view
+                ids.append(GRAPH.add(node))
+        results = []
+        for kind, x in trace.results:
+            if kind == -1:
+                results.append(Tensor._wrap(ids[x]))
+            elif kind == CONST:
+                results.append(Tensor._wrap(x.id))
+            else:
+                results.append(Tensor._wrap((tensors[x] if kind == ARG else handles[x] if kind == STATE
+                                             else drawn[x]).id))
+        for h, r in zip(handles, trace.handle_results):
+            h.assign(results[r])
+        return results[:len(results) - len(handles)], plan
+
+
+def _entry(n: Node) -> tuple:
+    """How a leaf looks to a plan: what the canonical walk keys it by."""
+    v, b = n.view, n.buffer
+    assert v is not None and b is not None
+    return n.shape, n.dtype, n.device, v.offset, v.strides, b.device.name
+
+
+def _flatten(returned: Any, name: str) -> tuple[list[Tensor], Callable[[list[Tensor]], Any]]:
+    """The tensors a traced function returned, and how to give the same structure back."""
+    if returned is None:
+        return [], lambda ts: None
+    if isinstance(returned, Tensor):
+        return [returned], lambda ts: ts[0]
+    if isinstance(returned, Sequence) and not isinstance(returned, str) and all(
+            isinstance(t, Tensor) for t in returned):
+        kind = type(returned)
+        return list(returned), (lambda ts: list(ts)) if kind is list else (lambda ts: tuple(ts))
+    raise ArgumentError(f"{name} returned a {type(returned).__name__}: a function under azyx.jit returns a Tensor, "
+                        f"a tuple or list of Tensors, or None")
