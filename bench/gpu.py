@@ -96,10 +96,10 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     for n, ((x, tx), (y, ty)) in mats.items():
         cases.append((f"sgemm {n} f32", lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3,
                       "GFLOP/s"))
-    cases.append(("10-op graph, 1024 f32, steady", lambda: ((((small * 1.5 + small) * 2 - small) / 3).relu()
-                                                           * small + 1).exp().sqrt() - small,
-                  lambda: ((((tsmall * 1.5 + tsmall) * 2 - tsmall) / 3).relu() * tsmall + 1).exp().sqrt() - tsmall,
-                  0, "us"))
+    def ten_ops(s: Any) -> Any:  # azyx or torch
+        return ((((s * 1.5 + s) * 2 - s) / 3).relu() * s + 1).exp().sqrt() - s
+
+    cases.append(("10-op graph, 1024 f32, steady", lambda: ten_ops(small), lambda: ten_ops(tsmall), 0, "us"))
     rows = []
     for name, make, tfn, work, unit in cases:
         print(f"timing {name}", flush=True)
@@ -117,7 +117,7 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
 
         rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
                      f"{t_many / many:.2f}x"])
-    rows.append(await realize_only(torch, cases[-1][1], cases[-1][2], reps))
+    rows += await realize_only(torch, ten_ops, small, tsmall, reps)
     # correctness of what was timed, against PyTorch
     for name, make, tfn, _, _ in cases:
         got = await make().numpy()
@@ -127,40 +127,57 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     return rows, copy_bw
 
 
-async def realize_only(torch: Any, make: Callable[[], Tensor], tfn: Callable[[], Any], reps: int) -> list[str]:
+async def realize_only(torch: Any, fn: Callable[[Any], Any], small: Tensor, tsmall: Any, reps: int
+                       ) -> list[list[str]]:
     """The 10-op graph with its building left out of the timing: what `await t.realize()` itself costs once the
-    plan is cached, beside PyTorch replaying the same ops captured as a CUDA graph."""
+    plan is cached; and the same function under `azyx.jit`, whose replay builds nothing. Beside PyTorch replaying
+    the same ops captured as a CUDA graph."""
+    jitted = azyx.jit(fn)
+
     async def once() -> float:
-        t = make()
+        t = fn(small)
         t0 = time.perf_counter()
         await t.realize()
         return time.perf_counter() - t0
 
     async def flight() -> float:
-        ts = [make() for _ in range(FLIGHT)]
+        ts = [fn(small) for _ in range(FLIGHT)]
         t0 = time.perf_counter()
         await asyncio.gather(*(t.realize() for t in ts))
         return (time.perf_counter() - t0) / FLIGHT
 
+    async def replay() -> float:
+        t0 = time.perf_counter()
+        await jitted(small)
+        return time.perf_counter() - t0
+
+    async def replays() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(jitted(small) for _ in range(FLIGHT)))
+        return (time.perf_counter() - t0) / FLIGHT
+
     for _ in range(3):
-        await once()
-        await flight()
-    one = statistics.median([await once() for _ in range(reps)])
-    many = statistics.median([await flight() for _ in range(reps)])
+        for f in (once, flight, replay, replays):
+            await f()
+    ours = [statistics.median([await f() for _ in range(reps)]) for f in (once, flight, replay, replays)]
     with torch.cuda.device(0):  # the tensors' device (streams and graphs belong to the current one)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
             for _ in range(3):
-                tfn()
+                fn(tsmall)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            tfn()
+            fn(tsmall)
         t_one, t_many = torch_timed(torch, graph.replay, reps), torch_timed(torch, graph.replay, reps, FLIGHT)
-    return ["10-op graph, realize only (built before the clock; torch: CUDA graph replay)", "us", f"{one * 1e6:.1f}",
-            f"{t_one * 1e6:.1f}", f"{t_one / one:.2f}x", f"{many * 1e6:.1f}", f"{t_many * 1e6:.1f}",
-            f"{t_many / many:.2f}x"]
+    assert jitted.replays > 0
+    rows = []
+    for what, one, many in (("realize only (built before the clock)", ours[0], ours[1]),
+                            ("azyx.jit replay (nothing built)", ours[2], ours[3])):
+        rows.append([f"10-op graph, {what}; torch: CUDA graph replay", "us", f"{one * 1e6:.1f}", f"{t_one * 1e6:.1f}",
+                     f"{t_one / one:.2f}x", f"{many * 1e6:.1f}", f"{t_many * 1e6:.1f}", f"{t_many / many:.2f}x"])
+    return rows
 
 
 async def transfers(torch: Any, quick: bool) -> list[list[str]]:

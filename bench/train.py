@@ -82,10 +82,12 @@ async def time_steps(step: Callable[[int], Awaitable[Any]], steps: int, repeats:
     return out
 
 
-async def bench_azyx(kind: str, device: str, batches: list[Any], steps: int, repeats: int, pipelined: bool = False
+async def bench_azyx(kind: str, device: str, batches: list[Any], steps: int, repeats: int, mode: str = "awaited"
                      ) -> tuple[list[float], dict[str, Any], list[np.ndarray], list[np.ndarray]]:
-    """Awaited: each step's realize is awaited before the next step is built. Pipelined: step i's realize runs as a
-    task while step i+1 is built (its cached plan is submitted before the task first waits), then it is awaited."""
+    """awaited: each step's realize is awaited before the next step is built. pipelined: step i's realize runs as a
+    task while step i+1 is built (its cached plan is submitted before the task first waits), then it is awaited.
+    jit: the step is an `azyx.jit` function, awaited: from its second call on, the traced plan is bound to the step's
+    batch and submitted without building the graph."""
     azyx.manual_seed(0)
     model = MLP(device)
     init = [await p.numpy() for p in model.parameters()]
@@ -94,14 +96,26 @@ async def bench_azyx(kind: str, device: str, batches: list[Any], steps: int, rep
     phases = {"build_s": 0.0, "realize_s": 0.0, "n": 0}
     running: list[asyncio.Future[Any]] = []  # pipelined: the step whose realize has not been awaited yet
 
+    def build(x: Tensor, y: Tensor) -> Tensor:
+        with GradientTape() as tape:
+            loss = nn.cross_entropy(model(x), y)
+        opt.step(tape.gradient(loss, opt.params))
+        return loss
+
+    jitted = azyx.jit(build)
+
     async def step(i: int) -> Tensor:
         x, y = xs[i % len(xs)]
         t0 = time.perf_counter()
-        with GradientTape() as tape:
-            loss = nn.cross_entropy(model(x), y)
-        targets = opt.step(tape.gradient(loss, opt.params))
+        if mode == "jit":
+            loss = await jitted(x, y)
+            phases["realize_s"] += time.perf_counter() - t0
+            phases["n"] += 1
+            return loss
+        loss = build(x, y)
+        targets = opt.tensors()
         t1 = time.perf_counter()
-        if pipelined:
+        if mode == "pipelined":
             running.append(asyncio.ensure_future(azyx.realize(loss, *targets)))
             await asyncio.sleep(0)  # the task submits this step's plan, then waits; the last step's wait ends here
             if len(running) > 1:
@@ -196,31 +210,42 @@ async def main(args: argparse.Namespace) -> None:
     except ImportError as e:
         torch, torch_line = None, f"torch not importable ({e}): column skipped"
     rows, notes = [], []
+    modes = {"awaited": "", "pipelined": ", pipelined: step i+1 built while step i runs",
+             "jit": ", azyx.jit: the traced step replayed, awaited"}
     for kind, label in (("sgd", "SGD momentum 0.9"), ("adam", "Adam")):
-        print(f"[train bench] azyx {label} ...", file=sys.stderr, flush=True)
-        rates, ph, init, final = await bench_azyx(kind, args.device, batches, steps, repeats)
-        print(f"[train bench] azyx {label}, pipelined ...", file=sys.stderr, flush=True)
-        piped_rates, piped_ph, _, piped_final = await bench_azyx(kind, args.device, batches, steps, repeats, True)
-        same = all(np.array_equal(a, b) for a, b in zip(final, piped_final))
+        results = {}
+        for mode in modes:
+            print(f"[train bench] azyx {label}, {mode} ...", file=sys.stderr, flush=True)
+            results[mode] = await bench_azyx(kind, args.device, batches, steps, repeats, mode)
+        init, final = results["awaited"][2], results["awaited"][3]
+        t_rate = statistics.median(bench_torch(kind, init, batches, steps, repeats)) if torch is not None else None
         name = f"MLP {'-'.join(map(str, SIZES))} b{BATCH}, {label}"
-        row: dict[str, Any] = {"name": name, "azyx": statistics.median(rates)}
-        piped: dict[str, Any] = {"name": f"{name}, pipelined: step i+1 built while step i runs"
-                                         + ("" if same else " (WRONG: parameters differ from the awaited loop)"),
-                                 "azyx": statistics.median(piped_rates)}
-        if torch is not None:
-            print(f"[train bench] torch {label} ...", file=sys.stderr, flush=True)
-            row["torch"] = piped["torch"] = statistics.median(bench_torch(kind, init, batches, steps, repeats))
-        rows += [row, piped]
-        for what, p in (("", ph), (", pipelined", piped_ph)):
+        for mode, what in modes.items():
+            rates, p, _, got = results[mode]
+            same = all(np.array_equal(a, b) for a, b in zip(final, got))
+            row: dict[str, Any] = {"name": name + what + ("" if same else " (WRONG: parameters differ from the "
+                                                                              "awaited loop)"),
+                                   "azyx": statistics.median(rates)}
+            if t_rate is not None:
+                row["torch"] = t_rate
+            rows.append(row)
             n = max(p["n"], 1)
-            notes.append(f"azyx {label}{what} (median repeat): per step {p['build_s'] / n * 1e3:.2f} ms building the "
-                         f"graph (forward, GradientTape.gradient, optimiser step) + {p['realize_s'] / n * 1e3:.2f} ms "
-                         + ("realizing (plan-cache lookup, submit, kernels)" if not what else
-                            "submitting and awaiting the previous step") + f"; {p['kernels']} kernels in the step's "
-                         f"plan; plan cache {p['plans_before']} -> {p['plans_after']} entries over the timed steps")
-        notes.append(f"azyx {label}: the pipelined loop's final parameters and optimiser state are "
-                     + ("bit-identical to the awaited loop's (same steps, same data)" if same else "NOT identical to "
-                        "the awaited loop's: the pipelined row is wrong"))
+            if mode == "jit":
+                notes.append(f"azyx {label}, jit (median repeat): {p['realize_s'] / n * 1e3:.2f} ms per step (bind, "
+                             f"submit, kernels, wait); {p['kernels']} kernels in the step's plan; plan cache "
+                             f"{p['plans_before']} -> {p['plans_after']} entries over the timed steps")
+            else:
+                notes.append(f"azyx {label}{what.split(':')[0]} (median repeat): per step {p['build_s'] / n * 1e3:.2f} "
+                             f"ms building the graph (forward, GradientTape.gradient, optimiser step) + "
+                             f"{p['realize_s'] / n * 1e3:.2f} ms " + ("realizing (plan-cache lookup, submit, kernels)"
+                                                                     if mode == "awaited" else "submitting and "
+                                                                     "awaiting the previous step")
+                             + f"; {p['kernels']} kernels in the step's plan; plan cache {p['plans_before']} -> "
+                             f"{p['plans_after']} entries over the timed steps")
+            if mode != "awaited":
+                notes.append(f"azyx {label}, {mode}: final parameters and optimiser state "
+                             + ("bit-identical to the awaited loop's (same steps, same data)" if same else
+                                "NOT identical to the awaited loop's: the row is wrong"))
     write_section(Path(args.out), section(rows, notes, args.quick, args.device, torch_line, load))
     for r in rows:
         print(f"{r['name']}: azyx {r['azyx']:.0f} steps/s" + (f", torch {r['torch']:.0f} steps/s, "
