@@ -25,6 +25,8 @@ What the function reads, on a replay:
 - any other tensor (a closure's tensor, a constant made inside): its value at the trace, like a constant of
   `jax.jit`. A tensor that changes between calls must be an argument, or be rebound by the function.
 Python control flow runs once, at the trace: a branch on an argument's value needs that argument to be static.
+Python state the graph depends on is guarded: the training mode of each `nn.Dropout` the function ran (set by
+`Module.train()`/`eval()`) is checked on a replay, which traces again when it differs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class Recorder:
     def __init__(self) -> None:
         self.rebound: dict[Tensor, int] = {}  # handle -> the node it held when the function first rebound it
         self.drawn: list[tuple[Buffer, Callable[[], Tensor]]] = []
+        self.guards: list[tuple[Callable[[], Any], Any]] = []  # Python state the graph depended on, and its value
+
+    def guard(self, read: Callable[[], Any], value: Any) -> None:
+        """The graph built depends on `read()` being `value` (a module's training mode): a replay checks it."""
+        self.guards.append((read, value))
 
     def rebinding(self, handle: Tensor) -> None:
         if handle not in self.rebound:
@@ -72,6 +79,7 @@ class Recorder:
             GRAPH.release(i)
         self.rebound.clear()
         self.drawn.clear()
+        self.guards.clear()
 
 
 class Trace:
@@ -80,8 +88,9 @@ class Trace:
     def __init__(self, plan: ExecutionPlan | None, sources: list[tuple[int, Any]], entries: list[tuple | None],
                  results: list[tuple[int, Any]], targets: list[tuple[Any, ...]], handles: list[Tensor],
                  handle_results: list[int], output: Callable[[list[Tensor]], Any],
-                 drawn: list[Callable[[], Tensor]]):
+                 drawn: list[Callable[[], Tensor]], guards: list[tuple[Callable[[], Any], Any]]):
         self.plan = plan
+        self.guards = guards  # (read, value): the replay fits only while each read() gives its value
         self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
         #                         index) | (CONST, the buffer bound at the trace)
         # (handle index, how its value must look for the plan to fit it) for each STATE leaf
@@ -208,12 +217,17 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         debug.log(debug.PLANS, lambda: f"jit {self.fn.__qualname__}: traced {len(leaves)} leaves, {len(target_ids)} "
                                        f"targets, {len(handles)} rebound handles, {len(rec.drawn)} random tensors")
         return Trace(plan, sources, entries, results, targets, handles,
-                     list(range(len(outputs), len(results))), output, [again for _, again in rec.drawn])
+                     list(range(len(outputs), len(results))), output, [again for _, again in rec.drawn],
+                     list(rec.guards))
 
     @staticmethod
     def _replay(trace: Trace, tensors: list[Tensor]) -> tuple[list[Tensor], ExecutionPlan | None] | None:
-        """Bind and submit the trace's plan; None when a leaf does not fit it (then the caller traces again)."""
+        """Bind and submit the trace's plan; None when a guard or a leaf does not fit it (then the caller traces
+        again)."""
         handles, gn = trace.handles, GRAPH.nodes
+        for read, value in trace.guards:
+            if read() != value:
+                return None
         for x, entry in trace.checks:
             if _entry(gn[handles[x].id]) != entry:
                 return None

@@ -16,6 +16,7 @@ import numpy as np
 
 from azyx.dtypes import dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
+from azyx.runtime import RT
 from azyx.tensor import Tensor
 
 
@@ -221,7 +222,10 @@ class Dropout(Module):
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
-        prev, Tensor.training = Tensor.training, self.is_training()
+        mode = self.is_training()
+        if RT.trace is not None:  # azyx.jit: a replay holds only while this module's mode is the same
+            RT.trace.guard(self.is_training, mode)
+        prev, Tensor.training = Tensor.training, mode
         try:
             return x.dropout(self.p)
         finally:

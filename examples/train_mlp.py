@@ -1,5 +1,7 @@
 """Train a small MLP classifier with azyx: GradientTape for gradients, azyx.nn for layers and the loss, azyx.optim
-for a lazy Adam step; each iteration's forward, backward and update run as ONE plan, cached after the first."""
+for a lazy Adam step; each iteration's forward, backward and update run as ONE plan. The step is an `azyx.jit`
+function: its graph is built and planned on the first call, and later calls replay that plan with the new batch
+(fresh dropout masks included) without building anything."""
 
 import asyncio
 import time
@@ -41,20 +43,25 @@ async def main() -> None:
 
     batches = [(Tensor(x_train[i : i + batch]), Tensor(y_train[i : i + batch]))
                for i in range(0, len(x_train), batch)]
+    @azyx.jit
+    def train_step(x: Tensor, y: Tensor) -> Tensor:
+        with GradientTape() as tape:
+            loss = nn.cross_entropy(model(x), y)
+        opt.step(tape.gradient(loss, opt.params))  # rebinds the parameters and the optimiser state (lazily)
+        return loss
+
     model.train()
     steps, t0 = 0, time.perf_counter()
     for epoch in range(5):
         for x, y in batches:
-            with GradientTape() as tape:
-                loss = nn.cross_entropy(model(x), y)
-            await azyx.realize(loss, *opt.step(tape.gradient(loss, opt.params)))  # forward+backward+update: 1 plan
+            loss = await train_step(x, y)  # forward + backward + update: one plan, replayed from the second call
             steps += 1
         model.eval()
         pred = await model(Tensor(x_test)).argmax(axis=-1).numpy()
         model.train()
         rate = steps / (time.perf_counter() - t0)
         print(f"epoch {epoch}: loss {await loss.item():.4f}, test accuracy {(pred == y_test).mean():.3f}, "
-              f"{rate:.0f} steps/s, {len(azyx.runtime.RT.plan_cache)} cached plans")
+              f"{rate:.0f} steps/s, {len(azyx.runtime.RT.plan_cache)} cached plans, {train_step.replays} replays")
 
 
 if __name__ == "__main__":

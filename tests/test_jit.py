@@ -180,6 +180,23 @@ async def test_replays_keep_the_graph_and_the_pools_flat(device: str) -> None:
     assert await settle() == base and len(RT.plan_cache) == plans
 
 
+async def test_a_modules_training_mode_is_guarded() -> None:
+    azyx.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    f = azyx.jit(lambda x: model(x))
+    x = await (Tensor(RNG.standard_normal((4, 8)).astype(np.float32)) + 0).realize()
+    model.eval()
+    plain = await model(x).numpy()
+    model.train()
+    outs = [await (await f(x)).numpy() for _ in range(3)]
+    assert all((o == 0).sum() > 0 for o in outs) and not np.array_equal(outs[1], outs[2])  # dropout, new masks
+    model.eval()  # the trace was made in training mode: this call traces again, without dropout
+    for _ in range(2):
+        np.testing.assert_array_equal(await (await f(x)).numpy(), plain)
+    model.train()
+    assert ((await (await f(x)).numpy()) == 0).sum() > 0
+
+
 async def test_a_method_under_jit() -> None:
     class Scale:
         def __init__(self, k: float):
