@@ -39,8 +39,8 @@ from azyx import debug
 from azyx.device import Buffer
 from azyx.errors import ArgumentError
 from azyx.graph import Node, Op
-from azyx.plan import ExecutionPlan, Walk
-from azyx.realize import submit, wait_for
+from azyx.plan import ExecutionPlan, Walk, leaf_entry
+from azyx.realize import run_plan, submit, wait_for
 from azyx.runtime import GRAPH, RT
 from azyx.tensor import Tensor
 
@@ -148,7 +148,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         first: dict[int, Any] = {}  # which arguments are the same node (the trace's plan binds it once)
         for name, a in named:
             if isinstance(a, Tensor):
-                out.append((name, first.setdefault(a.id, name), _entry(nodes[a.id])))  # type: ignore[arg-type]
+                out.append((name, first.setdefault(a.id, name), leaf_entry(nodes[a.id])))  # type: ignore[arg-type]
                 continue
             try:
                 hash(a)
@@ -202,7 +202,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         leaves = walk.leaves if walk is not None else []
         sources = [source(i, b) for i, b in zip(leaves, bindings)]
         # a handle's value must fit the plan as its first one did (an argument's fits: it is in the signature)
-        entries = [(*_entry(GRAPH[i])[:-1], b.device.name) if kind == STATE else None
+        entries = [(*leaf_entry(GRAPH[i])[:-1], b.device.name) if kind == STATE else None
                    for i, b, (kind, _) in zip(leaves, bindings, sources)]
         target_ids = walk.targets if walk is not None else []
         target_of = {i: k for k, i in enumerate(target_ids)}
@@ -229,7 +229,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             if read() != value:
                 return None
         for x, entry in trace.checks:
-            if _entry(gn[handles[x].id]) != entry:
+            if leaf_entry(gn[handles[x].id]) != entry:
                 return None
         drawn = [again() for again in trace.drawn]  # in the function's order: the generator's stream is the same
         nodes: list[Node | None] = []
@@ -245,12 +245,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         plan = trace.plan
         ids: list[int] = []
         if plan is not None:
-            ex = RT.executor
-            outs = ex.run(plan, bindings)
-            for (slot, _), buf in zip(plan.adopt, ex.adopted):  # uploaded host data stays on its device
-                if (node := nodes[slot]) is not None:
-                    node.buffer = buf
-            ex.adopted = []
+            outs = run_plan(plan, bindings, nodes.__getitem__)  # a constant's host copy is bound again next time
             for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs):
                 node = Node(Op.LEAF, (), None, shape, dtype, device, pinned)
                 node.buffer, node.view = buf, view
@@ -267,13 +262,6 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         for h, r in zip(handles, trace.handle_results):
             h.assign(results[r])
         return results[:len(results) - len(handles)], plan
-
-
-def _entry(n: Node) -> tuple:
-    """How a leaf looks to a plan: what the canonical walk keys it by."""
-    v, b = n.view, n.buffer
-    assert v is not None and b is not None
-    return n.shape, n.dtype, n.device, v.offset, v.strides, b.device.name
 
 
 def _flatten(returned: Any, name: str) -> tuple[list[Tensor], Callable[[list[Tensor]], Any]]:

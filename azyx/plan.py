@@ -133,7 +133,8 @@ def canonicalize(graph: Graph, targets: list[int]) -> Walk:
         return _walk_iterative(graph, targets)
 
 
-def _leaf_entry(n: Node) -> tuple:
+def leaf_entry(n: Node) -> tuple:
+    """How a leaf looks to a plan: what the canonical walk keys it by (azyx.jit checks bound leaves with it too)."""
     v = n.view
     assert v is not None and n.buffer is not None
     return (n.shape, n.dtype, n.device, v.offset, v.strides, n.buffer.device.name)
@@ -162,7 +163,7 @@ class _Walker:
         index, entries = self.index, self.entries
         if n.buffer is not None:
             k = index[i] = len(entries)
-            entries.append(_leaf_entry(n))
+            entries.append(leaf_entry(n))
             self.leaves.append(i)
             return k
         src = n.src
@@ -199,7 +200,7 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
                 continue
             if n.buffer is not None:
                 index[i] = len(entries)
-                entries.append(_leaf_entry(n))
+                entries.append(leaf_entry(n))
                 leaves.append(i)
                 continue
             stack.append((i, True))

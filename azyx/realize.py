@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -16,6 +16,7 @@ from azyx.runtime import GRAPH, RT
 
 if TYPE_CHECKING:
     from azyx.device import Buffer, Device
+    from azyx.graph import Node, StridedView
     from azyx.plan import ExecutionPlan, Walk
     from azyx.tensor import Tensor
 
@@ -45,15 +46,24 @@ async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk 
         plan = make_plan(rt, GRAPH, walk, targets)
         await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
         rt.plan_cache[walk.key] = plan
-    ex = rt.executor
     bindings = [GRAPH[i].buffer for i in walk.leaves]
-    outs = ex.run(plan, bindings)
-    for (slot, _), buf in zip(plan.adopt, ex.adopted):  # uploaded host data stays on its device
-        GRAPH[walk.leaves[slot]].buffer = buf
-    ex.adopted = []
+    outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]])  # type: ignore[arg-type]
     for tid, (buf, view) in zip(targets, outs):
         GRAPH.become_leaf(tid, buf, view)
     return plan, walk, bindings  # type: ignore[return-value]
+
+
+def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], Node | None]
+             ) -> list[tuple[Buffer, StridedView]]:
+    """Submit `plan` with `bindings` as its inputs; returns the targets' buffers and views. Host data the plan uploads
+    for an input stays on the device: `leaf(slot)`, the input's node, keeps the uploaded buffer (None: nobody does)."""
+    ex = RT.executor
+    outs = ex.run(plan, bindings)
+    for (slot, _), buf in zip(plan.adopt, ex.adopted):
+        if (n := leaf(slot)) is not None:
+            n.buffer = buf
+    ex.adopted = []
+    return outs
 
 
 async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> None:
