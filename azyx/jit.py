@@ -85,7 +85,7 @@ class Recorder:
 class Trace:
     """One signature's plan, and where each of its leaves and results comes from on a replay."""
 
-    def __init__(self, plan: ExecutionPlan | None, sources: list[tuple[int, Any]], entries: list[tuple | None],
+    def __init__(self, plan: ExecutionPlan | None, sources: list[tuple[int, Any]], checks: list[tuple[int, tuple]],
                  results: list[tuple[int, Any]], targets: list[tuple[Any, ...]], handles: list[Tensor],
                  handle_results: list[int], output: Callable[[list[Tensor]], Any],
                  drawn: list[Callable[[], Tensor]], guards: list[tuple[Callable[[], Any], Any]]):
@@ -93,8 +93,7 @@ class Trace:
         self.guards = guards  # (read, value): the replay fits only while each read() gives its value
         self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
         #                         index) | (CONST, the buffer bound at the trace)
-        # (handle index, how its value must look for the plan to fit it) for each STATE leaf
-        self.checks = [(x, e) for (kind, x), e in zip(sources, entries) if e is not None]
+        self.checks = checks  # per STATE leaf: (handle index, how its value must look for the plan to fit it)
         self.results = results  # per result: (-1, target index) or a leaf source
         self.targets = targets  # per target of the plan: (shape, dtype, device, pinned) of its leaf
         self.handles = handles  # the handles the function rebinds ...
@@ -202,8 +201,8 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         leaves = walk.leaves if walk is not None else []
         sources = [source(i, b) for i, b in zip(leaves, bindings)]
         # a handle's value must fit the plan as its first one did (an argument's fits: it is in the signature)
-        entries = [(*leaf_entry(GRAPH[i])[:-1], b.device.name) if kind == STATE else None
-                   for i, b, (kind, _) in zip(leaves, bindings, sources)]
+        checks = [(x, (*leaf_entry(GRAPH[i])[:-1], b.device.name))
+                  for i, b, (kind, x) in zip(leaves, bindings, sources) if kind == STATE]
         target_ids = walk.targets if walk is not None else []
         target_of = {i: k for k, i in enumerate(target_ids)}
         results: list[tuple[int, Any]] = []
@@ -216,7 +215,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         targets = [(n.shape, n.dtype, n.device, n.pinned) for n in (GRAPH[i] for i in target_ids)]
         debug.log(debug.PLANS, lambda: f"jit {self.fn.__qualname__}: traced {len(leaves)} leaves, {len(target_ids)} "
                                        f"targets, {len(handles)} rebound handles, {len(rec.drawn)} random tensors")
-        return Trace(plan, sources, entries, results, targets, handles,
+        return Trace(plan, sources, checks, results, targets, handles,
                      list(range(len(outputs), len(results))), output, [again for _, again in rec.drawn],
                      list(rec.guards))
 
@@ -229,9 +228,10 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             if read() != value:
                 return None
         for x, entry in trace.checks:
-            if leaf_entry(gn[handles[x].id]) != entry:
+            if leaf_entry(gn[handles[x].id]) != entry:  # type: ignore[arg-type]
                 return None
         drawn = [again() for again in trace.drawn]  # in the function's order: the generator's stream is the same
+        of = {ARG: tensors, STATE: handles, DRAWN: drawn}  # where a source's tensor is, this call
         nodes: list[Node | None] = []
         bindings: list[Buffer] = []
         for kind, x in trace.sources:
@@ -239,7 +239,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 bindings.append(x)
                 nodes.append(None)
                 continue
-            n = gn[(tensors[x] if kind == ARG else handles[x] if kind == STATE else drawn[x]).id]
+            n = gn[of[kind][x].id]
             nodes.append(n)
             bindings.append(n.buffer)
         plan = trace.plan
@@ -257,8 +257,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             elif kind == CONST:
                 results.append(Tensor._wrap(x.id))
             else:
-                results.append(Tensor._wrap((tensors[x] if kind == ARG else handles[x] if kind == STATE
-                                             else drawn[x]).id))
+                results.append(Tensor._wrap(of[kind][x].id))
         for h, r in zip(handles, trace.handle_results):
             h.assign(results[r])
         return results[:len(results) - len(handles)], plan
