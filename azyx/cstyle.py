@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from azyx.dtypes import DType, dtypes
-from azyx.ir import Kernel, V, toposort
+from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.symbolic import Div, Lin, Mod, Var
 
 
@@ -296,7 +296,8 @@ def omp_reduction(op: str, d: DType) -> str:
 class _Renderer:
     def __init__(self, k: Kernel, name: str, dl: Dialect, threads: int):
         self.k, self.name, self.dl, self.threads = k, name, dl, threads
-        self.names: dict[int, str] = {}
+        self.scalars = scalar_args(k)  # by-value parameters after the buffers, bound on every run
+        self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
         self.lines: list[str] = []
         self.depth = 1
         self.count = 0
@@ -414,6 +415,7 @@ class _Renderer:
         for i, d in enumerate(k.params):
             const = "" if i < len(k.stores) else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
+        params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
         header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 

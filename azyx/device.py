@@ -80,19 +80,21 @@ class Device:
     def pending(self) -> int:
         return 0
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
-        """Queue a kernel; returns the timeline value at which it will have completed."""
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
+        """Queue a kernel with its buffers and the 64-bit words of its scalar arguments (KernelStep.words); returns the
+        timeline value at which it will have completed."""
         raise NotImplementedError
 
-    def launch_many(self, items: list[tuple[KernelStep, list[Buffer]]], waits: list[tuple[Device, int]],
+    def launch_many(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]], waits: list[tuple[Device, int]],
                     memo: dict[str, Any] | None = None) -> int:
         """Queue kernels that run back to back (a device may submit them as one piece of work); returns the timeline
         value at which all have completed. The queue is in order: the first kernel's waits hold for the rest. `memo`
         (when given) belongs to these steps of one plan: a device may keep there what it derives from the steps alone,
         for the plan's next run."""
         v = 0
-        for i, (step, bufs) in enumerate(items):
-            v = self.launch(step, bufs, waits if i == 0 else [])
+        for i, (step, bufs, words) in enumerate(items):
+            v = self.launch(step, bufs, waits if i == 0 else [], words)
         return v
 
     def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:

@@ -131,3 +131,27 @@ def least_float(d: DType) -> DType:
 
 _KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2}
 _SIGNED_BY_SIZE = {2: dtypes.int16, 4: dtypes.int32, 8: dtypes.int64}
+
+
+# how a scalar kernel argument of each dtype is passed: its compute type (float16 and bfloat16 compute in float32) as
+# a struct code; every argument travels in a 64-bit word (little-endian, the value in its low bytes)
+SCALAR_CODES = {"int8": "b", "uint8": "B", "int16": "h", "int32": "i", "uint32": "I", "int64": "q",
+                "float16": "f", "bfloat16": "f", "float32": "f", "float64": "d"}
+
+
+def scalar_size(d: DType) -> int:
+    """The bytes of a scalar argument of dtype `d` (of its compute type, SCALAR_CODES)."""
+    import struct
+
+    return struct.calcsize(SCALAR_CODES[d.name])
+
+
+def scalar_packer(dts: list[DType]) -> Any:
+    """A function from scalar values of `dts` to the 64-bit words that carry them to a kernel (see SCALAR_CODES)."""
+    import struct
+
+    codes = [SCALAR_CODES[d.name] for d in dts]
+    pack = struct.Struct("<" + "".join(c + f"{8 - struct.calcsize(c)}x" if struct.calcsize(c) < 8 else c
+                                       for c in codes)).pack
+    words = struct.Struct("<" + "Q" * len(codes)).unpack
+    return lambda values: words(pack(*values))

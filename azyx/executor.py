@@ -17,6 +17,8 @@ from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 
+Launch = tuple[KernelStep, list[Buffer], tuple[int, ...]]  # a kernel, its buffers, the words of its scalar arguments
+
 
 class SyncStrategy(Enum):
     SAME_DEVICE = "same device"
@@ -57,17 +59,19 @@ class UnifiedExecutor:
         """What `dev` must wait for: buffers of other devices not ready yet (its own queue is in order)."""
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
-    def execute_kernel(self, step: KernelStep, bufs: list[Buffer], same_device: bool = False) -> int:
-        return self.execute_kernels([(step, bufs)], same_device)
+    def execute_kernel(self, step: KernelStep, bufs: list[Buffer], words: tuple[int, ...] = (),
+                       same_device: bool = False) -> int:
+        return self.execute_kernels([(step, bufs, words)], same_device)
 
-    def execute_kernels(self, items: list[tuple[KernelStep, list[Buffer]]], same_device: bool = False,
+    def execute_kernels(self, items: list[Launch], same_device: bool = False,
                         memo: dict[str, Any] | None = None) -> int:
-        """Kernels of one device that run back to back (one piece of work where the device can make it one); `memo`
-        is where the device may keep what it derives from these steps for the next run of the same plan."""
+        """Kernels of one device that run back to back (one piece of work where the device can make it one), each
+        with its buffers and the words of its scalar arguments; `memo` is where the device may keep what it derives
+        from these steps for the next run of the same plan."""
         dev = self.devices[items[0][0].device]
-        waits = [] if same_device else [w for step, bufs in items for w in self._waits(dev, bufs[step.outs:])]
+        waits = [] if same_device else [w for step, bufs, _ in items for w in self._waits(dev, bufs[step.outs:])]
         v = dev.launch_many(items, waits, memo)
-        for step, bufs in items:
+        for step, bufs, _ in items:
             for b in bufs[:step.outs]:
                 b.ready = v
         return v
@@ -80,10 +84,12 @@ class UnifiedExecutor:
         dst.ready = v
         return v
 
-    def run(self, plan: ExecutionPlan, bindings: list[Buffer]) -> list[tuple[Buffer, StridedView]]:
-        """Submit every step of `plan` with `bindings` as its inputs; returns the targets' buffers (not yet
-        necessarily ready: each carries the timeline value at which it will be)."""
-        assert len(bindings) == plan.n_inputs
+    def run(self, plan: ExecutionPlan, bindings: list[Buffer], scalars: list[Any] | tuple[Any, ...] = ()
+            ) -> list[tuple[Buffer, StridedView]]:
+        """Submit every step of `plan` with `bindings` as its inputs and `scalars` as the values of its scalars (the
+        walk's); returns the targets' buffers (not yet necessarily ready: each carries the timeline value at which it
+        will be)."""
+        assert len(bindings) == plan.n_inputs and len(scalars) == plan.n_scalars
         segments: list[_Segment] | None = plan.memo.get("segments")
         if segments is None:
             segments = plan.memo["segments"] = _segments(plan)
@@ -102,8 +108,8 @@ class UnifiedExecutor:
                 if seg.transfer is not None:
                     self.execute_transfer(bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:
-                    self.execute_kernels([(k, [bufs[a] for a in k.args]) for k in seg.kernels],  # type: ignore[misc]
-                                         single, seg.memo)
+                    self.execute_kernels([(k, [bufs[a] for a in k.args], k.words(scalars))  # type: ignore[misc]
+                                          for k in seg.kernels], single, seg.memo)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
             outs = []

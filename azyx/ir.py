@@ -17,7 +17,8 @@ from azyx.symbolic import Cond, Lin, Var, lin_vars
 
 
 class V:
-    """A value: op is one of const, load, cond, alu, cast, where, reduce."""
+    """A value: op is one of const, arg, load, cond, alu, cast, where, reduce. An `arg` is a scalar the plan binds
+    at run time (a Python number of the graph: values are data, not source); its arg is the plan's scalar index."""
 
     __slots__ = ("op", "dtype", "src", "arg", "vars", "has_reduce")
 
@@ -43,6 +44,10 @@ class ValueBuilder:
 
     def const(self, value: Any, dtype: DType) -> V:
         return self._v(("const", value, type(value), dtype), "const", dtype, (), value, frozenset())
+
+    def arg(self, index: int, dtype: DType) -> V:
+        """The plan's scalar `index` (a kernel parameter, bound on every run)."""
+        return self._v(("arg", index, dtype), "arg", dtype, (), index, frozenset())
 
     def load(self, param: int, dtype: DType, idx: Lin, cond: Cond) -> V:
         vs = frozenset(lin_vars(idx) | cond.vars())
@@ -103,6 +108,12 @@ class Kernel:
         return [v for _, v in self.stores]
 
 
+def scalar_args(k: Kernel) -> list[V]:
+    """The kernel's scalar parameters (its `arg` values) in parameter order: first use in topological order, so the
+    source names them by position and kernels that differ only in which plan scalars they read are one program."""
+    return [v for v in toposort(*k.values) if v.op == "arg"]
+
+
 def toposort(*roots: V) -> list[V]:
     """Every value the roots depend on, each after its sources."""
     order: list[V] = []
@@ -139,6 +150,8 @@ def format_kernel(k: Kernel) -> str:
             arg = f"{v.arg[0]} over {' '.join(f'{r.name}<{r.vmax + 1}' for r in v.arg[1])}"
         elif v.op == "cond":
             arg = v.arg.render()
+        elif v.op == "arg":
+            arg = f"scalar {v.arg}"
         else:
             arg = "" if v.arg is None else repr(v.arg)
         parts = [f"  %{i} = {v.op} {v.dtype.name}", arg, f"({src})" if src else ""]

@@ -24,7 +24,11 @@ What the function reads, on a replay:
   in the same order as the function draws them, so a replay gives what a call of the function would;
 - any other tensor (a closure's tensor, a constant made inside): its value at the trace, like a constant of
   `jax.jit`. A tensor that changes between calls must be an argument, or be rebound by the function.
-Python control flow runs once, at the trace: a branch on an argument's value needs that argument to be static.
+Python numbers: a float or int argument is traced (azyx.traced): it reaches the graph as a scalar, a kernel argument,
+so a new value replays the same plan; arithmetic on it inside the function is traced too (`lr * 0.5`), and a decision
+Python makes from it (a comparison, an `int()`, a shape) is guarded: a replay whose numbers decide differently traces
+again. Arguments named in `static_argnames` (as in `jax.jit`), bools and other values are part of the signature.
+Python control flow runs once, at the trace: a branch on an argument's value is a guard, or make the argument static.
 Python state the graph depends on is guarded: the training mode of each `nn.Dropout` the function ran (set by
 `Module.train()`/`eval()`) is checked on a replay, which traces again when it differs.
 """
@@ -43,6 +47,7 @@ from azyx.plan import ExecutionPlan, Walk, leaf_entry
 from azyx.realize import run_plan, submit, wait_for
 from azyx.runtime import GRAPH, RT
 from azyx.tensor import Tensor
+from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording
 
 MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
 
@@ -88,8 +93,14 @@ class Trace:
     def __init__(self, plan: ExecutionPlan | None, sources: list[tuple[int, Any]], checks: list[tuple[int, tuple]],
                  results: list[tuple[int, Any]], targets: list[tuple[Any, ...]], handles: list[Tensor],
                  handle_results: list[int], output: Callable[[list[Tensor]], Any],
-                 drawn: list[Callable[[], Tensor]], guards: list[tuple[Callable[[], Any], Any]]):
+                 drawn: list[Callable[[], Tensor]], guards: list[tuple[Callable[[], Any], Any]],
+                 token: object = None, scalars: list[Any] | None = None,
+                 scalar_guards: list[tuple[tuple, Any]] | None = None):
         self.plan = plan
+        self.token = token  # the traced numbers' trace
+        self.scalars = scalars or []  # the plan's scalars at the trace: constants, or traced numbers computed anew
+        self.traced = [i for i, s in enumerate(self.scalars) if isinstance(s, TracedFloat | TracedInt)]
+        self.scalar_guards = scalar_guards or []  # (recipe, value): decisions made from traced numbers
         self.guards = guards  # (read, value): the replay fits only while each read() gives its value
         self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
         #                         index) | (CONST, the buffer bound at the trace)
@@ -103,14 +114,31 @@ class Trace:
 
 
 class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
-    """Trace `fn` on its first call with each signature, replay the trace on later calls (module docstring)."""
+    """Trace `fn` on its first call with each signature, replay the trace on later calls (module docstring).
+    `@azyx.jit` or `@azyx.jit(static_argnames=("n",))`."""
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __new__(cls, fn: Callable[..., Any] | None = None, *, static_argnames: Sequence[str] | str = ()) -> Any:
+        if fn is None:
+            return functools.partial(jit, static_argnames=static_argnames)
+        return super().__new__(cls)
+
+    def __init__(self, fn: Callable[..., Any] | None = None, *, static_argnames: Sequence[str] | str = ()):
         import inspect
 
+        assert fn is not None
         if inspect.iscoroutinefunction(fn):
             raise ArgumentError(f"azyx.jit needs a function that builds a lazy graph, not a coroutine function "
                                 f"({fn.__qualname__}): it realizes what the function returns itself")
+        static = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
+        try:
+            names = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+        unknown = static - set(names) if names else set()
+        if unknown:
+            raise ArgumentError(f"static_argnames {sorted(unknown)} are not parameters of {fn.__qualname__}")
+        # positions and names of static arguments (a positional argument is known by its index)
+        self.static = static | {i for i, name in enumerate(names) if name in static}
         self.fn = fn
         self.traces: dict[tuple, Trace] = {}
         self.replays = 0  # calls answered by a replay (for tests and debugging)
@@ -127,27 +155,33 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         lazy = [t for t in tensors if nodes[t.id].buffer is None]  # type: ignore[union-attr]
         if lazy:  # arguments are leaves of the trace: realize them first
             await submit(lazy)
-        key = self._signature(named)
+        key, numbers = self._signature(named)
         trace = self.traces.get(key)
         if trace is not None:
             handles = [h for h in trace.handles if nodes[h.id].buffer is None]  # type: ignore[union-attr]
             if handles:  # rebound outside the function since: their new values first
                 await submit(handles)
-            replay = self._replay(trace, tensors)
+            replay = self._replay(trace, tensors, numbers)
             if replay is not None:
                 self.replays += 1
                 results, plan = replay
                 await wait_for([nodes[t.id].buffer for t in results], plan)  # type: ignore[union-attr,misc]
                 return trace.output(results)
-        return await self._trace(key, args, kwargs, tensors)
+        return await self._trace(key, args, kwargs, tensors, numbers)
 
-    def _signature(self, named: tuple[tuple[Any, Any], ...]) -> tuple:
+    def _signature(self, named: tuple[tuple[Any, Any], ...]) -> tuple[tuple, dict[Any, Any]]:
+        """The call's signature, and its traced numbers (argument name -> value)."""
         nodes = GRAPH.nodes
+        numbers: dict[Any, Any] = {}
         out: list[Any] = [Tensor.training]
         first: dict[int, Any] = {}  # which arguments are the same node (the trace's plan binds it once)
         for name, a in named:
             if isinstance(a, Tensor):
                 out.append((name, first.setdefault(a.id, name), leaf_entry(nodes[a.id])))  # type: ignore[arg-type]
+                continue
+            if (type(a) is float or type(a) is int) and name not in self.static:
+                numbers[name] = a
+                out.append((name, type(a)))  # traced: its value is data
                 continue
             try:
                 hash(a)
@@ -155,19 +189,27 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 raise ArgumentError(f"argument {name!r} of {self.fn.__qualname__} is a {type(a).__name__}: azyx.jit "
                                     f"takes tensors and hashable values (a value is part of the signature)") from None
             out.append((name, type(a), a))
-        return tuple(out)
+        return tuple(out), numbers
 
-    async def _trace(self, key: tuple, args: tuple, kwargs: dict[str, Any], tensors: list[Tensor]) -> Any:
+    async def _trace(self, key: tuple, args: tuple, kwargs: dict[str, Any], tensors: list[Tensor],
+                     numbers: dict[Any, Any]) -> Any:
+        token = object()
+        if numbers:  # the function sees traced numbers (azyx.traced)
+            args = tuple(_traced(a, ("arg", token, i)) if i in numbers else a for i, a in enumerate(args))
+            kwargs = {k: _traced(a, ("arg", token, k)) if k in numbers else a for k, a in kwargs.items()}
         rec = RT.trace = Recorder()
         try:
             try:
-                returned = self.fn(*args, **kwargs)
+                with recording() as scalar_guards:
+                    returned = self.fn(*args, **kwargs)
             finally:
                 RT.trace = None
             outputs, output = _flatten(returned, self.fn.__qualname__)
             handles = list(rec.rebound)
             plan, walk, bindings = await submit([*outputs, *handles])
             trace = self._make(rec, tensors, outputs, output, handles, plan, walk, bindings)
+            if trace is not None:
+                trace.token, trace.scalar_guards = token, scalar_guards
         finally:
             rec.close()
         if trace is not None:
@@ -217,16 +259,26 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                                        f"targets, {len(handles)} rebound handles, {len(rec.drawn)} random tensors")
         return Trace(plan, sources, checks, results, targets, handles,
                      list(range(len(outputs), len(results))), output, [again for _, again in rec.drawn],
-                     list(rec.guards))
+                     list(rec.guards), scalars=list(walk.scalars) if walk is not None else [])
 
     @staticmethod
-    def _replay(trace: Trace, tensors: list[Tensor]) -> tuple[list[Tensor], ExecutionPlan | None] | None:
+    def _replay(trace: Trace, tensors: list[Tensor], numbers: dict[Any, Any]
+                ) -> tuple[list[Tensor], ExecutionPlan | None] | None:
         """Bind and submit the trace's plan; None when a guard or a leaf does not fit it (then the caller traces
         again)."""
         handles, gn = trace.handles, GRAPH.nodes
         for read, value in trace.guards:
             if read() != value:
                 return None
+        token = trace.token
+        for recipe, value in trace.scalar_guards:
+            if evaluate_recipe(recipe, token, numbers) != value:
+                return None
+        scalars = trace.scalars
+        if trace.traced:  # this call's values of the traced numbers
+            scalars = list(scalars)
+            for i in trace.traced:
+                scalars[i] = evaluate(scalars[i], token, numbers)
         for x, entry in trace.checks:
             if leaf_entry(gn[handles[x].id]) != entry:  # type: ignore[arg-type]
                 return None
@@ -245,7 +297,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         plan = trace.plan
         ids: list[int] = []
         if plan is not None:
-            outs = run_plan(plan, bindings, nodes.__getitem__)  # a constant's host copy is bound again next time
+            outs = run_plan(plan, bindings, nodes.__getitem__, scalars)  # a constant's host copy is bound again
             for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs):
                 node = Node(Op.LEAF, (), None, shape, dtype, device, pinned)
                 node.buffer, node.view = buf, view
@@ -261,6 +313,10 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         for h, r in zip(handles, trace.handle_results):
             h.assign(results[r])
         return results[:len(results) - len(handles)], plan
+
+
+def _traced(value: Any, recipe: tuple) -> Any:
+    return TracedFloat(value, recipe) if type(value) is float else TracedInt(value, recipe)
 
 
 def _flatten(returned: Any, name: str) -> tuple[list[Tensor], Callable[[list[Tensor]], Any]]:

@@ -138,6 +138,8 @@ def rebuild(roots: list[V], vb: ValueBuilder, load: Callable[[V], V | None], vma
                 return None
         elif v.op == "const":
             got = vb.const(v.arg, v.dtype)
+        elif v.op == "arg":
+            got = vb.arg(v.arg, v.dtype)
         elif v.op == "cond":
             got = vb.cond(v.arg if vmap is None else _subst_cond(v.arg, vmap), v.dtype)
         elif v.op == "alu":

@@ -19,10 +19,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from azyx import debug
-from azyx.dtypes import DType, dtypes
+from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import AllocationError
 from azyx.graph import ELEMENTWISE, MOVEMENT, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
-from azyx.ir import Kernel, V, ValueBuilder, format_kernel, toposort
+from azyx.ir import Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Lin, Var, count_divmod, var
 
@@ -52,6 +52,19 @@ class KernelStep:
     work: int
     kernel: Kernel = field(repr=False, compare=False)
     outs: int = 1
+    # the plan's scalars it takes, in parameter order (after the buffers), and how their values are passed
+    scalars: tuple[int, ...] = field(default=(), init=False)
+    pack: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        args = scalar_args(self.kernel)
+        if args:
+            object.__setattr__(self, "scalars", tuple(v.arg for v in args))
+            object.__setattr__(self, "pack", scalar_packer([v.dtype for v in args]))
+
+    def words(self, scalars: list[Any]) -> tuple[int, ...]:
+        """This run's values of the kernel's scalar parameters, as the 64-bit words that carry them."""
+        return self.pack([scalars[i] for i in self.scalars]) if self.scalars else ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class ExecutionPlan:
     frees: tuple[tuple[int, ...], ...]  # per step: temp slots whose last use it is
     devices: tuple[str, ...]
     adopt: tuple[tuple[int, int], ...] = ()  # (input slot, slot): host data a leaf keeps on its device from now on
+    n_scalars: int = 0  # the values a run binds (Walk.scalars): the graph's Python numbers, kernel arguments
     # what the executor and devices derive from the plan once and reuse on every run (its batches, their tables)
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -97,8 +111,11 @@ class ExecutionPlan:
 class Walk:
     """The structure of the graph below some targets: its cache key, its nodes and its input leaves."""
 
-    def __init__(self, graph: Graph, key: tuple, topo: list[int], leaves: list[int], targets: list[int]):
+    def __init__(self, graph: Graph, key: tuple, topo: list[int], leaves: list[int], targets: list[int],
+                 scalars: list[Any], scalar_of: dict[int, int]):
         self.graph, self.key, self.topo, self.leaves, self.targets = graph, key, topo, leaves, targets
+        self.scalars = scalars  # the values of the graph's scalars, in walk order: a run binds them
+        self.scalar_of = scalar_of  # node -> its scalar's index (a CONST's value, a PAD's fill)
 
     @cached_property
     def consumers(self) -> dict[int, int]:
@@ -126,7 +143,9 @@ class Walk:
 
 def canonicalize(graph: Graph, targets: list[int]) -> Walk:
     """Walk from the targets down to realized nodes; the key captures ops, args, shapes, dtypes, devices, views and
-    how nodes are shared (x + x differs from x + y), so equal keys mean one plan serves both graphs."""
+    how nodes are shared (x + x differs from x + y), so equal keys mean one plan serves both graphs. A scalar (a
+    CONST's value, a PAD's fill) is data, not structure: the key holds SCALAR in its place and the walk keeps the value
+    (Walk.scalars), which each run binds; bool constants stay in the key (a `where` on one folds)."""
     try:
         return _walk_recursive(graph, targets)
     except RecursionError:  # a very deep chain: the same walk with an explicit stack
@@ -143,7 +162,24 @@ def leaf_entry(n: Node) -> tuple:
 def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
     w = _Walker(graph.nodes)
     tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
-    return Walk(graph, (tuple(w.entries), tk), w.topo, w.leaves, targets)
+    return Walk(graph, (tuple(w.entries), tk), w.topo, w.leaves, targets, w.scalars, w.scalar_of)
+
+
+SCALAR = "scalar"  # a scalar's place in the cache key
+
+
+def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_of: dict[int, int]) -> tuple:
+    """A node's entry in the key; its scalar, if it has one, goes to `scalars` instead."""
+    op, arg, arg2 = n.op, n.arg, n.arg2
+    if op is Op.CONST and n.dtype.kind != "b":
+        scalar_of[i] = len(scalars)
+        scalars.append(arg)
+        arg = SCALAR
+    elif op is Op.PAD and n.dtype.kind != "b":
+        scalar_of[i] = len(scalars)
+        scalars.append(arg2)
+        arg2 = SCALAR
+    return (op, arg, arg2, n.shape, n.dtype, n.device, n.pinned, srck)
 
 
 class _Walker:
@@ -156,6 +192,8 @@ class _Walker:
         self.entries: list[tuple] = []
         self.leaves: list[int] = []
         self.topo: list[int] = []
+        self.scalars: list[Any] = []
+        self.scalar_of: dict[int, int] = {}
 
     def visit(self, i: int) -> int:
         n = self.nodes[i]
@@ -173,7 +211,10 @@ class _Walker:
         else:
             srck = tuple([index[s] if s in index else self.visit(s) for s in src])
         k = index[i] = len(entries)
-        entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
+        if n.op is Op.CONST or n.op is Op.PAD:
+            entries.append(_entry(n, i, srck, self.scalars, self.scalar_of))
+        else:
+            entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
         self.topo.append(i)
         return k
 
@@ -184,6 +225,8 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
     entries: list[tuple] = []
     leaves: list[int] = []
     topo: list[int] = []
+    scalars: list[Any] = []
+    scalar_of: dict[int, int] = {}
     for t in targets:
         stack: list[tuple[int, bool]] = [(t, False)]
         while stack:
@@ -192,8 +235,7 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
             assert n is not None
             if done:
                 index[i] = len(entries)
-                entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned,
-                                tuple([index[s] for s in n.src])))
+                entries.append(_entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_of))
                 topo.append(i)
                 continue
             if i in index:
@@ -207,7 +249,8 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
             for s in reversed(n.src):
                 if s not in index:
                     stack.append((s, False))
-    return Walk(graph, (tuple(entries), tuple(index[t] for t in targets)), topo, leaves, targets)
+    return Walk(graph, (tuple(entries), tuple(index[t] for t in targets)), topo, leaves, targets, scalars,
+                scalar_of)
 
 
 # ------------------------------------------------------------------------------------------------ planner
@@ -515,7 +558,7 @@ class Planner:
                       for i, s in enumerate(self.slots))
         devices = tuple(sorted({s.device for s in slots}))
         return ExecutionPlan(tuple(self.steps), slots, len(self.walk.leaves), outputs,
-                             tuple(tuple(f) for f in frees), devices, tuple(self.adopt))
+                             tuple(tuple(f) for f in frees), devices, tuple(self.adopt), len(self.walk.scalars))
 
 
 class KernelBuild:
@@ -570,7 +613,8 @@ class KernelBuild:
             return self.load(nid, idx, cond)
         op = n.op
         if op is Op.CONST:
-            return vb.const(n.arg, n.dtype)
+            k = p.walk.scalar_of.get(nid)
+            return vb.const(n.arg, n.dtype) if k is None else vb.arg(k, n.dtype)
         multi = not top and p.walk.consumers.get(nid, 0) > 1
         if multi and nid in p.walk.heavy:  # a fused reduce below it (through any ops): compute once, not per consumer
             return self.load(nid, idx, cond)
@@ -624,7 +668,8 @@ class KernelBuild:
                 new.append(x)
                 if b > 0 or a > 0:
                     local = local.add(x, 0, size)
-            fill = vb.const(n.arg2, n.dtype)
+            k = p.walk.scalar_of.get(nid)
+            fill = vb.const(n.arg2, n.dtype) if k is None else vb.arg(k, n.dtype)
             if local.never:
                 return fill
             inner_cond = cond

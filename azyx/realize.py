@@ -47,18 +47,19 @@ async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk 
         await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
         rt.plan_cache[walk.key] = plan
     bindings = [GRAPH[i].buffer for i in walk.leaves]
-    outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]])  # type: ignore[arg-type]
+    outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
     for tid, (buf, view) in zip(targets, outs):
         GRAPH.become_leaf(tid, buf, view)
     return plan, walk, bindings  # type: ignore[return-value]
 
 
-def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], Node | None]
-             ) -> list[tuple[Buffer, StridedView]]:
-    """Submit `plan` with `bindings` as its inputs; returns the targets' buffers and views. Host data the plan uploads
-    for an input stays on the device: `leaf(slot)`, the input's node, keeps the uploaded buffer (None: nobody does)."""
+def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], Node | None],
+             scalars: list[Any] | tuple[Any, ...] = ()) -> list[tuple[Buffer, StridedView]]:
+    """Submit `plan` with `bindings` as its inputs and `scalars` as its scalars' values; returns the targets' buffers
+    and views. Host data the plan uploads for an input stays on the device: `leaf(slot)`, the input's node, keeps the
+    uploaded buffer (None: nobody does)."""
     ex = RT.executor
-    outs = ex.run(plan, bindings)
+    outs = ex.run(plan, bindings, scalars)
     for (slot, _), buf in zip(plan.adopt, ex.adopted):
         if (n := leaf(slot)) is not None:
             n.buffer = buf

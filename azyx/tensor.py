@@ -19,6 +19,7 @@ from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
 from azyx.graph import Node, Op, Shape, prod
 from azyx.runtime import GRAPH, RT
+from azyx.traced import Traced, lift
 
 _nodes = GRAPH.nodes
 Scalar = bool | int | float
@@ -72,7 +73,9 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
 
 
 def _fold_value(v: Any, dtype: DType) -> Scalar:
-    """A numpy scalar result as the Python scalar a CONST node of `dtype` holds."""
+    """A numpy scalar result as the Python scalar a CONST node of `dtype` holds (a traced one stays traced)."""
+    if isinstance(v, Traced):
+        return lift(_fold_value, v, dtype)
     if type(v) is float and dtype.kind == "f" and dtype.itemsize >= 4:
         return v if dtype.itemsize == 8 else float(np.float32(v))
     if dtype is dtypes.bfloat16:
@@ -382,7 +385,8 @@ class Tensor:
         out_dt = dtypes.bool if kind == "bool" else dt
         if na.op is Op.CONST and nb.op is Op.CONST:
             with np.errstate(all="ignore"):
-                v = _ops.BINARY[op][1](np.asarray(na.arg, dt.numpy), np.asarray(nb.arg, dt.numpy))
+                v = lift(lambda x, y: _ops.BINARY[op][1](np.asarray(x, dt.numpy), np.asarray(y, dt.numpy)),
+                         na.arg, nb.arg)
             return Tensor._const(v, shape, out_dt, device, pinned)
         return Tensor._from_node(Node(Op.BINARY, (a.id, b.id), op, shape, out_dt, device, pinned))
 
@@ -393,7 +397,7 @@ class Tensor:
             raise DTypeError(f"~ needs a bool or integer tensor, got {n.dtype.name}")
         if n.op is Op.CONST:
             with np.errstate(all="ignore"):
-                return x._const_like(_ops.UNARY[op][1](np.asarray(n.arg, n.dtype.numpy)))
+                return x._const_like(lift(lambda v: _ops.UNARY[op][1](np.asarray(v, n.dtype.numpy)), n.arg))
         return x._new(Op.UNARY, (x.id,), op, n.shape, n.dtype)
 
     def cast(self, dtype: Any) -> Tensor:

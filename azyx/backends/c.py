@@ -18,6 +18,7 @@ their core; one woken onto the worker's core moves off it (its CPU affinity then
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -35,7 +36,7 @@ from azyx.config import cache_dir
 from azyx.cstyle import SHARED, C, kernel_source, parallel_kind, parallel_loop
 from azyx.device import Buffer
 from azyx.errors import CompileError, DeviceError
-from azyx.ir import Kernel
+from azyx.ir import Kernel, scalar_args
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread
@@ -411,12 +412,14 @@ void azyx_run(void* pool, long n, azyx_kernel* fns, void** ptrs, const long* arg
 """
 
 
-def _entries(arity: dict[str, int], kinds: dict[str, int]) -> str:
-    """`name_argv(lo, hi, args)`: every kernel callable the same way, its buffers as one array (what azyx_run calls);
-    lo and hi bound the shared loop of a SHARED kernel, the others ignore them."""
+def _entries(arity: dict[str, int], kinds: dict[str, int], scalars: dict[str, list[str]]) -> str:
+    """`name_argv(lo, hi, args)`: every kernel callable the same way, its buffers and then pointers to its scalar
+    arguments as one array (what azyx_run calls); lo and hi bound the shared loop of a SHARED kernel, the others
+    ignore them."""
     out = []
     for name, n in arity.items():
-        bufs = ", ".join(f"a[{i}]" for i in range(n))
+        bufs = ", ".join([f"a[{i}]" for i in range(n)] +
+                         [f"*({t}*)a[{n + i}]" for i, t in enumerate(scalars[name])])
         call = f"{name}(lo, hi, {bufs})" if kinds[name] == SHARED else f"(void)lo; (void)hi; {name}({bufs})"
         out.append(f"void {name}_argv(long lo, long hi, void** a) {{ {call}; }}")
     return "\n".join(out)
@@ -447,9 +450,10 @@ class CDevice(HostDevice):
             return
         arity = {name: len(s.args) for name, s in todo.items()}
         kinds = {name: parallel_kind(s.kernel, C, self.threads) for name, s in todo.items()}
+        scalars = {name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for name, s in todo.items()}
         src = kernel_source([s.src for s in todo.values()], C)  # once each
         debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
-        src = "#define _GNU_SOURCE\n" + src + "\n" + _entries(arity, kinds) + "\n" + _RUNTIME  # (sched_getcpu)
+        src = "#define _GNU_SOURCE\n" + src + "\n" + _entries(arity, kinds, scalars) + "\n" + _RUNTIME  # (sched_getcpu)
         # build (or find in the disk cache) and load on a worker thread: the loop only waits; a cancelled realize
         # stops waiting while the build still finishes into the cache
         entries = await in_worker_thread(self._build_and_load, src, arity)
@@ -493,16 +497,16 @@ class CDevice(HostDevice):
             _RUNTIME_LIB.append(lib)
         return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
 
-    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer]]], memo: dict[str, Any] | None = None
-                 ) -> Callable[[], None]:
+    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]],
+                 memo: dict[str, Any] | None = None) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
             self.queue.native = _Runner(self.pool, self.timeline, self.name)
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            calls = [_Batch([(step, bufs)], _Layout([step], self.threads), self.pool) for step, bufs in items]
+            calls = [_Batch([item], _Layout([item[0]], self.threads), self.pool) for item in items]
 
             def timed() -> None:
-                for call, (step, _) in zip(calls, items):
+                for call, (step, _, _) in zip(calls, items):
                     t0 = time.perf_counter()
                     call()
                     debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
@@ -510,7 +514,7 @@ class CDevice(HostDevice):
             return timed
         layout = memo.get("c") if memo is not None else None
         if layout is None:
-            layout = _Layout([step for step, _ in items], self.threads)
+            layout = _Layout([step for step, _, _ in items], self.threads)
             if memo is not None:
                 memo["c"] = layout
         return _Batch(items, layout, self.pool)
@@ -541,27 +545,44 @@ class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalar_at")
 
     def __init__(self, steps: list[KernelStep], threads: int):
         self.n = len(steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
-        self.argc = (ctypes.c_long * self.n)(*[len(step.args) for step in steps])
+        self.argc = (ctypes.c_long * self.n)(*[len(step.args) + len(step.scalars) for step in steps])
         self.kinds = bytes([kind for _, kind in entries])
         self.trips = (ctypes.c_long * self.n)(*[_trip(step.kernel, threads) for step in steps])
-        self.ptrs_type = ctypes.c_void_p * sum(len(step.args) for step in steps)  # one type per layout, not per run
+        self.ptrs_type = ctypes.c_void_p * sum(self.argc)  # one type per layout, not per run
+        # where each scalar argument's pointer goes in the batch's table (after its kernel's buffers)
+        self.scalar_at: list[int] = []
+        at = 0
+        for step in steps:
+            self.scalar_at += range(at + len(step.args), at + len(step.args) + len(step.scalars))
+            at += len(step.args) + len(step.scalars)
 
 
 class _Batch:
     """Kernels run back to back by one call into C; holds their buffers until it has run (then the pool may reuse
     them)."""
 
-    __slots__ = ("layout", "ptrs", "pool", "items")
+    __slots__ = ("layout", "ptrs", "pool", "items", "words")
 
-    def __init__(self, items: list[tuple[KernelStep, list[Buffer]]], layout: _Layout, pool: int):
+    def __init__(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]], layout: _Layout, pool: int):
         self.layout, self.pool, self.items = layout, pool, items
-        self.ptrs = layout.ptrs_type(*[b.ptr for _, bufs in items for b in bufs])  # every kernel's buffers in a row
+        if not layout.scalar_at:
+            self.ptrs = layout.ptrs_type(*[b.ptr for _, bufs, _ in items for b in bufs])  # every kernel's buffers
+            return
+        # the scalar arguments' values live in the batch until it has run; the table points at each one
+        self.words = array.array("Q", [w for _, _, words in items for w in words])
+        base = self.words.buffer_info()[0]
+        ptrs: list[int] = []
+        for _, bufs, words in items:
+            ptrs += [b.ptr for b in bufs]
+            ptrs += range(base, base + 8 * len(words), 8)
+            base += 8 * len(words)
+        self.ptrs = layout.ptrs_type(*ptrs)
 
     def __call__(self) -> None:
         lay = self.layout

@@ -532,12 +532,15 @@ class CUDADevice(Device):
         if err:
             check((err,), "cuLaunchKernel")
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
         fn = self.functions[step.name]
         dims = self.dims.get(step.name)
         if dims is None:
             dims = self.dims[step.name] = launch_dims(step.kernel)
-        ptrs = tuple(b.ptr for b in bufs)
+        # the buffers' device pointers, then the scalar arguments' words: kernelParams points at each 64-bit value
+        # (the driver reads as many low bytes as the parameter has), and a steady batch's graph is keyed by them all
+        ptrs = tuple(b.ptr for b in bufs) + words if words else tuple(b.ptr for b in bufs)
         if self.batch is not None and not waits:
             self.batch.append((fn, dims, ptrs, step.name))
             self.submitted += 1  # reserved: end_batch records the event that completes it

@@ -263,7 +263,8 @@ class DiskDevice(Device):
         return out
 
     # work: none happens here
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
         raise DeviceError("the disk device runs no kernels")
 
     def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:

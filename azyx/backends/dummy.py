@@ -27,6 +27,7 @@ class DummyDevice(Device):
         self.in_use = 0
         self.submitted = 0
         self.launched: list[str] = []  # kernel names, in launch order (for tests)
+        self.scalars_bound = 0  # scalar arguments passed to kernels (for tests)
 
     def free_memory(self) -> int:
         return self.capacity - self.in_use
@@ -51,8 +52,10 @@ class DummyDevice(Device):
         self.timeline.signal(self.submitted)
         return self.submitted
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
         self.launched.append(step.name)
+        self.scalars_bound += len(words)
         return self._done()
 
     def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:

@@ -173,20 +173,21 @@ class HostDevice(Device):
     def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
 
-    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer]]], memo: dict[str, Any] | None = None
-                 ) -> Callable[[], None]:
+    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]],
+                 memo: dict[str, Any] | None = None) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
         raise NotImplementedError
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
-        return self.launch_many([(step, bufs)], waits)
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
+        return self.launch_many([(step, bufs, words)], waits)
 
-    def launch_many(self, items: list[tuple[KernelStep, list[Buffer]]], waits: list[tuple[Device, int]],
+    def launch_many(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]], waits: list[tuple[Device, int]],
                     memo: dict[str, Any] | None = None) -> int:
         """Kernels back to back: one work item, so one hand-off to the worker thread for all of them."""
         work = memo.get("work") if memo is not None else None
         if work is None:
-            work = sum(step.work for step, _ in items)
+            work = sum(step.work for step, _, _ in items)
             if memo is not None:
                 memo["work"] = work
         return self.submit(self.batch_fn(items, memo), waits, work)

@@ -24,8 +24,9 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.cstyle import OPENCL, group_size, kernel_source
+from azyx.ir import scalar_args
 from azyx.device import Buffer, Device
-from azyx.dtypes import DType
+from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
@@ -204,7 +205,8 @@ class OpenCLDevice(Device):
             done = self._take_done()
         del done
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]]) -> int:
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
         knl = self.kernels[step.name]
         n = max(step.kernel.global_size, 1)
         group = group_size(step.kernel, OPENCL)
@@ -213,7 +215,10 @@ class OpenCLDevice(Device):
         else:
             local = min(_LOCAL, self.max_local, n)
             glob = -(-n // local) * local  # the kernel returns early past its global size
-        mems = [b.mem for b in bufs]
+        mems: list[Any] = [b.mem for b in bufs]
+        if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has
+            sizes = [scalar_size(v.dtype) for v in scalar_args(step.kernel)]
+            mems += [w.to_bytes(8, "little")[:n] for w, n in zip(words, sizes)]
 
         def enqueue(wait_for: list[Any] | None) -> Any:
             knl.set_args(*mems)
