@@ -35,6 +35,9 @@ class Buffer:
             pass
 
 
+
+Launch = tuple[KernelStep, list[Buffer], tuple[int, ...]]  # a kernel, its buffers, the words of its scalar arguments
+
 class Device:
     """One logical device: allocator, queue, timeline signal, compiler and launcher."""
 
@@ -86,7 +89,7 @@ class Device:
         timeline value at which it will have completed."""
         raise NotImplementedError
 
-    def launch_many(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]], waits: list[tuple[Device, int]],
+    def launch_many(self, items: list[Launch], waits: list[tuple[Device, int]],
                     memo: dict[str, Any] | None = None) -> int:
         """Queue kernels that run back to back (a device may submit them as one piece of work); returns the timeline
         value at which all have completed. The queue is in order: the first kernel's waits hold for the rest. `memo`

@@ -12,12 +12,10 @@ from enum import Enum
 from typing import Any
 
 from azyx import debug
-from azyx.device import Buffer, Device
+from azyx.device import Buffer, Device, Launch
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
-
-Launch = tuple[KernelStep, list[Buffer], tuple[int, ...]]  # a kernel, its buffers, the words of its scalar arguments
 
 
 class SyncStrategy(Enum):

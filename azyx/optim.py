@@ -12,13 +12,15 @@ There is no `zero_grad`: gradients are not accumulated on the parameters, they a
     await azyx.realize(loss, *opt.tensors())     # or: await azyx.realize(loss, *opt.step(...))
 
 Every state tensor (moments, step powers) is a realized tensor from the start, so the first iteration's graph has
-the same structure as every later one. Hyper-parameters are Python floats baked into the graph: changing one (a
-learning-rate schedule) makes a new plan structure for each distinct value.
+the same structure as every later one. Hyper-parameters are Python numbers, and numbers are data: each is a kernel
+argument bound per run, so a learning rate that changes every step (`opt.lr = ...`, `LambdaLR`) reuses the same plan
+and kernels. Only a change that alters the structure (a weight decay turned on or off) plans anew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -152,6 +154,35 @@ class Adam(Optimizer):
                                     (1 - b2t).cast(p.dtype).reciprocal())
             step, inv_bc2 = scalars[p.dtype]
             p.assign(p - m * step / ((v * inv_bc2).sqrt() + self.eps))
+
+
+class LambdaLR:
+    """PyTorch's LambdaLR: the optimiser's learning rate is its initial one times `lr_lambda(epoch)`, set at
+    construction (epoch 0) and by each `step()`. The rate is a scalar of the graph, a kernel argument: a new value every
+    step builds no new plan and compiles nothing.
+
+    >>> from azyx import Tensor, optim
+    >>> opt = optim.SGD([Tensor([1.0])], lr=0.1)
+    >>> sched = optim.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+    >>> sched.step(); round(opt.lr, 6)
+    0.05
+    """
+
+    def __init__(self, optimizer: Optimizer, lr_lambda: Callable[[int], float]):
+        self.optimizer, self.lr_lambda = optimizer, lr_lambda
+        self.base_lr = optimizer.lr
+        self.last_epoch = 0
+        optimizer.lr = self.base_lr * lr_lambda(0)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self.optimizer.lr = self.base_lr * self.lr_lambda(self.last_epoch)
+
+    def get_last_lr(self) -> list[float]:
+        return [self.optimizer.lr]
+
+
+lr_scheduler = SimpleNamespace(LambdaLR=LambdaLR)  # as torch.optim.lr_scheduler
 
 
 class AdamW(Adam):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,7 @@ class KernelStep:
             object.__setattr__(self, "scalars", tuple(v.arg for v in args))
             object.__setattr__(self, "pack", scalar_packer([v.dtype for v in args]))
 
-    def words(self, scalars: list[Any]) -> tuple[int, ...]:
+    def words(self, scalars: Sequence[Any]) -> tuple[int, ...]:
         """This run's values of the kernel's scalar parameters, as the 64-bit words that carry them."""
         return self.pack([scalars[i] for i in self.scalars]) if self.scalars else ()
 

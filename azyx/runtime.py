@@ -31,6 +31,7 @@ class Runtime:
         self.trace: Any = None  # azyx.jit's Recorder while a function is traced: told of rebinding and random draws
         self.lock = threading.Lock()
         self.inflight: dict[str, tuple[Any, Any]] = {}  # kernel name -> (loop identity, anyio.Event)
+        self.compiled = 0  # kernels handed to a device's compiler (a new scalar value must add none)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -150,6 +151,7 @@ class Runtime:
             event = anyio.Event()
             for s in todo:
                 self.inflight[s.name] = (loop_id, event)
+            self.compiled += len(todo)
             try:
                 await dev.compile(todo)
             finally:

@@ -45,8 +45,8 @@ class Traced:
     def __abs__(self) -> Any: return lift(operator.abs, self)  # noqa: E704
 
     # Python decides from the value: a replay must decide the same
-    def __eq__(self, o: Any) -> bool: return guarded(operator.eq, self, o)  # type: ignore[override]  # noqa: E704
-    def __ne__(self, o: Any) -> bool: return guarded(operator.ne, self, o)  # type: ignore[override]  # noqa: E704
+    def __eq__(self, o: Any) -> bool: return guarded(operator.eq, self, o)  # noqa: E704
+    def __ne__(self, o: Any) -> bool: return guarded(operator.ne, self, o)  # noqa: E704
     def __lt__(self, o: Any) -> bool: return guarded(operator.lt, self, o)  # noqa: E704
     def __le__(self, o: Any) -> bool: return guarded(operator.le, self, o)  # noqa: E704
     def __gt__(self, o: Any) -> bool: return guarded(operator.gt, self, o)  # noqa: E704
@@ -56,7 +56,7 @@ class Traced:
     def __round__(self, n: Any = None) -> Any: return guarded(round, self) if n is None else guarded(round, self, n)  # noqa: E704,E501
 
 
-class TracedFloat(Traced, float):
+class TracedFloat(Traced, float):  # type: ignore[misc]  # pow: any number here
     def __new__(cls, value: float, recipe: Recipe) -> TracedFloat:
         self = float.__new__(cls, value)
         self.recipe = recipe
@@ -67,7 +67,7 @@ class TracedFloat(Traced, float):
     def __repr__(self) -> str: return f"traced({float.__repr__(self)})"  # noqa: E704
 
 
-class TracedInt(Traced, int):
+class TracedInt(Traced, int):  # type: ignore[misc]  # pow: any number here
     def __new__(cls, value: int, recipe: Recipe) -> TracedInt:
         self = int.__new__(cls, value)
         self.recipe = recipe

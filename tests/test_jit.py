@@ -62,6 +62,7 @@ async def test_results_keep_the_structure_and_may_be_arguments(device: str) -> N
         np.testing.assert_allclose(await s.numpy(), a_np + 0.5 * b_np, rtol=1e-6)
         np.testing.assert_allclose(await total.item(), float((a_np * b_np).sum()), rtol=1e-5)
     replays, traces = f.replays, len(f.traces)
+    a, b = Tensor(a_np, device=device), Tensor(b_np, device=device)  # (host data again, as the trace saw it)
     out = await f(a, b, 2.0)  # a traced number: a new value replays the same trace
     np.testing.assert_allclose(await out[0].numpy(), a_np + 2 * b_np, rtol=1e-6)
     assert len(f.traces) == traces and f.replays == replays + 1

@@ -34,7 +34,7 @@ from azyx import debug
 from azyx.backends.host import HostDevice
 from azyx.config import cache_dir
 from azyx.cstyle import SHARED, C, kernel_source, parallel_kind, parallel_loop
-from azyx.device import Buffer
+from azyx.device import Launch
 from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.plan import KernelStep
@@ -497,7 +497,7 @@ class CDevice(HostDevice):
             _RUNTIME_LIB.append(lib)
         return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
 
-    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]],
+    def batch_fn(self, items: list[Launch],
                  memo: dict[str, Any] | None = None) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
@@ -569,7 +569,7 @@ class _Batch:
 
     __slots__ = ("layout", "ptrs", "pool", "items", "words")
 
-    def __init__(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]], layout: _Layout, pool: int):
+    def __init__(self, items: list[Launch], layout: _Layout, pool: int):
         self.layout, self.pool, self.items = layout, pool, items
         if not layout.scalar_at:
             self.ptrs = layout.ptrs_type(*[b.ptr for _, bufs, _ in items for b in bufs])  # every kernel's buffers

@@ -14,7 +14,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.disk import DiskDevice
-from azyx.device import Buffer, Device
+from azyx.device import Buffer, Device, Launch
 from azyx.dtypes import DType, dtypes
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
@@ -173,7 +173,7 @@ class HostDevice(Device):
     def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
 
-    def batch_fn(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]],
+    def batch_fn(self, items: list[Launch],
                  memo: dict[str, Any] | None = None) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
         raise NotImplementedError
@@ -182,7 +182,7 @@ class HostDevice(Device):
                words: tuple[int, ...] = ()) -> int:
         return self.launch_many([(step, bufs, words)], waits)
 
-    def launch_many(self, items: list[tuple[KernelStep, list[Buffer], tuple[int, ...]]], waits: list[tuple[Device, int]],
+    def launch_many(self, items: list[Launch], waits: list[tuple[Device, int]],
                     memo: dict[str, Any] | None = None) -> int:
         """Kernels back to back: one work item, so one hand-off to the worker thread for all of them."""
         work = memo.get("work") if memo is not None else None

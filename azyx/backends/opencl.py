@@ -24,11 +24,11 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.cstyle import OPENCL, group_size, kernel_source
-from azyx.ir import scalar_args
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
+from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 from azyx.workers import in_background, in_worker_thread
 
