@@ -36,7 +36,7 @@ class Buffer:
 
 
 
-Launch = tuple[KernelStep, list[Buffer], tuple[int, ...]]  # a kernel, its buffers, the words of its scalar arguments
+Launch = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
 
 class Device:
     """One logical device: allocator, queue, timeline signal, compiler and launcher."""

@@ -623,6 +623,87 @@ class Bench:
         await self.guarded("heartbeat", worst, run)
         p99.azyx_failed = p99.azyx is None
 
+    # numbers are data: per-request scalars and learning-rate schedules ----------------------------------------
+
+    async def scalar_requests(self) -> None:
+        """200 concurrent requests, each ((x * a + b).relu() * 0.5).sum() with its own a, b, against the same requests
+        with one a, b for all: scalars are kernel arguments, so distinct values must cost (almost) nothing more."""
+        cfg, ax = self.cfg, self.ax
+        n_req, n = (50, 4096) if cfg.quick else (200, 4096)
+        progress(f"{n_req} concurrent requests with distinct vs equal scalars")
+        row = self.report.row(f"{n_req} concurrent requests, distinct / equal scalars (time ratio)", "x", False,
+                              compare=False, target_kind="max", target_value=1.2, target_text="<= 1.2x")
+        x_np = self.rng.standard_normal(n).astype(F32)
+
+        async def run() -> None:
+            (x,) = await self.inputs(x_np)
+
+            async def one(a: float, b: float) -> float:
+                return float(await bounded(((x * a + b).relu() * 0.5).sum().item(), cfg))
+
+            async def batch(pairs: list[tuple[float, float]]) -> float:
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*[one(a, b) for a, b in pairs])
+                dt = time.perf_counter() - t0
+                want = [float((np.maximum(x_np.astype(np.float64) * a + b, 0) * 0.5).sum()) for a, b in pairs]
+                if not np.allclose(got, want, rtol=1e-4, atol=1e-3):
+                    raise AssertionError("a request's result differs from numpy's")
+                return dt
+
+            await batch([(1.5, 0.25)] * 4)  # compile once
+            equal, distinct = [], []
+            for _ in range(3 if cfg.quick else 7):
+                equal.append(await batch([(1.5, 0.25)] * n_req))
+                pairs = [(float(self.rng.uniform(0.5, 2)), float(self.rng.uniform(-1, 1))) for _ in range(n_req)]
+                distinct.append(await batch(pairs))
+            row.azyx = median(distinct) / median(equal)
+            self.report.note(f"{n_req} concurrent requests: equal scalars {median(equal) * 1e3:.1f} ms, distinct "
+                             f"{median(distinct) * 1e3:.1f} ms (medians; plan cache {len(ax.runtime.RT.plan_cache)})")
+
+        await self.guarded("scalar requests", row, run)
+
+    async def lr_schedule(self) -> None:
+        """An Adam training step whose learning rate changes every step (LambdaLR) against the same step with a fixed
+        rate: the rate is a kernel argument, so the schedule costs no plan and no compile."""
+        cfg, ax = self.cfg, self.ax
+        steps = 30 if cfg.quick else 200
+        progress(f"lr-scheduled vs fixed Adam step, {steps} steps each")
+        row = self.report.row("training step with an lr schedule / fixed lr (time ratio)", "x", False,
+                              compare=False, target_kind="max", target_value=1.1, target_text="<= 1.1x")
+
+        async def run() -> None:
+            nn, optim = ax.nn, ax.optim
+            x_np = self.rng.standard_normal((64, 128)).astype(F32)
+            y_np = self.rng.integers(0, 10, 64).astype(np.int32)
+            x, y = await self.inputs(x_np, y_np)
+
+            async def train(schedule: bool) -> float:
+                ax.manual_seed(0)
+                model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+                opt = optim.Adam(model.parameters(), lr=1e-3)
+                sched = optim.LambdaLR(opt, lambda e: 0.99 ** e) if schedule else None
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    with ax.GradientTape() as tape:
+                        loss = nn.cross_entropy(model(x), y)
+                    await bounded(ax.realize(loss, *opt.step(tape.gradient(loss, opt.params))), cfg)
+                    if sched is not None:
+                        sched.step()
+                    times.append(time.perf_counter() - t0)
+                return median(times[steps // 3:])
+
+            await train(True)  # plans and kernels exist from here on
+            fixed, scheduled = [], []
+            for _ in range(3):
+                fixed.append(await train(False))
+                scheduled.append(await train(True))
+            row.azyx = median(scheduled) / median(fixed)
+            self.report.note(f"lr schedule: a step takes {median(scheduled) * 1e6:.0f} us with LambdaLR, "
+                             f"{median(fixed) * 1e6:.0f} us with a fixed rate (Adam, MLP 128-64-10, batch 64)")
+
+        await self.guarded("lr schedule", row, run)
+
     # 5. fused elementwise chain ---------------------------------------------------------------------------------
 
     async def fused_chain(self) -> None:
@@ -914,6 +995,8 @@ async def main(args: argparse.Namespace) -> int:
     await bench.small_graph()
     await bench.long_chain()
     await bench.event_loop_lateness()
+    await bench.scalar_requests()
+    await bench.lr_schedule()
     await bench.fused_chain()
     await bench.total_sum()
     await bench.row_sum()
