@@ -436,6 +436,7 @@ class CDevice(HostDevice):
         self.threads = int(options.get("threads") or os.cpu_count() or 1)
         self.compute = 30.0 * self.threads  # rough GFLOP/s, for AUTO placement
         self.pool: int | None = None  # the C thread pool that shares kernels' loops (azyx_pool_new)
+        self.serial_pool: int | None = None  # a pool of one thread (the caller): small batches run serially
         os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # for kernels with a region of their own
 
     def has_program(self, name: str) -> bool:
@@ -513,7 +514,13 @@ class CDevice(HostDevice):
             layout = _Layout([step for step, _ in items], self.threads)
             if memo is not None:
                 memo["c"] = layout
-        return _Batch(items, layout, self.pool)
+        if layout.work > self.inline_work:
+            return _Batch(items, layout, self.pool)
+        # small work, which may run inline on the event loop's thread: by that thread alone, never waiting for a
+        # helper that took a part and then lost its core to another process (a stall of a scheduler time slice)
+        if self.serial_pool is None:
+            self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
+        return _Batch(items, layout, self.serial_pool)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -525,6 +532,9 @@ class CDevice(HostDevice):
         if self.pool is not None and (worker is None or not worker.is_alive()):  # nothing runs on the pool any more
             _RUNTIME_LIB[0].azyx_pool_free(self.pool)
             self.pool = None
+        if self.serial_pool is not None and (worker is None or not worker.is_alive()):
+            _RUNTIME_LIB[0].azyx_pool_free(self.serial_pool)
+            self.serial_pool = None
 
 
 def _trip(k: Kernel, threads: int) -> int:
@@ -541,10 +551,11 @@ class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "work")
 
     def __init__(self, steps: list[KernelStep], threads: int):
         self.n = len(steps)
+        self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
         self.argc = (ctypes.c_long * self.n)(*[len(step.args) for step in steps])
