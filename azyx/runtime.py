@@ -13,7 +13,7 @@ import numpy as np
 import sniffio
 
 from azyx import config as _config
-from azyx import debug
+from azyx import debug, workers
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError
 from azyx.graph import Graph, StridedView
@@ -65,6 +65,7 @@ class Runtime:
             if not any(d.listed for d in ex.devices.values()):
                 debug.log(debug.DEVICES, "no compute device available")
             ex.add_device(DiskDevice())  # file-backed tensors (azyx.io): not a compute device, never listed
+            workers.start()
             self._executor = ex
 
     def configure(self, overrides: dict[str, Any]) -> None:

@@ -27,9 +27,20 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                                          thread_name_prefix="azyx-worker", initializer=lower_priority)
+            n = max(2, os.cpu_count() or 2)
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker",
+                                                          initializer=lower_priority)
+            # start every thread now (the runtime's start-up): a pool that grows later starts a thread inside a submit,
+            # which waits for it to run, and a busy machine made that wait tens of ms on the loop
+            meet = threading.Barrier(n)
+            for _ in range(n):
+                _pool.submit(meet.wait, 5.0)
         return _pool
+
+
+def start() -> None:
+    """Start the worker threads (at the runtime's start-up, not at the first job)."""
+    _executor()
 
 
 def lower_priority() -> None:
