@@ -16,6 +16,7 @@ from azyx.device import Buffer, Device, Launch
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
+from azyx.timeline import checkpoint
 
 
 class SyncStrategy(Enum):
@@ -132,6 +133,10 @@ class UnifiedExecutor:
             await dev.timeline.wait(dev.timeline.value + dev.pending())
         for dev in list(self.devices.values()):
             dev.collect()
+        # a checkpoint, always (as in trio): until the calling task yields, the loop's handle that resumed it still
+        # holds the future it awaited, and that future's result (a gather's CancelledErrors, whose tracebacks hold
+        # the cancelled frames and their tensors); a caller that found everything done would see those alive
+        await checkpoint()
 
     def close(self) -> None:
         for dev in self.devices.values():

@@ -179,3 +179,37 @@ class Graph:
             n = nodes[i]
             if n is not None and n.buffer is not None and n.src and not self.on_tape(i):
                 self._forget_sources(n)
+
+
+class GraphCopy(Graph):
+    """A private copy of some nodes of a graph, for planning on a worker thread: the loop thread goes on mutating the
+    graph meanwhile (new nodes, released ones, nodes other realizes turn into leaves), so the planner must read nodes
+    as they were when the plan was asked for. Nodes the planner adds (split reductions) live only here, under ids past
+    the graph's, and last as long as the copy."""
+
+    def __init__(self, graph: Graph, ids: list[TensorId]):
+        super().__init__()
+        self.copies: dict[TensorId, Node] = {}
+        for i in ids:
+            n = graph[i]
+            c = self.copies[i] = Node(n.op, n.src, n.arg, n.shape, n.dtype, n.device, n.pinned, n.arg2)
+            c.buffer, c.view = n.buffer, n.view
+        self.next_id = len(graph.nodes)
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def add(self, node: Node) -> TensorId:
+        i = self.next_id
+        self.next_id += 1
+        self.copies[i] = node
+        return i
+
+    def __getitem__(self, i: TensorId) -> Node:
+        return self.copies[i]
+
+    def retain(self, i: TensorId) -> None:
+        pass
+
+    def release(self, i: TensorId) -> None:
+        pass

@@ -12,9 +12,11 @@ than one consumer, a node a kernel would read under two different index maps, or
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -765,13 +767,31 @@ def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[i
 
 # ------------------------------------------------------------------------------------------------ entry point
 def make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
-    # kernel building recurses along the graph's depth: allow deep chains
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 8 * len(walk.topo) + 1000))
-    try:
+    with _deep_recursion(8 * len(walk.topo) + 1000):  # kernel building recurses along the graph's depth
         return _make_plan(rt, graph, walk, targets)
+
+
+_limits: list[int] = []  # the recursion limits asked for by planners running now (the loop's, workers'), the first
+_limits_lock = threading.Lock()  # being the limit before any of them
+
+
+@contextlib.contextmanager
+def _deep_recursion(depth: int) -> Iterator[None]:
+    """Allow `depth` frames while planning. The limit is the interpreter's, shared by threads: while planners overlap
+    it is the largest any asks for, and it goes back to what it was once the last one is done."""
+    with _limits_lock:
+        if not _limits:
+            _limits.append(sys.getrecursionlimit())
+        _limits.append(depth)
+        sys.setrecursionlimit(max(_limits))
+    try:
+        yield
     finally:
-        sys.setrecursionlimit(limit)
+        with _limits_lock:
+            _limits.remove(depth)
+            sys.setrecursionlimit(max(_limits))
+            if len(_limits) == 1:
+                _limits.clear()
 
 
 def _plan_targets(planner: Planner, targets: list[int]) -> None:

@@ -13,10 +13,11 @@ import numpy as np
 import sniffio
 
 from azyx import config as _config
-from azyx import debug
+from azyx import debug, workers
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError
 from azyx.graph import Graph, StridedView
+from azyx.timeline import LoopEvent
 
 GRAPH = Graph()
 
@@ -30,7 +31,7 @@ class Runtime:
         self.rng = np.random.default_rng()
         self.trace: Any = None  # azyx.jit's Recorder while a function is traced: told of rebinding and random draws
         self.lock = threading.Lock()
-        self.inflight: dict[str, tuple[Any, Any]] = {}  # kernel name -> (loop identity, anyio.Event)
+        self.inflight: dict[str, tuple[Any, Any]] = {}  # kernel name -> (loop identity, LoopEvent)
         self.compiled = 0  # kernels handed to a device's compiler (a new scalar value must add none)
 
     # ------------------------------------------------------------------ lifecycle
@@ -65,6 +66,7 @@ class Runtime:
             if not any(d.listed for d in ex.devices.values()):
                 debug.log(debug.DEVICES, "no compute device available")
             ex.add_device(DiskDevice())  # file-backed tensors (azyx.io): not a compute device, never listed
+            workers.start()
             self._executor = ex
 
     def configure(self, overrides: dict[str, Any]) -> None:
@@ -131,8 +133,6 @@ class Runtime:
     async def compile(self, plan: Any) -> None:
         """Compile the plan's kernels not yet loaded, one batch per device; concurrent realizes of the same
         kernels wait for the compile already running instead of starting another."""
-        import anyio
-
         by_dev: dict[str, list[Any]] = {}
         for k in plan.kernels:
             by_dev.setdefault(k.device, []).append(k)
@@ -148,7 +148,7 @@ class Runtime:
             todo = [s for s in steps if not dev.has_program(s.name)]
             if not todo:
                 continue
-            event = anyio.Event()
+            event = LoopEvent()
             for s in todo:
                 self.inflight[s.name] = (loop_id, event)
             self.compiled += len(todo)

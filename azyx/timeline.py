@@ -134,3 +134,38 @@ class _LoopWaiter:
 def _resolve(fut: Any) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class LoopEvent:
+    """An event set once, awaited by tasks of one loop (asyncio or trio) through `_LoopWaiter`: what anyio.Event does,
+    without importing anyio's backend on the first realize that waits for another's compile (tens of ms on the loop)."""
+
+    __slots__ = ("is_set", "_waiters")
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self._waiters: list[_LoopWaiter] = []
+
+    def set(self) -> None:
+        self.is_set = True
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            w.wake()
+
+    async def wait(self) -> None:
+        if not self.is_set:
+            waiter = _LoopWaiter()
+            self._waiters.append(waiter)
+            await waiter.wait()
+
+
+async def checkpoint() -> None:
+    """Let the loop run other tasks once, as trio's checkpoints do (asyncio or trio)."""
+    if sniffio.current_async_library() == "asyncio":
+        import asyncio
+
+        await asyncio.sleep(0)
+    else:
+        import trio
+
+        await trio.lowlevel.checkpoint()

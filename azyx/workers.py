@@ -7,6 +7,7 @@ work, which still runs to its end; `drain()` waits for everything started so far
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # (imported now, not by the first worker job, on the loop)
 import os
 import threading
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 from azyx.timeline import _LoopWaiter
 
 T = TypeVar("T")
+WORKER_NICE = 10
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pending: set[concurrent.futures.Future[Any]] = set()
@@ -25,9 +27,29 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                                          thread_name_prefix="azyx-worker")
+            n = max(2, os.cpu_count() or 2)
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker",
+                                                          initializer=lower_priority)
+            # start every thread now (the runtime's start-up): a pool that grows later starts a thread inside a submit,
+            # which waits for it to run, and a busy machine made that wait tens of ms on the loop
+            meet = threading.Barrier(n)
+            for _ in range(n):
+                _pool.submit(meet.wait, 5.0)
         return _pool
+
+
+def start() -> None:
+    """Start the worker threads (at the runtime's start-up, not at the first job)."""
+    _executor()
+
+
+def lower_priority() -> None:
+    """Run the calling thread, and the processes it starts (compilers), at a lower priority than the event loop's:
+    on a machine whose cores are all busy, the loop then still wakes on time."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 def _call(job: list[Any]) -> Any:

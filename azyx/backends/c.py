@@ -439,6 +439,7 @@ class CDevice(HostDevice):
         self.threads = int(options.get("threads") or os.cpu_count() or 1)
         self.compute = 30.0 * self.threads  # rough GFLOP/s, for AUTO placement
         self.pool: int | None = None  # the C thread pool that shares kernels' loops (azyx_pool_new)
+        self.serial_pool: int | None = None  # a pool of one thread (the caller): small batches run serially
         os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # for kernels with a region of their own
 
     def has_program(self, name: str) -> bool:
@@ -517,7 +518,13 @@ class CDevice(HostDevice):
             layout = _Layout([step for step, _, _ in items], self.threads)
             if memo is not None:
                 memo["c"] = layout
-        return _Batch(items, layout, self.pool)
+        if layout.work > self.inline_work:
+            return _Batch(items, layout, self.pool)
+        # small work, which may run inline on the event loop's thread: by that thread alone, never waiting for a
+        # helper that took a part and then lost its core to another process (a stall of a scheduler time slice)
+        if self.serial_pool is None:
+            self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
+        return _Batch(items, layout, self.serial_pool)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -529,6 +536,9 @@ class CDevice(HostDevice):
         if self.pool is not None and (worker is None or not worker.is_alive()):  # nothing runs on the pool any more
             _RUNTIME_LIB[0].azyx_pool_free(self.pool)
             self.pool = None
+        if self.serial_pool is not None and (worker is None or not worker.is_alive()):
+            _RUNTIME_LIB[0].azyx_pool_free(self.serial_pool)
+            self.serial_pool = None
 
 
 def _trip(k: Kernel, threads: int) -> int:
@@ -545,22 +555,18 @@ class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalar_at")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "work")
 
     def __init__(self, steps: list[KernelStep], threads: int):
         self.n = len(steps)
+        self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
         self.argc = (ctypes.c_long * self.n)(*[len(step.args) + len(step.scalars) for step in steps])
         self.kinds = bytes([kind for _, kind in entries])
         self.trips = (ctypes.c_long * self.n)(*[_trip(step.kernel, threads) for step in steps])
         self.ptrs_type = ctypes.c_void_p * sum(self.argc)  # one type per layout, not per run
-        # where each scalar argument's pointer goes in the batch's table (after its kernel's buffers)
-        self.scalar_at: list[int] = []
-        at = 0
-        for step in steps:
-            self.scalar_at += range(at + len(step.args), at + len(step.args) + len(step.scalars))
-            at += len(step.args) + len(step.scalars)
+        self.scalars = any(step.scalars for step in steps)  # pointers to scalar arguments follow a kernel's buffers
 
 
 class _Batch:
@@ -571,7 +577,7 @@ class _Batch:
 
     def __init__(self, items: list[Launch], layout: _Layout, pool: int):
         self.layout, self.pool, self.items = layout, pool, items
-        if not layout.scalar_at:
+        if not layout.scalars:
             self.ptrs = layout.ptrs_type(*[b.ptr for _, bufs, _ in items for b in bufs])  # every kernel's buffers
             return
         # the scalar arguments' values live in the batch until it has run; the table points at each one

@@ -314,12 +314,15 @@ class CUDADevice(Device):
             return
         src = kernel_source([s.src for s in todo.values()], CUDA)
         debug.log(debug.SOURCE, lambda: f"CUDA source for {', '.join(todo)}:\n{src}")
-        cubin = await in_worker_thread(nvrtc_compile, src, self.arch)
+        # compile and load on a worker thread: a module load takes milliseconds (and waits for the device to idle)
+        self.functions.update(await in_worker_thread(self._build_and_load, src, list(todo)))
+
+    def _build_and_load(self, src: str, names: list[str]) -> dict[str, Any]:
+        cubin = nvrtc_compile(src, self.arch)
         self.use()
         module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.modules.append(module)
-        for name in todo:
-            self.functions[name] = check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        return {name: check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction") for name in names}
 
     def pending(self) -> int:
         return self.submitted - self.timeline.value
@@ -646,28 +649,36 @@ class CUDADevice(Device):
         chunks once the source is ready, and each chunk's DMA is a deferred command that goes on the stream once
         its chunk is filled (the DMA of one chunk overlaps the filling of the next)."""
         chunks = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
-        stages = [_Staging(self.staging, max(size, 1)) for _, size in chunks]
+        # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
+        # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
+        stages: list[list[_Staging]] = [[] for _ in chunks]
 
         def dma(i: int) -> None:
             o, size = chunks[i]
             if size:
-                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, stages[i].pinned.ptr, size, self.stream),
-                      f"H2D of {size} bytes to {dst.ptr + o:#x} (of {dst.nbytes}) from {stages[i].pinned.ptr:#x}")
+                pinned = stages[i][0].pinned
+                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, pinned.ptr, size, self.stream),
+                      f"H2D of {size} bytes to {dst.ptr + o:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def dma_all() -> None:
             for i in range(len(chunks)):
                 dma(i)
 
+        def fill_chunk(i: int) -> None:
+            o, size = chunks[i]
+            stages[i].append(_Staging(self.staging, max(size, 1)))
+            fill(o, stages[i][0].pinned.array[:size])
+
         if at_once and all(d.timeline.value >= v for d, v in waits):
-            for i, (o, size) in enumerate(chunks):
-                fill(o, stages[i].pinned.array[:size])
+            for i in range(len(chunks)):
+                fill_chunk(i)
             return self._submit(dma_all, [], (keep, stages))
         staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
             try:
-                for i, (o, size) in enumerate(chunks):
-                    fill(o, stages[i].pinned.array[:size])
+                for i in range(len(chunks)):
+                    fill_chunk(i)
                     staged[i].set()
             except BaseException as e:
                 self.errors.append(e)
@@ -706,20 +717,28 @@ class CUDADevice(Device):
         v = 0
         for o in range(0, max(n, 1), STAGE):
             size = min(STAGE, n - o)
-            staged = _Staging(self.staging, max(size, 1))
+            cell: list[_Staging] = []  # its pinned block: taken here when small, else on the submitter thread
 
-            def enqueue(o: int = o, size: int = size, staged: _Staging = staged) -> None:
+            def take(size: int = size, cell: list[_Staging] = cell) -> None:
+                cell.append(_Staging(self.staging, max(size, 1)))
+
+            def enqueue(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
                 if size:
+                    staged = cell[0]
                     err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream)[0]
                     if int(err) != 0:
                         raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(buf.ptr + o)} (of "
                                           f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
                                           f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
 
-            def post(o: int = o, size: int = size, staged: _Staging = staged) -> None:
-                flat[o:o + size] = staged.pinned.array[:size]
+            def post(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
+                flat[o:o + size] = cell[0].pinned.array[:size]  # on the waiter thread
 
-            v = self._submit(enqueue, waits if o == 0 else [], (buf, staged, out), post)
+            if n <= SYNC_STAGE:
+                take()
+                v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
+            else:  # pinning fresh memory takes milliseconds per chunk: never on the caller's (the loop's) thread
+                v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
         return v
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:

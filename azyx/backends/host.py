@@ -19,9 +19,9 @@ from azyx.dtypes import DType, dtypes
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
+from azyx.workers import lower_priority
 
 ALIGN = 64
-WORKER_NICE = 10
 
 
 def _aligned(size: int) -> np.ndarray:
@@ -102,10 +102,7 @@ class WorkQueue:
     def _loop(self) -> None:
         # Device work runs at a lower priority than the event loop thread (OpenMP threads started from here
         # inherit it), so the loop wakes on time even while kernels keep every core busy.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
-        except (OSError, AttributeError):
-            pass
+        lower_priority()
         while True:
             item = self.q.get()
             if item is None:

@@ -129,15 +129,16 @@ class OpenCLDevice(Device):
             return
         src = kernel_source([s.src for s in {s.name: s for s in todo}.values()], OPENCL)
         debug.log(debug.SOURCE, lambda: f"OpenCL source for {', '.join(s.name for s in todo)}:\n{src}")
-        program = await in_worker_thread(self._build, src)
-        for s in todo:
-            self.kernels[s.name] = cl.Kernel(program, s.name)  # fetched once: prg.name on each launch is slow
+        self.kernels.update(await in_worker_thread(self._build, src, [s.name for s in todo]))
 
-    def _build(self, src: str) -> Any:
+    def _build(self, src: str, names: list[str]) -> dict[str, Any]:
+        """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread: pyopencl makes
+        each new kernel's Python invoker then, which takes milliseconds."""
         try:
-            return cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
+            program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
             raise CompileError(f"OpenCL build failed on {self.name}:\n{e}\n--- source ---\n{src}") from None
+        return {name: cl.Kernel(program, name) for name in names}
 
     def pending(self) -> int:
         return self.submitted - self.timeline.value
