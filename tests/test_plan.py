@@ -185,12 +185,12 @@ def test_auto_placement_prefers_compute_then_memory() -> None:
 async def test_compiler_failure_raises_compile_error_with_its_message() -> None:
     from azyx.backends.c import CDevice
 
-    x = Tensor(np.arange(4, dtype=np.float32)) + 41.5
+    x = Tensor(np.arange(4111, dtype=np.float32)) + 41.5  # (a loop bound no other test has: a kernel not yet built)
     step = azyx.schedule(x).kernels[0]
     bad = CDevice(9, {"compiler": "gcc", "flags": ["-O2", "-fazyx-no-such-flag"]})
     with pytest.raises(azyx.CompileError, match="azyx-no-such-flag"):
         await bad.compile([step])
-    np.testing.assert_allclose(await x.numpy(), np.arange(4) + 41.5)
+    np.testing.assert_allclose(await x.numpy(), np.arange(4111) + 41.5)
 
 
 async def test_memory_is_pooled_and_returned() -> None:
