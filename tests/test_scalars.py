@@ -152,7 +152,7 @@ async def test_a_lambda_lr_schedule_follows_pytorch_and_compiles_once(device: st
 
 
 # ---- azyx.jit and numbers ------------------------------------------------------------------------------------------
-async def _computed(x_np: np.ndarray, device: str) -> Tensor:
+async def _computed(x_np: np.ndarray, device: str | None) -> Tensor:
     """x_np in a buffer of the device (host data for a GPU-style device is uploaded by the first plan that reads it,
     which makes a second trace: the argument's layout changed)."""
     return await (Tensor(x_np, device=device) * 1.0).realize()
@@ -219,8 +219,7 @@ async def test_an_lr_schedule_under_jit_replays() -> None:
         return loss
 
     ws = [(await p.numpy()).astype(np.float64) for p in opt.params]  # weight (out, in), bias
-    x, y = Tensor(x_np), Tensor(y_np)
-    await azyx.realize(x, y)
+    x, y = await _computed(x_np, None), await _computed(y_np, None)
     for i in range(6):
         lr = 0.1 * 0.5 ** i
         await step(x, y, lr)
