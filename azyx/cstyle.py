@@ -189,6 +189,12 @@ CUDA = Dialect(
 
 
 def _literal(v: object, d: DType, dl: Dialect) -> str:
+    """A constant in source, parenthesised when negative: `x - (-0.75)` must not render as `x--0.75f`."""
+    s = _literal_text(v, d, dl)
+    return f"({s})" if s.startswith("-") else s
+
+
+def _literal_text(v: object, d: DType, dl: Dialect) -> str:
     if d.is_bool:
         return "1" if v else "0"
     if d.is_int:
@@ -359,7 +365,11 @@ class _Renderer:
             c, a, b = (self.ref(s) for s in v.src)
             return f"({c}?{a}:{b})"
         if v.op == "alu":
-            return alu_expr(v.arg, v.dtype, [self.ref(s) for s in v.src], dl, v.src[0].dtype)
+            e = alu_expr(v.arg, v.dtype, [self.ref(s) for s in v.src], dl, v.src[0].dtype)
+            # a float16/bfloat16 result is computed in float32 but rounded like its dtype at every op, as PyTorch and
+            # numpy do: else a fused value and the same value read back from a buffer differ (h == h.max() false)
+            rnd = dl.rounds.get(v.dtype.name)
+            return rnd.format(x=e) if rnd else e
         raise AssertionError(v.op)
 
     def stmt(self, v: V) -> None:

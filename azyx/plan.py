@@ -492,7 +492,12 @@ class Planner:
         strided = [v for v in col if v.arg[1].terms.get(gj, 0) != 1]
         if strided:  # columns not contiguous (x @ W.T with W as stored): copy the transposed operand once
             paths = [k.meta["load_paths"].get(id(v), ()) for v in strided]
-            perms = [next((i for i in reversed(path) if self.graph[i].op is Op.PERMUTE), None) for path in paths]
+            # the permute below the reduce that made the columns strided; never the kernel's own root (a transposed
+            # product, (a @ b).T, reads its left operand along the output's columns: copying the root would plan it
+            # again, forever)
+            root = k.meta["root"]
+            perms = [next((i for i in reversed(path) if i != root and self.graph[i].op is Op.PERMUTE), None)
+                     for path in paths]
             if all(i is not None and i not in self.done for i in perms):
                 for i in perms:
                     self.realize(i, copy=True)  # type: ignore[arg-type]
@@ -533,7 +538,7 @@ class Planner:
             out_idx = out_idx + i * s
         k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, [(out_idx, value)])
         k.work = prod(shape) * (1 + kb.reduce_work)
-        k.meta.update(slots=kb.params, device=device, cost=kb.cost, load_paths=kb.load_paths)
+        k.meta.update(slots=kb.params, device=device, cost=kb.cost, load_paths=kb.load_paths, root=root)
         return k
 
     def check_memory(self) -> dict[str, int]:

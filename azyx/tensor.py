@@ -982,8 +982,9 @@ class Tensor:
         rest = self.shape[1:]
         rows = self._placed_like(Tensor.arange(n, device=self.device))
         one_hot = idx.reshape(idx.shape + (1,) * (1 + len(rest))) == rows.reshape((n,) + (1,) * len(rest))
-        picked = Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0)
-        return picked.sum(axis=idx.ndim)
+        if self.dtype.is_bool:  # a bool stays bool (a sum would promote it)
+            return Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), False).max(axis=idx.ndim)
+        return Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0).sum(axis=idx.ndim)
 
     def gather(self, axis: builtins.int, index: Tensor) -> Tensor:
         """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0."""
@@ -999,6 +1000,8 @@ class Tensor:
         x = self._shrink([(0, n) if d == a else (0, i) for d, i in enumerate(index.shape)])
         x = x.moveaxis(a, -1).unsqueeze(a)
         one_hot = index.cast(dtypes.int32).unsqueeze(-1) == self._placed_like(Tensor.arange(n, device=self.device))
+        if self.dtype.is_bool:  # a bool stays bool (a sum would promote it)
+            return Tensor.where(one_hot, x, False).max(axis=-1)
         return Tensor.where(one_hot, x, 0).sum(axis=-1)
 
     # ---------------------------------------------------------------- reductions
@@ -1036,16 +1039,22 @@ class Tensor:
     def _count(self, axis: Any) -> builtins.int:
         return prod([self.shape[a] for a in _norm_axes(axis, self.ndim)])
 
-    def mean(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+    def _wide(self) -> Tensor:
+        """The float tensor to accumulate in: float16 and bfloat16 sum in float32 (as PyTorch does), else a sum of
+        70000 ones overflows float16."""
         x = self.cast(least_float(self.dtype))
+        return x.float() if x.dtype.itemsize < 4 else x
+
+    def mean(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        x = self._wide()
         n = self._count(axis)
-        return x.sum(axis, keepdim) * (1.0 / n if n else math.nan)
+        return (x.sum(axis, keepdim) * (1.0 / n if n else math.nan)).cast(least_float(self.dtype))
 
     def var(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
-        x = self.cast(least_float(self.dtype))
+        x = self._wide()
         n = self._count(axis)
         sq = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
-        return sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)
+        return (sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)).cast(least_float(self.dtype))
 
     def std(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         return self.var(axis, keepdim, correction).sqrt()
@@ -1071,21 +1080,21 @@ class Tensor:
         return self._arg_extreme(axis, keepdim, "min")
 
     def logsumexp(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
-        x = self.cast(least_float(self.dtype))
+        x = self._wide()
         m = x.max(axis, keepdim=True)
         m = Tensor.where(m.abs() == math.inf, 0.0, m)
-        out = (x - m).exp().sum(axis, keepdim=True).log() + m
+        out = ((x - m).exp().sum(axis, keepdim=True).log() + m).cast(least_float(self.dtype))
         return out if keepdim else out.squeeze(_norm_axes(axis, self.ndim) or None) if self.ndim else out
 
     def softmax(self, axis: builtins.int = -1) -> Tensor:
-        x = self.cast(least_float(self.dtype))
+        x = self._wide()
         e = (x - x.max(axis, keepdim=True)).exp()
-        return e / e.sum(axis, keepdim=True)
+        return (e / e.sum(axis, keepdim=True)).cast(least_float(self.dtype))
 
     def log_softmax(self, axis: builtins.int = -1) -> Tensor:
-        x = self.cast(least_float(self.dtype))
+        x = self._wide()
         s = x - x.max(axis, keepdim=True)
-        return s - s.exp().sum(axis, keepdim=True).log()
+        return (s - s.exp().sum(axis, keepdim=True).log()).cast(least_float(self.dtype))
 
     # ---------------------------------------------------------------- linear algebra, nn
     def matmul(self, other: Tensor) -> Tensor:
