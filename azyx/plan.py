@@ -58,6 +58,8 @@ class KernelStep:
     # the plan's scalars it takes, in parameter order (after the buffers), and how their values are passed
     scalars: tuple[int, ...] = field(default=(), init=False)
     pack: Any = field(default=None, init=False, repr=False, compare=False)
+    # the last run's values and their words: a replay of the same values (azyx.jit's constants) packs nothing
+    last: list[Any] = field(default_factory=lambda: [None, ()], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         args = scalar_args(self.kernel)
@@ -67,7 +69,14 @@ class KernelStep:
 
     def words(self, scalars: Sequence[Any]) -> tuple[int, ...]:
         """This run's values of the kernel's scalar parameters, as the 64-bit words that carry them."""
-        return self.pack([scalars[i] for i in self.scalars]) if self.scalars else ()
+        if not self.scalars:
+            return ()
+        last = self.last
+        if last[0] is scalars:  # (a run's scalars are never changed once bound)
+            return last[1]
+        words = self.pack([scalars[i] for i in self.scalars])
+        last[0], last[1] = scalars, words
+        return words
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ their core; one woken onto the worker's core moves off it (its CPU affinity then
 
 from __future__ import annotations
 
-import array
 import ctypes
 import hashlib
 import os
@@ -555,7 +554,7 @@ class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "work")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last")
 
     def __init__(self, steps: list[KernelStep], threads: int):
         self.n = len(steps)
@@ -565,30 +564,47 @@ class _Layout:
         self.argc = (ctypes.c_long * self.n)(*[len(step.args) + len(step.scalars) for step in steps])
         self.kinds = bytes([kind for _, kind in entries])
         self.trips = (ctypes.c_long * self.n)(*[_trip(step.kernel, threads) for step in steps])
-        self.ptrs_type = ctypes.c_void_p * sum(self.argc)  # one type per layout, not per run
-        self.scalars = any(step.scalars for step in steps)  # pointers to scalar arguments follow a kernel's buffers
+        n_words = sum(len(step.scalars) for step in steps)
+        self.ptrs_type = ctypes.c_void_p * (sum(self.argc) + n_words)  # one type per layout, not per run
+        self.scalars = n_words > 0  # pointers to scalar arguments follow a kernel's buffers; their values end the table
+        self.scalar_at: list[int] = []  # where those pointers are
+        self.last: tuple[list[int], Any] = ([], None)  # the last run's table and what it was made of (read-only in C)
+        at = 0
+        for step in steps:
+            self.scalar_at += range(at + len(step.args), at + len(step.args) + len(step.scalars))
+            at += len(step.args) + len(step.scalars)
 
 
 class _Batch:
     """Kernels run back to back by one call into C; holds their buffers until it has run (then the pool may reuse
     them)."""
 
-    __slots__ = ("layout", "ptrs", "pool", "items", "words")
+    __slots__ = ("layout", "ptrs", "pool", "items")
 
     def __init__(self, items: list[Launch], layout: _Layout, pool: int):
         self.layout, self.pool, self.items = layout, pool, items
         if not layout.scalars:
-            self.ptrs = layout.ptrs_type(*[b.ptr for _, bufs, _ in items for b in bufs])  # every kernel's buffers
+            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]  # every kernel's buffers
+            if ptrs != layout.last[0]:  # (a steady plan gets the same blocks from the pool: the same table serves)
+                layout.last = (ptrs, layout.ptrs_type(*ptrs))
+            self.ptrs = layout.last[1]
             return
-        # the scalar arguments' values live in the batch until it has run; the table points at each one
-        self.words = array.array("Q", [w for _, _, words in items for w in words])
-        base = self.words.buffer_info()[0]
-        ptrs: list[int] = []
-        for _, bufs, words in items:
+        # the scalar arguments' values sit at the end of the same table, which lives until the batch has run; each
+        # kernel's entries after its buffers point at its values
+        ptrs = []
+        words: list[int] = []
+        for _, bufs, ws in items:
             ptrs += [b.ptr for b in bufs]
-            ptrs += range(base, base + 8 * len(words), 8)
-            base += 8 * len(words)
-        self.ptrs = layout.ptrs_type(*ptrs)
+            ptrs += ws  # (placeholders: the addresses of the values, known once the table is, go here)
+            words += ws
+        ptrs += words
+        if ptrs != layout.last[0]:
+            table = layout.ptrs_type(*ptrs)
+            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(words))
+            for j, at in enumerate(layout.scalar_at):  # the j-th value's pointer
+                table[at] = base + 8 * j
+            layout.last = (ptrs, table)
+        self.ptrs = layout.last[1]
 
     def __call__(self) -> None:
         lay = self.layout
