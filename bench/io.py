@@ -358,9 +358,9 @@ def main(args: argparse.Namespace) -> int:
             f"bench wall time: {time.perf_counter() - t_start:.0f} s"]
     section = results_section(info, rows, notes)
     print(section)
-    if args.quick:
-        return 0 if all("error" not in r for rs in results.values() for r in rs) and \
-            all("error" not in r for r in minilm.values()) else 1
+    if args.quick:  # azyx must work; a peer that is not installed (sentence-transformers) is only noted
+        return 0 if all("error" not in r for m, rs in results.items() if m.startswith("azyx") for r in rs) and \
+            "error" not in minilm["minilm_azyx"] else 1
     write_results(Path(args.out), section)
     print(f"wrote {args.out}")
     return 0
