@@ -141,6 +141,9 @@ async def transfer_time(src_np: np.ndarray, s: str, d: str, reps: int, warmup: i
     return await timed(once, reps, warmup)
 
 
+from common import machine_line  # noqa: E402  (beside this script)
+
+
 def write_section(out: Path, start: str, end: str, text: str) -> None:
     """Replace the section between `start` and `end` in `out` with `text` (append it when absent)."""
     old = out.read_text() if out.exists() else ""
@@ -168,7 +171,7 @@ async def main() -> None:
     tr = await transfers(args.quick)
     text = "\n".join([
         START, "", f"## Devices side by side ({'quick' if args.quick else 'full'} run, "
-        f"{time.strftime('%Y-%m-%d')}, devices {', '.join(devices)})", "",
+        f"{time.strftime('%Y-%m-%d')}, devices {', '.join(devices)})", "", machine_line(), "",
         "Rates (higher is better) or microseconds; the ratio columns are speed relative to numpy.", "",
         table(["workload", *devices, "numpy", *(f"{d}/numpy" for d in devices)], w), "",
         "Transfers through `UnifiedExecutor.execute_transfer` (64 MiB; quick: 16 MiB), GB/s, beside a numpy copy "

@@ -28,6 +28,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common import machine_line  # noqa: E402
 from devices import table, timed, transfer_time, write_section  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
@@ -214,6 +215,7 @@ async def main() -> None:
     text = "\n".join([
         START, "", f"## CUDA beside PyTorch {torch.__version__} ({'quick' if args.quick else 'full'} run, "
         f"{time.strftime('%Y-%m-%d')}, {label} x{len(RT.executor.devices) and torch.cuda.device_count()})", "",
+        f"Host {machine_line()}.", "",
         f"Device copy bandwidth (PyTorch copy_, bytes read + written): {copy_bw / 1e9:.0f} GB/s. Rates: higher is "
         "better; ratio = PyTorch time / azyx time.", "",
         table(["workload", "unit", "azyx 1 op", "torch 1 op", "ratio", f"azyx {FLIGHT} in flight",

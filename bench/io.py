@@ -31,6 +31,9 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from common import cpu_model  # noqa: E402  (beside this script)
+
 MIB = 1 << 20
 MARK_START = "<!-- bench:io:start -->"  # bench/io.py replaces everything from here to the end marker
 MARK_END = "<!-- bench:io:end -->"
@@ -347,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
     notes.extend(args.note or [])
     load = os.getloadavg()
     info = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, load average at "
+            f"machine: {cpu_model()}, {os.cpu_count()} logical cores, load average at "
             f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: noisy)",
             f"python {platform.python_version()}, numpy {np.__version__}",
             f"file: {args.size_mib} MiB ({len(layout(args.size_mib))} tensors, float32 and float16), largest tensor "

@@ -35,6 +35,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from common import cpu_model  # noqa: E402  (beside this script)
+
 F32 = np.float32
 MIB = 1 << 20
 T = TypeVar("T")
@@ -867,16 +870,6 @@ def markdown_table(report: Report) -> str:
     out = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join(["---"] + ["---:"] * 5 + ["---", "---"]) + "|"]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table_cells(report)]
     return "\n".join(out)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def mem_total_gib() -> str:

@@ -31,7 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from devices import table, write_section  # noqa: E402  (beside this script)
+from common import cpu_model  # noqa: E402  (beside this script)
+from devices import table, write_section  # noqa: E402
 
 START, END = "<!-- serve:start -->", "<!-- serve:end -->"
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -171,16 +172,6 @@ def peer_app() -> Any:
 
     return Starlette(routes=[Route("/embed", embed, methods=["POST"]), Route("/health", health),
                              Route("/stats", stats)], lifespan=lifespan)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main() -> int:

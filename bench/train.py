@@ -29,6 +29,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from common import cpu_model  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
 from azyx import GradientTape, Tensor, nn, optim  # noqa: E402
@@ -176,7 +178,7 @@ def section(rows: list[dict[str, Any]], notes: list[str], quick: bool, device: s
     lines = [MARK_START, "", f"## Training step ({'quick' if quick else 'full'} run, written by bench/train.py)", "",
              f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
              f"- MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, cross entropy; azyx on {device}, "
-             f"{torch_line}; {os.cpu_count()} logical cores, load average at start {load}",
+             f"{torch_line}; {cpu_model()}, {os.cpu_count()} logical cores, load average at start {load}",
              f"- python {platform.python_version()}, numpy {np.__version__}; steps/s are medians of repeats after "
              "warm-up; one step = forward + backward + update, realized (azyx) or run eagerly (torch)", "",
              "| workload | azyx steps/s | torch steps/s | azyx/torch | target | met? |", "|---|---:|---:|---:|---|---|"]
