@@ -277,8 +277,8 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
         return f"({y}==0?({t})0:({t})({x}/{y}-((({x}%{y})!=0)&&(({x}<0)!=({y}<0)))))"
     if op == "mod":
         if fl:
-            r = f"{_fn('fmod', sd, dl)}({x},{y})"
-            return f"(({r}!=0&&(({r}<0)!=({y}<0)))?{r}+{y}:{r})"
+            r = f"{_fn('fmod', sd, dl)}({x},{y})"  # a zero remainder takes the divisor's sign (numpy, Python)
+            return f"(({r}!=0)?((({r}<0)!=({y}<0))?{r}+{y}:{r}):{_fn('copysign', sd, dl)}(({t})0,{y}))"
         r = f"({x}%{y})"
         return f"({y}==0?({t})0:(({r}!=0&&(({r}<0)!=({y}<0)))?({t})({r}+{y}):{r}))"
     if op == "pow":

@@ -154,4 +154,18 @@ def scalar_packer(dts: list[DType]) -> Any:
     pack = struct.Struct("<" + "".join(c + f"{8 - struct.calcsize(c)}x" if struct.calcsize(c) < 8 else c
                                        for c in codes)).pack
     words = struct.Struct("<" + "Q" * len(codes)).unpack
-    return lambda values: words(pack(*values))
+    if not any(d.is_int for d in dts):
+        return lambda values: words(pack(*values))
+    # an int scalar wraps into its dtype like PyTorch's (uint8 tensor + -3 adds 253), where struct would raise
+    wraps = [_wrap(d) for d in dts]
+    return lambda values: words(pack(*[w(v) for w, v in zip(wraps, values)]))
+
+
+def _wrap(d: DType) -> Any:
+    if not d.is_int:
+        return lambda v: v
+    bits = 8 * d.itemsize
+    mask, sign = (1 << bits) - 1, 1 << (bits - 1)
+    if d.kind == "u":
+        return lambda v: int(v) & mask
+    return lambda v: ((int(v) + sign) & mask) - sign

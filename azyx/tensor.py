@@ -1314,7 +1314,7 @@ def _to_numpy(data: Any, dtype: Any) -> np.ndarray:
 def _to_storage(arr: np.ndarray, dt: DType) -> np.ndarray:
     """A C-contiguous copy in the dtype's storage format (bfloat16: the upper 16 bits, rounded to nearest even)."""
     if dt is dtypes.bfloat16:
-        bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+        bits = np.array(arr, dtype=np.float32, order="C").view(np.uint32)  # (ascontiguousarray makes 0-d 1-d)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return rounded.astype(np.uint16)
+        return np.array(rounded, dtype=np.uint16)  # (a 0-d array comes back from >> as a numpy scalar)
     return np.array(arr, dtype=dt.np, order="C", copy=True)

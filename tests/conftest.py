@@ -20,3 +20,9 @@ if os.environ.get("AZYX_TEST_DEVICES"):
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return request.param  # type: ignore[no-any-return]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-long", action="store_true",
+                     help="tests/test_fuzz.py: thousands of random graphs per device with fresh randomness "
+                          "(AZYX_FUZZ_EXAMPLES=N sets the count)")

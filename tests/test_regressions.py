@@ -54,3 +54,31 @@ async def test_a_transposed_matmul_plans(device: str) -> None:
         a_np, b_np = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
         got = await (Tensor(a_np, device=device) @ Tensor(b_np, device=device)).T.numpy()
         np.testing.assert_allclose(got, (a_np @ b_np).T, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_zero_dim_bfloat16_tensor_round_trips(device: str) -> None:
+    # found by tests/test_fuzz.py: numpy's ascontiguousarray makes a 0-d array 1-d, and >> makes it a numpy scalar
+    t = Tensor(np.array(-1.5, np.float32), dtype="bfloat16", device=device)
+    got = await t.T.numpy()
+    assert got.shape == () and got.dtype == np.float32 and float(got) == -1.5
+
+
+async def test_int_scalars_wrap_into_a_narrow_int_dtype_like_pytorch(device: str) -> None:
+    # found by tests/test_fuzz.py: a scalar that does not fit its uint8/int8 kernel argument raised struct.error
+    u = Tensor(np.array([1, 2], np.uint8), device=device)
+    assert (await (u + -3).numpy()).tolist() == [254, 255]  # torch.tensor([1, 2], dtype=torch.uint8) + -3
+    assert (await (u * 300).numpy()).tolist() == [44, 88]
+    assert (await (u < -3).numpy()).tolist() == [True, True]  # -3 is 253 as a uint8, as in PyTorch
+    i8 = Tensor(np.array([1, 2], np.int8), device=device)
+    assert (await (i8 + 300).numpy()).tolist() == [45, 46]
+
+
+async def test_a_zero_float_remainder_takes_the_divisors_sign(device: str) -> None:
+    # found by tests/test_fuzz.py on opencl:0: fmod(-2, 1) is -0.0, and 1 / that was -inf; numpy and Python give +0.0
+    x_np = np.array([-0.0, -2.0, 2.0, 0.0, -1.5], np.float32)
+    x = Tensor(x_np, device=device)
+    for y in (1.0, -1.0, 0.5):
+        got = await (x % y).numpy()
+        ref = np.mod(x_np, np.float32(y))
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
