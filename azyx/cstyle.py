@@ -360,6 +360,10 @@ class _Renderer:
                 return f"({self.ref(s)}!=0)"
             if v.dtype.name in dl.rounds:  # computed in float, but rounded like the storage type
                 return dl.rounds[v.dtype.name].format(x=self.ref(s))
+            if s.dtype.is_float and v.dtype.is_int and v.dtype.itemsize < 8:
+                # float -> narrow int through int64, then wrap: C leaves an out-of-range conversion undefined (x86
+                # wraps, a GPU saturates: -2.5 -> uint8 is 254 on one, 0 on the other); numpy and PyTorch wrap
+                return f"(({t})({dl.compute_type(dtypes.int64)}){self.ref(s)})"
             return f"(({t}){self.ref(s)})"
         if v.op == "where":
             c, a, b = (self.ref(s) for s in v.src)

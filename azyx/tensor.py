@@ -72,6 +72,11 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
     return tuple(out)
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal scalars, -0.0 and 0.0 told apart (a NaN is never the same: the caller keeps both)."""
+    return bool(a == b) and (type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b))
+
+
 def _fold_value(v: Any, dtype: DType) -> Scalar:
     """A numpy scalar result as the Python scalar a CONST node of `dtype` holds (a traced one stays traced)."""
     if isinstance(v, Traced):
@@ -791,7 +796,7 @@ class Tensor:
             return self
         shape = tuple(s + b + a for s, (b, a) in zip(n.shape, pads))
         grows = any(b > 0 or a > 0 for b, a in pads)
-        if n.op is Op.CONST and (not grows or _fold_value(value, n.dtype) == n.arg):
+        if n.op is Op.CONST and (not grows or _same_value(_fold_value(value, n.dtype), n.arg)):
             return self._const_like(n.arg, shape=shape)
         return self._new(Op.PAD, (self.id,), pads, shape, n.dtype, arg2=_fold_value(value, n.dtype))
 
@@ -871,7 +876,9 @@ class Tensor:
         for t in tensors:
             n = t.shape[a]
             pads = tuple((start, total - start - n) if i == a else (0, 0) for i in range(first.ndim))
-            piece = t.cast(dt).pad(pads)
+            # the pieces are padded with the sum's identity: -0.0 for floats (x + -0.0 is x, -0.0 included; a 0.0
+            # fill would turn a -0.0 of the input into 0.0)
+            piece = t.cast(dt).pad(pads, value=-0.0 if dt.is_float else 0)
             out = piece if out is None else (out | piece if dt.is_bool else out + piece)
             start += n
         assert out is not None

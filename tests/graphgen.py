@@ -348,6 +348,12 @@ class Builder:
         self.prog.vals.append(v)
         return v
 
+    def unsigned(self, v: Val) -> Val:
+        """Mark v's zeros as of unspecified sign: IEEE max/min (and ops built on them) may return -0.0 or 0.0
+        for a tie of zeros, so no later op may depend on the sign of v's zeros."""
+        self.prog.unsigned_zero.add(v.name)
+        return v
+
     def operand(self, a: Val, dtypes: tuple[str, ...] | None = None, same_dtype: bool = False) -> Val:
         """A second tensor for a binary op with `a`: an existing value (a shared subgraph) or a new input, of a shape
         that broadcasts with `a`'s."""
@@ -459,7 +465,8 @@ class Builder:
         if form == "rscalar":
             n = self.scalar("f")
             bound, err = 4.0 / low, 4.0 * eb / low**2
-            return self.emit(f"{n} / {denom}", lambda env: env[n] / (np.abs(_as(env[b.name], "float64")) + env[s]),
+            return self.emit(f"{n} / {denom}",
+                             lambda env: env[n] / (_as(_abs(env[b.name], b.dtype), "float64") + env[s]),
                              b.shape, db, *finish(db, bound, err + 2 * ulp(db, hi), None, 2))
         d = least_float(promote(a.dtype, db))
         ba, ea, _ = self.conv(a, d)
@@ -468,7 +475,8 @@ class Builder:
             return None
         bound, err = ba / low, ea / low + ba * (eb + 2 * ulp(db, hi)) / low**2
         return self.emit(f"{a.name} / {denom}",
-                         lambda env: _as(env[a.name], "float64") / (np.abs(_as(env[b.name], "float64")) + env[s]),
+                         lambda env: _as(env[a.name], "float64")
+                         / (_as(_abs(env[b.name], b.dtype), "float64") + env[s]),
                          shape, d, *finish(d, bound, err, None, 2))
 
     def op_div_zero(self) -> Val | None:
@@ -498,8 +506,8 @@ class Builder:
         ba, ea, fa = self.conv(a, d)
         bb, eb, fb = self.conv(b, d)
         f = BINARY_NP[fn]
-        return self.emit(f"{a.name}.{fn}({b.name})", lambda env: f(_as(env[a.name], d), _as(env[b.name], d)), shape, d,
-                         max(ba, bb), max(ea, eb), _max(fa, fb))
+        return self.unsigned(self.emit(f"{a.name}.{fn}({b.name})", lambda env: f(_as(env[a.name], d),
+                                       _as(env[b.name], d)), shape, d, max(ba, bb), max(ea, eb), _max(fa, fb)))
 
     def op_compare(self) -> Val | None:
         a = self.value(lambda v: v.exact, self.new_input)
@@ -530,7 +538,7 @@ class Builder:
         if self.coin(0.3):
             return self.emit(f"~{a.name}", lambda env: np.invert(wide(env[a.name]) if a.dtype != "bool"
                                                                else env[a.name]),
-                             a.shape, a.dtype, a.bound + 1, 0.0, 0)
+                             a.shape, a.dtype, 255.0 if a.dtype == "uint8" else a.bound + 1, 0.0, 0)
         b = self.operand(a, ("bool",) if a.dtype == "bool" else INTS)
         shape = _bshape(a.shape, b.shape)
         if shape is None:
@@ -565,7 +573,7 @@ class Builder:
             return None
         bound = a.bound + 1 if sym == "//" else b.bound + 1
         return self.emit(f"{a.name} {sym} ({b.name}.abs() + 1)",
-                         lambda env: f(_as(env[a.name], d), np.abs(_as(env[b.name], d)) + 1), shape, d,
+                         lambda env: f(_as(env[a.name], d), _as(_abs(env[b.name], b.dtype), d) + 1), shape, d,
                          *finish(d, bound, 0.0, 0 if sym == "//" else _max(a.frac, b.frac)))
 
     def op_pow(self) -> Val | None:
@@ -585,14 +593,20 @@ class Builder:
             if ba > 6:
                 return None
             bound = 3.0**ba * 4.0**ba
+            if not self.fits(d, bound):
+                return None
             return self.emit(f"{p} ** {a.name}", lambda env: np.power(env[p], _as(env[a.name], "float64")), a.shape,
                              d, *finish(d, bound, 2.0 * bound * ea, None, 4))
         s = self.scalar("f")  # (|a| + p) ** s, the base at least 0.25
+        if a.dtype in INTS and a.bound > INT_MAX[a.dtype]:
+            return None  # |a| may wrap (int8's |-128| is -128): a negative base
         hi = ba + 3.0
         bound = max(hi**4, 0.25**-4)
         lip = 4.0 * max(hi**3, 0.25**-5)
+        if not self.fits(d, bound):
+            return None
         return self.emit(f"({a.name}.abs() + {p}) ** {s}",
-                         lambda env: np.power(np.abs(_as(env[a.name], "float64")) + env[p], env[s]), a.shape, d,
+                         lambda env: np.power(_as(_abs(env[a.name], a.dtype), "float64") + env[p], env[s]), a.shape, d,
                          *finish(d, bound, lip * (ea + ulp(d, hi)), None, 4))
 
     def op_unary_exact(self) -> Val | None:
@@ -603,11 +617,13 @@ class Builder:
         fn = self.choice(["neg", "abs", "relu", "square", "sign", "floor", "ceil", "round", "clip"])
         w = lambda env: wide(env[a.name])  # noqa: E731
         if fn == "neg":
-            return self.emit(f"-{a.name}", lambda env: -w(env), a.shape, a.dtype, a.bound, a.err, a.frac)
+            bound = 255.0 if a.dtype == "uint8" else a.bound  # -x wraps to 256 - x in uint8
+            return self.emit(f"-{a.name}", lambda env: -w(env), a.shape, a.dtype, bound, a.err, a.frac)
         if fn in ("abs", "relu"):
             f = np.abs if fn == "abs" else (lambda x: np.maximum(x, 0))
             bound = a.bound + (1 if a.dtype in INTS else 0)  # abs(-128) wraps in int8
-            return self.emit(f"{a.name}.{fn}()", lambda env: f(w(env)), a.shape, a.dtype, bound, a.err, a.frac)
+            v = self.emit(f"{a.name}.{fn}()", lambda env: f(w(env)), a.shape, a.dtype, bound, a.err, a.frac)
+            return self.unsigned(v) if fn == "relu" else v
         if fn == "square":
             bound = a.bound**2
             if not self.fits(a.dtype, bound):
@@ -621,15 +637,16 @@ class Builder:
             los, his = (lo if form != "hi" else "None"), (hi if form != "lo" else "None")
 
             def ref(env: dict[str, Any]) -> Any:
-                x = w(env)
+                x = w(env)  # the bounds wrap into an int dtype first (uint8's -3 is 253), as in PyTorch
                 if form != "hi":
-                    x = np.maximum(x, env[lo])
+                    x = np.maximum(x, _scalar_as(env[lo], a.dtype))
                 if form != "lo":
-                    x = np.minimum(x, env[hi])
+                    x = np.minimum(x, _scalar_as(env[hi], a.dtype))
                 return x
 
-            return self.emit(f"{a.name}.clip({los}, {his})", ref, a.shape, a.dtype,
-                             max(a.bound, SCALAR_MAX[k]), a.err, _max(a.frac, SCALAR_FRAC[k]))
+            bound = max(a.bound, SCALAR_MAX[k], INT_MAX[a.dtype] if a.dtype.startswith("uint") else 0)
+            return self.unsigned(self.emit(f"{a.name}.clip({los}, {his})", ref, a.shape, a.dtype,
+                                           bound, a.err, _max(a.frac, SCALAR_FRAC[k])))
         if not a.exact:
             return None
         if fn == "sign":
@@ -647,6 +664,8 @@ class Builder:
             return None
         d = least_float(a.dtype)
         ba, ea, _ = self.conv(a, d)
+        if fn not in UNARY_FACTS and a.dtype in INTS and a.bound > INT_MAX[a.dtype]:
+            return None  # |a| may wrap (int8's |-128| is -128): no longer >= 0
         if fn in UNARY_FACTS:
             limit, out, lip = UNARY_FACTS[fn]
             if ba > limit:
@@ -657,7 +676,7 @@ class Builder:
             return self.emit(f"{a.name}.{call}", lambda env: f(_as(env[a.name], "float64")), a.shape, d,
                              *finish(d, bound, lip(ba) * ea, None, 4))
         if fn == "sqrt":  # of |a|: the error of a root near zero is the root of the error
-            return self.emit(f"{a.name}.abs().sqrt()", lambda env: np.sqrt(np.abs(_as(env[a.name], "float64"))),
+            return self.emit(f"{a.name}.abs().sqrt()", lambda env: np.sqrt(_as(_abs(env[a.name], a.dtype), "float64")),
                              a.shape, d, *finish(d, math.sqrt(ba), math.sqrt(ea), None, 2))
         s = self.scalar("fpos")  # of |a| + s, s >= 0.25
         hi = ba + 3.0
@@ -665,7 +684,7 @@ class Builder:
         bound, lip = {"log": (max(math.log(hi), 1.4), 4.0), "log2": (max(math.log2(hi), 2.0), 6.0),
                       "rsqrt": (2.0, 4.0), "reciprocal": (4.0, 16.0)}[fn]
         return self.emit(f"({a.name}.abs() + {s}).{fn}()",
-                         lambda env: f(np.abs(_as(env[a.name], "float64")) + env[s]), a.shape, d,
+                         lambda env: f(_as(_abs(env[a.name], a.dtype), "float64") + env[s]), a.shape, d,
                          *finish(d, bound, lip * (ea + ulp(d, hi)), None, 4))
 
     def op_cast(self) -> Val | None:
@@ -689,7 +708,8 @@ class Builder:
             return self.emit(src, lambda env: wide(env[a.name]) != 0, a.shape, d, 1.0, 0.0, 0)
         if a.dtype in FLOATS and a.bound >= INT_MAX[d] // 2:
             return None  # an out-of-range float to int cast is undefined (C, numpy and PyTorch differ)
-        return self.emit(src, lambda env: wide(env[a.name]), a.shape, d, a.bound, 0.0, 0)
+        bound = 255.0 if d == "uint8" and not a.positive else a.bound  # -2 wraps to 254
+        return self.emit(src, lambda env: wide(env[a.name]), a.shape, d, bound, 0.0, 0)
 
     def op_where(self) -> Val | None:
         c = self.value(lambda v: v.dtype == "bool", lambda: self.new_input(("bool",)))
@@ -752,6 +772,8 @@ class Builder:
         axis_src, axes = self.axes(a, single)
         keep = self.coin(0.4) and not (fn in ("argmax", "argmin") and axis_src == "None")
         n = math.prod(a.shape[i] for i in axes)
+        if n == 0 and fn not in ("sum", "prod"):
+            return None  # max/min/arg*: an error as in numpy and PyTorch; mean/var/std/logsumexp: nan or -inf
         shape = tuple(1 if i in axes else s for i, s in enumerate(a.shape)) if keep else \
             tuple(s for i, s in enumerate(a.shape) if i not in axes)
         npax = tuple(axes) if axes else None
@@ -775,8 +797,9 @@ class Builder:
                 f = np.max if fn == "max" else np.min
             if not self.fits(d, bound):
                 return None
-            return self.emit(src, lambda env: f(w(env), axis=npax, keepdims=keep), shape, d,
-                             *finish(d, bound, err, frac, ulps))
+            v = self.emit(src, lambda env: f(w(env), axis=npax, keepdims=keep), shape, d,
+                          *finish(d, bound, err, frac, ulps))
+            return self.unsigned(v) if fn in ("max", "min") else v
         if fn in ("argmax", "argmin"):
             if not a.exact or a.dtype == "bool":
                 return None
@@ -984,7 +1007,7 @@ class Builder:
     def op_take(self) -> Val | None:
         """Integer-tensor indexing along the first axis and gather (indices are new int inputs in range)."""
         a = self.value(lambda v: len(v.shape) >= 1, lambda: self.new_input(rank=(1, 3)))
-        if a is None or not a.shape:
+        if a is None or not a.shape or 0 in a.shape:
             return None
         n = a.shape[0]
         idt = self.choice(["int32", "int64", "int16", "uint8"])
@@ -1021,7 +1044,7 @@ class Builder:
         b = self.pick(lambda v: v.shape == bshape and v.dtype == a.dtype and v.device == a.device and v.exact)
         b = b if b is not None and self.coin() else self.leaf(bshape, a.dtype, device=a.device)
         try:
-            out = np.matmul(np.empty(a.shape), np.empty(b.shape)).shape
+            out = np.matmul(np.zeros(a.shape), np.zeros(b.shape)).shape
         except ValueError:
             return None
         d = a.dtype
@@ -1057,7 +1080,7 @@ class Builder:
                 return x.max(axis=(-3, -1)) if fn == "max_pool2d" else x.mean(axis=(-3, -1))
 
             if fn == "max_pool2d":
-                return self.emit(f"{a.name}.max_pool2d({k})", pool, new, a.dtype, a.bound, a.err, a.frac)
+                return self.unsigned(self.emit(f"{a.name}.max_pool2d({k})", pool, new, a.dtype, a.bound, a.err, a.frac))
             return self.emit(f"{a.name}.avg_pool2d({k})", pool, new, a.dtype,
                              *finish(a.dtype, a.bound, a.err, None, 2.0 + k * k * 2.0**-20))
         if fn == "layernorm":
@@ -1122,7 +1145,8 @@ class Builder:
                 return None
             s = self.scalar(k)
             return self.emit(f"Tensor.full({shape}, {s}, dtype={d!r}, device={dev!r})",
-                             lambda env: np.full(shape, env[s]), shape, d, SCALAR_MAX[k], 0.0, SCALAR_FRAC[k])
+                             lambda env: np.full(shape, env[s]), shape, d,
+                             255.0 if d == "uint8" else SCALAR_MAX[k], 0.0, SCALAR_FRAC[k])  # -3 wraps to 253
         if fn in ("ones", "zeros"):
             shape = self.shape(0, 3)
             args = ", ".join(map(str, shape))
@@ -1136,7 +1160,8 @@ class Builder:
             if n == 0:
                 return None
             return self.emit(f"Tensor.arange({start}, {stop}, {step}, dtype={d!r}, device={dev!r})",
-                             lambda env: np.arange(start, stop, step), (n,), d, 9.0, 0.0, 0)
+                             lambda env: np.arange(start, stop, step), (n,), d, 255.0 if d == "uint8" else 9.0,
+                             0.0, 0)
         if fn == "eye":
             n = self.int_(1, 4)
             return self.emit(f"Tensor.eye({n}, dtype={d!r}, device={dev!r})", lambda env: np.eye(n), (n, n), d,
@@ -1183,8 +1208,16 @@ def _as(x: np.ndarray, d: str) -> np.ndarray:
     return np.asarray(x).astype(np.int64)
 
 
+def _abs(x: np.ndarray, d: str) -> np.ndarray:
+    """|x| as a `d` tensor computes it: an int's wraps (int8's |-128| is -128), as in numpy and PyTorch."""
+    return np.abs(wide(x)).astype(np_dtype(d)) if d in INTS else np.abs(x)
+
+
 def _scalar_as(v: Any, d: str) -> Any:
-    return float(v) if d in FLOATS else int(v)
+    """A Python scalar as an op on a `d` tensor takes it: an int wraps into an int dtype first (as in PyTorch)."""
+    if d in FLOATS:
+        return float(v)
+    return bool(v) if d == "bool" else int(np.array(int(v)).astype(np_dtype(d)))
 
 
 def _bshape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -1243,7 +1276,10 @@ def programs(draw: st.DrawFn, device: str, others: tuple[str, ...] = (), dtypes:
              max_ops: int = 14) -> Program:
     b = Builder(draw, device, others, dtypes)
     for _ in range(draw(st.integers(2, max_ops))):
-        getattr(b, "op_" + draw(st.sampled_from(Builder.OPS)))()
+        op = draw(st.sampled_from(Builder.OPS))
+        v = getattr(b, "op_" + op)()
+        if v is not None and op in ("reduce", "matmul", "nn"):
+            b.unsigned(v)  # the sign of a zero sum is the order's: 0.0 + -0.0 or -0.0 alone (a GPU's tree sum)
         if draw(st.integers(0, 9)) == 0:
             b.realize_early()
     computed = [v for v in b.prog.vals if v.name.startswith("v")]

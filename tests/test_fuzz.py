@@ -3,7 +3,8 @@ test device and compared with numpy, then built again with new data and new scal
 the new values), and a third time with new data only (nothing may compile).
 
 CI runs a bounded, derandomized number of graphs per device; `pytest --fuzz-long` (or AZYX_FUZZ_EXAMPLES=N) runs
-thousands with fresh randomness. A failure shrinks to a minimal graph and prints it as a runnable script.
+thousands with fresh randomness. A failure prints its graph as a runnable script; with --fuzz-long (or
+AZYX_FUZZ_SHRINK=1) it first shrinks to a minimal graph (shrinking can take minutes, so CI's bounded run skips it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import DEVICES
 from graphgen import DTYPES, compare, execute, expected, make_data, make_scalars, programs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import azyx
@@ -55,8 +56,11 @@ def check_program(device: str, prog, seed: int) -> None:  # type: ignore[no-unty
 def test_random_graphs_match_numpy(device: str, request: pytest.FixtureRequest) -> None:
     long = bool(request.config.getoption("--fuzz-long"))
     strategy = programs(device, _others(device), DTYPES)
+    shrink = long or bool(os.environ.get("AZYX_FUZZ_SHRINK"))
+    phases = tuple(p for p in Phase if shrink or p not in (Phase.shrink, Phase.explain))
 
     @settings(max_examples=_examples(long), deadline=None, derandomize=not long, database=None, print_blob=True,
+              phases=phases,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(prog=strategy, seed=st.integers(0, 2**32 - 1))
     def run(prog, seed: int) -> None:  # type: ignore[no-untyped-def]

@@ -82,3 +82,22 @@ async def test_a_zero_float_remainder_takes_the_divisors_sign(device: str) -> No
         ref = np.mod(x_np, np.float32(y))
         np.testing.assert_array_equal(got, ref)
         np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
+
+
+async def test_cat_and_stack_keep_negative_zeros(device: str) -> None:
+    a_np = np.array([-0.0, 1.0], np.float32)
+    b_np = np.array([-0.0, -0.0], np.float32)
+    a, b, z = Tensor(a_np, device=device), Tensor(b_np, device=device), Tensor.zeros(2, device=device)
+    for got, want in ((Tensor.stack([a, b]), np.stack([a_np, b_np])), (Tensor.cat([b, z, a]),
+                      np.concatenate([b_np, np.zeros(2, np.float32), a_np]))):
+        out = await got.numpy()
+        np.testing.assert_array_equal(out, want)
+        assert np.signbit(out).tolist() == np.signbit(want).tolist()
+
+
+async def test_a_negative_float_cast_to_an_unsigned_int_wraps(device: str) -> None:
+    x_np = np.array([-2.5, -1.0, 3.75, -128.0], np.float32)
+    x = Tensor(x_np, device=device)
+    want = x_np.astype(np.int64).astype(np.uint8)  # numpy and PyTorch: through a wide int (C and CUDA differ)
+    assert (await x.cast("uint8").numpy()).tolist() == want.tolist()
+    assert (await (x * 1.0).cast("uint8").cast("float16").numpy()).tolist() == want.astype(np.float16).tolist()
