@@ -53,6 +53,9 @@ class Dialect:
     warp: int = 0  # with `shuffle`: where outputs are many, a warp (not a whole group) reduces each output
     warp_outputs: int = 4096  # ... from this many outputs on
     vector4: str = ""  # a 4-float vector type: plain elementwise float32 kernels move 16 bytes per load and store
+    # integer max/min as azyx_max/azyx_min of the prelude: NVRTC (CUDA 13) miscompiles `(-x > acc ? -x : acc)` in
+    # an unrolled reduce that starts at INT_MIN (max(-x, c) rewritten as -min(x, -c)); an asm max is opaque to it
+    int_minmax: bool = False
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -158,7 +161,11 @@ __device__ inline bf16_t f2bf(float f) {
 }
 __device__ inline float h2f(f16_t x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
 __device__ inline f16_t f2h(float f) { f16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
-""" + _ipow("__device__ inline", "long long")
+""" + _ipow("__device__ inline", "long long") + "".join(
+    f'__device__ inline {t} azyx_{op}({t} a, {t} b) {{ {t} r; asm("{op}.{p} %0, %1, %2;" : "={c}"(r) : "{c}"(a), '
+    f'"{c}"(b)); return r; }}\n'
+    for op in ("max", "min") for t, p, c in (("int", "s32", "r"), ("unsigned int", "u32", "r"),
+                                             ("long long", "s64", "l"), ("unsigned long long", "u64", "l")))
 
 CUDA = Dialect(
     name="cuda",
@@ -185,6 +192,7 @@ CUDA = Dialect(
     shuffle="__shfl_xor_sync(0xffffffffu, {x}, {o})",
     warp=32,
     vector4="float4",
+    int_minmax=True,
 )
 
 
@@ -267,10 +275,12 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
         if sd.is_bool:
             return {"and": f"({x}&&{y})", "or": f"({x}||{y})", "xor": f"({x}!={y})"}[op]
         return f"({x}{ {'and': '&', 'or': '|', 'xor': '^'}[op] }{y})"
+    if op in ("max", "min") and not fl:
+        return _combine(op, sd, dl).format(a=y, b=x)
     if op == "max":
-        return f"(({x}>{y}||{x}!={x})?{x}:{y})" if fl else f"({x}>{y}?{x}:{y})"
+        return f"(({x}>{y}||{x}!={x})?{x}:{y})"
     if op == "min":
-        return f"(({x}<{y}||{x}!={x})?{x}:{y})" if fl else f"({x}<{y}?{x}:{y})"
+        return f"(({x}<{y}||{x}!={x})?{x}:{y})"
     if op == "floordiv":
         if fl:
             return f"{_fn('floor', sd, dl)}({x}/{y})"
@@ -290,6 +300,13 @@ _COMBINE = {"sum": "{a}+{b}", "prod": "{a}*{b}", "max": "(({b}>{a}||{b}!={b})?{b
             "min": "(({b}<{a}||{b}!={b})?{b}:{a})"}
 _COMBINE_INT = {"max": "({b}>{a}?{b}:{a})", "min": "({b}<{a}?{b}:{a})"}
 _OMP_RED = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
+
+
+def _combine(op: str, d: DType, dl: Dialect) -> str:
+    """How a reduce of `op` over dtype `d` folds a new value {b} into its accumulator {a}."""
+    if d.is_float or op not in _COMBINE_INT:
+        return _COMBINE[op]
+    return f"azyx_{op}({{a}},{{b}})" if dl.int_minmax and not d.is_bool else _COMBINE_INT[op]
 
 
 def omp_reduction(op: str, d: DType) -> str:
@@ -544,7 +561,7 @@ class _Renderer:
         then combine them in a tree in shared memory; every item ends with the result."""
         op, rvars = r.arg
         dl, it, size = self.dl, self.it, self.group
-        comb = (_COMBINE_INT if not r.dtype.is_float and op in _COMBINE_INT else _COMBINE)[op]
+        comb = _combine(op, r.dtype, dl)
         total = 1
         for rv in rvars:
             total *= rv.vmax + 1
@@ -672,7 +689,7 @@ class _Renderer:
         body = self.collect([r.src[0]], place, r)
         body_v = r.src[0]
         ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
-        comb = (_COMBINE_INT if not r.dtype.is_float and op in _COMBINE_INT else _COMBINE)[op]
+        comb = _combine(op, r.dtype, self.dl)
         # the body value is referenced after emission inside the block
         saved = dict(self.names)
         uvars = self.k.uvars

@@ -101,3 +101,16 @@ async def test_a_negative_float_cast_to_an_unsigned_int_wraps(device: str) -> No
     want = x_np.astype(np.int64).astype(np.uint8)  # numpy and PyTorch: through a wide int (C and CUDA differ)
     assert (await x.cast("uint8").numpy()).tolist() == want.tolist()
     assert (await (x * 1.0).cast("uint8").cast("float16").numpy()).tolist() == want.astype(np.float16).tolist()
+
+
+async def test_int_max_of_a_negation(device: str) -> None:
+    # NVRTC rewrote max(-x, acc) from INT_MIN as -min(x, -acc): the max was the first element (125, not 343)
+    x_np = np.array([-5, -7, -4, -2, 6])
+    for dt in ("int16", "int32", "int64"):
+        v = Tensor(x_np.astype(dt), device=device) ** 3
+        await v.realize()
+        want = -(x_np**3)
+        assert (await (-v).max().numpy()).item() == want.max()
+        assert (await (-v).min().numpy()).item() == want.min()
+        assert (await (-v).maximum(Tensor.full((5,), -(2**15), dtype=dt, device=device)).numpy()).tolist() == \
+            want.tolist()
