@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from azyx import debug
 from azyx.cstyle import Dialect, render
+from azyx.errors import AzyxError, DeviceFailedError, RuntimeStateError, kept
 from azyx.ir import Kernel
 from azyx.timeline import TimelineSignal
 
@@ -17,13 +20,15 @@ if TYPE_CHECKING:
 
 
 class Buffer:
-    """Device memory plus the timeline value (on its own device) at which its contents are ready."""
+    """Device memory plus the timeline value (on its own device) at which its contents are ready, and the record of
+    the run that wrote it (None: written by no plan, or by work known to have succeeded)."""
 
-    __slots__ = ("device", "nbytes", "mem", "ptr", "ready", "pooled", "__weakref__")
+    __slots__ = ("device", "nbytes", "mem", "ptr", "ready", "pooled", "run", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, mem: Any, ptr: int, pooled: bool):
         self.device, self.nbytes, self.mem, self.ptr, self.pooled = device, nbytes, mem, ptr, pooled
         self.ready = 0
+        self.run: RunRecord | None = None
 
     def __repr__(self) -> str:
         return f"Buffer({self.device.name}, {self.nbytes} bytes, ready@{self.ready})"
@@ -37,6 +42,45 @@ class Buffer:
 
 
 Launch = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
+
+
+class RunRecord:
+    """The failure record of one run of a plan: per device the timeline values (first, last] of the work it
+    submitted, and the records of the runs that wrote its inputs while those may still fail. A failure of any of
+    that work (`Device.record_failure`) is this run's: raised to the realizes that wait for its buffers and to later
+    runs that read them, never to unrelated work on the same devices."""
+
+    __slots__ = ("spans", "parents", "error", "clean")
+
+    def __init__(self, parents: list[RunRecord]):
+        self.spans: dict[Device, tuple[int, int]] = {}
+        self.parents = parents
+        self.error: BaseException | None = None
+        self.clean = False  # all its work (and its inputs') is done and none failed: nothing to check any more
+
+    def cover(self, dev: Device, before: int, after: int) -> None:
+        """This run's work on `dev` includes the timeline values (before, after]."""
+        lo = self.spans[dev][0] if dev in self.spans else before
+        self.spans[dev] = (lo, after)
+
+    def failure(self) -> BaseException | None:
+        """The first failure of this run's work or its inputs' found so far (final once the work is done)."""
+        if self.error is not None or self.clean:
+            return self.error
+        for dev, (lo, hi) in self.spans.items():
+            if (err := dev.failure_in(lo, hi)) is not None:
+                self.error = err
+                return err
+        for p in self.parents:
+            if (err := p.failure()) is not None:
+                self.error = err
+                return err
+        if all(p.clean for p in self.parents) and all(d.timeline.value >= hi for d, (_, hi) in self.spans.items()):
+            self.clean, self.spans, self.parents = True, {}, []  # (drops the chain of records behind it)
+        return None
+
+
+FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
     """One logical device: allocator, queue, timeline signal, compiler and launcher."""
@@ -57,10 +101,60 @@ class Device:
         self.capacity = 0
         self.compute = 1.0
         self.threads = 1
-        self.errors: list[BaseException] = []  # failures of queued work, raised by the next realize that waits
+        # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
+        self.failures: dict[int, BaseException] = {}
+        self.compile_timeout_s = float(options.get("compile_timeout_s") or 120.0)
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"
+
+    # failures
+    def record_failure(self, v: int, err: BaseException) -> None:
+        """The work item of timeline value `v` failed (any thread; before the timeline reaches `v`). The first
+        failure of an item is kept; an error that is no AzyxError is wrapped in one that names the device."""
+        if v in self.failures:
+            return
+        if not isinstance(err, AzyxError):  # (a bug, most likely: its traceback goes into the message)
+            tb = "".join(traceback.format_exception(err)).rstrip()
+            err = RuntimeStateError(f"{self.name}: work item {v} failed: {err!r}\n{tb}")
+        self.failures[v] = kept(err)  # waiters raise fresh copies of it
+        while len(self.failures) > FAILURES_KEPT:
+            self.failures.pop(next(iter(self.failures)), None)
+        debug.log(debug.DEVICES, f"{self.name}: work item {v} failed: {err}")
+
+    def failure_in(self, lo: int, hi: int) -> BaseException | None:
+        """The failure of a work item with a timeline value in (lo, hi], if any."""
+        if self.failures:
+            for v, err in list(self.failures.items()):
+                if lo < v <= hi:
+                    return err
+        return None
+
+    def fail(self, cause: BaseException | str) -> DeviceFailedError:
+        """Mark the device failed (a kernel faulted, the driver lost it): every waiter on its timeline, present or
+        future, gets a DeviceFailedError naming the device and `cause` instead of hanging, and nothing more is
+        submitted to it. Other devices keep working. Returns the error."""
+        why = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        err = DeviceFailedError(f"device {self.name} has failed ({why}); its queued work is lost and it takes no "
+                                f"more (other devices keep working)")
+        if isinstance(cause, BaseException):
+            err.__cause__ = kept(cause)
+        debug.log(debug.DEVICES, str(err))
+        self.timeline.fail(err)
+        return err
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the device failed (a DeviceFailedError), or None while it works."""
+        return self.timeline.failure
+
+    def check_alive(self) -> None:
+        """Raise the device's DeviceFailedError if it has failed."""
+        self.timeline.check()
+
+    def queued(self) -> int:
+        """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
+        return self.timeline.value + self.pending()
 
     # memory
     def free_memory(self) -> int:

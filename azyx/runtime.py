@@ -92,8 +92,9 @@ class Runtime:
         return [n for n in self.auto_order() if self.executor.devices[n].listed]
 
     def auto_order(self) -> list[str]:
-        """Devices that can compute, most free compute first (the dummy device plans but holds no data)."""
-        devs = [d for d in self.executor.devices.values() if d.listed or d.kind == "dummy"]
+        """Devices that can compute, most free compute first (the dummy device plans but holds no data); a device that
+        has failed is left out."""
+        devs = [d for d in self.executor.devices.values() if (d.listed or d.kind == "dummy") and d.failed is None]
         devs.sort(key=lambda d: (-d.compute / (1 + d.pending()), d.name))
         return [d.name for d in devs]
 

@@ -327,6 +327,9 @@ class CUDADevice(Device):
     def pending(self) -> int:
         return self.submitted - self.timeline.value
 
+    def queued(self) -> int:
+        return self.submitted
+
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
         """The events on the stream of other CUDA devices that `waits` translate to; None when a wait has none
         (host-side progress, or a CUDA command still deferred): then the command must be deferred."""
@@ -434,8 +437,8 @@ class CUDADevice(Device):
                     for ev, _ in events:
                         check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
                     job.enqueue()
-            except BaseException as e:  # the command is lost; its value still completes, and the error is raised
-                self.errors.append(e)
+            except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
+                self.record_failure(job.value, e)
             with self.lock:
                 self.use()
                 self._record(job.value, job.keep, job.post, job.first)
@@ -455,12 +458,16 @@ class CUDADevice(Device):
             ev, v, post = item
             err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
             if int(err) != 0:
-                self.errors.append(DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1]}"))
-            if post is not None:
+                # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the
+                # device fails, and every waiter on it gets DeviceFailedError instead of waiting forever
+                cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
+                self.record_failure(v, cause)
+                self.fail(cause)
+            elif post is not None:
                 try:
                     post()
                 except BaseException as e:
-                    self.errors.append(e)
+                    self.record_failure(v, e)
             with self.lock:
                 if post is not None:
                     self.posts.popleft()
@@ -681,7 +688,7 @@ class CUDADevice(Device):
                     fill_chunk(i)
                     staged[i].set()
             except BaseException as e:
-                self.errors.append(e)
+                self.record_failure(v, e)  # (v: the last chunk's value, set before this runs)
             finally:
                 for ev in staged:  # never leave the submitter waiting
                     ev.set()

@@ -143,6 +143,9 @@ class OpenCLDevice(Device):
     def pending(self) -> int:
         return self.submitted - self.timeline.value
 
+    def queued(self) -> int:
+        return self.submitted
+
     def _wait_events(self, waits: list[tuple[Device, int]]) -> list[Any]:
         """Translate (device, value) waits into OpenCL events the queue can wait on."""
         out = []
@@ -179,7 +182,7 @@ class OpenCLDevice(Device):
                 status = 0
             except cl.Error as e:
                 status = -1
-                self.errors.append(e)
+                self.record_failure(v, e)
             del ev, item
             self._complete(v, status)
 
@@ -196,7 +199,7 @@ class OpenCLDevice(Device):
 
     def _complete(self, v: int, status: int) -> None:
         if status < 0:
-            self.errors.append(RuntimeError(f"{self.name}: command {v} failed with status {status}"))
+            self.record_failure(v, DeviceError(f"{self.name}: command {v} failed with status {status}"))
         with self.lock:
             self.finished.append(self.holding.pop(v, None))
         self.timeline.signal(v)
@@ -245,20 +248,21 @@ class OpenCLDevice(Device):
             return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
                                                            wait_for=w), [(src.device, done)], (keep, staged))
         ready = cl.UserEvent(self.ctx)
+        v = self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
+                                                    wait_for=[ready]), [], (keep, staged))
 
         def stage() -> None:  # a source without a queue (the disk): read it on a worker thread, then release
             try:
-                for dev, v in waits:
-                    dev.timeline.wait_sync(v)
+                for dev, u in waits:
+                    dev.timeline.wait_sync(u)
                 src.device.read_into(src, staged)
                 ready.set_status(cl.command_execution_status.COMPLETE)
             except BaseException as e:
-                self.errors.append(e)
+                self.record_failure(v, e)  # (before the write fails: the first failure is what the run raises)
                 ready.set_status(-1)  # the write fails too, and the timeline still advances
 
         in_background(stage)
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
-                                                       wait_for=[ready]), [], (keep, staged))
+        return v
 
     def close(self) -> None:
         """Finish the queue, stop the waiter thread and drop what completed work held."""
