@@ -114,11 +114,7 @@ class UnifiedExecutor:
                     if bufs[s] is None:
                         bufs[s] = dev.alloc(max(slots[s].nbytes, 1))
                 if seg.transfer is not None:
-                    src: Buffer = bufs[seg.transfer.src]  # type: ignore[assignment]
-                    src_before = src.device.queued()  # (a source with a queue reads out in its own order)
-                    after = self.execute_transfer(src, bufs[seg.transfer.dst])  # type: ignore[arg-type]
-                    if src.device is not dev:
-                        record.cover(src.device, src_before, src.device.queued())
+                    after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:
                     after = self.execute_kernels([(k, [bufs[a] for a in k.args], k.words(scalars))  # type: ignore[misc]
                                                   for k in seg.kernels], single, seg.memo)
@@ -143,6 +139,14 @@ class UnifiedExecutor:
             bufs.clear()
             if only is not None:
                 only.end_batch()
+
+    def _transfer(self, record: RunRecord, src: Buffer, dst: Buffer) -> int:
+        """A run's transfer; a source device with a queue reads out in its own order: its work is the run's too."""
+        before = src.device.queued()
+        v = self.execute_transfer(src, dst)
+        if src.device is not dst.device:
+            record.cover(src.device, before, src.device.queued())
+        return v
 
     async def settle(self, record: RunRecord | None) -> None:
         """Wait (on the event loop) until the work a run submitted has run, so that the buffers it took are back in

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from conftest import DEVICES
 import azyx
 from azyx import Tensor
 from azyx.realize import submit
+from azyx.runtime import RT
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +40,57 @@ def run_script(script: str, *args: str, timeout: float = 120) -> str:
                           timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def in_use(pool: Any) -> int:
+    with pool.locked():  # (takes in frees queued by other threads)
+        pass
+    return int(pool.in_use)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_refused_allocation_raises_frees_what_the_run_took_and_the_next_realize_works(device: str) -> None:
+    """The device's allocator refuses its second new block (its raw allocation raises, as a driver out of memory
+    does): the realize raises AllocationError naming the device and the bytes, every block the run took is back in
+    the pool when it raises, and the same realize then works."""
+    pool = RT.device(device).allocator  # type: ignore[attr-defined]
+    n = 3001  # (a size no other test's plan has)
+    x = np.linspace(-1, 1, n, dtype=np.float32)
+    src = Tensor(x, device="c:1")  # copied over first: the failing run has submitted that copy when it fails
+
+    def graph() -> list[Tensor]:
+        a = src.to(device)
+        return [(a * 2).exp(), (a - 1).relu() * 3]
+
+    plan = azyx.schedule(*graph())
+    assert [type(s).__name__ for s in plan.steps] == ["TransferStep", "KernelStep"], plan.steps
+    await azyx.realize(*graph())  # compiled and run once
+    await azyx.synchronize()
+    pool.take_cached()  # every block the run needs is now a new one, made by `create`
+    before = in_use(pool)
+    create, calls = pool.create, []
+
+    def refusing(size: int) -> Any:
+        calls.append(size)
+        if len(calls) == 2:  # the copy's block is made; the kernel's first output's is refused
+            raise MemoryError("injected: the device is out of memory")
+        return create(size)
+
+    pool.create = refusing
+    outs = graph()
+    try:
+        with pytest.raises(azyx.AllocationError) as info:
+            await azyx.realize(*outs)
+    finally:
+        pool.create = create
+    msg = str(info.value)
+    assert device in msg and f"{n * 4} bytes" in msg and "out of device memory" in msg, msg
+    assert len(calls) == 2
+    assert in_use(pool) == before, "blocks the failed run took are still in use"
+    got = [await o.numpy() for o in outs]  # the targets were not realized: they compute now
+    np.testing.assert_allclose(got[0], np.exp(x * 2), rtol=1e-5)
+    np.testing.assert_allclose(got[1], np.maximum(x - 1, 0) * 3, rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -130,6 +183,7 @@ import numpy as np
 import azyx
 from azyx import Tensor
 from azyx.realize import submit
+from azyx.runtime import RT
 from azyx.runtime import RT
 
 azyx.configure({"c": {"devices": 2}})

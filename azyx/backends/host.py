@@ -37,8 +37,8 @@ def _aligned_block(size: int) -> tuple[np.ndarray, int]:
 class HostAllocator(PoolAllocator):
     """Pooled 64-byte aligned host blocks, each kept with its address."""
 
-    def __init__(self, capacity: int, cache_limit: int):
-        super().__init__(capacity, cache_limit, _aligned_block, "host memory")
+    def __init__(self, capacity: int, cache_limit: int, what: str = "host memory"):
+        super().__init__(capacity, cache_limit, _aligned_block, what)
 
     def alloc(self, nbytes: int) -> tuple[np.ndarray, int, int]:  # type: ignore[override]
         (mem, ptr), size = super().alloc(nbytes)
@@ -140,7 +140,7 @@ class HostDevice(Device):
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         self.capacity = int(options.get("memory") or memory_bytes() * 3 // 4)
-        self.allocator = HostAllocator(self.capacity, cache_limit=self.capacity // 4)
+        self.allocator = HostAllocator(self.capacity, self.capacity // 4, self.name)
         self.queue = WorkQueue(self.timeline, self.name, self.record_failure)
         self.inline_work = int(options.get("inline_work", 1 << 16))
 
