@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from azyx import debug
+from azyx.config import COMPILE_TIMEOUT_S, ConfigError
 from azyx.cstyle import Dialect, render
-from azyx.errors import AzyxError, DeviceFailedError, RuntimeStateError, kept
+from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
 from azyx.ir import Kernel
 from azyx.timeline import TimelineSignal
+from azyx.workers import in_worker_thread_within
 
 if TYPE_CHECKING:
     from azyx.dtypes import DType
     from azyx.graph import Shape, StridedView
     from azyx.plan import KernelStep
+
+T = TypeVar("T")
+
+
+def kernel_list(names: list[str]) -> str:
+    """Kernel names for a message: the first few, and how many in all."""
+    shown = ", ".join(names[:4])
+    return f"kernel {shown}" if len(names) == 1 else f"kernels {shown}" + (f" ({len(names)} in all)" if len(names) > 4
+                                                                            else "")
 
 
 class Buffer:
@@ -103,7 +115,10 @@ class Device:
         self.threads = 1
         # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
         self.failures: dict[int, BaseException] = {}
-        self.compile_timeout_s = float(options.get("compile_timeout_s") or 120.0)
+        self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
+        if not self.compile_timeout_s > 0:
+            raise ConfigError(f"{self.kind}: compile_timeout_s must be a positive number of seconds, got "
+                              f"{options.get('compile_timeout_s')!r}")
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"
@@ -219,6 +234,16 @@ class Device:
 
     async def compile(self, steps: list[KernelStep]) -> None:
         raise NotImplementedError
+
+    async def build_within_limit(self, names: list[str], build: Callable[..., T], *args: Any) -> T:
+        """Run `build(*args)` (a compile in this process: it cannot be killed) on a worker thread; past
+        `compile_timeout_s` raise CompileError naming the device, the kernels and the limit. The abandoned build runs
+        on to its end and its result is dropped: nothing of it counts as compiled."""
+        try:
+            return await in_worker_thread_within(self.compile_timeout_s, build, *args)
+        except TimeoutError:
+            raise CompileError(f"{self.name}: compiling {kernel_list(names)} took longer than compile_timeout_s="
+                               f"{self.compile_timeout_s:g} s; abandoned") from None
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes into `buf` (called on worker threads)."""

@@ -167,6 +167,20 @@ class _LoopWaiter:
         else:
             await self._event.wait()
 
+    async def wait_within(self, timeout: float) -> None:
+        """`wait`, returning after `timeout` seconds at the latest (the caller looks at what it waited for)."""
+        if self._lib == "asyncio":
+            handle = self._loop.call_later(timeout, _resolve, self._fut)
+            try:
+                await self.wait()
+            finally:
+                handle.cancel()
+        else:
+            import trio
+
+            with trio.move_on_after(timeout):
+                await self._event.wait()
+
 
 def _resolve(fut: Any) -> None:
     if not fut.done():

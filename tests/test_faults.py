@@ -93,6 +93,137 @@ async def test_a_refused_allocation_raises_frees_what_the_run_took_and_the_next_
     np.testing.assert_allclose(got[1], np.maximum(x - 1, 0) * 3, rtol=1e-6)
 
 
+# ------------------------------------------------------------------------------------------------ compilers
+_SHAPES = iter(range(1103, 10**6, 17))  # every test's kernels are new to this process (their shapes are)
+
+
+def new_graph(device: str, copies: int = 1) -> tuple[list[Tensor], np.ndarray]:
+    """`copies` graphs of one structure (so one kernel) that `device` has not compiled yet, and their value."""
+    n = next(_SHAPES)
+    x = np.linspace(0, 1, n, dtype=np.float32).reshape(1, n)
+    ys = [(Tensor(x, device=device) * 3 + 1).sqrt() for _ in range(copies)]
+    dev = RT.device(device)
+    assert not any(dev.has_program(k.name) for k in azyx.schedule(ys[0]).kernels)
+    return ys, np.sqrt(x * 3 + 1)
+
+
+def wrapper(tmp_path: Path, name: str, body: str) -> str:
+    """An executable compiler wrapper script; each run appends a line to its log (`<script>.log`)."""
+    path = tmp_path / name
+    path.write_text(f"#!/bin/sh\necho run >> '{path}.log'\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def runs_of(script: str) -> int:
+    log = Path(script + ".log")
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+@pytest.fixture
+def c_device() -> Any:
+    """c:0 with its compiler settings restored after the test."""
+    dev = RT.device("c:0")
+    saved = dev.compiler, dev.compile_timeout_s  # type: ignore[attr-defined]
+    yield dev
+    dev.compiler, dev.compile_timeout_s = saved  # type: ignore[attr-defined]
+
+
+async def test_a_failing_compiler_raises_compile_error_and_the_failure_is_not_cached(tmp_path: Path,
+                                                                                       c_device: Any) -> None:
+    """The C compiler (config key `compiler`) is a wrapper that fails its first run and runs gcc after that: the
+    first realize raises CompileError with the compiler's stderr; the same realize then compiles and works (nothing
+    of the failed compile was kept, in memory or in the on-disk cache, which the wrapper's path is part of)."""
+    cc = wrapper(tmp_path, "cc-fails-once", f"""
+if [ -e '{tmp_path}/failed' ]; then exec gcc "$@"; fi
+touch '{tmp_path}/failed'
+echo "injected: the compiler broke" >&2
+exit 1""")
+    c_device.compiler = cc
+    (y,), want = new_graph("c:0")
+    names = [k.name for k in azyx.schedule(y).kernels]
+    with pytest.raises(azyx.CompileError) as info:
+        await y.realize()
+    msg = str(info.value)
+    assert "c:0" in msg and "injected: the compiler broke" in msg and "exit 1" in msg and names[0] in msg, msg
+    assert not c_device.has_program(names[0])
+    np.testing.assert_allclose(await y.numpy(), want, rtol=1e-6)  # the same compiler works now
+    assert runs_of(cc) == 2
+
+
+async def ticks_while(task: asyncio.Future[Any]) -> float:
+    """The longest the event loop went without running this coroutine while `task` ran (a loop-latency probe)."""
+    loop = asyncio.get_running_loop()
+    longest, last = 0.0, loop.time()
+    while not task.done():
+        await asyncio.sleep(0.01)
+        now = loop.time()
+        longest, last = max(longest, now - last), now
+    return longest
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_compile_past_compile_timeout_s_raises_for_every_waiter(tmp_path: Path, device: str,
+                                                                        c_device: Any) -> None:
+    """A compile that runs past `compile_timeout_s`: on a C device the compiler is a wrapper that hangs (and has a
+    child of its own: the whole process group is killed); on others (an in-process compiler that cannot be killed)
+    the limit is 1 ms. Two realizes that need the same kernels both get the CompileError, naming the device, a
+    kernel and the limit, from one compile; the loop runs on meanwhile; then the compile works."""
+    dev = RT.device(device)
+    saved = dev.compile_timeout_s
+    ys, want = new_graph(device, copies=2)
+    name = azyx.schedule(ys[0]).kernels[0].name
+    cc = None
+    if dev.kind == "c":
+        cc = wrapper(tmp_path, "cc-hangs", f"sleep 600 & echo $! > '{tmp_path}/child'\nwait")
+        dev.compiler, limit = cc, 1.0  # type: ignore[attr-defined]
+    else:
+        limit = 0.001
+    dev.compile_timeout_s = limit
+    try:
+        both = asyncio.gather(*[y.realize() for y in ys], return_exceptions=True)
+        longest = await ticks_while(both)
+        errors = await asyncio.wait_for(both, 60)  # (bounded: a compiler left running must not hang the suite)
+    finally:
+        dev.compile_timeout_s = saved
+    for err in errors:
+        assert isinstance(err, azyx.CompileError), repr(err)
+        msg = str(err)
+        assert device in msg and name in msg and f"compile_timeout_s={limit:g} s" in msg, msg
+    assert longest < 0.5, f"the event loop stalled for {longest:.3f} s while compiling"
+    if cc is not None:
+        assert runs_of(cc) == 1  # one compile, two waiters
+        child = int((tmp_path / "child").read_text())
+        stat = Path(f"/proc/{child}/stat")
+        assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"), "the compiler's child survived"
+        dev.compiler = "gcc"  # type: ignore[attr-defined]
+    for y in ys:
+        np.testing.assert_allclose(await y.numpy(), want, rtol=1e-6)
+
+
+CONFIG_SCRIPT = """
+import asyncio, sys
+import numpy as np
+import azyx
+from azyx.runtime import RT
+
+azyx.configure({"c": {"compiler": sys.argv[1], "compile_timeout_s": 2.5}})
+assert RT.device("c:0").compile_timeout_s == 2.5 and RT.device("c:0").compiler == sys.argv[1]
+try:
+    (azyx.Tensor(np.ones(3, np.float32), device="c:0") + 1).numpy_sync()
+    raise AssertionError("no error")
+except azyx.CompileError as e:
+    assert "c:0" in str(e) and "injected" in str(e), str(e)
+print("OK")
+"""
+
+
+def test_the_compiler_and_its_time_limit_come_from_the_config(tmp_path: Path) -> None:
+    cc = wrapper(tmp_path, "cc-fails", "echo injected >&2\nexit 1")
+    assert run_script(CONFIG_SCRIPT, cc).strip().endswith("OK")
+    assert runs_of(cc) == 1
+
+
 # ------------------------------------------------------------------------------------------------ files
 async def save(path: Path, **arrays: np.ndarray) -> None:
     await azyx.io.save_safetensors(path, {name: Tensor(a) for name, a in arrays.items()})

@@ -37,13 +37,13 @@ from azyx import debug, gemm
 from azyx.allocator import PoolAllocator
 from azyx.config import cache_dir
 from azyx.cstyle import CUDA, group_size, kernel_source, render, vectorized
-from azyx.device import Buffer, Device
+from azyx.device import Buffer, Device, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel
 from azyx.plan import KernelStep, kernel_name
-from azyx.workers import in_background, in_worker_thread
+from azyx.workers import in_background
 
 try:
     from cuda.bindings import driver as cu
@@ -315,10 +315,13 @@ class CUDADevice(Device):
         src = kernel_source([s.src for s in todo.values()], CUDA)
         debug.log(debug.SOURCE, lambda: f"CUDA source for {', '.join(todo)}:\n{src}")
         # compile and load on a worker thread: a module load takes milliseconds (and waits for the device to idle)
-        self.functions.update(await in_worker_thread(self._build_and_load, src, list(todo)))
+        self.functions.update(await self.build_within_limit(list(todo), self._build_and_load, src, list(todo)))
 
     def _build_and_load(self, src: str, names: list[str]) -> dict[str, Any]:
-        cubin = nvrtc_compile(src, self.arch)
+        try:
+            cubin = nvrtc_compile(src, self.arch)
+        except CompileError as e:
+            raise CompileError(f"{self.name}: compiling {kernel_list(names)}: {e}") from None
         self.use()
         module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.modules.append(module)

@@ -24,13 +24,13 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.cstyle import OPENCL, group_size, kernel_source
-from azyx.device import Buffer, Device
+from azyx.device import Buffer, Device, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
-from azyx.workers import in_background, in_worker_thread
+from azyx.workers import in_background
 
 try:
     import pyopencl as cl
@@ -129,7 +129,8 @@ class OpenCLDevice(Device):
             return
         src = kernel_source([s.src for s in {s.name: s for s in todo}.values()], OPENCL)
         debug.log(debug.SOURCE, lambda: f"OpenCL source for {', '.join(s.name for s in todo)}:\n{src}")
-        self.kernels.update(await in_worker_thread(self._build, src, [s.name for s in todo]))
+        names = [s.name for s in todo]
+        self.kernels.update(await self.build_within_limit(names, self._build, src, names))
 
     def _build(self, src: str, names: list[str]) -> dict[str, Any]:
         """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread: pyopencl makes
@@ -137,7 +138,8 @@ class OpenCLDevice(Device):
         try:
             program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
-            raise CompileError(f"OpenCL build failed on {self.name}:\n{e}\n--- source ---\n{src}") from None
+            raise CompileError(f"{self.name}: OpenCL build of {kernel_list(names)} failed:\n{e}\n--- source ---\n"
+                               f"{src}") from None
         return {name: cl.Kernel(program, name) for name in names}
 
     def pending(self) -> int:
