@@ -376,3 +376,49 @@ def test_a_failed_device_fails_its_waiters_and_the_others_keep_working(device: s
     if device == "c:1":
         pytest.skip("c:1 is the device that stays up")
     assert run_script(FAIL_SCRIPT, device).strip().endswith("OK")
+
+
+CUDA_TRAP_SCRIPT = """
+import asyncio
+import numpy as np
+import azyx
+from azyx import Tensor
+from azyx.backends.cuda import check, cu, nvrtc_compile
+from azyx.runtime import RT
+
+async def main():
+    dev = RT.device("cuda:0")
+    x = np.arange(8, dtype=np.float32)
+    assert ((await (Tensor(x, device="cuda:0") + 1).numpy()) == x + 1).all()
+    # a kernel that faults (a trap; an out-of-bounds store behaves alike), on the device's own stream
+    cubin = nvrtc_compile('extern "C" __global__ void azyx_trap(int* p) { p[1 << 30] = 1; __trap(); }', dev.arch)
+    dev.use()
+    fn = check(cu.cuModuleGetFunction(check(cu.cuModuleLoadData(cubin), "load"), b"azyx_trap"), "function")
+    arg = np.array([0], np.uint64)
+    params = np.array([arg.ctypes.data], np.uint64)
+    dev._submit(lambda: check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, dev.stream, params.ctypes.data, 0), "trap"),
+                [], (arg, params))
+    try:  # work queued behind it, and its waiter
+        await (Tensor(x, device="cuda:0") * 2).numpy()
+        raise AssertionError("no error")
+    except azyx.DeviceFailedError as e:
+        assert "cuda:0" in str(e) and "CUDA_ERROR" in str(e), str(e)
+    try:
+        await (Tensor(x, device="cuda:0") * 3).numpy()
+        raise AssertionError("no error")
+    except azyx.DeviceFailedError as e:
+        assert "cuda:0" in str(e), str(e)
+    assert "cuda:0" not in azyx.devices()
+    assert ((await (Tensor(x, device="c:0") * 5).numpy()) == x * 5).all()  # another device works on
+    print("OK")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif("cuda:0" not in azyx.devices(), reason="no CUDA device")
+def test_a_kernel_that_faults_on_the_gpu_fails_its_device_only() -> None:
+    """A trapping kernel on cuda:0 (in a fresh interpreter: a faulted CUDA context stays unusable): the realize
+    queued behind it raises DeviceFailedError naming the device and the CUDA error, later work for cuda:0 is
+    refused, and c:0 computes on."""
+    assert run_script(CUDA_TRAP_SCRIPT).strip().endswith("OK")

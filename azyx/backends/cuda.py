@@ -60,6 +60,13 @@ UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatche
 _INIT: list[bool] = []
 
 
+# errors after which the context is unusable (a kernel faulted): the device fails (Device.fail)
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+          "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT",
+          "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_CONTEXT_IS_DESTROYED")
+
+
 def check(result: Any, what: str) -> Any:
     """cuda-bindings returns (error, *values): raise on an error, return the values."""
     err, *rest = result if isinstance(result, tuple) else (result,)
@@ -70,6 +77,11 @@ def check(result: Any, what: str) -> Any:
             name = cu.cuGetErrorName(err)[1].decode() if cu.cuGetErrorName(err)[0] == 0 else str(err)
         raise DeviceError(f"{what} failed: {name}")
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def sticky(err: BaseException) -> bool:
+    """Whether `err` (from `check`) says the context is unusable."""
+    return isinstance(err, DeviceError) and any(code in str(err) for code in STICKY)
 
 
 def describe_pointer(ptr: int) -> str:
@@ -397,15 +409,23 @@ class CUDADevice(Device):
             self.submitted += 1
             v = self.submitted
             events = None if (host_wait is not None or self.deferred) else self._event_waits(waits)
+            lost: DeviceError | None = None
             if events is None:
                 self._defer(_Job(host_wait, waits, enqueue, keep, post, v))
             else:
-                for ev, _ in events:
-                    check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                enqueue()
-                self._record(v, keep, post)
+                try:
+                    for ev, _ in events:
+                        check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
+                    enqueue()
+                    self._record(v, keep, post)
+                except DeviceError as e:
+                    if not sticky(e):
+                        raise
+                    lost = e
             done = self._take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
+        if lost is not None:  # an earlier kernel faulted: the context is gone (outside the lock: fail wakes waiters)
+            raise self.fail(lost)
         return v
 
     def _defer(self, job: _Job) -> None:
@@ -442,9 +462,16 @@ class CUDADevice(Device):
                     job.enqueue()
             except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
                 self.record_failure(job.value, e)
+                if sticky(e):
+                    self.fail(e)
+            try:
+                with self.lock:
+                    self.use()
+                    self._record(job.value, job.keep, job.post, job.first)
+            except BaseException as e:  # no event: its completion cannot be known, the context is lost
+                self.record_failure(job.value, e)
+                self.fail(e)
             with self.lock:
-                self.use()
-                self._record(job.value, job.keep, job.post, job.first)
                 self.deferred.popleft()
                 self.ready.notify_all()
             del job  # its buffers go back to their pools when the command completes, not when the next one comes
