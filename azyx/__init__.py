@@ -13,6 +13,7 @@ from azyx.errors import (
     AzyxIOError,
     CompileError,
     DeviceError,
+    DeviceFailedError,
     DTypeError,
     IndexOutOfRange,
     RuntimeStateError,
@@ -29,8 +30,8 @@ from azyx.viz import plot_graph
 
 __all__ = [
     "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
-    "DeviceError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor", "configure",
-    "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
+    "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor",
+    "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim",
 ]
 

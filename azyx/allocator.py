@@ -28,6 +28,8 @@ class PoolAllocator:
     whoever holds the lock takes the queue in before letting go."""
 
     def __init__(self, capacity: int, cache_limit: int, create: Callable[[int], Any], what: str):
+        """`create(size)` makes a new block (raising when the device is out of memory); `what` names the device in
+        errors."""
         self.capacity, self.cache_limit, self.create, self.what = capacity, cache_limit, create, what
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # frees not yet taken in
@@ -67,7 +69,7 @@ class PoolAllocator:
             if mem is not None:
                 self.cached -= size
             elif self.in_use + size > self.capacity:
-                raise AllocationError(f"allocating {nbytes} bytes exceeds the {self.what}'s capacity of "
+                raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes: over its capacity of "
                                       f"{self.capacity} bytes ({self.in_use} in use)")
             self.in_use += size
         finally:
@@ -77,7 +79,8 @@ class PoolAllocator:
                 mem = self.create(size)
             except Exception as e:  # MemoryError, a driver's out-of-resources error
                 self.free(None, size)
-                raise AllocationError(f"{self.what}: allocating {size} bytes failed: {e}") from None
+                raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes ({size} as pooled): out of "
+                                      f"device memory ({type(e).__name__}: {e})") from None
         return mem, size
 
     def take_cached(self) -> list[Any]:

@@ -12,6 +12,10 @@ from typing import Any
 
 from azyx.errors import AzyxError
 
+# seconds a device's compiler may take for one batch of kernels: past it the compile is abandoned (a C compiler's
+# whole process group is killed) and the realize raises CompileError
+COMPILE_TIMEOUT_S = 120.0
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
     # loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
@@ -20,9 +24,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "c": {"enabled": True, "devices": 1, "compiler": "gcc",
           "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
                     "--param=vect-max-version-for-alias-checks=64"],
-          "threads": None, "memory": None, "inline_work": 1 << 16},
-    "opencl": {"enabled": True, "platform_ids": []},
-    "cuda": {"enabled": True, "memory": None, "spin_us": 20},
+          "threads": None, "memory": None, "inline_work": 1 << 16, "compile_timeout_s": COMPILE_TIMEOUT_S},
+    "opencl": {"enabled": True, "platform_ids": [], "compile_timeout_s": COMPILE_TIMEOUT_S},
+    "cuda": {"enabled": True, "memory": None, "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
 }
 

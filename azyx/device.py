@@ -2,28 +2,45 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from azyx import debug
+from azyx.config import COMPILE_TIMEOUT_S, ConfigError
 from azyx.cstyle import Dialect, render
+from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
 from azyx.ir import Kernel
 from azyx.timeline import TimelineSignal
+from azyx.workers import in_worker_thread_within
 
 if TYPE_CHECKING:
     from azyx.dtypes import DType
     from azyx.graph import Shape, StridedView
     from azyx.plan import KernelStep
 
+T = TypeVar("T")
+
+
+def kernel_list(names: list[str]) -> str:
+    """Kernel names for a message: the first few, and how many in all."""
+    shown = ", ".join(names[:4])
+    return f"kernel {shown}" if len(names) == 1 else f"kernels {shown}" + (f" ({len(names)} in all)" if len(names) > 4
+                                                                            else "")
+
 
 class Buffer:
-    """Device memory plus the timeline value (on its own device) at which its contents are ready."""
+    """Device memory plus the timeline value (on its own device) at which its contents are ready, and the record of
+    the run that wrote it (None: written by no plan, or by work known to have succeeded)."""
 
-    __slots__ = ("device", "nbytes", "mem", "ptr", "ready", "pooled", "__weakref__")
+    __slots__ = ("device", "nbytes", "mem", "ptr", "ready", "pooled", "run", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, mem: Any, ptr: int, pooled: bool):
         self.device, self.nbytes, self.mem, self.ptr, self.pooled = device, nbytes, mem, ptr, pooled
         self.ready = 0
+        self.run: RunRecord | None = None
 
     def __repr__(self) -> str:
         return f"Buffer({self.device.name}, {self.nbytes} bytes, ready@{self.ready})"
@@ -37,6 +54,45 @@ class Buffer:
 
 
 Launch = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
+
+
+class RunRecord:
+    """The failure record of one run of a plan: per device the timeline values (first, last] of the work it
+    submitted, and the records of the runs that wrote its inputs while those may still fail. A failure of any of
+    that work (`Device.record_failure`) is this run's: raised to the realizes that wait for its buffers and to later
+    runs that read them, never to unrelated work on the same devices."""
+
+    __slots__ = ("spans", "parents", "error", "clean")
+
+    def __init__(self, parents: list[RunRecord]):
+        self.spans: dict[Device, tuple[int, int]] = {}
+        self.parents = parents
+        self.error: BaseException | None = None
+        self.clean = False  # all its work (and its inputs') is done and none failed: nothing to check any more
+
+    def cover(self, dev: Device, before: int, after: int) -> None:
+        """This run's work on `dev` includes the timeline values (before, after]."""
+        lo = self.spans[dev][0] if dev in self.spans else before
+        self.spans[dev] = (lo, after)
+
+    def failure(self) -> BaseException | None:
+        """The first failure of this run's work or its inputs' found so far (final once the work is done)."""
+        if self.error is not None or self.clean:
+            return self.error
+        for dev, (lo, hi) in self.spans.items():
+            if (err := dev.failure_in(lo, hi)) is not None:
+                self.error = err
+                return err
+        for p in self.parents:
+            if (err := p.failure()) is not None:
+                self.error = err
+                return err
+        if all(p.clean for p in self.parents) and all(d.timeline.value >= hi for d, (_, hi) in self.spans.items()):
+            self.clean, self.spans, self.parents = True, {}, []  # (drops the chain of records behind it)
+        return None
+
+
+FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
     """One logical device: allocator, queue, timeline signal, compiler and launcher."""
@@ -57,10 +113,63 @@ class Device:
         self.capacity = 0
         self.compute = 1.0
         self.threads = 1
-        self.errors: list[BaseException] = []  # failures of queued work, raised by the next realize that waits
+        # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
+        self.failures: dict[int, BaseException] = {}
+        self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
+        if not self.compile_timeout_s > 0:
+            raise ConfigError(f"{self.kind}: compile_timeout_s must be a positive number of seconds, got "
+                              f"{options.get('compile_timeout_s')!r}")
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"
+
+    # failures
+    def record_failure(self, v: int, err: BaseException) -> None:
+        """The work item of timeline value `v` failed (any thread; before the timeline reaches `v`). The first
+        failure of an item is kept; an error that is no AzyxError is wrapped in one that names the device."""
+        if v in self.failures:
+            return
+        if not isinstance(err, AzyxError):  # (a bug, most likely: its traceback goes into the message)
+            tb = "".join(traceback.format_exception(err)).rstrip()
+            err = RuntimeStateError(f"{self.name}: work item {v} failed: {err!r}\n{tb}")
+        self.failures[v] = kept(err)  # waiters raise fresh copies of it
+        while len(self.failures) > FAILURES_KEPT:
+            self.failures.pop(next(iter(self.failures)), None)
+        debug.log(debug.DEVICES, f"{self.name}: work item {v} failed: {err}")
+
+    def failure_in(self, lo: int, hi: int) -> BaseException | None:
+        """The failure of a work item with a timeline value in (lo, hi], if any."""
+        if self.failures:
+            for v, err in list(self.failures.items()):
+                if lo < v <= hi:
+                    return err
+        return None
+
+    def fail(self, cause: BaseException | str) -> DeviceFailedError:
+        """Mark the device failed (a kernel faulted, the driver lost it): every waiter on its timeline, present or
+        future, gets a DeviceFailedError naming the device and `cause` instead of hanging, and nothing more is
+        submitted to it. Other devices keep working. Returns the error."""
+        why = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        err = DeviceFailedError(f"device {self.name} has failed ({why}); its queued work is lost and it takes no "
+                                f"more (other devices keep working)")
+        if isinstance(cause, BaseException):
+            err.__cause__ = kept(cause)
+        debug.log(debug.DEVICES, str(err))
+        self.timeline.fail(err)
+        return err
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the device failed (a DeviceFailedError), or None while it works."""
+        return self.timeline.failure
+
+    def check_alive(self) -> None:
+        """Raise the device's DeviceFailedError if it has failed."""
+        self.timeline.check()
+
+    def queued(self) -> int:
+        """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
+        return self.timeline.value + self.pending()
 
     # memory
     def free_memory(self) -> int:
@@ -125,6 +234,16 @@ class Device:
 
     async def compile(self, steps: list[KernelStep]) -> None:
         raise NotImplementedError
+
+    async def build_within_limit(self, names: list[str], build: Callable[..., T], *args: Any) -> T:
+        """Run `build(*args)` (a compile in this process: it cannot be killed) on a worker thread; past
+        `compile_timeout_s` raise CompileError naming the device, the kernels and the limit. The abandoned build runs
+        on to its end and its result is dropped: nothing of it counts as compiled."""
+        try:
+            return await in_worker_thread_within(self.compile_timeout_s, build, *args)
+        except TimeoutError:
+            raise CompileError(f"{self.name}: compiling {kernel_list(names)} took longer than compile_timeout_s="
+                               f"{self.compile_timeout_s:g} s; abandoned") from None
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes into `buf` (called on worker threads)."""

@@ -25,12 +25,19 @@ class DeviceError(AzyxError, ValueError):
     """An unknown or unavailable device, or devices that cannot be mixed."""
 
 
+class DeviceFailedError(DeviceError):
+    """A device that has failed (a kernel faulted, the driver lost the device): every wait on its work, and every
+    new use of it, raises this, naming the device and the cause. Other devices keep working."""
+
+
 class AllocationError(AzyxError, MemoryError):
-    """A plan's buffers do not fit in any device's free memory."""
+    """A plan's buffers do not fit in any device's free memory, or a device refused an allocation (the message names
+    the device and the bytes requested)."""
 
 
 class CompileError(AzyxError, RuntimeError):
-    """A device compiler rejected generated code; the message carries the compiler's output."""
+    """A device compiler rejected generated code (the message carries the compiler's output) or ran past the
+    configured `compile_timeout_s` (the message names the device, the kernels and the limit)."""
 
 
 class AzyxIOError(AzyxError, OSError):
@@ -50,3 +57,26 @@ class StateDictError(AzyxError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+def fresh_copy(err: BaseException) -> BaseException:
+    """A new exception like `err` (type, message, attributes, cause), without its traceback: what a failure kept for
+    several waiters is raised as, so that no waiter's frames (and the tensors they hold) stay alive with the kept
+    one, and no waiter's traceback grows another's."""
+    new = type(err).__new__(type(err), *err.args)
+    new.args = err.args
+    new.__dict__.update(vars(err))
+    new.__cause__ = err.__cause__
+    return new
+
+
+def kept(err: BaseException) -> BaseException:
+    """`err` to keep for later waiters: the tracebacks of it and of its causes dropped (their frames would keep the
+    failed work's buffers alive). Returns `err`."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return err

@@ -4,6 +4,11 @@ Each step goes to its device's in-order queue. A step that reads a buffer from a
 that buffer's (device, timeline value) on the device side (the worker thread, or the API's own wait
 primitive), never on the event loop. Buffers freed by the plan return to their pool only once the queued
 work that holds them has run.
+
+Each run keeps a failure record (`RunRecord`): the timeline values of the work it submitted per device and the
+records of its inputs' runs. The buffers it hands out carry it, so a failure of that work is raised to the realizes
+that wait for them or read them later, and to no other. A run that cannot go on (an allocation refused, a failed
+device) raises at once; what it had submitted still runs and then gives its buffers back (`settle`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from enum import Enum
 from typing import Any
 
 from azyx import debug
-from azyx.device import Buffer, Device, Launch
+from azyx.device import Buffer, Device, Launch, RunRecord
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
@@ -29,6 +34,7 @@ class UnifiedExecutor:
     def __init__(self) -> None:
         self.devices: dict[str, Device] = {}
         self.adopted: list[Buffer] = []  # the last run's uploads that their leaves keep (ExecutionPlan.adopt)
+        self.partial: RunRecord | None = None  # the record of the last run that raised part way (see `settle`)
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"
@@ -94,6 +100,7 @@ class UnifiedExecutor:
             segments = plan.memo["segments"] = _segments(plan)
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
+        record = RunRecord([b.run for b in bindings if b.run is not None and not b.run.clean])
         only = self.single_device_check(plan)
         single = only is not None
         if only is not None:
@@ -101,14 +108,17 @@ class UnifiedExecutor:
         try:
             for seg in segments:
                 dev = self.devices[seg.device]
+                dev.check_alive()  # a failed device takes no more work
+                before = dev.queued()
                 for s in seg.allocs:  # a slot is written once: its buffer is made right before the work that writes it
                     if bufs[s] is None:
                         bufs[s] = dev.alloc(max(slots[s].nbytes, 1))
                 if seg.transfer is not None:
-                    self.execute_transfer(bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
+                    after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:
-                    self.execute_kernels([(k, [bufs[a] for a in k.args], k.words(scalars))  # type: ignore[misc]
-                                          for k in seg.kernels], single, seg.memo)
+                    after = self.execute_kernels([(k, [bufs[a] for a in k.args], k.words(scalars))  # type: ignore[misc]
+                                                  for k in seg.kernels], single, seg.memo)
+                record.cover(dev, before, after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
             outs = []
@@ -116,13 +126,39 @@ class UnifiedExecutor:
                 b = bufs[slot]
                 if b is None:  # an empty output: no kernel wrote it
                     b = bufs[slot] = self.devices[slots[slot].device].alloc(max(slots[slot].nbytes, 1))
+                b.run = record
                 outs.append((b, view))
             self.adopted = [bufs[dst] for _, dst in plan.adopt]  # type: ignore[misc]
+            for b in self.adopted:
+                b.run = record
             return outs
+        except BaseException:
+            self.partial = record  # what the failed run had submitted, for its caller to `settle`
+            raise
         finally:
             bufs.clear()
             if only is not None:
                 only.end_batch()
+
+    def _transfer(self, record: RunRecord, src: Buffer, dst: Buffer) -> int:
+        """A run's transfer; a source device with a queue reads out in its own order: its work is the run's too."""
+        before = src.device.queued()
+        v = self.execute_transfer(src, dst)
+        if src.device is not dst.device:
+            record.cover(src.device, before, src.device.queued())
+        return v
+
+    async def settle(self, record: RunRecord | None) -> None:
+        """Wait (on the event loop) until the work a run submitted has run, so that the buffers it took are back in
+        their pools (after a run that raised part way); a failure of that work, or of its device, is not raised."""
+        if record is None:
+            return
+        for dev, (_, hi) in record.spans.items():
+            try:
+                await dev.timeline.wait(hi)
+            except DeviceError:  # a failed device: its work is lost, its buffers are released with it
+                pass
+            dev.collect()
 
     async def synchronize_all(self) -> None:
         """Wait (on the event loop) until every device, and every compile started, has finished."""

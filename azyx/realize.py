@@ -14,7 +14,7 @@ import numpy as np
 from azyx import merge  # noqa: F401  (the planner's last stage: imported now, not by the first plan, on the loop)
 from azyx.backends.host import host_read
 from azyx.dtypes import dtypes
-from azyx.errors import AzyxIOError, RuntimeStateError
+from azyx.errors import AzyxError, RuntimeStateError, fresh_copy
 from azyx.graph import GraphCopy, Op, prod
 from azyx.plan import Walk, canonicalize, make_plan
 from azyx.runtime import GRAPH, RT
@@ -63,7 +63,13 @@ async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk 
         await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
         rt.plan_cache[walk.key] = plan
     bindings = [GRAPH[i].buffer for i in walk.leaves]
-    outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
+    try:
+        outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
+    except AzyxError:  # an allocation refused, a failed device: the targets stay unrealized; once what the run
+        ex = rt.executor  # had submitted has run, every buffer it took is back in its pool (the error says so)
+        partial, ex.partial = ex.partial, None
+        await ex.settle(partial)
+        raise
     for tid, (buf, view) in zip(targets, outs):
         GRAPH.become_leaf(tid, buf, view)
     return plan, walk, bindings  # type: ignore[return-value]
@@ -137,7 +143,8 @@ def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], 
 
 async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> None:
     """Wait until every buffer of `bufs` is ready (one wait per device: its queue is in order, so its latest value
-    covers every earlier one), then raise the first failure of the work. The work of a small plan is often done
+    covers every earlier one), then raise the first failure of the work that wrote them (their runs' records: work
+    of other runs on the same devices is not this wait's business). The work of a small plan is often done
     by now, or within a few microseconds: `poll` sees that without a wake-up from a device thread (about 70 us on
     a VM). It may query for up to the device's `spin` seconds, but only while the loop has nothing else to run and
     only for a plan whose work has not outlasted that window `SPIN_MISSES` times in a row."""
@@ -153,8 +160,14 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
             else:
                 dev.poll(ready)
         if dev.timeline.value < ready:
-            await dev.timeline.wait(ready)
-        _raise_failure(dev)
+            await dev.timeline.wait(ready)  # (raises DeviceFailedError when the device has failed)
+    records = {id(b.run): b.run for b in bufs if b.run is not None and not b.run.clean}
+    for rec in records.values():
+        for dev, (_, hi) in rec.spans.items():  # the rest of the run's work (on devices the buffers are not on)
+            if dev.timeline.value < hi:
+                await dev.timeline.wait(hi)
+        if (err := rec.failure()) is not None:
+            raise fresh_copy(err)
 
 
 def _loop_idle() -> bool:
@@ -167,15 +180,6 @@ def _loop_idle() -> bool:
     return ready is not None and not ready
 
 
-def _raise_failure(dev: Any) -> None:
-    """Raise the first failure of `dev`'s queued work, if any (the runtime stays usable)."""
-    if dev.errors:
-        err = dev.errors.pop(0)
-        if isinstance(err, AzyxIOError):  # a file read failed (e.g. truncated after opening): it names the file
-            raise err
-        raise RuntimeStateError(f"{dev.name}: a work item failed: {err!r}") from err
-
-
 async def to_numpy(t: Tensor) -> np.ndarray:
     await realize(t)
     n = GRAPH[t.id]
@@ -184,10 +188,12 @@ async def to_numpy(t: Tensor) -> np.ndarray:
     dev = buf.device
     if not dev.host_memory and not dev.storage:  # a device with a queue: read in its order, await the timeline
         host = np.empty(buf.nbytes, np.uint8)
+        before = dev.queued()
         v = dev.copy_to_host(buf, host, [])
         if v is not None:
             await dev.timeline.wait(v)
-            _raise_failure(dev)
+            if (err := dev.failure_in(before, v)) is not None:
+                raise fresh_copy(err)
             size = prod(shape) * dtype.itemsize
             if dtype is not dtypes.bfloat16 and view.is_contiguous(shape) and LOOP_COPY_BYTES <= buf.nbytes <= 2 * size:
                 # the fresh array the device wrote becomes the caller's: no second copy of a large buffer

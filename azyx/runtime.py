@@ -15,7 +15,7 @@ import sniffio
 from azyx import config as _config
 from azyx import debug, workers
 from azyx.device import Buffer, Device
-from azyx.errors import AllocationError, DeviceError, RuntimeStateError
+from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
 from azyx.graph import Graph, StridedView
 from azyx.timeline import LoopEvent
 
@@ -31,7 +31,7 @@ class Runtime:
         self.rng = np.random.default_rng()
         self.trace: Any = None  # azyx.jit's Recorder while a function is traced: told of rebinding and random draws
         self.lock = threading.Lock()
-        self.inflight: dict[str, tuple[Any, Any]] = {}  # kernel name -> (loop identity, LoopEvent)
+        self.inflight: dict[str, _Compile] = {}  # kernel name -> the compile under way
         self.compiled = 0  # kernels handed to a device's compiler (a new scalar value must add none)
 
     # ------------------------------------------------------------------ lifecycle
@@ -92,8 +92,9 @@ class Runtime:
         return [n for n in self.auto_order() if self.executor.devices[n].listed]
 
     def auto_order(self) -> list[str]:
-        """Devices that can compute, most free compute first (the dummy device plans but holds no data)."""
-        devs = [d for d in self.executor.devices.values() if d.listed or d.kind == "dummy"]
+        """Devices that can compute, most free compute first (the dummy device plans but holds no data); a device that
+        has failed is left out."""
+        devs = [d for d in self.executor.devices.values() if (d.listed or d.kind == "dummy") and d.failed is None]
         devs.sort(key=lambda d: (-d.compute / (1 + d.pending()), d.name))
         return [d.name for d in devs]
 
@@ -132,7 +133,9 @@ class Runtime:
     # ------------------------------------------------------------------ compilation
     async def compile(self, plan: Any) -> None:
         """Compile the plan's kernels not yet loaded, one batch per device; concurrent realizes of the same
-        kernels wait for the compile already running instead of starting another."""
+        kernels wait for the compile already running instead of starting another, and get its error when it fails
+        (a CompileError: the compiler failed or ran past `compile_timeout_s`). A failed compile leaves nothing
+        compiled: the next realize compiles again."""
         by_dev: dict[str, list[Any]] = {}
         for k in plan.kernels:
             by_dev.setdefault(k.device, []).append(k)
@@ -141,24 +144,40 @@ class Runtime:
             dev = self.device(name)
             while True:
                 waiting = [self.inflight[s.name] for s in steps if s.name in self.inflight]
-                mine = [w for w in waiting if w[0] == loop_id]
+                mine = [w for w in waiting if w.loop == loop_id]
                 if not mine:
                     break
-                await mine[0][1].wait()
+                await mine[0].event.wait()
+                if mine[0].error is not None:  # the compile we waited for failed: so does this realize
+                    raise fresh_copy(mine[0].error)
             todo = [s for s in steps if not dev.has_program(s.name)]
             if not todo:
                 continue
-            event = LoopEvent()
+            job = _Compile(loop_id)
             for s in todo:
-                self.inflight[s.name] = (loop_id, event)
+                self.inflight[s.name] = job
             self.compiled += len(todo)
             try:
                 await dev.compile(todo)
+            except Exception as e:  # (a cancelled compile is no failure: whoever waited compiles anew)
+                job.error = e
+                raise
             finally:
                 for s in todo:
-                    if self.inflight.get(s.name, (None, None))[1] is event:
+                    if self.inflight.get(s.name) is job:
                         del self.inflight[s.name]
-                event.set()
+                job.event.set()
+
+
+class _Compile:
+    """A compile under way, for the realizes (of the same loop) that need the same kernels: they wait for `event`,
+    then raise its `error` if it failed."""
+
+    __slots__ = ("loop", "event", "error")
+
+    def __init__(self, loop: Any):
+        self.loop, self.event = loop, LoopEvent()
+        self.error: BaseException | None = None
 
 
 def _loop_identity() -> Any:

@@ -4,6 +4,9 @@ A device signals `v` when all work it was given up to timeline value `v` is comp
 driver callback. Coroutines `await wait(v)`; the wake-up reaches their event loop through
 `call_soon_threadsafe` (asyncio) or the trio token (trio, via anyio), never by polling. Worker threads use
 `wait_sync(v)`.
+
+A device that fails (a kernel faulted, the driver lost it) fails its timeline (`fail`): every waiter for a value not
+reached, present or future, then raises the failure instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import heapq
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import sniffio
+
+from azyx.errors import fresh_copy
 
 
 class TimelineSignal:
@@ -28,6 +33,7 @@ class TimelineSignal:
         # the device's hook, told when someone starts waiting for a value not reached yet (from any thread, with no
         # lock of this signal held): a device that completes work lazily (CUDA) then makes sure it is watched
         self.demand: Callable[[int], None] | None = None
+        self.failure: BaseException | None = None  # set once by `fail`: what every wait for an unreached value raises
 
     def __repr__(self) -> str:
         return f"TimelineSignal({self.name}, value={self.value})"
@@ -49,22 +55,49 @@ class TimelineSignal:
         for wake in ready:
             wake()
 
+    def fail(self, error: BaseException) -> None:
+        """The device behind this timeline has failed: wake every waiter; each wait for a value not reached (now or
+        later) raises `error` (a copy of it: several tasks and threads raise it)."""
+        with self._cond:
+            if self.failure is not None:
+                return
+            self.failure = error
+            ready = [w[2] for w in self._waiters]
+            self._waiters = []
+            self._cond.notify_all()
+        for wake in ready:
+            wake()
+
+    def check(self) -> None:
+        """Raise the failure of a failed timeline (a copy of it: several tasks and threads raise it)."""
+        if self.failure is not None:
+            self._raise_failure()
+
+    def _raise_failure(self) -> NoReturn:
+        err = self.failure
+        assert err is not None
+        raise fresh_copy(err)
+
     def wait_sync(self, v: int) -> None:
-        """Block the calling (worker) thread until the value reaches `v`. Never call it on the event loop."""
-        if self.demand is not None and self.value < v:
+        """Block the calling (worker) thread until the value reaches `v` (raises the failure of a failed timeline).
+        Never call it on the event loop."""
+        if self.demand is not None and self.value < v and self.failure is None:
             self.demand(v)
         with self._cond:
             self._sync_waiters += 1
             try:
-                while self.value < v:
+                while self.value < v and self.failure is None:
                     self._cond.wait()
             finally:
                 self._sync_waiters -= 1
+        if self.value < v:
+            self._raise_failure()
 
     def on_reach(self, v: int, callback: Callable[[], None]) -> None:
-        """Run `callback` (on the signalling thread) once the value reaches `v`; at once if it has."""
+        """Run `callback` (on the signalling thread) once the value reaches `v`; at once if it has. A failed timeline
+        runs it at once too (or when it fails): whoever it wakes checks `failure`."""
         with self._cond:
-            pending = self.value < v
+            pending = self.value < v and self.failure is None
             if pending:
                 heapq.heappush(self._waiters, (v, next(self._seq), callback))
         if not pending:
@@ -73,12 +106,16 @@ class TimelineSignal:
             self.demand(v)
 
     async def wait(self, v: int) -> None:
-        """Wait on the event loop (asyncio or trio) until the value reaches `v`."""
+        """Wait on the event loop (asyncio or trio) until the value reaches `v` (raises the failure of a failed
+        timeline)."""
         if self.value >= v:
             return
-        waiter = _LoopWaiter()
-        self.on_reach(v, waiter.wake)
-        await waiter.wait()
+        if self.failure is None:
+            waiter = _LoopWaiter()
+            self.on_reach(v, waiter.wake)
+            await waiter.wait()
+        if self.value < v:
+            self._raise_failure()
 
 
 class _LoopWaiter:
@@ -129,6 +166,20 @@ class _LoopWaiter:
                 raise
         else:
             await self._event.wait()
+
+    async def wait_within(self, timeout: float) -> None:
+        """`wait`, returning after `timeout` seconds at the latest (the caller looks at what it waited for)."""
+        if self._lib == "asyncio":
+            handle = self._loop.call_later(timeout, _resolve, self._fut)
+            try:
+                await self.wait()
+            finally:
+                handle.cancel()
+        else:
+            import trio
+
+            with trio.move_on_after(timeout):
+                await self._event.wait()
 
 
 def _resolve(fut: Any) -> None:

@@ -89,13 +89,24 @@ def start_in_worker_thread(fn: Callable[..., T], *args: Any) -> concurrent.futur
     return fut
 
 
-async def result_of(fut: concurrent.futures.Future[T]) -> T:
-    """Wait on the event loop for a future of `start_in_worker_thread`; a cancelled waiter leaves the work running."""
+async def result_of(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """Wait on the event loop for a future of `start_in_worker_thread`; a cancelled waiter leaves the work running.
+    After `timeout` seconds raise TimeoutError (the work runs on, abandoned)."""
     if not fut.done():
         waiter = _LoopWaiter()
         fut.add_done_callback(waiter.wake_from)
-        await waiter.wait()
+        if timeout is None:
+            await waiter.wait()
+        else:
+            await waiter.wait_within(timeout)
+            if not fut.done():
+                raise TimeoutError(f"worker-thread work took longer than {timeout} s")
     return fut.result()
+
+
+async def in_worker_thread_within(timeout: float, fn: Callable[..., T], *args: Any) -> T:
+    """`in_worker_thread`, giving up after `timeout` seconds (TimeoutError); the work runs on to its end, abandoned."""
+    return await result_of(start_in_worker_thread(fn, *args), timeout)
 
 
 def _forget(fut: concurrent.futures.Future[Any]) -> None:

@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -33,7 +34,7 @@ from azyx import debug
 from azyx.backends.host import HostDevice
 from azyx.config import cache_dir
 from azyx.cstyle import SHARED, C, kernel_source, parallel_kind, parallel_loop
-from azyx.device import Launch
+from azyx.device import Launch, kernel_list
 from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.plan import KernelStep
@@ -456,7 +457,7 @@ class CDevice(HostDevice):
         src = "#define _GNU_SOURCE\n" + src + "\n" + _entries(arity, kinds, scalars) + "\n" + _RUNTIME  # (sched_getcpu)
         # build (or find in the disk cache) and load on a worker thread: the loop only waits; a cancelled realize
         # stops waiting while the build still finishes into the cache
-        entries = await in_worker_thread(self._build_and_load, src, arity)
+        entries = await in_worker_thread(self._build_and_load, src, arity)  # (limited there: _run_compiler)
         _PROGRAMS.update({name: (address, kinds[name]) for name, address in entries.items()})
 
     def _build_and_load(self, src: str, arity: dict[str, int]) -> dict[str, int]:
@@ -469,11 +470,7 @@ class CDevice(HostDevice):
             c_path, tmp_lib = stem.with_suffix(stem.suffix + ".c"), stem.with_suffix(stem.suffix + ".tmp")
             try:
                 c_path.write_text(src)
-                cmd = [self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"]
-                result = subprocess.run(cmd, capture_output=True, check=False)
-                if result.returncode != 0:
-                    raise CompileError(f"{self.compiler} failed (exit {result.returncode}):\n"
-                                       f"{result.stderr.decode(errors='replace')}\n--- source ---\n{src}")
+                self._run_compiler([self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], list(arity), src)
                 os.replace(tmp_lib, lib_path)  # atomic: a concurrent reader never sees half a library
             finally:
                 c_path.unlink(missing_ok=True)
@@ -496,6 +493,25 @@ class CDevice(HostDevice):
             lib.azyx_runner_stop.restype = None
             _RUNTIME_LIB.append(lib)
         return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
+
+    def _run_compiler(self, cmd: list[str], names: list[str], src: str) -> None:
+        """Run the compiler (worker thread) in a process group of its own, so that at `compile_timeout_s` the whole
+        group goes (a driver such as gcc runs cc1 and as as its children); raise CompileError on a timeout or a
+        failure, naming the device and the kernels."""
+        what = f"{self.name}: {self.compiler} compiling {kernel_list(names)}"
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=self.compile_timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise CompileError(f"{what} took longer than compile_timeout_s={self.compile_timeout_s:g} s; its process "
+                               f"group was killed") from None
+        finally:
+            if proc.poll() is None:  # any other way out (an interrupt): no compiler is left behind
+                _kill_group(proc)
+        if proc.returncode != 0:
+            raise CompileError(f"{what} failed (exit {proc.returncode}):\n{err.decode(errors='replace')}\n"
+                               f"--- source ---\n{src}")
 
     def batch_fn(self, items: list[Launch],
                  memo: dict[str, Any] | None = None) -> Callable[[], None]:
@@ -538,6 +554,19 @@ class CDevice(HostDevice):
         if self.serial_pool is not None and (worker is None or not worker.is_alive()):
             _RUNTIME_LIB[0].azyx_pool_free(self.serial_pool)
             self.serial_pool = None
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a compiler's process group and reap it (its pipes close with the group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # a process that left the group holds the pipes: stop reading them
+        proc.kill()
+        proc.wait()
 
 
 def _trip(k: Kernel, threads: int) -> int:

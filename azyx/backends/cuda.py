@@ -37,13 +37,13 @@ from azyx import debug, gemm
 from azyx.allocator import PoolAllocator
 from azyx.config import cache_dir
 from azyx.cstyle import CUDA, group_size, kernel_source, render, vectorized
-from azyx.device import Buffer, Device
+from azyx.device import Buffer, Device, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel
 from azyx.plan import KernelStep, kernel_name
-from azyx.workers import in_background, in_worker_thread
+from azyx.workers import in_background
 
 try:
     from cuda.bindings import driver as cu
@@ -60,6 +60,13 @@ UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatche
 _INIT: list[bool] = []
 
 
+# errors after which the context is unusable (a kernel faulted): the device fails (Device.fail)
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+          "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT",
+          "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_CONTEXT_IS_DESTROYED")
+
+
 def check(result: Any, what: str) -> Any:
     """cuda-bindings returns (error, *values): raise on an error, return the values."""
     err, *rest = result if isinstance(result, tuple) else (result,)
@@ -70,6 +77,11 @@ def check(result: Any, what: str) -> Any:
             name = cu.cuGetErrorName(err)[1].decode() if cu.cuGetErrorName(err)[0] == 0 else str(err)
         raise DeviceError(f"{what} failed: {name}")
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def sticky(err: BaseException) -> bool:
+    """Whether `err` (from `check`) says the context is unusable."""
+    return isinstance(err, DeviceError) and any(code in str(err) for code in STICKY)
 
 
 def describe_pointer(ptr: int) -> str:
@@ -315,10 +327,13 @@ class CUDADevice(Device):
         src = kernel_source([s.src for s in todo.values()], CUDA)
         debug.log(debug.SOURCE, lambda: f"CUDA source for {', '.join(todo)}:\n{src}")
         # compile and load on a worker thread: a module load takes milliseconds (and waits for the device to idle)
-        self.functions.update(await in_worker_thread(self._build_and_load, src, list(todo)))
+        self.functions.update(await self.build_within_limit(list(todo), self._build_and_load, src, list(todo)))
 
     def _build_and_load(self, src: str, names: list[str]) -> dict[str, Any]:
-        cubin = nvrtc_compile(src, self.arch)
+        try:
+            cubin = nvrtc_compile(src, self.arch)
+        except CompileError as e:
+            raise CompileError(f"{self.name}: compiling {kernel_list(names)}: {e}") from None
         self.use()
         module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.modules.append(module)
@@ -326,6 +341,9 @@ class CUDADevice(Device):
 
     def pending(self) -> int:
         return self.submitted - self.timeline.value
+
+    def queued(self) -> int:
+        return self.submitted
 
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
         """The events on the stream of other CUDA devices that `waits` translate to; None when a wait has none
@@ -391,15 +409,23 @@ class CUDADevice(Device):
             self.submitted += 1
             v = self.submitted
             events = None if (host_wait is not None or self.deferred) else self._event_waits(waits)
+            lost: DeviceError | None = None
             if events is None:
                 self._defer(_Job(host_wait, waits, enqueue, keep, post, v))
             else:
-                for ev, _ in events:
-                    check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                enqueue()
-                self._record(v, keep, post)
+                try:
+                    for ev, _ in events:
+                        check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
+                    enqueue()
+                    self._record(v, keep, post)
+                except DeviceError as e:
+                    if not sticky(e):
+                        raise
+                    lost = e
             done = self._take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
+        if lost is not None:  # an earlier kernel faulted: the context is gone (outside the lock: fail wakes waiters)
+            raise self.fail(lost)
         return v
 
     def _defer(self, job: _Job) -> None:
@@ -434,11 +460,18 @@ class CUDADevice(Device):
                     for ev, _ in events:
                         check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
                     job.enqueue()
-            except BaseException as e:  # the command is lost; its value still completes, and the error is raised
-                self.errors.append(e)
+            except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
+                self.record_failure(job.value, e)
+                if sticky(e):
+                    self.fail(e)
+            try:
+                with self.lock:
+                    self.use()
+                    self._record(job.value, job.keep, job.post, job.first)
+            except BaseException as e:  # no event: its completion cannot be known, the context is lost
+                self.record_failure(job.value, e)
+                self.fail(e)
             with self.lock:
-                self.use()
-                self._record(job.value, job.keep, job.post, job.first)
                 self.deferred.popleft()
                 self.ready.notify_all()
             del job  # its buffers go back to their pools when the command completes, not when the next one comes
@@ -455,12 +488,16 @@ class CUDADevice(Device):
             ev, v, post = item
             err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
             if int(err) != 0:
-                self.errors.append(DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1]}"))
-            if post is not None:
+                # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the
+                # device fails, and every waiter on it gets DeviceFailedError instead of waiting forever
+                cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
+                self.record_failure(v, cause)
+                self.fail(cause)
+            elif post is not None:
                 try:
                     post()
                 except BaseException as e:
-                    self.errors.append(e)
+                    self.record_failure(v, e)
             with self.lock:
                 if post is not None:
                     self.posts.popleft()
@@ -681,7 +718,7 @@ class CUDADevice(Device):
                     fill_chunk(i)
                     staged[i].set()
             except BaseException as e:
-                self.errors.append(e)
+                self.record_failure(v, e)  # (v: the last chunk's value, set before this runs)
             finally:
                 for ev in staged:  # never leave the submitter waiting
                     ev.set()

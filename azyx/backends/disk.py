@@ -71,17 +71,20 @@ class DiskFile:
     def __repr__(self) -> str:
         return f"DiskFile({self.path!r}, {self.size} bytes)"
 
-    def pread_into(self, offset: int, out: memoryview) -> None:
-        """Fill `out` (a writable byte view) with the bytes at `offset`: positional reads, safe from any thread."""
+    def pread_into(self, offset: int, out: memoryview, what: str = "") -> None:
+        """Fill `out` (a writable byte view) with the bytes at `offset`: positional reads, safe from any thread.
+        `what` names the data (a tensor) in the error of a read that fails or finds the file shorter than it was."""
         done, n = 0, len(out)
+        where = f"{what} of {self.path}" if what else self.path
         while done < n:
             try:
                 got = _preadv(self.fd, out[done:], offset + done)
             except OSError as e:
-                raise AzyxIOError(f"{self.path}: read of {n} bytes at {offset} failed: {e.strerror or e}") from e
+                raise AzyxIOError(f"{where}: read of {n} bytes at {offset} failed: {e.strerror or e}") from e
             if got == 0:
-                raise AzyxIOError(f"{self.path}: unexpected end of file at byte {offset + done} while reading "
-                                  f"{n} bytes at {offset} (truncated, or changed after it was opened)")
+                raise AzyxIOError(f"{where}: unexpected end of file at byte {offset + done} while reading "
+                                  f"{n} bytes at {offset} (the file was truncated, or changed after it was opened: "
+                                  f"it had {self.size} bytes then)")
             done += got
 
 
@@ -102,12 +105,13 @@ def _preadv(fd: int, out: memoryview, offset: int) -> int:
 
 
 class FileRange:
-    """A disk Buffer's memory: `nbytes` bytes (the Buffer's) of `file`, starting at byte `offset`."""
+    """A disk Buffer's memory: `nbytes` bytes (the Buffer's) of `file`, starting at byte `offset`; `what` names the
+    data for error messages (e.g. "tensor 'w'")."""
 
-    __slots__ = ("file", "offset")
+    __slots__ = ("file", "offset", "what")
 
-    def __init__(self, file: DiskFile, offset: int):
-        self.file, self.offset = file, offset
+    def __init__(self, file: DiskFile, offset: int, what: str = ""):
+        self.file, self.offset, self.what = file, offset, what
 
     def __repr__(self) -> str:
         return f"FileRange({self.file.path!r}, offset={self.offset})"
@@ -175,13 +179,13 @@ class DiskDevice(Device):
         self.reads_on_loop = 0  # reads made on an event loop's thread, which they would block: should stay 0
 
     # memory: file ranges, accounted like a pool
-    def buffer(self, file: DiskFile, offset: int, nbytes: int) -> Buffer:
-        """A buffer describing bytes [offset, offset + nbytes) of `file`."""
+    def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "") -> Buffer:
+        """A buffer describing bytes [offset, offset + nbytes) of `file` (`what`: the data's name, for errors)."""
         assert 0 <= offset and offset + nbytes <= file.size, f"range {offset}+{nbytes} outside {file}"
         with self.lock:
             self.in_use += nbytes
             self.buffers += 1
-        return Buffer(self, nbytes, FileRange(file, offset), 0, False)
+        return Buffer(self, nbytes, FileRange(file, offset, what), 0, False)
 
     def free_memory(self) -> int:
         return 0
@@ -201,7 +205,7 @@ class DiskDevice(Device):
     def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
         assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
         rng: FileRange = buf.mem
-        rng.file.pread_into(rng.offset + start, out)
+        rng.file.pread_into(rng.offset + start, out, rng.what)
         on_loop = _on_event_loop()
         with self.lock:
             self.bytes_read += len(out)

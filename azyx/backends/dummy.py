@@ -47,6 +47,9 @@ class DummyDevice(Device):
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         raise DeviceError(f"{self.name} is a dummy device: it plans and accounts memory but holds no data")
 
+    def queued(self) -> int:
+        return self.submitted
+
     def _done(self) -> int:
         self.submitted += 1
         self.timeline.signal(self.submitted)

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.disk import DiskDevice
 from azyx.device import Buffer, Device, Launch
@@ -38,8 +37,8 @@ def _aligned_block(size: int) -> tuple[np.ndarray, int]:
 class HostAllocator(PoolAllocator):
     """Pooled 64-byte aligned host blocks, each kept with its address."""
 
-    def __init__(self, capacity: int, cache_limit: int):
-        super().__init__(capacity, cache_limit, _aligned_block, "host memory")
+    def __init__(self, capacity: int, cache_limit: int, what: str = "host memory"):
+        super().__init__(capacity, cache_limit, _aligned_block, what)
 
     def alloc(self, nbytes: int) -> tuple[np.ndarray, int, int]:  # type: ignore[override]
         (mem, ptr), size = super().alloc(nbytes)
@@ -61,13 +60,13 @@ class WorkQueue:
     waits are met), so that it starts without this thread, and without the GIL; the rest keeps program order by
     waiting for the item before it."""
 
-    def __init__(self, timeline: TimelineSignal, name: str, errors: list[BaseException]):
+    def __init__(self, timeline: TimelineSignal, name: str, record_failure: Callable[[int, BaseException], None]):
         self.timeline, self.name = timeline, name
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.submitted = 0
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.errors = errors
+        self.record_failure = record_failure  # (timeline value, error) of a work item that failed
         self.native: NativeQueue | None = None
         self.native_last = 0  # the value of the last item handed to the native queue
 
@@ -95,9 +94,8 @@ class WorkQueue:
     def _execute(self, fn: Callable[[], None], v: int) -> None:
         try:
             fn()
-        except BaseException as e:  # the loop sees it through realize's check; the queue keeps going
-            self.errors.append(e)
-            debug.log(debug.DEVICES, f"{self.name}: work item {v} failed: {e!r}")
+        except BaseException as e:  # the run it belongs to raises it (RunRecord); the queue keeps going
+            self.record_failure(v, e)
 
     def _loop(self) -> None:
         # Device work runs at a lower priority than the event loop thread (OpenMP threads started from here
@@ -109,10 +107,14 @@ class WorkQueue:
                 return
             fn, waits, v = item
             del item
-            self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
-            for t, w in waits:
-                t.wait_sync(w)
-            self._execute(fn, v)
+            try:
+                self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
+                for t, w in waits:
+                    t.wait_sync(w)
+            except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
+                self.record_failure(v, e)
+            else:
+                self._execute(fn, v)
             del fn  # release the work's buffers before signalling completion
             self.timeline.signal(v)
 
@@ -138,8 +140,8 @@ class HostDevice(Device):
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         self.capacity = int(options.get("memory") or memory_bytes() * 3 // 4)
-        self.allocator = HostAllocator(self.capacity, cache_limit=self.capacity // 4)
-        self.queue = WorkQueue(self.timeline, self.name, self.errors)
+        self.allocator = HostAllocator(self.capacity, self.capacity // 4, self.name)
+        self.queue = WorkQueue(self.timeline, self.name, self.record_failure)
         self.inline_work = int(options.get("inline_work", 1 << 16))
 
     def free_memory(self) -> int:
@@ -166,6 +168,9 @@ class HostDevice(Device):
 
     def pending(self) -> int:
         return self.queue.submitted - self.timeline.value
+
+    def queued(self) -> int:
+        return self.queue.submitted
 
     def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)

@@ -24,13 +24,13 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.cstyle import OPENCL, group_size, kernel_source
-from azyx.device import Buffer, Device
+from azyx.device import Buffer, Device, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
-from azyx.workers import in_background, in_worker_thread
+from azyx.workers import in_background
 
 try:
     import pyopencl as cl
@@ -129,7 +129,8 @@ class OpenCLDevice(Device):
             return
         src = kernel_source([s.src for s in {s.name: s for s in todo}.values()], OPENCL)
         debug.log(debug.SOURCE, lambda: f"OpenCL source for {', '.join(s.name for s in todo)}:\n{src}")
-        self.kernels.update(await in_worker_thread(self._build, src, [s.name for s in todo]))
+        names = [s.name for s in todo]
+        self.kernels.update(await self.build_within_limit(names, self._build, src, names))
 
     def _build(self, src: str, names: list[str]) -> dict[str, Any]:
         """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread: pyopencl makes
@@ -137,11 +138,15 @@ class OpenCLDevice(Device):
         try:
             program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
-            raise CompileError(f"OpenCL build failed on {self.name}:\n{e}\n--- source ---\n{src}") from None
+            raise CompileError(f"{self.name}: OpenCL build of {kernel_list(names)} failed:\n{e}\n--- source ---\n"
+                               f"{src}") from None
         return {name: cl.Kernel(program, name) for name in names}
 
     def pending(self) -> int:
         return self.submitted - self.timeline.value
+
+    def queued(self) -> int:
+        return self.submitted
 
     def _wait_events(self, waits: list[tuple[Device, int]]) -> list[Any]:
         """Translate (device, value) waits into OpenCL events the queue can wait on."""
@@ -179,7 +184,7 @@ class OpenCLDevice(Device):
                 status = 0
             except cl.Error as e:
                 status = -1
-                self.errors.append(e)
+                self.record_failure(v, e)
             del ev, item
             self._complete(v, status)
 
@@ -196,7 +201,7 @@ class OpenCLDevice(Device):
 
     def _complete(self, v: int, status: int) -> None:
         if status < 0:
-            self.errors.append(RuntimeError(f"{self.name}: command {v} failed with status {status}"))
+            self.record_failure(v, DeviceError(f"{self.name}: command {v} failed with status {status}"))
         with self.lock:
             self.finished.append(self.holding.pop(v, None))
         self.timeline.signal(v)
@@ -245,20 +250,21 @@ class OpenCLDevice(Device):
             return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
                                                            wait_for=w), [(src.device, done)], (keep, staged))
         ready = cl.UserEvent(self.ctx)
+        v = self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
+                                                    wait_for=[ready]), [], (keep, staged))
 
         def stage() -> None:  # a source without a queue (the disk): read it on a worker thread, then release
             try:
-                for dev, v in waits:
-                    dev.timeline.wait_sync(v)
+                for dev, u in waits:
+                    dev.timeline.wait_sync(u)
                 src.device.read_into(src, staged)
                 ready.set_status(cl.command_execution_status.COMPLETE)
             except BaseException as e:
-                self.errors.append(e)
+                self.record_failure(v, e)  # (before the write fails: the first failure is what the run raises)
                 ready.set_status(-1)  # the write fails too, and the timeline still advances
 
         in_background(stage)
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
-                                                       wait_for=[ready]), [], (keep, staged))
+        return v
 
     def close(self) -> None:
         """Finish the queue, stop the waiter thread and drop what completed work held."""

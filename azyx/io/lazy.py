@@ -71,7 +71,7 @@ def disk_tensor(f: DiskFile, entry: TensorEntry) -> Tensor:
     """A Leaf on "disk" over one tensor's bytes."""
     from azyx.tensor import Tensor
 
-    buf = disk_device().buffer(f, header_of(f).data_start + entry.begin, entry.nbytes)
+    buf = disk_device().buffer(f, header_of(f).data_start + entry.begin, entry.nbytes, f"tensor {entry.name!r}")
     node = Node(Op.LEAF, (), None, entry.shape, entry.dtype, DISK, False)
     node.buffer, node.view = buf, StridedView.contiguous(entry.shape)
     return Tensor._from_node(node)
@@ -164,7 +164,7 @@ def _narrowed(src: Node, n: Node, view: StridedView) -> Node:
     lo, hi = covering(view, n.shape)
     if lo == hi:
         lo = hi = 0
-    buf = disk_device().buffer(rng.file, rng.offset + lo * item, (hi - lo) * item)
+    buf = disk_device().buffer(rng.file, rng.offset + lo * item, (hi - lo) * item, rng.what)
     leaf = Node(Op.LEAF, (), None, n.shape, n.dtype, DISK, False)
     leaf.buffer, leaf.view = buf, StridedView(view.offset - lo if hi > lo else 0, view.strides)
     return leaf

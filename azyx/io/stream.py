@@ -143,7 +143,8 @@ class SafetensorsStream:
         assert self.file is not None
         entry = self.entries[self.next]
         self.next += 1
-        src = disk_device().buffer(self.file, header_of(self.file).data_start + entry.begin, entry.nbytes)
+        src = disk_device().buffer(self.file, header_of(self.file).data_start + entry.begin, entry.nbytes,
+                                   f"tensor {entry.name!r}")
         widen = self.widen_bf16 and entry.dtype is dtypes.bfloat16
         job: concurrent.futures.Future[Buffer]
         try:
