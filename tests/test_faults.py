@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,8 @@ async def runtime_still_works(device: str) -> None:
 def run_script(script: str, *args: str, timeout: float = 120) -> str:
     """Run `script` in a fresh interpreter (a device failure is for good: it must not outlive the test); returns its
     output and fails the test, showing it, unless it exits 0."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -94,17 +96,24 @@ async def test_a_refused_allocation_raises_frees_what_the_run_took_and_the_next_
 
 
 # ------------------------------------------------------------------------------------------------ compilers
-_SHAPES = iter(range(1103, 10**6, 17))  # every test's kernels are new to this process (their shapes are)
+_RANDOM = random.SystemRandom()
 
 
 def new_graph(device: str, copies: int = 1) -> tuple[list[Tensor], np.ndarray]:
-    """`copies` graphs of one structure (so one kernel) that `device` has not compiled yet, and their value."""
-    n = next(_SHAPES)
-    x = np.linspace(0, 1, n, dtype=np.float32).reshape(1, n)
-    ys = [(Tensor(x, device=device) * 3 + 1).sqrt() for _ in range(copies)]
+    """`copies` graphs of one structure (so one kernel) that `device` has not compiled, in this process or in an
+    on-disk compile cache of earlier runs and other test processes: a random chain of 24 sqrt-or-add-one steps."""
+    steps = [_RANDOM.random() < 0.5 for _ in range(24)]
+    x = np.linspace(0, 1, 1000, dtype=np.float32).reshape(1, 1000)
+
+    def chain(y: Any) -> Any:
+        for root in steps:
+            y = (y.sqrt() if isinstance(y, Tensor) else np.sqrt(y)) if root else y + 1
+        return y
+
+    ys = [chain(Tensor(x, device=device) * 3 + 1) for _ in range(copies)]
     dev = RT.device(device)
     assert not any(dev.has_program(k.name) for k in azyx.schedule(ys[0]).kernels)
-    return ys, np.sqrt(x * 3 + 1)
+    return ys, chain(x * 3 + 1)
 
 
 def wrapper(tmp_path: Path, name: str, body: str) -> str:
