@@ -8,9 +8,16 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from azyx.errors import AllocationError
+
+
+class MemoryUsage(NamedTuple):
+    """A device's memory, in bytes: what its buffers hold now, and what its pool keeps for reuse."""
+
+    in_use: int
+    cached: int
 
 
 def bucket(nbytes: int) -> int:
@@ -79,6 +86,11 @@ class PoolAllocator:
                 self.free(None, size)
                 raise AllocationError(f"{self.what}: allocating {size} bytes failed: {e}") from None
         return mem, size
+
+    def usage(self) -> MemoryUsage:
+        """Bytes in use and bytes cached, read together under the lock."""
+        with self.locked():
+            return MemoryUsage(self.in_use, self.cached)
 
     def take_cached(self) -> list[Any]:
         """Every cached block, out of the free lists (for its owner to give back to the driver)."""

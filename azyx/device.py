@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from azyx.allocator import MemoryUsage
 from azyx.cstyle import Dialect, render
 from azyx.ir import Kernel
 from azyx.timeline import TimelineSignal
@@ -64,6 +65,10 @@ class Device:
 
     # memory
     def free_memory(self) -> int:
+        raise NotImplementedError
+
+    def memory(self) -> MemoryUsage:
+        """Bytes this device's buffers hold and bytes its pool caches for reuse (what `azyx.stats()` reports)."""
         raise NotImplementedError
 
     def alloc(self, nbytes: int) -> Buffer:

@@ -36,6 +36,7 @@ Python state the graph depends on is guarded: the training mode of each `nn.Drop
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,13 @@ from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recor
 MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
 
 ARG, STATE, DRAWN, CONST = range(4)  # where a trace's leaf comes from on a replay
+
+_JITTED: weakref.WeakSet[jit] = weakref.WeakSet()  # every live jitted function (azyx.stats counts their traces)
+
+
+def trace_count() -> int:
+    """Traces held by all live jitted functions."""
+    return sum(len(f.traces) for f in list(_JITTED))
 
 
 class Recorder:
@@ -143,6 +151,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         self.traces: dict[tuple, Trace] = {}
         self.replays = 0  # calls answered by a replay (for tests and debugging)
         functools.update_wrapper(self, fn)
+        _JITTED.add(self)
 
     def __get__(self, obj: Any, cls: Any = None) -> Any:
         """On a class: a method, whose instance is a static argument."""
