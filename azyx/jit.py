@@ -28,6 +28,8 @@ Python numbers: a float or int argument is traced (azyx.traced): it reaches the 
 so a new value replays the same plan; arithmetic on it inside the function is traced too (`lr * 0.5`), and a decision
 Python makes from it (a comparison, an `int()`, a shape) is guarded: a replay whose numbers decide differently traces
 again. Arguments named in `static_argnames` (as in `jax.jit`), bools and other values are part of the signature.
+A number read from an object that outlives the call is a constant of the trace, except where the reader marks it
+`traced.bound(obj, name)`: an optimiser's hyper-parameters are, so a replay binds the `opt.lr` a schedule just set.
 Python control flow runs once, at the trace: a branch on an argument's value is a guard, or make the argument static.
 Python state the graph depends on is guarded: the training mode of each `nn.Dropout` the function ran (set by
 `Module.train()`/`eval()`) is checked on a replay, which traces again when it differs.

@@ -7,7 +7,8 @@ from the new call's numbers, so the same plan runs with new values. Where Python
 value (a comparison, `bool()`, `int()`, an index, a hash), the decision is recorded as a guard: a replay whose
 numbers decide differently traces again. Functions that read the value without asking it (`math.sqrt(x)`,
 `numpy.float32(x)`) see a plain number: their result is a constant of the trace; pass such a number as an argument,
-or mark the argument static.
+or mark the argument static. A number the function reads from an object that outlives the call (an optimiser's
+`lr`, changed by a schedule between calls) is traced with `bound(obj, name)`: a replay reads the attribute again.
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def make(value: Any, recipe: Recipe) -> Any:
         return TracedInt(value, recipe)
     _guard(("call", lambda *a: a[0], (make_raw(recipe),)), value)
     return value
+
+
+def bound(obj: Any, name: str) -> Any:
+    """`obj.name`, a number that a trace reads again on each replay: a setting changed between calls, such as an
+    optimiser's learning rate that a schedule decays, is a kernel argument of the trace, not a constant of it (nor a
+    reason to trace again). Outside a trace, and for a value that is not a number or is traced already (set from an
+    argument inside the function), the value itself."""
+    value = getattr(obj, name)
+    if not _guards or isinstance(value, Traced | bool) or not isinstance(value, int | float):
+        return value
+    return make(value, ("call", getattr, (obj, name)))
 
 
 def make_raw(recipe: Recipe) -> Any:
