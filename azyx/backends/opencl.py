@@ -94,6 +94,8 @@ class OpenCLDevice(Device):
         return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
+        if self.finished:  # completed commands' buffers go back to the pool first: this request may reuse one
+            self.collect()
         mem, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, 0, True)
 
