@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import os
 from typing import Any
 
@@ -164,3 +165,17 @@ async def test_stats_report_the_runtime() -> None:
     after = await settled()
     assert after.memory["c:0"].in_use >= s.memory["c:0"].in_use + 4000 and after.nodes == s.nodes + 1  # a leaf now
     assert "nodes" in str(after)
+
+
+def test_loops_run_one_after_another_are_not_kept() -> None:
+    # a crowd of realizes (a gather) paces itself per loop; that bookkeeping once kept every loop it had seen
+    realize = importlib.import_module("azyx.realize")  # (the module: `azyx.realize` is the function)
+
+    async def crowd() -> None:
+        xs = [Tensor(np.full(8, i, np.float32), device="c:0") for i in range(20)]
+        await asyncio.gather(*[(x * 2).sum().realize() for x in xs])
+
+    for _ in range(3):
+        asyncio.run(crowd())  # (a sync test: no loop of pytest's runs here)
+    gc.collect()
+    assert len(realize._bursts) == 0
