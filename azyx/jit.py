@@ -50,7 +50,7 @@ from azyx.plan import ExecutionPlan, Walk, leaf_entry
 from azyx.realize import run_plan, submit, wait_for
 from azyx.runtime import GRAPH, RT
 from azyx.tensor import Tensor
-from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording
+from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording, structure
 
 MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
 
@@ -109,7 +109,17 @@ class Trace:
         self.plan = plan
         self.token = token  # the traced numbers' trace
         self.scalars = scalars or []  # the plan's scalars at the trace: constants, or traced numbers computed anew
-        self.traced = [i for i, s in enumerate(self.scalars) if isinstance(s, TracedFloat | TracedInt)]
+        # the traced numbers among them, each once (many kernels take the same one: an optimiser's rate), and per
+        # scalar that is one, (its index, its number's index): a replay computes each number once
+        self.numbers: list[Any] = []
+        self.traced: list[tuple[int, int]] = []
+        first: dict[Any, int] = {}
+        for i, s in enumerate(self.scalars):
+            if isinstance(s, TracedFloat | TracedInt):
+                k = first.setdefault(structure(s), len(self.numbers))
+                if k == len(self.numbers):
+                    self.numbers.append(s)
+                self.traced.append((i, k))
         self.scalar_guards = scalar_guards or []  # (recipe, value): decisions made from traced numbers
         self.guards = guards  # (read, value): the replay fits only while each read() gives its value
         self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
@@ -282,14 +292,16 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             if read() != value:
                 return None
         token = trace.token
+        memo: dict[int, Any] = {}  # this replay's value of each traced number computed so far
         for recipe, value in trace.scalar_guards:
-            if evaluate_recipe(recipe, token, numbers) != value:
+            if evaluate_recipe(recipe, token, numbers, memo) != value:
                 return None
         scalars = trace.scalars
         if trace.traced:  # this call's values of the traced numbers
             scalars = list(scalars)
-            for i in trace.traced:
-                scalars[i] = evaluate(scalars[i], token, numbers)
+            values = [evaluate(x, token, numbers, memo) for x in trace.numbers]
+            for i, k in trace.traced:
+                scalars[i] = values[k]
         for x, entry in trace.checks:
             if leaf_entry(gn[handles[x].id]) != entry:  # type: ignore[arg-type]
                 return None

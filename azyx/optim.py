@@ -110,12 +110,13 @@ class SGD(Optimizer):
 
     def _update(self, grads: list[Tensor | None]) -> None:
         lr, momentum, weight_decay = bound(self, "lr"), bound(self, "momentum"), bound(self, "weight_decay")
+        decay, heavy = bool(weight_decay), bool(momentum)  # decided once (under azyx.jit: one guard each)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if weight_decay:
+            if decay:
                 g = g + p * weight_decay
-            if momentum:
+            if heavy:
                 buf = self.bufs[i].assign(self.bufs[i] * momentum + g)
                 g = g + buf * momentum if self.nesterov else buf
             p.assign(p - g * lr)
@@ -141,19 +142,21 @@ class Adam(Optimizer):
     def _update(self, grads: list[Tensor | None]) -> None:
         b1, b2, eps = bound(self, "b1"), bound(self, "b2"), bound(self, "eps")
         lr, weight_decay = bound(self, "lr"), bound(self, "weight_decay")
+        c1, c2, decay = 1 - b1, 1 - b2, bool(weight_decay)  # once, not per parameter (under azyx.jit: fewer numbers)
+        shrink = 1 - lr * weight_decay if decay and self.decoupled else 1.0
         b1t = self.b1t.assign(self.b1t * b1)
         b2t = self.b2t.assign(self.b2t * b2)
         scalars: dict[Any, tuple[Tensor, Tensor]] = {}  # per dtype: lr / (1 - beta1**t), 1 / (1 - beta2**t)
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             if g is None:
                 continue
-            if weight_decay and self.decoupled:
-                p.assign(p * (1 - lr * weight_decay))
-            elif weight_decay:
+            if decay and self.decoupled:
+                p.assign(p * shrink)
+            elif decay:
                 g = g + p * weight_decay
             # g feeds both moments: the planner computes it once (a reduce below it is never recomputed per use)
-            m.assign(m * b1 + g * (1 - b1))
-            v.assign(v * b2 + g.square() * (1 - b2))
+            m.assign(m * b1 + g * c1)
+            v.assign(v * b2 + g.square() * c2)
             if p.dtype not in scalars:
                 scalars[p.dtype] = ((1 - b1t).cast(p.dtype).reciprocal() * lr,
                                     (1 - b2t).cast(p.dtype).reciprocal())
