@@ -37,6 +37,6 @@ case "$job" in
     # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for
     # bench/serve.py's peer server
     .venv/bin/python -m pip install -q torch==2.13.0 sentence-transformers
-    for b in run devices io train serve; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
+    for b in run devices io train serve longrun; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
   *) echo "usage: bash dev.sh quickstart|test|bench" >&2; exit 2 ;;
 esac

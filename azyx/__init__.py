@@ -24,6 +24,7 @@ from azyx.jit import jit
 from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
+from azyx.stats import Stats, stats
 from azyx.tape import GradientTape
 from azyx.tensor import Tensor
 from azyx.viz import plot_graph
@@ -31,7 +32,8 @@ from azyx.viz import plot_graph
 __all__ = [
     "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
     "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor",
-    "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "synchronize", "train",
+    "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
+    "synchronize", "train",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim",
 ]
 

@@ -8,9 +8,16 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from azyx.errors import AllocationError
+
+
+class MemoryUsage(NamedTuple):
+    """A device's memory, in bytes: what its buffers hold now, and what its pool keeps for reuse."""
+
+    in_use: int
+    cached: int
 
 
 def bucket(nbytes: int) -> int:
@@ -82,6 +89,11 @@ class PoolAllocator:
                 raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes ({size} as pooled): out of "
                                       f"device memory ({type(e).__name__}: {e})") from None
         return mem, size
+
+    def usage(self) -> MemoryUsage:
+        """Bytes in use and bytes cached, read together under the lock."""
+        with self.locked():
+            return MemoryUsage(self.in_use, self.cached)
 
     def take_cached(self) -> list[Any]:
         """Every cached block, out of the free lists (for its owner to give back to the driver)."""

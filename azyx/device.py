@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from azyx import debug
+from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError
 from azyx.cstyle import Dialect, render
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
@@ -173,6 +174,10 @@ class Device:
 
     # memory
     def free_memory(self) -> int:
+        raise NotImplementedError
+
+    def memory(self) -> MemoryUsage:
+        """Bytes this device's buffers hold and bytes its pool caches for reuse (what `azyx.stats()` reports)."""
         raise NotImplementedError
 
     def alloc(self, nbytes: int) -> Buffer:

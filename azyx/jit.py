@@ -28,6 +28,8 @@ Python numbers: a float or int argument is traced (azyx.traced): it reaches the 
 so a new value replays the same plan; arithmetic on it inside the function is traced too (`lr * 0.5`), and a decision
 Python makes from it (a comparison, an `int()`, a shape) is guarded: a replay whose numbers decide differently traces
 again. Arguments named in `static_argnames` (as in `jax.jit`), bools and other values are part of the signature.
+A number read from an object that outlives the call is a constant of the trace, except where the reader marks it
+`traced.bound(obj, name)`: an optimiser's hyper-parameters are, so a replay binds the `opt.lr` a schedule just set.
 Python control flow runs once, at the trace: a branch on an argument's value is a guard, or make the argument static.
 Python state the graph depends on is guarded: the training mode of each `nn.Dropout` the function ran (set by
 `Module.train()`/`eval()`) is checked on a replay, which traces again when it differs.
@@ -36,6 +38,7 @@ Python state the graph depends on is guarded: the training mode of each `nn.Drop
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,11 +50,18 @@ from azyx.plan import ExecutionPlan, Walk, leaf_entry
 from azyx.realize import run_plan, submit, wait_for
 from azyx.runtime import GRAPH, RT
 from azyx.tensor import Tensor
-from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording
+from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording, structure
 
 MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
 
 ARG, STATE, DRAWN, CONST = range(4)  # where a trace's leaf comes from on a replay
+
+_JITTED: weakref.WeakSet[jit] = weakref.WeakSet()  # every live jitted function (azyx.stats counts their traces)
+
+
+def trace_count() -> int:
+    """Traces held by all live jitted functions."""
+    return sum(len(f.traces) for f in list(_JITTED))
 
 
 class Recorder:
@@ -99,7 +109,17 @@ class Trace:
         self.plan = plan
         self.token = token  # the traced numbers' trace
         self.scalars = scalars or []  # the plan's scalars at the trace: constants, or traced numbers computed anew
-        self.traced = [i for i, s in enumerate(self.scalars) if isinstance(s, TracedFloat | TracedInt)]
+        # the traced numbers among them, each once (many kernels take the same one: an optimiser's rate), and per
+        # scalar that is one, (its index, its number's index): a replay computes each number once
+        self.numbers: list[Any] = []
+        self.traced: list[tuple[int, int]] = []
+        first: dict[Any, int] = {}
+        for i, s in enumerate(self.scalars):
+            if isinstance(s, TracedFloat | TracedInt):
+                k = first.setdefault(structure(s), len(self.numbers))
+                if k == len(self.numbers):
+                    self.numbers.append(s)
+                self.traced.append((i, k))
         self.scalar_guards = scalar_guards or []  # (recipe, value): decisions made from traced numbers
         self.guards = guards  # (read, value): the replay fits only while each read() gives its value
         self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
@@ -143,6 +163,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         self.traces: dict[tuple, Trace] = {}
         self.replays = 0  # calls answered by a replay (for tests and debugging)
         functools.update_wrapper(self, fn)
+        _JITTED.add(self)
 
     def __get__(self, obj: Any, cls: Any = None) -> Any:
         """On a class: a method, whose instance is a static argument."""
@@ -271,14 +292,16 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             if read() != value:
                 return None
         token = trace.token
+        memo: dict[int, Any] = {}  # this replay's value of each traced number computed so far
         for recipe, value in trace.scalar_guards:
-            if evaluate_recipe(recipe, token, numbers) != value:
+            if evaluate_recipe(recipe, token, numbers, memo) != value:
                 return None
         scalars = trace.scalars
         if trace.traced:  # this call's values of the traced numbers
             scalars = list(scalars)
-            for i in trace.traced:
-                scalars[i] = evaluate(scalars[i], token, numbers)
+            values = [evaluate(x, token, numbers, memo) for x in trace.numbers]
+            for i, k in trace.traced:
+                scalars[i] = values[k]
         for x, entry in trace.checks:
             if leaf_entry(gn[handles[x].id]) != entry:  # type: ignore[arg-type]
                 return None

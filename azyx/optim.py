@@ -14,7 +14,9 @@ There is no `zero_grad`: gradients are not accumulated on the parameters, they a
 Every state tensor (moments, step powers) is a realized tensor from the start, so the first iteration's graph has
 the same structure as every later one. Hyper-parameters are Python numbers, and numbers are data: each is a kernel
 argument bound per run, so a learning rate that changes every step (`opt.lr = ...`, `LambdaLR`) reuses the same plan
-and kernels. Only a change that alters the structure (a weight decay turned on or off) plans anew.
+and kernels. Only a change that alters the structure (a weight decay turned on or off) plans anew. Under `azyx.jit`
+the hyper-parameters are read again on every replay (`azyx.traced.bound`): a schedule that changes `opt.lr` between
+calls replays the same trace with the new rate.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 from azyx.dtypes import dtypes
 from azyx.errors import ArgumentError, DTypeError, ShapeError
 from azyx.tensor import Tensor
+from azyx.traced import bound
 
 
 class Optimizer:
@@ -106,15 +109,17 @@ class SGD(Optimizer):
         self.bufs = [self._zeros_like(p) for p in self.params] if momentum else []
 
     def _update(self, grads: list[Tensor | None]) -> None:
+        lr, momentum, weight_decay = bound(self, "lr"), bound(self, "momentum"), bound(self, "weight_decay")
+        decay, heavy = bool(weight_decay), bool(momentum)  # decided once (under azyx.jit: one guard each)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
                 continue
-            if self.weight_decay:
-                g = g + p * self.weight_decay
-            if self.momentum:
-                buf = self.bufs[i].assign(self.bufs[i] * self.momentum + g)
-                g = g + buf * self.momentum if self.nesterov else buf
-            p.assign(p - g * self.lr)
+            if decay:
+                g = g + p * weight_decay
+            if heavy:
+                buf = self.bufs[i].assign(self.bufs[i] * momentum + g)
+                g = g + buf * momentum if self.nesterov else buf
+            p.assign(p - g * lr)
 
 
 class Adam(Optimizer):
@@ -135,25 +140,28 @@ class Adam(Optimizer):
         self.b1t, self.b2t = self._scalar(1.0), self._scalar(1.0)  # beta1**t, beta2**t
 
     def _update(self, grads: list[Tensor | None]) -> None:
-        b1, b2 = self.b1, self.b2
+        b1, b2, eps = bound(self, "b1"), bound(self, "b2"), bound(self, "eps")
+        lr, weight_decay = bound(self, "lr"), bound(self, "weight_decay")
+        c1, c2, decay = 1 - b1, 1 - b2, bool(weight_decay)  # once, not per parameter (under azyx.jit: fewer numbers)
+        shrink = 1 - lr * weight_decay if decay and self.decoupled else 1.0
         b1t = self.b1t.assign(self.b1t * b1)
         b2t = self.b2t.assign(self.b2t * b2)
         scalars: dict[Any, tuple[Tensor, Tensor]] = {}  # per dtype: lr / (1 - beta1**t), 1 / (1 - beta2**t)
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             if g is None:
                 continue
-            if self.weight_decay and self.decoupled:
-                p.assign(p * (1 - self.lr * self.weight_decay))
-            elif self.weight_decay:
-                g = g + p * self.weight_decay
+            if decay and self.decoupled:
+                p.assign(p * shrink)
+            elif decay:
+                g = g + p * weight_decay
             # g feeds both moments: the planner computes it once (a reduce below it is never recomputed per use)
-            m.assign(m * b1 + g * (1 - b1))
-            v.assign(v * b2 + g.square() * (1 - b2))
+            m.assign(m * b1 + g * c1)
+            v.assign(v * b2 + g.square() * c2)
             if p.dtype not in scalars:
-                scalars[p.dtype] = ((1 - b1t).cast(p.dtype).reciprocal() * self.lr,
+                scalars[p.dtype] = ((1 - b1t).cast(p.dtype).reciprocal() * lr,
                                     (1 - b2t).cast(p.dtype).reciprocal())
             step, inv_bc2 = scalars[p.dtype]
-            p.assign(p - m * step / ((v * inv_bc2).sqrt() + self.eps))
+            p.assign(p - m * step / ((v * inv_bc2).sqrt() + eps))
 
 
 class LambdaLR:

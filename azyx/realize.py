@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -78,16 +79,17 @@ async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk 
 class _Burst:
     """A run of realizes' work on one asyncio loop without its due timers getting a turn (see `_pace`)."""
 
-    __slots__ = ("loop", "start", "open")
+    __slots__ = ("start", "open")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.start, self.open = loop, 0.0, False
+    def __init__(self) -> None:
+        self.start, self.open = 0.0, False
 
     def end(self) -> None:
         self.open = False
 
 
-_bursts: dict[int, _Burst] = {}
+# per loop, weakly: a program that runs one loop after another (asyncio.run per job) must not keep every closed one
+_bursts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Burst] = weakref.WeakKeyDictionary()
 
 
 async def _pace() -> None:
@@ -103,9 +105,9 @@ async def _pace() -> None:
     ready = getattr(loop, "_ready", None)
     if ready is None or len(ready) < CROWD:
         return
-    burst = _bursts.get(id(loop))
-    if burst is None or burst.loop is not loop:
-        burst = _bursts[id(loop)] = _Burst(loop)
+    burst = _bursts.get(loop)
+    if burst is None:
+        burst = _bursts[loop] = _Burst()
     while True:
         now = time.perf_counter()
         if not burst.open:

@@ -88,6 +88,10 @@ class Runtime:
     def device(self, name: str) -> Device:
         return self.executor.context(name)
 
+    def started_devices(self) -> dict[str, Device]:
+        """Every device, once the runtime has started (this starts nothing: none before)."""
+        return self._executor.devices if self._executor is not None else {}
+
     def device_names(self) -> list[str]:
         return [n for n in self.auto_order() if self.executor.devices[n].listed]
 

@@ -7,7 +7,8 @@ from the new call's numbers, so the same plan runs with new values. Where Python
 value (a comparison, `bool()`, `int()`, an index, a hash), the decision is recorded as a guard: a replay whose
 numbers decide differently traces again. Functions that read the value without asking it (`math.sqrt(x)`,
 `numpy.float32(x)`) see a plain number: their result is a constant of the trace; pass such a number as an argument,
-or mark the argument static.
+or mark the argument static. A number the function reads from an object that outlives the call (an optimiser's
+`lr`, changed by a schedule between calls) is traced with `bound(obj, name)`: a replay reads the attribute again.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def make(value: Any, recipe: Recipe) -> Any:
     return value
 
 
+def bound(obj: Any, name: str) -> Any:
+    """`obj.name`, a number that a trace reads again on each replay: a setting changed between calls, such as an
+    optimiser's learning rate that a schedule decays, is a kernel argument of the trace, not a constant of it (nor a
+    reason to trace again). Outside a trace, and for a value that is not a number or is traced already (set from an
+    argument inside the function), the value itself."""
+    value = getattr(obj, name)
+    if not _guards or isinstance(value, Traced | bool) or not isinstance(value, int | float):
+        return value
+    return make(value, ("call", getattr, (obj, name)))
+
+
 def make_raw(recipe: Recipe) -> Any:
     """An object standing for `recipe` in another recipe (for a value that is not a number)."""
     return _Raw(recipe)
@@ -130,20 +142,43 @@ def _guard(recipe: Recipe, value: Any) -> None:
         _guards[-1].append((recipe, value))
 
 
-def evaluate(x: Any, token: object, values: dict[Any, Any]) -> Any:
+def evaluate(x: Any, token: object, values: dict[Any, Any], memo: dict[int, Any] | None = None) -> Any:
     """What traced `x` is for the call whose numbers are `values` (argument name -> number) in the trace `token`;
-    a traced number of another trace is the constant it was."""
+    a traced number of another trace is the constant it was. `memo` (id -> value, for one call: the traced numbers
+    are alive meanwhile) computes a number that several others derive from once (an optimiser's `1 - beta`)."""
     if not isinstance(x, Traced | _Raw):
         return x
+    cache = memo if isinstance(x, Traced) else None  # (not a _Raw made for one guard: its id is reused)
+    if cache is not None and id(x) in cache:
+        return cache[id(x)]
     recipe = x.recipe
     if recipe[0] == "arg":
-        return values[recipe[2]] if recipe[1] is token else plain(x)
-    _, fn, args = recipe
-    return fn(*(evaluate(a, token, values) for a in args))
+        value = values[recipe[2]] if recipe[1] is token else plain(x)
+    else:
+        _, fn, args = recipe
+        value = fn(*[evaluate(a, token, values, memo) for a in args])
+    if cache is not None:
+        cache[id(x)] = value
+    return value
 
 
-def evaluate_recipe(recipe: Recipe, token: object, values: dict[Any, Any]) -> Any:
-    return evaluate(_Raw(recipe), token, values)
+def structure(x: Any) -> Any:
+    """A key equal for traced numbers computed the same way from the same sources (every kernel that takes an
+    optimiser's rate casts it anew: one number, computed once per replay)."""
+    if isinstance(x, Traced | _Raw):
+        recipe = x.recipe
+        if recipe[0] == "arg":
+            return ("arg", id(recipe[1]), recipe[2])
+        return (recipe[1], *[structure(a) for a in recipe[2]])
+    try:
+        hash(x)
+    except TypeError:
+        return ("object", id(x))
+    return (type(x), x)
+
+
+def evaluate_recipe(recipe: Recipe, token: object, values: dict[Any, Any], memo: dict[int, Any] | None = None) -> Any:
+    return evaluate(_Raw(recipe), token, values, memo)
 
 
 class recording:

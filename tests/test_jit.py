@@ -167,6 +167,30 @@ async def test_tensors_read_from_outside_are_constants_of_the_trace() -> None:
     np.testing.assert_array_equal(await (await f(x)).numpy(), np.full(3, 2.0, np.float32))
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+async def test_an_optimisers_rate_changed_between_calls_is_read_on_each_replay(device: str, kind: str) -> None:
+    # a schedule sets opt.lr outside the step: a replay binds the new rate (it once kept the trace's rate)
+    rng = np.random.default_rng(8)
+    x_np, y_np = rng.standard_normal((20, 6)).astype(np.float32), rng.integers(0, 3, 20).astype(np.int32)
+    results = []
+    for jitted in (False, True):
+        _, step, opt = make_training(device, kind, 0.0)
+        sched = optim.LambdaLR(opt, lambda e: 0.5 ** e)
+        f = azyx.jit(step) if jitted else None
+        for _ in range(5):
+            x, y = Tensor(x_np, device=device), Tensor(y_np, device=device)
+            if f is not None:
+                await f(x, y)
+            else:
+                await azyx.realize(step(x, y), *opt.tensors())
+            sched.step()
+        if f is not None:
+            assert len(f.traces) == 1 and f.replays >= 3
+        results.append([await t.numpy() for t in opt.tensors()])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 async def test_replays_keep_the_graph_and_the_pools_flat(device: str) -> None:
     _, step, opt = make_training(device, "adam", 0.0)
     f = azyx.jit(step)

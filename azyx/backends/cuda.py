@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug, gemm
-from azyx.allocator import PoolAllocator
+from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.config import cache_dir
 from azyx.cstyle import CUDA, group_size, kernel_source, render, vectorized
 from azyx.device import Buffer, Device, kernel_list
@@ -297,6 +297,9 @@ class CUDADevice(Device):
         for ptr in self.allocator.take_cached():
             cu.cuMemFree(ptr)
         self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
+
+    def memory(self) -> MemoryUsage:
+        return self.allocator.usage()
 
     def free_memory(self) -> int:
         """What this device can still take: its budget less what is in use, and no more than the driver has free

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import sniffio
 
+from azyx.allocator import MemoryUsage
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxIOError, DeviceError
@@ -186,6 +187,9 @@ class DiskDevice(Device):
             self.in_use += nbytes
             self.buffers += 1
         return Buffer(self, nbytes, FileRange(file, offset, what), 0, False)
+
+    def memory(self) -> MemoryUsage:
+        return MemoryUsage(self.in_use, 0)
 
     def free_memory(self) -> int:
         return 0

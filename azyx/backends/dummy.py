@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from azyx.allocator import MemoryUsage
 from azyx.cstyle import C
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
@@ -28,6 +29,9 @@ class DummyDevice(Device):
         self.submitted = 0
         self.launched: list[str] = []  # kernel names, in launch order (for tests)
         self.scalars_bound = 0  # scalar arguments passed to kernels (for tests)
+
+    def memory(self) -> MemoryUsage:
+        return MemoryUsage(self.in_use, 0)
 
     def free_memory(self) -> int:
         return self.capacity - self.in_use

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
+from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.cstyle import OPENCL, group_size, kernel_source
 from azyx.device import Buffer, Device, kernel_list
 from azyx.dtypes import DType, scalar_size
@@ -87,10 +87,15 @@ class OpenCLDevice(Device):
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
     # ------------------------------------------------------------------ memory
+    def memory(self) -> MemoryUsage:
+        return self.allocator.usage()
+
     def free_memory(self) -> int:
         return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
+        if self.finished:  # completed commands' buffers go back to the pool first: this request may reuse one
+            self.collect()
         mem, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, 0, True)
 
