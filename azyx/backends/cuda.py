@@ -338,9 +338,14 @@ class CUDADevice(Device):
         except CompileError as e:
             raise CompileError(f"{self.name}: compiling {kernel_list(names)}: {e}") from None
         self.use()
-        module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
-        self.modules.append(module)
-        return {name: check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction") for name in names}
+        try:
+            module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+            self.modules.append(module)
+            return {name: check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction") for name in names}
+        except DeviceError as e:  # a module load waits for the device to idle: it meets a kernel that faulted first
+            if sticky(e):
+                raise self.fail(e) from None
+            raise
 
     def pending(self) -> int:
         return self.submitted - self.timeline.value
