@@ -859,7 +859,7 @@ class Builder:
             if new is None:
                 return None
             shown = list(new)
-            if shown and self.coin(0.3):
+            if shown and a.size and self.coin(0.3):  # (-1 with no elements is ambiguous: an error)
                 shown[self.int_(0, len(shown) - 1)] = -1
             args = ", ".join(map(str, shown)) if self.coin(0.6) else repr(tuple(shown))
             return self.emit(f"{a.name}.reshape({args})", lambda env: env[a.name].reshape(new), new, *keep)
@@ -1236,6 +1236,9 @@ def _factor(size: int, rank: int, draw: st.DrawFn) -> tuple[int, ...] | None:
     """A random shape of `rank` dims with `size` elements (size-1 dims allowed)."""
     if rank == 0:
         return () if size == 1 else None
+    if size == 0:  # a 0 somewhere, other dims of any size
+        zero = draw(st.integers(0, rank - 1))
+        return tuple(0 if i == zero else draw(st.integers(1, 3)) for i in range(rank))
     primes, n, p = [], size, 2
     while n > 1:
         while n % p == 0:

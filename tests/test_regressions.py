@@ -114,3 +114,18 @@ async def test_int_max_of_a_negation(device: str) -> None:
         assert (await (-v).min().numpy()).item() == want.min()
         assert (await (-v).maximum(Tensor.full((5,), -(2**15), dtype=dt, device=device)).numpy()).tolist() == \
             want.tolist()
+
+
+async def test_kernels_of_one_source_launch_their_own_grids(device: str) -> None:
+    # on CUDA a row-sum's rows and a batched product's batch are not in the kernel's source: several shapes share
+    # one compiled function, and each must launch its own grid (the first one's was reused: rows left unwritten)
+    rng = np.random.default_rng(0)
+    for rows in (2, 5, 64, 3):
+        x = rng.standard_normal((rows, 4096)).astype(np.float32)
+        np.testing.assert_allclose(await Tensor(x, device=device).sum(1).numpy(), x.sum(1), rtol=1e-4, atol=1e-3)
+    b = rng.standard_normal((1, 5, 5)).astype(np.float32)
+    for batch in (2, 5, 3):
+        a = rng.standard_normal((batch, 2, 5)).astype(np.float32)
+        for _ in range(3):  # (a steady batch of launches becomes a graph: it must not be another shape's)
+            got = await (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
+            np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-5)

@@ -240,7 +240,6 @@ class CUDADevice(Device):
         self.finished: list[Any] = []
         self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
         self.params: dict[tuple[int, ...], tuple[Any, Any, int]] = {}  # pointers -> kernelParams arrays (_launch_now)
-        self.dims: dict[str, Dims] = {}  # kernel name -> launch dimensions
         self.modules: list[Any] = []
         self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
         # (event, timeline value, what to do on the host once it completed, before the timeline says so)
@@ -583,9 +582,11 @@ class CUDADevice(Device):
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
         fn = self.functions[step.name]
-        dims = self.dims.get(step.name)
+        # per kernel, not per name: kernels of one source may differ in grid (a row-sum's rows, a product's batch are
+        # not in their source, so several shapes share one compiled function)
+        dims = step.kernel.meta.get("cuda_dims")
         if dims is None:
-            dims = self.dims[step.name] = launch_dims(step.kernel)
+            dims = step.kernel.meta["cuda_dims"] = launch_dims(step.kernel)
         # the buffers' device pointers, then the scalar arguments' words: kernelParams points at each 64-bit value
         # (the driver reads as many low bytes as the parameter has), and a steady batch's graph is keyed by them all
         ptrs = tuple(b.ptr for b in bufs) + words if words else tuple(b.ptr for b in bufs)
@@ -632,7 +633,7 @@ class CUDADevice(Device):
             fn, dims, ptrs, _ = batch[0]
             self._launch_now(fn, dims, ptrs)
             return
-        key = tuple((name, ptrs) for _, _, ptrs, name in batch)
+        key = tuple((name, dims, ptrs) for _, dims, ptrs, name in batch)  # (one source may launch several grids)
         graph = self.graphs.get(key)
         if isinstance(graph, int) or graph is None:
             seen = (graph or 0) + 1
