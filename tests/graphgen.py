@@ -923,7 +923,7 @@ class Builder:
             arg = axes[0] if len(axes) == 1 else tuple(axes)
             return self.emit(f"{a.name}.flip({arg})", lambda env: np.flip(env[a.name], arg), shape, *keep)
         if fn == "repeat":
-            reps = tuple(self.choice((1, 2, 3)) for _ in range(self.int_(max(nd, 1), 4)))
+            reps = tuple(self.choice((1, 2, 3)) for _ in range(self.int_(max(nd, 1), max(nd, 4))))
             new = tuple(np.tile(np.empty(shape), reps).shape)
             return self.emit(f"{a.name}.repeat{reps}".replace(",)", ")"), lambda env: np.tile(env[a.name], reps),
                              new, *keep)
@@ -957,6 +957,8 @@ class Builder:
                 return None
             ax = self.int_(-nd, nd - 1)
             n = shape[ax]
+            if n == 0:
+                return None
             size = self.int_(1, n) if fn == "split" else -(-n // self.int_(1, n))
             arg = size if fn == "split" else self.chunk_arg(n, size)
             starts = list(range(0, n, size))
@@ -1108,6 +1110,8 @@ class Builder:
         if a is None or len(a.shape) != 4 or a.dtype not in FLOATS:
             return None
         nb, c, h, w = a.shape
+        if 0 in a.shape:
+            return None
         stride, pad = self.int_(1, 2), self.int_(0, 1)
         kh, kw = self.int_(1, min(3, h + 2 * pad)), self.int_(1, min(3, w + 2 * pad))
         o = self.choice((1, 2, 3))
