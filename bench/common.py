@@ -24,3 +24,15 @@ def machine_line() -> str:
     except OSError:
         load = "unknown"
     return f"machine: {cpu_model()}, {os.cpu_count()} logical cores, load average {load}"
+
+
+def write_section(path: Path, start: str, end: str, text: str) -> None:
+    """Replace the section of `path` from the marker `start` to the marker `end` (both in `text`) with `text`;
+    append it where the file has no such section."""
+    old = path.read_text() if path.exists() else "# azyx benchmark results\n"
+    a, b = old.find(start), old.find(end)
+    if a >= 0 and b > a:
+        new = old[:a] + text.rstrip("\n") + old[b + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    path.write_text(new if new.endswith("\n") else new + "\n")

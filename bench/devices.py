@@ -141,17 +141,7 @@ async def transfer_time(src_np: np.ndarray, s: str, d: str, reps: int, warmup: i
     return await timed(once, reps, warmup)
 
 
-from common import machine_line  # noqa: E402  (beside this script)
-
-
-def write_section(out: Path, start: str, end: str, text: str) -> None:
-    """Replace the section between `start` and `end` in `out` with `text` (append it when absent)."""
-    old = out.read_text() if out.exists() else ""
-    if start in old and end in old:
-        new = old[: old.index(start)] + text + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip() + "\n\n" + text + "\n"
-    out.write_text(new)
+from common import machine_line, write_section  # noqa: E402  (beside this script)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

@@ -28,8 +28,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import machine_line  # noqa: E402
-from devices import table, timed, transfer_time, write_section  # noqa: E402  (beside this script)
+from common import machine_line, write_section  # noqa: E402  (beside this script)
+from devices import table, timed, transfer_time  # noqa: E402
 
 import azyx  # noqa: E402
 from azyx import Tensor  # noqa: E402

@@ -31,7 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from common import machine_line  # noqa: E402  (beside this script)
+from common import machine_line, write_section  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
 from azyx import GradientTape, Tensor, nn, optim  # noqa: E402
@@ -161,16 +161,6 @@ def section(rows: list[list[str]], notes: list[str], quick: bool, checkpoints: t
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# azyx benchmark results\n"
-    start, end = old.find(MARK_START), old.find(MARK_END)
-    if start >= 0 and end > start:
-        new = old[:start] + text.rstrip("\n") + old[end + len(MARK_END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    path.write_text(new if new.endswith("\n") else new + "\n")
-
-
 async def main(args: argparse.Namespace) -> None:
     steps = 300 if args.quick else args.steps
     checkpoints = (steps // 10, steps)
@@ -206,7 +196,7 @@ async def main(args: argparse.Namespace) -> None:
                  "is that no figure moves between the two checkpoints of a row")
     text = section(rows, notes, args.quick, checkpoints)
     print(text)
-    write_section(Path(args.out), text)
+    write_section(Path(args.out), MARK_START, MARK_END, text)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import cpu_model  # noqa: E402  (beside this script)
-from devices import table, write_section  # noqa: E402
+from common import cpu_model, write_section  # noqa: E402  (beside this script)
+from devices import table  # noqa: E402
 
 START, END = "<!-- serve:start -->", "<!-- serve:end -->"
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."

@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from common import cpu_model  # noqa: E402  (beside this script)
+from common import cpu_model, write_section  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
 from azyx import GradientTape, Tensor, nn, optim  # noqa: E402
@@ -191,16 +191,6 @@ def section(rows: list[dict[str, Any]], notes: list[str], quick: bool, device: s
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# azyx benchmark results\n"
-    start, end = old.find(MARK_START), old.find(MARK_END)
-    if start >= 0 and end > start:
-        new = old[:start] + text.rstrip("\n") + old[end + len(MARK_END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    path.write_text(new if new.endswith("\n") else new + "\n")
-
-
 async def main(args: argparse.Namespace) -> None:
     steps, repeats = (10, 3) if args.quick else (args.steps, 5)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (other processes make the numbers noisy)"
@@ -248,7 +238,7 @@ async def main(args: argparse.Namespace) -> None:
                 notes.append(f"azyx {label}, {mode}: final parameters and optimiser state "
                              + ("bit-identical to the awaited loop's (same steps, same data)" if same else
                                 "NOT identical to the awaited loop's: the row is wrong"))
-    write_section(Path(args.out), section(rows, notes, args.quick, args.device, torch_line, load))
+    write_section(Path(args.out), MARK_START, MARK_END, section(rows, notes, args.quick, args.device, torch_line, load))
     for r in rows:
         print(f"{r['name']}: azyx {r['azyx']:.0f} steps/s" + (f", torch {r['torch']:.0f} steps/s, "
                                                             f"{r['azyx'] / r['torch']:.2f}x" if "torch" in r else ""))
