@@ -28,6 +28,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "opencl": {"enabled": True, "platform_ids": [], "compile_timeout_s": COMPILE_TIMEOUT_S},
     "cuda": {"enabled": True, "memory": None, "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
+    # ExecutionPlans kept for graphs of a structure seen before (least recently used go first): a service that sees
+    # ever new shapes must not grow without bound
+    "runtime": {"plan_cache_size": 1024},
 }
 
 
@@ -69,3 +72,11 @@ def load(overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     if overrides:
         cfg = merge(cfg, overrides)
     return cfg
+
+
+def plan_cache_size(cfg: dict[str, dict[str, Any]]) -> int:
+    """The `runtime` section's `plan_cache_size`: a positive int."""
+    size = cfg.get("runtime", {}).get("plan_cache_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"runtime.plan_cache_size must be a positive int, got {size!r}")
+    return size

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -22,12 +23,34 @@ from azyx.timeline import LoopEvent
 GRAPH = Graph()
 
 
+class PlanCache(OrderedDict[tuple, Any]):
+    """ExecutionPlans by structural key, at most `capacity` of them: a hit moves a plan to the back, a new plan past
+    the capacity drops the least recently used (it is planned again if its structure comes back)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        plan = super().get(key)
+        if plan is None:
+            return default
+        self.move_to_end(key)
+        return plan
+
+    def __setitem__(self, key: tuple, plan: Any) -> None:
+        super().__setitem__(key, plan)
+        self.move_to_end(key)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
 class Runtime:
     def __init__(self) -> None:
         self.cfg: dict[str, dict[str, Any]] | None = None
         self.overrides: dict[str, Any] = {}
         self._executor: Any = None
-        self.plan_cache: dict[tuple, Any] = {}
+        self.plan_cache = PlanCache(_config.DEFAULTS["runtime"]["plan_cache_size"])
         self.rng = np.random.default_rng()
         self.trace: Any = None  # azyx.jit's Recorder while a function is traced: told of rebinding and random draws
         self.lock = threading.Lock()
@@ -51,6 +74,7 @@ class Runtime:
             from azyx.executor import UnifiedExecutor
 
             self.cfg = _config.load(self.overrides)
+            self.plan_cache.capacity = _config.plan_cache_size(self.cfg)
             ex = UnifiedExecutor()
             ex.add_device(HostMemory(0, {}))
             for kind in BACKENDS:
@@ -70,7 +94,7 @@ class Runtime:
             self._executor = ex
 
     def configure(self, overrides: dict[str, Any]) -> None:
-        _config.merge(_config.DEFAULTS, overrides)  # validates the shape of the dict
+        _config.plan_cache_size(_config.merge(_config.DEFAULTS, overrides))  # validates the dict's shape and values
         if self._executor is not None:
             if len(GRAPH):
                 raise RuntimeStateError(f"configure() after tensors exist ({len(GRAPH)} live nodes); call it first")

@@ -211,3 +211,22 @@ async def test_memory_is_pooled_and_returned() -> None:
         del y
         assert await in_use() == base
     assert dev.allocator.cached >= 1 << 18
+
+
+async def test_the_plan_cache_is_bounded_least_recently_used_first(device: str) -> None:
+    with pytest.raises(azyx.AzyxError, match="plan_cache_size.*0"):
+        azyx.configure({"runtime": {"plan_cache_size": 0}})
+    cache, saved = RT.plan_cache, RT.plan_cache.capacity
+    cache.capacity = len(cache) + 3
+    try:
+        xs = [np.arange(n, dtype=np.float32) for n in range(1, 9)]  # 8 structures (shapes), 3 places
+        for x in xs + xs[:2]:
+            got = await (Tensor(x, device=device) * 2 + 1).numpy()
+            np.testing.assert_array_equal(got, x * 2 + 1)  # an evicted structure is planned again
+            assert len(cache) <= cache.capacity
+        before = list(cache)
+        np.testing.assert_array_equal(await (Tensor(xs[0], device=device) * 2 + 1).numpy(), xs[0] * 2 + 1)
+        after = list(cache)
+        assert set(after) == set(before) and after[-1] != before[-1]  # a hit, moved to the back
+    finally:
+        cache.capacity = saved
