@@ -71,7 +71,9 @@ class SafetensorsStream:
         self.file: DiskFile | None = None
         self.entries: list[TensorEntry] = []
         self.next = 0  # index of the next entry to start reading
-        self.ahead: deque[tuple[TensorEntry, concurrent.futures.Future[Buffer]]] = deque()
+        # read (or being read) ahead: the entry, its read (a future of None: the buffer is held here, not by the
+        # future, so an abandoned read frees it when it ends, not when the pool's thread lets go of its work item)
+        self.ahead: deque[tuple[TensorEntry, concurrent.futures.Future[None], Buffer | None]] = deque()
         self.ahead_bytes = 0  # read (or being read) but not yet handed out
         self.closed = False
         if progress:
@@ -99,9 +101,10 @@ class SafetensorsStream:
                 await self.aclose()
                 raise StopAsyncIteration
             self._start_next()  # asked for: read it now, whatever its size
-        entry, job = self.ahead[0]
+        entry, job, staged = self.ahead[0]
         try:
-            staged = await result_of(job)  # cancelled here: the entry stays first, the next call waits again
+            await result_of(job)  # cancelled here: the entry stays first, the next call waits again
+            assert staged is not None
             t = await self._to_device(entry, staged)
         except AzyxError:
             await self.aclose()
@@ -146,7 +149,8 @@ class SafetensorsStream:
         src = disk_device().buffer(self.file, header_of(self.file).data_start + entry.begin, entry.nbytes,
                                    f"tensor {entry.name!r}")
         widen = self.widen_bf16 and entry.dtype is dtypes.bfloat16
-        job: concurrent.futures.Future[Buffer]
+        job: concurrent.futures.Future[None]
+        dst: Buffer | None = None
         try:
             dst = self.staging.alloc(max(entry.nbytes * (2 if widen else 1), 1))
         except AzyxError as e:  # raised when this tensor is asked for, not while another is being used
@@ -154,7 +158,7 @@ class SafetensorsStream:
             job.set_exception(e)
         else:
             job = start_in_worker_thread(_read, src, dst, entry.nbytes, widen)
-        self.ahead.append((entry, job))
+        self.ahead.append((entry, job, dst))
         self.ahead_bytes += entry.nbytes
 
     async def _to_device(self, entry: TensorEntry, staged: Buffer) -> Tensor:
@@ -171,11 +175,10 @@ class SafetensorsStream:
         return t
 
 
-def _read(src: Buffer, dst: Buffer, n: int, widen_bf16: bool) -> Buffer:
+def _read(src: Buffer, dst: Buffer, n: int, widen_bf16: bool) -> None:
     """On a worker thread: the file range into the pooled host buffer (bfloat16 widened for devices without it)."""
     assert src.device.name == DISK
     mem: np.ndarray = dst.mem
     src.device.read_into(src, mem[:n])
     if widen_bf16:  # bfloat16 is the upper half of a float32
         mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16
-    return dst
