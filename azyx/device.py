@@ -80,15 +80,18 @@ class RunRecord:
         """The first failure of this run's work or its inputs' found so far (final once the work is done)."""
         if self.error is not None or self.clean:
             return self.error
+        done = True
         for dev, (lo, hi) in self.spans.items():
-            if (err := dev.failure_in(lo, hi)) is not None:
+            if dev.failures and (err := dev.failure_in(lo, hi)) is not None:
                 self.error = err
                 return err
+            done = done and dev.timeline.value >= hi
         for p in self.parents:
             if (err := p.failure()) is not None:
                 self.error = err
                 return err
-        if all(p.clean for p in self.parents) and all(d.timeline.value >= hi for d, (_, hi) in self.spans.items()):
+            done = done and p.clean
+        if done:
             self.clean, self.spans, self.parents = True, {}, []  # (drops the chain of records behind it)
         return None
 

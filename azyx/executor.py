@@ -100,7 +100,7 @@ class UnifiedExecutor:
             segments = plan.memo["segments"] = _segments(plan)
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
-        record = RunRecord([b.run for b in bindings if b.run is not None and not b.run.clean])
+        record = RunRecord([r for b in bindings if (r := b.run) is not None and not r.clean])
         only = self.single_device_check(plan)
         single = only is not None
         if only is not None:
@@ -108,7 +108,8 @@ class UnifiedExecutor:
         try:
             for seg in segments:
                 dev = self.devices[seg.device]
-                dev.check_alive()  # a failed device takes no more work
+                if dev.timeline.failure is not None:
+                    dev.check_alive()  # a failed device takes no more work
                 before = dev.queued()
                 for s in seg.allocs:  # a slot is written once: its buffer is made right before the work that writes it
                     if bufs[s] is None:

@@ -54,6 +54,7 @@ async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk 
         walk = canonicalize(GRAPH, targets)
         plan = rt.plan_cache.get(walk.key)
         if plan is not None:
+            rt.plan_cache.touch(plan)
             break
         if _plan_weight(walk) <= INLINE_PLAN_WEIGHT:
             plan = make_plan(rt, GRAPH, walk, targets)
@@ -163,7 +164,7 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
                 dev.poll(ready)
         if dev.timeline.value < ready:
             await dev.timeline.wait(ready)  # (raises DeviceFailedError when the device has failed)
-    records = {id(b.run): b.run for b in bufs if b.run is not None and not b.run.clean}
+    records = {id(r): r for b in bufs if (r := b.run) is not None and not r.clean}
     for rec in records.values():
         for dev, (_, hi) in rec.spans.items():  # the rest of the run's work (on devices the buffers are not on)
             if dev.timeline.value < hi:

@@ -6,8 +6,8 @@ Devices start lazily, on first use, so `azyx.configure()` can run first. The gra
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -23,26 +23,25 @@ from azyx.timeline import LoopEvent
 GRAPH = Graph()
 
 
-class PlanCache(OrderedDict[tuple, Any]):
-    """ExecutionPlans by structural key, at most `capacity` of them: a hit moves a plan to the back, a new plan past
-    the capacity drops the least recently used (it is planned again if its structure comes back)."""
+class PlanCache(dict[tuple, Any]):
+    """ExecutionPlans by structural key, at most `capacity` of them: a new plan past the capacity drops the least
+    recently used one (it is planned again if its structure comes back). A realize that reuses a plan stamps it
+    (`touch`); the lookup itself is a plain dict's, as it is on every realize."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
+        self.uses = itertools.count(1)
 
-    def get(self, key: tuple, default: Any = None) -> Any:
-        plan = super().get(key)
-        if plan is None:
-            return default
-        self.move_to_end(key)
-        return plan
+    def touch(self, plan: Any) -> None:
+        plan.memo["used"] = next(self.uses)
 
     def __setitem__(self, key: tuple, plan: Any) -> None:
+        if key not in self:
+            while len(self) >= self.capacity:  # (a scan, but only when a new plan is made: milliseconds anyway)
+                del self[min(self, key=lambda k: dict.__getitem__(self, k).memo.get("used", 0))]
+        self.touch(plan)
         super().__setitem__(key, plan)
-        self.move_to_end(key)
-        while len(self) > self.capacity:
-            self.popitem(last=False)
 
 
 class Runtime:

@@ -224,9 +224,13 @@ async def test_the_plan_cache_is_bounded_least_recently_used_first(device: str) 
             got = await (Tensor(x, device=device) * 2 + 1).numpy()
             np.testing.assert_array_equal(got, x * 2 + 1)  # an evicted structure is planned again
             assert len(cache) <= cache.capacity
-        before = list(cache)
+        used = {k: p.memo["used"] for k, p in cache.items()}
         np.testing.assert_array_equal(await (Tensor(xs[0], device=device) * 2 + 1).numpy(), xs[0] * 2 + 1)
-        after = list(cache)
-        assert set(after) == set(before) and after[-1] != before[-1]  # a hit, moved to the back
+        assert set(cache) == set(used)  # a hit: no new plan ...
+        hit = [k for k, p in cache.items() if p.memo["used"] != used[k]]
+        assert len(hit) == 1 and cache[hit[0]].memo["used"] > max(used.values())  # ... stamped the latest
+        oldest = min(used, key=used.__getitem__)
+        await (Tensor(np.ones(11, np.float32), device=device) * 2 + 1).numpy()  # a new structure drops the oldest
+        assert oldest not in cache and hit[0] in cache and len(cache) <= cache.capacity
     finally:
         cache.capacity = saved
