@@ -12,6 +12,7 @@ in shared memory combines them, so neighbouring items read neighbouring addresse
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -817,3 +818,8 @@ def render(k: Kernel, name: str, dl: Dialect, threads: int = 1) -> str:
 
 def kernel_source(kernels: list[str], dl: Dialect) -> str:
     return dl.prelude + "\n" + "\n".join(kernels)
+
+
+def kernel_name(src: str, prefix: str = "k") -> str:
+    """A kernel's name: a hash of its source, so equal kernels share one compiled program."""
+    return f"{prefix}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"

@@ -11,18 +11,20 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError
-from azyx.cstyle import Dialect, render
+from azyx.cstyle import Dialect, kernel_name, render
+from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
+from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread_within
 
 if TYPE_CHECKING:
-    from azyx.dtypes import DType
-    from azyx.graph import Shape, StridedView
     from azyx.plan import KernelStep
 
 T = TypeVar("T")
+
+DISK = "disk"  # the storage device's name (there is one: file-backed tensors, azyx.io)
 
 
 def kernel_list(names: list[str]) -> str:
@@ -229,8 +231,6 @@ class Device:
         pass
 
     def render(self, k: Kernel) -> tuple[str, str]:
-        from azyx.plan import kernel_name
-
         assert self.dialect is not None
         body = render(k, "KERNEL", self.dialect, self.threads)
         name = kernel_name(body)
@@ -265,9 +265,6 @@ class Device:
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read of the first `out.nbytes` raw bytes of `buf` into the uint8 array `out` (worker threads)."""
-        from azyx.dtypes import dtypes
-        from azyx.graph import StridedView
-
         out[...] = self.read(buf, StridedView(0, (1,)), (out.nbytes,), dtypes.uint8)
 
     def collect(self) -> None:
@@ -281,3 +278,18 @@ class Device:
 
     def close(self) -> None:
         pass
+
+
+def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+    """Copy a strided view of host memory into a new C-contiguous array (bfloat16 widened to float32)."""
+    item = dtype.itemsize
+    raw = mem.reshape(-1).view(np.uint8)
+    flat = raw[: len(raw) // item * item].view(dtype.np)
+    if not shape or 0 not in shape:
+        arr = np.lib.stride_tricks.as_strided(flat[view.offset :], shape, tuple(s * item for s in view.strides))
+    else:
+        arr = np.empty(shape, dtype.np)
+    out = np.array(arr, copy=True, order="C")
+    if dtype is dtypes.bfloat16:
+        out = (out.astype(np.uint32) << 16).view(np.float32)
+    return out

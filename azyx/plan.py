@@ -13,7 +13,6 @@ than one consumer, a node a kernel would read under two different index maps, or
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -24,7 +23,18 @@ from typing import TYPE_CHECKING, Any
 from azyx import debug
 from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import AllocationError
-from azyx.graph import ELEMENTWISE, MOVEMENT, Graph, Node, Op, Shape, StridedView, contiguous_strides, prod
+from azyx.graph import (
+    ELEMENTWISE,
+    MOVEMENT,
+    Graph,
+    Node,
+    Op,
+    Shape,
+    StridedView,
+    contiguous_strides,
+    prod,
+    view_through,
+)
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Lin, Var, count_divmod, var
@@ -728,59 +738,6 @@ class KernelBuild:
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
 
 
-def view_through(n: Node, src_shape: Shape, v: StridedView) -> StridedView | None:
-    """The view that movement node `n` makes of its source's view `v`, or None when it is not a strided view (a pad
-    that adds elements, a reshape that needs a copy)."""
-    if n.op is Op.PAD and any(b > 0 or a > 0 for b, a in n.arg):
-        return None
-    st, off = list(v.strides), v.offset
-    if n.op is Op.EXPAND:
-        st = [0 if s != o else x for x, s, o in zip(st, src_shape, n.shape)]
-    elif n.op is Op.PERMUTE:
-        st = [st[a] for a in n.arg]
-    elif n.op is Op.FLIP:
-        for a in n.arg:
-            off += (src_shape[a] - 1) * st[a]
-            st[a] = -st[a]
-    elif n.op is Op.PAD:
-        for a, (b, _) in enumerate(n.arg):
-            off += -b * st[a]
-    else:
-        new = reshape_strides(src_shape, tuple(st), n.shape)
-        if new is None:
-            return None
-        st = list(new)
-    return StridedView(off, tuple(st))
-
-
-def reshape_strides(old: Shape, strides: tuple[int, ...], new: Shape) -> tuple[int, ...] | None:
-    """Strides that read `old` (laid out with `strides`) as shape `new` without a copy, or None when the
-    reshape needs one (numpy's no-copy reshape: each run of merged or split dims must be contiguous)."""
-    if prod(old) == 0:
-        return contiguous_strides(new)
-    o = [(s, st) for s, st in zip(old, strides) if s != 1]
-    res = [0] * len(new)
-    oi = ni = 0
-    while oi < len(o) and ni < len(new):
-        nsize, osize = new[ni], o[oi][0]
-        nj, oj = ni + 1, oi + 1
-        while nsize != osize:  # grow the smaller side until both runs hold the same elements
-            if nsize < osize:
-                nsize *= new[nj]
-                nj += 1
-            else:
-                osize *= o[oj][0]
-                oj += 1
-        if any(o[k][1] != o[k + 1][0] * o[k + 1][1] for k in range(oi, oj - 1)):
-            return None
-        acc = o[oj - 1][1]
-        for k in range(nj - 1, ni - 1, -1):
-            res[k] = acc
-            acc *= new[k]
-        oi, ni = oj, nj
-    return tuple(res)  # trailing new dims are size 1: any stride reads them
-
-
 # ------------------------------------------------------------------------------------------------ entry point
 def make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
     with _deep_recursion(8 * len(walk.topo) + 1000):  # kernel building recurses along the graph's depth
@@ -842,7 +799,3 @@ def _make_plan(rt: Runtime, graph: Graph, walk: Walk, targets: list[int]) -> Exe
     plan = planner.finish(targets)
     debug.log(debug.PLANS, plan.describe)
     return plan
-
-
-def kernel_name(src: str, prefix: str = "k") -> str:
-    return f"{prefix}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from azyx import merge  # noqa: F401  (the planner's last stage: imported now, not by the first plan, on the loop)
-from azyx.backends.host import host_read
+from azyx.device import host_read
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, RuntimeStateError, fresh_copy
 from azyx.graph import GraphCopy, Op, prod

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from azyx import ops as _ops
-from azyx.backends.disk import DISK
+from azyx.device import DISK
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
 from azyx.graph import Node, Op, Shape, prod

@@ -36,13 +36,13 @@ import numpy as np
 from azyx import debug, gemm
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.config import cache_dir
-from azyx.cstyle import CUDA, group_size, kernel_source, render, vectorized
-from azyx.device import Buffer, Device, kernel_list
+from azyx.cstyle import CUDA, group_size, kernel_name, kernel_source, render, vectorized
+from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel
-from azyx.plan import KernelStep, kernel_name
+from azyx.plan import KernelStep
 from azyx.workers import in_background
 
 try:
@@ -794,8 +794,6 @@ class CUDADevice(Device):
         self.timeline.wait_sync(v)
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-        from azyx.backends.host import host_read
-
         host = np.empty(buf.nbytes, np.uint8)
         self.read_into(buf, host)
         return host_read(host, view, shape, dtype)

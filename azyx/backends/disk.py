@@ -22,14 +22,13 @@ import numpy as np
 import sniffio
 
 from azyx.allocator import MemoryUsage
-from azyx.device import Buffer, Device
+from azyx.device import DISK, Buffer, Device
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxIOError, DeviceError
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
-DISK = "disk"  # the device's name (there is one disk device)
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()

@@ -13,8 +13,8 @@ import numpy as np
 
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.disk import DiskDevice
-from azyx.device import Buffer, Device, Launch
-from azyx.dtypes import DType, dtypes
+from azyx.device import Buffer, Device, Launch, host_read
+from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
@@ -241,21 +241,6 @@ def _keep_alive(*objs: object) -> Callable[[], None]:
         assert objs
 
     return hold
-
-
-def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-    """Copy a strided view of host memory into a new C-contiguous array (bfloat16 widened to float32)."""
-    item = dtype.itemsize
-    raw = mem.reshape(-1).view(np.uint8)
-    flat = raw[: len(raw) // item * item].view(dtype.np)
-    if not shape or 0 not in shape:
-        arr = np.lib.stride_tricks.as_strided(flat[view.offset :], shape, tuple(s * item for s in view.strides))
-    else:
-        arr = np.empty(shape, dtype.np)
-    out = np.array(arr, copy=True, order="C")
-    if dtype is dtypes.bfloat16:
-        out = (out.astype(np.uint32) << 16).view(np.float32)
-    return out
 
 
 class HostMemory(HostDevice):

@@ -24,7 +24,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.cstyle import OPENCL, group_size, kernel_source
-from azyx.device import Buffer, Device, kernel_list
+from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
@@ -113,8 +113,6 @@ class OpenCLDevice(Device):
             ev.wait()
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-        from azyx.backends.host import host_read
-
         host = np.empty(buf.nbytes, np.uint8)
         self.read_into(buf, host)
         return host_read(host, view, shape, dtype)

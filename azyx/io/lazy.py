@@ -15,11 +15,11 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from azyx.backends.disk import DISK, DiskDevice, DiskFile, FileRange, covering, file_identity
+from azyx.backends.disk import DiskDevice, DiskFile, FileRange, covering, file_identity
+from azyx.device import DISK
 from azyx.errors import AzyxIOError, DeviceError
-from azyx.graph import MOVEMENT, Node, Op, StridedView, prod
+from azyx.graph import MOVEMENT, Node, Op, StridedView, prod, view_through
 from azyx.io.format import Header, SafetensorsError, TensorEntry, read_header
-from azyx.plan import reshape_strides
 from azyx.runtime import GRAPH, RT
 
 if TYPE_CHECKING:
@@ -121,39 +121,11 @@ def on_build(node: Node) -> Node:
     if op in MOVEMENT:
         src = GRAPH[node.src[0]]
         if src.device == DISK and src.buffer is not None and src.view is not None:
-            view = _movement_view(node, src)
+            view = view_through(node, src.shape, src.view)
             if view is not None:
                 return _narrowed(src, node, view)
     node.device, node.pinned = RT.resolve_device(None, prod(node.shape) * node.dtype.itemsize)
     return node
-
-
-def _movement_view(n: Node, src: Node) -> StridedView | None:
-    """The view of `src`'s buffer that movement node `n` reads, when a strided view expresses it (as in
-    `Planner.strided`: expand, permute, flip, shrink, and reshapes that need no copy); else None."""
-    v = src.view
-    assert v is not None
-    st, off = list(v.strides), v.offset
-    if n.op is Op.EXPAND:
-        st = [0 if s != o else x for x, s, o in zip(st, src.shape, n.shape)]
-    elif n.op is Op.PERMUTE:
-        st = [st[a] for a in n.arg]
-    elif n.op is Op.FLIP:
-        for a in n.arg:
-            off += (src.shape[a] - 1) * st[a]
-            st[a] = -st[a]
-    elif n.op is Op.PAD:
-        if any(b > 0 or a > 0 for b, a in n.arg):
-            return None  # real padding: computed, not viewed
-        for a, (b, _) in enumerate(n.arg):
-            off -= b * st[a]
-    else:
-        assert n.op is Op.RESHAPE
-        new = reshape_strides(src.shape, tuple(st), n.shape)
-        if new is None:
-            return None
-        st = list(new)
-    return StridedView(off, tuple(st))
 
 
 def _narrowed(src: Node, n: Node, view: StridedView) -> Node:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from azyx.backends.disk import DISK, DiskFile
-from azyx.device import Buffer, Device
+from azyx.backends.disk import DiskFile
+from azyx.device import DISK, Buffer, Device
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError
 from azyx.graph import Node, Op, StridedView
