@@ -46,7 +46,8 @@ async def realize(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 def schedule(*tensors: Tensor) -> ExecutionPlan:
     """The ExecutionPlan that realizing `tensors` would run (cached like realize's), without running it."""
-    from azyx.plan import canonicalize, make_plan
+    from azyx.schedule import make_plan
+    from azyx.walk import canonicalize
 
     targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
     walk = canonicalize(GRAPH, targets)

@@ -46,6 +46,8 @@ class Dialect:
     narrow_index: str = ""  # a 32-bit index type for kernels whose indices fit (64-bit division is slow on GPUs)
     # grouped reductions: work-group size (0: none), group and local id, shared-memory qualifier, barrier
     group_size: int = 0
+    block: int = 0  # GPU-style: work items per group of a kernel with one work item per output point
+    gemm: bool = False  # matrix products get the tiled template of azyx.gemm
     group_ids: tuple[str, str] = ("", "")
     shared: str = ""
     barrier: str = ""
@@ -139,6 +141,7 @@ OPENCL = Dialect(
     prelude=_CL_PRELUDE,
     pragmas=False,
     global_ids="get_global_id(0)",
+    block=64,  # a multiple of every SIMD width seen
     compute_types={"bool": "bool"},
     loads={"float16": "vload_half({idx}, {buf})", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "vstore_half({val}, {idx}, {buf});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
@@ -181,6 +184,8 @@ CUDA = Dialect(
     prelude=_CUDA_PRELUDE,
     pragmas=False,
     global_ids="((long long)blockIdx.x*blockDim.x+threadIdx.x)",
+    block=256,
+    gemm=True,
     loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
     rounds={"float16": "h2f(f2h({x}))", "bfloat16": "bf2f(f2bf((float){x}))"},

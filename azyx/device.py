@@ -11,11 +11,12 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError
-from azyx.cstyle import Dialect, kernel_name, render
+from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
 from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel
+from azyx.launch import Launch, render_kernel
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread_within
 
@@ -56,7 +57,18 @@ class Buffer:
 
 
 
-Launch = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
+LaunchItem = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
+
+
+class BatchState:
+    """Kernels that one plan runs back to back on one device (a batch): their total work, and what the device derives
+    from them once (`prepared`: its launch tables), kept by the executor with the plan for the plan's later runs."""
+
+    __slots__ = ("work", "prepared")
+
+    def __init__(self, steps: list[KernelStep]):
+        self.work = sum(step.work for step in steps)
+        self.prepared: object = None
 
 
 class RunRecord:
@@ -208,11 +220,11 @@ class Device:
         timeline value at which it will have completed."""
         raise NotImplementedError
 
-    def launch_many(self, items: list[Launch], waits: list[tuple[Device, int]],
-                    memo: dict[str, Any] | None = None) -> int:
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
+                    batch: BatchState | None = None) -> int:
         """Queue kernels that run back to back (a device may submit them as one piece of work); returns the timeline
-        value at which all have completed. The queue is in order: the first kernel's waits hold for the rest. `memo`
-        (when given) belongs to these steps of one plan: a device may keep there what it derives from the steps alone,
+        value at which all have completed. The queue is in order: the first kernel's waits hold for the rest. `batch`
+        (when given) is these steps' state in one plan: a device may keep there what it derives from the steps alone,
         for the plan's next run."""
         v = 0
         for i, (step, bufs, words) in enumerate(items):
@@ -230,11 +242,10 @@ class Device:
     def end_batch(self) -> None:
         pass
 
-    def render(self, k: Kernel) -> tuple[str, str]:
+    def render(self, k: Kernel) -> tuple[str, str, Launch]:
+        """(name, source, launch) of a kernel in this device's dialect."""
         assert self.dialect is not None
-        body = render(k, "KERNEL", self.dialect, self.threads)
-        name = kernel_name(body)
-        return name, body.replace("KERNEL", name, 1)
+        return render_kernel(k, self.dialect, self.threads)
 
     def has_program(self, name: str) -> bool:
         """Whether kernel `name` is compiled and loaded for this device."""

@@ -13,11 +13,12 @@ device) raises at once; what it had submitted still runs and then gives its buff
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum
 from typing import Any
 
 from azyx import debug
-from azyx.device import Buffer, Device, Launch, RunRecord
+from azyx.device import BatchState, Buffer, Device, LaunchItem, RunRecord
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
@@ -33,7 +34,9 @@ class SyncStrategy(Enum):
 class UnifiedExecutor:
     def __init__(self) -> None:
         self.devices: dict[str, Device] = {}
-        self.adopted: list[Buffer] = []  # the last run's uploads that their leaves keep (ExecutionPlan.adopt)
+        # what running a plan needs that the plan itself does not say (its batches, the devices' launch tables),
+        # derived on its first run here and kept while the plan lives
+        self.prepared: weakref.WeakKeyDictionary[ExecutionPlan, list[_Segment]] = weakref.WeakKeyDictionary()
         self.partial: RunRecord | None = None  # the record of the last run that raised part way (see `settle`)
 
     def add_device(self, device: Device) -> None:
@@ -68,14 +71,14 @@ class UnifiedExecutor:
                        same_device: bool = False) -> int:
         return self.execute_kernels([(step, bufs, words)], same_device)
 
-    def execute_kernels(self, items: list[Launch], same_device: bool = False,
-                        memo: dict[str, Any] | None = None) -> int:
+    def execute_kernels(self, items: list[LaunchItem], same_device: bool = False,
+                        batch: BatchState | None = None) -> int:
         """Kernels of one device that run back to back (one piece of work where the device can make it one), each
-        with its buffers and the words of its scalar arguments; `memo` is where the device may keep what it derives
-        from these steps for the next run of the same plan."""
+        with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan, where the
+        device keeps what it derives from them for the plan's next run."""
         dev = self.devices[items[0][0].device]
         waits = [] if same_device else [w for step, bufs, _ in items for w in self._waits(dev, bufs[step.outs:])]
-        v = dev.launch_many(items, waits, memo)
+        v = dev.launch_many(items, waits, batch)
         for step, bufs, _ in items:
             for b in bufs[:step.outs]:
                 b.ready = v
@@ -90,14 +93,14 @@ class UnifiedExecutor:
         return v
 
     def run(self, plan: ExecutionPlan, bindings: list[Buffer], scalars: list[Any] | tuple[Any, ...] = ()
-            ) -> list[tuple[Buffer, StridedView]]:
+            ) -> tuple[list[tuple[Buffer, StridedView]], list[Buffer]]:
         """Submit every step of `plan` with `bindings` as its inputs and `scalars` as the values of its scalars (the
         walk's); returns the targets' buffers (not yet necessarily ready: each carries the timeline value at which it
-        will be)."""
+        will be) and the uploads of host data that the inputs' leaves keep (`plan.adopt`, in its order)."""
         assert len(bindings) == plan.n_inputs and len(scalars) == plan.n_scalars
-        segments: list[_Segment] | None = plan.memo.get("segments")
+        segments = self.prepared.get(plan)
         if segments is None:
-            segments = plan.memo["segments"] = _segments(plan)
+            segments = self.prepared[plan] = _segments(plan)
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
         record = RunRecord([r for b in bindings if (r := b.run) is not None and not r.clean])
@@ -117,8 +120,9 @@ class UnifiedExecutor:
                 if seg.transfer is not None:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:
-                    after = self.execute_kernels([(k, [bufs[a] for a in k.args], k.words(scalars))  # type: ignore[misc]
-                                                  for k in seg.kernels], single, seg.memo)
+                    words = seg.words(scalars)
+                    after = self.execute_kernels([(k, [bufs[a] for a in k.args], w)  # type: ignore[misc]
+                                                  for k, w in zip(seg.kernels, words)], single, seg.batch)
                 record.cover(dev, before, after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
@@ -129,10 +133,10 @@ class UnifiedExecutor:
                     b = bufs[slot] = self.devices[slots[slot].device].alloc(max(slots[slot].nbytes, 1))
                 b.run = record
                 outs.append((b, view))
-            self.adopted = [bufs[dst] for _, dst in plan.adopt]  # type: ignore[misc]
-            for b in self.adopted:
+            adopted: list[Buffer] = [bufs[dst] for _, dst in plan.adopt]  # type: ignore[misc]
+            for b in adopted:
                 b.run = record
-            return outs
+            return outs, adopted
         except BaseException:
             self.partial = record  # what the failed run had submitted, for its caller to `settle`
             raise
@@ -183,16 +187,25 @@ class UnifiedExecutor:
 
 class _Segment:
     """One piece of submitted work of a plan: a transfer, or kernels in a row on one device (one batch); the slots
-    its outputs need and the slots whose last use it is. Derived once per plan (ExecutionPlan.memo)."""
+    its outputs need and the slots whose last use it is. Derived once per plan (UnifiedExecutor.prepared)."""
 
-    __slots__ = ("device", "transfer", "kernels", "allocs", "frees", "memo")
+    __slots__ = ("device", "transfer", "kernels", "allocs", "frees", "batch", "last")
 
     def __init__(self, device: str, transfer: TransferStep | None, kernels: list[KernelStep]):
         self.device, self.transfer, self.kernels = device, transfer, kernels
         self.allocs: list[int] = [transfer.dst] if transfer is not None else [
             s for k in kernels for s in k.args[:k.outs]]
         self.frees: list[int] = []
-        self.memo: dict[str, Any] = {}
+        self.batch: BatchState | None = None  # (made once the kernels are all in)
+        self.last: tuple[object, list[tuple[int, ...]]] = (None, [])
+
+    def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
+        """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
+        new values (a plan without scalars, or a replay of the same values such as azyx.jit's constants, packs none;
+        a run's scalars are never changed once bound)."""
+        if self.last[0] is not scalars and (scalars or self.last[0] is None):
+            self.last = (scalars, [k.words(scalars) for k in self.kernels])
+        return self.last[1]
 
 
 def _segments(plan: ExecutionPlan) -> list[_Segment]:
@@ -209,4 +222,7 @@ def _segments(plan: ExecutionPlan) -> list[_Segment]:
             assert isinstance(step, TransferStep)
             out.append(last := _Segment(step.dst_device, step, []))
         last.frees.extend(frees)
+    for seg in out:
+        if seg.transfer is None:
+            seg.batch = BatchState(seg.kernels)
     return out

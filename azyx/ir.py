@@ -9,7 +9,7 @@ subexpressions are computed once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from azyx.dtypes import DType
@@ -94,7 +94,6 @@ class Kernel:
     uvars: list[Var]
     stores: list[tuple[Lin, V]]  # per output parameter, in order: the index written and the value written there
     work: int = 0  # iterations of the innermost loops, for launch decisions
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def global_size(self) -> int:

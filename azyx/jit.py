@@ -46,11 +46,12 @@ from azyx import debug
 from azyx.device import Buffer
 from azyx.errors import ArgumentError
 from azyx.graph import Node, Op
-from azyx.plan import ExecutionPlan, Walk, leaf_entry
+from azyx.plan import ExecutionPlan
 from azyx.realize import run_plan, submit, wait_for
 from azyx.runtime import GRAPH, RT
 from azyx.tensor import Tensor
 from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording, structure
+from azyx.walk import Walk, leaf_entry
 
 MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
 

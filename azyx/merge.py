@@ -19,12 +19,13 @@ from collections.abc import Callable
 
 from azyx.dtypes import DType
 from azyx.ir import Kernel, V, ValueBuilder, toposort
+from azyx.launch import Launch
 from azyx.plan import KernelStep, Step, TransferStep
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, lin_vars, var
 
 MAX_PARAMS = 32  # buffers one merged kernel may take (OpenCL guarantees 1 KiB of kernel arguments: 128 pointers)
 
-Render = Callable[[str, Kernel], tuple[str, str]]  # (device, kernel) -> (name, source)
+Render = Callable[[str, Kernel], tuple[str, str, Launch]]  # (device, kernel) -> (name, source, launch)
 
 
 def merge_kernels(steps: list[Step], render: Render) -> list[Step]:
@@ -120,10 +121,9 @@ class _Group:
         values = rebuild([v for _, _, v in self.stores], vb, lambda v: vb.load(param[v.arg[0]], v.dtype, *v.arg[1:]))
         assert values is not None
         k = Kernel([self.dtypes[s] for s in outs + ins], self.gvars, [],
-                   [(idx, v) for (_, idx, _), v in zip(self.stores, values)], sum(m.work for m in self.members),
-                   {"device": self.device})
-        name, src = render(self.device, k)
-        return KernelStep(self.device, name, src, tuple(outs + ins), k.work, k, outs=len(outs))
+                   [(idx, v) for (_, idx, _), v in zip(self.stores, values)], sum(m.work for m in self.members))
+        name, src, launch = render(self.device, k)
+        return KernelStep(self.device, name, src, tuple(outs + ins), k.work, k, outs=len(outs), launch=launch)
 
 
 def rebuild(roots: list[V], vb: ValueBuilder, load: Callable[[V], V | None], vmap: dict[Var, Var] | None = None

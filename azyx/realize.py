@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from azyx import merge  # noqa: F401  (the planner's last stage: imported now, not by the first plan, on the loop)
 from azyx.device import host_read
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, RuntimeStateError, fresh_copy
 from azyx.graph import GraphCopy, Op, prod
-from azyx.plan import Walk, canonicalize, make_plan
+from azyx.plan import ExecutionPlan
 from azyx.runtime import GRAPH, RT
+from azyx.schedule import make_plan
+from azyx.walk import Walk, canonicalize
 from azyx.workers import in_worker_thread
 
 if TYPE_CHECKING:
     from azyx.device import Buffer, Device
     from azyx.graph import Node, StridedView
-    from azyx.plan import ExecutionPlan
     from azyx.tensor import Tensor
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ async def submit(tensors: Sequence[Tensor]) -> tuple[ExecutionPlan | None, Walk 
         walk = canonicalize(GRAPH, targets)
         plan = rt.plan_cache.get(walk.key)
         if plan is not None:
-            rt.plan_cache.touch(plan)
+            rt.plan_cache.touch(walk.key)
             break
         if _plan_weight(walk) <= INLINE_PLAN_WEIGHT:
             plan = make_plan(rt, GRAPH, walk, targets)
@@ -135,13 +135,15 @@ def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], 
     """Submit `plan` with `bindings` as its inputs and `scalars` as its scalars' values; returns the targets' buffers
     and views. Host data the plan uploads for an input stays on the device: `leaf(slot)`, the input's node, keeps the
     uploaded buffer (None: nobody does)."""
-    ex = RT.executor
-    outs = ex.run(plan, bindings, scalars)
-    for (slot, _), buf in zip(plan.adopt, ex.adopted):
+    outs, adopted = RT.executor.run(plan, bindings, scalars)
+    for (slot, _), buf in zip(plan.adopt, adopted):
         if (n := leaf(slot)) is not None:
             n.buffer = buf
-    ex.adopted = []
     return outs
+
+
+# per plan and device: how many times in a row the plan's work outlasted the device's spin window (see wait_for)
+_spin_misses: weakref.WeakKeyDictionary[ExecutionPlan, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> None:
@@ -157,9 +159,11 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
             last[buf.device] = buf.ready
     for dev, ready in last.items():
         if dev.timeline.value < ready:
-            if dev.spin and plan is not None and plan.memo.get(key := ("spin misses", dev.name), 0) < SPIN_MISSES \
-                    and _loop_idle():
-                plan.memo[key] = 0 if dev.poll(ready, dev.spin) else plan.memo.get(key, 0) + 1
+            misses = _spin_misses.get(plan) if dev.spin and plan is not None else None
+            if misses is None and dev.spin and plan is not None:
+                misses = _spin_misses[plan] = {}
+            if misses is not None and misses.get(dev.name, 0) < SPIN_MISSES and _loop_idle():
+                misses[dev.name] = 0 if dev.poll(ready, dev.spin) else misses.get(dev.name, 0) + 1
             else:
                 dev.poll(ready)
         if dev.timeline.value < ready:

@@ -6,8 +6,8 @@ Devices start lazily, on first use, so `azyx.configure()` can run first. The gra
 from __future__ import annotations
 
 import atexit
-import itertools
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -18,30 +18,30 @@ from azyx import debug, workers
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
 from azyx.graph import Graph, StridedView
+from azyx.plan import ExecutionPlan
 from azyx.timeline import LoopEvent
 
 GRAPH = Graph()
 
 
-class PlanCache(dict[tuple, Any]):
-    """ExecutionPlans by structural key, at most `capacity` of them: a new plan past the capacity drops the least
-    recently used one (it is planned again if its structure comes back). A realize that reuses a plan stamps it
-    (`touch`); the lookup itself is a plain dict's, as it is on every realize."""
+class PlanCache(OrderedDict[tuple, ExecutionPlan]):
+    """ExecutionPlans by structural key (azyx.walk), least recently used first, at most `capacity` of them: a new plan
+    past the capacity drops the least recently used one (it is planned again if its structure comes back). A realize
+    that reuses a plan moves it to the end (`touch`); the lookup itself is a plain `get`, as it is on every realize."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
-        self.uses = itertools.count(1)
 
-    def touch(self, plan: Any) -> None:
-        plan.memo["used"] = next(self.uses)
+    def touch(self, key: tuple) -> None:
+        self.move_to_end(key)
 
-    def __setitem__(self, key: tuple, plan: Any) -> None:
+    def __setitem__(self, key: tuple, plan: ExecutionPlan) -> None:
         if key not in self:
-            while len(self) >= self.capacity:  # (a scan, but only when a new plan is made: milliseconds anyway)
-                del self[min(self, key=lambda k: dict.__getitem__(self, k).memo.get("used", 0))]
-        self.touch(plan)
+            while len(self) >= self.capacity:
+                self.popitem(last=False)
         super().__setitem__(key, plan)
+        self.move_to_end(key)
 
 
 class Runtime:

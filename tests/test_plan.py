@@ -224,13 +224,13 @@ async def test_the_plan_cache_is_bounded_least_recently_used_first(device: str) 
             got = await (Tensor(x, device=device) * 2 + 1).numpy()
             np.testing.assert_array_equal(got, x * 2 + 1)  # an evicted structure is planned again
             assert len(cache) <= cache.capacity
-        used = {k: p.memo["used"] for k, p in cache.items()}
+        order = list(cache)  # least recently used first
         np.testing.assert_array_equal(await (Tensor(xs[0], device=device) * 2 + 1).numpy(), xs[0] * 2 + 1)
-        assert set(cache) == set(used)  # a hit: no new plan ...
-        hit = [k for k, p in cache.items() if p.memo["used"] != used[k]]
-        assert len(hit) == 1 and cache[hit[0]].memo["used"] > max(used.values())  # ... stamped the latest
-        oldest = min(used, key=used.__getitem__)
+        assert set(cache) == set(order)  # a hit: no new plan ...
+        hit = list(cache)[-1]
+        assert hit != order[-1] and list(cache) == [k for k in order if k != hit] + [hit]  # ... now the most recent
+        oldest = next(iter(cache))
         await (Tensor(np.ones(11, np.float32), device=device) * 2 + 1).numpy()  # a new structure drops the oldest
-        assert oldest not in cache and hit[0] in cache and len(cache) <= cache.capacity
+        assert oldest not in cache and hit in cache and len(cache) <= cache.capacity
     finally:
         cache.capacity = saved

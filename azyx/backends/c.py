@@ -33,10 +33,10 @@ from typing import Any
 from azyx import debug
 from azyx.backends.host import HostDevice
 from azyx.config import cache_dir
-from azyx.cstyle import SHARED, C, kernel_source, parallel_kind, parallel_loop
-from azyx.device import Launch, kernel_list
+from azyx.cstyle import SHARED, C, kernel_source
+from azyx.device import BatchState, LaunchItem, kernel_list
 from azyx.errors import CompileError, DeviceError
-from azyx.ir import Kernel, scalar_args
+from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread
@@ -450,7 +450,7 @@ class CDevice(HostDevice):
         if not todo:
             return
         arity = {name: len(s.args) for name, s in todo.items()}
-        kinds = {name: parallel_kind(s.kernel, C, self.threads) for name, s in todo.items()}
+        kinds = {name: s.launch.parallel for name, s in todo.items()}
         scalars = {name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for name, s in todo.items()}
         src = kernel_source([s.src for s in todo.values()], C)  # once each
         debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
@@ -513,13 +513,12 @@ class CDevice(HostDevice):
             raise CompileError(f"{what} failed (exit {proc.returncode}):\n{err.decode(errors='replace')}\n"
                                f"--- source ---\n{src}")
 
-    def batch_fn(self, items: list[Launch],
-                 memo: dict[str, Any] | None = None) -> Callable[[], None]:
+    def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
             self.queue.native = _Runner(self.pool, self.timeline, self.name)
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            calls = [_Batch([item], _Layout([item[0]], self.threads), self.pool) for item in items]
+            calls = [_Batch([item], _Layout([item[0]]), self.pool) for item in items]
 
             def timed() -> None:
                 for call, (step, _, _) in zip(calls, items):
@@ -528,11 +527,11 @@ class CDevice(HostDevice):
                     debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
                                               f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        layout = memo.get("c") if memo is not None else None
-        if layout is None:
-            layout = _Layout([step for step, _, _ in items], self.threads)
-            if memo is not None:
-                memo["c"] = layout
+        layout = batch.prepared if batch is not None else None
+        if not isinstance(layout, _Layout):
+            layout = _Layout([step for step, _, _ in items])
+            if batch is not None:
+                batch.prepared = layout
         if layout.work > self.inline_work:
             return _Batch(items, layout, self.pool)
         # small work, which may run inline on the event loop's thread: by that thread alone, never waiting for a
@@ -569,30 +568,20 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def _trip(k: Kernel, threads: int) -> int:
-    """How many iterations the shared loop of a SHARED kernel has. Not part of its source (it loops over [lo, hi)):
-    kernels that differ only in it are one program, so it comes from each plan's own kernel."""
-    trip = k.meta.get("trip")
-    if trip is None:
-        loop = parallel_loop(k, C, threads)
-        trip = k.meta["trip"] = 0 if loop is None else k.gvars[loop].vmax + 1
-    return int(trip)
-
-
 class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
     __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last")
 
-    def __init__(self, steps: list[KernelStep], threads: int):
+    def __init__(self, steps: list[KernelStep]):
         self.n = len(steps)
         self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
         self.argc = (ctypes.c_long * self.n)(*[len(step.args) + len(step.scalars) for step in steps])
         self.kinds = bytes([kind for _, kind in entries])
-        self.trips = (ctypes.c_long * self.n)(*[_trip(step.kernel, threads) for step in steps])
+        self.trips = (ctypes.c_long * self.n)(*[step.launch.trip for step in steps])
         n_words = sum(len(step.scalars) for step in steps)
         self.ptrs_type = ctypes.c_void_p * (sum(self.argc) + n_words)  # one type per layout, not per run
         self.scalars = n_words > 0  # pointers to scalar arguments follow a kernel's buffers; their values end the table
@@ -610,7 +599,7 @@ class _Batch:
 
     __slots__ = ("layout", "ptrs", "pool", "items")
 
-    def __init__(self, items: list[Launch], layout: _Layout, pool: int):
+    def __init__(self, items: list[LaunchItem], layout: _Layout, pool: int):
         self.layout, self.pool, self.items = layout, pool, items
         if not layout.scalars:
             ptrs = [b.ptr for _, bufs, _ in items for b in bufs]  # every kernel's buffers

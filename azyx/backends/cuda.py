@@ -33,15 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from azyx import debug, gemm
+from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.config import cache_dir
-from azyx.cstyle import CUDA, group_size, kernel_name, kernel_source, render, vectorized
+from azyx.cstyle import CUDA, kernel_source
 from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.graph import Shape, StridedView
-from azyx.ir import Kernel
+from azyx.launch import Launch
 from azyx.plan import KernelStep
 from azyx.workers import in_background
 
@@ -51,7 +51,6 @@ try:
 except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
     raise ImportError(f"cuda-bindings is not installed (pip install 'azyx[cuda]'): {e}") from None
 
-BLOCK = 256  # threads per block of an elementwise kernel (one output point per thread)
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
@@ -130,34 +129,6 @@ def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
     tmp.write_bytes(cubin)
     tmp.replace(path)
     return cubin
-
-
-def render_kernel(k: Kernel) -> tuple[str, str]:
-    """(name, CUDA C) of a kernel: the tiled matmul where it applies, else the generic C-family rendering."""
-    g = gemm.match(k)
-    body = gemm.render_cuda(g, "KERNEL") if g is not None else render(k, "KERNEL", CUDA)
-    name = kernel_name(body)
-    return name, body.replace("KERNEL", name, 1)
-
-
-Dims = tuple[tuple[int, int, int], int, int]  # grid, threads per block, bytes of the output to zero first
-
-
-def launch_dims(k: Kernel) -> Dims:
-    """(grid, threads per block, bytes to zero) of a kernel rendered by `render_kernel`."""
-    g = gemm.match(k)
-    if g is not None:  # a product with K split over blocks adds into a zeroed C
-        return g.grid(), gemm.THREADS, (4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
-    n = max(k.global_size, 1)
-    group = group_size(k, CUDA)
-    if group == CUDA.warp:  # a warp per output point
-        per = CUDA.group_size // CUDA.warp
-        return (-(-n // per), 1, 1), CUDA.group_size, 0
-    if group:
-        return (n, 1, 1), group, 0
-    if vectorized(k, CUDA):  # four points per thread
-        n //= 4
-    return (-(-n // BLOCK), 1, 1), min(BLOCK, n), 0
 
 
 # ------------------------------------------------------------------------------------------------ the device
@@ -260,7 +231,7 @@ class CUDADevice(Device):
         self.ready = threading.Condition(self.lock)
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
-        self.batch: list[tuple[Any, Dims, tuple[int, ...], str]] | None = None
+        self.batch: list[tuple[Any, Launch, tuple[int, ...], str]] | None = None
         self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
         self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
         self.waiter.start()
@@ -316,9 +287,6 @@ class CUDADevice(Device):
         raise AssertionError("host data reaches a CUDA device through host:0 and a transfer")
 
     # ------------------------------------------------------------------ compile and launch
-    def render(self, k: Kernel) -> tuple[str, str]:
-        return render_kernel(k)
-
     def has_program(self, name: str) -> bool:
         return name in self.functions
 
@@ -560,8 +528,8 @@ class CUDADevice(Device):
             done = self._take_done()
         del done
 
-    def _launch_now(self, fn: Any, dims: Dims, ptrs: tuple[int, ...]) -> None:
-        grid, block, zero = dims
+    def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...]) -> None:
+        grid, block, zero = dims.grid, dims.group, dims.zero
         if zero:
             check(cu.cuMemsetD32Async(ptrs[0], 0, zero // 4, self.stream), "cuMemsetD32Async")
         # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
@@ -584,9 +552,7 @@ class CUDADevice(Device):
         fn = self.functions[step.name]
         # per kernel, not per name: kernels of one source may differ in grid (a row-sum's rows, a product's batch are
         # not in their source, so several shapes share one compiled function)
-        dims = step.kernel.meta.get("cuda_dims")
-        if dims is None:
-            dims = step.kernel.meta["cuda_dims"] = launch_dims(step.kernel)
+        dims = step.launch
         # the buffers' device pointers, then the scalar arguments' words: kernelParams points at each 64-bit value
         # (the driver reads as many low bytes as the parameter has), and a steady batch's graph is keyed by them all
         ptrs = tuple(b.ptr for b in bufs) + words if words else tuple(b.ptr for b in bufs)
@@ -616,7 +582,7 @@ class CUDADevice(Device):
         finally:
             self.lock.release()
 
-    def _flush(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
+    def _flush(self, batch: list[tuple[Any, Launch, tuple[int, ...], str]]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;
         behind the deferred commands when there are any."""
         self.use()
@@ -627,7 +593,7 @@ class CUDADevice(Device):
         self._launch_batch(batch)
         self._record(v, None, None, first)
 
-    def _launch_batch(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
+    def _launch_batch(self, batch: list[tuple[Any, Launch, tuple[int, ...], str]]) -> None:
         """Under the lock: the batch's launches on the stream, one graph launch once the batch is steady."""
         if len(batch) == 1:
             fn, dims, ptrs, _ = batch[0]
@@ -650,7 +616,7 @@ class CUDADevice(Device):
         if len(self.graphs) > 256:  # plans that come and go: keep the cache bounded
             self.graphs.pop(next(iter(self.graphs)))
 
-    def _capture(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> Any:
+    def _capture(self, batch: list[tuple[Any, Launch, tuple[int, ...], str]]) -> Any:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:

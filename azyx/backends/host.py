@@ -13,7 +13,7 @@ import numpy as np
 
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.disk import DiskDevice
-from azyx.device import Buffer, Device, Launch, host_read
+from azyx.device import BatchState, Buffer, Device, LaunchItem, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
@@ -178,8 +178,7 @@ class HostDevice(Device):
     def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
 
-    def batch_fn(self, items: list[Launch],
-                 memo: dict[str, Any] | None = None) -> Callable[[], None]:
+    def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
         raise NotImplementedError
 
@@ -187,15 +186,11 @@ class HostDevice(Device):
                words: tuple[int, ...] = ()) -> int:
         return self.launch_many([(step, bufs, words)], waits)
 
-    def launch_many(self, items: list[Launch], waits: list[tuple[Device, int]],
-                    memo: dict[str, Any] | None = None) -> int:
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
+                    batch: BatchState | None = None) -> int:
         """Kernels back to back: one work item, so one hand-off to the worker thread for all of them."""
-        work = memo.get("work") if memo is not None else None
-        if work is None:
-            work = sum(step.work for step, _, _ in items)
-            if memo is not None:
-                memo["work"] = work
-        return self.submit(self.batch_fn(items, memo), waits, work)
+        work = batch.work if batch is not None else sum(step.work for step, _, _ in items)
+        return self.submit(self.batch_fn(items, batch), waits, work)
 
     def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
         """Host memory to host memory is a memmove (same device, or peer: c:0 -> c:1). Another API's buffer is

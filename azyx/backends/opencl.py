@@ -23,7 +23,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
-from azyx.cstyle import OPENCL, group_size, kernel_source
+from azyx.cstyle import OPENCL, kernel_source
 from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
@@ -38,7 +38,6 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
 _CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
-_LOCAL = 64  # preferred work-group size (a multiple of every SIMD width seen), capped by the device
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -217,13 +216,7 @@ class OpenCLDevice(Device):
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
         knl = self.kernels[step.name]
-        n = max(step.kernel.global_size, 1)
-        group = group_size(step.kernel, OPENCL)
-        if group:  # a work group per output point (a grouped reduce)
-            local, glob = group, n * group
-        else:
-            local = min(_LOCAL, self.max_local, n)
-            glob = -(-n // local) * local  # the kernel returns early past its global size
+        glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
         mems: list[Any] = [b.mem for b in bufs]
         if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has
             sizes = [scalar_size(v.dtype) for v in scalar_args(step.kernel)]
@@ -231,7 +224,7 @@ class OpenCLDevice(Device):
 
         def enqueue(wait_for: list[Any] | None) -> Any:
             knl.set_args(*mems)
-            return cl.enqueue_nd_range_kernel(self.queue, knl, (glob,), (local,), wait_for=wait_for)
+            return cl.enqueue_nd_range_kernel(self.queue, knl, glob, local, wait_for=wait_for)
 
         return self._enqueue(enqueue, waits, bufs)
 

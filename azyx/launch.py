@@ -1,0 +1,53 @@
+"""How a kernel is launched, decided once, when it is rendered: the `Launch` record that each KernelStep carries and
+each backend reads as it is (grid and group for GPU-style APIs; the shared loop's trip count and the parallel kind for
+host kernels). Launch geometry is a fact of the kernel and its dialect, never re-derived at launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from azyx import gemm
+from azyx.cstyle import SERIAL, Dialect, group_size, kernel_name, parallel_kind, parallel_loop, render, vectorized
+from azyx.ir import Kernel
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int] = (1, 1, 1)  # work groups (CUDA blocks) per dimension
+    group: int = 1  # work items per group
+    trip: int = 0  # a host kernel's shared loop: its iterations, which the device's threads share out
+    parallel: int = SERIAL  # a host kernel's cstyle parallel kind: SERIAL, SHARED or OWN_REGION
+    zero: int = 0  # bytes of the first output to zero before the kernel runs (a product whose K is split over groups)
+
+    @property
+    def items(self) -> int:
+        """Work items in all (OpenCL's global size)."""
+        return self.grid[0] * self.grid[1] * self.grid[2] * self.group
+
+
+def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, Launch]:
+    """(name, source, launch) of a kernel: the tiled matrix product where the dialect has it and `k` is one, else the
+    generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
+    may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source)."""
+    g = gemm.match(k) if dl.gemm else None
+    body = gemm.render_cuda(g, "KERNEL") if g is not None else render(k, "KERNEL", dl, threads)
+    name = kernel_name(body)
+    return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
+
+
+def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = None) -> Launch:
+    if g is not None:
+        return Launch(g.grid(), gemm.THREADS, zero=4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
+    if not dl.global_ids:  # host: the kernel loops itself; threads may share one of its loops
+        loop = parallel_loop(k, dl, threads)
+        return Launch(trip=0 if loop is None else k.gvars[loop].vmax + 1, parallel=parallel_kind(k, dl, threads))
+    n = max(k.global_size, 1)
+    group = group_size(k, dl)
+    if dl.warp and group == dl.warp:  # a warp per output point, several warps per group
+        per = dl.group_size // dl.warp
+        return Launch((-(-n // per), 1, 1), dl.group_size)
+    if group:  # a group per output point (a grouped reduce)
+        return Launch((n, 1, 1), group)
+    if vectorized(k, dl):  # four points per work item
+        n //= 4
+    return Launch((-(-n // dl.block), 1, 1), min(dl.block, n))

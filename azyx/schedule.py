@@ -1,0 +1,607 @@
+"""Scheduling: graph -> fused kernels -> an `ExecutionPlan`, computed once per graph structure (azyx.walk's key).
+
+Fusion: a kernel is a root node and everything it can compute by index arithmetic: elementwise ops and
+movement ops fuse, a reduce fuses into a consumer of the same size, constants are literals or scalar arguments. A node
+is realized into its own buffer when it is a target, a reduce consumed by a kernel of another size or by more than one
+consumer, a node a kernel would read under two different index maps, or a device transfer. Placement: a kernel goes
+where its inputs are unless another device is clearly faster (AUTO), and a plan that does not fit moves to a device
+with room. Lowering: each kernel's value DAG (azyx.ir), rendered by its device; then merging (azyx.merge).
+
+The scheduler sees devices only through `Devices`, a narrow read-only view (facts, free memory, a renderer): it
+never runs anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from azyx import debug
+from azyx.cstyle import Dialect
+from azyx.dtypes import DType, dtypes
+from azyx.errors import AllocationError
+from azyx.graph import (
+    ELEMENTWISE,
+    MOVEMENT,
+    Graph,
+    Node,
+    Op,
+    Shape,
+    StridedView,
+    contiguous_strides,
+    prod,
+    view_through,
+)
+from azyx.ir import Kernel, V, ValueBuilder, format_kernel, toposort
+from azyx.launch import Launch
+from azyx.merge import merge_kernels
+from azyx.ops import REDUCE
+from azyx.plan import ExecutionPlan, KernelStep, Slot, Step, TransferStep
+from azyx.symbolic import Cond, Lin, Var, count_divmod, var
+from azyx.walk import Walk
+
+EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realized first instead of recomputed
+SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-stage reductions (split_reduce)
+TRANSFER_BYTES_PER_S = 5e9  # what moving an input to another device costs, for AUTO placement
+TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
+
+class DeviceFacts(Protocol):
+    """What the scheduler may know of a device: read-only facts, its load, and its renderer."""
+
+    @property
+    def dialect(self) -> Dialect | None: ...
+    @property
+    def tiles(self) -> bool: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def compute(self) -> float: ...
+    def free_memory(self) -> int: ...
+    def pending(self) -> int: ...
+    def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
+
+
+class Devices(Protocol):
+    """The devices as the scheduler sees them (the runtime is one)."""
+
+    def device(self, name: str) -> DeviceFacts: ...
+    def device_names(self) -> list[str]: ...
+    def auto_order(self) -> list[str]: ...
+
+
+@dataclass
+class Attempt:
+    """One way of building a kernel (its loops grouped and tiled so): the kernel, the slots it reads in parameter
+    order, and what choosing among attempts needs."""
+
+    kernel: Kernel
+    params: list[int]
+    device: str
+    cost: int  # index arithmetic (divisions and modulos) it computes per point
+    load_paths: dict[int, tuple[int, ...]]  # per load (id of its value): the nodes it was read through, outermost first
+    root: int
+
+
+# ------------------------------------------------------------------------------------------------ planner
+class Planner:
+    def __init__(self, rt: Devices, graph: Graph, walk: Walk, targets: list[int], override: dict[str, str]):
+        self.rt, self.graph, self.walk, self.targets = rt, graph, walk, set(targets)
+        self.override = override
+        self.slots: list[Slot] = []
+        self.steps: list[Step] = []
+        self.done: dict[int, tuple[int, StridedView]] = {}
+        self.transfers: dict[tuple[int, str], int] = {}
+        self.adopt: list[tuple[int, int]] = []  # (input slot, slot holding it on the tensor's own device)
+        self.temp_nodes: list[int] = []  # graph nodes the planner made (split reductions); released when done
+        self.leaf_device: dict[int, str] = {}
+        for leaf in walk.leaves:
+            n = graph[leaf]
+            assert n.buffer is not None and n.view is not None
+            self.done[leaf] = (self._slot(n.buffer.device.name, n.dtype, n.buffer.nbytes, "input"), n.view)
+            self.leaf_device[self.done[leaf][0]] = n.device
+
+    def _slot(self, device: str, dtype: DType, nbytes: int, kind: str) -> int:
+        self.slots.append(Slot(device, dtype, nbytes, kind))
+        return len(self.slots) - 1
+
+    def device_of(self, n: Node) -> str:
+        return n.device if n.pinned else self.override.get(n.device, n.device)
+
+    def on_device(self, slot: int, device: str) -> int:
+        """The slot's contents on `device`, inserting a transfer the first time."""
+        s = self.slots[slot]
+        if s.device == device:
+            return slot
+        key = (slot, device)
+        if key not in self.transfers:
+            dst = self._slot(device, s.dtype, s.nbytes, "temp")
+            self.steps.append(TransferStep(slot, dst, s.device, device))
+            self.transfers[key] = dst
+            if s.kind == "input" and s.device == "host:0" and self.leaf_device[slot] == device:
+                self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
+        return self.transfers[key]
+
+    def realize(self, nid: int, copy: bool = False) -> tuple[int, StridedView]:
+        """The slot holding `nid` and how to index it; `copy`: in a contiguous buffer of its own, not as a view."""
+        if nid in self.done:
+            return self.done[nid]
+        n = self.graph[nid]
+        if n.op is Op.TODEVICE:
+            slot, view = self.realize(n.src[0])
+            out = (self.on_device(slot, self.device_of(n)), view)
+        elif not copy and (sv := self.viewed(nid)) is not None:
+            out = sv  # a view of a buffer: no kernel
+        else:
+            out = self.kernel(nid)
+        self.done[nid] = out
+        return out
+
+    def strided(self, nid: int) -> tuple[int, StridedView] | None:
+        """Movement ops over a realized buffer that a strided view expresses (no copy needed)."""
+        n = self.graph[nid]
+        if nid in self.done:
+            return self.done[nid]
+        if n.op is Op.REDUCE and self.split_parts(nid, self.place(nid)) is not None:
+            return self.realize(nid)  # a split reduce is its own kernels anyway: views of it need no copy
+        if n.op not in MOVEMENT:
+            return None
+        inner = self.strided(n.src[0])
+        if inner is None or self.slots[inner[0]].device != self.device_of(n):
+            return None
+        view = view_through(n, self.graph[n.src[0]].shape, inner[1])
+        return None if view is None else (inner[0], view)
+
+    def viewed(self, nid: int) -> tuple[int, StridedView] | None:
+        """A movement node realized whole (a target, a broadcast operand, a shared view of a reduce) is a view of the
+        node its movement ops start from, instead of a copy, when they are a strided view of it and that node has a
+        buffer: it is realized, or it gets one anyway (read by other kernels too, a reduce in two stages, or not a
+        target: read whole, the moved copy would cost a kernel as well)."""
+        g, chain, base = self.graph, [], nid
+        while g[base].op in MOVEMENT and base not in self.done:
+            chain.append(g[base])
+            base = g[base].src[0]
+        if not chain:
+            return None
+        if base not in self.done:  # realize it only if the ops above will be a view of its contiguous result
+            shared = self.walk.consumers.get(base, 0) > 1 or self.split_parts(base, self.place(base)) is not None
+            if nid in self.targets and not shared:
+                return None  # computed straight into the target's own layout instead
+            view: StridedView | None = StridedView.contiguous(g[base].shape)
+            for m in reversed(chain):
+                view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
+            if view is None:
+                return None
+            self.realize(base)
+        return self.strided(nid)
+
+    def place(self, root: int) -> str:
+        """The device of a kernel. Pinned: its own. AUTO: the cheapest of moving its inputs to a device and
+        computing there (so it stays where its inputs already are unless another device is clearly faster)."""
+        n = self.graph[root]
+        home = self.device_of(n)
+        if n.pinned or home in self.override.values():
+            return home
+        held: dict[str, int] = {}
+        seen: set[int] = set()
+        flops = 0
+        stack = [root]
+        while stack:  # the realized buffers this kernel would read, and the work above them (a node per element)
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i in self.done:
+                slot = self.slots[self.done[i][0]]
+                held[slot.device] = held.get(slot.device, 0) + slot.nbytes
+            else:
+                m = self.graph[i]
+                flops += prod(m.shape)
+                stack.extend(m.src)
+
+        def cost(name: str) -> float:
+            dev = self.rt.device(name)
+            moved = sum(b for d, b in held.items() if d != name)
+            return moved / TRANSFER_BYTES_PER_S + flops / (dev.compute * 1e9 / (1 + dev.pending()))
+
+        candidates = [d for d in self.rt.device_names() if d == home or self.rt.device(d).free_memory() > 0]
+        return min(candidates, key=lambda d: (cost(d), d != home)) if candidates else home
+
+    def computes(self, nid: int) -> bool:
+        """Whether reading `nid` means computing something (an op below it), not just loading through views."""
+        while True:
+            if nid in self.done:
+                return False
+            n = self.graph[nid]
+            if n.op in MOVEMENT:
+                nid = n.src[0]
+                continue
+            return n.op not in (Op.CONST, Op.LEAF) and n.buffer is None
+
+    def split_parts(self, nid: int, device: str) -> int | None:
+        """How many partial results a reduce should be split into on `device` (see split_reduce), or None."""
+        n = self.graph[nid]
+        dev = self.rt.device(device)
+        dialect = dev.dialect
+        # GPU-style devices run one work item per output; host devices with several threads share loops of outputs
+        # (a reduction into one would need an OpenMP region of its own: that team makes OpenMP in the rest of the
+        # process, PyTorch's, sleep between its regions)
+        if n.op is not Op.REDUCE or dialect is None or not (dialect.global_ids or dialect.pragmas and dev.threads > 1):
+            return None
+        src = self.graph[n.src[0]]
+        r = prod([src.shape[a] for a in n.arg[1]])
+        if prod(n.shape) >= SPLIT_MAX_OUTPUTS or r < SPLIT_MIN_REDUCE:
+            return None
+        per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
+        return next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1) if r % d == 0), None)
+
+    def split_reduce(self, root: int, device: str) -> int | None:
+        """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would
+        leave the device idle: reduce in two stages, P partial results per output computed in parallel, then P
+        into one. Built from temporary view and reduce nodes (index arithmetic, no copies); None if not worth it."""
+        p = self.split_parts(root, device)
+        if p is None:
+            return None
+        n = self.graph[root]
+        op, axes = n.arg
+        src = self.graph[n.src[0]]
+        r = prod([src.shape[a] for a in axes])
+        keep = [a for a in range(len(src.shape)) if a not in axes]
+        outer = tuple(src.shape[a] for a in keep)
+        g = self.graph
+
+        def node(op: Op, srcs: tuple[int, ...], arg: Any, shape: Shape) -> int:
+            i = g.add(Node(op, srcs, arg, shape, n.dtype, n.device, n.pinned))
+            g.retain(i)
+            self.temp_nodes.append(i)
+            return i
+
+        x = n.src[0]
+        if keep + list(axes) != list(range(len(src.shape))):
+            x = node(Op.PERMUTE, (x,), tuple(keep + list(axes)), outer + tuple(src.shape[a] for a in axes))
+        x = node(Op.RESHAPE, (x,), outer + (p, r // p), outer + (p, r // p))
+        k = len(outer)
+        x = node(Op.REDUCE, (x,), (op, (k + 1,)), outer + (p, 1))  # stage 1: P partials per output
+        return node(Op.REDUCE, (x,), (op, (k,)), outer + (1, 1))  # stage 2: as many elements as `root`
+
+    def kernel(self, root: int) -> tuple[int, StridedView]:
+        n = self.graph[root]
+        device = self.place(root)
+        split = self.split_reduce(root, device)
+        if split is not None:  # same elements, contiguous: only the shape differs
+            return self.realize(split)[0], StridedView.contiguous(n.shape)
+        shape = n.shape
+        kind = "output" if root in self.targets else "temp"
+        out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
+        if prod(shape) == 0:
+            return out, StridedView.contiguous(shape)
+        dims = [i for i, s in enumerate(shape) if s != 1]
+        groups = [[d] for d in dims]
+        best = self.attempt(root, device, groups, None)
+        i = 0
+        while i < len(groups) - 1:
+            cand = groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2 :]
+            trial = self.attempt(root, device, cand, None)
+            if trial.cost <= best.cost:
+                groups, best = cand, trial
+            else:
+                i += 1
+        tile = self.tile_for(best, groups, shape)
+        if tile == "retry":  # an operand was made contiguous: build again, reading it
+            best = self.attempt(root, device, groups, None)
+            tile = self.tile_for(best, groups, shape)
+            tile = None if tile == "retry" else tile
+        if tile is not None:
+            tiled = self.attempt(root, device, groups, tile)
+            if tiled.kernel.stores[0][1].has_reduce:
+                best = tiled
+        k = best.kernel
+        debug.log(debug.IR, lambda: format_kernel(k))
+        name, src, launch = self.rt.device(device).render(k)
+        self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
+        return out, StridedView.contiguous(shape)
+
+    def tile_for(self, att: Attempt, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
+        k = att.kernel
+        if len(groups) < 2 or not k.stores[0][1].has_reduce or not self.rt.device(att.device).tiles:
+            return None
+        a = prod([shape[d] for d in groups[-2]])
+        b = prod([shape[d] for d in groups[-1]])
+        ta = next((t for t in (TILE[0], 4, 2) if a % t == 0), None)
+        tb = next((t for t in (TILE[1], 16, 8) if b % t == 0), None)
+        if ta is None or tb is None:
+            return None
+        gi, gj = k.gvars[-2], k.gvars[-1]
+        loads = [v for v in toposort(*k.values) if v.op == "load"]
+        col = [v for v in loads if gi not in v.vars and gj in v.vars]  # the right operand: varies along columns
+        if not (col and any(gj not in v.vars and gi in v.vars for v in loads)):
+            return None
+        strided = [v for v in col if v.arg[1].terms.get(gj, 0) != 1]
+        if strided:  # columns not contiguous (x @ W.T with W as stored): copy the transposed operand once
+            paths = [att.load_paths.get(id(v), ()) for v in strided]
+            # the permute below the reduce that made the columns strided; never the kernel's own root (a transposed
+            # product, (a @ b).T, reads its left operand along the output's columns: copying the root would plan it
+            # again, forever)
+            root = att.root
+            perms = [next((i for i in reversed(path) if i != root and self.graph[i].op is Op.PERMUTE), None)
+                     for path in paths]
+            if all(i is not None and i not in self.done for i in perms):
+                for i in perms:
+                    self.realize(i, copy=True)  # type: ignore[arg-type]
+                return "retry"  # type: ignore[return-value]
+            return None  # a dot product per output instead, vectorised along the reduce
+        return ta, tb
+
+    def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None) -> Attempt:
+        n = self.graph[root]
+        shape = n.shape
+        idx: list[Lin] = [Lin({}, 0)] * len(shape)
+        gvars: list[Var] = []
+        uvars: list[Var] = []
+        for gi, group in enumerate(groups):
+            size = prod([shape[d] for d in group])
+            t = tile[gi - len(groups) + 2] if tile is not None and gi >= len(groups) - 2 else 1
+            if t > 1:
+                g = Var(f"g{gi}", size // t)
+                u = Var(f"u{gi}", t)
+                gvars.append(g)
+                uvars.append(u)
+                gidx = var(g) * t + var(u)
+            else:
+                g = Var(f"g{gi}", size)
+                gvars.append(g)
+                gidx = var(g)
+            inner = 1
+            for d in reversed(group):
+                idx[d] = (gidx // inner) % shape[d] if d != group[0] else gidx // inner
+                inner *= shape[d]
+        if tile is not None:  # column tiles outermost: a tile of the right operand stays in cache over all rows
+            gvars[-2], gvars[-1] = gvars[-1], gvars[-2]
+        kb = KernelBuild(self, root, device, prod(shape))
+        value = kb.value(root, tuple(idx), Cond(), False, top=True)
+        strides = contiguous_strides(shape)
+        out_idx = Lin({}, 0)
+        for i, s in zip(idx, strides):
+            out_idx = out_idx + i * s
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, [(out_idx, value)])
+        k.work = prod(shape) * (1 + kb.reduce_work)
+        return Attempt(k, kb.params, device, kb.cost, kb.load_paths, root)
+
+    def check_memory(self) -> dict[str, int]:
+        need: dict[str, int] = {}
+        for s in self.slots:
+            if s.kind != "input":
+                need[s.device] = need.get(s.device, 0) + s.nbytes
+        return need
+
+    def finish(self, target_ids: list[int]) -> ExecutionPlan:
+        self.steps = merge_kernels(self.steps, lambda device, k: self.rt.device(device).render(k))
+        outputs = tuple(self.done[t] for t in target_ids)
+        last: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            for s in (st.args if isinstance(st, KernelStep) else (st.src, st.dst)):
+                last[s] = i
+        out_slots = {s for s, _ in outputs} | {dst for _, dst in self.adopt}
+        frees: list[list[int]] = [[] for _ in self.steps]
+        for s, i in last.items():
+            if self.slots[s].kind == "temp" and s not in out_slots:
+                frees[i].append(s)
+        slots = tuple(Slot(s.device, s.dtype, s.nbytes, "output") if i in out_slots and s.kind == "temp" else s
+                      for i, s in enumerate(self.slots))
+        devices = tuple(sorted({s.device for s in slots}))
+        return ExecutionPlan(tuple(self.steps), slots, len(self.walk.leaves), outputs,
+                             tuple(tuple(f) for f in frees), devices, tuple(self.adopt), len(self.walk.scalars))
+
+
+class KernelBuild:
+    """Builds one kernel's value DAG by pushing index maps through movement ops down to loads."""
+
+    def __init__(self, planner: Planner, root: int, device: str, out_numel: int):
+        self.p, self.root, self.device, self.out_numel = planner, root, device, out_numel
+        self.vb = ValueBuilder()
+        self.params: list[int] = []  # slots read, in parameter order (parameter 0 is the output)
+        self.memo: dict[tuple, V] = {}
+        self.contexts: dict[int, set] = {}
+        self.cost = 0
+        self.reduce_work = 0
+        self.rcount = 0
+        self.path: list[int] = []  # nodes being built, outermost first
+        self.load_paths: dict[int, tuple[int, ...]] = {}
+
+    def load(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> V:
+        n = self.p.graph[nid]
+        slot, view = self.p.realize(nid)
+        slot = self.p.on_device(slot, self.device)
+        if slot not in self.params:
+            self.params.append(slot)
+        if cond.never:
+            return self.vb.const(0, n.dtype)
+        off = Lin({}, view.offset)
+        for i, s in zip(idx, view.strides):
+            off = off + i * s
+        self.cost += count_divmod(off) + sum(count_divmod(x) for x, _, _ in cond.facts)
+        v = self.vb.load(self.params.index(slot) + 1, n.dtype, off, cond)
+        self.load_paths.setdefault(id(v), tuple(self.path))  # the nodes it was read through, outermost first
+        return v
+
+    def value(self, nid: int, idx: tuple[Lin, ...], cond: Cond, in_reduce: bool, top: bool = False) -> V:
+        key = (nid, tuple(i.key for i in idx), cond.key, in_reduce)
+        got = self.memo.get(key)
+        if got is not None:
+            return got
+        self.path.append(nid)
+        try:
+            v = self._value(nid, idx, cond, in_reduce, top)
+        finally:
+            self.path.pop()
+        self.memo[key] = v
+        return v
+
+    def _value(self, nid: int, idx: tuple[Lin, ...], cond: Cond, in_reduce: bool, top: bool) -> V:
+        p = self.p
+        n = p.graph[nid]
+        vb = self.vb
+        if not top and (nid in p.done or n.buffer is not None or n.op is Op.TODEVICE or nid in p.targets):
+            return self.load(nid, idx, cond)
+        op = n.op
+        if op is Op.CONST:
+            k = p.walk.scalar_of.get(nid)
+            return vb.const(n.arg, n.dtype) if k is None else vb.arg(k, n.dtype)
+        multi = not top and p.walk.consumers.get(nid, 0) > 1
+        if multi and nid in p.walk.heavy:  # a fused reduce below it (through any ops): compute once, not per consumer
+            return self.load(nid, idx, cond)
+        if op in ELEMENTWISE:
+            if multi:
+                ctx = self.contexts.setdefault(nid, set())
+                ctx.add((tuple(i.key for i in idx), cond.key))
+                if len(ctx) > 1:  # read under a second index map: compute it once instead
+                    return self.load(nid, idx, cond)
+            srcs = [self.value(s, idx, cond, in_reduce) for s in n.src]
+            if op is Op.CAST:
+                return vb.cast(srcs[0], n.dtype)
+            if op is Op.WHERE:
+                return vb.where(*srcs)
+            return vb.alu(n.arg, n.dtype, *srcs)
+        src = p.graph[n.src[0]]
+        if op is Op.REDUCE:
+            fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
+                           and p.split_parts(nid, self.device) is None)
+            if not fuse:
+                return self.load(nid, idx, cond)
+            return self.reduce(n, idx, cond)
+        if op is Op.EXPAND:
+            src_idx = tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape))
+            # computed once, not once per broadcast copy (matmul inputs); a single element is computed once per kernel
+            # anyway (it depends on no loop), so it fuses instead of costing a kernel of its own
+            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) > EXPAND_REALIZE and p.computes(n.src[0]):
+                return self.load(n.src[0], src_idx, cond)
+            return self.value(n.src[0], src_idx, cond, in_reduce)
+        if op is Op.PERMUTE:
+            new: list[Lin] = [Lin({}, 0)] * len(idx)
+            for k, a in enumerate(n.arg):
+                new[a] = idx[k]
+            return self.value(n.src[0], tuple(new), cond, in_reduce)
+        if op is Op.FLIP:
+            return self.value(n.src[0], tuple(Lin({}, s - 1) - i if a in n.arg else i
+                                              for a, (i, s) in enumerate(zip(idx, src.shape))), cond, in_reduce)
+        if op is Op.RESHAPE:
+            linear = Lin({}, 0)
+            for i, s in zip(idx, contiguous_strides(n.shape)):
+                linear = linear + i * s
+            out = []
+            for d, (size, st) in enumerate(zip(src.shape, contiguous_strides(src.shape))):
+                out.append(Lin({}, 0) if size == 1 else (linear // st if d == 0 else (linear // st) % size))
+            return self.value(n.src[0], tuple(out), cond, in_reduce)
+        if op is Op.PAD:
+            local = Cond()
+            new = []
+            for i, (b, a), size in zip(idx, n.arg, src.shape):
+                x = i - b
+                new.append(x)
+                if b > 0 or a > 0:
+                    local = local.add(x, 0, size)
+            k = p.walk.scalar_of.get(nid)
+            fill = vb.const(n.arg2, n.dtype) if k is None else vb.arg(k, n.dtype)
+            if local.never:
+                return fill
+            inner_cond = cond
+            for x, lo, hi in local.facts:
+                inner_cond = inner_cond.add(x, lo, hi)
+            inner = self.value(n.src[0], tuple(new), inner_cond, in_reduce)
+            if local.always:
+                return inner
+            self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
+            return vb.where(vb.cond(local, dtypes.bool), inner, fill)
+        raise AssertionError(f"cannot fuse {n}")
+
+    def reduce(self, n: Node, idx: tuple[Lin, ...], cond: Cond) -> V:
+        op, axes = n.arg
+        src_shape = self.p.graph[n.src[0]].shape
+        if any(src_shape[a] == 0 for a in axes):
+            return self.vb.const(REDUCE[op][0](n.dtype), n.dtype)
+        groups: list[list[int]] = []
+        for a in axes:
+            if groups and groups[-1][-1] == a - 1:
+                groups[-1].append(a)
+            else:
+                groups.append([a])
+        new = list(idx)
+        rvars = []
+        for group in groups:
+            size = prod([src_shape[a] for a in group])
+            rv = Var(f"r{self.rcount}", size)
+            self.rcount += 1
+            rvars.append(rv)
+            inner = 1
+            for a in reversed(group):
+                new[a] = (var(rv) // inner) % src_shape[a] if a != group[0] else var(rv) // inner
+                inner *= src_shape[a]
+        self.reduce_work += prod([src_shape[a] for a in axes])
+        body = self.value(n.src[0], tuple(new), cond, True)
+        return self.vb.reduce(op, n.dtype, body, tuple(rvars))
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
+    with _deep_recursion(8 * len(walk.topo) + 1000):  # kernel building recurses along the graph's depth
+        return _make_plan(rt, graph, walk, targets)
+
+
+_limits: list[int] = []  # the recursion limits asked for by planners running now (the loop's, workers'), the first
+_limits_lock = threading.Lock()  # being the limit before any of them
+
+
+@contextlib.contextmanager
+def _deep_recursion(depth: int) -> Iterator[None]:
+    """Allow `depth` frames while planning. The limit is the interpreter's, shared by threads: while planners overlap
+    it is the largest any asks for, and it goes back to what it was once the last one is done."""
+    with _limits_lock:
+        if not _limits:
+            _limits.append(sys.getrecursionlimit())
+        _limits.append(depth)
+        sys.setrecursionlimit(max(_limits))
+    try:
+        yield
+    finally:
+        with _limits_lock:
+            _limits.remove(depth)
+            sys.setrecursionlimit(max(_limits))
+            if len(_limits) == 1:
+                _limits.clear()
+
+
+def _plan_targets(planner: Planner, targets: list[int]) -> None:
+    try:
+        for t in targets:
+            planner.realize(t)
+    finally:
+        for i in planner.temp_nodes:
+            planner.graph.release(i)
+
+
+def _make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
+    planner = Planner(rt, graph, walk, targets, {})
+    _plan_targets(planner, targets)
+    need = planner.check_memory()
+    short = {d: b for d, b in need.items() if b > rt.device(d).free_memory()}
+    if short:
+        movable = any(not graph[i].pinned for i in walk.topo)
+        for alt in rt.auto_order() if movable else []:
+            if alt in short:
+                continue
+            override = {d: alt for d in short}
+            cand = Planner(rt, graph, walk, targets, override)
+            _plan_targets(cand, targets)
+            if all(b <= rt.device(d).free_memory() for d, b in cand.check_memory().items()):
+                planner = cand
+                break
+        else:
+            d, b = next(iter(short.items()))
+            raise AllocationError(f"the plan needs {b} bytes on {d}, which has {rt.device(d).free_memory()} free; "
+                                  f"no other device has room for it")
+    plan = planner.finish(targets)
+    debug.log(debug.PLANS, plan.describe)
+    return plan

@@ -1,0 +1,160 @@
+"""The canonical walk: from a realize's targets down to realized nodes, the graph's structure as a cache key.
+
+`canonicalize` produces a structural key (ops, args, shapes, dtypes, devices, and how inputs are shared) plus the input
+leaves in a fixed order; the plan cache is keyed by it, so a repeated graph with new data or new scalar values skips
+scheduling and compilation. It runs on every realize: it is written for speed.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from azyx.graph import Graph, Node, Op, prod
+
+
+class Walk:
+    """The structure of the graph below some targets: its cache key, its nodes and its input leaves."""
+
+    def __init__(self, graph: Graph, key: tuple, topo: list[int], leaves: list[int], targets: list[int],
+                 scalars: list[Any], scalar_of: dict[int, int]):
+        self.graph, self.key, self.topo, self.leaves, self.targets = graph, key, topo, leaves, targets
+        self.scalars = scalars  # the values of the graph's scalars, in walk order: a run binds them
+        self.scalar_of = scalar_of  # node -> its scalar's index (a CONST's value, a PAD's fill)
+
+    @cached_property
+    def consumers(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for i in self.topo:
+            for s in self.graph[i].src:
+                out[s] = out.get(s, 0) + 1
+        for t in self.targets:
+            out[t] = out.get(t, 0) + 1
+        return out
+
+    @cached_property
+    def heavy(self) -> set[int]:
+        """Unrealized nodes above a reduce that would fuse into their kernel: costly to recompute per consumer,
+        unless the reduce (or a heavy node between) has several consumers and so gets its own buffer anyway."""
+        heavy: set[int] = set()
+        consumers, g = self.consumers, self.graph
+        for i in self.topo:
+            n = g[i]
+            if n.op is Op.REDUCE or any(s in heavy and consumers[s] == 1 and prod(g[s].shape) == prod(n.shape)
+                                        for s in n.src):
+                heavy.add(i)
+        return heavy
+
+
+def canonicalize(graph: Graph, targets: list[int]) -> Walk:
+    """Walk from the targets down to realized nodes; the key captures ops, args, shapes, dtypes, devices, views and
+    how nodes are shared (x + x differs from x + y), so equal keys mean one plan serves both graphs. A scalar (a
+    CONST's value, a PAD's fill) is data, not structure: the key holds SCALAR in its place and the walk keeps the value
+    (Walk.scalars), which each run binds; bool constants stay in the key (a `where` on one folds)."""
+    try:
+        return _walk_recursive(graph, targets)
+    except RecursionError:  # a very deep chain: the same walk with an explicit stack
+        return _walk_iterative(graph, targets)
+
+
+def leaf_entry(n: Node) -> tuple:
+    """How a leaf looks to a plan: what the canonical walk keys it by (azyx.jit checks bound leaves with it too)."""
+    v = n.view
+    assert v is not None and n.buffer is not None
+    return (n.shape, n.dtype, n.device, v.offset, v.strides, n.buffer.device.name)
+
+
+def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
+    w = _Walker(graph.nodes)
+    tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
+    return Walk(graph, (tuple(w.entries), tk), w.topo, w.leaves, targets, w.scalars, w.scalar_of)
+
+
+SCALAR = "scalar"  # a scalar's place in the cache key
+_CONST, _PAD = Op.CONST, Op.PAD  # (an enum member looked up on its class costs ~0.25 us: the walk is per realize)
+
+
+def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_of: dict[int, int]) -> tuple:
+    """A node's entry in the key; its scalar, if it has one, goes to `scalars` instead."""
+    op, arg, arg2 = n.op, n.arg, n.arg2
+    if op is _CONST and n.dtype.kind != "b":
+        scalar_of[i] = len(scalars)
+        scalars.append(arg)
+        arg = SCALAR
+    elif op is _PAD and n.dtype.kind != "b":
+        scalar_of[i] = len(scalars)
+        scalars.append(arg2)
+        arg2 = SCALAR
+    return (op, arg, arg2, n.shape, n.dtype, n.device, n.pinned, srck)
+
+
+class _Walker:
+    """The recursive walk's state (a method, not a closure that calls itself: that would be a reference cycle, and
+    every realize would leave its walk for the cyclic garbage collector)."""
+
+    def __init__(self, nodes: list[Node | None]):
+        self.nodes = nodes
+        self.index: dict[int, int] = {}
+        self.entries: list[tuple] = []
+        self.leaves: list[int] = []
+        self.topo: list[int] = []
+        self.scalars: list[Any] = []
+        self.scalar_of: dict[int, int] = {}
+
+    def visit(self, i: int) -> int:
+        n = self.nodes[i]
+        assert n is not None
+        index, entries = self.index, self.entries
+        if n.buffer is not None:
+            k = index[i] = len(entries)
+            entries.append(leaf_entry(n))
+            self.leaves.append(i)
+            return k
+        src = n.src
+        if len(src) == 1:  # (most nodes: without a comprehension's frame)
+            s = src[0]
+            srck: tuple[int, ...] = (index[s] if s in index else self.visit(s),)
+        else:
+            srck = tuple([index[s] if s in index else self.visit(s) for s in src])
+        k = index[i] = len(entries)
+        op = n.op
+        if op is _CONST or op is _PAD:
+            entries.append(_entry(n, i, srck, self.scalars, self.scalar_of))
+        else:
+            entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
+        self.topo.append(i)
+        return k
+
+
+def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
+    nodes = graph.nodes
+    index: dict[int, int] = {}
+    entries: list[tuple] = []
+    leaves: list[int] = []
+    topo: list[int] = []
+    scalars: list[Any] = []
+    scalar_of: dict[int, int] = {}
+    for t in targets:
+        stack: list[tuple[int, bool]] = [(t, False)]
+        while stack:
+            i, done = stack.pop()
+            n = nodes[i]
+            assert n is not None
+            if done:
+                index[i] = len(entries)
+                entries.append(_entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_of))
+                topo.append(i)
+                continue
+            if i in index:
+                continue
+            if n.buffer is not None:
+                index[i] = len(entries)
+                entries.append(leaf_entry(n))
+                leaves.append(i)
+                continue
+            stack.append((i, True))
+            for s in reversed(n.src):
+                if s not in index:
+                    stack.append((s, False))
+    return Walk(graph, (tuple(entries), tuple(index[t] for t in targets)), topo, leaves, targets, scalars,
+                scalar_of)
