@@ -29,13 +29,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from azyx import debug
 from azyx.backends.host import HostDevice
-from azyx.config import cache_dir
 from azyx.cstyle import SHARED, C, kernel_source, parallel_kind, parallel_loop
-from azyx.device import Launch, kernel_list
+from azyx.device import Launch, cached_build, kernel_list
 from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.plan import KernelStep
@@ -109,19 +109,16 @@ class CDevice(HostDevice):
     def _build_and_load(self, src: str, arity: dict[str, int]) -> dict[str, int]:
         flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
         key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
-        lib_path = cache_dir() / "c" / f"{key}.so"
-        if not lib_path.exists():
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            stem = lib_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}")
-            c_path, tmp_lib = stem.with_suffix(stem.suffix + ".c"), stem.with_suffix(stem.suffix + ".tmp")
+
+        def build(tmp_lib: Path) -> None:
+            c_path = tmp_lib.with_suffix(".c")  # the compiler's input, as private as its output
             try:
                 c_path.write_text(src)
                 self._run_compiler([self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], list(arity), src)
-                os.replace(tmp_lib, lib_path)  # atomic: a concurrent reader never sees half a library
             finally:
                 c_path.unlink(missing_ok=True)
-                tmp_lib.unlink(missing_ok=True)
-        lib = ctypes.CDLL(str(lib_path))
+
+        lib = ctypes.CDLL(str(cached_build("c", key, ".so", build)))
         _LIBS.append(lib)
         if not _RUNTIME_LIB:
             lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
