@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from azyx import debug
 from azyx.allocator import MemoryUsage
-from azyx.config import COMPILE_TIMEOUT_S, ConfigError
+from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
@@ -304,3 +307,19 @@ def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) ->
     if dtype is dtypes.bfloat16:
         out = (out.astype(np.uint32) << 16).view(np.float32)
     return out
+
+
+def cached_build(kind: str, key: str, suffix: str, build: Callable[[Path], None]) -> Path:
+    """The path of a compiled artifact in the disk cache (`cache_dir()/kind/{key}{suffix}`), built first if absent.
+    `build(tmp)` writes it to a temporary path private to this process and thread, which then replaces the final path
+    atomically: concurrent builders (threads or processes) never collide, and a reader never sees half an artifact."""
+    path = cache_dir() / kind / f"{key}{suffix}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            build(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
