@@ -32,6 +32,7 @@ case "$job" in
   test)
     .venv/bin/ruff check azyx tests bench examples
     .venv/bin/mypy
+    .venv/bin/lint-imports  # the layering: pyproject.toml [tool.importlinter]
     exec .venv/bin/python -m pytest -q -p no:cacheprovider ;;
   bench)
     # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for

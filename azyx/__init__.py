@@ -24,10 +24,12 @@ from azyx.jit import jit
 from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
+from azyx.schedule import make_plan
 from azyx.stats import Stats, stats
 from azyx.tape import GradientTape
 from azyx.tensor import Tensor
 from azyx.viz import plot_graph
+from azyx.walk import canonicalize
 
 __all__ = [
     "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
@@ -46,9 +48,6 @@ async def realize(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 def schedule(*tensors: Tensor) -> ExecutionPlan:
     """The ExecutionPlan that realizing `tensors` would run (cached like realize's), without running it."""
-    from azyx.schedule import make_plan
-    from azyx.walk import canonicalize
-
     targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
     walk = canonicalize(GRAPH, targets)
     return RT.plan_cache.get(walk.key) or make_plan(RT, GRAPH, walk, targets)

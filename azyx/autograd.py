@@ -73,7 +73,7 @@ def _unary_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[
 Rule = Callable[[Node, Tensor, list[Tensor], Tensor, tuple[bool, ...]], Grads]
 
 # node kind -> rule(node, out, sources, g, which sources need a gradient) -> one gradient (or None) per source.
-# CONST and LEAF have no sources; CUSTOM nodes are constants to autograd.
+# CONST and LEAF have no sources.
 RULES: dict[Op, Rule] = {
     Op.EXPAND: _expand_grad,  # sum over the broadcast axes
     Op.PERMUTE: _permute_grad,  # the inverse permutation

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V, scalar_args, toposort
+from azyx.ops import REDUCE
 from azyx.symbolic import Div, Lin, Mod, Var
 
 
@@ -670,8 +671,6 @@ class _Renderer:
     def reduce_block(self, r: V, order: list[V], place: dict[int, object], pragma: str) -> None:
         op, rvars = r.arg
         acc_t = self.dl.compute_type(r.dtype) if not r.dtype.is_bool else "int"
-        from azyx.ops import REDUCE
-
         init = _literal(REDUCE[op][0](r.dtype), r.dtype if not r.dtype.is_bool else dtypes.int32, self.dl)
         name = f"acc{self.count}"
         self.count += 1

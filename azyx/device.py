@@ -17,7 +17,7 @@ from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
-from azyx.graph import Shape, StridedView
+from azyx.graph import Node, Shape, StridedView
 from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
 from azyx.timeline import TimelineSignal
@@ -113,6 +113,13 @@ class RunRecord:
         return None
 
 
+def buffer_of(n: Node) -> Buffer:
+    """A realized node's memory as the Buffer it is (the graph, below this layer, knows it as a graph.Storage)."""
+    b = n.buffer
+    assert isinstance(b, Buffer), f"{n} holds no buffer"
+    return b
+
+
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
@@ -143,6 +150,12 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"
+
+    @classmethod
+    def count(cls, options: dict[str, Any]) -> int:
+        """How many devices of this backend to start: what its config section says (`devices`), else what the API
+        reports (raising where the driver is missing)."""
+        return int(options.get("devices", 1))
 
     # failures
     def record_failure(self, v: int, err: BaseException) -> None:

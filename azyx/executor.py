@@ -23,6 +23,7 @@ from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.timeline import checkpoint
+from azyx.workers import drain
 
 
 class SyncStrategy(Enum):
@@ -67,11 +68,7 @@ class UnifiedExecutor:
         """What `dev` must wait for: buffers of other devices not ready yet (its own queue is in order)."""
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
-    def execute_kernel(self, step: KernelStep, bufs: list[Buffer], words: tuple[int, ...] = (),
-                       same_device: bool = False) -> int:
-        return self.execute_kernels([(step, bufs, words)], same_device)
-
-    def execute_kernels(self, items: list[LaunchItem], same_device: bool = False,
+    def execute_kernel(self, items: list[LaunchItem], same_device: bool = False,
                         batch: BatchState | None = None) -> int:
         """Kernels of one device that run back to back (one piece of work where the device can make it one), each
         with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan, where the
@@ -121,7 +118,7 @@ class UnifiedExecutor:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:
                     words = seg.words(scalars)
-                    after = self.execute_kernels([(k, [bufs[a] for a in k.args], w)  # type: ignore[misc]
+                    after = self.execute_kernel([(k, [bufs[a] for a in k.args], w)  # type: ignore[misc]
                                                   for k, w in zip(seg.kernels, words)], single, seg.batch)
                 record.cover(dev, before, after)
                 for s in seg.frees:
@@ -167,8 +164,6 @@ class UnifiedExecutor:
 
     async def synchronize_all(self) -> None:
         """Wait (on the event loop) until every device, and every compile started, has finished."""
-        from azyx.workers import drain
-
         await drain()
         for dev in list(self.devices.values()):
             await dev.timeline.wait(dev.timeline.value + dev.pending())

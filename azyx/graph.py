@@ -9,15 +9,27 @@ sources when realized, and a freed id leaves every tape at once, so a reused id 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from azyx.dtypes import DType
 
-if TYPE_CHECKING:
-    from azyx.buffer import Buffer
-
 TensorId = int
 Shape = tuple[int, ...]
+
+
+class Storage(Protocol):
+    """What the graph knows of the memory a realized node holds (a device's Buffer, azyx.device): its size and the
+    device it is on. Layers above read it as the Buffer it is."""
+
+    nbytes: int
+
+    @property
+    def device(self) -> StorageDevice: ...
+
+
+class StorageDevice(Protocol):
+    name: str
+    listed: bool
 
 
 class Op(IntEnum):
@@ -34,7 +46,6 @@ class Op(IntEnum):
     BINARY = 10  # arg: op name
     WHERE = 11  # cond, a, b
     TODEVICE = 12  # copy to node.device
-    CUSTOM = 13  # arg: a callable rendering the value from the index (see plan.py)
 
 
 MOVEMENT = frozenset({Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP})
@@ -49,7 +60,7 @@ class Node:
         self.op, self.src, self.arg, self.arg2 = op, src, arg, arg2
         self.shape, self.dtype, self.device, self.pinned = shape, dtype, device, pinned
         self.rc = 0
-        self.buffer: Buffer | None = None  # set when realized
+        self.buffer: Storage | None = None  # set when realized
         self.view: StridedView | None = None  # how the realized buffer is indexed
 
     def __repr__(self) -> str:
@@ -150,7 +161,7 @@ class Graph:
     def on_tape(self, i: TensorId) -> bool:
         return any(i in ids for ids in self.kept)
 
-    def become_leaf(self, i: TensorId, buffer: Buffer, view: StridedView) -> None:
+    def become_leaf(self, i: TensorId, buffer: Storage, view: StridedView) -> None:
         """A realized node keeps its buffer; without a tape holding it, it forgets how it was made."""
         n = self[i]
         n.buffer, n.view = buffer, view

@@ -43,12 +43,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from azyx import debug
-from azyx.device import Buffer
+from azyx.device import Buffer, buffer_of
 from azyx.errors import ArgumentError
 from azyx.graph import Node, Op
 from azyx.plan import ExecutionPlan
 from azyx.realize import run_plan, submit, wait_for
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import GRAPH
 from azyx.tensor import Tensor
 from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording, structure
 from azyx.walk import Walk, leaf_entry
@@ -69,7 +69,7 @@ class Recorder:
     """What a function does while it is traced, besides building nodes: the handles it rebinds (with the node each
     held first, kept until the trace is made so that its id is not reused meanwhile) and the random tensors it draws
     (by the buffer they were drawn into: their nodes may be gone by the time the trace is made, and an upload gives
-    a node another buffer), with how to draw them again. Set as `RT.trace`."""
+    a node another buffer), with how to draw them again. Set as `Tensor.tracer`."""
 
     def __init__(self) -> None:
         self.rebound: dict[Tensor, int] = {}  # handle -> the node it held when the function first rebound it
@@ -86,9 +86,7 @@ class Recorder:
             GRAPH.retain(handle.id)
 
     def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None:
-        buf = t._node.buffer
-        assert buf is not None
-        self.drawn.append((buf, again))
+        self.drawn.append((buffer_of(t._node), again))
 
     def close(self) -> None:
         for i in self.rebound.values():
@@ -219,13 +217,13 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         if numbers:  # the function sees traced numbers (azyx.traced)
             args = tuple(_traced(a, ("arg", token, i)) if i in numbers else a for i, a in enumerate(args))
             kwargs = {k: _traced(a, ("arg", token, k)) if k in numbers else a for k, a in kwargs.items()}
-        rec = RT.trace = Recorder()
+        rec = Tensor.tracer = Recorder()
         try:
             try:
                 with recording() as scalar_guards:
                     returned = self.fn(*args, **kwargs)
             finally:
-                RT.trace = None
+                Tensor.tracer = None
             outputs, output = _flatten(returned, self.fn.__qualname__)
             handles = list(rec.rebound)
             plan, walk, bindings = await submit([*outputs, *handles])

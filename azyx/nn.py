@@ -16,7 +16,6 @@ import numpy as np
 
 from azyx.dtypes import dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
-from azyx.runtime import RT
 from azyx.tensor import Tensor
 
 
@@ -223,8 +222,8 @@ class Dropout(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         mode = self.is_training()
-        if RT.trace is not None:  # azyx.jit: a replay holds only while this module's mode is the same
-            RT.trace.guard(self.is_training, mode)
+        if Tensor.tracer is not None:  # azyx.jit: a replay holds only while this module's mode is the same
+            Tensor.tracer.guard(self.is_training, mode)
         prev, Tensor.training = Tensor.training, mode
         try:
             return x.dropout(self.p)

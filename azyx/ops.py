@@ -32,9 +32,7 @@ def _gelu_tanh(x: Any) -> Any:
 
 
 def _where(cond: Any, a: Any, b: Any) -> Any:
-    from azyx.tensor import Tensor
-
-    return Tensor.where(cond, a, b)
+    return type(cond).where(cond, a, b)  # (cond: a lazy bool Tensor; Tensor.where is a static method)
 
 
 def _tie_share(mine: Any, other: Any, g: Any, wins: Callable[[Any, Any], Any]) -> Any:
@@ -133,4 +131,3 @@ REDUCE: dict[str, tuple[Callable[[Any], Any], Callable[..., Any]]] = {
     "max": (lambda d: -math.inf if d.is_float else (False if d.is_bool else int(np.iinfo(d.np).min)), np.max),
     "min": (lambda d: math.inf if d.is_float else (True if d.is_bool else int(np.iinfo(d.np).max)), np.min),
 }
-REDUCE_COMBINE = {"sum": "add", "prod": "mul", "max": "max", "min": "min"}

@@ -15,10 +15,14 @@ import sniffio
 
 from azyx import config as _config
 from azyx import debug, workers
+from azyx.backends import BACKENDS, load_backend
+from azyx.backends.disk import DiskDevice
+from azyx.backends.host import HostMemory
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
+from azyx.executor import UnifiedExecutor
 from azyx.graph import Graph, StridedView
-from azyx.plan import ExecutionPlan
+from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import LoopEvent
 
 GRAPH = Graph()
@@ -48,30 +52,25 @@ class Runtime:
     def __init__(self) -> None:
         self.cfg: dict[str, dict[str, Any]] | None = None
         self.overrides: dict[str, Any] = {}
-        self._executor: Any = None
+        self._executor: UnifiedExecutor | None = None
         self.plan_cache = PlanCache(_config.DEFAULTS["runtime"]["plan_cache_size"])
         self.rng = np.random.default_rng()
-        self.trace: Any = None  # azyx.jit's Recorder while a function is traced: told of rebinding and random draws
         self.lock = threading.Lock()
         self.inflight: dict[str, _Compile] = {}  # kernel name -> the compile under way
         self.compiled = 0  # kernels handed to a device's compiler (a new scalar value must add none)
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def executor(self) -> Any:
+    def executor(self) -> UnifiedExecutor:
         if self._executor is None:
             self.start()
+        assert self._executor is not None
         return self._executor
 
     def start(self) -> None:
         with self.lock:
             if self._executor is not None:
                 return
-            from azyx.backends import BACKENDS, device_count, load_backend
-            from azyx.backends.disk import DiskDevice
-            from azyx.backends.host import HostMemory
-            from azyx.executor import UnifiedExecutor
-
             self.cfg = _config.load(self.overrides)
             self.plan_cache.capacity = _config.plan_cache_size(self.cfg)
             ex = UnifiedExecutor()
@@ -81,9 +80,9 @@ class Runtime:
                 if not section.get("enabled", kind != "dummy"):
                     continue
                 try:
-                    factory = load_backend(kind)
-                    for i in range(device_count(kind, section)):
-                        ex.add_device(factory(i, section))
+                    device_class = load_backend(kind)
+                    for i in range(device_class.count(section)):
+                        ex.add_device(device_class(i, section))
                 except Exception as e:  # a missing package or driver disables that backend only
                     debug.log(debug.DEVICES, f"backend {kind} skipped: {type(e).__name__}: {e}")
             if not any(d.listed for d in ex.devices.values()):
@@ -158,12 +157,12 @@ class Runtime:
         return dev.buffer_from_numpy(arr), StridedView.contiguous(arr.shape)
 
     # ------------------------------------------------------------------ compilation
-    async def compile(self, plan: Any) -> None:
+    async def compile(self, plan: ExecutionPlan) -> None:
         """Compile the plan's kernels not yet loaded, one batch per device; concurrent realizes of the same
         kernels wait for the compile already running instead of starting another, and get its error when it fails
         (a CompileError: the compiler failed or ran past `compile_timeout_s`). A failed compile leaves nothing
         compiled: the next realize compiles again."""
-        by_dev: dict[str, list[Any]] = {}
+        by_dev: dict[str, list[KernelStep]] = {}
         for k in plan.kernels:
             by_dev.setdefault(k.device, []).append(k)
         loop_id = _loop_identity()

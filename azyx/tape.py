@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
+from azyx.autograd import gradient
 from azyx.errors import RuntimeStateError
 from azyx.runtime import GRAPH
-
-if TYPE_CHECKING:
-    from azyx.tensor import Tensor
+from azyx.tensor import Tensor
 
 
 class GradientTape:
@@ -74,9 +73,6 @@ class GradientTape:
         >>> tape.gradient(y, w, seed=Tensor.ones(2, 2)).numpy_sync().tolist()
         [[7.0, 11.0], [9.0, 13.0]]
         """
-        from azyx.autograd import gradient
-        from azyx.tensor import Tensor
-
         if self.used:
             raise RuntimeStateError("gradient() was already called on this non-persistent GradientTape; use "
                                     "GradientTape(persistent=True) to call it several times")

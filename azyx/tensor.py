@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,7 +18,11 @@ from azyx.device import DISK
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
 from azyx.graph import Node, Op, Shape, prod
+from azyx.realize import realize as _realize
+from azyx.realize import run_sync
+from azyx.realize import to_numpy as _read
 from azyx.runtime import GRAPH, RT
+from azyx.storage import on_build, safetensors_node
 from azyx.traced import Traced, lift
 
 _nodes = GRAPH.nodes
@@ -89,10 +93,19 @@ def _fold_value(v: Any, dtype: DType) -> Scalar:
     return x.item()
 
 
+class Tracer(Protocol):
+    """What azyx.jit's recorder is told while it traces a function: tensors rebound in place, and random draws (with
+    how to draw them again)."""
+
+    def rebinding(self, handle: Tensor) -> None: ...
+    def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None: ...
+    def guard(self, read: Callable[[], Any], value: Any) -> None: ...
+
+
 def _drawn(t: Tensor, again: Callable[[], Tensor]) -> Tensor:
     """A random tensor just drawn: a function that azyx.jit traces draws it anew on each replay with `again`."""
-    if RT.trace is not None:
-        RT.trace.draw(t, again)
+    if Tensor.tracer is not None:
+        Tensor.tracer.draw(t, again)
     return t
 
 
@@ -125,6 +138,7 @@ class Tensor:
     __slots__ = ("id", "__weakref__")
     id: int
     training: bool = False  # dropout is active only while True (see azyx.train())
+    tracer: Tracer | None = None  # azyx.jit's recorder while it traces a function
 
     def __init__(self, data: Any, dtype: Any = None, device: str | None = None):
         if isinstance(data, Tensor):
@@ -145,8 +159,6 @@ class Tensor:
     @staticmethod
     def _from_node(node: Node) -> Tensor:
         if node.device == DISK:  # over a file-backed tensor: views stay on disk (narrower ranges), compute goes AUTO
-            from azyx.io.lazy import on_build
-
             node = on_build(node)
         t = object.__new__(Tensor)
         t.id = GRAPH.add(node)
@@ -225,16 +237,12 @@ class Tensor:
         >>> asyncio.run((azyx.Tensor([1, 2]) + 1).realize()).shape
         (2,)
         """
-        from azyx.realize import realize
-
-        await realize(self)
+        await _realize(self)
         return self
 
     async def numpy(self) -> np.ndarray:
         """Realize and return a numpy array the caller owns."""
-        from azyx.realize import to_numpy
-
-        return await to_numpy(self)
+        return await _read(self)
 
     async def item(self) -> Scalar:
         if self.numel() != 1:
@@ -245,14 +253,10 @@ class Tensor:
         return (await self.numpy()).tolist()
 
     def realize_sync(self) -> Tensor:
-        from azyx.realize import run_sync
-
         run_sync(self.realize())
         return self
 
     def numpy_sync(self) -> np.ndarray:
-        from azyx.realize import run_sync
-
         return run_sync(self.numpy())
 
     # ---------------------------------------------------------------- factories
@@ -332,9 +336,7 @@ class Tensor:
         >>> w.device, (w[1] * 10).numpy_sync().tolist()
         ('disk', [20.0, 30.0])
         """
-        from azyx.io.lazy import from_safetensors
-
-        return from_safetensors(path, name)
+        return Tensor._from_node(safetensors_node(path, name))
 
     # ---------------------------------------------------------------- elementwise
     def _operand(self, other: Any) -> Tensor:
@@ -1256,8 +1258,8 @@ class Tensor:
         if o.device != n.device:
             raise DeviceError(f"assign of a tensor on {o.device} to one on {n.device}; move it with .to() first")
         if other.id != self.id:
-            if RT.trace is not None:
-                RT.trace.rebinding(self)
+            if Tensor.tracer is not None:
+                Tensor.tracer.rebinding(self)
             GRAPH.retain(other.id)
             old, self.id = self.id, other.id
             GRAPH.release(old)

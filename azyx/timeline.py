@@ -38,9 +38,6 @@ class TimelineSignal:
     def __repr__(self) -> str:
         return f"TimelineSignal({self.name}, value={self.value})"
 
-    def reached(self, v: int) -> bool:
-        return self.value >= v
-
     def signal(self, v: int) -> None:
         """Advance to `v` (callable from any thread) and wake everything waiting for a value <= v."""
         ready: list[Callable[[], None]] = []

@@ -109,8 +109,14 @@ async def test_heartbeat_keeps_ticking_while_a_large_graph_compiles_and_runs() -
     n = 64 << 20
     x = Tensor.rand(n, device="c:0")
     await x.realize()
-    salt = 1.0 + (os.getpid() % 1000) / 1000 + time.time() % 1  # never seen before: it must compile
-    y = ((x * salt + 0.5).sqrt() * x).sum()
+    salt = 1.0 + (os.getpid() % 1000) / 1000 + time.time() % 1
+    # a structure not seen before, so that it compiles even beside a warm disk cache (a new scalar value is a kernel
+    # argument: it compiles nothing)
+    steps = 1 + (os.getpid() + time.time_ns()) % 199
+    z = x * salt + 0.5
+    for _ in range(steps):
+        z = z + 0.25
+    y = (z.sqrt() * x).sum()
     ticks: list[float] = []
     done = asyncio.Event()
 
@@ -127,7 +133,8 @@ async def test_heartbeat_keeps_ticking_while_a_large_graph_compiles_and_runs() -
     done.set()
     await hb
     xs = await x.numpy()
-    np.testing.assert_allclose(await y.item(), (np.sqrt(xs.astype(np.float64) * salt + 0.5) * xs).sum(), rtol=1e-3)
+    want = (np.sqrt(xs.astype(np.float64) * salt + 0.5 + 0.25 * steps) * xs).sum()
+    np.testing.assert_allclose(await y.item(), want, rtol=1e-3)
     gaps = np.diff([t0, *[t for t in ticks if t >= t0]])
     # a blocked loop shows one gap as long as the whole realize; a free one ticks all along
     assert len(gaps) >= 10, f"only {len(gaps)} heartbeats in {elapsed:.3f}s"

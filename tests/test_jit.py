@@ -254,4 +254,4 @@ async def test_bad_use_raises_argument_errors() -> None:
         await g(Tensor([1.0]))
     h = azyx.jit(lambda x: x * 2)  # the runtime stays usable
     np.testing.assert_array_equal(await (await h(Tensor([1.0]))).numpy(), [2.0])
-    assert RT.trace is None
+    assert Tensor.tracer is None

@@ -1,14 +1,17 @@
-"""Backends: one module per device API. Each registers a factory in BACKENDS; a backend whose driver or
-package is missing is skipped at start-up (AZYX_DEBUG=1 says why)."""
+"""Backends: one module per device API, each holding only what differs for its API (device.py is the protocol).
+
+A backend registers itself here, by kind: the module and its Device class. Modules are imported when the runtime
+starts, so a missing package or driver disables its backend only (AZYX_DEBUG=1 says why); how many devices it has is
+the class's own business (`Device.count`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import importlib
 
 from azyx.device import Device
 
-# name -> (module, class name); imported lazily so a missing package only disables its backend
+# kind -> (module, class name)
 BACKENDS: dict[str, tuple[str, str]] = {
     "c": ("azyx.backends.c", "CDevice"),
     "opencl": ("azyx.backends.opencl", "OpenCLDevice"),
@@ -17,21 +20,9 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def device_count(kind: str, section: dict[str, Any]) -> int:
-    """How many devices of a backend to start: what the config says, or what the driver reports."""
-    if kind == "opencl" and "devices" not in section:
-        from azyx.backends.opencl import device_list
-
-        return len(device_list(section))
-    if kind == "cuda" and "devices" not in section:
-        from azyx.backends.cuda import init
-
-        return init()
-    return int(section.get("devices", 1))
-
-
-def load_backend(name: str) -> Callable[[int, dict[str, Any]], Device]:
-    import importlib
-
-    mod, cls = BACKENDS[name]
-    return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return,unused-ignore]
+def load_backend(kind: str) -> type[Device]:
+    """The Device class of a backend (importing its module: raises where its package or driver is missing)."""
+    mod, cls = BACKENDS[kind]
+    device_class = getattr(importlib.import_module(mod), cls)
+    assert issubclass(device_class, Device)
+    return device_class

@@ -179,6 +179,10 @@ class CUDADevice(Device):
     dialect = CUDA
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 
+    @classmethod
+    def count(cls, options: dict[str, Any]) -> int:
+        return int(options["devices"]) if "devices" in options else init()
+
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         count = init()

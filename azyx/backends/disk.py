@@ -6,7 +6,7 @@ loop), straight into the destination's memory when that is host memory: a host d
 the plan is submitted (a file range is always ready and the destination buffer is fresh) and its queue waits for
 them; other devices call `read_into` from their own worker threads.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
-(see `azyx.io.lazy.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
+(see `azyx.storage.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ class OpenCLDevice(Device):
     dialect = OPENCL
     tiles = True
 
+    @classmethod
+    def count(cls, options: dict[str, Any]) -> int:
+        return int(options["devices"]) if "devices" in options else len(device_list(options))
+
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         devices = device_list(options)

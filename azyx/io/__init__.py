@@ -10,10 +10,11 @@ the bytes a realize needs are read (a slice of a row-major tensor is a narrower 
 `SafetensorsError` (an `azyx.AzyxIOError`) naming the file and the problem, at the call that opened them.
 """
 
-from azyx.io.format import SafetensorsError
-from azyx.io.lazy import disk_device, load_safetensors, metadata_of
+from azyx.fileformat import SafetensorsError
+from azyx.io.lazy import load_safetensors, metadata_of
 from azyx.io.save import save_safetensors
 from azyx.io.stream import SafetensorsStream, stream_safetensors
+from azyx.storage import disk_device
 
 __all__ = ["SafetensorsError", "SafetensorsStream", "disk_device", "load_safetensors", "metadata_of",
            "save_safetensors", "stream_safetensors"]

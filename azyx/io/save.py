@@ -14,20 +14,19 @@ import secrets
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from azyx.device import Buffer
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxIOError, DTypeError
+from azyx.fileformat import DTYPES, SafetensorsError, TensorEntry, header_bytes
 from azyx.graph import Shape, StridedView, prod
-from azyx.io.format import DTYPES, SafetensorsError, TensorEntry, header_bytes
+from azyx.realize import realize
 from azyx.runtime import GRAPH
+from azyx.tensor import Tensor
 from azyx.workers import in_background, in_worker_thread, result_of, start_in_worker_thread
-
-if TYPE_CHECKING:
-    from azyx.tensor import Tensor
 
 
 async def save_safetensors(path: Any, tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None
@@ -43,9 +42,6 @@ async def save_safetensors(path: Any, tensors: Mapping[str, Tensor], metadata: M
     >>> load_file("/tmp/azyx_doc4.safetensors")["x2"].tolist()
     [0.0, 2.0, 4.0, 6.0]
     """
-    from azyx.realize import realize
-    from azyx.tensor import Tensor
-
     try:
         p = os.fspath(path)
     except TypeError:

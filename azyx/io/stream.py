@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -22,14 +22,12 @@ from azyx.backends.disk import DiskFile
 from azyx.device import DISK, Buffer, Device
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError
+from azyx.fileformat import TensorEntry
 from azyx.graph import Node, Op, StridedView
-from azyx.io.format import TensorEntry
-from azyx.io.lazy import disk_device, header_of, open_safetensors
 from azyx.runtime import RT
+from azyx.storage import disk_device, header_of, open_safetensors
+from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread, result_of, start_in_worker_thread
-
-if TYPE_CHECKING:
-    from azyx.tensor import Tensor
 
 PREFETCH = 16 << 20  # bytes read ahead by default
 
@@ -162,8 +160,6 @@ class SafetensorsStream:
         self.ahead_bytes += entry.nbytes
 
     async def _to_device(self, entry: TensorEntry, staged: Buffer) -> Tensor:
-        from azyx.tensor import Tensor
-
         dtype = dtypes.float32 if self.widen_bf16 and entry.dtype is dtypes.bfloat16 else entry.dtype
         on_device = self.dev.host_memory
         node = Node(Op.LEAF, (), None, entry.shape, dtype, self.dev.name if on_device else self.staging.name,
