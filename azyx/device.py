@@ -7,7 +7,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,11 +20,9 @@ from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeState
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
+from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread_within
-
-if TYPE_CHECKING:
-    from azyx.plan import KernelStep
 
 T = TypeVar("T")
 
