@@ -10,9 +10,9 @@ wait for progress on the host side (a C kernel's output, a staging copy into pin
 stream before it can run: it waits in the device's deferred queue, in order, and a submitter thread puts it on
 the stream once its conditions hold (every later command queues behind it, so the stream keeps program order).
 A GPU-side wait on host memory (a spinning kernel, `cuStreamWaitValue32`) was tried first: it can hold the
-device busy while a module load waits for the device to idle, which deadlocks. Copies: peer-to-peer between
-CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers to and from
-host memory, in chunks so the DMA and the host copy overlap.
+device busy while a module load waits for the device to idle, which deadlocks. Copies (the executor routes them):
+peer-to-peer between CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers
+to and from host memory, in chunks so the DMA and the host copy overlap.
 
 Steady state: when a single-device plan submits the same kernels on the same buffers again (the caching
 allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`).
@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -190,13 +190,16 @@ _STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter th
 
 
 class _Staging:
-    """A pinned block lent by a device's staging pool; back to the pool with its last reference."""
+    """A pinned block lent by a device's staging pool (`block`: one it had cached); back to the pool with its last
+    reference."""
 
     __slots__ = ("pool", "pinned", "size")
+    pinned: _Pinned
+    size: int
 
-    def __init__(self, pool: PoolAllocator, nbytes: int):
+    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[_Pinned, int] | None = None):
         self.pool = pool
-        self.pinned, self.size = pool.alloc(nbytes)
+        self.pinned, self.size = block if block is not None else pool.alloc(nbytes)
 
     def __del__(self) -> None:
         if hasattr(self, "size"):  # not when the allocation failed
@@ -664,37 +667,51 @@ class CUDADevice(Device):
         return exe
 
     # ------------------------------------------------------------------ copies
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
-        """Same device: a device copy. Another CUDA device: peer-to-peer. Host memory (C): staged through pinned
-        chunks. Any other API: read into pinned memory in its program order, then copied over."""
-        n = min(src.nbytes, dst.nbytes)
-        keep = (src, dst)
-        sdev = src.device
-        if sdev is self:
-            return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"),
-                                waits, keep)
-        if isinstance(sdev, CUDADevice):
-            self._enable_peer(sdev)
-            return self._submit(lambda: check(cu.cuMemcpyPeerAsync(dst.ptr, self.ctx, src.ptr, sdev.ctx, n,
-                                                                   self.stream), "cuMemcpyPeerAsync"), waits, keep)
-        if sdev.host_memory:
-            host = src.mem.reshape(-1).view(np.uint8)[:n]
-            return self._upload(n, lambda o, out: out.__setitem__(slice(None), host[o:o + out.nbytes]), dst, waits,
-                                keep, at_once=n <= SYNC_STAGE)
-        staged = _Staging(self.staging, max(n, 1))
-        done = sdev.copy_to_host(src, staged.pinned.array[:n], waits)
-        if done is None:  # no queue (the disk): read on a worker thread, in one piece
-            return self._upload(n, lambda o, out: sdev.read_into(src, out), dst, waits, keep, chunk=max(n, 1))
-        return self._submit(lambda: check(cu.cuMemcpyHtoDAsync(dst.ptr, staged.pinned.ptr, n, self.stream), "H2D"),
-                            [(sdev, done)], (keep, staged))
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"), waits,
+                            (src, dst))
 
-    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, waits: list[tuple[Device, int]],
-                keep: Any, chunk: int = STAGE, at_once: bool = False) -> int:
-        """Host bytes -> this device through pinned chunks: `fill(offset, chunk)` writes each. A ready source that
-        may be staged `at_once` (small host memory, never a file) is staged here; otherwise a worker thread fills the
-        chunks once the source is ready, and each chunk's DMA is a deferred command that goes on the stream once
-        its chunk is filled (the DMA of one chunk overlaps the filling of the next)."""
-        chunks = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        sdev = cast(CUDADevice, src.device)
+        self._enable_peer(sdev)
+        return self._submit(lambda: check(cu.cuMemcpyPeerAsync(dst.ptr, self.ctx, src.ptr, sdev.ctx, n, self.stream),
+                                          "cuMemcpyPeerAsync"), waits, (src, dst))
+
+    def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A pinned block the staging pool has cached, to be read into and then copied from with one DMA. Else plain
+        host memory: this runs on the loop, and pinning fresh memory takes milliseconds, so `copy_from_host` stages
+        that through pinned chunks on a worker thread instead (whose blocks the pool then keeps for the next time)."""
+        block = self.staging.reuse(nbytes)
+        if block is None:
+            return super().host_staging(nbytes)
+        staged = _Staging(self.staging, nbytes, block)
+        return staged.pinned.array[:nbytes], staged
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        """From this device's pinned staging (`host_staging`: `keep` is its block): one DMA. From other host memory:
+        through pinned chunks, overlapped (`_upload`)."""
+        n = host.nbytes
+        if isinstance(keep, _Staging):
+            pinned = keep.pinned
+
+            def dma() -> None:
+                if n:
+                    check(cu.cuMemcpyHtoDAsync(dst.ptr + offset, pinned.ptr, n, self.stream), "H2D")
+
+            return self._submit(dma, waits, (keep, dst))
+        flat = host.reshape(-1).view(np.uint8)
+        return self._upload(n, lambda o, out: out.__setitem__(slice(None), flat[o:o + out.nbytes]), dst, offset,
+                            waits, (keep, dst), at_once=n <= SYNC_STAGE)
+
+    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, offset: int,
+                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False) -> int:
+        """Host bytes -> this device (into `dst` from byte `offset`) through pinned chunks: `fill(o, chunk)` writes
+        each (`o`: its offset in the bytes). A ready source that may be staged `at_once` (small) is staged here;
+        otherwise a worker thread fills the chunks once the source is ready, and each chunk's DMA is a deferred
+        command that goes on the stream once its chunk is filled (the DMA of one chunk overlaps the filling of the
+        next)."""
+        chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
         # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
         stages: list[list[_Staging]] = [[] for _ in chunks]
@@ -702,9 +719,9 @@ class CUDADevice(Device):
         def dma(i: int) -> None:
             o, size = chunks[i]
             if size:
-                pinned = stages[i][0].pinned
-                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, pinned.ptr, size, self.stream),
-                      f"H2D of {size} bytes to {dst.ptr + o:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
+                pinned, at = stages[i][0].pinned, dst.ptr + offset + o
+                check(cu.cuMemcpyHtoDAsync(at, pinned.ptr, size, self.stream),
+                      f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def dma_all() -> None:
             for i in range(len(chunks)):
@@ -755,7 +772,7 @@ class CUDADevice(Device):
             self.use()
         debug.log(debug.DEVICES, f"{self.name} <-> {other.name}: peer access {'on' if can else 'unavailable'}")
 
-    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """A read in stream order into the host array `out`, overlapped: each chunk's DMA lands in pinned memory and
         the waiter thread copies it out while the next chunk's DMA runs. Returns the last chunk's value."""
         n = out.nbytes
@@ -771,9 +788,10 @@ class CUDADevice(Device):
             def enqueue(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
                 if size:
                     staged = cell[0]
-                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream)[0]
+                    at = buf.ptr + offset + o
+                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, at, size, self.stream)[0]
                     if int(err) != 0:
-                        raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(buf.ptr + o)} (of "
+                        raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(at)} (of "
                                           f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
                                           f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
 
@@ -789,9 +807,7 @@ class CUDADevice(Device):
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read on a worker thread (the buffer is ready): queued in stream order, then waited for."""
-        v = self.copy_to_host(buf, out, [])
-        assert v is not None
-        self.timeline.wait_sync(v)
+        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         host = np.empty(buf.nbytes, np.uint8)
@@ -801,7 +817,7 @@ class CUDADevice(Device):
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads)."""
         data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
-        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, [],
+        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, 0, [],
                          (buf, host), at_once=True)
         self.timeline.wait_sync(v)
 

@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,7 +30,6 @@ from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
-from azyx.workers import in_background
 
 try:
     import pyopencl as cl
@@ -101,10 +100,6 @@ class OpenCLDevice(Device):
 
     def release(self, buf: Buffer) -> None:
         self.allocator.free(buf.mem, buf.nbytes)
-
-    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False, wait_for=w),
-                             waits, (buf, out))
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         if out.nbytes:
@@ -235,39 +230,23 @@ class OpenCLDevice(Device):
 
         return self._enqueue(enqueue, waits, bufs)
 
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
-        """Same context: a copy on the device. A host-memory source (C): one enqueued write from its memory, which
-        waits for the source through a user event. Any other API: staged through host memory on a worker."""
-        n = min(src.nbytes, dst.nbytes)
-        keep = (src, dst)
-        if isinstance(src.device, OpenCLDevice) and src.device.ctx is self.ctx:
-            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n,
-                                                           wait_for=w), waits, keep)
-        if src.device.host_memory:
-            host = src.mem.reshape(-1).view(np.uint8)[:n]
-            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, is_blocking=False,
-                                                           wait_for=w), waits, keep)
-        staged = np.empty(n, np.uint8)
-        done = src.device.copy_to_host(src, staged, waits)  # another API with a queue: read in program order
-        if done is not None:
-            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
-                                                           wait_for=w), [(src.device, done)], (keep, staged))
-        ready = cl.UserEvent(self.ctx)
-        v = self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
-                                                    wait_for=[ready]), [], (keep, staged))
+    # ------------------------------------------------------------------ copies
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n, wait_for=w),
+                             waits, (src, dst))
 
-        def stage() -> None:  # a source without a queue (the disk): read it on a worker thread, then release
-            try:
-                for dev, u in waits:
-                    dev.timeline.wait_sync(u)
-                src.device.read_into(src, staged)
-                ready.set_status(cl.command_execution_status.COMPLETE)
-            except BaseException as e:
-                self.record_failure(v, e)  # (before the write fails: the first failure is what the run raises)
-                ready.set_status(-1)  # the write fails too, and the timeline still advances
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
+        """Devices of one context share buffers: a copy on this queue. Between contexts there is no peer path."""
+        return self.copy(src, dst, n, waits) if cast(OpenCLDevice, src.device).ctx is self.ctx else None
 
-        in_background(stage)
-        return v
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, src_offset=offset, is_blocking=False,
+                                                       wait_for=w), waits, (buf, out))
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, dst_offset=offset,
+                                                       is_blocking=False, wait_for=w), waits, (keep, dst))
 
     def close(self) -> None:
         """Finish the queue, stop the waiter thread and drop what completed work held."""
