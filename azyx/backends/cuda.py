@@ -3,7 +3,8 @@ renderer (matrix products from the tiled kernel in `azyx.gemm`), compiled by NVR
 architecture, launched on one stream per device.
 
 Completion: an event is recorded after each command, and one waiter thread per device waits on them in stream
-order (the GIL is released while it waits) and advances the device's TimelineSignal; nothing polls the loop.
+order (the GIL is released while it waits) and advances the device's TimelineSignal (`queued.QueuedDevice`); nothing
+polls the loop.
 
 Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it. A command that must
 wait for progress on the host side (a C kernel's output, a staging copy into pinned memory) is not put on the
@@ -24,7 +25,6 @@ import array
 import collections
 import ctypes
 import hashlib
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +35,7 @@ import numpy as np
 
 from azyx import debug, gemm
 from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.backends.queued import QueuedDevice
 from azyx.config import cache_dir
 from azyx.cstyle import CUDA, group_size, kernel_name, kernel_source, render, vectorized
 from azyx.device import Buffer, Device, host_read, kernel_list
@@ -206,7 +207,7 @@ class _Staging:
             self.pool.free(self.pinned, self.size)
 
 
-class CUDADevice(Device):
+class CUDADevice(QueuedDevice):
     kind = "cuda"
     dialect = CUDA
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
@@ -236,18 +237,10 @@ class CUDADevice(Device):
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
-        self.submitted = 0
-        self.events: dict[int, Any] = {}  # timeline value -> its event (pruned once reached)
-        self.free_events: list[Any] = []
-        self.holding: dict[int, Any] = {}  # what queued commands use, held until they complete
-        self.finished: list[Any] = []
+        self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
         self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
         self.params: dict[tuple[int, ...], tuple[Any, Any, int]] = {}  # pointers -> kernelParams arrays (_launch_now)
         self.modules: list[Any] = []
-        self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
-        # (event, timeline value, what to do on the host once it completed, before the timeline says so)
-        self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
-        self.waited = 0  # the last value whose completion was handled (events up to it may be recorded anew)
         # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
         # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread
         # is handed it. A realize that `poll` finds complete never wakes that thread: its wake-up, and its taking
@@ -265,8 +258,7 @@ class CUDADevice(Device):
         self.peers: set[int] = set()
         self.batch: list[tuple[Any, Dims, tuple[int, ...], str]] | None = None
         self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
-        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
-        self.waiter.start()
+        self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
     def use(self) -> None:
@@ -348,12 +340,6 @@ class CUDADevice(Device):
             if sticky(e):
                 raise self.fail(e) from None
             raise
-
-    def pending(self) -> int:
-        return self.submitted - self.timeline.value
-
-    def queued(self) -> int:
-        return self.submitted
 
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
         """The events on the stream of other CUDA devices that `waits` translate to; None when a wait has none
@@ -492,29 +478,28 @@ class CUDADevice(Device):
             while any(j.first <= v <= j.value for j in self.deferred):
                 self.ready.wait()
 
-    def _wait_loop(self) -> None:
+    def on_waiter_thread(self) -> None:
         self.use()
-        while (item := self.completions.get()) is not None:
-            ev, v, post = item
-            err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
-            if int(err) != 0:
-                # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the
-                # device fails, and every waiter on it gets DeviceFailedError instead of waiting forever
-                cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
-                self.record_failure(v, cause)
-                self.fail(cause)
-            elif post is not None:
-                try:
-                    post()
-                except BaseException as e:
-                    self.record_failure(v, e)
-            with self.lock:
-                if post is not None:
-                    self.posts.popleft()
-                self.finished.append(self.holding.pop(v, None))
-                self.waited = v
-            del ev, item, post
-            self.timeline.signal(v)
+
+    def wait_event(self, ev: Any, v: int) -> bool:
+        err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
+        if int(err) == 0:
+            return True
+        # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the device
+        # fails, and every waiter on it gets DeviceFailedError instead of waiting forever
+        cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
+        self.record_failure(v, cause)
+        self.fail(cause)
+        return False
+
+    def completed(self, v: int, post: Callable[[], None] | None) -> None:
+        if post is not None:
+            self.posts.popleft()
+        super().completed(v, post)
+
+    def retire(self, v: int, ev: Any) -> None:
+        if self.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
+            self.free_events.append(ev)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """On the loop, before it would sleep: a command's event complete now or within `spin` seconds (a small plan's
@@ -543,25 +528,6 @@ class CUDADevice(Device):
         del done  # the commands' buffers go back to their pools, outside the lock
         self.timeline.signal(v)
         return True
-
-    def _take_done(self) -> list[Any]:
-        """Under the lock: what completed commands held; their events go back to the free list once the waiter thread
-        is past them (the timeline may be ahead of it: see poll). Both tables are in the order of their values."""
-        reached = self.timeline.value
-        done, self.finished = self.finished, []
-        holding, events = self.holding, self.events
-        while holding and (k := next(iter(holding))) <= reached:
-            done.append(holding.pop(k))
-        while events and (k := next(iter(events))) <= self.waited:
-            ev = events.pop(k)
-            if events.get(k + 1) is not ev:  # a batch's values share one event: free once its last value is past
-                self.free_events.append(ev)
-        return done
-
-    def collect(self) -> None:
-        with self.lock:
-            done = self._take_done()
-        del done
 
     def _launch_now(self, fn: Any, dims: Dims, ptrs: tuple[int, ...]) -> None:
         grid, block, zero = dims
@@ -836,9 +802,7 @@ class CUDADevice(Device):
             self.submitter.join(timeout=10)
         with self.qlock:
             self._hand_over()
-        self.completions.put(None)
-        self.waiter.join(timeout=10)
-        self.collect()
+        self.stop_waiter()
         try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
             self.empty_cache()
             for block in self.staging.take_cached():
