@@ -16,7 +16,8 @@ peer-to-peer between CUDA devices (peer access enabled where the hardware allows
 to and from host memory, in chunks so the DMA and the host copy overlap.
 
 Steady state: when a single-device plan submits the same kernels on the same buffers again (the caching
-allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`).
+allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`, and
+`cuda_graph.GraphCache`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from azyx.ir import Kernel
 from azyx.plan import KernelStep
 from azyx.workers import in_background
 
+if TYPE_CHECKING:
+    from azyx.backends.cuda_graph import Collected, GraphCache
+
 try:
     from cuda.bindings import driver as cu
     from cuda.bindings import nvrtc
@@ -54,7 +58,6 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
 
 BLOCK = 256  # threads per block of an elementwise kernel (one output point per thread)
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
-GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
@@ -256,8 +259,10 @@ class CUDADevice(QueuedDevice):
         self.ready = threading.Condition(self.lock)
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
-        self.batch: list[tuple[Any, Dims, tuple[int, ...], str]] | None = None
-        self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
+        self.batch: list[Collected] | None = None
+        from azyx.backends.cuda_graph import GraphCache  # (it builds on this module's driver wrappers)
+
+        self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
@@ -585,52 +590,16 @@ class CUDADevice(QueuedDevice):
         finally:
             self.lock.release()
 
-    def _flush(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
+    def _flush(self, batch: list[Collected]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;
         behind the deferred commands when there are any."""
         self.use()
         first, v = self.submitted - len(batch) + 1, self.submitted
         if self.deferred:
-            self._defer(_Job(None, [], lambda: self._launch_batch(batch), None, None, v, first))
+            self._defer(_Job(None, [], lambda: self.graph_cache.launch(batch), None, None, v, first))
             return
-        self._launch_batch(batch)
+        self.graph_cache.launch(batch)
         self._record(v, None, None, first)
-
-    def _launch_batch(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> None:
-        """Under the lock: the batch's launches on the stream, one graph launch once the batch is steady."""
-        if len(batch) == 1:
-            fn, dims, ptrs, _ = batch[0]
-            self._launch_now(fn, dims, ptrs)
-            return
-        key = tuple((name, dims, ptrs) for _, dims, ptrs, name in batch)  # (one source may launch several grids)
-        graph = self.graphs.get(key)
-        if isinstance(graph, int) or graph is None:
-            seen = (graph or 0) + 1
-            if seen >= GRAPH_AFTER:
-                graph = self._capture(batch)
-                self.graphs[key] = graph
-            else:
-                self.graphs[key] = seen
-                graph = None
-                for fn, dims, ptrs, _ in batch:
-                    self._launch_now(fn, dims, ptrs)
-        if graph is not None:
-            check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
-        if len(self.graphs) > 256:  # plans that come and go: keep the cache bounded
-            self.graphs.pop(next(iter(self.graphs)))
-
-    def _capture(self, batch: list[tuple[Any, Dims, tuple[int, ...], str]]) -> Any:
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
-        try:
-            for fn, dims, ptrs, _ in batch:
-                self._launch_now(fn, dims, ptrs)
-        finally:
-            graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
-        exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        cu.cuGraphDestroy(graph)
-        debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
-        return exe
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
