@@ -90,6 +90,17 @@ class PoolAllocator:
                                       f"device memory ({type(e).__name__}: {e})") from None
         return mem, size
 
+    def reuse(self, nbytes: int) -> tuple[Any, int] | None:
+        """A cached block of at least `nbytes` (memory, its bucketed size), or None: never creates one."""
+        size = bucket(max(nbytes, 1))
+        with self.locked():
+            lst = self.free_lists.get(size)
+            if not lst:
+                return None
+            self.cached -= size
+            self.in_use += size
+            return lst.pop(), size
+
     def usage(self) -> MemoryUsage:
         """Bytes in use and bytes cached, read together under the lock."""
         with self.locked():

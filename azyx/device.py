@@ -245,10 +245,6 @@ class Device:
             v = self.launch(step, bufs, waits if i == 0 else [], words)
         return v
 
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
-        """Queue a copy of `src` (on this or any other device) into `dst` (on this device)."""
-        raise NotImplementedError
-
     def begin_batch(self) -> None:
         """The launches until `end_batch` are one plan's, on this device alone: a device may submit them together
         (CUDA replays them as a graph once steady)."""
@@ -282,11 +278,38 @@ class Device:
         """Blocking write of raw bytes into `buf` (called on worker threads)."""
         raise NotImplementedError
 
-    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
-        """Queue a read of `buf` into the host array `out`, in program order on this device's own queue; returns
-        the timeline value at which it is done, or None where the device has no queue (then `read_into` runs on
-        the reader's worker thread). Reading in program order is what keeps cross-device waits free of cycles."""
+    # transfers: the executor routes each one (UnifiedExecutor.execute_transfer); each call queues its part on this
+    # device after `waits` and returns the timeline value at which that part is done
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        """Queue a copy of the first `n` bytes of `src` into `dst`, both on this device."""
+        raise NotImplementedError
+
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
+        """Queue a copy of the first `n` bytes of `src`, on another device of this kind, into `dst` (on this one);
+        None where the API has no peer path between the two (the executor then stages through host memory)."""
         return None
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        """Queue a read of `out.nbytes` bytes of `buf` from byte `offset` into the host array `out`, in program order
+        on this device's own queue. Reading in program order is what keeps cross-device waits free of cycles."""
+        raise NotImplementedError
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        """Queue a write of the host bytes `host` into `dst` from byte `offset`; `keep` keeps `host` valid, and is
+        held (with `dst`) until the write is done. `host` may come from `host_staging` (with its keep-alive)."""
+        raise NotImplementedError
+
+    def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """Host memory (uint8) for `nbytes` bytes that another device reads into for `copy_from_host`, and what keeps
+        it valid: the memory this device writes from fastest (pinned, where it has a pool of it)."""
+        arr = np.empty(nbytes, np.uint8)
+        return arr, arr
+
+    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
+        """Queue nothing but waiting for `waits`, holding `keep` until then: this device's part of a transfer that
+        another device's read wrote straight into its memory (a host-memory device's)."""
+        raise NotImplementedError
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read of the first `out.nbytes` raw bytes of `buf` into the uint8 array `out` (worker threads)."""

@@ -17,6 +17,8 @@ import weakref
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from azyx import debug
 from azyx.device import BatchState, Buffer, Device, LaunchItem, RunRecord
 from azyx.errors import DeviceError
@@ -24,6 +26,8 @@ from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.timeline import checkpoint
 from azyx.workers import drain
+
+STAGE = 8 << 20  # bytes per piece of a transfer staged through host memory (pieces overlap: see `_host_staged`)
 
 
 class SyncStrategy(Enum):
@@ -82,11 +86,39 @@ class UnifiedExecutor:
         return v
 
     def execute_transfer(self, src: Buffer, dst: Buffer) -> int:
-        """Copy src into dst on the destination's queue once src is ready: on the device (same device, peer) or
-        staged through host memory (different APIs); which one is the destination device's `copy_in`'s choice,
-        by `sync_strategy`."""
-        v = dst.device.copy_in(src, dst, self._waits(dst.device, [src]))
+        """Copy src into dst once src is ready, as `sync_strategy` says: a copy on the device's own queue (same
+        device), the destination's peer copy (same kind, where the API has a path between the two), else staged
+        through host memory (`_host_staged`). Returns the destination's timeline value at which dst is written."""
+        sdev, ddev = src.device, dst.device
+        n = min(src.nbytes, dst.nbytes)
+        waits = self._waits(ddev, [src])
+        strategy = self.sync_strategy(sdev.name, ddev.name)
+        if strategy is SyncStrategy.SAME_DEVICE:
+            v = ddev.copy(src, dst, n, waits)
+        else:
+            peer = ddev.copy_peer(src, dst, n, waits) if strategy is SyncStrategy.PEER else None
+            v = peer if peer is not None else self._host_staged(src, dst, n, waits)
         dst.ready = v
+        return v
+
+    @staticmethod
+    def _host_staged(src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        """A transfer through host memory. Host memory takes no extra copy: a host-memory source is written from
+        directly, and a host-memory destination is read into directly (its queue then only waits for the read,
+        holding both buffers). Otherwise the source reads, in its own program order (after the work that wrote src),
+        into the destination's staging memory in pieces, and the destination writes each piece once it is read: the
+        source reads piece i+1 while the destination writes piece i."""
+        sdev, ddev = src.device, dst.device
+        if sdev.host_memory:
+            return ddev.copy_from_host(src.mem.reshape(-1).view(np.uint8)[:n], dst, waits, src)
+        if ddev.host_memory:
+            done = sdev.copy_to_host(src, dst.mem.reshape(-1).view(np.uint8)[:n], [])
+            return ddev.hold([(sdev, done)], (src, dst))
+        v = 0
+        for o in range(0, max(n, 1), STAGE):
+            host, keep = ddev.host_staging(min(STAGE, n - o))
+            done = sdev.copy_to_host(src, host, [], o)
+            v = ddev.copy_from_host(host, dst, [(sdev, done)], keep, o)
         return v
 
     def run(self, plan: ExecutionPlan, bindings: list[Buffer], scalars: list[Any] | tuple[Any, ...] = ()

@@ -110,8 +110,8 @@ async def test_batch_copy_batch_on_one_device_keep_program_order() -> None:
     buf_a, buf_b = GRAPH[a.id].buffer, GRAPH[b.id].buffer
     assert buf_a is not None and buf_b is not None
     batch_v = buf_a.ready
-    copy_v = dev.copy_in(buf_a, buf_b, [])  # a Python work item after it: copies a into b once a's batch has run
-    buf_b.ready = copy_v
+    copy_v = RT.executor.execute_transfer(buf_a, buf_b)  # a Python work item after it: copies a into b once a's
+    assert buf_b.ready == copy_v  # batch has run, and b is ready when the copy is
     c = b * 3 - x  # a batch after the copy: reads what the copy wrote
     assert batch_v < copy_v
     got = await c.numpy()

@@ -19,12 +19,18 @@ except Exception as e:  # pragma: no cover - depends on the environment
 
 import azyx  # noqa: E402
 from azyx import Tensor, gemm  # noqa: E402
-from azyx.backends.cuda import launch_dims, nvrtc_compile, render_kernel  # noqa: E402
+from azyx.backends.cuda_driver import nvrtc_compile  # noqa: E402
 from azyx.cstyle import CUDA, group_size, kernel_source  # noqa: E402
 from azyx.errors import CompileError  # noqa: E402
+from azyx.plan import KernelStep  # noqa: E402
 from azyx.runtime import RT  # noqa: E402
 
 DEV = "dummy:0"  # plans without running; made to render CUDA C here
+
+
+def dims(step: KernelStep) -> tuple[tuple[int, int, int], int, int]:
+    """(grid, threads per block, bytes zeroed first): the launch the renderer decided for a CUDA kernel."""
+    return step.launch.grid, step.launch.group, step.launch.zero
 
 
 @pytest.fixture
@@ -32,7 +38,6 @@ def cuda_planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     dev = RT.device(DEV)
     monkeypatch.setattr(dev, "dialect", CUDA)
     monkeypatch.setattr(dev, "tiles", False)
-    monkeypatch.setattr(dev, "render", render_kernel)
     RT.plan_cache.clear()
     yield
     RT.plan_cache.clear()
@@ -95,13 +100,13 @@ def test_grouped_reduce_for_rows_and_split_full_reduce(cuda_planning: None) -> N
     x = t(32, 2048)
     (row,) = kernels_of(x.sum(axis=1))
     assert group_size(row.kernel, CUDA) == 256 and "__syncthreads" in row.src
-    assert launch_dims(row.kernel) == ((32, 1, 1), 256, 0)
+    assert dims(row) == ((32, 1, 1), 256, 0)
     (col,) = kernels_of(x.sum(axis=0))
     assert group_size(col.kernel, CUDA) == 0
-    assert launch_dims(col.kernel) == ((8, 1, 1), 256, 0)
+    assert dims(col) == ((8, 1, 1), 256, 0)
     (many,) = kernels_of(t(4096, 32).sum(axis=1))  # outputs enough for a warp each: 8 rows per block
     assert group_size(many.kernel, CUDA) == 32 and "__shfl_xor_sync" in many.src and "__shared__" not in many.src
-    assert launch_dims(many.kernel) == ((512, 1, 1), 256, 0)
+    assert dims(many) == ((512, 1, 1), 256, 0)
     full = kernels_of(t(1 << 16).sum())  # 64 grouped partial sums of 1024, then one pass over the 64
     assert group_size(full[0].kernel, CUDA) == 256 and full[0].kernel.global_size == 64
     compile_all([row, col, many, *full])
@@ -121,7 +126,7 @@ def test_matmul_uses_the_tiled_kernel(cuda_planning: None, shape: tuple[int, int
         g = gemm.match(s.kernel)
         assert g is not None and (g.m, g.n, g.k) == (m, n, k)
         assert "__shared__" in s.src
-        assert launch_dims(s.kernel)[1] == gemm.THREADS
+        assert dims(s)[1] == gemm.THREADS
     compile_all(steps)
 
 
@@ -132,7 +137,7 @@ def test_plain_float32_elementwise_kernels_move_16_bytes_per_access(cuda_plannin
     (vec,) = kernels_of((a * b + bias).relu() * 0.5 + a)
     assert "float4 l1 = ((const float4*)d1)[gid];" in vec.src and "((float4*)d0)[gid] = s0;" in vec.src
     assert "d3[0]" in vec.src  # the broadcast bias, per lane
-    assert launch_dims(vec.kernel)[0][0] * launch_dims(vec.kernel)[1] == 4096 // 4
+    assert dims(vec)[0][0] * dims(vec)[1] == 4096 // 4
     scalar = [kernels_of(t(4097) + 1)[0], kernels_of(t(4096, dtype="float16") * 2)[0], kernels_of(t(64, 64).T + 1)[0]]
     for s in scalar:
         assert "float4" not in s.src
@@ -161,7 +166,7 @@ def test_a_matmul_of_few_tiles_splits_k_and_adds_atomically(cuda_planning: None)
     (s,) = kernels_of(t(64, 1024) @ t(1024, 64))
     g = gemm.match(s.kernel)
     assert g is not None and g.split == (8, 128) and g.grid() == (1, 1, 8)
-    assert "atomicAdd" in s.src and launch_dims(s.kernel)[2] == 64 * 64 * 4  # C is zeroed before the launch
+    assert "atomicAdd" in s.src and dims(s)[2] == 64 * 64 * 4  # C is zeroed before the launch
     compile_all([s])
 
 

@@ -104,7 +104,7 @@ async def test_a_steady_plan_replays_as_a_cuda_graph() -> None:
         e = np.exp(xn * 3 - (xn * 3).max(axis=-1, keepdims=True))
         ref = ((e / e.sum(axis=-1, keepdims=True)) @ xn.T).sum(axis=0)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    assert any(not isinstance(g, int) for g in dev.graphs.values())  # type: ignore[attr-defined]
+    assert any(not isinstance(g, int) for g in dev.graph_cache.graphs.values())  # type: ignore[attr-defined]
 
 
 def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> None:

@@ -3,19 +3,21 @@ renderer (matrix products from the tiled kernel in `azyx.gemm`), compiled by NVR
 architecture, launched on one stream per device.
 
 Completion: an event is recorded after each command, and one waiter thread per device waits on them in stream
-order (the GIL is released while it waits) and advances the device's TimelineSignal; nothing polls the loop.
+order (the GIL is released while it waits) and advances the device's TimelineSignal (`queued.QueuedDevice`); nothing
+polls the loop.
 
 Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it. A command that must
 wait for progress on the host side (a C kernel's output, a staging copy into pinned memory) is not put on the
 stream before it can run: it waits in the device's deferred queue, in order, and a submitter thread puts it on
 the stream once its conditions hold (every later command queues behind it, so the stream keeps program order).
 A GPU-side wait on host memory (a spinning kernel, `cuStreamWaitValue32`) was tried first: it can hold the
-device busy while a module load waits for the device to idle, which deadlocks. Copies: peer-to-peer between
-CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers to and from
-host memory, in chunks so the DMA and the host copy overlap.
+device busy while a module load waits for the device to idle, which deadlocks. Copies (the executor routes them):
+peer-to-peer between CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers
+to and from host memory, in chunks so the DMA and the host copy overlap.
 
 Steady state: when a single-device plan submits the same kernels on the same buffers again (the caching
-allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`).
+allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`, and
+`cuda_graph.GraphCache`).
 """
 
 from __future__ import annotations
@@ -23,19 +25,19 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
-import hashlib
-import queue
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
-from azyx.config import cache_dir
+from azyx.backends.cuda_driver import check, cu, describe_pointer, init, nvrtc_compile, sticky
+from azyx.backends.cuda_graph import Collected, GraphCache
+from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import CUDA, kernel_source
 from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType
@@ -45,90 +47,10 @@ from azyx.launch import Launch
 from azyx.plan import KernelStep
 from azyx.workers import in_background
 
-try:
-    from cuda.bindings import driver as cu
-    from cuda.bindings import nvrtc
-except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
-    raise ImportError(f"cuda-bindings is not installed (pip install 'azyx[cuda]'): {e}") from None
-
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
-GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
-_INIT: list[bool] = []
-
-
-# errors after which the context is unusable (a kernel faulted): the device fails (Device.fail)
-STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-          "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
-          "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT",
-          "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_CONTEXT_IS_DESTROYED")
-
-
-def check(result: Any, what: str) -> Any:
-    """cuda-bindings returns (error, *values): raise on an error, return the values."""
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        if isinstance(err, nvrtc.nvrtcResult):
-            name = nvrtc.nvrtcGetErrorString(err)[1].decode()
-        else:
-            name = cu.cuGetErrorName(err)[1].decode() if cu.cuGetErrorName(err)[0] == 0 else str(err)
-        raise DeviceError(f"{what} failed: {name}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
-
-
-def sticky(err: BaseException) -> bool:
-    """Whether `err` (from `check`) says the context is unusable."""
-    return isinstance(err, DeviceError) and any(code in str(err) for code in STICKY)
-
-
-def describe_pointer(ptr: int) -> str:
-    """What the driver knows of an address (for error messages)."""
-    attr = cu.CUpointer_attribute
-    kind = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
-    rng = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr)
-    start = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)
-    return f"{ptr:#x}: type {kind[1] if kind[0] == 0 else kind[0]}, range {rng[1] if rng[0] == 0 else rng[0]} " \
-           f"from {start[1] if start[0] == 0 else start[0]}"
-
-
-def init() -> int:
-    """Initialise the driver once; the number of CUDA devices."""
-    if not _INIT:
-        check(cu.cuInit(0), "cuInit")
-        _INIT.append(True)
-    return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
-
-
-# ------------------------------------------------------------------------------------------------ compilation
-def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
-    """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
-    architecture and NVRTC version."""
-    version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-    key = hashlib.sha256(f"{src}\0{arch}\0{version}".encode()).hexdigest()[:24]
-    path = cache_dir() / "cuda" / f"{key}.cubin"
-    if path.exists():
-        return path.read_bytes()
-    prog = check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
-    try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
-        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise CompileError(f"NVRTC failed for {arch}:\n{log.decode(errors='replace')}\n--- source ---\n{src}")
-        size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-    tmp.write_bytes(cubin)
-    tmp.replace(path)
-    return cubin
 
 
 # ------------------------------------------------------------------------------------------------ the device
@@ -161,20 +83,23 @@ _STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter th
 
 
 class _Staging:
-    """A pinned block lent by a device's staging pool; back to the pool with its last reference."""
+    """A pinned block lent by a device's staging pool (`block`: one it had cached); back to the pool with its last
+    reference."""
 
     __slots__ = ("pool", "pinned", "size")
+    pinned: _Pinned
+    size: int
 
-    def __init__(self, pool: PoolAllocator, nbytes: int):
+    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[_Pinned, int] | None = None):
         self.pool = pool
-        self.pinned, self.size = pool.alloc(nbytes)
+        self.pinned, self.size = block if block is not None else pool.alloc(nbytes)
 
     def __del__(self) -> None:
         if hasattr(self, "size"):  # not when the allocation failed
             self.pool.free(self.pinned, self.size)
 
 
-class CUDADevice(Device):
+class CUDADevice(QueuedDevice):
     kind = "cuda"
     dialect = CUDA
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
@@ -208,18 +133,10 @@ class CUDADevice(Device):
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
-        self.submitted = 0
-        self.events: dict[int, Any] = {}  # timeline value -> its event (pruned once reached)
-        self.free_events: list[Any] = []
-        self.holding: dict[int, Any] = {}  # what queued commands use, held until they complete
-        self.finished: list[Any] = []
+        self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
         self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
         self.params: dict[tuple[int, ...], tuple[Any, Any, int]] = {}  # pointers -> kernelParams arrays (_launch_now)
         self.modules: list[Any] = []
-        self.lock = threading.RLock()  # enqueues come from the loop and from other devices' threads
-        # (event, timeline value, what to do on the host once it completed, before the timeline says so)
-        self.completions: queue.SimpleQueue[tuple[Any, int, Callable[[], None] | None] | None] = queue.SimpleQueue()
-        self.waited = 0  # the last value whose completion was handled (events up to it may be recorded anew)
         # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
         # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread
         # is handed it. A realize that `poll` finds complete never wakes that thread: its wake-up, and its taking
@@ -235,10 +152,9 @@ class CUDADevice(Device):
         self.ready = threading.Condition(self.lock)
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
-        self.batch: list[tuple[Any, Launch, tuple[int, ...], str]] | None = None
-        self.graphs: dict[tuple, Any] = {}  # (kernels, pointers) -> instantiated graph, or a count of sightings
-        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
-        self.waiter.start()
+        self.batch: list[Collected] | None = None
+        self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
+        self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
     def use(self) -> None:
@@ -317,12 +233,6 @@ class CUDADevice(Device):
             if sticky(e):
                 raise self.fail(e) from None
             raise
-
-    def pending(self) -> int:
-        return self.submitted - self.timeline.value
-
-    def queued(self) -> int:
-        return self.submitted
 
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
         """The events on the stream of other CUDA devices that `waits` translate to; None when a wait has none
@@ -461,29 +371,28 @@ class CUDADevice(Device):
             while any(j.first <= v <= j.value for j in self.deferred):
                 self.ready.wait()
 
-    def _wait_loop(self) -> None:
+    def on_waiter_thread(self) -> None:
         self.use()
-        while (item := self.completions.get()) is not None:
-            ev, v, post = item
-            err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
-            if int(err) != 0:
-                # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the
-                # device fails, and every waiter on it gets DeviceFailedError instead of waiting forever
-                cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
-                self.record_failure(v, cause)
-                self.fail(cause)
-            elif post is not None:
-                try:
-                    post()
-                except BaseException as e:
-                    self.record_failure(v, e)
-            with self.lock:
-                if post is not None:
-                    self.posts.popleft()
-                self.finished.append(self.holding.pop(v, None))
-                self.waited = v
-            del ev, item, post
-            self.timeline.signal(v)
+
+    def wait_event(self, ev: Any, v: int) -> bool:
+        err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
+        if int(err) == 0:
+            return True
+        # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the device
+        # fails, and every waiter on it gets DeviceFailedError instead of waiting forever
+        cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
+        self.record_failure(v, cause)
+        self.fail(cause)
+        return False
+
+    def completed(self, v: int, post: Callable[[], None] | None) -> None:
+        if post is not None:
+            self.posts.popleft()
+        super().completed(v, post)
+
+    def retire(self, v: int, ev: Any) -> None:
+        if self.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
+            self.free_events.append(ev)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """On the loop, before it would sleep: a command's event complete now or within `spin` seconds (a small plan's
@@ -512,25 +421,6 @@ class CUDADevice(Device):
         del done  # the commands' buffers go back to their pools, outside the lock
         self.timeline.signal(v)
         return True
-
-    def _take_done(self) -> list[Any]:
-        """Under the lock: what completed commands held; their events go back to the free list once the waiter thread
-        is past them (the timeline may be ahead of it: see poll). Both tables are in the order of their values."""
-        reached = self.timeline.value
-        done, self.finished = self.finished, []
-        holding, events = self.holding, self.events
-        while holding and (k := next(iter(holding))) <= reached:
-            done.append(holding.pop(k))
-        while events and (k := next(iter(events))) <= self.waited:
-            ev = events.pop(k)
-            if events.get(k + 1) is not ev:  # a batch's values share one event: free once its last value is past
-                self.free_events.append(ev)
-        return done
-
-    def collect(self) -> None:
-        with self.lock:
-            done = self._take_done()
-        del done
 
     def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...]) -> None:
         grid, block, zero = dims.grid, dims.group, dims.zero
@@ -586,85 +476,63 @@ class CUDADevice(Device):
         finally:
             self.lock.release()
 
-    def _flush(self, batch: list[tuple[Any, Launch, tuple[int, ...], str]]) -> None:
+    def _flush(self, batch: list[Collected]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;
         behind the deferred commands when there are any."""
         self.use()
         first, v = self.submitted - len(batch) + 1, self.submitted
         if self.deferred:
-            self._defer(_Job(None, [], lambda: self._launch_batch(batch), None, None, v, first))
+            self._defer(_Job(None, [], lambda: self.graph_cache.launch(batch), None, None, v, first))
             return
-        self._launch_batch(batch)
+        self.graph_cache.launch(batch)
         self._record(v, None, None, first)
 
-    def _launch_batch(self, batch: list[tuple[Any, Launch, tuple[int, ...], str]]) -> None:
-        """Under the lock: the batch's launches on the stream, one graph launch once the batch is steady."""
-        if len(batch) == 1:
-            fn, dims, ptrs, _ = batch[0]
-            self._launch_now(fn, dims, ptrs)
-            return
-        key = tuple((name, dims, ptrs) for _, dims, ptrs, name in batch)  # (one source may launch several grids)
-        graph = self.graphs.get(key)
-        if isinstance(graph, int) or graph is None:
-            seen = (graph or 0) + 1
-            if seen >= GRAPH_AFTER:
-                graph = self._capture(batch)
-                self.graphs[key] = graph
-            else:
-                self.graphs[key] = seen
-                graph = None
-                for fn, dims, ptrs, _ in batch:
-                    self._launch_now(fn, dims, ptrs)
-        if graph is not None:
-            check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
-        if len(self.graphs) > 256:  # plans that come and go: keep the cache bounded
-            self.graphs.pop(next(iter(self.graphs)))
-
-    def _capture(self, batch: list[tuple[Any, Launch, tuple[int, ...], str]]) -> Any:
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
-        try:
-            for fn, dims, ptrs, _ in batch:
-                self._launch_now(fn, dims, ptrs)
-        finally:
-            graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
-        exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        cu.cuGraphDestroy(graph)
-        debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
-        return exe
-
     # ------------------------------------------------------------------ copies
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
-        """Same device: a device copy. Another CUDA device: peer-to-peer. Host memory (C): staged through pinned
-        chunks. Any other API: read into pinned memory in its program order, then copied over."""
-        n = min(src.nbytes, dst.nbytes)
-        keep = (src, dst)
-        sdev = src.device
-        if sdev is self:
-            return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"),
-                                waits, keep)
-        if isinstance(sdev, CUDADevice):
-            self._enable_peer(sdev)
-            return self._submit(lambda: check(cu.cuMemcpyPeerAsync(dst.ptr, self.ctx, src.ptr, sdev.ctx, n,
-                                                                   self.stream), "cuMemcpyPeerAsync"), waits, keep)
-        if sdev.host_memory:
-            host = src.mem.reshape(-1).view(np.uint8)[:n]
-            return self._upload(n, lambda o, out: out.__setitem__(slice(None), host[o:o + out.nbytes]), dst, waits,
-                                keep, at_once=n <= SYNC_STAGE)
-        staged = _Staging(self.staging, max(n, 1))
-        done = sdev.copy_to_host(src, staged.pinned.array[:n], waits)
-        if done is None:  # no queue (the disk): read on a worker thread, in one piece
-            return self._upload(n, lambda o, out: sdev.read_into(src, out), dst, waits, keep, chunk=max(n, 1))
-        return self._submit(lambda: check(cu.cuMemcpyHtoDAsync(dst.ptr, staged.pinned.ptr, n, self.stream), "H2D"),
-                            [(sdev, done)], (keep, staged))
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"), waits,
+                            (src, dst))
 
-    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, waits: list[tuple[Device, int]],
-                keep: Any, chunk: int = STAGE, at_once: bool = False) -> int:
-        """Host bytes -> this device through pinned chunks: `fill(offset, chunk)` writes each. A ready source that
-        may be staged `at_once` (small host memory, never a file) is staged here; otherwise a worker thread fills the
-        chunks once the source is ready, and each chunk's DMA is a deferred command that goes on the stream once
-        its chunk is filled (the DMA of one chunk overlaps the filling of the next)."""
-        chunks = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        sdev = cast(CUDADevice, src.device)
+        self._enable_peer(sdev)
+        return self._submit(lambda: check(cu.cuMemcpyPeerAsync(dst.ptr, self.ctx, src.ptr, sdev.ctx, n, self.stream),
+                                          "cuMemcpyPeerAsync"), waits, (src, dst))
+
+    def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A pinned block the staging pool has cached, to be read into and then copied from with one DMA. Else plain
+        host memory: this runs on the loop, and pinning fresh memory takes milliseconds, so `copy_from_host` stages
+        that through pinned chunks on a worker thread instead (whose blocks the pool then keeps for the next time)."""
+        block = self.staging.reuse(nbytes)
+        if block is None:
+            return super().host_staging(nbytes)
+        staged = _Staging(self.staging, nbytes, block)
+        return staged.pinned.array[:nbytes], staged
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        """From this device's pinned staging (`host_staging`: `keep` is its block): one DMA. From other host memory:
+        through pinned chunks, overlapped (`_upload`)."""
+        n = host.nbytes
+        if isinstance(keep, _Staging):
+            pinned = keep.pinned
+
+            def dma() -> None:
+                if n:
+                    check(cu.cuMemcpyHtoDAsync(dst.ptr + offset, pinned.ptr, n, self.stream), "H2D")
+
+            return self._submit(dma, waits, (keep, dst))
+        flat = host.reshape(-1).view(np.uint8)
+        return self._upload(n, lambda o, out: out.__setitem__(slice(None), flat[o:o + out.nbytes]), dst, offset,
+                            waits, (keep, dst), at_once=n <= SYNC_STAGE)
+
+    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, offset: int,
+                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False) -> int:
+        """Host bytes -> this device (into `dst` from byte `offset`) through pinned chunks: `fill(o, chunk)` writes
+        each (`o`: its offset in the bytes). A ready source that may be staged `at_once` (small) is staged here;
+        otherwise a worker thread fills the chunks once the source is ready, and each chunk's DMA is a deferred
+        command that goes on the stream once its chunk is filled (the DMA of one chunk overlaps the filling of the
+        next)."""
+        chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
         # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
         stages: list[list[_Staging]] = [[] for _ in chunks]
@@ -672,9 +540,9 @@ class CUDADevice(Device):
         def dma(i: int) -> None:
             o, size = chunks[i]
             if size:
-                pinned = stages[i][0].pinned
-                check(cu.cuMemcpyHtoDAsync(dst.ptr + o, pinned.ptr, size, self.stream),
-                      f"H2D of {size} bytes to {dst.ptr + o:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
+                pinned, at = stages[i][0].pinned, dst.ptr + offset + o
+                check(cu.cuMemcpyHtoDAsync(at, pinned.ptr, size, self.stream),
+                      f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def dma_all() -> None:
             for i in range(len(chunks)):
@@ -725,7 +593,7 @@ class CUDADevice(Device):
             self.use()
         debug.log(debug.DEVICES, f"{self.name} <-> {other.name}: peer access {'on' if can else 'unavailable'}")
 
-    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """A read in stream order into the host array `out`, overlapped: each chunk's DMA lands in pinned memory and
         the waiter thread copies it out while the next chunk's DMA runs. Returns the last chunk's value."""
         n = out.nbytes
@@ -741,9 +609,10 @@ class CUDADevice(Device):
             def enqueue(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
                 if size:
                     staged = cell[0]
-                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, buf.ptr + o, size, self.stream)[0]
+                    at = buf.ptr + offset + o
+                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, at, size, self.stream)[0]
                     if int(err) != 0:
-                        raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(buf.ptr + o)} (of "
+                        raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(at)} (of "
                                           f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
                                           f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
 
@@ -759,9 +628,7 @@ class CUDADevice(Device):
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read on a worker thread (the buffer is ready): queued in stream order, then waited for."""
-        v = self.copy_to_host(buf, out, [])
-        assert v is not None
-        self.timeline.wait_sync(v)
+        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         host = np.empty(buf.nbytes, np.uint8)
@@ -771,7 +638,7 @@ class CUDADevice(Device):
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads)."""
         data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
-        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, [],
+        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, 0, [],
                          (buf, host), at_once=True)
         self.timeline.wait_sync(v)
 
@@ -790,9 +657,7 @@ class CUDADevice(Device):
             self.submitter.join(timeout=10)
         with self.qlock:
             self._hand_over()
-        self.completions.put(None)
-        self.waiter.join(timeout=10)
-        self.collect()
+        self.stop_waiter()
         try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
             self.empty_cache()
             for block in self.staging.take_cached():

@@ -1,10 +1,11 @@
 """The disk as a device: its buffers are byte ranges of open files, its memory pool the files it holds open.
 
 A tensor of a safetensors file is a Leaf on device "disk" whose Buffer is (file, offset, length). Nothing is read
-until a plan copies it to a compute device or `numpy()` reads it. Reads run on reader threads (never on the event
-loop), straight into the destination's memory when that is host memory: a host device's `copy_in` starts them when
-the plan is submitted (a file range is always ready and the destination buffer is fresh) and its queue waits for
-them; other devices call `read_into` from their own worker threads.
+until a plan copies it to a compute device or `numpy()` reads it. Reads run on reader threads, never on the event
+loop. A transfer's read (`copy_to_host`) starts when the plan is submitted, beside the plan's other reads (a file
+range is always ready): straight into the destination's memory when that is host memory, else into its staging
+memory; the disk's timeline reaches the read's value once it and every earlier read are done, and the destination's
+queue waits for that, as for any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
 (see `azyx.storage.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
 """
@@ -117,23 +118,21 @@ class FileRange:
         return f"FileRange({self.file.path!r}, offset={self.offset})"
 
 
-class PendingRead:
-    """Reads under way on the reader threads; `wait()` returns when all are done (raising the first error)."""
-
-    __slots__ = ("pieces",)
-
-    def __init__(self, pieces: list[concurrent.futures.Future[None]]):
-        self.pieces = pieces
-
-    def wait(self) -> None:
-        concurrent.futures.wait(self.pieces)
-        for f in self.pieces:
-            f.result()
-
-
 def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
     dev, buf, start, out = job.pop()  # hold nothing once done: the pool's work item outlives the call a moment
     dev._read(buf, start, out)
+
+
+def _transfer_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview, int]]) -> None:
+    """A piece of the read of timeline value `v` (`DiskDevice.copy_to_host`), on a reader thread."""
+    dev, buf, start, out, v = job.pop()
+    err: BaseException | None = None
+    try:
+        dev._read(buf, start, out)
+    except BaseException as e:
+        err = e
+    del buf, out  # before the timeline says the read is done
+    dev._piece_done(v, err)
 
 
 def _on_event_loop() -> bool:
@@ -168,7 +167,7 @@ class DiskDevice(Device):
     def __init__(self, index: int = 0, options: dict[str, Any] | None = None):
         super().__init__(index, options or {})
         self.name = DISK
-        self.timeline = TimelineSignal(DISK)  # its buffers are ready at 0: nothing ever waits on it
+        self.timeline = TimelineSignal(DISK)  # its buffers are ready at 0; its values are transfers' reads
         self.compute = 0.0
         # re-entrant: release() runs from Buffer.__del__, which the cyclic GC may call while this thread holds it
         self.lock = threading.RLock()
@@ -177,6 +176,8 @@ class DiskDevice(Device):
         self.bytes_read = 0  # bytes read from files so far (tests: lazy loading and partial reads)
         self.reads = 0
         self.reads_on_loop = 0  # reads made on an event loop's thread, which they would block: should stay 0
+        self.submitted = 0  # the timeline value of the last read started by `copy_to_host`
+        self.unread: dict[int, int] = {}  # timeline value -> pieces of its read not done yet (in value order)
 
     # memory: file ranges, accounted like a pool
     def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "") -> Buffer:
@@ -238,15 +239,39 @@ class DiskDevice(Device):
         """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
         self._read_parallel(buf, 0, out.data.cast("B"))
 
-    def start_read_into(self, buf: Buffer, out: np.ndarray) -> PendingRead:
-        """Start reading the first `out.nbytes` bytes of the range into `out` on the reader threads, now (large
-        reads in pieces). For a destination that no queued work can touch, like a transfer's fresh buffer: a file
-        range is always ready, so a plan's reads need not wait for their turn in the destination's queue."""
-        view = out.data.cast("B")
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        """Start reading `out.nbytes` bytes of the range from `offset` into `out` on the reader threads, now, in pieces
+        of `SPLIT` bytes read in parallel: a file range is always ready (no `waits`), so a plan's reads all start when
+        it is submitted. The timeline reaches the returned value once this read and every earlier one are done; a
+        piece that fails is that value's failure (`record_failure`), raised to the run that asked for the read."""
+        assert not waits, "a file range is always ready"
+        view = out.reshape(-1).view(np.uint8).data
         n = len(view)
-        step = max(SPLIT, 4096)
-        return PendingRead([_reader_pool().submit(_read_piece, [(self, buf, lo, view[lo : min(lo + step, n)])])
-                            for lo in range(0, n, step)])
+        with self.lock:
+            self.submitted += 1
+            v = self.submitted
+            self.unread[v] = max(-(-n // SPLIT), 1)
+        if not n:
+            self._piece_done(v, None)
+        for lo in range(0, n, SPLIT):
+            _reader_pool().submit(_transfer_piece, [(self, buf, offset + lo, view[lo : min(lo + SPLIT, n)], v)])
+        return v
+
+    def _piece_done(self, v: int, err: BaseException | None) -> None:
+        """A piece of read `v` is done (any thread): once all of it is, the timeline reaches the last value whose read
+        and all earlier ones are done (reads finish out of order; the timeline's value only grows)."""
+        with self.lock:
+            if err is not None:
+                self.record_failure(v, err)
+            self.unread[v] -= 1
+            if self.unread[v]:
+                return
+            del self.unread[v]
+            reached = next(iter(self.unread), self.submitted + 1) - 1
+        self.timeline.signal(reached)
+
+    def pending(self) -> int:
+        return self.submitted - self.timeline.value
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         """A new C-contiguous array of the view (bfloat16 widened to float32, like every device's `read`); only the
@@ -274,7 +299,8 @@ class DiskDevice(Device):
                words: tuple[int, ...] = ()) -> int:
         raise DeviceError("the disk device runs no kernels")
 
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
         raise DeviceError("nothing is copied to the disk device; write files with azyx.io.save_safetensors")
 
     async def compile(self, steps: list[KernelStep]) -> None:

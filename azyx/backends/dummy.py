@@ -15,6 +15,8 @@ from azyx.errors import AllocationError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
 
+NO_DATA = "{} is a dummy device: it plans and accounts memory but holds no data"
+
 
 class DummyDevice(Device):
     kind = "dummy"
@@ -49,7 +51,7 @@ class DummyDevice(Device):
         return self.alloc(arr.nbytes)
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-        raise DeviceError(f"{self.name} is a dummy device: it plans and accounts memory but holds no data")
+        raise DeviceError(NO_DATA.format(self.name))
 
     def queued(self) -> int:
         return self.submitted
@@ -65,7 +67,18 @@ class DummyDevice(Device):
         self.scalars_bound += len(words)
         return self._done()
 
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._done()
+
+    copy_peer = copy
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        return self._done()
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        """The read fails (there is no data): its run raises the error, as a read of a buffer here does."""
+        self.record_failure(self.submitted + 1, DeviceError(NO_DATA.format(self.name)))
         return self._done()
 
     def has_program(self, name: str) -> bool:

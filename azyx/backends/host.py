@@ -12,7 +12,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from azyx.allocator import MemoryUsage, PoolAllocator
-from azyx.backends.disk import DiskDevice
 from azyx.device import BatchState, Buffer, Device, LaunchItem, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
@@ -192,35 +191,26 @@ class HostDevice(Device):
         work = batch.work if batch is not None else sum(step.work for step, _, _ in items)
         return self.submit(self.batch_fn(items, batch), waits, work)
 
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
-        """Host memory to host memory is a memmove (same device, or peer: c:0 -> c:1). Another API's buffer is
-        read straight into this device's memory: queued on the source device in program order where it has a
-        queue (this queue then only waits for it), else read on this device's worker thread (host-staged)."""
-        n = min(src.nbytes, dst.nbytes)
-        if src.device.host_memory:
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        """A memmove on this device's queue (also from another host-memory device of this kind: c:0 -> c:1)."""
 
-            def copy() -> None:
-                ctypes.memmove(dst.ptr, src.ptr, n)
+        def copy() -> None:
+            ctypes.memmove(dst.ptr, src.ptr, n)
 
-            return self.submit(copy, waits, n // 64)
-        done = src.device.copy_to_host(src, dst.mem[:n], waits)
-        if done is not None:
-            return self.submit(_keep_alive(src, dst), [(src.device, done)], 0)
+        return self.submit(copy, waits, n // 64)
 
-        if isinstance(src.device, DiskDevice) and not waits:  # a file range is always ready and `dst` is fresh:
-            pending = src.device.start_read_into(src, dst.mem[:n])  # read now, beside the plan's other reads;
+    copy_peer = copy
 
-            def wait() -> None:  # this queue only waits for it (and raises its error); it holds both buffers till then
-                assert src is not None and dst is not None
-                pending.wait()
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        def copy() -> None:
+            assert keep is not None
+            ctypes.memmove(dst.ptr + offset, host.ctypes.data, host.nbytes)
 
-            return self.submit(wait, [], self.inline_work + 1)
+        return self.submit(copy, waits, host.nbytes // 64)
 
-        def read() -> None:
-            src.device.read_into(src, dst.mem[:n])
-
-        # a file read (disk) waits on storage: never inline on the loop, always on the worker thread
-        return self.submit(read, waits, n // 64 if not src.device.storage else self.inline_work + 1)
+    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
+        return self.submit(_keep_alive(keep), waits, 0)
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         ctypes.memmove(buf.ptr, host.ctypes.data, min(buf.nbytes, host.nbytes))

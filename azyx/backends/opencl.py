@@ -2,9 +2,9 @@
 device, completion through the queue's events into the device's TimelineSignal.
 
 Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
-while it waits), then advances the timeline; nothing polls. pyopencl's `Event.set_callback` was the first
-choice, but it starts an OS thread per callback, which costs more than the work of a small kernel and races the
-interpreter's shutdown (a callback thread acquiring the GIL of a finalizing interpreter aborts the process).
+while it waits), then advances the timeline; nothing polls (`queued.QueuedDevice`). pyopencl's `Event.set_callback`
+was the first choice, but it starts an OS thread per callback, which costs more than the work of a small kernel and
+races the interpreter's shutdown (a callback thread acquiring the GIL of a finalizing interpreter aborts the process).
 
 Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
 any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
@@ -13,16 +13,15 @@ wait happens in the OpenCL runtime, never on the event loop.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import OPENCL, kernel_source
 from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType, scalar_size
@@ -30,7 +29,6 @@ from azyx.errors import CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
-from azyx.workers import in_background
 
 try:
     import pyopencl as cl
@@ -50,7 +48,7 @@ def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
     return [(p, d) for p in wanted if p < len(platforms) for d in platforms[p].get_devices()]
 
 
-class OpenCLDevice(Device):
+class OpenCLDevice(QueuedDevice):
     kind = "opencl"
     dialect = OPENCL
     tiles = True
@@ -76,17 +74,8 @@ class OpenCLDevice(Device):
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
-        self.submitted = 0
-        self.events: dict[int, Any] = {}  # timeline value -> the cl.Event completing it (pruned once reached)
-        # what queued commands use (buffers, host arrays), held until they complete; the waiter thread only moves
-        # it to `finished`, which a submitting thread drops (buffers return to pools outside the waiter)
-        self.holding: dict[int, Any] = {}
-        self.finished: list[Any] = []
         self.kernels: dict[str, Any] = {}  # kernel name -> cl.Kernel
-        self.lock = threading.Lock()  # enqueues come from the loop and from other devices' worker threads
-        self.completions: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
-        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
-        self.waiter.start()
+        self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
     # ------------------------------------------------------------------ memory
@@ -104,10 +93,6 @@ class OpenCLDevice(Device):
 
     def release(self, buf: Buffer) -> None:
         self.allocator.free(buf.mem, buf.nbytes)
-
-    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]]) -> int | None:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False, wait_for=w),
-                             waits, (buf, out))
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         if out.nbytes:
@@ -148,12 +133,6 @@ class OpenCLDevice(Device):
                                f"{src}") from None
         return {name: cl.Kernel(program, name) for name in names}
 
-    def pending(self) -> int:
-        return self.submitted - self.timeline.value
-
-    def queued(self) -> int:
-        return self.submitted
-
     def _wait_events(self, waits: list[tuple[Device, int]]) -> list[Any]:
         """Translate (device, value) waits into OpenCL events the queue can wait on."""
         out = []
@@ -179,43 +158,16 @@ class OpenCLDevice(Device):
             self.holding[v] = keep
             done = self._take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        self.completions.put((ev, v))
+        self.completions.put((ev, v, None))
         return v
 
-    def _wait_loop(self) -> None:
-        while (item := self.completions.get()) is not None:
-            ev, v = item
-            try:
-                ev.wait()
-                status = 0
-            except cl.Error as e:
-                status = -1
-                self.record_failure(v, e)
-            del ev, item
-            self._complete(v, status)
-
-    def _take_done(self) -> list[Any]:
-        """Under the lock: what completed commands held (the queue is in order, so everything up to the timeline's
-        value is complete even when its callback has not run yet)."""
-        reached = self.timeline.value
-        done, self.finished = self.finished, []
-        for k in [k for k in self.holding if k <= reached]:
-            done.append(self.holding.pop(k))
-        for k in [k for k in self.events if k <= reached]:
-            del self.events[k]
-        return done
-
-    def _complete(self, v: int, status: int) -> None:
-        if status < 0:
-            self.record_failure(v, DeviceError(f"{self.name}: command {v} failed with status {status}"))
-        with self.lock:
-            self.finished.append(self.holding.pop(v, None))
-        self.timeline.signal(v)
-
-    def collect(self) -> None:
-        with self.lock:
-            done = self._take_done()
-        del done
+    def wait_event(self, ev: Any, v: int) -> bool:
+        try:
+            ev.wait()
+            return True
+        except cl.Error as e:
+            self.record_failure(v, e)
+            return False
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
@@ -232,39 +184,23 @@ class OpenCLDevice(Device):
 
         return self._enqueue(enqueue, waits, bufs)
 
-    def copy_in(self, src: Buffer, dst: Buffer, waits: list[tuple[Device, int]]) -> int:
-        """Same context: a copy on the device. A host-memory source (C): one enqueued write from its memory, which
-        waits for the source through a user event. Any other API: staged through host memory on a worker."""
-        n = min(src.nbytes, dst.nbytes)
-        keep = (src, dst)
-        if isinstance(src.device, OpenCLDevice) and src.device.ctx is self.ctx:
-            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n,
-                                                           wait_for=w), waits, keep)
-        if src.device.host_memory:
-            host = src.mem.reshape(-1).view(np.uint8)[:n]
-            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, is_blocking=False,
-                                                           wait_for=w), waits, keep)
-        staged = np.empty(n, np.uint8)
-        done = src.device.copy_to_host(src, staged, waits)  # another API with a queue: read in program order
-        if done is not None:
-            return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
-                                                           wait_for=w), [(src.device, done)], (keep, staged))
-        ready = cl.UserEvent(self.ctx)
-        v = self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, staged, is_blocking=False,
-                                                    wait_for=[ready]), [], (keep, staged))
+    # ------------------------------------------------------------------ copies
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n, wait_for=w),
+                             waits, (src, dst))
 
-        def stage() -> None:  # a source without a queue (the disk): read it on a worker thread, then release
-            try:
-                for dev, u in waits:
-                    dev.timeline.wait_sync(u)
-                src.device.read_into(src, staged)
-                ready.set_status(cl.command_execution_status.COMPLETE)
-            except BaseException as e:
-                self.record_failure(v, e)  # (before the write fails: the first failure is what the run raises)
-                ready.set_status(-1)  # the write fails too, and the timeline still advances
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
+        """Devices of one context share buffers: a copy on this queue. Between contexts there is no peer path."""
+        return self.copy(src, dst, n, waits) if cast(OpenCLDevice, src.device).ctx is self.ctx else None
 
-        in_background(stage)
-        return v
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, src_offset=offset, is_blocking=False,
+                                                       wait_for=w), waits, (buf, out))
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, dst_offset=offset,
+                                                       is_blocking=False, wait_for=w), waits, (keep, dst))
 
     def close(self) -> None:
         """Finish the queue, stop the waiter thread and drop what completed work held."""
@@ -272,6 +208,4 @@ class OpenCLDevice(Device):
             self.queue.finish()
         except cl.Error:
             pass
-        self.completions.put(None)
-        self.waiter.join(timeout=10)
-        self.collect()
+        self.stop_waiter()

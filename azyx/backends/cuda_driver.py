@@ -1,0 +1,88 @@
+"""NVIDIA's driver API and NVRTC as the CUDA backend uses them (cuda-bindings): error checking, which errors leave a
+context unusable, driver start-up, and compiling CUDA C to a cubin (cached on disk)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from azyx.device import cached_build
+from azyx.errors import CompileError, DeviceError
+
+try:
+    from cuda.bindings import driver as cu
+    from cuda.bindings import nvrtc
+except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
+    raise ImportError(f"cuda-bindings is not installed (pip install 'azyx[cuda]'): {e}") from None
+
+_INIT: list[bool] = []
+
+
+# errors after which the context is unusable (a kernel faulted): the device fails (Device.fail)
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+          "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT",
+          "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_CONTEXT_IS_DESTROYED")
+
+
+def check(result: Any, what: str) -> Any:
+    """cuda-bindings returns (error, *values): raise on an error, return the values."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        if isinstance(err, nvrtc.nvrtcResult):
+            name = nvrtc.nvrtcGetErrorString(err)[1].decode()
+        else:
+            name = cu.cuGetErrorName(err)[1].decode() if cu.cuGetErrorName(err)[0] == 0 else str(err)
+        raise DeviceError(f"{what} failed: {name}")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def sticky(err: BaseException) -> bool:
+    """Whether `err` (from `check`) says the context is unusable."""
+    return isinstance(err, DeviceError) and any(code in str(err) for code in STICKY)
+
+
+def describe_pointer(ptr: int) -> str:
+    """What the driver knows of an address (for error messages)."""
+    attr = cu.CUpointer_attribute
+    kind = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    rng = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr)
+    start = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)
+    return f"{ptr:#x}: type {kind[1] if kind[0] == 0 else kind[0]}, range {rng[1] if rng[0] == 0 else rng[0]} " \
+           f"from {start[1] if start[0] == 0 else start[0]}"
+
+
+def init() -> int:
+    """Initialise the driver once; the number of CUDA devices."""
+    if not _INIT:
+        check(cu.cuInit(0), "cuInit")
+        _INIT.append(True)
+    return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+# ------------------------------------------------------------------------------------------------ compilation
+def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
+    """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
+    architecture and NVRTC version."""
+    version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    key = hashlib.sha256(f"{src}\0{arch}\0{version}".encode()).hexdigest()[:24]
+
+    def build(out: Path) -> None:
+        prog = check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+        try:
+            opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+            err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+            if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+                log = b" " * size
+                nvrtc.nvrtcGetProgramLog(prog, log)
+                raise CompileError(f"NVRTC failed for {arch}:\n{log.decode(errors='replace')}\n--- source ---\n{src}")
+            size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            cubin = b" " * size
+            check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+        out.write_bytes(cubin)
+
+    return cached_build("cuda", key, ".cubin", build).read_bytes()

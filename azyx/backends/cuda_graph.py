@@ -1,0 +1,62 @@
+"""CUDA graphs of steady batches. A single-device plan's launches on a CUDA device are collected into one batch
+(`CUDADevice.begin_batch`/`end_batch`); when a plan submits the same kernels on the same buffers again (the caching
+allocator hands back the same blocks), the batch is captured once and then replays as one graph launch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from azyx import debug
+from azyx.backends.cuda_driver import check, cu
+from azyx.launch import Launch
+
+GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
+GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
+
+Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
+
+
+class GraphCache:
+    """One stream's graphs, by the launches they replay (kernel names, grids and pointers: one source may launch
+    several grids); a batch not yet steady has a count of sightings instead."""
+
+    def __init__(self, stream: Any, launch: Callable[[Any, Launch, tuple[int, ...]], None], name: str):
+        self.stream, self.launch_one, self.name = stream, launch, name
+        self.graphs: dict[tuple, Any] = {}
+
+    def launch(self, batch: list[Collected]) -> None:
+        """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady."""
+        if len(batch) == 1:
+            fn, dims, ptrs, _ = batch[0]
+            self.launch_one(fn, dims, ptrs)
+            return
+        key = tuple((name, dims, ptrs) for _, dims, ptrs, name in batch)
+        graph = self.graphs.get(key)
+        if isinstance(graph, int) or graph is None:
+            seen = (graph or 0) + 1
+            if seen >= GRAPH_AFTER:
+                graph = self._capture(batch)
+                self.graphs[key] = graph
+            else:
+                self.graphs[key] = seen
+                graph = None
+                for fn, dims, ptrs, _ in batch:
+                    self.launch_one(fn, dims, ptrs)
+        if graph is not None:
+            check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
+        if len(self.graphs) > GRAPHS_KEPT:
+            self.graphs.pop(next(iter(self.graphs)))
+
+    def _capture(self, batch: list[Collected]) -> Any:
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        try:
+            for fn, dims, ptrs, _ in batch:
+                self.launch_one(fn, dims, ptrs)
+        finally:
+            graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        cu.cuGraphDestroy(graph)
+        debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
+        return exe

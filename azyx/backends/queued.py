@@ -1,0 +1,103 @@
+"""What the devices of an API with an in-order queue and completion events (CUDA, OpenCL) share: each command's event
+by its timeline value, what the command holds (buffers, host arrays) until it completes, and one waiter thread per
+device that waits on the events in queue order (the GIL released while it waits) and advances the device's
+TimelineSignal; nothing polls. The waiter thread only moves a completed command's holdings to `finished`: a
+submitting thread drops them, outside the lock (`_take_done`), so buffers go back to their pools there.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from azyx.device import Device
+
+# (event, timeline value, what to run on the host once the command completed, before the timeline says so)
+Completion = tuple[Any, int, Callable[[], None] | None]
+
+
+class QueuedDevice(Device):
+    """A device whose commands complete through events of its API. A subclass puts each command's event on
+    `completions` (in value order), says how to wait on one (`wait_event`) and starts the waiter (`start_waiter`)."""
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        self.submitted = 0
+        self.events: dict[int, Any] = {}  # timeline value -> the event completing it (dropped once the waiter is past)
+        self.holding: dict[int, Any] = {}  # what queued commands use, by value, held until they complete
+        self.finished: list[Any] = []  # what completed commands held, for a submitting thread to drop
+        self.waited = 0  # the last value whose completion the waiter thread handled
+        # enqueues come from the loop and from other devices' threads; re-entrant: CUDA holds it through a batch
+        # (begin_batch .. end_batch), whose submissions take it again
+        self.lock = threading.RLock()
+        self.completions: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
+        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
+
+    # the API's part
+    def start_waiter(self) -> None:
+        """Start the waiter thread (once the subclass's API state exists: the waiter may use its context)."""
+        self.waiter.start()
+
+    def on_waiter_thread(self) -> None:
+        """Called on the waiter thread before its first wait."""
+
+    def wait_event(self, ev: Any, v: int) -> bool:
+        """Block, with the GIL released, until `ev` (the event of the command of value `v`) completes; False when the
+        command failed, its failure recorded (`record_failure`)."""
+        raise NotImplementedError
+
+    def retire(self, v: int, ev: Any) -> None:
+        """Under the lock: the waiter thread is past `ev`, the event of value `v` (CUDA recycles it)."""
+
+    def completed(self, v: int, post: Callable[[], None] | None) -> None:
+        """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran)."""
+        self.finished.append(self.holding.pop(v, None))
+        self.waited = v
+
+    # shared
+    def _wait_loop(self) -> None:
+        self.on_waiter_thread()
+        while (item := self.completions.get()) is not None:
+            ev, v, post = item
+            if self.wait_event(ev, v) and post is not None:
+                try:
+                    post()
+                except BaseException as e:
+                    self.record_failure(v, e)
+            with self.lock:
+                self.completed(v, post)
+            del ev, item, post
+            self.timeline.signal(v)
+
+    def _take_done(self) -> list[Any]:
+        """Under the lock: what completed commands held (the queue is in order: all up to the timeline's value is
+        complete, even where the waiter thread has yet to handle it), for the caller to drop outside the lock; the
+        events the waiter thread is past are retired. Both tables are in the order of their values."""
+        reached = self.timeline.value
+        done, self.finished = self.finished, []
+        holding, events = self.holding, self.events
+        while holding and (k := next(iter(holding))) <= reached:
+            done.append(holding.pop(k))
+        while events and (k := next(iter(events))) <= self.waited:
+            self.retire(k, events.pop(k))
+        return done
+
+    def collect(self) -> None:
+        with self.lock:
+            done = self._take_done()
+        del done
+
+    def pending(self) -> int:
+        return self.submitted - self.timeline.value
+
+    def queued(self) -> int:
+        return self.submitted
+
+    def stop_waiter(self) -> None:
+        """Stop the waiter thread once it has handled the completions queued, and drop what completed work held."""
+        self.completions.put(None)
+        if self.waiter.is_alive():
+            self.waiter.join(timeout=10)
+        self.collect()
