@@ -59,7 +59,7 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
         walk = canonicalize(GRAPH, targets)
         plan = rt.plan_cache.get(walk.key)
         if plan is not None:
-            rt.plan_cache.touch(walk.key)
+            rt.plan_cache.touch(plan)
             break
         if _plan_weight(walk) <= INLINE_PLAN_WEIGHT:
             plan = make_plan(rt, GRAPH, walk, targets)

@@ -6,8 +6,8 @@ Devices start lazily, on first use, so `azyx.configure()` can run first. The gra
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -28,24 +28,40 @@ from azyx.timeline import LoopEvent
 GRAPH = Graph()
 
 
-class PlanCache(OrderedDict[tuple, ExecutionPlan]):
-    """ExecutionPlans by structural key (azyx.walk), least recently used first, at most `capacity` of them: a new plan
-    past the capacity drops the least recently used one (it is planned again if its structure comes back). A realize
-    that reuses a plan moves it to the end (`touch`); the lookup itself is a plain `get`, as it is on every realize."""
+class PlanCache(dict[tuple, ExecutionPlan]):
+    """ExecutionPlans by structural key (azyx.walk), at most `capacity` of them: a new plan past the capacity drops the
+    least recently used one (it is planned again if its structure comes back). A realize that reuses a plan stamps it
+    (`touch`, by the plan's identity: hashing its key again would cost a microsecond); the lookup itself is a plain
+    dict's, as it is on every realize."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
+        self.uses = itertools.count(1)
+        self.stamps: dict[int, int] = {}  # id of a cached plan -> when it was last used
 
-    def touch(self, key: tuple) -> None:
-        self.move_to_end(key)
+    def touch(self, plan: ExecutionPlan) -> None:
+        self.stamps[id(plan)] = next(self.uses)
+
+    def least_recent(self) -> tuple:
+        """The key of the least recently used plan (a scan: only when a new plan is made, milliseconds anyway)."""
+        return min(self, key=lambda k: self.stamps[id(dict.__getitem__(self, k))])
 
     def __setitem__(self, key: tuple, plan: ExecutionPlan) -> None:
-        if key not in self:
-            while len(self) >= self.capacity:
-                self.popitem(last=False)
+        if key in self:
+            del self[key]
+        while len(self) >= self.capacity:
+            del self[self.least_recent()]
         super().__setitem__(key, plan)
-        self.move_to_end(key)
+        self.touch(plan)
+
+    def __delitem__(self, key: tuple) -> None:
+        del self.stamps[id(dict.__getitem__(self, key))]
+        super().__delitem__(key)
+
+    def clear(self) -> None:
+        self.stamps.clear()
+        super().clear()
 
 
 class Runtime:

@@ -224,12 +224,16 @@ async def test_the_plan_cache_is_bounded_least_recently_used_first(device: str) 
             got = await (Tensor(x, device=device) * 2 + 1).numpy()
             np.testing.assert_array_equal(got, x * 2 + 1)  # an evicted structure is planned again
             assert len(cache) <= cache.capacity
-        order = list(cache)  # least recently used first
+        def by_use() -> list[tuple]:  # least recently used first
+            return sorted(cache, key=lambda k: cache.stamps[id(cache[k])])
+
+        order = by_use()
         np.testing.assert_array_equal(await (Tensor(xs[0], device=device) * 2 + 1).numpy(), xs[0] * 2 + 1)
         assert set(cache) == set(order)  # a hit: no new plan ...
-        hit = list(cache)[-1]
-        assert hit != order[-1] and list(cache) == [k for k in order if k != hit] + [hit]  # ... now the most recent
-        oldest = next(iter(cache))
+        hit = by_use()[-1]
+        assert hit != order[-1] and by_use() == [k for k in order if k != hit] + [hit]  # ... now the most recent
+        oldest = cache.least_recent()
+        assert oldest == by_use()[0]
         await (Tensor(np.ones(11, np.float32), device=device) * 2 + 1).numpy()  # a new structure drops the oldest
         assert oldest not in cache and hit in cache and len(cache) <= cache.capacity
     finally:
