@@ -14,7 +14,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
-from azyx.cstyle import Dialect
+from azyx.cstyle import Dialect, kernel_source
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
 from azyx.graph import Node, Shape, StridedView
@@ -22,7 +22,7 @@ from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
-from azyx.workers import in_worker_thread_within
+from azyx.workers import in_worker_thread, in_worker_thread_within
 
 T = TypeVar("T")
 
@@ -130,6 +130,7 @@ class Device:
     listed = True  # a compute device that azyx.devices() lists
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
+    kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
@@ -139,6 +140,7 @@ class Device:
         self.capacity = 0
         self.compute = 1.0
         self.threads = 1
+        self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)
         # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
         self.failures: dict[int, BaseException] = {}
         self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
@@ -257,11 +259,32 @@ class Device:
         assert self.dialect is not None
         return render_kernel(k, self.dialect, self.threads)
 
+    # compiler: the kernels a plan needs and the device lacks -> one source -> loaded programs, by kernel name
     def has_program(self, name: str) -> bool:
         """Whether kernel `name` is compiled and loaded for this device."""
-        return False
+        return name in self.programs
 
     async def compile(self, steps: list[KernelStep]) -> None:
+        """Build and load the kernels of `steps` that are not loaded yet, as one source (each kernel once), on a worker
+        thread: the loop only waits. Past `compile_timeout_s` a CompileError names the device and the kernels; a
+        build that cannot be killed (in this process) is abandoned, while `kills_builds` backends stop their
+        compiler themselves (`build` then enforces the limit). A cancelled realize stops waiting; the build still
+        finishes into the on-disk cache."""
+        todo = {s.name: s for s in steps if s.name not in self.programs}
+        if not todo:
+            return
+        assert self.dialect is not None
+        src = kernel_source([s.src for s in todo.values()], self.dialect)
+        debug.log(debug.SOURCE, lambda: f"{self.name}: source of {', '.join(todo)}:\n{src}")
+        if self.kills_builds:
+            built = await in_worker_thread(self.build, src, list(todo.values()))
+        else:
+            built = await self.build_within_limit(list(todo), self.build, src, list(todo.values()))
+        self.programs.update(built)
+
+    def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
+        """Compile `src` (the kernels of `steps`) and load it, on a worker thread: per kernel name, what launching it
+        needs (a function handle, an entry point). Compiled artifacts go to the on-disk cache (`cached_build`)."""
         raise NotImplementedError
 
     async def build_within_limit(self, names: list[str], build: Callable[..., T], *args: Any) -> T:

@@ -34,13 +34,12 @@ from typing import Any
 
 from azyx import debug
 from azyx.backends.host import HostDevice
-from azyx.cstyle import SHARED, C, kernel_source
+from azyx.cstyle import SHARED, C
 from azyx.device import BatchState, LaunchItem, cached_build, kernel_list
 from azyx.errors import CompileError, DeviceError
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
-from azyx.workers import in_worker_thread
 
 # kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
 _PROGRAMS: dict[str, tuple[int, int]] = {}
@@ -74,6 +73,7 @@ class CDevice(HostDevice):
     kind = "c"
     dialect = C
     tiles = True
+    kills_builds = True
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
@@ -86,27 +86,17 @@ class CDevice(HostDevice):
         self.pool: int | None = None  # the C thread pool that shares kernels' loops (azyx_pool_new)
         self.serial_pool: int | None = None  # a pool of one thread (the caller): small batches run serially
         os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # for kernels with a region of their own
+        self.programs = _PROGRAMS  # (one compiler: every C device's programs are the same)
 
-    def has_program(self, name: str) -> bool:
-        return name in _PROGRAMS
-
-    async def compile(self, steps: list[KernelStep]) -> None:
-        todo = {s.name: s for s in steps if s.name not in _PROGRAMS}
-        if not todo:
-            return
-        arity = {name: len(s.args) for name, s in todo.items()}
-        kinds = {name: s.launch.parallel for name, s in todo.items()}
-        scalars = {name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for name, s in todo.items()}
-        src = kernel_source([s.src for s in todo.values()], C)  # once each
-        debug.log(debug.SOURCE, lambda: f"C source for {', '.join(todo)}:\n{src}")
+    def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
+        """The library of `src`, each kernel with its `name_argv` entry and the C runtime (built into every library),
+        compiled by the system compiler (killed at compile_timeout_s: `_run_compiler`) or found in the on-disk cache,
+        then loaded: per kernel its entry's address and parallel kind."""
+        arity = {s.name: len(s.args) for s in steps}
+        kinds = {s.name: s.launch.parallel for s in steps}
+        scalars = {s.name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for s in steps}
         # _GNU_SOURCE: the runtime's sched_getcpu
         src = "#define _GNU_SOURCE\n" + src + "\n" + _entries(arity, kinds, scalars) + "\n" + _runtime()
-        # build (or find in the disk cache) and load on a worker thread: the loop only waits; a cancelled realize
-        # stops waiting while the build still finishes into the cache
-        entries = await in_worker_thread(self._build_and_load, src, arity)  # (limited there: _run_compiler)
-        _PROGRAMS.update({name: (address, kinds[name]) for name, address in entries.items()})
-
-    def _build_and_load(self, src: str, arity: dict[str, int]) -> dict[str, int]:
         flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
         key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
 
@@ -135,7 +125,8 @@ class CDevice(HostDevice):
             lib.azyx_runner_stop.argtypes = [ctypes.c_void_p]
             lib.azyx_runner_stop.restype = None
             _RUNTIME_LIB.append(lib)
-        return {name: ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0 for name in arity}
+        return {name: (ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0, kinds[name])
+                for name in arity}
 
     def _run_compiler(self, cmd: list[str], names: list[str], src: str) -> None:
         """Run the compiler (worker thread) in a process group of its own, so that at `compile_timeout_s` the whole

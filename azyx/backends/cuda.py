@@ -38,7 +38,7 @@ from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.cuda_driver import check, cu, describe_pointer, init, nvrtc_compile, sticky
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.backends.queued import QueuedDevice
-from azyx.cstyle import CUDA, kernel_source
+from azyx.cstyle import CUDA
 from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
@@ -134,7 +134,6 @@ class CUDADevice(QueuedDevice):
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
-        self.functions: dict[str, Any] = {}  # kernel name -> CUfunction
         self.params: dict[tuple[int, ...], tuple[Any, Any, int]] = {}  # pointers -> kernelParams arrays (_launch_now)
         self.modules: list[Any] = []
         # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
@@ -207,19 +206,10 @@ class CUDADevice(QueuedDevice):
         raise AssertionError("host data reaches a CUDA device through host:0 and a transfer")
 
     # ------------------------------------------------------------------ compile and launch
-    def has_program(self, name: str) -> bool:
-        return name in self.functions
-
-    async def compile(self, steps: list[KernelStep]) -> None:
-        todo = {s.name: s for s in steps if s.name not in self.functions}
-        if not todo:
-            return
-        src = kernel_source([s.src for s in todo.values()], CUDA)
-        debug.log(debug.SOURCE, lambda: f"CUDA source for {', '.join(todo)}:\n{src}")
-        # compile and load on a worker thread: a module load takes milliseconds (and waits for the device to idle)
-        self.functions.update(await self.build_within_limit(list(todo), self._build_and_load, src, list(todo)))
-
-    def _build_and_load(self, src: str, names: list[str]) -> dict[str, Any]:
+    def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
+        """NVRTC's cubin (cached on disk), loaded as a module: per kernel its CUfunction. On a worker thread: a module
+        load takes milliseconds, and waits for the device to idle."""
+        names = [s.name for s in steps]
         try:
             cubin = nvrtc_compile(src, self.arch)
         except CompileError as e:
@@ -443,7 +433,7 @@ class CUDADevice(QueuedDevice):
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
-        fn = self.functions[step.name]
+        fn = self.programs[step.name]  # a CUfunction
         # per kernel, not per name: kernels of one source may differ in grid (a row-sum's rows, a product's batch are
         # not in their source, so several shapes share one compiled function)
         dims = step.launch

@@ -22,7 +22,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
-from azyx.cstyle import OPENCL, kernel_source
+from azyx.cstyle import OPENCL
 from azyx.device import Buffer, Device, host_read, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
@@ -74,7 +74,6 @@ class OpenCLDevice(QueuedDevice):
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
-        self.kernels: dict[str, Any] = {}  # kernel name -> cl.Kernel
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
@@ -111,21 +110,10 @@ class OpenCLDevice(QueuedDevice):
         ev.wait()
 
     # ------------------------------------------------------------------ compile and launch
-    def has_program(self, name: str) -> bool:
-        return name in self.kernels
-
-    async def compile(self, steps: list[KernelStep]) -> None:
-        todo = [s for s in steps if s.name not in self.kernels]
-        if not todo:
-            return
-        src = kernel_source([s.src for s in {s.name: s for s in todo}.values()], OPENCL)
-        debug.log(debug.SOURCE, lambda: f"OpenCL source for {', '.join(s.name for s in todo)}:\n{src}")
-        names = [s.name for s in todo]
-        self.kernels.update(await self.build_within_limit(names, self._build, src, names))
-
-    def _build(self, src: str, names: list[str]) -> dict[str, Any]:
+    def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread: pyopencl makes
-        each new kernel's Python invoker then, which takes milliseconds."""
+        each new kernel's Python invoker then, which takes milliseconds. (pyopencl caches built binaries on disk.)"""
+        names = [s.name for s in steps]
         try:
             program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
@@ -171,7 +159,7 @@ class OpenCLDevice(QueuedDevice):
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
-        knl = self.kernels[step.name]
+        knl = self.programs[step.name]  # a cl.Kernel
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
         mems: list[Any] = [b.mem for b in bufs]
         if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has
