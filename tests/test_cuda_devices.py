@@ -113,7 +113,8 @@ def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> No
     own finalizer, then handed out again: two blocks aliased, copies failed or read each other's data.)"""
     import gc
 
-    from azyx.backends.cuda import _Staging, check, cu
+    from azyx.backends.cuda_copy import _Staging
+    from azyx.backends.cuda_driver import check, cu
 
     dev = RT.device("cuda:0")
     size_attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE

@@ -392,7 +392,7 @@ import asyncio
 import numpy as np
 import azyx
 from azyx import Tensor
-from azyx.backends.cuda import check, cu, nvrtc_compile
+from azyx.backends.cuda_driver import check, cu, nvrtc_compile
 from azyx.runtime import RT
 
 async def main():

@@ -1,0 +1,247 @@
+"""The CUDA backend's copies: through pinned (page-locked) staging blocks to and from host memory, in chunks so that
+a chunk's DMA overlaps the host copy of the next; device to device on the stream; peer-to-peer between devices.
+`StagedCopies` is the part of `CUDADevice` that implements the device protocol's transfer calls (the executor routes
+each transfer); the stream, its deferred commands and their completion are cuda.py's."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
+
+import numpy as np
+
+from azyx import debug
+from azyx.allocator import PoolAllocator
+from azyx.backends.cuda_driver import check, cu, describe_pointer
+from azyx.backends.queued import QueuedDevice
+from azyx.device import Buffer, Device, host_read
+from azyx.dtypes import DType
+from azyx.errors import DeviceError
+from azyx.graph import Shape, StridedView
+from azyx.workers import in_background
+
+STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
+SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
+
+
+class _Pinned:
+    """Page-locked host memory. Owned by a device's staging pool, which frees it when the device closes: never
+    with its last reference, because a `__del__` here would run when the cyclic GC finalizes a garbage cycle that
+    holds a `_Staging` (whose own `__del__` then puts this block back in the pool: resurrected, with its memory
+    freed under it; the driver then hands the address out again, and two blocks alias)."""
+
+    __slots__ = ("nbytes", "ptr", "array")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+
+
+class _Staging:
+    """A pinned block lent by a device's staging pool (`block`: one it had cached); back to the pool with its last
+    reference."""
+
+    __slots__ = ("pool", "pinned", "size")
+    pinned: _Pinned
+    size: int
+
+    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[_Pinned, int] | None = None):
+        self.pool = pool
+        self.pinned, self.size = block if block is not None else pool.alloc(nbytes)
+
+    def __del__(self) -> None:
+        if hasattr(self, "size"):  # not when the allocation failed
+            self.pool.free(self.pinned, self.size)
+
+
+class StagedCopies(QueuedDevice):
+    """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
+
+    stream: Any
+    ctx: Any
+    cu_device: Any
+    staging: PoolAllocator  # pinned blocks, kept for reuse (freeing page-locked memory synchronises the device)
+    peers: set[int]  # indices of the devices peer access was asked for with
+
+    def use(self) -> None:
+        raise NotImplementedError
+
+    def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
+                post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None) -> int:
+        raise NotImplementedError
+
+    def _pinned(self, size: int) -> _Pinned:
+        """A new pinned block for the staging pool."""
+        self.use()  # pinned memory is allocated in a context, on whichever thread needs staging
+        return _Pinned(size)
+
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"), waits,
+                            (src, dst))
+
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        sdev = cast(StagedCopies, src.device)
+        self._enable_peer(sdev)
+        return self._submit(lambda: check(cu.cuMemcpyPeerAsync(dst.ptr, self.ctx, src.ptr, sdev.ctx, n, self.stream),
+                                          "cuMemcpyPeerAsync"), waits, (src, dst))
+
+    def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A pinned block the staging pool has cached, to be read into and then copied from with one DMA. Else plain
+        host memory: this runs on the loop, and pinning fresh memory takes milliseconds, so `copy_from_host` stages
+        that through pinned chunks on a worker thread instead (whose blocks the pool then keeps for the next time)."""
+        block = self.staging.reuse(nbytes)
+        if block is None:
+            return super().host_staging(nbytes)
+        staged = _Staging(self.staging, nbytes, block)
+        return staged.pinned.array[:nbytes], staged
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        """From this device's pinned staging (`host_staging`: `keep` is its block): one DMA. From other host memory:
+        through pinned chunks, overlapped (`_upload`)."""
+        n = host.nbytes
+        if isinstance(keep, _Staging):
+            pinned = keep.pinned
+
+            def dma() -> None:
+                if n:
+                    check(cu.cuMemcpyHtoDAsync(dst.ptr + offset, pinned.ptr, n, self.stream), "H2D")
+
+            return self._submit(dma, waits, (keep, dst))
+        flat = host.reshape(-1).view(np.uint8)
+        return self._upload(n, lambda o, out: out.__setitem__(slice(None), flat[o:o + out.nbytes]), dst, offset,
+                            waits, (keep, dst), at_once=n <= SYNC_STAGE)
+
+    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, offset: int,
+                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False) -> int:
+        """Host bytes -> this device (into `dst` from byte `offset`) through pinned chunks: `fill(o, chunk)` writes
+        each (`o`: its offset in the bytes). A ready source that may be staged `at_once` (small) is staged here;
+        otherwise a worker thread fills the chunks once the source is ready, and each chunk's DMA is a deferred
+        command that goes on the stream once its chunk is filled (the DMA of one chunk overlaps the filling of the
+        next)."""
+        chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
+        # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
+        # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
+        stages: list[list[_Staging]] = [[] for _ in chunks]
+
+        def dma(i: int) -> None:
+            o, size = chunks[i]
+            if size:
+                pinned, at = stages[i][0].pinned, dst.ptr + offset + o
+                check(cu.cuMemcpyHtoDAsync(at, pinned.ptr, size, self.stream),
+                      f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
+
+        def dma_all() -> None:
+            for i in range(len(chunks)):
+                dma(i)
+
+        def fill_chunk(i: int) -> None:
+            o, size = chunks[i]
+            stages[i].append(_Staging(self.staging, max(size, 1)))
+            fill(o, stages[i][0].pinned.array[:size])
+
+        if at_once and all(d.timeline.value >= v for d, v in waits):
+            for i in range(len(chunks)):
+                fill_chunk(i)
+            return self._submit(dma_all, [], (keep, stages))
+        staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
+
+        def stage() -> None:
+            try:
+                for i in range(len(chunks)):
+                    fill_chunk(i)
+                    staged[i].set()
+            except BaseException as e:
+                self.record_failure(v, e)  # (v: the last chunk's value, set before this runs)
+            finally:
+                for ev in staged:  # never leave the submitter waiting
+                    ev.set()
+
+        v = 0
+        for i in range(len(chunks)):
+            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
+        _after(waits, lambda: in_background(stage))
+        return v
+
+    def _enable_peer(self, other: StagedCopies) -> None:
+        """Peer access between the two contexts, both ways (a copy may run on either one's stream)."""
+        if other.index in self.peers:
+            return
+        self.peers.add(other.index)
+        other.peers.add(self.index)
+        can = all(check(cu.cuDeviceCanAccessPeer(a.cu_device, b.cu_device), "cuDeviceCanAccessPeer")
+                  for a, b in ((self, other), (other, self)))
+        if can:
+            for a, b in ((self, other), (other, self)):
+                a.use()
+                err = cu.cuCtxEnablePeerAccess(b.ctx, 0)[0]
+                if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                    check((err,), "cuCtxEnablePeerAccess")
+            self.use()
+        debug.log(debug.DEVICES, f"{self.name} <-> {other.name}: peer access {'on' if can else 'unavailable'}")
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        """A read in stream order into the host array `out`, overlapped: each chunk's DMA lands in pinned memory and
+        the waiter thread copies it out while the next chunk's DMA runs. Returns the last chunk's value."""
+        n = out.nbytes
+        flat = out.reshape(-1).view(np.uint8)
+        v = 0
+        for o in range(0, max(n, 1), STAGE):
+            size = min(STAGE, n - o)
+            cell: list[_Staging] = []  # its pinned block: taken here when small, else on the submitter thread
+
+            def take(size: int = size, cell: list[_Staging] = cell) -> None:
+                cell.append(_Staging(self.staging, max(size, 1)))
+
+            def enqueue(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
+                if size:
+                    staged = cell[0]
+                    at = buf.ptr + offset + o
+                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, at, size, self.stream)[0]
+                    if int(err) != 0:
+                        raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(at)} (of "
+                                          f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
+                                          f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
+
+            def post(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
+                flat[o:o + size] = cell[0].pinned.array[:size]  # on the waiter thread
+
+            if n <= SYNC_STAGE:
+                take()
+                v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
+            else:  # pinning fresh memory takes milliseconds per chunk: never on the caller's (the loop's) thread
+                v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
+        return v
+
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        """Blocking read on a worker thread (the buffer is ready): queued in stream order, then waited for."""
+        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        host = np.empty(buf.nbytes, np.uint8)
+        self.read_into(buf, host)
+        return host_read(host, view, shape, dtype)
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        """Blocking write of raw bytes (worker threads)."""
+        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
+        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, 0, [],
+                         (buf, host), at_once=True)
+        self.timeline.wait_sync(v)
+
+
+def _wait_set(ev: threading.Event) -> None:
+    ev.wait()
+
+
+def _after(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
+    """Run `fn` once every (device, value) of `waits` is reached (on the thread that reaches the last one)."""
+    if not waits:
+        fn()
+        return
+    (dev, v), rest = waits[0], waits[1:]
+    dev.timeline.on_reach(v, lambda: _after(rest, fn))
