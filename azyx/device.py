@@ -121,7 +121,16 @@ def buffer_of(n: Node) -> Buffer:
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
-    """One logical device: allocator, queue, timeline signal, compiler and launcher."""
+    """One logical device. The protocol has four parts, split as runtimes that serve many APIs split it:
+    - memory: a pooled allocator (allocator.PoolAllocator) behind `alloc`/`release`/`free_memory`, reads and writes;
+    - compiler: the kernels a plan needs -> one source -> loaded `programs` (`compile`, the backend's `build`),
+      artifacts in one on-disk cache (`cached_build`), within `compile_timeout_s`;
+    - program/launch: `render` (name, source, `Launch`) and `launch`/`launch_many` of loaded programs;
+    - queue + timeline: in-order work, each item a value of the device's TimelineSignal (`pending`, `queued`, `poll`,
+      `collect`), waits on other devices' values kept on the device side, failures recorded per value; the transfer
+      calls (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`) that the executor routes queue there too.
+    A backend writes what differs for its API; the shared parts are here, in allocator.py, backends/host.py (the
+    host-memory work queue) and backends/queued.py (event completion for APIs with events)."""
 
     kind: str = "abstract"
     dialect: Dialect | None = None
@@ -205,7 +214,7 @@ class Device:
         """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
         return self.timeline.value + self.pending()
 
-    # memory
+    # memory (the allocator)
     def free_memory(self) -> int:
         raise NotImplementedError
 
@@ -225,8 +234,8 @@ class Device:
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         raise NotImplementedError
 
-    # work: the executor's two entry points; `waits` are (device, timeline value) pairs to wait for first,
-    # on the device side (its queue's wait primitive or its worker thread), never on the event loop
+    # program/launch, onto the queue: `waits` are (device, timeline value) pairs to wait for first, on the device side
+    # (its queue's wait primitive or its worker thread), never on the event loop
     def pending(self) -> int:
         return 0
 

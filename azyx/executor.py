@@ -73,7 +73,7 @@ class UnifiedExecutor:
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
     def execute_kernel(self, items: list[LaunchItem], same_device: bool = False,
-                        batch: BatchState | None = None) -> int:
+                       batch: BatchState | None = None) -> int:
         """Kernels of one device that run back to back (one piece of work where the device can make it one), each
         with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan, where the
         device keeps what it derives from them for the plan's next run."""

@@ -1,7 +1,7 @@
 """The user API: a `Tensor` is a handle (an id into the graph); every op appends one node and returns.
 
-Nothing here touches a device. `await t.realize()` hands the graph to the planner (plan.py) and the
-executor (executor.py).
+Nothing here touches a device. `await t.realize()` hands the graph to the async path (realize.py): the scheduler
+(schedule.py) plans it and the executor (executor.py) runs the plan.
 """
 
 from __future__ import annotations
