@@ -217,12 +217,12 @@ class _Compile:
 
     __slots__ = ("loop", "event", "error")
 
-    def __init__(self, loop: Any):
+    def __init__(self, loop: int):
         self.loop, self.event = loop, LoopEvent()
         self.error: BaseException | None = None
 
 
-def _loop_identity() -> Any:
+def _loop_identity() -> int:
     lib = sniffio.current_async_library()
     if lib == "asyncio":
         import asyncio
