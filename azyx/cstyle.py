@@ -60,6 +60,11 @@ class Dialect:
     # integer max/min as azyx_max/azyx_min of the prelude: NVRTC (CUDA 13) miscompiles `(-x > acc ? -x : acc)` in
     # an unrolled reduce that starts at INT_MIN (max(-x, c) rewritten as -min(x, -c)); an asm max is opaque to it
     int_minmax: bool = False
+    cast: str = "(({t}){x})"  # a conversion of {x} to type {t}
+    fns: dict[str, str] = field(default_factory=dict)  # math functions under another name (GLSL: fabs is abs)
+    int64_suffix: str = "LL"
+    double_suffix: str = ""  # (GLSL: an unsuffixed literal is a float)
+    glsl: bool = False  # buffers are bindings and scalars a words buffer, shared memory is global, the entry is main
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -233,7 +238,7 @@ def _literal_text(v: object, d: DType, dl: Dialect) -> str:
 
 
 def _fn(name: str, d: DType, dl: Dialect) -> str:
-    return name + (dl.fn_suffix_f32 if dl.compute_type(d) == dl.types["float32"] else "")
+    return dl.fns.get(name, name) + (dl.fn_suffix_f32 if dl.compute_type(d) == dl.types["float32"] else "")
 
 
 def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> str:
@@ -242,6 +247,10 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
     sd = src_dtype
     t = dl.compute_type(sd)
     fl = sd.is_float
+
+    def c(e: str) -> str:  # `e` converted to the operands' compute type
+        return dl.cast.format(t=t, x=e)
+
     if op == "neg":
         return f"(-{x})"
     if op == "abs":
@@ -251,28 +260,29 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
     if op == "square":
         return f"({x}*{x})"
     if op == "sign":
-        return f"(({t})(({x}>0)-({x}<0)))" if not fl else f"({x}!={x}?{x}:({t})(({x}>0)-({x}<0)))"
+        sign = f"({c(f'{x}>0')}-{c(f'{x}<0')})"
+        return sign if not fl else f"({x}!={x}?{x}:{sign})"
     if op == "relu":
-        return f"({x}<0?({t})0:{x})"  # NaN stays NaN
+        return f"({x}<0?{c('0')}:{x})"  # NaN stays NaN
     if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil"):
         return f"{_fn(op, sd, dl)}({x})"
     if op == "round":
         return f"{_fn('rint', sd, dl)}({x})"
     if op == "rsqrt":
-        return f"(({t})1/{_fn('sqrt', sd, dl)}({x}))"
+        return f"({c('1')}/{_fn('sqrt', sd, dl)}({x}))"
     if op == "reciprocal":
-        return f"(({t})1/{x})"
+        return f"({c('1')}/{x})"
     if op == "sigmoid":
-        return f"(({t})1/(({t})1+{_fn('exp', sd, dl)}(-{x})))"
+        return f"({c('1')}/({c('1')}+{_fn('exp', sd, dl)}(-{x})))"
     if op == "silu":
-        return f"({x}/(({t})1+{_fn('exp', sd, dl)}(-{x})))"
+        return f"({x}/({c('1')}+{_fn('exp', sd, dl)}(-{x})))"
     if op == "gelu":
-        return f"(({t})0.5*{x}*(({t})1+{_fn('erf', sd, dl)}({x}*({t})0.7071067811865476)))"
+        return f"({c('0.5')}*{x}*({c('1')}+{_fn('erf', sd, dl)}({x}*{c('0.7071067811865476')})))"
     if op == "gelu_tanh":  # 0.5*x*(1+tanh(z)) == x*sigmoid(2z): no cancellation in 1+tanh for very negative x
-        return (f"({x}/(({t})1+{_fn('exp', sd, dl)}(({t})-1.5957691216057308*"
-                f"({x}+({t})0.044715*{x}*{x}*{x}))))")
+        return (f"({x}/({c('1')}+{_fn('exp', sd, dl)}({c('-1.5957691216057308')}*"
+                f"({x}+{c('0.044715')}*{x}*{x}*{x}))))")
     if op == "softplus":
-        return f"(({x}>0?{x}:({t})0)+{_fn('log1p', sd, dl)}({_fn('exp', sd, dl)}(-{_fn('fabs', sd, dl)}({x}))))"
+        return f"(({x}>0?{x}:{c('0')})+{_fn('log1p', sd, dl)}({_fn('exp', sd, dl)}(-{_fn('fabs', sd, dl)}({x}))))"
     y = a[1] if len(a) > 1 else ""
     binops = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
               "eq": "==", "ne": "!="}
@@ -291,15 +301,15 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
     if op == "floordiv":
         if fl:
             return f"{_fn('floor', sd, dl)}({x}/{y})"
-        return f"({y}==0?({t})0:({t})({x}/{y}-((({x}%{y})!=0)&&(({x}<0)!=({y}<0)))))"
+        return f"({y}==0?{c('0')}:{c(f'{x}/{y}-' + c(f'(({x}%{y})!=0)&&(({x}<0)!=({y}<0))'))})"
     if op == "mod":
         if fl:
             r = f"{_fn('fmod', sd, dl)}({x},{y})"  # a zero remainder takes the divisor's sign (numpy, Python)
-            return f"(({r}!=0)?((({r}<0)!=({y}<0))?{r}+{y}:{r}):{_fn('copysign', sd, dl)}(({t})0,{y}))"
+            return f"(({r}!=0)?((({r}<0)!=({y}<0))?{r}+{y}:{r}):{_fn('copysign', sd, dl)}({c('0')},{y}))"
         r = f"({x}%{y})"
-        return f"({y}==0?({t})0:(({r}!=0&&(({r}<0)!=({y}<0)))?({t})({r}+{y}):{r}))"
+        return f"({y}==0?{c('0')}:(({r}!=0&&(({r}<0)!=({y}<0)))?{c(f'{r}+{y}')}:{r}))"
     if op == "pow":
-        return f"{_fn('pow', sd, dl)}({x},{y})" if fl else f"(({t})ipow({x},{y}))"
+        return f"{_fn('pow', sd, dl)}({x},{y})" if fl else c(f"ipow({x},{y})")
     raise AssertionError(f"no rendering for op {op}")
 
 
@@ -387,8 +397,8 @@ class _Renderer:
             if s.dtype.is_float and v.dtype.is_int and v.dtype.itemsize < 8:
                 # float -> narrow int through int64, then wrap: C leaves an out-of-range conversion undefined (x86
                 # wraps, a GPU saturates: -2.5 -> uint8 is 254 on one, 0 on the other); numpy and PyTorch wrap
-                return f"(({t})({dl.compute_type(dtypes.int64)}){self.ref(s)})"
-            return f"(({t}){self.ref(s)})"
+                return dl.cast.format(t=t, x=dl.cast.format(t=dl.compute_type(dtypes.int64), x=self.ref(s)))
+            return dl.cast.format(t=t, x=self.ref(s))
         if v.op == "where":
             c, a, b = (self.ref(s) for s in v.src)
             return f"({c}?{a}:{b})"
