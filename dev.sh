@@ -12,6 +12,9 @@ command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
 # OpenCL on the CPU: Debian's PoCL (the PyPI PoCL wheel cannot build kernels on these CPUs)
 [ -e /etc/OpenCL/vendors/pocl.icd ] || need_apt+=(pocl-opencl-icd ocl-icd-libopencl1)
+# GLSL -> SPIR-V and its validator: the GLSL dialect's shaders are compiled in tests (tests/test_glsl_compile.py)
+command -v glslc >/dev/null 2>&1 || need_apt+=(glslc)
+command -v spirv-val >/dev/null 2>&1 || need_apt+=(spirv-tools)
 command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)  # the HTTP load generator of bench/serve.py (run quick in CI)
 if [ ${#need_apt[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"

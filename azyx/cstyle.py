@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.ops import REDUCE
-from azyx.symbolic import Div, Lin, Mod, Var
+from azyx.symbolic import Cond, Div, Lin, Mod, Var
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class Dialect:
     int64_suffix: str = "LL"
     double_suffix: str = ""  # (GLSL: an unsuffixed literal is a float)
     glsl: bool = False  # buffers are bindings and scalars a words buffer, shared memory is global, the entry is main
+    bools: tuple[str, str] = ("0", "1")  # false, true
+    max_groups: int = 0  # work groups per grid dimension (0: no limit); a longer grid folds into the next dimension
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -208,6 +210,78 @@ CUDA = Dialect(
 )
 
 
+_GLSL_PRELUDE = """#version 450
+#extension GL_EXT_shader_explicit_arithmetic_types : require
+#extension GL_EXT_shader_8bit_storage : require
+#extension GL_EXT_shader_16bit_storage : require
+#define INFINITY uintBitsToFloat(0x7f800000u)
+#define NAN uintBitsToFloat(0x7fc00000u)
+float bf2f(uint16_t x) { return uintBitsToFloat(uint(x) << 16); }
+uint16_t f2bf(float f) {
+  uint i = floatBitsToUint(f);
+  if (f != f) return uint16_t(0x7fc0);
+  return uint16_t((i + 0x7fffu + ((i >> 16) & 1u)) >> 16);
+}
+float f16r(float x) { return float(float16_t(x)); }
+float azyx_fmod(float a, float b) { return a - b * trunc(a / b); }
+double azyx_fmod(double a, double b) { return a - b * trunc(a / b); }
+float azyx_copysign(float a, float b) { return (floatBitsToUint(b) >> 31) != 0u ? -abs(a) : abs(a); }
+double azyx_copysign(double a, double b) { return (unpackDouble2x32(b).y >> 31) != 0u ? -abs(a) : abs(a); }
+float azyx_log1p(float x) { float u = 1.0 + x; return u == 1.0 ? x : log(u) * (x / (u - 1.0)); }
+float azyx_erf(float x) {  /* Abramowitz and Stegun 7.1.26: |error| < 1.5e-7 */
+  float t = 1.0 / (1.0 + 0.3275911 * abs(x));
+  float y = 1.0 - ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t
+    * exp(-x * x);
+  return x < 0.0 ? -y : y;
+}
+float azyx_pow(float x, float y) {  /* C's pow: GLSL's is undefined for x <= 0 */
+  if (y == 0.0 || x == 1.0) return 1.0;
+  if (x == 0.0) return y < 0.0 ? INFINITY : 0.0;
+  float r = exp2(y * log2(abs(x)));
+  if (x < 0.0) { if (y != floor(y)) return NAN; if (mod(y, 2.0) == 1.0) r = -r; }
+  return r;
+}
+int64_t ipow(int64_t a, int64_t b) {
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) != 0 ? -1 : 1) : 0);
+  int64_t r = 1; while (b != 0) { if ((b & 1) != 0) r *= a; a *= a; b >>= 1; } return r;
+}
+"""
+
+GLSL = Dialect(
+    name="glsl",
+    kernel_prefix="",
+    buffer_qual="",
+    restrict="",
+    index_type="int64_t",
+    types={"bool": "uint8_t", "int8": "int8_t", "uint8": "uint8_t", "int16": "int16_t", "int32": "int",
+           "uint32": "uint", "int64": "int64_t", "float16": "float16_t", "bfloat16": "uint16_t", "float32": "float",
+           "float64": "double"},
+    fn_suffix_f32="",
+    prelude=_GLSL_PRELUDE,
+    pragmas=False,
+    global_ids="gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x",
+    block=64,
+    compute_types={"bool": "bool"},
+    loads={"bool": "({buf}[{idx}]!=uint8_t(0))", "float16": "float({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
+    stores={"bool": "{buf}[{idx}] = uint8_t({val});", "float16": "{buf}[{idx}] = float16_t({val});",
+            "bfloat16": "{buf}[{idx}] = f2bf({val});"},
+    rounds={"float16": "f16r({x})", "bfloat16": "bf2f(f2bf(float({x})))"},
+    narrow_index="int",
+    group_size=64,
+    group_ids=("(gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x)", "gl_LocalInvocationID.x"),
+    shared="shared",
+    barrier="memoryBarrierShared(); barrier();",
+    cast="{t}({x})",
+    fns={"fabs": "abs", "rint": "roundEven", "fmod": "azyx_fmod", "copysign": "azyx_copysign", "log1p": "azyx_log1p",
+         "erf": "azyx_erf", "pow": "azyx_pow"},
+    int64_suffix="l",
+    double_suffix="lf",
+    glsl=True,
+    bools=("false", "true"),
+    max_groups=65535,
+)
+
+
 def _literal(v: object, d: DType, dl: Dialect) -> str:
     """A constant in source, parenthesised when negative: `x - (-0.75)` must not render as `x--0.75f`."""
     s = _literal_text(v, d, dl)
@@ -216,33 +290,41 @@ def _literal(v: object, d: DType, dl: Dialect) -> str:
 
 def _literal_text(v: object, d: DType, dl: Dialect) -> str:
     if d.is_bool:
-        return "1" if v else "0"
+        return dl.bools[bool(v)]
     if d.is_int:
         iv = int(v)  # type: ignore[call-overload]
         if d.itemsize == 8:
-            return f"{iv}LL" if iv != -(2**63) else "(-9223372036854775807LL-1)"
+            sfx = dl.int64_suffix
+            return f"{iv}{sfx}" if iv != -(2**63) else f"(-9223372036854775807{sfx}-1)"
         if iv == -(2**31) and d.itemsize == 4:
             return "(-2147483647-1)"
-        return f"{iv}u" if d.kind == "u" else str(iv)
+        text = f"{iv}u" if d.kind == "u" else str(iv)
+        return dl.cast.format(t=dl.ctype(d), x=text) if dl.glsl and d.itemsize < 4 else text  # (no 8/16-bit literals)
     fv = float(v)  # type: ignore[arg-type]
     single = dl.compute_type(d) == dl.types["float32"]
     if math.isnan(fv):
-        return "NAN" if single else "((double)NAN)"
+        return "NAN" if single else dl.cast.format(t=dl.types["float64"], x="NAN")
     if math.isinf(fv):
         s = "-" if fv < 0 else ""
-        return f"({s}INFINITY)" if single else f"({s}(double)INFINITY)"
+        return f"({s}INFINITY)" if single else f"({s}{dl.cast.format(t=dl.types['float64'], x='INFINITY')})"
     r = repr(fv)
     if "e" not in r and "." not in r:
         r += ".0"
-    return f"{r}f" if single else r
+    return f"{r}f" if single else r + dl.double_suffix
 
 
 def _fn(name: str, d: DType, dl: Dialect) -> str:
     return dl.fns.get(name, name) + (dl.fn_suffix_f32 if dl.compute_type(d) == dl.types["float32"] else "")
 
 
+_BOOL_AS_INT = {"add", "sub", "mul", "lt", "le", "gt", "ge", "max", "min"}
+
+
 def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> str:
     """Source text of one elementwise op; `d` is the result dtype, `src_dtype` the operands' dtype."""
+    if dl.glsl and src_dtype.is_bool and op in _BOOL_AS_INT:  # GLSL has no arithmetic or ordering on bool
+        e = alu_expr(op, dtypes.int32, [dl.cast.format(t="int", x=x) for x in a], dl, dtypes.int32)
+        return f"({e}!=0)" if d.is_bool and op in ("add", "sub", "mul", "max", "min") else e
     x = a[0]
     sd = src_dtype
     t = dl.compute_type(sd)
@@ -339,6 +421,7 @@ class _Renderer:
         self.scalars = scalar_args(k)  # by-value parameters after the buffers, bound on every run
         self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
         self.lines: list[str] = []
+        self.globals: list[str] = []  # declarations a GLSL shader has outside main (shared memory)
         self.depth = 1
         self.count = 0
         self.uset = set(k.uvars)
@@ -346,6 +429,15 @@ class _Renderer:
         self.simd = "#pragma omp simd"
         self.group = group_size(k, dl)
         self.it = dl.narrow_index if dl.narrow_index and index_fits(k, self.group) else dl.index_type
+
+    def cond(self, c: Cond) -> str:
+        if not self.dl.glsl:
+            return c.render()
+        below = "uint({x})<{n}u" if self.it == "int" else "uint64_t({x})<{n}ul"
+        return c.render(below, *self.dl.bools)
+
+    def cast(self, t: str, x: str) -> str:
+        return self.dl.cast.format(t=t, x=x)
 
     def emit(self, line: str) -> None:
         self.lines.append("  " * self.depth + line)
@@ -384,10 +476,10 @@ class _Renderer:
             # A masked load (under a pad) reads a clamped, always valid index; the pad's select above it picks
             # the fill value. No conditional memory access: gcc 12 -O3 -march=native vectorises `c ? p[i] : 0`
             # wrongly when `c` depends on an outer loop.
-            i = idx.render() if cond.always else f"({cond.render()})?{idx.render()}:0"
+            i = idx.render() if cond.always else f"({self.cond(cond)})?{idx.render()}:0"
             return dl.loads.get(v.dtype.name, "{buf}[{idx}]").format(buf=f"d{param}", idx=i)
         if v.op == "cond":
-            return f"({v.arg.render()})"
+            return f"({self.cond(v.arg)})"
         if v.op == "cast":
             s, t = v.src[0], dl.compute_type(v.dtype)
             if v.dtype.is_bool:
@@ -459,13 +551,17 @@ class _Renderer:
                 place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
 
         shared = parallel_loop(k, dl, self.threads)
+        if dl.glsl:
+            header = "void main()"
+            self.emit_scalar_words()
         params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
         for i, d in enumerate(k.params):
             const = "" if i < len(k.stores) else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
         params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
-        header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
+        if not dl.glsl:
+            header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 
         par = self._parallel_plan(reduces, place, order)
         # the innermost loop of a plain elementwise kernel vectorises along itself: left to choose, gcc vectorises the
@@ -475,16 +571,18 @@ class _Renderer:
         it = self.it
         if self.group and self.group == dl.warp:  # a warp per output point, the group's size / warp points a group
             per = dl.group_size // dl.warp
-            self.emit(f"{it} gid = {dl.group_ids[0]} * {per} + ({dl.group_ids[1]} / {dl.warp}), "
-                      f"lid = {dl.group_ids[1]} % {dl.warp};")
+            self.emit(f"{it} gid = {self.cast(it, dl.group_ids[0])} * {per} + ({self.cast(it, dl.group_ids[1])} / "
+                      f"{dl.warp}), lid = {self.cast(it, dl.group_ids[1])} % {dl.warp};")
             self.emit(f"if (gid >= {k.global_size}) return;  /* whole warps return: their shuffles stay uniform */")
         elif self.group:  # one work group per point of the global loops; no early return (all reach the barriers)
-            self.emit(f"{it} gid = {dl.group_ids[0]}, lid = {dl.group_ids[1]};")
+            self.emit(f"{it} gid = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
+            if dl.max_groups:  # a folded grid's groups past the last point (whole groups: before any barrier)
+                self.emit(f"if (gid >= {k.global_size}) return;")
         elif vectorized(k, dl):  # four points per work item, 16-byte loads and stores
             self.vector_body(order)
             return f"{header} {{\n" + "\n".join(self.lines) + "\n}\n"
         elif dl.global_ids and n:  # one work item per point of the global loops
-            self.emit(f"{it} gid = {dl.global_ids};")
+            self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
             self.emit(f"if (gid >= {k.global_size}) return;")
         for lvl in range(n + 1):
             items = [v for v in order if place[id(v)] == lvl]
@@ -515,7 +613,36 @@ class _Renderer:
             for _ in k.gvars:
                 self.close()
         body = "\n".join(self.lines)
-        return f"{header} {{\n{body}\n}}\n"
+        return f"{self.glsl_interface()}{header} {{\n{body}\n}}\n"
+
+    def glsl_interface(self) -> str:
+        """A GLSL shader's part before main: its name (a comment, so the source names its kernel), the prelude, the
+        work group size, one storage buffer binding per parameter (outputs first), the scalars' words after them
+        (binding n: scalar j is words 2j and 2j+1 of its 64-bit word), and shared memory."""
+        if not self.dl.glsl:
+            return ""
+        k, dl = self.k, self.dl
+        out = [dl.prelude, f"// {self.name}", f"layout(local_size_x = {work_group(k, dl)}) in;"]
+        for i, d in enumerate(k.params):
+            access = "restrict" if i < len(k.stores) else "restrict readonly"
+            out.append(f"layout(std430, set = 0, binding = {i}) {access} buffer B{i} {{ {dl.ctype(d)} d{i}[]; }};")
+        if self.scalars:
+            n = len(k.params)
+            out.append(f"layout(std430, set = 0, binding = {n}) restrict readonly buffer S {{ uint sw[]; }};")
+        out += self.globals
+        return "\n".join(out) + "\n"
+
+    def emit_scalar_words(self) -> None:
+        """GLSL: each scalar argument from its two 32-bit words (SCALAR_CODES: the value's bytes, zero padded)."""
+        for j, v in enumerate(self.scalars):
+            t, lo, hi = self.dl.compute_type(v.dtype), f"sw[{2 * j}]", f"sw[{2 * j + 1}]"
+            if v.dtype.is_float:
+                x = f"packDouble2x32(uvec2({lo}, {hi}))" if v.dtype.itemsize == 8 else f"uintBitsToFloat({lo})"
+            elif v.dtype.itemsize == 8:
+                x = f"{t}(packUint2x32(uvec2({lo}, {hi})))"
+            else:
+                x = f"{t}({lo})" if v.dtype.kind != "i" or v.dtype.itemsize == 4 else f"{t}(int({lo}))"
+            self.emit(f"{t} sc{j} = {x};")
 
     def vector_body(self, order: list[V]) -> None:
         """A plain elementwise float32 kernel over one loop (see `vectorized`), four points per work item: each
@@ -617,6 +744,7 @@ class _Renderer:
                 self.stmt(v)
             body_v = r.src[0]
             val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
+            val = self.cast("int", val) if r.dtype.is_bool else val
             self.emit(f"{name} = {comb.format(a=name, b=val)};")
             if c:
                 self.close()
@@ -629,7 +757,7 @@ class _Renderer:
             return
         if dl.shuffle:  # within each warp by shuffles, then the warps' results in one warp
             warps = size // dl.warp
-            self.emit(f"{dl.shared} {acc_t} {sh}[{warps}];")
+            self.declare_shared(f"{dl.shared} {acc_t} {sh}[{warps}];")
             self._warp_tree(name, comb, acc_t)
             self.emit(f"if (lid % {dl.warp} == 0) {sh}[lid / {dl.warp}] = {name};")
             self.emit(dl.barrier)
@@ -637,7 +765,7 @@ class _Renderer:
             self._warp_tree(name, comb, acc_t, warps)
             self.emit(dl.barrier)  # every item has read before a later reduce of this kernel writes shared memory
         else:  # a tree in shared memory
-            self.emit(f"{dl.shared} {acc_t} {sh}[{size}];")
+            self.declare_shared(f"{dl.shared} {acc_t} {sh}[{size}];")
             self.emit(f"{sh}[lid] = {name};")
             self.emit(dl.barrier)
             self.open(f"for (int s = {size // 2}; s > 0; s >>= 1)")
@@ -646,6 +774,13 @@ class _Renderer:
             self.close()
             self.emit(f"{name} = {sh}[0];")
         self.names[id(r)] = f"({name}!=0)" if r.dtype.is_bool else name
+
+    def declare_shared(self, line: str) -> None:
+        """Shared memory: declared where it is used, but at global scope in GLSL."""
+        if self.dl.glsl:
+            self.globals.append(line)
+        else:
+            self.emit(line)
 
     def _vector_operands(self, r: V, body: list[V]) -> set[int] | None:
         """With `dl.vector4`: the float32 parameters a grouped reduce's body reads along its one reduce variable, each
@@ -716,6 +851,7 @@ class _Renderer:
                 if depth[id(v)] == d:
                     self.stmt(v)
         val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
+        val = self.cast("int", val) if r.dtype.is_bool else val
         self.emit(f"{ref} = {comb.format(a=ref, b=val)};")
         for _ in uvars:
             self.close()
@@ -761,6 +897,17 @@ def vectorized(k: Kernel, dl: Dialect) -> bool:
     if any(v.op == "reduce" for v in toposort(*k.values)):
         return False
     return all(k.params[i] is dtypes.float32 and _is_var(idx, k.gvars[0]) for i, (idx, _) in enumerate(k.stores))
+
+
+def work_group(k: Kernel, dl: Dialect) -> int:
+    """Work items per group of a GPU-style kernel, as its launch has them (launch.Launch.group)."""
+    group = group_size(k, dl)
+    if dl.warp and group == dl.warp:  # a warp per output point, several warps per group
+        return dl.group_size
+    if group:  # a group per output point (a grouped reduce)
+        return group
+    n = max(k.global_size, 1) // (4 if vectorized(k, dl) else 1)
+    return min(dl.block, max(n, 1))
 
 
 def _is_var(x: Lin, g: Var) -> bool:

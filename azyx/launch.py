@@ -7,7 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from azyx import gemm
-from azyx.cstyle import SERIAL, Dialect, group_size, kernel_name, parallel_kind, parallel_loop, render, vectorized
+from azyx.cstyle import (
+    SERIAL,
+    Dialect,
+    group_size,
+    kernel_name,
+    parallel_kind,
+    parallel_loop,
+    render,
+    vectorized,
+    work_group,
+)
 from azyx.ir import Kernel
 
 
@@ -42,12 +52,11 @@ def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = N
         loop = parallel_loop(k, dl, threads)
         return Launch(trip=0 if loop is None else k.gvars[loop].vmax + 1, parallel=parallel_kind(k, dl, threads))
     n = max(k.global_size, 1)
-    group = group_size(k, dl)
-    if dl.warp and group == dl.warp:  # a warp per output point, several warps per group
-        per = dl.group_size // dl.warp
-        return Launch((-(-n // per), 1, 1), dl.group_size)
-    if group:  # a group per output point (a grouped reduce)
-        return Launch((n, 1, 1), group)
-    if vectorized(k, dl):  # four points per work item
-        n //= 4
-    return Launch((-(-n // dl.block), 1, 1), min(dl.block, n))
+    group = work_group(k, dl)
+    if group_size(k, dl):  # a group per output point (a warp per point: several points per group)
+        groups = -(-n // (group // dl.warp)) if dl.warp and group_size(k, dl) == dl.warp else n
+    else:  # one work item per point (four, vectorised)
+        groups = -(-(n // 4 if vectorized(k, dl) else n) // group)
+    if dl.max_groups and groups > dl.max_groups:  # too many for one dimension: rows of max_groups
+        return Launch((dl.max_groups, -(-groups // dl.max_groups), 1), group)
+    return Launch((groups, 1, 1), group)

@@ -221,10 +221,10 @@ class Cond:
     def key(self) -> tuple:
         return (self.never, tuple((x.key, lo, hi) for x, lo, hi in self.facts))
 
-    def render(self) -> str:
-        """C-family text; a two-sided fact is one unsigned compare, `(unsigned long)(x - lo) < hi - lo`."""
+    def render(self, below: str = "(unsigned long)({x})<{n}ul", false: str = "0", true: str = "1") -> str:
+        """C-family text; a two-sided fact is one unsigned compare, `below` (x - lo as unsigned, below hi - lo)."""
         if self.never:
-            return "0"
+            return false
         parts: list[str] = []
         for x, lo, hi in self.facts:
             if x.vmin >= lo:
@@ -232,8 +232,8 @@ class Cond:
             elif x.vmax < hi:
                 parts.append(f"{x.render()}>={lo}")
             else:
-                parts.append(f"(unsigned long)({(x - lo).render()})<{hi - lo}ul")
-        return "&&".join(parts) if parts else "1"
+                parts.append(below.format(x=(x - lo).render(), n=hi - lo))
+        return "&&".join(parts) if parts else true
 
     def vars(self) -> set[Var]:
         return {v for x, _, _ in self.facts for v in lin_vars(x)}

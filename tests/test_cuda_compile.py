@@ -4,7 +4,7 @@ itself (AZYX_TEST_DEVICES=cuda:0); here the rendering and the compiler are what 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +16,8 @@ try:  # NVRTC's library ships in the nvidia-cuda-nvrtc wheel
     nvrtc.nvrtcVersion()
 except Exception as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"NVRTC unavailable: {e}", allow_module_level=True)
+
+from kernel_families import BINARY, UNARY  # noqa: E402
 
 import azyx  # noqa: E402
 from azyx import Tensor, gemm  # noqa: E402
@@ -55,15 +57,6 @@ def compile_all(steps: list) -> bytes:
     cubin = nvrtc_compile(kernel_source([s.src for s in {s.name: s for s in steps}.values()], CUDA), "sm_90")
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF image
     return cubin
-
-
-UNARY = ["abs", "exp", "log", "exp2", "log2", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tan", "tanh",
-         "erf", "sigmoid", "relu", "gelu", "silu", "softplus", "sign", "floor", "ceil", "round", "square"]
-BINARY: list[Callable[[Tensor, Tensor], Tensor]] = [
-    lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda a, b: a / b, lambda a, b: a // b,
-    lambda a, b: a % b, lambda a, b: a ** b, lambda a, b: a.maximum(b), lambda a, b: a.minimum(b),
-    lambda a, b: Tensor.where(a < b, a, b), lambda a, b: (a == b) | (a >= b),
-]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
