@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from azyx.dtypes import DType, dtypes
+from azyx.errors import DTypeError
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Div, Lin, Mod, Var
@@ -313,7 +314,14 @@ def _literal_text(v: object, d: DType, dl: Dialect) -> str:
     return f"{r}f" if single else r + dl.double_suffix
 
 
+# math functions GLSL has for float only: a float64 op that needs one has no shader (DTypeError when it is rendered)
+GLSL_FLOAT_ONLY = frozenset({"exp", "log", "exp2", "log2", "sin", "cos", "tan", "tanh", "erf", "log1p", "pow"})
+
+
 def _fn(name: str, d: DType, dl: Dialect) -> str:
+    if dl.glsl and d is dtypes.float64 and name in GLSL_FLOAT_ONLY:
+        raise DTypeError(f"float64 {name} has no GLSL (Vulkan) implementation: GLSL computes it for float32 only; "
+                         f"cast to float32 first")
     return dl.fns.get(name, name) + (dl.fn_suffix_f32 if dl.compute_type(d) == dl.types["float32"] else "")
 
 

@@ -86,7 +86,8 @@ def test_reductions_movement_and_pads_compile(glsl_planning: None, tmp_path: Pat
     compiled(tmp_path, x.sum(axis=1), x.sum(axis=0), x.max(axis=1), x.min(), x.sum(), x.mean(axis=1),
              x.prod(axis=1), x.softmax(axis=-1), x.log_softmax(axis=-1), x.T + 1,
              x.reshape(32, 512)[::2, 3:300].flip(1), x.pad(((1, 2), (3, 4))) * 2,
-             x[:4].expand(2, 4, 1024).permute(2, 0, 1) + 0, (x > 0).max(axis=1), x.argmax(axis=1), t(64, 32) @ t(32, 48))
+             x[:4].expand(2, 4, 1024).permute(2, 0, 1) + 0, (x > 0).max(axis=1), x.argmax(axis=1),
+             t(64, 32) @ t(32, 48))
 
 
 def test_the_shader_interface(glsl_planning: None, tmp_path: Path) -> None:
@@ -115,3 +116,12 @@ def test_grids_past_the_dimension_limit_fold_into_rows(glsl_planning: None, tmp_
     rows = t(70000, 256).sum(axis=1)
     (step,) = compiled(tmp_path, rows)
     assert step.launch.grid == (65535, 2, 1) and "if (gid >= 70000) return;" in step.src
+
+
+def test_float64_math_that_glsl_lacks_raises_naming_the_dtype_and_device(glsl_planning: None) -> None:
+    """GLSL's exp, log, sin, pow... take float only: a float64 one raises DTypeError naming the dtype, the op and the
+    device when planned (the runtime stays usable: float32 plans right after)."""
+    x = t(8).cast("float64")
+    with pytest.raises(azyx.DTypeError, match=r"dummy:0: float64 exp has no GLSL"):
+        azyx.schedule(x.exp())
+    assert azyx.schedule(x.cast("float32").exp()).kernels
