@@ -366,6 +366,16 @@ class Device:
         pass
 
 
+def after_waits(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
+    """Run `fn` once every (device, value) of `waits` is reached (on the thread that reaches the last one; at once
+    when all are)."""
+    if not waits:
+        fn()
+        return
+    (dev, v), rest = waits[0], waits[1:]
+    dev.timeline.on_reach(v, lambda: after_waits(rest, fn))
+
+
 def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
     """Copy a strided view of host memory into a new C-contiguous array (bfloat16 widened to float32)."""
     item = dtype.itemsize
