@@ -208,8 +208,11 @@ class _Lent:
         self.block, self.size = device.staging.alloc(nbytes)
 
     def __del__(self) -> None:
-        if hasattr(self, "size"):  # not when the allocation failed
-            self.device.give_back(self.device.staging, self.block, self.size)
+        try:
+            if hasattr(self, "size"):  # not when the allocation failed
+                self.device.give_back(self.device.staging, self.block, self.size)
+        except Exception:  # interpreter shutdown
+            pass
 
 
 class _Program:
@@ -251,7 +254,9 @@ class VulkanDevice(QueuedDevice):
         if not 0 <= index < len(physical):
             raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
         self.closed = False
-        self.live = 0  # blocks made and not destroyed yet
+        self.live = 0  # blocks made and not destroyed yet (made and destroyed on any thread: under live_lock)
+        self.live_lock = threading.Lock()
+        self.ctx_gone = False
         self.ctx = context(physical[index])
         try:
             self._setup(options)
@@ -339,13 +344,23 @@ class VulkanDevice(QueuedDevice):
             raise
         vk.vkBindBufferMemory(self.vkdev, buffer, memory, 0)
         array = np.frombuffer(vk.vkMapMemory(self.vkdev, memory, 0, size, 0), np.uint8) if mapped else None
-        self.live += 1
+        with self.live_lock:
+            self.live += 1
         return _Block(buffer, memory, size, array)
 
     def _destroy(self, block: _Block) -> None:
         vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
         vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
-        self.live -= 1
+        with self.live_lock:
+            self.live -= 1
+
+    def _let_context_go(self) -> None:
+        """Once the device has closed and its last block is destroyed: its use of the shared context ends (once)."""
+        with self.live_lock:
+            if not self.closed or self.live or self.ctx_gone:
+                return
+            self.ctx_gone = True
+        self.ctx.release()
 
     def give_back(self, pool: PoolAllocator, block: _Block, size: int) -> None:
         """A block back to its pool; once the device has closed, destroyed instead (the last lets the context go)."""
@@ -354,8 +369,7 @@ class VulkanDevice(QueuedDevice):
             return
         pool.free(None, size)
         self._destroy(block)
-        if self.live == 0:
-            self.ctx.release()
+        self._let_context_go()
 
     def memory(self) -> MemoryUsage:
         return self.allocator.usage()
@@ -714,6 +728,8 @@ class VulkanDevice(QueuedDevice):
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
+        """(A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst` is the
+        transfer's own, written once, as the executor's destinations are.)"""
         return self._from_host(host, dst, waits, keep, offset, at_once=False)
 
     def _from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any, offset: int,
@@ -762,7 +778,8 @@ class VulkanDevice(QueuedDevice):
                         self._signal(self.gate, self.gates)
         except vk.VkError:
             pass
-        self.closed = True
+        with self.live_lock:
+            self.closed = True
         self.stop_waiter()
         with self.lock:
             dev = self.vkdev
@@ -784,8 +801,7 @@ class VulkanDevice(QueuedDevice):
         for pool in (self.allocator, self.staging):
             for block in pool.take_cached():
                 self._destroy(block)
-        if self.live == 0:  # (else the last block given back lets the context go)
-            self.ctx.release()
+        self._let_context_go()  # (or the last block given back, later)
 
 
 def _mapping(block: _Block) -> np.ndarray:
