@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 import traceback
 from collections.abc import Callable
@@ -286,14 +288,18 @@ class Device:
         todo = {s.name: s for s in steps if s.name not in self.programs}
         if not todo:
             return
-        assert self.dialect is not None
-        src = kernel_source([s.src for s in todo.values()], self.dialect)
+        src = self.source(list(todo.values()))
         debug.log(debug.SOURCE, lambda: f"{self.name}: source of {', '.join(todo)}:\n{src}")
         if self.kills_builds:
             built = await in_worker_thread(self.build, src, list(todo.values()))
         else:
             built = await self.build_within_limit(list(todo), self.build, src, list(todo.values()))
         self.programs.update(built)
+
+    def source(self, steps: list[KernelStep]) -> str:
+        """The one source of the kernels of `steps` that `build` compiles: the dialect's prelude and each kernel."""
+        assert self.dialect is not None
+        return kernel_source([s.src for s in steps], self.dialect)
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Compile `src` (the kernels of `steps`) and load it, on a worker thread: per kernel name, what launching it
@@ -364,6 +370,16 @@ class Device:
         pass
 
 
+def after_waits(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
+    """Run `fn` once every (device, value) of `waits` is reached (on the thread that reaches the last one; at once
+    when all are)."""
+    if not waits:
+        fn()
+        return
+    (dev, v), rest = waits[0], waits[1:]
+    dev.timeline.on_reach(v, lambda: after_waits(rest, fn))
+
+
 def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
     """Copy a strided view of host memory into a new C-contiguous array (bfloat16 widened to float32)."""
     item = dtype.itemsize
@@ -393,3 +409,36 @@ def cached_build(kind: str, key: str, suffix: str, build: Callable[[Path], None]
         finally:
             tmp.unlink(missing_ok=True)
     return path
+
+
+def run_compiler(cmd: list[str], what: str, timeout_s: float, src: str) -> bytes:
+    """Run a compiler (worker thread) in a process group of its own, so that at `timeout_s` (a device's
+    compile_timeout_s) the whole group goes (a driver such as gcc runs cc1 and as as its children); raise CompileError
+    on a timeout or a failure, naming `what` (the device and the kernels). Returns its standard output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise CompileError(f"{what} took longer than compile_timeout_s={timeout_s:g} s; its process group was "
+                           f"killed") from None
+    finally:
+        if proc.poll() is None:  # any other way out (an interrupt): no compiler is left behind
+            _kill_group(proc)
+    if proc.returncode != 0:
+        raise CompileError(f"{what} failed (exit {proc.returncode}):\n{err.decode(errors='replace')}"
+                           f"{out.decode(errors='replace')}\n--- source ---\n{src}")
+    return out
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a compiler's process group and reap it (its pipes close with the group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # a process that left the group holds the pipes: stop reading them
+        proc.kill()
+        proc.wait()

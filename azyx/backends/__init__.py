@@ -16,6 +16,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "c": ("azyx.backends.c", "CDevice"),
     "opencl": ("azyx.backends.opencl", "OpenCLDevice"),
     "cuda": ("azyx.backends.cuda", "CUDADevice"),
+    "vulkan": ("azyx.backends.vulkan", "VulkanDevice"),
     "dummy": ("azyx.backends.dummy", "DummyDevice"),
 }
 

@@ -23,8 +23,6 @@ import functools
 import hashlib
 import os
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from collections import deque
@@ -35,8 +33,8 @@ from typing import Any
 from azyx import debug
 from azyx.backends.host import HostDevice
 from azyx.cstyle import SHARED, C
-from azyx.device import BatchState, LaunchItem, cached_build, kernel_list
-from azyx.errors import CompileError, DeviceError
+from azyx.device import BatchState, LaunchItem, cached_build, kernel_list, run_compiler
+from azyx.errors import DeviceError
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
@@ -90,8 +88,8 @@ class CDevice(HostDevice):
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry and the C runtime (built into every library),
-        compiled by the system compiler (killed at compile_timeout_s: `_run_compiler`) or found in the on-disk cache,
-        then loaded: per kernel its entry's address and parallel kind."""
+        compiled by the system compiler (killed at compile_timeout_s: `device.run_compiler`) or found in the on-disk
+        cache, then loaded: per kernel its entry's address and parallel kind."""
         arity = {s.name: len(s.args) for s in steps}
         kinds = {s.name: s.launch.parallel for s in steps}
         scalars = {s.name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for s in steps}
@@ -104,7 +102,9 @@ class CDevice(HostDevice):
             c_path = tmp_lib.with_suffix(".c")  # the compiler's input, as private as its output
             try:
                 c_path.write_text(src)
-                self._run_compiler([self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], list(arity), src)
+                what = f"{self.name}: {self.compiler} compiling {kernel_list(list(arity))}"
+                run_compiler([self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], what,
+                             self.compile_timeout_s, src)
             finally:
                 c_path.unlink(missing_ok=True)
 
@@ -127,25 +127,6 @@ class CDevice(HostDevice):
             _RUNTIME_LIB.append(lib)
         return {name: (ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0, kinds[name])
                 for name in arity}
-
-    def _run_compiler(self, cmd: list[str], names: list[str], src: str) -> None:
-        """Run the compiler (worker thread) in a process group of its own, so that at `compile_timeout_s` the whole
-        group goes (a driver such as gcc runs cc1 and as as its children); raise CompileError on a timeout or a
-        failure, naming the device and the kernels."""
-        what = f"{self.name}: {self.compiler} compiling {kernel_list(names)}"
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=self.compile_timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise CompileError(f"{what} took longer than compile_timeout_s={self.compile_timeout_s:g} s; its process "
-                               f"group was killed") from None
-        finally:
-            if proc.poll() is None:  # any other way out (an interrupt): no compiler is left behind
-                _kill_group(proc)
-        if proc.returncode != 0:
-            raise CompileError(f"{what} failed (exit {proc.returncode}):\n{err.decode(errors='replace')}\n"
-                               f"--- source ---\n{src}")
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
@@ -187,19 +168,6 @@ class CDevice(HostDevice):
         if self.serial_pool is not None and (worker is None or not worker.is_alive()):
             _RUNTIME_LIB[0].azyx_pool_free(self.serial_pool)
             self.serial_pool = None
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a compiler's process group and reap it (its pipes close with the group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    try:
-        proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:  # a process that left the group holds the pipes: stop reading them
-        proc.kill()
-        proc.wait()
 
 
 class _Layout:

@@ -107,7 +107,6 @@ class CUDADevice(StagedCopies):
         self.handed = 0  # the last value given to the waiter thread
         self.demanded = 0  # the highest value someone waited for: a command recorded later up to it is handed over
         self.timeline.demand = self._demand
-        self.posts: collections.deque[int] = collections.deque()  # values whose host-side `post` has not run yet
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
         self.ready = threading.Condition(self.lock)
@@ -332,11 +331,6 @@ class CUDADevice(StagedCopies):
         self.record_failure(v, cause)
         self.fail(cause)
         return False
-
-    def completed(self, v: int, post: Callable[[], None] | None) -> None:
-        if post is not None:
-            self.posts.popleft()
-        super().completed(v, post)
 
     def retire(self, v: int, ev: Any) -> None:
         if self.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past

@@ -17,10 +17,8 @@ from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import check, cu, describe_pointer
 from azyx.backends.queued import QueuedDevice
-from azyx.device import Buffer, Device, host_read
-from azyx.dtypes import DType
+from azyx.device import Buffer, Device, after_waits
 from azyx.errors import DeviceError
-from azyx.graph import Shape, StridedView
 from azyx.workers import in_background
 
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
@@ -164,7 +162,7 @@ class StagedCopies(QueuedDevice):
         v = 0
         for i in range(len(chunks)):
             v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
-        _after(waits, lambda: in_background(stage))
+        after_waits(waits, lambda: in_background(stage))
         return v
 
     def _enable_peer(self, other: StagedCopies) -> None:
@@ -217,15 +215,6 @@ class StagedCopies(QueuedDevice):
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
         return v
 
-    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        """Blocking read on a worker thread (the buffer is ready): queued in stream order, then waited for."""
-        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
-
-    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-        host = np.empty(buf.nbytes, np.uint8)
-        self.read_into(buf, host)
-        return host_read(host, view, shape, dtype)
-
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads)."""
         data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
@@ -237,11 +226,3 @@ class StagedCopies(QueuedDevice):
 def _wait_set(ev: threading.Event) -> None:
     ev.wait()
 
-
-def _after(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
-    """Run `fn` once every (device, value) of `waits` is reached (on the thread that reaches the last one)."""
-    if not waits:
-        fn()
-        return
-    (dev, v), rest = waits[0], waits[1:]
-    dev.timeline.on_reach(v, lambda: _after(rest, fn))

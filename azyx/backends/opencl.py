@@ -23,10 +23,9 @@ from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import OPENCL
-from azyx.device import Buffer, Device, host_read, kernel_list
-from azyx.dtypes import DType, scalar_size
+from azyx.device import Buffer, Device, kernel_list
+from azyx.dtypes import scalar_size
 from azyx.errors import CompileError, DeviceError
-from azyx.graph import Shape, StridedView
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 
@@ -98,11 +97,6 @@ class OpenCLDevice(QueuedDevice):
             with self.lock:
                 ev = cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False)
             ev.wait()
-
-    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-        host = np.empty(buf.nbytes, np.uint8)
-        self.read_into(buf, host)
-        return host_read(host, view, shape, dtype)
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         with self.lock:

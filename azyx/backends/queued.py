@@ -7,12 +7,17 @@ submitting thread drops them, outside the lock (`_take_done`), so buffers go bac
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from azyx.device import Device
+import numpy as np
+
+from azyx.device import Buffer, Device, host_read
+from azyx.dtypes import DType
+from azyx.graph import Shape, StridedView
 
 # (event, timeline value, what to run on the host once the command completed, before the timeline says so)
 Completion = tuple[Any, int, Callable[[], None] | None]
@@ -29,6 +34,7 @@ class QueuedDevice(Device):
         self.holding: dict[int, Any] = {}  # what queued commands use, by value, held until they complete
         self.finished: list[Any] = []  # what completed commands held, for a submitting thread to drop
         self.waited = 0  # the last value whose completion the waiter thread handled
+        self.posts: collections.deque[int] = collections.deque()  # values whose host-side `post` has not run yet
         # enqueues come from the loop and from other devices' threads; re-entrant: CUDA holds it through a batch
         # (begin_batch .. end_batch), whose submissions take it again
         self.lock = threading.RLock()
@@ -53,10 +59,22 @@ class QueuedDevice(Device):
 
     def completed(self, v: int, post: Callable[[], None] | None) -> None:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran)."""
+        if post is not None:  # (a subclass appends `v` to `posts` as it submits a command with a `post`)
+            self.posts.popleft()
         self.finished.append(self.holding.pop(v, None))
         self.waited = v
 
     # shared
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        """Blocking read on a worker thread (the buffer is ready): queued in order (`copy_to_host`), then waited
+        for."""
+        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        host = np.empty(buf.nbytes, np.uint8)
+        self.read_into(buf, host)
+        return host_read(host, view, shape, dtype)
+
     def _wait_loop(self) -> None:
         self.on_waiter_thread()
         while (item := self.completions.get()) is not None:

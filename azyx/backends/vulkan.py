@@ -1,0 +1,822 @@
+"""The Vulkan backend on the `vulkan` package (cffi over the system loader, libvulkan.so.1): every physical device
+with a compute queue is a `vulkan:N` device. Each kernel is one GLSL compute shader (its KernelStep's `src`),
+compiled by `glslc` to SPIR-V (cached on disk), validated by `spirv-val`, and loaded as one compute pipeline.
+
+Shader interface (the renderer's contract): descriptor set 0, bindings 0..n-1 are the kernel's buffers in order
+(std430 storage buffers); a kernel with scalar arguments reads them from binding n, a read-only storage buffer of
+uint32 (scalar j is words 2j, low, and 2j+1, high, of its 64-bit word). A launch dispatches `Launch.grid` work groups;
+the shader declares its own local size. A storage binding holds at most `maxStorageBufferRange` bytes (lavapipe:
+128 MiB): for now a larger buffer is refused (AllocationError naming the size and the device).
+
+Memory: pooled VkBuffers, each with its own VkDeviceMemory. Where the device's memory is host memory (a CPU device
+such as lavapipe, an integrated GPU) it is mapped once and stays mapped: host reads and writes are memcpys. Elsewhere
+it is device-local and host transfers go through a pool of mapped staging buffers, by copy commands on the queue.
+
+Completion: one timeline semaphore per device; every submission signals the next value, which is the value of the
+device's TimelineSignal. One waiter thread per device waits on it value by value (`vkWaitSemaphores`; cffi
+releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queued.QueuedDevice`).
+
+Waits: on another vulkan device of the same physical device (one VkDevice serves all the `vulkan:N` of one physical
+device, see `device_ids`) the submission waits on that device's timeline semaphore. On any other device (C, OpenCL,
+CUDA, a vulkan device of another physical device) it waits on a value of this device's gate semaphore, which the
+host signals once the other device's timeline reaches its value (`TimelineSignal.on_reach`): nothing blocks the
+submitting thread or the event loop. Gates open in order (the queue runs in order anyway).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from azyx import debug
+from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.backends.queued import QueuedDevice
+from azyx.device import (
+    BatchState,
+    Buffer,
+    Device,
+    LaunchItem,
+    after_waits,
+    cached_build,
+    kernel_list,
+    run_compiler,
+)
+from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.plan import KernelStep
+from azyx.workers import in_background
+
+try:
+    import vulkan as vk
+except (ImportError, OSError) as e:  # OSError: the package is there, the loader (libvulkan.so.1) is not
+    raise ImportError(f"the vulkan package or the Vulkan loader is missing: {e}") from None
+
+ffi = vk.ffi
+SYNC_STAGE = 1 << 20  # a ready host source up to this size is copied at once; larger ones on a worker thread
+WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in slices of this (so that close stops it)
+GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
+SETS_PER_POOL = 64  # descriptor sets per descriptor pool of a command buffer
+BUFFER_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
+                vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+HOST_VISIBLE = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+# every command's writes before every later command and the host's reads (the queue is in order; a barrier orders
+# all the commands submitted before it, in earlier command buffers too, before all those after it)
+BARRIER_SRC, BARRIER_DST = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, (vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT |
+                                                                  vk.VK_PIPELINE_STAGE_HOST_BIT)
+ACCESS_DST = vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT
+# features a kernel may need, enabled where the device has them: (struct, field)
+OPTIONAL_FEATURES = [("core", "shaderInt64"), ("core", "shaderFloat64"), ("core", "shaderInt16"),
+                     ("v11", "storageBuffer16BitAccess"), ("v12", "storageBuffer8BitAccess"), ("v12", "shaderInt8"),
+                     ("v12", "shaderFloat16")]
+
+
+# ------------------------------------------------------------------------------------------------ instance, contexts
+@functools.cache
+def instance() -> Any:
+    """The process's VkInstance (Vulkan 1.2 at least: timeline semaphores are core there)."""
+    app = vk.VkApplicationInfo(sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName="azyx",
+                               apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
+    try:
+        return vk.vkCreateInstance(vk.VkInstanceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
+                                                           pApplicationInfo=app), None)
+    except vk.VkError as e:
+        raise DeviceError(f"no Vulkan instance (is a Vulkan driver installed?): {type(e).__name__}") from None
+
+
+def compute_family(pd: Any) -> int | None:
+    """The first queue family of a physical device that runs compute work."""
+    for i, q in enumerate(vk.vkGetPhysicalDeviceQueueFamilyProperties(pd)):
+        if q.queueFlags & vk.VK_QUEUE_COMPUTE_BIT:
+            return i
+    return None
+
+
+def device_list(options: dict[str, Any]) -> list[int]:
+    """Indices (into the instance's physical devices) of the configured ones that run compute work (`device_ids`:
+    all when none are named; an index may repeat, for several logical devices on one physical device)."""
+    try:
+        pds = vk.vkEnumeratePhysicalDevices(instance())
+    except vk.VkError as e:
+        raise DeviceError(f"no Vulkan physical device: {type(e).__name__}") from None
+    wanted = options.get("device_ids") or list(range(len(pds)))
+    return [i for i in wanted if 0 <= i < len(pds) and compute_family(pds[i]) is not None]
+
+
+class _Context:
+    """One VkDevice and its compute queue, shared by the vulkan devices of one physical device (so that they wait
+    on each other's semaphores and copy between each other's buffers). Queue submissions are serialised here."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.pd = vk.vkEnumeratePhysicalDevices(instance())[index]
+        self.props = vk.vkGetPhysicalDeviceProperties(self.pd)
+        self.limits = self.props.limits
+        self.family = compute_family(self.pd)
+        self.memory = vk.vkGetPhysicalDeviceMemoryProperties(self.pd)
+        v11 = vk.VkPhysicalDeviceVulkan11Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES)
+        v12 = vk.VkPhysicalDeviceVulkan12Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+                                                  pNext=v11)
+        feats = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=v12)
+        vk.vkGetPhysicalDeviceFeatures2(self.pd, feats)
+        if not v12.timelineSemaphore:
+            raise DeviceError(f"Vulkan device {self.props.deviceName} has no timeline semaphores")
+        have = {"core": feats.features, "v11": v11, "v12": v12}
+        self.features = {name: bool(getattr(have[s], name)) for s, name in OPTIONAL_FEATURES}
+        # enable what the device has (a fresh chain: the queried one is the input)
+        on11 = vk.VkPhysicalDeviceVulkan11Features(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
+            **{n: 1 for s, n in OPTIONAL_FEATURES if s == "v11" and self.features[n]})
+        on12 = vk.VkPhysicalDeviceVulkan12Features(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, pNext=on11, timelineSemaphore=1,
+            **{n: 1 for s, n in OPTIONAL_FEATURES if s == "v12" and self.features[n]})
+        core = vk.VkPhysicalDeviceFeatures(**{n: 1 for s, n in OPTIONAL_FEATURES if s == "core" and self.features[n]})
+        queue = vk.VkDeviceQueueCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+                                           queueFamilyIndex=self.family, queueCount=1, pQueuePriorities=[1.0])
+        try:
+            self.device = vk.vkCreateDevice(self.pd, vk.VkDeviceCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=on12, queueCreateInfoCount=1,
+                pQueueCreateInfos=[queue], pEnabledFeatures=core), None)
+        except vk.VkError as e:
+            raise DeviceError(f"vkCreateDevice failed on {self.props.deviceName}: {type(e).__name__}") from None
+        self.queue = vk.vkGetDeviceQueue(self.device, self.family, 0)
+        self.qlock = threading.Lock()
+        self.users = 0  # vulkan devices (and their buffers still out after they closed) that use it
+
+    def submit(self, info: Any) -> None:
+        with self.qlock:
+            vk.vkQueueSubmit(self.queue, 1, [info], None)
+
+    def release(self) -> None:
+        """A user is done with it; the last one destroys the VkDevice."""
+        self.users -= 1
+        if self.users == 0:
+            _CONTEXTS.pop(self.index, None)
+            vk.vkDeviceWaitIdle(self.device)
+            vk.vkDestroyDevice(self.device, None)
+
+
+_CONTEXTS: dict[int, _Context] = {}  # physical device index -> its context
+_CONTEXT_LOCK = threading.Lock()
+
+
+def context(index: int) -> _Context:
+    with _CONTEXT_LOCK:
+        ctx = _CONTEXTS.get(index)
+        if ctx is None:
+            ctx = _CONTEXTS[index] = _Context(index)
+        ctx.users += 1
+        return ctx
+
+
+@functools.cache
+def glslc_version() -> str:
+    if shutil.which("glslc") is None:
+        raise DeviceError("glslc (GLSL -> SPIR-V) not found on PATH (Debian: apt install glslc)")
+    return subprocess.run(["glslc", "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+# ------------------------------------------------------------------------------------------------ memory
+class _Block:
+    """A VkBuffer bound to its own VkDeviceMemory; `array` (uint8) and `ptr` are its mapping (None, 0 unmapped)."""
+
+    __slots__ = ("buffer", "memory", "size", "array", "ptr")
+
+    def __init__(self, buffer: Any, memory: Any, size: int, array: np.ndarray | None):
+        self.buffer, self.memory, self.size, self.array = buffer, memory, size, array
+        self.ptr = array.ctypes.data if array is not None else 0
+
+
+class _Lent:
+    """A staging block lent by a device's staging pool; back to it (or destroyed, once the device has closed) with its
+    last reference."""
+
+    __slots__ = ("device", "block", "size")
+    block: _Block
+    size: int
+
+    def __init__(self, device: VulkanDevice, nbytes: int):
+        self.device = device
+        self.block, self.size = device.staging.alloc(nbytes)
+
+    def __del__(self) -> None:
+        try:
+            if hasattr(self, "size"):  # not when the allocation failed
+                self.device.give_back(self.device.staging, self.block, self.size)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _Program:
+    """What launching a kernel needs: its pipeline, layout and descriptor set layout, and its binding count."""
+
+    __slots__ = ("pipeline", "layout", "set_layout", "bindings")
+
+    def __init__(self, pipeline: Any, layout: Any, set_layout: Any, bindings: int):
+        self.pipeline, self.layout, self.set_layout, self.bindings = pipeline, layout, set_layout, bindings
+
+
+class _Commands:
+    """A command buffer with the descriptor pools its sets came from and the staging block of its scalar words;
+    recycled once its submission completed (its pools reset, its words block back to the pool)."""
+
+    __slots__ = ("cb", "pools", "words", "sets")
+
+    def __init__(self, cb: Any):
+        self.cb = cb
+        self.pools: list[Any] = []
+        self.words: _Lent | None = None
+        self.sets = 0  # sets taken from the last pool
+
+
+class VulkanDevice(QueuedDevice):
+    kind = "vulkan"
+    dialect = None  # the GLSL dialect of the C-family renderer, once it lands (kernels are complete shaders)
+    kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
+
+    @classmethod
+    def count(cls, options: dict[str, Any]) -> int:
+        """The configured physical devices (`device_ids`) that have a compute queue."""
+        return len(device_list(options))
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        physical = device_list(options)
+        glslc_version()  # (raises where glslc is missing: nothing could be compiled)
+        if not 0 <= index < len(physical):
+            raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
+        self.closed = False
+        self.live = 0  # blocks made and not destroyed yet (made and destroyed on any thread: under live_lock)
+        self.live_lock = threading.Lock()
+        self.ctx_gone = False
+        self.ctx = context(physical[index])
+        try:
+            self._setup(options)
+        except BaseException:
+            self.ctx.release()
+            raise
+        self.start_waiter()
+
+    def _setup(self, options: dict[str, Any]) -> None:
+        ctx = self.ctx
+        self.vkdev = ctx.device
+        self.label = ctx.props.deviceName
+        self.limits = ctx.limits
+        self.max_groups = tuple(self.limits.maxComputeWorkGroupCount)
+        self.max_range = int(self.limits.maxStorageBufferRange)
+        self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
+        self.features = ctx.features
+        dtype = ctx.props.deviceType
+        # memory types a storage buffer may take, and which to use for device buffers and for staging
+        probe = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=64, usage=BUFFER_USAGE,
+            sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+        bits = vk.vkGetBufferMemoryRequirements(self.vkdev, probe).memoryTypeBits
+        vk.vkDestroyBuffer(self.vkdev, probe, None)
+        host_memory = dtype in (vk.VK_PHYSICAL_DEVICE_TYPE_CPU, vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU)
+        unified = self._memory_type(bits, DEVICE_LOCAL | HOST_VISIBLE)
+        self.mapped = host_memory and unified is not None
+        device_type = unified if self.mapped else self._memory_type(bits, DEVICE_LOCAL)
+        staging_type = (self._memory_type(bits, HOST_VISIBLE | vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT)
+                        or self._memory_type(bits, HOST_VISIBLE))
+        if device_type is None or staging_type is None:
+            raise DeviceError(f"{self.name}: no memory type for storage buffers")
+        heap = ctx.memory.memoryHeaps[ctx.memory.memoryTypes[device_type].heapIndex].size
+        self.capacity = int(options.get("memory") or heap * 3 // 4)
+        # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
+        self.allocator = PoolAllocator(self.capacity, self.capacity,
+                                       functools.partial(self._create, device_type, self.mapped), self.name)
+        self.staging = PoolAllocator(1 << 40, 1 << 40, functools.partial(self._create, staging_type, True),
+                                     f"{self.name} staging")
+        self.compute = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: 10.0, vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: 200.0,
+                        vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: 2000.0}.get(dtype, 50.0)  # rough GFLOP/s
+        self.sem = self._semaphore()  # the timeline: submission v signals v
+        self.gate = self._semaphore()  # host-opened gates of submissions that wait on other kinds of devices
+        self.gates = 0  # gates handed out
+        self.gates_open = 0  # gates opened (signalled), in order
+        self.ready_gates: set[int] = set()  # gates whose conditions hold, not yet signalled (an earlier one is not)
+        self.gate_lock = threading.Lock()
+        self.cmd_pool = vk.vkCreateCommandPool(self.vkdev, vk.VkCommandPoolCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, queueFamilyIndex=ctx.family,
+            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
+        self.commands: dict[int, _Commands] = {}  # timeline value -> its command buffer, until it completed
+        self.spare: collections.deque[_Commands] = collections.deque()  # completed ones, to record anew
+        self.all_commands: list[_Commands] = []
+        api = ctx.props.apiVersion
+        debug.log(debug.DEVICES, f"{self.name}: {self.label} (Vulkan {api >> 22}.{(api >> 12) & 0x3FF}."
+                                 f"{api & 0xFFF}, {'mapped' if self.mapped else 'device-local'} memory, "
+                                 f"{heap >> 20} MiB; {', '.join(n for n, on in self.features.items() if on)})")
+
+    def _memory_type(self, bits: int, flags: int) -> int | None:
+        mem = self.ctx.memory
+        for i in range(mem.memoryTypeCount):
+            if bits & (1 << i) and mem.memoryTypes[i].propertyFlags & flags == flags:
+                return i
+        return None
+
+    def _semaphore(self) -> Any:
+        kind = vk.VkSemaphoreTypeCreateInfo(sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+                                            semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE, initialValue=0)
+        return vk.vkCreateSemaphore(self.vkdev, vk.VkSemaphoreCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, pNext=kind), None)
+
+    # ------------------------------------------------------------------ memory
+    def _create(self, type_index: int, mapped: bool, size: int) -> _Block:
+        """A new block for a pool: a buffer of `size` bytes in memory of type `type_index`, mapped if `mapped`."""
+        buffer = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=BUFFER_USAGE,
+            sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+        try:
+            req = vk.vkGetBufferMemoryRequirements(self.vkdev, buffer)
+            memory = vk.vkAllocateMemory(self.vkdev, vk.VkMemoryAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=req.size,
+                memoryTypeIndex=type_index), None)
+        except BaseException:
+            vk.vkDestroyBuffer(self.vkdev, buffer, None)
+            raise
+        vk.vkBindBufferMemory(self.vkdev, buffer, memory, 0)
+        array = np.frombuffer(vk.vkMapMemory(self.vkdev, memory, 0, size, 0), np.uint8) if mapped else None
+        with self.live_lock:
+            self.live += 1
+        return _Block(buffer, memory, size, array)
+
+    def _destroy(self, block: _Block) -> None:
+        vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
+        vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
+        with self.live_lock:
+            self.live -= 1
+
+    def _let_context_go(self) -> None:
+        """Once the device has closed and its last block is destroyed: its use of the shared context ends (once)."""
+        with self.live_lock:
+            if not self.closed or self.live or self.ctx_gone:
+                return
+            self.ctx_gone = True
+        self.ctx.release()
+
+    def give_back(self, pool: PoolAllocator, block: _Block, size: int) -> None:
+        """A block back to its pool; once the device has closed, destroyed instead (the last lets the context go)."""
+        if not self.closed:
+            pool.free(block, size)
+            return
+        pool.free(None, size)
+        self._destroy(block)
+        self._let_context_go()
+
+    def memory(self) -> MemoryUsage:
+        return self.allocator.usage()
+
+    def free_memory(self) -> int:
+        return self.capacity - self.allocator.in_use
+
+    def alloc(self, nbytes: int) -> Buffer:
+        if nbytes > self.max_range:
+            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one storage binding can "
+                                  f"hold on {self.label} (maxStorageBufferRange = {self.max_range} bytes)")
+        if self.finished:  # completed commands' buffers go back to the pool first: this request may reuse one
+            self.collect()
+        block, size = self.allocator.alloc(nbytes)
+        return Buffer(self, size, block, block.ptr, True)
+
+    def release(self, buf: Buffer) -> None:
+        self.give_back(self.allocator, buf.mem, buf.nbytes)
+
+    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
+        raise AssertionError("host data reaches a vulkan device through host:0 and a transfer")
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        """Blocking write of raw bytes (worker threads: the host copy runs here)."""
+        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
+        self.timeline.wait_sync(self._from_host(data, buf, [], host, 0, at_once=True))
+
+    # ------------------------------------------------------------------ compile
+    def source(self, steps: list[KernelStep]) -> str:
+        """Each kernel's own shader, one after the other (for the debug log: `build` compiles each alone)."""
+        return "\n".join(s.src for s in steps)
+
+    def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
+        """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
+        in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""
+        import time
+
+        deadline = time.monotonic() + self.compile_timeout_s
+        names = [s.name for s in steps]
+        out = {}
+        for step in steps:
+            left = max(deadline - time.monotonic(), 0.001)
+            out[step.name] = self._pipeline(step, self._spirv(step, names, left), names)
+        return out
+
+    def _spirv(self, step: KernelStep, names: list[str], timeout_s: float) -> bytes:
+        key = hashlib.sha256((step.src + "\0" + glslc_version() + " ".join(GLSLC_FLAGS)).encode()).hexdigest()[:24]
+        what = f"{self.name}: glslc compiling {kernel_list(names)}"
+
+        def build(tmp: Path) -> None:
+            glsl = tmp.with_suffix(".comp")
+            try:
+                glsl.write_text(step.src)
+                run_compiler(["glslc", *GLSLC_FLAGS, str(glsl), "-o", str(tmp)], what, timeout_s, step.src)
+                if shutil.which("spirv-val") is not None:
+                    run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(tmp)],
+                                 f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
+            finally:
+                glsl.unlink(missing_ok=True)
+
+        return cached_build("vulkan", key, ".spv", build).read_bytes()
+
+    def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> _Program:
+        """The kernel's compute pipeline: bindings for its buffers and, with scalar arguments, their words."""
+        n = len(step.args) + (1 if step.scalars else 0)
+        dev = self.vkdev
+        bindings = [vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                                    descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
+                    for i in range(n)]
+        module = None
+        try:
+            set_layout = vk.vkCreateDescriptorSetLayout(dev, vk.VkDescriptorSetLayoutCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=n, pBindings=bindings),
+                None)
+            layout = vk.vkCreatePipelineLayout(dev, vk.VkPipelineLayoutCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1,
+                pSetLayouts=[set_layout]), None)
+            module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
+            stage = vk.VkPipelineShaderStageCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
+                                                       stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
+                                                       pName="main")
+            pipeline = vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=layout)], None)[0]
+        except vk.VkError as e:
+            raise CompileError(f"{self.name}: creating the pipeline of {kernel_list([step.name])} (of "
+                               f"{kernel_list(names)}) failed: {type(e).__name__}") from None
+        finally:
+            if module is not None:
+                vk.vkDestroyShaderModule(dev, module, None)
+        return _Program(pipeline, layout, set_layout, n)
+
+    # ------------------------------------------------------------------ submission
+    def _commands(self) -> _Commands:
+        """Under the lock: a command buffer to record (a completed one reset, or a new one), begun."""
+        if self.spare:
+            cmd = self.spare.popleft()
+            for pool in cmd.pools:
+                vk.vkResetDescriptorPool(self.vkdev, pool, 0)
+            cmd.sets = 0
+            cmd.words = None
+        else:
+            cb = vk.vkAllocateCommandBuffers(self.vkdev, vk.VkCommandBufferAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=self.cmd_pool,
+                level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+            cmd = _Commands(cb)
+            self.all_commands.append(cmd)
+        vk.vkBeginCommandBuffer(cmd.cb, vk.VkCommandBufferBeginInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+            flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT))
+        return cmd
+
+    def _descriptor_set(self, cmd: _Commands, prog: _Program) -> Any:
+        """Under the lock: a descriptor set of `prog`'s layout from the command buffer's pools (a new pool when the
+        last one is used up)."""
+        if not cmd.pools or cmd.sets == SETS_PER_POOL:
+            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                           descriptorCount=SETS_PER_POOL * 8)
+            cmd.pools.append(vk.vkCreateDescriptorPool(self.vkdev, vk.VkDescriptorPoolCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, maxSets=SETS_PER_POOL, poolSizeCount=1,
+                pPoolSizes=[size]), None))
+            cmd.sets = 0
+        pool = cmd.pools[-1]
+        try:
+            ds = vk.vkAllocateDescriptorSets(self.vkdev, vk.VkDescriptorSetAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, descriptorPool=pool, descriptorSetCount=1,
+                pSetLayouts=[prog.set_layout]))[0]
+        except (vk.VkErrorOutOfPoolMemory, vk.VkErrorFragmentedPool):  # the pool's descriptors are used up
+            cmd.sets = SETS_PER_POOL
+            return self._descriptor_set(cmd, prog)
+        cmd.sets += 1
+        return ds
+
+    def _record_launches(self, cmd: _Commands, items: list[LaunchItem]) -> None:
+        """Each kernel's descriptor set and dispatch, a barrier after each; the scalar words of all in one block."""
+        sizes = [-(-8 * len(words) // self.align) * self.align for _, _, words in items]
+        words_at: list[int] = []
+        if sum(sizes):
+            lent = cmd.words = _Lent(self, sum(sizes))
+            table = _mapping(lent.block)
+            at = 0
+            for (_, _, words), size in zip(items, sizes):
+                words_at.append(at)
+                if words:
+                    table[at:at + 8 * len(words)] = np.array(words, np.uint64).view(np.uint8)
+                at += size
+        cb = cmd.cb
+        for i, (step, bufs, words) in enumerate(items):
+            prog = self.programs[step.name]
+            grid = step.launch.grid
+            assert all(g <= m for g, m in zip(grid, self.max_groups)), \
+                f"{self.name}: grid {grid} of {step.name} exceeds maxComputeWorkGroupCount {self.max_groups}"
+            ds = self._descriptor_set(cmd, prog)
+            infos = [(b.mem.buffer, 0, min(b.nbytes, self.max_range)) for b in bufs]
+            if words:
+                assert cmd.words is not None
+                infos.append((cmd.words.block.buffer, words_at[i], 8 * len(words)))
+            assert len(infos) == prog.bindings, f"{step.name}: {len(infos)} bindings for {prog.bindings}"
+            writes = [vk.VkWriteDescriptorSet(sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=ds, dstBinding=j,
+                                              descriptorCount=1, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                              pBufferInfo=[vk.VkDescriptorBufferInfo(buffer=b, offset=o, range=r)])
+                      for j, (b, o, r) in enumerate(infos)]
+            vk.vkUpdateDescriptorSets(self.vkdev, len(writes), writes, 0, None)
+            if step.launch.zero:
+                vk.vkCmdFillBuffer(cb, bufs[0].mem.buffer, 0, step.launch.zero, 0)
+                _barrier(cb)
+            vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, prog.pipeline)
+            vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, prog.layout, 0, 1, [ds], 0, None)
+            vk.vkCmdDispatch(cb, *grid)
+            _barrier(cb)
+
+    def _submit(self, record: Callable[[_Commands], None] | None, waits: list[tuple[Device, int]], keep: Any,
+                post: Callable[[], None] | None = None, fill: Callable[[], None] | None = None) -> int:
+        """Queue work after `waits`: the commands `record` records (None: none, the submission only orders and
+        signals); returns its timeline value. `fill` (a host copy into memory the work reads) runs on a worker
+        thread once `waits` are reached, and the work waits for it; `post` runs on the waiter thread once the work
+        completed, before the timeline reaches its value."""
+        with self.lock:
+            self.check_alive()
+            self.submitted += 1
+            v = self.submitted
+            sems, values = self._wait_semaphores(waits, v, fill)
+            cmd = None
+            try:
+                if record is not None:
+                    cmd = self._commands()
+                    record(cmd)
+                    _barrier(cmd.cb)
+                    vk.vkEndCommandBuffer(cmd.cb)
+                timeline = vk.VkTimelineSemaphoreSubmitInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO, waitSemaphoreValueCount=len(values),
+                    pWaitSemaphoreValues=values, signalSemaphoreValueCount=1, pSignalSemaphoreValues=[v])
+                self.ctx.submit(vk.VkSubmitInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, pNext=timeline, waitSemaphoreCount=len(sems),
+                    pWaitSemaphores=sems, pWaitDstStageMask=[vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT] * len(sems),
+                    commandBufferCount=1 if cmd is not None else 0, pCommandBuffers=[cmd.cb] if cmd else None,
+                    signalSemaphoreCount=1, pSignalSemaphores=[self.sem]))
+            except vk.VkErrorDeviceLost as e:
+                raise self.fail(e) from None
+            except BaseException:  # nothing was submitted: the value is not used
+                self.submitted -= 1
+                if cmd is not None:
+                    vk.vkResetCommandBuffer(cmd.cb, 0)
+                    self.spare.append(cmd)
+                raise
+            if cmd is not None:
+                self.commands[v] = cmd
+            self.holding[v] = keep
+            if post is not None:
+                self.posts.append(v)
+            self.completions.put((None, v, post))
+            done = self._take_done()
+        del done  # what completed work held goes back to its pools here, on the submitting thread
+        return v
+
+    def _wait_semaphores(self, waits: list[tuple[Device, int]], v: int,
+                         fill: Callable[[], None] | None) -> tuple[list[Any], list[int]]:
+        """Under the lock: the semaphores (and values) submission `v` waits on: another vulkan device's of this
+        context directly, any other device's through a gate that the host opens (after `fill`, when given)."""
+        sems, values = [], []
+        host = []
+        for dev, u in waits:
+            if dev.timeline.value >= u:
+                continue
+            if isinstance(dev, VulkanDevice) and dev.ctx is self.ctx:
+                sems.append(dev.sem)
+                values.append(u)
+            else:
+                host.append((dev, u))
+        if host or fill is not None:
+            self.gates += 1
+            g = self.gates
+            sems.append(self.gate)
+            values.append(g)
+
+            def reached() -> None:
+                for dev, u in host:  # a device that failed: its output is lost, and so is this work's
+                    if dev.timeline.value < u and dev.timeline.failure is not None:
+                        self.record_failure(v, dev.timeline.failure)
+                if fill is None:
+                    self._open(g)
+                else:
+                    in_background(lambda: self._fill_then_open(fill, g, v))
+
+            after_waits(host, reached)
+        return sems, values
+
+    def _fill_then_open(self, fill: Callable[[], None], g: int, v: int) -> None:
+        try:
+            fill()
+        except BaseException as e:
+            self.record_failure(v, e)
+        finally:
+            self._open(g)
+
+    def _open(self, g: int) -> None:
+        """Gate `g`'s conditions hold: signal the gate semaphore up to the last gate whose predecessors all hold."""
+        with self.gate_lock:
+            self.ready_gates.add(g)
+            top = self.gates_open
+            while top + 1 in self.ready_gates:
+                top += 1
+                self.ready_gates.discard(top)
+            if top > self.gates_open:
+                self.gates_open = top
+                self._signal(self.gate, top)
+
+    def _signal(self, sem: Any, value: int) -> None:
+        vk.vkSignalSemaphore(self.vkdev, vk.VkSemaphoreSignalInfo(
+            sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO, semaphore=sem, value=value))
+
+    # ------------------------------------------------------------------ completion
+    def wait_event(self, ev: Any, v: int) -> bool:
+        """Wait (GIL released) until the timeline semaphore reaches `v`."""
+        values = ffi.new("uint64_t[1]", [v])
+        info = vk.VkSemaphoreWaitInfo(sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, semaphoreCount=1,
+                                      pSemaphores=[self.sem], pValues=values)
+        while True:
+            try:
+                vk.vkWaitSemaphores(self.vkdev, info, WAIT_SLICE_NS)
+                return True
+            except vk.VkTimeout:
+                if self.closed:
+                    self.record_failure(v, DeviceError(f"{self.name}: work item {v} never completed before close"))
+                    return False
+            except vk.VkError as e:  # device lost: its work and everything queued behind it is gone
+                cause = DeviceError(f"{self.name}: waiting for work item {v} failed: {type(e).__name__}")
+                self.record_failure(v, cause)
+                self.fail(cause)
+                return False
+
+    def completed(self, v: int, post: Callable[[], None] | None) -> None:
+        cmd = self.commands.pop(v, None)
+        if cmd is not None:
+            self.spare.append(cmd)
+            self.finished.append(cmd.words)  # (its words block goes back to the pool on a submitting thread)
+            cmd.words = None
+        super().completed(v, post)
+
+    def poll(self, v: int, spin: float = 0.0) -> bool:
+        """The semaphore's counter read at once (never past a value whose host copy has yet to run)."""
+        if self.timeline.value >= v:
+            return True
+        if (self.posts and self.posts[0] <= v) or self.closed:
+            return False
+        if vk.vkGetSemaphoreCounterValue(self.vkdev, self.sem) < v:
+            return False
+        self.timeline.signal(v)
+        return True
+
+    # ------------------------------------------------------------------ launches
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
+        return self.launch_many([(step, bufs, words)], waits)
+
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
+                    batch: BatchState | None = None) -> int:
+        """The kernels back to back in one command buffer (a barrier after each), one submission."""
+        return self._submit(lambda cmd: self._record_launches(cmd, items), waits, items)
+
+    # ------------------------------------------------------------------ copies
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        return self._submit(lambda cmd: _copy(cmd, src.mem, 0, dst.mem, 0, n), waits, (src, dst))
+
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
+        """Devices of one physical device share a VkDevice: a copy on this queue. Otherwise no peer path."""
+        sdev = src.device
+        return self.copy(src, dst, n, waits) if isinstance(sdev, VulkanDevice) and sdev.ctx is self.ctx else None
+
+    def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A mapped staging block: `copy_from_host` from it is a copy command in queue order."""
+        lent = _Lent(self, nbytes)
+        return _mapping(lent.block)[:nbytes], lent
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        """In queue order: mapped memory is copied out by the waiter thread once the work before completed;
+        device-local memory goes through a staging block first (a copy command)."""
+        n = out.nbytes
+        flat = out.reshape(-1).view(np.uint8)
+        if self.mapped:
+            mapping = buf.mem.array
+
+            def post() -> None:
+                flat[:] = mapping[offset:offset + n]
+
+            return self._submit(None, waits, (buf, out), post)
+        lent = _Lent(self, max(n, 1))
+
+        staged = _mapping(lent.block)
+
+        def post_staged() -> None:
+            flat[:] = staged[:n]
+
+        return self._submit(lambda cmd: _copy(cmd, buf.mem, offset, lent.block, 0, n), waits, (buf, out, lent),
+                            post_staged)
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        """(A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst` is the
+        transfer's own, written once, as the executor's destinations are.)"""
+        return self._from_host(host, dst, waits, keep, offset, at_once=False)
+
+    def _from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any, offset: int,
+                   at_once: bool) -> int:
+        """From this device's staging (`host_staging`: `keep` is its block): a copy command. From other host memory:
+        a host copy into the mapped buffer (or a staging block, then a copy command), at once where the source is
+        ready and small (or `at_once`: a worker thread's blocking write), else on a worker thread once it is ready
+        (the submission waits for it at a gate)."""
+        n = host.nbytes
+        if isinstance(keep, _Lent) and keep.device is self:
+            return self._submit(lambda cmd: _copy(cmd, keep.block, 0, dst.mem, offset, n), waits, (keep, dst))
+        src = host.reshape(-1).view(np.uint8)
+        lent = None if self.mapped else _Lent(self, max(n, 1))
+        target = _mapping(dst.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
+
+        def fill() -> None:
+            target[:] = src
+
+        record = None if lent is None else (lambda cmd: _copy(cmd, lent.block, 0, dst.mem, offset, n))
+        if at_once or (n <= SYNC_STAGE and all(d.timeline.value >= v for d, v in waits)):
+            fill()
+            return self._submit(record, [], (keep, dst, lent))
+        return self._submit(record, waits, (keep, dst, lent), fill=fill)
+
+    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
+        return self._submit(None, waits, keep)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Wait until the queued work is done (opening every gate after a while: a device it waits for may never
+        get there), stop the waiter thread, and destroy everything this device made; buffers still out are
+        destroyed as they come back, and the last one lets the context go."""
+        if self.closed:
+            return
+        try:
+            for _ in range(2):
+                try:
+                    values = ffi.new("uint64_t[1]", [self.submitted])
+                    vk.vkWaitSemaphores(self.vkdev, vk.VkSemaphoreWaitInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, semaphoreCount=1, pSemaphores=[self.sem],
+                        pValues=values), 10 * WAIT_SLICE_NS)
+                    break
+                except vk.VkTimeout:
+                    with self.gate_lock:
+                        self.gates_open = self.gates
+                        self._signal(self.gate, self.gates)
+        except vk.VkError:
+            pass
+        with self.live_lock:
+            self.closed = True
+        self.stop_waiter()
+        with self.lock:
+            dev = self.vkdev
+            for cmd in self.all_commands:
+                for pool in cmd.pools:
+                    vk.vkDestroyDescriptorPool(dev, pool, None)
+                cmd.words = None
+            self.all_commands, self.spare, self.commands = [], collections.deque(), {}
+            vk.vkDestroyCommandPool(dev, self.cmd_pool, None)
+            for prog in self.programs.values():
+                vk.vkDestroyPipeline(dev, prog.pipeline, None)
+                vk.vkDestroyPipelineLayout(dev, prog.layout, None)
+                vk.vkDestroyDescriptorSetLayout(dev, prog.set_layout, None)
+            self.programs = {}
+            vk.vkDestroySemaphore(dev, self.sem, None)
+            vk.vkDestroySemaphore(dev, self.gate, None)
+            done = self._take_done()
+        del done
+        for pool in (self.allocator, self.staging):
+            for block in pool.take_cached():
+                self._destroy(block)
+        self._let_context_go()  # (or the last block given back, later)
+
+
+def _mapping(block: _Block) -> np.ndarray:
+    """A mapped block's memory (uint8)."""
+    assert block.array is not None, "an unmapped block"
+    return block.array
+
+
+def _barrier(cb: Any) -> None:
+    vk.vkCmdPipelineBarrier(cb, BARRIER_SRC, BARRIER_DST, 0, 1, [vk.VkMemoryBarrier(
+        sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=vk.VK_ACCESS_MEMORY_WRITE_BIT,
+        dstAccessMask=ACCESS_DST)], 0, None, 0, None)
+
+
+def _copy(cmd: _Commands, src: _Block, src_offset: int, dst: _Block, dst_offset: int, n: int) -> None:
+    if n:
+        vk.vkCmdCopyBuffer(cmd.cb, src.buffer, dst.buffer, 1,
+                           [vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=n)])

@@ -1,0 +1,287 @@
+"""The Vulkan device (azyx.backends.vulkan) on a real driver (lavapipe in CI), driven directly: the GLSL renderer is not
+there yet, so each test hands the device its own compute shaders (KernelSteps made by hand) and checks the results
+against numpy. The backend is off by default: each test runs in a fresh interpreter that enables it (two logical
+devices on physical device 0, so that waits and copies between vulkan devices run too)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+try:
+    import vulkan  # noqa: F401
+except (ImportError, OSError) as e:  # OSError: no Vulkan loader
+    pytest.skip(f"the vulkan package or the Vulkan loader is missing: {e}", allow_module_level=True)
+if shutil.which("glslc") is None:
+    pytest.skip("glslc is not installed", allow_module_level=True)
+
+from test_faults import run_script  # noqa: E402
+
+PRELUDE = '''
+import asyncio, time
+import numpy as np
+import azyx
+azyx.configure({"c": {"devices": 1}, "vulkan": {"enabled": True, "device_ids": [0, 0]}})
+from azyx.runtime import RT
+from azyx.dtypes import dtypes, scalar_packer
+from azyx.ir import Kernel, ValueBuilder
+from azyx.launch import Launch
+from azyx.plan import KernelStep
+from azyx.symbolic import const
+
+if "vulkan:0" not in RT.executor.devices:
+    print("SKIP: no vulkan device")
+    raise SystemExit(0)
+vk0 = RT.device("vulkan:0")
+cdev = RT.device("c:0")
+
+def step(name, src, nbufs, grid, group, scalars=(), dev="vulkan:0"):
+    """A KernelStep of the shader `src` with `nbufs` buffers and scalar arguments of the dtypes `scalars`."""
+    vb = ValueBuilder()
+    val = vb.const(0.0, dtypes.float32)
+    for i, dt in enumerate(scalars):
+        val = vb.alu("add", dtypes.float32, val, vb.cast(vb.arg(i, dt), dtypes.float32))
+    k = Kernel([dtypes.float32] * nbufs, [], [], [(const(0), val)])
+    return KernelStep(dev, name, src, tuple(range(nbufs)), 1, k, launch=Launch(grid, group))
+
+def compile(dev, *steps):
+    asyncio.run(dev.compile(list(steps)))
+
+def upload(dev, arr):
+    buf = dev.alloc(arr.nbytes)
+    dev.write(buf, np.ascontiguousarray(arr).view(np.uint8))
+    return buf
+
+def download(buf, dtype, n):
+    out = np.empty(n, dtype)
+    buf.device.timeline.wait_sync(buf.ready)
+    buf.device.read_into(buf, out.view(np.uint8))
+    return out
+
+def slow_c_write(buf, data, seconds=0.3):
+    """A work item on c:0 that sleeps, then writes `data` at the host address `buf.ptr`; returns its value."""
+    import ctypes
+    def work():
+        time.sleep(seconds)
+        ctypes.memmove(buf.ptr, data.ctypes.data, data.nbytes)
+    return cdev.submit(work, [], 1 << 30)
+'''
+
+SAXPY = '''#version 450
+layout(local_size_x = 64) in;
+layout(std430, set = 0, binding = 0) buffer O { float o[]; };
+layout(std430, set = 0, binding = 1) readonly buffer A { float a[]; };
+layout(std430, set = 0, binding = 2) readonly buffer W { uint w[]; };
+void main() {
+  uint i = gl_GlobalInvocationID.x;
+  if (i < N) o[i] = a[i] * uintBitsToFloat(w[0]) + uintBitsToFloat(w[2]);
+}
+'''
+
+
+def run(body: str, timeout: float = 120) -> str:
+    out = run_script(PRELUDE + body, timeout=timeout)
+    if out.startswith("SKIP"):
+        pytest.skip(out.strip())
+    return out
+
+
+def test_an_elementwise_kernel_takes_two_float_scalars_through_the_words_binding() -> None:
+    """a * s + t with s, t float32 scalars (words 0 and 2 of the scalar binding), then a second kernel in the same
+    command buffer reading the first one's output (the barrier between dispatches)."""
+    run(f'''
+SRC = {SAXPY!r}.replace("N", "1000u")
+n = 1000
+s1 = step("saxpy_a", SRC, 2, (16, 1, 1), 64, (dtypes.float32, dtypes.float32))
+compile(vk0, s1)
+pack = scalar_packer([dtypes.float32, dtypes.float32])
+a = np.linspace(-3, 3, n, dtype=np.float32)
+inp, mid, out = upload(vk0, a), vk0.alloc(4 * n), vk0.alloc(4 * n)
+v = vk0.launch_many([(s1, [mid, inp], pack([2.5, -1.0])), (s1, [out, mid], pack([-0.5, 4.0]))], [])
+out.ready = mid.ready = v
+np.testing.assert_allclose(download(mid, np.float32, n), a * 2.5 - 1.0, rtol=1e-6)
+np.testing.assert_allclose(download(out, np.float32, n), (a * 2.5 - 1.0) * -0.5 + 4.0, rtol=1e-6)
+v = vk0.launch(s1, [out, inp], [], pack([0.0, 7.0]))  # (new words, a recycled command buffer)
+out.ready = v
+np.testing.assert_allclose(download(out, np.float32, n), np.full(n, 7.0, np.float32))
+''')
+
+
+def test_int64_and_int8_kernels_where_the_device_has_the_types() -> None:
+    out = run('''
+SRC64 = """#version 450
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+layout(local_size_x = 32) in;
+layout(std430, binding = 0) buffer O { int64_t o[]; };
+layout(std430, binding = 1) readonly buffer A { int64_t a[]; };
+void main() { uint i = gl_GlobalInvocationID.x; if (i < 100u) o[i] = a[i] * 3l + (1l << 40); }
+"""
+SRC8 = """#version 450
+#extension GL_EXT_shader_8bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int8 : require
+layout(local_size_x = 32) in;
+layout(std430, binding = 0) buffer O { int8_t o[]; };
+layout(std430, binding = 1) readonly buffer A { int8_t a[]; };
+void main() { uint i = gl_GlobalInvocationID.x; if (i < 100u) o[i] = int8_t(a[i] * int8_t(3) + int8_t(1)); }
+"""
+done = []
+if vk0.features["shaderInt64"]:
+    s = step("i64", SRC64, 2, (4, 1, 1), 32)
+    compile(vk0, s)
+    a = np.arange(-50, 50, dtype=np.int64) * (1 << 33)
+    out = vk0.alloc(a.nbytes)
+    out.ready = vk0.launch(s, [out, upload(vk0, a)], [])
+    np.testing.assert_array_equal(download(out, np.int64, 100), a * 3 + (1 << 40))
+    done.append("int64")
+if vk0.features["storageBuffer8BitAccess"] and vk0.features["shaderInt8"]:
+    s = step("i8", SRC8, 2, (4, 1, 1), 32)
+    compile(vk0, s)
+    a = np.arange(-50, 50, dtype=np.int8)
+    out = vk0.alloc(a.nbytes)
+    out.ready = vk0.launch(s, [out, upload(vk0, a)], [])
+    np.testing.assert_array_equal(download(out, np.int8, 100), (a.astype(np.int32) * 3 + 1).astype(np.int8))
+    done.append("int8")
+print("done", *done)
+''')
+    if "int64" not in out or "int8" not in out:
+        pytest.skip(f"the device lacks a type: {out.strip()}")
+
+
+def test_a_2d_dispatch_runs_more_groups_than_one_dimension_takes() -> None:
+    """70000 groups (over maxComputeWorkGroupCount's 65535 on lavapipe) as a 35000 x 2 grid; a grid over the limit in
+    one dimension is refused."""
+    run('''
+SRC = """#version 450
+layout(local_size_x = 64) in;
+layout(std430, binding = 0) buffer O { float o[]; };
+void main() {
+  uint g = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+  uint i = g * 64u + gl_LocalInvocationID.x;
+  o[i] = float(i) * 0.5;
+}
+"""
+n = 70000 * 64
+s = step("grid2d", SRC, 1, (35000, 2, 1), 64)
+compile(vk0, s)
+out = vk0.alloc(4 * n)
+out.ready = vk0.launch(s, [out], [])
+np.testing.assert_array_equal(download(out, np.float32, n), np.arange(n, dtype=np.float32) * 0.5)
+big = step("grid2d", SRC, 1, (vk0.max_groups[0] + 1, 1, 1), 64)
+try:
+    vk0.launch(big, [out], [])
+except AssertionError as e:
+    assert "maxComputeWorkGroupCount" in str(e), e
+else:
+    raise SystemExit("a grid over the limit was launched")
+''')
+
+
+def test_transfers_through_the_executor_between_vulkan_c_and_opencl() -> None:
+    """c:0 -> vulkan:0 -> vulkan:0 (a copy command) -> vulkan:1 (peer: one VkDevice) -> c:0, small (staged at once)
+    and 20 MiB (host copies on worker threads); vulkan <-> opencl through the destination's staging when present."""
+    run('''
+ex = RT.executor
+vk1 = RT.device("vulkan:1")
+for n in (1000, 5 << 20):
+    a = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    c_in = cdev.alloc(a.nbytes); cdev.write(c_in, a.view(np.uint8))
+    chain = [c_in, vk0.alloc(a.nbytes), vk0.alloc(a.nbytes), vk1.alloc(a.nbytes), cdev.alloc(a.nbytes)]
+    for src, dst in zip(chain, chain[1:]):
+        ex.execute_transfer(src, dst)
+    assert ex.sync_strategy("vulkan:0", "vulkan:1").value == "peer-to-peer"
+    np.testing.assert_array_equal(download(chain[-1], np.float32, n), a)
+    np.testing.assert_array_equal(download(chain[3], np.float32, n), a)
+    if "opencl:0" in ex.devices:
+        cl = RT.device("opencl:0")
+        there, back = cl.alloc(a.nbytes), vk0.alloc(a.nbytes)
+        ex.execute_transfer(chain[2], there)
+        ex.execute_transfer(there, back)
+        np.testing.assert_array_equal(download(back, np.float32, n), a)
+        print("opencl", n)
+''')
+
+
+def test_work_waits_on_a_c_device_and_vulkan_devices_wait_on_each_other() -> None:
+    """A kernel on vulkan:0 that waits for a C work item (a host-opened gate) still writing its input, a copy from
+    it that vulkan:1 waits for (vulkan:0's timeline semaphore), and a transfer from a C buffer not ready yet."""
+    run(f'''
+SRC = {SAXPY!r}.replace("N", "4096u")
+vk1 = RT.device("vulkan:1")
+s = step("saxpy_w", SRC, 2, (64, 1, 1), 64, (dtypes.float32, dtypes.float32))
+compile(vk0, s)
+n = 4096
+a = np.arange(n, dtype=np.float32)
+inp, out = vk0.alloc(4 * n), vk0.alloc(4 * n)
+assert vk0.mapped, "this test writes into mapped memory from c:0"
+vc = slow_c_write(inp, a)
+v = vk0.launch(s, [out, inp], [(cdev, vc)], scalar_packer([dtypes.float32, dtypes.float32])([2.0, 1.0]))
+out.ready = v
+assert not vk0.poll(v), "the kernel ran before the C work it waits for"
+there = vk1.alloc(4 * n)
+RT.executor.execute_transfer(out, there)  # vulkan:1 waits on vulkan:0's semaphore
+np.testing.assert_array_equal(download(there, np.float32, n), a * 2 + 1)
+assert cdev.timeline.value >= vc
+
+c_buf = cdev.alloc(4 * n)
+c_buf.ready = slow_c_write(c_buf, a * 3)
+dst = vk0.alloc(4 * n)
+RT.executor.execute_transfer(c_buf, dst)  # copy_from_host after the C work: its host copy on a worker thread
+np.testing.assert_array_equal(download(dst, np.float32, n), a * 3)
+''')
+
+
+def test_cancelled_waits_and_close_leave_no_memory_and_no_vulkan_objects() -> None:
+    """Work dropped by its caller (a cancelled realize: nobody waits for it, its buffers are let go while it still
+    waits for a C work item) gives its buffers back once done; close waits for the queue, destroys what the device
+    made, and a buffer still out at close is destroyed when it goes (then the VkDevice goes too)."""
+    run(f'''
+from azyx.backends import vulkan as vkmod
+SRC = {SAXPY!r}.replace("N", "1024u")
+s = step("saxpy_c", SRC, 2, (16, 1, 1), 64, (dtypes.float32, dtypes.float32))
+compile(vk0, s)
+words = scalar_packer([dtypes.float32, dtypes.float32])([1.0, 0.0])
+
+async def cancelled():
+    inp, out = vk0.alloc(4096), vk0.alloc(4096)
+    vc = slow_c_write(inp, np.ones(1024, np.float32), 0.5)
+    v = vk0.launch(s, [out, inp], [(cdev, vc)], words)
+    del inp, out
+    task = asyncio.ensure_future(vk0.timeline.wait(v))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    assert vk0.memory().in_use > 0
+    await RT.executor.synchronize_all()
+    return v
+
+v = asyncio.run(cancelled())
+assert vk0.timeline.value >= v and not vk0.failures
+assert vk0.memory().in_use == 0, vk0.memory()
+kept = vk0.alloc(4096)
+assert vkmod._CONTEXTS
+RT.shutdown()
+assert vk0.closed and vk0.live == 1, vk0.live  # (the kept buffer)
+del kept
+assert vk0.live == 0 and not vkmod._CONTEXTS, (vk0.live, vkmod._CONTEXTS)
+print("ok")
+''')
+
+
+def test_a_glsl_error_raises_compile_error_naming_the_device_and_the_kernel() -> None:
+    run('''
+from azyx.errors import CompileError
+bad = step("broken_kernel", "#version 450\\nlayout(local_size_x = 1) in;\\nvoid main() { undefined_thing = 1; }\\n",
+           1, (1, 1, 1), 1)
+try:
+    compile(vk0, bad)
+except CompileError as e:
+    msg = str(e)
+    assert "vulkan:0" in msg and "broken_kernel" in msg and "undefined_thing" in msg, msg
+else:
+    raise SystemExit("no CompileError")
+assert not vk0.has_program("broken_kernel")
+''')
