@@ -21,6 +21,11 @@ device, see `device_ids`) the submission waits on that device's timeline semapho
 CUDA, a vulkan device of another physical device) it waits on a value of this device's gate semaphore, which the
 host signals once the other device's timeline reaches its value (`TimelineSignal.on_reach`): nothing blocks the
 submitting thread or the event loop. Gates open in order (the queue runs in order anyway).
+
+Status (issue 15): off by default (`{"vulkan": {"enabled": True}}` turns it on). Kernels from the GLSL dialect run
+on lavapipe, but the op suite does not pass yet: float64 math that GLSL has for float only (exp, log, sin, pow...)
+raises DTypeError where the suite expects values, a kernel with more buffers than the stage allows (lavapipe: 32)
+is not split by the scheduler, a few casts differ, and no command buffer is reused across runs of a plan.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
+from azyx.cstyle import GLSL
 from azyx.device import (
     BatchState,
     Buffer,
@@ -239,7 +245,7 @@ class _Commands:
 
 class VulkanDevice(QueuedDevice):
     kind = "vulkan"
-    dialect = None  # the GLSL dialect of the C-family renderer, once it lands (kernels are complete shaders)
+    dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
 
     @classmethod
