@@ -285,3 +285,42 @@ else:
     raise SystemExit("no CompileError")
 assert not vk0.has_program("broken_kernel")
 ''')
+
+
+RENDERED = PRELUDE + """
+from azyx import Tensor
+from azyx.errors import CompileError
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((48, 32)).astype(np.float32)
+x, y = Tensor(a, device="vulkan:0"), Tensor(b, device="vulkan:0")
+np.testing.assert_allclose(((x * 1.5 - 0.25).relu() + x.exp() * 0.5).numpy_sync(),
+                           np.maximum(a * 1.5 - 0.25, 0) + np.exp(a) * 0.5, rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose((x @ y).numpy_sync(), a @ b, rtol=1e-4, atol=1e-4)
+np.testing.assert_allclose(x.sum(axis=1).numpy_sync(), a.sum(axis=1), rtol=1e-5, atol=1e-5)
+np.testing.assert_allclose(x.softmax(axis=-1).numpy_sync(), np.exp(a) / np.exp(a).sum(-1, keepdims=True), rtol=1e-5)
+np.testing.assert_array_equal((x.T[::2] > 0).numpy_sync(), a.T[::2] > 0)
+i = Tensor(np.arange(-50, 50, dtype=np.int32), device="vulkan:0")
+np.testing.assert_array_equal(((i * 3) // 7 % 5).numpy_sync(), (np.arange(-50, 50) * 3) // 7 % 5)
+many = [Tensor(np.full(8, k, np.float32), device="vulkan:0") for k in range(vk0.max_buffers + 4)]
+total = many[0]
+for t in many[1:]:
+    total = total + t
+try:
+    total.numpy_sync()
+except CompileError as e:
+    assert "maxPerStageDescriptorStorageBuffers" in str(e) and "vulkan:0" in str(e), e
+else:
+    raise AssertionError("a kernel over the per-stage buffer limit must not run")
+np.testing.assert_allclose((x * 2).numpy_sync(), a * 2)  # the device works on
+print("OK")
+"""
+
+
+def test_rendered_glsl_kernels_run_and_match_numpy_and_a_kernel_over_the_binding_limit_raises() -> None:
+    """The GLSL dialect's kernels run on the device (elementwise with scalars, a product, reductions, views, integer
+    division and modulo): numpy's values. A kernel that would bind more storage buffers than a shader may raises a
+    CompileError naming the limit (the scheduler does not split such kernels yet), and the device works on."""
+    out = run_script(RENDERED)
+    if out.strip().startswith("SKIP"):
+        pytest.skip(out.strip())
+    assert out.strip().endswith("OK"), out

@@ -36,6 +36,7 @@ import hashlib
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,7 @@ class VulkanDevice(QueuedDevice):
         self.limits = ctx.limits
         self.max_groups = tuple(self.limits.maxComputeWorkGroupCount)
         self.max_range = int(self.limits.maxStorageBufferRange)
+        self.max_buffers = int(self.limits.maxPerStageDescriptorStorageBuffers)  # bindings one shader may have
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
         dtype = ctx.props.deviceType
@@ -411,10 +413,13 @@ class VulkanDevice(QueuedDevice):
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
         in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""
-        import time
-
         deadline = time.monotonic() + self.compile_timeout_s
         names = [s.name for s in steps]
+        for step in steps:  # (a pipeline over the limit is undefined behaviour: lavapipe crashes the process)
+            bindings = len(step.args) + (1 if step.scalars else 0)
+            if bindings > self.max_buffers:
+                raise CompileError(f"{self.name}: kernel {step.name} binds {bindings} storage buffers; {self.label} "
+                                   f"allows {self.max_buffers} per shader (maxPerStageDescriptorStorageBuffers)")
         out = {}
         for step in steps:
             left = max(deadline - time.monotonic(), 0.001)
