@@ -266,7 +266,7 @@ GLSL = Dialect(
     loads={"bool": "({buf}[{idx}]!=uint8_t(0))", "float16": "float({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"bool": "{buf}[{idx}] = uint8_t({val});", "float16": "{buf}[{idx}] = float16_t({val});",
             "bfloat16": "{buf}[{idx}] = f2bf({val});"},
-    rounds={"float16": "f16r({x})", "bfloat16": "bf2f(f2bf(float({x})))"},
+    rounds={"float16": "f16r(float({x}))", "bfloat16": "bf2f(f2bf(float({x})))"},
     narrow_index="int",
     group_size=64,
     group_ids=("(gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x)", "gl_LocalInvocationID.x"),

@@ -68,14 +68,15 @@ def test_float64_arithmetic_compiles(glsl_planning: None, tmp_path: Path) -> Non
     """GLSL has double arithmetic, comparisons, floor and sqrt (its transcendental functions are float only)."""
     x, y = t(8, 33).cast("float64"), t(8, 33).cast("float64") + 2
     compiled(tmp_path, x * y + 2.5, x / y, x // y, x % y, x.maximum(y), Tensor.where(x < y, x, y), x.sqrt(), x.floor(),
-             x.sum(axis=1), x.cast("float32"))
+             x.sum(axis=1), x.cast("float32"), x.cast("float16"), x.cast("bfloat16"), x.cast("int8"))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "uint32", "int64", "bool"])
 def test_integer_and_bool_ops_compile(glsl_planning: None, tmp_path: Path, dtype: str) -> None:
     x = Tensor(np.arange(-20, 20).reshape(4, 10).astype(dtype), device=DEV)
     y = Tensor((np.arange(40).reshape(4, 10) % 7 + 1).astype(dtype), device=DEV)
-    outs = [x + y, x * y, x.maximum(y), x < y, x == y, x.cast("float32"), x.sum(axis=1), x.max()]
+    outs = [x + y, x * y, x.maximum(y), x < y, x == y, x.cast("float32"), x.cast("float16"), x.cast("bfloat16"),
+            x.sum(axis=1), x.max()]
     if dtype != "bool":
         outs += [x // y, x % y, x & y, x | y, x ^ y, ~x, x ** Tensor(np.full((4, 10), 2, dtype), device=DEV)]
     compiled(tmp_path, *outs)
