@@ -142,6 +142,7 @@ class Device:
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
+    max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index

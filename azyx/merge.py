@@ -28,8 +28,10 @@ MAX_PARAMS = 32  # buffers one merged kernel may take (OpenCL guarantees 1 KiB o
 Render = Callable[[str, Kernel], tuple[str, str, Launch]]  # (device, kernel) -> (name, source, launch)
 
 
-def merge_kernels(steps: list[Step], render: Render) -> list[Step]:
-    """The steps with mergeable kernels merged into multi-output kernels (see the module docstring)."""
+def merge_kernels(steps: list[Step], render: Render, max_buffers: Callable[[str], int] = lambda device: 0
+                  ) -> list[Step]:
+    """The steps with mergeable kernels merged into multi-output kernels (see the module docstring). `max_buffers`:
+    the bindings a kernel may have on a device (0: no limit but MAX_PARAMS); a scalar words buffer takes one."""
     out: list[Step | _Group | None] = []
     groups: list[_Group] = []  # open ones: a later kernel may still join
     for st in steps:
@@ -52,7 +54,8 @@ def merge_kernels(steps: list[Step], render: Render) -> list[Step]:
             joined.pos = len(out)
             out.append(joined)
         elif isinstance(st, KernelStep) and _mergeable(st.kernel):
-            g = _Group(st, len(out))
+            limit = max_buffers(st.device)
+            g = _Group(st, len(out), min(MAX_PARAMS, limit - 1) if limit else MAX_PARAMS)
             out.append(g)
             groups.append(g)
         else:
@@ -67,8 +70,8 @@ def _mergeable(k: Kernel) -> bool:
 class _Group:
     """Kernels merging into one; while it grows, its loads name slots (not parameters)."""
 
-    def __init__(self, first: KernelStep, pos: int):
-        self.device, self.pos, self.closed = first.device, pos, False
+    def __init__(self, first: KernelStep, pos: int, max_params: int):
+        self.device, self.pos, self.closed, self.max_params = first.device, pos, False, max_params
         self.gvars = first.kernel.gvars
         self.sizes = tuple(v.vmax + 1 for v in self.gvars)
         self.vb = ValueBuilder()
@@ -81,7 +84,7 @@ class _Group:
 
     def add(self, st: KernelStep) -> bool:
         k = st.kernel
-        if self.members and len(set(self.dtypes) | set(st.args)) > MAX_PARAMS:
+        if self.members and len(set(self.dtypes) | set(st.args)) > self.max_params:
             return False
         vmap = dict(zip(k.gvars, self.gvars))
 

@@ -36,7 +36,7 @@ from azyx.graph import (
     prod,
     view_through,
 )
-from azyx.ir import Kernel, V, ValueBuilder, format_kernel, toposort
+from azyx.ir import Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
 from azyx.launch import Launch
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
@@ -60,6 +60,8 @@ class DeviceFacts(Protocol):
     def threads(self) -> int: ...
     @property
     def compute(self) -> float: ...
+    @property
+    def max_buffers(self) -> int: ...  # storage buffers one kernel may bind (0: no limit)
     def free_memory(self) -> int: ...
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
@@ -289,6 +291,7 @@ class Planner:
                 groups, best = cand, trial
             else:
                 i += 1
+        best = self.within_binding_limit(root, device, groups, best)
         tile = self.tile_for(best, groups, shape)
         if tile == "retry":  # an operand was made contiguous: build again, reading it
             best = self.attempt(root, device, groups, None)
@@ -303,6 +306,36 @@ class Planner:
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
         return out, StridedView.contiguous(shape)
+
+    def within_binding_limit(self, root: int, device: str, groups: list[list[int]], best: Attempt) -> Attempt:
+        """A kernel that would bind more buffers than its device allows (Vulkan: maxPerStageDescriptorStorageBuffers)
+        computes the source of its root that reads the most buffers as a kernel of its own first (which splits the
+        same way if it must), then reads that one buffer instead."""
+        limit = self.rt.device(device).max_buffers
+        while limit and 1 + len(best.params) + bool(scalar_args(best.kernel)) > limit:
+            wide = max(((s, self.inputs_below(s)) for s in self.graph[root].src if self.computes(s)),
+                       key=lambda si: si[1], default=(None, 0))
+            if wide[0] is None or wide[1] < 2:
+                break  # nothing to split: the device refuses the kernel when it compiles it
+            self.realize(wide[0], copy=True)
+            best = self.attempt(root, device, groups, None)
+        return best
+
+    def inputs_below(self, nid: int) -> int:
+        """How many realized buffers computing `nid` (fused, as far as it is not realized) reads."""
+        seen: set[int] = set()
+        inputs: set[int] = set()
+        stack = [nid]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i in self.done or self.graph[i].buffer is not None:
+                inputs.add(i)
+            else:
+                stack.extend(self.graph[i].src)
+        return len(inputs)
 
     def tile_for(self, att: Attempt, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
         k = att.kernel
@@ -378,7 +411,8 @@ class Planner:
         return need
 
     def finish(self, target_ids: list[int]) -> ExecutionPlan:
-        self.steps = merge_kernels(self.steps, lambda device, k: self.rt.device(device).render(k))
+        self.steps = merge_kernels(self.steps, lambda device, k: self.rt.device(device).render(k),
+                                   lambda device: self.rt.device(device).max_buffers)
         outputs = tuple(self.done[t] for t in target_ids)
         last: dict[int, int] = {}
         for i, st in enumerate(self.steps):

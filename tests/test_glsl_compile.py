@@ -126,3 +126,19 @@ def test_float64_math_that_glsl_lacks_raises_naming_the_dtype_and_device(glsl_pl
     with pytest.raises(azyx.DTypeError, match=r"dummy:0: float64 exp has no GLSL"):
         azyx.schedule(x.exp())
     assert azyx.schedule(x.cast("float32").exp()).kernels
+
+
+def test_kernels_stay_within_the_devices_binding_limit(glsl_planning: None, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that binds at most 8 storage buffers per kernel (Vulkan's maxPerStageDescriptorStorageBuffers, a
+    scalar words buffer included): a sum of 20 tensors with scalars, and 12 elementwise updates that would merge into
+    one kernel, are split into kernels that each fit."""
+    monkeypatch.setattr(RT.device(DEV), "max_buffers", 8)
+    xs = [t(64) for _ in range(20)]
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x * 0.5
+    updates = [x * 0.9 + 0.1 for x in xs[:12]]
+    for targets in ([total], updates):
+        steps = compiled(tmp_path, *targets)
+        assert len(steps) > 1 and all(len(s.args) + bool(s.scalars) <= 8 for s in steps)

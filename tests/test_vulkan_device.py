@@ -289,7 +289,6 @@ assert not vk0.has_program("broken_kernel")
 
 RENDERED = PRELUDE + """
 from azyx import Tensor
-from azyx.errors import CompileError
 rng = np.random.default_rng(0)
 a, b = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((48, 32)).astype(np.float32)
 x, y = Tensor(a, device="vulkan:0"), Tensor(b, device="vulkan:0")
@@ -301,25 +300,22 @@ np.testing.assert_allclose(x.softmax(axis=-1).numpy_sync(), np.exp(a) / np.exp(a
 np.testing.assert_array_equal((x.T[::2] > 0).numpy_sync(), a.T[::2] > 0)
 i = Tensor(np.arange(-50, 50, dtype=np.int32), device="vulkan:0")
 np.testing.assert_array_equal(((i * 3) // 7 % 5).numpy_sync(), (np.arange(-50, 50) * 3) // 7 % 5)
-many = [Tensor(np.full(8, k, np.float32), device="vulkan:0") for k in range(vk0.max_buffers + 4)]
+n = vk0.max_buffers + 4
+many = [Tensor(np.full(8, k, np.float32), device="vulkan:0") for k in range(n)]
 total = many[0]
 for t in many[1:]:
-    total = total + t
-try:
-    total.numpy_sync()
-except CompileError as e:
-    assert "maxPerStageDescriptorStorageBuffers" in str(e) and "vulkan:0" in str(e), e
-else:
-    raise AssertionError("a kernel over the per-stage buffer limit must not run")
-np.testing.assert_allclose((x * 2).numpy_sync(), a * 2)  # the device works on
+    total = total + t * 1.0
+plan = azyx.schedule(total)
+assert len(plan.kernels) > 1 and all(len(k.args) + bool(k.scalars) <= vk0.max_buffers for k in plan.kernels)
+np.testing.assert_array_equal(total.numpy_sync(), np.full(8, n * (n - 1) / 2, np.float32))
 print("OK")
 """
 
 
-def test_rendered_glsl_kernels_run_and_match_numpy_and_a_kernel_over_the_binding_limit_raises() -> None:
+def test_rendered_glsl_kernels_run_and_match_numpy_within_the_binding_limit() -> None:
     """The GLSL dialect's kernels run on the device (elementwise with scalars, a product, reductions, views, integer
-    division and modulo): numpy's values. A kernel that would bind more storage buffers than a shader may raises a
-    CompileError naming the limit (the scheduler does not split such kernels yet), and the device works on."""
+    division and modulo): numpy's values. A sum of more tensors than a shader may bind storage buffers is split into
+    kernels within the limit (maxPerStageDescriptorStorageBuffers) and still gives numpy's value."""
     out = run_script(RENDERED)
     if out.strip().startswith("SKIP"):
         pytest.skip(out.strip())
