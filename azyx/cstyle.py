@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from azyx.dtypes import DType, dtypes
-from azyx.errors import DTypeError
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Div, Lin, Mod, Var
@@ -242,6 +241,101 @@ float azyx_pow(float x, float y) {  /* C's pow: GLSL's is undefined for x <= 0 *
   if (x < 0.0) { if (y != floor(y)) return NAN; if (mod(y, 2.0) == 1.0) r = -r; }
   return r;
 }
+/* float64 math GLSL lacks (its exp, log, sin... take float only), to double precision; float calls the builtins */
+const double LN2_HI = 6.93147180369123816490e-01lf, LN2_LO = 1.90821492927058770002e-10lf;
+const double PIO2_1 = 1.57079632673412561417e+00lf, PIO2_2 = 6.07710050630396597660e-11lf;
+const double PIO2_3 = 2.02226624871116645580e-21lf;
+float azyx_exp(float x) { return exp(x); }
+double azyx_exp(double x) {
+  if (x != x) return x;
+  if (x > 709.8lf) return double(INFINITY);
+  if (x < -745.2lf) return 0.0lf;
+  double k = floor(x * 1.44269504088896338700lf + 0.5lf);
+  double r = (x - k * LN2_HI) - k * LN2_LO;
+  double p = 1.0lf / 6227020800.0lf;
+  p = p * r + 1.0lf / 479001600.0lf; p = p * r + 1.0lf / 39916800.0lf; p = p * r + 1.0lf / 3628800.0lf;
+  p = p * r + 1.0lf / 362880.0lf; p = p * r + 1.0lf / 40320.0lf; p = p * r + 1.0lf / 5040.0lf;
+  p = p * r + 1.0lf / 720.0lf; p = p * r + 1.0lf / 120.0lf; p = p * r + 1.0lf / 24.0lf; p = p * r + 1.0lf / 6.0lf;
+  p = p * r + 0.5lf; p = p * r + 1.0lf; p = p * r + 1.0lf;
+  int e = int(k);
+  return e > 1000 ? ldexp(ldexp(p, e - 1000), 1000) : (e < -1000 ? ldexp(ldexp(p, e + 1000), -1000) : ldexp(p, e));
+}
+float azyx_log(float x) { return log(x); }
+double azyx_log(double x) {
+  if (x != x || x < 0.0lf) return double(NAN);
+  if (x == 0.0lf) return -double(INFINITY);
+  if (isinf(x)) return x;
+  int e; double m = frexp(x, e);
+  if (m < 0.70710678118654752440lf) { m *= 2.0lf; e -= 1; }
+  double t = (m - 1.0lf) / (m + 1.0lf), t2 = t * t, p = 1.0lf / 25.0lf;
+  for (int n = 23; n >= 1; n -= 2) p = p * t2 + 1.0lf / double(n);
+  return 2.0lf * t * p + double(e) * LN2_LO + double(e) * LN2_HI;
+}
+float azyx_exp2(float x) { return exp2(x); }
+double azyx_exp2(double x) { return azyx_exp(x * 6.93147180559945309417e-01lf); }
+float azyx_log2(float x) { return log2(x); }
+double azyx_log2(double x) { return azyx_log(x) * 1.44269504088896338700lf; }
+double azyx_sin_r(double r) {  /* |r| <= pi/4 */
+  double r2 = r * r, p = 1.0lf / 355687428096000.0lf;
+  p = p * r2 - 1.0lf / 1307674368000.0lf; p = p * r2 + 1.0lf / 6227020800.0lf; p = p * r2 - 1.0lf / 39916800.0lf;
+  p = p * r2 + 1.0lf / 362880.0lf; p = p * r2 - 1.0lf / 5040.0lf; p = p * r2 + 1.0lf / 120.0lf;
+  p = p * r2 - 1.0lf / 6.0lf; p = p * r2 + 1.0lf;
+  return r * p;
+}
+double azyx_cos_r(double r) {
+  double r2 = r * r, p = 1.0lf / 20922789888000.0lf;
+  p = p * r2 - 1.0lf / 87178291200.0lf; p = p * r2 + 1.0lf / 479001600.0lf; p = p * r2 - 1.0lf / 3628800.0lf;
+  p = p * r2 + 1.0lf / 40320.0lf; p = p * r2 - 1.0lf / 720.0lf; p = p * r2 + 1.0lf / 24.0lf;
+  p = p * r2 - 0.5lf; p = p * r2 + 1.0lf;
+  return p;
+}
+double azyx_trig(double x, int shift) {  /* sin (shift 0) or cos (shift 1) by quadrant */
+  if (isinf(x) || x != x) return double(NAN);
+  double k = floor(x * 6.36619772367581382433e-01lf + 0.5lf);
+  double r = ((x - k * PIO2_1) - k * PIO2_2) - k * PIO2_3;
+  int q = (int(k) + shift) & 3;
+  double v = (q & 1) == 0 ? azyx_sin_r(r) : azyx_cos_r(r);
+  return q >= 2 ? -v : v;
+}
+float azyx_sin(float x) { return sin(x); }
+double azyx_sin(double x) { return azyx_trig(x, 0); }
+float azyx_cos(float x) { return cos(x); }
+double azyx_cos(double x) { return azyx_trig(x, 1); }
+float azyx_tan(float x) { return tan(x); }
+double azyx_tan(double x) { return azyx_trig(x, 0) / azyx_trig(x, 1); }
+float azyx_tanh(float x) { return tanh(x); }
+double azyx_tanh(double x) {
+  double a = abs(x), y;
+  if (a < 0.05lf) {
+    double a2 = a * a;
+    y = a * (1.0lf + a2 * (-1.0lf / 3.0lf + a2 * (2.0lf / 15.0lf + a2 * (-17.0lf / 315.0lf + a2 * (62.0lf / 2835.0lf
+      + a2 * (-1382.0lf / 155925.0lf))))));
+  } else if (a > 22.0lf) { y = 1.0lf; }
+  else { double t = azyx_exp(-2.0lf * a); y = (1.0lf - t) / (1.0lf + t); }
+  return x < 0.0lf ? -y : (x != x ? x : y);
+}
+double azyx_log1p(double x) { double u = 1.0lf + x; return u == 1.0lf ? x : azyx_log(u) * (x / (u - 1.0lf)); }
+double azyx_erf(double x) {
+  double a = abs(x), y;
+  if (x != x) return x;
+  if (a < 2.0lf) {  /* the Taylor series: 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1)) */
+    double term = a, sum = a, a2 = a * a;
+    for (int n = 1; n < 40; n++) { term *= -a2 / double(n); sum += term / double(2 * n + 1); }
+    y = sum * 1.12837916709551257390lf;
+  } else if (a < 6.0lf) {  /* erfc by its continued fraction, evaluated from the tail */
+    double f = a;
+    for (int n = 80; n >= 1; n--) f = a + (double(n) * 0.5lf) / f;
+    y = 1.0lf - azyx_exp(-a * a) / (f * 1.77245385090551602730lf);
+  } else { y = 1.0lf; }
+  return x < 0.0lf ? -y : y;
+}
+double azyx_pow(double x, double y) {
+  if (y == 0.0lf || x == 1.0lf) return 1.0lf;
+  if (x == 0.0lf) return y < 0.0lf ? double(INFINITY) : 0.0lf;
+  double r = azyx_exp(y * azyx_log(abs(x)));
+  if (x < 0.0lf) { if (y != floor(y)) return double(NAN); if (mod(y, 2.0lf) == 1.0lf) r = -r; }
+  return r;
+}
 int64_t ipow(int64_t a, int64_t b) {
   if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) != 0 ? -1 : 1) : 0);
   int64_t r = 1; while (b != 0) { if ((b & 1) != 0) r *= a; a *= a; b >>= 1; } return r;
@@ -274,7 +368,8 @@ GLSL = Dialect(
     barrier="memoryBarrierShared(); barrier();",
     cast="{t}({x})",
     fns={"fabs": "abs", "rint": "roundEven", "fmod": "azyx_fmod", "copysign": "azyx_copysign", "log1p": "azyx_log1p",
-         "erf": "azyx_erf", "pow": "azyx_pow"},
+         "erf": "azyx_erf", "pow": "azyx_pow", "exp": "azyx_exp", "log": "azyx_log", "exp2": "azyx_exp2",
+         "log2": "azyx_log2", "sin": "azyx_sin", "cos": "azyx_cos", "tan": "azyx_tan", "tanh": "azyx_tanh"},
     int64_suffix="l",
     double_suffix="lf",
     glsl=True,
@@ -314,14 +409,7 @@ def _literal_text(v: object, d: DType, dl: Dialect) -> str:
     return f"{r}f" if single else r + dl.double_suffix
 
 
-# math functions GLSL has for float only: a float64 op that needs one has no shader (DTypeError when it is rendered)
-GLSL_FLOAT_ONLY = frozenset({"exp", "log", "exp2", "log2", "sin", "cos", "tan", "tanh", "erf", "log1p", "pow"})
-
-
 def _fn(name: str, d: DType, dl: Dialect) -> str:
-    if dl.glsl and d is dtypes.float64 and name in GLSL_FLOAT_ONLY:
-        raise DTypeError(f"float64 {name} has no GLSL (Vulkan) implementation: GLSL computes it for float32 only; "
-                         f"cast to float32 first")
     return dl.fns.get(name, name) + (dl.fn_suffix_f32 if dl.compute_type(d) == dl.types["float32"] else "")
 
 

@@ -18,7 +18,7 @@ from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.cstyle import Dialect, kernel_source
 from azyx.dtypes import DType, dtypes
-from azyx.errors import AzyxError, CompileError, DeviceFailedError, DTypeError, RuntimeStateError, kept
+from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
@@ -267,13 +267,9 @@ class Device:
         pass
 
     def render(self, k: Kernel) -> tuple[str, str, Launch]:
-        """(name, source, launch) of a kernel in this device's dialect; an op the dialect cannot express raises its
-        DTypeError naming this device."""
+        """(name, source, launch) of a kernel in this device's dialect."""
         assert self.dialect is not None
-        try:
-            return render_kernel(k, self.dialect, self.threads)
-        except DTypeError as e:
-            raise DTypeError(f"{self.name}: {e}") from None
+        return render_kernel(k, self.dialect, self.threads)
 
     # compiler: the kernels a plan needs and the device lacks -> one source -> loaded programs, by kernel name
     def has_program(self, name: str) -> bool:

@@ -300,6 +300,16 @@ np.testing.assert_allclose(x.softmax(axis=-1).numpy_sync(), np.exp(a) / np.exp(a
 np.testing.assert_array_equal((x.T[::2] > 0).numpy_sync(), a.T[::2] > 0)
 i = Tensor(np.arange(-50, 50, dtype=np.int32), device="vulkan:0")
 np.testing.assert_array_equal(((i * 3) // 7 % 5).numpy_sync(), (np.arange(-50, 50) * 3) // 7 % 5)
+import math
+d = rng.uniform(-3, 3, 256)
+xd = Tensor(d, device="vulkan:0")
+erf = np.vectorize(math.erf)
+for got, want in [(xd.exp(), np.exp(d)), (xd.abs().log(), np.log(np.abs(d))), (xd.sin(), np.sin(d)),
+                  (xd.cos(), np.cos(d)), ((xd * 0.4).tan(), np.tan(d * 0.4)), (xd.tanh(), np.tanh(d)),
+                  (xd.exp2(), np.exp2(d)), (xd.abs().log2(), np.log2(np.abs(d))),
+                  (xd.softplus(), np.maximum(d, 0) + np.log1p(np.exp(-np.abs(d)))), (xd.erf(), erf(d)),
+                  (xd.abs() ** 1.7, np.abs(d) ** 1.7), ((xd * 100).sin(), np.sin(d * 100))]:
+    np.testing.assert_allclose(got.numpy_sync(), want, rtol=1e-12, atol=1e-14)
 n = vk0.max_buffers + 4
 many = [Tensor(np.full(8, k, np.float32), device="vulkan:0") for k in range(n)]
 total = many[0]
@@ -314,7 +324,8 @@ print("OK")
 
 def test_rendered_glsl_kernels_run_and_match_numpy_within_the_binding_limit() -> None:
     """The GLSL dialect's kernels run on the device (elementwise with scalars, a product, reductions, views, integer
-    division and modulo): numpy's values. A sum of more tensors than a shader may bind storage buffers is split into
+    division and modulo, float64 exp/log/sin/... which GLSL has for float only, computed by the prelude): numpy's
+    values. A sum of more tensors than a shader may bind storage buffers is split into
     kernels within the limit (maxPerStageDescriptorStorageBuffers) and still gives numpy's value."""
     out = run_script(RENDERED)
     if out.strip().startswith("SKIP"):

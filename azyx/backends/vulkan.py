@@ -22,10 +22,10 @@ CUDA, a vulkan device of another physical device) it waits on a value of this de
 host signals once the other device's timeline reaches its value (`TimelineSignal.on_reach`): nothing blocks the
 submitting thread or the event loop. Gates open in order (the queue runs in order anyway).
 
-Status (issue 15): off by default (`{"vulkan": {"enabled": True}}` turns it on). Kernels from the GLSL dialect run
-on lavapipe, but the op suite does not pass yet: float64 math that GLSL has for float only (exp, log, sin, pow...)
-raises DTypeError where the suite expects values, a kernel with more buffers than the stage allows (lavapipe: 32)
-is not split by the scheduler, a few casts differ, and no command buffer is reused across runs of a plan.
+Status (issue 15): off by default (`{"vulkan": {"enabled": True}}` turns it on). With it on, the op suite on lavapipe
+fails 5 tests: a buffer over one binding's range (a 256 MiB upload; lavapipe binds 128 MiB), a kernel made to fault
+(lavapipe aborts the process), and three configuration tests that list the devices. No command buffer is reused
+across runs of a plan yet.
 """
 
 from __future__ import annotations
