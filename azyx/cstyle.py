@@ -64,7 +64,7 @@ class Dialect:
     fns: dict[str, str] = field(default_factory=dict)  # math functions under another name (GLSL: fabs is abs)
     int64_suffix: str = "LL"
     double_suffix: str = ""  # (GLSL: an unsuffixed literal is a float)
-    glsl: bool = False  # buffers are bindings and scalars a words buffer, shared memory is global, the entry is main
+    glsl: bool = False  # buffers are addresses and scalars words of a words buffer, shared memory is global, entry main
     bools: tuple[str, str] = ("0", "1")  # false, true
     max_groups: int = 0  # work groups per grid dimension (0: no limit); a longer grid folds into the next dimension
 
@@ -214,6 +214,7 @@ _GLSL_PRELUDE = """#version 450
 #extension GL_EXT_shader_explicit_arithmetic_types : require
 #extension GL_EXT_shader_8bit_storage : require
 #extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_buffer_reference : require
 #define INFINITY uintBitsToFloat(0x7f800000u)
 #define NAN uintBitsToFloat(0x7fc00000u)
 float bf2f(uint16_t x) { return uintBitsToFloat(uint(x) << 16); }
@@ -222,7 +223,7 @@ uint16_t f2bf(float f) {
   if (f != f) return uint16_t(0x7fc0);
   return uint16_t((i + 0x7fffu + ((i >> 16) & 1u)) >> 16);
 }
-float f16r(float x) { return float(float16_t(x)); }
+float f16r(float x) { return unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x; }  /* (not foldable away) */
 float azyx_fmod(float a, float b) { return a - b * trunc(a / b); }
 double azyx_fmod(double a, double b) { return a - b * trunc(a / b); }
 float azyx_copysign(float a, float b) { return (floatBitsToUint(b) >> 31) != 0u ? -abs(a) : abs(a); }
@@ -476,15 +477,18 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
         return f"(({x}>{y}||{x}!={x})?{x}:{y})"
     if op == "min":
         return f"(({x}<{y}||{x}!={x})?{x}:{y})"
+    # C's truncated remainder (GLSL's % is undefined for negative operands: glslang emits OpSMod, floored on NVIDIA's
+    # driver and truncated on lavapipe's; its / truncates, as SPIR-V's OpSDiv does)
+    rem = f"({x}-({x}/{y})*{y})" if dl.glsl else f"({x}%{y})"
     if op == "floordiv":
         if fl:
             return f"{_fn('floor', sd, dl)}({x}/{y})"
-        return f"({y}==0?{c('0')}:{c(f'{x}/{y}-' + c(f'(({x}%{y})!=0)&&(({x}<0)!=({y}<0))'))})"
+        return f"({y}==0?{c('0')}:{c(f'{x}/{y}-' + c(f'({rem}!=0)&&(({x}<0)!=({y}<0))'))})"
     if op == "mod":
         if fl:
             r = f"{_fn('fmod', sd, dl)}({x},{y})"  # a zero remainder takes the divisor's sign (numpy, Python)
             return f"(({r}!=0)?((({r}<0)!=({y}<0))?{r}+{y}:{r}):{_fn('copysign', sd, dl)}({c('0')},{y}))"
-        r = f"({x}%{y})"
+        r = rem
         return f"({y}==0?{c('0')}:(({r}!=0&&(({r}<0)!=({y}<0)))?{c(f'{r}+{y}')}:{r}))"
     if op == "pow":
         return f"{_fn('pow', sd, dl)}({x},{y})" if fl else c(f"ipow({x},{y})")
@@ -713,25 +717,30 @@ class _Renderer:
 
     def glsl_interface(self) -> str:
         """A GLSL shader's part before main: its name (a comment, so the source names its kernel), the prelude, the
-        work group size, one storage buffer binding per parameter (outputs first), the scalars' words after them
-        (binding n: scalar j is words 2j and 2j+1 of its 64-bit word), and shared memory."""
+        work group size, a buffer reference type per parameter (outputs first, inputs read-only: buffers are device
+        addresses, so neither a binding count nor a binding's range limits a kernel), the words buffer (binding 0:
+        the parameters' addresses, then the scalars; each a 64-bit word of two uints), and shared memory."""
         if not self.dl.glsl:
             return ""
         k, dl = self.k, self.dl
-        out = [dl.prelude, f"// {self.name}", f"layout(local_size_x = {work_group(k, dl)}) in;"]
+        out = [dl.prelude, f"// {self.name}", f"layout(local_size_x = {work_group(k, dl)}) in;",
+               "layout(std430, set = 0, binding = 0) restrict readonly buffer W { uint sw[]; };"]
         for i, d in enumerate(k.params):
             access = "restrict" if i < len(k.stores) else "restrict readonly"
-            out.append(f"layout(std430, set = 0, binding = {i}) {access} buffer B{i} {{ {dl.ctype(d)} d{i}[]; }};")
-        if self.scalars:
-            n = len(k.params)
-            out.append(f"layout(std430, set = 0, binding = {n}) restrict readonly buffer S {{ uint sw[]; }};")
+            out.append(f"layout(buffer_reference, std430, buffer_reference_align = {d.itemsize}) {access} buffer "
+                       f"B{i} {{ {dl.ctype(d)} v[]; }};")
+            out.append(f"#define d{i} p{i}.v")
         out += self.globals
         return "\n".join(out) + "\n"
 
     def emit_scalar_words(self) -> None:
-        """GLSL: each scalar argument from its two 32-bit words (SCALAR_CODES: the value's bytes, zero padded)."""
+        """GLSL: each parameter's address, then each scalar argument, from two 32-bit words of the words buffer
+        (SCALAR_CODES: a scalar's bytes, zero padded)."""
+        n = len(self.k.params)
+        for i in range(n):
+            self.emit(f"B{i} p{i} = B{i}(packUint2x32(uvec2(sw[{2 * i}], sw[{2 * i + 1}])));")
         for j, v in enumerate(self.scalars):
-            t, lo, hi = self.dl.compute_type(v.dtype), f"sw[{2 * j}]", f"sw[{2 * j + 1}]"
+            t, lo, hi = self.dl.compute_type(v.dtype), f"sw[{2 * (n + j)}]", f"sw[{2 * (n + j) + 1}]"
             if v.dtype.is_float:
                 x = f"packDouble2x32(uvec2({lo}, {hi}))" if v.dtype.itemsize == 8 else f"uintBitsToFloat({lo})"
             elif v.dtype.itemsize == 8:

@@ -94,16 +94,18 @@ def test_reductions_movement_and_pads_compile(glsl_planning: None, tmp_path: Pat
 
 
 def test_the_shader_interface(glsl_planning: None, tmp_path: Path) -> None:
-    """Bindings 0..n-1 are the kernel's buffers (outputs first, inputs read-only), binding n the scalars' 32-bit words
-    (scalar j: words 2j and 2j+1), the work group size is the launch's, and grouped reduces keep their shared memory
-    at global scope."""
+    """Buffers are buffer references (outputs first, inputs read-only) whose addresses are the first words of binding 0,
+    the scalars' words follow them (scalar j of a kernel with n buffers: words 2(n+j) and 2(n+j)+1), the work group
+    size is the launch's, and grouped reduces keep their shared memory at global scope."""
     x = t(4, 4096)
     (step,) = compiled(tmp_path, (x * 1.5 + 0.25).sum(axis=1))
     src = step.src
     assert "void main()" in src and f"// {step.name}" in src
-    assert "binding = 0) restrict buffer B0" in src and "binding = 1) restrict readonly buffer B1" in src
-    assert "binding = 2) restrict readonly buffer S { uint sw[]; }" in src
-    assert "uintBitsToFloat(sw[0])" in src and "uintBitsToFloat(sw[2])" in src
+    assert "binding = 0) restrict readonly buffer W { uint sw[]; }" in src
+    assert "buffer_reference_align = 4) restrict buffer B0 { float v[]; }" in src
+    assert "buffer_reference_align = 4) restrict readonly buffer B1 { float v[]; }" in src
+    assert "B0 p0 = B0(packUint2x32(uvec2(sw[0], sw[1])));" in src and "B1(packUint2x32(uvec2(sw[2], sw[3])))" in src
+    assert "uintBitsToFloat(sw[4])" in src and "uintBitsToFloat(sw[6])" in src
     assert f"layout(local_size_x = {step.launch.group}) in;" in src
     assert step.launch.grid == (4, 1, 1) and step.launch.group == GLSL.group_size  # a work group per row
     assert src.index("shared float") < src.index("void main()")

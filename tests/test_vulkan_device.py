@@ -1,7 +1,8 @@
-"""The Vulkan device (azyx.backends.vulkan) on a real driver (lavapipe in CI), driven directly: the GLSL renderer is not
-there yet, so each test hands the device its own compute shaders (KernelSteps made by hand) and checks the results
-against numpy. The backend is off by default: each test runs in a fresh interpreter that enables it (two logical
-devices on physical device 0, so that waits and copies between vulkan devices run too)."""
+"""The Vulkan device (azyx.backends.vulkan) on a real driver (lavapipe in CI), driven directly: each test hands the
+device its own compute shaders (KernelSteps made by hand, on the renderer's interface: buffers by address from the words
+binding) and checks the results against numpy; the last runs the GLSL renderer's kernels through the whole path.
+Each test runs in a fresh interpreter with two logical devices on physical device 0 (so that waits and copies between
+vulkan devices run too)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,19 @@ def download(buf, dtype, n):
     buf.device.read_into(buf, out.view(np.uint8))
     return out
 
+def shader(body, *types, local=64):
+    """A compute shader on the device's interface: buffer j (of GLSL type types[j]) is `bj` (`bj[i]`), its address
+    words 2j and 2j+1 of the words binding `w`, which holds the scalars after the addresses."""
+    out = ["#version 450", "#extension GL_EXT_buffer_reference : require",
+           "#extension GL_EXT_shader_explicit_arithmetic_types : require",
+           "#extension GL_EXT_shader_8bit_storage : require", f"layout(local_size_x = {local}) in;",
+           "layout(std430, set = 0, binding = 0) readonly buffer W { uint w[]; };"]
+    for j, t in enumerate(types):
+        out.append(f"layout(buffer_reference, std430) buffer R{j} {{ {t} v[]; }};")
+        out.append(f"#define b{j} r{j}.v")
+    args = " ".join(f"R{j} r{j} = R{j}(packUint2x32(uvec2(w[{2 * j}], w[{2 * j + 1}])));" for j in range(len(types)))
+    return "\\n".join(out) + "\\n" + body.replace("void main() {", "void main() { " + args, 1)
+
 def slow_c_write(buf, data, seconds=0.3):
     """A work item on c:0 that sleeps, then writes `data` at the host address `buf.ptr`; returns its value."""
     import ctypes
@@ -68,14 +82,9 @@ def slow_c_write(buf, data, seconds=0.3):
     return cdev.submit(work, [], 1 << 30)
 '''
 
-SAXPY = '''#version 450
-layout(local_size_x = 64) in;
-layout(std430, set = 0, binding = 0) buffer O { float o[]; };
-layout(std430, set = 0, binding = 1) readonly buffer A { float a[]; };
-layout(std430, set = 0, binding = 2) readonly buffer W { uint w[]; };
-void main() {
+SAXPY = '''void main() {
   uint i = gl_GlobalInvocationID.x;
-  if (i < N) o[i] = a[i] * uintBitsToFloat(w[0]) + uintBitsToFloat(w[2]);
+  if (i < N) b0[i] = b1[i] * uintBitsToFloat(w[4]) + uintBitsToFloat(w[6]);
 }
 '''
 
@@ -88,10 +97,10 @@ def run(body: str, timeout: float = 120) -> str:
 
 
 def test_an_elementwise_kernel_takes_two_float_scalars_through_the_words_binding() -> None:
-    """a * s + t with s, t float32 scalars (words 0 and 2 of the scalar binding), then a second kernel in the same
+    """a * s + t with s, t float32 scalars (words 4 and 6, after the two addresses), then a second kernel in the same
     command buffer reading the first one's output (the barrier between dispatches)."""
     run(f'''
-SRC = {SAXPY!r}.replace("N", "1000u")
+SRC = shader({SAXPY!r}.replace("N", "1000u"), "float", "float")
 n = 1000
 s1 = step("saxpy_a", SRC, 2, (16, 1, 1), 64, (dtypes.float32, dtypes.float32))
 compile(vk0, s1)
@@ -100,8 +109,9 @@ a = np.linspace(-3, 3, n, dtype=np.float32)
 inp, mid, out = upload(vk0, a), vk0.alloc(4 * n), vk0.alloc(4 * n)
 v = vk0.launch_many([(s1, [mid, inp], pack([2.5, -1.0])), (s1, [out, mid], pack([-0.5, 4.0]))], [])
 out.ready = mid.ready = v
-np.testing.assert_allclose(download(mid, np.float32, n), a * 2.5 - 1.0, rtol=1e-6)
-np.testing.assert_allclose(download(out, np.float32, n), (a * 2.5 - 1.0) * -0.5 + 4.0, rtol=1e-6)
+# (a driver may fuse a * s + t into one fma: one rounding fewer than numpy's)
+np.testing.assert_allclose(download(mid, np.float32, n), a * 2.5 - 1.0, rtol=1e-6, atol=1e-6)
+np.testing.assert_allclose(download(out, np.float32, n), (a * 2.5 - 1.0) * -0.5 + 4.0, rtol=1e-6, atol=1e-6)
 v = vk0.launch(s1, [out, inp], [], pack([0.0, 7.0]))  # (new words, a recycled command buffer)
 out.ready = v
 np.testing.assert_allclose(download(out, np.float32, n), np.full(n, 7.0, np.float32))
@@ -110,21 +120,12 @@ np.testing.assert_allclose(download(out, np.float32, n), np.full(n, 7.0, np.floa
 
 def test_int64_and_int8_kernels_where_the_device_has_the_types() -> None:
     out = run('''
-SRC64 = """#version 450
-#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
-layout(local_size_x = 32) in;
-layout(std430, binding = 0) buffer O { int64_t o[]; };
-layout(std430, binding = 1) readonly buffer A { int64_t a[]; };
-void main() { uint i = gl_GlobalInvocationID.x; if (i < 100u) o[i] = a[i] * 3l + (1l << 40); }
-"""
-SRC8 = """#version 450
-#extension GL_EXT_shader_8bit_storage : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int8 : require
-layout(local_size_x = 32) in;
-layout(std430, binding = 0) buffer O { int8_t o[]; };
-layout(std430, binding = 1) readonly buffer A { int8_t a[]; };
-void main() { uint i = gl_GlobalInvocationID.x; if (i < 100u) o[i] = int8_t(a[i] * int8_t(3) + int8_t(1)); }
-"""
+SRC64 = shader("""
+void main() { uint i = gl_GlobalInvocationID.x; if (i < 100u) b0[i] = b1[i] * 3l + (1l << 40); }
+""", "int64_t", "int64_t", local=32)
+SRC8 = shader("""
+void main() { uint i = gl_GlobalInvocationID.x; if (i < 100u) b0[i] = int8_t(b1[i] * int8_t(3) + int8_t(1)); }
+""", "int8_t", "int8_t", local=32)
 done = []
 if vk0.features["shaderInt64"]:
     s = step("i64", SRC64, 2, (4, 1, 1), 32)
@@ -152,15 +153,12 @@ def test_a_2d_dispatch_runs_more_groups_than_one_dimension_takes() -> None:
     """70000 groups (over maxComputeWorkGroupCount's 65535 on lavapipe) as a 35000 x 2 grid; a grid over the limit in
     one dimension is refused."""
     run('''
-SRC = """#version 450
-layout(local_size_x = 64) in;
-layout(std430, binding = 0) buffer O { float o[]; };
-void main() {
+SRC = shader("""void main() {
   uint g = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
   uint i = g * 64u + gl_LocalInvocationID.x;
-  o[i] = float(i) * 0.5;
+  b0[i] = float(i) * 0.5;
 }
-"""
+""", "float")
 n = 70000 * 64
 s = step("grid2d", SRC, 1, (35000, 2, 1), 64)
 compile(vk0, s)
@@ -206,15 +204,18 @@ def test_work_waits_on_a_c_device_and_vulkan_devices_wait_on_each_other() -> Non
     """A kernel on vulkan:0 that waits for a C work item (a host-opened gate) still writing its input, a copy from
     it that vulkan:1 waits for (vulkan:0's timeline semaphore), and a transfer from a C buffer not ready yet."""
     run(f'''
-SRC = {SAXPY!r}.replace("N", "4096u")
+SRC = shader({SAXPY!r}.replace("N", "4096u"), "float", "float")
 vk1 = RT.device("vulkan:1")
 s = step("saxpy_w", SRC, 2, (64, 1, 1), 64, (dtypes.float32, dtypes.float32))
 compile(vk0, s)
 n = 4096
 a = np.arange(n, dtype=np.float32)
 inp, out = vk0.alloc(4 * n), vk0.alloc(4 * n)
-assert vk0.mapped, "this test writes into mapped memory from c:0"
-vc = slow_c_write(inp, a)
+if vk0.mapped:  # C writes the kernel's input into the mapped memory
+    vc = slow_c_write(inp, a)
+else:  # device-local: C writes a buffer of its own, the kernel's input is written by a copy command before the kernel
+    vk0.write(inp, a.view(np.uint8))
+    vc = slow_c_write(cdev.alloc(4 * n), a)
 v = vk0.launch(s, [out, inp], [(cdev, vc)], scalar_packer([dtypes.float32, dtypes.float32])([2.0, 1.0]))
 out.ready = v
 assert not vk0.poll(v), "the kernel ran before the C work it waits for"
@@ -237,14 +238,14 @@ def test_cancelled_waits_and_close_leave_no_memory_and_no_vulkan_objects() -> No
     made, and a buffer still out at close is destroyed when it goes (then the VkDevice goes too)."""
     run(f'''
 from azyx.backends import vulkan as vkmod
-SRC = {SAXPY!r}.replace("N", "1024u")
+SRC = shader({SAXPY!r}.replace("N", "1024u"), "float", "float")
 s = step("saxpy_c", SRC, 2, (16, 1, 1), 64, (dtypes.float32, dtypes.float32))
 compile(vk0, s)
 words = scalar_packer([dtypes.float32, dtypes.float32])([1.0, 0.0])
 
 async def cancelled():
     inp, out = vk0.alloc(4096), vk0.alloc(4096)
-    vc = slow_c_write(inp, np.ones(1024, np.float32), 0.5)
+    vc = slow_c_write(cdev.alloc(4096), np.ones(1024, np.float32), 0.5)  # (a C work item the kernel waits for)
     v = vk0.launch(s, [out, inp], [(cdev, vc)], words)
     del inp, out
     task = asyncio.ensure_future(vk0.timeline.wait(v))
@@ -264,7 +265,7 @@ assert vk0.memory().in_use == 0, vk0.memory()
 kept = vk0.alloc(4096)
 assert vkmod._CONTEXTS
 RT.shutdown()
-assert vk0.closed and vk0.live == 1, vk0.live  # (the kept buffer)
+assert vk0.closed and vk0.live > 0, vk0.live  # (the kept buffer, and the slab it is a piece of)
 del kept
 assert vk0.live == 0 and not vkmod._CONTEXTS, (vk0.live, vkmod._CONTEXTS)
 print("ok")
@@ -310,23 +311,28 @@ for got, want in [(xd.exp(), np.exp(d)), (xd.abs().log(), np.log(np.abs(d))), (x
                   (xd.softplus(), np.maximum(d, 0) + np.log1p(np.exp(-np.abs(d)))), (xd.erf(), erf(d)),
                   (xd.abs() ** 1.7, np.abs(d) ** 1.7), ((xd * 100).sin(), np.sin(d * 100))]:
     np.testing.assert_allclose(got.numpy_sync(), want, rtol=1e-12, atol=1e-14)
-n = vk0.max_buffers + 4
+n = 40  # more buffers than lavapipe lets a shader bind (32): read by address, one kernel reads them all
 many = [Tensor(np.full(8, k, np.float32), device="vulkan:0") for k in range(n)]
 total = many[0]
 for t in many[1:]:
     total = total + t * 1.0
 plan = azyx.schedule(total)
-assert len(plan.kernels) > 1 and all(len(k.args) + bool(k.scalars) <= vk0.max_buffers for k in plan.kernels)
+assert vk0.max_buffers == 0 and len(plan.kernels) == 1 and len(plan.kernels[0].args) == n + 1
 np.testing.assert_array_equal(total.numpy_sync(), np.full(8, n * (n - 1) / 2, np.float32))
+a_big = np.arange(48 << 20, dtype=np.float32)  # 192 MiB: past one binding's 128 MiB
+big = Tensor(a_big, device="vulkan:0")
+np.testing.assert_array_equal((big * 2 + 1).numpy_sync(), a_big * 2 + 1)
+assert big.max().numpy_sync() == a_big.max() and big[-3:].numpy_sync().tolist() == a_big[-3:].tolist()
 print("OK")
 """
 
 
-def test_rendered_glsl_kernels_run_and_match_numpy_within_the_binding_limit() -> None:
+def test_rendered_glsl_kernels_run_and_match_numpy_past_the_binding_limits() -> None:
     """The GLSL dialect's kernels run on the device (elementwise with scalars, a product, reductions, views, integer
     division and modulo, float64 exp/log/sin/... which GLSL has for float only, computed by the prelude): numpy's
-    values. A sum of more tensors than a shader may bind storage buffers is split into
-    kernels within the limit (maxPerStageDescriptorStorageBuffers) and still gives numpy's value."""
+    values. Buffers are read by address: one kernel sums more tensors than a shader may bind storage buffers
+    (maxPerStageDescriptorStorageBuffers), and a buffer past one binding's range (maxStorageBufferRange) is read
+    and written whole."""
     out = run_script(RENDERED)
     if out.strip().startswith("SKIP"):
         pytest.skip(out.strip())

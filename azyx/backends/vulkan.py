@@ -2,11 +2,16 @@
 with a compute queue is a `vulkan:N` device. Each kernel is one GLSL compute shader (its KernelStep's `src`),
 compiled by `glslc` to SPIR-V (cached on disk), validated by `spirv-val`, and loaded as one compute pipeline.
 
-Shader interface (the renderer's contract): descriptor set 0, bindings 0..n-1 are the kernel's buffers in order
-(std430 storage buffers); a kernel with scalar arguments reads them from binding n, a read-only storage buffer of
-uint32 (scalar j is words 2j, low, and 2j+1, high, of its 64-bit word). A launch dispatches `Launch.grid` work groups;
-the shader declares its own local size. A storage binding holds at most `maxStorageBufferRange` bytes (lavapipe:
-128 MiB): for now a larger buffer is refused (AllocationError naming the size and the device).
+Shader interface (the renderer's contract, `cstyle.glsl_interface`): a shader reads its buffers by device address
+(`GL_EXT_buffer_reference`, Vulkan 1.2's bufferDeviceAddress), so neither the number of buffers nor a binding's range
+(`maxStorageBufferRange`: 128 MiB on lavapipe) limits a kernel. Its one binding (set 0, binding 0, a dynamic storage
+buffer) holds its words: the buffers' addresses in order, then the scalar arguments, a 64-bit word each (two uint32s,
+low first). A launch dispatches `Launch.grid` work groups; the shader declares its own local size.
+
+Command buffers: a plan's batch of kernels on this device (`BatchState`) is recorded once into a command buffer
+with a barrier after each dispatch, and submitted again on the plan's later runs: a run only writes its buffers'
+addresses and scalars into the command buffer's words (a few are kept per batch, so that runs in flight overlap).
+Other work (a lone launch, copies) records a one-time command buffer.
 
 Memory: pooled VkBuffers, each with its own VkDeviceMemory. Where the device's memory is host memory (a CPU device
 such as lavapipe, an integrated GPU) it is mapped once and stays mapped: host reads and writes are memcpys. Elsewhere
@@ -21,16 +26,12 @@ device, see `device_ids`) the submission waits on that device's timeline semapho
 CUDA, a vulkan device of another physical device) it waits on a value of this device's gate semaphore, which the
 host signals once the other device's timeline reaches its value (`TimelineSignal.on_reach`): nothing blocks the
 submitting thread or the event loop. Gates open in order (the queue runs in order anyway).
-
-Status (issue 15): off by default (`{"vulkan": {"enabled": True}}` turns it on). With it on, the op suite on lavapipe
-fails 5 tests: a buffer over one binding's range (a 256 MiB upload; lavapipe binds 128 MiB), a kernel made to fault
-(lavapipe aborts the process), and three configuration tests that list the devices. No command buffer is reused
-across runs of a plan yet.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import shutil
@@ -46,7 +47,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
-from azyx.cstyle import GLSL
+from azyx.cstyle import GLSL, Dialect
 from azyx.device import (
     BatchState,
     Buffer,
@@ -70,9 +71,14 @@ ffi = vk.ffi
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is copied at once; larger ones on a worker thread
 WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in slices of this (so that close stops it)
 GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
-SETS_PER_POOL = 64  # descriptor sets per descriptor pool of a command buffer
+SETS_PER_POOL = 64  # descriptor sets per descriptor pool (a command buffer keeps one set for its words)
+WORDS_RANGE = 4096  # bytes of words one kernel may read (its buffers' addresses and its scalars: 512 64-bit words)
+SLAB, SLAB_PIECE, SLAB_ALIGN = 4 << 20, 256 << 10, 256  # blocks of up to SLAB_PIECE bytes are pieces of slabs
+KEPT_PER_BATCH = 4  # command buffers recorded once and re-submitted, per batch of a plan on this device
+SHADER_DEVICE_ADDRESS = 0x00020000  # VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT (core in 1.2; the package has the
+MEMORY_DEVICE_ADDRESS = 0x00000002  # VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT       extension's names only, as None)
 BUFFER_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
-                vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+                vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT | SHADER_DEVICE_ADDRESS)
 HOST_VISIBLE = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
 DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 # every command's writes before every later command and the host's reads (the queue is in order; a barrier orders
@@ -127,6 +133,16 @@ class _Context:
         self.pd = vk.vkEnumeratePhysicalDevices(instance())[index]
         self.props = vk.vkGetPhysicalDeviceProperties(self.pd)
         self.limits = self.props.limits
+        m3 = vk.VkPhysicalDeviceMaintenance3Properties(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES)
+        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=m3))
+        self.max_allocation = int(m3.maxMemoryAllocationSize)
+        fc = vk.VkPhysicalDeviceFloatControlsProperties(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FLOAT_CONTROLS_PROPERTIES)
+        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=fc))
+        self.preserve_nan = [w for w in (16, 32, 64) if getattr(fc, f"shaderSignedZeroInfNanPreserveFloat{w}")]
         self.family = compute_family(self.pd)
         self.memory = vk.vkGetPhysicalDeviceMemoryProperties(self.pd)
         v11 = vk.VkPhysicalDeviceVulkan11Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES)
@@ -134,8 +150,10 @@ class _Context:
                                                   pNext=v11)
         feats = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=v12)
         vk.vkGetPhysicalDeviceFeatures2(self.pd, feats)
-        if not v12.timelineSemaphore:
-            raise DeviceError(f"Vulkan device {self.props.deviceName} has no timeline semaphores")
+        for need in ("timelineSemaphore", "bufferDeviceAddress"):
+            if not getattr(v12, need):
+                raise DeviceError(f"Vulkan device {self.props.deviceName} lacks {need} (a Vulkan 1.2 feature azyx "
+                                  "needs)")
         have = {"core": feats.features, "v11": v11, "v12": v12}
         self.features = {name: bool(getattr(have[s], name)) for s, name in OPTIONAL_FEATURES}
         # enable what the device has (a fresh chain: the queried one is the input)
@@ -144,6 +162,7 @@ class _Context:
             **{n: 1 for s, n in OPTIONAL_FEATURES if s == "v11" and self.features[n]})
         on12 = vk.VkPhysicalDeviceVulkan12Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, pNext=on11, timelineSemaphore=1,
+            bufferDeviceAddress=1,
             **{n: 1 for s, n in OPTIONAL_FEATURES if s == "v12" and self.features[n]})
         core = vk.VkPhysicalDeviceFeatures(**{n: 1 for s, n in OPTIONAL_FEATURES if s == "core" and self.features[n]})
         queue = vk.VkDeviceQueueCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
@@ -185,6 +204,21 @@ def context(index: int) -> _Context:
 
 
 @functools.cache
+def dialect_for(preserve_nan: tuple[int, ...]) -> Dialect:
+    """The GLSL dialect with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader
+    asks (SPIR-V's SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0
+    (NVIDIA's does), and NaN propagation and the signs of zeros would be lost."""
+    mode = 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, {});\n'
+    modes = "".join(mode.format(w) for w in preserve_nan)
+    if not modes:
+        return GLSL
+    head = "#version 450\n"
+    assert GLSL.prelude.startswith(head)
+    return dataclasses.replace(GLSL, prelude=head + "#extension GL_EXT_spirv_intrinsics : require\n" + modes
+                               + GLSL.prelude[len(head):])
+
+
+@functools.cache
 def glslc_version() -> str:
     if shutil.which("glslc") is None:
         raise DeviceError("glslc (GLSL -> SPIR-V) not found on PATH (Debian: apt install glslc)")
@@ -193,13 +227,19 @@ def glslc_version() -> str:
 
 # ------------------------------------------------------------------------------------------------ memory
 class _Block:
-    """A VkBuffer bound to its own VkDeviceMemory; `array` (uint8) and `ptr` are its mapping (None, 0 unmapped)."""
+    """`size` bytes at `offset` in a VkBuffer: the whole of a buffer bound to its own VkDeviceMemory, or a piece of a
+    slab (`slab`: the slab's block; `memory` None). `address` is its device address (what a shader reads it by),
+    `array` (uint8) and `ptr` its mapping (None, 0 unmapped). A slab counts its pieces (`users`) and the bytes carved
+    from it (`used`)."""
 
-    __slots__ = ("buffer", "memory", "size", "array", "ptr")
+    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr", "slab", "users", "used")
 
-    def __init__(self, buffer: Any, memory: Any, size: int, array: np.ndarray | None):
-        self.buffer, self.memory, self.size, self.array = buffer, memory, size, array
+    def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None,
+                 offset: int = 0, slab: _Block | None = None):
+        self.buffer, self.memory, self.size, self.address, self.array = buffer, memory, size, address, array
+        self.offset, self.slab = offset, slab
         self.ptr = array.ctypes.data if array is not None else 0
+        self.users = self.used = 0
 
 
 class _Lent:
@@ -222,26 +262,36 @@ class _Lent:
             pass
 
 
-class _Program:
-    """What launching a kernel needs: its pipeline, layout and descriptor set layout, and its binding count."""
-
-    __slots__ = ("pipeline", "layout", "set_layout", "bindings")
-
-    def __init__(self, pipeline: Any, layout: Any, set_layout: Any, bindings: int):
-        self.pipeline, self.layout, self.set_layout, self.bindings = pipeline, layout, set_layout, bindings
-
-
 class _Commands:
-    """A command buffer with the descriptor pools its sets came from and the staging block of its scalar words;
-    recycled once its submission completed (its pools reset, its words block back to the pool)."""
+    """A command buffer and the mapped block of its kernels' words, bound by its descriptor set (one dynamic storage
+    buffer: each dispatch binds its words' offset). A one-time buffer is recycled once its submission completed; a
+    kept one (`key`: see `_Kept`) stays recorded and is submitted again once `pending`, its last submission, is done."""
 
-    __slots__ = ("cb", "pools", "words", "sets")
+    __slots__ = ("cb", "ds", "words", "key", "pending")
 
-    def __init__(self, cb: Any):
-        self.cb = cb
-        self.pools: list[Any] = []
+    def __init__(self, cb: Any, ds: Any):
+        self.cb, self.ds = cb, ds
         self.words: _Lent | None = None
-        self.sets = 0  # sets taken from the last pool
+        self.key: tuple[int, ...] | None = None  # kept: the zero-filled buffers it was recorded with
+        self.pending = 0
+
+
+class _Kept:
+    """A plan's batch of kernels on one device, recorded once into a few command buffers that are submitted again
+    (`BatchState.prepared`): a run writes its buffers' addresses and scalars into the words of one that is not in
+    flight. Once the plan is dropped they go back to the device's spare command buffers."""
+
+    __slots__ = ("device", "cmds")
+
+    def __init__(self, device: VulkanDevice):
+        self.device = device
+        self.cmds: list[_Commands] = []
+
+    def __del__(self) -> None:
+        try:
+            self.device.orphans.extend(self.cmds)
+        except Exception:  # interpreter shutdown
+            pass
 
 
 class VulkanDevice(QueuedDevice):
@@ -263,7 +313,10 @@ class VulkanDevice(QueuedDevice):
         self.closed = False
         self.live = 0  # blocks made and not destroyed yet (made and destroyed on any thread: under live_lock)
         self.live_lock = threading.Lock()
+        self.slab_lock = threading.Lock()
+        self.slabs: dict[int, _Block] = {}  # memory type -> the slab its small blocks are carved from now
         self.ctx_gone = False
+        self.torn_down = False  # close() has destroyed the device's own objects (blocks out may outlive it)
         self.ctx = context(physical[index])
         try:
             self._setup(options)
@@ -278,10 +331,10 @@ class VulkanDevice(QueuedDevice):
         self.label = ctx.props.deviceName
         self.limits = ctx.limits
         self.max_groups = tuple(self.limits.maxComputeWorkGroupCount)
-        self.max_range = int(self.limits.maxStorageBufferRange)
-        self.max_buffers = int(self.limits.maxPerStageDescriptorStorageBuffers)  # bindings one shader may have
+        self.max_allocation = ctx.max_allocation  # (a shader reads buffers by address: no binding limits a kernel)
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
+        self.dialect = dialect_for(tuple(ctx.preserve_nan))
         dtype = ctx.props.deviceType
         # memory types a storage buffer may take, and which to use for device buffers and for staging
         probe = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
@@ -315,9 +368,20 @@ class VulkanDevice(QueuedDevice):
         self.cmd_pool = vk.vkCreateCommandPool(self.vkdev, vk.VkCommandPoolCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, queueFamilyIndex=ctx.family,
             flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
-        self.commands: dict[int, _Commands] = {}  # timeline value -> its command buffer, until it completed
+        self.commands: dict[int, _Commands] = {}  # timeline value -> its one-time command buffer, until it completed
         self.spare: collections.deque[_Commands] = collections.deque()  # completed ones, to record anew
+        self.orphans: collections.deque[_Commands] = collections.deque()  # kept ones of dropped plans (`_Kept`)
         self.all_commands: list[_Commands] = []
+        # every kernel's interface: binding 0 of set 0 is its words (the renderer's contract, cstyle.glsl_interface)
+        words = vk.VkDescriptorSetLayoutBinding(binding=0, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC,
+                                                descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
+        self.set_layout = vk.vkCreateDescriptorSetLayout(self.vkdev, vk.VkDescriptorSetLayoutCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=1, pBindings=[words]), None)
+        self.layout = vk.vkCreatePipelineLayout(self.vkdev, vk.VkPipelineLayoutCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1, pSetLayouts=[self.set_layout]),
+            None)
+        self.set_pools: list[Any] = []  # descriptor pools of the command buffers' sets
+        self.sets_left = 0  # in the last pool
         api = ctx.props.apiVersion
         debug.log(debug.DEVICES, f"{self.name}: {self.label} (Vulkan {api >> 22}.{(api >> 12) & 0x3FF}."
                                  f"{api & 0xFFF}, {'mapped' if self.mapped else 'device-local'} memory, "
@@ -338,34 +402,70 @@ class VulkanDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ memory
     def _create(self, type_index: int, mapped: bool, size: int) -> _Block:
-        """A new block for a pool: a buffer of `size` bytes in memory of type `type_index`, mapped if `mapped`."""
+        """A new block for a pool of `size` bytes in memory of type `type_index`, mapped if `mapped`: a small one is
+        a piece of a slab (a driver's allocations are slow, and few: maxMemoryAllocationCount is 4096 on NVIDIA's)."""
+        if size > SLAB_PIECE:
+            return self._whole(type_index, mapped, size)
+        piece = -(-size // SLAB_ALIGN) * SLAB_ALIGN
+        with self.slab_lock:
+            slab = self.slabs.get(type_index)
+            if slab is None or slab.used + piece > slab.size:
+                slab = self.slabs[type_index] = self._whole(type_index, mapped, SLAB)
+            at = slab.used
+            slab.used += piece
+            slab.users += 1
+        array = None if slab.array is None else slab.array[at:at + size]
+        with self.live_lock:
+            self.live += 1
+        return _Block(slab.buffer, None, size, slab.address + at, array, at, slab)
+
+    def _whole(self, type_index: int, mapped: bool, size: int) -> _Block:
+        """A buffer of `size` bytes bound to memory of its own."""
         buffer = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=BUFFER_USAGE,
             sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
         try:
             req = vk.vkGetBufferMemoryRequirements(self.vkdev, buffer)
+            flags = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+                                                 flags=MEMORY_DEVICE_ADDRESS)
             memory = vk.vkAllocateMemory(self.vkdev, vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=req.size,
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=flags, allocationSize=req.size,
                 memoryTypeIndex=type_index), None)
+        except vk.VkError as e:
+            vk.vkDestroyBuffer(self.vkdev, buffer, None)
+            raise AllocationError(f"{self.name}: allocating {size} bytes failed ({type(e).__name__})") from None
         except BaseException:
             vk.vkDestroyBuffer(self.vkdev, buffer, None)
             raise
         vk.vkBindBufferMemory(self.vkdev, buffer, memory, 0)
+        info = ffi.new("VkBufferDeviceAddressInfo*", {"sType": vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO,
+                                                      "buffer": buffer})
+        address = vk.lib.vkGetBufferDeviceAddress(self.vkdev, info)  # (the package's wrapper drops the result)
         array = np.frombuffer(vk.vkMapMemory(self.vkdev, memory, 0, size, 0), np.uint8) if mapped else None
         with self.live_lock:
             self.live += 1
-        return _Block(buffer, memory, size, array)
+        return _Block(buffer, memory, size, int(address), array)
 
     def _destroy(self, block: _Block) -> None:
-        vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
-        vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
+        """(Once the device has closed.) A slab goes with its last piece."""
+        slab = block.slab
+        if slab is None:
+            vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
+            vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
+        else:
+            with self.slab_lock:
+                slab.users -= 1
+                last = slab.users == 0
+            if last:
+                self._destroy(slab)
         with self.live_lock:
             self.live -= 1
 
     def _let_context_go(self) -> None:
-        """Once the device has closed and its last block is destroyed: its use of the shared context ends (once)."""
+        """Once the device has closed (and destroyed its own objects) and its last block is destroyed: its use of the
+        shared context ends (once)."""
         with self.live_lock:
-            if not self.closed or self.live or self.ctx_gone:
+            if not self.torn_down or self.live or self.ctx_gone:
                 return
             self.ctx_gone = True
         self.ctx.release()
@@ -386,9 +486,9 @@ class VulkanDevice(QueuedDevice):
         return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
-        if nbytes > self.max_range:
-            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one storage binding can "
-                                  f"hold on {self.label} (maxStorageBufferRange = {self.max_range} bytes)")
+        if nbytes > self.max_allocation:
+            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one allocation may be on "
+                                  f"{self.label} (maxMemoryAllocationSize = {self.max_allocation} bytes)")
         if self.finished:  # completed commands' buffers go back to the pool first: this request may reuse one
             self.collect()
         block, size = self.allocator.alloc(nbytes)
@@ -415,11 +515,6 @@ class VulkanDevice(QueuedDevice):
         in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""
         deadline = time.monotonic() + self.compile_timeout_s
         names = [s.name for s in steps]
-        for step in steps:  # (a pipeline over the limit is undefined behaviour: lavapipe crashes the process)
-            bindings = len(step.args) + (1 if step.scalars else 0)
-            if bindings > self.max_buffers:
-                raise CompileError(f"{self.name}: kernel {step.name} binds {bindings} storage buffers; {self.label} "
-                                   f"allows {self.max_buffers} per shader (maxPerStageDescriptorStorageBuffers)")
         out = {}
         for step in steps:
             left = max(deadline - time.monotonic(), 0.001)
@@ -443,121 +538,130 @@ class VulkanDevice(QueuedDevice):
 
         return cached_build("vulkan", key, ".spv", build).read_bytes()
 
-    def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> _Program:
-        """The kernel's compute pipeline: bindings for its buffers and, with scalar arguments, their words."""
-        n = len(step.args) + (1 if step.scalars else 0)
+    def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> Any:
+        """The kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
         dev = self.vkdev
-        bindings = [vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                                    descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
-                    for i in range(n)]
         module = None
         try:
-            set_layout = vk.vkCreateDescriptorSetLayout(dev, vk.VkDescriptorSetLayoutCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=n, pBindings=bindings),
-                None)
-            layout = vk.vkCreatePipelineLayout(dev, vk.VkPipelineLayoutCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1,
-                pSetLayouts=[set_layout]), None)
             module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
             stage = vk.VkPipelineShaderStageCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
                                                        stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
                                                        pName="main")
-            pipeline = vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=layout)], None)[0]
+            return vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
         except vk.VkError as e:
             raise CompileError(f"{self.name}: creating the pipeline of {kernel_list([step.name])} (of "
                                f"{kernel_list(names)}) failed: {type(e).__name__}") from None
         finally:
             if module is not None:
                 vk.vkDestroyShaderModule(dev, module, None)
-        return _Program(pipeline, layout, set_layout, n)
 
     # ------------------------------------------------------------------ submission
-    def _commands(self) -> _Commands:
-        """Under the lock: a command buffer to record (a completed one reset, or a new one), begun."""
+    def _commands(self, kept: bool = False) -> _Commands:
+        """Under the lock: a command buffer to record (a completed one, or a new one with its descriptor set), begun;
+        `kept`: to be submitted again (see `_kept`), else submitted once."""
+        for _ in range(len(self.orphans)):  # kept ones of dropped plans, once their last submission is done
+            cmd = self.orphans.popleft()
+            (self.spare if cmd.pending <= self.timeline.value else self.orphans).append(cmd)
         if self.spare:
             cmd = self.spare.popleft()
-            for pool in cmd.pools:
-                vk.vkResetDescriptorPool(self.vkdev, pool, 0)
-            cmd.sets = 0
-            cmd.words = None
+            cmd.key = None
         else:
             cb = vk.vkAllocateCommandBuffers(self.vkdev, vk.VkCommandBufferAllocateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=self.cmd_pool,
                 level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
-            cmd = _Commands(cb)
+            cmd = _Commands(cb, self._descriptor_set())
             self.all_commands.append(cmd)
         vk.vkBeginCommandBuffer(cmd.cb, vk.VkCommandBufferBeginInfo(
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-            flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT))
+            flags=0 if kept else vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT))
         return cmd
 
-    def _descriptor_set(self, cmd: _Commands, prog: _Program) -> Any:
-        """Under the lock: a descriptor set of `prog`'s layout from the command buffer's pools (a new pool when the
-        last one is used up)."""
-        if not cmd.pools or cmd.sets == SETS_PER_POOL:
-            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                           descriptorCount=SETS_PER_POOL * 8)
-            cmd.pools.append(vk.vkCreateDescriptorPool(self.vkdev, vk.VkDescriptorPoolCreateInfo(
+    def _descriptor_set(self) -> Any:
+        """Under the lock: a new descriptor set for a command buffer's words (a new pool when the last is used up)."""
+        if not self.sets_left:
+            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC,
+                                           descriptorCount=SETS_PER_POOL)
+            self.set_pools.append(vk.vkCreateDescriptorPool(self.vkdev, vk.VkDescriptorPoolCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, maxSets=SETS_PER_POOL, poolSizeCount=1,
                 pPoolSizes=[size]), None))
-            cmd.sets = 0
-        pool = cmd.pools[-1]
-        try:
-            ds = vk.vkAllocateDescriptorSets(self.vkdev, vk.VkDescriptorSetAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, descriptorPool=pool, descriptorSetCount=1,
-                pSetLayouts=[prog.set_layout]))[0]
-        except (vk.VkErrorOutOfPoolMemory, vk.VkErrorFragmentedPool):  # the pool's descriptors are used up
-            cmd.sets = SETS_PER_POOL
-            return self._descriptor_set(cmd, prog)
-        cmd.sets += 1
-        return ds
+            self.sets_left = SETS_PER_POOL
+        self.sets_left -= 1
+        return vk.vkAllocateDescriptorSets(self.vkdev, vk.VkDescriptorSetAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, descriptorPool=self.set_pools[-1],
+            descriptorSetCount=1, pSetLayouts=[self.set_layout]))[0]
 
-    def _record_launches(self, cmd: _Commands, items: list[LaunchItem]) -> None:
-        """Each kernel's descriptor set and dispatch, a barrier after each; the scalar words of all in one block."""
-        sizes = [-(-8 * len(words) // self.align) * self.align for _, _, words in items]
-        words_at: list[int] = []
-        if sum(sizes):
-            lent = cmd.words = _Lent(self, sum(sizes))
-            table = _mapping(lent.block)
-            at = 0
-            for (_, _, words), size in zip(items, sizes):
-                words_at.append(at)
-                if words:
-                    table[at:at + 8 * len(words)] = np.array(words, np.uint64).view(np.uint8)
-                at += size
+    def _words(self, cmd: _Commands, items: list[LaunchItem]) -> list[int]:
+        """Under the lock, with `cmd` not in flight: each kernel's words (its buffers' addresses, then its scalars)
+        into the command buffer's words block (a larger block where it is too small, its descriptor set pointed at
+        it); returns their offsets (the dynamic offsets of the dispatches)."""
+        offsets, rows, at = [], [], 0
+        for step, bufs, words in items:
+            row = [b.mem.address for b in bufs]
+            row += words
+            assert 8 * len(row) <= WORDS_RANGE, f"{step.name}: {len(row)} words, over {WORDS_RANGE // 8}"
+            offsets.append(at)
+            rows.append(row)
+            at += -(-8 * len(row) // self.align) * self.align
+        if cmd.words is None or cmd.words.block.size < at + WORDS_RANGE:
+            cmd.words = _Lent(self, at + WORDS_RANGE)
+            block = cmd.words.block
+            info = vk.VkDescriptorBufferInfo(buffer=block.buffer, offset=block.offset, range=WORDS_RANGE)
+            vk.vkUpdateDescriptorSets(self.vkdev, 1, [vk.VkWriteDescriptorSet(
+                sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=cmd.ds, dstBinding=0, descriptorCount=1,
+                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC, pBufferInfo=[info])], 0, None)
+        table = np.zeros(at // 8, np.uint64)
+        for off, row in zip(offsets, rows):
+            table[off // 8:off // 8 + len(row)] = row
+        _mapping(cmd.words.block)[:at] = table.view(np.uint8)
+        return offsets
+
+    def _record_launches(self, cmd: _Commands, items: list[LaunchItem], offsets: list[int]) -> None:
+        """Each kernel's dispatch with its words, a barrier after each."""
         cb = cmd.cb
-        for i, (step, bufs, words) in enumerate(items):
-            prog = self.programs[step.name]
+        for (step, bufs, _), offset in zip(items, offsets):
             grid = step.launch.grid
             assert all(g <= m for g, m in zip(grid, self.max_groups)), \
                 f"{self.name}: grid {grid} of {step.name} exceeds maxComputeWorkGroupCount {self.max_groups}"
-            ds = self._descriptor_set(cmd, prog)
-            infos = [(b.mem.buffer, 0, min(b.nbytes, self.max_range)) for b in bufs]
-            if words:
-                assert cmd.words is not None
-                infos.append((cmd.words.block.buffer, words_at[i], 8 * len(words)))
-            assert len(infos) == prog.bindings, f"{step.name}: {len(infos)} bindings for {prog.bindings}"
-            writes = [vk.VkWriteDescriptorSet(sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=ds, dstBinding=j,
-                                              descriptorCount=1, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                              pBufferInfo=[vk.VkDescriptorBufferInfo(buffer=b, offset=o, range=r)])
-                      for j, (b, o, r) in enumerate(infos)]
-            vk.vkUpdateDescriptorSets(self.vkdev, len(writes), writes, 0, None)
             if step.launch.zero:
-                vk.vkCmdFillBuffer(cb, bufs[0].mem.buffer, 0, step.launch.zero, 0)
+                vk.vkCmdFillBuffer(cb, bufs[0].mem.buffer, bufs[0].mem.offset, step.launch.zero, 0)
                 _barrier(cb)
-            vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, prog.pipeline)
-            vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, prog.layout, 0, 1, [ds], 0, None)
+            vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.programs[step.name])
+            vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.layout, 0, 1, [cmd.ds], 1,
+                                       [offset])
             vk.vkCmdDispatch(cb, *grid)
             _barrier(cb)
 
+    def _kept(self, batch: BatchState, items: list[LaunchItem]) -> _Commands:
+        """Under the lock: the batch's command buffer recorded for these zero-filled buffers and not in flight, its
+        words written; recorded now where none is (kept, while the batch keeps fewer than KEPT_PER_BATCH)."""
+        kept = batch.prepared
+        if not isinstance(kept, _Kept):
+            kept = batch.prepared = _Kept(self)
+        key = tuple(bufs[0].mem.address if step.launch.zero else 0 for step, bufs, _ in items)
+        for cmd in kept.cmds:
+            if cmd.key == key and cmd.pending <= self.timeline.value:
+                self._words(cmd, items)
+                return cmd
+        keep = len(kept.cmds) < KEPT_PER_BATCH
+        cmd = self._commands(kept=keep)
+        self._record_launches(cmd, items, self._words(cmd, items))
+        _barrier(cmd.cb)
+        vk.vkEndCommandBuffer(cmd.cb)
+        if keep:
+            cmd.key = key
+            kept.cmds.append(cmd)
+        return cmd
+
     def _submit(self, record: Callable[[_Commands], None] | None, waits: list[tuple[Device, int]], keep: Any,
-                post: Callable[[], None] | None = None, fill: Callable[[], None] | None = None) -> int:
+                post: Callable[[], None] | None = None, fill: Callable[[], None] | None = None,
+                batch: tuple[BatchState, list[LaunchItem]] | None = None) -> int:
         """Queue work after `waits`: the commands `record` records (None: none, the submission only orders and
         signals); returns its timeline value. `fill` (a host copy into memory the work reads) runs on a worker
         thread once `waits` are reached, and the work waits for it; `post` runs on the waiter thread once the work
-        completed, before the timeline reaches its value."""
+        completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
+        buffer (`_kept`)."""
         with self.lock:
             self.check_alive()
             self.submitted += 1
@@ -565,7 +669,9 @@ class VulkanDevice(QueuedDevice):
             sems, values = self._wait_semaphores(waits, v, fill)
             cmd = None
             try:
-                if record is not None:
+                if batch is not None:
+                    cmd = self._kept(*batch)
+                elif record is not None:
                     cmd = self._commands()
                     record(cmd)
                     _barrier(cmd.cb)
@@ -582,12 +688,14 @@ class VulkanDevice(QueuedDevice):
                 raise self.fail(e) from None
             except BaseException:  # nothing was submitted: the value is not used
                 self.submitted -= 1
-                if cmd is not None:
+                if cmd is not None and cmd.key is None:
                     vk.vkResetCommandBuffer(cmd.cb, 0)
                     self.spare.append(cmd)
                 raise
-            if cmd is not None:
+            if cmd is not None and cmd.key is None:
                 self.commands[v] = cmd
+            elif cmd is not None:
+                cmd.pending = v
             self.holding[v] = keep
             if post is not None:
                 self.posts.append(v)
@@ -676,8 +784,6 @@ class VulkanDevice(QueuedDevice):
         cmd = self.commands.pop(v, None)
         if cmd is not None:
             self.spare.append(cmd)
-            self.finished.append(cmd.words)  # (its words block goes back to the pool on a submitting thread)
-            cmd.words = None
         super().completed(v, post)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
@@ -698,8 +804,11 @@ class VulkanDevice(QueuedDevice):
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
-        """The kernels back to back in one command buffer (a barrier after each), one submission."""
-        return self._submit(lambda cmd: self._record_launches(cmd, items), waits, items)
+        """The kernels back to back in one command buffer (a barrier after each), one submission; a plan's batch by
+        command buffers recorded once (`_kept`)."""
+        if batch is not None:
+            return self._submit(None, waits, items, batch=(batch, items))
+        return self._submit(lambda cmd: self._record_launches(cmd, items, self._words(cmd, items)), waits, items)
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
@@ -795,16 +904,17 @@ class VulkanDevice(QueuedDevice):
         with self.lock:
             dev = self.vkdev
             for cmd in self.all_commands:
-                for pool in cmd.pools:
-                    vk.vkDestroyDescriptorPool(dev, pool, None)
                 cmd.words = None
-            self.all_commands, self.spare, self.commands = [], collections.deque(), {}
+            for pool in self.set_pools:
+                vk.vkDestroyDescriptorPool(dev, pool, None)
+            self.all_commands, self.commands = [], {}
+            self.spare, self.orphans = collections.deque(), collections.deque()
             vk.vkDestroyCommandPool(dev, self.cmd_pool, None)
-            for prog in self.programs.values():
-                vk.vkDestroyPipeline(dev, prog.pipeline, None)
-                vk.vkDestroyPipelineLayout(dev, prog.layout, None)
-                vk.vkDestroyDescriptorSetLayout(dev, prog.set_layout, None)
+            for pipeline in self.programs.values():
+                vk.vkDestroyPipeline(dev, pipeline, None)
             self.programs = {}
+            vk.vkDestroyPipelineLayout(dev, self.layout, None)
+            vk.vkDestroyDescriptorSetLayout(dev, self.set_layout, None)
             vk.vkDestroySemaphore(dev, self.sem, None)
             vk.vkDestroySemaphore(dev, self.gate, None)
             done = self._take_done()
@@ -812,6 +922,8 @@ class VulkanDevice(QueuedDevice):
         for pool in (self.allocator, self.staging):
             for block in pool.take_cached():
                 self._destroy(block)
+        with self.live_lock:
+            self.torn_down = True
         self._let_context_go()  # (or the last block given back, later)
 
 
@@ -829,5 +941,5 @@ def _barrier(cb: Any) -> None:
 
 def _copy(cmd: _Commands, src: _Block, src_offset: int, dst: _Block, dst_offset: int, n: int) -> None:
     if n:
-        vk.vkCmdCopyBuffer(cmd.cb, src.buffer, dst.buffer, 1,
-                           [vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=n)])
+        vk.vkCmdCopyBuffer(cmd.cb, src.buffer, dst.buffer, 1, [vk.VkBufferCopy(
+            srcOffset=src.offset + src_offset, dstOffset=dst.offset + dst_offset, size=n)])
