@@ -4,6 +4,7 @@ the targets become leaves -> wait for their timeline values on the event loop.""
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 import weakref
@@ -69,6 +70,7 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
                                                                     walk.scalars, walk.scalar_of), targets)
         await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
         rt.plan_cache[walk.key] = plan
+        await _pace()  # (the realizes that waited for this compile wake together)
     bindings = [GRAPH[i].buffer for i in walk.leaves]
     try:
         outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
@@ -83,15 +85,28 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
 
 
 class _Burst:
-    """A run of realizes' work on one asyncio loop without its due timers getting a turn (see `_pace`)."""
+    """A run of realizes' work on one asyncio loop without its due timers getting a turn (see `_pace`), and the
+    realizes waiting for a later run, in order (`again`: woken ones that found the run over, to go first)."""
 
-    __slots__ = ("start", "open")
+    __slots__ = ("start", "open", "passed", "waiters", "again")
 
     def __init__(self) -> None:
-        self.start, self.open = 0.0, False
+        self.start, self.open, self.passed = 0.0, False, 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.again: list[asyncio.Future[None]] = []
 
     def end(self) -> None:
+        """The run is over (the due timers have had their turn): wake as many waiters as the run let through, and
+        one more (they run in the next iteration, in order; those past the next run's time wait again)."""
         self.open = False
+        self.waiters.extendleft(reversed(self.again))
+        self.again.clear()
+        wake, self.passed = self.passed + 1, 0
+        while self.waiters and wake:
+            fut = self.waiters.popleft()
+            if not fut.done():  # (a cancelled realize's)
+                fut.set_result(None)
+                wake -= 1
 
 
 # per loop, weakly: a program that runs one loop after another (asyncio.run per job) must not keep every closed one
@@ -102,27 +117,34 @@ async def _pace() -> None:
     """Keep a crowd of realizes that became ready together (200 requests started by one gather) from holding the loop:
     asyncio runs every handle that was ready when an iteration began before the timers that fell due, so each of them
     doing its share of work (walk, plan hand-off, submit) would delay everyone else's timers by the sum. Once they
-    have worked `BURST` seconds in a row, the rest wait for a later iteration, after the due timers have run. A realize
-    alone on the loop (the common case) pays one look at the ready queue."""
+    have worked `BURST` seconds in a row, the rest wait, in order, for a later iteration, after the due timers have
+    run (the end of a run wakes about as many as the last one let through: a crowd costs a wake-up or two per
+    realize, not one per iteration).
+    A realize alone on the loop (the common case) pays one look at the ready queue."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # trio: its scheduler interleaves tasks and timers itself
         return
     ready = getattr(loop, "_ready", None)
-    if ready is None or len(ready) < CROWD:
-        return
     burst = _bursts.get(loop)
+    if ready is None or (len(ready) < CROWD and (burst is None or not burst.waiters)):
+        return
     if burst is None:
         burst = _bursts[loop] = _Burst()
+    woken = False
     while True:
         now = time.perf_counter()
         if not burst.open:
             burst.open, burst.start = True, now
             loop.call_later(0, burst.end)  # runs with the timers that fall due now: after everyone ready before it
-            return
+            break
         if now - burst.start <= BURST:
-            return
-        await asyncio.sleep(0)
+            break
+        fut = loop.create_future()
+        (burst.again if woken else burst.waiters).append(fut)
+        await fut
+        woken = True
+    burst.passed += 1
 
 
 def _plan_weight(walk: Walk) -> int:
