@@ -28,7 +28,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "opencl": {"enabled": True, "platform_ids": [], "compile_timeout_s": COMPILE_TIMEOUT_S},
     "cuda": {"enabled": True, "memory": None, "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     # off until the GLSL renderer lands; device_ids: which physical devices (indices, all when empty; one may repeat)
-    "vulkan": {"enabled": False, "device_ids": [], "memory": None, "compile_timeout_s": COMPILE_TIMEOUT_S},
+    "vulkan": {"enabled": True, "device_ids": [], "memory": None, "compile_timeout_s": COMPILE_TIMEOUT_S},
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
     # ExecutionPlans kept for graphs of a structure seen before (least recently used go first): a service that sees
     # ever new shapes must not grow without bound

@@ -62,7 +62,7 @@ async def test_an_output_read_at_another_index_stays_a_kernel_of_its_own(device:
     z = y.flip(0) - x  # element i reads y at 63 - i: another iteration's result
     assert len(_kernels(y, z)) == 2
     got = await _values(y, z)
-    np.testing.assert_allclose(got[0], xn * 3 + 1, rtol=1e-6)
+    np.testing.assert_allclose(got[0], xn * 3 + 1, rtol=1e-6, atol=1e-6)  # (C may fuse x * 3 + 1 into one fma)
     np.testing.assert_allclose(got[1], (xn * 3 + 1)[::-1] - xn, rtol=1e-6, atol=1e-6)
 
 
