@@ -39,7 +39,9 @@ case "$job" in
     .venv/bin/ruff check azyx tests bench examples
     .venv/bin/mypy
     .venv/bin/lint-imports  # the layering: pyproject.toml [tool.importlinter]
-    exec .venv/bin/python -m pytest -q -p no:cacheprovider ;;
+    # one process per core; the tests that time the event loop run afterwards, alone
+    .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider -m serial ;;
   bench)
     # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for
     # bench/serve.py's peer server

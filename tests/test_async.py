@@ -105,6 +105,7 @@ async def test_cancel_mid_transfer_leaks_nothing() -> None:
     assert (nodes, mem) == (base_nodes, base_mem)
 
 
+@pytest.mark.serial
 async def test_heartbeat_keeps_ticking_while_a_large_graph_compiles_and_runs() -> None:
     n = 64 << 20
     x = Tensor.rand(n, device="c:0")

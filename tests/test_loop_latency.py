@@ -14,9 +14,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
+import pytest
 from runtime_state import settle
 
 from azyx import Tensor
+
+pytestmark = pytest.mark.serial  # (timing: run alone, see dev.sh)
 
 # the stalls these tests guard against lasted 60-380 ms; the 5 ms target is measured by bench/run.py and
 # bench/serve.py on a quiet machine (a loaded 2-core machine alone delays a wake-up by tens of ms)
