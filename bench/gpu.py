@@ -1,6 +1,7 @@
-"""The CUDA backend beside PyTorch on the same GPU, in the same run (issue 6's table).
+"""A GPU device of azyx (the CUDA backend; `--device vulkan:0`: the Vulkan backend on the same GPU) beside PyTorch's
+CUDA on that GPU, in the same run (issue 6's table, and issue 15's for Vulkan).
 
-    python bench/gpu.py [--quick] [--out bench/RESULTS.md]
+    python bench/gpu.py [--quick] [--device cuda:0] [--out bench/RESULTS.md]
 
 Two timings per workload, both wall-clock around the await (azyx) or the call plus `torch.cuda.synchronize()`
 (PyTorch, every GPU synchronized), median of repeats after warm-up:
@@ -9,7 +10,8 @@ Two timings per workload, both wall-clock around the await (azyx) or the call pl
   work of one overlaps the GPU work of another), against eight PyTorch ops and one synchronize.
 Ratios are PyTorch time over azyx time (> 1: azyx is faster). TF32 is off in PyTorch. Transfers run through
 `UnifiedExecutor.execute_transfer` for every pair of devices present (peer between GPUs, host-staged to c:0).
-Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->`. Never asserts: it reports.
+Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->` (`bench:vulkan-gpu` for a vulkan
+device). Never asserts: it reports.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from azyx import Tensor  # noqa: E402
 from azyx.runtime import RT  # noqa: E402
 
 START, END = "<!-- bench:cuda:start -->", "<!-- bench:cuda:end -->"
+VK_START, VK_END = "<!-- bench:vulkan-gpu:start -->", "<!-- bench:vulkan-gpu:end -->"
 FLIGHT = 8
 
 
@@ -181,18 +184,25 @@ async def realize_only(torch: Any, fn: Callable[[Any], Any], small: Tensor, tsma
     return rows
 
 
-async def transfers(torch: Any, quick: bool) -> list[list[str]]:
+def torch_device(name: str) -> str:
+    """PyTorch's name for the memory an azyx device holds (a vulkan device's GPU is cuda:0 to PyTorch here)."""
+    return "cpu" if name.startswith("c:") else "cuda:0" if name.startswith("vulkan:") else name
+
+
+async def transfers(torch: Any, dev: str, quick: bool) -> list[list[str]]:
+    """`dev` to and from c:0 and every other GPU device (the other CUDA GPUs; CUDA and Vulkan on one GPU)."""
     nbytes = (64 if quick else 1024) << 20
     reps = 3 if quick else 10
     src_np = np.random.default_rng(1).random(nbytes // 4, dtype=np.float32)
     ex = RT.executor
-    gpus = [d for d in azyx.devices() if d.startswith("cuda:")]
-    pairs = [(g, h) for g in gpus for h in gpus if g != h] + [(gpus[0], "c:0"), ("c:0", gpus[0])]
+    gpus = [d for d in azyx.devices() if d.split(":")[0] in ("cuda", "vulkan") and d != dev]
+    pairs = [(g, h) for g in (dev, *gpus) for h in (dev, *gpus) if g != h and dev in (g, h)]
+    pairs += [(dev, "c:0"), ("c:0", dev)]
     rows = []
     for s, d in pairs:
         t = await transfer_time(src_np, s, d, reps, warmup=3)
-        ts = torch.from_numpy(src_np).to(s.replace("c:0", "cpu"))
-        tt = torch_timed(torch, lambda ts=ts, d=d: ts.to(d.replace("c:0", "cpu")), reps)
+        ts = torch.from_numpy(src_np).to(torch_device(s))
+        tt = torch_timed(torch, lambda ts=ts, d=d: ts.to(torch_device(d), copy=True), reps)
         rows.append([f"{s} -> {d}", ex.sync_strategy(s, d).value, f"{nbytes / t / 1e9:.1f}",
                      f"{nbytes / tt / 1e9:.1f}", f"{tt / t:.2f}x"])
     return rows
@@ -207,13 +217,16 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    ap.add_argument("--device", default="cuda:0", help="the azyx device to time (cuda:N or vulkan:N)")
     args = ap.parse_args()
-    dev = "cuda:0"
+    dev = args.device
     label = RT.device(dev).label  # type: ignore[attr-defined]
     w, copy_bw = await workloads(torch, dev, args.quick)
-    tr = await transfers(torch, args.quick)
+    tr = await transfers(torch, dev, args.quick)
+    kind = "CUDA" if dev.startswith("cuda:") else f"{dev} (Vulkan)"
+    start, end = (START, END) if dev.startswith("cuda:") else (VK_START, VK_END)
     text = "\n".join([
-        START, "", f"## CUDA beside PyTorch {torch.__version__} ({'quick' if args.quick else 'full'} run, "
+        start, "", f"## {kind} beside PyTorch {torch.__version__} ({'quick' if args.quick else 'full'} run, "
         f"{time.strftime('%Y-%m-%d')}, {label} x{len(RT.executor.devices) and torch.cuda.device_count()})", "",
         f"Host {machine_line()}.", "",
         f"Device copy bandwidth (PyTorch copy_, bytes read + written): {copy_bw / 1e9:.0f} GB/s. Rates: higher is "
@@ -221,9 +234,9 @@ async def main() -> None:
         table(["workload", "unit", "azyx 1 op", "torch 1 op", "ratio", f"azyx {FLIGHT} in flight",
                f"torch {FLIGHT} in flight", "ratio"], w), "",
         "Transfers (GB/s of payload) through `UnifiedExecutor.execute_transfer`, beside PyTorch's `.to()`:", "",
-        table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "", END])
+        table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "", end])
     print(text)
-    write_section(Path(args.out), START, END, text)
+    write_section(Path(args.out), start, end, text)
 
 
 if __name__ == "__main__":
