@@ -223,7 +223,18 @@ uint16_t f2bf(float f) {
   if (f != f) return uint16_t(0x7fc0);
   return uint16_t((i + 0x7fffu + ((i >> 16) & 1u)) >> 16);
 }
-float f16r(float x) { return unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x; }  /* (not foldable away) */
+float f16r(float x) {  /* x rounded to float16 (to nearest even) in integer arithmetic, which no driver folds away
+                          (NVIDIA's folds a float16 conversion and back, and packHalf2x16/unpackHalf2x16) */
+  uint u = floatBitsToUint(x), s = u & 0x80000000u, a = u ^ s;
+  if (a >= 0x7f800000u || a == 0u) return x;
+  if (a >= 0x477ff000u) return uintBitsToFloat(s | 0x7f800000u);
+  if (a >= 0x38800000u) return uintBitsToFloat(s | ((a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u));
+  int sh = 126 - int(a >> 23);  /* a float16 subnormal: a multiple of 2^-24 */
+  if (sh > 24) return uintBitsToFloat(s);
+  uint m = (a & 0x7fffffu) | 0x800000u, q = m >> uint(sh), r = m & ((1u << uint(sh)) - 1u), h = 1u << uint(sh - 1);
+  if (r > h || (r == h && (q & 1u) != 0u)) q += 1u;
+  return uintBitsToFloat(s | floatBitsToUint(float(q) * 5.9604644775390625e-8));
+}
 float azyx_fmod(float a, float b) { return a - b * trunc(a / b); }
 double azyx_fmod(double a, double b) { return a - b * trunc(a / b); }
 float azyx_copysign(float a, float b) { return (floatBitsToUint(b) >> 31) != 0u ? -abs(a) : abs(a); }
@@ -357,6 +368,8 @@ GLSL = Dialect(
     pragmas=False,
     global_ids="gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x",
     block=64,
+    gemm=True,
+    vector4="vec4",
     compute_types={"bool": "bool"},
     loads={"bool": "({buf}[{idx}]!=uint8_t(0))", "float16": "float({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"bool": "{buf}[{idx}] = uint8_t({val});", "float16": "{buf}[{idx}] = float16_t({val});",
@@ -522,6 +535,7 @@ class _Renderer:
         self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
         self.lines: list[str] = []
         self.globals: list[str] = []  # declarations a GLSL shader has outside main (shared memory)
+        self.vec_params: set[int] = set()  # GLSL: parameters also read or written as 4-float vectors (vec_at)
         self.depth = 1
         self.count = 0
         self.uset = set(k.uvars)
@@ -680,7 +694,7 @@ class _Renderer:
                 self.emit(f"if (gid >= {k.global_size}) return;")
         elif vectorized(k, dl):  # four points per work item, 16-byte loads and stores
             self.vector_body(order)
-            return f"{header} {{\n" + "\n".join(self.lines) + "\n}\n"
+            return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
         elif dl.global_ids and n:  # one work item per point of the global loops
             self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
             self.emit(f"if (gid >= {k.global_size}) return;")
@@ -730,6 +744,9 @@ class _Renderer:
             out.append(f"layout(buffer_reference, std430, buffer_reference_align = {d.itemsize}) {access} buffer "
                        f"B{i} {{ {dl.ctype(d)} v[]; }};")
             out.append(f"#define d{i} p{i}.v")
+            if i in self.vec_params:  # the same address read 16 bytes at a time (vector_body)
+                out.append(f"layout(buffer_reference, std430, buffer_reference_align = 16) {access} buffer "
+                           f"Q{i} {{ {dl.vector4} v[]; }};")
         out += self.globals
         return "\n".join(out) + "\n"
 
@@ -738,7 +755,7 @@ class _Renderer:
         (SCALAR_CODES: a scalar's bytes, zero padded)."""
         n = len(self.k.params)
         for i in range(n):
-            self.emit(f"B{i} p{i} = B{i}(packUint2x32(uvec2(sw[{2 * i}], sw[{2 * i + 1}])));")
+            self.emit(f"B{i} p{i} = B{i}({self.address(i)});")
         for j, v in enumerate(self.scalars):
             t, lo, hi = self.dl.compute_type(v.dtype), f"sw[{2 * (n + j)}]", f"sw[{2 * (n + j) + 1}]"
             if v.dtype.is_float:
@@ -749,19 +766,33 @@ class _Renderer:
                 x = f"{t}({lo})" if v.dtype.kind != "i" or v.dtype.itemsize == 4 else f"{t}(int({lo}))"
             self.emit(f"{t} sc{j} = {x};")
 
+    @staticmethod
+    def address(i: int) -> str:
+        return f"packUint2x32(uvec2(sw[{2 * i}], sw[{2 * i + 1}]))"
+
+    def vec_at(self, p: int, idx: str, element: bool = False) -> str:
+        """Parameter `p` as an array of 4-float vectors at `idx` (in vectors; in elements, a multiple of 4, where
+        `element`). GLSL reads the same address through a buffer reference of vectors."""
+        vec = self.dl.vector4
+        if self.dl.glsl:
+            self.vec_params.add(p)
+            return f"Q{p}({self.address(p)}).v[{f'({idx}) >> 2' if element else idx}]"
+        const = "const " if p >= len(self.k.stores) else ""
+        return f"*({const}{vec}*)(d{p} + {idx})" if element else f"(({const}{vec}*)d{p})[{idx}]"
+
     def vector_body(self, order: list[V]) -> None:
         """A plain elementwise float32 kernel over one loop (see `vectorized`), four points per work item: each
         operand read along the loop is one 16-byte load, each output one 16-byte store, and the body is computed
         for each of the four lanes (other loads, broadcast ones, stay per lane)."""
         k, dl, it, vec = self.k, self.dl, self.it, self.dl.vector4
         g = k.gvars[0]
-        self.emit(f"{it} gid = {dl.global_ids};")
+        self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
         self.emit(f"if (gid >= {k.global_size // 4}) return;")
         along = {p for p in range(len(k.stores), len(k.params)) if k.params[p] is dtypes.float32 and all(
             _is_var(v.arg[1], g) and v.arg[2].always for v in order if v.op == "load" and v.arg[0] == p)}
         along &= {v.arg[0] for v in order if v.op == "load"}
         for p in sorted(along):
-            self.emit(f"{vec} l{p} = ((const {vec}*)d{p})[gid];")
+            self.emit(f"{vec} l{p} = {self.vec_at(p, 'gid')};")
         for i in range(len(k.stores)):
             self.emit(f"{vec} s{i};")
         for lane, c in enumerate("xyzw"):
@@ -778,7 +809,7 @@ class _Renderer:
             self.names = saved
             self.close()
         for i in range(len(k.stores)):
-            self.emit(f"(({vec}*)d{i})[gid] = s{i};")
+            self.emit(f"{self.vec_at(i, 'gid')} = s{i};")
 
     def store_value(self, v: V) -> str:
         return self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
@@ -826,7 +857,7 @@ class _Renderer:
             self.emit(f"{it} {rv.name} = rl * 4;")
             loads = {p: v for v in body if v.op == "load" and (p := v.arg[0]) in along}
             for p, v in sorted(loads.items()):
-                self.emit(f"{dl.vector4} l{p} = *(const {dl.vector4}*)(d{p} + {v.arg[1].render()});")
+                self.emit(f"{dl.vector4} l{p} = {self.vec_at(p, v.arg[1].render(), element=True)};")
             lanes: list[tuple[str, int]] = [(c, i) for i, c in enumerate("xyzw")]
         else:
             self.open(f"for ({it} rl = lid; rl < {total}; rl += {size})")

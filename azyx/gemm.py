@@ -1,11 +1,12 @@
-"""A matmul kernel with shared-memory and register tiling, for GPU dialects that declare one (CUDA).
+"""A matmul kernel with shared-memory and register tiling, for GPU dialects that declare one (CUDA, Vulkan's GLSL).
 
 `match` recognises a kernel of the IR that is a (batched) matrix product, `C[b, i, j] = sum_r A[..] * B[..]` with
 affine, unmasked loads and a contiguous output, whatever the operands' strides (a transposed operand is read
-where it lies). `render_cuda` fills a classic tiled kernel for it: a block computes a BM x BN tile of C, stepping
-over K in slices of BK that the block stages in shared memory (the next slice is fetched into registers while the
-current one is multiplied); each thread accumulates a TM x TN register tile. Loads are 16 bytes wide where an
-operand's contiguous axis allows it. Anything else renders through the generic C-family path.
+where it lies). `render_cuda` (and `render_glsl`, the same scheme as a Vulkan compute shader) fills a classic tiled
+kernel for it: a block computes a BM x BN tile of C, stepping over K in slices of BK that the block stages in shared
+memory (the next slice is fetched into registers while the current one is multiplied); each thread accumulates a
+TM x TN register tile. Loads are 16 bytes wide where an operand's contiguous axis allows it. Anything else renders
+through the generic C-family path.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ class Gemm:
     batch: int
     a: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along i, along r
     b: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along r, along j
+    target: str = "cuda"  # "cuda" or "glsl" (Vulkan): GLSL has no float atomics to split K with
 
     @property
     def tile(self) -> tuple[int, int]:
         """Rows x columns of C per block: 128 x 128 where that makes a block per multiprocessor or more, else
         128 x 64 where that makes half as many, else 64 x 64 (measured on the H200 with 8 products in flight:
         1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27)."""
-        for bm, bn, least in ((128, 128, 128), (128, 64, 64)):
+        tiles = ((128, 128, 128), (128, 64, 64)) if self.target == "cuda" else ((128, 64, 64),)
+        for bm, bn, least in tiles:  # (NVIDIA's Vulkan: 128 x 128 ran 2.0 TFLOP/s at 4096^3, 128 x 64 7.0 at 1024^3)
             if -(-self.m // bm) * -(-self.n // bn) * self.batch >= least:
                 return bm, bn
         return 64, 64
@@ -46,7 +49,7 @@ class Gemm:
         at least 4. (Splitting where the tiles alone fill the GPU measured slower: the atomics and the zeroing.)"""
         bm, bn = self.tile
         tiles = -(-self.m // bm) * -(-self.n // bn) * self.batch
-        parts = 1 if tiles >= 64 else max(1, min(8, 128 // tiles, self.k // (4 * BK)))
+        parts = 1 if tiles >= 64 or self.target != "cuda" else max(1, min(8, 128 // tiles, self.k // (4 * BK)))
         per = -(-self.k // parts)
         chunk = -(-per // BK) * BK
         return -(-self.k // chunk), chunk
@@ -69,7 +72,7 @@ def _operand(v: V) -> V | None:
     return v if v.op == "load" and v.dtype is dtypes.float32 and v.arg[2].always else None
 
 
-def match(k: Kernel) -> Gemm | None:
+def match(k: Kernel, target: str = "cuda") -> Gemm | None:
     if len(k.stores) != 1:
         return None
     out_idx, r = k.stores[0]
@@ -103,7 +106,7 @@ def match(k: Kernel) -> Gemm | None:
         return None
     return Gemm(m, n, kk, batch,
                 (x.arg[0], fx["off"], fx.get("b", 0), fx.get("i", 0), fx["r"]),
-                (y.arg[0], fy["off"], fy.get("b", 0), fy["r"], fy.get("j", 0)))
+                (y.arg[0], fy["off"], fy.get("b", 0), fy["r"], fy.get("j", 0)), target)
 
 
 def render_cuda(g: Gemm, name: str) -> str:
@@ -204,17 +207,8 @@ def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str
     """Moving one BK x t slice of an operand: `elems` loads of `vec` floats, THREADS at a time. `along_k`: a load's
     consecutive elements (and consecutive threads) run along k; else along the operand's row/column axis."""
     base = "bi" if gv == "i" else "bj"
-    slots = -(-elems // THREADS)
-    if along_k:
-        per = BK // vec
-        pos = f"const int {ax} = e / {per}, kk = (e % {per}) * {vec};"
-    else:
-        per = t // vec
-        pos = f"const int kk = e / {per}, {ax} = (e % {per}) * {vec};"
     fetch, store = [], []
-    for s in range(slots):
-        guard = f"if (tid + {s * THREADS} < {elems}) " if (s + 1) * THREADS > elems else ""
-        e = f"tid + {s * THREADS}"
+    for s, head in enumerate(_slot_heads(vec, elems, t, ax, along_k, "const int")):
         idx = f"(long long)({base} + {ax}) * {s_outer} + (long long)(@K0@ + kk) * {s_k}"
         ok = f"{base} + {ax} < {extent} && @K0@ + kk < kend"
         if vec == 4:
@@ -223,12 +217,147 @@ def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str
                    f"r{mat.lower()}[{s}][3] = v.w; }}")
         else:
             get = f"r{mat.lower()}[{s}][0] = ({ok}) ? {mat}[{idx}] : 0.f;"
-        fetch.append(f"{guard}{{ const int e = {e}; {pos} {get} }}")
+        fetch.append(f"{head}{get} }}")
         if vec == 4 and along_k:
             put = "; ".join(f"{sh}[@BUF@][kk + {q}][{ax}] = r{mat.lower()}[{s}][{q}]" for q in range(4)) + ";"
         elif vec == 4:
             put = f"*(float4*)&{sh}[@BUF@][kk][{ax}] = *(const float4*)&r{mat.lower()}[{s}][0];"
         else:
             put = f"{sh}[@BUF@][kk][{ax}] = r{mat.lower()}[{s}][0];"
-        store.append(f"{guard}{{ const int e = {e}; {pos} {put} }}")
+        store.append(f"{head}{put} }}")
     return _Load(" ".join(fetch), " ".join(store))
+
+
+def _slot_heads(vec: int, elems: int, t: int, ax: str, along_k: bool, int_t: str) -> list[str]:
+    """The opening of each of a thread's loads of a tile slice (`elems` loads, THREADS at a time): its guard where
+    the last round is partial, then its element `e`, and `ax` and `kk`, the element's position in the slice."""
+    per = BK // vec if along_k else t // vec
+    pos = (f"{int_t} {ax} = e / {per}, kk = (e % {per}) * {vec};" if along_k else
+           f"{int_t} kk = e / {per}, {ax} = (e % {per}) * {vec};")
+    heads = []
+    for s in range(-(-elems // THREADS)):
+        guard = f"if (tid + {s * THREADS} < {elems}) " if (s + 1) * THREADS > elems else ""
+        heads.append(f"{guard}{{ {int_t} e = tid + {s * THREADS}; {pos} ")
+    return heads
+
+
+def render_glsl(g: Gemm, name: str, prelude: str, max_groups: int) -> str | None:
+    """The tiled product as a Vulkan compute shader (the shader interface of `cstyle.glsl_interface`: buffers by
+    device address from the words buffer, C first). Shared memory holds 4-float vectors, so a thread reads its
+    register tile's operands 16 bytes at a time (a thread's columns of B and C interleave with its neighbours', so
+    16 threads read 16 consecutive vectors: no bank conflicts, and C is written in whole lines); global loads are
+    16 bytes wide where an operand's contiguous axis allows. K is never split (GLSL has no float atomics without an
+    extension). None where the grid would exceed the device's groups per dimension."""
+    assert g.target == "glsl"
+    if max(g.grid()) > max_groups:
+        return None
+    tr, tc = g.tile
+    tm, tn = tr // 16, tc // 16
+    pa, a_off, a_sb, a_si, a_sk = g.a
+    pb, b_off, b_sb, b_sk, b_sj = g.b
+    a_vec = 4 if (a_sk == 1 and a_si % 4 == 0 and a_off % 4 == 0 and a_sb % 4 == 0 and g.k % 4 == 0) else 1
+    b_vec = 4 if (b_sj == 1 and b_sk % 4 == 0 and b_off % 4 == 0 and b_sb % 4 == 0 and g.n % 4 == 0) else 1
+    reach = max(a_off + (g.batch - 1) * abs(a_sb) + (g.m - 1) * abs(a_si) + (g.k - 1) * abs(a_sk),
+                b_off + (g.batch - 1) * abs(b_sb) + (g.k - 1) * abs(b_sk) + (g.n - 1) * abs(b_sj),
+                g.batch * g.m * g.n)
+    it = "int" if reach < 2**31 else "int64_t"
+    a_elems, b_elems = BK * tr // a_vec, BK * tc // b_vec
+    a_load = _glsl_tile_load("A", a_vec, a_elems, tr, "bi", a_si, a_sk, g.m, a_sk == 1, f"{a_off} + bz * {a_sb}", it)
+    b_load = _glsl_tile_load("B", b_vec, b_elems, tc, "bj", b_sj, b_sk, g.n, b_sj != 1, f"{b_off} + bz * {b_sb}", it)
+    fma = "\n".join(f"      acc[{m}][{q}] += a[{m // 4}][{m % 4}] * b[{q}];" for m in range(tm) for q in range(tn // 4))
+    row = f"bz * {g.m * g.n} + {it}(i) * {g.n} + j"
+    whole = f"C4.v[({row}) >> 2] = acc[m][q];"
+    part = f"for (int c = 0; c < 4; c++) if (j + c < {g.n}) C.v[{row} + c] = acc[m][q][c];"
+    store = f"if (j + 3 < {g.n}) {{ {whole} }} else {{ {part} }}" if g.n % 4 == 0 else part
+    return f"""{prelude}
+// {name}
+layout(local_size_x = {THREADS}) in;
+layout(std430, set = 0, binding = 0) restrict readonly buffer W {{ uint sw[]; }};
+layout(buffer_reference, std430, buffer_reference_align = 4) restrict buffer BC {{ float v[]; }};
+layout(buffer_reference, std430, buffer_reference_align = 16) restrict buffer QC {{ vec4 v[]; }};
+layout(buffer_reference, std430, buffer_reference_align = 4) restrict readonly buffer BI {{ float v[]; }};
+layout(buffer_reference, std430, buffer_reference_align = 16) restrict readonly buffer QI {{ vec4 v[]; }};
+shared vec4 As[2][{BK}][{tr // 4 + 1}];
+shared vec4 Bs[2][{BK}][{tc // 4 + 1}];
+uint64_t address(int i) {{ return packUint2x32(uvec2(sw[2 * i], sw[2 * i + 1])); }}
+void main() {{
+  BC C = BC(address(0)); QC C4 = QC(address(0));
+  BI A = BI(address({pa})); QI A4 = QI(address({pa}));
+  BI B = BI(address({pb})); QI B4 = QI(address({pb}));
+  int tid = int(gl_LocalInvocationID.x), ty = tid / 16, tx = tid % 16;
+  int bi = int(gl_WorkGroupID.y) * {tr}, bj = int(gl_WorkGroupID.x) * {tc};
+  {it} bz = {it}(gl_WorkGroupID.z);
+  int kend = {g.k};
+  vec4 acc[{tm}][{tn // 4}];
+  for (int m = 0; m < {tm}; m++)
+    for (int q = 0; q < {tn // 4}; q++) acc[m][q] = vec4(0.0);
+  {a_load.decl}
+  {b_load.decl}
+  {a_load.fetch.replace("@K0@", "0")}
+  {b_load.fetch.replace("@K0@", "0")}
+  {a_load.store.replace("@BUF@", "0")}
+  {b_load.store.replace("@BUF@", "0")}
+  barrier();
+  int buf = 0;
+  for (int k0 = 0; k0 < kend; k0 += {BK}) {{
+    bool more = k0 + {BK} < kend;
+    if (more) {{
+      {a_load.fetch.replace("@K0@", f"k0 + {BK}")}
+      {b_load.fetch.replace("@K0@", f"k0 + {BK}")}
+    }}
+    for (int kk = 0; kk < {BK}; kk++) {{
+      vec4 a[{tm // 4}], b[{tn // 4}];
+      for (int m = 0; m < {tm // 4}; m++) a[m] = As[buf][kk][ty * {tm // 4} + m];
+      for (int q = 0; q < {tn // 4}; q++) b[q] = Bs[buf][kk][q * 16 + tx];
+{fma}
+    }}
+    if (more) {{
+      buf ^= 1;
+      {a_load.store.replace("@BUF@", "buf")}
+      {b_load.store.replace("@BUF@", "buf")}
+    }}
+    barrier();
+  }}
+  for (int m = 0; m < {tm}; m++) {{
+    int i = bi + ty * {tm} + m;
+    if (i >= {g.m}) continue;
+    for (int q = 0; q < {tn // 4}; q++) {{
+      int j = bj + (q * 16 + tx) * 4;
+      {store}
+    }}
+  }}
+}}
+"""
+
+
+@dataclass(frozen=True)
+class _GlslLoad:
+    decl: str  # the registers a slice passes through
+    fetch: str  # global memory -> registers (@K0@: the slice's first k)
+    store: str  # registers -> shared memory slice (@BUF@)
+
+
+def _glsl_tile_load(mat: str, vec: int, elems: int, t: int, base: str, s_outer: int, s_k: int, extent: int,
+                    along_k: bool, origin: str, it: str) -> _GlslLoad:
+    """`_tile_load` for GLSL: `elems` loads of `vec` floats into registers, THREADS at a time, then into the shared
+    slice of 4-float vectors (a row or column's element `x` is component x % 4 of vector x / 4)."""
+    reg, sh = f"r{mat.lower()}", f"{mat}s"
+    heads = _slot_heads(vec, elems, t, "x", along_k, "int")
+    fetch, store = [], []
+    for s, head in enumerate(heads):
+        idx = f"{origin} + {it}({base} + x) * {s_outer} + {it}(@K0@ + kk) * {s_k}"
+        ok = f"{base} + x < {extent} && @K0@ + kk < kend"
+        if vec == 4:
+            get = f"{reg}[{s}] = ({ok}) ? {mat}4.v[({idx}) >> 2] : vec4(0.0);"
+        else:
+            get = f"{reg}[{s}] = ({ok}) ? {mat}.v[{idx}] : 0.0;"
+        fetch.append(f"{head}{get} }}")
+        if vec == 4 and along_k:
+            put = " ".join(f"{sh}[@BUF@][kk + {q}][x >> 2][x & 3] = {reg}[{s}][{q}];" for q in range(4))
+        elif vec == 4:
+            put = f"{sh}[@BUF@][kk][x >> 2] = {reg}[{s}];"
+        else:
+            put = f"{sh}[@BUF@][kk][x >> 2][x & 3] = {reg}[{s}];"
+        store.append(f"{head}{put} }}")
+    decl = f"{'vec4' if vec == 4 else 'float'} {reg}[{len(heads)}];"
+    return _GlslLoad(decl, " ".join(fetch), " ".join(store))

@@ -39,8 +39,13 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
     """(name, source, launch) of a kernel: the tiled matrix product where the dialect has it and `k` is one, else the
     generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
     may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source)."""
-    g = gemm.match(k) if dl.gemm else None
-    body = gemm.render_cuda(g, "KERNEL") if g is not None else render(k, "KERNEL", dl, threads)
+    g = gemm.match(k, "glsl" if dl.glsl else "cuda") if dl.gemm else None
+    body = None
+    if g is not None:
+        body = gemm.render_glsl(g, "KERNEL", dl.prelude, dl.max_groups) if dl.glsl else gemm.render_cuda(g, "KERNEL")
+        g = g if body is not None else None
+    if body is None:
+        body = render(k, "KERNEL", dl, threads)
     name = kernel_name(body)
     return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
 

@@ -114,10 +114,12 @@ def test_the_shader_interface(glsl_planning: None, tmp_path: Path) -> None:
 def test_grids_past_the_dimension_limit_fold_into_rows(glsl_planning: None, tmp_path: Path) -> None:
     """Vulkan guarantees 65535 work groups per dimension (lavapipe has no more): a longer grid becomes rows of 65535
     groups, and the work items past the last point return (whole groups, for a grouped kernel)."""
-    n = 65535 * GLSL.block + 1000
+    n = 65535 * GLSL.block + 1001  # (odd: a multiple of 4 would take four points per work item, in vectors)
     (step,) = compiled(tmp_path, t(n) * 2 + 1)
     assert step.launch.grid == (65535, 2, 1) and step.launch.group == GLSL.block
     assert step.launch.items >= n and f"if (gid >= {n}) return;" in step.src
+    (step,) = compiled(tmp_path, t(4 * n) * 2 + 1)  # four points per work item: 16-byte loads and stores
+    assert step.launch.grid == (65535, 2, 1) and "vec4 l1 = Q1(" in step.src and "Q0(" in step.src
     rows = t(70000, 256).sum(axis=1)
     (step,) = compiled(tmp_path, rows)
     assert step.launch.grid == (65535, 2, 1) and "if (gid >= 70000) return;" in step.src

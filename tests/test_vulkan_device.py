@@ -337,3 +337,54 @@ def test_rendered_glsl_kernels_run_and_match_numpy_past_the_binding_limits() -> 
     if out.strip().startswith("SKIP"):
         pytest.skip(out.strip())
     assert out.strip().endswith("OK"), out
+
+
+GPU_DIALECT = '''
+import dataclasses
+from azyx.backends.vulkan import dialect_for
+from azyx import Tensor
+ctx = vk0.ctx
+# the dialect a GPU gets (tiled products, subgroup shuffles), on this device whatever it is (lavapipe: 8 lanes)
+warp = ctx.subgroup or 0
+if warp < 4:
+    print("SKIP: the device's subgroups do not shuffle")
+    raise SystemExit(0)
+vk0.dialect, vk0.tiles = dialect_for(tuple(ctx.preserve_nan), True, warp), False
+RT.plan_cache.clear()
+rng = np.random.default_rng(7)
+
+async def check():
+    for m, k, n in [(128, 64, 128), (100, 37, 70), (3, 5, 7), (130, 257, 66)]:
+        a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+        ta, tb = Tensor(a, device="vulkan:0"), Tensor(b, device="vulkan:0")
+        tbt = Tensor(np.ascontiguousarray(b.T), device="vulkan:0").T  # B read along k (PyTorch's Linear layout)
+        tat = Tensor(np.ascontiguousarray(a.T), device="vulkan:0").T  # A read along its rows
+        (step,) = azyx.schedule(ta @ tbt).kernels
+        assert "shared vec4 As" in step.src, step.src
+        for got in (ta @ tb, ta @ tbt, tat @ tb):
+            np.testing.assert_allclose(await got.numpy(), a @ b, rtol=1e-4, atol=1e-4)
+    x, y = rng.standard_normal((3, 64, 32), dtype=np.float32), rng.standard_normal((3, 32, 48), dtype=np.float32)
+    got = await (Tensor(x, device="vulkan:0") @ Tensor(y, device="vulkan:0")).numpy()
+    np.testing.assert_allclose(got, x @ y, rtol=1e-4, atol=1e-4)
+    # reductions through subgroup shuffles: many rows (a subgroup per row), few long rows (a group per row)
+    for shape in [(5000, 40), (3, 100000), (64, 4096)]:
+        m = rng.standard_normal(shape, dtype=np.float32)
+        t = Tensor(m, device="vulkan:0")
+        assert any("subgroupShuffleXor" in s.src for s in azyx.schedule(t.sum(axis=1)).kernels)
+        np.testing.assert_allclose(await t.sum(axis=1).numpy(), m.sum(axis=1), rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(await t.max(axis=1).numpy(), m.max(axis=1))
+        np.testing.assert_array_equal(await t.argmax(axis=1).numpy(), m.argmax(axis=1))
+    iv = rng.integers(-1000, 1000, size=(700, 300)).astype(np.int32)
+    np.testing.assert_array_equal(await Tensor(iv, device="vulkan:0").sum(axis=1).numpy(), iv.sum(axis=1))
+    print("OK")
+
+asyncio.run(check())
+'''
+
+
+def test_the_gpu_dialect_tiled_products_and_subgroup_shuffles_run_and_match_numpy() -> None:
+    """The dialect a Vulkan GPU gets (matrix products in azyx.gemm's shared-memory tiled shader, reductions combined
+    by subgroup shuffles), run on this device whatever it is (lavapipe in CI: 8-lane subgroups): numpy's values for
+    products with either operand transposed, ragged sizes and a batch, and row reductions of every shape class."""
+    out = run(GPU_DIALECT, timeout=300)
+    assert out.strip().endswith("OK"), out

@@ -143,6 +143,13 @@ class _Context:
         vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=fc))
         self.preserve_nan = [w for w in (16, 32, 64) if getattr(fc, f"shaderSignedZeroInfNanPreserveFloat{w}")]
+        sg = vk.VkPhysicalDeviceSubgroupProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
+        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=sg))
+        shuffles = sg.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT and \
+            sg.supportedOperations & vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT
+        self.subgroup = int(sg.subgroupSize) if shuffles else 0  # lanes of a shuffle (0: no shuffles)
+        self.gpu = self.props.deviceType != vk.VK_PHYSICAL_DEVICE_TYPE_CPU
         self.family = compute_family(self.pd)
         self.memory = vk.vkGetPhysicalDeviceMemoryProperties(self.pd)
         v11 = vk.VkPhysicalDeviceVulkan11Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES)
@@ -177,9 +184,29 @@ class _Context:
         self.qlock = threading.Lock()
         self.users = 0  # vulkan devices (and their buffers still out after they closed) that use it
 
-    def submit(self, info: Any) -> None:
+    def submit(self, cb: Any, sems: list[Any], values: list[int], signal: Any, value: int) -> None:
+        """One submission: command buffer `cb` (or None) after semaphores `sems` reach `values`, then `signal` set
+        to `value`. Built in cffi directly: the package's struct wrappers cost ~50 us a submission, most of a small
+        realize's host time."""
+        n = len(sems)
+        wait_values = ffi.new("uint64_t[]", values) if n else ffi.NULL
+        signal_value = ffi.new("uint64_t[1]", [value])
+        timeline = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO, "waitSemaphoreValueCount": n,
+            "pWaitSemaphoreValues": wait_values, "signalSemaphoreValueCount": 1,
+            "pSignalSemaphoreValues": signal_value})
+        wait_sems = ffi.new("VkSemaphore[]", sems) if n else ffi.NULL
+        stages = ffi.new("VkPipelineStageFlags[]", [vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT] * n) if n else ffi.NULL
+        cbs = ffi.new("VkCommandBuffer[1]", [cb]) if cb is not None else ffi.NULL
+        signals = ffi.new("VkSemaphore[1]", [signal])
+        info = ffi.new("VkSubmitInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "pNext": timeline, "waitSemaphoreCount": n,
+            "pWaitSemaphores": wait_sems, "pWaitDstStageMask": stages, "commandBufferCount": int(cb is not None),
+            "pCommandBuffers": cbs, "signalSemaphoreCount": 1, "pSignalSemaphores": signals})
         with self.qlock:
-            vk.vkQueueSubmit(self.queue, 1, [info], None)
+            result = vk.lib.vkQueueSubmit(self.queue, 1, info, ffi.NULL)
+        if result != vk.VK_SUCCESS:
+            raise vk.exception_codes.get(result, vk.VkError)()
 
     def release(self) -> None:
         """A user is done with it; the last one destroys the VkDevice."""
@@ -204,18 +231,24 @@ def context(index: int) -> _Context:
 
 
 @functools.cache
-def dialect_for(preserve_nan: tuple[int, ...]) -> Dialect:
-    """The GLSL dialect with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader
-    asks (SPIR-V's SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0
-    (NVIDIA's does), and NaN propagation and the signs of zeros would be lost."""
-    mode = 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, {});\n'
-    modes = "".join(mode.format(w) for w in preserve_nan)
-    if not modes:
-        return GLSL
+def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect:
+    """The GLSL dialect for one device:
+    - with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader asks (SPIR-V's
+      SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
+      NaN propagation and the signs of zeros would be lost;
+    - with `gemm`, matrix products in the shared-memory tiled shader of azyx.gemm (a GPU's: on a CPU, lavapipe,
+      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles);
+    - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
+      shared memory, no barrier), as CUDA's warps do."""
     head = "#version 450\n"
     assert GLSL.prelude.startswith(head)
-    return dataclasses.replace(GLSL, prelude=head + "#extension GL_EXT_spirv_intrinsics : require\n" + modes
-                               + GLSL.prelude[len(head):])
+    mode = 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, {});\n'
+    extra = "#extension GL_EXT_spirv_intrinsics : require\n" if preserve_nan else ""
+    extra += "".join(mode.format(w) for w in preserve_nan)
+    if warp:
+        extra += "#extension GL_KHR_shader_subgroup_shuffle : require\n"
+    return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, warp=warp,
+                               shuffle="subgroupShuffleXor({x}, {o})" if warp else "")
 
 
 @functools.cache
@@ -334,7 +367,10 @@ class VulkanDevice(QueuedDevice):
         self.max_allocation = ctx.max_allocation  # (a shader reads buffers by address: no binding limits a kernel)
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
-        self.dialect = dialect_for(tuple(ctx.preserve_nan))
+        # a GPU's subgroups of 32 lanes (NVIDIA's) shuffle; lavapipe's (8 lanes of the CPU's vectors) do not pay
+        self.dialect = dialect_for(tuple(ctx.preserve_nan), ctx.gpu, ctx.subgroup if ctx.gpu and ctx.subgroup == 32
+                                   else 0)
+        self.tiles = not ctx.gpu  # register tiles for matrix products on a CPU (on a GPU: dialect.gemm)
         dtype = ctx.props.deviceType
         # memory types a storage buffer may take, and which to use for device buffers and for staging
         probe = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
@@ -489,7 +525,9 @@ class VulkanDevice(QueuedDevice):
         if nbytes > self.max_allocation:
             raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one allocation may be on "
                                   f"{self.label} (maxMemoryAllocationSize = {self.max_allocation} bytes)")
-        if self.finished:  # completed commands' buffers go back to the pool first: this request may reuse one
+        # completed commands' buffers go back to the pool first (those the waiter thread handled, and those whose
+        # value the timeline reached before it did): this request may reuse one
+        if self.finished or (self.holding and next(iter(self.holding)) <= self.timeline.value):
             self.collect()
         block, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, block, block.ptr, True)
@@ -676,14 +714,7 @@ class VulkanDevice(QueuedDevice):
                     record(cmd)
                     _barrier(cmd.cb)
                     vk.vkEndCommandBuffer(cmd.cb)
-                timeline = vk.VkTimelineSemaphoreSubmitInfo(
-                    sType=vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO, waitSemaphoreValueCount=len(values),
-                    pWaitSemaphoreValues=values, signalSemaphoreValueCount=1, pSignalSemaphoreValues=[v])
-                self.ctx.submit(vk.VkSubmitInfo(
-                    sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, pNext=timeline, waitSemaphoreCount=len(sems),
-                    pWaitSemaphores=sems, pWaitDstStageMask=[vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT] * len(sems),
-                    commandBufferCount=1 if cmd is not None else 0, pCommandBuffers=[cmd.cb] if cmd else None,
-                    signalSemaphoreCount=1, pSignalSemaphores=[self.sem]))
+                self.ctx.submit(cmd.cb if cmd is not None else None, sems, values, self.sem, v)
             except vk.VkErrorDeviceLost as e:
                 raise self.fail(e) from None
             except BaseException:  # nothing was submitted: the value is not used
