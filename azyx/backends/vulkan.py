@@ -236,8 +236,9 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
     - with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader asks (SPIR-V's
       SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
       NaN propagation and the signs of zeros would be lost;
-    - with `gemm`, matrix products in the shared-memory tiled shader of azyx.gemm (a GPU's: on a CPU, lavapipe,
-      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles);
+    - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm (on a CPU, lavapipe,
+      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles), and work groups of
+      256 items;
     - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
       shared memory, no barrier), as CUDA's warps do."""
     head = "#version 450\n"
@@ -247,8 +248,12 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
     extra += "".join(mode.format(w) for w in preserve_nan)
     if warp:
         extra += "#extension GL_KHR_shader_subgroup_shuffle : require\n"
+    group = 256 if gemm else GLSL.block  # (CUDA's size on a GPU; lavapipe's threads prefer 64)
+    if warp:  # a group's subgroups' results are combined by one subgroup
+        group = min(group, warp * warp)
     return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, warp=warp,
-                               shuffle="subgroupShuffleXor({x}, {o})" if warp else "")
+                               shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
+                               group_size=group)
 
 
 @functools.cache
