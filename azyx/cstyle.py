@@ -57,6 +57,7 @@ class Dialect:
     warp: int = 0  # with `shuffle`: where outputs are many, a warp (not a whole group) reduces each output
     warp_outputs: int = 4096  # ... from this many outputs on
     vector4: str = ""  # a 4-float vector type: plain elementwise float32 kernels move 16 bytes per load and store
+    copies: int = 1  # a grouped reduce's steps per loop iteration (where the dialect has no unroll pragma: GLSL)
     # integer max/min as azyx_max/azyx_min of the prelude: NVRTC (CUDA 13) miscompiles `(-x > acc ? -x : acc)` in
     # an unrolled reduce that starts at INT_MIN (max(-x, c) rewritten as -min(x, -c)); an asm max is opaque to it
     int_minmax: bool = False
@@ -850,17 +851,38 @@ class _Renderer:
             self.emit(dl.unroll)
         body = self.collect([r.src[0]], place, r)
         vector = self._vector_operands(r, body)
+        trip = total // 4 if vector is not None else total  # steps of the reduce, `size` items at a time
+        copies = dl.copies if trip >= dl.copies * size else 1
+        if copies > 1:  # `copies` steps per iteration, so that their loads are in flight together
+            self.emit(f"{it} rl0 = lid;")
+            self.open(f"for (; rl0 + {(copies - 1) * size} < {trip}; rl0 += {copies * size})")
+            for u in range(copies):
+                self.open("")
+                self.emit(f"{it} rl = rl0 + {u * size};")
+                self.reduce_step(r, body, vector, name, comb)
+                self.close()
+            self.close()
+            self.open(f"for (; rl0 < {trip}; rl0 += {size})")
+            self.emit(f"{it} rl = rl0;")
+        else:
+            self.open(f"for ({it} rl = lid; rl < {trip}; rl += {size})")
+        self.reduce_step(r, body, vector, name, comb)
+        self.close()
+        self.combine_group(r, name, comb, acc_t)
+
+    def reduce_step(self, r: V, body: list[V], vector: set[int] | None, name: str, comb: str) -> None:
+        """One step `rl` of a work item's share of a grouped reduce: an element (four, in vectors), into `name`."""
+        dl, it, rvars = self.dl, self.it, r.arg[1]
         along = vector or set()
+        saved_step = dict(self.names)
         if vector is not None:  # four elements per step, each operand read along the reduce in one 16-byte load
             (rv,) = rvars
-            self.open(f"for ({it} rl = lid; rl < {total // 4}; rl += {size})")
             self.emit(f"{it} {rv.name} = rl * 4;")
             loads = {p: v for v in body if v.op == "load" and (p := v.arg[0]) in along}
             for p, v in sorted(loads.items()):
                 self.emit(f"{dl.vector4} l{p} = {self.vec_at(p, v.arg[1].render(), element=True)};")
             lanes: list[tuple[str, int]] = [(c, i) for i, c in enumerate("xyzw")]
         else:
-            self.open(f"for ({it} rl = lid; rl < {total}; rl += {size})")
             inner = 1
             for rv in reversed(rvars):  # the flat index back into the reduce's own variables
                 n = rv.vmax + 1
@@ -885,7 +907,11 @@ class _Renderer:
             if c:
                 self.close()
             self.names = saved
-        self.close()
+        self.names = saved_step
+
+    def combine_group(self, r: V, name: str, comb: str, acc_t: str) -> None:
+        """The group's items' shares of a reduce, in `name`, combined: every item ends with the result."""
+        dl, size = self.dl, self.group
         sh = f"{name}_s"
         if size == dl.warp:  # a warp per output: the butterfly leaves the result in every lane
             self._warp_tree(name, comb, acc_t)

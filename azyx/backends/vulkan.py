@@ -237,8 +237,8 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
       SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
       NaN propagation and the signs of zeros would be lost;
     - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm (on a CPU, lavapipe,
-      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles), and work groups of
-      256 items;
+      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles), work groups of 256
+      items, and four steps of a grouped reduce per loop iteration (GLSL has no unroll pragma: loads in flight);
     - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
       shared memory, no barrier), as CUDA's warps do."""
     head = "#version 450\n"
@@ -253,7 +253,7 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
         group = min(group, warp * warp)
     return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, warp=warp,
                                shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
-                               group_size=group)
+                               group_size=group, copies=4 if gemm else 1)
 
 
 @functools.cache
