@@ -248,6 +248,140 @@ class ReLU(Module):
         return x.relu()
 
 
+class GELU(Module):
+    """`x * Phi(x)`; `approximate="tanh"` for the tanh form (PyTorch's names)."""
+
+    def __init__(self, approximate: str = "none"):
+        if approximate not in ("none", "tanh"):
+            raise ArgumentError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.gelu(approximate=self.approximate)
+
+
+class SiLU(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.silu()
+
+
+class RMSNorm(Module):
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last len(normalized_shape) axes (PyTorch's RMSNorm: eps None
+    is the machine epsilon of the input's dtype); the mean is taken in float32 at least."""
+
+    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float | None = None,
+                 elementwise_affine: bool = True, dtype: Any = None, device: str | None = None):
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.shape, self.eps = shape, eps
+        dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
+        self.weight = Tensor(np.ones(shape, dt.numpy), dtype=dt, device=device) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[x.ndim - len(self.shape):] != self.shape:
+            raise ShapeError(f"RMSNorm over {self.shape} got an input of shape {x.shape}")
+        eps = self.eps if self.eps is not None else float(np.finfo(x.dtype.numpy).eps)
+        w = x.cast(dtypes.float32) if x.dtype.itemsize < 4 else x
+        axes = tuple(range(-len(self.shape), 0))
+        y = (w * ((w * w).mean(axis=axes, keepdim=True) + eps).rsqrt()).cast(x.dtype)
+        return y * self.weight if self.weight is not None else y
+
+
+class MultiheadAttention(Module):
+    """PyTorch's `nn.MultiheadAttention` (its parameter names, so its state dict loads as it is): the inputs
+    projected by `in_proj_weight` (3E x E) and `in_proj_bias`, split into `num_heads` heads, attended with
+    `scaled_dot_product_attention`, and projected back by `out_proj`. Inputs are (L, N, E), or (N, L, E) with
+    `batch_first`; `forward` returns (output, the attention weights averaged over heads, or None where
+    `need_weights=False`)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, batch_first: bool = False,
+                 dtype: Any = None, device: str | None = None):
+        if num_heads <= 0 or embed_dim % num_heads:
+            raise ArgumentError(f"embed_dim {embed_dim} is not divisible into num_heads={num_heads} heads")
+        self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
+        bound = math.sqrt(6.0 / (embed_dim + 3 * embed_dim))  # xavier-uniform over the stacked projections
+        self.in_proj_weight = _uniform((3 * embed_dim, embed_dim), bound, dtype, device)
+        dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
+        self.in_proj_bias = Tensor(np.zeros(3 * embed_dim, dt.numpy), dtype=dt, device=device) if bias else None
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, device=device)
+        if self.out_proj.bias is not None:
+            self.out_proj.bias = Tensor(np.zeros(embed_dim, dt.numpy), dtype=dt, device=device)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+            raise ShapeError(f"MultiheadAttention takes batched 3-D inputs, got {query.shape}, {key.shape}, "
+                             f"{value.shape}")
+        if not self.batch_first:  # (L, N, E) -> (N, L, E)
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        e, h = self.embed_dim, self.num_heads
+        w, b = self.in_proj_weight, self.in_proj_bias
+        q, k, v = ((x @ w[i * e:(i + 1) * e].T + (b[i * e:(i + 1) * e] if b is not None else 0.0))
+                   for i, x in enumerate((query, key, value)))
+        n, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+        q, k, v = (t.reshape(n, ln, h, e // h).transpose(1, 2) for t, ln in ((q, lq), (k, lk), (v, lk)))
+        mask = _attention_mask(attn_mask, key_padding_mask, n, h, lq, lk)
+        if need_weights:
+            weights = _attention_weights(q, k, mask, is_causal and mask is None, None)
+            out = weights @ v
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask=mask, causal=is_causal and mask is None)
+        out = self.out_proj(out.transpose(1, 2).reshape(n, lq, e))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if not need_weights:
+            return out, None
+        return out, (weights.mean(axis=1) if average_attn_weights else weights)
+
+
+def _attention_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n: int, h: int, lq: int,
+                    lk: int) -> Tensor | None:
+    """MultiheadAttention's masks (PyTorch's convention there: a bool True masks a key out, a float is added) as
+    one mask for `scaled_dot_product_attention` (bool True: may attend), broadcast to (n, h, lq, lk)."""
+    parts = []
+    for m, shape in ((attn_mask, None), (key_padding_mask, (n, 1, 1, lk))):
+        if m is None:
+            continue
+        if m.ndim == 3:  # (n * h, lq, lk)
+            m = m.reshape(n, h, lq, lk)
+        elif shape is not None:
+            m = m.reshape(*shape)
+        parts.append(Tensor.where(m, float("-inf"), 0.0) if m.dtype is dtypes.bool else m)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float | None) -> Tensor:
+    lq, e, lk = q.shape[-2], q.shape[-1], k.shape[-2]
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(e) if scale is None else scale)
+    if causal:  # query i attends to keys 0..i (the top-left triangle, as PyTorch's is_causal)
+        keep = Tensor.arange(lq, device=q.device).reshape(lq, 1) >= Tensor.arange(lk, device=q.device).reshape(1, lk)
+        s = Tensor.where(keep, s, float("-inf"))
+    elif mask is not None:
+        s = Tensor.where(mask, s, float("-inf")) if mask.dtype is dtypes.bool else s + mask
+    return s.softmax(-1)
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
+                                 scale: float | None = None) -> Tensor:
+    """`softmax(q @ k^T * scale + mask) @ v` over the last two axes: PyTorch's `F.scaled_dot_product_attention`
+    (its `attn_mask`, `is_causal` and `scale`). q (..., L, E), k (..., S, E), v (..., S, Ev) -> (..., L, Ev), the
+    leading axes broadcast. A bool mask says which keys each query may attend to (True: may), a float mask is added
+    to the scores; `causal`: query i attends to keys 0..i. `scale` defaults to 1/sqrt(E) and is a runtime value (a
+    new scale compiles nothing). A query row with every key masked out gives NaN, as PyTorch's math kernel."""
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ShapeError(f"attention needs at least 2-D q, k, v, got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ShapeError(f"attention: q's last axis {q.shape[-1]} differs from k's {k.shape[-1]} ({q.shape}, "
+                         f"{k.shape})")
+    if v.shape[-2] != k.shape[-2]:
+        raise ShapeError(f"attention: v has {v.shape[-2]} keys, k has {k.shape[-2]} ({v.shape}, {k.shape})")
+    if mask is not None and causal:
+        raise ArgumentError("attention takes a mask or causal=True, not both (as PyTorch)")
+    return _attention_weights(q, k, mask, causal, scale) @ v
+
+
 # ------------------------------------------------------------------------------------------------ losses
 def _reduce(loss: Tensor, reduction: str) -> Tensor:
     if reduction == "mean":

@@ -1,0 +1,189 @@
+"""Attention and the transformer layers of azyx.nn on every test device: `scaled_dot_product_attention` against a
+numpy reference (and PyTorch's `F.scaled_dot_product_attention` where torch is installed) with bool and float masks,
+causal, odd lengths, broadcast batch axes and a custom scale; a new scale compiles nothing; bad shapes raise;
+`MultiheadAttention` loads PyTorch's state dict and gives its outputs and weights; GELU, SiLU and RMSNorm."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from azyx import GradientTape, Tensor, nn
+from azyx.errors import ArgumentError, ShapeError
+from azyx.runtime import RT
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    torch = None  # type: ignore[assignment]
+    F = None  # type: ignore[assignment]
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable (pip install torch==2.13.0)")
+rng = np.random.default_rng(11)
+
+
+def randn(*shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def sdpa_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, causal: bool = False,
+             scale: float | None = None) -> np.ndarray:
+    s = (q.astype(np.float64) @ np.swapaxes(k, -1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if causal:
+        mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return (e / e.sum(-1, keepdims=True)) @ v
+
+
+CASES = [  # (q shape, k shape, v shape)
+    ((2, 3, 7, 8), (2, 3, 11, 8), (2, 3, 11, 5)),  # odd lengths, Ev != E
+    ((4, 16, 16), (4, 16, 16), (4, 16, 16)),
+    ((2, 1, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)),  # batch axes broadcast
+    ((9, 8), (9, 8), (9, 8)),
+]
+
+
+@pytest.mark.parametrize("shapes", CASES)
+async def test_attention_matches_numpy(device: str, shapes: tuple[tuple[int, ...], ...]) -> None:
+    q, k, v = (randn(*s) for s in shapes)
+    tq, tk, tv = (Tensor(x, device=device) for x in (q, k, v))
+    got = await nn.scaled_dot_product_attention(tq, tk, tv).numpy()
+    np.testing.assert_allclose(got, sdpa_ref(q, k, v), rtol=1e-4, atol=1e-5)
+    L, S = q.shape[-2], k.shape[-2]
+    if L <= S:  # (every query row keeps a key)
+        got = await nn.scaled_dot_product_attention(tq, tk, tv, causal=True).numpy()
+        np.testing.assert_allclose(got, sdpa_ref(q, k, v, causal=True), rtol=1e-4, atol=1e-5)
+    keep = rng.random((L, S)) < 0.7
+    keep[:, 0] = True
+    got = await nn.scaled_dot_product_attention(tq, tk, tv, mask=Tensor(keep, device=device)).numpy()
+    np.testing.assert_allclose(got, sdpa_ref(q, k, v, keep), rtol=1e-4, atol=1e-5)
+    bias = randn(L, S)
+    got = await nn.scaled_dot_product_attention(tq, tk, tv, mask=Tensor(bias, device=device), scale=0.3).numpy()
+    np.testing.assert_allclose(got, sdpa_ref(q, k, v, bias, scale=0.3), rtol=1e-4, atol=1e-5)
+
+
+async def test_a_new_scale_compiles_nothing(device: str) -> None:
+    q, k, v = randn(2, 6, 4), randn(2, 9, 4), randn(2, 9, 4)
+    tq, tk, tv = (Tensor(x, device=device) for x in (q, k, v))
+    for _ in range(2):  # (the first run may upload host data to the device: the second plans as all later)
+        await nn.scaled_dot_product_attention(tq, tk, tv, scale=0.3).numpy()
+    plans, compiled = len(RT.plan_cache), RT.compiled
+    for scale in (0.1, 0.25, 0.7, 1.3):
+        got = await nn.scaled_dot_product_attention(tq, tk, tv, scale=scale).numpy()
+        np.testing.assert_allclose(got, sdpa_ref(q, k, v, scale=scale), rtol=1e-4, atol=1e-5)
+    assert (len(RT.plan_cache), RT.compiled) == (plans, compiled), "a new scale compiled a kernel"
+
+
+async def test_a_fully_masked_row_is_nan_as_in_pytorch(device: str) -> None:
+    q, k, v = randn(3, 4), randn(5, 4), randn(5, 2)
+    keep = np.ones((3, 5), bool)
+    keep[1] = False
+    got = await nn.scaled_dot_product_attention(*(Tensor(x, device=device) for x in (q, k, v)),
+                                                mask=Tensor(keep, device=device)).numpy()
+    assert np.isnan(got[1]).all()
+    np.testing.assert_allclose(got[[0, 2]], sdpa_ref(q, k, v, keep)[[0, 2]], rtol=1e-4, atol=1e-5)
+
+
+async def test_attention_gradients_against_finite_differences() -> None:
+    q, k, v = (randn(2, 3, 4).astype(np.float64) for _ in range(3))
+    tq, tk, tv = (Tensor(x) for x in (q, k, v))
+    w = randn(2, 3, 4).astype(np.float64)
+    with GradientTape() as tape:
+        loss = (nn.scaled_dot_product_attention(tq, tk, tv, causal=True) * Tensor(w)).sum()
+    grads = [await g.numpy() for g in tape.gradient(loss, [tq, tk, tv])]
+
+    def f(qq: np.ndarray, kk: np.ndarray, vv: np.ndarray) -> float:
+        return float((sdpa_ref(qq, kk, vv, causal=True) * w).sum())
+
+    for i, g in enumerate(grads):
+        args = [q, k, v]
+        num = np.zeros_like(args[i])
+        for idx in np.ndindex(*num.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[i][idx] += 1e-6
+            minus[i][idx] -= 1e-6
+            num[idx] = (f(*plus) - f(*minus)) / 2e-6
+        np.testing.assert_allclose(g, num, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_attention_inputs_raise() -> None:
+    q, k = Tensor(randn(3, 4)), Tensor(randn(5, 4))
+    with pytest.raises(ShapeError, match=r"\(3, 4\)"):
+        nn.scaled_dot_product_attention(q, Tensor(randn(5, 3)), k)
+    with pytest.raises(ShapeError, match="6 keys"):
+        nn.scaled_dot_product_attention(q, k, Tensor(randn(6, 4)))
+    with pytest.raises(ArgumentError, match="not both"):
+        nn.scaled_dot_product_attention(q, k, k, mask=Tensor(np.ones((3, 5), bool)), causal=True)
+    with pytest.raises(ArgumentError, match="num_heads=3"):
+        nn.MultiheadAttention(8, 3)
+
+
+@needs_torch
+@pytest.mark.parametrize("causal", [False, True])
+async def test_attention_matches_pytorch(device: str, causal: bool) -> None:
+    q, k, v = randn(2, 4, 33, 16), randn(2, 4, 33, 16), randn(2, 4, 33, 16)
+    want = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)), is_causal=causal).numpy()
+    got = await nn.scaled_dot_product_attention(*(Tensor(x, device=device) for x in (q, k, v)), causal=causal).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_torch
+@pytest.mark.parametrize("batch_first", [False, True])
+async def test_multihead_attention_loads_pytorch_state_and_matches(device: str, batch_first: bool) -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first)
+    with torch.no_grad():  # (PyTorch zeroes the biases: give them values)
+        ref.in_proj_bias.normal_()
+        ref.out_proj.bias.normal_()
+    mine = nn.MultiheadAttention(16, 4, batch_first=batch_first, device=device)
+    mine.load_state_dict({n: t.detach().numpy() for n, t in ref.state_dict().items()})
+    shape_q, shape_k = ((3, 5, 16), (3, 7, 16)) if batch_first else ((5, 3, 16), (7, 3, 16))
+    x, mem = randn(*shape_q), randn(*shape_k)
+    pad = np.zeros((3, 7), bool)
+    pad[1, 5:] = True  # the last keys of the second sequence are padding
+    want, want_w = ref(torch.from_numpy(x), torch.from_numpy(mem), torch.from_numpy(mem),
+                       key_padding_mask=torch.from_numpy(pad))
+    got, got_w = mine(Tensor(x, device=device), Tensor(mem, device=device), Tensor(mem, device=device),
+                      key_padding_mask=Tensor(pad, device=device))
+    assert got_w is not None
+    np.testing.assert_allclose(await got.numpy(), want.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(await got_w.numpy(), want_w.detach().numpy(), rtol=1e-4, atol=1e-5)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    want, _ = ref(*(torch.from_numpy(x),) * 3, attn_mask=causal, need_weights=False)
+    got, none = mine(*(Tensor(x, device=device),) * 3, attn_mask=Tensor(causal.numpy(), device=device),
+                     need_weights=False)
+    assert none is None
+    np.testing.assert_allclose(await got.numpy(), want.detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+async def test_gelu_silu_rmsnorm_layers(device: str) -> None:
+    x = randn(4, 6) * 3
+    t = Tensor(x, device=device)
+    erf = np.vectorize(math.erf)
+    np.testing.assert_allclose(await nn.GELU()(t).numpy(), x * 0.5 * (1 + erf(x / math.sqrt(2))), rtol=1e-5,
+                               atol=1e-6)
+    tanh_form = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    np.testing.assert_allclose(await nn.GELU("tanh")(t).numpy(), tanh_form, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(await nn.SiLU()(t).numpy(), x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
+    norm = nn.RMSNorm(6, device=device)
+    norm.weight = Tensor(randn(6), device=device)
+    want = x / np.sqrt((x * x).mean(-1, keepdims=True) + np.finfo(np.float32).eps) * (await norm.weight.numpy())
+    np.testing.assert_allclose(await norm(t).numpy(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ShapeError, match=r"\(4, 5\)"):
+        nn.RMSNorm(6)(Tensor(randn(4, 5)))
+    with pytest.raises(ArgumentError, match="'exact'"):
+        nn.GELU("exact")
+    if torch is not None:
+        ref = torch.nn.RMSNorm(6, eps=1e-3)
+        with torch.no_grad():
+            ref.weight.normal_()
+        mine = nn.RMSNorm(6, eps=1e-3, device=device)
+        mine.load_state_dict({"weight": ref.weight.detach().numpy()})
+        np.testing.assert_allclose(await mine(t).numpy(), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-5,
+                                   atol=1e-6)
