@@ -25,6 +25,7 @@ from azyx.plan import ExecutionPlan
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
 from azyx.schedule import make_plan
+from azyx.shard import DataParallel, ShardedTensor, replicate
 from azyx.stats import Stats, stats
 from azyx.tape import GradientTape
 from azyx.tensor import Tensor
@@ -36,7 +37,7 @@ __all__ = [
     "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor",
     "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
     "synchronize", "train",
-    "ExecutionPlan", "StateDictError", "io", "nn", "optim",
+    "ExecutionPlan", "StateDictError", "io", "nn", "optim", "DataParallel", "ShardedTensor", "replicate",
 ]
 
 

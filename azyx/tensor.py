@@ -139,6 +139,7 @@ class Tensor:
     id: int
     training: bool = False  # dropout is active only while True (see azyx.train())
     tracer: Tracer | None = None  # azyx.jit's recorder while it traces a function
+    sharder: Callable[..., Any] | None = None  # azyx.shard.shard, installed by that module (a layer above this one)
 
     def __init__(self, data: Any, dtype: Any = None, device: str | None = None):
         if isinstance(data, Tensor):
@@ -374,6 +375,8 @@ class Tensor:
                 return Tensor._from_node(Node(Op.BINARY, (b.id, a.id) if reverse else (a.id, b.id), op,
                                               shape, dtypes.bool if kind == "bool" else na.dtype, na.device,
                                               na.pinned or nb.pinned))
+        if getattr(tp, "defers_to_it", False):  # a type that takes the op over (azyx.shard's ShardedTensor)
+            return NotImplemented
         a, b = self, self._operand(other)
         if reverse:
             a, b = b, a
@@ -525,6 +528,8 @@ class Tensor:
         return self.abs()
 
     def __matmul__(self, o: Tensor) -> Tensor:
+        if getattr(type(o), "defers_to_it", False):  # (see _binary)
+            return NotImplemented
         return self.matmul(o)
 
     def __rmatmul__(self, o: Tensor) -> Tensor:
@@ -1266,6 +1271,12 @@ class Tensor:
         return self
 
     # ---------------------------------------------------------------- devices
+    def shard(self, devices: Sequence[str], axis: builtins.int = 0) -> Any:
+        """This tensor split along `axis` into one piece per device (numpy's `array_split` sizes): an
+        `azyx.shard.ShardedTensor`, whose ops run where its pieces are."""
+        assert Tensor.sharder is not None, "azyx.shard installs Tensor.sharder (imported by azyx)"
+        return Tensor.sharder(self, devices, axis)
+
     def to(self, device: str) -> Tensor:
         """A lazy copy on `device` (the copy runs when realized)."""
         name = RT.check_device(device)

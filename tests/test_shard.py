@@ -1,0 +1,167 @@
+"""Sharded tensors (azyx.shard) over the test devices' pairs (c:0 + c:1, c:0 + opencl:0, ..., cuda:0 + cuda:1 where
+present): layouts, elementwise ops and reductions where the shards are, collectives against numpy, row- and
+column-parallel products and partial products, one ExecutionPlan with its transfer steps, and data-parallel training
+of an MLP over two devices giving the parameters of one device on the whole batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import DataParallel, GradientTape, Tensor, nn, optim
+from azyx.errors import ArgumentError, ShapeError
+from azyx.plan import KernelStep, TransferStep
+from azyx.shard import ShardedTensor, replicate
+
+ALL = azyx.devices()
+PAIRS = [("c:0", "c:1")] + [("c:0", d) for d in ALL if d.endswith(":0") and d not in ("c:0", "dummy:0")]
+if "cuda:1" in ALL:
+    PAIRS.append(("cuda:0", "cuda:1"))
+rng = np.random.default_rng(5)
+
+
+def randn(*shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture(params=PAIRS, ids=lambda p: "+".join(p))
+def pair(request: pytest.FixtureRequest) -> list[str]:
+    return list(request.param)
+
+
+async def test_shard_and_replicate_lay_out_pieces_like_array_split(pair: list[str]) -> None:
+    x = randn(7, 5)
+    s = Tensor(x).shard(pair, axis=0)
+    assert isinstance(s, ShardedTensor) and s.shape == (7, 5) and s.sizes == (4, 3) and s.devices == pair
+    assert [t.device for t in s.shards] == pair
+    np.testing.assert_array_equal(await s.shards[1].numpy(), np.array_split(x, 2)[1])
+    np.testing.assert_array_equal(await s.numpy(), x)
+    cols = Tensor(x).shard(pair, axis=-1)
+    assert cols.axis == 1 and cols.sizes == (3, 2)
+    np.testing.assert_array_equal(await cols.gather(pair[1]).numpy(), x)
+    r = replicate(Tensor(x), pair)
+    assert r.replicated and all(t.shape == (7, 5) for t in r.shards)
+    for t in r.shards:
+        np.testing.assert_array_equal(await t.numpy(), x)
+
+
+async def test_elementwise_and_reductions_run_where_the_shards_are(pair: list[str]) -> None:
+    x, y, b = randn(9, 6), randn(9, 6), randn(6)
+    sx, sy = Tensor(x).shard(pair, 0), Tensor(y).shard(pair, 0)
+    z = ((sx * sy + 1.5).relu() - Tensor(b)) / 2.0  # a broadcast Tensor operand goes to each device
+    assert z.devices == pair and z.axis == 0
+    want = (np.maximum(x * y + 1.5, 0) - b) / 2
+    np.testing.assert_allclose(await z.numpy(), want, rtol=1e-6, atol=1e-6)
+    # over the split axis: per-device partial sums, all-reduced; along the other: rows stay split
+    total = z.sum(axis=0)
+    assert total.replicated and total.devices == pair
+    for t in total.shards:
+        np.testing.assert_allclose(await t.numpy(), want.sum(0), rtol=1e-5, atol=1e-5)
+    rows = z.max(axis=1)
+    assert rows.axis == 0 and rows.sizes == (5, 4)
+    np.testing.assert_allclose(await rows.numpy(), want.max(1), rtol=1e-6)
+    np.testing.assert_allclose(await z.mean().numpy(), want.mean(), rtol=1e-5)
+    cols = Tensor(x).shard(pair, 1)
+    np.testing.assert_allclose(await (cols * Tensor(b)).exp().sum(axis=0, keepdim=True).numpy(),
+                               np.exp(x * b).sum(0, keepdims=True), rtol=1e-5)
+
+
+async def test_one_plan_with_transfer_steps() -> None:
+    x = randn(8, 4)
+    s = Tensor(x).shard(["c:0", "c:1"], 0)
+    await s.realize()
+    total = (s * 2.0).sum(axis=0)
+    plan = azyx.schedule(*total.shards)
+    kinds = {type(st) for st in plan.steps}
+    assert KernelStep in kinds and TransferStep in kinds
+    assert {st.device for st in plan.steps if isinstance(st, KernelStep)} == {"c:0", "c:1"}
+    await total.realize()
+    np.testing.assert_allclose(await total.shards[1].numpy(), 2 * x.sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_collectives_against_numpy(n: int) -> None:
+    devs = ["c:0", "c:1", "opencl:0"][:n] if n == 2 or "opencl:0" in ALL else None
+    if devs is None:
+        pytest.skip("three devices need opencl:0")
+    parts = [randn(5, 7) for _ in devs]
+    partial = ShardedTensor([Tensor(p).to(d) for p, d in zip(parts, devs)], None)  # e.g. each device's gradients
+    for op, ref in (("sum", np.sum), ("max", np.max), ("min", np.min)):
+        out = partial.all_reduce(op)
+        assert out.replicated and out.devices == devs
+        for t in out.shards:
+            np.testing.assert_allclose(await t.numpy(), ref(np.stack(parts), axis=0), rtol=1e-5, atol=1e-6)
+    scattered = partial.reduce_scatter(axis=1)
+    assert scattered.axis == 1 and scattered.devices == devs
+    np.testing.assert_allclose(await scattered.numpy(), np.sum(parts, axis=0), rtol=1e-5, atol=1e-6)
+    gathered = Tensor(parts[0]).shard(devs, 1).all_gather()
+    for t in gathered.shards:
+        np.testing.assert_array_equal(await t.numpy(), parts[0])
+    for t in partial.broadcast(src=n - 1).shards:
+        np.testing.assert_array_equal(await t.numpy(), parts[-1])
+
+
+async def test_matrix_products_with_a_sharded_operand(pair: list[str]) -> None:
+    a, w = randn(10, 8), randn(8, 6)
+    rows = Tensor(a).shard(pair, 0) @ replicate(Tensor(w), pair)  # row parallel
+    assert rows.axis == 0
+    np.testing.assert_allclose(await rows.numpy(), a @ w, rtol=1e-5, atol=1e-5)
+    cols = Tensor(a) @ Tensor(w).shard(pair, 1)  # column parallel
+    assert cols.axis == 1 and cols.sizes == (3, 3)
+    np.testing.assert_allclose(await cols.numpy(), a @ w, rtol=1e-5, atol=1e-5)
+    inner = Tensor(a).shard(pair, 1) @ Tensor(w).shard(pair, 0)  # partial products, all-reduced
+    assert inner.replicated
+    for t in inner.shards:
+        np.testing.assert_allclose(await t.numpy(), a @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_layouts_raise() -> None:
+    x = Tensor(randn(6, 4))
+    with pytest.raises(ShapeError, match="layouts"):
+        _ = x.shard(["c:0", "c:1"], 0) + x.shard(["c:0", "c:1"], 1)
+    with pytest.raises(ShapeError, match="fewer elements"):
+        Tensor(randn(1, 4)).shard(["c:0", "c:1"], 0)
+    with pytest.raises(ArgumentError, match="distinct"):
+        x.shard(["c:0", "c:0"], 0)
+    with pytest.raises(ArgumentError, match="all_gather"):
+        x.shard(["c:0", "c:1"], 0).all_reduce()
+    with pytest.raises(azyx.DeviceError, match="nope:3"):
+        x.shard(["c:0", "nope:3"], 0)
+
+
+class MLP(nn.Module):
+    def __init__(self, device: str) -> None:
+        self.l1 = nn.Linear(12, 16, device=device)
+        self.l2 = nn.Linear(16, 3, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(self.l1(x).relu())
+
+
+async def test_data_parallel_training_matches_one_device(pair: list[str]) -> None:
+    """Adam on the MLP: each device a replica and its rows of the batch (DataParallel), gradients all-reduced in the
+    step's plan; after 5 steps the replicas equal one device trained on the whole batch (within float
+    reassociation), and the losses agree."""
+    xs, ys = randn(5, 10, 12), rng.integers(0, 3, size=(5, 10)).astype(np.int32)
+    azyx.manual_seed(1)
+    single = MLP(pair[0])
+    opt = optim.Adam(single.parameters(), lr=0.05)
+    azyx.manual_seed(1)  # the first replica's initial values are single's; DataParallel gives them to the others
+    dp = DataParallel(MLP, pair)
+    opts = [optim.Adam(m.parameters(), lr=0.05) for m in dp.replicas]
+    for x, y in zip(xs, ys):
+        with GradientTape() as tape:
+            want_loss = nn.cross_entropy(single(Tensor(x, device=pair[0])), Tensor(y, device=pair[0]))
+        opt.step(tape.gradient(want_loss, single.parameters()))
+        loss, grads = dp.gradients(lambda m, xi, yi: nn.cross_entropy(m(xi), yi), Tensor(x), Tensor(y))
+        for o, g in zip(opts, grads):
+            o.step(g)
+        plan = azyx.schedule(loss, *dp.parameters())  # one plan: both devices' steps and the all-reduces
+        assert {st.device for st in plan.steps if isinstance(st, KernelStep)} == set(pair)
+        await azyx.realize(want_loss, *single.parameters(), loss, *dp.parameters())
+        np.testing.assert_allclose(await loss.numpy(), await want_loss.numpy(), rtol=1e-5)
+    want = [await p.numpy() for p in single.parameters()]
+    for m in dp.replicas:
+        for got, w in zip([await p.numpy() for p in m.parameters()], want):
+            np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
