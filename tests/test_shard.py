@@ -157,9 +157,11 @@ async def test_data_parallel_training_matches_one_device(pair: list[str]) -> Non
         loss, grads = dp.gradients(lambda m, xi, yi: nn.cross_entropy(m(xi), yi), Tensor(x), Tensor(y))
         for o, g in zip(opts, grads):
             o.step(g)
-        plan = azyx.schedule(loss, *dp.parameters())  # one plan: both devices' steps and the all-reduces
+        step = [loss, *(t for o in opts for t in o.tensors())]
+        plan = azyx.schedule(*step)  # one plan: both devices' steps and the all-reduces
         assert {st.device for st in plan.steps if isinstance(st, KernelStep)} == set(pair)
-        await azyx.realize(want_loss, *single.parameters(), loss, *dp.parameters())
+        assert any(isinstance(st, TransferStep) for st in plan.steps)
+        await azyx.realize(want_loss, *opt.tensors(), *step)
         np.testing.assert_allclose(await loss.numpy(), await want_loss.numpy(), rtol=1e-5)
     want = [await p.numpy() for p in single.parameters()]
     for m in dp.replicas:

@@ -1,0 +1,139 @@
+"""Scale-out on one host: sharded tensors over a pair of devices (azyx.shard).
+
+    python bench/scale.py [--quick] [--devices c:0,c:1] [--out bench/RESULTS.md]
+
+Rows: an all-reduce of a float32 tensor over the pair (each device's partial values, the sum on both) beside the
+executor's copy of the same bytes from one device to the other (the ceiling the all-reduce is judged by: target
+>= 0.8x); a data-parallel training step of bench/train.py's MLP (784-256-10, Adam, the same global batch) on both
+devices beside the same step on the first alone (target on two GPUs: >= 1.6x steps/s). Defaults to cuda:0,cuda:1
+where both exist, else c:0,c:1 (two logical C devices share the machine's cores: no speed-up is expected there; the
+row shows the overhead). Writes between `<!-- bench:scale:start -->` and `<!-- bench:scale:end -->`; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from common import machine_line, write_section  # noqa: E402  (beside this script)
+
+import azyx  # noqa: E402
+from azyx import DataParallel, GradientTape, ShardedTensor, Tensor, nn, optim  # noqa: E402
+
+START, END = "<!-- bench:scale:start -->", "<!-- bench:scale:end -->"
+SIZES, BATCH = (784, 256, 10), 512
+
+
+class MLP(nn.Module):
+    def __init__(self, device: str) -> None:
+        self.l1 = nn.Linear(SIZES[0], SIZES[1], device=device)
+        self.l2 = nn.Linear(SIZES[1], SIZES[2], device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(self.l1(x).relu())
+
+
+async def timed(fn: Callable[[], Awaitable[Any]], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        await fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def all_reduce_row(devs: list[str], mib: int, reps: int) -> list[str]:
+    n = mib << 18  # float32 elements
+    rng = np.random.default_rng(0)
+    parts = [Tensor(rng.standard_normal(n, dtype=np.float32), device=d) for d in devs]
+    await azyx.realize(*parts)
+    partial = ShardedTensor(parts, None)
+    t_reduce = await timed(lambda: partial.all_reduce("sum").realize(), reps)
+    t_copy = await timed(lambda: parts[0].to(devs[1]).realize(), reps)
+    got = await partial.all_reduce("sum").shards[1].numpy()
+    want = sum([await p.numpy() for p in parts])
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), "WRONG RESULT: all-reduce"
+    nbytes = 4 * n
+    ratio = t_copy / t_reduce
+    return [f"all-reduce {mib} MiB f32", f"{nbytes / t_reduce / 1e9:.2f} GB/s", f"copy {devs[0]} -> {devs[1]}: "
+            f"{nbytes / t_copy / 1e9:.2f} GB/s", f"{ratio:.2f}x", "met" if ratio >= 0.8 else "not met"]
+
+
+async def data_parallel_row(devs: list[str], steps: int, reps: int) -> list[str]:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32)
+    y = rng.integers(0, SIZES[-1], BATCH).astype(np.int32)
+
+    def loss_fn(m: MLP, xi: Tensor, yi: Tensor) -> Tensor:
+        return nn.cross_entropy(m(xi), yi)
+
+    azyx.manual_seed(0)
+    one = MLP(devs[0])
+    opt = optim.Adam(one.parameters(), lr=1e-3)
+    x1, y1 = Tensor(x, device=devs[0]), Tensor(y, device=devs[0])
+
+    async def single() -> None:
+        for _ in range(steps):
+            with GradientTape() as tape:
+                loss = loss_fn(one, x1, y1)
+            opt.step(tape.gradient(loss, one.parameters()))
+            await azyx.realize(loss, *opt.tensors())
+
+    azyx.manual_seed(0)
+    dp = DataParallel(MLP, devs)
+    opts = [optim.Adam(m.parameters(), lr=1e-3) for m in dp.replicas]
+    xs, ys = Tensor(x).shard(devs, 0), Tensor(y).shard(devs, 0)
+    await azyx.realize(*xs.shards, *ys.shards)
+
+    async def parallel() -> None:
+        for _ in range(steps):
+            loss, grads = dp.gradients(loss_fn, xs, ys)
+            for o, g in zip(opts, grads):
+                o.step(g)
+            await azyx.realize(loss, *(t for o in opts for t in o.tensors()))
+
+    t1 = await timed(single, reps) / steps
+    tn = await timed(parallel, reps) / steps
+    speedup = t1 / tn
+    target = "met" if speedup >= 1.6 else "not met"
+    return [f"data-parallel MLP step, batch {BATCH}", f"{1 / tn:.1f} steps/s on {len(devs)}",
+            f"{1 / t1:.1f} steps/s on {devs[0]}", f"{speedup:.2f}x", target + (" (GPU target)" if
+                                                                              devs[0].startswith("c:") else "")]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--devices", default="")
+    ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    args = ap.parse_args()
+    azyx.configure({"c": {"devices": 2}})
+    have = azyx.devices()
+    devs = args.devices.split(",") if args.devices else (
+        ["cuda:0", "cuda:1"] if "cuda:1" in have else ["c:0", "c:1"])
+    mib, steps, reps = (16, 3, 2) if args.quick else (256 if devs[0].startswith("cuda") else 64, 20, 5)
+    rows = [await all_reduce_row(devs, mib, reps), await data_parallel_row(devs, steps, reps)]
+    text = "\n".join([
+        START, "", f"## Scale-out on one host: {' + '.join(devs)} ({'quick' if args.quick else 'full'} run, "
+        f"{time.strftime('%Y-%m-%d')})", "", machine_line(), "",
+        "| workload | azyx | peer in the same run | ratio | target |", "|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in rows), "", END, ""])
+    print(text)
+    write_section(Path(args.out), START, END, text)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
