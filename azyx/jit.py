@@ -161,6 +161,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         self.fn = fn
         self.traces: dict[tuple, Trace] = {}
         self.replays = 0  # calls answered by a replay (for tests and debugging)
+        self.layouts: dict[tuple, jit] = {}  # flattened arguments' layout -> the jit over their tensors
         functools.update_wrapper(self, fn)
         _JITTED.add(self)
 
@@ -169,6 +170,8 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         return self if obj is None else functools.partial(self.__call__, obj)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(hasattr(type(a), "jit_flatten") for a in args):
+            return await self._call_flattened(args, kwargs)
         nodes = GRAPH.nodes
         named = (*enumerate(args), *sorted(kwargs.items())) if kwargs else tuple(enumerate(args))
         tensors = [a for _, a in named if isinstance(a, Tensor)]
@@ -188,6 +191,51 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 await wait_for([nodes[t.id].buffer for t in results], plan)  # type: ignore[union-attr,misc]
                 return trace.output(results)
         return await self._trace(key, args, kwargs, tensors, numbers)
+
+    async def _call_flattened(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call with arguments made of tensors (a ShardedTensor: its `jit_flatten()` gives its tensors, a hashable
+        layout and how to rebuild it from tensors): they pass as their tensors to a jit of its own per layout, and
+        the function sees them rebuilt (replays bind the tensors like any argument)."""
+        flat: list[Any] = []
+        spec: list[tuple[int, Any]] = []  # per argument: (how many tensors it flattened to (0: itself), layout)
+        rebuilds: list[Callable[[list[Any]], Any] | None] = []
+        static_at: set[int] = set()
+        for i, a in enumerate(args):
+            if hasattr(type(a), "jit_flatten"):
+                parts, layout, rebuild = a.jit_flatten()
+                spec.append((len(parts), layout))
+                rebuilds.append(rebuild)
+                flat.extend(parts)
+            else:
+                if i in self.static:
+                    static_at.add(len(flat))
+                spec.append((0, None))
+                rebuilds.append(None)
+                flat.append(a)
+        key = tuple(spec)
+        inner = self.layouts.get(key)
+        if inner is None:
+            fn = self.fn
+
+            def rebuilt(*xs: Any, **kw: Any) -> Any:
+                out, j = [], 0
+                for (n, _), rebuild in zip(spec, rebuilds):
+                    if rebuild is None:
+                        out.append(xs[j])
+                        j += 1
+                    else:
+                        out.append(rebuild(list(xs[j:j + n])))
+                        j += n
+                return fn(*out, **kw)
+
+            functools.update_wrapper(rebuilt, fn)
+            inner = self.layouts[key] = jit(rebuilt)
+            inner.static = static_at | {k for k in self.static if isinstance(k, str)}
+        before = inner.replays
+        try:
+            return await inner(*flat, **kwargs)
+        finally:
+            self.replays += inner.replays - before
 
     def _signature(self, named: tuple[tuple[Any, Any], ...]) -> tuple[tuple, dict[Any, Any]]:
         """The call's signature, and its traced numbers (argument name -> value)."""

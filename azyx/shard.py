@@ -77,6 +77,12 @@ class ShardedTensor:
         how = "replicated" if self.axis is None else f"axis {self.axis} in {list(self.sizes)}"
         return f"ShardedTensor(shape={self.shape}, {self.dtype.name}, {how} over {self.devices})"
 
+    def jit_flatten(self) -> tuple[list[Tensor], tuple, Callable[[list[Tensor]], ShardedTensor]]:
+        """azyx.jit takes a ShardedTensor argument as its pieces (a replay binds them) and this layout."""
+        axis = self.axis
+        return self.shards, ("ShardedTensor", axis, tuple(self.devices), self.sizes), lambda ts: ShardedTensor(ts,
+                                                                                                            axis)
+
     def _like(self, shards: list[Tensor], axis: int | None = -1) -> ShardedTensor:
         return ShardedTensor(shards, self.axis if axis == -1 else axis)
 
