@@ -9,19 +9,10 @@ import asyncio
 import sys
 import time
 
-import numpy as np
+from train_mlp import blobs  # (beside this script: the synthetic task)
 
 import azyx
 from azyx import DataParallel, Tensor, nn, optim
-
-
-def blobs(n: int, classes: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Gaussian clusters around random centres: a synthetic classification task."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((classes, dim)) * 0.6
-    y = rng.integers(0, classes, n)
-    x = centres[y] + rng.standard_normal((n, dim))
-    return x.astype(np.float32), y.astype(np.int32)
 
 
 class MLP(nn.Module):
