@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_faults import run_script
 
 import azyx
 from azyx import DataParallel, GradientTape, Tensor, nn, optim
@@ -201,3 +202,37 @@ async def test_jit_takes_sharded_arguments_and_replays(pair: list[str]) -> None:
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
     for got, want in zip(runs[1][1], runs[0][1]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+SHARD_FAULT = """
+import asyncio
+import numpy as np
+import azyx
+from azyx import Tensor
+from azyx.runtime import RT
+
+azyx.configure({"c": {"devices": 2}})
+
+async def main():
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    s = Tensor(x).shard(["c:0", "c:1"], 0)
+    await s.realize()
+    RT.device("c:1").fail(RuntimeError("injected fault"))
+    for build in (lambda: (s * 2).sum(axis=0), lambda: s.all_gather()):
+        try:
+            await build().realize()
+            raise AssertionError("no error")
+        except azyx.DeviceFailedError as e:
+            assert "c:1" in str(e) and "injected fault" in str(e), str(e)
+    # the rest of the runtime works on
+    assert ((await (Tensor(x, device="c:0") * 3).numpy()) == x * 3).all()
+    print("OK")
+
+asyncio.run(main())
+"""
+
+
+def test_a_failed_shard_device_fails_dependent_realizes_and_the_rest_works() -> None:
+    """c:1 fails under a sharded tensor (in a fresh interpreter): every realize that needs its piece raises
+    DeviceFailedError naming it, at once (no hang); c:0 keeps working."""
+    assert run_script(SHARD_FAULT).strip().endswith("OK")
