@@ -1,0 +1,156 @@
+"""azyx.distributed on a local Ray cluster that the test starts (a head and two worker nodes, processes of this machine
+on its own address): a runtime per "host", remote tensors awaited from the driver's event loop, graphs split
+into per-host programs joined by transfers through the object store, data-parallel training over the two hosts
+giving one host's parameters, and a dead host failing what needs it while the other works on."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'azyx[ray]')")
+
+from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
+
+from azyx import GradientTape, Tensor, nn, optim  # noqa: E402
+from azyx.distributed import Cluster, RemoteError, RemoteTensor, all_reduce, realize, scatter  # noqa: E402
+
+pytestmark = pytest.mark.serial  # (a Ray cluster of three processes: alone, not beside the xdist workers)
+rng = np.random.default_rng(9)
+# the functions and classes below run on the hosts: shipped by value (the hosts cannot import this test module)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    local = RayCluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 << 20})
+    for _ in range(2):
+        local.add_node(num_cpus=1, object_store_memory=80 << 20)
+    ray.init(address=local.address, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        local.shutdown()
+
+
+@pytest.fixture
+async def cluster(ray_cluster: None) -> Any:
+    c = await Cluster.start(hosts=2)
+    yield c
+    c.shutdown()
+
+
+async def test_each_host_is_a_runtime_of_its_own_node(cluster: Cluster) -> None:
+    a, b = cluster.hosts
+    assert a.node != b.node and "c:0" in a.devices and "c:0" in b.devices
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    t = await a.tensor(x)
+    assert isinstance(t, RemoteTensor) and t.shape == (4, 3) and t.dtype == "float32"
+    np.testing.assert_array_equal(await t.numpy(), x)
+    y = (t * 2 + 1).relu().sum(axis=0)  # lazy, on a's runtime
+    assert not y.realized
+    np.testing.assert_allclose(await y.numpy(), np.maximum(x * 2 + 1, 0).sum(0), rtol=1e-6)
+
+
+async def test_a_graph_over_two_hosts_splits_into_per_host_programs(cluster: Cluster) -> None:
+    a, b = cluster.hosts
+    x, w = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    tx, tw = await a.tensor(x), await b.tensor(w)
+    h = (tx * 0.5).exp()  # on a
+    y = h.to(b) @ tw  # carried to b, multiplied there
+    z = (y.sum(axis=1) + tx.sum(axis=1).to(b)).to(a) * 2  # back on a
+    await realize(y, z)  # a, then b, then a: three programs chained by ObjectRefs
+    want_y = np.exp(x * 0.5) @ w
+    np.testing.assert_allclose(await y.numpy(), want_y, rtol=1e-5)
+    np.testing.assert_allclose(await z.numpy(), (want_y.sum(1) + x.sum(1)) * 2, rtol=1e-5)
+    assert y.realized and y.host is b and z.host is a
+    for op, ref in (("sum", np.add), ("max", np.maximum)):  # one value per host, combined, back on each
+        v = rng.standard_normal(6).astype(np.float32)
+        on_a, on_b = all_reduce([tx.sum(axis=1), (await b.tensor(v)) * 1.0], op)
+        assert on_a.host is a and on_b.host is b
+        for got in (await on_a.numpy(), await on_b.numpy()):
+            np.testing.assert_allclose(got, ref(x.sum(1), v), rtol=1e-5)
+    # an operand on another host without .to(): carried to the op's host (its first operand's)
+    np.testing.assert_allclose(await (tx.sum(axis=0) + (await b.tensor(np.ones(5, np.float32)))).numpy(),
+                               x.sum(0) + 1, rtol=1e-6)
+
+
+async def test_many_awaits_from_the_driver_loop_run_concurrently(cluster: Cluster) -> None:
+    a, b = cluster.hosts
+    xs = [rng.standard_normal(100).astype(np.float32) for _ in range(10)]
+    ts = await asyncio.gather(*((a if i % 2 else b).tensor(x) for i, x in enumerate(xs)))
+    got = await asyncio.gather(*((t * float(i)).sum().numpy() for i, t in enumerate(ts)))
+    for i, (g, x) in enumerate(zip(got, xs)):
+        np.testing.assert_allclose(g, (x * i).sum(), rtol=1e-5, atol=1e-5)
+
+
+class Trainer:
+    """What each host keeps: a model and its optimiser (`tensors()`: realized with every program that uses it)."""
+
+    def __init__(self, state: dict[str, np.ndarray]) -> None:
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.model.load_state_dict(state)
+        self.opt = optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+
+    def tensors(self) -> list[Tensor]:
+        return self.opt.tensors()
+
+
+def local_grads(tr: Trainer, x: Tensor, y: Tensor, share: float) -> tuple[Tensor, ...]:
+    with GradientTape() as tape:
+        loss = nn.cross_entropy(tr.model(x), y) * share
+    return (loss, *tape.gradient(loss, tr.model.parameters()))
+
+
+def apply(tr: Trainer, *grads: Tensor) -> Tensor:
+    tr.opt.step(list(grads))
+    return tr.model.parameters()[0]
+
+
+def params(tr: Trainer) -> Tensor:
+    return Tensor.cat([p.reshape(-1) for p in tr.model.parameters()])
+
+
+async def test_data_parallel_training_over_two_hosts_equals_one(cluster: Cluster) -> None:
+    init = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).state_dict()
+    state = {k: await v.numpy() for k, v in init.items()}
+    batches = [(rng.standard_normal((10, 8)).astype(np.float32), rng.integers(0, 3, 10).astype(np.int32))
+               for _ in range(4)]
+    hosts = cluster.hosts
+    trainers = [await h.create(Trainer, state) for h in hosts]
+    for x, y in batches:
+        xs, ys = await scatter(hosts, x), await scatter(hosts, y)
+        outs = [h.call(local_grads, tr, xi, yi, xi.shape[0] / len(x), outputs=5)  # the loss, 4 gradients
+                for h, tr, xi, yi in zip(hosts, trainers, xs, ys)]
+        summed = [all_reduce([o[j] for o in outs]) for j in range(1, 5)]  # per gradient: the sum on each host
+        steps = [h.call(apply, tr, *(g[i] for g in summed)) for i, (h, tr) in enumerate(zip(hosts, trainers))]
+        await realize(*steps)
+    # the reference: one process, the whole batch
+    ref = Trainer(state)
+    for x, y in batches:
+        with GradientTape() as tape:
+            loss = nn.cross_entropy(ref.model(Tensor(x)), Tensor(y))
+        ref.opt.step(tape.gradient(loss, ref.model.parameters()))
+    want = await params(ref).numpy()
+    for h, tr in zip(hosts, trainers):
+        np.testing.assert_allclose(await h.call(params, tr).numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+async def test_a_dead_host_fails_what_needs_it_and_the_other_works_on(ray_cluster: None) -> None:
+    c = await Cluster.start(hosts=2)
+    a, b = c.hosts
+    ta, tb = await a.tensor(np.ones(3, np.float32)), await b.tensor(np.ones(3, np.float32))
+    ray.kill(b.actor)
+    with pytest.raises(RemoteError, match="host 1"):
+        await (ta + tb).numpy()  # (b holds tb)
+    with pytest.raises(RemoteError, match="host 1"):
+        await (tb * 2).numpy()
+    np.testing.assert_array_equal(await (ta * 3).numpy(), np.full(3, 3, np.float32))
+    c.shutdown()
