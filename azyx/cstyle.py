@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.ops import REDUCE
-from azyx.symbolic import Cond, Div, Lin, Mod, Var
+from azyx.symbolic import Cond, Div, Lin, Mod, Var, lin_dyns
 
 
 @dataclass(frozen=True)
@@ -605,6 +605,16 @@ class _Renderer:
     def stmt(self, v: V) -> None:
         if v.op in ("const", "reduce") or id(v) in self.names:
             return
+        if v.op == "index":  # an address read from memory: wrapped from the end, then clamped into its buffer
+            x, top, it = self.ref(v.src[0]), v.arg.vmax, self.it
+            if v.src[0].dtype.kind == "u":
+                e = f"({x}>{top}?{top}:{x})"
+            else:
+                e = f"({x}<0?{x}+{top + 1}:{x})"
+                e = f"({e}<0?0:({e}>{top}?{top}:{e}))"
+            self.emit(f"{it} {v.arg.name} = {self.cast(it, e)};")
+            self.names[id(v)] = v.arg.name
+            return
         name = f"v{self.count}"
         self.count += 1
         self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
@@ -651,17 +661,10 @@ class _Renderer:
                 place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
 
         shared = parallel_loop(k, dl, self.threads)
-        if dl.glsl:
-            header = "void main()"
-            self.emit_scalar_words()
-        params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
-        for i, d in enumerate(k.params):
-            const = "" if i < len(k.stores) else "const "
-            params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
-        params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
-        if not dl.glsl:
-            header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
+        header = self.signature(shared, guarded)
+        if k.scatter is not None:
+            return self.scatter_body(order, shared, header)
 
         par = self._parallel_plan(reduces, place, order)
         # the innermost loop of a plain elementwise kernel vectorises along itself: left to choose, gcc vectorises the
@@ -714,6 +717,49 @@ class _Renderer:
                 self.close()
         body = "\n".join(self.lines)
         return f"{self.glsl_interface()}{header} {{\n{body}\n}}\n"
+
+    def signature(self, shared: int | None, guarded: bool) -> str:
+        """The kernel's header (GLSL: main, after which the parameters' addresses and the scalars are read)."""
+        k, dl = self.k, self.dl
+        if dl.glsl:
+            self.emit_scalar_words()
+            return "void main()"
+        params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
+        for i, d in enumerate(k.params):
+            const = "" if i < len(k.stores) else "const "
+            params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
+        params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
+        return f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
+
+    def scatter_body(self, order: list[V], shared: int | None, header: str) -> str:
+        """A scatter-add (Kernel.scatter): each point of the global loops owns the output's elements along the
+        scattered axis at its coordinates, so it zeroes them, then adds its values in order at the rows its index
+        reads (repeated rows accumulate): no two points write one element, no atomics."""
+        k, dl, it = self.k, self.dl, self.it
+        j, r, zero_idx = k.scatter  # type: ignore[misc]
+        (idx, value), = k.stores
+        store = dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};")
+        if dl.global_ids:
+            self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
+            self.emit(f"if (gid >= {k.global_size}) return;")
+            for g in k.gvars:
+                self.emit(f"{it} {g.name} = gid;")
+        else:
+            for g in k.gvars:
+                self.loop(g, shared=shared == 0)
+        self.loop(r)
+        self.emit(store.format(buf="d0", idx=zero_idx.render(), val=_literal(0, k.params[0], dl)))
+        self.close()
+        self.loop(j)
+        for v in toposort(*order, *(d.v for d in lin_dyns(idx))):  # (with the index the store adds at)
+            self.stmt(v)
+        old = dl.loads.get(k.params[0].name, "{buf}[{idx}]").format(buf="d0", idx=idx.render())
+        self.emit(store.format(buf="d0", idx=idx.render(), val=f"({old}+{self.ref(value)})"))
+        self.close()
+        if not dl.global_ids:
+            for _ in k.gvars:
+                self.close()
+        return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
 
     def glsl_interface(self) -> str:
         """A GLSL shader's part before main: its name (a comment, so the source names its kernel), the prelude, the
@@ -997,7 +1043,7 @@ def group_size(k: Kernel, dl: Dialect) -> int:
 def vectorized(k: Kernel, dl: Dialect) -> bool:
     """Whether `k` renders with `dl.vector4` (four points per work item): a plain elementwise kernel (no reduce, no
     upcast loop) over one global loop whose length is a multiple of 4, writing float32 outputs along that loop."""
-    if not dl.vector4 or len(k.gvars) != 1 or k.uvars or k.global_size % 4:
+    if not dl.vector4 or len(k.gvars) != 1 or k.uvars or k.global_size % 4 or k.scatter is not None:
         return False
     if any(v.op == "reduce" for v in toposort(*k.values)):
         return False
@@ -1040,6 +1086,8 @@ def index_fits(k: Kernel, group: int = 0) -> bool:
     """Whether every index `k` computes fits a 32-bit int (then GPU dialects use one: 64-bit division is slow)."""
     limit = (1 << 31) - 1
     sizes = [k.global_size * max(group, 1), *(_magnitude(idx) for idx, _ in k.stores)]
+    if k.scatter is not None:
+        sizes.append(_magnitude(k.scatter[2]))
     for v in toposort(*k.values):
         if v.op == "load":
             sizes.append(_magnitude(v.arg[1]))

@@ -46,6 +46,12 @@ class Op(IntEnum):
     BINARY = 10  # arg: op name
     WHERE = 11  # cond, a, b
     TODEVICE = 12  # copy to node.device
+    # src (x, index), arg: an axis a; the shape is the index's (x's number of axes, each no longer than x's but a):
+    # out[p] = x[p with p[a] = index[p]], the index wrapped from the end when negative and clamped into the axis
+    GATHER = 13
+    # src (g, index), arg: (axis a, x's shape): the gradient of GATHER for x, a tensor of x's shape that is zero but
+    # where index points: out[p with p[a] = index[p]] += g[p] (repeated indices accumulate)
+    SCATTER = 14
 
 
 MOVEMENT = frozenset({Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP})

@@ -280,6 +280,8 @@ class Planner:
         out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
         if prod(shape) == 0:
             return out, StridedView.contiguous(shape)
+        if n.op is Op.SCATTER:
+            return self.scatter_kernel(root, device, out)
         dims = [i for i, s in enumerate(shape) if s != 1]
         groups = [[d] for d in dims]
         best = self.attempt(root, device, groups, None)
@@ -305,6 +307,36 @@ class Planner:
         debug.log(debug.IR, lambda: format_kernel(k))
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
+        return out, StridedView.contiguous(shape)
+
+    def scatter_kernel(self, root: int, device: str, out: int) -> tuple[int, StridedView]:
+        """SCATTER: one loop over the output's points off the scattered axis, each zeroing its elements along that
+        axis and then adding its gradient values at the rows its index reads (Kernel.scatter)."""
+        n = self.graph[root]
+        axis, shape = n.arg
+        g, index = n.src
+        rows, m = shape[axis], self.graph[g].shape[axis]
+        others = [d for d in range(len(shape)) if d != axis]
+        point = Var("g0", prod([shape[d] for d in others]))
+        j, r = Var("j", m), Var("r", rows)
+        idx: list[Lin] = [var(j)] * len(shape)
+        inner = 1
+        for d in reversed(others):
+            idx[d] = (var(point) // inner) % shape[d] if d != others[0] else var(point) // inner
+            inner *= shape[d]
+        kb = KernelBuild(self, root, device, prod(shape))
+        value = kb.value(g, tuple(idx), Cond(), False)
+        dyn = kb.vb.index(kb.value(index, tuple(idx), Cond(), False), rows)
+        strides = contiguous_strides(shape)
+        at = Lin({}, 0)
+        for d in others:
+            at = at + idx[d] * strides[d]
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [point], [],
+                   [(at + Lin({dyn: strides[axis]}), value)], (point.vmax + 1) * (rows + m),
+                   (j, r, at + var(r) * strides[axis]))
+        debug.log(debug.IR, lambda: format_kernel(k))
+        name, src, launch = self.rt.device(device).render(k)
+        self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
         return out, StridedView.contiguous(shape)
 
     def within_binding_limit(self, root: int, device: str, groups: list[list[int]], best: Attempt) -> Attempt:
@@ -488,17 +520,23 @@ class KernelBuild:
         if multi and nid in p.walk.heavy:  # a fused reduce below it (through any ops): compute once, not per consumer
             return self.load(nid, idx, cond)
         if op in ELEMENTWISE:
-            if multi:
-                ctx = self.contexts.setdefault(nid, set())
-                ctx.add((tuple(i.key for i in idx), cond.key))
-                if len(ctx) > 1:  # read under a second index map: compute it once instead
-                    return self.load(nid, idx, cond)
+            if multi and self.second_map(nid, idx, cond):  # read under a second index map: compute it once instead
+                return self.load(nid, idx, cond)
             srcs = [self.value(s, idx, cond, in_reduce) for s in n.src]
             if op is Op.CAST:
                 return vb.cast(srcs[0], n.dtype)
             if op is Op.WHERE:
                 return vb.where(*srcs)
             return vb.alu(n.arg, n.dtype, *srcs)
+        if op is Op.GATHER:  # the index's value at this point, then x at it: one load whose address was loaded
+            if multi and self.second_map(nid, idx, cond):
+                return self.load(nid, idx, cond)
+            table, index = n.src
+            rows = Lin({vb.index(self.value(index, idx, cond, in_reduce), p.graph[table].shape[n.arg]): 1})
+            self.cost += 1
+            return self.value(table, tuple(rows if a == n.arg else i for a, i in enumerate(idx)), cond, in_reduce)
+        if op is Op.SCATTER:  # a kernel of its own (scatter_kernel)
+            return self.load(nid, idx, cond)
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:
             fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
@@ -550,6 +588,12 @@ class KernelBuild:
             self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
             return vb.where(vb.cond(local, dtypes.bool), inner, fill)
         raise AssertionError(f"cannot fuse {n}")
+
+    def second_map(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> bool:
+        """Whether node `nid`, shared by several consumers, is now read under a second index map."""
+        ctx = self.contexts.setdefault(nid, set())
+        ctx.add((tuple(i.key for i in idx), cond.key))
+        return len(ctx) > 1
 
     def reduce(self, n: Node, idx: tuple[Lin, ...], cond: Cond) -> V:
         op, axes = n.arg

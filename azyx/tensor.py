@@ -920,12 +920,97 @@ class Tensor:
         return self.split(max(1, -(-size // n)), axis)
 
     def __getitem__(self, key: Any) -> Tensor:
+        """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; one integer tensor (or list,
+        or numpy array) among them reads at its indices (numpy's placement of the result's axes; negative indices
+        count from the end). An index known on the host is checked at the call; one in a tensor is clamped into the
+        axis when it runs (it never reads outside the tensor).
+
+        >>> t = Tensor([[1, 2], [3, 4], [5, 6]])
+        >>> t[[2, -3]].numpy_sync().tolist(), t[:, Tensor([1])].numpy_sync().tolist()
+        ([[5, 6], [1, 2]], [[2], [4], [6]])
+        """
         if isinstance(key, Tensor | list | np.ndarray):
-            return self._index_tensor(key)
-        if not isinstance(key, tuple):
             key = (key,)
-        if key and isinstance(key[0], Tensor | list | np.ndarray):
-            return self._index_tensor(key[0])[(slice(None),) + key[1:]] if len(key) > 1 else self._index_tensor(key[0])
+        elif not isinstance(key, tuple):
+            key = (key,)
+        arrays = [i for i, k in enumerate(key) if isinstance(k, Tensor | list | np.ndarray)]
+        if arrays:
+            return self._advanced(key, arrays)
+        return self._basic(key)
+
+    def _advanced(self, key: tuple, arrays: list[builtins.int]) -> Tensor:
+        """`self[key]` where key[arrays[0]] is an integer array: the basic indices first, then a gather along the axis
+        the array indexes (numpy puts its axes first when ints stand apart from it: ints are advanced indices too)."""
+        if len(arrays) > 1:
+            raise IndexOutOfRange(f"only one integer-tensor index is supported, got {len(arrays)} in {key!r}")
+        pos = arrays[0]
+        x = self._basic(key[:pos] + (slice(None),) + key[pos + 1 :])
+        n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
+        axis = 0  # the axis of x that the array indexes: the axes the entries before it leave
+        for k in key[:pos]:
+            if k is Ellipsis:
+                axis += self.ndim - n_real
+            elif not isinstance(k, int | np.integer):
+                axis += 1
+        out = x._take(axis, key[pos])
+        adv = sorted([i for i, k in enumerate(key) if isinstance(k, int | np.integer)] + [pos])
+        if adv != list(range(adv[0], adv[-1] + 1)):  # apart from an int: numpy puts the index's axes first
+            k = out.ndim - x.ndim + 1
+            return out.permute(*range(axis, axis + k), *range(axis), *range(axis + k, out.ndim))
+        return out
+
+    def _rows(self, axis: builtins.int, index: Any) -> Tensor:
+        """An integer index along `axis` as a tensor on self's device: a host index (list, numpy) checked and
+        wrapped now, naming the first value out of range."""
+        n = self.shape[axis]
+        if isinstance(index, Tensor):
+            if index.dtype.is_float or index.dtype.is_bool:
+                raise DTypeError(f"index tensors must be integer, got {index.dtype.name}")
+            if n == 0 and index.numel():
+                raise IndexOutOfRange(f"cannot index axis {axis} of size 0 (shape {self.shape})")
+            return index if index.dtype in (dtypes.int32, dtypes.int64) else \
+                index.cast(dtypes.int64 if index.dtype.itemsize >= 4 else dtypes.int32)
+        arr = np.asarray(index)
+        if arr.dtype.kind not in "iu" and arr.size:
+            raise DTypeError(f"index arrays must be integer, got {arr.dtype}")
+        arr = arr.astype(np.int64)
+        bad = arr[(arr < -n) | (arr >= n)]
+        if bad.size:
+            raise IndexOutOfRange(f"index {bad.flat[0]} is out of range for axis {axis} of size {n}")
+        arr = arr % max(n, 1)
+        dt = np.int32 if n < 2**31 else np.int64
+        dev = None if self.device == DISK else self.device
+        return self._placed_like(Tensor(arr.astype(dt), device=dev)) if dev is not None else Tensor(arr.astype(dt))
+
+    def _take(self, axis: builtins.int, index: Any) -> Tensor:
+        """numpy's take along `axis`: the index's shape replaces that axis."""
+        if not self.shape:
+            raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
+        idx = self._rows(axis, index)
+        shape = self.shape
+        pre, post, m = shape[:axis], shape[axis + 1 :], idx.numel()
+        flat = idx.reshape((1,) * len(pre) + (m,) + (1,) * len(post))._broadcast_to(pre + (m,) + post)
+        return self._gathered(axis, flat).reshape(pre + idx.shape + post)
+
+    def _gathered(self, axis: builtins.int, index: Tensor) -> Tensor:
+        """The GATHER node (index: integer, of self's number of axes, checked by the caller)."""
+        na, ni = self._node, index._node
+        device, pinned = _join_devices(na, ni)
+        return Tensor._from_node(Node(Op.GATHER, (self.id, index.id), axis, ni.shape, na.dtype, device, pinned))
+
+    def _scattered(self, axis: builtins.int, index: Tensor, shape: Shape) -> Tensor:
+        """The SCATTER node: a tensor of `shape`, zero but where `index` (of self's shape) points along `axis`, where
+        self's values add up (GATHER's gradient). Self and the index are padded to `shape` off the axis (a padded
+        point adds 0 to row 0), so each point off the axis owns its elements."""
+        if not self.numel():
+            return self._const_like(0.0, shape=shape)
+        pads = tuple((0, 0) if d == axis else (0, s - i) for d, (s, i) in enumerate(zip(shape, self.shape)))
+        g, idx = self.pad(pads), index.pad(pads, value=0)
+        ng, ni = g._node, idx._node
+        device, pinned = _join_devices(ng, ni)
+        return Tensor._from_node(Node(Op.SCATTER, (g.id, idx.id), (axis, shape), shape, ng.dtype, device, pinned))
+
+    def _basic(self, key: tuple) -> Tensor:
         shape = self.shape
         n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
         if sum(1 for k in key if k is Ellipsis) > 1:
@@ -978,40 +1063,22 @@ class Tensor:
             x = x._stride(d, s)
         return x.reshape(tuple(final))
 
-    def _index_tensor(self, idx: Any) -> Tensor:
-        if not isinstance(idx, Tensor):
-            idx = Tensor(np.asarray(idx), device=self.device)
-        if idx.dtype.is_float:
-            raise DTypeError(f"index tensors must be integer, got {idx.dtype.name}")
-        if not self.shape:
-            raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
-        n = self.shape[0]
-        idx = idx.cast(dtypes.int32)
-        idx = Tensor.where(idx < 0, idx + n, idx)
-        rest = self.shape[1:]
-        rows = self._placed_like(Tensor.arange(n, device=self.device))
-        one_hot = idx.reshape(idx.shape + (1,) * (1 + len(rest))) == rows.reshape((n,) + (1,) * len(rest))
-        if self.dtype.is_bool:  # a bool stays bool (a sum would promote it)
-            return Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), False).max(axis=idx.ndim)
-        return Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0).sum(axis=idx.ndim)
+    def gather(self, axis: builtins.int, index: Any) -> Tensor:
+        """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0 (out has the index's shape; the index has
+        self's number of axes, none longer than self's but `axis`). Negative indices count from the end; a host
+        index (list, numpy) out of range raises, one in a tensor is clamped when it runs.
 
-    def gather(self, axis: builtins.int, index: Tensor) -> Tensor:
-        """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0."""
+        >>> Tensor([[1, 2], [3, 4]]).gather(1, Tensor([[1, 1], [0, 1]])).numpy_sync().tolist()
+        [[2, 2], [3, 4]]
+        """
         a = _norm_axis(axis, self.ndim)
-        if index.ndim != self.ndim:
-            raise ShapeError(f"gather index of shape {index.shape} needs {self.ndim} dimensions like {self.shape}")
-        for d, (s, i) in enumerate(zip(self.shape, index.shape)):
+        shape = index.shape if isinstance(index, Tensor) else np.shape(index)
+        if len(shape) != self.ndim:
+            raise ShapeError(f"gather index of shape {shape} needs {self.ndim} dimensions like {self.shape}")
+        for d, (s, i) in enumerate(zip(self.shape, shape)):
             if d != a and i > s:
-                raise ShapeError(f"gather index shape {index.shape} exceeds {self.shape} on axis {d}")
-        if index.dtype.is_float:
-            raise DTypeError(f"gather index must be integer, got {index.dtype.name}")
-        n = self.shape[a]
-        x = self._shrink([(0, n) if d == a else (0, i) for d, i in enumerate(index.shape)])
-        x = x.moveaxis(a, -1).unsqueeze(a)
-        one_hot = index.cast(dtypes.int32).unsqueeze(-1) == self._placed_like(Tensor.arange(n, device=self.device))
-        if self.dtype.is_bool:  # a bool stays bool (a sum would promote it)
-            return Tensor.where(one_hot, x, False).max(axis=-1)
-        return Tensor.where(one_hot, x, 0).sum(axis=-1)
+                raise ShapeError(f"gather index shape {shape} exceeds {self.shape} on axis {d}")
+        return self._gathered(a, self._rows(a, index))
 
     # ---------------------------------------------------------------- reductions
     def _reduce(self, op: str, axis: Any, keepdim: builtins.bool) -> Tensor:
