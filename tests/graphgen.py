@@ -1007,17 +1007,21 @@ class Builder:
         return tuple(key)
 
     def op_take(self) -> Val | None:
-        """Integer-tensor indexing along the first axis and gather (indices are new int inputs in range)."""
+        """Integer-tensor indexing along one axis (the first, or another after full slices) and gather (indices are
+        new int inputs in range, negative ones too where the op allows them)."""
         a = self.value(lambda v: len(v.shape) >= 1, lambda: self.new_input(rank=(1, 3)))
         if a is None or not a.shape or 0 in a.shape:
             return None
-        n = a.shape[0]
         idt = self.choice(["int32", "int64", "int16", "uint8"])
         if self.coin(0.5):
+            ax = 0 if self.coin(0.5) else self.int_(0, len(a.shape) - 1)
+            n = a.shape[ax]
             ishape = self.shape(0, 2)
             idx = self.leaf(ishape, idt, f"index:{n}" if idt != "uint8" else f"gindex:{n}", device=a.device)
-            v = self.emit(f"{a.name}[{idx.name}]", lambda env: env[a.name][wide(env[idx.name])],
-                          ishape + a.shape[1:], a.dtype, a.bound, a.err, a.frac)
+            lead = ":, " * ax
+            v = self.emit(f"{a.name}[{lead}{idx.name}]",
+                          lambda env: env[a.name][(slice(None),) * ax + (wide(env[idx.name]),)],
+                          a.shape[:ax] + ishape + a.shape[ax + 1 :], a.dtype, a.bound, a.err, a.frac)
             self.prog.unsigned_zero.add(v.name)
             return v
         nd = len(a.shape)
