@@ -70,6 +70,13 @@ def _unary_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[
     return (rule(src[0], out, g) if rule else None,)
 
 
+def _assign_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[bool, ...]) -> Grads:
+    """The base gets g but where the region was overwritten, the value gets g read at the region."""
+    positions = src[2:]
+    gb = g._assign_node(g._const_like(0.0, shape=n.arg[1]), positions, n.arg) if need[0] else None
+    return (gb, g._region(n.arg, positions) if need[1] else None, *(None for _ in positions))
+
+
 Rule = Callable[[Node, Tensor, list[Tensor], Tensor, tuple[bool, ...]], Grads]
 
 # node kind -> rule(node, out, sources, g, which sources need a gradient) -> one gradient (or None) per source.
@@ -90,6 +97,7 @@ RULES: dict[Op, Rule] = {
     # a gather's gradient adds g up at the rows it read (repeated rows accumulate); the index carries none
     Op.GATHER: lambda n, out, src, g, need: (g._scattered(n.arg, src[1], src[0].shape), None),
     Op.SCATTER: lambda n, out, src, g, need: (g._gathered(n.arg[0], src[1]), None),
+    Op.ASSIGN: _assign_grad,
 }
 
 

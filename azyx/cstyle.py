@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.ops import REDUCE
-from azyx.symbolic import Cond, Div, Lin, Mod, Var, lin_dyns
+from azyx.symbolic import Cond, Div, Lin, Mod, Var
 
 
 @dataclass(frozen=True)
@@ -751,7 +751,7 @@ class _Renderer:
         self.emit(store.format(buf="d0", idx=zero_idx.render(), val=_literal(0, k.params[0], dl)))
         self.close()
         self.loop(j)
-        for v in toposort(*order, *(d.v for d in lin_dyns(idx))):  # (with the index the store adds at)
+        for v in order:
             self.stmt(v)
         old = dl.loads.get(k.params[0].name, "{buf}[{idx}]").format(buf="d0", idx=idx.render())
         self.emit(store.format(buf="d0", idx=idx.render(), val=f"({old}+{self.ref(value)})"))

@@ -52,6 +52,12 @@ class Op(IntEnum):
     # src (g, index), arg: (axis a, x's shape): the gradient of GATHER for x, a tensor of x's shape that is zero but
     # where index points: out[p with p[a] = index[p]] += g[p] (repeated indices accumulate)
     SCATTER = 14
+    # src (base, value, *positions), arg: (per base axis ("slice", start, step, region axis) | ("at", k) | ("index",
+    # k, region axes), the region's shape): base with the region replaced by value (of the region's shape). An "at"
+    # axis is at the 0-d integer positions[k] (a Python int is a runtime scalar: a new step compiles nothing), an
+    # "index" axis at positions[k] read at those region axes. Planned in place (azyx.schedule: assign_kernel): the
+    # kernel writes only the region, into base's own buffer where nothing else reads base, else into a copy
+    ASSIGN = 15
 
 
 MOVEMENT = frozenset({Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP})

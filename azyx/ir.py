@@ -102,8 +102,9 @@ def _dyn_src(idx: Lin, cond: Cond) -> tuple[V, ...]:
 
 
 def has_index(k: Kernel) -> bool:
-    """Whether `k` reads or writes at an address loaded from memory (a gather, a scatter)."""
-    return k.scatter is not None or any(v.op == "index" for v in toposort(*k.values))
+    """Whether `k` reads or writes at an address loaded from memory (a gather, a scatter), or writes only part of its
+    output (an assignment)."""
+    return k.scatter is not None or k.inplace or any(v.op == "index" for v in toposort(*k.values))
 
 
 def _cast_scalar(v: Any, dtype: DType) -> Any:
@@ -125,6 +126,7 @@ class Kernel:
     # point of the global loops zeroes the output at the zero index for every r, then, for j in order, adds its
     # value at the store's index; the points own disjoint elements (see cstyle's scatter_body)
     scatter: tuple[Var, Var, Lin] | None = None
+    inplace: bool = False  # it writes part of its output, whose other elements it leaves as they are (an ASSIGN)
 
     @property
     def global_size(self) -> int:
@@ -135,7 +137,11 @@ class Kernel:
 
     @property
     def values(self) -> list[V]:
-        return [v for _, v in self.stores]
+        """The values stored, then the addresses loaded from memory that the stores' indices hold."""
+        out = [v for _, v in self.stores]
+        for idx, _ in self.stores:
+            out += [d.v for d in lin_dyns(idx) if d.v not in out]
+        return out
 
 
 def scalar_args(k: Kernel) -> list[V]:

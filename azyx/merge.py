@@ -35,7 +35,8 @@ def merge_kernels(steps: list[Step], render: Render, max_buffers: Callable[[str]
     out: list[Step | _Group | None] = []
     groups: list[_Group] = []  # open ones: a later kernel may still join
     for st in steps:
-        reads = (st.src,) if isinstance(st, TransferStep) else st.args[st.outs:]
+        # (a kernel that writes part of its output reads the rest: the kernels that wrote it stay before it)
+        reads = (st.src,) if isinstance(st, TransferStep) else st.args if st.kernel.inplace else st.args[st.outs:]
         joined: _Group | None = None
         if isinstance(st, KernelStep) and _mergeable(st.kernel):
             sizes = tuple(v.vmax + 1 for v in st.kernel.gvars)

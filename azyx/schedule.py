@@ -275,6 +275,8 @@ class Planner:
         split = self.split_reduce(root, device)
         if split is not None:  # same elements, contiguous: only the shape differs
             return self.realize(split)[0], StridedView.contiguous(n.shape)
+        if n.op is Op.ASSIGN:
+            return self.assign_kernel(root, device)
         shape = n.shape
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
@@ -338,6 +340,58 @@ class Planner:
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
         return out, StridedView.contiguous(shape)
+
+    def writable(self, root: int, device: str) -> tuple[int, StridedView] | None:
+        """The slot and view of ASSIGN `root`'s base if the kernel may write into it: the base's own buffer (not a
+        view of another node's), on the kernel's device, read by nothing else: a realized base that only `root` holds
+        (walk.donated), or one this plan computes for `root` alone."""
+        base = self.graph[root].src[0]
+        b = self.graph[base]
+        if b.op in MOVEMENT or base in self.targets or self.walk.consumers.get(base, 0) != 1:
+            return None
+        if base in self.walk.leaves and root not in self.walk.donated:
+            return None
+        slot, view = self.realize(base)
+        s = self.slots[slot]
+        if s.device != device or slot in self.transfers.values() or not view.is_contiguous(b.shape) or \
+                (s.kind == "input") != (base in self.walk.leaves):
+            return None
+        return slot, view
+
+    def assign_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
+        """ASSIGN: a kernel over the region alone, writing value into the base's buffer (`writable`), else into a
+        copy of the base made first (the base's holders keep the old value)."""
+        n = self.graph[root]
+        base, value, *positions = n.src
+        axes, region = n.arg
+        target = self.writable(root, device)
+        if target is None:  # a contiguous copy of the base, which the kernel then updates
+            copy = self.graph.add(Node(Op.RESHAPE, (base,), n.shape, n.shape, n.dtype, n.device, n.pinned))
+            self.graph.retain(copy)
+            self.temp_nodes.append(copy)
+            slot, view = self.kernel(copy)
+            target = self.on_device(slot, device), view
+        out, view = target
+        if prod(region) == 0:
+            return out, view
+        gvars = [Var(f"g{i}", s) for i, s in enumerate(region)]
+        ridx = tuple(var(g) if s != 1 else Lin({}, 0) for g, s in zip(gvars, region))
+        kb = KernelBuild(self, root, device, prod(region))
+        at = Lin({}, view.offset)
+        for ax, size, stride in zip(axes, n.shape, view.strides):
+            if ax[0] == "slice":
+                coord = ridx[ax[3]] * ax[2] + ax[1]
+            else:
+                where = () if ax[0] == "at" else tuple(ridx[r] for r in ax[2])
+                coord = Lin({kb.vb.index(kb.value(positions[ax[1]], where, Cond(), False), size): 1})
+            at = at + coord * stride
+        v = kb.value(value, ridx, Cond(), False)
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [g for g in gvars if g.vmax > 0], [],
+                   [(at, v)], prod(region), inplace=True)
+        debug.log(debug.IR, lambda: format_kernel(k))
+        name, src, launch = self.rt.device(device).render(k)
+        self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
+        return out, view
 
     def within_binding_limit(self, root: int, device: str, groups: list[list[int]], best: Attempt) -> Attempt:
         """A kernel that would bind more buffers than its device allows (Vulkan: maxPerStageDescriptorStorageBuffers)
@@ -535,7 +589,7 @@ class KernelBuild:
             rows = Lin({vb.index(self.value(index, idx, cond, in_reduce), p.graph[table].shape[n.arg]): 1})
             self.cost += 1
             return self.value(table, tuple(rows if a == n.arg else i for a, i in enumerate(idx)), cond, in_reduce)
-        if op is Op.SCATTER:  # a kernel of its own (scatter_kernel)
+        if op is Op.SCATTER or op is Op.ASSIGN:  # a kernel of its own (scatter_kernel, assign_kernel)
             return self.load(nid, idx, cond)
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:

@@ -1012,23 +1012,9 @@ class Tensor:
 
     def _basic(self, key: tuple) -> Tensor:
         shape = self.shape
-        n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
-        if sum(1 for k in key if k is Ellipsis) > 1:
-            raise IndexOutOfRange("an index can only have a single ellipsis")
-        if n_real > len(shape):
-            raise IndexOutOfRange(f"too many indices ({n_real}) for a tensor of shape {shape}")
-        expanded: list[Any] = []
-        for k in key:
-            if k is Ellipsis:
-                expanded.extend([slice(None)] * (len(shape) - n_real))
-            else:
-                expanded.append(k)
-        if Ellipsis not in key:
-            expanded.extend([slice(None)] * (len(shape) - n_real))
         bounds, flips, strides, final = [], [], [], []
-        dim = 0
-        for k in expanded:
-            if k is None:
+        for k, dim in _key_axes(key, shape):
+            if dim is None:
                 final.append(1)
                 continue
             n = shape[dim]
@@ -1055,7 +1041,6 @@ class Tensor:
                 final.append(count)
             else:
                 raise IndexOutOfRange(f"unsupported index {k!r}")
-            dim += 1
         x = self._shrink(bounds)
         if flips:
             x = x.flip(flips)
@@ -1324,13 +1309,101 @@ class Tensor:
             raise DTypeError(f"assign of a {o.dtype.name} tensor to a {n.dtype.name} one; cast it first")
         if o.device != n.device:
             raise DeviceError(f"assign of a tensor on {o.device} to one on {n.device}; move it with .to() first")
+        self._rebind(other)
+        return self
+
+    def _rebind(self, other: Tensor) -> None:
         if other.id != self.id:
             if Tensor.tracer is not None:
                 Tensor.tracer.rebinding(self)
             GRAPH.retain(other.id)
             old, self.id = self.id, other.id
             GRAPH.release(old)
-        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """In-place update of a view, PyTorch's `t[key] = value`: ints, slices (with steps), None, Ellipsis, 0-d
+        integer tensors, or one integer tensor index; `value` (a scalar or a tensor, cast to self's dtype) broadcasts
+        to the view. This handle then reads the updated tensor. When realized, the kernel writes only the view, into
+        the tensor's own buffer where nothing else holds the old value (else into a copy, which the holders do not
+        see). A Python int position is a runtime value: a KV cache written at step after step runs one plan.
+
+        >>> cache = Tensor.zeros(3, 2)
+        >>> for step in range(3):
+        ...     cache[step] = Tensor([1.0, 2.0]) * step
+        >>> cache.numpy_sync().tolist()
+        [[0.0, 0.0], [1.0, 2.0], [2.0, 4.0]]
+        """
+        self._rebind(self._assigned(key, value))
+
+    def _assigned(self, key: Any, value: Any) -> Tensor:
+        """self with the view `key` replaced by `value` (the ASSIGN node; see __setitem__)."""
+        shape = self.shape
+        axes: list[tuple] = []
+        region: list[builtins.int] = []
+        positions: list[Tensor] = []
+        arrays = 0
+        for k, dim in _key_axes(key if isinstance(key, tuple) else (key,), shape):
+            if dim is None:
+                region.append(1)
+                continue
+            n = shape[dim]
+            if isinstance(k, slice):
+                start, _, step = k.indices(n)
+                axes.append(("slice", start, step, len(region)))
+                region.append(len(range(*k.indices(n))))
+            elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+                if not -n <= k < n:
+                    raise IndexOutOfRange(f"index {k} is out of range for axis {dim} of size {n}")
+                axes.append(("at", len(positions)))
+                pos = builtins.int(k) if isinstance(k, np.integer) else k  # (a traced int stays traced: azyx.jit)
+                positions.append(self._const_like(pos % n, shape=(), dtype=dtypes.int32))
+            elif isinstance(k, Tensor) and not k.shape:
+                axes.append(("at", len(positions)))
+                positions.append(self._rows(dim, k))
+            elif isinstance(k, Tensor | list | np.ndarray):
+                arrays += 1
+                idx = self._rows(dim, k)
+                axes.append(("index", len(positions), tuple(range(len(region), len(region) + idx.ndim))))
+                positions.append(idx)
+                region.extend(idx.shape)
+            else:
+                raise IndexOutOfRange(f"unsupported index {k!r}")
+        if arrays > 1 or arrays and any(a[0] == "at" for a in axes):
+            raise IndexOutOfRange(f"an integer-tensor index in an assignment goes with slices only, got {key!r}")
+        if isinstance(value, Tensor):
+            v = value
+        elif isinstance(value, builtins.bool | builtins.int | builtins.float | np.generic):
+            v = self._const_like(value.item() if isinstance(value, np.generic) else value, shape=())
+        else:
+            v = Tensor(value, device=self.device)
+        try:
+            fits = broadcast_shapes(v.shape, tuple(region)) == tuple(region)
+        except ShapeError:
+            fits = False
+        if not fits:
+            raise ShapeError(f"cannot assign a tensor of shape {v.shape} to a view of shape {tuple(region)}")
+        v = v.cast(self.dtype)._broadcast_to(tuple(region))
+        if v.device != self.device:
+            raise DeviceError(f"assignment of a tensor on {v.device} into one on {self.device}; move it with .to()")
+        return self._assign_node(v, positions, (tuple(axes), tuple(region)))
+
+    def _assign_node(self, value: Tensor, positions: Sequence[Tensor], arg: tuple) -> Tensor:
+        na = self._node
+        return Tensor._from_node(Node(Op.ASSIGN, (self.id, value.id, *(p.id for p in positions)), arg, na.shape,
+                                      na.dtype, na.device, na.pinned))
+
+    def _region(self, arg: tuple, positions: Sequence[Tensor]) -> Tensor:
+        """The view of self that ASSIGN's `arg` writes, as a tensor of the region's shape (the value's gradient)."""
+        axes, region = arg
+        x = self
+        for d in reversed(range(len(axes))):  # last axis first: the axes before it keep their numbers
+            ax = axes[d]
+            if ax[0] == "slice":
+                rows = np.arange(region[ax[3]]) * ax[2] + ax[1]
+                x = x._take(d, self._placed_like(Tensor(rows.astype(np.int32), device=self.device)))
+            else:
+                x = x._take(d, positions[ax[1]])
+        return x.reshape(region)
 
     # ---------------------------------------------------------------- devices
     def to(self, device: str) -> Tensor:
@@ -1342,6 +1415,24 @@ class Tensor:
         if n.op is Op.CONST:
             return Tensor._const(n.arg, n.shape, n.dtype, name, True)
         return Tensor._from_node(Node(Op.TODEVICE, (self.id,), None, n.shape, n.dtype, name, True))
+
+
+def _key_axes(key: tuple, shape: Shape) -> list[tuple[Any, int | None]]:
+    """A basic index's entries, its Ellipsis (or the end) expanded into full slices, each with the axis it indexes
+    (None: the entry is None, a new axis)."""
+    n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
+    if sum(1 for k in key if k is Ellipsis) > 1:
+        raise IndexOutOfRange("an index can only have a single ellipsis")
+    if n_real > len(shape):
+        raise IndexOutOfRange(f"too many indices ({n_real}) for a tensor of shape {shape}")
+    at = next((i for i, k in enumerate(key) if k is Ellipsis), len(key))  # (by identity: == on a tensor makes a node)
+    key = key[:at] + (slice(None),) * (len(shape) - n_real) + key[at + 1 :]
+    out: list[tuple[Any, int | None]] = []
+    dim = 0
+    for k in key:
+        out.append((k, None if k is None else dim))
+        dim += k is not None
+    return out
 
 
 def _join_devices(*nodes: Node) -> tuple[str, bool]:

@@ -220,7 +220,7 @@ def test_embedding_gradient_accumulates_repeated_ids(device: str) -> None:
     (g,) = tape.gradient(loss, [emb.weight])
     want = np.zeros_like(w)
     np.add.at(want, ids.reshape(-1), (2 * (1 - np.tanh(2 * w[ids]) ** 2)).reshape(-1, 8))
-    np.testing.assert_allclose(g.numpy_sync(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g.numpy_sync(), want, rtol=1e-5, atol=1e-5)  # (GLSL's tanh: ~1e-6 off)
 
 
 def test_second_derivative_through_gather(device: str) -> None:
