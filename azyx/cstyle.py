@@ -732,33 +732,44 @@ class _Renderer:
         return f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
 
     def scatter_body(self, order: list[V], shared: int | None, header: str) -> str:
-        """A scatter-add (Kernel.scatter): each point of the global loops owns the output's elements along the
-        scattered axis at its coordinates, so it zeroes them, then adds its values in order at the rows its index
-        reads (repeated rows accumulate): no two points write one element, no atomics."""
+        """A scatter-add (Kernel.scatter): each point of the global loops (outer: the axes before the scattered one,
+        inner: those after it) owns the output's elements along the scattered axis at its coordinates, so it zeroes
+        them, then adds its values in order at the rows its index reads (repeated rows accumulate): no two points
+        write one element, no atomics. Host loops keep the inner axes innermost (contiguous, vectorised), inside
+        the rows: a thread that shares out a loop owns its part of it for every row."""
         k, dl, it = self.k, self.dl, self.it
         j, r, zero_idx = k.scatter  # type: ignore[misc]
+        outer, inner = k.gvars
         (idx, value), = k.stores
         store = dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};")
         if dl.global_ids:
             self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
             self.emit(f"if (gid >= {k.global_size}) return;")
-            for g in k.gvars:
-                self.emit(f"{it} {g.name} = gid;")
+            self.emit(f"{it} {outer.name} = gid/{inner.vmax + 1}, {inner.name} = gid%{inner.vmax + 1};")
         else:
-            for g in k.gvars:
-                self.loop(g, shared=shared == 0)
+            self.loop(outer, shared=shared == 0)
         self.loop(r)
+        if not dl.global_ids:
+            self.loop(inner, "#pragma omp simd" if shared != 1 else "", shared=shared == 1)
         self.emit(store.format(buf="d0", idx=zero_idx.render(), val=_literal(0, k.params[0], dl)))
         self.close()
+        if not dl.global_ids:
+            self.close()
         self.loop(j)
-        for v in order:
-            self.stmt(v)
+        for v in order:  # what one row of the index needs, then (host) the inner loop for the rest
+            if dl.global_ids or inner not in v.vars:
+                self.stmt(v)
+        if not dl.global_ids:
+            self.loop(inner, "#pragma omp simd" if shared != 1 else "", shared=shared == 1)
+            for v in order:
+                if inner in v.vars:
+                    self.stmt(v)
         old = dl.loads.get(k.params[0].name, "{buf}[{idx}]").format(buf="d0", idx=idx.render())
         self.emit(store.format(buf="d0", idx=idx.render(), val=f"({old}+{self.ref(value)})"))
         self.close()
         if not dl.global_ids:
-            for _ in k.gvars:
-                self.close()
+            self.close()
+            self.close()
         return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
 
     def glsl_interface(self) -> str:

@@ -312,30 +312,24 @@ class Planner:
         return out, StridedView.contiguous(shape)
 
     def scatter_kernel(self, root: int, device: str, out: int) -> tuple[int, StridedView]:
-        """SCATTER: one loop over the output's points off the scattered axis, each zeroing its elements along that
-        axis and then adding its gradient values at the rows its index reads (Kernel.scatter)."""
+        """SCATTER: loops over the output's points off the scattered axis (outer: the axes before it, inner: those
+        after it), each zeroing its elements along that axis and then adding its gradient values at the rows its
+        index reads (Kernel.scatter)."""
         n = self.graph[root]
         axis, shape = n.arg
         g, index = n.src
         rows, m = shape[axis], self.graph[g].shape[axis]
-        others = [d for d in range(len(shape)) if d != axis]
-        point = Var("g0", prod([shape[d] for d in others]))
+        outer, inner = Var("g0", prod(shape[:axis])), Var("g1", prod(shape[axis + 1 :]))
         j, r = Var("j", m), Var("r", rows)
-        idx: list[Lin] = [var(j)] * len(shape)
-        inner = 1
-        for d in reversed(others):
-            idx[d] = (var(point) // inner) % shape[d] if d != others[0] else var(point) // inner
-            inner *= shape[d]
+        idx = [*_unflatten(var(outer), shape[:axis]), var(j), *_unflatten(var(inner), shape[axis + 1 :])]
         kb = KernelBuild(self, root, device, prod(shape))
         value = kb.value(g, tuple(idx), Cond(), False)
         dyn = kb.vb.index(kb.value(index, tuple(idx), Cond(), False), rows)
-        strides = contiguous_strides(shape)
-        at = Lin({}, 0)
-        for d in others:
-            at = at + idx[d] * strides[d]
-        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [point], [],
-                   [(at + Lin({dyn: strides[axis]}), value)], (point.vmax + 1) * (rows + m),
-                   (j, r, at + var(r) * strides[axis]))
+        stride = prod(shape[axis + 1 :])
+        at = var(outer) * (rows * stride) + var(inner)
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [outer, inner], [],
+                   [(at + Lin({dyn: stride}), value)], (outer.vmax + 1) * (inner.vmax + 1) * (rows + m),
+                   (j, r, at + var(r) * stride))
         debug.log(debug.IR, lambda: format_kernel(k))
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
@@ -674,6 +668,15 @@ class KernelBuild:
         self.reduce_work += prod([src_shape[a] for a in axes])
         body = self.value(n.src[0], tuple(new), cond, True)
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
+
+
+def _unflatten(flat: Lin, shape: Shape) -> list[Lin]:
+    """The coordinates of the row-major flat index `flat` in `shape`."""
+    out, inner = [], 1
+    for d in reversed(range(len(shape))):
+        out.append(flat // inner if d == 0 else (flat // inner) % shape[d])
+        inner *= shape[d]
+    return out[::-1]
 
 
 # ------------------------------------------------------------------------------------------------ entry point

@@ -1035,6 +1035,28 @@ class Builder:
         self.prog.unsigned_zero.add(v.name)
         return v
 
+    def op_setitem(self) -> Val | None:
+        """An in-place update of a view (`v[key] = b`) on a new handle to a value (which keeps its old contents: the
+        update writes into a copy, or in place where nothing else holds the old value)."""
+        a = self.value(lambda v: len(v.shape) >= 1, lambda: self.new_input(rank=(1, 3)))
+        if a is None or not a.shape or 0 in a.shape:
+            return None
+        key = self.index_key(a.shape)
+        region = np.empty(a.shape)[key].shape
+        b = self.leaf(region[self.int_(0, len(region)):], a.dtype, device=a.device)  # (broadcasts to the view)
+        frac = None if a.frac is None or b.frac is None else max(a.frac, b.frac)
+        v = self.emit(f"Tensor({a.name})", lambda env: env[a.name].copy(), a.shape, a.dtype, max(a.bound, b.bound),
+                      max(a.err, b.err), frac)
+
+        def run(env: dict[str, Any]) -> None:
+            env[v.name][key] = env[b.name]
+
+        self.prog.lines.append(f"{v.name}[{_key_src(key)}] = {b.name}")
+        self.prog.refs.append(run)
+        if b.name in self.prog.unsigned_zero:
+            self.prog.unsigned_zero.add(v.name)
+        return v
+
     # ------------------------------------------------------------------------------------------- linear algebra, nn
     def op_matmul(self) -> Val | None:
         a = self.value(lambda v: len(v.shape) >= 1 and v.dtype != "bool", lambda: self.new_input(rank=(1, 3)))
@@ -1191,7 +1213,7 @@ class Builder:
             self.prog.refs.append(lambda env: None)
 
     OPS = ("arith", "unary_exact", "reduce", "movement", "compare", "where", "cast", "unary_float", "div", "minmax",
-           "matmul", "take", "bitwise", "floordiv", "pow", "nn", "factory", "div_zero")
+           "matmul", "take", "bitwise", "floordiv", "pow", "nn", "factory", "div_zero", "setitem")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
