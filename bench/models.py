@@ -1,7 +1,8 @@
 """Transformer-inference benchmark (issue 18): the workloads of a transformer's forward pass beside numpy and
 PyTorch, each row against the issue's target. So far: the token-embedding lookup (4096 ids from a 30522 x 384
 float32 table, MiniLM's vocabulary and width), azyx's gather (`table[ids]`) against numpy's fancy indexing and
-`torch.nn.functional.embedding` when torch is importable.
+`torch.nn.functional.embedding` when torch is importable, and its gradient for the table (a scatter-add) against
+`np.add.at` and PyTorch's backward.
 
 Run from the repository root:
 
@@ -97,6 +98,48 @@ async def embedding(device: str, repeats: int, torch: Any) -> list[str]:
             f"{tn * 1e6:.0f} us", torch_cell, f"{ratio:.2f}x", f">= {EMBEDDING_TARGET}x numpy: {met}"]
 
 
+async def embedding_grad(device: str, repeats: int, torch: Any) -> list[str]:
+    """The lookup's gradient for the table: the upstream gradient of the 4096 rows added up at their ids (a
+    scatter-add; repeated ids accumulate), against numpy's `np.add.at` into zeros."""
+    rng = np.random.default_rng(1)
+    table = Tensor(rng.standard_normal((VOCAB, DIM), dtype=np.float32), device=device)
+    ids = rng.integers(0, VOCAB, IDS).astype(np.int32)
+    up = rng.standard_normal((IDS, DIM), dtype=np.float32)
+    i, g = Tensor(ids, device=device), Tensor(up, device=device)
+    await azyx.realize(table, i, g)
+
+    def grad() -> Tensor:
+        with azyx.GradientTape() as tape:
+            rows = table[i]
+        return tape.gradient(rows, [table], seed=g)[0]
+
+    def numpy_grad() -> np.ndarray:
+        out = np.zeros((VOCAB, DIM), np.float32)
+        np.add.at(out, ids, up)
+        return out
+
+    np.testing.assert_allclose(await grad().numpy(), numpy_grad(), rtol=1e-5, atol=1e-5)
+
+    async def run() -> None:
+        await grad().realize()
+
+    ta = await median_time_async(run, repeats)
+    tn = median_time(numpy_grad, max(3, repeats // 5))
+    torch_cell = "-"
+    if torch is not None:
+        tt = torch.zeros((VOCAB, DIM), requires_grad=True)
+        ti, tu = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(up)
+
+        def torch_grad() -> None:
+            tt.grad = None
+            torch.nn.functional.embedding(ti, tt).backward(tu)
+
+        tp = median_time(torch_grad, max(3, repeats // 5))
+        torch_cell = f"{tp * 1e3:.1f} ms ({tp / ta:.2f}x)"
+    return [f"embedding gradient (scatter-add), {IDS} ids into {VOCAB}x{DIM} f32", device, f"{ta * 1e3:.1f} ms",
+            f"{tn * 1e3:.1f} ms (np.add.at)", torch_cell, f"{tn / ta:.2f}x", "-"]
+
+
 def section(rows: list[list[str]], quick: bool, torch: Any) -> str:
     head = ["workload", "device", "azyx", "numpy", "torch (azyx speed-up over it)", "azyx / numpy", "target"]
     versions = f"python {platform.python_version()}, numpy {np.__version__}" + \
@@ -122,6 +165,8 @@ async def main(args: argparse.Namespace) -> None:
             continue
         print(f"[models bench] {device} embedding ...", file=sys.stderr, flush=True)
         rows.append(await embedding(device, repeats, torch))
+        print(" | ".join(rows[-1]), flush=True)
+        rows.append(await embedding_grad(device, repeats, torch))
         print(" | ".join(rows[-1]), flush=True)
     text = section(rows, args.quick, torch)
     print(text)
