@@ -121,6 +121,9 @@ class Graph:
         self.free: list[TensorId] = []
         self.recording: list[set[TensorId]] = []  # tapes inside their `with` block: new nodes are recorded
         self.kept: list[set[TensorId]] = []  # the id sets of live tapes: realized nodes in them keep their sources
+        # references (counted in rc too) that keep a node's id alive but never read its data: azyx.jit's recorder
+        # holds each rebound handle's first value so; an assignment may still write over that value in place
+        self.id_holds: dict[TensorId, int] = {}
 
     def __len__(self) -> int:
         return len(self.nodes) - len(self.free)
@@ -145,6 +148,16 @@ class Graph:
 
     def retain(self, i: TensorId) -> None:
         self.nodes[i].rc += 1  # type: ignore[union-attr]
+
+    def hold_id(self, i: TensorId) -> None:
+        self.retain(i)
+        self.id_holds[i] = self.id_holds.get(i, 0) + 1
+
+    def release_id(self, i: TensorId) -> None:
+        left = self.id_holds.pop(i) - 1
+        if left:
+            self.id_holds[i] = left
+        self.release(i)
 
     def release(self, i: TensorId) -> None:
         nodes = self.nodes

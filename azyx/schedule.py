@@ -506,8 +506,11 @@ class Planner:
         slots = tuple(Slot(s.device, s.dtype, s.nbytes, "output") if i in out_slots and s.kind == "temp" else s
                       for i, s in enumerate(self.slots))
         devices = tuple(sorted({s.device for s in slots}))
-        return ExecutionPlan(tuple(self.steps), slots, len(self.walk.leaves), outputs,
-                             tuple(tuple(f) for f in frees), devices, tuple(self.adopt), len(self.walk.scalars))
+        n_in = len(self.walk.leaves)
+        overwrites = tuple(sorted({st.args[0] for st in self.steps
+                                   if isinstance(st, KernelStep) and st.kernel.inplace and st.args[0] < n_in}))
+        return ExecutionPlan(tuple(self.steps), slots, n_in, outputs, tuple(tuple(f) for f in frees), devices,
+                             tuple(self.adopt), len(self.walk.scalars), overwrites)
 
 
 class KernelBuild:

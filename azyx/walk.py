@@ -67,7 +67,7 @@ def leaf_entry(n: Node) -> tuple:
 
 
 def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
-    w = _Walker(graph.nodes)
+    w = _Walker(graph)
     tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
     key, donated = _unshared(graph.nodes, (tuple(w.entries), tk), w.leaves, w.donated, w.index)
     return Walk(graph, key, w.topo, w.leaves, targets, w.scalars, w.scalar_of, donated)
@@ -90,12 +90,14 @@ SCALAR = "scalar"  # a scalar's place in the cache key
 _CONST, _PAD, _ASSIGN = Op.CONST, Op.PAD, Op.ASSIGN  # (an enum member looked up on its class costs ~0.25 us)
 
 
-def donates(nodes: list[Node | None], n: Node) -> bool:
+def donates(graph: Graph, n: Node) -> bool:
     """Whether ASSIGN node `n` may write into its base's buffer: the base is realized and held by nothing but `n`
-    (no handle, no other node, no tape reads the old value), so no one can see it change. Structure: in the key."""
-    base = nodes[n.src[0]]
+    (no handle, no other node, no tape reads the old value; Graph.id_holds read none), so no one can see it change.
+    Structure: in the key."""
+    b = n.src[0]
+    base = graph.nodes[b]
     assert base is not None
-    return base.buffer is not None and base.rc == 1
+    return base.buffer is not None and base.rc - graph.id_holds.get(b, 0) == 1
 
 
 def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_of: dict[int, int]) -> tuple:
@@ -116,8 +118,8 @@ class _Walker:
     """The recursive walk's state (a method, not a closure that calls itself: that would be a reference cycle, and
     every realize would leave its walk for the cyclic garbage collector)."""
 
-    def __init__(self, nodes: list[Node | None]):
-        self.nodes = nodes
+    def __init__(self, graph: Graph):
+        self.graph, self.nodes = graph, graph.nodes
         self.index: dict[int, int] = {}
         self.entries: list[tuple] = []
         self.leaves: list[int] = []
@@ -146,7 +148,7 @@ class _Walker:
         if op is _CONST or op is _PAD:
             entries.append(_entry(n, i, srck, self.scalars, self.scalar_of))
         elif op is _ASSIGN:
-            donated = donates(self.nodes, n)
+            donated = donates(self.graph, n)
             if donated:
                 self.donated.add(i)
             entries.append((n.op, n.arg, donated, n.shape, n.dtype, n.device, n.pinned, srck))
@@ -175,7 +177,7 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
                 index[i] = len(entries)
                 entry = _entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_of)
                 if n.op is _ASSIGN:  # (its arg2 place holds whether it writes in place)
-                    flag = donates(nodes, n)
+                    flag = donates(graph, n)
                     if flag:
                         donated.add(i)
                     entry = (n.op, n.arg, flag) + entry[3:]

@@ -145,6 +145,7 @@ async def test_kv_cache_loop_runs_one_plan(device: str, position: str) -> None:
     steps, heads, dim = 12, 2, 8
     cache = Tensor.zeros(heads, steps, dim, device=device)
     await cache.realize()
+    buf = cache._node.buffer
     want = np.zeros((heads, steps, dim), np.float32)
     rng = np.random.default_rng(1)
     for step in range(steps):
@@ -159,11 +160,13 @@ async def test_kv_cache_loop_runs_one_plan(device: str, position: str) -> None:
             counters = (len(RT.plan_cache), RT.compiled)
     assert (len(RT.plan_cache), RT.compiled) == counters, "a new step planned or compiled again"
     np.testing.assert_array_equal(await cache.numpy(), want)
+    assert cache._node.buffer is buf  # every step wrote its row into the cache's own buffer
 
 
 async def test_kv_cache_under_jit(device: str) -> None:
     cache = Tensor.zeros(6, 4, device=device)
     await cache.realize()
+    buf = cache._node.buffer
 
     @azyx.jit
     def step(x: Tensor, pos: int) -> Tensor:
@@ -180,6 +183,28 @@ async def test_kv_cache_under_jit(device: str) -> None:
             counters = (len(RT.plan_cache), RT.compiled)
     assert (len(RT.plan_cache), RT.compiled) == counters
     np.testing.assert_array_equal(await cache.numpy(), want)
+    assert cache._node.buffer is buf  # every step wrote its row into the cache's own buffer
+
+
+async def test_jit_never_overwrites_a_value_someone_holds(device: str) -> None:
+    """A replay whose plan writes into the cache in place traces again (a plan that copies) when the old cache is
+    held elsewhere: the holder keeps its value."""
+    cache = Tensor.zeros(4, 3, device=device)
+    await cache.realize()
+
+    @azyx.jit
+    def step(x: Tensor, pos: int) -> None:
+        cache[pos] = x
+
+    want = np.zeros((4, 3), np.float32)
+    for p in range(4):
+        held = Tensor(cache) if p == 2 else None  # another handle to the old value, at one step
+        before = want.copy()
+        await step(Tensor(np.full(3, p + 1.0, np.float32), device=device), p)
+        want[p] = p + 1
+        np.testing.assert_array_equal(await cache.numpy(), want)
+        if held is not None:
+            np.testing.assert_array_equal(await held.numpy(), before)
 
 
 def test_optimiser_state_slice(device: str) -> None:
