@@ -5,6 +5,7 @@ plan); readers of the old value in the same plan read it before the write; gradi
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -246,3 +247,24 @@ def test_gradients_of_an_assignment(device: str) -> None:
         want_x, want_v = X.grad.numpy(), V.grad.numpy()
     np.testing.assert_allclose(gx, want_x, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gv, want_v, rtol=1e-5, atol=1e-6)
+
+
+async def test_an_in_place_write_waits_for_other_devices_reading_the_buffer() -> None:
+    """A copy of the tensor to another device, still queued there, reads the buffer that a later assignment writes
+    in place: the write waits for it (the copy gets the old value)."""
+    others = [d for d in azyx.devices() if d.endswith(":0") and not d.startswith(("c:", "dummy"))]
+    if not others:
+        pytest.skip("no second device kind")
+    x = np.arange(1 << 22, dtype=np.float32).reshape(1024, -1)  # 16 MiB: the copy takes a while
+    for other in others:
+        t = Tensor(x, device="c:0")
+        await t.realize()
+        copied = t.to(other)
+
+        async def write() -> None:
+            t[:] = -1.0
+            await t.realize()
+
+        await asyncio.gather(copied.realize(), write())
+        np.testing.assert_array_equal(await copied.numpy(), x)
+        np.testing.assert_array_equal(await t.numpy(), np.full_like(x, -1.0))
