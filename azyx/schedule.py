@@ -7,6 +7,10 @@ consumer, a node a kernel would read under two different index maps, or a device
 where its inputs are unless another device is clearly faster (AUTO), and a plan that does not fit moves to a device
 with room. Lowering: each kernel's value DAG (azyx.ir), rendered by its device; then merging (azyx.merge).
 
+Data-dependent addresses: a gather fuses as a load whose address holds the index's value (an IR `index`); its
+gradient, a scatter-add, is a kernel of its own (scatter_kernel), and so is an assignment into a view
+(assign_kernel), which writes only the view, into its base's buffer where nothing else reads the base.
+
 The scheduler sees devices only through `Devices`, a narrow read-only view (facts, free memory, a renderer): it
 never runs anything.
 """
