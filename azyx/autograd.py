@@ -1,8 +1,8 @@
 """Reverse-mode autograd on the one graph: the backward walk and the gradient rule of every non-elementwise node kind.
 
 Elementwise rules (UNARY, BINARY) live beside their forward references in ops.py; the rules here are for movement,
-reduce, cast, where and device copies. Every rule builds its gradient from ordinary Tensor ops, so gradients are lazy,
-fuse with the forward pass into one plan, and can themselves be differentiated by an outer tape.
+reduce, cast, where, gather/scatter and device copies. Every rule builds its gradient from ordinary Tensor ops, so
+gradients are lazy, fuse with the forward pass into one plan, and can themselves be differentiated by an outer tape.
 
 Conventions (documented once, here):
 - Only float nodes carry gradients. Integer and bool results (comparisons, argmax, casts to int, bitwise ops) and the
@@ -70,6 +70,13 @@ def _unary_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[
     return (rule(src[0], out, g) if rule else None,)
 
 
+def _assign_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[bool, ...]) -> Grads:
+    """The base gets g but where the region was overwritten, the value gets g read at the region."""
+    positions = src[2:]
+    gb = g._assign_node(g._const_like(0.0, shape=n.arg[1]), positions, n.arg) if need[0] else None
+    return (gb, g._region(n.arg, positions) if need[1] else None, *(None for _ in positions))
+
+
 Rule = Callable[[Node, Tensor, list[Tensor], Tensor, tuple[bool, ...]], Grads]
 
 # node kind -> rule(node, out, sources, g, which sources need a gradient) -> one gradient (or None) per source.
@@ -87,6 +94,10 @@ RULES: dict[Op, Rule] = {
     Op.WHERE: lambda n, out, src, g, need: (None, Tensor.where(src[0], g, 0.0) if need[1] else None,
                                             Tensor.where(src[0], 0.0, g) if need[2] else None),
     Op.TODEVICE: lambda n, out, src, g, need: (g.to(src[0].device),),
+    # a gather's gradient adds g up at the rows it read (repeated rows accumulate); the index carries none
+    Op.GATHER: lambda n, out, src, g, need: (g._scattered(n.arg, src[1], src[0].shape), None),
+    Op.SCATTER: lambda n, out, src, g, need: (g._gathered(n.arg[0], src[1]), None),
+    Op.ASSIGN: _assign_grad,
 }
 
 

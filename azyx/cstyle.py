@@ -620,6 +620,16 @@ class _Renderer:
     def stmt(self, v: V) -> None:
         if v.op in ("const", "reduce") or id(v) in self.names:
             return
+        if v.op == "index":  # an address read from memory: wrapped from the end, then clamped into its buffer
+            x, top, it = self.ref(v.src[0]), v.arg.vmax, self.it
+            if v.src[0].dtype.kind == "u":
+                e = f"({x}>{top}?{top}:{x})"
+            else:
+                e = f"({x}<0?{x}+{top + 1}:{x})"
+                e = f"({e}<0?0:({e}>{top}?{top}:{e}))"
+            self.emit(f"{it} {v.arg.name} = {self.cast(it, e)};")
+            self.names[id(v)] = v.arg.name
+            return
         name = f"v{self.count}"
         self.count += 1
         self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
@@ -666,17 +676,10 @@ class _Renderer:
                 place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
 
         shared = parallel_loop(k, dl, self.threads)
-        if dl.glsl:
-            header = "void main()"
-            self.emit_scalar_words()
-        params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
-        for i, d in enumerate(k.params):
-            const = "" if i < len(k.stores) else "const "
-            params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
-        params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
-        if not dl.glsl:
-            header = f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
+        header = self.signature(shared, guarded)
+        if k.scatter is not None:
+            return self.scatter_body(order, shared, header)
 
         par = self._parallel_plan(reduces, place, order)
         # the innermost loop of a plain elementwise kernel vectorises along itself: left to choose, gcc vectorises the
@@ -729,6 +732,60 @@ class _Renderer:
                 self.close()
         body = "\n".join(self.lines)
         return f"{self.glsl_interface()}{header} {{\n{body}\n}}\n"
+
+    def signature(self, shared: int | None, guarded: bool) -> str:
+        """The kernel's header (GLSL: main, after which the parameters' addresses and the scalars are read)."""
+        k, dl = self.k, self.dl
+        if dl.glsl:
+            self.emit_scalar_words()
+            return "void main()"
+        params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
+        for i, d in enumerate(k.params):
+            const = "" if i < len(k.stores) else "const "
+            params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
+        params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
+        return f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
+
+    def scatter_body(self, order: list[V], shared: int | None, header: str) -> str:
+        """A scatter-add (Kernel.scatter): each point of the global loops (outer: the axes before the scattered one,
+        inner: those after it) owns the output's elements along the scattered axis at its coordinates, so it zeroes
+        them, then adds its values in order at the rows its index reads (repeated rows accumulate): no two points
+        write one element, no atomics. Host loops keep the inner axes innermost (contiguous, vectorised), inside
+        the rows: a thread that shares out a loop owns its part of it for every row."""
+        k, dl, it = self.k, self.dl, self.it
+        j, r, zero_idx = k.scatter  # type: ignore[misc]
+        outer, inner = k.gvars
+        (idx, value), = k.stores
+        store = dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};")
+        if dl.global_ids:
+            self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
+            self.emit(f"if (gid >= {k.global_size}) return;")
+            self.emit(f"{it} {outer.name} = gid/{inner.vmax + 1}, {inner.name} = gid%{inner.vmax + 1};")
+        else:
+            self.loop(outer, shared=shared == 0)
+        self.loop(r)
+        if not dl.global_ids:
+            self.loop(inner, "#pragma omp simd" if shared != 1 else "", shared=shared == 1)
+        self.emit(store.format(buf="d0", idx=zero_idx.render(), val=_literal(0, k.params[0], dl)))
+        self.close()
+        if not dl.global_ids:
+            self.close()
+        self.loop(j)
+        for v in order:  # what one row of the index needs, then (host) the inner loop for the rest
+            if dl.global_ids or inner not in v.vars:
+                self.stmt(v)
+        if not dl.global_ids:
+            self.loop(inner, "#pragma omp simd" if shared != 1 else "", shared=shared == 1)
+            for v in order:
+                if inner in v.vars:
+                    self.stmt(v)
+        old = dl.loads.get(k.params[0].name, "{buf}[{idx}]").format(buf="d0", idx=idx.render())
+        self.emit(store.format(buf="d0", idx=idx.render(), val=f"({old}+{self.ref(value)})"))
+        self.close()
+        if not dl.global_ids:
+            self.close()
+            self.close()
+        return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
 
     def glsl_interface(self) -> str:
         """A GLSL shader's part before main: its name (a comment, so the source names its kernel), the prelude, the
@@ -1054,7 +1111,7 @@ def group_size(k: Kernel, dl: Dialect) -> int:
 def vectorized(k: Kernel, dl: Dialect) -> bool:
     """Whether `k` renders with `dl.vector4` (four points per work item): a plain elementwise kernel (no reduce, no
     upcast loop) over one global loop whose length is a multiple of 4, writing float32 outputs along that loop."""
-    if not dl.vector4 or len(k.gvars) != 1 or k.uvars or k.global_size % 4:
+    if not dl.vector4 or len(k.gvars) != 1 or k.uvars or k.global_size % 4 or k.scatter is not None:
         return False
     if any(v.op == "reduce" for v in toposort(*k.values)):
         return False
@@ -1097,6 +1154,8 @@ def index_fits(k: Kernel, group: int = 0) -> bool:
     """Whether every index `k` computes fits a 32-bit int (then GPU dialects use one: 64-bit division is slow)."""
     limit = (1 << 31) - 1
     sizes = [k.global_size * max(group, 1), *(_magnitude(idx) for idx, _ in k.stores)]
+    if k.scatter is not None:
+        sizes.append(_magnitude(k.scatter[2]))
     for v in toposort(*k.values):
         if v.op == "load":
             sizes.append(_magnitude(v.arg[1]))

@@ -73,12 +73,16 @@ class UnifiedExecutor:
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
     def execute_kernel(self, items: list[LaunchItem], same_device: bool = False,
-                       batch: BatchState | None = None) -> int:
+                       batch: BatchState | None = None, overwrites: bool = False) -> int:
         """Kernels of one device that run back to back (one piece of work where the device can make it one), each
         with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan, where the
-        device keeps what it derives from them for the plan's next run."""
+        device keeps what it derives from them for the plan's next run. `overwrites`: one writes into a buffer the
+        plan was given (ExecutionPlan.overwrites), so it waits for the work other devices have queued, which may
+        still read that buffer (a copy out of it)."""
         dev = self.devices[items[0][0].device]
         waits = [] if same_device else [w for step, bufs, _ in items for w in self._waits(dev, bufs[step.outs:])]
+        if overwrites:
+            waits += [(d, d.queued()) for d in self.devices.values() if d is not dev and d.pending()]
         v = dev.launch_many(items, waits, batch)
         for step, bufs, _ in items:
             for b in bufs[:step.outs]:
@@ -151,7 +155,8 @@ class UnifiedExecutor:
                 else:
                     words = seg.words(scalars)
                     after = self.execute_kernel([(k, [bufs[a] for a in k.args], w)  # type: ignore[misc]
-                                                  for k, w in zip(seg.kernels, words)], single, seg.batch)
+                                                  for k, w in zip(seg.kernels, words)], single, seg.batch,
+                                                 seg.overwrites)
                 record.cover(dev, before, after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
@@ -216,7 +221,7 @@ class _Segment:
     """One piece of submitted work of a plan: a transfer, or kernels in a row on one device (one batch); the slots
     its outputs need and the slots whose last use it is. Derived once per plan (UnifiedExecutor.prepared)."""
 
-    __slots__ = ("device", "transfer", "kernels", "allocs", "frees", "batch", "last")
+    __slots__ = ("device", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites")
 
     def __init__(self, device: str, transfer: TransferStep | None, kernels: list[KernelStep]):
         self.device, self.transfer, self.kernels = device, transfer, kernels
@@ -225,6 +230,7 @@ class _Segment:
         self.frees: list[int] = []
         self.batch: BatchState | None = None  # (made once the kernels are all in)
         self.last: tuple[object, list[tuple[int, ...]]] = (None, [])
+        self.overwrites = False  # a kernel of it writes into an input of the plan (ExecutionPlan.overwrites)
 
     def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
         """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
@@ -252,4 +258,5 @@ def _segments(plan: ExecutionPlan) -> list[_Segment]:
     for seg in out:
         if seg.transfer is None:
             seg.batch = BatchState(seg.kernels)
+            seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
     return out

@@ -46,6 +46,18 @@ class Op(IntEnum):
     BINARY = 10  # arg: op name
     WHERE = 11  # cond, a, b
     TODEVICE = 12  # copy to node.device
+    # src (x, index), arg: an axis a; the shape is the index's (x's number of axes, each no longer than x's but a):
+    # out[p] = x[p with p[a] = index[p]], the index wrapped from the end when negative and clamped into the axis
+    GATHER = 13
+    # src (g, index), arg: (axis a, x's shape): the gradient of GATHER for x, a tensor of x's shape that is zero but
+    # where index points: out[p with p[a] = index[p]] += g[p] (repeated indices accumulate)
+    SCATTER = 14
+    # src (base, value, *positions), arg: (per base axis ("slice", start, step, region axis) | ("at", k) | ("index",
+    # k, region axes), the region's shape): base with the region replaced by value (of the region's shape). An "at"
+    # axis is at the 0-d integer positions[k] (a Python int is a runtime scalar: a new step compiles nothing), an
+    # "index" axis at positions[k] read at those region axes. Planned in place (azyx.schedule: assign_kernel): the
+    # kernel writes only the region, into base's own buffer where nothing else reads base, else into a copy
+    ASSIGN = 15
 
 
 MOVEMENT = frozenset({Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP})
@@ -109,6 +121,9 @@ class Graph:
         self.free: list[TensorId] = []
         self.recording: list[set[TensorId]] = []  # tapes inside their `with` block: new nodes are recorded
         self.kept: list[set[TensorId]] = []  # the id sets of live tapes: realized nodes in them keep their sources
+        # references (counted in rc too) that keep a node's id alive but never read its data: azyx.jit's recorder
+        # holds each rebound handle's first value so; an assignment may still write over that value in place
+        self.id_holds: dict[TensorId, int] = {}
 
     def __len__(self) -> int:
         return len(self.nodes) - len(self.free)
@@ -133,6 +148,16 @@ class Graph:
 
     def retain(self, i: TensorId) -> None:
         self.nodes[i].rc += 1  # type: ignore[union-attr]
+
+    def hold_id(self, i: TensorId) -> None:
+        self.retain(i)
+        self.id_holds[i] = self.id_holds.get(i, 0) + 1
+
+    def release_id(self, i: TensorId) -> None:
+        left = self.id_holds.pop(i) - 1
+        if left:
+            self.id_holds[i] = left
+        self.release(i)
 
     def release(self, i: TensorId) -> None:
         nodes = self.nodes

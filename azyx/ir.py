@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from azyx.dtypes import DType
-from azyx.symbolic import Cond, Lin, Var, lin_vars
+from azyx.symbolic import Cond, Dyn, Lin, Var, lin_dyns, lin_vars
 
 
 class V:
-    """A value: op is one of const, arg, load, cond, alu, cast, where, reduce. An `arg` is a scalar the plan binds
-    at run time (a Python number of the graph: values are data, not source); its arg is the plan's scalar index."""
+    """A value: op is one of const, arg, load, cond, alu, cast, where, reduce, index. An `arg` is a scalar the plan
+    binds at run time (a Python number of the graph: values are data, not source); its arg is the plan's scalar index.
+    An `index` is an integer value used as an address (a gather's row): its arg is the `Dyn` atom that indices
+    (`Lin`) hold for it, its source the integer read; a load or cond whose index holds one has it among its sources."""
 
     __slots__ = ("op", "dtype", "src", "arg", "vars", "has_reduce")
 
@@ -34,6 +36,7 @@ class ValueBuilder:
 
     def __init__(self) -> None:
         self.cache: dict[tuple, V] = {}
+        self.n_index = 0
 
     def _v(self, key: tuple, op: str, dtype: DType, src: tuple[V, ...], arg: Any, vars: frozenset[Var],
            has_reduce: bool = False) -> V:
@@ -51,10 +54,21 @@ class ValueBuilder:
 
     def load(self, param: int, dtype: DType, idx: Lin, cond: Cond) -> V:
         vs = frozenset(lin_vars(idx) | cond.vars())
-        return self._v(("load", param, idx.key, cond.key), "load", dtype, (), (param, idx, cond), vs)
+        return self._v(("load", param, idx.key, cond.key), "load", dtype, _dyn_src(idx, cond), (param, idx, cond), vs)
 
     def cond(self, c: Cond, dtype: DType) -> V:
-        return self._v(("cond", c.key), "cond", dtype, (), c, frozenset(c.vars()))
+        return self._v(("cond", c.key), "cond", dtype, _dyn_src(Lin({}), c), c, frozenset(c.vars()))
+
+    def index(self, x: V, size: int) -> Dyn:
+        """The address atom of integer value `x` along an axis of `size` elements (wrapped and clamped, see Dyn)."""
+        key = ("index", id(x), size)
+        v = self.cache.get(key)
+        if v is None:
+            dyn = Dyn(None, f"ix{self.n_index}", size)
+            self.n_index += 1
+            v = self._v(key, "index", x.dtype, (x,), dyn, x.vars)
+            dyn.v = v
+        return v.arg
 
     def alu(self, op: str, dtype: DType, *src: V) -> V:
         vs = frozenset().union(*(s.vars for s in src))
@@ -79,6 +93,20 @@ class ValueBuilder:
         return self._v(("reduce", op, dtype, id(body), rvars), "reduce", dtype, (body,), (op, rvars), vs, True)
 
 
+def _dyn_src(idx: Lin, cond: Cond) -> tuple[V, ...]:
+    """The `index` values an address depends on: a load or cond at it comes after them."""
+    dyns = lin_dyns(idx)
+    for x, _, _ in cond.facts:
+        dyns += [d for d in lin_dyns(x) if d not in dyns]
+    return tuple(d.v for d in dyns)
+
+
+def has_index(k: Kernel) -> bool:
+    """Whether `k` reads or writes at an address loaded from memory (a gather, a scatter), or writes only part of its
+    output (an assignment)."""
+    return k.scatter is not None or k.inplace or any(v.op == "index" for v in toposort(*k.values))
+
+
 def _cast_scalar(v: Any, dtype: DType) -> Any:
     if dtype.is_bool:
         return bool(v)
@@ -94,6 +122,11 @@ class Kernel:
     uvars: list[Var]
     stores: list[tuple[Lin, V]]  # per output parameter, in order: the index written and the value written there
     work: int = 0  # iterations of the innermost loops, for launch decisions
+    # a scatter-add (its one store adds into the output at an index read from memory): (j, r, zero index). Each
+    # point of the global loops zeroes the output at the zero index for every r, then, for j in order, adds its
+    # value at the store's index; the points own disjoint elements (see cstyle's scatter_body)
+    scatter: tuple[Var, Var, Lin] | None = None
+    inplace: bool = False  # it writes part of its output, whose other elements it leaves as they are (an ASSIGN)
 
     @property
     def global_size(self) -> int:
@@ -104,7 +137,11 @@ class Kernel:
 
     @property
     def values(self) -> list[V]:
-        return [v for _, v in self.stores]
+        """The values stored, then the addresses loaded from memory that the stores' indices hold."""
+        out = [v for _, v in self.stores]
+        for idx, _ in self.stores:
+            out += [d.v for d in lin_dyns(idx) if d.v not in out]
+        return out
 
 
 def scalar_args(k: Kernel) -> list[V]:
@@ -151,6 +188,8 @@ def format_kernel(k: Kernel) -> str:
             arg = v.arg.render()
         elif v.op == "arg":
             arg = f"scalar {v.arg}"
+        elif v.op == "index":
+            arg = f"{v.arg.name} < {v.arg.vmax + 1}"
         else:
             arg = "" if v.arg is None else repr(v.arg)
         parts = [f"  %{i} = {v.op} {v.dtype.name}", arg, f"({src})" if src else ""]

@@ -83,14 +83,14 @@ class Recorder:
     def rebinding(self, handle: Tensor) -> None:
         if handle not in self.rebound:
             self.rebound[handle] = handle.id
-            GRAPH.retain(handle.id)
+            GRAPH.hold_id(handle.id)  # (its id, not its data: an in-place assignment may overwrite it)
 
     def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None:
         self.drawn.append((buffer_of(t._node), again))
 
     def close(self) -> None:
         for i in self.rebound.values():
-            GRAPH.release(i)
+            GRAPH.release_id(i)
         self.rebound.clear()
         self.drawn.clear()
         self.guards.clear()
@@ -365,6 +365,9 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             nodes.append(n)
             bindings.append(n.buffer)
         plan = trace.plan
+        held = [nodes[s] for s in plan.overwrites] if plan is not None else []
+        if any(n is None or n.rc != 1 for n in held):
+            return None  # the plan writes into an input that something else holds now: trace again (it copies)
         ids: list[int] = []
         if plan is not None:
             outs = run_plan(plan, bindings, nodes.__getitem__, scalars)  # a constant's host copy is bound again

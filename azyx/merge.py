@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from azyx.dtypes import DType
-from azyx.ir import Kernel, V, ValueBuilder, toposort
+from azyx.ir import Kernel, V, ValueBuilder, has_index, toposort
 from azyx.launch import Launch
 from azyx.plan import KernelStep, Step, TransferStep
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, lin_vars, var
@@ -35,7 +35,8 @@ def merge_kernels(steps: list[Step], render: Render, max_buffers: Callable[[str]
     out: list[Step | _Group | None] = []
     groups: list[_Group] = []  # open ones: a later kernel may still join
     for st in steps:
-        reads = (st.src,) if isinstance(st, TransferStep) else st.args[st.outs:]
+        # (a kernel that writes part of its output reads the rest: the kernels that wrote it stay before it)
+        reads = (st.src,) if isinstance(st, TransferStep) else st.args if st.kernel.inplace else st.args[st.outs:]
         joined: _Group | None = None
         if isinstance(st, KernelStep) and _mergeable(st.kernel):
             sizes = tuple(v.vmax + 1 for v in st.kernel.gvars)
@@ -64,7 +65,8 @@ def merge_kernels(steps: list[Step], render: Render, max_buffers: Callable[[str]
 
 
 def _mergeable(k: Kernel) -> bool:
-    return not k.uvars and not any(v.has_reduce for v in k.values)
+    # (a gather's addresses name the values of their own kernel: they stay in it)
+    return not k.uvars and not any(v.has_reduce for v in k.values) and not has_index(k)
 
 
 class _Group:

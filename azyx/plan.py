@@ -76,6 +76,9 @@ class ExecutionPlan:
     devices: tuple[str, ...]
     adopt: tuple[tuple[int, int], ...] = ()  # (input slot, slot): host data a leaf keeps on its device from now on
     n_scalars: int = 0  # the values a run binds (Walk.scalars): the graph's Python numbers, kernel arguments
+    # input slots a kernel writes in place (an assignment into a realized tensor nothing else held when planned):
+    # whoever binds new inputs to the plan (azyx.jit) binds there only buffers that nothing else reads
+    overwrites: tuple[int, ...] = ()
 
     @property
     def kernels(self) -> list[KernelStep]:

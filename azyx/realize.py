@@ -67,7 +67,8 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
         else:  # planning and rendering a big graph takes milliseconds: a worker plans a copy of its nodes
             copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])
             plan = await in_worker_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
-                                                                    walk.scalars, walk.scalar_of), targets)
+                                                                    walk.scalars, walk.scalar_of, walk.donated),
+                                          targets)
         await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
         rt.plan_cache[walk.key] = plan
         await _pace()  # (the realizes that waited for this compile wake together)

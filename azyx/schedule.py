@@ -7,6 +7,10 @@ consumer, a node a kernel would read under two different index maps, or a device
 where its inputs are unless another device is clearly faster (AUTO), and a plan that does not fit moves to a device
 with room. Lowering: each kernel's value DAG (azyx.ir), rendered by its device; then merging (azyx.merge).
 
+Data-dependent addresses: a gather fuses as a load whose address holds the index's value (an IR `index`); its
+gradient, a scatter-add, is a kernel of its own (scatter_kernel), and so is an assignment into a view
+(assign_kernel), which writes only the view, into its base's buffer where nothing else reads the base.
+
 The scheduler sees devices only through `Devices`, a narrow read-only view (facts, free memory, a renderer): it
 never runs anything.
 """
@@ -275,11 +279,15 @@ class Planner:
         split = self.split_reduce(root, device)
         if split is not None:  # same elements, contiguous: only the shape differs
             return self.realize(split)[0], StridedView.contiguous(n.shape)
+        if n.op is Op.ASSIGN:
+            return self.assign_kernel(root, device)
         shape = n.shape
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
         if prod(shape) == 0:
             return out, StridedView.contiguous(shape)
+        if n.op is Op.SCATTER:
+            return self.scatter_kernel(root, device, out)
         dims = [i for i, s in enumerate(shape) if s != 1]
         groups = [[d] for d in dims]
         best = self.attempt(root, device, groups, None)
@@ -306,6 +314,82 @@ class Planner:
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
         return out, StridedView.contiguous(shape)
+
+    def scatter_kernel(self, root: int, device: str, out: int) -> tuple[int, StridedView]:
+        """SCATTER: loops over the output's points off the scattered axis (outer: the axes before it, inner: those
+        after it), each zeroing its elements along that axis and then adding its gradient values at the rows its
+        index reads (Kernel.scatter)."""
+        n = self.graph[root]
+        axis, shape = n.arg
+        g, index = n.src
+        rows, m = shape[axis], self.graph[g].shape[axis]
+        outer, inner = Var("g0", prod(shape[:axis])), Var("g1", prod(shape[axis + 1 :]))
+        j, r = Var("j", m), Var("r", rows)
+        idx = [*_unflatten(var(outer), shape[:axis]), var(j), *_unflatten(var(inner), shape[axis + 1 :])]
+        kb = KernelBuild(self, root, device, prod(shape))
+        value = kb.value(g, tuple(idx), Cond(), False)
+        dyn = kb.vb.index(kb.value(index, tuple(idx), Cond(), False), rows)
+        stride = prod(shape[axis + 1 :])
+        at = var(outer) * (rows * stride) + var(inner)
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [outer, inner], [],
+                   [(at + Lin({dyn: stride}), value)], (outer.vmax + 1) * (inner.vmax + 1) * (rows + m),
+                   (j, r, at + var(r) * stride))
+        debug.log(debug.IR, lambda: format_kernel(k))
+        name, src, launch = self.rt.device(device).render(k)
+        self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
+        return out, StridedView.contiguous(shape)
+
+    def writable(self, root: int, device: str) -> tuple[int, StridedView] | None:
+        """The slot and view of ASSIGN `root`'s base if the kernel may write into it: the base's own buffer (not a
+        view of another node's), on the kernel's device, read by nothing else: a realized base that only `root` holds
+        (walk.donated), or one this plan computes for `root` alone."""
+        base = self.graph[root].src[0]
+        b = self.graph[base]
+        if b.op in MOVEMENT or base in self.targets or self.walk.consumers.get(base, 0) != 1:
+            return None
+        if base in self.walk.leaves and root not in self.walk.donated:
+            return None
+        slot, view = self.realize(base)
+        s = self.slots[slot]
+        if s.device != device or slot in self.transfers.values() or not view.is_contiguous(b.shape) or \
+                (s.kind == "input") != (base in self.walk.leaves):
+            return None
+        return slot, view
+
+    def assign_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
+        """ASSIGN: a kernel over the region alone, writing value into the base's buffer (`writable`), else into a
+        copy of the base made first (the base's holders keep the old value)."""
+        n = self.graph[root]
+        base, value, *positions = n.src
+        axes, region = n.arg
+        target = self.writable(root, device)
+        if target is None:  # a contiguous copy of the base, which the kernel then updates
+            copy = self.graph.add(Node(Op.RESHAPE, (base,), n.shape, n.shape, n.dtype, n.device, n.pinned))
+            self.graph.retain(copy)
+            self.temp_nodes.append(copy)
+            slot, view = self.kernel(copy)
+            target = self.on_device(slot, device), view
+        out, view = target
+        if prod(region) == 0:
+            return out, view
+        gvars = [Var(f"g{i}", s) for i, s in enumerate(region)]
+        ridx = tuple(var(g) if s != 1 else Lin({}, 0) for g, s in zip(gvars, region))
+        kb = KernelBuild(self, root, device, prod(region))
+        at = Lin({}, view.offset)
+        for ax, size, stride in zip(axes, n.shape, view.strides):
+            if ax[0] == "slice":
+                coord = ridx[ax[3]] * ax[2] + ax[1]
+            else:
+                where = () if ax[0] == "at" else tuple(ridx[r] for r in ax[2])
+                coord = Lin({kb.vb.index(kb.value(positions[ax[1]], where, Cond(), False), size): 1})
+            at = at + coord * stride
+        v = kb.value(value, ridx, Cond(), False)
+        k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [g for g in gvars if g.vmax > 0], [],
+                   [(at, v)], prod(region), inplace=True)
+        debug.log(debug.IR, lambda: format_kernel(k))
+        name, src, launch = self.rt.device(device).render(k)
+        self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
+        return out, view
 
     def within_binding_limit(self, root: int, device: str, groups: list[list[int]], best: Attempt) -> Attempt:
         """A kernel that would bind more buffers than its device allows (Vulkan: maxPerStageDescriptorStorageBuffers)
@@ -426,8 +510,11 @@ class Planner:
         slots = tuple(Slot(s.device, s.dtype, s.nbytes, "output") if i in out_slots and s.kind == "temp" else s
                       for i, s in enumerate(self.slots))
         devices = tuple(sorted({s.device for s in slots}))
-        return ExecutionPlan(tuple(self.steps), slots, len(self.walk.leaves), outputs,
-                             tuple(tuple(f) for f in frees), devices, tuple(self.adopt), len(self.walk.scalars))
+        n_in = len(self.walk.leaves)
+        overwrites = tuple(sorted({st.args[0] for st in self.steps
+                                   if isinstance(st, KernelStep) and st.kernel.inplace and st.args[0] < n_in}))
+        return ExecutionPlan(tuple(self.steps), slots, n_in, outputs, tuple(tuple(f) for f in frees), devices,
+                             tuple(self.adopt), len(self.walk.scalars), overwrites)
 
 
 class KernelBuild:
@@ -488,17 +575,23 @@ class KernelBuild:
         if multi and nid in p.walk.heavy:  # a fused reduce below it (through any ops): compute once, not per consumer
             return self.load(nid, idx, cond)
         if op in ELEMENTWISE:
-            if multi:
-                ctx = self.contexts.setdefault(nid, set())
-                ctx.add((tuple(i.key for i in idx), cond.key))
-                if len(ctx) > 1:  # read under a second index map: compute it once instead
-                    return self.load(nid, idx, cond)
+            if multi and self.second_map(nid, idx, cond):  # read under a second index map: compute it once instead
+                return self.load(nid, idx, cond)
             srcs = [self.value(s, idx, cond, in_reduce) for s in n.src]
             if op is Op.CAST:
                 return vb.cast(srcs[0], n.dtype)
             if op is Op.WHERE:
                 return vb.where(*srcs)
             return vb.alu(n.arg, n.dtype, *srcs)
+        if op is Op.GATHER:  # the index's value at this point, then x at it: one load whose address was loaded
+            if multi and self.second_map(nid, idx, cond):
+                return self.load(nid, idx, cond)
+            table, index = n.src
+            rows = Lin({vb.index(self.value(index, idx, cond, in_reduce), p.graph[table].shape[n.arg]): 1})
+            self.cost += 1
+            return self.value(table, tuple(rows if a == n.arg else i for a, i in enumerate(idx)), cond, in_reduce)
+        if op is Op.SCATTER or op is Op.ASSIGN:  # a kernel of its own (scatter_kernel, assign_kernel)
+            return self.load(nid, idx, cond)
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:
             fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
@@ -551,6 +644,12 @@ class KernelBuild:
             return vb.where(vb.cond(local, dtypes.bool), inner, fill)
         raise AssertionError(f"cannot fuse {n}")
 
+    def second_map(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> bool:
+        """Whether node `nid`, shared by several consumers, is now read under a second index map."""
+        ctx = self.contexts.setdefault(nid, set())
+        ctx.add((tuple(i.key for i in idx), cond.key))
+        return len(ctx) > 1
+
     def reduce(self, n: Node, idx: tuple[Lin, ...], cond: Cond) -> V:
         op, axes = n.arg
         src_shape = self.p.graph[n.src[0]].shape
@@ -576,6 +675,15 @@ class KernelBuild:
         self.reduce_work += prod([src_shape[a] for a in axes])
         body = self.value(n.src[0], tuple(new), cond, True)
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
+
+
+def _unflatten(flat: Lin, shape: Shape) -> list[Lin]:
+    """The coordinates of the row-major flat index `flat` in `shape`."""
+    out, inner = [], 1
+    for d in reversed(range(len(shape))):
+        out.append(flat // inner if d == 0 else (flat // inner) % shape[d])
+        inner *= shape[d]
+    return out[::-1]
 
 
 # ------------------------------------------------------------------------------------------------ entry point

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
-from typing import Union
+from typing import Any, Union
 
 Index = Union["Lin", int]
 
@@ -73,6 +73,30 @@ class Mod(Atom):
 
     def render(self) -> str:
         return f"({self.x.render()}%{self.n})"
+
+
+class Dyn(Atom):
+    """An index read from memory (a gather's row): the kernel value `v` (an ir.V of op "index"), which the kernel
+    computes as a local variable `name`, wrapped (-size <= x < 0 counts from the end) and clamped into [0, size), so
+    a load at it never leaves its buffer whatever the index buffer holds."""
+
+    __slots__ = ("v", "name", "vmin", "vmax", "_key")
+
+    def __init__(self, v: Any, name: str, size: int):
+        self.v, self.name, self.vmin, self.vmax = v, name, 0, size - 1
+        self._key = ("x", name, size)
+
+    def __eq__(self, o: object) -> bool:
+        return isinstance(o, Dyn) and o._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def render(self) -> str:
+        return self.name
 
 
 class Lin:
@@ -244,8 +268,21 @@ def lin_vars(x: Lin) -> set[Var]:
     for a in x.terms:
         if isinstance(a, Var):
             out.add(a)
+        elif isinstance(a, Dyn):
+            out |= a.v.vars
         else:
             out |= lin_vars(a.x)  # type: ignore[attr-defined]
+    return out
+
+
+def lin_dyns(x: Lin) -> list[Dyn]:
+    """The indices read from memory that `x` depends on, each once (the values a load at `x` must follow)."""
+    out: list[Dyn] = []
+    for a in x.terms:
+        if isinstance(a, Dyn):
+            out.append(a)
+        elif isinstance(a, Div | Mod):
+            out += [d for d in lin_dyns(a.x) if d not in out]
     return out
 
 

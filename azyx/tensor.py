@@ -925,30 +925,101 @@ class Tensor:
         return self.split(max(1, -(-size // n)), axis)
 
     def __getitem__(self, key: Any) -> Tensor:
+        """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; one integer tensor (or list,
+        or numpy array) among them reads at its indices (numpy's placement of the result's axes; negative indices
+        count from the end). An index known on the host is checked at the call; one in a tensor is clamped into the
+        axis when it runs (it never reads outside the tensor).
+
+        >>> t = Tensor([[1, 2], [3, 4], [5, 6]])
+        >>> t[[2, -3]].numpy_sync().tolist(), t[:, Tensor([1])].numpy_sync().tolist()
+        ([[5, 6], [1, 2]], [[2], [4], [6]])
+        """
         if isinstance(key, Tensor | list | np.ndarray):
-            return self._index_tensor(key)
-        if not isinstance(key, tuple):
             key = (key,)
-        if key and isinstance(key[0], Tensor | list | np.ndarray):
-            return self._index_tensor(key[0])[(slice(None),) + key[1:]] if len(key) > 1 else self._index_tensor(key[0])
-        shape = self.shape
+        elif not isinstance(key, tuple):
+            key = (key,)
+        arrays = [i for i, k in enumerate(key) if isinstance(k, Tensor | list | np.ndarray)]
+        if arrays:
+            return self._advanced(key, arrays)
+        return self._basic(key)
+
+    def _advanced(self, key: tuple, arrays: list[builtins.int]) -> Tensor:
+        """`self[key]` where key[arrays[0]] is an integer array: the basic indices first, then a gather along the axis
+        the array indexes (numpy puts its axes first when ints stand apart from it: ints are advanced indices too)."""
+        if len(arrays) > 1:
+            raise IndexOutOfRange(f"only one integer-tensor index is supported, got {len(arrays)} in {key!r}")
+        pos = arrays[0]
+        x = self._basic(key[:pos] + (slice(None),) + key[pos + 1 :])
         n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
-        if sum(1 for k in key if k is Ellipsis) > 1:
-            raise IndexOutOfRange("an index can only have a single ellipsis")
-        if n_real > len(shape):
-            raise IndexOutOfRange(f"too many indices ({n_real}) for a tensor of shape {shape}")
-        expanded: list[Any] = []
-        for k in key:
+        axis = 0  # the axis of x that the array indexes: the axes the entries before it leave
+        for k in key[:pos]:
             if k is Ellipsis:
-                expanded.extend([slice(None)] * (len(shape) - n_real))
-            else:
-                expanded.append(k)
-        if Ellipsis not in key:
-            expanded.extend([slice(None)] * (len(shape) - n_real))
+                axis += self.ndim - n_real
+            elif not isinstance(k, int | np.integer):
+                axis += 1
+        out = x._take(axis, key[pos])
+        adv = sorted([i for i, k in enumerate(key) if isinstance(k, int | np.integer)] + [pos])
+        if adv != list(range(adv[0], adv[-1] + 1)):  # apart from an int: numpy puts the index's axes first
+            k = out.ndim - x.ndim + 1
+            return out.permute(*range(axis, axis + k), *range(axis), *range(axis + k, out.ndim))
+        return out
+
+    def _rows(self, axis: builtins.int, index: Any) -> Tensor:
+        """An integer index along `axis` as a tensor on self's device: a host index (list, numpy) checked and
+        wrapped now, naming the first value out of range."""
+        n = self.shape[axis]
+        if isinstance(index, Tensor):
+            if index.dtype.is_float or index.dtype.is_bool:
+                raise DTypeError(f"index tensors must be integer, got {index.dtype.name}")
+            if n == 0 and index.numel():
+                raise IndexOutOfRange(f"cannot index axis {axis} of size 0 (shape {self.shape})")
+            return index if index.dtype in (dtypes.int32, dtypes.int64) else \
+                index.cast(dtypes.int64 if index.dtype.itemsize >= 4 else dtypes.int32)
+        arr = np.asarray(index)
+        if arr.dtype.kind not in "iu" and arr.size:
+            raise DTypeError(f"index arrays must be integer, got {arr.dtype}")
+        arr = arr.astype(np.int64)
+        bad = arr[(arr < -n) | (arr >= n)]
+        if bad.size:
+            raise IndexOutOfRange(f"index {bad.flat[0]} is out of range for axis {axis} of size {n}")
+        arr = arr % max(n, 1)
+        dt = np.int32 if n < 2**31 else np.int64
+        dev = None if self.device == DISK else self.device
+        return self._placed_like(Tensor(arr.astype(dt), device=dev)) if dev is not None else Tensor(arr.astype(dt))
+
+    def _take(self, axis: builtins.int, index: Any) -> Tensor:
+        """numpy's take along `axis`: the index's shape replaces that axis."""
+        if not self.shape:
+            raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
+        idx = self._rows(axis, index)
+        shape = self.shape
+        pre, post, m = shape[:axis], shape[axis + 1 :], idx.numel()
+        flat = idx.reshape((1,) * len(pre) + (m,) + (1,) * len(post))._broadcast_to(pre + (m,) + post)
+        return self._gathered(axis, flat).reshape(pre + idx.shape + post)
+
+    def _gathered(self, axis: builtins.int, index: Tensor) -> Tensor:
+        """The GATHER node (index: integer, of self's number of axes, checked by the caller)."""
+        na, ni = self._node, index._node
+        device, pinned = _join_devices(na, ni)
+        return Tensor._from_node(Node(Op.GATHER, (self.id, index.id), axis, ni.shape, na.dtype, device, pinned))
+
+    def _scattered(self, axis: builtins.int, index: Tensor, shape: Shape) -> Tensor:
+        """The SCATTER node: a tensor of `shape`, zero but where `index` (of self's shape) points along `axis`, where
+        self's values add up (GATHER's gradient). Self and the index are padded to `shape` off the axis (a padded
+        point adds 0 to row 0), so each point off the axis owns its elements."""
+        if not self.numel():
+            return self._const_like(0.0, shape=shape)
+        pads = tuple((0, 0) if d == axis else (0, s - i) for d, (s, i) in enumerate(zip(shape, self.shape)))
+        g, idx = self.pad(pads), index.pad(pads, value=0)
+        ng, ni = g._node, idx._node
+        device, pinned = _join_devices(ng, ni)
+        return Tensor._from_node(Node(Op.SCATTER, (g.id, idx.id), (axis, shape), shape, ng.dtype, device, pinned))
+
+    def _basic(self, key: tuple) -> Tensor:
+        shape = self.shape
         bounds, flips, strides, final = [], [], [], []
-        dim = 0
-        for k in expanded:
-            if k is None:
+        for k, dim in _key_axes(key, shape):
+            if dim is None:
                 final.append(1)
                 continue
             n = shape[dim]
@@ -975,7 +1046,6 @@ class Tensor:
                 final.append(count)
             else:
                 raise IndexOutOfRange(f"unsupported index {k!r}")
-            dim += 1
         x = self._shrink(bounds)
         if flips:
             x = x.flip(flips)
@@ -983,40 +1053,22 @@ class Tensor:
             x = x._stride(d, s)
         return x.reshape(tuple(final))
 
-    def _index_tensor(self, idx: Any) -> Tensor:
-        if not isinstance(idx, Tensor):
-            idx = Tensor(np.asarray(idx), device=self.device)
-        if idx.dtype.is_float:
-            raise DTypeError(f"index tensors must be integer, got {idx.dtype.name}")
-        if not self.shape:
-            raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
-        n = self.shape[0]
-        idx = idx.cast(dtypes.int32)
-        idx = Tensor.where(idx < 0, idx + n, idx)
-        rest = self.shape[1:]
-        rows = self._placed_like(Tensor.arange(n, device=self.device))
-        one_hot = idx.reshape(idx.shape + (1,) * (1 + len(rest))) == rows.reshape((n,) + (1,) * len(rest))
-        if self.dtype.is_bool:  # a bool stays bool (a sum would promote it)
-            return Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), False).max(axis=idx.ndim)
-        return Tensor.where(one_hot, self.reshape((1,) * idx.ndim + self.shape), 0).sum(axis=idx.ndim)
+    def gather(self, axis: builtins.int, index: Any) -> Tensor:
+        """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0 (out has the index's shape; the index has
+        self's number of axes, none longer than self's but `axis`). Negative indices count from the end; a host
+        index (list, numpy) out of range raises, one in a tensor is clamped when it runs.
 
-    def gather(self, axis: builtins.int, index: Tensor) -> Tensor:
-        """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0."""
+        >>> Tensor([[1, 2], [3, 4]]).gather(1, Tensor([[1, 1], [0, 1]])).numpy_sync().tolist()
+        [[2, 2], [3, 4]]
+        """
         a = _norm_axis(axis, self.ndim)
-        if index.ndim != self.ndim:
-            raise ShapeError(f"gather index of shape {index.shape} needs {self.ndim} dimensions like {self.shape}")
-        for d, (s, i) in enumerate(zip(self.shape, index.shape)):
+        shape = index.shape if isinstance(index, Tensor) else np.shape(index)
+        if len(shape) != self.ndim:
+            raise ShapeError(f"gather index of shape {shape} needs {self.ndim} dimensions like {self.shape}")
+        for d, (s, i) in enumerate(zip(self.shape, shape)):
             if d != a and i > s:
-                raise ShapeError(f"gather index shape {index.shape} exceeds {self.shape} on axis {d}")
-        if index.dtype.is_float:
-            raise DTypeError(f"gather index must be integer, got {index.dtype.name}")
-        n = self.shape[a]
-        x = self._shrink([(0, n) if d == a else (0, i) for d, i in enumerate(index.shape)])
-        x = x.moveaxis(a, -1).unsqueeze(a)
-        one_hot = index.cast(dtypes.int32).unsqueeze(-1) == self._placed_like(Tensor.arange(n, device=self.device))
-        if self.dtype.is_bool:  # a bool stays bool (a sum would promote it)
-            return Tensor.where(one_hot, x, False).max(axis=-1)
-        return Tensor.where(one_hot, x, 0).sum(axis=-1)
+                raise ShapeError(f"gather index shape {shape} exceeds {self.shape} on axis {d}")
+        return self._gathered(a, self._rows(a, index))
 
     # ---------------------------------------------------------------- reductions
     def _reduce(self, op: str, axis: Any, keepdim: builtins.bool) -> Tensor:
@@ -1262,13 +1314,101 @@ class Tensor:
             raise DTypeError(f"assign of a {o.dtype.name} tensor to a {n.dtype.name} one; cast it first")
         if o.device != n.device:
             raise DeviceError(f"assign of a tensor on {o.device} to one on {n.device}; move it with .to() first")
+        self._rebind(other)
+        return self
+
+    def _rebind(self, other: Tensor) -> None:
         if other.id != self.id:
             if Tensor.tracer is not None:
                 Tensor.tracer.rebinding(self)
             GRAPH.retain(other.id)
             old, self.id = self.id, other.id
             GRAPH.release(old)
-        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """In-place update of a view, PyTorch's `t[key] = value`: ints, slices (with steps), None, Ellipsis, 0-d
+        integer tensors, or one integer tensor index; `value` (a scalar or a tensor, cast to self's dtype) broadcasts
+        to the view. This handle then reads the updated tensor. When realized, the kernel writes only the view, into
+        the tensor's own buffer where nothing else holds the old value (else into a copy, which the holders do not
+        see). A Python int position is a runtime value: a KV cache written at step after step runs one plan.
+
+        >>> cache = Tensor.zeros(3, 2)
+        >>> for step in range(3):
+        ...     cache[step] = Tensor([1.0, 2.0]) * step
+        >>> cache.numpy_sync().tolist()
+        [[0.0, 0.0], [1.0, 2.0], [2.0, 4.0]]
+        """
+        self._rebind(self._assigned(key, value))
+
+    def _assigned(self, key: Any, value: Any) -> Tensor:
+        """self with the view `key` replaced by `value` (the ASSIGN node; see __setitem__)."""
+        shape = self.shape
+        axes: list[tuple] = []
+        region: list[builtins.int] = []
+        positions: list[Tensor] = []
+        arrays = 0
+        for k, dim in _key_axes(key if isinstance(key, tuple) else (key,), shape):
+            if dim is None:
+                region.append(1)
+                continue
+            n = shape[dim]
+            if isinstance(k, slice):
+                start, _, step = k.indices(n)
+                axes.append(("slice", start, step, len(region)))
+                region.append(len(range(*k.indices(n))))
+            elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+                if not -n <= k < n:
+                    raise IndexOutOfRange(f"index {k} is out of range for axis {dim} of size {n}")
+                axes.append(("at", len(positions)))
+                pos = builtins.int(k) if isinstance(k, np.integer) else k  # (a traced int stays traced: azyx.jit)
+                positions.append(self._const_like(pos % n, shape=(), dtype=dtypes.int32))
+            elif isinstance(k, Tensor) and not k.shape:
+                axes.append(("at", len(positions)))
+                positions.append(self._rows(dim, k))
+            elif isinstance(k, Tensor | list | np.ndarray):
+                arrays += 1
+                idx = self._rows(dim, k)
+                axes.append(("index", len(positions), tuple(range(len(region), len(region) + idx.ndim))))
+                positions.append(idx)
+                region.extend(idx.shape)
+            else:
+                raise IndexOutOfRange(f"unsupported index {k!r}")
+        if arrays > 1 or arrays and any(a[0] == "at" for a in axes):
+            raise IndexOutOfRange(f"an integer-tensor index in an assignment goes with slices only, got {key!r}")
+        if isinstance(value, Tensor):
+            v = value
+        elif isinstance(value, builtins.bool | builtins.int | builtins.float | np.generic):
+            v = self._const_like(value.item() if isinstance(value, np.generic) else value, shape=())
+        else:
+            v = Tensor(value, device=self.device)
+        try:
+            fits = broadcast_shapes(v.shape, tuple(region)) == tuple(region)
+        except ShapeError:
+            fits = False
+        if not fits:
+            raise ShapeError(f"cannot assign a tensor of shape {v.shape} to a view of shape {tuple(region)}")
+        v = v.cast(self.dtype)._broadcast_to(tuple(region))
+        if v.device != self.device:
+            raise DeviceError(f"assignment of a tensor on {v.device} into one on {self.device}; move it with .to()")
+        return self._assign_node(v, positions, (tuple(axes), tuple(region)))
+
+    def _assign_node(self, value: Tensor, positions: Sequence[Tensor], arg: tuple) -> Tensor:
+        na = self._node
+        return Tensor._from_node(Node(Op.ASSIGN, (self.id, value.id, *(p.id for p in positions)), arg, na.shape,
+                                      na.dtype, na.device, na.pinned))
+
+    def _region(self, arg: tuple, positions: Sequence[Tensor]) -> Tensor:
+        """The view of self that ASSIGN's `arg` writes, as a tensor of the region's shape (the value's gradient)."""
+        axes, region = arg
+        x = self
+        for d in reversed(range(len(axes))):  # last axis first: the axes before it keep their numbers
+            ax = axes[d]
+            if ax[0] == "slice":
+                rows = np.arange(region[ax[3]]) * ax[2] + ax[1]
+                x = x._take(d, self._placed_like(Tensor(rows.astype(np.int32), device=self.device)))
+            else:
+                x = x._take(d, positions[ax[1]])
+        return x.reshape(region)
 
     # ---------------------------------------------------------------- devices
     def shard(self, devices: Sequence[str], axis: builtins.int = 0) -> Any:
@@ -1286,6 +1426,24 @@ class Tensor:
         if n.op is Op.CONST:
             return Tensor._const(n.arg, n.shape, n.dtype, name, True)
         return Tensor._from_node(Node(Op.TODEVICE, (self.id,), None, n.shape, n.dtype, name, True))
+
+
+def _key_axes(key: tuple, shape: Shape) -> list[tuple[Any, int | None]]:
+    """A basic index's entries, its Ellipsis (or the end) expanded into full slices, each with the axis it indexes
+    (None: the entry is None, a new axis)."""
+    n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
+    if sum(1 for k in key if k is Ellipsis) > 1:
+        raise IndexOutOfRange("an index can only have a single ellipsis")
+    if n_real > len(shape):
+        raise IndexOutOfRange(f"too many indices ({n_real}) for a tensor of shape {shape}")
+    at = next((i for i, k in enumerate(key) if k is Ellipsis), len(key))  # (by identity: == on a tensor makes a node)
+    key = key[:at] + (slice(None),) * (len(shape) - n_real) + key[at + 1 :]
+    out: list[tuple[Any, int | None]] = []
+    dim = 0
+    for k in key:
+        out.append((k, None if k is None else dim))
+        dim += k is not None
+    return out
 
 
 def _join_devices(*nodes: Node) -> tuple[str, bool]:

@@ -17,10 +17,12 @@ class Walk:
     """The structure of the graph below some targets: its cache key, its nodes and its input leaves."""
 
     def __init__(self, graph: Graph, key: tuple, topo: list[int], leaves: list[int], targets: list[int],
-                 scalars: list[Any], scalar_of: dict[int, int]):
+                 scalars: list[Any], scalar_of: dict[int, int], donated: frozenset[int] = frozenset()):
         self.graph, self.key, self.topo, self.leaves, self.targets = graph, key, topo, leaves, targets
         self.scalars = scalars  # the values of the graph's scalars, in walk order: a run binds them
         self.scalar_of = scalar_of  # node -> its scalar's index (a CONST's value, a PAD's fill)
+        # ASSIGN nodes whose base is a realized node that nothing else holds: its buffer may be written in place
+        self.donated = donated
 
     @cached_property
     def consumers(self) -> dict[int, int]:
@@ -65,13 +67,37 @@ def leaf_entry(n: Node) -> tuple:
 
 
 def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
-    w = _Walker(graph.nodes)
+    w = _Walker(graph)
     tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
-    return Walk(graph, (tuple(w.entries), tk), w.topo, w.leaves, targets, w.scalars, w.scalar_of)
+    key, donated = _unshared(graph.nodes, (tuple(w.entries), tk), w.leaves, w.donated, w.index)
+    return Walk(graph, key, w.topo, w.leaves, targets, w.scalars, w.scalar_of, donated)
+
+
+def _unshared(nodes: list[Node | None], key: tuple, leaves: list[int], donated: set[int], index: dict[int, int]
+              ) -> tuple[tuple, frozenset[int]]:
+    """The donated ASSIGNs whose base's buffer no other leaf of the walk reads (a realized view of it would see the
+    write half done); the key names those that lose their donation for that."""
+    if not donated:
+        return key, frozenset()
+    bufs = [id(nodes[i].buffer) for i in leaves]  # type: ignore[union-attr]
+    shared = {i for i in donated if bufs.count(id(nodes[nodes[i].src[0]].buffer)) > 1}  # type: ignore[union-attr]
+    if not shared:
+        return key, frozenset(donated)
+    return key + (tuple(sorted(index[i] for i in shared)),), frozenset(donated - shared)
 
 
 SCALAR = "scalar"  # a scalar's place in the cache key
-_CONST, _PAD = Op.CONST, Op.PAD  # (an enum member looked up on its class costs ~0.25 us: the walk is per realize)
+_CONST, _PAD, _ASSIGN = Op.CONST, Op.PAD, Op.ASSIGN  # (an enum member looked up on its class costs ~0.25 us)
+
+
+def donates(graph: Graph, n: Node) -> bool:
+    """Whether ASSIGN node `n` may write into its base's buffer: the base is realized and held by nothing but `n`
+    (no handle, no other node, no tape reads the old value; Graph.id_holds read none), so no one can see it change.
+    Structure: in the key."""
+    b = n.src[0]
+    base = graph.nodes[b]
+    assert base is not None
+    return base.buffer is not None and base.rc - graph.id_holds.get(b, 0) == 1
 
 
 def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_of: dict[int, int]) -> tuple:
@@ -92,14 +118,15 @@ class _Walker:
     """The recursive walk's state (a method, not a closure that calls itself: that would be a reference cycle, and
     every realize would leave its walk for the cyclic garbage collector)."""
 
-    def __init__(self, nodes: list[Node | None]):
-        self.nodes = nodes
+    def __init__(self, graph: Graph):
+        self.graph, self.nodes = graph, graph.nodes
         self.index: dict[int, int] = {}
         self.entries: list[tuple] = []
         self.leaves: list[int] = []
         self.topo: list[int] = []
         self.scalars: list[Any] = []
         self.scalar_of: dict[int, int] = {}
+        self.donated: set[int] = set()
 
     def visit(self, i: int) -> int:
         n = self.nodes[i]
@@ -120,6 +147,11 @@ class _Walker:
         op = n.op
         if op is _CONST or op is _PAD:
             entries.append(_entry(n, i, srck, self.scalars, self.scalar_of))
+        elif op is _ASSIGN:
+            donated = donates(self.graph, n)
+            if donated:
+                self.donated.add(i)
+            entries.append((n.op, n.arg, donated, n.shape, n.dtype, n.device, n.pinned, srck))
         else:
             entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
         self.topo.append(i)
@@ -134,6 +166,7 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
     topo: list[int] = []
     scalars: list[Any] = []
     scalar_of: dict[int, int] = {}
+    donated: set[int] = set()
     for t in targets:
         stack: list[tuple[int, bool]] = [(t, False)]
         while stack:
@@ -142,7 +175,13 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
             assert n is not None
             if done:
                 index[i] = len(entries)
-                entries.append(_entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_of))
+                entry = _entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_of)
+                if n.op is _ASSIGN:  # (its arg2 place holds whether it writes in place)
+                    flag = donates(graph, n)
+                    if flag:
+                        donated.add(i)
+                    entry = (n.op, n.arg, flag) + entry[3:]
+                entries.append(entry)
                 topo.append(i)
                 continue
             if i in index:
@@ -156,5 +195,5 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
             for s in reversed(n.src):
                 if s not in index:
                     stack.append((s, False))
-    return Walk(graph, (tuple(entries), tuple(index[t] for t in targets)), topo, leaves, targets, scalars,
-                scalar_of)
+    key, kept = _unshared(nodes, (tuple(entries), tuple(index[t] for t in targets)), leaves, donated, index)
+    return Walk(graph, key, topo, leaves, targets, scalars, scalar_of, kept)

@@ -1007,17 +1007,21 @@ class Builder:
         return tuple(key)
 
     def op_take(self) -> Val | None:
-        """Integer-tensor indexing along the first axis and gather (indices are new int inputs in range)."""
+        """Integer-tensor indexing along one axis (the first, or another after full slices) and gather (indices are
+        new int inputs in range, negative ones too where the op allows them)."""
         a = self.value(lambda v: len(v.shape) >= 1, lambda: self.new_input(rank=(1, 3)))
         if a is None or not a.shape or 0 in a.shape:
             return None
-        n = a.shape[0]
         idt = self.choice(["int32", "int64", "int16", "uint8"])
         if self.coin(0.5):
+            ax = 0 if self.coin(0.5) else self.int_(0, len(a.shape) - 1)
+            n = a.shape[ax]
             ishape = self.shape(0, 2)
             idx = self.leaf(ishape, idt, f"index:{n}" if idt != "uint8" else f"gindex:{n}", device=a.device)
-            v = self.emit(f"{a.name}[{idx.name}]", lambda env: env[a.name][wide(env[idx.name])],
-                          ishape + a.shape[1:], a.dtype, a.bound, a.err, a.frac)
+            lead = ":, " * ax
+            v = self.emit(f"{a.name}[{lead}{idx.name}]",
+                          lambda env: env[a.name][(slice(None),) * ax + (wide(env[idx.name]),)],
+                          a.shape[:ax] + ishape + a.shape[ax + 1 :], a.dtype, a.bound, a.err, a.frac)
             self.prog.unsigned_zero.add(v.name)
             return v
         nd = len(a.shape)
@@ -1029,6 +1033,28 @@ class Builder:
                       lambda env: np.take_along_axis(env[a.name][region], wide(env[idx.name]), axis=ax), ishape,
                       a.dtype, a.bound, a.err, a.frac)
         self.prog.unsigned_zero.add(v.name)
+        return v
+
+    def op_setitem(self) -> Val | None:
+        """An in-place update of a view (`v[key] = b`) on a new handle to a value (which keeps its old contents: the
+        update writes into a copy, or in place where nothing else holds the old value)."""
+        a = self.value(lambda v: len(v.shape) >= 1, lambda: self.new_input(rank=(1, 3)))
+        if a is None or not a.shape or 0 in a.shape:
+            return None
+        key = self.index_key(a.shape)
+        region = np.empty(a.shape)[key].shape
+        b = self.leaf(region[self.int_(0, len(region)):], a.dtype, device=a.device)  # (broadcasts to the view)
+        frac = None if a.frac is None or b.frac is None else max(a.frac, b.frac)
+        v = self.emit(f"Tensor({a.name})", lambda env: env[a.name].copy(), a.shape, a.dtype, max(a.bound, b.bound),
+                      max(a.err, b.err), frac)
+
+        def run(env: dict[str, Any]) -> None:
+            env[v.name][key] = env[b.name]
+
+        self.prog.lines.append(f"{v.name}[{_key_src(key)}] = {b.name}")
+        self.prog.refs.append(run)
+        if b.name in self.prog.unsigned_zero:
+            self.prog.unsigned_zero.add(v.name)
         return v
 
     # ------------------------------------------------------------------------------------------- linear algebra, nn
@@ -1187,7 +1213,7 @@ class Builder:
             self.prog.refs.append(lambda env: None)
 
     OPS = ("arith", "unary_exact", "reduce", "movement", "compare", "where", "cast", "unary_float", "div", "minmax",
-           "matmul", "take", "bitwise", "floordiv", "pow", "nn", "factory", "div_zero")
+           "matmul", "take", "bitwise", "floordiv", "pow", "nn", "factory", "div_zero", "setitem")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

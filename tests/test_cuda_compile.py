@@ -172,3 +172,22 @@ def test_matmul_with_an_epilogue_renders_generically(cuda_planning: None) -> Non
 def test_nvrtc_errors_raise_compile_error() -> None:
     with pytest.raises(CompileError, match="NVRTC failed"):
         nvrtc_compile('extern "C" __global__ void broken(float* x) { x[0] = undefined_name; }', "sm_90")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_gather_scatter_and_assignment_compile(cuda_planning: None, dtype: str) -> None:
+    """Issue 18's kernels in CUDA C: a load at an index read from memory, its scatter-add gradient, and a write of a
+    view at a runtime position (and at an index tensor)."""
+    from azyx import GradientTape
+
+    table, ids = t(50, 16).cast(dtype), Tensor(np.array([[3, -1], [49, 3]], np.int32), device=DEV)
+    rows = (table[ids] * 2).exp()
+    picked = table.gather(1, Tensor(np.zeros((50, 4), np.int64), device=DEV))
+    w = t(50, 16)
+    with GradientTape() as tape:
+        loss = (w[ids] * w[ids]).sum()
+    (g,) = tape.gradient(loss, [w])
+    cache = t(4, 8, 16).cast(dtype)
+    cache[:, 3] = table[:4]
+    cache[Tensor(np.array([0, 2], np.int32), device=DEV), 1:5] = 0.5
+    compile_all(kernels_of(rows, picked, g, cache))

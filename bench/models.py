@@ -1,0 +1,186 @@
+"""Transformer-inference benchmark (issue 18): the workloads of a transformer's forward pass beside numpy and
+PyTorch, each row against the issue's target. So far: the token-embedding lookup (4096 ids from a 30522 x 384
+float32 table, MiniLM's vocabulary and width), azyx's gather (`table[ids]`) against numpy's fancy indexing and
+`torch.nn.functional.embedding` when torch is importable, and its gradient for the table (a scatter-add) against
+`np.add.at` and PyTorch's backward.
+
+Run from the repository root:
+
+    python bench/models.py [--quick] [--devices c:0] [--out bench/RESULTS.md]
+
+Times are medians over repeats after warm-up (`time.perf_counter`); azyx's include building the lookup's graph from
+the realized table and ids and `await realize()` returning with the rows ready (a new set of ids each repeat would
+be an upload, which numpy does not pay either). Every azyx result is checked against numpy before it is timed. The
+table goes into bench/RESULTS.md between this script's markers; the script never asserts times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from common import machine_line, write_section  # noqa: E402  (beside this script)
+
+import azyx  # noqa: E402
+from azyx import Tensor  # noqa: E402
+
+MARK_START = "<!-- bench:models:start -->"
+MARK_END = "<!-- bench:models:end -->"
+VOCAB, DIM, IDS = 30522, 384, 4096
+EMBEDDING_TARGET = 0.5  # azyx / numpy throughput (issue 18)
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def median_time_async(fn: Callable[[], Awaitable[Any]], repeats: int) -> float:
+    for _ in range(3):
+        await fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+async def embedding(device: str, repeats: int, torch: Any) -> list[str]:
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((VOCAB, DIM), dtype=np.float32)
+    ids = rng.integers(0, VOCAB, IDS).astype(np.int32)
+    t, i = Tensor(table, device=device), Tensor(ids, device=device)
+    await azyx.realize(t, i)
+    got = await t[i].numpy()
+    np.testing.assert_array_equal(got, table[ids])  # the rows, exactly
+
+    async def lookup() -> None:
+        await t[i].realize()
+
+    ta = await median_time_async(lookup, repeats)
+    tn = median_time(lambda: table[ids], repeats)
+    ratio = tn / ta
+    gbs = IDS * DIM * 4 / ta / 1e9
+    torch_cell = "-"
+    if torch is not None:
+        tt, ti = torch.from_numpy(table), torch.from_numpy(ids.astype(np.int64))
+        tp = median_time(lambda: torch.nn.functional.embedding(ti, tt), repeats)
+        torch_cell = f"{tp * 1e6:.0f} us ({tp / ta:.2f}x)"
+    met = "met" if ratio >= EMBEDDING_TARGET else "NOT MET"
+    target = f">= {EMBEDDING_TARGET}x numpy: {met}" if device.startswith("c:") else f"(CPU target; here {met})"
+    return [f"embedding lookup, {IDS} ids from {VOCAB}x{DIM} f32", device, f"{ta * 1e6:.0f} us ({gbs:.1f} GB/s)",
+            f"{tn * 1e6:.0f} us", torch_cell, f"{ratio:.2f}x", target]
+
+
+async def embedding_grad(device: str, repeats: int, torch: Any) -> list[str]:
+    """The lookup's gradient for the table: the upstream gradient of the 4096 rows added up at their ids (a
+    scatter-add; repeated ids accumulate), against numpy's `np.add.at` into zeros."""
+    rng = np.random.default_rng(1)
+    table = Tensor(rng.standard_normal((VOCAB, DIM), dtype=np.float32), device=device)
+    ids = rng.integers(0, VOCAB, IDS).astype(np.int32)
+    up = rng.standard_normal((IDS, DIM), dtype=np.float32)
+    i, g = Tensor(ids, device=device), Tensor(up, device=device)
+    await azyx.realize(table, i, g)
+
+    def grad() -> Tensor:
+        with azyx.GradientTape() as tape:
+            rows = table[i]
+        return tape.gradient(rows, [table], seed=g)[0]
+
+    def numpy_grad() -> np.ndarray:
+        out = np.zeros((VOCAB, DIM), np.float32)
+        np.add.at(out, ids, up)
+        return out
+
+    np.testing.assert_allclose(await grad().numpy(), numpy_grad(), rtol=1e-5, atol=1e-5)
+
+    async def run() -> None:
+        await grad().realize()
+
+    ta = await median_time_async(run, repeats)
+    tn = median_time(numpy_grad, max(3, repeats // 5))
+    torch_cell = "-"
+    if torch is not None:
+        tt = torch.zeros((VOCAB, DIM), requires_grad=True)
+        ti, tu = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(up)
+
+        def torch_grad() -> None:
+            tt.grad = None
+            torch.nn.functional.embedding(ti, tt).backward(tu)
+
+        tp = median_time(torch_grad, max(3, repeats // 5))
+        torch_cell = f"{tp * 1e3:.1f} ms ({tp / ta:.2f}x)"
+    return [f"embedding gradient (scatter-add), {IDS} ids into {VOCAB}x{DIM} f32", device, f"{ta * 1e3:.1f} ms",
+            f"{tn * 1e3:.1f} ms (np.add.at)", torch_cell, f"{tn / ta:.2f}x", "-"]
+
+
+def section(rows: list[list[str]], quick: bool, torch: Any) -> str:
+    head = ["workload", "device", "azyx", "numpy", "torch (azyx speed-up over it)", "azyx / numpy", "target"]
+    versions = f"python {platform.python_version()}, numpy {np.__version__}" + \
+        (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch is not None else "")
+    lines = [MARK_START, "", f"## Transformer inference: models ({'quick' if quick else 'full'} run, written by "
+             "bench/models.py)", "", f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+             f"- {machine_line()}", f"- {versions}",
+             "- azyx: the graph built from realized inputs and realized each repeat; medians after warm-up; ratios are "
+             "throughput (numpy's time / azyx's)",
+             "", "| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "### Notes", "",
+              "- the issue's target is the CPU's (c:0); opencl:0 (PoCL) and vulkan:0 (lavapipe) are CPU "
+              "implementations of GPU APIs, shown for the record",
+              "- the machine is shared (see the load average): numpy's and PyTorch's times move with it as azyx's do; "
+              "compare the ratios of one run", "", MARK_END]
+    return "\n".join(lines) + "\n"
+
+
+async def main(args: argparse.Namespace) -> None:
+    repeats = 10 if args.quick else 50
+    torch = import_torch()
+    rows = []
+    for device in args.devices.split(","):
+        if device not in azyx.devices():
+            print(f"[models bench] {device}: not available here, skipped", file=sys.stderr)
+            continue
+        print(f"[models bench] {device} embedding ...", file=sys.stderr, flush=True)
+        rows.append(await embedding(device, repeats, torch))
+        print(" | ".join(rows[-1]), flush=True)
+        rows.append(await embedding_grad(device, repeats, torch))
+        print(" | ".join(rows[-1]), flush=True)
+    text = section(rows, args.quick, torch)
+    print(text)
+    write_section(Path(args.out), MARK_START, MARK_END, text)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--devices", default="c:0")
+    parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    asyncio.run(main(parser.parse_args()))
