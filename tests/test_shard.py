@@ -155,12 +155,13 @@ async def test_data_parallel_training_matches_one_device(pair: list[str]) -> Non
         with GradientTape() as tape:
             want_loss = nn.cross_entropy(single(Tensor(x, device=pair[0])), Tensor(y, device=pair[0]))
         opt.step(tape.gradient(want_loss, single.parameters()))
-        loss, grads = dp.gradients(lambda m, xi, yi: nn.cross_entropy(m(xi), yi), Tensor(x), Tensor(y))
+        loss, grads = dp.gradients(lambda m, xi, yi: nn.cross_entropy(m(xi), yi), Tensor(x, device=pair[0]),
+                                   Tensor(y, device=pair[0]))
         for o, g in zip(opts, grads):
             o.step(g)
         step = [loss, *(t for o in opts for t in o.tensors())]
         plan = azyx.schedule(*step)  # one plan: both devices' steps and the all-reduces
-        assert {st.device for st in plan.steps if isinstance(st, KernelStep)} == set(pair)
+        assert set(pair) <= {st.device for st in plan.steps if isinstance(st, KernelStep)}
         assert any(isinstance(st, TransferStep) for st in plan.steps)
         await azyx.realize(want_loss, *opt.tensors(), *step)
         np.testing.assert_allclose(await loss.numpy(), await want_loss.numpy(), rtol=1e-5)

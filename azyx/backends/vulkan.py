@@ -531,8 +531,8 @@ class VulkanDevice(QueuedDevice):
             raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one allocation may be on "
                                   f"{self.label} (maxMemoryAllocationSize = {self.max_allocation} bytes)")
         # completed commands' buffers go back to the pool first (those the waiter thread handled, and those whose
-        # value the timeline reached before it did): this request may reuse one
-        if self.finished or (self.holding and next(iter(self.holding)) <= self.timeline.value):
+        # value the timeline reached before it did: `collect` looks under the lock): this request may reuse one
+        if self.finished or self.holding:
             self.collect()
         block, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, block, block.ptr, True)
