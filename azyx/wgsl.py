@@ -1,0 +1,594 @@
+"""The WGSL renderer: one linear pass from a `Kernel` to a WebGPU compute shader (WGSL is not C-family: typed
+`let`s, `select` for `?:`, `var<storage>` bindings, no 8/16-bit storage, 64-bit types only behind adapter features).
+
+Shader interface (the contract with `backends/wgpu.py`): parameter i is `@binding(i)` of group 0, a storage array
+(outputs read_write, inputs read); where the kernel has scalar arguments, `@binding(len(params))` is a uniform
+array of vec4<u32>, scalar j in words 2j and 2j+1 (a 64-bit word each, low first: `dtypes.SCALAR_CODES`), bound at a
+dynamic offset, so a new value compiles nothing. Launch geometry comes from `launch.launch_for` with the facts of
+`WGSL_FACTS` (one work item per output point, or a work group per point for long reductions; grids past 65535 groups
+fold into a second dimension), so it is decided once, as for every other GPU dialect.
+
+Dtypes (`WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
+stored packed in u32 words (byte addressed, as every other backend stores them) and computed in i32 or f32, rounded
+or wrapped to their own type after every op: that is exact (it is what C does to a narrow type at each assignment).
+Packed outputs are written with two atomics per element (and-clear, or-set), since neighbours share a word. int64 and
+float64 need the adapter features `shader-int64` and `shader-f64`; without them a kernel that uses them raises a
+DTypeError naming the dtype and the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from azyx.cstyle import Dialect, group_size, index_fits, kernel_name
+from azyx.dtypes import DType, dtypes
+from azyx.errors import DTypeError
+from azyx.ir import Kernel, V, scalar_args, toposort
+from azyx.launch import Launch, launch_for
+from azyx.ops import REDUCE
+from azyx.symbolic import Cond
+
+# the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; nothing here is C-family text)
+WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
+                     fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
+                     max_groups=65535)
+
+
+@dataclass(frozen=True)
+class WType:
+    """How one dtype lives in WGSL: the type it is computed in, the element type of its storage array, how many
+    elements share a 32-bit word (1: stored as is), the adapter feature it needs, and (packed types) how a stored
+    element `{x}` (u32) becomes a value and a value `{x}` becomes its stored bits, and how a computed value is rounded
+    or wrapped to the dtype after each op."""
+
+    compute: str
+    storage: str
+    pack: int = 1
+    feature: str = ""
+    unpack: str = "{x}"
+    packs: str = "{x}"
+    rounds: str = ""
+
+
+WGSL_TYPES: dict[str, WType] = {
+    "bool": WType("bool", "u32", 4, unpack="({x} != 0u)", packs="select(0u, 1u, {x})"),
+    "int8": WType("i32", "u32", 4, unpack="wrap8(bitcast<i32>({x}))", packs="bitcast<u32>({x})",
+                  rounds="wrap8({x})"),
+    "uint8": WType("i32", "u32", 4, unpack="bitcast<i32>({x})", packs="bitcast<u32>({x})", rounds="({x} & 255)"),
+    "int16": WType("i32", "u32", 2, unpack="wrap16(bitcast<i32>({x}))", packs="bitcast<u32>({x})",
+                   rounds="wrap16({x})"),
+    "int32": WType("i32", "i32"),
+    "uint32": WType("u32", "u32"),
+    "int64": WType("i64", "i64", feature="shader-int64"),
+    "float16": WType("f32", "u32", 2, unpack="unpack2x16float({x}).x", packs="pack2x16float(vec2<f32>({x}, 0.0f))",
+                     rounds="f16r({x})"),
+    "bfloat16": WType("f32", "u32", 2, unpack="bitcast<f32>({x} << 16u)", packs="f2bf({x})", rounds="bf16r({x})"),
+    "float32": WType("f32", "f32"),
+    "float64": WType("f64", "f64", feature="shader-f64"),
+}
+
+_PRELUDE = """fn wrap8(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 24u) >> 24u; }
+fn wrap16(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 16u) >> 16u; }
+fn f16r(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0f))).x; }
+fn f2bf(f: f32) -> u32 {
+  let i = bitcast<u32>(f);
+  if (f != f) { return 0x7fc0u; }
+  return (i + 0x7fffu + ((i >> 16u) & 1u)) >> 16u;
+}
+fn bf16r(x: f32) -> f32 { return bitcast<f32>(f2bf(x) << 16u); }
+fn azyx_fmod(a: f32, b: f32) -> f32 { return a - b * trunc(a / b); }
+fn azyx_log1p(x: f32) -> f32 { let u = 1.0f + x; return select(log(u) * (x / (u - 1.0f)), x, u == 1.0f); }
+fn azyx_erf(x: f32) -> f32 {  // Abramowitz and Stegun 7.1.26: |error| < 1.5e-7
+  let t = 1.0f / (1.0f + 0.3275911f * abs(x));
+  let y = 1.0f - ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t
+    * exp(-x * x);
+  return select(y, -y, x < 0.0f);
+}
+fn azyx_pow(x: f32, y: f32) -> f32 {  // C's pow: WGSL's is undefined for x <= 0
+  if (y == 0.0f || x == 1.0f) { return 1.0f; }
+  if (x == 0.0f) { return select(0.0f, bitcast<f32>(0x7f800000u), y < 0.0f); }
+  var r = exp2(y * log2(abs(x)));
+  if (x < 0.0f) { if (y != floor(y)) { return bitcast<f32>(0x7fc00000u); } if (azyx_fmod(y, 2.0f) != 0.0f) { r = -r; } }
+  return r;
+}
+fn ipow(a0: i32, b0: i32) -> i32 {
+  var a = a0; var b = b0;
+  if (b < 0) { return select(select(0, select(1, -1, (b & 1) != 0), a == -1), 1, a == 1); }
+  var r = 1; while (b != 0) { if ((b & 1) != 0) { r *= a; } a *= a; b >>= 1u; } return r;
+}
+"""
+
+_PRELUDE_I64 = """fn ipow64(a0: i64, b0: i64) -> i64 {
+  var a = a0; var b = b0;
+  if (b < 0li) { return select(select(0li, select(1li, -1li, (b & 1li) != 0li), a == -1li), 1li, a == 1li); }
+  var r = 1li; while (b != 0li) { if ((b & 1li) != 0li) { r *= a; } a *= a; b >>= 1u; } return r;
+}
+"""
+
+# float64 math that SPIR-V's GLSL.std.450 lacks for doubles (its exp, log, sin... take 16/32-bit floats), to double
+# precision (the GLSL renderer's routines, in WGSL)
+_PRELUDE_F64 = """const INF64 = f64(bitcast<f32>(0x7f800000u));
+const NAN64 = f64(bitcast<f32>(0x7fc00000u));
+fn azyx_fmod64(a: f64, b: f64) -> f64 { return a - b * trunc(a / b); }
+fn azyx_exp64(x: f64) -> f64 {
+  if (x != x) { return x; }
+  if (x > 709.8lf) { return INF64; }
+  if (x < -745.2lf) { return 0.0lf; }
+  let k = floor(x * 1.44269504088896338700lf + 0.5lf);
+  let r = (x - k * 6.93147180369123816490e-01lf) - k * 1.90821492927058770002e-10lf;
+  var p = 1.0lf / 6227020800.0lf;
+  p = p * r + 1.0lf / 479001600.0lf; p = p * r + 1.0lf / 39916800.0lf; p = p * r + 1.0lf / 3628800.0lf;
+  p = p * r + 1.0lf / 362880.0lf; p = p * r + 1.0lf / 40320.0lf; p = p * r + 1.0lf / 5040.0lf;
+  p = p * r + 1.0lf / 720.0lf; p = p * r + 1.0lf / 120.0lf; p = p * r + 1.0lf / 24.0lf; p = p * r + 1.0lf / 6.0lf;
+  p = p * r + 0.5lf; p = p * r + 1.0lf; p = p * r + 1.0lf;
+  let e = i32(k);
+  if (e > 1000) { return ldexp(ldexp(p, e - 1000), 1000); }
+  if (e < -1000) { return ldexp(ldexp(p, e + 1000), -1000); }
+  return ldexp(p, e);
+}
+fn azyx_log64(x: f64) -> f64 {
+  if (x != x || x < 0.0lf) { return NAN64; }
+  if (x == 0.0lf) { return -INF64; }
+  if (x == INF64) { return x; }
+  let fr = frexp(x);
+  var m = fr.fract; var e = fr.exp;
+  if (m < 0.70710678118654752440lf) { m *= 2.0lf; e -= 1; }
+  let t = (m - 1.0lf) / (m + 1.0lf); let t2 = t * t; var p = 1.0lf / 25.0lf;
+  for (var n = 23; n >= 1; n -= 2) { p = p * t2 + 1.0lf / f64(n); }
+  return 2.0lf * t * p + f64(e) * 1.90821492927058770002e-10lf + f64(e) * 6.93147180369123816490e-01lf;
+}
+fn azyx_exp264(x: f64) -> f64 { return azyx_exp64(x * 6.93147180559945309417e-01lf); }
+fn azyx_log264(x: f64) -> f64 { return azyx_log64(x) * 1.44269504088896338700lf; }
+fn azyx_sin_r(r: f64) -> f64 {  // |r| <= pi/4
+  let r2 = r * r; var p = 1.0lf / 355687428096000.0lf;
+  p = p * r2 - 1.0lf / 1307674368000.0lf; p = p * r2 + 1.0lf / 6227020800.0lf; p = p * r2 - 1.0lf / 39916800.0lf;
+  p = p * r2 + 1.0lf / 362880.0lf; p = p * r2 - 1.0lf / 5040.0lf; p = p * r2 + 1.0lf / 120.0lf;
+  p = p * r2 - 1.0lf / 6.0lf; p = p * r2 + 1.0lf;
+  return r * p;
+}
+fn azyx_cos_r(r: f64) -> f64 {
+  let r2 = r * r; var p = 1.0lf / 20922789888000.0lf;
+  p = p * r2 - 1.0lf / 87178291200.0lf; p = p * r2 + 1.0lf / 479001600.0lf; p = p * r2 - 1.0lf / 3628800.0lf;
+  p = p * r2 + 1.0lf / 40320.0lf; p = p * r2 - 1.0lf / 720.0lf; p = p * r2 + 1.0lf / 24.0lf;
+  p = p * r2 - 0.5lf; p = p * r2 + 1.0lf;
+  return p;
+}
+fn azyx_trig(x: f64, shift: i32) -> f64 {  // sin (shift 0) or cos (shift 1) by quadrant
+  if (x != x || abs(x) == INF64) { return NAN64; }
+  let k = floor(x * 6.36619772367581382433e-01lf + 0.5lf);
+  let r = ((x - k * 1.57079632673412561417e+00lf) - k * 6.07710050630396597660e-11lf)
+    - k * 2.02226624871116645580e-21lf;
+  let q = (i32(k) + shift) & 3;
+  let v = select(azyx_cos_r(r), azyx_sin_r(r), (q & 1) == 0);
+  return select(v, -v, q >= 2);
+}
+fn azyx_sin64(x: f64) -> f64 { return azyx_trig(x, 0); }
+fn azyx_cos64(x: f64) -> f64 { return azyx_trig(x, 1); }
+fn azyx_tan64(x: f64) -> f64 { return azyx_trig(x, 0) / azyx_trig(x, 1); }
+fn azyx_tanh64(x: f64) -> f64 {
+  let a = abs(x); var y: f64;
+  if (a < 0.05lf) {
+    let a2 = a * a;
+    y = a * (1.0lf + a2 * (-1.0lf / 3.0lf + a2 * (2.0lf / 15.0lf + a2 * (-17.0lf / 315.0lf + a2 * (62.0lf / 2835.0lf
+      + a2 * (-1382.0lf / 155925.0lf))))));
+  } else if (a > 22.0lf) { y = 1.0lf; }
+  else { let t = azyx_exp64(-2.0lf * a); y = (1.0lf - t) / (1.0lf + t); }
+  if (x != x) { return x; }
+  return select(y, -y, x < 0.0lf);
+}
+fn azyx_log1p64(x: f64) -> f64 { let u = 1.0lf + x; return select(azyx_log64(u) * (x / (u - 1.0lf)), x, u == 1.0lf); }
+fn azyx_erf64(x: f64) -> f64 {
+  let a = abs(x); var y: f64;
+  if (x != x) { return x; }
+  if (a < 2.0lf) {  // the Taylor series: 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1))
+    var term = a; var sum = a; let a2 = a * a;
+    for (var n = 1; n < 40; n++) { term *= -a2 / f64(n); sum += term / f64(2 * n + 1); }
+    y = sum * 1.12837916709551257390lf;
+  } else if (a < 6.0lf) {  // erfc by its continued fraction, evaluated from the tail
+    var f = a;
+    for (var n = 80; n >= 1; n--) { f = a + (f64(n) * 0.5lf) / f; }
+    y = 1.0lf - azyx_exp64(-a * a) / (f * 1.77245385090551602730lf);
+  } else { y = 1.0lf; }
+  return select(y, -y, x < 0.0lf);
+}
+fn azyx_pow64(x: f64, y: f64) -> f64 {
+  if (y == 0.0lf || x == 1.0lf) { return 1.0lf; }
+  if (x == 0.0lf) { return select(0.0lf, INF64, y < 0.0lf); }
+  var r = azyx_exp64(y * azyx_log64(abs(x)));
+  if (x < 0.0lf) { if (y != floor(y)) { return NAN64; } if (azyx_fmod64(y, 2.0lf) != 0.0lf) { r = -r; } }
+  return r;
+}
+"""
+
+# math functions by name, per compute type where they differ (float64 has its own routines)
+_FNS_F64 = {"exp": "azyx_exp64", "log": "azyx_log64", "exp2": "azyx_exp264", "log2": "azyx_log264",
+            "sin": "azyx_sin64", "cos": "azyx_cos64", "tan": "azyx_tan64", "tanh": "azyx_tanh64",
+            "erf": "azyx_erf64", "log1p": "azyx_log1p64", "pow": "azyx_pow64", "fmod": "azyx_fmod64"}
+_FNS_F32 = {"erf": "azyx_erf", "log1p": "azyx_log1p", "pow": "azyx_pow", "fmod": "azyx_fmod"}
+_BINOPS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+           "eq": "==", "ne": "!="}
+_BOOL_AS_INT = {"add", "sub", "mul", "lt", "le", "gt", "ge", "max", "min"}
+
+
+def wtype(d: DType, device: str, features: frozenset[str]) -> WType:
+    """The WGSL row of dtype `d` on a device with adapter `features`; a DTypeError where the device cannot compute
+    it."""
+    t = WGSL_TYPES.get(d.name)
+    if t is None:
+        raise DTypeError(f"{device}: WGSL has no representation of dtype {d.name}")
+    if t.feature and t.feature not in features:
+        raise DTypeError(f"{device}: dtype {d.name} needs the WebGPU adapter feature {t.feature!r}, which this "
+                         f"adapter lacks (use another device for {d.name} tensors, or cast them)")
+    return t
+
+
+def literal(v: object, d: DType) -> str:
+    """A constant of dtype `d` in its compute type (WGSL has no literal of infinity or NaN: bit patterns)."""
+    t = WGSL_TYPES[d.name].compute
+    if t == "bool":
+        return "true" if v else "false"
+    if t in ("i32", "u32", "i64"):
+        iv = int(v)  # type: ignore[call-overload]
+        sfx = {"i32": "i", "u32": "u", "i64": "li"}[t]
+        lowest = {"i32": -(2**31), "i64": -(2**63)}.get(t)
+        if iv == lowest:
+            return f"({iv + 1}{sfx} - 1{sfx})"
+        return f"({iv}{sfx})" if iv < 0 else f"{iv}{sfx}"
+    fv = float(v)  # type: ignore[arg-type]
+    if t == "f32":
+        fv = float(np.float32(fv))  # (a value past float32's range is its infinity, not an invalid literal)
+    if math.isnan(fv) or math.isinf(fv):
+        bits = "0x7fc00000u" if math.isnan(fv) else ("0xff800000u" if fv < 0 else "0x7f800000u")
+        return f"bitcast<f32>({bits})" if t == "f32" else f"f64(bitcast<f32>({bits}))"
+    r = repr(fv)
+    if "e" not in r and "." not in r:
+        r += ".0"
+    s = r + ("f" if t == "f32" else "lf")
+    return f"({s})" if s.startswith("-") else s
+
+
+class _Renderer:
+    def __init__(self, k: Kernel, name: str, device: str, features: frozenset[str]):
+        assert not k.uvars, "WGSL kernels have no register tiles (the device says tiles = False)"
+        self.k, self.name, self.device, self.features = k, name, device, features
+        self.types = [wtype(d, device, features) for d in k.params]
+        self.scalars = scalar_args(k)
+        self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
+        self.lines: list[str] = []
+        self.globals: list[str] = []
+        self.depth = 1
+        self.count = 0
+        self.group = group_size(k, WGSL_FACTS)
+        if not index_fits(k, self.group):
+            raise DTypeError(f"{device}: kernel {name} indexes past 2**31 elements (WGSL indices are i32)")
+        self.used: set[str] = set()  # dtypes the kernel computes in
+
+    # ------------------------------------------------------------------ text
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * self.depth + line)
+
+    def open(self, line: str) -> None:
+        self.emit(line + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.emit("}")
+
+    def ct(self, d: DType) -> str:
+        self.used.add(d.name)
+        return wtype(d, self.device, self.features).compute
+
+    def fn(self, name: str, d: DType) -> str:
+        t = self.ct(d)
+        return (_FNS_F64 if t == "f64" else _FNS_F32).get(name, name)
+
+    def cond(self, c: Cond) -> str:
+        if c.never:
+            return "false"
+        parts = []
+        for x, lo, hi in c.facts:
+            if x.vmin >= lo:
+                parts.append(f"({x.render()} < {hi})")
+            elif x.vmax < hi:
+                parts.append(f"({x.render()} >= {lo})")
+            else:
+                parts.append(f"(u32({(x - lo).render()}) < {hi - lo}u)")
+        return " && ".join(parts) if parts else "true"
+
+    def ref(self, v: V) -> str:
+        if v.op == "const":
+            self.ct(v.dtype)
+            return literal(v.arg, v.dtype)
+        return self.names[id(v)]
+
+    # ------------------------------------------------------------------ values
+    def load(self, param: int, idx: str) -> str:
+        t = self.types[param]
+        if t.pack == 1:
+            return f"d{param}[{idx}]"
+        return f"ld{param}({idx})"
+
+    def rounded(self, d: DType, e: str) -> str:
+        r = WGSL_TYPES[d.name].rounds
+        return r.format(x=e) if r else e
+
+    def expr(self, v: V) -> str:
+        if v.op == "load":
+            param, idx, cond = v.arg
+            i = idx.render() if cond.always else f"select(0, {idx.render()}, {self.cond(cond)})"
+            self.ct(v.dtype)
+            return self.load(param, i)
+        if v.op == "cond":
+            return f"({self.cond(v.arg)})"
+        if v.op == "cast":
+            return self.cast(v.src[0], v.dtype)
+        if v.op == "where":
+            c, a, b = (self.ref(s) for s in v.src)
+            return f"select({b}, {a}, {c})"
+        if v.op == "alu":
+            return self.rounded(v.dtype, self.alu(v.arg, v.dtype, [self.ref(s) for s in v.src], v.src[0].dtype))
+        raise AssertionError(v.op)
+
+    def cast(self, s: V, d: DType) -> str:
+        x, st, t = self.ref(s), self.ct(s.dtype), self.ct(d)
+        if d.is_bool:
+            return x if s.dtype.is_bool else f"({x} != {literal(0, s.dtype)})"
+        if s.dtype.is_bool:
+            return self.rounded(d, f"select({literal(0, d)}, {literal(1, d)}, {x})")
+        return self.rounded(d, x if st == t else f"{t}({x})")
+
+    def alu(self, op: str, d: DType, a: list[str], sd: DType) -> str:
+        """One elementwise op; `d` is the result dtype, `sd` the operands'."""
+        if sd.is_bool and op in _BOOL_AS_INT:  # no arithmetic or ordering on bool
+            e = self.alu(op, dtypes.int32, [f"select(0i, 1i, {x})" for x in a], dtypes.int32)
+            return f"({e} != 0i)" if d.is_bool and op in ("add", "sub", "mul", "max", "min") else e
+        t = self.ct(sd)
+        fl = sd.is_float
+        x = a[0]
+
+        def c(v: float | int) -> str:
+            return literal(v, sd)
+
+        if op == "neg":
+            return f"(-{x})"
+        if op == "abs":
+            return f"abs({x})"
+        if op == "not":
+            return f"(!{x})" if sd.is_bool else f"(~{x})"
+        if op == "square":
+            return f"({x} * {x})"
+        if op == "sign":
+            s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
+            return f"select({s}, {x}, {x} != {x})" if fl else s
+        if op == "relu":
+            return f"select({x}, {c(0)}, {x} < {c(0)})"  # NaN stays NaN
+        if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
+            return f"{self.fn(op, sd)}({x})"  # (WGSL's round rounds half to even, as numpy's)
+        if op == "rsqrt":
+            return f"({c(1)} / sqrt({x}))"
+        if op == "reciprocal":
+            return f"({c(1)} / {x})"
+        ex = self.fn("exp", sd)
+        if op == "sigmoid":
+            return f"({c(1)} / ({c(1)} + {ex}(-{x})))"
+        if op == "silu":
+            return f"({x} / ({c(1)} + {ex}(-{x})))"
+        if op == "gelu":
+            return f"({c(0.5)} * {x} * ({c(1)} + {self.fn('erf', sd)}({x} * {c(0.7071067811865476)})))"
+        if op == "gelu_tanh":  # x*sigmoid(2z): no cancellation in 1+tanh for very negative x
+            return f"({x} / ({c(1)} + {ex}({c(-1.5957691216057308)} * ({x} + {c(0.044715)} * {x} * {x} * {x}))))"
+        if op == "softplus":
+            return f"(max({x}, {c(0)}) + {self.fn('log1p', sd)}({ex}(-abs({x}))))"
+        y = a[1] if len(a) > 1 else ""
+        if op in _BINOPS:
+            return f"({x} {_BINOPS[op]} {y})"
+        if op in ("and", "or", "xor"):
+            if sd.is_bool:
+                return {"and": f"({x} && {y})", "or": f"({x} || {y})", "xor": f"({x} != {y})"}[op]
+            return f"({x} {({'and': '&', 'or': '|', 'xor': '^'})[op]} {y})"
+        if op in ("max", "min"):
+            return combine(op, sd).format(a=y, b=x)
+        rem = f"({x} % {y})"  # (WGSL's % of ints truncates, as C's)
+        if op == "floordiv":
+            if fl:
+                return f"floor({x} / {y})"
+            adjust = f"select({c(0)}, {c(1)}, ({rem} != {c(0)}) && (({x} < {c(0)}) != ({y} < {c(0)})))"
+            return f"select({x} / {y} - {adjust}, {c(0)}, {y} == {c(0)})"
+        if op == "mod":
+            if fl:  # a zero remainder takes the divisor's sign (numpy, Python)
+                r = f"{self.fn('fmod', sd)}({x}, {y})"
+                return (f"select(select({c(0.0)}, {c(-0.0)}, {y} < {c(0)}), select({r}, {r} + {y}, ({r} < {c(0)}) != "
+                        f"({y} < {c(0)})), {r} != {c(0)})")
+            return f"select(select({rem}, {rem} + {y}, {rem} != {c(0)} && (({rem} < {c(0)}) != ({y} < {c(0)}))), " \
+                   f"{c(0)}, {y} == {c(0)})"
+        if op == "pow":
+            if fl:
+                return f"{self.fn('pow', sd)}({x}, {y})"
+            if t == "i64":
+                return f"ipow64({x}, {y})"
+            return f"ipow({x}, {y})"
+        raise AssertionError(f"no WGSL rendering for op {op}")
+
+    # ------------------------------------------------------------------ statements
+    def stmt(self, v: V) -> None:
+        if v.op in ("const", "reduce") or id(v) in self.names:
+            return
+        name = f"v{self.count}"
+        self.count += 1
+        self.emit(f"let {name}: {self.ct(v.dtype)} = {self.expr(v)};")
+        self.names[id(v)] = name
+
+    def body_of(self, r: V, place: dict[int, object], order: list[V]) -> list[V]:
+        """The values computed inside reduce `r`'s loop, in topological order."""
+        return [v for v in order if place.get(id(v)) is r and v.op != "reduce"]
+
+    def reduce(self, r: V, place: dict[int, object], order: list[V]) -> None:
+        op, rvars = r.arg
+        acc_d = dtypes.int32 if r.dtype.is_bool else r.dtype
+        acc_t = self.ct(acc_d)
+        init = literal(REDUCE[op][0](r.dtype), acc_d)
+        name = f"acc{self.count}"
+        self.count += 1
+        comb = combine(op, acc_d)
+        self.emit(f"var {name}: {acc_t} = {init};")
+        total = 1
+        for rv in rvars:
+            total *= rv.vmax + 1
+        saved = dict(self.names)
+        if self.group:
+            self.open(f"for (var rl = i32(lid); rl < {total}; rl += {self.group})")
+        else:
+            self.open(f"for (var rl = 0; rl < {total}; rl++)")
+        inner = 1
+        for rv in reversed(rvars):  # the flat index back into the reduce's own variables
+            n = rv.vmax + 1
+            idx = "rl" if inner == 1 else f"(rl / {inner})"
+            self.emit(f"let {rv.name} = {idx if rv is rvars[0] else f'{idx} % {n}'};")
+            inner *= n
+        for v in self.body_of(r, place, order):
+            self.stmt(v)
+        b = r.src[0]
+        val = self.ref(b) if (b.op == "const" or id(b) in self.names) else self.expr(b)
+        if r.dtype.is_bool:
+            val = f"select(0i, 1i, {val})"
+        self.emit(f"{name} = {comb.format(a=name, b=val)};")
+        self.close()
+        self.names = saved
+        if self.group:  # a tree in workgroup memory; every item ends with the result
+            sh = f"{name}_s"
+            self.globals.append(f"var<workgroup> {sh}: array<{acc_t}, {self.group}>;")
+            self.emit(f"{sh}[lid] = {name};")
+            self.emit("workgroupBarrier();")
+            self.open(f"for (var s = {self.group // 2}u; s > 0u; s >>= 1u)")
+            self.emit(f"if (lid < s) {{ {sh}[lid] = {comb.format(a=f'{sh}[lid]', b=f'{sh}[lid + s]')}; }}")
+            self.emit("workgroupBarrier();")
+            self.close()
+            self.emit(f"{name} = {sh}[0];")
+            self.emit("workgroupBarrier();")  # every item has read before a later reduce of this kernel writes
+        self.names[id(r)] = f"({name} != 0i)" if r.dtype.is_bool else name
+
+    def render(self) -> str:
+        k = self.k
+        order = toposort(*k.values)
+        reduces = [v for v in order if v.op == "reduce"]
+        owner = {rv: r for r in reduces for rv in r.arg[1]}
+        place: dict[int, object] = {}  # id -> the reduce whose loop computes it (absent: the top level)
+        for v in order:
+            own = next((owner[x] for x in v.vars if x in owner), None)
+            if v.op != "reduce" and own is not None:
+                place[id(v)] = own
+        self.scalar_values()
+        n = max(k.global_size, 1)
+        if self.group:  # a work group per output point; no early return before the barriers but whole groups'
+            self.emit("let gid = i32(wg.x + wg.y * nwg.x);")
+            self.emit(f"if (gid >= {n}) {{ return; }}")
+        else:
+            self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
+            self.emit(f"if (gid >= {n}) {{ return; }}")
+        stride = 1
+        strides = []
+        for g in reversed(k.gvars):
+            strides.append(stride)
+            stride *= g.vmax + 1
+        for lvl, (g, s) in enumerate(zip(k.gvars, reversed(strides))):
+            at = "gid" if s == 1 else f"(gid / {s})"
+            self.emit(f"let {g.name} = {at if lvl == 0 else f'{at} % {g.vmax + 1}'};")
+        for v in order:
+            if id(v) in place:
+                continue
+            if v.op == "reduce":
+                self.reduce(v, place, order)
+            else:
+                self.stmt(v)
+        only = "if (lid == 0u) " if self.group else ""
+        for i, (idx, v) in enumerate(k.stores):
+            val = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
+            if self.types[i].pack == 1:
+                self.emit(f"{only}{{ d{i}[{idx.render()}] = {val}; }}")
+            else:
+                self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
+        return self.interface() + f"@compute @workgroup_size({self.work_group()})\n" \
+            f"fn {self.name}(@builtin(global_invocation_id) gi: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>, " \
+            f"@builtin(local_invocation_index) lid: u32, @builtin(num_workgroups) nwg: vec3<u32>) {{\n" + \
+            "\n".join(self.lines) + "\n}\n"
+
+    def work_group(self) -> int:
+        return launch_for(self.k, WGSL_FACTS).group
+
+    def scalar_values(self) -> None:
+        """Each scalar argument from its 64-bit word of the uniform words (two u32s, low first)."""
+        for j, v in enumerate(self.scalars):
+            t = self.ct(v.dtype)
+            lo, hi = f"sw[{j // 2}][{(j % 2) * 2}]", f"sw[{j // 2}][{(j % 2) * 2 + 1}]"
+            if t == "f64":
+                x = f"bitcast<f64>(vec2<u32>({lo}, {hi}))"
+            elif t == "f32":
+                x = f"bitcast<f32>({lo})"  # (float16 and bfloat16 scalars come as float32: SCALAR_CODES)
+            elif t == "i64":
+                x = f"(i64({lo}) | (i64(bitcast<i32>({hi})) << 32u))"
+            elif t == "u32":
+                x = lo
+            elif t == "bool":
+                x = f"({lo} != 0u)"
+            else:
+                x = self.rounded(v.dtype, f"bitcast<i32>({lo})")
+            self.emit(f"let sc{j}: {t} = {x};")
+
+    def interface(self) -> str:
+        """The part before the entry point: its name, the helpers, the bindings (and packed parameters' accessors),
+        the words, workgroup memory."""
+        k = self.k
+        out = [f"// {self.name}"]
+        out.append(_PRELUDE)  # (wgpu enables f64 and i64 by device feature: no `enable` directive)
+        if "int64" in self.used:
+            out.append(_PRELUDE_I64)
+        if "float64" in self.used:
+            out.append(_PRELUDE_F64)
+        for i, t in enumerate(self.types):
+            write = i < len(k.stores)
+            elem = f"atomic<{t.storage}>" if write and t.pack > 1 else t.storage
+            out.append(f"@group(0) @binding({i}) var<storage, {'read_write' if write else 'read'}> d{i}: "
+                       f"array<{elem}>;")
+            if t.pack == 1:
+                continue
+            bits = 32 // t.pack
+            shift = f"(u32(i) & {t.pack - 1}u) * {bits}u"
+            word = f"u32(i) >> {t.pack.bit_length() - 1}u"
+            mask = f"0x{(1 << bits) - 1:x}u"
+            if write:
+                out.append(f"fn st{i}(i: i32, v: {t.compute}) {{ let w = {word}; let s = {shift}; "
+                           f"atomicAnd(&d{i}[w], ~({mask} << s)); atomicOr(&d{i}[w], ({t.packs.format(x='v')} & "
+                           f"{mask}) << s); }}")
+            else:
+                raw = f"((d{i}[{word}] >> ({shift})) & {mask})"
+                out.append(f"fn ld{i}(i: i32) -> {t.compute} {{ return {t.unpack.format(x=raw)}; }}")
+        if self.scalars:
+            out.append(f"@group(0) @binding({len(k.params)}) var<uniform> sw: array<vec4<u32>, "
+                       f"{-(-len(self.scalars) // 2)}>;")
+        out += self.globals
+        return "\n".join(line for line in out if line) + "\n"
+
+
+def combine(op: str, d: DType) -> str:
+    """How a reduce of `op` over dtype `d` folds a new value {b} into its accumulator {a} (max and min of floats
+    propagate NaN)."""
+    if op == "sum":
+        return "({a} + {b})"
+    if op == "prod":
+        return "({a} * {b})"
+    if d.is_float:
+        cmp = ">" if op == "max" else "<"
+        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || {{b}} != {{b}})"
+    return f"{op}({{a}}, {{b}})"
+
+
+def render_wgsl(k: Kernel, device: str, features: frozenset[str]) -> tuple[str, str, Launch]:
+    """(name, source, launch) of a kernel as a WGSL compute shader for a device with adapter `features`; the entry
+    point is the kernel's name, which hashes the source."""
+    body = _Renderer(k, "KERNEL", device, features).render()
+    name = kernel_name(body, "w")
+    return name, body.replace("KERNEL", name), launch_for(k, WGSL_FACTS)
