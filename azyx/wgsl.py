@@ -11,6 +11,7 @@ fold into a second dimension), so it is decided once, as for every other GPU dia
 Dtypes (`WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
 stored packed in u32 words (byte addressed, as every other backend stores them) and computed in i32 or f32, rounded
 or wrapped to their own type after every op: that is exact (it is what C does to a narrow type at each assignment).
+NaN tests are `!(x == x)`: naga renders `!=` of floats as an ordered compare (false for NaN).
 Packed outputs are written with two atomics per element (and-clear, or-set), since neighbours share a word. int64 and
 float64 need the adapter features `shader-int64` and `shader-f64`; without them a kernel that uses them raises a
 DTypeError naming the dtype and the device.
@@ -75,7 +76,7 @@ fn wrap16(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 16u) >> 16u; }
 fn f16r(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0f))).x; }
 fn f2bf(f: f32) -> u32 {
   let i = bitcast<u32>(f);
-  if (f != f) { return 0x7fc0u; }
+  if (!(f == f)) { return 0x7fc0u; }
   return (i + 0x7fffu + ((i >> 16u) & 1u)) >> 16u;
 }
 fn bf16r(x: f32) -> f32 { return bitcast<f32>(f2bf(x) << 16u); }
@@ -110,12 +111,12 @@ _PRELUDE_I64 = """fn ipow64(a0: i64, b0: i64) -> i64 {
 
 # float64 math that SPIR-V's GLSL.std.450 lacks for doubles (its exp, log, sin... take 16/32-bit floats), to double
 # precision (the GLSL renderer's routines, in WGSL)
-_PRELUDE_F64 = """const INF64 = f64(bitcast<f32>(0x7f800000u));
-const NAN64 = f64(bitcast<f32>(0x7fc00000u));
+_PRELUDE_F64 = """fn inf64() -> f64 { return f64(bitcast<f32>(0x7f800000u)); }  // (naga folds no bitcast in a const)
+fn nan64() -> f64 { return f64(bitcast<f32>(0x7fc00000u)); }
 fn azyx_fmod64(a: f64, b: f64) -> f64 { return a - b * trunc(a / b); }
 fn azyx_exp64(x: f64) -> f64 {
-  if (x != x) { return x; }
-  if (x > 709.8lf) { return INF64; }
+  if (!(x == x)) { return x; }
+  if (x > 709.8lf) { return inf64(); }
   if (x < -745.2lf) { return 0.0lf; }
   let k = floor(x * 1.44269504088896338700lf + 0.5lf);
   let r = (x - k * 6.93147180369123816490e-01lf) - k * 1.90821492927058770002e-10lf;
@@ -130,11 +131,16 @@ fn azyx_exp64(x: f64) -> f64 {
   return ldexp(p, e);
 }
 fn azyx_log64(x: f64) -> f64 {
-  if (x != x || x < 0.0lf) { return NAN64; }
-  if (x == 0.0lf) { return -INF64; }
-  if (x == INF64) { return x; }
-  let fr = frexp(x);
-  var m = fr.fract; var e = fr.exp;
+  if (!(x == x) || x < 0.0lf) { return nan64(); }
+  if (x == 0.0lf) { return -inf64(); }
+  if (x == inf64()) { return x; }
+  var m = x; var e = 0;  // m * 2^e == x, m in [0.5, 1) (frexp of f64 crashes lavapipe's compiler)
+  while (m >= 18446744073709551616.0lf) { m *= 5.42101086242752217004e-20lf; e += 64; }
+  while (m < 5.42101086242752217004e-20lf) { m *= 18446744073709551616.0lf; e -= 64; }
+  let k = i32(floor(log2(f32(m))));
+  m = ldexp(m, -k); e += k;
+  while (m >= 1.0lf) { m *= 0.5lf; e += 1; }
+  while (m < 0.5lf) { m *= 2.0lf; e -= 1; }
   if (m < 0.70710678118654752440lf) { m *= 2.0lf; e -= 1; }
   let t = (m - 1.0lf) / (m + 1.0lf); let t2 = t * t; var p = 1.0lf / 25.0lf;
   for (var n = 23; n >= 1; n -= 2) { p = p * t2 + 1.0lf / f64(n); }
@@ -157,7 +163,7 @@ fn azyx_cos_r(r: f64) -> f64 {
   return p;
 }
 fn azyx_trig(x: f64, shift: i32) -> f64 {  // sin (shift 0) or cos (shift 1) by quadrant
-  if (x != x || abs(x) == INF64) { return NAN64; }
+  if (!(x == x) || abs(x) == inf64()) { return nan64(); }
   let k = floor(x * 6.36619772367581382433e-01lf + 0.5lf);
   let r = ((x - k * 1.57079632673412561417e+00lf) - k * 6.07710050630396597660e-11lf)
     - k * 2.02226624871116645580e-21lf;
@@ -176,13 +182,13 @@ fn azyx_tanh64(x: f64) -> f64 {
       + a2 * (-1382.0lf / 155925.0lf))))));
   } else if (a > 22.0lf) { y = 1.0lf; }
   else { let t = azyx_exp64(-2.0lf * a); y = (1.0lf - t) / (1.0lf + t); }
-  if (x != x) { return x; }
+  if (!(x == x)) { return x; }
   return select(y, -y, x < 0.0lf);
 }
 fn azyx_log1p64(x: f64) -> f64 { let u = 1.0lf + x; return select(azyx_log64(u) * (x / (u - 1.0lf)), x, u == 1.0lf); }
 fn azyx_erf64(x: f64) -> f64 {
   let a = abs(x); var y: f64;
-  if (x != x) { return x; }
+  if (!(x == x)) { return x; }
   if (a < 2.0lf) {  // the Taylor series: 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1))
     var term = a; var sum = a; let a2 = a * a;
     for (var n = 1; n < 40; n++) { term *= -a2 / f64(n); sum += term / f64(2 * n + 1); }
@@ -196,9 +202,9 @@ fn azyx_erf64(x: f64) -> f64 {
 }
 fn azyx_pow64(x: f64, y: f64) -> f64 {
   if (y == 0.0lf || x == 1.0lf) { return 1.0lf; }
-  if (x == 0.0lf) { return select(0.0lf, INF64, y < 0.0lf); }
+  if (x == 0.0lf) { return select(0.0lf, inf64(), y < 0.0lf); }
   var r = azyx_exp64(y * azyx_log64(abs(x)));
-  if (x < 0.0lf) { if (y != floor(y)) { return NAN64; } if (azyx_fmod64(y, 2.0lf) != 0.0lf) { r = -r; } }
+  if (x < 0.0lf) { if (y != floor(y)) { return nan64(); } if (azyx_fmod64(y, 2.0lf) != 0.0lf) { r = -r; } }
   return r;
 }
 """
@@ -363,7 +369,7 @@ class _Renderer:
             return f"({x} * {x})"
         if op == "sign":
             s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
-            return f"select({s}, {x}, {x} != {x})" if fl else s
+            return f"select({s}, {x}, !({x} == {x}))" if fl else s
         if op == "relu":
             return f"select({x}, {c(0)}, {x} < {c(0)})"  # NaN stays NaN
         if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
@@ -384,6 +390,8 @@ class _Renderer:
         if op == "softplus":
             return f"(max({x}, {c(0)}) + {self.fn('log1p', sd)}({ex}(-abs({x}))))"
         y = a[1] if len(a) > 1 else ""
+        if op == "ne" and fl:  # unordered: true where either is NaN (naga's float != is ordered)
+            return f"(!({x} == {y}))"
         if op in _BINOPS:
             return f"({x} {_BINOPS[op]} {y})"
         if op in ("and", "or", "xor"):
@@ -524,12 +532,16 @@ class _Renderer:
         for j, v in enumerate(self.scalars):
             t = self.ct(v.dtype)
             lo, hi = f"sw[{j // 2}][{(j % 2) * 2}]", f"sw[{j // 2}][{(j % 2) * 2 + 1}]"
+            word = f"(u64({lo}) | (u64({hi}) << 32u))"  # (naga types bitcast<f64>(vec2<u32>) as vec2<f32>)
+            if t in ("f64", "i64") and "shader-int64" not in self.features:
+                raise DTypeError(f"{self.device}: a {v.dtype.name} scalar argument needs the WebGPU adapter feature "
+                                 "'shader-int64', which this adapter lacks")
             if t == "f64":
-                x = f"bitcast<f64>(vec2<u32>({lo}, {hi}))"
+                x = f"bitcast<f64>({word})"
             elif t == "f32":
                 x = f"bitcast<f32>({lo})"  # (float16 and bfloat16 scalars come as float32: SCALAR_CODES)
             elif t == "i64":
-                x = f"(i64({lo}) | (i64(bitcast<i32>({hi})) << 32u))"
+                x = f"bitcast<i64>({word})"
             elif t == "u32":
                 x = lo
             elif t == "bool":
@@ -582,7 +594,7 @@ def combine(op: str, d: DType) -> str:
         return "({a} * {b})"
     if d.is_float:
         cmp = ">" if op == "max" else "<"
-        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || {{b}} != {{b}})"
+        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || !({{b}} == {{b}}))"
     return f"{op}({{a}}, {{b}})"
 
 
