@@ -122,7 +122,8 @@ class WgpuDevice(Device):
         self.adapter = found[index]
         info = self.adapter.info
         self.label = f"{info['device']} ({info['backend_type']})"
-        self.features = frozenset(self.adapter.features) & FEATURES
+        wanted_features = FEATURES if options.get("features") is None else frozenset(options["features"])
+        self.features = frozenset(self.adapter.features) & FEATURES & wanted_features
         limits = self.adapter.limits
         wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
                   "max-compute-workgroups-per-dimension")
