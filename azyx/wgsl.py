@@ -30,7 +30,7 @@ from azyx.errors import DTypeError
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.launch import Launch, launch_for
 from azyx.ops import REDUCE
-from azyx.symbolic import Cond
+from azyx.symbolic import Cond, Var
 
 # the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; nothing here is C-family text)
 WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
@@ -52,6 +52,11 @@ class WType:
     unpack: str = "{x}"
     packs: str = "{x}"
     rounds: str = ""
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one element of its storage array (a packed type's: a 32-bit word)."""
+        return 8 if self.storage in ("f64", "i64") else 4
 
 
 WGSL_TYPES: dict[str, WType] = {
@@ -257,10 +262,12 @@ def literal(v: object, d: DType) -> str:
 
 
 class _Renderer:
-    def __init__(self, k: Kernel, name: str, device: str, features: frozenset[str]):
+    def __init__(self, k: Kernel, name: str, device: str, features: frozenset[str], max_binding: int,
+                 max_trips: int):
         assert not k.uvars, "WGSL kernels have no register tiles (the device says tiles = False)"
         self.k, self.name, self.device, self.features = k, name, device, features
         self.types = [wtype(d, device, features) for d in k.params]
+        self.chunks = bindings(k, max_binding)
         self.scalars = scalar_args(k)
         self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
         self.lines: list[str] = []
@@ -268,6 +275,7 @@ class _Renderer:
         self.depth = 1
         self.count = 0
         self.group = group_size(k, WGSL_FACTS)
+        self.unroll = unroll(k, self.group, max_trips)
         if not index_fits(k, self.group):
             raise DTypeError(f"{device}: kernel {name} indexes past 2**31 elements (WGSL indices are i32)")
         self.used: set[str] = set()  # dtypes the kernel computes in
@@ -313,8 +321,7 @@ class _Renderer:
 
     # ------------------------------------------------------------------ values
     def load(self, param: int, idx: str) -> str:
-        t = self.types[param]
-        if t.pack == 1:
+        if self.types[param].pack == 1 and self.chunks[param][0] == 1:
             return f"d{param}[{idx}]"
         return f"ld{param}({idx})"
 
@@ -446,26 +453,34 @@ class _Renderer:
         total = 1
         for rv in rvars:
             total *= rv.vmax + 1
-        saved = dict(self.names)
-        if self.group:
-            self.open(f"for (var rl = i32(lid); rl < {total}; rl += {self.group})")
-        else:
-            self.open(f"for (var rl = 0; rl < {total}; rl++)")
-        inner = 1
-        for rv in reversed(rvars):  # the flat index back into the reduce's own variables
-            n = rv.vmax + 1
-            idx = "rl" if inner == 1 else f"(rl / {inner})"
-            self.emit(f"let {rv.name} = {idx if rv is rvars[0] else f'{idx} % {n}'};")
-            inner *= n
-        for v in self.body_of(r, place, order):
-            self.stmt(v)
-        b = r.src[0]
-        val = self.ref(b) if (b.op == "const" or id(b) in self.names) else self.expr(b)
-        if r.dtype.is_bool:
-            val = f"select(0i, 1i, {val})"
-        self.emit(f"{name} = {comb.format(a=name, b=val)};")
+        step, u = self.group or 1, self.unroll
+        start = "i32(lid)" if self.group else "0"
+        if u == 1:
+            self.open(f"for (var rl = {start}; rl < {total}; rl += {step})")
+        else:  # `u` steps per iteration (a driver that bounds a shader's loop iterations: see `unroll`)
+            self.open(f"for (var rb = {start}; rb < {total}; rb += {step * u})")
+        for i in range(u):
+            saved = dict(self.names)
+            if u > 1:
+                self.open("" if i == 0 else f"if (rb + {i * step} < {total})")
+                self.emit(f"let rl = rb + {i * step};")
+            inner = 1
+            for rv in reversed(rvars):  # the flat index back into the reduce's own variables
+                n = rv.vmax + 1
+                idx = "rl" if inner == 1 else f"(rl / {inner})"
+                self.emit(f"let {rv.name} = {idx if rv is rvars[0] else f'{idx} % {n}'};")
+                inner *= n
+            for v in self.body_of(r, place, order):
+                self.stmt(v)
+            b = r.src[0]
+            val = self.ref(b) if (b.op == "const" or id(b) in self.names) else self.expr(b)
+            if r.dtype.is_bool:
+                val = f"select(0i, 1i, {val})"
+            self.emit(f"{name} = {comb.format(a=name, b=val)};")
+            if u > 1:
+                self.close()
+            self.names = saved
         self.close()
-        self.names = saved
         if self.group:  # a tree in workgroup memory; every item ends with the result
             sh = f"{name}_s"
             self.globals.append(f"var<workgroup> {sh}: array<{acc_t}, {self.group}>;")
@@ -515,7 +530,7 @@ class _Renderer:
         only = "if (lid == 0u) " if self.group else ""
         for i, (idx, v) in enumerate(k.stores):
             val = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
-            if self.types[i].pack == 1:
+            if self.types[i].pack == 1 and self.chunks[i][0] == 1:
                 self.emit(f"{only}{{ d{i}[{idx.render()}] = {val}; }}")
             else:
                 self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
@@ -560,26 +575,35 @@ class _Renderer:
             out.append(_PRELUDE_I64)
         if "float64" in self.used:
             out.append(_PRELUDE_F64)
-        for i, t in enumerate(self.types):
+        binding = 0
+        for i, (t, (n, per)) in enumerate(zip(self.types, self.chunks)):
             write = i < len(k.stores)
             elem = f"atomic<{t.storage}>" if write and t.pack > 1 else t.storage
-            out.append(f"@group(0) @binding({i}) var<storage, {'read_write' if write else 'read'}> d{i}: "
-                       f"array<{elem}>;")
+            for c in range(n):
+                out.append(f"@group(0) @binding({binding}) var<storage, {'read_write' if write else 'read'}> "
+                           f"{_array(i, c, n)}: array<{elem}>;")
+                binding += 1
+            per //= t.element_size
             if t.pack == 1:
+                if n > 1 and write:
+                    out.append(f"fn st{i}(i: i32, v: {t.compute}) {{ {_chunked(i, n, per, 'i', '{a}[{j}] = v;')} }}")
+                elif n > 1:
+                    out.append(f"fn ld{i}(i: i32) -> {t.compute} {{ {_chunked(i, n, per, 'i', 'return {a}[{j}];')} }}")
                 continue
             bits = 32 // t.pack
             shift = f"(u32(i) & {t.pack - 1}u) * {bits}u"
             word = f"u32(i) >> {t.pack.bit_length() - 1}u"
             mask = f"0x{(1 << bits) - 1:x}u"
             if write:
-                out.append(f"fn st{i}(i: i32, v: {t.compute}) {{ let w = {word}; let s = {shift}; "
-                           f"atomicAnd(&d{i}[w], ~({mask} << s)); atomicOr(&d{i}[w], ({t.packs.format(x='v')} & "
-                           f"{mask}) << s); }}")
+                body = _chunked(i, n, per, "w", "atomicAnd(&{a}[{j}], keep); atomicOr(&{a}[{j}], bits);")
+                out.append(f"fn st{i}(i: i32, v: {t.compute}) {{ let w = {word}; let s = {shift}; let keep = ~({mask} "
+                           f"<< s); let bits = ({t.packs.format(x='v')} & {mask}) << s; {body} }}")
             else:
-                raw = f"((d{i}[{word}] >> ({shift})) & {mask})"
+                out.append(f"fn rd{i}(w: u32) -> u32 {{ {_chunked(i, n, per, 'w', 'return {a}[{j}];')} }}")
+                raw = f"((rd{i}({word}) >> ({shift})) & {mask})"
                 out.append(f"fn ld{i}(i: i32) -> {t.compute} {{ return {t.unpack.format(x=raw)}; }}")
         if self.scalars:
-            out.append(f"@group(0) @binding({len(k.params)}) var<uniform> sw: array<vec4<u32>, "
+            out.append(f"@group(0) @binding({binding}) var<uniform> sw: array<vec4<u32>, "
                        f"{-(-len(self.scalars) // 2)}>;")
         out += self.globals
         return "\n".join(line for line in out if line) + "\n"
@@ -598,9 +622,66 @@ def combine(op: str, d: DType) -> str:
     return f"{op}({{a}}, {{b}})"
 
 
-def render_wgsl(k: Kernel, device: str, features: frozenset[str]) -> tuple[str, str, Launch]:
-    """(name, source, launch) of a kernel as a WGSL compute shader for a device with adapter `features`; the entry
-    point is the kernel's name, which hashes the source."""
-    body = _Renderer(k, "KERNEL", device, features).render()
+def bindings(k: Kernel, max_binding: int) -> list[tuple[int, int]]:
+    """Per parameter of `k`: how many storage bindings it takes and the bytes of each (but the last, which binds the
+    rest of the buffer). A parameter whose elements reach past `max_binding` bytes (the adapter's storage binding
+    size: 128 MiB on lavapipe) is bound as consecutive ranges of one buffer, which the shader's accessors pick by
+    index; the ranges start at multiples of 256 bytes (WebGPU's largest offset alignment)."""
+    reach = [0] * len(k.params)
+    for i, (idx, _) in enumerate(k.stores):
+        reach[i] = max(reach[i], idx.vmax + 1)
+    for v in toposort(*k.values):
+        if v.op == "load":
+            reach[v.arg[0]] = max(reach[v.arg[0]], v.arg[1].vmax + 1)
+    chunk = max_binding // 256 * 256
+    out = []
+    for d, n in zip(k.params, reach):
+        t = WGSL_TYPES[d.name]
+        nbytes = -(-n // t.pack) * t.element_size
+        out.append((1, max_binding) if nbytes <= max_binding else (-(-nbytes // chunk), chunk))
+    return out
+
+
+def unroll(k: Kernel, group: int, max_trips: int) -> int:
+    """How many steps of each reduce loop one iteration takes (a power of two), so that a work item's loop iterations
+    stay within `max_trips` (0: no bound). Mesa's llvmpipe (lavapipe) ends every shader's loops after 65535
+    iterations in all, silently: a row of 34M elements summed by a group of 64 items would stop at 2M."""
+    trips = sum(-(-_numel(v.arg[1]) // max(group, 1)) for v in toposort(*k.values) if v.op == "reduce")
+    u = 1
+    while max_trips and trips > (max_trips - 64) * u and u < 1024:  # (64: the trees' loops and a margin)
+        u *= 2
+    return u
+
+
+def _numel(vs: tuple[Var, ...]) -> int:
+    out = 1
+    for v in vs:
+        out *= v.vmax + 1
+    return out
+
+
+def _array(param: int, chunk: int, chunks: int) -> str:
+    return f"d{param}" if chunks == 1 else f"d{param}_{chunk}"
+
+
+def _chunked(param: int, n: int, per: int, index: str, body: str) -> str:
+    """Statements doing `body` ({a}: the array, {j}: the index in it) on element `index` of a parameter bound as `n`
+    ranges of `per` elements each."""
+    if n == 1:
+        return body.format(a=f"d{param}", j=index)
+    parts = [f"let c = {index} / {per}; let j = {index} - c * {per};"]
+    for c in range(n - 1):
+        parts.append(f"if (c == {c}) {{ {body.format(a=_array(param, c, n), j='j')} return; }}"
+                     if "return" not in body else f"if (c == {c}) {{ {body.format(a=_array(param, c, n), j='j')} }}")
+    parts.append(body.format(a=_array(param, n - 1, n), j="j"))
+    return " ".join(parts)
+
+
+def render_wgsl(k: Kernel, device: str, features: frozenset[str], max_binding: int = 1 << 62, max_trips: int = 0
+                ) -> tuple[str, str, Launch]:
+    """(name, source, launch) of a kernel as a WGSL compute shader for a device with adapter `features`, storage
+    bindings of up to `max_binding` bytes and at most `max_trips` loop iterations per work item (0: no bound); the
+    entry point is the kernel's name, which hashes the source."""
+    body = _Renderer(k, "KERNEL", device, features, max_binding, max_trips).render()
     name = kernel_name(body, "w")
     return name, body.replace("KERNEL", name), launch_for(k, WGSL_FACTS)

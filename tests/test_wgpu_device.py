@@ -125,8 +125,34 @@ def test_a_grid_past_65535_workgroups_folds_into_two_dimensions() -> None:
                                atol=1e-4)
 
 
-def test_a_buffer_past_the_storage_binding_size_is_refused_naming_both() -> None:
+def test_a_tensor_past_the_storage_binding_size_binds_as_ranges() -> None:
+    """Past max-storage-buffer-binding-size (128 MiB on lavapipe) a kernel binds a buffer as several ranges and picks
+    one by index: elementwise, reversed (every element read from the other range) and reduced."""
     limit = RT.device(DEV).max_binding  # type: ignore[attr-defined]
+    n = limit // 4 + 4099
+    if n * 4 * 6 > 4 << 30:
+        pytest.skip(f"a binding limit of {limit} bytes: too large a tensor to test here")
+    x = (np.arange(n, dtype=np.int64) % 1000).astype(np.float32)
+    t = Tensor(x, device=DEV)
+    np.testing.assert_array_equal((t * 2 + 1).numpy_sync(), x * 2 + 1)
+    np.testing.assert_array_equal((t.flip(0) - t).numpy_sync(), x[::-1] - x)
+    np.testing.assert_allclose(t.sum().numpy_sync(), x.astype(np.float64).sum(), rtol=1e-4)
+    b = Tensor(np.arange(limit + 5, dtype=np.int64).astype(np.uint8), device=DEV)  # packed: bytes past the limit
+    tail = (b + 1)[-7:].numpy_sync()
+    np.testing.assert_array_equal(tail, ((np.arange(limit - 2, limit + 5) + 1) % 256).astype(np.uint8))
+
+
+def test_a_reduce_longer_than_a_drivers_loop_bound_is_whole() -> None:
+    """One work group sums 33558533 ones (a length with no divisor to split it by): 524k steps per work item, past
+    llvmpipe's 65535 loop iterations per shader (the renderer unrolls to stay below it)."""
+    n = 33558533
+    assert Tensor(np.ones(n, np.float32), device=DEV).sum().numpy_sync() == n  # (data: nothing to constant-fold)
+    rows = Tensor(np.ones((3, 1000003), np.float32), device=DEV).sum(axis=1).numpy_sync()
+    np.testing.assert_array_equal(rows, np.full(3, 1000003, np.float32))
+
+
+def test_a_buffer_past_the_buffer_size_limit_is_refused_naming_both() -> None:
+    limit = RT.device(DEV).max_buffer  # type: ignore[attr-defined]
     with pytest.raises(AllocationError, match=f"{limit} bytes"):
         Tensor.zeros(limit // 4 + 1, device=DEV).realize_sync()
     np.testing.assert_array_equal(Tensor.ones(5, device=DEV).numpy_sync(), np.ones(5, np.float32))  # still works

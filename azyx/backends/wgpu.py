@@ -4,19 +4,19 @@ renderer (`azyx/wgsl.py`), one pipeline each with an explicit layout: its buffer
 uniform window of the device's words buffer (written by `queue.write_buffer` before each submission, so a new value
 compiles nothing).
 
-Queue and completion: one worker thread per device owns every queue call (submit, write_buffer, map). A driver may
+Queue and completion: one worker thread per device owns every submission (submit, write_buffer, map). A driver may
 block a second `queue.submit` or a `map_async` while earlier work runs (lavapipe does), so none of them happen on the
 event loop: the loop only numbers a work item (its TimelineSignal value) and hands it to the worker. The worker waits
-for the item's waits on other devices (their timelines), encodes and submits it, and advances the timeline once the
-queue says the work is done (`queue.on_submitted_work_done_sync`, which wgpu-py resolves from its own poller thread:
-no spinning) or once a read's staging buffer is mapped (a read implies everything before it, the queue is in order).
-Items that follow each other closely are submitted back to back and their completion is awaited once.
+for the item's waits on other devices (their timelines), encodes and submits it. A completion thread advances the
+timeline to the newest item submitted once the queue says its work is done (`queue.on_submitted_work_done_sync`, which
+wgpu-py resolves from its own poller thread: no spinning); a read advances it itself once its staging buffer is mapped
+(which implies everything before it: the queue is in order).
 
 Memory: pooled storage buffers (sizes in multiples of 4 bytes: WebGPU copies and writes move 4-byte words); reads
 back copy into a pooled MAP_READ staging buffer and map it; writes are `queue.write_buffer`. Limits come from the
 adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage binding size (a
-buffer larger than one binding may be is refused with an AllocationError naming both), workgroups per dimension (the
-renderer folds long grids into a 2-D dispatch).
+kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is refused with an
+AllocationError naming both), workgroups per dimension (the renderer folds long grids into a 2-D dispatch).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel, scalar_args
 from azyx.launch import Launch
 from azyx.plan import KernelStep
-from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, render_wgsl
+from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
 
 try:
     import wgpu
@@ -51,6 +51,9 @@ FEATURES = frozenset(t.feature for t in WGSL_TYPES.values() if t.feature)
 REAL_BACKENDS = ("Vulkan", "Metal", "D3D12")  # wgpu's OpenGL backend is a fallback: only where configured
 ADAPTER_ORDER = {"high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGPU", "CPU", "Unknown"),
                  "low-power": ("IntegratedGPU", "DiscreteGPU", "VirtualGPU", "CPU", "Unknown")}
+# drivers that end a shader's loops after so many iterations in all (Mesa's llvmpipe: LP_MAX_TGSI_LOOP_ITERATIONS),
+# by a substring of the adapter's device name: the renderer unrolls reduce loops to stay below it (wgsl.unroll)
+LOOP_LIMITS = {"llvmpipe": 65535}
 COMPUTE = {"DiscreteGPU": 2000.0, "IntegratedGPU": 200.0, "CPU": 10.0}  # rough GFLOP/s, for AUTO placement
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -86,13 +89,26 @@ def adapters(options: dict[str, Any]) -> list[Any]:
 
 
 class _Program:
-    """A kernel's pipeline and bind group layout, and how it binds: its buffers, and the bytes of its scalars'
-    uniform window (0: none)."""
+    """A kernel's pipeline and bind group layout, and how it binds: per buffer its ranges (`wgsl.bindings`: how many,
+    the bytes of each), and the bytes of its scalars' uniform window (0: none)."""
 
-    __slots__ = ("pipeline", "layout", "nbufs", "words")
+    __slots__ = ("pipeline", "layout", "ranges", "words")
 
-    def __init__(self, pipeline: Any, layout: Any, nbufs: int, words: int):
-        self.pipeline, self.layout, self.nbufs, self.words = pipeline, layout, nbufs, words
+    def __init__(self, pipeline: Any, layout: Any, ranges: list[tuple[int, int]], words: int):
+        self.pipeline, self.layout, self.ranges, self.words = pipeline, layout, ranges, words
+
+    def entries(self, bufs: list[Buffer]) -> list[dict[str, Any]]:
+        """The bind group entries of the buffers (their ranges in order), without the words."""
+        out: list[dict[str, Any]] = []
+        for b, (n, size) in zip(bufs, self.ranges):
+            mem = b.mem
+            for c in range(n):
+                at = c * size
+                if at >= mem.size:  # a range the kernel's index bound reaches but never its valid indices
+                    at = 0
+                out.append({"binding": len(out), "resource": {"buffer": mem, "offset": at,
+                                                               "size": min(size, mem.size - at)}})
+        return out
 
 
 class _Item:
@@ -133,7 +149,9 @@ class WgpuDevice(Device):
         except Exception as e:
             raise DeviceError(f"{self.name}: requesting a device of {self.label} failed: {e}") from None
         self.queue = self.gpu.queue
-        self.max_binding = int(limits["max-storage-buffer-binding-size"])
+        self.max_binding = int(limits["max-storage-buffer-binding-size"])  # (larger buffers bind as several ranges)
+        self.max_buffer = int(limits["max-buffer-size"])
+        self.max_trips = next((n for name, n in LOOP_LIMITS.items() if name in info["device"]), 0)
         self.max_buffers = int(limits["max-storage-buffers-per-shader-stage"])
         self.word_align = int(limits["min-uniform-buffer-offset-alignment"])
         if limits["max-compute-workgroups-per-dimension"] < WGSL_FACTS.max_groups:
@@ -151,8 +169,11 @@ class WgpuDevice(Device):
         self.submitted = 0
         self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.closed = False
+        self.done_items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # submitted, completion not seen
         self.worker = threading.Thread(target=self._work, name=f"azyx-{self.name}-queue", daemon=True)
+        self.completer = threading.Thread(target=self._complete, name=f"azyx-{self.name}-done", daemon=True)
         self.worker.start()
+        self.completer.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({info['adapter_type']}, wgpu {wgpu.__version__}; "
                                  f"features {', '.join(sorted(self.features)) or 'none'}; storage bindings up to "
                                  f"{self.max_binding >> 20} MiB, {self.max_buffers} per kernel)")
@@ -171,9 +192,9 @@ class WgpuDevice(Device):
         return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
-        if nbytes > self.max_binding:
-            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than a storage binding may be on "
-                                  f"{self.label} (max-storage-buffer-binding-size = {self.max_binding} bytes)")
+        if nbytes > self.max_buffer:
+            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one may be on {self.label} "
+                                  f"(max-buffer-size = {self.max_buffer} bytes)")
         mem, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, 0, True)
 
@@ -199,7 +220,7 @@ class WgpuDevice(Device):
 
     # ------------------------------------------------------------------ compile
     def render(self, k: Kernel) -> tuple[str, str, Launch]:
-        return render_wgsl(k, self.name, self.features)
+        return render_wgsl(k, self.name, self.features, self.max_binding, self.max_trips)
 
     def source(self, steps: list[KernelStep]) -> str:
         """Each kernel's own shader (for the debug log: `build` makes a pipeline of each)."""
@@ -214,11 +235,12 @@ class WgpuDevice(Device):
             k = step.kernel
             nscalars = len(scalar_args(k))
             words = 16 * (-(-nscalars // 2))
-            entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
+            ranges = bindings(k, self.max_binding)
+            entries = [{"binding": b, "visibility": wgpu.ShaderStage.COMPUTE,
                         "buffer": {"type": "storage" if i < len(k.stores) else "read-only-storage"}}
-                       for i in range(len(k.params))]
+                       for b, i in enumerate(i for i, (n, _) in enumerate(ranges) for _ in range(n))]
             if words:
-                entries.append({"binding": len(k.params), "visibility": wgpu.ShaderStage.COMPUTE,
+                entries.append({"binding": len(entries), "visibility": wgpu.ShaderStage.COMPUTE,
                                 "buffer": {"type": "uniform"}})
             try:
                 module = self.gpu.create_shader_module(code=step.src)
@@ -229,7 +251,7 @@ class WgpuDevice(Device):
             except Exception as e:
                 raise CompileError(f"{self.name}: building {kernel_list([step.name])} (of {kernel_list(names)}) "
                                    f"failed: {e}\n--- source ---\n{step.src}") from None
-            out[step.name] = _Program(pipeline, layout, len(k.params), words)
+            out[step.name] = _Program(pipeline, layout, ranges, words)
         return out
 
     # ------------------------------------------------------------------ the queue
@@ -251,17 +273,9 @@ class WgpuDevice(Device):
         return v
 
     def _work(self) -> None:
-        """The worker: items in order; the timeline advances once the queue's work up to an item is done."""
-        unsignalled = 0
-        while True:
-            try:
-                item = self.items.get(block=not unsignalled)
-            except queue.Empty:  # nothing more to submit for now: wait for the work submitted
-                self._done(unsignalled)
-                unsignalled = 0
-                continue
-            if item is None:
-                break
+        """The worker: items in order, each after its waits; an item whose completion its own work tells (a read,
+        mapped) advances the timeline here, the others go to the completion thread."""
+        while (item := self.items.get()) is not None:
             known = False
             try:
                 for dev, u in item.waits:
@@ -275,20 +289,32 @@ class WgpuDevice(Device):
                 self.record_failure(item.v, e)
             if known:
                 self.timeline.signal(item.v)
-                unsignalled = 0
             else:
-                unsignalled = item.v
+                self.done_items.put(item)
             del item
-        if unsignalled:
-            self._done(unsignalled)
+        self.done_items.put(None)
 
-    def _done(self, v: int) -> None:
-        """Wait (worker thread) until the queue's submitted work is done, then advance the timeline to `v`."""
-        try:
-            self.queue.on_submitted_work_done_sync()
-        except Exception as e:
-            self.record_failure(v, e)
-        self.timeline.signal(v)
+    def _complete(self) -> None:
+        """The completion thread: for the newest item submitted, wait until the queue's work submitted so far is done
+        (wgpu-py resolves that from its poller thread), then advance the timeline to it and drop what the items
+        held."""
+        while (item := self.done_items.get()) is not None:
+            held = [item]
+            while True:  # the newest one submitted: one wait covers all before it
+                try:
+                    more = self.done_items.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.done_items.put(None)
+                    break
+                held.append(more)
+            try:
+                self.queue.on_submitted_work_done_sync()
+            except Exception as e:
+                self.record_failure(held[-1].v, e)
+            self.timeline.signal(held[-1].v)
+            del held, item
 
     def _submit(self, encode: Callable[[Any], None]) -> None:
         enc = self.gpu.create_command_encoder()
@@ -322,11 +348,10 @@ class WgpuDevice(Device):
             self.queue.write_buffer(self.words, 0, table)
         groups = []
         for (_, bufs, _), prog, off in zip(items, progs, offsets):
-            entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": b.mem.size}}
-                       for i, b in enumerate(bufs)]
+            entries = prog.entries(bufs)
             if prog.words:
-                entries.append({"binding": len(bufs), "resource": {"buffer": self.words, "offset": off,
-                                                                   "size": prog.words}})
+                entries.append({"binding": len(entries), "resource": {"buffer": self.words, "offset": off,
+                                                                      "size": prog.words}})
             groups.append(self.gpu.create_bind_group(layout=prog.layout, entries=entries))
 
         def encode(enc: Any) -> None:
@@ -423,6 +448,7 @@ class WgpuDevice(Device):
             self.closed = True
             self.items.put(None)
         self.worker.join(timeout=30)
+        self.completer.join(timeout=30)
         for pool in (self.allocator, self.staging):
             for mem in pool.take_cached():
                 mem.destroy()
