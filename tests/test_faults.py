@@ -176,8 +176,8 @@ async def test_a_compile_past_compile_timeout_s_raises_for_every_waiter(tmp_path
                                                                         c_device: Any) -> None:
     """A compile that runs past `compile_timeout_s`: on a C device the compiler is a wrapper that hangs (and has a
     child of its own: the whole process group is killed); on others (an in-process compiler that cannot be killed)
-    the limit is 1 ms (wgpu: 0.1 ms). Two realizes that need the same kernels both get the CompileError, naming the device, a
-    kernel and the limit, from one compile; the loop runs on meanwhile; then the compile works."""
+    the limit is 1 ms (wgpu: 0.1 ms). Two realizes that need the same kernels both get the CompileError, naming the
+    device, a kernel and the limit, from one compile; the loop runs on meanwhile; then the compile works."""
     dev = RT.device(device)
     saved = dev.compile_timeout_s
     ys, want = new_graph(device, copies=2)
