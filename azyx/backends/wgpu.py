@@ -287,18 +287,21 @@ class WgpuDevice(Device):
                     known = item.run()
             except BaseException as e:
                 self.record_failure(item.v, e)
-            if known:
-                self.timeline.signal(item.v)
+            if known:  # (what it held goes before the timeline says so: a waiter may count the pool's blocks)
+                v = item.v
+                del item
+                self.timeline.signal(v)
             else:
                 self.done_items.put(item)
-            del item
+                del item
         self.done_items.put(None)
 
     def _complete(self) -> None:
         """The completion thread: for the newest item submitted, wait until the queue's work submitted so far is done
         (wgpu-py resolves that from its poller thread), then advance the timeline to it and drop what the items
         held."""
-        while (item := self.done_items.get()) is not None:
+        stop = False
+        while not stop and (item := self.done_items.get()) is not None:
             held = [item]
             while True:  # the newest one submitted: one wait covers all before it
                 try:
@@ -306,15 +309,17 @@ class WgpuDevice(Device):
                 except queue.Empty:
                     break
                 if more is None:
-                    self.done_items.put(None)
+                    stop = True
                     break
                 held.append(more)
+                del more
+            v = held[-1].v
             try:
                 self.queue.on_submitted_work_done_sync()
             except Exception as e:
-                self.record_failure(held[-1].v, e)
-            self.timeline.signal(held[-1].v)
-            del held, item
+                self.record_failure(v, e)
+            del held, item  # (before the timeline says so: a waiter may count the pool's blocks)
+            self.timeline.signal(v)
 
     def _submit(self, encode: Callable[[Any], None]) -> None:
         enc = self.gpu.create_command_encoder()
