@@ -11,7 +11,9 @@ fold into a second dimension), so it is decided once, as for every other GPU dia
 Dtypes (`WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
 stored packed in u32 words (byte addressed, as every other backend stores them) and computed in i32 or f32, rounded
 or wrapped to their own type after every op: that is exact (it is what C does to a narrow type at each assignment).
-NaN tests are `!(x == x)`: naga renders `!=` of floats as an ordered compare (false for NaN).
+NaN tests look at the bits (`isnan32`, `isnan64`): naga renders `!=` of floats as an ordered compare (false for NaN),
+and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, which WGSL cannot ask for) may fold
+`x == x` to true.
 Packed outputs are written with two atomics per element (and-clear, or-set), since neighbours share a word. int64 and
 float64 need the adapter features `shader-int64` and `shader-f64`; without them a kernel that uses them raises a
 DTypeError naming the dtype and the device.
@@ -76,12 +78,13 @@ WGSL_TYPES: dict[str, WType] = {
     "float64": WType("f64", "f64", feature="shader-f64"),
 }
 
-_PRELUDE = """fn wrap8(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 24u) >> 24u; }
+_PRELUDE = """fn isnan32(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+fn wrap8(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 24u) >> 24u; }
 fn wrap16(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 16u) >> 16u; }
 fn f16r(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0f))).x; }
 fn f2bf(f: f32) -> u32 {
   let i = bitcast<u32>(f);
-  if (!(f == f)) { return 0x7fc0u; }
+  if (isnan32(f)) { return 0x7fc0u; }
   return (i + 0x7fffu + ((i >> 16u) & 1u)) >> 16u;
 }
 fn bf16r(x: f32) -> f32 { return bitcast<f32>(f2bf(x) << 16u); }
@@ -116,11 +119,14 @@ _PRELUDE_I64 = """fn ipow64(a0: i64, b0: i64) -> i64 {
 
 # float64 math that SPIR-V's GLSL.std.450 lacks for doubles (its exp, log, sin... take 16/32-bit floats), to double
 # precision (the GLSL renderer's routines, in WGSL)
+_ISNAN64 = {  # by whether the device has 64-bit ints to look at the bits with
+    True: "fn isnan64(x: f64) -> bool { return (bitcast<u64>(x) & 0x7ffffffffffffffflu) > 0x7ff0000000000000lu; }\n",
+    False: "fn isnan64(x: f64) -> bool { return !(x == x); }\n"}
 _PRELUDE_F64 = """fn inf64() -> f64 { return f64(bitcast<f32>(0x7f800000u)); }  // (naga folds no bitcast in a const)
 fn nan64() -> f64 { return f64(bitcast<f32>(0x7fc00000u)); }
 fn azyx_fmod64(a: f64, b: f64) -> f64 { return a - b * trunc(a / b); }
 fn azyx_exp64(x: f64) -> f64 {
-  if (!(x == x)) { return x; }
+  if (isnan64(x)) { return x; }
   if (x > 709.8lf) { return inf64(); }
   if (x < -745.2lf) { return 0.0lf; }
   let k = floor(x * 1.44269504088896338700lf + 0.5lf);
@@ -136,7 +142,7 @@ fn azyx_exp64(x: f64) -> f64 {
   return ldexp(p, e);
 }
 fn azyx_log64(x: f64) -> f64 {
-  if (!(x == x) || x < 0.0lf) { return nan64(); }
+  if (isnan64(x) || x < 0.0lf) { return nan64(); }
   if (x == 0.0lf) { return -inf64(); }
   if (x == inf64()) { return x; }
   var m = x; var e = 0;  // m * 2^e == x, m in [0.5, 1) (frexp of f64 crashes lavapipe's compiler)
@@ -168,7 +174,7 @@ fn azyx_cos_r(r: f64) -> f64 {
   return p;
 }
 fn azyx_trig(x: f64, shift: i32) -> f64 {  // sin (shift 0) or cos (shift 1) by quadrant
-  if (!(x == x) || abs(x) == inf64()) { return nan64(); }
+  if (isnan64(x) || abs(x) == inf64()) { return nan64(); }
   let k = floor(x * 6.36619772367581382433e-01lf + 0.5lf);
   let r = ((x - k * 1.57079632673412561417e+00lf) - k * 6.07710050630396597660e-11lf)
     - k * 2.02226624871116645580e-21lf;
@@ -187,13 +193,13 @@ fn azyx_tanh64(x: f64) -> f64 {
       + a2 * (-1382.0lf / 155925.0lf))))));
   } else if (a > 22.0lf) { y = 1.0lf; }
   else { let t = azyx_exp64(-2.0lf * a); y = (1.0lf - t) / (1.0lf + t); }
-  if (!(x == x)) { return x; }
+  if (isnan64(x)) { return x; }
   return select(y, -y, x < 0.0lf);
 }
 fn azyx_log1p64(x: f64) -> f64 { let u = 1.0lf + x; return select(azyx_log64(u) * (x / (u - 1.0lf)), x, u == 1.0lf); }
 fn azyx_erf64(x: f64) -> f64 {
   let a = abs(x); var y: f64;
-  if (!(x == x)) { return x; }
+  if (isnan64(x)) { return x; }
   if (a < 2.0lf) {  // the Taylor series: 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1))
     var term = a; var sum = a; let a2 = a * a;
     for (var n = 1; n < 40; n++) { term *= -a2 / f64(n); sum += term / f64(2 * n + 1); }
@@ -300,6 +306,9 @@ class _Renderer:
         t = self.ct(d)
         return (_FNS_F64 if t == "f64" else _FNS_F32).get(name, name)
 
+    def isnan(self, x: str, d: DType) -> str:
+        return f"isnan{64 if self.ct(d) == 'f64' else 32}({x})"
+
     def cond(self, c: Cond) -> str:
         if c.never:
             return "false"
@@ -376,7 +385,7 @@ class _Renderer:
             return f"({x} * {x})"
         if op == "sign":
             s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
-            return f"select({s}, {x}, !({x} == {x}))" if fl else s
+            return f"select({s}, {x}, {self.isnan(x, sd)})" if fl else s
         if op == "relu":
             return f"select({x}, {c(0)}, {x} < {c(0)})"  # NaN stays NaN
         if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
@@ -397,6 +406,8 @@ class _Renderer:
         if op == "softplus":
             return f"(max({x}, {c(0)}) + {self.fn('log1p', sd)}({ex}(-abs({x}))))"
         y = a[1] if len(a) > 1 else ""
+        if op in ("eq", "ne") and fl and x == y:  # a NaN test (argmax's `x != x`), by the bits
+            return f"({'!' if op == 'eq' else ''}{self.isnan(x, sd)})"
         if op == "ne" and fl:  # unordered: true where either is NaN (naga's float != is ordered)
             return f"(!({x} == {y}))"
         if op in _BINOPS:
@@ -574,7 +585,7 @@ class _Renderer:
         if "int64" in self.used:
             out.append(_PRELUDE_I64)
         if "float64" in self.used:
-            out.append(_PRELUDE_F64)
+            out.append(_ISNAN64["shader-int64" in self.features] + _PRELUDE_F64)
         binding = 0
         for i, (t, (n, per)) in enumerate(zip(self.types, self.chunks)):
             write = i < len(k.stores)
@@ -618,7 +629,7 @@ def combine(op: str, d: DType) -> str:
         return "({a} * {b})"
     if d.is_float:
         cmp = ">" if op == "max" else "<"
-        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || !({{b}} == {{b}}))"
+        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || isnan{64 if d.itemsize == 8 else 32}({{b}}))"
     return f"{op}({{a}}, {{b}})"
 
 

@@ -100,6 +100,29 @@ def test_64_bit_types_without_the_features_raise_naming_dtype_and_device() -> No
     assert "OK" in out
 
 
+def test_float64_without_int64_computes_but_takes_no_scalar() -> None:
+    """shader-f64 alone: float64 kernels compute (NaN tests by comparison, not bits), but a float64 scalar argument,
+    which arrives as a 64-bit word, needs shader-int64: a DTypeError naming both."""
+    out = run_script('''
+        import numpy as np
+        import azyx
+        from azyx import Tensor
+        from azyx.errors import DTypeError
+        azyx.configure({"wgpu": {"features": ["shader-f64"]}})
+        x = np.array([0.5, np.nan, -2.0, 3.0])
+        t = Tensor(x, device="wgpu:0")
+        np.testing.assert_allclose(t.exp().numpy_sync(), np.exp(x), rtol=1e-13)
+        np.testing.assert_array_equal(t.max().numpy_sync(), np.nan)
+        try:
+            (t * 2.5).numpy_sync()
+            raise SystemExit("no error")
+        except DTypeError as e:
+            assert "float64" in str(e) and "shader-int64" in str(e) and "wgpu:0" in str(e), e
+        print("OK")
+    ''')
+    assert "OK" in out
+
+
 def test_the_renderer_refuses_what_the_features_do_not_allow() -> None:
     from azyx.dtypes import dtypes
     from azyx.ir import Kernel, ValueBuilder

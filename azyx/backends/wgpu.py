@@ -158,8 +158,9 @@ class WgpuDevice(Device):
             raise DeviceError(f"{self.name}: {self.label} allows only "
                               f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
         self.compute = COMPUTE.get(info["adapter_type"], 50.0)
-        default = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 if info["adapter_type"] == "CPU"
-                   else 8 << 30)  # (WebGPU does not tell a device's memory: config section 'wgpu', "memory")
+        # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
+        default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
+                   "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
         self.allocator = PoolAllocator(self.capacity, self.capacity // 4, self._storage, self.name)
         self.staging = PoolAllocator(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
