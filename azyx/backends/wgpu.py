@@ -21,6 +21,7 @@ AllocationError naming both), workgroups per dimension (the renderer folds long 
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import queue
@@ -54,6 +55,7 @@ ADAPTER_ORDER = {"high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGP
 # drivers that end a shader's loops after so many iterations in all (Mesa's llvmpipe: LP_MAX_TGSI_LOOP_ITERATIONS),
 # by a substring of the adapter's device name: the renderer unrolls reduce loops to stay below it (wgsl.unroll)
 LOOP_LIMITS = {"llvmpipe": 65535}
+BIND_GROUPS = 4096  # bind groups a device keeps (by kernel, buffers and words window)
 COMPUTE = {"DiscreteGPU": 2000.0, "IntegratedGPU": 200.0, "CPU": 10.0}  # rough GFLOP/s, for AUTO placement
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -162,10 +164,13 @@ class WgpuDevice(Device):
         default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
-        self.allocator = PoolAllocator(self.capacity, self.capacity // 4, self._storage, self.name)
+        # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
+        self.allocator = PoolAllocator(self.capacity, self.capacity, self._storage, self.name)
+        self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
         self.staging = PoolAllocator(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
             size=_ceil4(size), usage=STAGING), f"{self.name} staging")
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
+        self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
         self.lock = threading.Lock()
         self.submitted = 0
         self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -347,18 +352,17 @@ class WgpuDevice(Device):
         if at:
             if self.words.size < at:
                 self.words = self.gpu.create_buffer(size=max(at, 2 * self.words.size), usage=WORDS)
+                self.last_words = b""
             table = np.zeros(at // 4, np.uint32)
             for (_, _, w), off in zip(items, offsets):
                 if w:
                     table[off // 4:off // 4 + 2 * len(w)] = np.array(w, np.uint64).view(np.uint32)
-            self.queue.write_buffer(self.words, 0, table)
-        groups = []
-        for (_, bufs, _), prog, off in zip(items, progs, offsets):
-            entries = prog.entries(bufs)
-            if prog.words:
-                entries.append({"binding": len(entries), "resource": {"buffer": self.words, "offset": off,
-                                                                      "size": prog.words}})
-            groups.append(self.gpu.create_bind_group(layout=prog.layout, entries=entries))
+            data = table.tobytes()
+            if not self.last_words.startswith(data):  # (a write is in queue order: the same words need none)
+                self.queue.write_buffer(self.words, 0, data)
+                self.last_words = data
+        groups = [self._bind_group(step.name, prog, bufs, off) for (step, bufs, _), prog, off in
+                  zip(items, progs, offsets)]
 
         def encode(enc: Any) -> None:
             cpass = enc.begin_compute_pass()
@@ -371,6 +375,26 @@ class WgpuDevice(Device):
 
         self._submit(encode)
         return False
+
+    def _bind_group(self, name: str, prog: _Program, bufs: list[Buffer], off: int) -> Any:
+        """(Worker thread.) The bind group of a kernel's buffers and words window: made once per combination and kept
+        (the last BIND_GROUPS used; making one costs more than the rest of a launch: ~60 us on lavapipe). The entry
+        holds the buffers it names, so that their identities in its key stay theirs (the pool keeps its blocks for
+        reuse anyway: its cache limit is the capacity)."""
+        key = (name, off, id(self.words), *(id(b.mem) for b in bufs))
+        kept = self.groups.get(key)
+        if kept is not None:
+            self.groups.move_to_end(key)
+            return kept[0]
+        entries = prog.entries(bufs)
+        if prog.words:
+            entries.append({"binding": len(entries), "resource": {"buffer": self.words, "offset": off,
+                                                                  "size": prog.words}})
+        group = self.gpu.create_bind_group(layout=prog.layout, entries=entries)
+        self.groups[key] = (group, self.words, [b.mem for b in bufs])
+        if len(self.groups) > BIND_GROUPS:
+            self.groups.popitem(last=False)
+        return group
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
@@ -455,6 +479,7 @@ class WgpuDevice(Device):
             self.items.put(None)
         self.worker.join(timeout=30)
         self.completer.join(timeout=30)
+        self.groups.clear()
         for pool in (self.allocator, self.staging):
             for mem in pool.take_cached():
                 mem.destroy()
