@@ -1,22 +1,24 @@
 """The WGSL renderer: one linear pass from a `Kernel` to a WebGPU compute shader (WGSL is not C-family: typed
 `let`s, `select` for `?:`, `var<storage>` bindings, no 8/16-bit storage, 64-bit types only behind adapter features).
 
-Shader interface (the contract with `backends/wgpu.py`): parameter i is `@binding(i)` of group 0, a storage array
-(outputs read_write, inputs read); where the kernel has scalar arguments, `@binding(len(params))` is a uniform
-array of vec4<u32>, scalar j in words 2j and 2j+1 (a 64-bit word each, low first: `dtypes.SCALAR_CODES`), bound at a
-dynamic offset, so a new value compiles nothing. Launch geometry comes from `launch.launch_for` with the facts of
-`WGSL_FACTS` (one work item per output point, or a work group per point for long reductions; grids past 65535 groups
-fold into a second dimension), so it is decided once, as for every other GPU dialect.
+Shader interface (the contract with `backends/wgpu.py`): the parameters' storage arrays are the bindings of group 0 in
+order (outputs read_write, inputs read), one each, or several consecutive ranges of one buffer where a parameter
+reaches past the adapter's storage binding size (`bindings`); where the kernel has scalar arguments, the binding after
+them is a uniform array of vec4<u32>, scalar j in words 2j and 2j+1 (a 64-bit word each, low first:
+`dtypes.SCALAR_CODES`), so a new value compiles nothing. Launch geometry comes from `launch.launch_for` with the facts
+of `WGSL_FACTS` (one work item per output point, or a work group per point for long reductions; grids past 65535
+groups fold into a second dimension), so it is decided once, as for every other GPU dialect.
 
 Dtypes (`WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
 stored packed in u32 words (byte addressed, as every other backend stores them) and computed in i32 or f32, rounded
 or wrapped to their own type after every op: that is exact (it is what C does to a narrow type at each assignment).
-NaN tests look at the bits (`isnan32`, `isnan64`): naga renders `!=` of floats as an ordered compare (false for NaN),
-and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, which WGSL cannot ask for) may fold
-`x == x` to true.
 Packed outputs are written with two atomics per element (and-clear, or-set), since neighbours share a word. int64 and
 float64 need the adapter features `shader-int64` and `shader-f64`; without them a kernel that uses them raises a
-DTypeError naming the dtype and the device.
+DTypeError naming the dtype, the device and the feature.
+
+NaN tests look at the bits (`isnan32`, `isnan64`): naga renders `!=` of floats as an ordered compare (false for NaN),
+and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, which WGSL cannot ask for) may fold
+`x == x` to true. Reduce loops are unrolled where a driver bounds a shader's loop iterations (`unroll`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from azyx.cstyle import Dialect, group_size, index_fits, kernel_name
 from azyx.dtypes import DType, dtypes
-from azyx.errors import DTypeError
+from azyx.errors import DTypeError, ShapeError
 from azyx.ir import Kernel, V, scalar_args, toposort
 from azyx.launch import Launch, launch_for
 from azyx.ops import REDUCE
@@ -268,6 +270,9 @@ def literal(v: object, d: DType) -> str:
 
 
 class _Renderer:
+    """One kernel's WGSL: the entry point's body (`lines`), then the interface before it (`interface`), which knows
+    the dtypes, helpers and workgroup memory the body used."""
+
     def __init__(self, k: Kernel, name: str, device: str, features: frozenset[str], max_binding: int,
                  max_trips: int):
         assert not k.uvars, "WGSL kernels have no register tiles (the device says tiles = False)"
@@ -283,7 +288,8 @@ class _Renderer:
         self.group = group_size(k, WGSL_FACTS)
         self.unroll = unroll(k, self.group, max_trips)
         if not index_fits(k, self.group):
-            raise DTypeError(f"{device}: kernel {name} indexes past 2**31 elements (WGSL indices are i32)")
+            raise ShapeError(f"{device}: a kernel of {k.global_size} points indexes past 2**31 elements (WGSL indices "
+                             "are i32)")
         self.used: set[str] = set()  # dtypes the kernel computes in
 
     # ------------------------------------------------------------------ text

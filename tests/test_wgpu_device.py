@@ -198,6 +198,10 @@ def test_the_opengl_fallback_is_refused_unless_configured() -> None:
     assert all(a.info["backend_type"] in REAL_BACKENDS for a in adapters({}))
     assert all(a.info["backend_type"] == "OpenGL" for a in adapters({"backends": ["OpenGL"]}))
     assert RT.device(DEV).adapter.info["backend_type"] != "OpenGL"  # type: ignore[attr-defined]
+    with pytest.raises(azyx.AzyxError, match="'vulkan'"):  # (wgpu spells it Vulkan)
+        adapters({"backends": ["vulkan"]})
+    with pytest.raises(azyx.AzyxError, match="'fast'"):
+        adapters({"power_preference": "fast"})
 
 
 async def test_new_scalar_values_compile_nothing() -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.config import ConfigError
 from azyx.device import Buffer, Device, LaunchItem, host_read, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
@@ -77,9 +78,12 @@ def adapters(options: dict[str, Any]) -> list[Any]:
     the OpenGL fallback), ordered by `power_preference` ("high-performance": discrete GPUs first; "low-power":
     integrated first), the order wgpu reports them in within a type."""
     backends = options.get("backends") or list(REAL_BACKENDS)
+    unknown = [b for b in backends if b not in (*REAL_BACKENDS, "OpenGL")]
+    if unknown:
+        raise ConfigError(f"wgpu: backends {unknown} unknown (wgpu's are {[*REAL_BACKENDS, 'OpenGL']})")
     pref = options.get("power_preference", "high-performance")
     if pref not in ADAPTER_ORDER:
-        raise DeviceError(f"wgpu: power_preference must be one of {sorted(ADAPTER_ORDER)}, got {pref!r}")
+        raise ConfigError(f"wgpu: power_preference must be one of {sorted(ADAPTER_ORDER)}, got {pref!r}")
     order = ADAPTER_ORDER[pref]
     found = [a for a in _all_adapters() if a.info["backend_type"] in backends]
     for a in _all_adapters():
@@ -141,6 +145,9 @@ class WgpuDevice(Device):
         info = self.adapter.info
         self.label = f"{info['device']} ({info['backend_type']})"
         wanted_features = FEATURES if options.get("features") is None else frozenset(options["features"])
+        if wanted_features - FEATURES:
+            raise ConfigError(f"wgpu: features {sorted(wanted_features - FEATURES)} unknown (azyx uses "
+                              f"{sorted(FEATURES)})")
         self.features = frozenset(self.adapter.features) & FEATURES & wanted_features
         limits = self.adapter.limits
         wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
