@@ -64,6 +64,7 @@ STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsag
 STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 UPLOAD = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
 UPLOAD_DIRECT = 1 << 20  # host writes up to this size go by queue.write_buffer, larger ones through upload buffers
+UPLOAD_PIECE = 2 << 20  # bytes an upload buffer is filled with per call (each holds the GIL: ~0.5 ms)
 WORDS = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
 
 
@@ -462,8 +463,9 @@ class WgpuDevice(Device):
             up, bucket = self.uploads.alloc(size)
             try:
                 up.map_sync("WRITE", 0, size)
-                try:
-                    up.write_mapped(data, 0)
+                try:  # in pieces: write_mapped copies holding the GIL, which the event loop then waits for
+                    for at in range(0, size, UPLOAD_PIECE):
+                        up.write_mapped(data[at:at + UPLOAD_PIECE], at)
                 finally:
                     up.unmap()
                 self._submit(lambda enc: enc.copy_buffer_to_buffer(up, 0, dst.mem, offset & ~3, size))
