@@ -1,4 +1,5 @@
-"""A GPU device of azyx (the CUDA backend; `--device vulkan:0`: the Vulkan backend on the same GPU) beside PyTorch's
+"""A GPU device of azyx (the CUDA backend; `--device vulkan:0` / `--device wgpu:0`: the Vulkan or WebGPU backend on the
+same GPU) beside PyTorch's
 CUDA on that GPU, in the same run (issue 6's table, and issue 15's for Vulkan).
 
     python bench/gpu.py [--quick] [--device cuda:0] [--out bench/RESULTS.md]
@@ -11,7 +12,7 @@ Two timings per workload, both wall-clock around the await (azyx) or the call pl
 Ratios are PyTorch time over azyx time (> 1: azyx is faster). TF32 is off in PyTorch. Transfers run through
 `UnifiedExecutor.execute_transfer` for every pair of devices present (peer between GPUs, host-staged to c:0).
 Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->` (`bench:vulkan-gpu` for a vulkan
-device). Never asserts: it reports.
+device, `bench:wgpu-gpu` for a wgpu device). Never asserts: it reports.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from azyx.runtime import RT  # noqa: E402
 
 START, END = "<!-- bench:cuda:start -->", "<!-- bench:cuda:end -->"
 VK_START, VK_END = "<!-- bench:vulkan-gpu:start -->", "<!-- bench:vulkan-gpu:end -->"
+WG_START, WG_END = "<!-- bench:wgpu-gpu:start -->", "<!-- bench:wgpu-gpu:end -->"
+GPU_KINDS = ("cuda", "vulkan", "wgpu")  # azyx device kinds that live on the GPU (PyTorch's cuda:0 here)
 FLIGHT = 8
 
 
@@ -185,8 +188,8 @@ async def realize_only(torch: Any, fn: Callable[[Any], Any], small: Tensor, tsma
 
 
 def torch_device(name: str) -> str:
-    """PyTorch's name for the memory an azyx device holds (a vulkan device's GPU is cuda:0 to PyTorch here)."""
-    return "cpu" if name.startswith("c:") else "cuda:0" if name.startswith("vulkan:") else name
+    """PyTorch's name for the memory an azyx device holds (a vulkan or wgpu device's GPU is cuda:0 to PyTorch here)."""
+    return "cpu" if name.startswith("c:") else "cuda:0" if name.split(":")[0] in ("vulkan", "wgpu") else name
 
 
 async def transfers(torch: Any, dev: str, quick: bool) -> list[list[str]]:
@@ -195,7 +198,7 @@ async def transfers(torch: Any, dev: str, quick: bool) -> list[list[str]]:
     reps = 3 if quick else 10
     src_np = np.random.default_rng(1).random(nbytes // 4, dtype=np.float32)
     ex = RT.executor
-    gpus = [d for d in azyx.devices() if d.split(":")[0] in ("cuda", "vulkan") and d != dev]
+    gpus = [d for d in azyx.devices() if d.split(":")[0] in GPU_KINDS and d != dev]
     pairs = [(g, h) for g in (dev, *gpus) for h in (dev, *gpus) if g != h and dev in (g, h)]
     pairs += [(dev, "c:0"), ("c:0", dev)]
     rows = []
@@ -217,14 +220,15 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
-    ap.add_argument("--device", default="cuda:0", help="the azyx device to time (cuda:N or vulkan:N)")
+    ap.add_argument("--device", default="cuda:0", help="the azyx device to time (cuda:N, vulkan:N or wgpu:N)")
     args = ap.parse_args()
     dev = args.device
     label = RT.device(dev).label  # type: ignore[attr-defined]
     w, copy_bw = await workloads(torch, dev, args.quick)
     tr = await transfers(torch, dev, args.quick)
-    kind = "CUDA" if dev.startswith("cuda:") else f"{dev} (Vulkan)"
-    start, end = (START, END) if dev.startswith("cuda:") else (VK_START, VK_END)
+    api = dev.split(":")[0]
+    kind = {"cuda": "CUDA", "vulkan": f"{dev} (Vulkan)", "wgpu": f"{dev} (WebGPU)"}.get(api, dev)
+    start, end = {"cuda": (START, END), "vulkan": (VK_START, VK_END), "wgpu": (WG_START, WG_END)}.get(api, (START, END))
     text = "\n".join([
         start, "", f"## {kind} beside PyTorch {torch.__version__} ({'quick' if args.quick else 'full'} run, "
         f"{time.strftime('%Y-%m-%d')}, {label} x{len(RT.executor.devices) and torch.cuda.device_count()})", "",

@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -176,18 +177,27 @@ async def test_a_compile_past_compile_timeout_s_raises_for_every_waiter(tmp_path
                                                                         c_device: Any) -> None:
     """A compile that runs past `compile_timeout_s`: on a C device the compiler is a wrapper that hangs (and has a
     child of its own: the whole process group is killed); on others (an in-process compiler that cannot be killed)
-    the limit is 1 ms. Two realizes that need the same kernels both get the CompileError, naming the device, a
-    kernel and the limit, from one compile; the loop runs on meanwhile; then the compile works."""
+    the limit is 1 ms (a wgpu build, too fast for that, hangs). Two realizes that need the same kernels both get the
+    CompileError, naming the device, a kernel and the limit, from one compile; the loop runs on meanwhile; then the
+    compile works."""
     dev = RT.device(device)
     saved = dev.compile_timeout_s
     ys, want = new_graph(device, copies=2)
     name = azyx.schedule(ys[0]).kernels[0].name
     cc = None
+    release = threading.Event()
+    limit = 0.001
     if dev.kind == "c":
         cc = wrapper(tmp_path, "cc-hangs", f"sleep 600 & echo $! > '{tmp_path}/child'\nwait")
         dev.compiler, limit = cc, 1.0  # type: ignore[attr-defined]
-    else:
-        limit = 0.001
+    elif dev.kind == "wgpu":  # its in-process build takes ~1.5 ms, often done before the loop looks: one that hangs
+        real_build = dev.build
+
+        def hanging(*args: Any) -> Any:
+            release.wait(60)
+            return real_build(*args)
+
+        dev.build = hanging  # type: ignore[method-assign]
     dev.compile_timeout_s = limit
     try:
         both = asyncio.gather(*[y.realize() for y in ys], return_exceptions=True)
@@ -195,6 +205,9 @@ async def test_a_compile_past_compile_timeout_s_raises_for_every_waiter(tmp_path
         errors = await asyncio.wait_for(both, 60)  # (bounded: a compiler left running must not hang the suite)
     finally:
         dev.compile_timeout_s = saved
+        if dev.kind == "wgpu":
+            dev.build = real_build  # type: ignore[method-assign]
+        release.set()
     for err in errors:
         assert isinstance(err, azyx.CompileError), repr(err)
         msg = str(err)

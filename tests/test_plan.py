@@ -168,7 +168,8 @@ def test_auto_placement_prefers_compute_then_memory() -> None:
 
     rt = Runtime()
     rt.configure({"c": {"devices": 1}, "cuda": {"enabled": False}, "opencl": {"enabled": False},
-                  "vulkan": {"enabled": False}, "dummy": {"enabled": True, "memory": 1 << 20, "compute": 1e9}})
+                  "vulkan": {"enabled": False}, "wgpu": {"enabled": False},
+                  "dummy": {"enabled": True, "memory": 1 << 20, "compute": 1e9}})
     try:
         assert rt.auto_order()[0] == "dummy:0"
         assert rt.resolve_device(None, 1 << 10) == ("dummy:0", False)  # most compute, and it fits

@@ -37,7 +37,8 @@ def _run(env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProce
 def test_config_file_from_azyx_config(tmp_path: Path) -> None:
     cfg = tmp_path / "azyx.json"
     cfg.write_text(json.dumps({"c": {"devices": 3, "threads": 1}, "opencl": {"enabled": False},
-                                      "cuda": {"enabled": False}, "vulkan": {"enabled": False}}))
+                                      "cuda": {"enabled": False}, "vulkan": {"enabled": False},
+                                      "wgpu": {"enabled": False}}))
     out = _run({"AZYX_CONFIG": str(cfg)}, tmp_path)
     assert "DEVICES ['c:0', 'c:1', 'c:2']" in out.stdout
     assert "RESULT [13.0, 45.0, 77.0]" in out.stdout
@@ -48,7 +49,8 @@ def test_config_file_from_xdg_config_home(tmp_path: Path) -> None:
     (tmp_path / "xdg" / "azyx" / "config.json").write_text(json.dumps({"c": {"devices": 2},
                                                                         "opencl": {"enabled": False},
                                                                         "cuda": {"enabled": False},
-                                                                        "vulkan": {"enabled": False}}))
+                                                                        "vulkan": {"enabled": False},
+                                                                        "wgpu": {"enabled": False}}))
     out = _run({"XDG_CONFIG_HOME": str(tmp_path / "xdg")}, tmp_path)
     assert "DEVICES ['c:0', 'c:1']" in out.stdout
     out = _run({}, tmp_path)  # no file: defaults, one C device (and whatever OpenCL and Vulkan devices there are)

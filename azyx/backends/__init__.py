@@ -17,6 +17,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "opencl": ("azyx.backends.opencl", "OpenCLDevice"),
     "cuda": ("azyx.backends.cuda", "CUDADevice"),
     "vulkan": ("azyx.backends.vulkan", "VulkanDevice"),
+    "wgpu": ("azyx.backends.wgpu", "WgpuDevice"),
     "dummy": ("azyx.backends.dummy", "DummyDevice"),
 }
 

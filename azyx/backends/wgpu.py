@@ -1,0 +1,514 @@
+"""The WebGPU backend on wgpu-py (wgpu-native): every adapter wgpu reports on a real driver (Vulkan, Metal, D3D12; its
+OpenGL fallback only where configured) is a `wgpu:N` device. Kernels are WGSL compute shaders from azyx's own WGSL
+renderer (`azyx/wgsl.py`), one pipeline each with an explicit layout: its buffers as storage bindings, its scalars in a
+uniform window of the device's words buffer (written by `queue.write_buffer` before each submission, so a new value
+compiles nothing).
+
+Queue and completion: one worker thread per device owns every submission (submit, write_buffer, map). A driver may
+block a second `queue.submit` or a `map_async` while earlier work runs (lavapipe does), so none of them happen on the
+event loop: the loop only numbers a work item (its TimelineSignal value) and hands it to the worker. The worker waits
+for the item's waits on other devices (their timelines), encodes and submits it. A completion thread advances the
+timeline to the newest item submitted once the queue says its work is done (`queue.on_submitted_work_done_sync`, which
+wgpu-py resolves from its own poller thread: no spinning); a read advances it itself once its staging buffer is mapped
+(which implies everything before it: the queue is in order).
+
+Memory: pooled storage buffers (sizes in multiples of 4 bytes: WebGPU copies and writes move 4-byte words); reads
+back copy into a pooled MAP_READ staging buffer and map it; writes are `queue.write_buffer` up to UPLOAD_DIRECT bytes,
+larger ones fill a pooled MAP_WRITE buffer and copy from it (2.4 GB/s against write_buffer's 0.7-1.0 for 64 MiB on
+lavapipe: write_buffer stages through a fresh allocation of the driver's each time). Limits come from the
+adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage binding size (a
+kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is refused with an
+AllocationError naming both), workgroups per dimension (the renderer folds long grids into a 2-D dispatch).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from azyx import debug
+from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.config import ConfigError
+from azyx.device import Buffer, Device, LaunchItem, host_read, kernel_list
+from azyx.dtypes import DType
+from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.graph import Shape, StridedView
+from azyx.ir import Kernel, scalar_args
+from azyx.launch import Launch
+from azyx.plan import KernelStep
+from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
+
+try:
+    import wgpu
+except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
+    raise ImportError(f"the wgpu package (wgpu-py) is not installed: {e}") from None
+
+# adapter features a kernel may use, requested where the adapter has them (the dtype table says which needs which)
+FEATURES = frozenset(t.feature for t in WGSL_TYPES.values() if t.feature)
+REAL_BACKENDS = ("Vulkan", "Metal", "D3D12")  # wgpu's OpenGL backend is a fallback: only where configured
+ADAPTER_ORDER = {"high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGPU", "CPU", "Unknown"),
+                 "low-power": ("IntegratedGPU", "DiscreteGPU", "VirtualGPU", "CPU", "Unknown")}
+# drivers that end a shader's loops after so many iterations in all (Mesa's llvmpipe: LP_MAX_TGSI_LOOP_ITERATIONS),
+# by a substring of the adapter's device name: the renderer unrolls reduce loops to stay below it (wgsl.unroll)
+LOOP_LIMITS = {"llvmpipe": 65535}
+BIND_GROUPS = 4096  # bind groups a device keeps (by kernel, buffers and words window)
+COMPUTE = {"DiscreteGPU": 2000.0, "IntegratedGPU": 200.0, "CPU": 10.0}  # rough GFLOP/s, for AUTO placement
+STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+UPLOAD = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
+UPLOAD_DIRECT = 1 << 20  # host writes up to this size go by queue.write_buffer, larger ones through upload buffers
+UPLOAD_PIECE = 2 << 20  # bytes an upload buffer is filled with per call (each holds the GIL: ~0.5 ms)
+WORDS = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+
+
+def _ceil4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+@functools.cache
+def _all_adapters() -> tuple[Any, ...]:
+    """Every adapter wgpu finds (once per process: enumerating starts every backend's driver)."""
+    return tuple(wgpu.gpu.enumerate_adapters_sync())
+
+
+def adapters(options: dict[str, Any]) -> list[Any]:
+    """The configured adapters in preference order: those of the `backends` named (default: the real drivers, never
+    the OpenGL fallback), ordered by `power_preference` ("high-performance": discrete GPUs first; "low-power":
+    integrated first), the order wgpu reports them in within a type."""
+    backends = options.get("backends") or list(REAL_BACKENDS)
+    unknown = [b for b in backends if b not in (*REAL_BACKENDS, "OpenGL")]
+    if unknown:
+        raise ConfigError(f"wgpu: backends {unknown} unknown (wgpu's are {[*REAL_BACKENDS, 'OpenGL']})")
+    pref = options.get("power_preference", "high-performance")
+    if pref not in ADAPTER_ORDER:
+        raise ConfigError(f"wgpu: power_preference must be one of {sorted(ADAPTER_ORDER)}, got {pref!r}")
+    order = ADAPTER_ORDER[pref]
+    found = [a for a in _all_adapters() if a.info["backend_type"] in backends]
+    for a in _all_adapters():
+        if a not in found:
+            debug.log(debug.DEVICES, f"wgpu: adapter {a.info['device']} ({a.info['backend_type']}) not used: "
+                                     f"backends {backends} (config section 'wgpu')")
+    return sorted(found, key=lambda a: order.index(a.info["adapter_type"]) if a.info["adapter_type"] in order
+                  else len(order))
+
+
+class _Program:
+    """A kernel's pipeline and bind group layout, and how it binds: per buffer its ranges (`wgsl.bindings`: how many,
+    the bytes of each), and the bytes of its scalars' uniform window (0: none)."""
+
+    __slots__ = ("pipeline", "layout", "ranges", "words")
+
+    def __init__(self, pipeline: Any, layout: Any, ranges: list[tuple[int, int]], words: int):
+        self.pipeline, self.layout, self.ranges, self.words = pipeline, layout, ranges, words
+
+    def entries(self, bufs: list[Buffer]) -> list[dict[str, Any]]:
+        """The bind group entries of the buffers (their ranges in order), without the words."""
+        out: list[dict[str, Any]] = []
+        for b, (n, size) in zip(bufs, self.ranges):
+            mem = b.mem
+            for c in range(n):
+                at = c * size
+                if at >= mem.size:  # a range the kernel's index bound reaches but never its valid indices
+                    at = 0
+                out.append({"binding": len(out), "resource": {"buffer": mem, "offset": at,
+                                                               "size": min(size, mem.size - at)}})
+        return out
+
+
+class _Item:
+    """One work item of the device's queue: its timeline value, the (device, value) pairs it waits for, what the
+    worker does for it (None: nothing but waiting; it returns True when the item's completion is known on return),
+    and what it holds until it is done."""
+
+    __slots__ = ("v", "waits", "run", "keep")
+
+    def __init__(self, v: int, waits: list[tuple[Device, int]], run: Callable[[], bool] | None, keep: Any):
+        self.v, self.waits, self.run, self.keep = v, waits, run, keep
+
+
+class WgpuDevice(Device):
+    kind = "wgpu"
+    dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
+
+    @classmethod
+    def count(cls, options: dict[str, Any]) -> int:
+        return len(adapters(options))
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        found = adapters(options)
+        if not 0 <= index < len(found):
+            raise DeviceError(f"no wgpu adapter {index}: {len(found)} configured")
+        self.adapter = found[index]
+        info = self.adapter.info
+        self.label = f"{info['device']} ({info['backend_type']})"
+        wanted_features = FEATURES if options.get("features") is None else frozenset(options["features"])
+        if wanted_features - FEATURES:
+            raise ConfigError(f"wgpu: features {sorted(wanted_features - FEATURES)} unknown (azyx uses "
+                              f"{sorted(FEATURES)})")
+        self.features = frozenset(self.adapter.features) & FEATURES & wanted_features
+        limits = self.adapter.limits
+        wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
+                  "max-compute-workgroups-per-dimension")
+        try:
+            self.gpu = self.adapter.request_device_sync(required_features=sorted(self.features),
+                                                        required_limits={k: limits[k] for k in wanted})
+        except Exception as e:
+            raise DeviceError(f"{self.name}: requesting a device of {self.label} failed: {e}") from None
+        self.queue = self.gpu.queue
+        self.max_binding = int(limits["max-storage-buffer-binding-size"])  # (larger buffers bind as several ranges)
+        self.max_buffer = int(limits["max-buffer-size"])
+        self.max_trips = next((n for name, n in LOOP_LIMITS.items() if name in info["device"]), 0)
+        self.max_buffers = int(limits["max-storage-buffers-per-shader-stage"])
+        self.word_align = int(limits["min-uniform-buffer-offset-alignment"])
+        if limits["max-compute-workgroups-per-dimension"] < WGSL_FACTS.max_groups:
+            raise DeviceError(f"{self.name}: {self.label} allows only "
+                              f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
+        self.compute = COMPUTE.get(info["adapter_type"], 50.0)
+        # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
+        default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
+                   "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
+        self.capacity = int(options.get("memory") or default)
+        # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
+        self.allocator = PoolAllocator(self.capacity, self.capacity, self._storage, self.name)
+        self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
+        self.staging = PoolAllocator(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
+            size=_ceil4(size), usage=STAGING), f"{self.name} staging")
+        self.uploads = PoolAllocator(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
+            size=_ceil4(size), usage=UPLOAD), f"{self.name} uploads")
+        self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
+        self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
+        self.lock = threading.Lock()
+        self.submitted = 0
+        self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self.closed = False
+        self.done_items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # submitted, completion not seen
+        self.worker = threading.Thread(target=self._work, name=f"azyx-{self.name}-queue", daemon=True)
+        self.completer = threading.Thread(target=self._complete, name=f"azyx-{self.name}-done", daemon=True)
+        self.worker.start()
+        self.completer.start()
+        debug.log(debug.DEVICES, f"{self.name}: {self.label} ({info['adapter_type']}, wgpu {wgpu.__version__}; "
+                                 f"features {', '.join(sorted(self.features)) or 'none'}; storage bindings up to "
+                                 f"{self.max_binding >> 20} MiB, {self.max_buffers} per kernel)")
+
+    # ------------------------------------------------------------------ memory
+    def _storage(self, size: int) -> Any:
+        try:
+            return self.gpu.create_buffer(size=_ceil4(max(size, 4)), usage=STORAGE)
+        except Exception as e:
+            raise AllocationError(f"{self.name}: allocating {size} bytes failed: {e}") from None
+
+    def memory(self) -> MemoryUsage:
+        return self.allocator.usage()
+
+    def free_memory(self) -> int:
+        return self.capacity - self.allocator.in_use
+
+    def alloc(self, nbytes: int) -> Buffer:
+        if nbytes > self.max_buffer:
+            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one may be on {self.label} "
+                                  f"(max-buffer-size = {self.max_buffer} bytes)")
+        mem, size = self.allocator.alloc(nbytes)
+        return Buffer(self, size, mem, 0, True)
+
+    def release(self, buf: Buffer) -> None:
+        self.allocator.free(None if self.closed else buf.mem, buf.nbytes)
+
+    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
+        raise AssertionError("host data reaches a wgpu device through host:0 and a transfer")
+
+    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+        host = np.empty(buf.nbytes, np.uint8)
+        self.read_into(buf, host)
+        return host_read(host, view, shape, dtype)
+
+    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
+        """Blocking read (worker threads): queued in order, then waited for."""
+        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        """Blocking write of raw bytes (worker threads)."""
+        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
+        self.timeline.wait_sync(self.copy_from_host(data, buf, [], host))
+
+    # ------------------------------------------------------------------ compile
+    def render(self, k: Kernel) -> tuple[str, str, Launch]:
+        return render_wgsl(k, self.name, self.features, self.max_binding, self.max_trips)
+
+    def source(self, steps: list[KernelStep]) -> str:
+        """Each kernel's own shader (for the debug log: `build` makes a pipeline of each)."""
+        return "\n".join(s.src for s in steps)
+
+    def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
+        """Per kernel a shader module (wgpu's naga compiles and validates the WGSL) and a compute pipeline with the
+        layout of the renderer's interface. (No artifact to keep on disk: the driver compiles the pipeline.)"""
+        names = [s.name for s in steps]
+        out = {}
+        for step in steps:
+            k = step.kernel
+            nscalars = len(scalar_args(k))
+            words = 16 * (-(-nscalars // 2))
+            ranges = bindings(k, self.max_binding)
+            entries = [{"binding": b, "visibility": wgpu.ShaderStage.COMPUTE,
+                        "buffer": {"type": "storage" if i < len(k.stores) else "read-only-storage"}}
+                       for b, i in enumerate(i for i, (n, _) in enumerate(ranges) for _ in range(n))]
+            if words:
+                entries.append({"binding": len(entries), "visibility": wgpu.ShaderStage.COMPUTE,
+                                "buffer": {"type": "uniform"}})
+            try:
+                module = self.gpu.create_shader_module(code=step.src)
+                layout = self.gpu.create_bind_group_layout(entries=entries)
+                pipeline = self.gpu.create_compute_pipeline(
+                    layout=self.gpu.create_pipeline_layout(bind_group_layouts=[layout]),
+                    compute={"module": module, "entry_point": step.name})
+            except Exception as e:
+                raise CompileError(f"{self.name}: building {kernel_list([step.name])} (of {kernel_list(names)}) "
+                                   f"failed: {e}\n--- source ---\n{step.src}") from None
+            out[step.name] = _Program(pipeline, layout, ranges, words)
+        return out
+
+    # ------------------------------------------------------------------ the queue
+    def pending(self) -> int:
+        return self.submitted - self.timeline.value
+
+    def queued(self) -> int:
+        return self.submitted
+
+    def _enqueue(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], keep: Any) -> int:
+        """Number a work item and hand it to the worker thread (the loop's whole part of any submission)."""
+        with self.lock:
+            self.check_alive()
+            if self.closed:
+                raise DeviceError(f"{self.name} is closed")
+            self.submitted += 1
+            v = self.submitted
+            self.items.put(_Item(v, [w for w in waits if w[0].timeline.value < w[1]], run, keep))
+        return v
+
+    def _work(self) -> None:
+        """The worker: items in order, each after its waits; an item whose completion its own work tells (a read,
+        mapped) advances the timeline here, the others go to the completion thread."""
+        while (item := self.items.get()) is not None:
+            known = False
+            try:
+                for dev, u in item.waits:
+                    try:
+                        dev.timeline.wait_sync(u)
+                    except Exception as e:  # a device it waits for failed: its input is lost, and so is this work
+                        self.record_failure(item.v, e)
+                if item.run is not None and item.v not in self.failures:
+                    known = item.run()
+            except BaseException as e:
+                self.record_failure(item.v, e)
+            if known:  # (what it held goes before the timeline says so: a waiter may count the pool's blocks)
+                v = item.v
+                del item
+                self.timeline.signal(v)
+            else:
+                self.done_items.put(item)
+                del item
+        self.done_items.put(None)
+
+    def _complete(self) -> None:
+        """The completion thread: for the newest item submitted, wait until the queue's work submitted so far is done
+        (wgpu-py resolves that from its poller thread), then advance the timeline to it and drop what the items
+        held."""
+        stop = False
+        while not stop and (item := self.done_items.get()) is not None:
+            held = [item]
+            while True:  # the newest one submitted: one wait covers all before it
+                try:
+                    more = self.done_items.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                held.append(more)
+                del more
+            v = held[-1].v
+            try:
+                self.queue.on_submitted_work_done_sync()
+            except Exception as e:
+                self.record_failure(v, e)
+            del held, item  # (before the timeline says so: a waiter may count the pool's blocks)
+            self.timeline.signal(v)
+
+    def _submit(self, encode: Callable[[Any], None]) -> None:
+        enc = self.gpu.create_command_encoder()
+        encode(enc)
+        self.queue.submit([enc.finish()])
+
+    # ------------------------------------------------------------------ launches
+    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
+               words: tuple[int, ...] = ()) -> int:
+        return self.launch_many([(step, bufs, words)], waits)
+
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
+        """The kernels in one compute pass, one submission (WebGPU orders each dispatch's writes before the next
+        dispatch's reads)."""
+        return self._enqueue(lambda: self._run_kernels(items), waits, items)
+
+    def _run_kernels(self, items: list[LaunchItem]) -> bool:
+        """(Worker thread.) Write the kernels' scalars into the words buffer, bind, dispatch, submit."""
+        progs = [self.programs[step.name] for step, _, _ in items]
+        offsets, at = [], 0
+        for prog in progs:
+            offsets.append(at)
+            at += -(-prog.words // self.word_align) * self.word_align if prog.words else 0
+        if at:
+            if self.words.size < at:
+                self.words = self.gpu.create_buffer(size=max(at, 2 * self.words.size), usage=WORDS)
+                self.last_words = b""
+            table = np.zeros(at // 4, np.uint32)
+            for (_, _, w), off in zip(items, offsets):
+                if w:
+                    table[off // 4:off // 4 + 2 * len(w)] = np.array(w, np.uint64).view(np.uint32)
+            data = table.tobytes()
+            if not self.last_words.startswith(data):  # (a write is in queue order: the same words need none)
+                self.queue.write_buffer(self.words, 0, data)
+                self.last_words = data
+        groups = [self._bind_group(step.name, prog, bufs, off) for (step, bufs, _), prog, off in
+                  zip(items, progs, offsets)]
+
+        def encode(enc: Any) -> None:
+            cpass = enc.begin_compute_pass()
+            for (step, _, _), prog, group in zip(items, progs, groups):
+                assert not step.launch.zero, "WGSL kernels zero nothing first"
+                cpass.set_pipeline(prog.pipeline)
+                cpass.set_bind_group(0, group)
+                cpass.dispatch_workgroups(*step.launch.grid)
+            cpass.end()
+
+        self._submit(encode)
+        return False
+
+    def _bind_group(self, name: str, prog: _Program, bufs: list[Buffer], off: int) -> Any:
+        """(Worker thread.) The bind group of a kernel's buffers and words window: made once per combination and kept
+        (the last BIND_GROUPS used; making one costs more than the rest of a launch: ~60 us on lavapipe). The entry
+        holds the buffers it names, so that their identities in its key stay theirs (the pool keeps its blocks for
+        reuse anyway: its cache limit is the capacity)."""
+        key = (name, off, id(self.words), *(id(b.mem) for b in bufs))
+        kept = self.groups.get(key)
+        if kept is not None:
+            self.groups.move_to_end(key)
+            return kept[0]
+        entries = prog.entries(bufs)
+        if prog.words:
+            entries.append({"binding": len(entries), "resource": {"buffer": self.words, "offset": off,
+                                                                  "size": prog.words}})
+        group = self.gpu.create_bind_group(layout=prog.layout, entries=entries)
+        self.groups[key] = (group, self.words, [b.mem for b in bufs])
+        if len(self.groups) > BIND_GROUPS:
+            self.groups.popitem(last=False)
+        return group
+
+    # ------------------------------------------------------------------ copies
+    def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
+        def run() -> bool:
+            if n:
+                self._submit(lambda enc: enc.copy_buffer_to_buffer(src.mem, 0, dst.mem, 0, _ceil4(n)))
+            return False
+
+        return self._enqueue(run, waits, (src, dst))
+
+    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
+        """In queue order: a copy into a staging buffer, mapped once it is done (which says all before it is)."""
+        flat = out.reshape(-1).view(np.uint8)
+        n = flat.nbytes
+
+        def run() -> bool:
+            lo = offset & ~3
+            size = _ceil4(offset + n) - lo
+            staging, bucket = self.staging.alloc(max(size, 4))
+            try:
+                self._submit(lambda enc: enc.copy_buffer_to_buffer(buf.mem, lo, staging, 0, size) if size else None)
+                staging.map_sync("READ", 0, max(size, 4))
+                try:
+                    view = staging.read_mapped(0, max(size, 4), copy=False)
+                    flat[:] = np.frombuffer(view, np.uint8)[offset - lo:offset - lo + n]
+                    del view
+                finally:
+                    staging.unmap()
+            finally:
+                self.staging.free(staging, bucket)
+            return True
+
+        return self._enqueue(run, waits, (buf, out))
+
+    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
+                       offset: int = 0) -> int:
+        """Once `waits` are reached: `queue.write_buffer` (flushed by an empty submission), or for more than
+        UPLOAD_DIRECT bytes a pooled upload buffer mapped for writing (a map waits until the queue's earlier copies
+        from it are done) and a copy command. Copies move whole 4-byte words: an unaligned piece is padded with the
+        bytes around it (`_padded`)."""
+        src = host.reshape(-1).view(np.uint8)
+
+        def run() -> bool:
+            if not src.nbytes:
+                return False
+            data = src if src.nbytes % 4 == 0 and offset % 4 == 0 else self._padded(src, dst, offset)
+            size = data.nbytes
+            if size <= UPLOAD_DIRECT:
+                self.queue.write_buffer(dst.mem, offset & ~3, data)
+                self.queue.submit([])
+                return False
+            up, bucket = self.uploads.alloc(size)
+            try:
+                up.map_sync("WRITE", 0, size)
+                try:  # in pieces: write_mapped copies holding the GIL, which the event loop then waits for
+                    for at in range(0, size, UPLOAD_PIECE):
+                        up.write_mapped(data[at:at + UPLOAD_PIECE], at)
+                finally:
+                    up.unmap()
+                self._submit(lambda enc: enc.copy_buffer_to_buffer(up, 0, dst.mem, offset & ~3, size))
+            finally:
+                self.uploads.free(up, bucket)  # (in use until the copy is done: its next map waits for that)
+            return False
+
+        return self._enqueue(run, waits, (keep, dst))
+
+    def _padded(self, src: np.ndarray, dst: Buffer, offset: int) -> np.ndarray:
+        """(Worker thread, rare: an unaligned write.) The words `src` lands in at `offset`, the bytes around it read
+        back from `dst` first."""
+        lo = offset & ~3
+        words = np.empty(_ceil4(offset + src.nbytes) - lo, np.uint8)
+        staging, bucket = self.staging.alloc(words.nbytes)
+        try:
+            self._submit(lambda enc: enc.copy_buffer_to_buffer(dst.mem, lo, staging, 0, words.nbytes))
+            staging.map_sync("READ", 0, words.nbytes)
+            try:
+                view = staging.read_mapped(0, words.nbytes, copy=False)
+                words[:] = np.frombuffer(view, np.uint8)
+                del view
+            finally:
+                staging.unmap()
+        finally:
+            self.staging.free(staging, bucket)
+        words[offset - lo:offset - lo + src.nbytes] = src
+        return words
+
+    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
+        return self._enqueue(None, waits, keep)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Let the worker finish the items queued, then give the pooled buffers back to the driver."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.items.put(None)
+        self.worker.join(timeout=30)
+        self.completer.join(timeout=30)
+        self.groups.clear()
+        for pool in (self.allocator, self.staging, self.uploads):
+            for mem in pool.take_cached():
+                mem.destroy()

@@ -1,0 +1,704 @@
+"""The WGSL renderer: one linear pass from a `Kernel` to a WebGPU compute shader (WGSL is not C-family: typed
+`let`s, `select` for `?:`, `var<storage>` bindings, no 8/16-bit storage, 64-bit types only behind adapter features).
+
+Shader interface (the contract with `backends/wgpu.py`): the parameters' storage arrays are the bindings of group 0 in
+order (outputs read_write, inputs read), one each, or several consecutive ranges of one buffer where a parameter
+reaches past the adapter's storage binding size (`bindings`); where the kernel has scalar arguments, the binding after
+them is a uniform array of vec4<u32>, scalar j in words 2j and 2j+1 (a 64-bit word each, low first:
+`dtypes.SCALAR_CODES`), so a new value compiles nothing. Launch geometry comes from `launch.launch_for` with the facts
+of `WGSL_FACTS` (one work item per output point, or a work group per point for long reductions; grids past 65535
+groups fold into a second dimension), so it is decided once, as for every other GPU dialect.
+
+Dtypes (`WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
+stored packed in u32 words (byte addressed, as every other backend stores them) and computed in i32 or f32, rounded
+or wrapped to their own type after every op: that is exact (it is what C does to a narrow type at each assignment).
+Packed outputs are written with two atomics per element (and-clear, or-set), since neighbours share a word. int64 and
+float64 need the adapter features `shader-int64` and `shader-f64`; without them a kernel that uses them raises a
+DTypeError naming the dtype, the device and the feature.
+
+NaN tests look at the bits (`isnan32`, `isnan64`): naga renders `!=` of floats as an ordered compare (false for NaN),
+and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, which WGSL cannot ask for) may fold
+`x == x` to true. Reduce loops are unrolled where a driver bounds a shader's loop iterations (`unroll`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from azyx.cstyle import Dialect, group_size, index_fits, kernel_name
+from azyx.dtypes import DType, dtypes
+from azyx.errors import DTypeError, ShapeError
+from azyx.ir import Kernel, V, scalar_args, toposort
+from azyx.launch import Launch, launch_for
+from azyx.ops import REDUCE
+from azyx.symbolic import Cond, Var
+
+# the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; nothing here is C-family text)
+WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
+                     fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
+                     max_groups=65535)
+
+
+@dataclass(frozen=True)
+class WType:
+    """How one dtype lives in WGSL: the type it is computed in, the element type of its storage array, how many
+    elements share a 32-bit word (1: stored as is), the adapter feature it needs, and (packed types) how a stored
+    element `{x}` (u32) becomes a value and a value `{x}` becomes its stored bits, and how a computed value is rounded
+    or wrapped to the dtype after each op."""
+
+    compute: str
+    storage: str
+    pack: int = 1
+    feature: str = ""
+    unpack: str = "{x}"
+    packs: str = "{x}"
+    rounds: str = ""
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one element of its storage array (a packed type's: a 32-bit word)."""
+        return 8 if self.storage in ("f64", "i64") else 4
+
+
+WGSL_TYPES: dict[str, WType] = {
+    "bool": WType("bool", "u32", 4, unpack="({x} != 0u)", packs="select(0u, 1u, {x})"),
+    "int8": WType("i32", "u32", 4, unpack="wrap8(bitcast<i32>({x}))", packs="bitcast<u32>({x})",
+                  rounds="wrap8({x})"),
+    "uint8": WType("i32", "u32", 4, unpack="bitcast<i32>({x})", packs="bitcast<u32>({x})", rounds="({x} & 255)"),
+    "int16": WType("i32", "u32", 2, unpack="wrap16(bitcast<i32>({x}))", packs="bitcast<u32>({x})",
+                   rounds="wrap16({x})"),
+    "int32": WType("i32", "i32"),
+    "uint32": WType("u32", "u32"),
+    "int64": WType("i64", "i64", feature="shader-int64"),
+    "float16": WType("f32", "u32", 2, unpack="unpack2x16float({x}).x", packs="pack2x16float(vec2<f32>({x}, 0.0f))",
+                     rounds="f16r({x})"),
+    "bfloat16": WType("f32", "u32", 2, unpack="bitcast<f32>({x} << 16u)", packs="f2bf({x})", rounds="bf16r({x})"),
+    "float32": WType("f32", "f32"),
+    "float64": WType("f64", "f64", feature="shader-f64"),
+}
+
+_PRELUDE = """fn isnan32(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+fn wrap8(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 24u) >> 24u; }
+fn wrap16(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 16u) >> 16u; }
+fn f16r(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0f))).x; }
+fn f2bf(f: f32) -> u32 {
+  let i = bitcast<u32>(f);
+  if (isnan32(f)) { return 0x7fc0u; }
+  return (i + 0x7fffu + ((i >> 16u) & 1u)) >> 16u;
+}
+fn bf16r(x: f32) -> f32 { return bitcast<f32>(f2bf(x) << 16u); }
+fn azyx_fmod(a: f32, b: f32) -> f32 { return a - b * trunc(a / b); }
+fn azyx_log1p(x: f32) -> f32 { let u = 1.0f + x; return select(log(u) * (x / (u - 1.0f)), x, u == 1.0f); }
+fn azyx_erf(x: f32) -> f32 {  // Abramowitz and Stegun 7.1.26: |error| < 1.5e-7
+  let t = 1.0f / (1.0f + 0.3275911f * abs(x));
+  let y = 1.0f - ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t
+    * exp(-x * x);
+  return select(y, -y, x < 0.0f);
+}
+fn azyx_pow(x: f32, y: f32) -> f32 {  // C's pow: WGSL's is undefined for x <= 0
+  if (y == 0.0f || x == 1.0f) { return 1.0f; }
+  if (x == 0.0f) { return select(0.0f, bitcast<f32>(0x7f800000u), y < 0.0f); }
+  var r = exp2(y * log2(abs(x)));
+  if (x < 0.0f) { if (y != floor(y)) { return bitcast<f32>(0x7fc00000u); } if (azyx_fmod(y, 2.0f) != 0.0f) { r = -r; } }
+  return r;
+}
+fn ipow(a0: i32, b0: i32) -> i32 {
+  var a = a0; var b = b0;
+  if (b < 0) { return select(select(0, select(1, -1, (b & 1) != 0), a == -1), 1, a == 1); }
+  var r = 1; while (b != 0) { if ((b & 1) != 0) { r *= a; } a *= a; b >>= 1u; } return r;
+}
+"""
+
+_PRELUDE_I64 = """fn ipow64(a0: i64, b0: i64) -> i64 {
+  var a = a0; var b = b0;
+  if (b < 0li) { return select(select(0li, select(1li, -1li, (b & 1li) != 0li), a == -1li), 1li, a == 1li); }
+  var r = 1li; while (b != 0li) { if ((b & 1li) != 0li) { r *= a; } a *= a; b >>= 1u; } return r;
+}
+"""
+
+# float64 math that SPIR-V's GLSL.std.450 lacks for doubles (its exp, log, sin... take 16/32-bit floats), to double
+# precision (the GLSL renderer's routines, in WGSL)
+_ISNAN64 = {  # by whether the device has 64-bit ints to look at the bits with
+    True: "fn isnan64(x: f64) -> bool { return (bitcast<u64>(x) & 0x7ffffffffffffffflu) > 0x7ff0000000000000lu; }\n",
+    False: "fn isnan64(x: f64) -> bool { return !(x == x); }\n"}
+_PRELUDE_F64 = """fn inf64() -> f64 { return f64(bitcast<f32>(0x7f800000u)); }  // (naga folds no bitcast in a const)
+fn nan64() -> f64 { return f64(bitcast<f32>(0x7fc00000u)); }
+fn azyx_fmod64(a: f64, b: f64) -> f64 { return a - b * trunc(a / b); }
+fn azyx_exp64(x: f64) -> f64 {
+  if (isnan64(x)) { return x; }
+  if (x > 709.8lf) { return inf64(); }
+  if (x < -745.2lf) { return 0.0lf; }
+  let k = floor(x * 1.44269504088896338700lf + 0.5lf);
+  let r = (x - k * 6.93147180369123816490e-01lf) - k * 1.90821492927058770002e-10lf;
+  var p = 1.0lf / 6227020800.0lf;
+  p = p * r + 1.0lf / 479001600.0lf; p = p * r + 1.0lf / 39916800.0lf; p = p * r + 1.0lf / 3628800.0lf;
+  p = p * r + 1.0lf / 362880.0lf; p = p * r + 1.0lf / 40320.0lf; p = p * r + 1.0lf / 5040.0lf;
+  p = p * r + 1.0lf / 720.0lf; p = p * r + 1.0lf / 120.0lf; p = p * r + 1.0lf / 24.0lf; p = p * r + 1.0lf / 6.0lf;
+  p = p * r + 0.5lf; p = p * r + 1.0lf; p = p * r + 1.0lf;
+  let e = i32(k);
+  if (e > 1000) { return ldexp(ldexp(p, e - 1000), 1000); }
+  if (e < -1000) { return ldexp(ldexp(p, e + 1000), -1000); }
+  return ldexp(p, e);
+}
+fn azyx_log64(x: f64) -> f64 {
+  if (isnan64(x) || x < 0.0lf) { return nan64(); }
+  if (x == 0.0lf) { return -inf64(); }
+  if (x == inf64()) { return x; }
+  var m = x; var e = 0;  // m * 2^e == x, m in [0.5, 1) (frexp of f64 crashes lavapipe's compiler)
+  while (m >= 18446744073709551616.0lf) { m *= 5.42101086242752217004e-20lf; e += 64; }
+  while (m < 5.42101086242752217004e-20lf) { m *= 18446744073709551616.0lf; e -= 64; }
+  let k = i32(floor(log2(f32(m))));
+  m = ldexp(m, -k); e += k;
+  while (m >= 1.0lf) { m *= 0.5lf; e += 1; }
+  while (m < 0.5lf) { m *= 2.0lf; e -= 1; }
+  if (m < 0.70710678118654752440lf) { m *= 2.0lf; e -= 1; }
+  let t = (m - 1.0lf) / (m + 1.0lf); let t2 = t * t; var p = 1.0lf / 25.0lf;
+  for (var n = 23; n >= 1; n -= 2) { p = p * t2 + 1.0lf / f64(n); }
+  return 2.0lf * t * p + f64(e) * 1.90821492927058770002e-10lf + f64(e) * 6.93147180369123816490e-01lf;
+}
+fn azyx_exp264(x: f64) -> f64 { return azyx_exp64(x * 6.93147180559945309417e-01lf); }
+fn azyx_log264(x: f64) -> f64 { return azyx_log64(x) * 1.44269504088896338700lf; }
+fn azyx_sin_r(r: f64) -> f64 {  // |r| <= pi/4
+  let r2 = r * r; var p = 1.0lf / 355687428096000.0lf;
+  p = p * r2 - 1.0lf / 1307674368000.0lf; p = p * r2 + 1.0lf / 6227020800.0lf; p = p * r2 - 1.0lf / 39916800.0lf;
+  p = p * r2 + 1.0lf / 362880.0lf; p = p * r2 - 1.0lf / 5040.0lf; p = p * r2 + 1.0lf / 120.0lf;
+  p = p * r2 - 1.0lf / 6.0lf; p = p * r2 + 1.0lf;
+  return r * p;
+}
+fn azyx_cos_r(r: f64) -> f64 {
+  let r2 = r * r; var p = 1.0lf / 20922789888000.0lf;
+  p = p * r2 - 1.0lf / 87178291200.0lf; p = p * r2 + 1.0lf / 479001600.0lf; p = p * r2 - 1.0lf / 3628800.0lf;
+  p = p * r2 + 1.0lf / 40320.0lf; p = p * r2 - 1.0lf / 720.0lf; p = p * r2 + 1.0lf / 24.0lf;
+  p = p * r2 - 0.5lf; p = p * r2 + 1.0lf;
+  return p;
+}
+fn azyx_trig(x: f64, shift: i32) -> f64 {  // sin (shift 0) or cos (shift 1) by quadrant
+  if (isnan64(x) || abs(x) == inf64()) { return nan64(); }
+  let k = floor(x * 6.36619772367581382433e-01lf + 0.5lf);
+  let r = ((x - k * 1.57079632673412561417e+00lf) - k * 6.07710050630396597660e-11lf)
+    - k * 2.02226624871116645580e-21lf;
+  let q = (i32(k) + shift) & 3;
+  let v = select(azyx_cos_r(r), azyx_sin_r(r), (q & 1) == 0);
+  return select(v, -v, q >= 2);
+}
+fn azyx_sin64(x: f64) -> f64 { return azyx_trig(x, 0); }
+fn azyx_cos64(x: f64) -> f64 { return azyx_trig(x, 1); }
+fn azyx_tan64(x: f64) -> f64 { return azyx_trig(x, 0) / azyx_trig(x, 1); }
+fn azyx_tanh64(x: f64) -> f64 {
+  let a = abs(x); var y: f64;
+  if (a < 0.05lf) {
+    let a2 = a * a;
+    y = a * (1.0lf + a2 * (-1.0lf / 3.0lf + a2 * (2.0lf / 15.0lf + a2 * (-17.0lf / 315.0lf + a2 * (62.0lf / 2835.0lf
+      + a2 * (-1382.0lf / 155925.0lf))))));
+  } else if (a > 22.0lf) { y = 1.0lf; }
+  else { let t = azyx_exp64(-2.0lf * a); y = (1.0lf - t) / (1.0lf + t); }
+  if (isnan64(x)) { return x; }
+  return select(y, -y, x < 0.0lf);
+}
+fn azyx_log1p64(x: f64) -> f64 { let u = 1.0lf + x; return select(azyx_log64(u) * (x / (u - 1.0lf)), x, u == 1.0lf); }
+fn azyx_erf64(x: f64) -> f64 {
+  let a = abs(x); var y: f64;
+  if (isnan64(x)) { return x; }
+  if (a < 2.0lf) {  // the Taylor series: 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1))
+    var term = a; var sum = a; let a2 = a * a;
+    for (var n = 1; n < 40; n++) { term *= -a2 / f64(n); sum += term / f64(2 * n + 1); }
+    y = sum * 1.12837916709551257390lf;
+  } else if (a < 6.0lf) {  // erfc by its continued fraction, evaluated from the tail
+    var f = a;
+    for (var n = 80; n >= 1; n--) { f = a + (f64(n) * 0.5lf) / f; }
+    y = 1.0lf - azyx_exp64(-a * a) / (f * 1.77245385090551602730lf);
+  } else { y = 1.0lf; }
+  return select(y, -y, x < 0.0lf);
+}
+fn azyx_pow64(x: f64, y: f64) -> f64 {
+  if (y == 0.0lf || x == 1.0lf) { return 1.0lf; }
+  if (x == 0.0lf) { return select(0.0lf, inf64(), y < 0.0lf); }
+  var r = azyx_exp64(y * azyx_log64(abs(x)));
+  if (x < 0.0lf) { if (y != floor(y)) { return nan64(); } if (azyx_fmod64(y, 2.0lf) != 0.0lf) { r = -r; } }
+  return r;
+}
+"""
+
+# math functions by name, per compute type where they differ (float64 has its own routines)
+_FNS_F64 = {"exp": "azyx_exp64", "log": "azyx_log64", "exp2": "azyx_exp264", "log2": "azyx_log264",
+            "sin": "azyx_sin64", "cos": "azyx_cos64", "tan": "azyx_tan64", "tanh": "azyx_tanh64",
+            "erf": "azyx_erf64", "log1p": "azyx_log1p64", "pow": "azyx_pow64", "fmod": "azyx_fmod64"}
+_FNS_F32 = {"erf": "azyx_erf", "log1p": "azyx_log1p", "pow": "azyx_pow", "fmod": "azyx_fmod"}
+_BINOPS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+           "eq": "==", "ne": "!="}
+_BOOL_AS_INT = {"add", "sub", "mul", "lt", "le", "gt", "ge", "max", "min"}
+
+
+def wtype(d: DType, device: str, features: frozenset[str]) -> WType:
+    """The WGSL row of dtype `d` on a device with adapter `features`; a DTypeError where the device cannot compute
+    it."""
+    t = WGSL_TYPES.get(d.name)
+    if t is None:
+        raise DTypeError(f"{device}: WGSL has no representation of dtype {d.name}")
+    if t.feature and t.feature not in features:
+        raise DTypeError(f"{device}: dtype {d.name} needs the WebGPU adapter feature {t.feature!r}, which this "
+                         f"adapter lacks (use another device for {d.name} tensors, or cast them)")
+    return t
+
+
+def literal(v: object, d: DType) -> str:
+    """A constant of dtype `d` in its compute type (WGSL has no literal of infinity or NaN: bit patterns)."""
+    t = WGSL_TYPES[d.name].compute
+    if t == "bool":
+        return "true" if v else "false"
+    if t in ("i32", "u32", "i64"):
+        iv = int(v)  # type: ignore[call-overload]
+        sfx = {"i32": "i", "u32": "u", "i64": "li"}[t]
+        lowest = {"i32": -(2**31), "i64": -(2**63)}.get(t)
+        if iv == lowest:
+            return f"({iv + 1}{sfx} - 1{sfx})"
+        return f"({iv}{sfx})" if iv < 0 else f"{iv}{sfx}"
+    fv = float(v)  # type: ignore[arg-type]
+    if t == "f32":
+        fv = float(np.float32(fv))  # (a value past float32's range is its infinity, not an invalid literal)
+    if math.isnan(fv) or math.isinf(fv):
+        bits = "0x7fc00000u" if math.isnan(fv) else ("0xff800000u" if fv < 0 else "0x7f800000u")
+        return f"bitcast<f32>({bits})" if t == "f32" else f"f64(bitcast<f32>({bits}))"
+    r = repr(fv)
+    if "e" not in r and "." not in r:
+        r += ".0"
+    s = r + ("f" if t == "f32" else "lf")
+    return f"({s})" if s.startswith("-") else s
+
+
+class _Renderer:
+    """One kernel's WGSL: the entry point's body (`lines`), then the interface before it (`interface`), which knows
+    the dtypes, helpers and workgroup memory the body used."""
+
+    def __init__(self, k: Kernel, name: str, device: str, features: frozenset[str], max_binding: int,
+                 max_trips: int):
+        assert not k.uvars, "WGSL kernels have no register tiles (the device says tiles = False)"
+        self.k, self.name, self.device, self.features = k, name, device, features
+        self.types = [wtype(d, device, features) for d in k.params]
+        self.chunks = bindings(k, max_binding)
+        self.scalars = scalar_args(k)
+        self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
+        self.lines: list[str] = []
+        self.globals: list[str] = []
+        self.depth = 1
+        self.count = 0
+        self.group = group_size(k, WGSL_FACTS)
+        self.unroll = unroll(k, self.group, max_trips)
+        if not index_fits(k, self.group):
+            raise ShapeError(f"{device}: a kernel of {k.global_size} points indexes past 2**31 elements (WGSL indices "
+                             "are i32)")
+        self.used: set[str] = set()  # dtypes the kernel computes in
+
+    # ------------------------------------------------------------------ text
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * self.depth + line)
+
+    def open(self, line: str) -> None:
+        self.emit(line + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.emit("}")
+
+    def ct(self, d: DType) -> str:
+        self.used.add(d.name)
+        return wtype(d, self.device, self.features).compute
+
+    def fn(self, name: str, d: DType) -> str:
+        t = self.ct(d)
+        return (_FNS_F64 if t == "f64" else _FNS_F32).get(name, name)
+
+    def isnan(self, x: str, d: DType) -> str:
+        return f"isnan{64 if self.ct(d) == 'f64' else 32}({x})"
+
+    def cond(self, c: Cond) -> str:
+        if c.never:
+            return "false"
+        parts = []
+        for x, lo, hi in c.facts:
+            if x.vmin >= lo:
+                parts.append(f"({x.render()} < {hi})")
+            elif x.vmax < hi:
+                parts.append(f"({x.render()} >= {lo})")
+            else:
+                parts.append(f"(u32({(x - lo).render()}) < {hi - lo}u)")
+        return " && ".join(parts) if parts else "true"
+
+    def ref(self, v: V) -> str:
+        if v.op == "const":
+            self.ct(v.dtype)
+            return literal(v.arg, v.dtype)
+        return self.names[id(v)]
+
+    # ------------------------------------------------------------------ values
+    def load(self, param: int, idx: str) -> str:
+        if self.types[param].pack == 1 and self.chunks[param][0] == 1:
+            return f"d{param}[{idx}]"
+        return f"ld{param}({idx})"
+
+    def rounded(self, d: DType, e: str) -> str:
+        r = WGSL_TYPES[d.name].rounds
+        return r.format(x=e) if r else e
+
+    def expr(self, v: V) -> str:
+        if v.op == "load":
+            param, idx, cond = v.arg
+            i = idx.render() if cond.always else f"select(0, {idx.render()}, {self.cond(cond)})"
+            self.ct(v.dtype)
+            return self.load(param, i)
+        if v.op == "cond":
+            return f"({self.cond(v.arg)})"
+        if v.op == "cast":
+            return self.cast(v.src[0], v.dtype)
+        if v.op == "where":
+            c, a, b = (self.ref(s) for s in v.src)
+            return f"select({b}, {a}, {c})"
+        if v.op == "alu":
+            return self.rounded(v.dtype, self.alu(v.arg, v.dtype, [self.ref(s) for s in v.src], v.src[0].dtype))
+        raise AssertionError(v.op)
+
+    def cast(self, s: V, d: DType) -> str:
+        x, st, t = self.ref(s), self.ct(s.dtype), self.ct(d)
+        if d.is_bool:
+            return x if s.dtype.is_bool else f"({x} != {literal(0, s.dtype)})"
+        if s.dtype.is_bool:
+            return self.rounded(d, f"select({literal(0, d)}, {literal(1, d)}, {x})")
+        return self.rounded(d, x if st == t else f"{t}({x})")
+
+    def alu(self, op: str, d: DType, a: list[str], sd: DType) -> str:
+        """One elementwise op; `d` is the result dtype, `sd` the operands'."""
+        if sd.is_bool and op in _BOOL_AS_INT:  # no arithmetic or ordering on bool
+            e = self.alu(op, dtypes.int32, [f"select(0i, 1i, {x})" for x in a], dtypes.int32)
+            return f"({e} != 0i)" if d.is_bool and op in ("add", "sub", "mul", "max", "min") else e
+        t = self.ct(sd)
+        fl = sd.is_float
+        x = a[0]
+
+        def c(v: float | int) -> str:
+            return literal(v, sd)
+
+        if op == "neg":
+            return f"(-{x})"
+        if op == "abs":
+            return f"abs({x})"
+        if op == "not":
+            return f"(!{x})" if sd.is_bool else f"(~{x})"
+        if op == "square":
+            return f"({x} * {x})"
+        if op == "sign":
+            s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
+            return f"select({s}, {x}, {self.isnan(x, sd)})" if fl else s
+        if op == "relu":
+            return f"select({x}, {c(0)}, {x} < {c(0)})"  # NaN stays NaN
+        if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
+            return f"{self.fn(op, sd)}({x})"  # (WGSL's round rounds half to even, as numpy's)
+        if op == "rsqrt":
+            return f"({c(1)} / sqrt({x}))"
+        if op == "reciprocal":
+            return f"({c(1)} / {x})"
+        ex = self.fn("exp", sd)
+        if op == "sigmoid":
+            return f"({c(1)} / ({c(1)} + {ex}(-{x})))"
+        if op == "silu":
+            return f"({x} / ({c(1)} + {ex}(-{x})))"
+        if op == "gelu":
+            return f"({c(0.5)} * {x} * ({c(1)} + {self.fn('erf', sd)}({x} * {c(0.7071067811865476)})))"
+        if op == "gelu_tanh":  # x*sigmoid(2z): no cancellation in 1+tanh for very negative x
+            return f"({x} / ({c(1)} + {ex}({c(-1.5957691216057308)} * ({x} + {c(0.044715)} * {x} * {x} * {x}))))"
+        if op == "softplus":
+            return f"(max({x}, {c(0)}) + {self.fn('log1p', sd)}({ex}(-abs({x}))))"
+        y = a[1] if len(a) > 1 else ""
+        if op in ("eq", "ne") and fl and x == y:  # a NaN test (argmax's `x != x`), by the bits
+            return f"({'!' if op == 'eq' else ''}{self.isnan(x, sd)})"
+        if op == "ne" and fl:  # unordered: true where either is NaN (naga's float != is ordered)
+            return f"(!({x} == {y}))"
+        if op in _BINOPS:
+            return f"({x} {_BINOPS[op]} {y})"
+        if op in ("and", "or", "xor"):
+            if sd.is_bool:
+                return {"and": f"({x} && {y})", "or": f"({x} || {y})", "xor": f"({x} != {y})"}[op]
+            return f"({x} {({'and': '&', 'or': '|', 'xor': '^'})[op]} {y})"
+        if op in ("max", "min"):
+            return combine(op, sd).format(a=y, b=x)
+        rem = f"({x} % {y})"  # (WGSL's % of ints truncates, as C's)
+        if op == "floordiv":
+            if fl:
+                return f"floor({x} / {y})"
+            adjust = f"select({c(0)}, {c(1)}, ({rem} != {c(0)}) && (({x} < {c(0)}) != ({y} < {c(0)})))"
+            return f"select({x} / {y} - {adjust}, {c(0)}, {y} == {c(0)})"
+        if op == "mod":
+            if fl:  # a zero remainder takes the divisor's sign (numpy, Python)
+                r = f"{self.fn('fmod', sd)}({x}, {y})"
+                return (f"select(select({c(0.0)}, {c(-0.0)}, {y} < {c(0)}), select({r}, {r} + {y}, ({r} < {c(0)}) != "
+                        f"({y} < {c(0)})), {r} != {c(0)})")
+            return f"select(select({rem}, {rem} + {y}, {rem} != {c(0)} && (({rem} < {c(0)}) != ({y} < {c(0)}))), " \
+                   f"{c(0)}, {y} == {c(0)})"
+        if op == "pow":
+            if fl:
+                return f"{self.fn('pow', sd)}({x}, {y})"
+            if t == "i64":
+                return f"ipow64({x}, {y})"
+            return f"ipow({x}, {y})"
+        raise AssertionError(f"no WGSL rendering for op {op}")
+
+    # ------------------------------------------------------------------ statements
+    def stmt(self, v: V) -> None:
+        if v.op in ("const", "reduce") or id(v) in self.names:
+            return
+        name = f"v{self.count}"
+        self.count += 1
+        self.emit(f"let {name}: {self.ct(v.dtype)} = {self.expr(v)};")
+        self.names[id(v)] = name
+
+    def body_of(self, r: V, place: dict[int, object], order: list[V]) -> list[V]:
+        """The values computed inside reduce `r`'s loop, in topological order."""
+        return [v for v in order if place.get(id(v)) is r and v.op != "reduce"]
+
+    def reduce(self, r: V, place: dict[int, object], order: list[V]) -> None:
+        op, rvars = r.arg
+        acc_d = dtypes.int32 if r.dtype.is_bool else r.dtype
+        acc_t = self.ct(acc_d)
+        init = literal(REDUCE[op][0](r.dtype), acc_d)
+        name = f"acc{self.count}"
+        self.count += 1
+        comb = combine(op, acc_d)
+        self.emit(f"var {name}: {acc_t} = {init};")
+        total = 1
+        for rv in rvars:
+            total *= rv.vmax + 1
+        step, u = self.group or 1, self.unroll
+        start = "i32(lid)" if self.group else "0"
+        if u == 1:
+            self.open(f"for (var rl = {start}; rl < {total}; rl += {step})")
+        else:  # `u` steps per iteration (a driver that bounds a shader's loop iterations: see `unroll`)
+            self.open(f"for (var rb = {start}; rb < {total}; rb += {step * u})")
+        for i in range(u):
+            saved = dict(self.names)
+            if u > 1:
+                self.open("" if i == 0 else f"if (rb + {i * step} < {total})")
+                self.emit(f"let rl = rb + {i * step};")
+            inner = 1
+            for rv in reversed(rvars):  # the flat index back into the reduce's own variables
+                n = rv.vmax + 1
+                idx = "rl" if inner == 1 else f"(rl / {inner})"
+                self.emit(f"let {rv.name} = {idx if rv is rvars[0] else f'{idx} % {n}'};")
+                inner *= n
+            for v in self.body_of(r, place, order):
+                self.stmt(v)
+            b = r.src[0]
+            val = self.ref(b) if (b.op == "const" or id(b) in self.names) else self.expr(b)
+            if r.dtype.is_bool:
+                val = f"select(0i, 1i, {val})"
+            self.emit(f"{name} = {comb.format(a=name, b=val)};")
+            if u > 1:
+                self.close()
+            self.names = saved
+        self.close()
+        if self.group:  # a tree in workgroup memory; every item ends with the result
+            sh = f"{name}_s"
+            self.globals.append(f"var<workgroup> {sh}: array<{acc_t}, {self.group}>;")
+            self.emit(f"{sh}[lid] = {name};")
+            self.emit("workgroupBarrier();")
+            self.open(f"for (var s = {self.group // 2}u; s > 0u; s >>= 1u)")
+            self.emit(f"if (lid < s) {{ {sh}[lid] = {comb.format(a=f'{sh}[lid]', b=f'{sh}[lid + s]')}; }}")
+            self.emit("workgroupBarrier();")
+            self.close()
+            self.emit(f"{name} = {sh}[0];")
+            self.emit("workgroupBarrier();")  # every item has read before a later reduce of this kernel writes
+        self.names[id(r)] = f"({name} != 0i)" if r.dtype.is_bool else name
+
+    def render(self) -> str:
+        k = self.k
+        order = toposort(*k.values)
+        reduces = [v for v in order if v.op == "reduce"]
+        owner = {rv: r for r in reduces for rv in r.arg[1]}
+        place: dict[int, object] = {}  # id -> the reduce whose loop computes it (absent: the top level)
+        for v in order:
+            own = next((owner[x] for x in v.vars if x in owner), None)
+            if v.op != "reduce" and own is not None:
+                place[id(v)] = own
+        self.scalar_values()
+        n = max(k.global_size, 1)
+        if self.group:  # a work group per output point; no early return before the barriers but whole groups'
+            self.emit("let gid = i32(wg.x + wg.y * nwg.x);")
+            self.emit(f"if (gid >= {n}) {{ return; }}")
+        else:
+            self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
+            self.emit(f"if (gid >= {n}) {{ return; }}")
+        stride = 1
+        strides = []
+        for g in reversed(k.gvars):
+            strides.append(stride)
+            stride *= g.vmax + 1
+        for lvl, (g, s) in enumerate(zip(k.gvars, reversed(strides))):
+            at = "gid" if s == 1 else f"(gid / {s})"
+            self.emit(f"let {g.name} = {at if lvl == 0 else f'{at} % {g.vmax + 1}'};")
+        for v in order:
+            if id(v) in place:
+                continue
+            if v.op == "reduce":
+                self.reduce(v, place, order)
+            else:
+                self.stmt(v)
+        only = "if (lid == 0u) " if self.group else ""
+        for i, (idx, v) in enumerate(k.stores):
+            val = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
+            if self.types[i].pack == 1 and self.chunks[i][0] == 1:
+                self.emit(f"{only}{{ d{i}[{idx.render()}] = {val}; }}")
+            else:
+                self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
+        return self.interface() + f"@compute @workgroup_size({self.work_group()})\n" \
+            f"fn {self.name}(@builtin(global_invocation_id) gi: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>, " \
+            f"@builtin(local_invocation_index) lid: u32, @builtin(num_workgroups) nwg: vec3<u32>) {{\n" + \
+            "\n".join(self.lines) + "\n}\n"
+
+    def work_group(self) -> int:
+        return launch_for(self.k, WGSL_FACTS).group
+
+    def scalar_values(self) -> None:
+        """Each scalar argument from its 64-bit word of the uniform words (two u32s, low first)."""
+        for j, v in enumerate(self.scalars):
+            t = self.ct(v.dtype)
+            lo, hi = f"sw[{j // 2}][{(j % 2) * 2}]", f"sw[{j // 2}][{(j % 2) * 2 + 1}]"
+            word = f"(u64({lo}) | (u64({hi}) << 32u))"  # (naga types bitcast<f64>(vec2<u32>) as vec2<f32>)
+            if t in ("f64", "i64") and "shader-int64" not in self.features:
+                raise DTypeError(f"{self.device}: a {v.dtype.name} scalar argument needs the WebGPU adapter feature "
+                                 "'shader-int64', which this adapter lacks")
+            if t == "f64":
+                x = f"bitcast<f64>({word})"
+            elif t == "f32":
+                x = f"bitcast<f32>({lo})"  # (float16 and bfloat16 scalars come as float32: SCALAR_CODES)
+            elif t == "i64":
+                x = f"bitcast<i64>({word})"
+            elif t == "u32":
+                x = lo
+            elif t == "bool":
+                x = f"({lo} != 0u)"
+            else:
+                x = self.rounded(v.dtype, f"bitcast<i32>({lo})")
+            self.emit(f"let sc{j}: {t} = {x};")
+
+    def interface(self) -> str:
+        """The part before the entry point: its name, the helpers, the bindings (and packed parameters' accessors),
+        the words, workgroup memory."""
+        k = self.k
+        out = [f"// {self.name}"]
+        out.append(_PRELUDE)  # (wgpu enables f64 and i64 by device feature: no `enable` directive)
+        if "int64" in self.used:
+            out.append(_PRELUDE_I64)
+        if "float64" in self.used:
+            out.append(_ISNAN64["shader-int64" in self.features] + _PRELUDE_F64)
+        binding = 0
+        for i, (t, (n, per)) in enumerate(zip(self.types, self.chunks)):
+            write = i < len(k.stores)
+            elem = f"atomic<{t.storage}>" if write and t.pack > 1 else t.storage
+            for c in range(n):
+                out.append(f"@group(0) @binding({binding}) var<storage, {'read_write' if write else 'read'}> "
+                           f"{_array(i, c, n)}: array<{elem}>;")
+                binding += 1
+            per //= t.element_size
+            if t.pack == 1:
+                if n > 1 and write:
+                    out.append(f"fn st{i}(i: i32, v: {t.compute}) {{ {_chunked(i, n, per, 'i', '{a}[{j}] = v;')} }}")
+                elif n > 1:
+                    out.append(f"fn ld{i}(i: i32) -> {t.compute} {{ {_chunked(i, n, per, 'i', 'return {a}[{j}];')} }}")
+                continue
+            bits = 32 // t.pack
+            shift = f"(u32(i) & {t.pack - 1}u) * {bits}u"
+            word = f"u32(i) >> {t.pack.bit_length() - 1}u"
+            mask = f"0x{(1 << bits) - 1:x}u"
+            if write:
+                body = _chunked(i, n, per, "w", "atomicAnd(&{a}[{j}], keep); atomicOr(&{a}[{j}], bits);")
+                out.append(f"fn st{i}(i: i32, v: {t.compute}) {{ let w = {word}; let s = {shift}; let keep = ~({mask} "
+                           f"<< s); let bits = ({t.packs.format(x='v')} & {mask}) << s; {body} }}")
+            else:
+                out.append(f"fn rd{i}(w: u32) -> u32 {{ {_chunked(i, n, per, 'w', 'return {a}[{j}];')} }}")
+                raw = f"((rd{i}({word}) >> ({shift})) & {mask})"
+                out.append(f"fn ld{i}(i: i32) -> {t.compute} {{ return {t.unpack.format(x=raw)}; }}")
+        if self.scalars:
+            out.append(f"@group(0) @binding({binding}) var<uniform> sw: array<vec4<u32>, "
+                       f"{-(-len(self.scalars) // 2)}>;")
+        out += self.globals
+        return "\n".join(line for line in out if line) + "\n"
+
+
+def combine(op: str, d: DType) -> str:
+    """How a reduce of `op` over dtype `d` folds a new value {b} into its accumulator {a} (max and min of floats
+    propagate NaN)."""
+    if op == "sum":
+        return "({a} + {b})"
+    if op == "prod":
+        return "({a} * {b})"
+    if d.is_float:
+        cmp = ">" if op == "max" else "<"
+        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || isnan{64 if d.itemsize == 8 else 32}({{b}}))"
+    return f"{op}({{a}}, {{b}})"
+
+
+def bindings(k: Kernel, max_binding: int) -> list[tuple[int, int]]:
+    """Per parameter of `k`: how many storage bindings it takes and the bytes of each (but the last, which binds the
+    rest of the buffer). A parameter whose elements reach past `max_binding` bytes (the adapter's storage binding
+    size: 128 MiB on lavapipe) is bound as consecutive ranges of one buffer, which the shader's accessors pick by
+    index; the ranges start at multiples of 256 bytes (WebGPU's largest offset alignment)."""
+    reach = [0] * len(k.params)
+    for i, (idx, _) in enumerate(k.stores):
+        reach[i] = max(reach[i], idx.vmax + 1)
+    for v in toposort(*k.values):
+        if v.op == "load":
+            reach[v.arg[0]] = max(reach[v.arg[0]], v.arg[1].vmax + 1)
+    chunk = max_binding // 256 * 256
+    out = []
+    for d, n in zip(k.params, reach):
+        t = WGSL_TYPES[d.name]
+        nbytes = -(-n // t.pack) * t.element_size
+        out.append((1, max_binding) if nbytes <= max_binding else (-(-nbytes // chunk), chunk))
+    return out
+
+
+def unroll(k: Kernel, group: int, max_trips: int) -> int:
+    """How many steps of each reduce loop one iteration takes (a power of two), so that a work item's loop iterations
+    stay within `max_trips` (0: no bound). Mesa's llvmpipe (lavapipe) ends every shader's loops after 65535
+    iterations in all, silently: a row of 34M elements summed by a group of 64 items would stop at 2M."""
+    trips = sum(-(-_numel(v.arg[1]) // max(group, 1)) for v in toposort(*k.values) if v.op == "reduce")
+    u = 1
+    while max_trips and trips > (max_trips - 64) * u and u < 1024:  # (64: the trees' loops and a margin)
+        u *= 2
+    return u
+
+
+def _numel(vs: tuple[Var, ...]) -> int:
+    out = 1
+    for v in vs:
+        out *= v.vmax + 1
+    return out
+
+
+def _array(param: int, chunk: int, chunks: int) -> str:
+    return f"d{param}" if chunks == 1 else f"d{param}_{chunk}"
+
+
+def _chunked(param: int, n: int, per: int, index: str, body: str) -> str:
+    """Statements doing `body` ({a}: the array, {j}: the index in it) on element `index` of a parameter bound as `n`
+    ranges of `per` elements each."""
+    if n == 1:
+        return body.format(a=f"d{param}", j=index)
+    parts = [f"let c = {index} / {per}; let j = {index} - c * {per};"]
+    for c in range(n - 1):
+        parts.append(f"if (c == {c}) {{ {body.format(a=_array(param, c, n), j='j')} return; }}"
+                     if "return" not in body else f"if (c == {c}) {{ {body.format(a=_array(param, c, n), j='j')} }}")
+    parts.append(body.format(a=_array(param, n - 1, n), j="j"))
+    return " ".join(parts)
+
+
+def render_wgsl(k: Kernel, device: str, features: frozenset[str], max_binding: int = 1 << 62, max_trips: int = 0
+                ) -> tuple[str, str, Launch]:
+    """(name, source, launch) of a kernel as a WGSL compute shader for a device with adapter `features`, storage
+    bindings of up to `max_binding` bytes and at most `max_trips` loop iterations per work item (0: no bound); the
+    entry point is the kernel's name, which hashes the source."""
+    body = _Renderer(k, "KERNEL", device, features, max_binding, max_trips).render()
+    name = kernel_name(body, "w")
+    return name, body.replace("KERNEL", name), launch_for(k, WGSL_FACTS)
