@@ -449,6 +449,15 @@ class _Renderer:
     def stmt(self, v: V) -> None:
         if v.op in ("const", "reduce") or id(v) in self.names:
             return
+        if v.op == "index":  # an address read from memory: wrapped from the end, then clamped into its buffer
+            x, top, t = self.ref(v.src[0]), v.arg.vmax, self.ct(v.src[0].dtype)
+            if v.src[0].dtype.kind == "u":
+                e = f"min({x}, {t}({top}))"
+            else:
+                e = f"clamp(select({x}, {x} + {t}({top + 1}), {x} < {t}(0)), {t}(0), {t}({top}))"
+            self.emit(f"let {v.arg.name}: i32 = i32({e});")
+            self.names[id(v)] = v.arg.name
+            return
         name = f"v{self.count}"
         self.count += 1
         self.emit(f"let {name}: {self.ct(v.dtype)} = {self.expr(v)};")
@@ -522,6 +531,9 @@ class _Renderer:
             if v.op != "reduce" and own is not None:
                 place[id(v)] = own
         self.scalar_values()
+        if k.scatter is not None:
+            self.scatter_body(order)
+            return self.entry()
         n = max(k.global_size, 1)
         if self.group:  # a work group per output point; no early return before the barriers but whole groups'
             self.emit("let gid = i32(wg.x + wg.y * nwg.x);")
@@ -551,6 +563,33 @@ class _Renderer:
                 self.emit(f"{only}{{ d{i}[{idx.render()}] = {val}; }}")
             else:
                 self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
+        return self.entry()
+
+    def scatter_body(self, order: list[V]) -> None:
+        """A scatter-add (Kernel.scatter), as cstyle's: each point of the global loops (outer, inner: the axes before
+        and after the scattered one) owns the output's elements along the scattered axis at its coordinates, zeroes
+        them, then adds its values in order at the rows its index reads (no two points write one element)."""
+        k = self.k
+        j, r, zero_idx = k.scatter  # type: ignore[misc]
+        outer, inner = k.gvars
+        (idx, value), = k.stores
+        if self.types[0].pack != 1 or self.chunks[0][0] != 1:
+            raise DTypeError(f"{self.device}: a scatter-add into {k.params[0].name} (a packed or split binding) is not "
+                             "supported by the WGSL renderer")
+        self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
+        self.emit(f"if (gid >= {max(k.global_size, 1)}) {{ return; }}")
+        self.emit(f"let {outer.name} = gid / {inner.vmax + 1}; let {inner.name} = gid % {inner.vmax + 1};")
+        self.open(f"for (var {r.name} = 0; {r.name} < {r.vmax + 1}; {r.name}++)")
+        self.emit(f"d0[{zero_idx.render()}] = {literal(0, k.params[0])};")
+        self.close()
+        self.open(f"for (var {j.name} = 0; {j.name} < {j.vmax + 1}; {j.name}++)")
+        for v in order:
+            self.stmt(v)
+        val = self.ref(value) if (value.op == "const" or id(value) in self.names) else self.expr(value)
+        self.emit(f"d0[{idx.render()}] = d0[{idx.render()}] + {val};")
+        self.close()
+
+    def entry(self) -> str:
         return self.interface() + f"@compute @workgroup_size({self.work_group()})\n" \
             f"fn {self.name}(@builtin(global_invocation_id) gi: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>, " \
             f"@builtin(local_invocation_index) lid: u32, @builtin(num_workgroups) nwg: vec3<u32>) {{\n" + \
