@@ -58,6 +58,7 @@ class Dialect:
     warp_outputs: int = 4096  # ... from this many outputs on
     vector4: str = ""  # a 4-float vector type: plain elementwise float32 kernels move 16 bytes per load and store
     copies: int = 1  # a grouped reduce's steps per loop iteration (where the dialect has no unroll pragma: GLSL)
+    max_trips: int = 0  # a driver's bound on a shader's loop iterations (llvmpipe stops loops silently past 65535)
     # integer max/min as azyx_max/azyx_min of the prelude: NVRTC (CUDA 13) miscompiles `(-x > acc ? -x : acc)` in
     # an unrolled reduce that starts at INT_MIN (max(-x, c) rewritten as -min(x, -c)); an asm max is opaque to it
     int_minmax: bool = False
@@ -910,6 +911,8 @@ class _Renderer:
         vector = self._vector_operands(r, body)
         trip = total // 4 if vector is not None else total  # steps of the reduce, `size` items at a time
         copies = dl.copies if trip >= dl.copies * size else 1
+        if dl.max_trips:  # enough steps per iteration to stay within the driver's bound
+            copies = max(copies, -(-trip // (size * dl.max_trips)))
         if copies > 1:  # `copies` steps per iteration, so that their loads are in flight together
             self.emit(f"{it} rl0 = lid;")
             self.open(f"for (; rl0 + {(copies - 1) * size} < {trip}; rl0 += {copies * size})")

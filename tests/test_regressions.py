@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+import azyx
 from azyx import Tensor
 
 
@@ -129,3 +131,14 @@ async def test_kernels_of_one_source_launch_their_own_grids(device: str) -> None
         for _ in range(3):  # (a steady batch of launches becomes a graph: it must not be another shape's)
             got = await (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
             np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif("vulkan:0" not in azyx.devices(), reason="no vulkan device")
+async def test_a_sum_past_llvmpipes_loop_bound_counts_every_element() -> None:
+    """llvmpipe (lavapipe) ends a shader's loops after 65535 iterations, silently: a sum of 33.5M ones gave 131070
+    before grouped reduces took enough steps per iteration to stay within it."""
+    n = 33_558_531
+    got = await Tensor(np.ones(n, np.float32), device="vulkan:0").sum().numpy()
+    np.testing.assert_allclose(got, n, rtol=1e-6)  # (n is not a float32: rounding of the partial sums)
+    rows = await Tensor(np.ones((2, 9_000_001), np.float32), device="vulkan:0").sum(axis=1).numpy()
+    np.testing.assert_array_equal(rows, np.full(2, 9_000_001, np.float32))

@@ -72,6 +72,7 @@ SYNC_STAGE = 1 << 20  # a ready host source up to this size is copied at once; l
 WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in slices of this (so that close stops it)
 GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 SETS_PER_POOL = 64  # descriptor sets per descriptor pool (a command buffer keeps one set for its words)
+LLVMPIPE_TRIPS = 60000  # (llvmpipe ends a shader's loops after 65535 iterations, silently: a margin below it)
 WORDS_RANGE = 4096  # bytes of words one kernel may read (its buffers' addresses and its scalars: 512 64-bit words)
 SLAB, SLAB_PIECE, SLAB_ALIGN = 4 << 20, 256 << 10, 256  # blocks of up to SLAB_PIECE bytes are pieces of slabs
 KEPT_PER_BATCH = 4  # command buffers recorded once and re-submitted, per batch of a plan on this device
@@ -253,7 +254,7 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
         group = min(group, warp * warp)
     return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, warp=warp,
                                shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
-                               group_size=group, copies=4 if gemm else 1)
+                               group_size=group, copies=4 if gemm else 1, max_trips=0 if gemm else LLVMPIPE_TRIPS)
 
 
 @functools.cache
