@@ -83,7 +83,17 @@ WGSL_TYPES: dict[str, WType] = {
 _PRELUDE = """fn isnan32(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
 fn wrap8(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 24u) >> 24u; }
 fn wrap16(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 16u) >> 16u; }
-fn f16r(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0f))).x; }
+fn f16r(x: f32) -> f32 {  // x rounded to float16 (to nearest even) in integer arithmetic, which no driver folds away
+  let u = bitcast<u32>(x); let s = u & 0x80000000u; let a = u ^ s;  // (NVIDIA's folds pack2x16float and back)
+  if (a >= 0x7f800000u || a == 0u) { return x; }
+  if (a >= 0x477ff000u) { return bitcast<f32>(s | 0x7f800000u); }
+  if (a >= 0x38800000u) { return bitcast<f32>(s | ((a + 0xfffu + ((a >> 13u) & 1u)) & 0xffffe000u)); }
+  let sh = 126u - (a >> 23u);  // a float16 subnormal: a multiple of 2^-24
+  if (sh > 24u) { return bitcast<f32>(s); }
+  let m = (a & 0x7fffffu) | 0x800000u; let r = m & ((1u << sh) - 1u); let h = 1u << (sh - 1u);
+  let q = (m >> sh) + select(0u, 1u, r > h || (r == h && ((m >> sh) & 1u) != 0u));
+  return bitcast<f32>(s | bitcast<u32>(f32(q) * 5.9604644775390625e-8f));
+}
 fn f2bf(f: f32) -> u32 {
   let i = bitcast<u32>(f);
   if (isnan32(f)) { return 0x7fc0u; }
@@ -392,8 +402,8 @@ class _Renderer:
         if op == "sign":
             s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
             return f"select({s}, {x}, {self.isnan(x, sd)})" if fl else s
-        if op == "relu":
-            return f"select({x}, {c(0)}, {x} < {c(0)})"  # NaN stays NaN
+        if op == "relu":  # NaN stays NaN, by its bits (NVIDIA's compiler turns the select into a max that drops it)
+            return f"select(select({x}, {c(0)}, {x} < {c(0)}), {x}, {self.isnan(x, sd)})"
         if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
             return f"{self.fn(op, sd)}({x})"  # (WGSL's round rounds half to even, as numpy's)
         if op == "rsqrt":
@@ -424,7 +434,7 @@ class _Renderer:
             return f"({x} {({'and': '&', 'or': '|', 'xor': '^'})[op]} {y})"
         if op in ("max", "min"):
             return combine(op, sd).format(a=y, b=x)
-        rem = f"({x} % {y})"  # (WGSL's % of ints truncates, as C's)
+        rem = f"({x} - {x} / {y} * {y})"  # truncated, as C's % (naga's % gave wrong remainders on NVIDIA)
         if op == "floordiv":
             if fl:
                 return f"floor({x} / {y})"
@@ -433,8 +443,14 @@ class _Renderer:
         if op == "mod":
             if fl:  # a zero remainder takes the divisor's sign (numpy, Python)
                 r = f"{self.fn('fmod', sd)}({x}, {y})"
-                return (f"select(select({c(0.0)}, {c(-0.0)}, {y} < {c(0)}), select({r}, {r} + {y}, ({r} < {c(0)}) != "
-                        f"({y} < {c(0)})), {r} != {c(0)})")
+                m = f"select({r}, {r} + {y}, ({r} < {c(0)}) != ({y} < {c(0)}))"
+                u = {"f32": "u32", "f64": "u64"}[self.ct(sd)]
+                if u == "u64" and "shader-int64" not in self.features:
+                    return f"select(select({c(0.0)}, {c(-0.0)}, {y} < {c(0)}), {m}, {r} != {c(0)})"
+                # the zero's sign set in its bits: a driver that ignores signed zeros (NVIDIA's) folds float selects
+                top = "0x80000000u" if u == "u32" else "0x8000000000000000lu"
+                sign = f"select({u}(0), {top}, {y} < {c(0)})"
+                return f"bitcast<{self.ct(sd)}>(select(bitcast<{u}>({m}), {sign}, (bitcast<{u}>({r}) << 1u) == {u}(0)))"
             return f"select(select({rem}, {rem} + {y}, {rem} != {c(0)} && (({rem} < {c(0)}) != ({y} < {c(0)}))), " \
                    f"{c(0)}, {y} == {c(0)})"
         if op == "pow":
@@ -674,7 +690,8 @@ def combine(op: str, d: DType) -> str:
         return "({a} * {b})"
     if d.is_float:
         cmp = ">" if op == "max" else "<"
-        return f"select({{a}}, {{b}}, {{b}} {cmp} {{a}} || isnan{64 if d.itemsize == 8 else 32}({{b}}))"
+        nan = f"isnan{64 if d.itemsize == 8 else 32}"  # NaN by its bits: NVIDIA's compiler turns a select into a max
+        return f"select(select({{a}}, {{b}}, {{b}} {cmp} {{a}}), {{a}} + {{b}}, {nan}({{a}}) || {nan}({{b}}))"
     return f"{op}({{a}}, {{b}})"
 
 

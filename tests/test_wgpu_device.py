@@ -176,6 +176,8 @@ def test_a_reduce_longer_than_a_drivers_loop_bound_is_whole() -> None:
 
 def test_a_buffer_past_the_buffer_size_limit_is_refused_naming_both() -> None:
     limit = RT.device(DEV).max_buffer  # type: ignore[attr-defined]
+    if limit >= RT.device(DEV).capacity:
+        pytest.skip(f"{DEV} takes buffers up to {limit} bytes, past its memory: its allocator refuses first")
     with pytest.raises(AllocationError, match=f"{limit} bytes"):
         Tensor.zeros(limit // 4 + 1, device=DEV).realize_sync()
     np.testing.assert_array_equal(Tensor.ones(5, device=DEV).numpy_sync(), np.ones(5, np.float32))  # still works
@@ -183,6 +185,8 @@ def test_a_buffer_past_the_buffer_size_limit_is_refused_naming_both() -> None:
 
 def test_kernels_bind_no_more_storage_buffers_than_the_adapter_allows() -> None:
     dev = RT.device(DEV)
+    if dev.max_buffers > 1000:  # type: ignore[attr-defined]
+        pytest.skip(f"{DEV} binds {dev.max_buffers} storage buffers per kernel: a graph past that takes too long")  # type: ignore[attr-defined]
     n = dev.max_buffers + 4  # type: ignore[attr-defined]
     xs = [np.full(3, i, np.float32) for i in range(n)]
     total = Tensor(xs[0], device=DEV)
