@@ -847,9 +847,7 @@ class _Renderer:
         g = k.gvars[0]
         self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
         self.emit(f"if (gid >= {k.global_size // 4}) return;")
-        along = {p for p in range(len(k.stores), len(k.params)) if k.params[p] is dtypes.float32 and all(
-            _is_var(v.arg[1], g) and v.arg[2].always for v in order if v.op == "load" and v.arg[0] == p)}
-        along &= {v.arg[0] for v in order if v.op == "load"}
+        along = along_loop(k, order)
         for p in sorted(along):
             self.emit(f"{vec} l{p} = {self.vec_at(p, 'gid')};")
         for i in range(len(k.stores)):
@@ -1119,6 +1117,15 @@ def vectorized(k: Kernel, dl: Dialect) -> bool:
     if any(v.op == "reduce" for v in toposort(*k.values)):
         return False
     return all(k.params[i] is dtypes.float32 and _is_var(idx, k.gvars[0]) for i, (idx, _) in enumerate(k.stores))
+
+
+def along_loop(k: Kernel, order: list[V]) -> set[int]:
+    """The float32 inputs of a `vectorized` kernel that it reads only along its loop (four consecutive elements per
+    work item: one 16-byte load)."""
+    g = k.gvars[0]
+    along = {p for p in range(len(k.stores), len(k.params)) if k.params[p] is dtypes.float32 and all(
+        _is_var(v.arg[1], g) and v.arg[2].always for v in order if v.op == "load" and v.arg[0] == p)}
+    return along & {v.arg[0] for v in order if v.op == "load"}
 
 
 def work_group(k: Kernel, dl: Dialect) -> int:

@@ -24,11 +24,11 @@ and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from azyx.cstyle import Dialect, group_size, index_fits, kernel_name
+from azyx.cstyle import Dialect, along_loop, group_size, index_fits, kernel_name, vectorized
 from azyx.dtypes import DType, dtypes
 from azyx.errors import DTypeError, ShapeError
 from azyx.ir import Kernel, V, scalar_args, toposort
@@ -40,6 +40,8 @@ from azyx.symbolic import Cond, Var
 WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
                      fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
                      max_groups=65535)
+# plain elementwise float32 kernels: four points per work item, each operand along the loop bound as vec4<f32>s
+WGSL_VEC = replace(WGSL_FACTS, vector4="vec4<f32>")
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,12 @@ class _Renderer:
         self.depth = 1
         self.count = 0
         self.group = group_size(k, WGSL_FACTS)
+        # (a parameter split into ranges past the binding size keeps scalar accessors; so does an output also read)
+        reread = any(v.op == "load" and v.arg[0] < len(k.stores) for v in toposort(*k.values))
+        self.dl = WGSL_VEC if vectorized(k, WGSL_VEC) and all(n == 1 for n, _ in self.chunks) and not reread \
+            else WGSL_FACTS
+        self.vec_params = along_loop(k, toposort(*k.values)) | set(range(len(k.stores))) \
+            if self.dl is WGSL_VEC else set()
         self.unroll = unroll(k, self.group, max_trips)
         if not index_fits(k, self.group):
             raise ShapeError(f"{device}: a kernel of {k.global_size} points indexes past 2**31 elements (WGSL indices "
@@ -550,6 +558,9 @@ class _Renderer:
         if k.scatter is not None:
             self.scatter_body(order)
             return self.entry()
+        if self.vec_params:
+            self.vector_body(order)
+            return self.entry()
         n = max(k.global_size, 1)
         if self.group:  # a work group per output point; no early return before the barriers but whole groups'
             self.emit("let gid = i32(wg.x + wg.y * nwg.x);")
@@ -580,6 +591,35 @@ class _Renderer:
             else:
                 self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
         return self.entry()
+
+    def vector_body(self, order: list[V]) -> None:
+        """A plain elementwise float32 kernel over one loop (cstyle.vectorized), four points per work item: each
+        operand read along the loop is one vec4 load, each output one vec4 store, and the body is computed per lane
+        (other loads, broadcast ones, stay scalar)."""
+        k, g = self.k, self.k.gvars[0]
+        self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
+        self.emit(f"if (gid >= {k.global_size // 4}) {{ return; }}")
+        loaded = sorted(self.vec_params - set(range(len(k.stores))))
+        for p in loaded:
+            self.emit(f"let l{p} = d{p}[gid];")
+        for i in range(len(k.stores)):
+            self.emit(f"var s{i}: vec4<f32>;")
+        for lane, c in enumerate("xyzw"):
+            self.open("")
+            self.emit(f"let {g.name} = gid * 4 + {lane};")
+            saved = dict(self.names)
+            for v in order:
+                if v.op == "load" and v.arg[0] in self.vec_params:
+                    self.names[id(v)] = f"l{v.arg[0]}.{c}"
+            for v in order:
+                self.stmt(v)
+            for i, (_, v) in enumerate(k.stores):
+                val = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
+                self.emit(f"s{i}.{c} = {val};")
+            self.names = saved
+            self.close()
+        for i in range(len(k.stores)):
+            self.emit(f"d{i}[gid] = s{i};")
 
     def scatter_body(self, order: list[V]) -> None:
         """A scatter-add (Kernel.scatter), as cstyle's: each point of the global loops (outer, inner: the axes before
@@ -612,7 +652,7 @@ class _Renderer:
             "\n".join(self.lines) + "\n}\n"
 
     def work_group(self) -> int:
-        return launch_for(self.k, WGSL_FACTS).group
+        return launch_for(self.k, self.dl).group
 
     def scalar_values(self) -> None:
         """Each scalar argument from its 64-bit word of the uniform words (two u32s, low first)."""
@@ -651,6 +691,8 @@ class _Renderer:
         for i, (t, (n, per)) in enumerate(zip(self.types, self.chunks)):
             write = i < len(k.stores)
             elem = f"atomic<{t.storage}>" if write and t.pack > 1 else t.storage
+            if i in self.vec_params:
+                elem = "vec4<f32>"
             for c in range(n):
                 out.append(f"@group(0) @binding({binding}) var<storage, {'read_write' if write else 'read'}> "
                            f"{_array(i, c, n)}: array<{elem}>;")
@@ -755,6 +797,7 @@ def render_wgsl(k: Kernel, device: str, features: frozenset[str], max_binding: i
     """(name, source, launch) of a kernel as a WGSL compute shader for a device with adapter `features`, storage
     bindings of up to `max_binding` bytes and at most `max_trips` loop iterations per work item (0: no bound); the
     entry point is the kernel's name, which hashes the source."""
-    body = _Renderer(k, "KERNEL", device, features, max_binding, max_trips).render()
+    r = _Renderer(k, "KERNEL", device, features, max_binding, max_trips)
+    body = r.render()
     name = kernel_name(body, "w")
-    return name, body.replace("KERNEL", name), launch_for(k, WGSL_FACTS)
+    return name, body.replace("KERNEL", name), launch_for(k, r.dl)
