@@ -41,7 +41,7 @@ WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="",
                      fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
                      max_groups=65535)
 # plain elementwise float32 kernels: four points per work item, each operand along the loop bound as vec4<f32>s
-WGSL_VEC = replace(WGSL_FACTS, vector4="vec4<f32>")
+WGSL_VEC = replace(WGSL_FACTS, vector4="vec4<f32>", block=256)
 
 
 @dataclass(frozen=True)
@@ -457,7 +457,7 @@ class _Renderer:
                     return f"select(select({c(0.0)}, {c(-0.0)}, {y} < {c(0)}), {m}, {r} != {c(0)})"
                 # the zero's sign set in its bits: a driver that ignores signed zeros (NVIDIA's) folds float selects
                 top = "0x80000000u" if u == "u32" else "0x8000000000000000lu"
-                sign = f"select({u}(0), {top}, {y} < {c(0)})"
+                sign = f"(bitcast<{u}>({y}) & {top})"  # (on NVIDIA, select(0u, 0x80000000u, y < 0) gave it for y = 1)
                 return f"bitcast<{self.ct(sd)}>(select(bitcast<{u}>({m}), {sign}, (bitcast<{u}>({r}) << 1u) == {u}(0)))"
             return f"select(select({rem}, {rem} + {y}, {rem} != {c(0)} && (({rem} < {c(0)}) != ({y} < {c(0)}))), " \
                    f"{c(0)}, {y} == {c(0)})"
