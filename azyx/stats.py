@@ -1,10 +1,13 @@
 """`azyx.stats()`: what the runtime holds, in one snapshot: live graph nodes, cached plans, jit traces, compiled
 kernels, each device's pooled memory and the process's resident memory. A long run (a training loop, a service)
-stays flat when these stop growing after warm-up; tests/test_longrun.py and bench/longrun.py check that."""
+stays flat when these stop growing after warm-up; tests/test_longrun.py and bench/longrun.py check that. And
+`Heartbeat`: how late a 1 ms tick on a service's event loop wakes, the measure of a loop that never stalls."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 
 from azyx.allocator import MemoryUsage
@@ -58,3 +61,25 @@ def rss_bytes() -> int:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
+
+
+class Heartbeat:
+    """A 1 ms tick on the event loop: how late it wakes is how long something held the loop (the worst since the
+    last reset, in ms). A service whose loop stalls answers every request late, whatever its throughput: run
+    `asyncio.create_task(beat.run())` beside it and report `reset()` (examples/embed_service.py's /stats)."""
+
+    def __init__(self, period: float = 0.001):
+        self.period, self.worst_ms, self.ticks = period, 0.0, 0
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.period)
+            late = (time.perf_counter() - t0 - self.period) * 1e3
+            self.worst_ms, self.ticks = max(self.worst_ms, late), self.ticks + 1
+
+    def reset(self) -> dict[str, float]:
+        """The worst lateness (ms) and the ticks since the last reset; starts counting anew."""
+        out = {"worst_lateness_ms": self.worst_ms, "ticks": self.ticks}
+        self.worst_ms, self.ticks = 0.0, 0
+        return out

@@ -1,8 +1,11 @@
 """Transformer-inference benchmark (issue 18): the workloads of a transformer's forward pass beside numpy and
-PyTorch, each row against the issue's target. So far: the token-embedding lookup (4096 ids from a 30522 x 384
-float32 table, MiniLM's vocabulary and width), azyx's gather (`table[ids]`) against numpy's fancy indexing and
+PyTorch, each row against the issue's target: the token-embedding lookup (4096 ids from a 30522 x 384 float32
+table, MiniLM's vocabulary and width), azyx's gather (`table[ids]`) against numpy's fancy indexing and
 `torch.nn.functional.embedding` when torch is importable, and its gradient for the table (a scatter-add) against
-`np.add.at` and PyTorch's backward.
+`np.add.at` and PyTorch's backward; `nn.scaled_dot_product_attention` (8 heads x 64) against PyTorch's; and
+all-MiniLM-L6-v2 (examples/embed_service.py, written as PyTorch code) at batch 32 and 1 against the same weights in
+`transformers`' BertModel with sentence-transformers' mean pooling and normalisation (what sentence-transformers
+runs for this model; padded to the batch's longest sentence, as it pads), on the same number of CPU threads.
 
 Run from the repository root:
 
@@ -32,6 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "examples"))  # embed_service's MiniLM
 from common import machine_line, write_section  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
@@ -41,6 +45,9 @@ MARK_START = "<!-- bench:models:start -->"
 MARK_END = "<!-- bench:models:end -->"
 VOCAB, DIM, IDS = 30522, 384, 4096
 EMBEDDING_TARGET = 0.5  # azyx / numpy throughput (issue 18)
+SENTENCES = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium.",
+             "A man is playing a guitar on a quiet street corner late at night.", "Cats sleep most of the day.",
+             "The committee postponed its decision until the budget report arrives next month."]
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -141,6 +148,88 @@ async def embedding_grad(device: str, repeats: int, torch: Any) -> list[str]:
             f"{tn * 1e3:.1f} ms (np.add.at)", torch_cell, f"{tn / ta:.2f}x", "-"]
 
 
+def _vs_torch(ta: float, tp: float | None, what: str, device: str) -> tuple[str, str]:
+    """The torch cell (its time and azyx's speed-up over it) and the target cell of a >= 1.0x-PyTorch row."""
+    if tp is None:
+        return "-", "(no torch here)"
+    met = "met" if tp / ta >= 1.0 else "NOT MET"
+    target = f">= 1.0x {what}: {met}" if device.startswith("c:") else f"(CPU target; here {met})"
+    return f"{tp * 1e3:.2f} ms ({tp / ta:.2f}x)", target
+
+
+async def attention(device: str, length: int, repeats: int, torch: Any) -> list[str]:
+    """softmax(q k^T / sqrt(64)) v over (1, 8, length, 64) float32, against torch's F.scaled_dot_product_attention."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 8, length, 64), dtype=np.float32) for _ in range(3))
+    tq, tk, tv = (Tensor(a, device=device) for a in (q, k, v))
+    await azyx.realize(tq, tk, tv)
+    s = q @ k.transpose(0, 1, 3, 2) / 8.0
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ v
+    np.testing.assert_allclose(await azyx.nn.scaled_dot_product_attention(tq, tk, tv).numpy(), ref, rtol=1e-4,
+                               atol=1e-5)
+
+    async def run() -> None:
+        await azyx.nn.scaled_dot_product_attention(tq, tk, tv).realize()
+
+    ta = await median_time_async(run, repeats)
+    tp = None
+    if torch is not None:
+        pq, pk, pv = (torch.from_numpy(a) for a in (q, k, v))
+        tp = median_time(lambda: torch.nn.functional.scaled_dot_product_attention(pq, pk, pv), repeats)
+    torch_cell, target = _vs_torch(ta, tp, "torch", device)
+    return [f"scaled_dot_product_attention, 8 heads x 64, length {length}, f32", device, f"{ta * 1e3:.2f} ms", "-",
+            torch_cell, "-", target]
+
+
+def _torch_minilm(torch: Any, directory: Path) -> Any:
+    """The same weights in transformers' BertModel with sentence-transformers' pooling: sentences -> embeddings."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import AutoModel
+    except ImportError:
+        return None
+    bert = AutoModel.from_pretrained(str(directory)).eval()
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.enable_padding()
+    tok.enable_truncation(256)
+
+    def embed(sentences: list[str]) -> Any:
+        enc = tok.encode_batch(sentences)
+        ids = torch.tensor([e.ids for e in enc])
+        mask = torch.tensor([e.attention_mask for e in enc])
+        with torch.inference_mode():
+            x = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).to(x.dtype)
+            return torch.nn.functional.normalize((x * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
+
+    return embed
+
+
+async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any) -> list[list[str]]:
+    try:
+        import embed_service
+        model = await embed_service.MiniLM.load(device)
+    except Exception as e:  # the model package or tokenizers missing: say so, do not fail the run
+        print(f"[models bench] MiniLM skipped: {e}", file=sys.stderr)
+        return []
+    peer = _torch_minilm(torch, embed_service.model_dir()) if torch is not None else None
+    rows = []
+    for batch in batches:
+        sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
+        got = await model.embed(sentences)
+        tp = None
+        if peer is not None:
+            want = peer(sentences).numpy()
+            assert (got * want).sum(-1).min() >= 0.9999, "azyx's MiniLM embeddings differ from transformers'"
+            tp = median_time(lambda: peer(sentences), max(3, repeats // 5))
+        ta = await median_time_async(lambda: model.embed(sentences), max(3, repeats // 5))
+        torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device)
+        rows.append([f"all-MiniLM-L6-v2, batch {batch} ({batch / ta:.0f} sentences/s)", device, f"{ta * 1e3:.1f} ms",
+                     "-", torch_cell, "-", target])
+    return rows
+
+
 def section(rows: list[list[str]], quick: bool, torch: Any) -> str:
     head = ["workload", "device", "azyx", "numpy", "torch (azyx speed-up over it)", "azyx / numpy", "target"]
     versions = f"python {platform.python_version()}, numpy {np.__version__}" + \
@@ -173,6 +262,13 @@ async def main(args: argparse.Namespace) -> None:
         print(" | ".join(rows[-1]), flush=True)
         rows.append(await embedding_grad(device, repeats, torch))
         print(" | ".join(rows[-1]), flush=True)
+        for length in (128,) if args.quick else (128, 1024):
+            rows.append(await attention(device, length, repeats, torch))
+            print(" | ".join(rows[-1]), flush=True)
+        if device.startswith("c:"):  # (the model on the CPU device the target names)
+            for row in await minilm(device, (32, 1), repeats, torch):
+                rows.append(row)
+                print(" | ".join(row), flush=True)
     text = section(rows, args.quick, torch)
     print(text)
     write_section(Path(args.out), MARK_START, MARK_END, text)

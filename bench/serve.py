@@ -147,7 +147,9 @@ def peer_app() -> Any:
     import asyncio
     from contextlib import asynccontextmanager
 
-    from embed_service import Heartbeat, model_dir
+    from embed_service import model_dir
+
+    from azyx.stats import Heartbeat
 
     st = SentenceTransformer(str(model_dir()), device="cpu")
     beat = Heartbeat()

