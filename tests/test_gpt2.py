@@ -145,23 +145,26 @@ async def test_batched_decode_matches_one_sequence_at_a_time(checkpoint: Path) -
 
 async def test_decode_steps_compile_nothing_after_the_first(checkpoint: Path) -> None:
     """Every step index, position, slot, length mask and sampling value is data: after the first step of a batch
-    size (with temperature, top-k and top-p in use), later steps with new values run the same plan and compile
-    nothing."""
+    size (with temperature, top-k and top-p in use), later steps with new values replay the same plan (writing the
+    cache's buffers in place) and plan or compile nothing."""
     model = await load(checkpoint)
     engine = Engine(model, slots=2)
     for p in (PROMPT[:5], PROMPT[:3]):
         await engine.add(p, engine.params(max_new_tokens=40, ignore_eos=True, temperature=0.5, top_k=40, top_p=0.9,
                                           seed=1))
     await engine.step()
-    before = azyx.stats()
+    before, replays = azyx.stats(), engine.decode_step.replays
+    buffers = [t._node.buffer.ptr for t in engine.cache.tensors()]
     rng = np.random.default_rng(0)
     for _ in range(10):
         for seq in engine.active.values():  # new sampling values for each step
             seq.params = engine.params(max_new_tokens=40, ignore_eos=True, temperature=float(rng.uniform(0.1, 2)),
                                        top_k=int(rng.integers(1, VOCAB)), top_p=float(rng.uniform(0.3, 0.99)))
         await engine.step()
+        assert [t._node.buffer.ptr for t in engine.cache.tensors()] == buffers  # the cache written in place
     after = azyx.stats()
-    assert (after.kernels, after.plans) == (before.kernels, before.plans)
+    assert (after.kernels, after.plans, after.traces) == (before.kernels, before.plans, before.traces)
+    assert engine.decode_step.replays == replays + 10  # each step replayed the staged plan
     assert [s.cached for s in engine.active.values()] == [16, 14]
 
 

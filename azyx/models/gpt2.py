@@ -42,6 +42,7 @@ from azyx import nn
 from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, AzyxError, AzyxIOError, RuntimeStateError, ShapeError, StateDictError
 from azyx.io import stream_safetensors
+from azyx.jit import jit
 from azyx.realize import realize
 from azyx.runtime import RT
 from azyx.tensor import Tensor
@@ -461,6 +462,10 @@ class Engine:
         # the last prefill's or step's logits (rows, vocab), realized, and the sequence of each row (None: padding)
         self.logits: Tensor | None = None
         self.rows: list[Sequence | None] = []
+        # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
+        # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
+        self.prefill_step = jit(self._prefill_graph)
+        self.decode_step = jit(self._decode_graph)
 
     # ---------------------------------------------------------------- requests
     def request(self, prompt: Iterable[int], params: SamplingParams) -> Sequence:
@@ -564,17 +569,39 @@ class Engine:
     def _device(self, data: Any, dtype: DType) -> Tensor:
         return Tensor(np.asarray(data, dtype=dtype.numpy), dtype=dtype, device=self.model.device)
 
-    def _sample(self, logits: Tensor, seqs: list[Sequence | None]) -> Tensor:
-        """The next token of each row (padding rows: greedy), each request's uniform number drawn from its own
-        generator; the sampler's parts that no row uses are left out."""
+    def _sampling(self, seqs: list[Sequence | None]) -> tuple[list[Tensor], dict[str, bool]]:
+        """The per-row sampling tensors (padding rows: greedy), each request's uniform number drawn from its own
+        generator, and which parts of the sampler some row uses (the others are left out of the plan)."""
         v = self.model.config.vocab_size
         rows = [(s.params.temperature, s.params.top_k or v, s.params.top_p, s.rng.random()) if s is not None
                 else (0.0, v, 1.0, 0.0) for s in seqs]
         t, k, p, u = zip(*rows)
         sampled = [r for r in rows if r[0] > 0]
-        return sample_tokens(logits, self._device(t, dtypes.float32), self._device(k, dtypes.int32),
-                             self._device(p, dtypes.float32), self._device(u, dtypes.float32), sample=bool(sampled),
-                             filter_k=any(r[1] < v for r in sampled), filter_p=any(r[2] < 1.0 for r in sampled))
+        flags = dict(sample=bool(sampled), filter_k=any(r[1] < v for r in sampled),
+                     filter_p=any(r[2] < 1.0 for r in sampled))
+        return [self._device(t, dtypes.float32), self._device(k, dtypes.int32), self._device(p, dtypes.float32),
+                self._device(u, dtypes.float32)], flags
+
+    def _prefill_graph(self, ids: Tensor, slot: Tensor, last: Tensor, temperature: Tensor, top_k: Tensor,
+                       top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
+                       filter_p: bool) -> tuple[Tensor, Tensor]:
+        """A prompt (1, T) into `slot`: the next token and the logits at position `last` (tensors: data)."""
+        h = self.model.hidden(ids, view=Prefill(self.cache, slot))
+        logits = self.model.head(h[0][last]).reshape(1, -1)
+        token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
+                              filter_p=filter_p)
+        return token, logits
+
+    def _decode_graph(self, tokens: Tensor, slots: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
+                      top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
+                      filter_p: bool) -> tuple[Tensor, Tensor]:
+        """One token per row (B,) at `positions` of `slots`: the next tokens and the logits (B, vocab)."""
+        b = tokens.shape[0]
+        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), Decode(self.cache, slots, positions))
+        logits = logits.reshape(b, -1)
+        token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
+                              filter_p=filter_p)
+        return token, logits
 
     async def _prefill(self, seq: Sequence) -> None:
         await self._ready()
@@ -583,11 +610,9 @@ class Engine:
             n = len(seq.prompt)
             length = _bucket(n, self.cache.max_len)
             ids = self._device([seq.prompt + [0] * (length - n)], dtypes.int32)
-            model = self.model
-            h = model.hidden(ids, view=Prefill(self.cache, self._device(slot, dtypes.int32)))
-            logits = model.head(h[0][self._device(n - 1, dtypes.int32)]).reshape(1, -1)
-            token = self._sample(logits, [seq])
-            await realize(token, logits, *self.cache.tensors())
+            sampling, flags = self._sampling([seq])
+            token, logits = await self.prefill_step(ids, self._device(slot, dtypes.int32),
+                                                    self._device(n - 1, dtypes.int32), *sampling, **flags)
             self.logits, self.rows = logits, [seq]
             first = int((await token.numpy())[0])
         except BaseException:
@@ -608,10 +633,8 @@ class Engine:
         tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
         slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
         positions = self._device([s.cached if s else 0 for s in rows], dtypes.int32)
-        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), Decode(self.cache, slots, positions))
-        logits = logits.reshape(b, -1)
-        token = self._sample(logits, rows)
-        await realize(token, logits, *self.cache.tensors())
+        sampling, flags = self._sampling(rows)
+        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags)
         self.logits, self.rows = logits, rows
         out = (await token.numpy()).tolist()
         got: dict[Sequence, int] = {}
