@@ -15,7 +15,8 @@ cache pooled in slots, and a generation engine that decodes many sequences in on
 - `Engine`: `await add(prompt)` prefills a sequence into a free slot (one plan per prompt-length bucket: the prompt
   is padded to a power of two, its length is data), `await step()` decodes one token of every active sequence in
   one plan (per batch-size bucket; every position, slot, length mask and sampling value is data, so a step never
-  plans or compiles again), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
+  plans or compiles again; both are staged with `azyx.jit`, so a step replays its plan without building the
+  graph), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
   a runner task admits new requests between steps, so requests join and leave the running batch at any step.
 - Sampling runs on the device, every knob per request and a runtime value: temperature (0: greedy), top-k, top-p
   (Hugging Face's rules: top-k keeps ties with the k-th logit, top-p keeps the smallest set of most likely tokens
@@ -533,6 +534,8 @@ class Engine:
             self.waiting.append(seq)
             if self.runner is None or self.runner.done():
                 self.runner = asyncio.get_running_loop().create_task(self._run())
+                # (its failure reaches every stream; retrieving it here keeps asyncio from reporting it again)
+                self.runner.add_done_callback(lambda t: t.cancelled() or t.exception())
         return TokenStream(self, seq)
 
     async def close(self) -> None:
@@ -663,8 +666,10 @@ class Engine:
 
 
 class TokenStream:
-    """The async iterator of `Engine.generate`: the request's tokens as they come; `cancel()` ends it at once
-    (freeing its slot); `finish_reason` says why it ended ("stop", "length", "cancelled", "error")."""
+    """The async iterator of `Engine.generate`: the request's tokens as they come; `cancel()` (or `aclose()`, or
+    leaving `async with stream:`) ends it at once, freeing its slot; `finish_reason` says why it ended ("stop",
+    "length", "cancelled", "error"). A task cancelled while it waits for a token leaves the sequence decoding:
+    cancel the stream too (a service does when its client goes away)."""
 
     def __init__(self, engine: Engine, seq: Sequence):
         self.engine, self.seq = engine, seq
