@@ -103,6 +103,7 @@ class Planner:
         self.transfers: dict[tuple[int, str], int] = {}
         self.adopt: list[tuple[int, int]] = []  # (input slot, slot holding it on the tensor's own device)
         self.temp_nodes: list[int] = []  # graph nodes the planner made (split reductions); released when done
+        self.donated_chain: set[int] = set()  # ASSIGNs that wrote in place into a donated input's buffer
         self.leaf_device: dict[int, str] = {}
         for leaf in walk.leaves:
             n = graph[leaf]
@@ -342,7 +343,8 @@ class Planner:
     def writable(self, root: int, device: str) -> tuple[int, StridedView] | None:
         """The slot and view of ASSIGN `root`'s base if the kernel may write into it: the base's own buffer (not a
         view of another node's), on the kernel's device, read by nothing else: a realized base that only `root` holds
-        (walk.donated), or one this plan computes for `root` alone."""
+        (walk.donated), or one this plan computes for `root` alone (also an ASSIGN that wrote into a donated input:
+        a chain of assignments to one tensor writes its buffer in place, assignment after assignment)."""
         base = self.graph[root].src[0]
         b = self.graph[base]
         if b.op in MOVEMENT or base in self.targets or self.walk.consumers.get(base, 0) != 1:
@@ -352,7 +354,7 @@ class Planner:
         slot, view = self.realize(base)
         s = self.slots[slot]
         if s.device != device or slot in self.transfers.values() or not view.is_contiguous(b.shape) or \
-                (s.kind == "input") != (base in self.walk.leaves):
+                (s.kind == "input") != (base in self.walk.leaves or base in self.donated_chain):
             return None
         return slot, view
 
@@ -363,6 +365,8 @@ class Planner:
         base, value, *positions = n.src
         axes, region = n.arg
         target = self.writable(root, device)
+        if target is not None and self.slots[target[0]].kind == "input":
+            self.donated_chain.add(root)
         if target is None:  # a contiguous copy of the base, which the kernel then updates
             copy = self.graph.add(Node(Op.RESHAPE, (base,), n.shape, n.shape, n.dtype, n.device, n.pinned))
             self.graph.retain(copy)

@@ -164,6 +164,47 @@ async def test_kv_cache_loop_runs_one_plan(device: str, position: str) -> None:
     assert cache._node.buffer is buf  # every step wrote its row into the cache's own buffer
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+async def test_several_assignments_in_one_plan_write_in_place(device: str, jitted: bool) -> None:
+    """A batch of sequences each writing its row of a KV cache: assignment after assignment to one tensor in one
+    plan all write into its buffer (none copies it), step after step, with runtime rows and positions; a reader of
+    a value half-way along the chain makes the next assignment copy (the reader keeps what it read)."""
+    cache = Tensor.zeros(3, 6, 2, device=device)
+    await cache.realize()
+    ptr = cache._node.buffer.ptr
+
+    def step(slots: Tensor, positions: Tensor, kv: Tensor) -> Tensor:
+        for i in range(2):
+            cache[slots[i], positions[i]] = kv[i]
+        return cache[slots].sum(axis=(1, 2))
+
+    run = azyx.jit(step) if jitted else None
+    want = np.zeros((3, 6, 2), np.float32)
+    for pos in range(6):
+        slots, positions = np.array([2, 0], np.int32), np.array([pos, 5 - pos], np.int32)
+        kv = np.full((2, 2), pos + 1.0, np.float32) * np.array([[1], [-1]], np.float32)
+        args = [Tensor(a, device=device) for a in (slots, positions, kv)]
+        if run is not None:
+            got = await (await run(*args)).numpy()
+        else:
+            out = step(*args)
+            await azyx.realize(cache, out)
+            got = await out.numpy()
+        want[slots, positions] = kv
+        np.testing.assert_allclose(got, want[slots].sum(axis=(1, 2)), rtol=1e-6)
+        assert cache._node.buffer.ptr == ptr, f"step {pos} copied the cache"
+    np.testing.assert_array_equal(await cache.numpy(), want)
+    cache[0, 0] = 7.0
+    middle = cache * 1  # reads the value between the two assignments
+    cache[1, 1] = 8.0
+    await azyx.realize(cache, middle)
+    want[0, 0] = 7.0
+    before = want.copy()
+    want[1, 1] = 8.0
+    np.testing.assert_array_equal(await middle.numpy(), before)
+    np.testing.assert_array_equal(await cache.numpy(), want)
+
+
 async def test_kv_cache_under_jit(device: str) -> None:
     cache = Tensor.zeros(6, 4, device=device)
     await cache.realize()

@@ -1,0 +1,721 @@
+"""GPT-2 in azyx: the network (Hugging Face's parameter names and layouts, so its checkpoints load as they are), a KV
+cache pooled in slots, and a generation engine that decodes many sequences in one step (continuous batching).
+
+    model = await GPT2.from_pretrained("path/to/gpt2", device="c:0")  # config.json + model.safetensors, streamed
+    logits = model(Tensor(ids))                                       # (B, T, vocab), a plain causal forward
+    async for token in model.generate(prompt_ids, max_new_tokens=20, temperature=0.8, top_p=0.9, seed=1):
+        ...
+
+- `GPT2` is a `nn.Module` whose state dict is Hugging Face's `GPT2Model` (`wte.weight`, `h.0.attn.c_attn.weight`,
+  ...); a file's `transformer.` prefix is dropped and `lm_head.weight` is the tied `wte.weight`. `c_attn`, `c_proj`
+  and `c_fc` are Hugging Face's `Conv1D`: weight (in, out), `y = x @ W + b`.
+- `KVCache`: per layer, keys and values of shape (slots + 1, heads, max_len, head_dim), allocated once; a sequence
+  owns a slot from its prefill to its end, and its keys and values are written in place (`cache[slot, :, pos] = k`)
+  at runtime positions. The extra slot is scratch, written by the padding rows of a batch.
+- `Engine`: `await add(prompt)` prefills a sequence into a free slot (one plan per prompt-length bucket: the prompt
+  is padded to a power of two, its length is data), `await step()` decodes one token of every active sequence in
+  one plan (per batch-size bucket; every position, slot, length mask and sampling value is data, so a step never
+  plans or compiles again; both are staged with `azyx.jit`, so a step replays its plan without building the
+  graph), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
+  a runner task admits new requests between steps, so requests join and leave the running batch at any step.
+- Sampling runs on the device, every knob per request and a runtime value: temperature (0: greedy), top-k, top-p
+  (Hugging Face's rules: top-k keeps ties with the k-th logit, top-p keeps the smallest set of most likely tokens
+  whose mass reaches p), then one draw from the kept distribution with a uniform number from the request's own
+  seeded generator (`numpy.random.Generator(seed)`), so a seeded request gives the same tokens whatever else runs
+  beside it. Thresholds are found by a search that tries 7 points per round (no sort: a round is one reduction
+  over the vocabulary); the parts no row of a batch uses (all greedy, no top-k, no top-p) are left out of its plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from azyx import nn
+from azyx.dtypes import DType, dtypes, to_dtype
+from azyx.errors import ArgumentError, AzyxError, AzyxIOError, RuntimeStateError, ShapeError, StateDictError
+from azyx.io import stream_safetensors
+from azyx.jit import jit
+from azyx.realize import realize
+from azyx.runtime import RT
+from azyx.tensor import Tensor
+
+SEARCH_WIDTH = 7  # points a threshold search tries per round (one reduction over the vocabulary for all of them)
+SEARCH_ROUNDS = 14  # rounds of the top-k and top-p threshold searches: the interval shrinks by 8**-14 = 2**-42
+ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+
+class NoFreeSlotError(AzyxError, RuntimeError):
+    """Every slot of the KV cache holds a sequence: free one (`Engine.remove`) or wait for one to finish."""
+
+
+# ------------------------------------------------------------------------------------------------ config
+@dataclass(frozen=True)
+class GPT2Config:
+    """The fields of a Hugging Face GPT-2 `config.json` that the network uses (others are ignored)."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None  # the MLP's width; None: 4 * n_embd
+    layer_norm_epsilon: float = 1e-5
+    activation_function: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation_function not in ACTIVATIONS:
+            raise ArgumentError(f"GPT-2 activation_function {self.activation_function!r} is not supported "
+                                f"(one of {sorted(ACTIVATIONS)})")
+        if self.n_head <= 0 or self.n_embd % self.n_head:
+            raise ArgumentError(f"n_embd {self.n_embd} is not divisible into n_head={self.n_head} heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> GPT2Config:
+        names = {f.name for f in fields(GPT2Config)}
+        return GPT2Config(**{k: v for k, v in d.items() if k in names})
+
+    @staticmethod
+    def from_json(path: str | Path) -> GPT2Config:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise AzyxIOError(f"{path}: cannot read the model config ({e})") from None
+        if d.get("reorder_and_upcast_attn"):
+            raise ArgumentError(f"{path}: reorder_and_upcast_attn=true is not supported")
+        return GPT2Config.from_dict(d)
+
+
+# ------------------------------------------------------------------------------------------------ network
+class AttentionView(Protocol):
+    """Where a layer's attention takes its keys and values from: the tokens of this forward alone (causal), or the
+    KV cache (a prefill writes it, a decode step writes one row per sequence and reads the whole slot)."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor: ...
+
+
+class Causal:
+    """Plain causal self-attention over the tokens of the forward (no cache)."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 `Conv1D`: a linear layer with its weight stored (in, out): `y = x @ weight + bias`."""
+
+    def __init__(self, n_in: int, n_out: int, dtype: DType, device: str):
+        self.weight = Tensor.zeros(n_in, n_out, dtype=dtype, device=device)
+        self.bias = Tensor.zeros(n_out, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight + self.bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPT2Config, layer: int, dtype: DType, device: str):
+        e = config.n_embd
+        self.c_attn = Conv1D(e, 3 * e, dtype, device)
+        self.c_proj = Conv1D(e, e, dtype, device)
+        self.n_head, self.layer = config.n_head, layer
+        scale = 1.0 / math.sqrt(config.head_dim) if config.scale_attn_weights else 1.0
+        self.scale = scale / (layer + 1) if config.scale_attn_by_inverse_layer_idx else scale
+
+    def forward(self, x: Tensor, view: AttentionView) -> Tensor:
+        b, t, e = x.shape
+        h = self.n_head
+        q, k, v = (z.reshape(b, t, h, e // h).transpose(1, 2) for z in self.c_attn(x).split(e, axis=-1))
+        out = view.attend(self.layer, q, k, v, self.scale)  # (b, h, t, e // h)
+        return self.c_proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config, dtype: DType, device: str):
+        inner = config.n_inner or 4 * config.n_embd
+        self.c_fc = Conv1D(config.n_embd, inner, dtype, device)
+        self.c_proj = Conv1D(inner, config.n_embd, dtype, device)
+        self.act = nn.GELU(ACTIVATIONS[config.activation_function])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer: int, dtype: DType, device: str):
+        e, eps = config.n_embd, config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(e, eps=eps, dtype=dtype, device=device)
+        self.attn = Attention(config, layer, dtype, device)
+        self.ln_2 = nn.LayerNorm(e, eps=eps, dtype=dtype, device=device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(self, x: Tensor, view: AttentionView) -> Tensor:
+        x = x + self.attn(self.ln_1(x), view)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """A lookup table (nn.Embedding's name and layout) made of zeros until loaded."""
+
+    def __init__(self, n: int, dim: int, dtype: DType, device: str):
+        self.weight = Tensor.zeros(n, dim, dtype=dtype, device=device)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.weight[idx]
+
+
+class GPT2(nn.Module):
+    """GPT-2 with a language-model head tied to the token embedding. Parameters are zeros until loaded
+    (`from_pretrained`, or `load_state_dict` with Hugging Face's `GPT2Model` names).
+
+    `model(ids)` maps (B, T) token ids to (B, T, vocab) logits with causal attention over the T tokens;
+    `model.generate(...)` streams tokens through a default `Engine` (4 slots) made on first use."""
+
+    def __init__(self, config: GPT2Config, dtype: Any = None, device: str | None = None):
+        self.config = config
+        self.dtype = to_dtype(dtype) if dtype is not None else dtypes.float32
+        self.device = RT.check_device(device) if device is not None else RT.device_names()[0]
+        dt, dev = self.dtype, self.device
+        self.wte = Embedding(config.vocab_size, config.n_embd, dt, dev)
+        self.wpe = Embedding(config.n_positions, config.n_embd, dt, dev)
+        self.h = [Block(config, i, dt, dev) for i in range(config.n_layer)]
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, dtype=dt, device=dev)
+        self.lm_head = None if config.tie_word_embeddings else Embedding(config.vocab_size, config.n_embd, dt, dev)
+        self._engine: Engine | None = None
+
+    @staticmethod
+    async def from_pretrained(path: str | Path, device: str | None = None, dtype: Any = None) -> GPT2:
+        """Load a Hugging Face GPT-2 checkpoint: `path` is its directory (config.json, model.safetensors) or the
+        safetensors file (config.json beside it). The weights are streamed tensor by tensor onto `device` (None: the
+        first of `azyx.devices()`) and cast to `dtype` (float32 by default). Raises `StateDictError` for a missing
+        or unknown tensor, `ShapeError` for a tensor of the wrong shape, `DeviceError` for an unknown device."""
+        p = Path(path)
+        directory, weights = (p, p / "model.safetensors") if p.is_dir() else (p.parent, p)
+        model = GPT2(GPT2Config.from_json(directory / "config.json"), dtype, device)
+        params = dict(model.named_parameters())
+        loaded: set[str] = set()
+        async for name, t in stream_safetensors(weights, device=model.device):
+            key = name.removeprefix("transformer.")
+            if key.endswith((".attn.bias", ".attn.masked_bias")):  # older files keep the causal mask as a buffer
+                continue
+            if key == "lm_head.weight" and model.lm_head is None:
+                key = "wte.weight"  # tied: the same table (files usually leave it out)
+                if key in loaded:
+                    continue
+            if key not in params:
+                raise StateDictError(f"{weights}: unexpected tensor {name!r} for GPT-2")
+            if t.shape != params[key].shape:
+                raise ShapeError(f"{weights}: {name!r} has shape {t.shape}, GPT-2 {key!r} needs {params[key].shape}")
+            params[key].assign(t.cast(model.dtype))
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise StateDictError(f"{weights}: missing tensors {missing}")
+        await realize(*model.parameters())
+        return model
+
+    def hidden(self, ids: Tensor, positions: Tensor | None = None, view: AttentionView | None = None) -> Tensor:
+        """The final hidden states (after ln_f), (B, T, n_embd), of token ids (B, T); `positions` (B, T) default to
+        0..T-1."""
+        if ids.ndim != 2:
+            raise ShapeError(f"GPT-2 takes (batch, length) token ids, got shape {ids.shape}")
+        t = ids.shape[1]
+        if t > self.config.n_positions:
+            raise ArgumentError(f"{t} tokens exceed GPT-2's n_positions={self.config.n_positions}")
+        pos = self.wpe.weight[:t] if positions is None else self.wpe(positions)
+        x = self.wte(ids) + pos
+        view = view if view is not None else Causal()
+        for block in self.h:
+            x = block(x, view)
+        return self.ln_f(x)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits of hidden states: the language-model head (the token embedding, transposed, when tied)."""
+        return x @ (self.lm_head if self.lm_head is not None else self.wte).weight.T
+
+    def forward(self, ids: Tensor, positions: Tensor | None = None, view: AttentionView | None = None) -> Tensor:
+        return self.head(self.hidden(ids, positions, view))
+
+    def engine(self) -> Engine:
+        """The default engine of `generate` (4 slots of n_positions tokens), made on first use."""
+        if self._engine is None:
+            self._engine = Engine(self)
+        return self._engine
+
+    def generate(self, prompt: Iterable[int], max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids: Iterable[int] = (),
+                 eos_token_id: int | None = None, ignore_eos: bool = False) -> TokenStream:
+        """`async for token in model.generate(prompt_ids, ...)`: see `Engine.generate`."""
+        return self.engine().generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
+                                      eos_token_id=eos_token_id, ignore_eos=ignore_eos)
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+class KVCache:
+    """Keys and values of every layer for `slots` sequences of up to `max_len` tokens, allocated once as
+    (slots + 1, heads, max_len, head_dim) per layer (the last slot is scratch for padding rows) and written in
+    place. `allocate()` hands out a free slot (NoFreeSlotError when none is), `release(slot)` takes it back."""
+
+    def __init__(self, config: GPT2Config, slots: int, max_len: int, dtype: DType, device: str):
+        if not isinstance(slots, int) or slots < 1:
+            raise ArgumentError(f"a KV cache needs at least one slot, got slots={slots!r}")
+        if not isinstance(max_len, int) or not 1 <= max_len <= config.n_positions:
+            raise ArgumentError(f"max_len must be in [1, n_positions={config.n_positions}], got {max_len!r}")
+        self.slots, self.max_len = slots, max_len
+        shape = (slots + 1, config.n_head, max_len, config.head_dim)
+        self.keys = [Tensor.zeros(*shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.values = [Tensor.zeros(*shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.free = list(range(slots))
+
+    @property
+    def scratch(self) -> int:
+        return self.slots
+
+    def tensors(self) -> list[Tensor]:
+        return [*self.keys, *self.values]
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise NoFreeSlotError(f"all {self.slots} slots of the KV cache hold sequences")
+        return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        assert 0 <= slot < self.slots and slot not in self.free, f"slot {slot} is not in use"
+        self.free.append(slot)
+        self.free.sort()
+
+
+class Prefill:
+    """A prompt of one sequence: its keys and values written to rows 0..T-1 of its slot, causal attention over it."""
+
+    def __init__(self, cache: KVCache, slot: Tensor):
+        self.cache, self.slot = cache, slot
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        t = k.shape[2]
+        self.cache.keys[layer][self.slot, :, :t] = k[0]
+        self.cache.values[layer][self.slot, :, :t] = v[0]
+        return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
+
+
+class Decode:
+    """One new token per sequence: row i's key and value written at `positions[i]` of slot `slots[i]`, then its
+    query attends to that slot's rows 0..positions[i] (a mask from the runtime positions)."""
+
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor):
+        self.cache, self.slots, self.positions = cache, slots, positions
+        b, n = slots.shape[0], cache.max_len
+        rows = Tensor.arange(n, dtype=dtypes.int32, device=slots.device).reshape(1, n)
+        self.mask = (rows <= positions.reshape(b, 1)).reshape(b, 1, 1, n)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        for i in range(q.shape[0]):
+            keys[self.slots[i], :, self.positions[i]] = k[i, :, 0]
+            values[self.slots[i], :, self.positions[i]] = v[i, :, 0]
+        return nn.scaled_dot_product_attention(q, keys[self.slots], values[self.slots], mask=self.mask, scale=scale)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor, *,
+                  sample: bool = True, filter_k: bool = True, filter_p: bool = True) -> Tensor:
+    """One token per row of (B, V) logits, as int32 (B,): greedy where temperature is 0, else drawn from
+    softmax(logits / temperature) restricted to the top_k largest logits (with ties; V keeps all) and then to the
+    top_p nucleus (1.0 keeps all), by inverting the kept distribution's CDF at `uniform` (B values in [0, 1)).
+    Every argument but the logits is a (B,) tensor: values are data, a new one compiles nothing. The keywords
+    leave parts out of the graph when no row needs them (`sample=False`: every row greedy; `filter_k=False`: no
+    row filters by top-k; `filter_p=False`: none by top-p): each combination is one plan."""
+    b, n = logits.shape
+    x = logits.float()
+    greedy = x.argmax(-1)
+    if not sample:
+        return greedy.cast(dtypes.int32)
+    keep = None
+    if filter_k:  # the k-th largest logit: count(x >= lo) >= k > count(x >= hi)
+        k = top_k.reshape(b, 1)
+        lo, hi = _search(x.min(-1, keepdim=True), x.max(-1, keepdim=True) + 1.0, SEARCH_ROUNDS,
+                         lambda t: (x.unsqueeze(1) >= t.unsqueeze(-1)).sum(-1) >= k)
+        keep = x >= lo
+    t = temperature.reshape(b, 1).maximum(1e-6)
+    p = (Tensor.where(keep, x / t, -math.inf) if keep is not None else x / t).softmax(-1)
+    if filter_p:  # keep the tokens whose more likely tokens weigh less than top_p: mass(p > lo) >= top_p > mass(p > hi)
+        nucleus = top_p.reshape(b, 1)
+        lo, hi = _search(Tensor.full((b, 1), -1.0, device=x.device), p.max(-1, keepdim=True), SEARCH_ROUNDS,
+                         lambda t: Tensor.where(p.unsqueeze(1) > t.unsqueeze(-1), p.unsqueeze(1), 0.0).sum(-1)
+                         >= nucleus)
+        p = Tensor.where((p > lo) | (nucleus >= 1.0), p, 0.0)
+    # the first token whose cumulative mass passes u * total: C(first) <= u * total < C(last)
+    target = uniform.reshape(b, 1) * p.sum(-1, keepdim=True)
+    index = Tensor.arange(n, dtype=dtypes.int32, device=x.device)
+    rounds, size = 0, n
+    while size > 1:
+        rounds, size = rounds + 1, -(-size // (SEARCH_WIDTH + 1))
+    first, last = _search(Tensor.full((b, 1), -1, dtype=dtypes.int32, device=x.device),
+                          Tensor.full((b, 1), n - 1, dtype=dtypes.int32, device=x.device), rounds,
+                          lambda i: Tensor.where(index <= i.unsqueeze(-1), p.unsqueeze(1), 0.0).sum(-1) <= target)
+    return Tensor.where(temperature <= 0.0, greedy, last.reshape(b)).cast(dtypes.int32)
+
+
+def _search(lo: Tensor, hi: Tensor, rounds: int, holds: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """Narrow (B, 1) intervals [lo, hi], where `holds` (true at lo, false at hi, monotone) turns false:
+    each round tries SEARCH_WIDTH points of the interval at once ((B, SEARCH_WIDTH) to `holds`) and keeps the
+    piece where it changes. Integer intervals stay integer."""
+    steps = Tensor(np.arange(1, SEARCH_WIDTH + 1, dtype=np.int32), device=lo.device).reshape(1, SEARCH_WIDTH)
+    for _ in range(rounds):
+        if lo.dtype.is_float:
+            mid = lo + (hi - lo) * (steps.float() * (1.0 / (SEARCH_WIDTH + 1)))
+        else:
+            mid = lo + (hi - lo) * steps // (SEARCH_WIDTH + 1)
+        ok = holds(mid)
+        lo, hi = Tensor.where(ok, mid, lo).max(-1, keepdim=True), Tensor.where(ok, hi, mid).min(-1, keepdim=True)
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling: temperature (0: greedy), top_k (0: off), top_p (1.0: off), seed (None: fresh
+    entropy), max_new_tokens, and the token ids that end it (not yielded)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ArgumentError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < math.inf:
+            raise ArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ArgumentError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ArgumentError(f"seed must be an int >= 0 or None, got {self.seed!r}")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in the engine: its prompt, what it generated so far, and where it stands."""
+
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = -1  # its KV-cache slot while active
+    cached: int = 0  # tokens whose keys and values are in the cache (the next token's position)
+    pending: int = -1  # the last token sampled, fed at the next step
+    tokens: list[int] = field(default_factory=list)  # generated (and handed out) tokens
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    queue: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... below `limit`, then `limit`."""
+    return [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
+
+
+def _bucket(n: int, limit: int) -> int:
+    return next(b for b in _buckets(limit) if b >= n)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+class Engine:
+    """Continuous batching over a `KVCache` of `slots` sequences of up to `max_len` tokens (default n_positions).
+
+    Step by step (what a service loop calls): `seq = await add(prompt, params)` prefills a free slot and samples
+    the first token; `await step()` feeds every active sequence's last token in one plan and returns the new tokens;
+    `remove(seq)` frees the slot at once. A sequence that meets a stop token, max_new_tokens or max_len is removed
+    by the step that ends it. Or, streaming: `async for token in engine.generate(prompt, ...)`, many at once; a
+    runner task admits new requests between steps and decodes every active one together. Every call on the model
+    (prefill, step) runs under one lock, so they never interleave."""
+
+    def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None):
+        self.model = model
+        self.cache = KVCache(model.config, slots, max_len or model.config.n_positions, model.dtype, model.device)
+        self.active: dict[int, Sequence] = {}  # slot -> its sequence
+        self.waiting: deque[Sequence] = deque()  # streamed requests not yet prefilled
+        self.lock = asyncio.Lock()
+        self.runner: asyncio.Task[None] | None = None
+        self.ready = False
+        # the last prefill's or step's logits (rows, vocab), realized, and the sequence of each row (None: padding)
+        self.logits: Tensor | None = None
+        self.rows: list[Sequence | None] = []
+        # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
+        # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
+        self.prefill_step = jit(self._prefill_graph)
+        self.decode_step = jit(self._decode_graph)
+
+    # ---------------------------------------------------------------- requests
+    def request(self, prompt: Iterable[int], params: SamplingParams) -> Sequence:
+        """A new sequence, its prompt checked against the vocabulary and max_len (ArgumentError names the value)."""
+        ids = [int(i) for i in prompt]
+        v, limit = self.model.config.vocab_size, self.cache.max_len
+        if not ids:
+            raise ArgumentError("the prompt is empty: GPT-2 needs at least one token")
+        if len(ids) > limit:
+            raise ArgumentError(f"the prompt has {len(ids)} tokens, more than the model's limit of {limit}")
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise ArgumentError(f"token id {bad[0]} is outside the vocabulary of {v}")
+        return Sequence(ids, params, rng=np.random.default_rng(params.seed))
+
+    def params(self, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, stop_token_ids: Iterable[int] = (), eos_token_id: int | None = None,
+               ignore_eos: bool = False) -> SamplingParams:
+        """SamplingParams with the model's eos token (or `eos_token_id`) among the stop tokens, unless ignore_eos."""
+        eos = eos_token_id if eos_token_id is not None else self.model.config.eos_token_id
+        stops = tuple(int(s) for s in stop_token_ids) + ((eos,) if eos is not None and not ignore_eos else ())
+        return SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stops)
+
+    async def add(self, prompt: Iterable[int], params: SamplingParams | None = None) -> Sequence:
+        """Prefill `prompt` into a free slot and sample its first token (in `seq.tokens`, unless it stopped it).
+        Raises NoFreeSlotError when every slot is taken."""
+        seq = self.request(prompt, params or self.params())
+        if not self.cache.free:
+            raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences")
+        async with self.lock:
+            await self._prefill(seq)
+        return seq
+
+    async def step(self) -> dict[Sequence, int]:
+        """One decode step of every active sequence; returns each one's new token (a stop token included: that
+        sequence is then finished and removed)."""
+        async with self.lock:
+            return await self._step()
+
+    def remove(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End `seq` now: its slot is free for the next request; its stream ends."""
+        if seq.done:
+            return
+        seq.finish_reason = reason
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.active.get(seq.slot) is seq:
+            del self.active[seq.slot]
+            self.cache.release(seq.slot)
+        seq.queue.put_nowait(None)
+
+    def generate(self, prompt: Iterable[int], max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids: Iterable[int] = (),
+                 eos_token_id: int | None = None, ignore_eos: bool = False) -> TokenStream:
+        """`async for token in engine.generate(prompt_ids, ...)`: the request's new tokens as they are decoded,
+        batched with every other request in flight. Bad arguments raise here (ArgumentError naming the value), so
+        does a full pool (NoFreeSlotError). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once."""
+        p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos)
+        seq = self.request(prompt, p)
+        if len(self.active) + len(self.waiting) >= self.cache.slots:
+            raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences")
+        if p.max_new_tokens == 0:
+            self._finish(seq, "length")
+        else:
+            self.waiting.append(seq)
+            if self.runner is None or self.runner.done():
+                self.runner = asyncio.get_running_loop().create_task(self._run())
+                # (its failure reaches every stream; retrieving it here keeps asyncio from reporting it again)
+                self.runner.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return TokenStream(self, seq)
+
+    async def close(self) -> None:
+        """Stop the runner; every stream in flight ends with RuntimeStateError."""
+        if self.runner is not None:
+            self.runner.cancel()
+            try:
+                await self.runner
+            except asyncio.CancelledError:
+                pass
+            self.runner = None
+
+    # ---------------------------------------------------------------- the work
+    async def _run(self) -> None:
+        try:
+            while self.active or self.waiting:
+                async with self.lock:
+                    while self.waiting and self.cache.free:
+                        await self._prefill(self.waiting.popleft())
+                    if self.active:
+                        await self._step()
+        except BaseException as e:
+            err = e if isinstance(e, Exception) else RuntimeStateError("the generation engine was closed")
+            for seq in [*self.active.values(), *self.waiting]:
+                seq.queue.put_nowait(err)
+                self.remove(seq, "error")
+            raise
+
+    async def _ready(self) -> None:
+        if not self.ready:  # the cache as buffers, so that every write is in place (and plans the same)
+            await realize(*self.cache.tensors())
+            self.ready = True
+
+    def _device(self, data: Any, dtype: DType) -> Tensor:
+        return Tensor(np.asarray(data, dtype=dtype.numpy), dtype=dtype, device=self.model.device)
+
+    def _sampling(self, seqs: list[Sequence | None]) -> tuple[list[Tensor], dict[str, bool]]:
+        """The per-row sampling tensors (padding rows: greedy), each request's uniform number drawn from its own
+        generator, and which parts of the sampler some row uses (the others are left out of the plan)."""
+        v = self.model.config.vocab_size
+        rows = [(s.params.temperature, s.params.top_k or v, s.params.top_p, s.rng.random()) if s is not None
+                else (0.0, v, 1.0, 0.0) for s in seqs]
+        t, k, p, u = zip(*rows)
+        sampled = [r for r in rows if r[0] > 0]
+        flags = dict(sample=bool(sampled), filter_k=any(r[1] < v for r in sampled),
+                     filter_p=any(r[2] < 1.0 for r in sampled))
+        return [self._device(t, dtypes.float32), self._device(k, dtypes.int32), self._device(p, dtypes.float32),
+                self._device(u, dtypes.float32)], flags
+
+    def _prefill_graph(self, ids: Tensor, slot: Tensor, last: Tensor, temperature: Tensor, top_k: Tensor,
+                       top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
+                       filter_p: bool) -> tuple[Tensor, Tensor]:
+        """A prompt (1, T) into `slot`: the next token and the logits at position `last` (tensors: data)."""
+        h = self.model.hidden(ids, view=Prefill(self.cache, slot))
+        logits = self.model.head(h[0][last]).reshape(1, -1)
+        token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
+                              filter_p=filter_p)
+        return token, logits
+
+    def _decode_graph(self, tokens: Tensor, slots: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
+                      top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
+                      filter_p: bool) -> tuple[Tensor, Tensor]:
+        """One token per row (B,) at `positions` of `slots`: the next tokens and the logits (B, vocab)."""
+        b = tokens.shape[0]
+        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), Decode(self.cache, slots, positions))
+        logits = logits.reshape(b, -1)
+        token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
+                              filter_p=filter_p)
+        return token, logits
+
+    async def _prefill(self, seq: Sequence) -> None:
+        await self._ready()
+        slot = self.cache.allocate()
+        try:
+            n = len(seq.prompt)
+            length = _bucket(n, self.cache.max_len)
+            ids = self._device([seq.prompt + [0] * (length - n)], dtypes.int32)
+            sampling, flags = self._sampling([seq])
+            token, logits = await self.prefill_step(ids, self._device(slot, dtypes.int32),
+                                                    self._device(n - 1, dtypes.int32), *sampling, **flags)
+            self.logits, self.rows = logits, [seq]
+            first = int((await token.numpy())[0])
+        except BaseException:
+            self.cache.release(slot)
+            raise
+        seq.slot, seq.cached = slot, n
+        self.active[slot] = seq
+        self._accept(seq, first)
+
+    async def _step(self) -> dict[Sequence, int]:
+        await self._ready()
+        seqs = [s for _, s in sorted(self.active.items())]
+        if not seqs:
+            return {}
+        b = _bucket(len(seqs), self.cache.slots)
+        rows: list[Sequence | None] = [*seqs, *[None] * (b - len(seqs))]
+        scratch = self.cache.scratch
+        tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
+        slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
+        positions = self._device([s.cached if s else 0 for s in rows], dtypes.int32)
+        sampling, flags = self._sampling(rows)
+        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags)
+        self.logits, self.rows = logits, rows
+        out = (await token.numpy()).tolist()
+        got: dict[Sequence, int] = {}
+        for seq, tok in zip(seqs, out):
+            if seq.done:  # removed while the step ran
+                continue
+            seq.cached += 1
+            got[seq] = tok
+            self._accept(seq, tok)
+        return got
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """A sampled token: a stop token ends the sequence, any other is handed out (then a full budget or a full
+        slot ends it)."""
+        if token in seq.params.stop_token_ids:
+            self._finish(seq, "stop")
+            return
+        seq.tokens.append(token)
+        seq.pending = token
+        seq.queue.put_nowait(token)
+        if len(seq.tokens) >= seq.params.max_new_tokens or seq.cached >= self.cache.max_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.remove(seq, reason)
+
+
+class TokenStream:
+    """The async iterator of `Engine.generate`: the request's tokens as they come; `cancel()` (or `aclose()`, or
+    leaving `async with stream:`) ends it at once, freeing its slot; `finish_reason` says why it ended ("stop",
+    "length", "cancelled", "error"). A task cancelled while it waits for a token leaves the sequence decoding:
+    cancel the stream too (a service does when its client goes away)."""
+
+    def __init__(self, engine: Engine, seq: Sequence):
+        self.engine, self.seq = engine, seq
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.tokens
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self
+
+    async def __anext__(self) -> int:
+        item = await self.seq.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.engine.remove(self.seq)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> TokenStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """GPT-2's byte-level BPE tokenizer (the `tokenizers` package) from `directory`: its tokenizer.json, else its
+    vocab.json and merges.txt. Returns an object with `encode(text).ids` and `decode(ids)`."""
+    d = Path(directory)
+    try:
+        import tokenizers
+    except ImportError:
+        raise AzyxIOError("load_tokenizer needs the tokenizers package: pip install tokenizers") from None
+    if (d / "tokenizer.json").is_file():
+        return tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return tokenizers.ByteLevelBPETokenizer(str(d / "vocab.json"), str(d / "merges.txt"))
+    raise AzyxIOError(f"{d}: no tokenizer.json, nor vocab.json and merges.txt")
