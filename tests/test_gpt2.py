@@ -28,11 +28,14 @@ TEXT = ["the quick brown fox jumps over the lazy dog", "a lazy tensor waits unti
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("gpt2"))
+
+
+def build_checkpoint(d: Path) -> Path:
     """A 2-layer GPT-2 with random weights (wider than the default init, so greedy choices are clear) in Hugging
-    Face's layout, and a byte-level BPE tokenizer of the same vocabulary trained on fixed text."""
+    Face's layout, and a byte-level BPE tokenizer of the same vocabulary trained on fixed text, in directory `d`."""
     from tokenizers import ByteLevelBPETokenizer
 
-    d = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=POSITIONS,
                                   initializer_range=0.2, bos_token_id=0, eos_token_id=VOCAB - 1)

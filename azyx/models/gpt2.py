@@ -452,8 +452,11 @@ class Engine:
     runner task admits new requests between steps and decodes every active one together. Every call on the model
     (prefill, step) runs under one lock, so they never interleave."""
 
-    def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None):
+    def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None, max_waiting: int = 0):
+        if max_waiting < 0:
+            raise ArgumentError(f"max_waiting must be >= 0, got {max_waiting}")
         self.model = model
+        self.max_waiting = max_waiting  # streamed requests that may wait for a slot (past that: NoFreeSlotError)
         self.cache = KVCache(model.config, slots, max_len or model.config.n_positions, model.dtype, model.device)
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.waiting: deque[Sequence] = deque()  # streamed requests not yet prefilled
@@ -523,11 +526,13 @@ class Engine:
                  eos_token_id: int | None = None, ignore_eos: bool = False) -> TokenStream:
         """`async for token in engine.generate(prompt_ids, ...)`: the request's new tokens as they are decoded,
         batched with every other request in flight. Bad arguments raise here (ArgumentError naming the value), so
-        does a full pool (NoFreeSlotError). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once."""
+        does a full pool (NoFreeSlotError; with `max_waiting`, that many requests past the slots wait for one, in
+        arrival order). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once."""
         p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos)
         seq = self.request(prompt, p)
-        if len(self.active) + len(self.waiting) >= self.cache.slots:
-            raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences")
+        if len(self.active) + len(self.waiting) >= self.cache.slots + self.max_waiting:
+            raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences"
+                                  + (f" and {self.max_waiting} requests wait for one" if self.max_waiting else ""))
         if p.max_new_tokens == 0:
             self._finish(seq, "length")
         else:
@@ -557,6 +562,9 @@ class Engine:
                         await self._prefill(self.waiting.popleft())
                     if self.active:
                         await self._step()
+                # a step whose work was done when awaited never gave the loop a turn: the clients' sends, new
+                # requests and disconnects are handled between steps, not after a whole sequence
+                await asyncio.sleep(0)
         except BaseException as e:
             err = e if isinstance(e, Exception) else RuntimeStateError("the generation engine was closed")
             for seq in [*self.active.values(), *self.waiting]:
