@@ -32,6 +32,7 @@ import azyx
 from azyx.models.gpt2 import GPT2, Engine, NoFreeSlotError, load_tokenizer
 from azyx.stats import Heartbeat
 
+WARM_PROMPTS = (1, 2, 4, 8, 16, 32)  # prompt-length buckets planned at start-up (longer ones at their first request)
 FIELDS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int, "ignore_eos": bool}
 
 
@@ -78,8 +79,8 @@ def make_app(model_dir: str | Path, device: str = "c:0", slots: int = 8, waiting
     async def load() -> None:
         model = await GPT2.from_pretrained(model_dir, device=device)
         eng = Engine(model, slots=slots, max_waiting=waiting)
-        async for _ in eng.generate([0], max_new_tokens=2, ignore_eos=True):  # plan and compile prefill and decode
-            pass
+        # every decode batch shape and short prompts' prefill shapes planned and compiled before the first request
+        await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True)
         state["engine"] = eng
         ready.set()
 

@@ -305,3 +305,17 @@ async def test_tokenizer_round_trip(checkpoint: Path, reference: Any) -> None:
     assert out == hf_greedy(reference, ids, 8)
     assert tok.decode(ids + out).startswith(text)
     assert tok.decode(out) == tok.decode(hf_greedy(reference, ids, 8))
+
+
+async def test_warmup_plans_every_shape_before_the_first_request(checkpoint: Path, reference: Any) -> None:
+    model = await load(checkpoint)
+    engine = Engine(model, slots=4, max_waiting=4)
+    await engine.warmup(prompt_lengths=[len(PROMPT), 3], sampled=True)
+    s = azyx.stats()
+    prompts = [PROMPT, PROMPT[:3], PROMPT[2:], PROMPT[:5]]  # batches of 1 to 4 as they join and leave
+    greedy = [engine.generate(p, max_new_tokens=5 + i, ignore_eos=True) for i, p in enumerate(prompts)]
+    sampled = engine.generate(PROMPT, max_new_tokens=4, temperature=0.9, top_k=30, top_p=0.8, seed=3, ignore_eos=True)
+    got = await asyncio.gather(*(collect(g) for g in [*greedy, sampled]))
+    assert got[0] == hf_greedy(reference, PROMPT, 5) and len(got[4]) == 4
+    after = azyx.stats()
+    assert (after.plans, after.kernels, after.traces) == (s.plans, s.kernels, s.traces)

@@ -543,6 +543,32 @@ class Engine:
                 self.runner.add_done_callback(lambda t: t.cancelled() or t.exception())
         return TokenStream(self, seq)
 
+    async def warmup(self, batch_sizes: Iterable[int] | None = None, prompt_lengths: Iterable[int] = (),
+                     sampled: bool = False) -> None:
+        """Trace, plan and compile the decode step of every batch bucket that `batch_sizes` fall in (default: every
+        one up to the slots) and the prefill of every bucket of `prompt_lengths`, greedy (and, with `sampled`, with
+        temperature, top-k and top-p on), before serving. A shape's first step otherwise builds, walks and releases
+        its whole graph on the event loop (tens of ms for GPT-2 small) while the streams in flight wait. Runs on the
+        scratch slot: no sequence's cache is touched."""
+        variants = [dict(sample=False, filter_k=False, filter_p=False)]
+        if sampled:
+            variants.append(dict(sample=True, filter_k=True, filter_p=True))
+        sizes = range(1, self.cache.slots + 1) if batch_sizes is None else batch_sizes
+        async with self.lock:
+            await self._ready()
+            scratch = self.cache.scratch
+            for b in sorted({_bucket(n, self.cache.slots) for n in sizes}):
+                sampling, _ = self._sampling([None] * b)
+                for flags in variants:  # (three handles, as a step has: a handle passed twice would key otherwise)
+                    tokens, rows = self._device([0] * b, dtypes.int32), self._device([scratch] * b, dtypes.int32)
+                    await self.decode_step(tokens, rows, self._device([0] * b, dtypes.int32), *sampling, **flags)
+            for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
+                sampling, _ = self._sampling([None])
+                ids = self._device([[0] * length], dtypes.int32)
+                for flags in variants:
+                    await self.prefill_step(ids, self._device(scratch, dtypes.int32), self._device(0, dtypes.int32),
+                                            *sampling, **flags)
+
     async def close(self) -> None:
         """Stop the runner; every stream in flight ends with RuntimeStateError."""
         if self.runner is not None:
