@@ -130,9 +130,25 @@ async def test_a_client_that_goes_away_frees_its_slot_and_memory_stays_flat(chec
             async with app.state.ended:
                 await app.state.ended.wait_for(lambda: service["ended"] >= n)
 
-        assert len(await events(client, body, keep=2)) == 2  # the client leaves after two tokens
-        await ended(1)
-        assert service["cancelled"] == 1
+        # the engine paused (its lock held) with the stream two tokens in: the client leaves while it is active
+        engine = service["engine"]
+        await engine.lock.acquire()
+        try:
+            reading = asyncio.create_task(events(client, body, keep=2))
+            for _ in range(100_000):  # loop turns until the request is in (no timer: a turn per round)
+                if engine.waiting:
+                    break
+                await asyncio.sleep(0)
+            for _ in range(3):  # and the runner task it started has run: it waits for the lock
+                await asyncio.sleep(0)
+            engine.lock.release()
+            await engine.lock.acquire()  # (after the runner's turn: the prefill and one step, two tokens)
+            assert len(engine.active) == 1
+            assert len(await reading) == 2  # the client leaves after two tokens
+            await ended(1)
+            assert service["cancelled"] == 1 and not engine.active  # its slot is free, the engine still paused
+        finally:
+            engine.lock.release()
         # both slots serve new streams (with no waiting room: a slot still held would answer 503)
         want = hf_greedy(reference, tok.encode(PROMPTS[2]).ids, 6)
         two = await asyncio.gather(*(events(client, {"prompt": PROMPTS[2], "max_new_tokens": 6, "ignore_eos": True})
