@@ -427,8 +427,10 @@ class Planner:
 
     def tile_for(self, att: Attempt, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
         k = att.kernel
-        if len(groups) < 2 or not k.stores[0][1].has_reduce or not self.rt.device(att.device).tiles:
+        if not k.stores[0][1].has_reduce or not self.rt.device(att.device).tiles:
             return None
+        if len(groups) < 2:
+            return self.column_tile(k) if len(k.gvars) == 1 else None
         a = prod([shape[d] for d in groups[-2]])
         b = prod([shape[d] for d in groups[-1]])
         ta = next((t for t in (TILE[0], 4, 2) if a % t == 0), None)
@@ -456,6 +458,21 @@ class Planner:
             return None  # a dot product per output instead, vectorised along the reduce
         return ta, tb
 
+    @staticmethod
+    def column_tile(k: Kernel) -> tuple[int, int] | None:
+        """A reduce over the rows of a row-major operand (a column sum, a vector-matrix product `x @ W`): one output
+        per work item would read each row's element `n` apart; a register tile of outputs reads every row's run of
+        them contiguously instead (the reduce loop outside, the tile inside: vectorised)."""
+        g = k.gvars[0]
+        n = g.vmax + 1
+        tb = next((t for t in (TILE[1], 16, 8) if n % t == 0 and n >= 2 * t), None)
+        along = [v for v in toposort(*k.values) if v.op == "load" and g in v.vars]
+        if tb is None or not along or any(v.arg[1].terms.get(g, 0) != 1 for v in along):
+            return None
+        if not any(len(v.vars) > 1 for v in along):  # (no row of a reduce read along the outputs: nothing to gain)
+            return None
+        return 1, tb
+
     def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None) -> Attempt:
         n = self.graph[root]
         shape = n.shape
@@ -479,8 +496,8 @@ class Planner:
             for d in reversed(group):
                 idx[d] = (gidx // inner) % shape[d] if d != group[0] else gidx // inner
                 inner *= shape[d]
-        if tile is not None:  # column tiles outermost: a tile of the right operand stays in cache over all rows
-            gvars[-2], gvars[-1] = gvars[-1], gvars[-2]
+        if tile is not None and len(gvars) > 1:  # column tiles outermost: a tile of the right operand stays in cache
+            gvars[-2], gvars[-1] = gvars[-1], gvars[-2]  # over all rows
         kb = KernelBuild(self, root, device, prod(shape))
         value = kb.value(root, tuple(idx), Cond(), False, top=True)
         strides = contiguous_strides(shape)
