@@ -319,3 +319,13 @@ async def test_warmup_plans_every_shape_before_the_first_request(checkpoint: Pat
     assert got[0] == hf_greedy(reference, PROMPT, 5) and len(got[4]) == 4
     after = azyx.stats()
     assert (after.plans, after.kernels, after.traces) == (s.plans, s.kernels, s.traces)
+
+
+async def test_decode_steps_attend_over_windows_that_follow_the_lengths(checkpoint: Path, reference: Any) -> None:
+    model = await load(checkpoint)
+    engine = Engine(model, slots=2, min_window=4)  # windows of 4, 16 and 64 rows: sequences cross two of them
+    assert engine.windows == [4, 16, 64]
+    long, short = PROMPT + PROMPT, PROMPT[:3]
+    got = await asyncio.gather(collect(engine.generate(long, max_new_tokens=12, ignore_eos=True)),
+                               collect(engine.generate(short, max_new_tokens=20, ignore_eos=True)))
+    assert got == [hf_greedy(reference, long, 12), hf_greedy(reference, short, 20)]

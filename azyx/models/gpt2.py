@@ -48,6 +48,7 @@ from azyx.realize import realize
 from azyx.runtime import RT
 from azyx.tensor import Tensor
 
+WINDOW_BASE = 64  # the smallest number of cache rows a decode step attends over (then x4 per bucket, up to max_len)
 SEARCH_WIDTH = 7  # points a threshold search tries per round (one reduction over the vocabulary for all of them)
 SEARCH_ROUNDS = 14  # rounds of the top-k and top-p threshold searches: the interval shrinks by 8**-14 = 2**-42
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -317,11 +318,12 @@ class Prefill:
 
 class Decode:
     """One new token per sequence: row i's key and value written at `positions[i]` of slot `slots[i]`, then its
-    query attends to that slot's rows 0..positions[i] (a mask from the runtime positions)."""
+    query attends to that slot's rows 0..positions[i] (a mask from the runtime positions), reading the first `window`
+    rows of the cache only (a bucket above the batch's longest sequence: `Engine._window`)."""
 
-    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor):
-        self.cache, self.slots, self.positions = cache, slots, positions
-        b, n = slots.shape[0], cache.max_len
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, window: int):
+        self.cache, self.slots, self.positions, self.window = cache, slots, positions, window
+        b, n = slots.shape[0], window
         rows = Tensor.arange(n, dtype=dtypes.int32, device=slots.device).reshape(1, n)
         self.mask = (rows <= positions.reshape(b, 1)).reshape(b, 1, 1, n)
 
@@ -330,7 +332,9 @@ class Decode:
         for i in range(q.shape[0]):
             keys[self.slots[i], :, self.positions[i]] = k[i, :, 0]
             values[self.slots[i], :, self.positions[i]] = v[i, :, 0]
-        return nn.scaled_dot_product_attention(q, keys[self.slots], values[self.slots], mask=self.mask, scale=scale)
+        w = self.window  # (every row's positions are below it: the rows past it are never read)
+        return nn.scaled_dot_product_attention(q, keys[self.slots][:, :, :w], values[self.slots][:, :, :w],
+                                               mask=self.mask, scale=scale)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -452,9 +456,12 @@ class Engine:
     runner task admits new requests between steps and decodes every active one together. Every call on the model
     (prefill, step) runs under one lock, so they never interleave."""
 
-    def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None, max_waiting: int = 0):
+    def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None, max_waiting: int = 0,
+                 min_window: int = WINDOW_BASE):
         if max_waiting < 0:
             raise ArgumentError(f"max_waiting must be >= 0, got {max_waiting}")
+        if min_window < 1:
+            raise ArgumentError(f"min_window must be >= 1, got {min_window}")
         self.model = model
         self.max_waiting = max_waiting  # streamed requests that may wait for a slot (past that: NoFreeSlotError)
         self.cache = KVCache(model.config, slots, max_len or model.config.n_positions, model.dtype, model.device)
@@ -468,8 +475,12 @@ class Engine:
         self.rows: list[Sequence | None] = []
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
         # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
+        # the cache rows a decode step reads: the first bucket of WINDOW_BASE * 4**i (and max_len) above the
+        # batch's longest sequence, so a step's attention and cache reads follow the sequences' lengths
+        self.windows = [w for w in (min_window << 2 * i for i in range(16)) if w < self.cache.max_len] + \
+            [self.cache.max_len]
         self.prefill_step = jit(self._prefill_graph)
-        self.decode_step = jit(self._decode_graph)
+        self.decode_step = jit(self._decode_graph, static_argnames="window")
 
     # ---------------------------------------------------------------- requests
     def request(self, prompt: Iterable[int], params: SamplingParams) -> Sequence:
@@ -543,13 +554,16 @@ class Engine:
                 self.runner.add_done_callback(lambda t: t.cancelled() or t.exception())
         return TokenStream(self, seq)
 
+    def _window(self, n: int) -> int:
+        return next(w for w in self.windows if w >= n)
+
     async def warmup(self, batch_sizes: Iterable[int] | None = None, prompt_lengths: Iterable[int] = (),
                      sampled: bool = False) -> None:
         """Trace, plan and compile the decode step of every batch bucket that `batch_sizes` fall in (default: every
-        one up to the slots) and the prefill of every bucket of `prompt_lengths`, greedy (and, with `sampled`, with
-        temperature, top-k and top-p on), before serving. A shape's first step otherwise builds, walks and releases
-        its whole graph on the event loop (tens of ms for GPT-2 small) while the streams in flight wait. Runs on the
-        scratch slot: no sequence's cache is touched."""
+        one up to the slots) at every attention window (`windows`), and the prefill of every bucket of
+        `prompt_lengths`, greedy (and, with `sampled`, with temperature, top-k and top-p on), before serving. A
+        shape's first step otherwise builds, walks and releases its whole graph on the event loop (tens of ms for
+        GPT-2 small) while the streams in flight wait. Runs on the scratch slot: no sequence's cache is touched."""
         variants = [dict(sample=False, filter_k=False, filter_p=False)]
         if sampled:
             variants.append(dict(sample=True, filter_k=True, filter_p=True))
@@ -557,11 +571,13 @@ class Engine:
         async with self.lock:
             await self._ready()
             scratch = self.cache.scratch
-            for b in sorted({_bucket(n, self.cache.slots) for n in sizes}):
+            shapes = [(b, w) for b in sorted({_bucket(n, self.cache.slots) for n in sizes}) for w in self.windows]
+            for b, w in shapes:
                 sampling, _ = self._sampling([None] * b)
                 for flags in variants:  # (three handles, as a step has: a handle passed twice would key otherwise)
                     tokens, rows = self._device([0] * b, dtypes.int32), self._device([scratch] * b, dtypes.int32)
-                    await self.decode_step(tokens, rows, self._device([0] * b, dtypes.int32), *sampling, **flags)
+                    await self.decode_step(tokens, rows, self._device([0] * b, dtypes.int32), *sampling, **flags,
+                                           window=w)
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -631,10 +647,11 @@ class Engine:
 
     def _decode_graph(self, tokens: Tensor, slots: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
                       top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
-                      filter_p: bool) -> tuple[Tensor, Tensor]:
+                      filter_p: bool, window: int) -> tuple[Tensor, Tensor]:
         """One token per row (B,) at `positions` of `slots`: the next tokens and the logits (B, vocab)."""
         b = tokens.shape[0]
-        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), Decode(self.cache, slots, positions))
+        view = Decode(self.cache, slots, positions, window)
+        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view)
         logits = logits.reshape(b, -1)
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p)
@@ -671,7 +688,8 @@ class Engine:
         slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
         positions = self._device([s.cached if s else 0 for s in rows], dtypes.int32)
         sampling, flags = self._sampling(rows)
-        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags)
+        window = self._window(max(s.cached for s in seqs) + 1)
+        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags, window=window)
         self.logits, self.rows = logits, rows
         out = (await token.numpy()).tolist()
         got: dict[Sequence, int] = {}
