@@ -427,8 +427,12 @@ class Planner:
 
     def tile_for(self, att: Attempt, groups: list[list[int]], shape: Shape) -> tuple[int, int] | None:
         k = att.kernel
-        if not k.stores[0][1].has_reduce or not self.rt.device(att.device).tiles:
+        dev = self.rt.device(att.device)
+        if not k.stores[0][1].has_reduce or not dev.tiles:
             return None
+        bound = dev.dialect.max_trips if dev.dialect is not None else 0
+        if bound and any(prod([x.vmax + 1 for x in v.arg[1]]) > bound for v in toposort(*k.values) if v.op == "reduce"):
+            return None  # (a driver that ends long loops, llvmpipe: the grouped reduce takes several steps a turn)
         if len(groups) < 2:
             return self.column_tile(k) if len(k.gvars) == 1 else None
         a = prod([shape[d] for d in groups[-2]])

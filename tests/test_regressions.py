@@ -142,3 +142,10 @@ async def test_a_sum_past_llvmpipes_loop_bound_counts_every_element() -> None:
     np.testing.assert_allclose(got, n, rtol=1e-6)  # (n is not a float32: rounding of the partial sums)
     rows = await Tensor(np.ones((2, 9_000_001), np.float32), device="vulkan:0").sum(axis=1).numpy()
     np.testing.assert_array_equal(rows, np.full(2, 9_000_001, np.float32))
+
+
+async def test_a_matrix_product_longer_than_llvmpipes_loop_bound_counts_every_term(device: str) -> None:
+    # found on vulkan:0 (lavapipe): a register-tiled product over K = 100000 gave 65535 (llvmpipe ends loops silently)
+    a, b = np.ones((4, 100_000), np.float32), np.ones((100_000, 64), np.float32)
+    got = await (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
+    np.testing.assert_array_equal(got, np.full((4, 64), 100_000, np.float32))
