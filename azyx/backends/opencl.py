@@ -26,7 +26,6 @@ from azyx.cstyle import OPENCL
 from azyx.device import Buffer, Device, kernel_list
 from azyx.dtypes import scalar_size
 from azyx.errors import CompileError, DeviceError
-from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 
 try:
@@ -157,7 +156,7 @@ class OpenCLDevice(QueuedDevice):
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
         mems: list[Any] = [b.mem for b in bufs]
         if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has
-            sizes = [scalar_size(v.dtype) for v in scalar_args(step.kernel)]
+            sizes = [scalar_size(dt) for dt in step.scalar_dtypes]
             mems += [w.to_bytes(8, "little")[:n] for w, n in zip(words, sizes)]
 
         def enqueue(wait_for: list[Any] | None) -> Any:
