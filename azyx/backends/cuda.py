@@ -34,10 +34,10 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.cuda_copy import StagedCopies
-from azyx.backends.cuda_driver import check, cu, init, nvrtc_compile, sticky
+from azyx.backends.cuda_driver import check, cu, hot, init, nvrtc_compile, sticky
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.cstyle import CUDA
-from azyx.device import Buffer, Device, kernel_list
+from azyx.device import BatchState, Buffer, Device, LaunchItem, kernel_list
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.launch import Launch
 from azyx.plan import KernelStep
@@ -78,6 +78,7 @@ class CUDADevice(StagedCopies):
         self.cu_device = check(cu.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
         self.ctx_id = int(self.ctx)
+        self.hot = hot()  # the launch path's driver calls, on integer handles
         self.use()
         attr = cu.CUdevice_attribute
         major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "")
@@ -87,6 +88,7 @@ class CUDADevice(StagedCopies):
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
         self.spin = float(options.get("spin_us", 20)) * 1e-6
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.stream_h = int(self.stream)
         free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
         self.capacity = int(options.get("memory") or free * 0.9)
         self.driver_free = int(free)
@@ -121,8 +123,7 @@ class CUDADevice(StagedCopies):
         """Make this device's context current on the calling thread. Asked of the driver each time, not remembered
         per thread: other code on the thread (PyTorch's set_device, another device of ours) may have made another
         context current since."""
-        err, current = cu.cuCtxGetCurrent()
-        if int(err) != 0 or int(current) != self.ctx_id:
+        if self.hot.current_context() != self.ctx_id:
             check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
     # ------------------------------------------------------------------ memory
@@ -175,7 +176,8 @@ class CUDADevice(StagedCopies):
         try:
             module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
             self.modules.append(module)
-            return {name: check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction") for name in names}
+            return {name: int(check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction"))
+                    for name in names}
         except DeviceError as e:  # a module load waits for the device to idle: it meets a kernel that faulted first
             if sticky(e):
                 raise self.fail(e) from None
@@ -229,7 +231,8 @@ class CUDADevice(StagedCopies):
     def _event(self) -> Any:
         ev = self.free_events.pop() if self.free_events else check(
             cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        check(cu.cuEventRecord(ev, self.stream), "cuEventRecord")
+        if err := self.hot.event_record(int(ev), self.stream_h):
+            self.hot.fail(err, "cuEventRecord")
         return ev
 
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
@@ -345,10 +348,11 @@ class CUDADevice(StagedCopies):
         ev = self.events.get(v)
         if ev is None or (self.posts and self.posts[0] <= v):
             return self.timeline.value >= v
-        status = int(cu.cuEventQuery(ev)[0])
+        query, handle = self.hot.event_query, int(ev)
+        status = query(handle)
         if status == NOT_READY and spin > 0:
             deadline = time.perf_counter() + spin
-            while (status := int(cu.cuEventQuery(ev)[0])) == NOT_READY:
+            while (status := query(handle)) == NOT_READY:
                 if time.perf_counter() > deadline:
                     break
         if status:  # not yet; an error stays for the waiter thread to report
@@ -366,8 +370,8 @@ class CUDADevice(StagedCopies):
 
     def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...]) -> None:
         grid, block, zero = dims.grid, dims.group, dims.zero
-        if zero:
-            check(cu.cuMemsetD32Async(ptrs[0], 0, zero // 4, self.stream), "cuMemsetD32Async")
+        if zero and (err := self.hot.memset_d32(ptrs[0], 0, zero // 4, self.stream_h)):
+            self.hot.fail(err, "cuMemsetD32Async")
         # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
         # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch). The driver
         # copies them at launch, so the pair is kept for the next launch with these pointers (a steady plan's)
@@ -379,13 +383,12 @@ class CUDADevice(StagedCopies):
             if len(self.params) >= 4096:
                 self.params.clear()
             arrays = self.params[ptrs] = (values, params, params.buffer_info()[0])
-        err = cu.cuLaunchKernel(fn, *grid, block, 1, 1, 0, self.stream, arrays[2], 0)[0]
-        if err:
-            check((err,), "cuLaunchKernel")
+        if err := self.hot.launch(fn, *grid, block, 1, 1, 0, self.stream_h, arrays[2], None):
+            self.hot.fail(err, "cuLaunchKernel")
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
-        fn = self.programs[step.name]  # a CUfunction
+        fn = self.programs[step.name]  # a CUfunction's handle
         # per kernel, not per name: kernels of one source may differ in grid (a row-sum's rows, a product's batch are
         # not in their source, so several shapes share one compiled function)
         dims = step.launch
@@ -399,6 +402,25 @@ class CUDADevice(StagedCopies):
             self.holding[v] = bufs
             return v
         return self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
+
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
+                    batch: BatchState | None = None) -> int:
+        """A run of kernels of a plan over several devices (a single-device plan is one batch already): one batch too,
+        after the first kernel when that one waits, so the run costs one event and, once steady, one graph launch."""
+        if self.batch is not None or len(items) < 2:
+            return super().launch_many(items, waits, batch)
+        v = 0
+        if waits:
+            step, bufs, words = items[0]
+            v = self.launch(step, bufs, waits, words)
+            items = items[1:]
+        self.begin_batch()
+        try:
+            for step, bufs, words in items:
+                v = self.launch(step, bufs, [], words)
+        finally:
+            self.end_batch()
+        return v
 
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator
-from azyx.backends.cuda_driver import check, cu, describe_pointer
+from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
 from azyx.backends.queued import QueuedDevice
 from azyx.device import Buffer, Device, after_waits
 from azyx.errors import DeviceError
@@ -60,6 +60,8 @@ class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
     stream: Any
+    stream_h: int  # the stream's handle, for the ctypes calls of `hot`
+    hot: Hot
     ctx: Any
     cu_device: Any
     staging: PoolAllocator  # pinned blocks, kept for reuse (freeing page-locked memory synchronises the device)
@@ -106,8 +108,8 @@ class StagedCopies(QueuedDevice):
             pinned = keep.pinned
 
             def dma() -> None:
-                if n:
-                    check(cu.cuMemcpyHtoDAsync(dst.ptr + offset, pinned.ptr, n, self.stream), "H2D")
+                if n and (err := self.hot.htod(dst.ptr + offset, pinned.ptr, n, self.stream_h)):
+                    self.hot.fail(err, "H2D")
 
             return self._submit(dma, waits, (keep, dst))
         flat = host.reshape(-1).view(np.uint8)
@@ -130,8 +132,8 @@ class StagedCopies(QueuedDevice):
             o, size = chunks[i]
             if size:
                 pinned, at = stages[i][0].pinned, dst.ptr + offset + o
-                check(cu.cuMemcpyHtoDAsync(at, pinned.ptr, size, self.stream),
-                      f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
+                if err := self.hot.htod(at, pinned.ptr, size, self.stream_h):
+                    self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def dma_all() -> None:
             for i in range(len(chunks)):
@@ -199,8 +201,7 @@ class StagedCopies(QueuedDevice):
                 if size:
                     staged = cell[0]
                     at = buf.ptr + offset + o
-                    err = cu.cuMemcpyDtoHAsync(staged.pinned.ptr, at, size, self.stream)[0]
-                    if int(err) != 0:
+                    if err := self.hot.dtoh(staged.pinned.ptr, at, size, self.stream_h):
                         raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(at)} (of "
                                           f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
                                           f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")

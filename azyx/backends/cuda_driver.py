@@ -3,6 +3,7 @@ context unusable, driver start-up, and compiling CUDA C to a cubin (cached on di
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,43 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
     raise ImportError(f"cuda-bindings is not installed (pip install 'azyx[cuda]'): {e}") from None
 
 _INIT: list[bool] = []
+
+
+class Hot:
+    """The driver calls of the launch path (a plan's launches, its event, a graph replay, a copy's DMA), made through
+    ctypes with handles as integers: cuda-bindings wraps every result in an enum object, a Python constructor that a
+    step of hundreds of launches pays hundreds of times on the loop's thread. Each returns the CUresult as an int
+    (0: success; `fail` turns another into the DeviceError `check` would raise). Each call returns at once (copies are
+    from and to pinned memory), so the GIL stays held: released and taken back hundreds of times a step, it would go
+    to another thread at each launch, and the loop's thread wait for it to come back."""
+
+    def __init__(self) -> None:
+        lib = ctypes.PyDLL("libcuda.so.1")  # the library cuda-bindings has loaded: one driver, one set of contexts
+        u, p, z = ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t
+        self.launch = _fn(lib.cuLaunchKernel, p, u, u, u, u, u, u, u, p, p, p)
+        self.event_record = _fn(lib.cuEventRecord, p, p)
+        self.event_query = _fn(lib.cuEventQuery, p)
+        self.graph_launch = _fn(lib.cuGraphLaunch, p, p)
+        self.memset_d32 = _fn(lib.cuMemsetD32Async, ctypes.c_uint64, u, z, p)
+        self.htod = _fn(lib.cuMemcpyHtoDAsync_v2, ctypes.c_uint64, p, z, p)
+        self.dtoh = _fn(lib.cuMemcpyDtoHAsync_v2, p, ctypes.c_uint64, z, p)
+        self._current = _fn(lib.cuCtxGetCurrent, ctypes.POINTER(p))
+
+    def current_context(self) -> int:
+        """The calling thread's current context handle (0: none)."""
+        ctx = ctypes.c_void_p()
+        self._current(ctypes.byref(ctx))
+        return ctx.value or 0
+
+    @staticmethod
+    def fail(err: int, what: str) -> None:
+        check((cu.CUresult(err),), what)
+
+
+def _fn(f: Any, *argtypes: Any) -> Any:
+    f.argtypes, f.restype = list(argtypes), ctypes.c_int
+    return f
+
 
 
 # errors after which the context is unusable (a kernel faulted): the device fails (Device.fail)
@@ -51,6 +89,16 @@ def describe_pointer(ptr: int) -> str:
     start = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)
     return f"{ptr:#x}: type {kind[1] if kind[0] == 0 else kind[0]}, range {rng[1] if rng[0] == 0 else rng[0]} " \
            f"from {start[1] if start[0] == 0 else start[0]}"
+
+
+_HOT: list[Hot] = []
+
+
+def hot() -> Hot:
+    """The ctypes calls of the launch path (after `init`: the driver library is there once a device exists)."""
+    if not _HOT:
+        _HOT.append(Hot())
+    return _HOT[0]
 
 
 def init() -> int:

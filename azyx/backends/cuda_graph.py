@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from azyx import debug
-from azyx.backends.cuda_driver import check, cu
+from azyx.backends.cuda_driver import check, cu, hot
 from azyx.launch import Launch
 
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
@@ -17,13 +17,23 @@ GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that 
 Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
 
 
+class _Graph:
+    """A captured batch: the executable graph and its handle for the launch path."""
+
+    __slots__ = ("exe", "handle")
+
+    def __init__(self, exe: Any):
+        self.exe, self.handle = exe, int(exe)
+
+
 class GraphCache:
     """One stream's graphs, by the launches they replay (kernel names, grids and pointers: one source may launch
     several grids); a batch not yet steady has a count of sightings instead."""
 
     def __init__(self, stream: Any, launch: Callable[[Any, Launch, tuple[int, ...]], None], name: str):
         self.stream, self.launch_one, self.name = stream, launch, name
-        self.graphs: dict[tuple, Any] = {}
+        self.hot, self.stream_h = hot(), int(stream)
+        self.graphs: dict[tuple, _Graph | int] = {}
 
     def launch(self, batch: list[Collected]) -> None:
         """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady."""
@@ -31,24 +41,24 @@ class GraphCache:
             fn, dims, ptrs, _ = batch[0]
             self.launch_one(fn, dims, ptrs)
             return
-        key = tuple((name, dims, ptrs) for _, dims, ptrs, name in batch)
+        # (the launch's fields, not the Launch: a dataclass's hash is Python code, a tuple of ints' is not)
+        key = tuple([(name, dims.grid, dims.group, dims.zero, ptrs) for _, dims, ptrs, name in batch])
         graph = self.graphs.get(key)
-        if isinstance(graph, int) or graph is None:
+        if not isinstance(graph, _Graph):
             seen = (graph or 0) + 1
-            if seen >= GRAPH_AFTER:
-                graph = self._capture(batch)
-                self.graphs[key] = graph
-            else:
+            if seen < GRAPH_AFTER:
                 self.graphs[key] = seen
-                graph = None
                 for fn, dims, ptrs, _ in batch:
                     self.launch_one(fn, dims, ptrs)
-        if graph is not None:
-            check(cu.cuGraphLaunch(graph, self.stream), "cuGraphLaunch")
+                graph = None
+            else:
+                graph = self.graphs[key] = self._capture(batch)
+        if graph is not None and (err := self.hot.graph_launch(graph.handle, self.stream_h)):
+            self.hot.fail(err, "cuGraphLaunch")
         if len(self.graphs) > GRAPHS_KEPT:
             self.graphs.pop(next(iter(self.graphs)))
 
-    def _capture(self, batch: list[Collected]) -> Any:
+    def _capture(self, batch: list[Collected]) -> _Graph:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:
@@ -59,4 +69,4 @@ class GraphCache:
         exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         cu.cuGraphDestroy(graph)
         debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
-        return exe
+        return _Graph(exe)
