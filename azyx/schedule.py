@@ -245,6 +245,18 @@ class Planner:
         per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
         return next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1) if r % d == 0), None)
 
+    def tiled_product(self, nid: int, device: str) -> bool:
+        """Whether reduce `nid` is a float32 matrix product of 16 rows or more on a device with a tiled matmul kernel
+        (azyx.gemm): it gets that kernel, a kernel of its own, rather than being fused into its consumer (a bias, an
+        activation) as a generic reduce, which on an H100 ran a 128 x 768 x 3072 product 60x slower."""
+        dl = self.rt.device(device).dialect
+        n = self.graph[nid]
+        if dl is None or not dl.gemm or n.dtype is not dtypes.float32 or n.arg[0] != "sum" or len(n.arg[1]) != 1:
+            return False
+        src = self.graph[n.src[0]]
+        return (src.op is Op.BINARY and src.arg == "mul" and src.shape[n.arg[1][0]] >= 64
+                and prod(n.shape) // max(n.shape[-1], 1) >= 16)
+
     def split_reduce(self, root: int, device: str) -> int | None:
         """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would
         leave the device idle: reduce in two stages, P partial results per output computed in parallel, then P
@@ -620,7 +632,7 @@ class KernelBuild:
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:
             fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
-                           and p.split_parts(nid, self.device) is None)
+                           and p.split_parts(nid, self.device) is None and not self.epilogue_of_product(nid))
             if not fuse:
                 return self.load(nid, idx, cond)
             return self.reduce(n, idx, cond)
@@ -668,6 +680,12 @@ class KernelBuild:
             self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
             return vb.where(vb.cond(local, dtypes.bool), inner, fill)
         raise AssertionError(f"cannot fuse {n}")
+
+    def epilogue_of_product(self, nid: int) -> bool:
+        """Whether reduce `nid` is read by computation (not views alone) and is a product that the device runs best in a
+        kernel of its own (Planner.tiled_product)."""
+        g = self.p.graph
+        return (any(g[x].op not in MOVEMENT for x in self.path[:-1]) and self.p.tiled_product(nid, self.device))
 
     def second_map(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> bool:
         """Whether node `nid`, shared by several consumers, is now read under a second index map."""
