@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -34,10 +35,14 @@ class PoolAllocator:
     finalizers wherever an allocation triggers it. So a free never waits for the lock: it queues itself, and
     whoever holds the lock takes the queue in before letting go."""
 
-    def __init__(self, capacity: int, cache_limit: int, create: Callable[[int], Any], what: str):
+    def __init__(self, capacity: int, cache_limit: int, create: Callable[[int], Any], what: str, lowest: bool = False):
         """`create(size)` makes a new block (raising when the device is out of memory); `what` names the device in
-        errors."""
+        errors. `lowest`: blocks are addresses (ints), and a request takes the lowest cached one of its size, so a plan
+        that runs again from the same free blocks gets the same addresses (CUDA replays such a run as a graph); else
+        the block freed last."""
         self.capacity, self.cache_limit, self.create, self.what = capacity, cache_limit, create, what
+        self.put: Callable[[list[Any], Any], None] = heapq.heappush if lowest else list.append
+        self.take: Callable[[list[Any]], Any] = heapq.heappop if lowest else list.pop
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # frees not yet taken in
         self.free_lists: dict[int, list[Any]] = {}
@@ -60,7 +65,7 @@ class PoolAllocator:
                 mem, size = self._pending.popleft()
                 self.in_use -= size
                 if mem is not None and self.cached + size <= self.cache_limit:
-                    self.free_lists.setdefault(size, []).append(mem)
+                    self.put(self.free_lists.setdefault(size, []), mem)
                     self.cached += size
             self._lock.release()
             if not self._pending or not self._lock.acquire(blocking=False):
@@ -72,7 +77,7 @@ class PoolAllocator:
         self._lock.acquire()
         try:
             lst = self.free_lists.get(size)
-            mem = lst.pop() if lst else None
+            mem = self.take(lst) if lst else None
             if mem is not None:
                 self.cached -= size
             elif self.in_use + size > self.capacity:
@@ -99,7 +104,7 @@ class PoolAllocator:
                 return None
             self.cached -= size
             self.in_use += size
-            return lst.pop(), size
+            return self.take(lst), size
 
     def usage(self) -> MemoryUsage:
         """Bytes in use and bytes cached, read together under the lock."""

@@ -93,7 +93,7 @@ class CUDADevice(StagedCopies):
         self.capacity = int(options.get("memory") or free * 0.9)
         self.driver_free = int(free)
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
-        self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name)
+        self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name, lowest=True)
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
@@ -298,7 +298,10 @@ class CUDADevice(StagedCopies):
                     events = self._event_waits(job.waits) or []  # every wait is recorded or reached by now
                     for ev, _ in events:
                         check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                    job.enqueue()
+                # outside the lock (a long batch's launches take milliseconds, and the loop's thread takes the lock to
+                # submit or poll): while this job heads the queue, every other command queues behind it, so the
+                # stream is this thread's alone
+                job.enqueue()
             except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
                 self.record_failure(job.value, e)
                 if sticky(e):
@@ -368,9 +371,10 @@ class CUDADevice(StagedCopies):
         self.timeline.signal(v)
         return True
 
-    def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...]) -> None:
+    def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...], hold_gil: bool = True) -> None:
         grid, block, zero = dims.grid, dims.group, dims.zero
-        if zero and (err := self.hot.memset_d32(ptrs[0], 0, zero // 4, self.stream_h)):
+        hot = self.hot
+        if zero and (err := hot.memset_d32(ptrs[0], 0, zero // 4, self.stream_h)):
             self.hot.fail(err, "cuMemsetD32Async")
         # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
         # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch). The driver
@@ -383,8 +387,9 @@ class CUDADevice(StagedCopies):
             if len(self.params) >= 4096:
                 self.params.clear()
             arrays = self.params[ptrs] = (values, params, params.buffer_info()[0])
-        if err := self.hot.launch(fn, *grid, block, 1, 1, 0, self.stream_h, arrays[2], None):
-            self.hot.fail(err, "cuLaunchKernel")
+        launch = hot.launch if hold_gil else hot.launch_releasing
+        if err := launch(fn, *grid, block, 1, 1, 0, self.stream_h, arrays[2], None):
+            hot.fail(err, "cuLaunchKernel")
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
@@ -445,8 +450,10 @@ class CUDADevice(StagedCopies):
         behind the deferred commands when there are any."""
         self.use()
         first, v = self.submitted - len(batch) + 1, self.submitted
-        if self.deferred:
-            self._defer(_Job(None, [], lambda: self.graph_cache.launch(batch), None, None, v, first))
+        if self.deferred or not self.graph_cache.cheap(batch):
+            # a long batch launched one by one (or captured into a graph) takes milliseconds: the submitter thread does
+            # it, letting the loop's thread have the GIL between launches
+            self._defer(_Job(None, [], lambda: self.graph_cache.launch(batch, hold_gil=False), None, None, v, first))
             return
         self.graph_cache.launch(batch)
         self._record(v, None, None, first)

@@ -32,6 +32,8 @@ class Hot:
         lib = ctypes.PyDLL("libcuda.so.1")  # the library cuda-bindings has loaded: one driver, one set of contexts
         u, p, z = ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t
         self.launch = _fn(lib.cuLaunchKernel, p, u, u, u, u, u, u, u, p, p, p)
+        # the same, letting other threads have the GIL during the call: for long batches on a worker thread
+        self.launch_releasing = _fn(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, p, u, u, u, u, u, u, u, p, p, p)
         self.event_record = _fn(lib.cuEventRecord, p, p)
         self.event_query = _fn(lib.cuEventQuery, p)
         self.graph_launch = _fn(lib.cuGraphLaunch, p, p)

@@ -12,6 +12,7 @@ from azyx.backends.cuda_driver import check, cu, hot
 from azyx.launch import Launch
 
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
+INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread
 GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
 
 Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
@@ -30,40 +31,55 @@ class GraphCache:
     """One stream's graphs, by the launches they replay (kernel names, grids and pointers: one source may launch
     several grids); a batch not yet steady has a count of sightings instead."""
 
-    def __init__(self, stream: Any, launch: Callable[[Any, Launch, tuple[int, ...]], None], name: str):
+    def __init__(self, stream: Any, launch: Callable[[Any, Launch, tuple[int, ...], bool], None], name: str):
         self.stream, self.launch_one, self.name = stream, launch, name
         self.hot, self.stream_h = hot(), int(stream)
         self.graphs: dict[tuple, _Graph | int] = {}
+        self.keyed: tuple[list[Collected], tuple] | None = None  # the last batch `cheap` keyed, and its key
 
-    def launch(self, batch: list[Collected]) -> None:
-        """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady."""
+    @staticmethod
+    def key(batch: list[Collected]) -> tuple:
+        # (the launch's fields, not the Launch: a dataclass's hash is Python code, a tuple of ints' is not)
+        return tuple([(name, dims.grid, dims.group, dims.zero, ptrs) for _, dims, ptrs, name in batch])
+
+    def cheap(self, batch: list[Collected]) -> bool:
+        """Whether submitting the batch takes little time: a few launches, or one graph launch."""
+        if len(batch) <= INLINE_LAUNCHES:
+            return True
+        key = self.key(batch)
+        self.keyed = (batch, key)
+        return isinstance(self.graphs.get(key), _Graph)
+
+    def launch(self, batch: list[Collected], hold_gil: bool = True) -> None:
+        """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady.
+        `hold_gil` False: each launch lets other threads run (a long batch submitted off the loop's thread)."""
         if len(batch) == 1:
             fn, dims, ptrs, _ = batch[0]
-            self.launch_one(fn, dims, ptrs)
+            self.launch_one(fn, dims, ptrs, hold_gil)
             return
-        # (the launch's fields, not the Launch: a dataclass's hash is Python code, a tuple of ints' is not)
-        key = tuple([(name, dims.grid, dims.group, dims.zero, ptrs) for _, dims, ptrs, name in batch])
+        key = self.keyed[1] if self.keyed is not None and self.keyed[0] is batch else self.key(batch)
+        self.keyed = None
         graph = self.graphs.get(key)
         if not isinstance(graph, _Graph):
             seen = (graph or 0) + 1
             if seen < GRAPH_AFTER:
                 self.graphs[key] = seen
                 for fn, dims, ptrs, _ in batch:
-                    self.launch_one(fn, dims, ptrs)
+                    self.launch_one(fn, dims, ptrs, hold_gil)
                 graph = None
             else:
-                graph = self.graphs[key] = self._capture(batch)
+                graph = self.graphs[key] = self._capture(batch, hold_gil)
         if graph is not None and (err := self.hot.graph_launch(graph.handle, self.stream_h)):
             self.hot.fail(err, "cuGraphLaunch")
         if len(self.graphs) > GRAPHS_KEPT:
             self.graphs.pop(next(iter(self.graphs)))
 
-    def _capture(self, batch: list[Collected]) -> _Graph:
+    def _capture(self, batch: list[Collected], hold_gil: bool) -> _Graph:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:
             for fn, dims, ptrs, _ in batch:
-                self.launch_one(fn, dims, ptrs)
+                self.launch_one(fn, dims, ptrs, hold_gil)
         finally:
             graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
