@@ -410,21 +410,33 @@ class CUDADevice(StagedCopies):
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
-        """A run of kernels of a plan over several devices (a single-device plan is one batch already): one batch too,
-        after the first kernel when that one waits, so the run costs one event and, once steady, one graph launch."""
-        if self.batch is not None or len(items) < 2:
+        """Kernels in a row: collected into the batch (a single-device plan's; for a plan over several devices, a batch
+        of their own, after the first kernel when that one waits), so they cost one event and, once steady, one graph
+        launch."""
+        if self.batch is None and len(items) < 2:
             return super().launch_many(items, waits, batch)
         v = 0
         if waits:
             step, bufs, words = items[0]
             v = self.launch(step, bufs, waits, words)
             items = items[1:]
-        self.begin_batch()
+            if not items:
+                return v
+        own = self.batch is None
+        if own:
+            self.begin_batch()
         try:
-            for step, bufs, words in items:
-                v = self.launch(step, bufs, [], words)
+            assert self.batch is not None
+            programs = self.programs
+            # (one comprehension for the run: a plan step's hundreds of kernels pay no call each)
+            self.batch += [(programs[s.name], s.launch, tuple([b.ptr for b in bufs]) + w, s.name)
+                           for s, bufs, w in items]
+            self.submitted += len(items)  # reserved: end_batch records the event that completes them
+            v = self.submitted
+            self.holding[v] = [bufs for _, bufs, _ in items]
         finally:
-            self.end_batch()
+            if own:
+                self.end_batch()
         return v
 
     # ------------------------------------------------------------------ graphs of a steady plan
