@@ -95,6 +95,39 @@ class PoolAllocator:
                                       f"device memory ({type(e).__name__}: {e})") from None
         return mem, size
 
+    def alloc_many(self, sizes: list[int]) -> list[tuple[Any, int]]:
+        """Blocks of at least each of `sizes` bytes, taken under one hold of the lock (a plan step's dozens of temporary
+        buffers); all or none: a refused one gives back those taken before it."""
+        out: list[tuple[Any, int]] = []
+        self._lock.acquire()
+        try:
+            for nbytes in sizes:
+                size = bucket(max(nbytes, 1))
+                lst = self.free_lists.get(size)
+                if lst:
+                    self.cached -= size
+                    out.append((self.take(lst), size))
+                elif self.in_use + size > self.capacity:
+                    for mem, sz in out:
+                        self.free(mem, sz)  # (queued: taken in as the lock is let go)
+                    raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes: over its capacity of "
+                                          f"{self.capacity} bytes ({self.in_use} in use)")
+                else:
+                    out.append((None, size))
+                self.in_use += size
+        finally:
+            self._unlock()
+        for i, (mem, size) in enumerate(out):
+            if mem is None:
+                try:
+                    out[i] = (self.create(size), size)
+                except Exception as e:  # MemoryError, a driver's out-of-resources error
+                    for m, sz in out:
+                        self.free(m, sz)
+                    raise AllocationError(f"{self.what}: cannot allocate {sizes[i]} bytes ({size} as pooled): out of "
+                                          f"device memory ({type(e).__name__}: {e})") from None
+        return out
+
     def reuse(self, nbytes: int) -> tuple[Any, int] | None:
         """A cached block of at least `nbytes` (memory, its bucketed size), or None: never creates one."""
         size = bucket(max(nbytes, 1))

@@ -228,6 +228,10 @@ class Device:
     def alloc(self, nbytes: int) -> Buffer:
         raise NotImplementedError
 
+    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
+        """A buffer of each size (a plan step's outputs, made together)."""
+        return [self.alloc(n) for n in sizes]
+
     def release(self, buf: Buffer) -> None:
         raise NotImplementedError
 

@@ -147,9 +147,13 @@ class UnifiedExecutor:
                 if dev.timeline.failure is not None:
                     dev.check_alive()  # a failed device takes no more work
                 before = dev.queued()
-                for s in seg.allocs:  # a slot is written once: its buffer is made right before the work that writes it
-                    if bufs[s] is None:
-                        bufs[s] = dev.alloc(max(slots[s].nbytes, 1))
+                # a slot is written once: its buffer is made right before the work that writes it
+                need = [s for s in seg.allocs if bufs[s] is None]
+                if len(need) == 1:
+                    bufs[need[0]] = dev.alloc(max(slots[need[0]].nbytes, 1))
+                elif need:
+                    for s, made in zip(need, dev.alloc_many([max(slots[s].nbytes, 1) for s in need])):
+                        bufs[s] = made
                 if seg.transfer is not None:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:

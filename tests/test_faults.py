@@ -52,6 +52,26 @@ def in_use(pool: Any) -> int:
     return int(pool.in_use)
 
 
+async def refused_realize(pool: Any, outs: list[Tensor]) -> tuple[str, int]:
+    """Realize `outs` while `pool` refuses its second new block (its raw allocation raises, as a driver out of memory
+    does): the AllocationError's message and how many blocks were asked for."""
+    create, calls = pool.create, []
+
+    def refusing(size: int) -> Any:
+        calls.append(size)
+        if len(calls) == 2:
+            raise MemoryError("injected: the device is out of memory")
+        return create(size)
+
+    pool.create = refusing
+    try:
+        with pytest.raises(azyx.AllocationError) as info:
+            await azyx.realize(*outs)
+    finally:
+        pool.create = create
+    return str(info.value), len(calls)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 async def test_a_refused_allocation_raises_frees_what_the_run_took_and_the_next_realize_works(device: str) -> None:
     """The device's allocator refuses its second new block (its raw allocation raises, as a driver out of memory
@@ -72,28 +92,42 @@ async def test_a_refused_allocation_raises_frees_what_the_run_took_and_the_next_
     await azyx.synchronize()
     pool.take_cached()  # every block the run needs is now a new one, made by `create`
     before = in_use(pool)
-    create, calls = pool.create, []
-
-    def refusing(size: int) -> Any:
-        calls.append(size)
-        if len(calls) == 2:  # the copy's block is made; the kernel's first output's is refused
-            raise MemoryError("injected: the device is out of memory")
-        return create(size)
-
-    pool.create = refusing
     outs = graph()
-    try:
-        with pytest.raises(azyx.AllocationError) as info:
-            await azyx.realize(*outs)
-    finally:
-        pool.create = create
-    msg = str(info.value)
+    msg, calls = await refused_realize(pool, outs)  # the copy's block is made; the kernel's first output's is refused
     assert device in msg and f"{n * 4} bytes" in msg and "out of device memory" in msg, msg
-    assert len(calls) == 2
+    assert calls == 2
     assert in_use(pool) == before, "blocks the failed run took are still in use"
     got = [await o.numpy() for o in outs]  # the targets were not realized: they compute now
     np.testing.assert_allclose(got[0], np.exp(x * 2), rtol=1e-5)
     np.testing.assert_allclose(got[1], np.maximum(x - 1, 0) * 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_step_whose_buffers_are_made_together_gives_all_back_when_one_is_refused(device: str) -> None:
+    """A plan step of several kernels makes their outputs' buffers together (`Device.alloc_many`): when the device
+    refuses the second new block, the realize raises AllocationError naming the device, no block of the step stays in
+    use, and the same graph then computes numpy's values."""
+    pool = RT.device(device).allocator  # type: ignore[attr-defined]
+    n = 3003  # (a size no other test's plan has)
+    x = np.linspace(-1, 1, n, dtype=np.float32)
+    a = await Tensor(x, device=device).realize()
+
+    def graph() -> list[Tensor]:
+        return [(a * 3).exp(), (a + 2).sum(), (a - 1).relu().max()]
+
+    assert len(azyx.schedule(*graph()).kernels) >= 2
+    await azyx.realize(*graph())
+    await azyx.synchronize()
+    pool.take_cached()
+    before = in_use(pool)
+    outs = graph()
+    msg, _ = await refused_realize(pool, outs)
+    assert device in msg and "out of device memory" in msg, msg
+    assert in_use(pool) == before, "blocks the failed step took are still in use"
+    got = [await o.numpy() for o in outs]
+    np.testing.assert_allclose(got[0], np.exp(x * 3), rtol=1e-5)
+    np.testing.assert_allclose(got[1], (x.astype(np.float64) + 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(got[2], np.maximum(x - 1, 0).max(), rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ compilers

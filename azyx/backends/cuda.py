@@ -157,6 +157,9 @@ class CUDADevice(StagedCopies):
         ptr, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, ptr, ptr, True)
 
+    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
+        return [Buffer(self, size, ptr, ptr, True) for ptr, size in self.allocator.alloc_many(sizes)]
+
     def release(self, buf: Buffer) -> None:
         self.allocator.free(buf.mem, buf.nbytes)
 

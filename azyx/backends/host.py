@@ -153,6 +153,9 @@ class HostDevice(Device):
         mem, ptr, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, ptr, True)
 
+    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
+        return [Buffer(self, size, mem, ptr, True) for (mem, ptr), size in self.allocator.alloc_many(sizes)]
+
     def release(self, buf: Buffer) -> None:
         if buf.pooled:
             self.allocator.free((buf.mem, buf.ptr), buf.nbytes)
