@@ -78,7 +78,7 @@ def match(k: Kernel, target: str = "cuda") -> Gemm | None:
     out_idx, r = k.stores[0]
     if r.op != "reduce" or r.arg[0] != "sum" or r.dtype is not dtypes.float32 or k.uvars or len(r.arg[1]) != 1:
         return None
-    if not 2 <= len(k.gvars) <= 3 or any(p is not dtypes.float32 for p in k.params):
+    if len(k.gvars) < 2 or any(p is not dtypes.float32 for p in k.params):
         return None
     body = r.src[0]
     if body.op != "alu" or body.arg != "mul":
@@ -87,9 +87,8 @@ def match(k: Kernel, target: str = "cuda") -> Gemm | None:
     if x is None or y is None:
         return None
     rv = r.arg[1][0]
-    gb = k.gvars[0] if len(k.gvars) == 3 else None
-    gi, gj = k.gvars[-2], k.gvars[-1]
-    names = {gi: "i", gj: "j", rv: "r", **({gb: "b"} if gb is not None else {})}
+    *gbs, gi, gj = k.gvars
+    names = {gi: "i", gj: "j", rv: "r", **{g: f"b{d}" for d, g in enumerate(gbs)}}
     fx, fy = _affine(x.arg[1], names), _affine(y.arg[1], names)
     if fx is None or fy is None:
         return None
@@ -98,15 +97,33 @@ def match(k: Kernel, target: str = "cuda") -> Gemm | None:
     if "j" in fx or "i" in fy or "r" not in fx or "r" not in fy:
         return None
     m, n, kk = gi.vmax + 1, gj.vmax + 1, rv.vmax + 1
-    batch = gb.vmax + 1 if gb is not None else 1
     out = _affine(out_idx, names)
     if out is None or out.get("off") != 0 or out.get("i") != n or out.get("j") != 1:
         return None
-    if batch > 1 and out.get("b") != m * n:
+    strides = _batch_strides([g.vmax + 1 for g in gbs], [f"b{d}" for d in range(len(gbs))], fx, fy, out)
+    if strides is None:
+        return None
+    batch, (xb, yb, ob) = strides
+    if batch > 1 and ob != m * n:
         return None
     return Gemm(m, n, kk, batch,
-                (x.arg[0], fx["off"], fx.get("b", 0), fx.get("i", 0), fx["r"]),
-                (y.arg[0], fy["off"], fy.get("b", 0), fy["r"], fy.get("j", 0)), target)
+                (x.arg[0], fx["off"], xb, fx.get("i", 0), fx["r"]),
+                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target)
+
+
+def _batch_strides(sizes: list[int], names: list[str], *maps: dict[str, int]) -> tuple[int, tuple[int, ...]] | None:
+    """The batch of a product with several batch axes (heads within sequences: (B, H, T, D) @ (B, H, D, S)) as one
+    axis, when they merge: in each operand and the output an outer axis's stride is the next inner one's times that
+    one's size (a broadcast operand's are all 0). (batch, each map's stride along it), or None."""
+    batch, strides = 1, tuple(0 for _ in maps)
+    for size, name in zip(reversed(sizes), reversed(names)):
+        coefs = tuple(mp.get(name, 0) for mp in maps)
+        if batch == 1:
+            strides = coefs
+        elif coefs != tuple(st * batch for st in strides):
+            return None
+        batch *= size
+    return batch, strides
 
 
 def render_cuda(g: Gemm, name: str) -> str:

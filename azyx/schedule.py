@@ -254,8 +254,11 @@ class Planner:
         if dl is None or not dl.gemm or n.dtype is not dtypes.float32 or n.arg[0] != "sum" or len(n.arg[1]) != 1:
             return False
         src = self.graph[n.src[0]]
-        return (src.op is Op.BINARY and src.arg == "mul" and src.shape[n.arg[1][0]] >= 64
-                and prod(n.shape) // max(n.shape[-1], 1) >= 16)
+        axis = n.arg[1][0]
+        if src.op is not Op.BINARY or src.arg != "mul" or src.shape[axis] < 64 or len(src.shape) < 3:
+            return False
+        cols = src.shape[max(d for d in range(len(src.shape)) if d != axis)]  # (x @ y: (..., m, n, k) summed over k)
+        return prod(src.shape) // (src.shape[axis] * max(cols, 1)) >= 16
 
     def split_reduce(self, root: int, device: str) -> int | None:
         """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would

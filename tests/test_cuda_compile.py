@@ -123,6 +123,20 @@ def test_matmul_uses_the_tiled_kernel(cuda_planning: None, shape: tuple[int, int
     compile_all(steps)
 
 
+def test_products_with_several_batch_axes_and_under_an_epilogue_use_the_tiled_kernel(cuda_planning: None) -> None:
+    """Attention's per-head products ((B, H, T, D) @ (B, H, D, S): two batch axes that merge into one) take the
+    tiled kernel, as does a Linear's product of many rows under its bias and activation (the product a kernel of its
+    own, the epilogue another); a single row's product stays one fused kernel."""
+    (scores,) = kernels_of(t(2, 4, 64, 32) @ t(2, 4, 64, 32).transpose(-1, -2))
+    g = gemm.match(scores.kernel)
+    assert g is not None and (g.batch, g.m, g.n, g.k) == (8, 64, 64, 32)
+    linear = kernels_of((t(64, 256) @ t(512, 256).T + t(512)).gelu())
+    assert [gemm.match(s.kernel) is not None for s in linear] == [True, False]
+    (row,) = kernels_of(t(1, 256) @ t(512, 256).T + t(512))
+    assert gemm.match(row.kernel) is None
+    compile_all([scores, *linear, row])
+
+
 def test_plain_float32_elementwise_kernels_move_16_bytes_per_access(cuda_planning: None) -> None:
     """Four points per thread with float4 loads and stores where every output runs along one loop of a length
     divisible by 4; a broadcast operand stays a scalar load per lane; anything else keeps one point per thread."""
