@@ -49,6 +49,7 @@ class Dialect:
     group_size: int = 0
     block: int = 0  # GPU-style: work items per group of a kernel with one work item per output point
     gemm: bool = False  # matrix products get the tiled template of azyx.gemm
+    tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
     group_ids: tuple[str, str] = ("", "")
     shared: str = ""
     barrier: str = ""
@@ -196,6 +197,7 @@ CUDA = Dialect(
     global_ids="((long long)blockIdx.x*blockDim.x+threadIdx.x)",
     block=256,
     gemm=True,
+    tensor_cores=True,  # (a device older than sm_80 turns it off)
     loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
     rounds={"float16": "h2f(f2h({x}))", "bfloat16": "bf2f(f2bf((float){x}))"},

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx.dtypes import dtypes
+from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V
 from azyx.symbolic import Lin, Var
 
 THREADS = 256
 BK = 8
+MMA_BK = 32  # the tensor-core kernel's K slice
+MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2)}  # block tile -> warps along M x N (a warp: 64 x 32 or 32 x 32)
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,24 @@ class Gemm:
     a: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along i, along r
     b: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along r, along j
     target: str = "cuda"  # "cuda" or "glsl" (Vulkan): GLSL has no float atomics to split K with
+    dtype: str = "float32"  # float16 / bfloat16: the tensor-core kernel (render_mma), C in that dtype
+
+    @property
+    def mma(self) -> bool:
+        return self.dtype != "float32"
+
+    @property
+    def threads(self) -> int:
+        return MMA_WARPS[self.tile][0] * MMA_WARPS[self.tile][1] * 32 if self.mma else THREADS
 
     @property
     def tile(self) -> tuple[int, int]:
         """Rows x columns of C per block: 128 x 128 where that makes a block per multiprocessor or more, else
         128 x 64 where that makes half as many, else 64 x 64 (measured on the H200 with 8 products in flight:
-        1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27)."""
+        1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27).
+        Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64."""
+        if self.mma:
+            return (128, 128) if -(-self.m // 128) * -(-self.n // 128) * self.batch >= 128 else (64, 64)
         tiles = ((128, 128, 128), (128, 64, 64)) if self.target == "cuda" else ((128, 64, 64),)
         for bm, bn, least in tiles:  # (NVIDIA's Vulkan: 128 x 128 ran 2.0 TFLOP/s at 4096^3, 128 x 64 7.0 at 1024^3)
             if -(-self.m // bm) * -(-self.n // bn) * self.batch >= least:
@@ -49,7 +63,10 @@ class Gemm:
         at least 4. (Splitting where the tiles alone fill the GPU measured slower: the atomics and the zeroing.)"""
         bm, bn = self.tile
         tiles = -(-self.m // bm) * -(-self.n // bn) * self.batch
-        parts = 1 if tiles >= 64 or self.target != "cuda" else max(1, min(8, 128 // tiles, self.k // (4 * BK)))
+        if tiles >= 64 or self.target != "cuda" or self.mma:  # (tensor cores: C is float16, no atomics)
+            parts = 1
+        else:
+            parts = max(1, min(8, 128 // tiles, self.k // (4 * BK)))
         per = -(-self.k // parts)
         chunk = -(-per // BK) * BK
         return -(-self.k // chunk), chunk
@@ -68,22 +85,28 @@ def _affine(x: Lin, allowed: dict[Var, str]) -> dict[str, int] | None:
     return out
 
 
-def _operand(v: V) -> V | None:
-    return v if v.op == "load" and v.dtype is dtypes.float32 and v.arg[2].always else None
+def _operand(v: V, dt: DType) -> V | None:
+    return v if v.op == "load" and v.dtype is dt and v.arg[2].always else None
 
 
-def match(k: Kernel, target: str = "cuda") -> Gemm | None:
+def match(k: Kernel, target: str = "cuda", tensor_cores: bool = False) -> Gemm | None:
+    """The product `k` computes, or None. float32 throughout; or, with `tensor_cores` (CUDA, sm_80 on), float16 or
+    bfloat16 throughout (the tensor-core kernel accumulates in float32 and rounds C once, like cuBLAS)."""
     if len(k.stores) != 1:
         return None
     out_idx, r = k.stores[0]
-    if r.op != "reduce" or r.arg[0] != "sum" or r.dtype is not dtypes.float32 or k.uvars or len(r.arg[1]) != 1:
+    dt = r.dtype
+    if dt is not dtypes.float32 and not (tensor_cores and target == "cuda" and dt in (dtypes.float16,
+                                                                                      dtypes.bfloat16)):
         return None
-    if len(k.gvars) < 2 or any(p is not dtypes.float32 for p in k.params):
+    if r.op != "reduce" or r.arg[0] != "sum" or k.uvars or len(r.arg[1]) != 1:
+        return None
+    if len(k.gvars) < 2 or any(p is not dt for p in k.params):
         return None
     body = r.src[0]
     if body.op != "alu" or body.arg != "mul":
         return None
-    x, y = (_operand(s) for s in body.src)
+    x, y = (_operand(s, dt) for s in body.src)
     if x is None or y is None:
         return None
     rv = r.arg[1][0]
@@ -108,7 +131,7 @@ def match(k: Kernel, target: str = "cuda") -> Gemm | None:
         return None
     return Gemm(m, n, kk, batch,
                 (x.arg[0], fx["off"], xb, fx.get("i", 0), fx["r"]),
-                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target)
+                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target, dt.name)
 
 
 def _batch_strides(sizes: list[int], names: list[str], *maps: dict[str, int]) -> tuple[int, tuple[int, ...]] | None:
@@ -127,6 +150,8 @@ def _batch_strides(sizes: list[int], names: list[str], *maps: dict[str, int]) ->
 
 
 def render_cuda(g: Gemm, name: str) -> str:
+    if g.mma:
+        return render_mma(g, name)
     tr, tc = g.tile
     tm, tn = tr // 16, tc // 16  # 16 x 16 threads, each a tm x tn register tile
     pa, a_off, a_sb, a_si, a_sk = g.a
@@ -256,6 +281,188 @@ def _slot_heads(vec: int, elems: int, t: int, ax: str, along_k: bool, int_t: str
         guard = f"if (tid + {s * THREADS} < {elems}) " if (s + 1) * THREADS > elems else ""
         heads.append(f"{guard}{{ {int_t} e = tid + {s * THREADS}; {pos} ")
     return heads
+
+
+# ------------------------------------------------------------------------------------------------ tensor cores
+# PTX through inline asm: NVRTC needs no header for it. Guarded, so several products in one module define them once.
+_MMA_HELPERS = """#ifndef AZYX_MMA_HELPERS
+#define AZYX_MMA_HELPERS
+__device__ inline unsigned azyx_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ inline void azyx_cp16(unsigned dst, const void* src, int bytes) {  /* bytes < 16: the rest zero-filled */
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ inline void azyx_ldm4(unsigned* r, unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+__device__ inline void azyx_ldm4t(unsigned* r, unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+""" + "".join(f"""__device__ inline void azyx_mma_{t}(float* c, const unsigned* a, const unsigned* b) {{
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, "
+      "{{%0, %1, %2, %3}};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}}
+""" for t in ("f16", "bf16")) + "#endif\n"
+
+
+@dataclass(frozen=True)
+class _MmaOperand:
+    """How one operand's BK-slice reaches shared memory, and how a warp reads it back as mma fragments."""
+    decl: str  # the shared array (two stages) and any registers
+    fetch: str  # start moving the slice at k @K0@ into stage @S@ (cp.async), or into registers
+    put: str  # registers -> stage @S@ (element loads only)
+    frag: str  # the ldmatrix of fragment {f} at row/column {x} of the warp's tile, k {ks} of stage {s}
+    async_copy: bool
+
+
+def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off: int, s_b: int, g: Gemm,
+                 t: int, threads: int) -> _MmaOperand:
+    """Operand `mat` (A: rows i; B: columns j, `t` of them per block) in shared memory as rows of k ("k-major", read
+    by ldmatrix) or as rows along i/j ("outer-major", read by ldmatrix.trans), whichever its contiguous axis is: 16
+    bytes per cp.async where that axis has stride 1 and the other strides and the offset are multiples of 8 elements
+    (a partial chunk at an edge is zero-filled); else element by element through registers. Rows are padded by 8
+    elements, so the 8 rows an ldmatrix reads fall in distinct banks."""
+    aligned = off % 8 == 0 and s_b % 8 == 0
+    if s_k == 1 and s_outer % 8 == 0 and aligned:
+        k_major, async_copy = True, True
+    elif s_outer == 1 and s_k % 8 == 0 and aligned:
+        k_major, async_copy = False, True
+    else:
+        k_major, async_copy = abs(s_k) <= abs(s_outer), False
+    bk, sh = MMA_BK, f"{mat}s"
+    rows, cols = (t, bk + 8) if k_major else (bk, t + 8)  # (the 8 columns of padding are never loaded)
+    decl = f"__shared__ __align__(16) unsigned short {sh}[2][{rows}][{cols}];"
+    per = (bk if k_major else t) // (8 if async_copy else 1)  # loads per shared row
+    rounds = rows * per // threads  # loads per thread (the tiles are whole multiples of the block's threads)
+    assert rounds * threads == rows * per
+    step, reg = 8 if async_copy else 1, f"r{mat.lower()}"
+    pos = (f"row = e / {per}, kk = @K0@ + e % {per} * {step}, x = {origin} + row" if k_major else
+           f"row = e / {per}, kk = @K0@ + row, x = {origin} + e % {per} * {step}")
+    col = "kk - @K0@" if k_major else f"x - {origin}"
+    head = f"#pragma unroll\n  for (int q = 0; q < {rounds}; q++) {{ const int e = tid + q * {threads}, {pos}; "
+    addr = f"(long long)x * {s_outer} + (long long)kk * {s_k}"
+    if async_copy:
+        along, bound, other, obound = ("kk", g.k, "x", extent) if k_major else ("x", extent, "kk", g.k)
+        fetch = (f"{head}const int b = {other} < {obound} ? min(max({bound} - {along}, 0), 8) * 2 : 0; "
+                 f"azyx_cp16(azyx_smem(&{sh}[@S@][row][{col}]), b ? {mat} + {addr} : {mat}, b); }}")
+        put = ""
+    else:
+        fetch = f"{head}{reg}[q] = x < {extent} && kk < {g.k} ? {mat}[{addr}] : (unsigned short)0; }}"
+        put = f"{head}{sh}[@S@][row][{col}] = {reg}[q]; }}"
+        decl += f" unsigned short {reg}[{rounds}];"
+    # ldmatrix.x4: lane l gives the address of one 8-element row of one of four 8 x 8 matrices (lanes 8q..8q+7:
+    # matrix q); for A they are rows 0-7 / 8-15 x k 0-7 / 8-15 (a0..a3 of mma.m16n8k16), for B two n8 tiles x k 0-7 /
+    # 8-15 (b0, b1 of tile 0, then of tile 1)
+    if mat == "A":
+        lo, hi = "(lane & 15)", "(lane >> 4) * 8"  # k-major: row of the 16, k half
+        tr_k, tr_x = "(lane & 7) + (lane >> 4) * 8", "((lane >> 3) & 1) * 8"
+    else:
+        lo, hi = "(lane & 7) + (lane >> 4) * 8", "((lane >> 3) & 1) * 8"
+        tr_k, tr_x = "(lane & 7) + ((lane >> 3) & 1) * 8", "(lane >> 4) * 8"
+    if k_major:
+        frag = f"azyx_ldm4({{f}}, azyx_smem(&{sh}[{{s}}][{{x}} + {lo}][{{ks}} + {hi}]));"
+    else:
+        frag = f"azyx_ldm4t({{f}}, azyx_smem(&{sh}[{{s}}][{{ks}} + {tr_k}][{{x}} + {tr_x}]));"
+    return _MmaOperand(decl, fetch, put, frag, async_copy)
+
+
+def render_mma(g: Gemm, name: str) -> str:
+    """The product of float16 or bfloat16 operands on tensor cores (sm_80 on): `mma.sync.m16n8k16` with float32
+    accumulators. A block of 8 warps (2 x 4) computes a 128 x 128 tile of C, each warp 64 x 32 (4 x 4 mma tiles); a
+    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through two shared-memory
+    stages: the next slice's copies (cp.async) are in flight while the current one is multiplied. Blocks run in
+    groups of 8 block-rows, so the blocks resident at once share their A rows and B columns in L2. Edges: loads past
+    M, N or K read zeros, stores are guarded; C is rounded to its dtype once."""
+    assert g.mma and g.split[0] == 1
+    bm, bn = g.tile
+    wms, wns = MMA_WARPS[g.tile]
+    wtm, wtn = bm // wms, bn // wns
+    mi, ni = wtm // 16, wtn // 8
+    threads = g.threads
+    pa, a_off, a_sb, a_si, a_sk = g.a
+    pb, b_off, b_sb, b_sk, b_sj = g.b
+    a = _mma_operand("A", "bi", g.m, a_si, a_sk, a_off, a_sb, g, bm, threads)
+    b = _mma_operand("B", "bj", g.n, b_sj, b_sk, b_off, b_sb, g, bn, threads)
+    kind = "f16" if g.dtype == "float16" else "bf16"
+    cvt = "f2h" if g.dtype == "float16" else "f2bf"
+    params = ", ".join(f"const unsigned short* __restrict__ d{i}" for i in range(1, 1 + max(pa, pb)))
+    gx, gy = -(-g.n // bn), -(-g.m // bm)
+    frags_a = "\n".join("      " + a.frag.format(f=f"fa[{i}]", s="s", x=f"wm * {wtm} + {i * 16}", ks="ks")
+                        for i in range(mi))
+    frags_b = "\n".join("      " + b.frag.format(f=f"fb[{j}]", s="s", x=f"wn * {wtn} + {j * 16}", ks="ks")
+                        for j in range(ni // 2))
+    row = f"(Cb + (long long)i * {g.n} + j)"
+    if g.n % 2 == 0:  # j is even: a pair of C's elements is one aligned 4-byte store
+        store = (f"if (j < {g.n}) *(unsigned*)({row}) = (unsigned){cvt}(c[0]) | ((unsigned){cvt}(c[1]) << 16);")
+    else:
+        store = f"if (j < {g.n}) {row}[0] = {cvt}(c[0]); if (j + 1 < {g.n}) {row}[1] = {cvt}(c[1]);"
+    put = "" if a.async_copy and b.async_copy else f"""    if (more) {{
+      const int k1 = k0 + {MMA_BK};
+      {a.put.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
+      {b.put.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
+    }}
+"""
+    return _MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{", 2" if threads == 256 else ""}) \
+{name}(unsigned short* __restrict__ C, {params}) {{
+  {a.decl}
+  {b.decl}
+  const int tid = threadIdx.x, lane = tid & 31, wm = (tid >> 5) / {wns}, wn = (tid >> 5) % {wns};
+  // groups of 8 block-rows: consecutive blocks walk down a group's rows, then to its next column
+  const int id = blockIdx.y * {gx} + blockIdx.x, first = id / {8 * gx} * 8, rows = min({gy} - first, 8);
+  const int bi = (first + id % {8 * gx} % rows) * {bm}, bj = id % {8 * gx} / rows * {bn};
+  const long long bz = blockIdx.z;
+  const unsigned short* A = d{pa} + {a_off}LL + bz * {a_sb}LL;
+  const unsigned short* B = d{pb} + {b_off}LL + bz * {b_sb}LL;
+  float acc[{mi}][{ni}][4];
+  #pragma unroll
+  for (int m = 0; m < {mi}; m++)
+    #pragma unroll
+    for (int n = 0; n < {ni}; n++)
+      #pragma unroll
+      for (int q = 0; q < 4; q++) acc[m][n][q] = 0.f;
+  {a.fetch.replace("@K0@", "0").replace("@S@", "0")}
+  {b.fetch.replace("@K0@", "0").replace("@S@", "0")}
+  {a.put.replace("@K0@", "0").replace("@S@", "0")}
+  {b.put.replace("@K0@", "0").replace("@S@", "0")}
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  int s = 0;
+  for (int k0 = 0; k0 < {g.k}; k0 += {MMA_BK}) {{
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // stage s is complete; every warp is done with stage s ^ 1
+    const bool more = k0 + {MMA_BK} < {g.k};
+    if (more) {{
+      const int k1 = k0 + {MMA_BK};
+      {a.fetch.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
+      {b.fetch.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }}
+    #pragma unroll
+    for (int ks = 0; ks < {MMA_BK}; ks += 16) {{
+      unsigned fa[{mi}][4], fb[{ni // 2}][4];
+{frags_a}
+{frags_b}
+      #pragma unroll
+      for (int m = 0; m < {mi}; m++)
+        #pragma unroll
+        for (int n = 0; n < {ni}; n++) azyx_mma_{kind}(acc[m][n], fa[m], &fb[n >> 1][(n & 1) * 2]);
+    }}
+{put}    s ^= 1;
+  }}
+  unsigned short* Cb = C + bz * {g.m * g.n}LL;
+  #pragma unroll
+  for (int m = 0; m < {mi}; m++)
+    #pragma unroll
+    for (int n = 0; n < {ni}; n++)
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {{  // c0, c1: row lane / 4, columns 2 (lane % 4) and + 1; c2, c3: 8 rows down
+        const int i = bi + wm * {wtm} + m * 16 + (lane >> 2) + h * 8, j = bj + wn * {wtn} + n * 8 + (lane & 3) * 2;
+        const float* c = &acc[m][n][2 * h];
+        if (i < {g.m}) {{ {store} }}
+      }}
+}}
+"""
 
 
 def render_glsl(g: Gemm, name: str, prelude: str, max_groups: int) -> str | None:

@@ -39,7 +39,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
     """(name, source, launch) of a kernel: the tiled matrix product where the dialect has it and `k` is one, else the
     generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
     may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source)."""
-    g = gemm.match(k, "glsl" if dl.glsl else "cuda") if dl.gemm else None
+    g = gemm.match(k, "glsl" if dl.glsl else "cuda", dl.tensor_cores) if dl.gemm else None
     body = None
     if g is not None:
         body = gemm.render_glsl(g, "KERNEL", dl.prelude, dl.max_groups) if dl.glsl else gemm.render_cuda(g, "KERNEL")
@@ -52,7 +52,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
 
 def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = None) -> Launch:
     if g is not None:
-        return Launch(g.grid(), gemm.THREADS, zero=4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
+        return Launch(g.grid(), g.threads, zero=4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
     if not dl.global_ids:  # host: the kernel loops itself; threads may share one of its loops
         loop = parallel_loop(k, dl, threads)
         return Launch(trip=0 if loop is None else k.gvars[loop].vmax + 1, parallel=parallel_kind(k, dl, threads))

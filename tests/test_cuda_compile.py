@@ -205,3 +205,70 @@ def test_gather_scatter_and_assignment_compile(cuda_planning: None, dtype: str) 
     cache[:, 3] = table[:4]
     cache[Tensor(np.array([0, 2], np.int32), device=DEV), 1:5] = 0.5
     compile_all(kernels_of(rows, picked, g, cache))
+
+
+@pytest.fixture
+def roomy(cuda_planning: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(RT.device(DEV), "capacity", 1 << 31)  # products of large shapes (nothing is allocated)
+
+
+def products(*targets: Tensor) -> list:
+    return [s for s in kernels_of(*targets) if gemm.match(s.kernel, "cuda", True) is not None]
+
+
+def compile_for(steps: list, arch: str) -> None:
+    assert nvrtc_compile(kernel_source([s.src for s in {s.name: s for s in steps}.values()], CUDA), arch)[:4] == \
+        b"\x7fELF"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(17, 65, 33), (64, 96, 48), (1000, 1024, 520), (2048, 256, 4096)])
+def test_half_matmul_uses_tensor_cores_in_every_layout(roomy: None, dtype: str,
+                                                       shape: tuple[int, int, int]) -> None:
+    """float16 and bfloat16 products render as the mma.sync kernel (float32 accumulators, C in the input dtype) for
+    A @ B, x @ W.T (W as stored), A.T @ B, A.T @ W.T, a batched product and one with a broadcast right operand; 16-byte
+    cp.async copies where an operand's contiguous axis allows, element loads otherwise (odd sizes); they compile for
+    Hopper and Ampere."""
+    m, k, n = shape
+    a, b, w = t(m, k).cast(dtype), t(k, n).cast(dtype), t(n, k).cast(dtype)
+    at = t(k, m).cast(dtype).T
+    outs = [a @ b, a @ w.T, at @ b, at @ w.T]
+    if m * n * k <= 1 << 22:
+        outs += [t(3, m, k).cast(dtype) @ t(3, k, n).cast(dtype), t(2, m, k).cast(dtype) @ w.T]
+    mma = products(*outs)
+    assert len(mma) == len(outs)
+    for s in mma:
+        g = gemm.match(s.kernel, "cuda", True)
+        assert g is not None and g.mma and g.dtype == dtype and (g.m, g.n, g.k) == (m, n, k)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32" in s.src and "ldmatrix" in s.src
+        assert dims(s)[1] == g.threads and dims(s)[2] == 0
+        aligned = k % 8 == 0 and m % 8 == 0 and n % 8 == 0
+        assert ("azyx_cp16(" in s.src.split("__global__")[1]) == aligned
+    compile_for(mma, "sm_90")
+    compile_for(mma, "sm_80")
+
+
+def test_tensor_core_tiles_and_grid(roomy: None) -> None:
+    """128 x 128 tiles of 8 warps where they make a block per multiprocessor or more (4096^2: 32 x 32 blocks), else
+    64 x 64 of 4 warps; K is never split (C is float16)."""
+    (big,) = products(t(4096, 64).cast("bfloat16") @ t(64, 4096).cast("bfloat16"))
+    g = gemm.match(big.kernel, "cuda", True)
+    assert g is not None and g.tile == (128, 128) and dims(big) == ((32, 32, 1), 256, 0)
+    (small,) = products(t(4, 100, 64).cast("float16") @ t(4, 64, 200).cast("float16"))
+    g = gemm.match(small.kernel, "cuda", True)
+    assert g is not None and g.tile == (64, 64) and g.split == (1, 64) and dims(small) == ((4, 2, 4), 128, 0)
+
+
+def test_half_matmul_without_tensor_cores_renders_generically(cuda_planning: None) -> None:
+    """Before sm_80 (the dialect without tensor cores), and for mixed dtypes or an epilogue, the generic kernel."""
+    import dataclasses
+
+    dev = RT.device(DEV)
+    x, y = t(64, 64).cast("float16"), t(64, 64).cast("float16")
+    (relu,) = [s for s in kernels_of((x @ y).relu()) if s.kernel.stores[0][1].has_reduce]
+    assert gemm.match(relu.kernel, "cuda", True) is None
+    dev.dialect = dataclasses.replace(CUDA, tensor_cores=False)  # (the fixture's monkeypatch restores it)
+    RT.plan_cache.clear()
+    (old,) = [s for s in kernels_of(x @ y) if s.kernel.stores[0][1].has_reduce]
+    assert "mma.sync" not in old.src
+    compile_all([relu, old])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -84,6 +85,8 @@ class CUDADevice(StagedCopies):
         major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "")
         minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "")
         self.arch = f"sm_{major}{minor}"
+        if major < 8:  # no mma.sync for float16/bfloat16 before Ampere: those products take the generic kernel
+            self.dialect = dataclasses.replace(CUDA, tensor_cores=False)
         sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "")
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
         self.spin = float(options.get("spin_us", 20)) * 1e-6
