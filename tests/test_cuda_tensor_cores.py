@@ -1,0 +1,106 @@
+"""float16 and bfloat16 matrix products on a CUDA GPU's tensor cores (azyx.gemm.render_mma), against PyTorch's
+`torch.matmul` in the same dtype on the same GPU (cuBLAS: float32 accumulation, C rounded once). Every layout the
+kernel reads (A @ B, x @ W.T with W as stored, A.T @ B, A.T @ W.T), batched and broadcast products, sizes that are no
+multiple of the tiles (17 x 65 x 33: element loads, guarded edges) and sizes that take the 16-byte copies. Runs where a
+GPU and PyTorch with CUDA are present (the lent H100/H200); tests/test_cuda_compile.py checks the rendering without
+one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import Tensor
+
+GPUS = [d for d in azyx.devices() if d.startswith("cuda:")]
+pytestmark = pytest.mark.skipif(not GPUS, reason="no CUDA device")
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
+    pytest.skip("PyTorch has no CUDA", allow_module_level=True)
+
+# cuBLAS accumulates in float32 throughout (no reduced-precision split-K reductions): the reference azyx matches
+torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # a unit in the last place of C's dtype, relative
+
+
+async def pair(shape: tuple[int, ...], dtype: str, seed: int) -> tuple[Tensor, Any]:
+    """The same values as an azyx tensor on cuda:0 and a PyTorch tensor on its GPU, both rounded from float32 to
+    `dtype` on the device (to nearest, ties to even: the same bits). Realized: a product of a pending cast would fuse
+    the cast and read float32."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    t = Tensor(x, device="cuda:0").cast(dtype)
+    await t.realize()
+    return t, torch.from_numpy(x).to("cuda:0").to(getattr(torch, dtype))
+
+
+async def check(out: Tensor, want: Any, k: int, dtype: str) -> None:
+    """`out` computed by the tensor-core kernel, and within a couple of units in the last place of C's dtype of
+    PyTorch's (C's entries are about sqrt(K) in size: the absolute tolerance scales with it)."""
+    srcs = [s.src for s in azyx.schedule(out).kernels]
+    assert any("mma.sync.aligned.m16n8k16" in s for s in srcs), "the product did not take the tensor-core kernel"
+    await out.realize()
+    got = await out.cast("float32").numpy()
+    ref = want.float().cpu().numpy()
+    assert got.shape == ref.shape
+    eps = EPS[dtype]
+    np.testing.assert_allclose(got, ref, rtol=2 * eps, atol=2 * eps * np.sqrt(k))
+    assert np.linalg.norm(got - ref) <= 2 * eps * np.linalg.norm(ref) + 1e-6
+
+
+LAYOUTS: dict[str, Callable[[Any, Any, Any, Any], Any]] = {  # (a, at, b, w) -> the product, for azyx and torch alike
+    "a@b": lambda a, at, b, w: a @ b,
+    "a@w.T": lambda a, at, b, w: a @ w.T,  # nn.Linear: the weight as stored, (out, in)
+    "at.T@b": lambda a, at, b, w: at.T @ b,
+    "at.T@w.T": lambda a, at, b, w: at.T @ w.T,
+}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", [(17, 65, 33), (1, 40, 8), (64, 96, 48), (100, 37, 250), (256, 512, 384),
+                                   (1000, 1024, 520), (2048, 2048, 2048)])
+async def test_matmul_on_tensor_cores_matches_torch(dtype: str, layout: str, shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    (a, ta), (at, tat), (b, tb), (w, tw) = [await pair(s, dtype, i) for i, s in enumerate([(m, k), (k, m), (k, n),
+                                                                                         (n, k)])]
+    f = LAYOUTS[layout]
+    await check(f(a, at, b, w), f(ta, tat, tb, tw), k, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_batched_and_broadcast_products_match_torch(dtype: str) -> None:
+    (x, tx), (y, ty), (w, tw) = [await pair(s, dtype, i) for i, s in enumerate([(3, 100, 72), (3, 72, 40), (40, 72)])]
+    await check(x @ y, tx @ ty, 72, dtype)
+    await check(x @ w.T, tx @ tw.T, 72, dtype)  # a Linear over a batch of sequences: W shared by every batch entry
+    (q, tq), (kk, tk) = await pair((2, 4, 128, 64), dtype, 4), await pair((2, 4, 128, 64), dtype, 5)
+    await check(q @ kk.transpose(-1, -2), tq @ tk.transpose(-1, -2), 64, dtype)  # attention scores, per head
+    (p, tp), (v, tv) = await pair((8, 33, 17), dtype, 6), await pair((8, 17, 65), dtype, 7)
+    await check(p @ v, tp @ tv, 17, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_views_with_offsets_and_odd_strides_match_torch(dtype: str) -> None:
+    """Operands that are slices of larger tensors: an offset that is no multiple of 8 elements and row strides that
+    are (16-byte copies) or are not (element loads)."""
+    (big, tbig), (wb, twb) = await pair((300, 200), dtype, 8), await pair((150, 130), dtype, 9)
+    a, ta = big[3:259, 5:133], tbig[3:259, 5:133]  # offset 3 * 200 + 5, row stride 200
+    b, tb = wb[:128, :96], twb[:128, :96]  # row stride 130: not a multiple of 8
+    await check(a @ b, ta @ tb, 128, dtype)
+    await check(big[8:136, :128] @ big[:128, 64:192], tbig[8:136, :128] @ tbig[:128, 64:192], 128, dtype)
+
+
+async def test_a_large_product_against_float64() -> None:
+    """4096^3 in bfloat16 against a float64 product of the same rounded inputs, on the GPU: float32 accumulation
+    keeps C within a unit or two of bfloat16 (a bfloat16 accumulation would be far off)."""
+    (a, ta), (b, tb) = await pair((4096, 4096), "bfloat16", 10), await pair((4096, 4096), "bfloat16", 11)
+    out = a @ b
+    await out.realize()
+    got = torch.from_numpy(await out.cast("float32").numpy()).to("cuda:0").double()
+    ref = ta.double() @ tb.double()
+    err = float(((got - ref).norm() / ref.norm()).item())
+    assert err < 2 * EPS["bfloat16"], err
