@@ -86,8 +86,14 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
                                                                                             dtype=np.float32)))
             for n in ((512, 1024) if quick else (1024, 4096))}
     small, tsmall = both(rng.standard_normal(1024, dtype=np.float32))
+    halves = {}  # tensor-core products: the same float32 values rounded to the dtype on each side, on the GPU
+    for dt in ("bfloat16", "float16"):
+        for n in ((1024, 2048) if quick else (4096, 8192)):
+            pair = [both(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2)]
+            halves[dt, n] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in pair]
     t0 = time.perf_counter()
-    await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])))
+    await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])),
+                       *(x for pair in halves.values() for x, _ in pair))
     print(f"uploaded the inputs in {time.perf_counter() - t0:.2f} s", flush=True)
 
     # the device's copy bandwidth, the ceiling of the memory-bound rows (bytes read + written)
@@ -103,6 +109,11 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     for n, ((x, tx), (y, ty)) in mats.items():
         cases.append((f"sgemm {n} f32", lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3,
                       "GFLOP/s"))
+    tolerance = {}
+    for (dt, n), ((x, tx), (y, ty)) in halves.items():  # torch.matmul in the same dtype: cuBLAS on tensor cores
+        name = f"matmul {n} {'bf16' if dt == 'bfloat16' else 'f16'} (tensor cores)"
+        cases.append((name, lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3, "GFLOP/s"))
+        tolerance[name] = 1e-2 if dt == "bfloat16" else 2e-3  # C rounded to 8 or 11 bits
     def ten_ops(s: Any) -> Any:  # azyx or torch
         return ((((s * 1.5 + s) * 2 - s) / 3).relu() * s + 1).exp().sqrt() - s
 
@@ -127,10 +138,10 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     rows += await realize_only(torch, ten_ops, small, tsmall, reps)
     # correctness of what was timed, against PyTorch
     for name, make, tfn, _, _ in cases:
-        got = await make().numpy()
-        want = tfn().cpu().numpy()
+        got = await make().numpy()  # (bfloat16 widened to float32)
+        want = tfn().float().cpu().numpy()
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-        assert err < 1e-4, f"{name}: relative error {err:.2e} against PyTorch"
+        assert err < tolerance.get(name, 1e-4), f"{name}: relative error {err:.2e} against PyTorch"
     return rows, copy_bw
 
 
