@@ -272,3 +272,24 @@ def test_half_matmul_without_tensor_cores_renders_generically(cuda_planning: Non
     (old,) = [s for s in kernels_of(x @ y) if s.kernel.stores[0][1].has_reduce]
     assert "mma.sync" not in old.src
     compile_all([relu, old])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_product_under_an_epilogue_takes_the_tensor_cores(roomy: None, dtype: str) -> None:
+    """x @ W.T + b (nn.Linear), an activation after it, a cast to float32: the product is a kernel of its own on the
+    tensor cores and the epilogue reads it; a small product (below schedule.EPILOGUE_SPLIT_WORK) stays fused, and so
+    does a float32 one."""
+    x, w, b = t(256, 512).cast(dtype), t(384, 512).cast(dtype), t(384).cast(dtype)
+    for out in ((x @ w.T + b), (x @ w.T + b).gelu(), (x @ w.T).cast("float32") * 2):
+        steps = [s for s in kernels_of(out) if s.kernel.stores[0][1].has_reduce]
+        assert len(steps) == 1 and "mma.sync" in steps[0].src
+        assert not kernels_of(out)[-1].kernel.stores[0][1].has_reduce  # the epilogue, last
+    small = [s for s in kernels_of(t(16, 32).cast(dtype) @ t(32, 8).cast(dtype) + 1)
+             if s.kernel.stores[0][1].has_reduce]
+    assert len(small) == 1 and "mma.sync" not in small[0].src
+    (f32,) = kernels_of(t(256, 512) @ t(384, 512).T + t(384))
+    assert "mma.sync" not in f32.src and gemm.match(f32.kernel) is None
+    h = t(4, 100, 512).cast(dtype)  # a batch of sequences through the same Linear
+    steps = [s for s in kernels_of(h @ w.T + b) if s.kernel.stores[0][1].has_reduce]
+    assert len(steps) == 1 and "mma.sync" in steps[0].src
+    compile_all(kernels_of(x @ w.T + b, h @ w.T + b))

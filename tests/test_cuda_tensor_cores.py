@@ -104,3 +104,14 @@ async def test_a_large_product_against_float64() -> None:
     ref = ta.double() @ tb.double()
     err = float(((got - ref).norm() / ref.norm()).item())
     assert err < 2 * EPS["bfloat16"], err
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_linear_with_bias_and_activation_matches_torch(dtype: str) -> None:
+    """nn.Linear's x @ W.T + b with a ReLU after it: the product runs on the tensor cores as a kernel of its own (C
+    rounded to the dtype, as PyTorch's matmul rounds it), the bias and the activation read it."""
+    (x, tx), (w, tw), (b, tb) = await pair((256, 512), dtype, 12), await pair((384, 512), dtype, 13), \
+        await pair((384,), dtype, 14)
+    await check((x @ w.T + b).relu(), torch.relu(tx @ tw.T + tb), 512, dtype)
+    (h, th) = await pair((4, 100, 512), dtype, 15)
+    await check(h @ w.T + b, th @ tw.T + tb, 512, dtype)
