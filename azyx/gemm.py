@@ -20,6 +20,7 @@ from azyx.symbolic import Lin, Var
 THREADS = 256
 BK = 8
 MMA_BK = 32  # the tensor-core kernel's K slice
+MMA_STAGES = 3  # K slices in shared memory: one multiplied while the next two are copied
 MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2)}  # block tile -> warps along M x N (a warp: 64 x 32 or 32 x 32)
 
 
@@ -310,7 +311,7 @@ __device__ inline void azyx_ldm4t(unsigned* r, unsigned a) {
 @dataclass(frozen=True)
 class _MmaOperand:
     """How one operand's BK-slice reaches shared memory, and how a warp reads it back as mma fragments."""
-    decl: str  # the shared array (two stages) and any registers
+    decl: str  # the shared array (MMA_STAGES stages) and any registers
     fetch: str  # start moving the slice at k @K0@ into stage @S@ (cp.async), or into registers
     put: str  # registers -> stage @S@ (element loads only)
     frag: str  # the ldmatrix of fragment {f} at row/column {x} of the warp's tile, k {ks} of stage {s}
@@ -322,8 +323,9 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     """Operand `mat` (A: rows i; B: columns j, `t` of them per block) in shared memory as rows of k ("k-major", read
     by ldmatrix) or as rows along i/j ("outer-major", read by ldmatrix.trans), whichever its contiguous axis is: 16
     bytes per cp.async where that axis has stride 1 and the other strides and the offset are multiples of 8 elements
-    (a partial chunk at an edge is zero-filled); else element by element through registers. Rows are padded by 8
-    elements, so the 8 rows an ldmatrix reads fall in distinct banks."""
+    (a partial chunk at an edge is zero-filled); else element by element through registers. A row's 16-byte chunks
+    are permuted (XOR swizzle) so that the 8 rows an ldmatrix reads fall in distinct banks without padding (three
+    stages of 128 x 128 tiles fill the 48 KiB a kernel may declare)."""
     aligned = off % 8 == 0 and s_b % 8 == 0
     if s_k == 1 and s_outer % 8 == 0 and aligned:
         k_major, async_copy = True, True
@@ -332,8 +334,15 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     else:
         k_major, async_copy = abs(s_k) <= abs(s_outer), False
     bk, sh = MMA_BK, f"{mat}s"
-    rows, cols = (t, bk + 8) if k_major else (bk, t + 8)  # (the 8 columns of padding are never loaded)
-    decl = f"__shared__ __align__(16) unsigned short {sh}[2][{rows}][{cols}];"
+    rows, cols = (t, bk) if k_major else (bk, t)
+    decl = f"__shared__ __align__(16) unsigned short {sh}[{MMA_STAGES}][{rows}][{cols}];"
+
+    def swizzled(r: str, c: str) -> str:
+        """Where element c of shared row r lies: its chunk c / 8 XORed with bits of r (k-major rows are 64 bytes, two
+        to a 128-byte line of banks: bits 1-2 of r; outer-major rows fill whole lines: bits 0-2)."""
+        bits = f"(({r} >> 1) & 3)" if k_major else f"({r} & 7)"
+        return f"(((({c}) >> 3) ^ {bits}) << 3 | (({c}) & 7))"
+
     per = (bk if k_major else t) // (8 if async_copy else 1)  # loads per shared row
     rounds = rows * per // threads  # loads per thread (the tiles are whole multiples of the block's threads)
     assert rounds * threads == rows * per
@@ -346,11 +355,11 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     if async_copy:
         along, bound, other, obound = ("kk", g.k, "x", extent) if k_major else ("x", extent, "kk", g.k)
         fetch = (f"{head}const int b = {other} < {obound} ? min(max({bound} - {along}, 0), 8) * 2 : 0; "
-                 f"azyx_cp16(azyx_smem(&{sh}[@S@][row][{col}]), b ? {mat} + {addr} : {mat}, b); }}")
+                 f"azyx_cp16(azyx_smem(&{sh}[@S@][row][{swizzled('row', col)}]), b ? {mat} + {addr} : {mat}, b); }}")
         put = ""
     else:
         fetch = f"{head}{reg}[q] = x < {extent} && kk < {g.k} ? {mat}[{addr}] : (unsigned short)0; }}"
-        put = f"{head}{sh}[@S@][row][{col}] = {reg}[q]; }}"
+        put = f"{head}{sh}[@S@][row][{swizzled('row', col)}] = {reg}[q]; }}"
         decl += f" unsigned short {reg}[{rounds}];"
     # ldmatrix.x4: lane l gives the address of one 8-element row of one of four 8 x 8 matrices (lanes 8q..8q+7:
     # matrix q); for A they are rows 0-7 / 8-15 x k 0-7 / 8-15 (a0..a3 of mma.m16n8k16), for B two n8 tiles x k 0-7 /
@@ -361,18 +370,17 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     else:
         lo, hi = "(lane & 7) + (lane >> 4) * 8", "((lane >> 3) & 1) * 8"
         tr_k, tr_x = "(lane & 7) + ((lane >> 3) & 1) * 8", "(lane >> 4) * 8"
-    if k_major:
-        frag = f"azyx_ldm4({{f}}, azyx_smem(&{sh}[{{s}}][{{x}} + {lo}][{{ks}} + {hi}]));"
-    else:
-        frag = f"azyx_ldm4t({{f}}, azyx_smem(&{sh}[{{s}}][{{ks}} + {tr_k}][{{x}} + {tr_x}]));"
+    r, c = (f"{{x}} + {lo}", f"{{ks}} + {hi}") if k_major else (f"{{ks}} + {tr_k}", f"{{x}} + {tr_x}")
+    frag = (f"{{{{ const int r = {r}, c = {c}; azyx_ldm4{'' if k_major else 't'}({{f}}, "
+            f"azyx_smem(&{sh}[{{s}}][r][{swizzled('r', 'c')}])); }}}}")
     return _MmaOperand(decl, fetch, put, frag, async_copy)
 
 
 def render_mma(g: Gemm, name: str) -> str:
     """The product of float16 or bfloat16 operands on tensor cores (sm_80 on): `mma.sync.m16n8k16` with float32
     accumulators. A block of 8 warps (2 x 4) computes a 128 x 128 tile of C, each warp 64 x 32 (4 x 4 mma tiles); a
-    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through two shared-memory
-    stages: the next slice's copies (cp.async) are in flight while the current one is multiplied. Blocks run in
+    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through three shared-memory
+    stages: the next two slices' copies (cp.async) are in flight while one is multiplied. Blocks run in
     groups of 8 block-rows, so the blocks resident at once share their A rows and B columns in L2. Edges: loads past
     M, N or K read zeros, stores are guarded; C is rounded to its dtype once."""
     assert g.mma and g.split[0] == 1
@@ -398,13 +406,23 @@ def render_mma(g: Gemm, name: str) -> str:
         store = (f"if (j < {g.n}) *(unsigned*)({row}) = (unsigned){cvt}(c[0]) | ((unsigned){cvt}(c[1]) << 16);")
     else:
         store = f"if (j < {g.n}) {row}[0] = {cvt}(c[0]); if (j + 1 < {g.n}) {row}[1] = {cvt}(c[1]);"
+    ahead = (MMA_STAGES - 1) * MMA_BK  # the slice copied while slice k0 is multiplied: k0 + ahead
     put = "" if a.async_copy and b.async_copy else f"""    if (more) {{
-      const int k1 = k0 + {MMA_BK};
-      {a.put.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
-      {b.put.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
+      {a.put.replace("@K0@", "k1").replace("@S@", "sn")}
+      {b.put.replace("@K0@", "k1").replace("@S@", "sn")}
     }}
 """
-    return _MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{", 2" if threads == 256 else ""}) \
+    commit = 'asm volatile("cp.async.commit_group;" ::: "memory");'
+    first = []  # the first slices into stages 0.., a commit group each (empty past K: the count of groups stays)
+    for p in range(MMA_STAGES - 1):
+        copies = "\n  ".join(x for x in (a.fetch, a.put, b.fetch, b.put) if x)
+        if p * MMA_BK < g.k:
+            first.append(f"{{ const int k1 = {p * MMA_BK};\n  {copies.replace('@K0@', 'k1').replace('@S@', str(p))} }}")
+        first.append(commit)
+    # two blocks of 8 warps per multiprocessor (128 registers a thread) where both operands are copied by cp.async;
+    # element loads stage a slice in registers, which 128 would spill
+    two = ", 2" if threads == 256 and a.async_copy and b.async_copy else ""
+    return _MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
 {name}(unsigned short* __restrict__ C, {params}) {{
   {a.decl}
   {b.decl}
@@ -422,22 +440,18 @@ def render_mma(g: Gemm, name: str) -> str:
     for (int n = 0; n < {ni}; n++)
       #pragma unroll
       for (int q = 0; q < 4; q++) acc[m][n][q] = 0.f;
-  {a.fetch.replace("@K0@", "0").replace("@S@", "0")}
-  {b.fetch.replace("@K0@", "0").replace("@S@", "0")}
-  {a.put.replace("@K0@", "0").replace("@S@", "0")}
-  {b.put.replace("@K0@", "0").replace("@S@", "0")}
-  asm volatile("cp.async.commit_group;" ::: "memory");
-  int s = 0;
+  {chr(10).join("  " + x for x in first).lstrip()}
+  int s = 0;  // the stage of slice k0
   for (int k0 = 0; k0 < {g.k}; k0 += {MMA_BK}) {{
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();  // stage s is complete; every warp is done with stage s ^ 1
-    const bool more = k0 + {MMA_BK} < {g.k};
+    asm volatile("cp.async.wait_group {MMA_STAGES - 2};" ::: "memory");  // slice k0 has landed
+    __syncthreads();  // ... for all; and every warp is done with slice k0 - {MMA_BK}: its stage sn takes slice k1
+    const int sn = s == 0 ? {MMA_STAGES - 1} : s - 1, k1 = k0 + {ahead};
+    const bool more = k1 < {g.k};
     if (more) {{
-      const int k1 = k0 + {MMA_BK};
-      {a.fetch.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
-      {b.fetch.replace("@K0@", "k1").replace("@S@", "s ^ 1")}
-      asm volatile("cp.async.commit_group;" ::: "memory");
+      {a.fetch.replace("@K0@", "k1").replace("@S@", "sn")}
+      {b.fetch.replace("@K0@", "k1").replace("@S@", "sn")}
     }}
+    {commit}
     #pragma unroll
     for (int ks = 0; ks < {MMA_BK}; ks += 16) {{
       unsigned fa[{mi}][4], fb[{ni // 2}][4];
@@ -448,7 +462,7 @@ def render_mma(g: Gemm, name: str) -> str:
         #pragma unroll
         for (int n = 0; n < {ni}; n++) azyx_mma_{kind}(acc[m][n], fa[m], &fb[n >> 1][(n & 1) * 2]);
     }}
-{put}    s ^= 1;
+{put}    s = s == {MMA_STAGES - 1} ? 0 : s + 1;
   }}
   unsigned short* Cb = C + bz * {g.m * g.n}LL;
   #pragma unroll

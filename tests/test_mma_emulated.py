@@ -94,10 +94,11 @@ def assign(decls: str, env: dict[str, int]) -> dict[str, int]:
     return env
 
 
-COPY = re.compile(r"const int b = (.*); azyx_cp16\(azyx_smem\(&(\w)s\[s \^ 1\]\[row\]\[(.*)\]\), "
+LOOP = re.compile(r"for \(int q = 0; q < (\d+); q\+\+\) \{ const int e = tid \+ q \* (\d+), (.*?); (.*?) \}\n")
+COPY = re.compile(r"const int b = (.*); azyx_cp16\(azyx_smem\(&(\w)s\[(\w+)\]\[row\]\[(.*)\]\), "
                   r"b \? \w \+ (.*) : \w, b\);")
 FETCH = re.compile(r"r(\w)\[q\] = (.*) \? (\w)\[(.*)\] : \(unsigned short\)0;")
-PUT = re.compile(r"(\w)s\[s \^ 1\]\[row\]\[(.*)\] = r(\w)\[q\];")
+PUT = re.compile(r"(\w)s\[(\w+)\]\[row\]\[(.*)\] = r(\w)\[q\];")
 
 
 class Kernel:
@@ -106,17 +107,26 @@ class Kernel:
     def __init__(self, src: str, g: gemm.Gemm):
         body = src.split("__global__", 1)[1]
         self.g = g
-        self.shared = {m[1]: (int(m[2]), int(m[3]))
-                       for m in re.finditer(r"unsigned short (\w)s\[2\]\[(\d+)\]\[(\d+)\];", body)}
+        self.shared = {m[1]: (int(m[2]), int(m[3]), int(m[4]))
+                       for m in re.finditer(r"unsigned short (\w)s\[(\d)\]\[(\d+)\]\[(\d+)\];", body)}
         self.warp = re.search(r"const int tid = threadIdx.x, lane = tid & 31, (.*);", body)[1]  # type: ignore[index]
         self.block = (re.search(r"const int (id = .*);\n", body)[1] + ", "  # type: ignore[index]
                       + re.search(r"const int (bi = .*);\n", body)[1])  # type: ignore[index]
         self.bases = {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in re.finditer(
             r"const unsigned short\* (\w) = d(\d) \+ (-?\d+)LL \+ bz \* (-?\d+)LL;", body)}
-        inner = body.split("if (more) {", 1)[1]  # the loop's copies of the next slice (at k1), then its puts
-        self.copies = re.findall(r"for \(int q = 0; q < (\d+); q\+\+\) \{ const int e = tid \+ q \* (\d+), (.*?); "
-                                 r"(.*?) \}\n", inner)
-        self.frags = re.findall(r"azyx_ldm4(t?)\(f(\w)\[(\d+)\], azyx_smem\(&\ws\[s\]\[(.*?)\]\[(.*?)\]\)\);", body)
+        head, loop = body.split("int s = 0;", 1)
+        # before the loop: the first slices (k1) into their stages; in it, the copies of slice k1 ahead into stage sn,
+        # the products of stage s, then the element loads' puts into stage sn
+        self.first = [(int(m[1]), LOOP.findall(m[2] + "\n")) for m in re.finditer(
+            r"\{ const int k1 = (\d+);\n(.*?) \}\n  asm volatile", head, re.S)]
+        parts = loop.split("if (more) {")
+        self.fetches, self.puts = LOOP.findall(parts[1]), LOOP.findall(parts[2]) if len(parts) > 2 else []
+        ahead = re.search(r"const int (sn = .*), k1 = k0 \+ (\d+);", loop)
+        assert ahead is not None
+        self.sn, self.ahead = ahead[1], int(ahead[2])
+        self.next_s = re.search(r"\n    (s = .*);\n  \}", loop)[1]  # type: ignore[index]
+        self.frags = re.findall(r"\{ const int r = (.*?), c = (.*?); azyx_ldm4(t?)\(f(\w)\[(\d+)\], "
+                                r"azyx_smem\(&\ws\[s\]\[r\]\[(.*?)\]\)\); \}", body)
         assert "acc[m][n], fa[m], &fb[n >> 1][(n & 1) * 2]" in body
         acc = re.search(r"float acc\[(\d+)\]\[(\d+)\]\[4\];", body)
         assert acc is not None
@@ -124,29 +134,28 @@ class Kernel:
         self.ij = re.search(r"const int (i = .*), (j = .*);\n", body)[0][len("const int "):-2]  # type: ignore[index]
         self.pair = "*(unsigned*)" in body
 
-    def slice_into_shared(self, env0: dict[str, int], k0: int, mem: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
-        """Shared memory after every thread's copies of the K slice at k0 (NaN where nothing was written)."""
-        sh = {m: np.full(shape, np.nan) for m, shape in self.shared.items()}
-        regs: dict[tuple[str, int, int], float] = {}
+    def copy(self, loops: list, env0: dict[str, int], sh: dict[str, np.ndarray], regs: dict, mem: dict) -> None:
+        """Every thread's copies of `loops` (of the slice at env0's k1: cp.async into shared memory at once, element
+        loads into registers, puts from registers)."""
         origin = {mat: off + env0["bz"] * sb for mat, (_, off, sb) in self.bases.items()}
-        for rounds, step, pos, stmt in self.copies:
+        for rounds, step, pos, stmt in loops:
             for tid in range(self.g.threads):
                 for q in range(int(rounds)):
-                    env = assign(pos, {**env0, "tid": tid, "q": q, "k1": k0, "e": tid + q * int(step)})
+                    env = assign(pos, {**env0, "tid": tid, "q": q, "e": tid + q * int(step)})
                     if cp := COPY.fullmatch(stmt):  # cp.async of 16 bytes, zero-filled past its first b bytes
-                        mat, nbytes, col = cp[2], run(py(cp[1]), env), run(py(cp[3]), env)
-                        at = origin[mat] + run(py(cp[4]), env)
+                        mat, nbytes, stage, col = cp[2], run(py(cp[1]), env), run(py(cp[3]), env), run(py(cp[4]), env)
+                        at = origin[mat] + run(py(cp[5]), env)
                         for u in range(8):
-                            sh[mat][env["row"], col + u] = mem[self.bases[mat][0]][at + u] if 2 * u < nbytes else 0.0
+                            sh[mat][stage, env["row"], col + u] = \
+                                mem[self.bases[mat][0]][at + u] if 2 * u < nbytes else 0.0
                     elif ld := FETCH.fullmatch(stmt):
                         mat = ld[3]
                         at = origin[mat] + run(py(ld[4]), env)
                         regs[(mat, tid, q)] = mem[self.bases[mat][0]][at] if run(py(ld[2]), env) else 0.0
                     elif put := PUT.fullmatch(stmt):
-                        sh[put[1]][env["row"], run(py(put[2]), env)] = regs[(put[1], tid, q)]
+                        sh[put[1]][run(py(put[2]), env), env["row"], run(py(put[3]), env)] = regs[(put[1], tid, q)]
                     else:
                         raise AssertionError(stmt)
-        return sh
 
     def lanes(self, w: int, env0: dict[str, int]) -> list[dict[str, int]]:
         return [assign(self.warp, {**env0, "tid": 32 * w + lane, "lane": lane}) for lane in range(32)]
@@ -157,8 +166,9 @@ class Kernel:
             lanes = self.lanes(w, env0)
             for ks in range(0, gemm.MMA_BK, 16):
                 fr = {}
-                for trans, mat, idx, row, col in self.frags:
-                    addr = [(run(py(row), {**e, "ks": ks}), run(py(col), {**e, "ks": ks})) for e in lanes]
+                for row, col, trans, mat, idx, at in self.frags:  # each lane's shared row r, its chunk's place
+                    rc = [assign(f"r = {row}, c = {col}", {**e, "ks": ks}) for e in lanes]
+                    addr = [(x["r"], run(py(at), x)) for x in rc]
                     fr[(mat, int(idx))] = ldmatrix(sh[mat.upper()], addr, trans == "t")
                 for m in range(self.mi):
                     for n in range(self.ni):
@@ -184,14 +194,27 @@ class Kernel:
 
 def emulate(src: str, g: gemm.Gemm, mem: dict[int, np.ndarray], blocks: list[tuple[int, int, int]]) -> np.ndarray:
     """C (flat, NaN where no block of `blocks` wrote) from the kernel source `src`, with parameter i's memory mem[i].
-    (Each K slice is emulated as its own shared memory: the two stages' synchronisation is not what this checks.)"""
+    The K loop runs in program order over the stages in shared memory, each phase for all threads at once (a cp.async
+    lands at once: what the waits and barriers are for is not checked, which stage each slice goes through is)."""
     k = Kernel(src, g)
     c_out = np.full(g.batch * g.m * g.n, np.nan)
     for bx, by, bz in blocks:
         env0 = assign(k.block, {"bz": bz, "blockIdx_x": bx, "blockIdx_y": by})
         accs = {w: [[[0.0] * 4 for _ in range(32)] for _ in range(k.mi * k.ni)] for w in range(g.threads // 32)}
+        sh = {m: np.full(shape, np.nan) for m, shape in k.shared.items()}
+        regs: dict = {}
+        for k1, loops in k.first:
+            k.copy(loops, {**env0, "k1": k1}, sh, regs, mem)
+        s = 0
         for k0 in range(0, g.k, gemm.MMA_BK):
-            k.multiply(k.slice_into_shared(env0, k0, mem), accs, env0)
+            env = {**env0, "s": s, "k0": k0, "k1": k0 + k.ahead}
+            env["sn"] = run(py(k.sn.split(" = ", 1)[1]), env)
+            if env["k1"] < g.k:
+                k.copy(k.fetches, env, sh, regs, mem)
+            k.multiply({m: x[s] for m, x in sh.items()}, accs, env0)
+            if env["k1"] < g.k:
+                k.copy(k.puts, env, sh, regs, mem)
+            s = run(py(k.next_s.split(" = ", 1)[1]), env)
         k.store(accs, env0, c_out)
     return c_out
 
@@ -206,6 +229,8 @@ CASES = {  # name: (m, k, n, batch, A's strides (b, i, r), B's strides (b, r, j)
     "at.T@w.T aligned": (72, 48, 80, 1, (0, 1, 72), (0, 1, 48), (0, 0)),
     "batched, offsets": (40, 40, 24, 3, (1600, 40, 1), (960, 24, 1), (8, 16)),
     "broadcast B, ragged K": (24, 44, 16, 2, (1056, 48, 1), (0, 1, 48), (0, 0)),
+    "a@w.T long K": (16, 232, 24, 1, (0, 232, 1), (0, 1, 232), (0, 0)),  # 8 slices through the 3 stages
+    "at.T@b long K, odd": (17, 201, 9, 1, (0, 1, 17), (0, 9, 1), (0, 0)),
 }
 
 
