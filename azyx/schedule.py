@@ -52,7 +52,6 @@ EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realiz
 SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-stage reductions (split_reduce)
 TRANSFER_BYTES_PER_S = 5e9  # what moving an input to another device costs, for AUTO placement
 TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
-EPILOGUE_SPLIT_WORK = 1 << 18  # multiply-adds from which a half-precision product leaves its epilogue (tensor cores)
 
 class DeviceFacts(Protocol):
     """What the scheduler may know of a device: read-only facts, its load, and its renderer."""
@@ -248,11 +247,14 @@ class Planner:
 
     def tiled_product(self, nid: int, device: str) -> bool:
         """Whether reduce `nid` is a float32 matrix product of 16 rows or more on a device with a tiled matmul kernel
-        (azyx.gemm): it gets that kernel, a kernel of its own, rather than being fused into its consumer (a bias, an
-        activation) as a generic reduce, which on an H100 ran a 128 x 768 x 3072 product 60x slower."""
+        (azyx.gemm), or a float16/bfloat16 one on a device with its tensor-core kernel: it gets that kernel, a kernel of
+        its own, rather than being fused into its consumer (a bias, an activation) as a generic reduce, which on an
+        H100 ran a 128 x 768 x 3072 product 60x slower (a half product is then rounded to its dtype, as PyTorch's)."""
         dl = self.rt.device(device).dialect
         n = self.graph[nid]
-        if dl is None or not dl.gemm or n.dtype is not dtypes.float32 or n.arg[0] != "sum" or len(n.arg[1]) != 1:
+        if dl is None or not dl.gemm or n.arg[0] != "sum" or len(n.arg[1]) != 1:
+            return False
+        if n.dtype is not dtypes.float32 and not (dl.tensor_cores and n.dtype in (dtypes.float16, dtypes.bfloat16)):
             return False
         src = self.graph[n.src[0]]
         axis = n.arg[1][0]
@@ -305,8 +307,6 @@ class Planner:
             return out, StridedView.contiguous(shape)
         if n.op is Op.SCATTER:
             return self.scatter_kernel(root, device, out)
-        if (product := self.product_under_epilogue(root, device)) is not None:
-            self.realize(product)
         dims = [i for i, s in enumerate(shape) if s != 1]
         groups = [[d] for d in dims]
         best = self.attempt(root, device, groups, None)
@@ -333,35 +333,6 @@ class Planner:
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
         return out, StridedView.contiguous(shape)
-
-    def product_under_epilogue(self, root: int, device: str) -> int | None:
-        """The float16/bfloat16 matrix product (a sum of products over the kernel's whole output) under an elementwise
-        epilogue of `root` (x @ W.T + b, an activation, a cast), on a device with tensor cores: as a kernel of its own
-        it takes azyx.gemm's tensor-core kernel, fused with its epilogue the generic one (many times slower); the
-        epilogue then reads it once, rounded to its dtype as PyTorch rounds it."""
-        dl = self.rt.device(device).dialect
-        n = self.graph[root]
-        if dl is None or not dl.tensor_cores or n.op not in ELEMENTWISE:
-            return None
-        found, stack, seen = [], list(n.src), set()
-        while stack:  # down through the epilogue (elementwise ops and reshapes) to the reduces it fuses
-            i = stack.pop()
-            m = self.graph[i]
-            if i in seen or i in self.done or m.buffer is not None:
-                continue
-            seen.add(i)
-            if m.op is Op.REDUCE:
-                found.append(i)
-            elif m.op in ELEMENTWISE or m.op is Op.RESHAPE:
-                stack.extend(m.src)
-        if len(found) != 1:
-            return None
-        r = self.graph[found[0]]
-        body = self.graph[r.src[0]]
-        if (r.arg[0] != "sum" or r.dtype not in (dtypes.float16, dtypes.bfloat16) or prod(r.shape) != prod(n.shape)
-                or body.op is not Op.BINARY or body.arg != "mul" or prod(body.shape) < EPILOGUE_SPLIT_WORK):
-            return None
-        return found[0]
 
     def scatter_kernel(self, root: int, device: str, out: int) -> tuple[int, StridedView]:
         """SCATTER: loops over the output's points off the scattered axis (outer: the axes before it, inner: those
