@@ -157,24 +157,37 @@ QUICK_LOCAL, THOROUGH_LOCAL = (32, 64, 128, 256), (16, 32, 64, 128, 256)
 QUICK_GROUP, THOROUGH_GROUP = (0, 32, 64, 128, 256), (0, 16, 32, 64, 128, 256)
 
 
-def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: str) -> list[Opts]:
+def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: str, heuristic: Opts = ()) -> list[Opts]:
     """The action lists to try on base kernel `k` for a device that understands `actions` (a subset of KINDS), the
-    fewer the quicker (`level` "quick" or "thorough"); the heuristic's own list is tried first by the caller."""
+    fewer the quicker (`level` "quick" or "thorough"); `heuristic`: the scheduler's own list, which the caller times
+    first. Where the heuristic tiles, quick tries other tiles and work-group sizes with its tile, never an untiled
+    kernel (a product without register tiles is slow to even time)."""
     if not searchable(k):
         return [()]
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
     thorough = level == "thorough"
-    out: list[Opts] = [()] if thorough or not reduces else []  # (an untiled product is slow to even time)
-    if UPCAST in actions and reduces and not any(r.src[0].has_reduce for r in reduces):
-        out += _tiles(k, thorough, SWAP in actions)
+    tiled = any(o.kind == UPCAST for o in heuristic)
+    flat = bool(reduces) and not any(r.src[0].has_reduce for r in reduces)
+    out: list[Opts] = [()] if thorough or not tiled else []
+    tiles = _tiles(k, thorough, SWAP in actions) if UPCAST in actions and flat else []
+    out += tiles
     if dl is None or not dl.global_ids:
         return list(dict.fromkeys(out))
-    if GROUP in actions and reduces and not any(r.src[0].has_reduce for r in reduces):
+    if GROUP in actions and flat and (thorough or not tiled):
         out += [(Opt(GROUP, 0, g),) for g in (THOROUGH_GROUP if thorough else QUICK_GROUP) if group_fits(g, dl)]
-    if LOCAL in actions and (not reduces or k.global_size >= 1024):
-        out += [(Opt(LOCAL, 0, n),) for n in (THOROUGH_LOCAL if thorough else QUICK_LOCAL)
-                if n <= max(k.global_size, 1) and (not dl.warp or n % dl.warp == 0)]
+    if LOCAL in actions and (not reduces or k.global_size >= 1024 or tiled):
+        sizes = [n for n in (THOROUGH_LOCAL if thorough else QUICK_LOCAL) if not dl.warp or n % dl.warp == 0]
+        for opts in ([heuristic] + tiles if thorough else [heuristic]):
+            points = max(k.global_size // _numel([o.amount for o in opts if o.kind == UPCAST]), 1)
+            out += [(*opts, Opt(LOCAL, 0, n)) for n in sizes if n <= points]
     return list(dict.fromkeys(out))
+
+
+def _numel(sizes: list[int]) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
 
 
 def _tiles(k: Kernel, thorough: bool, swap: bool) -> list[Opts]:

@@ -82,7 +82,7 @@ def search_step(dev: Device, step: KernelStep, nbytes: list[int], level: str, bu
 def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[int], level: str, budget_s: float,
             t0: float) -> SearchResult:
     heur = step.kernel.opts
-    cands = [c for c in optimize.candidates(base, dev.dialect, dev.search_actions, level) if c != heur]
+    cands = [c for c in optimize.candidates(base, dev.dialect, dev.search_actions, level, heur) if c != heur]
     bufs = [dev.alloc(max(n, 1)) for n in nbytes]
     rng = np.random.default_rng(0)
     for i, (buf, n) in enumerate(zip(bufs, nbytes)):
@@ -94,6 +94,7 @@ def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[
     ref_t = _time(dev, step, bufs, words, level)
     ref = _outputs(dev, base, bufs, nbytes)
     best, best_t, tried, rejected = heur, ref_t, 1, 0
+    seen = {step.name}  # sources timed (actions a renderer ignores make a source already timed: not again)
     debug.log(debug.SEARCH, lambda: f"{dev.name}: kernel {key}: heuristic {list(heur)} {ref_t * 1e6:.0f} us; "
                                     f"{len(cands)} candidates")
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="azyx-search")
@@ -105,6 +106,9 @@ def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[
                 break
             try:
                 cand = fut.result()
+                if cand.name in seen:
+                    continue
+                seen.add(cand.name)
                 t = _time(dev, cand, bufs, words, level, best_t)
                 got = _outputs(dev, base, bufs, nbytes)
             except (AzyxError, optimize.OptError, AssertionError) as e:
