@@ -151,8 +151,12 @@ def kernel_key(k: Kernel) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ candidates
-QUICK_TILES = ((1, 1), (2, 16), (4, 8), (4, 16), (4, 32), (8, 8), (8, 16), (8, 32), (2, 32), (1, 32), (16, 16))
-ROW_TILES, COL_TILES = (1, 2, 4, 8, 16), (1, 4, 8, 16, 32, 64)
+# rows x columns of a register tile, likelier winners first (a budget may end the list): 4 x 16 and 8 x 8 fill AVX2's
+# 16 vector registers, 8 x 32 and 16 x 16 AVX-512's 32
+QUICK_TILES = ((4, 16), (8, 8), (2, 32), (8, 16), (4, 32), (8, 32), (4, 8), (2, 16), (1, 32), (16, 16), (1, 1))
+# GPU-style: neighbouring work items on neighbouring columns (no SWAP), a few outputs each
+QUICK_ITEM_TILES = ((4, 4), (8, 4), (4, 1), (8, 1), (2, 4), (4, 2))
+ROW_TILES, COL_TILES = (1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32, 64)
 QUICK_LOCAL, THOROUGH_LOCAL = (32, 64, 128, 256), (16, 32, 64, 128, 256)
 QUICK_GROUP, THOROUGH_GROUP = (0, 32, 64, 128, 256), (0, 16, 32, 64, 128, 256)
 
@@ -170,6 +174,8 @@ def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: st
     flat = bool(reduces) and not any(r.src[0].has_reduce for r in reduces)
     out: list[Opts] = [()] if thorough or not tiled else []
     tiles = _tiles(k, thorough, SWAP in actions) if UPCAST in actions and flat else []
+    if tiles and dl is not None and dl.global_ids and not thorough:
+        tiles += _tiles(k, False, False, QUICK_ITEM_TILES)
     out += tiles
     if dl is None or not dl.global_ids:
         return list(dict.fromkeys(out))
@@ -190,9 +196,9 @@ def _numel(sizes: list[int]) -> int:
     return out
 
 
-def _tiles(k: Kernel, thorough: bool, swap: bool) -> list[Opts]:
+def _tiles(k: Kernel, thorough: bool, swap: bool, quick: tuple[tuple[int, int], ...] = QUICK_TILES) -> list[Opts]:
     sizes = [g.vmax + 1 for g in k.gvars]
-    pairs = [(a, b) for a in ROW_TILES for b in COL_TILES] if thorough else list(QUICK_TILES)
+    pairs = [(a, b) for a in ROW_TILES for b in COL_TILES] if thorough else list(quick)
     out: list[Opts] = []
     for ta, tb in pairs:
         if len(sizes) == 1:  # one loop: a tile of outputs along it (column_tile's shape)

@@ -145,3 +145,40 @@ def test_bad_search_settings_raise_naming_the_value(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("AZYX_SEARCH_BUDGET")
     with pytest.raises(SearchConfigError, match="'max'"):
         azyx.tune_sync(Tensor([1.0]) + 1, level="max")
+
+
+@pytest.mark.parametrize("level", ["quick", "thorough"])
+def test_cuda_candidates_render_and_compile_with_nvrtc(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: every candidate the search would time on a CUDA device renders and NVRTC compiles for sm_90."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+    from azyx.backends.cuda_driver import nvrtc_compile
+    from azyx.cstyle import CUDA, kernel_source
+    from azyx.launch import render_kernel
+
+    try:
+        from cuda.bindings import nvrtc
+
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # pragma: no cover - depends on the environment
+        pytest.skip(f"NVRTC unavailable: {e}")
+    dev = RT.device("dummy:0")
+    monkeypatch.setattr(dev, "dialect", CUDA)
+    monkeypatch.setattr(dev, "tiles", False)
+    RT.plan_cache.clear()
+    rng = np.random.default_rng(0)
+    a, b = (Tensor(rng.standard_normal(s, dtype=np.float32), device="dummy:0") for s in ((64, 128), (128, 96)))
+    x = Tensor(rng.standard_normal((256, 512), dtype=np.float32), device="dummy:0")
+    actions = frozenset(optimize.KINDS)
+    sources: dict[str, str] = {}
+    for target in (a @ b, x.sum(axis=1), x.max(axis=0), (x * 2).exp()):
+        for step in azyx.schedule(target).kernels:
+            base = step.kernel.base or step.kernel
+            cands = optimize.candidates(base, CUDA, actions, level, step.kernel.opts)
+            assert cands
+            for opts in cands:
+                name, src, launch = render_kernel(optimize.apply(base, opts), CUDA)
+                assert launch.group <= 1024 and min(launch.grid) >= 1
+                sources[name] = src
+    RT.plan_cache.clear()
+    cubin = nvrtc_compile(kernel_source(list(sources.values()), CUDA), "sm_90")
+    assert cubin[:4] == b"\x7fELF" and len(sources) > 10
