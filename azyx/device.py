@@ -304,7 +304,10 @@ class Device:
 
     @property
     def winners(self) -> optimize.WinnerCache | None:
-        """The winner cache where it has entries, else None (a device without any pays nothing on render)."""
+        """The winner cache where it has entries, else None (a device without any pays nothing on render; where
+        nothing was ever searched, not even its identity is asked for)."""
+        if "_winners" not in self.__dict__ and not optimize.cache_root().is_dir():
+            return None
         cache = self.winner_cache()
         return cache if len(cache) else None
 

@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from azyx import debug
@@ -173,7 +174,9 @@ def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: st
     tiled = any(o.kind == UPCAST for o in heuristic)
     flat = bool(reduces) and not any(r.src[0].has_reduce for r in reduces)
     out: list[Opts] = [()] if thorough or not tiled else []
-    tiles = _tiles(k, thorough, SWAP in actions) if UPCAST in actions and flat else []
+    bound = dl.max_trips if dl is not None else 0  # (llvmpipe ends longer loops silently: the grouped reduce there)
+    long = bool(bound) and any(_numel([x.vmax + 1 for x in r.arg[1]]) > bound for r in reduces)
+    tiles = _tiles(k, thorough, SWAP in actions) if UPCAST in actions and flat and not long else []
     if tiles and dl is not None and dl.global_ids and not thorough:
         tiles += _tiles(k, False, False, QUICK_ITEM_TILES)
     out += tiles
@@ -243,6 +246,11 @@ def decode(data: Any) -> Opts:
     return tuple(out)
 
 
+def cache_root() -> Path:
+    """Where the winner caches of every device identity live."""
+    return cache_dir() / "search"
+
+
 class WinnerCache:
     """The winning actions per kernel structure for one device identity, in one JSON file under the azyx cache
     (`search/<hash of identity and version>.json`): read once, written whole and atomically (a temporary file, then
@@ -252,7 +260,7 @@ class WinnerCache:
     def __init__(self, identity: dict[str, Any]):
         self.identity = {**identity, "azyx": VERSION}
         blob = json.dumps(self.identity, sort_keys=True)
-        self.path = cache_dir() / "search" / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+        self.path = cache_root() / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
         self.lock = threading.Lock()
         self.entries: dict[str, Any] | None = None  # kernel key -> JSON actions, read lazily
 
