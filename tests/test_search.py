@@ -182,3 +182,23 @@ def test_cuda_candidates_render_and_compile_with_nvrtc(level: str, monkeypatch: 
     RT.plan_cache.clear()
     cubin = nvrtc_compile(kernel_source(list(sources.values()), CUDA), "sm_90")
     assert cubin[:4] == b"\x7fELF" and len(sources) > 10
+
+
+def test_work_group_actions_reach_the_launch() -> None:
+    """LOCAL and GROUP are facts the renderers read: the launch (and the source's work-group size) follow them."""
+    from azyx.cstyle import GLSL, OPENCL
+    from azyx.launch import render_kernel
+
+    dev = RT.device("c:0")
+    x = Tensor(np.ones((64, 4096), np.float32), device="c:0")
+    base = azyx.schedule(x.sum(axis=1)).kernels[0].kernel
+    for dl in (OPENCL, GLSL):
+        _, _, heur = render_kernel(base, dl)
+        assert heur.group == dl.group_size and heur.grid[0] == 64  # grouped: a group per row
+        _, _, one = render_kernel(optimize.apply(base, (optimize.Opt(optimize.GROUP, 0, 0),)), dl)
+        assert one.group == 64 and one.grid[0] == 1  # one item per row, the 64 rows one group
+        _, src, two = render_kernel(optimize.apply(base, (optimize.Opt(optimize.GROUP, 0, 128),)), dl)
+        assert two.group == 128 and "128" in src
+    e = azyx.schedule((x * 2).exp()).kernels[0].kernel
+    _, _, local = render_kernel(optimize.apply(e, (optimize.Opt(optimize.LOCAL, 0, 32),)), OPENCL)
+    assert local.group == 32 and dev.search_actions == {optimize.UPCAST, optimize.SWAP}
