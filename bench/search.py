@@ -32,6 +32,12 @@ from common import machine_line, write_section  # noqa: E402  (beside this scrip
 
 MARK_START = "<!-- bench:search:start (written by bench/search.py) -->"
 MARK_END = "<!-- bench:search:end -->"
+NOTE = ("search off: the heuristic kernels (no cache entry); search on: the winner `azyx.tune` found and cached (the "
+        "heuristic's own actions where nothing beat them by 3%). search time: the search's own seconds for the "
+        "product's kernel (compiling every candidate on worker threads, timing each on the device, checking its output "
+        "against the heuristic kernel's). 2nd process: a new process over the same cache with AZYX_SEARCH on: the "
+        "kernels it searched (0: the disk cache served the winner) and its GFLOP/s. The machine is shared (see its "
+        "load average): figures move by up to 2x between runs; the ratios are within one process.")
 
 
 def _steady(fn: Any, repeats: int) -> float:
@@ -129,13 +135,7 @@ def table(results: list[dict[str, Any]], level: str, budget_s: float) -> str:
         if dev != "c:0" and c is not None:
             lines.append(f"\n{dev} searched at n={n}: {ratio(r['on'], c['on'])} of c:0 searched "
                          f"({ratio(r['off'], c['off'])} with search off).")
-    lines += ["", "search off: the heuristic kernels (no cache entry); search on: the winner `azyx.tune` found and "
-              "cached (the heuristic's own actions where nothing beat them by 3%). search time: the search's own seconds for "
-              "the product's kernel (compiling every candidate on worker threads, timing each on the device, checking "
-              "its output against the heuristic kernel's). 2nd process: a new process over the same cache with "
-              "AZYX_SEARCH on: kernels it searched (0: the disk cache served the winner) and its GFLOP/s. The machine "
-              "is shared (see its load average): figures move by 2x between runs; ratios are within one process.",
-              "", MARK_END]
+    lines += ["", NOTE, "", MARK_END]
     return "\n".join(lines) + "\n"
 
 
