@@ -128,12 +128,14 @@ def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     # a busy machine makes single timings noisy: the fastest few and the heuristic again, in turns; each keeps its best
+    # (the budget is checked between timings: one kernel's search may overrun it by a few of its runs)
     finalists = sorted(timed, key=lambda x: x[0])[:CONFIRM]
     times = {opts: t for t, opts, _ in finalists}
     times[heur] = ref_t
     for _ in range(2 if finalists else 0):
         for _t, opts, cand in [(ref_t, heur, step), *finalists]:
-            times[opts] = min(times[opts], _time(dev, cand, bufs, words, level))
+            if time.perf_counter() - t0 < budget_s:  # (the budget bounds this round too)
+                times[opts] = min(times[opts], _time(dev, cand, bufs, words, level))
     ref_t = times[heur]
     best = min(times, key=lambda o: times[o])
     if times[best] >= MARGIN * ref_t:
