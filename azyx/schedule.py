@@ -308,7 +308,12 @@ class Planner:
             tile = None if tile == "retry" else tile
         k = best.kernel
         if tile is not None and k.stores[0][1].has_reduce:  # the heuristic's tile, as actions on the IR
-            k = optimize.apply(k, optimize.heuristic(tile, len(k.gvars)))
+            if optimize.searchable(k):
+                k = optimize.apply(k, optimize.heuristic(tile, len(k.gvars)))
+            else:  # (a gather's address in it: the actions do not rewrite those; built tiled instead, never searched)
+                tiled = self.attempt(root, device, groups, tile)
+                if tiled.kernel.stores[0][1].has_reduce:
+                    best, k = tiled, tiled.kernel
         debug.log(debug.IR, lambda: format_kernel(k))
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
