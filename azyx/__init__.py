@@ -29,6 +29,7 @@ from azyx.shard import DataParallel, ShardedTensor, replicate
 from azyx.stats import Stats, stats
 from azyx.tape import GradientTape
 from azyx.tensor import Tensor
+from azyx.tune import tune, tune_sync
 from azyx.viz import plot_graph
 from azyx.walk import canonicalize
 
@@ -36,7 +37,7 @@ __all__ = [
     "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
     "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor",
     "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
-    "synchronize", "train",
+    "synchronize", "train", "tune", "tune_sync",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim", "DataParallel", "ShardedTensor", "replicate",
 ]
 

@@ -38,7 +38,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # ExecutionPlans kept for graphs of a structure seen before (least recently used go first): a service that sees
     # ever new shapes must not grow without bound
     "runtime": {"plan_cache_size": 1024},
+    # kernel search (azyx.search): level "off" (the heuristics, or a winner already in the disk cache), "quick" or
+    # "thorough"; budget_s: seconds one kernel's search may take. $AZYX_SEARCH and $AZYX_SEARCH_BUDGET override them
+    "search": {"level": "off", "budget_s": 10.0},
 }
+SEARCH_LEVELS = ("off", "quick", "thorough")
 
 
 class ConfigError(AzyxError, ValueError):
@@ -87,3 +91,26 @@ def plan_cache_size(cfg: dict[str, dict[str, Any]]) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"runtime.plan_cache_size must be a positive int, got {size!r}")
     return size
+
+
+class SearchConfigError(ConfigError):
+    """A search level or budget that is not one (config `search` section, $AZYX_SEARCH, $AZYX_SEARCH_BUDGET)."""
+
+
+def search_settings(cfg: dict[str, dict[str, Any]]) -> tuple[str, float]:
+    """(level, per-kernel budget in seconds) of the kernel search: $AZYX_SEARCH and $AZYX_SEARCH_BUDGET over the
+    `search` section."""
+    section = cfg.get("search", {})
+    level = os.environ.get("AZYX_SEARCH") or section.get("level", "off")
+    where = "AZYX_SEARCH" if os.environ.get("AZYX_SEARCH") else "search.level"
+    if level not in SEARCH_LEVELS:
+        raise SearchConfigError(f"{where} must be one of {', '.join(SEARCH_LEVELS)}, got {level!r}")
+    raw: Any = os.environ.get("AZYX_SEARCH_BUDGET") or section.get("budget_s", 10.0)
+    where = "AZYX_SEARCH_BUDGET" if os.environ.get("AZYX_SEARCH_BUDGET") else "search.budget_s"
+    try:
+        budget = float(raw) if not isinstance(raw, bool) else float("nan")
+    except (TypeError, ValueError):
+        budget = float("nan")
+    if not budget > 0:
+        raise SearchConfigError(f"{where} must be a positive number of seconds, got {raw!r}")
+    return level, budget

@@ -1102,6 +1102,8 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
     if not reduces or any(r.src[0].has_reduce for r in reduces):
         return 0
+    if k.group >= 0:  # an optimisation action chose it (azyx.optimize); a size the dialect cannot tree-reduce: none
+        return k.group if group_fits(k.group, dl) else 0
     longest = max(reduces, key=lambda r: _numel(r.arg[1]))
     if _numel(longest.arg[1]) < size:
         return 0
@@ -1109,6 +1111,16 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     along_r = any(x.terms.get(longest.arg[1][-1]) == 1 for x in loads)
     along_g = bool(k.gvars) and any(x.terms.get(k.gvars[-1]) == 1 for x in loads)
     return size if along_r or not along_g or k.global_size < size else 0
+
+
+def group_fits(size: int, dl: Dialect) -> bool:
+    """Whether `dl` can reduce with work groups of `size` items: a power of two up to the dialect's group size, and
+    whole warps where the dialect combines by warp shuffles."""
+    if size == 0:
+        return True
+    if size < 2 or size & (size - 1) or size > max(dl.group_size, 256):
+        return False
+    return not dl.warp or size % dl.warp == 0
 
 
 def vectorized(k: Kernel, dl: Dialect) -> bool:
@@ -1138,7 +1150,7 @@ def work_group(k: Kernel, dl: Dialect) -> int:
     if group:  # a group per output point (a grouped reduce)
         return group
     n = max(k.global_size, 1) // (4 if vectorized(k, dl) else 1)
-    return min(dl.block, max(n, 1))
+    return min(k.local or dl.block, max(n, 1))
 
 
 def _is_var(x: Lin, g: Var) -> bool:

@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 
-DEVICES, PLANS, LAUNCHES, IR, SOURCE = 1, 2, 4, 8, 16
+DEVICES, PLANS, LAUNCHES, IR, SOURCE, SEARCH = 1, 2, 4, 8, 16, 32  # SEARCH: what the kernel search tried, won
 
 try:
     LEVEL = int(os.environ.get("AZYX_DEBUG", "0") or 0)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from azyx import debug
+from azyx import debug, optimize
 from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.cstyle import Dialect, kernel_source
@@ -271,9 +271,66 @@ class Device:
         pass
 
     def render(self, k: Kernel) -> tuple[str, str, Launch]:
-        """(name, source, launch) of a kernel in this device's dialect."""
+        """(name, source, launch) of a kernel in this device's dialect, made with the actions that won the search for
+        its structure on this device where the disk cache has them (a dict lookup), else as the heuristics made it."""
+        if self.search_actions and self.winners is not None:
+            k = self.tuned(k)
+        return self.render_ir(k)
+
+    def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
+        """(name, source, launch) of exactly kernel `k`."""
         assert self.dialect is not None
         return render_kernel(k, self.dialect, self.threads)
+
+    # kernel search: which actions (azyx.optimize) this device's renderer understands, and the winners found on it
+    @property
+    def search_actions(self) -> frozenset[str]:
+        """The actions a search may try here: the C-family renderer's register tiles everywhere, and work-group
+        sizes where kernels run one work item per point (GPU-style dialects); none without a dialect."""
+        dl = self.dialect
+        if dl is None:
+            return frozenset()
+        tiles = frozenset({optimize.UPCAST, optimize.SWAP})
+        return tiles | {optimize.LOCAL, optimize.GROUP} if dl.global_ids else tiles
+
+    def identity(self) -> dict[str, Any]:
+        """What a search result depends on besides the kernel: the hardware, its driver and compiler versions
+        (backends add theirs; the base knows the kind, the label and the architecture where a backend has them)."""
+        return {"kind": self.kind, "label": str(getattr(self, "label", "")), "arch": str(getattr(self, "arch", "")),
+                "dialect": self.dialect.name if self.dialect is not None else ""}
+
+    def winner_cache(self) -> optimize.WinnerCache:
+        """The on-disk cache of search winners for this device's identity (read once, on first use)."""
+        cache = self.__dict__.get("_winners")
+        if cache is None:
+            cache = self.__dict__["_winners"] = optimize.WinnerCache(self.identity())
+        return cache
+
+    @property
+    def winners(self) -> optimize.WinnerCache | None:
+        """The winner cache where it has entries, else None (a device without any pays nothing on render; where
+        nothing was ever searched, not even its identity is asked for)."""
+        if "_winners" not in self.__dict__ and not optimize.cache_root().is_dir():
+            return None
+        cache = self.winner_cache()
+        return cache if len(cache) else None
+
+    def tuned(self, k: Kernel) -> Kernel:
+        """`k` made with its cached winning actions (from its base, the kernel before the heuristics' actions); `k`
+        itself where there is no entry, or where the entry does not apply (a debug line: never trusted)."""
+        base = k.base or k
+        if not optimize.searchable(base):
+            return k
+        cache = self.winners
+        key = optimize.kernel_key(base)
+        opts = cache.get(key) if cache is not None else None
+        if opts is None or opts == k.opts:
+            return k
+        try:
+            return optimize.apply(base, opts)
+        except optimize.OptError as e:
+            debug.log(debug.SEARCH, f"{self.name}: cached actions {opts} for kernel {key} do not apply ({e}): ignored")
+            return k
 
     # compiler: the kernels a plan needs and the device lacks -> one source -> loaded programs, by kernel name
     def has_program(self, name: str) -> bool:

@@ -9,7 +9,7 @@ subexpressions are computed once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from azyx.dtypes import DType
@@ -127,6 +127,11 @@ class Kernel:
     # value at the store's index; the points own disjoint elements (see cstyle's scatter_body)
     scatter: tuple[Var, Var, Lin] | None = None
     inplace: bool = False  # it writes part of its output, whose other elements it leaves as they are (an ASSIGN)
+    # schedule choices that optimisation actions set (azyx.optimize.apply); renderers read them as facts
+    local: int = 0  # GPU-style, one work item per point: work items per group (0: the dialect's `block`)
+    group: int = -1  # work items that reduce each output point together (0: one item per point, -1: the dialect's)
+    base: Kernel | None = field(default=None, repr=False, compare=False)  # the kernel before the actions
+    opts: tuple = ()  # the actions (optimize.Opt) that made it from `base`
 
     @property
     def global_size(self) -> int:

@@ -69,7 +69,7 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
             plan = await in_worker_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
                                                                     walk.scalars, walk.scalar_of, walk.donated),
                                           targets)
-        await rt.compile(plan)  # the graph may change meanwhile (other tasks): walk it again
+        plan = await rt.compile(plan)  # (its kernels searched, with search on); the graph may change: walk it again
         rt.plan_cache[walk.key] = plan
         await _pace()  # (the realizes that waited for this compile wake together)
     bindings = [GRAPH[i].buffer for i in walk.leaves]

@@ -6,6 +6,7 @@ Devices start lazily, on first use, so `azyx.configure()` can run first. The gra
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import threading
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import sniffio
 
 from azyx import config as _config
-from azyx import debug, workers
+from azyx import debug, optimize, search, workers
 from azyx.backends import BACKENDS, load_backend
 from azyx.backends.disk import DiskDevice
 from azyx.backends.host import HostMemory
@@ -24,6 +25,7 @@ from azyx.executor import UnifiedExecutor
 from azyx.graph import Graph, StridedView
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import LoopEvent
+from azyx.workers import in_worker_thread
 
 GRAPH = Graph()
 
@@ -89,6 +91,7 @@ class Runtime:
                 return
             self.cfg = _config.load(self.overrides)
             self.plan_cache.capacity = _config.plan_cache_size(self.cfg)
+            _config.search_settings(self.cfg)  # a bad search level or budget fails here, naming the value
             ex = UnifiedExecutor()
             ex.add_device(HostMemory(0, {}))
             for kind in BACKENDS:
@@ -108,7 +111,9 @@ class Runtime:
             self._executor = ex
 
     def configure(self, overrides: dict[str, Any]) -> None:
-        _config.plan_cache_size(_config.merge(_config.DEFAULTS, overrides))  # validates the dict's shape and values
+        merged = _config.merge(_config.DEFAULTS, overrides)  # validates the dict's shape and values
+        _config.plan_cache_size(merged)
+        _config.search_settings(merged)
         if self._executor is not None:
             if len(GRAPH):
                 raise RuntimeStateError(f"configure() after tensors exist ({len(GRAPH)} live nodes); call it first")
@@ -172,12 +177,47 @@ class Runtime:
             dev = self.device("host:0")
         return dev.buffer_from_numpy(arr), StridedView.contiguous(arr.shape)
 
+    # ------------------------------------------------------------------ search
+    def search_settings(self) -> tuple[str, float]:
+        """(level, per-kernel budget in seconds) of the kernel search (config `search`, $AZYX_SEARCH)."""
+        if self.cfg is None:
+            self.start()
+        assert self.cfg is not None
+        return _config.search_settings(self.cfg)
+
+    async def search(self, plan: ExecutionPlan, level: str, budget_s: float) -> tuple[ExecutionPlan,
+                                                                                   list[search.SearchResult]]:
+        """Search the plan's kernels that have no winner in their device's disk cache (on worker threads, one kernel
+        at a time), and the plan with each kernel made as its winner says."""
+        steps = list(plan.steps)
+        results: list[search.SearchResult] = []
+        for i, st in enumerate(steps):
+            if not isinstance(st, KernelStep):
+                continue
+            dev = self.device(st.device)
+            if not dev.search_actions:
+                continue
+            r = await in_worker_thread(search.search_step, dev, st, search.kernel_step_nbytes(plan, st), level,
+                                       budget_s)
+            if r is None:
+                continue
+            results.append(r)
+            if r.winner != st.kernel.opts:
+                steps[i] = search.retuned(dev, st, optimize.apply(st.kernel.base or st.kernel, r.winner))
+        if any(a is not b for a, b in zip(steps, plan.steps)):
+            plan = dataclasses.replace(plan, steps=tuple(steps))
+        return plan, results
+
     # ------------------------------------------------------------------ compilation
-    async def compile(self, plan: ExecutionPlan) -> None:
+    async def compile(self, plan: ExecutionPlan) -> ExecutionPlan:
         """Compile the plan's kernels not yet loaded, one batch per device; concurrent realizes of the same
         kernels wait for the compile already running instead of starting another, and get its error when it fails
         (a CompileError: the compiler failed or ran past `compile_timeout_s`). A failed compile leaves nothing
-        compiled: the next realize compiles again."""
+        compiled: the next realize compiles again. With the kernel search on, kernels without a cached winner are
+        searched first; returns the plan to run (its kernels the winners)."""
+        level, budget_s = self.search_settings()
+        if level != "off":
+            plan, _ = await self.search(plan, level, budget_s)
         by_dev: dict[str, list[KernelStep]] = {}
         for k in plan.kernels:
             by_dev.setdefault(k.device, []).append(k)
@@ -209,6 +249,7 @@ class Runtime:
                     if self.inflight.get(s.name) is job:
                         del self.inflight[s.name]
                 job.event.set()
+        return plan
 
 
 class _Compile:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from azyx import debug
+from azyx import debug, optimize
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
@@ -324,11 +324,14 @@ class Planner:
             best = self.attempt(root, device, groups, None)
             tile = self.tile_for(best, groups, shape)
             tile = None if tile == "retry" else tile
-        if tile is not None:
-            tiled = self.attempt(root, device, groups, tile)
-            if tiled.kernel.stores[0][1].has_reduce:
-                best = tiled
         k = best.kernel
+        if tile is not None and k.stores[0][1].has_reduce:  # the heuristic's tile, as actions on the IR
+            if optimize.searchable(k):
+                k = optimize.apply(k, optimize.heuristic(tile, len(k.gvars)))
+            else:  # (a gather's address in it: the actions do not rewrite those; built tiled instead, never searched)
+                tiled = self.attempt(root, device, groups, tile)
+                if tiled.kernel.stores[0][1].has_reduce:
+                    best, k = tiled, tiled.kernel
         debug.log(debug.IR, lambda: format_kernel(k))
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -135,6 +136,7 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
 
         rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
                      f"{t_many / many:.2f}x"])
+    rows += await searched(torch, mats, reps)
     rows += await realize_only(torch, ten_ops, small, tsmall, reps)
     # correctness of what was timed, against PyTorch
     for name, make, tfn, _, _ in cases:
@@ -143,6 +145,25 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         assert err < tolerance.get(name, 1e-4), f"{name}: relative error {err:.2e} against PyTorch"
     return rows, copy_bw
+
+
+async def searched(torch: Any, mats: dict[int, Any], reps: int) -> list[list[str]]:
+    """The products again with the kernel search's winners (`azyx.tune`, then realized as usual): rows with the
+    search's time per kernel; the rows above are the heuristic kernels (search off, or this machine's cache)."""
+    rows = []
+    for n, ((x, tx), (y, ty)) in mats.items():
+        print(f"searching sgemm {n}", flush=True)
+        found = await azyx.tune(x @ y)
+        one = await timed(lambda x=x, y=y: (x @ y).realize(), reps, warmup=3)
+        t_one = torch_timed(torch, lambda tx=tx, ty=ty: tx @ ty, reps)
+        secs = ", ".join("cached" if r.cached else f"{r.seconds:.1f} s" for r in found)
+        rows.append([f"sgemm {n} f32, searched (search {secs})", "GFLOP/s", f"{2 * n**3 / one / 1e9:.0f}",
+                     f"{2 * n**3 / t_one / 1e9:.0f}", f"{t_one / one:.2f}x", "", "", ""])
+        got = await (x @ y).numpy()
+        want = (tx @ ty).cpu().numpy()
+        err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        assert err < 1e-4, f"searched sgemm {n}: relative error {err:.2e} against PyTorch"
+    return rows
 
 
 async def realize_only(torch: Any, fn: Callable[[Any], Any], small: Tensor, tsmall: Any, reps: int
@@ -227,7 +248,8 @@ async def main() -> None:
 
     import torch
 
-    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread's stack
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang shows every thread's stack
+    os.environ.setdefault("AZYX_SEARCH_BUDGET", "30")  # seconds of search per product (the searched rows)
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))

@@ -838,6 +838,34 @@ class Bench:
             await self.guarded(f"matmul {n}", row, run)
 
 
+    async def searched_matmuls(self) -> None:
+        """The same products with the kernel search's winners: bench/search.py measures them in fresh processes over
+        an empty cache (search off, `azyx.tune`, search on), then a second process that must find the cache."""
+        cfg = self.cfg
+        import search as search_bench
+
+        for n in cfg.matmul_sizes:
+            progress(f"matmul {n}x{n} f32 searched")
+            row = self.report.row(f"matmul {n}x{n} f32, searched (GFLOP/s)", "GFLOP/s", True, target_kind="vs_numpy",
+                                  target_value=1.0, target_text=">= 1.0x numpy")
+
+            async def run(n: int = n, row: Row = row) -> None:
+                r = await asyncio.to_thread(search_bench.measure, cfg.device, n, "quick", 5.0 if cfg.quick else 60.0,
+                                            3 if cfg.quick else 7)
+                row.azyx, row.numpy, row.torch = r["on"], r["numpy"], r["torch"]
+                ks = r["kernels"]
+                secs = ", ".join(f"{k['seconds']:.1f}" for k in ks)
+                self.report.note(f"matmul {n} searched: {r['off']:.1f} GFLOP/s with search off, {r['on']:.1f} on "
+                                 f"(numpy {r['numpy']:.1f}, same process); search "
+                                 f"{secs} s per kernel, winner "
+                                 f"{'; '.join(k['winner'] for k in ks)}; a second process searched "
+                                 f"{r['hit_searches']} kernels ({r['hit_on']:.1f} GFLOP/s)")
+                if max(r["error"], r["error_on"], r["hit_error"]) > 1e-4 or r["hit_searches"]:
+                    raise AssertionError(f"searched matmul {n}: wrong result or a search in the second process: {r}")
+
+            await self.guarded(f"matmul {n} searched", row, run)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # output
 
@@ -1012,6 +1040,7 @@ async def main(args: argparse.Namespace) -> int:
     await bench.total_sum()
     await bench.row_sum()
     await bench.matmuls()
+    await bench.searched_matmuls()
     for r in report.rows:
         ratio = r.ratio(r.numpy)
         if r.higher_is_better and ratio is not None and ratio > 10:

@@ -22,7 +22,9 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
+import subprocess
 import threading
 import time
 from collections import deque
@@ -67,6 +69,35 @@ def _entries(arity: dict[str, int], kinds: dict[str, int], scalars: dict[str, li
     return "\n".join(out)
 
 
+@functools.cache
+def _cpu() -> dict[str, str]:
+    """The CPU's model name and ISA flags (/proc/cpuinfo's first processor; empty where there is none)."""
+    out = {"cpu": platform.processor() or platform.machine(), "isa": ""}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and out["cpu"] in ("", platform.processor() or platform.machine()):
+            out["cpu"] = value.strip()
+        elif key in ("flags", "Features") and not out["isa"]:
+            out["isa"] = " ".join(sorted(value.split()))
+        elif not line.strip() and out["isa"]:
+            break
+    return out
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+    return out.splitlines()[0] if out else compiler
+
+
 class CDevice(HostDevice):
     kind = "c"
     dialect = C
@@ -85,6 +116,11 @@ class CDevice(HostDevice):
         self.serial_pool: int | None = None  # a pool of one thread (the caller): small batches run serially
         os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # for kernels with a region of their own
         self.programs = _PROGRAMS  # (one compiler: every C device's programs are the same)
+
+    def identity(self) -> dict[str, Any]:
+        """The CPU (model and ISA flags), the compiler's version and flags, and the threads that share loops."""
+        return {**super().identity(), **_cpu(), "compiler": _compiler_version(self.compiler), "flags": self.flags,
+                "threads": self.threads}
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry and the C runtime (built into every library),

@@ -75,6 +75,11 @@ class OpenCLDevice(QueuedDevice):
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
+    def identity(self) -> dict[str, Any]:
+        d = self.cl_device
+        return {**super().identity(), "platform": f"{d.platform.name} {d.platform.version}", "device": d.name,
+                "driver": d.driver_version, "version": d.version, "units": int(d.max_compute_units)}
+
     # ------------------------------------------------------------------ memory
     def memory(self) -> MemoryUsage:
         return self.allocator.usage()

@@ -521,6 +521,12 @@ class VulkanDevice(QueuedDevice):
         self._destroy(block)
         self._let_context_go()
 
+    def identity(self) -> dict[str, Any]:
+        props = self.ctx.props
+        return {**super().identity(), "device": str(props.deviceName), "driver": int(props.driverVersion),
+                "api": int(props.apiVersion), "vendor_id": int(props.vendorID), "device_id": int(props.deviceID),
+                "glsl": self.dialect.name if self.dialect is not None else ""}
+
     def memory(self) -> MemoryUsage:
         return self.allocator.usage()
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from azyx import debug
+from azyx import debug, optimize
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.config import ConfigError
 from azyx.device import Buffer, Device, LaunchItem, host_read, kernel_list
@@ -239,7 +239,15 @@ class WgpuDevice(Device):
         self.timeline.wait_sync(self.copy_from_host(data, buf, [], host))
 
     # ------------------------------------------------------------------ compile
-    def render(self, k: Kernel) -> tuple[str, str, Launch]:
+    search_actions = frozenset({optimize.LOCAL, optimize.GROUP})  # (WGSL: no register tiles)
+
+    def identity(self) -> dict[str, Any]:
+        info = self.adapter.info
+        return {**super().identity(), "wgpu": wgpu.__version__, "features": sorted(self.features),
+                **{k: str(info.get(k, "")) for k in ("vendor", "device", "backend_type", "adapter_type",
+                                                     "description")}}
+
+    def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
         return render_wgsl(k, self.name, self.features, self.max_binding, self.max_trips)
 
     def source(self, steps: list[KernelStep]) -> str:
