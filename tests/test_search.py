@@ -76,7 +76,7 @@ def test_search_on_realize_then_a_second_process_finds_the_cache(tmp_path: Path)
         "print('SEARCHES', search.searches)\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "AZYX_SEARCH": "quick", "AZYX_SEARCH_BUDGET": "20",
-           "AZYX_DEBUG": "32", "PYTHONPATH": str(ROOT)}
+           "AZYX_DEBUG": "32", "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "SEARCHES 1" in first.stdout and "won [" in first.stderr
