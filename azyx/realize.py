@@ -142,8 +142,14 @@ async def _pace() -> None:
         if now - burst.start <= BURST:
             break
         fut = loop.create_future()
-        (burst.again if woken else burst.waiters).append(fut)
-        await fut
+        queue = burst.again if woken else burst.waiters
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:  # out of the queue: its future would keep the loop (the table's key) alive
+            if fut in queue:
+                queue.remove(fut)
+            raise
         woken = True
     burst.passed += 1
 
