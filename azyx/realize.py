@@ -110,8 +110,9 @@ class _Burst:
                 wake -= 1
 
 
-# per loop, weakly: a program that runs one loop after another (asyncio.run per job) must not keep every closed one
-_bursts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Burst] = weakref.WeakKeyDictionary()
+# per loop, as an attribute of the loop itself: its waiters' futures refer to their loop, so a table keyed by loops
+# (weakly) kept any loop that closed with a waiter still queued (a task destroyed, never resumed), with all it held
+_BURST_ATTR = "_azyx_burst"
 
 
 async def _pace() -> None:
@@ -127,11 +128,15 @@ async def _pace() -> None:
     except RuntimeError:  # trio: its scheduler interleaves tasks and timers itself
         return
     ready = getattr(loop, "_ready", None)
-    burst = _bursts.get(loop)
+    burst: _Burst | None = getattr(loop, _BURST_ATTR, None)
     if ready is None or (len(ready) < CROWD and (burst is None or not burst.waiters)):
         return
     if burst is None:
-        burst = _bursts[loop] = _Burst()
+        burst = _Burst()
+        try:
+            setattr(loop, _BURST_ATTR, burst)
+        except AttributeError:  # a loop without a __dict__ (none with a `_ready` queue is known): no pacing
+            return
     woken = False
     while True:
         now = time.perf_counter()
