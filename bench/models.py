@@ -148,12 +148,14 @@ async def embedding_grad(device: str, repeats: int, torch: Any) -> list[str]:
             f"{tn * 1e3:.1f} ms (np.add.at)", torch_cell, f"{tn / ta:.2f}x", "-"]
 
 
-def _vs_torch(ta: float, tp: float | None, what: str, device: str) -> tuple[str, str]:
-    """The torch cell (its time and azyx's speed-up over it) and the target cell of a >= 1.0x-PyTorch row."""
+def _vs_torch(ta: float, tp: float | None, what: str, device: str, targets: tuple[str, ...] = ("c:",)
+              ) -> tuple[str, str]:
+    """The torch cell (its time and azyx's speed-up over it) and the target cell of a >= 1.0x-PyTorch row (a target
+    on the kinds of device `targets` names)."""
     if tp is None:
         return "-", "(no torch here)"
     met = "met" if tp / ta >= 1.0 else "NOT MET"
-    target = f">= 1.0x {what}: {met}" if device.startswith("c:") else f"(CPU target; here {met})"
+    target = f">= 1.0x {what}: {met}" if device.startswith(targets) else f"(not a target here; {met})"
     return f"{tp * 1e3:.2f} ms ({tp / ta:.2f}x)", target
 
 
@@ -182,49 +184,56 @@ async def attention(device: str, length: int, repeats: int, torch: Any) -> list[
             torch_cell, "-", target]
 
 
-def _torch_minilm(torch: Any, directory: Path) -> Any:
-    """The same weights in transformers' BertModel with sentence-transformers' pooling: sentences -> embeddings."""
+def _torch_minilm(torch: Any, directory: Path, device: str) -> Any:
+    """The same weights in transformers' BertModel (float32, on the GPU for an azyx cuda device) with
+    sentence-transformers' pooling: sentences -> embeddings on the host."""
     try:
         from tokenizers import Tokenizer
         from transformers import AutoModel
     except ImportError:
         return None
-    bert = AutoModel.from_pretrained(str(directory)).eval()
+    where = "cuda" if device.startswith("cuda") else "cpu"
+    bert = AutoModel.from_pretrained(str(directory), dtype=torch.float32).eval().to(where)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tok.enable_padding()
     tok.enable_truncation(256)
 
     def embed(sentences: list[str]) -> Any:
         enc = tok.encode_batch(sentences)
-        ids = torch.tensor([e.ids for e in enc])
-        mask = torch.tensor([e.attention_mask for e in enc])
+        ids = torch.tensor([e.ids for e in enc]).to(where)
+        mask = torch.tensor([e.attention_mask for e in enc]).to(where)
         with torch.inference_mode():
             x = bert(input_ids=ids, attention_mask=mask).last_hidden_state
             m = mask.unsqueeze(-1).to(x.dtype)
-            return torch.nn.functional.normalize((x * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
+            return torch.nn.functional.normalize((x * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1).cpu().numpy()
 
     return embed
 
 
-async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any) -> list[list[str]]:
+async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any,
+                 directory: Path | None = None) -> list[list[str]]:
+    """all-MiniLM-L6-v2 through examples/embed_service.py against transformers with sentence-transformers' pooling;
+    `directory`: a checkpoint of it in another dtype (float16: 44 MB where the package's 88 MB cannot travel),
+    computed in float32 on both sides."""
     try:
         import embed_service
-        model = await embed_service.MiniLM.load(device)
+        model = await embed_service.MiniLM.load(device, directory=directory, dtype="float32")
+        directory = directory or embed_service.model_dir()
     except Exception as e:  # the model package or tokenizers missing: say so, do not fail the run
         print(f"[models bench] MiniLM skipped: {e}", file=sys.stderr)
         return []
-    peer = _torch_minilm(torch, embed_service.model_dir()) if torch is not None else None
+    peer = _torch_minilm(torch, directory, device) if torch is not None else None
     rows = []
     for batch in batches:
         sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
         got = await model.embed(sentences)
         tp = None
         if peer is not None:
-            want = peer(sentences).numpy()
+            want = peer(sentences)
             assert (got * want).sum(-1).min() >= 0.9999, "azyx's MiniLM embeddings differ from transformers'"
             tp = median_time(lambda: peer(sentences), max(3, repeats // 5))
         ta = await median_time_async(lambda: model.embed(sentences), max(3, repeats // 5))
-        torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device)
+        torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"))
         rows.append([f"all-MiniLM-L6-v2, batch {batch} ({batch / ta:.0f} sentences/s)", device, f"{ta * 1e3:.1f} ms",
                      "-", torch_cell, "-", target])
     return rows
@@ -265,8 +274,8 @@ async def main(args: argparse.Namespace) -> None:
         for length in (128,) if args.quick else (128, 1024):
             rows.append(await attention(device, length, repeats, torch))
             print(" | ".join(rows[-1]), flush=True)
-        if device.startswith("c:"):  # (the model on the CPU device the target names)
-            for row in await minilm(device, (32, 1), repeats, torch):
+        if device.startswith(("c:", "cuda:")):  # (the model on the devices the targets name)
+            for row in await minilm(device, (32, 1), repeats, torch, args.minilm_dir):
                 rows.append(row)
                 print(" | ".join(row), flush=True)
     text = section(rows, args.quick, torch)
@@ -279,4 +288,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--devices", default="c:0")
     parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    parser.add_argument("--minilm-dir", type=Path, default=None,
+                        help="an all-MiniLM-L6-v2 checkpoint directory other than the installed package's")
     asyncio.run(main(parser.parse_args()))

@@ -162,14 +162,21 @@ class MiniLM(nn.Module):
         self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self._tokenizer.no_padding()  # we pad to buckets ourselves
         self._tokenizer.enable_truncation(max_length=self.max_length)
+        # the forward staged like torch.compile: built and planned once per (batch, length) bucket, replayed after
+        # (a call skips building and walking the ~950 nodes of the graph); the weights are the trace's constants
+        self.staged = azyx.jit(self.forward)
 
     @staticmethod
-    async def load(device: str = "c:0", progress: bool = False) -> MiniLM:
-        """Stream the weights from the installed package's model.safetensors onto `device`, as stored."""
-        directory = model_dir()
+    async def load(device: str = "c:0", progress: bool = False, directory: Path | None = None,
+                   dtype: str | None = None) -> MiniLM:
+        """Stream the weights from model.safetensors (the installed package's, or `directory`'s: any checkpoint of
+        this architecture in Hugging Face's layout) onto `device`, as stored, or in `dtype` (e.g. a float16
+        checkpoint computed in float32, as `from_pretrained(..., dtype=)`)."""
+        directory = model_dir() if directory is None else Path(directory)
         model = MiniLM(directory, device)
-        state = {name: t async for name, t in azyx.io.stream_safetensors(directory / "model.safetensors",
-                                                                           device=device, progress=progress)
+        state = {name: t if dtype is None or not t.dtype.is_float else t.cast(dtype)
+                 async for name, t in azyx.io.stream_safetensors(directory / "model.safetensors", device=device,
+                                                                 progress=progress)
                  if not name.startswith("pooler.") and name != "embeddings.position_ids"}  # (unused by the model)
         model.load_state_dict(state)
         await azyx.realize(*model.parameters())
@@ -199,9 +206,9 @@ class MiniLM(nn.Module):
         return pooled / pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12)
 
     async def embed(self, sentences: list[str]) -> np.ndarray:
-        """Embeddings of `sentences` (one realize), as a (len(sentences), 384) float32 array."""
+        """Embeddings of `sentences` (one plan run), as a (len(sentences), 384) float32 array."""
         ids, mask = self.tokenize(sentences)
-        emb = self(Tensor(ids, device=self.device), Tensor(mask, device=self.device))
+        emb = await self.staged(Tensor(ids, device=self.device), Tensor(mask, device=self.device))
         return (await emb.numpy())[: len(sentences)]
 
 
