@@ -50,6 +50,11 @@ def _graphs(device: str) -> tuple[list[Tensor], list[np.ndarray]]:
 
 
 def test_searched_kernels_equal_heuristic_results_on_every_device(device: str, fresh_cache: Path) -> None:
+    identity = RT.device(device).identity()  # what the winners are cached under: the hardware and its software
+    assert identity["kind"] == device.split(":")[0] and all(v not in (None, "") for k, v in identity.items()
+                                                            if k in ("driver", "nvrtc", "compiler", "device"))
+    if device.startswith("cuda"):
+        assert identity["arch"].startswith("sm_") and identity["driver"] > 0 and identity["nvrtc"] > 0, identity
     outs, refs = _graphs(device)
     heuristic = [t.numpy_sync() for t in outs]
     outs, _ = _graphs(device)

@@ -35,7 +35,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.cuda_copy import StagedCopies
-from azyx.backends.cuda_driver import check, cu, hot, init, nvrtc_compile, sticky
+from azyx.backends.cuda_driver import check, cu, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.cstyle import CUDA
 from azyx.device import BatchState, Buffer, Device, LaunchItem, kernel_list
@@ -121,6 +121,10 @@ class CUDADevice(StagedCopies):
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
+
+    def identity(self) -> dict[str, Any]:
+        """The GPU (name, compute capability: the base's label and arch), the driver's and NVRTC's versions."""
+        return {**super().identity(), **versions()}
 
     def use(self) -> None:
         """Make this device's context current on the calling thread. Asked of the driver each time, not remembered

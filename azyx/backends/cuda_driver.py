@@ -111,6 +111,12 @@ def init() -> int:
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
+def versions() -> dict[str, int]:
+    """The driver's and NVRTC's versions (what a compiled kernel's speed depends on besides the GPU)."""
+    major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    return {"driver": int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion")), "nvrtc": major * 1000 + minor * 10}
+
+
 # ------------------------------------------------------------------------------------------------ compilation
 def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
     """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
