@@ -41,8 +41,13 @@ from common import machine_line, write_section  # noqa: E402  (beside this scrip
 import azyx  # noqa: E402
 from azyx import Tensor  # noqa: E402
 
-MARK_START = "<!-- bench:models:start -->"
-MARK_END = "<!-- bench:models:end -->"
+
+def marks(devices: list[str]) -> tuple[str, str]:
+    """The section's markers: one section for CPU runs, another for runs with a CUDA device (a GPU machine's)."""
+    name = "models-gpu" if any(d.startswith("cuda") for d in devices) else "models"
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
 VOCAB, DIM, IDS = 30522, 384, 4096
 EMBEDDING_TARGET = 0.5  # azyx / numpy throughput (issue 18)
 SENTENCES = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium.",
@@ -239,11 +244,13 @@ async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any
     return rows
 
 
-def section(rows: list[list[str]], quick: bool, torch: Any) -> str:
+def section(rows: list[list[str]], quick: bool, torch: Any, devices: list[str]) -> str:
     head = ["workload", "device", "azyx", "numpy", "torch (azyx speed-up over it)", "azyx / numpy", "target"]
     versions = f"python {platform.python_version()}, numpy {np.__version__}" + \
         (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch is not None else "")
-    lines = [MARK_START, "", f"## Transformer inference: models ({'quick' if quick else 'full'} run, written by "
+    start, end = marks(devices)
+    run = "quick" if quick else "full"
+    lines = [start, "", f"## Transformer inference: models on {', '.join(devices)} ({run} run, written by "
              "bench/models.py)", "", f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
              f"- {machine_line()}", f"- {versions}",
              "- azyx: the graph built from realized inputs and realized each repeat; medians after warm-up; ratios are "
@@ -254,7 +261,7 @@ def section(rows: list[list[str]], quick: bool, torch: Any) -> str:
               "- the issue's target is the CPU's (c:0); opencl:0 (PoCL) and vulkan:0 (lavapipe) are CPU "
               "implementations of GPU APIs, shown for the record",
               "- the machine is shared (see the load average): numpy's and PyTorch's times move with it as azyx's do; "
-              "compare the ratios of one run", "", MARK_END]
+              "compare the ratios of one run", "", end]
     return "\n".join(lines) + "\n"
 
 
@@ -262,8 +269,9 @@ async def main(args: argparse.Namespace) -> None:
     repeats = 10 if args.quick else 50
     torch = import_torch()
     rows = []
+    devices = [d for d in args.devices.split(",") if d in azyx.devices()]
     for device in args.devices.split(","):
-        if device not in azyx.devices():
+        if device not in devices:
             print(f"[models bench] {device}: not available here, skipped", file=sys.stderr)
             continue
         print(f"[models bench] {device} embedding ...", file=sys.stderr, flush=True)
@@ -278,9 +286,9 @@ async def main(args: argparse.Namespace) -> None:
             for row in await minilm(device, (32, 1), repeats, torch, args.minilm_dir):
                 rows.append(row)
                 print(" | ".join(row), flush=True)
-    text = section(rows, args.quick, torch)
+    text = section(rows, args.quick, torch, devices)
     print(text)
-    write_section(Path(args.out), MARK_START, MARK_END, text)
+    write_section(Path(args.out), *marks(devices), text)
 
 
 if __name__ == "__main__":
