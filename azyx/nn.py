@@ -16,6 +16,7 @@ import numpy as np
 
 from azyx.dtypes import dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
+from azyx.graph import Op
 from azyx.tensor import Tensor
 
 
@@ -379,7 +380,33 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
         raise ShapeError(f"attention: v has {v.shape[-2]} keys, k has {k.shape[-2]} ({v.shape}, {k.shape})")
     if mask is not None and causal:
         raise ArgumentError("attention takes a mask or causal=True, not both (as PyTorch)")
-    return _attention_weights(q, k, mask, causal, scale) @ v
+    composed = _attention_weights(q, k, mask, causal, scale) @ v
+    return _fused_attention(q, k, v, mask, causal, scale, composed)
+
+
+_ATTENTION_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
+
+
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+                     composed: Tensor) -> Tensor:
+    """One ATTENTION node over q, k, v (and the mask) expanded to the output's batch axes, where one kernel can
+    compute it (float32/float16/bfloat16 of one dtype, on one device; a bool or float mask): the scheduler renders it
+    as a kernel where the device's dialect has one (azyx.attention), else plans `composed`, which autograd also
+    differentiates. Anything else is `composed` itself."""
+    ops = [q, k, v] + ([mask] if mask is not None else [])
+    if (q.dtype not in _ATTENTION_DTYPES or k.dtype is not q.dtype or v.dtype is not q.dtype
+            or composed.dtype is not q.dtype or len({t.device for t in ops}) != 1
+            or (mask is not None and not (mask.dtype is dtypes.bool or mask.dtype.is_float))):
+        return composed
+    *batch, lq, ev = composed.shape
+    lk, e = k.shape[-2], q.shape[-1]
+    shapes = [(lq, e), (lk, e), (lk, ev)] + ([(lq, lk)] if mask is not None else [])
+    srcs = [t._broadcast_to((*batch, *sh)) for t, sh in zip(ops, shapes)]
+    value = 1.0 / math.sqrt(e) if scale is None else float(scale)
+    s = q._const_like(value, shape=(), dtype=dtypes.float32)  # a runtime scalar: a new scale compiles nothing
+    ids = (*(t.id for t in srcs[:3]), s.id, *(t.id for t in srcs[3:]), composed.id)
+    kind = "" if mask is None else "bool" if mask.dtype is dtypes.bool else "add"
+    return composed._new(Op.ATTENTION, ids, (causal, kind), composed.shape, composed.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ losses
