@@ -200,6 +200,7 @@ CUDA = Dialect(
     block=256,
     gemm=True,
     tensor_cores=True,  # (a device older than sm_80 turns it off)
+    attention=True,
     loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
     rounds={"float16": "h2f(f2h({x}))", "bfloat16": "bf2f(f2bf((float){x}))"},

@@ -376,8 +376,8 @@ class Planner:
             return self.realize(composed)
         params, views = [], []
         for s in (q, k, v) if mask is None else (q, k, v, mask):
-            slot, view = self.realize(s)
-            params.append(self.on_device(slot, device))
+            slot, view = self.read_in_place(s, device)
+            params.append(slot)
             views.append((view.offset, *view.strides))
         causal, mask_kind = n.arg
         spec = Attention(tuple(batch), lq, lk, e, ev, views[0], views[1], views[2],
@@ -393,6 +393,22 @@ class Planner:
         name, src, launch = self.rt.device(device).render(kern)
         self.steps.append(KernelStep(device, name, src, (out, *params), kern.work, kern, launch=launch))
         return out, StridedView.contiguous(n.shape)
+
+    def read_in_place(self, nid: int, device: str) -> tuple[int, StridedView]:
+        """The slot on `device` and the view through which a kernel of its own reads node `nid`: movement ops over a
+        buffer (realized, or computed for it) as a strided view of that buffer, moved to `device` whole where it lies
+        elsewhere (a mask broadcast over heads is not copied per head); else `nid` realized."""
+        g, chain, base = self.graph, [], nid
+        while g[base].op in MOVEMENT and base not in self.done:
+            chain.append(g[base])
+            base = g[base].src[0]
+        slot, view = self.realize(base)
+        seen: StridedView | None = view
+        for m in reversed(chain):
+            seen = view_through(m, g[m.src[0]].shape, seen) if seen is not None else None
+        if seen is None:
+            slot, seen = self.realize(nid)
+        return self.on_device(slot, device), seen
 
     def writable(self, root: int, device: str) -> tuple[int, StridedView] | None:
         """The slot and view of ASSIGN `root`'s base if the kernel may write into it: the base's own buffer (not a
