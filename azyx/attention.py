@@ -4,13 +4,16 @@ holds more of the (L, S) score matrix than one block of it (the FlashAttention s
 A kernel of the IR whose one store is an "attention" value (azyx.ir.Attention, which azyx.schedule builds from an
 ATTENTION node) renders here instead of through the generic C-family path; launch.py picks the template.
 
-C (`render_c`): a parallel part is a block of BQ query rows of one batch point. The rows, scaled by scale * log2(e)
-(so the softmax is a power of 2), are packed into a contiguous float block; keys and values come in blocks of BK,
-packed too (k transposed, so a score row is a run of vector lanes; any layout and dtype is read once, as float).
-Per key block: the BQ x BK scores by a register-tiled product (6 rows x 16 keys: twelve 8-lane accumulators), the
-mask, the running row maxima and sums, and the output block rescaled and accumulated by a second register-tiled
-product (6 rows x 16 columns). The inner loops are GCC vector extensions (AVX2 where the machine has it) and a
-polynomial exp2 on 8 lanes. Causal key blocks past a query block's last row are skipped.
+C (`render_c`): a parallel part is a block of BQ query rows of one batch point, laid out transposed so that the
+vector lanes run along the queries: every step of the online softmax (a query's running maximum and sum, its rescaled
+output) is lane-wise, with no horizontal reductions. The queries, times scale * log2(e) (the softmax is then a power
+of 2), are packed once per part (Q^T, E x BQ). Per block of BK keys: the scores S^T (BK x BQ) by a register tile of
+3 keys x 32 queries (twelve 8-lane accumulators, each key's element broadcast from k where it lies), the mask, the
+running maxima and sums and the powers (a polynomial exp2 on 8 lanes), the output O^T (Ev x BQ) rescaled, then
+O^T += V^T P^T by the same tile (3 output columns x 32 queries, v's elements broadcast where they lie). k and v are
+read in place when they are float32 along their last axis, else each block is packed as float32 first. The inner
+loops are GCC vector extensions (AVX2 where the machine has it). Causal key blocks past a part's last query are
+skipped.
 
 CUDA (`render_cuda`): FlashAttention-2's split, on float32 FMA: a block of 128 threads owns 64 query rows (staged in
 shared memory once, scaled) and walks the keys in tiles of 32 (K and V staged in shared memory, any dtype converted to
@@ -22,11 +25,12 @@ accumulates its 4 rows x Ev/8 columns of the output in registers, rescaled as th
 from __future__ import annotations
 
 from azyx.cstyle import Dialect
-from azyx.dtypes import DType
+from azyx.dtypes import DType, dtypes
 from azyx.ir import Attention, Kernel
 
 LOG2E = 1.4426950408889634
-C_BQ, C_BK, C_ROWS = 48, 64, 6  # C: query rows per part, keys per block, rows of a register tile
+C_TILE = (3, 4)  # C: a register tile's rows (keys, or output columns) x 8-lane vectors (queries)
+C_BQ, C_BK = 16 * C_TILE[1], 64  # C: query rows per part (two tiles), keys per block
 C_MAX_HEAD = 256  # the longest E and Ev the C kernel takes (its blocks live on the stack)
 CUDA_MAX_HEAD = 64  # (its tiles fill the 48 KiB of shared memory a kernel may declare)
 CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys per tile, threads per block
@@ -123,25 +127,27 @@ static inline float azyx_hsum8(azyx_v8 x) {
 """
 
 
-def _tile(rows: int, a_row: str, a_col: str, b_at: str, loop: str, out: str, load_acc: bool) -> str:
-    """A register tile: `rows` x 16 accumulators (two 8-lane vectors a row) += a[r][x] * b[x][16 lanes] over `loop`.
-    a_row: the row r's pointer expression with {r}; a_col: the index along x; b_at: the address of b's row x."""
-    r_ = range(rows)
-    init = [f"azyx_v8 c{r}0 = {'azyx_ld8(' + out.format(r=r) + ')' if load_acc else 'AZYX_V8(0.f)'}, "
-            f"c{r}1 = {'azyx_ld8(' + out.format(r=r) + ' + 8)' if load_acc else 'AZYX_V8(0.f)'};" for r in r_]
-    body = [f"{{ const float x = {a_row.format(r=r)}[{a_col}]; c{r}0 += x * b0; c{r}1 += x * b1; }}" for r in r_]
-    store = [f"azyx_st8({out.format(r=r)}, c{r}0); azyx_st8({out.format(r=r)} + 8, c{r}1);" for r in r_]
-    return "\n".join([
-        "{", *init, f"{loop} {{",
-        f"  const azyx_v8 b0 = azyx_ld8({b_at}), b1 = azyx_ld8({b_at} + 8);",
-        *("  " + b for b in body), "}", *store, "}"])
+def _tile(a_at: str, b_at: str, loop: str, out: str, load_acc: bool) -> str:
+    """A register tile: C_TILE[0] x 8*C_TILE[1] accumulators (C_TILE[1] 8-lane vectors a row): c[r] += a(r, x) *
+    b[x][lanes] over `loop` (x its variable), a(r, x) the scalar `a_at` with {r} (broadcast), b's lanes at address
+    `b_at`; `out` with {r}: the address of row r's results (read first with `load_acc`)."""
+    rows, vecs = range(C_TILE[0]), range(C_TILE[1])
+    init = [f"azyx_v8 c{r}{v} = " + (f"azyx_ld8({out.format(r=r)} + {8 * v})" if load_acc else "AZYX_V8(0.f)") + ";"
+            for r in rows for v in vecs]
+    body = [f"{{ const float x = {a_at.format(r=r)}; " + " ".join(f"c{r}{v} += x * b{v};" for v in vecs) + " }"
+            for r in rows]
+    store = [" ".join(f"azyx_st8({out.format(r=r)} + {8 * v}, c{r}{v});" for v in vecs) for r in rows]
+    loads = ", ".join(f"b{v} = azyx_ld8({b_at} + {8 * v})" for v in vecs)
+    return "\n".join(["{", *init, f"{loop} {{", f"  const azyx_v8 {loads};", *("  " + b for b in body), "}", *store,
+                      "}"])
 
 
 def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: str) -> str:
     """The C kernel (see the module docstring): `name(lo, hi, out, q, k, v[, mask], scalars...)` over parts lo..hi."""
-    bq, bk, R = C_BQ, C_BK, C_ROWS
+    bq, bk = C_BQ, C_BK
     E, Ev, L, S = a.E, a.Ev, a.L, a.S
-    evp = -(-Ev // 16) * 16
+    tr, lanes = C_TILE[0], 8 * C_TILE[1]
+    evt = -(-Ev // tr) * tr  # (the output's columns, computed tr at a time: the last few read column Ev - 1 again)
     nqb = -(-L // bq)
     it = "long"
     out_t, qt, kt, vt = params[:4]
@@ -149,83 +155,85 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     q_l, q_e = a.q[-2], a.q[-1]
     k_s, k_e = a.k[-2], a.k[-1]
     v_s, v_e = a.v[-2], a.v[-1]
-    mask_lines = []
+    f32 = dtypes.float32
+    k_here = kt is f32 and k_e == 1  # read in place, else packed block by block as float32
+    v_here = vt is f32 and v_e == 1
+    masks = []
+    if a.causal:  # keys past a query's own index
+        masks.append(f"""if (k0 + kn - 1 > q0)
+        for (int j = 0; j < kn; j++) {{
+          const {it} lim = k0 + j - q0 < qv ? k0 + j - q0 : qv;
+          for ({it} i = 0; i < lim; i++) PT[j][i] = -INFINITY;
+        }}""")
     if a.mask is not None:
-        m_l, m_s = a.mask[-2], a.mask[-1]
-        at = f"mo + (q0 + i) * {m_l}L + (k0 + j) * {m_s}L"
-        mval = _load(dl, params[4], "d4", at)
-        if a.mask_bool:
-            mask_lines.append(f"if (j < kn && !({mval})) row[j] = -INFINITY;")
-        else:
-            mask_lines.append(f"if (j < kn) row[j] += ({mval}) * {LOG2E}f;")
-    need = ["kn < " + str(bk)]
-    if a.causal:
-        mask_lines.append("if (k0 + j > q0 + i) row[j] = -INFINITY;")
-        need.append(f"k0 + {bk - 1} > q0 + i")
-    if a.mask is not None:
-        need = ["1"]
-    mask_lines.append("if (j >= kn) row[j] = -INFINITY;")
+        mval = _load(dl, params[4], "d4", f"mo + (q0 + i) * {a.mask[-2]}L + (k0 + j) * {a.mask[-1]}L")
+        op = f"if (!({mval})) PT[j][i] = -INFINITY;" if a.mask_bool else f"PT[j][i] += ({mval}) * {LOG2E}f;"
+        masks.append(f"""for (int j = 0; j < kn; j++)
+        for (int i = 0; i < qn; i++) {op}""")
     store = dl.stores.get(out_t.name, "{buf}[{idx}] = {val};").format(
-        buf="d0", idx=f"oo + (q0 + i) * {Ev}L + c", val="O[i][c] * inv")
+        buf="d0", idx=f"oo + (q0 + i) * {Ev}L + c", val="OT[c][i] * inv")
     kend = f"q0 + qn < {S} ? q0 + qn : {S}" if a.causal else str(S)
-    qk = _tile(R, "Q[i0 + {r}]", "e", "&KT[e][j0]", f"for (int e = 0; e < {E}; e++)", "&P[i0 + {r}][j0]", False)
-    pv = _tile(R, "P[i0 + {r}]", "j", "&Vb[j][c0]", "for (int j = 0; j < kn; j++)", "&O[i0 + {r}][c0]", True)
+    k_rows = " ".join(f"const float* k{r} = kp + (j0 + {r} < kn ? j0 + {r} : kn - 1) * {k_s if k_here else E}L;"
+                      for r in range(tr))
+    v_cols = " ".join(f"const float* v{r} = vp + (c0 + {r} < {Ev} ? c0 + {r} : {Ev - 1});" for r in range(tr))
+    qk = _tile("k{r}[e]", "&QT[e][i0]", f"for (int e = 0; e < {E}; e++)", "&PT[j0 + {r}][i0]", False)
+    pv = _tile(f"v{{r}}[j * {v_s if v_here else Ev}L]", "&PT[j][i0]", "for (int j = 0; j < kn; j++)",
+               "&OT[c0 + {r}][i0]", True)
+    k_block = _block(dl, "k", kt, "d2", k_here, k_s, k_e, E)
+    v_block = _block(dl, "v", vt, "d3", v_here, v_s, v_e, Ev)
     offsets = "\n    ".join(_offsets(a, "b", it))
     return _C_HELPERS + f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
-  _Alignas(64) float Q[{bq}][{E}];  /* the query rows, times scale * log2(e) */
-  _Alignas(64) float KT[{E}][{bk}];  /* the key block, transposed */
-  _Alignas(64) float Vb[{bk}][{evp}];
-  _Alignas(64) float P[{bq}][{bk}];  /* scores, then their powers of 2 */
-  _Alignas(64) float O[{bq}][{evp}];
-  float m[{bq}], l[{bq}];
+  _Alignas(64) float QT[{E}][{bq}];  /* the query rows, transposed, times scale * log2(e) */
+  _Alignas(64) float PT[{bk + tr}][{bq}];  /* scores of a key block, transposed; then their powers of 2 */
+  _Alignas(64) float OT[{evt}][{bq}];  /* the output rows, transposed */
+  _Alignas(64) float m[{bq}], l[{bq}];  /* per query: the running maximum and sum */
+  {f"_Alignas(64) float Kb[{bk}][{E}];" if not k_here else ""}
+  {f"_Alignas(64) float Vb[{bk}][{Ev}];" if not v_here else ""}
   const float qs = (float)({scale}) * {LOG2E}f;
   for ({it} part = lo; part < hi; part++) {{
     const {it} b = part / {nqb}, q0 = part % {nqb} * {bq};
-    const int qn = {L} - q0 < {bq} ? (int)({L} - q0) : {bq}, qr = (qn + {R - 1}) / {R} * {R};
+    const int qn = {L} - q0 < {bq} ? (int)({L} - q0) : {bq}, qv = (qn + 7) / 8 * 8;
+    const int qt = (qn + {lanes - 1}) / {lanes} * {lanes};
     const {it} oo = b * {L * Ev}L;
     {offsets}
     for (int i = 0; i < {bq}; i++)
       for (int e = 0; e < {E}; e++)
-        Q[i][e] = i < qn ? {_load(dl, qt, "d1", f"qo + (q0 + i) * {q_l}L + e * {q_e}L")} * qs : 0.f;
-    for (int i = 0; i < {bq}; i++) {{
-      m[i] = -INFINITY, l[i] = 0.f;
-      for (int c = 0; c < {evp}; c++) O[i][c] = 0.f;
-    }}
+        QT[e][i] = i < qn ? {_load(dl, qt, "d1", f"qo + (q0 + i) * {q_l}L + e * {q_e}L")} * qs : 0.f;
+    for (int i = 0; i < {bq}; i++) m[i] = -INFINITY, l[i] = 0.f;
+    for (int c = 0; c < {evt}; c++)
+      for (int i = 0; i < {bq}; i++) OT[c][i] = 0.f;
     const {it} kend = {kend};
     for ({it} k0 = 0; k0 < kend; k0 += {bk}) {{
       const int kn = kend - k0 < {bk} ? (int)(kend - k0) : {bk};
-      for (int j = 0; j < {bk}; j++) {{
-        for (int e = 0; e < {E}; e++)
-          KT[e][j] = j < kn ? {_load(dl, kt, "d2", f"ko + (k0 + j) * {k_s}L + e * {k_e}L")} : 0.f;
-        for (int c = 0; c < {evp}; c++)
-          Vb[j][c] = j < kn && c < {Ev} ? {_load(dl, vt, "d3", f"vo + (k0 + j) * {v_s}L + c * {v_e}L")} : 0.f;
-      }}
-      for (int i0 = 0; i0 < qr; i0 += {R})
-        for (int j0 = 0; j0 < {bk}; j0 += 16)
+      {k_block}
+      for (int j0 = 0; j0 < kn; j0 += {tr}) {{
+        {k_rows}
+        for (int i0 = 0; i0 < qt; i0 += {lanes})
 {_indent(qk, 10)}
-      for (int i = 0; i < qn; i++) {{
-        float* row = P[i];
-        if ({" || ".join(need)})
-          for (int j = 0; j < {bk}; j++) {{
-            {" ".join(mask_lines)}
-          }}
-        azyx_v8 mx = azyx_ld8(row);
-        for (int j = 8; j < {bk}; j += 8) mx = azyx_max8(mx, azyx_ld8(row + j));
-        const float top = azyx_hmax8(mx), mnew = top > m[i] ? top : m[i], ms = mnew == -INFINITY ? 0.f : mnew;
-        const float alpha = exp2f(m[i] - ms);
+      }}
+      {chr(10).join("      " + x for x in masks).strip()}
+      for (int i0 = 0; i0 < qv; i0 += 8) {{
+        const azyx_v8 m0 = azyx_ld8(m + i0);
+        azyx_v8 mx = m0;
+        for (int j = 0; j < kn; j++) mx = azyx_max8(mx, azyx_ld8(&PT[j][i0]));
+        const azyx_v8 ms = (azyx_v8)((azyx_v8i)mx & ~(mx == AZYX_V8(-INFINITY)));  /* a row all masked: 0 */
+        const azyx_v8 alpha = azyx_exp2_8(m0 - ms);
         azyx_v8 sum = AZYX_V8(0.f);
-        for (int j = 0; j < {bk}; j += 8) {{
-          const azyx_v8 p = azyx_exp2_8(azyx_ld8(row + j) - AZYX_V8(ms));
-          azyx_st8(row + j, p);
+        for (int j = 0; j < kn; j++) {{
+          const azyx_v8 p = azyx_exp2_8(azyx_ld8(&PT[j][i0]) - ms);
+          azyx_st8(&PT[j][i0], p);
           sum += p;
         }}
-        l[i] = l[i] * alpha + azyx_hsum8(sum), m[i] = mnew;
-        if (alpha != 1.f)
-          for (int c = 0; c < {evp}; c++) O[i][c] *= alpha;
+        azyx_st8(l + i0, azyx_ld8(l + i0) * alpha + sum);
+        azyx_st8(m + i0, mx);
+        for (int c = 0; c < {evt}; c++) azyx_st8(&OT[c][i0], azyx_ld8(&OT[c][i0]) * alpha);
       }}
-      for (int i0 = 0; i0 < qr; i0 += {R})
-        for (int c0 = 0; c0 < {evp}; c0 += 16)
+      {v_block}
+      for (int c0 = 0; c0 < {evt}; c0 += {tr}) {{
+        {v_cols}
+        for (int i0 = 0; i0 < qt; i0 += {lanes})
 {_indent(pv, 10)}
+      }}
     }}
     for (int i = 0; i < qn; i++) {{
       const float inv = 1.f / l[i];
@@ -234,6 +242,16 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
   }}
 }}
 """
+
+
+def _block(dl: Dialect, x: str, d: DType, buf: str, here: bool, s_row: int, s_col: int, n: int) -> str:
+    """C lines that point `{x}p` at the rows of k or v of the key block at k0: where they lie, or packed as float32."""
+    if here:
+        return f"const float* {x}p = {buf} + {x}o + k0 * {s_row}L;"
+    at = f"{x}o + (k0 + j) * {s_row}L + c * {s_col}L"
+    return f"""for (int j = 0; j < kn; j++)
+        for (int c = 0; c < {n}; c++) {x.upper()}b[j][c] = {_load(dl, d, buf, at)};
+      const float* {x}p = &{x.upper()}b[0][0];"""
 
 
 def _indent(text: str, n: int) -> str:

@@ -365,21 +365,30 @@ class Planner:
 
     def attention_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
         """ATTENTION: one kernel of azyx.attention that reads q, k, v (and the mask) where they lie, where the device's
-        dialect has it and the lengths fit; else its composed form (the node's last source), planned as any graph."""
+        dialect has it and the lengths fit; else its composed form (the node's last source where nn made one: see
+        nn._fused_attention), planned as any graph, or the kernel on the node's own device."""
         n = self.graph[root]
         q, k, v, scale, *rest = n.src
-        mask, composed = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
-        dl = self.rt.device(device).dialect
+        causal, mask_kind = n.arg
+        mask = rest[0] if mask_kind else None
+        composed = rest[-1] if len(rest) > (mask is not None) else None
         *batch, lq, e = self.graph[q].shape
         lk, ev = self.graph[v].shape[-2:]
-        if dl is None or not attention.fits(dl, lq, lk, e, ev):
-            return self.realize(composed)
+
+        def takes(device: str) -> bool:
+            dl = self.rt.device(device).dialect
+            return dl is not None and attention.fits(dl, lq, lk, e, ev)
+
+        if not takes(device):
+            if composed is not None:
+                return self.realize(composed)
+            device = n.device  # (made without its composed form only where its own device has the kernel)
+            assert takes(device), f"attention without its composed form on {device}, which has no kernel for it"
         params, views = [], []
         for s in (q, k, v) if mask is None else (q, k, v, mask):
             slot, view = self.read_in_place(s, device)
             params.append(slot)
             views.append((view.offset, *view.strides))
-        causal, mask_kind = n.arg
         spec = Attention(tuple(batch), lq, lk, e, ev, views[0], views[1], views[2],
                          views[3] if mask is not None else None, mask_kind == "bool", causal)
         vb = ValueBuilder()

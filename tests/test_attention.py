@@ -16,7 +16,7 @@ import azyx
 from azyx import GradientTape, Tensor, nn
 from azyx.errors import ArgumentError, ShapeError
 from azyx.ir import attention_of
-from azyx.runtime import RT
+from azyx.runtime import GRAPH, RT
 
 try:
     import torch
@@ -211,6 +211,7 @@ async def test_fused_attention_is_one_kernel_without_a_score_buffer(device: str,
     scores = b * h * lq * lk * 4
     if fused_here(device):
         assert len(plan.kernels) == 1 and attention_of(plan.kernels[0].kernel) is not None, plan.describe()
+        assert len(GRAPH[out.id].src) == 4 + (mask is not None), "no tape records: no composed form was built"
         assert max(s.nbytes for s in plan.slots) < scores, plan.describe()
     else:  # the composed form: scores, softmax, product
         assert len(plan.kernels) >= 3 and attention_of(plan.kernels[0].kernel) is None
