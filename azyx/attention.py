@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
+from azyx.gemm import _MMA_HELPERS
 from azyx.ir import Attention, Kernel
 
 LOG2E = 1.4426950408889634
@@ -49,6 +50,8 @@ def render(k: Kernel, a: Attention, name: str, dl: Dialect) -> str:
     s = k.stores[0][1].src[0]
     scale = "sc0" if s.op == "arg" else repr(float(s.arg))
     if dl.global_ids:
+        if mma_fits(a, dl, k.params):
+            return render_mma(a, name, dl, k.params, scale)
         return render_cuda(a, name, dl, k.params, scale)
     return render_c(a, name, dl, k.params, scale)
 
@@ -382,5 +385,167 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
         if (col < {Ev}) {store}
       }}
   }}
+}}
+"""
+
+
+def mma_fits(a: Attention, dl: Dialect, params: list[DType]) -> bool:
+    """Whether the tensor-core kernel (`render_mma`) takes `a`: float16/bfloat16 q, k, v on a dialect with tensor
+    cores, E and Ev multiples of 16, rows read 16 bytes at a time (the last axis contiguous, the other strides and the
+    offsets multiples of 8 elements)."""
+    half = params[1] in (dtypes.float16, dtypes.bfloat16)
+    aligned = all(x[-1] == 1 and all(s % 8 == 0 for s in x[:-1]) for x in (a.q, a.k, a.v))
+    return dl.tensor_cores and half and a.E % 16 == 0 and a.Ev % 16 == 0 and aligned
+
+
+def render_mma(a: Attention, name: str, dl: Dialect, params: list[DType], scale: str) -> str:
+    """FlashAttention-2 on tensor cores (sm_80 on): a block of 4 warps owns 64 query rows, a warp 16 of them, whose q
+    fragments stay in registers; per tile of 64 keys (K and V staged in shared memory, 16 bytes a load) a warp's
+    scores are mma.sync m16n8k16 products (float32 accumulators), scaled, masked and turned into powers of 2 in
+    registers (each row's maximum and sum across the 4 lanes that hold it), which become the A fragments of the
+    product with V (ldmatrix.trans) straight from the accumulators; the output rows are rescaled as the maxima grow
+    and divided by the sums once, at the end."""
+    bq, bk = CUDA_BQ, 64
+    E, Ev, L, S = a.E, a.Ev, a.L, a.S
+    kind = "f16" if params[1] is dtypes.float16 else "bf16"
+    it = "long long"
+    out_t = params[0]
+    sig = _params(dl, params, scale)
+    masks = ["if (key >= kend) s = -INFINITY;"]
+    if a.causal:
+        masks.append("if (key > row) s = -INFINITY;")
+    if a.mask is not None:
+        mval = _load(dl, params[4], "d4", f"mo + row * {a.mask[-2]}LL + key * {a.mask[-1]}LL")
+        masks.append(f"if (key < kend && row < {L} && !({mval})) s = -INFINITY;" if a.mask_bool else
+                     f"if (key < kend && row < {L}) s += ({mval}) * {LOG2E}f;")
+    store = dl.stores.get(out_t.name, "{buf}[{idx}] = {val};").format(
+        buf="d0", idx=f"b * {L * Ev}LL + row * {Ev}LL + col + c", val="o[n][2 * h + c] * inv[h]")
+    kend = f"min({S}LL, q0 + {bq}LL)" if a.causal else f"{S}LL"
+    offsets = "\n  ".join(_offsets(a, "b", it))
+
+    def stage(sh: str, buf: str, off: str, origin: str, stride: int, width: int, rows: int, bound: str) -> str:
+        """Rows origin.. of an operand (at element `off`) into shared array `sh` (zeros past `bound`), 8 elements (16
+        bytes) a load."""
+        per = width // 8
+        return f"""for (int x = tid; x < {rows * per}; x += {CUDA_THREADS}) {{
+      const int r = x / {per}, c = x % {per} * 8;
+      *(uint4*)&{sh}[r][c] = {origin} + r < {bound} ?
+        *(const uint4*)({buf} + {off} + ({origin} + r) * {stride}LL + c) : make_uint4(0, 0, 0, 0);
+    }}"""
+
+    frag_q = "\n".join(
+        f"  {{ const int r = warp * 16 + (lane & 15), c = {kk * 16} + (lane >> 4) * 8; azyx_ldm4(qf[{kk}], "
+        f"azyx_smem(&Qs[r][c])); }}" for kk in range(E // 16))
+    return _MMA_HELPERS + f"""#ifndef AZYX_PACK_{kind.upper()}
+#define AZYX_PACK_{kind.upper()}
+__device__ inline unsigned azyx_pack_{kind}(float lo, float hi) {{  /* two floats as {kind} halves, lo first */
+  unsigned r; asm("cvt.rn.{kind}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}}
+#endif
+extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(sig)}) {{
+  __shared__ __align__(16) unsigned short Qs[{bq}][{E + 8}];
+  __shared__ __align__(16) unsigned short Ks[{bk}][{E + 8}];
+  __shared__ __align__(16) unsigned short Vs[{bk}][{Ev + 8}];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const {it} b = blockIdx.y, q0 = (long long)blockIdx.x * {bq};
+  {offsets}
+  const float qs = (float)({scale}) * {LOG2E}f;
+  const unsigned short* Q = (const unsigned short*)d1;
+  const unsigned short* K = (const unsigned short*)d2;
+  const unsigned short* V = (const unsigned short*)d3;
+  {stage("Qs", "Q", "qo", "q0", a.q[-2], E, bq, f"{L}")}
+  __syncthreads();
+  unsigned qf[{E // 16}][4];
+{frag_q}
+  float o[{Ev // 8}][4], m[2] = {{-INFINITY, -INFINITY}}, l[2] = {{0.f, 0.f}};
+  #pragma unroll
+  for (int n = 0; n < {Ev // 8}; n++)
+    #pragma unroll
+    for (int q = 0; q < 4; q++) o[n][q] = 0.f;
+  const {it} kend = {kend};
+  for ({it} k0 = 0; k0 < kend; k0 += {bk}) {{
+    __syncthreads();  /* every warp is done with the last tile */
+    {stage("Ks", "K", "ko", "k0", a.k[-2], E, bk, "kend")}
+    {stage("Vs", "V", "vo", "k0", a.v[-2], Ev, bk, "kend")}
+    __syncthreads();
+    float sc[{bk // 8}][4];
+    #pragma unroll
+    for (int n = 0; n < {bk // 8}; n++)
+      #pragma unroll
+      for (int q = 0; q < 4; q++) sc[n][q] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < {E // 16}; kk++)
+      #pragma unroll
+      for (int np = 0; np < {bk // 16}; np++) {{
+        unsigned fb[4];
+        {{ const int r = np * 16 + (lane & 7) + (lane >> 4) * 8, c = kk * 16 + ((lane >> 3) & 1) * 8;
+          azyx_ldm4(fb, azyx_smem(&Ks[r][c])); }}
+        azyx_mma_{kind}(sc[2 * np], qf[kk], fb);
+        azyx_mma_{kind}(sc[2 * np + 1], qf[kk], fb + 2);
+      }}
+    float top[2] = {{-INFINITY, -INFINITY}};
+    #pragma unroll
+    for (int n = 0; n < {bk // 8}; n++)
+      #pragma unroll
+      for (int q = 0; q < 4; q++) {{
+        const int h = q >> 1;
+        const {it} row = q0 + warp * 16 + (lane >> 2) + 8 * h, key = k0 + n * 8 + (lane & 3) * 2 + (q & 1);
+        float s = sc[n][q] * qs;
+        {" ".join(masks)}
+        sc[n][q] = s;
+        top[h] = fmaxf(top[h], s);
+      }}
+    float ms[2], alpha[2];
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {{
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
+      const float mnew = fmaxf(m[h], top[h]);
+      ms[h] = mnew == -INFINITY ? 0.f : mnew;
+      alpha[h] = exp2f(m[h] - ms[h]);
+      m[h] = mnew;
+      l[h] *= alpha[h];
+    }}
+    unsigned pf[{bk // 16}][4];
+    #pragma unroll
+    for (int n = 0; n < {bk // 8}; n++) {{
+      const float p0 = exp2f(sc[n][0] - ms[0]), p1 = exp2f(sc[n][1] - ms[0]);
+      const float p2 = exp2f(sc[n][2] - ms[1]), p3 = exp2f(sc[n][3] - ms[1]);
+      l[0] += p0 + p1, l[1] += p2 + p3;
+      pf[n >> 1][(n & 1) * 2] = azyx_pack_{kind}(p0, p1);
+      pf[n >> 1][(n & 1) * 2 + 1] = azyx_pack_{kind}(p2, p3);
+    }}
+    #pragma unroll
+    for (int n = 0; n < {Ev // 8}; n++)
+      #pragma unroll
+      for (int q = 0; q < 4; q++) o[n][q] *= alpha[q >> 1];
+    #pragma unroll
+    for (int t = 0; t < {bk // 16}; t++)
+      #pragma unroll
+      for (int np = 0; np < {Ev // 16}; np++) {{
+        unsigned fb[4];
+        {{ const int r = t * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, c = np * 16 + (lane >> 4) * 8;
+          azyx_ldm4t(fb, azyx_smem(&Vs[r][c])); }}
+        azyx_mma_{kind}(o[2 * np], pf[t], fb);
+        azyx_mma_{kind}(o[2 * np + 1], pf[t], fb + 2);
+      }}
+  }}
+  float inv[2];
+  #pragma unroll
+  for (int h = 0; h < 2; h++) {{
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    inv[h] = 1.f / l[h];
+  }}
+  #pragma unroll
+  for (int n = 0; n < {Ev // 8}; n++)
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {{
+      const {it} row = q0 + warp * 16 + (lane >> 2) + 8 * h;
+      const int col = n * 8 + (lane & 3) * 2;
+      if (row < {L})
+        #pragma unroll
+        for (int c = 0; c < 2; c++) {store}
+    }}
 }}
 """
