@@ -99,7 +99,23 @@ _C_HELPERS = """#ifndef AZYX_ATTENTION_HELPERS
 typedef float azyx_v8 __attribute__((vector_size(32), may_alias));
 typedef int azyx_v8i __attribute__((vector_size(32), may_alias));
 #define AZYX_V8(x) ((azyx_v8){x, x, x, x, x, x, x, x})
+typedef float azyx_v8u __attribute__((vector_size(32), aligned(4), may_alias));
 static inline azyx_v8 azyx_ld8(const float* p) { return *(const azyx_v8*)p; }
+/* r[k] becomes column k of the 8 x 8 block whose rows were r[0..7] */
+static inline void azyx_tr8(azyx_v8* r) {
+  const azyx_v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+  const azyx_v8i l2 = {0, 1, 8, 9, 4, 5, 12, 13}, h2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const azyx_v8i l4 = {0, 1, 2, 3, 8, 9, 10, 11}, h4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  azyx_v8 t[8], u[8];
+  for (int k = 0; k < 8; k += 2)
+    t[k] = __builtin_shuffle(r[k], r[k + 1], lo), t[k + 1] = __builtin_shuffle(r[k], r[k + 1], hi);
+  for (int k = 0; k < 8; k += 4)
+    for (int h = 0; h < 2; h++)
+      u[k + 2 * h] = __builtin_shuffle(t[k + h], t[k + h + 2], l2),
+      u[k + 2 * h + 1] = __builtin_shuffle(t[k + h], t[k + h + 2], h2);
+  for (int k = 0; k < 4; k++)
+    r[k] = __builtin_shuffle(u[k], u[k + 4], l4), r[k + 4] = __builtin_shuffle(u[k], u[k + 4], h4);
+}
 static inline void azyx_st8(float* p, azyx_v8 x) { *(azyx_v8*)p = x; }
 static inline azyx_v8 azyx_max8(azyx_v8 a, azyx_v8 b) {
   azyx_v8i gt = a > b; return (azyx_v8)(((azyx_v8i)a & gt) | ((azyx_v8i)b & ~gt));
@@ -182,6 +198,27 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     qk = _tile("k{r}[e]", "&QT[e][i0]", f"for (int e = 0; e < {E}; e++)", "&PT[j0 + {r}][i0]", False)
     pv = _tile(f"v{{r}}[j * {v_s if v_here else Ev}L]", "&PT[j][i0]", "for (int j = 0; j < kn; j++)",
                "&OT[c0 + {r}][i0]", True)
+    q_fast = o_fast = ""  # whole groups of 8 rows transposed 8 x 8 at a time where q (the output) is float32 rows
+    if qt is f32 and q_e == 1 and E % 8 == 0:
+        q_fast = f"""for (int i0 = 0; i0 < qn / 8 * 8; i0 += 8)
+      for (int e0 = 0; e0 < {E}; e0 += 8) {{
+        azyx_v8 r[8];
+        for (int k = 0; k < 8; k++) r[k] = *(const azyx_v8u*)(d1 + qo + (q0 + i0 + k) * {q_l}L + e0);
+        azyx_tr8(r);
+        for (int k = 0; k < 8; k++) azyx_st8(&QT[e0 + k][i0], r[k] * AZYX_V8(qs));
+      }}
+    """
+    if out_t is f32 and Ev % 8 == 0:
+        o_fast = f"""for (int i0 = 0; i0 < qn / 8 * 8; i0 += 8) {{
+      const azyx_v8 inv = AZYX_V8(1.f) / azyx_ld8(l + i0);
+      for (int c0 = 0; c0 < {Ev}; c0 += 8) {{
+        azyx_v8 r[8];
+        for (int k = 0; k < 8; k++) r[k] = azyx_ld8(&OT[c0 + k][i0]) * inv;
+        azyx_tr8(r);
+        for (int k = 0; k < 8; k++) *(azyx_v8u*)(d0 + oo + (q0 + i0 + k) * {Ev}L + c0) = r[k];
+      }}
+    }}
+    """
     k_block = _block(dl, "k", kt, "d2", k_here, k_s, k_e, E)
     v_block = _block(dl, "v", vt, "d3", v_here, v_s, v_e, Ev)
     offsets = "\n    ".join(_offsets(a, "b", it))
@@ -199,7 +236,7 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     const int qt = (qn + {lanes - 1}) / {lanes} * {lanes};
     const {it} oo = b * {L * Ev}L;
     {offsets}
-    for (int i = 0; i < {bq}; i++)
+    {q_fast}for (int i = {"qn / 8 * 8" if q_fast else "0"}; i < {bq}; i++)
       for (int e = 0; e < {E}; e++)
         QT[e][i] = i < qn ? {_load(dl, qt, "d1", f"qo + (q0 + i) * {q_l}L + e * {q_e}L")} * qs : 0.f;
     for (int i = 0; i < {bq}; i++) m[i] = -INFINITY, l[i] = 0.f;
@@ -238,7 +275,7 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
 {_indent(pv, 10)}
       }}
     }}
-    for (int i = 0; i < qn; i++) {{
+    {o_fast}for (int i = {"qn / 8 * 8" if o_fast else "0"}; i < qn; i++) {{
       const float inv = 1.f / l[i];
       for (int c = 0; c < {Ev}; c++) {store}
     }}
