@@ -320,7 +320,7 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
             masks.append(f"if (key < kend && row < {L}) s[r][c] += ({mval}) * {LOG2E}f;")
     store = dl.stores.get(out_t.name, "{buf}[{idx}] = {val};").format(
         buf="d0", idx=f"b * {L * Ev}LL + row * {Ev}LL + col", val="o[r][j] * inv")
-    kend = f"min({S}LL, q0 + {bq}LL)" if a.causal else f"{S}LL"
+    kend = f"min({S}, q0 + {bq})" if a.causal else f"{S}"
     offsets = "\n  ".join(_offsets(a, "b", it))
     return f"""extern "C" __global__ void __launch_bounds__({threads}) {name}({", ".join(sig)}) {{
   __shared__ float Qs[{bq}][{E + 1}];
@@ -328,7 +328,8 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
   __shared__ float Vs[{bk}][{cols * 8}];
   __shared__ float Ps[{bq}][{bk + 1}];
   const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
-  const {it} b = blockIdx.y, q0 = (long long)blockIdx.x * {bq};
+  const {it} b = blockIdx.y;
+  const int q0 = blockIdx.x * {bq};  /* (rows and keys in int: lengths under 2^31; addresses in 64 bits) */
   {offsets}
   const float qs = (float)({scale}) * {LOG2E}f;
   for (int x = tid; x < {bq * E}; x += {threads}) {{
@@ -342,8 +343,8 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
     #pragma unroll
     for (int j = 0; j < {cols}; j++) o[r][j] = 0.f;
   }}
-  const {it} kend = {kend};
-  for ({it} k0 = 0; k0 < kend; k0 += {bk}) {{
+  const int kend = {kend};
+  for (int k0 = 0; k0 < kend; k0 += {bk}) {{
     __syncthreads();  /* the last tile's products are done (and, the first time, Qs is written) */
     for (int x = tid; x < {bk * E}; x += {threads}) {{
       const int j = x / {E}, e = x % {E};
@@ -373,11 +374,11 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
     }}
     #pragma unroll
     for (int r = 0; r < 4; r++) {{
-      const {it} row = q0 + ty * 4 + r;
+      const int row = q0 + ty * 4 + r;
       float top = -INFINITY;
       #pragma unroll
       for (int c = 0; c < 4; c++) {{
-        const {it} key = k0 + tx + 8 * c;
+        const int key = k0 + tx + 8 * c;
         {" ".join(masks)}
         top = fmaxf(top, s[r][c]);
       }}
@@ -413,7 +414,7 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
   }}
   #pragma unroll
   for (int r = 0; r < 4; r++) {{
-    const {it} row = q0 + ty * 4 + r;
+    const int row = q0 + ty * 4 + r;
     const float inv = 1.f / l[r];
     if (row < {L})
       #pragma unroll
@@ -457,19 +458,21 @@ def render_mma(a: Attention, name: str, dl: Dialect, params: list[DType], scale:
                      f"if (key < kend && row < {L}) s += ({mval}) * {LOG2E}f;")
     store = dl.stores.get(out_t.name, "{buf}[{idx}] = {val};").format(
         buf="d0", idx=f"b * {L * Ev}LL + row * {Ev}LL + col + c", val="o[n][2 * h + c] * inv[h]")
-    kend = f"min({S}LL, q0 + {bq}LL)" if a.causal else f"{S}LL"
+    kend = f"min({S}, q0 + {bq})" if a.causal else f"{S}"
     offsets = "\n  ".join(_offsets(a, "b", it))
 
     def stage(sh: str, buf: str, off: str, origin: str, stride: int, width: int, rows: int, bound: str) -> str:
-        """Rows origin.. of an operand (at element `off`) into shared array `sh` (zeros past `bound`), 8 elements (16
-        bytes) a load."""
+        """Start copying rows origin.. of an operand (at element `off`) into shared array `sh` (zeros past `bound`),
+        16 bytes (8 elements) a cp.async."""
         per = width // 8
         return f"""for (int x = tid; x < {rows * per}; x += {CUDA_THREADS}) {{
       const int r = x / {per}, c = x % {per} * 8;
-      *(uint4*)&{sh}[r][c] = {origin} + r < {bound} ?
-        *(const uint4*)({buf} + {off} + ({origin} + r) * {stride}LL + c) : make_uint4(0, 0, 0, 0);
+      const bool ok = {origin} + r < {bound};
+      azyx_cp16(azyx_smem(&{sh}[r][c]), ok ? {buf} + {off} + ({origin} + r) * {stride}LL + c : {buf}, ok ? 16 : 0);
     }}"""
 
+    commit = 'asm volatile("cp.async.commit_group;" ::: "memory");'
+    wait = 'asm volatile("cp.async.wait_group {n};" ::: "memory");'
     frag_q = "\n".join(
         f"  {{ const int r = warp * 16 + (lane & 15), c = {kk * 16} + (lane >> 4) * 8; azyx_ldm4(qf[{kk}], "
         f"azyx_smem(&Qs[r][c])); }}" for kk in range(E // 16))
@@ -481,16 +484,22 @@ __device__ inline unsigned azyx_pack_{kind}(float lo, float hi) {{  /* two float
 #endif
 extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(sig)}) {{
   __shared__ __align__(16) unsigned short Qs[{bq}][{E + 8}];
-  __shared__ __align__(16) unsigned short Ks[{bk}][{E + 8}];
-  __shared__ __align__(16) unsigned short Vs[{bk}][{Ev + 8}];
+  __shared__ __align__(16) unsigned short Ks[2][{bk}][{E + 8}];  /* two stages: the next tile lands meanwhile */
+  __shared__ __align__(16) unsigned short Vs[2][{bk}][{Ev + 8}];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const {it} b = blockIdx.y, q0 = (long long)blockIdx.x * {bq};
+  const {it} b = blockIdx.y;
+  const int q0 = blockIdx.x * {bq};  /* (rows and keys in int: lengths under 2^31; addresses in 64 bits) */
   {offsets}
   const float qs = (float)({scale}) * {LOG2E}f;
   const unsigned short* Q = (const unsigned short*)d1;
   const unsigned short* K = (const unsigned short*)d2;
   const unsigned short* V = (const unsigned short*)d3;
+  const int kend = {kend};
   {stage("Qs", "Q", "qo", "q0", a.q[-2], E, bq, f"{L}")}
+  {stage("Ks[0]", "K", "ko", "0", a.k[-2], E, bk, "kend")}
+  {stage("Vs[0]", "V", "vo", "0", a.v[-2], Ev, bk, "kend")}
+  {commit}
+  {wait.format(n=0)}
   __syncthreads();
   unsigned qf[{E // 16}][4];
 {frag_q}
@@ -499,12 +508,13 @@ extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(s
   for (int n = 0; n < {Ev // 8}; n++)
     #pragma unroll
     for (int q = 0; q < 4; q++) o[n][q] = 0.f;
-  const {it} kend = {kend};
-  for ({it} k0 = 0; k0 < kend; k0 += {bk}) {{
-    __syncthreads();  /* every warp is done with the last tile */
-    {stage("Ks", "K", "ko", "k0", a.k[-2], E, bk, "kend")}
-    {stage("Vs", "V", "vo", "k0", a.v[-2], Ev, bk, "kend")}
-    __syncthreads();
+  for (int k0 = 0, st = 0; k0 < kend; k0 += {bk}, st ^= 1) {{
+    const int k1 = k0 + {bk};
+    if (k1 < kend) {{  /* the next tile into the other stage, which every warp is done with */
+      {stage("Ks[st ^ 1]", "K", "ko", "k1", a.k[-2], E, bk, "kend")}
+      {stage("Vs[st ^ 1]", "V", "vo", "k1", a.v[-2], Ev, bk, "kend")}
+    }}
+    {commit}
     float sc[{bk // 8}][4];
     #pragma unroll
     for (int n = 0; n < {bk // 8}; n++)
@@ -516,7 +526,7 @@ extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(s
       for (int np = 0; np < {bk // 16}; np++) {{
         unsigned fb[4];
         {{ const int r = np * 16 + (lane & 7) + (lane >> 4) * 8, c = kk * 16 + ((lane >> 3) & 1) * 8;
-          azyx_ldm4(fb, azyx_smem(&Ks[r][c])); }}
+          azyx_ldm4(fb, azyx_smem(&Ks[st][r][c])); }}
         azyx_mma_{kind}(sc[2 * np], qf[kk], fb);
         azyx_mma_{kind}(sc[2 * np + 1], qf[kk], fb + 2);
       }}
@@ -526,7 +536,7 @@ extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(s
       #pragma unroll
       for (int q = 0; q < 4; q++) {{
         const int h = q >> 1;
-        const {it} row = q0 + warp * 16 + (lane >> 2) + 8 * h, key = k0 + n * 8 + (lane & 3) * 2 + (q & 1);
+        const int row = q0 + warp * 16 + (lane >> 2) + 8 * h, key = k0 + n * 8 + (lane & 3) * 2 + (q & 1);
         float s = sc[n][q] * qs;
         {" ".join(masks)}
         sc[n][q] = s;
@@ -562,10 +572,12 @@ extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(s
       for (int np = 0; np < {Ev // 16}; np++) {{
         unsigned fb[4];
         {{ const int r = t * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, c = np * 16 + (lane >> 4) * 8;
-          azyx_ldm4t(fb, azyx_smem(&Vs[r][c])); }}
+          azyx_ldm4t(fb, azyx_smem(&Vs[st][r][c])); }}
         azyx_mma_{kind}(o[2 * np], pf[t], fb);
         azyx_mma_{kind}(o[2 * np + 1], pf[t], fb + 2);
       }}
+    {wait.format(n=0)}  /* the next tile has landed */
+    __syncthreads();  /* ... for every thread, and every warp is done with this stage */
   }}
   float inv[2];
   #pragma unroll
@@ -578,7 +590,7 @@ extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(s
   for (int n = 0; n < {Ev // 8}; n++)
     #pragma unroll
     for (int h = 0; h < 2; h++) {{
-      const {it} row = q0 + warp * 16 + (lane >> 2) + 8 * h;
+      const int row = q0 + warp * 16 + (lane >> 2) + 8 * h;
       const int col = n * 8 + (lane & 3) * 2;
       if (row < {L})
         #pragma unroll
