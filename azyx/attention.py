@@ -15,11 +15,13 @@ read in place when they are float32 along their last axis, else each block is pa
 loops are GCC vector extensions (AVX2 where the machine has it). Causal key blocks past a part's last query are
 skipped.
 
-CUDA (`render_cuda`): FlashAttention-2's split, on float32 FMA: a block of 128 threads owns 64 query rows (staged in
-shared memory once, scaled) and walks the keys in tiles of 32 (K and V staged in shared memory, any dtype converted to
-float32 as it is staged). A thread computes a 4 x 4 tile of the scores (rows ty*4.., keys tx, tx+8, ..), the 8 threads
-of a row group combine row maxima and sums by warp shuffles, the powers go through shared memory, and the thread
-accumulates its 4 rows x Ev/8 columns of the output in registers, rescaled as the maxima grow.
+CUDA: FlashAttention-2's split, a block of 128 threads per 64 query rows of one batch point, walking the keys in
+tiles staged in shared memory. float16/bfloat16 with head dims that are multiples of 16 (`render_mma`): tensor cores
+(mma.sync m16n8k16), a warp's 16 rows of q as fragments in registers, scores and powers in float32 accumulators that
+become the A fragments of the product with V, K and V tiles of 64 keys copied two stages deep by cp.async. Otherwise
+(`render_cuda`) float32 FMA: q staged once, tiles of 32 keys converted to float32 as they are staged; a thread
+computes a 4 x 4 tile of the scores, the 8 threads of a row group combine row maxima and sums by warp shuffles, the
+powers go through shared memory, and the thread accumulates its 4 rows x Ev/8 output columns in registers.
 """
 
 from __future__ import annotations

@@ -372,7 +372,10 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     (its `attn_mask`, `is_causal` and `scale`). q (..., L, E), k (..., S, E), v (..., S, Ev) -> (..., L, Ev), the
     leading axes broadcast. A bool mask says which keys each query may attend to (True: may), a float mask is added
     to the scores; `causal`: query i attends to keys 0..i. `scale` defaults to 1/sqrt(E) and is a runtime value (a
-    new scale compiles nothing). A query row with every key masked out gives NaN, as PyTorch's math kernel."""
+    new scale compiles nothing). A query row with every key masked out gives NaN, as PyTorch's math kernel.
+
+    One kernel where the device has one (azyx.attention: C, CUDA), which never holds the (L, S) scores whole; float16
+    and bfloat16 are computed in float32 there and rounded once. Elsewhere the composed ops run."""
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ShapeError(f"attention needs at least 2-D q, k, v, got {q.shape}, {k.shape}, {v.shape}")
     if k.shape[-1] != q.shape[-1]:
