@@ -245,6 +245,19 @@ async def test_a_new_scale_of_the_fused_kernel_compiles_nothing(device: str) -> 
     assert (len(RT.plan_cache), RT.compiled) == (plans, compiled), "a new scale compiled a kernel"
 
 
+async def test_a_jitted_attention_replays_with_a_new_scale(device: str) -> None:
+    @azyx.jit
+    def f(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
+
+    q, k, v = randn(2, 20, 16), randn(2, 20, 16), randn(2, 20, 16)
+    tq, tk, tv = (Tensor(x, device=device) for x in (q, k, v))
+    for scale in (0.25, 0.5, 0.9):
+        got = await (await f(tq, tk, tv, scale)).numpy()
+        np.testing.assert_allclose(got, sdpa_ref(q, k, v, causal=True, scale=scale), rtol=1e-4, atol=2e-5)
+    assert f.replays == 2  # the scale is a traced scalar: one trace
+
+
 @needs_torch
 @pytest.mark.parametrize("mode", ["causal", "float"])
 async def test_attention_gradients_match_pytorch(device: str, mode: str) -> None:
