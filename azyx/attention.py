@@ -119,14 +119,19 @@ static inline void azyx_tr8(azyx_v8* r) {
     r[k] = __builtin_shuffle(u[k], u[k + 4], l4), r[k + 4] = __builtin_shuffle(u[k], u[k + 4], h4);
 }
 static inline void azyx_st8(float* p, azyx_v8 x) { *(azyx_v8*)p = x; }
+#if defined(__AVX__)
+#include <immintrin.h>
+static inline azyx_v8 azyx_max8(azyx_v8 a, azyx_v8 b) { return (azyx_v8)_mm256_max_ps((__m256)a, (__m256)b); }
+#else  /* (a compare and a blend: a longer chain than one max) */
 static inline azyx_v8 azyx_max8(azyx_v8 a, azyx_v8 b) {
   azyx_v8i gt = a > b; return (azyx_v8)(((azyx_v8i)a & gt) | ((azyx_v8i)b & ~gt));
 }
+#endif
 /* 2^x on 8 lanes for x <= 0 (a score less the row's maximum): 2^round(x) by its exponent bits times a polynomial of
-   the rest (degree 7, relative error ~1e-8 on [-1/2, 1/2]); below -126 (a masked key's -inf too) it is 0 */
+   the rest (degree 7, relative error ~1e-8 on [-1/2, 1/2]); x clamped to -127, whose exponent bits are 0: below
+   -126.5 (a masked key's -inf too) it is 0 */
 static inline azyx_v8 azyx_exp2_8(azyx_v8 x) {
-  azyx_v8i low = x < AZYX_V8(-126.f);
-  x = (azyx_v8)(((azyx_v8i)x & ~low) | ((azyx_v8i)AZYX_V8(-126.f) & low));
+  x = azyx_max8(x, AZYX_V8(-127.f));
   azyx_v8 n = (x + AZYX_V8(12582912.f)) - AZYX_V8(12582912.f), f = x - n;
   azyx_v8 p = f * AZYX_V8(1.5252733804e-5f) + AZYX_V8(1.5403530393e-4f);
   p = p * f + AZYX_V8(1.3333558146e-3f);
@@ -136,7 +141,7 @@ static inline azyx_v8 azyx_exp2_8(azyx_v8 x) {
   p = p * f + AZYX_V8(6.9314718056e-1f);
   p = p * f + AZYX_V8(1.f);
   azyx_v8i e = (__builtin_convertvector(n, azyx_v8i) + 127) << 23;
-  return (azyx_v8)((azyx_v8i)(p * (azyx_v8)e) & ~low);
+  return p * (azyx_v8)e;
 }
 static inline float azyx_hmax8(azyx_v8 x) {
   float m = x[0]; for (int i = 1; i < 8; i++) m = x[i] > m ? x[i] : m; return m;
