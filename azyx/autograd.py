@@ -98,6 +98,8 @@ RULES: dict[Op, Rule] = {
     Op.GATHER: lambda n, out, src, g, need: (g._scattered(n.arg, src[1], src[0].shape), None),
     Op.SCATTER: lambda n, out, src, g, need: (g._gathered(n.arg[0], src[1]), None),
     Op.ASSIGN: _assign_grad,
+    # attention: g flows into its composed form (its last source, made whenever a tape records), and on from there
+    Op.ATTENTION: lambda n, out, src, g, need: (*(None for _ in src[:-1]), g),
 }
 
 

@@ -50,6 +50,7 @@ class Dialect:
     block: int = 0  # GPU-style: work items per group of a kernel with one work item per output point
     gemm: bool = False  # matrix products get the tiled template of azyx.gemm
     tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
+    attention: bool = False  # attention is one kernel of azyx.attention (else its composed form runs)
     group_ids: tuple[str, str] = ("", "")
     shared: str = ""
     barrier: str = ""
@@ -126,6 +127,7 @@ C = Dialect(
     # gcc 12.2 vectorises loop nests whose loads are guarded by range tests on an outer loop index wrongly (whole
     # rows read as zeros) under its default cost model; the cheapest model compiles them right
     guarded_prefix='__attribute__((optimize("vect-cost-model=very-cheap"))) ',
+    attention=True,
 )
 
 _CL_PRELUDE = """#pragma OPENCL EXTENSION cl_khr_fp64 : enable
@@ -198,6 +200,7 @@ CUDA = Dialect(
     block=256,
     gemm=True,
     tensor_cores=True,  # (a device older than sm_80 turns it off)
+    attention=True,
     loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},
     rounds={"float16": "h2f(f2h({x}))", "bfloat16": "bf2f(f2bf((float){x}))"},

@@ -58,6 +58,12 @@ class Op(IntEnum):
     # "index" axis at positions[k] read at those region axes. Planned in place (azyx.schedule: assign_kernel): the
     # kernel writes only the region, into base's own buffer where nothing else reads base, else into a copy
     ASSIGN = 15
+    # src (q, k, v, scale, [mask], [composed]), arg: (causal, mask kind: "" | "bool" | "add"): softmax(q k^T * scale +
+    # mask) v over the last two axes, q (..., L, E), k (..., S, E), v (..., S, Ev) and the mask (..., L, S) expanded to
+    # the output's batch axes; scale is a 0-d CONST (a runtime scalar). `composed`, where there is one, is the same
+    # value built from ordinary ops: what a device without an attention kernel computes instead, and what autograd
+    # differentiates (azyx.nn.scaled_dot_product_attention makes it; azyx.attention renders the fused kernel)
+    ATTENTION = 16
 
 
 MOVEMENT = frozenset({Op.EXPAND, Op.PERMUTE, Op.RESHAPE, Op.PAD, Op.FLIP})

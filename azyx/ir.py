@@ -92,6 +92,43 @@ class ValueBuilder:
         vs = body.vars - frozenset(rvars)
         return self._v(("reduce", op, dtype, id(body), rvars), "reduce", dtype, (body,), (op, rvars), vs, True)
 
+    def attention(self, spec: Attention, dtype: DType, scale: V) -> V:
+        """The whole output of an attention kernel (see `Attention`): its one source is the scale."""
+        return self._v(("attention", spec, dtype, id(scale)), "attention", dtype, (scale,), spec, frozenset(), True)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """An attention kernel's shape, which azyx.attention renders whole: for each point of the batch axes,
+    out (L, Ev) = softmax(q (L, E) @ k (S, E)^T * scale + mask (L, S)) @ v (S, Ev), the output contiguous. Each operand
+    is read where it lies: its element offset, then its strides along the batch axes (0 where broadcast), then along
+    its two axes. Parameters: the output, q, k, v, then the mask where there is one."""
+
+    batch: tuple[int, ...]
+    L: int
+    S: int
+    E: int
+    Ev: int
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    mask: tuple[int, ...] | None  # (a bool mask: True keeps a key; else added to the scores)
+    mask_bool: bool
+    causal: bool  # query i attends to keys 0..i
+
+    @property
+    def batch_size(self) -> int:
+        out = 1
+        for b in self.batch:
+            out *= b
+        return out
+
+
+def attention_of(k: Kernel) -> Attention | None:
+    """The attention that `k` computes whole (one store of an "attention" value), else None."""
+    v = k.stores[0][1] if len(k.stores) == 1 else None
+    return v.arg if v is not None and v.op == "attention" else None
+
 
 def _dyn_src(idx: Lin, cond: Cond) -> tuple[V, ...]:
     """The `index` values an address depends on: a load or cond at it comes after them."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx import gemm
+from azyx import attention, gemm
 from azyx.cstyle import (
     SERIAL,
+    SHARED,
     Dialect,
     group_size,
     kernel_name,
@@ -18,7 +19,7 @@ from azyx.cstyle import (
     vectorized,
     work_group,
 )
-from azyx.ir import Kernel
+from azyx.ir import Kernel, attention_of
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
     """(name, source, launch) of a kernel: the tiled matrix product where the dialect has it and `k` is one, else the
     generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
     may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source)."""
+    a = attention_of(k)
+    if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
+        src = attention.render(k, a, "KERNEL", dl)
+        name = kernel_name(src)
+        launch = (Launch(attention.cuda_grid(a), attention.CUDA_THREADS) if dl.global_ids else
+                  Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
+        return name, src.replace("KERNEL", name, 1), launch
     g = gemm.match(k, "glsl" if dl.glsl else "cuda", dl.tensor_cores) if dl.gemm else None
     body = None
     if g is not None:

@@ -14,9 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from azyx import attention
 from azyx.dtypes import dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
-from azyx.tensor import Tensor
+from azyx.graph import Node, Op
+from azyx.runtime import GRAPH, RT
+from azyx.tensor import Tensor, broadcast_shapes
 
 
 class Module:
@@ -369,7 +372,10 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     (its `attn_mask`, `is_causal` and `scale`). q (..., L, E), k (..., S, E), v (..., S, Ev) -> (..., L, Ev), the
     leading axes broadcast. A bool mask says which keys each query may attend to (True: may), a float mask is added
     to the scores; `causal`: query i attends to keys 0..i. `scale` defaults to 1/sqrt(E) and is a runtime value (a
-    new scale compiles nothing). A query row with every key masked out gives NaN, as PyTorch's math kernel."""
+    new scale compiles nothing). A query row with every key masked out gives NaN, as PyTorch's math kernel.
+
+    One kernel where the device has one (azyx.attention: C, CUDA), which never holds the (L, S) scores whole; float16
+    and bfloat16 are computed in float32 there and rounded once. Elsewhere the composed ops run."""
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ShapeError(f"attention needs at least 2-D q, k, v, got {q.shape}, {k.shape}, {v.shape}")
     if k.shape[-1] != q.shape[-1]:
@@ -379,7 +385,45 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
         raise ShapeError(f"attention: v has {v.shape[-2]} keys, k has {k.shape[-2]} ({v.shape}, {k.shape})")
     if mask is not None and causal:
         raise ArgumentError("attention takes a mask or causal=True, not both (as PyTorch)")
-    return _attention_weights(q, k, mask, causal, scale) @ v
+    return _fused_attention(q, k, v, mask, causal, scale)
+
+
+_ATTENTION_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
+
+
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None
+                     ) -> Tensor:
+    """One ATTENTION node over q, k, v (and the mask) expanded to the output's batch axes, where one kernel can
+    compute it (float32/float16/bfloat16 of one dtype, on one device; a bool or float mask of no other dtype): the
+    scheduler renders it as a kernel where the device's dialect has one (azyx.attention), else plans its composed
+    form, its last source. The composed form (the ops of `_attention_weights` and a product) is built only where it
+    may be needed: a tape records (autograd differentiates it), or the tensors' device has no kernel for these lengths
+    (building it costs ~0.2 ms, more than the kernel of a short sequence). Anything else is the composed form alone."""
+    ops = [q, k, v] + ([mask] if mask is not None else [])
+    if (any(type(t) is not Tensor for t in ops) or q.dtype not in _ATTENTION_DTYPES or k.dtype is not q.dtype
+            or v.dtype is not q.dtype or len({t.device for t in ops}) != 1
+            or (mask is not None and mask.dtype is not dtypes.bool and mask.dtype is not q.dtype)):
+        return _attention_weights(q, k, mask, causal, scale) @ v
+    lq, e, lk, ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    batch = broadcast_shapes(*(t.shape[:-2] for t in ops))
+    composed = None
+    if GRAPH.recording or not _has_attention_kernel(q.device, lq, lk, e, ev):
+        composed = _attention_weights(q, k, mask, causal, scale) @ v
+        if composed.shape != (*batch, lq, ev) or composed.dtype is not q.dtype:
+            return composed
+    shapes = [(lq, e), (lk, e), (lk, ev)] + ([(lq, lk)] if mask is not None else [])
+    srcs = [t._broadcast_to((*batch, *sh)) for t, sh in zip(ops, shapes)]
+    s = q._const_like(1.0 / math.sqrt(e) if scale is None else scale, shape=(), dtype=dtypes.float32)  # (runtime)
+    ids = (*(t.id for t in srcs[:3]), s.id, *(t.id for t in srcs[3:]), *([] if composed is None else [composed.id]))
+    kind = "" if mask is None else "bool" if mask.dtype is dtypes.bool else "add"
+    pinned = any(t._node.pinned for t in ops)
+    return Tensor._from_node(Node(Op.ATTENTION, ids, (causal, kind), (*batch, lq, ev), q.dtype, q.device, pinned))
+
+
+def _has_attention_kernel(device: str, lq: int, lk: int, e: int, ev: int) -> bool:
+    dev = RT.executor.devices.get(device)  # (None for the disk, say: compute goes elsewhere)
+    dl = dev.dialect if dev is not None else None
+    return dl is not None and attention.fits(dl, lq, lk, e, ev)
 
 
 # ------------------------------------------------------------------------------------------------ losses

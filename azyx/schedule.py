@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from azyx import debug, optimize
+from azyx import attention, debug, optimize
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
@@ -40,7 +40,7 @@ from azyx.graph import (
     prod,
     view_through,
 )
-from azyx.ir import Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
+from azyx.ir import Attention, Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
 from azyx.launch import Launch
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
@@ -300,6 +300,8 @@ class Planner:
             return self.realize(split)[0], StridedView.contiguous(n.shape)
         if n.op is Op.ASSIGN:
             return self.assign_kernel(root, device)
+        if n.op is Op.ATTENTION:
+            return self.attention_kernel(root, device)
         shape = n.shape
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(shape) * n.dtype.itemsize, kind)
@@ -360,6 +362,62 @@ class Planner:
         name, src, launch = self.rt.device(device).render(k)
         self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
         return out, StridedView.contiguous(shape)
+
+    def attention_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
+        """ATTENTION: one kernel of azyx.attention that reads q, k, v (and the mask) where they lie, where the device's
+        dialect has it and the lengths fit; else its composed form (the node's last source where nn made one: see
+        nn._fused_attention), planned as any graph, or the kernel on the node's own device."""
+        n = self.graph[root]
+        q, k, v, scale, *rest = n.src
+        causal, mask_kind = n.arg
+        mask = rest[0] if mask_kind else None
+        composed = rest[-1] if len(rest) > (mask is not None) else None
+        *batch, lq, e = self.graph[q].shape
+        lk, ev = self.graph[v].shape[-2:]
+
+        def takes(device: str) -> bool:
+            dl = self.rt.device(device).dialect
+            return dl is not None and attention.fits(dl, lq, lk, e, ev)
+
+        if not takes(device):
+            if composed is not None:
+                return self.realize(composed)
+            device = n.device  # (made without its composed form only where its own device has the kernel)
+            assert takes(device), f"attention without its composed form on {device}, which has no kernel for it"
+        params, views = [], []
+        for s in (q, k, v) if mask is None else (q, k, v, mask):
+            slot, view = self.read_in_place(s, device)
+            params.append(slot)
+            views.append((view.offset, *view.strides))
+        spec = Attention(tuple(batch), lq, lk, e, ev, views[0], views[1], views[2],
+                         views[3] if mask is not None else None, mask_kind == "bool", causal)
+        vb = ValueBuilder()
+        sn, si = self.graph[scale], self.walk.scalar_of.get(scale)
+        sv = vb.arg(si, sn.dtype) if si is not None else vb.const(sn.arg, sn.dtype)
+        kern = Kernel([n.dtype, *(self.slots[s].dtype for s in params)], [], [],
+                      [(Lin({}, 0), vb.attention(spec, n.dtype, sv))], attention.work(spec))
+        debug.log(debug.IR, lambda: format_kernel(kern))
+        kind = "output" if root in self.targets else "temp"
+        out = self._slot(device, n.dtype, prod(n.shape) * n.dtype.itemsize, kind)
+        name, src, launch = self.rt.device(device).render(kern)
+        self.steps.append(KernelStep(device, name, src, (out, *params), kern.work, kern, launch=launch))
+        return out, StridedView.contiguous(n.shape)
+
+    def read_in_place(self, nid: int, device: str) -> tuple[int, StridedView]:
+        """The slot on `device` and the view through which a kernel of its own reads node `nid`: movement ops over a
+        buffer (realized, or computed for it) as a strided view of that buffer, moved to `device` whole where it lies
+        elsewhere (a mask broadcast over heads is not copied per head); else `nid` realized."""
+        g, chain, base = self.graph, [], nid
+        while g[base].op in MOVEMENT and base not in self.done:
+            chain.append(g[base])
+            base = g[base].src[0]
+        slot, view = self.realize(base)
+        seen: StridedView | None = view
+        for m in reversed(chain):
+            seen = view_through(m, g[m.src[0]].shape, seen) if seen is not None else None
+        if seen is None:
+            slot, seen = self.realize(nid)
+        return self.on_device(slot, device), seen
 
     def writable(self, root: int, device: str) -> tuple[int, StridedView] | None:
         """The slot and view of ASSIGN `root`'s base if the kernel may write into it: the base's own buffer (not a
@@ -636,7 +694,7 @@ class KernelBuild:
             rows = Lin({vb.index(self.value(index, idx, cond, in_reduce), p.graph[table].shape[n.arg]): 1})
             self.cost += 1
             return self.value(table, tuple(rows if a == n.arg else i for a, i in enumerate(idx)), cond, in_reduce)
-        if op is Op.SCATTER or op is Op.ASSIGN:  # a kernel of its own (scatter_kernel, assign_kernel)
+        if op is Op.SCATTER or op is Op.ASSIGN or op is Op.ATTENTION:  # a kernel of its own (scatter_kernel, ...)
             return self.load(nid, idx, cond)
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:

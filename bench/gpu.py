@@ -92,9 +92,15 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         for n in ((1024, 2048) if quick else (4096, 8192)):
             pair = [both(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2)]
             halves[dt, n] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in pair]
+    heads = {}  # attention (issue 18): (batch, 8 heads, length, 64), the same values on each side, in each dtype
+    for dt in ("bfloat16", "float32"):
+        for batch, length in ((1, 128), (8, 1024)):
+            qkv = [both(rng.standard_normal((batch, 8, length, 64), dtype=np.float32)) for _ in range(3)]
+            heads[dt, batch, length] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in qkv]
     t0 = time.perf_counter()
     await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])),
-                       *(x for pair in halves.values() for x, _ in pair))
+                       *(x for pair in halves.values() for x, _ in pair),
+                       *(x for qkv in heads.values() for x, _ in qkv))
     print(f"uploaded the inputs in {time.perf_counter() - t0:.2f} s", flush=True)
 
     # the device's copy bandwidth, the ceiling of the memory-bound rows (bytes read + written)
@@ -115,6 +121,13 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         name = f"matmul {n} {'bf16' if dt == 'bfloat16' else 'f16'} (tensor cores)"
         cases.append((name, lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3, "GFLOP/s"))
         tolerance[name] = 1e-2 if dt == "bfloat16" else 2e-3  # C rounded to 8 or 11 bits
+    for (dt, batch, length), ((q, tq), (k, tk), (v, tv)) in heads.items():  # torch: its flash / efficient kernels
+        name = f"SDPA {batch}x8 heads x 64, L={length} {'bf16' if dt == 'bfloat16' else 'f32'}"
+        cases.append((name, lambda q=q, k=k, v=v: azyx.nn.scaled_dot_product_attention(q, k, v),
+                      lambda tq=tq, tk=tk, tv=tv: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv),
+                      4 * batch * 8 * length * length * 64, "GFLOP/s"))
+        tolerance[name] = 1e-2 if dt == "bfloat16" else 1e-4
+
     def ten_ops(s: Any) -> Any:  # azyx or torch
         return ((((s * 1.5 + s) * 2 - s) / 3).relu() * s + 1).exp().sqrt() - s
 

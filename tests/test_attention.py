@@ -1,7 +1,9 @@
 """Attention and the transformer layers of azyx.nn on every test device: `scaled_dot_product_attention` against a
 numpy reference (and PyTorch's `F.scaled_dot_product_attention` where torch is installed) with bool and float masks,
-causal, odd lengths, broadcast batch axes and a custom scale; a new scale compiles nothing; bad shapes raise;
-`MultiheadAttention` loads PyTorch's state dict and gives its outputs and weights; GELU, SiLU and RMSNorm."""
+causal, odd lengths, broadcast batch axes, a custom scale, head dims 32/64/80 and float16/bfloat16 inputs; on devices
+whose dialect has the attention kernel (azyx.attention) it is one kernel with no (L, S) buffer, elsewhere the composed
+form; a new scale compiles nothing; gradients match PyTorch's; bad shapes raise; `MultiheadAttention` loads PyTorch's
+state dict and gives its outputs and weights; GELU, SiLU and RMSNorm."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import math
 import numpy as np
 import pytest
 
+import azyx
 from azyx import GradientTape, Tensor, nn
 from azyx.errors import ArgumentError, ShapeError
-from azyx.runtime import RT
+from azyx.ir import attention_of
+from azyx.runtime import GRAPH, RT
 
 try:
     import torch
@@ -131,6 +135,151 @@ async def test_attention_matches_pytorch(device: str, causal: bool) -> None:
     want = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)), is_causal=causal).numpy()
     got = await nn.scaled_dot_product_attention(*(Tensor(x, device=device) for x in (q, k, v)), causal=causal).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+FUSED_CASES = [  # (q shape, k shape, v shape): lengths around the kernels' blocks, L != S, head dims 32/64/80
+    ((2, 3, 129, 64), (2, 3, 77, 64), (2, 3, 77, 64)),
+    ((1, 2, 1, 32), (1, 2, 129, 32), (1, 2, 129, 32)),  # one query row
+    ((3, 7, 80), (3, 130, 80), (3, 130, 80)),
+    ((2, 1, 50, 32), (1, 3, 66, 32), (1, 3, 66, 48)),  # batch axes broadcast, Ev != E
+]
+
+
+def fused_here(device: str) -> bool:
+    dl = RT.device(device).dialect
+    return dl is not None and dl.attention
+
+
+def mask_for(mode: str, lq: int, lk: int) -> np.ndarray | None:
+    if mode == "bool":  # (1, L, S): broadcast over the batch axes; every row keeps a key
+        keep = rng.random((1, lq, lk)) < 0.6
+        keep[..., 0] = True
+        return keep
+    return randn(lq, lk) if mode == "float" else None
+
+
+@pytest.mark.parametrize("mode", ["none", "causal", "bool", "float"])
+@pytest.mark.parametrize("shapes", FUSED_CASES)
+async def test_attention_fused_against_numpy_and_pytorch(device: str, shapes: tuple[tuple[int, ...], ...],
+                                                         mode: str) -> None:
+    q, k, v = (randn(*s) for s in shapes)
+    mask = mask_for(mode, q.shape[-2], k.shape[-2])
+    scale = 0.3 if mode == "float" else None
+    got = await nn.scaled_dot_product_attention(*(Tensor(x, device=device) for x in (q, k, v)), causal=mode == "causal",
+                                                mask=None if mask is None else Tensor(mask, device=device),
+                                                scale=scale).numpy()
+    np.testing.assert_allclose(got, sdpa_ref(q, k, v, mask, mode == "causal", scale), rtol=1e-4, atol=2e-5)
+    if torch is not None:
+        want = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)), is_causal=mode == "causal",
+                                              attn_mask=None if mask is None else torch.from_numpy(mask), scale=scale)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_half_attention_against_pytorch(device: str, dtype: str) -> None:
+    shapes = ((2, 4, 65, 64), (2, 4, 70, 64), (2, 4, 70, 64))
+    keep = rng.random((65, 70)) < 0.7
+    keep[:, 0] = True
+    halves = [Tensor(randn(*s), device=device).cast(dtype) for s in shapes]
+    exact = [(await t.cast("float32").numpy()) for t in halves]  # the inputs as rounded to the half dtype
+    for kw in ({}, {"causal": True}, {"mask": keep}):
+        mask = kw.get("mask")
+        out = nn.scaled_dot_product_attention(*halves, causal=bool(kw.get("causal")),
+                                              mask=None if mask is None else Tensor(mask, device=device))
+        assert out.dtype.name == dtype
+        got = await out.cast("float32").numpy()
+        want = sdpa_ref(*exact, mask, bool(kw.get("causal")))
+        if torch is not None:
+            ref = F.scaled_dot_product_attention(*(torch.from_numpy(x).to(getattr(torch, dtype)) for x in exact),
+                                                 is_causal=bool(kw.get("causal")),
+                                                 attn_mask=None if mask is None else torch.from_numpy(mask))
+            np.testing.assert_allclose(ref.float().numpy(), want, atol=3e-2)  # (torch's own rounding)
+        # fused: float32 throughout, rounded once; composed: each step rounded to the half dtype
+        tol = (2e-3 if dtype == "float16" else 1e-2) if fused_here(device) else 6e-2
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["none", "causal", "bool", "float"])
+async def test_fused_attention_is_one_kernel_without_a_score_buffer(device: str, mode: str) -> None:
+    b, h, lq, lk, e = 2, 4, 96, 80, 32
+    q, k, v = randn(b, h, lq, e), randn(b, h, lk, e), randn(b, h, lk, e)
+    mask = mask_for(mode, lq, lk)
+    tq, tk, tv = (Tensor(x, device=device) for x in (q, k, v))
+    tm = None if mask is None else Tensor(mask, device=device)
+    out = nn.scaled_dot_product_attention(tq, tk, tv, mask=tm, causal=mode == "causal")
+    plan = azyx.schedule(out)  # (the inputs are still host data: moved to the device whole, the mask not per head)
+    scores = b * h * lq * lk * 4
+    if fused_here(device):
+        assert len(plan.kernels) == 1 and attention_of(plan.kernels[0].kernel) is not None, plan.describe()
+        assert len(GRAPH[out.id].src) == 4 + (mask is not None), "no tape records: no composed form was built"
+        assert max(s.nbytes for s in plan.slots) < scores, plan.describe()
+    else:  # the composed form: scores, softmax, product
+        assert len(plan.kernels) >= 3 and attention_of(plan.kernels[0].kernel) is None
+    np.testing.assert_allclose(await out.numpy(), sdpa_ref(q, k, v, mask, mode == "causal"), rtol=1e-4, atol=2e-5)
+
+
+async def test_fused_attention_reads_projected_heads_in_place(device: str) -> None:
+    """q, k, v as a model makes them, views of one projection ((N, L, 3, H, E) permuted): the kernel reads them through
+    their strides (no copies), and the output feeds the next product."""
+    n, lq, h, e = 2, 33, 4, 16
+    x, w = randn(n, lq, h * e), randn(3 * h * e, h * e) * 0.2
+    qkv = (Tensor(x, device=device) @ Tensor(w, device=device).T).reshape(n, lq, 3, h, e).permute(2, 0, 3, 1, 4)
+    out = nn.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], causal=True).transpose(1, 2).reshape(n, lq, h * e)
+    y = out @ Tensor(w[: h * e], device=device)
+    ref_qkv = (x @ w.T).reshape(n, lq, 3, h, e).transpose(2, 0, 3, 1, 4)
+    ref = sdpa_ref(*ref_qkv, causal=True).transpose(0, 2, 1, 3).reshape(n, lq, h * e) @ w[: h * e]
+    np.testing.assert_allclose(await y.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+async def test_a_new_scale_of_the_fused_kernel_compiles_nothing(device: str) -> None:
+    q, k, v = randn(2, 3, 40, 32), randn(2, 3, 50, 32), randn(2, 3, 50, 32)
+    keep = rng.random((40, 50)) < 0.7
+    keep[:, 0] = True
+    tq, tk, tv, tm = (Tensor(x, device=device) for x in (q, k, v, keep))
+    for _ in range(2):
+        await nn.scaled_dot_product_attention(tq, tk, tv, mask=tm, scale=0.3).numpy()
+    plans, compiled = len(RT.plan_cache), RT.compiled
+    for scale in (0.05, 0.2, 1.1):
+        got = await nn.scaled_dot_product_attention(tq, tk, tv, mask=tm, scale=scale).numpy()
+        np.testing.assert_allclose(got, sdpa_ref(q, k, v, keep, scale=scale), rtol=1e-4, atol=2e-5)
+    assert (len(RT.plan_cache), RT.compiled) == (plans, compiled), "a new scale compiled a kernel"
+
+
+async def test_a_jitted_attention_replays_with_a_new_scale(device: str) -> None:
+    @azyx.jit
+    def f(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
+
+    q, k, v = randn(2, 20, 16), randn(2, 20, 16), randn(2, 20, 16)
+    tq, tk, tv = (Tensor(x, device=device) for x in (q, k, v))
+    compiled = 0
+    for i, scale in enumerate((0.25, 0.5, 0.9, 1.1)):
+        got = await (await f(tq, tk, tv, scale)).numpy()
+        np.testing.assert_allclose(got, sdpa_ref(q, k, v, causal=True, scale=scale), rtol=1e-4, atol=2e-5)
+        if i == 1:  # (a device that the host data moves to plans its first run apart: the second is as all later)
+            compiled = RT.compiled
+    assert f.replays >= 2 and RT.compiled == compiled  # the scale is a traced scalar: no new trace, no compile
+
+
+@needs_torch
+@pytest.mark.parametrize("mode", ["causal", "float"])
+async def test_attention_gradients_match_pytorch(device: str, mode: str) -> None:
+    q, k, v = randn(2, 3, 9, 16), randn(2, 3, 11, 16), randn(2, 3, 11, 8)
+    w = randn(2, 3, 9, 8)
+    bias = randn(9, 11) if mode == "float" else None
+    tq, tk, tv = (Tensor(x, device=device) for x in (q, k, v))
+    with GradientTape() as tape:
+        out = nn.scaled_dot_product_attention(tq, tk, tv, causal=mode == "causal", scale=0.4,
+                                              mask=None if bias is None else Tensor(bias, device=device))
+        loss = (out * Tensor(w, device=device)).sum()
+    grads = [await g.numpy() for g in tape.gradient(loss, [tq, tk, tv])]
+    pq, pk, pv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(pq, pk, pv, is_causal=mode == "causal", scale=0.4,
+                                         attn_mask=None if bias is None else torch.from_numpy(bias))
+    (ref * torch.from_numpy(w)).sum().backward()
+    np.testing.assert_allclose(await out.numpy(), ref.detach().numpy(), rtol=1e-4, atol=2e-5)
+    for g, p in zip(grads, (pq, pk, pv)):
+        np.testing.assert_allclose(g, p.grad.numpy(), rtol=1e-4, atol=2e-5)
 
 
 @needs_torch

@@ -291,3 +291,29 @@ def test_a_half_product_under_an_epilogue_takes_the_tensor_cores(roomy: None, dt
     steps = [s for s in kernels_of(h @ w.T + b) if s.kernel.stores[0][1].has_reduce]
     assert len(steps) == 1 and "mma.sync" in steps[0].src
     compile_all(kernels_of(x @ w.T + b, h @ w.T + b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_attention_is_one_kernel_that_compiles(roomy: None, dtype: str) -> None:
+    """scaled_dot_product_attention is one kernel of azyx.attention (no (L, S) buffer) with every kind of mask, a
+    head dim it takes; its grid is (query blocks, batch points); half dtypes take the tensor-core kernel where the
+    head dims are multiples of 16; a head dim past its tiles takes the composed form."""
+    from azyx import attention, nn
+    from azyx.ir import attention_of
+
+    q, k, v = (t(2, 4, 100, 64).cast(dtype) for _ in range(3))
+    keep = Tensor(np.random.default_rng(1).random((100, 100)) < 0.5, device=DEV)
+    outs = [nn.scaled_dot_product_attention(q, k, v), nn.scaled_dot_product_attention(q, k, v, causal=True),
+            nn.scaled_dot_product_attention(q, k, v, mask=keep, scale=0.2),
+            nn.scaled_dot_product_attention(q, k[:, :, :70], v[:, :, :70, :40], mask=t(100, 70).cast(dtype))]
+    steps = []
+    for out in outs:  # (besides the casts of the inputs)
+        (step,) = [s for s in kernels_of(out) if attention_of(s.kernel) is not None]
+        assert all(s.nbytes < 8 * 100 * 100 * 4 for s in azyx.schedule(out).slots)
+        assert step.launch.grid == (-(-100 // attention.CUDA_BQ), 8, 1)
+        half_tiles = dtype != "float32" and attention_of(step.kernel).Ev % 16 == 0  # type: ignore[union-attr]
+        assert ("mma.sync" in step.src) == half_tiles  # tensor cores for half dtypes, float32 FMA otherwise
+        steps.append(step)
+    compile_all(steps)
+    wide = t(2, 10, 80).cast(dtype)
+    assert len(kernels_of(nn.scaled_dot_product_attention(wide, wide, wide))) > 1
