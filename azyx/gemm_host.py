@@ -173,6 +173,10 @@ def render_c(g: Gemm, name: str, ctype: str) -> str:
 static inline __attribute__((always_inline)) void {tile}(long kn, const float* restrict ap, const float* restrict b,
     float* restrict c, long ldc, int first, long rows, long cols) {{
   {decl}
+  for (long i = 0; i < rows; i++) {{  /* C's tile is read or written after the loop: on its way meanwhile */
+    __builtin_prefetch(c + i * ldc, 1);
+    __builtin_prefetch(c + i * ldc + cols - 1, 1);
+  }}
   for (long p = 0; p < kn; p++, ap += {mr}, b += {nr}) {{
     {bload}
 {fma}
