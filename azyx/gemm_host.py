@@ -45,6 +45,7 @@ HOST_BLOCKS: dict[int, tuple[Blocks, ...]] = {
     16: (Blocks(6, 8, 96, 256, 1024), Blocks(6, 8, 48, 512, 512)),
 }
 VERSION = 1  # part of the C device's identity: search winners found before (or for another template) are not reused
+HALF_SCRATCH = 1 << 20
 PARTS_PER_THREAD = 4  # blocks of C per thread at least, where the product has that many MR x NR tiles
 FLOAT_LOADS = {"float32": "{x}", "float16": "(float)({x})", "bfloat16": "bf2f({x})"}
 FLOAT_STORES = {"float32": "{x}", "float16": "(_Float16)({x})", "bfloat16": "f2bf({x})"}
@@ -77,11 +78,15 @@ def _cdiv(a: int, b: int) -> int:
 def blocks(g: Gemm) -> Blocks:
     """`g`'s block sizes: its variant's, fitted to the product (MC and NC the even share of whole blocks, rounded up
     to whole register tiles; smaller blocks where there would be fewer than PARTS_PER_THREAD per thread; K unsliced
-    where it is barely longer than a slice, or where C is not float32)."""
+    where it is barely longer than a slice, or where C is not float32: then blocks of HALF_SCRATCH floats at most)."""
     table = HOST_BLOCKS[_width(g.simd)]
     b = table[g.variant % len(table)]
+    mc, nc = b.mc, b.nc
+    if g.dtype != "float32":  # K unsliced: A's block and B's panel at most HALF_SCRATCH floats each
+        mc = min(mc, max(b.mr, HALF_SCRATCH // g.k // b.mr * b.mr))
+        nc = min(nc, max(b.nr, HALF_SCRATCH // g.k // b.nr * b.nr))
     n_k = 1 if g.dtype != "float32" else _cdiv(g.k, b.kc) if g.k > b.kc * 5 // 4 else 1
-    n_i, n_j = _cdiv(g.m, b.mc), _cdiv(g.n, b.nc)
+    n_i, n_j = _cdiv(g.m, mc), _cdiv(g.n, nc)
     want = PARTS_PER_THREAD * g.workers
     while g.batch * n_i * n_j < want:  # split the longer of the two while its blocks stay a few tiles wide
         rows, cols = g.m / (n_i * b.mr), g.n / (n_j * b.nr)

@@ -42,18 +42,18 @@ def close(got: np.ndarray, ref: np.ndarray, k: int, tol: float = 1e-5) -> None:
 @pytest.mark.parametrize("shape", [(16, 16, 16), (65, 129, 300), (129, 300, 65), (300, 65, 129), (17, 700, 33),
                                    (96, 513, 48)])
 def test_every_layout_against_numpy(shape: tuple[int, int, int]) -> None:
-    """A @ B, x @ W.T (W as stored), A.T @ B and A.T @ W.T, operands sliced out of larger tensors (offsets, row strides)
-    and one flipped (negative strides): each the template, each numpy's product; K past a slice (700: three slices,
-    each added into C)."""
+    """A @ B, x @ W.T (W as stored), A.T @ B and A.T @ W.T, operands sliced out of larger tensors (offsets, row
+    strides), one flipped (negative strides), and A @ A.T (one buffer, both operands): each the template, each numpy's
+    product; K past a slice (700: three slices, each added into C)."""
     m, k, n = shape
     a, b, w, at = arr(m, k, seed=1), arr(k, n, seed=2), arr(n, k, seed=3), arr(k, m, seed=4)
     big = arr(m + 5, k + 9, seed=5)
     wide = arr(k + 3, 2 * n + 1, seed=6)
     ta, tb, tw, tat, tbig, twide = (Tensor(x, device=DEV) for x in (a, b, w, at, big, wide))
     outs = [ta @ tb, ta @ tw.T, tat.T @ tb, tat.T @ tw.T, tbig[3:3 + m, 5:5 + k] @ twide[2:2 + k, 1:1 + n],
-            ta @ twide[1:1 + k, ::2][:, :n], ta.flip(1) @ tb]
+            ta @ twide[1:1 + k, ::2][:, :n], ta.flip(1) @ tb, ta @ ta.T]
     refs = [a @ b, a @ w.T, at.T @ b, at.T @ w.T, big[3:3 + m, 5:5 + k] @ wide[2:2 + k, 1:1 + n],
-            a @ wide[1:1 + k, ::2][:, :n], a[:, ::-1] @ b]
+            a @ wide[1:1 + k, ::2][:, :n], a[:, ::-1] @ b, a @ a.T]
     steps = products(*outs)
     assert len(steps) == len(outs)
     for s in steps:
@@ -95,7 +95,7 @@ def test_batched_products_and_broadcast_batch_axes() -> None:
 def test_half_storage_computes_in_float32_and_rounds_once(dtype: str) -> None:
     """float16/bfloat16 operands widen to float32 as they are packed; C accumulates in float32 (K unsliced) and is
     rounded to the dtype once: numpy's float32 product of the rounded inputs, rounded."""
-    m, k, n = 37, 600, 45
+    m, k, n = 37, 1100, 45
     a, w = arr(m, k), arr(n, k, seed=1)
     ta, tw = (Tensor(x, device=DEV).cast(dtype) for x in (a, w))
     out = ta @ tw.T
