@@ -51,6 +51,7 @@ class Dialect:
     gemm: bool = False  # matrix products get the tiled template of azyx.gemm
     tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
     attention: bool = False  # attention is one kernel of azyx.attention (else its composed form runs)
+    simd: int = 16  # host: vector register width in bytes (the C device's ISA: 32 AVX2, 64 AVX-512), for azyx.gemm_host
     group_ids: tuple[str, str] = ("", "")
     shared: str = ""
     barrier: str = ""
@@ -120,6 +121,7 @@ C = Dialect(
     fn_suffix_f32="f",
     prelude=_C_PRELUDE,
     pragmas=True,
+    gemm=True,
     opaque='__asm__("" : "+r"({x}));',
     loads={"float16": "(float){buf}[{idx}]", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = (_Float16){val};", "bfloat16": "{buf}[{idx}] = f2bf({val});"},

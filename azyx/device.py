@@ -285,13 +285,16 @@ class Device:
     # kernel search: which actions (azyx.optimize) this device's renderer understands, and the winners found on it
     @property
     def search_actions(self) -> frozenset[str]:
-        """The actions a search may try here: the C-family renderer's register tiles everywhere, and work-group
-        sizes where kernels run one work item per point (GPU-style dialects); none without a dialect."""
+        """The actions a search may try here: the C-family renderer's register tiles everywhere, work-group sizes
+        where kernels run one work item per point (GPU-style dialects), block sizes where a host dialect has the
+        product template; none without a dialect."""
         dl = self.dialect
         if dl is None:
             return frozenset()
         tiles = frozenset({optimize.UPCAST, optimize.SWAP})
-        return tiles | {optimize.LOCAL, optimize.GROUP} if dl.global_ids else tiles
+        if not dl.global_ids:
+            return tiles | {optimize.BLOCK} if dl.gemm else tiles  # (BLOCK: the host product's block sizes)
+        return tiles | {optimize.LOCAL, optimize.GROUP}
 
     def identity(self) -> dict[str, Any]:
         """What a search result depends on besides the kernel: the hardware, its driver and compiler versions

@@ -32,12 +32,15 @@ class Gemm:
     batch: int
     a: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along i, along r
     b: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along r, along j
-    target: str = "cuda"  # "cuda" or "glsl" (Vulkan): GLSL has no float atomics to split K with
-    dtype: str = "float32"  # float16 / bfloat16: the tensor-core kernel (render_mma), C in that dtype
+    target: str = "cuda"  # "cuda", "glsl" (Vulkan: no float atomics to split K with) or "c" (host: gemm_host)
+    dtype: str = "float32"  # float16 / bfloat16: the tensor-core kernel (render_mma), C in that dtype; host: packed
+    simd: int = 32  # host: vector register width in bytes (the micro-kernel's shape: gemm_host.HOST_BLOCKS)
+    workers: int = 1  # host: threads that share the kernel's blocks
+    variant: int = 0  # host: which of the block sizes (Kernel.variant, set by the kernel search)
 
     @property
     def mma(self) -> bool:
-        return self.dtype != "float32"
+        return self.dtype != "float32" and self.target == "cuda"
 
     @property
     def threads(self) -> int:
@@ -90,15 +93,22 @@ def _operand(v: V, dt: DType) -> V | None:
     return v if v.op == "load" and v.dtype is dt and v.arg[2].always else None
 
 
-def match(k: Kernel, target: str = "cuda", tensor_cores: bool = False) -> Gemm | None:
-    """The product `k` computes, or None. float32 throughout; or, with `tensor_cores` (CUDA, sm_80 on), float16 or
-    bfloat16 throughout (the tensor-core kernel accumulates in float32 and rounds C once, like cuBLAS)."""
+def product_dtypes(target: str, tensor_cores: bool = False) -> tuple[DType, ...]:
+    """The dtypes of the products `target`'s kernel computes: float32; float16 and bfloat16 too on tensor cores (CUDA,
+    sm_80 on: accumulated in float32, C rounded once, like cuBLAS) and on the host (widened to float32 as packed)."""
+    if target == "c" or (tensor_cores and target == "cuda"):
+        return dtypes.float32, dtypes.float16, dtypes.bfloat16
+    return (dtypes.float32,)
+
+
+def match(k: Kernel, target: str = "cuda", tensor_cores: bool = False, simd: int = 32, workers: int = 1
+          ) -> Gemm | None:
+    """The product `k` computes, or None (dtypes: product_dtypes). `simd` and `workers`: the host's (target "c")."""
     if len(k.stores) != 1:
         return None
     out_idx, r = k.stores[0]
     dt = r.dtype
-    if dt is not dtypes.float32 and not (tensor_cores and target == "cuda" and dt in (dtypes.float16,
-                                                                                      dtypes.bfloat16)):
+    if dt not in product_dtypes(target, tensor_cores):
         return None
     if r.op != "reduce" or r.arg[0] != "sum" or k.uvars or len(r.arg[1]) != 1:
         return None
@@ -132,7 +142,7 @@ def match(k: Kernel, target: str = "cuda", tensor_cores: bool = False) -> Gemm |
         return None
     return Gemm(m, n, kk, batch,
                 (x.arg[0], fx["off"], xb, fx.get("i", 0), fx["r"]),
-                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target, dt.name)
+                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target, dt.name, simd, workers, k.variant)
 
 
 def _batch_strides(sizes: list[int], names: list[str], *maps: dict[str, int]) -> tuple[int, tuple[int, ...]] | None:

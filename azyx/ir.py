@@ -167,6 +167,7 @@ class Kernel:
     # schedule choices that optimisation actions set (azyx.optimize.apply); renderers read them as facts
     local: int = 0  # GPU-style, one work item per point: work items per group (0: the dialect's `block`)
     group: int = -1  # work items that reduce each output point together (0: one item per point, -1: the dialect's)
+    variant: int = 0  # a template's variant: the host matrix product's block sizes (gemm_host.HOST_BLOCKS)
     base: Kernel | None = field(default=None, repr=False, compare=False)  # the kernel before the actions
     opts: tuple = ()  # the actions (optimize.Opt) that made it from `base`
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx import attention, gemm
+from azyx import attention, gemm, gemm_host
 from azyx.cstyle import (
     SERIAL,
     SHARED,
@@ -47,9 +47,11 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
         launch = (Launch(attention.cuda_grid(a), attention.CUDA_THREADS) if dl.global_ids else
                   Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
         return name, src.replace("KERNEL", name, 1), launch
-    g = gemm.match(k, "glsl" if dl.glsl else "cuda", dl.tensor_cores) if dl.gemm else None
+    g = product_of(k, dl, threads)
     body = None
-    if g is not None:
+    if g is not None and g.target == "c":
+        body = gemm_host.render_c(g, "KERNEL", dl.types[g.dtype])
+    elif g is not None:
         body = gemm.render_glsl(g, "KERNEL", dl.prelude, dl.max_groups) if dl.glsl else gemm.render_cuda(g, "KERNEL")
         g = g if body is not None else None
     if body is None:
@@ -58,7 +60,24 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
     return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
 
 
+def product_of(k: Kernel, dl: Dialect, threads: int = 1) -> gemm.Gemm | None:
+    """The matrix product `k` computes where `dl` has a template for it (azyx.gemm on GPU dialects, azyx.gemm_host on
+    host ones) and the template takes it, else None (the generic C-family rendering)."""
+    if not dl.gemm:
+        return None
+    if dl.global_ids:
+        return gemm.match(k, product_target(dl), dl.tensor_cores)
+    return gemm_host.product(k, dl.simd, threads)
+
+
+def product_target(dl: Dialect) -> str:
+    """The `gemm.match` target of a dialect with a product template: "c" on the host, "glsl" for Vulkan, else "cuda"."""
+    return "c" if not dl.global_ids else "glsl" if dl.glsl else "cuda"
+
+
 def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = None) -> Launch:
+    if g is not None and g.target == "c":  # blocks of C shared by the device's threads (one: a single call)
+        return Launch(trip=gemm_host.trip(g), parallel=SHARED)
     if g is not None:
         return Launch(g.grid(), g.threads, zero=4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
     if not dl.global_ids:  # host: the kernel loops itself; threads may share one of its loops

@@ -1,12 +1,14 @@
 """Kernel optimisation actions as data: what a schedule may change in a kernel, applied to the IR in one place.
 
 An `Opt` is one action: upcast a global loop into a register tile (`UPCAST`, amount = tile length), put the
-column tiles outermost (`SWAP`), set the work items per group of a one-item-per-point GPU kernel (`LOCAL`), or the
-work items that reduce each output point together (`GROUP`: 0 for one item per point). `apply(base, opts)` makes the
-kernel the actions describe from the kernel without them; renderers read the result as facts (its upcast loops,
-`Kernel.local`, `Kernel.group`) and stay single linear passes. The scheduler's heuristics are one list of actions
-(schedule.Planner.tile_for); the search (azyx.search) tries others, and `WinnerCache` keeps what won on disk, per
-device identity, keyed by the kernel's structure (`kernel_key`: never a scalar's value, which is an argument).
+column tiles outermost (`SWAP`), set the work items per group of a one-item-per-point GPU kernel (`LOCAL`), the work
+items that reduce each output point together (`GROUP`: 0 for one item per point), or pick a host matrix product's
+block sizes (`BLOCK`, amount = a row of azyx.gemm_host's table; such a product takes no register tiles).
+`apply(base, opts)` makes the kernel the actions describe from the kernel without them; renderers read the result as
+facts (its upcast loops, `Kernel.local`, `Kernel.group`, `Kernel.variant`) and stay single linear passes. The
+scheduler's heuristics are one list of actions (schedule.Planner.tile_for); the search (azyx.search) tries others,
+and `WinnerCache` keeps what won on disk, per device identity, keyed by the kernel's structure (`kernel_key`: never
+a scalar's value, which is an argument).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from azyx import debug
+from azyx import debug, gemm_host
 from azyx.config import cache_dir
 from azyx.cstyle import Dialect, group_fits
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, has_index, toposort
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, var
 
-UPCAST, SWAP, LOCAL, GROUP = "upcast", "swap", "local", "group"
-KINDS = (UPCAST, SWAP, LOCAL, GROUP)
+UPCAST, SWAP, LOCAL, GROUP, BLOCK = "upcast", "swap", "local", "group", "block"
+KINDS = (UPCAST, SWAP, LOCAL, GROUP, BLOCK)
 FORMAT = 1  # the winner cache's file format; a file of another format is ignored
 VERSION = "0.1.0"  # azyx's version, part of every cache file's identity (a new azyx searches again)
 
@@ -40,7 +42,7 @@ class OptError(ValueError):
 class Opt:
     kind: str  # one of KINDS
     axis: int = 0  # UPCAST: the global loop of the base kernel (outer first)
-    amount: int = 0  # UPCAST: tile length; LOCAL: work items per group; GROUP: items per output point
+    amount: int = 0  # UPCAST: tile length; LOCAL: work items per group; GROUP: items per output point; BLOCK: variant
 
     def __repr__(self) -> str:
         return f"{self.kind}({self.axis},{self.amount})" if self.kind == UPCAST else f"{self.kind}({self.amount})"
@@ -57,7 +59,8 @@ def searchable(k: Kernel) -> bool:
 def apply(base: Kernel, opts: Sequence[Opt]) -> Kernel:
     """The kernel that `opts` make of `base`: each UPCAST loop g of length n becomes g' (n / t) and an upcast loop u
     (t), every index reading g' * t + u; SWAP exchanges the last two global loops (column tiles outermost: a tile of
-    the right operand stays in cache over all rows); LOCAL and GROUP become the kernel's `local` and `group`.
+    the right operand stays in cache over all rows); LOCAL, GROUP and BLOCK become the kernel's `local`, `group` and
+    `variant` (a host product's block sizes, azyx.gemm_host).
     Raises OptError where an action does not fit `base`."""
     if not opts:
         return base
@@ -88,9 +91,10 @@ def apply(base: Kernel, opts: Sequence[Opt]) -> Kernel:
         gvars[-2], gvars[-1] = gvars[-1], gvars[-2]
     local = next((o.amount for o in opts if o.kind == LOCAL), base.local)
     group = next((o.amount for o in opts if o.kind == GROUP), base.group)
+    variant = next((o.amount for o in opts if o.kind == BLOCK), base.variant)
     stores = _substitute(base, subst) if subst else base.stores
-    return Kernel(base.params, gvars, uvars, stores, base.work, base.scatter, base.inplace, local, group, base,
-                  tuple(opts))
+    return Kernel(base.params, gvars, uvars, stores, base.work, base.scatter, base.inplace, local=local, group=group,
+                  variant=variant, base=base, opts=tuple(opts))
 
 
 def _substitute(k: Kernel, subst: dict[Var, Lin]) -> list[tuple[Lin, V]]:
@@ -169,6 +173,9 @@ def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: st
     kernel (a product without register tiles is slow to even time)."""
     if not searchable(k):
         return [()]
+    if BLOCK in actions and dl is not None and dl.gemm and not dl.global_ids \
+            and gemm_host.product(k, dl.simd, 1) is not None:  # the host product template: its other block sizes
+        return [(Opt(BLOCK, 0, v),) for v in range(1, gemm_host.variants(dl.simd))]
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
     thorough = level == "thorough"
     tiled = any(o.kind == UPCAST for o in heuristic)

@@ -28,6 +28,7 @@ from azyx import attention, debug, optimize
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
+from azyx.gemm import product_dtypes
 from azyx.graph import (
     ELEMENTWISE,
     MOVEMENT,
@@ -41,7 +42,7 @@ from azyx.graph import (
     view_through,
 )
 from azyx.ir import Attention, Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
-from azyx.launch import Launch
+from azyx.launch import Launch, product_of, product_target
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
 from azyx.plan import ExecutionPlan, KernelStep, Slot, Step, TransferStep
@@ -246,15 +247,16 @@ class Planner:
         return next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1) if r % d == 0), None)
 
     def tiled_product(self, nid: int, device: str) -> bool:
-        """Whether reduce `nid` is a float32 matrix product of 16 rows or more on a device with a tiled matmul kernel
-        (azyx.gemm), or a float16/bfloat16 one on a device with its tensor-core kernel: it gets that kernel, a kernel of
-        its own, rather than being fused into its consumer (a bias, an activation) as a generic reduce, which on an
-        H100 ran a 128 x 768 x 3072 product 60x slower (a half product is then rounded to its dtype, as PyTorch's)."""
+        """Whether reduce `nid` is a matrix product of 16 rows or more, K 64 or more, of a dtype that the device's
+        product template takes (azyx.gemm: float32, float16/bfloat16 on tensor cores; azyx.gemm_host: all three): it
+        gets that kernel, a kernel of its own, rather than being fused into its consumer (a bias, an activation) as a
+        generic reduce, which on an H100 ran a 128 x 768 x 3072 product 60x slower (a half product is then rounded to
+        its dtype, as PyTorch's)."""
         dl = self.rt.device(device).dialect
         n = self.graph[nid]
         if dl is None or not dl.gemm or n.arg[0] != "sum" or len(n.arg[1]) != 1:
             return False
-        if n.dtype is not dtypes.float32 and not (dl.tensor_cores and n.dtype in (dtypes.float16, dtypes.bfloat16)):
+        if n.dtype not in product_dtypes(product_target(dl), dl.tensor_cores):
             return False
         src = self.graph[n.src[0]]
         axis = n.arg[1][0]
@@ -509,6 +511,8 @@ class Planner:
         dev = self.rt.device(att.device)
         if not k.stores[0][1].has_reduce or not dev.tiles:
             return None
+        if dev.dialect is not None and product_of(k, dev.dialect, dev.threads) is not None:
+            return None  # the device's product template takes it (operands read where they lie)
         bound = dev.dialect.max_trips if dev.dialect is not None else 0
         if bound and any(prod([x.vmax + 1 for x in v.arg[1]]) > bound for v in toposort(*k.values) if v.op == "reduce"):
             return None  # (a driver that ends long loops, llvmpipe: the grouped reduce takes several steps a turn)

@@ -19,6 +19,7 @@ their core; one woken onto the worker's core moves off it (its CPU affinity then
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from azyx import debug
+from azyx import debug, gemm_host
 from azyx.backends.host import HostDevice
 from azyx.cstyle import SHARED, C
 from azyx.device import BatchState, LaunchItem, cached_build, kernel_list, run_compiler
@@ -89,6 +90,15 @@ def _cpu() -> dict[str, str]:
     return out
 
 
+def _simd(isa: str, flags: list[str]) -> int:
+    """The widest vector registers the compiler may use for the CPU's ISA (bytes): 64 with AVX-512, 32 with AVX2 and
+    FMA, else 16 (SSE2, NEON: every 64-bit target); 16 too where the flags do not ask for the CPU's own ISA."""
+    have = set(isa.split())
+    if not any(f in ("-march=native", "-mcpu=native") for f in flags):
+        return 16
+    return 64 if "avx512f" in have else 32 if {"avx2", "fma"} <= have else 16
+
+
 @functools.cache
 def _compiler_version(compiler: str) -> str:
     try:
@@ -111,6 +121,7 @@ class CDevice(HostDevice):
             raise DeviceError(f"C compiler {self.compiler!r} not found on PATH")
         self.flags = list(options.get("flags", []))
         self.threads = int(options.get("threads") or os.cpu_count() or 1)
+        self.dialect = dataclasses.replace(C, simd=_simd(_cpu()["isa"], self.flags))  # (its products' micro-kernel)
         self.compute = 30.0 * self.threads  # rough GFLOP/s, for AUTO placement
         self.pool: int | None = None  # the C thread pool that shares kernels' loops (azyx_pool_new)
         self.serial_pool: int | None = None  # a pool of one thread (the caller): small batches run serially
@@ -120,7 +131,7 @@ class CDevice(HostDevice):
     def identity(self) -> dict[str, Any]:
         """The CPU (model and ISA flags), the compiler's version and flags, and the threads that share loops."""
         return {**super().identity(), **_cpu(), "compiler": _compiler_version(self.compiler), "flags": self.flags,
-                "threads": self.threads}
+                "threads": self.threads, "gemm": gemm_host.VERSION}
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry and the C runtime (built into every library),

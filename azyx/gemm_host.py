@@ -1,0 +1,268 @@
+"""The matrix product for host dialects (C): a packed, cache-blocked kernel in the GotoBLAS/BLIS scheme.
+
+`gemm.match(k, "c")` recognises the product (any strides, batched); `render_c` fills the kernel. C is cut into blocks
+of MC rows x NC columns; the shared loop (cstyle SHARED: the C backend's threads take parts of it) runs over those
+blocks, batch outermost, then column panels, row blocks innermost, so that one call's consecutive blocks share their
+panel of B. For each slice of KC along K, a call packs the KC x NC panel of B it works on (zero-padded to whole
+NR-column strips, each strip KC rows of NR contiguous floats) into thread-local scratch, then for each of its row
+blocks the MC x KC block of A (MR-row strips, k-major), and runs the register micro-kernel over every MR x NR tile:
+NR/VL vector accumulators per row, one broadcast of A and NR/VL loads of B per k, fused multiply-adds (GCC vector
+extensions: gcc -O3 -march=native makes AVX2/AVX-512 code of them). Operands are packed where they lie, whatever their
+strides: `x @ W.T` costs what `x @ W` does. Half operands are widened to float32 as they are packed; C accumulates in
+float32 and is stored once (float16/bfloat16 outputs: K is not sliced then, so C is rounded once, as the generic
+kernel rounds it). The first K slice stores C's tile, later ones add to it (K sliced: exact to reassociation).
+
+Block sizes are data (`HOST_BLOCKS`, per vector register width), the first of each the default; the kernel search
+tries the others (optimize.BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and column blocks,
+enough of them for every thread to have a few.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from azyx import gemm
+from azyx.gemm import Gemm
+from azyx.ir import Kernel
+
+
+@dataclass(frozen=True)
+class Blocks:
+    mr: int  # the register tile: MR rows x NR columns of C (NR a multiple of the vector width)
+    nr: int
+    mc: int  # rows of A per packed block (L2)
+    kc: int  # K per slice (the micro-kernel's loop; a B strip KC x NR stays in L1)
+    nc: int  # columns of B per packed panel (L3)
+
+
+# vector register width in bytes -> the block sizes tried, the default first. AVX2 (16 ymm registers): 6 x 16 takes
+# 12 accumulators, 2 of B and a broadcast; AVX-512 (32 zmm): 12 x 32, 24 accumulators; 16-byte vectors (SSE, NEON):
+# 6 x 8. (AMD EPYC, 2 threads, 1024^3 to 2048^3 and MiniLM's shapes: KC of 384-512 ran 10-25% faster than 256; MC
+# and NC within the noise of a shared machine. The AVX-512 and 16-byte rows are not measured.)
+HOST_BLOCKS: dict[int, tuple[Blocks, ...]] = {
+    32: (Blocks(6, 16, 96, 384, 1024), Blocks(6, 16, 72, 512, 512), Blocks(6, 16, 144, 256, 1024),
+         Blocks(6, 16, 48, 512, 256)),
+    64: (Blocks(12, 32, 144, 384, 2048), Blocks(12, 32, 96, 512, 2048), Blocks(12, 32, 192, 256, 1024)),
+    16: (Blocks(6, 8, 96, 256, 1024), Blocks(6, 8, 48, 512, 512)),
+}
+VERSION = 1  # part of the C device's identity: search winners found before (or for another template) are not reused
+HALF_SCRATCH = 1 << 20
+PARTS_PER_THREAD = 4  # blocks of C per thread at least, where the product has that many MR x NR tiles
+FLOAT_LOADS = {"float32": "{x}", "float16": "(float)({x})", "bfloat16": "bf2f({x})"}
+FLOAT_STORES = {"float32": "{x}", "float16": "(_Float16)({x})", "bfloat16": "f2bf({x})"}
+
+
+MIN_ROWS, MIN_COLS, MIN_K = 16, 16, 16  # smaller products stay on the generic path (see `product`)
+
+
+def product(k: Kernel, simd: int, workers: int) -> Gemm | None:
+    """The product `k` computes where this kernel takes it: at least MIN_ROWS rows (a decode step's `x @ W`, one row,
+    runs as fast on the generic path's column tiles, without packing all of W), MIN_COLS columns and MIN_K long."""
+    g = gemm.match(k, "c", simd=simd, workers=workers)
+    if g is None or g.m < MIN_ROWS or g.n < MIN_COLS or g.k < MIN_K:
+        return None
+    return g
+
+
+def variants(simd: int) -> int:
+    return len(HOST_BLOCKS[_width(simd)])
+
+
+def _width(simd: int) -> int:
+    return simd if simd in HOST_BLOCKS else 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def blocks(g: Gemm) -> Blocks:
+    """`g`'s block sizes: its variant's, fitted to the product (MC and NC the even share of whole blocks, rounded up
+    to whole register tiles; smaller blocks where there would be fewer than PARTS_PER_THREAD per thread; K unsliced
+    where it is barely longer than a slice, or where C is not float32: then blocks of HALF_SCRATCH floats at most)."""
+    table = HOST_BLOCKS[_width(g.simd)]
+    b = table[g.variant % len(table)]
+    mc, nc = b.mc, b.nc
+    if g.dtype != "float32":  # K unsliced: A's block and B's panel at most HALF_SCRATCH floats each
+        mc = min(mc, max(b.mr, HALF_SCRATCH // g.k // b.mr * b.mr))
+        nc = min(nc, max(b.nr, HALF_SCRATCH // g.k // b.nr * b.nr))
+    n_k = 1 if g.dtype != "float32" else _cdiv(g.k, b.kc) if g.k > b.kc * 5 // 4 else 1
+    n_i, n_j = _cdiv(g.m, mc), _cdiv(g.n, nc)
+    want = PARTS_PER_THREAD * g.workers
+    while g.batch * n_i * n_j < want:  # split the longer of the two while its blocks stay a few tiles wide
+        rows, cols = g.m / (n_i * b.mr), g.n / (n_j * b.nr)
+        if cols >= 4 and cols >= rows:
+            n_j += 1
+        elif rows >= 4:
+            n_i += 1
+        else:
+            break
+    mc = _cdiv(_cdiv(g.m, n_i), b.mr) * b.mr
+    nc = _cdiv(_cdiv(g.n, n_j), b.nr) * b.nr
+    return Blocks(b.mr, b.nr, mc, _cdiv(g.k, n_k), nc)
+
+
+def trip(g: Gemm) -> int:
+    """Blocks of C the shared loop runs over: batch x column panels x row blocks."""
+    bl = blocks(g)
+    return g.batch * _cdiv(g.n, bl.nc) * _cdiv(g.m, bl.mc)
+
+
+_HELPERS = """#ifndef AZYX_HOST_GEMM
+#define AZYX_HOST_GEMM
+#include <pthread.h>
+#include <stdlib.h>
+typedef float azyx_v16 __attribute__((vector_size(64)));
+typedef float azyx_v8 __attribute__((vector_size(32)));
+typedef float azyx_v4 __attribute__((vector_size(16)));
+typedef float azyx_v16u __attribute__((vector_size(64), aligned(4)));
+typedef float azyx_v8u __attribute__((vector_size(32), aligned(4)));
+typedef float azyx_v4u __attribute__((vector_size(16), aligned(4)));
+/* Thread-local packing scratch, 64-byte aligned, grown as needed, freed when the thread ends. */
+static pthread_key_t azyx_scratch_key;
+static pthread_once_t azyx_scratch_once = PTHREAD_ONCE_INIT;
+typedef struct { float* p[2]; size_t n[2]; } azyx_scratch_t;
+static void azyx_scratch_free(void* s) { free(((azyx_scratch_t*)s)->p[0]); free(((azyx_scratch_t*)s)->p[1]); free(s); }
+static void azyx_scratch_init(void) { pthread_key_create(&azyx_scratch_key, azyx_scratch_free); }
+static float* azyx_scratch(int slot, size_t floats) {
+  pthread_once(&azyx_scratch_once, azyx_scratch_init);
+  azyx_scratch_t* s = (azyx_scratch_t*)pthread_getspecific(azyx_scratch_key);
+  if (!s) { s = (azyx_scratch_t*)calloc(1, sizeof(azyx_scratch_t)); pthread_setspecific(azyx_scratch_key, s); }
+  if (s->n[slot] < floats) {
+    free(s->p[slot]);
+    s->n[slot] = (floats + 15) / 16 * 16;
+    s->p[slot] = (float*)aligned_alloc(64, s->n[slot] * sizeof(float));
+  }
+  return s->p[slot];
+}
+#endif
+"""
+
+
+def render_c(g: Gemm, name: str, ctype: str) -> str:
+    """The product as a SHARED C kernel, `name(lo, hi, C, operands...)`: blocks [lo, hi) of `trip(g)`. `ctype`: the C
+    type of the dtype's storage (the C dialect's table)."""
+    bl = blocks(g)
+    mr, nr, mc, kc, nc = bl.mr, bl.nr, bl.mc, bl.kc, bl.nc
+    vl = _width(g.simd) // 4
+    nv = nr // vl
+    vt, vu = f"azyx_v{vl}", f"azyx_v{vl}u"
+    pa, a_off, a_sb, a_si, a_sk = g.a
+    pb, b_off, b_sb, b_sk, b_sj = g.b
+    n_i, n_j = _cdiv(g.m, mc), _cdiv(g.n, nc)
+    load, store = FLOAT_LOADS[g.dtype], FLOAT_STORES[g.dtype]
+    params = ", ".join(f"const {ctype}* restrict d{i}" for i in range(1, 1 + max(pa, pb)))
+    acc = [[f"c{i}_{v}" for v in range(nv)] for i in range(mr)]
+    decl = " ".join(f"{vt} {', '.join(f'{x} = {{0}}' for x in row)};" for row in acc)
+    bload = " ".join(f"const {vt} b{v} = *(const {vt}*)(b + {v * vl});" for v in range(nv))
+    fmas = [" ".join(f"{x} += a * b{v};" for v, x in enumerate(row)) for row in acc]
+    fma = "\n".join(f"      {{ const float a = ap[{i}]; {f} }}" for i, f in enumerate(fmas))
+    cells = [(i, v, x) for i in range(mr) for v, x in enumerate(acc[i])]
+    full_set = "\n".join(f"    *({vu}*)(c + {i} * ldc + {v * vl}) = {x};" for i, v, x in cells)
+    full_add = "\n".join(f"    *({vu}*)(c + {i} * ldc + {v * vl}) += {x};" for i, v, x in cells)
+    spill = "\n".join(f"    *({vt}*)(t + {i * nr + v * vl}) = {x};" for i, v, x in cells)
+    # packing: A's block -> strips of MR rows, each k-major (MR floats per k); B's panel -> strips of NR columns (NR
+    # floats per k); zero-padded to whole strips
+    a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load)
+    b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load)
+    f32 = g.dtype == "float32"
+    # C's block: float32 C is written in place (a later K slice adds to it); another dtype goes through a float32
+    # block (K unsliced: one pass), rounded once
+    cblock = "float* cb = C + (long)i0 * ldc + j0;" if f32 else "float* cb = cf;"
+    ldc = g.n if f32 else nc
+    out_round = "" if f32 else f"""
+      for (long i = 0; i < rows_ic; i++) for (long j = 0; j < cols_jc; j++)
+        Co[(long)(i0 + i) * {g.n} + j0 + j] = {store.format(x=f"cf[i * {nc} + j]")};"""
+    tile = f"azyx_tile_{mr}x{nr}_{vl}"
+    return _HELPERS + f"""#ifndef {tile.upper()}
+#define {tile.upper()}
+static inline __attribute__((always_inline)) void {tile}(long kn, const float* restrict ap, const float* restrict b,
+    float* restrict c, long ldc, int first, long rows, long cols) {{
+  {decl}
+  for (long i = 0; i < rows; i++) {{  /* C's tile is read or written after the loop: on its way meanwhile */
+    __builtin_prefetch(c + i * ldc, 1);
+    __builtin_prefetch(c + i * ldc + cols - 1, 1);
+  }}
+  for (long p = 0; p < kn; p++, ap += {mr}, b += {nr}) {{
+    {bload}
+{fma}
+  }}
+  if (rows == {mr} && cols == {nr}) {{
+    if (first) {{
+{full_set}
+    }} else {{
+{full_add}
+    }}
+    return;
+  }}
+  float t[{mr * nr}] __attribute__((aligned(64)));
+{spill}
+  for (long i = 0; i < rows; i++)
+    for (long j = 0; j < cols; j++) c[i * ldc + j] = first ? t[i * {nr} + j] : c[i * ldc + j] + t[i * {nr} + j];
+}}
+#endif
+
+__attribute__((optimize("no-tree-loop-distribute-patterns")))  /* (a strip's row: no call to memcpy) */
+void {name}(long lo, long hi, {ctype}* restrict d0, {params}) {{
+  float* bp = azyx_scratch(0, {kc * _cdiv(nc, nr) * nr});
+  float* ap = azyx_scratch(1, {kc * _cdiv(mc, mr) * mr + (0 if f32 else mc * nc)});
+  {"" if f32 else f"float* cf = ap + {kc * _cdiv(mc, mr) * mr};"}
+  const long ldc = {ldc};
+  for (long t = lo; t < hi;) {{
+    const long bz = t / {n_i * n_j}, jb = t / {n_i} % {n_j}, ib0 = t % {n_i};
+    const long ib1 = ib0 + (hi - t) < {n_i} ? ib0 + (hi - t) : {n_i};
+    const {ctype}* A = d{pa} + {a_off}L + bz * {a_sb}L;
+    const {ctype}* B = d{pb} + {b_off}L + bz * {b_sb}L;
+    {"float* C = (float*)d0 + bz * " + str(g.m * g.n) + "L;" if f32 else f"{ctype}* Co = d0 + bz * {g.m * g.n}L;"}
+    const long j0 = jb * {nc}, cols_jc = {g.n} - j0 < {nc} ? {g.n} - j0 : {nc};
+    for (long k0 = 0; k0 < {g.k}; k0 += {kc}) {{
+      const long kn = {g.k} - k0 < {kc} ? {g.k} - k0 : {kc};
+      {b_pack}
+      for (long ib = ib0; ib < ib1; ib++) {{
+        const long i0 = ib * {mc}, rows_ic = {g.m} - i0 < {mc} ? {g.m} - i0 : {mc};
+        {a_pack}
+        {cblock}
+        for (long js = 0; js < cols_jc; js += {nr})
+          for (long is = 0; is < rows_ic; is += {mr})
+            {tile}(kn, ap + is * kn, bp + js * kn, cb + is * ldc + js, ldc, k0 == 0,
+                   rows_ic - is < {mr} ? rows_ic - is : {mr},
+                   cols_jc - js < {nr} ? cols_jc - js : {nr});{out_round}
+      }}
+    }}
+    t += ib1 - ib0;
+  }}
+}}
+"""
+
+
+def _pack(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int, load: str) -> str:
+    """The loops that pack `n` rows (A) or columns (B) of operand `src` from `x0` on, K slice [k0, k0 + kn), into
+    strips of `width` (strip s holds element (x, k) at `dst[s * width * kn + k * width + x % width]`; the last strip
+    zero-padded). The loop along the operand's contiguous axis innermost, over the whole block where that is x (B as
+    stored, A transposed: rows of the operand read whole, in order), else strip by strip (A as stored, B transposed:
+    `width` rows read along k side by side)."""
+    el = load.format(x=f"s[{'x' if s_x == 1 else f'x * {s_x}L'}]")
+    head = f"""{{
+        const long n = {n}, full = n / {width} * {width};
+        if (full < n) for (long q = full * kn; q < (full + {width}) * kn; q++) {dst}[q] = 0.f;"""
+    if s_x == 1 and abs(s_k) != 1:
+        return f"""{head}
+        for (long k = 0; k < kn; k++) {{
+          const __typeof__({src}[0])* s = {src} + (k0 + k) * {s_k}L + {x0};
+          for (long x0 = 0; x0 < full; x0 += {width}, s += {width}) {{
+            float* restrict d = {dst} + x0 * kn + k * {width};
+            for (long x = 0; x < {width}; x++) d[x] = {el};
+          }}
+          for (long x = 0; x < n - full; x++) {dst}[full * kn + k * {width} + x] = {el};
+        }}
+      }}"""
+    el = load.format(x=f"s[{'k' if s_k == 1 else f'k * {s_k}L'}]")
+    return f"""{head}
+        for (long x0 = 0; x0 < n; x0 += {width}) {{
+          float* restrict d = {dst} + x0 * kn;
+          for (long x = 0; x < {width} && x0 + x < n; x++) {{
+            const __typeof__({src}[0])* s = {src} + ({x0} + x0 + x) * {s_x}L + k0 * {s_k}L;
+            for (long k = 0; k < kn; k++) d[k * {width} + x] = {el};
+          }}
+        }}
+      }}"""

@@ -1,0 +1,184 @@
+"""The C backend's packed, cache-blocked matrix product (azyx.gemm_host): every layout, odd sizes, half storage,
+batches, under an epilogue, each block-size variant and each micro-kernel width, all against numpy; and which products
+take it (the rendered source says)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import Tensor, gemm, gemm_host, optimize
+from azyx.cstyle import SHARED
+from azyx.plan import KernelStep
+from azyx.runtime import RT
+
+DEV = "c:0"
+TILE = "azyx_tile_"  # the micro-kernel's name in a rendered product
+
+
+def arr(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def kernels(*targets: Tensor) -> list[KernelStep]:
+    return azyx.schedule(*targets).kernels
+
+
+def products(*targets: Tensor) -> list[KernelStep]:
+    return [s for s in kernels(*targets) if TILE in s.src]
+
+
+def close(got: np.ndarray, ref: np.ndarray, k: int, tol: float = 1e-5) -> None:
+    """Equal up to float32 reassociation over a reduce of `k` terms (relative to the largest term's scale)."""
+    scale = max(float(np.abs(ref).max()), 1.0)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * scale * max(k, 1) ** 0.5 * 4)
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 16), (65, 129, 300), (129, 300, 65), (300, 65, 129), (17, 700, 33),
+                                   (96, 513, 48)])
+def test_every_layout_against_numpy(shape: tuple[int, int, int]) -> None:
+    """A @ B, x @ W.T (W as stored), A.T @ B and A.T @ W.T, operands sliced out of larger tensors (offsets, row
+    strides), one flipped (negative strides), and A @ A.T (one buffer, both operands): each the template, each numpy's
+    product; K past a slice (700: three slices, each added into C)."""
+    m, k, n = shape
+    a, b, w, at = arr(m, k, seed=1), arr(k, n, seed=2), arr(n, k, seed=3), arr(k, m, seed=4)
+    big = arr(m + 5, k + 9, seed=5)
+    wide = arr(k + 3, 2 * n + 1, seed=6)
+    ta, tb, tw, tat, tbig, twide = (Tensor(x, device=DEV) for x in (a, b, w, at, big, wide))
+    outs = [ta @ tb, ta @ tw.T, tat.T @ tb, tat.T @ tw.T, tbig[3:3 + m, 5:5 + k] @ twide[2:2 + k, 1:1 + n],
+            ta @ twide[1:1 + k, ::2][:, :n], ta.flip(1) @ tb, ta @ ta.T]
+    refs = [a @ b, a @ w.T, at.T @ b, at.T @ w.T, big[3:3 + m, 5:5 + k] @ wide[2:2 + k, 1:1 + n],
+            a @ wide[1:1 + k, ::2][:, :n], a[:, ::-1] @ b, a @ a.T]
+    steps = products(*outs)
+    assert len(steps) == len(outs)
+    for s in steps:
+        assert s.launch.parallel == SHARED and s.launch.trip >= 1
+    for t, ref in zip(outs, refs):
+        close(t.numpy_sync(), ref, k)
+
+
+@pytest.mark.parametrize("dims", [(1, 7, 13), (7, 65, 129), (13, 1, 65), (129, 300, 1), (1, 1, 1), (15, 64, 200)])
+def test_small_products_stay_on_the_generic_path_and_are_right(dims: tuple[int, int, int]) -> None:
+    """Fewer than MIN_ROWS rows (a decode step's x @ W), columns or K: the generic kernel, still numpy's product."""
+    m, k, n = dims
+    a, b, w = arr(m, k), arr(k, n, seed=1), arr(n, k, seed=2)
+    ta, tb, tw = (Tensor(x, device=DEV) for x in (a, b, w))
+    assert products(ta @ tb, ta @ tw.T) == []
+    close((ta @ tb).numpy_sync(), a @ b, k)
+    close((ta @ tw.T).numpy_sync(), a @ w.T, k)
+
+
+def test_batched_products_and_broadcast_batch_axes() -> None:
+    """Batches: (b, m, k) @ (b, k, n); a 2-D right operand broadcast over the batch (stride 0); attention's per-head
+    products (B, H, T, D) @ (B, H, D, S), two batch axes that merge into one; K of q @ k^T along both operands' rows."""
+    x, y = arr(3, 40, 70), arr(3, 70, 24, seed=1)
+    w = arr(33, 70, seed=2)
+    q, kk, v = arr(2, 4, 48, 32, seed=3), arr(2, 4, 48, 32, seed=4), arr(2, 4, 48, 32, seed=5)
+    tx, ty, tw, tq, tk, tv = (Tensor(t, device=DEV) for t in (x, y, w, q, kk, v))
+    scores = tq @ tk.transpose(-1, -2)
+    outs = [tx @ ty, tx @ tw.T, scores, scores @ tv]
+    refs = [x @ y, x @ w.T, q @ kk.swapaxes(-1, -2), (q @ kk.swapaxes(-1, -2)) @ v]
+    steps = products(*outs)
+    assert len(steps) == 4
+    g = gemm.match(steps[2].kernel, "c")
+    assert g is not None and (g.batch, g.m, g.n, g.k) == (8, 48, 48, 32)
+    for t, ref in zip(outs, refs):
+        close(t.numpy_sync(), ref, 70)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_storage_computes_in_float32_and_rounds_once(dtype: str) -> None:
+    """float16/bfloat16 operands widen to float32 as they are packed; C accumulates in float32 (K unsliced) and is
+    rounded to the dtype once: numpy's float32 product of the rounded inputs, rounded."""
+    m, k, n = 37, 1100, 45
+    a, w = arr(m, k), arr(n, k, seed=1)
+    ta, tw = (Tensor(x, device=DEV).cast(dtype) for x in (a, w))
+    out = ta @ tw.T
+    (step,) = products(out)
+    g = gemm.match(step.kernel, "c")
+    assert g is not None and g.dtype == dtype and gemm_host.blocks(g).kc == k
+    ra, rw = ta.cast("float32").numpy_sync(), tw.cast("float32").numpy_sync()
+    got = out.cast("float32").numpy_sync()
+    ref = Tensor(ra @ rw.T, device=DEV).cast(dtype).cast("float32").numpy_sync()
+    ulp = 2.0 ** (-10 if dtype == "float16" else -7)
+    np.testing.assert_allclose(got, ref, rtol=ulp * 1.01, atol=1e-2)
+
+
+def test_a_product_under_an_epilogue_is_a_kernel_of_its_own() -> None:
+    """A Linear of many rows, bias and GELU: the product takes the template (a kernel of its own), the epilogue is
+    another kernel; a product with K under 64 fuses into its consumer as the generic path does."""
+    x, w, bias = arr(64, 256), arr(96, 256, seed=1), arr(96, seed=2)
+    tx, tw, tb = (Tensor(t, device=DEV) for t in (x, w, bias))
+    out = (tx @ tw.T + tb).gelu()
+    steps = kernels(out)
+    assert [TILE in s.src for s in steps] == [True, False]
+    h = x @ w.T + bias
+    ref = 0.5 * h * (1 + np.vectorize(__import__("math").erf)(h / np.sqrt(2)))
+    close(out.numpy_sync(), ref.astype(np.float32), 256)
+    short = (tx[:, :32] @ tw[:, :32].T + tb).relu()
+    assert products(short) == []
+    close(short.numpy_sync(), np.maximum(x[:, :32] @ w[:, :32].T + bias, 0), 32)
+
+
+@pytest.fixture
+def c1_dialect(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    RT.plan_cache.clear()
+    yield
+    RT.plan_cache.clear()
+
+
+@pytest.mark.parametrize("simd", [16, 64])
+def test_other_vector_widths(simd: int, c1_dialect: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The micro-kernels of 16-byte vectors (SSE, NEON: 6 x 8) and of AVX-512 (12 x 32; gcc splits its vectors where
+    the CPU has no AVX-512) give numpy's products too (c:1 made to render them)."""
+    dev = RT.device("c:1")
+    monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, simd=simd))
+    m, k, n = 77, 400, 70
+    a, w, b = arr(m, k), arr(n, k, seed=1), arr(k, n, seed=2)
+    ta, tw, tb = (Tensor(x, device="c:1") for x in (a, w, b))
+    steps = products(ta @ tw.T, ta @ tb)
+    mr, nr = gemm_host.HOST_BLOCKS[simd][0].mr, gemm_host.HOST_BLOCKS[simd][0].nr
+    assert len(steps) == 2 and all(f"{TILE}{mr}x{nr}_{simd // 4}" in s.src for s in steps)
+    close((ta @ tw.T).numpy_sync(), a @ w.T, k)
+    close((ta @ tb).numpy_sync(), a @ b, k)
+
+
+def test_blocks_cover_the_product_and_give_every_thread_parts() -> None:
+    """Blocks are whole register tiles, cover C, and there are at least a few per thread where the product allows."""
+    for (m, n, k, batch) in [(1024, 1024, 1024, 1), (128, 2304, 768, 1), (4096, 384, 1536, 1), (16, 16, 16, 1),
+                             (128, 128, 64, 384), (17, 4000, 33, 1)]:
+        for v in range(gemm_host.variants(32)):
+            g = gemm.Gemm(m, n, k, batch, (1, 0, 0, k, 1), (2, 0, 0, n, 1), "c", "float32", 32, 2, v)
+            bl = gemm_host.blocks(g)
+            assert bl.mc % bl.mr == 0 and bl.nc % bl.nr == 0 and bl.kc <= k
+            n_i, n_j = -(-m // bl.mc), -(-n // bl.nc)
+            assert gemm_host.trip(g) == batch * n_i * n_j and (n_i - 1) * bl.mc < m and (n_j - 1) * bl.nc < n
+            if m * n >= 8 * 4 * bl.mr * bl.nr:
+                assert gemm_host.trip(g) >= gemm_host.PARTS_PER_THREAD * 2
+
+
+def test_the_search_tries_block_sizes_and_each_gives_numpys_product(fresh_cache: Path) -> None:
+    """The kernel search's candidates for a host product are its other block sizes (BLOCK), never register tiles;
+    each renders its own kernel, and every one gives the default's result (the search rejects none); the winner, from
+    the cache, still gives numpy's product."""
+    m, k, n = 200, 900, 150
+    a, w = arr(m, k), arr(n, k, seed=1)
+    ta, tw = Tensor(a, device=DEV), Tensor(w, device=DEV)
+    (step,) = products(ta @ tw.T)
+    base = step.kernel.base or step.kernel
+    dev = RT.device(DEV)
+    cands = optimize.candidates(base, dev.dialect, dev.search_actions, "thorough")
+    assert cands == [(optimize.Opt(optimize.BLOCK, 0, v),) for v in range(1, gemm_host.variants(dev.dialect.simd))]
+    srcs = {dev.render_ir(optimize.apply(base, c))[1] for c in cands} | {step.src}
+    assert len(srcs) == len(cands) + 1 and all(TILE in s for s in srcs)
+    (found,) = azyx.tune_sync(ta @ tw.T, level="quick")
+    assert not found.cached and found.rejected == 0 and found.tried == len(cands) + 1
+    RT.plan_cache.clear()  # (planned again: with the winner)
+    (again,) = products(ta @ tw.T)
+    assert again.src == dev.render_ir(optimize.apply(base, found.winner))[1]
+    close((ta @ tw.T).numpy_sync(), a @ w.T, k)
