@@ -40,7 +40,8 @@ def test_matmul_is_one_fused_multiply_reduce() -> None:
     a = Tensor(rng.standard_normal((64, 48)).astype(np.float32))
     b = Tensor(rng.standard_normal((48, 32)).astype(np.float32))
     ks = _kernels(a @ b)
-    assert len(ks) == 1 and "acc" in ks[0].src
+    # one kernel: the generic reduce's accumulators, or the C backend's product template (64 rows take it)
+    assert len(ks) == 1 and ("acc" in ks[0].src or "AZYX_HOST_GEMM" in ks[0].src)
     np.testing.assert_allclose((a @ b).numpy_sync(), a.numpy_sync() @ b.numpy_sync(), rtol=1e-4, atol=1e-4)
 
 
