@@ -140,6 +140,10 @@ def match(k: Kernel, target: str = "cuda", tensor_cores: bool = False, simd: int
     batch, (xb, yb, ob) = strides
     if batch > 1 and ob != m * n:
         return None
+    if batch > 1 and yb == 0 and fx.get("i", 0) != 0 and xb == m * fx["i"]:
+        # `x @ W.T` over a (B, T, C) activation: the batch's rows are one M of B*T rows against one weight, packed
+        # and tiled once instead of once per batch element
+        m, batch, xb = m * batch, 1, 0
     return Gemm(m, n, kk, batch,
                 (x.arg[0], fx["off"], xb, fx.get("i", 0), fx["r"]),
                 (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target, dt.name, simd, workers, k.variant)
