@@ -53,15 +53,26 @@ FLOAT_STORES = {"float32": "{x}", "float16": "(_Float16)({x})", "bfloat16": "f2b
 
 
 MIN_ROWS, MIN_COLS, MIN_K = 16, 16, 16  # smaller products stay on the generic path (see `product`)
+# `x @ W.T` (W as nn.Linear stores it) from 8 rows: the generic path copies W.T whole first. (AMD EPYC, 2 threads: 8
+# rows against 1536 x 384 and 384 x 1536 ran 2.5-9x faster packed; against GPT-2's 50257 x 768 head 2 and 4 rows ran
+# 2-3x slower packed, its transposing pack the bound, 8 as fast, 15 2x faster)
+MIN_ROWS_TRANSPOSED = 8
 
 
 def product(k: Kernel, simd: int, workers: int) -> Gemm | None:
     """The product `k` computes where this kernel takes it: at least MIN_ROWS rows (a decode step's `x @ W`, one row,
-    runs as fast on the generic path's column tiles, without packing all of W), MIN_COLS columns and MIN_K long."""
+    runs as fast on the generic path's column tiles, without packing all of W), MIN_COLS columns and MIN_K long; with
+    a right operand stored transposed (`x @ W.T`, W as `nn.Linear` keeps it) from MIN_ROWS_TRANSPOSED rows: the
+    generic path would copy W.T whole first, where packing transposes each thread's panels of it in cache."""
     g = gemm.match(k, "c", simd=simd, workers=workers)
-    if g is None or g.m < MIN_ROWS or g.n < MIN_COLS or g.k < MIN_K:
+    if g is None or g.n < MIN_COLS or g.k < MIN_K:
         return None
-    return g
+    return g if takes(g.m, g.b[3] == 1 and g.b[4] != 1) else None  # (B's strides along K, along columns)
+
+
+def takes(rows: int, transposed: bool) -> bool:
+    """Whether a product of `rows` rows takes the template (the scheduler gives it a kernel of its own)."""
+    return rows >= (MIN_ROWS_TRANSPOSED if transposed else MIN_ROWS)
 
 
 def variants(simd: int) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from azyx import attention, debug, optimize
+from azyx import attention, debug, gemm_host, optimize
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
@@ -163,6 +163,18 @@ class Planner:
         view = view_through(n, self.graph[n.src[0]].shape, inner[1])
         return None if view is None else (inner[0], view)
 
+    def view_of(self, nid: int) -> StridedView | None:
+        """The strided view through which node `nid` reads the node its movement ops start from (that node's buffer
+        where it has one, else its contiguous result), or None where they make no strided view of it."""
+        g, chain, base = self.graph, [], nid
+        while g[base].op in MOVEMENT and base not in self.done:
+            chain.append(g[base])
+            base = g[base].src[0]
+        view: StridedView | None = self.done[base][1] if base in self.done else StridedView.contiguous(g[base].shape)
+        for m in reversed(chain):
+            view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
+        return view
+
     def viewed(self, nid: int) -> tuple[int, StridedView] | None:
         """A movement node realized whole (a target, a broadcast operand, a shared view of a reduce) is a view of the
         node its movement ops start from, instead of a copy, when they are a strided view of it and that node has a
@@ -262,8 +274,16 @@ class Planner:
         axis = n.arg[1][0]
         if src.op is not Op.BINARY or src.arg != "mul" or src.shape[axis] < 64 or len(src.shape) < 3:
             return False
-        cols = src.shape[max(d for d in range(len(src.shape)) if d != axis)]  # (x @ y: (..., m, n, k) summed over k)
-        return prod(src.shape) // (src.shape[axis] * max(cols, 1)) >= 16
+        col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
+        rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
+        if dl.global_ids or rows >= gemm_host.MIN_ROWS:
+            return rows >= 16
+        # fewer rows: on the host still where the right operand is stored transposed (`x @ W.T`, gemm_host.takes)
+        row = max((d for d in range(len(src.shape)) if d not in (axis, col)), default=-1)
+        views = [self.view_of(s) for s in src.src] if row >= 0 else []
+        transposed = any(v is not None and v.strides[row] == 0 and v.strides[axis] == 1 and v.strides[col] != 1
+                         for v in views)
+        return gemm_host.takes(rows, transposed)
 
     def split_reduce(self, root: int, device: str) -> int | None:
         """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would
