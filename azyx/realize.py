@@ -36,7 +36,9 @@ class Handle(Protocol):
     id: int
 # a graph heavier than this is planned on a worker thread: planning costs ~70 us a node and ~0.5 ms more a reduce
 INLINE_PLAN_WEIGHT, REDUCE_WEIGHT = 16, 8
-BURST, CROWD = 1e-3, 8  # seconds of realizes' work in a row on a crowded loop, and how many ready handles are a crowd
+# seconds of realizes' work in a row on a crowded loop (half of a 1 ms tick: the crowd's graph building, which no
+# realize can pace, comes on top), and how many ready handles are a crowd
+BURST, CROWD = 0.5e-3, 8
 LOOP_COPY_BYTES = 1 << 20  # a host copy this large (~0.1 ms at 10 GB/s, more on a busy machine) runs on a worker
 SPIN_MISSES = 3  # a plan whose work outlasted the device's spin window this many times in a row is not polled for
 
