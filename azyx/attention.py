@@ -8,12 +8,12 @@ C (`render_c`): a parallel part is a block of BQ query rows of one batch point, 
 vector lanes run along the queries: every step of the online softmax (a query's running maximum and sum, its rescaled
 output) is lane-wise, with no horizontal reductions. The queries, times scale * log2(e) (the softmax is then a power
 of 2), are packed once per part (Q^T, E x BQ). Per block of BK keys: the scores S^T (BK x BQ) by a register tile of
-3 keys x 32 queries (twelve 8-lane accumulators, each key's element broadcast from k where it lies), the mask, the
-running maxima and sums and the powers (a polynomial exp2 on 8 lanes), the output O^T (Ev x BQ) rescaled, then
-O^T += V^T P^T by the same tile (3 output columns x 32 queries, v's elements broadcast where they lie). k and v are
-read in place when they are float32 along their last axis, else each block is packed as float32 first. The inner
-loops are GCC vector extensions (AVX2 where the machine has it). Causal key blocks past a part's last query are
-skipped.
+32 queries (3 keys x four 8-lane accumulators with AVX2, 4 keys x two 16-lane ones with AVX-512: C_TILES), each key's
+element broadcast from k where it lies; the mask, the running maxima and sums and the powers (a polynomial exp2 on
+the vector's lanes), the output O^T (Ev x BQ) rescaled, then O^T += V^T P^T by the same tile (output columns x 32
+queries, v's elements broadcast where they lie). k and v are read in place when they are float32 along their last
+axis, else each block is packed as float32 first. The inner loops are GCC vector extensions of the device's vector
+width (Dialect.simd). Causal key blocks past a part's last query are skipped.
 
 CUDA: FlashAttention-2's split, a block of 128 threads per 64 query rows of one batch point, walking the keys in
 tiles staged in shared memory. float16/bfloat16 with head dims that are multiples of 16 (`render_mma`): tensor cores
@@ -32,8 +32,10 @@ from azyx.gemm import _MMA_HELPERS
 from azyx.ir import Attention, Kernel
 
 LOG2E = 1.4426950408889634
-C_TILE = (3, 4)  # C: a register tile's rows (keys, or output columns) x 8-lane vectors (queries)
-C_BQ, C_BK = 16 * C_TILE[1], 64  # C: query rows per part (two tiles), keys per block
+# C: vector lanes -> a register tile's rows (keys, or output columns) x vectors (queries): 32 queries a tile either
+# way, 12 accumulators of 8 lanes (AVX2) or 8 of 16 (AVX-512: half the instructions, eight chains of FMAs in flight)
+C_TILES = {8: (3, 4), 16: (4, 2)}
+C_BQ, C_BK = 64, 64  # C: query rows per part (two tiles), keys per block
 C_MAX_HEAD = 256  # the longest E and Ev the C kernel takes (its blocks live on the stack)
 CUDA_MAX_HEAD = 64  # (its tiles fill the 48 KiB of shared memory a kernel may declare)
 CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys per tile, threads per block
@@ -99,10 +101,11 @@ def _load(dl: Dialect, d: DType, buf: str, idx: str) -> str:
 _C_HELPERS = """#ifndef AZYX_ATTENTION_HELPERS
 #define AZYX_ATTENTION_HELPERS
 typedef float azyx_v8 __attribute__((vector_size(32), may_alias));
-typedef int azyx_v8i __attribute__((vector_size(32), may_alias));
-#define AZYX_V8(x) ((azyx_v8){x, x, x, x, x, x, x, x})
 typedef float azyx_v8u __attribute__((vector_size(32), aligned(4), may_alias));
 static inline azyx_v8 azyx_ld8(const float* p) { return *(const azyx_v8*)p; }
+static inline void azyx_st8(float* p, azyx_v8 x) { *(azyx_v8*)p = x; }
+#define AZYX_V8(x) ((azyx_v8){x, x, x, x, x, x, x, x})
+typedef int azyx_v8i __attribute__((vector_size(32), may_alias));
 /* r[k] becomes column k of the 8 x 8 block whose rows were r[0..7] */
 static inline void azyx_tr8(azyx_v8* r) {
   const azyx_v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
@@ -118,61 +121,80 @@ static inline void azyx_tr8(azyx_v8* r) {
   for (int k = 0; k < 4; k++)
     r[k] = __builtin_shuffle(u[k], u[k + 4], l4), r[k + 4] = __builtin_shuffle(u[k], u[k + 4], h4);
 }
-static inline void azyx_st8(float* p, azyx_v8 x) { *(azyx_v8*)p = x; }
-#if defined(__AVX__)
-#include <immintrin.h>
-static inline azyx_v8 azyx_max8(azyx_v8 a, azyx_v8 b) { return (azyx_v8)_mm256_max_ps((__m256)a, (__m256)b); }
-#else  /* (a compare and a blend: a longer chain than one max) */
-static inline azyx_v8 azyx_max8(azyx_v8 a, azyx_v8 b) {
-  azyx_v8i gt = a > b; return (azyx_v8)(((azyx_v8i)a & gt) | ((azyx_v8i)b & ~gt));
-}
 #endif
-/* 2^x on 8 lanes for x <= 0 (a score less the row's maximum): 2^round(x) by its exponent bits times a polynomial of
+"""
+
+# the lane-wise operations of the online softmax and the register tiles, per vector width (W lanes): {W} and {B}
+# (bytes) filled in by _vector_helpers; the maximum is one instruction where the ISA has it (else a compare and blend)
+_VECTOR_HELPERS = """#ifndef AZYX_ATTENTION_V{W}
+#define AZYX_ATTENTION_V{W}
+#if {W} != 8
+typedef float azyx_v{W} __attribute__((vector_size({B}), may_alias));
+typedef int azyx_v{W}i __attribute__((vector_size({B}), may_alias));
+static inline azyx_v{W} azyx_ld{W}(const float* p) {{ return *(const azyx_v{W}*)p; }}
+static inline void azyx_st{W}(float* p, azyx_v{W} x) {{ *(azyx_v{W}*)p = x; }}
+#endif
+static inline azyx_v{W} azyx_splat{W}(float x) {{ return x - (azyx_v{W}){{0}}; }}
+#if {W} == 8 && defined(__AVX__) || {W} == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+static inline azyx_v{W} azyx_max{W}(azyx_v{W} a, azyx_v{W} b) {{ return (azyx_v{W}){MAX}((__m{BITS})a, (__m{BITS})b); }}
+#else
+static inline azyx_v{W} azyx_max{W}(azyx_v{W} a, azyx_v{W} b) {{
+  azyx_v{W}i gt = a > b; return (azyx_v{W})(((azyx_v{W}i)a & gt) | ((azyx_v{W}i)b & ~gt));
+}}
+#endif
+/* 2^x on {W} lanes for x <= 0 (a score less the row's maximum): 2^round(x) by its exponent bits times a polynomial of
    the rest (degree 7, relative error ~1e-8 on [-1/2, 1/2]); x clamped to -127, whose exponent bits are 0: below
    -126.5 (a masked key's -inf too) it is 0 */
-static inline azyx_v8 azyx_exp2_8(azyx_v8 x) {
-  x = azyx_max8(x, AZYX_V8(-127.f));
-  azyx_v8 n = (x + AZYX_V8(12582912.f)) - AZYX_V8(12582912.f), f = x - n;
-  azyx_v8 p = f * AZYX_V8(1.5252733804e-5f) + AZYX_V8(1.5403530393e-4f);
-  p = p * f + AZYX_V8(1.3333558146e-3f);
-  p = p * f + AZYX_V8(9.6181291076e-3f);
-  p = p * f + AZYX_V8(5.5504108665e-2f);
-  p = p * f + AZYX_V8(2.4022650696e-1f);
-  p = p * f + AZYX_V8(6.9314718056e-1f);
-  p = p * f + AZYX_V8(1.f);
-  azyx_v8i e = (__builtin_convertvector(n, azyx_v8i) + 127) << 23;
-  return p * (azyx_v8)e;
-}
-static inline float azyx_hmax8(azyx_v8 x) {
-  float m = x[0]; for (int i = 1; i < 8; i++) m = x[i] > m ? x[i] : m; return m;
-}
-static inline float azyx_hsum8(azyx_v8 x) {
-  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
+static inline azyx_v{W} azyx_exp2_{W}(azyx_v{W} x) {{
+  x = azyx_max{W}(x, azyx_splat{W}(-127.f));
+  azyx_v{W} n = (x + 12582912.f) - 12582912.f, f = x - n;
+  azyx_v{W} p = f * 1.5252733804e-5f + 1.5403530393e-4f;
+  p = p * f + 1.3333558146e-3f;
+  p = p * f + 9.6181291076e-3f;
+  p = p * f + 5.5504108665e-2f;
+  p = p * f + 2.4022650696e-1f;
+  p = p * f + 6.9314718056e-1f;
+  p = p * f + 1.f;
+  azyx_v{W}i e = (__builtin_convertvector(n, azyx_v{W}i) + 127) << 23;
+  return p * (azyx_v{W})e;
+}}
 #endif
 """
 
 
-def _tile(a_at: str, b_at: str, loop: str, out: str, load_acc: bool) -> str:
-    """A register tile: C_TILE[0] x 8*C_TILE[1] accumulators (C_TILE[1] 8-lane vectors a row): c[r] += a(r, x) *
-    b[x][lanes] over `loop` (x its variable), a(r, x) the scalar `a_at` with {r} (broadcast), b's lanes at address
-    `b_at`; `out` with {r}: the address of row r's results (read first with `load_acc`)."""
-    rows, vecs = range(C_TILE[0]), range(C_TILE[1])
-    init = [f"azyx_v8 c{r}{v} = " + (f"azyx_ld8({out.format(r=r)} + {8 * v})" if load_acc else "AZYX_V8(0.f)") + ";"
-            for r in rows for v in vecs]
+def _vector_helpers(w: int) -> str:
+    bits = 32 * w
+    intrinsic = "_mm256_max_ps" if w == 8 else "_mm512_max_ps"
+    return _VECTOR_HELPERS.format(W=w, B=4 * w, BITS=bits, MAX=intrinsic)
+
+
+def _lanes(dl: Dialect) -> int:
+    """The vector lanes of the C kernel: 16 where the device's registers are 64 bytes (AVX-512), else 8."""
+    return 16 if dl.simd >= 64 else 8
+
+
+def _tile(w: int, a_at: str, b_at: str, loop: str, out: str, load_acc: bool) -> str:
+    """A register tile of w-lane vectors, C_TILES[w] (rows x vectors a row): c[r] += a(r, x) * b[x][lanes] over `loop`
+    (x its variable), a(r, x) the scalar `a_at` with {r} (broadcast), b's lanes at address `b_at`; `out` with {r}: the
+    address of row r's results (read first with `load_acc`)."""
+    rows, vecs = range(C_TILES[w][0]), range(C_TILES[w][1])
+    v_t = f"azyx_v{w}"
+    init = [f"{v_t} c{r}{v} = " + (f"azyx_ld{w}({out.format(r=r)} + {w * v})" if load_acc else f"azyx_splat{w}(0.f)")
+            + ";" for r in rows for v in vecs]
     body = [f"{{ const float x = {a_at.format(r=r)}; " + " ".join(f"c{r}{v} += x * b{v};" for v in vecs) + " }"
             for r in rows]
-    store = [" ".join(f"azyx_st8({out.format(r=r)} + {8 * v}, c{r}{v});" for v in vecs) for r in rows]
-    loads = ", ".join(f"b{v} = azyx_ld8({b_at} + {8 * v})" for v in vecs)
-    return "\n".join(["{", *init, f"{loop} {{", f"  const azyx_v8 {loads};", *("  " + b for b in body), "}", *store,
+    store = [" ".join(f"azyx_st{w}({out.format(r=r)} + {w * v}, c{r}{v});" for v in vecs) for r in rows]
+    loads = ", ".join(f"b{v} = azyx_ld{w}({b_at} + {w * v})" for v in vecs)
+    return "\n".join(["{", *init, f"{loop} {{", f"  const {v_t} {loads};", *("  " + b for b in body), "}", *store,
                       "}"])
 
 
 def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: str) -> str:
     """The C kernel (see the module docstring): `name(lo, hi, out, q, k, v[, mask], scalars...)` over parts lo..hi."""
-    bq, bk = C_BQ, C_BK
+    bq, bk, w = C_BQ, C_BK, _lanes(dl)
     E, Ev, L, S = a.E, a.Ev, a.L, a.S
-    tr, lanes = C_TILE[0], 8 * C_TILE[1]
+    tr, lanes = C_TILES[w][0], w * C_TILES[w][1]
     evt = -(-Ev // tr) * tr  # (the output's columns, computed tr at a time: the last few read column Ev - 1 again)
     nqb = -(-L // bq)
     it = "long"
@@ -202,8 +224,8 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     k_rows = " ".join(f"const float* k{r} = kp + (j0 + {r} < kn ? j0 + {r} : kn - 1) * {k_s if k_here else E}L;"
                       for r in range(tr))
     v_cols = " ".join(f"const float* v{r} = vp + (c0 + {r} < {Ev} ? c0 + {r} : {Ev - 1});" for r in range(tr))
-    qk = _tile("k{r}[e]", "&QT[e][i0]", f"for (int e = 0; e < {E}; e++)", "&PT[j0 + {r}][i0]", False)
-    pv = _tile(f"v{{r}}[j * {v_s if v_here else Ev}L]", "&PT[j][i0]", "for (int j = 0; j < kn; j++)",
+    qk = _tile(w, "k{r}[e]", "&QT[e][i0]", f"for (int e = 0; e < {E}; e++)", "&PT[j0 + {r}][i0]", False)
+    pv = _tile(w, f"v{{r}}[j * {v_s if v_here else Ev}L]", "&PT[j][i0]", "for (int j = 0; j < kn; j++)",
                "&OT[c0 + {r}][i0]", True)
     q_fast = o_fast = ""  # whole groups of 8 rows transposed 8 x 8 at a time where q (the output) is float32 rows
     if qt is f32 and q_e == 1 and E % 8 == 0:
@@ -229,7 +251,7 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     k_block = _block(dl, "k", kt, "d2", k_here, k_s, k_e, E)
     v_block = _block(dl, "v", vt, "d3", v_here, v_s, v_e, Ev)
     offsets = "\n    ".join(_offsets(a, "b", it))
-    return _C_HELPERS + f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
+    return _C_HELPERS + _vector_helpers(w) + f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
   _Alignas(64) float QT[{E}][{bq}];  /* the query rows, transposed, times scale * log2(e) */
   _Alignas(64) float PT[{bk + tr}][{bq}];  /* scores of a key block, transposed; then their powers of 2 */
   _Alignas(64) float OT[{evt}][{bq}];  /* the output rows, transposed */
@@ -239,7 +261,7 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
   const float qs = (float)({scale}) * {LOG2E}f;
   for ({it} part = lo; part < hi; part++) {{
     const {it} b = part / {nqb}, q0 = part % {nqb} * {bq};
-    const int qn = {L} - q0 < {bq} ? (int)({L} - q0) : {bq}, qv = (qn + 7) / 8 * 8;
+    const int qn = {L} - q0 < {bq} ? (int)({L} - q0) : {bq}, qv = (qn + {w - 1}) / {w} * {w};
     const int qt = (qn + {lanes - 1}) / {lanes} * {lanes};
     const {it} oo = b * {L * Ev}L;
     {offsets}
@@ -259,21 +281,21 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
 {_indent(qk, 10)}
       }}
       {chr(10).join("      " + x for x in masks).strip()}
-      for (int i0 = 0; i0 < qv; i0 += 8) {{
-        const azyx_v8 m0 = azyx_ld8(m + i0);
-        azyx_v8 mx = m0;
-        for (int j = 0; j < kn; j++) mx = azyx_max8(mx, azyx_ld8(&PT[j][i0]));
-        const azyx_v8 ms = (azyx_v8)((azyx_v8i)mx & ~(mx == AZYX_V8(-INFINITY)));  /* a row all masked: 0 */
-        const azyx_v8 alpha = azyx_exp2_8(m0 - ms);
-        azyx_v8 sum = AZYX_V8(0.f);
+      for (int i0 = 0; i0 < qv; i0 += {w}) {{
+        const azyx_v{w} m0 = azyx_ld{w}(m + i0);
+        azyx_v{w} mx = m0;
+        for (int j = 0; j < kn; j++) mx = azyx_max{w}(mx, azyx_ld{w}(&PT[j][i0]));
+        const azyx_v{w} ms = (azyx_v{w})((azyx_v{w}i)mx & ~(mx == azyx_splat{w}(-INFINITY)));  /* a row all masked: 0 */
+        const azyx_v{w} alpha = azyx_exp2_{w}(m0 - ms);
+        azyx_v{w} sum = azyx_splat{w}(0.f);
         for (int j = 0; j < kn; j++) {{
-          const azyx_v8 p = azyx_exp2_8(azyx_ld8(&PT[j][i0]) - ms);
-          azyx_st8(&PT[j][i0], p);
+          const azyx_v{w} p = azyx_exp2_{w}(azyx_ld{w}(&PT[j][i0]) - ms);
+          azyx_st{w}(&PT[j][i0], p);
           sum += p;
         }}
-        azyx_st8(l + i0, azyx_ld8(l + i0) * alpha + sum);
-        azyx_st8(m + i0, mx);
-        for (int c = 0; c < {evt}; c++) azyx_st8(&OT[c][i0], azyx_ld8(&OT[c][i0]) * alpha);
+        azyx_st{w}(l + i0, azyx_ld{w}(l + i0) * alpha + sum);
+        azyx_st{w}(m + i0, mx);
+        for (int c = 0; c < {evt}; c++) azyx_st{w}(&OT[c][i0], azyx_ld{w}(&OT[c][i0]) * alpha);
       }}
       {v_block}
       for (int c0 = 0; c0 < {evt}; c0 += {tr}) {{

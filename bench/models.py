@@ -170,9 +170,11 @@ async def attention(device: str, length: int, repeats: int, torch: Any) -> list[
     q, k, v = (rng.standard_normal((1, 8, length, 64), dtype=np.float32) for _ in range(3))
     tq, tk, tv = (Tensor(a, device=device) for a in (q, k, v))
     await azyx.realize(tq, tk, tv)
-    s = q @ k.transpose(0, 1, 3, 2) / 8.0
+    # (einsum: numpy's loops, not OpenBLAS, whose threads spin on both cores for ~0.1 s after a product: the timing
+    # below would share the machine with them)
+    s = np.einsum("bhld,bhsd->bhls", q, k) / 8.0
     p = np.exp(s - s.max(-1, keepdims=True))
-    ref = (p / p.sum(-1, keepdims=True)) @ v
+    ref = np.einsum("bhls,bhsd->bhld", p / p.sum(-1, keepdims=True), v)
     np.testing.assert_allclose(await azyx.nn.scaled_dot_product_attention(tq, tk, tv).numpy(), ref, rtol=1e-4,
                                atol=1e-5)
 

@@ -7,6 +7,7 @@ state dict and gives its outputs and weights; GELU, SiLU and RMSNorm."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -336,3 +337,25 @@ async def test_gelu_silu_rmsnorm_layers(device: str) -> None:
         mine.load_state_dict({"weight": ref.weight.detach().numpy()})
         np.testing.assert_allclose(await mine(t).numpy(), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-5,
                                    atol=1e-6)
+
+
+@pytest.mark.parametrize("simd", [32, 64])
+async def test_the_c_kernel_of_each_vector_width(simd: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernel's 8-lane (AVX2) and 16-lane (AVX-512) forms both give the reference, with every mask kind and odd
+    lengths (c:1 made to render each: gcc splits 16-lane vectors where the CPU has no AVX-512)."""
+    dev = RT.device("c:1")
+    monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, simd=simd))
+    RT.plan_cache.clear()
+    try:
+        q, k, v = randn(2, 3, 77, 64), randn(2, 3, 131, 64), randn(2, 3, 131, 40)
+        for mode in ("none", "causal", "bool", "float"):
+            mask = mask_for(mode, 77, 131)
+            out = nn.scaled_dot_product_attention(*(Tensor(x, device="c:1") for x in (q, k, v)),
+                                                  causal=mode == "causal",
+                                                  mask=None if mask is None else Tensor(mask, device="c:1"))
+            (step,) = azyx.schedule(out).kernels
+            assert f"azyx_v{simd // 4} c00" in step.src
+            np.testing.assert_allclose(await out.numpy(), sdpa_ref(q, k, v, mask, mode == "causal"), rtol=1e-4,
+                                       atol=2e-5)
+    finally:
+        RT.plan_cache.clear()
