@@ -53,10 +53,11 @@ FLOAT_STORES = {"float32": "{x}", "float16": "(_Float16)({x})", "bfloat16": "f2b
 
 
 MIN_ROWS, MIN_COLS, MIN_K = 16, 16, 16  # smaller products stay on the generic path (see `product`)
-# `x @ W.T` (W as nn.Linear stores it) from 8 rows: the generic path copies W.T whole first. (AMD EPYC, 2 threads: 8
-# rows against 1536 x 384 and 384 x 1536 ran 2.5-9x faster packed; against GPT-2's 50257 x 768 head 2 and 4 rows ran
-# 2-3x slower packed, its transposing pack the bound, 8 as fast, 15 2x faster)
-MIN_ROWS_TRANSPOSED = 8
+# `x @ W.T` (W as nn.Linear stores it) from 2 rows: the generic path copies W.T whole first, where the template reads
+# W in place (up to a register tile's rows: `skinny`) or packs it panel by panel. (AMD EPYC, 2 threads, against
+# 1536 x 384, 384 x 1536 and GPT-2's 50257 x 768: 2 to 12 rows ran 1.3-5x faster; one row stays generic: a dot
+# product per output, W read once)
+MIN_ROWS_TRANSPOSED = 2
 
 
 def product(k: Kernel, simd: int, workers: int) -> Gemm | None:
@@ -114,9 +115,70 @@ def blocks(g: Gemm) -> Blocks:
 
 
 def trip(g: Gemm) -> int:
-    """Blocks of C the shared loop runs over: batch x column panels x row blocks."""
+    """Blocks of C the shared loop runs over: batch x column panels x row blocks (skinny: batch x column blocks)."""
+    if skinny(g):
+        return g.batch * _cdiv(g.n, _skinny_cols(g))
     bl = blocks(g)
     return g.batch * _cdiv(g.n, bl.nc) * _cdiv(g.m, bl.mc)
+
+
+def skinny(g: Gemm) -> bool:
+    """Whether `g` takes the dot-product form: a float32 `x @ W.T` (both operands contiguous along K) of no more rows
+    than a register tile holds. Each column of C is then dot products of W's row with x's few rows, vectorised along
+    K: W is read once, in place, where packing it would write and read all of it again (MiniLM at batch 1: its
+    products ran 2-4x faster so)."""
+    return (g.dtype == "float32" and g.m <= HOST_BLOCKS[_width(g.simd)][0].mr and g.a[4] == 1 and g.b[3] == 1
+            and g.b[4] != 1 and g.k >= _width(g.simd) // 4)
+
+
+def _skinny_cols(g: Gemm) -> int:
+    """Columns of C per part of the skinny form: an even number, PARTS_PER_THREAD parts a thread where N allows."""
+    return max(2, _cdiv(_cdiv(g.n, PARTS_PER_THREAD * g.workers), 2) * 2)
+
+
+def render_skinny(g: Gemm, name: str, ctype: str) -> str:
+    """The dot-product form (see `skinny`): `name(lo, hi, C, operands...)` over blocks of columns; two columns of C
+    at a time, each row's partial sums in one vector per column, summed across the lanes at the end."""
+    vl = _width(g.simd) // 4
+    vt, vu = f"azyx_v{vl}", f"azyx_v{vl}u"
+    pa, a_off, a_sb, a_si, _ = g.a
+    pb, b_off, b_sb, _, b_sj = g.b
+    cols, n_j, kv = _skinny_cols(g), _cdiv(g.n, _skinny_cols(g)), g.k // vl * vl
+    params = ", ".join(f"const {ctype}* restrict d{i}" for i in range(1, 1 + max(pa, pb)))
+    rows = range(g.m)
+    decl = " ".join(f"{vt} s{i}_0 = {{0}}, s{i}_1 = {{0}};" for i in rows)
+    fmas = "\n".join(f"        {{ const {vt} a = *(const {vu}*)(A + {i * a_si}L + k); "
+                      f"s{i}_0 += a * w0; s{i}_1 += a * w1; }}" for i in rows)
+    tails = "\n".join(f"        r{i}_0 += A[{i * a_si}L + k] * b0[k]; r{i}_1 += A[{i * a_si}L + k] * b1[k];"
+                       for i in rows)
+    sums = "\n".join(f"      float r{i}_0 = 0.f, r{i}_1 = 0.f;\n"
+                      f"      for (int l = 0; l < {vl}; l++) r{i}_0 += s{i}_0[l], r{i}_1 += s{i}_1[l];" for i in rows)
+    stores = "\n".join(f"      C[{i * g.n}L + j] = r{i}_0; if (two) C[{i * g.n}L + j + 1] = r{i}_1;" for i in rows)
+    return _HELPERS + f"""
+void {name}(long lo, long hi, float* restrict d0, {params}) {{
+  for (long t = lo; t < hi; t++) {{
+    const long bz = t / {n_j}, j0 = t % {n_j} * {cols}, j1 = j0 + {cols} < {g.n} ? j0 + {cols} : {g.n};
+    const float* A = d{pa} + {a_off}L + bz * {a_sb}L;
+    const float* B = d{pb} + {b_off}L + bz * {b_sb}L;
+    float* C = d0 + bz * {g.m * g.n}L;
+    for (long j = j0; j < j1; j += 2) {{
+      const int two = j + 1 < j1;
+      const float* b0 = B + j * {b_sj}L;
+      const float* b1 = two ? b0 + {b_sj}L : b0;
+      {decl}
+      for (long k = 0; k < {kv}; k += {vl}) {{
+        const {vt} w0 = *(const {vu}*)(b0 + k), w1 = *(const {vu}*)(b1 + k);
+{fmas}
+      }}
+{sums}
+      for (long k = {kv}; k < {g.k}; k++) {{
+{tails}
+      }}
+{stores}
+    }}
+  }}
+}}
+"""
 
 
 _HELPERS = """#ifndef AZYX_HOST_GEMM
@@ -153,6 +215,8 @@ static float* azyx_scratch(int slot, size_t floats) {
 def render_c(g: Gemm, name: str, ctype: str) -> str:
     """The product as a SHARED C kernel, `name(lo, hi, C, operands...)`: blocks [lo, hi) of `trip(g)`. `ctype`: the C
     type of the dtype's storage (the C dialect's table)."""
+    if skinny(g):
+        return render_skinny(g, name, ctype)
     bl = blocks(g)
     mr, nr, mc, kc, nc = bl.mr, bl.nr, bl.mc, bl.kc, bl.nc
     vl = _width(g.simd) // 4

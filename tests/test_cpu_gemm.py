@@ -19,6 +19,7 @@ from azyx.runtime import RT
 
 DEV = "c:0"
 TILE = "azyx_tile_"  # the micro-kernel's name in a rendered product
+PRODUCT = "#define AZYX_HOST_GEMM"  # the template's helpers: in every product it renders, packed or skinny
 
 
 def arr(*shape: int, seed: int = 0) -> np.ndarray:
@@ -30,7 +31,7 @@ def kernels(*targets: Tensor) -> list[KernelStep]:
 
 
 def products(*targets: Tensor) -> list[KernelStep]:
-    return [s for s in kernels(*targets) if TILE in s.src]
+    return [s for s in kernels(*targets) if PRODUCT in s.src]
 
 
 def close(got: np.ndarray, ref: np.ndarray, k: int, tol: float = 1e-5) -> None:
@@ -151,6 +152,10 @@ def test_other_vector_widths(simd: int, c1_dialect: None, monkeypatch: pytest.Mo
     assert len(steps) == 2 and all(f"{TILE}{mr}x{nr}_{simd // 4}" in s.src for s in steps)
     close((ta @ tw.T).numpy_sync(), a @ w.T, k)
     close((ta @ tb).numpy_sync(), a @ b, k)
+    few = Tensor(a[:4], device="c:1") @ tw.T  # the dot-product form of this width
+    (step,) = products(few)
+    assert TILE not in step.src and f"azyx_v{simd // 4}u" in step.src
+    close(few.numpy_sync(), a[:4] @ w.T, k)
 
 
 def test_blocks_cover_the_product_and_give_every_thread_parts() -> None:
@@ -187,3 +192,25 @@ def test_the_search_tries_block_sizes_and_each_gives_numpys_product(fresh_cache:
     (again,) = products(ta @ tw.T)
     assert again.src == dev.render_ir(optimize.apply(base, found.winner))[1]
     close((ta @ tw.T).numpy_sync(), a @ w.T, k)
+
+
+@pytest.mark.parametrize("dims", [(2, 384, 1536), (5, 67, 33), (12, 130, 17), (3, 16, 100)])
+def test_a_few_rows_against_a_stored_weight_take_the_dot_product_form(dims: tuple[int, int, int]) -> None:
+    """`x @ W.T` of 2 up to a register tile's rows (a short sequence through nn.Linear): W is read in place, each
+    column of C dot products along K (no micro-kernel, no packing), with odd columns and a K that is no multiple of
+    the vector; batch axes over one weight fold into the rows; x transposed (not contiguous along K) is packed."""
+    m, k, n = dims
+    x, w = arr(m, k), arr(n, k, seed=1)
+    tx, tw = Tensor(x, device=DEV), Tensor(w, device=DEV)
+    (step,) = products(tx @ tw.T)
+    skinny = m <= gemm_host.HOST_BLOCKS[RT.device(DEV).dialect.simd][0].mr
+    assert (TILE not in step.src) == skinny
+    close((tx @ tw.T).numpy_sync(), x @ w.T, k)
+    xb = arr(2, 1, k, seed=3)  # (2, 1, K): two rows of a batch against one weight
+    (step,) = products(Tensor(xb, device=DEV) @ tw.T)
+    assert TILE not in step.src
+    close((Tensor(xb, device=DEV) @ tw.T).numpy_sync(), xb @ w.T, k)
+    xt = arr(k, m, seed=4)
+    (step,) = products(Tensor(xt, device=DEV).T @ tw.T)
+    assert TILE in step.src
+    close((Tensor(xt, device=DEV).T @ tw.T).numpy_sync(), xt.T @ w.T, k)
