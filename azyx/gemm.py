@@ -32,7 +32,8 @@ class Gemm:
     batch: int
     a: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along i, along r
     b: tuple[int, int, int, int, int]  # parameter, offset, stride along b, along r, along j
-    target: str = "cuda"  # "cuda", "glsl" (Vulkan: no float atomics to split K with) or "c" (host: gemm_host)
+    target: str = "cuda"  # "cuda", "glsl" (Vulkan: no float atomics to split K with), "c" (host: gemm_host) or "cl"
+    # (OpenCL on a CPU: gemm_host.render_cl)
     dtype: str = "float32"  # float16 / bfloat16: the tensor-core kernel (render_mma), C in that dtype; host: packed
     simd: int = 32  # host: vector register width in bytes (the micro-kernel's shape: gemm_host.HOST_BLOCKS)
     workers: int = 1  # host: threads that share the kernel's blocks

@@ -51,6 +51,8 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
     body = None
     if g is not None and g.target == "c":
         body = gemm_host.render_c(g, "KERNEL", dl.types[g.dtype])
+    elif g is not None and g.target == "cl":
+        body = gemm_host.render_cl(g, "KERNEL")
     elif g is not None:
         body = gemm.render_glsl(g, "KERNEL", dl.prelude, dl.max_groups) if dl.glsl else gemm.render_cuda(g, "KERNEL")
         g = g if body is not None else None
@@ -65,19 +67,25 @@ def product_of(k: Kernel, dl: Dialect, threads: int = 1) -> gemm.Gemm | None:
     host ones) and the template takes it, else None (the generic C-family rendering)."""
     if not dl.gemm:
         return None
+    target = product_target(dl)
+    if target == "cl":
+        return gemm_host.product_cl(k, dl.simd)
     if dl.global_ids:
-        return gemm.match(k, product_target(dl), dl.tensor_cores)
+        return gemm.match(k, target, dl.tensor_cores)
     return gemm_host.product(k, dl.simd, threads)
 
 
 def product_target(dl: Dialect) -> str:
-    """The `gemm.match` target of a dialect with a product template: "c" on the host, "glsl" for Vulkan, else "cuda"."""
-    return "c" if not dl.global_ids else "glsl" if dl.glsl else "cuda"
+    """The `gemm.match` target of a dialect with a product template: "c" on the host, "glsl" for Vulkan, "cl" for
+    OpenCL (whose devices have the template on a CPU only: OpenCLDevice), else "cuda"."""
+    return "c" if not dl.global_ids else "glsl" if dl.glsl else "cl" if dl.name == "opencl" else "cuda"
 
 
 def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = None) -> Launch:
     if g is not None and g.target == "c":  # blocks of C shared by the device's threads (one: a single call)
         return Launch(trip=gemm_host.trip(g), parallel=SHARED)
+    if g is not None and g.target == "cl":  # a work group of one item per tile of C
+        return Launch((gemm_host.cl_items(g), 1, 1), 1)
     if g is not None:
         return Launch(g.grid(), g.threads, zero=4 * g.m * g.n * g.batch if g.split[0] > 1 else 0)
     if not dl.global_ids:  # host: the kernel loops itself; threads may share one of its loops

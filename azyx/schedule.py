@@ -542,7 +542,9 @@ class Planner:
         b = prod([shape[d] for d in groups[-1]])
         ta = next((t for t in (TILE[0], 4, 2) if a % t == 0), None)
         tb = next((t for t in (TILE[1], 16, 8) if b % t == 0), None)
-        if ta is None or tb is None:
+        # (OpenCL on a CPU: its product template takes any sizes once the right operand is contiguous)
+        template = dev.dialect is not None and dev.dialect.gemm and product_target(dev.dialect) == "cl"
+        if (ta is None or tb is None) and not template:
             return None
         gi, gj = k.gvars[-2], k.gvars[-1]
         loads = [v for v in toposort(*k.values) if v.op == "load"]
@@ -563,7 +565,7 @@ class Planner:
                     self.realize(i, copy=True)  # type: ignore[arg-type]
                 return "retry"  # type: ignore[return-value]
             return None  # a dot product per output instead, vectorised along the reduce
-        return ta, tb
+        return None if ta is None or tb is None else (ta, tb)
 
     @staticmethod
     def column_tile(k: Kernel) -> tuple[int, int] | None:

@@ -1,6 +1,6 @@
 """The C backend's packed, cache-blocked matrix product (azyx.gemm_host): every layout, odd sizes, half storage,
 batches, under an epilogue, each block-size variant and each micro-kernel width, all against numpy; and which products
-take it (the rendered source says)."""
+take it (the rendered source says). OpenCL on a CPU (PoCL): its register-tiled template, likewise."""
 
 from __future__ import annotations
 
@@ -214,3 +214,42 @@ def test_a_few_rows_against_a_stored_weight_take_the_dot_product_form(dims: tupl
     (step,) = products(Tensor(xt, device=DEV).T @ tw.T)
     assert TILE in step.src
     close((Tensor(xt, device=DEV).T @ tw.T).numpy_sync(), xt.T @ w.T, k)
+
+
+CL = "opencl:0"
+needs_cl_cpu = pytest.mark.skipif(CL not in azyx.devices() or not RT.device(CL).dialect.gemm,
+                                  reason="no OpenCL CPU device (PoCL)")
+
+
+@needs_cl_cpu
+@pytest.mark.parametrize("dims", [(64, 64, 64), (77, 65, 33), (100, 300, 250), (16, 1000, 17)])
+def test_opencl_products_take_the_cpu_template_in_every_layout(dims: tuple[int, int, int]) -> None:
+    """On PoCL a product of float32 operands is one work item per tile of C (a work group of one): A @ B, A.T @ B, a
+    sliced and a flipped operand, a batch, a weight broadcast over the batch; `x @ W.T` copies W.T first (as the
+    generic path does) and then takes it too; edge tiles of odd sizes store only C's own cells."""
+    m, k, n = dims
+    a, b, w, at = arr(m, k), arr(k, n, seed=1), arr(n, k, seed=2), arr(k, m, seed=3)
+    big = arr(m + 3, k + 2, seed=4)
+    ta, tb, tw, tat, tbig = (Tensor(x, device=CL) for x in (a, b, w, at, big))
+    xb, yb = arr(3, m, k, seed=5), arr(3, k, n, seed=6)
+    txb, tyb = Tensor(xb, device=CL), Tensor(yb, device=CL)
+    outs = [ta @ tb, tat.T @ tb, tbig[2:2 + m, 1:1 + k] @ tb, ta.flip(1) @ tb, txb @ tyb, txb @ tb, ta @ tw.T]
+    refs = [a @ b, at.T @ b, big[2:2 + m, 1:1 + k] @ b, a[:, ::-1] @ b, xb @ yb, xb @ b, a @ w.T]
+    for t, ref in zip(outs, refs):
+        steps = kernels(t)
+        assert sum("reqd_work_group_size(1, 1, 1)" in s.src for s in steps) == 1, [s.src[:200] for s in steps]
+        close(t.numpy_sync(), ref, k)
+
+
+@needs_cl_cpu
+def test_opencl_small_and_half_products_stay_generic() -> None:
+    """Fewer than MIN_ROWS rows, or half operands: the generic OpenCL kernels, still numpy's products."""
+    a, b = arr(5, 64), arr(64, 40, seed=1)
+    ta, tb = Tensor(a, device=CL), Tensor(b, device=CL)
+    assert not any("reqd_work_group_size" in s.src for s in kernels(ta @ tb))
+    close((ta @ tb).numpy_sync(), a @ b, 64)
+    h = ta.cast("float16") @ tb.cast("float16")
+    assert not any("reqd_work_group_size" in s.src for s in kernels(Tensor(arr(32, 64), device=CL).cast("float16")
+                                                                     @ tb.cast("float16")))
+    np.testing.assert_allclose(h.cast("float32").numpy_sync(), a @ b, rtol=2e-2, atol=2e-2 * 8)
+

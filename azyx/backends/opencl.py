@@ -13,13 +13,14 @@ wait happens in the OpenCL runtime, never on the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
 
 import numpy as np
 
-from azyx import debug
+from azyx import debug, gemm_host
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import OPENCL
@@ -69,6 +70,9 @@ class OpenCLDevice(QueuedDevice):
         self.allocator = PoolAllocator(self.capacity, self.capacity // 4,
                                        lambda size: cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size), self.name)
         self.compute = float(self.cl_device.max_compute_units * 25)  # rough GFLOP/s, for AUTO placement
+        if self.cl_device.type & cl.device_type.CPU:  # (PoCL) matrix products by a CPU-style template
+            width = 4 * int(self.cl_device.native_vector_width_float)
+            self.dialect = dataclasses.replace(OPENCL, gemm=True, simd=width if width in (16, 32, 64) else 16)
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
@@ -78,7 +82,8 @@ class OpenCLDevice(QueuedDevice):
     def identity(self) -> dict[str, Any]:
         d = self.cl_device
         return {**super().identity(), "platform": f"{d.platform.name} {d.platform.version}", "device": d.name,
-                "driver": d.driver_version, "version": d.version, "units": int(d.max_compute_units)}
+                "driver": d.driver_version, "version": d.version, "units": int(d.max_compute_units),
+                "gemm": gemm_host.VERSION if self.dialect.gemm else None}
 
     # ------------------------------------------------------------------ memory
     def memory(self) -> MemoryUsage:
