@@ -15,9 +15,10 @@ from its `tokenizer.json` (the `tokenizers` package): `pip install tokenizers tq
   LayerNorm, 6 layers of 12-head self-attention with the padding mask, GELU (erf) feed-forward, residuals and
   LayerNorms (eps 1e-12), then mean pooling over the real tokens and L2 normalisation, as sentence-transformers
   does for this model. No realize inside: one plan per batch shape.
-- Serving: `EmbeddingService.embed(sentences)` may be called by many tasks at once. A batcher task gathers
-  sentences for up to `max_wait` seconds or `max_batch` sentences, pads them to a bucketed shape (so the
-  compiled plan is reused), realizes the whole batch once, and resolves each caller's future with its rows.
+- Serving: `EmbeddingService.embed(sentences)` may be called by many tasks at once. A batcher task takes the
+  sentences queued while its last batch ran (up to `max_batch`; optionally waiting `max_wait` seconds for more),
+  pads them to a bucketed shape (so the compiled plan is reused), realizes the whole batch once, and resolves each
+  caller's future with its rows.
   `make_app` puts it behind a Starlette app served by uvicorn (`pip install 'azyx[serve]'`), on 127.0.0.1 only:
   POST /embed with an optional per-request `scale` (a kernel argument), GET /health, GET /stats (the loop's worst
   heartbeat lateness). `bench/serve.py` drives it with a real HTTP load generator.
@@ -226,10 +227,12 @@ class ServiceStats:
 
 
 class EmbeddingService:
-    """Batches concurrent `embed` calls: one realize per batch of up to `max_batch` sentences gathered for at most
-    `max_wait` seconds after the first one arrives."""
+    """Batches concurrent `embed` calls: one realize per batch of up to `max_batch` sentences. A batch takes what is
+    queued when the last one is done (requests that arrive while a batch runs form the next: under load batches fill
+    up by themselves, and a lone request waits for nothing); with `max_wait` > 0 it also waits up to that long after
+    its first sentence for more."""
 
-    def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.005):
+    def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.0):
         self.model, self.max_batch, self.max_wait = model, max_batch, max_wait
         self.queue: asyncio.Queue[_Request] = asyncio.Queue()
         self.stats = ServiceStats()
@@ -263,6 +266,7 @@ class EmbeddingService:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self.queue.get()]
+            await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
             deadline = loop.time() + self.max_wait
             while len(batch) < self.max_batch:
                 if not self.queue.empty():
@@ -294,7 +298,7 @@ class EmbeddingService:
 
 
 # ------------------------------------------------------------------------------------------------ HTTP front end
-def make_app(device: str = "c:0", model: MiniLM | None = None, max_batch: int = 32, max_wait: float = 0.005) -> Any:
+def make_app(device: str = "c:0", model: MiniLM | None = None, max_batch: int = 32, max_wait: float = 0.0) -> Any:
     """The service as an ASGI app (Starlette; serve it with uvicorn, `pip install 'azyx[serve]'`), on one event loop:
     - POST /embed {"sentences": [str, ...], "scale": 1.0} -> {"embeddings": [[384 floats], ...]}: the sentences join
       the batcher's next batch; `scale` (optional, any finite number) multiplies this request's rows on the device, a
@@ -369,7 +373,7 @@ def main() -> None:
     ap.add_argument("--device", default="c:0")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--max-wait-ms", type=float, default=5.0)
+    ap.add_argument("--max-wait-ms", type=float, default=0.0)
     args = ap.parse_args()
     import uvicorn
 

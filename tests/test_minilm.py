@@ -62,11 +62,13 @@ async def test_embeddings_match_sentence_transformers(model: Any) -> None:
     assert cosines(got, live).min() >= 0.9999
 
 
-async def test_service_batches_many_concurrent_requests(model: Any) -> None:
+@pytest.mark.parametrize("max_wait", [0.0, 0.05])
+async def test_service_batches_many_concurrent_requests(model: Any, max_wait: float) -> None:
+    """Concurrent callers share batches, whether the batcher waits for more sentences or takes what is queued."""
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     requests = [[f"{words[i % 10]} request {i}", f"{words[(i * 3) % 10]} and {words[(i * 7) % 10]}"][: 1 + i % 2]
                 for i in range(40)]  # 40 concurrent callers, 60 sentences
-    async with es.EmbeddingService(model, max_batch=32, max_wait=0.05) as service:
+    async with es.EmbeddingService(model, max_batch=32, max_wait=max_wait) as service:
         answers = await asyncio.gather(*(service.embed(r) for r in requests))
         stats = service.stats
         assert stats.sentences == 60 and stats.batches <= 4 and max(stats.batch_sizes) == 32  # batched
