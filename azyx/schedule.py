@@ -163,37 +163,42 @@ class Planner:
         view = view_through(n, self.graph[n.src[0]].shape, inner[1])
         return None if view is None else (inner[0], view)
 
-    def view_of(self, nid: int) -> StridedView | None:
-        """The strided view through which node `nid` reads the node its movement ops start from (that node's buffer
-        where it has one, else its contiguous result), or None where they make no strided view of it."""
+    def movement_chain(self, nid: int) -> tuple[list[Node], int]:
+        """The movement ops from node `nid` down (outermost first) and the node they start from: the first that is
+        not one, or that has a buffer already."""
         g, chain, base = self.graph, [], nid
         while g[base].op in MOVEMENT and base not in self.done:
             chain.append(g[base])
             base = g[base].src[0]
-        view: StridedView | None = self.done[base][1] if base in self.done else StridedView.contiguous(g[base].shape)
+        return chain, base
+
+    def through(self, chain: list[Node], view: StridedView | None) -> StridedView | None:
+        """The view that `chain` (Planner.movement_chain) makes of its base's `view`; None where it is no strided
+        view."""
         for m in reversed(chain):
-            view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
+            view = view_through(m, self.graph[m.src[0]].shape, view) if view is not None else None
         return view
+
+    def view_of(self, nid: int) -> StridedView | None:
+        """The strided view through which node `nid` reads the node its movement ops start from (that node's buffer
+        where it has one, else its contiguous result), or None where they make no strided view of it."""
+        chain, base = self.movement_chain(nid)
+        return self.through(chain, self.done[base][1] if base in self.done else
+                            StridedView.contiguous(self.graph[base].shape))
 
     def viewed(self, nid: int) -> tuple[int, StridedView] | None:
         """A movement node realized whole (a target, a broadcast operand, a shared view of a reduce) is a view of the
         node its movement ops start from, instead of a copy, when they are a strided view of it and that node has a
         buffer: it is realized, or it gets one anyway (read by other kernels too, a reduce in two stages, or not a
         target: read whole, the moved copy would cost a kernel as well)."""
-        g, chain, base = self.graph, [], nid
-        while g[base].op in MOVEMENT and base not in self.done:
-            chain.append(g[base])
-            base = g[base].src[0]
+        chain, base = self.movement_chain(nid)
         if not chain:
             return None
         if base not in self.done:  # realize it only if the ops above will be a view of its contiguous result
             shared = self.walk.consumers.get(base, 0) > 1 or self.split_parts(base, self.place(base)) is not None
             if nid in self.targets and not shared:
                 return None  # computed straight into the target's own layout instead
-            view: StridedView | None = StridedView.contiguous(g[base].shape)
-            for m in reversed(chain):
-                view = view_through(m, g[m.src[0]].shape, view) if view is not None else None
-            if view is None:
+            if self.through(chain, StridedView.contiguous(self.graph[base].shape)) is None:
                 return None
             self.realize(base)
         return self.strided(nid)
@@ -429,14 +434,9 @@ class Planner:
         """The slot on `device` and the view through which a kernel of its own reads node `nid`: movement ops over a
         buffer (realized, or computed for it) as a strided view of that buffer, moved to `device` whole where it lies
         elsewhere (a mask broadcast over heads is not copied per head); else `nid` realized."""
-        g, chain, base = self.graph, [], nid
-        while g[base].op in MOVEMENT and base not in self.done:
-            chain.append(g[base])
-            base = g[base].src[0]
+        chain, base = self.movement_chain(nid)
         slot, view = self.realize(base)
-        seen: StridedView | None = view
-        for m in reversed(chain):
-            seen = view_through(m, g[m.src[0]].shape, seen) if seen is not None else None
+        seen = self.through(chain, view)
         if seen is None:
             slot, seen = self.realize(nid)
         return self.on_device(slot, device), seen
