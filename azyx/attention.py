@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from azyx.cstyle import Dialect
 from azyx.dtypes import DType, dtypes
-from azyx.gemm import _MMA_HELPERS
+from azyx.gemm import MMA_HELPERS
 from azyx.ir import Attention, Kernel
 
 LOG2E = 1.4426950408889634
@@ -505,7 +505,7 @@ def render_mma(a: Attention, name: str, dl: Dialect, params: list[DType], scale:
     frag_q = "\n".join(
         f"  {{ const int r = warp * 16 + (lane & 15), c = {kk * 16} + (lane >> 4) * 8; azyx_ldm4(qf[{kk}], "
         f"azyx_smem(&Qs[r][c])); }}" for kk in range(E // 16))
-    return _MMA_HELPERS + f"""#ifndef AZYX_PACK_{kind.upper()}
+    return MMA_HELPERS + f"""#ifndef AZYX_PACK_{kind.upper()}
 #define AZYX_PACK_{kind.upper()}
 __device__ inline unsigned azyx_pack_{kind}(float lo, float hi) {{  /* two floats as {kind} halves, lo first */
   unsigned r; asm("cvt.rn.{kind}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;

@@ -307,8 +307,9 @@ def _slot_heads(vec: int, elems: int, t: int, ax: str, along_k: bool, int_t: str
 
 
 # ------------------------------------------------------------------------------------------------ tensor cores
-# PTX through inline asm: NVRTC needs no header for it. Guarded, so several products in one module define them once.
-_MMA_HELPERS = """#ifndef AZYX_MMA_HELPERS
+# PTX through inline asm: NVRTC needs no header for it. Guarded, so several products in one module define them once
+# (the attention kernel on tensor cores uses them too).
+MMA_HELPERS = """#ifndef AZYX_MMA_HELPERS
 #define AZYX_MMA_HELPERS
 __device__ inline unsigned azyx_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ inline void azyx_cp16(unsigned dst, const void* src, int bytes) {  /* bytes < 16: the rest zero-filled */
@@ -444,7 +445,7 @@ def render_mma(g: Gemm, name: str) -> str:
     # two blocks of 8 warps per multiprocessor (128 registers a thread) where both operands are copied by cp.async;
     # element loads stage a slice in registers, which 128 would spill
     two = ", 2" if threads == 256 and a.async_copy and b.async_copy else ""
-    return _MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
+    return MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
 {name}(unsigned short* __restrict__ C, {params}) {{
   {a.decl}
   {b.decl}
