@@ -59,6 +59,9 @@ class Dialect:
     shuffle: str = ""  # a warp's butterfly shuffle of {x} with lane ^ {o} (32 lanes): no barrier inside a warp
     warp: int = 0  # with `shuffle`: where outputs are many, a warp (not a whole group) reduces each output
     warp_outputs: int = 4096  # ... from this many outputs on
+    # a reduce read along its outputs (a column sum) with a few thousand outputs runs in two stages, partial rows first
+    # (schedule.column_parts): one work item per output walking its column leaves most of a GPU idle
+    split_columns: bool = False
     vector4: str = ""  # a 4-float vector type: plain elementwise float32 kernels move 16 bytes per load and store
     copies: int = 1  # a grouped reduce's steps per loop iteration (where the dialect has no unroll pragma: GLSL)
     max_trips: int = 0  # a driver's bound on a shader's loop iterations (llvmpipe stops loops silently past 65535)
@@ -228,6 +231,7 @@ CUDA = Dialect(
     unroll="#pragma unroll 8",
     shuffle="__shfl_xor_sync(0xffffffffu, {x}, {o})",
     warp=32,
+    split_columns=True,
     vector4="float4",
     int_minmax=True,
 )

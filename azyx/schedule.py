@@ -51,6 +51,10 @@ from azyx.walk import Walk
 
 EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realized first instead of recomputed
 SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-stage reductions (split_reduce)
+# a reduce read along its outputs (a column sum) of COLUMN_REDUCE elements or more in two stages where the dialect asks
+# (Dialect.split_columns): enough partial rows for COLUMN_ITEMS work items, at most COLUMN_PARTS of them, each summing
+# at least COLUMN_RUN elements; COLUMN_SCAN: nodes of its operand looked at to tell how it reads memory
+COLUMN_REDUCE, COLUMN_ITEMS, COLUMN_PARTS, COLUMN_RUN, COLUMN_SCAN = 256, 1 << 18, 64, 16, 64
 TRANSFER_BYTES_PER_S = 5e9  # what moving an input to another device costs, for AUTO placement
 TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
 
@@ -258,10 +262,60 @@ class Planner:
             return None
         src = self.graph[n.src[0]]
         r = prod([src.shape[a] for a in n.arg[1]])
-        if prod(n.shape) >= SPLIT_MAX_OUTPUTS or r < SPLIT_MIN_REDUCE:
+        if prod(n.shape) >= SPLIT_MAX_OUTPUTS:
+            return self.column_parts(nid, r) if dialect.split_columns else None
+        if r < SPLIT_MIN_REDUCE:
             return None
         per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
         return next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1) if r % d == 0), None)
+
+    def column_parts(self, nid: int, r: int) -> int | None:
+        """Parts of a column split of reduce `nid` (`r` elements into each of its many outputs; see split_reduce), or
+        None: one work item per output (each walks its column, neighbours reading neighbouring addresses) leaves a
+        GPU mostly idle where the outputs are a few thousand."""
+        want = -(-COLUMN_ITEMS // prod(self.graph[nid].shape))
+        top = min(want, COLUMN_PARTS, r // COLUMN_RUN)
+        if top < 2 or r < COLUMN_REDUCE or nid in self.temp_nodes:  # (a split's own stages are never split again)
+            return None
+        if not self.reads_along_outputs(nid):
+            return None
+        return next((d for d in range(top, 1, -1) if r % d == 0), None)
+
+    def reads_along_outputs(self, nid: int) -> bool:
+        """Whether reduce `nid` reads memory along its outputs, not along what it reduces (a column sum of a row-major
+        matrix): each operand that varies along the reduced axes is contiguous along the innermost kept axis and
+        along no reduced one. Elementwise ops over views of buffers only (else False: not known)."""
+        n = self.graph[nid]
+        shape, axes = self.graph[n.src[0]].shape, n.arg[1]
+        kept = [a for a in range(len(shape)) if a not in axes and shape[a] > 1]
+        if not kept:
+            return False
+        found, seen, stack = False, set(), [n.src[0]]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            m, computed = self.graph[i], i not in self.done
+            if len(seen) > COLUMN_SCAN or computed and m.op not in ELEMENTWISE | MOVEMENT | {Op.CONST, Op.LEAF}:
+                return False
+            if computed and m.op in ELEMENTWISE:  # fused into the reduce's kernel: what it reads counts
+                stack.extend(m.src)
+                continue
+            chain, base = self.movement_chain(i)
+            if self.graph[base].op is Op.CONST:
+                continue
+            if base not in self.done:  # a computed value under movement ops: how it reads is not known here
+                return False
+            view = self.through(chain, self.done[base][1])
+            if view is None or len(view.strides) != len(shape):
+                return False
+            if all(view.strides[a] == 0 for a in axes):  # the same for every reduced element: not read along them
+                continue
+            if view.strides[kept[-1]] != 1 or any(abs(view.strides[a]) == 1 for a in axes):
+                return False
+            found = True
+        return found
 
     def tiled_product(self, nid: int, device: str) -> bool:
         """Whether reduce `nid` is a matrix product of 16 rows or more, K 64 or more, of a dtype that the device's
@@ -293,7 +347,9 @@ class Planner:
     def split_reduce(self, root: int, device: str) -> int | None:
         """On GPU-style devices (one work item per output point) a reduce of many elements into few outputs would
         leave the device idle: reduce in two stages, P partial results per output computed in parallel, then P
-        into one. Built from temporary view and reduce nodes (index arithmetic, no copies); None if not worth it."""
+        into one. A column split (column_parts: many outputs, read along them) puts the P parts first, so that each
+        part's work items still read neighbouring addresses. Built from temporary view and reduce nodes (index
+        arithmetic, no copies); None if not worth it."""
         p = self.split_parts(root, device)
         if p is None:
             return None
@@ -312,6 +368,13 @@ class Planner:
             return i
 
         x = n.src[0]
+        if prod(n.shape) >= SPLIT_MAX_OUTPUTS:  # a column split (column_parts): P partial rows, each part's work items
+            order = list(axes) + keep  # reading neighbouring addresses, then a work item per output over the P rows
+            if order != list(range(len(src.shape))):
+                x = node(Op.PERMUTE, (x,), tuple(order), tuple(src.shape[a] for a in order))
+            x = node(Op.RESHAPE, (x,), (p, r // p) + outer, (p, r // p) + outer)
+            x = node(Op.REDUCE, (x,), (op, (1,)), (p, 1) + outer)
+            return node(Op.REDUCE, (x,), (op, (0,)), (1, 1) + outer)
         if keep + list(axes) != list(range(len(src.shape))):
             x = node(Op.PERMUTE, (x,), tuple(keep + list(axes)), outer + tuple(src.shape[a] for a in axes))
         x = node(Op.RESHAPE, (x,), outer + (p, r // p), outer + (p, r // p))

@@ -105,6 +105,23 @@ def test_grouped_reduce_for_rows_and_split_full_reduce(cuda_planning: None) -> N
     compile_all([row, col, many, *full])
 
 
+def test_column_reduce_splits_into_partial_rows(cuda_planning: None) -> None:
+    """A column sum with hundreds of outputs: partial rows first (32 of them, each a work item per column reading
+    neighbouring columns), then a work item per column over the 32; a row sum keeps its kernel, a transposed read of
+    the same column sum splits too; a short column sum does not."""
+    x = t(512, 256)
+    first, second = kernels_of(x.sum(axis=0))
+    assert first.kernel.global_size == 32 * 256 and group_size(first.kernel, CUDA) == 0
+    assert second.kernel.global_size == 256 and group_size(second.kernel, CUDA) == 0
+    assert dims(first) == ((32, 1, 1), 256, 0) and dims(second) == ((1, 1, 1), 256, 0)
+    (row,) = kernels_of(x.sum(axis=1))
+    assert group_size(row.kernel, CUDA) == 256
+    assert len(kernels_of(x.T.sum(axis=1))) == 2  # the same column sum, read through a transpose
+    assert len(kernels_of(x.T.sum(axis=0))) == 1  # a row sum of x
+    (few,) = kernels_of(t(128, 300).sum(axis=0))  # too short to split
+    compile_all([first, second, row, few, *kernels_of((x * x).max(axis=0) + 1)])
+
+
 def test_narrow_indices_where_they_fit(cuda_planning: None) -> None:
     (k,) = kernels_of(t(64, 64) + 1)
     assert "int gid" in k.src and "long long gid" not in k.src

@@ -1,12 +1,15 @@
 """Reductions against numpy: sum mean max min prod var std logsumexp argmax argmin over axis None/int/negative/tuple,
 keepdim, corrections, ties, dtypes, 0-d, size-1 and size-0 inputs. softmax/log_softmax live in test_ops_nn.py."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from compare import assert_matches, sample
 
 import azyx
 from azyx import Tensor
+from azyx.runtime import RT
 
 
 def logsumexp_ref(x, axis=None, keepdims=False):
@@ -170,6 +173,43 @@ def test_long_reduction_axis(device, shape, axis):
     assert_matches(t.sum(axis=axis), x64.sum(axis=axis), rtol=2e-5)
     assert_matches(t.max(axis=axis), x64.max(axis=axis))
     assert_matches(t.argmin(axis=axis), np.argmin(x, axis=axis))
+
+
+# column reductions with many outputs: on a dialect with `split_columns` (CUDA) they run in two stages, partial rows
+# first (schedule.column_parts); `split_columns` forces that on every GPU-style device here
+COLUMN_CASES = {
+    "sum0": (lambda t: t.sum(axis=0), lambda x: x.sum(axis=0)),
+    "mean0+1": (lambda t: t.mean(axis=0) + 1, lambda x: x.mean(axis=0) + 1),
+    "max0": (lambda t: t.max(axis=0), lambda x: x.max(axis=0)),
+    "min0": (lambda t: t.min(axis=0), lambda x: x.min(axis=0)),
+    "prod0": (lambda t: (t * 0.02 + 1).prod(axis=0), lambda x: (x * 0.02 + 1).prod(axis=0)),
+    "T.sum1": (lambda t: t.T.sum(axis=1), lambda x: x.T.sum(axis=1)),
+    "sq.sum0": (lambda t: (t * t).sum(axis=0, keepdim=True), lambda x: (x * x).sum(axis=0, keepdims=True)),
+    "argmax0": (lambda t: t.argmax(axis=0), lambda x: x.argmax(axis=0)),
+    "var0": (lambda t: t.var(axis=0), lambda x: x.var(axis=0, ddof=1)),
+}
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["default", "split_columns"])
+@pytest.mark.parametrize("case", list(COLUMN_CASES))
+def test_column_reductions_with_many_outputs(device, monkeypatch, case, split):
+    dev = RT.device(device)
+    if split:
+        if dev.dialect is None or not dev.dialect.global_ids:
+            pytest.skip("a column split is for GPU-style devices")
+        monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, split_columns=True))
+        RT.plan_cache.clear()
+    op, ref = COLUMN_CASES[case]
+    x = reduce_input(np.random.default_rng(12), (512, 320))
+    try:
+        assert_matches(op(Tensor(x, device=device)), ref(x.astype(np.float64)), rtol=2e-5, atol=1e-5)
+        y = reduce_input(np.random.default_rng(13), (32, 24, 260))  # two reduced axes, many outputs
+        assert_matches(op(Tensor(y, device=device).reshape(768, 260)), ref(y.reshape(768, 260).astype(np.float64)),
+                       rtol=2e-5, atol=1e-5)
+        assert_matches(Tensor(y, device=device).sum(axis=(0, 1)), y.astype(np.float64).sum(axis=(0, 1)), rtol=2e-5,
+                       atol=1e-5)
+    finally:
+        RT.plan_cache.clear()
 
 
 def test_var_is_stable_for_a_large_mean(device):
