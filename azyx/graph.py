@@ -172,22 +172,22 @@ class Graph:
         n.rc -= 1
         if n.rc:
             return
-        free, kept = self.free, self.kept
+        kept = self.kept
         stack = [i]
+        pop, push, freed = stack.pop, stack.append, self.free.append  # (a whole graph goes here after each realize)
         while stack:  # the last reference went: free the node, then release its sources in turn
-            j = stack.pop()
+            j = pop()
             n = nodes[j]
             nodes[j] = None
-            free.append(j)
+            freed(j)
             if kept:  # the id will be reused: it must not look recorded to any tape
                 for ids in kept:
                     ids.discard(j)
             for s in n.src:  # type: ignore[union-attr]
-                m = nodes[s]
-                assert m is not None and m.rc > 0, f"release of dead node {s}"
-                m.rc -= 1
-                if not m.rc:
-                    stack.append(s)
+                m = nodes[s]  # (a live source: rc counts this node's reference; None here would raise below)
+                m.rc -= 1  # type: ignore[union-attr]
+                if not m.rc:  # type: ignore[union-attr]
+                    push(s)
 
     def on_tape(self, i: TensorId) -> bool:
         return any(i in ids for ids in self.kept)

@@ -38,15 +38,17 @@ class Handle(Protocol):
 INLINE_PLAN_WEIGHT, REDUCE_WEIGHT = 16, 8
 # seconds of realizes' work in a row on a crowded loop (half of a 1 ms tick: the crowd's graph building, which no
 # realize can pace, comes on top), and how many ready handles are a crowd
-BURST, CROWD = 0.5e-3, 8
+BURST, CROWD = 0.5e-3, 16
 LOOP_COPY_BYTES = 1 << 20  # a host copy this large (~0.1 ms at 10 GB/s, more on a busy machine) runs on a worker
-SPIN_MISSES = 3  # a plan whose work outlasted the device's spin window this many times in a row is not polled for
+SPIN_MAX = 1e-3  # the longest a realize queries for its work's completion on an idle loop (see wait_for)
 
 
 async def realize(*tensors: Handle) -> None:
     """Compute all `tensors` in one plan; returns when their buffers are ready."""
     plan, _, _ = await submit(tensors)
-    await wait_for([GRAPH[t.id].buffer for t in tensors], plan)  # type: ignore[misc]
+    bufs: list[Buffer] = [GRAPH[t.id].buffer for t in tensors]  # type: ignore[misc]
+    if not done(bufs):
+        await wait_for(bufs, plan)
 
 
 async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk | None, list[Buffer]]:
@@ -54,7 +56,8 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
     leaves holding buffers that are ready once their work is done. Returns the plan that ran, its walk and the
     buffers bound to the walk's leaves (None, None, [] when everything was realized already)."""
     rt = RT
-    await _pace()
+    if _crowded():
+        await _pace()
     while True:
         targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
         if not targets:
@@ -73,7 +76,8 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
                                           targets)
         plan = await rt.compile(plan)  # (its kernels searched, with search on); the graph may change: walk it again
         rt.plan_cache[walk.key] = plan
-        await _pace()  # (the realizes that waited for this compile wake together)
+        if _crowded():  # (the realizes that waited for this compile wake together)
+            await _pace()
     bindings = [GRAPH[i].buffer for i in walk.leaves]
     try:
         outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
@@ -117,22 +121,29 @@ class _Burst:
 _BURST_ATTR = "_azyx_burst"
 
 
+def _crowded() -> bool:
+    """Whether a realize must `_pace`: a crowd is ready on the running asyncio loop, or earlier ones wait for a later
+    run. A realize alone on the loop (the common case) pays this look at the ready queue, no coroutine."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # trio: its scheduler interleaves tasks and timers itself
+        return False
+    ready = getattr(loop, "_ready", None)
+    if ready is None:
+        return False
+    burst: _Burst | None = getattr(loop, _BURST_ATTR, None)
+    return len(ready) >= CROWD or (burst is not None and bool(burst.waiters))
+
+
 async def _pace() -> None:
     """Keep a crowd of realizes that became ready together (200 requests started by one gather) from holding the loop:
     asyncio runs every handle that was ready when an iteration began before the timers that fell due, so each of them
     doing its share of work (walk, plan hand-off, submit) would delay everyone else's timers by the sum. Once they
     have worked `BURST` seconds in a row, the rest wait, in order, for a later iteration, after the due timers have
     run (the end of a run wakes about as many as the last one let through: a crowd costs a wake-up or two per
-    realize, not one per iteration).
-    A realize alone on the loop (the common case) pays one look at the ready queue."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # trio: its scheduler interleaves tasks and timers itself
-        return
-    ready = getattr(loop, "_ready", None)
+    realize, not one per iteration). Called where `_crowded()`."""
+    loop = asyncio.get_running_loop()
     burst: _Burst | None = getattr(loop, _BURST_ATTR, None)
-    if ready is None or (len(ready) < CROWD and (burst is None or not burst.waiters)):
-        return
     if burst is None:
         burst = _Burst()
         try:
@@ -183,32 +194,59 @@ def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], 
     return outs
 
 
-# per plan and device: how many times in a row the plan's work outlasted the device's spin window (see wait_for)
-_spin_misses: weakref.WeakKeyDictionary[ExecutionPlan, dict[str, int]] = weakref.WeakKeyDictionary()
+# per plan and device: how long its work took when last seen, from the wait's start until it was done (see wait_for)
+_work_times: weakref.WeakKeyDictionary[ExecutionPlan, dict[str, float]] = weakref.WeakKeyDictionary()
+
+
+def done(bufs: list[Buffer]) -> bool:
+    """Whether every buffer of `bufs` is ready and the work that wrote them is known to have succeeded (a failure is
+    raised), without waiting or polling: a small plan that ran inline is done by now, and awaits no `wait_for`."""
+    for buf in bufs:
+        if buf.device.timeline.value < buf.ready:
+            return False
+    for buf in bufs:
+        rec = buf.run
+        if rec is not None and not rec.clean:
+            if (err := rec.failure()) is not None:
+                raise fresh_copy(err)
+            if not rec.clean:
+                return False
+    return True
 
 
 async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> None:
     """Wait until every buffer of `bufs` is ready (one wait per device: its queue is in order, so its latest value
     covers every earlier one), then raise the first failure of the work that wrote them (their runs' records: work
-    of other runs on the same devices is not this wait's business). The work of a small plan is often done
-    by now, or within a few microseconds: `poll` sees that without a wake-up from a device thread (about 70 us on
-    a VM). It may query for up to the device's `spin` seconds, but only while the loop has nothing else to run and
-    only for a plan whose work has not outlasted that window `SPIN_MISSES` times in a row."""
+    of other runs on the same devices is not this wait's business). A device that completes work lazily (`spin`: CUDA)
+    is asked first: a small plan's work is often done within microseconds, and a wake-up from its waiter thread costs
+    about 60 us more. While the loop has nothing else to run it queries for as long as the plan's work took last time
+    (1.5x, at least the device's `spin`, at most SPIN_MAX and never past the loop's next timer)."""
     last: dict[Device, int] = {}
     for buf in bufs:
         if buf.ready > last.get(buf.device, -1):
             last[buf.device] = buf.ready
+    start = time.perf_counter()
     for dev, ready in last.items():
-        if dev.timeline.value < ready:
-            misses = _spin_misses.get(plan) if dev.spin and plan is not None else None
-            if misses is None and dev.spin and plan is not None:
-                misses = _spin_misses[plan] = {}
-            if misses is not None and misses.get(dev.name, 0) < SPIN_MISSES and _loop_idle():
-                misses[dev.name] = 0 if dev.poll(ready, dev.spin) else misses.get(dev.name, 0) + 1
-            else:
-                dev.poll(ready)
-        if dev.timeline.value < ready:
-            await dev.timeline.wait(ready)  # (raises DeviceFailedError when the device has failed)
+        if dev.timeline.value >= ready:
+            continue
+        times = None
+        if dev.spin and plan is not None:
+            times = _work_times.get(plan)
+            if times is None:
+                times = _work_times[plan] = {}
+            took = times.get(dev.name)
+            window = dev.spin if took is None else 1.5 * took if took <= SPIN_MAX else 0.0
+            window = _idle_window(max(window, dev.spin) if window else SPIN_MAX)
+            if dev.poll(ready, window if took is None or took <= SPIN_MAX else 0.0):
+                times[dev.name] = time.perf_counter() - start
+                continue
+            if not window:  # the loop has other work: how long this wait takes says nothing of the plan's
+                times = None
+        elif dev.poll(ready):
+            continue
+        await dev.timeline.wait(ready)  # (raises DeviceFailedError when the device has failed)
+        if times is not None:  # (an overestimate by the wake-up: work near SPIN_MAX stops being spun for)
+            times[dev.name] = time.perf_counter() - start
     records = {id(r): r for b in bufs if (r := b.run) is not None and not r.clean}
     for rec in records.values():
         for dev, (_, hi) in rec.spans.items():  # the rest of the run's work (on devices the buffers are not on)
@@ -218,14 +256,21 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
             raise fresh_copy(err)
 
 
-def _loop_idle() -> bool:
-    """Whether the running asyncio loop has no callback ready to run (it would sleep next); False under trio and
-    loops without that queue."""
+def _idle_window(limit: float) -> float:
+    """How long the running asyncio loop can be held without delaying anything: 0 when a callback is ready to run,
+    else until its next timer is due, at most `limit` seconds (0 under trio and loops without those queues)."""
     try:
-        ready = getattr(asyncio.get_running_loop(), "_ready", None)
+        loop = asyncio.get_running_loop()
     except RuntimeError:
-        return False
-    return ready is not None and not ready
+        return 0.0
+    if getattr(loop, "_ready", True):
+        return 0.0
+    timers = getattr(loop, "_scheduled", None)  # (a heap: the first is due first)
+    if timers is None:
+        return 0.0
+    if timers:
+        limit = min(limit, timers[0].when() - loop.time())
+    return limit
 
 
 async def to_numpy(t: Handle) -> np.ndarray:
@@ -236,7 +281,8 @@ async def to_numpy(t: Handle) -> np.ndarray:
     dev = buf.device
     if not dev.host_memory and not dev.storage:  # a device with a queue: read in its order, await the timeline
         # a crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too
-        await _pace()
+        if _crowded():
+            await _pace()
         host = np.empty(buf.nbytes, np.uint8)
         before = dev.queued()
         v = dev.copy_to_host(buf, host, [])

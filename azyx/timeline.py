@@ -26,7 +26,8 @@ class TimelineSignal:
     def __init__(self, name: str = ""):
         self.name = name
         self.value = 0
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # (entered as its lock: Condition.__enter__ is Python code)
         self._waiters: list[tuple[int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._sync_waiters = 0
@@ -41,7 +42,7 @@ class TimelineSignal:
     def signal(self, v: int) -> None:
         """Advance to `v` (callable from any thread) and wake everything waiting for a value <= v."""
         ready: list[Callable[[], None]] = []
-        with self._cond:
+        with self._lock:
             if v <= self.value:
                 return
             self.value = v

@@ -137,23 +137,37 @@ class _Walker:
             entries.append(leaf_entry(n))
             self.leaves.append(i)
             return k
+        # (the common arities written out: no comprehension's frame, one dict lookup per source)
         src = n.src
-        if len(src) == 1:  # (most nodes: without a comprehension's frame)
-            s = src[0]
-            srck: tuple[int, ...] = (index[s] if s in index else self.visit(s),)
+        if not src:
+            srck: tuple[int, ...] = ()
+        elif len(src) == 1:
+            k0 = index.get(src[0])
+            srck = (self.visit(src[0]) if k0 is None else k0,)
+        elif len(src) == 2:
+            s0, s1 = src
+            k0 = index.get(s0)
+            if k0 is None:
+                k0 = self.visit(s0)
+            k1 = index.get(s1)
+            srck = (k0, self.visit(s1) if k1 is None else k1)
         else:
             srck = tuple([index[s] if s in index else self.visit(s) for s in src])
         k = index[i] = len(entries)
         op = n.op
-        if op is _CONST or op is _PAD:
+        if op is _CONST and n.dtype.kind != "b":  # (_entry's common case, without the call)
+            self.scalar_of[i] = len(self.scalars)
+            self.scalars.append(n.arg)
+            entries.append((op, SCALAR, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
+        elif op is _CONST or op is _PAD:
             entries.append(_entry(n, i, srck, self.scalars, self.scalar_of))
         elif op is _ASSIGN:
             donated = donates(self.graph, n)
             if donated:
                 self.donated.add(i)
-            entries.append((n.op, n.arg, donated, n.shape, n.dtype, n.device, n.pinned, srck))
+            entries.append((op, n.arg, donated, n.shape, n.dtype, n.device, n.pinned, srck))
         else:
-            entries.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
+            entries.append((op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
         self.topo.append(i)
         return k
 

@@ -25,6 +25,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import threading
 import time
@@ -36,7 +37,7 @@ from typing import Any
 from azyx import debug, gemm_host
 from azyx.backends.host import HostDevice
 from azyx.cstyle import SHARED, C
-from azyx.device import BatchState, LaunchItem, cached_build, kernel_list, run_compiler
+from azyx.device import BatchState, Device, LaunchItem, cached_build, kernel_list, run_compiler
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
@@ -175,6 +176,27 @@ class CDevice(HostDevice):
         return {name: (ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0, kinds[name])
                 for name in arity}
 
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
+                    batch: BatchState | None = None) -> int:
+        """A plan's small batch whose layout is known runs here and now when the queue is idle and nothing is waited
+        for (a steady small request: no work item, no hand-off); anything else is a work item (HostDevice)."""
+        layout = batch.prepared if batch is not None else None
+        if (waits or type(layout) is not _Layout or layout.work > self.inline_work or self.serial_pool is None
+                or debug.enabled(debug.LAUNCHES)):
+            return super().launch_many(items, waits, batch)
+        q = self.queue
+        with q.lock:
+            v = q.submitted + 1
+            if q.timeline.value == v - 1:  # (else work is queued: this batch goes after it)
+                q.submitted = v
+                try:
+                    layout.inline(self.serial_pool, items)
+                except BaseException as e:  # the run it belongs to raises it (RunRecord)
+                    q.record_failure(v, e)
+                q.timeline.signal(v)
+                return v
+        return super().launch_many(items, waits, batch)
+
     def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
         if self.pool is None:  # its helper threads start with the first batch that shares a loop
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
@@ -221,7 +243,8 @@ class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
+                 "value_ptrs", "fill")
 
     def __init__(self, steps: list[KernelStep]):
         self.n = len(steps)
@@ -240,6 +263,31 @@ class _Layout:
         for step in steps:
             self.scalar_at += range(at + len(step.args), at + len(step.args) + len(step.scalars))
             at += len(step.args) + len(step.scalars)
+        # the table of a batch that runs where it is submitted (`inline`): one per layout, rewritten by each such run
+        # (runs of a device's queue never overlap), its value pointers fixed once
+        self.scratch = self.ptrs_type()
+        base = ctypes.addressof(self.scratch) + 8 * (len(self.scratch) - n_words)
+        self.value_ptrs: list[list[int]] = []  # per kernel: where its scalar values sit in the scratch table
+        j = 0
+        for step in steps:
+            self.value_ptrs.append([base + 8 * (j + i) for i in range(len(step.scalars))])
+            j += len(step.scalars)
+        self.fill = struct.Struct(f"<{len(self.scratch)}Q").pack_into
+
+    def inline(self, pool: int, items: list[LaunchItem]) -> None:
+        """Run the batch now, on the calling thread, through the scratch table."""
+        table = self.scratch
+        if not self.scalars:
+            self.fill(table, 0, *[b.ptr for _, bufs, _ in items for b in bufs])
+        else:
+            vals: list[int] = []
+            words: list[int] = []
+            for (_, bufs, ws), at in zip(items, self.value_ptrs):
+                vals += [b.ptr for b in bufs]
+                vals += at
+                words += ws
+            self.fill(table, 0, *vals, *words)
+        _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, table, self.argc, self.kinds, self.trips)
 
 
 class _Batch:
