@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx import attention, gemm, gemm_host
+from azyx import attention, gemm, gemm_host, gemm_sm90
 from azyx.cstyle import (
     SERIAL,
     SHARED,
@@ -29,6 +29,8 @@ class Launch:
     trip: int = 0  # a host kernel's shared loop: its iterations, which the device's threads share out
     parallel: int = SERIAL  # a host kernel's cstyle parallel kind: SERIAL, SHARED or OWN_REGION
     zero: int = 0  # bytes of the first output to zero before the kernel runs (a product whose K is split over groups)
+    smem: int = 0  # CUDA: bytes of dynamic shared memory per block
+    maps: tuple[gemm_sm90.TensorMap, ...] = ()  # CUDA: TMA tensor maps, the kernel's parameters after its buffers
 
     @property
     def items(self) -> int:
@@ -36,10 +38,12 @@ class Launch:
         return self.grid[0] * self.grid[1] * self.grid[2] * self.group
 
 
-def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, Launch]:
+def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tuple[str, str, Launch]:
     """(name, source, launch) of a kernel: the tiled matrix product where the dialect has it and `k` is one, else the
     generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
-    may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source)."""
+    may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source).
+    `sm90`: the multiprocessors of a CUDA device of compute capability 9.0 (0: none), whose float16/bfloat16 products
+    take azyx.gemm_sm90's kernel where they fit."""
     a = attention_of(k)
     if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
         src = attention.render(k, a, "KERNEL", dl)
@@ -48,6 +52,12 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1) -> tuple[str, str, L
                   Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
         return name, src.replace("KERNEL", name, 1), launch
     g = product_of(k, dl, threads)
+    if g is not None and sm90 and g.mma and gemm_sm90.fits(g):
+        src = gemm_sm90.render(g, "KERNEL")
+        name = kernel_name(src)
+        launch = Launch(gemm_sm90.grid(g, sm90), gemm_sm90.THREADS, smem=gemm_sm90.smem_bytes(g),
+                        maps=gemm_sm90.tensor_maps(g))
+        return name, src.replace("KERNEL", name, 1), launch
     body = None
     if g is not None and g.target == "c":
         body = gemm_host.render_c(g, "KERNEL", dl.types[g.dtype])

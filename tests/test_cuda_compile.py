@@ -20,10 +20,11 @@ except Exception as e:  # pragma: no cover - depends on the environment
 from kernel_families import BINARY, UNARY  # noqa: E402
 
 import azyx  # noqa: E402
-from azyx import Tensor, gemm  # noqa: E402
+from azyx import Tensor, gemm, gemm_sm90  # noqa: E402
 from azyx.backends.cuda_driver import nvrtc_compile  # noqa: E402
 from azyx.cstyle import CUDA, group_size, kernel_source  # noqa: E402
 from azyx.errors import CompileError  # noqa: E402
+from azyx.launch import render_kernel  # noqa: E402
 from azyx.plan import KernelStep  # noqa: E402
 from azyx.runtime import RT  # noqa: E402
 
@@ -308,6 +309,51 @@ def test_a_half_product_under_an_epilogue_takes_the_tensor_cores(roomy: None, dt
     steps = [s for s in kernels_of(h @ w.T + b) if s.kernel.stores[0][1].has_reduce]
     assert len(steps) == 1 and "mma.sync" in steps[0].src
     compile_all(kernels_of(x @ w.T + b, h @ w.T + b))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_products_take_wgmma_and_compile_for_sm90a(roomy: None, dtype: str) -> None:
+    """On compute capability 9.0 (render_kernel's `sm90`: its multiprocessors) a float16/bfloat16 product whose
+    sizes are multiples of the tiles, A's K contiguous and B's K or N contiguous (A @ B, x @ W.T, views at aligned
+    offsets), takes gemm_sm90's kernel: wgmma fed by TMA, three tensor maps after the buffers, 384 threads, a block
+    per multiprocessor (or tile), over 48 KiB of shared memory; it compiles for sm_90a. The rest keep mma.sync."""
+    a, b, w = t(2048, 512).cast(dtype), t(512, 1024).cast(dtype), t(1024, 512).cast(dtype)
+    big = t(300, 512).cast(dtype)
+    fit = products(a @ b, a @ w.T, t(4096, 256).cast(dtype) @ t(256, 4096).cast(dtype),
+                   big[8:136, :256] @ big[:256, 64:192])
+    rendered = [render_kernel(s.kernel, CUDA, 1, sm90=132) for s in fit]
+    for (_, src, launch), grid in zip(rendered, [128, 128, 132, 1], strict=True):
+        assert "wgmma.mma_async.sync.aligned.m64n" in src and "cp.async.bulk.tensor.2d" in src
+        assert "mma.sync" not in src
+        assert launch.grid == (grid, 1, 1) and launch.group == gemm_sm90.THREADS and len(launch.maps) == 3
+        assert 48 << 10 < launch.smem <= 227 << 10
+    wide = [launch.maps[1].box for _, _, launch in rendered[2:3]]
+    assert wide == [(64, 64)]  # 4096^2 in 128 x 256 tiles: B (K, N) in boxes of [64 k][64 n], four a stage
+    at = t(512, 2048).cast(dtype).T
+    others = products(at @ b, t(1000, 512).cast(dtype) @ b, t(3, 256, 512).cast(dtype) @ t(3, 512, 256).cast(dtype))
+    old = [render_kernel(s.kernel, CUDA, 1, sm90=132)[1] for s in others]
+    assert all("mma.sync.aligned.m16n8k16" in src for src in old)  # A's M contiguous, M no multiple of 128, a batch
+    assert all("wgmma" not in s.src for s in fit)  # (a device not of compute capability 9.0)
+    # one module, as a plan's kernels are built: the two kernels' helpers side by side
+    assert nvrtc_compile(kernel_source([src for _, src, _ in rendered] + old, CUDA), "sm_90a")[:4] == b"\x7fELF"
+
+
+def test_kernel_parameters_carry_tensor_maps_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch's kernelParams point at each buffer's address, then at each tensor map's 128 bytes (64-byte aligned),
+    encoded over the address of the buffer it names."""
+    import ctypes
+
+    from azyx.backends import cuda
+
+    monkeypatch.setattr(cuda, "encode_tensor_map", lambda m, base: (base + m.arg).to_bytes(8, "little") * 16)
+    maps = tuple(gemm_sm90.TensorMap(arg, 0, (64, 64), 128, (64, 64), "bfloat16") for arg in (1, 2, 0))
+    ptrs = (0x1000, 0x2000, 0x3000)
+    _, params, at = cuda._kernel_params(ptrs, maps)
+    assert at == params.buffer_info()[0] and len(params) == 6
+    assert [ctypes.c_uint64.from_address(p).value for p in params[:3]] == list(ptrs)
+    for p, m in zip(params[3:], maps, strict=True):
+        assert p % 64 == 0 and ctypes.string_at(p, 128) == (ptrs[m.arg] + m.arg).to_bytes(8, "little") * 16
+    assert len(cuda._kernel_params(ptrs, ())[1]) == 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -1,4 +1,5 @@
-"""float16 and bfloat16 matrix products on a CUDA GPU's tensor cores (azyx.gemm.render_mma), against PyTorch's
+"""float16 and bfloat16 matrix products on a CUDA GPU's tensor cores (azyx.gemm.render_mma; on compute capability 9.0
+the wgmma kernel of azyx.gemm_sm90 where a product fits it), against PyTorch's
 `torch.matmul` in the same dtype on the same GPU (cuBLAS: float32 accumulation, C rounded once). Every layout the
 kernel reads (A @ B, x @ W.T with W as stored, A.T @ B, A.T @ W.T), batched and broadcast products, sizes that are no
 multiple of the tiles (17 x 65 x 33: element loads, guarded edges) and sizes that take the 16-byte copies. Runs where a
@@ -39,11 +40,11 @@ async def pair(shape: tuple[int, ...], dtype: str, seed: int) -> tuple[Tensor, A
 
 
 async def check(out: Tensor, want: Any, k: int, dtype: str, mma: bool = True) -> None:
-    """`out` computed by the tensor-core kernel (`mma`; else a product of one row: a fused reduce, as PyTorch takes a
-    GEMV), and within a couple of units in the last place of C's dtype of PyTorch's (C's entries are about sqrt(K) in
-    size: the absolute tolerance scales with it)."""
+    """`out` computed by a tensor-core kernel (`mma`: mma.sync or wgmma; else a product of one row: a fused reduce, as
+    PyTorch takes a GEMV), and within a couple of units in the last place of C's dtype of PyTorch's (C's entries are
+    about sqrt(K) in size: the absolute tolerance scales with it)."""
     srcs = [s.src for s in azyx.schedule(out).kernels]
-    took = any("mma.sync.aligned.m16n8k16" in s for s in srcs)
+    took = any("mma.sync.aligned.m16n8k16" in s or "wgmma.mma_async" in s for s in srcs)
     assert took == mma, "the product did not take the tensor-core kernel" if mma else "a single row took tensor cores"
     await out.realize()
     got = await out.cast("float32").numpy()
@@ -94,6 +95,25 @@ async def test_views_with_offsets_and_odd_strides_match_torch(dtype: str) -> Non
     b, tb = wb[:128, :96], twb[:128, :96]  # row stride 130: not a multiple of 8
     await check(a @ b, ta @ tb, 128, dtype)
     await check(big[8:136, :128] @ big[:128, 64:192], tbig[8:136, :128] @ tbig[:128, 64:192], 128, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_hopper_products_take_wgmma_and_match_torch(dtype: str) -> None:
+    """On compute capability 9.0, products that fit gemm_sm90 run its wgmma kernel: A @ B (B's N contiguous) and
+    x @ W.T (K contiguous) with 128 x 128 tiles (few tiles) and 128 x 256 (more tiles than multiprocessors: a block
+    walks several), and views at aligned offsets with row strides other than their widths."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    (a, ta), (b, tb), (w, tw) = [await pair(s, dtype, 20 + i) for i, s in enumerate([(256, 1024), (1024, 384),
+                                                                                      (384, 1024)])]
+    (x, tx), (y, ty), (v, tv), (big, tbig) = [await pair(s, dtype, 30 + i) for i, s in
+                                              enumerate([(4096, 192), (192, 4096), (4096, 192), (520, 1024)])]
+    cases = [(a @ b, ta @ tb, 1024), (a @ w.T, ta @ tw.T, 1024), (x @ y, tx @ ty, 192), (x @ v.T, tx @ tv.T, 192),
+             (big[8:264, :512] @ big[:512, 128:512], tbig[8:264, :512] @ tbig[:512, 128:512], 512)]
+    for out, want, k in cases:
+        srcs = [s.src for s in azyx.schedule(out).kernels]
+        assert any("wgmma.mma_async" in s for s in srcs), "the product did not take the wgmma kernel"
+        await check(out, want, k, dtype)
 
 
 async def test_a_large_product_against_float64() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import dataclasses
 import threading
 import time
@@ -35,16 +36,30 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.cuda_copy import StagedCopies
-from azyx.backends.cuda_driver import check, cu, hot, init, nvrtc_compile, sticky, versions
+from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.cstyle import CUDA
 from azyx.device import BatchState, Buffer, Device, LaunchItem, kernel_list
 from azyx.errors import AllocationError, CompileError, DeviceError
-from azyx.launch import Launch
+from azyx.gemm_sm90 import TensorMap
+from azyx.ir import Kernel
+from azyx.launch import Launch, render_kernel
 from azyx.plan import KernelStep
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
+
+
+def _kernel_params(ptrs: tuple[int, ...], maps: tuple[TensorMap, ...]) -> tuple[Any, Any, int]:
+    """(values, kernelParams, its address) for a launch: the arguments' 64-bit values (buffer pointers, scalar words),
+    then each tensor map's 128 bytes (64-byte aligned), encoded over its buffer's address; and a pointer to each."""
+    values = array.array("Q", ptrs) + array.array("Q", bytes(8 * (8 + 16 * len(maps))))
+    base = values.buffer_info()[0]
+    at = (base + 8 * len(ptrs) + 63) & ~63
+    for i, m in enumerate(maps):
+        ctypes.memmove(at + 128 * i, encode_tensor_map(m, ptrs[m.arg]), 128)
+    params = array.array("Q", [*range(base, base + 8 * len(ptrs), 8), *range(at, at + 128 * len(maps), 128)])
+    return values, params, params.buffer_info()[0]
 
 
 # ------------------------------------------------------------------------------------------------ the device
@@ -88,6 +103,10 @@ class CUDADevice(StagedCopies):
         if major < 8:  # no mma.sync for float16/bfloat16 before Ampere: those products take the generic kernel
             self.dialect = dataclasses.replace(CUDA, tensor_cores=False)
         sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "")
+        # compute capability 9.0 compiles for sm_90a, whose wgmma and TMA its float16/bfloat16 products use
+        # (azyx.gemm_sm90: a grid of a block per multiprocessor)
+        self.sm90 = int(sms) if (major, minor) == (9, 0) else 0
+        self.compile_arch = "sm_90a" if self.sm90 else self.arch
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
         self.spin = float(options.get("spin_us", 20)) * 1e-6
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
@@ -101,7 +120,7 @@ class CUDADevice(StagedCopies):
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
-        self.params: dict[tuple[int, ...], tuple[Any, Any, int]] = {}  # pointers -> kernelParams arrays (_launch_now)
+        self.params: dict[tuple, tuple[Any, Any, int]] = {}  # pointers (tensor maps) -> kernelParams (_launch_now)
         self.modules: list[Any] = []
         # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
         # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread
@@ -174,20 +193,28 @@ class CUDADevice(StagedCopies):
         raise AssertionError("host data reaches a CUDA device through host:0 and a transfer")
 
     # ------------------------------------------------------------------ compile and launch
+    def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
+        assert self.dialect is not None
+        return render_kernel(k, self.dialect, self.threads, self.sm90)
+
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """NVRTC's cubin (cached on disk), loaded as a module: per kernel its CUfunction. On a worker thread: a module
         load takes milliseconds, and waits for the device to idle."""
         names = [s.name for s in steps]
         try:
-            cubin = nvrtc_compile(src, self.arch)
+            cubin = nvrtc_compile(src, self.compile_arch)
         except CompileError as e:
             raise CompileError(f"{self.name}: compiling {kernel_list(names)}: {e}") from None
         self.use()
         try:
             module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
             self.modules.append(module)
-            return {name: int(check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction"))
-                    for name in names}
+            fns = {name: check(cu.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction") for name in names}
+            limit = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            for s in steps:  # a kernel may take more than 48 KiB of dynamic shared memory once allowed to
+                if s.launch.smem > 48 << 10:
+                    check(cu.cuFuncSetAttribute(fns[s.name], limit, s.launch.smem), "cuFuncSetAttribute")
+            return {name: int(fn) for name, fn in fns.items()}
         except DeviceError as e:  # a module load waits for the device to idle: it meets a kernel that faulted first
             if sticky(e):
                 raise self.fail(e) from None
@@ -389,16 +416,15 @@ class CUDADevice(StagedCopies):
         # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
         # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch). The driver
         # copies them at launch, so the pair is kept for the next launch with these pointers (a steady plan's)
-        arrays = self.params.get(ptrs)
+        maps = dims.maps
+        key = (ptrs, maps) if maps else ptrs
+        arrays = self.params.get(key)
         if arrays is None:
-            values = array.array("Q", ptrs)
-            base = values.buffer_info()[0]
-            params = array.array("Q", range(base, base + 8 * len(ptrs), 8))
             if len(self.params) >= 4096:
                 self.params.clear()
-            arrays = self.params[ptrs] = (values, params, params.buffer_info()[0])
+            arrays = self.params[key] = _kernel_params(ptrs, maps)
         launch = hot.launch if hold_gil else hot.launch_releasing
-        if err := launch(fn, *grid, block, 1, 1, 0, self.stream_h, arrays[2], None):
+        if err := launch(fn, *grid, block, 1, 1, dims.smem, self.stream_h, arrays[2], None):
             hot.fail(err, "cuLaunchKernel")
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],

@@ -10,6 +10,7 @@ from typing import Any
 
 from azyx.device import cached_build
 from azyx.errors import CompileError, DeviceError
+from azyx.gemm_sm90 import TensorMap
 
 try:
     from cuda.bindings import driver as cu
@@ -109,6 +110,20 @@ def init() -> int:
         check(cu.cuInit(0), "cuInit")
         _INIT.append(True)
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def encode_tensor_map(m: TensorMap, base: int) -> bytes:
+    """The 128 bytes of the CUtensorMap `m` describes over the buffer at device address `base` (what the kernel
+    takes by value)."""
+    kinds = cu.CUtensorMapDataType
+    kind = kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if m.dtype == "bfloat16" else kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    encoded = check(cu.cuTensorMapEncodeTiled(
+        kind, 2, base + 2 * m.offset, [cu.cuuint64_t(d) for d in m.dims], [cu.cuuint64_t(m.row_bytes)],
+        [cu.cuuint32_t(b) for b in m.box], [cu.cuuint32_t(1)] * 2,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"cuTensorMapEncodeTiled {m}")
+    return ctypes.string_at(encoded.getPtr(), 128)
 
 
 def versions() -> dict[str, int]:
