@@ -42,12 +42,14 @@ class Hot:
         self.htod = _fn(lib.cuMemcpyHtoDAsync_v2, ctypes.c_uint64, p, z, p)
         self.dtoh = _fn(lib.cuMemcpyDtoHAsync_v2, p, ctypes.c_uint64, z, p)
         self._current = _fn(lib.cuCtxGetCurrent, ctypes.POINTER(p))
+        # its out-parameter, made once (a PyDLL call holds the GIL: no other thread writes it meanwhile)
+        self._ctx = ctypes.c_void_p()
+        self._ctx_ref = ctypes.byref(self._ctx)
 
     def current_context(self) -> int:
         """The calling thread's current context handle (0: none)."""
-        ctx = ctypes.c_void_p()
-        self._current(ctypes.byref(ctx))
-        return ctx.value or 0
+        self._current(self._ctx_ref)
+        return self._ctx.value or 0
 
     @staticmethod
     def fail(err: int, what: str) -> None:
