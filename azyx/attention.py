@@ -15,13 +15,14 @@ queries, v's elements broadcast where they lie). k and v are read in place when 
 axis, else each block is packed as float32 first. The inner loops are GCC vector extensions of the device's vector
 width (Dialect.simd). Causal key blocks past a part's last query are skipped.
 
-CUDA: FlashAttention-2's split, a block of 128 threads per 64 query rows of one batch point, walking the keys in
-tiles staged in shared memory. float16/bfloat16 with head dims that are multiples of 16 (`render_mma`): tensor cores
-(mma.sync m16n8k16), a warp's 16 rows of q as fragments in registers, scores and powers in float32 accumulators that
-become the A fragments of the product with V, K and V tiles of 64 keys copied two stages deep by cp.async. Otherwise
-(`render_cuda`) float32 FMA: q staged once, tiles of 32 keys converted to float32 as they are staged; a thread
-computes a 4 x 4 tile of the scores, the 8 threads of a row group combine row maxima and sums by warp shuffles, the
-powers go through shared memory, and the thread accumulates its 4 rows x Ev/8 output columns in registers.
+CUDA: FlashAttention-2's split, a block of 128 threads per block of query rows of one batch point, walking the keys
+in tiles staged in shared memory. float16/bfloat16 with head dims that are multiples of 16 (`render_mma`): tensor cores
+(mma.sync m16n8k16), a warp's 16 or 32 rows of q as fragments in registers (32: blocks of 128 rows, where there are
+blocks enough), scores and powers in float32 accumulators that become the A fragments of the product with V, K and V
+tiles of 64 keys copied two stages deep by cp.async. Otherwise (`render_cuda`) float32 FMA: q staged once, tiles of
+32 keys converted to float32 as they are staged; a thread computes a 4 x 4 tile of the scores, the 8 threads of a row
+group combine row maxima and sums by warp shuffles, the powers go through shared memory, and the thread accumulates
+its 4 rows x Ev/8 output columns in registers.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def render(k: Kernel, a: Attention, name: str, dl: Dialect) -> str:
 
 
 def cuda_grid(a: Attention) -> tuple[int, int, int]:
+    """(blocks of CUDA_BQ query rows, batch points): the float32 kernel's grid, and at least as many blocks as the
+    tensor-core kernel needs (it numbers its blocks flat; those past `mma_units` return at once)."""
     return -(-a.L // CUDA_BQ), a.batch_size, 1
 
 
@@ -466,164 +469,291 @@ def mma_fits(a: Attention, dl: Dialect, params: list[DType]) -> bool:
 
 
 def render_mma(a: Attention, name: str, dl: Dialect, params: list[DType], scale: str) -> str:
-    """FlashAttention-2 on tensor cores (sm_80 on): a block of 4 warps owns 64 query rows, a warp 16 of them, whose q
-    fragments stay in registers; per tile of 64 keys (K and V staged in shared memory, 16 bytes a load) a warp's
-    scores are mma.sync m16n8k16 products (float32 accumulators), scaled, masked and turned into powers of 2 in
-    registers (each row's maximum and sum across the 4 lanes that hold it), which become the A fragments of the
-    product with V (ldmatrix.trans) straight from the accumulators; the output rows are rescaled as the maxima grow
-    and divided by the sums once, at the end."""
-    bq, bk = CUDA_BQ, 64
-    E, Ev, L, S = a.E, a.Ev, a.L, a.S
+    """FlashAttention-2 on tensor cores (mma.sync m16n8k16, sm_80 on): a block of 128 threads (4 warps) walks the
+    keys in tiles of BK, staged in shared memory by cp.async two stages deep (the next tile lands while this one is
+    multiplied); a warp owns WM query rows (`mma_tiles`: 32 where they fit, so that each K and V fragment it reads
+    from shared memory feeds two m16 tiles), q's fragments in registers. Its scores are float32 accumulators,
+    scaled, masked (only on a tile that crosses the keys' end or the causal diagonal, or under a mask), turned into
+    powers of 2 (ex2.approx) in registers (a row's maximum and sum across the 4 lanes that hold it) and reused as the A
+    fragments (f16/bf16 pairs) of the product with V (ldmatrix.trans); the output rows are rescaled as the maxima grow
+    and divided by the sums once, at the end. K and V rows are padded by 16 bytes (the 8 rows an ldmatrix reads fall
+    in distinct banks); a causal tile past a warp's last row is skipped. Blocks are numbered flat, so any grid of at
+    least `mma_units` blocks works (`cuda_grid`'s, of 64-row blocks, has as many or more): batch point by batch point,
+    or, causal, the longest rows first."""
     kind = "f16" if params[1] is dtypes.float16 else "bf16"
-    it = "long long"
-    out_t = params[0]
     sig = _params(dl, params, scale)
-    masks = ["if (key >= kend) s = -INFINITY;"]
-    if a.causal:
-        masks.append("if (key > row) s = -INFINITY;")
-    if a.mask is not None:
-        mval = _load(dl, params[4], "d4", f"mo + row * {a.mask[-2]}LL + key * {a.mask[-1]}LL")
-        masks.append(f"if (key < kend && row < {L} && !({mval})) s = -INFINITY;" if a.mask_bool else
-                     f"if (key < kend && row < {L}) s += ({mval}) * {LOG2E}f;")
-    store = dl.stores.get(out_t.name, "{buf}[{idx}] = {val};").format(
-        buf="d0", idx=f"b * {L * Ev}LL + row * {Ev}LL + col + c", val="o[n][2 * h + c] * inv[h]")
-    kend = f"min({S}, q0 + {bq})" if a.causal else f"{S}"
-    offsets = "\n  ".join(_offsets(a, "b", it))
-
-    def stage(sh: str, buf: str, off: str, origin: str, stride: int, width: int, rows: int, bound: str) -> str:
-        """Start copying rows origin.. of an operand (at element `off`) into shared array `sh` (zeros past `bound`),
-        16 bytes (8 elements) a cp.async."""
-        per = width // 8
-        return f"""for (int x = tid; x < {rows * per}; x += {CUDA_THREADS}) {{
-      const int r = x / {per}, c = x % {per} * 8;
-      const bool ok = {origin} + r < {bound};
-      azyx_cp16(azyx_smem(&{sh}[r][c]), ok ? {buf} + {off} + ({origin} + r) * {stride}LL + c : {buf}, ok ? 16 : 0);
-    }}"""
-
-    commit = 'asm volatile("cp.async.commit_group;" ::: "memory");'
-    wait = 'asm volatile("cp.async.wait_group {n};" ::: "memory");'
-    frag_q = "\n".join(
-        f"  {{ const int r = warp * 16 + (lane & 15), c = {kk * 16} + (lane >> 4) * 8; azyx_ldm4(qf[{kk}], "
-        f"azyx_smem(&Qs[r][c])); }}" for kk in range(E // 16))
-    return MMA_HELPERS + f"""#ifndef AZYX_PACK_{kind.upper()}
-#define AZYX_PACK_{kind.upper()}
-__device__ inline unsigned azyx_pack_{kind}(float lo, float hi) {{  /* two floats as {kind} halves, lo first */
+    return MMA_HELPERS + f"""#ifndef AZYX_ATTENTION_{kind.upper()}
+#define AZYX_ATTENTION_{kind.upper()}
+__device__ inline unsigned azyx_half2_{kind}(float lo, float hi) {{  /* two floats as {kind} halves, lo first */
   unsigned r; asm("cvt.rn.{kind}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }}
 #endif
+#ifndef AZYX_EX2
+#define AZYX_EX2
+__device__ inline float azyx_ex2(float x) {{ float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }}
+#endif
 extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(sig)}) {{
-  __shared__ __align__(16) unsigned short Qs[{bq}][{E + 8}];
-  __shared__ __align__(16) unsigned short Ks[2][{bk}][{E + 8}];  /* two stages: the next tile lands meanwhile */
-  __shared__ __align__(16) unsigned short Vs[2][{bk}][{Ev + 8}];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const {it} b = blockIdx.y;
-  const int q0 = blockIdx.x * {bq};  /* (rows and keys in int: lengths under 2^31; addresses in 64 bits) */
+{_mma_body(a, dl, params, scale, kind)}
+}}
+"""
+
+
+MMA_SMEM = 48 << 10  # the shared memory a kernel may declare
+MMA_MIN_BLOCKS = 132  # (an H100's multiprocessors)
+
+
+def _mma_smem(a: Attention, wm: int, bk: int) -> tuple[int, int, int]:
+    """The mma.sync body's shared memory in elements: (one stage of K and V, where q's rows lie, in all); q's rows
+    share stage 1's space where they fit in it (their fragments are in registers before that stage is filled)."""
+    stg = bk * (a.E + 8) + bk * (a.Ev + 8)
+    q = 4 * wm * (a.E + 8)
+    return (stg, stg, 2 * stg) if q <= stg else (stg, 2 * stg, 2 * stg + q)
+
+
+def mma_tiles(a: Attention) -> tuple[int, int]:
+    """(query rows per warp, keys per tile) of the mma.sync body: 32 rows (a block of 128: each K and V fragment
+    read from shared memory feeds two m16 tiles) where registers and shared memory allow and there are blocks enough
+    to fill the GPU, else 16; 64 keys where two stages fit, else 32."""
+    def fits(wm: int, bk: int) -> bool:
+        return 2 * _mma_smem(a, wm, bk)[2] <= MMA_SMEM
+
+    wm = 32 if a.E <= 64 and a.Ev <= 64 and fits(32, 64) and mma_units(a, 32) >= MMA_MIN_BLOCKS else 16
+    return wm, 64 if fits(wm, 64) else 32
+
+
+def mma_units(a: Attention, wm: int) -> int:
+    """The mma.sync body's blocks: (batch point, block of 4 * wm query rows)."""
+    return a.batch_size * -(-a.L // (4 * wm))
+
+
+def _common(a: Attention, dl: Dialect, params: list[DType], scale: str, kind: str, bq: int) -> dict[str, str]:
+    """The block's unit (batch point and first row), the operands, the store of a pair of output columns (`at`: the
+    element offset; the values o0, o1)."""
+    it = "long long"
+    nqb = -(-a.L // bq)
+    out_t = params[0]
+    if out_t is params[1]:  # the output in q's half dtype: two columns a 32-bit store
+        store = f"*(unsigned*)(d0 + at) = azyx_half2_{kind}(o0, o1);"
+    else:
+        store = " ".join(dl.stores.get(out_t.name, "{buf}[{idx}] = {val};").format(buf="d0", idx=f"at + {c}",
+                                                                                     val=f"o{c}") for c in range(2))
+    if a.causal:
+        unit = f"const int qb = {nqb - 1} - id / {a.batch_size}; const {it} b = id % {a.batch_size};"
+    else:
+        unit = f"const int qb = id % {nqb}; const {it} b = id / {nqb};"
+    offsets = "\n  ".join(_offsets(a, "b", it))
+    head = f"""  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int id = blockIdx.y * gridDim.x + blockIdx.x;
+  if (id >= {nqb * a.batch_size}) return;
+  {unit}
+  const int q0 = qb * {bq};  /* the block's first row (rows and keys in int; addresses in 64 bits) */
   {offsets}
   const float qs = (float)({scale}) * {LOG2E}f;
   const unsigned short* Q = (const unsigned short*)d1;
   const unsigned short* K = (const unsigned short*)d2;
   const unsigned short* V = (const unsigned short*)d3;
-  const int kend = {kend};
-  {stage("Qs", "Q", "qo", "q0", a.q[-2], E, bq, f"{L}")}
-  {stage("Ks[0]", "K", "ko", "0", a.k[-2], E, bk, "kend")}
-  {stage("Vs[0]", "V", "vo", "0", a.v[-2], Ev, bk, "kend")}
-  {commit}
-  {wait.format(n=0)}
-  __syncthreads();
-  unsigned qf[{E // 16}][4];
-{frag_q}
-  float o[{Ev // 8}][4], m[2] = {{-INFINITY, -INFINITY}}, l[2] = {{0.f, 0.f}};
+  const int kend = {f"min({a.S}, q0 + {bq})" if a.causal else a.S};"""
+    return {"head": head, "store": store}
+
+
+def _stage(buf: str, off: str, origin: str, stride: int, width: int, rows: int, bound: str, at: str) -> str:
+    """Start copying rows origin.. of an operand (at element `off`) into shared memory, 16 bytes (8 elements) a
+    cp.async, zeros past `bound`; `at`: the shared byte address of row r's chunk c (elements)."""
+    per = width // 8
+    return f"""#pragma unroll
+    for (int x = tid; x < {rows * per}; x += {CUDA_THREADS}) {{
+      const int r = x / {per}, c = x % {per} * 8;
+      const bool ok = {origin} + r < {bound};
+      azyx_cp16({at}, ok ? {buf} + {off} + ({origin} + r) * {stride}LL + c : {buf}, ok ? 16 : 0);
+    }}"""
+
+
+def _softmax(a: Attention, dl: Dialect, params: list[DType], groups: int, bk: int, row0: str, masked: bool) -> str:
+    """Scores sc[i][n][q] of row group i (its first row `row0`, with i) -> their maxima (ms: 0 for a row all masked so
+    far) and the rescales alpha of earlier sums and outputs."""
+    body = "float s = sc[i][n][q] * qs;"
+    if masked:
+        body = f"const int key = k0 + n * 8 + (lane & 3) * 2 + (q & 1);\n              {body}"
+        body += "\n              if (key >= kend) s = -INFINITY;"
+        if a.causal or a.mask is not None:
+            body = f"const int row = {row0} + (lane >> 2) + 8 * (q >> 1);\n              {body}"
+        if a.causal:
+            body += "\n              if (key > row) s = -INFINITY;"
+        if a.mask is not None:
+            mval = _load(dl, params[4], "d4", f"mo + row * {a.mask[-2]}LL + key * {a.mask[-1]}LL")
+            body += (f"\n              if (key < kend && row < {a.L} && !({mval})) s = -INFINITY;" if a.mask_bool
+                     else f"\n              if (key < kend && row < {a.L}) s += ({mval}) * {LOG2E}f;")
+    return f"""float top[{groups}][2];
+        #pragma unroll
+        for (int i = 0; i < {groups}; i++) top[i][0] = top[i][1] = -INFINITY;
+        #pragma unroll
+        for (int i = 0; i < {groups}; i++)
+          #pragma unroll
+          for (int n = 0; n < {bk // 8}; n++)
+            #pragma unroll
+            for (int q = 0; q < 4; q++) {{
+              {body}
+              sc[i][n][q] = s;
+              top[i][q >> 1] = fmaxf(top[i][q >> 1], s);
+            }}
+        #pragma unroll
+        for (int i = 0; i < {groups}; i++)
+          #pragma unroll
+          for (int h = 0; h < 2; h++) {{
+            float t = fmaxf(top[i][h], __shfl_xor_sync(0xffffffffu, top[i][h], 1));
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 2));
+            const float mnew = fmaxf(m[i][h], t);
+            ms[i][h] = mnew == -INFINITY ? 0.f : mnew;
+            alpha[i][h] = azyx_ex2(m[i][h] - ms[i][h]);
+            m[i][h] = mnew;
+          }}"""
+
+
+def _powers(groups: int, bk: int, ev: int, kind: str) -> str:
+    """The scores' powers of 2 as A fragments pf (the accumulators' layout is the A operand's), the sums and the
+    output rows rescaled."""
+    return f"""#pragma unroll
+      for (int i = 0; i < {groups}; i++) {{
+        float s0 = 0.f, s1 = 0.f;
+        #pragma unroll
+        for (int n = 0; n < {bk // 8}; n++) {{
+          const float p0 = azyx_ex2(sc[i][n][0] - ms[i][0]), p1 = azyx_ex2(sc[i][n][1] - ms[i][0]);
+          const float p2 = azyx_ex2(sc[i][n][2] - ms[i][1]), p3 = azyx_ex2(sc[i][n][3] - ms[i][1]);
+          s0 += p0 + p1, s1 += p2 + p3;
+          pf[i][n >> 1][(n & 1) * 2] = azyx_half2_{kind}(p0, p1);
+          pf[i][n >> 1][(n & 1) * 2 + 1] = azyx_half2_{kind}(p2, p3);
+        }}
+        l[i][0] = l[i][0] * alpha[i][0] + s0, l[i][1] = l[i][1] * alpha[i][1] + s1;
+        #pragma unroll
+        for (int n = 0; n < {ev // 8}; n++)
+          #pragma unroll
+          for (int q = 0; q < 4; q++) o[i][n][q] *= alpha[i][q >> 1];
+      }}"""
+
+
+def _epilogue(groups: int, ev: int, L: int, row0: str, store: str) -> str:
+    """The rows' sums across their 4 lanes, the output rows divided by them and stored."""
+    return f"""  float inv[{groups}][2];
   #pragma unroll
-  for (int n = 0; n < {Ev // 8}; n++)
+  for (int i = 0; i < {groups}; i++)
     #pragma unroll
-    for (int q = 0; q < 4; q++) o[n][q] = 0.f;
+    for (int h = 0; h < 2; h++) {{
+      float t = l[i][h] + __shfl_xor_sync(0xffffffffu, l[i][h], 1);
+      t += __shfl_xor_sync(0xffffffffu, t, 2);
+      inv[i][h] = 1.f / t;
+    }}
+  #pragma unroll
+  for (int i = 0; i < {groups}; i++)
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {{
+      const int row = {row0} + (lane >> 2) + 8 * h;
+      if (row < {L})
+        #pragma unroll
+        for (int n = 0; n < {ev // 8}; n++) {{
+          const long long at = b * {L * ev}LL + row * {ev}LL + n * 8 + (lane & 3) * 2;
+          const float o0 = o[i][n][2 * h] * inv[i][h], o1 = o[i][n][2 * h + 1] * inv[i][h];
+          {store}
+        }}
+    }}"""
+
+
+def _state(groups: int, ev: int) -> str:
+    return f"""  float o[{groups}][{ev // 8}][4], m[{groups}][2], l[{groups}][2];
+  #pragma unroll
+  for (int i = 0; i < {groups}; i++) {{
+    m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.f;
+    #pragma unroll
+    for (int n = 0; n < {ev // 8}; n++)
+      #pragma unroll
+      for (int q = 0; q < 4; q++) o[i][n][q] = 0.f;
+  }}"""
+
+
+def _mma_body(a: Attention, dl: Dialect, params: list[DType], scale: str, kind: str) -> str:
+    """mma.sync m16n8k16: a warp owns WM query rows (`mma_tiles`), q's fragments in registers; its K and V fragments
+    by ldmatrix from rows padded by 16 bytes (the 8 rows an ldmatrix reads fall in distinct banks); a causal tile
+    past the warp's last row is skipped."""
+    (wm, bk), mt = mma_tiles(a), mma_tiles(a)[0] // 16
+    bq, E, Ev = 4 * wm, a.E, a.Ev
+    rk, rv = E + 8, Ev + 8  # shared row strides (elements)
+    stg, q_at, total = _mma_smem(a, wm, bk)
+    c = _common(a, dl, params, scale, kind, bq)
+    live = f"k0 <= w0 + {wm - 1}" if a.causal else "true"
+    edge = "true" if a.mask is not None else "k1 > kend" + (" || k1 - 1 > w0" if a.causal else "")
+    row0 = "w0 + i * 16"
+    qfrag = "\n".join(f"    azyx_ldm4(qf[i][{kk}], qa + {kk * 32});" for kk in range(E // 16))
+    return f"""  __shared__ __align__(16) unsigned short sm[{total}];  /* 2 stages of K ({bk} x {rk}), V; q */
+{c["head"]}
+  const int w0 = q0 + warp * {wm};  /* the warp's first row */
+  const unsigned sb = azyx_smem(sm);
+  {_stage("Q", "qo", "q0", a.q[-2], E, bq, str(a.L), f"sb + ({q_at} + r * {rk} + c) * 2")}
+  {_stage("K", "ko", "0", a.k[-2], E, bk, "kend", f"sb + (r * {rk} + c) * 2")}
+  {_stage("V", "vo", "0", a.v[-2], Ev, bk, "kend", f"sb + ({bk * rk} + r * {rv} + c) * 2")}
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+  unsigned qf[{mt}][{E // 16}][4];
+  #pragma unroll
+  for (int i = 0; i < {mt}; i++) {{
+    const unsigned qa = sb + ({q_at} + (warp * {wm} + i * 16 + (lane & 15)) * {rk} + (lane >> 4) * 8) * 2;
+{qfrag}
+  }}
+  __syncthreads();  /* (q's rows may share stage 1's space) */
+{_state(mt, Ev)}
+  /* a lane's ldmatrix rows: K (keys, non-transposed) and V (keys, transposed), as byte offsets in a stage */
+  const unsigned kl = (((lane & 7) + (lane >> 4) * 8) * {rk} + ((lane >> 3) & 1) * 8) * 2;
+  const unsigned vl = {bk * rk * 2} + (((lane & 7) + ((lane >> 3) & 1) * 8) * {rv} + (lane >> 4) * 8) * 2;
   for (int k0 = 0, st = 0; k0 < kend; k0 += {bk}, st ^= 1) {{
     const int k1 = k0 + {bk};
     if (k1 < kend) {{  /* the next tile into the other stage, which every warp is done with */
-      {stage("Ks[st ^ 1]", "K", "ko", "k1", a.k[-2], E, bk, "kend")}
-      {stage("Vs[st ^ 1]", "V", "vo", "k1", a.v[-2], Ev, bk, "kend")}
+      const unsigned nb = sb + (st ^ 1) * {stg * 2};
+      {_stage("K", "ko", "k1", a.k[-2], E, bk, "kend", f"nb + (r * {rk} + c) * 2")}
+      {_stage("V", "vo", "k1", a.v[-2], Ev, bk, "kend", f"nb + ({bk * rk} + r * {rv} + c) * 2")}
     }}
-    {commit}
-    float sc[{bk // 8}][4];
-    #pragma unroll
-    for (int n = 0; n < {bk // 8}; n++)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if ({live}) {{  /* (causal: a tile past the warp's last row is skipped) */
+      const unsigned cb = sb + st * {stg * 2};
+      float sc[{mt}][{bk // 8}][4];
       #pragma unroll
-      for (int q = 0; q < 4; q++) sc[n][q] = 0.f;
-    #pragma unroll
-    for (int kk = 0; kk < {E // 16}; kk++)
+      for (int i = 0; i < {mt}; i++)
+        #pragma unroll
+        for (int n = 0; n < {bk // 8}; n++)
+          #pragma unroll
+          for (int q = 0; q < 4; q++) sc[i][n][q] = 0.f;
       #pragma unroll
-      for (int np = 0; np < {bk // 16}; np++) {{
-        unsigned fb[4];
-        {{ const int r = np * 16 + (lane & 7) + (lane >> 4) * 8, c = kk * 16 + ((lane >> 3) & 1) * 8;
-          azyx_ldm4(fb, azyx_smem(&Ks[st][r][c])); }}
-        azyx_mma_{kind}(sc[2 * np], qf[kk], fb);
-        azyx_mma_{kind}(sc[2 * np + 1], qf[kk], fb + 2);
+      for (int kk = 0; kk < {E // 16}; kk++)
+        #pragma unroll
+        for (int np = 0; np < {bk // 16}; np++) {{
+          unsigned fb[4];
+          azyx_ldm4(fb, cb + kl + (np * {16 * rk} + kk * 16) * 2);
+          #pragma unroll
+          for (int i = 0; i < {mt}; i++) {{
+            azyx_mma_{kind}(sc[i][2 * np], qf[i][kk], fb);
+            azyx_mma_{kind}(sc[i][2 * np + 1], qf[i][kk], fb + 2);
+          }}
+        }}
+      float ms[{mt}][2], alpha[{mt}][2];
+      if ({edge}) {{
+        {_softmax(a, dl, params, mt, bk, row0, True)}
+      }} else {{
+        {_softmax(a, dl, params, mt, bk, row0, False)}
       }}
-    float top[2] = {{-INFINITY, -INFINITY}};
-    #pragma unroll
-    for (int n = 0; n < {bk // 8}; n++)
+      unsigned pf[{mt}][{bk // 16}][4];
+      {_powers(mt, bk, Ev, kind)}
       #pragma unroll
-      for (int q = 0; q < 4; q++) {{
-        const int h = q >> 1;
-        const int row = q0 + warp * 16 + (lane >> 2) + 8 * h, key = k0 + n * 8 + (lane & 3) * 2 + (q & 1);
-        float s = sc[n][q] * qs;
-        {" ".join(masks)}
-        sc[n][q] = s;
-        top[h] = fmaxf(top[h], s);
-      }}
-    float ms[2], alpha[2];
-    #pragma unroll
-    for (int h = 0; h < 2; h++) {{
-      top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
-      top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
-      const float mnew = fmaxf(m[h], top[h]);
-      ms[h] = mnew == -INFINITY ? 0.f : mnew;
-      alpha[h] = exp2f(m[h] - ms[h]);
-      m[h] = mnew;
-      l[h] *= alpha[h];
+      for (int t = 0; t < {bk // 16}; t++)
+        #pragma unroll
+        for (int np = 0; np < {Ev // 16}; np++) {{
+          unsigned fb[4];
+          azyx_ldm4t(fb, cb + vl + (t * {16 * rv} + np * 16) * 2);
+          #pragma unroll
+          for (int i = 0; i < {mt}; i++) {{
+            azyx_mma_{kind}(o[i][2 * np], pf[i][t], fb);
+            azyx_mma_{kind}(o[i][2 * np + 1], pf[i][t], fb + 2);
+          }}
+        }}
     }}
-    unsigned pf[{bk // 16}][4];
-    #pragma unroll
-    for (int n = 0; n < {bk // 8}; n++) {{
-      const float p0 = exp2f(sc[n][0] - ms[0]), p1 = exp2f(sc[n][1] - ms[0]);
-      const float p2 = exp2f(sc[n][2] - ms[1]), p3 = exp2f(sc[n][3] - ms[1]);
-      l[0] += p0 + p1, l[1] += p2 + p3;
-      pf[n >> 1][(n & 1) * 2] = azyx_pack_{kind}(p0, p1);
-      pf[n >> 1][(n & 1) * 2 + 1] = azyx_pack_{kind}(p2, p3);
-    }}
-    #pragma unroll
-    for (int n = 0; n < {Ev // 8}; n++)
-      #pragma unroll
-      for (int q = 0; q < 4; q++) o[n][q] *= alpha[q >> 1];
-    #pragma unroll
-    for (int t = 0; t < {bk // 16}; t++)
-      #pragma unroll
-      for (int np = 0; np < {Ev // 16}; np++) {{
-        unsigned fb[4];
-        {{ const int r = t * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, c = np * 16 + (lane >> 4) * 8;
-          azyx_ldm4t(fb, azyx_smem(&Vs[st][r][c])); }}
-        azyx_mma_{kind}(o[2 * np], pf[t], fb);
-        azyx_mma_{kind}(o[2 * np + 1], pf[t], fb + 2);
-      }}
-    {wait.format(n=0)}  /* the next tile has landed */
+    asm volatile("cp.async.wait_group 0;" ::: "memory");  /* the next tile has landed */
     __syncthreads();  /* ... for every thread, and every warp is done with this stage */
   }}
-  float inv[2];
-  #pragma unroll
-  for (int h = 0; h < 2; h++) {{
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    inv[h] = 1.f / l[h];
-  }}
-  #pragma unroll
-  for (int n = 0; n < {Ev // 8}; n++)
-    #pragma unroll
-    for (int h = 0; h < 2; h++) {{
-      const int row = q0 + warp * 16 + (lane >> 2) + 8 * h;
-      const int col = n * 8 + (lane & 3) * 2;
-      if (row < {L})
-        #pragma unroll
-        for (int c = 0; c < 2; c++) {store}
-    }}
-}}
-"""
+{_epilogue(mt, Ev, a.L, row0, c["store"])}"""
