@@ -39,15 +39,27 @@ C_TILES = {8: (3, 4), 16: (4, 2)}
 C_BQ, C_BK = 64, 64  # C: query rows per part (two tiles), keys per block
 C_MAX_HEAD = 256  # the longest E and Ev the C kernel takes (its blocks live on the stack)
 CUDA_MAX_HEAD = 64  # (its tiles fill the 48 KiB of shared memory a kernel may declare)
+MMA_MAX_HEAD = 128  # the tensor-core kernel's longest E and Ev (tiles of 32 keys, two stages, in 48 KiB)
 CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys per tile, threads per block
 
 
-def fits(dl: Dialect, L: int, S: int, E: int, Ev: int) -> bool:
-    """Whether the dialect's attention kernel takes these lengths (else the composed form runs)."""
+def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = None) -> bool:
+    """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs). On a
+    GPU, heads longer than CUDA_MAX_HEAD take the tensor-core kernel alone, which reads q, k and v with aligned rows
+    (`rows_aligned`: the planner copies a view that is not)."""
     if not dl.attention:
         return False
-    most = CUDA_MAX_HEAD if dl.global_ids else C_MAX_HEAD
+    most = C_MAX_HEAD
+    if dl.global_ids:
+        tensor_cores = dl.tensor_cores and dtype in (dtypes.float16, dtypes.bfloat16) and E % 16 == 0 and Ev % 16 == 0
+        most = MMA_MAX_HEAD if tensor_cores else CUDA_MAX_HEAD
     return 0 < E <= most and 0 < Ev <= most and L > 0 and S > 0
+
+
+def rows_aligned(view: tuple[int, ...]) -> bool:
+    """Whether an operand's view (offset, *strides) is read 16 bytes at a time by the tensor-core kernel: its last
+    axis contiguous, the other strides and the offset multiples of 8 elements."""
+    return view[-1] == 1 and all(s % 8 == 0 for s in view[:-1])
 
 
 def render(k: Kernel, a: Attention, name: str, dl: Dialect) -> str:
@@ -464,7 +476,7 @@ def mma_fits(a: Attention, dl: Dialect, params: list[DType]) -> bool:
     cores, E and Ev multiples of 16, rows read 16 bytes at a time (the last axis contiguous, the other strides and the
     offsets multiples of 8 elements)."""
     half = params[1] in (dtypes.float16, dtypes.bfloat16)
-    aligned = all(x[-1] == 1 and all(s % 8 == 0 for s in x[:-1]) for x in (a.q, a.k, a.v))
+    aligned = all(rows_aligned(x) for x in (a.q, a.k, a.v))
     return dl.tensor_cores and half and a.E % 16 == 0 and a.Ev % 16 == 0 and aligned
 
 

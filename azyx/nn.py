@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from azyx import attention
-from azyx.dtypes import dtypes, to_dtype
+from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
 from azyx.graph import Node, Op
 from azyx.runtime import GRAPH, RT
@@ -407,7 +407,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causa
     lq, e, lk, ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     batch = broadcast_shapes(*(t.shape[:-2] for t in ops))
     composed = None
-    if GRAPH.recording or not _has_attention_kernel(q.device, lq, lk, e, ev):
+    if GRAPH.recording or not _has_attention_kernel(q.device, lq, lk, e, ev, q.dtype):
         composed = _attention_weights(q, k, mask, causal, scale) @ v
         if composed.shape != (*batch, lq, ev) or composed.dtype is not q.dtype:
             return composed
@@ -420,10 +420,10 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causa
     return Tensor._from_node(Node(Op.ATTENTION, ids, (causal, kind), (*batch, lq, ev), q.dtype, q.device, pinned))
 
 
-def _has_attention_kernel(device: str, lq: int, lk: int, e: int, ev: int) -> bool:
+def _has_attention_kernel(device: str, lq: int, lk: int, e: int, ev: int, dtype: DType) -> bool:
     dev = RT.executor.devices.get(device)  # (None for the disk, say: compute goes elsewhere)
     dl = dev.dialect if dev is not None else None
-    return dl is not None and attention.fits(dl, lq, lk, e, ev)
+    return dl is not None and attention.fits(dl, lq, lk, e, ev, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ losses

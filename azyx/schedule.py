@@ -467,16 +467,21 @@ class Planner:
 
         def takes(device: str) -> bool:
             dl = self.rt.device(device).dialect
-            return dl is not None and attention.fits(dl, lq, lk, e, ev)
+            return dl is not None and attention.fits(dl, lq, lk, e, ev, self.graph[q].dtype)
 
         if not takes(device):
             if composed is not None:
                 return self.realize(composed)
             device = n.device  # (made without its composed form only where its own device has the kernel)
             assert takes(device), f"attention without its composed form on {device}, which has no kernel for it"
+        dl = self.rt.device(device).dialect
+        wide = dl is not None and dl.global_ids and max(e, ev) > attention.CUDA_MAX_HEAD  # (tensor cores alone: fits)
         params, views = [], []
         for s in (q, k, v) if mask is None else (q, k, v, mask):
             slot, view = self.read_in_place(s, device)
+            if wide and s != mask and not attention.rows_aligned((view.offset, *view.strides)):
+                slot, view = self.kernel(s)  # a contiguous copy, whose rows the kernel reads 16 bytes at a time
+                slot = self.on_device(slot, device)
             params.append(slot)
             views.append((view.offset, *view.strides))
         spec = Attention(tuple(batch), lq, lk, e, ev, views[0], views[1], views[2],

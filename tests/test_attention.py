@@ -200,6 +200,21 @@ async def test_half_attention_against_pytorch(device: str, dtype: str) -> None:
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_half_attention_of_long_heads_and_unaligned_views(device: str, dtype: str) -> None:
+    """Heads of 128 (past the float32 CUDA kernel's tiles: the tensor-core kernel alone takes them) and q, k, v as
+    views whose rows start at odd elements (copied first where the kernel reads rows 16 bytes at a time)."""
+    big = Tensor(randn(2, 4, 70, 136), device=device).cast(dtype)
+    await big.realize()
+    exact = await big.cast("float32").numpy()
+    for causal in (False, True):
+        q, k, v = big[..., :128], big[..., 8:136], big[..., 1:129]
+        got = await nn.scaled_dot_product_attention(q, k, v, causal=causal).cast("float32").numpy()
+        want = sdpa_ref(exact[..., :128], exact[..., 8:136], exact[..., 1:129], None, causal)
+        tol = (2e-3 if dtype == "float16" else 1e-2) if fused_here(device) else 6e-2
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("mode", ["none", "causal", "bool", "float"])
 async def test_fused_attention_is_one_kernel_without_a_score_buffer(device: str, mode: str) -> None:
     b, h, lq, lk, e = 2, 4, 96, 80, 32

@@ -378,5 +378,17 @@ def test_attention_is_one_kernel_that_compiles(roomy: None, dtype: str) -> None:
         assert ("mma.sync" in step.src) == half_tiles  # tensor cores for half dtypes, float32 FMA otherwise
         steps.append(step)
     compile_all(steps)
-    wide = t(2, 10, 80).cast(dtype)
-    assert len(kernels_of(nn.scaled_dot_product_attention(wide, wide, wide))) > 1
+    wide = t(2, 10, 80).cast(dtype)  # a head past the float32 kernel's tiles: tensor cores alone take it
+    fused = [s for s in kernels_of(nn.scaled_dot_product_attention(wide, wide, wide)) if attention_of(s.kernel)]
+    assert len(fused) == (dtype != "float32")
+    big = t(2, 4, 100, 136).cast(dtype)
+    q, k, v = big[..., :128], big[..., 8:136], big[..., 1:129]  # v's rows start at odd elements: copied first
+    steps = kernels_of(nn.scaled_dot_product_attention(q, k, v))
+    fused = [s for s in steps if attention_of(s.kernel)]
+    if dtype == "float32":
+        assert not fused  # (E = 128: the composed form)
+        return
+    (step,) = fused
+    a = attention_of(step.kernel)
+    assert a is not None and "mma.sync" in step.src and a.v[0] == 0 and a.q[0] == 0 and a.k[0] == 8
+    compile_all(steps)
