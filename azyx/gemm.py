@@ -5,13 +5,13 @@ affine, unmasked loads and a contiguous output, whatever the operands' strides (
 where it lies). `render_cuda` (and `render_glsl`, the same scheme as a Vulkan compute shader) fills a classic tiled
 kernel for it: a block computes a BM x BN tile of C, stepping over K in slices of BK that the block stages in shared
 memory (the next slice is fetched into registers while the current one is multiplied); each thread accumulates a
-TM x TN register tile. Loads are 16 bytes wide where an operand's contiguous axis allows it. Anything else renders
-through the generic C-family path.
+TM x TN register tile (on CUDA a warp owns a sub-tile of the block's, SimtTile). Loads are 16 bytes wide where an
+operand's contiguous axis allows it. Anything else renders through the generic C-family path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from azyx.dtypes import DType, dtypes
 from azyx.ir import Kernel, V
@@ -45,13 +45,25 @@ class Gemm:
 
     @property
     def threads(self) -> int:
-        return MMA_WARPS[self.tile][0] * MMA_WARPS[self.tile][1] * 32 if self.mma else THREADS
+        if self.mma:
+            return MMA_WARPS[self.tile][0] * MMA_WARPS[self.tile][1] * 32
+        return self.simt.threads if self.target == "cuda" else THREADS
+
+    @property
+    def simt(self) -> SimtTile:
+        """The float32 CUDA kernel's shape (render_simt): its tile's, with slices of 8 k where a 128-row tile's
+        operands both run along k (both transposed as they are stored: more registers held across the slice; H200
+        1024^3 x @ W.T in 128 x 64 tiles 0.83x cuBLAS at 16, 0.88x at 8; x @ y 1.14x at 16, 1.01x at 8)."""
+        c = CUDA_TILES[self.tile]
+        return replace(c, bk=8) if self.a[4] == 1 and self.b[3] == 1 and c.bm == 128 else c
 
     @property
     def tile(self) -> tuple[int, int]:
         """Rows x columns of C per block: 128 x 128 where that makes a block per multiprocessor or more, else
         128 x 64 where that makes half as many, else 64 x 64 (measured on the H200 with 8 products in flight:
-        1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27).
+        1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27;
+        the kernel of 4 warps (SimtTile) alone, x @ y 1024^3: 128 x 64 32 TFLOP/s, 128 x 128 21 (K split in 2: 30),
+        64 x 64 28; cuBLAS 28).
         Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64."""
         if self.mma:
             return (128, 128) if -(-self.m // 128) * -(-self.n // 128) * self.batch >= 128 else (64, 64)
@@ -68,12 +80,13 @@ class Gemm:
         at least 4. (Splitting where the tiles alone fill the GPU measured slower: the atomics and the zeroing.)"""
         bm, bn = self.tile
         tiles = -(-self.m // bm) * -(-self.n // bn) * self.batch
+        bk = self.simt.bk if self.target == "cuda" and not self.mma else BK
         if tiles >= 64 or self.target != "cuda" or self.mma:  # (tensor cores: C is float16, no atomics)
             parts = 1
         else:
-            parts = max(1, min(8, 128 // tiles, self.k // (4 * BK)))
+            parts = max(1, min(8, 128 // tiles, self.k // (4 * bk)))
         per = -(-self.k // parts)
-        chunk = -(-per // BK) * BK
+        chunk = -(-per // bk) * bk
         return -(-self.k // chunk), chunk
 
     def grid(self) -> tuple[int, int, int]:
@@ -165,33 +178,78 @@ def _batch_strides(sizes: list[int], names: list[str], *maps: dict[str, int]) ->
     return batch, strides
 
 
+@dataclass(frozen=True)
+class SimtTile:
+    """The shape of the float32 CUDA kernel (render_cuda) for one block tile: `wm` x `wn` warps share the block's
+    `bm` x `bn` tile of C, a warp's lanes `lm` x (32 / `lm`) (along M x N) its warp tile, each lane a `tm` x `tn`
+    register tile made of 4 x 4 sub-blocks (runs of 4 rows / columns, a run per 4 * lanes), so that the lanes of a
+    warp read consecutive 16-byte vectors of shared memory (no bank conflicts) and reuse each in 4 products. K steps
+    by slices of `bk` through two shared-memory buffers."""
+    bm: int
+    bn: int
+    wm: int
+    wn: int
+    lm: int = 8
+    bk: int = 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+    @property
+    def tm(self) -> int:
+        return self.bm // self.wm // self.lm
+
+    @property
+    def tn(self) -> int:
+        return self.bn // self.wn // (32 // self.lm)
+
+
+# 4 warps a block; in 128 x 128 tiles a warp per 64 x 64, 16 x 8 a lane (128 accumulators, as cuBLAS's SIMT kernels).
+# H200, kernel alone against cuBLAS, 4096^3 x @ y / x @ W.T: 8 x 16 a lane 0.87x / 0.91x (16 k a slice: 0.91x /
+# 0.67x), 16 x 8 0.96x / 0.95x (16 k: 0.94x / 0.76x); 256 threads of 8 x 8 0.78-0.91x; 2048^3 16 x 8 0.96-1.08x
+CUDA_TILES = {(128, 128): SimtTile(128, 128, 2, 2, lm=4, bk=8), (128, 64): SimtTile(128, 64, 2, 2),
+              (64, 64): SimtTile(64, 64, 2, 2)}
+
+
 def render_cuda(g: Gemm, name: str) -> str:
     if g.mma:
         return render_mma(g, name)
-    tr, tc = g.tile
-    tm, tn = tr // 16, tc // 16  # 16 x 16 threads, each a tm x tn register tile
+    return render_simt(g, name, g.simt, g.split)
+
+
+def render_simt(g: Gemm, name: str, c: SimtTile, split: tuple[int, int]) -> str:
+    """The float32 product on CUDA cores (SimtTile says the shape). A slice of each operand moves global memory ->
+    registers -> shared memory: the next slice's loads are in flight while the current one is multiplied, then
+    stored into the other buffer (one barrier per slice). Loads are 16 bytes wide where an operand's contiguous
+    axis allows; an operand contiguous along K is transposed as it is stored, so that both are read as 16-byte
+    vectors along M and N. `split`: (parts, slice) of K (Gemm.split); parts > 1 adds into C atomically."""
+    tr, tc, bk, threads = c.bm, c.bn, c.bk, c.threads
+    tm, tn, lm, ln = c.tm, c.tn, c.lm, 32 // c.lm
+    assert tm % 4 == 0 and tn % 4 == 0 and c.bm % (c.wm * lm) == 0 and c.bn % (c.wn * ln) == 0
     pa, a_off, a_sb, a_si, a_sk = g.a
     pb, b_off, b_sb, b_sk, b_sj = g.b
-    # A's slice is BK x t (k-major in shared memory); a 16-byte load takes 4 consecutive k (A's k contiguous) or
+    # A's slice is bk x t (k-major in shared memory); a 16-byte load takes 4 consecutive k (A's k contiguous) or
     # 4 consecutive rows (A's rows contiguous); otherwise single elements
     a_vec = 4 if (a_sk == 1 and a_si % 4 == 0 and a_off % 4 == 0 and a_sb % 4 == 0 and g.k % 4 == 0) else 1
     b_vec = 4 if (b_sj == 1 and b_sk % 4 == 0 and b_off % 4 == 0 and b_sb % 4 == 0 and g.n % 4 == 0) else 1
-    a_elems, b_elems = BK * tr // a_vec, BK * tc // b_vec
-    a_load = _tile_load("A", "As", a_vec, a_elems, "m", tr, "i", a_si, a_sk, g.m, along_k=a_sk == 1)
-    b_load = _tile_load("B", "Bs", b_vec, b_elems, "n", tc, "j", b_sj, b_sk, g.n, along_k=b_sj != 1)
-    parts, chunk = g.split
+    a_elems, b_elems = bk * tr // a_vec, bk * tc // b_vec
+    parts, chunk = split
+    # guards only where a slice can pass the edge (the shapes are the kernel's); 32-bit offsets where they fit
+    k_edge = g.k % chunk != 0 or chunk % bk != 0
+    it = "int" if max(_reach(g.a, g.m, g.k), _reach(g.b, g.k, g.n)) < 2**31 else "long long"
+    a_load = _tile_load("A", "As", a_vec, a_elems, "m", tr, "i", a_si, a_sk, g.m, a_sk == 1, threads, bk,
+                        g.m % tr != 0, k_edge, it)
+    b_load = _tile_load("B", "Bs", b_vec, b_elems, "n", tc, "j", b_sj, b_sk, g.n, b_sj != 1, threads, bk,
+                        g.n % tc != 0, k_edge, it)
     params = ", ".join(f"const float* __restrict__ d{i}" for i in range(1, 1 + max(pa, pb)))
-
-    def lane(t: str, m: str) -> str:
-        """Where a thread's rows (columns) `m`..`m`+3 lie in the block's tile: in runs of 4, 64 apart (4 x 16
-        threads), so a warp's 16-byte shared-memory reads are one run without bank conflicts (a thread's own run
-        of 8 took two passes: 2048^3 on the H100 0.50x -> 0.61x cuBLAS awaited, 4096^3 0.64x -> 0.74x)."""
-        return f"({m} / 4) * 64 + {t} * 4"
-
-    return f"""extern "C" __global__ void __launch_bounds__({THREADS}) {name}(float* __restrict__ C, {params}) {{
-  __shared__ __align__(16) float As[2][{BK}][{tr + 4}];
-  __shared__ __align__(16) float Bs[2][{BK}][{tc + 4}];
-  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+    return f"""extern "C" __global__ void __launch_bounds__({threads}) {name}(float* __restrict__ C, {params}) {{
+  __shared__ __align__(16) float As[2][{bk}][{tr + 4}];
+  __shared__ __align__(16) float Bs[2][{bk}][{tc + 4}];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // the lane's first row / column in the block's tile: its warp's tile, then its run of 4
+  const int ar = (warp / {c.wn}) * {tr // c.wm} + (lane / {ln}) * 4;
+  const int br = (warp % {c.wn}) * {tc // c.wn} + (lane % {ln}) * 4;
   const int bi = blockIdx.y * {tr}, bj = blockIdx.x * {tc};
   const long long bz = blockIdx.z / {parts};
   const int kbeg = (blockIdx.z % {parts}) * {chunk}, kend = min({g.k}, kbeg + {chunk});
@@ -202,26 +260,26 @@ def render_cuda(g: Gemm, name: str) -> str:
   for (int m = 0; m < {tm}; m++)
     #pragma unroll
     for (int n = 0; n < {tn}; n++) acc[m][n] = 0.f;
-  float ra[{-(-a_elems // THREADS)}][{a_vec}], rb[{-(-b_elems // THREADS)}][{b_vec}];
+  float ra[{-(-a_elems // threads)}][{a_vec}], rb[{-(-b_elems // threads)}][{b_vec}];
   {a_load.fetch.replace("@K0@", "kbeg")}
   {b_load.fetch.replace("@K0@", "kbeg")}
   {a_load.store.replace("@BUF@", "0")}
   {b_load.store.replace("@BUF@", "0")}
   __syncthreads();
   int buf = 0;
-  for (int k0 = kbeg; k0 < kend; k0 += {BK}) {{
-    const bool more = k0 + {BK} < kend;
+  for (int k0 = kbeg; k0 < kend; k0 += {bk}) {{
+    const bool more = k0 + {bk} < kend;
     if (more) {{
-      {a_load.fetch.replace("@K0@", f"k0 + {BK}")}
-      {b_load.fetch.replace("@K0@", f"k0 + {BK}")}
+      {a_load.fetch.replace("@K0@", f"k0 + {bk}")}
+      {b_load.fetch.replace("@K0@", f"k0 + {bk}")}
     }}
     #pragma unroll
-    for (int kk = 0; kk < {BK}; kk++) {{
+    for (int kk = 0; kk < {bk}; kk++) {{
       float a[{tm}], b[{tn}];
       #pragma unroll
-      for (int m = 0; m < {tm}; m += 4) *(float4*)&a[m] = *(const float4*)&As[buf][kk][{lane("ty", "m")}];
+      for (int m = 0; m < {tm}; m += 4) *(float4*)&a[m] = *(const float4*)&As[buf][kk][ar + (m / 4) * {4 * lm}];
       #pragma unroll
-      for (int n = 0; n < {tn}; n += 4) *(float4*)&b[n] = *(const float4*)&Bs[buf][kk][{lane("tx", "n")}];
+      for (int n = 0; n < {tn}; n += 4) *(float4*)&b[n] = *(const float4*)&Bs[buf][kk][br + (n / 4) * {4 * ln}];
       #pragma unroll
       for (int m = 0; m < {tm}; m++)
         #pragma unroll
@@ -237,23 +295,23 @@ def render_cuda(g: Gemm, name: str) -> str:
   float* Cb = C + bz * {g.m * g.n}LL;
   #pragma unroll
   for (int m = 0; m < {tm}; m++) {{
-    const int i = bi + {lane("ty", "(m & ~3)")} + (m & 3);
+    const int i = bi + ar + (m / 4) * {4 * lm} + m % 4;
     if (i >= {g.m}) continue;
     #pragma unroll
     for (int n = 0; n < {tn}; n += 4) {{
-      const int j = bj + {lane("tx", "n")};
-      {_store(g)}
+      const int j = bj + br + (n / 4) * {4 * ln};
+      {_store(g, parts)}
     }}
   }}
 }}
 """
 
 
-def _store(g: Gemm) -> str:
+def _store(g: Gemm, parts: int) -> str:
     """Four accumulators (columns j..j+3 of row i) into C: added atomically when K is split, else stored (one
     16-byte store where the row allows it)."""
     at = f"Cb[(long long)i * {g.n} + j + q]"
-    if g.split[0] > 1:
+    if parts > 1:
         return f"for (int q = 0; q < 4; q++) if (j + q < {g.n}) atomicAdd(&{at}, acc[m][n + q]);"
     whole = f"*(float4*)&Cb[(long long)i * {g.n} + j] = make_float4(acc[m][n], acc[m][n + 1], acc[m][n + 2], " \
             "acc[m][n + 3]);"
@@ -267,15 +325,23 @@ class _Load:
     store: str  # registers -> shared memory slice (@BUF@)
 
 
+def _reach(op: tuple[int, int, int, int, int], rows: int, cols: int) -> int:
+    """One past the farthest element an operand's view reaches from its batch element's origin."""
+    return op[1] + abs(op[3]) * (rows - 1) + abs(op[4]) * (cols - 1) + 1
+
+
 def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str, s_outer: int, s_k: int,
-               extent: int, along_k: bool) -> _Load:
-    """Moving one BK x t slice of an operand: `elems` loads of `vec` floats, THREADS at a time. `along_k`: a load's
-    consecutive elements (and consecutive threads) run along k; else along the operand's row/column axis."""
+               extent: int, along_k: bool, threads: int, bk: int, edge: bool = True, k_edge: bool = True,
+               it: str = "long long") -> _Load:
+    """Moving one bk x t slice of an operand: `elems` loads of `vec` floats, `threads` at a time. `along_k`: a
+    load's consecutive elements (and consecutive threads) run along k; else along the operand's row/column axis.
+    `edge`, `k_edge`: whether a slice can pass the operand's last row (column) or the part's last k (guarded loads
+    read zeros there); `it`: the type of an element's offset."""
     base = "bi" if gv == "i" else "bj"
     fetch, store = [], []
-    for s, head in enumerate(_slot_heads(vec, elems, t, ax, along_k, "const int")):
-        idx = f"(long long)({base} + {ax}) * {s_outer} + (long long)(@K0@ + kk) * {s_k}"
-        ok = f"{base} + {ax} < {extent} && @K0@ + kk < kend"
+    for s, head in enumerate(_slot_heads(vec, elems, t, ax, along_k, "const int", threads, bk, True)):
+        idx = f"({it})({base} + {ax}) * {s_outer} + ({it})(@K0@ + kk) * {s_k}"
+        ok = " && ".join([f"{base} + {ax} < {extent}"] * edge + ["@K0@ + kk < kend"] * k_edge) or "true"
         if vec == 4:
             get = (f"{{ float4 v = ({ok}) ? *(const float4*)&{mat}[{idx}] : make_float4(0.f, 0.f, 0.f, 0.f); "
                    f"r{mat.lower()}[{s}][0] = v.x; r{mat.lower()}[{s}][1] = v.y; r{mat.lower()}[{s}][2] = v.z; "
@@ -293,16 +359,22 @@ def _tile_load(mat: str, sh: str, vec: int, elems: int, ax: str, t: int, gv: str
     return _Load(" ".join(fetch), " ".join(store))
 
 
-def _slot_heads(vec: int, elems: int, t: int, ax: str, along_k: bool, int_t: str) -> list[str]:
-    """The opening of each of a thread's loads of a tile slice (`elems` loads, THREADS at a time): its guard where
-    the last round is partial, then its element `e`, and `ax` and `kk`, the element's position in the slice."""
-    per = BK // vec if along_k else t // vec
+def _slot_heads(vec: int, elems: int, t: int, ax: str, along_k: bool, int_t: str, threads: int = THREADS,
+                bk: int = BK, pairs: bool = False) -> list[str]:
+    """The opening of each of a thread's loads of a tile slice (`elems` loads, `threads` at a time): its guard
+    where the last round is partial, then its element `e`, and `ax` and `kk`, the element's position in the slice.
+    `pairs`: a slice of more than two 4-vectors along k is read two vectors (32 bytes) a row at a time."""
+    per = bk // vec if along_k else t // vec
     pos = (f"{int_t} {ax} = e / {per}, kk = (e % {per}) * {vec};" if along_k else
            f"{int_t} kk = e / {per}, {ax} = (e % {per}) * {vec};")
+    if pairs and along_k and vec == 4 and per > 2:
+        # 16 rows x 2 vectors of k a warp: its transposing stores (4 rows of the slice, 16 + 16 columns) fall in
+        # distinct banks, where 8 rows x 4 vectors put two lanes on each bank
+        pos = f"{int_t} {ax} = (e / 2) % {t}, kk = ((e / {2 * t}) * 2 + e % 2) * {vec};"
     heads = []
-    for s in range(-(-elems // THREADS)):
-        guard = f"if (tid + {s * THREADS} < {elems}) " if (s + 1) * THREADS > elems else ""
-        heads.append(f"{guard}{{ {int_t} e = tid + {s * THREADS}; {pos} ")
+    for s in range(-(-elems // threads)):
+        guard = f"if (tid + {s * threads} < {elems}) " if (s + 1) * threads > elems else ""
+        heads.append(f"{guard}{{ {int_t} e = tid + {s * threads}; {pos} ")
     return heads
 
 

@@ -137,7 +137,7 @@ def test_matmul_uses_the_tiled_kernel(cuda_planning: None, shape: tuple[int, int
         g = gemm.match(s.kernel)
         assert g is not None and (g.m, g.n, g.k) == (m, n, k)
         assert "__shared__" in s.src
-        assert dims(s)[1] == gemm.THREADS
+        assert dims(s)[1] == g.threads
     compile_all(steps)
 
 
@@ -392,3 +392,24 @@ def test_attention_is_one_kernel_that_compiles(roomy: None, dtype: str) -> None:
     a = attention_of(step.kernel)
     assert a is not None and "mma.sync" in step.src and a.v[0] == 0 and a.q[0] == 0 and a.k[0] == 8
     compile_all(steps)
+
+
+def test_float32_products_keep_their_accumulators_in_registers(roomy: None) -> None:
+    """The float32 kernel's tiles (4 warps; 128 x 128 tiles at 16 x 8 a lane, 128 accumulators) compile for sm_90
+    without spilling, in each layout of its operands (ptxas's report)."""
+    x, y, w, v = t(1536, 256), t(256, 1536), t(1536, 256), t(1024, 256)
+    tiles = set()
+    for out in (x @ y, x @ w.T, t(256, 1536).T @ y, v @ t(256, 512), v @ t(512, 256).T, t(64, 256) @ t(256, 64)):
+        (s,) = kernels_of(out)
+        g = gemm.match(s.kernel)
+        assert g is not None and dims(s)[1] == g.threads == 128
+        tiles.add(g.tile)
+        err, prog = nvrtc.nvrtcCreateProgram(s.src.encode(), b"k.cu", 0, [], [])
+        opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
+        assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert b"0 bytes spill stores, 0 bytes spill loads" in log, (g.tile, g.simt, log.decode())
+    assert tiles == {(128, 128), (128, 64), (64, 64)}
+    assert gemm.match(kernels_of(x @ y)[0].kernel).simt == gemm.SimtTile(128, 128, 2, 2, lm=4, bk=8)  # type: ignore
