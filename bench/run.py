@@ -626,6 +626,45 @@ class Bench:
         await self.guarded("heartbeat", worst, run)
         p99.azyx_failed = p99.azyx is None
 
+    async def upload_lateness(self) -> None:
+        """The heartbeat while host data of `copy_bytes` is realized onto the device and read back with numpy(): the
+        staging copies run on workers, never on the loop (building the tensor, a synchronous copy of the caller's
+        array, is outside the measure)."""
+        cfg = self.cfg
+        nbytes = cfg.copy_bytes
+        progress(f"heartbeat: 1 ms asyncio.sleep loop while {nbytes // MIB} MiB are uploaded and read back")
+        worst = self.report.row(f"heartbeat lateness, worst, during a {nbytes // MIB} MiB upload and read-back (ms)",
+                                "ms", False, compare=False, target_kind="max", target_value=5.0,
+                                target_text="<= 5 ms")
+
+        async def run() -> None:
+            data = self.rng.integers(0, 1 << 30, nbytes // 4, dtype=np.int32)
+            x = self.tensor(data)
+            stop = asyncio.Event()
+            beats: list[tuple[float, float]] = []
+            gc.collect()
+            gc.freeze()  # as a service does once it has started (README)
+            task = asyncio.create_task(self.heartbeat(stop, beats))
+            try:
+                await asyncio.sleep(0.01)
+                t0 = time.perf_counter()
+                await bounded(x.realize(), cfg)
+                back = await bounded(x.numpy(), cfg)
+                t1 = time.perf_counter()
+                await asyncio.sleep(0.005)
+            finally:
+                stop.set()
+                await task
+                gc.unfreeze()
+            if not np.array_equal(back, data):
+                raise AssertionError("the data read back differs from the data uploaded")
+            during = [late for wake, late in beats if wake >= t0]
+            worst.azyx = self.lateness_stats(during)[0] if during else None
+            self.report.note(f"upload: {nbytes // MIB} MiB realized on {cfg.device} and read back in "
+                             f"{(t1 - t0) * 1e3:.0f} ms; {len(during)} beats during it")
+
+        await self.guarded("upload heartbeat", worst, run)
+
     # numbers are data: per-request scalars and learning-rate schedules ----------------------------------------
 
     async def scalar_requests(self) -> None:
@@ -1042,6 +1081,7 @@ async def main(args: argparse.Namespace) -> int:
     await bench.small_graph()
     await bench.long_chain()
     await bench.event_loop_lateness()
+    await bench.upload_lateness()
     await bench.scalar_requests()
     await bench.lr_schedule()
     await bench.fused_chain()
