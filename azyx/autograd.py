@@ -61,6 +61,9 @@ def _reduce_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple
 
 def _binary_grad(n: Node, out: Tensor, src: list[Tensor], g: Tensor, need: tuple[bool, ...]) -> Grads:
     _, _, ga, gb = BINARY[n.arg]
+    if len(src) == 1:  # x op number (the node's arg2): no gradient for the number
+        a = src[0]
+        return (ga(a, a._const_like(n.arg2), out, g) if need[0] and ga else None,)
     a, b = src
     return (ga(a, b, out, g) if need[0] and ga else None, gb(a, b, out, g) if need[1] and gb else None)
 

@@ -43,7 +43,9 @@ class Op(IntEnum):
     REDUCE = 7  # arg: (op name, axes); output keeps reduced axes as size 1
     CAST = 8  # dtype in node.dtype
     UNARY = 9  # arg: op name
-    BINARY = 10  # arg: op name
+    # arg: op name; src (a, b), or (a,) with node.arg2 the Python number b (x * 0.5: a runtime scalar, as a CONST's
+    # value is, held by the op itself: one node fewer to build, walk and free per number)
+    BINARY = 10
     WHERE = 11  # cond, a, b
     TODEVICE = 12  # copy to node.device
     # src (x, index), arg: an axis a; the shape is the index's (x's number of axes, each no longer than x's but a):

@@ -331,7 +331,8 @@ class Planner:
             return False
         src = self.graph[n.src[0]]
         axis = n.arg[1][0]
-        if src.op is not Op.BINARY or src.arg != "mul" or src.shape[axis] < 64 or len(src.shape) < 3:
+        if (src.op is not Op.BINARY or src.arg != "mul" or len(src.src) != 2 or src.shape[axis] < 64
+                or len(src.shape) < 3):
             return False
         col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
         rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
@@ -776,6 +777,10 @@ class KernelBuild:
             if multi and self.second_map(nid, idx, cond):  # read under a second index map: compute it once instead
                 return self.load(nid, idx, cond)
             srcs = [self.value(s, idx, cond, in_reduce) for s in n.src]
+            if n.arg2 is not None and op is Op.BINARY:  # x op number: the number is a scalar argument
+                k = p.walk.scalar_of.get(nid)
+                dt = p.graph[n.src[0]].dtype
+                srcs.append(vb.const(n.arg2, dt) if k is None else vb.arg(k, dt))
             if op is Op.CAST:
                 return vb.cast(srcs[0], n.dtype)
             if op is Op.WHERE:

@@ -26,6 +26,8 @@ from azyx.storage import on_build, safetensors_node
 from azyx.traced import Traced, lift
 
 _nodes = GRAPH.nodes
+# (a global is read in a tenth of the time an enum member takes to look up on its class: the ops' fast paths use these)
+_CONST, _BINARY, _REDUCE, _RESHAPE = Op.CONST, Op.BINARY, Op.REDUCE, Op.RESHAPE
 Scalar = bool | int | float
 
 
@@ -354,25 +356,28 @@ class Tensor:
         tp = type(other)
         kind = _ops.BINARY[op][0]
         # fast paths (most ops of a model): same dtype, same shape, same device, nothing to fold or promote
-        if (tp is float or tp is int) and na.op is not Op.CONST:
+        if (tp is float or tp is int) and na.op is not _CONST:
             k = na.dtype.kind
             if (k == "f" or (tp is int and k in "iu" and kind != "float")) and (k != "f" or op not in _ops.BITWISE):
-                c = GRAPH.add(Node(Op.CONST, (), float(other) if k == "f" else other, na.shape, na.dtype, na.device,
-                                   na.pinned))
-                return Tensor._from_node(Node(Op.BINARY, (c, self.id) if reverse else (self.id, c), op, na.shape,
-                                              dtypes.bool if kind == "bool" else na.dtype, na.device, na.pinned))
+                value = float(other) if k == "f" else other
+                out_dt = dtypes.bool if kind == "bool" else na.dtype
+                if not reverse:  # x op number: the number is the op's own (Op.BINARY's arg2)
+                    return Tensor._from_node(Node(_BINARY, (self.id,), op, na.shape, out_dt, na.device, na.pinned,
+                                                  value))
+                c = GRAPH.add(Node(Op.CONST, (), value, na.shape, na.dtype, na.device, na.pinned))
+                return Tensor._from_node(Node(Op.BINARY, (c, self.id), op, na.shape, out_dt, na.device, na.pinned))
         elif tp is Tensor:
             nb = _nodes[other.id]
             assert nb is not None
             if (nb.dtype is na.dtype and nb.device == na.device and
-                    (na.op is not Op.CONST or nb.op is not Op.CONST) and (kind != "float" or na.dtype.kind == "f")
+                    (na.op is not _CONST or nb.op is not _CONST) and (kind != "float" or na.dtype.kind == "f")
                     and (na.dtype.kind != "f" or op not in _ops.BITWISE)):
                 a, b = self, other
                 shape = na.shape
                 if nb.shape != shape:  # broadcasting
                     shape = broadcast_shapes(shape, nb.shape)
                     a, b = a._broadcast_to(shape), b._broadcast_to(shape)
-                return Tensor._from_node(Node(Op.BINARY, (b.id, a.id) if reverse else (a.id, b.id), op,
+                return Tensor._from_node(Node(_BINARY, (b.id, a.id) if reverse else (a.id, b.id), op,
                                               shape, dtypes.bool if kind == "bool" else na.dtype, na.device,
                                               na.pinned or nb.pinned))
         if getattr(tp, "defers_to_it", False):  # a type that takes the op over (azyx.shard's ShardedTensor)
@@ -688,13 +693,13 @@ class Tensor:
         assert n is not None
         if new == n.shape:
             return self
-        if n.op is Op.CONST:
-            return Tensor._from_node(Node(Op.CONST, (), n.arg, new, n.dtype, n.device, n.pinned))
-        if n.op is Op.RESHAPE:  # reshape of a reshape is one reshape
+        if n.op is _CONST:
+            return Tensor._from_node(Node(_CONST, (), n.arg, new, n.dtype, n.device, n.pinned))
+        if n.op is _RESHAPE:  # reshape of a reshape is one reshape
             m = _nodes[n.src[0]]
             assert m is not None
-            return Tensor._from_node(Node(Op.RESHAPE, (n.src[0],), new, new, m.dtype, m.device, m.pinned))
-        return Tensor._from_node(Node(Op.RESHAPE, (self.id,), new, new, n.dtype, n.device, n.pinned))
+            return Tensor._from_node(Node(_RESHAPE, (n.src[0],), new, new, m.dtype, m.device, m.pinned))
+        return Tensor._from_node(Node(_RESHAPE, (self.id,), new, new, n.dtype, n.device, n.pinned))
 
     def reshape(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], list | tuple):
@@ -1072,23 +1077,30 @@ class Tensor:
 
     # ---------------------------------------------------------------- reductions
     def _reduce(self, op: str, axis: Any, keepdim: builtins.bool) -> Tensor:
-        n = self._node
-        axes = _norm_axes(axis, len(n.shape))
-        out_keep = tuple(1 if i in axes else s for i, s in enumerate(n.shape))
+        n = _nodes[self.id]
+        assert n is not None
+        shape = n.shape
+        if axis is None:  # (the common case, without comprehensions)
+            axes = tuple(range(len(shape)))
+            out_keep: Shape = (1,) * len(shape)
+            out: Shape = ()
+        else:
+            axes = _norm_axes(axis, len(shape))
+            out_keep = tuple([1 if i in axes else s for i, s in enumerate(shape)])
+            out = tuple([s for i, s in enumerate(shape) if i not in axes])
         dt = n.dtype
-        if op in ("sum", "prod") and dt.is_bool:
-            dt = dtypes.int32
-        x = self.cast(dt)
+        x = self.cast(dtypes.int32) if dt.kind == "b" and op in ("sum", "prod") else self
         if not axes:
             return x
-        if op in ("max", "min") and any(n.shape[a] == 0 for a in axes):
-            raise ShapeError(f"{op} over an empty axis of shape {n.shape}")
-        nx = x._node
-        if nx.op is Op.CONST and op in ("max", "min"):
-            out = x._const_like(nx.arg, shape=out_keep)
+        if op in ("max", "min") and any(shape[a] == 0 for a in axes):
+            raise ShapeError(f"{op} over an empty axis of shape {shape}")
+        nx = _nodes[x.id]
+        assert nx is not None
+        if nx.op is _CONST and op in ("max", "min"):
+            r = x._const_like(nx.arg, shape=out_keep)
         else:
-            out = x._new(Op.REDUCE, (x.id,), (op, axes), out_keep, dt)
-        return out if keepdim else out._reshaped(tuple(s for i, s in enumerate(n.shape) if i not in axes))
+            r = Tensor._from_node(Node(_REDUCE, (x.id,), (op, axes), out_keep, nx.dtype, nx.device, nx.pinned))
+        return r if keepdim or out == out_keep else r._reshaped(out)
 
     def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("sum", axis, keepdim)

@@ -20,7 +20,7 @@ class Walk:
                  scalars: list[Any], scalar_of: dict[int, int], donated: frozenset[int] = frozenset()):
         self.graph, self.key, self.topo, self.leaves, self.targets = graph, key, topo, leaves, targets
         self.scalars = scalars  # the values of the graph's scalars, in walk order: a run binds them
-        self.scalar_of = scalar_of  # node -> its scalar's index (a CONST's value, a PAD's fill)
+        self.scalar_of = scalar_of  # node -> its scalar's index (a CONST's value, a PAD's fill, a BINARY's number)
         # ASSIGN nodes whose base is a realized node that nothing else holds: its buffer may be written in place
         self.donated = donated
 
@@ -51,8 +51,9 @@ class Walk:
 def canonicalize(graph: Graph, targets: list[int]) -> Walk:
     """Walk from the targets down to realized nodes; the key captures ops, args, shapes, dtypes, devices, views and
     how nodes are shared (x + x differs from x + y), so equal keys mean one plan serves both graphs. A scalar (a
-    CONST's value, a PAD's fill) is data, not structure: the key holds SCALAR in its place and the walk keeps the value
-    (Walk.scalars), which each run binds; bool constants stay in the key (a `where` on one folds)."""
+    CONST's value, a PAD's fill, the number of `x * 0.5`) is data, not structure: the key holds SCALAR in its place
+    and the walk keeps the value (Walk.scalars), which each run binds; bool constants stay in the key (a `where` on
+    one folds)."""
     try:
         return _walk_recursive(graph, targets)
     except RecursionError:  # a very deep chain: the same walk with an explicit stack
@@ -87,7 +88,8 @@ def _unshared(nodes: list[Node | None], key: tuple, leaves: list[int], donated: 
 
 
 SCALAR = "scalar"  # a scalar's place in the cache key
-_CONST, _PAD, _ASSIGN = Op.CONST, Op.PAD, Op.ASSIGN  # (an enum member looked up on its class costs ~0.25 us)
+_CONST, _PAD, _ASSIGN, _BINARY = Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY  # (an enum member looked up on its class
+# costs ~0.25 us)
 
 
 def donates(graph: Graph, n: Node) -> bool:
@@ -107,7 +109,7 @@ def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_of
         scalar_of[i] = len(scalars)
         scalars.append(arg)
         arg = SCALAR
-    elif op is _PAD and n.dtype.kind != "b":
+    elif (op is _PAD and n.dtype.kind != "b") or (op is _BINARY and arg2 is not None):
         scalar_of[i] = len(scalars)
         scalars.append(arg2)
         arg2 = SCALAR
@@ -155,7 +157,11 @@ class _Walker:
             srck = tuple([index[s] if s in index else self.visit(s) for s in src])
         k = index[i] = len(entries)
         op = n.op
-        if op is _CONST and n.dtype.kind != "b":  # (_entry's common case, without the call)
+        if op is _BINARY and n.arg2 is not None:  # x op number (_entry's common cases, without the call)
+            self.scalar_of[i] = len(self.scalars)
+            self.scalars.append(n.arg2)
+            entries.append((op, n.arg, SCALAR, n.shape, n.dtype, n.device, n.pinned, srck))
+        elif op is _CONST and n.dtype.kind != "b":
             self.scalar_of[i] = len(self.scalars)
             self.scalars.append(n.arg)
             entries.append((op, SCALAR, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
