@@ -52,6 +52,7 @@ class Dialect:
     tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
     attention: bool = False  # attention is one kernel of azyx.attention (else its composed form runs)
     simd: int = 16  # host: vector register width in bytes (the C device's ISA: 32 AVX2, 64 AVX-512), for azyx.gemm_host
+    bf16_dot: bool = False  # host: the compiler targets AVX-512 BF16 (vdpbf16ps), for bfloat16 products (gemm_host)
     group_ids: tuple[str, str] = ("", "")
     shared: str = ""
     barrier: str = ""

@@ -38,6 +38,7 @@ class Gemm:
     simd: int = 32  # host: vector register width in bytes (the micro-kernel's shape: gemm_host.HOST_BLOCKS)
     workers: int = 1  # host: threads that share the kernel's blocks
     variant: int = 0  # host: which of the block sizes (Kernel.variant, set by the kernel search)
+    bf16_dot: bool = False  # host: bfloat16 packed in pairs along K, for AVX-512 BF16 (gemm_host.render_c)
 
     @property
     def mma(self) -> bool:

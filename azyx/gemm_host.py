@@ -12,14 +12,20 @@ strides: `x @ W.T` costs what `x @ W` does. Half operands are widened to float32
 float32 and is stored once (float16/bfloat16 outputs: K is not sliced then, so C is rounded once, as the generic
 kernel rounds it). The first K slice stores C's tile, later ones add to it (K sliced: exact to reassociation).
 
-Block sizes are data (`HOST_BLOCKS`, per vector register width), the first of each the default; the kernel search
-tries the others (optimize.BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and column blocks,
-enough of them for every thread to have a few.
+Where the C device's compiler targets AVX-512 BF16 (Dialect.bf16_dot, decided from the device's CPU flags and the
+compiler's predefined macros), a bfloat16 product is not widened: both operands are packed as stored, two consecutive
+k of a row of A or a column of B in one 32-bit word (an odd K's last word half zero), and the micro-kernel multiplies
+a broadcast pair of A with NR pairs of B per `_mm512_dpbf16_ps`, accumulating in float32 (products of bfloat16 are
+exact in float32; vdpbf16ps treats denormal inputs and results as zero). Elsewhere, and for float16, the widening path.
+
+Block sizes are data (`HOST_BLOCKS`, per vector register width, and `DOT_BLOCKS`), the first of each the default; the
+kernel search tries the others (optimize.BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and
+column blocks, enough of them for every thread to have a few.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from azyx import gemm
 from azyx.gemm import Gemm
@@ -45,7 +51,12 @@ HOST_BLOCKS: dict[int, tuple[Blocks, ...]] = {
     64: (Blocks(12, 32, 144, 384, 2048), Blocks(12, 32, 96, 512, 2048), Blocks(12, 32, 192, 256, 1024)),
     16: (Blocks(6, 8, 96, 256, 1024), Blocks(6, 8, 48, 512, 512)),
 }
-VERSION = 2  # part of the C and OpenCL CPU devices' identity: winners found for another template are not reused
+# the AVX-512 BF16 micro-kernel's blocks (12 x 32: 24 accumulators, a k pair a step): larger row blocks than float32's,
+# so that each thread packs B's panel less often (AMD EPYC with avx512_bf16, 2 threads, 1024^3, 2048^3, MiniLM's
+# 4096 x 384 x 1536 and 4096 x 1536 x 384: MC 288 / NC 1024 ran 5-20% faster than float32's 144 / 2048)
+DOT_BLOCKS = (Blocks(12, 32, 288, 384, 1024), Blocks(12, 32, 144, 384, 2048), Blocks(12, 32, 144, 384, 512),
+              Blocks(12, 32, 192, 384, 1024))
+VERSION = 3  # part of the C and OpenCL CPU devices' identity: winners found for another template are not reused
 HALF_SCRATCH = 1 << 20
 PARTS_PER_THREAD = 4  # blocks of C per thread at least, where the product has that many MR x NR tiles
 FLOAT_LOADS = {"float32": "{x}", "float16": "(float)({x})", "bfloat16": "bf2f({x})"}
@@ -60,15 +71,17 @@ MIN_ROWS, MIN_COLS, MIN_K = 16, 16, 16  # smaller products stay on the generic p
 MIN_ROWS_TRANSPOSED = 2
 
 
-def product(k: Kernel, simd: int, workers: int) -> Gemm | None:
+def product(k: Kernel, simd: int, workers: int, bf16_dot: bool = False) -> Gemm | None:
     """The product `k` computes where this kernel takes it: at least MIN_ROWS rows (a decode step's `x @ W`, one row,
     runs as fast on the generic path's column tiles, without packing all of W), MIN_COLS columns and MIN_K long; with
     a right operand stored transposed (`x @ W.T`, W as `nn.Linear` keeps it) from MIN_ROWS_TRANSPOSED rows: the
-    generic path would copy W.T whole first, where packing transposes each thread's panels of it in cache."""
+    generic path would copy W.T whole first, where packing transposes each thread's panels of it in cache.
+    `bf16_dot`: the device has AVX-512 BF16 (Dialect.bf16_dot): a bfloat16 product with AVX-512's micro-kernel uses
+    it."""
     g = gemm.match(k, "c", simd=simd, workers=workers)
-    if g is None or g.n < MIN_COLS or g.k < MIN_K:
-        return None
-    return g if takes(g.m, g.b[3] == 1 and g.b[4] != 1) else None  # (B's strides along K, along columns)
+    if g is None or g.n < MIN_COLS or g.k < MIN_K or not takes(g.m, g.b[3] == 1 and g.b[4] != 1):
+        return None  # (B's strides along K, along columns)
+    return replace(g, bf16_dot=True) if bf16_dot and g.dtype == "bfloat16" and _width(simd) == 64 else g
 
 
 def takes(rows: int, transposed: bool) -> bool:
@@ -76,8 +89,8 @@ def takes(rows: int, transposed: bool) -> bool:
     return rows >= (MIN_ROWS_TRANSPOSED if transposed else MIN_ROWS)
 
 
-def variants(simd: int) -> int:
-    return len(HOST_BLOCKS[_width(simd)])
+def variants(simd: int, bf16_dot: bool = False) -> int:
+    return len(DOT_BLOCKS if bf16_dot else HOST_BLOCKS[_width(simd)])
 
 
 def _width(simd: int) -> int:
@@ -92,12 +105,13 @@ def blocks(g: Gemm) -> Blocks:
     """`g`'s block sizes: its variant's, fitted to the product (MC and NC the even share of whole blocks, rounded up
     to whole register tiles; smaller blocks where there would be fewer than PARTS_PER_THREAD per thread; K unsliced
     where it is barely longer than a slice, or where C is not float32: then blocks of HALF_SCRATCH floats at most)."""
-    table = HOST_BLOCKS[_width(g.simd)]
+    table = DOT_BLOCKS if g.bf16_dot else HOST_BLOCKS[_width(g.simd)]
     b = table[g.variant % len(table)]
     mc, nc = b.mc, b.nc
-    if g.dtype != "float32":  # K unsliced: A's block and B's panel at most HALF_SCRATCH floats each
-        mc = min(mc, max(b.mr, HALF_SCRATCH // g.k // b.mr * b.mr))
-        nc = min(nc, max(b.nr, HALF_SCRATCH // g.k // b.nr * b.nr))
+    if g.dtype != "float32":  # K unsliced: A's block and B's panel at most HALF_SCRATCH words each (a float, a pair)
+        kw = _cdiv(g.k, 2) if g.bf16_dot else g.k
+        mc = min(mc, max(b.mr, HALF_SCRATCH // kw // b.mr * b.mr))
+        nc = min(nc, max(b.nr, HALF_SCRATCH // kw // b.nr * b.nr))
     n_k = 1 if g.dtype != "float32" else _cdiv(g.k, b.kc) if g.k > b.kc * 5 // 4 else 1
     n_i, n_j = _cdiv(g.m, mc), _cdiv(g.n, nc)
     want = PARTS_PER_THREAD * g.workers
@@ -238,8 +252,13 @@ def render_c(g: Gemm, name: str, ctype: str) -> str:
     spill = "\n".join(f"    *({vt}*)(t + {i * nr + v * vl}) = {x};" for i, v, x in cells)
     # packing: A's block -> strips of MR rows, each k-major (MR floats per k); B's panel -> strips of NR columns (NR
     # floats per k); zero-padded to whole strips
-    a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load)
-    b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load)
+    dot = g.bf16_dot
+    if dot:  # bfloat16 pairs along K, one 32-bit word per (row or column, k pair): what vdpbf16ps multiplies
+        a_pack = _pack_pairs("A", "ap", "i0", "rows_ic", mr, a_si, a_sk)
+        b_pack = _pack_pairs("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk)
+    else:
+        a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load)
+        b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load)
     f32 = g.dtype == "float32"
     # C's block: float32 C is written in place (a later K slice adds to it); another dtype goes through a float32
     # block (K unsliced: one pass), rounded once
@@ -248,10 +267,16 @@ def render_c(g: Gemm, name: str, ctype: str) -> str:
     out_round = "" if f32 else f"""
       for (long i = 0; i < rows_ic; i++) for (long j = 0; j < cols_jc; j++)
         Co[(long)(i0 + i) * {g.n} + j0 + j] = {store.format(x=f"cf[i * {nc} + j]")};"""
-    tile = f"azyx_tile_{mr}x{nr}_{vl}"
-    return _HELPERS + f"""#ifndef {tile.upper()}
+    tile = f"azyx_tile_{'bf16_' if dot else ''}{mr}x{nr}_{vl}"
+    word, kw, kws = ("unsigned int", "kp", _cdiv(kc, 2)) if dot else ("float", "kn", kc)  # (a packed k's type, count)
+    if dot:  # per k pair: A's pair broadcast, B's pairs of NR columns loaded, NR/VL dot products per row
+        bload = " ".join(f"const __m512bh b{v} = (__m512bh)*(const __m512i*)(b + {v * vl});" for v in range(nv))
+        fma = "\n".join(f"      {{ const __m512bh a = (__m512bh)_mm512_set1_epi32((int)ap[{i}]); "
+                        + " ".join(f"{x} = _mm512_dpbf16_ps({x}, a, b{v});" for v, x in enumerate(row)) + " }"
+                        for i, row in enumerate(acc))
+    return _HELPERS + ("#include <immintrin.h>\n" if dot else "") + f"""#ifndef {tile.upper()}
 #define {tile.upper()}
-static inline __attribute__((always_inline)) void {tile}(long kn, const float* restrict ap, const float* restrict b,
+static inline __attribute__((always_inline)) void {tile}(long kn, const {word}* restrict ap, const {word}* restrict b,
     float* restrict c, long ldc, int first, long rows, long cols) {{
   {decl}
   for (long i = 0; i < rows; i++) {{  /* C's tile is read or written after the loop: on its way meanwhile */
@@ -279,9 +304,9 @@ static inline __attribute__((always_inline)) void {tile}(long kn, const float* r
 
 __attribute__((optimize("no-tree-loop-distribute-patterns")))  /* (a strip's row: no call to memcpy) */
 void {name}(long lo, long hi, {ctype}* restrict d0, {params}) {{
-  float* bp = azyx_scratch(0, {kc * _cdiv(nc, nr) * nr});
-  float* ap = azyx_scratch(1, {kc * _cdiv(mc, mr) * mr + (0 if f32 else mc * nc)});
-  {"" if f32 else f"float* cf = ap + {kc * _cdiv(mc, mr) * mr};"}
+  {word}* bp = ({word}*)azyx_scratch(0, {kws * _cdiv(nc, nr) * nr});
+  {word}* ap = ({word}*)azyx_scratch(1, {kws * _cdiv(mc, mr) * mr + (0 if f32 else mc * nc)});
+  {"" if f32 else f"float* cf = (float*)(ap + {kws * _cdiv(mc, mr) * mr});"}
   const long ldc = {ldc};
   for (long t = lo; t < hi;) {{
     const long bz = t / {n_i * n_j}, jb = t / {n_i} % {n_j}, ib0 = t % {n_i};
@@ -291,7 +316,7 @@ void {name}(long lo, long hi, {ctype}* restrict d0, {params}) {{
     {"float* C = (float*)d0 + bz * " + str(g.m * g.n) + "L;" if f32 else f"{ctype}* Co = d0 + bz * {g.m * g.n}L;"}
     const long j0 = jb * {nc}, cols_jc = {g.n} - j0 < {nc} ? {g.n} - j0 : {nc};
     for (long k0 = 0; k0 < {g.k}; k0 += {kc}) {{
-      const long kn = {g.k} - k0 < {kc} ? {g.k} - k0 : {kc};
+      const long kn = {g.k} - k0 < {kc} ? {g.k} - k0 : {kc};{" const long kp = (kn + 1) / 2;" if dot else ""}
       {b_pack}
       for (long ib = ib0; ib < ib1; ib++) {{
         const long i0 = ib * {mc}, rows_ic = {g.m} - i0 < {mc} ? {g.m} - i0 : {mc};
@@ -299,7 +324,7 @@ void {name}(long lo, long hi, {ctype}* restrict d0, {params}) {{
         {cblock}
         for (long js = 0; js < cols_jc; js += {nr})
           for (long is = 0; is < rows_ic; is += {mr})
-            {tile}(kn, ap + is * kn, bp + js * kn, cb + is * ldc + js, ldc, k0 == 0,
+            {tile}({kw}, ap + is * {kw}, bp + js * {kw}, cb + is * ldc + js, ldc, k0 == 0,
                    rows_ic - is < {mr} ? rows_ic - is : {mr},
                    cols_jc - js < {nr} ? cols_jc - js : {nr});{out_round}
       }}
@@ -338,6 +363,45 @@ def _pack(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int, l
           for (long x = 0; x < {width} && x0 + x < n; x++) {{
             const __typeof__({src}[0])* s = {src} + ({x0} + x0 + x) * {s_x}L + k0 * {s_k}L;
             for (long k = 0; k < kn; k++) d[k * {width} + x] = {el};
+          }}
+        }}
+      }}"""
+
+
+def _pack_pairs(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int) -> str:
+    """`_pack` for the AVX-512 BF16 micro-kernel: bfloat16 as stored, two consecutive k of one row (A) or column (B)
+    in one 32-bit word, k even in its low half (strip s holds the pair (x, k pair p) at `dst[s * width * kp + p * width
+    + x % width]`, kp = ceil(kn / 2)); an odd slice's last word has a zero high half, the last strip is zero-padded."""
+    head = f"""{{
+        const long n = {n}, full = n / {width} * {width}, kh = kn / 2;
+        if (full < n) for (long q = full * kp; q < (full + {width}) * kp; q++) {dst}[q] = 0;"""
+    if s_x == 1 and abs(s_k) != 1:  # two rows of the operand read side by side, interleaved
+        def rows(hi: str) -> str:
+            pair = f"s[x] | (unsigned int)s[x + {s_k}L] << 16" if hi else "s[x]"
+            return f"""for (long xs = 0; xs < full; xs += {width}, s += {width}) {{
+            unsigned int* restrict d = {dst} + xs * kp + p * {width};
+            for (long x = 0; x < {width}; x++) d[x] = {pair};
+          }}
+          for (long x = 0; x < n - full; x++) {dst}[full * kp + p * {width} + x] = {pair};"""
+        return f"""{head}
+        for (long p = 0; p < kp; p++) {{
+          const __typeof__({src}[0])* s = {src} + (k0 + 2 * p) * {s_k}L + {x0};
+          if (p < kh) {{
+          {rows("hi")}
+          }} else {{
+          {rows("")}
+          }}
+        }}
+      }}"""
+    word = ("({ unsigned int w; __builtin_memcpy(&w, s + 2 * p, 4); w; })" if s_k == 1 else
+            f"s[2 * p * {s_k}L] | (unsigned int)s[(2 * p + 1) * {s_k}L] << 16")  # (x86: little-endian)
+    return f"""{head}
+        for (long xs = 0; xs < n; xs += {width}) {{
+          unsigned int* restrict d = {dst} + xs * kp;
+          for (long x = 0; x < {width} && xs + x < n; x++) {{
+            const __typeof__({src}[0])* s = {src} + ({x0} + xs + x) * {s_x}L + k0 * {s_k}L;
+            for (long p = 0; p < kh; p++) d[p * {width} + x] = {word};
+            if (kh < kp) d[kh * {width} + x] = s[2 * kh * {s_k}L];
           }}
         }}
       }}"""

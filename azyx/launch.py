@@ -82,7 +82,7 @@ def product_of(k: Kernel, dl: Dialect, threads: int = 1) -> gemm.Gemm | None:
         return gemm_host.product_cl(k, dl.simd)
     if dl.global_ids:
         return gemm.match(k, target, dl.tensor_cores)
-    return gemm_host.product(k, dl.simd, threads)
+    return gemm_host.product(k, dl.simd, threads, dl.bf16_dot)
 
 
 def product_target(dl: Dialect) -> str:

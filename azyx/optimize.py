@@ -174,8 +174,9 @@ def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: st
     if not searchable(k):
         return [()]
     if BLOCK in actions and dl is not None and dl.gemm and not dl.global_ids \
-            and (g := gemm_host.product(k, dl.simd, 1)) is not None:  # the host product template: its block sizes
-        return [] if gemm_host.skinny(g) else [(Opt(BLOCK, 0, v),) for v in range(1, gemm_host.variants(dl.simd))]
+            and (g := gemm_host.product(k, dl.simd, 1, dl.bf16_dot)) is not None:  # the host template: block sizes
+        n = 0 if gemm_host.skinny(g) else gemm_host.variants(dl.simd, g.bf16_dot)
+        return [(Opt(BLOCK, 0, v),) for v in range(1, n)]
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
     thorough = level == "thorough"
     tiled = any(o.kind == UPCAST for o in heuristic)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import gc
 import importlib
@@ -885,6 +886,65 @@ class Bench:
             await self.guarded(f"matmul {n}", row, run)
 
 
+    async def bf16_matmuls(self) -> None:
+        """bfloat16 products (inputs and output bfloat16, float32 accumulation) against PyTorch's CPU bfloat16 matmul:
+        the square sizes and MiniLM's `x @ W.T` (32 sequences of 128 tokens, 384 -> 1536); the device's widening
+        path (bfloat16 widened to float32 as packed) measured beside the AVX-512 BF16 one where the device has it,
+        and numpy's float32 product as context (notes)."""
+        cfg = self.cfg
+        tokens = 512 if cfg.quick else 32 * 128
+        shapes = [(f"{n}x{n}", n, n, n, False) for n in cfg.matmul_sizes] + [
+            (f"{tokens}x384 @ W.T (1536x384, MiniLM)", tokens, 384, 1536, True)]
+        for label, m, k, n, transposed in shapes:
+            progress(f"matmul {label} bf16")
+            flops = 2.0 * m * n * k
+            row = self.report.row(f"matmul {label} bf16 (GFLOP/s)", "GFLOP/s", True)
+            a_np = self.rng.standard_normal((m, k), dtype=F32)
+            b_np = self.rng.standard_normal((n, k) if transposed else (k, n), dtype=F32)
+            np_gflops = flops / median(time_sync(lambda: a_np @ (b_np.T if transposed else b_np), cfg.repeats,
+                                                 budget_s=cfg.budget_s)) / 1e9
+            torch_b16: Any = None
+            if self.torch is not None:
+                at, bt = self.th(a_np).bfloat16(), self.th(b_np).bfloat16()
+                row.torch = flops / median(time_sync(lambda: at @ (bt.T if transposed else bt), cfg.repeats,
+                                                     budget_s=cfg.budget_s)) / 1e9
+                torch_b16 = (at @ (bt.T if transposed else bt)).float().numpy()
+
+            async def run(a_np: np.ndarray = a_np, b_np: np.ndarray = b_np, row: Row = row, label: str = label,
+                          transposed: bool = transposed, flops: float = flops, np_gflops: float = np_gflops,
+                          torch_b16: Any = torch_b16) -> None:
+                a, b = (t.cast("bfloat16") for t in await self.inputs(a_np, b_np))
+                await bounded(self.ax.realize(a, b), cfg)
+                ra = np.asarray(await bounded(a.cast("float32").numpy(), cfg), dtype=np.float64)
+                rb = np.asarray(await bounded(b.cast("float32").numpy(), cfg), dtype=np.float64)
+                ref = ra @ (rb.T if transposed else rb)
+                dev = self.ax.runtime.RT.device(cfg.device)
+                paths = [("AVX-512 BF16", dev.dialect), ("widening", None)] if getattr(dev.dialect, "bf16_dot", False) \
+                    else [("widening", dev.dialect)]
+                found: dict[str, float] = {}
+                saved = dev.dialect
+                try:
+                    for name, dialect in paths:
+                        dev.dialect = dialect or dataclasses.replace(saved, bf16_dot=False)
+                        self.ax.runtime.RT.plan_cache.clear()
+                        tm = await time_azyx(lambda: a @ (b.T if transposed else b), cfg, cfg.repeats, warmup=1)
+                        found[name] = flops / median(tm.times) / 1e9
+                        await check_result(self.report, f"matmul {label} bf16 ({name})",
+                                           tm.result.cast("float32"), ref, row, tol=1e-2)
+                finally:
+                    dev.dialect = saved
+                    self.ax.runtime.RT.plan_cache.clear()
+                row.azyx = found[paths[0][0]] if not row.azyx_failed else None
+                paths_text = ", ".join(f"{name} {g:.0f}" for name, g in found.items())
+                torch_text = ""
+                if torch_b16 is not None:
+                    torch_text = f"; torch bf16 vs the float32 product of the same bf16 inputs: rel err " \
+                                 f"{rel_err(torch_b16, ref):.2g}"
+                self.report.note(f"matmul {label} bf16: azyx {paths_text} GFLOP/s; numpy float32 {np_gflops:.0f} "
+                                 f"GFLOP/s (context: other dtype){torch_text}")
+
+            await self.guarded(f"matmul {label} bf16", row, run)
+
     async def searched_matmuls(self) -> None:
         """The same products with the kernel search's winners: bench/search.py measures them in fresh processes over
         an empty cache (search off, `azyx.tune`, search on), then a second process that must find the cache."""
@@ -1088,6 +1148,7 @@ async def main(args: argparse.Namespace) -> int:
     await bench.total_sum()
     await bench.row_sum()
     await bench.matmuls()
+    await bench.bf16_matmuls()
     await bench.searched_matmuls()
     for r in report.rows:
         ratio = r.ratio(r.numpy)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import azyx
-from azyx import Tensor, gemm, gemm_host, optimize
+from azyx import Tensor, gemm, gemm_host, launch, optimize
+from azyx.backends import c as c_backend
 from azyx.cstyle import SHARED
 from azyx.plan import KernelStep
 from azyx.runtime import RT
@@ -253,3 +254,133 @@ def test_opencl_small_and_half_products_stay_generic() -> None:
                                                                      @ tb.cast("float16")))
     np.testing.assert_allclose(h.cast("float32").numpy_sync(), a @ b, rtol=2e-2, atol=2e-2 * 8)
 
+
+
+# bfloat16 products: AVX-512 BF16 (vdpbf16ps) where the device has it, else widened to float32 as packed ---------------
+
+DOT = "_mm512_dpbf16_ps"
+HAS_BF16_DOT = "avx512_bf16" in c_backend._cpu()["isa"].split() and RT.device(DEV).dialect.bf16_dot
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16's values (to nearest, ties to even), as float32."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def bf16_close(got: np.ndarray, ref: np.ndarray, k: int) -> None:
+    """`got` equals float32 products of bfloat16-rounded inputs (`ref`, exact: float64) rounded to bfloat16, within
+    one bfloat16 rounding (2^-8 relative, either way: float32 accumulation may land on the other side of a tie)
+    and float32 reassociation (near zero)."""
+    want = bf16(ref.astype(np.float32))
+    scale = max(float(np.abs(ref).max()), 1.0)
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -7 * 1.01, atol=1e-6 * scale * max(k, 1) ** 0.5 * 4)
+
+
+@pytest.fixture(params=[("c:0", True), ("c:0", False), ("c:1", True), ("c:1", False)],
+                ids=["c0-dot", "c0-widen", "c1-dot", "c1-widen"])
+def bf16_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A C device rendering bfloat16 products with AVX-512 BF16 (where this CPU has it) or on the widening path (its
+    dialect made to lack it: what a CPU without avx512_bf16 renders)."""
+    name, dot = request.param
+    if dot and not HAS_BF16_DOT:
+        pytest.skip("this CPU (or compiler) has no AVX-512 BF16")
+    dev = RT.device(name)
+    RT.plan_cache.clear()
+    monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, bf16_dot=dot))
+    yield name
+    RT.plan_cache.clear()
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 16), (65, 301, 129), (37, 1101, 45), (129, 17, 300), (300, 64, 33),
+                                   (16, 384, 1536), (128, 384, 1536), (97, 513, 80)])
+def test_bfloat16_products_in_every_layout(shape: tuple[int, int, int], bf16_device: str) -> None:
+    """bfloat16 A @ B, x @ W.T (W as nn.Linear stores it), A.T @ B, operands sliced at odd offsets and strided, a
+    flipped operand, one buffer as both operands, batches (a weight broadcast over a (B, T, C) activation too): each
+    the product of its rounded inputs in float32, rounded once; odd K pads its last pair with zero; the path the
+    device renders (the intrinsic) is the one its dialect says."""
+    m, k, n = shape
+    dev = bf16_device
+    a, b, w, at = (bf16(arr(*s, seed=i)) for i, s in enumerate([(m, k), (k, n), (n, k), (k, m)]))
+    big, wide = bf16(arr(m + 5, k + 9, seed=5)), bf16(arr(k + 3, 2 * n + 1, seed=6))
+    xb, yb = bf16(arr(3, m, k, seed=7)), bf16(arr(3, k, n, seed=8))
+    ta, tb, tw, tat, tbig, twide, txb, tyb = (Tensor(x, device=dev).cast("bfloat16")
+                                              for x in (a, b, w, at, big, wide, xb, yb))
+    outs = [ta @ tb, ta @ tw.T, tat.T @ tb, tbig[3:3 + m, 5:5 + k] @ twide[1:1 + k, 1:1 + n],
+            ta @ twide[2:2 + k, ::2][:, :n], tbig[3:3 + m, 5:5 + k] @ tw.T, ta.flip(1) @ tb, ta @ ta.T,
+            txb @ tyb, txb @ tw.T]
+    f64 = np.float64
+    refs = [a.astype(f64) @ b, a.astype(f64) @ w.T, at.T.astype(f64) @ b,
+            big[3:3 + m, 5:5 + k].astype(f64) @ wide[1:1 + k, 1:1 + n], a.astype(f64) @ wide[2:2 + k, ::2][:, :n],
+            big[3:3 + m, 5:5 + k].astype(f64) @ w.T, a[:, ::-1].astype(f64) @ b, a.astype(f64) @ a.T,
+            xb.astype(f64) @ yb, xb.astype(f64) @ w.T]
+    steps = [s for s in kernels(*outs) if PRODUCT in s.src]
+    assert len(steps) == len(outs)
+    assert all((DOT in s.src) == RT.device(dev).dialect.bf16_dot for s in steps)
+    for t, ref in zip(outs, refs):  # (realized first: a cast after it would fuse into a generic kernel)
+        assert t.dtype.name == "bfloat16"
+        bf16_close(t.realize_sync().cast("float32").numpy_sync(), ref, k)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 12])
+def test_a_few_bfloat16_rows_against_a_stored_weight(rows: int, bf16_device: str) -> None:
+    """`x @ W.T` of a short sequence (nn.Linear, bfloat16 activations and weights) takes the packed template from 2
+    rows (bfloat16 has no dot-product form), batch axes folded into its rows: the rounded float32 product."""
+    k, n = 385, 130
+    x, xb, w = bf16(arr(rows, k)), bf16(arr(2, rows, k, seed=1)), bf16(arr(n, k, seed=2))
+    tx, txb, tw = (Tensor(v, device=bf16_device).cast("bfloat16").realize_sync() for v in (x, xb, w))
+    for out, ref in [(tx @ tw.T, x.astype(np.float64) @ w.T), (txb @ tw.T, xb.astype(np.float64) @ w.T)]:
+        (step,) = products(out)
+        assert TILE in step.src and (DOT in step.src) == RT.device(bf16_device).dialect.bf16_dot
+        bf16_close(out.realize_sync().cast("float32").numpy_sync(), ref, k)
+
+
+def test_bfloat16_products_match_torch(bf16_device: str) -> None:
+    """The same products as PyTorch's CPU bfloat16 matmul (x @ y, and x @ W.T of nn.Linear), within one bfloat16
+    rounding of each other."""
+    torch = pytest.importorskip("torch")
+    for m, k, n in [(64, 384, 1536), (33, 129, 70)]:
+        x, y, w = bf16(arr(m, k)), bf16(arr(k, n, seed=1)), bf16(arr(n, k, seed=2))
+        tx, ty, tw = (Tensor(v, device=bf16_device).cast("bfloat16") for v in (x, y, w))
+        hx, hy, hw = (torch.from_numpy(v).bfloat16() for v in (x, y, w))
+        for got, want in [(tx @ ty, hx @ hy), (tx @ tw.T, hx @ hw.T)]:
+            bf16_close(got.realize_sync().cast("float32").numpy_sync(), want.float().numpy().astype(np.float64), k)
+
+
+@pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU (or compiler) has no AVX-512 BF16")
+def test_avx512_bf16_is_taken_where_the_cpu_has_it() -> None:
+    """On a CPU with avx512_bf16 (gcc -march=native defines __AVX512BF16__), c:0's bfloat16 products (x @ y, x @ W.T)
+    multiply with vdpbf16ps; float16 and float32 products do not; the device identity (winner caches) says so."""
+    dev = RT.device(DEV)
+    assert dev.identity()["bf16_dot"] is True and "avx512_bf16" in dev.identity()["isa"].split()
+    x, y, w = arr(40, 200), arr(200, 48, seed=1), arr(48, 200, seed=2)
+    tx, ty, tw = (Tensor(v, device=DEV) for v in (x, y, w))
+    for out in [tx.cast("bfloat16") @ ty.cast("bfloat16"), tx.cast("bfloat16") @ tw.cast("bfloat16").T]:
+        (step,) = products(out)
+        assert DOT in step.src and "#include <immintrin.h>" in step.src
+    for dt in ("float16", "float32"):
+        (step,) = products(tx.cast(dt) @ ty.cast(dt))
+        assert DOT not in step.src
+
+
+def test_without_avx512_bf16_the_widening_path_is_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose CPU flags lack avx512_bf16, whose flags do not ask for the CPU's own ISA, or whose compiler is
+    told not to target it, renders bfloat16 products on the widening path (bfloat16 widened to float32 as packed),
+    which any x86-64 or ARM compiler builds; its identity differs from one with the dot product."""
+    isa = c_backend._cpu()["isa"]
+    native = ["-O3", "-march=native"]
+    without = " ".join(f for f in isa.split() if f != "avx512_bf16")
+    assert not c_backend.bf16_dot(without, native)
+    assert not c_backend.bf16_dot(isa + " avx512_bf16 avx512f", ["-O3"])
+    assert not c_backend.bf16_dot(isa + " avx512_bf16 avx512f", [*native, "-mno-avx512bf16"])
+    assert c_backend.bf16_dot(isa, native) == HAS_BF16_DOT
+    dev = RT.device(DEV)
+    x, w = Tensor(arr(40, 201), device=DEV).cast("bfloat16"), Tensor(arr(48, 201, seed=1), device=DEV).cast("bfloat16")
+    (step,) = products(x @ w.T)
+    base = step.kernel.base or step.kernel
+    plain = dataclasses.replace(dev.dialect, bf16_dot=False)
+    _, src, _ = launch.render_kernel(base, plain, dev.threads)
+    assert DOT not in src and "immintrin" not in src and "bf2f(" in src and TILE in src
+    with_dot = dev.identity()
+    monkeypatch.setattr(dev, "dialect", plain)
+    assert dev.identity() != with_dot or not HAS_BF16_DOT

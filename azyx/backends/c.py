@@ -100,6 +100,25 @@ def _simd(isa: str, flags: list[str]) -> int:
     return 64 if "avx512f" in have else 32 if {"avx2", "fma"} <= have else 16
 
 
+def bf16_dot(isa: str, flags: list[str], compiler: str = "gcc") -> bool:
+    """Whether bfloat16 products may use AVX-512 BF16 (`_mm512_dpbf16_ps`): the CPU has it (its ISA flags, as the
+    identity records them), the vectors are AVX-512's (`_simd`) and the compiler targets it under the device's flags
+    (it predefines __AVX512BF16__: an older compiler or `-mno-avx512bf16` does not). Elsewhere bfloat16 is widened to
+    float32 as it is packed."""
+    return "avx512_bf16" in isa.split() and _simd(isa, flags) == 64 and "__AVX512BF16__" in _macros(compiler, *flags)
+
+
+@functools.cache
+def _macros(compiler: str, *flags: str) -> frozenset[str]:
+    """The macros `compiler` predefines under `flags` (empty where it cannot say)."""
+    try:
+        out = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define ") and " " in line[8:])
+
+
 @functools.cache
 def _compiler_version(compiler: str) -> str:
     try:
@@ -122,7 +141,9 @@ class CDevice(HostDevice):
             raise DeviceError(f"C compiler {self.compiler!r} not found on PATH")
         self.flags = list(options.get("flags", []))
         self.threads = int(options.get("threads") or os.cpu_count() or 1)
-        self.dialect = dataclasses.replace(C, simd=_simd(_cpu()["isa"], self.flags))  # (its products' micro-kernel)
+        isa = _cpu()["isa"]  # (its products' micro-kernels)
+        self.dialect = dataclasses.replace(C, simd=_simd(isa, self.flags),
+                                           bf16_dot=bf16_dot(isa, self.flags, self.compiler))
         self.compute = 30.0 * self.threads  # rough GFLOP/s, for AUTO placement
         self.pool: int | None = None  # the C thread pool that shares kernels' loops (azyx_pool_new)
         self.serial_pool: int | None = None  # a pool of one thread (the caller): small batches run serially
@@ -130,9 +151,10 @@ class CDevice(HostDevice):
         self.programs = _PROGRAMS  # (one compiler: every C device's programs are the same)
 
     def identity(self) -> dict[str, Any]:
-        """The CPU (model and ISA flags), the compiler's version and flags, and the threads that share loops."""
+        """The CPU (model and ISA flags), the compiler's version and flags, the threads that share loops, and whether
+        bfloat16 products take AVX-512 BF16."""
         return {**super().identity(), **_cpu(), "compiler": _compiler_version(self.compiler), "flags": self.flags,
-                "threads": self.threads, "gemm": gemm_host.VERSION}
+                "threads": self.threads, "gemm": gemm_host.VERSION, "bf16_dot": self.dialect.bf16_dot}
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry and the C runtime (built into every library),
