@@ -8,6 +8,10 @@ GPU-style dialects (`global_ids`) run one work item per output point. Where a re
 are contiguous along it (a row sum), or there are too few outputs to fill the device, a work group of
 `group_size` items reduces each output instead ("grouped"): each item accumulates a strided share, then a tree
 in shared memory combines them, so neighbouring items read neighbouring addresses (see `group_size`).
+
+Facts that optimisation actions set (azyx.optimize) are read here as they are: `Kernel.unroll` steps of a reduce's
+innermost loop per iteration (each step in braces of its own, in the loop's order: the accumulation order stays the
+plain loop's), `Kernel.vector` elements per vector load and store (`vector_width`; where `vector_fits`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,12 @@ class Dialect:
     # a reduce read along its outputs (a column sum) with a few thousand outputs runs in two stages, partial rows first
     # (schedule.column_parts): one work item per output walking its column leaves most of a GPU idle
     split_columns: bool = False
-    vector4: str = ""  # a 4-float vector type: plain elementwise float32 kernels move 16 bytes per load and store
+    # a vector of {n} floats: float32 kernels may move `vector_width` elements (2 or 4; 0: none unless the kernel asks,
+    # Kernel.vector) per load and store; `vector_load`/`vector_store`: at {ptr} where a cast pointer will not do
+    vector: str = ""
+    vector_width: int = 0
+    vector_load: str = ""
+    vector_store: str = ""
     copies: int = 1  # a grouped reduce's steps per loop iteration (where the dialect has no unroll pragma: GLSL)
     max_trips: int = 0  # a driver's bound on a shader's loop iterations (llvmpipe stops loops silently past 65535)
     # integer max/min as azyx_max/azyx_min of the prelude: NVRTC (CUDA 13) miscompiles `(-x > acc ? -x : acc)` in
@@ -184,6 +193,9 @@ OPENCL = Dialect(
     group_ids=("get_group_id(0)", "get_local_id(0)"),
     shared="__local",
     barrier="barrier(CLK_LOCAL_MEM_FENCE);",
+    vector="float{n}",  # (none by default: PoCL vectorises work items itself; the search may try it)
+    vector_load="vload{n}(0, {ptr})",
+    vector_store="vstore{n}({val}, 0, {ptr});",
 )
 
 _CUDA_PRELUDE = """#define INFINITY __int_as_float(0x7f800000)
@@ -233,7 +245,8 @@ CUDA = Dialect(
     shuffle="__shfl_xor_sync(0xffffffffu, {x}, {o})",
     warp=32,
     split_columns=True,
-    vector4="float4",
+    vector="float{n}",
+    vector_width=4,
     int_minmax=True,
 )
 
@@ -397,7 +410,8 @@ GLSL = Dialect(
     global_ids="gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x",
     block=64,
     gemm=True,
-    vector4="vec4",
+    vector="vec{n}",
+    vector_width=4,
     compute_types={"bool": "bool"},
     loads={"bool": "({buf}[{idx}]!=uint8_t(0))", "float16": "float({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"bool": "{buf}[{idx}] = uint8_t({val});", "float16": "{buf}[{idx}] = float16_t({val});",
@@ -563,7 +577,8 @@ class _Renderer:
         self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
         self.lines: list[str] = []
         self.globals: list[str] = []  # declarations a GLSL shader has outside main (shared memory)
-        self.vec_params: set[int] = set()  # GLSL: parameters also read or written as 4-float vectors (vec_at)
+        self.vec_params: set[int] = set()  # GLSL: parameters also read or written as vectors (vec_load, vec_store)
+        self.vw = vector_width(k, dl)  # elements per vector access where the kernel has them
         self.depth = 1
         self.count = 0
         self.uset = set(k.uvars)
@@ -592,8 +607,9 @@ class _Renderer:
         self.depth -= 1
         self.emit("}")
 
-    def loop(self, v: Var, pragma: str = "", opaque: bool = False, shared: bool = False) -> None:
-        """A loop over `v`; `shared`: only over the caller's range of it, [lo, hi) (see parallel_loop)."""
+    def loop(self, v: Var, pragma: str = "", opaque: bool = False, shared: bool = False, step: int = 1) -> None:
+        """A loop over `v`; `shared`: only over the caller's range of it, [lo, hi) (see parallel_loop); `step` > 1:
+        over `v`_u, every `step`-th value (an unrolled loop: its body sets `v` for each of the steps)."""
         if pragma and self.dl.pragmas:
             self.emit(pragma)
         it = self.it
@@ -603,6 +619,9 @@ class _Renderer:
             self.emit(f"{it} {bound} = {v.vmax + 1}; {self.dl.opaque.format(x=bound)}")
         if shared:
             self.open(f"for ({it} {v.name} = lo; {v.name} < hi; {v.name}++)")
+            return
+        if step > 1:
+            self.open(f"for ({it} {v.name}_u = 0; {v.name}_u < {bound}; {v.name}_u += {step})")
             return
         self.open(f"for ({it} {v.name} = 0; {v.name} < {bound}; {v.name}++)")
 
@@ -723,7 +742,7 @@ class _Renderer:
             self.emit(f"{it} gid = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
             if dl.max_groups:  # a folded grid's groups past the last point (whole groups: before any barrier)
                 self.emit(f"if (gid >= {k.global_size}) return;")
-        elif vectorized(k, dl):  # four points per work item, 16-byte loads and stores
+        elif vectorized(k, dl):  # `vw` points per work item, vector loads and stores
             self.vector_body(order)
             return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
         elif dl.global_ids and n:  # one work item per point of the global loops
@@ -829,9 +848,9 @@ class _Renderer:
             out.append(f"layout(buffer_reference, std430, buffer_reference_align = {d.itemsize}) {access} buffer "
                        f"B{i} {{ {dl.ctype(d)} v[]; }};")
             out.append(f"#define d{i} p{i}.v")
-            if i in self.vec_params:  # the same address read 16 bytes at a time (vector_body)
-                out.append(f"layout(buffer_reference, std430, buffer_reference_align = 16) {access} buffer "
-                           f"Q{i} {{ {dl.vector4} v[]; }};")
+            if i in self.vec_params:  # the same address read a vector at a time (vector_body)
+                out.append(f"layout(buffer_reference, std430, buffer_reference_align = {4 * self.vw}) {access} buffer "
+                           f"Q{i} {{ {dl.vector.format(n=self.vw)} v[]; }};")
         out += self.globals
         return "\n".join(out) + "\n"
 
@@ -855,32 +874,51 @@ class _Renderer:
     def address(i: int) -> str:
         return f"packUint2x32(uvec2(sw[{2 * i}], sw[{2 * i + 1}]))"
 
-    def vec_at(self, p: int, idx: str, element: bool = False) -> str:
-        """Parameter `p` as an array of 4-float vectors at `idx` (in vectors; in elements, a multiple of 4, where
-        `element`). GLSL reads the same address through a buffer reference of vectors."""
-        vec = self.dl.vector4
-        if self.dl.glsl:
+    def vec_ptr(self, p: int, idx: str, element: bool) -> str:
+        """Where parameter `p`'s vector at `idx` lies (in vectors; in elements, a multiple of the width, where
+        `element`), as an element address."""
+        return f"d{p} + ({idx})" if element else f"d{p} + ({idx}) * {self.vw}"
+
+    def vec_load(self, p: int, idx: str, element: bool = False) -> str:
+        """Parameter `p` read as a vector of `vw` floats at `idx` (see vec_ptr). GLSL reads the same address through a
+        buffer reference of vectors."""
+        dl, vec = self.dl, self.dl.vector.format(n=self.vw)
+        if dl.glsl:
             self.vec_params.add(p)
-            return f"Q{p}({self.address(p)}).v[{f'({idx}) >> 2' if element else idx}]"
+            return f"Q{p}({self.address(p)}).v[{f'({idx}) >> {self.vw.bit_length() - 1}' if element else idx}]"
+        if dl.vector_load:
+            return dl.vector_load.format(n=self.vw, ptr=self.vec_ptr(p, idx, element))
         const = "const " if p >= len(self.k.stores) else ""
-        return f"*({const}{vec}*)(d{p} + {idx})" if element else f"(({const}{vec}*)d{p})[{idx}]"
+        return f"*({dl.buffer_qual}{const}{vec}*)(d{p} + {idx})" if element else \
+            f"(({dl.buffer_qual}{const}{vec}*)d{p})[{idx}]"
+
+    def vec_store(self, p: int, idx: str, val: str) -> str:
+        """A statement storing vector `val` at vector `idx` of output `p`."""
+        dl = self.dl
+        if dl.glsl:
+            self.vec_params.add(p)
+            return f"Q{p}({self.address(p)}).v[{idx}] = {val};"
+        if dl.vector_store:
+            return dl.vector_store.format(n=self.vw, ptr=self.vec_ptr(p, idx, False), val=val)
+        return f"(({dl.buffer_qual}{dl.vector.format(n=self.vw)}*)d{p})[{idx}] = {val};"
 
     def vector_body(self, order: list[V]) -> None:
-        """A plain elementwise float32 kernel over one loop (see `vectorized`), four points per work item: each
-        operand read along the loop is one 16-byte load, each output one 16-byte store, and the body is computed
-        for each of the four lanes (other loads, broadcast ones, stay per lane)."""
-        k, dl, it, vec = self.k, self.dl, self.it, self.dl.vector4
+        """A plain elementwise float32 kernel over one loop (see `vectorized`), `vw` points per work item: each
+        operand read along the loop is one vector load, each output one vector store, and the body is computed
+        for each of the lanes (other loads, broadcast ones, stay per lane)."""
+        k, dl, it, w = self.k, self.dl, self.it, self.vw
+        vec = dl.vector.format(n=w)
         g = k.gvars[0]
         self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
-        self.emit(f"if (gid >= {k.global_size // 4}) return;")
+        self.emit(f"if (gid >= {k.global_size // w}) return;")
         along = along_loop(k, order)
         for p in sorted(along):
-            self.emit(f"{vec} l{p} = {self.vec_at(p, 'gid')};")
+            self.emit(f"{vec} l{p} = {self.vec_load(p, 'gid')};")
         for i in range(len(k.stores)):
             self.emit(f"{vec} s{i};")
-        for lane, c in enumerate("xyzw"):
+        for lane, c in enumerate("xyzw"[:w]):
             self.open("")
-            self.emit(f"{it} {g.name} = gid * 4 + {lane};")
+            self.emit(f"{it} {g.name} = gid * {w} + {lane};")
             saved = dict(self.names)
             for v in order:
                 if v.op == "load" and v.arg[0] in along:
@@ -892,7 +930,7 @@ class _Renderer:
             self.names = saved
             self.close()
         for i in range(len(k.stores)):
-            self.emit(f"{self.vec_at(i, 'gid')} = s{i};")
+            self.emit(self.vec_store(i, "gid", f"s{i}"))
 
     def store_value(self, v: V) -> str:
         return self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
@@ -932,9 +970,11 @@ class _Renderer:
         if dl.unroll:
             self.emit(dl.unroll)
         body = self.collect([r.src[0]], place, r)
-        vector = self._vector_operands(r, body)
-        trip = total // 4 if vector is not None else total  # steps of the reduce, `size` items at a time
+        vector = reduce_vector_operands(self.k, r, self.vw, body) if self.vw else None
+        trip = total // self.vw if vector is not None else total  # steps of the reduce, `size` items at a time
         copies = dl.copies if trip >= dl.copies * size else 1
+        if self.k.unroll > 1:  # an optimisation action chose the steps per iteration (azyx.optimize.UNROLL)
+            copies = self.k.unroll
         if dl.max_trips:  # enough steps per iteration to stay within the driver's bound
             copies = max(copies, -(-trip // (size * dl.max_trips)))
         if copies > 1:  # `copies` steps per iteration, so that their loads are in flight together
@@ -955,17 +995,18 @@ class _Renderer:
         self.combine_group(r, name, comb, acc_t)
 
     def reduce_step(self, r: V, body: list[V], vector: set[int] | None, name: str, comb: str) -> None:
-        """One step `rl` of a work item's share of a grouped reduce: an element (four, in vectors), into `name`."""
+        """One step `rl` of a work item's share of a grouped reduce: an element (`vw`, in vectors), into `name`."""
         dl, it, rvars = self.dl, self.it, r.arg[1]
         along = vector or set()
         saved_step = dict(self.names)
-        if vector is not None:  # four elements per step, each operand read along the reduce in one 16-byte load
+        if vector is not None:  # `vw` elements per step, each operand read along the reduce in one vector load
             (rv,) = rvars
-            self.emit(f"{it} {rv.name} = rl * 4;")
+            w = self.vw
+            self.emit(f"{it} {rv.name} = rl * {w};")
             loads = {p: v for v in body if v.op == "load" and (p := v.arg[0]) in along}
             for p, v in sorted(loads.items()):
-                self.emit(f"{dl.vector4} l{p} = {self.vec_at(p, v.arg[1].render(), element=True)};")
-            lanes: list[tuple[str, int]] = [(c, i) for i, c in enumerate("xyzw")]
+                self.emit(f"{dl.vector.format(n=w)} l{p} = {self.vec_load(p, v.arg[1].render(), element=True)};")
+            lanes: list[tuple[str, int]] = [(c, i) for i, c in enumerate("xyzw"[:w])]
         else:
             inner = 1
             for rv in reversed(rvars):  # the flat index back into the reduce's own variables
@@ -978,7 +1019,7 @@ class _Renderer:
             saved = dict(self.names)
             if c:  # one lane of the vectors: its own copy of the reduce variable and of the values computed from it
                 self.open("")
-                self.emit(f"{it} {rvars[0].name} = rl * 4 + {lane};")
+                self.emit(f"{it} {rvars[0].name} = rl * {self.vw} + {lane};")
                 for v in body:
                     if v.op == "load" and v.arg[0] in along:
                         self.names[id(v)] = f"l{v.arg[0]}.{c}"
@@ -1028,28 +1069,6 @@ class _Renderer:
         else:
             self.emit(line)
 
-    def _vector_operands(self, r: V, body: list[V]) -> set[int] | None:
-        """With `dl.vector4`: the float32 parameters a grouped reduce's body reads along its one reduce variable, each
-        at an index that is 4-aligned once that variable is (so four neighbours are one 16-byte load); None where the
-        reduce cannot step four elements at a time (several reduce variables, a length not divisible by 4, an
-        operand read along it otherwise, nothing to read along it)."""
-        rvars = r.arg[1]
-        if not self.dl.vector4 or len(rvars) != 1 or (rvars[0].vmax + 1) % 4:
-            return None
-        rv, along = rvars[0], set()
-        for v in body:
-            if v.op != "load" or rv not in v.arg[1].terms:
-                continue
-            idx = v.arg[1]
-            aligned = idx.const % 4 == 0 and all(c % 4 == 0 for a, c in idx.terms.items() if a is not rv)
-            if self.k.params[v.arg[0]] is not dtypes.float32 or idx.terms[rv] != 1 or not aligned or \
-                    not v.arg[2].always or not all(isinstance(a, Var) for a in idx.terms):
-                return None
-            along.add(v.arg[0])
-        if not along or any(v.op == "load" and v.arg[0] in along and rv not in v.arg[1].terms for v in body):
-            return None
-        return along
-
     def _warp_tree(self, name: str, comb: str, acc_t: str, lanes: int = 0) -> None:
         """Combine `lanes` values of a warp (each lane holding one, repeating every `lanes` lanes) into every lane:
         a butterfly, each lane shuffling exactly once per step (no divergence)."""
@@ -1075,33 +1094,33 @@ class _Renderer:
         else:
             self.emit(f"{acc_t} {name} = {init};")
         use_red = not dims and self.dl.pragmas
+        last = rvars[-1]
+        # the innermost loop unrolled `unroll` times (an optimisation action, Kernel.unroll; a divisor of its length):
+        # each step in braces of its own, in the loop's order, so the accumulation order is the plain loop's
+        unroll = self.k.unroll if self.k.unroll > 1 and (last.vmax + 1) % self.k.unroll == 0 else 1
         for i, rv in enumerate(rvars):
             p = ""
             if i == 0 and pragma:
                 p = pragma.replace("ACC", name)
             elif i == len(rvars) - 1 and use_red:
                 p = f"#pragma omp simd reduction({omp_reduction(op, r.dtype)}:{name})"
-            self.loop(rv, p, opaque=bool(dims))
+            self.loop(rv, p, opaque=bool(dims), step=unroll if rv is last else 1)
         body = self.collect([r.src[0]], place, r)
         body_v = r.src[0]
         ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
         comb = _combine(op, r.dtype, self.dl)
-        # the body value is referenced after emission inside the block
-        saved = dict(self.names)
-        uvars = self.k.uvars
-        depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in body}
-        for d in range(len(uvars) + 1):
-            if d > 0:
-                self.loop(uvars[d - 1], self.simd if d == len(uvars) else "")
-            for v in body:
-                if depth[id(v)] == d:
-                    self.stmt(v)
-        val = self.ref(body_v) if (body_v.op == "const" or id(body_v) in self.names) else self.expr(body_v)
-        val = self.cast("int", val) if r.dtype.is_bool else val
-        self.emit(f"{ref} = {comb.format(a=ref, b=val)};")
-        for _ in uvars:
-            self.close()
-        self.names = saved
+
+        def step() -> list[str]:  # (the body value is referenced after emission inside the block)
+            val = self.store_value(body_v)
+            return [f"{ref} = {comb.format(a=ref, b=self.cast('int', val) if r.dtype.is_bool else val)};"]
+
+        for j in range(unroll):
+            if unroll > 1:
+                self.open("")
+                self.emit(f"{self.it} {last.name} = {last.name}_u + {j};")
+            self.block(body, step)
+            if unroll > 1:
+                self.close()
         for _ in rvars:
             self.close()
         self.names[id(r)] = f"({ref}!=0)" if r.dtype.is_bool else ref
@@ -1147,19 +1166,74 @@ def group_fits(size: int, dl: Dialect) -> bool:
     return not dl.warp or size % dl.warp == 0
 
 
-def vectorized(k: Kernel, dl: Dialect) -> bool:
-    """Whether `k` renders with `dl.vector4` (four points per work item): a plain elementwise kernel (no reduce, no
-    upcast loop) over one global loop whose length is a multiple of 4, writing float32 outputs along that loop."""
-    if not dl.vector4 or len(k.gvars) != 1 or k.uvars or k.global_size % 4 or k.scatter is not None:
+def vector_width(k: Kernel, dl: Dialect) -> int:
+    """Elements per vector load and store of `k` on `dl`: the kernel's choice (an optimisation action, Kernel.vector),
+    else the dialect's default; 0 for none (or a dialect without vector types)."""
+    w = dl.vector_width if k.vector < 0 else k.vector
+    return w if dl.vector and w in VECTOR_WIDTHS else 0
+
+
+VECTOR_WIDTHS = (2, 4)
+
+
+def vectorized(k: Kernel, dl: Dialect) -> int:
+    """The vector width (0: none) at which `k` renders as a plain elementwise kernel with `vw` points per work item
+    (see elementwise_vector_fits)."""
+    w = vector_width(k, dl)
+    return w if w and elementwise_vector_fits(k, w) else 0
+
+
+def elementwise_vector_fits(k: Kernel, w: int) -> bool:
+    """Whether `k` can take `w` points per work item with vector loads and stores: a plain elementwise kernel (no
+    reduce, no upcast loop) over one global loop whose length is a multiple of `w`, writing float32 outputs exactly
+    along that loop (offset 0, stride 1: each vector is aligned to its size)."""
+    if len(k.gvars) != 1 or k.uvars or k.global_size % w or k.scatter is not None:
         return False
     if any(v.op == "reduce" for v in toposort(*k.values)):
         return False
     return all(k.params[i] is dtypes.float32 and _is_var(idx, k.gvars[0]) for i, (idx, _) in enumerate(k.stores))
 
 
+def reduce_vector_operands(k: Kernel, r: V, w: int, body: list[V]) -> set[int] | None:
+    """The float32 parameters that reduce `r`'s body (`body`: its values) reads along its one reduce variable, each at
+    an index that is a multiple of `w` once that variable is (so `w` neighbours are one aligned vector load); None
+    where the reduce cannot step `w` elements at a time (several reduce variables, a length not divisible by `w`, an
+    operand read along it otherwise, nothing to read along it)."""
+    rvars = r.arg[1]
+    if w < 2 or len(rvars) != 1 or (rvars[0].vmax + 1) % w:
+        return None
+    rv, along = rvars[0], set()
+    for v in body:
+        if v.op != "load" or rv not in v.arg[1].terms:
+            continue
+        idx = v.arg[1]
+        aligned = idx.const % w == 0 and all(c % w == 0 for a, c in idx.terms.items() if a is not rv)
+        if k.params[v.arg[0]] is not dtypes.float32 or idx.terms[rv] != 1 or not aligned or \
+                not v.arg[2].always or not all(isinstance(a, Var) for a in idx.terms):
+            return None
+        along.add(v.arg[0])
+    if not along or any(v.op == "load" and v.arg[0] in along and rv not in v.arg[1].terms for v in body):
+        return None
+    return along
+
+
+def vector_fits(k: Kernel, w: int) -> bool:
+    """Whether vector accesses of `w` elements (1: none) apply to `k`, on a dialect with vector types: a vectorisable
+    elementwise kernel, or a flat reduce reading its operands along itself (used where it is grouped)."""
+    if w == 1:
+        return True
+    if w not in VECTOR_WIDTHS:
+        return False
+    if elementwise_vector_fits(k, w):
+        return True
+    reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
+    return not k.uvars and any(not r.src[0].has_reduce and reduce_vector_operands(k, r, w, toposort(r.src[0]))
+                               for r in reduces)
+
+
 def along_loop(k: Kernel, order: list[V]) -> set[int]:
-    """The float32 inputs of a `vectorized` kernel that it reads only along its loop (four consecutive elements per
-    work item: one 16-byte load)."""
+    """The float32 inputs of a `vectorized` kernel that it reads only along its loop (consecutive elements per work
+    item: one vector load)."""
     g = k.gvars[0]
     along = {p for p in range(len(k.stores), len(k.params)) if k.params[p] is dtypes.float32 and all(
         _is_var(v.arg[1], g) and v.arg[2].always for v in order if v.op == "load" and v.arg[0] == p)}
@@ -1173,12 +1247,12 @@ def work_group(k: Kernel, dl: Dialect) -> int:
         return dl.group_size
     if group:  # a group per output point (a grouped reduce)
         return group
-    n = max(k.global_size, 1) // (4 if vectorized(k, dl) else 1)
+    n = max(k.global_size, 1) // (vectorized(k, dl) or 1)
     return min(k.local or dl.block, max(n, 1))
 
 
 def _is_var(x: Lin, g: Var) -> bool:
-    """`x` is exactly `g` (offset 0, stride 1): the points of a 16-byte vector are four consecutive elements."""
+    """`x` is exactly `g` (offset 0, stride 1): the points of a vector are consecutive elements."""
     return x.const == 0 and x.terms == {g: 1}
 
 

@@ -285,16 +285,20 @@ class Device:
     # kernel search: which actions (azyx.optimize) this device's renderer understands, and the winners found on it
     @property
     def search_actions(self) -> frozenset[str]:
-        """The actions a search may try here: the C-family renderer's register tiles everywhere, work-group sizes
-        where kernels run one work item per point (GPU-style dialects), block sizes where a host dialect has the
-        product template; none without a dialect."""
+        """The actions a search may try here: the C-family renderer's register tiles and reduce unrolls everywhere,
+        work-group sizes where kernels run one work item per point (GPU-style dialects), vector widths where the
+        dialect has vector types, block sizes where a dialect has a product template with a table of them (the host's;
+        CUDA's and Vulkan's tiles, not OpenCL's CPU template); none without a dialect. (Split reductions' parts,
+        optimize.SPLIT, are searched by azyx.tune wherever the planner splits.)"""
         dl = self.dialect
         if dl is None:
             return frozenset()
-        tiles = frozenset({optimize.UPCAST, optimize.SWAP})
+        tiles = frozenset({optimize.UPCAST, optimize.SWAP, optimize.UNROLL})
         if not dl.global_ids:
             return tiles | {optimize.BLOCK} if dl.gemm else tiles  # (BLOCK: the host product's block sizes)
-        return tiles | {optimize.LOCAL, optimize.GROUP}
+        vector = {optimize.VECTOR} if dl.vector else set()
+        block = {optimize.BLOCK} if dl.gemm and (dl.glsl or dl.name == "cuda") else set()
+        return tiles | {optimize.LOCAL, optimize.GROUP} | vector | block
 
     def identity(self) -> dict[str, Any]:
         """What a search result depends on besides the kernel: the hardware, its driver and compiler versions
@@ -334,6 +338,18 @@ class Device:
         except optimize.OptError as e:
             debug.log(debug.SEARCH, f"{self.name}: cached actions {opts} for kernel {key} do not apply ({e}): ignored")
             return k
+
+    def split_choice(self, site: optimize.SplitSite) -> int | None:
+        """The parts (0: none) that won the search for split reduction `site` on this device (azyx.tune), or None:
+        no entry, or one that is not a split of it (a debug line: never trusted)."""
+        cache = self.winners if self.search_actions else None
+        opts = cache.get(site.key) if cache is not None else None
+        if opts is None:
+            return None
+        if len(opts) == 1 and opts[0].kind == optimize.SPLIT and site.fits(opts[0].amount):
+            return opts[0].amount
+        debug.log(debug.SEARCH, f"{self.name}: cached {list(opts)} for {site.key} is not a split of it: ignored")
+        return None
 
     # compiler: the kernels a plan needs and the device lacks -> one source -> loaded programs, by kernel name
     def has_program(self, name: str) -> bool:

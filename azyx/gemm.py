@@ -7,6 +7,10 @@ kernel for it: a block computes a BM x BN tile of C, stepping over K in slices o
 memory (the next slice is fetched into registers while the current one is multiplied); each thread accumulates a
 TM x TN register tile (on CUDA a warp owns a sub-tile of the block's, SimtTile). Loads are 16 bytes wide where an
 operand's contiguous axis allows it. Anything else renders through the generic C-family path.
+
+The block tile is a heuristic's (`Gemm.tile`, variant 0); the kernel search tries the other rows of the target's table
+(`tile_variants`: CUDA's SimtTiles, the tensor-core tiles, Vulkan's tiles), which optimize.BLOCK selects through
+`Kernel.variant` (v: row v - 1), as it selects the host template's block sizes.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class Gemm:
     dtype: str = "float32"  # float16 / bfloat16: the tensor-core kernel (render_mma), C in that dtype; host: packed
     simd: int = 32  # host: vector register width in bytes (the micro-kernel's shape: gemm_host.HOST_BLOCKS)
     workers: int = 1  # host: threads that share the kernel's blocks
-    variant: int = 0  # host: which of the block sizes (Kernel.variant, set by the kernel search)
+    variant: int = 0  # which block sizes (host) or block tile (GPU: tile_variants) (Kernel.variant, set by search)
     bf16_dot: bool = False  # host: bfloat16 packed in pairs along K, for AVX-512 BF16 (gemm_host.render_c)
 
     @property
@@ -54,7 +58,10 @@ class Gemm:
     def simt(self) -> SimtTile:
         """The float32 CUDA kernel's shape (render_simt): its tile's, with slices of 8 k where a 128-row tile's
         operands both run along k (both transposed as they are stored: more registers held across the slice; H200
-        1024^3 x @ W.T in 128 x 64 tiles 0.83x cuBLAS at 16, 0.88x at 8; x @ y 1.14x at 16, 1.01x at 8)."""
+        1024^3 x @ W.T in 128 x 64 tiles 0.83x cuBLAS at 16, 0.88x at 8; x @ y 1.14x at 16, 1.01x at 8); a searched
+        variant's row of CUDA_VARIANTS as it is."""
+        if self.variant and not self.mma and self.target == "cuda":
+            return CUDA_VARIANTS[(self.variant - 1) % len(CUDA_VARIANTS)]
         c = CUDA_TILES[self.tile]
         return replace(c, bk=8) if self.a[4] == 1 and self.b[3] == 1 and c.bm == 128 else c
 
@@ -65,7 +72,14 @@ class Gemm:
         1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27;
         the kernel of 4 warps (SimtTile) alone, x @ y 1024^3: 128 x 64 32 TFLOP/s, 128 x 128 21 (K split in 2: 30),
         64 x 64 28; cuBLAS 28).
-        Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64."""
+        Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64.
+        A searched variant (Kernel.variant > 0): that row of the target's table (tile_variants)."""
+        if self.variant and self.target in ("cuda", "glsl"):
+            if self.target == "cuda" and not self.mma:
+                c = CUDA_VARIANTS[(self.variant - 1) % len(CUDA_VARIANTS)]
+                return c.bm, c.bn
+            table = MMA_TILES if self.mma else GLSL_TILES
+            return table[(self.variant - 1) % len(table)]
         if self.mma:
             return (128, 128) if -(-self.m // 128) * -(-self.n // 128) * self.batch >= 128 else (64, 64)
         tiles = ((128, 128, 128), (128, 64, 64)) if self.target == "cuda" else ((128, 64, 64),)
@@ -211,6 +225,26 @@ class SimtTile:
 # 0.67x), 16 x 8 0.96x / 0.95x (16 k: 0.94x / 0.76x); 256 threads of 8 x 8 0.78-0.91x; 2048^3 16 x 8 0.96-1.08x
 CUDA_TILES = {(128, 128): SimtTile(128, 128, 2, 2, lm=4, bk=8), (128, 64): SimtTile(128, 64, 2, 2),
               (64, 64): SimtTile(64, 64, 2, 2)}
+# the block tiles the kernel search tries (Kernel.variant v > 0: row v - 1): CUDA's float32 kernel (the heuristic's
+# three, 128 x 64 in slices of 8 k, and 64 x 128), the tensor-core kernel's, Vulkan's (256 threads, 16 x 16)
+CUDA_VARIANTS = (SimtTile(128, 128, 2, 2, lm=4, bk=8), SimtTile(128, 64, 2, 2), SimtTile(64, 64, 2, 2),
+                 SimtTile(128, 64, 2, 2, bk=8), SimtTile(64, 128, 2, 2))
+MMA_TILES = ((128, 128), (64, 64))
+GLSL_TILES = ((128, 64), (64, 64), (128, 128), (64, 128))
+
+
+def tile_variants(g: Gemm) -> int:
+    """How many block tiles the search may try for `g` (Kernel.variant 1 .. this; 0: the heuristic's), 0 where the
+    target has no table (the host templates choose their block sizes by gemm_host.variants)."""
+    if g.target == "cuda":
+        return len(MMA_TILES) if g.mma else len(CUDA_VARIANTS)
+    return len(GLSL_TILES) if g.target == "glsl" else 0
+
+
+def tile_config(g: Gemm) -> tuple[object, ...]:
+    """What `g`'s kernel's shape depends on (its tile, the float32 kernel's SimtTile, K's split; a tensor-core product
+    of variant 0 may take azyx.gemm_sm90's kernel instead): variants of one configuration render the same kernel."""
+    return (g.tile, g.simt if g.target == "cuda" and not g.mma else None, g.split, g.mma and not g.variant)
 
 
 def render_cuda(g: Gemm, name: str) -> str:

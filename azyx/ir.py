@@ -167,7 +167,9 @@ class Kernel:
     # schedule choices that optimisation actions set (azyx.optimize.apply); renderers read them as facts
     local: int = 0  # GPU-style, one work item per point: work items per group (0: the dialect's `block`)
     group: int = -1  # work items that reduce each output point together (0: one item per point, -1: the dialect's)
-    variant: int = 0  # a template's variant: the host matrix product's block sizes (gemm_host.HOST_BLOCKS)
+    variant: int = 0  # a template's variant: a matrix product's block sizes (gemm_host.HOST_BLOCKS; GPU: gemm tiles)
+    unroll: int = 0  # steps of each reduce's innermost loop per iteration (0, 1: as the dialect does)
+    vector: int = -1  # float32 elements per vector load and store (1: none; -1: the dialect's default width)
     base: Kernel | None = field(default=None, repr=False, compare=False)  # the kernel before the actions
     opts: tuple = ()  # the actions (optimize.Opt) that made it from `base`
 

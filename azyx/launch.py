@@ -43,7 +43,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
     generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
     may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source).
     `sm90`: the multiprocessors of a CUDA device of compute capability 9.0 (0: none), whose float16/bfloat16 products
-    take azyx.gemm_sm90's kernel where they fit."""
+    take azyx.gemm_sm90's kernel where they fit (unless a searched tile, Kernel.variant, asks for mma.sync's)."""
     a = attention_of(k)
     if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
         src = attention.render(k, a, "KERNEL", dl)
@@ -52,7 +52,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
                   Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
         return name, src.replace("KERNEL", name, 1), launch
     g = product_of(k, dl, threads)
-    if g is not None and sm90 and g.mma and gemm_sm90.fits(g):
+    if g is not None and sm90 and g.mma and gemm_sm90.fits(g) and not g.variant:  # (a searched tile: mma.sync's)
         src = gemm_sm90.render(g, "KERNEL")
         name = kernel_name(src)
         launch = Launch(gemm_sm90.grid(g, sm90), gemm_sm90.THREADS, smem=gemm_sm90.smem_bytes(g),
@@ -105,8 +105,8 @@ def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = N
     group = work_group(k, dl)
     if group_size(k, dl):  # a group per output point (a warp per point: several points per group)
         groups = -(-n // (group // dl.warp)) if dl.warp and group_size(k, dl) == dl.warp else n
-    else:  # one work item per point (four, vectorised)
-        groups = -(-(n // 4 if vectorized(k, dl) else n) // group)
+    else:  # one work item per point (several, vectorised)
+        groups = -(-(n // (vectorized(k, dl) or 1)) // group)
     if dl.max_groups and groups > dl.max_groups:  # too many for one dimension: rows of max_groups
         return Launch((dl.max_groups, -(-groups // dl.max_groups), 1), group)
     return Launch((groups, 1, 1), group)

@@ -15,6 +15,7 @@ from azyx.dtypes import DType, scalar_packer
 from azyx.graph import StridedView
 from azyx.ir import Kernel, scalar_args
 from azyx.launch import Launch
+from azyx.optimize import SplitSite
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class ExecutionPlan:
     # input slots a kernel writes in place (an assignment into a realized tensor nothing else held when planned):
     # whoever binds new inputs to the plan (azyx.jit) binds there only buffers that nothing else reads
     overwrites: tuple[int, ...] = ()
+    # the reductions the planner split or could have split, with their device: what azyx.tune searches the parts of
+    splits: tuple[tuple[str, SplitSite], ...] = ()
 
     @property
     def kernels(self) -> list[KernelStep]:

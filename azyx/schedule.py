@@ -74,6 +74,7 @@ class DeviceFacts(Protocol):
     def free_memory(self) -> int: ...
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
+    def split_choice(self, site: optimize.SplitSite) -> int | None: ...
 
 
 class Devices(Protocol):
@@ -99,9 +100,12 @@ class Attempt:
 
 # ------------------------------------------------------------------------------------------------ planner
 class Planner:
-    def __init__(self, rt: Devices, graph: Graph, walk: Walk, targets: list[int], override: dict[str, str]):
+    def __init__(self, rt: Devices, graph: Graph, walk: Walk, targets: list[int], override: dict[str, str],
+                 splits: dict[str, int] | None = None):
         self.rt, self.graph, self.walk, self.targets = rt, graph, walk, set(targets)
         self.override = override
+        self.forced_splits = splits or {}  # split key -> parts, for the split search's timing plans (azyx.tune)
+        self.split_sites: dict[tuple[str, str], tuple[str, optimize.SplitSite]] = {}  # (device, key) -> the site
         self.slots: list[Slot] = []
         self.steps: list[Step] = []
         self.done: dict[int, tuple[int, StridedView]] = {}
@@ -251,7 +255,8 @@ class Planner:
             return n.op not in (Op.CONST, Op.LEAF) and n.buffer is None
 
     def split_parts(self, nid: int, device: str) -> int | None:
-        """How many partial results a reduce should be split into on `device` (see split_reduce), or None."""
+        """How many partial results a reduce should be split into on `device` (see split_reduce), or None: the parts
+        the search found for its structure on the device (Device.split_choice, azyx.tune), else the heuristic's."""
         n = self.graph[nid]
         dev = self.rt.device(device)
         dialect = dev.dialect
@@ -262,24 +267,34 @@ class Planner:
             return None
         src = self.graph[n.src[0]]
         r = prod([src.shape[a] for a in n.arg[1]])
-        if prod(n.shape) >= SPLIT_MAX_OUTPUTS:
-            return self.column_parts(nid, r) if dialect.split_columns else None
-        if r < SPLIT_MIN_REDUCE:
-            return None
-        per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
-        return next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1) if r % d == 0), None)
+        outputs = prod(n.shape)
+        if outputs >= SPLIT_MAX_OUTPUTS:
+            if not dialect.split_columns or r < COLUMN_REDUCE or nid in self.temp_nodes \
+                    or not self.reads_along_outputs(nid):  # (a split's own stages are never split again)
+                return None
+            kind, parts = optimize.COLUMNS, self.column_parts(nid, r)
+        else:
+            if r < SPLIT_MIN_REDUCE:
+                return None
+            per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
+            kind, parts = optimize.ROWS, next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1)
+                                               if r % d == 0), None)
+        if nid in self.temp_nodes:  # a split's own stage: the heuristic's (never searched)
+            return parts
+        site = optimize.SplitSite(kind, n.arg[0], n.dtype.name, outputs, r, parts or 0)
+        self.split_sites[(device, site.key)] = (device, site)
+        chosen = self.forced_splits.get(site.key)
+        if chosen is None:
+            chosen = dev.split_choice(site)
+        return (chosen or None) if chosen is not None else parts
 
     def column_parts(self, nid: int, r: int) -> int | None:
-        """Parts of a column split of reduce `nid` (`r` elements into each of its many outputs; see split_reduce), or
-        None: one work item per output (each walks its column, neighbours reading neighbouring addresses) leaves a
-        GPU mostly idle where the outputs are a few thousand."""
+        """Parts of a column split of reduce `nid` (`r` elements into each of its many outputs, read along them; see
+        split_reduce), or None: one work item per output (each walks its column, neighbours reading neighbouring
+        addresses) leaves a GPU mostly idle where the outputs are a few thousand."""
         want = -(-COLUMN_ITEMS // prod(self.graph[nid].shape))
         top = min(want, COLUMN_PARTS, r // COLUMN_RUN)
-        if top < 2 or r < COLUMN_REDUCE or nid in self.temp_nodes:  # (a split's own stages are never split again)
-            return None
-        if not self.reads_along_outputs(nid):
-            return None
-        return next((d for d in range(top, 1, -1) if r % d == 0), None)
+        return next((d for d in range(top, 1, -1) if r % d == 0), None) if top >= 2 else None
 
     def reads_along_outputs(self, nid: int) -> bool:
         """Whether reduce `nid` reads memory along its outputs, not along what it reduces (a column sum of a row-major
@@ -713,7 +728,7 @@ class Planner:
         overwrites = tuple(sorted({st.args[0] for st in self.steps
                                    if isinstance(st, KernelStep) and st.kernel.inplace and st.args[0] < n_in}))
         return ExecutionPlan(tuple(self.steps), slots, n_in, outputs, tuple(tuple(f) for f in frees), devices,
-                             tuple(self.adopt), len(self.walk.scalars), overwrites)
+                             tuple(self.adopt), len(self.walk.scalars), overwrites, tuple(self.split_sites.values()))
 
 
 class KernelBuild:
@@ -896,9 +911,12 @@ def _unflatten(flat: Lin, shape: Shape) -> list[Lin]:
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-def make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
+def make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int], splits: dict[str, int] | None = None
+              ) -> ExecutionPlan:
+    """The plan of `targets`; `splits`: parts (0: none) to split the reductions of these keys into
+    (optimize.SplitSite.key), whatever the heuristics or the winner cache say (the split search's timing plans)."""
     with _deep_recursion(8 * len(walk.topo) + 1000):  # kernel building recurses along the graph's depth
-        return _make_plan(rt, graph, walk, targets)
+        return _make_plan(rt, graph, walk, targets, splits)
 
 
 _limits: list[int] = []  # the recursion limits asked for by planners running now (the loop's, workers'), the first
@@ -933,8 +951,9 @@ def _plan_targets(planner: Planner, targets: list[int]) -> None:
             planner.graph.release(i)
 
 
-def _make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int]) -> ExecutionPlan:
-    planner = Planner(rt, graph, walk, targets, {})
+def _make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int], splits: dict[str, int] | None
+               ) -> ExecutionPlan:
+    planner = Planner(rt, graph, walk, targets, {}, splits)
     _plan_targets(planner, targets)
     need = planner.check_memory()
     short = {d: b for d, b in need.items() if b > rt.device(d).free_memory()}
@@ -944,7 +963,7 @@ def _make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int]) -> Exe
             if alt in short:
                 continue
             override = {d: alt for d in short}
-            cand = Planner(rt, graph, walk, targets, override)
+            cand = Planner(rt, graph, walk, targets, override, splits)
             _plan_targets(cand, targets)
             if all(b <= rt.device(d).free_memory() for d, b in cand.check_memory().items()):
                 planner = cand

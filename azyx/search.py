@@ -6,6 +6,10 @@ compiles them on worker threads, and times each on scratch buffers of the kernel
 inputs. The heuristic kernel runs first; a candidate's output must match its output (within float reassociation)
 before the candidate can win, and it must beat it by `MARGIN`. The winner (the heuristic's own actions where nothing
 beats them) goes to the disk cache, so a later process renders it at once and searches nothing.
+
+`search_split` does the same for a plan's action, the parts of a split reduction (optimize.SPLIT): it times whole
+plans (both stages) of one reduction split each way, which azyx.tune builds, and caches the winner under the
+reduction's `SplitSite.key`. With AZYX_DEBUG's search channel each candidate's time (or why it was rejected) is printed.
 """
 
 from __future__ import annotations
@@ -227,6 +231,90 @@ def _close(got: np.ndarray, ref: np.ndarray, d: DType) -> bool:
     tol = 2e-2 if d.itemsize == 2 else (1e-3 if d.itemsize == 4 else 1e-9)
     scale = float(np.nanmax(np.abs(b))) if b.size and not np.all(np.isnan(b)) else 1.0
     return bool(np.allclose(a, b, rtol=tol, atol=tol * max(scale, 1e-30), equal_nan=True))
+
+
+def search_split(dev: Device, site: optimize.SplitSite, plans: list[tuple[int, ExecutionPlan]], level: str,
+                 budget_s: float) -> SearchResult:
+    """Time the plans of one reduction split into each number of parts (`plans`: (parts, plan), the heuristic's
+    first; 0 parts: not split) on `dev`, and cache the fastest whose result matches the heuristic's and that beats it
+    by `MARGIN` (else the heuristic's) under `site.key`, or find it in the cache (blocking: call on a worker thread)."""
+    global searches
+    cache = dev.winner_cache()
+    heur = (optimize.Opt(optimize.SPLIT, 0, plans[0][0]),)
+    with _lock(dev, site.key):
+        got = cache.get(site.key)
+        if got is not None:
+            return SearchResult(dev.name, site.key, got, heur, 0.0, 0.0, 0, 0, 0.0, True)
+        searches += 1
+        t0 = time.perf_counter()
+        dtype = plans[0][1].slots[plans[0][1].outputs[0][0]].dtype
+        ref_t, ref = _time_plan(dev, plans[0][1], level)
+        times, by_parts = {plans[0][0]: ref_t}, dict(plans)
+        tried, rejected = 1, 0
+        debug.log(debug.SEARCH, lambda: f"{dev.name}: {site.key}: heuristic {plans[0][0]} parts {ref_t * 1e6:.0f} us; "
+                                        f"{len(plans) - 1} candidates")
+        for parts, plan in plans[1:]:
+            if time.perf_counter() - t0 > budget_s:
+                debug.log(debug.SEARCH, f"{dev.name}: {site.key}: budget of {budget_s:g} s spent")
+                break
+            try:
+                t, got_out = _time_plan(dev, plan, level)
+            except (AzyxError, AssertionError) as e:
+                rejected += 1
+                debug.log(debug.SEARCH, f"{dev.name}:   {parts} parts failed: {str(e).splitlines()[0]}")
+                continue
+            tried += 1
+            if not _close(got_out, ref, dtype):
+                rejected += 1
+                debug.log(debug.SEARCH, f"{dev.name}:   {parts} parts gave a different result: rejected")
+                continue
+            debug.log(debug.SEARCH, lambda: f"{dev.name}:   {parts} parts {t * 1e6:.0f} us")
+            times[parts] = t
+        best = min(times, key=lambda p: times[p])
+        if best != plans[0][0]:  # (a busy machine: the two timed again, in turns, each keeping its best)
+            for p in (plans[0][0], best, plans[0][0], best):
+                if time.perf_counter() - t0 < budget_s:
+                    times[p] = min(times[p], _time_plan(dev, by_parts[p], level)[0])
+        if times[best] >= MARGIN * times[plans[0][0]]:
+            best = plans[0][0]
+        result = SearchResult(dev.name, site.key, (optimize.Opt(optimize.SPLIT, 0, best),), heur, times[plans[0][0]],
+                              times[best], tried, rejected, time.perf_counter() - t0, False)
+        cache.put(site.key, result.winner, {"speedup": round(result.speedup, 3), "search_s": round(result.seconds, 3),
+                                            "level": level})
+    debug.log(debug.SEARCH, f"{dev.name}: {site.key}: {result.tried} tried, {result.rejected} rejected in "
+                            f"{result.seconds:.2f} s; won {best} parts at {result.winner_s * 1e6:.0f} us, heuristic "
+                            f"{plans[0][0]} {result.heuristic_s * 1e6:.0f} us ({result.speedup:.2f}x)")
+    return result
+
+
+def _time_plan(dev: Device, plan: ExecutionPlan, level: str) -> tuple[float, np.ndarray]:
+    """(seconds of the fastest run, bytes of the first output) of the kernels of `plan` (all on `dev`), run back to
+    back on scratch buffers (inputs random, as `_search`'s)."""
+    steps = plan.kernels
+    assert steps and all(st.device == dev.name for st in steps), "a split's plan runs on its one device"
+    written = {st.args[i] for st in steps for i in range(len(st.kernel.stores))}
+    rng = np.random.default_rng(0)
+    bufs = {}
+    for a in dict.fromkeys(a for st in steps for a in st.args):
+        slot = plan.slots[a]
+        bufs[a] = dev.alloc(max(slot.nbytes, 1))
+        if a not in written:
+            dev.write(bufs[a], _random(rng, slot.dtype, slot.nbytes))
+    todo = [st for st in dict.fromkeys(steps) if not dev.has_program(st.name)]
+    if todo:
+        dev.programs.update(dev.build(dev.source(todo), todo))
+    items = [(st, [bufs[a] for a in st.args], _words(st)) for st in steps]
+    dev.timeline.wait_sync(dev.launch_many(items, []))  # (warm up)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < MIN_TIMING_S.get(level, 0.02) and len(times) < 20):
+        t0 = time.perf_counter()
+        dev.timeline.wait_sync(dev.launch_many(items, []))
+        times.append(time.perf_counter() - t0)
+    out_slot = plan.outputs[0][0]
+    host = np.empty(plan.slots[out_slot].nbytes, np.uint8)
+    dev.read_into(bufs[out_slot], host)
+    return min(times), host
 
 
 def kernel_step_nbytes(plan: ExecutionPlan, step: KernelStep) -> list[int]:

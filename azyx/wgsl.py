@@ -39,9 +39,10 @@ from azyx.symbolic import Cond, Var
 # the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; nothing here is C-family text)
 WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
                      fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
-                     max_groups=65535)
-# plain elementwise float32 kernels: four points per work item, each operand along the loop bound as vec4<f32>s
-WGSL_VEC = replace(WGSL_FACTS, vector4="vec4<f32>", block=256)
+                     max_groups=65535, vector_width=4)  # (the width WGSL_VEC renders by default: the search's base)
+# plain elementwise float32 kernels: four points per work item (Kernel.vector: 2 or 4), each operand along the loop
+# bound as vectors
+WGSL_VEC = replace(WGSL_FACTS, vector="vec{n}<f32>", vector_width=4, block=256)
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,9 @@ class _Renderer:
             else WGSL_FACTS
         self.vec_params = along_loop(k, toposort(*k.values)) | set(range(len(k.stores))) \
             if self.dl is WGSL_VEC else set()
-        self.unroll = unroll(k, self.group, max_trips)
+        self.vw = vectorized(k, WGSL_VEC) if self.dl is WGSL_VEC else 0
+        # steps per reduce loop iteration: what the driver's bound needs, or more where the kernel asks (Kernel.unroll)
+        self.unroll = max(unroll(k, self.group, max_trips), k.unroll)
         if not index_fits(k, self.group):
             raise ShapeError(f"{device}: a kernel of {k.global_size} points indexes past 2**31 elements (WGSL indices "
                              "are i32)")
@@ -593,20 +596,20 @@ class _Renderer:
         return self.entry()
 
     def vector_body(self, order: list[V]) -> None:
-        """A plain elementwise float32 kernel over one loop (cstyle.vectorized), four points per work item: each
-        operand read along the loop is one vec4 load, each output one vec4 store, and the body is computed per lane
-        (other loads, broadcast ones, stay scalar)."""
-        k, g = self.k, self.k.gvars[0]
+        """A plain elementwise float32 kernel over one loop (cstyle.vectorized), `vw` points per work item: each
+        operand read along the loop is one vector load, each output one vector store, and the body is computed per
+        lane (other loads, broadcast ones, stay scalar)."""
+        k, g, w = self.k, self.k.gvars[0], self.vw
         self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
-        self.emit(f"if (gid >= {k.global_size // 4}) {{ return; }}")
+        self.emit(f"if (gid >= {k.global_size // w}) {{ return; }}")
         loaded = sorted(self.vec_params - set(range(len(k.stores))))
         for p in loaded:
             self.emit(f"let l{p} = d{p}[gid];")
         for i in range(len(k.stores)):
-            self.emit(f"var s{i}: vec4<f32>;")
-        for lane, c in enumerate("xyzw"):
+            self.emit(f"var s{i}: vec{w}<f32>;")
+        for lane, c in enumerate("xyzw"[:w]):
             self.open("")
-            self.emit(f"let {g.name} = gid * 4 + {lane};")
+            self.emit(f"let {g.name} = gid * {w} + {lane};")
             saved = dict(self.names)
             for v in order:
                 if v.op == "load" and v.arg[0] in self.vec_params:
@@ -692,7 +695,7 @@ class _Renderer:
             write = i < len(k.stores)
             elem = f"atomic<{t.storage}>" if write and t.pack > 1 else t.storage
             if i in self.vec_params:
-                elem = "vec4<f32>"
+                elem = f"vec{self.vw}<f32>"
             for c in range(n):
                 out.append(f"@group(0) @binding({binding}) var<storage, {'read_write' if write else 'read'}> "
                            f"{_array(i, c, n)}: array<{elem}>;")

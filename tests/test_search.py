@@ -191,4 +191,4 @@ def test_work_group_actions_reach_the_launch() -> None:
         assert two.group == 128 and "128" in src
     e = azyx.schedule((x * 2).exp()).kernels[0].kernel
     _, _, local = render_kernel(optimize.apply(e, (optimize.Opt(optimize.LOCAL, 0, 32),)), OPENCL)
-    assert local.group == 32 and dev.search_actions == {optimize.UPCAST, optimize.SWAP, optimize.BLOCK}
+    assert local.group == 32 and dev.search_actions == {optimize.UPCAST, optimize.SWAP, optimize.BLOCK, optimize.UNROLL}

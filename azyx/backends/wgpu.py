@@ -239,7 +239,8 @@ class WgpuDevice(Device):
         self.timeline.wait_sync(self.copy_from_host(data, buf, [], host))
 
     # ------------------------------------------------------------------ compile
-    search_actions = frozenset({optimize.LOCAL, optimize.GROUP})  # (WGSL: no register tiles)
+    # (WGSL: no register tiles; vectors in elementwise kernels, wgsl.WGSL_VEC)
+    search_actions = frozenset({optimize.LOCAL, optimize.GROUP, optimize.UNROLL, optimize.VECTOR})
 
     def identity(self) -> dict[str, Any]:
         info = self.adapter.info
