@@ -152,9 +152,10 @@ def new_graph(device: str, copies: int = 1) -> tuple[list[Tensor], np.ndarray]:
 
 
 def wrapper(tmp_path: Path, name: str, body: str) -> str:
-    """An executable compiler wrapper script; each run appends a line to its log (`<script>.log`)."""
+    """An executable compiler wrapper script; each compile (a run with an output file, `-o`) appends a line to its log
+    (`<script>.log`); a probe of what the compiler targets (`-dM -E`, as the C device makes one) is no compile."""
     path = tmp_path / name
-    path.write_text(f"#!/bin/sh\necho run >> '{path}.log'\n{body}\n")
+    path.write_text(f"#!/bin/sh\ncase \" $* \" in *' -o '*) echo run >> '{path}.log';; esac\n{body}\n")
     path.chmod(0o755)
     return str(path)
 
