@@ -1308,9 +1308,10 @@ class Tensor:
 
     # ---------------------------------------------------------------- rebinding
     def assign(self, other: Any) -> Tensor:
-        """Rebind this handle to `other` (same shape, dtype and device); returns self. Lazy and functional: the
-        old value is not overwritten, other handles to it keep it, and it is freed when nothing needs it. This is how
-        an optimiser step updates parameters in place of the model's handles.
+        """Rebind this handle to `other` (same shape and dtype; the same device where this handle's device was
+        asked for, else it goes where `other` is, as automatically placed tensors do); returns self. Lazy and
+        functional: the old value is not overwritten, other handles to it keep it, and it is freed when nothing needs
+        it. This is how an optimiser step updates parameters in place of the model's handles.
 
         >>> w = Tensor([1.0, 2.0])
         >>> w.assign(w * 2 + 1).numpy_sync().tolist()
@@ -1324,7 +1325,7 @@ class Tensor:
             raise ShapeError(f"assign of a tensor of shape {o.shape} to one of shape {n.shape}")
         if o.dtype is not n.dtype:
             raise DTypeError(f"assign of a {o.dtype.name} tensor to a {n.dtype.name} one; cast it first")
-        if o.device != n.device:
+        if o.device != n.device and n.pinned:  # (a handle placed automatically goes where its new value is)
             raise DeviceError(f"assign of a tensor on {o.device} to one on {n.device}; move it with .to() first")
         self._rebind(other)
         return self

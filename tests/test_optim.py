@@ -140,6 +140,23 @@ def test_assign_rebinds_the_handle_with_checks(device: str) -> None:
     np.testing.assert_array_equal(w.numpy_sync(), [5.0, 6.0])  # a refused assign leaves the handle as it was
 
 
+def test_assign_moves_an_automatically_placed_handle_to_its_new_value(device: str) -> None:
+    """A parameter made without a device (AUTO) and data placed on `device`: the update is computed where the data
+    is, and the parameter's handle goes there (a pinned handle refuses instead, above)."""
+    w0 = np.array([[0.5, -1.0], [2.0, 0.25]], np.float32)
+    xs = np.array([[1.0, 2.0], [3.0, -1.0]], np.float32)
+    w = Tensor(w0)
+    w.realize_sync()
+    x = Tensor(xs, device=device)
+    opt = optim.SGD([w], lr=0.1)
+    with azyx.GradientTape() as tape:
+        loss = (x @ w).sum()
+    opt.step(tape.gradient(loss, [w]))
+    grad = xs.sum(axis=0)[:, None] * np.ones((1, 2), np.float32)  # d sum(x @ w) / dw
+    np.testing.assert_allclose(w.numpy_sync(), w0 - 0.1 * grad, rtol=1e-6)
+    assert w.device == device
+
+
 # ---- a training loop: one plan per step, a flat graph, flat memory ------------------------------------------------
 class MLP(nn.Module):
     def __init__(self, sizes: list[int], device: str | None) -> None:
