@@ -250,7 +250,7 @@ class Tensor:
     async def item(self) -> Scalar:
         if self.numel() != 1:
             raise ShapeError(f"item() needs exactly one element, the tensor has shape {self.shape}")
-        return (await self.numpy()).reshape(()).item()
+        return (await _read(self)).reshape(()).item()
 
     async def tolist(self) -> Any:
         return (await self.numpy()).tolist()
