@@ -60,21 +60,27 @@ def child(device: str, n: int, level: str, repeats: int, phase: str) -> dict[str
     a, b = Tensor(a_np, device=device).realize_sync(), Tensor(b_np, device=device).realize_sync()
     flops = 2.0 * n ** 3
     out: dict[str, Any] = {"device": device, "n": n}
+    step = _stepper(f"{phase} process, {device} n={n}")
+    step("first realize")
     t0 = time.perf_counter()
     got = (a @ b).numpy_sync()
     out["first_s"] = time.perf_counter() - t0  # plan, compile (and, with search on, search or a cache hit)
     ref = a_np.astype(np.float64) @ b_np.astype(np.float64)
     out["error"] = float(np.abs(got - ref).max() / np.abs(ref).max())
     if phase == "search":
+        step("search off")
         out["off"] = flops / _steady(lambda: (a @ b).realize_sync(), repeats) / 1e9
+        step("tune")
         t0 = time.perf_counter()
         found = azyx.tune_sync(a @ b, level=level)
         out["tune_s"] = time.perf_counter() - t0
         out["kernels"] = [{"seconds": r.seconds, "tried": r.tried, "rejected": r.rejected, "speedup": r.speedup,
                            "winner": repr(list(r.winner)), "heuristic": repr(list(r.heuristic))} for r in found]
+        step("search on")
         got = (a @ b).numpy_sync()
         out["error_on"] = float(np.abs(got - ref).max() / np.abs(ref).max())
         out["on"] = flops / _steady(lambda: (a @ b).realize_sync(), repeats) / 1e9
+        step("peers")
         out["numpy"] = flops / _steady(lambda: a_np @ b_np, repeats) / 1e9
         try:
             import torch
@@ -84,9 +90,20 @@ def child(device: str, n: int, level: str, repeats: int, phase: str) -> dict[str
         except ImportError:
             out["torch"] = None
     else:
+        step("cached winner")
         out["on"] = flops / _steady(lambda: (a @ b).realize_sync(), repeats) / 1e9
     out["searches"] = search.searches
+    step("done")
     return out
+
+
+def _stepper(what: str) -> Any:
+    """Prints each stage a child process enters, with the seconds since it started (stderr: where a hang was)."""
+    t0 = time.perf_counter()
+
+    def step(stage: str) -> None:
+        print(f"search bench: {what}: {stage} at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return step
 
 
 def measure(device: str, n: int, level: str, budget_s: float, repeats: int) -> dict[str, Any]:
@@ -97,10 +114,12 @@ def measure(device: str, n: int, level: str, budget_s: float, repeats: int) -> d
         runs = []
         for phase, search_env in (("search", "off"), ("hit", level)):
             cmd = [sys.executable, __file__, "--child", device, str(n), level, str(repeats), phase]
-            proc = subprocess.run(cmd, env={**env, "AZYX_SEARCH": search_env}, capture_output=True, text=True,
+            # (its stderr is this process's: what it printed, or the stacks a hang's SIGABRT dumps, stays visible)
+            proc = subprocess.run(cmd, env={**env, "AZYX_SEARCH": search_env}, stdout=subprocess.PIPE, text=True,
                                   timeout=1800)
             if proc.returncode != 0:
-                raise RuntimeError(f"{phase} process for {device} {n} failed:\n{proc.stderr[-2000:]}")
+                raise RuntimeError(f"{phase} process for {device} {n} failed (exit {proc.returncode}; its stderr "
+                                   f"above)")
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first, hit = runs
     first.update(hit_searches=hit["searches"], hit_first_s=hit["first_s"], hit_on=hit["on"], hit_error=hit["error"])
