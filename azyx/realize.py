@@ -36,10 +36,10 @@ class Handle(Protocol):
     id: int
 # a graph heavier than this is planned on a worker thread: planning costs ~70 us a node and ~0.5 ms more a reduce
 INLINE_PLAN_WEIGHT, REDUCE_WEIGHT = 16, 8
-# seconds of realizes' work in a row on a crowded loop (a quarter of a 1 ms tick: the crowd's graph building, which no
-# realize can pace, comes on top; against half a tick, 200 requests on c:0 (AMD EPYC) left a 1 ms timer late by 1.45-1.63
-# ms at the median of 15 runs instead of 1.74-1.81 and 1.75-1.93 at worst instead of 2.55-2.80, for 3-5% more total
-# time), and how many ready handles are a crowd
+# seconds of realizes' work in a row on a crowded loop (a quarter of a 1 ms tick: the crowd's graph building, which
+# no realize can pace, comes on top; against half a tick, 200 requests on c:0 (AMD EPYC) left a 1 ms timer late by
+# 1.45-1.63 ms at the median of 15 runs instead of 1.74-1.81, and 1.75-1.93 at worst instead of 2.55-2.80, for 3-5%
+# more total time), and how many ready handles are a crowd
 BURST, CROWD = 0.25e-3, 16
 LOOP_COPY_BYTES = 1 << 20  # a host copy this large (~0.1 ms at 10 GB/s, more on a busy machine) runs on a worker
 SPIN_MAX = 1e-3  # the longest a realize queries for its work's completion on an idle loop (see wait_for)
