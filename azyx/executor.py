@@ -137,7 +137,7 @@ class UnifiedExecutor:
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
         record = RunRecord([r for b in bindings if (r := b.run) is not None and not r.clean])
-        only = self.single_device_check(plan)
+        only = self.devices[plan.devices[0]] if len(plan.devices) == 1 else None  # (single_device_check, inline)
         single = only is not None
         if only is not None:
             only.begin_batch()

@@ -196,7 +196,8 @@ class Graph:
 
     def become_leaf(self, i: TensorId, buffer: Storage, view: StridedView) -> None:
         """A realized node keeps its buffer; without a tape holding it, it forgets how it was made."""
-        n = self[i]
+        n = self.nodes[i]
+        assert n is not None, f"node {i} was released"
         n.buffer, n.view = buffer, view
         if not n.pinned and buffer.device.listed:  # AUTO placed: the tensor is where its data ended up
             n.device = buffer.device.name

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from azyx.graph import Node, StridedView
 
 T = TypeVar("T")
+_nodes = GRAPH.nodes  # (indexed directly on the hot path: Graph.__getitem__ is a Python call)
 
 
 class Handle(Protocol):
@@ -48,7 +49,7 @@ SPIN_MAX = 1e-3  # the longest a realize queries for its work's completion on an
 async def realize(*tensors: Handle) -> None:
     """Compute all `tensors` in one plan; returns when their buffers are ready."""
     plan, _, _ = await submit(tensors)
-    bufs: list[Buffer] = [GRAPH[t.id].buffer for t in tensors]  # type: ignore[misc]
+    bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
 
@@ -61,7 +62,11 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
     if _crowded():
         await _pace()
     while True:
-        targets = list(dict.fromkeys(t.id for t in tensors if GRAPH[t.id].buffer is None))
+        if len(tensors) == 1:  # (one tensor, the common case: no generator, no dict)
+            tid = tensors[0].id
+            targets = [tid] if _nodes[tid].buffer is None else []  # type: ignore[union-attr]
+        else:
+            targets = list(dict.fromkeys(t.id for t in tensors if _nodes[t.id].buffer is None))  # type: ignore[union-attr]
         if not targets:
             return None, None, []
         walk = canonicalize(GRAPH, targets)
@@ -80,7 +85,7 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
         rt.plan_cache[walk.key] = plan
         if _crowded():  # (the realizes that waited for this compile wake together)
             await _pace()
-    bindings = [GRAPH[i].buffer for i in walk.leaves]
+    bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
     try:
         outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
     except AzyxError:  # an allocation refused, a failed device: the targets stay unrealized; once what the run
@@ -277,7 +282,8 @@ def _idle_window(limit: float) -> float:
 
 async def to_numpy(t: Handle) -> np.ndarray:
     plan, _, _ = await submit((t,))  # (realize's body: one coroutine fewer per read, a crowd's many reads)
-    n = GRAPH[t.id]
+    n = _nodes[t.id]
+    assert n is not None
     bufs = [buffer_of(n)]
     if not done(bufs):
         await wait_for(bufs, plan)

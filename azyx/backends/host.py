@@ -39,10 +39,6 @@ class HostAllocator(PoolAllocator):
     def __init__(self, capacity: int, cache_limit: int, what: str = "host memory"):
         super().__init__(capacity, cache_limit, _aligned_block, what)
 
-    def alloc(self, nbytes: int) -> tuple[np.ndarray, int, int]:  # type: ignore[override]
-        (mem, ptr), size = super().alloc(nbytes)
-        return mem, ptr, size
-
 
 class NativeQueue(Protocol):
     """A queue beside the worker thread that runs some work items with no Python (a C device's runner): `put` hands
@@ -150,7 +146,7 @@ class HostDevice(Device):
         return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
-        mem, ptr, size = self.allocator.alloc(nbytes)
+        (mem, ptr), size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, ptr, True)
 
     def alloc_many(self, sizes: list[int]) -> list[Buffer]:
