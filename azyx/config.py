@@ -25,7 +25,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
           "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
                     "--param=vect-max-version-for-alias-checks=64"],
           "threads": None, "memory": None, "inline_work": 1 << 16, "compile_timeout_s": COMPILE_TIMEOUT_S},
-    "opencl": {"enabled": True, "platform_ids": [], "compile_timeout_s": COMPILE_TIMEOUT_S},
+    # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
+    "opencl": {"enabled": True, "platform_ids": [], "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     "cuda": {"enabled": True, "memory": None, "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     # off until the GLSL renderer lands; device_ids: which physical devices (indices, all when empty; one may repeat)
     "vulkan": {"enabled": True, "device_ids": [], "memory": None, "compile_timeout_s": COMPILE_TIMEOUT_S},

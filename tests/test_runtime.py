@@ -159,3 +159,38 @@ def test_a_buffer_freed_by_the_cyclic_gc_while_its_pool_is_locked_is_taken_back(
     again = dev.alloc(1 << 16)  # the block was taken back into the free lists
     assert pool.in_use == used
     del again
+
+
+@pytest.mark.skipif("opencl:0" not in azyx.devices(), reason="no OpenCL device")
+def test_opencl_poll_advances_the_timeline_without_the_waiter_thread() -> None:
+    # what a realize does on an idle loop before it sleeps: once the command's event has completed, `poll` advances
+    # the timeline on the calling thread; the waiter thread is held back here, so only `poll` can have done it
+    import threading
+
+    from azyx.realize import run_sync, submit
+    from azyx.runtime import RT
+
+    dev = RT.device("opencl:0")
+    x_np = np.arange(4096, dtype=np.float32)
+    x = Tensor(x_np, device="opencl:0").realize_sync()
+    gate = threading.Event()
+    wait_event = dev.wait_event
+
+    def held(ev: object, v: int) -> bool:
+        gate.wait(timeout=60)
+        return wait_event(ev, v)
+
+    dev.wait_event = held  # type: ignore[method-assign]
+    try:
+        y = x * 2.0 + 1.0
+        run_sync(submit((y,)))
+        v = GRAPH[y.id].buffer.ready  # type: ignore[union-attr]
+        assert not dev.poll(v + 1000), "a value never submitted is not reached"
+        for _ in range(100_000):
+            if dev.poll(v, 1e-3):
+                break
+        assert dev.timeline.value >= v and not gate.is_set()
+    finally:
+        gate.set()
+        del dev.wait_event
+    np.testing.assert_array_equal(y.numpy_sync(), x_np * 2 + 1)

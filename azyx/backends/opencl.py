@@ -2,9 +2,13 @@
 device, completion through the queue's events into the device's TimelineSignal.
 
 Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
-while it waits), then advances the timeline; nothing polls (`queued.QueuedDevice`). pyopencl's `Event.set_callback`
-was the first choice, but it starts an OS thread per callback, which costs more than the work of a small kernel and
-races the interpreter's shutdown (a callback thread acquiring the GIL of a finalizing interpreter aborts the process).
+while it waits), then advances the timeline (`queued.QueuedDevice`). A realize whose work is small asks first
+(`poll`): while the loop has nothing else to run it queries the event for about as long as the work took last time,
+and advances the timeline itself when it completed, without the waiter thread's wake-up of the loop (PoCL, AMD EPYC:
+a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129). On a CPU device the query spins on one of
+the cores the kernels run on, so it stops after `CPU_SPIN_S`. pyopencl's `Event.set_callback` was the first choice
+for completion, but it starts an OS thread per callback, which costs more than the work of a small kernel and races
+the interpreter's shutdown (a callback thread acquiring the GIL of a finalizing interpreter aborts the process).
 
 Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
 any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
@@ -14,6 +18,7 @@ wait happens in the OpenCL runtime, never on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -35,6 +40,7 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
 _CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
+CPU_SPIN_S = 100e-6  # the longest `poll` queries on a CPU device (longer work needs the core the loop would spin on)
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -73,6 +79,8 @@ class OpenCLDevice(QueuedDevice):
         if self.cl_device.type & cl.device_type.CPU:  # (PoCL) matrix products by a CPU-style template
             width = 4 * int(self.cl_device.native_vector_width_float)
             self.dialect = dataclasses.replace(OPENCL, gemm=True, simd=width if width in (16, 32, 64) else 16)
+        self.spin = float(options.get("spin_us", 20)) * 1e-6
+        self.spin_cap = CPU_SPIN_S if self.cl_device.type & cl.device_type.CPU else float("inf")
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
@@ -151,6 +159,24 @@ class OpenCLDevice(QueuedDevice):
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         self.completions.put((ev, v, None))
         return v
+
+    def poll(self, v: int, spin: float = 0.0) -> bool:
+        """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at most
+        `spin_cap`) advances the timeline here (the queue is in order: all before it is complete too); the waiter
+        thread still takes its event in turn and drops what it held. A failed command is left to the waiter thread,
+        which records the failure before the timeline moves."""
+        ev = self.events.get(v)
+        if ev is None:
+            return self.timeline.value >= v
+        status = ev.command_execution_status  # (CL_COMPLETE is 0; queued, submitted, running above; errors below)
+        if status > 0 and spin > 0:
+            deadline = time.perf_counter() + min(spin, self.spin_cap)
+            while (status := ev.command_execution_status) > 0 and time.perf_counter() < deadline:
+                pass
+        if status != 0:
+            return self.timeline.value >= v
+        self.timeline.signal(v)
+        return True
 
     def wait_event(self, ev: Any, v: int) -> bool:
         try:
