@@ -5,10 +5,11 @@ Completion: one waiter thread per device takes the events in queue order and wai
 while it waits), then advances the timeline (`queued.QueuedDevice`). A realize whose work is small asks first
 (`poll`): while the loop has nothing else to run it queries the event for about as long as the work took last time,
 and advances the timeline itself when it completed, without the waiter thread's wake-up of the loop (PoCL, AMD EPYC:
-a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129). On a CPU device the query spins on one of
-the cores the kernels run on, so it stops after `CPU_SPIN_S`. pyopencl's `Event.set_callback` was the first choice
-for completion, but it starts an OS thread per callback, which costs more than the work of a small kernel and races
-the interpreter's shutdown (a callback thread acquiring the GIL of a finalizing interpreter aborts the process).
+a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129, scalars still passed as bytes). On a CPU
+device the query spins on one of the cores the kernels run on, so it stops after `CPU_SPIN_S`. pyopencl's
+`Event.set_callback` was the first choice for completion, but it starts an OS thread per callback, which costs more
+than the work of a small kernel and races the interpreter's shutdown (a callback thread acquiring the GIL of a
+finalizing interpreter aborts the process).
 
 Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
 any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
@@ -18,6 +19,7 @@ wait happens in the OpenCL runtime, never on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +32,7 @@ from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import OPENCL
 from azyx.device import Buffer, Device, kernel_list
-from azyx.dtypes import scalar_size
+from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
 
@@ -40,6 +42,15 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
 _CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a scalar argument's bits, by its size
+
+
+@functools.cache
+def _masks(dts: tuple[DType, ...]) -> tuple[int, ...]:
+    """The low bits of each scalar's word that its argument takes (as many as its size)."""
+    return tuple((1 << 8 * scalar_size(d)) - 1 for d in dts)
+
+
 CPU_SPIN_S = 100e-6  # the longest `poll` queries on a CPU device (longer work needs the core the loop would spin on)
 
 
@@ -132,7 +143,14 @@ class OpenCLDevice(QueuedDevice):
         except cl.Error as e:
             raise CompileError(f"{self.name}: OpenCL build of {kernel_list(names)} failed:\n{e}\n--- source ---\n"
                                f"{src}") from None
-        return {name: cl.Kernel(program, name) for name in names}
+        out = {}
+        for s in steps:
+            knl = cl.Kernel(program, s.name)
+            # scalars by value, each as the unsigned integer of its size that holds its bits (the low bytes of its
+            # word): pyopencl then packs them itself, in about a microsecond; as raw bytes its generic path took ~30
+            knl.set_scalar_arg_dtypes([None] * len(s.args) + [_UINTS[scalar_size(dt)] for dt in s.scalar_dtypes])
+            out[s.name] = knl
+        return out
 
     def _wait_events(self, waits: list[tuple[Device, int]]) -> list[Any]:
         """Translate (device, value) waits into OpenCL events the queue can wait on."""
@@ -193,9 +211,8 @@ class OpenCLDevice(QueuedDevice):
         knl = self.programs[step.name]  # a cl.Kernel
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
         mems: list[Any] = [b.mem for b in bufs]
-        if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has
-            sizes = [scalar_size(dt) for dt in step.scalar_dtypes]
-            mems += [w.to_bytes(8, "little")[:n] for w, n in zip(words, sizes)]
+        if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has (`build`)
+            mems += [w & m for w, m in zip(words, _masks(step.scalar_dtypes))]
 
         def enqueue(wait_for: list[Any] | None) -> Any:
             knl.set_args(*mems)
