@@ -29,7 +29,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "opencl": {"enabled": True, "platform_ids": [], "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     "cuda": {"enabled": True, "memory": None, "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
     # off until the GLSL renderer lands; device_ids: which physical devices (indices, all when empty; one may repeat)
-    "vulkan": {"enabled": True, "device_ids": [], "memory": None, "compile_timeout_s": COMPILE_TIMEOUT_S},
+    "vulkan": {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20,
+               "compile_timeout_s": COMPILE_TIMEOUT_S},
     # backends: wgpu's backend types to use (default: the real drivers, Vulkan, Metal, D3D12; name "OpenGL" to allow
     # its fallback); power_preference orders adapters: "high-performance" (discrete first) or "low-power"; features:
     # the adapter features kernels may use (None: every one azyx knows that the adapter has: shader-f64, shader-int64)

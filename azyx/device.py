@@ -120,6 +120,9 @@ def buffer_of(n: Node) -> Buffer:
     return b
 
 
+# the longest a query for completion spins on a device whose kernels run on this machine's CPU (PoCL, lavapipe): the
+# loop would spin on a core the kernels need
+CPU_SPIN_S = 100e-6
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
@@ -141,6 +144,7 @@ class Device:
     listed = True  # a compute device that azyx.devices() lists
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
+    spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
 

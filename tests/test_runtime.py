@@ -161,18 +161,21 @@ def test_a_buffer_freed_by_the_cyclic_gc_while_its_pool_is_locked_is_taken_back(
     del again
 
 
-@pytest.mark.skipif("opencl:0" not in azyx.devices(), reason="no OpenCL device")
-def test_opencl_poll_advances_the_timeline_without_the_waiter_thread() -> None:
-    # what a realize does on an idle loop before it sleeps: once the command's event has completed, `poll` advances
-    # the timeline on the calling thread; the waiter thread is held back here, so only `poll` can have done it
+@pytest.mark.parametrize("device", ["opencl:0", "vulkan:0"])
+def test_poll_advances_the_timeline_without_the_waiter_thread(device: str) -> None:
+    # what a realize does on an idle loop before it sleeps: once the command has completed (its OpenCL event, the
+    # Vulkan timeline semaphore), `poll` advances the timeline on the calling thread; the waiter thread is held back
+    # here, so only `poll` can have done it
     import threading
 
     from azyx.realize import run_sync, submit
     from azyx.runtime import RT
 
-    dev = RT.device("opencl:0")
+    if device not in azyx.devices():
+        pytest.skip(f"no {device}")
+    dev = RT.device(device)
     x_np = np.arange(4096, dtype=np.float32)
-    x = Tensor(x_np, device="opencl:0").realize_sync()
+    x = Tensor(x_np, device=device).realize_sync()
     gate = threading.Event()
     wait_event = dev.wait_event
 

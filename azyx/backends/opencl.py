@@ -31,7 +31,7 @@ from azyx import debug, gemm_host
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import OPENCL
-from azyx.device import Buffer, Device, kernel_list
+from azyx.device import CPU_SPIN_S, Buffer, Device, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
@@ -51,7 +51,6 @@ def _masks(dts: tuple[DType, ...]) -> tuple[int, ...]:
     return tuple((1 << 8 * scalar_size(d)) - 1 for d in dts)
 
 
-CPU_SPIN_S = 100e-6  # the longest `poll` queries on a CPU device (longer work needs the core the loop would spin on)
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -91,7 +90,8 @@ class OpenCLDevice(QueuedDevice):
             width = 4 * int(self.cl_device.native_vector_width_float)
             self.dialect = dataclasses.replace(OPENCL, gemm=True, simd=width if width in (16, 32, 64) else 16)
         self.spin = float(options.get("spin_us", 20)) * 1e-6
-        self.spin_cap = CPU_SPIN_S if self.cl_device.type & cl.device_type.CPU else float("inf")
+        if self.cl_device.type & cl.device_type.CPU:
+            self.spin_cap = CPU_SPIN_S
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
@@ -181,10 +181,10 @@ class OpenCLDevice(QueuedDevice):
         return v
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
-        """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at most
-        `spin_cap`) advances the timeline here (the queue is in order: all before it is complete too); the waiter
-        thread still takes its event in turn and drops what it held. A failed command is left to the waiter thread,
-        which records the failure before the timeline moves."""
+        """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at
+        most `spin_cap`) advances the timeline here (the queue is in order: all before it is
+        complete too); the waiter thread still takes its event in turn and drops what it held. A failed command is
+        left to the waiter thread, which records the failure before the timeline moves."""
         ev = self.events.get(v)
         if ev is None:
             return self.timeline.value >= v

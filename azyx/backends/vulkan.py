@@ -49,6 +49,7 @@ from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import GLSL, Dialect
 from azyx.device import (
+    CPU_SPIN_S,
     BatchState,
     Buffer,
     Device,
@@ -399,6 +400,9 @@ class VulkanDevice(QueuedDevice):
                                        functools.partial(self._create, device_type, self.mapped), self.name)
         self.staging = PoolAllocator(1 << 40, 1 << 40, functools.partial(self._create, staging_type, True),
                                      f"{self.name} staging")
+        self.spin = float(options.get("spin_us", 20)) * 1e-6
+        if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+            self.spin_cap = CPU_SPIN_S
         self.compute = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: 10.0, vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: 200.0,
                         vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: 2000.0}.get(dtype, 50.0)  # rough GFLOP/s
         self.sem = self._semaphore()  # the timeline: submission v signals v
@@ -830,13 +834,20 @@ class VulkanDevice(QueuedDevice):
         super().completed(v, post)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
-        """The semaphore's counter read at once (never past a value whose host copy has yet to run)."""
+        """The semaphore's counter, read at once or for up to `spin` seconds (at most `spin_cap`: lavapipe's kernels
+        run on the cores the loop would spin on), never past a value whose host copy has yet to run."""
         if self.timeline.value >= v:
             return True
         if (self.posts and self.posts[0] <= v) or self.closed:
             return False
-        if vk.vkGetSemaphoreCounterValue(self.vkdev, self.sem) < v:
-            return False
+        counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
+        if counter(vkdev, sem) < v:
+            if spin <= 0:
+                return False
+            deadline = time.perf_counter() + min(spin, self.spin_cap)
+            while counter(vkdev, sem) < v:
+                if time.perf_counter() > deadline:
+                    return False
         self.timeline.signal(v)
         return True
 
