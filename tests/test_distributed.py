@@ -145,11 +145,23 @@ async def test_data_parallel_training_over_two_hosts_equals_one(cluster: Cluster
         np.testing.assert_allclose(await h.call(params, tr).numpy(), want, rtol=1e-4, atol=1e-5)
 
 
+async def _dead(actor: Any) -> None:
+    """Return once `actor`'s death is seen: ray.kill only asks the cluster to kill it, and a call made before the
+    kill lands still runs (a realize right after ray.kill may find the host alive and compute)."""
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                await actor.describe.remote()
+            except ray.exceptions.RayActorError:
+                return
+
+
 async def test_a_dead_host_fails_what_needs_it_and_the_other_works_on(ray_cluster: None) -> None:
     c = await Cluster.start(hosts=2)
     a, b = c.hosts
     ta, tb = await a.tensor(np.ones(3, np.float32)), await b.tensor(np.ones(3, np.float32))
     ray.kill(b.actor)
+    await _dead(b.actor)
     with pytest.raises(RemoteError, match="host 1"):
         await (ta + tb).numpy()  # (b holds tb)
     with pytest.raises(RemoteError, match="host 1"):
