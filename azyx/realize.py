@@ -35,8 +35,10 @@ class Handle(Protocol):
     """What the async path needs of a tensor: the id of its node in the graph (tensor.py, above, is the API)."""
 
     id: int
-# a graph heavier than this is planned on a worker thread: planning costs ~70 us a node and ~0.5 ms more a reduce
-INLINE_PLAN_WEIGHT, REDUCE_WEIGHT = 16, 8
+# a graph heavier than this is planned on a worker thread: planning costs ~150 us plus ~30 us a node, more for a large
+# tensor's graph, and ~0.5 ms more a reduce (AMD EPYC: 8 elementwise nodes 0.33 ms; 13 nodes of a 64M-element graph
+# took ~1 ms on the loop at a weight of 16; hosts of slower cores take twice that)
+INLINE_PLAN_WEIGHT, REDUCE_WEIGHT = 8, 8
 # seconds of realizes' work in a row on a crowded loop (a quarter of a 1 ms tick: the crowd's graph building, which
 # no realize can pace, comes on top; against half a tick, 200 requests on c:0 (AMD EPYC) left a 1 ms timer late by
 # 1.45-1.63 ms at the median of 15 runs instead of 1.74-1.81, and 1.75-1.93 at worst instead of 2.55-2.80, for 3-5%
