@@ -170,6 +170,10 @@ static void* azyx_helper(void* arg) {
   long me = ((azyx_helper_arg*)arg)->id;
   int seen = __atomic_load_n(&p->epoch, __ATOMIC_ACQUIRE);
   for (;;) {
+    /* stop is read after `seen`: a stop made before that read is seen here, one made after it changes the epoch (a
+       helper that starts late, once azyx_run has returned and the pool is being freed, would otherwise wait for an
+       epoch that never changes again, and azyx_pool_free's join with it) */
+    if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
     azyx_wait_change(&p->epoch, seen, 1000000L, &p->sleepers);  /* between batches */
     seen = __atomic_load_n(&p->epoch, __ATOMIC_ACQUIRE);
     if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
