@@ -76,6 +76,9 @@ def test_bench_script_runs_in_quick_mode(script: str, tmp_path: Path) -> None:
         _abort_group(proc.pid)
         try:
             stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired as e:  # still not gone: what it printed up to now
+            stdout, stderr = (b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+                              for b in (e.stdout, e.stderr))
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
