@@ -166,10 +166,12 @@ def runs_of(script: str) -> int:
 
 
 @pytest.fixture
-def c_device() -> Any:
-    """c:0 with its compiler settings restored after the test."""
+async def c_device() -> Any:
+    """c:0 with its compiler settings restored after the test. Something has been compiled on it first: the C runtime
+    is built once, by a process's first compile, so a compiler the test swaps in compiles kernels alone."""
     dev = RT.device("c:0")
     saved = dev.compiler, dev.compile_timeout_s  # type: ignore[attr-defined]
+    await (Tensor(np.ones(3, np.float32), device="c:0") * 2).realize()
     yield dev
     dev.compiler, dev.compile_timeout_s = saved  # type: ignore[attr-defined]
 

@@ -1,8 +1,8 @@
 """The C backend: kernels rendered to C99, compiled by the system compiler as an async subprocess, loaded
 with ctypes and launched on the device's worker thread.
 
-The kernels a plan runs back to back on the device are one batch: one work item, one call into C (`azyx_run`, built
-into every kernel library), the GIL released for all of it. A batch whose turn has come when it is submitted (all
+The kernels a plan runs back to back on the device are one batch: one work item, one call into C (`azyx_run`, in the C
+runtime's library), the GIL released for all of it. A batch whose turn has come when it is submitted (all
 before it on the device's queue done or queued in C, its waits met) goes to the device's runner, a C thread that runs
 queued batches in order with no Python, so it starts even while the submitting thread holds the GIL (building the next
 step's graph); a thread that waits in C with the GIL released advances the timeline as they complete (`_Runner`).
@@ -46,16 +46,59 @@ from azyx.timeline import TimelineSignal
 # kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
 _PROGRAMS: dict[str, tuple[int, int]] = {}
 _LIBS: list[ctypes.CDLL] = []
-_RUNTIME_LIB: list[ctypes.CDLL] = []  # the first library loaded: its azyx_run and pool (every library has them)
+_RUNTIME_LIB: list[ctypes.CDLL] = []  # the C runtime's library (`_load_runtime`): azyx_run, the pools, the runner
+_RUNTIME_LOCK = threading.Lock()
 
 
 @functools.cache
 def _runtime() -> str:
-    """The C runtime every kernel library carries (c_runtime.c, package data), read at the first compile rather than
-    at import: importlib.resources alone takes milliseconds to import."""
+    """The C runtime's source (c_runtime.c, package data), read at the first compile rather than at import:
+    importlib.resources alone takes milliseconds to import."""
     from importlib.resources import files
 
     return files("azyx.backends").joinpath("c_runtime.c").read_text()
+
+
+def _compiled(src: str, compiler: str, flags: list[str], what: str, timeout_s: float) -> ctypes.CDLL:
+    """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `device.run_compiler`), or
+    found in the on-disk cache under the hash of both; loaded."""
+    src = "#define _GNU_SOURCE\n" + src  # (the runtime's sched_getcpu)
+    flags = [*flags, "-shared", "-fPIC", "-std=gnu11"]
+    key = hashlib.sha256((src + "\0" + compiler + " ".join(flags)).encode()).hexdigest()[:24]
+
+    def build(tmp_lib: Path) -> None:
+        c_path = tmp_lib.with_suffix(".c")  # the compiler's input, as private as its output
+        try:
+            c_path.write_text(src)
+            run_compiler([compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], what, timeout_s, src)
+        finally:
+            c_path.unlink(missing_ok=True)
+
+    return ctypes.CDLL(str(cached_build("c", key, ".so", build)))
+
+
+def _load_runtime(device: str, compiler: str, flags: list[str], timeout_s: float) -> None:
+    """The C runtime (c_runtime.c) as a library of its own, built once by the first C device to compile (with its
+    compiler and flags; cached on disk like a kernel library) and loaded: a kernel library holds its kernels alone, so
+    a compile no longer pays ~0.1 s for the runtime each time (the runtime calls kernels through pointers only)."""
+    with _RUNTIME_LOCK:
+        if _RUNTIME_LIB:
+            return
+        lib = _compiled(_runtime(), compiler, flags, f"{device}: {compiler} compiling the C runtime", timeout_s)
+        lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_char_p, ctypes.c_void_p]
+        lib.azyx_run.restype = None
+        lib.azyx_pool_new.argtypes = [ctypes.c_int]
+        lib.azyx_pool_new.restype = ctypes.c_void_p
+        lib.azyx_pool_free.argtypes = [ctypes.c_void_p]
+        lib.azyx_pool_free.restype = None
+        lib.azyx_submit.argtypes = lib.azyx_run.argtypes
+        lib.azyx_submit.restype = None
+        lib.azyx_wait_done.argtypes = [ctypes.c_void_p, ctypes.c_long]
+        lib.azyx_wait_done.restype = ctypes.c_long
+        lib.azyx_runner_stop.argtypes = [ctypes.c_void_p]
+        lib.azyx_runner_stop.restype = None
+        _RUNTIME_LIB.append(lib)
 
 
 def _entries(arity: dict[str, int], kinds: dict[str, int], scalars: dict[str, list[str]]) -> str:
@@ -157,44 +200,16 @@ class CDevice(HostDevice):
                 "threads": self.threads, "gemm": gemm_host.VERSION, "bf16_dot": self.dialect.bf16_dot}
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
-        """The library of `src`, each kernel with its `name_argv` entry and the C runtime (built into every library),
-        compiled by the system compiler (killed at compile_timeout_s: `device.run_compiler`) or found in the on-disk
-        cache, then loaded: per kernel its entry's address and parallel kind."""
+        """The library of `src`, each kernel with its `name_argv` entry, compiled by the system compiler (killed at
+        compile_timeout_s: `device.run_compiler`) or found in the on-disk cache, then loaded: per kernel its entry's
+        address and parallel kind. The C runtime that calls the entries is a library of its own (`_load_runtime`)."""
         arity = {s.name: len(s.args) for s in steps}
         kinds = {s.name: s.launch.parallel for s in steps}
         scalars = {s.name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for s in steps}
-        # _GNU_SOURCE: the runtime's sched_getcpu
-        src = "#define _GNU_SOURCE\n" + src + "\n" + _entries(arity, kinds, scalars) + "\n" + _runtime()
-        flags = [*self.flags, "-shared", "-fPIC", "-std=gnu11"]
-        key = hashlib.sha256((src + "\0" + self.compiler + " ".join(flags)).encode()).hexdigest()[:24]
-
-        def build(tmp_lib: Path) -> None:
-            c_path = tmp_lib.with_suffix(".c")  # the compiler's input, as private as its output
-            try:
-                c_path.write_text(src)
-                what = f"{self.name}: {self.compiler} compiling {kernel_list(list(arity))}"
-                run_compiler([self.compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], what,
-                             self.compile_timeout_s, src)
-            finally:
-                c_path.unlink(missing_ok=True)
-
-        lib = ctypes.CDLL(str(cached_build("c", key, ".so", build)))
+        _load_runtime(self.name, self.compiler, self.flags, self.compile_timeout_s)
+        lib = _compiled(src + "\n" + _entries(arity, kinds, scalars), self.compiler, self.flags,
+                        f"{self.name}: {self.compiler} compiling {kernel_list(list(arity))}", self.compile_timeout_s)
         _LIBS.append(lib)
-        if not _RUNTIME_LIB:
-            lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_char_p, ctypes.c_void_p]
-            lib.azyx_run.restype = None
-            lib.azyx_pool_new.argtypes = [ctypes.c_int]
-            lib.azyx_pool_new.restype = ctypes.c_void_p
-            lib.azyx_pool_free.argtypes = [ctypes.c_void_p]
-            lib.azyx_pool_free.restype = None
-            lib.azyx_submit.argtypes = lib.azyx_run.argtypes
-            lib.azyx_submit.restype = None
-            lib.azyx_wait_done.argtypes = [ctypes.c_void_p, ctypes.c_long]
-            lib.azyx_wait_done.restype = ctypes.c_long
-            lib.azyx_runner_stop.argtypes = [ctypes.c_void_p]
-            lib.azyx_runner_stop.restype = None
-            _RUNTIME_LIB.append(lib)
         return {name: (ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0, kinds[name])
                 for name in arity}
 

@@ -1,9 +1,9 @@
 /* The C backend's runtime (azyx/backends/c.py): the pool of helper threads that share a kernel's loop, the runner
    thread that runs submitted batches in order with no Python, and the entry points c.py calls through ctypes
    (azyx_run, azyx_submit, azyx_wait_done, azyx_runner_stop, azyx_pool_new, azyx_pool_free).
-   Not compiled on its own: c.py appends this file's text to every kernel library's source (which starts with
-   #define _GNU_SOURCE, for sched_getcpu, and holds the kernels and their name_argv entries) and gcc builds the whole
-   as one shared library; the text is part of the library's disk-cache key. Shipped as package data. */
+   c.py builds it once as a shared library of its own (after #define _GNU_SOURCE, for sched_getcpu), with the first C
+   device's compiler and flags, cached on disk under the hash of its text; kernel libraries hold only the kernels and
+   their name_argv entries, which this runtime calls through pointers. Shipped as package data. */
 
 #include <pthread.h>
 #include <sched.h>
