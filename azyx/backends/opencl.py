@@ -112,9 +112,9 @@ class OpenCLDevice(QueuedDevice):
         return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
-        # completed commands' buffers go back to the pool first (this request may reuse one): those the waiter thread
-        # has handled, and those of commands the timeline is past, which `poll` may have seen complete before it
-        if self.finished or (self.holding and next(iter(self.holding)) <= self.timeline.value):
+        # completed commands' buffers go back to the pool first (this request may reuse one): those of commands the
+        # timeline is past, which `poll` may have seen complete before the waiter thread did
+        if self.holding and next(iter(self.holding)) <= self.timeline.value:
             self.collect()
         mem, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, 0, True)

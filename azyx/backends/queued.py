@@ -1,8 +1,12 @@
 """What the devices of an API with an in-order queue and completion events (CUDA, OpenCL) share: each command's event
 by its timeline value, what the command holds (buffers, host arrays) until it completes, and one waiter thread per
 device that waits on the events in queue order (the GIL released while it waits) and advances the device's
-TimelineSignal; nothing polls. The waiter thread only moves a completed command's holdings to `finished`: a
-submitting thread drops them, outside the lock (`_take_done`), so buffers go back to their pools there.
+TimelineSignal; nothing polls. The waiter thread drops a completed command's holdings (outside the lock) before it
+advances the timeline, so its buffers are back in their pools by the time anyone sees the value: a steady plan gets
+the same blocks each run, and a crowd's hundreds of completions are given back one by one as they come, not by the
+next submitting call (200 requests' holdings dropped at once took 0.3-0.6 ms of one realize on the loop of an H200's
+host). Commands whose completion `poll` saw before the waiter thread did are dropped by a submitting thread
+(`_take_done`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ class QueuedDevice(Device):
         self.submitted = 0
         self.events: dict[int, Any] = {}  # timeline value -> the event completing it (dropped once the waiter is past)
         self.holding: dict[int, Any] = {}  # what queued commands use, by value, held until they complete
-        self.finished: list[Any] = []  # what completed commands held, for a submitting thread to drop
         self.waited = 0  # the last value whose completion the waiter thread handled
         self.posts: collections.deque[int] = collections.deque()  # values whose host-side `post` has not run yet
         # enqueues come from the loop and from other devices' threads; re-entrant: CUDA holds it through a batch
@@ -57,12 +60,13 @@ class QueuedDevice(Device):
     def retire(self, v: int, ev: Any) -> None:
         """Under the lock: the waiter thread is past `ev`, the event of value `v` (CUDA recycles it)."""
 
-    def completed(self, v: int, post: Callable[[], None] | None) -> None:
-        """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran)."""
+    def completed(self, v: int, post: Callable[[], None] | None) -> Any:
+        """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
+        it held, for the waiter thread to drop outside the lock."""
         if post is not None:  # (a subclass appends `v` to `posts` as it submits a command with a `post`)
             self.posts.popleft()
-        self.finished.append(self.holding.pop(v, None))
         self.waited = v
+        return self.holding.pop(v, None)
 
     # shared
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
@@ -85,16 +89,17 @@ class QueuedDevice(Device):
                 except BaseException as e:
                     self.record_failure(v, e)
             with self.lock:
-                self.completed(v, post)
-            del ev, item, post
+                held = self.completed(v, post)
+            del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
             self.timeline.signal(v)
 
     def _take_done(self) -> list[Any]:
-        """Under the lock: what completed commands held (the queue is in order: all up to the timeline's value is
-        complete, even where the waiter thread has yet to handle it), for the caller to drop outside the lock; the
-        events the waiter thread is past are retired. Both tables are in the order of their values."""
+        """Under the lock: what completed commands held that the waiter thread has not dropped (the queue is in
+        order: all up to the timeline's value is complete, even where `poll` saw it first), for the caller to drop
+        outside the lock; the events the waiter thread is past are retired. Both tables are in the order of their
+        values."""
         reached = self.timeline.value
-        done, self.finished = self.finished, []
+        done = []
         holding, events = self.holding, self.events
         while holding and (k := next(iter(holding))) <= reached:
             done.append(holding.pop(k))

@@ -541,9 +541,9 @@ class VulkanDevice(QueuedDevice):
         if nbytes > self.max_allocation:
             raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one allocation may be on "
                                   f"{self.label} (maxMemoryAllocationSize = {self.max_allocation} bytes)")
-        # completed commands' buffers go back to the pool first (those the waiter thread handled, and those whose
-        # value the timeline reached before it did: `collect` looks under the lock): this request may reuse one
-        if self.finished or self.holding:
+        # completed commands' buffers go back to the pool first (those whose value the timeline reached before the
+        # waiter thread saw it complete: `collect` looks under the lock): this request may reuse one
+        if self.holding:
             self.collect()
         block, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, block, block.ptr, True)
@@ -827,11 +827,11 @@ class VulkanDevice(QueuedDevice):
                 self.fail(cause)
                 return False
 
-    def completed(self, v: int, post: Callable[[], None] | None) -> None:
+    def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         cmd = self.commands.pop(v, None)
         if cmd is not None:
             self.spare.append(cmd)
-        super().completed(v, post)
+        return super().completed(v, post)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """The semaphore's counter, read at once or for up to `spin` seconds (at most `spin_cap`: lavapipe's kernels
