@@ -6,6 +6,8 @@ AZYX_TEST_DEVICES=cuda:0."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from runtime_state import settle
@@ -105,6 +107,33 @@ async def test_a_steady_plan_replays_as_a_cuda_graph() -> None:
         ref = ((e / e.sum(axis=-1, keepdims=True)) @ xn.T).sum(axis=0)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     assert any(not isinstance(g, int) for g in dev.graph_cache.graphs.values())  # type: ignore[attr-defined]
+
+
+async def test_driver_calls_hold_the_gil_on_the_loop_and_let_it_go_elsewhere() -> None:
+    """The launch path's ctypes calls keep the GIL on the loop's thread (hundreds a step); on any other thread they let
+    it go (there a call may block on the driver's lock while another thread pins memory)."""
+    hot = RT.device("cuda:0").hot
+    assert hot.here() is hot
+    off_loop = await asyncio.to_thread(hot.here)
+    assert off_loop is hot.releasing and off_loop is not hot
+
+
+async def test_small_copies_with_no_pinned_block_cached_pin_off_the_loop() -> None:
+    """A small upload and a small read find the staging pool empty: the block is pinned on the submitter thread (a
+    fresh pin takes milliseconds), and the data arrives whole."""
+    from azyx.backends.cuda_driver import cu
+
+    dev = RT.device("cuda:0")
+    await settle()
+    for block in dev.staging.take_cached():
+        cu.cuMemFreeHost(block.ptr)
+    xn = rng.standard_normal(1000).astype(np.float32)
+    t = await Tensor(xn, device="cuda:0").realize()
+    for block in dev.staging.take_cached():
+        cu.cuMemFreeHost(block.ptr)
+    np.testing.assert_array_equal(await (t * 3).numpy(), xn * 3)
+    assert dev.staging.usage().cached > 0  # (the read's block, pinned on the submitter, is kept for the next)
+    np.testing.assert_array_equal(await (t - 1).numpy(), xn - 1)
 
 
 def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> None:

@@ -268,7 +268,7 @@ class CUDADevice(StagedCopies):
     def _event(self) -> Any:
         ev = self.free_events.pop() if self.free_events else check(
             cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        if err := self.hot.event_record(int(ev), self.stream_h):
+        if err := self.hot.here().event_record(int(ev), self.stream_h):  # (on the loop, or the submitter thread)
             self.hot.fail(err, "cuEventRecord")
         return ev
 
@@ -410,9 +410,9 @@ class CUDADevice(StagedCopies):
 
     def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...], hold_gil: bool = True) -> None:
         grid, block, zero = dims.grid, dims.group, dims.zero
-        hot = self.hot
+        hot = self.hot if hold_gil else self.hot.releasing
         if zero and (err := hot.memset_d32(ptrs[0], 0, zero // 4, self.stream_h)):
-            self.hot.fail(err, "cuMemsetD32Async")
+            hot.fail(err, "cuMemsetD32Async")
         # kernelParams: one pointer per argument, to where its value (a device pointer) is. `array`s, not ctypes
         # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch). The driver
         # copies them at launch, so the pair is kept for the next launch with these pointers (a steady plan's)
@@ -423,8 +423,7 @@ class CUDADevice(StagedCopies):
             if len(self.params) >= 4096:
                 self.params.clear()
             arrays = self.params[key] = _kernel_params(ptrs, maps)
-        launch = hot.launch if hold_gil else hot.launch_releasing
-        if err := launch(fn, *grid, block, 1, 1, dims.smem, self.stream_h, arrays[2], None):
+        if err := hot.launch(fn, *grid, block, 1, 1, dims.smem, self.stream_h, arrays[2], None):
             hot.fail(err, "cuLaunchKernel")
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
@@ -480,8 +479,9 @@ class CUDADevice(StagedCopies):
         """Launches until `end_batch` are collected, then submitted together (as a CUDA graph once steady)."""
         self.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
         self.batch = []
-        # what completed work held goes back to the pools before the plan allocates: a steady loop then gets the
-        # same blocks each time, and its batch the same key (a graph replay)
+        # what completed work held goes back to the pools before the plan allocates (the waiter thread gives back what
+        # it saw complete; this, what `poll` saw first): a steady loop then gets the same blocks each time, and its
+        # batch the same key (a graph replay)
         self._take_done()
 
     def end_batch(self) -> None:

@@ -108,7 +108,7 @@ class StagedCopies(QueuedDevice):
             pinned = keep.pinned
 
             def dma() -> None:
-                if n and (err := self.hot.htod(dst.ptr + offset, pinned.ptr, n, self.stream_h)):
+                if n and (err := self.hot.here().htod(dst.ptr + offset, pinned.ptr, n, self.stream_h)):
                     self.hot.fail(err, "H2D")
 
             return self._submit(dma, waits, (keep, dst))
@@ -132,22 +132,29 @@ class StagedCopies(QueuedDevice):
             o, size = chunks[i]
             if size:
                 pinned, at = stages[i][0].pinned, dst.ptr + offset + o
-                if err := self.hot.htod(at, pinned.ptr, size, self.stream_h):
+                if err := self.hot.here().htod(at, pinned.ptr, size, self.stream_h):  # (often the submitter's)
                     self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def dma_all() -> None:
             for i in range(len(chunks)):
                 dma(i)
 
-        def fill_chunk(i: int) -> None:
+        def fill_chunk(i: int, block: tuple[_Pinned, int] | None = None) -> None:
             o, size = chunks[i]
-            stages[i].append(_Staging(self.staging, max(size, 1)))
+            stages[i].append(_Staging(self.staging, max(size, 1), block))
             fill(o, stages[i][0].pinned.array[:size])
 
         if at_once and all(d.timeline.value >= v for d, v in waits):
-            for i in range(len(chunks)):
-                fill_chunk(i)
-            return self._submit(dma_all, [], (keep, stages))
+            # staged here from blocks the pool has cached; else (pinning fresh memory takes milliseconds, and this
+            # may be the loop's thread) as a large source is, on a worker thread
+            blocks = [self.staging.reuse(max(size, 1)) for _, size in chunks]
+            if all(b is not None for b in blocks):
+                for i, b in enumerate(blocks):
+                    fill_chunk(i, b)
+                return self._submit(dma_all, [], (keep, stages))
+            for b in blocks:
+                if b is not None:
+                    self.staging.free(*b)
         staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
@@ -201,7 +208,7 @@ class StagedCopies(QueuedDevice):
                 if size:
                     staged = cell[0]
                     at = buf.ptr + offset + o
-                    if err := self.hot.dtoh(staged.pinned.ptr, at, size, self.stream_h):
+                    if err := self.hot.here().dtoh(staged.pinned.ptr, at, size, self.stream_h):
                         raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(at)} (of "
                                           f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
                                           f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
@@ -209,10 +216,13 @@ class StagedCopies(QueuedDevice):
             def post(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
                 flat[o:o + size] = cell[0].pinned.array[:size]  # on the waiter thread
 
-            if n <= SYNC_STAGE:
-                take()
+            # a small read takes a block the pool has cached; pinning fresh memory takes milliseconds (1.2 ms for a
+            # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submitter's
+            block = self.staging.reuse(max(size, 1)) if n <= SYNC_STAGE else None
+            if block is not None:
+                cell.append(_Staging(self.staging, max(size, 1), block))
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
-            else:  # pinning fresh memory takes milliseconds per chunk: never on the caller's (the loop's) thread
+            else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
         return v
 

@@ -3,7 +3,9 @@ context unusable, driver start-up, and compiling CUDA C to a cubin (cached on di
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -25,16 +27,20 @@ class Hot:
     """The driver calls of the launch path (a plan's launches, its event, a graph replay, a copy's DMA), made through
     ctypes with handles as integers: cuda-bindings wraps every result in an enum object, a Python constructor that a
     step of hundreds of launches pays hundreds of times on the loop's thread. Each returns the CUresult as an int
-    (0: success; `fail` turns another into the DeviceError `check` would raise). Each call returns at once (copies are
-    from and to pinned memory), so the GIL stays held: released and taken back hundreds of times a step, it would go
-    to another thread at each launch, and the loop's thread wait for it to come back."""
+    (0: success; `fail` turns another into the DeviceError `check` would raise).
 
-    def __init__(self) -> None:
-        lib = ctypes.PyDLL("libcuda.so.1")  # the library cuda-bindings has loaded: one driver, one set of contexts
+    On an event loop's thread the calls hold the GIL: each returns at once (copies are from and to pinned memory), and
+    released and taken back hundreds of times a step, the GIL would go to another thread at each launch and the loop's
+    thread wait for it to come back. Every other thread (the submitter, workers) takes `releasing`, the same calls
+    letting the GIL go: there a call can block, on the driver's own lock while another thread pins host memory
+    (cuMemHostAlloc: 3-5 ms per 8 MiB on an H200's host), and holding the GIL through that would stop the loop."""
+
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        # the library cuda-bindings has loaded: one driver, one set of contexts
+        self.releasing = self if lib is not None else Hot(ctypes.CDLL("libcuda.so.1"))
+        lib = lib if lib is not None else ctypes.PyDLL("libcuda.so.1")
         u, p, z = ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t
         self.launch = _fn(lib.cuLaunchKernel, p, u, u, u, u, u, u, u, p, p, p)
-        # the same, letting other threads have the GIL during the call: for long batches on a worker thread
-        self.launch_releasing = _fn(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, p, u, u, u, u, u, u, u, p, p, p)
         self.event_record = _fn(lib.cuEventRecord, p, p)
         self.event_query = _fn(lib.cuEventQuery, p)
         self.graph_launch = _fn(lib.cuGraphLaunch, p, p)
@@ -42,9 +48,14 @@ class Hot:
         self.htod = _fn(lib.cuMemcpyHtoDAsync_v2, ctypes.c_uint64, p, z, p)
         self.dtoh = _fn(lib.cuMemcpyDtoHAsync_v2, p, ctypes.c_uint64, z, p)
         self._current = _fn(lib.cuCtxGetCurrent, ctypes.POINTER(p))
-        # its out-parameter, made once (a PyDLL call holds the GIL: no other thread writes it meanwhile)
+        # its out-parameter, made once (a PyDLL call holds the GIL: no other thread writes it meanwhile; the releasing
+        # set's is never used, `current_context` being asked of the holding one)
         self._ctx = ctypes.c_void_p()
         self._ctx_ref = ctypes.byref(self._ctx)
+
+    def here(self) -> Hot:
+        """The set for the calling thread: this one on an asyncio loop's thread, else `releasing`."""
+        return self if asyncio._get_running_loop() is not None else self.releasing
 
     def current_context(self) -> int:
         """The calling thread's current context handle (0: none)."""
@@ -110,6 +121,7 @@ def init() -> int:
     """Initialise the driver once; the number of CUDA devices."""
     if not _INIT:
         check(cu.cuInit(0), "cuInit")
+        nvrtc_version()
         _INIT.append(True)
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
@@ -130,16 +142,23 @@ def encode_tensor_map(m: TensorMap, base: int) -> bytes:
 
 def versions() -> dict[str, int]:
     """The driver's and NVRTC's versions (what a compiled kernel's speed depends on besides the GPU)."""
+    return {"driver": int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion")), "nvrtc": nvrtc_version()}
+
+
+@functools.cache
+def nvrtc_version() -> int:
+    """NVRTC's version (major * 1000 + minor * 10). The first call loads NVRTC, holding the GIL for ~9 ms on an H200's
+    host: a device's start makes it (`init`), not a service's first compile, whose worker thread would stop the loop
+    for that long."""
     major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-    return {"driver": int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion")), "nvrtc": major * 1000 + minor * 10}
+    return int(major * 1000 + minor * 10)
 
 
 # ------------------------------------------------------------------------------------------------ compilation
 def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
     """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
     architecture and NVRTC version."""
-    version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-    key = hashlib.sha256(f"{src}\0{arch}\0{version}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{src}\0{arch}\0{nvrtc_version()}".encode()).hexdigest()[:24]
 
     def build(out: Path) -> None:
         prog = check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")

@@ -69,7 +69,8 @@ class GraphCache:
                 graph = None
             else:
                 graph = self.graphs[key] = self._capture(batch, hold_gil)
-        if graph is not None and (err := self.hot.graph_launch(graph.handle, self.stream_h)):
+        if graph is not None and (err := (self.hot if hold_gil else self.hot.releasing).graph_launch(graph.handle,
+                                                                                                    self.stream_h)):
             self.hot.fail(err, "cuGraphLaunch")
         if len(self.graphs) > GRAPHS_KEPT:
             self.graphs.pop(next(iter(self.graphs)))
