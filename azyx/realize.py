@@ -18,7 +18,7 @@ from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, RuntimeStateError, fresh_copy
 from azyx.graph import GraphCopy, Op, prod
 from azyx.plan import ExecutionPlan
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import GRAPH, RT, InFlight, loop_identity
 from azyx.schedule import make_plan
 from azyx.walk import Walk, canonicalize
 from azyx.workers import in_worker_thread
@@ -76,15 +76,29 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
         if plan is not None:
             rt.plan_cache.touch(plan)
             break
-        if _plan_weight(walk) <= INLINE_PLAN_WEIGHT:
-            plan = make_plan(rt, GRAPH, walk, targets)
-        else:  # planning and rendering a big graph takes milliseconds: a worker plans a copy of its nodes
-            copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])
-            plan = await in_worker_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
-                                                                    walk.scalars, walk.scalar_of, walk.donated),
-                                          targets)
-        plan = await rt.compile(plan)  # (its kernels searched, with search on); the graph may change: walk it again
-        rt.plan_cache[walk.key] = plan
+        # a crowd of realizes of one new graph (200 requests that differ only in their scalars) plans it once: the
+        # others wait for that plan (each planning it on a worker thread of its own, 200 threads of Python work held
+        # the loop's thread off the GIL for ~100 ms on an H200's host)
+        loop_id = loop_identity()
+        job = rt.planning.get(walk.key)
+        if job is not None and job.loop == loop_id:
+            await job.event.wait()
+            if job.error is not None:  # (its plan or compile failed: so does this realize)
+                raise fresh_copy(job.error)
+            if _crowded():
+                await _pace()
+            continue  # (the graph may have changed meanwhile: walk it again)
+        job = rt.planning[walk.key] = InFlight(loop_id)
+        try:
+            plan = await _plan(rt, walk, targets)
+            rt.plan_cache[walk.key] = plan
+        except Exception as e:  # (a cancelled realize is no failure: whoever waited plans anew)
+            job.error = e
+            raise
+        finally:
+            if rt.planning.get(walk.key) is job:
+                del rt.planning[walk.key]
+            job.event.set()
         if _crowded():  # (the realizes that waited for this compile wake together)
             await _pace()
     bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
@@ -98,6 +112,18 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
     for tid, (buf, view) in zip(targets, outs):
         GRAPH.become_leaf(tid, buf, view)
     return plan, walk, bindings  # type: ignore[return-value]
+
+
+async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
+    """The plan of a walk the cache lacks, its kernels compiled (and searched, with search on)."""
+    rt.planned += 1
+    if _plan_weight(walk) <= INLINE_PLAN_WEIGHT:
+        plan = make_plan(rt, GRAPH, walk, targets)
+    else:  # planning and rendering a big graph takes milliseconds: a worker plans a copy of its nodes
+        copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])
+        plan = await in_worker_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
+                                                                walk.scalars, walk.scalar_of, walk.donated), targets)
+    return await rt.compile(plan)  # (the graph may change meanwhile: the caller walks it again)
 
 
 class _Burst:

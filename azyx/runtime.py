@@ -74,8 +74,10 @@ class Runtime:
         self.plan_cache = PlanCache(_config.DEFAULTS["runtime"]["plan_cache_size"])
         self.rng = np.random.default_rng()
         self.lock = threading.Lock()
-        self.inflight: dict[str, _Compile] = {}  # kernel name -> the compile under way
+        self.inflight: dict[str, InFlight] = {}  # kernel name -> the compile under way
+        self.planning: dict[tuple, InFlight] = {}  # a walk's key -> the realize planning and compiling it
         self.compiled = 0  # kernels handed to a device's compiler (a new scalar value must add none)
+        self.planned = 0  # plans made (a crowd of realizes of one new graph makes one)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -221,7 +223,7 @@ class Runtime:
         by_dev: dict[str, list[KernelStep]] = {}
         for k in plan.kernels:
             by_dev.setdefault(k.device, []).append(k)
-        loop_id = _loop_identity()
+        loop_id = loop_identity()
         for name, steps in by_dev.items():
             dev = self.device(name)
             while True:
@@ -235,7 +237,7 @@ class Runtime:
             todo = [s for s in steps if not dev.has_program(s.name)]
             if not todo:
                 continue
-            job = _Compile(loop_id)
+            job = InFlight(loop_id)
             for s in todo:
                 self.inflight[s.name] = job
             self.compiled += len(todo)
@@ -252,9 +254,9 @@ class Runtime:
         return plan
 
 
-class _Compile:
-    """A compile under way, for the realizes (of the same loop) that need the same kernels: they wait for `event`,
-    then raise its `error` if it failed."""
+class InFlight:
+    """A compile (or a plan) under way, for the realizes (of the same loop) that need the same kernels (the same
+    plan): they wait for `event`, then raise its `error` if it failed."""
 
     __slots__ = ("loop", "event", "error")
 
@@ -263,7 +265,7 @@ class _Compile:
         self.error: BaseException | None = None
 
 
-def _loop_identity() -> int:
+def loop_identity() -> int:
     lib = sniffio.current_async_library()
     if lib == "asyncio":
         import asyncio

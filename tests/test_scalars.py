@@ -4,6 +4,7 @@ schedules follow PyTorch's LambdaLR trajectory; azyx.jit traces float and int ar
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 
@@ -47,6 +48,34 @@ async def test_elementwise_with_scalars_plans_and_compiles_once(device: str) -> 
     await _family(device, lambda x, a: ((x * a + 2.0).relu() * 0.5 - a) / 3.0,
                   lambda x, a: ((np.maximum(x * np.float32(a) + 2, 0) * np.float32(0.5) - np.float32(a)) /
                                 np.float32(3)).astype(np.float32), x_np, VALUES)
+
+
+async def test_a_crowd_of_requests_for_one_new_graph_plans_and_compiles_it_once(device: str) -> None:
+    """200 concurrent requests whose graphs differ only in their numbers, of a structure no run has seen: one plan
+    (the others wait for it instead of each planning it on a worker thread), one compile, numpy's value for each."""
+    x_np = RNG.standard_normal(4096).astype(np.float32)
+    x = await Tensor(x_np, device=device).realize()
+    await (x + 1.0).realize()  # (a first use may upload x's host data: later plans find it on the device)
+    depth = 3 + int(RNG.integers(0, 1 << 20)) % 5  # (a chain length and exponent no other test builds together)
+    power = float(RNG.integers(2, 1 << 20) % 3 + 2)
+    plans, planned, compiled = len(RT.plan_cache), RT.planned, RT.compiled
+
+    async def request(a: float, b: float) -> float:
+        y = x * a + b
+        for _ in range(depth):
+            y = (y * 0.5).abs() + b
+        return float(await (y ** power).sum().item())
+
+    pairs = [(float(a), float(b)) for a, b in RNG.uniform(-1, 1, (200, 2))]
+    got = await asyncio.gather(*(request(a, b) for a, b in pairs))
+    for (a, b), value in zip(pairs, got):
+        y = x_np.astype(np.float64) * np.float32(a) + np.float32(b)
+        for _ in range(depth):
+            y = np.abs(y * 0.5) + np.float32(b)
+        np.testing.assert_allclose(value, (y ** power).sum(), rtol=1e-4, err_msg=f"a={a} b={b}")
+    assert RT.planned - planned == 1, f"{RT.planned - planned} plans made for one graph"
+    assert len(RT.plan_cache) - plans == 1
+    assert RT.compiled > compiled
 
 
 async def test_division_by_a_signed_zero_keeps_its_sign(device: str) -> None:
