@@ -110,7 +110,8 @@ def measure(device: str, n: int, level: str, budget_s: float, repeats: int) -> d
     """Both processes for one product, over a fresh cache directory: the first's figures with the second's added
     (`hit_searches`, `hit_first_s`, `hit_on`)."""
     with tempfile.TemporaryDirectory(prefix="azyx-search-bench-") as cache:
-        env = {**os.environ, "XDG_CACHE_HOME": cache, "AZYX_SEARCH_BUDGET": str(budget_s), "PYTHONPATH": str(REPO)}
+        path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # (the caller's kept)
+        env = {**os.environ, "XDG_CACHE_HOME": cache, "AZYX_SEARCH_BUDGET": str(budget_s), "PYTHONPATH": path}
         runs = []
         for phase, search_env in (("search", "off"), ("hit", level)):
             cmd = [sys.executable, __file__, "--child", device, str(n), level, str(repeats), phase]
