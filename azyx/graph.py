@@ -77,8 +77,14 @@ class Node:
 
     def __init__(self, op: Op, src: tuple[TensorId, ...], arg: Any, shape: Shape, dtype: DType, device: str,
                  pinned: bool, arg2: Any = None):
-        self.op, self.src, self.arg, self.arg2 = op, src, arg, arg2
-        self.shape, self.dtype, self.device, self.pinned = shape, dtype, device, pinned
+        self.op = op  # (one store per line: a 4-tuple's packing and unpacking cost ~40 ns a node)
+        self.src = src
+        self.arg = arg
+        self.arg2 = arg2
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.pinned = pinned
         self.rc = 0
         self.buffer: Storage | None = None  # set when realized
         self.view: StridedView | None = None  # how the realized buffer is indexed
@@ -137,16 +143,18 @@ class Graph:
         return len(self.nodes) - len(self.free)
 
     def add(self, node: Node) -> TensorId:
+        nodes, free = self.nodes, self.free
         for s in node.src:
-            self.nodes[s].rc += 1  # type: ignore[union-attr]
-        if self.free:
-            i = self.free.pop()
-            self.nodes[i] = node
+            nodes[s].rc += 1  # type: ignore[union-attr]
+        if free:
+            i = free.pop()
+            nodes[i] = node
         else:
-            i = len(self.nodes)
-            self.nodes.append(node)
-        for ids in self.recording:
-            ids.add(i)
+            i = len(nodes)
+            nodes.append(node)
+        if self.recording:
+            for ids in self.recording:
+                ids.add(i)
         return i
 
     def __getitem__(self, i: TensorId) -> Node:

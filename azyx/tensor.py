@@ -436,8 +436,11 @@ class Tensor:
     def _unary(self, op: str) -> Tensor:
         n = _nodes[self.id]
         assert n is not None
-        if n.dtype.kind == "f" and n.op is not _CONST and op != "not":  # (the common case: nothing to cast or fold)
-            return Tensor._from_node(Node(_UNARY, (self.id,), op, n.shape, n.dtype, n.device, n.pinned))
+        if n.dtype.kind == "f" and n.op is not _CONST and op != "not" and n.device != DISK:  # (the common case:
+            t = _new_object(Tensor)  # nothing to cast or fold; Tensor._from_node's body)
+            t.id = _add_node(node := Node(_UNARY, (self.id,), op, n.shape, n.dtype, n.device, n.pinned))
+            node.rc += 1
+            return t
         x = self.cast(least_float(self.dtype)) if _ops.UNARY[op][0] else self
         n = x._node
         if op == "not" and n.dtype.is_float:
@@ -1072,8 +1075,14 @@ class Tensor:
         assert nx is not None
         if nx.op is _CONST and op in ("max", "min"):
             r = x._const_like(nx.arg, shape=out_keep)
-        else:
+        elif keepdim or out == out_keep or nx.device == DISK:
             r = Tensor._from_node(Node(_REDUCE, (x.id,), (op, axes), out_keep, nx.dtype, nx.device, nx.pinned))
+        else:  # the reduce, and the reshape that drops its axes (the only handle: no Tensor for the reduce itself)
+            red = _add_node(Node(_REDUCE, (x.id,), (op, axes), out_keep, nx.dtype, nx.device, nx.pinned))
+            t = _new_object(Tensor)
+            t.id = _add_node(node := Node(_RESHAPE, (red,), out, out, nx.dtype, nx.device, nx.pinned))
+            node.rc += 1
+            return t
         return r if keepdim or out == out_keep else r._reshaped(out)
 
     def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
