@@ -228,7 +228,7 @@ def child_minilm(method: str, batches: int) -> dict[str, Any]:
 
 
 def run_child(*args: str, timeout: float = 600) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
                          timeout=timeout, env=env, cwd=REPO)
     if out.returncode != 0:
