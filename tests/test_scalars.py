@@ -58,7 +58,7 @@ async def test_a_crowd_of_requests_for_one_new_graph_plans_and_compiles_it_once(
     await (x + 1.0).realize()  # (a first use may upload x's host data: later plans find it on the device)
     depth = 3 + int(RNG.integers(0, 1 << 20)) % 5  # (a chain length and exponent no other test builds together)
     power = float(RNG.integers(2, 1 << 20) % 3 + 2)
-    plans, planned, compiled = len(RT.plan_cache), RT.planned, RT.compiled
+    planned, compiled = RT.planned, RT.compiled
 
     async def request(a: float, b: float) -> float:
         y = x * a + b
@@ -74,8 +74,7 @@ async def test_a_crowd_of_requests_for_one_new_graph_plans_and_compiles_it_once(
             y = np.abs(y * 0.5) + np.float32(b)
         np.testing.assert_allclose(value, (y ** power).sum(), rtol=1e-4, err_msg=f"a={a} b={b}")
     assert RT.planned - planned == 1, f"{RT.planned - planned} plans made for one graph"
-    assert len(RT.plan_cache) - plans == 1
-    assert RT.compiled > compiled
+    assert RT.compiled > compiled  # (a new structure: its kernel was compiled, once, by the realize that planned it)
 
 
 async def test_division_by_a_signed_zero_keeps_its_sign(device: str) -> None:
