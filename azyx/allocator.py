@@ -144,11 +144,23 @@ class PoolAllocator:
         with self.locked():
             return MemoryUsage(self.in_use, self.cached)
 
-    def take_cached(self) -> list[Any]:
-        """Every cached block, out of the free lists (for its owner to give back to the driver)."""
+    def take_cached(self, keep: Callable[[Any], bool] | None = None) -> list[Any]:
+        """Every cached block, out of the free lists (for its owner to give back to the driver); those `keep` says
+        so of stay cached."""
         with self.locked():
             lists, self.free_lists, self.cached = self.free_lists, {}, 0
-        return [mem for blocks in lists.values() for mem in blocks]
+            if keep is None:
+                return [mem for blocks in lists.values() for mem in blocks]
+            out = []
+            for size, blocks in lists.items():
+                kept = [mem for mem in blocks if keep(mem)]
+                out += [mem for mem in blocks if not keep(mem)]
+                if kept:
+                    if self.put is heapq.heappush:
+                        heapq.heapify(kept)
+                    self.free_lists[size] = kept
+                    self.cached += size * len(kept)
+            return out
 
     def free(self, mem: Any, size: int) -> None:
         """Give a block back (`mem` None: only its `size` leaves the in-use count). Never waits (see the class)."""

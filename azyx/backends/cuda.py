@@ -48,6 +48,8 @@ from azyx.plan import KernelStep
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
+# blocks of up to SLAB_PIECE bytes are pieces of SLAB-byte slabs, each at an address aligned as cuMemAlloc's (256)
+SLAB, SLAB_PIECE, SLAB_ALIGN = 2 << 20, 256 << 10, 256
 
 
 def _kernel_params(ptrs: tuple[int, ...], maps: tuple[TensorMap, ...]) -> tuple[Any, Any, int]:
@@ -116,6 +118,11 @@ class CUDADevice(StagedCopies):
         self.driver_free = int(free)
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
         self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name, lowest=True)
+        # blocks up to SLAB_PIECE bytes are carved from slabs of SLAB bytes (`_create`): piece -> its slab's base
+        self.slab_lock = threading.Lock()
+        self.slabs: list[int] = []
+        self.slab_used = 0  # bytes carved from the last slab
+        self.pieces: dict[int, int] = {}
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
@@ -154,6 +161,21 @@ class CUDADevice(StagedCopies):
 
     # ------------------------------------------------------------------ memory
     def _create(self, size: int) -> int:
+        """A new block for the pool: a small one is a piece of a slab (cuMemAlloc takes 0.3-1.5 ms on an H200's host,
+        on the loop's thread when a crowd's pool grows), a larger one the driver's own."""
+        if size > SLAB_PIECE:
+            return self._driver_alloc(size)
+        with self.slab_lock:
+            at = -(-self.slab_used // SLAB_ALIGN) * SLAB_ALIGN
+            if not self.slabs or at + size > SLAB:
+                self.slabs.append(self._driver_alloc(SLAB))
+                at = 0
+            self.slab_used = at + size
+            ptr = self.slabs[-1] + at
+            self.pieces[ptr] = self.slabs[-1]
+        return ptr
+
+    def _driver_alloc(self, size: int) -> int:
         self.use()
         err, ptr = cu.cuMemAlloc(size)
         if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
@@ -165,11 +187,22 @@ class CUDADevice(StagedCopies):
         return int(ptr)
 
     def empty_cache(self) -> None:
-        """Return every cached block to the driver."""
+        """Return every cached block to the driver, but the pieces of slabs (they stay cached, for the next small
+        blocks; the slabs go when the device closes)."""
         self.use()
-        for ptr in self.allocator.take_cached():
+        for ptr in self.allocator.take_cached(keep=self.pieces.__contains__):
             cu.cuMemFree(ptr)
         self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
+
+    def _free_slabs(self) -> None:
+        """(Closing.) Every slab none of whose pieces is lent out goes back to the driver."""
+        cached = set(self.allocator.take_cached())
+        for ptr in cached - self.pieces.keys():
+            cu.cuMemFree(ptr)
+        lent = {self.pieces[p] for p in self.pieces.keys() - cached}
+        for base in self.slabs:
+            if base not in lent:
+                cu.cuMemFree(base)
 
     def memory(self) -> MemoryUsage:
         return self.allocator.usage()
@@ -523,7 +556,8 @@ class CUDADevice(StagedCopies):
             self._hand_over()
         self.stop_waiter()
         try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
-            self.empty_cache()
+            self.use()
+            self._free_slabs()
             for block in self.staging.take_cached():
                 cu.cuMemFreeHost(block.ptr)
         except Exception:  # interpreter shutdown
