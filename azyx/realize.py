@@ -8,6 +8,7 @@ import collections
 import threading
 import time
 import weakref
+from asyncio import _get_running_loop as _running_loop
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -44,25 +45,30 @@ INLINE_PLAN_WEIGHT, REDUCE_WEIGHT = 8, 8
 # 1.45-1.63 ms at the median of 15 runs instead of 1.74-1.81, and 1.75-1.93 at worst instead of 2.55-2.80, for 3-5%
 # more total time), and how many ready handles are a crowd
 BURST, CROWD = 0.25e-3, 16
+FIRST_WAKE = 8  # how many waiters the end of a crowd's first run wakes (a run of BURST lets ~5 requests through)
 LOOP_COPY_BYTES = 1 << 20  # a host copy this large (~0.1 ms at 10 GB/s, more on a busy machine) runs on a worker
 SPIN_MAX = 1e-3  # the longest a realize queries for its work's completion on an idle loop (see wait_for)
 
 
 async def realize(*tensors: Handle) -> None:
     """Compute all `tensors` in one plan; returns when their buffers are ready."""
-    plan, _, _ = await submit(tensors)
+    if (fut := _gate()) is not None:  # (before submit's coroutine: a crowd's first loop iteration holds 200 of these)
+        await _pace(fut)
+    plan, _, _ = await submit(tensors, True)
     bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
 
 
-async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk | None, list[Buffer]]:
+async def submit(tensors: Sequence[Handle], gated: bool = False
+                 ) -> tuple[ExecutionPlan | None, Walk | None, list[Buffer]]:
     """Plan (or find the cached plan), compile and submit the computation of the unrealized `tensors`, which become
     leaves holding buffers that are ready once their work is done. Returns the plan that ran, its walk and the
-    buffers bound to the walk's leaves (None, None, [] when everything was realized already)."""
+    buffers bound to the walk's leaves (None, None, [] when everything was realized already). `gated`: the caller
+    has had its turn on a crowded loop already (`_gate`)."""
     rt = RT
-    if _crowded():
-        await _pace()
+    if not gated and (fut := _gate()) is not None:
+        await _pace(fut)
     while True:
         if len(tensors) == 1:  # (one tensor, the common case: no generator, no dict)
             tid = tensors[0].id
@@ -85,8 +91,8 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
             await job.event.wait()
             if job.error is not None:  # (its plan or compile failed: so does this realize)
                 raise fresh_copy(job.error)
-            if _crowded():
-                await _pace()
+            if (fut := _gate()) is not None:
+                await _pace(fut)
             continue  # (the graph may have changed meanwhile: walk it again)
         job = rt.planning[walk.key] = InFlight(loop_id)
         try:
@@ -99,8 +105,8 @@ async def submit(tensors: Sequence[Handle]) -> tuple[ExecutionPlan | None, Walk 
             if rt.planning.get(walk.key) is job:
                 del rt.planning[walk.key]
             job.event.set()
-        if _crowded():  # (the realizes that waited for this compile wake together)
-            await _pace()
+        if (fut := _gate()) is not None:  # (the realizes that waited for this compile wake together)
+            await _pace(fut)
     bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
     try:
         outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
@@ -127,23 +133,25 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
 
 
 class _Burst:
-    """A run of realizes' work on one asyncio loop without its due timers getting a turn (see `_pace`), and the
-    realizes waiting for a later run, in order (`again`: woken ones that found the run over, to go first)."""
+    """A run of realizes' work on one asyncio loop without its due timers getting a turn (see `_pace`), its length
+    (`limit`, seconds), and the realizes waiting for a later run, in order (`again`: woken ones that found the run
+    over, to go first)."""
 
-    __slots__ = ("start", "open", "passed", "waiters", "again")
+    __slots__ = ("start", "open", "passed", "limit", "waiters", "again")
 
     def __init__(self) -> None:
-        self.start, self.open, self.passed = 0.0, False, 0
+        self.start, self.open, self.passed, self.limit = 0.0, False, 0, BURST
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.again: list[asyncio.Future[None]] = []
 
     def end(self) -> None:
         """The run is over (the due timers have had their turn): wake as many waiters as the run let through, and
-        one more (they run in the next iteration, in order; those past the next run's time wait again)."""
+        one more (they run in the next iteration, in order; those past the next run's time wait again); after a
+        crowd's first run, which let one through, as many as a run lets through about."""
         self.open = False
         self.waiters.extendleft(reversed(self.again))
         self.again.clear()
-        wake, self.passed = self.passed + 1, 0
+        wake, self.passed = self.passed + 1 if self.limit else FIRST_WAKE, 0
         while self.waiters and wake:
             fut = self.waiters.popleft()
             if not fut.done():  # (a cancelled realize's)
@@ -156,55 +164,60 @@ class _Burst:
 _BURST_ATTR = "_azyx_burst"
 
 
-def _crowded() -> bool:
-    """Whether a realize must `_pace`: a crowd is ready on the running asyncio loop, or earlier ones wait for a later
-    run. A realize alone on the loop (the common case) pays this look at the ready queue, no coroutine."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # trio: its scheduler interleaves tasks and timers itself
-        return False
+def _gate(woken: bool = False) -> asyncio.Future[None] | None:
+    """A realize's turn on a crowded asyncio loop (see `_pace`): None when it may go on now (no crowd is ready and no
+    earlier realize waits, or the current run of realizes' work has time left: it then counts in that run), else a
+    future queued in order, for `_pace` to wait on (`woken`: a realize woken already that found the run over, which
+    goes first next time). A realize alone on the loop (the common case) pays this look at the ready queue, no
+    coroutine."""
+    loop = _running_loop()
+    if loop is None:  # trio: its scheduler interleaves tasks and timers itself
+        return None
     ready = getattr(loop, "_ready", None)
     if ready is None:
-        return False
+        return None
     burst: _Burst | None = getattr(loop, _BURST_ATTR, None)
-    return len(ready) >= CROWD or (burst is not None and bool(burst.waiters))
-
-
-async def _pace() -> None:
-    """Keep a crowd of realizes that became ready together (200 requests started by one gather) from holding the loop:
-    asyncio runs every handle that was ready when an iteration began before the timers that fell due, so each of them
-    doing its share of work (walk, plan hand-off, submit) would delay everyone else's timers by the sum. Once they
-    have worked `BURST` seconds in a row, the rest wait, in order, for a later iteration, after the due timers have
-    run (the end of a run wakes about as many as the last one let through: a crowd costs a wake-up or two per
-    realize, not one per iteration). Called where `_crowded()`."""
-    loop = asyncio.get_running_loop()
-    burst: _Burst | None = getattr(loop, _BURST_ATTR, None)
+    if not woken and len(ready) < CROWD and (burst is None or not burst.waiters):
+        return None
     if burst is None:
         burst = _Burst()
         try:
             setattr(loop, _BURST_ATTR, burst)
         except AttributeError:  # a loop without a __dict__ (none with a `_ready` queue is known): no pacing
-            return
-    woken = False
-    while True:
-        now = time.perf_counter()
-        if not burst.open:
-            burst.open, burst.start = True, now
-            loop.call_later(0, burst.end)  # runs with the timers that fall due now: after everyone ready before it
-            break
-        if now - burst.start <= BURST:
-            break
+            return None
+    now = time.perf_counter()
+    if not burst.open:
+        # a crowd that has just formed (no one waits) lets only this realize through now: the loop iteration it
+        # formed in holds all of its requests' own work up to their realizes already (their graph building)
+        burst.open, burst.start = True, now
+        burst.limit = BURST if woken or burst.waiters or burst.again else 0.0
+        loop.call_later(0, burst.end)  # runs with the timers that fall due now: after everyone ready before it
+    elif now - burst.start > burst.limit:
         fut = loop.create_future()
-        queue = burst.again if woken else burst.waiters
-        queue.append(fut)
+        (burst.again if woken else burst.waiters).append(fut)
+        return fut
+    burst.passed += 1
+    return None
+
+
+async def _pace(fut: asyncio.Future[None] | None) -> None:
+    """Keep a crowd of realizes that became ready together (200 requests started by one gather) from holding the loop:
+    asyncio runs every handle that was ready when an iteration began before the timers that fell due, so each of them
+    doing its share of work (walk, plan hand-off, submit) would delay everyone else's timers by the sum. Once they
+    have worked `BURST` seconds in a row, the rest wait, in order, for a later iteration, after the due timers have
+    run (the end of a run wakes about as many as the last one let through: a crowd costs a wake-up or two per
+    realize, not one per iteration). `fut`: the turn `_gate` queued; waited for, and again while a woken realize
+    finds the run over."""
+    while fut is not None:
         try:
             await fut
         except asyncio.CancelledError:  # out of the queue: its future would keep the loop (the table's key) alive
-            if fut in queue:
-                queue.remove(fut)
+            burst: _Burst | None = getattr(asyncio.get_running_loop(), _BURST_ATTR, None)
+            for queue in (burst.waiters, burst.again) if burst is not None else ():
+                if fut in queue:
+                    queue.remove(fut)
             raise
-        woken = True
-    burst.passed += 1
+        fut = _gate(woken=True)
 
 
 def _plan_weight(walk: Walk) -> int:
@@ -309,7 +322,9 @@ def _idle_window(limit: float) -> float:
 
 
 async def to_numpy(t: Handle) -> np.ndarray:
-    plan, _, _ = await submit((t,))  # (realize's body: one coroutine fewer per read, a crowd's many reads)
+    if (fut := _gate()) is not None:  # (before submit's coroutine: a crowd's first loop iteration holds 200 of these)
+        await _pace(fut)
+    plan, _, _ = await submit((t,), True)  # (realize's body: one coroutine fewer per read, a crowd's many reads)
     n = _nodes[t.id]
     assert n is not None
     bufs = [buffer_of(n)]
@@ -320,8 +335,8 @@ async def to_numpy(t: Handle) -> np.ndarray:
     dev = buf.device
     if not dev.host_memory and not dev.storage:  # a device with a queue: read in its order, await the timeline
         # a crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too
-        if _crowded():
-            await _pace()
+        if (fut := _gate()) is not None:
+            await _pace(fut)
         host = np.empty(buf.nbytes, np.uint8)
         before = dev.queued()
         v = dev.copy_to_host(buf, host, [])
