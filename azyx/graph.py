@@ -8,10 +8,27 @@ sources when realized, and a freed id leaves every tape at once, so a reused id 
 
 from __future__ import annotations
 
+import importlib
+import os
 from enum import IntEnum
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from azyx.dtypes import DType
+
+
+def _load_native() -> ModuleType | None:
+    """azyx's native core (azyx/_native.c: the node, the canonical walk, the release of nodes), or None where it was
+    not built or AZYX_NATIVE=0 turns it off: the same in Python then."""
+    if os.environ.get("AZYX_NATIVE", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("azyx._native")  # (a compiled module: no layer of the import contracts)
+    except ImportError:
+        return None
+
+
+native = _load_native()
 
 TensorId = int
 Shape = tuple[int, ...]
@@ -92,6 +109,10 @@ class Node:
     def __repr__(self) -> str:
         return (f"Node({self.op.name}, src={self.src}, arg={self.arg!r}, shape={self.shape}, {self.dtype.name}, "
                 f"{self.device})")
+
+
+if native is not None and not TYPE_CHECKING:
+    Node = native.Node  # noqa: F811 (the same fields in C: what the walk and the release read directly)
 
 
 class StridedView:
@@ -176,6 +197,10 @@ class Graph:
         self.release(i)
 
     def release(self, i: TensorId) -> None:
+        """Drop a reference to node `i`; when it was the last, free the node, then release its sources in turn."""
+        if _release is not None:
+            _release(self.nodes, self.free, self.kept, i)
+            return
         nodes = self.nodes
         n = nodes[i]
         assert n is not None and n.rc > 0, f"release of dead node {i}"
@@ -232,6 +257,9 @@ class Graph:
             n = nodes[i]
             if n is not None and n.buffer is not None and n.src and not self.on_tape(i):
                 self._forget_sources(n)
+
+
+_release = native.release if native is not None else None
 
 
 class GraphCopy(Graph):

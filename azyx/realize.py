@@ -128,7 +128,7 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
     else:  # planning and rendering a big graph takes milliseconds: a worker plans a copy of its nodes
         copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])
         plan = await in_worker_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
-                                                                walk.scalars, walk.scalar_of, walk.donated), targets)
+                                                                walk.scalars, walk.scalar_nodes, walk.donated), targets)
     return await rt.compile(plan)  # (the graph may change meanwhile: the caller walks it again)
 
 

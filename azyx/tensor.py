@@ -17,7 +17,7 @@ from azyx import ops as _ops
 from azyx.device import DISK
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
-from azyx.graph import Node, Op, Shape, prod
+from azyx.graph import Node, Op, Shape, native, prod
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.realize import to_numpy as _read
@@ -138,7 +138,11 @@ def _binop(op: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
     int_numbers = kind != "float"  # an int number keeps an int tensor's dtype (true division makes floats)
     float_ok = op not in _ops.BITWISE  # (a bitwise op refuses floats: the general path raises the error)
 
+    flags = out_bool | int_numbers << 1 | float_ok << 2 | reverse << 3 | (kind == "float") << 4  # (for C)
+
     def method(self: Tensor, other: Any) -> Tensor:
+        if _native_binary is not None and (t := _native_binary(op, flags, self, other)) is not None:
+            return t  # (the same cases, built in C: azyx/_native.c)
         na = _nodes[self.id]
         assert na is not None
         tp = type(other)
@@ -180,6 +184,7 @@ def _binop(op: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
 
 
 _new_object, _add_node = object.__new__, GRAPH.add
+_native_binary = native.binary if native is not None else None
 _pow = _binop("pow")  # (Tensor.__pow__ takes the exponents it turns into other ops first)
 
 
@@ -1492,3 +1497,9 @@ def _to_storage(arr: np.ndarray, dt: DType) -> np.ndarray:
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return np.array(rounded, dtype=np.uint16)  # (a 0-d array comes back from >> as a numpy scalar)
     return np.array(arr, dtype=dt.np, order="C", copy=True)
+
+
+if native is not None:  # the operators' common cases, built in C (`_binop`)
+    _KINDS = (*dtypes.all(), dtypes.uint32)
+    native.setup_tensor(Tensor, GRAPH, tuple(d for d in _KINDS if d.kind == "f"),
+                        tuple(d for d in _KINDS if d.kind in "iu"), DISK)

@@ -56,7 +56,7 @@ async def tune(*tensors: Tensor, level: str | None = None) -> list[SearchResult]
 async def _plan(walk: Walk, targets: list[int]) -> ExecutionPlan:
     copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])  # planned on a worker, like a big realize's plan
     return await in_worker_thread(make_plan, RT, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
-                                                            walk.scalars, walk.scalar_of, walk.donated), targets)
+                                                            walk.scalars, walk.scalar_nodes, walk.donated), targets)
 
 
 async def _search_splits(plan: ExecutionPlan, level: str, budget_s: float) -> tuple[list[SearchResult], bool]:

@@ -10,19 +10,25 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
-from azyx.graph import Graph, Node, Op, prod
+from azyx.dtypes import dtypes
+from azyx.graph import Graph, Node, Op, native, prod
 
 
 class Walk:
     """The structure of the graph below some targets: its cache key, its nodes and its input leaves."""
 
     def __init__(self, graph: Graph, key: tuple, topo: list[int], leaves: list[int], targets: list[int],
-                 scalars: list[Any], scalar_of: dict[int, int], donated: frozenset[int] = frozenset()):
+                 scalars: list[Any], scalar_nodes: list[int], donated: frozenset[int] = frozenset()):
         self.graph, self.key, self.topo, self.leaves, self.targets = graph, key, topo, leaves, targets
         self.scalars = scalars  # the values of the graph's scalars, in walk order: a run binds them
-        self.scalar_of = scalar_of  # node -> its scalar's index (a CONST's value, a PAD's fill, a BINARY's number)
+        self.scalar_nodes = scalar_nodes  # the node of each (a CONST's value, a PAD's fill, a BINARY's number)
         # ASSIGN nodes whose base is a realized node that nothing else holds: its buffer may be written in place
         self.donated = donated
+
+    @cached_property
+    def scalar_of(self) -> dict[int, int]:
+        """Node -> its scalar's index (what planning reads; a realize of a cached plan needs only the values)."""
+        return {n: k for k, n in enumerate(self.scalar_nodes)}
 
     @cached_property
     def consumers(self) -> dict[int, int]:
@@ -54,6 +60,8 @@ def canonicalize(graph: Graph, targets: list[int]) -> Walk:
     CONST's value, a PAD's fill, the number of `x * 0.5`) is data, not structure: the key holds SCALAR in its place
     and the walk keeps the value (Walk.scalars), which each run binds; bool constants stay in the key (a `where` on
     one folds)."""
+    if native is not None and type(graph.nodes) is list:
+        return _walk_native(graph, targets)
     try:
         return _walk_recursive(graph, targets)
     except RecursionError:  # a very deep chain: the same walk with an explicit stack
@@ -67,11 +75,19 @@ def leaf_entry(n: Node) -> tuple:
     return (n.shape, n.dtype, n.device, v.offset, v.strides, n.buffer.device.name)
 
 
+def _walk_native(graph: Graph, targets: list[int]) -> Walk:
+    """The walk in C (azyx/_native.c): the same key, order and scalars as `_walk_recursive`'s, in any depth."""
+    assert native is not None
+    entries, tk, topo, leaves, scalars, scalar_nodes, donated = native.walk(graph.nodes, targets, graph)
+    key, kept = _unshared(graph.nodes, (entries, tk), leaves, set(donated), donated)
+    return Walk(graph, key, topo, leaves, targets, scalars, scalar_nodes, kept)
+
+
 def _walk_recursive(graph: Graph, targets: list[int]) -> Walk:
     w = _Walker(graph)
     tk = tuple([w.index[t] if t in w.index else w.visit(t) for t in targets])
     key, donated = _unshared(graph.nodes, (tuple(w.entries), tk), w.leaves, w.donated, w.index)
-    return Walk(graph, key, w.topo, w.leaves, targets, w.scalars, w.scalar_of, donated)
+    return Walk(graph, key, w.topo, w.leaves, targets, w.scalars, w.scalar_nodes, donated)
 
 
 def _unshared(nodes: list[Node | None], key: tuple, leaves: list[int], donated: set[int], index: dict[int, int]
@@ -102,15 +118,15 @@ def donates(graph: Graph, n: Node) -> bool:
     return base.buffer is not None and base.rc - graph.id_holds.get(b, 0) == 1
 
 
-def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_of: dict[int, int]) -> tuple:
+def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_nodes: list[int]) -> tuple:
     """A node's entry in the key; its scalar, if it has one, goes to `scalars` instead."""
     op, arg, arg2 = n.op, n.arg, n.arg2
     if op is _CONST and n.dtype.kind != "b":
-        scalar_of[i] = len(scalars)
+        scalar_nodes.append(i)
         scalars.append(arg)
         arg = SCALAR
     elif (op is _PAD and n.dtype.kind != "b") or (op is _BINARY and arg2 is not None):
-        scalar_of[i] = len(scalars)
+        scalar_nodes.append(i)
         scalars.append(arg2)
         arg2 = SCALAR
     return (op, arg, arg2, n.shape, n.dtype, n.device, n.pinned, srck)
@@ -127,7 +143,7 @@ class _Walker:
         self.leaves: list[int] = []
         self.topo: list[int] = []
         self.scalars: list[Any] = []
-        self.scalar_of: dict[int, int] = {}
+        self.scalar_nodes: list[int] = []
         self.donated: set[int] = set()
 
     def visit(self, i: int) -> int:
@@ -158,15 +174,15 @@ class _Walker:
         k = index[i] = len(entries)
         op = n.op
         if op is _BINARY and n.arg2 is not None:  # x op number (_entry's common cases, without the call)
-            self.scalar_of[i] = len(self.scalars)
+            self.scalar_nodes.append(i)
             self.scalars.append(n.arg2)
             entries.append((op, n.arg, SCALAR, n.shape, n.dtype, n.device, n.pinned, srck))
         elif op is _CONST and n.dtype.kind != "b":
-            self.scalar_of[i] = len(self.scalars)
+            self.scalar_nodes.append(i)
             self.scalars.append(n.arg)
             entries.append((op, SCALAR, n.arg2, n.shape, n.dtype, n.device, n.pinned, srck))
         elif op is _CONST or op is _PAD:
-            entries.append(_entry(n, i, srck, self.scalars, self.scalar_of))
+            entries.append(_entry(n, i, srck, self.scalars, self.scalar_nodes))
         elif op is _ASSIGN:
             donated = donates(self.graph, n)
             if donated:
@@ -185,7 +201,7 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
     leaves: list[int] = []
     topo: list[int] = []
     scalars: list[Any] = []
-    scalar_of: dict[int, int] = {}
+    scalar_nodes: list[int] = []
     donated: set[int] = set()
     for t in targets:
         stack: list[tuple[int, bool]] = [(t, False)]
@@ -195,7 +211,7 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
             assert n is not None
             if done:
                 index[i] = len(entries)
-                entry = _entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_of)
+                entry = _entry(n, i, tuple([index[s] for s in n.src]), scalars, scalar_nodes)
                 if n.op is _ASSIGN:  # (its arg2 place holds whether it writes in place)
                     flag = donates(graph, n)
                     if flag:
@@ -216,4 +232,9 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
                 if s not in index:
                     stack.append((s, False))
     key, kept = _unshared(nodes, (tuple(entries), tuple(index[t] for t in targets)), leaves, donated, index)
-    return Walk(graph, key, topo, leaves, targets, scalars, scalar_of, kept)
+    return Walk(graph, key, topo, leaves, targets, scalars, scalar_nodes, kept)
+
+
+if native is not None:
+    assert [d for d in dtypes.all() if d.kind == "b"] == [dtypes.bool]  # (the native walk tests for this one)
+    native.setup(Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY, SCALAR, dtypes.bool, donates)

@@ -1,0 +1,757 @@
+/* azyx's native core: the graph's node, the canonical walk and the release of nodes, the per-request work of every
+ * realize (azyx.graph and azyx.walk hold the same in Python, which runs where this module is not built).
+ *
+ * Built against Python's stable ABI (3.11): one library serves every later Python. Nothing here releases the GIL;
+ * the only calls back into Python are a leaf's view and buffer attributes and an ASSIGN's donation check. */
+
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------------------------------ Node */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *op, *src, *arg, *arg2, *shape, *dtype, *device, *pinned;
+    Py_ssize_t rc;
+    PyObject *buffer, *view;
+} NodeObject;
+
+static PyTypeObject *node_type;
+
+static PyMemberDef node_members[] = {
+    {"op", T_OBJECT, offsetof(NodeObject, op), 0, NULL},
+    {"src", T_OBJECT, offsetof(NodeObject, src), 0, NULL},
+    {"arg", T_OBJECT, offsetof(NodeObject, arg), 0, NULL},
+    {"arg2", T_OBJECT, offsetof(NodeObject, arg2), 0, NULL},
+    {"shape", T_OBJECT, offsetof(NodeObject, shape), 0, NULL},
+    {"dtype", T_OBJECT, offsetof(NodeObject, dtype), 0, NULL},
+    {"device", T_OBJECT, offsetof(NodeObject, device), 0, NULL},
+    {"pinned", T_OBJECT, offsetof(NodeObject, pinned), 0, NULL},
+    {"rc", T_PYSSIZET, offsetof(NodeObject, rc), 0, NULL},
+    {"buffer", T_OBJECT, offsetof(NodeObject, buffer), 0, NULL},
+    {"view", T_OBJECT, offsetof(NodeObject, view), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Py_ssize_t n = PyTuple_Size(args);
+    PyObject *arg2 = NULL; /* (borrowed: arg2 given by name) */
+    if (kwds != NULL && PyDict_Size(kwds) != 0) {
+        arg2 = PyDict_GetItemString(kwds, "arg2");
+        if (arg2 == NULL || PyDict_Size(kwds) != 1 || n != 7)
+            n = -1;
+    }
+    if (n < 7 || n > 8) {
+        PyErr_SetString(PyExc_TypeError, "Node(op, src, arg, shape, dtype, device, pinned, arg2=None) takes 7 or 8 "
+                                         "positional arguments");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    NodeObject *self = (NodeObject *)alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    PyObject **fields[8] = {&self->op, &self->src, &self->arg, &self->shape, &self->dtype, &self->device,
+                            &self->pinned, &self->arg2};
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *v = PyTuple_GetItem(args, k);
+        Py_INCREF(v);
+        *fields[k] = v;
+    }
+    if (n == 7) {
+        self->arg2 = arg2 != NULL ? arg2 : Py_None;
+        Py_INCREF(self->arg2);
+    }
+    Py_INCREF(Py_None);
+    self->buffer = Py_None;
+    Py_INCREF(Py_None);
+    self->view = Py_None;
+    return (PyObject *)self;
+}
+
+static int node_traverse(NodeObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE((PyObject *)self));
+    Py_VISIT(self->op);
+    Py_VISIT(self->src);
+    Py_VISIT(self->arg);
+    Py_VISIT(self->arg2);
+    Py_VISIT(self->shape);
+    Py_VISIT(self->dtype);
+    Py_VISIT(self->device);
+    Py_VISIT(self->pinned);
+    Py_VISIT(self->buffer);
+    Py_VISIT(self->view);
+    return 0;
+}
+
+static int node_clear(NodeObject *self) {
+    Py_CLEAR(self->op);
+    Py_CLEAR(self->src);
+    Py_CLEAR(self->arg);
+    Py_CLEAR(self->arg2);
+    Py_CLEAR(self->shape);
+    Py_CLEAR(self->dtype);
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->pinned);
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->view);
+    return 0;
+}
+
+static void node_dealloc(NodeObject *self) {
+    PyTypeObject *type = Py_TYPE((PyObject *)self);
+    PyObject_GC_UnTrack(self);
+    node_clear(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free_(self);
+    Py_DECREF(type);
+}
+
+static PyObject *node_repr(NodeObject *self) {
+    PyObject *op = self->op ? PyObject_GetAttrString(self->op, "name") : NULL;
+    PyObject *dt = self->dtype ? PyObject_GetAttrString(self->dtype, "name") : NULL;
+    PyErr_Clear();
+    PyObject *out = PyUnicode_FromFormat("Node(%S, src=%S, arg=%R, shape=%S, %S, %S)", op ? op : Py_None,
+                                         self->src ? self->src : Py_None, self->arg ? self->arg : Py_None,
+                                         self->shape ? self->shape : Py_None, dt ? dt : Py_None,
+                                         self->device ? self->device : Py_None);
+    Py_XDECREF(op);
+    Py_XDECREF(dt);
+    return out;
+}
+
+static PyType_Slot node_slots[] = {
+    {Py_tp_doc, "A node of the graph: its op, sources (ids), arguments, shape, dtype, device, whether its device was "
+                "asked for (pinned), its reference count, and once realized its buffer and view."},
+    {Py_tp_new, node_new},
+    {Py_tp_dealloc, node_dealloc},
+    {Py_tp_traverse, node_traverse},
+    {Py_tp_clear, node_clear},
+    {Py_tp_repr, node_repr},
+    {Py_tp_members, node_members},
+    {0, NULL},
+};
+
+static PyType_Spec node_spec = {"azyx._native.Node", sizeof(NodeObject), 0,
+                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, node_slots};
+
+/* ------------------------------------------------------------------------------------- what setup() tells the walk */
+
+static PyObject *op_const, *op_pad, *op_assign, *op_binary, *scalar_mark, *bool_dtype, *donates_fn;
+static PyObject *s_view, *s_buffer, *s_offset, *s_strides, *s_device, *s_name;
+
+static PyObject *setup(PyObject *mod, PyObject *args) {
+    PyObject *c, *p, *a, *b, *mark, *bdt, *don;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &c, &p, &a, &b, &mark, &bdt, &don))
+        return NULL;
+    PyObject **slots[7] = {&op_const, &op_pad, &op_assign, &op_binary, &scalar_mark, &bool_dtype, &donates_fn};
+    PyObject *vals[7] = {c, p, a, b, mark, bdt, don};
+    for (int k = 0; k < 7; k++) {
+        Py_INCREF(vals[k]);
+        Py_XDECREF(*slots[k]);
+        *slots[k] = vals[k];
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------------------ the walk */
+
+/* A node's place in the walk, by id: marks[i] == epoch says index[i] holds it. One table serves every walk (a walk
+ * runs with the GIL held; one whose callback let another thread walk meanwhile finds the table busy and uses its
+ * own). */
+typedef struct {
+    uint32_t *marks;
+    Py_ssize_t *index;
+    Py_ssize_t cap;
+    uint32_t epoch;
+    int busy;
+} Table;
+
+static Table shared_table;
+
+static int table_reserve(Table *t, Py_ssize_t n) {
+    if (n <= t->cap)
+        return 0;
+    Py_ssize_t cap = t->cap ? t->cap : 1024;
+    while (cap < n)
+        cap *= 2;
+    uint32_t *marks = (uint32_t *)calloc((size_t)cap, sizeof(uint32_t));
+    Py_ssize_t *index = (Py_ssize_t *)malloc((size_t)cap * sizeof(Py_ssize_t));
+    if (marks == NULL || index == NULL) {
+        free(marks);
+        free(index);
+        PyErr_NoMemory();
+        return -1;
+    }
+    free(t->marks);
+    free(t->index);
+    t->epoch = 0;
+    t->marks = marks;
+    t->index = index;
+    t->cap = cap;
+    return 0;
+}
+
+static int table_begin(Table *t, Py_ssize_t n) {
+    if (table_reserve(t, n) < 0)
+        return -1;
+    if (++t->epoch == 0) { /* wrapped: forget every mark */
+        memset(t->marks, 0, (size_t)t->cap * sizeof(uint32_t));
+        t->epoch = 1;
+    }
+    return 0;
+}
+
+static NodeObject *node_at(PyObject *nodes, Py_ssize_t i) {
+    PyObject *n = PyList_GetItem(nodes, i); /* (borrowed; raises IndexError past the end) */
+    if (n == NULL)
+        return NULL;
+    if (Py_TYPE(n) != node_type) {
+        PyErr_Format(PyExc_AssertionError, "node %zd is %R, not a live node", i, n);
+        return NULL;
+    }
+    return (NodeObject *)n;
+}
+
+typedef struct {
+    PyObject *id; /* borrowed from a source tuple or the targets list */
+    Py_ssize_t i;
+    int done;
+} Frame;
+
+typedef struct {
+    Frame *items;
+    Py_ssize_t n, cap;
+} Stack;
+
+static int stack_push(Stack *s, PyObject *id, Py_ssize_t i, int done) {
+    if (s->n == s->cap) {
+        Py_ssize_t cap = s->cap ? 2 * s->cap : 64;
+        Frame *items = (Frame *)realloc(s->items, (size_t)cap * sizeof(Frame));
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->items = items;
+        s->cap = cap;
+    }
+    s->items[s->n++] = (Frame){id, i, done};
+    return 0;
+}
+
+/* (shape, dtype, device, view.offset, view.strides, buffer.device.name): how a leaf looks to a plan */
+static PyObject *leaf_entry(NodeObject *n) {
+    PyObject *off = NULL, *strides = NULL, *dev = NULL, *name = NULL, *out = NULL;
+    if ((off = PyObject_GetAttr(n->view, s_offset)) && (strides = PyObject_GetAttr(n->view, s_strides)) &&
+        (dev = PyObject_GetAttr(n->buffer, s_device)) && (name = PyObject_GetAttr(dev, s_name)))
+        out = PyTuple_Pack(6, n->shape, n->dtype, n->device, off, strides, name);
+    Py_XDECREF(off);
+    Py_XDECREF(strides);
+    Py_XDECREF(dev);
+    Py_XDECREF(name);
+    return out;
+}
+
+static PyObject *small_int(Py_ssize_t k) { return PyLong_FromSsize_t(k); }
+
+/* walk(nodes, targets, graph) -> (entries, target positions, topo, leaves, scalars, scalar nodes, donated)
+ * The iterative form of azyx.walk's recursive walk, in the same order: sources in order, each node after them. */
+static PyObject *walk(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "walk(nodes: list, targets: list, graph)");
+        return NULL;
+    }
+    if (op_const == NULL) {
+        PyErr_SetString(PyExc_AssertionError, "azyx._native.setup() was not called");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *targets = args[1], *graph = args[2];
+    Table own = {NULL, NULL, 0, 0, 0};
+    Table *t = shared_table.busy ? &own : &shared_table;
+    Stack stack = {NULL, 0, 0};
+    PyObject *entries = PyList_New(0), *topo = PyList_New(0), *leaves = PyList_New(0), *scalars = PyList_New(0);
+    PyObject *scalar_nodes = PyList_New(0), *donated = PyDict_New(), *tk = NULL, *result = NULL, *key = NULL;
+    if (!entries || !topo || !leaves || !scalars || !scalar_nodes || !donated)
+        goto fail;
+    if (table_begin(t, PyList_Size(nodes)) < 0)
+        goto fail;
+    t->busy = 1;
+    uint32_t epoch = t->epoch;
+    Py_ssize_t n_targets = PyList_Size(targets);
+    tk = PyTuple_New(n_targets);
+    if (tk == NULL)
+        goto fail;
+    for (Py_ssize_t ti = 0; ti < n_targets; ti++) {
+        PyObject *tid = PyList_GetItem(targets, ti);
+        Py_ssize_t root = PyLong_AsSsize_t(tid);
+        if (root == -1 && PyErr_Occurred())
+            goto fail;
+        if (root < 0 || root >= t->cap) {
+            PyErr_Format(PyExc_IndexError, "node %zd is not in the graph", root);
+            goto fail;
+        }
+        if (t->marks[root] != epoch && stack_push(&stack, tid, root, 0) < 0)
+            goto fail;
+        while (stack.n) {
+            Frame f = stack.items[--stack.n];
+            NodeObject *n = node_at(nodes, f.i);
+            if (n == NULL)
+                goto fail;
+            if (f.done) {
+                Py_ssize_t ns = PyTuple_Size(n->src);
+                PyObject *srck = PyTuple_New(ns);
+                if (srck == NULL)
+                    goto fail;
+                for (Py_ssize_t k = 0; k < ns; k++) {
+                    Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GetItem(n->src, k));
+                    PyObject *pos = small_int(t->index[s]);
+                    if (pos == NULL) {
+                        Py_DECREF(srck);
+                        goto fail;
+                    }
+                    PyTuple_SetItem(srck, k, pos);
+                }
+                PyObject *arg = n->arg, *arg2 = n->arg2, *scalar = NULL;
+                PyObject *flag = NULL;
+                if (n->op == op_binary) {
+                    if (arg2 != Py_None)
+                        scalar = arg2, arg2 = scalar_mark;
+                } else if (n->op == op_const) {
+                    if (n->dtype != bool_dtype)
+                        scalar = arg, arg = scalar_mark;
+                } else if (n->op == op_pad) {
+                    if (n->dtype != bool_dtype)
+                        scalar = arg2, arg2 = scalar_mark;
+                } else if (n->op == op_assign) {
+                    flag = PyObject_CallFunctionObjArgs(donates_fn, graph, (PyObject *)n, NULL);
+                    if (flag == NULL) {
+                        Py_DECREF(srck);
+                        goto fail;
+                    }
+                    arg2 = flag;
+                }
+                Py_ssize_t k = PyList_Size(entries);
+                PyObject *entry = PyTuple_Pack(8, n->op, arg, arg2, n->shape, n->dtype, n->device, n->pinned, srck);
+                Py_DECREF(srck);
+                int bad = entry == NULL || PyList_Append(entries, entry) < 0 || PyList_Append(topo, f.id) < 0;
+                Py_XDECREF(entry);
+                if (!bad && scalar != NULL)
+                    bad = PyList_Append(scalars, scalar) < 0 || PyList_Append(scalar_nodes, f.id) < 0;
+                if (!bad && flag == Py_True) {
+                    PyObject *pos = small_int(k);
+                    bad = pos == NULL || PyDict_SetItem(donated, f.id, pos) < 0;
+                    Py_XDECREF(pos);
+                }
+                Py_XDECREF(flag);
+                if (bad)
+                    goto fail;
+                t->marks[f.i] = epoch;
+                t->index[f.i] = k;
+                continue;
+            }
+            if (t->marks[f.i] == epoch)
+                continue;
+            if (n->buffer != Py_None) {
+                Py_INCREF((PyObject *)n); /* (the callbacks in leaf_entry may run anything) */
+                PyObject *entry = leaf_entry(n);
+                Py_DECREF((PyObject *)n);
+                Py_ssize_t k = PyList_Size(entries);
+                int bad = entry == NULL || PyList_Append(entries, entry) < 0 || PyList_Append(leaves, f.id) < 0;
+                Py_XDECREF(entry);
+                if (bad)
+                    goto fail;
+                t->marks[f.i] = epoch;
+                t->index[f.i] = k;
+                continue;
+            }
+            if (stack_push(&stack, f.id, f.i, 1) < 0)
+                goto fail;
+            for (Py_ssize_t k = PyTuple_Size(n->src) - 1; k >= 0; k--) {
+                PyObject *sid = PyTuple_GetItem(n->src, k);
+                Py_ssize_t s = PyLong_AsSsize_t(sid);
+                if (s < 0 || s >= t->cap) {
+                    if (!PyErr_Occurred())
+                        PyErr_Format(PyExc_IndexError, "source %zd of node %zd is not in the graph", s, f.i);
+                    goto fail;
+                }
+                if (t->marks[s] != epoch && stack_push(&stack, sid, s, 0) < 0)
+                    goto fail;
+            }
+        }
+        PyObject *pos = small_int(t->index[root]);
+        if (pos == NULL)
+            goto fail;
+        PyTuple_SetItem(tk, ti, pos);
+    }
+    key = PyList_AsTuple(entries);
+    if (key == NULL)
+        goto fail;
+    result = PyTuple_Pack(7, key, tk, topo, leaves, scalars, scalar_nodes, donated);
+fail:
+    t->busy = 0;
+    if (t == &own) {
+        free(own.marks);
+        free(own.index);
+    }
+    free(stack.items);
+    Py_XDECREF(key);
+    Py_XDECREF(tk);
+    Py_XDECREF(entries);
+    Py_XDECREF(topo);
+    Py_XDECREF(leaves);
+    Py_XDECREF(scalars);
+    Py_XDECREF(scalar_nodes);
+    Py_XDECREF(donated);
+    return result;
+}
+
+/* --------------------------------------------------------------------------------------------------- the release */
+
+/* release(nodes, free, kept, i): Graph.release. Drops one reference to node i; when it was the last, the node's slot
+ * is freed (its id to `free`, out of every id set of `kept`) and its sources are released in turn. */
+static PyObject *release(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "release(nodes: list, free: list, kept: list, i: int)");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *freed = args[1], *kept = args[2];
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    NodeObject *n = node_at(nodes, i);
+    if (n == NULL)
+        return NULL;
+    if (n->rc <= 0) {
+        PyErr_Format(PyExc_AssertionError, "release of dead node %zd", i);
+        return NULL;
+    }
+    if (--n->rc)
+        Py_RETURN_NONE;
+    Py_ssize_t cap = 64, top = 0;
+    Py_ssize_t *stack = (Py_ssize_t *)malloc((size_t)cap * sizeof(Py_ssize_t));
+    if (stack == NULL)
+        return PyErr_NoMemory();
+    stack[top++] = i;
+    Py_ssize_t n_kept = PyList_Size(kept);
+    PyObject *ok = Py_None;
+    while (top) {
+        Py_ssize_t j = stack[--top];
+        PyObject *jid = PyLong_FromSsize_t(j);
+        NodeObject *m = jid ? node_at(nodes, j) : NULL;
+        if (m == NULL) {
+            Py_XDECREF(jid);
+            ok = NULL;
+            break;
+        }
+        Py_INCREF((PyObject *)m);
+        Py_INCREF(Py_None);
+        PyList_SetItem(nodes, j, Py_None); /* (steals None; drops the list's reference to m) */
+        int bad = PyList_Append(freed, jid) < 0;
+        for (Py_ssize_t k = 0; k < n_kept && !bad; k++) /* the id will be reused: it must not look recorded */
+            bad = PySet_Discard(PyList_GetItem(kept, k), jid) < 0;
+        Py_DECREF(jid);
+        Py_ssize_t ns = bad ? 0 : PyTuple_Size(m->src);
+        for (Py_ssize_t k = 0; k < ns && !bad; k++) {
+            Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GetItem(m->src, k));
+            NodeObject *src = s < 0 ? NULL : node_at(nodes, s);
+            if (src == NULL) {
+                bad = 1;
+                break;
+            }
+            if (--src->rc == 0) {
+                if (top == cap) {
+                    Py_ssize_t *more = (Py_ssize_t *)realloc(stack, (size_t)(2 * cap) * sizeof(Py_ssize_t));
+                    if (more == NULL) {
+                        PyErr_NoMemory();
+                        bad = 1;
+                        break;
+                    }
+                    stack = more;
+                    cap *= 2;
+                }
+                stack[top++] = s;
+            }
+        }
+        Py_DECREF((PyObject *)m); /* (its buffer goes back to its pool here, as in Python) */
+        if (bad) {
+            ok = NULL;
+            break;
+        }
+    }
+    free(stack);
+    if (ok == NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------- building: x op y */
+
+/* what setup_tensor() tells the operators: the handle type, the graph and its lists, the dtypes by kind */
+static PyObject *tensor_type, *graph_obj, *graph_nodes, *graph_free, *float_dtypes, *int_dtypes, *disk_name;
+static PyObject *s_id, *s_recording;
+
+static PyObject *setup_tensor(PyObject *mod, PyObject *args) {
+    PyObject *tt, *g, *fl, *in, *disk;
+    if (!PyArg_ParseTuple(args, "OOOOO", &tt, &g, &fl, &in, &disk))
+        return NULL;
+    PyObject *nodes = PyObject_GetAttrString(g, "nodes"), *free_ = PyObject_GetAttrString(g, "free");
+    if (nodes == NULL || free_ == NULL || !PyList_Check(nodes) || !PyList_Check(free_) || !PyTuple_Check(fl) ||
+        !PyTuple_Check(in)) {
+        Py_XDECREF(nodes);
+        Py_XDECREF(free_);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "setup_tensor(Tensor, graph, float dtypes, int dtypes, disk)");
+        return NULL;
+    }
+    PyObject **slots[7] = {&tensor_type, &graph_obj, &graph_nodes, &graph_free, &float_dtypes, &int_dtypes, &disk_name};
+    PyObject *vals[7] = {tt, g, nodes, free_, fl, in, disk};
+    for (int k = 0; k < 7; k++) {
+        if (k != 2 && k != 3)
+            Py_INCREF(vals[k]);
+        Py_XDECREF(*slots[k]);
+        *slots[k] = vals[k];
+    }
+    Py_RETURN_NONE;
+}
+
+static int in_tuple(PyObject *tuple, PyObject *x) {
+    Py_ssize_t n = PyTuple_Size(tuple);
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (PyTuple_GetItem(tuple, k) == x)
+            return 1;
+    return 0;
+}
+
+static NodeObject *node_make(PyObject *op, PyObject *src, PyObject *arg, PyObject *shape, PyObject *dtype,
+                             PyObject *device, PyObject *pinned, PyObject *arg2) {
+    allocfunc alloc = (allocfunc)PyType_GetSlot(node_type, Py_tp_alloc);
+    NodeObject *n = (NodeObject *)alloc(node_type, 0);
+    if (n == NULL)
+        return NULL;
+    PyObject *vals[10] = {op, src, arg, arg2, shape, dtype, device, pinned, Py_None, Py_None};
+    PyObject **fields[10] = {&n->op, &n->src, &n->arg, &n->arg2, &n->shape, &n->dtype, &n->device, &n->pinned,
+                             &n->buffer, &n->view};
+    for (int k = 0; k < 10; k++) {
+        Py_INCREF(vals[k]);
+        *fields[k] = vals[k];
+    }
+    return n;
+}
+
+/* Graph.add: the node takes a free slot (or a new one) and a reference to each source; live tapes record it.
+ * Returns the new id (a new reference), or NULL. */
+static PyObject *graph_add(NodeObject *node) {
+    Py_ssize_t ns = PyTuple_Size(node->src);
+    for (Py_ssize_t k = 0; k < ns; k++) {
+        NodeObject *s = node_at(graph_nodes, PyLong_AsSsize_t(PyTuple_GetItem(node->src, k)));
+        if (s == NULL)
+            return NULL;
+        s->rc++;
+    }
+    PyObject *id;
+    Py_ssize_t nf = PyList_Size(graph_free);
+    if (nf > 0) {
+        id = PyList_GetItem(graph_free, nf - 1);
+        Py_INCREF(id);
+        if (PyList_SetSlice(graph_free, nf - 1, nf, NULL) < 0) {
+            Py_DECREF(id);
+            return NULL;
+        }
+        Py_INCREF((PyObject *)node);
+        if (PyList_SetItem(graph_nodes, PyLong_AsSsize_t(id), (PyObject *)node) < 0) {
+            Py_DECREF(id);
+            return NULL;
+        }
+    } else {
+        id = PyLong_FromSsize_t(PyList_Size(graph_nodes));
+        if (id == NULL || PyList_Append(graph_nodes, (PyObject *)node) < 0) {
+            Py_XDECREF(id);
+            return NULL;
+        }
+    }
+    PyObject *recording = PyObject_GetAttr(graph_obj, s_recording);
+    if (recording == NULL) {
+        Py_DECREF(id);
+        return NULL;
+    }
+    Py_ssize_t nr = PyList_Check(recording) ? PyList_Size(recording) : 0;
+    for (Py_ssize_t k = 0; k < nr; k++)
+        if (PySet_Add(PyList_GetItem(recording, k), id) < 0) {
+            Py_DECREF(recording);
+            Py_DECREF(id);
+            return NULL;
+        }
+    Py_DECREF(recording);
+    return id;
+}
+
+static NodeObject *handle_node(PyObject *handle) {
+    PyObject *id = PyObject_GetAttr(handle, s_id);
+    if (id == NULL)
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(id);
+    Py_DECREF(id);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    return node_at(graph_nodes, i);
+}
+
+/* A new handle of the node: added to the graph, its count one (the handle's). */
+static PyObject *new_handle(NodeObject *node) {
+    PyObject *id = graph_add(node);
+    if (id == NULL)
+        return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)tensor_type, Py_tp_alloc);
+    PyObject *t = alloc((PyTypeObject *)tensor_type, 0);
+    if (t == NULL || PyObject_SetAttr(t, s_id, id) < 0) {
+        /* (the node stays in the graph unreferenced: the same as a Python failure at this point) */
+        Py_XDECREF(t);
+        Py_DECREF(id);
+        return NULL;
+    }
+    Py_DECREF(id);
+    node->rc++;
+    return t;
+}
+
+enum { OUT_BOOL = 1, INT_NUMBERS = 2, FLOAT_OK = 4, REVERSE = 8, FLOAT_KIND = 16 };
+
+/* binary(op, flags, x, other): the operators' common cases (tensor.py's `_binop`, which says which): a number of
+ * the tensor's kind, or a tensor of the same dtype, shape and device. None for anything else: the caller builds it. */
+static PyObject *binary(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "binary(op, flags, x, other)");
+        return NULL;
+    }
+    if (tensor_type == NULL)
+        Py_RETURN_NONE;
+    PyObject *op = args[0], *self = args[2], *other = args[3];
+    long flags = PyLong_AsLong(args[1]);
+    if (flags == -1 && PyErr_Occurred())
+        return NULL;
+    NodeObject *na = handle_node(self);
+    if (na == NULL)
+        return NULL;
+    PyTypeObject *tp = Py_TYPE(other);
+    PyObject *out_dt = (flags & OUT_BOOL) ? bool_dtype : na->dtype;
+    if (tp == &PyFloat_Type || tp == &PyLong_Type) {
+        if (na->op == op_const)
+            Py_RETURN_NONE;
+        int is_float = in_tuple(float_dtypes, na->dtype);
+        int ok = (is_float && (flags & FLOAT_OK)) ||
+                 (tp == &PyLong_Type && (flags & INT_NUMBERS) && in_tuple(int_dtypes, na->dtype));
+        if (!ok || PyObject_RichCompareBool(na->device, disk_name, Py_EQ) != 0)
+            Py_RETURN_NONE;
+        PyObject *value = (is_float && tp == &PyLong_Type) ? PyNumber_Float(other) : (Py_INCREF(other), other);
+        if (value == NULL)
+            return NULL;
+        PyObject *self_id = PyObject_GetAttr(self, s_id), *src = NULL, *out = NULL;
+        NodeObject *node = NULL;
+        if (self_id == NULL)
+            goto number_done;
+        if (!(flags & REVERSE)) { /* x op number: the number is the op's own (Op.BINARY's arg2) */
+            src = PyTuple_Pack(1, self_id);
+            if (src != NULL)
+                node = node_make(op_binary, src, op, na->shape, out_dt, na->device, na->pinned, value);
+        } else { /* number op x: a constant */
+            PyObject *empty = PyTuple_New(0);
+            NodeObject *c = empty ? node_make(op_const, empty, value, na->shape, na->dtype, na->device, na->pinned,
+                                              Py_None) : NULL;
+            Py_XDECREF(empty);
+            PyObject *cid = c ? graph_add(c) : NULL;
+            Py_XDECREF((PyObject *)c);
+            if (cid != NULL) {
+                src = PyTuple_Pack(2, cid, self_id);
+                Py_DECREF(cid);
+                if (src != NULL)
+                    node = node_make(op_binary, src, op, na->shape, out_dt, na->device, na->pinned, Py_None);
+            }
+        }
+        if (node != NULL)
+            out = new_handle(node);
+    number_done:
+        Py_XDECREF((PyObject *)node);
+        Py_XDECREF(src);
+        Py_XDECREF(self_id);
+        Py_DECREF(value);
+        return out;
+    }
+    if ((PyObject *)tp != tensor_type)
+        Py_RETURN_NONE;
+    NodeObject *nb = handle_node(other);
+    if (nb == NULL)
+        return NULL;
+    if (nb->dtype != na->dtype || (na->op == op_const && nb->op == op_const))
+        Py_RETURN_NONE;
+    int is_float = in_tuple(float_dtypes, na->dtype);
+    if (((flags & FLOAT_KIND) && !is_float) || (!(flags & FLOAT_OK) && is_float))
+        Py_RETURN_NONE;
+    int same = PyObject_RichCompareBool(nb->device, na->device, Py_EQ);
+    if (same != 1)
+        return same < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    same = PyObject_RichCompareBool(nb->shape, na->shape, Py_EQ); /* (broadcasting: the caller's) */
+    if (same != 1)
+        return same < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    int disk = PyObject_RichCompareBool(na->device, disk_name, Py_EQ);
+    if (disk != 0)
+        return disk < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    int pinned = PyObject_IsTrue(na->pinned);
+    if (pinned < 0)
+        return NULL;
+    PyObject *a_id = PyObject_GetAttr(self, s_id), *b_id = a_id ? PyObject_GetAttr(other, s_id) : NULL;
+    PyObject *src = NULL, *out = NULL;
+    if (b_id != NULL)
+        src = (flags & REVERSE) ? PyTuple_Pack(2, b_id, a_id) : PyTuple_Pack(2, a_id, b_id);
+    NodeObject *node = src ? node_make(op_binary, src, op, na->shape, out_dt, na->device,
+                                       pinned ? na->pinned : nb->pinned, Py_None) : NULL;
+    if (node != NULL)
+        out = new_handle(node);
+    Py_XDECREF((PyObject *)node);
+    Py_XDECREF(src);
+    Py_XDECREF(a_id);
+    Py_XDECREF(b_id);
+    return out;
+}
+
+/* ------------------------------------------------------------------------------------------------------ the module */
+
+static PyMethodDef methods[] = {
+    {"setup", setup, METH_VARARGS,
+     "setup(CONST, PAD, ASSIGN, BINARY, scalar mark, bool dtype, donates): what the walk needs of azyx.graph"},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
+     "walk(nodes, targets, graph) -> (entries, target positions, topo, leaves, scalars, scalar nodes, donated)"},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
+     "release(nodes, free, kept, i): drop a reference to node i, freeing it and its sources as their last goes"},
+    {"setup_tensor", setup_tensor, METH_VARARGS,
+     "setup_tensor(Tensor, graph, float dtypes, int dtypes, disk device's name): what the operators need"},
+    {"binary", (PyCFunction)(void (*)(void))binary, METH_FASTCALL,
+     "binary(op, flags, x, other) -> the new handle of x op other, or None where the caller builds it"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "azyx._native",
+                                    "azyx's native core: the graph's node, the canonical walk, the release of nodes.",
+                                    -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    node_type = (PyTypeObject *)PyType_FromSpec(&node_spec);
+    if (node_type == NULL || PyModule_AddObject(m, "Node", (PyObject *)node_type) < 0)
+        goto fail;
+    Py_INCREF((PyObject *)node_type); /* (the module's reference was stolen; this one is the walk's) */
+    const char *names[8] = {"view", "buffer", "offset", "strides", "device", "name", "id", "recording"};
+    PyObject **interned[8] = {&s_view, &s_buffer, &s_offset, &s_strides, &s_device, &s_name, &s_id, &s_recording};
+    for (int k = 0; k < 8; k++)
+        if ((*interned[k] = PyUnicode_InternFromString(names[k])) == NULL)
+            goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,206 @@
+"""azyx's native core (azyx/_native.c) against the Python it replaces: the canonical walk of random graphs gives the
+same key, order, leaves, scalars and donations; releasing nodes frees the same slots; nodes behave as the Python
+class's do. The suite as a whole runs on the native core wherever it is built (`pip install -e .` builds it)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import weakref
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import Tensor
+from azyx import walk as walk_mod
+from azyx.dtypes import dtypes
+from azyx.graph import Graph, Node, Op, native
+from azyx.runtime import GRAPH
+from azyx.tape import GradientTape
+
+pytestmark = pytest.mark.skipif(native is None and os.environ.get("AZYX_NATIVE") == "0",
+                                reason="AZYX_NATIVE=0: the Python core alone")
+
+
+def test_native_core_is_built() -> None:
+    """An install from source builds the extension (a lost build would quietly run the slower Python)."""
+    assert native is not None and Node is native.Node, \
+        "azyx._native is not built: `pip install -e .` (needs a C compiler and Python headers)"
+
+
+def _walks(targets: list[int]) -> list[walk_mod.Walk]:
+    assert native is not None
+    return [walk_mod._walk_native(GRAPH, targets), walk_mod._walk_recursive(GRAPH, targets),
+            walk_mod._walk_iterative(GRAPH, targets)]
+
+
+def _same(walks: list[walk_mod.Walk]) -> None:
+    first = walks[0]
+    for w in walks[1:]:
+        assert w.key == first.key
+        assert hash(w.key) == hash(first.key)
+        assert w.topo == first.topo and w.leaves == first.leaves
+        assert w.scalars == first.scalars and w.scalar_nodes == first.scalar_nodes
+        assert w.scalar_of == first.scalar_of and w.donated == first.donated
+
+
+def _random_graph(rng: np.random.Generator, leaves: list[tuple[Tensor, np.ndarray]]
+                  ) -> list[tuple[Tensor, np.ndarray]]:
+    """A graph of every kind of node the walk treats apart, with numpy's value of each: numbers on binary ops (both
+    sides), constants (bool ones too), pads with a fill, shared sources, realized intermediates, movement, reductions,
+    where, casts."""
+    vals = list(leaves)
+    for _ in range(int(rng.integers(3, 25))):
+        a, an = vals[int(rng.integers(len(vals)))]
+        b, bn = vals[int(rng.integers(len(vals)))]
+        c = float(rng.integers(-8, 8)) / 4
+        choice = int(rng.integers(12))
+        if choice == 0:
+            y, yn = a * c, an * np.float32(c)
+        elif choice == 1:
+            y, yn = c - a, np.float32(c) - an
+        elif choice == 2:
+            y, yn = a + b, an + bn
+        elif choice == 3:
+            y, yn = a * a, an * an
+        elif choice == 4:
+            y, yn = Tensor.where(a > b, a, c), np.where(an > bn, an, np.float32(c))
+        elif choice == 5:
+            y, yn = Tensor.where(a > 0, a, b).relu(), np.maximum(np.where(an > 0, an, bn), 0)
+        elif choice == 6:
+            y = a.pad(((1, 0), (0, 2)), value=c)[1:, :-2]
+            yn = np.pad(an, ((1, 0), (0, 2)), constant_values=c)[1:, :-2]
+        elif choice == 7:
+            y, yn = a.T.T.exp() * 0.5, np.exp(an) * np.float32(0.5)
+        elif choice == 8:
+            y, yn = (a.sum(axis=1, keepdim=True) + b) / 3.0, (an.sum(axis=1, keepdims=True) + bn) / np.float32(3)
+        elif choice == 9:
+            y = a.cast(dtypes.float16).cast(dtypes.float32) + Tensor.full(a.shape, c)
+            yn = an.astype(np.float16).astype(np.float32) + np.float32(c)
+        elif choice == 10:
+            y, yn = Tensor.where(Tensor.full(a.shape, True, dtype=dtypes.bool), a, b), an
+        else:
+            y, yn = (a * c).realize_sync(), an * np.float32(c)  # a realized node in the middle
+        if np.abs(yn).max() > 1e6:  # (exp of exp: keep the values comparable)
+            continue
+        vals.append((y, yn.astype(np.float32)))
+    n = int(rng.integers(1, 4))
+    return [vals[-1 - int(k)] for k in rng.choice(min(len(vals), 6), size=n, replace=False)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_walk_matches_python(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for _ in range(3):
+        xn = rng.standard_normal((4, 6)).astype(np.float32)
+        leaves.append((Tensor(xn), xn))
+    outs = _random_graph(rng, leaves)
+    targets = list(dict.fromkeys(t.id for t, _ in outs if GRAPH[t.id].buffer is None))
+    if targets:
+        _same(_walks(targets))
+    asyncio.run(azyx.realize(*[t for t, _ in outs]))  # the plan made from the native walk computes numpy's values
+    for t, ref in outs:
+        np.testing.assert_allclose(t.numpy_sync(), ref, rtol=2e-3, atol=1e-5)
+
+
+def test_walk_scalars_reach_kernels() -> None:
+    """Graphs that differ only in numbers share a key; each realize binds its own numbers (numpy's values)."""
+    xn = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x = Tensor(xn)
+    keys = set()
+    for a, b, fill in [(0.5, 1.0, -1.0), (2.0, -3.0, 7.0), (-1.25, 0.0, 2.5)]:
+        y = ((x * a + b).relu() - a).pad(((0, 1), (1, 0)), value=fill)
+        keys.add(walk_mod.canonicalize(GRAPH, [y.id]).key)
+        ref = np.pad(np.maximum(xn * a + b, 0) - a, ((0, 1), (1, 0)), constant_values=fill)
+        np.testing.assert_allclose(y.numpy_sync(), ref, rtol=1e-6)
+    assert len(keys) == 1
+
+
+def test_walk_donations_match_python() -> None:
+    """An ASSIGN into a buffer nothing else holds is donated in both walks; one whose base another leaf reads is not."""
+    w = Tensor(np.zeros((4, 4), np.float32)).realize_sync()
+    w[1:3] = 5.0
+    _same(_walks([w.id]))
+    assert walk_mod._walk_native(GRAPH, [w.id]).donated
+    v = Tensor(np.ones((4, 4), np.float32)).realize_sync()
+    view = v.T  # another handle reads v's buffer: not donated
+    v[0] = 2.0
+    walks = _walks([v.id, view.id])
+    _same(walks)
+    np.testing.assert_array_equal(v.numpy_sync()[0], np.full(4, 2.0, np.float32))
+    np.testing.assert_array_equal(view.numpy_sync(), np.ones((4, 4), np.float32))
+
+
+def test_walk_of_a_deep_chain() -> None:
+    """The native walk is iterative: a chain far deeper than Python's recursion limit walks (and computes)."""
+    x = Tensor(np.ones(8, np.float32))
+    y = x
+    for _ in range(20000):
+        y = y + 1.0
+    w = walk_mod.canonicalize(GRAPH, [y.id])
+    assert len(w.topo) == 20000 and len(w.scalars) == 20000 and w.leaves == [x.id]
+    assert w.key == walk_mod._walk_iterative(GRAPH, [y.id]).key
+
+
+def test_release_frees_what_python_frees() -> None:
+    """Dropping the last handle frees a whole graph, slot by slot, and the slots are reused; a tape's id sets lose
+    the freed ids."""
+    before = len(GRAPH)
+    x = Tensor(np.ones((2, 3), np.float32))
+    ys = [x * float(k) + x for k in range(50)]
+    shared = ys[0] * ys[1]
+    assert len(GRAPH) > before + 100
+    del ys, shared
+    assert len(GRAPH) == before + 1
+    del x
+    assert len(GRAPH) == before
+    with GradientTape():
+        a = Tensor(np.ones(3, np.float32))
+        b = a * 2.0
+        bid = b.id
+        assert any(bid in ids for ids in GRAPH.kept)
+        del b
+        assert not any(bid in ids for ids in GRAPH.kept)
+
+
+def test_release_of_a_dead_node_is_an_assertion() -> None:
+    g = Graph()
+    i = g.add(Node(Op.CONST, (), 1.0, (), dtypes.float32, "c:0", False))
+    g.retain(i)
+    g.release(i)
+    with pytest.raises(AssertionError):
+        g.release(i)
+
+
+def test_node_fields_and_repr() -> None:
+    x = Tensor(np.ones((2, 2), np.float32)) * 3.0
+    n = GRAPH[x.id]
+    assert n.op is Op.BINARY and n.arg == "mul" and n.arg2 == 3.0 and n.shape == (2, 2) and n.buffer is None
+    n.pinned = True
+    assert n.pinned is True
+    assert repr(n).startswith("Node(BINARY, src=(") and "float32" in repr(n)
+    with pytest.raises(TypeError):
+        Node(Op.CONST, ())  # type: ignore[call-arg]  # too few arguments
+    with pytest.raises(TypeError):
+        Node(Op.CONST, (), 1.0, (), dtypes.float32, "c:0", False, value=None)  # type: ignore[call-arg]
+    assert Node(Op.PAD, (1,), ((0, 1),), (3,), dtypes.float32, "c:0", False, arg2=2.5).arg2 == 2.5
+
+
+def test_node_in_a_cycle_is_collected() -> None:
+    """A node that holds itself (through its argument) is freed by the cyclic collector, not leaked."""
+    n = Node(Op.CONST, (), None, (), dtypes.float32, "c:0", False)
+    holder = [n]
+    n.arg = holder
+
+    class Probe:
+        pass
+
+    probe = Probe()
+    n.arg2 = probe
+    gone = weakref.ref(probe)
+    del n, holder, probe
+    gc.collect()
+    assert gone() is None
