@@ -411,30 +411,24 @@ fail:
 
 /* --------------------------------------------------------------------------------------------------- the release */
 
-/* release(nodes, free, kept, i): Graph.release. Drops one reference to node i; when it was the last, the node's slot
- * is freed (its id to `free`, out of every id set of `kept`) and its sources are released in turn. */
-static PyObject *release(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "release(nodes: list, free: list, kept: list, i: int)");
-        return NULL;
-    }
-    PyObject *nodes = args[0], *freed = args[1], *kept = args[2];
-    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
+/* Graph.release: drops one reference to node i; when it was the last, the node's slot is freed (its id to `freed`,
+ * out of every id set of `kept`) and its sources are released in turn. 0, or -1 with an exception set. */
+static int release_node(PyObject *nodes, PyObject *freed, PyObject *kept, Py_ssize_t i) {
     NodeObject *n = node_at(nodes, i);
     if (n == NULL)
-        return NULL;
+        return -1;
     if (n->rc <= 0) {
         PyErr_Format(PyExc_AssertionError, "release of dead node %zd", i);
-        return NULL;
+        return -1;
     }
     if (--n->rc)
-        Py_RETURN_NONE;
+        return 0;
     Py_ssize_t cap = 64, top = 0;
     Py_ssize_t *stack = (Py_ssize_t *)malloc((size_t)cap * sizeof(Py_ssize_t));
-    if (stack == NULL)
-        return PyErr_NoMemory();
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     stack[top++] = i;
     Py_ssize_t n_kept = PyList_Size(kept);
     PyObject *ok = Py_None;
@@ -483,7 +477,17 @@ static PyObject *release(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     free(stack);
-    if (ok == NULL)
+    return ok == NULL ? -1 : 0;
+}
+
+/* release(nodes, free, kept, i) */
+static PyObject *release(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "release(nodes: list, free: list, kept: list, i: int)");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if ((i == -1 && PyErr_Occurred()) || release_node(args[0], args[1], args[2], i) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -493,18 +497,22 @@ static PyObject *release(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 /* what setup_tensor() tells the operators: the handle type, the graph and its lists, the dtypes by kind */
 static PyObject *tensor_type, *graph_obj, *graph_nodes, *graph_free, *float_dtypes, *int_dtypes, *disk_name;
 static PyObject *s_id, *s_recording;
+static PyObject *method_type; /* types.MethodType: what `t.__add__` gives (Method below) */
 
 static PyObject *setup_tensor(PyObject *mod, PyObject *args) {
-    PyObject *tt, *g, *fl, *in, *disk;
-    if (!PyArg_ParseTuple(args, "OOOOO", &tt, &g, &fl, &in, &disk))
+    PyObject *tt, *g, *fl, *in, *disk, *mt;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &tt, &g, &fl, &in, &disk, &mt))
         return NULL;
+    Py_INCREF(mt);
+    Py_XDECREF(method_type);
+    method_type = mt;
     PyObject *nodes = PyObject_GetAttrString(g, "nodes"), *free_ = PyObject_GetAttrString(g, "free");
     if (nodes == NULL || free_ == NULL || !PyList_Check(nodes) || !PyList_Check(free_) || !PyTuple_Check(fl) ||
         !PyTuple_Check(in)) {
         Py_XDECREF(nodes);
         Py_XDECREF(free_);
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "setup_tensor(Tensor, graph, float dtypes, int dtypes, disk)");
+            PyErr_SetString(PyExc_TypeError, "setup_tensor(Tensor, graph, float dtypes, int dtypes, disk, MethodType)");
         return NULL;
     }
     PyObject **slots[7] = {&tensor_type, &graph_obj, &graph_nodes, &graph_free, &float_dtypes, &int_dtypes, &disk_name};
@@ -622,17 +630,9 @@ enum { OUT_BOOL = 1, INT_NUMBERS = 2, FLOAT_OK = 4, REVERSE = 8, FLOAT_KIND = 16
 
 /* binary(op, flags, x, other): the operators' common cases (tensor.py's `_binop`, which says which): a number of
  * the tensor's kind, or a tensor of the same dtype, shape and device. None for anything else: the caller builds it. */
-static PyObject *binary(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "binary(op, flags, x, other)");
-        return NULL;
-    }
+static PyObject *binary_impl(PyObject *op, long flags, PyObject *self, PyObject *other) {
     if (tensor_type == NULL)
         Py_RETURN_NONE;
-    PyObject *op = args[0], *self = args[2], *other = args[3];
-    long flags = PyLong_AsLong(args[1]);
-    if (flags == -1 && PyErr_Occurred())
-        return NULL;
     NodeObject *na = handle_node(self);
     if (na == NULL)
         return NULL;
@@ -717,6 +717,255 @@ static PyObject *binary(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
     return out;
 }
 
+static PyObject *binary(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "binary(op, flags, x, other)");
+        return NULL;
+    }
+    long flags = PyLong_AsLong(args[1]);
+    if (flags == -1 && PyErr_Occurred())
+        return NULL;
+    return binary_impl(args[0], flags, args[2], args[3]);
+}
+
+/* The handle's finalizer (Tensor.__del__): one reference to its node less. A handle without an id (a failed
+ * __init__, interpreter shutdown) has nothing to give back. */
+static PyObject *handle_del(PyObject *t) {
+    PyObject *id = PyObject_GetAttr(t, s_id);
+    if (id == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_TypeError))
+            PyErr_Clear();
+        return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(id);
+    Py_DECREF(id);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *n = PyList_GetItem(graph_nodes, i);
+    if (n != NULL && Py_TYPE(n) == node_type && ((NodeObject *)n)->rc > 1) { /* (release's common case) */
+        ((NodeObject *)n)->rc--;
+        Py_RETURN_NONE;
+    }
+    PyErr_Clear();
+    PyObject *kept = PyObject_GetAttrString(graph_obj, "kept");
+    if (kept == NULL)
+        return NULL;
+    int err = PyList_Check(kept) ? release_node(graph_nodes, graph_free, kept, i) : -1;
+    Py_DECREF(kept);
+    if (err < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "graph.kept is not a list");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Method(op, flags, fallback, name, qualname, doc): a Tensor operator in C (`binary`, then `fallback(x, other)` where
+ * that returns None); Method(None, 0, None, "__del__", ...): the handle's finalizer. Called unbound with the handle
+ * first (a method descriptor: Python's operator slots and method calls make no bound method of it). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *op, *fallback, *name, *qualname, *doc;
+    long flags;
+} MethodObject;
+
+
+static PyObject *method_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *op, *fallback, *name, *qualname, *doc;
+    long flags;
+    if (!PyArg_ParseTuple(args, "OlOOOO", &op, &flags, &fallback, &name, &qualname, &doc))
+        return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    MethodObject *self = (MethodObject *)alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    PyObject *vals[5] = {op, fallback, name, qualname, doc};
+    PyObject **fields[5] = {&self->op, &self->fallback, &self->name, &self->qualname, &self->doc};
+    for (int k = 0; k < 5; k++) {
+        Py_INCREF(vals[k]);
+        *fields[k] = vals[k];
+    }
+    self->flags = flags;
+    return (PyObject *)self;
+}
+
+static PyObject *method_call(MethodObject *self, PyObject *args, PyObject *kwds) {
+    Py_ssize_t n = PyTuple_Size(args);
+    if (self->op == Py_None) {
+        if (n != 1 || (kwds != NULL && PyDict_Size(kwds))) {
+            PyErr_SetString(PyExc_TypeError, "__del__(self)");
+            return NULL;
+        }
+        return handle_del(PyTuple_GetItem(args, 0));
+    }
+    if (n != 2 || (kwds != NULL && PyDict_Size(kwds))) {
+        PyErr_Format(PyExc_TypeError, "%S() takes a tensor and one operand", self->qualname);
+        return NULL;
+    }
+    PyObject *x = PyTuple_GetItem(args, 0), *other = PyTuple_GetItem(args, 1);
+    if (tensor_type == NULL || !PyObject_TypeCheck(x, (PyTypeObject *)tensor_type))
+        return PyObject_CallFunctionObjArgs(self->fallback, x, other, NULL);
+    PyObject *out = binary_impl(self->op, self->flags, x, other);
+    if (out != Py_None)
+        return out;
+    Py_DECREF(out);
+    return PyObject_CallFunctionObjArgs(self->fallback, x, other, NULL);
+}
+
+static PyObject *method_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None || method_type == NULL) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyObject_CallFunctionObjArgs(method_type, self, obj, NULL);
+}
+
+static int method_traverse(MethodObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE((PyObject *)self));
+    Py_VISIT(self->op);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->name);
+    Py_VISIT(self->qualname);
+    Py_VISIT(self->doc);
+    return 0;
+}
+
+static int method_clear(MethodObject *self) {
+    Py_CLEAR(self->op);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->qualname);
+    Py_CLEAR(self->doc);
+    return 0;
+}
+
+static void method_dealloc(MethodObject *self) {
+    PyTypeObject *type = Py_TYPE((PyObject *)self);
+    PyObject_GC_UnTrack(self);
+    method_clear(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free_(self);
+    Py_DECREF(type);
+}
+
+static PyObject *method_repr(MethodObject *self) {
+    return PyUnicode_FromFormat("<azyx operator %S>", self->qualname);
+}
+
+static PyMemberDef method_members[] = {
+    {"__name__", T_OBJECT, offsetof(MethodObject, name), READONLY, NULL},
+    {"__qualname__", T_OBJECT, offsetof(MethodObject, qualname), READONLY, NULL},
+    {"__doc__", T_OBJECT, offsetof(MethodObject, doc), READONLY, NULL},
+    {"__wrapped__", T_OBJECT, offsetof(MethodObject, fallback), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot method_slots[] = {
+    {Py_tp_new, method_new},
+    {Py_tp_call, method_call},
+    {Py_tp_descr_get, method_get},
+    {Py_tp_traverse, method_traverse},
+    {Py_tp_clear, method_clear},
+    {Py_tp_dealloc, method_dealloc},
+    {Py_tp_repr, method_repr},
+    {Py_tp_members, method_members},
+    {0, NULL},
+};
+
+#ifndef Py_TPFLAGS_METHOD_DESCRIPTOR
+#define Py_TPFLAGS_METHOD_DESCRIPTOR (1UL << 17)
+#endif
+
+static PyType_Spec method_spec = {"azyx._native.Method", sizeof(MethodObject), 0,
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR, method_slots};
+
+/* ------------------------------------------------------------------------------- a batch's call into a C runtime */
+
+/* TableCall(run, n, fns, table, slots, argc, kinds, trips): a call of `run(pool, n, fns, table, argc, kinds, trips)`
+ * (the C backend's azyx_run) whose 64-bit table of `slots` words each call fills first. Addresses only: whoever makes
+ * it keeps the memory they point at alive. Called with the GIL held: it is for batches small enough to run inline. */
+typedef void (*table_run_fn)(void *, long, void *, void *, const void *, const void *, const void *);
+
+typedef struct {
+    PyObject_HEAD
+    table_run_fn run;
+    long n;
+    void *fns, *argc, *kinds, *trips;
+    uint64_t *table;
+    Py_ssize_t slots;
+} TableCallObject;
+
+static void *as_address(PyObject *v) { return PyLong_AsVoidPtr(v); }
+
+static PyObject *table_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *run, *fns, *table, *argc, *kinds, *trips;
+    long n;
+    Py_ssize_t slots;
+    if (!PyArg_ParseTuple(args, "OlOOnOOO", &run, &n, &fns, &table, &slots, &argc, &kinds, &trips))
+        return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    TableCallObject *self = (TableCallObject *)alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->run = (table_run_fn)as_address(run);
+    self->n = n;
+    self->fns = as_address(fns);
+    self->table = (uint64_t *)as_address(table);
+    self->slots = slots;
+    self->argc = as_address(argc);
+    self->kinds = as_address(kinds);
+    self->trips = as_address(trips);
+    if (PyErr_Occurred() || self->run == NULL || self->table == NULL) {
+        Py_DECREF((PyObject *)self);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "TableCall: a null function or table");
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+/* call(pool, values): the table's words are `values` (ints, as many as it has slots), then the call */
+static PyObject *table_call_call(TableCallObject *self, PyObject *args, PyObject *kwds) {
+    PyObject *pool, *values;
+    if (!PyArg_ParseTuple(args, "OO", &pool, &values))
+        return NULL;
+    if (!PyList_Check(values) || PyList_Size(values) != self->slots) {
+        PyErr_Format(PyExc_ValueError, "TableCall: %zd values for a table of %zd", PyList_Check(values) ?
+                     PyList_Size(values) : (Py_ssize_t)-1, self->slots);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < self->slots; k++) {
+        unsigned long long w = PyLong_AsUnsignedLongLongMask(PyList_GetItem(values, k));
+        if (w == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        self->table[k] = (uint64_t)w;
+    }
+    void *p = as_address(pool);
+    if (p == NULL && PyErr_Occurred())
+        return NULL;
+    self->run(p, self->n, self->fns, self->table, self->argc, self->kinds, self->trips);
+    Py_RETURN_NONE;
+}
+
+static void table_call_dealloc(TableCallObject *self) {
+    PyTypeObject *type = Py_TYPE((PyObject *)self);
+    freefunc free_ = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free_(self);
+    Py_DECREF(type);
+}
+
+static PyType_Slot table_call_slots[] = {
+    {Py_tp_doc, "TableCall(run, n, fns, table, slots, argc, kinds, trips): call(pool, values) fills the table with "
+                "`values` and calls run(pool, n, fns, table, argc, kinds, trips), holding the GIL."},
+    {Py_tp_new, table_call_new},
+    {Py_tp_call, table_call_call},
+    {Py_tp_dealloc, table_call_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec table_call_spec = {"azyx._native.TableCall", sizeof(TableCallObject), 0, Py_TPFLAGS_DEFAULT,
+                                      table_call_slots};
+
 /* ------------------------------------------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
@@ -727,7 +976,8 @@ static PyMethodDef methods[] = {
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(nodes, free, kept, i): drop a reference to node i, freeing it and its sources as their last goes"},
     {"setup_tensor", setup_tensor, METH_VARARGS,
-     "setup_tensor(Tensor, graph, float dtypes, int dtypes, disk device's name): what the operators need"},
+     "setup_tensor(Tensor, graph, float dtypes, int dtypes, disk device's name, types.MethodType): what the "
+     "operators need"},
     {"binary", (PyCFunction)(void (*)(void))binary, METH_FASTCALL,
      "binary(op, flags, x, other) -> the new handle of x op other, or None where the caller builds it"},
     {NULL, NULL, 0, NULL},
@@ -745,6 +995,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (node_type == NULL || PyModule_AddObject(m, "Node", (PyObject *)node_type) < 0)
         goto fail;
     Py_INCREF((PyObject *)node_type); /* (the module's reference was stolen; this one is the walk's) */
+    PyObject *method = PyType_FromSpec(&method_spec);
+    if (method == NULL || PyModule_AddObject(m, "Method", method) < 0)
+        goto fail;
+    PyObject *table_call = PyType_FromSpec(&table_call_spec);
+    if (table_call == NULL || PyModule_AddObject(m, "TableCall", table_call) < 0)
+        goto fail;
     const char *names[8] = {"view", "buffer", "offset", "strides", "device", "name", "id", "recording"};
     PyObject **interned[8] = {&s_view, &s_buffer, &s_offset, &s_strides, &s_device, &s_name, &s_id, &s_recording};
     for (int k = 0; k < 8; k++)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -138,11 +139,8 @@ def _binop(op: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
     int_numbers = kind != "float"  # an int number keeps an int tensor's dtype (true division makes floats)
     float_ok = op not in _ops.BITWISE  # (a bitwise op refuses floats: the general path raises the error)
 
-    flags = out_bool | int_numbers << 1 | float_ok << 2 | reverse << 3 | (kind == "float") << 4  # (for C)
 
     def method(self: Tensor, other: Any) -> Tensor:
-        if _native_binary is not None and (t := _native_binary(op, flags, self, other)) is not None:
-            return t  # (the same cases, built in C: azyx/_native.c)
         na = _nodes[self.id]
         assert na is not None
         tp = type(other)
@@ -180,11 +178,13 @@ def _binop(op: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
     name = {"max": "maximum", "min": "minimum"}.get(op) or f"__{'r' if reverse else ''}{op}__"
     method.__name__, method.__qualname__ = name, f"Tensor.{name}"
     method.__doc__ = f"`{op}` elementwise, with numpy's broadcasting and PyTorch's type promotion."
+    if native is not None:  # the same common cases built in C (but broadcasting), this function for the rest
+        flags = out_bool | int_numbers << 1 | float_ok << 2 | reverse << 3 | (kind == "float") << 4
+        return native.Method(op, flags, method, name, method.__qualname__, method.__doc__)
     return method
 
 
 _new_object, _add_node = object.__new__, GRAPH.add
-_native_binary = native.binary if native is not None else None
 _pow = _binop("pow")  # (Tensor.__pow__ takes the exponents it turns into other ops first)
 
 
@@ -1499,7 +1499,8 @@ def _to_storage(arr: np.ndarray, dt: DType) -> np.ndarray:
     return np.array(arr, dtype=dt.np, order="C", copy=True)
 
 
-if native is not None:  # the operators' common cases, built in C (`_binop`)
+if native is not None:  # the operators' common cases (`_binop`) and the handle's finalizer, in C
     _KINDS = (*dtypes.all(), dtypes.uint32)
     native.setup_tensor(Tensor, GRAPH, tuple(d for d in _KINDS if d.kind == "f"),
-                        tuple(d for d in _KINDS if d.kind in "iu"), DISK)
+                        tuple(d for d in _KINDS if d.kind in "iu"), DISK, types.MethodType)
+    Tensor.__del__ = native.Method(None, 0, None, "__del__", "Tensor.__del__", None)  # type: ignore[method-assign]

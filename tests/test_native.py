@@ -204,3 +204,56 @@ def test_node_in_a_cycle_is_collected() -> None:
     del n, holder, probe
     gc.collect()
     assert gone() is None
+
+
+OPERANDS = [2, 3.5, -1, True]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "uint8", "bool"])
+def test_operators_in_c_match_python(dtype: str) -> None:
+    """Each operator built in C (Method) gives the graph and the values that the Python operator (its __wrapped__)
+    gives: numbers of each kind on either side, tensors of the same or another dtype and shape, constants."""
+    rng = np.random.default_rng(3)
+    xn = (rng.integers(1, 5, (2, 3)) if dtype != "bool" else rng.integers(0, 2, (2, 3))).astype(dtype)
+    x = Tensor(xn)
+    others: list = [*OPERANDS, x, Tensor(xn[::-1].copy()), Tensor(np.ones(3, np.float32)),
+                    Tensor.full((2, 3), 2, dtype=dtype)]
+    names = ["__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+             "__lt__", "__ge__", "__eq__", "__and__", "__or__", "__xor__", "maximum"]
+    for name in names:
+        op = getattr(Tensor, name)
+        for other in others:
+            outcome = []
+            for fn in (op, op.__wrapped__):
+                try:
+                    y = fn(x, other)
+                except azyx.AzyxError as e:
+                    outcome.append(type(e))
+                    continue
+                n = GRAPH[y.id]
+                v = y.numpy_sync()  # (bit for bit: 0 / 0 is a NaN in both)
+                outcome.append((n.op, n.arg, n.arg2, n.shape, n.dtype, n.device, n.pinned, len(n.src), v.dtype,
+                                v.tobytes()))
+            assert outcome[0] == outcome[1], (name, dtype, other)
+
+
+def test_operator_binds_like_a_method() -> None:
+    x = Tensor(np.arange(3, dtype=np.float32))
+    bound = x.__mul__
+    assert bound.__self__ is x and Tensor.__mul__.__name__ == "__mul__"
+    np.testing.assert_array_equal(bound(2.0).numpy_sync(), [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(Tensor.maximum(x, 1.0).numpy_sync(), [1.0, 1.0, 2.0])
+    assert "elementwise" in (Tensor.__add__.__doc__ or "")
+
+
+def test_finalizer_frees_nodes() -> None:
+    before = len(GRAPH)
+    x = Tensor(np.ones(4, np.float32))
+    y = x
+    for _ in range(100):
+        y = y * 2.0 + x  # each rebinding drops the last handle of the node before
+    assert len(GRAPH) == before + 201
+    del y
+    assert len(GRAPH) == before + 1
+    del x
+    assert len(GRAPH) == before

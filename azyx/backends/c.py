@@ -39,6 +39,7 @@ from azyx.backends.host import HostDevice
 from azyx.cstyle import SHARED, C
 from azyx.device import BatchState, Device, LaunchItem, cached_build, kernel_list, run_compiler
 from azyx.errors import DeviceError
+from azyx.graph import native
 from azyx.ir import scalar_args
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
@@ -281,7 +282,7 @@ class _Layout:
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
     __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
-                 "value_ptrs", "fill")
+                 "value_ptrs", "fill", "kinds_table", "call")
 
     def __init__(self, steps: list[KernelStep]):
         self.n = len(steps)
@@ -310,21 +311,31 @@ class _Layout:
             self.value_ptrs.append([base + 8 * (j + i) for i in range(len(step.scalars))])
             j += len(step.scalars)
         self.fill = struct.Struct(f"<{len(self.scratch)}Q").pack_into
+        # the call itself in C where azyx's native core is built: no ctypes conversions, and the GIL stays held (the
+        # work is small), where ctypes would let it go and take it back
+        self.kinds_table = (ctypes.c_ubyte * self.n)(*self.kinds)
+        self.call = native.TableCall(
+            ctypes.cast(_RUNTIME_LIB[0].azyx_run, ctypes.c_void_p).value, self.n, ctypes.addressof(self.fns),
+            ctypes.addressof(self.scratch), len(self.scratch), ctypes.addressof(self.argc),
+            ctypes.addressof(self.kinds_table), ctypes.addressof(self.trips)) if native is not None else None
 
     def inline(self, pool: int, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread, through the scratch table."""
-        table = self.scratch
         if not self.scalars:
-            self.fill(table, 0, *[b.ptr for _, bufs, _ in items for b in bufs])
+            vals = [b.ptr for _, bufs, _ in items for b in bufs]
         else:
-            vals: list[int] = []
+            vals = []
             words: list[int] = []
             for (_, bufs, ws), at in zip(items, self.value_ptrs):
                 vals += [b.ptr for b in bufs]
                 vals += at
                 words += ws
-            self.fill(table, 0, *vals, *words)
-        _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, table, self.argc, self.kinds, self.trips)
+            vals += words
+        if self.call is not None:
+            self.call(pool, vals)
+            return
+        self.fill(self.scratch, 0, *vals)
+        _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
 
 
 class _Batch:
