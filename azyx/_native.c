@@ -141,16 +141,17 @@ static PyType_Spec node_spec = {"azyx._native.Node", sizeof(NodeObject), 0,
 
 /* ------------------------------------------------------------------------------------- what setup() tells the walk */
 
-static PyObject *op_const, *op_pad, *op_assign, *op_binary, *scalar_mark, *bool_dtype, *donates_fn;
+static PyObject *op_const, *op_pad, *op_assign, *op_binary, *op_leaf, *scalar_mark, *bool_dtype, *donates_fn;
 static PyObject *s_view, *s_buffer, *s_offset, *s_strides, *s_device, *s_name;
 
 static PyObject *setup(PyObject *mod, PyObject *args) {
-    PyObject *c, *p, *a, *b, *mark, *bdt, *don;
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &c, &p, &a, &b, &mark, &bdt, &don))
+    PyObject *c, *p, *a, *b, *leaf, *mark, *bdt, *don;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &c, &p, &a, &b, &leaf, &mark, &bdt, &don))
         return NULL;
-    PyObject **slots[7] = {&op_const, &op_pad, &op_assign, &op_binary, &scalar_mark, &bool_dtype, &donates_fn};
-    PyObject *vals[7] = {c, p, a, b, mark, bdt, don};
-    for (int k = 0; k < 7; k++) {
+    PyObject **slots[8] = {&op_const, &op_pad, &op_assign, &op_binary, &op_leaf, &scalar_mark, &bool_dtype,
+                           &donates_fn};
+    PyObject *vals[8] = {c, p, a, b, leaf, mark, bdt, don};
+    for (int k = 0; k < 8; k++) {
         Py_INCREF(vals[k]);
         Py_XDECREF(*slots[k]);
         *slots[k] = vals[k];
@@ -966,11 +967,94 @@ static PyType_Slot table_call_slots[] = {
 static PyType_Spec table_call_spec = {"azyx._native.TableCall", sizeof(TableCallObject), 0, Py_TPFLAGS_DEFAULT,
                                       table_call_slots};
 
+/* become_leaf(nodes, free, kept, i, buffer, view): Graph.become_leaf. A realized node keeps its buffer and view
+ * (a node placed automatically moves to its buffer's device); unless a live tape holds it (an id set of `kept` has
+ * it), it forgets its sources. */
+static PyObject *become_leaf(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "become_leaf(nodes: list, free: list, kept: list, i, buffer, view)");
+        return NULL;
+    }
+    PyObject *nodes = args[0], *kept = args[2], *buffer = args[4], *view = args[5];
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    NodeObject *n = node_at(nodes, i);
+    if (n == NULL)
+        return NULL;
+    Py_INCREF((PyObject *)n);
+    PyObject *old_buffer = n->buffer, *old_view = n->view;
+    Py_INCREF(buffer);
+    Py_INCREF(view);
+    n->buffer = buffer;
+    n->view = view;
+    Py_XDECREF(old_buffer);
+    Py_XDECREF(old_view);
+    PyObject *dev = NULL, *listed = NULL;
+    int pinned = PyObject_IsTrue(n->pinned), err = pinned < 0;
+    if (!err && !pinned) {
+        dev = PyObject_GetAttr(buffer, s_device);
+        listed = dev ? PyObject_GetAttrString(dev, "listed") : NULL;
+        int is_listed = listed ? PyObject_IsTrue(listed) : -1;
+        err = is_listed < 0;
+        if (is_listed > 0) {
+            PyObject *name = PyObject_GetAttr(dev, s_name);
+            if (name == NULL)
+                err = 1;
+            else {
+                PyObject *old = n->device;
+                n->device = name;
+                Py_XDECREF(old);
+            }
+        }
+    }
+    Py_XDECREF(dev);
+    Py_XDECREF(listed);
+    Py_ssize_t ns = err ? 0 : PyTuple_Size(n->src);
+    if (ns > 0) {
+        PyObject *id = args[3];
+        int taped = 0;
+        Py_ssize_t n_kept = PyList_Size(kept);
+        for (Py_ssize_t k = 0; k < n_kept && !taped && !err; k++) {
+            taped = PySet_Contains(PyList_GetItem(kept, k), id);
+            err = taped < 0;
+        }
+        if (!taped && !err) { /* forget how it was made: a leaf now, its sources released */
+            PyObject *src = n->src, *empty = PyTuple_New(0);
+            if (empty == NULL)
+                err = 1;
+            else {
+                PyObject *olds[3] = {n->op, n->arg, n->arg2};
+                n->src = empty;
+                Py_INCREF(op_leaf);
+                n->op = op_leaf;
+                Py_INCREF(Py_None);
+                n->arg = Py_None;
+                Py_INCREF(Py_None);
+                n->arg2 = Py_None;
+                for (int k = 0; k < 3; k++)
+                    Py_XDECREF(olds[k]);
+                for (Py_ssize_t k = 0; k < ns && !err; k++) {
+                    Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GetItem(src, k));
+                    err = (s == -1 && PyErr_Occurred()) || release_node(nodes, args[1], kept, s) < 0;
+                }
+            }
+            Py_DECREF(src);
+        }
+    }
+    Py_DECREF((PyObject *)n);
+    if (err)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(CONST, PAD, ASSIGN, BINARY, scalar mark, bool dtype, donates): what the walk needs of azyx.graph"},
+     "setup(CONST, PAD, ASSIGN, BINARY, LEAF, scalar mark, bool dtype, donates): what the walk needs of azyx.graph"},
+    {"become_leaf", (PyCFunction)(void (*)(void))become_leaf, METH_FASTCALL,
+     "become_leaf(nodes, free, kept, i, buffer, view): Graph.become_leaf"},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(nodes, targets, graph) -> (entries, target positions, topo, leaves, scalars, scalar nodes, donated)"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,

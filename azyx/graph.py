@@ -229,6 +229,9 @@ class Graph:
 
     def become_leaf(self, i: TensorId, buffer: Storage, view: StridedView) -> None:
         """A realized node keeps its buffer; without a tape holding it, it forgets how it was made."""
+        if _become_leaf is not None:
+            _become_leaf(self.nodes, self.free, self.kept, i, buffer, view)
+            return
         n = self.nodes[i]
         assert n is not None, f"node {i} was released"
         n.buffer, n.view = buffer, view
@@ -260,6 +263,7 @@ class Graph:
 
 
 _release = native.release if native is not None else None
+_become_leaf = native.become_leaf if native is not None else None
 
 
 class GraphCopy(Graph):

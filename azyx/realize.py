@@ -54,70 +54,96 @@ async def realize(*tensors: Handle) -> None:
     """Compute all `tensors` in one plan; returns when their buffers are ready."""
     if (fut := _gate()) is not None:  # (before submit's coroutine: a crowd's first loop iteration holds 200 of these)
         await _pace(fut)
-    plan, _, _ = await submit(tensors, True)
+    try:
+        got = _submit_cached(tensors)  # (a cached plan's run needs no coroutine of submit's)
+    except AzyxError:
+        await _settle_partial()
+        raise
+    plan = (await submit(tensors, True, got))[0] if isinstance(got, Walk) else got[0]
     bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
 
 
-async def submit(tensors: Sequence[Handle], gated: bool = False
-                 ) -> tuple[ExecutionPlan | None, Walk | None, list[Buffer]]:
+Submitted = tuple["ExecutionPlan | None", "Walk | None", "list[Buffer]"]
+
+
+def _submit_cached(tensors: Sequence[Handle]) -> Submitted | Walk:
+    """submit's common case, without a coroutine: the unrealized `tensors`' graph walked and, when its plan is cached,
+    submitted (see submit); else the walk, for submit to plan."""
+    if len(tensors) == 1:  # (one tensor, the common case: no generator, no dict)
+        tid = tensors[0].id
+        targets = [tid] if _nodes[tid].buffer is None else []  # type: ignore[union-attr]
+    else:
+        targets = list(dict.fromkeys(t.id for t in tensors if _nodes[t.id].buffer is None))  # type: ignore[union-attr]
+    if not targets:
+        return None, None, []
+    walk = canonicalize(GRAPH, targets)
+    cache = RT.plan_cache
+    plan = cache.get(walk.key)
+    if plan is None:
+        return walk
+    cache.touch(plan)
+    bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
+    outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
+    for tid, (buf, view) in zip(targets, outs):
+        GRAPH.become_leaf(tid, buf, view)
+    return plan, walk, bindings  # type: ignore[return-value]
+
+
+async def _settle_partial() -> None:
+    """After a run that raised part way (an allocation refused, a failed device; the targets stay unrealized): once
+    what it had submitted has run, every buffer it took is back in its pool (the error says so)."""
+    ex = RT.executor
+    partial, ex.partial = ex.partial, None
+    await ex.settle(partial)
+
+
+async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | None = None) -> Submitted:
     """Plan (or find the cached plan), compile and submit the computation of the unrealized `tensors`, which become
     leaves holding buffers that are ready once their work is done. Returns the plan that ran, its walk and the
     buffers bound to the walk's leaves (None, None, [] when everything was realized already). `gated`: the caller
-    has had its turn on a crowded loop already (`_gate`)."""
+    has had its turn on a crowded loop already (`_gate`); `walk`: the caller's walk of a graph the cache lacked."""
     rt = RT
     if not gated and (fut := _gate()) is not None:
         await _pace(fut)
     while True:
-        if len(tensors) == 1:  # (one tensor, the common case: no generator, no dict)
-            tid = tensors[0].id
-            targets = [tid] if _nodes[tid].buffer is None else []  # type: ignore[union-attr]
-        else:
-            targets = list(dict.fromkeys(t.id for t in tensors if _nodes[t.id].buffer is None))  # type: ignore[union-attr]
-        if not targets:
-            return None, None, []
-        walk = canonicalize(GRAPH, targets)
-        plan = rt.plan_cache.get(walk.key)
-        if plan is not None:
-            rt.plan_cache.touch(plan)
-            break
+        if walk is None:
+            try:
+                got = _submit_cached(tensors)
+            except AzyxError:
+                await _settle_partial()
+                raise
+            if not isinstance(got, Walk):
+                return got
+            walk = got
+        key = walk.key
         # a crowd of realizes of one new graph (200 requests that differ only in their scalars) plans it once: the
         # others wait for that plan (each planning it on a worker thread of its own, 200 threads of Python work held
         # the loop's thread off the GIL for ~100 ms on an H200's host)
         loop_id = loop_identity()
-        job = rt.planning.get(walk.key)
+        job = rt.planning.get(key)
         if job is not None and job.loop == loop_id:
             await job.event.wait()
             if job.error is not None:  # (its plan or compile failed: so does this realize)
                 raise fresh_copy(job.error)
             if (fut := _gate()) is not None:
                 await _pace(fut)
+            walk = None
             continue  # (the graph may have changed meanwhile: walk it again)
-        job = rt.planning[walk.key] = InFlight(loop_id)
+        job = rt.planning[key] = InFlight(loop_id)
         try:
-            plan = await _plan(rt, walk, targets)
-            rt.plan_cache[walk.key] = plan
+            rt.plan_cache[key] = await _plan(rt, walk, walk.targets)
         except Exception as e:  # (a cancelled realize is no failure: whoever waited plans anew)
             job.error = e
             raise
         finally:
-            if rt.planning.get(walk.key) is job:
-                del rt.planning[walk.key]
+            if rt.planning.get(key) is job:
+                del rt.planning[key]
             job.event.set()
         if (fut := _gate()) is not None:  # (the realizes that waited for this compile wake together)
             await _pace(fut)
-    bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
-    try:
-        outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
-    except AzyxError:  # an allocation refused, a failed device: the targets stay unrealized; once what the run
-        ex = rt.executor  # had submitted has run, every buffer it took is back in its pool (the error says so)
-        partial, ex.partial = ex.partial, None
-        await ex.settle(partial)
-        raise
-    for tid, (buf, view) in zip(targets, outs):
-        GRAPH.become_leaf(tid, buf, view)
-    return plan, walk, bindings  # type: ignore[return-value]
+        walk = None  # (and walked again, as the graph may have changed meanwhile: it finds the plan now)
 
 
 async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
@@ -324,7 +350,12 @@ def _idle_window(limit: float) -> float:
 async def to_numpy(t: Handle) -> np.ndarray:
     if (fut := _gate()) is not None:  # (before submit's coroutine: a crowd's first loop iteration holds 200 of these)
         await _pace(fut)
-    plan, _, _ = await submit((t,), True)  # (realize's body: one coroutine fewer per read, a crowd's many reads)
+    try:
+        got = _submit_cached((t,))  # (realize's body: no coroutine of submit's for a cached plan)
+    except AzyxError:
+        await _settle_partial()
+        raise
+    plan = (await submit((t,), True, got))[0] if isinstance(got, Walk) else got[0]
     n = _nodes[t.id]
     assert n is not None
     bufs = [buffer_of(n)]

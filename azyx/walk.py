@@ -237,4 +237,4 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
 
 if native is not None:
     assert [d for d in dtypes.all() if d.kind == "b"] == [dtypes.bool]  # (the native walk tests for this one)
-    native.setup(Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY, SCALAR, dtypes.bool, donates)
+    native.setup(Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY, Op.LEAF, SCALAR, dtypes.bool, donates)

@@ -257,3 +257,19 @@ def test_finalizer_frees_nodes() -> None:
     assert len(GRAPH) == before + 1
     del x
     assert len(GRAPH) == before
+
+
+def test_become_leaf_keeps_sources_only_on_a_tape() -> None:
+    """A realized node forgets how it was made (its sources released) unless a live tape recorded it."""
+    x = Tensor(np.full(3, 2.0, np.float32))
+    y = (x * 3.0).realize_sync()
+    n = GRAPH[y.id]
+    assert n.op is Op.LEAF and n.src == () and n.arg is None and n.buffer is not None and n.device == "c:0"
+    with GradientTape() as tape:
+        x2 = Tensor(np.full(3, 2.0, np.float32))
+        z = (x2 * x2).realize_sync()
+        assert GRAPH[z.id].op is Op.BINARY and GRAPH[z.id].src == (x2.id, x2.id)
+        total = z.sum()
+    (g,) = tape.gradient(total, [x2])
+    np.testing.assert_allclose(g.numpy_sync(), [4.0, 4.0, 4.0])
+    np.testing.assert_allclose(z.numpy_sync(), [4.0, 4.0, 4.0])
