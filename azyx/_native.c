@@ -10,7 +10,10 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
+
+typedef uint64_t u64;
 
 /* ------------------------------------------------------------------------------------------------------------ Node */
 
@@ -1048,11 +1051,159 @@ static PyObject *become_leaf(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* --------------------------------------------------------------------------------------- a run's scalar arguments */
+
+/* pack_words(codes, at, scalars) -> tuple of ints: the 64-bit words that carry scalars[at[k]] to a kernel, each as
+ * struct code codes[k] packs it (azyx.dtypes.SCALAR_CODES) in its low bytes, the rest zero: "f" a float32's bits, "d" a
+ * float64's, "b" "B" "h" "i" "I" "q" an integer wrapped into that many bits (as PyTorch wraps a scalar into an int
+ * tensor's dtype). A float out of float32's range raises OverflowError, as struct does. */
+static PyObject *pack_words(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "pack_words(codes: bytes, at: tuple, scalars)");
+        return NULL;
+    }
+    const char *codes = PyBytes_AsString(args[0]);
+    Py_ssize_t n = PyBytes_Size(args[0]);
+    if (PyTuple_Size(args[1]) != n) {
+        PyErr_SetString(PyExc_ValueError, "pack_words: as many positions as codes");
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GetItem(args[1], k));
+        PyObject *v = at < 0 ? NULL : PySequence_GetItem(args[2], at);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        u64 w = 0;
+        int bad = 0;
+        char c = codes[k];
+        if (c == 'f' || c == 'd') {
+            double d = PyFloat_AsDouble(v);
+            bad = d == -1.0 && PyErr_Occurred();
+            if (!bad && c == 'f') {
+                float f = (float)d;
+                if (isinf(f) && !isinf(d)) {
+                    PyErr_SetString(PyExc_OverflowError, "float too large to pack with f format");
+                    bad = 1;
+                }
+                uint32_t bits;
+                memcpy(&bits, &f, 4);
+                w = bits;
+            } else if (!bad)
+                memcpy(&w, &d, 8);
+        } else {
+            PyObject *i = PyNumber_Long(v);
+            bad = i == NULL;
+            if (!bad) {
+                w = (u64)PyLong_AsUnsignedLongLongMask(i);
+                bad = w == (u64)-1 && PyErr_Occurred();
+                Py_DECREF(i);
+            }
+            int bits = c == 'b' || c == 'B' ? 8 : c == 'h' ? 16 : c == 'i' || c == 'I' ? 32 : 64;
+            if (bits < 64)
+                w &= ((u64)1 << bits) - 1;
+        }
+        Py_DECREF(v);
+        PyObject *word = bad ? NULL : PyLong_FromUnsignedLongLong(w);
+        if (word == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SetItem(out, k, word);
+    }
+    return out;
+}
+
+/* ------------------------------------------------------------------------------------ calls of a driver's functions */
+
+static int as_u64(PyObject *v, u64 *out) {
+    if (v == Py_None) {
+        *out = 0;
+        return 0;
+    }
+    *out = (u64)PyLong_AsUnsignedLongLongMask(v);
+    return (*out == (u64)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* call(fn, *args) -> int: the int that the C function at address `fn` returns, called with up to 11 arguments that
+ * are each an integer or a pointer (as a Python int; None is 0), passed as 64 bits (what x86-64's and AArch64's calling
+ * conventions make of any narrower integer parameter too). The GIL stays held: for calls that return at once. */
+static PyObject *call(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 12) {
+        PyErr_SetString(PyExc_TypeError, "call(fn, *args): a function and at most 11 arguments");
+        return NULL;
+    }
+    u64 a[11] = {0};
+    void *fn = PyLong_AsVoidPtr(args[0]);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "call: a null function");
+        return NULL;
+    }
+    for (Py_ssize_t k = 1; k < nargs; k++)
+        if (as_u64(args[k], &a[k - 1]) < 0)
+            return NULL;
+    typedef int (*f11)(u64, u64, u64, u64, u64, u64, u64, u64, u64, u64, u64);
+    /* (extra arguments are harmless to a callee that takes fewer: the caller cleans up, in both conventions) */
+    int r = ((f11)fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]);
+    return PyLong_FromLong(r);
+}
+
+/* launch_kernel(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, smem, stream, values) -> CUresult: a launch whose kernel
+ * parameters are `values` (ints: each a 64-bit value the kernel reads as many low bytes of as its parameter has),
+ * pointed at from a table made here (the driver copies the parameters at launch). */
+#define MAX_PARAMS 256
+static PyObject *launch_kernel(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "launch_kernel(fn, f, gx, gy, gz, bx, by, bz, smem, stream, values)");
+        return NULL;
+    }
+    u64 a[9];
+    void *fn = PyLong_AsVoidPtr(args[0]);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "launch_kernel: a null function");
+        return NULL;
+    }
+    for (int k = 0; k < 9; k++)
+        if (as_u64(args[k + 1], &a[k]) < 0)
+            return NULL;
+    PyObject *values = args[10];
+    Py_ssize_t n = PyTuple_Check(values) ? PyTuple_Size(values) : PyList_Check(values) ? PyList_Size(values) : -1;
+    if (n < 0 || n > MAX_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "launch_kernel: values must be a tuple or list of at most %d ints", MAX_PARAMS);
+        return NULL;
+    }
+    u64 vals[MAX_PARAMS];
+    void *params[MAX_PARAMS];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *v = PyTuple_Check(values) ? PyTuple_GetItem(values, k) : PyList_GetItem(values, k);
+        if (as_u64(v, &vals[k]) < 0)
+            return NULL;
+        params[k] = &vals[k];
+    }
+    typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                             void **, void **);
+    int r = ((launch_fn)fn)((void *)(uintptr_t)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3], (unsigned)a[4],
+                            (unsigned)a[5], (unsigned)a[6], (unsigned)a[7], (void *)(uintptr_t)a[8], params, NULL);
+    return PyLong_FromLong(r);
+}
+
 /* ------------------------------------------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(CONST, PAD, ASSIGN, BINARY, LEAF, scalar mark, bool dtype, donates): what the walk needs of azyx.graph"},
+    {"pack_words", (PyCFunction)(void (*)(void))pack_words, METH_FASTCALL,
+     "pack_words(codes, at, scalars) -> the 64-bit words of scalars[at[k]], each packed as struct code codes[k]"},
+    {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
+     "call(fn, *args) -> int: a C function of integer and pointer parameters (at most 11), the GIL held"},
+    {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
+     "launch_kernel(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, smem, stream, values) -> CUresult"},
     {"become_leaf", (PyCFunction)(void (*)(void))become_leaf, METH_FASTCALL,
      "become_leaf(nodes, free, kept, i, buffer, view): Graph.become_leaf"},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,

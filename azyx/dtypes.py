@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from azyx.errors import DTypeError
+from azyx.native import native
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,19 +148,22 @@ def scalar_size(d: DType) -> int:
     return struct.calcsize(SCALAR_CODES[d.name])
 
 
-def scalar_packer(dts: list[DType]) -> Any:
-    """A function from scalar values of `dts` to the 64-bit words that carry them to a kernel (see SCALAR_CODES)."""
+def scalar_packer(dts: list[DType], at: tuple[int, ...]) -> Any:
+    """A function from a run's scalar values to the 64-bit words that carry values[at[k]] (of dtype dts[k]) to a
+    kernel (see SCALAR_CODES)."""
     import struct
 
     codes = [SCALAR_CODES[d.name] for d in dts]
+    if native is not None:  # (in C: no struct, no list of the values)
+        return functools.partial(native.pack_words, "".join(codes).encode(), at)
     pack = struct.Struct("<" + "".join(c + f"{8 - struct.calcsize(c)}x" if struct.calcsize(c) < 8 else c
                                        for c in codes)).pack
     words = struct.Struct("<" + "Q" * len(codes)).unpack
     if not any(d.is_int for d in dts):
-        return lambda values: words(pack(*values))
+        return lambda values: words(pack(*[values[i] for i in at]))
     # an int scalar wraps into its dtype like PyTorch's (uint8 tensor + -3 adds 253), where struct would raise
     wraps = [_wrap(d) for d in dts]
-    return lambda values: words(pack(*[w(v) for w, v in zip(wraps, values)]))
+    return lambda values: words(pack(*[w(values[i]) for w, i in zip(wraps, at)]))
 
 
 def _wrap(d: DType) -> Any:

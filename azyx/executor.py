@@ -14,7 +14,9 @@ device) raises at once; what it had submitted still runs and then gives its buff
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from enum import Enum
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -133,17 +135,20 @@ class UnifiedExecutor:
         assert len(bindings) == plan.n_inputs and len(scalars) == plan.n_scalars
         segments = self.prepared.get(plan)
         if segments is None:
-            segments = self.prepared[plan] = _segments(plan)
+            segments = self.prepared[plan] = _segments(plan, self.devices)
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
-        record = RunRecord([r for b in bindings if (r := b.run) is not None and not r.clean])
-        only = self.devices[plan.devices[0]] if len(plan.devices) == 1 else None  # (single_device_check, inline)
-        single = only is not None
+        parents = []  # (the records of the inputs' runs that may still fail)
+        for binding in bindings:
+            if (r := binding.run) is not None and not r.clean:
+                parents.append(r)
+        record = RunRecord(parents)
+        only = segments[0].only if segments else None  # (single_device_check, made once)
         if only is not None:
             only.begin_batch()
         try:
             for seg in segments:
-                dev = self.devices[seg.device]
+                dev = seg.dev
                 if dev.timeline.failure is not None:
                     dev.check_alive()  # a failed device takes no more work
                 before = dev.queued()
@@ -156,12 +161,17 @@ class UnifiedExecutor:
                         bufs[s] = made
                 if seg.transfer is not None:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
+                elif only is not None and not seg.overwrites:  # (execute_kernel's body for one device: no waits)
+                    items = seg.items(bufs, scalars)
+                    after = dev.launch_many(items, [], seg.batch)
+                    for k, kbufs, _ in items:
+                        for out in kbufs[:k.outs]:
+                            out.ready = after
                 else:
-                    words = seg.words(scalars)
-                    after = self.execute_kernel([(k, [bufs[a] for a in k.args], w)  # type: ignore[misc]
-                                                  for k, w in zip(seg.kernels, words)], single, seg.batch,
+                    after = self.execute_kernel(seg.items(bufs, scalars), only is not None, seg.batch,
                                                  seg.overwrites)
-                record.cover(dev, before, after)
+                spans = record.spans  # (record.cover's body)
+                spans[dev] = (spans[dev][0] if dev in spans else before, after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
             outs = []
@@ -225,27 +235,35 @@ class _Segment:
     """One piece of submitted work of a plan: a transfer, or kernels in a row on one device (one batch); the slots
     its outputs need and the slots whose last use it is. Derived once per plan (UnifiedExecutor.prepared)."""
 
-    __slots__ = ("device", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites")
+    __slots__ = ("device", "dev", "only", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites",
+                 "args")
 
-    def __init__(self, device: str, transfer: TransferStep | None, kernels: list[KernelStep]):
-        self.device, self.transfer, self.kernels = device, transfer, kernels
+    def __init__(self, dev: Device, transfer: TransferStep | None, kernels: list[KernelStep]):
+        self.device, self.dev, self.transfer, self.kernels = dev.name, dev, transfer, kernels
+        self.only: Device | None = None  # (on the first segment) the plan's one device, None when it has several
         self.allocs: list[int] = [transfer.dst] if transfer is not None else [
             s for k in kernels for s in k.args[:k.outs]]
         self.frees: list[int] = []
         self.batch: BatchState | None = None  # (made once the kernels are all in)
         self.last: tuple[object, list[tuple[int, ...]]] = (None, [])
         self.overwrites = False  # a kernel of it writes into an input of the plan (ExecutionPlan.overwrites)
+        # per kernel, what picks its buffers out of a run's slots (made once the kernels are all in)
+        self.args: list[Callable[[list[Any]], Any]] = []
 
     def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
         """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
         new values (a plan without scalars, or a replay of the same values such as azyx.jit's constants, packs none;
         a run's scalars are never changed once bound)."""
         if self.last[0] is not scalars and (scalars or self.last[0] is None):
-            self.last = (scalars, [k.words(scalars) for k in self.kernels])
+            self.last = (scalars, [k.pack(scalars) if k.pack is not None else () for k in self.kernels])
         return self.last[1]
 
+    def items(self, bufs: list[Buffer | None], scalars: list[Any] | tuple[Any, ...]) -> list[LaunchItem]:
+        """The kernels' launch items for a run: each kernel, its buffers (from the run's slots), its scalar words."""
+        return [(k, list(get(bufs)), w) for k, get, w in zip(self.kernels, self.args, self.words(scalars))]
 
-def _segments(plan: ExecutionPlan) -> list[_Segment]:
+
+def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]:
     out: list[_Segment] = []
     for step, frees in zip(plan.steps, plan.frees):
         if isinstance(step, KernelStep):
@@ -254,13 +272,20 @@ def _segments(plan: ExecutionPlan) -> list[_Segment]:
                 last.kernels.append(step)
                 last.allocs.extend(step.args[:step.outs])
             else:
-                out.append(last := _Segment(step.device, None, [step]))
+                out.append(last := _Segment(devices[step.device], None, [step]))
         else:
             assert isinstance(step, TransferStep)
-            out.append(last := _Segment(step.dst_device, step, []))
+            out.append(last := _Segment(devices[step.dst_device], step, []))
         last.frees.extend(frees)
+    if out and len(plan.devices) == 1:
+        out[0].only = devices[plan.devices[0]]
     for seg in out:
+        seg.args = [itemgetter(*k.args) if len(k.args) > 1 else _one(k.args[0]) for k in seg.kernels]
         if seg.transfer is None:
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
     return out
+
+
+def _one(slot: int) -> Callable[[list[Any]], tuple[Any]]:
+    return lambda bufs: (bufs[slot],)

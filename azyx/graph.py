@@ -8,27 +8,11 @@ sources when realized, and a freed id leaves every tape at once, so a reused id 
 
 from __future__ import annotations
 
-import importlib
-import os
 from enum import IntEnum
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from azyx.dtypes import DType
-
-
-def _load_native() -> ModuleType | None:
-    """azyx's native core (azyx/_native.c: the node, the canonical walk, the release of nodes), or None where it was
-    not built or AZYX_NATIVE=0 turns it off: the same in Python then."""
-    if os.environ.get("AZYX_NATIVE", "1") == "0":
-        return None
-    try:
-        return importlib.import_module("azyx._native")  # (a compiled module: no layer of the import contracts)
-    except ImportError:
-        return None
-
-
-native = _load_native()
+from azyx.native import native
 
 TensorId = int
 Shape = tuple[int, ...]

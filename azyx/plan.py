@@ -39,20 +39,20 @@ class KernelStep:
     # the plan's scalars it takes, in parameter order (after the buffers), and how their values are passed
     scalars: tuple[int, ...] = field(default=(), init=False)
     scalar_dtypes: tuple[DType, ...] = field(default=(), init=False, repr=False, compare=False)
-    pack: Callable[[list[Any]], tuple[int, ...]] | None = field(default=None, init=False, repr=False, compare=False)
+    pack: Callable[[Sequence[Any]], tuple[int, ...]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         args = scalar_args(self.kernel)
         if args:
             object.__setattr__(self, "scalars", tuple(v.arg for v in args))
             object.__setattr__(self, "scalar_dtypes", tuple(v.dtype for v in args))
-            object.__setattr__(self, "pack", scalar_packer([v.dtype for v in args]))
+            object.__setattr__(self, "pack", scalar_packer([v.dtype for v in args], self.scalars))
 
     def words(self, scalars: Sequence[Any]) -> tuple[int, ...]:
         """This run's values of the kernel's scalar parameters, as the 64-bit words that carry them."""
         if self.pack is None:
             return ()
-        return self.pack([scalars[i] for i in self.scalars])
+        return self.pack(scalars)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from azyx import ops as _ops
 from azyx.device import DISK
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
-from azyx.graph import Node, Op, Shape, native, prod
+from azyx.graph import Node, Op, Shape, prod
+from azyx.native import native
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.realize import to_numpy as _read

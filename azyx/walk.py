@@ -11,7 +11,8 @@ from functools import cached_property
 from typing import Any
 
 from azyx.dtypes import dtypes
-from azyx.graph import Graph, Node, Op, native, prod
+from azyx.graph import Graph, Node, Op, prod
+from azyx.native import native
 
 
 class Walk:

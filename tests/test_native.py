@@ -15,8 +15,9 @@ import pytest
 import azyx
 from azyx import Tensor
 from azyx import walk as walk_mod
-from azyx.dtypes import dtypes
-from azyx.graph import Graph, Node, Op, native
+from azyx.dtypes import SCALAR_CODES, dtypes
+from azyx.graph import Graph, Node, Op
+from azyx.native import native
 from azyx.runtime import GRAPH
 from azyx.tape import GradientTape
 
@@ -273,3 +274,26 @@ def test_become_leaf_keeps_sources_only_on_a_tape() -> None:
     (g,) = tape.gradient(total, [x2])
     np.testing.assert_allclose(g.numpy_sync(), [4.0, 4.0, 4.0])
     np.testing.assert_allclose(z.numpy_sync(), [4.0, 4.0, 4.0])
+
+
+def test_scalar_words_match_struct() -> None:
+    """The words C packs for each scalar dtype are struct's (azyx.dtypes' Python packer), ints wrapped into their
+    dtype as PyTorch wraps them; a float beyond float32 raises as struct does."""
+    import struct
+
+    values = [0.1, -2.5, 3, True, 1e30, -0.0, 300, -129, 2**40 + 7, -1, 65537, 2.75]
+    for d in (dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16, dtypes.int8, dtypes.uint8,
+              dtypes.int16, dtypes.int32, dtypes.uint32, dtypes.int64):
+        code = SCALAR_CODES[d.name]
+        for k, v in enumerate(values):
+            if d.is_float and isinstance(v, int) and abs(v) > 2**24:
+                continue
+            got = native.pack_words(code.encode(), (k,), values)  # type: ignore[union-attr]
+            if d.is_float:
+                ref = struct.unpack("<Q", struct.pack("<" + code + ("4x" if code == "f" else ""), v))
+            else:
+                bits = 8 * struct.calcsize(code)
+                ref = ((int(v) & ((1 << bits) - 1)),)
+            assert got == ref, (d, v)
+    with pytest.raises(OverflowError):
+        native.pack_words(b"f", (0,), [1e300])  # type: ignore[union-attr]

@@ -104,7 +104,7 @@ SRC = shader({SAXPY!r}.replace("N", "1000u"), "float", "float")
 n = 1000
 s1 = step("saxpy_a", SRC, 2, (16, 1, 1), 64, (dtypes.float32, dtypes.float32))
 compile(vk0, s1)
-pack = scalar_packer([dtypes.float32, dtypes.float32])
+pack = scalar_packer([dtypes.float32, dtypes.float32], (0, 1))
 a = np.linspace(-3, 3, n, dtype=np.float32)
 inp, mid, out = upload(vk0, a), vk0.alloc(4 * n), vk0.alloc(4 * n)
 v = vk0.launch_many([(s1, [mid, inp], pack([2.5, -1.0])), (s1, [out, mid], pack([-0.5, 4.0]))], [])
@@ -216,7 +216,7 @@ if vk0.mapped:  # C writes the kernel's input into the mapped memory
 else:  # device-local: C writes a buffer of its own, the kernel's input is written by a copy command before the kernel
     vk0.write(inp, a.view(np.uint8))
     vc = slow_c_write(cdev.alloc(4 * n), a)
-v = vk0.launch(s, [out, inp], [(cdev, vc)], scalar_packer([dtypes.float32, dtypes.float32])([2.0, 1.0]))
+v = vk0.launch(s, [out, inp], [(cdev, vc)], scalar_packer([dtypes.float32, dtypes.float32], (0, 1))([2.0, 1.0]))
 out.ready = v
 assert not vk0.poll(v), "the kernel ran before the C work it waits for"
 there = vk1.alloc(4 * n)
@@ -241,7 +241,7 @@ from azyx.backends import vulkan as vkmod
 SRC = shader({SAXPY!r}.replace("N", "1024u"), "float", "float")
 s = step("saxpy_c", SRC, 2, (16, 1, 1), 64, (dtypes.float32, dtypes.float32))
 compile(vk0, s)
-words = scalar_packer([dtypes.float32, dtypes.float32])([1.0, 0.0])
+words = scalar_packer([dtypes.float32, dtypes.float32], (0, 1))([1.0, 0.0])
 
 async def cancelled():
     inp, out = vk0.alloc(4096), vk0.alloc(4096)

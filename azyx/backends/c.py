@@ -39,8 +39,8 @@ from azyx.backends.host import HostDevice
 from azyx.cstyle import SHARED, C
 from azyx.device import BatchState, Device, LaunchItem, cached_build, kernel_list, run_compiler
 from azyx.errors import DeviceError
-from azyx.graph import native
 from azyx.ir import scalar_args
+from azyx.native import native
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 

@@ -450,6 +450,10 @@ class CUDADevice(StagedCopies):
         # arrays (a ctypes array type per argument count is garbage for the cyclic GC on every launch). The driver
         # copies them at launch, so the pair is kept for the next launch with these pointers (a steady plan's)
         maps = dims.maps
+        if not maps and hot.launch_values is not None:  # (the parameters' table made in C)
+            if err := hot.launch_values(fn, *grid, block, 1, 1, dims.smem, self.stream_h, ptrs):
+                hot.fail(err, "cuLaunchKernel")
+            return
         key = (ptrs, maps) if maps else ptrs
         arrays = self.params.get(key)
         if arrays is None:

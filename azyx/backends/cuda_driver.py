@@ -13,6 +13,7 @@ from typing import Any
 from azyx.device import cached_build
 from azyx.errors import CompileError, DeviceError
 from azyx.gemm_sm90 import TensorMap
+from azyx.native import native
 
 try:
     from cuda.bindings import driver as cu
@@ -51,7 +52,19 @@ class Hot:
         # its out-parameter, made once (a PyDLL call holds the GIL: no other thread writes it meanwhile; the releasing
         # set's is never used, `current_context` being asked of the holding one)
         self._ctx = ctypes.c_void_p()
-        self._ctx_ref = ctypes.byref(self._ctx)
+        self._ctx_ref: Any = ctypes.byref(self._ctx)
+        # a launch whose kernel parameters are a tuple of 64-bit values (no tensor maps), its table made in C: None
+        # where ctypes makes the calls (then `launch` takes the table's address)
+        self.launch_values: Any = None
+        if native is not None and isinstance(lib, ctypes.PyDLL):  # the holding set's calls in C: no ctypes conversions
+            def address(f: Any) -> Any:
+                return functools.partial(native.call, ctypes.cast(f, ctypes.c_void_p).value)
+
+            self.event_record, self.event_query = address(lib.cuEventRecord), address(lib.cuEventQuery)
+            self.graph_launch, self.memset_d32 = address(lib.cuGraphLaunch), address(lib.cuMemsetD32Async)
+            self._current, self._ctx_ref = address(lib.cuCtxGetCurrent), ctypes.addressof(self._ctx)
+            self.launch_values = functools.partial(native.launch_kernel,
+                                                   ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value)
 
     def here(self) -> Hot:
         """The set for the calling thread: this one on an asyncio loop's thread, else `releasing`."""

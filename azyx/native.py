@@ -1,0 +1,22 @@
+"""azyx's native core (azyx/_native.c, built by `pip install` for Python's stable ABI): the graph's node, the
+canonical walk, the release of nodes, the operators' common cases, a run's scalar words and the calls of the launch
+path. `native` is None where it was not built (no compiler) or AZYX_NATIVE=0 turns it off: the same then runs in
+Python."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("AZYX_NATIVE", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("azyx._native")  # (a compiled module: no layer of the import contracts)
+    except ImportError:
+        return None
+
+
+native = _load()
