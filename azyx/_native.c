@@ -1153,10 +1153,32 @@ static PyObject *call(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromLong(r);
 }
 
+/* call_out(fn, *args) -> int: the 64-bit value the C function at `fn` writes through its first parameter (a pointer),
+ * called with up to 10 more integer or pointer arguments after it; 0 when it returns an error (a nonzero int). */
+static PyObject *call_out(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 11) {
+        PyErr_SetString(PyExc_TypeError, "call_out(fn, *args): a function and at most 10 arguments");
+        return NULL;
+    }
+    u64 a[10] = {0}, out = 0;
+    void *fn = PyLong_AsVoidPtr(args[0]);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "call_out: a null function");
+        return NULL;
+    }
+    for (Py_ssize_t k = 1; k < nargs; k++)
+        if (as_u64(args[k], &a[k - 1]) < 0)
+            return NULL;
+    typedef int (*f11)(u64 *, u64, u64, u64, u64, u64, u64, u64, u64, u64, u64);
+    int r = ((f11)fn)(&out, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9]);
+    return PyLong_FromUnsignedLongLong(r ? 0 : out);
+}
+
 /* launch_kernel(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, smem, stream, values) -> CUresult: a launch whose kernel
  * parameters are `values` (ints: each a 64-bit value the kernel reads as many low bytes of as its parameter has),
  * pointed at from a table made here (the driver copies the parameters at launch). */
-#define MAX_PARAMS 256
+#define MAX_PARAMS 64
 static PyObject *launch_kernel(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 11) {
         PyErr_SetString(PyExc_TypeError, "launch_kernel(fn, f, gx, gy, gz, bx, by, bz, smem, stream, values)");
@@ -1174,23 +1196,39 @@ static PyObject *launch_kernel(PyObject *mod, PyObject *const *args, Py_ssize_t 
             return NULL;
     PyObject *values = args[10];
     Py_ssize_t n = PyTuple_Check(values) ? PyTuple_Size(values) : PyList_Check(values) ? PyList_Size(values) : -1;
-    if (n < 0 || n > MAX_PARAMS) {
-        PyErr_Format(PyExc_ValueError, "launch_kernel: values must be a tuple or list of at most %d ints", MAX_PARAMS);
+    if (n < 0) {
+        PyErr_SetString(PyExc_TypeError, "launch_kernel: values must be a tuple or list of ints");
         return NULL;
     }
-    u64 vals[MAX_PARAMS];
-    void *params[MAX_PARAMS];
-    for (Py_ssize_t k = 0; k < n; k++) {
+    u64 local_vals[MAX_PARAMS], *vals = local_vals;
+    void *local_params[MAX_PARAMS], **params = local_params;
+    if (n > MAX_PARAMS) { /* (a long chain's hundreds of scalars) */
+        vals = (u64 *)malloc((size_t)n * sizeof(u64));
+        params = (void **)malloc((size_t)n * sizeof(void *));
+        if (vals == NULL || params == NULL) {
+            free(vals);
+            free(params);
+            return PyErr_NoMemory();
+        }
+    }
+    int bad = 0;
+    for (Py_ssize_t k = 0; k < n && !bad; k++) {
         PyObject *v = PyTuple_Check(values) ? PyTuple_GetItem(values, k) : PyList_GetItem(values, k);
-        if (as_u64(v, &vals[k]) < 0)
-            return NULL;
+        bad = as_u64(v, &vals[k]) < 0;
         params[k] = &vals[k];
     }
-    typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
-                             void **, void **);
-    int r = ((launch_fn)fn)((void *)(uintptr_t)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3], (unsigned)a[4],
+    int r = 0;
+    if (!bad) {
+        typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                                 void **, void **);
+        r = ((launch_fn)fn)((void *)(uintptr_t)a[0], (unsigned)a[1], (unsigned)a[2], (unsigned)a[3], (unsigned)a[4],
                             (unsigned)a[5], (unsigned)a[6], (unsigned)a[7], (void *)(uintptr_t)a[8], params, NULL);
-    return PyLong_FromLong(r);
+    }
+    if (vals != local_vals) {
+        free(vals);
+        free(params);
+    }
+    return bad ? NULL : PyLong_FromLong(r);
 }
 
 /* ------------------------------------------------------------------------------------------------------ the module */
@@ -1202,6 +1240,8 @@ static PyMethodDef methods[] = {
      "pack_words(codes, at, scalars) -> the 64-bit words of scalars[at[k]], each packed as struct code codes[k]"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
      "call(fn, *args) -> int: a C function of integer and pointer parameters (at most 11), the GIL held"},
+    {"call_out", (PyCFunction)(void (*)(void))call_out, METH_FASTCALL,
+     "call_out(fn, *args) -> the value fn writes through its first parameter (0 when it returns an error)"},
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, smem, stream, values) -> CUresult"},
     {"become_leaf", (PyCFunction)(void (*)(void))become_leaf, METH_FASTCALL,

@@ -110,7 +110,7 @@ def test_walk_matches_python(seed: int) -> None:
 def test_walk_scalars_reach_kernels() -> None:
     """Graphs that differ only in numbers share a key; each realize binds its own numbers (numpy's values)."""
     xn = np.arange(12, dtype=np.float32).reshape(3, 4)
-    x = Tensor(xn)
+    x = Tensor(xn, device="c:0")
     keys = set()
     for a, b, fill in [(0.5, 1.0, -1.0), (2.0, -3.0, 7.0), (-1.25, 0.0, 2.5)]:
         y = ((x * a + b).relu() - a).pad(((0, 1), (1, 0)), value=fill)
@@ -262,7 +262,7 @@ def test_finalizer_frees_nodes() -> None:
 
 def test_become_leaf_keeps_sources_only_on_a_tape() -> None:
     """A realized node forgets how it was made (its sources released) unless a live tape recorded it."""
-    x = Tensor(np.full(3, 2.0, np.float32))
+    x = Tensor(np.full(3, 2.0, np.float32), device="c:0")
     y = (x * 3.0).realize_sync()
     n = GRAPH[y.id]
     assert n.op is Op.LEAF and n.src == () and n.arg is None and n.buffer is not None and n.device == "c:0"
@@ -297,3 +297,29 @@ def test_scalar_words_match_struct() -> None:
             assert got == ref, (d, v)
     with pytest.raises(OverflowError):
         native.pack_words(b"f", (0,), [1e300])  # type: ignore[union-attr]
+
+
+def test_calls_of_c_functions() -> None:
+    """native.call and native.call_out (the CUDA launch path's driver calls) call C functions of integer and pointer
+    parameters by address: libc's here."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+
+    def addr(f: object) -> int:
+        return ctypes.cast(f, ctypes.c_void_p).value  # type: ignore[arg-type,return-value]
+
+    assert native is not None
+    assert native.call(addr(libc.abs), -7 & (2**64 - 1)) == 7  # (an int parameter: the low 32 bits)
+    text = ctypes.create_string_buffer(b"azyx runtime")
+    assert native.call(addr(libc.strlen), ctypes.addressof(text)) == 12
+    fds = native.call_out(addr(libc.pipe))  # (pipe writes two ints through its pointer)
+    r, w = fds & 0xFFFFFFFF, fds >> 32
+    try:
+        os.write(w, b"ok")
+        assert os.read(r, 2) == b"ok"
+    finally:
+        os.close(r)
+        os.close(w)
+    with pytest.raises(ValueError):
+        native.call(0)

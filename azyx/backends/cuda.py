@@ -270,8 +270,11 @@ class CUDADevice(StagedCopies):
         """Under the lock, after the command of value `v` is on the stream: its event (also for the values from
         `first` on that a batch reserved), and its completion."""
         ev = self._event()
-        for u in range(first or v, v + 1):
-            self.events[u] = ev
+        if not first or first == v:
+            self.events[v] = ev
+        else:
+            for u in range(first, v + 1):
+                self.events[u] = ev
         if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
             self.holding[v] = keep
         if post is not None:
@@ -525,7 +528,13 @@ class CUDADevice(StagedCopies):
         batch, self.batch = self.batch, None
         try:
             assert batch is not None
-            if batch:
+            if len(batch) == 1 and not self.deferred:  # (a small request's one launch: _flush's common case, inline)
+                if self.hot.current_context() != self.ctx_id:
+                    self.use()
+                fn, dims, ptrs, _ = batch[0]
+                self._launch_now(fn, dims, ptrs)
+                self._record(self.submitted, None, None)
+            elif batch:
                 self._flush(batch)
         finally:
             self.lock.release()

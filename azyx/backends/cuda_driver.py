@@ -62,7 +62,8 @@ class Hot:
 
             self.event_record, self.event_query = address(lib.cuEventRecord), address(lib.cuEventQuery)
             self.graph_launch, self.memset_d32 = address(lib.cuGraphLaunch), address(lib.cuMemsetD32Async)
-            self._current, self._ctx_ref = address(lib.cuCtxGetCurrent), ctypes.addressof(self._ctx)
+            self.current_context = functools.partial(  # type: ignore[method-assign]
+                native.call_out, ctypes.cast(lib.cuCtxGetCurrent, ctypes.c_void_p).value)
             self.launch_values = functools.partial(native.launch_kernel,
                                                    ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value)
 
