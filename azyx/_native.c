@@ -1266,6 +1266,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddIntConstant(m, "ABI", 1) < 0) /* (azyx/native.py's ABI: bump both with any change of a call) */
+        goto fail;
     node_type = (PyTypeObject *)PyType_FromSpec(&node_spec);
     if (node_type == NULL || PyModule_AddObject(m, "Node", (PyObject *)node_type) < 0)
         goto fail;

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+ABI: int
+
 class Node:
     op: Any
     src: tuple[int, ...]

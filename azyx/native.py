@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import ModuleType
+
+ABI = 1  # azyx/_native.c's ABI: a library built from other sources (a checkout pulled, not rebuilt) is not used
 
 
 def _load() -> ModuleType | None:
     if os.environ.get("AZYX_NATIVE", "1") == "0":
         return None
     try:
-        return importlib.import_module("azyx._native")  # (a compiled module: no layer of the import contracts)
+        module = importlib.import_module("azyx._native")  # (a compiled module: no layer of the import contracts)
     except ImportError:
         return None
+    if getattr(module, "ABI", None) != ABI:
+        warnings.warn(f"azyx._native at {module.__file__} was built from other sources (ABI "
+                      f"{getattr(module, 'ABI', None)}, not {ABI}): running without it; rebuild it with "
+                      "`pip install -e .`", RuntimeWarning, stacklevel=2)
+        return None
+    return module
 
 
 native = _load()
