@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from azyx.errors import AllocationError
+from azyx.native import native
 
 
 class MemoryUsage(NamedTuple):
@@ -30,28 +31,49 @@ def bucket(nbytes: int) -> int:
 
 
 class PoolAllocator:
-    """Free lists per bucket and in-use accounting, under one lock. `free` may be called from a finalizer
-    (`Buffer.__del__`) at any point of any thread, the thread that holds the lock included: the cyclic GC runs
-    finalizers wherever an allocation triggers it. So a free never waits for the lock: it queues itself, and
-    whoever holds the lock takes the queue in before letting go."""
+    """Free lists per bucket and in-use accounting. `free` may be called from a finalizer (`Buffer.__del__`) at any
+    point of any thread, the thread inside an `alloc` included: the cyclic GC runs finalizers wherever an allocation
+    triggers it. With the native core each step is one C call under the GIL (`native.Pool`), which no finalizer can
+    interrupt; in Python a free never waits for the lock: it queues itself, and whoever holds the lock takes the queue
+    in before letting go."""
 
     def __init__(self, capacity: int, cache_limit: int, create: Callable[[int], Any], what: str, lowest: bool = False):
         """`create(size)` makes a new block (raising when the device is out of memory); `what` names the device in
         errors. `lowest`: blocks are addresses (ints), and a request takes the lowest cached one of its size, so a plan
         that runs again from the same free blocks gets the same addresses (CUDA replays such a run as a graph); else
         the block freed last."""
-        self.capacity, self.cache_limit, self.create, self.what = capacity, cache_limit, create, what
+        self.create, self.what, self.lowest = create, what, lowest
         self.put: Callable[[list[Any], Any], None] = heapq.heappush if lowest else list.append
         self.take: Callable[[list[Any]], Any] = heapq.heappop if lowest else list.pop
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # frees not yet taken in
         self.free_lists: dict[int, list[Any]] = {}
-        self.in_use = 0
-        self.cached = 0
+        self._capacity, self._cache_limit, self._in_use, self._cached = capacity, cache_limit, 0, 0
+        self.pool = native.Pool(capacity, cache_limit, lowest) if native is not None else None
+        if self.pool is not None:
+            self.free = self.pool.give  # type: ignore[method-assign]  # (a Buffer's free: one C call)
+
+    @property
+    def in_use(self) -> int:
+        return self.pool.in_use if self.pool is not None else self._in_use
+
+    @property
+    def cached(self) -> int:
+        return self.pool.cached if self.pool is not None else self._cached
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity if self.pool is not None else self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self._capacity = value
+        if self.pool is not None:
+            self.pool.capacity = value
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the lock (to read or change the free lists and counts from outside)."""
+        """Hold the lock (to read the free lists and counts together from outside)."""
         self._lock.acquire()
         try:
             yield
@@ -63,60 +85,79 @@ class PoolAllocator:
         while True:
             while self._pending:
                 mem, size = self._pending.popleft()
-                self.in_use -= size
-                if mem is not None and self.cached + size <= self.cache_limit:
+                self._in_use -= size
+                if mem is not None and self._cached + size <= self._cache_limit:
                     self.put(self.free_lists.setdefault(size, []), mem)
-                    self.cached += size
+                    self._cached += size
             self._lock.release()
             if not self._pending or not self._lock.acquire(blocking=False):
                 return
 
+    def _refused(self, nbytes: int, in_use: int) -> AllocationError:
+        return AllocationError(f"{self.what}: cannot allocate {nbytes} bytes: over its capacity of {self.capacity} "
+                               f"bytes ({in_use} in use)")
+
+    def _created(self, nbytes: int, size: int) -> Any:
+        """A new block of `size` bytes, counted in use already (given back if the device refuses it)."""
+        try:
+            return self.create(size)
+        except Exception as e:  # MemoryError, a driver's out-of-resources error
+            self.free(None, size)
+            raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes ({size} as pooled): out of "
+                                  f"device memory ({type(e).__name__}: {e})") from None
+
     def alloc(self, nbytes: int) -> tuple[Any, int]:
         """A block of at least `nbytes`: (memory, its bucketed size)."""
+        if self.pool is not None:
+            got = self.pool.take(nbytes)
+            if got is None:
+                raise self._refused(nbytes, self.pool.in_use)
+            mem, size = got
+            return (mem if mem is not None else self._created(nbytes, size)), size
         size = bucket(max(nbytes, 1))
         self._lock.acquire()
         try:
             lst = self.free_lists.get(size)
             mem = self.take(lst) if lst else None
             if mem is not None:
-                self.cached -= size
-            elif self.in_use + size > self.capacity:
-                raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes: over its capacity of "
-                                      f"{self.capacity} bytes ({self.in_use} in use)")
-            self.in_use += size
+                self._cached -= size
+            elif self._in_use + size > self._capacity:
+                raise self._refused(nbytes, self._in_use)
+            self._in_use += size
         finally:
             self._unlock()
         if mem is None:
-            try:
-                mem = self.create(size)
-            except Exception as e:  # MemoryError, a driver's out-of-resources error
-                self.free(None, size)
-                raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes ({size} as pooled): out of "
-                                      f"device memory ({type(e).__name__}: {e})") from None
+            mem = self._created(nbytes, size)
         return mem, size
 
     def alloc_many(self, sizes: list[int]) -> list[tuple[Any, int]]:
-        """Blocks of at least each of `sizes` bytes, taken under one hold of the lock (a plan step's dozens of temporary
-        buffers); all or none: a refused one gives back those taken before it."""
-        out: list[tuple[Any, int]] = []
-        self._lock.acquire()
-        try:
-            for nbytes in sizes:
-                size = bucket(max(nbytes, 1))
-                lst = self.free_lists.get(size)
-                if lst:
-                    self.cached -= size
-                    out.append((self.take(lst), size))
-                elif self.in_use + size > self.capacity:
-                    for mem, sz in out:
-                        self.free(mem, sz)  # (queued: taken in as the lock is let go)
-                    raise AllocationError(f"{self.what}: cannot allocate {nbytes} bytes: over its capacity of "
-                                          f"{self.capacity} bytes ({self.in_use} in use)")
-                else:
-                    out.append((None, size))
-                self.in_use += size
-        finally:
-            self._unlock()
+        """Blocks of at least each of `sizes` bytes, taken in one step (a plan step's dozens of temporary buffers);
+        all or none: a refused one gives back those taken before it."""
+        if self.pool is not None:
+            got = self.pool.take_many(sizes)
+            if isinstance(got, int):  # (the one refused: nothing was taken)
+                raise self._refused(sizes[got], self.pool.in_use)
+            out: list[tuple[Any, int]] = got
+        else:
+            out = []
+            self._lock.acquire()
+            try:
+                for nbytes in sizes:
+                    size = bucket(max(nbytes, 1))
+                    lst = self.free_lists.get(size)
+                    if lst:
+                        self._cached -= size
+                        out.append((self.take(lst), size))
+                    elif self._in_use + size > self._capacity:
+                        error = self._refused(nbytes, self._in_use - sum(sz for _, sz in out))  # (before this step)
+                        for mem, sz in out:
+                            self.free(mem, sz)  # (queued: taken in as the lock is let go)
+                        raise error
+                    else:
+                        out.append((None, size))
+                    self._in_use += size
+            finally:
+                self._unlock()
         for i, (mem, size) in enumerate(out):
             if mem is None:
                 try:
@@ -130,25 +171,48 @@ class PoolAllocator:
 
     def reuse(self, nbytes: int) -> tuple[Any, int] | None:
         """A cached block of at least `nbytes` (memory, its bucketed size), or None: never creates one."""
+        if self.pool is not None:
+            return self.pool.reuse(nbytes)
         size = bucket(max(nbytes, 1))
         with self.locked():
             lst = self.free_lists.get(size)
             if not lst:
                 return None
-            self.cached -= size
-            self.in_use += size
+            self._cached -= size
+            self._in_use += size
             return self.take(lst), size
 
-    def usage(self) -> MemoryUsage:
-        """Bytes in use and bytes cached, read together under the lock."""
+    def account(self, nbytes: int) -> None:
+        """`nbytes` more in use (fewer where negative) outside the free lists: host data a buffer wraps."""
+        if self.pool is not None:
+            self.pool.account(nbytes)
+            return
         with self.locked():
-            return MemoryUsage(self.in_use, self.cached)
+            self._in_use += nbytes
+
+    def usage(self) -> MemoryUsage:
+        """Bytes in use and bytes cached, read together."""
+        if self.pool is not None:
+            return MemoryUsage(*self.pool.usage())
+        with self.locked():
+            return MemoryUsage(self._in_use, self._cached)
 
     def take_cached(self, keep: Callable[[Any], bool] | None = None) -> list[Any]:
         """Every cached block, out of the free lists (for its owner to give back to the driver); those `keep` says
         so of stay cached."""
+        if self.pool is not None:
+            lists = self.pool.drain()
+            out = []
+            for size, blocks in lists.items():
+                for mem in blocks:
+                    if keep is not None and keep(mem):
+                        self.pool.give(mem, size)
+                        self.pool.account(size)  # (give counts a block out of use: this one was cached, not lent)
+                    else:
+                        out.append(mem)
+            return out
         with self.locked():
-            lists, self.free_lists, self.cached = self.free_lists, {}, 0
+            lists, self.free_lists, self._cached = self.free_lists, {}, 0
             if keep is None:
                 return [mem for blocks in lists.values() for mem in blocks]
             out = []
@@ -159,7 +223,7 @@ class PoolAllocator:
                     if self.put is heapq.heappush:
                         heapq.heapify(kept)
                     self.free_lists[size] = kept
-                    self.cached += size * len(kept)
+                    self._cached += size * len(kept)
             return out
 
     def free(self, mem: Any, size: int) -> None:

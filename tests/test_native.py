@@ -15,6 +15,7 @@ import pytest
 import azyx
 from azyx import Tensor
 from azyx import walk as walk_mod
+from azyx.allocator import PoolAllocator
 from azyx.dtypes import SCALAR_CODES, dtypes
 from azyx.graph import Graph, Node, Op
 from azyx.native import native
@@ -323,3 +324,73 @@ def test_calls_of_c_functions() -> None:
         os.close(w)
     with pytest.raises(ValueError):
         native.call(0)
+
+
+def _python_pool(*args: object, **kw: object) -> PoolAllocator:
+    """A PoolAllocator with the native core's pool taken out: the Python free lists and lock."""
+    a = PoolAllocator(*args, **kw)  # type: ignore[arg-type]
+    a.pool = None
+    del a.free  # (the instance's C `give`)
+    return a
+
+
+@pytest.mark.parametrize("lowest", [False, True])
+def test_pool_matches_python(lowest: bool) -> None:
+    """The native pool hands out, caches and refuses exactly as the Python one: buckets, the lowest address first
+    (`lowest`) or the block freed last, the cache limit, the capacity, all-or-none steps, draining with `keep`."""
+    rng = np.random.default_rng(5)
+    made = [iter(range(10**6, 10**7, 64)), iter(range(10**6, 10**7, 64))]  # (the same blocks for each)
+    pools = [PoolAllocator(1 << 20, 1 << 16, lambda size: next(made[0]), "p", lowest=lowest),
+             _python_pool(1 << 20, 1 << 16, lambda size: next(made[1]), "p", lowest=lowest)]
+    assert pools[0].pool is not None
+    held: list[list[tuple[int, int]]] = [[], []]
+    for step in range(400):
+        op = int(rng.integers(5))
+        nbytes = int(rng.choice([1, 64, 100, 4096, 5000, 70000, 300000]))
+        k = int(rng.integers(1 << 30))
+        outcome = []
+        for pool, h in zip(pools, held):
+            try:
+                if op in (0, 1):
+                    mem, size = pool.alloc(nbytes)
+                    h.append((mem, size))
+                    got: object = (mem, size)
+                elif op == 2 and h:
+                    mem, size = h.pop(k % len(h))
+                    pool.free(mem, size)
+                    got = None
+                elif op == 3:
+                    blocks = pool.alloc_many([nbytes, 64, 4096])
+                    h.extend(blocks)
+                    got = blocks
+                else:
+                    r = pool.reuse(nbytes)
+                    if r is not None:
+                        h.append(r)
+                    got = r
+            except azyx.AzyxError as e:
+                got = str(e)
+            outcome.append((got, pool.in_use, pool.cached, tuple(pool.usage())))
+        assert outcome[0] == outcome[1], (step, op, nbytes)
+    assert held[0] == held[1]
+    kept = [pool.take_cached(keep=lambda m: m % 128 == 0) for pool in pools]
+    assert sorted(kept[0]) == sorted(kept[1]) and pools[0].usage() == pools[1].usage()
+
+
+def test_pool_counts_stay_exact_with_frees_from_another_thread() -> None:
+    """Frees from another thread (a Buffer's finalizer runs on any) meet allocations here: the counts stay exact."""
+    import threading
+
+    pool = PoolAllocator(1 << 30, 1 << 30, lambda size: bytearray(size), "p")
+    blocks = [pool.alloc(4096) for _ in range(2000)]
+
+    def frees() -> None:
+        for mem, size in blocks[1000:]:
+            pool.free(mem, size)
+
+    t = threading.Thread(target=frees)
+    t.start()
+    again = [pool.alloc(4096) for _ in range(500)]
+    t.join()
+    assert pool.in_use == (1000 + 500) * 4096 and len(again) == 500
+    assert 500 * 4096 <= pool.cached <= 1000 * 4096 and pool.usage() == (pool.in_use, pool.cached)

@@ -160,8 +160,7 @@ class HostDevice(Device):
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
         assert arr.flags.c_contiguous
-        with self.allocator.locked():
-            self.allocator.in_use += arr.nbytes
+        self.allocator.account(arr.nbytes)
         return Buffer(self, arr.nbytes, arr, arr.ctypes.data if arr.nbytes else 0, False)
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
