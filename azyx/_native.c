@@ -105,14 +105,17 @@ static int node_clear(NodeObject *self) {
     return 0;
 }
 
-static void node_dealloc(NodeObject *self) {
-    PyTypeObject *type = Py_TYPE((PyObject *)self);
+/* a GC-tracked object of a heap type: untracked, its references cleared, freed, its type's reference dropped */
+static void dealloc_tracked(PyObject *self, inquiry clear) {
+    PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    node_clear(self);
+    clear(self);
     freefunc free_ = (freefunc)PyType_GetSlot(type, Py_tp_free);
     free_(self);
     Py_DECREF(type);
 }
+
+static void node_dealloc(NodeObject *self) { dealloc_tracked((PyObject *)self, (inquiry)node_clear); }
 
 static PyObject *node_repr(NodeObject *self) {
     PyObject *op = self->op ? PyObject_GetAttrString(self->op, "name") : NULL;
@@ -843,14 +846,7 @@ static int method_clear(MethodObject *self) {
     return 0;
 }
 
-static void method_dealloc(MethodObject *self) {
-    PyTypeObject *type = Py_TYPE((PyObject *)self);
-    PyObject_GC_UnTrack(self);
-    method_clear(self);
-    freefunc free_ = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    free_(self);
-    Py_DECREF(type);
-}
+static void method_dealloc(MethodObject *self) { dealloc_tracked((PyObject *)self, (inquiry)method_clear); }
 
 static PyObject *method_repr(MethodObject *self) {
     return PyUnicode_FromFormat("<azyx operator %S>", self->qualname);
@@ -1183,14 +1179,7 @@ static int pool_clear(PoolObject *self) {
     return 0;
 }
 
-static void pool_dealloc(PoolObject *self) {
-    PyTypeObject *type = Py_TYPE((PyObject *)self);
-    PyObject_GC_UnTrack(self);
-    pool_clear(self);
-    freefunc free_ = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    free_(self);
-    Py_DECREF(type);
-}
+static void pool_dealloc(PoolObject *self) { dealloc_tracked((PyObject *)self, (inquiry)pool_clear); }
 
 static PyType_Slot pool_slots[] = {
     {Py_tp_doc, "Pool(capacity, cache_limit, lowest): the caching allocator's free lists and counts"},
