@@ -1136,6 +1136,14 @@ static PyObject *pool_drain(PoolObject *self, PyObject *unused) {
     return lists;
 }
 
+/* blocks(size) -> a list of the blocks cached under bucketed size `size` */
+static PyObject *pool_blocks(PoolObject *self, PyObject *arg) {
+    PyObject *lst = PyDict_GetItemWithError(self->lists, arg);
+    if (lst == NULL)
+        return PyErr_Occurred() ? NULL : PyList_New(0);
+    return PyList_GetSlice(lst, 0, PyList_Size(lst));
+}
+
 /* account(delta): bytes that left (or came into) use outside the free lists (host data a buffer wraps) */
 static PyObject *pool_account(PoolObject *self, PyObject *arg) {
     Py_ssize_t delta = PyLong_AsSsize_t(arg);
@@ -1155,6 +1163,7 @@ static PyMethodDef pool_methods[] = {
     {"give", (PyCFunction)(void (*)(void))pool_give, METH_FASTCALL, "give(block, size)"},
     {"reuse", (PyCFunction)pool_reuse, METH_O, "reuse(nbytes) -> (block, size) or None"},
     {"drain", (PyCFunction)pool_drain, METH_NOARGS, "drain() -> {size: [blocks]}: every cached block"},
+    {"blocks", (PyCFunction)pool_blocks, METH_O, "blocks(size) -> the blocks cached under bucketed size `size`"},
     {"account", (PyCFunction)pool_account, METH_O, "account(delta): bytes in use outside the free lists"},
     {"usage", (PyCFunction)pool_usage, METH_NOARGS, "usage() -> (in use, cached)"},
     {NULL, NULL, 0, NULL},

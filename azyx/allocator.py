@@ -182,6 +182,13 @@ class PoolAllocator:
             self._in_use += size
             return self.take(lst), size
 
+    def cached_blocks(self, size: int) -> list[Any]:
+        """The blocks cached under bucketed size `size` (a copy of that free list)."""
+        if self.pool is not None:
+            return self.pool.blocks(size)
+        with self.locked():
+            return list(self.free_lists.get(size, []))
+
     def account(self, nbytes: int) -> None:
         """`nbytes` more in use (fewer where negative) outside the free lists: host data a buffer wraps."""
         if self.pool is not None:

@@ -178,7 +178,7 @@ def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> No
         cycle.append(cycle)
         del staged, cycle
         gc.collect()
-        assert ptr in [b.ptr for b in dev.staging.free_lists[size]]  # type: ignore[attr-defined]
+        assert ptr in [b.ptr for b in dev.staging.cached_blocks(size)]  # type: ignore[attr-defined]
         assert check(cu.cuPointerGetAttribute(size_attr, ptr), "cuPointerGetAttribute") == size
         xn = rng.standard_normal(n // 4).astype(np.float32)
         np.testing.assert_array_equal((Tensor(xn, device="c:0").to("cuda:0") + 1).numpy_sync(), xn + 1)

@@ -373,6 +373,8 @@ def test_pool_matches_python(lowest: bool) -> None:
             outcome.append((got, pool.in_use, pool.cached, tuple(pool.usage())))
         assert outcome[0] == outcome[1], (step, op, nbytes)
     assert held[0] == held[1]
+    for size in (64, 4096, 8192, 73728, 303104):
+        assert pools[0].cached_blocks(size) == pools[1].cached_blocks(size)
     kept = [pool.take_cached(keep=lambda m: m % 128 == 0) for pool in pools]
     assert sorted(kept[0]) == sorted(kept[1]) and pools[0].usage() == pools[1].usage()
 
