@@ -148,16 +148,17 @@ static PyType_Spec node_spec = {"azyx._native.Node", sizeof(NodeObject), 0,
 /* ------------------------------------------------------------------------------------- what setup() tells the walk */
 
 static PyObject *op_const, *op_pad, *op_assign, *op_binary, *op_leaf, *scalar_mark, *bool_dtype, *donates_fn;
+static PyObject *op_unary, *op_reduce, *op_reshape;
 static PyObject *s_view, *s_buffer, *s_offset, *s_strides, *s_device, *s_name;
 
 static PyObject *setup(PyObject *mod, PyObject *args) {
-    PyObject *c, *p, *a, *b, *leaf, *mark, *bdt, *don;
-    if (!PyArg_ParseTuple(args, "OOOOOOOO", &c, &p, &a, &b, &leaf, &mark, &bdt, &don))
+    PyObject *c, *p, *a, *b, *leaf, *un, *red, *resh, *mark, *bdt, *don;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOO", &c, &p, &a, &b, &leaf, &un, &red, &resh, &mark, &bdt, &don))
         return NULL;
-    PyObject **slots[8] = {&op_const, &op_pad, &op_assign, &op_binary, &op_leaf, &scalar_mark, &bool_dtype,
-                           &donates_fn};
-    PyObject *vals[8] = {c, p, a, b, leaf, mark, bdt, don};
-    for (int k = 0; k < 8; k++) {
+    PyObject **slots[11] = {&op_const, &op_pad, &op_assign, &op_binary, &op_leaf, &op_unary, &op_reduce, &op_reshape,
+                            &scalar_mark, &bool_dtype, &donates_fn};
+    PyObject *vals[11] = {c, p, a, b, leaf, un, red, resh, mark, bdt, don};
+    for (int k = 0; k < 11; k++) {
         Py_INCREF(vals[k]);
         Py_XDECREF(*slots[k]);
         *slots[k] = vals[k];
@@ -633,7 +634,7 @@ static PyObject *new_handle(NodeObject *node) {
     return t;
 }
 
-enum { OUT_BOOL = 1, INT_NUMBERS = 2, FLOAT_OK = 4, REVERSE = 8, FLOAT_KIND = 16 };
+enum { OUT_BOOL = 1, INT_NUMBERS = 2, FLOAT_OK = 4, REVERSE = 8, FLOAT_KIND = 16, UNARY = 32, REDUCE_ALL = 64 };
 
 /* binary(op, flags, x, other): the operators' common cases (tensor.py's `_binop`, which says which): a number of
  * the tensor's kind, or a tensor of the same dtype, shape and device. None for anything else: the caller builds it. */
@@ -735,6 +736,79 @@ static PyObject *binary(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
     return binary_impl(args[0], flags, args[2], args[3]);
 }
 
+/* x.op() for a unary op of a float tensor that is not a constant (tensor.py's `_unary` common case); None else */
+static PyObject *unary_impl(PyObject *op, PyObject *self) {
+    NodeObject *na = handle_node(self);
+    if (na == NULL)
+        return NULL;
+    if (na->op == op_const || !in_tuple(float_dtypes, na->dtype))
+        Py_RETURN_NONE;
+    int disk = PyObject_RichCompareBool(na->device, disk_name, Py_EQ);
+    if (disk != 0)
+        return disk < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    PyObject *id = PyObject_GetAttr(self, s_id), *src = id ? PyTuple_Pack(1, id) : NULL, *out = NULL;
+    NodeObject *node = src ? node_make(op_unary, src, op, na->shape, na->dtype, na->device, na->pinned, Py_None) : NULL;
+    if (node != NULL)
+        out = new_handle(node);
+    Py_XDECREF((PyObject *)node);
+    Py_XDECREF(src);
+    Py_XDECREF(id);
+    return out;
+}
+
+/* x.op() over every axis (tensor.py's `_reduce` with no axis, no keepdim): the reduce keeping its axes as 1 and the
+ * reshape to () that drops them; None for a bool or 0-d tensor, a constant, an empty axis, a file-backed tensor */
+static PyObject *reduce_all_impl(PyObject *op, PyObject *self) {
+    NodeObject *na = handle_node(self);
+    if (na == NULL)
+        return NULL;
+    Py_ssize_t nd = PyTuple_Size(na->shape);
+    if (na->op == op_const || na->dtype == bool_dtype || nd <= 0)
+        Py_RETURN_NONE;
+    int disk = PyObject_RichCompareBool(na->device, disk_name, Py_EQ);
+    if (disk != 0)
+        return disk < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    PyObject *axes = PyTuple_New(nd), *keep = PyTuple_New(nd);
+    int bad = axes == NULL || keep == NULL;
+    for (Py_ssize_t k = 0; k < nd && !bad; k++) {
+        PyObject *dim = PyTuple_GetItem(na->shape, k);
+        if (PyLong_AsSsize_t(dim) == 0) { /* (an empty axis: the caller's errors and rules) */
+            Py_XDECREF(axes);
+            Py_XDECREF(keep);
+            Py_RETURN_NONE;
+        }
+        PyObject *ax = PyLong_FromSsize_t(k), *one = PyLong_FromLong(1);
+        bad = ax == NULL || one == NULL;
+        if (!bad) {
+            PyTuple_SetItem(axes, k, ax);
+            PyTuple_SetItem(keep, k, one);
+        } else {
+            Py_XDECREF(ax);
+            Py_XDECREF(one);
+        }
+    }
+    PyObject *arg = bad ? NULL : PyTuple_Pack(2, op, axes), *id = arg ? PyObject_GetAttr(self, s_id) : NULL;
+    PyObject *src = id ? PyTuple_Pack(1, id) : NULL, *rid = NULL, *src2 = NULL, *empty = NULL, *out = NULL;
+    NodeObject *red = src ? node_make(op_reduce, src, arg, keep, na->dtype, na->device, na->pinned, Py_None) : NULL;
+    NodeObject *node = NULL;
+    if (red != NULL && (rid = graph_add(red)) != NULL && (src2 = PyTuple_Pack(1, rid)) != NULL &&
+        (empty = PyTuple_New(0)) != NULL)
+        node = node_make(op_reshape, src2, empty, empty, na->dtype, na->device, na->pinned, Py_None);
+    if (node != NULL)
+        out = new_handle(node);
+    Py_XDECREF((PyObject *)node);
+    Py_XDECREF((PyObject *)red);
+    Py_XDECREF(empty);
+    Py_XDECREF(src2);
+    Py_XDECREF(rid);
+    Py_XDECREF(src);
+    Py_XDECREF(id);
+    Py_XDECREF(arg);
+    Py_XDECREF(axes);
+    Py_XDECREF(keep);
+    return out;
+}
+
 /* The handle's finalizer (Tensor.__del__): one reference to its node less. A handle without an id (a failed
  * __init__, interpreter shutdown) has nothing to give back. */
 static PyObject *handle_del(PyObject *t) {
@@ -768,7 +842,8 @@ static PyObject *handle_del(PyObject *t) {
 }
 
 /* Method(op, flags, fallback, name, qualname, doc): a Tensor operator in C (`binary`, then `fallback(x, other)` where
- * that returns None); Method(None, 0, None, "__del__", ...): the handle's finalizer. Called unbound with the handle
+ * that returns None; with flags UNARY or REDUCE_ALL a method of the tensor alone, `x.exp()` or `x.sum()`, whose other
+ * calls are the fallback's); Method(None, 0, None, "__del__", ...): the handle's finalizer. Called unbound with the handle
  * first (a method descriptor: Python's operator slots and method calls make no bound method of it). */
 typedef struct {
     PyObject_HEAD
@@ -804,6 +879,17 @@ static PyObject *method_call(MethodObject *self, PyObject *args, PyObject *kwds)
             return NULL;
         }
         return handle_del(PyTuple_GetItem(args, 0));
+    }
+    if (self->flags & (UNARY | REDUCE_ALL)) { /* x.op(): the common case in C, anything else (arguments) Python's */
+        PyObject *x = n >= 1 ? PyTuple_GetItem(args, 0) : NULL;
+        if (n != 1 || (kwds != NULL && PyDict_Size(kwds)) || tensor_type == NULL ||
+            !PyObject_TypeCheck(x, (PyTypeObject *)tensor_type))
+            return PyObject_Call(self->fallback, args, kwds);
+        PyObject *out = (self->flags & UNARY) ? unary_impl(self->op, x) : reduce_all_impl(self->op, x);
+        if (out != Py_None)
+            return out;
+        Py_DECREF(out);
+        return PyObject_Call(self->fallback, args, kwds);
     }
     if (n != 2 || (kwds != NULL && PyDict_Size(kwds))) {
         PyErr_Format(PyExc_TypeError, "%S() takes a tensor and one operand", self->qualname);
@@ -1556,7 +1642,8 @@ static PyObject *launch_kernel(PyObject *mod, PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(CONST, PAD, ASSIGN, BINARY, LEAF, scalar mark, bool dtype, donates): what the walk needs of azyx.graph"},
+     "setup(CONST, PAD, ASSIGN, BINARY, LEAF, UNARY, REDUCE, RESHAPE, scalar mark, bool dtype, donates): the ops and "
+     "what the walk needs of azyx.graph"},
     {"pack_words", (PyCFunction)(void (*)(void))pack_words, METH_FASTCALL,
      "pack_words(codes, at, scalars) -> the 64-bit words of scalars[at[k]], each packed as struct code codes[k]"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
@@ -1587,7 +1674,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "ABI", 1) < 0) /* (azyx/native.py's ABI: bump both with any change of a call) */
+    if (PyModule_AddIntConstant(m, "ABI", 2) < 0) /* (azyx/native.py's ABI: bump both with any change of a call) */
         goto fail;
     node_type = (PyTypeObject *)PyType_FromSpec(&node_spec);
     if (node_type == NULL || PyModule_AddObject(m, "Node", (PyObject *)node_type) < 0)

@@ -1505,3 +1505,11 @@ if native is not None:  # the operators' common cases (`_binop`) and the handle'
     native.setup_tensor(Tensor, GRAPH, tuple(d for d in _KINDS if d.kind == "f"),
                         tuple(d for d in _KINDS if d.kind in "iu"), DISK, types.MethodType)
     Tensor.__del__ = native.Method(None, 0, None, "__del__", "Tensor.__del__", None)  # type: ignore[method-assign]
+    # x.exp(), x.sum(): the common case built in C (a float tensor's unary op; a reduction over every axis), the
+    # method's Python for the rest (its own arguments, other dtypes, constants)
+    for _name, _kind in [*((u, 32) for u in ("abs", "exp", "log", "exp2", "log2", "sqrt", "rsqrt", "reciprocal", "sin",
+                                              "cos", "tan", "tanh", "erf", "sigmoid", "relu", "silu", "softplus",
+                                              "sign")),
+                         *((r, 64) for r in ("sum", "prod", "max", "min"))]:
+        _method = getattr(Tensor, _name)
+        setattr(Tensor, _name, native.Method(_name, _kind, _method, _name, _method.__qualname__, _method.__doc__))

@@ -238,4 +238,5 @@ def _walk_iterative(graph: Graph, targets: list[int]) -> Walk:
 
 if native is not None:
     assert [d for d in dtypes.all() if d.kind == "b"] == [dtypes.bool]  # (the native walk tests for this one)
-    native.setup(Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY, Op.LEAF, SCALAR, dtypes.bool, donates)
+    native.setup(Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY, Op.LEAF, Op.UNARY, Op.REDUCE, Op.RESHAPE, SCALAR, dtypes.bool,
+                 donates)

@@ -396,3 +396,39 @@ def test_pool_counts_stay_exact_with_frees_from_another_thread() -> None:
     t.join()
     assert pool.in_use == (1000 + 500) * 4096 and len(again) == 500
     assert 500 * 4096 <= pool.cached <= 1000 * 4096 and pool.usage() == (pool.in_use, pool.cached)
+
+
+UNARY = ["abs", "exp", "log", "exp2", "log2", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tan", "tanh", "erf",
+         "sigmoid", "relu", "silu", "softplus", "sign"]
+
+
+def _graph_and_value(t: Tensor) -> tuple:
+    n = GRAPH[t.id]
+    srcs = tuple((GRAPH[s].op, GRAPH[s].arg, GRAPH[s].shape, GRAPH[s].dtype) for s in n.src)
+    v = t.numpy_sync()
+    return n.op, n.arg, n.shape, n.dtype, n.device, n.pinned, srcs, v.dtype, v.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "bool"])
+def test_unary_and_reduce_methods_in_c_match_python(dtype: str) -> None:
+    """x.exp() and the like, and x.sum() over every axis, built in C give the graph and the values of the Python
+    methods (their __wrapped__), for float and other dtypes, constants, 0-d and empty tensors; calls with arguments
+    are the Python method's."""
+    rng = np.random.default_rng(11)
+    xs = [Tensor(rng.uniform(0.5, 2.0, (3, 4)).astype(dtype)), Tensor.full((2, 3), 2, dtype=dtype),
+          Tensor(np.array(1.5).astype(dtype)), Tensor(np.zeros((0, 3), dtype))]
+    for x in xs:
+        for name in [*UNARY, "sum", "prod", "max", "min"]:
+            method = getattr(Tensor, name)
+            outcome = []
+            for fn in (method, method.__wrapped__):
+                try:
+                    outcome.append(_graph_and_value(fn(x)))
+                except Exception as e:  # (numpy's own, folding a bool constant's sign: the same from both)
+                    outcome.append(type(e))
+            assert outcome[0] == outcome[1], (name, dtype, x.shape)
+    x = xs[0]
+    xn = x.numpy_sync()
+    np.testing.assert_allclose(x.sum(axis=1).numpy_sync(), xn.sum(axis=1), rtol=1e-3)
+    np.testing.assert_array_equal(x.max(0, True).numpy_sync(), xn.max(axis=0, keepdims=True))
+    np.testing.assert_allclose(x.sum(keepdim=True).numpy_sync(), xn.sum(keepdims=True), rtol=1e-3)
