@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 typedef uint64_t u64;
 
@@ -1638,6 +1639,745 @@ static PyObject *launch_kernel(PyObject *mod, PyObject *const *args, Py_ssize_t 
     return bad ? NULL : PyLong_FromLong(r);
 }
 
+/* ------------------------------------------------------------------------------ a CUDA device's queue and its lanes */
+
+/* Queue: the per-command bookkeeping of a CUDA device (azyx.backends.cuda's CUDADevice) in C, on the device's own
+ * tables and locks, for its two per-request steps: `poll` (a command's event queried, the completed unwatched commands
+ * dropped, the timeline advanced) and a lane's run (below). A case the common path does not cover calls the device's
+ * Python for that step: a new event, a context to make current, a driver error, a full unwatched queue, a timeline
+ * with waiters to wake. */
+
+typedef int (*cu_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                            void **, void **);
+typedef int (*cu_event_fn)(void *, void *);
+typedef int (*cu_query_fn)(void *);
+typedef int (*cu_current_fn)(void **);
+#define CU_NOT_READY 600
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dev, *timeline, *pool, *holding, *events, *free_events, *unwatched, *deferred, *posts;
+    PyObject *lock_acquire, *lock_release, *qlock_acquire, *qlock_release, *unwatched_append, *unwatched_popleft;
+    PyObject *free_append, *tl_acquire, *tl_release, *signal, *waiters;
+    PyObject *alloc, *use, *new_event, *watch, *fail, *check_alive, *buffer_type, *record_type;
+    cu_launch_fn launch;
+    cu_event_fn record;
+    cu_query_fn query;
+    cu_current_fn current;
+    void *stream;
+    u64 ctx;
+    Py_ssize_t unwatched_max;
+} QueueObject;
+
+static PyTypeObject *pool_type, *queue_type;
+static PyObject *s_submitted, *s_demanded, *s_waited, *s_handed, *s_batch, *s_failure, *s_value, *s_ready, *s_run;
+static PyObject *s_clean, *s_spans, *s_ptr, *s_sync_waiters;
+
+static PyObject *attr(PyObject *o, const char *name) { return PyObject_GetAttrString(o, name); }
+
+static Py_ssize_t attr_int(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return x;
+}
+
+static int set_int(PyObject *o, PyObject *name, Py_ssize_t x) {
+    PyObject *v = PyLong_FromSsize_t(x);
+    int r = v == NULL ? -1 : PyObject_SetAttr(o, name, v);
+    Py_XDECREF(v);
+    return r;
+}
+
+static int call_void(PyObject *fn) {
+    PyObject *r = PyObject_CallNoArgs(fn);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* a call that must run while an exception may be set (a lock's release on the way out): the exception stays */
+static int call_keeping_error(PyObject *fn) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int r = call_void(fn);
+    if (type != NULL) {
+        if (r < 0) /* (the first error is the one raised) */
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    return r;
+}
+
+static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *dev, *fns, *buffer_type, *record_type;
+    Py_ssize_t unwatched_max;
+    if (!PyArg_ParseTuple(args, "OO!OOn", &dev, &PyTuple_Type, &fns, &buffer_type, &record_type, &unwatched_max))
+        return NULL;
+    if (PyTuple_Size(fns) != 4) {
+        PyErr_SetString(PyExc_ValueError, "Queue: four driver functions");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    QueueObject *self = (QueueObject *)alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(dev);
+    self->dev = dev;
+    Py_INCREF(buffer_type);
+    self->buffer_type = buffer_type;
+    Py_INCREF(record_type);
+    self->record_type = record_type;
+    self->unwatched_max = unwatched_max;
+    self->launch = (cu_launch_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 0));
+    self->record = (cu_event_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 1));
+    self->query = (cu_query_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 2));
+    self->current = (cu_current_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 3));
+    if (PyErr_Occurred())
+        goto fail;
+    PyObject *lock = attr(dev, "lock"), *qlock = attr(dev, "qlock"), *allocator = attr(dev, "allocator"), *hot = NULL;
+    if (lock != NULL && qlock != NULL && allocator != NULL && (hot = attr(dev, "hot")) != NULL) {
+        self->lock_acquire = attr(lock, "acquire");
+        self->lock_release = attr(lock, "release");
+        self->qlock_acquire = attr(qlock, "acquire");
+        self->qlock_release = attr(qlock, "release");
+        self->pool = attr(allocator, "pool");
+        self->fail = attr(hot, "fail");
+    }
+    Py_XDECREF(lock);
+    Py_XDECREF(qlock);
+    Py_XDECREF(allocator);
+    Py_XDECREF(hot);
+    if (PyErr_Occurred())
+        goto fail;
+    PyObject **fields[] = {&self->timeline, &self->holding, &self->events, &self->free_events, &self->unwatched,
+                           &self->deferred, &self->posts, &self->alloc, &self->use, &self->new_event, &self->watch,
+                           &self->check_alive};
+    const char *names[] = {"timeline", "holding", "events", "free_events", "unwatched", "deferred", "posts", "alloc",
+                           "use", "_new_event", "_watch", "check_alive"};
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++)
+        if ((*fields[k] = attr(dev, names[k])) == NULL)
+            goto fail;
+    PyObject *tl_lock = attr(self->timeline, "_lock");
+    if (tl_lock != NULL) {
+        self->tl_acquire = attr(tl_lock, "acquire");
+        self->tl_release = attr(tl_lock, "release");
+        Py_DECREF(tl_lock);
+    }
+    if (PyErr_Occurred() || (self->signal = attr(self->timeline, "signal")) == NULL ||
+        (self->waiters = attr(self->timeline, "_waiters")) == NULL ||
+        (self->unwatched_append = attr(self->unwatched, "append")) == NULL ||
+        (self->unwatched_popleft = attr(self->unwatched, "popleft")) == NULL ||
+        (self->free_append = attr(self->free_events, "append")) == NULL)
+        goto fail;
+    PyObject *ctx = attr(dev, "ctx_id"), *stream = ctx != NULL ? attr(dev, "stream_h") : NULL;
+    if (stream != NULL) {
+        self->ctx = (u64)PyLong_AsUnsignedLongLongMask(ctx);
+        self->stream = PyLong_AsVoidPtr(stream);
+    }
+    Py_XDECREF(ctx);
+    Py_XDECREF(stream);
+    if (PyErr_Occurred())
+        goto fail;
+    if (self->launch == NULL || self->record == NULL || self->query == NULL || self->current == NULL ||
+        Py_TYPE(self->pool) != pool_type || !PyDict_Check(self->holding) || !PyDict_Check(self->events) ||
+        !PyList_Check(self->free_events) || !PyList_Check(self->waiters)) {
+        PyErr_SetString(PyExc_ValueError, "Queue: a null driver function, or a device without a native pool and its "
+                                          "tables");
+        goto fail;
+    }
+    return (PyObject *)self;
+fail:
+    Py_DECREF((PyObject *)self);
+    return NULL;
+}
+
+/* the first key of a dict (its oldest entry), or -1 when empty */
+static Py_ssize_t first_key(PyObject *dict) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    return PyDict_Size(dict) && PyDict_Next(dict, &pos, &k, &v) ? PyLong_AsSsize_t(k) : -1;
+}
+
+/* Under the device's lock: CUDADevice._take_done. What completed commands held goes to `done` (for the caller to drop
+ * outside the lock); the events the waiter thread is past are retired (a batch's values share one event: it is free
+ * once its last value is past). */
+static int queue_take_done(QueueObject *self, PyObject *done) {
+    Py_ssize_t reached = attr_int(self->timeline, s_value), k;
+    if (reached < 0 && PyErr_Occurred())
+        return -1;
+    while ((k = first_key(self->holding)) >= 0 && k <= reached) {
+        PyObject *key = PyLong_FromSsize_t(k), *held = key != NULL ? PyDict_GetItemWithError(self->holding, key) : NULL;
+        int ok = held != NULL && PyList_Append(done, held) == 0 && PyDict_DelItem(self->holding, key) == 0;
+        Py_XDECREF(key);
+        if (!ok)
+            return -1;
+    }
+    Py_ssize_t waited = -1;
+    while ((k = first_key(self->events)) >= 0) {
+        if (waited < 0 && (waited = attr_int(self->dev, s_waited)) < 0 && PyErr_Occurred())
+            return -1;
+        if (k > waited)
+            break;
+        PyObject *key = PyLong_FromSsize_t(k), *next = PyLong_FromSsize_t(k + 1);
+        PyObject *ev = key != NULL ? PyDict_GetItemWithError(self->events, key) : NULL;
+        int ok = next != NULL && ev != NULL;
+        if (ok) {
+            Py_INCREF(ev);
+            ok = PyDict_DelItem(self->events, key) == 0;
+            PyObject *after = ok ? PyDict_GetItemWithError(self->events, next) : NULL;
+            if (ok && after != ev && !PyErr_Occurred()) {
+                PyObject *r = PyObject_CallFunctionObjArgs(self->free_append, ev, NULL);
+                ok = r != NULL;
+                Py_XDECREF(r);
+            }
+            ok = ok && !PyErr_Occurred();
+            Py_DECREF(ev);
+        }
+        Py_XDECREF(key);
+        Py_XDECREF(next);
+        if (!ok)
+            return -1;
+    }
+    return 0;
+}
+
+/* The timeline reaches `v`: set under its lock where nobody waits for a value up to `v` (no wake-up to make), else
+ * TimelineSignal.signal in Python. */
+static int queue_signal(QueueObject *self, Py_ssize_t v) {
+    if (call_void(self->tl_acquire) < 0)
+        return -1;
+    Py_ssize_t value = attr_int(self->timeline, s_value), sync = attr_int(self->timeline, s_sync_waiters);
+    int simple = value >= 0 && sync == 0, done = value >= v, r = 0;
+    if (simple && !done && PyList_Size(self->waiters)) { /* (a heap of (value, seq, callback): the first is due first) */
+        PyObject *head = PyList_GetItem(self->waiters, 0);
+        Py_ssize_t due = PyTuple_Check(head) ? PyLong_AsSsize_t(PyTuple_GetItem(head, 0)) : 0;
+        simple = due > v;
+    }
+    if (PyErr_Occurred())
+        r = -1;
+    else if (simple && !done)
+        r = set_int(self->timeline, s_value, v);
+    if (call_keeping_error(self->tl_release) < 0)
+        r = -1;
+    if (r == 0 && !simple && !done) {
+        PyObject *vo = PyLong_FromSsize_t(v);
+        PyObject *got = vo != NULL ? PyObject_CallFunctionObjArgs(self->signal, vo, NULL) : NULL;
+        r = got == NULL ? -1 : 0;
+        Py_XDECREF(got);
+        Py_XDECREF(vo);
+    }
+    return r;
+}
+
+/* poll(v, spin) -> bool: CUDADevice.poll (see there) */
+static PyObject *queue_poll(QueueObject *self, PyObject *args) {
+    Py_ssize_t v;
+    double spin;
+    if (!PyArg_ParseTuple(args, "nd", &v, &spin))
+        return NULL;
+    PyObject *vo = PyLong_FromSsize_t(v);
+    if (vo == NULL)
+        return NULL;
+    PyObject *ev = PyDict_GetItemWithError(self->events, vo); /* (borrowed) */
+    int status = -1;
+    if (ev != NULL) {
+        Py_INCREF(ev);
+        Py_ssize_t n_posts = PyObject_Size(self->posts);
+        PyObject *first = n_posts > 0 ? PySequence_GetItem(self->posts, 0) : NULL;
+        int posted = first != NULL && PyLong_AsSsize_t(first) <= v; /* (a host-side `post` runs first) */
+        Py_XDECREF(first);
+        PyObject *handle = posted || PyErr_Occurred() ? NULL : PyNumber_Long(ev);
+        Py_DECREF(ev);
+        if (handle != NULL) {
+            void *h = PyLong_AsVoidPtr(handle);
+            Py_DECREF(handle);
+            status = self->query(h);
+            if (status == CU_NOT_READY && spin > 0) {
+                struct timespec t0, t;
+                clock_gettime(CLOCK_MONOTONIC, &t0);
+                while ((status = self->query(h)) == CU_NOT_READY) {
+                    clock_gettime(CLOCK_MONOTONIC, &t);
+                    if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > spin)
+                        break;
+                }
+            }
+        }
+    }
+    Py_DECREF(vo);
+    if (PyErr_Occurred())
+        return NULL;
+    if (status != 0) { /* (not yet, or no event to ask; an error stays for the waiter thread to report) */
+        Py_ssize_t value = attr_int(self->timeline, s_value);
+        if (value < 0 && PyErr_Occurred())
+            return NULL;
+        return PyBool_FromLong(value >= v);
+    }
+    /* complete: the unwatched commands up to `v` are (the stream is in order); when the waiter thread has nothing
+     * older left, their completion is handled here */
+    PyObject *done = PyList_New(0);
+    if (done == NULL || call_void(self->lock_acquire) < 0) {
+        Py_XDECREF(done);
+        return NULL;
+    }
+    int ok = call_void(self->qlock_acquire) == 0;
+    if (ok) {
+        Py_ssize_t waited = attr_int(self->dev, s_waited), handed = attr_int(self->dev, s_handed);
+        ok = !PyErr_Occurred();
+        while (ok && waited >= handed && PyObject_Size(self->unwatched) > 0) {
+            PyObject *head = PySequence_GetItem(self->unwatched, 0);
+            Py_ssize_t u = head != NULL ? PyLong_AsSsize_t(PyTuple_GetItem(head, 1)) : -1;
+            Py_XDECREF(head);
+            if (u < 0 || u > v)
+                break;
+            PyObject *popped = PyObject_CallNoArgs(self->unwatched_popleft), *key = PyLong_FromSsize_t(u);
+            PyObject *held = key != NULL ? PyDict_GetItemWithError(self->holding, key) : NULL;
+            ok = popped != NULL && key != NULL && !PyErr_Occurred();
+            if (ok && held != NULL)
+                ok = PyList_Append(done, held) == 0 && PyDict_DelItem(self->holding, key) == 0;
+            ok = ok && set_int(self->dev, s_waited, u) == 0;
+            Py_XDECREF(popped);
+            Py_XDECREF(key);
+        }
+        ok = ok && !PyErr_Occurred();
+        if (call_keeping_error(self->qlock_release) < 0)
+            ok = 0;
+    }
+    if (call_keeping_error(self->lock_release) < 0)
+        ok = 0;
+    if (!ok) {
+        Py_DECREF(done);
+        return NULL;
+    }
+    Py_DECREF(done); /* the commands' buffers go back to their pools, outside the locks */
+    if (PyErr_Occurred() || queue_signal(self, v) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *queue_take_done_py(QueueObject *self, PyObject *unused) {
+    PyObject *done = PyList_New(0);
+    if (done != NULL && queue_take_done(self, done) < 0)
+        Py_CLEAR(done);
+    return done;
+}
+
+static PyMethodDef queue_methods[] = {
+    {"poll", (PyCFunction)queue_poll, METH_VARARGS, "poll(v, spin) -> whether value `v` is reached (CUDADevice.poll)"},
+    {"take_done", (PyCFunction)queue_take_done_py, METH_NOARGS,
+     "take_done() -> what completed commands held, to drop outside the lock (CUDADevice._take_done, under its lock)"},
+    {NULL, NULL, 0, NULL},
+};
+
+#define QUEUE_FIELDS(self, amp)                                                                                        \
+    {amp self->dev, amp self->timeline, amp self->pool, amp self->holding, amp self->events, amp self->free_events,    \
+     amp self->unwatched, amp self->deferred, amp self->posts, amp self->lock_acquire, amp self->lock_release,        \
+     amp self->qlock_acquire, amp self->qlock_release, amp self->unwatched_append, amp self->unwatched_popleft,       \
+     amp self->free_append, amp self->tl_acquire, amp self->tl_release, amp self->signal, amp self->waiters,          \
+     amp self->alloc, amp self->use, amp self->new_event, amp self->watch, amp self->fail, amp self->check_alive,      \
+     amp self->buffer_type, amp self->record_type}
+
+static int queue_traverse(QueueObject *self, visitproc visit, void *arg) {
+    PyObject *fields[] = QUEUE_FIELDS(self, );
+    for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++)
+        Py_VISIT(fields[k]);
+    return 0;
+}
+
+static int queue_clear(QueueObject *self) {
+    PyObject **fields[] = QUEUE_FIELDS(self, &);
+    for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++)
+        Py_CLEAR(*fields[k]);
+    return 0;
+}
+
+static void queue_dealloc(QueueObject *self) { dealloc_tracked((PyObject *)self, (inquiry)queue_clear); }
+
+static PyType_Slot queue_slots[] = {
+    {Py_tp_doc, "Queue(device, (cuLaunchKernel, cuEventRecord, cuEventQuery, cuCtxGetCurrent), Buffer, RunRecord, "
+                "unwatched_max): a CUDA device's command bookkeeping in C (see CUDADevice)."},
+    {Py_tp_new, queue_new},
+    {Py_tp_methods, queue_methods},
+    {Py_tp_traverse, queue_traverse},
+    {Py_tp_clear, queue_clear},
+    {Py_tp_dealloc, queue_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec queue_spec = {"azyx._native.Queue", sizeof(QueueObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+                                 queue_slots};
+
+/* Lane: the whole run of a plan that is one kernel on one CUDA device (CUDADevice.lane), with no Python between the
+ * call and the launch: the run's output blocks from the device's pool, the kernel's parameters, cuLaunchKernel, its
+ * event and the device's bookkeeping of it (its value, what it holds until it completes, the event in the unwatched
+ * queue), then the run's failure record and the targets' buffers. It is CUDADevice.begin_batch, alloc, launch_many and
+ * end_batch for a batch of one launch; where those would not launch inline (a deferred command queued first, a batch
+ * open) it returns None, for the executor's path. */
+
+typedef struct {
+    PyObject_HEAD
+    QueueObject *queue;
+    PyObject *outputs, *pack, *last_scalars, *last_words;
+    void *fn;
+    unsigned grid[3], block, smem;
+    Py_ssize_t n_inputs, n_slots, n_args, n_outs;
+    Py_ssize_t *args;  /* the kernel's slots, its outputs first */
+    Py_ssize_t *sizes; /* bytes of each slot the lane allocates (-1: an input's) */
+} LaneObject;
+
+static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *queue, *fn, *grid, *slots, *sizes, *outputs, *pack;
+    unsigned block, smem;
+    Py_ssize_t n_outs, n_inputs;
+    if (!PyArg_ParseTuple(args, "O!OO!IIO!nnO!O!O", queue_type, &queue, &fn, &PyTuple_Type, &grid, &block, &smem,
+                          &PyTuple_Type, &slots, &n_outs, &n_inputs, &PyTuple_Type, &sizes, &PyTuple_Type, &outputs,
+                          &pack))
+        return NULL;
+    if (PyTuple_Size(grid) != 3 || n_outs > PyTuple_Size(slots)) {
+        PyErr_SetString(PyExc_ValueError, "Lane: a grid of three, outputs among the slots");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    LaneObject *self = (LaneObject *)alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(queue);
+    self->queue = (QueueObject *)queue;
+    Py_INCREF(outputs);
+    self->outputs = outputs;
+    Py_INCREF(pack);
+    self->pack = pack;
+    self->n_args = PyTuple_Size(slots);
+    self->n_slots = PyTuple_Size(sizes);
+    self->n_outs = n_outs;
+    self->n_inputs = n_inputs;
+    self->block = block;
+    self->smem = smem;
+    self->args = (Py_ssize_t *)calloc((size_t)self->n_args + 1, sizeof(Py_ssize_t));
+    self->sizes = (Py_ssize_t *)calloc((size_t)self->n_slots + 1, sizeof(Py_ssize_t));
+    if (self->args == NULL || self->sizes == NULL) {
+        Py_DECREF((PyObject *)self);
+        return PyErr_NoMemory();
+    }
+    int bad = n_inputs > self->n_slots;
+    for (Py_ssize_t k = 0; k < self->n_args; k++) {
+        self->args[k] = PyLong_AsSsize_t(PyTuple_GetItem(slots, k));
+        bad |= self->args[k] < 0 || self->args[k] >= self->n_slots;
+    }
+    for (Py_ssize_t k = 0; k < self->n_slots; k++)
+        self->sizes[k] = PyLong_AsSsize_t(PyTuple_GetItem(sizes, k));
+    for (int k = 0; k < 3; k++)
+        self->grid[k] = (unsigned)PyLong_AsUnsignedLong(PyTuple_GetItem(grid, k));
+    self->fn = PyLong_AsVoidPtr(fn);
+    for (Py_ssize_t k = 0; k < PyTuple_Size(outputs); k++) {
+        PyObject *o = PyTuple_GetItem(outputs, k);
+        Py_ssize_t s = PyTuple_Check(o) && PyTuple_Size(o) == 2 ? PyLong_AsSsize_t(PyTuple_GetItem(o, 0)) : -1;
+        bad |= s < 0 || s >= self->n_slots;
+    }
+    if (PyErr_Occurred() || bad || self->fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "Lane: a slot out of range, or a null function");
+        Py_DECREF((PyObject *)self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+/* the pool's cached block of `nbytes` as a Buffer, or the device's alloc (a new block, or the refusal) */
+static PyObject *lane_alloc(QueueObject *q, Py_ssize_t nbytes) {
+    PoolObject *pool = (PoolObject *)q->pool;
+    Py_ssize_t size = bucket_of(nbytes);
+    PyObject *mem = pool_pop(pool, size);
+    if (mem == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        PyObject *n = PyLong_FromSsize_t(nbytes);
+        PyObject *b = n == NULL ? NULL : PyObject_CallFunctionObjArgs(q->alloc, n, NULL);
+        Py_XDECREF(n);
+        return b;
+    }
+    pool->in_use += size;
+    PyObject *sz = PyLong_FromSsize_t(size), *b = NULL;
+    if (sz != NULL)
+        b = PyObject_CallFunctionObjArgs(q->buffer_type, q->dev, sz, mem, mem, Py_True, NULL);
+    Py_XDECREF(sz);
+    if (b == NULL) { /* (the block goes back) */
+        PyObject *r = PyObject_CallMethod(q->pool, "give", "On", mem, size);
+        Py_XDECREF(r);
+    }
+    Py_DECREF(mem);
+    return b;
+}
+
+/* the kernel's scalar words for this run's values (packed anew only for a new list of values) */
+static PyObject *lane_words(LaneObject *self, PyObject *scalars) {
+    if (self->pack == Py_None)
+        return NULL;
+    if (self->last_scalars != scalars || self->last_words == NULL) {
+        PyObject *words = PyObject_CallFunctionObjArgs(self->pack, scalars, NULL);
+        if (words == NULL || !PyTuple_Check(words)) {
+            if (words != NULL)
+                PyErr_SetString(PyExc_TypeError, "Lane: a kernel's packed words must be a tuple");
+            Py_XDECREF(words);
+            return NULL;
+        }
+        Py_INCREF(scalars);
+        Py_XDECREF(self->last_scalars);
+        self->last_scalars = scalars;
+        Py_XDECREF(self->last_words);
+        self->last_words = words;
+    }
+    return self->last_words;
+}
+
+/* Under the device's lock: the launch and its event; the run's value, or -1 with an exception. */
+static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, PyObject *scalars) {
+    QueueObject *q = self->queue;
+    PyObject *words = lane_words(self, scalars);
+    if (words == NULL && PyErr_Occurred())
+        return -1;
+    Py_ssize_t n_words = words != NULL ? PyTuple_Size(words) : 0, n = self->n_args + n_words;
+    u64 local_vals[MAX_PARAMS], *vals = local_vals;
+    void *local_params[MAX_PARAMS], **params = local_params;
+    if (n > MAX_PARAMS) {
+        vals = (u64 *)malloc((size_t)n * sizeof(u64));
+        params = (void **)malloc((size_t)n * sizeof(void *));
+        if (vals == NULL || params == NULL) {
+            free(vals);
+            free(params);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    int bad = 0;
+    for (Py_ssize_t k = 0; k < n && !bad; k++) {
+        if (k < self->n_args) { /* a buffer's device pointer */
+            PyObject *w = PyObject_GetAttr(bufs[self->args[k]], s_ptr);
+            bad = w == NULL || as_u64(w, &vals[k]) < 0;
+            Py_XDECREF(w);
+        } else /* a scalar argument's word */
+            bad = as_u64(PyTuple_GetItem(words, k - self->n_args), &vals[k]) < 0;
+        params[k] = &vals[k];
+    }
+    Py_ssize_t before = bad ? -1 : attr_int(q->dev, s_submitted), v = -1;
+    void *cur = NULL;
+    if (before >= 0 && (q->current(&cur) != 0 || (u64)(uintptr_t)cur != q->ctx) && call_void(q->use) < 0)
+        before = -1;
+    if (before >= 0) {
+        int err = q->launch(self->fn, self->grid[0], self->grid[1], self->grid[2], self->block, 1, 1, self->smem,
+                            q->stream, params, NULL);
+        if (err) { /* (raises the DeviceError `check` would) */
+            PyObject *r = PyObject_CallFunction(q->fail, "is", err, "cuLaunchKernel");
+            Py_XDECREF(r);
+        } else
+            v = before + 1;
+    }
+    if (vals != local_vals) {
+        free(vals);
+        free(params);
+    }
+    if (v < 0 || set_int(q->dev, s_submitted, v) < 0)
+        return -1;
+    /* launched: its event, what it holds until it completes, its place in the unwatched queue (CUDADevice._record) */
+    PyObject *vo = PyLong_FromSsize_t(v);
+    PyObject *ev = vo == NULL ? NULL : PyList_Size(q->free_events) ? list_pop_last(q->free_events)
+                                                                   : PyObject_CallNoArgs(q->new_event);
+    PyObject *handle = ev == NULL ? NULL : PyNumber_Long(ev);
+    int ok = handle != NULL;
+    if (ok) {
+        int err = q->record(PyLong_AsVoidPtr(handle), q->stream);
+        if (err) {
+            PyObject *r = PyObject_CallFunction(q->fail, "is", err, "cuEventRecord");
+            Py_XDECREF(r);
+            ok = 0;
+        }
+    }
+    Py_XDECREF(handle);
+    PyObject *held = ok ? PyTuple_New(self->n_args) : NULL;
+    if (held != NULL) {
+        for (Py_ssize_t k = 0; k < self->n_args; k++) {
+            Py_INCREF(bufs[self->args[k]]);
+            PyTuple_SetItem(held, k, bufs[self->args[k]]);
+        }
+        ok = PyDict_SetItem(q->events, vo, ev) == 0 && PyDict_SetItem(q->holding, vo, held) == 0;
+    } else
+        ok = 0;
+    Py_XDECREF(held);
+    if (ok && (ok = call_void(q->qlock_acquire) == 0)) {
+        Py_ssize_t demanded = attr_int(q->dev, s_demanded), queued = PyObject_Size(q->unwatched);
+        PyObject *r = NULL;
+        if (!PyErr_Occurred()) {
+            if (demanded < v && queued < q->unwatched_max) {
+                PyObject *pair = PyTuple_Pack(2, ev, vo);
+                r = pair == NULL ? NULL : PyObject_CallFunctionObjArgs(q->unwatched_append, pair, NULL);
+                Py_XDECREF(pair);
+            } else
+                r = PyObject_CallFunctionObjArgs(q->watch, ev, vo, NULL);
+        }
+        ok = r != NULL;
+        Py_XDECREF(r);
+        if (call_keeping_error(q->qlock_release) < 0)
+            ok = 0;
+    }
+    Py_XDECREF(ev);
+    Py_XDECREF(vo);
+    return ok ? v : -1;
+}
+
+/* the run's record (azyx.device.RunRecord: its span on the device, its inputs' runs that may still fail) */
+static PyObject *lane_record(LaneObject *self, PyObject **bufs, Py_ssize_t v) {
+    QueueObject *q = self->queue;
+    PyObject *parents = PyList_New(0);
+    int good = parents != NULL;
+    for (Py_ssize_t s = 0; good && s < self->n_inputs; s++) {
+        PyObject *run = PyObject_GetAttr(bufs[s], s_run);
+        if (run != NULL && run != Py_None) {
+            PyObject *clean = PyObject_GetAttr(run, s_clean);
+            good = clean != NULL && (clean == Py_True || PyList_Append(parents, run) == 0);
+            Py_XDECREF(clean);
+        }
+        good = good && run != NULL;
+        Py_XDECREF(run);
+    }
+    PyObject *record = good ? PyObject_CallFunctionObjArgs(q->record_type, parents, NULL) : NULL;
+    Py_XDECREF(parents);
+    PyObject *spans = record != NULL ? PyObject_GetAttr(record, s_spans) : NULL;
+    PyObject *span = spans != NULL ? Py_BuildValue("(nn)", v - 1, v) : NULL;
+    if (span == NULL || PyDict_SetItem(spans, q->dev, span) < 0)
+        Py_CLEAR(record);
+    Py_XDECREF(span);
+    Py_XDECREF(spans);
+    return record;
+}
+
+/* lane(bindings, scalars) -> [(buffer, view)] of the plan's outputs, or None where the device's batch path must run it */
+static PyObject *lane_call(LaneObject *self, PyObject *args, PyObject *kwds) {
+    QueueObject *q = self->queue;
+    PyObject *bindings, *scalars;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &bindings, &scalars))
+        return NULL;
+    if (PyList_Size(bindings) != self->n_inputs) {
+        PyErr_Format(PyExc_ValueError, "Lane: %zd bindings for %zd inputs", PyList_Size(bindings), self->n_inputs);
+        return NULL;
+    }
+    PyObject *failure = PyObject_GetAttr(q->timeline, s_failure);
+    if (failure == NULL)
+        return NULL;
+    Py_DECREF(failure);
+    if (failure != Py_None) /* (raises its DeviceFailedError) */
+        return call_void(q->check_alive) < 0 ? NULL : PyErr_Format(PyExc_AssertionError, "Lane: a failed device");
+    PyObject *local_bufs[16], **bufs = local_bufs;
+    if (self->n_slots > 16 && (bufs = (PyObject **)calloc((size_t)self->n_slots, sizeof(PyObject *))) == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t s = 0; s < self->n_slots; s++) {
+        bufs[s] = s < self->n_inputs ? PyList_GetItem(bindings, s) : NULL;
+        Py_XINCREF(bufs[s]);
+    }
+    PyObject *out = NULL, *done = PyList_New(0), *record = NULL;
+    Py_ssize_t v = -1;
+    if (done == NULL || call_void(q->lock_acquire) < 0)
+        goto end;
+    PyObject *batch = PyObject_GetAttr(q->dev, s_batch);
+    Py_ssize_t deferred = PyObject_Size(q->deferred);
+    Py_XDECREF(batch);
+    if (batch != Py_None || deferred != 0) { /* (a batch open, a deferred command first, or an error) */
+        int failed = call_keeping_error(q->lock_release) < 0 || PyErr_Occurred();
+        if (!failed) {
+            Py_INCREF(Py_None);
+            out = Py_None;
+        }
+        goto end;
+    }
+    /* what completed work held goes back to the pools before the plan allocates (CUDADevice.begin_batch) */
+    int ok = queue_take_done(q, done) == 0;
+    for (Py_ssize_t k = 0; ok && k < self->n_outs; k++) {
+        Py_ssize_t s = self->args[k];
+        if (bufs[s] == NULL)
+            ok = (bufs[s] = lane_alloc(q, self->sizes[s])) != NULL;
+    }
+    if (ok)
+        v = lane_submit(self, bufs, scalars);
+    if (call_keeping_error(q->lock_release) < 0)
+        v = -1;
+    if (v < 0)
+        goto end;
+    PyObject *vo = PyLong_FromSsize_t(v);
+    int good = vo != NULL;
+    for (Py_ssize_t k = 0; good && k < self->n_outs; k++)
+        good = PyObject_SetAttr(bufs[self->args[k]], s_ready, vo) == 0;
+    Py_XDECREF(vo);
+    record = good ? lane_record(self, bufs, v) : NULL;
+    Py_ssize_t n_out = PyTuple_Size(self->outputs);
+    out = record != NULL ? PyList_New(n_out) : NULL;
+    for (Py_ssize_t k = 0; out != NULL && k < n_out; k++) {
+        PyObject *o = PyTuple_GetItem(self->outputs, k);
+        PyObject *b = bufs[PyLong_AsSsize_t(PyTuple_GetItem(o, 0))];
+        PyObject *pair = b != NULL && PyObject_SetAttr(b, s_run, record) == 0 ?
+                         PyTuple_Pack(2, b, PyTuple_GetItem(o, 1)) : NULL;
+        if (pair == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_AssertionError, "Lane: an output slot no kernel wrote");
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SetItem(out, k, pair);
+    }
+end:
+    for (Py_ssize_t s = 0; s < self->n_slots; s++)
+        Py_XDECREF(bufs[s]);
+    if (bufs != local_bufs)
+        free(bufs);
+    Py_XDECREF(record);
+    if (done != NULL) { /* what completed work held goes back to the pools outside the lock */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        Py_DECREF(done);
+        PyErr_Restore(type, value, tb);
+    }
+    return out;
+}
+
+static int lane_traverse(LaneObject *self, visitproc visit, void *arg) {
+    Py_VISIT((PyObject *)self->queue);
+    Py_VISIT(self->outputs);
+    Py_VISIT(self->pack);
+    Py_VISIT(self->last_scalars);
+    Py_VISIT(self->last_words);
+    return 0;
+}
+
+static int lane_clear(LaneObject *self) {
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->outputs);
+    Py_CLEAR(self->pack);
+    Py_CLEAR(self->last_scalars);
+    Py_CLEAR(self->last_words);
+    return 0;
+}
+
+static void lane_dealloc(LaneObject *self) {
+    free(self->args);
+    free(self->sizes);
+    self->args = NULL;
+    self->sizes = NULL;
+    dealloc_tracked((PyObject *)self, (inquiry)lane_clear);
+}
+
+static PyType_Slot lane_slots[] = {
+    {Py_tp_doc, "Lane(queue, function, grid, block, smem, slots, outs, n_inputs, sizes, outputs, pack): "
+                "lane(bindings, scalars) runs a plan of one kernel on a CUDA device (see CUDADevice.lane)."},
+    {Py_tp_new, lane_new},
+    {Py_tp_call, lane_call},
+    {Py_tp_traverse, lane_traverse},
+    {Py_tp_clear, lane_clear},
+    {Py_tp_dealloc, lane_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec lane_spec = {"azyx._native.Lane", sizeof(LaneObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+                                lane_slots};
+
 /* ------------------------------------------------------------------------------------------------------ the module */
 
 static PyMethodDef methods[] = {
@@ -1674,7 +2414,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "ABI", 2) < 0) /* (azyx/native.py's ABI: bump both with any change of a call) */
+    if (PyModule_AddIntConstant(m, "ABI", 3) < 0) /* (azyx/native.py's ABI: bump both with any change of a call) */
         goto fail;
     node_type = (PyTypeObject *)PyType_FromSpec(&node_spec);
     if (node_type == NULL || PyModule_AddObject(m, "Node", (PyObject *)node_type) < 0)
@@ -1686,12 +2426,26 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *pool = PyType_FromSpec(&pool_spec);
     if (pool == NULL || PyModule_AddObject(m, "Pool", pool) < 0)
         goto fail;
+    pool_type = (PyTypeObject *)pool;
+    Py_INCREF(pool); /* (the lane's type check) */
+    PyObject *queue = PyType_FromSpec(&queue_spec);
+    if (queue == NULL || PyModule_AddObject(m, "Queue", queue) < 0)
+        goto fail;
+    queue_type = (PyTypeObject *)queue;
+    Py_INCREF(queue); /* (the lane's type check) */
+    PyObject *lane = PyType_FromSpec(&lane_spec);
+    if (lane == NULL || PyModule_AddObject(m, "Lane", lane) < 0)
+        goto fail;
     PyObject *table_call = PyType_FromSpec(&table_call_spec);
     if (table_call == NULL || PyModule_AddObject(m, "TableCall", table_call) < 0)
         goto fail;
-    const char *names[8] = {"view", "buffer", "offset", "strides", "device", "name", "id", "recording"};
-    PyObject **interned[8] = {&s_view, &s_buffer, &s_offset, &s_strides, &s_device, &s_name, &s_id, &s_recording};
-    for (int k = 0; k < 8; k++)
+    const char *names[] = {"view", "buffer", "offset", "strides", "device", "name", "id", "recording", "submitted",
+                           "demanded", "waited", "batch", "failure", "value", "ready", "run", "clean", "spans", "ptr",
+                           "handed", "_sync_waiters"};
+    PyObject **interned[] = {&s_view, &s_buffer, &s_offset, &s_strides, &s_device, &s_name, &s_id, &s_recording,
+                             &s_submitted, &s_demanded, &s_waited, &s_batch, &s_failure, &s_value, &s_ready, &s_run,
+                             &s_clean, &s_spans, &s_ptr, &s_handed, &s_sync_waiters};
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++)
         if ((*interned[k] = PyUnicode_InternFromString(names[k])) == NULL)
             goto fail;
     return m;

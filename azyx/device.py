@@ -7,7 +7,7 @@ import signal
 import subprocess
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,7 +22,7 @@ from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeState
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
-from azyx.plan import KernelStep
+from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread, in_worker_thread_within
 
@@ -61,6 +61,9 @@ class Buffer:
 
 
 LaunchItem = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
+# a plan's whole run on one device as one call (Device.lane): (bindings, scalars) -> the outputs' buffers and views, or
+# None when the device cannot run it that way now (the executor's path runs it then)
+Lane = Callable[[list["Buffer"], "Sequence[Any]"], "list[tuple[Buffer, StridedView]] | None"]
 
 
 class BatchState:
@@ -266,6 +269,12 @@ class Device:
         for i, (step, bufs, words) in enumerate(items):
             v = self.launch(step, bufs, waits if i == 0 else [], words)
         return v
+
+    def lane(self, plan: ExecutionPlan) -> Lane | None:
+        """The whole run of `plan`, one kernel on this device with no transfer and nothing written in place, as one call
+        made once per plan (see `Lane`); None (the base's answer) where the device has none: the executor's path then
+        runs it, step by step."""
+        return None
 
     def begin_batch(self) -> None:
         """The launches until `end_batch` are one plan's, on this device alone: a device may submit them together

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.device import BatchState, Buffer, Device, LaunchItem, RunRecord
+from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, RunRecord
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
@@ -136,6 +136,10 @@ class UnifiedExecutor:
         segments = self.prepared.get(plan)
         if segments is None:
             segments = self.prepared[plan] = _segments(plan, self.devices)
+        if segments and (lane := segments[0].lane) is not None:  # (the device's one call for the whole run)
+            got = lane(bindings if type(bindings) is list else list(bindings), scalars)
+            if got is not None:
+                return got, []
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
         parents = []  # (the records of the inputs' runs that may still fail)
@@ -236,7 +240,7 @@ class _Segment:
     its outputs need and the slots whose last use it is. Derived once per plan (UnifiedExecutor.prepared)."""
 
     __slots__ = ("device", "dev", "only", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites",
-                 "args")
+                 "args", "lane")
 
     def __init__(self, dev: Device, transfer: TransferStep | None, kernels: list[KernelStep]):
         self.device, self.dev, self.transfer, self.kernels = dev.name, dev, transfer, kernels
@@ -249,6 +253,7 @@ class _Segment:
         self.overwrites = False  # a kernel of it writes into an input of the plan (ExecutionPlan.overwrites)
         # per kernel, what picks its buffers out of a run's slots (made once the kernels are all in)
         self.args: list[Callable[[list[Any]], Any]] = []
+        self.lane: Lane | None = None  # (on a plan's only segment) the device's call for the plan's whole run
 
     def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
         """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
@@ -284,6 +289,9 @@ def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]
         if seg.transfer is None:
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
+    if len(out) == 1 and (seg := out[0]).transfer is None and len(seg.kernels) == 1 and not seg.overwrites \
+            and not plan.adopt and all(s < plan.n_inputs or s in seg.allocs for s, _ in plan.outputs):
+        seg.lane = seg.dev.lane(plan)  # (a plan of one kernel whose outputs it writes: a lane runs it in one call)
     return out
 
 

@@ -10,7 +10,7 @@ import os
 import warnings
 from types import ModuleType
 
-ABI = 2  # azyx/_native.c's ABI: a library built from other sources (a checkout pulled, not rebuilt) is not used
+ABI = 3  # azyx/_native.c's ABI: a library built from other sources (a checkout pulled, not rebuilt) is not used
 
 
 def _load() -> ModuleType | None:

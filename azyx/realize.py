@@ -305,6 +305,8 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
             continue
         times = None
         if dev.spin and plan is not None:
+            if dev.poll(ready):  # (one query first: a small plan's work is often done by the time its realize waits)
+                continue
             times = _work_times.get(plan)
             if times is None:
                 times = _work_times[plan] = {}

@@ -109,6 +109,43 @@ async def test_a_steady_plan_replays_as_a_cuda_graph() -> None:
     assert any(not isinstance(g, int) for g in dev.graph_cache.graphs.values())  # type: ignore[attr-defined]
 
 
+async def test_a_plan_of_one_kernel_runs_through_the_devices_lane() -> None:
+    """A plan of one kernel is run by the device's lane (one native call from bindings to launch and event): with a new
+    scalar each run it computes numpy's values, each run is one command on the stream, its output blocks come back to
+    the pool, and a run that reads the last one's output waits for nothing the stream does not order."""
+    from azyx.native import native
+    from azyx.walk import canonicalize
+
+    dev = RT.device("cuda:0")
+    xn = rng.standard_normal(4096).astype(np.float32)
+    x = Tensor(xn, device="cuda:0")
+    await x.realize()
+    await ((x * 0.5 + 1).relu()).realize()  # (planned and compiled)
+    in_use = dev.allocator.in_use
+    for k in range(40):
+        a = 0.25 * k - 3.0
+        before = dev.queued()
+        y = (x * a + 1).relu()
+        await y.realize()
+        assert dev.queued() == before + 1
+        np.testing.assert_allclose(await y.numpy(), np.maximum(xn * np.float32(a) + 1, 0), rtol=1e-6, atol=1e-6)
+        del y
+    probe = (x * 2.0 + 1).relu()
+    plan = RT.plan_cache.get(canonicalize(GRAPH, [probe.id]).key)
+    assert plan is not None and len(plan.kernels) == 1
+    assert (RT.executor.prepared[plan][0].lane is not None) == (native is not None)
+    await RT.executor.synchronize_all()
+    assert dev.allocator.in_use == in_use  # (every run's output block went back)
+    chain = x
+    for k in range(20):  # each run reads the previous run's output, still on the stream
+        chain = (chain * 0.5 + float(k)).relu()
+        await chain.realize()
+    want = xn.copy()
+    for k in range(20):
+        want = np.maximum(want * np.float32(0.5) + np.float32(k), 0)
+    np.testing.assert_allclose(await chain.numpy(), want, rtol=1e-5)
+
+
 async def test_driver_calls_hold_the_gil_on_the_loop_and_let_it_go_elsewhere() -> None:
     """The launch path's ctypes calls keep the GIL on the loop's thread (hundreds a step); on any other thread they let
     it go (there a call may block on the driver's lock while another thread pins memory)."""

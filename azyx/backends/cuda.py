@@ -39,12 +39,13 @@ from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.cstyle import CUDA
-from azyx.device import BatchState, Buffer, Device, LaunchItem, kernel_list
+from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, RunRecord, kernel_list
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.gemm_sm90 import TensorMap
 from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
-from azyx.plan import KernelStep
+from azyx.native import native
+from azyx.plan import ExecutionPlan, KernelStep
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
@@ -145,6 +146,10 @@ class CUDADevice(StagedCopies):
         self.peers: set[int] = set()
         self.batch: list[Collected] | None = None
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
+        # the per-request steps in C (`poll`, `_take_done`, the lanes' runs), on the tables above; None without the
+        # native core
+        self.native_queue = native.Queue(self, self.hot.addresses, Buffer, RunRecord, UNWATCHED) \
+            if native is not None and self.hot.addresses is not None else None
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
@@ -283,9 +288,13 @@ class CUDADevice(StagedCopies):
             if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
                 self.unwatched.append((ev, v))
             else:
-                self._hand_over()
-                self.completions.put((ev, v, post))
-                self.handed = v
+                self._watch(ev, v, post)
+
+    def _watch(self, ev: Any, v: int, post: Callable[[], None] | None = None) -> None:
+        """Under `qlock`: the waiter thread takes the command of value `v` (event `ev`), after every unwatched one."""
+        self._hand_over()
+        self.completions.put((ev, v, post))
+        self.handed = v
 
     def _hand_over(self) -> None:
         """Under `qlock`: the waiter thread takes every unwatched command, in order."""
@@ -301,9 +310,11 @@ class CUDADevice(StagedCopies):
             self.demanded = max(self.demanded, v)
             self._hand_over()
 
+    def _new_event(self) -> Any:
+        return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
     def _event(self) -> Any:
-        ev = self.free_events.pop() if self.free_events else check(
-            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        ev = self.free_events.pop() if self.free_events else self._new_event()
         if err := self.hot.here().event_record(int(ev), self.stream_h):  # (on the loop, or the submitter thread)
             self.hot.fail(err, "cuEventRecord")
         return ev
@@ -411,6 +422,9 @@ class CUDADevice(StagedCopies):
         self.fail(cause)
         return False
 
+    def _take_done(self) -> list[Any]:
+        return self.native_queue.take_done() if self.native_queue is not None else super()._take_done()
+
     def retire(self, v: int, ev: Any) -> None:
         if self.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
             self.free_events.append(ev)
@@ -421,6 +435,8 @@ class CUDADevice(StagedCopies):
         value whose host-side `post` has yet to run (a read's copy out of pinned memory). Unwatched commands up to `v`
         are complete then (the stream is in order): when the waiter thread has nothing older left, their completion
         is handled here."""
+        if self.native_queue is not None:  # (the same, in C)
+            return self.native_queue.poll(v, spin)
         ev = self.events.get(v)
         if ev is None or (self.posts and self.posts[0] <= v):
             return self.timeline.value >= v
@@ -513,6 +529,20 @@ class CUDADevice(StagedCopies):
             if own:
                 self.end_batch()
         return v
+
+    def lane(self, plan: ExecutionPlan) -> Lane | None:
+        """The run of `plan`, one kernel on this device, as one C call (`native.Lane`): what `begin_batch`, `alloc`,
+        `launch_many` and `end_batch` do for a batch of one launch, and the executor's bookkeeping of the run, with no
+        Python between the call and the launch. None without the native core, or for a kernel that takes tensor maps
+        or a zeroed output (their launch is made here, in Python)."""
+        step = plan.steps[0]
+        assert isinstance(step, KernelStep)
+        dims = step.launch
+        if native is None or self.native_queue is None or dims.maps or dims.zero:
+            return None
+        sizes = tuple(-1 if i < plan.n_inputs else max(s.nbytes, 1) for i, s in enumerate(plan.slots))
+        return native.Lane(self.native_queue, self.programs[step.name], tuple(dims.grid), dims.group, dims.smem,
+                           step.args, step.outs, plan.n_inputs, sizes, plan.outputs, step.pack)
 
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:
