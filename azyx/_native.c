@@ -635,6 +635,30 @@ static PyObject *new_handle(NodeObject *node) {
     return t;
 }
 
+/* realized(shape, dtype, device, pinned, buffer, view) -> a handle of a new leaf node that holds `buffer` seen through
+ * `view` (azyx.jit's replay: Tensor._realized) */
+static PyObject *realized(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || tensor_type == NULL || op_leaf == NULL) {
+        PyErr_SetString(PyExc_TypeError, "realized(shape, dtype, device, pinned, buffer, view), after setup_tensor");
+        return NULL;
+    }
+    PyObject *empty = PyTuple_New(0);
+    NodeObject *n = empty == NULL ? NULL : node_make(op_leaf, empty, Py_None, args[0], args[1], args[2], args[3],
+                                                     Py_None);
+    Py_XDECREF(empty);
+    if (n == NULL)
+        return NULL;
+    Py_INCREF(args[4]);
+    Py_INCREF(args[5]);
+    Py_DECREF(n->buffer);
+    Py_DECREF(n->view);
+    n->buffer = args[4];
+    n->view = args[5];
+    PyObject *t = new_handle(n);
+    Py_DECREF((PyObject *)n);
+    return t;
+}
+
 enum { OUT_BOOL = 1, INT_NUMBERS = 2, FLOAT_OK = 4, REVERSE = 8, FLOAT_KIND = 16, UNARY = 32, REDUCE_ALL = 64 };
 
 /* binary(op, flags, x, other): the operators' common cases (tensor.py's `_binop`, which says which): a number of
@@ -1652,6 +1676,7 @@ typedef int (*cu_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsi
 typedef int (*cu_event_fn)(void *, void *);
 typedef int (*cu_query_fn)(void *);
 typedef int (*cu_current_fn)(void **);
+typedef int (*cu_write_fn)(void *, u64, u64, unsigned);
 #define CU_NOT_READY 600
 
 typedef struct {
@@ -1664,6 +1689,9 @@ typedef struct {
     cu_event_fn record;
     cu_query_fn query;
     cu_current_fn current;
+    cu_write_fn write; /* cuStreamWriteValue64: a lane's value into `flag` once its command completed (NULL: none) */
+    volatile u64 *flag;
+    u64 flag_dev;
     void *stream;
     u64 ctx;
     Py_ssize_t unwatched_max;
@@ -1713,10 +1741,12 @@ static int call_keeping_error(PyObject *fn) {
 static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *dev, *fns, *buffer_type, *record_type;
     Py_ssize_t unwatched_max;
-    if (!PyArg_ParseTuple(args, "OO!OOn", &dev, &PyTuple_Type, &fns, &buffer_type, &record_type, &unwatched_max))
+    unsigned long long flag, flag_dev;
+    if (!PyArg_ParseTuple(args, "OO!(KK)OOn", &dev, &PyTuple_Type, &fns, &flag, &flag_dev, &buffer_type, &record_type,
+                          &unwatched_max))
         return NULL;
-    if (PyTuple_Size(fns) != 4) {
-        PyErr_SetString(PyExc_ValueError, "Queue: four driver functions");
+    if (PyTuple_Size(fns) != 5) {
+        PyErr_SetString(PyExc_ValueError, "Queue: five driver functions");
         return NULL;
     }
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
@@ -1734,8 +1764,14 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->record = (cu_event_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 1));
     self->query = (cu_query_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 2));
     self->current = (cu_current_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 3));
+    self->write = (cu_write_fn)PyLong_AsVoidPtr(PyTuple_GetItem(fns, 4));
     if (PyErr_Occurred())
         goto fail;
+    if (self->write != NULL && flag != 0 && flag_dev != 0) {
+        self->flag = (volatile u64 *)(uintptr_t)flag;
+        self->flag_dev = (u64)flag_dev;
+    } else
+        self->write = NULL;
     PyObject *lock = attr(dev, "lock"), *qlock = attr(dev, "qlock"), *allocator = attr(dev, "allocator"), *hot = NULL;
     if (lock != NULL && qlock != NULL && allocator != NULL && (hot = attr(dev, "hot")) != NULL) {
         self->lock_acquire = attr(lock, "acquire");
@@ -1882,7 +1918,10 @@ static PyObject *queue_poll(QueueObject *self, PyObject *args) {
         return NULL;
     PyObject *ev = PyDict_GetItemWithError(self->events, vo); /* (borrowed) */
     int status = -1;
-    if (ev != NULL) {
+    if (ev != NULL && self->flag != NULL && PyObject_Size(self->posts) == 0 &&
+        (Py_ssize_t)__atomic_load_n(self->flag, __ATOMIC_ACQUIRE) >= v)
+        status = 0; /* (a lane's command at or after `v` has completed: the stream is in order) */
+    else if (ev != NULL) {
         Py_INCREF(ev);
         Py_ssize_t n_posts = PyObject_Size(self->posts);
         PyObject *first = n_posts > 0 ? PySequence_GetItem(self->posts, 0) : NULL;
@@ -1898,6 +1937,10 @@ static PyObject *queue_poll(QueueObject *self, PyObject *args) {
                 struct timespec t0, t;
                 clock_gettime(CLOCK_MONOTONIC, &t0);
                 while ((status = self->query(h)) == CU_NOT_READY) {
+                    if (self->flag != NULL && (Py_ssize_t)__atomic_load_n(self->flag, __ATOMIC_ACQUIRE) >= v) {
+                        status = 0;
+                        break;
+                    }
                     clock_gettime(CLOCK_MONOTONIC, &t);
                     if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) > spin)
                         break;
@@ -1995,8 +2038,9 @@ static int queue_clear(QueueObject *self) {
 static void queue_dealloc(QueueObject *self) { dealloc_tracked((PyObject *)self, (inquiry)queue_clear); }
 
 static PyType_Slot queue_slots[] = {
-    {Py_tp_doc, "Queue(device, (cuLaunchKernel, cuEventRecord, cuEventQuery, cuCtxGetCurrent), Buffer, RunRecord, "
-                "unwatched_max): a CUDA device's command bookkeeping in C (see CUDADevice)."},
+    {Py_tp_doc, "Queue(device, (cuLaunchKernel, cuEventRecord, cuEventQuery, cuCtxGetCurrent, cuStreamWriteValue64), "
+                "(flag, its device address), Buffer, RunRecord, unwatched_max): a CUDA device's command bookkeeping in "
+                "C (see CUDADevice)."},
     {Py_tp_new, queue_new},
     {Py_tp_methods, queue_methods},
     {Py_tp_traverse, queue_traverse},
@@ -2084,30 +2128,34 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)self;
 }
 
-/* the pool's cached block of `nbytes` as a Buffer, or the device's alloc (a new block, or the refusal) */
-static PyObject *lane_alloc(QueueObject *q, Py_ssize_t nbytes) {
+/* A block of `nbytes` for a run's output: the pool's cached block itself (a new reference to its address, `*size` its
+ * bucketed size: it becomes a Buffer once the kernel is launched, off the launch's path), or else the device's alloc
+ * (a Buffer of a new block, `*size` 0; or the refusal, NULL). */
+static PyObject *lane_take(QueueObject *q, Py_ssize_t nbytes, Py_ssize_t *size) {
     PoolObject *pool = (PoolObject *)q->pool;
-    Py_ssize_t size = bucket_of(nbytes);
-    PyObject *mem = pool_pop(pool, size);
-    if (mem == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        PyObject *n = PyLong_FromSsize_t(nbytes);
-        PyObject *b = n == NULL ? NULL : PyObject_CallFunctionObjArgs(q->alloc, n, NULL);
-        Py_XDECREF(n);
-        return b;
+    *size = bucket_of(nbytes);
+    PyObject *mem = pool_pop(pool, *size);
+    if (mem != NULL) {
+        pool->in_use += *size;
+        return mem;
     }
-    pool->in_use += size;
-    PyObject *sz = PyLong_FromSsize_t(size), *b = NULL;
-    if (sz != NULL)
-        b = PyObject_CallFunctionObjArgs(q->buffer_type, q->dev, sz, mem, mem, Py_True, NULL);
-    Py_XDECREF(sz);
-    if (b == NULL) { /* (the block goes back) */
-        PyObject *r = PyObject_CallMethod(q->pool, "give", "On", mem, size);
-        Py_XDECREF(r);
-    }
-    Py_DECREF(mem);
+    *size = 0;
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *n = PyLong_FromSsize_t(nbytes);
+    PyObject *b = n == NULL ? NULL : PyObject_CallFunctionObjArgs(q->alloc, n, NULL);
+    Py_XDECREF(n);
     return b;
+}
+
+/* a raw block back to the pool (a run that did not launch) */
+static void lane_give(QueueObject *q, PyObject *mem, Py_ssize_t size) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethod(q->pool, "give", "On", mem, size);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
 }
 
 /* the kernel's scalar words for this run's values (packed anew only for a new list of values) */
@@ -2132,7 +2180,7 @@ static PyObject *lane_words(LaneObject *self, PyObject *scalars) {
 }
 
 /* Under the device's lock: the launch and its event; the run's value, or -1 with an exception. */
-static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, PyObject *scalars) {
+static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw, PyObject *scalars) {
     QueueObject *q = self->queue;
     PyObject *words = lane_words(self, scalars);
     if (words == NULL && PyErr_Occurred())
@@ -2152,7 +2200,9 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, PyObject *scala
     }
     int bad = 0;
     for (Py_ssize_t k = 0; k < n && !bad; k++) {
-        if (k < self->n_args) { /* a buffer's device pointer */
+        if (k < self->n_args && raw[self->args[k]]) /* a pool block's address */
+            bad = as_u64(bufs[self->args[k]], &vals[k]) < 0;
+        else if (k < self->n_args) { /* a buffer's device pointer */
             PyObject *w = PyObject_GetAttr(bufs[self->args[k]], s_ptr);
             bad = w == NULL || as_u64(w, &vals[k]) < 0;
             Py_XDECREF(w);
@@ -2179,6 +2229,20 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, PyObject *scala
     }
     if (v < 0 || set_int(q->dev, s_submitted, v) < 0)
         return -1;
+    /* the launched kernel's raw blocks become its output buffers (a failure here leaves a block out of the pool, in
+     * use: the kernel writes it) */
+    for (Py_ssize_t s = 0; s < self->n_slots; s++)
+        if (raw[s]) {
+            PyObject *size = PyLong_FromSsize_t(raw[s]);
+            PyObject *b = size == NULL ? NULL : PyObject_CallFunctionObjArgs(q->buffer_type, q->dev, size, bufs[s],
+                                                                            bufs[s], Py_True, NULL);
+            Py_XDECREF(size);
+            raw[s] = 0;
+            if (b == NULL)
+                return -1;
+            Py_DECREF(bufs[s]);
+            bufs[s] = b;
+        }
     /* launched: its event, what it holds until it completes, its place in the unwatched queue (CUDADevice._record) */
     PyObject *vo = PyLong_FromSsize_t(v);
     PyObject *ev = vo == NULL ? NULL : PyList_Size(q->free_events) ? list_pop_last(q->free_events)
@@ -2194,6 +2258,14 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, PyObject *scala
         }
     }
     Py_XDECREF(handle);
+    if (ok && q->write != NULL) { /* (stream order: after the kernel and its event) */
+        int err = q->write(q->stream, q->flag_dev, (u64)v, 0);
+        if (err) {
+            PyObject *r = PyObject_CallFunction(q->fail, "is", err, "cuStreamWriteValue64");
+            Py_XDECREF(r);
+            ok = 0;
+        }
+    }
     PyObject *held = ok ? PyTuple_New(self->n_args) : NULL;
     if (held != NULL) {
         for (Py_ssize_t k = 0; k < self->n_args; k++) {
@@ -2268,11 +2340,20 @@ static PyObject *lane_call(LaneObject *self, PyObject *args, PyObject *kwds) {
     if (failure != Py_None) /* (raises its DeviceFailedError) */
         return call_void(q->check_alive) < 0 ? NULL : PyErr_Format(PyExc_AssertionError, "Lane: a failed device");
     PyObject *local_bufs[16], **bufs = local_bufs;
-    if (self->n_slots > 16 && (bufs = (PyObject **)calloc((size_t)self->n_slots, sizeof(PyObject *))) == NULL)
-        return PyErr_NoMemory();
+    Py_ssize_t local_raw[16], *raw = local_raw; /* per slot: the size of the raw pool block bufs[s] is, else 0 */
+    if (self->n_slots > 16) {
+        bufs = (PyObject **)calloc((size_t)self->n_slots, sizeof(PyObject *));
+        raw = (Py_ssize_t *)calloc((size_t)self->n_slots, sizeof(Py_ssize_t));
+        if (bufs == NULL || raw == NULL) {
+            free(bufs);
+            free(raw);
+            return PyErr_NoMemory();
+        }
+    }
     for (Py_ssize_t s = 0; s < self->n_slots; s++) {
         bufs[s] = s < self->n_inputs ? PyList_GetItem(bindings, s) : NULL;
         Py_XINCREF(bufs[s]);
+        raw[s] = 0;
     }
     PyObject *out = NULL, *done = PyList_New(0), *record = NULL;
     Py_ssize_t v = -1;
@@ -2294,10 +2375,10 @@ static PyObject *lane_call(LaneObject *self, PyObject *args, PyObject *kwds) {
     for (Py_ssize_t k = 0; ok && k < self->n_outs; k++) {
         Py_ssize_t s = self->args[k];
         if (bufs[s] == NULL)
-            ok = (bufs[s] = lane_alloc(q, self->sizes[s])) != NULL;
+            ok = (bufs[s] = lane_take(q, self->sizes[s], &raw[s])) != NULL;
     }
     if (ok)
-        v = lane_submit(self, bufs, scalars);
+        v = lane_submit(self, bufs, raw, scalars);
     if (call_keeping_error(q->lock_release) < 0)
         v = -1;
     if (v < 0)
@@ -2324,10 +2405,15 @@ static PyObject *lane_call(LaneObject *self, PyObject *args, PyObject *kwds) {
         PyList_SetItem(out, k, pair);
     }
 end:
-    for (Py_ssize_t s = 0; s < self->n_slots; s++)
+    for (Py_ssize_t s = 0; s < self->n_slots; s++) {
+        if (raw[s]) /* (taken for a run that did not launch) */
+            lane_give(q, bufs[s], raw[s]);
         Py_XDECREF(bufs[s]);
-    if (bufs != local_bufs)
+    }
+    if (bufs != local_bufs) {
         free(bufs);
+        free(raw);
+    }
     Py_XDECREF(record);
     if (done != NULL) { /* what completed work held goes back to the pools outside the lock */
         PyObject *type, *value, *tb;
@@ -2392,6 +2478,8 @@ static PyMethodDef methods[] = {
      "call_out(fn, *args) -> the value fn writes through its first parameter (0 when it returns an error)"},
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, smem, stream, values) -> CUresult"},
+    {"realized", (PyCFunction)(void (*)(void))realized, METH_FASTCALL,
+     "realized(shape, dtype, device, pinned, buffer, view) -> a handle of a new leaf node holding `buffer`"},
     {"become_leaf", (PyCFunction)(void (*)(void))become_leaf, METH_FASTCALL,
      "become_leaf(nodes, free, kept, i, buffer, view): Graph.become_leaf"},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,

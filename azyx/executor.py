@@ -45,6 +45,7 @@ class UnifiedExecutor:
         # derived on its first run here and kept while the plan lives
         self.prepared: weakref.WeakKeyDictionary[ExecutionPlan, list[_Segment]] = weakref.WeakKeyDictionary()
         self.partial: RunRecord | None = None  # the record of the last run that raised part way (see `settle`)
+        self.last: tuple[ExecutionPlan | None, list[_Segment]] = (None, [])  # (the last plan run: a steady loop's)
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"
@@ -133,9 +134,12 @@ class UnifiedExecutor:
         walk's); returns the targets' buffers (not yet necessarily ready: each carries the timeline value at which it
         will be) and the uploads of host data that the inputs' leaves keep (`plan.adopt`, in its order)."""
         assert len(bindings) == plan.n_inputs and len(scalars) == plan.n_scalars
-        segments = self.prepared.get(plan)
-        if segments is None:
-            segments = self.prepared[plan] = _segments(plan, self.devices)
+        last, segments = self.last
+        if last is not plan:  # (a weak dictionary's lookup is Python code: a steady loop skips it)
+            prepared = self.prepared.get(plan)
+            if prepared is None:
+                prepared = self.prepared[plan] = _segments(plan, self.devices)
+            self.last = (plan, segments := prepared)
         if segments and (lane := segments[0].lane) is not None:  # (the device's one call for the whole run)
             got = lane(bindings if type(bindings) is list else list(bindings), scalars)
             if got is not None:
@@ -233,6 +237,7 @@ class UnifiedExecutor:
         for dev in self.devices.values():
             dev.close()
         self.devices.clear()
+        self.last = (None, [])
 
 
 class _Segment:

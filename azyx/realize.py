@@ -274,9 +274,10 @@ _work_times: weakref.WeakKeyDictionary[ExecutionPlan, dict[str, float]] = weakre
 
 def done(bufs: list[Buffer]) -> bool:
     """Whether every buffer of `bufs` is ready and the work that wrote them is known to have succeeded (a failure is
-    raised), without waiting or polling: a small plan that ran inline is done by now, and awaits no `wait_for`."""
+    raised), without waiting: a small plan that ran inline is done by now, and a small plan's work on a GPU often is
+    by the time its realize asks (one query of the device, `poll`); either awaits no `wait_for`."""
     for buf in bufs:
-        if buf.device.timeline.value < buf.ready:
+        if buf.device.timeline.value < buf.ready and not buf.device.poll(buf.ready):
             return False
     for buf in bufs:
         rec = buf.run
@@ -305,8 +306,6 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
             continue
         times = None
         if dev.spin and plan is not None:
-            if dev.poll(ready):  # (one query first: a small plan's work is often done by the time its realize waits)
-                continue
             times = _work_times.get(plan)
             if times is None:
                 times = _work_times[plan] = {}

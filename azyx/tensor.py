@@ -719,6 +719,15 @@ class Tensor:
         GRAPH.retain(i)
         return t
 
+    @staticmethod
+    def _realized(shape: Shape, dtype: DType, device: str, pinned: builtins.bool, buffer: Any, view: Any) -> Tensor:
+        """A handle of a new leaf node that holds `buffer` seen through `view` (azyx.jit's replay)."""
+        if native is not None:
+            return native.realized(shape, dtype, device, pinned, buffer, view)
+        node = Node(Op.LEAF, (), None, shape, dtype, device, pinned)
+        node.buffer, node.view = buffer, view
+        return Tensor._wrap(GRAPH.add(node))
+
     def expand(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], list | tuple):
             shape = tuple(shape[0])

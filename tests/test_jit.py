@@ -49,6 +49,22 @@ async def test_the_same_tensor_twice_and_a_lazy_argument(device: str) -> None:
     assert f.replays >= 3
 
 
+async def test_a_result_returned_twice_is_two_handles_of_it(device: str) -> None:
+    @azyx.jit
+    def f(a: Tensor) -> tuple[Tensor, Tensor]:
+        y = (a * 3).relu()
+        return y, y
+
+    a_np = RNG.standard_normal(33).astype(np.float32)
+    a = Tensor(a_np, device=device)
+    for _ in range(4):  # (a host array's first use moves it to the device: the second call traces again there)
+        y1, y2 = await f(a)
+        assert y1.id == y2.id
+        del y1  # (the other handle still holds the node)
+        np.testing.assert_allclose(await y2.numpy(), np.maximum(a_np * 3, 0), rtol=1e-6)
+    assert f.replays >= 2
+
+
 async def test_results_keep_the_structure_and_may_be_arguments(device: str) -> None:
     @azyx.jit
     def f(a: Tensor, b: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -277,6 +277,38 @@ def test_become_leaf_keeps_sources_only_on_a_tape() -> None:
     np.testing.assert_allclose(z.numpy_sync(), [4.0, 4.0, 4.0])
 
 
+def test_a_realized_leaf_matches_python() -> None:
+    """native.realized (an azyx.jit replay's results) makes the node and handle that Python's Node, Graph.add and
+    Tensor._wrap make: a LEAF holding the buffer and view, counted once, recorded by a live tape, freed with its
+    handle."""
+    x = Tensor(np.arange(6, dtype=np.float32), device="c:0").realize_sync()
+    src = GRAPH[x.id]
+    buf, view = src.buffer, src.view
+    before = len(GRAPH)
+    made = []
+    with GradientTape():
+        for make in (native.realized, None):
+            if make is None:
+                node = Node(Op.LEAF, (), None, (6,), dtypes.float32, "c:0", True)
+                node.buffer, node.view = buf, view
+                t = Tensor._wrap(GRAPH.add(node))
+            else:
+                t = make((6,), dtypes.float32, "c:0", True, buf, view)
+            assert type(t) is Tensor and t.id in GRAPH.recording[-1]
+            made.append(t)
+        a, b = (GRAPH[t.id] for t in made)
+        assert (a.op, a.src, a.arg, a.shape, a.dtype, a.device, a.pinned, a.rc) == \
+               (b.op, b.src, b.arg, b.shape, b.dtype, b.device, b.pinned, b.rc) == \
+               (Op.LEAF, (), None, (6,), dtypes.float32, "c:0", True, 1)
+        assert a.buffer is b.buffer is buf and a.view is b.view is view
+        np.testing.assert_array_equal(made[0].numpy_sync(), np.arange(6, dtype=np.float32))
+        np.testing.assert_array_equal((made[0] + made[1]).numpy_sync(), 2 * np.arange(6, dtype=np.float32))
+    assert len(GRAPH) == before + 2
+    del t
+    made.clear()
+    assert len(GRAPH) == before
+
+
 def test_scalar_words_match_struct() -> None:
     """The words C packs for each scalar dtype are struct's (azyx.dtypes' Python packer), ints wrapped into their
     dtype as PyTorch wraps them; a float beyond float32 raises as struct does."""

@@ -56,9 +56,9 @@ class Hot:
         # a launch whose kernel parameters are a tuple of 64-bit values (no tensor maps), its table made in C: None
         # where ctypes makes the calls (then `launch` takes the table's address)
         self.launch_values: Any = None
-        # (cuLaunchKernel, cuEventRecord, cuEventQuery, cuCtxGetCurrent) as addresses, for the native queue
-        # (CUDADevice.native_queue)
-        self.addresses: tuple[int, int, int, int] | None = None
+        # (cuLaunchKernel, cuEventRecord, cuEventQuery, cuCtxGetCurrent, cuStreamWriteValue64 or 0) as addresses, for
+        # the native queue (CUDADevice.native_queue)
+        self.addresses: tuple[int, int, int, int, int] | None = None
         if native is not None and isinstance(lib, ctypes.PyDLL):  # the holding set's calls in C: no ctypes conversions
             def address(f: Any) -> Any:
                 return functools.partial(native.call, ctypes.cast(f, ctypes.c_void_p).value)
@@ -69,9 +69,10 @@ class Hot:
                 native.call_out, ctypes.cast(lib.cuCtxGetCurrent, ctypes.c_void_p).value)
             self.launch_values = functools.partial(native.launch_kernel,
                                                    ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value)
-            self.addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0  # type: ignore[assignment]
+            write = getattr(lib, "cuStreamWriteValue64_v2", None) or getattr(lib, "cuStreamWriteValue64", None)
+            self.addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 if f is not None else 0  # type: ignore
                                    for f in (lib.cuLaunchKernel, lib.cuEventRecord, lib.cuEventQuery,
-                                             lib.cuCtxGetCurrent))
+                                             lib.cuCtxGetCurrent, write))
 
     def here(self) -> Hot:
         """The set for the calling thread: this one on an asyncio loop's thread, else `releasing`."""
