@@ -2243,12 +2243,21 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw
             Py_DECREF(bufs[s]);
             bufs[s] = b;
         }
-    /* launched: its event, what it holds until it completes, its place in the unwatched queue (CUDADevice._record) */
-    PyObject *vo = PyLong_FromSsize_t(v);
-    PyObject *ev = vo == NULL ? NULL : PyList_Size(q->free_events) ? list_pop_last(q->free_events)
-                                                                   : PyObject_CallNoArgs(q->new_event);
+    /* launched: what it holds until it completes (first: whatever fails next, its buffers stay out of the pools while
+     * it may run), its event, its place in the unwatched queue (CUDADevice._record) */
+    PyObject *vo = PyLong_FromSsize_t(v), *held = vo != NULL ? PyTuple_New(self->n_args) : NULL;
+    if (held != NULL) {
+        for (Py_ssize_t k = 0; k < self->n_args; k++) {
+            Py_INCREF(bufs[self->args[k]]);
+            PyTuple_SetItem(held, k, bufs[self->args[k]]);
+        }
+    }
+    int ok = held != NULL && PyDict_SetItem(q->holding, vo, held) == 0;
+    Py_XDECREF(held);
+    PyObject *ev = !ok ? NULL : PyList_Size(q->free_events) ? list_pop_last(q->free_events)
+                                                            : PyObject_CallNoArgs(q->new_event);
     PyObject *handle = ev == NULL ? NULL : PyNumber_Long(ev);
-    int ok = handle != NULL;
+    ok = handle != NULL;
     if (ok) {
         int err = q->record(PyLong_AsVoidPtr(handle), q->stream);
         if (err) {
@@ -2266,16 +2275,7 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw
             ok = 0;
         }
     }
-    PyObject *held = ok ? PyTuple_New(self->n_args) : NULL;
-    if (held != NULL) {
-        for (Py_ssize_t k = 0; k < self->n_args; k++) {
-            Py_INCREF(bufs[self->args[k]]);
-            PyTuple_SetItem(held, k, bufs[self->args[k]]);
-        }
-        ok = PyDict_SetItem(q->events, vo, ev) == 0 && PyDict_SetItem(q->holding, vo, held) == 0;
-    } else
-        ok = 0;
-    Py_XDECREF(held);
+    ok = ok && PyDict_SetItem(q->events, vo, ev) == 0;
     if (ok && (ok = call_void(q->qlock_acquire) == 0)) {
         Py_ssize_t demanded = attr_int(q->dev, s_demanded), queued = PyObject_Size(q->unwatched);
         PyObject *r = NULL;
