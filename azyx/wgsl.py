@@ -414,7 +414,8 @@ class _Renderer:
             s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
             return f"select({s}, {x}, {self.isnan(x, sd)})" if fl else s
         if op == "relu":  # NaN stays NaN, by its bits (NVIDIA's compiler turns the select into a max that drops it)
-            return f"select(select({x}, {c(0)}, {x} < {c(0)}), {x}, {self.isnan(x, sd)})"
+            r = f"select({x}, {c(0)}, {x} < {c(0)})"
+            return f"select({r}, {x}, {self.isnan(x, sd)})" if fl else r
         if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
             return f"{self.fn(op, sd)}({x})"  # (WGSL's round rounds half to even, as numpy's)
         if op == "rsqrt":

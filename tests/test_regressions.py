@@ -149,3 +149,53 @@ async def test_a_matrix_product_longer_than_llvmpipes_loop_bound_counts_every_te
     a, b = np.ones((4, 100_000), np.float32), np.ones((100_000, 64), np.float32)
     got = await (Tensor(a, device=device) @ Tensor(b, device=device)).numpy()
     np.testing.assert_array_equal(got, np.full((4, 64), 100_000, np.float32))
+
+
+INT_DTYPES = ["int8", "uint8", "int16", "int32", "int64"]
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+async def test_relu_maximum_minimum_clip_of_integer_tensors(device: str, dtype: str) -> None:
+    """Issue 42: the NaN-keeping form of relu was emitted for integer values on WebGPU (`isnan32` of an i32)."""
+    rng = np.random.default_rng(0)
+    src = rng.uniform(-1, 3, (4, 1, 3, 4)).astype(np.float32)
+    ref = src.astype(dtype)  # (numpy's cast of a negative float to uint8 wraps, as azyx's cast does on each device)
+    t = Tensor(src, device=device).cast(dtype)
+    other_np = rng.integers(0, 3, (3, 4)).astype(dtype)
+    other = Tensor(other_np, device=device)
+    cases = {
+        "relu": (t.relu(), np.maximum(ref, 0).astype(dtype)),
+        "maximum": (t.maximum(other), np.maximum(ref, other_np)),
+        "minimum": (t.minimum(other), np.minimum(ref, other_np)),
+        "clip": (t.clip(1, 2), np.clip(ref, 1, 2).astype(dtype)),
+    }
+    for name, (got, want) in cases.items():
+        out = await got.numpy()
+        assert out.dtype == want.dtype, (name, out.dtype, want.dtype)
+        np.testing.assert_array_equal(out, want, err_msg=name)
+
+
+async def test_an_integer_argmax_added_to_a_float_and_reduced_again(device: str) -> None:
+    """Issue 42's second graph: an argmax/argmin result (an integer) meets a float constant, then a max reduce and a
+    relu over it."""
+    x_np = np.random.default_rng(1).uniform(-3, 3, (5, 6)).astype(np.float32)
+    x = Tensor(x_np, device=device)
+    got = await ((x.argmax(axis=1) + 0.5).max() + (x.argmin(axis=0).relu() - 2).relu().sum()).numpy()
+    want = (x_np.argmax(1) + 0.5).max() + np.maximum(np.maximum(x_np.argmin(0), 0) - 2, 0).sum()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+async def test_gradients_of_relu_maximum_minimum_clip_beside_integer_tensors(device: str, dtype: str) -> None:
+    """The gradients of the same ops where one operand is an integer tensor: they flow to the float operand only,
+    through the promoted (float) op, as PyTorch's do."""
+    rng = np.random.default_rng(2)
+    x_np = rng.uniform(-3, 3, (3, 4)).astype(np.float32)
+    k_np = rng.integers(0, 3, (3, 4)).astype(dtype)
+    x, k = Tensor(x_np, device=device), Tensor(k_np, device=device)
+    with azyx.GradientTape() as tape:
+        loss = (x.maximum(k) * 2 + x.minimum(k) * 3 + x.relu() * 5 + x.clip(-1, 1) * 7).sum()
+    (g,) = tape.gradient(loss, [x])
+    kf = k_np.astype(np.float32)
+    want = 2.0 * (x_np > kf) + 3.0 * (x_np < kf) + 5.0 * (x_np > 0) + 7.0 * ((x_np > -1) & (x_np < 1))
+    np.testing.assert_allclose(await g.numpy(), want, atol=1e-6)
