@@ -11,6 +11,9 @@ Rows, each against the issue's target:
 - time to the first token of a 128-token prompt against transformers' forward over the prompt (its prefill);
 - 32 concurrent streams through the engine's continuous batching against the same 32 requests one at a time
   (aggregate tokens/s), and the worst lateness of a 1 ms heartbeat on the loop meanwhile.
+- the best PyTorch recipe (bench/torch_gpt2.py: a static KV cache, the whole step captured in one CUDA graph on a GPU,
+  eager on a CPU; the token read back each step) at batch 1 and at the streams' batch, fp32 (and bf16 on a GPU):
+  prompt and new tokens, whole requests timed on both sides, its tokens checked against azyx's.
 Every azyx result is checked first: its greedy tokens against transformers'. Times are medians; the script never
 asserts them. transformers and torch are bench-only: without them the peer columns say so.
 """
@@ -78,6 +81,49 @@ async def stream_times(engine: Engine, prompt: list[int], n: int) -> tuple[list[
             first = time.perf_counter()
         tokens.append(t)
     return tokens, first - t0, time.perf_counter() - first
+
+
+async def token_stamps(engine: Engine, prompt: list[int], n: int) -> list[float]:
+    """The clock at each token of one greedy stream."""
+    out = []
+    async for _ in engine.generate(prompt, max_new_tokens=n, ignore_eos=True):
+        out.append(time.perf_counter())
+    return out
+
+
+async def static_rows(torch: Any, hf: Any, path: str, device: str, dtype: str, prompts: list[list[int]], n_new: int,
+                      repeats: int) -> list[list[str]]:
+    """Batch 1 and batch len(prompts) greedy decoding: azyx (`Engine`, weights in `dtype`) against the static-cache
+    PyTorch peer (bench/torch_gpt2.py) in the same dtype, its tokens checked equal to azyx's."""
+    from torch_gpt2 import StaticGPT2
+
+    dev = torch_device(device)
+    model = await GPT2.from_pretrained(path, device=device, dtype=dtype)
+    batch = len(prompts)
+    engine = Engine(model, slots=batch)
+    await engine.warmup(prompt_lengths=[len(prompts[0])])
+    short = "bf16" if dtype == "bfloat16" else "fp32"
+    recipe = "static KV cache + one CUDA graph per step" if dev == "cuda" else "static KV cache, eager"
+    rows = []
+    for b in (1, batch):
+        peer = StaticGPT2(torch, hf, b, len(prompts[0]) + n_new + 1, getattr(torch, dtype), dev)
+        peer.capture()
+        want = peer.generate(prompts[:b], n_new)
+        got = await asyncio.gather(*(stream_times(engine, p, n_new) for p in prompts[:b]))
+        same = "same tokens" if [g[0] for g in got] == want else "tokens DIFFER"
+        az, pt = [], []
+        for _ in range(repeats):  # decode only, both sides: from the first new token to the last
+            stamps = await asyncio.gather(*(token_stamps(engine, p, n_new) for p in prompts[:b]))
+            az.append(max(s[-1] for s in stamps) - min(s[0] for s in stamps))
+            peer.generate(prompts[:b], n_new)
+            pt.append(peer.decode_seconds)
+        az_tps, pt_tps = b * (n_new - 1) / statistics.median(az), b * (n_new - 1) / statistics.median(pt)
+        met = "met" if az_tps >= 1.5 * pt_tps else "NOT MET"
+        rows.append([f"decode, batch {b}, greedy, {short}, {n_new} tokens (tokens/s); peer: PyTorch {recipe} ({same})",
+                     f"{az_tps:.1f}", f"{pt_tps:.1f}", f"{az_tps / pt_tps:.2f}x", f">= 1.5x: {met}"])
+        del peer
+    await engine.close()
+    return rows
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -163,6 +209,10 @@ async def main(args: argparse.Namespace) -> None:
         rows.append([f"heartbeat lateness, worst, during the {streams} streams (ms)", f"{lateness:.2f}", "-", "-",
                      f"<= 5 ms: {'met' if lateness <= 5 else 'NOT MET'}"])
         await engine.close()
+
+        # 4. the best PyTorch recipe: static KV cache, the step captured as one CUDA graph (eager on a CPU)
+        for dtype in (("float32", "bfloat16") if dev == "cuda" else ("float32",)):
+            rows += await static_rows(torch, hf, tmp, device, dtype, prompts, n_new, repeats)
     size = "2 layers x 64 (quick)" if quick else "GPT-2 small: 12 layers x 768, vocab 50257"
     start, end = marks(device)
     lines = [start, "", f"## Generation: GPT-2 ({'quick' if quick else 'full'} run, written by bench/generate.py)",
@@ -170,7 +220,7 @@ async def main(args: argparse.Namespace) -> None:
              f"- {machine_line()}", f"- azyx device {device}; transformers {transformers.__version__}, torch "
              f"{torch.__version__} on {dev} ({torch.get_num_threads()} threads); model {size}, random weights "
              f"(seed 0); greedy tokens checked against transformers: {verdict}", "",
-             "| workload | azyx | transformers | ratio | target |", "|---|---:|---:|---:|---|"]
+             "| workload | azyx | peer (transformers unless named) | ratio | target |", "|---|---:|---:|---:|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", end]
     text = "\n".join(lines) + "\n"
