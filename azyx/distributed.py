@@ -52,14 +52,19 @@ class HostRuntime:
         self.values: dict[int, Any] = {}
 
     def describe(self) -> tuple[str, list[str]]:
+        """This host's Ray node id and its azyx devices."""
         return ray.get_runtime_context().get_node_id(), RT.device_names()
 
     async def put(self, key: int, array: np.ndarray, device: str | None) -> tuple[tuple[int, ...], str]:
+        """Coroutine: `array` as a realized Tensor on `device` of this host, kept under `key`; returns its shape and
+        dtype."""
         t = await Tensor(array, device=device).realize()
         self.values[key] = t
         return t.shape, t.dtype.name
 
     def create(self, key: int, factory: Callable[..., Any], args: tuple) -> str:
+        """Call `factory(*args)` on this host (a model, an optimiser), keep the result under `key`; returns its
+        type's name."""
         self.values[key] = factory(*args)
         return type(self.values[key]).__name__
 
@@ -112,6 +117,7 @@ class HostRuntime:
         return out
 
     async def fetch(self, key: int) -> np.ndarray:
+        """Coroutine: the value under `key` as a numpy array."""
         return await self.values[key].numpy()
 
     async def export(self, key: int) -> dict[int, np.ndarray]:
@@ -119,6 +125,7 @@ class HostRuntime:
         return {key: await self.values[key].numpy()}
 
     def free(self, *keys: int) -> None:
+        """Drop the values under `keys` (missing ones are ignored)."""
         for k in keys:
             self.values.pop(k, None)
 
@@ -159,6 +166,7 @@ class Cluster:
         return cls([Host(h, i, node, devs) for i, (h, (node, devs)) in enumerate(zip(handles, described))])
 
     def shutdown(self) -> None:
+        """Stop every host's actor (its runtime and what it holds)."""
         for h in self.hosts:
             ray.kill(h.actor)
 
@@ -278,16 +286,20 @@ class RemoteTensor:
         return self._op("__neg__")
 
     def __getitem__(self, k: Any) -> RemoteTensor:
+        """`t[k]` on the host, lazily (Tensor's indexing)."""
         return self._op("__getitem__", k)
 
     async def realize(self) -> RemoteTensor:
+        """Coroutine: compute this tensor on its host (`realize(self)`); returns self."""
         await realize(self)
         return self
 
     def __await__(self) -> Any:
+        """`await t`: the same as `await t.realize()`."""
         return self.realize().__await__()
 
     async def numpy(self) -> np.ndarray:
+        """Coroutine: realize and fetch the value to the driver as a numpy array."""
         await realize(self)
         return await _remote(self.host, self.host.actor.fetch.remote(self.key))
 

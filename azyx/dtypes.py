@@ -14,6 +14,9 @@ from azyx.native import native
 
 @dataclass(frozen=True, eq=False)
 class DType:
+    """An element type of azyx tensors (`dtypes.float32`, ...): its `name`, `itemsize` in bytes, `kind` ("b" bool,
+    "i" signed, "u" unsigned, "f" float) and the numpy type of its host storage (`np`; bfloat16 is stored as
+    uint16). Compare with `is`/`==`: each dtype is one object."""
     name: str
     itemsize: int
     kind: str  # "b" bool, "i" signed int, "u" unsigned int, "f" float
@@ -29,14 +32,17 @@ class DType:
 
     @property
     def is_float(self) -> bool:
+        """True for float16, bfloat16, float32 and float64."""
         return self.kind == "f"
 
     @property
     def is_int(self) -> bool:
+        """True for the integer dtypes (signed and unsigned)."""
         return self.kind in "iu"
 
     @property
     def is_bool(self) -> bool:
+        """True for bool."""
         return self.kind == "b"
 
     @property
@@ -46,6 +52,11 @@ class DType:
 
 
 class dtypes:
+    """The dtypes of azyx: `dtypes.bool int8 uint8 int16 int32 int64 float16 bfloat16 float32 float64`.
+
+    `dtypes.default_float` (float32) is what Python floats become, `dtypes.default_int` (int32) Python ints. Every
+    `dtype=` argument of azyx also takes a numpy dtype or a name (`"float32"`, and `"half"`, `"float"`, `"double"`,
+    `"int"`, `"long"`)."""
     bool = DType("bool", 1, "b", 0, np.bool_, "BOOL")
     int8 = DType("int8", 1, "i", 1, np.int8, "I8")
     uint8 = DType("uint8", 1, "u", 1, np.uint8, "U8")
@@ -62,6 +73,7 @@ class dtypes:
 
     @staticmethod
     def all() -> tuple[DType, ...]:
+        """Every user-facing dtype, each once (the defaults are aliases, not listed again)."""
         return ALL
 
 
@@ -91,6 +103,7 @@ def to_dtype(x: Any) -> DType:
 
 
 def from_numpy(nd: np.dtype) -> DType:
+    """The azyx dtype of numpy dtype `nd` (`DTypeError` naming it when azyx has none)."""
     return to_dtype(nd)
 
 

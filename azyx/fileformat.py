@@ -25,7 +25,8 @@ OTHER_FORMAT_DTYPES = ("U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6
 
 
 class SafetensorsError(AzyxIOError):
-    """A malformed safetensors file (or a bad request about one). `filename` is the file, `problem` what is wrong."""
+    """A malformed safetensors file (or a bad request about one). `e.filename` is the file, `e.problem` what is
+    wrong."""
 
     def __init__(self, path: str, problem: str):
         super().__init__(f"{path}: {problem}")

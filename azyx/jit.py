@@ -81,14 +81,18 @@ class Recorder:
         self.guards.append((read, value))
 
     def rebinding(self, handle: Tensor) -> None:
+        """Note that `handle` is rebound by the traced function (`Tensor.assign`), keeping the node it held first."""
         if handle not in self.rebound:
             self.rebound[handle] = handle.id
             GRAPH.hold_id(handle.id)  # (its id, not its data: an in-place assignment may overwrite it)
 
     def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None:
+        """Note a random tensor `t` drawn by the traced function, with `again`, which draws its next value for a
+        replay."""
         self.drawn.append((buffer_of(t._node), again))
 
     def close(self) -> None:
+        """Let go of what the trace kept (the rebound handles' first nodes, the draws, the guards)."""
         for i in self.rebound.values():
             GRAPH.release_id(i)
         self.rebound.clear()
@@ -170,6 +174,8 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         return self if obj is None else functools.partial(self.__call__, obj)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Coroutine: run the function (traced on a new signature, else its trace replayed) and return its results
+        realized."""
         for a in args:
             if type(a) is not Tensor and hasattr(type(a), "jit_flatten"):  # (a missing attribute costs ~0.25 us)
                 return await self._call_flattened(args, kwargs)

@@ -43,9 +43,12 @@ class Module:
     training: bool | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's computation: subclasses define it (`module(x)` calls it). Builds lazy tensors; not a
+        coroutine."""
         raise NotImplementedError(f"{type(self).__name__} must define forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`forward(*args, **kwargs)`: build this module's output graph (lazy; realize the result to compute it)."""
         return self.forward(*args, **kwargs)
 
     # ---------------------------------------------------------------- parameters
@@ -57,6 +60,7 @@ class Module:
         return out
 
     def parameters(self) -> list[Tensor]:
+        """Every parameter Tensor (those of `named_parameters()`, in the same order), for an optimiser."""
         return [t for _, t in self.named_parameters()]
 
     def modules(self) -> Iterator[Module]:
@@ -74,9 +78,11 @@ class Module:
         return self
 
     def eval(self) -> Module:
+        """Set evaluation mode (dropout off) on this module and its children: `train(False)`; returns self."""
         return self.train(False)
 
     def is_training(self) -> bool:
+        """Whether this module runs in training mode: its own `train()`/`eval()` setting, else `azyx.train()`'s."""
         return Tensor.training if self.training is None else self.training
 
     # ---------------------------------------------------------------- state
@@ -163,6 +169,8 @@ class Linear(Module):
         self.bias = _uniform((out_features,), bound, dtype, device) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x @ weight.T + bias` over the last axis of `x` (..., in_features) -> (..., out_features), x's dtype and
+        device."""
         y = x @ self.weight.T
         return y + self.bias if self.bias is not None else y
 
@@ -180,6 +188,7 @@ class Conv2d(Module):
         self.bias = _uniform((out_channels,), bound, dtype, device) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        """The convolution of `x` (N, C_in, H, W) -> (N, C_out, H', W') with the layer's stride and padding."""
         return x.conv2d(self.weight, self.bias, stride=self.stride, padding=self.padding)
 
 
@@ -195,6 +204,8 @@ class LayerNorm(Module):
         self.bias = Tensor(np.zeros(shape, dt.numpy), dtype=dt, device=device) if elementwise_affine else None
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x` normalised over its last axes (`normalized_shape`, else `ShapeError`), scaled by `weight`, shifted by
+        `bias`."""
         if x.shape[x.ndim - len(self.shape):] != self.shape:
             raise ShapeError(f"LayerNorm over {self.shape} got an input of shape {x.shape}")
         y = x.layernorm(axis=tuple(range(-len(self.shape), 0)), eps=self.eps)
@@ -210,6 +221,8 @@ class Embedding(Module):
         self.weight = Tensor.randn(num_embeddings, embedding_dim, dtype=dtype, device=device)
 
     def forward(self, idx: Tensor) -> Tensor:
+        """The rows of `weight` at integer indices `idx` (any shape): shape `idx.shape + (embedding_dim,)`, weight's
+        dtype."""
         if idx.dtype.is_float:
             raise DTypeError(f"Embedding indices must be integer, got {idx.dtype.name}")
         return self.weight[idx]
@@ -224,6 +237,8 @@ class Dropout(Module):
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x` with each element zeroed with probability `p` and the rest scaled by 1/(1-p) in training mode; `x`
+        otherwise."""
         mode = self.is_training()
         if Tensor.tracer is not None:  # azyx.jit: a replay holds only while this module's mode is the same
             Tensor.tracer.guard(self.is_training, mode)
@@ -241,13 +256,16 @@ class Sequential(Module):
         self.layers = list(layers)
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x` through every layer in order."""
         for layer in self.layers:
             x = layer(x)
         return x
 
 
 class ReLU(Module):
+    """`max(x, 0)` elementwise, as a layer (`Tensor.relu`)."""
     def forward(self, x: Tensor) -> Tensor:
+        """`x.relu()`: max(x, 0) elementwise, x's dtype."""
         return x.relu()
 
 
@@ -260,11 +278,14 @@ class GELU(Module):
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x.gelu(approximate=...)`: x's dtype."""
         return x.gelu(approximate=self.approximate)
 
 
 class SiLU(Module):
+    """`x * sigmoid(x)` elementwise, as a layer (`Tensor.silu`)."""
     def forward(self, x: Tensor) -> Tensor:
+        """`x.silu()`: x * sigmoid(x), x's dtype."""
         return x.silu()
 
 
@@ -280,6 +301,8 @@ class RMSNorm(Module):
         self.weight = Tensor(np.ones(shape, dt.numpy), dtype=dt, device=device) if elementwise_affine else None
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x` divided by its root mean square over the last axes (`normalized_shape`, else `ShapeError`), times
+        `weight`."""
         if x.shape[x.ndim - len(self.shape):] != self.shape:
             raise ShapeError(f"RMSNorm over {self.shape} got an input of shape {x.shape}")
         eps = self.eps if self.eps is not None else float(np.finfo(x.dtype.numpy).eps)
@@ -312,6 +335,12 @@ class MultiheadAttention(Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """(output, weights): `query` attending to `key`/`value` ((L, N, E), or (N, L, E) with `batch_first`).
+
+        `key_padding_mask` (N, S) and `attn_mask` (L, S) or (N * heads, L, S) follow PyTorch: a bool True masks a key
+        out, a float is added to the scores. `need_weights=False` returns None for the weights and runs the fused
+        attention; `average_attn_weights` averages them over heads; `is_causal` masks later keys where no mask is given.
+        """
         if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
             raise ShapeError(f"MultiheadAttention takes batched 3-D inputs, got {query.shape}, {key.shape}, "
                              f"{value.shape}")

@@ -183,10 +183,13 @@ class LambdaLR:
         optimizer.lr = self.base_lr * lr_lambda(0)
 
     def step(self) -> None:
+        """Advance one epoch: the optimiser's `lr` becomes its initial rate times `lr_lambda(epoch)`. Compiles
+        nothing."""
         self.last_epoch += 1
         self.optimizer.lr = self.base_lr * self.lr_lambda(self.last_epoch)
 
     def get_last_lr(self) -> list[float]:
+        """The optimiser's current learning rate, as a one-element list (PyTorch's form)."""
         return [self.optimizer.lr]
 
 

@@ -87,9 +87,12 @@ class ExecutionPlan:
 
     @property
     def kernels(self) -> list[KernelStep]:
+        """The plan's kernel steps, in the order they run (transfers left out)."""
         return [s for s in self.steps if isinstance(s, KernelStep)]
 
     def describe(self) -> str:
+        """A readable listing of the plan: one line per step (kernel with its device and arguments, or transfer), as
+        `AZYX_DEBUG=2` prints it."""
         lines = [f"ExecutionPlan: {len(self.steps)} steps, {len(self.slots)} slots on {', '.join(self.devices)}"]
         for i, s in enumerate(self.steps):
             if isinstance(s, KernelStep):

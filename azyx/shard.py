@@ -63,14 +63,17 @@ class ShardedTensor:
     # ---------------------------------------------------------------- what it is
     @property
     def dtype(self) -> Any:
+        """The dtype of every piece."""
         return self.shards[0].dtype
 
     @property
     def ndim(self) -> int:
+        """Number of axes of the whole tensor."""
         return len(self.shape)
 
     @property
     def replicated(self) -> bool:
+        """True when every device holds the whole tensor (no split axis)."""
         return self.axis is None
 
     def __repr__(self) -> str:
@@ -100,9 +103,11 @@ class ShardedTensor:
         return Tensor.cat([t.to(dev) for t in self.shards], axis=self.axis)
 
     async def numpy(self) -> np.ndarray:
+        """Coroutine: the whole tensor as a numpy array (the pieces gathered on the first device, then read)."""
         return await self.gather().numpy()
 
     def numpy_sync(self) -> np.ndarray:
+        """`numpy()` for scripts, outside a running event loop."""
         return run_sync(self.numpy())
 
     # ---------------------------------------------------------------- elementwise
@@ -179,6 +184,7 @@ class ShardedTensor:
         return self._map(lambda a, b: a > b, o)
 
     def maximum(self, o: Any) -> ShardedTensor:
+        """Elementwise maximum with `o` (a number, Tensor or ShardedTensor of the same layout), piece by piece."""
         return self._map(lambda a, b: a.maximum(b), o)
 
     def where(self, a: Any, b: Any) -> ShardedTensor:
@@ -186,6 +192,7 @@ class ShardedTensor:
         return self._map(lambda c, x, y: Tensor.where(c, x, y), a, b)
 
     def cast(self, dtype: Any) -> ShardedTensor:
+        """Every piece cast to `dtype`; same layout."""
         return self._map(lambda a: a.cast(dtype))
 
     def __getattr__(self, name: str) -> Any:
@@ -207,15 +214,22 @@ class ShardedTensor:
         return ShardedTensor(parts, new_axis)
 
     def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
+        """Sum over `axis` (None: all; int or tuple) like `Tensor.sum`; over the split axis the partial sums are
+        all-reduced, so the result is replicated."""
         return self._reduce("sum", axis, keepdim)
 
     def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
+        """Maximum over `axis` like `Tensor.max`; over the split axis the partial maxima are all-reduced (replicated
+        result)."""
         return self._reduce("max", axis, keepdim)
 
     def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
+        """Minimum over `axis` like `Tensor.min`; over the split axis the partial minima are all-reduced (replicated
+        result)."""
         return self._reduce("min", axis, keepdim)
 
     def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
+        """Mean over `axis` like `Tensor.mean`: the sum divided by the count of reduced elements."""
         axes = range(self.ndim) if axis is None else ((axis,) if isinstance(axis, int) else axis)
         count = 1
         for a in axes:

@@ -72,6 +72,8 @@ class Heartbeat:
         self.period, self.worst_ms, self.ticks = period, 0.0, 0
 
     async def run(self) -> None:
+        """Coroutine that never returns: tick every `period` seconds, recording how late each tick woke. Run it as a
+        task."""
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(self.period)

@@ -57,6 +57,7 @@ def _norm_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
 
 
 def broadcast_shapes(*shapes: Shape) -> Shape:
+    """The shape numpy's broadcasting gives `shapes` (`ShapeError` naming them where they do not broadcast)."""
     if len(shapes) == 2:  # the common case, without sets
         a, b = shapes
         if len(a) != len(b):
@@ -101,9 +102,17 @@ class Tracer(Protocol):
     """What azyx.jit's recorder is told while it traces a function: tensors rebound in place, and random draws (with
     how to draw them again)."""
 
-    def rebinding(self, handle: Tensor) -> None: ...
-    def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None: ...
-    def guard(self, read: Callable[[], Any], value: Any) -> None: ...
+    def rebinding(self, handle: Tensor) -> None:
+        """`handle` is about to be rebound (`Tensor.assign`, `t[key] = value`)."""
+        ...
+
+    def draw(self, t: Tensor, again: Callable[[], Tensor]) -> None:
+        """`t` was drawn at random; `again()` draws its next value for a replay."""
+        ...
+
+    def guard(self, read: Callable[[], Any], value: Any) -> None:
+        """The trace holds only while `read()` returns `value` (a replay checks it, and traces again if not)."""
+        ...
 
 
 def _drawn(t: Tensor, again: Callable[[], Tensor]) -> Tensor:
@@ -192,6 +201,18 @@ _pow = _binop("pow")  # (Tensor.__pow__ takes the exponents it turns into other 
 class Tensor:
     """A lazy tensor: a handle into azyx's graph.
 
+    `Tensor(data, dtype=None, device=None)`: `data` a numpy array, a Python number or a (nested) list; the dtype is
+    `dtype` (a DType, numpy dtype or name), else numpy's array's own, else float32 for floats, int32 for ints and bool
+    for bools; `device` a name such as "c:0", else AUTO placement.
+
+    Every op (arithmetic, the methods below, indexing) is synchronous and cheap: it appends a node and returns a new
+    lazy Tensor on the device of its operands (a tensor whose device was asked for wins over automatically placed
+    ones; two different asked-for devices raise `DeviceError`: move one with `.to()`). Binary ops broadcast like numpy
+    and promote dtypes like PyTorch; Python numbers in them are kernel arguments, so a new value compiles nothing.
+    Nothing runs until a coroutine asks for the values: `await t.realize()`, `await t.numpy()`, `await t.item()`,
+    `await t.tolist()`, or `await azyx.realize(a, b)` for several in one plan (`realize_sync()`/`numpy_sync()` in
+    scripts). Reductions take `axis=None` (an int or a tuple, negative allowed) and `keepdim=False`.
+
     >>> import azyx
     >>> t = azyx.Tensor([1.0, 2.0, 3.0]) * 2
     >>> t.numpy_sync().tolist()
@@ -246,21 +267,27 @@ class Tensor:
 
     @property
     def shape(self) -> Shape:
+        """The shape, a tuple of ints (known without computing anything)."""
         return _nodes[self.id].shape  # type: ignore[union-attr]
 
     @property
     def dtype(self) -> DType:
+        """The element type, a `DType` (`t.dtype == dtypes.float32`)."""
         return _nodes[self.id].dtype  # type: ignore[union-attr]
 
     @property
     def device(self) -> str:
+        """The device name, e.g. "c:0" ("disk" for a tensor still in a safetensors file). An automatically placed
+        tensor reports the device its data ended up on."""
         return _nodes[self.id].device  # type: ignore[union-attr]
 
     @property
     def ndim(self) -> builtins.int:
+        """Number of axes: `len(t.shape)`."""
         return len(self.shape)
 
     def numel(self) -> builtins.int:
+        """Number of elements: the product of the shape (1 for a 0-d tensor)."""
         return prod(self.shape)
 
     def __len__(self) -> builtins.int:
@@ -309,23 +336,41 @@ class Tensor:
         return await _read(self)
 
     async def item(self) -> Scalar:
+        """Coroutine: realize this one-element tensor and return its value as a Python bool, int or float
+        (`ShapeError` for more than one element).
+
+        >>> import asyncio
+        >>> asyncio.run((Tensor([1.5, 2.5]).sum()).item())
+        4.0"""
         if self.numel() != 1:
             raise ShapeError(f"item() needs exactly one element, the tensor has shape {self.shape}")
         return (await _read(self)).reshape(()).item()
 
     async def tolist(self) -> Any:
+        """Coroutine: realize and return the values as (nested) Python lists, like `numpy().tolist()`."""
         return (await self.numpy()).tolist()
 
     def realize_sync(self) -> Tensor:
+        """`await t.realize()` for scripts: computes this tensor and returns it. Raises `RuntimeStateError` inside a
+        running event loop (await `realize()` there)."""
         run_sync(self.realize())
         return self
 
     def numpy_sync(self) -> np.ndarray:
+        """`await t.numpy()` for scripts: a numpy array the caller owns (bfloat16 as float32). Raises
+        `RuntimeStateError` inside a running event loop."""
         return run_sync(self.numpy())
 
     # ---------------------------------------------------------------- factories
     @staticmethod
     def full(shape: Any, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
+        """A lazy tensor of `shape` (an int or a tuple) filled with `value`: a constant, no data is uploaded.
+
+        dtype: `dtype`, else the value's (bool -> bool, int -> int32, float -> float32). device: `device`, else AUTO.
+        The value is a kernel argument: a new value compiles nothing.
+
+        >>> Tensor.full((2, 3), 7).numpy_sync().tolist()
+        [[7, 7, 7], [7, 7, 7]]"""
         shape = _shape_arg(shape if isinstance(shape, list | tuple) else (shape,))
         dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
         dev, pinned = RT.resolve_device(device, prod(shape) * dt.itemsize)
@@ -333,23 +378,36 @@ class Tensor:
 
     @staticmethod
     def zeros(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """A tensor of `shape` (ints, or one tuple) filled with 0; float32 unless `dtype` is given; `device` else
+        AUTO."""
         return Tensor.full(_shape_arg(shape), 0.0, dtype=dtype or dtypes.default_float, device=device)
 
     @staticmethod
     def ones(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """A tensor of `shape` (ints, or one tuple) filled with 1; float32 unless `dtype` is given; `device` else
+        AUTO."""
         return Tensor.full(_shape_arg(shape), 1.0, dtype=dtype or dtypes.default_float, device=device)
 
     @staticmethod
     def zeros_like(t: Tensor, dtype: Any = None, device: str | None = None) -> Tensor:
+        """Zeros of `t`'s shape, with `t`'s dtype and device unless `dtype`/`device` are given."""
         return Tensor.full(t.shape, 0, dtype=dtype or t.dtype, device=device or t.device)
 
     @staticmethod
     def ones_like(t: Tensor, dtype: Any = None, device: str | None = None) -> Tensor:
+        """Ones of `t`'s shape, with `t`'s dtype and device unless `dtype`/`device` are given."""
         return Tensor.full(t.shape, 1, dtype=dtype or t.dtype, device=device or t.device)
 
     @staticmethod
     def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: Any = None,
                device: str | None = None) -> Tensor:
+        """`start, start + step, ...` below `stop` (`arange(n)`: 0..n-1), like `numpy.arange`.
+
+        dtype: `dtype`, else float32 if any of start/stop/step is a float, int32 otherwise. device: `device`, else AUTO.
+        `ShapeError` for step 0.
+
+        >>> Tensor.arange(5).numpy_sync().tolist(), Tensor.arange(0.0, 1.0, 0.25).numpy_sync().tolist()
+        ([0, 1, 2, 3, 4], [0.0, 0.25, 0.5, 0.75])"""
         if stop is None:
             start, stop = 0, start
         if step == 0:
@@ -360,16 +418,21 @@ class Tensor:
 
     @staticmethod
     def eye(n: builtins.int, dtype: Any = None, device: str | None = None) -> Tensor:
+        """The (n, n) identity matrix; float32 unless `dtype` is given; `device` else AUTO."""
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         return Tensor(np.eye(n, dtype=dt.numpy), dtype=dt, device=device)
 
     @staticmethod
     def rand(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """Uniform random numbers in [0, 1) of `shape`: `uniform(*shape)`. float32 unless `dtype` is given; `device`
+        else AUTO. Drawn on the host from azyx's generator (`azyx.manual_seed` makes them reproducible)."""
         return Tensor.uniform(*shape, dtype=dtype, device=device)
 
     @staticmethod
     def uniform(*shape: Any, low: builtins.float = 0.0, high: builtins.float = 1.0, dtype: Any = None,
                 device: str | None = None) -> Tensor:
+        """Uniform random numbers in [`low`, `high`) of `shape`; float32 unless `dtype` is given; `device` else AUTO.
+        Drawn on the host from azyx's generator (`azyx.manual_seed`); under `azyx.jit` each replay draws anew."""
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         x = RT.rng.random(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
         if low != 0.0 or high != 1.0:
@@ -382,6 +445,8 @@ class Tensor:
 
     @staticmethod
     def randn(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """Standard normal random numbers of `shape`; float32 unless `dtype` is given; `device` else AUTO. Drawn on
+        the host from azyx's generator (`azyx.manual_seed`); under `azyx.jit` each replay draws anew."""
         dt = to_dtype(dtype) if dtype is not None else dtypes.default_float
         x = RT.rng.standard_normal(_shape_arg(shape), dtype=np.float64 if dt is dtypes.float64 else np.float32)
         return _drawn(Tensor(x.astype(dt.numpy, copy=False), dtype=dt, device=device),
@@ -457,6 +522,8 @@ class Tensor:
         return x._new(Op.UNARY, (x.id,), op, n.shape, n.dtype)
 
     def cast(self, dtype: Any) -> Tensor:
+        """This tensor converted to `dtype` (a DType, numpy dtype or name) elementwise, like numpy's `astype`; same
+        shape and device. Returns self when the dtype is already `dtype`."""
         dt = to_dtype(dtype)
         n = self._node
         if n.dtype is dt:
@@ -466,15 +533,19 @@ class Tensor:
         return self._new(Op.CAST, (self.id,), None, n.shape, dt)
 
     def float(self) -> Tensor:
+        """`cast(float32)`."""
         return self.cast(dtypes.float32)
 
     def half(self) -> Tensor:
+        """`cast(float16)`."""
         return self.cast(dtypes.float16)
 
     def int(self) -> Tensor:
+        """`cast(int32)` (floats truncate toward zero)."""
         return self.cast(dtypes.int32)
 
     def bool(self) -> Tensor:
+        """`cast(bool)`: True where nonzero."""
         return self.cast(dtypes.bool)
 
     __add__, __radd__ = _binop("add"), _binop("add", True)
@@ -527,80 +598,107 @@ class Tensor:
         return self._operand(o).matmul(self)
 
     def abs(self) -> Tensor:
+        """|x| elementwise; same shape, dtype and device."""
         return self._unary("abs")
 
     def exp(self) -> Tensor:
+        """e**x elementwise; same shape and device, float dtype (ints become float32)."""
         return self._unary("exp")
 
     def log(self) -> Tensor:
+        """Natural logarithm elementwise (-inf at 0, nan below); float dtype."""
         return self._unary("log")
 
     def exp2(self) -> Tensor:
+        """2**x elementwise; float dtype."""
         return self._unary("exp2")
 
     def log2(self) -> Tensor:
+        """Base-2 logarithm elementwise; float dtype."""
         return self._unary("log2")
 
     def sqrt(self) -> Tensor:
+        """Square root elementwise (nan below 0); float dtype."""
         return self._unary("sqrt")
 
     def rsqrt(self) -> Tensor:
+        """1 / sqrt(x) elementwise; float dtype."""
         return self._unary("rsqrt")
 
     def reciprocal(self) -> Tensor:
+        """1 / x elementwise; float dtype."""
         return self._unary("reciprocal")
 
     def sin(self) -> Tensor:
+        """Sine elementwise (radians); float dtype."""
         return self._unary("sin")
 
     def cos(self) -> Tensor:
+        """Cosine elementwise (radians); float dtype."""
         return self._unary("cos")
 
     def tan(self) -> Tensor:
+        """Tangent elementwise (radians); float dtype."""
         return self._unary("tan")
 
     def tanh(self) -> Tensor:
+        """Hyperbolic tangent elementwise; float dtype."""
         return self._unary("tanh")
 
     def erf(self) -> Tensor:
+        """The error function elementwise; float dtype."""
         return self._unary("erf")
 
     def sigmoid(self) -> Tensor:
+        """1 / (1 + e**-x) elementwise; float dtype."""
         return self._unary("sigmoid")
 
     def relu(self) -> Tensor:
+        """max(x, 0) elementwise; same dtype."""
         return self._unary("relu")
 
     def gelu(self, approximate: str = "none") -> Tensor:
+        """GELU elementwise: `x * Phi(x)` with the exact erf form (`approximate="none"`, PyTorch's default) or the
+        tanh form (`approximate="tanh"`); float dtype."""
         if approximate not in ("none", "tanh"):
             raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
         return self._unary("gelu" if approximate == "none" else "gelu_tanh")
 
     def silu(self) -> Tensor:
+        """x * sigmoid(x) elementwise (swish); float dtype."""
         return self._unary("silu")
 
     def softplus(self) -> Tensor:
+        """log(1 + e**x) elementwise, stable for large x; float dtype."""
         return self._unary("softplus")
 
     def sign(self) -> Tensor:
+        """-1, 0 or 1 elementwise by the sign of x; same dtype."""
         return self._unary("sign")
 
     def floor(self) -> Tensor:
+        """Largest integer <= x elementwise; same dtype (an integer tensor is returned as it is)."""
         return self if not self.dtype.is_float else self._unary("floor")
 
     def ceil(self) -> Tensor:
+        """Smallest integer >= x elementwise; same dtype (an integer tensor is returned as it is)."""
         return self if not self.dtype.is_float else self._unary("ceil")
 
     def round(self) -> Tensor:
+        """Round to the nearest integer, half to even (like numpy); same dtype (an integer tensor is returned as it
+        is)."""
         return self if not self.dtype.is_float else self._unary("round")
 
     def square(self) -> Tensor:
+        """x * x elementwise; same dtype. `x ** 2` builds this."""
         return self._unary("square")
 
     maximum = _binop("max")
     minimum = _binop("min")
 
     def clip(self, lo: Any = None, hi: Any = None) -> Tensor:
+        """Each element limited to [`lo`, `hi`]: `maximum(lo)` then `minimum(hi)` (None leaves that side open);
+        numbers or tensors, broadcasting; dtype promoted like `maximum`."""
         out = self
         if lo is not None:
             out = out.maximum(lo)
@@ -685,6 +783,11 @@ class Tensor:
         return Tensor._from_node(Node(_RESHAPE, (self.id,), new, new, n.dtype, n.device, n.pinned))
 
     def reshape(self, *shape: Any) -> Tensor:
+        """The same elements in a new `shape` (ints, or one tuple; one -1 is inferred), in row-major order. A view
+        where the layout allows (index arithmetic, no copy); `ShapeError` when the sizes differ.
+
+        >>> Tensor.arange(6).reshape(2, -1).numpy_sync().tolist()
+        [[0, 1, 2], [3, 4, 5]]"""
         if len(shape) == 1 and isinstance(shape[0], list | tuple):
             shape = tuple(shape[0])
         if shape.count(-1) > 1:
@@ -729,6 +832,8 @@ class Tensor:
         return Tensor._wrap(GRAPH.add(node))
 
     def expand(self, *shape: Any) -> Tensor:
+        """Broadcast size-1 axes to `shape` (ints or one tuple; -1 keeps an axis; new leading axes may be added),
+        without a copy; `ShapeError` for an axis that is not 1."""
         if len(shape) == 1 and isinstance(shape[0], list | tuple):
             shape = tuple(shape[0])
         n = self._node
@@ -748,6 +853,8 @@ class Tensor:
         return self._new(Op.EXPAND, (self.id,), new, new, n.dtype)
 
     def permute(self, *dims: Any) -> Tensor:
+        """The axes reordered: axis i of the result is axis `dims[i]` of this one (ints or one tuple, negative
+        allowed)."""
         if len(dims) == 1 and isinstance(dims[0], list | tuple):
             dims = tuple(dims[0])
         n = self._node
@@ -768,6 +875,7 @@ class Tensor:
         return self._new(Op.PERMUTE, (self.id,), axes, shape, n.dtype)
 
     def transpose(self, d0: builtins.int = -2, d1: builtins.int = -1) -> Tensor:
+        """Axes `d0` and `d1` swapped (by default the last two)."""
         nd = self.ndim
         a, b = _norm_axis(d0, nd), _norm_axis(d1, nd)
         order = list(range(nd))
@@ -776,9 +884,11 @@ class Tensor:
 
     @property
     def T(self) -> Tensor:
+        """All axes reversed (the transpose of a matrix)."""
         return self.permute(*reversed(range(self.ndim)))
 
     def moveaxis(self, src: builtins.int, dst: builtins.int) -> Tensor:
+        """Axis `src` moved to position `dst`, the others keeping their order (numpy's `moveaxis`)."""
         nd = self.ndim
         s, d = _norm_axis(src, nd), _norm_axis(dst, nd)
         order = [i for i in range(nd) if i != s]
@@ -786,6 +896,11 @@ class Tensor:
         return self.permute(*order)
 
     def pad(self, pads: Any, value: Scalar = 0.0) -> Tensor:
+        """Padded with `value` (default 0.0, a kernel argument): `pads` is ((before, after), ...), one pair per axis;
+        negative amounts crop. Same dtype and device.
+
+        >>> Tensor([1, 2]).pad(((1, 2),), value=9).numpy_sync().tolist()
+        [9, 1, 2, 9, 9]"""
         n = self._node
         try:
             pads = tuple((int(b), int(a)) for b, a in pads)
@@ -808,6 +923,7 @@ class Tensor:
         return self.pad(tuple((-lo, hi - s) for (lo, hi), s in zip(bounds, self.shape)))
 
     def flip(self, axis: builtins.int | Sequence[builtins.int]) -> Tensor:
+        """The order of elements reversed along `axis` (an int or a tuple of ints)."""
         n = self._node
         axes = tuple(a for a in _norm_axes(axis, len(n.shape)) if n.shape[a] > 1)
         if not axes:
@@ -817,6 +933,8 @@ class Tensor:
         return self._new(Op.FLIP, (self.id,), axes, n.shape, n.dtype)
 
     def squeeze(self, axis: builtins.int | Sequence[builtins.int] | None = None) -> Tensor:
+        """Size-1 axes removed: all of them (`axis=None`), or those named by `axis` (an int or tuple; a named axis
+        whose size is not 1 is left alone, like PyTorch)."""
         shape = self.shape
         if axis is None:
             return self.reshape(tuple(s for s in shape if s != 1))
@@ -824,11 +942,13 @@ class Tensor:
         return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes or s != 1))
 
     def unsqueeze(self, axis: builtins.int) -> Tensor:
+        """A size-1 axis inserted at position `axis` (negative counts from the end of the result)."""
         shape = self.shape
         a = _norm_axis(axis, len(shape), 1)
         return self.reshape(shape[:a] + (1,) + shape[a:])
 
     def flatten(self, start: builtins.int = 0, end: builtins.int = -1) -> Tensor:
+        """Axes `start`..`end` (inclusive, default all) merged into one; a 0-d tensor becomes shape (1,)."""
         shape = self.shape
         if not shape:
             return self.reshape(1)
@@ -864,6 +984,11 @@ class Tensor:
 
     @staticmethod
     def cat(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
+        """`tensors` joined along an existing `axis` (default 0); all shapes equal but along `axis`, dtypes promoted.
+        A static method: `Tensor.cat([a, b], axis=1)`.
+
+        >>> Tensor.cat([Tensor([[1, 2]]), Tensor([[3, 4]])], axis=0).numpy_sync().tolist()
+        [[1, 2], [3, 4]]"""
         if not tensors:
             raise ShapeError("cat of an empty list")
         first = tensors[0]
@@ -890,6 +1015,8 @@ class Tensor:
 
     @staticmethod
     def stack(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
+        """`tensors` (all of one shape) joined along a new axis `axis` (default 0). A static method:
+        `Tensor.stack([a, b])`."""
         if not tensors:
             raise ShapeError("stack of an empty list")
         a = _norm_axis(axis, tensors[0].ndim, 1)
@@ -899,6 +1026,11 @@ class Tensor:
         return Tensor.cat([t.unsqueeze(a) for t in tensors], axis=a)
 
     def split(self, size: builtins.int | Sequence[builtins.int], axis: builtins.int = 0) -> list[Tensor]:
+        """A list of views along `axis` (default 0): pieces of `size` elements each (an int; the last may be
+        shorter), or of the sizes in a list (which must add up to the axis).
+
+        >>> [p.numpy_sync().tolist() for p in Tensor.arange(5).split(2)]
+        [[0, 1], [2, 3], [4]]"""
         a = _norm_axis(axis, self.ndim)
         n = self.shape[a]
         if isinstance(size, int):
@@ -916,6 +1048,7 @@ class Tensor:
         return out
 
     def chunk(self, n: builtins.int, axis: builtins.int = 0) -> list[Tensor]:
+        """A list of at most `n` views along `axis` (default 0), of equal size but the last (PyTorch's `chunk`)."""
         if n <= 0:
             raise ShapeError(f"chunk count must be positive, got {n}")
         size = self.shape[_norm_axis(axis, self.ndim)]
@@ -1101,15 +1234,30 @@ class Tensor:
         return r if keepdim or out == out_keep else r._reshaped(out)
 
     def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Sum over `axis` (None: every axis; an int or a tuple, negative allowed), keeping the reduced axes as size
+        1 with `keepdim=True`. dtype: bool sums as int32, ints and floats keep theirs (float16/bfloat16 accumulate
+        in float32).
+
+        >>> t = Tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> t.sum().numpy_sync().tolist(), t.sum(axis=0).numpy_sync().tolist(), t.sum(1, keepdim=True).shape
+        (10.0, [4.0, 6.0], (2, 1))"""
         return self._reduce("sum", axis, keepdim)
 
     def prod(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Product over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`; bool multiplies as int32."""
         return self._reduce("prod", axis, keepdim)
 
     def max(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Maximum over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`; same dtype. Returns values
+        only (the index: `argmax`). `ShapeError` over an empty axis.
+
+        >>> Tensor([[1, 5], [7, 2]]).max(axis=1).numpy_sync().tolist()
+        [5, 7]"""
         return self._reduce("max", axis, keepdim)
 
     def min(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Minimum over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`; same dtype. Returns values
+        only (the index: `argmin`). `ShapeError` over an empty axis."""
         return self._reduce("min", axis, keepdim)
 
     def _count(self, axis: Any) -> builtins.int:
@@ -1122,17 +1270,22 @@ class Tensor:
         return x.float() if x.dtype.itemsize < 4 else x
 
     def mean(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Mean over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`. dtype: floats keep theirs
+        (float16 and bfloat16 accumulate in float32), ints and bool give float32."""
         x = self._wide()
         n = self._count(axis)
         return (x.sum(axis, keepdim) * (1.0 / n if n else math.nan)).cast(least_float(self.dtype))
 
     def var(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
+        """Variance over `axis` (None: every axis) with `correction` (1: the unbiased estimate, PyTorch's default; 0:
+        numpy's); `keepdim` as in `sum`; float dtype as in `mean`. nan where fewer than correction + 1 elements."""
         x = self._wide()
         n = self._count(axis)
         sq = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
         return (sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)).cast(least_float(self.dtype))
 
     def std(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
+        """Standard deviation: `var(axis, keepdim, correction).sqrt()`."""
         return self.var(axis, keepdim, correction).sqrt()
 
     def _arg_extreme(self, axis: Any, keepdim: builtins.bool, op: str) -> Tensor:
@@ -1150,12 +1303,21 @@ class Tensor:
         return (n - hit.max(a, keepdim)).cast(dtypes.int32)
 
     def argmax(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
+        """int32 index of the largest element along `axis` (None: of the flattened tensor), the first on ties; a NaN
+        counts as the largest (numpy). `keepdim` as in `sum`.
+
+        >>> Tensor([[1, 9, 9], [4, 2, 0]]).argmax(axis=1).numpy_sync().tolist()
+        [1, 0]"""
         return self._arg_extreme(axis, keepdim, "max")
 
     def argmin(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
+        """int32 index of the smallest element along `axis` (None: of the flattened tensor), the first on ties;
+        `keepdim` as in `sum`."""
         return self._arg_extreme(axis, keepdim, "min")
 
     def logsumexp(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """log(sum(exp(x))) over `axis` (None: every axis), computed stably (the maximum taken out first); `keepdim`
+        as in `sum`; float dtype as in `mean`."""
         x = self._wide()
         m = x.max(axis, keepdim=True)
         m = Tensor.where(m.abs() == math.inf, 0.0, m)
@@ -1163,11 +1325,18 @@ class Tensor:
         return out if keepdim else out.squeeze(_norm_axes(axis, self.ndim) or None) if self.ndim else out
 
     def softmax(self, axis: builtins.int = -1) -> Tensor:
+        """exp(x) / sum(exp(x)) along `axis` (default -1, an int), computed stably; same shape, float dtype (float16
+        and bfloat16 computed in float32 and rounded once).
+
+        >>> [round(v, 4) for v in Tensor([1.0, 2.0, 3.0]).softmax().numpy_sync().tolist()]
+        [0.09, 0.2447, 0.6652]"""
         x = self._wide()
         e = (x - x.max(axis, keepdim=True)).exp()
         return (e / e.sum(axis, keepdim=True)).cast(least_float(self.dtype))
 
     def log_softmax(self, axis: builtins.int = -1) -> Tensor:
+        """log(softmax(x)) along `axis` (default -1), computed stably as x - max - log(sum(exp(x - max))); float
+        dtype."""
         x = self._wide()
         s = x - x.max(axis, keepdim=True)
         return (s - s.exp().sum(axis, keepdim=True).log()).cast(least_float(self.dtype))
@@ -1222,6 +1391,7 @@ class Tensor:
         return prod3._new(Op.REDUCE, (prod3.id,), ("sum", (2,)), (m, n, 1), na.dtype)._reshaped((m, n))
 
     def dot(self, other: Tensor) -> Tensor:
+        """`matmul(other)` (for 1-D operands, the inner product as a 0-d tensor)."""
         return self.matmul(other)
 
     def _windows(self, axis: builtins.int, k: builtins.int) -> Tensor:
@@ -1278,23 +1448,33 @@ class Tensor:
         return x.max(axis=(nd + 1, nd + 3)) if op == "max" else x.mean(axis=(nd + 1, nd + 3))
 
     def max_pool2d(self, k: builtins.int = 2) -> Tensor:
+        """Maximum over non-overlapping k x k windows of the last two axes (stride k; rows and columns past a whole
+        window dropped); leading axes kept."""
         return self._pool(k, "max")
 
     def avg_pool2d(self, k: builtins.int = 2) -> Tensor:
+        """Mean over non-overlapping k x k windows of the last two axes (stride k; rows and columns past a whole
+        window dropped); leading axes kept."""
         return self._pool(k, "mean")
 
     def layernorm(self, axis: builtins.int | Sequence[builtins.int] = -1, eps: builtins.float = 1e-5) -> Tensor:
+        """(x - mean) / sqrt(var + eps) over `axis` (default -1; an int or a tuple), variance without correction; no
+        scale or shift (`nn.LayerNorm` adds them); float dtype."""
         x = self.cast(least_float(self.dtype))
         y = x - x.mean(axis, keepdim=True)
         return y * (y.square().mean(axis, keepdim=True) + eps).rsqrt()
 
     def one_hot(self, num_classes: builtins.int) -> Tensor:
+        """int32 tensor of shape `self.shape + (num_classes,)`: 1 at each element's class, 0 elsewhere (`DTypeError`
+        for a float tensor)."""
         if self.dtype.is_float:
             raise DTypeError(f"one_hot needs an integer tensor, got {self.dtype.name}")
         classes = self._placed_like(Tensor.arange(num_classes, device=self.device))
         return (self.unsqueeze(-1) == classes).cast(dtypes.int32)
 
     def dropout(self, p: builtins.float = 0.5) -> Tensor:
+        """In training mode (`azyx.train()`), each element zeroed with probability `p` (default 0.5) and the rest
+        scaled by 1/(1-p); otherwise this tensor unchanged. Same dtype."""
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability must be in [0, 1], got {p}")
         if not Tensor.training or p == 0.0:

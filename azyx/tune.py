@@ -32,8 +32,9 @@ async def tune(*tensors: Tensor, level: str | None = None) -> list[SearchResult]
     winners. Returns what each search found (a kernel or split already in the cache: `cached`, nothing searched).
     Nothing is computed.
 
+    >>> import azyx
     >>> a, b = Tensor.ones(64, 64), Tensor.ones(64, 64)
-    >>> found = azyx.tune_sync(a @ b)
+    >>> found = azyx.tune_sync(a @ b)  # doctest: +SKIP
     """
     configured, budget_s = RT.search_settings()
     level = level or (configured if configured != "off" else "quick")

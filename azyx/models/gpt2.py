@@ -86,15 +86,18 @@ class GPT2Config:
 
     @property
     def head_dim(self) -> int:
+        """Size of one attention head: `n_embd // n_head`."""
         return self.n_embd // self.n_head
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> GPT2Config:
+        """The config from a Hugging Face `config.json`'s dict (unknown keys ignored)."""
         names = {f.name for f in fields(GPT2Config)}
         return GPT2Config(**{k: v for k, v in d.items() if k in names})
 
     @staticmethod
     def from_json(path: str | Path) -> GPT2Config:
+        """The config read from a Hugging Face `config.json` at `path` (`AzyxIOError` naming the file if unreadable)."""
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
@@ -109,13 +112,17 @@ class AttentionView(Protocol):
     """Where a layer's attention takes its keys and values from: the tokens of this forward alone (causal), or the
     KV cache (a prefill writes it, a decode step writes one row per sequence and reads the whole slot)."""
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor: ...
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Attention output (B, heads, T, head_dim) of layer `layer` for queries `q`, with keys `k` and values `v` of
+        the forward's tokens, scaled by `scale`."""
+        ...
 
 
 class Causal:
     """Plain causal self-attention over the tokens of the forward (no cache)."""
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Causal scaled dot-product attention of `q` over `k`/`v` (no cache)."""
         return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
 
 
@@ -127,10 +134,12 @@ class Conv1D(nn.Module):
         self.bias = Tensor.zeros(n_out, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
+        """`x @ weight + bias`."""
         return x @ self.weight + self.bias
 
 
 class Attention(nn.Module):
+    """GPT-2's self-attention block (`c_attn`, `c_proj`): heads split out of one projection, attended through a view."""
     def __init__(self, config: GPT2Config, layer: int, dtype: DType, device: str):
         e = config.n_embd
         self.c_attn = Conv1D(e, 3 * e, dtype, device)
@@ -140,6 +149,7 @@ class Attention(nn.Module):
         self.scale = scale / (layer + 1) if config.scale_attn_by_inverse_layer_idx else scale
 
     def forward(self, x: Tensor, view: AttentionView) -> Tensor:
+        """Self-attention of `x` (B, T, n_embd) through `view` (causal, or the KV cache); same shape."""
         b, t, e = x.shape
         h = self.n_head
         q, k, v = (z.reshape(b, t, h, e // h).transpose(1, 2) for z in self.c_attn(x).split(e, axis=-1))
@@ -148,6 +158,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's feed-forward block: `c_proj(gelu_tanh(c_fc(x)))`."""
     def __init__(self, config: GPT2Config, dtype: DType, device: str):
         inner = config.n_inner or 4 * config.n_embd
         self.c_fc = Conv1D(config.n_embd, inner, dtype, device)
@@ -155,10 +166,12 @@ class MLP(nn.Module):
         self.act = nn.GELU(ACTIVATIONS[config.activation_function])
 
     def forward(self, x: Tensor) -> Tensor:
+        """`c_proj(act(c_fc(x)))`, same shape as `x`."""
         return self.c_proj(self.act(self.c_fc(x)))
 
 
 class Block(nn.Module):
+    """One transformer layer: pre-norm attention and MLP, each added to the residual stream."""
     def __init__(self, config: GPT2Config, layer: int, dtype: DType, device: str):
         e, eps = config.n_embd, config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(e, eps=eps, dtype=dtype, device=device)
@@ -167,6 +180,7 @@ class Block(nn.Module):
         self.mlp = MLP(config, dtype, device)
 
     def forward(self, x: Tensor, view: AttentionView) -> Tensor:
+        """`x + attn(ln_1(x))`, then `+ mlp(ln_2(x))`; same shape as `x`."""
         x = x + self.attn(self.ln_1(x), view)
         return x + self.mlp(self.ln_2(x))
 
@@ -178,6 +192,7 @@ class Embedding(nn.Module):
         self.weight = Tensor.zeros(n, dim, dtype=dtype, device=device)
 
     def forward(self, idx: Tensor) -> Tensor:
+        """The table's rows at integer indices `idx`: shape `idx.shape + (dim,)`."""
         return self.weight[idx]
 
 
@@ -251,6 +266,8 @@ class GPT2(nn.Module):
         return x @ (self.lm_head if self.lm_head is not None else self.wte).weight.T
 
     def forward(self, ids: Tensor, positions: Tensor | None = None, view: AttentionView | None = None) -> Tensor:
+        """Logits (B, T, vocab_size) for token ids `ids` (B, T); `positions` default to 0..T-1, `view` to causal
+        attention over the T tokens (a KV cache's prefill or decode view otherwise)."""
         return self.head(self.hidden(ids, positions, view))
 
     def engine(self) -> Engine:
@@ -287,17 +304,21 @@ class KVCache:
 
     @property
     def scratch(self) -> int:
+        """The scratch slot's index (the last one): where padding rows of a batch write."""
         return self.slots
 
     def tensors(self) -> list[Tensor]:
+        """Every layer's key and value tensors (keys first): what a step that writes the cache rebinds."""
         return [*self.keys, *self.values]
 
     def allocate(self) -> int:
+        """A free slot's index, the lowest (`NoFreeSlotError` when every slot holds a sequence)."""
         if not self.free:
             raise NoFreeSlotError(f"all {self.slots} slots of the KV cache hold sequences")
         return self.free.pop(0)
 
     def release(self, slot: int) -> None:
+        """Give `slot` back to the free slots."""
         assert 0 <= slot < self.slots and slot not in self.free, f"slot {slot} is not in use"
         self.free.append(slot)
         self.free.sort()
@@ -310,6 +331,7 @@ class Prefill:
         self.cache, self.slot = cache, slot
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Write the prompt's keys and values into rows 0..T-1 of the slot, then attend causally over them."""
         t = k.shape[2]
         self.cache.keys[layer][self.slot, :, :t] = k[0]
         self.cache.values[layer][self.slot, :, :t] = v[0]
@@ -328,6 +350,7 @@ class Decode:
         self.mask = (rows <= positions.reshape(b, 1)).reshape(b, 1, 1, n)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Write each row's new key and value at its position in its slot, then attend over the slot's rows up to it."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         for i in range(q.shape[0]):
             keys[self.slots[i], :, self.positions[i]] = k[i, :, 0]
@@ -433,6 +456,7 @@ class Sequence:
 
     @property
     def done(self) -> bool:
+        """True once the sequence has finished (`finish_reason` is set)."""
         return self.finish_reason is not None
 
 
@@ -728,10 +752,12 @@ class TokenStream:
 
     @property
     def finish_reason(self) -> str | None:
+        """Why the stream ended ("stop", "length", "cancelled", "error"), or None while it runs."""
         return self.seq.finish_reason
 
     @property
     def tokens(self) -> list[int]:
+        """The tokens generated so far."""
         return self.seq.tokens
 
     def __aiter__(self) -> AsyncIterator[int]:
@@ -746,9 +772,11 @@ class TokenStream:
         return item
 
     def cancel(self) -> None:
+        """End the stream now and free its slot (its `finish_reason` becomes "cancelled")."""
         self.engine.remove(self.seq)
 
     async def aclose(self) -> None:
+        """Coroutine: `cancel()` (an async generator's close, for `contextlib.aclosing`)."""
         self.cancel()
 
     async def __aenter__(self) -> TokenStream:
