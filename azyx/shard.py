@@ -356,8 +356,10 @@ def shard(t: Tensor, devices: Sequence[str], axis: int = 0) -> ShardedTensor:
                           for b, d in zip(bounds, devs)], ax)
 
 
-def replicate(t: Tensor, devices: Sequence[str]) -> ShardedTensor:
-    """A whole copy of `t` on each device."""
+def replicate(t: Any, devices: Sequence[str]) -> ShardedTensor:
+    """A whole copy of `t` (a Tensor, or anything `Tensor()` takes: a numpy array, a list) on each device."""
+    if not isinstance(t, Tensor):
+        t = Tensor(t)
     devs = [RT.check_device(d) for d in devices]
     if not devs:
         raise ArgumentError("replicate over an empty list of devices")

@@ -9,17 +9,18 @@ from __future__ import annotations
 import builtins
 import math
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from azyx import ops as _ops
-from azyx.device import DISK
+from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
-from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
+from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, RuntimeStateError, ShapeError
 from azyx.graph import Node, Op, Shape, prod
 from azyx.native import native
+from azyx.realize import done as _done
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.realize import to_numpy as _read
@@ -267,14 +268,6 @@ class Tensor:
         if not self.shape:
             raise ShapeError("len() of a 0-d tensor")
         return self.shape[0]
-
-    def __repr__(self) -> str:
-        n = self._node
-        state = "realized" if n.buffer is not None else "lazy"
-        return f"<Tensor {state} shape={n.shape} dtype={n.dtype.name} device={n.device}>"
-
-    def __bool__(self) -> builtins.bool:
-        raise DTypeError("the truth value of a lazy tensor is unknown until realized; use `await t.item()`")
 
     def __hash__(self) -> builtins.int:
         return id(self)
@@ -1428,8 +1421,13 @@ class Tensor:
         assert Tensor.sharder is not None, "azyx.shard installs Tensor.sharder (imported by azyx)"
         return Tensor.sharder(self, devices, axis)
 
-    def to(self, device: str) -> Tensor:
-        """A lazy copy on `device` (the copy runs when realized)."""
+    def to(self, device: Any = None, dtype: Any = None) -> Tensor:
+        """A lazy copy on `device` (the copy runs when realized). PyTorch's habits too: `t.to(dtype)` (a DType, numpy
+        dtype or dtype name in the device's place) casts, and `t.to(device, dtype)` does both."""
+        if device is not None and _as_dtype(device) is not None:
+            device, dtype = None, device
+        if dtype is not None:
+            return self.cast(dtype) if device is None else self.cast(dtype).to(device)
         name = RT.check_device(device)
         n = self._node
         if name == n.device:
@@ -1437,6 +1435,170 @@ class Tensor:
         if n.op is Op.CONST:
             return Tensor._const(n.arg, n.shape, n.dtype, name, True)
         return Tensor._from_node(Node(Op.TODEVICE, (self.id,), None, n.shape, n.dtype, name, True))
+
+
+    # ---------------------------------------------------------------- habits numpy and PyTorch users bring (issue 36)
+    # Reading a realized tensor's values without awaiting (np.asarray, repr, float/int/bool), `await t`, dtype
+    # shorthands, clone/detach. A lazy tensor never blocks: these raise RuntimeStateError naming the awaitable to use.
+    __array_ufunc__ = None  # `ndarray + t` is Tensor.__radd__ (numpy would else read t with __array__)
+
+    def __await__(self) -> Generator[Any, None, Tensor]:
+        """`await t` realizes `t` and returns it (the same as `await t.realize()`).
+
+        >>> import asyncio
+        >>> async def main():
+        ...     t = await (Tensor([1.0, 2.0]) * 2)
+        ...     return np.asarray(t).tolist()  # (realized: reading it needs no await)
+        >>> asyncio.run(main())
+        [2.0, 4.0]
+        """
+        return self.realize().__await__()
+
+    def _values(self, how: str) -> np.ndarray:
+        """The values of a realized tensor whose work has finished, read now (a blocking read of the device's memory).
+        A lazy tensor, or one whose work is still running, raises RuntimeStateError naming `how`, the awaitable to
+        use instead: nothing here waits for work."""
+        n = self._node
+        if n.buffer is None or n.view is None:
+            raise RuntimeStateError(f"the values of a lazy tensor (shape {n.shape}, {n.dtype.name}, {n.device}) are "
+                                    f"unknown until it is realized; use `{how}` (or `await t` first)")
+        buf = buffer_of(n)
+        if not _done([buf]):
+            raise RuntimeStateError(f"the tensor (shape {n.shape}, {n.dtype.name}, {n.device}) is still being "
+                                    f"computed; use `{how}`")
+        return buf.device.read(buf, n.view, n.shape, n.dtype)
+
+    def __array__(self, dtype: Any = None, copy: builtins.bool | None = None) -> np.ndarray:
+        """`np.asarray(t)` of a realized tensor: its values (a new array). A lazy tensor raises
+        `RuntimeStateError` naming `await t.numpy()`: numpy cannot await.
+
+        >>> import numpy as np
+        >>> np.asarray(Tensor([1, 2]).realize_sync()).tolist()
+        [1, 2]
+        """
+        out = self._values("await t.numpy()")
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def _scalar(self, kind: str) -> Scalar:
+        """The one value of a realized one-element tensor (see _values), for float()/int()/bool()/index."""
+        if self.numel() != 1:
+            raise ShapeError(f"{kind}() needs a tensor of exactly one element, got shape {self.shape}")
+        return self._values("await t.item()").reshape(()).item()
+
+    def __float__(self) -> builtins.float:
+        """`float(t)` of a realized one-element tensor; a lazy one raises RuntimeStateError naming `await t.item()`.
+
+        >>> float(Tensor([2.5]).realize_sync())
+        2.5
+        """
+        return builtins.float(self._scalar("float"))
+
+    def __int__(self) -> builtins.int:
+        """`int(t)` of a realized one-element tensor (truncated toward zero, as Python's int()); a lazy one raises
+        RuntimeStateError naming `await t.item()`.
+
+        >>> int(Tensor([7]).realize_sync())
+        7
+        """
+        return builtins.int(self._scalar("int"))
+
+    def __index__(self) -> builtins.int:
+        """A realized one-element integer (or bool) tensor as an index (`range(t)`, `lst[t]`); float tensors raise
+        DTypeError, as in PyTorch."""
+        if self.dtype.is_float:
+            raise DTypeError(f"only integer tensors of one element can be an index, got {self.dtype.name}")
+        return builtins.int(self._scalar("index"))
+
+    def __bool__(self) -> builtins.bool:
+        """`bool(t)` / `if t:` of a realized one-element tensor; a lazy one raises RuntimeStateError naming
+        `await t.item()` (its value is unknown until realized)."""
+        return builtins.bool(self._scalar("bool"))
+
+    def __repr__(self) -> str:
+        """A realized tensor shows its values in numpy's summarised format; a lazy one its shape, dtype and device."""
+        n = self._node
+        if n.buffer is not None and n.device != DISK:  # (a file-backed tensor is not read for a repr)
+            try:
+                values = self._values("await t.numpy()")
+            except RuntimeStateError:  # still computing
+                values = None
+            if values is not None:
+                text = np.array2string(values, separator=", ", prefix="Tensor(")
+                return f"Tensor({text}, dtype={n.dtype.name}, device={n.device!r})"
+        state = "realized" if n.buffer is not None else "lazy"
+        return f"<Tensor {state} shape={n.shape} dtype={n.dtype.name} device={n.device}>"
+
+    def clone(self) -> Tensor:
+        """A new handle with this tensor's value (lazy, no copy is made: azyx's tensors are values, and an in-place
+        update `t[i] = v` or `assign` rebinds one handle only). Gradients flow through it. Same dtype and device.
+
+        >>> a = Tensor([1.0, 2.0]); b = a.clone(); b[0] = 5.0
+        >>> a.numpy_sync().tolist(), b.numpy_sync().tolist()
+        ([1.0, 2.0], [5.0, 2.0])
+        """
+        return Tensor._wrap(self.id)
+
+    def detach(self) -> Tensor:
+        """This tensor's value as a new node no GradientTape records: gradients do not flow through it (PyTorch's
+        `detach`). Lazy; same shape, dtype and device.
+
+        >>> from azyx import GradientTape
+        >>> x = Tensor([3.0])
+        >>> with GradientTape() as tape:
+        ...     y = (x * x.detach()).sum()
+        >>> tape.gradient(y, x).numpy_sync().tolist()
+        [3.0]
+        """
+        n = self._node
+        saved, GRAPH.recording = GRAPH.recording, []
+        try:
+            return Tensor._from_node(Node(Op.RESHAPE, (self.id,), n.shape, n.shape, n.dtype, n.device, n.pinned))
+        finally:
+            GRAPH.recording = saved
+
+    @staticmethod
+    def empty(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """A tensor of `shape` whose values the caller will overwrite (PyTorch's `empty`). azyx has no uninitialised
+        memory: it is `Tensor.zeros` (dtype: float32 unless given; device: AUTO unless given). Lazy.
+
+        >>> Tensor.empty(2, 3).shape
+        (2, 3)
+        """
+        return Tensor.zeros(*shape, dtype=dtype, device=device)
+
+    def long(self) -> Tensor:
+        """`cast(int64)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.int64)
+
+    def double(self) -> Tensor:
+        """`cast(float64)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.float64)
+
+    def bfloat16(self) -> Tensor:
+        """`cast(bfloat16)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.bfloat16)
+
+    def short(self) -> Tensor:
+        """`cast(int16)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.int16)
+
+    def char(self) -> Tensor:
+        """`cast(int8)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.int8)
+
+    def byte(self) -> Tensor:
+        """`cast(uint8)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.uint8)
+
+
+def _as_dtype(x: Any) -> DType | None:
+    """`x` as a dtype where it names one (a DType, numpy dtype or type, dtype name), else None (a device name)."""
+    if isinstance(x, str) and ":" in x:
+        return None
+    try:
+        return to_dtype(x)
+    except DTypeError:
+        return None
 
 
 def _key_axes(key: tuple, shape: Shape) -> list[tuple[Any, int | None]]:
