@@ -42,7 +42,7 @@ __all__ = [
     "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
     "synchronize", "train", "tune", "tune_sync",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim", "DataParallel", "ShardedTensor", "replicate",
-    "no_grad",
+    "einsum", "no_grad",
 ]
 
 
@@ -52,6 +52,9 @@ async def realize(*tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
     targets: tuple[Any, ...] = flat_targets(tensors)
     await _realize(*targets)
     return targets
+
+
+einsum = Tensor.einsum  # azyx.einsum("ij,jk->ik", a, b), as numpy.einsum/torch.einsum
 
 
 def schedule(*tensors: Tensor) -> ExecutionPlan:

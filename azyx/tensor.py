@@ -7,17 +7,27 @@ Nothing here touches a device. `await t.realize()` hands the graph to the async 
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import types
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol
+import weakref
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from azyx import ops as _ops
 from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
-from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, RuntimeStateError, ShapeError
+from azyx.errors import (
+    ArgumentError,
+    AxisError,
+    DeviceError,
+    DTypeError,
+    IndexOutOfRange,
+    RuntimeStateError,
+    ShapeError,
+)
 from azyx.graph import Node, Op, Shape, prod
 from azyx.native import native
 from azyx.realize import done as _done
@@ -32,6 +42,7 @@ _nodes = GRAPH.nodes
 # (a global is read in a tenth of the time an enum member takes to look up on its class: the ops' fast paths use these)
 _CONST, _BINARY, _UNARY, _REDUCE, _RESHAPE = Op.CONST, Op.BINARY, Op.UNARY, Op.REDUCE, Op.RESHAPE
 Scalar = bool | int | float
+T = TypeVar("T")
 
 
 def _norm_axis(axis: int, ndim: int, extra: int = 0) -> int:
@@ -55,6 +66,71 @@ def _norm_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if len(out) != len(axes):
         raise AxisError(f"repeated axis in {axis!r}")
     return out if ndim else ()
+
+
+class ValuesIndices(NamedTuple):
+    """What `max(dim=)`, `min(dim=)`, `sort`, and `topk` return, as PyTorch's do: the values and their indices along
+    the axis (int32, like argmax), both lazy tensors on the input's device. Unpacks as `values, indices = ...`."""
+
+    values: Tensor
+    indices: Tensor
+
+
+def _torch_names(kw: dict[str, Any]) -> None:
+    """PyTorch's `dim=` for `axis=` and numpy's `keepdims=` for `keepdim=`, translated in place in `kw`."""
+    for theirs, ours in (("dim", "axis"), ("keepdims", "keepdim")):
+        if theirs in kw:
+            if ours in kw:
+                raise ArgumentError(f"both {ours}= and {theirs}= given ({kw[ours]!r} and {kw[theirs]!r}); they are "
+                                    f"the same argument")
+            kw[ours] = kw.pop(theirs)
+
+
+def _dims(fn: Callable[..., T]) -> Callable[..., T]:
+    """The one place that lets every method with `axis=`/`keepdim=` take `dim=`/`keepdims=` as well (PyTorch's and
+    numpy's names for them): `x.sum(dim=1, keepdims=True)` is `x.sum(axis=1, keepdim=True)`."""
+
+    @functools.wraps(fn)
+    def method(*args: Any, **kw: Any) -> T:
+        if kw:
+            _torch_names(kw)
+        return fn(*args, **kw)
+
+    return method
+
+
+# results of max/min given a positional axis (numpy's: the values alone), by id(): unpacking one raises, because
+# PyTorch's `values, idx = x.max(-1)` would otherwise unpack two rows' maxima silently
+_VALUES_ONLY: dict[int, weakref.ref] = {}
+
+
+def _dims_with_indices(arg: str) -> Callable[[Callable[..., Tensor]], Callable[..., Any]]:
+    """max/min: `_dims`, and PyTorch's pair where PyTorch's name is used: `x.max(dim=1)` is a `ValuesIndices`
+    (values, indices by `arg`, argmax or argmin: the first index of the extreme). With numpy's `axis` (by keyword or
+    position) the result is the values alone, as numpy's; one given by position refuses to be unpacked or iterated,
+    naming both forms (the decision: numpy's positional meaning stays, PyTorch's unpacking never silently splits rows).
+    """
+
+    def deco(fn: Callable[..., Tensor]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def method(self: Tensor, *args: Any, **kw: Any) -> Any:
+            if "dim" in kw:
+                _torch_names(kw)
+                values = fn(self, *args, **kw)
+                if kw["axis"] is None:  # (torch's x.max() without a dim: the one value)
+                    return values
+                return ValuesIndices(values, getattr(self, arg)(kw["axis"], kw.get("keepdim", False)))
+            if kw:
+                _torch_names(kw)
+            out = fn(self, *args, **kw)
+            if args and args[0] is not None:
+                k = id(out)
+                _VALUES_ONLY[k] = weakref.ref(out, lambda _, k=k: _VALUES_ONLY.pop(k, None))  # type: ignore[misc]
+            return out
+
+        return method
+
+    return deco
 
 
 def broadcast_shapes(*shapes: Shape) -> Shape:
@@ -800,6 +876,7 @@ class Tensor:
     def _shrink(self, bounds: Sequence[tuple[builtins.int, builtins.int]]) -> Tensor:
         return self.pad(tuple((-lo, hi - s) for (lo, hi), s in zip(bounds, self.shape)))
 
+    @_dims
     def flip(self, axis: builtins.int | Sequence[builtins.int]) -> Tensor:
         n = self._node
         axes = tuple(a for a in _norm_axes(axis, len(n.shape)) if n.shape[a] > 1)
@@ -809,6 +886,7 @@ class Tensor:
             return self
         return self._new(Op.FLIP, (self.id,), axes, n.shape, n.dtype)
 
+    @_dims
     def squeeze(self, axis: builtins.int | Sequence[builtins.int] | None = None) -> Tensor:
         shape = self.shape
         if axis is None:
@@ -816,6 +894,7 @@ class Tensor:
         axes = _norm_axes(axis, len(shape))  # like PyTorch, axes whose size is not 1 are left alone
         return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes or s != 1))
 
+    @_dims
     def unsqueeze(self, axis: builtins.int) -> Tensor:
         shape = self.shape
         a = _norm_axis(axis, len(shape), 1)
@@ -856,6 +935,7 @@ class Tensor:
         return x.reshape(shape[:axis] + (m,) + shape[axis + 1 :])
 
     @staticmethod
+    @_dims
     def cat(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
         if not tensors:
             raise ShapeError("cat of an empty list")
@@ -882,6 +962,7 @@ class Tensor:
         return out
 
     @staticmethod
+    @_dims
     def stack(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
         if not tensors:
             raise ShapeError("stack of an empty list")
@@ -891,6 +972,7 @@ class Tensor:
                 raise ShapeError(f"stack needs equal shapes, got {tensors[0].shape} and {t.shape}")
         return Tensor.cat([t.unsqueeze(a) for t in tensors], axis=a)
 
+    @_dims
     def split(self, size: builtins.int | Sequence[builtins.int], axis: builtins.int = 0) -> list[Tensor]:
         a = _norm_axis(axis, self.ndim)
         n = self.shape[a]
@@ -908,6 +990,7 @@ class Tensor:
             start += s
         return out
 
+    @_dims
     def chunk(self, n: builtins.int, axis: builtins.int = 0) -> list[Tensor]:
         if n <= 0:
             raise ShapeError(f"chunk count must be positive, got {n}")
@@ -936,8 +1019,10 @@ class Tensor:
     def _advanced(self, key: tuple, arrays: list[builtins.int]) -> Tensor:
         """`self[key]` where key[arrays[0]] is an integer array: the basic indices first, then a gather along the axis
         the array indexes (numpy puts its axes first when ints stand apart from it: ints are advanced indices too)."""
+        for i in arrays:
+            _refuse_mask(key[i])
         if len(arrays) > 1:
-            raise IndexOutOfRange(f"only one integer-tensor index is supported, got {len(arrays)} in {key!r}")
+            return self._advanced_many(key, arrays)
         pos = arrays[0]
         x = self._basic(key[:pos] + (slice(None),) + key[pos + 1 :])
         n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
@@ -953,6 +1038,38 @@ class Tensor:
             k = out.ndim - x.ndim + 1
             return out.permute(*range(axis, axis + k), *range(axis), *range(axis + k, out.ndim))
         return out
+
+    def _advanced_many(self, key: tuple, arrays: list[builtins.int]) -> Tensor:
+        """`self[key]` with several integer arrays (numpy's rules: `x[[0, 1], [1, 2]]` reads x[0, 1] and x[1, 2]): the
+        arrays broadcast together; the basic indices first, then one take along the first indexed axis and a gather
+        along each further one (each index checked or clamped like `t[idx]`'s). The broadcast index's axes stand where
+        the first array stood when the arrays (and ints) are adjacent in `key`, else first (numpy's placement)."""
+        x = self._basic(tuple(slice(None) if i in arrays else k for i, k in enumerate(key)))
+        n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
+        axes, axis = [], 0  # the axis of x each array indexes
+        for i, k in enumerate(key):
+            if i in arrays:
+                axes.append(axis)
+                axis += 1
+            elif k is Ellipsis:
+                axis += self.ndim - n_real
+            elif not isinstance(k, int | np.integer):
+                axis += 1
+        idx = [x._rows(a, key[i]) for a, i in zip(axes, arrays)]
+        bshape = broadcast_shapes(*(t.shape for t in idx))
+        m = prod(bshape)
+        rest = [d for d in range(x.ndim) if d not in axes]
+        flat = [t._broadcast_to(bshape).reshape(m) for t in idx]
+        y = x.permute(*axes, *rest)._take(0, flat[0])  # (m, the other indexed axes, the rest)
+        for f in flat[1:]:
+            index = f.reshape((m,) + (1,) * (y.ndim - 1))._broadcast_to((m, 1) + y.shape[2:])
+            y = y._gathered(1, index).reshape((m,) + y.shape[2:])
+        y = y.reshape(bshape + y.shape[1:])
+        adv = sorted([i for i, k in enumerate(key) if isinstance(k, int | np.integer)] + arrays)
+        if adv == list(range(adv[0], adv[-1] + 1)) and axes[0]:  # adjacent: the index's axes where the first stood
+            nb = len(bshape)
+            return y.permute(*range(nb, nb + axes[0]), *range(nb), *range(nb + axes[0], y.ndim))
+        return y
 
     def _rows(self, axis: builtins.int, index: Any) -> Tensor:
         """An integer index along `axis` as a tensor on self's device: a host index (list, numpy) checked and
@@ -1043,6 +1160,7 @@ class Tensor:
             x = x._stride(d, s)
         return x.reshape(tuple(final))
 
+    @_dims
     def gather(self, axis: builtins.int, index: Any) -> Tensor:
         """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0 (out has the index's shape; the index has
         self's number of axes, none longer than self's but `axis`). Negative indices count from the end; a host
@@ -1093,15 +1211,19 @@ class Tensor:
             return t
         return r if keepdim or out == out_keep else r._reshaped(out)
 
+    @_dims
     def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("sum", axis, keepdim)
 
+    @_dims
     def prod(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("prod", axis, keepdim)
 
+    @_dims_with_indices("argmax")
     def max(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("max", axis, keepdim)
 
+    @_dims_with_indices("argmin")
     def min(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("min", axis, keepdim)
 
@@ -1114,17 +1236,20 @@ class Tensor:
         x = self.cast(least_float(self.dtype))
         return x.float() if x.dtype.itemsize < 4 else x
 
+    @_dims
     def mean(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         x = self._wide()
         n = self._count(axis)
         return (x.sum(axis, keepdim) * (1.0 / n if n else math.nan)).cast(least_float(self.dtype))
 
+    @_dims
     def var(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         x = self._wide()
         n = self._count(axis)
         sq = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
         return (sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)).cast(least_float(self.dtype))
 
+    @_dims
     def std(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         return self.var(axis, keepdim, correction).sqrt()
 
@@ -1142,12 +1267,15 @@ class Tensor:
         hit = Tensor.where(is_m, rev, 0)
         return (n - hit.max(a, keepdim)).cast(dtypes.int32)
 
+    @_dims
     def argmax(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         return self._arg_extreme(axis, keepdim, "max")
 
+    @_dims
     def argmin(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         return self._arg_extreme(axis, keepdim, "min")
 
+    @_dims
     def logsumexp(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         x = self._wide()
         m = x.max(axis, keepdim=True)
@@ -1155,11 +1283,13 @@ class Tensor:
         out = ((x - m).exp().sum(axis, keepdim=True).log() + m).cast(least_float(self.dtype))
         return out if keepdim else out.squeeze(_norm_axes(axis, self.ndim) or None) if self.ndim else out
 
+    @_dims
     def softmax(self, axis: builtins.int = -1) -> Tensor:
         x = self._wide()
         e = (x - x.max(axis, keepdim=True)).exp()
         return (e / e.sum(axis, keepdim=True)).cast(least_float(self.dtype))
 
+    @_dims
     def log_softmax(self, axis: builtins.int = -1) -> Tensor:
         x = self._wide()
         s = x - x.max(axis, keepdim=True)
@@ -1276,6 +1406,7 @@ class Tensor:
     def avg_pool2d(self, k: builtins.int = 2) -> Tensor:
         return self._pool(k, "mean")
 
+    @_dims
     def layernorm(self, axis: builtins.int | Sequence[builtins.int] = -1, eps: builtins.float = 1e-5) -> Tensor:
         x = self.cast(least_float(self.dtype))
         y = x - x.mean(axis, keepdim=True)
@@ -1485,6 +1616,18 @@ class Tensor:
             raise ShapeError(f"{kind}() needs a tensor of exactly one element, got shape {self.shape}")
         return self._values("await t.item()").reshape(()).item()
 
+    def __iter__(self) -> Iterator[Tensor]:
+        """Iterate over the first axis (lazy rows, `t[0]`, `t[1]`, ...), as numpy and PyTorch do. A 0-d tensor
+        raises, and so does the result of `max`/`min` given an axis by position (see `_dims_with_indices`)."""
+        r = _VALUES_ONLY.get(id(self))
+        if r is not None and r() is self:
+            raise ArgumentError("x.max(axis)/x.min(axis) with the axis by position is numpy's: the values alone, "
+                                "not PyTorch's (values, indices) pair; use `values, indices = x.max(dim=axis)` for "
+                                "the pair or `x.max(axis=axis)` for the values")
+        if not self.shape:
+            raise ShapeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
     def __float__(self) -> builtins.float:
         """`float(t)` of a realized one-element tensor; a lazy one raises RuntimeStateError naming `await t.item()`.
 
@@ -1589,6 +1732,352 @@ class Tensor:
     def byte(self) -> Tensor:
         """`cast(uint8)` (PyTorch's shorthand). Lazy, same device."""
         return self.cast(dtypes.uint8)
+
+    # ---------------------------------------------------------------- ops PyTorch users reach for (issue 36)
+    # Each is composed of the graph's own ops (elementwise, reduce, movement, gather), so its gradient is theirs
+    # (ops.py's and autograd.py's rules, next to those ops' forwards): none of these adds a node kind or a rule. Int and
+    # bool results carry no gradient.
+    def isnan(self) -> Tensor:
+        """Elementwise: whether the value is NaN (bool, same shape and device; all False for int and bool tensors).
+
+        >>> Tensor([1.0, float("nan")]).isnan().numpy_sync().tolist()
+        [False, True]
+        """
+        return self != self if self.dtype.is_float else self._const_like(False, dtype=dtypes.bool)
+
+    def isinf(self) -> Tensor:
+        """Elementwise: whether the value is +inf or -inf (bool, same shape and device).
+
+        >>> Tensor([1.0, float("-inf")]).isinf().numpy_sync().tolist()
+        [False, True]
+        """
+        return self.abs() == math.inf if self.dtype.is_float else self._const_like(False, dtype=dtypes.bool)
+
+    def isfinite(self) -> Tensor:
+        """Elementwise: whether the value is neither NaN nor infinite (bool, same shape and device).
+
+        >>> Tensor([1.0, float("nan"), float("inf")]).isfinite().numpy_sync().tolist()
+        [True, False, False]
+        """
+        return self.abs() < math.inf if self.dtype.is_float else self._const_like(True, dtype=dtypes.bool)
+
+    def _truth_reduce(self, op: str, axis: Any, keepdim: builtins.bool) -> Tensor:
+        """any (op "max") / all (op "min") of `self != 0` over `axis`: bool."""
+        x = self if self.dtype.is_bool else self != 0
+        axes = _norm_axes(axis, self.ndim)
+        if any(self.shape[a] == 0 for a in axes):  # an empty axis: any is False, all is True (the identities)
+            shape = tuple(1 if i in axes else s for i, s in enumerate(self.shape)) if keepdim else \
+                tuple(s for i, s in enumerate(self.shape) if i not in axes)
+            return self._const_like(op == "min", shape=shape, dtype=dtypes.bool)
+        return x._reduce(op, axis, keepdim)
+
+    @_dims
+    def any(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Whether any element along `axis` (int, tuple or None: all; also `dim=`) is nonzero/True: a bool tensor
+        on this device (`keepdim`/`keepdims` keeps the reduced axes as size 1). An empty axis gives False.
+
+        >>> Tensor([[0, 1], [0, 0]]).any(dim=1).numpy_sync().tolist()
+        [True, False]
+        """
+        return self._truth_reduce("max", axis, keepdim)
+
+    @_dims
+    def all(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Whether every element along `axis` (int, tuple or None: all; also `dim=`) is nonzero/True: a bool tensor
+        on this device (`keepdim`/`keepdims` keeps the reduced axes as size 1). An empty axis gives True.
+
+        >>> Tensor([[1, 1], [0, 1]]).all(axis=1).numpy_sync().tolist()
+        [True, False]
+        """
+        return self._truth_reduce("min", axis, keepdim)
+
+    def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
+        """`value` where the bool `mask` (broadcast to this tensor's shape) is True, this tensor elsewhere
+        (PyTorch's `masked_fill`; the functional form, `t[mask] = v` is not supported). Same dtype, shape and device;
+        gradient flows to this tensor where the mask is False.
+
+        >>> Tensor([1.0, 2.0, 3.0]).masked_fill(Tensor([True, False, True]), 0.0).numpy_sync().tolist()
+        [0.0, 2.0, 0.0]
+        """
+        if not isinstance(mask, Tensor) or not mask.dtype.is_bool:
+            got = mask.dtype.name if isinstance(mask, Tensor) else type(mask).__name__
+            raise DTypeError(f"masked_fill needs a bool mask tensor, got {got}")
+        if broadcast_shapes(mask.shape, self.shape) != self.shape:
+            raise ShapeError(f"masked_fill mask of shape {mask.shape} does not broadcast to {self.shape}")
+        return Tensor.where(mask, value, self).cast(self.dtype)
+
+    def _triangle(self, diagonal: builtins.int, lower: builtins.bool) -> Tensor:
+        if self.ndim < 2:
+            raise ShapeError(f"tril/triu need at least 2 dimensions, got shape {self.shape}")
+        h, w = self.shape[-2:]
+        rows = self._placed_like(Tensor.arange(h, device=self.device)).reshape(h, 1)
+        cols = self._placed_like(Tensor.arange(w, device=self.device))
+        keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
+        return Tensor.where(keep, self, self._const_like(0, shape=())).cast(self.dtype)
+
+    def tril(self, diagonal: builtins.int = 0) -> Tensor:
+        """The lower triangle of the last two axes (elements with column - row <= `diagonal`), zeros above it
+        (PyTorch's/numpy's `tril`). Same dtype, shape and device.
+
+        >>> Tensor([[1, 2], [3, 4]]).tril().numpy_sync().tolist()
+        [[1, 0], [3, 4]]
+        """
+        return self._triangle(diagonal, True)
+
+    def triu(self, diagonal: builtins.int = 0) -> Tensor:
+        """The upper triangle of the last two axes (elements with column - row >= `diagonal`), zeros below it
+        (PyTorch's/numpy's `triu`). Same dtype, shape and device.
+
+        >>> Tensor([[1, 2], [3, 4]]).triu(1).numpy_sync().tolist()
+        [[0, 2], [0, 0]]
+        """
+        return self._triangle(diagonal, False)
+
+    @_dims
+    def norm(self, p: Any = 2, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """The vector p-norm over `axis` (None: every element, as one vector; also `dim=`): `p` = 2 or "fro"
+        (Euclidean), 1, any positive number, `math.inf` (max |x|), `-math.inf` (min |x|), or 0 (count of nonzeros).
+        Float result (float16/bfloat16 accumulate in float32), on this device. The gradient of the 2-norm at an all-zero
+        vector is NaN (PyTorch's is 0).
+
+        >>> Tensor([3.0, 4.0]).norm().numpy_sync().item()
+        5.0
+        """
+        out_dt = least_float(self.dtype)
+        x = self._wide()
+        if p == "fro" or p == 2:
+            r = x.square().sum(axis, keepdim).sqrt()
+        elif p == 1:
+            r = x.abs().sum(axis, keepdim)
+        elif p == math.inf or p == -math.inf:
+            r = x.abs()._reduce("max" if p > 0 else "min", axis, keepdim)
+        elif p == 0:
+            r = (x != 0).cast(x.dtype).sum(axis, keepdim)
+        elif isinstance(p, int | builtins.float) and not isinstance(p, builtins.bool) and p > 0:
+            r = (x.abs() ** builtins.float(p)).sum(axis, keepdim) ** (1.0 / p)
+        else:
+            raise ArgumentError(f"norm order p must be 'fro', a positive number, 0 or +-inf, got {p!r}")
+        return r.cast(out_dt)
+
+    def _scan(self, axis: Any, op: str) -> Tensor:
+        """An inclusive scan (op "add": cumsum, "mul": cumprod) along `axis` (None: the flattened tensor) in
+        ceil(log2 n) steps, each one kernel adding (multiplying) the running result shifted by 1, 2, 4, ... elements
+        (Hillis-Steele): O(n log n) work, never an n x n product."""
+        x = self.flatten() if axis is None else self
+        if x.dtype.is_bool:
+            x = x.cast(dtypes.int32)  # (PyTorch: bool and ints sum in int64; here in int32, like sum)
+        narrow = x.dtype.is_float and x.dtype.itemsize < 4
+        out_dt = x.dtype
+        if narrow:
+            x = x.float()
+        a = _norm_axis(0 if axis is None else axis, x.ndim)
+        n = x.shape[a] if x.ndim else 1
+        fill = 0 if op == "add" else 1
+        shift = 1
+        while shift < n:
+            moved = x.pad(tuple((shift, -shift) if d == a else (0, 0) for d in range(x.ndim)), value=fill)
+            x = (x + moved if op == "add" else x * moved)._own_kernel()
+            shift *= 2
+        return x.cast(out_dt) if narrow else x
+
+    @_dims
+    def cumsum(self, axis: Any = None) -> Tensor:
+        """Running sum along `axis` (also `dim=`; None: over the flattened tensor, like numpy). Same dtype (bool
+        becomes int32), shape and device; float16/bfloat16 accumulate in float32. A scan of ceil(log2 n) kernels.
+
+        >>> Tensor([1, 2, 3, 4]).cumsum(0).numpy_sync().tolist()
+        [1, 3, 6, 10]
+        """
+        return self._scan(axis, "add")
+
+    @_dims
+    def cumprod(self, axis: Any = None) -> Tensor:
+        """Running product along `axis` (also `dim=`; None: over the flattened tensor, like numpy). Same dtype (bool
+        becomes int32), shape and device; the gradient is exact with zeros in the input.
+
+        >>> Tensor([1.0, 2.0, 3.0]).cumprod(dim=0).numpy_sync().tolist()
+        [1.0, 2.0, 6.0]
+        """
+        return self._scan(axis, "mul")
+
+    def _own_kernel(self) -> Tensor:
+        """Self's values computed by a kernel of their own (a sum over a new size-1 axis: a reduce read by several
+        consumers gets its own buffer), for a step of a scan or a sorting network: each step reads the previous one
+        at two index maps, and without the boundary the scheduler would fuse a chain of earlier steps into each."""
+        return self.reshape(self.shape + (1,))._reduce("sum", self.ndim, False)
+
+    def _sort_order(self, axis: builtins.int, descending: builtins.bool) -> Tensor:
+        """The indices (int32) that sort self along `axis`: a bitonic sorting network over the axis padded to a power
+        of two m, built from the graph's own ops. Each of its log2(m)(log2(m)+1)/2 stages is one kernel: every element
+        reads its partner's index (a flip of the running order within a block), both values at those indices (two
+        gathers of the input), and keeps its own or takes the partner's. The comparison orders (value, index) pairs,
+        so the sort is stable; NaN sorts above every number (last ascending, first descending, as PyTorch); the padding
+        sorts after everything."""
+        a = _norm_axis(axis, self.ndim)
+        x = self.moveaxis(a, -1)
+        pre, n = x.shape[:-1], x.shape[-1]
+        b = prod(pre)
+        x = x.reshape(b, n)
+        if x.dtype.is_bool:
+            x = x.cast(dtypes.int32)
+        m = 1 << max(0, (n - 1).bit_length())
+        x = x.pad(((0, 0), (0, m - n)))
+        order = self._placed_like(Tensor(np.arange(m, dtype=np.int32), device=self.device))
+        order = order.reshape(1, m)._broadcast_to((b, m))
+        is_float = x.dtype.is_float
+
+        def before(va: Tensor, ia: Tensor, vb: Tensor, ib: Tensor) -> Tensor:
+            """Whether (va, ia) sorts before (vb, ib)."""
+            ahead = va > vb if descending else va < vb
+            same = va == vb
+            if is_float:
+                na, nb = va != va, vb != vb
+                ahead = ahead | ((na & ~nb) if descending else (nb & ~na))
+                same = same | (na & nb)
+            return (ia < n) & ((ib >= n) | ahead | (same & (ia < ib)))
+
+        def stage(cur: Tensor, block: builtins.int, flip_axis: builtins.int, lo: np.ndarray) -> Tensor:
+            """One compare-exchange stage over pairs within blocks of `block` elements: an element's partner is its
+            mirror along `flip_axis` of the (b, m / block, *lo.shape) view; `lo` tells a pair's first element."""
+            shape = (b, m // block) + lo.shape
+            im, io = cur, cur.reshape(shape).flip(flip_axis).reshape(b, m)  # each element's partner's index
+            vm, vo = x.gather(1, im), x.gather(1, io)
+            first = self._placed_like(Tensor(lo, device=self.device))  # whether this element is its pair's first
+            first_m = first.reshape((1, 1) + lo.shape)._broadcast_to(shape).reshape(b, m)
+            take = Tensor.where(first_m, before(vo, io, vm, im), before(vm, im, vo, io))
+            return Tensor.where(take, io, im)._own_kernel()
+
+        k = 2
+        while k <= m:  # merge sorted runs of k/2 into runs of k: a flip stage, then half-cleaners of k/4 ... 1
+            order = stage(order, k, 2, np.arange(k) < k // 2)
+            j = k // 4
+            while j >= 1:
+                order = stage(order, 2 * j, 2, np.array([[True] * j, [False] * j]))
+                j //= 2
+            k *= 2
+        order = order._shrink(((0, b), (0, n))).reshape(pre + (n,))
+        return order.moveaxis(-1, a)
+
+    @_dims
+    def sort(self, axis: builtins.int = -1, descending: builtins.bool = False) -> ValuesIndices:
+        """Sort along `axis` (also `dim=`; default the last): a `ValuesIndices` (values, indices) pair like PyTorch's
+        `sort`; values of this dtype, indices int32 (like argmax), both on this device. Stable (equal values keep
+        their order, in both directions); NaN sorts above every number (last ascending, first with `descending`), as
+        in PyTorch. A bitonic sorting network in the graph (one kernel a stage), no host round trip; the values'
+        gradient flows back to the positions they came from.
+
+        >>> values, indices = Tensor([3.0, 1.0, 2.0]).sort()
+        >>> values.numpy_sync().tolist(), indices.numpy_sync().tolist()
+        ([1.0, 2.0, 3.0], [1, 2, 0])
+        """
+        if not self.ndim:
+            return ValuesIndices(self, self._const_like(0, dtype=dtypes.int32))
+        order = self._sort_order(axis, descending)
+        return ValuesIndices(self.gather(axis, order), order)
+
+    @_dims
+    def argsort(self, axis: builtins.int = -1, descending: builtins.bool = False) -> Tensor:
+        """The int32 indices that sort this tensor along `axis` (also `dim=`; default the last), stable, NaN last
+        (first with `descending`); on this device. See `sort`.
+
+        >>> Tensor([3, 1, 2]).argsort(descending=True).numpy_sync().tolist()
+        [0, 2, 1]
+        """
+        if not self.ndim:
+            return self._const_like(0, dtype=dtypes.int32)
+        return self._sort_order(axis, descending)
+
+    @_dims
+    def topk(self, k: builtins.int, axis: builtins.int = -1, largest: builtins.bool = True,
+             sorted: builtins.bool = True) -> ValuesIndices:
+        """The `k` largest (smallest with `largest=False`) elements along `axis` (also `dim=`; default the last): a
+        `ValuesIndices` pair like PyTorch's `topk`, values of this dtype and int32 indices on this device, in sorted
+        order (also with `sorted=False`); ties keep the lower index first. Built on `sort`; the values' gradient flows
+        back to where they came from.
+
+        >>> Tensor([1.0, 5.0, 3.0, 4.0]).topk(2).indices.numpy_sync().tolist()
+        [1, 3]
+        """
+        n = self.shape[_norm_axis(axis, self.ndim)] if self.ndim else 1
+        if not 0 <= k <= n:
+            raise ArgumentError(f"topk k={k} is out of range for an axis of size {n}")
+        if not self.ndim:
+            return self.sort()
+        a = _norm_axis(axis, self.ndim)
+        order = self._sort_order(a, largest)
+        order = order._shrink([(0, k) if d == a else (0, s) for d, s in enumerate(order.shape)])
+        return ValuesIndices(self.gather(a, order), order)
+
+    @staticmethod
+    def einsum(subscripts: str, *operands: Any) -> Tensor:
+        """Einstein summation (numpy's/PyTorch's `einsum`): `"ij,jk->ik"`, `"bij,bjk->bik"`, `"ii->i"` (a diagonal),
+        `"ij->"`, or the implicit form `"ij,jk"` (the output: the letters used once, sorted). Operands may be given as
+        one list. Size-1 axes broadcast; `...` is not supported. Built as one broadcast product and a sum (the matmul
+        path), so it fuses and differentiates like matmul. Promoted dtype, the operands' device. Also `azyx.einsum`.
+
+        >>> a = Tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> Tensor.einsum("ij,jk->ik", a, a).numpy_sync().tolist()
+        [[7.0, 10.0], [15.0, 22.0]]
+        """
+        if len(operands) == 1 and isinstance(operands[0], list | tuple):
+            operands = tuple(operands[0])
+        eq = subscripts.replace(" ", "")
+        if "..." in eq:
+            raise ArgumentError(f"einsum {subscripts!r}: '...' is not supported; name every axis")
+        lhs, arrow, out = eq.partition("->")
+        terms = lhs.split(",")
+        letters = "".join(terms)
+        if not arrow:
+            out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        if len(terms) != len(operands):
+            raise ArgumentError(f"einsum {subscripts!r} names {len(terms)} operands, got {len(operands)}")
+        if not all(c.isalpha() for c in letters + out) or len(set(out)) != len(out) or not set(out) <= set(letters):
+            raise ArgumentError(f"einsum {subscripts!r}: subscripts must be letters, the output's unique and used in "
+                                f"an input")
+        ts = [t if isinstance(t, Tensor) else Tensor(t) for t in operands]
+        order = list(out) + sorted(set(letters) - set(out))  # the output's axes, then the summed ones
+        sizes: dict[str, builtins.int] = {}
+        product: Tensor | None = None
+        for term, t in zip(terms, ts):
+            if len(term) != t.ndim:
+                raise ShapeError(f"einsum {subscripts!r}: {term!r} names {len(term)} axes of a tensor of shape "
+                                 f"{t.shape}")
+            while len(set(term)) < len(term):  # a letter twice: the diagonal of those two axes
+                c = next(c for c in term if term.count(c) > 1)
+                i, j = term.index(c), term.index(c, term.index(c) + 1)
+                t, term = t._diagonal(i, j), term[:j] + term[j + 1:]
+            for c, s in zip(term, t.shape):
+                if sizes.get(c, 1) not in (1, s) and s != 1:
+                    raise ShapeError(f"einsum {subscripts!r}: axis {c!r} has sizes {sizes[c]} and {s}")
+                sizes[c] = max(sizes.get(c, 1), s)
+            perm = sorted(range(len(term)), key=lambda d: order.index(term[d]))
+            t = t.permute(*perm) if perm else t
+            present = [term[d] for d in perm]
+            t = t.reshape(tuple(t.shape[present.index(c)] if c in present else 1 for c in order))
+            product = t if product is None else product * t
+        assert product is not None
+        product = product._broadcast_to(tuple(sizes[c] for c in order))
+        summed = tuple(range(len(out), len(order)))
+        return product._reduce("sum", summed, False) if summed else product
+
+    def _diagonal(self, i: builtins.int, j: builtins.int) -> Tensor:
+        """The diagonal of axes i < j (of equal size n): axis j removed, axis i indexing the diagonal (a view)."""
+        n = self.shape[i]
+        if self.shape[j] != n:
+            raise ShapeError(f"a diagonal of axes {i} and {j} needs equal sizes, got shape {self.shape}")
+        x = self.moveaxis(j, -1).moveaxis(i, -2)
+        x = x.reshape(x.shape[:-2] + (n * n,))._stride(x.ndim - 2, n + 1)
+        return x.moveaxis(-1, i)
+
+
+def _refuse_mask(index: Any) -> None:
+    """A boolean mask as an index (`x[x > 3]`) has a data-dependent shape, which a lazy graph cannot have: raise,
+    naming what to use instead."""
+    dt = index.dtype if isinstance(index, Tensor) else np.asarray(index).dtype
+    if dt == dtypes.bool or dt == np.bool_:
+        raise DTypeError("a boolean mask index (`x[mask]`) has a shape known only from the data, which a lazy graph "
+                         "cannot have; use `Tensor.where(mask, x, fill)` or `x.masked_fill(~mask, fill)` to keep the "
+                         "shape, or read the values first: `(await x.numpy())[await mask.numpy()]`")
 
 
 def _as_dtype(x: Any) -> DType | None:
