@@ -22,6 +22,7 @@ from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote
 from azyx.errors import (
     ArgumentError,
     AxisError,
+    AzyxError,
     DeviceError,
     DTypeError,
     IndexOutOfRange,
@@ -1663,7 +1664,7 @@ class Tensor:
         if n.buffer is not None and n.device != DISK:  # (a file-backed tensor is not read for a repr)
             try:
                 values = self._values("await t.numpy()")
-            except RuntimeStateError:  # still computing
+            except AzyxError:  # still computing (or its work failed: the realize that awaits it says so)
                 values = None
             if values is not None:
                 text = np.array2string(values, separator=", ", prefix="Tensor(")
