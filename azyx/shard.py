@@ -29,7 +29,7 @@ from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.runtime import RT
 from azyx.tape import GradientTape
-from azyx.tensor import Tensor
+from azyx.tensor import Tensor, _dims
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -206,15 +206,19 @@ class ShardedTensor:
         new_axis = self.axis if keepdim else self.axis - sum(1 for a in axes if a < self.axis)
         return ShardedTensor(parts, new_axis)
 
+    @_dims
     def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         return self._reduce("sum", axis, keepdim)
 
+    @_dims
     def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         return self._reduce("max", axis, keepdim)
 
+    @_dims
     def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         return self._reduce("min", axis, keepdim)
 
+    @_dims
     def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         axes = range(self.ndim) if axis is None else ((axis,) if isinstance(axis, int) else axis)
         count = 1

@@ -1547,6 +1547,7 @@ class Tensor:
         return x.reshape(region)
 
     # ---------------------------------------------------------------- devices
+    @_dims
     def shard(self, devices: Sequence[str], axis: builtins.int = 0) -> Any:
         """This tensor split along `axis` into one piece per device (numpy's `array_split` sizes): an
         `azyx.shard.ShardedTensor`, whose ops run where its pieces are."""

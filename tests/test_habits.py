@@ -160,3 +160,11 @@ def test_plot_graph_warns_when_it_cannot_render(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert azyx.plot_graph(t, tmp_path / "h.dot") == tmp_path / "h.dot"  # asked for .dot: nothing to warn of
+
+
+async def test_sharded_tensors_take_dim_and_keepdims():
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    s = Tensor(x).shard(["c:0", "c:1"], dim=0)
+    np.testing.assert_array_equal(await s.sum(dim=1).gather().numpy(), x.sum(axis=1))
+    np.testing.assert_array_equal(await s.max(dim=0, keepdims=True).gather().numpy(), x.max(axis=0, keepdims=True))
+    np.testing.assert_allclose(await s.mean(dim=(0, 1)).gather().numpy(), x.mean())
