@@ -1839,16 +1839,23 @@ class Tensor:
     def norm(self, p: Any = 2, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """The vector p-norm over `axis` (None: every element, as one vector; also `dim=`): `p` = 2 or "fro"
         (Euclidean), 1, any positive number, `math.inf` (max |x|), `-math.inf` (min |x|), or 0 (count of nonzeros).
-        Float result (float16/bfloat16 accumulate in float32), on this device. The gradient of the 2-norm at an all-zero
-        vector is NaN (PyTorch's is 0).
+        Float result (float16/bfloat16 accumulate in float32), on this device. The gradient at an all-zero vector is 0,
+        as PyTorch's.
 
         >>> Tensor([3.0, 4.0]).norm().numpy_sync().item()
         5.0
         """
         out_dt = least_float(self.dtype)
         x = self._wide()
+
+        def root(total: Tensor, q: builtins.float) -> Tensor:
+            """total ** (1 / q), 0 at 0 with gradient 0 there (PyTorch's subgradient of a norm at a zero vector)."""
+            zero = total == 0
+            safe = Tensor.where(zero, 1.0, total)
+            return Tensor.where(zero, 0.0, safe.sqrt() if q == 2 else safe ** (1.0 / q))
+
         if p == "fro" or p == 2:
-            r = x.square().sum(axis, keepdim).sqrt()
+            r = root(x.square().sum(axis, keepdim), 2)
         elif p == 1:
             r = x.abs().sum(axis, keepdim)
         elif p == math.inf or p == -math.inf:
@@ -1856,7 +1863,7 @@ class Tensor:
         elif p == 0:
             r = (x != 0).cast(x.dtype).sum(axis, keepdim)
         elif isinstance(p, int | builtins.float) and not isinstance(p, builtins.bool) and p > 0:
-            r = (x.abs() ** builtins.float(p)).sum(axis, keepdim) ** (1.0 / p)
+            r = root((x.abs() ** builtins.float(p)).sum(axis, keepdim), p)
         else:
             raise ArgumentError(f"norm order p must be 'fro', a positive number, 0 or +-inf, got {p!r}")
         return r.cast(out_dt)
@@ -1961,11 +1968,13 @@ class Tensor:
         return order.moveaxis(-1, a)
 
     @_dims
-    def sort(self, axis: builtins.int = -1, descending: builtins.bool = False) -> ValuesIndices:
+    def sort(self, axis: builtins.int = -1, descending: builtins.bool = False,
+             stable: builtins.bool = True) -> ValuesIndices:
         """Sort along `axis` (also `dim=`; default the last): a `ValuesIndices` (values, indices) pair like PyTorch's
         `sort`; values of this dtype, indices int32 (like argmax), both on this device. Stable (equal values keep
         their order, in both directions); NaN sorts above every number (last ascending, first with `descending`), as
-        in PyTorch. A bitonic sorting network in the graph (one kernel a stage), no host round trip; the values'
+        in PyTorch (`stable` is accepted for PyTorch's signature: the sort is always stable). A bitonic sorting
+        network in the graph (one kernel a stage, about log2(n)^2 / 2 of them), no host round trip; the values'
         gradient flows back to the positions they came from.
 
         >>> values, indices = Tensor([3.0, 1.0, 2.0]).sort()
@@ -1978,9 +1987,10 @@ class Tensor:
         return ValuesIndices(self.gather(axis, order), order)
 
     @_dims
-    def argsort(self, axis: builtins.int = -1, descending: builtins.bool = False) -> Tensor:
-        """The int32 indices that sort this tensor along `axis` (also `dim=`; default the last), stable, NaN last
-        (first with `descending`); on this device. See `sort`.
+    def argsort(self, axis: builtins.int = -1, descending: builtins.bool = False,
+                stable: builtins.bool = True) -> Tensor:
+        """The int32 indices that sort this tensor along `axis` (also `dim=`; default the last), always stable, NaN
+        last (first with `descending`); on this device. See `sort`.
 
         >>> Tensor([3, 1, 2]).argsort(descending=True).numpy_sync().tolist()
         [0, 2, 1]

@@ -87,6 +87,17 @@ async def test_norm_matches_torch(device, p):
         xt.norm(-2)
 
 
+async def test_norm_of_a_zero_vector_has_gradient_zero(device):
+    x = np.array([[0.0, 0.0, 0.0], [3.0, 0.0, -4.0]], np.float32)
+    xt = Tensor(x, device=device)
+    for p in (2, 3):
+        with GradientTape() as tape:
+            loss = xt.norm(p, dim=1).sum()
+        ref = torch.from_numpy(x).requires_grad_()
+        torch.linalg.vector_norm(ref, ord=p, dim=1).sum().backward()
+        np.testing.assert_allclose(await tape.gradient(loss, xt).numpy(), ref.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 100])
 async def test_cumsum_cumprod(device, n):
     rng = np.random.default_rng(n)

@@ -30,7 +30,7 @@ async def test_sort_matches_stable_numpy(device, n):
 async def test_sort_descending_matches_torch_stable(device):
     rng = np.random.default_rng(1)
     x = ties_and_nans(rng, (4, 11))
-    values, indices = Tensor(x, device=device).sort(dim=1, descending=True)
+    values, indices = Tensor(x, device=device).sort(dim=1, descending=True, stable=True)
     ref = torch.sort(torch.from_numpy(x), dim=1, descending=True, stable=True)  # NaN first, ties in input order
     np.testing.assert_array_equal(await indices.numpy(), ref.indices.numpy())
     np.testing.assert_array_equal(await values.numpy(), ref.values.numpy())
