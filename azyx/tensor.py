@@ -44,6 +44,7 @@ _nodes = GRAPH.nodes
 _CONST, _BINARY, _UNARY, _REDUCE, _RESHAPE = Op.CONST, Op.BINARY, Op.UNARY, Op.REDUCE, Op.RESHAPE
 Scalar = bool | int | float
 T = TypeVar("T")
+REPR_MAX_ELEMENTS = 1 << 22  # repr reads a realized tensor this large or smaller to show its values
 
 
 def _norm_axis(axis: int, ndim: int, extra: int = 0) -> int:
@@ -1662,7 +1663,8 @@ class Tensor:
     def __repr__(self) -> str:
         """A realized tensor shows its values in numpy's summarised format; a lazy one its shape, dtype and device."""
         n = self._node
-        if n.buffer is not None and n.device != DISK:  # (a file-backed tensor is not read for a repr)
+        # (a file-backed tensor is not read for a repr, nor one so large that its summary would read a lot of memory)
+        if n.buffer is not None and n.device != DISK and prod(n.shape) <= REPR_MAX_ELEMENTS:
             try:
                 values = self._values("await t.numpy()")
             except AzyxError:  # still computing (or its work failed: the realize that awaits it says so)

@@ -34,7 +34,7 @@ async def test_asarray_of_realized_and_lazy(device):
     np.testing.assert_array_equal(await out.numpy(), [2.0, 3.0, 4.0, 5.0])
 
 
-async def test_repr_shows_values_when_realized(device):
+async def test_repr_shows_values_when_realized(device, monkeypatch):
     x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
     t = Tensor(x, device=device) * 3
     assert "lazy" in repr(t) and "shape=(2, 3)" in repr(t)
@@ -43,6 +43,8 @@ async def test_repr_shows_values_when_realized(device):
     assert repr(t) == f"Tensor({want}, dtype=float32, device={device!r})"
     big = await (Tensor.arange(5000, device=device) * 2)  # numpy's summarised format for a large one
     assert repr(big).startswith("Tensor([   0,    2,    4, ..., 9994, 9996, 9998], dtype=int32")
+    monkeypatch.setattr(azyx.tensor, "REPR_MAX_ELEMENTS", 4096)  # larger than this: not read for a repr
+    assert repr(big) == f"<Tensor realized shape=(5000,) dtype=int32 device={device}>"
 
 
 async def test_python_scalars_of_realized_tensors(device):
