@@ -106,11 +106,12 @@ def _dims(fn: Callable[..., T]) -> Callable[..., T]:
 _VALUES_ONLY: dict[int, weakref.ref] = {}
 
 
-def _dims_with_indices(arg: str) -> Callable[[Callable[..., Tensor]], Callable[..., Any]]:
+def _dims_with_indices(arg: str, pairwise: str) -> Callable[[Callable[..., Tensor]], Callable[..., Any]]:
     """max/min: `_dims`, and PyTorch's pair where PyTorch's name is used: `x.max(dim=1)` is a `ValuesIndices`
     (values, indices by `arg`, argmax or argmin: the first index of the extreme). With numpy's `axis` (by keyword or
     position) the result is the values alone, as numpy's; one given by position refuses to be unpacked or iterated,
     naming both forms (the decision: numpy's positional meaning stays, PyTorch's unpacking never silently splits rows).
+    A tensor in the axis' place is PyTorch's `x.max(y)`: the elementwise `pairwise` (maximum or minimum).
     """
 
     def deco(fn: Callable[..., Tensor]) -> Callable[..., Any]:
@@ -124,6 +125,8 @@ def _dims_with_indices(arg: str) -> Callable[[Callable[..., Tensor]], Callable[.
                 return ValuesIndices(values, getattr(self, arg)(kw["axis"], kw.get("keepdim", False)))
             if kw:
                 _torch_names(kw)
+            if args and isinstance(args[0], Tensor):
+                return getattr(self, pairwise)(*args)
             out = fn(self, *args, **kw)
             if args and args[0] is not None:
                 k = id(out)
@@ -1221,11 +1224,11 @@ class Tensor:
     def prod(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("prod", axis, keepdim)
 
-    @_dims_with_indices("argmax")
+    @_dims_with_indices("argmax", "maximum")
     def max(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("max", axis, keepdim)
 
-    @_dims_with_indices("argmin")
+    @_dims_with_indices("argmin", "minimum")
     def min(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         return self._reduce("min", axis, keepdim)
 

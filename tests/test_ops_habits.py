@@ -245,3 +245,6 @@ async def test_max_with_dim_is_torchs_pair(device):
     with pytest.raises(azyx.ArgumentError, match=r"dim=axis"):
         values, indices = t.max(-1)  # torch's habit by position: refused, never two rows' maxima
     assert float(await t.max()) == 7.0
+    other = Tensor([[2.0, 2.0, 9.0], [1.0, 3.0, -1.0]], device=device)  # PyTorch's x.max(y): elementwise
+    np.testing.assert_array_equal(await t.max(other).numpy(), np.maximum(x, await other.numpy()))
+    np.testing.assert_array_equal(await t.min(other).numpy(), np.minimum(x, await other.numpy()))
