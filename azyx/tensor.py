@@ -1744,6 +1744,11 @@ class Tensor:
     # Each is composed of the graph's own ops (elementwise, reduce, movement, gather), so its gradient is theirs
     # (ops.py's and autograd.py's rules, next to those ops' forwards): none of these adds a node kind or a rule. Int and
     # bool results carry no gradient.
+    def _helper(self, arr: np.ndarray) -> Tensor:
+        """A small constant array an op needs (an arange, a mask) as a tensor placed like self (AUTO for a tensor on
+        disk: the disk computes nothing)."""
+        return self._placed_like(Tensor(arr, device=None if self.device == DISK else self.device))
+
     def isnan(self) -> Tensor:
         """Elementwise: whether the value is NaN (bool, same shape and device; all False for int and bool tensors).
 
@@ -1817,8 +1822,8 @@ class Tensor:
         if self.ndim < 2:
             raise ShapeError(f"tril/triu need at least 2 dimensions, got shape {self.shape}")
         h, w = self.shape[-2:]
-        rows = self._placed_like(Tensor.arange(h, device=self.device)).reshape(h, 1)
-        cols = self._placed_like(Tensor.arange(w, device=self.device))
+        rows = self._helper(np.arange(h, dtype=np.int32)).reshape(h, 1)
+        cols = self._helper(np.arange(w, dtype=np.int32))
         keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
         return Tensor.where(keep, self, self._const_like(0, shape=())).cast(self.dtype)
 
@@ -1936,7 +1941,7 @@ class Tensor:
             x = x.cast(dtypes.int32)
         m = 1 << max(0, (n - 1).bit_length())
         x = x.pad(((0, 0), (0, m - n)))
-        order = self._placed_like(Tensor(np.arange(m, dtype=np.int32), device=self.device))
+        order = self._helper(np.arange(m, dtype=np.int32))
         order = order.reshape(1, m)._broadcast_to((b, m))
         is_float = x.dtype.is_float
 
@@ -1956,7 +1961,7 @@ class Tensor:
             shape = (b, m // block) + lo.shape
             im, io = cur, cur.reshape(shape).flip(flip_axis).reshape(b, m)  # each element's partner's index
             vm, vo = x.gather(1, im), x.gather(1, io)
-            first = self._placed_like(Tensor(lo, device=self.device))  # whether this element is its pair's first
+            first = self._helper(lo)  # whether this element is its pair's first
             first_m = first.reshape((1, 1) + lo.shape)._broadcast_to(shape).reshape(b, m)
             take = Tensor.where(first_m, before(vo, io, vm, im), before(vm, im, vo, io))
             return Tensor.where(take, io, im)._own_kernel()
