@@ -1003,10 +1003,11 @@ class Tensor:
         return self.split(max(1, -(-size // n)), axis)
 
     def __getitem__(self, key: Any) -> Tensor:
-        """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; one integer tensor (or list,
-        or numpy array) among them reads at its indices (numpy's placement of the result's axes; negative indices
-        count from the end). An index known on the host is checked at the call; one in a tensor is clamped into the
-        axis when it runs (it never reads outside the tensor).
+        """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; integer tensors (or lists,
+        or numpy arrays) among them read at their indices (several broadcast together, `x[[0, 1], [1, 2]]`; numpy's
+        placement of the result's axes; negative indices count from the end). An index known on the host is checked at
+        the call; one in a tensor is clamped into the axis when it runs (it never reads outside the tensor). A boolean
+        mask raises DTypeError naming `Tensor.where` and `masked_fill` (its result's shape depends on the data).
 
         >>> t = Tensor([[1, 2], [3, 4], [5, 6]])
         >>> t[[2, -3]].numpy_sync().tolist(), t[:, Tensor([1])].numpy_sync().tolist()
