@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from azyx.autograd import no_grad
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
     AllocationError,
@@ -22,6 +24,7 @@ from azyx.errors import (
 )
 from azyx.jit import jit
 from azyx.plan import ExecutionPlan
+from azyx.realize import flat_targets
 from azyx.realize import realize as _realize
 from azyx.runtime import GRAPH, RT
 from azyx.schedule import make_plan
@@ -39,13 +42,19 @@ __all__ = [
     "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
     "synchronize", "train", "tune", "tune_sync",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim", "DataParallel", "ShardedTensor", "replicate",
+    "einsum", "no_grad",
 ]
 
 
-async def realize(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """Compute several tensors in one ExecutionPlan. Returns them."""
-    await _realize(*tensors)
-    return tensors
+async def realize(*tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """Compute several tensors in one ExecutionPlan: tensors, or lists and tuples of them (`azyx.realize([a, b])`).
+    Returns the tensors, flattened in order (`a, b = await azyx.realize([a, b])`). A coroutine."""
+    targets: tuple[Any, ...] = flat_targets(tensors)
+    await _realize(*targets)
+    return targets
+
+
+einsum = Tensor.einsum  # azyx.einsum("ij,jk->ik", a, b), as numpy.einsum/torch.einsum
 
 
 def schedule(*tensors: Tensor) -> ExecutionPlan:

@@ -16,6 +16,7 @@ Conventions (documented once, here):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -189,3 +190,26 @@ def gradient(recorded: set[int], target: Tensor, sources: list[Tensor], seed: An
             del grads[i]  # no longer needed: let its nodes go as soon as nothing else holds them
     return [grads[t.id] if t.id in grads else t._const_like(0.0 if t.dtype.is_float else 0) for t in sources]
 
+
+class no_grad(contextlib.ContextDecorator):
+    """`with azyx.no_grad():` (or `@azyx.no_grad()` on a plain function): the ops built inside are recorded by no
+    GradientTape, so no gradient flows through them and the tapes keep nothing for them (PyTorch's `torch.no_grad`;
+    an evaluation pass inside a training tape). Tapes entered inside the block record as usual.
+
+    >>> import azyx
+    >>> from azyx import GradientTape, Tensor
+    >>> x = Tensor([2.0])
+    >>> with GradientTape() as tape:
+    ...     with azyx.no_grad():
+    ...         scale = x * 10
+    ...     y = (x * scale).sum()
+    >>> tape.gradient(y, x).numpy_sync().tolist()
+    [20.0]
+    """
+
+    def __enter__(self) -> no_grad:
+        self._saved, GRAPH.recording = GRAPH.recording, []
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        GRAPH.recording = self._saved

@@ -19,7 +19,7 @@ from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
 from azyx.graph import Node, Op
 from azyx.runtime import GRAPH, RT
-from azyx.tensor import Tensor, broadcast_shapes
+from azyx.tensor import Tensor, _as_dtype, broadcast_shapes
 
 
 class Module:
@@ -110,6 +110,24 @@ class Module:
             if value.shape != p.shape:
                 raise ShapeError(f"load_state_dict: {name!r} has shape {value.shape}, the parameter {p.shape}")
             p.assign(value.cast(p.dtype).to(p.device))
+
+    def to(self, device: Any = None, dtype: Any = None) -> Module:
+        """Move every parameter to `device` and/or cast its float parameters to `dtype` (`model.to("c:0")`,
+        `model.to(dtypes.float16)`, `model.to("c:0", "float16")`, as PyTorch's `Module.to`): each parameter handle is
+        rebound to its lazy copy, made when next realized. Tensors under "_" attributes are not parameters and stay.
+        Returns self (not a coroutine).
+
+        >>> from azyx import nn
+        >>> nn.Linear(2, 3).to("c:0").weight.device
+        'c:0'
+        """
+        if device is not None and _as_dtype(device) is not None:
+            device, dtype = None, device
+        for p in self.parameters():
+            cast = dtype if dtype is not None and p.dtype.is_float else None
+            if device is not None or cast is not None:
+                p._rebind(p.to(device, cast))
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={tuple(t.shape)}' for k, t in self.named_parameters())})"

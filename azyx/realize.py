@@ -16,7 +16,7 @@ import numpy as np
 
 from azyx.device import buffer_of, host_read
 from azyx.dtypes import dtypes
-from azyx.errors import AzyxError, RuntimeStateError, fresh_copy
+from azyx.errors import AzyxError, DTypeError, RuntimeStateError, fresh_copy
 from azyx.graph import GraphCopy, Op, prod
 from azyx.plan import ExecutionPlan
 from azyx.runtime import GRAPH, RT, InFlight, loop_identity
@@ -63,6 +63,20 @@ async def realize(*tensors: Handle) -> None:
     bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
+
+
+def flat_targets(items: Sequence[Any]) -> tuple[Handle, ...]:
+    """Tensors, and lists and tuples of them (nested), as one flat tuple in order (what `azyx.realize` takes);
+    anything else raises DTypeError naming it."""
+    out: list[Handle] = []
+    for x in items:
+        if isinstance(x, list | tuple):
+            out.extend(flat_targets(x))
+        elif isinstance(getattr(x, "id", None), int):
+            out.append(x)
+        else:
+            raise DTypeError(f"realize takes tensors, and lists and tuples of them; got {type(x).__name__} {x!r:.60}")
+    return tuple(out)
 
 
 Submitted = tuple["ExecutionPlan | None", "Walk | None", "list[Buffer]"]

@@ -29,7 +29,7 @@ from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.runtime import RT
 from azyx.tape import GradientTape
-from azyx.tensor import Tensor
+from azyx.tensor import Tensor, _dims
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -213,21 +213,25 @@ class ShardedTensor:
         new_axis = self.axis if keepdim else self.axis - sum(1 for a in axes if a < self.axis)
         return ShardedTensor(parts, new_axis)
 
+    @_dims
     def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         """Sum over `axis` (None: all; int or tuple) like `Tensor.sum`; over the split axis the partial sums are
         all-reduced, so the result is replicated."""
         return self._reduce("sum", axis, keepdim)
 
+    @_dims
     def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         """Maximum over `axis` like `Tensor.max`; over the split axis the partial maxima are all-reduced (replicated
         result)."""
         return self._reduce("max", axis, keepdim)
 
+    @_dims
     def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         """Minimum over `axis` like `Tensor.min`; over the split axis the partial minima are all-reduced (replicated
         result)."""
         return self._reduce("min", axis, keepdim)
 
+    @_dims
     def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> ShardedTensor:
         """Mean over `axis` like `Tensor.mean`: the sum divided by the count of reduced elements."""
         axes = range(self.ndim) if axis is None else ((axis,) if isinstance(axis, int) else axis)
@@ -370,8 +374,10 @@ def shard(t: Tensor, devices: Sequence[str], axis: int = 0) -> ShardedTensor:
                           for b, d in zip(bounds, devs)], ax)
 
 
-def replicate(t: Tensor, devices: Sequence[str]) -> ShardedTensor:
-    """A whole copy of `t` on each device."""
+def replicate(t: Any, devices: Sequence[str]) -> ShardedTensor:
+    """A whole copy of `t` (a Tensor, or anything `Tensor()` takes: a numpy array, a list) on each device."""
+    if not isinstance(t, Tensor):
+        t = Tensor(t)
     devs = [RT.check_device(d) for d in devices]
     if not devs:
         raise ArgumentError("replicate over an empty list of devices")

@@ -7,19 +7,31 @@ Nothing here touches a device. `await t.realize()` hands the graph to the async 
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import types
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import weakref
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from azyx import ops as _ops
-from azyx.device import DISK
+from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
-from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
+from azyx.errors import (
+    ArgumentError,
+    AxisError,
+    AzyxError,
+    DeviceError,
+    DTypeError,
+    IndexOutOfRange,
+    RuntimeStateError,
+    ShapeError,
+)
 from azyx.graph import Node, Op, Shape, prod
 from azyx.native import native
+from azyx.realize import done as _done
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.realize import to_numpy as _read
@@ -31,6 +43,8 @@ _nodes = GRAPH.nodes
 # (a global is read in a tenth of the time an enum member takes to look up on its class: the ops' fast paths use these)
 _CONST, _BINARY, _UNARY, _REDUCE, _RESHAPE = Op.CONST, Op.BINARY, Op.UNARY, Op.REDUCE, Op.RESHAPE
 Scalar = bool | int | float
+T = TypeVar("T")
+REPR_MAX_ELEMENTS = 1 << 22  # repr reads a realized tensor this large or smaller to show its values
 
 
 def _norm_axis(axis: int, ndim: int, extra: int = 0) -> int:
@@ -54,6 +68,74 @@ def _norm_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if len(out) != len(axes):
         raise AxisError(f"repeated axis in {axis!r}")
     return out if ndim else ()
+
+
+class ValuesIndices(NamedTuple):
+    """What `max(dim=)`, `min(dim=)`, `sort`, and `topk` return, as PyTorch's do: the values and their indices along
+    the axis (int32, like argmax), both lazy tensors on the input's device. Unpacks as `values, indices = ...`."""
+
+    values: Tensor
+    indices: Tensor
+
+
+def _torch_names(kw: dict[str, Any]) -> None:
+    """PyTorch's `dim=` for `axis=` and numpy's `keepdims=` for `keepdim=`, translated in place in `kw`."""
+    for theirs, ours in (("dim", "axis"), ("keepdims", "keepdim")):
+        if theirs in kw:
+            if ours in kw:
+                raise ArgumentError(f"both {ours}= and {theirs}= given ({kw[ours]!r} and {kw[theirs]!r}); they are "
+                                    f"the same argument")
+            kw[ours] = kw.pop(theirs)
+
+
+def _dims(fn: Callable[..., T]) -> Callable[..., T]:
+    """The one place that lets every method with `axis=`/`keepdim=` take `dim=`/`keepdims=` as well (PyTorch's and
+    numpy's names for them): `x.sum(dim=1, keepdims=True)` is `x.sum(axis=1, keepdim=True)`."""
+
+    @functools.wraps(fn)
+    def method(*args: Any, **kw: Any) -> T:
+        if kw:
+            _torch_names(kw)
+        return fn(*args, **kw)
+
+    return method
+
+
+# results of max/min given a positional axis (numpy's: the values alone), by id(): unpacking one raises, because
+# PyTorch's `values, idx = x.max(-1)` would otherwise unpack two rows' maxima silently
+_VALUES_ONLY: dict[int, weakref.ref] = {}
+
+
+def _dims_with_indices(arg: str, pairwise: str) -> Callable[[Callable[..., Tensor]], Callable[..., Any]]:
+    """max/min: `_dims`, and PyTorch's pair where PyTorch's name is used: `x.max(dim=1)` is a `ValuesIndices`
+    (values, indices by `arg`, argmax or argmin: the first index of the extreme). With numpy's `axis` (by keyword or
+    position) the result is the values alone, as numpy's; one given by position refuses to be unpacked or iterated,
+    naming both forms (the decision: numpy's positional meaning stays, PyTorch's unpacking never silently splits rows).
+    A tensor in the axis' place is PyTorch's `x.max(y)`: the elementwise `pairwise` (maximum or minimum).
+    """
+
+    def deco(fn: Callable[..., Tensor]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def method(self: Tensor, *args: Any, **kw: Any) -> Any:
+            if "dim" in kw:
+                _torch_names(kw)
+                values = fn(self, *args, **kw)
+                if kw["axis"] is None:  # (torch's x.max() without a dim: the one value)
+                    return values
+                return ValuesIndices(values, getattr(self, arg)(kw["axis"], kw.get("keepdim", False)))
+            if kw:
+                _torch_names(kw)
+            if args and isinstance(args[0], Tensor):
+                return getattr(self, pairwise)(*args)
+            out = fn(self, *args, **kw)
+            if args and args[0] is not None:
+                k = id(out)
+                _VALUES_ONLY[k] = weakref.ref(out, lambda _, k=k: _VALUES_ONLY.pop(k, None))  # type: ignore[misc]
+            return out
+
+        return method
+
+    return deco
 
 
 def broadcast_shapes(*shapes: Shape) -> Shape:
@@ -294,14 +376,6 @@ class Tensor:
         if not self.shape:
             raise ShapeError("len() of a 0-d tensor")
         return self.shape[0]
-
-    def __repr__(self) -> str:
-        n = self._node
-        state = "realized" if n.buffer is not None else "lazy"
-        return f"<Tensor {state} shape={n.shape} dtype={n.dtype.name} device={n.device}>"
-
-    def __bool__(self) -> builtins.bool:
-        raise DTypeError("the truth value of a lazy tensor is unknown until realized; use `await t.item()`")
 
     def __hash__(self) -> builtins.int:
         return id(self)
@@ -922,6 +996,7 @@ class Tensor:
     def _shrink(self, bounds: Sequence[tuple[builtins.int, builtins.int]]) -> Tensor:
         return self.pad(tuple((-lo, hi - s) for (lo, hi), s in zip(bounds, self.shape)))
 
+    @_dims
     def flip(self, axis: builtins.int | Sequence[builtins.int]) -> Tensor:
         """The order of elements reversed along `axis` (an int or a tuple of ints)."""
         n = self._node
@@ -932,6 +1007,7 @@ class Tensor:
             return self
         return self._new(Op.FLIP, (self.id,), axes, n.shape, n.dtype)
 
+    @_dims
     def squeeze(self, axis: builtins.int | Sequence[builtins.int] | None = None) -> Tensor:
         """Size-1 axes removed: all of them (`axis=None`), or those named by `axis` (an int or tuple; a named axis
         whose size is not 1 is left alone, like PyTorch)."""
@@ -941,6 +1017,7 @@ class Tensor:
         axes = _norm_axes(axis, len(shape))  # like PyTorch, axes whose size is not 1 are left alone
         return self.reshape(tuple(s for i, s in enumerate(shape) if i not in axes or s != 1))
 
+    @_dims
     def unsqueeze(self, axis: builtins.int) -> Tensor:
         """A size-1 axis inserted at position `axis` (negative counts from the end of the result)."""
         shape = self.shape
@@ -983,6 +1060,7 @@ class Tensor:
         return x.reshape(shape[:axis] + (m,) + shape[axis + 1 :])
 
     @staticmethod
+    @_dims
     def cat(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
         """`tensors` joined along an existing `axis` (default 0); all shapes equal but along `axis`, dtypes promoted.
         A static method: `Tensor.cat([a, b], axis=1)`.
@@ -1014,6 +1092,7 @@ class Tensor:
         return out
 
     @staticmethod
+    @_dims
     def stack(tensors: Sequence[Tensor], axis: builtins.int = 0) -> Tensor:
         """`tensors` (all of one shape) joined along a new axis `axis` (default 0). A static method:
         `Tensor.stack([a, b])`."""
@@ -1025,6 +1104,7 @@ class Tensor:
                 raise ShapeError(f"stack needs equal shapes, got {tensors[0].shape} and {t.shape}")
         return Tensor.cat([t.unsqueeze(a) for t in tensors], axis=a)
 
+    @_dims
     def split(self, size: builtins.int | Sequence[builtins.int], axis: builtins.int = 0) -> list[Tensor]:
         """A list of views along `axis` (default 0): pieces of `size` elements each (an int; the last may be
         shorter), or of the sizes in a list (which must add up to the axis).
@@ -1047,6 +1127,7 @@ class Tensor:
             start += s
         return out
 
+    @_dims
     def chunk(self, n: builtins.int, axis: builtins.int = 0) -> list[Tensor]:
         """A list of at most `n` views along `axis` (default 0), of equal size but the last (PyTorch's `chunk`)."""
         if n <= 0:
@@ -1055,10 +1136,11 @@ class Tensor:
         return self.split(max(1, -(-size // n)), axis)
 
     def __getitem__(self, key: Any) -> Tensor:
-        """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; one integer tensor (or list,
-        or numpy array) among them reads at its indices (numpy's placement of the result's axes; negative indices
-        count from the end). An index known on the host is checked at the call; one in a tensor is clamped into the
-        axis when it runs (it never reads outside the tensor).
+        """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; integer tensors (or lists,
+        or numpy arrays) among them read at their indices (several broadcast together, `x[[0, 1], [1, 2]]`; numpy's
+        placement of the result's axes; negative indices count from the end). An index known on the host is checked at
+        the call; one in a tensor is clamped into the axis when it runs (it never reads outside the tensor). A boolean
+        mask raises DTypeError naming `Tensor.where` and `masked_fill` (its result's shape depends on the data).
 
         >>> t = Tensor([[1, 2], [3, 4], [5, 6]])
         >>> t[[2, -3]].numpy_sync().tolist(), t[:, Tensor([1])].numpy_sync().tolist()
@@ -1076,8 +1158,10 @@ class Tensor:
     def _advanced(self, key: tuple, arrays: list[builtins.int]) -> Tensor:
         """`self[key]` where key[arrays[0]] is an integer array: the basic indices first, then a gather along the axis
         the array indexes (numpy puts its axes first when ints stand apart from it: ints are advanced indices too)."""
+        for i in arrays:
+            _refuse_mask(key[i])
         if len(arrays) > 1:
-            raise IndexOutOfRange(f"only one integer-tensor index is supported, got {len(arrays)} in {key!r}")
+            return self._advanced_many(key, arrays)
         pos = arrays[0]
         x = self._basic(key[:pos] + (slice(None),) + key[pos + 1 :])
         n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
@@ -1093,6 +1177,38 @@ class Tensor:
             k = out.ndim - x.ndim + 1
             return out.permute(*range(axis, axis + k), *range(axis), *range(axis + k, out.ndim))
         return out
+
+    def _advanced_many(self, key: tuple, arrays: list[builtins.int]) -> Tensor:
+        """`self[key]` with several integer arrays (numpy's rules: `x[[0, 1], [1, 2]]` reads x[0, 1] and x[1, 2]): the
+        arrays broadcast together; the basic indices first, then one take along the first indexed axis and a gather
+        along each further one (each index checked or clamped like `t[idx]`'s). The broadcast index's axes stand where
+        the first array stood when the arrays (and ints) are adjacent in `key`, else first (numpy's placement)."""
+        x = self._basic(tuple(slice(None) if i in arrays else k for i, k in enumerate(key)))
+        n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
+        axes, axis = [], 0  # the axis of x each array indexes
+        for i, k in enumerate(key):
+            if i in arrays:
+                axes.append(axis)
+                axis += 1
+            elif k is Ellipsis:
+                axis += self.ndim - n_real
+            elif not isinstance(k, int | np.integer):
+                axis += 1
+        idx = [x._rows(a, key[i]) for a, i in zip(axes, arrays)]
+        bshape = broadcast_shapes(*(t.shape for t in idx))
+        m = prod(bshape)
+        rest = [d for d in range(x.ndim) if d not in axes]
+        flat = [t._broadcast_to(bshape).reshape(m) for t in idx]
+        y = x.permute(*axes, *rest)._take(0, flat[0])  # (m, the other indexed axes, the rest)
+        for f in flat[1:]:
+            index = f.reshape((m,) + (1,) * (y.ndim - 1))._broadcast_to((m, 1) + y.shape[2:])
+            y = y._gathered(1, index).reshape((m,) + y.shape[2:])
+        y = y.reshape(bshape + y.shape[1:])
+        adv = sorted([i for i, k in enumerate(key) if isinstance(k, int | np.integer)] + arrays)
+        if adv == list(range(adv[0], adv[-1] + 1)) and axes[0]:  # adjacent: the index's axes where the first stood
+            nb = len(bshape)
+            return y.permute(*range(nb, nb + axes[0]), *range(nb), *range(nb + axes[0], y.ndim))
+        return y
 
     def _rows(self, axis: builtins.int, index: Any) -> Tensor:
         """An integer index along `axis` as a tensor on self's device: a host index (list, numpy) checked and
@@ -1183,6 +1299,7 @@ class Tensor:
             x = x._stride(d, s)
         return x.reshape(tuple(final))
 
+    @_dims
     def gather(self, axis: builtins.int, index: Any) -> Tensor:
         """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0 (out has the index's shape; the index has
         self's number of axes, none longer than self's but `axis`). Negative indices count from the end; a host
@@ -1233,6 +1350,7 @@ class Tensor:
             return t
         return r if keepdim or out == out_keep else r._reshaped(out)
 
+    @_dims
     def sum(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """Sum over `axis` (None: every axis; an int or a tuple, negative allowed), keeping the reduced axes as size
         1 with `keepdim=True`. dtype: bool sums as int32, ints and floats keep theirs (float16/bfloat16 accumulate
@@ -1243,10 +1361,12 @@ class Tensor:
         (10.0, [4.0, 6.0], (2, 1))"""
         return self._reduce("sum", axis, keepdim)
 
+    @_dims
     def prod(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """Product over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`; bool multiplies as int32."""
         return self._reduce("prod", axis, keepdim)
 
+    @_dims_with_indices("argmax", "maximum")
     def max(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """Maximum over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`; same dtype. Returns values
         only (the index: `argmax`). `ShapeError` over an empty axis.
@@ -1255,6 +1375,7 @@ class Tensor:
         [5, 7]"""
         return self._reduce("max", axis, keepdim)
 
+    @_dims_with_indices("argmin", "minimum")
     def min(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """Minimum over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`; same dtype. Returns values
         only (the index: `argmin`). `ShapeError` over an empty axis."""
@@ -1269,6 +1390,7 @@ class Tensor:
         x = self.cast(least_float(self.dtype))
         return x.float() if x.dtype.itemsize < 4 else x
 
+    @_dims
     def mean(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """Mean over `axis` (None: every axis; int or tuple), `keepdim` as in `sum`. dtype: floats keep theirs
         (float16 and bfloat16 accumulate in float32), ints and bool give float32."""
@@ -1276,6 +1398,7 @@ class Tensor:
         n = self._count(axis)
         return (x.sum(axis, keepdim) * (1.0 / n if n else math.nan)).cast(least_float(self.dtype))
 
+    @_dims
     def var(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         """Variance over `axis` (None: every axis) with `correction` (1: the unbiased estimate, PyTorch's default; 0:
         numpy's); `keepdim` as in `sum`; float dtype as in `mean`. nan where fewer than correction + 1 elements."""
@@ -1284,6 +1407,7 @@ class Tensor:
         sq = (x - x.mean(axis, keepdim=True)).square().sum(axis, keepdim)
         return (sq * (1.0 / max(n - correction, 0) if n - correction > 0 else math.nan)).cast(least_float(self.dtype))
 
+    @_dims
     def std(self, axis: Any = None, keepdim: builtins.bool = False, correction: builtins.int = 1) -> Tensor:
         """Standard deviation: `var(axis, keepdim, correction).sqrt()`."""
         return self.var(axis, keepdim, correction).sqrt()
@@ -1302,6 +1426,7 @@ class Tensor:
         hit = Tensor.where(is_m, rev, 0)
         return (n - hit.max(a, keepdim)).cast(dtypes.int32)
 
+    @_dims
     def argmax(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         """int32 index of the largest element along `axis` (None: of the flattened tensor), the first on ties; a NaN
         counts as the largest (numpy). `keepdim` as in `sum`.
@@ -1310,11 +1435,13 @@ class Tensor:
         [1, 0]"""
         return self._arg_extreme(axis, keepdim, "max")
 
+    @_dims
     def argmin(self, axis: builtins.int | None = None, keepdim: builtins.bool = False) -> Tensor:
         """int32 index of the smallest element along `axis` (None: of the flattened tensor), the first on ties;
         `keepdim` as in `sum`."""
         return self._arg_extreme(axis, keepdim, "min")
 
+    @_dims
     def logsumexp(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
         """log(sum(exp(x))) over `axis` (None: every axis), computed stably (the maximum taken out first); `keepdim`
         as in `sum`; float dtype as in `mean`."""
@@ -1324,6 +1451,7 @@ class Tensor:
         out = ((x - m).exp().sum(axis, keepdim=True).log() + m).cast(least_float(self.dtype))
         return out if keepdim else out.squeeze(_norm_axes(axis, self.ndim) or None) if self.ndim else out
 
+    @_dims
     def softmax(self, axis: builtins.int = -1) -> Tensor:
         """exp(x) / sum(exp(x)) along `axis` (default -1, an int), computed stably; same shape, float dtype (float16
         and bfloat16 computed in float32 and rounded once).
@@ -1334,6 +1462,7 @@ class Tensor:
         e = (x - x.max(axis, keepdim=True)).exp()
         return (e / e.sum(axis, keepdim=True)).cast(least_float(self.dtype))
 
+    @_dims
     def log_softmax(self, axis: builtins.int = -1) -> Tensor:
         """log(softmax(x)) along `axis` (default -1), computed stably as x - max - log(sum(exp(x - max))); float
         dtype."""
@@ -1457,6 +1586,7 @@ class Tensor:
         window dropped); leading axes kept."""
         return self._pool(k, "mean")
 
+    @_dims
     def layernorm(self, axis: builtins.int | Sequence[builtins.int] = -1, eps: builtins.float = 1e-5) -> Tensor:
         """(x - mean) / sqrt(var + eps) over `axis` (default -1; an int or a tuple), variance without correction; no
         scale or shift (`nn.LayerNorm` adds them); float dtype."""
@@ -1602,14 +1732,20 @@ class Tensor:
         return x.reshape(region)
 
     # ---------------------------------------------------------------- devices
+    @_dims
     def shard(self, devices: Sequence[str], axis: builtins.int = 0) -> Any:
         """This tensor split along `axis` into one piece per device (numpy's `array_split` sizes): an
         `azyx.shard.ShardedTensor`, whose ops run where its pieces are."""
         assert Tensor.sharder is not None, "azyx.shard installs Tensor.sharder (imported by azyx)"
         return Tensor.sharder(self, devices, axis)
 
-    def to(self, device: str) -> Tensor:
-        """A lazy copy on `device` (the copy runs when realized)."""
+    def to(self, device: Any = None, dtype: Any = None) -> Tensor:
+        """A lazy copy on `device` (the copy runs when realized). PyTorch's habits too: `t.to(dtype)` (a DType, numpy
+        dtype or dtype name in the device's place) casts, and `t.to(device, dtype)` does both."""
+        if device is not None and _as_dtype(device) is not None:
+            device, dtype = None, device
+        if dtype is not None:
+            return self.cast(dtype) if device is None else self.cast(dtype).to(device)
         name = RT.check_device(device)
         n = self._node
         if name == n.device:
@@ -1617,6 +1753,544 @@ class Tensor:
         if n.op is Op.CONST:
             return Tensor._const(n.arg, n.shape, n.dtype, name, True)
         return Tensor._from_node(Node(Op.TODEVICE, (self.id,), None, n.shape, n.dtype, name, True))
+
+
+    # ---------------------------------------------------------------- habits numpy and PyTorch users bring (issue 36)
+    # Reading a realized tensor's values without awaiting (np.asarray, repr, float/int/bool), `await t`, dtype
+    # shorthands, clone/detach. A lazy tensor never blocks: these raise RuntimeStateError naming the awaitable to use.
+    __array_ufunc__ = None  # `ndarray + t` is Tensor.__radd__ (numpy would else read t with __array__)
+
+    def __await__(self) -> Generator[Any, None, Tensor]:
+        """`await t` realizes `t` and returns it (the same as `await t.realize()`).
+
+        >>> import asyncio
+        >>> async def main():
+        ...     t = await (Tensor([1.0, 2.0]) * 2)
+        ...     return np.asarray(t).tolist()  # (realized: reading it needs no await)
+        >>> asyncio.run(main())
+        [2.0, 4.0]
+        """
+        return self.realize().__await__()
+
+    def _values(self, how: str) -> np.ndarray:
+        """The values of a realized tensor whose work has finished, read now (a blocking read of the device's memory).
+        A lazy tensor, or one whose work is still running, raises RuntimeStateError naming `how`, the awaitable to
+        use instead: nothing here waits for work."""
+        n = self._node
+        if n.buffer is None or n.view is None:
+            raise RuntimeStateError(f"the values of a lazy tensor (shape {n.shape}, {n.dtype.name}, {n.device}) are "
+                                    f"unknown until it is realized; use `{how}` (or `await t` first)")
+        buf = buffer_of(n)
+        if not _done([buf]):
+            raise RuntimeStateError(f"the tensor (shape {n.shape}, {n.dtype.name}, {n.device}) is still being "
+                                    f"computed; use `{how}`")
+        return buf.device.read(buf, n.view, n.shape, n.dtype)
+
+    def __array__(self, dtype: Any = None, copy: builtins.bool | None = None) -> np.ndarray:
+        """`np.asarray(t)` of a realized tensor: its values (a new array). A lazy tensor raises
+        `RuntimeStateError` naming `await t.numpy()`: numpy cannot await.
+
+        >>> import numpy as np
+        >>> np.asarray(Tensor([1, 2]).realize_sync()).tolist()
+        [1, 2]
+        """
+        out = self._values("await t.numpy()")
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def _scalar(self, kind: str) -> Scalar:
+        """The one value of a realized one-element tensor (see _values), for float()/int()/bool()/index."""
+        if self.numel() != 1:
+            raise ShapeError(f"{kind}() needs a tensor of exactly one element, got shape {self.shape}")
+        return self._values("await t.item()").reshape(()).item()
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """Iterate over the first axis (lazy rows, `t[0]`, `t[1]`, ...), as numpy and PyTorch do. A 0-d tensor
+        raises, and so does the result of `max`/`min` given an axis by position (see `_dims_with_indices`)."""
+        r = _VALUES_ONLY.get(id(self))
+        if r is not None and r() is self:
+            raise ArgumentError("x.max(axis)/x.min(axis) with the axis by position is numpy's: the values alone, "
+                                "not PyTorch's (values, indices) pair; use `values, indices = x.max(dim=axis)` for "
+                                "the pair or `x.max(axis=axis)` for the values")
+        if not self.shape:
+            raise ShapeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __float__(self) -> builtins.float:
+        """`float(t)` of a realized one-element tensor; a lazy one raises RuntimeStateError naming `await t.item()`.
+
+        >>> float(Tensor([2.5]).realize_sync())
+        2.5
+        """
+        return builtins.float(self._scalar("float"))
+
+    def __int__(self) -> builtins.int:
+        """`int(t)` of a realized one-element tensor (truncated toward zero, as Python's int()); a lazy one raises
+        RuntimeStateError naming `await t.item()`.
+
+        >>> int(Tensor([7]).realize_sync())
+        7
+        """
+        return builtins.int(self._scalar("int"))
+
+    def __index__(self) -> builtins.int:
+        """A realized one-element integer (or bool) tensor as an index (`range(t)`, `lst[t]`); float tensors raise
+        DTypeError, as in PyTorch."""
+        if self.dtype.is_float:
+            raise DTypeError(f"only integer tensors of one element can be an index, got {self.dtype.name}")
+        return builtins.int(self._scalar("index"))
+
+    def __bool__(self) -> builtins.bool:
+        """`bool(t)` / `if t:` of a realized one-element tensor; a lazy one raises RuntimeStateError naming
+        `await t.item()` (its value is unknown until realized)."""
+        return builtins.bool(self._scalar("bool"))
+
+    def __repr__(self) -> str:
+        """A realized tensor shows its values in numpy's summarised format; a lazy one its shape, dtype and device."""
+        n = self._node
+        # (a file-backed tensor is not read for a repr, nor one so large that its summary would read a lot of memory)
+        if n.buffer is not None and n.device != DISK and prod(n.shape) <= REPR_MAX_ELEMENTS:
+            try:
+                values = self._values("await t.numpy()")
+            except AzyxError:  # still computing (or its work failed: the realize that awaits it says so)
+                values = None
+            if values is not None:
+                text = np.array2string(values, separator=", ", prefix="Tensor(")
+                return f"Tensor({text}, dtype={n.dtype.name}, device={n.device!r})"
+        state = "realized" if n.buffer is not None else "lazy"
+        return f"<Tensor {state} shape={n.shape} dtype={n.dtype.name} device={n.device}>"
+
+    def clone(self) -> Tensor:
+        """A new handle with this tensor's value (lazy, no copy is made: azyx's tensors are values, and an in-place
+        update `t[i] = v` or `assign` rebinds one handle only). Gradients flow through it. Same dtype and device.
+
+        >>> a = Tensor([1.0, 2.0]); b = a.clone(); b[0] = 5.0
+        >>> a.numpy_sync().tolist(), b.numpy_sync().tolist()
+        ([1.0, 2.0], [5.0, 2.0])
+        """
+        return Tensor._wrap(self.id)
+
+    def detach(self) -> Tensor:
+        """This tensor's value as a new node no GradientTape records: gradients do not flow through it (PyTorch's
+        `detach`). Lazy; same shape, dtype and device.
+
+        >>> from azyx import GradientTape
+        >>> x = Tensor([3.0])
+        >>> with GradientTape() as tape:
+        ...     y = (x * x.detach()).sum()
+        >>> tape.gradient(y, x).numpy_sync().tolist()
+        [3.0]
+        """
+        n = self._node
+        saved, GRAPH.recording = GRAPH.recording, []
+        try:
+            return Tensor._from_node(Node(Op.RESHAPE, (self.id,), n.shape, n.shape, n.dtype, n.device, n.pinned))
+        finally:
+            GRAPH.recording = saved
+
+    @staticmethod
+    def empty(*shape: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """A tensor of `shape` whose values the caller will overwrite (PyTorch's `empty`). azyx has no uninitialised
+        memory: it is `Tensor.zeros` (dtype: float32 unless given; device: AUTO unless given). Lazy.
+
+        >>> Tensor.empty(2, 3).shape
+        (2, 3)
+        """
+        return Tensor.zeros(*shape, dtype=dtype, device=device)
+
+    def long(self) -> Tensor:
+        """`cast(int64)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.int64)
+
+    def double(self) -> Tensor:
+        """`cast(float64)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.float64)
+
+    def bfloat16(self) -> Tensor:
+        """`cast(bfloat16)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.bfloat16)
+
+    def short(self) -> Tensor:
+        """`cast(int16)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.int16)
+
+    def char(self) -> Tensor:
+        """`cast(int8)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.int8)
+
+    def byte(self) -> Tensor:
+        """`cast(uint8)` (PyTorch's shorthand). Lazy, same device."""
+        return self.cast(dtypes.uint8)
+
+    # ---------------------------------------------------------------- ops PyTorch users reach for (issue 36)
+    # Each is composed of the graph's own ops (elementwise, reduce, movement, gather), so its gradient is theirs
+    # (ops.py's and autograd.py's rules, next to those ops' forwards): none of these adds a node kind or a rule. Int and
+    # bool results carry no gradient.
+    def _helper(self, arr: np.ndarray) -> Tensor:
+        """A small constant array an op needs (an arange, a mask) as a tensor placed like self (AUTO for a tensor on
+        disk: the disk computes nothing)."""
+        return self._placed_like(Tensor(arr, device=None if self.device == DISK else self.device))
+
+    def isnan(self) -> Tensor:
+        """Elementwise: whether the value is NaN (bool, same shape and device; all False for int and bool tensors).
+
+        >>> Tensor([1.0, float("nan")]).isnan().numpy_sync().tolist()
+        [False, True]
+        """
+        return self != self if self.dtype.is_float else self._const_like(False, dtype=dtypes.bool)
+
+    def isinf(self) -> Tensor:
+        """Elementwise: whether the value is +inf or -inf (bool, same shape and device).
+
+        >>> Tensor([1.0, float("-inf")]).isinf().numpy_sync().tolist()
+        [False, True]
+        """
+        return self.abs() == math.inf if self.dtype.is_float else self._const_like(False, dtype=dtypes.bool)
+
+    def isfinite(self) -> Tensor:
+        """Elementwise: whether the value is neither NaN nor infinite (bool, same shape and device).
+
+        >>> Tensor([1.0, float("nan"), float("inf")]).isfinite().numpy_sync().tolist()
+        [True, False, False]
+        """
+        return self.abs() < math.inf if self.dtype.is_float else self._const_like(True, dtype=dtypes.bool)
+
+    def _truth_reduce(self, op: str, axis: Any, keepdim: builtins.bool) -> Tensor:
+        """any (op "max") / all (op "min") of `self != 0` over `axis`: bool."""
+        x = self if self.dtype.is_bool else self != 0
+        axes = _norm_axes(axis, self.ndim)
+        if any(self.shape[a] == 0 for a in axes):  # an empty axis: any is False, all is True (the identities)
+            shape = tuple(1 if i in axes else s for i, s in enumerate(self.shape)) if keepdim else \
+                tuple(s for i, s in enumerate(self.shape) if i not in axes)
+            return self._const_like(op == "min", shape=shape, dtype=dtypes.bool)
+        return x._reduce(op, axis, keepdim)
+
+    @_dims
+    def any(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Whether any element along `axis` (int, tuple or None: all; also `dim=`) is nonzero/True: a bool tensor
+        on this device (`keepdim`/`keepdims` keeps the reduced axes as size 1). An empty axis gives False.
+
+        >>> Tensor([[0, 1], [0, 0]]).any(dim=1).numpy_sync().tolist()
+        [True, False]
+        """
+        return self._truth_reduce("max", axis, keepdim)
+
+    @_dims
+    def all(self, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """Whether every element along `axis` (int, tuple or None: all; also `dim=`) is nonzero/True: a bool tensor
+        on this device (`keepdim`/`keepdims` keeps the reduced axes as size 1). An empty axis gives True.
+
+        >>> Tensor([[1, 1], [0, 1]]).all(axis=1).numpy_sync().tolist()
+        [True, False]
+        """
+        return self._truth_reduce("min", axis, keepdim)
+
+    def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
+        """`value` where the bool `mask` (broadcast to this tensor's shape) is True, this tensor elsewhere
+        (PyTorch's `masked_fill`; the functional form, `t[mask] = v` is not supported). Same dtype, shape and device;
+        gradient flows to this tensor where the mask is False.
+
+        >>> Tensor([1.0, 2.0, 3.0]).masked_fill(Tensor([True, False, True]), 0.0).numpy_sync().tolist()
+        [0.0, 2.0, 0.0]
+        """
+        if not isinstance(mask, Tensor) or not mask.dtype.is_bool:
+            got = mask.dtype.name if isinstance(mask, Tensor) else type(mask).__name__
+            raise DTypeError(f"masked_fill needs a bool mask tensor, got {got}")
+        if broadcast_shapes(mask.shape, self.shape) != self.shape:
+            raise ShapeError(f"masked_fill mask of shape {mask.shape} does not broadcast to {self.shape}")
+        return Tensor.where(mask, value, self).cast(self.dtype)
+
+    def _triangle(self, diagonal: builtins.int, lower: builtins.bool) -> Tensor:
+        if self.ndim < 2:
+            raise ShapeError(f"tril/triu need at least 2 dimensions, got shape {self.shape}")
+        h, w = self.shape[-2:]
+        rows = self._helper(np.arange(h, dtype=np.int32)).reshape(h, 1)
+        cols = self._helper(np.arange(w, dtype=np.int32))
+        keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
+        return Tensor.where(keep, self, self._const_like(0, shape=())).cast(self.dtype)
+
+    def tril(self, diagonal: builtins.int = 0) -> Tensor:
+        """The lower triangle of the last two axes (elements with column - row <= `diagonal`), zeros above it
+        (PyTorch's/numpy's `tril`). Same dtype, shape and device.
+
+        >>> Tensor([[1, 2], [3, 4]]).tril().numpy_sync().tolist()
+        [[1, 0], [3, 4]]
+        """
+        return self._triangle(diagonal, True)
+
+    def triu(self, diagonal: builtins.int = 0) -> Tensor:
+        """The upper triangle of the last two axes (elements with column - row >= `diagonal`), zeros below it
+        (PyTorch's/numpy's `triu`). Same dtype, shape and device.
+
+        >>> Tensor([[1, 2], [3, 4]]).triu(1).numpy_sync().tolist()
+        [[0, 2], [0, 0]]
+        """
+        return self._triangle(diagonal, False)
+
+    @_dims
+    def norm(self, p: Any = 2, axis: Any = None, keepdim: builtins.bool = False) -> Tensor:
+        """The vector p-norm over `axis` (None: every element, as one vector; also `dim=`): `p` = 2 or "fro"
+        (Euclidean), 1, any positive number, `math.inf` (max |x|), `-math.inf` (min |x|), or 0 (count of nonzeros).
+        Float result (float16/bfloat16 accumulate in float32), on this device. The gradient at an all-zero vector is 0,
+        as PyTorch's.
+
+        >>> Tensor([3.0, 4.0]).norm().numpy_sync().item()
+        5.0
+        """
+        out_dt = least_float(self.dtype)
+        x = self._wide()
+
+        def root(total: Tensor, q: builtins.float) -> Tensor:
+            """total ** (1 / q), 0 at 0 with gradient 0 there (PyTorch's subgradient of a norm at a zero vector)."""
+            zero = total == 0
+            safe = Tensor.where(zero, 1.0, total)
+            return Tensor.where(zero, 0.0, safe.sqrt() if q == 2 else safe ** (1.0 / q))
+
+        if p == "fro" or p == 2:
+            r = root(x.square().sum(axis, keepdim), 2)
+        elif p == 1:
+            r = x.abs().sum(axis, keepdim)
+        elif p == math.inf or p == -math.inf:
+            r = x.abs()._reduce("max" if p > 0 else "min", axis, keepdim)
+        elif p == 0:
+            r = (x != 0).cast(x.dtype).sum(axis, keepdim)
+        elif isinstance(p, int | builtins.float) and not isinstance(p, builtins.bool) and p > 0:
+            r = root((x.abs() ** builtins.float(p)).sum(axis, keepdim), p)
+        else:
+            raise ArgumentError(f"norm order p must be 'fro', a positive number, 0 or +-inf, got {p!r}")
+        return r.cast(out_dt)
+
+    def _scan(self, axis: Any, op: str) -> Tensor:
+        """An inclusive scan (op "add": cumsum, "mul": cumprod) along `axis` (None: the flattened tensor) in
+        ceil(log2 n) steps, each one kernel adding (multiplying) the running result shifted by 1, 2, 4, ... elements
+        (Hillis-Steele): O(n log n) work, never an n x n product."""
+        x = self.flatten() if axis is None else self
+        if x.dtype.is_bool:
+            x = x.cast(dtypes.int32)  # (PyTorch: bool and ints sum in int64; here in int32, like sum)
+        narrow = x.dtype.is_float and x.dtype.itemsize < 4
+        out_dt = x.dtype
+        if narrow:
+            x = x.float()
+        a = _norm_axis(0 if axis is None else axis, x.ndim)
+        n = x.shape[a] if x.ndim else 1
+        fill = 0 if op == "add" else 1
+        shift = 1
+        while shift < n:
+            moved = x.pad(tuple((shift, -shift) if d == a else (0, 0) for d in range(x.ndim)), value=fill)
+            x = (x + moved if op == "add" else x * moved)._own_kernel()
+            shift *= 2
+        return x.cast(out_dt) if narrow else x
+
+    @_dims
+    def cumsum(self, axis: Any = None) -> Tensor:
+        """Running sum along `axis` (also `dim=`; None: over the flattened tensor, like numpy). Same dtype (bool
+        becomes int32), shape and device; float16/bfloat16 accumulate in float32. A scan of ceil(log2 n) kernels.
+
+        >>> Tensor([1, 2, 3, 4]).cumsum(0).numpy_sync().tolist()
+        [1, 3, 6, 10]
+        """
+        return self._scan(axis, "add")
+
+    @_dims
+    def cumprod(self, axis: Any = None) -> Tensor:
+        """Running product along `axis` (also `dim=`; None: over the flattened tensor, like numpy). Same dtype (bool
+        becomes int32), shape and device; the gradient is exact with zeros in the input.
+
+        >>> Tensor([1.0, 2.0, 3.0]).cumprod(dim=0).numpy_sync().tolist()
+        [1.0, 2.0, 6.0]
+        """
+        return self._scan(axis, "mul")
+
+    def _own_kernel(self) -> Tensor:
+        """Self's values computed by a kernel of their own (a sum over a new size-1 axis: a reduce read by several
+        consumers gets its own buffer), for a step of a scan or a sorting network: each step reads the previous one
+        at two index maps, and without the boundary the scheduler would fuse a chain of earlier steps into each."""
+        return self.reshape(self.shape + (1,))._reduce("sum", self.ndim, False)
+
+    def _sort_order(self, axis: builtins.int, descending: builtins.bool) -> Tensor:
+        """The indices (int32) that sort self along `axis`: a bitonic sorting network over the axis padded to a power
+        of two m, built from the graph's own ops. Each of its log2(m)(log2(m)+1)/2 stages is one kernel: every element
+        reads its partner's index (a flip of the running order within a block), both values at those indices (two
+        gathers of the input), and keeps its own or takes the partner's. The comparison orders (value, index) pairs,
+        so the sort is stable; NaN sorts above every number (last ascending, first descending, as PyTorch); the padding
+        sorts after everything."""
+        a = _norm_axis(axis, self.ndim)
+        x = self.moveaxis(a, -1)
+        pre, n = x.shape[:-1], x.shape[-1]
+        b = prod(pre)
+        x = x.reshape(b, n)
+        if x.dtype.is_bool:
+            x = x.cast(dtypes.int32)
+        m = 1 << max(0, (n - 1).bit_length())
+        x = x.pad(((0, 0), (0, m - n)))
+        order = self._helper(np.arange(m, dtype=np.int32))
+        order = order.reshape(1, m)._broadcast_to((b, m))
+        is_float = x.dtype.is_float
+
+        def before(va: Tensor, ia: Tensor, vb: Tensor, ib: Tensor) -> Tensor:
+            """Whether (va, ia) sorts before (vb, ib)."""
+            ahead = va > vb if descending else va < vb
+            same = va == vb
+            if is_float:
+                na, nb = va != va, vb != vb
+                ahead = ahead | ((na & ~nb) if descending else (nb & ~na))
+                same = same | (na & nb)
+            return (ia < n) & ((ib >= n) | ahead | (same & (ia < ib)))
+
+        def stage(cur: Tensor, block: builtins.int, flip_axis: builtins.int, lo: np.ndarray) -> Tensor:
+            """One compare-exchange stage over pairs within blocks of `block` elements: an element's partner is its
+            mirror along `flip_axis` of the (b, m / block, *lo.shape) view; `lo` tells a pair's first element."""
+            shape = (b, m // block) + lo.shape
+            im, io = cur, cur.reshape(shape).flip(flip_axis).reshape(b, m)  # each element's partner's index
+            vm, vo = x.gather(1, im), x.gather(1, io)
+            first = self._helper(lo)  # whether this element is its pair's first
+            first_m = first.reshape((1, 1) + lo.shape)._broadcast_to(shape).reshape(b, m)
+            take = Tensor.where(first_m, before(vo, io, vm, im), before(vm, im, vo, io))
+            return Tensor.where(take, io, im)._own_kernel()
+
+        k = 2
+        while k <= m:  # merge sorted runs of k/2 into runs of k: a flip stage, then half-cleaners of k/4 ... 1
+            order = stage(order, k, 2, np.arange(k) < k // 2)
+            j = k // 4
+            while j >= 1:
+                order = stage(order, 2 * j, 2, np.array([[True] * j, [False] * j]))
+                j //= 2
+            k *= 2
+        order = order._shrink(((0, b), (0, n))).reshape(pre + (n,))
+        return order.moveaxis(-1, a)
+
+    @_dims
+    def sort(self, axis: builtins.int = -1, descending: builtins.bool = False,
+             stable: builtins.bool = True) -> ValuesIndices:
+        """Sort along `axis` (also `dim=`; default the last): a `ValuesIndices` (values, indices) pair like PyTorch's
+        `sort`; values of this dtype, indices int32 (like argmax), both on this device. Stable (equal values keep
+        their order, in both directions); NaN sorts above every number (last ascending, first with `descending`), as
+        in PyTorch (`stable` is accepted for PyTorch's signature: the sort is always stable). A bitonic sorting
+        network in the graph (one kernel a stage, about log2(n)^2 / 2 of them), no host round trip; the values'
+        gradient flows back to the positions they came from.
+
+        >>> values, indices = Tensor([3.0, 1.0, 2.0]).sort()
+        >>> values.numpy_sync().tolist(), indices.numpy_sync().tolist()
+        ([1.0, 2.0, 3.0], [1, 2, 0])
+        """
+        if not self.ndim:
+            return ValuesIndices(self, self._const_like(0, dtype=dtypes.int32))
+        order = self._sort_order(axis, descending)
+        return ValuesIndices(self.gather(axis, order), order)
+
+    @_dims
+    def argsort(self, axis: builtins.int = -1, descending: builtins.bool = False,
+                stable: builtins.bool = True) -> Tensor:
+        """The int32 indices that sort this tensor along `axis` (also `dim=`; default the last), always stable, NaN
+        last (first with `descending`); on this device. See `sort`.
+
+        >>> Tensor([3, 1, 2]).argsort(descending=True).numpy_sync().tolist()
+        [0, 2, 1]
+        """
+        if not self.ndim:
+            return self._const_like(0, dtype=dtypes.int32)
+        return self._sort_order(axis, descending)
+
+    @_dims
+    def topk(self, k: builtins.int, axis: builtins.int = -1, largest: builtins.bool = True,
+             sorted: builtins.bool = True) -> ValuesIndices:
+        """The `k` largest (smallest with `largest=False`) elements along `axis` (also `dim=`; default the last): a
+        `ValuesIndices` pair like PyTorch's `topk`, values of this dtype and int32 indices on this device, in sorted
+        order (also with `sorted=False`); ties keep the lower index first. Built on `sort`; the values' gradient flows
+        back to where they came from.
+
+        >>> Tensor([1.0, 5.0, 3.0, 4.0]).topk(2).indices.numpy_sync().tolist()
+        [1, 3]
+        """
+        n = self.shape[_norm_axis(axis, self.ndim)] if self.ndim else 1
+        if not 0 <= k <= n:
+            raise ArgumentError(f"topk k={k} is out of range for an axis of size {n}")
+        if not self.ndim:
+            return self.sort()
+        a = _norm_axis(axis, self.ndim)
+        order = self._sort_order(a, largest)
+        order = order._shrink([(0, k) if d == a else (0, s) for d, s in enumerate(order.shape)])
+        return ValuesIndices(self.gather(a, order), order)
+
+    @staticmethod
+    def einsum(subscripts: str, *operands: Any) -> Tensor:
+        """Einstein summation (numpy's/PyTorch's `einsum`): `"ij,jk->ik"`, `"bij,bjk->bik"`, `"ii->i"` (a diagonal),
+        `"ij->"`, or the implicit form `"ij,jk"` (the output: the letters used once, sorted). Operands may be given as
+        one list. Size-1 axes broadcast; `...` is not supported. Built as one broadcast product and a sum (the matmul
+        path), so it fuses and differentiates like matmul. Promoted dtype, the operands' device. Also `azyx.einsum`.
+
+        >>> a = Tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> Tensor.einsum("ij,jk->ik", a, a).numpy_sync().tolist()
+        [[7.0, 10.0], [15.0, 22.0]]
+        """
+        if len(operands) == 1 and isinstance(operands[0], list | tuple):
+            operands = tuple(operands[0])
+        eq = subscripts.replace(" ", "")
+        if "..." in eq:
+            raise ArgumentError(f"einsum {subscripts!r}: '...' is not supported; name every axis")
+        lhs, arrow, out = eq.partition("->")
+        terms = lhs.split(",")
+        letters = "".join(terms)
+        if not arrow:
+            out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        if len(terms) != len(operands):
+            raise ArgumentError(f"einsum {subscripts!r} names {len(terms)} operands, got {len(operands)}")
+        if not all(c.isalpha() for c in letters + out) or len(set(out)) != len(out) or not set(out) <= set(letters):
+            raise ArgumentError(f"einsum {subscripts!r}: subscripts must be letters, the output's unique and used in "
+                                f"an input")
+        ts = [t if isinstance(t, Tensor) else Tensor(t) for t in operands]
+        order = list(out) + sorted(set(letters) - set(out))  # the output's axes, then the summed ones
+        sizes: dict[str, builtins.int] = {}
+        product: Tensor | None = None
+        for term, t in zip(terms, ts):
+            if len(term) != t.ndim:
+                raise ShapeError(f"einsum {subscripts!r}: {term!r} names {len(term)} axes of a tensor of shape "
+                                 f"{t.shape}")
+            while len(set(term)) < len(term):  # a letter twice: the diagonal of those two axes
+                c = next(c for c in term if term.count(c) > 1)
+                i, j = term.index(c), term.index(c, term.index(c) + 1)
+                t, term = t._diagonal(i, j), term[:j] + term[j + 1:]
+            for c, s in zip(term, t.shape):
+                if sizes.get(c, 1) not in (1, s) and s != 1:
+                    raise ShapeError(f"einsum {subscripts!r}: axis {c!r} has sizes {sizes[c]} and {s}")
+                sizes[c] = max(sizes.get(c, 1), s)
+            perm = sorted(range(len(term)), key=lambda d: order.index(term[d]))
+            t = t.permute(*perm) if perm else t
+            present = [term[d] for d in perm]
+            t = t.reshape(tuple(t.shape[present.index(c)] if c in present else 1 for c in order))
+            product = t if product is None else product * t
+        assert product is not None
+        product = product._broadcast_to(tuple(sizes[c] for c in order))
+        summed = tuple(range(len(out), len(order)))
+        return product._reduce("sum", summed, False) if summed else product
+
+    def _diagonal(self, i: builtins.int, j: builtins.int) -> Tensor:
+        """The diagonal of axes i < j (of equal size n): axis j removed, axis i indexing the diagonal (a view)."""
+        n = self.shape[i]
+        if self.shape[j] != n:
+            raise ShapeError(f"a diagonal of axes {i} and {j} needs equal sizes, got shape {self.shape}")
+        x = self.moveaxis(j, -1).moveaxis(i, -2)
+        x = x.reshape(x.shape[:-2] + (n * n,))._stride(x.ndim - 2, n + 1)
+        return x.moveaxis(-1, i)
+
+
+def _refuse_mask(index: Any) -> None:
+    """A boolean mask as an index (`x[x > 3]`) has a data-dependent shape, which a lazy graph cannot have: raise,
+    naming what to use instead."""
+    dt = index.dtype if isinstance(index, Tensor) else np.asarray(index).dtype
+    if dt == dtypes.bool or dt == np.bool_:
+        raise DTypeError("a boolean mask index (`x[mask]`) has a shape known only from the data, which a lazy graph "
+                         "cannot have; use `Tensor.where(mask, x, fill)` or `x.masked_fill(~mask, fill)` to keep the "
+                         "shape, or read the values first: `(await x.numpy())[await mask.numpy()]`")
+
+
+def _as_dtype(x: Any) -> DType | None:
+    """`x` as a dtype where it names one (a DType, numpy dtype or type, dtype name), else None (a device name)."""
+    if isinstance(x, str) and ":" in x:
+        return None
+    try:
+        return to_dtype(x)
+    except DTypeError:
+        return None
 
 
 def _key_axes(key: tuple, shape: Shape) -> list[tuple[Any, int | None]]:

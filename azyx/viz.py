@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
 
 
 def plot_graph(tensors: Tensor | Sequence[Tensor], path: str | Path) -> Path:
-    """Write the graph reachable from `tensors` to `path` (.dot); also render `path` with .svg/.png if asked
-    for that suffix and Graphviz is installed. Returns the path written."""
+    """Write the graph reachable from `tensors` to `path` (.dot); also render `path` with .svg/.png/.pdf if asked
+    for that suffix and Graphviz is installed. Without Graphviz it writes the .dot beside it and warns
+    (RuntimeWarning). Returns the path written."""
     ts = [tensors] if not isinstance(tensors, Sequence) else list(tensors)
     lines = ["digraph azyx {", "  rankdir=BT; node [shape=box, fontname=monospace, fontsize=10];"]
     seen: set[int] = set()
@@ -47,6 +49,8 @@ def plot_graph(tensors: Tensor | Sequence[Tensor], path: str | Path) -> Path:
         if shutil.which("dot"):
             subprocess.run(["dot", f"-T{path.suffix[1:]}", str(dot_path), "-o", str(path)], check=True)
             return path
+        warnings.warn(f"plot_graph: Graphviz's `dot` is not installed, so {path} was not rendered; wrote the graph "
+                      f"as {dot_path} instead (install Graphviz to render it)", RuntimeWarning, stacklevel=2)
         return dot_path
     path.write_text(dot_text)
     return path
