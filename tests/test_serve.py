@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from service_checks import check_lateness_is_kept, raw_request  # noqa: E402
 from test_minilm import es  # noqa: E402  (the example, loaded once)
 
 from azyx.models.service import Limits  # noqa: E402
@@ -100,17 +100,6 @@ async def serving(app: Any) -> AsyncIterator[tuple[Any, int]]:
 def cosine(a: Any, b: Any) -> float:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
-
-
-async def raw_request(port: int, head: bytes, body_part: bytes) -> bytes:
-    """What the server answers a request whose headers and first body bytes are sent and the rest never is."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(head + body_part)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(1 << 16), 30)
-    finally:
-        writer.close()
 
 
 async def test_one_request_never_hurts_another(model: Any) -> None:
@@ -195,11 +184,5 @@ async def test_one_request_never_hurts_another(model: Any) -> None:
         assert service.stats.dropped > 100 and service.stats.sentences - before < 128, service.stats
         assert (await client.post("/embed", json={"sentences": [sentences[2]]})).status_code == 200
 
-        # /stats' worst lateness is no client's to reset: a stall of the loop (this test shares it with the server)
-        # stays reported however often /stats is read
-        time.sleep(0.06)
-        first = (await client.get("/stats")).json()
-        second = (await client.get("/stats")).json()
-        assert first["worst_lateness_ms"] >= 50 and second["worst_lateness_ms"] >= first["worst_lateness_ms"]
-        assert second["window_lateness_ms"] >= 50
-        assert (await client.get("/stats?window=abc")).status_code == 400
+        # /stats' worst lateness is no client's to reset
+        await check_lateness_is_kept(client)
