@@ -1,11 +1,30 @@
 """Checks shared by the services' tests (tests/test_serve.py, tests/test_generate_service.py, tests/test_soak.py):
-a request sent as raw bytes whose body never finishes, and /stats figures that no GET resets."""
+bench/soak.py's helpers (`soak.served`: an app on uvicorn with an httpx client; `soak.gen_stream`: a /generate
+stream's events; `soak.load_example`), a request sent as raw bytes whose body never finishes, and /stats figures
+that no GET resets."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_soak() -> Any:
+    if "soak" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules["soak"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["soak"])
+    return sys.modules["soak"]
+
+
+soak = _load_soak()
 
 
 async def raw_request(port: int, head: bytes, body_part: bytes) -> bytes:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.util
 import json
 import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,19 +20,15 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from service_checks import check_lateness_is_kept, raw_request  # noqa: E402
+from service_checks import check_lateness_is_kept, raw_request, soak  # noqa: E402
 from test_gpt2 import build_checkpoint, hf_greedy, transformers  # noqa: E402  (the same small checkpoint)
 
 import azyx  # noqa: E402
 from azyx.models import load_tokenizer  # noqa: E402
 from azyx.models.service import Limits  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("generate_service", ROOT / "examples" / "generate_service.py")
-assert spec is not None and spec.loader is not None
-gs = importlib.util.module_from_spec(spec)
-sys.modules["generate_service"] = gs
-spec.loader.exec_module(gs)
+gs = soak.load_example("generate_service")
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -75,18 +69,7 @@ async def serving(checkpoint: Path, slots: int, waiting: int = 16, limits: Any =
         await task
 
 
-async def events(client: Any, body: dict[str, Any], keep: int | None = None) -> list[dict[str, Any]]:
-    """The data of a /generate stream's events; with `keep`, the client goes away after that many."""
-    out: list[dict[str, Any]] = []
-    async with client.stream("POST", "/generate", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                out.append(json.loads(line[6:]))
-                if keep is not None and len(out) >= keep:
-                    break
-    return out
+events = soak.gen_stream  # (client, body, keep=None): a /generate stream's events; `keep`: the client leaves then
 
 
 async def test_streams_match_transformers_while_more_clients_than_slots_share_the_batch(checkpoint: Path,

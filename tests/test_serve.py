@@ -10,7 +10,6 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from service_checks import check_lateness_is_kept, raw_request  # noqa: E402
+from service_checks import check_lateness_is_kept, raw_request, soak  # noqa: E402
 from test_minilm import es  # noqa: E402  (the example, loaded once)
 
 from azyx.models.service import Limits  # noqa: E402
@@ -79,24 +78,6 @@ async def test_the_service_answers_concurrent_http_requests_with_their_own_scale
         await serving
 
 
-@asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[tuple[Any, int]]:
-    """(an httpx client, the port) of `app` served by uvicorn on a free port of 127.0.0.1, warmed up."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            while not server.started:  # (uvicorn sets it once the lifespan has run: the model is warm)
-                await asyncio.sleep(0.01)
-            yield client, port
-    finally:
-        server.should_exit = True
-        await task
-
-
 def cosine(a: Any, b: Any) -> float:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
@@ -108,7 +89,7 @@ async def test_one_request_never_hurts_another(model: Any) -> None:
     app = es.make_app(model=model, max_batch=8, limits=limits)
     sentences = REFERENCE["sentences"]
     want = np.array(REFERENCE["embeddings"], np.float32)
-    async with serving(app) as (client, port):
+    async with soak.served(app) as (client, port):
         service = app.state.service["service"]
 
         # a lone surrogate (valid JSON) among 60 concurrent requests: 400 for it, its neighbours answered exactly
