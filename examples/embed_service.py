@@ -290,12 +290,16 @@ class EmbeddingService:
         if self.queued + len(sentences) > self.max_queued:
             raise QueueFull(f"{self.queued} sentences are queued; {len(sentences)} more exceed the limit of "
                             f"{self.max_queued}")
-        big = sum(len(s) for s in sentences) > TOKENIZE_ON_LOOP_CHARS
-        encoded = await asyncio.to_thread(self.model.encode, sentences) if big else self.model.encode(sentences)
+        self.queued += len(sentences)  # (their place in the queue, taken before tokenizing)
+        try:
+            big = sum(len(s) for s in sentences) > TOKENIZE_ON_LOOP_CHARS
+            encoded = await asyncio.to_thread(self.model.encode, sentences) if big else self.model.encode(sentences)
+        except BaseException:
+            self.queued -= len(sentences)
+            raise
         job = _Job(deque(enumerate(encoded)), np.zeros((len(encoded), self.model.hidden), np.float32),
                    asyncio.get_running_loop().create_future(), len(encoded))
         self.jobs.append(job)
-        self.queued += len(encoded)
         self.arrived.set()
         try:
             return await job.future

@@ -158,12 +158,22 @@ async def test_one_request_never_hurts_another(model: Any) -> None:
                 break
             await asyncio.sleep(0)
         leaving.cancel()
-        for _ in range(1_000_000):  # until the server has seen it go
-            if not service.queued:
-                break
-            await asyncio.sleep(0)
+        await soak.settle(lambda: not service.queued)  # until the server has seen it go
         assert service.stats.dropped > 100 and service.stats.sentences - before < 128, service.stats
         assert (await client.post("/embed", json={"sentences": [sentences[2]]})).status_code == 200
+        # queued work is bounded: four callers of 300 sentences at once, 1000 may queue: one is told to come back
+        # (at once), then the others leave (their sentences dropped)
+        crowd = [asyncio.create_task(client.post("/embed", json={"sentences": many[:250] + many[:50]}))
+                 for _ in range(4)]
+        done, pending = await asyncio.wait(crowd, return_when=asyncio.FIRST_COMPLETED)
+        first = done.pop().result()
+        assert first.status_code == 503 and first.headers["retry-after"] == "1", first.text
+        assert len(pending) == 3
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await soak.settle(lambda: not service.queued)
+        assert (await client.post("/embed", json={"sentences": [sentences[3]]})).status_code == 200
 
         # /stats' worst lateness is no client's to reset
         await check_lateness_is_kept(client)
