@@ -18,6 +18,9 @@ cache pooled in slots, and a generation engine that decodes many sequences in on
   plans or compiles again; both are staged with `azyx.jit`, so a step replays its plan without building the
   graph), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
   a runner task admits new requests between steps, so requests join and leave the running batch at any step.
+  Each sequence is a state machine (new, waiting, prefilling, active, then finished; "finishing" when ended while
+  its prefill runs) whose end frees whatever it holds in every state; a request's own failure (its prefill, its
+  sampling values, its step) ends that request with the error, and the runner keeps serving the others.
 - Sampling runs on the device, every knob per request and a runtime value: temperature (0: greedy), top-k, top-p
   (Hugging Face's rules: top-k keeps ties with the k-th logit, top-p keeps the smallest set of most likely tokens
   whose mass reaches p), then one draw from the kept distribution with a uniform number from the request's own
