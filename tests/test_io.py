@@ -426,6 +426,13 @@ MALFORMED: dict[str, tuple[Any, bytes, int | None, str]] = {
                               "needs 12 bytes"),
     "negative_dim": ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
                      "non-negative"),
+    # a zero among the dimensions makes 0 bytes, but no array has a dimension of 2**62 * 2**62 elements
+    "huge_dims_of_no_bytes": ({"b": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]},
+                               **_ok_header(1)}, b"\0" * 4, None, "too large"),
+    "zero_then_huge_dims": ({"b": {"dtype": "U8", "shape": [0, 2**63], "data_offsets": [0, 0]}, **_ok_header(1)},
+                            b"\0" * 4, None, "too large"),
+    "one_huge_dim": ({"a": {"dtype": "F32", "shape": [2**62], "data_offsets": [0, 2**64]}}, b"\0" * 4, None,
+                     "too large"),
     "offsets_not_pair": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}, b"\0" * 4, None,
                          "data_offsets"),
     "offsets_reversed": ({"a": {"dtype": "F32", "shape": [0], "data_offsets": [4, 0]}}, b"\0" * 4, None,

