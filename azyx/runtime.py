@@ -95,8 +95,8 @@ class Runtime:
         return self._executor or self._base()
 
     def _base(self) -> UnifiedExecutor:
-        """The runtime's start: configuration read and checked, the executor with host memory and the disk, the worker
-        threads. No backend is probed here (see `ensure`)."""
+        """The runtime's start: configuration read and checked, the executor with host memory and the disk. No backend
+        is probed here, and no worker thread started (`ensure` does both)."""
         with self.lock:
             if self._executor is not None:
                 return self._executor
@@ -106,7 +106,7 @@ class Runtime:
             ex = UnifiedExecutor()
             ex.add_device(HostMemory(0, {}))
             ex.add_device(DiskDevice())  # file-backed tensors (azyx.io): not a compute device, never listed
-            workers.start()
+            _config.auto_backends(self.cfg)
             self._executor = ex
             return ex
 
@@ -127,6 +127,7 @@ class Runtime:
         todo = [k for k in kinds if k not in self.probes]
         if not todo:
             return
+        workers.start()  # (starting them waits for each thread to run: tens of ms on a busy machine)
         assert self.cfg is not None
         with self.probe_lock:
             for kind in todo:
@@ -148,13 +149,25 @@ class Runtime:
                 self.probes[kind] = record
 
     def probe_in_background(self, kinds: list[str]) -> None:
-        """Probe the backends of `kinds` on a worker thread, starting now (`probed` waits for it)."""
+        """Probe the backends of `kinds` on a thread of its own, starting now (`probed` waits for it); it starts the
+        worker threads too, which the loop's thread would wait for."""
         with self.lock:
             todo = [k for k in kinds if k not in self.probes and k not in self.probing_kinds]
             if not todo:
                 return
             self.probing_kinds.update(todo)
-            self.probing.append(workers.start_in_worker_thread(self.ensure, todo))
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self.probing.append(fut)
+        threading.Thread(target=self._probe, args=(todo, fut), name="azyx-probe", daemon=True).start()
+
+    def _probe(self, kinds: list[str], fut: concurrent.futures.Future[None]) -> None:
+        workers.lower_priority()
+        try:
+            self.ensure(kinds)
+        except BaseException as e:  # (a bug: the realize that waits raises it)
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
 
     async def probed(self) -> None:
         """Wait, without blocking the event loop, for the probes `probe_in_background` started (a realize waits here
