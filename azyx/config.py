@@ -5,7 +5,6 @@ from code."""
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import os
 from pathlib import Path
@@ -73,6 +72,8 @@ def cache_dir() -> Path:
 
 def _unknown(what: str, name: Any, known: list[str]) -> ConfigError:
     """The error for a section or key azyx does not know, naming it, the nearest known name, and all of them."""
+    import difflib  # (a typo's path only)
+
     near = difflib.get_close_matches(str(name), known, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     return ConfigError(f"unknown config {what} {name!r}{hint}; known: {', '.join(known)}")

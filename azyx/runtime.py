@@ -87,6 +87,7 @@ class Runtime:
         self.probe_lock = threading.RLock()
         self.probing: list[concurrent.futures.Future[None]] = []  # probes under way on worker threads
         self.probing_kinds: set[str] = set()
+        self.workers_started = False
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -127,7 +128,12 @@ class Runtime:
         todo = [k for k in kinds if k not in self.probes]
         if not todo:
             return
-        workers.start()  # (starting them waits for each thread to run: tens of ms on a busy machine)
+        if not self.workers_started:  # (starting them waits for each thread to run: tens of ms on a busy machine)
+            self.workers_started = True
+            if _on_event_loop():
+                threading.Thread(target=workers.start, name="azyx-start", daemon=True).start()
+            else:
+                workers.start()
         assert self.cfg is not None
         with self.probe_lock:
             for kind in todo:
