@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from azyx.backends import BACKENDS
 from azyx.config import ConfigError
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
@@ -64,13 +65,23 @@ def devices() -> list[str]:
     return RT.device_names()
 
 
-async def start(*backends: str) -> None:
+async def start(*backends: str) -> list[str]:
     """Start the runtime off the event loop: read the configuration, probe the backends (driver loading, device
-    contexts) on a worker thread while the loop stays free. With no argument every backend, so that `azyx.devices()`
-    answers at once afterwards; else the backends named (`"c"`, `"cuda"`) or those of the devices named (`"c:0"`).
-    A service awaits it before it serves; without it, the first realize does the same for the devices it needs."""
-    kinds = [b.partition(":")[0] for b in backends] if backends else None
+    contexts) on a worker thread while the loop stays free, and return their devices in `devices()`'s order (the
+    async form of `devices()`). With no argument every backend, so that `azyx.devices()` answers at once afterwards;
+    else the backends named (`"c"`, `"cuda"`) or those of the devices named (`"c:0"`). A service awaits it before it
+    serves; without it, the first realize does the same for the devices it needs.
+
+    >>> import asyncio, azyx
+    >>> "c:0" in asyncio.run(azyx.start("c"))
+    True
+    """
+    kinds = [b.partition(":")[0] if isinstance(b, str) else b for b in backends] if backends else None
+    for kind, name in zip(kinds or [], backends):
+        if kind not in BACKENDS:
+            raise DeviceError(f"unknown backend {name!r}; backends: {', '.join(BACKENDS)}")
     await RT.startup(kinds)
+    return RT.device_names(kinds)
 
 
 def configure(cfg: dict[str, Any]) -> None:

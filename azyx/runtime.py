@@ -226,12 +226,13 @@ class Runtime:
         """Every device started so far (this starts nothing: none before the runtime starts)."""
         return self._executor.devices if self._executor is not None else {}
 
-    def device_names(self) -> list[str]:
-        """Every compute device of every backend (probing those not probed yet, on this thread): AUTO's candidates
-        first, in AUTO's order, then the others by the same rule."""
-        self.ensure(BACKENDS)
+    def device_names(self, kinds: Iterable[str] | None = None) -> list[str]:
+        """Every compute device of the backends of `kinds` (None: every backend), probing those not probed yet on this
+        thread: AUTO's candidates first, in AUTO's order, then the others by the same rule."""
+        kinds = list(BACKENDS if kinds is None else kinds)
+        self.ensure(kinds)
         auto = self.auto_kinds()
-        devs = [d for d in self.executor.devices.values() if d.listed and d.failed is None]
+        devs = [d for d in self.executor.devices.values() if d.listed and d.failed is None and d.kind in kinds]
         devs.sort(key=lambda d: (d.kind not in auto, -d.compute, d.name))
         return [d.name for d in devs]
 

@@ -225,3 +225,12 @@ def test_doctor_exits_zero_where_devices_compute_and_nonzero_where_none_can(tmp_
 def test_a_bad_command_exits_2() -> None:
     out = run("azyx", "nonsense", module=True, check=False)
     assert out.returncode == 2 and "nonsense" in out.stderr
+
+
+def test_start_returns_its_backends_devices_and_refuses_an_unknown_backend() -> None:
+    import asyncio
+
+    names = asyncio.run(azyx.start("c"))
+    assert names == [n for n in azyx.devices() if n.startswith("c:")] and "c:0" in names
+    with pytest.raises(azyx.DeviceError, match="'gpu'"):
+        asyncio.run(azyx.start("gpu"))
