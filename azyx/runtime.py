@@ -158,7 +158,7 @@ class Runtime:
         """Probe the backends of `kinds` on a thread of its own, starting now (`probed` waits for it); it starts the
         worker threads too, which the loop's thread would wait for."""
         with self.lock:
-            todo = [k for k in kinds if k not in self.probes and k not in self.probing_kinds]
+            todo = [k for k in kinds if k in BACKENDS and k not in self.probes and k not in self.probing_kinds]
             if not todo:
                 return
             self.probing_kinds.update(todo)

@@ -208,6 +208,8 @@ class GPT2(nn.Module):
         or unknown tensor, `ShapeError` for a tensor of the wrong shape, `DeviceError` for an unknown device."""
         p = Path(path)
         directory, weights = (p, p / "model.safetensors") if p.is_dir() else (p.parent, p)
+        # the device's backend (AUTO's for None) probed off the loop: a driver's start takes up to seconds
+        await RT.startup([device.partition(":")[0]] if isinstance(device, str) else RT.auto_kinds())
         model = GPT2(GPT2Config.from_json(directory / "config.json"), dtype, device)
         params = dict(model.named_parameters())
         loaded: set[str] = set()
