@@ -202,8 +202,7 @@ class Runtime:
         self.plan_cache.clear()
 
     def shutdown(self) -> None:
-        for fut in list(self.probing):  # (a probe under way finishes first: its devices are closed below)
-            fut.result()
+        concurrent.futures.wait(list(self.probing))  # (a probe under way finishes first: its devices are closed below)
         with self.lock:
             self.probing.clear()
             self.probing_kinds.clear()
@@ -219,8 +218,20 @@ class Runtime:
             kind = name.partition(":")[0]
             if kind in BACKENDS and kind not in self.probes:
                 self.ensure([kind])
-            return self.executor.context(name)
+            dev = self.executor.devices.get(name)
+            if dev is None:
+                raise self.unknown(name)
         return dev
+
+    def unknown(self, device: str) -> DeviceError:
+        """The error for a device that does not exist: the devices that do, and why its backend has none."""
+        kind = device.partition(":")[0]
+        record = self.probes.get(kind)
+        why = f" (backend {kind} skipped: {record.skipped})" if record is not None and record.skipped else ""
+        names = [n for n, d in self.executor.devices.items() if d.listed]
+        later = [k for k in BACKENDS if k not in self.probes]
+        more = f" (backends not probed yet: {', '.join(later)})" if later else ""
+        return DeviceError(f"unknown device {device!r}{why}; available: {', '.join(names) or 'none'}{more}")
 
     def started_devices(self) -> dict[str, Device]:
         """Every device started so far (this starts nothing: none before the runtime starts)."""
@@ -283,7 +294,7 @@ class Runtime:
             self.ensure([kind])
             if name in ex.devices:
                 return name
-        raise DeviceError(f"unknown device {device!r}; available: {', '.join(ex.devices) or 'none'}")
+        raise self.unknown(device)
 
     def resolve_device(self, device: str | None, nbytes: int) -> tuple[str, bool]:
         """AUTO (None): the first device of `auto_order` that has room; else the named device, pinned. What is made

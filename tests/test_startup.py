@@ -234,3 +234,20 @@ def test_start_returns_its_backends_devices_and_refuses_an_unknown_backend() -> 
     assert names == [n for n in azyx.devices() if n.startswith("c:")] and "c:0" in names
     with pytest.raises(azyx.DeviceError, match="'gpu'"):
         asyncio.run(azyx.start("gpu"))
+
+
+def test_a_device_of_a_skipped_backend_says_why() -> None:
+    script = """
+import asyncio, sys, azyx
+sys.modules["pyopencl"] = None  # (as where it is not installed)
+
+async def main():
+    try:
+        await (azyx.Tensor([1.0], device="opencl:0") + 1).realize()
+    except azyx.DeviceError as e:
+        print(e)
+
+asyncio.run(main())
+"""
+    out = run(script).stdout
+    assert "'opencl:0'" in out and "backend opencl skipped" in out and "pyopencl" in out and "c:0" not in out, out
