@@ -201,7 +201,7 @@ def test_devices_lists_auto_candidates_first_then_the_rest() -> None:
 
 # ------------------------------------------------------------------------------------------------ the command
 def test_python_m_azyx_reports_version_devices_skipped_backends_and_caches() -> None:
-    out = run("azyx", module=True, env={"XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME", "")})
+    out = run("azyx", module=True)
     text = out.stdout
     assert out.stderr == ""
     assert text.startswith("azyx ") and "native core: " in text

@@ -112,7 +112,11 @@ def quiet() -> Iterator[list[str]]:
     with _QUIET, tempfile.TemporaryFile() as tmp:
         with contextlib.suppress(Exception):
             sys.stderr.flush()
-        saved = os.dup(2)
+        try:
+            saved = os.dup(2)
+        except OSError:  # (no stderr to capture: a daemon's)
+            yield out
+            return
         os.dup2(tmp.fileno(), 2)
         try:
             yield out
