@@ -2,8 +2,8 @@
 
     azyx            the report: version, the native core, every device with its memory and speed estimate, every
                     backend skipped and why, the configuration file and cache directories
-    azyx doctor     the report, then a small computation on every device checked against numpy; exits 1 where no
-                    device computes correctly (2 on a bad command line)
+    azyx doctor     the report, then a small computation on every device checked against numpy; exits 1 where a
+                    device fails or none can run (or the configuration is not one; 2 on a bad command line)
 
 Each subcommand is a function of its parsed arguments that returns the exit status (`COMMANDS`).
 """
@@ -134,4 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     """The `azyx` command's entry point: returns its exit status."""
     args: Any = parser().parse_args(argv)
     fn, _ = COMMANDS[args.command or "info"]
-    return fn(args)
+    try:
+        return fn(args)
+    except azyx.AzyxError as e:  # (a configuration that is not one, say: said plainly, no traceback)
+        print(f"azyx: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

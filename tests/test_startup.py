@@ -222,6 +222,14 @@ def test_doctor_exits_zero_where_devices_compute_and_nonzero_where_none_can(tmp_
     assert "c          disabled in the configuration" in out.stdout
 
 
+def test_the_command_names_a_config_typo_without_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"c": {"treads": 2}}))
+    out = run("azyx", "doctor", module=True, env={"AZYX_CONFIG": str(path)}, check=False)
+    assert out.returncode == 1 and "ConfigError" in out.stderr and "'c.treads'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_a_bad_command_exits_2() -> None:
     out = run("azyx", "nonsense", module=True, check=False)
     assert out.returncode == 2 and "nonsense" in out.stderr
