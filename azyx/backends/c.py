@@ -117,21 +117,23 @@ def _entries(arity: dict[str, int], kinds: dict[str, int], scalars: dict[str, li
 
 @functools.cache
 def _cpu() -> dict[str, str]:
-    """The CPU's model name and ISA flags (/proc/cpuinfo's first processor; empty where there is none)."""
-    out = {"cpu": platform.processor() or platform.machine(), "isa": ""}
+    """The CPU's model name and ISA flags (/proc/cpuinfo's first processor; empty where there is none). Where
+    /proc/cpuinfo names no model, the processor Python's `platform` reports (a subprocess on Linux: read last)."""
+    out = {"cpu": "", "isa": ""}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return out
+        text = ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "model name" and out["cpu"] in ("", platform.processor() or platform.machine()):
+        if key == "model name" and not out["cpu"]:
             out["cpu"] = value.strip()
         elif key in ("flags", "Features") and not out["isa"]:
             out["isa"] = " ".join(sorted(value.split()))
         elif not line.strip() and out["isa"]:
             break
+    out["cpu"] = out["cpu"] or platform.processor() or platform.machine()
     return out
 
 
