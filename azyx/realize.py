@@ -52,6 +52,8 @@ SPIN_MAX = 1e-3  # the longest a realize queries for its work's completion on an
 
 async def realize(*tensors: Handle) -> None:
     """Compute all `tensors` in one plan; returns when their buffers are ready."""
+    if RT.probing:  # a backend a tensor names is being probed (off the loop): plan once it has its devices
+        await RT.probed()
     if (fut := _gate()) is not None:  # (before submit's coroutine: a crowd's first loop iteration holds 200 of these)
         await _pace(fut)
     try:
@@ -119,6 +121,8 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
     buffers bound to the walk's leaves (None, None, [] when everything was realized already). `gated`: the caller
     has had its turn on a crowded loop already (`_gate`); `walk`: the caller's walk of a graph the cache lacked."""
     rt = RT
+    if rt.probing:
+        await rt.probed()
     if not gated and (fut := _gate()) is not None:
         await _pace(fut)
     while True:

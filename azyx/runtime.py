@@ -1,14 +1,19 @@
 """The one Runtime: configuration, devices, executor, plan cache, program compilation, random state.
 
-Devices start lazily, on first use, so `azyx.configure()` can run first. The graph outlives restarts.
+Devices start lazily, so `azyx.configure()` can run first: each backend is probed when first needed (a device of it
+named, AUTO's backends for an AUTO tensor, every backend for `azyx.devices()`), and a device named on an event loop's
+thread has its backend probed on a worker thread while the first realize waits (`await azyx.start()` probes them all
+before a service serves). The graph outlives restarts.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import itertools
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -16,7 +21,7 @@ import sniffio
 
 from azyx import config as _config
 from azyx import debug, optimize, search, workers
-from azyx.backends import BACKENDS, load_backend
+from azyx.backends import BACKENDS, Probe, probe
 from azyx.backends.disk import DiskDevice
 from azyx.backends.host import HostMemory
 from azyx.device import Buffer, Device
@@ -78,44 +83,117 @@ class Runtime:
         self.planning: dict[tuple, InFlight] = {}  # a walk's key -> the realize planning and compiling it
         self.compiled = 0  # kernels handed to a device's compiler (a new scalar value must add none)
         self.planned = 0  # plans made (a crowd of realizes of one new graph makes one)
+        self.probes: dict[str, Probe] = {}  # backend kind -> what probing it found (each backend is probed once)
+        self.probe_lock = threading.RLock()
+        self.probing: list[concurrent.futures.Future[None]] = []  # probes under way on worker threads
+        self.probing_kinds: set[str] = set()
+        self.workers_started = False
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def executor(self) -> UnifiedExecutor:
-        if self._executor is None:
-            self.start()
-        assert self._executor is not None
-        return self._executor
+        """The executor, with host memory and the disk; a backend's devices join it when the backend is probed."""
+        return self._executor or self._base()
 
-    def start(self) -> None:
+    def _base(self) -> UnifiedExecutor:
+        """The runtime's start: configuration read and checked, the executor with host memory and the disk. No backend
+        is probed here, and no worker thread started (`ensure` does both)."""
         with self.lock:
             if self._executor is not None:
-                return
+                return self._executor
             self.cfg = _config.load(self.overrides)
             self.plan_cache.capacity = _config.plan_cache_size(self.cfg)
             _config.search_settings(self.cfg)  # a bad search level or budget fails here, naming the value
             ex = UnifiedExecutor()
             ex.add_device(HostMemory(0, {}))
-            for kind in BACKENDS:
-                section = self.cfg.get(kind, {})
-                if not section.get("enabled", kind != "dummy"):
-                    continue
-                try:
-                    device_class = load_backend(kind)
-                    for i in range(device_class.count(section)):
-                        ex.add_device(device_class(i, section))
-                except Exception as e:  # a missing package or driver disables that backend only
-                    debug.log(debug.DEVICES, f"backend {kind} skipped: {type(e).__name__}: {e}")
-            if not any(d.listed for d in ex.devices.values()):
-                debug.log(debug.DEVICES, "no compute device available")
             ex.add_device(DiskDevice())  # file-backed tensors (azyx.io): not a compute device, never listed
-            workers.start()
+            _config.auto_backends(self.cfg)
             self._executor = ex
+            return ex
+
+    def start(self, kinds: Iterable[str] | None = None) -> None:
+        """Start the runtime and probe the backends of `kinds` (every backend: None) here and now (see `startup`
+        for the same off the event loop)."""
+        self.ensure(BACKENDS if kinds is None else kinds)
+
+    async def startup(self, kinds: Iterable[str] | None = None) -> None:
+        """`start` on a worker thread: the event loop stays free while drivers are probed and contexts created."""
+        self.probe_in_background(list(BACKENDS if kinds is None else kinds))
+        await self.probed()
+
+    def ensure(self, kinds: Iterable[str]) -> None:
+        """Probe the backends of `kinds` that are not probed yet, on this thread (each backend once, ever: its
+        devices join the executor, or the probe says why it has none)."""
+        ex = self.executor
+        todo = [k for k in kinds if k not in self.probes]
+        if not todo:
+            return
+        if not self.workers_started:  # (starting them waits for each thread to run: tens of ms on a busy machine)
+            self.workers_started = True
+            if _on_event_loop():
+                threading.Thread(target=workers.start, name="azyx-start", daemon=True).start()
+            else:
+                workers.start()
+        assert self.cfg is not None
+        with self.probe_lock:
+            for kind in todo:
+                if kind in self.probes or kind not in BACKENDS:
+                    continue
+                record = probe(kind, self.cfg.get(kind, {}))
+                if record.skipped:
+                    debug.log(debug.DEVICES, f"backend {kind} skipped: {record.skipped}")
+                if record.stderr:
+                    debug.log(debug.DEVICES, f"backend {kind} wrote to stderr while probed:\n{record.stderr.rstrip()}")
+                if self._executor is not ex:  # (the runtime was shut down meanwhile: configure())
+                    for d in record.devices:
+                        d.close()
+                    return
+                # a new dict, not an insert: the loop's thread may be iterating the devices meanwhile
+                ex.devices = {**ex.devices, **{d.name: d for d in record.devices}}
+                for d in record.devices:
+                    debug.log(debug.DEVICES, f"device {d.name}: {d.capacity >> 20} MiB, ~{d.compute:.0f} GFLOP/s")
+                self.probes[kind] = record
+
+    def probe_in_background(self, kinds: list[str]) -> None:
+        """Probe the backends of `kinds` on a thread of its own, starting now (`probed` waits for it); it starts the
+        worker threads too, which the loop's thread would wait for."""
+        with self.lock:
+            todo = [k for k in kinds if k in BACKENDS and k not in self.probes and k not in self.probing_kinds]
+            if not todo:
+                return
+            self.probing_kinds.update(todo)
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self.probing.append(fut)
+        threading.Thread(target=self._probe, args=(todo, fut), name="azyx-probe", daemon=True).start()
+
+    def _probe(self, kinds: list[str], fut: concurrent.futures.Future[None]) -> None:
+        workers.lower_priority()
+        try:
+            self.ensure(kinds)
+        except BaseException as e:  # (a bug: the realize that waits raises it)
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+
+    async def probed(self) -> None:
+        """Wait, without blocking the event loop, for the probes `probe_in_background` started (a realize waits here
+        before it plans: its tensors may name a device whose backend was still being probed)."""
+        while self.probing:
+            fut = self.probing[0]
+            try:
+                await workers.result_of(fut)
+            finally:
+                with self.lock:
+                    if fut.done() and fut in self.probing:
+                        self.probing.remove(fut)
+                        if not self.probing:
+                            self.probing_kinds.clear()
 
     def configure(self, overrides: dict[str, Any]) -> None:
         merged = _config.merge(_config.DEFAULTS, overrides)  # validates the dict's shape and values
         _config.plan_cache_size(merged)
         _config.search_settings(merged)
+        _config.auto_backends(merged)
         if self._executor is not None:
             if len(GRAPH):
                 raise RuntimeStateError(f"configure() after tensors exist ({len(GRAPH)} live nodes); call it first")
@@ -124,58 +202,130 @@ class Runtime:
         self.plan_cache.clear()
 
     def shutdown(self) -> None:
+        concurrent.futures.wait(list(self.probing))  # (a probe under way finishes first: its devices are closed below)
         with self.lock:
+            self.probing.clear()
+            self.probing_kinds.clear()
             if self._executor is not None:
                 self._executor.close()
                 self._executor = None
+            self.probes.clear()
 
     # ------------------------------------------------------------------ devices
     def device(self, name: str) -> Device:
-        return self.executor.context(name)
+        dev = self.executor.devices.get(name)
+        if dev is None:
+            kind = name.partition(":")[0]
+            if kind in BACKENDS and kind not in self.probes:
+                self.ensure([kind])
+            dev = self.executor.devices.get(name)
+            if dev is None:
+                raise self.unknown(name)
+        return dev
+
+    def unknown(self, device: str) -> DeviceError:
+        """The error for a device that does not exist: the devices that do, and why its backend has none."""
+        kind = device.partition(":")[0]
+        record = self.probes.get(kind)
+        why = f" (backend {kind} skipped: {record.skipped})" if record is not None and record.skipped else ""
+        names = [n for n, d in self.executor.devices.items() if d.listed]
+        later = [k for k in BACKENDS if k not in self.probes]
+        more = f" (backends not probed yet: {', '.join(later)})" if later else ""
+        return DeviceError(f"unknown device {device!r}{why}; available: {', '.join(names) or 'none'}{more}")
 
     def started_devices(self) -> dict[str, Device]:
-        """Every device, once the runtime has started (this starts nothing: none before)."""
+        """Every device started so far (this starts nothing: none before the runtime starts)."""
         return self._executor.devices if self._executor is not None else {}
 
-    def device_names(self) -> list[str]:
-        return [n for n in self.auto_order() if self.executor.devices[n].listed]
-
-    def auto_order(self) -> list[str]:
-        """Devices that can compute, most free compute first (the dummy device plans but holds no data); a device that
-        has failed is left out."""
-        devs = [d for d in self.executor.devices.values() if (d.listed or d.kind == "dummy") and d.failed is None]
-        devs.sort(key=lambda d: (-d.compute / (1 + d.pending()), d.name))
+    def device_names(self, kinds: Iterable[str] | None = None) -> list[str]:
+        """Every compute device of the backends of `kinds` (None: every backend), probing those not probed yet on this
+        thread: AUTO's candidates first, in AUTO's order, then the others by the same rule."""
+        kinds = list(BACKENDS if kinds is None else kinds)
+        self.ensure(kinds)
+        auto = self.auto_kinds()
+        devs = [d for d in self.executor.devices.values() if d.listed and d.failed is None and d.kind in kinds]
+        devs.sort(key=lambda d: (d.kind not in auto, -d.compute, d.name))
         return [d.name for d in devs]
 
+    def auto_kinds(self) -> list[str]:
+        """The backends AUTO chooses among (config `runtime.auto`)."""
+        if self.cfg is None:
+            self._base()
+        assert self.cfg is not None
+        return _config.auto_backends(self.cfg)
+
+    def auto_order(self) -> list[str]:
+        """AUTO's candidates, best first: the compute devices of the backends in `runtime.auto` (by default CUDA, then
+        C; the dummy device where enabled), by their speed estimate (`Device.compute`, from the device's facts: never
+        timed, never its load, so that the same machine and configuration place the same way), ties by name; where
+        those backends have no device, every backend's devices by the same rule. A device that has failed is left
+        out. Probes the backends it needs on this thread (`await azyx.start()` does it off the event loop first)."""
+        kinds = self.auto_kinds()
+        self.ensure(kinds)
+        devs = self._computing(kinds)
+        if not devs:
+            self.ensure(BACKENDS)
+            devs = self._computing(BACKENDS)
+        devs.sort(key=lambda d: (-d.compute, d.name))
+        return [d.name for d in devs]
+
+    def _computing(self, kinds: Iterable[str]) -> list[Device]:
+        """The devices of `kinds` that can compute and have not failed (the dummy device plans but holds no data)."""
+        kinds = set(kinds)
+        return [d for d in self.executor.devices.values()
+                if d.kind in kinds and (d.listed or d.kind == "dummy") and d.failed is None]
+
     def check_device(self, device: str) -> str:
+        """The device's full name ("c" is c:0; "disk"). A device of a backend not probed yet, named on an event loop's
+        thread, is taken by its name (its backend is probed on a worker thread meanwhile, and the realize waits for
+        that: an index past the backend's devices raises there); elsewhere the backend is probed here."""
         if not isinstance(device, str):
             raise DeviceError(f"device must be a string like 'c:0', got {device!r}")
-        name = device if ":" in device or device in self.executor.devices else f"{device}:0"  # "c" is c:0; "disk"
-        if name not in self.executor.devices:
-            raise DeviceError(f"unknown device {device!r}; available: {', '.join(self.executor.devices) or 'none'}")
-        return name
+        ex = self.executor
+        name = device if ":" in device or device in ex.devices else f"{device}:0"
+        if name in ex.devices:
+            return name
+        kind, _, index = name.partition(":")
+        if kind in BACKENDS and kind not in self.probes:
+            if index.isdigit() and _on_event_loop() and self.cfg is not None \
+                    and self.cfg.get(kind, {}).get("enabled", kind != "dummy"):
+                self.probe_in_background([kind])
+                return name
+            self.ensure([kind])
+            if name in ex.devices:
+                return name
+        raise self.unknown(device)
 
     def resolve_device(self, device: str | None, nbytes: int) -> tuple[str, bool]:
-        """AUTO (None): the device with the most free compute that has room; else the named device, pinned. What is
-        made "on" a storage device (disk: a constant beside a disk tensor) is made on AUTO: storage computes nothing."""
+        """AUTO (None): the first device of `auto_order` that has room; else the named device, pinned. What is made
+        "on" a storage device (disk: a constant beside a disk tensor) is made on AUTO: storage computes nothing."""
         if device is not None:
             name = self.check_device(device)
-            if not self.executor.devices[name].storage:
+            dev = self.executor.devices.get(name)
+            if dev is None or not dev.storage:  # (None: its backend is being probed)
                 return name, True
         order = self.auto_order()
+        devices = self.executor.devices
         for name in order:
-            if self.executor.devices[name].free_memory() >= nbytes:
+            if devices[name].free_memory() >= nbytes:
                 return name, False
         if not order:
-            raise DeviceError("no device is available (check the configuration and AZYX_DEBUG=1)")
+            raise DeviceError("no device is available (check the configuration, and `python -m azyx` for why)")
         raise AllocationError(f"{nbytes} bytes fit on no device: " + ", ".join(
-            f"{n} has {self.executor.devices[n].free_memory()} free" for n in order))
+            f"{n} has {devices[n].free_memory()} free" for n in order))
+
+    def placement(self, home: str) -> list[str]:
+        """Where the scheduler may put an AUTO kernel whose inputs are on `home`: AUTO's candidates that are listed
+        compute devices (not the dummy one), and `home`."""
+        devices = self.executor.devices
+        order = [d for d in self.auto_order() if devices[d].listed]
+        return order if home in order or home not in devices else [*order, home]
 
     def buffer_from_numpy(self, arr: np.ndarray, device: str) -> tuple[Buffer, StridedView]:
         """Host data for a tensor on `device`: in place on host-memory devices, else held in host memory until a
         plan copies it over (building never touches a device)."""
-        dev = self.device(device)
-        if not dev.host_memory:
+        dev = self.executor.devices.get(device)  # (None: its backend is being probed)
+        if dev is None or not dev.host_memory:
             dev = self.device("host:0")
         return dev.buffer_from_numpy(arr), StridedView.contiguous(arr.shape)
 
@@ -183,7 +333,7 @@ class Runtime:
     def search_settings(self) -> tuple[str, float]:
         """(level, per-kernel budget in seconds) of the kernel search (config `search`, $AZYX_SEARCH)."""
         if self.cfg is None:
-            self.start()
+            self._base()
         assert self.cfg is not None
         return _config.search_settings(self.cfg)
 
@@ -263,6 +413,15 @@ class InFlight:
     def __init__(self, loop: int):
         self.loop, self.event = loop, LoopEvent()
         self.error: BaseException | None = None
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an event loop (asyncio's or trio's) right now."""
+    try:
+        sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+    return True
 
 
 def loop_identity() -> int:

@@ -81,8 +81,8 @@ class Devices(Protocol):
     """The devices as the scheduler sees them (the runtime is one)."""
 
     def device(self, name: str) -> DeviceFacts: ...
-    def device_names(self) -> list[str]: ...
     def auto_order(self) -> list[str]: ...
+    def placement(self, home: str) -> list[str]: ...
 
 
 @dataclass
@@ -238,9 +238,9 @@ class Planner:
         def cost(name: str) -> float:
             dev = self.rt.device(name)
             moved = sum(b for d, b in held.items() if d != name)
-            return moved / TRANSFER_BYTES_PER_S + flops / (dev.compute * 1e9 / (1 + dev.pending()))
+            return moved / TRANSFER_BYTES_PER_S + flops / (dev.compute * 1e9)  # (never the load: deterministic)
 
-        candidates = [d for d in self.rt.device_names() if d == home or self.rt.device(d).free_memory() > 0]
+        candidates = [d for d in self.rt.placement(home) if d == home or self.rt.device(d).free_memory() > 0]
         return min(candidates, key=lambda d: (cost(d), d != home)) if candidates else home
 
     def computes(self, nid: int) -> bool:

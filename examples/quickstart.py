@@ -16,6 +16,7 @@ async def heartbeat(stop: asyncio.Event, ticks: list[float]) -> None:
 
 
 async def main() -> None:
+    await azyx.start()  # probe the backends (drivers, device contexts) on a worker thread: the loop stays free
     print("devices:", azyx.devices())
     rng = np.random.default_rng(0)
     a_np, b_np = rng.standard_normal((512, 256), np.float32), rng.standard_normal((256, 128), np.float32)

@@ -117,21 +117,23 @@ def _entries(arity: dict[str, int], kinds: dict[str, int], scalars: dict[str, li
 
 @functools.cache
 def _cpu() -> dict[str, str]:
-    """The CPU's model name and ISA flags (/proc/cpuinfo's first processor; empty where there is none)."""
-    out = {"cpu": platform.processor() or platform.machine(), "isa": ""}
+    """The CPU's model name and ISA flags (/proc/cpuinfo's first processor; empty where there is none). Where
+    /proc/cpuinfo names no model, the processor Python's `platform` reports (a subprocess on Linux: read last)."""
+    out = {"cpu": "", "isa": ""}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return out
+        text = ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "model name" and out["cpu"] in ("", platform.processor() or platform.machine()):
+        if key == "model name" and not out["cpu"]:
             out["cpu"] = value.strip()
         elif key in ("flags", "Features") and not out["isa"]:
             out["isa"] = " ".join(sorted(value.split()))
         elif not line.strip() and out["isa"]:
             break
+    out["cpu"] = out["cpu"] or platform.processor() or platform.machine()
     return out
 
 
@@ -155,21 +157,39 @@ def bf16_dot(isa: str, flags: list[str], compiler: str = "gcc") -> bool:
 @functools.cache
 def _macros(compiler: str, *flags: str) -> frozenset[str]:
     """The macros `compiler` predefines under `flags` (empty where it cannot say)."""
-    try:
-        out = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return frozenset()
+    out = _compiler_says(compiler, *flags, "-dM", "-E", "-x", "c", os.devnull)
     return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define ") and " " in line[8:])
 
 
 @functools.cache
 def _compiler_version(compiler: str) -> str:
-    try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return compiler
+    out = _compiler_says(compiler, "--version")
     return out.splitlines()[0] if out else compiler
+
+
+def _compiler_says(compiler: str, *args: str) -> str:
+    """What `compiler *args` prints (empty where it cannot run), kept in the disk cache under the compiler's path, size
+    and time of change and the CPU: a process's start then runs no compiler before its first kernel's (tens of ms
+    each)."""
+    path = shutil.which(compiler)
+    if path is None:
+        return ""
+    path = os.path.realpath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    cpu = _cpu()  # (-march=native: what the compiler says depends on the CPU too)
+    key = hashlib.sha256("\0".join([path, str(st.st_size), str(st.st_mtime_ns), cpu["cpu"], cpu["isa"], *args])
+                         .encode()).hexdigest()[:24]
+
+    def ask(tmp: Path) -> None:
+        tmp.write_text(subprocess.run([compiler, *args], capture_output=True, text=True, timeout=30, check=True).stdout)
+
+    try:
+        return cached_build("c", key, ".txt", ask).read_text()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 class CDevice(HostDevice):

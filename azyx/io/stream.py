@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from azyx.backends.disk import DiskFile
-from azyx.device import DISK, Buffer, Device
+from azyx.device import DISK, Buffer
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError
 from azyx.fileformat import TensorEntry
@@ -47,23 +47,22 @@ def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = 
     >>> asyncio.run(main()) == {"a": 4.0, "b": 3}
     True
     """
-    name, pinned = (RT.check_device(device), True) if device is not None else RT.resolve_device(None, 0)
-    dev = RT.device(name)
-    if dev.storage:
+    name = RT.check_device(device) if device is not None else None  # (its backend is probed at the first read)
+    if name is not None and name in RT.executor.devices and RT.executor.devices[name].storage:
         raise AzyxIOError(f"stream_safetensors needs a compute device, got {device!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise AzyxIOError(f"prefetch must be a number of bytes >= 0, got {prefetch!r}")
-    return SafetensorsStream(path, dev, pinned, prefetch, progress)
+    return SafetensorsStream(path, name, prefetch, progress)
 
 
 class SafetensorsStream:
     """The async iterator of `stream_safetensors` (also an async context manager that closes it)."""
 
-    def __init__(self, path: Any, dev: Device, pinned: bool, prefetch: int, progress: bool):
-        self.path, self.dev, self.pinned, self.prefetch = path, dev, pinned, prefetch
-        # pooled host buffers the reads land in: the device's own memory, or host:0's until a plan copies them over
-        self.staging = dev if dev.host_memory else RT.device("host:0")
-        self.widen_bf16 = dev.dialect is None or "bfloat16" not in dev.dialect.types
+    def __init__(self, path: Any, device: str | None, prefetch: int, progress: bool):
+        self.path, self.device, self.prefetch = path, device, prefetch
+        self.pinned = device is not None
+        self.dev = self.staging = RT.device("host:0")  # (the device and staging memory are chosen in `_open`)
+        self.widen_bf16 = False
         self.want_progress = progress
         self.bar: Any = None
         self.file: DiskFile | None = None
@@ -126,6 +125,15 @@ class SafetensorsStream:
             self.bar = None
 
     async def _open(self) -> None:
+        # the device's backend probed off the loop (AUTO's backends for None), then the device chosen
+        await RT.startup(RT.auto_kinds() if self.device is None else [self.device.partition(":")[0]])
+        name = self.device if self.device is not None else RT.resolve_device(None, 0)[0]
+        self.dev = dev = RT.device(name)
+        if dev.storage:
+            raise AzyxIOError(f"stream_safetensors needs a compute device, got {self.device!r}")
+        # pooled host buffers the reads land in: the device's own memory, or host:0's until a plan copies them over
+        self.staging = dev if dev.host_memory else RT.device("host:0")
+        self.widen_bf16 = dev.dialect is None or "bfloat16" not in dev.dialect.types
         self.file = await in_worker_thread(open_safetensors, self.path)
         self.entries = list(header_of(self.file).tensors.values())
         if self.want_progress:

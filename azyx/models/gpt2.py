@@ -209,7 +209,7 @@ class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, dtype: Any = None, device: str | None = None):
         self.config = config
         self.dtype = to_dtype(dtype) if dtype is not None else dtypes.float32
-        self.device = RT.check_device(device) if device is not None else RT.device_names()[0]
+        self.device = RT.check_device(device) if device is not None else RT.resolve_device(None, 0)[0]
         dt, dev = self.dtype, self.device
         self.wte = Embedding(config.vocab_size, config.n_embd, dt, dev)
         self.wpe = Embedding(config.n_positions, config.n_embd, dt, dev)
@@ -221,11 +221,13 @@ class GPT2(nn.Module):
     @staticmethod
     async def from_pretrained(path: str | Path, device: str | None = None, dtype: Any = None) -> GPT2:
         """Load a Hugging Face GPT-2 checkpoint: `path` is its directory (config.json, model.safetensors) or the
-        safetensors file (config.json beside it). The weights are streamed tensor by tensor onto `device` (None: the
-        first of `azyx.devices()`) and cast to `dtype` (float32 by default). Raises `StateDictError` for a missing
+        safetensors file (config.json beside it). The weights are streamed tensor by tensor onto `device` (None: AUTO's
+        first device) and cast to `dtype` (float32 by default). Raises `StateDictError` for a missing
         or unknown tensor, `ShapeError` for a tensor of the wrong shape, `DeviceError` for an unknown device."""
         p = Path(path)
         directory, weights = (p, p / "model.safetensors") if p.is_dir() else (p.parent, p)
+        # the device's backend (AUTO's for None) probed off the loop: a driver's start takes up to seconds
+        await RT.startup([device.partition(":")[0]] if isinstance(device, str) else RT.auto_kinds())
         model = GPT2(GPT2Config.from_json(directory / "config.json"), dtype, device)
         params = dict(model.named_parameters())
         loaded: set[str] = set()
