@@ -16,7 +16,17 @@ import numpy as np
 
 from azyx import ops as _ops
 from azyx.device import DISK
-from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
+from azyx.dtypes import (
+    DType,
+    check_int,
+    dtypes,
+    from_numpy,
+    least_float,
+    promote,
+    promote_scalar,
+    scalar_dtype,
+    to_dtype,
+)
 from azyx.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
 from azyx.graph import Node, Op, Shape, prod
 from azyx.native import native
@@ -149,6 +159,8 @@ def _binop(op: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
         if (tp is float or tp is int) and na.op is not _CONST:
             k = na.dtype.kind
             if (k == "f" and float_ok) or (k in "iu" and tp is int and int_numbers):
+                if k != "f" and not -128 <= other < 128:  # (an int the dtype cannot hold raises, never wraps)
+                    check_int(na.dtype, other)
                 value = float(other) if k == "f" and tp is int else other
                 out_dt = dtypes.bool if out_bool else na.dtype
                 if not reverse:  # x op number: the number is the op's own (Op.BINARY's arg2)
@@ -326,8 +338,13 @@ class Tensor:
     # ---------------------------------------------------------------- factories
     @staticmethod
     def full(shape: Any, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
+        """A tensor of `shape` filled with `value` (a constant: nothing is allocated until it is used). The dtype is
+        `dtype`, else the value's own (bool; int32, or int64 for an int outside int32's range; float32). An int
+        that does not fit an integer `dtype` raises DTypeError naming it."""
         shape = _shape_arg(shape if isinstance(shape, list | tuple) else (shape,))
         dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
+        if dt.is_int and isinstance(value, int | np.integer) and not isinstance(value, bool):
+            check_int(dt, value)
         dev, pinned = RT.resolve_device(device, prod(shape) * dt.itemsize)
         return Tensor._const(value, shape, dt, dev, pinned)
 
@@ -1473,31 +1490,71 @@ def _join_devices(*nodes: Node) -> tuple[str, bool]:
 
 
 def _to_numpy(data: Any, dtype: Any) -> np.ndarray:
+    """`data` (numpy array or scalar, Python scalar or nested list) as a numpy array of the tensor's dtype. Python
+    values: an explicit `dtype` is applied to them directly (`[0.1]` as float64 is exactly 0.1, `[2**40]` as int64
+    exactly 2**40; a value the dtype cannot hold raises DTypeError naming it); else floats become float32, ints int32
+    where every value fits and int64 where one does not (numpy and PyTorch infer int64), bools bool."""
+    dt = to_dtype(dtype) if dtype is not None else None
     if isinstance(data, np.ndarray):
         arr = data
-        if arr.dtype == np.float16 or arr.dtype == np.float64 or arr.dtype.kind in "biuf":
-            pass
-        else:
+        if not (arr.dtype == np.float16 or arr.dtype == np.float64 or arr.dtype.kind in "biuf"):
             raise DTypeError(f"unsupported numpy dtype {arr.dtype}")
     elif isinstance(data, np.generic):
         arr = np.asarray(data)
     else:
+        host = None if dt is None else np.float32 if dt is dtypes.bfloat16 else dt.np
         try:
-            arr = np.asarray(data)
+            arr = np.asarray(data, dtype=host)
+        except OverflowError:  # a Python int outside the explicit dtype's range
+            raise DTypeError(f"{_first_outside(data, dt)} does not fit {dt.name if dt else 'int64'}") from None
         except ValueError as e:
             raise ShapeError(f"ragged nested sequence: {e}") from None
+        if dt is not None:
+            return arr
         if arr.dtype == np.float64:
             arr = arr.astype(np.float32)
-        elif arr.dtype.kind in "iu":
-            arr = arr.astype(np.int32)
+        elif arr.dtype.kind in "iu" or arr.dtype == object:
+            arr = _python_ints(arr, data)
         elif arr.dtype.kind not in "bf":
             raise DTypeError(f"cannot make a tensor from {type(data).__name__} with numpy dtype {arr.dtype}")
-    if dtype is not None:
-        dt = to_dtype(dtype)
+    if dt is not None:
         arr = arr.astype(np.float32 if dt is dtypes.bfloat16 else dt.np, copy=False)
     else:
         from_numpy(arr.dtype)  # raises DTypeError for unsupported dtypes
     return arr
+
+
+def _python_ints(arr: np.ndarray, data: Any) -> np.ndarray:
+    """Python ints (numpy made `arr` of them): int32 where every value fits, else int64; a value outside int64's
+    range (numpy made uint64 or object) raises DTypeError naming it."""
+    if arr.dtype.kind == "i" and (not arr.size or (arr.min() >= -(2**31) and arr.max() < 2**31)):
+        return arr.astype(np.int32)
+    if arr.dtype.kind == "i":
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "u" and (not arr.size or arr.max() < 2**63):
+        return arr.astype(np.int64)
+    if arr.dtype == object and all(isinstance(v, int) for v in arr.flat):  # (ints beyond uint64)
+        raise DTypeError(f"{_first_outside(data, dtypes.int64)} does not fit int64")
+    if arr.dtype.kind == "u":
+        raise DTypeError(f"{_first_outside(data, dtypes.int64)} does not fit int64")
+    raise DTypeError(f"cannot make a tensor from {type(data).__name__} with numpy dtype {arr.dtype}")
+
+
+def _first_outside(data: Any, dt: DType | None) -> str:
+    """The first Python int in (nested) `data` that integer dtype `dt` cannot hold, for an error message."""
+    if dt is None or not dt.is_int:
+        return f"a value of {data!r}"[:200]
+    lo, hi = -(2 ** (8 * dt.itemsize - 1)), 2 ** (8 * dt.itemsize - 1) - 1
+    if dt.kind == "u":
+        lo, hi = 0, 2 ** (8 * dt.itemsize) - 1
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list | tuple):
+            stack.extend(reversed(v))
+        elif isinstance(v, int) and not lo <= v <= hi:
+            return f"the Python int {v}"
+    return f"a value of {data!r}"[:200]
 
 
 def _to_storage(arr: np.ndarray, dt: DType) -> np.ndarray:

@@ -1,0 +1,83 @@
+"""No silent wrong answers (issue 36): Python numbers become tensors exactly, copies of tensors and modules are
+independent, integer-tensor indices out of range raise, lazy chains that outgrow their realizes warn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import azyx
+from azyx import Tensor
+from azyx.errors import DTypeError
+
+
+# ---------------------------------------------------------------- Python numbers and lists, exactly
+@pytest.mark.parametrize("data", [[2**40], [3_000_000_000], [[1, 2], [3, -(2**33)]], [2**63 - 1], [-(2**63)]])
+def test_list_of_big_ints_is_int64_like_numpy_and_torch(data: list) -> None:
+    t = Tensor(data)
+    want = np.asarray(data)
+    assert t.dtype is azyx.dtypes.int64 and torch.tensor(data).dtype == torch.int64
+    np.testing.assert_array_equal(t.numpy_sync(), want)
+    assert t.numpy_sync().dtype == np.int64
+
+
+def test_small_ints_keep_the_default_int32() -> None:
+    t = Tensor([1, -2, 2**31 - 1, -(2**31)])
+    assert t.dtype is azyx.dtypes.int32
+    np.testing.assert_array_equal(t.numpy_sync(), [1, -2, 2**31 - 1, -(2**31)])
+
+
+@pytest.mark.parametrize("data", [[2**63], [2**64], [1, 2**70]])
+def test_ints_beyond_int64_raise_naming_the_value(data: list) -> None:
+    with pytest.raises(DTypeError, match=str(data[-1])):
+        Tensor(data)
+
+
+@pytest.mark.parametrize(("data", "dtype"), [([2**40], "int64"), ([0.1, 1 / 3], "float64"), ([2**53 + 1], "int64"),
+                                             ([0.1], "float16"), ([3_000_000_000], "int64"), ([300], "int16")])
+def test_an_explicit_dtype_is_applied_to_the_python_values(data: list, dtype: str) -> None:
+    got = Tensor(data, dtype=dtype).numpy_sync()
+    want = np.asarray(data, dtype=dtype)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, torch.tensor(data, dtype=getattr(torch, dtype)).numpy())
+
+
+def test_an_explicit_bfloat16_rounds_the_python_value_once() -> None:
+    got = Tensor([0.1, 1 / 3], dtype="bfloat16").numpy_sync()
+    want = torch.tensor([0.1, 1 / 3], dtype=torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_an_int_outside_the_explicit_dtype_raises_naming_it() -> None:
+    with pytest.raises(DTypeError, match="1099511627776"):
+        Tensor([1, 2**40], dtype="int32")
+    with pytest.raises(DTypeError, match="300"):
+        Tensor.full((2,), 300, dtype="int8")
+
+
+def test_full_of_a_big_int_is_int64() -> None:
+    t = Tensor.full((2,), 2**40)
+    assert t.dtype is azyx.dtypes.int64
+    np.testing.assert_array_equal(t.numpy_sync(), np.full((2,), 2**40))
+    np.testing.assert_array_equal(t.numpy_sync(), torch.full((2,), 2**40).numpy())
+
+
+def test_a_number_that_does_not_fit_the_tensor_raises() -> None:
+    """numpy 2 (NEP 50) raises OverflowError (PyTorch wraps: 1 + 2**40 in int32 gives 1): azyx raises naming the
+    value. (Run with AZYX_NATIVE=0 too: the native core's operators send such a number to Python's check.)"""
+    with pytest.raises(OverflowError):
+        np.array([1, 2], np.int32) + 2**40
+    for f in (lambda: Tensor([1, 2]) + 2**40, lambda: Tensor([1, 2]) * 2**40, lambda: 2**40 - Tensor([1, 2]),
+              lambda: Tensor([1, 2]).cast("int8") + 200, lambda: Tensor([1, 2]) + 2**31):
+        with pytest.raises(DTypeError, match="does not fit"):
+            f()
+    # a number the dtype holds keeps working, and an unsigned dtype's negatives wrap as in PyTorch
+    np.testing.assert_array_equal((Tensor([1, 2]) + 1000).numpy_sync(), [1001, 1002])
+    np.testing.assert_array_equal((Tensor([1, 2]).cast("int8") + 100).numpy_sync(), [101, 102])
+    np.testing.assert_array_equal((Tensor([1, 2]).cast("uint8") - 3).numpy_sync(),
+                                  (torch.tensor([1, 2], dtype=torch.uint8) - 3).numpy())
+    big = (Tensor([1, 2]).cast("int64") + 2**40).numpy_sync()
+    np.testing.assert_array_equal(big, np.array([1, 2], np.int64) + 2**40)
+    np.testing.assert_array_equal((Tensor([1.0, 2.0]) + 2**40).numpy_sync(), np.float32([1, 2]) + np.float32(2**40))
