@@ -30,6 +30,9 @@ class Module:
     `training` is None by default: the module follows the global mode (`with azyx.train():`); `train()`/`eval()`
     set it explicitly for the module and its children.
 
+    `copy.deepcopy(module)` is a model of its own (the "keep the best model" and EMA habits): its parameters are new
+    handles to the same values, and training either model (which rebinds its handles) leaves the other as it was.
+
     >>> from azyx import nn, Tensor
     >>> class MLP(nn.Module):
     ...     def __init__(self):

@@ -291,6 +291,26 @@ class Tensor:
     def __hash__(self) -> builtins.int:
         return id(self)
 
+    # ---------------------------------------------------------------- copies
+    def __copy__(self) -> Tensor:
+        """`copy.copy(t)`: a new handle to t's value, independent of t (a tensor's value never changes: rebinding
+        either handle, `assign` or `t[i] = v`, leaves the other as it was). Costs nothing: no data is copied."""
+        t = _new_object(Tensor)
+        t.id = self.id
+        GRAPH.retain(self.id)
+        return t
+
+    def __deepcopy__(self, memo: dict[builtins.int, Any]) -> Tensor:
+        """`copy.deepcopy(t)` (and of a Module holding t): as `copy.copy`, a new independent handle to the same
+        immutable value; a tensor reached twice is copied once."""
+        return self.__copy__()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """pickle: the values (the tensor is realized first: outside a running event loop only, else
+        RuntimeStateError naming `await t.numpy()`), its dtype, and its device where it was asked for."""
+        n = self._node
+        return (_unpickle, (self.numpy_sync(), n.dtype.name, n.device if n.pinned else None))
+
     # ---------------------------------------------------------------- node building
     def _new(self, op: Op, src: tuple[builtins.int, ...], arg: Any, shape: Shape, dtype: DType,
              arg2: Any = None) -> Tensor:
@@ -1487,6 +1507,11 @@ def _join_devices(*nodes: Node) -> tuple[str, bool]:
     if pinned:
         return pinned.pop(), True
     return next((n.device for n in nodes if n.device != DISK), first.device), False  # the disk computes nothing
+
+
+def _unpickle(values: np.ndarray, dtype: str, device: str | None) -> Tensor:
+    """A pickled tensor, rebuilt (bfloat16 arrives widened to float32 and is rounded back)."""
+    return Tensor(values, dtype=dtype, device=device)
 
 
 def _to_numpy(data: Any, dtype: Any) -> np.ndarray:

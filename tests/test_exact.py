@@ -81,3 +81,95 @@ def test_a_number_that_does_not_fit_the_tensor_raises() -> None:
     big = (Tensor([1, 2]).cast("int64") + 2**40).numpy_sync()
     np.testing.assert_array_equal(big, np.array([1, 2], np.int64) + 2**40)
     np.testing.assert_array_equal((Tensor([1.0, 2.0]) + 2**40).numpy_sync(), np.float32([1, 2]) + np.float32(2**40))
+
+
+# ---------------------------------------------------------------- copies of tensors and modules
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copy_is_independent_of_its_tensor(how: str) -> None:
+    import copy
+    import gc
+    import pickle
+
+    x = Tensor([1.0, 2.0, 3.0]) * 2
+    x.realize_sync()
+    make = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda t: pickle.loads(pickle.dumps(t))}[how]
+    y = make(x)
+    assert y.shape == x.shape and y.dtype is x.dtype
+    np.testing.assert_array_equal(y.numpy_sync(), [2.0, 4.0, 6.0])
+    del y
+    gc.collect()
+    others = [Tensor([7.0, 8.0, 9.0]) + 1 for _ in range(3)]  # (they would take a freed id)
+    np.testing.assert_array_equal(x.numpy_sync(), [2.0, 4.0, 6.0])
+    z = make(x)
+    x.assign(x + 1)  # rebinding one handle leaves the other
+    x[0] = 100.0
+    np.testing.assert_array_equal(z.numpy_sync(), [2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(x.numpy_sync(), [100.0, 5.0, 7.0])
+    del others
+
+
+def test_pickle_of_a_lazy_tensor_realizes_it_and_keeps_its_dtype() -> None:
+    import pickle
+
+    x = (Tensor([1, 2, 3]).cast("int64") + 2**40).cast("int64")
+    y = pickle.loads(pickle.dumps(x))
+    assert y.dtype is azyx.dtypes.int64
+    np.testing.assert_array_equal(y.numpy_sync(), np.array([1, 2, 3], np.int64) + 2**40)
+    h = pickle.loads(pickle.dumps(Tensor([0.1, 0.3], dtype="bfloat16")))
+    assert h.dtype is azyx.dtypes.bfloat16
+    np.testing.assert_array_equal(h.numpy_sync(), torch.tensor([0.1, 0.3], dtype=torch.bfloat16).float().numpy())
+
+
+def test_deepcopy_of_a_module_keeps_the_best_model_and_the_original() -> None:
+    """The "keep the best model" and EMA habits: a deep copy of a module is a model of its own; training the
+    original (assigning its parameters) and dropping copies never touch the other."""
+    import copy
+    import gc
+
+    from azyx import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            self.emb = nn.Embedding(10, 4)
+            self.layers = [nn.Linear(4, 8), nn.Linear(8, 2)]
+            self.tied = self.layers[0].weight  # one tensor twice: copied once
+
+        def forward(self, ids: Tensor) -> Tensor:
+            return self.layers[1](self.layers[0](self.emb(ids)).relu())
+
+    model = Net()
+    ids = Tensor([1, 2, 3])
+    want = model(ids).numpy_sync()
+    want_bias = model.layers[1].bias.numpy_sync()
+    best = copy.deepcopy(model)
+    assert best.tied is best.layers[0].weight and best.tied is not model.tied
+    np.testing.assert_array_equal(best(ids).numpy_sync(), want)
+    for p in model.parameters():  # a training step on the original
+        p.assign(p * 0.5)
+    np.testing.assert_array_equal(best(ids).numpy_sync(), want)
+    ema = copy.deepcopy(best)
+    for e, p in zip(ema.parameters(), model.parameters()):
+        e.assign(e * 0.9 + p * 0.1)
+    del best
+    gc.collect()
+    for m in (model, ema):
+        weights = {k: v.numpy_sync() for k, v in m.state_dict().items()}
+        np.testing.assert_allclose(m(ids).numpy_sync(), _numpy_net(weights, ids.numpy_sync()), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ema.layers[1].bias.numpy_sync(), want_bias * 0.9 + want_bias * 0.5 * 0.1, rtol=1e-6)
+
+
+def _numpy_net(w: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+    h = w["emb.weight"][ids]
+    h = np.maximum(h @ w["layers.0.weight"].T + w["layers.0.bias"], 0)
+    return h @ w["layers.1.weight"].T + w["layers.1.bias"]
+
+
+def test_pickle_inside_a_running_loop_names_the_way_out() -> None:
+    import asyncio
+    import pickle
+
+    async def main() -> None:
+        with pytest.raises(azyx.RuntimeStateError, match="await"):
+            pickle.dumps(Tensor([1.0]) + 1)
+
+    asyncio.run(main())
