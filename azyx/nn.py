@@ -458,7 +458,8 @@ def mse_loss(pred: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
 
 def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """Cross entropy of (N, C) logits against (N,) integer classes (or (C,) against a 0-d class), computed with
-    log_softmax (numerically stable for large logits).
+    log_softmax (numerically stable for large logits). A class outside [-C, C) raises IndexOutOfRange when realized
+    (a negative one counts from the end, as an index does).
 
     >>> from azyx import nn, Tensor
     >>> round(nn.cross_entropy(Tensor([[0.0, 0.0]]), Tensor([1])).numpy_sync().item(), 4)
@@ -470,7 +471,7 @@ def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean") -> Te
         raise ShapeError(f"cross_entropy needs (N, C) logits and (N,) targets, got {logits.shape} and {target.shape}")
     logp = logits.log_softmax(axis=-1)
     classes = logits._placed_like(Tensor.arange(logits.shape[-1], device=logits.device))
-    picked = Tensor.where(target.unsqueeze(-1) == classes, logp, 0.0)
+    picked = Tensor.where(classes._checked_classes(target).unsqueeze(-1) == classes, logp, 0.0)
     return _reduce(-picked.sum(axis=-1), reduction)
 
 

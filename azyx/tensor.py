@@ -961,8 +961,8 @@ class Tensor:
     def __getitem__(self, key: Any) -> Tensor:
         """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; one integer tensor (or list,
         or numpy array) among them reads at its indices (numpy's placement of the result's axes; negative indices
-        count from the end). An index known on the host is checked at the call; one in a tensor is clamped into the
-        axis when it runs (it never reads outside the tensor).
+        count from the end). An index known on the host is checked at the call; one in a tensor raises IndexOutOfRange
+        when realized (the kernel checks it; with AZYX_CHECKS=0 it is clamped: it never reads outside the tensor).
 
         >>> t = Tensor([[1, 2], [3, 4], [5, 6]])
         >>> t[[2, -3]].numpy_sync().tolist(), t[:, Tensor([1])].numpy_sync().tolist()
@@ -1090,7 +1090,7 @@ class Tensor:
     def gather(self, axis: builtins.int, index: Any) -> Tensor:
         """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0 (out has the index's shape; the index has
         self's number of axes, none longer than self's but `axis`). Negative indices count from the end; a host
-        index (list, numpy) out of range raises, one in a tensor is clamped when it runs.
+        index (list, numpy) out of range raises here, one in a tensor raises IndexOutOfRange when realized.
 
         >>> Tensor([[1, 2], [3, 4]]).gather(1, Tensor([[1, 1], [0, 1]])).numpy_sync().tolist()
         [[2, 2], [3, 4]]
@@ -1326,10 +1326,17 @@ class Tensor:
         return y * (y.square().mean(axis, keepdim=True) + eps).rsqrt()
 
     def one_hot(self, num_classes: builtins.int) -> Tensor:
+        """int32 of shape self.shape + (num_classes,): 1 at each value's class. A class outside [-num_classes,
+        num_classes) raises IndexOutOfRange when realized (a negative one counts from the end, as an index does)."""
         if self.dtype.is_float:
             raise DTypeError(f"one_hot needs an integer tensor, got {self.dtype.name}")
         classes = self._placed_like(Tensor.arange(num_classes, device=self.device))
-        return (self.unsqueeze(-1) == classes).cast(dtypes.int32)
+        return (classes._checked_classes(self).unsqueeze(-1) == classes).cast(dtypes.int32)
+
+    def _checked_classes(self, index: Tensor) -> Tensor:
+        """`self` (an arange) read at integer tensor `index`: the index's own values, but an index out of range
+        raises IndexOutOfRange when the kernel runs (the gather's check) instead of matching no class."""
+        return self._take(0, index)
 
     def dropout(self, p: builtins.float = 0.5) -> Tensor:
         if not 0.0 <= p <= 1.0:
