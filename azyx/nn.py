@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from azyx import attention
+from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
 from azyx.graph import Node, Op
@@ -89,9 +90,11 @@ class Module:
         return {name: Tensor(t) for name, t in self.named_parameters()}
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Replace parameters by name (lazily: the values are read when next realized). Values are Tensors or numpy
-        arrays, cast to the parameter's dtype and moved to its device. With `strict`, missing or unexpected keys raise
-        `StateDictError`; a shape mismatch always raises `ShapeError`; both name the key."""
+        """Replace parameters by name. Values are Tensors or numpy arrays, cast to the parameter's dtype and moved to
+        its device. A file-backed (disk) tensor, such as `azyx.io.load_safetensors(path)` gives, is read now, once,
+        into a realized tensor on the parameter's device (a blocking file read of only its bytes): forward passes
+        never read the file again. Other tensors stay lazy (computed when next realized). With `strict`, missing or
+        unexpected keys raise `StateDictError`; a shape mismatch always raises `ShapeError`; both name the key."""
         params = dict(self.named_parameters())
         if strict:
             missing = [k for k in params if k not in state]
@@ -106,6 +109,10 @@ class Module:
                 value = Tensor(np.asarray(value), dtype=p.dtype, device=p.device)
             if value.shape != p.shape:
                 raise ShapeError(f"load_state_dict: {name!r} has shape {value.shape}, the parameter {p.shape}")
+            n = value._node
+            if n.device == DISK and n.buffer is not None and n.view is not None:  # read once, onto p's device
+                buf = buffer_of(n)
+                value = Tensor(buf.device.read(buf, n.view, n.shape, n.dtype), dtype=n.dtype, device=p.device)
             p.assign(value.cast(p.dtype).to(p.device))
 
     def __repr__(self) -> str:

@@ -38,6 +38,7 @@ from azyx.storage import on_build, safetensors_node
 from azyx.traced import Traced, lift
 
 _nodes = GRAPH.nodes
+DISK_RUNS = 32  # runs of consecutive rows that a gather by a host index from a disk tensor reads one by one
 # (a global is read in a tenth of the time an enum member takes to look up on its class: the ops' fast paths use these)
 _CONST, _BINARY, _UNARY, _REDUCE, _RESHAPE = Op.CONST, Op.BINARY, Op.UNARY, Op.REDUCE, Op.RESHAPE
 Scalar = bool | int | float
@@ -1025,11 +1026,36 @@ class Tensor:
         """numpy's take along `axis`: the index's shape replaces that axis."""
         if not self.shape:
             raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
+        if axis == 0 and self.device == DISK and not isinstance(index, Tensor):
+            rows = self._disk_rows(index)
+            if rows is not None:
+                return rows
         idx = self._rows(axis, index)
         shape = self.shape
         pre, post, m = shape[:axis], shape[axis + 1 :], idx.numel()
         flat = idx.reshape((1,) * len(pre) + (m,) + (1,) * len(post))._broadcast_to(pre + (m,) + post)
         return self._gathered(axis, flat).reshape(pre + idx.shape + post)
+
+    def _disk_rows(self, index: Any) -> Tensor | None:
+        """`self[index]` for a file-backed (disk) tensor and a host index (list, numpy): only the rows the index needs
+        are read (each run of consecutive rows a narrower disk range, joined on the compute device), then picked
+        there. None where the rows are all of them or fall in more than DISK_RUNS runs (the whole range is read)."""
+        arr = np.asarray(index)
+        n = self.shape[0]
+        if arr.dtype.kind not in "iu" or not arr.size or not n:
+            return None
+        arr = arr.astype(np.int64)
+        bad = arr[(arr < -n) | (arr >= n)]
+        if bad.size:
+            raise IndexOutOfRange(f"index {bad.flat[0]} is out of range for axis 0 of size {n}")
+        rows, inverse = np.unique(arr % n, return_inverse=True)
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        starts, ends = [0, *cuts.tolist()], [*cuts.tolist(), len(rows)]
+        if len(starts) > DISK_RUNS or (len(starts) == 1 and rows[0] == 0 and rows[-1] == n - 1):
+            return None
+        parts = [self[builtins.int(rows[a]) : builtins.int(rows[b - 1]) + 1] for a, b in zip(starts, ends)]
+        table = parts[0] if len(parts) == 1 else Tensor.cat(parts, 0)
+        return table._take(0, inverse.reshape(arr.shape))
 
     def _gathered(self, axis: builtins.int, index: Tensor) -> Tensor:
         """The GATHER node (index: integer, of self's number of axes, checked by the caller)."""

@@ -3,6 +3,8 @@ independent, integer-tensor indices out of range raise, lazy chains that outgrow
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -173,3 +175,50 @@ def test_pickle_inside_a_running_loop_names_the_way_out() -> None:
             pickle.dumps(Tensor([1.0]) + 1)
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- weights from files
+def test_load_state_dict_from_a_file_moves_the_weights_to_the_device_once(tmp_path: Any, device: str) -> None:
+    from safetensors.numpy import save_file
+
+    from azyx import nn
+    from azyx.storage import disk_device
+
+    rng = np.random.default_rng(0)
+    weights = {"weight": rng.standard_normal((8, 16)).astype(np.float32),
+               "bias": rng.standard_normal(8).astype(np.float32)}
+    path = tmp_path / "linear.safetensors"
+    save_file(weights, str(path))
+    layer = nn.Linear(16, 8, device=device)
+    disk = disk_device()
+    before = disk.bytes_read
+    layer.load_state_dict(azyx.io.load_safetensors(path))
+    assert disk.bytes_read - before == 8 * 16 * 4 + 8 * 4  # read now, once
+    for p in layer.parameters():
+        assert p.device == device and p._node.buffer is not None  # realized on the module's device
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    want = torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(weights["weight"]),
+                                      torch.from_numpy(weights["bias"])).numpy()
+    read = disk.bytes_read
+    for _ in range(2):
+        np.testing.assert_allclose(layer(Tensor(x, device=device)).numpy_sync(), want, rtol=1e-5, atol=1e-5)
+    assert disk.bytes_read == read  # forward passes never read the file again
+
+
+def test_a_gather_by_host_index_from_a_disk_tensor_reads_only_its_rows(tmp_path: Any) -> None:
+    from safetensors.numpy import save_file
+
+    from azyx.storage import disk_device
+
+    table = np.random.default_rng(1).standard_normal((1000, 320)).astype(np.float32)
+    path = tmp_path / "emb.safetensors"
+    save_file({"emb": table}, str(path))
+    emb = azyx.io.load_safetensors(path)["emb"]
+    disk, row = disk_device(), 320 * 4
+    for index in ([1, 2, 3], [700, 2, 2, -1], np.array([[5], [999]]), [4]):
+        before = disk.bytes_read
+        got = emb[index].numpy_sync()
+        np.testing.assert_array_equal(got, table[np.asarray(index)])
+        assert disk.bytes_read - before == len(np.unique(np.asarray(index) % 1000)) * row
+    with pytest.raises(azyx.IndexOutOfRange, match="1000"):
+        emb[[1, 1000]]
