@@ -222,3 +222,59 @@ def test_a_gather_by_host_index_from_a_disk_tensor_reads_only_its_rows(tmp_path:
         assert disk.bytes_read - before == len(np.unique(np.asarray(index) % 1000)) * row
     with pytest.raises(azyx.IndexOutOfRange, match="1000"):
         emb[[1, 1000]]
+
+
+# ---------------------------------------------------------------- a lazy chain that outgrows its realizes
+def _train(steps: int, keep_params: bool) -> list[float]:
+    """SGD on a least-squares fit, realizing the loss each step (and the parameters, with `keep_params`)."""
+    from azyx import GradientTape, nn, optim
+
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((16, 4)).astype(np.float32))
+    y = Tensor(rng.standard_normal((16, 1)).astype(np.float32))
+    layer = nn.Linear(4, 1)
+    opt = optim.SGD(layer.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        with GradientTape() as tape:
+            loss = ((layer(x) - y) ** 2).mean()
+        new = opt.step(tape.gradient(loss, layer.parameters()))
+        if keep_params:
+            losses.append(float(loss.numpy_sync()))
+            for p in new:
+                p.realize_sync()
+        else:
+            losses.append(float(loss.numpy_sync()))  # the habit: only the loss is realized
+    return losses
+
+
+def test_a_chain_that_grows_across_realizes_warns_once_naming_the_realize() -> None:
+    import warnings
+
+    from azyx.errors import LazyChainWarning
+    from azyx.graph import CHAINS
+
+    CHAINS.warned = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _train(14, keep_params=False)
+    chain = [w for w in caught if issubclass(w.category, LazyChainWarning)]
+    assert len(chain) == 1, [str(w.message) for w in caught]
+    assert chain[0].filename == __file__ and "opt.step" in str(chain[0].message)
+    assert losses[-1] < losses[0]  # (the values are right: only the cost grows)
+
+
+def test_no_warning_when_the_parameters_are_realized_or_a_graph_is_only_reused() -> None:
+    import warnings
+
+    from azyx.errors import LazyChainWarning
+    from azyx.graph import CHAINS
+
+    CHAINS.warned = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LazyChainWarning)
+        _train(14, keep_params=True)
+        y = Tensor(np.arange(64, dtype=np.float32).reshape(16, 4)).exp()  # one lazy tensor read by many realizes
+        for i in range(16):
+            np.testing.assert_allclose(y[i].numpy_sync(), np.exp(np.arange(64, dtype=np.float32).reshape(16, 4)[i]),
+                                       rtol=1e-6)
