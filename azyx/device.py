@@ -131,7 +131,6 @@ class RunRecord:
                 continue
             site, lo, hi, size = (int(w) for w in words[:CHECK_WORDS])
             value = (hi << 32) | (lo & 0xFFFFFFFF)
-            dev.clear_checks()
             what = next((v.arg.what for k in plan.kernels if k.device == dev.name and k.kernel.check >= 0
                          for v in index_sites(k.kernel) if v.arg.name == f"ix{site - 1}" and v.arg.vmax + 1 == size),
                         "gather")
@@ -266,22 +265,16 @@ class Device:
         raise NotImplementedError
 
     def check_words(self) -> Buffer:
-        """The device's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), bound to
-        every kernel that checks the indices it reads; made once, kept while the device lives."""
-        buf: Buffer | None = self.__dict__.get("_check_words")
-        if buf is None:
-            buf = self._check_words = self.alloc(4 * CHECK_WORDS)
-            self.clear_checks()
-        return buf
-
-    def clear_checks(self) -> None:
-        """Zero the check words (in this device's program order: the runs queued after this see zeros)."""
-        buf = self.check_words()
+        """A run's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), which its
+        kernels that check the indices they read are bound to: taken from the pool and zeroed (host memory now,
+        another device's by a write queued before the run's kernels), so no run is blamed for another's index."""
+        buf = self.alloc(4 * CHECK_WORDS)
         zeros = np.zeros(4 * CHECK_WORDS, np.uint8)
         if self.host_memory:
             np.asarray(buf.mem).reshape(-1).view(np.uint8)[:zeros.nbytes] = 0
         else:
             buf.ready = self.copy_from_host(zeros, buf, [], zeros)
+        return buf
 
     def alloc_many(self, sizes: list[int]) -> list[Buffer]:
         """A buffer of each size (a plan step's outputs, made together)."""

@@ -212,8 +212,9 @@ class UnifiedExecutor:
                 only.end_batch()
 
     def _read_checks(self, plan: ExecutionPlan, record: RunRecord, bufs: list[Buffer | None]) -> None:
-        """The run's record reads its devices' check words once its work is done (RunRecord.checked): a host-memory
-        device's directly, another's through a read queued after the run's kernels (4 words, in program order)."""
+        """The run's record reads its check words (Device.check_words: the run's own) once its work is done
+        (RunRecord.checked): a host-memory device's directly, another's through a read queued after the run's
+        kernels."""
         record.checks = []
         for s in plan.checks:
             dev, buf = self.devices[plan.slots[s].device], bufs[s]

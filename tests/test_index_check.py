@@ -106,6 +106,25 @@ def test_the_error_reaches_later_realizes_that_read_the_result(device: str) -> N
     np.testing.assert_array_equal((t + 1).numpy_sync(), [1, 2, 3, 4])
 
 
+def test_only_the_run_with_the_bad_index_raises(device: str) -> None:
+    """Runs in flight together on one device: the one whose index is out of range raises, the others do not."""
+    import asyncio
+
+    x = np.arange(20, dtype=np.float32).reshape(5, 4)
+    t = Tensor(x, device=device)
+
+    async def main() -> list[object]:
+        good = [t[Tensor([i % 5, 4 - i % 5], device=device)] * 1.0 for i in range(4)]
+        bad = t[Tensor([1, 8], device=device)] * 1.0
+        return await asyncio.gather(*(g.numpy() for g in good[:2]), bad.numpy(), *(g.numpy() for g in good[2:]),
+                                    return_exceptions=True)
+
+    got = asyncio.run(main())
+    assert isinstance(got[2], IndexOutOfRange) and "index 8 " in str(got[2])
+    for i, g in zip([0, 1, 2, 3], got[:2] + got[3:]):
+        np.testing.assert_array_equal(g, x[[i % 5, 4 - i % 5]])
+
+
 def test_checks_off_with_azyx_checks_0() -> None:
     """AZYX_CHECKS=0: kernels do not check (indices clamp into the axis, as before)."""
     code = ("import azyx; from azyx import Tensor; t = Tensor([1.0, 2.0, 3.0], device='c:0'); "
