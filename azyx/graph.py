@@ -256,11 +256,14 @@ class ChainWatch:
     an ever-longer chain that every step plans, compiles and computes again. Told of each walk that needs a new plan
     (never of a cached plan's run: no cost there), it counts per unrealized node the walks it was in; a node computed
     by `every` such walks while the walks grew `growth`-fold since its first is such a chain. The warning names the
-    user's line of the realize that first computed it without keeping it (`site`, asked once per new plan)."""
+    user's line of the realize that first computed it without keeping it (`site`, asked once per new plan). A node is
+    known by its id, its object's and its sources (ids and objects are reused); the walk must have grown by `least`
+    nodes too (small graphs rebuilt in a loop reuse ids, and a few nodes more cost nothing)."""
 
-    def __init__(self, every: int = 8, growth: float = 1.5):
-        self.every, self.growth = every, growth
-        self.seen: dict[TensorId, tuple[int, int, int, int]] = {}  # id -> (id of the Node, walks, first size, site)
+    def __init__(self, every: int = 8, growth: float = 1.5, least: int = 64):
+        self.every, self.growth, self.least = every, growth, least
+        # id -> ((id of the Node, its sources), walks, first size, site)
+        self.seen: dict[TensorId, tuple[tuple[int, tuple[TensorId, ...]], int, int, int]] = {}
         self.sites: dict[int, tuple[str, int]] = {}  # walk number -> (file, line) of its realize's caller
         self.walks = 0
         self.warned = False
@@ -273,13 +276,16 @@ class ChainWatch:
         size, walk, seen, worst = len(topo), self.walks, self.seen, None
         for i in topo:
             n = nodes[i]
+            assert n is not None
+            who = (id(n), n.src)
             e = seen.get(i)
-            if e is not None and e[0] == id(n):
-                e = seen[i] = (e[0], e[1] + 1, e[2], e[3])
-                if e[1] >= self.every and size >= self.growth * e[2] and (worst is None or e[1] > worst[1]):
+            if e is not None and e[0] == who:
+                e = seen[i] = (who, e[1] + 1, e[2], e[3])
+                if e[1] >= self.every and size >= max(self.growth * e[2], e[2] + self.least) and \
+                        (worst is None or e[1] > worst[1]):
                     worst = e
             else:
-                seen[i] = (id(n), 1, size, walk)
+                seen[i] = (who, 1, size, walk)
         if walk not in self.sites:
             self.sites[walk] = site()
         if worst is not None:
@@ -297,7 +303,8 @@ class ChainWatch:
                 LazyChainWarning, file, line)
             return
         if len(seen) > 4 * size + 65536:  # (freed nodes' entries)
-            self.seen = {i: e for i, e in seen.items() if i < len(nodes) and e[0] == id(nodes[i])}
+            self.seen = {i: e for i, e in seen.items() if i < len(nodes) and (n := nodes[i]) is not None
+                         and e[0] == (id(n), n.src)}
             keep = {e[3] for e in self.seen.values()}
             self.sites = {w: s for w, s in self.sites.items() if w in keep}
 

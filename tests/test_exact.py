@@ -257,7 +257,7 @@ def test_a_chain_that_grows_across_realizes_warns_once_naming_the_realize() -> N
     CHAINS.warned = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses = _train(14, keep_params=False)
+        losses = _train(30, keep_params=False)
     chain = [w for w in caught if issubclass(w.category, LazyChainWarning)]
     assert len(chain) == 1, [str(w.message) for w in caught]
     assert chain[0].filename == __file__ and "opt.step" in str(chain[0].message)
@@ -273,7 +273,7 @@ def test_no_warning_when_the_parameters_are_realized_or_a_graph_is_only_reused()
     CHAINS.warned = False
     with warnings.catch_warnings():
         warnings.simplefilter("error", LazyChainWarning)
-        _train(14, keep_params=True)
+        _train(30, keep_params=True)
         y = Tensor(np.arange(64, dtype=np.float32).reshape(16, 4)).exp()  # one lazy tensor read by many realizes
         for i in range(16):
             np.testing.assert_allclose(y[i].numpy_sync(), np.exp(np.arange(64, dtype=np.float32).reshape(16, 4)[i]),
