@@ -153,7 +153,8 @@ def check_int(d: DType, v: Any) -> None:
     too; azyx never wraps a number silently). A value that fits costs two comparisons."""
     lo, hi = int_range(d)
     if not lo <= v <= hi:
-        raise DTypeError(f"the Python int {v} does not fit {d.name} (range {lo}..{hi}); "
+        shown = int.__repr__(v) if isinstance(v, int) else v  # (a traced number: its value)
+        raise DTypeError(f"the Python int {shown} does not fit {d.name} (range {lo}..{hi}); "
                          f"cast the tensor first (e.g. `.cast(\"int64\")`) or pass a float")
 
 

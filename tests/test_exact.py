@@ -278,3 +278,19 @@ def test_no_warning_when_the_parameters_are_realized_or_a_graph_is_only_reused()
         for i in range(16):
             np.testing.assert_allclose(y[i].numpy_sync(), np.exp(np.arange(64, dtype=np.float32).reshape(16, 4)[i]),
                                        rtol=1e-6)
+
+
+def test_a_jitted_function_given_an_int_that_does_not_fit_raises() -> None:
+    """azyx.jit traces Python numbers as kernel arguments (values are data): a replay with an int the tensor's dtype
+    cannot hold is not wrapped into the old plan; it raises as the eager op does."""
+    import asyncio
+
+    async def main() -> None:
+        f = azyx.jit(lambda x, k: x * k)
+        t = Tensor([1, 2])
+        np.testing.assert_array_equal(await (await f(t, 5)).numpy(), [5, 10])
+        np.testing.assert_array_equal(await (await f(t, 7)).numpy(), [7, 14])  # (a replay: the number is data)
+        with pytest.raises(DTypeError, match=r"the Python int 1099511627776 does not fit int32"):
+            await f(t, 2**40)
+
+    asyncio.run(main())
