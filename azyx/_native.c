@@ -661,6 +661,26 @@ static PyObject *realized(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
 
 enum { OUT_BOOL = 1, INT_NUMBERS = 2, FLOAT_OK = 4, REVERSE = 8, FLOAT_KIND = 16, UNARY = 32, REDUCE_ALL = 64 };
 
+/* Whether the Python int `v` surely fits integer dtype `dtype` (one of -128..127 always does; a wider one fits a
+ * 4-byte dtype within int32's range and an 8-byte one within int64's). 0 sends it to Python's check (dtypes.check_int),
+ * which raises naming it or accepts it (an unsigned dtype's wrapping negatives). */
+static int int_fits(PyObject *dtype, PyObject *v) {
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (x >= -128 && x < 128)
+        return 1;
+    PyObject *size = PyObject_GetAttrString(dtype, "itemsize");
+    long n = size != NULL ? PyLong_AsLong(size) : 0;
+    Py_XDECREF(size);
+    if (n == -1 && PyErr_Occurred())
+        return 0;
+    return n == 8 || (n == 4 && x >= -2147483648LL && x <= 2147483647LL);
+}
+
 /* binary(op, flags, x, other): the operators' common cases (tensor.py's `_binop`, which says which): a number of
  * the tensor's kind, or a tensor of the same dtype, shape and device. None for anything else: the caller builds it. */
 static PyObject *binary_impl(PyObject *op, long flags, PyObject *self, PyObject *other) {
@@ -679,6 +699,11 @@ static PyObject *binary_impl(PyObject *op, long flags, PyObject *self, PyObject 
                  (tp == &PyLong_Type && (flags & INT_NUMBERS) && in_tuple(int_dtypes, na->dtype));
         if (!ok || PyObject_RichCompareBool(na->device, disk_name, Py_EQ) != 0)
             Py_RETURN_NONE;
+        if (!is_float && !int_fits(na->dtype, other)) { /* an int the dtype may not hold: Python raises */
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE;
+        }
         PyObject *value = (is_float && tp == &PyLong_Type) ? PyNumber_Float(other) : (Py_INCREF(other), other);
         if (value == NULL)
             return NULL;

@@ -675,11 +675,25 @@ class _Renderer:
                 e = f"({e}<0?0:({e}>{top}?{top}:{e}))"
             self.emit(f"{it} {v.arg.name} = {self.cast(it, e)};")
             self.names[id(v)] = v.arg.name
+            if self.k.check >= 0:
+                self.check_index(v)
             return
         name = f"v{self.count}"
         self.count += 1
         self.emit(f"{self.dl.compute_type(v.dtype)} {name} = {self.expr(v)};")
         self.names[id(v)] = name
+
+    def check_index(self, v: V) -> None:
+        """An index out of range (outside [-size, size)) writes the check words (ir.Kernel.check): site + 1, the
+        value's low and high 32 bits, the size. Plain stores: where several are out of range, one of them is kept."""
+        x, n, src, dl = self.ref(v.src[0]), v.arg.vmax + 1, v.src[0].dtype, self.dl
+        i32 = dl.compute_type(dtypes.int32)
+        bad = f"{x}>{n - 1}" if src.kind == "u" else f"{x}<-{n}||{x}>{n - 1}"
+        lo = dl.cast.format(t=i32, x=x)
+        hi = dl.cast.format(t=i32, x=f"({x}>>32)") if src.itemsize == 8 else "0" if src.kind == "u" else \
+            f"({x}<0?-1:0)"
+        c = f"d{self.k.check}"
+        self.emit(f"if ({bad}) {{ {c}[1] = {lo}; {c}[2] = {hi}; {c}[3] = {n}; {c}[0] = {int(v.arg.name[2:]) + 1}; }}")
 
     def block(self, nodes: list[V], inner: Callable[[], list[str]]) -> None:
         """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs, then the
@@ -787,7 +801,7 @@ class _Renderer:
             return "void main()"
         params = [] if shared is None else [f"{dl.index_type} lo", f"{dl.index_type} hi"]
         for i, d in enumerate(k.params):
-            const = "" if i < len(k.stores) else "const "
+            const = "" if k.writes(i) else "const "
             params.append(f"{dl.buffer_qual}{const}{dl.ctype(d)}* {dl.restrict} d{i}")
         params += [f"{dl.compute_type(v.dtype)} sc{i}" for i, v in enumerate(self.scalars)]
         return f"{dl.guarded_prefix if guarded else ''}{dl.kernel_prefix} {self.name}({', '.join(params)})"
@@ -844,7 +858,7 @@ class _Renderer:
         out = [dl.prelude, f"// {self.name}", f"layout(local_size_x = {work_group(k, dl)}) in;",
                "layout(std430, set = 0, binding = 0) restrict readonly buffer W { uint sw[]; };"]
         for i, d in enumerate(k.params):
-            access = "restrict" if i < len(k.stores) else "restrict readonly"
+            access = "restrict" if k.writes(i) else "restrict readonly"
             out.append(f"layout(buffer_reference, std430, buffer_reference_align = {d.itemsize}) {access} buffer "
                        f"B{i} {{ {dl.ctype(d)} v[]; }};")
             out.append(f"#define d{i} p{i}.v")

@@ -18,9 +18,9 @@ from azyx.allocator import MemoryUsage
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.cstyle import Dialect, kernel_source
 from azyx.dtypes import DType, dtypes
-from azyx.errors import AzyxError, CompileError, DeviceFailedError, RuntimeStateError, kept
+from azyx.errors import AzyxError, CompileError, DeviceFailedError, IndexOutOfRange, RuntimeStateError, kept
 from azyx.graph import Node, Shape, StridedView
-from azyx.ir import Kernel
+from azyx.ir import CHECK_WORDS, Kernel, index_sites
 from azyx.launch import Launch, render_kernel
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
@@ -83,13 +83,16 @@ class RunRecord:
     that work (`Device.record_failure`) is this run's: raised to the realizes that wait for its buffers and to later
     runs that read them, never to unrelated work on the same devices."""
 
-    __slots__ = ("spans", "parents", "error", "clean")
+    __slots__ = ("spans", "parents", "error", "clean", "checks")
 
     def __init__(self, parents: list[RunRecord]):
         self.spans: dict[Device, tuple[int, int]] = {}
         self.parents = parents
         self.error: BaseException | None = None
         self.clean = False  # all its work (and its inputs') is done and none failed: nothing to check any more
+        # where its kernels checked the indices they read (ir.Kernel.check): per device, its check words' buffer, the
+        # host copy that the run's last work item reads them into (None: a host-memory device's own words), the plan
+        self.checks: list[tuple[Device, Buffer, np.ndarray | None, ExecutionPlan]] | None = None
 
     def cover(self, dev: Device, before: int, after: int) -> None:
         """This run's work on `dev` includes the timeline values (before, after]."""
@@ -112,8 +115,34 @@ class RunRecord:
                 return err
             done = done and p.clean
         if done:
+            if self.checks is not None and (err := self.checked()) is not None:
+                self.error = err
+                return err
             self.clean, self.spans, self.parents = True, {}, []  # (drops the chain of records behind it)
         return None
+
+    def checked(self) -> BaseException | None:
+        """Once its work is done: an IndexOutOfRange where a kernel of it found an index out of range (the device's
+        check words, which are then cleared for the runs after it), naming the op, the value and the size."""
+        checks, self.checks = self.checks, None
+        for dev, buf, host, plan in checks or ():
+            words = host if host is not None else np.asarray(buf.mem).reshape(-1).view(np.int32)[:CHECK_WORDS]
+            if not words[0]:
+                continue
+            site, lo, hi, size = (int(w) for w in words[:CHECK_WORDS])
+            value = (hi << 32) | (lo & 0xFFFFFFFF)
+            what = next((v.arg.what for k in plan.kernels if k.device == dev.name and k.kernel.check >= 0
+                         for v in index_sites(k.kernel) if v.arg.name == f"ix{site - 1}" and v.arg.vmax + 1 == size),
+                        "gather")
+            return IndexOutOfRange(
+                f"{what}: index {value} is out of range for an axis of size {size} (on {dev.name}; "
+                f"{_CHECKED_OPS.get(what, what)}); AZYX_CHECKS=0 turns the check off (indices are then clamped)")
+        return None
+
+
+# where the user meets each op that reads indices from memory, for IndexOutOfRange's message
+_CHECKED_OPS = {"gather": "an integer-tensor index: t[idx], gather, nn.Embedding, one_hot, cross_entropy targets",
+                "scatter": "the gradient of a gather", "assign": "t[idx] = value with an integer-tensor index"}
 
 
 def buffer_of(n: Node) -> Buffer:
@@ -234,6 +263,18 @@ class Device:
 
     def alloc(self, nbytes: int) -> Buffer:
         raise NotImplementedError
+
+    def check_words(self) -> Buffer:
+        """A run's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), which its
+        kernels that check the indices they read are bound to: taken from the pool and zeroed (host memory now,
+        another device's by a write queued before the run's kernels), so no run is blamed for another's index."""
+        buf = self.alloc(4 * CHECK_WORDS)
+        zeros = np.zeros(4 * CHECK_WORDS, np.uint8)
+        if self.host_memory:
+            np.asarray(buf.mem).reshape(-1).view(np.uint8)[:zeros.nbytes] = 0
+        else:
+            buf.ready = self.copy_from_host(zeros, buf, [], zeros)
+        return buf
 
     def alloc_many(self, sizes: list[int]) -> list[Buffer]:
         """A buffer of each size (a plan step's outputs, made together)."""

@@ -123,20 +123,52 @@ def promote(a: DType, b: DType) -> DType:
 
 
 def scalar_dtype(v: Any) -> DType:
-    """The dtype a Python scalar gets when it creates a tensor."""
+    """The dtype a Python scalar gets when it creates a tensor: bool, int32 (int64 for an int outside int32's range,
+    as numpy and PyTorch give no int a narrower type than its value needs), float32. An int outside int64's range
+    raises DTypeError naming it."""
     if isinstance(v, bool | np.bool_):
         return dtypes.bool
     if isinstance(v, int | np.integer):
-        return dtypes.default_int
+        if _I32_MIN <= v <= _I32_MAX:
+            return dtypes.default_int
+        check_int(dtypes.int64, v)
+        return dtypes.int64
     if isinstance(v, float | np.floating):
         return dtypes.default_float
     raise DTypeError(f"unsupported scalar {v!r} of type {type(v).__name__}")
 
 
 def promote_scalar(t: DType, v: Any) -> DType:
-    """Tensor op Python scalar: the scalar only matters when its kind is higher (PyTorch rule)."""
+    """Tensor op Python scalar: the scalar only matters when its kind is higher (PyTorch rule). An int that does not
+    fit an integer tensor's dtype raises DTypeError (see `check_int`): it is never wrapped silently."""
     s = scalar_dtype(v)
-    return s if _KIND_ORDER[s.kind] > _KIND_ORDER[t.kind] else t
+    if _KIND_ORDER[s.kind] > _KIND_ORDER[t.kind]:
+        return s
+    if t.kind in "iu" and s.kind in "iu":
+        check_int(t, v)
+    return t
+
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def int_range(d: DType) -> tuple[int, int]:
+    """The Python ints a tensor of integer dtype `d` accepts as a number in an op or a factory: its own range, and
+    for an unsigned dtype the negatives down to -max too (they wrap, as PyTorch's `uint8_tensor - 3` does)."""
+    bits = 8 * d.itemsize
+    if d.kind == "u":
+        return -(2**bits - 1), 2**bits - 1
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def check_int(d: DType, v: Any) -> None:
+    """Raise DTypeError naming `v` where the Python int `v` does not fit integer dtype `d` (numpy 2 and PyTorch raise
+    too; azyx never wraps a number silently). A value that fits costs two comparisons."""
+    lo, hi = int_range(d)
+    if not lo <= v <= hi:
+        shown = int.__repr__(v) if isinstance(v, int) else v  # (a traced number: its value)
+        raise DTypeError(f"the Python int {shown} does not fit {d.name} (range {lo}..{hi}); "
+                         f"cast the tensor first (e.g. `.cast(\"int64\")`) or pass a float")
 
 
 def least_float(d: DType) -> DType:

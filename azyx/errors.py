@@ -59,6 +59,11 @@ class StateDictError(AzyxError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class LazyChainWarning(UserWarning):
+    """A lazy chain that grows across realizes without being realized (an optimiser step whose result is never
+    realized): each realize plans, compiles and computes the whole chain again."""
+
+
 def fresh_copy(err: BaseException) -> BaseException:
     """A new exception like `err` (type, message, attributes, cause), without its traceback: what a failure kept for
     several waiters is raised as, so that no waiter's frames (and the tensors they hold) stay alive with the kept

@@ -25,6 +25,7 @@ from azyx import debug
 from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, RunRecord
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
+from azyx.ir import CHECK_WORDS
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.timeline import checkpoint
 from azyx.workers import drain
@@ -146,6 +147,8 @@ class UnifiedExecutor:
                 return got, []
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
+        for s in plan.checks:  # (the devices' check words: kernels that read indices flag one out of range there)
+            bufs[s] = self.devices[slots[s].device].check_words()
         parents = []  # (the records of the inputs' runs that may still fail)
         for binding in bindings:
             if (r := binding.run) is not None and not r.clean:
@@ -182,6 +185,8 @@ class UnifiedExecutor:
                 spans[dev] = (spans[dev][0] if dev in spans else before, after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
+            if plan.checks:
+                self._read_checks(plan, record, bufs)
             outs = []
             for slot, view in plan.outputs:
                 b = bufs[slot]
@@ -190,8 +195,13 @@ class UnifiedExecutor:
                 b.run = record
                 outs.append((b, view))
             adopted: list[Buffer] = [bufs[dst] for _, dst in plan.adopt]  # type: ignore[misc]
+            if adopted and record.checks is not None:  # (an index out of range is the outputs' error, not the uploads')
+                uploads = RunRecord(record.parents)
+                uploads.spans = record.spans
+            else:
+                uploads = record
             for b in adopted:
-                b.run = record
+                b.run = uploads
             return outs, adopted
         except BaseException:
             self.partial = record  # what the failed run had submitted, for its caller to `settle`
@@ -200,6 +210,21 @@ class UnifiedExecutor:
             bufs.clear()
             if only is not None:
                 only.end_batch()
+
+    def _read_checks(self, plan: ExecutionPlan, record: RunRecord, bufs: list[Buffer | None]) -> None:
+        """The run's record reads its check words (Device.check_words: the run's own) once its work is done
+        (RunRecord.checked): a host-memory device's directly, another's through a read queued after the run's
+        kernels."""
+        record.checks = []
+        for s in plan.checks:
+            dev, buf = self.devices[plan.slots[s].device], bufs[s]
+            assert buf is not None
+            host = None
+            if not dev.host_memory:
+                host = np.zeros(CHECK_WORDS, np.int32)
+                before = dev.queued()
+                record.cover(dev, before, dev.copy_to_host(buf, host.view(np.uint8), []))
+            record.checks.append((dev, buf, host, plan))
 
     def _transfer(self, record: RunRecord, src: Buffer, dst: Buffer) -> int:
         """A run's transfer; a source device with a queue reads out in its own order: its work is the run's too."""
@@ -295,7 +320,8 @@ def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
     if len(out) == 1 and (seg := out[0]).transfer is None and len(seg.kernels) == 1 and not seg.overwrites \
-            and not plan.adopt and all(s < plan.n_inputs or s in seg.allocs for s, _ in plan.outputs):
+            and not plan.adopt and not plan.checks \
+            and all(s < plan.n_inputs or s in seg.allocs for s, _ in plan.outputs):
         seg.lane = seg.dev.lane(plan)  # (a plan of one kernel whose outputs it writes: a lane runs it in one call)
     return out
 

@@ -250,6 +250,83 @@ _release = native.release if native is not None else None
 _become_leaf = native.become_leaf if native is not None else None
 
 
+class ChainWatch:
+    """Warns once (LazyChainWarning) about a lazy chain that grows across realizes without being realized: the
+    optimiser step whose result is never realized (`opt.step(grads)` while only the loss is), whose parameters become
+    an ever-longer chain that every step plans, compiles and computes again. Told of each walk that needs a new plan
+    (never of a cached plan's run: no cost there), it counts per unrealized node the walks it was in; a node computed
+    by `every` such walks while the walks grew `growth`-fold since its first is such a chain. The warning names the
+    user's line of the realize that first computed it without keeping it (`site`, asked once per new plan). A node is
+    known by its id, its object's and its sources (ids and objects are reused); the walk must have grown by `least`
+    nodes too (small graphs rebuilt in a loop reuse ids, and a few nodes more cost nothing)."""
+
+    def __init__(self, every: int = 8, growth: float = 1.5, least: int = 64):
+        self.every, self.growth, self.least = every, growth, least
+        # id -> ((id of the Node, its sources), walks, first size, site)
+        self.seen: dict[TensorId, tuple[tuple[int, tuple[TensorId, ...]], int, int, int]] = {}
+        self.sites: dict[int, tuple[str, int]] = {}  # walk number -> (file, line) of its realize's caller
+        self.walks = 0
+        self.warned = False
+
+    def note(self, nodes: list[Node | None], topo: list[TensorId], site: Any) -> None:
+        """A new plan's walk over `topo` (the unrealized nodes it computes); `site()`: its realize's user frame."""
+        if self.warned or not topo:
+            return
+        self.walks += 1
+        size, walk, seen, worst = len(topo), self.walks, self.seen, None
+        for i in topo:
+            n = nodes[i]
+            assert n is not None
+            who = (id(n), n.src)
+            e = seen.get(i)
+            if e is not None and e[0] == who:
+                e = seen[i] = (who, e[1] + 1, e[2], e[3])
+                if e[1] >= self.every and size >= max(self.growth * e[2], e[2] + self.least) and \
+                        (worst is None or e[1] > worst[1]):
+                    worst = e
+            else:
+                seen[i] = (who, 1, size, walk)
+        if walk not in self.sites:
+            self.sites[walk] = site()
+        if worst is not None:
+            file, line = self.sites.get(worst[3], ("<unknown>", 0))
+            self.warned, self.seen, self.sites = True, {}, {}
+            import warnings
+
+            from azyx.errors import LazyChainWarning
+
+            warnings.warn_explicit(
+                f"a lazy chain has been computed by {worst[1]} realizes without being realized, and grows ({worst[2]} "
+                f"ops to compute at first, {size} now; every one plans and compiles anew): realize what builds on "
+                f"itself, e.g. `await azyx.realize(*opt.step(grads))` (or `azyx.realize(loss, *opt.step(grads))`), "
+                f"not only the loss. It was first computed without being kept by the realize here.",
+                LazyChainWarning, file, line)
+            return
+        if len(seen) > 4 * size + 65536:  # (freed nodes' entries)
+            self.seen = {i: e for i, e in seen.items() if i < len(nodes) and (n := nodes[i]) is not None
+                         and e[0] == (id(n), n.src)}
+            keep = {e[3] for e in self.seen.values()}
+            self.sites = {w: s for w, s in self.sites.items() if w in keep}
+
+
+def user_site() -> tuple[str, int]:
+    """(file, line) of the innermost frame outside azyx and the standard library's asyncio: the user's call."""
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(here) and f"{os.sep}asyncio{os.sep}" not in name and not name.startswith("<frozen"):
+            return name, f.f_lineno
+        f = f.f_back  # type: ignore[assignment]
+    return "<unknown>", 0
+
+
+CHAINS = ChainWatch()
+
+
 class GraphCopy(Graph):
     """A private copy of some nodes of a graph, for planning on a worker thread: the loop thread goes on mutating the
     graph meanwhile (new nodes, released ones, nodes other realizes turn into leaves), so the planner must read nodes

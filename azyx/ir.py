@@ -59,12 +59,13 @@ class ValueBuilder:
     def cond(self, c: Cond, dtype: DType) -> V:
         return self._v(("cond", c.key), "cond", dtype, _dyn_src(Lin({}), c), c, frozenset(c.vars()))
 
-    def index(self, x: V, size: int) -> Dyn:
-        """The address atom of integer value `x` along an axis of `size` elements (wrapped and clamped, see Dyn)."""
+    def index(self, x: V, size: int, what: str = "gather") -> Dyn:
+        """The address atom of integer value `x` along an axis of `size` elements (wrapped and clamped, see Dyn), read
+        by op `what`."""
         key = ("index", id(x), size)
         v = self.cache.get(key)
         if v is None:
-            dyn = Dyn(None, f"ix{self.n_index}", size)
+            dyn = Dyn(None, f"ix{self.n_index}", size, what)
             self.n_index += 1
             v = self._v(key, "index", x.dtype, (x,), dyn, x.vars)
             dyn.v = v
@@ -144,6 +145,14 @@ def has_index(k: Kernel) -> bool:
     return k.scatter is not None or k.inplace or any(v.op == "index" for v in toposort(*k.values))
 
 
+def index_sites(k: Kernel) -> list[V]:
+    """The integer values `k` reads as addresses (its `index` values), in the order of their sites (ix0, ix1, ...)."""
+    return sorted((v for v in toposort(*k.values) if v.op == "index"), key=lambda v: int(v.arg.name[2:]))
+
+
+CHECK_WORDS = 4  # int32 words of a device's check buffer: site + 1 (0: no error), the value's low and high words, size
+
+
 def _cast_scalar(v: Any, dtype: DType) -> Any:
     if dtype.is_bool:
         return bool(v)
@@ -170,8 +179,16 @@ class Kernel:
     variant: int = 0  # a template's variant: a matrix product's block sizes (gemm_host.HOST_BLOCKS; GPU: gemm tiles)
     unroll: int = 0  # steps of each reduce's innermost loop per iteration (0, 1: as the dialect does)
     vector: int = -1  # float32 elements per vector load and store (1: none; -1: the dialect's default width)
+    # the parameter (the last, int32) of the device's check words, where the kernel checks the indices it reads from
+    # memory (-1: it does not): an index out of range still reads clamped, and writes CHECK_WORDS words there
+    # (site + 1, the value's low and high 32 bits, the axis size), which the run's record reads when its work is done
+    check: int = -1
     base: Kernel | None = field(default=None, repr=False, compare=False)  # the kernel before the actions
     opts: tuple = ()  # the actions (optimize.Opt) that made it from `base`
+
+    def writes(self, i: int) -> bool:
+        """Whether the kernel writes parameter `i` (an output, or its check words)."""
+        return i < len(self.stores) or i == self.check
 
     @property
     def global_size(self) -> int:

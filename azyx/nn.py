@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from azyx import attention
+from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
 from azyx.graph import Node, Op
@@ -29,6 +30,9 @@ class Module:
 
     `training` is None by default: the module follows the global mode (`with azyx.train():`); `train()`/`eval()`
     set it explicitly for the module and its children.
+
+    `copy.deepcopy(module)` is a model of its own (the "keep the best model" and EMA habits): its parameters are new
+    handles to the same values, and training either model (which rebinds its handles) leaves the other as it was.
 
     >>> from azyx import nn, Tensor
     >>> class MLP(nn.Module):
@@ -92,9 +96,11 @@ class Module:
         return {name: Tensor(t) for name, t in self.named_parameters()}
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Replace parameters by name (lazily: the values are read when next realized). Values are Tensors or numpy
-        arrays, cast to the parameter's dtype and moved to its device. With `strict`, missing or unexpected keys raise
-        `StateDictError`; a shape mismatch always raises `ShapeError`; both name the key."""
+        """Replace parameters by name. Values are Tensors or numpy arrays, cast to the parameter's dtype and moved to
+        its device. A file-backed (disk) tensor, such as `azyx.io.load_safetensors(path)` gives, is read now, once,
+        into a realized tensor on the parameter's device (a blocking file read of only its bytes): forward passes
+        never read the file again. Other tensors stay lazy (computed when next realized). With `strict`, missing or
+        unexpected keys raise `StateDictError`; a shape mismatch always raises `ShapeError`; both name the key."""
         params = dict(self.named_parameters())
         if strict:
             missing = [k for k in params if k not in state]
@@ -109,6 +115,10 @@ class Module:
                 value = Tensor(np.asarray(value), dtype=p.dtype, device=p.device)
             if value.shape != p.shape:
                 raise ShapeError(f"load_state_dict: {name!r} has shape {value.shape}, the parameter {p.shape}")
+            n = value._node
+            if n.device == DISK and n.buffer is not None and n.view is not None:  # read once, onto p's device
+                buf = buffer_of(n)
+                value = Tensor(buf.device.read(buf, n.view, n.shape, n.dtype), dtype=n.dtype, device=p.device)
             p.assign(value.cast(p.dtype).to(p.device))
 
     def to(self, device: Any = None, dtype: Any = None) -> Module:
@@ -502,7 +512,8 @@ def mse_loss(pred: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
 
 def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """Cross entropy of (N, C) logits against (N,) integer classes (or (C,) against a 0-d class), computed with
-    log_softmax (numerically stable for large logits).
+    log_softmax (numerically stable for large logits). A class outside [-C, C) raises IndexOutOfRange when realized
+    (a negative one counts from the end, as an index does).
 
     >>> from azyx import nn, Tensor
     >>> round(nn.cross_entropy(Tensor([[0.0, 0.0]]), Tensor([1])).numpy_sync().item(), 4)
@@ -514,7 +525,7 @@ def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean") -> Te
         raise ShapeError(f"cross_entropy needs (N, C) logits and (N,) targets, got {logits.shape} and {target.shape}")
     logp = logits.log_softmax(axis=-1)
     classes = logits._placed_like(Tensor.arange(logits.shape[-1], device=logits.device))
-    picked = Tensor.where(target.unsqueeze(-1) == classes, logp, 0.0)
+    picked = Tensor.where(classes._checked_classes(target).unsqueeze(-1) == classes, logp, 0.0)
     return _reduce(-picked.sum(axis=-1), reduction)
 
 

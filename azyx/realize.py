@@ -17,7 +17,7 @@ import numpy as np
 from azyx.device import buffer_of, host_read
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, DTypeError, RuntimeStateError, fresh_copy
-from azyx.graph import GraphCopy, Op, prod
+from azyx.graph import CHAINS, GraphCopy, Op, prod, user_site
 from azyx.plan import ExecutionPlan
 from azyx.runtime import GRAPH, RT, InFlight, loop_identity
 from azyx.schedule import make_plan
@@ -167,6 +167,7 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
 async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
     """The plan of a walk the cache lacks, its kernels compiled (and searched, with search on)."""
     rt.planned += 1
+    CHAINS.note(GRAPH.nodes, walk.topo, user_site)  # (a chain that grows across realizes warns once)
     if _plan_weight(walk) <= INLINE_PLAN_WEIGHT:
         plan = make_plan(rt, GRAPH, walk, targets)
     else:  # planning and rendering a big graph takes milliseconds: a worker plans a copy of its nodes

@@ -18,6 +18,7 @@ never runs anything.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from azyx.graph import (
     prod,
     view_through,
 )
-from azyx.ir import Attention, Kernel, V, ValueBuilder, format_kernel, scalar_args, toposort
+from azyx.ir import CHECK_WORDS, Attention, Kernel, V, ValueBuilder, format_kernel, index_sites, scalar_args, toposort
 from azyx.launch import Launch, product_of, product_target
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
@@ -111,6 +112,8 @@ class Planner:
         self.done: dict[int, tuple[int, StridedView]] = {}
         self.transfers: dict[tuple[int, str], int] = {}
         self.adopt: list[tuple[int, int]] = []  # (input slot, slot holding it on the tensor's own device)
+        self.check = os.environ.get("AZYX_CHECKS", "1") != "0"  # kernels check the indices they read (see `emit`)
+        self.checks: dict[str, int] = {}  # per device: the slot of its check words
         self.temp_nodes: list[int] = []  # graph nodes the planner made (split reductions); released when done
         self.donated_chain: set[int] = set()  # ASSIGNs that wrote in place into a donated input's buffer
         self.leaf_device: dict[int, str] = {}
@@ -440,9 +443,7 @@ class Planner:
                 tiled = self.attempt(root, device, groups, tile)
                 if tiled.kernel.stores[0][1].has_reduce:
                     best, k = tiled, tiled.kernel
-        debug.log(debug.IR, lambda: format_kernel(k))
-        name, src, launch = self.rt.device(device).render(k)
-        self.steps.append(KernelStep(device, name, src, (out, *best.params), k.work, k, launch=launch))
+        self.emit(device, k, (out, *best.params))
         return out, StridedView.contiguous(shape)
 
     def scatter_kernel(self, root: int, device: str, out: int) -> tuple[int, StridedView]:
@@ -458,15 +459,13 @@ class Planner:
         idx = [*_unflatten(var(outer), shape[:axis]), var(j), *_unflatten(var(inner), shape[axis + 1 :])]
         kb = KernelBuild(self, root, device, prod(shape))
         value = kb.value(g, tuple(idx), Cond(), False)
-        dyn = kb.vb.index(kb.value(index, tuple(idx), Cond(), False), rows)
+        dyn = kb.vb.index(kb.value(index, tuple(idx), Cond(), False), rows, "scatter")
         stride = prod(shape[axis + 1 :])
         at = var(outer) * (rows * stride) + var(inner)
         k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [outer, inner], [],
                    [(at + Lin({dyn: stride}), value)], (outer.vmax + 1) * (inner.vmax + 1) * (rows + m),
                    (j, r, at + var(r) * stride))
-        debug.log(debug.IR, lambda: format_kernel(k))
-        name, src, launch = self.rt.device(device).render(k)
-        self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
+        self.emit(device, k, (out, *kb.params))
         return out, StridedView.contiguous(shape)
 
     def attention_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
@@ -507,11 +506,9 @@ class Planner:
         sv = vb.arg(si, sn.dtype) if si is not None else vb.const(sn.arg, sn.dtype)
         kern = Kernel([n.dtype, *(self.slots[s].dtype for s in params)], [], [],
                       [(Lin({}, 0), vb.attention(spec, n.dtype, sv))], attention.work(spec))
-        debug.log(debug.IR, lambda: format_kernel(kern))
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(n.shape) * n.dtype.itemsize, kind)
-        name, src, launch = self.rt.device(device).render(kern)
-        self.steps.append(KernelStep(device, name, src, (out, *params), kern.work, kern, launch=launch))
+        self.emit(device, kern, (out, *params))
         return out, StridedView.contiguous(n.shape)
 
     def read_in_place(self, nid: int, device: str) -> tuple[int, StridedView]:
@@ -570,22 +567,35 @@ class Planner:
                 coord = ridx[ax[3]] * ax[2] + ax[1]
             else:
                 where = () if ax[0] == "at" else tuple(ridx[r] for r in ax[2])
-                coord = Lin({kb.vb.index(kb.value(positions[ax[1]], where, Cond(), False), size): 1})
+                coord = Lin({kb.vb.index(kb.value(positions[ax[1]], where, Cond(), False), size, "assign"): 1})
             at = at + coord * stride
         v = kb.value(value, ridx, Cond(), False)
         k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], [g for g in gvars if g.vmax > 0], [],
                    [(at, v)], prod(region), inplace=True)
+        self.emit(device, k, (out, *kb.params))
+        return out, view
+
+    def emit(self, device: str, k: Kernel, args: tuple[int, ...]) -> None:
+        """Render kernel `k` for `device` and append its step, reading and writing slots `args`. A kernel that reads
+        indices from memory checks them (unless AZYX_CHECKS=0): its last parameter is the device's check words (a
+        slot of kind "check", one per device per plan, which the executor binds; see ir.Kernel.check)."""
+        if self.check and k.check < 0 and index_sites(k):
+            if device not in self.checks:
+                self.checks[device] = self._slot(device, dtypes.int32, 4 * CHECK_WORDS, "check")
+            k.check = len(k.params)
+            k.params.append(dtypes.int32)
+            args = (*args, self.checks[device])
         debug.log(debug.IR, lambda: format_kernel(k))
         name, src, launch = self.rt.device(device).render(k)
-        self.steps.append(KernelStep(device, name, src, (out, *kb.params), k.work, k, launch=launch))
-        return out, view
+        self.steps.append(KernelStep(device, name, src, args, k.work, k, launch=launch))
 
     def within_binding_limit(self, root: int, device: str, groups: list[list[int]], best: Attempt) -> Attempt:
         """A kernel that would bind more buffers than its device allows (Vulkan: maxPerStageDescriptorStorageBuffers)
         computes the source of its root that reads the most buffers as a kernel of its own first (which splits the
         same way if it must), then reads that one buffer instead."""
         limit = self.rt.device(device).max_buffers
-        while limit and 1 + len(best.params) + bool(scalar_args(best.kernel)) > limit:
+        check = self.check and bool(index_sites(best.kernel))  # (the check words: one buffer more)
+        while limit and 1 + len(best.params) + bool(scalar_args(best.kernel)) + check > limit:
             wide = max(((s, self.inputs_below(s)) for s in self.graph[root].src if self.computes(s)),
                        key=lambda si: si[1], default=(None, 0))
             if wide[0] is None or wide[1] < 2:
@@ -704,7 +714,7 @@ class Planner:
     def check_memory(self) -> dict[str, int]:
         need: dict[str, int] = {}
         for s in self.slots:
-            if s.kind != "input":
+            if s.kind != "input" and s.kind != "check":
                 need[s.device] = need.get(s.device, 0) + s.nbytes
         return need
 
@@ -728,7 +738,8 @@ class Planner:
         overwrites = tuple(sorted({st.args[0] for st in self.steps
                                    if isinstance(st, KernelStep) and st.kernel.inplace and st.args[0] < n_in}))
         return ExecutionPlan(tuple(self.steps), slots, n_in, outputs, tuple(tuple(f) for f in frees), devices,
-                             tuple(self.adopt), len(self.walk.scalars), overwrites, tuple(self.split_sites.values()))
+                             tuple(self.adopt), len(self.walk.scalars), overwrites, tuple(self.split_sites.values()),
+                             tuple(self.checks.values()))
 
 
 class KernelBuild:

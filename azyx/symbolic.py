@@ -78,12 +78,13 @@ class Mod(Atom):
 class Dyn(Atom):
     """An index read from memory (a gather's row): the kernel value `v` (an ir.V of op "index"), which the kernel
     computes as a local variable `name`, wrapped (-size <= x < 0 counts from the end) and clamped into [0, size), so
-    a load at it never leaves its buffer whatever the index buffer holds."""
+    a load at it never leaves its buffer whatever the index buffer holds. `what` names the op that reads it (gather,
+    scatter, assign), for the error that a checked kernel raises for an index out of range (ir.Kernel.check)."""
 
-    __slots__ = ("v", "name", "vmin", "vmax", "_key")
+    __slots__ = ("v", "name", "vmin", "vmax", "_key", "what")
 
-    def __init__(self, v: Any, name: str, size: int):
-        self.v, self.name, self.vmin, self.vmax = v, name, 0, size - 1
+    def __init__(self, v: Any, name: str, size: int, what: str = "gather"):
+        self.v, self.name, self.vmin, self.vmax, self.what = v, name, 0, size - 1, what
         self._key = ("x", name, size)
 
     def __eq__(self, o: object) -> bool:

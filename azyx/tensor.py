@@ -18,11 +18,20 @@ import numpy as np
 
 from azyx import ops as _ops
 from azyx.device import DISK, buffer_of
-from azyx.dtypes import DType, dtypes, from_numpy, least_float, promote, promote_scalar, scalar_dtype, to_dtype
+from azyx.dtypes import (
+    DType,
+    check_int,
+    dtypes,
+    from_numpy,
+    least_float,
+    promote,
+    promote_scalar,
+    scalar_dtype,
+    to_dtype,
+)
 from azyx.errors import (
     ArgumentError,
     AxisError,
-    AzyxError,
     DeviceError,
     DTypeError,
     IndexOutOfRange,
@@ -40,6 +49,7 @@ from azyx.storage import on_build, safetensors_node
 from azyx.traced import Traced, lift
 
 _nodes = GRAPH.nodes
+DISK_RUNS = 32  # runs of consecutive rows that a gather by a host index from a disk tensor reads one by one
 # (a global is read in a tenth of the time an enum member takes to look up on its class: the ops' fast paths use these)
 _CONST, _BINARY, _UNARY, _REDUCE, _RESHAPE = Op.CONST, Op.BINARY, Op.UNARY, Op.REDUCE, Op.RESHAPE
 Scalar = bool | int | float
@@ -240,6 +250,8 @@ def _binop(op: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
         if (tp is float or tp is int) and na.op is not _CONST:
             k = na.dtype.kind
             if (k == "f" and float_ok) or (k in "iu" and tp is int and int_numbers):
+                if k != "f" and not -128 <= other < 128:  # (an int the dtype cannot hold raises, never wraps)
+                    check_int(na.dtype, other)
                 value = float(other) if k == "f" and tp is int else other
                 out_dt = dtypes.bool if out_bool else na.dtype
                 if not reverse:  # x op number: the number is the op's own (Op.BINARY's arg2)
@@ -380,6 +392,26 @@ class Tensor:
     def __hash__(self) -> builtins.int:
         return id(self)
 
+    # ---------------------------------------------------------------- copies
+    def __copy__(self) -> Tensor:
+        """`copy.copy(t)`: a new handle to t's value, independent of t (a tensor's value never changes: rebinding
+        either handle, `assign` or `t[i] = v`, leaves the other as it was). Costs nothing: no data is copied."""
+        t = _new_object(Tensor)
+        t.id = self.id
+        GRAPH.retain(self.id)
+        return t
+
+    def __deepcopy__(self, memo: dict[builtins.int, Any]) -> Tensor:
+        """`copy.deepcopy(t)` (and of a Module holding t): as `copy.copy`, a new independent handle to the same
+        immutable value; a tensor reached twice is copied once."""
+        return self.__copy__()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """pickle: the values (the tensor is realized first: outside a running event loop only, else
+        RuntimeStateError naming `await t.numpy()`), its dtype, and its device where it was asked for."""
+        n = self._node
+        return (_unpickle, (self.numpy_sync(), n.dtype.name, n.device if n.pinned else None))
+
     # ---------------------------------------------------------------- node building
     def _new(self, op: Op, src: tuple[builtins.int, ...], arg: Any, shape: Shape, dtype: DType,
              arg2: Any = None) -> Tensor:
@@ -440,13 +472,16 @@ class Tensor:
     def full(shape: Any, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
         """A lazy tensor of `shape` (an int or a tuple) filled with `value`: a constant, no data is uploaded.
 
-        dtype: `dtype`, else the value's (bool -> bool, int -> int32, float -> float32). device: `device`, else AUTO.
-        The value is a kernel argument: a new value compiles nothing.
+        dtype: `dtype`, else the value's own (bool; int32, or int64 for an int outside int32's range; float32). An
+        int that does not fit an integer `dtype` raises DTypeError naming it. device: `device`, else AUTO. The value
+        is a kernel argument: a new value compiles nothing.
 
         >>> Tensor.full((2, 3), 7).numpy_sync().tolist()
         [[7, 7, 7], [7, 7, 7]]"""
         shape = _shape_arg(shape if isinstance(shape, list | tuple) else (shape,))
         dt = to_dtype(dtype) if dtype is not None else scalar_dtype(value)
+        if dt.is_int and isinstance(value, int | np.integer) and not isinstance(value, bool):
+            check_int(dt, value)
         dev, pinned = RT.resolve_device(device, prod(shape) * dt.itemsize)
         return Tensor._const(value, shape, dt, dev, pinned)
 
@@ -1139,8 +1174,9 @@ class Tensor:
         """numpy indexing: ints, slices (negative steps too), None and Ellipsis are views; integer tensors (or lists,
         or numpy arrays) among them read at their indices (several broadcast together, `x[[0, 1], [1, 2]]`; numpy's
         placement of the result's axes; negative indices count from the end). An index known on the host is checked at
-        the call; one in a tensor is clamped into the axis when it runs (it never reads outside the tensor). A boolean
-        mask raises DTypeError naming `Tensor.where` and `masked_fill` (its result's shape depends on the data).
+        the call; one in a tensor raises IndexOutOfRange when realized (the kernel checks it; with AZYX_CHECKS=0 it is
+        clamped: it never reads outside the tensor). A boolean mask raises DTypeError naming `Tensor.where` and
+        `masked_fill` (its result's shape depends on the data).
 
         >>> t = Tensor([[1, 2], [3, 4], [5, 6]])
         >>> t[[2, -3]].numpy_sync().tolist(), t[:, Tensor([1])].numpy_sync().tolist()
@@ -1237,11 +1273,36 @@ class Tensor:
         """numpy's take along `axis`: the index's shape replaces that axis."""
         if not self.shape:
             raise IndexOutOfRange("cannot index a 0-d tensor with a tensor")
+        if axis == 0 and self.device == DISK and not isinstance(index, Tensor):
+            rows = self._disk_rows(index)
+            if rows is not None:
+                return rows
         idx = self._rows(axis, index)
         shape = self.shape
         pre, post, m = shape[:axis], shape[axis + 1 :], idx.numel()
         flat = idx.reshape((1,) * len(pre) + (m,) + (1,) * len(post))._broadcast_to(pre + (m,) + post)
         return self._gathered(axis, flat).reshape(pre + idx.shape + post)
+
+    def _disk_rows(self, index: Any) -> Tensor | None:
+        """`self[index]` for a file-backed (disk) tensor and a host index (list, numpy): only the rows the index needs
+        are read (each run of consecutive rows a narrower disk range, joined on the compute device), then picked
+        there. None where the rows are all of them or fall in more than DISK_RUNS runs (the whole range is read)."""
+        arr = np.asarray(index)
+        n = self.shape[0]
+        if arr.dtype.kind not in "iu" or not arr.size or not n:
+            return None
+        arr = arr.astype(np.int64)
+        bad = arr[(arr < -n) | (arr >= n)]
+        if bad.size:
+            raise IndexOutOfRange(f"index {bad.flat[0]} is out of range for axis 0 of size {n}")
+        rows, inverse = np.unique(arr % n, return_inverse=True)
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        starts, ends = [0, *cuts.tolist()], [*cuts.tolist(), len(rows)]
+        if len(starts) > DISK_RUNS or (len(starts) == 1 and rows[0] == 0 and rows[-1] == n - 1):
+            return None
+        parts = [self[builtins.int(rows[a]) : builtins.int(rows[b - 1]) + 1] for a, b in zip(starts, ends)]
+        table = parts[0] if len(parts) == 1 else Tensor.cat(parts, 0)
+        return table._take(0, inverse.reshape(arr.shape))
 
     def _gathered(self, axis: builtins.int, index: Tensor) -> Tensor:
         """The GATHER node (index: integer, of self's number of axes, checked by the caller)."""
@@ -1303,7 +1364,7 @@ class Tensor:
     def gather(self, axis: builtins.int, index: Any) -> Tensor:
         """PyTorch's gather: out[i][j] = self[index[i][j]][j] for axis 0 (out has the index's shape; the index has
         self's number of axes, none longer than self's but `axis`). Negative indices count from the end; a host
-        index (list, numpy) out of range raises, one in a tensor is clamped when it runs.
+        index (list, numpy) out of range raises here, one in a tensor raises IndexOutOfRange when realized.
 
         >>> Tensor([[1, 2], [3, 4]]).gather(1, Tensor([[1, 1], [0, 1]])).numpy_sync().tolist()
         [[2, 2], [3, 4]]
@@ -1596,11 +1657,17 @@ class Tensor:
 
     def one_hot(self, num_classes: builtins.int) -> Tensor:
         """int32 tensor of shape `self.shape + (num_classes,)`: 1 at each element's class, 0 elsewhere (`DTypeError`
-        for a float tensor)."""
+        for a float tensor). A class outside [-num_classes, num_classes) raises IndexOutOfRange when realized (a
+        negative one counts from the end, as an index does)."""
         if self.dtype.is_float:
             raise DTypeError(f"one_hot needs an integer tensor, got {self.dtype.name}")
         classes = self._placed_like(Tensor.arange(num_classes, device=self.device))
-        return (self.unsqueeze(-1) == classes).cast(dtypes.int32)
+        return (classes._checked_classes(self).unsqueeze(-1) == classes).cast(dtypes.int32)
+
+    def _checked_classes(self, index: Tensor) -> Tensor:
+        """`self` (an arange) read at integer tensor `index`: the index's own values, but an index out of range
+        raises IndexOutOfRange when the kernel runs (the gather's check) instead of matching no class."""
+        return self._take(0, index)
 
     def dropout(self, p: builtins.float = 0.5) -> Tensor:
         """In training mode (`azyx.train()`), each element zeroed with probability `p` (default 0.5) and the rest
@@ -2326,32 +2393,77 @@ def _join_devices(*nodes: Node) -> tuple[str, bool]:
     return next((n.device for n in nodes if n.device != DISK), first.device), False  # the disk computes nothing
 
 
+def _unpickle(values: np.ndarray, dtype: str, device: str | None) -> Tensor:
+    """A pickled tensor, rebuilt (bfloat16 arrives widened to float32 and is rounded back)."""
+    return Tensor(values, dtype=dtype, device=device)
+
+
 def _to_numpy(data: Any, dtype: Any) -> np.ndarray:
+    """`data` (numpy array or scalar, Python scalar or nested list) as a numpy array of the tensor's dtype. Python
+    values: an explicit `dtype` is applied to them directly (`[0.1]` as float64 is exactly 0.1, `[2**40]` as int64
+    exactly 2**40; a value the dtype cannot hold raises DTypeError naming it); else floats become float32, ints int32
+    where every value fits and int64 where one does not (numpy and PyTorch infer int64), bools bool."""
+    dt = to_dtype(dtype) if dtype is not None else None
     if isinstance(data, np.ndarray):
         arr = data
-        if arr.dtype == np.float16 or arr.dtype == np.float64 or arr.dtype.kind in "biuf":
-            pass
-        else:
+        if not (arr.dtype == np.float16 or arr.dtype == np.float64 or arr.dtype.kind in "biuf"):
             raise DTypeError(f"unsupported numpy dtype {arr.dtype}")
     elif isinstance(data, np.generic):
         arr = np.asarray(data)
     else:
+        host = None if dt is None else np.float32 if dt is dtypes.bfloat16 else dt.np
         try:
-            arr = np.asarray(data)
+            arr = np.asarray(data, dtype=host)
+        except OverflowError:  # a Python int outside the explicit dtype's range
+            raise DTypeError(f"{_first_outside(data, dt)} does not fit {dt.name if dt else 'int64'}") from None
         except ValueError as e:
             raise ShapeError(f"ragged nested sequence: {e}") from None
+        if dt is not None:
+            return arr
         if arr.dtype == np.float64:
             arr = arr.astype(np.float32)
-        elif arr.dtype.kind in "iu":
-            arr = arr.astype(np.int32)
+        elif arr.dtype.kind in "iu" or arr.dtype == object:
+            arr = _python_ints(arr, data)
         elif arr.dtype.kind not in "bf":
             raise DTypeError(f"cannot make a tensor from {type(data).__name__} with numpy dtype {arr.dtype}")
-    if dtype is not None:
-        dt = to_dtype(dtype)
+    if dt is not None:
         arr = arr.astype(np.float32 if dt is dtypes.bfloat16 else dt.np, copy=False)
     else:
         from_numpy(arr.dtype)  # raises DTypeError for unsupported dtypes
     return arr
+
+
+def _python_ints(arr: np.ndarray, data: Any) -> np.ndarray:
+    """Python ints (numpy made `arr` of them): int32 where every value fits, else int64; a value outside int64's
+    range (numpy made uint64 or object) raises DTypeError naming it."""
+    if arr.dtype.kind == "i" and (not arr.size or (arr.min() >= -(2**31) and arr.max() < 2**31)):
+        return arr.astype(np.int32)
+    if arr.dtype.kind == "i":
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "u" and (not arr.size or arr.max() < 2**63):
+        return arr.astype(np.int64)
+    if arr.dtype == object and all(isinstance(v, int) for v in arr.flat):  # (ints beyond uint64)
+        raise DTypeError(f"{_first_outside(data, dtypes.int64)} does not fit int64")
+    if arr.dtype.kind == "u":
+        raise DTypeError(f"{_first_outside(data, dtypes.int64)} does not fit int64")
+    raise DTypeError(f"cannot make a tensor from {type(data).__name__} with numpy dtype {arr.dtype}")
+
+
+def _first_outside(data: Any, dt: DType | None) -> str:
+    """The first Python int in (nested) `data` that integer dtype `dt` cannot hold, for an error message."""
+    if dt is None or not dt.is_int:
+        return f"a value of {data!r}"[:200]
+    lo, hi = -(2 ** (8 * dt.itemsize - 1)), 2 ** (8 * dt.itemsize - 1) - 1
+    if dt.kind == "u":
+        lo, hi = 0, 2 ** (8 * dt.itemsize) - 1
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list | tuple):
+            stack.extend(reversed(v))
+        elif isinstance(v, int) and not lo <= v <= hi:
+            return f"the Python int {v}"
+    return f"a value of {data!r}"[:200]
 
 
 def _to_storage(arr: np.ndarray, dt: DType) -> np.ndarray:

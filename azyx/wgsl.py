@@ -485,6 +485,13 @@ class _Renderer:
                 e = f"clamp(select({x}, {x} + {t}({top + 1}), {x} < {t}(0)), {t}(0), {t}({top}))"
             self.emit(f"let {v.arg.name}: i32 = i32({e});")
             self.names[id(v)] = v.arg.name
+            if self.k.check >= 0:  # (an index out of range writes the check words: see cstyle's check_index)
+                n, c = top + 1, f"d{self.k.check}"
+                bad = f"{x} > {t}({top})" if v.src[0].dtype.kind == "u" else f"{x} < {t}(-{n}) || {x} > {t}({top})"
+                lo = f"bitcast<i32>(u32({x} & 4294967295li))" if t == "i64" else f"i32({x})"
+                hi = f"i32({x} >> 32u)" if t == "i64" else "0" if t == "u32" else f"select(0, -1, {x} < {t}(0))"
+                self.emit(f"if ({bad}) {{ {c}[1] = {lo}; {c}[2] = {hi}; {c}[3] = {n}; "
+                          f"{c}[0] = {int(v.arg.name[2:]) + 1}; }}")
             return
         name = f"v{self.count}"
         self.count += 1
@@ -693,7 +700,7 @@ class _Renderer:
             out.append(_ISNAN64["shader-int64" in self.features] + _PRELUDE_F64)
         binding = 0
         for i, (t, (n, per)) in enumerate(zip(self.types, self.chunks)):
-            write = i < len(k.stores)
+            write = k.writes(i)
             elem = f"atomic<{t.storage}>" if write and t.pack > 1 else t.storage
             if i in self.vec_params:
                 elem = f"vec{self.vw}<f32>"

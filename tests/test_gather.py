@@ -112,16 +112,27 @@ def test_out_of_range_host_index_raises_naming_it(device: str) -> None:
     np.testing.assert_array_equal((t[[4, -5]] + 0).numpy_sync(), table((5, 3))[[4, 0]])  # still usable
 
 
-def test_out_of_range_tensor_index_never_reads_outside(device: str) -> None:
-    """An index only known when the kernel runs is wrapped once from the end and clamped into the axis: the values
-    of the tensor, never memory beside it."""
+def test_out_of_range_tensor_index_never_reads_outside(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An index only known when the kernel runs raises IndexOutOfRange (naming one of the bad values) when realized;
+    with the checks off (AZYX_CHECKS=0) it is wrapped once from the end and clamped into the axis: the values of the
+    tensor, never memory beside it."""
+    from azyx.runtime import RT
+
     x = table((5, 3))
     idx = np.array([7, -9, 1000000, -1, -2147483647, 2147483647], np.int64)
+    bad = "|".join(str(i) for i in idx if not -5 <= i < 5)
+    with pytest.raises(IndexOutOfRange, match=rf"index ({bad}) is out of range for an axis of size 5"):
+        Tensor(x, device=device)[Tensor(idx.astype(np.int32), device=device)].numpy_sync()
+    with pytest.raises(IndexOutOfRange, match=r"index (9|-4) is out of range for an axis of size 3"):
+        Tensor(x, device=device).gather(1, Tensor(np.array([[3, -4, 9]] * 5, np.int64), device=device)).numpy_sync()
+    monkeypatch.setenv("AZYX_CHECKS", "0")
+    RT.plan_cache.clear()  # (plans are made with or without the checks)
     got = Tensor(x, device=device)[Tensor(idx.astype(np.int32), device=device)]
     rows = np.clip(np.where(idx < 0, idx + 5, idx), 0, 4)
     np.testing.assert_array_equal(got.numpy_sync(), x[rows])
     got = Tensor(x, device=device).gather(1, Tensor(np.array([[3, -4, 9]] * 5, np.int64), device=device))
     np.testing.assert_array_equal(got.numpy_sync(), x[:, [2, 0, 2]])
+    RT.plan_cache.clear()
 
 
 def test_gather_fuses_with_consumers_and_the_index_producer(device: str) -> None:

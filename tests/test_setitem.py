@@ -68,10 +68,9 @@ def test_setitem_with_tensor_positions(device: str) -> None:
     want[[0, 3]] = 9
     assert_matches(t, want, dtype="float32")
     t = Tensor(x, device=device)
-    t[Tensor(np.array(-7, np.int32), device=device)] = 1.0  # out of range at run time: clamped (row 0), never outside
-    want = x.copy()
-    want[0] = 1
-    assert_matches(t, want, dtype="float32")
+    t[Tensor(np.array(-7, np.int32), device=device)] = 1.0  # out of range at run time: raises when realized
+    with pytest.raises(IndexOutOfRange, match="index -7 is out of range"):
+        t.numpy_sync()
 
 
 def test_bad_assignments_raise_at_the_call(device: str) -> None:

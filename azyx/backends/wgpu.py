@@ -266,7 +266,7 @@ class WgpuDevice(Device):
             words = 16 * (-(-nscalars // 2))
             ranges = bindings(k, self.max_binding)
             entries = [{"binding": b, "visibility": wgpu.ShaderStage.COMPUTE,
-                        "buffer": {"type": "storage" if i < len(k.stores) else "read-only-storage"}}
+                        "buffer": {"type": "storage" if k.writes(i) else "read-only-storage"}}
                        for b, i in enumerate(i for i, (n, _) in enumerate(ranges) for _ in range(n))]
             if words:
                 entries.append({"binding": len(entries), "visibility": wgpu.ShaderStage.COMPUTE,
