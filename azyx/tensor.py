@@ -32,6 +32,7 @@ from azyx.dtypes import (
 from azyx.errors import (
     ArgumentError,
     AxisError,
+    AzyxError,
     DeviceError,
     DTypeError,
     IndexOutOfRange,
