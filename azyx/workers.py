@@ -28,8 +28,10 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     with _lock:
         if _pool is None:
             n = max(2, os.cpu_count() or 2)
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker",
-                                                          initializer=lower_priority)
+            # (at the loop's own priority: they run Python, and a thread of lower priority that holds the GIL when
+            # a busy machine preempts it holds the loop's thread off the GIL until it gets a core again: 100-160 ms
+            # beside two busy processes at nice 10; the compilers they start run at a lower priority, `run_compiler`)
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker")
             # start every thread now (the runtime's start-up): a pool that grows later starts a thread inside a submit,
             # which waits for it to run, and a busy machine made that wait tens of ms on the loop
             meet = threading.Barrier(n)
@@ -43,13 +45,47 @@ def start() -> None:
     _executor()
 
 
-def lower_priority() -> None:
-    """Run the calling thread, and the processes it starts (compilers), at a lower priority than the event loop's:
-    on a machine whose cores are all busy, the loop then still wakes on time."""
+def lower_priority(pid: int | None = None) -> None:
+    """Run the calling thread and the processes it starts (or the process `pid`, a compiler, and those it starts) at
+    a lower priority than the event loop's: on a machine whose cores are all busy, the loop then still wakes on time.
+    (Only for a thread that spends its time in C with the GIL released: see `_executor`.)"""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if pid is None else pid, WORKER_NICE)
     except (OSError, AttributeError):
         pass
+
+
+def at_lower_priority(fn: Callable[..., T], *args: Any) -> T:
+    """Call `fn(*args)` on a fresh thread of lower priority and wait for it. For a driver's start (an instance, a
+    device): the threads it starts meanwhile inherit that thread's priority (llvmpipe's, which run lavapipe's
+    kernels, and PoCL's), and as device work they run below the event loop's thread (at its priority, two of them
+    beside two busy processes left the loop unscheduled for 40-60 ms)."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        lower_priority()
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:
+            out.append((False, e))
+
+    before = set(threading.enumerate())
+    thread = threading.Thread(target=run, name="azyx-driver-start", daemon=True)
+    thread.start()
+    thread.join()
+    # Python threads it started (wgpu-py's poller) run Python, holding the GIL: back at the caller's priority where
+    # the process may raise one (else they stay lower: their completions come later)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for t in set(threading.enumerate()) - before:
+        if t.native_id is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, t.native_id, mine)
+            except OSError:
+                pass
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _call(job: list[Any]) -> Any:
