@@ -49,9 +49,13 @@ class LoopStalls:
         self._loop_thread = 0
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
+        self._loop_native = 0
         self._stall: list[list[tuple[str, str]]] = []  # the current stall's samples: (thread, stack) per thread
         self._stall_start = 0.0
-        self.worst: tuple[float, list[list[tuple[str, str]]]] = (0.0, [])  # the longest stall's length and samples
+        self._sched_start = (0, 0)
+        # the longest stall: its length, its samples, and how long the loop's thread ran and waited for a CPU meanwhile
+        self.worst: tuple[float, list[list[tuple[str, str]]]] = (0.0, [])
+        self.worst_sched: tuple[int, int] | None = None
 
     @property
     def worst_ms(self) -> float:
@@ -60,6 +64,7 @@ class LoopStalls:
 
     async def __aenter__(self) -> LoopStalls:
         self._loop_thread = threading.get_ident()
+        self._loop_native = threading.get_native_id()
         self._running = True
         self._last = time.perf_counter()
         self._task = asyncio.get_running_loop().create_task(self._beat())
@@ -94,6 +99,7 @@ class LoopStalls:
                 continue
             if not self._stall:
                 self._stall_start = self._last
+                self._sched_start = self._sched()
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
@@ -104,7 +110,18 @@ class LoopStalls:
         length = end - self._stall_start
         if length > self.worst[0]:
             self.worst = (length, self._stall)
+            ran, waited = self._sched()
+            self.worst_sched = (ran - self._sched_start[0], waited - self._sched_start[1]) if ran else None
         self._stall = []
+
+    def _sched(self) -> tuple[int, int]:
+        """The loop thread's time on a CPU and runnable waiting for one, in ns so far (Linux; (0, 0) elsewhere)."""
+        try:
+            with open(f"/proc/self/task/{self._loop_native}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            return int(ran), int(waited)
+        except (OSError, ValueError):
+            return 0, 0
 
     def _name(self, tid: int) -> str:
         if tid == self._loop_thread:
@@ -131,7 +148,13 @@ class LoopStalls:
         seen: collections.Counter[tuple[str, str]] = collections.Counter()
         for sample in samples:
             seen.update(s for s in sample if not any(w in s[1].split(" < ")[0] for w in _IDLE))
-        lines = [f"longest stall {length * 1e3:.1f} ms, {len(samples)} samples; stacks seen (count, thread):"]
+        lines = [f"longest stall {length * 1e3:.1f} ms, {len(samples)} samples"]
+        if self.worst_sched is not None:  # (waiting for a CPU: the machine's load, not the GIL, which is a sleep)
+            ran, waited = self.worst_sched
+            lines[0] += f"; the loop's thread ran {ran / 1e6:.1f} ms, waited {waited / 1e6:.1f} ms for a CPU"
+        if hasattr(os, "getloadavg"):
+            lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
+        lines[0] += "; stacks seen (count, thread):"
         loop_first = sorted(seen.most_common(), key=lambda kv: (kv[0][0] != "loop", -kv[1]))
         shown: collections.Counter[str] = collections.Counter()
         for (name, stack), count in loop_first:

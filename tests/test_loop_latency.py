@@ -1,9 +1,10 @@
 """The event loop never stalls: a 1 ms heartbeat task on the loop stays on time while azyx serves many requests that
 each compile, realizes a large never-seen graph, and uploads and reads back a large host array. Nothing that takes
 more than about a millisecond (planning a big graph, compiling, loading a module, copying a large buffer, pinning or
-allocating a lot of memory) may run on the loop's thread. The bound is generous (a loaded 2-core CI machine delays a
-waking thread by a few milliseconds on its own, and the GIL by up to 5 ms per hand-over); the stalls these tests
-were written against lasted 60 to 380 ms on such a machine."""
+allocating a lot of memory) may run on the loop's thread, no thread that holds the GIL runs at a lower priority than
+the loop's, and the GIL changes hands every 0.5 ms (workers.SWITCH_INTERVAL). On failure the message says what the
+loop's thread and the others were doing during the longest stall (`azyx.debug.LoopStalls`).
+tests/test_loop_load.py runs the same scenarios beside two busy processes."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from azyx.debug import LoopStalls
 
 pytestmark = pytest.mark.serial  # (timing: run alone, see dev.sh)
 
-# the stalls these tests guard against lasted 60-380 ms; the issue's 5 ms target is measured by bench/run.py and
-# bench/serve.py on a quiet machine (a loaded 2-core machine alone delays a wake-up by tens of ms)
-BOUND_MS = float(os.environ.get("AZYX_TEST_LATENESS_MS", 100))
+# the issue's bound on a quiet machine (a machine others use delays a wake-up by tens of ms on its own: set
+# AZYX_TEST_LATENESS_MS there)
+BOUND_MS = float(os.environ.get("AZYX_TEST_LATENESS_MS", 5))
 REQUESTS = 200
 GRAPH_ELEMENTS = 64 << 20
 UPLOAD_BYTES = 256 << 20
@@ -32,11 +33,12 @@ UPLOAD_BYTES = 256 << 20
 
 async def _worst_lateness_ms(work: Callable[[], Awaitable[None]]) -> tuple[float, str]:
     """Run `work` beside a task that sleeps 1 ms in a loop; the latest wake-up past its 1 ms (ms) while `work` ran,
-    and what the loop's thread (and the others) were doing during the longest stall (`LoopStalls.report`)."""
+    and what the loop's thread (and the others) were doing during the longest stall (`LoopStalls.report`; a beat
+    2 ms late starts a stall; AZYX_STALL_DEPTH: frames per stack)."""
     gc.collect()
     gc.freeze()  # as a service does after start-up (README): a full collection of the test run's heap takes ~40 ms
     try:
-        async with LoopStalls(late_after=5e-3, depth=int(os.environ.get("AZYX_STALL_DEPTH", 10))) as stalls:
+        async with LoopStalls(late_after=3e-3, depth=int(os.environ.get("AZYX_STALL_DEPTH", 10))) as stalls:
             await work()
     finally:
         gc.unfreeze()
