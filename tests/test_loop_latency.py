@@ -45,18 +45,24 @@ async def _worst_lateness_ms(work: Callable[[], Awaitable[None]]) -> tuple[float
     return stalls.worst_ms, f"{len(stalls.lateness)} beats; {stalls.report()}"
 
 
-async def on_time(device: str, scenario: Callable[[str], Awaitable[tuple[float, str]]],
-                   bound: float | None = None) -> None:
-    """`scenario` on `device` keeps the heartbeat within the bound and leaves no node or buffer behind."""
+async def on_time(device: str, scenario: Callable[[str, bool], Awaitable[tuple[float, str]]],
+                  bound: float | None = None, fresh: bool = False) -> None:
+    """`scenario` on `device` keeps the heartbeat within the bound and leaves no node or buffer behind. `fresh`: its
+    variant of other shapes and ops (compiled anew after the others ran), a quarter of the size (`_size`)."""
     bound = BOUND_MS if bound is None else bound
     base = await settle()
-    worst, what = await scenario(device)
+    worst, what = await scenario(device, fresh)
     assert worst <= bound, f"{device}: the heartbeat was {worst:.1f} ms late (bound {bound} ms): {what}"
     assert await settle() == base
 
 
-async def _requests(device: str) -> tuple[float, str]:
-    xs = np.linspace(-2, 2, 4096, dtype=np.float32)
+def _size(n: int, fresh: bool) -> int:
+    """`n` elements, or for a fresh variant a quarter of them and one more (a shape no other test compiled)."""
+    return n // 4 + 1 if fresh else n
+
+
+async def _requests(device: str, fresh: bool = False) -> tuple[float, str]:
+    xs = np.linspace(-2, 2, _size(4096, fresh), dtype=np.float32)
     x = await Tensor(xs, device=device).realize()
     salt = os.getpid() % 9973 / 9973  # scalars this process has not seen
     got: dict[int, float] = {}
@@ -80,14 +86,16 @@ async def test_many_requests_with_distinct_scalars_leave_the_loop_free(device: s
     await on_time(device, _requests)
 
 
-async def _large_graph(device: str) -> tuple[float, str]:
-    xs = np.random.default_rng(1).random(GRAPH_ELEMENTS, dtype=np.float32)
+async def _large_graph(device: str, fresh: bool = False) -> tuple[float, str]:
+    xs = np.random.default_rng(1).random(_size(GRAPH_ELEMENTS, fresh), dtype=np.float32)
     x = await Tensor(xs, device=device).realize()
     salt = 1.0 + os.getpid() % 9973 / 9973 + time.time() % 1  # a kernel no earlier run compiled
     y = ((x * salt + 0.5).sqrt() * x - 1.0).relu()
+    if fresh:  # (a large elementwise kernel takes its size as an argument: other ops make it new)
+        y = (y + 1.0).relu()
     late = await _worst_lateness_ms(y.realize)
-    probe = np.arange(0, GRAPH_ELEMENTS, 4099)
-    ref = np.maximum(np.sqrt(xs[probe] * np.float32(salt) + np.float32(0.5)) * xs[probe] - 1, 0)
+    probe = np.arange(0, len(xs), 4099)
+    ref = np.maximum(np.sqrt(xs[probe] * np.float32(salt) + np.float32(0.5)) * xs[probe] - 1, 0) + fresh
     np.testing.assert_allclose((await y.numpy())[probe], ref, rtol=1e-5, atol=1e-6)
     return late
 
@@ -97,8 +105,8 @@ async def test_first_realize_of_a_large_new_graph_leaves_the_loop_free(device: s
     await on_time(device, _large_graph)
 
 
-async def _upload(device: str) -> tuple[float, str]:
-    data = np.random.default_rng(2).integers(0, 1 << 30, UPLOAD_BYTES // 4, dtype=np.int32)
+async def _upload(device: str, fresh: bool = False) -> tuple[float, str]:
+    data = np.random.default_rng(2).integers(0, 1 << 30, _size(UPLOAD_BYTES // 4, fresh), dtype=np.int32)
     x = Tensor(data, device=device)
     back: list[np.ndarray] = []
 
@@ -117,8 +125,8 @@ async def test_uploading_and_reading_back_a_large_array_leaves_the_loop_free(dev
     await on_time(device, _upload)
 
 
-async def _long_chain(device: str) -> tuple[float, str]:
-    xs = np.linspace(0.5, 1.5, 4096, dtype=np.float32)
+async def _long_chain(device: str, fresh: bool = False) -> tuple[float, str]:
+    xs = np.linspace(0.5, 1.5, _size(4096, fresh), dtype=np.float32)
     x = await Tensor(xs, device=device).realize()
     salt = os.getpid() % 9973 / 1e6
     steps = [x]
