@@ -103,8 +103,8 @@ class LoopStalls:
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
-        if self._stall:
-            self._end_stall(time.perf_counter())
+        if self._stall:  # (ended by the heartbeat's last beat, when there was one since it began)
+            self._end_stall(self._last if self._last > self._stall_start else time.perf_counter())
 
     def _end_stall(self, end: float) -> None:
         length = end - self._stall_start

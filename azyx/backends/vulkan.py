@@ -604,8 +604,7 @@ class VulkanDevice(QueuedDevice):
             stage = vk.VkPipelineShaderStageCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
                                                        stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
                                                        pName="main")
-            # (the driver compiles the shader here: below the loop's priority, as glslc runs)
-            return at_lower_priority(vk.vkCreateComputePipelines, dev, None, 1, [vk.VkComputePipelineCreateInfo(
+            return vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
         except vk.VkError as e:
             raise CompileError(f"{self.name}: creating the pipeline of {kernel_list([step.name])} (of "

@@ -319,11 +319,9 @@ class WgpuDevice(Device):
             try:
                 module = self.gpu.create_shader_module(code=step.src)
                 layout = self.gpu.create_bind_group_layout(entries=entries)
-                # (the driver compiles the shader here: below the loop's priority, as a compiler process runs)
-                pipeline = at_lower_priority(functools.partial(
-                    self.gpu.create_compute_pipeline,
+                pipeline = self.gpu.create_compute_pipeline(
                     layout=self.gpu.create_pipeline_layout(bind_group_layouts=[layout]),
-                    compute={"module": module, "entry_point": step.name}))
+                    compute={"module": module, "entry_point": step.name})
             except Exception as e:
                 raise CompileError(f"{self.name}: building {kernel_list([step.name])} (of {kernel_list(names)}) "
                                    f"failed: {e}\n--- source ---\n{step.src}") from None
