@@ -151,7 +151,9 @@ class LoopStalls:
         lines = [f"longest stall {length * 1e3:.1f} ms, {len(samples)} samples"]
         if self.worst_sched is not None:  # (waiting for a CPU: the machine's load, not the GIL, which is a sleep)
             ran, waited = self.worst_sched
-            lines[0] += f"; the loop's thread ran {ran / 1e6:.1f} ms, waited {waited / 1e6:.1f} ms for a CPU"
+            slept = max(length * 1e3 - (ran + waited) / 1e6, 0.0)
+            lines[0] += (f"; the loop's thread ran {ran / 1e6:.1f} ms, waited {waited / 1e6:.1f} ms for a CPU, slept "
+                         f"{slept:.1f} ms (on the GIL, a lock or I/O)")
         if hasattr(os, "getloadavg"):
             lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
         lines[0] += "; stacks seen (count, thread):"
