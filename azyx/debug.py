@@ -31,9 +31,11 @@ def log(bit: int, msg: str | Callable[[], str]) -> None:
 
 
 class LoopStalls:
-    """What held an event loop when it was late: a heartbeat task on the loop (`heartbeat()`) and a sampler thread
-    that, whenever the heartbeat has not come back for `late_after` seconds, records the stack of every thread (the
-    loop's own, and the workers that may hold the GIL). `report()` names the worst stall and what ran during it.
+    """What held an event loop when it was late: a heartbeat task on the loop (a sleep of `period` in a loop) and a
+    sampler thread that, whenever the heartbeat has not come back for `late_after` seconds, records the stack of every
+    thread (the loop's own, and the workers that may hold the GIL) every `every` seconds. `report()` names the longest
+    stall, the stacks seen during it, and (Linux) how the loop's thread spent it: running, waiting for a CPU (the
+    machine's load) or asleep (on the GIL, a lock or I/O).
 
         stalls = LoopStalls()
         async with stalls:          # starts the heartbeat and the sampler
@@ -52,10 +54,11 @@ class LoopStalls:
         self._loop_native = 0
         self._stall: list[list[tuple[str, str]]] = []  # the current stall's samples: (thread, stack) per thread
         self._stall_start = 0.0
-        self._sched_start = (0, 0)
-        # the longest stall: its length, its samples, and how long the loop's thread ran and waited for a CPU meanwhile
+        self._sched_start = (0.0, 0, 0)
+        # the longest stall: its length (s) and samples; from its first sample on, how long (ns) the loop's thread ran
+        # and waited for a CPU, and how long that was (s)
         self.worst: tuple[float, list[list[tuple[str, str]]]] = (0.0, [])
-        self.worst_sched: tuple[int, int] | None = None
+        self.worst_sched: tuple[int, int, float] | None = None
 
     @property
     def worst_ms(self) -> float:
@@ -99,7 +102,7 @@ class LoopStalls:
                 continue
             if not self._stall:
                 self._stall_start = self._last
-                self._sched_start = self._sched()
+                self._sched_start = (time.perf_counter(), *self._sched())
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
@@ -110,8 +113,9 @@ class LoopStalls:
         length = end - self._stall_start
         if length > self.worst[0]:
             self.worst = (length, self._stall)
+            at, ran0, waited0 = self._sched_start
             ran, waited = self._sched()
-            self.worst_sched = (ran - self._sched_start[0], waited - self._sched_start[1]) if ran else None
+            self.worst_sched = (ran - ran0, waited - waited0, max(end - at, 0.0)) if ran else None
         self._stall = []
 
     def _sched(self) -> tuple[int, int]:
@@ -147,13 +151,13 @@ class LoopStalls:
             return f"no stall longer than {self.late_after * 1e3:.0f} ms was sampled"
         seen: collections.Counter[tuple[str, str]] = collections.Counter()
         for sample in samples:
-            seen.update(s for s in sample if not any(w in s[1].split(" < ")[0] for w in _IDLE))
+            seen.update(s for s in sample if s[1].split(":")[0] not in _IDLE)
         lines = [f"longest stall {length * 1e3:.1f} ms, {len(samples)} samples"]
         if self.worst_sched is not None:  # (waiting for a CPU: the machine's load, not the GIL, which is a sleep)
-            ran, waited = self.worst_sched
-            slept = max(length * 1e3 - (ran + waited) / 1e6, 0.0)
-            lines[0] += (f"; the loop's thread ran {ran / 1e6:.1f} ms, waited {waited / 1e6:.1f} ms for a CPU, slept "
-                         f"{slept:.1f} ms (on the GIL, a lock or I/O)")
+            ran, waited, window = self.worst_sched
+            slept = max(window * 1e3 - (ran + waited) / 1e6, 0.0)
+            lines[0] += (f"; in its last {window * 1e3:.1f} ms the loop's thread ran {ran / 1e6:.1f} ms, waited "
+                         f"{waited / 1e6:.1f} ms for a CPU, slept {slept:.1f} ms (on the GIL, a lock or I/O)")
         if hasattr(os, "getloadavg"):
             lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
         lines[0] += "; stacks seen (count, thread):"
@@ -167,4 +171,4 @@ class LoopStalls:
 
 
 # a thread whose innermost frame is one of these is waiting, not working (its wait releases the GIL)
-_IDLE = ("threading.py:", "queue.py:", "thread.py:", "debug.py:")
+_IDLE = frozenset({"threading.py", "queue.py", "thread.py"})
