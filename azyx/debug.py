@@ -55,8 +55,8 @@ class LoopStalls:
         self._stall: list[list[tuple[str, str]]] = []  # the current stall's samples: (thread, stack) per thread
         self._stall_start = 0.0
         self._sched_start = (0.0, 0, 0)
-        # the longest stall: its length (s) and samples; from its first sample on, how long (ns) the loop's thread ran
-        # and waited for a CPU, and how long that was (s)
+        # the longest stall: its length (s) and samples; from the sampler's last look before it, how long (ns) the
+        # loop's thread ran and waited for a CPU, and how long that was (s)
         self.worst: tuple[float, list[list[tuple[str, str]]]] = (0.0, [])
         self.worst_sched: tuple[int, int, float] | None = None
 
@@ -92,6 +92,7 @@ class LoopStalls:
             self.lateness.append(now - t0 - self.period)
 
     def _sample(self) -> None:
+        on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time
         while self._running:
             time.sleep(self.every)
             now = time.perf_counter()
@@ -99,10 +100,11 @@ class LoopStalls:
             if since < self.late_after:
                 if self._stall:
                     self._end_stall(self._last)
+                on_time = (now, *self._sched())
                 continue
             if not self._stall:
                 self._stall_start = self._last
-                self._sched_start = (time.perf_counter(), *self._sched())
+                self._sched_start = on_time
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
@@ -147,12 +149,16 @@ class LoopStalls:
         """The longest stall (ms, from the last on-time beat) and the stacks seen most often during it, per thread
         (the loop's first); threads idle in a wait are left out."""
         length, samples = self.worst
+        unseen = ""
+        if self.worst_ms > (length + self.late_after + self.every) * 1e3:
+            unseen = (f" (the worst beat, {self.worst_ms:.1f} ms late, was not sampled: the sampler's thread could not "
+                      f"run either, without a CPU or the GIL)")
         if not samples:
-            return f"no stall longer than {self.late_after * 1e3:.0f} ms was sampled"
+            return f"no stall longer than {self.late_after * 1e3:.0f} ms was sampled{unseen}"
         seen: collections.Counter[tuple[str, str]] = collections.Counter()
         for sample in samples:
             seen.update(s for s in sample if s[1].split(":")[0] not in _IDLE)
-        lines = [f"longest stall {length * 1e3:.1f} ms, {len(samples)} samples"]
+        lines = [f"longest stall sampled {length * 1e3:.1f} ms{unseen}, {len(samples)} samples"]
         if self.worst_sched is not None:  # (waiting for a CPU: the machine's load, not the GIL, which is a sleep)
             ran, waited, window = self.worst_sched
             slept = max(window * 1e3 - (ran + waited) / 1e6, 0.0)

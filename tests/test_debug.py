@@ -37,4 +37,4 @@ async def test_an_on_time_loop_has_no_stall() -> None:
     async with LoopStalls(late_after=1.0) as stalls:
         await asyncio.sleep(0.05)
     assert stalls.lateness and stalls.worst == (0.0, [])
-    assert stalls.report() == "no stall longer than 1000 ms was sampled"
+    assert stalls.report().startswith("no stall longer than 1000 ms was sampled")
