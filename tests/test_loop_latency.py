@@ -52,6 +52,7 @@ async def on_time(device: str, scenario: Callable[[str, bool], Awaitable[tuple[f
     bound = BOUND_MS if bound is None else bound
     base = await settle()
     worst, what = await scenario(device, fresh)
+    print(f"{device} {scenario.__name__.strip('_')}: the heartbeat was {worst:.1f} ms late; {what}")  # (pytest -rP)
     assert worst <= bound, f"{device}: the heartbeat was {worst:.1f} ms late (bound {bound} ms): {what}"
     assert await settle() == base
 
