@@ -95,6 +95,8 @@ class LoopStalls:
         on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time
         while self._running:
             time.sleep(self.every)
+            if not self._running:  # (the heartbeat has stopped: no stall begins now)
+                break
             now = time.perf_counter()
             since = now - self._last
             if since < self.late_after:
@@ -108,8 +110,9 @@ class LoopStalls:
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
-        if self._stall:  # (ended by the heartbeat's last beat, when there was one since it began)
-            self._end_stall(self._last if self._last > self._stall_start else time.perf_counter())
+        # a stall that the heartbeat's last beat ended counts; one begun after that beat (the heartbeat stopping) not
+        if self._stall and self._last > self._stall_start:
+            self._end_stall(self._last)
 
     def _end_stall(self, end: float) -> None:
         length = end - self._stall_start
