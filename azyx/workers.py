@@ -57,9 +57,12 @@ def start() -> None:
 def lower_priority(pid: int | None = None) -> None:
     """Run the calling thread and the processes it starts (or the process `pid`, a compiler, and those it starts) at
     a lower priority than the event loop's: on a machine whose cores are all busy, the loop then still wakes on time.
-    (Only for a thread that spends its time in C with the GIL released: see `_executor`.)"""
+    (Only for a thread that spends its time in C with the GIL released: see `_executor`.) WORKER_NICE below the
+    calling thread's priority, never above it."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if pid is None else pid, WORKER_NICE)
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if pid is None else pid,
+                       min(mine + WORKER_NICE, 19))
     except (OSError, AttributeError):
         pass
 
