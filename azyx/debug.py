@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import os
 import sys
+import threading
+import time
+import types
 from collections.abc import Callable
 
 DEVICES, PLANS, LAUNCHES, IR, SOURCE, SEARCH = 1, 2, 4, 8, 16, 32  # SEARCH: what the kernel search tried, won
@@ -23,3 +28,156 @@ def log(bit: int, msg: str | Callable[[], str]) -> None:
     if LEVEL & bit:
         text = msg() if callable(msg) else msg
         print(f"azyx: {text}", file=sys.stderr, flush=True)
+
+
+class LoopStalls:
+    """What held an event loop when it was late: a heartbeat task on the loop (a sleep of `period` in a loop) and a
+    sampler thread that, whenever the heartbeat has not come back for `late_after` seconds, records the stack of every
+    thread (the loop's own, and the workers that may hold the GIL) every `every` seconds. `report()` names the longest
+    stall, the stacks seen during it, and (Linux) how the loop's thread spent it: running, waiting for a CPU (the
+    machine's load) or asleep (on the GIL, a lock or I/O).
+
+        stalls = LoopStalls()
+        async with stalls:          # starts the heartbeat and the sampler
+            await work()
+        print(stalls.worst_ms, stalls.report())
+    """
+
+    def __init__(self, period: float = 1e-3, late_after: float = 4e-3, every: float = 1e-3, depth: int = 8) -> None:
+        self.period, self.late_after, self.every, self.depth = period, late_after, every, depth
+        self.lateness: list[float] = []  # each wake-up's lateness past `period` (seconds)
+        self._last = 0.0
+        self._running = False
+        self._loop_thread = 0
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop_native = 0
+        self._stall: list[list[tuple[str, str]]] = []  # the current stall's samples: (thread, stack) per thread
+        self._stall_start = 0.0
+        self._sched_start = (0.0, 0, 0)
+        # the longest stall: its length (s) and samples; from the sampler's last look before it, how long (ns) the
+        # loop's thread ran and waited for a CPU, and how long that was (s)
+        self.worst: tuple[float, list[list[tuple[str, str]]]] = (0.0, [])
+        self.worst_sched: tuple[int, int, float] | None = None
+
+    @property
+    def worst_ms(self) -> float:
+        """The heartbeat's worst lateness, in ms."""
+        return max(self.lateness, default=0.0) * 1e3
+
+    async def __aenter__(self) -> LoopStalls:
+        self._loop_thread = threading.get_ident()
+        self._loop_native = threading.get_native_id()
+        self._running = True
+        self._last = time.perf_counter()
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+        self._thread = threading.Thread(target=self._sample, name="azyx-loop-sampler", daemon=True)
+        self._thread.start()
+        await asyncio.sleep(self.period * 10)
+        self.lateness.clear()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._running = False
+        if self._task is not None:
+            await self._task
+        if self._thread is not None:
+            self._thread.join()
+
+    async def _beat(self) -> None:
+        while self._running:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.period)
+            self._last = now = time.perf_counter()
+            self.lateness.append(now - t0 - self.period)
+
+    def _sample(self) -> None:
+        on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time
+        while self._running:
+            time.sleep(self.every)
+            if not self._running:  # (the heartbeat has stopped: no stall begins now)
+                break
+            now = time.perf_counter()
+            since = now - self._last
+            if since < self.late_after:
+                if self._stall:
+                    self._end_stall(self._last)
+                on_time = (now, *self._sched())
+                continue
+            if not self._stall:
+                self._stall_start = self._last
+                self._sched_start = on_time
+            frames = sys._current_frames()
+            self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
+                                if tid != threading.get_ident()])
+        # a stall that the heartbeat's last beat ended counts; one begun after that beat (the heartbeat stopping) not
+        if self._stall and self._last > self._stall_start:
+            self._end_stall(self._last)
+
+    def _end_stall(self, end: float) -> None:
+        length = end - self._stall_start
+        if length > self.worst[0]:
+            self.worst = (length, self._stall)
+            at, ran0, waited0 = self._sched_start
+            ran, waited = self._sched()
+            self.worst_sched = (ran - ran0, waited - waited0, max(end - at, 0.0)) if ran else None
+        self._stall = []
+
+    def _sched(self) -> tuple[int, int]:
+        """The loop thread's time on a CPU and runnable waiting for one, in ns so far (Linux; (0, 0) elsewhere)."""
+        try:
+            with open(f"/proc/self/task/{self._loop_native}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            return int(ran), int(waited)
+        except (OSError, ValueError):
+            return 0, 0
+
+    def _name(self, tid: int) -> str:
+        if tid == self._loop_thread:
+            return "loop"
+        for t in threading.enumerate():
+            if t.ident == tid:
+                return t.name
+        return str(tid)
+
+    def _stack(self, frame: types.FrameType | None) -> str:
+        lines: list[str] = []
+        while frame is not None and len(lines) < self.depth:
+            code = frame.f_code
+            lines.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        return " < ".join(lines)
+
+    def report(self, top: int = 3) -> str:
+        """The longest stall (ms, from the last on-time beat) and the stacks seen most often during it, per thread
+        (the loop's first); threads idle in a wait are left out."""
+        length, samples = self.worst
+        unseen = ""
+        if self.worst_ms > (length + self.late_after + self.every) * 1e3:
+            unseen = (f" (the worst beat, {self.worst_ms:.1f} ms late, was not sampled: the sampler's thread could not "
+                      f"run either, without a CPU or the GIL)")
+        if not samples:
+            return f"no stall longer than {self.late_after * 1e3:.0f} ms was sampled{unseen}"
+        seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        for sample in samples:
+            seen.update(s for s in sample if s[1].split(":")[0] not in _IDLE)
+        lines = [f"longest stall sampled {length * 1e3:.1f} ms{unseen}, {len(samples)} samples"]
+        if self.worst_sched is not None:  # (waiting for a CPU: the machine's load, not the GIL, which is a sleep)
+            ran, waited, window = self.worst_sched
+            slept = max(window * 1e3 - (ran + waited) / 1e6, 0.0)
+            lines[0] += (f"; in its last {window * 1e3:.1f} ms the loop's thread ran {ran / 1e6:.1f} ms, waited "
+                         f"{waited / 1e6:.1f} ms for a CPU, slept {slept:.1f} ms (on the GIL, a lock or I/O)")
+        if hasattr(os, "getloadavg"):
+            lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
+        lines[0] += "; stacks seen (count, thread):"
+        loop_first = sorted(seen.most_common(), key=lambda kv: (kv[0][0] != "loop", -kv[1]))
+        shown: collections.Counter[str] = collections.Counter()
+        for (name, stack), count in loop_first:
+            if shown[name] < top:
+                shown[name] += 1
+                lines.append(f"  {count:3d} {name}: {stack}")
+        return "\n".join(lines)
+
+
+# a thread whose innermost frame is one of these is waiting, not working (its wait releases the GIL)
+_IDLE = frozenset({"threading.py", "queue.py", "thread.py"})

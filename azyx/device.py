@@ -24,7 +24,7 @@ from azyx.ir import CHECK_WORDS, Kernel, index_sites
 from azyx.launch import Launch, render_kernel
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
-from azyx.workers import in_worker_thread, in_worker_thread_within
+from azyx.workers import in_worker_thread, in_worker_thread_within, lower_priority
 
 T = TypeVar("T")
 
@@ -547,6 +547,7 @@ def run_compiler(cmd: list[str], what: str, timeout_s: float, src: str) -> bytes
     compile_timeout_s) the whole group goes (a driver such as gcc runs cc1 and as as its children); raise CompileError
     on a timeout or a failure, naming `what` (the device and the kernels). Returns its standard output."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    lower_priority(proc.pid)  # (before a driver such as gcc starts its children, which inherit it)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

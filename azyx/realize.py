@@ -22,7 +22,7 @@ from azyx.plan import ExecutionPlan
 from azyx.runtime import GRAPH, RT, InFlight, loop_identity
 from azyx.schedule import make_plan
 from azyx.walk import Walk, canonicalize
-from azyx.workers import in_worker_thread
+from azyx.workers import in_python_thread, in_worker_thread
 
 if TYPE_CHECKING:
     from azyx.device import Buffer, Device
@@ -172,7 +172,7 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
         plan = make_plan(rt, GRAPH, walk, targets)
     else:  # planning and rendering a big graph takes milliseconds: a worker plans a copy of its nodes
         copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])
-        plan = await in_worker_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
+        plan = await in_python_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
                                                                 walk.scalars, walk.scalar_nodes, walk.donated), targets)
     return await rt.compile(plan)  # (the graph may change meanwhile: the caller walks it again)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # (imported now, not by the first worker job, on the loop)
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -17,6 +18,11 @@ from azyx.timeline import _LoopWaiter
 
 T = TypeVar("T")
 WORKER_NICE = 10
+# how long the loop's thread waits for the GIL while another thread runs Python (planning, a driver's Python
+# wrapper) before that thread must let go: the loop takes the GIL back after each call that released it (its select,
+# each driver call), so at Python's 5 ms a realize that made several such calls beside a worker planning a graph
+# waited that many times 5 ms (200 requests on c:0 at load 6-7: 19.7-28.9 ms late at 5 ms, 7.0-13.1 at 0.5 ms)
+SWITCH_INTERVAL = 0.5e-3
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pending: set[concurrent.futures.Future[Any]] = set()
@@ -28,8 +34,10 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     with _lock:
         if _pool is None:
             n = max(2, os.cpu_count() or 2)
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker",
-                                                          initializer=lower_priority)
+            # (at the loop's own priority: they run Python, and a thread of lower priority that holds the GIL when
+            # a busy machine preempts it holds the loop's thread off the GIL until it gets a core again: 100-160 ms
+            # beside two busy processes at nice 10; the compilers they start run at a lower priority, `run_compiler`)
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker")
             # start every thread now (the runtime's start-up): a pool that grows later starts a thread inside a submit,
             # which waits for it to run, and a busy machine made that wait tens of ms on the loop
             meet = threading.Barrier(n)
@@ -39,17 +47,57 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def start() -> None:
-    """Start the worker threads (at the runtime's start-up, not at the first job)."""
+    """Start the worker threads (at the runtime's start-up, not at the first job), and shorten the interpreter's
+    switch interval to SWITCH_INTERVAL (a process that set a shorter one keeps it)."""
     _executor()
+    if sys.getswitchinterval() > SWITCH_INTERVAL:
+        sys.setswitchinterval(SWITCH_INTERVAL)
 
 
-def lower_priority() -> None:
-    """Run the calling thread, and the processes it starts (compilers), at a lower priority than the event loop's:
-    on a machine whose cores are all busy, the loop then still wakes on time."""
+def lower_priority(pid: int | None = None) -> None:
+    """Run the calling thread and the processes it starts (or the process `pid`, a compiler, and those it starts) at
+    a lower priority than the event loop's: on a machine whose cores are all busy, the loop then still wakes on time.
+    (Only for a thread that spends its time in C with the GIL released: see `_executor`.) WORKER_NICE below the
+    calling thread's priority, never above it."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if pid is None else pid,
+                       min(mine + WORKER_NICE, 19))
     except (OSError, AttributeError):
         pass
+
+
+def at_lower_priority(fn: Callable[..., T], *args: Any) -> T:
+    """Call `fn(*args)` on a fresh thread of lower priority and wait for it. For a driver's start (an instance, a
+    device): the threads it starts meanwhile inherit that thread's priority (llvmpipe's, which run lavapipe's
+    kernels, and PoCL's), and as device work they run below the event loop's thread (at its priority, two of them
+    beside two busy processes left the loop unscheduled for 40-60 ms)."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        lower_priority()
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:
+            out.append((False, e))
+
+    before = set(threading.enumerate())
+    thread = threading.Thread(target=run, name="azyx-driver-start", daemon=True)
+    thread.start()
+    thread.join()
+    # Python threads it started (wgpu-py's poller) run Python, holding the GIL: back at the caller's priority where
+    # the process may raise one (else they stay lower: their completions come later)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for t in set(threading.enumerate()) - before:
+        if t.native_id is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, t.native_id, mine)
+            except OSError:
+                pass
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _call(job: list[Any]) -> Any:
@@ -70,6 +118,22 @@ async def in_worker_thread(fn: Callable[..., T], *args: Any) -> T:
         fut.add_done_callback(waiter.wake_from)
         await waiter.wait()
     return fut.result()
+
+
+# held by the worker running Python-heavy work (`in_python_thread`): the GIL runs one thread's Python at a time anyway,
+# and each more thread that wants it makes the loop's thread wait longer for its turn (two workers planning graphs at
+# once beside a busy machine: the loop slept 10-43 ms on the GIL)
+_python_lane = threading.Lock()
+
+
+def _in_lane(fn: Callable[..., T], *args: Any) -> T:
+    with _python_lane:
+        return fn(*args)
+
+
+async def in_python_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`in_worker_thread` for work that is mostly Python (planning a graph): such jobs run one at a time."""
+    return await in_worker_thread(_in_lane, fn, *args)
 
 
 def in_background(fn: Callable[[], Any]) -> None:

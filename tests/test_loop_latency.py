@@ -1,9 +1,10 @@
 """The event loop never stalls: a 1 ms heartbeat task on the loop stays on time while azyx serves many requests that
 each compile, realizes a large never-seen graph, and uploads and reads back a large host array. Nothing that takes
 more than about a millisecond (planning a big graph, compiling, loading a module, copying a large buffer, pinning or
-allocating a lot of memory) may run on the loop's thread. The bound is generous (a loaded 2-core CI machine delays a
-waking thread by a few milliseconds on its own, and the GIL by up to 5 ms per hand-over); the stalls these tests
-were written against lasted 60 to 380 ms on such a machine."""
+allocating a lot of memory) may run on the loop's thread, no thread that holds the GIL runs at a lower priority than
+the loop's, and the GIL changes hands every 0.5 ms (workers.SWITCH_INTERVAL). On failure the message says what the
+loop's thread and the others were doing during the longest stall (`azyx.debug.LoopStalls`).
+tests/test_loop_load.py runs the same scenarios beside two busy processes."""
 
 from __future__ import annotations
 
@@ -18,53 +19,51 @@ import pytest
 from runtime_state import settle
 
 from azyx import Tensor
+from azyx.debug import LoopStalls
 
 pytestmark = pytest.mark.serial  # (timing: run alone, see dev.sh)
 
-# the stalls these tests guard against lasted 60-380 ms; the issue's 5 ms target is measured by bench/run.py and
-# bench/serve.py on a quiet machine (a loaded 2-core machine alone delays a wake-up by tens of ms)
-BOUND_MS = float(os.environ.get("AZYX_TEST_LATENESS_MS", 100))
+# the issue's bound on a quiet machine (a machine others use delays a wake-up by tens of ms on its own: set
+# AZYX_TEST_LATENESS_MS there)
+BOUND_MS = float(os.environ.get("AZYX_TEST_LATENESS_MS", 5))
 REQUESTS = 200
 GRAPH_ELEMENTS = 64 << 20
 UPLOAD_BYTES = 256 << 20
 
 
-async def _worst_lateness_ms(work: Callable[[], Awaitable[None]]) -> tuple[float, int]:
+async def _worst_lateness_ms(work: Callable[[], Awaitable[None]]) -> tuple[float, str]:
     """Run `work` beside a task that sleeps 1 ms in a loop; the latest wake-up past its 1 ms (ms) while `work` ran,
-    and how many wake-ups there were."""
-    late: list[float] = []
-    running = True
-
-    async def heartbeat() -> None:
-        while running:
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.001)
-            late.append(time.perf_counter() - t0 - 0.001)
-
+    and what the loop's thread (and the others) were doing during the longest stall (`LoopStalls.report`; a beat
+    2 ms late starts a stall; AZYX_STALL_DEPTH: frames per stack)."""
     gc.collect()
     gc.freeze()  # as a service does after start-up (README): a full collection of the test run's heap takes ~40 ms
-    beat = asyncio.create_task(heartbeat())
-    await asyncio.sleep(0.01)
-    late.clear()
     try:
-        await work()
+        async with LoopStalls(late_after=3e-3, depth=int(os.environ.get("AZYX_STALL_DEPTH", 10))) as stalls:
+            await work()
     finally:
-        running = False
-        await beat
         gc.unfreeze()
-    return max(late, default=0.0) * 1e3, len(late)
+    return stalls.worst_ms, f"{len(stalls.lateness)} beats; {stalls.report()}"
 
 
-async def _on_time(device: str, scenario: Callable[[str], Awaitable[tuple[float, int]]]) -> None:
-    """`scenario` on `device` keeps the heartbeat within the bound and leaves no node or buffer behind."""
+async def on_time(device: str, scenario: Callable[[str, bool], Awaitable[tuple[float, str]]],
+                  bound: float | None = None, fresh: bool = False) -> None:
+    """`scenario` on `device` keeps the heartbeat within the bound and leaves no node or buffer behind. `fresh`: its
+    variant of other shapes and ops (compiled anew after the others ran), a quarter of the size (`_size`)."""
+    bound = BOUND_MS if bound is None else bound
     base = await settle()
-    worst, beats = await scenario(device)
-    assert worst <= BOUND_MS, f"{device}: the heartbeat was {worst:.1f} ms late ({beats} beats)"
+    worst, what = await scenario(device, fresh)
+    print(f"{device} {scenario.__name__.strip('_')}: the heartbeat was {worst:.1f} ms late; {what}")  # (pytest -rP)
+    assert worst <= bound, f"{device}: the heartbeat was {worst:.1f} ms late (bound {bound} ms): {what}"
     assert await settle() == base
 
 
-async def _requests(device: str) -> tuple[float, int]:
-    xs = np.linspace(-2, 2, 4096, dtype=np.float32)
+def _size(n: int, fresh: bool) -> int:
+    """`n` elements, or for a fresh variant a quarter of them and one more (a shape no other test compiled)."""
+    return n // 4 + 1 if fresh else n
+
+
+async def _requests(device: str, fresh: bool = False) -> tuple[float, str]:
+    xs = np.linspace(-2, 2, _size(4096, fresh), dtype=np.float32)
     x = await Tensor(xs, device=device).realize()
     salt = os.getpid() % 9973 / 9973  # scalars this process has not seen
     got: dict[int, float] = {}
@@ -85,28 +84,30 @@ async def _requests(device: str) -> tuple[float, int]:
 
 async def test_many_requests_with_distinct_scalars_leave_the_loop_free(device: str) -> None:
     """(a) Concurrent requests, each with its own scalars (until scalars are kernel arguments, each compiles)."""
-    await _on_time(device, _requests)
+    await on_time(device, _requests)
 
 
-async def _large_graph(device: str) -> tuple[float, int]:
-    xs = np.random.default_rng(1).random(GRAPH_ELEMENTS, dtype=np.float32)
+async def _large_graph(device: str, fresh: bool = False) -> tuple[float, str]:
+    xs = np.random.default_rng(1).random(_size(GRAPH_ELEMENTS, fresh), dtype=np.float32)
     x = await Tensor(xs, device=device).realize()
     salt = 1.0 + os.getpid() % 9973 / 9973 + time.time() % 1  # a kernel no earlier run compiled
     y = ((x * salt + 0.5).sqrt() * x - 1.0).relu()
+    if fresh:  # (a large elementwise kernel takes its size as an argument: other ops make it new)
+        y = (y + 1.0).relu()
     late = await _worst_lateness_ms(y.realize)
-    probe = np.arange(0, GRAPH_ELEMENTS, 4099)
-    ref = np.maximum(np.sqrt(xs[probe] * np.float32(salt) + np.float32(0.5)) * xs[probe] - 1, 0)
+    probe = np.arange(0, len(xs), 4099)
+    ref = np.maximum(np.sqrt(xs[probe] * np.float32(salt) + np.float32(0.5)) * xs[probe] - 1, 0) + fresh
     np.testing.assert_allclose((await y.numpy())[probe], ref, rtol=1e-5, atol=1e-6)
     return late
 
 
 async def test_first_realize_of_a_large_new_graph_leaves_the_loop_free(device: str) -> None:
     """(b) Planning, compiling, allocating and first touching a graph of 64M elements never seen before."""
-    await _on_time(device, _large_graph)
+    await on_time(device, _large_graph)
 
 
-async def _upload(device: str) -> tuple[float, int]:
-    data = np.random.default_rng(2).integers(0, 1 << 30, UPLOAD_BYTES // 4, dtype=np.int32)
+async def _upload(device: str, fresh: bool = False) -> tuple[float, str]:
+    data = np.random.default_rng(2).integers(0, 1 << 30, _size(UPLOAD_BYTES // 4, fresh), dtype=np.int32)
     x = Tensor(data, device=device)
     back: list[np.ndarray] = []
 
@@ -122,11 +123,11 @@ async def _upload(device: str) -> tuple[float, int]:
 async def test_uploading_and_reading_back_a_large_array_leaves_the_loop_free(device: str) -> None:
     """(c) 256 MiB of host data realized onto the device and read back with numpy() (building the tensor, a
     synchronous copy of the caller's array, is outside the measure)."""
-    await _on_time(device, _upload)
+    await on_time(device, _upload)
 
 
-async def _long_chain(device: str) -> tuple[float, int]:
-    xs = np.linspace(0.5, 1.5, 4096, dtype=np.float32)
+async def _long_chain(device: str, fresh: bool = False) -> tuple[float, str]:
+    xs = np.linspace(0.5, 1.5, _size(4096, fresh), dtype=np.float32)
     x = await Tensor(xs, device=device).realize()
     salt = os.getpid() % 9973 / 1e6
     steps = [x]
@@ -154,4 +155,7 @@ async def _long_chain(device: str) -> tuple[float, int]:
 async def test_a_long_graph_is_planned_off_the_loop_while_its_nodes_change(device: str) -> None:
     """Planning and rendering a graph of hundreds of nodes runs on a worker, from a copy of the nodes: other tasks
     realize nodes of the same graph meanwhile, and both get numpy's values."""
-    await _on_time(device, _long_chain)
+    await on_time(device, _long_chain)
+
+
+SCENARIOS = {"requests": _requests, "large_graph": _large_graph, "upload": _upload, "long_chain": _long_chain}

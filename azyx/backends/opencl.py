@@ -35,6 +35,7 @@ from azyx.device import CPU_SPIN_S, Buffer, Device, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
+from azyx.workers import at_lower_priority
 
 try:
     import pyopencl as cl
@@ -60,7 +61,8 @@ def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
     except cl.Error as e:
         raise DeviceError(f"no OpenCL platform: {e}") from None
     wanted = options.get("platform_ids") or list(range(len(platforms)))
-    return [(p, d) for p in wanted if p < len(platforms) for d in platforms[p].get_devices()]
+    # (a CPU platform starts the threads that run its kernels with its devices: below the loop's priority)
+    return [(p, d) for p in wanted if p < len(platforms) for d in at_lower_priority(platforms[p].get_devices)]
 
 
 class OpenCLDevice(QueuedDevice):

@@ -61,7 +61,7 @@ from azyx.device import (
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.plan import KernelStep
-from azyx.workers import in_background
+from azyx.workers import at_lower_priority, in_background
 
 try:
     import vulkan as vk
@@ -101,8 +101,10 @@ def instance() -> Any:
     app = vk.VkApplicationInfo(sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName="azyx",
                                apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
     try:
-        return vk.vkCreateInstance(vk.VkInstanceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
-                                                           pApplicationInfo=app), None)
+        inst = at_lower_priority(vk.vkCreateInstance, vk.VkInstanceCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pApplicationInfo=app), None)
+        at_lower_priority(vk.vkEnumeratePhysicalDevices, inst)  # (a driver's threads start with its devices)
+        return inst
     except vk.VkError as e:
         raise DeviceError(f"no Vulkan instance (is a Vulkan driver installed?): {type(e).__name__}") from None
 
@@ -177,7 +179,7 @@ class _Context:
         queue = vk.VkDeviceQueueCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
                                            queueFamilyIndex=self.family, queueCount=1, pQueuePriorities=[1.0])
         try:
-            self.device = vk.vkCreateDevice(self.pd, vk.VkDeviceCreateInfo(
+            self.device = at_lower_priority(vk.vkCreateDevice, self.pd, vk.VkDeviceCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=on12, queueCreateInfoCount=1,
                 pQueueCreateInfos=[queue], pEnabledFeatures=core), None)
         except vk.VkError as e:

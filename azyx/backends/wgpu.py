@@ -44,6 +44,7 @@ from azyx.ir import Kernel, scalar_args
 from azyx.launch import Launch
 from azyx.plan import KernelStep
 from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
+from azyx.workers import at_lower_priority
 
 try:
     import wgpu
@@ -75,7 +76,7 @@ def _ceil4(n: int) -> int:
 @functools.cache
 def _all_adapters() -> tuple[Any, ...]:
     """Every adapter wgpu finds (once per process: enumerating starts every backend's driver)."""
-    return tuple(wgpu.gpu.enumerate_adapters_sync())
+    return tuple(at_lower_priority(wgpu.gpu.enumerate_adapters_sync))  # (the driver's threads run below the loop)
 
 
 def adapters(options: dict[str, Any]) -> list[Any]:
@@ -158,8 +159,9 @@ class WgpuDevice(Device):
         wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
                   "max-compute-workgroups-per-dimension")
         try:
-            self.gpu = self.adapter.request_device_sync(required_features=sorted(self.features),
-                                                        required_limits={k: limits[k] for k in wanted})
+            self.gpu = at_lower_priority(functools.partial(
+                self.adapter.request_device_sync, required_features=sorted(self.features),
+                required_limits={k: limits[k] for k in wanted}))
         except Exception as e:
             raise DeviceError(f"{self.name}: requesting a device of {self.label} failed: {e}") from None
         self.queue = self.gpu.queue
@@ -190,6 +192,7 @@ class WgpuDevice(Device):
         self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.closed = False
         self.done_items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # submitted, completion not seen
+        self._warm_up()
         self.worker = threading.Thread(target=self._work, name=f"azyx-{self.name}-queue", daemon=True)
         self.completer = threading.Thread(target=self._complete, name=f"azyx-{self.name}-done", daemon=True)
         self.worker.start()
@@ -197,6 +200,48 @@ class WgpuDevice(Device):
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({info['adapter_type']}, wgpu {wgpu.__version__}; "
                                  f"features {', '.join(sorted(self.features)) or 'none'}; storage bindings up to "
                                  f"{self.max_binding >> 20} MiB, {self.max_buffers} per kernel)")
+
+    def _warm_up(self) -> None:
+        """Make every wgpu-py call the device makes once, at its start (a kernel with a storage buffer and scalars,
+        run, copied, read back and written): wgpu-py's cffi parses each C type the first time it meets it, in Python
+        (pycparser, ~1 ms a type), and the first requests of a process held the event loop's thread off the GIL for
+        25-230 ms while the queue's threads parsed (two busy processes beside them)."""
+        src = ("@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n"
+               "@group(0) @binding(1) var<uniform> w: vec4<u32>;\n"
+               "@compute @workgroup_size(1) fn warm() { o[0] = w.x; }\n")
+        layout = self.gpu.create_bind_group_layout(entries=[
+            {"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": "storage"}},
+            {"binding": 1, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": "uniform"}}])
+        pipeline = self.gpu.create_compute_pipeline(
+            layout=self.gpu.create_pipeline_layout(bind_group_layouts=[layout]),
+            compute={"module": self.gpu.create_shader_module(code=src), "entry_point": "warm"})
+        out, words = self.gpu.create_buffer(size=16, usage=STORAGE), self.gpu.create_buffer(size=16, usage=WORDS)
+        staging, up = self.gpu.create_buffer(size=16, usage=STAGING), self.gpu.create_buffer(size=16, usage=UPLOAD)
+        group = self.gpu.create_bind_group(layout=layout, entries=[
+            {"binding": 0, "resource": {"buffer": out, "offset": 0, "size": 16}},
+            {"binding": 1, "resource": {"buffer": words, "offset": 0, "size": 16}}])
+        self.queue.write_buffer(words, 0, np.arange(7, 11, dtype=np.uint32))
+        up.map_sync("WRITE", 0, 16)
+        up.write_mapped(np.zeros(16, np.uint8), 0)
+        up.unmap()
+        enc = self.gpu.create_command_encoder()
+        cpass = enc.begin_compute_pass()
+        cpass.set_pipeline(pipeline)
+        cpass.set_bind_group(0, group)
+        cpass.dispatch_workgroups(1, 1, 1)
+        cpass.end()
+        enc.copy_buffer_to_buffer(out, 0, staging, 0, 16)
+        enc.copy_buffer_to_buffer(up, 0, out, 0, 16)
+        self.queue.submit([enc.finish()])
+        self.queue.submit([])
+        self.queue.on_submitted_work_done_sync()
+        staging.map_sync("READ", 0, 16)
+        got = np.frombuffer(staging.read_mapped(0, 16, copy=False), np.uint32)[0]
+        staging.unmap()
+        for buf in (out, words, staging, up):
+            buf.destroy()
+        if got != 7:
+            raise DeviceError(f"{self.name}: a first kernel on {self.label} wrote {got}, not 7")
 
     # ------------------------------------------------------------------ memory
     def _storage(self, size: int) -> Any:

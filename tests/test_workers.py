@@ -1,0 +1,94 @@
+"""Thread priorities and the GIL's hand-over, which keep the event loop's thread on time on a busy machine: threads
+that run Python (workers, device queues, wgpu-py's poller) at the loop's priority, a driver's own threads and the
+compilers below it (tests/test_loop_load.py measures the effect)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+
+import pytest
+
+from azyx import workers
+from azyx.runtime import RT
+
+
+def _nice(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+def _driver_threads() -> dict[str, list[int]]:
+    """The nice value of each thread of this process that is not a Python thread, by its name (Linux)."""
+    python = {t.native_id for t in threading.enumerate()}
+    out: dict[str, list[int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) in python:
+            continue
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        out.setdefault(name, []).append(int(stat[stat.rindex(")") + 2:].split()[16]))
+    return out
+
+
+def test_at_lower_priority_returns_raises_and_lowers_only_its_own_thread() -> None:
+    mine = _nice(threading.get_native_id())
+    seen: list[int] = []
+
+    def job(x: int) -> int:
+        seen.append(_nice(threading.get_native_id()))
+        return x * 2
+
+    assert workers.at_lower_priority(job, 21) == 42
+    assert seen == [min(mine + workers.WORKER_NICE, 19)]
+    assert _nice(threading.get_native_id()) == mine
+    with pytest.raises(ZeroDivisionError):
+        workers.at_lower_priority(lambda: 1 // 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or sys.platform != "linux", reason="Linux thread priorities")
+def test_a_python_thread_started_at_lower_priority_is_set_back() -> None:
+    """wgpu-py starts its poller thread inside the device's creation: a Python thread, set back to the caller's
+    priority (where the process may raise one)."""
+    mine = _nice(threading.get_native_id())
+    stop = threading.Event()
+    started: list[threading.Thread] = []
+
+    def start_one() -> None:
+        t = threading.Thread(target=stop.wait, daemon=True)
+        t.start()
+        started.append(t)
+
+    try:
+        workers.at_lower_priority(start_one)
+        assert started[0].native_id is not None
+        got = _nice(started[0].native_id)
+        may_raise = os.geteuid() == 0
+        assert got == mine if may_raise else got in (mine, min(mine + workers.WORKER_NICE, 19))
+    finally:
+        stop.set()
+        started[0].join()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_python_threads_run_at_the_loops_priority_and_driver_threads_below() -> None:
+    """Once the devices have started: every azyx thread that holds the GIL at times (workers, device queues and
+    waiters) runs at the main thread's priority, and a CPU driver's threads that run kernels (llvmpipe's, for
+    lavapipe) below it. (A host device's own thread lowers itself: its kernels are C, run with the GIL released.)"""
+    assert RT.executor.devices
+    mine = _nice(threading.get_native_id())
+    host_queue = re.compile(r"azyx-[a-z]+:\d+$")
+    python = {t.name: _nice(t.native_id) for t in threading.enumerate() if t.native_id is not None
+              and t.name.startswith("azyx-") and not host_queue.match(t.name)}
+    assert python and all(n == mine for n in python.values()), python
+    drivers = _driver_threads()
+    for name, nices in drivers.items():
+        if name.startswith("llvmpipe"):
+            assert all(n > mine for n in nices), drivers
+
+
+def test_the_gil_changes_hands_quickly_once_the_runtime_runs() -> None:
+    assert RT.executor.devices
+    assert sys.getswitchinterval() <= workers.SWITCH_INTERVAL
