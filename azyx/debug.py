@@ -46,6 +46,9 @@ class LoopStalls:
     def __init__(self, period: float = 1e-3, late_after: float = 4e-3, every: float = 1e-3, depth: int = 8) -> None:
         self.period, self.late_after, self.every, self.depth = period, late_after, every, depth
         self.lateness: list[float] = []  # each wake-up's lateness past `period` (seconds)
+        # ... less the time the loop's thread waited, runnable, for a CPU during that beat (Linux; elsewhere the same):
+        # the lateness the process itself caused (work on the loop, the GIL held by its other threads), not the machine
+        self.own: list[float] = []
         self._last = 0.0
         self._running = False
         self._loop_thread = 0
@@ -65,6 +68,12 @@ class LoopStalls:
         """The heartbeat's worst lateness, in ms."""
         return max(self.lateness, default=0.0) * 1e3
 
+    @property
+    def worst_own_ms(self) -> float:
+        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU (a machine
+        whose cores are all busy delays any thread's wake-up; this is what the process's own work cost), in ms."""
+        return max(self.own, default=0.0) * 1e3
+
     async def __aenter__(self) -> LoopStalls:
         self._loop_thread = threading.get_ident()
         self._loop_native = threading.get_native_id()
@@ -75,6 +84,7 @@ class LoopStalls:
         self._thread.start()
         await asyncio.sleep(self.period * 10)
         self.lateness.clear()
+        self.own.clear()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -87,9 +97,12 @@ class LoopStalls:
     async def _beat(self) -> None:
         while self._running:
             t0 = time.perf_counter()
+            waited0 = self._sched()[1]
             await asyncio.sleep(self.period)
             self._last = now = time.perf_counter()
-            self.lateness.append(now - t0 - self.period)
+            late = now - t0 - self.period
+            self.lateness.append(late)
+            self.own.append(max(late - (self._sched()[1] - waited0) * 1e-9, 0.0))
 
     def _sample(self) -> None:
         on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time

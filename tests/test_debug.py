@@ -38,3 +38,15 @@ async def test_an_on_time_loop_has_no_stall() -> None:
         await asyncio.sleep(0.05)
     assert stalls.lateness and stalls.worst == (0.0, [])
     assert stalls.report().startswith("no stall longer than 1000 ms was sampled")
+
+
+async def test_a_loop_held_asleep_is_late_of_its_own() -> None:
+    """A blocking call on the loop's thread (a sleep: it waits for no CPU) counts in full against the process: the
+    lateness less the waits for a CPU keeps it, however busy the machine is."""
+    async with LoopStalls() as stalls:
+        await asyncio.sleep(0.01)
+        time.sleep(0.2)
+        await asyncio.sleep(0.01)
+    assert stalls.worst_own_ms >= 190, (stalls.own, stalls.lateness)
+    assert stalls.worst_own_ms <= stalls.worst_ms + 1e-6
+    assert len(stalls.own) == len(stalls.lateness)

@@ -4,7 +4,12 @@ more than about a millisecond (planning a big graph, compiling, loading a module
 allocating a lot of memory) may run on the loop's thread, no thread that holds the GIL runs at a lower priority than
 the loop's, and the GIL changes hands every 0.5 ms (workers.SWITCH_INTERVAL). On failure the message says what the
 loop's thread and the others were doing during the longest stall (`azyx.debug.LoopStalls`).
-tests/test_loop_load.py runs the same scenarios beside two busy processes."""
+tests/test_loop_load.py runs the same scenarios beside two busy processes.
+
+The bound holds for the lateness the process causes: each beat's lateness less the time the loop's thread waited,
+runnable, for a CPU during it (Linux's schedstat; `LoopStalls.worst_own_ms`). Work on the loop's thread and the GIL
+held by azyx's other threads count against it; a machine whose cores are all taken by other processes (CI's neighbours,
+the load test's busy processes) delaying every thread's wake-up does not. Both figures are printed."""
 
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ async def _worst_lateness_ms(work: Callable[[], Awaitable[None]]) -> tuple[float
             await work()
     finally:
         gc.unfreeze()
-    return stalls.worst_ms, f"{len(stalls.lateness)} beats; {stalls.report()}"
+    return stalls.worst_own_ms, (f"{len(stalls.lateness)} beats, worst {stalls.worst_ms:.1f} ms late with the waits "
+                                 f"for a CPU; {stalls.report()}")
 
 
 async def on_time(device: str, scenario: Callable[[str, bool], Awaitable[tuple[float, str]]],
@@ -52,8 +58,8 @@ async def on_time(device: str, scenario: Callable[[str, bool], Awaitable[tuple[f
     bound = BOUND_MS if bound is None else bound
     base = await settle()
     worst, what = await scenario(device, fresh)
-    print(f"{device} {scenario.__name__.strip('_')}: the heartbeat was {worst:.1f} ms late; {what}")  # (pytest -rP)
-    assert worst <= bound, f"{device}: the heartbeat was {worst:.1f} ms late (bound {bound} ms): {what}"
+    print(f"{device} {scenario.__name__.strip('_')}: the heartbeat was {worst:.1f} ms late of its own; {what}")  # -rP
+    assert worst <= bound, f"{device}: the heartbeat was {worst:.1f} ms late of its own (bound {bound} ms): {what}"
     assert await settle() == base
 
 
