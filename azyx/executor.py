@@ -147,7 +147,7 @@ class UnifiedExecutor:
                 return got, []
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
-        for s in plan.checks:  # (the devices' check words: kernels that read indices flag one out of range there)
+        for s in plan.checks:  # (each run's own check words: kernels that read indices flag one out of range)
             bufs[s] = self.devices[slots[s].device].check_words()
         parents = []  # (the records of the inputs' runs that may still fail)
         for binding in bindings:

@@ -150,7 +150,7 @@ def index_sites(k: Kernel) -> list[V]:
     return sorted((v for v in toposort(*k.values) if v.op == "index"), key=lambda v: int(v.arg.name[2:]))
 
 
-CHECK_WORDS = 4  # int32 words of a device's check buffer: site + 1 (0: no error), the value's low and high words, size
+CHECK_WORDS = 4  # int32 check words of a run on a device: site + 1 (0: no error), the value's low and high words, size
 
 
 def _cast_scalar(v: Any, dtype: DType) -> Any:
@@ -179,7 +179,7 @@ class Kernel:
     variant: int = 0  # a template's variant: a matrix product's block sizes (gemm_host.HOST_BLOCKS; GPU: gemm tiles)
     unroll: int = 0  # steps of each reduce's innermost loop per iteration (0, 1: as the dialect does)
     vector: int = -1  # float32 elements per vector load and store (1: none; -1: the dialect's default width)
-    # the parameter (the last, int32) of the device's check words, where the kernel checks the indices it reads from
+    # the parameter (the last, int32) of the run's check words, where the kernel checks the indices it reads from
     # memory (-1: it does not): an index out of range still reads clamped, and writes CHECK_WORDS words there
     # (site + 1, the value's low and high 32 bits, the axis size), which the run's record reads when its work is done
     check: int = -1

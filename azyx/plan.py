@@ -23,7 +23,7 @@ class Slot:
     device: str
     dtype: DType
     nbytes: int
-    kind: str  # "input" | "temp" | "output" | "check" (a device's check words: bound by the executor, never freed)
+    kind: str  # "input" | "temp" | "output" | "check" (a run's check words on a device: bound by the executor)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class ExecutionPlan:
     # the reductions the planner split or could have split, with their device: what azyx.tune searches the parts of
     splits: tuple[tuple[str, SplitSite], ...] = ()
     # slots of kind "check": per device, the int32 words where its kernels flag an index out of range (ir.Kernel.check);
-    # the executor binds the device's own check buffer there, and the run's record reads it when the work is done
+    # the executor binds each run's own check words there, and the run's record reads it when the work is done
     checks: tuple[int, ...] = ()
 
     @property

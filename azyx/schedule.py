@@ -577,7 +577,7 @@ class Planner:
 
     def emit(self, device: str, k: Kernel, args: tuple[int, ...]) -> None:
         """Render kernel `k` for `device` and append its step, reading and writing slots `args`. A kernel that reads
-        indices from memory checks them (unless AZYX_CHECKS=0): its last parameter is the device's check words (a
+        indices from memory checks them (unless AZYX_CHECKS=0): its last parameter is the run's check words (a
         slot of kind "check", one per device per plan, which the executor binds; see ir.Kernel.check)."""
         if self.check and k.check < 0 and index_sites(k):
             if device not in self.checks:
