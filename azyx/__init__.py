@@ -20,6 +20,7 @@ from azyx.errors import (
     DeviceFailedError,
     DTypeError,
     IndexOutOfRange,
+    LazyChainWarning,
     RuntimeStateError,
     ShapeError,
     StateDictError,
@@ -40,8 +41,8 @@ from azyx.walk import canonicalize
 
 __all__ = [
     "AllocationError", "ArgumentError", "AxisError", "AzyxError", "AzyxIOError", "CompileError", "ConfigError", "DType",
-    "DTypeError",
-    "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "RuntimeStateError", "ShapeError", "Tensor",
+    "DTypeError", "DeviceError", "DeviceFailedError", "GradientTape", "IndexOutOfRange", "LazyChainWarning",
+    "RuntimeStateError", "ShapeError", "Tensor",
     "configure", "devices", "dtypes", "jit", "manual_seed", "plot_graph", "realize", "schedule", "Stats", "stats",
     "start", "synchronize", "train", "tune", "tune_sync",
     "ExecutionPlan", "StateDictError", "io", "nn", "optim", "DataParallel", "ShardedTensor", "replicate",
