@@ -123,7 +123,7 @@ def test_out_of_range_tensor_index_never_reads_outside(device: str, monkeypatch:
     bad = "|".join(str(i) for i in idx if not -5 <= i < 5)
     with pytest.raises(IndexOutOfRange, match=rf"index ({bad}) is out of range for an axis of size 5"):
         Tensor(x, device=device)[Tensor(idx.astype(np.int32), device=device)].numpy_sync()
-    with pytest.raises(IndexOutOfRange, match=r"index (9|-4) is out of range for an axis of size 3"):
+    with pytest.raises(IndexOutOfRange, match=r"index (3|-4|9) is out of range for an axis of size 3"):
         Tensor(x, device=device).gather(1, Tensor(np.array([[3, -4, 9]] * 5, np.int64), device=device)).numpy_sync()
     monkeypatch.setenv("AZYX_CHECKS", "0")
     RT.plan_cache.clear()  # (plans are made with or without the checks)
