@@ -49,6 +49,12 @@ class LoopStalls:
         # ... less the time the loop's thread waited, runnable, for a CPU during that beat (Linux; elsewhere the same):
         # the lateness the process itself caused (work on the loop, the GIL held by its other threads), not the machine
         self.own: list[float] = []
+        # per stall the sampler saw, by the beat that ended it: the longest time one of the process's other threads
+        # waited, runnable, for a CPU during it (one holding the GIL while the machine had no core for it holds the
+        # loop's thread asleep on the GIL for as long: the machine's doing, not the process's)
+        self._others_waited: dict[float, float] = {}
+        self._others0: dict[str, int] = {}
+        self._wakes: list[float] = []
         self._last = 0.0
         self._running = False
         self._loop_thread = 0
@@ -70,9 +76,12 @@ class LoopStalls:
 
     @property
     def worst_own_ms(self) -> float:
-        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU (a machine
-        whose cores are all busy delays any thread's wake-up; this is what the process's own work cost), in ms."""
-        return max(self.own, default=0.0) * 1e3
+        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU and, in a
+        stall the sampler saw, the longest time another thread of the process waited for one (a machine whose cores
+        are all busy delays any thread's wake-up, and a thread that holds the GIL meanwhile holds the loop's thread
+        with it; what is left is what the process's own work cost), in ms."""
+        own = [max(o - self._others_waited.get(w, 0.0), 0.0) for o, w in zip(self.own, self._wakes)]
+        return max(own, default=0.0) * 1e3
 
     async def __aenter__(self) -> LoopStalls:
         self._loop_thread = threading.get_ident()
@@ -85,6 +94,7 @@ class LoopStalls:
         await asyncio.sleep(self.period * 10)
         self.lateness.clear()
         self.own.clear()
+        self._wakes.clear()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -103,6 +113,7 @@ class LoopStalls:
             late = now - t0 - self.period
             self.lateness.append(late)
             self.own.append(max(late - (self._sched()[1] - waited0) * 1e-9, 0.0))
+            self._wakes.append(now)
 
     def _sample(self) -> None:
         on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time
@@ -120,6 +131,7 @@ class LoopStalls:
             if not self._stall:
                 self._stall_start = self._last
                 self._sched_start = on_time
+                self._others0 = self._waits()
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
@@ -128,6 +140,9 @@ class LoopStalls:
             self._end_stall(self._last)
 
     def _end_stall(self, end: float) -> None:
+        others = self._waits()
+        waits = (others[t] - w for t, w in self._others0.items() if t in others)
+        self._others_waited[end] = max(waits, default=0) * 1e-9
         length = end - self._stall_start
         if length > self.worst[0]:
             self.worst = (length, self._stall)
@@ -135,6 +150,21 @@ class LoopStalls:
             ran, waited = self._sched()
             self.worst_sched = (ran - ran0, waited - waited0, max(end - at, 0.0)) if ran else None
         self._stall = []
+
+    def _waits(self) -> dict[str, int]:
+        """Each other Python thread's time so far runnable and waiting for a CPU, in ns, by its task id (Linux; {}
+        elsewhere). Python threads only (those that can hold the GIL; a driver's own threads, lavapipe's, wait for a
+        CPU without holding the loop); the loop's thread and the sampler's own left out."""
+        skip = {self._loop_native, threading.get_native_id()}
+        tasks = [str(t.native_id) for t in threading.enumerate() if t.native_id is not None and t.native_id not in skip]
+        out = {}
+        for tid in tasks:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    out[tid] = int(f.read().split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
 
     def _sched(self) -> tuple[int, int]:
         """The loop thread's time on a CPU and runnable waiting for one, in ns so far (Linux; (0, 0) elsewhere)."""

@@ -7,9 +7,10 @@ loop's thread and the others were doing during the longest stall (`azyx.debug.Lo
 tests/test_loop_load.py runs the same scenarios beside two busy processes.
 
 The bound holds for the lateness the process causes: each beat's lateness less the time the loop's thread waited,
-runnable, for a CPU during it (Linux's schedstat; `LoopStalls.worst_own_ms`). Work on the loop's thread and the GIL
-held by azyx's other threads count against it; a machine whose cores are all taken by other processes (CI's neighbours,
-the load test's busy processes) delaying every thread's wake-up does not. Both figures are printed."""
+runnable, for a CPU during it and, in a stall, the longest time another Python thread of the process waited for one
+(Linux's schedstat; `LoopStalls.worst_own_ms`). Work on the loop's thread and the GIL held by azyx's other threads
+while they run count against it; a machine whose cores are all taken by other processes (CI's neighbours, the load
+test's busy processes), delaying the loop's wake-up or the GIL holder's, does not. Both figures are printed."""
 
 from __future__ import annotations
 
