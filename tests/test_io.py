@@ -166,7 +166,9 @@ async def test_slices_read_only_their_bytes(tmp_path: Path) -> None:
         (lambda: t[10:20].reshape(5, 128), x[10:20].reshape(5, 128), 10 * row),
         (lambda: t[2:5].cast("float16") * 2, (x[2:5].astype(np.float16) * 2), 3 * row),  # cast after the slice
         (lambda: t[4:6].to("c:1") + 1, x[4:6] + 1, 2 * row),
-        (lambda: t[:, 1], x[:, 1], (99 * 64 + 1) * 4),  # a column: the covering range (first to last element)
+        (lambda: t[:, 1], x[:, 1], 100 * 4),  # a column: its elements only (runs of one element, one per row)
+        (lambda: t[:, 1:3], x[:, 1:3], 100 * 2 * 4),  # columns: one run per row
+        (lambda: t[:, 1:3][4:6], x[4:6, 1:3], 100 * 2 * 4),  # a view of runs: all the runs read, sliced on a device
         (lambda: t[3, 5].reshape(1, 1).expand(2, 3), np.full((2, 3), x[3, 5]), 4),  # one element, broadcast
         (lambda: t[5:8].T.flip(0), x[5:8].T[::-1], 3 * row),
     ]
