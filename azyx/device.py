@@ -479,6 +479,11 @@ class Device:
         arr = np.empty(nbytes, np.uint8)
         return arr, arr
 
+    def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """Like `host_staging`, but called on a worker thread (never the loop's), so it may take its time: pinned
+        memory allocated and registered now where the device's pool has none cached (a stream's read-ahead ring)."""
+        return self.host_staging(nbytes)
+
     def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
         """Queue nothing but waiting for `waits`, holding `keep` until then: this device's part of a transfer that
         another device's read wrote straight into its memory (a host-memory device's)."""

@@ -320,10 +320,6 @@ class DiskDevice(Device):
             self.reads += 1
             self.reads_on_loop += on_loop
 
-    def start(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
-        """`fn(*args)` on a reader thread (reads only: it must never wait for another reader)."""
-        return _reader_pool().submit(fn, *args)
-
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
         self._read_parallel(buf, 0, out.data.cast("B"))
