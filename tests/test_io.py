@@ -508,9 +508,9 @@ async def _cancel_loads(p: Path, yields: int) -> None:
     assert (await ts["t01"].to("c:1").numpy()).shape == ts["t01"].shape
 
 
-async def _cancel_stream(p: Path, yields: int) -> None:
+async def _cancel_stream(p: Path, yields: int, device: str = "c:0", prefetch: int = 1 << 20) -> None:
     async def consume() -> None:
-        async for _, t in azyx.io.stream_safetensors(p, device="c:0", prefetch=1 << 20):
+        async for _, t in azyx.io.stream_safetensors(p, device=device, prefetch=prefetch):
             await t.sum().realize()
 
     task = asyncio.ensure_future(consume())

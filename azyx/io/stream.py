@@ -158,6 +158,7 @@ class SafetensorsStream:
                     await result_of(ext.job)  # cancelled here: the slot stays first, the next call waits again
                 t = await self._to_device(slot)
         except AzyxError:
+            slot.buf, slot.extents = None, []  # (the error's traceback holds the slot: not its memory)
             await self.aclose()
             raise
         self.ahead.popleft()
