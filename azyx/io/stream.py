@@ -308,7 +308,9 @@ def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool]]) -> Any:
         if widen:
             _widen(ext.parts[0][0].buf.mem.reshape(-1).view(np.uint8), ext.nbytes)  # type: ignore[union-attr]
         return None
-    staged, keep = dev.staging_block(ext.nbytes * (2 if widen else 1))
+    need = ext.nbytes * (2 if widen else 1)
+    staged, keep = dev.staging_block(max(need, EXTENT))  # (one size: the pool's cached blocks are a ring of them)
+    staged = staged[:need]
     disk_device().read_extent(file, ext.offset, [staged[: ext.nbytes].data], f"tensor {ext.parts[0][0].entry.name!r}")
     if widen:
         _widen(staged, ext.nbytes)
