@@ -54,6 +54,7 @@ LOAD_METHODS = {
     "odirect_cold": "cold file: parallel preadv with O_DIRECT (aligned buffers; where the filesystem allows it)",
     "safetensors_cold": "cold file: safetensors.numpy.load_file",
     "azyx_stream_cold": "cold file: azyx.io.stream_safetensors(device='c:0')",
+    "azyx_stream_direct_cold": "cold file: azyx.io.stream_safetensors(device='c:0', direct_io=True) (O_DIRECT)",
 }
 CUDA_METHODS = {
     "preadv": "parallel preadv of the data section into host memory (no copy to the GPU)",
@@ -62,6 +63,7 @@ CUDA_METHODS = {
     "azyx_stream": "azyx.io.stream_safetensors(device=GPU), each tensor dropped after use",
     "safetensors_torch_cold": "cold file: safetensors.torch.load_file(device=GPU)",
     "azyx_stream_cold": "cold file: azyx.io.stream_safetensors(device=GPU)",
+    "azyx_stream_direct_cold": "cold file: azyx.io.stream_safetensors(device=GPU, direct_io=True) (O_DIRECT)",
 }
 PREFETCH = 64 * MIB  # azyx.io.stream's default read-ahead (the peak-memory target's term)
 SENTENCES = [f"{w} is sentence number {i} of the benchmark, about a {w.lower()} that waits for its embedding."
@@ -278,7 +280,7 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
             return loaded
 
         async def stream() -> None:
-            async for _, t in azyx.io.stream_safetensors(path, device=device):
+            async for _, t in azyx.io.stream_safetensors(path, device=device, direct_io=method.endswith("_direct")):
                 if method == "azyx_stream_sum":
                     await t.float().sum().realize()
                 del t

@@ -50,13 +50,15 @@ def _odd_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return p, arrays
 
 
-@pytest.mark.parametrize("prefetch", [0, 1 << 12, 64 << 20])
-async def test_stream_bytes_equal_safetensors_for_every_dtype(tmp_path: Path, device: str, prefetch: int) -> None:
+@pytest.mark.parametrize("prefetch,direct_io", [(0, False), (1 << 12, False), (64 << 20, False), (1 << 20, True)])
+async def test_stream_bytes_equal_safetensors_for_every_dtype(tmp_path: Path, device: str, prefetch: int,
+                                                              direct_io: bool) -> None:
+    """(direct_io: O_DIRECT reads where the test's filesystem allows them, else the fallback: both must be exact.)"""
     p, _ = _odd_file(tmp_path)
     want = load_file(p)
     before = disk().bytes_read
     got = {}
-    async for name, t in azyx.io.stream_safetensors(p, device=device, prefetch=prefetch):
+    async for name, t in azyx.io.stream_safetensors(p, device=device, prefetch=prefetch, direct_io=direct_io):
         assert t.device == device and t.shape == want[name].shape
         got[name] = await t.numpy()
     assert list(got) == list(want)  # file order

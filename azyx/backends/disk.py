@@ -13,6 +13,7 @@ The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk te
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import stat
 import threading
@@ -30,6 +31,7 @@ from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
+DIRECT_ALIGN = 4096  # O_DIRECT reads: offsets, lengths and memory aligned to this
 IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
@@ -51,7 +53,7 @@ class DiskFile:
     Reads go through this descriptor, so a file replaced on disk (`os.replace`) keeps serving the old contents to
     the tensors made from it."""
 
-    __slots__ = ("path", "fd", "size", "identity", "header", "close", "__weakref__")
+    __slots__ = ("path", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
 
     def __init__(self, path: str):
         try:
@@ -69,6 +71,7 @@ class DiskFile:
         self.size = st.st_size
         self.identity = file_identity(st)
         self.header: Any = None  # what a format parser made of the file (azyx.io keeps its parsed header here)
+        self.direct: int | None = -1  # the O_DIRECT descriptor (opened at the first direct read; None: refused)
 
     def __repr__(self) -> str:
         return f"DiskFile({self.path!r}, {self.size} bytes)"
@@ -82,17 +85,63 @@ class DiskFile:
             try:
                 got = _preadv(self.fd, out[done:], offset + done)
             except OSError as e:
-                raise AzyxIOError(f"{where}: read of {n} bytes at {offset} failed: {e.strerror or e}") from e
+                raise self._failed(where, n, offset, e) from e
             if got == 0:
-                raise AzyxIOError(f"{where}: unexpected end of file at byte {offset + done} while reading "
-                                  f"{n} bytes at {offset} (the file was truncated, or changed after it was opened: "
-                                  f"it had {self.size} bytes then)")
+                raise self._ended(where, offset + done, n, offset)
             done += got
+
+    def _failed(self, where: str, n: int, offset: int, e: OSError) -> AzyxIOError:
+        return AzyxIOError(f"{where}: read of {n} bytes at {offset} failed: {e.strerror or e}")
+
+    def _ended(self, where: str, at: int, n: int, offset: int) -> AzyxIOError:
+        return AzyxIOError(f"{where}: unexpected end of file at byte {at} while reading {n} bytes at {offset} (the "
+                           f"file was truncated, or changed after it was opened: it had {self.size} bytes then)")
+
+    def pread_direct(self, offset: int, nbytes: int, block: np.ndarray) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) read with O_DIRECT (past the page cache) into `block` (uint8, aligned to
+        DIRECT_ALIGN, at least `direct_span(offset, nbytes)` bytes), in aligned pieces; returns the view of `block` that
+        holds them, or None where the platform or filesystem refuses O_DIRECT (then read them the usual way)."""
+        fd = self._direct_fd()
+        if fd is None:
+            return None
+        lo = offset - offset % DIRECT_ALIGN
+        span = direct_span(offset, nbytes)
+        assert block.nbytes >= span and block.ctypes.data % DIRECT_ALIGN == 0, "an unaligned O_DIRECT block"
+        view, done = block[:span].data, 0
+        want = min(span, self.size - lo)  # (the last aligned piece may run past the end of the file)
+        while done < want:
+            try:
+                got = os.preadv(fd, [view[done:]], lo + done)
+            except OSError as e:
+                if done == 0 and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    self.direct = None  # refused after all (a filesystem that opens but will not read so)
+                    return None
+                raise self._failed(f"{self.path} (O_DIRECT)", nbytes, offset, e) from e
+            if got == 0:
+                raise self._ended(self.path, lo + done, nbytes, offset)
+            done += got
+        return block[offset - lo : offset - lo + nbytes]
+
+    def _direct_fd(self) -> int | None:
+        if self.direct == -1:
+            flag = getattr(os, "O_DIRECT", 0)
+            try:
+                fd = os.open(self.path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0)) if flag else None
+            except OSError:
+                fd = None
+            if fd is not None and file_identity(os.fstat(fd)) != self.identity:  # (another file by now)
+                os.close(fd)
+                fd = None
+            if fd is not None:
+                weakref.finalize(self, os.close, fd)
+            self.direct = fd
+        return self.direct
 
     def pread_scatter(self, offset: int, outs: list[memoryview], what: str = "") -> None:
         """Fill the byte views `outs`, one after the other, with the bytes from `offset` on: one `preadv` call for
         them all (several tensors' destinations filled by one read), repeated where the kernel returns short."""
         outs = [o for o in outs if len(o)]
+        where = f"{what} of {self.path}" if what else self.path
         while outs:
             if len(outs) == 1:
                 return self.pread_into(offset, outs[0], what)
@@ -100,18 +149,28 @@ class DiskFile:
             try:
                 got = _preadv(self.fd, outs[:IOV_MAX], offset)
             except OSError as e:
-                raise AzyxIOError(f"{what or self.path}: read of {n} bytes at {offset} failed: "
-                                  f"{e.strerror or e}") from e
+                raise self._failed(where, n, offset, e) from e
             if got == 0:
-                raise AzyxIOError(f"{what + ' of ' if what else ''}{self.path}: unexpected end of file at byte "
-                                  f"{offset} while reading {n} bytes (the file was truncated, or changed after it was "
-                                  f"opened: it had {self.size} bytes then)")
+                raise self._ended(where, offset, n, offset)
             offset += got
             while outs and got >= len(outs[0]):
                 got -= len(outs[0])
                 outs.pop(0)
             if got:
                 outs[0] = outs[0][got:]
+
+
+def direct_span(offset: int, nbytes: int) -> int:
+    """The bytes an O_DIRECT read of [offset, offset + nbytes) covers: whole DIRECT_ALIGN pieces."""
+    lo = offset - offset % DIRECT_ALIGN
+    return -(-(offset + nbytes - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def direct_block(nbytes: int) -> np.ndarray:
+    """Host memory (uint8) aligned for O_DIRECT reads."""
+    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
+    at = (-raw.ctypes.data) % DIRECT_ALIGN
+    return raw[at : at + nbytes]
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -310,13 +369,28 @@ class DiskDevice(Device):
         for f in rest:
             f.result()
 
-    def read_extent(self, file: DiskFile, offset: int, outs: list[memoryview], what: str = "") -> None:
+    def read_extent(self, file: DiskFile, offset: int, outs: list[memoryview], what: str = "",
+                    direct: np.ndarray | None = None) -> None:
         """Blocking (worker threads): the file's bytes from `offset` on into `outs`, one after the other, with one
-        `preadv` (an extent covering several tensors, each landing in its own destination)."""
-        file.pread_scatter(offset, outs, what)
+        `preadv` (an extent covering several tensors, each landing in its own destination). With a `direct` block
+        (`direct_block` of at least `direct_span` bytes) they are read with O_DIRECT into it, then copied to `outs`,
+        where the filesystem allows it."""
+        n = sum(len(o) for o in outs)
+        got = file.pread_direct(offset, n, direct) if direct is not None else None
+        if got is None:
+            file.pread_scatter(offset, outs, what)
+        else:
+            at = 0
+            for o in outs:
+                o[:] = got[at : at + len(o)].data
+                at += len(o)
+        self.count_read(n)
+
+    def count_read(self, n: int) -> None:
+        """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""
         on_loop = _on_event_loop()
         with self.lock:
-            self.bytes_read += sum(len(o) for o in outs)
+            self.bytes_read += n
             self.reads += 1
             self.reads_on_loop += on_loop
 

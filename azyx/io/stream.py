@@ -23,13 +23,14 @@ from __future__ import annotations
 import concurrent.futures
 import fnmatch
 import os
+import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from azyx.backends.disk import DiskFile
+from azyx.backends.disk import DIRECT_ALIGN, DiskFile, direct_block, direct_span
 from azyx.device import Buffer, Device
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError
@@ -45,12 +46,15 @@ EXTENT = 4 << 20  # bytes per read: consecutive smaller tensors share one, a lar
 
 
 def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = PREFETCH, progress: bool = False,
-                       shard: Mapping[str, tuple[Sequence[str], int]] | None = None) -> SafetensorsStream:
+                       shard: Mapping[str, tuple[Sequence[str], int]] | None = None,
+                       direct_io: bool = False) -> SafetensorsStream:
     """Realized tensors of a safetensors file, one by one in file order, as `(name, tensor)` on `device` (None:
     AUTO). The next tensors are read while you use the current one (up to `prefetch` bytes ahead); `progress=True`
     shows a tqdm bar (pip install tqdm). `shard` maps name patterns (`fnmatch`: "h.*.attn.c_attn.weight") to
     `(devices, axis)`: a tensor whose name matches the first such pattern comes split along `axis` over `devices`
     (a ShardedTensor, as `Tensor.shard` makes), each device's slice read from the file once, straight to it.
+    `direct_io=True` reads with O_DIRECT, past the page cache (for a cold file on fast storage, where that is faster;
+    bench/io.py measures it), through aligned blocks; where the filesystem refuses O_DIRECT, the usual way.
 
     >>> import asyncio, numpy as np, azyx
     >>> from safetensors.numpy import save_file
@@ -72,7 +76,9 @@ def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = 
                 not isinstance(spec[1], int) or isinstance(spec[0], str) or not list(spec[0]):
             raise AzyxIOError(f"shard maps a name pattern to (devices, axis), got {pattern!r}: {spec!r}")
         plan.append((pattern, [RT.check_device(d) for d in spec[0]], spec[1]))
-    return SafetensorsStream(path, name, prefetch, progress, plan)
+    stream = SafetensorsStream(path, name, prefetch, progress, plan)
+    stream.direct_io = bool(direct_io)
+    return stream
 
 
 class _Extent:
@@ -112,6 +118,7 @@ class SafetensorsStream:
         self.pinned = device is not None
         self.dev = RT.device("host:0")  # (chosen in `_open`)
         self.direct = True  # reads land in the device's memory (host memory); else in staging blocks
+        self.direct_io = False  # O_DIRECT reads (`stream_safetensors`)
         self.widen_bf16 = False
         self.want_progress = progress
         self.bar: Any = None
@@ -249,7 +256,7 @@ class SafetensorsStream:
             if widen:
                 cur = None
         for ext in extents:
-            ext.job = start_in_worker_thread(_read_extent, [(self.file, ext, self.dev, self.direct)])
+            ext.job = start_in_worker_thread(_read_extent, [(self.file, ext, self.dev, self.direct, self.direct_io)])
             if not self.direct:
                 self.reading.append(ext)
 
@@ -294,27 +301,48 @@ class SafetensorsStream:
         return await whole.shard(devices, axis).realize()
 
 
-def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool]]) -> Any:
-    """On a reader thread: one extent, into its tensors' buffers (`direct`) or a staging block of the device (whose
-    (array, keep) it returns); bfloat16 widened for devices without it."""
-    file, ext, dev, direct = job.pop()
+def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool, bool]]) -> Any:
+    """On a worker thread: one extent, into its tensors' buffers (`direct`) or a staging block of the device (whose
+    (array, keep) it returns); bfloat16 widened for devices without it. `direct_io`: read with O_DIRECT, through an
+    aligned block (the staging block itself where it is aligned), where the filesystem allows it."""
+    file, ext, dev, direct, direct_io = job.pop()
     widen = ext.parts[0][0].widen
+    what = f"tensor {ext.parts[0][0].entry.name!r}"
+    span = direct_span(ext.offset, ext.nbytes)
     if direct:
         outs = []
         for slot, into, n in ext.parts:
             assert slot.buf is not None
             outs.append(slot.buf.mem.reshape(-1).view(np.uint8)[into : into + n].data)
-        disk_device().read_extent(file, ext.offset, outs, f"tensor {ext.parts[0][0].entry.name!r}")
+        disk_device().read_extent(file, ext.offset, outs, what, _bounce(span) if direct_io and not widen else None)
         if widen:
             _widen(ext.parts[0][0].buf.mem.reshape(-1).view(np.uint8), ext.nbytes)  # type: ignore[union-attr]
         return None
     need = ext.nbytes * (2 if widen else 1)
-    staged, keep = dev.staging_block(max(need, EXTENT))  # (one size: the pool's cached blocks are a ring of them)
+    extra = 2 * DIRECT_ALIGN if direct_io and not widen else 0
+    staged, keep = dev.staging_block(max(need, EXTENT) + extra)  # (one size: the pool's cached blocks are a ring)
+    if extra:
+        block = staged[(-staged.ctypes.data) % DIRECT_ALIGN :]
+        got = file.pread_direct(ext.offset, ext.nbytes, block) if block.nbytes >= span else None
+        if got is not None:
+            disk_device().count_read(ext.nbytes)
+            return got, keep
     staged = staged[:need]
-    disk_device().read_extent(file, ext.offset, [staged[: ext.nbytes].data], f"tensor {ext.parts[0][0].entry.name!r}")
+    disk_device().read_extent(file, ext.offset, [staged[: ext.nbytes].data], what)
     if widen:
         _widen(staged, ext.nbytes)
     return staged, keep
+
+
+_bounces = threading.local()
+
+
+def _bounce(span: int) -> np.ndarray:
+    """This worker thread's aligned block for O_DIRECT reads into host devices' memory (kept: faulted in once)."""
+    block: np.ndarray | None = getattr(_bounces, "block", None)
+    if block is None or block.nbytes < span:
+        block = _bounces.block = direct_block(max(span, EXTENT + 2 * DIRECT_ALIGN))
+    return block
 
 
 def _widen(mem: np.ndarray, n: int) -> None:
