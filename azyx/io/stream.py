@@ -2,11 +2,11 @@
 
 The file is read by several worker threads (positional reads, never on the event loop) in extents of up to `EXTENT`
 bytes: consecutive small tensors share one `preadv`, a large tensor is several extents read in parallel. On a device
-whose memory is host memory (c, PoCL) each extent lands straight in its tensors' pooled device buffers (no copy after
-the read). On another device (CUDA, Vulkan, wgpu) each extent lands in a staging block the device writes from fastest
-(`Device.staging_block`: pinned on CUDA, allocated and pinned on the reader thread), and is copied to the tensors'
-device buffers as soon as it is read, while the next extents are being read; the block goes back to its pool once
-its copy is done. A tensor is handed out as soon as all its bytes have landed, in file order.
+whose memory is host memory (the C backend) each extent lands straight in its tensors' pooled device buffers (no
+copy after the read). On another device (CUDA, OpenCL, Vulkan, wgpu) each extent lands in a staging block the device
+writes from fastest (`Device.staging_block`: pinned on CUDA, allocated and pinned on the worker thread), and is
+copied to the tensors' device buffers as soon as it is read, while the next extents are being read; the block goes
+back to its pool once its copy is done. A tensor is handed out as soon as all its bytes have landed, in file order.
 
 While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
 (64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
