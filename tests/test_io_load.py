@@ -56,7 +56,7 @@ async def test_stream_bytes_equal_safetensors_for_every_dtype(tmp_path: Path, de
     """(direct_io: O_DIRECT reads where the test's filesystem allows them, else the fallback: both must be exact.)"""
     p, _ = _odd_file(tmp_path)
     want = load_file(p)
-    before = disk().bytes_read
+    before, reads, on_loop = disk().bytes_read, disk().reads, disk().reads_on_loop
     got = {}
     async for name, t in azyx.io.stream_safetensors(p, device=device, prefetch=prefetch, direct_io=direct_io):
         assert t.device == device and t.shape == want[name].shape
@@ -65,6 +65,9 @@ async def test_stream_bytes_equal_safetensors_for_every_dtype(tmp_path: Path, de
     for name, a in want.items():
         assert got[name].dtype == a.dtype and got[name].tobytes() == a.tobytes(), name
     assert disk().bytes_read - before == sum(a.nbytes for a in want.values())  # each byte read once
+    assert disk().reads_on_loop == on_loop  # never on the loop's thread
+    if prefetch >= 1 << 20:  # read ahead: the small tensors share extents (the large one is several)
+        assert disk().reads - reads < len(want)
 
 
 async def test_lazy_load_bytes_equal_safetensors_in_few_reads(tmp_path: Path, device: str) -> None:
