@@ -304,8 +304,8 @@ async def test_stream_memory_is_bounded_by_the_tensor_in_use_plus_prefetch(tmp_p
 
 
 async def test_stream_through_host_memory_to_other_devices(tmp_path: Path, device: str) -> None:
-    """Devices whose memory is not host memory get the tensor through host:0's pool; the dummy device plans and
-    accounts but holds no data, so it checks the path and the accounting."""
+    """Devices whose memory is not host memory get the tensor through their staging blocks (read into, then copied
+    over); the dummy device plans and accounts but holds no data, so it checks the path and the accounting."""
     p, arrays = _bucketed_file(tmp_path, [4096, 8192, 1024])
     async for name, t in azyx.io.stream_safetensors(p, device=device):
         assert t.device == device
@@ -316,7 +316,7 @@ async def test_stream_through_host_memory_to_other_devices(tmp_path: Path, devic
         assert t.device == "dummy:0" and t.shape == arrays[name].shape and t.dtype is dtypes.float32
         assert GRAPH[t.id].buffer is not None
     del t
-    assert await settle() == base  # the staging buffers went back to host:0's pool
+    assert await settle() == base  # the staging blocks and the buffers went back
 
 
 async def test_stream_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
