@@ -173,6 +173,7 @@ class Device:
     dialect: Dialect | None = None
     tiles = False  # whether register tiling pays off on this device
     host_memory = False  # buffers are host memory (Buffer.mem is a numpy array, Buffer.ptr its address)
+    alloc_anywhere = False  # `alloc` may be called on any thread (a stream then allocates off the loop)
     listed = True  # a compute device that azyx.devices() lists
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)

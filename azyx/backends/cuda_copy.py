@@ -59,6 +59,8 @@ class _Staging:
 class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
+    alloc_anywhere = True  # (its pool is locked, and a new block makes the context current on the calling thread)
+
     stream: Any
     stream_h: int  # the stream's handle, for the ctypes calls of `hot`
     hot: Hot

@@ -99,13 +99,26 @@ class _Slot:
     """A tensor being read: its entry, its destination buffer, its extents, and (staged) the device timeline value its
     copies reach."""
 
-    __slots__ = ("entry", "buf", "extents", "ready", "widen", "sharded")
+    __slots__ = ("entry", "buf", "extents", "ready", "widen", "sharded", "error", "lock")
 
     def __init__(self, entry: TensorEntry, widen: bool = False, sharded: bool = False) -> None:
         self.entry, self.widen, self.sharded = entry, widen, sharded
         self.buf: Buffer | None = None
+        self.error: AzyxError | None = None  # its buffer could not be allocated (raised when it is asked for)
+        self.lock = threading.Lock()  # (its extents may be read at once: the first allocates its buffer)
         self.extents: list[_Extent] = []
         self.ready = 0
+
+    def allocate(self, dev: Device) -> Buffer | None:
+        """Its buffer on `dev`, allocated by the first caller (a reader thread where the device allows it: off the
+        loop); None (and `error` set) where that failed."""
+        with self.lock:
+            if self.buf is None and self.error is None:
+                try:
+                    self.buf = dev.alloc(max(self.entry.nbytes * (2 if self.widen else 1), 1))
+                except AzyxError as e:
+                    self.error = e
+            return self.buf
 
 
 class SafetensorsStream:
@@ -163,6 +176,8 @@ class SafetensorsStream:
                 for ext in slot.extents:
                     assert ext.job is not None
                     await result_of(ext.job)  # cancelled here: the slot stays first, the next call waits again
+                if slot.error is not None:  # raised when this tensor is asked for, not while another is being used
+                    raise slot.error
                 t = await self._to_device(slot)
         except AzyxError:
             slot.buf, slot.extents = None, []  # (the error's traceback holds the slot: not its memory)
@@ -233,15 +248,8 @@ class SafetensorsStream:
             widen = self.widen_bf16 and entry.dtype is dtypes.bfloat16
             slot = _Slot(entry, widen)
             self.ahead.append(slot)
-            try:
-                slot.buf = self.dev.alloc(max(entry.nbytes * (2 if widen else 1), 1))
-            except AzyxError as e:  # raised when this tensor is asked for, not while another is being used
-                ext = _Extent(data_start + entry.begin)
-                ext.job = concurrent.futures.Future()
-                ext.job.set_exception(e)
-                slot.extents.append(ext)
-                cur = None
-                continue
+            if not self.dev.alloc_anywhere:  # (else the slot's first read allocates it, on a worker thread)
+                slot.allocate(self.dev)
             at = data_start + entry.begin
             done = 0
             while done < entry.nbytes or not slot.extents:
@@ -270,8 +278,10 @@ class SafetensorsStream:
             staged, keep = ext.job.result()
             at = 0
             for slot, into, n in ext.parts:
-                assert slot.buf is not None
                 size = 2 * n if slot.widen else n
+                if slot.buf is None:  # (its allocation failed: raised when it is asked for)
+                    at += size
+                    continue
                 v = self.dev.copy_from_host(staged[at : at + size], slot.buf, [], keep, 2 * into if slot.widen else
                                             into)
                 slot.ready = max(slot.ready, v)
@@ -309,14 +319,13 @@ def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool, bool]]) -> Any
     widen = ext.parts[0][0].widen
     what = f"tensor {ext.parts[0][0].entry.name!r}"
     span = direct_span(ext.offset, ext.nbytes)
+    bufs = [slot.allocate(dev) for slot, _, _ in ext.parts]  # (where not allocated on the loop already)
     if direct:
-        outs = []
-        for slot, into, n in ext.parts:
-            assert slot.buf is not None
-            outs.append(slot.buf.mem.reshape(-1).view(np.uint8)[into : into + n].data)
+        outs = [buf.mem.reshape(-1).view(np.uint8)[into : into + n].data if buf is not None else
+                memoryview(bytearray(n)) for buf, (_, into, n) in zip(bufs, ext.parts)]  # (bytes of a failed one)
         disk_device().read_extent(file, ext.offset, outs, what, _bounce(span) if direct_io and not widen else None)
-        if widen:
-            _widen(ext.parts[0][0].buf.mem.reshape(-1).view(np.uint8), ext.nbytes)  # type: ignore[union-attr]
+        if widen and bufs[0] is not None:
+            _widen(bufs[0].mem.reshape(-1).view(np.uint8), ext.nbytes)
         return None
     need = ext.nbytes * (2 if widen else 1)
     extra = 2 * DIRECT_ALIGN if direct_io and not widen else 0
