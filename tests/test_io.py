@@ -166,7 +166,9 @@ async def test_slices_read_only_their_bytes(tmp_path: Path) -> None:
         (lambda: t[10:20].reshape(5, 128), x[10:20].reshape(5, 128), 10 * row),
         (lambda: t[2:5].cast("float16") * 2, (x[2:5].astype(np.float16) * 2), 3 * row),  # cast after the slice
         (lambda: t[4:6].to("c:1") + 1, x[4:6] + 1, 2 * row),
-        (lambda: t[:, 1], x[:, 1], (99 * 64 + 1) * 4),  # a column: the covering range (first to last element)
+        (lambda: t[:, 1], x[:, 1], 100 * 4),  # a column: its elements only (runs of one element, one per row)
+        (lambda: t[:, 1:3], x[:, 1:3], 100 * 2 * 4),  # columns: one run per row
+        (lambda: t[:, 1:3][4:6], x[4:6, 1:3], 100 * 2 * 4),  # a view of runs: all the runs read, sliced on a device
         (lambda: t[3, 5].reshape(1, 1).expand(2, 3), np.full((2, 3), x[3, 5]), 4),  # one element, broadcast
         (lambda: t[5:8].T.flip(0), x[5:8].T[::-1], 3 * row),
     ]
@@ -302,8 +304,8 @@ async def test_stream_memory_is_bounded_by_the_tensor_in_use_plus_prefetch(tmp_p
 
 
 async def test_stream_through_host_memory_to_other_devices(tmp_path: Path, device: str) -> None:
-    """Devices whose memory is not host memory get the tensor through host:0's pool; the dummy device plans and
-    accounts but holds no data, so it checks the path and the accounting."""
+    """Devices whose memory is not host memory get the tensor through their staging blocks (read into, then copied
+    over); the dummy device plans and accounts but holds no data, so it checks the path and the accounting."""
     p, arrays = _bucketed_file(tmp_path, [4096, 8192, 1024])
     async for name, t in azyx.io.stream_safetensors(p, device=device):
         assert t.device == device
@@ -314,7 +316,7 @@ async def test_stream_through_host_memory_to_other_devices(tmp_path: Path, devic
         assert t.device == "dummy:0" and t.shape == arrays[name].shape and t.dtype is dtypes.float32
         assert GRAPH[t.id].buffer is not None
     del t
-    assert await settle() == base  # the staging buffers went back to host:0's pool
+    assert await settle() == base  # the staging blocks and the buffers went back
 
 
 async def test_stream_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -506,9 +508,9 @@ async def _cancel_loads(p: Path, yields: int) -> None:
     assert (await ts["t01"].to("c:1").numpy()).shape == ts["t01"].shape
 
 
-async def _cancel_stream(p: Path, yields: int) -> None:
+async def _cancel_stream(p: Path, yields: int, device: str = "c:0", prefetch: int = 1 << 20) -> None:
     async def consume() -> None:
-        async for _, t in azyx.io.stream_safetensors(p, device="c:0", prefetch=1 << 20):
+        async for _, t in azyx.io.stream_safetensors(p, device=device, prefetch=prefetch):
             await t.sum().realize()
 
     task = asyncio.ensure_future(consume())

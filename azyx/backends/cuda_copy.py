@@ -59,6 +59,8 @@ class _Staging:
 class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
+    alloc_anywhere = True  # (its pool is locked, and a new block makes the context current on the calling thread)
+
     stream: Any
     stream_h: int  # the stream's handle, for the ctypes calls of `hot`
     hot: Hot
@@ -99,16 +101,21 @@ class StagedCopies(QueuedDevice):
         staged = _Staging(self.staging, nbytes, block)
         return staged.pinned.array[:nbytes], staged
 
+    def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A pinned block from the staging pool, pinned now when it has none cached (worker threads only)."""
+        staged = _Staging(self.staging, max(nbytes, 1))
+        return staged.pinned.array[:nbytes], staged
+
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
-        """From this device's pinned staging (`host_staging`: `keep` is its block): one DMA. From other host memory:
-        through pinned chunks, overlapped (`_upload`)."""
+        """From this device's pinned staging (`host_staging`, `staging_block`: `keep` is its block, `host` that block
+        or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`)."""
         n = host.nbytes
         if isinstance(keep, _Staging):
-            pinned = keep.pinned
+            src = host.ctypes.data if n else keep.pinned.ptr
 
             def dma() -> None:
-                if n and (err := self.hot.here().htod(dst.ptr + offset, pinned.ptr, n, self.stream_h)):
+                if n and (err := self.hot.here().htod(dst.ptr + offset, src, n, self.stream_h)):
                     self.hot.fail(err, "H2D")
 
             return self._submit(dma, waits, (keep, dst))

@@ -13,6 +13,7 @@ The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk te
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import stat
 import threading
@@ -30,6 +31,8 @@ from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
+DIRECT_ALIGN = 4096  # O_DIRECT reads: offsets, lengths and memory aligned to this
+IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
@@ -40,7 +43,7 @@ def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _readers
     with _readers_lock:
         if _readers is None:
-            _readers = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
+            _readers = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 2),
                                                              thread_name_prefix="azyx-disk")
         return _readers
 
@@ -50,7 +53,7 @@ class DiskFile:
     Reads go through this descriptor, so a file replaced on disk (`os.replace`) keeps serving the old contents to
     the tensors made from it."""
 
-    __slots__ = ("path", "fd", "size", "identity", "header", "close", "__weakref__")
+    __slots__ = ("path", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
 
     def __init__(self, path: str):
         try:
@@ -68,6 +71,7 @@ class DiskFile:
         self.size = st.st_size
         self.identity = file_identity(st)
         self.header: Any = None  # what a format parser made of the file (azyx.io keeps its parsed header here)
+        self.direct: int | None = -1  # the O_DIRECT descriptor (opened at the first direct read; None: refused)
 
     def __repr__(self) -> str:
         return f"DiskFile({self.path!r}, {self.size} bytes)"
@@ -81,12 +85,92 @@ class DiskFile:
             try:
                 got = _preadv(self.fd, out[done:], offset + done)
             except OSError as e:
-                raise AzyxIOError(f"{where}: read of {n} bytes at {offset} failed: {e.strerror or e}") from e
+                raise self._failed(where, n, offset, e) from e
             if got == 0:
-                raise AzyxIOError(f"{where}: unexpected end of file at byte {offset + done} while reading "
-                                  f"{n} bytes at {offset} (the file was truncated, or changed after it was opened: "
-                                  f"it had {self.size} bytes then)")
+                raise self._ended(where, offset + done, n, offset)
             done += got
+
+    def _failed(self, where: str, n: int, offset: int, e: OSError) -> AzyxIOError:
+        return AzyxIOError(f"{where}: read of {n} bytes at {offset} failed: {e.strerror or e}")
+
+    def _ended(self, where: str, at: int, n: int, offset: int) -> AzyxIOError:
+        return AzyxIOError(f"{where}: unexpected end of file at byte {at} while reading {n} bytes at {offset} (the "
+                           f"file was truncated, or changed after it was opened: it had {self.size} bytes then)")
+
+    def pread_direct(self, offset: int, nbytes: int, block: np.ndarray) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) read with O_DIRECT (past the page cache) into `block` (uint8, aligned to
+        DIRECT_ALIGN, at least `direct_span(offset, nbytes)` bytes), in aligned pieces; returns the view of `block` that
+        holds them, or None where the platform or filesystem refuses O_DIRECT (then read them the usual way)."""
+        fd = self._direct_fd()
+        if fd is None:
+            return None
+        lo = offset - offset % DIRECT_ALIGN
+        span = direct_span(offset, nbytes)
+        assert block.nbytes >= span and block.ctypes.data % DIRECT_ALIGN == 0, "an unaligned O_DIRECT block"
+        view, done = block[:span].data, 0
+        want = min(span, self.size - lo)  # (the last aligned piece may run past the end of the file)
+        while done < want:
+            try:
+                got = os.preadv(fd, [view[done:]], lo + done)
+            except OSError as e:
+                if done == 0 and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    self.direct = None  # refused after all (a filesystem that opens but will not read so)
+                    return None
+                raise self._failed(f"{self.path} (O_DIRECT)", nbytes, offset, e) from e
+            if got == 0:
+                raise self._ended(self.path, lo + done, nbytes, offset)
+            done += got
+        return block[offset - lo : offset - lo + nbytes]
+
+    def _direct_fd(self) -> int | None:
+        if self.direct == -1:
+            flag = getattr(os, "O_DIRECT", 0)
+            try:
+                fd = os.open(self.path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0)) if flag else None
+            except OSError:
+                fd = None
+            if fd is not None and file_identity(os.fstat(fd)) != self.identity:  # (another file by now)
+                os.close(fd)
+                fd = None
+            if fd is not None:
+                weakref.finalize(self, os.close, fd)
+            self.direct = fd
+        return self.direct
+
+    def pread_scatter(self, offset: int, outs: list[memoryview], what: str = "") -> None:
+        """Fill the byte views `outs`, one after the other, with the bytes from `offset` on: one `preadv` call for
+        them all (several tensors' destinations filled by one read), repeated where the kernel returns short."""
+        outs = [o for o in outs if len(o)]
+        where = f"{what} of {self.path}" if what else self.path
+        while outs:
+            if len(outs) == 1:
+                return self.pread_into(offset, outs[0], what)
+            n = sum(len(o) for o in outs)
+            try:
+                got = _preadv(self.fd, outs[:IOV_MAX], offset)
+            except OSError as e:
+                raise self._failed(where, n, offset, e) from e
+            if got == 0:
+                raise self._ended(where, offset, n, offset)
+            offset += got
+            while outs and got >= len(outs[0]):
+                got -= len(outs[0])
+                outs.pop(0)
+            if got:
+                outs[0] = outs[0][got:]
+
+
+def direct_span(offset: int, nbytes: int) -> int:
+    """The bytes an O_DIRECT read of [offset, offset + nbytes) covers: whole DIRECT_ALIGN pieces."""
+    lo = offset - offset % DIRECT_ALIGN
+    return -(-(offset + nbytes - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def direct_block(nbytes: int) -> np.ndarray:
+    """Host memory (uint8) aligned for O_DIRECT reads."""
+    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
+    at = (-raw.ctypes.data) % DIRECT_ALIGN
+    return raw[at : at + nbytes]
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -94,12 +178,17 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _preadv(fd: int, out: memoryview, offset: int) -> int:
+def _preadv(fd: int, out: memoryview | list[memoryview], offset: int) -> int:
     try:
+        outs = out if isinstance(out, list) else [out]
         if hasattr(os, "preadv"):
-            return os.preadv(fd, [out], offset)
-        data = os.pread(fd, len(out), offset)  # platforms without preadv: one extra copy
-        out[: len(data)] = data
+            return os.preadv(fd, outs, offset)
+        data = os.pread(fd, sum(len(o) for o in outs), offset)  # platforms without preadv: one extra copy
+        at = 0
+        for o in outs:
+            got = data[at : at + len(o)]
+            o[: len(got)] = got
+            at += len(got)
         return len(data)
     except InterruptedError:
         return _preadv(fd, out, offset)
@@ -107,15 +196,29 @@ def _preadv(fd: int, out: memoryview, offset: int) -> int:
 
 class FileRange:
     """A disk Buffer's memory: `nbytes` bytes (the Buffer's) of `file`, starting at byte `offset`; `what` names the
-    data for error messages (e.g. "tensor 'w'")."""
+    data for error messages (e.g. "tensor 'w'"). With `runs` (run, step) the bytes are runs of `run` bytes, one
+    every `step` bytes of the file from `offset` on, packed one after the other (a slice of a row-major tensor
+    along an inner axis: one device's columns; only those bytes are read)."""
 
-    __slots__ = ("file", "offset", "what")
+    __slots__ = ("file", "offset", "what", "runs")
 
-    def __init__(self, file: DiskFile, offset: int, what: str = ""):
-        self.file, self.offset, self.what = file, offset, what
+    def __init__(self, file: DiskFile, offset: int, what: str = "", runs: tuple[int, int] | None = None):
+        self.file, self.offset, self.what, self.runs = file, offset, what, runs
 
     def __repr__(self) -> str:
-        return f"FileRange({self.file.path!r}, offset={self.offset})"
+        return f"FileRange({self.file.path!r}, offset={self.offset}{f', runs={self.runs}' if self.runs else ''})"
+
+    def read(self, start: int, out: memoryview) -> None:
+        """Bytes [start, start + len(out)) of the range into `out`."""
+        if self.runs is None:
+            return self.file.pread_into(self.offset + start, out, self.what)
+        run, step = self.runs
+        done, n = 0, len(out)
+        while done < n:
+            i, within = divmod(start + done, run)
+            size = min(run - within, n - done)
+            self.file.pread_into(self.offset + i * step + within, out[done : done + size], self.what)
+            done += size
 
 
 def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
@@ -133,6 +236,33 @@ def _transfer_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview, int]]) 
         err = e
     del buf, out  # before the timeline says the read is done
     dev._piece_done(v, err)
+
+
+class _Batch:
+    """Small reads of consecutive bytes of one file, made by one reader job with one `preadv` (`DiskDevice.copy_to_host`
+    joins a read to the open batch while no reader has taken it yet)."""
+
+    __slots__ = ("file", "start", "end", "what", "items")
+
+    def __init__(self, file: DiskFile, start: int, what: str):
+        self.file, self.start, self.end, self.what = file, start, start, what
+        self.items: list[tuple[memoryview, int]] = []  # (destination, timeline value of its read)
+
+
+def _read_batch(job: list[tuple[DiskDevice, _Batch]]) -> None:
+    dev, batch = job.pop()
+    with dev.lock:
+        if dev.batch is batch:
+            dev.batch = None  # closed: later reads open another
+    err: BaseException | None = None
+    try:
+        dev.read_extent(batch.file, batch.start, [out for out, _ in batch.items], batch.what)
+    except BaseException as e:
+        err = e
+    items = [v for _, v in batch.items]
+    del batch  # (the destinations) before the timeline says the reads are done
+    for v in items:
+        dev._piece_done(v, err)
 
 
 def _on_event_loop() -> bool:
@@ -178,15 +308,19 @@ class DiskDevice(Device):
         self.reads_on_loop = 0  # reads made on an event loop's thread, which they would block: should stay 0
         self.submitted = 0  # the timeline value of the last read started by `copy_to_host`
         self.unread: dict[int, int] = {}  # timeline value -> pieces of its read not done yet (in value order)
+        self.batch: _Batch | None = None  # small consecutive reads not yet taken by a reader (`copy_to_host`)
 
     # memory: file ranges, accounted like a pool
-    def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "") -> Buffer:
-        """A buffer describing bytes [offset, offset + nbytes) of `file` (`what`: the data's name, for errors)."""
-        assert 0 <= offset and offset + nbytes <= file.size, f"range {offset}+{nbytes} outside {file}"
+    def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "",
+               runs: tuple[int, int] | None = None) -> Buffer:
+        """A buffer describing bytes [offset, offset + nbytes) of `file` (`what`: the data's name, for errors); with
+        `runs` (run, step), `nbytes` bytes in runs of `run` bytes every `step` bytes from `offset` (`FileRange`)."""
+        end = offset + nbytes if runs is None else offset + (-(-nbytes // runs[0]) - 1) * runs[1] + runs[0]
+        assert 0 <= offset and (not nbytes or end <= file.size), f"range {offset}+{nbytes} outside {file}"
         with self.lock:
             self.in_use += nbytes
             self.buffers += 1
-        return Buffer(self, nbytes, FileRange(file, offset, what), 0, False)
+        return Buffer(self, nbytes, FileRange(file, offset, what, runs), 0, False)
 
     def memory(self) -> MemoryUsage:
         return MemoryUsage(self.in_use, 0)
@@ -209,7 +343,7 @@ class DiskDevice(Device):
     def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
         assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
         rng: FileRange = buf.mem
-        rng.file.pread_into(rng.offset + start, out, rng.what)
+        rng.read(start, out)
         on_loop = _on_event_loop()
         with self.lock:
             self.bytes_read += len(out)
@@ -235,15 +369,42 @@ class DiskDevice(Device):
         for f in rest:
             f.result()
 
+    def read_extent(self, file: DiskFile, offset: int, outs: list[memoryview], what: str = "",
+                    direct: np.ndarray | None = None) -> None:
+        """Blocking (worker threads): the file's bytes from `offset` on into `outs`, one after the other, with one
+        `preadv` (an extent covering several tensors, each landing in its own destination). With a `direct` block
+        (`direct_block` of at least `direct_span` bytes) they are read with O_DIRECT into it, then copied to `outs`,
+        where the filesystem allows it."""
+        n = sum(len(o) for o in outs)
+        got = file.pread_direct(offset, n, direct) if direct is not None else None
+        if got is None:
+            file.pread_scatter(offset, outs, what)
+        else:
+            at = 0
+            for o in outs:
+                o[:] = got[at : at + len(o)].data
+                at += len(o)
+        self.count_read(n)
+
+    def count_read(self, n: int) -> None:
+        """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""
+        on_loop = _on_event_loop()
+        with self.lock:
+            self.bytes_read += n
+            self.reads += 1
+            self.reads_on_loop += on_loop
+
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
         self._read_parallel(buf, 0, out.data.cast("B"))
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """Start reading `out.nbytes` bytes of the range from `offset` into `out` on the reader threads, now, in pieces
-        of `SPLIT` bytes read in parallel: a file range is always ready (no `waits`), so a plan's reads all start when
-        it is submitted. The timeline reaches the returned value once this read and every earlier one are done; a
-        piece that fails is that value's failure (`record_failure`), raised to the run that asked for the read."""
+        of `SPLIT` bytes read in parallel (smaller reads of consecutive bytes, e.g. a plan's small tensors of one
+        file, are joined into one `preadv` by whichever reader takes the first): a file range is always ready (no
+        `waits`), so a plan's reads all start when it is submitted. The timeline reaches the returned value once
+        this read and every earlier one are done; a piece that fails is that value's failure (`record_failure`),
+        raised to the run that asked for the read."""
         assert not waits, "a file range is always ready"
         view = out.reshape(-1).view(np.uint8).data
         n = len(view)
@@ -253,6 +414,21 @@ class DiskDevice(Device):
             self.unread[v] = max(-(-n // SPLIT), 1)
         if not n:
             self._piece_done(v, None)
+        rng: FileRange = buf.mem
+        if 0 < n < SPLIT and rng.runs is None:  # joins the reads just before it when they end where it starts
+            at = rng.offset + offset
+            with self.lock:
+                batch = self.batch
+                opened = (batch is None or batch.file is not rng.file or batch.end != at
+                          or batch.end - batch.start > SPLIT)
+                if opened:
+                    batch = self.batch = _Batch(rng.file, at, rng.what)
+                assert batch is not None
+                batch.items.append((view, v))
+                batch.end += n
+            if opened:
+                _reader_pool().submit(_read_batch, [(self, batch)])
+            return v
         for lo in range(0, n, SPLIT):
             _reader_pool().submit(_transfer_piece, [(self, buf, offset + lo, view[lo : min(lo + SPLIT, n)], v)])
         return v

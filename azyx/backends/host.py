@@ -131,6 +131,7 @@ class HostDevice(Device):
     """A device whose buffers are host memory: allocation, copies and reads are plain memory operations."""
 
     host_memory = True
+    alloc_anywhere = True  # (a locked pool of numpy blocks)
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)

@@ -915,8 +915,9 @@ class VulkanDevice(QueuedDevice):
         ready and small (or `at_once`: a worker thread's blocking write), else on a worker thread once it is ready
         (the submission waits for it at a gate)."""
         n = host.nbytes
-        if isinstance(keep, _Lent) and keep.device is self:
-            return self._submit(lambda cmd: _copy(cmd, keep.block, 0, dst.mem, offset, n), waits, (keep, dst))
+        if isinstance(keep, _Lent) and keep.device is self:  # (`host`: the block's mapping, or a part of it)
+            at = host.ctypes.data - _mapping(keep.block).ctypes.data if n else 0
+            return self._submit(lambda cmd: _copy(cmd, keep.block, at, dst.mem, offset, n), waits, (keep, dst))
         src = host.reshape(-1).view(np.uint8)
         lent = None if self.mapped else _Lent(self, max(n, 1))
         target = _mapping(dst.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]

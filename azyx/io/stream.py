@@ -1,42 +1,60 @@
 """Streaming a safetensors file onto a device: realized tensors one by one, with bounded read-ahead.
 
-Each tensor is read on a worker thread (positional reads, off the event loop) into a pooled host buffer: the target
-device's own memory when that is host memory (the C backend: no copy after the read), else host:0's pool, from
-which a plan copies it to the device. While you work on one tensor, the next ones are already being read, as long
-as the bytes read ahead fit in `prefetch` (16 MiB by default); a tensor larger than that is read when you ask for
-it. So the memory the stream holds is at most the tensor you are working on plus `prefetch`: drop each tensor when
-you are done with it (a loop variable keeps the previous one alive until the next is assigned). A host device's pool
-keeps freed blocks for reuse; that memory is the pool's (reused by later tensors of the same size), not the stream's.
+The file is read by several worker threads (positional reads, never on the event loop) in extents of up to `EXTENT`
+bytes: consecutive small tensors share one `preadv`, a large tensor is several extents read in parallel. On a device
+whose memory is host memory (the C backend) each extent lands straight in its tensors' pooled device buffers (no
+copy after the read). On another device (CUDA, OpenCL, Vulkan, wgpu) each extent lands in a staging block the device
+writes from fastest (`Device.staging_block`: pinned on CUDA, allocated and pinned on the worker thread), and is
+copied to the tensors' device buffers as soon as it is read, while the next extents are being read; the block goes
+back to its pool once its copy is done. A tensor is handed out as soon as all its bytes have landed, in file order.
+
+While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
+(64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
+the tensor you are working on plus `prefetch`: drop each tensor when you are done with it (a loop variable keeps the
+previous one alive until the next is assigned). A host device's pool keeps freed blocks for reuse; that memory is the
+pool's (reused by later tensors of the same size), not the stream's.
+
+`shard={pattern: (devices, axis)}` hands out the tensors whose names match a pattern (`fnmatch`) as
+`azyx.shard.ShardedTensor`s: each device's slice read from the file (only its bytes) straight into its memory.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
 import os
+import threading
 from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from azyx.backends.disk import DiskFile
-from azyx.device import DISK, Buffer
+from azyx.backends.disk import DIRECT_ALIGN, DiskFile, direct_block, direct_span
+from azyx.device import Buffer, Device
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError
 from azyx.fileformat import TensorEntry
 from azyx.graph import Node, Op, StridedView
 from azyx.runtime import RT
-from azyx.storage import disk_device, header_of, open_safetensors
+from azyx.storage import disk_device, disk_node, header_of, open_safetensors
 from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread, result_of, start_in_worker_thread
 
-PREFETCH = 16 << 20  # bytes read ahead by default
+PREFETCH = 64 << 20  # bytes read ahead by default
+EXTENT = 4 << 20  # bytes per read: consecutive smaller tensors share one, a larger tensor is read in several
 
 
-def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = PREFETCH,
-                       progress: bool = False) -> SafetensorsStream:
+def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = PREFETCH, progress: bool = False,
+                       shard: Mapping[str, tuple[Sequence[str], int]] | None = None,
+                       direct_io: bool = False) -> SafetensorsStream:
     """Realized tensors of a safetensors file, one by one in file order, as `(name, tensor)` on `device` (None:
     AUTO). The next tensors are read while you use the current one (up to `prefetch` bytes ahead); `progress=True`
-    shows a tqdm bar (pip install tqdm).
+    shows a tqdm bar (pip install tqdm). `shard` maps name patterns (`fnmatch`: "h.*.attn.c_attn.weight") to
+    `(devices, axis)`: a tensor whose name matches the first such pattern comes split along `axis` over `devices`
+    (a ShardedTensor, as `Tensor.shard` makes), each device's slice read from the file once, straight to it.
+    `direct_io=True` reads with O_DIRECT, past the page cache (for a cold file on fast storage, where that is faster;
+    bench/io.py measures it), through aligned blocks; where the filesystem refuses O_DIRECT, the usual way.
 
     >>> import asyncio, numpy as np, azyx
     >>> from safetensors.numpy import save_file
@@ -52,25 +70,76 @@ def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = 
         raise AzyxIOError(f"stream_safetensors needs a compute device, got {device!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise AzyxIOError(f"prefetch must be a number of bytes >= 0, got {prefetch!r}")
-    return SafetensorsStream(path, name, prefetch, progress)
+    plan: list[tuple[str, list[str], int]] = []
+    for pattern, spec in (shard or {}).items():
+        if not isinstance(pattern, str) or not isinstance(spec, tuple) or len(spec) != 2 or \
+                not isinstance(spec[1], int) or isinstance(spec[0], str) or not list(spec[0]):
+            raise AzyxIOError(f"shard maps a name pattern to (devices, axis), got {pattern!r}: {spec!r}")
+        plan.append((pattern, [RT.check_device(d) for d in spec[0]], spec[1]))
+    stream = SafetensorsStream(path, name, prefetch, progress, plan)
+    stream.direct_io = bool(direct_io)
+    return stream
+
+
+class _Extent:
+    """One read: `nbytes` bytes of the file from `offset`, landing in `parts` (slot, byte offset in its tensor,
+    length), in file order; `job` the read on a reader thread: its result None (read into the tensors' own memory)
+    or the (staging array, what keeps it) it was read into."""
+
+    __slots__ = ("offset", "nbytes", "parts", "job", "copied")
+
+    def __init__(self, offset: int) -> None:
+        self.offset, self.nbytes = offset, 0
+        self.parts: list[tuple[_Slot, int, int]] = []
+        self.job: concurrent.futures.Future[Any] | None = None
+        self.copied = False
+
+
+class _Slot:
+    """A tensor being read: its entry, its destination buffer, its extents, and (staged) the device timeline value its
+    copies reach."""
+
+    __slots__ = ("entry", "buf", "extents", "ready", "widen", "sharded", "error", "lock")
+
+    def __init__(self, entry: TensorEntry, widen: bool = False, sharded: bool = False) -> None:
+        self.entry, self.widen, self.sharded = entry, widen, sharded
+        self.buf: Buffer | None = None
+        self.error: AzyxError | None = None  # its buffer could not be allocated (raised when it is asked for)
+        self.lock = threading.Lock()  # (its extents may be read at once: the first allocates its buffer)
+        self.extents: list[_Extent] = []
+        self.ready = 0
+
+    def allocate(self, dev: Device) -> Buffer | None:
+        """Its buffer on `dev`, allocated by the first caller (a reader thread where the device allows it: off the
+        loop); None (and `error` set) where that failed."""
+        with self.lock:
+            if self.buf is None and self.error is None:
+                try:
+                    self.buf = dev.alloc(max(self.entry.nbytes * (2 if self.widen else 1), 1))
+                except AzyxError as e:
+                    self.error = e
+            return self.buf
 
 
 class SafetensorsStream:
     """The async iterator of `stream_safetensors` (also an async context manager that closes it)."""
 
-    def __init__(self, path: Any, device: str | None, prefetch: int, progress: bool):
+    def __init__(self, path: Any, device: str | None, prefetch: int, progress: bool,
+                 shard: list[tuple[str, list[str], int]] | None = None):
         self.path, self.device, self.prefetch = path, device, prefetch
+        self.shard = shard or []
         self.pinned = device is not None
-        self.dev = self.staging = RT.device("host:0")  # (the device and staging memory are chosen in `_open`)
+        self.dev = RT.device("host:0")  # (chosen in `_open`)
+        self.direct = True  # reads land in the device's memory (host memory); else in staging blocks
+        self.direct_io = False  # O_DIRECT reads (`stream_safetensors`)
         self.widen_bf16 = False
         self.want_progress = progress
         self.bar: Any = None
         self.file: DiskFile | None = None
         self.entries: list[TensorEntry] = []
         self.next = 0  # index of the next entry to start reading
-        # read (or being read) ahead: the entry, its read (a future of None: the buffer is held here, not by the
-        # future, so an abandoned read frees it when it ends, not when the pool's thread lets go of its work item)
-        self.ahead: deque[tuple[TensorEntry, concurrent.futures.Future[None], Buffer | None]] = deque()
+        self.ahead: deque[_Slot] = deque()  # started, not yet handed out (file order)
+        self.reading: deque[_Extent] = deque()  # staged reads whose copies are not issued yet (file order)
         self.ahead_bytes = 0  # read (or being read) but not yet handed out
         self.closed = False
         if progress:
@@ -88,7 +157,7 @@ class SafetensorsStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def __anext__(self) -> tuple[str, Tensor]:
+    async def __anext__(self) -> tuple[str, Any]:
         if self.closed:
             raise StopAsyncIteration
         if self.file is None:
@@ -97,27 +166,37 @@ class SafetensorsStream:
             if self.next >= len(self.entries):
                 await self.aclose()
                 raise StopAsyncIteration
-            self._start_next()  # asked for: read it now, whatever its size
-        entry, job, staged = self.ahead[0]
+            self._start(self.prefetch, first=True)  # asked for: read it now, whatever its size
+        slot = self.ahead[0]
         try:
-            await result_of(job)  # cancelled here: the entry stays first, the next call waits again
-            assert staged is not None
-            t = await self._to_device(entry, staged)
+            t: Any
+            if slot.sharded:  # each device's slice, straight from the file
+                t = await self._sharded(slot.entry)
+            else:
+                for ext in slot.extents:
+                    assert ext.job is not None
+                    await result_of(ext.job)  # cancelled here: the slot stays first, the next call waits again
+                if slot.error is not None:  # raised when this tensor is asked for, not while another is being used
+                    raise slot.error
+                t = await self._to_device(slot)
         except AzyxError:
+            slot.buf, slot.extents = None, []  # (the error's traceback holds the slot: not its memory)
             await self.aclose()
             raise
         self.ahead.popleft()
-        self.ahead_bytes -= entry.nbytes
-        self._top_up()
+        slot.buf, slot.extents = None, []  # (its extents may be shared with the next slots: they hold it a while)
+        self.ahead_bytes -= slot.entry.nbytes
+        self._start(self.prefetch)
         if self.bar is not None:
-            self.bar.update(entry.nbytes)
-        return entry.name, t
+            self.bar.update(slot.entry.nbytes)
+        return slot.entry.name, t
 
     async def aclose(self) -> None:
         """Stop: the reads already started (at most `prefetch` bytes) finish on their threads, then free their
         buffers (`azyx.synchronize()` waits for them)."""
         self.closed = True
         self.ahead.clear()
+        self.reading.clear()
         self.ahead_bytes = 0
         self.file = None
         if self.bar is not None:
@@ -126,13 +205,13 @@ class SafetensorsStream:
 
     async def _open(self) -> None:
         # the device's backend probed off the loop (AUTO's backends for None), then the device chosen
-        await RT.startup(RT.auto_kinds() if self.device is None else [self.device.partition(":")[0]])
+        kinds = {d.partition(":")[0] for _, devs, _ in self.shard for d in devs}
+        await RT.startup(RT.auto_kinds() if self.device is None else [self.device.partition(":")[0], *kinds])
         name = self.device if self.device is not None else RT.resolve_device(None, 0)[0]
         self.dev = dev = RT.device(name)
         if dev.storage:
             raise AzyxIOError(f"stream_safetensors needs a compute device, got {self.device!r}")
-        # pooled host buffers the reads land in: the device's own memory, or host:0's until a plan copies them over
-        self.staging = dev if dev.host_memory else RT.device("host:0")
+        self.direct = dev.host_memory
         self.widen_bf16 = dev.dialect is None or "bfloat16" not in dev.dialect.types
         self.file = await in_worker_thread(open_safetensors, self.path)
         self.entries = list(header_of(self.file).tensors.values())
@@ -142,47 +221,139 @@ class SafetensorsStream:
             total = sum(e.nbytes for e in self.entries)
             self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                             desc=os.path.basename(self.file.path))
-        self._top_up()
+        self._start(self.prefetch)
 
-    def _top_up(self) -> None:
-        while self.next < len(self.entries) and self.ahead_bytes + self.entries[self.next].nbytes <= self.prefetch:
-            self._start_next()
+    def _sharding(self, name: str) -> tuple[list[str], int] | None:
+        return next(((devs, axis) for pattern, devs, axis in self.shard if fnmatch.fnmatchcase(name, pattern)), None)
 
-    def _start_next(self) -> None:
+    def _start(self, budget: int, first: bool = False) -> None:
+        """Start reading the next entries while the bytes ahead fit in `budget` (the next one whatever its size when
+        `first`: it is asked for), in extents: consecutive entries share one up to EXTENT bytes; a larger entry is
+        several."""
         assert self.file is not None
-        entry = self.entries[self.next]
-        self.next += 1
-        src = disk_device().buffer(self.file, header_of(self.file).data_start + entry.begin, entry.nbytes,
-                                   f"tensor {entry.name!r}")
-        widen = self.widen_bf16 and entry.dtype is dtypes.bfloat16
-        job: concurrent.futures.Future[None]
-        dst: Buffer | None = None
-        try:
-            dst = self.staging.alloc(max(entry.nbytes * (2 if widen else 1), 1))
-        except AzyxError as e:  # raised when this tensor is asked for, not while another is being used
-            job = concurrent.futures.Future()
-            job.set_exception(e)
-        else:
-            job = start_in_worker_thread(_read, src, dst, entry.nbytes, widen)
-        self.ahead.append((entry, job, dst))
-        self.ahead_bytes += entry.nbytes
+        data_start = header_of(self.file).data_start
+        extents: list[_Extent] = []
+        cur: _Extent | None = None
+        while self.next < len(self.entries):
+            entry = self.entries[self.next]
+            if self.ahead_bytes + entry.nbytes > budget and not first:
+                break
+            first = False
+            self.next += 1
+            self.ahead_bytes += entry.nbytes
+            if self._sharding(entry.name) is not None:
+                self.ahead.append(_Slot(entry, sharded=True))
+                cur = None
+                continue
+            widen = self.widen_bf16 and entry.dtype is dtypes.bfloat16
+            slot = _Slot(entry, widen)
+            self.ahead.append(slot)
+            if not self.dev.alloc_anywhere:  # (else the slot's first read allocates it, on a worker thread)
+                slot.allocate(self.dev)
+            at = data_start + entry.begin
+            done = 0
+            while done < entry.nbytes or not slot.extents:
+                if cur is None or widen or cur.offset + cur.nbytes != at + done or cur.nbytes >= EXTENT:
+                    cur = _Extent(at + done)
+                    extents.append(cur)
+                n = entry.nbytes - done if widen else min(entry.nbytes - done, EXTENT - cur.nbytes)  # (widened whole)
+                cur.parts.append((slot, done, n))
+                cur.nbytes += n
+                slot.extents.append(cur)
+                done += n
+            if widen:
+                cur = None
+        for ext in extents:
+            ext.job = start_in_worker_thread(_read_extent, [(self.file, ext, self.dev, self.direct, self.direct_io)])
+            if not self.direct:
+                self.reading.append(ext)
 
-    async def _to_device(self, entry: TensorEntry, staged: Buffer) -> Tensor:
-        dtype = dtypes.float32 if self.widen_bf16 and entry.dtype is dtypes.bfloat16 else entry.dtype
-        on_device = self.dev.host_memory
-        node = Node(Op.LEAF, (), None, entry.shape, dtype, self.dev.name if on_device else self.staging.name,
-                    self.pinned if on_device else False)
-        node.buffer, node.view = staged, StridedView.contiguous(entry.shape)
-        t = Tensor._from_node(node)
-        if not on_device:
-            t = await t.to(self.dev.name).realize()
-        return t
+    def _copy_landed(self) -> None:
+        """Staged: issue the device copies of every extent read so far (in file order), each from its staging block."""
+        while self.reading and self.reading[0].job is not None and self.reading[0].job.done():
+            ext = self.reading.popleft()
+            assert ext.job is not None
+            if ext.job.exception() is not None:
+                continue  # (raised to whoever asks for its tensors)
+            staged, keep = ext.job.result()
+            at = 0
+            for slot, into, n in ext.parts:
+                size = 2 * n if slot.widen else n
+                if slot.buf is None:  # (its allocation failed: raised when it is asked for)
+                    at += size
+                    continue
+                v = self.dev.copy_from_host(staged[at : at + size], slot.buf, [], keep, 2 * into if slot.widen else
+                                            into)
+                slot.ready = max(slot.ready, v)
+                at += size
+            ext.copied = True
+
+    async def _to_device(self, slot: _Slot) -> Tensor:
+        entry, buf = slot.entry, slot.buf
+        assert buf is not None
+        if not self.direct:
+            self._copy_landed()
+            assert all(ext.copied for ext in slot.extents)
+            buf.ready = slot.ready
+            await self.dev.timeline.wait(slot.ready)  # its bytes have landed
+        dtype = dtypes.float32 if slot.widen else entry.dtype
+        node = Node(Op.LEAF, (), None, entry.shape, dtype, self.dev.name, self.pinned)
+        node.buffer, node.view = buf, StridedView.contiguous(entry.shape)
+        return Tensor._from_node(node)
+
+    async def _sharded(self, entry: TensorEntry) -> Any:
+        """A sharded entry: its slices (each device's bytes only, see azyx.storage) realized on their devices."""
+        assert self.file is not None
+        rule = self._sharding(entry.name)
+        assert rule is not None
+        devices, axis = rule
+        whole = Tensor._from_node(disk_node(self.file, entry))
+        return await whole.shard(devices, axis).realize()
 
 
-def _read(src: Buffer, dst: Buffer, n: int, widen_bf16: bool) -> None:
-    """On a worker thread: the file range into the pooled host buffer (bfloat16 widened for devices without it)."""
-    assert src.device.name == DISK
-    mem: np.ndarray = dst.mem
-    src.device.read_into(src, mem[:n])
-    if widen_bf16:  # bfloat16 is the upper half of a float32
-        mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16
+def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool, bool]]) -> Any:
+    """On a worker thread: one extent, into its tensors' buffers (`direct`) or a staging block of the device (whose
+    (array, keep) it returns); bfloat16 widened for devices without it. `direct_io`: read with O_DIRECT, through an
+    aligned block (the staging block itself where it is aligned), where the filesystem allows it."""
+    file, ext, dev, direct, direct_io = job.pop()
+    widen = ext.parts[0][0].widen
+    what = f"tensor {ext.parts[0][0].entry.name!r}"
+    span = direct_span(ext.offset, ext.nbytes)
+    bufs = [slot.allocate(dev) for slot, _, _ in ext.parts]  # (where not allocated on the loop already)
+    if direct:
+        outs = [buf.mem.reshape(-1).view(np.uint8)[into : into + n].data if buf is not None else
+                memoryview(bytearray(n)) for buf, (_, into, n) in zip(bufs, ext.parts)]  # (bytes of a failed one)
+        disk_device().read_extent(file, ext.offset, outs, what, _bounce(span) if direct_io and not widen else None)
+        if widen and bufs[0] is not None:
+            _widen(bufs[0].mem.reshape(-1).view(np.uint8), ext.nbytes)
+        return None
+    need = ext.nbytes * (2 if widen else 1)
+    extra = 2 * DIRECT_ALIGN if direct_io and not widen else 0
+    staged, keep = dev.staging_block(max(need, EXTENT) + extra)  # (one size: the pool's cached blocks are a ring)
+    if extra:
+        block = staged[(-staged.ctypes.data) % DIRECT_ALIGN :]
+        got = file.pread_direct(ext.offset, ext.nbytes, block) if block.nbytes >= span else None
+        if got is not None:
+            disk_device().count_read(ext.nbytes)
+            return got, keep
+    staged = staged[:need]
+    disk_device().read_extent(file, ext.offset, [staged[: ext.nbytes].data], what)
+    if widen:
+        _widen(staged, ext.nbytes)
+    return staged, keep
+
+
+_bounces = threading.local()
+
+
+def _bounce(span: int) -> np.ndarray:
+    """This worker thread's aligned block for O_DIRECT reads into host devices' memory (kept: faulted in once)."""
+    block: np.ndarray | None = getattr(_bounces, "block", None)
+    if block is None or block.nbytes < span:
+        block = _bounces.block = direct_block(max(span, EXTENT + 2 * DIRECT_ALIGN))
+    return block
+
+
+def _widen(mem: np.ndarray, n: int) -> None:
+    """bfloat16 (the first `n` bytes) widened in place to float32 (2n bytes): bfloat16 is a float32's upper half."""
+    mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16

@@ -1,0 +1,315 @@
+"""Loading at the hardware's pace (issue 40): extents read in parallel (the stream and the lazy path), bytes equal to
+safetensors' for every dtype and odd sizes and offsets, files truncated while they load, cancelled loads freeing their
+staging, loads sharded at the file (each byte read once), and the loop's heartbeat during a first load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from runtime_state import settle
+from safetensors.numpy import load_file, save_file
+from test_io import _cancel_stream
+
+import azyx
+from azyx import Tensor
+from azyx.io.stream import EXTENT
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]  # (and bfloat16 below)
+
+
+def disk() -> Any:
+    return azyx.io.disk_device()
+
+
+def _odd_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """Tensors of every dtype with odd element counts (so odd byte offsets follow them), small ones between large
+    ones, and one larger than an extent (read in several)."""
+    rng = np.random.default_rng(11)
+    arrays: dict[str, np.ndarray] = {}
+    for i, name in enumerate(DTYPES):
+        n = (1, 3, 7, 13, 127, 1001, 4099)[i % 7]
+        raw = rng.integers(0, 256, n * np.dtype(name).itemsize, dtype=np.uint8)
+        a = raw.view(name) if name != "bool" else raw.astype(bool)
+        if a.dtype.kind == "f":
+            a = np.where(np.isfinite(a), a, 0).astype(name)  # (bytes of NaN payloads are not what this checks)
+        arrays[f"x{i:02d}.{name}"] = a.reshape(-1)
+    arrays["zbig"] = rng.standard_normal(EXTENT // 4 * 2 + 333).astype(np.float32)  # 2+ extents, odd tail
+    arrays["zodd"] = rng.integers(-100, 100, (3, 5, 7), dtype=np.int16)
+    p = tmp_path / "odd.safetensors"
+    save_file(arrays, p)
+    return p, arrays
+
+
+@pytest.mark.parametrize("prefetch,direct_io", [(0, False), (1 << 12, False), (64 << 20, False), (1 << 20, True)])
+async def test_stream_bytes_equal_safetensors_for_every_dtype(tmp_path: Path, device: str, prefetch: int,
+                                                              direct_io: bool) -> None:
+    """(direct_io: O_DIRECT reads where the test's filesystem allows them, else the fallback: both must be exact.)"""
+    p, _ = _odd_file(tmp_path)
+    want = load_file(p)
+    before, reads, on_loop = disk().bytes_read, disk().reads, disk().reads_on_loop
+    got = {}
+    async for name, t in azyx.io.stream_safetensors(p, device=device, prefetch=prefetch, direct_io=direct_io):
+        assert t.device == device and t.shape == want[name].shape
+        got[name] = await t.numpy()
+    assert list(got) == list(want)  # file order
+    for name, a in want.items():
+        assert got[name].dtype == a.dtype and got[name].tobytes() == a.tobytes(), name
+    assert disk().bytes_read - before == sum(a.nbytes for a in want.values())  # each byte read once
+    assert disk().reads_on_loop == on_loop  # never on the loop's thread
+    if prefetch >= 1 << 20:  # read ahead: the small tensors share extents (the large one is several)
+        assert disk().reads - reads < len(want)
+
+
+async def test_lazy_load_bytes_equal_safetensors(tmp_path: Path, device: str) -> None:
+    p, _ = _odd_file(tmp_path)
+    want = load_file(p)
+    ts = azyx.io.load_safetensors(p)
+    before, reads = disk().bytes_read, disk().reads
+    moved = [t.to(device) for t in ts.values()]
+    await azyx.realize(*moved)
+    got = [await t.numpy() for t in moved]
+    for (name, a), g in zip(want.items(), got):
+        assert g.tobytes() == a.tobytes(), name
+    assert disk().bytes_read - before == sum(a.nbytes for a in want.values())  # each byte once
+    assert disk().reads - reads <= len(want) + 2  # (consecutive small ones share a read when a reader is busy)
+
+
+async def test_a_file_truncated_while_it_streams_raises_and_hands_out_no_partial_tensor(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    arrays = {f"t{i}": rng.standard_normal(64 << 10).astype(np.float32) for i in range(6)}  # 256 KiB each
+    p = tmp_path / "t.safetensors"
+    save_file(arrays, p)
+    base = await settle()
+    stream = azyx.io.stream_safetensors(p, device="c:0", prefetch=0)  # each read when asked for
+    got = []
+    with pytest.raises(azyx.AzyxIOError, match="truncated"):
+        async for name, t in stream:
+            got.append(name)
+            np.testing.assert_array_equal(await t.numpy(), arrays[name])  # whole, correct
+            if len(got) == 2:
+                os.truncate(p, os.path.getsize(p) - 3 * (256 << 10))  # t3's last bytes and all of t4, t5 gone
+    del t
+    assert got == ["t0", "t1", "t2"]  # t3 never handed out
+    assert stream.closed
+    assert await settle() == base  # its buffers went back
+
+
+async def test_a_file_truncated_before_a_lazy_realize_raises_and_the_runtime_stays_usable(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    arrays = {f"t{i}": rng.standard_normal(1000 + i).astype(np.float32) for i in range(4)}
+    p = tmp_path / "l.safetensors"
+    save_file(arrays, p)
+    ts = azyx.io.load_safetensors(p)
+    os.truncate(p, os.path.getsize(p) - 100)
+    with pytest.raises(azyx.AzyxIOError, match="truncated"):
+        await azyx.realize(*[t.to("c:0") for t in ts.values()])
+    np.testing.assert_array_equal(await ts["t0"].to("c:0").numpy(), arrays["t0"])  # (before the cut: still fine)
+
+
+async def test_a_file_replaced_while_it_streams_keeps_serving_what_was_opened(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    old = {f"t{i}": rng.standard_normal(10_000).astype(np.float32) for i in range(4)}
+    p = tmp_path / "r.safetensors"
+    save_file(old, p)
+    save_file({"other": np.zeros(3, np.float32)}, tmp_path / "new.safetensors")
+    got = {}
+    async for name, t in azyx.io.stream_safetensors(p, device="c:0", prefetch=0):
+        if not got:
+            os.replace(tmp_path / "new.safetensors", p)  # the stream reads through the descriptor it opened
+        got[name] = await t.numpy()
+    assert list(got) == list(old)
+    for name, a in old.items():
+        np.testing.assert_array_equal(got[name], a)
+
+
+async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbours_load(tmp_path: Path) -> None:
+    """Read ahead, one extent covers all three tensors; the middle one's buffer cannot be allocated (on the reader
+    thread): the first is still handed out whole, the error is raised when the second is asked for."""
+    rng = np.random.default_rng(13)
+    arrays = {"a": rng.standard_normal(1000).astype(np.float32), "b": rng.standard_normal(1 << 18).astype(np.float32),
+              "c": rng.standard_normal(1000).astype(np.float32)}
+    p = tmp_path / "m.safetensors"
+    save_file(arrays, p)
+    alloc = azyx.runtime.RT.device("c:1").allocator  # type: ignore[attr-defined]
+    base = await settle()
+    capacity = alloc.capacity
+    alloc.capacity = alloc.in_use + (64 << 10)  # room for a and c, not for b
+    try:
+        stream = azyx.io.stream_safetensors(p, device="c:1")
+        name, t = await stream.__anext__()
+        assert name == "a"
+        np.testing.assert_array_equal(await t.numpy(), arrays["a"])
+        with pytest.raises(azyx.AllocationError):
+            await stream.__anext__()
+        del t
+    finally:
+        alloc.capacity = capacity
+    assert stream.closed and await settle() == base
+
+
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+async def test_cancelling_a_stream_frees_its_staging(tmp_path: Path, staged: str) -> None:
+    if staged not in azyx.devices():
+        pytest.skip(f"{staged} is not available")
+    rng = np.random.default_rng(8)
+    arrays = {f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate([1 << 20, 3000, 1 << 19] * 3)}
+    p = tmp_path / "c.safetensors"
+    save_file(arrays, p)
+    base = await settle()
+    for yields in (0, 1, 2, 5, 20):
+        await _cancel_stream(p, yields, staged, 8 << 20)
+        assert await settle() == base, yields
+    async for name, t in azyx.io.stream_safetensors(p, device=staged):  # and the next load is whole
+        np.testing.assert_array_equal(await t.numpy(), arrays[name])
+    del t
+    assert await settle() == base
+
+
+async def test_stream_bfloat16_equals_torch_widened(tmp_path: Path, device: str) -> None:
+    """bfloat16 tensors at odd sizes between others, one larger than an extent: on a device without bfloat16 each is
+    widened to float32 (exactly: bfloat16 is a float32's upper half), else kept."""
+    from safetensors.torch import save_file as torch_save
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(7).bfloat16(), "b": torch.randn(3, 5), "c": torch.randn(EXTENT // 2 + 5).bfloat16(),
+               "d": torch.randn(1).bfloat16()}
+    p = tmp_path / "bf.safetensors"
+    torch_save(tensors, p)
+    async for name, t in azyx.io.stream_safetensors(p, device=device):
+        np.testing.assert_array_equal((await t.numpy()).astype(np.float32), tensors[name].float().numpy())
+
+
+# ------------------------------------------------------------------------------------------------ sharded at load
+def _sharded_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(9)
+    arrays = {"col": rng.standard_normal((33, 70)).astype(np.float32), "row": rng.standard_normal((41, 6)),
+              "cube": rng.integers(0, 1000, (4, 9, 5), dtype=np.int32), "keep": rng.standard_normal(17)}
+    p = tmp_path / "sh.safetensors"
+    save_file(arrays, p)
+    return p, arrays
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+async def test_shard_of_a_disk_tensor_reads_each_byte_once(tmp_path: Path, axis: int) -> None:
+    p, arrays = _sharded_file(tmp_path)
+    ts = azyx.io.load_safetensors(p)
+    for name in ("col", "row", "cube"):
+        if axis >= arrays[name].ndim:
+            continue
+        before = disk().bytes_read
+        s = ts[name].shard(["c:0", "c:1"], axis)
+        await s.realize()
+        for piece, want in zip(s.shards, np.array_split(arrays[name], 2, axis=axis)):
+            assert piece.device in ("c:0", "c:1")
+            np.testing.assert_array_equal(await piece.numpy(), want)
+        assert disk().bytes_read - before == arrays[name].nbytes, (name, axis)
+
+
+async def test_stream_shard_mapping_splits_matching_tensors_at_the_file(tmp_path: Path) -> None:
+    p, arrays = _sharded_file(tmp_path)
+    devs = ["c:0", "c:1"]
+    before = disk().bytes_read
+    got: dict[str, Any] = {}
+    async for name, t in azyx.io.stream_safetensors(p, device="c:0", shard={"col": (devs, 1), "r*": (devs, 0),
+                                                                             "cube": (devs, 2)}):
+        got[name] = t
+    assert disk().bytes_read - before == sum(a.nbytes for a in arrays.values())  # each byte once
+    for name, axis in (("col", 1), ("row", 0), ("cube", 2)):
+        assert [s.device for s in got[name].shards] == devs
+        for piece, want in zip(got[name].shards, np.array_split(arrays[name], 2, axis=axis)):
+            np.testing.assert_array_equal(await piece.numpy(), want)
+    np.testing.assert_array_equal(await got["keep"].numpy(), arrays["keep"])
+    with pytest.raises(azyx.AzyxIOError, match="devices, axis"):
+        azyx.io.stream_safetensors(p, device="c:0", shard={"col": ("c:0", 1)})  # type: ignore[dict-item]
+
+
+async def test_gpt2_loads_tensor_parallel_and_its_mlp_matches_the_one_device_reference(tmp_path: Path) -> None:
+    """GPT-2's weights streamed onto c:0 + c:1 as tensor-parallel serving splits them: QKV and FC column-parallel
+    (their Conv1D weights' output axis, 1, and biases), the projections row-parallel (axis 0). Each byte is read
+    once, each piece equals the whole tensor split, and a block's MLP computed tensor-parallel from the pieces (FC
+    per device, GELU, the projection's partial products summed) gives transformers' one-device output."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    p = tmp_path / "model.safetensors"
+    whole = load_file(p)
+    devs = ["c:0", "c:1"]
+    rules = {"*.attn.c_attn.weight": (devs, 1), "*.attn.c_attn.bias": (devs, 0), "*.mlp.c_fc.weight": (devs, 1),
+             "*.mlp.c_fc.bias": (devs, 0), "*.attn.c_proj.weight": (devs, 0), "*.mlp.c_proj.weight": (devs, 0)}
+    before = disk().bytes_read
+    loaded: dict[str, Any] = {}
+    async for name, t in azyx.io.stream_safetensors(p, device="c:0", shard=rules):
+        loaded[name] = t
+    assert disk().bytes_read - before == sum(a.nbytes for a in whole.values())
+    for name, t in loaded.items():
+        axis = next((ax for pat, (_, ax) in rules.items() if Path(name).match(pat)), None)
+        if axis is None:
+            np.testing.assert_array_equal(await t.numpy(), whole[name])
+            continue
+        for piece, want in zip(t.shards, np.array_split(whole[name], 2, axis=axis)):
+            np.testing.assert_array_equal(await piece.numpy(), want)
+    x = np.random.default_rng(10).standard_normal((5, 64)).astype(np.float32)
+    pre = "transformer.h.1.mlp."
+    parts = []
+    for d, w_fc, b_fc, w_proj in zip(devs, loaded[pre + "c_fc.weight"].shards, loaded[pre + "c_fc.bias"].shards,
+                                     loaded[pre + "c_proj.weight"].shards):
+        h = (Tensor(x, device=d) @ w_fc + b_fc).gelu(approximate="tanh")
+        parts.append((h @ w_proj).to("c:0"))
+    y = await (parts[0] + parts[1] + loaded[pre + "c_proj.bias"]).numpy()
+    with torch.no_grad():
+        want = model.transformer.h[1].mlp(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ the loop's heartbeat
+FIRST_LOAD = """
+import asyncio, json, sys, time
+import azyx
+
+async def main(path):
+    worst, stop = [0.0], asyncio.Event()
+
+    async def beat():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst[0] = max(worst[0], time.perf_counter() - t0 - 0.001)
+
+    b = asyncio.ensure_future(beat())
+    await asyncio.sleep(0.01)
+    n = 0
+    async for _, t in azyx.io.stream_safetensors(path, device="c:0"):  # the first load: devices start here too
+        n += t.shape[0]
+    loaded = [t.to("c:0") for t in azyx.io.load_safetensors(path).values()]
+    await azyx.realize(*loaded)
+    stop.set()
+    await b
+    print(json.dumps({"worst_ms": worst[0] * 1e3, "rows": n}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.serial
+def test_the_loop_keeps_its_heartbeat_during_a_first_load(tmp_path: Path) -> None:
+    rng = np.random.default_rng(12)
+    arrays = {f"w{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(24)}  # 24 MiB
+    p = tmp_path / "h.safetensors"
+    save_file(arrays, p)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = subprocess.run([sys.executable, "-c", FIRST_LOAD, str(p)], capture_output=True, text=True, env=env,
+                         timeout=300, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["rows"] == 24 * 256
+    assert result["worst_ms"] < 250, result  # generous: a shared 2-core machine; the bench reports the real figure
