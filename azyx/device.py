@@ -174,6 +174,9 @@ class Device:
     tiles = False  # whether register tiling pays off on this device
     host_memory = False  # buffers are host memory (Buffer.mem is a numpy array, Buffer.ptr its address)
     alloc_anywhere = False  # `alloc` may be called on any thread (a stream then allocates off the loop)
+    # the smallest block a plan's run would have to make anew (not from the pool's cache) that costs enough to be made
+    # off the loop's thread beforehand (`reserve`); 0: never (a driver call that can wait on the driver's lock: CUDA's)
+    reserve_min = 0
     listed = True  # a compute device that azyx.devices() lists
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
@@ -264,6 +267,13 @@ class Device:
 
     def alloc(self, nbytes: int) -> Buffer:
         raise NotImplementedError
+
+    def reserve(self, sizes: list[int]) -> None:
+        """Make blocks of `sizes` bytes and give them back to the pool, which keeps them cached for the next `alloc`s
+        (a worker thread's call, where `alloc_anywhere`: a plan's large new buffers are then taken from the cache on
+        the loop's thread instead of made there)."""
+        for buf in self.alloc_many(sizes):
+            self.release(buf)
 
     def check_words(self) -> Buffer:
         """A run's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), which its

@@ -61,7 +61,9 @@ async def realize(*tensors: Handle) -> None:
     except AzyxError:
         await _settle_partial()
         raise
-    plan = (await submit(tensors, True, got))[0] if isinstance(got, Walk) else got[0]
+    if isinstance(got, _WALK_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
+        got = await submit(tensors, True, got if isinstance(got, Walk) else None)
+    plan = got[0]
     bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
@@ -82,11 +84,52 @@ def flat_targets(items: Sequence[Any]) -> tuple[Handle, ...]:
 
 
 Submitted = tuple["ExecutionPlan | None", "Walk | None", "list[Buffer]"]
+RESERVE_BYTES = 16 << 20  # a plan whose large new buffers on a device add up to this many bytes reserves them first
+
+# per plan that needs it: per device, the large buffers (Device.reserve_min and up) its run makes (see _Reserve)
+_reserves: weakref.WeakKeyDictionary[ExecutionPlan, list[tuple[Any, list[int]]]] = weakref.WeakKeyDictionary()
 
 
-def _submit_cached(tensors: Sequence[Handle]) -> Submitted | Walk:
+class _Reserve:
+    """A cached plan's large new buffers, to be made on a worker thread before its run takes them from the pools
+    (their driver allocations would hold the loop's thread: `Device.reserve`)."""
+
+    __slots__ = ("needs",)
+
+    def __init__(self, needs: list[tuple[Any, list[int]]]) -> None:
+        self.needs = needs
+
+    def __call__(self) -> None:
+        for dev, sizes in self.needs:
+            dev.reserve(sizes)
+
+
+_WALK_OR_RESERVE = (Walk, _Reserve)
+
+
+def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
+    """Remember, for a new plan, the large buffers its runs make on devices where that is slow (`reserve_min`)."""
+    by_dev: dict[str, list[int]] = {}
+    for s in plan.slots:
+        if s.kind in ("temp", "output"):
+            dev = rt.started_devices().get(s.device)
+            if dev is not None and dev.reserve_min and s.nbytes >= dev.reserve_min:
+                by_dev.setdefault(s.device, []).append(s.nbytes)
+    needs = [(rt.device(d), sizes) for d, sizes in by_dev.items() if sum(sizes) >= RESERVE_BYTES]
+    if needs:
+        _reserves[plan] = needs
+
+
+def _reservation(plan: ExecutionPlan) -> _Reserve | None:
+    """The reservation a plan's run needs now: its devices whose pools do not cache its large buffers' bytes."""
+    needs = [(dev, sizes) for dev, sizes in _reserves[plan] if dev.allocator.cached < sum(sizes)]
+    return _Reserve(needs) if needs else None
+
+
+def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitted | Walk | _Reserve:
     """submit's common case, without a coroutine: the unrealized `tensors`' graph walked and, when its plan is cached,
-    submitted (see submit); else the walk, for submit to plan."""
+    submitted (see submit); else the walk, for submit to plan; or, for a cached plan whose large new buffers the pools
+    lack (and `reserved` false), what to reserve first (off the loop, then walked again)."""
     if len(tensors) == 1:  # (one tensor, the common case: no generator, no dict)
         tid = tensors[0].id
         targets = [tid] if _nodes[tid].buffer is None else []  # type: ignore[union-attr]
@@ -100,6 +143,8 @@ def _submit_cached(tensors: Sequence[Handle]) -> Submitted | Walk:
     if plan is None:
         return walk
     cache.touch(plan)
+    if _reserves and not reserved and plan in _reserves and (r := _reservation(plan)) is not None:
+        return r
     bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
     outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
     for tid, (buf, view) in zip(targets, outs):
@@ -125,13 +170,18 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
         await rt.probed()
     if not gated and (fut := _gate()) is not None:
         await _pace(fut)
+    reserved = False
     while True:
         if walk is None:
             try:
-                got = _submit_cached(tensors)
+                got = _submit_cached(tensors, reserved)
             except AzyxError:
                 await _settle_partial()
                 raise
+            if isinstance(got, _Reserve):  # (made on a worker, then walked again: once)
+                await in_worker_thread(got)
+                reserved = True
+                continue
             if not isinstance(got, Walk):
                 return got
             walk = got
@@ -174,7 +224,9 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
         copy = GraphCopy(GRAPH, [*walk.topo, *walk.leaves])
         plan = await in_python_thread(make_plan, rt, copy, Walk(copy, walk.key, walk.topo, walk.leaves, targets,
                                                                 walk.scalars, walk.scalar_nodes, walk.donated), targets)
-    return await rt.compile(plan)  # (the graph may change meanwhile: the caller walks it again)
+    plan = await rt.compile(plan)  # (the graph may change meanwhile: the caller walks it again)
+    _note_reserves(rt, plan)
+    return plan
 
 
 class _Burst:
@@ -375,7 +427,9 @@ async def to_numpy(t: Handle) -> np.ndarray:
     except AzyxError:
         await _settle_partial()
         raise
-    plan = (await submit((t,), True, got))[0] if isinstance(got, Walk) else got[0]
+    if isinstance(got, _WALK_OR_RESERVE):
+        got = await submit((t,), True, got if isinstance(got, Walk) else None)
+    plan = got[0]
     n = _nodes[t.id]
     assert n is not None
     bufs = [buffer_of(n)]

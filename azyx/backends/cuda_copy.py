@@ -60,6 +60,9 @@ class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
     alloc_anywhere = True  # (its pool is locked, and a new block makes the context current on the calling thread)
+    # cuMemAlloc of a block past a slab's pieces waits on the driver's lock, held for hundreds of ms while other threads
+    # pin staging memory (a first 2 GB lazy load: the loop's thread slept 494 ms there)
+    reserve_min = 1 << 20
 
     stream: Any
     stream_h: int  # the stream's handle, for the ctypes calls of `hot`
