@@ -405,6 +405,21 @@ def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     return Tensor.where(temperature <= 0.0, greedy, last.reshape(b)).cast(dtypes.int32)
 
 
+def top_logprobs(logits: np.ndarray, tokens: list[int], counts: list[int]
+                 ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of (B, V) logits: the log-probability (log_softmax, in float64) of `tokens[row]` and the
+    `counts[row]` most likely tokens as (id, log-probability), most likely first."""
+    x = logits.astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    lp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    out = []
+    for row, tok, k in zip(lp, tokens, counts):
+        top = np.argpartition(-row, k)[:k] if 0 < k < row.size else np.arange(row.size if k else 0)
+        top = top[np.argsort(-row[top], kind="stable")]
+        out.append((float(row[tok]), [(int(t), float(row[t])) for t in top]))
+    return out
+
+
 def _search(lo: Tensor, hi: Tensor, rounds: int, holds: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
     """Narrow (B, 1) intervals [lo, hi], where `holds` (true at lo, false at hi, monotone) turns false:
     each round tries SEARCH_WIDTH points of the interval at once ((B, SEARCH_WIDTH) to `holds`) and keeps the
@@ -423,7 +438,8 @@ def _search(lo: Tensor, hi: Tensor, rounds: int, holds: Callable[[Tensor], Tenso
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling: temperature (0: greedy), top_k (0: off), top_p (1.0: off), seed (None: fresh
-    entropy), max_new_tokens, and the token ids that end it (not yielded)."""
+    entropy), max_new_tokens, the token ids that end it (not yielded), and `logprobs` (None: off; n: each token's
+    log-probability under the model's distribution and the n most likely tokens', in `Sequence.logprobs`)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -431,6 +447,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # every value bounded by what the kernels take: int32 for counts, float32 for numbers (a value past them
@@ -447,11 +464,14 @@ class SamplingParams:
             raise ArgumentError(f"seed must be an int in [0, 2**64) or None, got {_short(self.seed)}")
         if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ArgumentError(f"stop_token_ids must be ints in [0, {INT32_MAX}], got {_short(self.stop_token_ids)}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ArgumentError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_short(self.logprobs)}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
 
 INT32_MAX = (1 << 31) - 1
+MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of, per position
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -485,6 +505,8 @@ class Sequence:
     cached: int = 0  # tokens whose keys and values are in the cache (the next token's position)
     pending: int = -1  # the last token sampled, fed at the next step
     tokens: list[int] = field(default_factory=list)  # generated (and handed out) tokens
+    # with params.logprobs: per generated token, its log-probability and the most likely tokens' (id, logprob)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     # where it stands: "new" -> "waiting" (for a slot) -> "prefilling" (holds a slot, its prompt in flight) ->
     # "active" (holds a slot, decoded by each step) -> "finished"; a sequence ended while its prefill is in flight
@@ -563,11 +585,11 @@ class Engine:
 
     def params(self, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop_token_ids: Iterable[int] = (), eos_token_id: int | None = None,
-               ignore_eos: bool = False) -> SamplingParams:
+               ignore_eos: bool = False, logprobs: int | None = None) -> SamplingParams:
         """SamplingParams with the model's eos token (or `eos_token_id`) among the stop tokens, unless ignore_eos."""
         eos = eos_token_id if eos_token_id is not None else self.model.config.eos_token_id
         stops = tuple(int(s) for s in stop_token_ids) + ((eos,) if eos is not None and not ignore_eos else ())
-        return SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stops)
+        return SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stops, logprobs)
 
     async def add(self, prompt: Iterable[int], params: SamplingParams | None = None) -> Sequence:
         """Prefill `prompt` into a free slot and sample its first token (in `seq.tokens`, unless it stopped it).
@@ -617,12 +639,15 @@ class Engine:
 
     def generate(self, prompt: Iterable[int], max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: Iterable[int] = (),
-                 eos_token_id: int | None = None, ignore_eos: bool = False) -> TokenStream:
+                 eos_token_id: int | None = None, ignore_eos: bool = False,
+                 logprobs: int | None = None) -> TokenStream:
         """`async for token in engine.generate(prompt_ids, ...)`: the request's new tokens as they are decoded,
         batched with every other request in flight. Bad arguments raise here (ArgumentError naming the value), so
         does a full pool (NoFreeSlotError; with `max_waiting`, that many requests past the slots wait for one, in
-        arrival order). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once."""
-        p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos)
+        arrival order). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once. With `logprobs` (n),
+        each token's log-probability and the n most likely tokens' are in `stream.logprobs` when it is handed out."""
+        p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos,
+                        logprobs)
         seq = self.request(prompt, p)
         if len(self.live) >= self.cache.slots + self.max_waiting:
             raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences"
@@ -786,6 +811,7 @@ class Engine:
                                                     self._device(n - 1, dtypes.int32), *sampling, **flags)
             self.logits, self.rows = logits, [seq]
             first = int((await token.numpy())[0])
+            lps = await self._logprobs(logits, [seq], [first])
         except BaseException:
             self._unslot(seq)
             raise
@@ -794,7 +820,7 @@ class Engine:
             return
         seq.cached, seq.state = n, "active"
         self.active[slot] = seq
-        self._accept(seq, first)
+        self._accept(seq, first, lps[0])
 
     def _unslot(self, seq: Sequence) -> None:
         """A prefill that did not make `seq` active: its slot back to the pool; ended if it was ("finishing")."""
@@ -829,21 +855,39 @@ class Engine:
         token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags, window=window)
         self.logits, self.rows = logits, rows
         out = (await token.numpy()).tolist()
+        lps = await self._logprobs(logits, seqs, out)
         got: dict[Sequence, int] = {}
-        for seq, tok in zip(seqs, out):
+        for seq, tok, lp in zip(seqs, out, lps):
             if seq.done:  # removed while the step ran
                 continue
             seq.cached += 1
             got[seq] = tok
-            self._accept(seq, tok)
+            self._accept(seq, tok, lp)
         return got
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    async def _logprobs(self, logits: Tensor, seqs: list[Sequence], tokens: list[int]
+                        ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Per row, for the sequences that asked (`params.logprobs`), the log-probability of its token under the
+        model's distribution (log_softmax of the logits) and the most likely tokens'; None for the others. The
+        logits come to the host only when some row asked, and the log-softmax runs on a worker thread."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+        if want:
+            rows = (await logits.numpy())[want]
+            counts = [seqs[i].params.logprobs or 0 for i in want]
+            for i, entry in zip(want, await asyncio.to_thread(top_logprobs, rows, [tokens[i] for i in want], counts)):
+                out[i] = entry
+        return out
+
+    def _accept(self, seq: Sequence, token: int, logprob: tuple[float, list[tuple[int, float]]] | None = None
+                ) -> None:
         """A sampled token: a stop token ends the sequence, any other is handed out (then a full budget or a full
         slot ends it)."""
         if token in seq.params.stop_token_ids:
             self._finish(seq, "stop")
             return
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         seq.tokens.append(token)
         seq.pending = token
         seq.queue.put_nowait(token)
@@ -872,6 +916,11 @@ class TokenStream:
     def tokens(self) -> list[int]:
         """The tokens generated so far."""
         return self.seq.tokens
+
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """With `logprobs=n`: per token handed out, its log-probability and the n most likely tokens' (id, logprob)."""
+        return self.seq.logprobs
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self
