@@ -49,7 +49,13 @@ class Server:
         self.port = self.sock.getsockname()[1]
         self.app = make_app(cfg)
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])))
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve(sockets=[self.sock])
+
+        self.thread = threading.Thread(target=lambda: asyncio.run(serve()))
         self.base = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
@@ -185,6 +191,60 @@ def test_logprobs_match_a_transformers_forward_pass(client: Any, tok: Any, refer
     assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
 
 
+def penalized_greedy(reference: Any, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
+                     repetition: float = 1.0, bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding with OpenAI's presence/frequency penalties, vLLM's repetition penalty and a logit bias,
+    applied to transformers' logits in float64 (the reference of the device sampler's adjustments)."""
+    out: list[int] = []
+    for _ in range(n):
+        x = hf_logits(reference, [prompt + out])[0, -1].astype(np.float64)
+        for t in set(prompt) | set(out):
+            x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+        for t, v in (bias or {}).items():
+            x[t] += v
+        for t in set(out):
+            x[t] -= presence + frequency * out.count(t)
+        out.append(int(x.argmax()))
+    return out
+
+
+def test_penalties_logit_bias_and_min_p_match_a_reference_and_compile_nothing_new(client: Any, tok: Any,
+                                                                                   reference: Any) -> None:
+    import azyx
+
+    ids = tok.encode(PROMPT).ids
+    kw: dict[str, Any] = dict(model=GEN, prompt=ids, max_tokens=16, temperature=0)
+
+    def tokens(**extra: Any) -> str:
+        body = {"ignore_eos": True, **extra.pop("body", {})}
+        r = client.completions.create(**{**kw, **extra}, extra_body=body)
+        return r.choices[0].text
+
+    greedy = hf_greedy(reference, ids, 16)
+    assert tokens() == tok.decode(greedy)
+    want = penalized_greedy(reference, ids, 16, presence=0.5, frequency=1.5)
+    assert want != greedy and tokens(presence_penalty=0.5, frequency_penalty=1.5) == tok.decode(want)
+    want = penalized_greedy(reference, ids, 16, repetition=1.7)
+    assert want != greedy and tokens(body={"repetition_penalty": 1.7}) == tok.decode(want)
+    bias = {greedy[0]: -100.0, 42: 3.0}
+    want = penalized_greedy(reference, ids, 16, bias=bias)
+    assert want[0] != greedy[0] and tokens(logit_bias={str(k): v for k, v in bias.items()}) == tok.decode(want)
+    assert tokens(logit_bias={"42": 100}) == tok.decode([42] * 16)
+    # min_p=1: only the most likely token is kept, whatever the temperature
+    assert tokens(body={"min_p": 1.0}, temperature=1.5, seed=3) == tok.decode(greedy)
+    # values are data: once a combination of parts is planned, new values of them replay its plans
+    for presence, frequency, repetition, b in ((0.2, 0.4, 1.5, 9), (-0.3, 0.9, 1.2, 7)):
+        want = penalized_greedy(reference, ids, 16, presence=presence, frequency=frequency, repetition=repetition,
+                                bias={b: 2.5})
+        assert tokens(presence_penalty=presence, frequency_penalty=frequency, logit_bias={str(b): 2.5},
+                      body={"repetition_penalty": repetition}) == tok.decode(want)
+        if b == 9:
+            before = azyx.stats()
+    tokens(body={"min_p": 0.3}, temperature=1.5, seed=4)
+    after = azyx.stats()
+    assert (after.kernels, after.plans) == (before.kernels, before.plans)  # nothing planned nor compiled
+
+
 def test_chat_renders_the_template_and_streams_deltas(client: Any, tok: Any, reference: Any) -> None:
     import jinja2
 
@@ -265,11 +325,14 @@ BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     ("completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
     ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
-    ("completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
-    ("completions", {"prompt": PROMPT, "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"prompt": PROMPT, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("completions", {"prompt": PROMPT, "min_p": 0.1}, "min_p"),
-    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": PROMPT, "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"100000": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "suffix": "!"}, "suffix"),
     ("completions", {"prompt": PROMPT, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": [5, 10**6]}, "prompt"),
@@ -329,22 +392,32 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) -> None:
+    """The client reads the first event of a streamed chat of n=2 and leaves: both sequences are removed at once
+    (no token was decoded: the engine is held, its lock taken on the server's loop, so that the tiny model cannot
+    finish them first), and the engine serves the next request."""
     eng = server.engine()
-    body = {"model": GEN, "prompt": PROMPT, "max_tokens": 55, "temperature": 0, "stream": True, "n": 2,
-            "ignore_eos": True}
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", server.base + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            assert json.loads(first[6:])["choices"]
-            assert len(eng.live) == 2  # both choices decoding
-        # (the connection closed: the server removes both sequences at once)
-    deadline = time.monotonic() + 30
-    while eng.live and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not eng.live and len(eng.cache.free) == SLOTS
+    assert server.loop is not None
+    asyncio.run_coroutine_threadsafe(eng.lock.acquire(), server.loop).result(30)
+    try:
+        body = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True,
+                "n": 2, "ignore_eos": True}
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", server.base + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status_code == 200
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+            # (the connection closed: the server removes both sequences at once, the engine still held)
+        deadline = time.monotonic() + 30
+        while eng.live and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not eng.live and not eng.waiting and len(eng.cache.free) == SLOTS
+        assert not eng.active  # (removed while waiting: nothing was decoded for them)
+    finally:
+        server.loop.call_soon_threadsafe(eng.lock.release)
+    r = httpx.post(server.base + "/v1/completions", json={"model": GEN, "prompt": "hi", "max_tokens": 3},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3  # the engine serves on
 
 
 def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(server: Server, client: Any) -> None:

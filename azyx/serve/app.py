@@ -5,9 +5,10 @@ Endpoints (OpenAI's request and response shapes; unknown fields are ignored, as 
   `temperature` (1.0; 0: greedy), `top_p`, `n`, `stop` (a string or a list: matched on the decoded text across
   token boundaries, never returned), `seed` (choice i of n draws with seed + i), `logprobs` (0-5: each token's
   log-probability under the model and the most likely tokens'), `echo`, `stream` (server-sent events ending with
-  `data: [DONE]`; `stream_options.include_usage`), and vLLM's extras `top_k`, `stop_token_ids`, `ignore_eos`.
-  `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `min_p`, `suffix`, `best_of` other
-  than their neutral values, and `echo` with `logprobs`, answer 400 naming the field (not supported).
+  `data: [DONE]`; `stream_options.include_usage`), `presence_penalty`, `frequency_penalty`, `logit_bias`, and
+  vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (every sampling value is
+  data on the device: a new value compiles nothing). `suffix`, `best_of` other than n, and `echo` with `logprobs`
+  answer 400 naming the field (not supported).
 - `POST /v1/chat/completions`: `messages` rendered by the model directory's chat template (tokenizer_config.json's
   `chat_template`, jinja2 in a sandbox) or, for a model without one, `DEFAULT_CHAT_TEMPLATE` (one `role: content`
   line per message, then `assistant:`); `max_tokens` / `max_completion_tokens`, `logprobs` (bool) with
@@ -60,6 +61,7 @@ DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'
 WARM_PROMPTS = (1, 2, 4, 8, 16, 32)  # prompt-length buckets planned at start-up
 TOKENIZE_ON_LOOP_CHARS = 2048  # a longer text is tokenized on a worker thread
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
+MAX_LOGIT_BIAS = 300  # token ids a logit_bias may name (OpenAI's limit)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -209,19 +211,25 @@ def _choice_count(body: dict[str, Any], cfg: ServeConfig) -> int:
     return n
 
 
-def _unsupported(body: dict[str, Any]) -> None:
-    """400 naming a sampling field whose non-neutral value the engine does not take."""
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
-    for name, value in neutral.items():
-        if svc.number(body, name, value) != value:
-            raise ApiError(400, f"{name} other than {value} is not supported by azyx serve", name,
-                           code="unsupported")
-    bias = body.get("logit_bias")
-    if bias is not None and (not isinstance(bias, dict) or bias):
-        raise ApiError(400, "logit_bias is not supported by azyx serve (only null or {})", "logit_bias",
-                       code="unsupported")
+def _penalties(body: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """The penalties, logit_bias ({"token id": value in [-100, 100]}, at most MAX_LOGIT_BIAS) and min_p of a body;
+    `suffix` (not supported) answers 400."""
     if body.get("suffix") is not None:
         raise ApiError(400, "suffix is not supported by azyx serve", "suffix", code="unsupported")
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"must be an object of at most {MAX_LOGIT_BIAS} token ids, got {svc.short(bias)}",
+                       "logit_bias")
+    pairs = []
+    for k, v in bias.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) < vocab):
+            raise ApiError(400, f"key {svc.short(k)} is not a token id of the vocabulary of {vocab}", "logit_bias")
+        name = f"logit_bias.{k}"
+        pairs.append((int(k), svc.number({name: v}, name, 0.0, low=-100.0, high=100.0)))
+    return {"presence_penalty": svc.number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+            "frequency_penalty": svc.number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+            "repetition_penalty": svc.number(body, "repetition_penalty", 1.0, low=0.0, high=1e3, low_open=True),
+            "min_p": svc.number(body, "min_p", 0.0, low=0.0, high=1.0), "logit_bias": tuple(pairs)}
 
 
 def _stops(body: dict[str, Any], cfg: ServeConfig) -> list[str]:
@@ -246,7 +254,6 @@ def _token_ids(v: Any, name: str, vocab: int, limit: int) -> list[int]:
 def _sampling(body: dict[str, Any], cfg: ServeConfig, g: Generator, max_tokens_field: str = "max_tokens"
               ) -> dict[str, Any]:
     """The engine's arguments of a completions or chat body (each bad field: 400 naming it)."""
-    _unsupported(body)
     vocab = g.engine.model.config.vocab_size
     max_tokens = svc.integer(body, max_tokens_field, None, low=0, high=cfg.max_tokens)
     if max_tokens is None and max_tokens_field != "max_tokens":
@@ -263,6 +270,7 @@ def _sampling(body: dict[str, Any], cfg: ServeConfig, g: Generator, max_tokens_f
         "seed": svc.integer(body, "seed", None, low=0, high=(1 << 63) - 1),
         "ignore_eos": svc.flag(body, "ignore_eos", False),
         "stop_token_ids": _token_ids(stop_ids, "stop_token_ids", vocab, cfg.max_stop) if stop_ids else [],
+        **_penalties(body, vocab),
     }
 
 
