@@ -49,7 +49,7 @@ import numpy as np
 
 from azyx.errors import ArgumentError, AzyxError, AzyxIOError
 from azyx.models import service as svc
-from azyx.models.bert import EmbeddingService, MiniLM, QueueFull
+from azyx.models.bert import BATCH_BUCKETS, EmbeddingService, MiniLM, QueueFull
 from azyx.models.gpt2 import GPT2, Engine, NoFreeSlotError, TokenStream, load_tokenizer
 from azyx.models.text import TextStream
 from azyx.stats import Heartbeat
@@ -408,8 +408,8 @@ def make_app(config: ServeConfig) -> Any:
                     m = await MiniLM.load(cfg.device, directory=Path(d))
                     service = EmbeddingService(m, cfg.max_batch, 0.0, cfg.max_queued, cfg.max_batch_tokens)
                     await service.__aenter__()
-                    if cfg.warmup:
-                        for n in (1, 4):
+                    if cfg.warmup:  # each batch bucket's plan for short inputs, compiled before serving
+                        for n in [b for b in BATCH_BUCKETS if b <= cfg.max_batch]:
                             await m.embed(["warm-up"] * n)
                     embedders[name] = Embedder(name, m, service)
             ready.set()
