@@ -280,14 +280,20 @@ def test_stop_strings_split_across_tokens_and_multibyte_text_streams_whole(clien
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
     got, finish, _ = streamed(client, **kw)
     assert got == {0: full[: full.index(stop)]} and finish == {0: "stop"}
-    # multi-byte characters: streamed pieces (each a JSON string: valid Unicode) join to the non-streamed text
+    # multi-byte characters: streamed pieces (each a JSON string: valid Unicode) join to the non-streamed text; the
+    # byte tokens of "é" (two bytes) biased up, so that the text holds characters split across tokens
+    utf8 = tok.encode("é").ids
+    assert len(utf8) == 2 and all(tok.decode([t]) == "\ufffd" for t in utf8)
+    texts = []
     for prompt in ("héllo wörld 日本語 🎉", "ça va? ∑ ≠ ∞"):
         for seed in (1, 2):
-            kw = dict(model=GEN, prompt=prompt, max_tokens=24, temperature=1.5, seed=seed,
-                      extra_body={"ignore_eos": True})
+            kw = dict(model=GEN, prompt=prompt, max_tokens=24, temperature=1.0, seed=seed,
+                      logit_bias={str(t): 8.0 for t in utf8}, extra_body={"ignore_eos": True})
             whole = client.completions.create(**kw).choices[0].text
             got, _, _ = streamed(client, **kw)
             assert got == {0: whole}
+            texts.append(whole)
+    assert any(ord(ch) > 127 and ch != "\ufffd" for t in texts for ch in t), texts
 
 
 def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, server: Server) -> None:
@@ -383,6 +389,21 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     assert r.status_code == 422 and r.json()["error"]["param"] == "body"
     r = httpx.post(url, headers=h, content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    # the reliability issue's attacks: a nesting bomb, a body without a length past the limit, a huge int
+    r = httpx.post(url, headers={**h, "content-type": "application/json"}, content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 65536
+        yield b'"}'
+
+    r = httpx.post(url, headers=h, content=chunks())  # (chunked: no Content-Length to check first)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    r = httpx.post(url, headers={**h, "content-type": "application/json"},
+                   content=b'{"model": "gpt2-tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 300 + b"}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     # more sequences than slots and waiting places: 429 with Retry-After, before any work
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=GEN, prompt="hi", n=SLOTS + WAITING + 1, max_tokens=4)

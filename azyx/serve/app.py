@@ -326,7 +326,9 @@ async def _drive(choice: Choice, g: Generator, metrics: Metrics, started: float,
             break
     rest = text.flush()
     reason = stream.finish_reason
-    choice.finish_reason = "stop" if text.stopped is not None or reason == "stop" else "length"
+    # ("stop": a stop string or token; "length": max_tokens or the window; a stream cut short, by a timeout or its
+    # client leaving, keeps its own reason)
+    choice.finish_reason = "stop" if text.stopped is not None or reason == "stop" else reason or "length"
     emit(choice, rest, pending, choice.finish_reason)
 
 
