@@ -461,3 +461,49 @@ def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(ser
     again = scrape()
     assert again['azyx_requests_total{route="/v1/completions",status="200"}'] == ok
     assert again["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_worst_lateness_seconds"]
+
+
+def test_request_timeout_frees_the_slots_and_a_failed_load_answers_503(checkpoint: Path, tmp_path: Path) -> None:
+    """Past `request_timeout` a request answers 408 (streamed: an error event, then [DONE]) and its sequences
+    leave the engine (held here, so that nothing is decoded in time); a model that cannot load answers 503 on every
+    route that needs it, and /health says why."""
+    with Server(ServeConfig(models=(str(checkpoint),), slots=2, waiting=2, request_timeout=0.5, warmup=False)) as s:
+        eng = s.engine()
+        assert s.loop is not None
+        asyncio.run_coroutine_threadsafe(eng.lock.acquire(), s.loop).result(30)
+        try:
+            body = {"model": GEN, "prompt": PROMPT, "max_tokens": 8}
+            r = httpx.post(s.base + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 408 and r.json()["error"]["code"] == "timeout"
+            assert not eng.live
+            r = httpx.post(s.base + "/v1/completions", json={**body, "stream": True}, timeout=60)
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and json.loads(events[-2])["error"]["code"] == "timeout"
+            assert events[-1] == "[DONE]" and not eng.live and len(eng.cache.free) == 2
+        finally:
+            s.loop.call_soon_threadsafe(eng.lock.release)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}))
+    app = make_app(ServeConfig(models=(str(broken),)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+
+    async def run() -> tuple[Any, Any]:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as c:
+                while not server.started:
+                    await asyncio.sleep(0.01)
+                while (h := await c.get("/health")).json()["status"] == "loading":
+                    await asyncio.sleep(0.01)
+                return h, await c.post("/v1/completions", json={"prompt": "hi"})
+        finally:
+            server.should_exit = True
+            await task
+
+    health, r = asyncio.run(run())
+    assert health.status_code == 503 and health.json()["status"] == "failed" and "model.safetensors" in \
+        health.json()["error"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
