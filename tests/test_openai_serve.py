@@ -507,3 +507,14 @@ def test_request_timeout_frees_the_slots_and_a_failed_load_answers_503(checkpoin
     assert health.status_code == 503 and health.json()["status"] == "failed" and "model.safetensors" in \
         health.json()["error"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+
+
+def test_the_chat_template_comes_from_tokenizer_config(tmp_path: Path) -> None:
+    from azyx.serve.app import chat_template
+
+    assert chat_template(tmp_path) == (DEFAULT_CHAT_TEMPLATE, {"bos_token": "", "eos_token": ""})
+    mine = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}<|assistant|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": [{"name": "tool_use", "template": "no"}, {"name": "default", "template": mine}],
+        "eos_token": {"content": "</s>"}, "bos_token": "<s>"}))
+    assert chat_template(tmp_path) == (mine, {"bos_token": "<s>", "eos_token": "</s>"})
