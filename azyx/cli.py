@@ -4,6 +4,8 @@
                     backend skipped and why, the configuration file and cache directories
     azyx doctor     the report, then a small computation on every device checked against numpy; exits 1 where a
                     device fails or none can run (or the configuration is not one; 2 on a bad command line)
+    azyx serve      an OpenAI-compatible server of the models given (`--model DIR`, see azyx.serve; needs the
+                    `azyx[serve]` extra)
 
 Each subcommand is a function of its parsed arguments that returns the exit status (`COMMANDS`).
 """
@@ -113,10 +115,49 @@ def doctor(args: argparse.Namespace) -> int:
     return 0 if working == len(names) else 1
 
 
+def serve(args: argparse.Namespace) -> int:
+    """`azyx serve --model DIR ...`: the OpenAI-compatible server (azyx.serve) under uvicorn, until interrupted."""
+    try:
+        import uvicorn
+
+        from azyx.serve import ServeConfig, make_app
+    except ImportError as e:
+        print(f"azyx serve needs its extra: pip install 'azyx[serve]' ({e})", file=sys.stderr)
+        return 1
+    if not args.model:
+        print("azyx serve: give at least one --model DIR", file=sys.stderr)
+        return 2
+    cfg = ServeConfig(models=tuple(args.model), device=args.device, slots=args.slots, waiting=args.waiting,
+                      host=args.host, port=args.port, api_key=args.api_key or os.environ.get("AZYX_API_KEY"),
+                      truncate=args.truncate)
+    app = make_app(cfg)
+    print(f"azyx serve: http://{cfg.host}:{cfg.port}/v1 ({', '.join(cfg.models)} on {cfg.device})", flush=True)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, loop="asyncio")
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "info": (info, "the report (the default)"),
     "doctor": (doctor, "the report, then a computation on every device; exit status 1 where one fails or none runs"),
+    "serve": (serve, "an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/embeddings) of the "
+                     "models given"),
 }
+
+
+def _serve_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--model", action="append", default=[], metavar="DIR",
+                    help="a Hugging Face model directory (config.json, model.safetensors, tokenizer); GPT-2 serves "
+                         "completions and chat, BERT-family (MiniLM) embeddings; give it twice to serve both")
+    sp.add_argument("--device", default="c:0", help="the device the models run on (default c:0)")
+    sp.add_argument("--slots", type=int, default=8, help="sequences decoded together (the KV cache's slots)")
+    sp.add_argument("--waiting", type=int, default=64, help="requests that may wait for a slot (past that: 429)")
+    sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this host only)")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--api-key", default=None, help="requests to /v1/ need `Authorization: Bearer KEY` (or set "
+                                                    "AZYX_API_KEY)")
+    sp.add_argument("--truncate", action="store_true", help="embeddings: truncate inputs longer than the model's "
+                                                             "window (default: refuse them with 400)")
+    sp.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -127,6 +168,8 @@ def parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text)
         sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="also each probe's time and what drivers printed")
+        if name == "serve":
+            _serve_arguments(sp)
     return p
 
 

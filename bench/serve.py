@@ -4,12 +4,21 @@ in the same Starlette/uvicorn stack, inference in a thread pool (`run_in_threadp
 
     python bench/serve.py            # 1, 8, 32, 128 connections, 10 s each, per server; writes bench/RESULTS.md
     python bench/serve.py --quick    # smoke run: 1 and 8 connections, 2 s each, nothing written
+    python bench/serve.py --openai [--gpt2 DIR] [--quick]   # `azyx serve` (OpenAI API) instead, see below
 
 Each row: requests/s, p50 and p99 latency (wrk --latency), and the worst lateness of a 1 ms heartbeat inside the
 server over the run (GET /stats): how long anything held the server's event loop. Two request mixes: one sentence per
 request with scale 1, and one sentence with a random `scale` per request (a per-request number: for azyx a kernel
 argument, so it compiles nothing). Servers run as subprocesses on 127.0.0.1 only; the peer is skipped, with a note,
 where sentence-transformers (and torch) are not installed.
+
+`--openai`: `azyx serve` (the OpenAI-compatible server, `python -m azyx serve`) holding GPT-2 (`--gpt2 DIR`; by
+default a small random GPT-2 made here with transformers, which keeps CI's quick mode fast) and all-MiniLM-L6-v2,
+driven through its OpenAI endpoints: streamed `/v1/completions` by an asyncio load generator (N connections, each
+streaming one request after another: time to first token and inter-token latency p50/p99, generated tokens/s,
+requests/s) and `/v1/embeddings` by wrk (requests/s, p50/p99), beside the peers in the same run: transformers'
+`generate` (a TextIteratorStreamer) and sentence-transformers behind the same Starlette/uvicorn stack, inference in
+a thread pool.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from common import cpu_model, write_section  # noqa: E402  (beside this script)
 from devices import table  # noqa: E402
 
 START, END = "<!-- serve:start -->", "<!-- serve:end -->"
+OPENAI_START, OPENAI_END = "<!-- serve-openai:start -->", "<!-- serve-openai:end -->"
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 
 # a wrk script: POST /embed, each request with its own random scale when SCALED is set
@@ -70,7 +80,8 @@ def start(cmd: list[str], port: int, timeout: float = 180.0) -> subprocess.Popen
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
         try:
-            if http_json(f"http://127.0.0.1:{port}/health", 1.0).get("ok"):
+            health = http_json(f"http://127.0.0.1:{port}/health", 1.0)
+            if health.get("ok") or health.get("status") == "ok":
                 return proc
         except OSError:
             pass
@@ -99,19 +110,8 @@ def _ms(text: str) -> float:
 
 
 def wrk(port: int, conns: int, seconds: float, scaled: bool, script: Path) -> dict[str, float]:
-    """One wrk run: requests/s, p50/p99 latency in ms, and errors (non-2xx and socket errors)."""
-    cmd = ["wrk", f"-t{min(conns, 2)}", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "--timeout", "30s",
-           "-s", str(script), f"http://127.0.0.1:{port}/embed"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60,
-                         env={**os.environ, "SCALED": "1" if scaled else "0"}).stdout
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
-    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
-    if rps is None or p50 is None or p99 is None:
-        raise RuntimeError(f"unexpected wrk output:\n{out}")
-    errors = sum(int(x) for x in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
-    errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return {"rps": float(rps.group(1)), "p50": _ms(p50.group(1)), "p99": _ms(p99.group(1)), "errors": errors}
+    """One wrk run of POST /embed: requests/s, p50/p99 latency in ms, and errors (non-2xx and socket errors)."""
+    return wrk_url(port, conns, seconds, script, "/embed", {"SCALED": "1" if scaled else "0"})
 
 
 def bench_server(name: str, cmd: list[str], port: int, conns: list[int], seconds: float,
@@ -178,6 +178,275 @@ def peer_app() -> Any:
                              Route("/stats", stats)], lifespan=lifespan)
 
 
+# ---------------------------------------------------------------------------------------------- the OpenAI API
+EMBED_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model": "MODEL", "input": ["SENTENCE"], "encoding_format": "float"}'
+""".replace("SENTENCE", SENTENCE)
+GEN_PROMPT = "The quick brown fox"
+
+
+def tiny_gpt2(directory: Path) -> Path:
+    """A small random GPT-2 (4 layers, 256 wide, 128 positions, Hugging Face's names and config.json, written with
+    numpy: no torch needed) and a byte-level BPE trained on fixed text, in `directory` (for the quick mode; `--gpt2
+    DIR` takes a real checkpoint)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tokenizers import ByteLevelBPETokenizer
+
+    vocab, positions, width, layers = 1024, 128, 256, 4
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    tensors = {"wte.weight": w(vocab, width), "wpe.weight": w(positions, width),
+               "ln_f.weight": np.ones(width, np.float32), "ln_f.bias": np.zeros(width, np.float32)}
+    for i in range(layers):
+        for name, shape in (("attn.c_attn", (width, 3 * width)), ("attn.c_proj", (width, width)),
+                            ("mlp.c_fc", (width, 4 * width)), ("mlp.c_proj", (4 * width, width))):
+            tensors[f"h.{i}.{name}.weight"], tensors[f"h.{i}.{name}.bias"] = w(*shape), w(shape[1])
+        for ln in ("ln_1", "ln_2"):
+            tensors[f"h.{i}.{ln}.weight"] = np.ones(width, np.float32)
+            tensors[f"h.{i}.{ln}.bias"] = np.zeros(width, np.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab, "n_positions": positions,
+        "n_embd": width, "n_layer": layers, "n_head": 4, "bos_token_id": 0, "eos_token_id": vocab - 1}))
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([SENTENCE, GEN_PROMPT] * 8, vocab_size=vocab, min_frequency=1,
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.save_model(str(directory))
+    return directory
+
+
+async def _stream_load(port: int, model: str, conns: int, seconds: float, max_tokens: int) -> dict[str, float]:
+    """`conns` clients, each streaming /v1/completions requests one after another for `seconds`: TTFT and
+    inter-token latency percentiles (ms), generated tokens/s, requests/s, errors."""
+    import asyncio
+
+    import httpx
+    import numpy as np
+
+    ttft: list[float] = []
+    itl: list[float] = []
+    done = {"requests": 0, "tokens": 0, "errors": 0}
+    body = {"model": model, "prompt": GEN_PROMPT, "max_tokens": max_tokens, "temperature": 0.8, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+    async def client(c: httpx.AsyncClient, until: float) -> None:
+        while time.perf_counter() < until:
+            last = time.perf_counter()
+            n = events = 0
+            try:
+                async with c.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        done["errors"] += 1
+                        await r.aread()
+                        continue
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if event.get("usage"):  # (the last event: the tokens generated)
+                            n = event["usage"]["completion_tokens"]
+                            continue
+                        now = time.perf_counter()
+                        (itl if events else ttft).append((now - last) * 1e3)
+                        last, events = now, events + 1
+            except httpx.HTTPError:
+                done["errors"] += 1
+                continue
+            done["requests"] += 1
+            done["tokens"] += n or events
+
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conns)) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c, t0 + seconds) for _ in range(conns)))
+        wall = time.perf_counter() - t0
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    return {"rps": done["requests"] / wall, "tps": done["tokens"] / wall, "ttft50": pct(ttft, 50),
+            "ttft99": pct(ttft, 99), "itl50": pct(itl, 50), "itl99": pct(itl, 99), "errors": done["errors"]}
+
+
+def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], seconds: float, gen_model: str,
+                        emb_model: str | None, tmp: Path, max_tokens: int) -> list[list[str]]:
+    """Streamed completions (the asyncio load generator), then embeddings (wrk; not where `emb_model` is None) at
+    each number of connections, against the server that `cmd` starts."""
+    import asyncio
+
+    rows = []
+    proc = start(cmd, port, timeout=600)
+    try:
+        for c in conns:
+            r = asyncio.run(_stream_load(port, gen_model, c, seconds, max_tokens))
+            rows.append([name, "/v1/completions (stream)", str(c), f"{r['rps']:.1f}", f"{r['tps']:.0f}",
+                         f"{r['ttft50']:.1f} / {r['ttft99']:.1f}", f"{r['itl50']:.1f} / {r['itl99']:.1f}",
+                         str(int(r["errors"]))])
+            print(" | ".join(rows[-1]), flush=True)
+        if emb_model is None:
+            return rows
+        script = tmp / f"embed-{emb_model}.lua"
+        script.write_text(EMBED_SCRIPT.replace("MODEL", emb_model))
+        for c in conns:
+            w = wrk_url(port, c, seconds, script, "/v1/embeddings")
+            rows.append([name, "/v1/embeddings", str(c), f"{w['rps']:.1f}", "", f"{w['p50']:.1f} / {w['p99']:.1f}",
+                         "", str(int(w["errors"]))])
+            print(" | ".join(rows[-1]), flush=True)
+    finally:
+        stop(proc)
+    return rows
+
+
+def wrk_url(port: int, conns: int, seconds: float, script: Path, path: str, env: dict[str, str] | None = None
+            ) -> dict[str, float]:
+    """`wrk` of `path` with `script` (and `env` for it): requests/s, p50/p99 latency in ms, and errors (non-2xx and
+    socket errors)."""
+    cmd = ["wrk", f"-t{min(conns, 2)}", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "--timeout", "30s",
+           "-s", str(script), f"http://127.0.0.1:{port}{path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60,
+                         env={**os.environ, **(env or {})}).stdout
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
+    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
+    if rps is None or p50 is None or p99 is None:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    errors = sum(int(x) for x in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
+    errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
+    return {"rps": float(rps.group(1)), "p50": _ms(p50.group(1)), "p99": _ms(p99.group(1)), "errors": errors}
+
+
+def peer_openai_app(gpt2: str) -> Any:
+    """The peers behind the same stack and the same OpenAI routes: transformers' `generate` streaming through a
+    TextIteratorStreamer (generation on a worker thread, the stream read in the thread pool) and sentence-transformers
+    for embeddings, inference in the thread pool."""
+    import asyncio
+    import json as js
+    import threading
+
+    import torch
+    import transformers
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from azyx.models.bert import model_dir
+    from azyx.models.gpt2 import load_tokenizer
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2).eval()
+    bpe = load_tokenizer(gpt2)
+    try:
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(str(model_dir()), device="cpu")
+    except ImportError:
+        st = None
+
+    class Streamer(transformers.generation.streamers.BaseStreamer):  # token ids into an asyncio queue
+        def __init__(self, loop: Any, queue: Any, skip: int):
+            self.loop, self.queue, self.skip = loop, queue, skip
+
+        def put(self, value: Any) -> None:
+            if self.skip:  # (the prompt comes first)
+                self.skip = 0
+                return
+            for t in value.reshape(-1).tolist():
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, t)
+
+        def end(self) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        ids = torch.tensor([bpe.encode(body["prompt"]).ids])
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        streamer = Streamer(asyncio.get_running_loop(), queue, 1)
+
+        def run() -> None:
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=body["max_tokens"], min_new_tokens=body["max_tokens"],
+                               do_sample=True, temperature=body.get("temperature", 1.0), streamer=streamer,
+                               pad_token_id=0)
+
+        threading.Thread(target=run, daemon=True).start()
+
+        async def events() -> Any:
+            while (t := await queue.get()) is not None:
+                yield "data: " + js.dumps({"choices": [{"index": 0, "text": bpe.decode([t])}]}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def embeddings(request: Request) -> JSONResponse:
+        body = await request.json()
+        rows = await run_in_threadpool(st.encode, body["input"])
+        return JSONResponse({"object": "list", "data": [{"object": "embedding", "index": i, "embedding": r.tolist()}
+                                                        for i, r in enumerate(rows)]})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/health", health)]
+    if st is not None:
+        routes.append(Route("/v1/embeddings", embeddings, methods=["POST"]))
+    return Starlette(routes=routes)
+
+
+def main_openai(args: argparse.Namespace) -> int:
+    conns = [1, 8] if args.quick else [1, 8, 32, 128]
+    seconds = 2.0 if args.quick else args.seconds
+    max_tokens = 16 if args.quick else 64
+    slots = min(args.slots, 4) if args.quick else args.slots  # (fewer batch shapes to compile at start-up)
+    notes: list[str] = []
+    rows: list[list[str]] = []
+    from azyx.models.bert import model_dir
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        gpt2 = Path(args.gpt2) if args.gpt2 else tiny_gpt2(tmp / "gpt2")
+        minilm = model_dir()
+        port = free_port()
+        cmd = [sys.executable, "-m", "azyx", "serve", "--model", str(gpt2), "--model", str(minilm), "--device",
+               args.device, "--port", str(port), "--slots", str(slots), "--waiting", "512"]
+        rows += bench_openai_server("azyx serve", cmd, port, conns, seconds, gpt2.resolve().name,
+                                    minilm.resolve().name, tmp, max_tokens)
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            notes.append("transformers is not installed: the PyTorch peers were skipped")
+        else:
+            st = importlib.util.find_spec("sentence_transformers") is not None
+            if not st:
+                notes.append("sentence-transformers is not installed: the embeddings peer was skipped")
+            port = free_port()
+            rows += bench_openai_server("transformers" + (" + sentence-transformers" if st else "") + " (thread pool)",
+                                        [sys.executable, "bench/serve.py", "--peer-openai", str(port), "--gpt2",
+                                         str(gpt2)], port, conns, seconds, "gpt2", "minilm" if st else None, tmp,
+                                        max_tokens)
+    header = ["server", "endpoint", "connections", "requests/s", "tokens/s", "TTFT or latency p50 / p99 ms",
+              "inter-token p50 / p99 ms", "errors"]
+    text = table(header, rows)
+    print(text)
+    for n in notes:
+        print("note:", n)
+    if not args.quick:
+        which = f"from {gpt2.name}" if args.gpt2 else "(random, small)"
+        section = "\n".join([OPENAI_START, "## Serving: `azyx serve` (OpenAI API) under load (bench/serve.py --openai)",
+                             "", f"- machine: {cpu_model()}, {os.cpu_count()} logical cores; azyx device "
+                             f"{args.device}, {slots} slots; GPT-2 {which}"
+                             f"; {max_tokens} tokens per completion, {seconds:.0f} s per row; one sentence per "
+                             "embedding request", *[f"- {n}" for n in notes], "", text, "", OPENAI_END])
+        write_section(Path(args.out), OPENAI_START, OPENAI_END, section)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 and 8 connections, 2 s each; writes nothing")
@@ -185,7 +454,17 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     ap.add_argument("--peer-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--openai", action="store_true", help="bench `azyx serve`'s OpenAI endpoints and their peers")
+    ap.add_argument("--gpt2", help="with --openai: a GPT-2 checkpoint directory (default: a small random one)")
+    ap.add_argument("--slots", type=int, default=32, help="with --openai: the KV cache's slots")
+    ap.add_argument("--peer-openai", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peer_openai:
+        import uvicorn
+
+        uvicorn.run(peer_openai_app(args.gpt2), host="127.0.0.1", port=args.peer_openai, log_level="warning",
+                    loop="asyncio")
+        return 0
     if args.peer_server:
         import uvicorn
 
@@ -201,6 +480,16 @@ def main() -> int:
     except ImportError as e:
         print(f"bench/serve.py needs the model package and azyx[serve]: {e}")
         return 1
+    if args.openai:
+        return main_openai(args)
+    if args.quick:  # (CI's smoke run covers both: the example service, then `azyx serve`)
+        status = main_embed(args)
+        return status or main_openai(args)
+    return main_embed(args)
+
+
+def main_embed(args: argparse.Namespace) -> int:
+    """examples/embed_service.py and its peer under wrk."""
     conns = [1, 8] if args.quick else [1, 8, 32, 128]
     seconds = 2.0 if args.quick else args.seconds
     notes: list[str] = []

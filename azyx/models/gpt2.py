@@ -367,15 +367,25 @@ class Decode:
 
 # ------------------------------------------------------------------------------------------------ sampling
 def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor, *,
-                  sample: bool = True, filter_k: bool = True, filter_p: bool = True) -> Tensor:
+                  sample: bool = True, filter_k: bool = True, filter_p: bool = True, min_p: Tensor | None = None,
+                  bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """One token per row of (B, V) logits, as int32 (B,): greedy where temperature is 0, else drawn from
     softmax(logits / temperature) restricted to the top_k largest logits (with ties; V keeps all) and then to the
     top_p nucleus (1.0 keeps all), by inverting the kept distribution's CDF at `uniform` (B values in [0, 1)).
     Every argument but the logits is a (B,) tensor: values are data, a new one compiles nothing. The keywords
     leave parts out of the graph when no row needs them (`sample=False`: every row greedy; `filter_k=False`: no
-    row filters by top-k; `filter_p=False`: none by top-p): each combination is one plan."""
+    row filters by top-k; `filter_p=False`: none by top-p): each combination is one plan.
+
+    Optional parts (None: left out of the plan), each a tensor of per-row values: `scale` (B, V) divides positive
+    logits and multiplies negative ones (a repetition penalty: the penalty at the tokens seen, 1 elsewhere), then
+    `bias` (B, V) is added (a logit bias, presence and frequency penalties), before greedy and sampling alike;
+    `min_p` (B,) keeps the tokens whose probability is at least min_p times the most likely one's (0 keeps all)."""
     b, n = logits.shape
     x = logits.float()
+    if scale is not None:
+        x = Tensor.where(x > 0.0, x / scale, x * scale)
+    if bias is not None:
+        x = x + bias
     greedy = x.argmax(-1)
     if not sample:
         return greedy.cast(dtypes.int32)
@@ -393,6 +403,8 @@ def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
                          lambda t: Tensor.where(p.unsqueeze(1) > t.unsqueeze(-1), p.unsqueeze(1), 0.0).sum(-1)
                          >= nucleus)
         p = Tensor.where((p > lo) | (nucleus >= 1.0), p, 0.0)
+    if min_p is not None:
+        p = Tensor.where(p >= min_p.reshape(b, 1) * p.max(-1, keepdim=True), p, 0.0)
     # the first token whose cumulative mass passes u * total: C(first) <= u * total < C(last)
     target = uniform.reshape(b, 1) * p.sum(-1, keepdim=True)
     index = Tensor.arange(n, dtype=dtypes.int32, device=x.device)
@@ -403,6 +415,21 @@ def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
                           Tensor.full((b, 1), n - 1, dtype=dtypes.int32, device=x.device), rounds,
                           lambda i: Tensor.where(index <= i.unsqueeze(-1), p.unsqueeze(1), 0.0).sum(-1) <= target)
     return Tensor.where(temperature <= 0.0, greedy, last.reshape(b)).cast(dtypes.int32)
+
+
+def top_logprobs(logits: np.ndarray, tokens: list[int], counts: list[int]
+                 ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of (B, V) logits: the log-probability (log_softmax, in float64) of `tokens[row]` and the
+    `counts[row]` most likely tokens as (id, log-probability), most likely first."""
+    x = logits.astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    lp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    out = []
+    for row, tok, k in zip(lp, tokens, counts):
+        top = np.argpartition(-row, k)[:k] if 0 < k < row.size else np.arange(row.size if k else 0)
+        top = top[np.argsort(-row[top], kind="stable")]
+        out.append((float(row[tok]), [(int(t), float(row[t])) for t in top]))
+    return out
 
 
 def _search(lo: Tensor, hi: Tensor, rounds: int, holds: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
@@ -423,7 +450,8 @@ def _search(lo: Tensor, hi: Tensor, rounds: int, holds: Callable[[Tensor], Tenso
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling: temperature (0: greedy), top_k (0: off), top_p (1.0: off), seed (None: fresh
-    entropy), max_new_tokens, and the token ids that end it (not yielded)."""
+    entropy), max_new_tokens, the token ids that end it (not yielded), and `logprobs` (None: off; n: each token's
+    log-probability under the model's distribution and the n most likely tokens', in `Sequence.logprobs`)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -431,6 +459,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    # penalties as OpenAI and vLLM define them: presence subtracts once from the logit of each token generated so
+    # far, frequency once per time it was generated; repetition divides (positive) or multiplies (negative) the
+    # logits of the tokens of the prompt and the output (1.0: off); logit_bias adds (token, value) pairs; min_p
+    # keeps the tokens at least min_p times as likely as the most likely one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         # every value bounded by what the kernels take: int32 for counts, float32 for numbers (a value past them
@@ -447,11 +485,29 @@ class SamplingParams:
             raise ArgumentError(f"seed must be an int in [0, 2**64) or None, got {_short(self.seed)}")
         if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ArgumentError(f"stop_token_ids must be ints in [0, {INT32_MAX}], got {_short(self.stop_token_ids)}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ArgumentError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_short(self.logprobs)}")
+        for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                                ("repetition_penalty", 1e-3, 1e3), ("min_p", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not _is_number(v) or not low <= v <= high:
+                raise ArgumentError(f"{name} must be a number in [{low:g}, {high:g}], got {_short(v)}")
+            object.__setattr__(self, name, float(v))
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX and _is_number(v) and -100 <= v <= 100
+                   for t, v in self.logit_bias):
+            raise ArgumentError(f"logit_bias must map token ids to numbers in [-100, 100], got "
+                                f"{_short(self.logit_bias)}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are adjusted by what the sequence holds (presence, frequency, repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
 
 INT32_MAX = (1 << 31) - 1
+MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of, per position
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -485,6 +541,11 @@ class Sequence:
     cached: int = 0  # tokens whose keys and values are in the cache (the next token's position)
     pending: int = -1  # the last token sampled, fed at the next step
     tokens: list[int] = field(default_factory=list)  # generated (and handed out) tokens
+    # with params.logprobs: per generated token, its log-probability and the most likely tokens' (id, logprob)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with penalties: how often each token of the vocabulary was generated, and the prompt's tokens
+    counts: np.ndarray | None = None
+    in_prompt: np.ndarray | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     # where it stands: "new" -> "waiting" (for a slot) -> "prefilling" (holds a slot, its prompt in flight) ->
     # "active" (holds a slot, decoded by each step) -> "finished"; a sequence ended while its prefill is in flight
@@ -559,15 +620,26 @@ class Engine:
         bad = [i for i in ids if not 0 <= i < v]
         if bad:
             raise ArgumentError(f"token id {bad[0]} is outside the vocabulary of {v}")
-        return Sequence(ids, params, rng=np.random.default_rng(params.seed))
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < v]
+        if bad:
+            raise ArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary of {v}")
+        seq = Sequence(ids, params, rng=np.random.default_rng(params.seed))
+        if params.penalized:
+            seq.counts = np.zeros(v, np.float32)
+            seq.in_prompt = np.zeros(v, bool)
+            seq.in_prompt[ids] = True
+        return seq
 
     def params(self, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop_token_ids: Iterable[int] = (), eos_token_id: int | None = None,
-               ignore_eos: bool = False) -> SamplingParams:
-        """SamplingParams with the model's eos token (or `eos_token_id`) among the stop tokens, unless ignore_eos."""
+               ignore_eos: bool = False, logprobs: int | None = None, **penalties: Any) -> SamplingParams:
+        """SamplingParams with the model's eos token (or `eos_token_id`) among the stop tokens, unless ignore_eos;
+        `penalties`: SamplingParams' presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_p."""
         eos = eos_token_id if eos_token_id is not None else self.model.config.eos_token_id
         stops = tuple(int(s) for s in stop_token_ids) + ((eos,) if eos is not None and not ignore_eos else ())
-        return SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stops)
+        if isinstance(penalties.get("logit_bias"), dict):
+            penalties["logit_bias"] = tuple(penalties["logit_bias"].items())
+        return SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, stops, logprobs, **penalties)
 
     async def add(self, prompt: Iterable[int], params: SamplingParams | None = None) -> Sequence:
         """Prefill `prompt` into a free slot and sample its first token (in `seq.tokens`, unless it stopped it).
@@ -617,12 +689,17 @@ class Engine:
 
     def generate(self, prompt: Iterable[int], max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: Iterable[int] = (),
-                 eos_token_id: int | None = None, ignore_eos: bool = False) -> TokenStream:
+                 eos_token_id: int | None = None, ignore_eos: bool = False,
+                 logprobs: int | None = None, **penalties: Any) -> TokenStream:
         """`async for token in engine.generate(prompt_ids, ...)`: the request's new tokens as they are decoded,
         batched with every other request in flight. Bad arguments raise here (ArgumentError naming the value), so
         does a full pool (NoFreeSlotError; with `max_waiting`, that many requests past the slots wait for one, in
-        arrival order). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once."""
-        p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos)
+        arrival order). `stream.cancel()` (or `aclose()`) ends it and frees its slot at once. With `logprobs` (n),
+        each token's log-probability and the n most likely tokens' are in `stream.logprobs` when it is handed out.
+        `penalties`: presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token: value}), min_p
+        (see SamplingParams): per-row values on the device, a new value compiles nothing."""
+        p = self.params(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, eos_token_id, ignore_eos,
+                        logprobs, **penalties)
         seq = self.request(prompt, p)
         if len(self.live) >= self.cache.slots + self.max_waiting:
             raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences"
@@ -743,26 +820,53 @@ class Engine:
         return [self._device(t, dtypes.float32), self._device(k, dtypes.int32), self._device(p, dtypes.float32),
                 self._device(u, dtypes.float32)], flags
 
+    def _extras(self, rows: list[Sequence | None]) -> dict[str, Tensor | None]:
+        """The optional parts of the sampler some row of a batch uses, as per-row tensors (None: left out of the
+        plan): `scale` (repetition penalty at the tokens of the prompt and the output), `bias` (logit_bias, presence
+        and frequency penalties over the tokens generated so far), `min_p`."""
+        v = self.model.config.vocab_size
+        seqs = [s for s in rows if s is not None]
+        out: dict[str, Tensor | None] = {}
+        if any(s.params.repetition_penalty != 1.0 for s in seqs):
+            scale = np.ones((len(rows), v), np.float32)
+            for i, s in enumerate(rows):
+                if s is not None and s.counts is not None and s.in_prompt is not None:
+                    scale[i, s.in_prompt | (s.counts > 0)] = s.params.repetition_penalty
+            out["scale"] = self._device(scale, dtypes.float32)
+        if any(s.params.logit_bias or s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
+            bias = np.zeros((len(rows), v), np.float32)
+            for i, s in enumerate(rows):
+                if s is None:
+                    continue
+                for t, value in s.params.logit_bias:
+                    bias[i, t] += value
+                if s.counts is not None:
+                    bias[i] -= s.params.presence_penalty * (s.counts > 0) + s.params.frequency_penalty * s.counts
+            out["bias"] = self._device(bias, dtypes.float32)
+        if any(s.params.min_p > 0 for s in seqs):
+            out["min_p"] = self._device([s.params.min_p if s is not None else 0.0 for s in rows], dtypes.float32)
+        return out
+
     def _prefill_graph(self, ids: Tensor, slot: Tensor, last: Tensor, temperature: Tensor, top_k: Tensor,
                        top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
-                       filter_p: bool) -> tuple[Tensor, Tensor]:
+                       filter_p: bool, **extras: Tensor | None) -> tuple[Tensor, Tensor]:
         """A prompt (1, T) into `slot`: the next token and the logits at position `last` (tensors: data)."""
         h = self.model.hidden(ids, view=Prefill(self.cache, slot))
         logits = self.model.head(h[0][last]).reshape(1, -1)
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
-                              filter_p=filter_p)
+                              filter_p=filter_p, **extras)
         return token, logits
 
     def _decode_graph(self, tokens: Tensor, slots: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
                       top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
-                      filter_p: bool, window: int) -> tuple[Tensor, Tensor]:
+                      filter_p: bool, window: int, **extras: Tensor | None) -> tuple[Tensor, Tensor]:
         """One token per row (B,) at `positions` of `slots`: the next tokens and the logits (B, vocab)."""
         b = tokens.shape[0]
         view = Decode(self.cache, slots, positions, window)
         logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view)
         logits = logits.reshape(b, -1)
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
-                              filter_p=filter_p)
+                              filter_p=filter_p, **extras)
         return token, logits
 
     async def _prefill(self, seq: Sequence) -> None:
@@ -783,9 +887,11 @@ class Engine:
             ids = self._device([seq.prompt + [0] * (length - n)], dtypes.int32)
             sampling, flags = self._sampling([seq])
             token, logits = await self.prefill_step(ids, self._device(slot, dtypes.int32),
-                                                    self._device(n - 1, dtypes.int32), *sampling, **flags)
+                                                    self._device(n - 1, dtypes.int32), *sampling, **flags,
+                                                    **self._extras([seq]))
             self.logits, self.rows = logits, [seq]
             first = int((await token.numpy())[0])
+            lps = await self._logprobs(logits, [seq], [first])
         except BaseException:
             self._unslot(seq)
             raise
@@ -794,7 +900,7 @@ class Engine:
             return
         seq.cached, seq.state = n, "active"
         self.active[slot] = seq
-        self._accept(seq, first)
+        self._accept(seq, first, lps[0])
 
     def _unslot(self, seq: Sequence) -> None:
         """A prefill that did not make `seq` active: its slot back to the pool; ended if it was ("finishing")."""
@@ -826,24 +932,45 @@ class Engine:
         positions = self._device([s.cached if s else 0 for s in rows], dtypes.int32)
         sampling, flags = self._sampling(rows, values + [self._sampling_row(None)] * (b - len(seqs)))
         window = self._window(max(s.cached for s in seqs) + 1)
-        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags, window=window)
+        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags, window=window,
+                                               **self._extras(rows))
         self.logits, self.rows = logits, rows
         out = (await token.numpy()).tolist()
+        lps = await self._logprobs(logits, seqs, out)
         got: dict[Sequence, int] = {}
-        for seq, tok in zip(seqs, out):
+        for seq, tok, lp in zip(seqs, out, lps):
             if seq.done:  # removed while the step ran
                 continue
             seq.cached += 1
             got[seq] = tok
-            self._accept(seq, tok)
+            self._accept(seq, tok, lp)
         return got
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    async def _logprobs(self, logits: Tensor, seqs: list[Sequence], tokens: list[int]
+                        ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Per row, for the sequences that asked (`params.logprobs`), the log-probability of its token under the
+        model's distribution (log_softmax of the logits) and the most likely tokens'; None for the others. The
+        logits come to the host only when some row asked, and the log-softmax runs on a worker thread."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+        if want:
+            rows = (await logits.numpy())[want]
+            counts = [seqs[i].params.logprobs or 0 for i in want]
+            for i, entry in zip(want, await asyncio.to_thread(top_logprobs, rows, [tokens[i] for i in want], counts)):
+                out[i] = entry
+        return out
+
+    def _accept(self, seq: Sequence, token: int, logprob: tuple[float, list[tuple[int, float]]] | None = None
+                ) -> None:
         """A sampled token: a stop token ends the sequence, any other is handed out (then a full budget or a full
         slot ends it)."""
         if token in seq.params.stop_token_ids:
             self._finish(seq, "stop")
             return
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.counts is not None:
+            seq.counts[token] += 1
         seq.tokens.append(token)
         seq.pending = token
         seq.queue.put_nowait(token)
@@ -872,6 +999,11 @@ class TokenStream:
     def tokens(self) -> list[int]:
         """The tokens generated so far."""
         return self.seq.tokens
+
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """With `logprobs=n`: per token handed out, its log-probability and the n most likely tokens' (id, logprob)."""
+        return self.seq.logprobs
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self

