@@ -116,8 +116,13 @@ class OpenCLDevice(QueuedDevice):
     def alloc(self, nbytes: int) -> Buffer:
         # completed commands' buffers go back to the pool first (this request may reuse one): those of commands the
         # timeline is past, which `poll` may have seen complete before the waiter thread did
-        if self.holding and next(iter(self.holding)) <= self.timeline.value:
-            self.collect()
+        if self.holding:  # (read without the lock, which the waiter thread holds as it drops entries: a changed
+            try:  # table is a completion, so collect then too)
+                first = next(iter(self.holding))
+            except (RuntimeError, StopIteration):
+                first = 0
+            if first <= self.timeline.value:
+                self.collect()
         mem, size = self.allocator.alloc(nbytes)
         return Buffer(self, size, mem, 0, True)
 
