@@ -9,8 +9,8 @@ bench/train.py's MLP (784-256-10, Adam, the same global batch) on both devices b
 alone (target on two GPUs: >= 1.6x steps/s); where Ray is installed, the same step data-parallel over two hosts of a
 local Ray cluster (azyx.distributed: a head and two worker nodes on this machine) beside one host, and the overhead
 per step of going through Ray (one host via Ray beside the same step in this process). The pair defaults to
-cuda:0,cuda:1 where both exist, else c:0,c:1 (two logical C devices share the machine's cores). Writes between `<!--
-bench:scale:start -->` and `<!-- bench:scale:end -->`; never asserts.
+cuda:0,cuda:1 where both exist, else c:0,c:1 (two logical C devices share the machine's cores). Writes between
+`<!-- bench:scale:start -->` and `<!-- bench:scale:end -->`; never asserts.
 """
 
 from __future__ import annotations
