@@ -241,37 +241,50 @@ class ShardedTensor:
         return self.sum(axis, keepdim) / float(count)
 
     # ---------------------------------------------------------------- collectives
-    def _all_reduce(self, op: str) -> ShardedTensor:
+    def _all_reduce(self, op: str, chunks: int | None = None) -> ShardedTensor:
         """Pieces holding partial values of one whole (a replicated layout of partials) combined by `op` into the
-        same result on every device: a ring over the pieces' flattened elements where there are more than two
-        (reduce-scatter, then all-gather: each device sends 2(n-1)/n of a piece), a swap where there are two."""
+        same result on every device: ring reduce-scatters over the pieces' flattened elements (each device sends
+        (n-1)/n of a piece, combining a chunk per step), then each combined chunk copied to every device; a swap
+        where there are two devices and `chunks` is not given. `chunks`: the elements cut into that many rings
+        side by side in the plan, so one ring's transfers can overlap another's reductions (a pipeline; default
+        one: on C devices more rings cost more than they overlap, bench/scale.py)."""
         if op not in REDUCE_OPS:
             raise ArgumentError(f"all-reduce op must be one of {REDUCE_OPS}, got {op!r}")
         combine = _COMBINE[op]
         n = len(self.shards)
         if n == 1:
             return ShardedTensor(self.shards, None)
-        if n == 2:
+        if n == 2 and chunks is None:
             a, b = self.shards
             return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
         shape = self.shape
         flat = [t.reshape(-1) for t in self.shards]
         total = flat[0].shape[0]
-        bounds = [(total * i // n, total * (i + 1) // n) for i in range(n)]
-        chunks = [[f._shrink([b]) for b in bounds] for f in flat]  # chunks[device][chunk]
-        # reduce-scatter: after n-1 steps device i holds chunk (i + 1) % n combined over every device
-        acc = [chunks[i][i] for i in range(n)]
-        owner = list(range(n))  # which chunk acc[i] is
-        for _ in range(n - 1):
-            moved = [acc[(i - 1) % n].to(self.devices[i]) for i in range(n)]
-            owner = [owner[(i - 1) % n] for i in range(n)]
-            acc = [combine(moved[i], chunks[i][owner[i]]) for i in range(n)]
-        # all-gather: every device collects each combined chunk from its holder
-        out = []
-        for dev in self.devices:
-            full = [acc[owner.index(c)].to(dev) for c in range(n)]
-            out.append(Tensor.cat(full, axis=0).reshape(*shape))
-        return ShardedTensor(out, None)
+        if total < n:  # fewer elements than devices: each device combines every piece
+            out = []
+            for dev in self.devices:
+                whole = self.shards[0].to(dev)
+                for t in self.shards[1:]:
+                    whole = combine(whole, t.to(dev))
+                out.append(whole)
+            return ShardedTensor(out, None)
+        k = max(1, min(chunks or 1, total // n))
+        m = n * k
+        bounds = [(total * i // m, total * (i + 1) // m) for i in range(m)]
+        pieces = [[f._shrink([b]) for b in bounds] for f in flat]  # pieces[device][chunk]
+        result: list[list[Tensor]] = [[] for _ in range(n)]
+        for j in range(k):  # one ring per n chunks: after n-1 steps device i holds chunk j*n + (i + 1) % n combined
+            acc = [pieces[i][j * n + i] for i in range(n)]
+            owner = [j * n + i for i in range(n)]
+            for _ in range(n - 1):
+                moved = [acc[(i - 1) % n].to(self.devices[i]) for i in range(n)]
+                owner = [owner[(i - 1) % n] for i in range(n)]
+                acc = [combine(moved[i], pieces[i][owner[i]]) for i in range(n)]
+            for i, dev in enumerate(self.devices):  # every device collects each combined chunk from its holder
+                for c in range(j * n, j * n + n):
+                    holder = owner.index(c)
+                    result[i].append(acc[holder] if holder == i else acc[holder].to(dev))
+        return ShardedTensor([Tensor.cat(r, axis=0).reshape(*shape) for r in result], None)
 
     def all_reduce(self, op: str = "sum") -> ShardedTensor:
         """A replicated tensor whose pieces hold partial values (one per device, e.g. each device's gradients)

@@ -237,3 +237,57 @@ def test_a_failed_shard_device_fails_dependent_realizes_and_the_rest_works() -> 
     """c:1 fails under a sharded tensor (in a fresh interpreter): every realize that needs its piece raises
     DeviceFailedError naming it, at once (no hang); c:0 keeps working."""
     assert run_script(SHARD_FAULT).strip().endswith("OK")
+
+
+COLLECTIVES = """
+import asyncio
+import numpy as np
+import azyx
+from azyx import Tensor
+from azyx.shard import ShardedTensor
+
+azyx.configure({"c": {"devices": 4}})
+rng = np.random.default_rng(11)
+REF = {"sum": np.add.reduce, "max": np.maximum.reduce, "min": np.minimum.reduce}
+
+
+async def main() -> None:
+    for n in (2, 3, 4):
+        devs = [f"c:{i}" for i in range(n)]
+        for dtype in ("float32", "float16", "int32", "int64", "float64", "uint8"):
+            for shape in ((3,), (7, 5), (2, 40001)) if dtype in ("float32", "int32") else ((1,), (7, 5)):
+                if dtype == "uint8":
+                    parts = [rng.integers(0, 256 // n, shape).astype(dtype) for _ in devs]
+                elif dtype.startswith("int"):
+                    parts = [rng.integers(-1000, 1000, shape).astype(dtype) for _ in devs]
+                else:
+                    parts = [rng.standard_normal(shape).astype(dtype) for _ in devs]
+                s = ShardedTensor([Tensor(p, device=d) for p, d in zip(parts, devs)], None)
+                for op in ("sum", "max", "min"):
+                    want = REF[op](parts)
+                    for chunks in (None, 1, 3) if dtype == "float32" else (None, 2):
+                        got = s._all_reduce(op, chunks)
+                        assert got.devices == devs and got.replicated
+                        for t in got.shards:
+                            tol = 1e-2 if dtype == "float16" else 1e-5
+                            np.testing.assert_allclose(await t.numpy(), want, rtol=tol, atol=tol * n)
+                # reduce-scatter, all-gather and broadcast of the same pieces
+                if len(shape) == 2:
+                    rs = s.reduce_scatter(axis=1)
+                    assert rs.axis == 1 and rs.sizes == tuple(len(b) for b in np.array_split(np.arange(shape[1]), n))
+                    np.testing.assert_allclose(await rs.numpy(), REF["sum"](parts), rtol=1e-2, atol=1e-2 * n)
+                    split = Tensor(parts[0]).shard(devs, 0 if shape[0] >= n else 1)
+                    for t in split.all_gather().shards:
+                        np.testing.assert_array_equal(await t.numpy(), parts[0])
+                for t in s.broadcast(n - 1).shards:
+                    np.testing.assert_array_equal(await t.numpy(), parts[-1])
+    print("OK")
+
+asyncio.run(main())
+"""
+
+
+def test_collectives_match_numpy_for_every_dtype_odd_sizes_and_2_to_4_devices() -> None:
+    """all-reduce (the swap, a ring, rings side by side; each op), reduce-scatter, all-gather and broadcast over 2,
+    3 and 4 C devices (a process of its own: four devices configured before the runtime starts) against numpy."""
+    assert run_script(COLLECTIVES, timeout=600).strip().endswith("OK")
