@@ -29,11 +29,11 @@ from azyx.debug import LoopStalls
 
 pytestmark = pytest.mark.serial  # (timing: run alone, see dev.sh)
 
-# the lateness of its own a run may cause on CI's 2-core shared machine (AZYX_TEST_LATENESS_MS sets another): the
-# stalls these tests exist for were 100-1,600 ms; the goal of 5 ms on a quiet machine is not held by every scenario
-# there yet (a worker planning a long graph holds the GIL: 13 of 16 within 5 ms at load 1-2, wgpu:0 large_graph
-# 11.5 ms and opencl:0 long_chain 10.9 of their own), and is reported by `pytest -m serial -rP`, each scenario's figure
-BOUND_MS = float(os.environ.get("AZYX_TEST_LATENESS_MS", 25))
+# the lateness of its own a run may cause on CI's 2-core shared machine, with a margin (AZYX_TEST_LATENESS_MS sets
+# another): the stalls these tests exist for were 100-1,600 ms. The goal of 5 ms on a quiet machine is not held by
+# every scenario yet (13-15 of 16 within 5 ms per run at load 1-2; worst seen 19 ms of its own, wgpu:0 large_graph:
+# a worker planning or a driver wrapper holding the GIL); `pytest -m serial -rP` prints each scenario's figure
+BOUND_MS = float(os.environ.get("AZYX_TEST_LATENESS_MS", 50))
 REQUESTS = 200
 GRAPH_ELEMENTS = 64 << 20
 UPLOAD_BYTES = 256 << 20
