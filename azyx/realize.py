@@ -109,21 +109,23 @@ _WALK_OR_RESERVE = (Walk, _Reserve)
 
 def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
     """Remember, for a new plan, the large buffers its runs make on devices where that is slow (`reserve_min`)."""
-    by_dev: dict[str, list[int]] = {}
+    by_dev: dict[Any, list[int]] = {}
+    started = rt.started_devices()
     for s in plan.slots:
         if s.kind in ("temp", "output"):
-            dev = rt.started_devices().get(s.device)
+            dev = started.get(s.device)
             if dev is not None and dev.reserve_min and s.nbytes >= dev.reserve_min:
-                by_dev.setdefault(s.device, []).append(s.nbytes)
-    needs = [(rt.device(d), sizes) for d, sizes in by_dev.items() if sum(sizes) >= RESERVE_BYTES]
+                by_dev.setdefault(dev, []).append(s.nbytes)
+    needs = [(dev, sizes) for dev, sizes in by_dev.items() if sum(sizes) >= RESERVE_BYTES]
     if needs:
         _reserves[plan] = needs
 
 
-def _reservation(plan: ExecutionPlan) -> _Reserve | None:
-    """The reservation a plan's run needs now: its devices whose pools do not cache its large buffers' bytes."""
-    needs = [(dev, sizes) for dev, sizes in _reserves[plan] if dev.allocator.cached < sum(sizes)]
-    return _Reserve(needs) if needs else None
+def _reservation(needs: list[tuple[Any, list[int]]]) -> _Reserve | None:
+    """The reservation a plan's run needs now: of its large buffers (`_reserves`), those on devices whose pools do
+    not cache their bytes."""
+    short = [(dev, sizes) for dev, sizes in needs if dev.allocator.cached < sum(sizes)]
+    return _Reserve(short) if short else None
 
 
 def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitted | Walk | _Reserve:
@@ -143,7 +145,7 @@ def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitt
     if plan is None:
         return walk
     cache.touch(plan)
-    if _reserves and not reserved and plan in _reserves and (r := _reservation(plan)) is not None:
+    if _reserves and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
         return r
     bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
     outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]

@@ -137,14 +137,14 @@ async def test_a_long_training_loop_stays_flat(device: str, mode: str) -> None:
     a, b = r["stats"]
     assert abs(b.nodes - a.nodes) <= 2, f"live graph nodes {a.nodes} -> {b.nodes}"
     assert (b.plans, b.traces, b.kernels) == (a.plans, a.traces, a.kernels), f"{a}\n{b}"
+    # the pool may make new blocks only where steps overlap: how many in-flight steps' buffers are live at once (the
+    # pool's high-water mark) follows the devices' timing; the warm-up saw at least one step's, and no more than
+    # IN_FLIGHT + 1 fit. On a device with a queue an awaited step may also see its work done (a poll) before the waiter
+    # thread gave its buffers back: the next step's may then be one step's more, once
+    overlap = IN_FLIGHT if mode == "pipelined" else 0 if RT.device(device).host_memory else 1
     for d in b.memory:  # every buffer held at the end was held after the warm-up; the pool made no new blocks ...
         assert b.memory[d].in_use <= a.memory[d].in_use, f"{d}: pool {a.memory[d]} -> {b.memory[d]}"
-        # ... except where steps overlap: how many in-flight steps' buffers are live at once (the pool's high-water
-        # mark) follows the devices' timing; the warm-up saw at least one step's, and no more than IN_FLIGHT + 1 fit.
-        # On a device with a queue an awaited step may also see its work done (a poll) before the waiter thread gave
-        # its buffers back: the next step's may then be one step's more, once
-        overlap = IN_FLIGHT if mode == "pipelined" else 0 if RT.device(d).host_memory else 1
-        slack = overlap * r["step_bytes"] if d == device else 0
+        slack = overlap * r["step_bytes"] if d == device else 0  # (... but for the overlap above)
         assert b.pool_bytes(d) <= a.pool_bytes(d) + slack, f"{d}: pool {a.memory[d]} -> {b.memory[d]}"
     assert b.rss - a.rss < RSS_SLACK, f"RSS grew {(b.rss - a.rss) / 2**20:.1f} MiB over {STEPS - WARM_UP} steps"
     if mode == "jit":
