@@ -280,10 +280,10 @@ class Device:
         kernels that check the indices they read are bound to: taken from the pool and zeroed (host memory now,
         another device's by a write queued before the run's kernels), so no run is blamed for another's index."""
         buf = self.alloc(4 * CHECK_WORDS)
-        zeros = np.zeros(4 * CHECK_WORDS, np.uint8)
         if self.host_memory:
-            np.asarray(buf.mem).reshape(-1).view(np.uint8)[:zeros.nbytes] = 0
+            np.asarray(buf.mem).reshape(-1).view(np.uint8)[:4 * CHECK_WORDS] = 0
         else:
+            zeros = np.zeros(4 * CHECK_WORDS, np.uint8)
             buf.ready = self.copy_from_host(zeros, buf, [], zeros)
         return buf
 
