@@ -271,9 +271,10 @@ class Device:
     def reserve(self, sizes: list[int]) -> None:
         """Make blocks of `sizes` bytes and give them back to the pool, which keeps them cached for the next `alloc`s
         (a worker thread's call, where `alloc_anywhere`: a plan's large new buffers are then taken from the cache on
-        the loop's thread instead of made there)."""
-        for buf in self.alloc_many(sizes):
-            self.release(buf)
+        the loop's thread instead of made there). A Buffer gives its block back when dropped: releasing it here as
+        well would put the block in the pool twice, and two later buffers would share it."""
+        bufs = self.alloc_many(sizes)
+        del bufs
 
     def check_words(self) -> Buffer:
         """A run's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), which its

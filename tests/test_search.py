@@ -192,3 +192,21 @@ def test_work_group_actions_reach_the_launch() -> None:
     e = azyx.schedule((x * 2).exp()).kernels[0].kernel
     _, _, local = render_kernel(optimize.apply(e, (optimize.Opt(optimize.LOCAL, 0, 32),)), OPENCL)
     assert local.group == 32 and dev.search_actions == {optimize.UPCAST, optimize.SWAP, optimize.BLOCK, optimize.UNROLL}
+
+
+def test_close_is_not_fooled_by_an_infinite_reference() -> None:
+    """A candidate's result is compared with the heuristic kernel's up to float reassociation, the tolerance scaled
+    by the reference's largest finite magnitude: an infinite value in the reference must not make every result
+    close (it made a wrong kernel a winner)."""
+    from azyx.dtypes import dtypes
+    from azyx.search import _close
+
+    float32 = dtypes.float32
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(1000).astype(np.float32)
+    ref[7] = np.inf
+    garbage = rng.standard_normal(1000).astype(np.float32)
+    garbage[7] = np.inf
+    assert not _close(garbage, ref, float32)
+    assert _close(ref * np.float32(1 + 1e-6), ref, float32)
