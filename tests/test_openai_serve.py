@@ -415,7 +415,8 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
 def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) -> None:
     """The client reads the first event of a streamed chat of n=2 and leaves: both sequences are removed at once
     (no token was decoded: the engine is held, its lock taken on the server's loop, so that the tiny model cannot
-    finish them first), and the engine serves the next request."""
+    finish them first), and the engine serves the next request. While the client stays, nothing is cut: both
+    sequences still wait after the server has answered another request (a /metrics scrape showing them)."""
     eng = server.engine()
     assert server.loop is not None
     asyncio.run_coroutine_threadsafe(eng.lock.acquire(), server.loop).result(30)
@@ -426,8 +427,14 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) ->
             with c.stream("POST", server.base + "/v1/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {KEY}"}) as r:
                 assert r.status_code == 200
-                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                # (the line iterator is kept: a temporary one, closed when collected, would close the connection:
+                # httpcore drops a connection whose response was not read to the end)
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
                 assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+                metrics = httpx.get(server.base + "/metrics").text  # (the server's loop ran on since the event)
+                assert "azyx_queue_depth 2.0" in metrics.splitlines()
+                assert len(eng.live) == len(eng.waiting) == 2  # the client stays: both still wait for the engine
             # (the connection closed: the server removes both sequences at once, the engine still held)
         deadline = time.monotonic() + 30
         while eng.live and time.monotonic() < deadline:
