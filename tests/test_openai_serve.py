@@ -191,6 +191,65 @@ def test_logprobs_match_a_transformers_forward_pass(client: Any, tok: Any, refer
     assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_a_transformers_forward_pass(client: Any, tok: Any,
+                                                                              reference: Any) -> None:
+    """echo with logprobs: the prompt's tokens first, each with its log-probability given those before it (the first
+    one's null, as OpenAI and vLLM answer) and its top tokens; streamed, the same entries; max_tokens 0 scores the
+    prompt alone."""
+    ids = tok.encode(PROMPT).ids
+    want = hf_greedy(reference, ids, 4)
+    full = ids + want
+    rows = torch.log_softmax(torch.tensor(hf_logits(reference, [full])[0], dtype=torch.float64), -1).numpy()
+    kw: dict[str, Any] = dict(model=GEN, prompt=PROMPT, temperature=0, logprobs=2, echo=True,
+                              extra_body={"ignore_eos": True})
+    r = client.completions.create(max_tokens=4, **kw)
+    c = r.choices[0]
+    assert c.text == tok.decode(ids) + tok.decode(want)
+    lp = c.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in full]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [rows[i - 1, full[i]] for i in range(1, len(full))], atol=2e-4)
+    for i in range(1, len(full)):  # the top tokens: the two most likely after the tokens before
+        best = np.argsort(-rows[i - 1])[:2]
+        np.testing.assert_allclose(sorted(lp.top_logprobs[i].values(), reverse=True)[0], rows[i - 1, best[0]],
+                                   atol=2e-4)
+        assert len(lp.top_logprobs[i]) <= 2 and tok.decode([int(best[0])]) in lp.top_logprobs[i]
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(tok.decode(ids))
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
+    scored = client.completions.create(max_tokens=0, **kw).choices[0]
+    assert scored.text == tok.decode(ids) and scored.logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    entries: list[float | None] = []
+    text = ""
+    for chunk in client.completions.create(max_tokens=4, stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.text
+            entries += ch.logprobs.token_logprobs if ch.logprobs else []
+    assert text == c.text and entries == lp.token_logprobs
+
+
+def test_best_of_answers_the_n_most_likely_of_its_seeded_choices(client: Any) -> None:
+    """best_of=4, n=2: the 4 choices are those of seeds 7..10 (each as a lone request answers it), and the 2
+    answered are the ones whose tokens' summed log-probabilities are highest, best first; usage counts all 4.
+    best_of below n, or streamed, and suffix answer 400 naming the field."""
+    kw: dict[str, Any] = dict(model=GEN, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    lone = []
+    for i in range(4):
+        c = client.completions.create(seed=7 + i, logprobs=0, **kw).choices[0]
+        lone.append((sum(c.logprobs.token_logprobs), c.text))
+    assert len({t for _, t in lone}) > 2  # (distinct choices: the ranking decides)
+    ranked = sorted(lone, key=lambda x: -x[0])
+    r = client.completions.create(seed=7, n=2, best_of=4, **kw)
+    got = sorted(r.choices, key=lambda c: c.index)
+    assert [c.index for c in got] == [0, 1] and [c.text for c in got] == [t for _, t in ranked[:2]]
+    assert r.usage.completion_tokens == 4 * 8
+    r = client.completions.create(seed=7, n=1, best_of=4, logprobs=1, **kw)
+    np.testing.assert_allclose(sum(r.choices[0].logprobs.token_logprobs), ranked[0][0], rtol=1e-6)
+    for bad in (dict(n=3, best_of=2), dict(best_of=2, stream=True), dict(suffix=" the end")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**kw, **bad})
+        assert e.value.param == ("suffix" if "suffix" in bad else "best_of")
+
+
 def penalized_greedy(reference: Any, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
                      repetition: float = 1.0, bias: dict[int, float] | None = None) -> list[int]:
     """Greedy decoding with OpenAI's presence/frequency penalties, vLLM's repetition penalty and a logit bias,
@@ -330,7 +389,8 @@ BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
     ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     ("completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
-    ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
+    ("completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of"),
     ("completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
     ("completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
