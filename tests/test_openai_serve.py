@@ -378,6 +378,27 @@ def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, ser
     assert e.value.param == "input[1]" and e.value.code == "context_length_exceeded"
 
 
+def test_embedding_batches_keep_to_the_token_budget(server: Server) -> None:
+    """TEI's max_batch_tokens: a batch holds as many sentences as fit the budget of padded tokens (7 sentences of L
+    tokens under a budget of 3 L: batches of 3, 3 and 1), each row still the reference vector."""
+    from azyx.models.bert import EmbeddingService
+
+    model = server.app.state.serving["embedders"][EMB].model
+    ref = np.array(REFERENCE["embeddings"][0], np.float32)
+    ids = model.encode([REFERENCE["sentences"][0]])[0]
+
+    async def embed() -> tuple[np.ndarray, list[int]]:
+        async with EmbeddingService(model, max_batch=32, max_batch_tokens=3 * len(ids)) as service:
+            rows = await service.embed_ids([ids] * 7)
+            return rows, list(service.stats.batch_sizes)
+
+    assert server.loop is not None
+    rows, sizes = asyncio.run_coroutine_threadsafe(embed(), server.loop).result(300)
+    assert sizes == [3, 3, 1]
+    cos = rows @ ref / np.linalg.norm(rows, axis=1) / np.linalg.norm(ref)
+    assert cos.min() >= 0.999
+
+
 BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
@@ -464,6 +485,11 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     r = httpx.post(url, headers={**h, "content-type": "application/json"},
                    content=b'{"model": "gpt2-tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 300 + b"}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # too many inputs, or prompts x n past the sequences a request may ask: 413 naming the field
+    r = httpx.post(server.base + "/v1/embeddings", headers=h, json={"model": EMB, "input": ["a"] * 257})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "input"
+    r = httpx.post(url, headers=h, json={"model": GEN, "prompt": ["a"] * 8, "n": 9})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "n"
     # more sequences than slots and waiting places: 429 with Retry-After, before any work
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=GEN, prompt="hi", n=SLOTS + WAITING + 1, max_tokens=4)

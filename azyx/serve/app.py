@@ -66,6 +66,7 @@ TOKENIZE_ON_LOOP_CHARS = 2048  # a longer text is tokenized on a worker thread
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
 MAX_LOGIT_BIAS = 300  # token ids a logit_bias may name (OpenAI's limit)
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ARRIVED = "azyx.arrived"  # the ASGI scope's key of a request's arrival time (perf_counter), set by `Outer`
 
 
 @dataclass(frozen=True)
@@ -587,7 +588,7 @@ def make_app(config: ServeConfig) -> Any:
         prompt's `per` choices the `keep` best are answered (best_of; usage counts every token generated)."""
         rid = f"{'chatcmpl' if obj.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        started = time.perf_counter()
+        started = request.scope.get(ARRIVED, time.perf_counter())  # (time to first token: from the request's arrival)
 
         def usage() -> dict[str, int]:
             done = sum(len(c.stream.tokens) for c in choices)
@@ -913,8 +914,9 @@ def make_app(config: ServeConfig) -> Any:
 
 
 class Outer:
-    """The ASGI layer around the app: counts every HTTP answer by route and status (`azyx_requests_total`) and, with
-    an API key, answers 401 to a /v1/ request without `Authorization: Bearer KEY`."""
+    """The ASGI layer around the app: notes each HTTP request's arrival (`ARRIVED`), counts every HTTP answer by
+    route and status (`azyx_requests_total`) and, with an API key, answers 401 to a /v1/ request without
+    `Authorization: Bearer KEY`."""
 
     def __init__(self, app: Any, metrics: Metrics, api_key: str | None):
         self.app, self.metrics, self.api_key = app, metrics, api_key
@@ -924,6 +926,7 @@ class Outer:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[ARRIVED] = time.perf_counter()
         path = scope["path"]
         route = path if path in ROUTES else "other"
 
