@@ -155,6 +155,36 @@ def test_completions_greedy_match_transformers_streamed_or_not(client: Any, tok:
     assert not server.engine().live
 
 
+def test_more_clients_than_slots_share_the_batch_and_a_bad_request_fails_alone(server: Server, tok: Any,
+                                                                                reference: Any) -> None:
+    """Six streams at once on four slots (two wait for a slot, then join the running batch), beside a request with a
+    bad field: each stream is token-identical to transformers' greedy text of its prompt, the bad one alone fails."""
+    prompts = ["the quick brown fox", "a lazy dog", "jumps over", "h\u00e9llo w\u00f6rld", "river bank", "the end"]
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            async def one(prompt: str) -> str:
+                text = ""
+                async for chunk in await c.completions.create(model=GEN, prompt=prompt, max_tokens=10, temperature=0,
+                                                              stream=True, extra_body={"ignore_eos": True}):
+                    text += "".join(ch.text for ch in chunk.choices)
+                return text
+
+            async def bad() -> str | None:
+                try:
+                    await c.completions.create(model=GEN, prompt="x", temperature=-1)
+                except openai.BadRequestError as e:
+                    return e.param
+                return None
+
+            return await asyncio.gather(*(one(p) for p in prompts), bad())
+
+    *texts, param = asyncio.run(run())
+    for prompt, text in zip(prompts, texts):
+        assert text == tok.decode(hf_greedy(reference, tok.encode(prompt).ids, 10)), prompt
+    assert param == "temperature" and not server.engine().live
+
+
 def test_seeded_sampling_is_reproducible_and_n_choices_are_their_seeds(client: Any) -> None:
     kw = dict(model=GEN, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, extra_body={"ignore_eos": True,
                                                                                                  "top_k": 50})
