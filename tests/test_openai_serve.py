@@ -538,6 +538,46 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     assert [m.id for m in client.models.list().data] == [GEN, EMB]
 
 
+def test_the_reliability_attacks_replayed_against_azyx_serve(server: Server) -> None:
+    """The example services' attack cases (tests/test_serve.py) against azyx serve: a lone surrogate among concurrent
+    embedding requests fails its own request only (its neighbours answered exactly); NaN, infinite and float32-
+    overflowing numbers, and a body that is not UTF-8, answer 400 naming the field; a Content-Length past the limit
+    is refused before the body is read, and a body that never finishes answers 408 after the body timeout."""
+    from service_checks import raw_request
+
+    sentences, want = REFERENCE["sentences"], np.array(REFERENCE["embeddings"], np.float32)
+    h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+
+    def body(i: int) -> bytes:
+        inputs = [sentences[i % len(sentences)]] + (["fine", "\ud800 broken"] if i % 3 == 0 else [])
+        return json.dumps({"model": EMB, "input": inputs, "encoding_format": "float"}).encode()  # (\ud800 escaped)
+
+    async def crowd() -> list[Any]:
+        async with httpx.AsyncClient(base_url=server.base, headers=h, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/embeddings", content=body(i)) for i in range(30)))
+
+    for i, r in enumerate(asyncio.run(crowd())):
+        if i % 3 == 0:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input[2]", r.text
+        else:
+            assert r.status_code == 200, r.text
+            row = np.array(r.json()["data"][0]["embedding"], np.float32)
+            ref = want[i % len(sentences)]
+            assert row @ ref / np.linalg.norm(row) / np.linalg.norm(ref) >= 0.9999
+    url = server.base + "/v1/completions"
+    for value in (b"NaN", b"-Infinity", b"1e39"):
+        r = httpx.post(url, headers=h, content=b'{"model": "gpt2-tiny", "prompt": "hi", "temperature": ' + value + b"}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (value, r.text)
+    r = httpx.post(url, headers=h, content=b"\xff\xfe")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+    assert asyncio.run(raw_request(server.port, head % 100_000_000, b"{")).startswith(b"HTTP/1.1 413")
+    reply = asyncio.run(raw_request(server.port, head % 100, b'{"prompt": '))  # (the rest never comes)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    assert not server.engine().live
+
+
 def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) -> None:
     """The client reads the first event of a streamed chat of n=2 and leaves: both sequences are removed at once
     (no token was decoded: the engine is held, its lock taken on the server's loop, so that the tiny model cannot
