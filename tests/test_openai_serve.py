@@ -8,6 +8,7 @@ leaves mid-stream frees its slot; /metrics counts what happened and no client ca
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -155,6 +156,36 @@ def test_completions_greedy_match_transformers_streamed_or_not(client: Any, tok:
     assert not server.engine().live
 
 
+def test_more_clients_than_slots_share_the_batch_and_a_bad_request_fails_alone(server: Server, tok: Any,
+                                                                                reference: Any) -> None:
+    """Six streams at once on four slots (two wait for a slot, then join the running batch), beside a request with a
+    bad field: each stream is token-identical to transformers' greedy text of its prompt, the bad one alone fails."""
+    prompts = ["the quick brown fox", "a lazy dog", "jumps over", "h\u00e9llo w\u00f6rld", "river bank", "the end"]
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            async def one(prompt: str) -> str:
+                text = ""
+                async for chunk in await c.completions.create(model=GEN, prompt=prompt, max_tokens=10, temperature=0,
+                                                              stream=True, extra_body={"ignore_eos": True}):
+                    text += "".join(ch.text for ch in chunk.choices)
+                return text
+
+            async def bad() -> str | None:
+                try:
+                    await c.completions.create(model=GEN, prompt="x", temperature=-1)
+                except openai.BadRequestError as e:
+                    return e.param
+                return None
+
+            return await asyncio.gather(*(one(p) for p in prompts), bad())
+
+    *texts, param = asyncio.run(run())
+    for prompt, text in zip(prompts, texts):
+        assert text == tok.decode(hf_greedy(reference, tok.encode(prompt).ids, 10)), prompt
+    assert param == "temperature" and not server.engine().live
+
+
 def test_seeded_sampling_is_reproducible_and_n_choices_are_their_seeds(client: Any) -> None:
     kw = dict(model=GEN, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, extra_body={"ignore_eos": True,
                                                                                                  "top_k": 50})
@@ -189,6 +220,74 @@ def test_logprobs_match_a_transformers_forward_pass(client: Any, tok: Any, refer
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
     assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_transformers_forward_pass(client: Any, tok: Any,
+                                                                              reference: Any) -> None:
+    """echo with logprobs: the prompt's tokens first, each with its log-probability given those before it (the first
+    one's null, as OpenAI and vLLM answer) and its top tokens; streamed, the same entries; max_tokens 0 scores the
+    prompt alone."""
+    ids = tok.encode(PROMPT).ids
+    want = hf_greedy(reference, ids, 4)
+    full = ids + want
+    rows = torch.log_softmax(torch.tensor(hf_logits(reference, [full])[0], dtype=torch.float64), -1).numpy()
+    kw: dict[str, Any] = dict(model=GEN, prompt=PROMPT, temperature=0, logprobs=2, echo=True,
+                              extra_body={"ignore_eos": True})
+    r = client.completions.create(max_tokens=4, **kw)
+    c = r.choices[0]
+    assert c.text == tok.decode(ids) + tok.decode(want)
+    lp = c.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in full]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [rows[i - 1, full[i]] for i in range(1, len(full))], atol=2e-4)
+    for i in range(1, len(full)):  # the top tokens: the two most likely after the tokens before
+        best = np.argsort(-rows[i - 1])[:2]
+        np.testing.assert_allclose(sorted(lp.top_logprobs[i].values(), reverse=True)[0], rows[i - 1, best[0]],
+                                   atol=2e-4)
+        assert len(lp.top_logprobs[i]) <= 2 and tok.decode([int(best[0])]) in lp.top_logprobs[i]
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(tok.decode(ids))
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
+    scored = client.completions.create(max_tokens=0, **kw).choices[0]
+    assert scored.text == tok.decode(ids) and scored.logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    entries: list[float | None] = []
+    text = ""
+    for chunk in client.completions.create(max_tokens=4, stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.text
+            entries += ch.logprobs.token_logprobs if ch.logprobs else []
+    assert text == c.text and entries == lp.token_logprobs
+
+
+def test_best_of_answers_the_n_most_likely_of_its_seeded_choices(client: Any) -> None:
+    """best_of=4, n=2: the 4 choices are those of seeds 7..10 (each as a lone request answers it), and the 2
+    answered are the ones whose tokens' summed log-probabilities are highest, best first; usage counts all 4.
+    best_of below n, or streamed, and suffix answer 400 naming the field."""
+    kw: dict[str, Any] = dict(model=GEN, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    lone = []
+    for i in range(4):
+        c = client.completions.create(seed=7 + i, logprobs=0, **kw).choices[0]
+        lone.append((sum(c.logprobs.token_logprobs), c.text))
+    assert len({t for _, t in lone}) > 2  # (distinct choices: the ranking decides)
+    ranked = sorted(lone, key=lambda x: -x[0])
+    r = client.completions.create(seed=7, n=2, best_of=4, **kw)
+    got = sorted(r.choices, key=lambda c: c.index)
+    assert [c.index for c in got] == [0, 1] and [c.text for c in got] == [t for _, t in ranked[:2]]
+    assert r.usage.completion_tokens == 4 * 8
+    r = client.completions.create(seed=7, n=1, best_of=4, logprobs=1, **kw)
+    np.testing.assert_allclose(sum(r.choices[0].logprobs.token_logprobs), ranked[0][0], rtol=1e-6)
+    # chat takes it too (vLLM's extra): the best of 3 seeded answers
+    chat: dict[str, Any] = dict(model=GEN, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                temperature=1.0)
+    answers = []
+    for i in range(3):
+        m = client.chat.completions.create(seed=3 + i, logprobs=True, extra_body={"ignore_eos": True}, **chat)
+        answers.append((sum(e.logprob for e in m.choices[0].logprobs.content), m.choices[0].message.content))
+    m = client.chat.completions.create(seed=3, extra_body={"ignore_eos": True, "best_of": 3}, **chat)
+    assert m.choices[0].message.content == max(answers)[1] and m.usage.completion_tokens == 3 * 6
+    for bad in (dict(n=3, best_of=2), dict(best_of=2, stream=True), dict(suffix=" the end")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**kw, **bad})
+        assert e.value.param == ("suffix" if "suffix" in bad else "best_of")
 
 
 def penalized_greedy(reference: Any, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
@@ -319,6 +418,27 @@ def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, ser
     assert e.value.param == "input[1]" and e.value.code == "context_length_exceeded"
 
 
+def test_embedding_batches_keep_to_the_token_budget(server: Server) -> None:
+    """TEI's max_batch_tokens: a batch holds as many sentences as fit the budget of padded tokens (7 sentences of L
+    tokens under a budget of 3 L: batches of 3, 3 and 1), each row still the reference vector."""
+    from azyx.models.bert import EmbeddingService
+
+    model = server.app.state.serving["embedders"][EMB].model
+    ref = np.array(REFERENCE["embeddings"][0], np.float32)
+    ids = model.encode([REFERENCE["sentences"][0]])[0]
+
+    async def embed() -> tuple[np.ndarray, list[int]]:
+        async with EmbeddingService(model, max_batch=32, max_batch_tokens=3 * len(ids)) as service:
+            rows = await service.embed_ids([ids] * 7)
+            return rows, list(service.stats.batch_sizes)
+
+    assert server.loop is not None
+    rows, sizes = asyncio.run_coroutine_threadsafe(embed(), server.loop).result(300)
+    assert sizes == [3, 3, 1]
+    cos = rows @ ref / np.linalg.norm(rows, axis=1) / np.linalg.norm(ref)
+    assert cos.min() >= 0.999
+
+
 BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
@@ -330,7 +450,8 @@ BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
     ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     ("completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
-    ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
+    ("completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of"),
     ("completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
     ("completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
@@ -404,6 +525,11 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     r = httpx.post(url, headers={**h, "content-type": "application/json"},
                    content=b'{"model": "gpt2-tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 300 + b"}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # too many inputs, or prompts x n past the sequences a request may ask: 413 naming the field
+    r = httpx.post(server.base + "/v1/embeddings", headers=h, json={"model": EMB, "input": ["a"] * 257})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "input"
+    r = httpx.post(url, headers=h, json={"model": GEN, "prompt": ["a"] * 8, "n": 9})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "n"
     # more sequences than slots and waiting places: 429 with Retry-After, before any work
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=GEN, prompt="hi", n=SLOTS + WAITING + 1, max_tokens=4)
@@ -412,10 +538,51 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     assert [m.id for m in client.models.list().data] == [GEN, EMB]
 
 
+def test_the_reliability_attacks_replayed_against_azyx_serve(server: Server) -> None:
+    """The example services' attack cases (tests/test_serve.py) against azyx serve: a lone surrogate among concurrent
+    embedding requests fails its own request only (its neighbours answered exactly); NaN, infinite and float32-
+    overflowing numbers, and a body that is not UTF-8, answer 400 naming the field; a Content-Length past the limit
+    is refused before the body is read, and a body that never finishes answers 408 after the body timeout."""
+    from service_checks import raw_request
+
+    sentences, want = REFERENCE["sentences"], np.array(REFERENCE["embeddings"], np.float32)
+    h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+
+    def body(i: int) -> bytes:
+        inputs = [sentences[i % len(sentences)]] + (["fine", "\ud800 broken"] if i % 3 == 0 else [])
+        return json.dumps({"model": EMB, "input": inputs, "encoding_format": "float"}).encode()  # (\ud800 escaped)
+
+    async def crowd() -> list[Any]:
+        async with httpx.AsyncClient(base_url=server.base, headers=h, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/embeddings", content=body(i)) for i in range(30)))
+
+    for i, r in enumerate(asyncio.run(crowd())):
+        if i % 3 == 0:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input[2]", r.text
+        else:
+            assert r.status_code == 200, r.text
+            row = np.array(r.json()["data"][0]["embedding"], np.float32)
+            ref = want[i % len(sentences)]
+            assert row @ ref / np.linalg.norm(row) / np.linalg.norm(ref) >= 0.9999
+    url = server.base + "/v1/completions"
+    for value in (b"NaN", b"-Infinity", b"1e39"):
+        r = httpx.post(url, headers=h, content=b'{"model": "gpt2-tiny", "prompt": "hi", "temperature": ' + value + b"}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (value, r.text)
+    r = httpx.post(url, headers=h, content=b"\xff\xfe")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+    assert asyncio.run(raw_request(server.port, head % 100_000_000, b"{")).startswith(b"HTTP/1.1 413")
+    reply = asyncio.run(raw_request(server.port, head % 100, b'{"prompt": '))  # (the rest never comes)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    assert not server.engine().live
+
+
 def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) -> None:
     """The client reads the first event of a streamed chat of n=2 and leaves: both sequences are removed at once
     (no token was decoded: the engine is held, its lock taken on the server's loop, so that the tiny model cannot
-    finish them first), and the engine serves the next request."""
+    finish them first), and the engine serves the next request. While the client stays, nothing is cut: both
+    sequences still wait after the server has answered another request (a /metrics scrape showing them)."""
     eng = server.engine()
     assert server.loop is not None
     asyncio.run_coroutine_threadsafe(eng.lock.acquire(), server.loop).result(30)
@@ -426,8 +593,14 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) ->
             with c.stream("POST", server.base + "/v1/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {KEY}"}) as r:
                 assert r.status_code == 200
-                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                # (the line iterator is kept: a temporary one, closed when collected, would close the connection:
+                # httpcore drops a connection whose response was not read to the end)
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
                 assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+                metrics = httpx.get(server.base + "/metrics").text  # (the server's loop ran on since the event)
+                assert "azyx_queue_depth 2.0" in metrics.splitlines()
+                assert len(eng.live) == len(eng.waiting) == 2  # the client stays: both still wait for the engine
             # (the connection closed: the server removes both sequences at once, the engine still held)
         deadline = time.monotonic() + 30
         while eng.live and time.monotonic() < deadline:
@@ -439,6 +612,51 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) ->
     r = httpx.post(server.base + "/v1/completions", json={"model": GEN, "prompt": "hi", "max_tokens": 3},
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3  # the engine serves on
+
+
+def test_clients_that_leave_mid_stream_leave_nothing_behind(server: Server) -> None:
+    """100 clients that read a token or two of a 50-token stream and leave (greedy and sampled), with a whole answer
+    every tenth: afterwards no sequence is live, nothing was planned or compiled again, and graph nodes, the device's
+    pool and RSS are where they were after 20 such cycles of warm-up."""
+    import azyx
+
+    eng = server.engine()
+    assert server.loop is not None
+    body = {"model": GEN, "prompt": PROMPT, "max_tokens": 50, "stream": True, "ignore_eos": True}
+
+    def cycles(n: int) -> None:
+        with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+            for i in range(n):
+                with c.stream("POST", "/v1/completions", json={**body, "temperature": 0.8 * (i % 2), "seed": i}) as r:
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    for _ in range(1 + i % 2):
+                        next(line for line in lines if line.startswith("data: "))
+                if i % 10 == 0:
+                    r = c.post("/v1/completions", json={**body, "stream": False, "max_tokens": 20})
+                    assert r.json()["usage"]["completion_tokens"] == 20
+
+    def settled() -> Any:
+        deadline = time.monotonic() + 30
+        while eng.live and time.monotonic() < deadline:  # (the last client's sequence leaving)
+            time.sleep(0.005)
+        assert not eng.live and len(eng.cache.free) == SLOTS
+
+        async def snapshot() -> Any:
+            await azyx.synchronize()
+            gc.collect()
+            return azyx.stats()
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), server.loop).result(60)
+
+    cycles(20)
+    before = settled()
+    cycles(100)
+    after = settled()
+    assert (after.plans, after.kernels) == (before.plans, before.kernels)
+    assert abs(after.nodes - before.nodes) <= 2, (before, after)
+    assert after.pool_bytes("c:0") <= before.pool_bytes("c:0"), (before, after)
+    assert after.rss - before.rss < 16 << 20, f"RSS grew {(after.rss - before.rss) / 2**20:.1f} MiB"
 
 
 def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(server: Server, client: Any) -> None:

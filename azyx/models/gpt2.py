@@ -607,6 +607,7 @@ class Engine:
             [self.cache.max_len]
         self.prefill_step = jit(self._prefill_graph)
         self.decode_step = jit(self._decode_graph, static_argnames="window")
+        self.score_step = jit(self._score_graph)
 
     # ---------------------------------------------------------------- requests
     def request(self, prompt: Iterable[int], params: SamplingParams) -> Sequence:
@@ -715,6 +716,21 @@ class Engine:
                 # (its failure reaches every stream; retrieving it here keeps asyncio from reporting it again)
                 self.runner.add_done_callback(lambda t: t.cancelled() or t.exception())
         return TokenStream(self, seq)
+
+    async def prompt_logprobs(self, prompt: Iterable[int], top: int = 0
+                              ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Each prompt token's log-probability given the tokens before it and the `top` most likely tokens' there, as
+        `stream.logprobs` holds them for generated tokens; None for the first token (nothing precedes it). One causal
+        forward pass of the prompt, padded to its length bucket (one plan per bucket; no cache slot is used), under
+        the engine's lock; the log-softmax runs on a worker thread. A bad prompt raises ArgumentError."""
+        ids = self.request(prompt, self.params()).prompt
+        n = len(ids)
+        length = _bucket(n, self.cache.max_len)
+        async with self.lock:
+            logits = await self.score_step(self._device([ids + [0] * (length - n)], dtypes.int32))
+            rows = (await logits.numpy())[: n - 1]  # (position i predicts token i + 1)
+        scored = await asyncio.to_thread(top_logprobs, rows, ids[1:], [top] * (n - 1)) if n > 1 else []
+        return [None, *scored]
 
     def _window(self, n: int) -> int:
         return next(w for w in self.windows if w >= n)
@@ -868,6 +884,10 @@ class Engine:
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p, **extras)
         return token, logits
+
+    def _score_graph(self, ids: Tensor) -> Tensor:
+        """The logits (T, vocab) of a prompt (1, T) under causal attention over its own tokens (no cache)."""
+        return self.model(ids)[0]
 
     async def _prefill(self, seq: Sequence) -> None:
         """Prefill `seq` (state "new") into a free slot: "prefilling" while its prompt runs, then "active" with its

@@ -208,7 +208,10 @@ def _string(name: str, v: Any, max_chars: int) -> str:
 
 # ------------------------------------------------------------------------------------------------ disconnects
 async def until_disconnect(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
-    """Returns when the ASGI client disconnects (call it once the body has been read)."""
+    """Returns when the ASGI client disconnects (call it once the body has been read: before, it would take the
+    body's `http.request` messages). Past the body, an ASGI server answers `receive()` only when the connection is
+    lost or the response complete (uvicorn may also wake it with an empty `http.request`, skipped here), so this
+    never returns while a client that stays waits for a streamed answer."""
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -7,8 +7,11 @@ Endpoints (OpenAI's request and response shapes; unknown fields are ignored, as 
   log-probability under the model and the most likely tokens'), `echo`, `stream` (server-sent events ending with
   `data: [DONE]`; `stream_options.include_usage`), `presence_penalty`, `frequency_penalty`, `logit_bias`, and
   vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (every sampling value is
-  data on the device: a new value compiles nothing). `suffix`, `best_of` other than n, and `echo` with `logprobs`
-  answer 400 naming the field (not supported).
+  data on the device: a new value compiles nothing). `echo` with `logprobs` scores the prompt too (one forward pass:
+  each prompt token's log-probability given those before it, null for the first, as OpenAI and vLLM answer; with
+  `max_tokens: 0`, the prompt alone). `best_of` (>= n, not streamed) generates best_of choices per prompt (choice i
+  seeded seed + i) and answers the n whose tokens have the highest summed log-probability under the model, as vLLM
+  did; `usage` counts every token generated. `suffix` answers 400 naming it (no insertion; vLLM refuses it too).
 - `POST /v1/chat/completions`: `messages` rendered by the model directory's chat template (tokenizer_config.json's
   `chat_template`, jinja2 in a sandbox) or, for a model without one, `DEFAULT_CHAT_TEMPLATE` (one `role: content`
   line per message, then `assistant:`); `max_tokens` / `max_completion_tokens`, `logprobs` (bool) with
@@ -63,6 +66,7 @@ TOKENIZE_ON_LOOP_CHARS = 2048  # a longer text is tokenized on a worker thread
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
 MAX_LOGIT_BIAS = 300  # token ids a logit_bias may name (OpenAI's limit)
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ARRIVED = "azyx.arrived"  # the ASGI scope's key of a request's arrival time (perf_counter), set by `Outer`
 
 
 @dataclass(frozen=True)
@@ -202,13 +206,31 @@ class Metrics:
 
 
 # ------------------------------------------------------------------------------------------------ fields
-def _choice_count(body: dict[str, Any], cfg: ServeConfig) -> int:
+def _choice_count(body: dict[str, Any], cfg: ServeConfig, stream: bool) -> tuple[int, int]:
+    """`n`, the choices answered per prompt, and `best_of`, the sequences generated per prompt (n by default; more:
+    the n of highest cumulative log-probability are answered, as vLLM does; never streamed)."""
     n = svc.integer(body, "n", 1, low=1, high=cfg.max_n)
-    best_of = svc.integer(body, "best_of", None, low=1, high=cfg.max_n)
-    if best_of is not None and best_of != n:
-        raise ApiError(400, f"best_of={best_of} other than n is not supported", "best_of")
     assert n is not None
-    return n
+    best_of = svc.integer(body, "best_of", n, low=1, high=cfg.max_n)
+    assert best_of is not None
+    if best_of < n:
+        raise ApiError(400, f"best_of={best_of} must be at least n={n}", "best_of")
+    if stream and best_of > n:
+        raise ApiError(400, f"best_of={best_of} > n={n} cannot be streamed (the best are known at the end)",
+                       "best_of")
+    return n, best_of
+
+
+def _best(choices: list[Choice], per: int, keep: int) -> list[Choice]:
+    """Of each prompt's `per` finished choices (in order), the `keep` of highest cumulative log-probability (the sum
+    of their tokens' under the model), indexed again prompt by prompt."""
+    out = []
+    for p in range(0, len(choices), per):
+        group = sorted(choices[p: p + per], key=lambda c: -sum(lp for _, lp, _ in c.logprobs))[:keep]
+        for j, c in enumerate(group):
+            c.index = p // per * keep + j
+            out.append(c)
+    return out
 
 
 def _penalties(body: dict[str, Any], vocab: int) -> dict[str, Any]:
@@ -294,6 +316,7 @@ class Choice:
     stream: TokenStream
     text: TextStream
     prompt_text: str = ""
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)  # (token, lp, top)
     finish_reason: str | None = None
@@ -332,9 +355,9 @@ async def _drive(choice: Choice, g: Generator, metrics: Metrics, started: float,
     emit(choice, rest, pending, choice.finish_reason)
 
 
-def _completion_logprobs(g: Generator, entries: list[tuple[int, float, list[tuple[int, float]]]], offset: int
-                         ) -> dict[str, Any]:
-    """The completions API's logprobs object of some tokens whose text starts at `offset`."""
+def _completion_logprobs(g: Generator, entries: list[Any], offset: int) -> dict[str, Any]:
+    """The completions API's logprobs object of some tokens (token, log-probability, top tokens) whose text starts
+    at `offset`; an echoed prompt's first token has neither (null, as OpenAI and vLLM answer)."""
     dec = g.tokenizer.decode
     tokens = [dec([t]) for t, _, _ in entries]
     offsets = []
@@ -342,7 +365,8 @@ def _completion_logprobs(g: Generator, entries: list[tuple[int, float, list[tupl
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{dec([t]): lp for t, lp in top} for _, _, top in entries], "text_offset": offsets}
+            "top_logprobs": [None if top is None else {dec([t]): lp for t, lp in top} for _, _, top in entries],
+            "text_offset": offsets}
 
 
 def _chat_logprobs(g: Generator, entries: list[tuple[int, float, list[tuple[int, float]]]]) -> dict[str, Any]:
@@ -497,17 +521,46 @@ def make_app(config: ServeConfig) -> Any:
             return [_token_ids(p, f"prompt[{i}]", vocab, limit) for i, p in enumerate(v)]
         raise ApiError(400, "must be a string, a list of strings, token ids or lists of them (not mixed)", "prompt")
 
-    def start(g: Generator, prompts: list[list[int]], n: int, args: dict[str, Any], stop: list[str],
-              logprobs: int | None, echo: bool) -> list[Choice]:
-        """Every choice's stream, or none (a full engine: 429 before any work)."""
-        if len(prompts) * n > cfg.max_choices:
-            raise ApiError(413, f"{len(prompts)} prompts x n={n} exceed the limit of {cfg.max_choices} sequences",
-                           "n", code="request_too_large")
+    def check_room(g: Generator, sequences: int) -> None:
+        """`sequences` asked of the engine: 413 past `max_choices`, 429 (before any work) past its free slots and
+        waiting places."""
+        if sequences > cfg.max_choices:
+            raise ApiError(413, f"{sequences} sequences (prompts x n, or best_of) exceed the limit of "
+                           f"{cfg.max_choices}", "n", code="request_too_large")
         eng = g.engine
         room = eng.cache.slots + eng.max_waiting - len(eng.live)
-        if len(prompts) * n > room:
-            raise NoFreeSlotError(f"{len(prompts) * n} sequences asked, room for {max(room, 0)} (every slot and "
-                                  f"waiting place taken)")
+        if sequences > room:
+            raise NoFreeSlotError(f"{sequences} sequences asked, room for {max(room, 0)} (every slot and waiting "
+                                  f"place taken)")
+
+    async def score(g: Generator, request: Request, prompts: list[list[int]], top: int) -> list[list[Any]]:
+        """The prompts' tokens with their log-probabilities and `top` most likely tokens (echo with logprobs):
+        (token, None, None) for each prompt's first token."""
+        async def each() -> list[list[Any]]:
+            return [await g.engine.prompt_logprobs(p, top) for p in prompts]
+
+        async with timeout():
+            rows = await svc.unless_gone(each(), request.receive)
+        return [[(t, None, None) if e is None else (t, *e) for t, e in zip(p, r)] for p, r in zip(prompts, rows)]
+
+    @asynccontextmanager
+    async def timeout() -> AsyncIterator[None]:
+        """The request's time limit (`request_timeout`): past it, 408."""
+        try:
+            async with asyncio.timeout(cfg.request_timeout):
+                yield
+        except TimeoutError:
+            raise timed_out() from None
+
+    def timed_out() -> ApiError:
+        return ApiError(408, f"the request took longer than {cfg.request_timeout} s", type="timeout", code="timeout")
+
+    def start(g: Generator, prompts: list[list[int]], n: int, args: dict[str, Any], stop: list[str],
+              logprobs: int | None, echo: bool, scored: list[list[Any]] | None = None) -> list[Choice]:
+        """Every choice's stream (`n` per prompt; with `scored`, the prompts' own log-probabilities for an echo),
+        or none (a full engine: 429 before any work)."""
+        check_room(g, len(prompts) * n)
+        eng = g.engine
         choices: list[Choice] = []
         try:
             for p, ids in enumerate(prompts):
@@ -517,7 +570,8 @@ def make_app(config: ServeConfig) -> Any:
                         a["seed"] = (a["seed"] + j) % (1 << 64)
                     stream = eng.generate(ids, **a, logprobs=logprobs)
                     prompt_text = g.tokenizer.decode(ids) if echo else ""
-                    choices.append(Choice(p * n + j, stream, TextStream(g.tokenizer, stop), prompt_text))
+                    choices.append(Choice(p * n + j, stream, TextStream(g.tokenizer, stop), prompt_text,
+                                          scored[p] if scored else []))
         except BaseException:
             for c in choices:
                 c.stream.cancel()
@@ -527,12 +581,14 @@ def make_app(config: ServeConfig) -> Any:
 
     async def run(g: Generator, request: Request, choices: list[Choice], stream: bool, include_usage: bool,
                   prompt_tokens: int, shape: Callable[[Choice, str, list[Any], str | None, bool], dict[str, Any]],
-                  obj: str, first: Callable[[Choice], dict[str, Any] | None]) -> Response:
+                  obj: str, first: Callable[[Choice], dict[str, Any] | None], per: int = 1, keep: int = 1
+                  ) -> Response:
         """Run the choices: one JSON answer (`stream` false) or server-sent events, `shape` making each choice's
-        entry (its text, its tokens' log-probabilities, its finish_reason; the last argument: streamed)."""
+        entry (its text, its tokens' log-probabilities, its finish_reason; the last argument: streamed). Of each
+        prompt's `per` choices the `keep` best are answered (best_of; usage counts every token generated)."""
         rid = f"{'chatcmpl' if obj.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        started = time.perf_counter()
+        started = request.scope.get(ARRIVED, time.perf_counter())  # (time to first token: from the request's arrival)
 
         def usage() -> dict[str, int]:
             done = sum(len(c.stream.tokens) for c in choices)
@@ -543,24 +599,22 @@ def make_app(config: ServeConfig) -> Any:
                 c.stream.cancel()
 
         if not stream:
-            def keep(c: Choice, piece: str, entries: list[Any], finish: str | None) -> None:
+            def collect(c: Choice, piece: str, entries: list[Any], finish: str | None) -> None:
                 c.pieces.append(piece)
                 c.logprobs.extend(entries)
 
             async def all_choices() -> None:
-                await asyncio.gather(*(_drive(c, g, metrics, started, keep) for c in choices))
+                await asyncio.gather(*(_drive(c, g, metrics, started, collect) for c in choices))
 
             try:
-                async with asyncio.timeout(cfg.request_timeout):
+                async with timeout():
                     await svc.unless_gone(all_choices(), request.receive)
-            except TimeoutError:
-                raise ApiError(408, f"the request took longer than {cfg.request_timeout} s", type="timeout",
-                               code="timeout") from None
             finally:
                 cancel_all()
+            kept = _best(choices, per, keep) if per > keep else choices
             answer = {"id": rid, "object": obj, "created": created, "model": g.name,
                       "choices": [shape(c, c.prompt_text + "".join(c.pieces), c.logprobs, c.finish_reason, False)
-                                  for c in choices], "usage": usage()}
+                                  for c in kept], "usage": usage()}
             return Response(await svc.json_bytes(answer, off_loop=len(choices) > 4), media_type="application/json")
 
         queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
@@ -609,8 +663,7 @@ def make_app(config: ServeConfig) -> Any:
                                 yield event(item)
                 except TimeoutError:
                     cancel_all()
-                    yield event(ApiError(408, f"the request took longer than {cfg.request_timeout} s",
-                                         type="timeout", code="timeout").body())
+                    yield event(timed_out().body())
                 if include_usage:
                     yield event({**chunk([]), "usage": usage()})
                 yield b"data: [DONE]\n\n"
@@ -623,48 +676,54 @@ def make_app(config: ServeConfig) -> Any:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def generation_request(request: Request, what: str, max_tokens_field: str = "max_tokens"
-                                 ) -> tuple[dict[str, Any], Generator, bool, bool, int, dict[str, Any], list[str]]:
-        """The fields completions and chat share: the body, the model, stream, include_usage, n, the engine's
-        arguments and the stop strings."""
+                                 ) -> tuple[dict[str, Any], Generator, bool, bool, tuple[int, int], dict[str, Any],
+                                            list[str]]:
+        """The fields completions and chat share: the body, the model, stream, include_usage, (n, best_of), the
+        engine's arguments and the stop strings."""
         serving()
         body = await read_body(request)
         g = pick(body, generators, what)
         stream = svc.flag(body, "stream", False)
         include_usage = _stream_options(body, stream)
-        n = _choice_count(body, cfg)
+        n = _choice_count(body, cfg, stream)
         return body, g, stream, include_usage, n, _sampling(body, cfg, g, max_tokens_field), _stops(body, cfg)
 
     async def completions(request: Request) -> Response:
         try:
-            body, g, stream, include_usage, n, args, stop = await generation_request(request, "completions")
+            body, g, stream, include_usage, n_best, args, stop = await generation_request(request, "completions")
+            (n, best_of) = n_best
             logprobs = svc.integer(body, "logprobs", None, low=0, high=5)
             echo = svc.flag(body, "echo", False)
-            if echo and logprobs is not None:
-                raise ApiError(400, "echo with logprobs (the prompt's log-probabilities) is not supported", "echo",
-                               code="unsupported")
             prompts = await prompts_of(body, g)
-            choices = start(g, prompts, n, args, stop, logprobs, echo)
+            check_room(g, len(prompts) * best_of)
+            scored = await score(g, request, prompts, logprobs) if echo and logprobs is not None else None
+            # (best_of > n ranks the choices by their tokens' log-probabilities: the engine keeps them)
+            kept = logprobs if logprobs is not None or best_of == n else 0
+            choices = start(g, prompts, best_of, args, stop, kept, echo, scored)
         except (ApiError, AzyxError) as e:
             return error_response(e)
-        except ClientDisconnect:
+        except (svc.ClientGone, ClientDisconnect):
             return Response(status_code=499)  # (nobody reads it)
         offsets: dict[int, int] = {}
 
         def shape(c: Choice, text: str, entries: list[Any], finish: str | None, streamed: bool) -> dict[str, Any]:
             lp = None
             if logprobs is not None:
-                base = offsets.get(c.index, len(c.prompt_text))
+                if not streamed:  # (the whole text: an echoed prompt's tokens first)
+                    entries = c.prompt_logprobs + entries
+                base = offsets.get(c.index, 0 if not streamed else len(c.prompt_text))
                 lp = _completion_logprobs(g, entries, base)
                 offsets[c.index] = base + len(text)
             return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         def first(c: Choice) -> dict[str, Any] | None:  # (streamed echo: the prompt first)
-            return {"index": c.index, "text": c.prompt_text, "logprobs": None, "finish_reason": None} \
+            lp = _completion_logprobs(g, c.prompt_logprobs, 0) if logprobs is not None else None
+            return {"index": c.index, "text": c.prompt_text, "logprobs": lp, "finish_reason": None} \
                 if c.prompt_text else None
 
         try:
             return await run(g, request, choices, stream, include_usage, sum(len(p) for p in prompts), shape,
-                             "text_completion", first)
+                             "text_completion", first, best_of, n)
         except (ApiError, AzyxError) as e:
             return error_response(e)
         except (svc.ClientGone, ClientDisconnect):
@@ -714,8 +773,8 @@ def make_app(config: ServeConfig) -> Any:
 
     async def chat(request: Request) -> Response:
         try:
-            body, g, stream, include_usage, n, args, stop = await generation_request(request, "chat completions",
-                                                                                     "max_completion_tokens")
+            body, g, stream, include_usage, (n, best_of), args, stop = await generation_request(
+                request, "chat completions", "max_completion_tokens")
             want = svc.flag(body, "logprobs", False)
             top = svc.integer(body, "top_logprobs", None, low=0, high=20)
             if top is not None and not want:
@@ -725,7 +784,9 @@ def make_app(config: ServeConfig) -> Any:
                 raise ApiError(413, f"the rendered messages have {len(text)} characters, more than the limit of "
                                f"{cfg.max_prompt_chars}", "messages", code="request_too_large")
             prompt = await encode(g, text, "messages")
-            choices = start(g, [prompt], n, args, stop, (top or 0) if want else None, False)
+            check_room(g, best_of)
+            choices = start(g, [prompt], best_of, args, stop, (top or 0) if want else 0 if best_of > n else None,
+                            False)
         except (ApiError, AzyxError) as e:
             return error_response(e)
         except ClientDisconnect:
@@ -743,7 +804,7 @@ def make_app(config: ServeConfig) -> Any:
 
         try:
             return await run(g, request, choices, stream, include_usage, len(prompt), shape, "chat.completion",
-                             first)
+                             first, best_of, n)
         except (ApiError, AzyxError) as e:
             return error_response(e)
         except (svc.ClientGone, ClientDisconnect):
@@ -763,11 +824,8 @@ def make_app(config: ServeConfig) -> Any:
                                "dimensions", code="unsupported")
             encoded = await inputs_of(body, e)
             metrics.prompt_tokens.labels(e.name).inc(sum(len(x) for x in encoded))
-            async with asyncio.timeout(cfg.request_timeout):
+            async with timeout():
                 rows = await svc.unless_gone(e.service.embed_ids(encoded), request.receive)
-        except TimeoutError:
-            return error_response(ApiError(408, f"the request took longer than {cfg.request_timeout} s",
-                                           type="timeout", code="timeout"))
         except (ApiError, AzyxError) as err:
             return error_response(err)
         except (svc.ClientGone, ClientDisconnect):
@@ -856,8 +914,9 @@ def make_app(config: ServeConfig) -> Any:
 
 
 class Outer:
-    """The ASGI layer around the app: counts every HTTP answer by route and status (`azyx_requests_total`) and, with
-    an API key, answers 401 to a /v1/ request without `Authorization: Bearer KEY`."""
+    """The ASGI layer around the app: notes each HTTP request's arrival (`ARRIVED`), counts every HTTP answer by
+    route and status (`azyx_requests_total`) and, with an API key, answers 401 to a /v1/ request without
+    `Authorization: Bearer KEY`."""
 
     def __init__(self, app: Any, metrics: Metrics, api_key: str | None):
         self.app, self.metrics, self.api_key = app, metrics, api_key
@@ -867,6 +926,7 @@ class Outer:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[ARRIVED] = time.perf_counter()
         path = scope["path"]
         route = path if path in ROUTES else "other"
 
