@@ -178,6 +178,8 @@ class Device:
     # off the loop's thread beforehand (`reserve`); 0: never (a driver call that can wait on the driver's lock: CUDA's)
     reserve_min = 0
     listed = True  # a compute device that azyx.devices() lists
+    unlisted_compute = False  # a compute device that azyx.devices() does not list (the dummy: it plans, holds no data)
+    block_search = False  # a search may try the block sizes of its dialect's product template (GPU-style dialects)
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
@@ -353,7 +355,8 @@ class Device:
         """The actions a search may try here: the C-family renderer's register tiles and reduce unrolls everywhere,
         work-group sizes where kernels run one work item per point (GPU-style dialects), vector widths where the
         dialect has vector types, block sizes where a dialect has a product template with a table of them (the host's;
-        CUDA's and Vulkan's tiles, not OpenCL's CPU template); none without a dialect. (Split reductions' parts,
+        on a GPU-style dialect where the device says `block_search`: CUDA's and Vulkan's tiles, not OpenCL's CPU
+        template); none without a dialect. (Split reductions' parts,
         optimize.SPLIT, are searched by azyx.tune wherever the planner splits.)"""
         dl = self.dialect
         if dl is None:
@@ -362,7 +365,7 @@ class Device:
         if not dl.global_ids:
             return tiles | {optimize.BLOCK} if dl.gemm else tiles  # (BLOCK: the host product's block sizes)
         vector = {optimize.VECTOR} if dl.vector else set()
-        block = {optimize.BLOCK} if dl.gemm and (dl.glsl or dl.name == "cuda") else set()
+        block = {optimize.BLOCK} if dl.gemm and self.block_search else set()
         return tiles | {optimize.LOCAL, optimize.GROUP} | vector | block
 
     def identity(self) -> dict[str, Any]:

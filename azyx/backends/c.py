@@ -44,6 +44,16 @@ from azyx.native import native
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
+# gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
+# loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
+# An OpenMP loop body loses its pointers' `restrict`, so gcc vectorises it behind run-time overlap checks, 10 pairs
+# at most by default: a multi-output kernel (3 stores, 6 loads) needs more, or runs scalar (4x slower)
+CONFIG = {"enabled": True, "devices": 1, "compiler": "gcc",
+          "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
+                    "--param=vect-max-version-for-alias-checks=64"],
+          "threads": None, "memory": None, "inline_work": 1 << 16}
+AUTO = True
+
 # kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
 _PROGRAMS: dict[str, tuple[int, int]] = {}
 _LIBS: list[ctypes.CDLL] = []

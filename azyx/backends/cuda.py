@@ -47,6 +47,10 @@ from azyx.launch import Launch, render_kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
 
+CONFIG = {"enabled": True, "memory": None, "spin_us": 20}  # (spin_us: as opencl's)
+AUTO = True
+LIBRARIES = ("libcuda.so.1", "libcuda.so")
+
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
 # blocks of up to SLAB_PIECE bytes are pieces of SLAB-byte slabs, each at an address aligned as cuMemAlloc's (256)
@@ -82,6 +86,7 @@ _STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter th
 
 class CUDADevice(StagedCopies):
     kind = "cuda"
+    block_search = True
     dialect = CUDA
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 

@@ -37,6 +37,9 @@ from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
 from azyx.workers import at_lower_priority
 
+# spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
+CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20}
+
 try:
     import pyopencl as cl
 except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)

@@ -63,6 +63,9 @@ from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.plan import KernelStep
 from azyx.workers import at_lower_priority, in_background
 
+# device_ids: which physical devices (indices, all when empty; one may repeat); spin_us: as opencl's
+CONFIG = {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20}
+
 try:
     import vulkan as vk
 except (ImportError, OSError) as e:  # OSError: the package is there, the loader (libvulkan.so.1) is not
@@ -338,6 +341,7 @@ class _Kept:
 
 class VulkanDevice(QueuedDevice):
     kind = "vulkan"
+    block_search = True
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
 

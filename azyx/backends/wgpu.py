@@ -46,6 +46,11 @@ from azyx.plan import KernelStep
 from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
 from azyx.workers import at_lower_priority
 
+# backends: wgpu's backend types to use (default: the real drivers, Vulkan, Metal, D3D12; name "OpenGL" to allow
+# its fallback); power_preference orders adapters: "high-performance" (discrete first) or "low-power"; features:
+# the adapter features kernels may use (None: every one azyx knows that the adapter has: shader-f64, shader-int64)
+CONFIG = {"enabled": True, "backends": [], "power_preference": "high-performance", "features": None, "memory": None}
+
 try:
     import wgpu
 except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
