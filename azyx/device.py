@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -610,6 +611,31 @@ def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) ->
     if dtype is dtypes.bfloat16:
         out = (out.astype(np.uint32) << 16).view(np.float32)
     return out
+
+
+def artifact_key(*parts: str) -> str:
+    """The disk cache's key of an artifact made from `parts` (the source, the compiler's version and flags)."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def compiled(kind: str, src: str, cmd: list[str], suffixes: tuple[str, str], what: str, timeout_s: float,
+             versions: Sequence[str] = (), check: Callable[[Path], None] | None = None) -> Path:
+    """The artifact (suffixes[1]) of compiling `src` (written to a file of suffixes[0]) by the compiler command `cmd`,
+    whose items "{src}" and "{out}" stand for the two files' paths: from the disk cache under the hash of the source,
+    the command and the compiler's `versions`, else built there (`run_compiler`: killed at `timeout_s`), `check`ed
+    (a validator run on the artifact) before it counts as built."""
+
+    def build(tmp: Path) -> None:
+        path = tmp.with_suffix(suffixes[0])  # the compiler's input, as private as its output
+        try:
+            path.write_text(src)
+            run_compiler([{"{src}": str(path), "{out}": str(tmp)}.get(a, a) for a in cmd], what, timeout_s, src)
+            if check is not None:
+                check(tmp)
+        finally:
+            path.unlink(missing_ok=True)
+
+    return cached_build(kind, artifact_key(src, *cmd, *versions), suffixes[1], build)
 
 
 def cached_build(kind: str, key: str, suffix: str, build: Callable[[Path], None]) -> Path:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import shutil
 import subprocess
 import threading
@@ -56,7 +55,7 @@ from azyx.device import (
     LaunchItem,
     Lent,
     after_waits,
-    cached_build,
+    compiled,
     kernel_list,
     run_compiler,
 )
@@ -551,21 +550,14 @@ class VulkanDevice(QueuedDevice):
         return out
 
     def _spirv(self, step: KernelStep, names: list[str], timeout_s: float) -> bytes:
-        key = hashlib.sha256((step.src + "\0" + glslc_version() + " ".join(GLSLC_FLAGS)).encode()).hexdigest()[:24]
-        what = f"{self.name}: glslc compiling {kernel_list(names)}"
+        def validate(spv: Path) -> None:
+            if shutil.which("spirv-val") is not None:
+                run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(spv)],
+                             f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
 
-        def build(tmp: Path) -> None:
-            glsl = tmp.with_suffix(".comp")
-            try:
-                glsl.write_text(step.src)
-                run_compiler(["glslc", *GLSLC_FLAGS, str(glsl), "-o", str(tmp)], what, timeout_s, step.src)
-                if shutil.which("spirv-val") is not None:
-                    run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(tmp)],
-                                 f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
-            finally:
-                glsl.unlink(missing_ok=True)
-
-        return cached_build("vulkan", key, ".spv", build).read_bytes()
+        return compiled("vulkan", step.src, ["glslc", *GLSLC_FLAGS, "{src}", "-o", "{out}"], (".comp", ".spv"),
+                        f"{self.name}: glslc compiling {kernel_list(names)}", timeout_s, [glslc_version()],
+                        validate).read_bytes()
 
     def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> Any:
         """The kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
