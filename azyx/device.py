@@ -209,6 +209,7 @@ class Device:
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
+    shaders = False  # each kernel's source is a whole program (a shader), which `build` compiles alone
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
     max_block = 0  # the most bytes one buffer may have (0: no limit; `max_block_name`: the API's name of the limit)
     max_block_name = ""
@@ -485,7 +486,10 @@ class Device:
         self.programs.update(built)
 
     def source(self, steps: list[KernelStep]) -> str:
-        """The one source of the kernels of `steps` that `build` compiles: the dialect's prelude and each kernel."""
+        """The one source of the kernels of `steps` that `build` compiles: the dialect's prelude and each kernel (where
+        kernels are `shaders`: each one's own, one after the other, for the debug log)."""
+        if self.shaders:
+            return "\n".join(s.src for s in steps)
         assert self.dialect is not None
         return kernel_source([s.src for s in steps], self.dialect)
 

@@ -324,6 +324,7 @@ class VulkanDevice(QueuedDevice):
     block_search = True
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
+    shaders = True
     max_block_name = "maxMemoryAllocationSize"
 
     @classmethod
@@ -534,10 +535,6 @@ class VulkanDevice(QueuedDevice):
         self.timeline.wait_sync(self._from_host(data, buf, [], host, 0, at_once=True))
 
     # ------------------------------------------------------------------ compile
-    def source(self, steps: list[KernelStep]) -> str:
-        """Each kernel's own shader, one after the other (for the debug log: `build` compiles each alone)."""
-        return "\n".join(s.src for s in steps)
-
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
         in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""

@@ -139,6 +139,7 @@ class WgpuDevice(QueuedDevice):
     kind = "wgpu"
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
     max_block_name = "max-buffer-size"
+    shaders = True
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -265,10 +266,6 @@ class WgpuDevice(QueuedDevice):
 
     def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
         return render_wgsl(k, self.name, self.features, self.max_binding, self.max_trips)
-
-    def source(self, steps: list[KernelStep]) -> str:
-        """Each kernel's own shader (for the debug log: `build` makes a pipeline of each)."""
-        return "\n".join(s.src for s in steps)
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel a shader module (wgpu's naga compiles and validates the WGSL) and a compute pipeline with the
