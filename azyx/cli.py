@@ -65,8 +65,9 @@ def report(out: TextIO, verbose: bool = False) -> list[str]:
         label = what.get("cpu") or what.get("label") or dev.kind
         print(f"  {name:<10} {_mib(dev.capacity):>14} memory, {_mib(dev.free_memory()):>14} free, "
               f"~{dev.compute:,.0f} GFLOP/s (estimate), {dev.threads} threads  {label}", file=out)
-    skipped = [(kind, p.skipped) for kind, p in RT.probes.items()
-               if p.skipped and not (kind == "dummy" and p.skipped.startswith("disabled"))]  # (a test device)
+    # (a backend off by default, a test device such as the dummy, is not listed as skipped when it is off)
+    skipped = [(kind, p.skipped) for kind, p in RT.probes.items() if p.skipped and not (
+        p.skipped.startswith("disabled") and not config.DEFAULTS[kind].get("enabled", True))]
     print(f"backends skipped ({len(skipped)}):", file=out)
     for kind, why in skipped:
         print(f"  {kind:<10} {why}", file=out)

@@ -16,33 +16,16 @@ from azyx.errors import AzyxError
 # whole process group is killed) and the realize raises CompileError
 COMPILE_TIMEOUT_S = 120.0
 
+# the sections of the settings that configure no backend; each backend's own section (its defaults) is the `CONFIG` of
+# its module, which `add_backends` puts before these (azyx.backends does, as it is imported)
 DEFAULTS: dict[str, dict[str, Any]] = {
-    # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
-    # loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
-    # An OpenMP loop body loses its pointers' `restrict`, so gcc vectorises it behind run-time overlap checks, 10 pairs
-    # at most by default: a multi-output kernel (3 stores, 6 loads) needs more, or runs scalar (4x slower)
-    "c": {"enabled": True, "devices": 1, "compiler": "gcc",
-          "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
-                    "--param=vect-max-version-for-alias-checks=64"],
-          "threads": None, "memory": None, "inline_work": 1 << 16, "compile_timeout_s": COMPILE_TIMEOUT_S},
-    # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
-    "opencl": {"enabled": True, "platform_ids": [], "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
-    "cuda": {"enabled": True, "memory": None, "spin_us": 20, "compile_timeout_s": COMPILE_TIMEOUT_S},
-    # off until the GLSL renderer lands; device_ids: which physical devices (indices, all when empty; one may repeat)
-    "vulkan": {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20,
-               "compile_timeout_s": COMPILE_TIMEOUT_S},
-    # backends: wgpu's backend types to use (default: the real drivers, Vulkan, Metal, D3D12; name "OpenGL" to allow
-    # its fallback); power_preference orders adapters: "high-performance" (discrete first) or "low-power"; features:
-    # the adapter features kernels may use (None: every one azyx knows that the adapter has: shader-f64, shader-int64)
-    "wgpu": {"enabled": True, "backends": [], "power_preference": "high-performance", "features": None,
-             "memory": None, "compile_timeout_s": COMPILE_TIMEOUT_S},
-    "dummy": {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0},
     # ExecutionPlans kept for graphs of a structure seen before (least recently used go first): a service that sees
     # ever new shapes must not grow without bound
     # auto: the backends AUTO places work on (device=None), in no order of their own: their devices are ranked by their
     # speed estimates (Device.compute); where none of them has a device, every backend's devices are. Others are used
     # where named (`device="wgpu:0"`), and are not probed until then
-    "runtime": {"plan_cache_size": 1024, "auto": ["cuda", "c", "dummy"]},
+    # (the default: the backends whose module says `AUTO = True`)
+    "runtime": {"plan_cache_size": 1024, "auto": []},
     # kernel search (azyx.search): level "off" (the heuristics, or a winner already in the disk cache), "quick" or
     # "thorough"; budget_s: seconds one kernel's search may take. $AZYX_SEARCH and $AZYX_SEARCH_BUDGET override them
     "search": {"level": "off", "budget_s": 10.0},
@@ -56,6 +39,16 @@ BACKEND_KEYS = ("enabled", "devices", "memory", "compile_timeout_s", "device_ids
 
 class ConfigError(AzyxError, ValueError):
     """A malformed configuration file or dict."""
+
+
+def add_backends(sections: dict[str, dict[str, Any]], auto: list[str]) -> None:
+    """Add the backends' sections (kind -> its defaults) to DEFAULTS, before the settings' (each also takes
+    `compile_timeout_s`, COMPILE_TIMEOUT_S by default), and make `auto` the default of `runtime.auto`."""
+    settings = {k: DEFAULTS.pop(k) for k in SETTINGS}
+    DEFAULTS.update({kind: {**row, "compile_timeout_s": row.get("compile_timeout_s", COMPILE_TIMEOUT_S)}
+                     for kind, row in sections.items()})
+    DEFAULTS.update(settings)
+    DEFAULTS["runtime"]["auto"] = list(auto)
 
 
 def config_path() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -14,11 +15,19 @@ from typing import Any, TypeVar
 import numpy as np
 
 from azyx import debug, optimize
-from azyx.allocator import MemoryUsage
+from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.cstyle import Dialect, kernel_source
 from azyx.dtypes import DType, dtypes
-from azyx.errors import AzyxError, CompileError, DeviceFailedError, IndexOutOfRange, RuntimeStateError, kept
+from azyx.errors import (
+    AllocationError,
+    AzyxError,
+    CompileError,
+    DeviceFailedError,
+    IndexOutOfRange,
+    RuntimeStateError,
+    kept,
+)
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import CHECK_WORDS, Kernel, index_sites
 from azyx.launch import Launch, render_kernel
@@ -158,16 +167,32 @@ CPU_SPIN_S = 100e-6
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
-    """One logical device. The protocol has four parts, split as runtimes that serve many APIs split it:
-    - memory: a pooled allocator (allocator.PoolAllocator) behind `alloc`/`release`/`free_memory`, reads and writes;
-    - compiler: the kernels a plan needs -> one source -> loaded `programs` (`compile`, the backend's `build`),
-      artifacts in one on-disk cache (`cached_build`), within `compile_timeout_s`;
-    - program/launch: `render` (name, source, `Launch`) and `launch`/`launch_many` of loaded programs;
-    - queue + timeline: in-order work, each item a value of the device's TimelineSignal (`pending`, `queued`, `poll`,
-      `collect`), waits on other devices' values kept on the device side, failures recorded per value; the transfer
-      calls (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`) that the executor routes queue there too.
-    A backend writes what differs for its API; the shared parts are here, in allocator.py, backends/host.py (the
-    host-memory work queue) and backends/queued.py (event completion for APIs with events)."""
+    """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
+    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API:
+
+    - memory: a pool of blocks, `allocator` (allocator.PoolAllocator over the backend's "create a block of n
+      bytes"; its `free` back to the pool, `take_cached` to destroy them at close), of `capacity` bytes: `alloc`,
+      `alloc_many`, `release`, `memory`, `free_memory` are here. The backend makes the pool in `__init__` and says
+      `block_address` (a block's address, where kernels read buffers by address) and `max_block`. Host staging (for
+      `copy_from_host` from memory the API copies fastest: pinned, mapped) is a second pool whose blocks are lent as
+      `Lent` (`host_staging`, `staging_block`).
+    - queue + timeline (the event queue): in-order work, each item a value of the device's TimelineSignal
+      (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
+      value (`record_failure`). backends/queued.py is it for an API with completion events: the backend submits a
+      command, puts its native event on `completions` and says how to wait on one (`wait_event`); the waits of a
+      command on other devices' values are translated once (`QueuedDevice.native_waits`: the backend says which it
+      can wait on natively, `native_wait`; the host completes the rest). backends/host.py is it for host memory (an
+      in-order worker thread). The transfer calls the executor routes (`copy`, `copy_peer`, `copy_to_host`,
+      `copy_from_host`, `hold`) queue there too.
+    - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
+      `build`: compile, on a worker thread, its artifacts in one on-disk cache, `cached_build`, within
+      `compile_timeout_s`, `run_compiler` for a compiler that is a process).
+    - program/launch: `render` (name, source, `Launch`: codegen's, in the device's `dialect`) and the backend's
+      `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars.
+
+    So a new backend writes: `__init__` (open the API, make the pool), create/destroy a block, `native_wait` (or its
+    own queue), `build`, `launch`, the transfer calls; and sets the facts below that differ (`kind`, `dialect`, ...)
+    and, in its module, `CONFIG` (its config section's defaults)."""
 
     kind: str = "abstract"
     dialect: Dialect | None = None
@@ -178,11 +203,17 @@ class Device:
     # off the loop's thread beforehand (`reserve`); 0: never (a driver call that can wait on the driver's lock: CUDA's)
     reserve_min = 0
     listed = True  # a compute device that azyx.devices() lists
+    unlisted_compute = False  # a compute device that azyx.devices() does not list (the dummy: it plans, holds no data)
+    block_search = False  # a search may try the block sizes of its dialect's product template (GPU-style dialects)
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
+    shaders = False  # each kernel's source is a whole program (a shader), which `build` compiles alone
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
+    max_block = 0  # the most bytes one buffer may have (0: no limit; `max_block_name`: the API's name of the limit)
+    max_block_name = ""
+    allocator: PoolAllocator  # the memory part's pool (see the class docstring)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
@@ -257,16 +288,27 @@ class Device:
         """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
         return self.timeline.value + self.pending()
 
-    # memory (the allocator)
+    # memory: the pool of blocks
     def free_memory(self) -> int:
-        raise NotImplementedError
+        """Bytes this device can still take."""
+        return self.capacity - self.allocator.in_use
 
     def memory(self) -> MemoryUsage:
         """Bytes this device's buffers hold and bytes its pool caches for reuse (what `azyx.stats()` reports)."""
-        raise NotImplementedError
+        return self.allocator.usage()
+
+    def block_address(self, block: Any) -> int:
+        """A block's address (Buffer.ptr): where kernels or copies take it by address; 0 where the API has none."""
+        return 0
 
     def alloc(self, nbytes: int) -> Buffer:
-        raise NotImplementedError
+        """A buffer of at least `nbytes` bytes from the pool (AllocationError past `max_block` or the capacity)."""
+        if self.max_block and nbytes > self.max_block:
+            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one may be on "
+                                  f"{getattr(self, 'label', self.name)} ({self.max_block_name} = {self.max_block} "
+                                  f"bytes)")
+        block, size = self.allocator.alloc(nbytes)
+        return Buffer(self, size, block, self.block_address(block), True)
 
     def reserve(self, sizes: list[int]) -> None:
         """Make blocks of `sizes` bytes and give them back to the pool, which keeps them cached for the next `alloc`s
@@ -293,10 +335,13 @@ class Device:
         return [self.alloc(n) for n in sizes]
 
     def release(self, buf: Buffer) -> None:
-        raise NotImplementedError
+        """A buffer's block back to the pool (Buffer.__del__)."""
+        self.allocator.free(buf.mem, buf.nbytes)
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
-        raise NotImplementedError
+        """A buffer that is `arr` itself: on a host-memory device only (host data reaches any other device through
+        host:0 and a transfer)."""
+        raise AssertionError(f"host data reaches a {self.kind} device through host:0 and a transfer")
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         raise NotImplementedError
@@ -309,8 +354,9 @@ class Device:
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
         """Queue a kernel with its buffers and the 64-bit words of its scalar arguments (KernelStep.words); returns the
-        timeline value at which it will have completed."""
-        raise NotImplementedError
+        timeline value at which it will have completed. (A backend overrides this or `launch_many`, each the
+        other's default.)"""
+        return self.launch_many([(step, bufs, words)], waits)
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
@@ -354,7 +400,8 @@ class Device:
         """The actions a search may try here: the C-family renderer's register tiles and reduce unrolls everywhere,
         work-group sizes where kernels run one work item per point (GPU-style dialects), vector widths where the
         dialect has vector types, block sizes where a dialect has a product template with a table of them (the host's;
-        CUDA's and Vulkan's tiles, not OpenCL's CPU template); none without a dialect. (Split reductions' parts,
+        on a GPU-style dialect where the device says `block_search`: CUDA's and Vulkan's tiles, not OpenCL's CPU
+        template); none without a dialect. (Split reductions' parts,
         optimize.SPLIT, are searched by azyx.tune wherever the planner splits.)"""
         dl = self.dialect
         if dl is None:
@@ -363,7 +410,7 @@ class Device:
         if not dl.global_ids:
             return tiles | {optimize.BLOCK} if dl.gemm else tiles  # (BLOCK: the host product's block sizes)
         vector = {optimize.VECTOR} if dl.vector else set()
-        block = {optimize.BLOCK} if dl.gemm and (dl.glsl or dl.name == "cuda") else set()
+        block = {optimize.BLOCK} if dl.gemm and self.block_search else set()
         return tiles | {optimize.LOCAL, optimize.GROUP} | vector | block
 
     def identity(self) -> dict[str, Any]:
@@ -440,7 +487,10 @@ class Device:
         self.programs.update(built)
 
     def source(self, steps: list[KernelStep]) -> str:
-        """The one source of the kernels of `steps` that `build` compiles: the dialect's prelude and each kernel."""
+        """The one source of the kernels of `steps` that `build` compiles: the dialect's prelude and each kernel (where
+        kernels are `shaders`: each one's own, one after the other, for the debug log)."""
+        if self.shaders:
+            return "\n".join(s.src for s in steps)
         assert self.dialect is not None
         return kernel_source([s.src for s in steps], self.dialect)
 
@@ -518,6 +568,31 @@ class Device:
         pass
 
 
+class Lent:
+    """A block lent by a pool (a device's staging memory: pinned, mapped), given back with its last reference, by
+    `give_back(pool, block, size)` (default: the pool's `free`). `block`: one the pool had cached (`reuse`), else one
+    is taken now."""
+
+    __slots__ = ("pool", "block", "size", "give_back")
+    block: Any
+    size: int
+
+    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[Any, int] | None = None,
+                 give_back: Callable[[PoolAllocator, Any, int], None] | None = None):
+        self.pool, self.give_back = pool, give_back
+        self.block, self.size = block if block is not None else pool.alloc(nbytes)
+
+    def __del__(self) -> None:
+        try:
+            if hasattr(self, "size"):  # not when the allocation failed
+                if self.give_back is None:
+                    self.pool.free(self.block, self.size)
+                else:
+                    self.give_back(self.pool, self.block, self.size)
+        except Exception:  # interpreter shutdown
+            pass
+
+
 def after_waits(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:
     """Run `fn` once every (device, value) of `waits` is reached (on the thread that reaches the last one; at once
     when all are)."""
@@ -541,6 +616,31 @@ def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) ->
     if dtype is dtypes.bfloat16:
         out = (out.astype(np.uint32) << 16).view(np.float32)
     return out
+
+
+def artifact_key(*parts: str) -> str:
+    """The disk cache's key of an artifact made from `parts` (the source, the compiler's version and flags)."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def compiled(kind: str, src: str, cmd: list[str], suffixes: tuple[str, str], what: str, timeout_s: float,
+             versions: Sequence[str] = (), check: Callable[[Path], None] | None = None) -> Path:
+    """The artifact (suffixes[1]) of compiling `src` (written to a file of suffixes[0]) by the compiler command `cmd`,
+    whose items "{src}" and "{out}" stand for the two files' paths: from the disk cache under the hash of the source,
+    the command and the compiler's `versions`, else built there (`run_compiler`: killed at `timeout_s`), `check`ed
+    (a validator run on the artifact) before it counts as built."""
+
+    def build(tmp: Path) -> None:
+        path = tmp.with_suffix(suffixes[0])  # the compiler's input, as private as its output
+        try:
+            path.write_text(src)
+            run_compiler([{"{src}": str(path), "{out}": str(tmp)}.get(a, a) for a in cmd], what, timeout_s, src)
+            if check is not None:
+                check(tmp)
+        finally:
+            path.unlink(missing_ok=True)
+
+    return cached_build(kind, artifact_key(src, *cmd, *versions), suffixes[1], build)
 
 
 def cached_build(kind: str, key: str, suffix: str, build: Callable[[Path], None]) -> Path:

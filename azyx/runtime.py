@@ -270,10 +270,11 @@ class Runtime:
         return [d.name for d in devs]
 
     def _computing(self, kinds: Iterable[str]) -> list[Device]:
-        """The devices of `kinds` that can compute and have not failed (the dummy device plans but holds no data)."""
+        """The devices of `kinds` that can compute (listed or not: the dummy device plans but holds no data) and have
+        not failed."""
         kinds = set(kinds)
         return [d for d in self.executor.devices.values()
-                if d.kind in kinds and (d.listed or d.kind == "dummy") and d.failed is None]
+                if d.kind in kinds and (d.listed or d.unlisted_compute) and d.failed is None]
 
     def check_device(self, device: str) -> str:
         """The device's full name ("c" is c:0; "disk"). A device of a backend not probed yet, named on an event loop's
@@ -288,7 +289,7 @@ class Runtime:
         kind, _, index = name.partition(":")
         if kind in BACKENDS and kind not in self.probes:
             if index.isdigit() and _on_event_loop() and self.cfg is not None \
-                    and self.cfg.get(kind, {}).get("enabled", kind != "dummy"):
+                    and self.cfg.get(kind, {}).get("enabled", BACKENDS[kind].config.get("enabled", True)):
                 self.probe_in_background([kind])
                 return name
             self.ensure([kind])

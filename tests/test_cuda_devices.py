@@ -207,14 +207,14 @@ def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> No
     own finalizer, then handed out again: two blocks aliased, copies failed or read each other's data.)"""
     import gc
 
-    from azyx.backends.cuda_copy import _Staging
     from azyx.backends.cuda_driver import check, cu
+    from azyx.device import Lent
 
     dev = RT.device("cuda:0")
     size_attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE
     for n in (64, 8192, 3 << 20):
-        staged = _Staging(dev.staging, n)  # type: ignore[attr-defined]
-        ptr, size = staged.pinned.ptr, staged.size
+        staged = Lent(dev.staging, n)  # type: ignore[attr-defined]
+        ptr, size = staged.block.ptr, staged.size
         cycle: list[object] = [staged]
         cycle.append(cycle)
         del staged, cycle

@@ -148,7 +148,7 @@ asyncio.run(main())
 # ------------------------------------------------------------------------------------------------ configuration
 @pytest.mark.parametrize("cfg, names", [
     ({"c": {"treads": 2}}, ["'c.treads'", "'c.threads'"]),
-    ({"cpu": {"threads": 2}}, ["'cpu'", "known: c, opencl"]),
+    ({"cpu": {"threads": 2}}, ["'cpu'", "known: c, cuda, dummy, opencl"]),  # (backends by name)
     ({"search": {"levle": "quick"}}, ["'search.levle'", "'search.level'"]),
     ({"runtime": {"auto": ["gpu"]}}, ["runtime.auto", "'gpu'"]),
     ({"runtime": {"auto": "c"}}, ["runtime.auto", "'c'"]),

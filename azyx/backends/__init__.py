@@ -1,6 +1,7 @@
 """Backends: one module per device API, each holding only what differs for its API (device.py is the protocol).
 
-A backend registers itself here, by kind: the module and its Device class. A backend's module is imported when the
+A backend registers by its module: azyx/backends/<kind>.py with a `CONFIG` (see `Backend`) and a Device subclass
+of that kind; nothing else names it (test_backends_registry holds the rule). A backend's module is imported when the
 runtime first needs that backend (its probe: `probe`), so a missing package or driver disables that backend only
 (AZYX_DEBUG=1 says why, and `python -m azyx` lists it), and a program that uses one backend never waits for the
 others. How many devices a backend has is the class's own business (`Device.count`).
@@ -12,55 +13,95 @@ import contextlib
 import ctypes
 import importlib
 import os
+import pkgutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from azyx import config
 from azyx.device import Device
 
-# kind -> (module, class name)
-BACKENDS: dict[str, tuple[str, str]] = {
-    "c": ("azyx.backends.c", "CDevice"),
-    "opencl": ("azyx.backends.opencl", "OpenCLDevice"),
-    "cuda": ("azyx.backends.cuda", "CUDADevice"),
-    "vulkan": ("azyx.backends.vulkan", "VulkanDevice"),
-    "wgpu": ("azyx.backends.wgpu", "WgpuDevice"),
-    "dummy": ("azyx.backends.dummy", "DummyDevice"),
-}
+
+@dataclass(frozen=True)
+class Backend:
+    """What registers a backend: its module (azyx.backends.<kind>) and, read from that module's source without
+    importing it (its API's package is imported only when the backend is probed), three constants at its top level:
+    `CONFIG` (its config section's defaults: the module carries them), `AUTO` (whether AUTO places work on it by
+    default, config `runtime.auto`) and `LIBRARIES` (driver libraries of which one must load before the module is
+    imported: a millisecond where the driver is missing, where importing the API's bindings would take tens)."""
+
+    module: str
+    config: dict[str, Any]
+    auto: bool = False
+    libraries: tuple[str, ...] = ()
 
 
-def _driver_library(names: list[str]) -> Callable[[], None]:
-    """A check that one of the driver's shared libraries loads (a millisecond where it is missing, where importing the
-    backend's bindings would take tens)."""
+def _constants(src: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The values of the module-level constants `names` in a module's source (`NAME = <expression of literals>`, the
+    expression's lines up to the next line that starts a statement at column 0)."""
+    out = {}
+    for name in names:
+        at = src.find(f"\n{name} = ")
+        if at < 0:
+            continue
+        lines = src[at + len(name) + 4:].split("\n", 40)[:40]
+        n = 1 + next((i for i, line in enumerate(lines[1:]) if line[:1] not in ("", " ", ")", "]", "}")),
+                     len(lines) - 1)
+        out[name] = eval("\n".join(lines[:n]), {"__builtins__": {}})  # (the package's own source: constants only)
+    return out
 
-    def check() -> None:
-        for name in names:
-            try:
-                ctypes.CDLL(name)
-                return
-            except OSError:
-                continue
-        raise OSError(f"no driver library ({' or '.join(names)}) found")
 
-    return check
+def _discover() -> dict[str, Backend]:
+    """Every module of this package whose source sets `CONFIG` at its top level is a backend, its kind its module's
+    name: adding a backend is adding its module."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        name = f"{__name__}.{info.name}"
+        spec = info.module_finder.find_spec(name, None)
+        loader: Any = spec.loader if spec is not None else None
+        src = loader.get_source(name) if loader is not None else None
+        consts = _constants(src or "", ("CONFIG", "AUTO", "LIBRARIES"))
+        if "CONFIG" in consts:
+            found[info.name] = Backend(name, consts["CONFIG"], bool(consts.get("AUTO")),
+                                       tuple(consts.get("LIBRARIES", ())))
+    return found
 
 
-# kind -> a cheap check run before the backend's module is imported: it raises where the backend cannot have a device
-PRECHECKS: dict[str, Callable[[], None]] = {}
-if sys.platform == "linux":
-    PRECHECKS["cuda"] = _driver_library(["libcuda.so.1", "libcuda.so"])
+BACKENDS: dict[str, Backend] = {}
+
+
+def register() -> None:
+    """Find the backends (`_discover`) and add their config sections to config.DEFAULTS (done as this package is
+    imported; again where a module was added to the package's path since)."""
+    BACKENDS.update(_discover())
+    config.add_backends({kind: b.config for kind, b in BACKENDS.items()}, [k for k, b in BACKENDS.items() if b.auto])
+
+
+register()
+
+
+def _precheck(libraries: tuple[str, ...]) -> None:
+    """Raise where none of a backend's driver libraries loads."""
+    for name in libraries:
+        try:
+            ctypes.CDLL(name)
+            return
+        except OSError:
+            continue
+    raise OSError(f"no driver library ({' or '.join(libraries)}) found")
 
 
 def load_backend(kind: str) -> type[Device]:
-    """The Device class of a backend (importing its module: raises where its package or driver is missing)."""
-    mod, cls = BACKENDS[kind]
-    device_class = getattr(importlib.import_module(mod), cls)
-    assert issubclass(device_class, Device)
-    return device_class
+    """The Device class of a backend: its module's Device subclass of that kind (importing the module: raises where
+    its package or driver is missing)."""
+    mod = importlib.import_module(BACKENDS[kind].module)
+    found = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, Device) and c.kind == kind]
+    assert len(found) == 1, f"{mod.__name__} defines {len(found)} Device classes of kind {kind!r}"
+    return found[0]
 
 
 @dataclass
@@ -81,13 +122,13 @@ def probe(kind: str, section: dict[str, Any]) -> Probe:
     package or driver, or a device that fails to start, disables the backend only: the probe says why."""
     record = Probe(kind, thread=threading.get_ident())
     start = time.perf_counter()
-    if not section.get("enabled", kind != "dummy"):
+    if not section.get("enabled", BACKENDS[kind].config.get("enabled", True)):
         record.skipped = "disabled in the configuration"
         return record
     with quiet() as captured:
         try:
-            if kind in PRECHECKS:
-                PRECHECKS[kind]()
+            if BACKENDS[kind].libraries and sys.platform == "linux":
+                _precheck(BACKENDS[kind].libraries)
             device_class = load_backend(kind)
             record.devices = [device_class(i, section) for i in range(device_class.count(section))]
             if not record.devices:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import os
 import platform
 import shutil
@@ -37,12 +36,22 @@ from typing import Any
 from azyx import debug, gemm_host
 from azyx.backends.host import HostDevice
 from azyx.cstyle import SHARED, C
-from azyx.device import BatchState, Device, LaunchItem, cached_build, kernel_list, run_compiler
+from azyx.device import BatchState, Device, LaunchItem, artifact_key, cached_build, compiled, kernel_list
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
 from azyx.native import native
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
+
+# gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
+# loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
+# An OpenMP loop body loses its pointers' `restrict`, so gcc vectorises it behind run-time overlap checks, 10 pairs
+# at most by default: a multi-output kernel (3 stores, 6 loads) needs more, or runs scalar (4x slower)
+CONFIG = {"enabled": True, "devices": 1, "compiler": "gcc",
+          "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
+                    "--param=vect-max-version-for-alias-checks=64"],
+          "threads": None, "memory": None, "inline_work": 1 << 16}
+AUTO = True
 
 # kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
 _PROGRAMS: dict[str, tuple[int, int]] = {}
@@ -64,18 +73,8 @@ def _compiled(src: str, compiler: str, flags: list[str], what: str, timeout_s: f
     """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `device.run_compiler`), or
     found in the on-disk cache under the hash of both; loaded."""
     src = "#define _GNU_SOURCE\n" + src  # (the runtime's sched_getcpu)
-    flags = [*flags, "-shared", "-fPIC", "-std=gnu11"]
-    key = hashlib.sha256((src + "\0" + compiler + " ".join(flags)).encode()).hexdigest()[:24]
-
-    def build(tmp_lib: Path) -> None:
-        c_path = tmp_lib.with_suffix(".c")  # the compiler's input, as private as its output
-        try:
-            c_path.write_text(src)
-            run_compiler([compiler, *flags, str(c_path), "-o", str(tmp_lib), "-lm"], what, timeout_s, src)
-        finally:
-            c_path.unlink(missing_ok=True)
-
-    return ctypes.CDLL(str(cached_build("c", key, ".so", build)))
+    cmd = [compiler, *flags, "-shared", "-fPIC", "-std=gnu11", "{src}", "-o", "{out}", "-lm"]
+    return ctypes.CDLL(str(compiled("c", src, cmd, (".c", ".so"), what, timeout_s)))
 
 
 def _load_runtime(device: str, compiler: str, flags: list[str], timeout_s: float) -> None:
@@ -180,8 +179,7 @@ def _compiler_says(compiler: str, *args: str) -> str:
     except OSError:
         return ""
     cpu = _cpu()  # (-march=native: what the compiler says depends on the CPU too)
-    key = hashlib.sha256("\0".join([path, str(st.st_size), str(st.st_mtime_ns), cpu["cpu"], cpu["isa"], *args])
-                         .encode()).hexdigest()[:24]
+    key = artifact_key(path, str(st.st_size), str(st.st_mtime_ns), cpu["cpu"], cpu["isa"], *args)
 
     def ask(tmp: Path) -> None:
         tmp.write_text(subprocess.run([compiler, *args], capture_output=True, text=True, timeout=30, check=True).stdout)

@@ -31,10 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from azyx import debug
-from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
@@ -46,6 +44,10 @@ from azyx.ir import Kernel
 from azyx.launch import Launch, render_kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
+
+CONFIG = {"enabled": True, "memory": None, "spin_us": 20}  # (spin_us: as opencl's)
+AUTO = True
+LIBRARIES = ("libcuda.so.1", "libcuda.so")
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
 UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
@@ -82,6 +84,7 @@ _STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter th
 
 class CUDADevice(StagedCopies):
     kind = "cuda"
+    block_search = True
     dialect = CUDA
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 
@@ -219,9 +222,6 @@ class CUDADevice(StagedCopies):
             if base not in lent:
                 cu.cuMemFree(base)
 
-    def memory(self) -> MemoryUsage:
-        return self.allocator.usage()
-
     def free_memory(self) -> int:
         """What this device can still take: its budget less what is in use, and no more than the driver has free
         (other processes share the GPU) plus the blocks cached here."""
@@ -233,12 +233,6 @@ class CUDADevice(StagedCopies):
 
     def alloc_many(self, sizes: list[int]) -> list[Buffer]:
         return [Buffer(self, size, ptr, ptr, True) for ptr, size in self.allocator.alloc_many(sizes)]
-
-    def release(self, buf: Buffer) -> None:
-        self.allocator.free(buf.mem, buf.nbytes)
-
-    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
-        raise AssertionError("host data reaches a CUDA device through host:0 and a transfer")
 
     # ------------------------------------------------------------------ compile and launch
     def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
@@ -268,18 +262,17 @@ class CUDADevice(StagedCopies):
                 raise self.fail(e) from None
             raise
 
+    def native_wait(self, dev: Device, v: int) -> Any:
+        """The event (and value) of a command on another CUDA device's stream (None: host-side progress, or a CUDA
+        command still deferred)."""
+        ev = dev.events.get(v) if isinstance(dev, CUDADevice) else None
+        return (ev, v) if ev is not None else None
+
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
-        """The events on the stream of other CUDA devices that `waits` translate to; None when a wait has none
-        (host-side progress, or a CUDA command still deferred): then the command must be deferred."""
-        out = []
-        for dev, v in waits:
-            if dev.timeline.value >= v:
-                continue
-            ev = dev.events.get(v) if isinstance(dev, CUDADevice) else None
-            if ev is None:
-                return None
-            out.append((ev, v))
-        return out
+        """The events that `waits` translate to (`native_waits`); None when a wait has none: then the command must
+        be deferred."""
+        native, host = self.native_waits(waits)
+        return None if host else native
 
     def _record(self, v: int, keep: Any, post: Callable[[], None] | None, first: int = 0) -> None:
         """Under the lock, after the command of value `v` is on the stream: its event (also for the values from

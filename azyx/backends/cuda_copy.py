@@ -17,7 +17,7 @@ from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
 from azyx.backends.queued import QueuedDevice
-from azyx.device import Buffer, Device, after_waits
+from azyx.device import Buffer, Device, Lent, after_waits
 from azyx.errors import DeviceError
 from azyx.workers import in_background
 
@@ -28,7 +28,7 @@ SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; l
 class _Pinned:
     """Page-locked host memory. Owned by a device's staging pool, which frees it when the device closes: never
     with its last reference, because a `__del__` here would run when the cyclic GC finalizes a garbage cycle that
-    holds a `_Staging` (whose own `__del__` then puts this block back in the pool: resurrected, with its memory
+    holds a `device.Lent` of it (whose own `__del__` then puts this block back in the pool: resurrected, with its memory
     freed under it; the driver then hands the address out again, and two blocks alias)."""
 
     __slots__ = ("nbytes", "ptr", "array")
@@ -37,23 +37,6 @@ class _Pinned:
         self.nbytes = nbytes
         self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
-
-
-class _Staging:
-    """A pinned block lent by a device's staging pool (`block`: one it had cached); back to the pool with its last
-    reference."""
-
-    __slots__ = ("pool", "pinned", "size")
-    pinned: _Pinned
-    size: int
-
-    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[_Pinned, int] | None = None):
-        self.pool = pool
-        self.pinned, self.size = block if block is not None else pool.alloc(nbytes)
-
-    def __del__(self) -> None:
-        if hasattr(self, "size"):  # not when the allocation failed
-            self.pool.free(self.pinned, self.size)
 
 
 class StagedCopies(QueuedDevice):
@@ -101,21 +84,21 @@ class StagedCopies(QueuedDevice):
         block = self.staging.reuse(nbytes)
         if block is None:
             return super().host_staging(nbytes)
-        staged = _Staging(self.staging, nbytes, block)
-        return staged.pinned.array[:nbytes], staged
+        staged = Lent(self.staging, nbytes, block)
+        return staged.block.array[:nbytes], staged
 
     def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A pinned block from the staging pool, pinned now when it has none cached (worker threads only)."""
-        staged = _Staging(self.staging, max(nbytes, 1))
-        return staged.pinned.array[:nbytes], staged
+        staged = Lent(self.staging, max(nbytes, 1))
+        return staged.block.array[:nbytes], staged
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
         """From this device's pinned staging (`host_staging`, `staging_block`: `keep` is its block, `host` that block
         or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`)."""
         n = host.nbytes
-        if isinstance(keep, _Staging):
-            src = host.ctypes.data if n else keep.pinned.ptr
+        if isinstance(keep, Lent) and keep.pool is self.staging:
+            src = host.ctypes.data if n else keep.block.ptr
 
             def dma() -> None:
                 if n and (err := self.hot.here().htod(dst.ptr + offset, src, n, self.stream_h)):
@@ -136,12 +119,12 @@ class StagedCopies(QueuedDevice):
         chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
         # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
-        stages: list[list[_Staging]] = [[] for _ in chunks]
+        stages: list[list[Lent]] = [[] for _ in chunks]
 
         def dma(i: int) -> None:
             o, size = chunks[i]
             if size:
-                pinned, at = stages[i][0].pinned, dst.ptr + offset + o
+                pinned, at = stages[i][0].block, dst.ptr + offset + o
                 if err := self.hot.here().htod(at, pinned.ptr, size, self.stream_h):  # (often the submitter's)
                     self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
@@ -151,8 +134,8 @@ class StagedCopies(QueuedDevice):
 
         def fill_chunk(i: int, block: tuple[_Pinned, int] | None = None) -> None:
             o, size = chunks[i]
-            stages[i].append(_Staging(self.staging, max(size, 1), block))
-            fill(o, stages[i][0].pinned.array[:size])
+            stages[i].append(Lent(self.staging, max(size, 1), block))
+            fill(o, stages[i][0].block.array[:size])
 
         if at_once and all(d.timeline.value >= v for d, v in waits):
             # staged here from blocks the pool has cached; else (pinning fresh memory takes milliseconds, and this
@@ -209,28 +192,28 @@ class StagedCopies(QueuedDevice):
         v = 0
         for o in range(0, max(n, 1), STAGE):
             size = min(STAGE, n - o)
-            cell: list[_Staging] = []  # its pinned block: taken here when small, else on the submitter thread
+            cell: list[Lent] = []  # its pinned block: taken here when small, else on the submitter thread
 
-            def take(size: int = size, cell: list[_Staging] = cell) -> None:
-                cell.append(_Staging(self.staging, max(size, 1)))
+            def take(size: int = size, cell: list[Lent] = cell) -> None:
+                cell.append(Lent(self.staging, max(size, 1)))
 
-            def enqueue(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
+            def enqueue(o: int = o, size: int = size, cell: list[Lent] = cell) -> None:
                 if size:
                     staged = cell[0]
                     at = buf.ptr + offset + o
-                    if err := self.hot.here().dtoh(staged.pinned.ptr, at, size, self.stream_h):
+                    if err := self.hot.here().dtoh(staged.block.ptr, at, size, self.stream_h):
                         raise DeviceError(f"D2H of {size} bytes ({err}): from {describe_pointer(at)} (of "
-                                          f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.pinned.ptr)} "
+                                          f"{buf.nbytes}, {buf.device.name}) to {describe_pointer(staged.block.ptr)} "
                                           f"in {cu.cuCtxGetCurrent()}, device ctx {self.ctx}")
 
-            def post(o: int = o, size: int = size, cell: list[_Staging] = cell) -> None:
-                flat[o:o + size] = cell[0].pinned.array[:size]  # on the waiter thread
+            def post(o: int = o, size: int = size, cell: list[Lent] = cell) -> None:
+                flat[o:o + size] = cell[0].block.array[:size]  # on the waiter thread
 
             # a small read takes a block the pool has cached; pinning fresh memory takes milliseconds (1.2 ms for a
             # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submitter's
             block = self.staging.reuse(max(size, 1)) if n <= SYNC_STAGE else None
             if block is not None:
-                cell.append(_Staging(self.staging, max(size, 1), block))
+                cell.append(Lent(self.staging, max(size, 1), block))
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
             else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)

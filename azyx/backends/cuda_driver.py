@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-import hashlib
 from pathlib import Path
 from typing import Any
 
-from azyx.device import cached_build
+from azyx.device import artifact_key, cached_build
 from azyx.errors import CompileError, DeviceError
 from azyx.gemm_sm90 import TensorMap
 from azyx.native import native
@@ -179,7 +178,7 @@ def nvrtc_version() -> int:
 def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
     """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
     architecture and NVRTC version."""
-    key = hashlib.sha256(f"{src}\0{arch}\0{nvrtc_version()}".encode()).hexdigest()[:24]
+    key = artifact_key(src, arch, str(nvrtc_version()))
 
     def build(out: Path) -> None:
         prog = check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")

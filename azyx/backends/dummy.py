@@ -15,6 +15,9 @@ from azyx.errors import AllocationError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
 
+CONFIG = {"enabled": False, "devices": 1, "memory": 1 << 30, "compute": 0.0}
+AUTO = True
+
 NO_DATA = "{} is a dummy device: it plans and accounts memory but holds no data"
 
 
@@ -22,6 +25,7 @@ class DummyDevice(Device):
     kind = "dummy"
     dialect = C
     listed = False
+    unlisted_compute = True
     search_actions: frozenset[str] = frozenset()  # (it runs nothing: nothing to time)
 
     def __init__(self, index: int, options: dict[str, Any]):

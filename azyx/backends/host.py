@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.allocator import PoolAllocator
 from azyx.device import BatchState, Buffer, Device, LaunchItem, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
@@ -139,12 +139,6 @@ class HostDevice(Device):
         self.allocator = HostAllocator(self.capacity, self.capacity // 4, self.name)
         self.queue = WorkQueue(self.timeline, self.name, self.record_failure)
         self.inline_work = int(options.get("inline_work", 1 << 16))
-
-    def memory(self) -> MemoryUsage:
-        return self.allocator.usage()
-
-    def free_memory(self) -> int:
-        return self.capacity - self.allocator.in_use
 
     def alloc(self, nbytes: int) -> Buffer:
         (mem, ptr), size = self.allocator.alloc(nbytes)

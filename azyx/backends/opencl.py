@@ -28,14 +28,17 @@ from typing import Any, cast
 import numpy as np
 
 from azyx import debug, gemm_host
-from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.allocator import PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import OPENCL
-from azyx.device import CPU_SPIN_S, Buffer, Device, kernel_list
+from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
 from azyx.workers import at_lower_priority
+
+# spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
+CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20}
 
 try:
     import pyopencl as cl
@@ -106,29 +109,7 @@ class OpenCLDevice(QueuedDevice):
                 "driver": d.driver_version, "version": d.version, "units": int(d.max_compute_units),
                 "gemm": gemm_host.VERSION if self.dialect.gemm else None}
 
-    # ------------------------------------------------------------------ memory
-    def memory(self) -> MemoryUsage:
-        return self.allocator.usage()
-
-    def free_memory(self) -> int:
-        return self.capacity - self.allocator.in_use
-
-    def alloc(self, nbytes: int) -> Buffer:
-        # completed commands' buffers go back to the pool first (this request may reuse one): those of commands the
-        # timeline is past, which `poll` may have seen complete before the waiter thread did
-        if self.holding:  # (read without the lock, which the waiter thread holds as it drops entries: a changed
-            try:  # table is a completion, so collect then too)
-                first = next(iter(self.holding))
-            except (RuntimeError, StopIteration):
-                first = 0
-            if first <= self.timeline.value:
-                self.collect()
-        mem, size = self.allocator.alloc(nbytes)
-        return Buffer(self, size, mem, 0, True)
-
-    def release(self, buf: Buffer) -> None:
-        self.allocator.free(buf.mem, buf.nbytes)
-
+    # ------------------------------------------------------------------ memory (the pool: Device's)
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         if out.nbytes:
             with self.lock:
@@ -159,23 +140,17 @@ class OpenCLDevice(QueuedDevice):
             out[s.name] = knl
         return out
 
-    def _wait_events(self, waits: list[tuple[Device, int]]) -> list[Any]:
-        """Translate (device, value) waits into OpenCL events the queue can wait on."""
-        out = []
-        for dev, v in waits:
-            if dev.timeline.value >= v:
-                continue
-            if isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx and v in dev.events:
-                out.append(dev.events[v])
-                continue
-            uev = cl.UserEvent(self.ctx)  # completed by the other device's timeline, from its thread
-            dev.timeline.on_reach(v, partial(uev.set_status, cl.command_execution_status.COMPLETE))
-            out.append(uev)
-        return out
+    def native_wait(self, dev: Device, v: int) -> Any:
+        """The event of a device of this context."""
+        return dev.events.get(v) if isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx else None
 
     def _enqueue(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]],
                  keep: Any) -> int:
-        wait_for = self._wait_events(waits)
+        wait_for, host = self.native_waits(waits)
+        if host:  # one user event, completed once the other devices' timelines reach theirs (from their threads)
+            uev = cl.UserEvent(self.ctx)
+            after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
+            wait_for.append(uev)
         with self.lock:
             ev = enqueue(wait_for or None)
             self.submitted += 1

@@ -60,6 +60,23 @@ class QueuedDevice(Device):
     def retire(self, v: int, ev: Any) -> None:
         """Under the lock: the waiter thread is past `ev`, the event of value `v` (CUDA recycles it)."""
 
+    def native_wait(self, dev: Device, v: int) -> Any:
+        """What this device's queue can wait on natively for value `v` of `dev` (an event, a semaphore and its value),
+        or None: the host must see it reached (`native_waits`)."""
+        return None
+
+    def native_waits(self, waits: list[tuple[Device, int]]) -> tuple[list[Any], list[tuple[Device, int]]]:
+        """The one translation of a command's waits: of those not reached yet, the native ones (`native_wait`) and
+        the rest, which the host sees reached (a host-opened gate, a user event, or the command deferred)."""
+        native, host = [], []
+        for dev, v in waits:
+            if dev.timeline.value < v:
+                if (ev := self.native_wait(dev, v)) is not None:
+                    native.append(ev)
+                else:
+                    host.append((dev, v))
+        return native, host
+
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
         it held, for the waiter thread to drop outside the lock."""
@@ -69,10 +86,27 @@ class QueuedDevice(Device):
         return self.holding.pop(v, None)
 
     # shared
+    def alloc(self, nbytes: int) -> Buffer:
+        # completed commands' buffers go back to the pool first (this request may reuse one): those of commands the
+        # timeline is past, which `poll` may have seen complete before the waiter thread did
+        if self.holding:  # (read without the lock, which the waiter thread holds as it drops entries: a changed
+            try:  # table is a completion, so collect then too)
+                first = next(iter(self.holding))
+            except (RuntimeError, StopIteration):
+                first = 0
+            if first <= self.timeline.value:
+                self.collect()
+        return super().alloc(nbytes)
+
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read on a worker thread (the buffer is ready): queued in order (`copy_to_host`), then waited
         for."""
         self.timeline.wait_sync(self.copy_to_host(buf, out, []))
+
+    def write(self, buf: Buffer, host: np.ndarray) -> None:
+        """Blocking write of raw bytes on a worker thread: queued in order (`copy_from_host`), then waited for."""
+        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
+        self.timeline.wait_sync(self.copy_from_host(data, buf, [], host))
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         host = np.empty(buf.nbytes, np.uint8)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import shutil
 import subprocess
 import threading
@@ -45,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.allocator import PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import GLSL, Dialect
 from azyx.device import (
@@ -54,14 +53,18 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
+    Lent,
     after_waits,
-    cached_build,
+    compiled,
     kernel_list,
     run_compiler,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.plan import KernelStep
 from azyx.workers import at_lower_priority, in_background
+
+# device_ids: which physical devices (indices, all when empty; one may repeat); spin_us: as opencl's
+CONFIG = {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20}
 
 try:
     import vulkan as vk
@@ -284,26 +287,6 @@ class _Block:
         self.users = self.used = 0
 
 
-class _Lent:
-    """A staging block lent by a device's staging pool; back to it (or destroyed, once the device has closed) with its
-    last reference."""
-
-    __slots__ = ("device", "block", "size")
-    block: _Block
-    size: int
-
-    def __init__(self, device: VulkanDevice, nbytes: int):
-        self.device = device
-        self.block, self.size = device.staging.alloc(nbytes)
-
-    def __del__(self) -> None:
-        try:
-            if hasattr(self, "size"):  # not when the allocation failed
-                self.device.give_back(self.device.staging, self.block, self.size)
-        except Exception:  # interpreter shutdown
-            pass
-
-
 class _Commands:
     """A command buffer and the mapped block of its kernels' words, bound by its descriptor set (one dynamic storage
     buffer: each dispatch binds its words' offset). A one-time buffer is recycled once its submission completed; a
@@ -313,7 +296,7 @@ class _Commands:
 
     def __init__(self, cb: Any, ds: Any):
         self.cb, self.ds = cb, ds
-        self.words: _Lent | None = None
+        self.words: Lent | None = None
         self.key: tuple[int, ...] | None = None  # kept: the zero-filled buffers it was recorded with
         self.pending = 0
 
@@ -338,8 +321,11 @@ class _Kept:
 
 class VulkanDevice(QueuedDevice):
     kind = "vulkan"
+    block_search = True
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
+    shaders = True
+    max_block_name = "maxMemoryAllocationSize"
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -373,7 +359,7 @@ class VulkanDevice(QueuedDevice):
         self.label = ctx.props.deviceName
         self.limits = ctx.limits
         self.max_groups = tuple(self.limits.maxComputeWorkGroupCount)
-        self.max_allocation = ctx.max_allocation  # (a shader reads buffers by address: no binding limits a kernel)
+        self.max_block = ctx.max_allocation  # (a shader reads buffers by address: no binding limits a kernel)
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
         # a GPU's subgroups of 32 lanes (NVIDIA's) shuffle; lavapipe's (8 lanes of the CPU's vectors) do not pay
@@ -533,28 +519,15 @@ class VulkanDevice(QueuedDevice):
                 "api": int(props.apiVersion), "vendor_id": int(props.vendorID), "device_id": int(props.deviceID),
                 "glsl": self.dialect.name if self.dialect is not None else ""}
 
-    def memory(self) -> MemoryUsage:
-        return self.allocator.usage()
-
-    def free_memory(self) -> int:
-        return self.capacity - self.allocator.in_use
-
-    def alloc(self, nbytes: int) -> Buffer:
-        if nbytes > self.max_allocation:
-            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one allocation may be on "
-                                  f"{self.label} (maxMemoryAllocationSize = {self.max_allocation} bytes)")
-        # completed commands' buffers go back to the pool first (those whose value the timeline reached before the
-        # waiter thread saw it complete: `collect` looks under the lock): this request may reuse one
-        if self.holding:
-            self.collect()
-        block, size = self.allocator.alloc(nbytes)
-        return Buffer(self, size, block, block.ptr, True)
+    def block_address(self, block: _Block) -> int:
+        return block.ptr
 
     def release(self, buf: Buffer) -> None:
         self.give_back(self.allocator, buf.mem, buf.nbytes)
 
-    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
-        raise AssertionError("host data reaches a vulkan device through host:0 and a transfer")
+    def _lend(self, nbytes: int) -> Lent:
+        """A staging block, back to the pool (or destroyed, once the device has closed) with its last reference."""
+        return Lent(self.staging, nbytes, give_back=self.give_back)
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads: the host copy runs here)."""
@@ -562,10 +535,6 @@ class VulkanDevice(QueuedDevice):
         self.timeline.wait_sync(self._from_host(data, buf, [], host, 0, at_once=True))
 
     # ------------------------------------------------------------------ compile
-    def source(self, steps: list[KernelStep]) -> str:
-        """Each kernel's own shader, one after the other (for the debug log: `build` compiles each alone)."""
-        return "\n".join(s.src for s in steps)
-
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
         in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""
@@ -578,21 +547,14 @@ class VulkanDevice(QueuedDevice):
         return out
 
     def _spirv(self, step: KernelStep, names: list[str], timeout_s: float) -> bytes:
-        key = hashlib.sha256((step.src + "\0" + glslc_version() + " ".join(GLSLC_FLAGS)).encode()).hexdigest()[:24]
-        what = f"{self.name}: glslc compiling {kernel_list(names)}"
+        def validate(spv: Path) -> None:
+            if shutil.which("spirv-val") is not None:
+                run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(spv)],
+                             f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
 
-        def build(tmp: Path) -> None:
-            glsl = tmp.with_suffix(".comp")
-            try:
-                glsl.write_text(step.src)
-                run_compiler(["glslc", *GLSLC_FLAGS, str(glsl), "-o", str(tmp)], what, timeout_s, step.src)
-                if shutil.which("spirv-val") is not None:
-                    run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(tmp)],
-                                 f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
-            finally:
-                glsl.unlink(missing_ok=True)
-
-        return cached_build("vulkan", key, ".spv", build).read_bytes()
+        return compiled("vulkan", step.src, ["glslc", *GLSLC_FLAGS, "{src}", "-o", "{out}"], (".comp", ".spv"),
+                        f"{self.name}: glslc compiling {kernel_list(names)}", timeout_s, [glslc_version()],
+                        validate).read_bytes()
 
     def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> Any:
         """The kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
@@ -661,7 +623,7 @@ class VulkanDevice(QueuedDevice):
             rows.append(row)
             at += -(-8 * len(row) // self.align) * self.align
         if cmd.words is None or cmd.words.block.size < at + WORDS_RANGE:
-            cmd.words = _Lent(self, at + WORDS_RANGE)
+            cmd.words = self._lend(at + WORDS_RANGE)
             block = cmd.words.block
             info = vk.VkDescriptorBufferInfo(buffer=block.buffer, offset=block.offset, range=WORDS_RANGE)
             vk.vkUpdateDescriptorSets(self.vkdev, 1, [vk.VkWriteDescriptorSet(
@@ -753,20 +715,16 @@ class VulkanDevice(QueuedDevice):
         del done  # what completed work held goes back to its pools here, on the submitting thread
         return v
 
+    def native_wait(self, dev: Device, v: int) -> Any:
+        """The timeline semaphore (and value) of a vulkan device of this context."""
+        return (dev.sem, v) if isinstance(dev, VulkanDevice) and dev.ctx is self.ctx else None
+
     def _wait_semaphores(self, waits: list[tuple[Device, int]], v: int,
                          fill: Callable[[], None] | None) -> tuple[list[Any], list[int]]:
         """Under the lock: the semaphores (and values) submission `v` waits on: another vulkan device's of this
         context directly, any other device's through a gate that the host opens (after `fill`, when given)."""
-        sems, values = [], []
-        host = []
-        for dev, u in waits:
-            if dev.timeline.value >= u:
-                continue
-            if isinstance(dev, VulkanDevice) and dev.ctx is self.ctx:
-                sems.append(dev.sem)
-                values.append(u)
-            else:
-                host.append((dev, u))
+        native, host = self.native_waits(waits)
+        sems, values = [s for s, _ in native], [u for _, u in native]
         if host or fill is not None:
             self.gates += 1
             g = self.gates
@@ -854,10 +812,6 @@ class VulkanDevice(QueuedDevice):
         return True
 
     # ------------------------------------------------------------------ launches
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        return self.launch_many([(step, bufs, words)], waits)
-
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
         """The kernels back to back in one command buffer (a barrier after each), one submission; a plan's batch by
@@ -877,7 +831,7 @@ class VulkanDevice(QueuedDevice):
 
     def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A mapped staging block: `copy_from_host` from it is a copy command in queue order."""
-        lent = _Lent(self, nbytes)
+        lent = self._lend(nbytes)
         return _mapping(lent.block)[:nbytes], lent
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
@@ -892,8 +846,7 @@ class VulkanDevice(QueuedDevice):
                 flat[:] = mapping[offset:offset + n]
 
             return self._submit(None, waits, (buf, out), post)
-        lent = _Lent(self, max(n, 1))
-
+        lent = self._lend(max(n, 1))
         staged = _mapping(lent.block)
 
         def post_staged() -> None:
@@ -915,11 +868,11 @@ class VulkanDevice(QueuedDevice):
         ready and small (or `at_once`: a worker thread's blocking write), else on a worker thread once it is ready
         (the submission waits for it at a gate)."""
         n = host.nbytes
-        if isinstance(keep, _Lent) and keep.device is self:  # (`host`: the block's mapping, or a part of it)
+        if isinstance(keep, Lent) and keep.pool is self.staging:  # (`host`: the block's mapping, or a part of it)
             at = host.ctypes.data - _mapping(keep.block).ctypes.data if n else 0
             return self._submit(lambda cmd: _copy(cmd, keep.block, at, dst.mem, offset, n), waits, (keep, dst))
         src = host.reshape(-1).view(np.uint8)
-        lent = None if self.mapped else _Lent(self, max(n, 1))
+        lent = None if self.mapped else self._lend(max(n, 1))
         target = _mapping(dst.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
 
         def fill() -> None:

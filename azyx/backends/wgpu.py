@@ -34,17 +34,21 @@ from typing import Any
 import numpy as np
 
 from azyx import debug, optimize
-from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.allocator import PoolAllocator
+from azyx.backends.queued import QueuedDevice
 from azyx.config import ConfigError
-from azyx.device import Buffer, Device, LaunchItem, host_read, kernel_list
-from azyx.dtypes import DType
+from azyx.device import Buffer, Device, LaunchItem, Lent, kernel_list
 from azyx.errors import AllocationError, CompileError, DeviceError
-from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel, scalar_args
 from azyx.launch import Launch
 from azyx.plan import KernelStep
 from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
 from azyx.workers import at_lower_priority
+
+# backends: wgpu's backend types to use (default: the real drivers, Vulkan, Metal, D3D12; name "OpenGL" to allow
+# its fallback); power_preference orders adapters: "high-performance" (discrete first) or "low-power"; features:
+# the adapter features kernels may use (None: every one azyx knows that the adapter has: shader-f64, shader-int64)
+CONFIG = {"enabled": True, "backends": [], "power_preference": "high-performance", "features": None, "memory": None}
 
 try:
     import wgpu
@@ -123,20 +127,19 @@ class _Program:
         return out
 
 
-class _Item:
-    """One work item of the device's queue: its timeline value, the (device, value) pairs it waits for, what the
-    worker does for it (None: nothing but waiting; it returns True when the item's completion is known on return),
-    and what it holds until it is done."""
-
-    __slots__ = ("v", "waits", "run", "keep")
-
-    def __init__(self, v: int, waits: list[tuple[Device, int]], run: Callable[[], bool] | None, keep: Any):
-        self.v, self.waits, self.run, self.keep = v, waits, run, keep
+# a work item of the device's queue: its timeline value, the (device, value) pairs it waits for, and what the worker
+# does for it (None: nothing but waiting; it returns True when the item's completion is known on return)
+_Item = tuple[int, list[tuple[Device, int]], Callable[[], bool] | None]
 
 
-class WgpuDevice(Device):
+class WgpuDevice(QueuedDevice):
+    """WebGPU has no events: a worker thread runs each item once its waits are reached (a submission of commands),
+    and the event queue's waiter thread waits for the work submitted so far (`wait_event`)."""
+
     kind = "wgpu"
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
+    max_block_name = "max-buffer-size"
+    shaders = True
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -166,7 +169,7 @@ class WgpuDevice(Device):
             raise DeviceError(f"{self.name}: requesting a device of {self.label} failed: {e}") from None
         self.queue = self.gpu.queue
         self.max_binding = int(limits["max-storage-buffer-binding-size"])  # (larger buffers bind as several ranges)
-        self.max_buffer = int(limits["max-buffer-size"])
+        self.max_block = int(limits["max-buffer-size"])
         self.max_trips = next((n for name, n in LOOP_LIMITS.items() if name in info["device"]), 0)
         self.max_buffers = int(limits["max-storage-buffers-per-shader-stage"])
         self.word_align = int(limits["min-uniform-buffer-offset-alignment"])
@@ -187,16 +190,14 @@ class WgpuDevice(Device):
             size=_ceil4(size), usage=UPLOAD), f"{self.name} uploads")
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
-        self.lock = threading.Lock()
-        self.submitted = 0
         self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.closed = False
-        self.done_items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # submitted, completion not seen
+        self.worked = 0  # the last value the worker is done with (its commands submitted to wgpu)
+        self.done = 0  # the last value known complete (`wait_event`: one wait covers all submitted before it)
         self._warm_up()
         self.worker = threading.Thread(target=self._work, name=f"azyx-{self.name}-queue", daemon=True)
-        self.completer = threading.Thread(target=self._complete, name=f"azyx-{self.name}-done", daemon=True)
         self.worker.start()
-        self.completer.start()
+        self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({info['adapter_type']}, wgpu {wgpu.__version__}; "
                                  f"features {', '.join(sorted(self.features)) or 'none'}; storage bindings up to "
                                  f"{self.max_binding >> 20} MiB, {self.max_buffers} per kernel)")
@@ -250,38 +251,8 @@ class WgpuDevice(Device):
         except Exception as e:
             raise AllocationError(f"{self.name}: allocating {size} bytes failed: {e}") from None
 
-    def memory(self) -> MemoryUsage:
-        return self.allocator.usage()
-
-    def free_memory(self) -> int:
-        return self.capacity - self.allocator.in_use
-
-    def alloc(self, nbytes: int) -> Buffer:
-        if nbytes > self.max_buffer:
-            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one may be on {self.label} "
-                                  f"(max-buffer-size = {self.max_buffer} bytes)")
-        mem, size = self.allocator.alloc(nbytes)
-        return Buffer(self, size, mem, 0, True)
-
     def release(self, buf: Buffer) -> None:
         self.allocator.free(None if self.closed else buf.mem, buf.nbytes)
-
-    def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
-        raise AssertionError("host data reaches a wgpu device through host:0 and a transfer")
-
-    def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-        host = np.empty(buf.nbytes, np.uint8)
-        self.read_into(buf, host)
-        return host_read(host, view, shape, dtype)
-
-    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        """Blocking read (worker threads): queued in order, then waited for."""
-        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
-
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        """Blocking write of raw bytes (worker threads)."""
-        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
-        self.timeline.wait_sync(self.copy_from_host(data, buf, [], host))
 
     # ------------------------------------------------------------------ compile
     # (WGSL: no register tiles; vectors in elementwise kernels, wgsl.WGSL_VEC)
@@ -295,10 +266,6 @@ class WgpuDevice(Device):
 
     def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
         return render_wgsl(k, self.name, self.features, self.max_binding, self.max_trips)
-
-    def source(self, steps: list[KernelStep]) -> str:
-        """Each kernel's own shader (for the debug log: `build` makes a pipeline of each)."""
-        return "\n".join(s.src for s in steps)
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel a shader module (wgpu's naga compiles and validates the WGSL) and a compute pipeline with the
@@ -329,12 +296,6 @@ class WgpuDevice(Device):
         return out
 
     # ------------------------------------------------------------------ the queue
-    def pending(self) -> int:
-        return self.submitted - self.timeline.value
-
-    def queued(self) -> int:
-        return self.submitted
-
     def _enqueue(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], keep: Any) -> int:
         """Number a work item and hand it to the worker thread (the loop's whole part of any submission)."""
         with self.lock:
@@ -343,57 +304,44 @@ class WgpuDevice(Device):
                 raise DeviceError(f"{self.name} is closed")
             self.submitted += 1
             v = self.submitted
-            self.items.put(_Item(v, [w for w in waits if w[0].timeline.value < w[1]], run, keep))
+            self.holding[v] = keep
+            self.items.put((v, [w for w in waits if w[0].timeline.value < w[1]], run))
+            done = self._take_done()
+        del done  # buffers of completed items go back to their pools here, on the submitting thread
         return v
 
     def _work(self) -> None:
-        """The worker: items in order, each after its waits; an item whose completion its own work tells (a read,
-        mapped) advances the timeline here, the others go to the completion thread."""
+        """The worker: items in order, each after its waits, then to the waiter thread (`wait_event`)."""
         while (item := self.items.get()) is not None:
+            v, waits, run = item
             known = False
             try:
-                for dev, u in item.waits:
+                for dev, u in waits:
                     try:
                         dev.timeline.wait_sync(u)
                     except Exception as e:  # a device it waits for failed: its input is lost, and so is this work
-                        self.record_failure(item.v, e)
-                if item.run is not None and item.v not in self.failures:
-                    known = item.run()
+                        self.record_failure(v, e)
+                if run is not None and v not in self.failures:
+                    known = run()
             except BaseException as e:
-                self.record_failure(item.v, e)
-            if known:  # (what it held goes before the timeline says so: a waiter may count the pool's blocks)
-                v = item.v
-                del item
-                self.timeline.signal(v)
-            else:
-                self.done_items.put(item)
-                del item
-        self.done_items.put(None)
-
-    def _complete(self) -> None:
-        """The completion thread: for the newest item submitted, wait until the queue's work submitted so far is done
-        (wgpu-py resolves that from its poller thread), then advance the timeline to it and drop what the items
-        held."""
-        stop = False
-        while not stop and (item := self.done_items.get()) is not None:
-            held = [item]
-            while True:  # the newest one submitted: one wait covers all before it
-                try:
-                    more = self.done_items.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                held.append(more)
-                del more
-            v = held[-1].v
-            try:
-                self.queue.on_submitted_work_done_sync()
-            except Exception as e:
                 self.record_failure(v, e)
-            del held, item  # (before the timeline says so: a waiter may count the pool's blocks)
-            self.timeline.signal(v)
+            self.worked = v
+            self.completions.put((known, v, None))
+            del item, run
+
+    def wait_event(self, known: bool, v: int) -> bool:
+        """Item `v` is complete where its own work said so (a read, mapped), else once the queue's work submitted so
+        far is (wgpu-py resolves that from its poller thread): one wait covers every item before."""
+        if known or v <= self.done:
+            return True
+        upto = self.worked
+        try:
+            self.queue.on_submitted_work_done_sync()
+        except Exception as e:
+            self.record_failure(v, e)
+            return False
+        self.done = upto
+        return True
 
     def _submit(self, encode: Callable[[Any], None]) -> None:
         enc = self.gpu.create_command_encoder()
@@ -401,10 +349,6 @@ class WgpuDevice(Device):
         self.queue.submit([enc.finish()])
 
     # ------------------------------------------------------------------ launches
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        return self.launch_many([(step, bufs, words)], waits)
-
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
         """The kernels in one compute pass, one submission (WebGPU orders each dispatch's writes before the next
         dispatch's reads)."""
@@ -480,19 +424,7 @@ class WgpuDevice(Device):
 
         def run() -> bool:
             lo = offset & ~3
-            size = _ceil4(offset + n) - lo
-            staging, bucket = self.staging.alloc(max(size, 4))
-            try:
-                self._submit(lambda enc: enc.copy_buffer_to_buffer(buf.mem, lo, staging, 0, size) if size else None)
-                staging.map_sync("READ", 0, max(size, 4))
-                try:
-                    view = staging.read_mapped(0, max(size, 4), copy=False)
-                    flat[:] = np.frombuffer(view, np.uint8)[offset - lo:offset - lo + n]
-                    del view
-                finally:
-                    staging.unmap()
-            finally:
-                self.staging.free(staging, bucket)
+            self._read_back(buf, lo, _ceil4(offset + n) - lo, flat, offset - lo)
             return True
 
         return self._enqueue(run, waits, (buf, out))
@@ -514,17 +446,14 @@ class WgpuDevice(Device):
                 self.queue.write_buffer(dst.mem, offset & ~3, data)
                 self.queue.submit([])
                 return False
-            up, bucket = self.uploads.alloc(size)
-            try:
-                up.map_sync("WRITE", 0, size)
-                try:  # in pieces: write_mapped copies holding the GIL, which the event loop then waits for
-                    for at in range(0, size, UPLOAD_PIECE):
-                        up.write_mapped(data[at:at + UPLOAD_PIECE], at)
-                finally:
-                    up.unmap()
-                self._submit(lambda enc: enc.copy_buffer_to_buffer(up, 0, dst.mem, offset & ~3, size))
+            up = Lent(self.uploads, size)  # (back to the pool at once, in use until the copy is done: its next map
+            up.block.map_sync("WRITE", 0, size)  # waits for that)
+            try:  # in pieces: write_mapped copies holding the GIL, which the event loop then waits for
+                for at in range(0, size, UPLOAD_PIECE):
+                    up.block.write_mapped(data[at:at + UPLOAD_PIECE], at)
             finally:
-                self.uploads.free(up, bucket)  # (in use until the copy is done: its next map waits for that)
+                up.block.unmap()
+            self._submit(lambda enc: enc.copy_buffer_to_buffer(up.block, 0, dst.mem, offset & ~3, size))
             return False
 
         return self._enqueue(run, waits, (keep, dst))
@@ -534,20 +463,22 @@ class WgpuDevice(Device):
         back from `dst` first."""
         lo = offset & ~3
         words = np.empty(_ceil4(offset + src.nbytes) - lo, np.uint8)
-        staging, bucket = self.staging.alloc(words.nbytes)
-        try:
-            self._submit(lambda enc: enc.copy_buffer_to_buffer(dst.mem, lo, staging, 0, words.nbytes))
-            staging.map_sync("READ", 0, words.nbytes)
-            try:
-                view = staging.read_mapped(0, words.nbytes, copy=False)
-                words[:] = np.frombuffer(view, np.uint8)
-                del view
-            finally:
-                staging.unmap()
-        finally:
-            self.staging.free(staging, bucket)
+        self._read_back(dst, lo, words.nbytes, words, 0)
         words[offset - lo:offset - lo + src.nbytes] = src
         return words
+
+    def _read_back(self, buf: Buffer, lo: int, size: int, out: np.ndarray, skip: int) -> None:
+        """(Worker thread.) Into `out`, its bytes from byte `lo + skip` of `buf`: `size` bytes from `lo` (multiples of
+        4) copied into a staging buffer, mapped once that copy is done (which says all before it is)."""
+        staging = Lent(self.staging, max(size, 4))
+        self._submit(lambda enc: enc.copy_buffer_to_buffer(buf.mem, lo, staging.block, 0, size) if size else None)
+        staging.block.map_sync("READ", 0, max(size, 4))
+        try:
+            view = staging.block.read_mapped(0, max(size, 4), copy=False)
+            out[:] = np.frombuffer(view, np.uint8)[skip:skip + out.nbytes]
+            del view
+        finally:
+            staging.block.unmap()
 
     def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
         return self._enqueue(None, waits, keep)
@@ -561,7 +492,7 @@ class WgpuDevice(Device):
             self.closed = True
             self.items.put(None)
         self.worker.join(timeout=30)
-        self.completer.join(timeout=30)
+        self.stop_waiter()
         self.groups.clear()
         for pool in (self.allocator, self.staging, self.uploads):
             for mem in pool.take_cached():
