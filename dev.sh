@@ -59,7 +59,7 @@ case "$job" in
     .venv/bin/lint-imports  # the layering: pyproject.toml [tool.importlinter]
     # one process per core; the tests that time the event loop run afterwards, alone
     .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
-    # the same graph, walk and plans without the native core (azyx/_native.c), as where no compiler built it
+    # the same graph, walk and plans without the native core (azyx/csrc), as where no compiler built it
     AZYX_NATIVE=0 AZYX_TEST_DEVICES=c:0 .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial" tests/test_plan.py \
       tests/test_scalars.py tests/test_autograd.py tests/test_setitem.py tests/test_jit.py tests/test_ops_movement.py
     exec .venv/bin/python -m pytest -q -p no:cacheprovider -m serial ;;

@@ -1,8 +1,8 @@
-"""Types of azyx's native core (azyx/_native.c)."""
+"""Types of azyx's native core (azyx/csrc)."""
 
 from typing import Any
 
-ABI: int
+ABI: str  # the hash of the sources it was built from (azyx.csrc.source_abi)
 
 class Node:
     op: Any

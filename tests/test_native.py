@@ -1,4 +1,4 @@
-"""azyx's native core (azyx/_native.c) against the Python it replaces: the canonical walk of random graphs gives the
+"""azyx's native core (azyx/csrc) against the Python it replaces: the canonical walk of random graphs gives the
 same key, order, leaves, scalars and donations; releasing nodes frees the same slots; nodes behave as the Python
 class's do. The suite as a whole runs on the native core wherever it is built (`pip install -e .` builds it)."""
 
@@ -8,14 +8,18 @@ import asyncio
 import gc
 import os
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import azyx
+import azyx.csrc as csrc
 from azyx import Tensor
+from azyx import native as native_mod
 from azyx import walk as walk_mod
 from azyx.allocator import PoolAllocator
+from azyx.csrc import source_abi
 from azyx.dtypes import SCALAR_CODES, dtypes
 from azyx.graph import Graph, Node, Op
 from azyx.native import native
@@ -30,6 +34,30 @@ def test_native_core_is_built() -> None:
     """An install from source builds the extension (a lost build would quietly run the slower Python)."""
     assert native is not None and Node is native.Node, \
         "azyx._native is not built: `pip install -e .` (needs a C compiler and Python headers)"
+
+
+def test_abi_is_the_hash_of_the_sources(tmp_path: Path) -> None:
+    """The built module's ABI is the hash of the sources beside it (setup.py defines it from them); a change of any
+    source file changes it, and a module of other sources is refused with a warning, not used."""
+    assert native is not None and native.ABI == source_abi()
+    assert sorted(p.name for p in Path(csrc.__file__).parent.iterdir() if p.suffix in (".c", ".h")) == \
+        sorted(csrc.SOURCES)  # (every source is built and hashed)
+    for name in csrc.SOURCES:
+        (tmp_path / name).write_bytes((Path(csrc.__file__).parent / name).read_bytes())
+    assert source_abi(tmp_path) == native.ABI
+    with open(tmp_path / "pool.c", "a") as f:
+        f.write("\n")
+    assert source_abi(tmp_path) not in (None, native.ABI)
+    (tmp_path / "lane.c").unlink()
+    assert source_abi(tmp_path) is None  # (an installed build without its sources: the module's ABI stands)
+
+
+def test_a_module_of_other_sources_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_mod, "source_abi", lambda: "0" * 16)
+    with pytest.warns(RuntimeWarning, match="built from other sources"):
+        assert native_mod._load() is None
+    monkeypatch.setattr(native_mod, "source_abi", lambda: None)
+    assert native_mod._load() is native
 
 
 def _walks(targets: list[int]) -> list[walk_mod.Walk]:
