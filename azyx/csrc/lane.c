@@ -2,15 +2,17 @@
 
 /* Lane: the whole run of a plan that is one kernel on one CUDA device (CUDADevice.lane), with no Python between the
  * call and the launch: the run's output blocks from the device's pool, the kernel's parameters, cuLaunchKernel, its
- * event and the device's bookkeeping of it (its value, what it holds until it completes, the event in the unwatched
- * queue), then the run's failure record and the targets' buffers. It is CUDADevice.begin_batch, alloc, launch_many and
- * end_batch for a batch of one launch; where those would not launch inline (a deferred command queued first, a batch
- * open) it returns None, for the executor's path. */
+ * event and the queue's bookkeeping of it (its value, what it holds until it completes, the event in the unwatched
+ * queue), then the run's failure record and the targets' buffers (new objects of the run: C sets their `ready` and
+ * `run` as the executor does). It is CUDADevice.begin_batch, alloc, launch_many and end_batch for a batch of one
+ * launch; where those would not launch inline (a deferred command queued first, a batch open) it returns None, for the
+ * executor's path. A lane is a frozen record Python builds once per plan: its fields are read-only. */
 
 typedef struct {
     PyObject_HEAD
     QueueObject *queue;
     PyObject *outputs, *pack, *last_scalars, *last_words;
+    PyObject *function, *grid_t, *slots_t, *sizes_t; /* (the record as given, read back by its members) */
     void *fn;
     unsigned grid[3], block, smem;
     Py_ssize_t n_inputs, n_slots, n_args, n_outs;
@@ -40,6 +42,12 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->outputs = outputs;
     Py_INCREF(pack);
     self->pack = pack;
+    PyObject *given[] = {fn, grid, slots, sizes}, **kept[] = {&self->function, &self->grid_t, &self->slots_t,
+                                                              &self->sizes_t};
+    for (int k = 0; k < 4; k++) {
+        Py_INCREF(given[k]);
+        *kept[k] = given[k];
+    }
     self->n_args = PyTuple_Size(slots);
     self->n_slots = PyTuple_Size(sizes);
     self->n_outs = n_outs;
@@ -158,7 +166,7 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw
             bad = as_u64(PyTuple_GetItem(words, k - self->n_args), &vals[k]) < 0;
         params[k] = &vals[k];
     }
-    Py_ssize_t before = bad ? -1 : attr_int(q->dev, s_submitted), v = -1;
+    Py_ssize_t before = bad ? -1 : q->submitted, v = -1;
     void *cur = NULL;
     if (before >= 0 && (q->current(&cur) != 0 || (u64)(uintptr_t)cur != q->ctx) && call_void(q->use) < 0)
         before = -1;
@@ -175,14 +183,15 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw
         free(vals);
         free(params);
     }
-    if (v < 0 || set_int(q->dev, s_submitted, v) < 0)
+    if (v < 0)
         return -1;
+    q->submitted = v;
     /* the launched kernel's raw blocks become its output buffers (a failure here leaves a block out of the pool, in
      * use: the kernel writes it) */
     for (Py_ssize_t s = 0; s < self->n_slots; s++)
         if (raw[s]) {
             PyObject *size = PyLong_FromSsize_t(raw[s]);
-            PyObject *b = size == NULL ? NULL : PyObject_CallFunctionObjArgs(q->buffer_type, q->dev, size, bufs[s],
+            PyObject *b = size == NULL ? NULL : PyObject_CallFunctionObjArgs(q->buffer_type, q->device, size, bufs[s],
                                                                             bufs[s], Py_True, NULL);
             Py_XDECREF(size);
             raw[s] = 0;
@@ -225,7 +234,7 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw
     }
     ok = ok && PyDict_SetItem(q->events, vo, ev) == 0;
     if (ok && (ok = call_void(q->qlock_acquire) == 0)) {
-        Py_ssize_t demanded = attr_int(q->dev, s_demanded), queued = PyObject_Size(q->unwatched);
+        Py_ssize_t demanded = q->demanded, queued = PyObject_Size(q->unwatched);
         PyObject *r = NULL;
         if (!PyErr_Occurred()) {
             if (demanded < v && queued < q->unwatched_max) {
@@ -264,7 +273,7 @@ static PyObject *lane_record(LaneObject *self, PyObject **bufs, Py_ssize_t v) {
     Py_XDECREF(parents);
     PyObject *spans = record != NULL ? PyObject_GetAttr(record, s_spans) : NULL;
     PyObject *span = spans != NULL ? Py_BuildValue("(nn)", v - 1, v) : NULL;
-    if (span == NULL || PyDict_SetItem(spans, q->dev, span) < 0)
+    if (span == NULL || PyDict_SetItem(spans, q->device, span) < 0)
         Py_CLEAR(record);
     Py_XDECREF(span);
     Py_XDECREF(spans);
@@ -307,10 +316,8 @@ static PyObject *lane_call(LaneObject *self, PyObject *args, PyObject *kwds) {
     Py_ssize_t v = -1;
     if (done == NULL || call_void(q->lock_acquire) < 0)
         goto end;
-    PyObject *batch = PyObject_GetAttr(q->dev, s_batch);
     Py_ssize_t deferred = PyObject_Size(q->deferred);
-    Py_XDECREF(batch);
-    if (batch != Py_None || deferred != 0) { /* (a batch open, a deferred command first, or an error) */
+    if (q->batch != Py_None || deferred != 0) { /* (a batch open, a deferred command first, or an error) */
         int failed = call_keeping_error(q->lock_release) < 0 || PyErr_Occurred();
         if (!failed) {
             Py_INCREF(Py_None);
@@ -378,6 +385,10 @@ static int lane_traverse(LaneObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->pack);
     Py_VISIT(self->last_scalars);
     Py_VISIT(self->last_words);
+    Py_VISIT(self->function);
+    Py_VISIT(self->grid_t);
+    Py_VISIT(self->slots_t);
+    Py_VISIT(self->sizes_t);
     return 0;
 }
 
@@ -387,6 +398,10 @@ static int lane_clear(LaneObject *self) {
     Py_CLEAR(self->pack);
     Py_CLEAR(self->last_scalars);
     Py_CLEAR(self->last_words);
+    Py_CLEAR(self->function);
+    Py_CLEAR(self->grid_t);
+    Py_CLEAR(self->slots_t);
+    Py_CLEAR(self->sizes_t);
     return 0;
 }
 
@@ -398,7 +413,23 @@ static void lane_dealloc(LaneObject *self) {
     dealloc_tracked((PyObject *)self, (inquiry)lane_clear);
 }
 
+static PyMemberDef lane_members[] = {
+    {"queue", T_OBJECT, offsetof(LaneObject, queue), READONLY, "the device's native.Queue"},
+    {"function", T_OBJECT, offsetof(LaneObject, function), READONLY, "the kernel's CUfunction handle"},
+    {"grid", T_OBJECT, offsetof(LaneObject, grid_t), READONLY, "the launch's grid"},
+    {"block", T_UINT, offsetof(LaneObject, block), READONLY, "threads per block"},
+    {"smem", T_UINT, offsetof(LaneObject, smem), READONLY, "dynamic shared memory, bytes"},
+    {"slots", T_OBJECT, offsetof(LaneObject, slots_t), READONLY, "the kernel's arguments as plan slots"},
+    {"outs", T_PYSSIZET, offsetof(LaneObject, n_outs), READONLY, "how many of them (the first) it writes"},
+    {"n_inputs", T_PYSSIZET, offsetof(LaneObject, n_inputs), READONLY, "the plan's bound inputs"},
+    {"sizes", T_OBJECT, offsetof(LaneObject, sizes_t), READONLY, "bytes per slot the lane allocates (-1: an input)"},
+    {"outputs", T_OBJECT, offsetof(LaneObject, outputs), READONLY, "the plan's outputs: (slot, view)"},
+    {"pack", T_OBJECT, offsetof(LaneObject, pack), READONLY, "the scalar words' packer, or None"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyType_Slot lane_slots[] = {
+    {Py_tp_members, lane_members},
     {Py_tp_doc, "Lane(queue, function, grid, block, smem, slots, outs, n_inputs, sizes, outputs, pack): "
                 "lane(bindings, scalars) runs a plan of one kernel on a CUDA device (see CUDADevice.lane)."},
     {Py_tp_new, lane_new},

@@ -5,8 +5,7 @@
 #endif
 
 PyObject *s_view, *s_buffer, *s_offset, *s_strides, *s_device, *s_name, *s_id, *s_recording;
-PyObject *s_submitted, *s_demanded, *s_waited, *s_handed, *s_batch, *s_failure, *s_value, *s_ready, *s_run;
-PyObject *s_clean, *s_spans, *s_ptr, *s_sync_waiters;
+PyObject *s_failure, *s_value, *s_ready, *s_run, *s_clean, *s_spans, *s_ptr;
 
 /* ------------------------------------------------------------------------------------------------------ the module */
 
@@ -65,18 +64,18 @@ PyMODINIT_FUNC PyInit__native(void) {
         goto fail;
     queue_type = (PyTypeObject *)queue;
     Py_INCREF(queue); /* (the lane's type check) */
+    if (queue_setup() < 0)
+        goto fail;
     PyObject *lane = PyType_FromSpec(&lane_spec);
     if (lane == NULL || PyModule_AddObject(m, "Lane", lane) < 0)
         goto fail;
     PyObject *table_call = PyType_FromSpec(&table_call_spec);
     if (table_call == NULL || PyModule_AddObject(m, "TableCall", table_call) < 0)
         goto fail;
-    const char *names[] = {"view", "buffer", "offset", "strides", "device", "name", "id", "recording", "submitted",
-                           "demanded", "waited", "batch", "failure", "value", "ready", "run", "clean", "spans", "ptr",
-                           "handed", "_sync_waiters"};
+    const char *names[] = {"view", "buffer", "offset", "strides", "device", "name", "id", "recording", "failure",
+                           "value", "ready", "run", "clean", "spans", "ptr"};
     PyObject **interned[] = {&s_view, &s_buffer, &s_offset, &s_strides, &s_device, &s_name, &s_id, &s_recording,
-                             &s_submitted, &s_demanded, &s_waited, &s_batch, &s_failure, &s_value, &s_ready, &s_run,
-                             &s_clean, &s_spans, &s_ptr, &s_handed, &s_sync_waiters};
+                             &s_failure, &s_value, &s_ready, &s_run, &s_clean, &s_spans, &s_ptr};
     for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++)
         if ((*interned[k] = PyUnicode_InternFromString(names[k])) == NULL)
             goto fail;

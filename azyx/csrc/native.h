@@ -38,12 +38,23 @@ typedef int (*cu_current_fn)(void **);
 typedef int (*cu_write_fn)(void *, u64, u64, unsigned);
 #define CU_NOT_READY 600
 
+/* queue.c: a CUDA device's command queue. Its state is its own (the counters, the open batch, the tables, read and
+ * advanced by the device's Python paths as its members); the rest is the record the device built once (its locks,
+ * the hooks of the cases C leaves to Python, the driver's functions, its stream). */
 typedef struct {
     PyObject_HEAD
-    PyObject *dev, *timeline, *pool, *holding, *events, *free_events, *unwatched, *deferred, *posts;
-    PyObject *lock_acquire, *lock_release, *qlock_acquire, *qlock_release, *unwatched_append, *unwatched_popleft;
-    PyObject *free_append, *tl_acquire, *tl_release, *signal, *waiters;
+    /* the state the queue owns */
+    Py_ssize_t submitted, waited, handed, demanded; /* the last value reserved, handled by the waiter, handed to it,
+                                                        waited for by someone */
+    PyObject *batch;                                /* the open batch's launches (a list), or None */
+    PyObject *holding, *events, *free_events, *unwatched; /* value -> what it holds; value -> its event; events to
+                                                              record anew; (event, value) not yet watched (a deque) */
+    /* the record the device built */
+    PyObject *device, *timeline, *pool, *deferred, *posts, *lock, *qlock;
     PyObject *alloc, *use, *new_event, *watch, *fail, *check_alive, *buffer_type, *record_type;
+    /* bound methods, looked up once */
+    PyObject *lock_acquire, *lock_release, *qlock_acquire, *qlock_release, *unwatched_append, *unwatched_popleft;
+    PyObject *free_append, *signal;
     cu_launch_fn launch;
     cu_event_fn record;
     cu_query_fn query;
@@ -66,8 +77,7 @@ extern PyObject *op_const, *op_pad, *op_assign, *op_binary, *op_leaf, *scalar_ma
 extern PyObject *op_unary, *op_reduce, *op_reshape;
 /* interned attribute names (module.c interns them) */
 extern PyObject *s_view, *s_buffer, *s_offset, *s_strides, *s_device, *s_name, *s_id, *s_recording;
-extern PyObject *s_submitted, *s_demanded, *s_waited, *s_handed, *s_batch, *s_failure, *s_value, *s_ready, *s_run;
-extern PyObject *s_clean, *s_spans, *s_ptr, *s_sync_waiters;
+extern PyObject *s_failure, *s_value, *s_ready, *s_run, *s_clean, *s_spans, *s_ptr;
 /* build.c: what setup_tensor() tells the operators */
 extern PyObject *tensor_type, *graph_obj, *graph_nodes, *graph_free, *float_dtypes, *int_dtypes, *disk_name;
 extern PyTypeObject *pool_type, *queue_type;
@@ -81,10 +91,10 @@ PyObject *list_pop_last(PyObject *list);
 PyObject *pool_pop(PoolObject *self, Py_ssize_t size);
 int as_u64(PyObject *v, u64 *out);
 Py_ssize_t attr_int(PyObject *o, PyObject *name);
-int set_int(PyObject *o, PyObject *name, Py_ssize_t x);
 int call_void(PyObject *fn);
 int call_keeping_error(PyObject *fn);
 int queue_take_done(QueueObject *self, PyObject *done);
+int queue_setup(void);
 
 /* the module's functions (module.c's table) */
 PyObject *setup(PyObject *mod, PyObject *args);
