@@ -61,7 +61,8 @@ case "$job" in
     # without the native core (azyx/csrc; AZYX_NATIVE=0 runs the same in Python, as where no compiler built it) in
     # the time of one pass: each device-parametrized test runs with it on half of the devices and without it on the
     # other half, alternating from test to test, so every such test and every device runs both ways; the other tests
-    # run with it (tests/conftest.py, AZYX_TEST_SPLIT)
+    # run with it (tests/conftest.py, AZYX_TEST_SPLIT). (Every device-parametrized test both ways on every device: a
+    # full pass, then `AZYX_NATIVE=0 AZYX_TEST_SPLIT=devices`, half again the time of one pass.)
     AZYX_TEST_SPLIT=native .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
     AZYX_NATIVE=0 AZYX_TEST_SPLIT=python .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
     exec .venv/bin/python -m pytest -q -p no:cacheprovider -m serial ;;

@@ -27,18 +27,20 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param  # type: ignore[no-any-return]
 
 
-# CI's two passes (dev.sh), with and without the native core (AZYX_NATIVE=0) in the time of one: each
-# device-parametrized test runs with the core on half the devices and without it on the other half (which half
-# alternates from test to test), so every such test and every device runs both ways; the other tests run once, with it.
-# AZYX_TEST_SPLIT=native keeps the first share, =python (with AZYX_NATIVE=0) the second.
+# CI's passes with and without the native core (AZYX_NATIVE=0; dev.sh). AZYX_TEST_SPLIT=native and =python (with
+# AZYX_NATIVE=0) split the suite in two, in the time of one pass: each device-parametrized test runs with the core on
+# half the devices and without it on the other half (which half alternates from test to test), so every such test and
+# every device runs both ways; the other tests run once, with it. AZYX_TEST_SPLIT=devices keeps every
+# device-parametrized test (a whole second pass of them, with AZYX_NATIVE=0, after a full one).
 SPLIT = os.environ.get("AZYX_TEST_SPLIT")
-assert SPLIT in (None, "native", "python"), f"AZYX_TEST_SPLIT={SPLIT!r}: native or python"
+assert SPLIT in (None, "native", "python", "devices"), f"AZYX_TEST_SPLIT={SPLIT!r}: native, python or devices"
 
 
-def split_side(nodeid: str, device: str | None) -> str:
-    """Which of CI's two passes runs the test `nodeid` (on `device`, where it takes the `device` fixture)."""
+def split_side(nodeid: str, device: str | None) -> str | None:
+    """Which half of CI's split runs the test `nodeid` (on `device`, where it takes the `device` fixture): "native" or
+    "python"; None for a test the `devices` pass leaves out (one on no device)."""
     if device is None or device not in DEVICES:
-        return "native"
+        return None
     flip = zlib.crc32(nodeid.replace(device, "").encode()) + DEVICES.index(device)
     return ("native", "python")[flip % 2]
 
@@ -46,12 +48,13 @@ def split_side(nodeid: str, device: str | None) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if SPLIT is None:
         return
-    assert (SPLIT == "python") == (native is None), "AZYX_TEST_SPLIT=python goes with AZYX_NATIVE=0, native without"
+    assert (SPLIT == "native") == (native is not None), "AZYX_TEST_SPLIT=python or devices go with AZYX_NATIVE=0"
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
-        device = callspec.params.get("device") if callspec is not None else None
-        (keep if split_side(item.nodeid, device) == SPLIT else drop).append(item)
+        side = split_side(item.nodeid, callspec.params.get("device") if callspec is not None else None)
+        kept = side is not None if SPLIT == "devices" else (side or "native") == SPLIT
+        (keep if kept else drop).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
 
