@@ -34,16 +34,25 @@ async def _settled(dev: Any, buf: Any) -> None:
     assert dev.timeline.value == dev.submitted == dev.waited == dev.handed
 
 
-def _runs(dev: Any, plan: Any, x: Any, lane: bool) -> list[tuple[Any, ...]]:
-    """RUNS runs of `plan` on input buffer `x` with a new scalar each, through the lane or the executor's path; per run
-    what it left: its values relative to the first's base, the queue's tables, the output's record and data."""
+def _scalars(plan: Any, t: Tensor) -> list[Any]:
+    """The scalars of `t`'s graph, whose plan is `plan`: what a run of it takes."""
+    w = canonicalize(GRAPH, [t.id])
+    assert RT.plan_cache.get(w.key) is plan
+    return list(w.scalars)
+
+
+def _runs(dev: Any, plan: Any, x: Tensor, make: Any, lane: bool) -> list[tuple[Any, ...]]:
+    """RUNS runs of `plan` (the plan of `make(x, k)`) on `x`'s buffer with run k's scalars, through the lane or the
+    executor's path; per run what it left: its values relative to the first's base, the queue's tables, the output's
+    record, view and buffer."""
+    xbuf = GRAPH.nodes[x.id].buffer
     segment = RT.executor.prepared[plan][0]
     kept, segment.lane = segment.lane, (segment.lane if lane else None)
     base = dev.submitted
     seen = []
     try:
         for k in range(RUNS):
-            outs, uploads = RT.executor.run(plan, [x], [0.5 * k - 1.0])
+            outs, uploads = RT.executor.run(plan, [xbuf], _scalars(plan, make(x, k)))
             assert not uploads
             (buf, view), = outs
             seen.append((dev.submitted - base, buf.ready - base, dev.timeline.value >= dev.submitted,
@@ -67,8 +76,12 @@ async def test_a_lane_replays_what_the_python_batch_path_does() -> None:
     xn = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
     x = Tensor(xn, device="cuda:0")
     await x.realize()
-    probe = (x * 2.0 + 1).relu()
-    await probe.realize()  # (planned, compiled, prepared)
+    def make(t: Tensor, k: int) -> Tensor:
+        return (t * (0.5 * k + 0.25) - 1).relu()  # (no factor of 0 or 1: the same plan each run)
+
+    for k in (6, 7):  # (the first run adopts x's upload; the second plans with x on the device)
+        await make(x, k).realize()
+    probe = make(x, 8)
     plan = RT.plan_cache.get(canonicalize(GRAPH, [probe.id]).key)
     assert plan is not None and len(plan.kernels) == 1
     assert RT.executor.prepared[plan][0].lane is not None
@@ -76,7 +89,7 @@ async def test_a_lane_replays_what_the_python_batch_path_does() -> None:
     results = {}
     for lane in (True, False):
         await _settled(dev, xbuf)
-        results[lane] = _runs(dev, plan, xbuf, lane)
+        results[lane] = _runs(dev, plan, x, make, lane)
         await _settled(dev, xbuf)
     assert [r[:-1] for r in results[True]] == [r[:-1] for r in results[False]]
     for lane in (True, False):
@@ -84,8 +97,9 @@ async def test_a_lane_replays_what_the_python_batch_path_does() -> None:
             buf, view = r[-1], r[-2]
             got = np.empty(buf.nbytes, np.uint8)
             dev.read_into(buf, got)
-            want = np.maximum(xn * np.float32(0.5 * k - 1.0) + 1, 0)
-            np.testing.assert_allclose(got.view(np.float32)[view.offset:view.offset + want.size], want, rtol=1e-6)
+            want = np.maximum(xn * np.float32(0.5 * k + 0.25) - 1, 0)
+            at = view.offset
+            np.testing.assert_allclose(got.view(np.float32)[at:at + want.size], want, rtol=1e-5, atol=1e-5)
 
 
 async def test_queue_poll_does_what_the_python_poll_does() -> None:
@@ -97,8 +111,12 @@ async def test_queue_poll_does_what_the_python_poll_does() -> None:
     dev = RT.device("cuda:0")
     x = Tensor(np.arange(4096, dtype=np.float32), device="cuda:0")
     await x.realize()
-    probe = x * 3.0 + 2
-    await probe.realize()
+    def make(t: Tensor, k: int) -> Tensor:
+        return t * 3.0 + (k + 0.5)  # (no term of 0: the same plan each run)
+
+    for k in (6, 7):  # (the first run adopts x's upload; the second plans with x on the device)
+        await make(x, k).realize()
+    probe = make(x, 8)
     plan = RT.plan_cache.get(canonicalize(GRAPH, [probe.id]).key)
     assert plan is not None
     xbuf = GRAPH.nodes[x.id].buffer
@@ -107,7 +125,7 @@ async def test_queue_poll_does_what_the_python_poll_does() -> None:
     for native_poll in (True, False):
         await _settled(dev, xbuf)
         base = dev.submitted
-        outs = [RT.executor.run(plan, [xbuf], [float(k)])[0] for k in range(RUNS)]
+        outs = [RT.executor.run(plan, [xbuf], _scalars(plan, make(x, k)))[0] for k in range(RUNS)]
         assert [v - base for _, v in dev.unwatched] == list(range(1, RUNS + 1))
         dev.native_queue = queue if native_poll else None  # (None: CUDADevice.poll's Python)
         try:
@@ -120,7 +138,8 @@ async def test_queue_poll_does_what_the_python_poll_does() -> None:
             got = np.empty(buf.nbytes, np.uint8)
             dev.read_into(buf, got)
             at = view.offset
-            np.testing.assert_array_equal(got.view(np.float32)[at:at + 4096], np.arange(4096, dtype=np.float32) * 3 + k)
+            want = np.arange(4096, dtype=np.float32) * 3 + (k + 0.5)
+            np.testing.assert_array_equal(got.view(np.float32)[at:at + 4096], want)
         del outs
     assert states[0] == states[1] == (True, RUNS, RUNS, [], [])
 
