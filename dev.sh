@@ -57,11 +57,14 @@ case "$job" in
     .venv/bin/ruff check azyx tests bench examples
     .venv/bin/mypy
     .venv/bin/lint-imports  # the layering: pyproject.toml [tool.importlinter]
-    # one process per core; the tests that time the event loop run afterwards, alone
-    .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
-    # the same graph, walk and plans without the native core (azyx/_native.c), as where no compiler built it
-    AZYX_NATIVE=0 AZYX_TEST_DEVICES=c:0 .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial" tests/test_plan.py \
-      tests/test_scalars.py tests/test_autograd.py tests/test_setitem.py tests/test_jit.py tests/test_ops_movement.py
+    # one process per core; the tests that time the event loop run afterwards, alone. The suite runs with and
+    # without the native core (azyx/csrc; AZYX_NATIVE=0 runs the same in Python, as where no compiler built it) in
+    # the time of one pass: each device-parametrized test runs with it on half of the devices and without it on the
+    # other half, alternating from test to test, so every such test and every device runs both ways; the other tests
+    # run with it (tests/conftest.py, AZYX_TEST_SPLIT). (Every device-parametrized test both ways on every device: a
+    # full pass, then `AZYX_NATIVE=0 AZYX_TEST_SPLIT=devices`, half again the time of one pass.)
+    AZYX_TEST_SPLIT=native .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
+    AZYX_NATIVE=0 AZYX_TEST_SPLIT=python .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
     exec .venv/bin/python -m pytest -q -p no:cacheprovider -m serial ;;
   bench)
     # the PyTorch peers (CPU build; a plain `torch` would pull gigabytes of CUDA) and sentence-transformers for

@@ -39,7 +39,7 @@ def version() -> str:
 
 
 def native_state() -> str:
-    """Whether the native core (azyx/_native.c) runs, and why not where it does not."""
+    """Whether the native core (azyx/csrc) runs, and why not where it does not."""
     if native is not None:
         return f"built, in use ({native.__file__})"
     if os.environ.get("AZYX_NATIVE", "1") == "0":

@@ -1,7 +1,6 @@
-"""azyx's native core (azyx/_native.c, built by `pip install` for Python's stable ABI): the graph's node, the
-canonical walk, the release of nodes, the operators' common cases, a run's scalar words and the calls of the launch
-path. `native` is None where it was not built (no compiler) or AZYX_NATIVE=0 turns it off: the same then runs in
-Python."""
+"""azyx's native core (azyx/csrc, built by `pip install` for Python's stable ABI): the graph's node, the canonical
+walk, the release of nodes, the operators' common cases, a run's scalar words and the calls of the launch path.
+`native` is None where it was not built (no compiler) or AZYX_NATIVE=0 turns it off: the same then runs in Python."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import os
 import warnings
 from types import ModuleType
 
-ABI = 3  # azyx/_native.c's ABI: a library built from other sources (a checkout pulled, not rebuilt) is not used
+from azyx.csrc import source_abi
 
 
 def _load() -> ModuleType | None:
@@ -20,10 +19,14 @@ def _load() -> ModuleType | None:
         module = importlib.import_module("azyx._native")  # (a compiled module: no layer of the import contracts)
     except ImportError:
         return None
-    if getattr(module, "ABI", None) != ABI:
-        warnings.warn(f"azyx._native at {module.__file__} was built from other sources (ABI "
-                      f"{getattr(module, 'ABI', None)}, not {ABI}): running without it; rebuild it with "
-                      "`pip install -e .`", RuntimeWarning, stacklevel=2)
+    # a module built from other sources than those beside it (a checkout pulled, not rebuilt) is not used; without
+    # its sources (an installed build) the module's own ABI stands
+    expected = source_abi()
+    built = getattr(module, "ABI", None)
+    if expected is not None and built != expected:
+        warnings.warn(f"azyx._native at {module.__file__} was built from other sources (ABI {built}, not "
+                      f"{expected}): running without it; rebuild it with `pip install -e .`", RuntimeWarning,
+                      stacklevel=2)
         return None
     return module
 

@@ -77,7 +77,7 @@ def leaf_entry(n: Node) -> tuple:
 
 
 def _walk_native(graph: Graph, targets: list[int]) -> Walk:
-    """The walk in C (azyx/_native.c): the same key, order and scalars as `_walk_recursive`'s, in any depth."""
+    """The walk in C (azyx/csrc): the same key, order and scalars as `_walk_recursive`'s, in any depth."""
     assert native is not None
     entries, tk, topo, leaves, scalars, scalar_nodes, donated = native.walk(graph.nodes, targets, graph)
     key, kept = _unshared(graph.nodes, (entries, tk), leaves, set(donated), donated) if donated else \

@@ -4,12 +4,14 @@ scheduler tests. The op suite runs once per device kind (`device` fixture)."""
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import azyx
+from azyx.native import native
 from azyx.runtime import RT
 
 azyx.configure({"c": {"devices": 2}, "dummy": {"enabled": True, "devices": 1, "memory": 1 << 20, "compute": 0.0}})
@@ -23,6 +25,38 @@ if os.environ.get("AZYX_TEST_DEVICES"):
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return request.param  # type: ignore[no-any-return]
+
+
+# CI's passes with and without the native core (AZYX_NATIVE=0; dev.sh). AZYX_TEST_SPLIT=native and =python (with
+# AZYX_NATIVE=0) split the suite in two, in the time of one pass: each device-parametrized test runs with the core on
+# half the devices and without it on the other half (which half alternates from test to test), so every such test and
+# every device runs both ways; the other tests run once, with it. AZYX_TEST_SPLIT=devices keeps every
+# device-parametrized test (a whole second pass of them, with AZYX_NATIVE=0, after a full one).
+SPLIT = os.environ.get("AZYX_TEST_SPLIT")
+assert SPLIT in (None, "native", "python", "devices"), f"AZYX_TEST_SPLIT={SPLIT!r}: native, python or devices"
+
+
+def split_side(nodeid: str, device: str | None) -> str | None:
+    """Which half of CI's split runs the test `nodeid` (on `device`, where it takes the `device` fixture): "native" or
+    "python"; None for a test the `devices` pass leaves out (one on no device)."""
+    if device is None or device not in DEVICES:
+        return None
+    flip = zlib.crc32(nodeid.replace(device, "").encode()) + DEVICES.index(device)
+    return ("native", "python")[flip % 2]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SPLIT is None:
+        return
+    assert (SPLIT == "native") == (native is not None), "AZYX_TEST_SPLIT=python or devices go with AZYX_NATIVE=0"
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        side = split_side(item.nodeid, callspec.params.get("device") if callspec is not None else None)
+        kept = side is not None if SPLIT == "devices" else (side or "native") == SPLIT
+        (keep if kept else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

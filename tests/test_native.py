@@ -1,4 +1,4 @@
-"""azyx's native core (azyx/_native.c) against the Python it replaces: the canonical walk of random graphs gives the
+"""azyx's native core (azyx/csrc) against the Python it replaces: the canonical walk of random graphs gives the
 same key, order, leaves, scalars and donations; releasing nodes frees the same slots; nodes behave as the Python
 class's do. The suite as a whole runs on the native core wherever it is built (`pip install -e .` builds it)."""
 
@@ -8,14 +8,19 @@ import asyncio
 import gc
 import os
 import weakref
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import azyx
+import azyx.csrc as csrc
 from azyx import Tensor
+from azyx import native as native_mod
 from azyx import walk as walk_mod
 from azyx.allocator import PoolAllocator
+from azyx.csrc import source_abi
 from azyx.dtypes import SCALAR_CODES, dtypes
 from azyx.graph import Graph, Node, Op
 from azyx.native import native
@@ -30,6 +35,30 @@ def test_native_core_is_built() -> None:
     """An install from source builds the extension (a lost build would quietly run the slower Python)."""
     assert native is not None and Node is native.Node, \
         "azyx._native is not built: `pip install -e .` (needs a C compiler and Python headers)"
+
+
+def test_abi_is_the_hash_of_the_sources(tmp_path: Path) -> None:
+    """The built module's ABI is the hash of the sources beside it (setup.py defines it from them); a change of any
+    source file changes it, and a module of other sources is refused with a warning, not used."""
+    assert native is not None and native.ABI == source_abi()
+    assert sorted(p.name for p in Path(csrc.__file__).parent.iterdir() if p.suffix in (".c", ".h")) == \
+        sorted(csrc.SOURCES)  # (every source is built and hashed)
+    for name in csrc.SOURCES:
+        (tmp_path / name).write_bytes((Path(csrc.__file__).parent / name).read_bytes())
+    assert source_abi(tmp_path) == native.ABI
+    with open(tmp_path / "pool.c", "a") as f:
+        f.write("\n")
+    assert source_abi(tmp_path) not in (None, native.ABI)
+    (tmp_path / "lane.c").unlink()
+    assert source_abi(tmp_path) is None  # (an installed build without its sources: the module's ABI stands)
+
+
+def test_a_module_of_other_sources_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_mod, "source_abi", lambda: "0" * 16)
+    with pytest.warns(RuntimeWarning, match="built from other sources"):
+        assert native_mod._load() is None
+    monkeypatch.setattr(native_mod, "source_abi", lambda: None)
+    assert native_mod._load() is native
 
 
 def _walks(targets: list[int]) -> list[walk_mod.Walk]:
@@ -464,3 +493,58 @@ def test_unary_and_reduce_methods_in_c_match_python(dtype: str) -> None:
     np.testing.assert_allclose(x.sum(axis=1).numpy_sync(), xn.sum(axis=1), rtol=1e-3)
     np.testing.assert_array_equal(x.max(0, True).numpy_sync(), xn.max(axis=0, keepdims=True))
     np.testing.assert_allclose(x.sum(keepdim=True).numpy_sync(), xn.sum(keepdims=True), rtol=1e-3)
+
+
+def test_a_batch_call_in_c_matches_the_ctypes_call() -> None:
+    """native.TableCall (the C device's inline batch call: the table filled and azyx_run called in C) against the
+    Python form of the same call (the table packed by struct, azyx_run called through ctypes): one small plan of
+    several kernels and runtime scalars, run steady through each, gives numpy's values each time."""
+    import ctypes
+
+    from azyx.backends.c import _Layout
+    from azyx.runtime import RT
+
+    rng = np.random.default_rng(11)
+    xn, yn = rng.standard_normal((16, 24)).astype(np.float32), rng.standard_normal((16, 24)).astype(np.float32)
+    x, y = Tensor(xn, device="c:0"), Tensor(yn, device="c:0")
+
+    def build(a: float) -> Tensor:
+        t = (x * a + y).relu()
+        return (t - t.max(axis=1, keepdims=True)).exp().sum(axis=1) * (y - a).sum() + a
+
+    def want(a: float) -> np.ndarray:
+        t = np.maximum(xn * np.float32(a) + yn, 0).astype(np.float64)
+        return np.exp(t - t.max(axis=1, keepdims=True)).sum(axis=1) * (yn.astype(np.float64) - a).sum() + a
+
+    build(0.5).numpy_sync()  # (planned, compiled, prepared)
+    probe = build(0.25)
+    plan = RT.plan_cache.get(walk_mod.canonicalize(GRAPH, [probe.id]).key)
+    assert plan is not None and len(plan.kernels) > 1
+    probe.numpy_sync()
+    layouts = [s.batch.prepared for s in RT.executor.prepared[plan] if s.batch is not None]
+    assert layouts and all(isinstance(lay, _Layout) and lay.call is not None and lay.scalars for lay in layouts)
+    calls = [lay.call for lay in layouts]
+    made: list[int] = []
+
+    def counted(call: Any) -> Any:
+        def run(pool: int, values: list[int]) -> None:
+            made.append(len(values))
+            call(pool, values)
+        return run
+
+    for in_c in (True, False, True):
+        for lay, call in zip(layouts, calls):
+            lay.call = counted(call) if in_c else None  # (None: the ctypes call of the same table)
+            ctypes.memset(lay.scratch, 0, ctypes.sizeof(lay.scratch))
+        made.clear()
+        try:
+            for k in range(4):
+                a = 0.75 * k - 1.0
+                np.testing.assert_allclose(build(a).numpy_sync(), want(a), rtol=1e-4, atol=1e-3)
+        finally:
+            for lay, call in zip(layouts, calls):
+                lay.call = call
+        if in_c:  # (every run took the inline call)
+            assert len(made) == 4 * len(layouts)
+        else:  # (the Python form filled the table)
+            assert all(any(lay.scratch) for lay in layouts)

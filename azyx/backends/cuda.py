@@ -26,6 +26,7 @@ import array
 import collections
 import ctypes
 import dataclasses
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,28 @@ class _Job:
 _STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter thread
 
 
+class _QueueState:
+    """A CUDA device's queue counters and open batch where the native core is not built; otherwise they are
+    `native.Queue`'s own members, which its lanes and `poll` advance in C and the device's Python paths through the
+    same attributes (`_queue_field`)."""
+
+    __slots__ = ("submitted", "waited", "handed", "demanded", "batch")
+
+    def __init__(self) -> None:
+        self.submitted = self.waited = self.handed = self.demanded = 0
+        self.batch: list[Collected] | None = None
+
+
+def _queue_field(name: str) -> Any:
+    """A CUDADevice attribute that is its queue state's (`queue_state`): one value, which C and Python both advance.
+    Read through a C getter (no frame of Python): the submitting paths read these on every command."""
+
+    def put(dev: CUDADevice, value: Any) -> None:
+        setattr(dev.queue_state, name, value)
+
+    return property(operator.attrgetter(f"queue_state.{name}"), put)
+
+
 class CUDADevice(StagedCopies):
     kind = "cuda"
     block_search = True
@@ -92,7 +115,13 @@ class CUDADevice(StagedCopies):
     def count(cls, options: dict[str, Any]) -> int:
         return int(options["devices"]) if "devices" in options else init()
 
+    # the queue's counters (the last value reserved, handled by the waiter thread, handed to it, waited for) and its
+    # open batch: the queue state's (native.Queue's members where the native core is built)
+    submitted, waited, handed = _queue_field("submitted"), _queue_field("waited"), _queue_field("handed")
+    demanded, batch = _queue_field("demanded"), _queue_field("batch")
+
     def __init__(self, index: int, options: dict[str, Any]):
+        self.queue_state: Any = _QueueState()  # (first: the base's __init__ sets the counters)
         super().__init__(index, options)
         count = init()
         if index >= count:
@@ -139,18 +168,16 @@ class CUDADevice(StagedCopies):
         # the GIL from the loop's thread while the next plan is submitted, cost more than the work on that VM.
         self.qlock = threading.Lock()  # guards `unwatched` and `handed`; taken under `lock`, never the reverse
         self.unwatched: collections.deque[tuple[Any, int]] = collections.deque()
-        self.handed = 0  # the last value given to the waiter thread
-        self.demanded = 0  # the highest value someone waited for: a command recorded later up to it is handed over
         self.timeline.demand = self._demand
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
         self.ready = threading.Condition(self.lock)
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
-        self.batch: list[Collected] | None = None
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
-        # the per-request steps in C (`poll`, `_take_done`, the lanes' runs), on the tables above; None without the
-        # native core. A lane's run also writes its value, in stream order after its event, into 8 bytes of mapped
+        # the per-request steps in C (`poll`, `_take_done`, the lanes' runs), by a queue that owns the state they
+        # share with the Python paths (its counters, batch and tables: see `queue_state`); None without the native
+        # core. A lane's run also writes its value, in stream order after its event, into 8 bytes of mapped
         # host memory (`done_flag`), where the device supports 64-bit stream memory operations: `poll` then reads the
         # completion of a small plan's work from memory (cuEventQuery takes 2-3 us on an H200's VM)
         self.native_queue: Any = None
@@ -162,7 +189,16 @@ class CUDADevice(StagedCopies):
                 self.done_flag = int(check(cu.cuMemHostAlloc(64, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
                 ctypes.memset(self.done_flag, 0, 64)
                 flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
-            self.native_queue = native.Queue(self, self.hot.addresses, flag, Buffer, RunRecord, UNWATCHED)
+            queue = native.Queue(
+                device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.lock, qlock=self.qlock,
+                deferred=self.deferred, posts=self.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
+                watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
+                fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
+            # from here the queue's state is the native queue's own: its counters and batch, and its tables
+            assert not (self.holding or self.events or self.free_events or self.unwatched or self.submitted)
+            self.queue_state = self.native_queue = queue
+            self.holding, self.events, self.free_events, self.unwatched = (queue.holding, queue.events,
+                                                                           queue.free_events, queue.unwatched)
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
