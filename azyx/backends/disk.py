@@ -50,10 +50,11 @@ def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 class DiskFile:
     """One file opened read-only, shared by every buffer over its ranges and closed when the last of them goes.
-    Reads go through this descriptor, so a file replaced on disk (`os.replace`) keeps serving the old contents to
-    the tensors made from it."""
+    Reads go through this descriptor; each read is checked (`check`, before and after it) against what the path
+    names now, so a file replaced, truncated or rewritten since it was opened raises `AzyxIOError` rather than
+    serving the old bytes (or a mix of old and new) to the tensors made from it."""
 
-    __slots__ = ("path", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
+    __slots__ = ("path", "where", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
 
     def __init__(self, path: str):
         try:
@@ -61,6 +62,7 @@ class DiskFile:
         except OSError as e:
             raise AzyxIOError(f"{path}: cannot open: {e.strerror or e}") from e
         self.fd, self.path = fd, path
+        self.where = os.path.abspath(path)  # (what `check` stats: the same file after a chdir)
         # closed once unreachable, by a finalizer rather than __del__: a finalizer runs after the weak references are
         # cleared, so a cache of open files (weak values) can never hand out a file whose descriptor is closing
         self.close = weakref.finalize(self, os.close, fd)
@@ -75,6 +77,24 @@ class DiskFile:
 
     def __repr__(self) -> str:
         return f"DiskFile({self.path!r}, {self.size} bytes)"
+
+    def check(self) -> None:
+        """Raise `AzyxIOError` naming the file where its path no longer names the version opened (another inode,
+        size or modification time: replaced, truncated, rewritten or removed since). Reads call it before and after
+        each batch, so a load never hands out bytes of a file that changed while it loaded."""
+        try:
+            now = file_identity(os.stat(self.where))
+        except OSError as e:
+            raise AzyxIOError(f"{self.path}: removed while it loaded ({e.strerror or e})") from e
+        if now == self.identity:
+            return
+        if now[:2] != self.identity[:2]:
+            why = "replaced by another file"
+        elif now[2] < self.size:
+            why = f"truncated to {now[2]} bytes"
+        else:
+            why = "rewritten"
+        raise AzyxIOError(f"{self.path}: {why} while it loaded (it had {self.size} bytes when opened): load it again")
 
     def pread_into(self, offset: int, out: memoryview, what: str = "") -> None:
         """Fill `out` (a writable byte view) with the bytes at `offset`: positional reads, safe from any thread.
@@ -343,12 +363,10 @@ class DiskDevice(Device):
     def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
         assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
         rng: FileRange = buf.mem
+        rng.file.check()
         rng.read(start, out)
-        on_loop = _on_event_loop()
-        with self.lock:
-            self.bytes_read += len(out)
-            self.reads += 1
-            self.reads_on_loop += on_loop
+        rng.file.check()
+        self.count_read(len(out))
 
     def _read_parallel(self, buf: Buffer, start: int, out: memoryview) -> None:
         """`_read`, split into pieces (4 KiB multiples) read in parallel when large, the caller's thread reading the
@@ -376,6 +394,7 @@ class DiskDevice(Device):
         (`direct_block` of at least `direct_span` bytes) they are read with O_DIRECT into it, then copied to `outs`,
         where the filesystem allows it."""
         n = sum(len(o) for o in outs)
+        file.check()
         got = file.pread_direct(offset, n, direct) if direct is not None else None
         if got is None:
             file.pread_scatter(offset, outs, what)
@@ -384,7 +403,18 @@ class DiskDevice(Device):
             for o in outs:
                 o[:] = got[at : at + len(o)].data
                 at += len(o)
+        file.check()
         self.count_read(n)
+
+    def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray) -> np.ndarray | None:
+        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_extent`; None where the
+        filesystem refuses O_DIRECT (nothing read)."""
+        file.check()
+        got = file.pread_direct(offset, nbytes, block)
+        if got is not None:
+            file.check()
+            self.count_read(nbytes)
+        return got
 
     def count_read(self, n: int) -> None:
         """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""

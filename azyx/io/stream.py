@@ -24,6 +24,7 @@ import concurrent.futures
 import fnmatch
 import os
 import threading
+import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -179,8 +180,9 @@ class SafetensorsStream:
                 if slot.error is not None:  # raised when this tensor is asked for, not while another is being used
                     raise slot.error
                 t = await self._to_device(slot)
-        except AzyxError:
+        except AzyxError as e:
             slot.buf, slot.extents = None, []  # (the error's traceback holds the slot: not its memory)
+            traceback.clear_frames(e.__traceback__)  # nor the reader's frame (its buffers), kept by whoever keeps e
             await self.aclose()
             raise
         self.ahead.popleft()
@@ -332,9 +334,8 @@ def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool, bool]]) -> Any
     staged, keep = dev.staging_block(max(need, EXTENT) + extra)  # (one size: the pool's cached blocks are a ring)
     if extra:
         block = staged[(-staged.ctypes.data) % DIRECT_ALIGN :]
-        got = file.pread_direct(ext.offset, ext.nbytes, block) if block.nbytes >= span else None
+        got = disk_device().read_direct(file, ext.offset, ext.nbytes, block) if block.nbytes >= span else None
         if got is not None:
-            disk_device().count_read(ext.nbytes)
             return got, keep
     staged = staged[:need]
     disk_device().read_extent(file, ext.offset, [staged[: ext.nbytes].data], what)
