@@ -201,6 +201,34 @@ async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbou
     assert stream.closed and await settle() == base
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
+async def test_a_staged_stream_reads_through_a_bounded_ring(tmp_path: Path, direct_io: bool) -> None:
+    """On a device written through staging blocks (vulkan:0 here, CUDA's pinned ones alike) the stream reads into a
+    ring of at most prefetch // EXTENT blocks (RING at most), each read into again once its copy is done: with one
+    block, a tensor of three extents and more streams through it, a bfloat16 one too (widened in pieces), exactly."""
+    from safetensors.torch import save_file as torch_save
+
+    if "vulkan:0" not in azyx.devices():
+        pytest.skip("vulkan:0 is not available")
+    rng = np.random.default_rng(14)
+    tensors = {"a": torch.randn(1001), "big": torch.randn(3 * EXTENT // 4 + 13), "c": torch.randn(7).bfloat16(),
+               "wide": torch.randn(EXTENT // 2 + 3).bfloat16(), "d": torch.from_numpy(rng.integers(0, 9, 5))}
+    p = tmp_path / "ring.safetensors"
+    torch_save(tensors, p)
+    base = await settle()
+    stream = azyx.io.stream_safetensors(p, device="vulkan:0", prefetch=EXTENT, direct_io=direct_io)
+    assert stream.ring_size == 1
+    got = []
+    async for name, t in stream:
+        assert stream.blocks <= 1
+        want = tensors[name].float() if name in ("c", "wide") else tensors[name]
+        np.testing.assert_array_equal((await t.numpy()).astype(want.numpy().dtype), want.numpy())
+        got.append(name)
+    del t
+    assert sorted(got) == sorted(tensors) and stream.closed and not stream.ring
+    assert await settle() == base
+
+
 @pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
 async def test_cancelling_a_stream_frees_its_staging(tmp_path: Path, staged: str) -> None:
     if staged not in azyx.devices():
