@@ -8,7 +8,8 @@ after the read). On another device (CUDA, OpenCL, Vulkan, wgpu) each extent land
 pinned on a worker thread, once), and is copied to the tensors' device buffers as soon as the stream sees it landed
 (whenever the loop wakes for any read), while the next extents are being read into the other blocks; a block is read
 into again once its copy is done (the loop waits for that only when every block's copy is under way). A tensor larger
-than the ring streams through it. A tensor is handed out as soon as all its bytes have landed, in file order.
+than the ring streams through it. A tensor is handed out as soon as all its bytes have landed (staged: are read and
+their copies queued, its buffer ready at their value, as a plan's results are), in file order.
 
 While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
 (64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
@@ -331,8 +332,8 @@ class SafetensorsStream:
             self.dev.timeline.on_reach(last, _nothing)  # (a device that notices completion lazily watches it now)
 
     async def _staged(self, slot: _Slot) -> Tensor:
-        """Staged: the slot's tensor once all its extents are read and copied; meanwhile each wake-up (any read
-        landing) issues the copies of what landed and starts reads into the blocks they free."""
+        """Staged: the slot's tensor once all its extents are read and their copies queued; meanwhile each wake-up (a
+        read landing) issues the copies of what landed and starts reads into the blocks they free."""
         while True:
             self._copy_landed()
             self._pump()
@@ -350,8 +351,9 @@ class SafetensorsStream:
         if slot.error is not None:
             raise slot.error
         assert slot.buf is not None
+        # handed out with its copies queued, not done: like a plan's results, the buffer is ready at their value (the
+        # device orders work on it after them; a read waits for them), and the loop goes on issuing the next copies
         slot.buf.ready = slot.ready
-        await self.dev.timeline.wait(slot.ready)  # its bytes have landed
         return self._leaf(slot)
 
     def _leaf(self, slot: _Slot) -> Tensor:
