@@ -404,7 +404,7 @@ def _read_staged(job: list[tuple[DiskFile, _Extent, Device, tuple[np.ndarray, An
     if direct_io and not widen:
         aligned = mem[(-mem.ctypes.data) % DIRECT_ALIGN :]
         if aligned.nbytes >= direct_span(ext.offset, ext.nbytes):
-            got = disk_device().read_direct(file, ext.offset, ext.nbytes, aligned)
+            got = disk_device().read_direct(file, ext.offset, ext.nbytes, aligned, _what(ext))
             if got is not None:
                 return mem, got, keep
     disk_device().read_extent(file, ext.offset, [mem[: ext.nbytes].data], _what(ext))
