@@ -303,7 +303,7 @@ async def test_a_file_truncated_under_a_lazy_tensor_raises_naming_tensor_and_fil
     with pytest.raises(azyx.AzyxIOError) as info:
         await y.realize()
     msg = str(info.value)
-    assert "tensor 'w'" in msg and str(p) in msg and "end of file" in msg, msg
+    assert "tensor 'w'" in msg and str(p) in msg and "truncated" in msg, msg
     # no partial result: the tensor whose work failed raises again, and so does anything computed from it
     with pytest.raises(azyx.AzyxIOError, match="tensor 'w'"):
         await y.numpy()

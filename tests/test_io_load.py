@@ -84,24 +84,82 @@ async def test_lazy_load_bytes_equal_safetensors(tmp_path: Path, device: str) ->
     assert disk().reads - reads <= len(want) + 2  # (consecutive small ones share a read when a reader is busy)
 
 
-async def test_a_file_truncated_while_it_streams_raises_and_hands_out_no_partial_tensor(tmp_path: Path) -> None:
+def _change(p: Path, change: str) -> str:
+    """Change the file at `p` behind a load's back, as `change` says; returns what the error must say. "replaced":
+    another file of the same size and layout (other values) renamed over it, the case a descriptor would silently
+    serve stale bytes for; "truncated": its last 100 bytes cut off."""
+    if change == "replaced":
+        new = p.with_suffix(".new")
+        save_file({name: -a for name, a in load_file(p).items()}, new)
+        assert new.stat().st_size == p.stat().st_size
+        os.replace(new, p)
+        return "replaced"
+    os.truncate(p, p.stat().st_size - 100)
+    return "truncated"
+
+
+def _changing_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """Five float32 tensors, the third larger than an extent (read in several)."""
     rng = np.random.default_rng(5)
-    arrays = {f"t{i}": rng.standard_normal(64 << 10).astype(np.float32) for i in range(6)}  # 256 KiB each
+    sizes = [1000, 3001, EXTENT // 4 + 777, 5000, 64 << 10]
+    arrays = {f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}
     p = tmp_path / "t.safetensors"
     save_file(arrays, p)
+    return p, arrays
+
+
+@pytest.mark.parametrize("change", ["replaced", "truncated"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+async def test_a_file_changed_while_it_streams_raises_naming_it_and_hands_out_no_partial_tensor(
+        tmp_path: Path, staged: str, change: str) -> None:
+    """Changed between two tensors of the stream (its own order: with prefetch=0 each tensor is read when asked for):
+    the tensors read before are whole and the file's old bytes; the next one raises, naming the file and the change;
+    nothing more is handed out, and the stream's buffers go back. (c:0 reads into the tensors' memory, vulkan:0
+    through staging blocks.)"""
+    if staged not in azyx.devices():
+        pytest.skip(f"{staged} is not available")
+    p, arrays = _changing_file(tmp_path)
     base = await settle()
-    stream = azyx.io.stream_safetensors(p, device="c:0", prefetch=0)  # each read when asked for
+    stream = azyx.io.stream_safetensors(p, device=staged, prefetch=0)
     got = []
-    with pytest.raises(azyx.AzyxIOError, match="truncated"):
+    with pytest.raises(azyx.AzyxIOError) as err:
         async for name, t in stream:
             got.append(name)
-            np.testing.assert_array_equal(await t.numpy(), arrays[name])  # whole, correct
+            np.testing.assert_array_equal(await t.numpy(), arrays[name])  # whole, and the bytes opened
             if len(got) == 2:
-                os.truncate(p, os.path.getsize(p) - 3 * (256 << 10))  # t3's last bytes and all of t4, t5 gone
+                said = _change(p, change)
     del t
-    assert got == ["t0", "t1", "t2"]  # t3 never handed out
+    assert str(p) in str(err.value) and said in str(err.value)
+    assert got == ["t0", "t1"]  # t2 (read in several extents) never handed out
     assert stream.closed
     assert await settle() == base  # its buffers went back
+
+
+@pytest.mark.parametrize("change", ["replaced", "truncated"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+async def test_a_file_changed_between_lazy_loads_raises_naming_it_and_realizes_nothing(
+        tmp_path: Path, staged: str, change: str) -> None:
+    """One lazy load, the file changed, a second load of the other tensors: it raises naming the file, none of
+    them hands out bytes (each raises again when read), the first keeps its bytes, and a fresh load reads the new
+    file."""
+    if staged not in azyx.devices():
+        pytest.skip(f"{staged} is not available")
+    p, arrays = _changing_file(tmp_path)
+    ts = azyx.io.load_safetensors(p)
+    first = ts["t0"].to(staged)
+    await first.realize()
+    said = _change(p, change)
+    rest = [t.to(staged) for name, t in ts.items() if name != "t0"]
+    with pytest.raises(azyx.AzyxIOError) as err:
+        await azyx.realize(*rest)
+    assert str(p) in str(err.value) and said in str(err.value)
+    for t in rest:  # no partial tensor: each raises when read
+        with pytest.raises(azyx.AzyxIOError, match=said):
+            await t.numpy()
+    np.testing.assert_array_equal(await first.numpy(), arrays["t0"])
+    if change == "replaced":
+        fresh = azyx.io.load_safetensors(p)
+        np.testing.assert_array_equal(await fresh["t4"].to(staged).numpy(), -arrays["t4"])
 
 
 async def test_a_file_truncated_before_a_lazy_realize_raises_and_the_runtime_stays_usable(tmp_path: Path) -> None:
@@ -113,23 +171,9 @@ async def test_a_file_truncated_before_a_lazy_realize_raises_and_the_runtime_sta
     os.truncate(p, os.path.getsize(p) - 100)
     with pytest.raises(azyx.AzyxIOError, match="truncated"):
         await azyx.realize(*[t.to("c:0") for t in ts.values()])
-    np.testing.assert_array_equal(await ts["t0"].to("c:0").numpy(), arrays["t0"])  # (before the cut: still fine)
-
-
-async def test_a_file_replaced_while_it_streams_keeps_serving_what_was_opened(tmp_path: Path) -> None:
-    rng = np.random.default_rng(7)
-    old = {f"t{i}": rng.standard_normal(10_000).astype(np.float32) for i in range(4)}
-    p = tmp_path / "r.safetensors"
-    save_file(old, p)
-    save_file({"other": np.zeros(3, np.float32)}, tmp_path / "new.safetensors")
-    got = {}
-    async for name, t in azyx.io.stream_safetensors(p, device="c:0", prefetch=0):
-        if not got:
-            os.replace(tmp_path / "new.safetensors", p)  # the stream reads through the descriptor it opened
-        got[name] = await t.numpy()
-    assert list(got) == list(old)
-    for name, a in old.items():
-        np.testing.assert_array_equal(got[name], a)
+    with pytest.raises(azyx.AzyxIOError, match="truncated"):  # (t0's bytes are all there: the file changed still)
+        await ts["t0"].to("c:0").numpy()
+    assert (await (Tensor(np.ones(3, np.float32), device="c:0") + 1).numpy()).tolist() == [2.0] * 3
 
 
 async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbours_load(tmp_path: Path) -> None:
@@ -155,6 +199,34 @@ async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbou
     finally:
         alloc.capacity = capacity
     assert stream.closed and await settle() == base
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+async def test_a_staged_stream_reads_through_a_bounded_ring(tmp_path: Path, direct_io: bool) -> None:
+    """On a device written through staging blocks (vulkan:0 here, CUDA's pinned ones alike) the stream reads into a
+    ring of at most prefetch // EXTENT blocks (RING at most), each read into again once its copy is done: with one
+    block, a tensor of three extents and more streams through it, a bfloat16 one too (widened in pieces), exactly."""
+    from safetensors.torch import save_file as torch_save
+
+    if "vulkan:0" not in azyx.devices():
+        pytest.skip("vulkan:0 is not available")
+    rng = np.random.default_rng(14)
+    tensors = {"a": torch.randn(1001), "big": torch.randn(3 * EXTENT // 4 + 13), "c": torch.randn(7).bfloat16(),
+               "wide": torch.randn(EXTENT // 2 + 3).bfloat16(), "d": torch.from_numpy(rng.integers(0, 9, 5))}
+    p = tmp_path / "ring.safetensors"
+    torch_save(tensors, p)
+    base = await settle()
+    stream = azyx.io.stream_safetensors(p, device="vulkan:0", prefetch=EXTENT, direct_io=direct_io)
+    assert stream.ring_size == 1
+    got = []
+    async for name, t in stream:
+        assert stream.blocks <= 1
+        want = tensors[name].float() if name in ("c", "wide") else tensors[name]
+        np.testing.assert_array_equal((await t.numpy()).astype(want.numpy().dtype), want.numpy())
+        got.append(name)
+    del t
+    assert sorted(got) == sorted(tensors) and stream.closed and not stream.ring
+    assert await settle() == base
 
 
 @pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])

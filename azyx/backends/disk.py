@@ -50,10 +50,11 @@ def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 class DiskFile:
     """One file opened read-only, shared by every buffer over its ranges and closed when the last of them goes.
-    Reads go through this descriptor, so a file replaced on disk (`os.replace`) keeps serving the old contents to
-    the tensors made from it."""
+    Reads go through this descriptor; each read is checked (`check`, before and after it), so a file replaced,
+    truncated or rewritten since it was opened raises `AzyxIOError` rather than serving the old bytes (or a mix of
+    old and new) to the tensors made from it; a file removed since still reads (the descriptor keeps its bytes)."""
 
-    __slots__ = ("path", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
+    __slots__ = ("path", "where", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
 
     def __init__(self, path: str):
         try:
@@ -61,6 +62,7 @@ class DiskFile:
         except OSError as e:
             raise AzyxIOError(f"{path}: cannot open: {e.strerror or e}") from e
         self.fd, self.path = fd, path
+        self.where = os.path.abspath(path)  # (what `check` stats: the same file after a chdir)
         # closed once unreachable, by a finalizer rather than __del__: a finalizer runs after the weak references are
         # cleared, so a cache of open files (weak values) can never hand out a file whose descriptor is closing
         self.close = weakref.finalize(self, os.close, fd)
@@ -76,11 +78,38 @@ class DiskFile:
     def __repr__(self) -> str:
         return f"DiskFile({self.path!r}, {self.size} bytes)"
 
+    def check(self, what: str = "") -> None:
+        """Raise `AzyxIOError` naming the file (and `what`, the data being read) where it is no longer the version
+        opened: the open file truncated or rewritten in place (its size or modification time), or its path naming
+        another file now (replaced). A file removed since is not a change: the descriptor keeps its bytes whole.
+        Reads call it before and after each batch, so a load never hands out bytes of a file that changed while it
+        loaded, nor the old bytes of one replaced."""
+        now = file_identity(os.fstat(self.fd))
+        if now == self.identity:
+            try:
+                named = file_identity(os.stat(self.where))
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                raise AzyxIOError(f"{self._where(what)}: cannot stat it while it loads ({e.strerror or e})") from e
+            if named[:2] == now[:2]:
+                return
+            why = "replaced by another file"
+        elif now[2] < self.size:
+            why = f"truncated to {now[2]} bytes"
+        else:
+            why = "rewritten"
+        raise AzyxIOError(f"{self._where(what)}: {why} while it loaded (it had {self.size} bytes when opened): load "
+                          f"it again")
+
+    def _where(self, what: str) -> str:
+        return f"{what} of {self.path}" if what else self.path
+
     def pread_into(self, offset: int, out: memoryview, what: str = "") -> None:
         """Fill `out` (a writable byte view) with the bytes at `offset`: positional reads, safe from any thread.
         `what` names the data (a tensor) in the error of a read that fails or finds the file shorter than it was."""
         done, n = 0, len(out)
-        where = f"{what} of {self.path}" if what else self.path
+        where = self._where(what)
         while done < n:
             try:
                 got = _preadv(self.fd, out[done:], offset + done)
@@ -141,7 +170,7 @@ class DiskFile:
         """Fill the byte views `outs`, one after the other, with the bytes from `offset` on: one `preadv` call for
         them all (several tensors' destinations filled by one read), repeated where the kernel returns short."""
         outs = [o for o in outs if len(o)]
-        where = f"{what} of {self.path}" if what else self.path
+        where = self._where(what)
         while outs:
             if len(outs) == 1:
                 return self.pread_into(offset, outs[0], what)
@@ -343,12 +372,10 @@ class DiskDevice(Device):
     def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
         assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
         rng: FileRange = buf.mem
+        rng.file.check(rng.what)
         rng.read(start, out)
-        on_loop = _on_event_loop()
-        with self.lock:
-            self.bytes_read += len(out)
-            self.reads += 1
-            self.reads_on_loop += on_loop
+        rng.file.check(rng.what)
+        self.count_read(len(out))
 
     def _read_parallel(self, buf: Buffer, start: int, out: memoryview) -> None:
         """`_read`, split into pieces (4 KiB multiples) read in parallel when large, the caller's thread reading the
@@ -376,6 +403,7 @@ class DiskDevice(Device):
         (`direct_block` of at least `direct_span` bytes) they are read with O_DIRECT into it, then copied to `outs`,
         where the filesystem allows it."""
         n = sum(len(o) for o in outs)
+        file.check(what)
         got = file.pread_direct(offset, n, direct) if direct is not None else None
         if got is None:
             file.pread_scatter(offset, outs, what)
@@ -384,7 +412,19 @@ class DiskDevice(Device):
             for o in outs:
                 o[:] = got[at : at + len(o)].data
                 at += len(o)
+        file.check(what)
         self.count_read(n)
+
+    def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
+                    ) -> np.ndarray | None:
+        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_extent`; None where the
+        filesystem refuses O_DIRECT (nothing read)."""
+        file.check(what)
+        got = file.pread_direct(offset, nbytes, block)
+        if got is not None:
+            file.check(what)
+            self.count_read(nbytes)
+        return got
 
     def count_read(self, n: int) -> None:
         """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""

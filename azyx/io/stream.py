@@ -2,11 +2,14 @@
 
 The file is read by several worker threads (positional reads, never on the event loop) in extents of up to `EXTENT`
 bytes: consecutive small tensors share one `preadv`, a large tensor is several extents read in parallel. On a device
-whose memory is host memory (the C backend) each extent lands straight in its tensors' pooled device buffers (no
-copy after the read). On another device (CUDA, OpenCL, Vulkan, wgpu) each extent lands in a staging block the device
-writes from fastest (`Device.staging_block`: pinned on CUDA, allocated and pinned on the worker thread), and is
-copied to the tensors' device buffers as soon as it is read, while the next extents are being read; the block goes
-back to its pool once its copy is done. A tensor is handed out as soon as all its bytes have landed, in file order.
+whose memory is host memory (the C backend) each extent lands straight in its tensors' pooled device buffers (no copy
+after the read). On another device (CUDA, OpenCL, Vulkan, wgpu) each extent lands in a block of the stream's ring of
+`RING` staging blocks, memory the device writes from fastest (`Device.staging_block`: pinned on CUDA, allocated and
+pinned on a worker thread, once), and is copied to the tensors' device buffers as soon as the stream sees it landed
+(whenever the loop wakes for any read), while the next extents are being read into the other blocks; a block is read
+into again once its copy is done (the loop waits for that only when every block's copy is under way). A tensor larger
+than the ring streams through it. A tensor is handed out as soon as all its bytes have landed (staged: are read and
+their copies queued, its buffer ready at their value, as a plan's results are), in file order.
 
 While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
 (64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
@@ -24,6 +27,7 @@ import concurrent.futures
 import fnmatch
 import os
 import threading
+import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,8 +45,15 @@ from azyx.storage import disk_device, disk_node, header_of, open_safetensors
 from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread, result_of, start_in_worker_thread
 
-PREFETCH = 64 << 20  # bytes read ahead by default
-EXTENT = 4 << 20  # bytes per read: consecutive smaller tensors share one, a larger tensor is read in several
+# The read pipeline's facts, sized for a GPU host of about 16 cores (bench/io.py measures them); nothing else sizes it.
+PREFETCH = 64 << 20  # bytes of tensors read ahead of the one handed out, by default
+EXTENT = 8 << 20  # bytes per read: consecutive smaller tensors share one, a larger tensor is read in several. A read
+# from the page cache runs at ~5 GB/s per thread, so one takes ~1.6 ms: long against what each costs the loop (a
+# wake-up, the copy's submission: tens of microseconds), short against a file of gigabytes
+RING = 8  # staging blocks of a staged device's stream (read into, copied from, reused in turn once their copy is
+# done): at most this many reads in flight (each on a worker thread: one per core), RING * EXTENT bytes of host memory
+# (pinned on CUDA, on worker threads, once per process: the staging pool keeps them), whatever the tensors' sizes
+BLOCK = EXTENT + 2 * DIRECT_ALIGN  # a ring block's bytes (room for an O_DIRECT read's aligned ends)
 
 
 def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = PREFETCH, progress: bool = False,
@@ -104,7 +115,7 @@ class _Slot:
     def __init__(self, entry: TensorEntry, widen: bool = False, sharded: bool = False) -> None:
         self.entry, self.widen, self.sharded = entry, widen, sharded
         self.buf: Buffer | None = None
-        self.error: AzyxError | None = None  # its buffer could not be allocated (raised when it is asked for)
+        self.error: BaseException | None = None  # its buffer or a read failed (raised when it is asked for)
         self.lock = threading.Lock()  # (its extents may be read at once: the first allocates its buffer)
         self.extents: list[_Extent] = []
         self.ready = 0
@@ -139,7 +150,11 @@ class SafetensorsStream:
         self.entries: list[TensorEntry] = []
         self.next = 0  # index of the next entry to start reading
         self.ahead: deque[_Slot] = deque()  # started, not yet handed out (file order)
+        self.queued: deque[_Extent] = deque()  # staged reads waiting for a ring block (file order)
         self.reading: deque[_Extent] = deque()  # staged reads whose copies are not issued yet (file order)
+        self.ring: list[tuple[np.ndarray, Any, int]] = []  # free staging blocks: (memory, keep, its last copy's value)
+        self.blocks = 0  # ring blocks made so far (at most `ring_size`)
+        self.ring_size = max(1, min(RING, prefetch // EXTENT))
         self.ahead_bytes = 0  # read (or being read) but not yet handed out
         self.closed = False
         if progress:
@@ -172,15 +187,18 @@ class SafetensorsStream:
             t: Any
             if slot.sharded:  # each device's slice, straight from the file
                 t = await self._sharded(slot.entry)
-            else:
+            elif self.direct:
                 for ext in slot.extents:
                     assert ext.job is not None
                     await result_of(ext.job)  # cancelled here: the slot stays first, the next call waits again
                 if slot.error is not None:  # raised when this tensor is asked for, not while another is being used
                     raise slot.error
-                t = await self._to_device(slot)
-        except AzyxError:
+                t = self._leaf(slot)
+            else:
+                t = await self._staged(slot)
+        except AzyxError as e:
             slot.buf, slot.extents = None, []  # (the error's traceback holds the slot: not its memory)
+            traceback.clear_frames(e.__traceback__)  # nor the reader's frame (its buffers), kept by whoever keeps e
             await self.aclose()
             raise
         self.ahead.popleft()
@@ -196,7 +214,9 @@ class SafetensorsStream:
         buffers (`azyx.synchronize()` waits for them)."""
         self.closed = True
         self.ahead.clear()
+        self.queued.clear()
         self.reading.clear()
+        self.ring.clear()
         self.ahead_bytes = 0
         self.file = None
         if self.bar is not None:
@@ -256,46 +276,89 @@ class SafetensorsStream:
                 if cur is None or widen or cur.offset + cur.nbytes != at + done or cur.nbytes >= EXTENT:
                     cur = _Extent(at + done)
                     extents.append(cur)
-                n = entry.nbytes - done if widen else min(entry.nbytes - done, EXTENT - cur.nbytes)  # (widened whole)
+                # (widened in place, on a host device, whole; staged, in pieces whose widened bytes fill a block)
+                n = (entry.nbytes - done if self.direct else min(entry.nbytes - done, EXTENT // 2)) if widen else \
+                    min(entry.nbytes - done, EXTENT - cur.nbytes)
                 cur.parts.append((slot, done, n))
                 cur.nbytes += n
                 slot.extents.append(cur)
                 done += n
             if widen:
                 cur = None
+        if not self.direct:
+            self.queued.extend(extents)
+            self._pump()
+            return
         for ext in extents:
-            ext.job = start_in_worker_thread(_read_extent, [(self.file, ext, self.dev, self.direct, self.direct_io)])
-            if not self.direct:
-                self.reading.append(ext)
+            ext.job = start_in_worker_thread(_read_extent, [(self.file, ext, self.dev, self.direct_io)])
+
+    def _pump(self) -> None:
+        """Staged: start the queued reads that a ring block is free for (its copy done; a new block while the ring is
+        not full: made on the reader thread)."""
+        while self.queued:
+            reached = self.dev.timeline.value
+            free = next((i for i, (_, _, last) in enumerate(self.ring) if last <= reached), None)
+            if free is None and self.blocks >= self.ring_size:
+                return
+            if free is None:
+                self.blocks += 1
+            block = self.ring.pop(free)[:2] if free is not None else None
+            ext = self.queued.popleft()
+            ext.job = start_in_worker_thread(_read_staged, [(self.file, ext, self.dev, block, self.direct_io)])
+            self.reading.append(ext)
 
     def _copy_landed(self) -> None:
-        """Staged: issue the device copies of every extent read so far (in file order), each from its staging block."""
+        """Staged: issue the device copies of every extent read so far (in file order), each from its ring block, which
+        goes back to the ring (read into again once the copy is done)."""
         while self.reading and self.reading[0].job is not None and self.reading[0].job.done():
             ext = self.reading.popleft()
             assert ext.job is not None
-            if ext.job.exception() is not None:
-                continue  # (raised to whoever asks for its tensors)
-            staged, keep = ext.job.result()
-            at = 0
+            ext.copied = True
+            if (err := ext.job.exception()) is not None:
+                self.blocks -= 1  # (its block went with the failed read)
+                for slot, _, _ in ext.parts:  # raised to whoever asks for its tensors
+                    slot.error = slot.error or err
+                continue
+            mem, landed, keep = ext.job.result()
+            last, at = 0, 0
             for slot, into, n in ext.parts:
                 size = 2 * n if slot.widen else n
-                if slot.buf is None:  # (its allocation failed: raised when it is asked for)
-                    at += size
-                    continue
-                v = self.dev.copy_from_host(staged[at : at + size], slot.buf, [], keep, 2 * into if slot.widen else
-                                            into)
-                slot.ready = max(slot.ready, v)
+                if slot.buf is not None:  # (else its allocation failed: raised when it is asked for)
+                    v = self.dev.copy_from_host(landed[at : at + size], slot.buf, [], keep,
+                                                2 * into if slot.widen else into)
+                    slot.ready = last = max(slot.ready, v)
                 at += size
-            ext.copied = True
+            self.ring.append((mem, keep, last))
+            self.dev.timeline.on_reach(last, _nothing)  # (a device that notices completion lazily watches it now)
 
-    async def _to_device(self, slot: _Slot) -> Tensor:
+    async def _staged(self, slot: _Slot) -> Tensor:
+        """Staged: the slot's tensor once all its extents are read and their copies queued; meanwhile each wake-up (a
+        read landing) issues the copies of what landed and starts reads into the blocks they free."""
+        while True:
+            self._copy_landed()
+            self._pump()
+            if all(ext.copied for ext in slot.extents):
+                break
+            if not self.reading:  # every block's copy is under way: the first done frees one
+                await self.dev.timeline.wait(min(last for _, _, last in self.ring))
+                continue
+            job = self.reading[0].job  # (the slot's extents not copied yet are read or queued behind it)
+            assert job is not None
+            try:
+                await result_of(job)  # cancelled here: the slot stays first, the next call waits again
+            except Exception:  # noqa: S112  (the read's error is its tensors': `_copy_landed` records it)
+                continue
+        if slot.error is not None:
+            raise slot.error
+        assert slot.buf is not None
+        # handed out with its copies queued, not done: like a plan's results, the buffer is ready at their value (the
+        # device orders work on it after them; a read waits for them), and the loop goes on issuing the next copies
+        slot.buf.ready = slot.ready
+        return self._leaf(slot)
+
+    def _leaf(self, slot: _Slot) -> Tensor:
         entry, buf = slot.entry, slot.buf
         assert buf is not None
-        if not self.direct:
-            self._copy_landed()
-            assert all(ext.copied for ext in slot.extents)
-            buf.ready = slot.ready
-            await self.dev.timeline.wait(slot.ready)  # its bytes have landed
         dtype = dtypes.float32 if slot.widen else entry.dtype
         node = Node(Op.LEAF, (), None, entry.shape, dtype, self.dev.name, self.pinned)
         node.buffer, node.view = buf, StridedView.contiguous(entry.shape)
@@ -311,36 +374,51 @@ class SafetensorsStream:
         return await whole.shard(devices, axis).realize()
 
 
-def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool, bool]]) -> Any:
-    """On a worker thread: one extent, into its tensors' buffers (`direct`) or a staging block of the device (whose
-    (array, keep) it returns); bfloat16 widened for devices without it. `direct_io`: read with O_DIRECT, through an
-    aligned block (the staging block itself where it is aligned), where the filesystem allows it."""
-    file, ext, dev, direct, direct_io = job.pop()
+def _read_extent(job: list[tuple[DiskFile, _Extent, Device, bool]]) -> None:
+    """On a worker thread: one extent straight into its tensors' buffers on a host device; bfloat16 widened for
+    devices without it. `direct_io`: read with O_DIRECT, through this thread's aligned block, where the filesystem
+    allows it."""
+    file, ext, dev, direct_io = job.pop()
     widen = ext.parts[0][0].widen
-    what = f"tensor {ext.parts[0][0].entry.name!r}"
-    span = direct_span(ext.offset, ext.nbytes)
     bufs = [slot.allocate(dev) for slot, _, _ in ext.parts]  # (where not allocated on the loop already)
-    if direct:
-        outs = [buf.mem.reshape(-1).view(np.uint8)[into : into + n].data if buf is not None else
-                memoryview(bytearray(n)) for buf, (_, into, n) in zip(bufs, ext.parts)]  # (bytes of a failed one)
-        disk_device().read_extent(file, ext.offset, outs, what, _bounce(span) if direct_io and not widen else None)
-        if widen and bufs[0] is not None:
-            _widen(bufs[0].mem.reshape(-1).view(np.uint8), ext.nbytes)
-        return None
-    need = ext.nbytes * (2 if widen else 1)
-    extra = 2 * DIRECT_ALIGN if direct_io and not widen else 0
-    staged, keep = dev.staging_block(max(need, EXTENT) + extra)  # (one size: the pool's cached blocks are a ring)
-    if extra:
-        block = staged[(-staged.ctypes.data) % DIRECT_ALIGN :]
-        got = file.pread_direct(ext.offset, ext.nbytes, block) if block.nbytes >= span else None
-        if got is not None:
-            disk_device().count_read(ext.nbytes)
-            return got, keep
-    staged = staged[:need]
-    disk_device().read_extent(file, ext.offset, [staged[: ext.nbytes].data], what)
+    outs = [buf.mem.reshape(-1).view(np.uint8)[into : into + n].data if buf is not None else
+            memoryview(bytearray(n)) for buf, (_, into, n) in zip(bufs, ext.parts)]  # (bytes of a failed one)
+    bounce = _bounce(direct_span(ext.offset, ext.nbytes)) if direct_io and not widen else None
+    disk_device().read_extent(file, ext.offset, outs, _what(ext), bounce)
+    if widen and bufs[0] is not None:
+        _widen(bufs[0].mem.reshape(-1).view(np.uint8), ext.nbytes)
+
+
+def _read_staged(job: list[tuple[DiskFile, _Extent, Device, tuple[np.ndarray, Any] | None, bool]]
+                 ) -> tuple[np.ndarray, np.ndarray, Any]:
+    """On a worker thread: one extent into a ring block (`block`: its memory and keep, its last copy done; None: a new
+    block of the device's staging pool, pinned here on CUDA); returns the block's memory, the part of it the bytes
+    landed in, and its keep. bfloat16 widened for devices without it. `direct_io`: read with O_DIRECT straight into
+    the block (its aligned part), where the filesystem allows it."""
+    file, ext, dev, block, direct_io = job.pop()
+    for slot, _, _ in ext.parts:  # (where not allocated on the loop already)
+        slot.allocate(dev)
+    mem, keep = dev.staging_block(BLOCK) if block is None else block
+    widen = ext.parts[0][0].widen
+    assert ext.nbytes * (2 if widen else 1) <= EXTENT, "an extent larger than a ring block"
+    if direct_io and not widen:
+        aligned = mem[(-mem.ctypes.data) % DIRECT_ALIGN :]
+        if aligned.nbytes >= direct_span(ext.offset, ext.nbytes):
+            got = disk_device().read_direct(file, ext.offset, ext.nbytes, aligned, _what(ext))
+            if got is not None:
+                return mem, got, keep
+    disk_device().read_extent(file, ext.offset, [mem[: ext.nbytes].data], _what(ext))
     if widen:
-        _widen(staged, ext.nbytes)
-    return staged, keep
+        _widen(mem, ext.nbytes)
+    return mem, mem[: ext.nbytes * (2 if widen else 1)], keep
+
+
+def _nothing() -> None:
+    pass
+
+
+def _what(ext: _Extent) -> str:
+    return f"tensor {ext.parts[0][0].entry.name!r}"
 
 
 _bounces = threading.local()
