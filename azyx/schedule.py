@@ -72,6 +72,10 @@ class DeviceFacts(Protocol):
     def compute(self) -> float: ...
     @property
     def max_buffers(self) -> int: ...  # storage buffers one kernel may bind (0: no limit)
+    @property
+    def kind(self) -> str: ...
+    @property
+    def host_memory(self) -> bool: ...  # its buffers are this process's host memory
     def free_memory(self) -> int: ...
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
@@ -97,6 +101,13 @@ class Attempt:
     cost: int  # index arithmetic (divisions and modulos) it computes per point
     load_paths: dict[int, tuple[int, ...]]  # per load (id of its value): the nodes it was read through, outermost first
     root: int
+
+
+def shares_memory(a: DeviceFacts, b: DeviceFacts) -> bool:
+    """Whether a kernel on `b` reads `a`'s buffers where they are, with no transfer: both devices' memory is this
+    process's host memory and they are of one kind (c:1 for c:0; not the host memory that numpy data waits in, whose
+    uploads their tensors adopt)."""
+    return a.host_memory and b.host_memory and a.kind == b.kind
 
 
 # ------------------------------------------------------------------------------------------------ planner
@@ -130,10 +141,12 @@ class Planner:
     def device_of(self, n: Node) -> str:
         return n.device if n.pinned else self.override.get(n.device, n.device)
 
-    def on_device(self, slot: int, device: str) -> int:
-        """The slot's contents on `device`, inserting a transfer the first time."""
+    def on_device(self, slot: int, device: str, read: bool = False) -> int:
+        """The slot's contents on `device`, inserting a transfer the first time. `read`: for a kernel on `device` to
+        read, which reads a slot of another device whose buffers are host memory of the same kind (c:1 for c:0) in
+        place, with no transfer (the executor makes the kernel wait for the slot's writer)."""
         s = self.slots[slot]
-        if s.device == device:
+        if s.device == device or read and self.shares_memory(s.device, device):
             return slot
         key = (slot, device)
         if key not in self.transfers:
@@ -143,6 +156,21 @@ class Planner:
             if s.kind == "input" and s.device == "host:0" and self.leaf_device[slot] == device:
                 self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
         return self.transfers[key]
+
+    def shares_memory(self, src: str, dst: str) -> bool:
+        return shares_memory(self.rt.device(src), self.rt.device(dst))
+
+    def read_from(self, nid: int, device: str) -> tuple[int, StridedView]:
+        """The slot and view through which a kernel on `device` reads node `nid`: its copy to another device (a
+        TODEVICE that is no target) read from its source where `on_device` reads that in place, else `nid` realized
+        and moved to `device`."""
+        n = self.graph[nid]
+        if n.op is Op.TODEVICE and nid not in self.done and nid not in self.targets:
+            slot, view = self.read_from(n.src[0], self.device_of(n))
+            if self.slots[slot].device == device or self.shares_memory(self.slots[slot].device, device):
+                return slot, view
+        slot, view = self.realize(nid)
+        return self.on_device(slot, device, True), view
 
     def realize(self, nid: int, copy: bool = False) -> tuple[int, StridedView]:
         """The slot holding `nid` and how to index it; `copy`: in a contiguous buffer of its own, not as a view."""
@@ -759,8 +787,7 @@ class KernelBuild:
 
     def load(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> V:
         n = self.p.graph[nid]
-        slot, view = self.p.realize(nid)
-        slot = self.p.on_device(slot, self.device)
+        slot, view = self.p.read_from(nid, self.device)
         if slot not in self.params:
             self.params.append(slot)
         if cond.never:

@@ -5,9 +5,11 @@
 device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on
 its own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together
 (`await s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce,
-all-gather, reduce-scatter, broadcast) are built from the pieces' slices and `.to(device)` copies: they become the
-plan's transfer steps, which the executor routes by its sync strategy (peer where the API has it, host-staged
-otherwise) and overlaps with compute where the plan allows. Matrix products with a sharded operand run row- or
+all-gather, reduce-scatter, broadcast) are built from the pieces' slices and `.to(device)` copies: between devices
+whose memory is this process's host memory (C devices) a kernel reads the other device's buffer in place, with no
+copy (`azyx.schedule.shares_memory`); elsewhere they become the plan's transfer steps, which the executor routes by
+its sync strategy (peer where the API has it, host-staged otherwise) and overlaps with compute where the plan
+allows. Matrix products with a sharded operand run row- or
 column-parallel, or as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
 replica per device, each a slice of every batch, gradients all-reduced in the step's plan.
 
@@ -28,6 +30,7 @@ from azyx.errors import ArgumentError, ShapeError
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.runtime import RT
+from azyx.schedule import shares_memory
 from azyx.tape import GradientTape
 from azyx.tensor import Tensor, _dims
 
@@ -243,20 +246,34 @@ class ShardedTensor:
     # ---------------------------------------------------------------- collectives
     def _all_reduce(self, op: str, chunks: int | None = None) -> ShardedTensor:
         """Pieces holding partial values of one whole (a replicated layout of partials) combined by `op` into the
-        same result on every device: ring reduce-scatters over the pieces' flattened elements (each device sends
-        (n-1)/n of a piece, combining a chunk per step), then each combined chunk copied to every device; a swap
-        where there are two devices and `chunks` is not given. `chunks`: the elements cut into that many rings
-        side by side in the plan, so one ring's transfers can overlap another's reductions (a pipeline; default
-        one: on C devices more rings cost more than they overlap, bench/scale.py)."""
+        same result on every device. Devices that read each other's memory in place (C devices: the scheduler's
+        `shares_memory`) move nothing: each of two combines both pieces where they lie; three or more reduce a part
+        of the elements each (reading that part of every piece), then each joins the parts. Otherwise a ring
+        reduce-scatters over the pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk
+        per step), then each combined chunk is copied to every device; a swap where there are two devices and
+        `chunks` is not given. `chunks`: the elements cut into that many rings side by side in the plan, so that one
+        ring's transfers overlap another's reductions (a pipeline)."""
         if op not in REDUCE_OPS:
             raise ArgumentError(f"all-reduce op must be one of {REDUCE_OPS}, got {op!r}")
         combine = _COMBINE[op]
         n = len(self.shards)
         if n == 1:
             return ShardedTensor(self.shards, None)
-        if n == 2 and chunks is None:
+        shared = chunks is None and _shared(self.devices)
+        if n == 2 and chunks is None:  # (in place where shared: one kernel per device reading both pieces)
             a, b = self.shards
             return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
+        if shared and self.shards[0].numel() >= n:
+            flat = [t.reshape(-1) for t in self.shards]
+            parts = []
+            for i, (lo, hi) in enumerate(_split_bounds(flat[0].shape[0], n)):
+                part = flat[i]._shrink([(lo, hi)])
+                for j, f in enumerate(flat):
+                    if j != i:
+                        part = combine(part, f._shrink([(lo, hi)]).to(self.devices[i]))
+                parts.append(part)
+            return ShardedTensor([Tensor.cat([p.to(d) for p in parts], axis=0).reshape(*self.shape)
+                                  for d in self.devices], None)
         shape = self.shape
         flat = [t.reshape(-1) for t in self.shards]
         total = flat[0].shape[0]
@@ -357,6 +374,12 @@ _UNARY = {"exp", "log", "sqrt", "rsqrt", "relu", "sigmoid", "tanh", "gelu", "sil
 
 def _layouts(a: ShardedTensor, b: ShardedTensor) -> ShapeError:
     return ShapeError(f"sharded operands of different layouts: {a!r} and {b!r} (reshard one: gather, then shard)")
+
+
+def _shared(devices: Sequence[str]) -> bool:
+    """Whether every device reads the others' buffers in place (schedule.shares_memory)."""
+    first = RT.device(devices[0])
+    return all(shares_memory(first, RT.device(d)) for d in devices[1:])
 
 
 def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:

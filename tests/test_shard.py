@@ -68,17 +68,25 @@ async def test_elementwise_and_reductions_run_where_the_shards_are(pair: list[st
                                np.exp(x * b).sum(0, keepdims=True), rtol=1e-5)
 
 
-async def test_one_plan_with_transfer_steps() -> None:
+@pytest.mark.parametrize("other", ["c:1", "opencl:0"])
+async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> None:
+    """The partial sums' all-reduce in the pieces' plan: C devices read each other's buffers in place (a kernel on
+    c:0 reads c:1's slot, no transfer step); a pair whose memory is not shared moves them by transfer steps."""
+    if other not in ALL:
+        pytest.skip(f"{other} is not present")
     x = randn(8, 4)
-    s = Tensor(x).shard(["c:0", "c:1"], 0)
+    s = Tensor(x).shard(["c:0", other], 0)
     await s.realize()
     total = (s * 2.0).sum(axis=0)
     plan = azyx.schedule(*total.shards)
-    kinds = {type(st) for st in plan.steps}
-    assert KernelStep in kinds and TransferStep in kinds
-    assert {st.device for st in plan.steps if isinstance(st, KernelStep)} == {"c:0", "c:1"}
+    kernels = [st for st in plan.steps if isinstance(st, KernelStep)]
+    assert {k.device for k in kernels} == {"c:0", other}
+    shared = other == "c:1"
+    assert any(isinstance(st, TransferStep) for st in plan.steps) is not shared
+    assert any(plan.slots[a].device != k.device for k in kernels for a in k.args) is shared
     await total.realize()
-    np.testing.assert_allclose(await total.shards[1].numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
+    for t in total.shards:
+        np.testing.assert_allclose(await t.numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [2, 3])
