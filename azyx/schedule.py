@@ -33,6 +33,7 @@ from azyx.gemm import product_dtypes
 from azyx.graph import (
     ELEMENTWISE,
     MOVEMENT,
+    READ_IN_PLACE,
     Graph,
     Node,
     Op,
@@ -141,12 +142,10 @@ class Planner:
     def device_of(self, n: Node) -> str:
         return n.device if n.pinned else self.override.get(n.device, n.device)
 
-    def on_device(self, slot: int, device: str, read: bool = False) -> int:
-        """The slot's contents on `device`, inserting a transfer the first time. `read`: for a kernel on `device` to
-        read, which reads a slot of another device whose buffers are host memory of the same kind (c:1 for c:0) in
-        place, with no transfer (the executor makes the kernel wait for the slot's writer)."""
+    def on_device(self, slot: int, device: str) -> int:
+        """The slot's contents on `device`, inserting a transfer the first time."""
         s = self.slots[slot]
-        if s.device == device or read and self.shares_memory(s.device, device):
+        if s.device == device:
             return slot
         key = (slot, device)
         if key not in self.transfers:
@@ -157,20 +156,18 @@ class Planner:
                 self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
         return self.transfers[key]
 
-    def shares_memory(self, src: str, dst: str) -> bool:
-        return shares_memory(self.rt.device(src), self.rt.device(dst))
-
     def read_from(self, nid: int, device: str) -> tuple[int, StridedView]:
-        """The slot and view through which a kernel on `device` reads node `nid`: its copy to another device (a
-        TODEVICE that is no target) read from its source where `on_device` reads that in place, else `nid` realized
-        and moved to `device`."""
+        """The slot and view through which a kernel on `device` reads node `nid`: a TODEVICE marked READ_IN_PLACE
+        (and no target) from its source's buffer where that lies on `device` or on a device sharing memory with it
+        (the executor makes the kernel wait for the buffer's writer); else `nid` realized and moved to `device`."""
         n = self.graph[nid]
-        if n.op is Op.TODEVICE and nid not in self.done and nid not in self.targets:
-            slot, view = self.read_from(n.src[0], self.device_of(n))
-            if self.slots[slot].device == device or self.shares_memory(self.slots[slot].device, device):
+        if n.op is Op.TODEVICE and n.arg == READ_IN_PLACE and nid not in self.done and nid not in self.targets:
+            slot, view = self.realize(n.src[0])
+            held = self.slots[slot].device
+            if held == device or shares_memory(self.rt.device(held), self.rt.device(device)):
                 return slot, view
         slot, view = self.realize(nid)
-        return self.on_device(slot, device, True), view
+        return self.on_device(slot, device), view
 
     def realize(self, nid: int, copy: bool = False) -> tuple[int, StridedView]:
         """The slot holding `nid` and how to index it; `copy`: in a contiguous buffer of its own, not as a view."""

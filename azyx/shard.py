@@ -5,12 +5,12 @@
 device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on
 its own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together
 (`await s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce,
-all-gather, reduce-scatter, broadcast) are built from the pieces' slices and `.to(device)` copies: between devices
-whose memory is this process's host memory (C devices) a kernel reads the other device's buffer in place, with no
-copy (`azyx.schedule.shares_memory`); elsewhere they become the plan's transfer steps, which the executor routes by
-its sync strategy (peer where the API has it, host-staged otherwise) and overlaps with compute where the plan
-allows. Matrix products with a sharded operand run row- or
-column-parallel, or as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
+all-gather, reduce-scatter, broadcast) are built from the pieces' slices and copies to other devices: between
+devices whose memory is this process's host memory (C devices) a kernel reads the other device's buffer in place,
+with no copy (`Tensor._readable_on`, `azyx.schedule.shares_memory`); elsewhere they become the plan's transfer
+steps, which the executor routes by its sync strategy (peer where the API has it, host-staged otherwise) and
+overlaps with compute where the plan allows. Matrix products with a sharded operand run row- or column-parallel, or
+as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
 replica per device, each a slice of every batch, gradients all-reduced in the step's plan.
 
     x = Tensor(data).shard(["cuda:0", "cuda:1"], axis=0)  # rows split over two GPUs
@@ -103,7 +103,7 @@ class ShardedTensor:
         dev = device or self.devices[0]
         if self.axis is None:
             return self.shards[self.devices.index(dev)] if dev in self.devices else self.shards[0].to(dev)
-        return Tensor.cat([t.to(dev) for t in self.shards], axis=self.axis)
+        return Tensor.cat([t._readable_on(dev) for t in self.shards], axis=self.axis)
 
     async def numpy(self) -> np.ndarray:
         """Coroutine: the whole tensor as a numpy array (the pieces gathered on the first device, then read)."""
@@ -262,7 +262,7 @@ class ShardedTensor:
         shared = chunks is None and _shared(self.devices)
         if n == 2 and chunks is None:  # (in place where shared: one kernel per device reading both pieces)
             a, b = self.shards
-            return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
+            return ShardedTensor([combine(a, b._readable_on(a.device)), combine(a._readable_on(b.device), b)], None)
         if shared and self.shards[0].numel() >= n:
             flat = [t.reshape(-1) for t in self.shards]
             parts = []
@@ -270,9 +270,9 @@ class ShardedTensor:
                 part = flat[i]._shrink([(lo, hi)])
                 for j, f in enumerate(flat):
                     if j != i:
-                        part = combine(part, f._shrink([(lo, hi)]).to(self.devices[i]))
+                        part = combine(part, f._shrink([(lo, hi)])._readable_on(self.devices[i]))
                 parts.append(part)
-            return ShardedTensor([Tensor.cat([p.to(d) for p in parts], axis=0).reshape(*self.shape)
+            return ShardedTensor([Tensor.cat([p._readable_on(d) for p in parts], axis=0).reshape(*self.shape)
                                   for d in self.devices], None)
         shape = self.shape
         flat = [t.reshape(-1) for t in self.shards]
@@ -280,9 +280,9 @@ class ShardedTensor:
         if total < n:  # fewer elements than devices: each device combines every piece
             out = []
             for dev in self.devices:
-                whole = self.shards[0].to(dev)
+                whole = self.shards[0]._readable_on(dev)
                 for t in self.shards[1:]:
-                    whole = combine(whole, t.to(dev))
+                    whole = combine(whole, t._readable_on(dev))
                 out.append(whole)
             return ShardedTensor(out, None)
         k = max(1, min(chunks or 1, total // n))
@@ -294,13 +294,13 @@ class ShardedTensor:
             acc = [pieces[i][j * n + i] for i in range(n)]
             owner = [j * n + i for i in range(n)]
             for _ in range(n - 1):
-                moved = [acc[(i - 1) % n].to(self.devices[i]) for i in range(n)]
+                moved = [acc[(i - 1) % n]._readable_on(self.devices[i]) for i in range(n)]
                 owner = [owner[(i - 1) % n] for i in range(n)]
                 acc = [combine(moved[i], pieces[i][owner[i]]) for i in range(n)]
             for i, dev in enumerate(self.devices):  # every device collects each combined chunk from its holder
                 for c in range(j * n, j * n + n):
                     holder = owner.index(c)
-                    result[i].append(acc[holder] if holder == i else acc[holder].to(dev))
+                    result[i].append(acc[holder] if holder == i else acc[holder]._readable_on(dev))
         return ShardedTensor([Tensor.cat(r, axis=0).reshape(*shape) for r in result], None)
 
     def all_reduce(self, op: str = "sum") -> ShardedTensor:
@@ -332,7 +332,7 @@ class ShardedTensor:
             acc = part[i]
             for j, p in enumerate(part):
                 if j != i:
-                    acc = combine(acc, p.to(dev))
+                    acc = combine(acc, p._readable_on(dev))
             out.append(acc)
         return ShardedTensor(out, ax)
 

@@ -129,7 +129,7 @@ class TensorParallelGPT2(GPT2):
 
     def layers(self, x: Tensor, view: AttentionView) -> Tensor:
         """The layers over `x` (on the first device): copied to every device, the layers, the first device's copy."""
-        xs = [x.to(d) for d in self.devices]
+        xs = [x._readable_on(d) for d in self.devices]
         views = [_local(view, i, d) for i, d in enumerate(self.devices)]
         for block in self.h:
             xs = block(xs, views)
