@@ -247,33 +247,27 @@ class ShardedTensor:
     def _all_reduce(self, op: str, chunks: int | None = None) -> ShardedTensor:
         """Pieces holding partial values of one whole (a replicated layout of partials) combined by `op` into the
         same result on every device. Devices that read each other's memory in place (C devices: the scheduler's
-        `shares_memory`) move nothing: each of two combines both pieces where they lie; three or more reduce a part
-        of the elements each (reading that part of every piece), then each joins the parts. Otherwise a ring
-        reduce-scatters over the pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk
-        per step), then each combined chunk is copied to every device; a swap where there are two devices and
-        `chunks` is not given. `chunks`: the elements cut into that many rings side by side in the plan, so that one
-        ring's transfers overlap another's reductions (a pipeline)."""
+        `shares_memory`, which are parts of one machine's cores and memory) combine every piece in one kernel on the
+        first device, reading the others where they lie; the other devices read that result in place (a kernel of
+        theirs in the same plan), or copy it (realized as they are). Otherwise a ring reduce-scatters over the
+        pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk per step), then each
+        combined chunk is copied to every device; a swap where there are two devices and `chunks` is not given.
+        `chunks`: the elements cut into that many rings side by side in the plan, so that one ring's transfers
+        overlap another's reductions (a pipeline; on C devices a ring too, each step read in place)."""
         if op not in REDUCE_OPS:
             raise ArgumentError(f"all-reduce op must be one of {REDUCE_OPS}, got {op!r}")
         combine = _COMBINE[op]
         n = len(self.shards)
         if n == 1:
             return ShardedTensor(self.shards, None)
-        shared = chunks is None and _shared(self.devices)
-        if n == 2 and chunks is None:  # (in place where shared: one kernel per device reading both pieces)
+        if chunks is None and _shared(self.devices):  # one kernel combines every piece where it lies
+            whole = self.shards[0]
+            for t in self.shards[1:]:
+                whole = combine(whole, t._readable_on(whole.device))
+            return ShardedTensor([whole._readable_on(d) for d in self.devices], None)
+        if n == 2 and chunks is None:
             a, b = self.shards
-            return ShardedTensor([combine(a, b._readable_on(a.device)), combine(a._readable_on(b.device), b)], None)
-        if shared and self.shards[0].numel() >= n:
-            flat = [t.reshape(-1) for t in self.shards]
-            parts = []
-            for i, (lo, hi) in enumerate(_split_bounds(flat[0].shape[0], n)):
-                part = flat[i]._shrink([(lo, hi)])
-                for j, f in enumerate(flat):
-                    if j != i:
-                        part = combine(part, f._shrink([(lo, hi)])._readable_on(self.devices[i]))
-                parts.append(part)
-            return ShardedTensor([Tensor.cat([p._readable_on(d) for p in parts], axis=0).reshape(*self.shape)
-                                  for d in self.devices], None)
+            return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
         shape = self.shape
         flat = [t.reshape(-1) for t in self.shards]
         total = flat[0].shape[0]
