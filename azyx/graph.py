@@ -33,6 +33,11 @@ class StorageDevice(Protocol):
     listed: bool
 
 
+# a TODEVICE's arg (Tensor._readable_on): a kernel on a device that shares memory with the source's reads the source's
+# buffer in place, with no copy (azyx.schedule.shares_memory); a copy otherwise, as a plain TODEVICE (arg None)
+READ_IN_PLACE = "read in place"
+
+
 class Op(IntEnum):
     CONST = 0  # arg: the value (a Python scalar); the shape is broadcast
     LEAF = 1  # holds a realized buffer (node.buffer, node.view)
@@ -48,7 +53,7 @@ class Op(IntEnum):
     # value is, held by the op itself: one node fewer to build, walk and free per number)
     BINARY = 10
     WHERE = 11  # cond, a, b
-    TODEVICE = 12  # copy to node.device
+    TODEVICE = 12  # copy to node.device; arg READ_IN_PLACE: read in place where the devices share memory
     # src (x, index), arg: an axis a; the shape is the index's (x's number of axes, each no longer than x's but a):
     # out[p] = x[p with p[a] = index[p]], the index wrapped from the end when negative and clamped into the axis
     GATHER = 13

@@ -33,6 +33,7 @@ from azyx.gemm import product_dtypes
 from azyx.graph import (
     ELEMENTWISE,
     MOVEMENT,
+    READ_IN_PLACE,
     Graph,
     Node,
     Op,
@@ -72,6 +73,10 @@ class DeviceFacts(Protocol):
     def compute(self) -> float: ...
     @property
     def max_buffers(self) -> int: ...  # storage buffers one kernel may bind (0: no limit)
+    @property
+    def kind(self) -> str: ...
+    @property
+    def host_memory(self) -> bool: ...  # its buffers are this process's host memory
     def free_memory(self) -> int: ...
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
@@ -97,6 +102,13 @@ class Attempt:
     cost: int  # index arithmetic (divisions and modulos) it computes per point
     load_paths: dict[int, tuple[int, ...]]  # per load (id of its value): the nodes it was read through, outermost first
     root: int
+
+
+def shares_memory(a: DeviceFacts, b: DeviceFacts) -> bool:
+    """Whether a kernel on `b` reads `a`'s buffers where they are, with no transfer: both devices' memory is this
+    process's host memory and they are of one kind (c:1 for c:0; not the host memory that numpy data waits in, whose
+    uploads their tensors adopt)."""
+    return a.host_memory and b.host_memory and a.kind == b.kind
 
 
 # ------------------------------------------------------------------------------------------------ planner
@@ -143,6 +155,19 @@ class Planner:
             if s.kind == "input" and s.device == "host:0" and self.leaf_device[slot] == device:
                 self.adopt.append((slot, dst))  # host data uploaded to its tensor's device: the tensor keeps it
         return self.transfers[key]
+
+    def read_from(self, nid: int, device: str) -> tuple[int, StridedView]:
+        """The slot and view through which a kernel on `device` reads node `nid`: a TODEVICE marked READ_IN_PLACE
+        (and no target) from its source's buffer where that lies on `device` or on a device sharing memory with it
+        (the executor makes the kernel wait for the buffer's writer); else `nid` realized and moved to `device`."""
+        n = self.graph[nid]
+        if n.op is Op.TODEVICE and n.arg == READ_IN_PLACE and nid not in self.done and nid not in self.targets:
+            slot, view = self.realize(n.src[0])
+            held = self.slots[slot].device
+            if held == device or shares_memory(self.rt.device(held), self.rt.device(device)):
+                return slot, view
+        slot, view = self.realize(nid)
+        return self.on_device(slot, device), view
 
     def realize(self, nid: int, copy: bool = False) -> tuple[int, StridedView]:
         """The slot holding `nid` and how to index it; `copy`: in a contiguous buffer of its own, not as a view."""
@@ -759,8 +784,7 @@ class KernelBuild:
 
     def load(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> V:
         n = self.p.graph[nid]
-        slot, view = self.p.realize(nid)
-        slot = self.p.on_device(slot, self.device)
+        slot, view = self.p.read_from(nid, self.device)
         if slot not in self.params:
             self.params.append(slot)
         if cond.never:

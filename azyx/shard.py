@@ -5,10 +5,12 @@
 device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on
 its own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together
 (`await s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce,
-all-gather, reduce-scatter, broadcast) are built from the pieces' slices and `.to(device)` copies: they become the
-plan's transfer steps, which the executor routes by its sync strategy (peer where the API has it, host-staged
-otherwise) and overlaps with compute where the plan allows. Matrix products with a sharded operand run row- or
-column-parallel, or as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
+all-gather, reduce-scatter, broadcast) are built from the pieces' slices and copies to other devices: between
+devices whose memory is this process's host memory (C devices) a kernel reads the other device's buffer in place,
+with no copy (`Tensor._readable_on`, `azyx.schedule.shares_memory`); elsewhere they become the plan's transfer
+steps, which the executor routes by its sync strategy (peer where the API has it, host-staged otherwise) and
+overlaps with compute where the plan allows. Matrix products with a sharded operand run row- or column-parallel, or
+as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
 replica per device, each a slice of every batch, gradients all-reduced in the step's plan.
 
     x = Tensor(data).shard(["cuda:0", "cuda:1"], axis=0)  # rows split over two GPUs
@@ -28,6 +30,7 @@ from azyx.errors import ArgumentError, ShapeError
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.runtime import RT
+from azyx.schedule import shares_memory
 from azyx.tape import GradientTape
 from azyx.tensor import Tensor, _dims
 
@@ -100,7 +103,7 @@ class ShardedTensor:
         dev = device or self.devices[0]
         if self.axis is None:
             return self.shards[self.devices.index(dev)] if dev in self.devices else self.shards[0].to(dev)
-        return Tensor.cat([t.to(dev) for t in self.shards], axis=self.axis)
+        return Tensor.cat([t._readable_on(dev) for t in self.shards], axis=self.axis)
 
     async def numpy(self) -> np.ndarray:
         """Coroutine: the whole tensor as a numpy array (the pieces gathered on the first device, then read)."""
@@ -243,17 +246,25 @@ class ShardedTensor:
     # ---------------------------------------------------------------- collectives
     def _all_reduce(self, op: str, chunks: int | None = None) -> ShardedTensor:
         """Pieces holding partial values of one whole (a replicated layout of partials) combined by `op` into the
-        same result on every device: ring reduce-scatters over the pieces' flattened elements (each device sends
-        (n-1)/n of a piece, combining a chunk per step), then each combined chunk copied to every device; a swap
-        where there are two devices and `chunks` is not given. `chunks`: the elements cut into that many rings
-        side by side in the plan, so one ring's transfers can overlap another's reductions (a pipeline; default
-        one: on C devices more rings cost more than they overlap, bench/scale.py)."""
+        same result on every device. Devices that read each other's memory in place (C devices: the scheduler's
+        `shares_memory`, which are parts of one machine's cores and memory) combine every piece in one kernel on the
+        first device, reading the others where they lie; the other devices read that result in place (a kernel of
+        theirs in the same plan), or copy it (realized as they are). Otherwise a ring reduce-scatters over the
+        pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk per step), then each
+        combined chunk is copied to every device; a swap where there are two devices and `chunks` is not given.
+        `chunks`: the elements cut into that many rings side by side in the plan, so that one ring's transfers
+        overlap another's reductions (a pipeline; on C devices a ring too, each step read in place)."""
         if op not in REDUCE_OPS:
             raise ArgumentError(f"all-reduce op must be one of {REDUCE_OPS}, got {op!r}")
         combine = _COMBINE[op]
         n = len(self.shards)
         if n == 1:
             return ShardedTensor(self.shards, None)
+        if chunks is None and _shared(self.devices):  # one kernel combines every piece where it lies
+            whole = self.shards[0]
+            for t in self.shards[1:]:
+                whole = combine(whole, t._readable_on(whole.device))
+            return ShardedTensor([whole._readable_on(d) for d in self.devices], None)
         if n == 2 and chunks is None:
             a, b = self.shards
             return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
@@ -263,9 +274,9 @@ class ShardedTensor:
         if total < n:  # fewer elements than devices: each device combines every piece
             out = []
             for dev in self.devices:
-                whole = self.shards[0].to(dev)
+                whole = self.shards[0]._readable_on(dev)
                 for t in self.shards[1:]:
-                    whole = combine(whole, t.to(dev))
+                    whole = combine(whole, t._readable_on(dev))
                 out.append(whole)
             return ShardedTensor(out, None)
         k = max(1, min(chunks or 1, total // n))
@@ -277,13 +288,13 @@ class ShardedTensor:
             acc = [pieces[i][j * n + i] for i in range(n)]
             owner = [j * n + i for i in range(n)]
             for _ in range(n - 1):
-                moved = [acc[(i - 1) % n].to(self.devices[i]) for i in range(n)]
+                moved = [acc[(i - 1) % n]._readable_on(self.devices[i]) for i in range(n)]
                 owner = [owner[(i - 1) % n] for i in range(n)]
                 acc = [combine(moved[i], pieces[i][owner[i]]) for i in range(n)]
             for i, dev in enumerate(self.devices):  # every device collects each combined chunk from its holder
                 for c in range(j * n, j * n + n):
                     holder = owner.index(c)
-                    result[i].append(acc[holder] if holder == i else acc[holder].to(dev))
+                    result[i].append(acc[holder] if holder == i else acc[holder]._readable_on(dev))
         return ShardedTensor([Tensor.cat(r, axis=0).reshape(*shape) for r in result], None)
 
     def all_reduce(self, op: str = "sum") -> ShardedTensor:
@@ -315,7 +326,7 @@ class ShardedTensor:
             acc = part[i]
             for j, p in enumerate(part):
                 if j != i:
-                    acc = combine(acc, p.to(dev))
+                    acc = combine(acc, p._readable_on(dev))
             out.append(acc)
         return ShardedTensor(out, ax)
 
@@ -357,6 +368,12 @@ _UNARY = {"exp", "log", "sqrt", "rsqrt", "relu", "sigmoid", "tanh", "gelu", "sil
 
 def _layouts(a: ShardedTensor, b: ShardedTensor) -> ShapeError:
     return ShapeError(f"sharded operands of different layouts: {a!r} and {b!r} (reshard one: gather, then shard)")
+
+
+def _shared(devices: Sequence[str]) -> bool:
+    """Whether every device reads the others' buffers in place (schedule.shares_memory)."""
+    first = RT.device(devices[0])
+    return all(shares_memory(first, RT.device(d)) for d in devices[1:])
 
 
 def _split_bounds(n: int, parts: int) -> list[tuple[int, int]]:

@@ -39,7 +39,7 @@ from azyx.errors import (
     RuntimeStateError,
     ShapeError,
 )
-from azyx.graph import Node, Op, Shape, prod
+from azyx.graph import READ_IN_PLACE, Node, Op, Shape, prod
 from azyx.native import native
 from azyx.realize import done as _done
 from azyx.realize import realize as _realize
@@ -1814,13 +1814,20 @@ class Tensor:
             device, dtype = None, device
         if dtype is not None:
             return self.cast(dtype) if device is None else self.cast(dtype).to(device)
-        name = RT.check_device(device)
+        return self._moved(RT.check_device(device), None)
+
+    def _readable_on(self, device: str) -> Tensor:
+        """`to(device)` for kernels there to read (collectives): where this tensor's device and `device` share
+        memory (C devices: azyx.schedule.shares_memory) they read its buffer in place, with no copy; a copy else."""
+        return self._moved(RT.check_device(device), READ_IN_PLACE)
+
+    def _moved(self, name: str, how: str | None) -> Tensor:
         n = self._node
         if name == n.device:
             return self
         if n.op is Op.CONST:
             return Tensor._const(n.arg, n.shape, n.dtype, name, True)
-        return Tensor._from_node(Node(Op.TODEVICE, (self.id,), None, n.shape, n.dtype, name, True))
+        return Tensor._from_node(Node(Op.TODEVICE, (self.id,), how, n.shape, n.dtype, name, True))
 
 
     # ---------------------------------------------------------------- habits numpy and PyTorch users bring (issue 36)

@@ -1,10 +1,15 @@
 """Scale-out: sharded tensors over a pair of devices of one host (azyx.shard), and hosts of a Ray cluster.
 
-    python bench/scale.py [--quick] [--devices c:0,c:1] [--out bench/RESULTS.md]
+    python bench/scale.py [--quick] [--devices c:0,c:1] [--no-ray] [--collectives] [--out bench/RESULTS.md]
 
 Rows: an all-reduce of a float32 tensor over the pair (each device's partial values, the sum on both) beside the
 executor's copy of the same bytes from one device to the other (the ceiling the all-reduce is judged by: target >=
-0.7x), as the default two-device swap and as rings in 4 chunks (pipelined); a data-parallel training step of
+0.7x), as the default (C devices: one kernel per device reading both pieces in place; elsewhere a swap of copies)
+and as rings in 4 chunks (pipelined); all-gather, reduce-scatter and broadcast of the same bytes beside the same
+copy; on C devices the all-reduce over four (c:0..c:3); where both are CUDA devices, the all-reduce of 1 GiB beside
+torch.distributed's NCCL all-reduce of the same bytes over the same two GPUs (two processes, same run); tensor-
+parallel GPT-2 decode (azyx.models.gpt2_parallel through an Engine, 4 sequences, greedy) over the pair beside the
+same model on the first device (the tokens checked equal); a data-parallel training step of
 bench/train.py's MLP (784-256-10, Adam, the same global batch) on both devices beside the same step on the first
 alone (target on two GPUs: >= 1.6x steps/s); where Ray is installed, the same step data-parallel over two hosts of a
 local Ray cluster (azyx.distributed: a head and two worker nodes on this machine) beside one host, and the overhead
@@ -58,22 +63,141 @@ async def timed(fn: Callable[[], Awaitable[Any]], repeats: int, warmup: int = 2)
     return statistics.median(times)
 
 
-async def all_reduce_row(devs: list[str], mib: int, reps: int, chunks: int | None = None) -> list[str]:
+async def fastest_in_turns(a: Callable[[], Awaitable[Any]], b: Callable[[], Awaitable[Any]], reps: int
+                           ) -> tuple[float, float]:
+    """The fastest of `reps` runs of `a` and of `b`, run in turns (a, b, a, b, ...): on a shared machine a burst of
+    other load falls on both alike, and the fastest run of each is the one it disturbed least."""
+    await a()
+    await b()
+    ta, tb = [], []
+    for _ in range(reps):
+        for fn, times in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            await fn()
+            times.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
+
+
+async def collective_rows(devs: list[str], mib: int, reps: int) -> list[list[str]]:
+    """all-reduce (default, and rings in 4 chunks), all-gather, reduce-scatter and broadcast of `mib` MiB of float32
+    over `devs`, each beside a copy of the same bytes from the first device to the second (`fastest_in_turns`);
+    results checked against numpy."""
     n = mib << 18  # float32 elements
     rng = np.random.default_rng(0)
     parts = [Tensor(rng.standard_normal(n, dtype=np.float32), device=d) for d in devs]
     await azyx.realize(*parts)
     partial = ShardedTensor(parts, None)
-    t_reduce = await timed(lambda: partial._all_reduce("sum", chunks).realize(), reps)
-    t_copy = await timed(lambda: parts[0].to(devs[1]).realize(), reps)
-    got = await partial.all_reduce("sum").shards[1].numpy()
+    split = Tensor(rng.standard_normal(n, dtype=np.float32)).shard(devs, 0)
+    await split.realize()
+    ops: dict[str, Callable[[], Any]] = {
+        "all-reduce": lambda: partial._all_reduce("sum"), "all-reduce, ring in 4 chunks":
+        lambda: partial._all_reduce("sum", 4), "all-gather": split.all_gather,
+        "reduce-scatter": lambda: partial.reduce_scatter(0), "broadcast": lambda: partial.broadcast(0)}
     want = sum([await p.numpy() for p in parts])
-    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), "WRONG RESULT: all-reduce"
+    for name in ("all-reduce", "all-reduce, ring in 4 chunks"):
+        assert np.allclose(await ops[name]().shards[-1].numpy(), want, rtol=1e-5, atol=1e-5), f"WRONG RESULT: {name}"
+    assert np.allclose(await ops["reduce-scatter"]().numpy(), want, rtol=1e-5, atol=1e-5), "WRONG: reduce-scatter"
+    assert np.array_equal(await ops["all-gather"]().shards[-1].numpy(), await split.numpy()), "WRONG: all-gather"
     nbytes = 4 * n
-    ratio = t_copy / t_reduce
-    how = "" if chunks is None else f", ring in {chunks} chunks"
-    return [f"all-reduce {mib} MiB f32{how}", f"{nbytes / t_reduce / 1e9:.2f} GB/s", f"copy {devs[0]} -> {devs[1]}: "
-            f"{nbytes / t_copy / 1e9:.2f} GB/s", f"{ratio:.2f}x", "met" if ratio >= 0.7 else "not met"]
+    rows = []
+    for name, op in ops.items():
+        t_op, t_copy = await fastest_in_turns(lambda: op().realize(), lambda: parts[0].to(devs[1]).realize(),  # noqa: B023
+                                              3 * reps)
+        ratio = t_copy / t_op
+        target = ("met" if ratio >= 0.7 else "not met") if name == "all-reduce" else "stated"
+        rows.append([f"{name} {mib} MiB f32 over {len(devs)}", f"{nbytes / t_op / 1e9:.2f} GB/s",
+                     f"copy {devs[0]} -> {devs[1]}: {nbytes / t_copy / 1e9:.2f} GB/s", f"{ratio:.2f}x", target])
+    return rows
+
+
+def _nccl_worker(rank: int, nbytes: int, reps: int, port: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    x = torch.ones(nbytes // 4, device=f"cuda:{rank}")
+    for _ in range(3):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+async def nccl_row(devs: list[str], mib: int, reps: int) -> list[str]:
+    """azyx's all-reduce of `mib` MiB over two CUDA devices beside torch.distributed's NCCL all-reduce of the same
+    bytes over GPUs 0 and 1 (two processes; target >= 0.9x of NCCL's bandwidth)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    n = mib << 18
+    parts = [Tensor(np.ones(n, np.float32), device=d) for d in devs]
+    await azyx.realize(*parts)
+    partial = ShardedTensor(parts, None)
+    t_azyx = await timed(lambda: partial.all_reduce("sum").realize(), reps)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, 4 * n, reps, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    t_nccl = await asyncio.to_thread(q.get)
+    for p in procs:
+        p.join()
+    ratio = t_nccl / t_azyx
+    return [f"all-reduce {mib} MiB f32 over {' + '.join(devs)}", f"{4 * n / t_azyx / 1e9:.2f} GB/s",
+            f"torch.distributed NCCL: {4 * n / t_nccl / 1e9:.2f} GB/s", f"{ratio:.2f}x",
+            "met" if ratio >= 0.9 else "not met"]
+
+
+async def tensor_parallel_row(devs: list[str], steps: int, reps: int) -> list[str]:
+    """Decode steps of 4 greedy sequences through an Engine: GPT-2 split over `devs` beside the same model on the
+    first device (random weights; GPT-2 small's shape on CUDA, a narrower one on C devices)."""
+    from azyx.models import GPT2, Engine, GPT2Config
+    from azyx.models.gpt2_parallel import TensorParallelGPT2
+
+    cuda = devs[0].startswith("cuda")
+    cfg = GPT2Config(vocab_size=50257 if cuda else 4096, n_positions=256, n_embd=768 if cuda else 256,
+                     n_layer=12 if cuda else 4, n_head=12 if cuda else 8)
+    one = GPT2(cfg, device=devs[0])
+    rng = np.random.default_rng(3)
+    for name, p in one.named_parameters():
+        w = rng.standard_normal(p.shape) * 0.05 + name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))
+        p.assign(Tensor(w.astype(np.float32), device=devs[0]))
+    await azyx.realize(*one.parameters())
+    tp = TensorParallelGPT2.from_model(one, devs)
+    await azyx.realize(*tp.parameters())
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, 8 + 3 * i)] for i in range(4)]
+
+    async def decode(model: GPT2) -> tuple[float, list[list[int]]]:
+        engine = Engine(model, slots=4)
+        seqs = [await engine.add(p, engine.params(max_new_tokens=10_000, ignore_eos=True)) for p in prompts]
+        await engine.step()  # (its plan made and compiled)
+
+        async def run() -> None:
+            for _ in range(steps):
+                await engine.step()
+
+        t = await timed(run, reps, warmup=0) / steps
+        return t, [s.tokens[:8] for s in seqs]
+
+    t1, tokens1 = await decode(one)
+    tn, tokens_n = await decode(tp)
+    assert tokens1 == tokens_n, "WRONG RESULT: tensor-parallel tokens differ from one device's"
+    return [f"tensor-parallel GPT-2 decode ({cfg.n_layer} layers, {cfg.n_embd} wide), 4 sequences, greedy",
+            f"{4 / tn:.0f} tokens/s on {len(devs)}", f"{4 / t1:.0f} tokens/s on {devs[0]}", f"{t1 / tn:.2f}x",
+            "tokens equal" + ("" if cuda else " (speed: a GPU row)")]
 
 
 async def data_parallel_row(devs: list[str], steps: int, reps: int) -> list[str]:
@@ -202,15 +326,24 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--devices", default="")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    ap.add_argument("--no-ray", action="store_true", help="leave out the Ray cluster's rows")
+    ap.add_argument("--collectives", action="store_true", help="the collectives' rows alone")
     args = ap.parse_args()
-    azyx.configure({"c": {"devices": 2}})
+    azyx.configure({"c": {"devices": 4}})
     have = azyx.devices()
     devs = args.devices.split(",") if args.devices else (
         ["cuda:0", "cuda:1"] if "cuda:1" in have else ["c:0", "c:1"])
-    mib, steps, reps = (16, 3, 2) if args.quick else (256 if devs[0].startswith("cuda") else 64, 20, 5)
-    rows = [await all_reduce_row(devs, mib, reps), await all_reduce_row(devs, mib, reps, 4),
-            await data_parallel_row(devs, steps, reps),
-            *await ray_rows(3 if args.quick else 10, reps)]
+    cuda = all(d.startswith("cuda") for d in devs)
+    mib, steps, reps = (16, 3, 2) if args.quick else (256 if cuda else 64, 20, 5)
+    rows = await collective_rows(devs, mib, reps)
+    if devs[0].startswith("c:"):
+        rows.append((await collective_rows([f"c:{i}" for i in range(4)], mib, reps))[0])
+    if cuda and len(devs) == 2:
+        rows.append(await nccl_row(devs, 64 if args.quick else 1024, reps))
+    if not args.collectives:
+        rows += [await tensor_parallel_row(devs, 4 if args.quick else 16, reps),
+                 await data_parallel_row(devs, steps, reps),
+                 *([] if args.no_ray else await ray_rows(3 if args.quick else 10, reps))]
     text = "\n".join([
         START, "", f"## Scale-out on one host: {' + '.join(devs)} ({'quick' if args.quick else 'full'} run, "
         f"{time.strftime('%Y-%m-%d')})", "", machine_line(), "",

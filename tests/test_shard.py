@@ -68,17 +68,30 @@ async def test_elementwise_and_reductions_run_where_the_shards_are(pair: list[st
                                np.exp(x * b).sum(0, keepdims=True), rtol=1e-5)
 
 
-async def test_one_plan_with_transfer_steps() -> None:
+@pytest.mark.parametrize("other", ["c:1", "opencl:0"])
+async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> None:
+    """The partial sums' all-reduce in the pieces' plan: on C devices one kernel on c:0 combines both partial sums,
+    reading c:1's in place, and a kernel on c:1 reads that sum in place (no transfer step; realized as it is, c:1's
+    piece is a copy of its own); a pair whose memory is not shared moves them by transfer steps."""
+    if other not in ALL:
+        pytest.skip(f"{other} is not present")
     x = randn(8, 4)
-    s = Tensor(x).shard(["c:0", "c:1"], 0)
+    s = Tensor(x).shard(["c:0", other], 0)
     await s.realize()
     total = (s * 2.0).sum(axis=0)
-    plan = azyx.schedule(*total.shards)
-    kinds = {type(st) for st in plan.steps}
-    assert KernelStep in kinds and TransferStep in kinds
-    assert {st.device for st in plan.steps if isinstance(st, KernelStep)} == {"c:0", "c:1"}
-    await total.realize()
-    np.testing.assert_allclose(await total.shards[1].numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
+    used = total.shards[1] * 3.0  # a kernel on `other` reads its piece of the sum
+    plan = azyx.schedule(total.shards[0], used)
+    kernels = [st for st in plan.steps if isinstance(st, KernelStep)]
+    assert {k.device for k in kernels} == {"c:0", other}
+    shared = other == "c:1"
+    assert any(isinstance(st, TransferStep) for st in plan.steps) is not shared
+    assert any(plan.slots[a].device != k.device for k in kernels for a in k.args) is shared
+    await azyx.realize(total.shards[0], used)
+    np.testing.assert_allclose(await total.shards[0].numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(await used.numpy(), 6 * x.sum(0), rtol=1e-5, atol=1e-5)
+    mine = await total.shards[1].realize()
+    assert mine.device == other
+    np.testing.assert_allclose(await mine.numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [2, 3])

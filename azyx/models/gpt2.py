@@ -141,6 +141,13 @@ class Conv1D(nn.Module):
         return x @ self.weight + self.bias
 
 
+def attention_scale(config: GPT2Config, layer: int) -> float:
+    """What layer `layer`'s attention scores are scaled by (the config's scale_attn_weights and
+    scale_attn_by_inverse_layer_idx)."""
+    scale = 1.0 / math.sqrt(config.head_dim) if config.scale_attn_weights else 1.0
+    return scale / (layer + 1) if config.scale_attn_by_inverse_layer_idx else scale
+
+
 class Attention(nn.Module):
     """GPT-2's self-attention block (`c_attn`, `c_proj`): heads split out of one projection, attended through a view."""
     def __init__(self, config: GPT2Config, layer: int, dtype: DType, device: str):
@@ -148,8 +155,7 @@ class Attention(nn.Module):
         self.c_attn = Conv1D(e, 3 * e, dtype, device)
         self.c_proj = Conv1D(e, e, dtype, device)
         self.n_head, self.layer = config.n_head, layer
-        scale = 1.0 / math.sqrt(config.head_dim) if config.scale_attn_weights else 1.0
-        self.scale = scale / (layer + 1) if config.scale_attn_by_inverse_layer_idx else scale
+        self.scale = attention_scale(config, layer)
 
     def forward(self, x: Tensor, view: AttentionView) -> Tensor:
         """Self-attention of `x` (B, T, n_embd) through `view` (causal, or the KV cache); same shape."""
@@ -230,25 +236,15 @@ class GPT2(nn.Module):
         await RT.startup([device.partition(":")[0]] if isinstance(device, str) else RT.auto_kinds())
         model = GPT2(GPT2Config.from_json(directory / "config.json"), dtype, device)
         params = dict(model.named_parameters())
-        loaded: set[str] = set()
-        async for name, t in stream_safetensors(weights, device=model.device):
-            key = name.removeprefix("transformer.")
-            if key.endswith((".attn.bias", ".attn.masked_bias")):  # older files keep the causal mask as a buffer
-                continue
-            if key == "lm_head.weight" and model.lm_head is None:
-                key = "wte.weight"  # tied: the same table (files usually leave it out)
-                if key in loaded:
-                    continue
+
+        def load(key: str, name: str, t: Tensor) -> None:
             if key not in params:
                 raise StateDictError(f"{weights}: unexpected tensor {name!r} for GPT-2")
             if t.shape != params[key].shape:
                 raise ShapeError(f"{weights}: {name!r} has shape {t.shape}, GPT-2 {key!r} needs {params[key].shape}")
             params[key].assign(t.cast(model.dtype))
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise StateDictError(f"{weights}: missing tensors {missing}")
-        await realize(*model.parameters())
+
+        await load_checkpoint(weights, model, load, set(params))
         return model
 
     def hidden(self, ids: Tensor, positions: Tensor | None = None, view: AttentionView | None = None) -> Tensor:
@@ -260,11 +256,13 @@ class GPT2(nn.Module):
         if t > self.config.n_positions:
             raise ArgumentError(f"{t} tokens exceed GPT-2's n_positions={self.config.n_positions}")
         pos = self.wpe.weight[:t] if positions is None else self.wpe(positions)
-        x = self.wte(ids) + pos
-        view = view if view is not None else Causal()
+        return self.ln_f(self.layers(self.wte(ids) + pos, view if view is not None else Causal()))
+
+    def layers(self, x: Tensor, view: AttentionView) -> Tensor:
+        """The transformer layers over embedded tokens `x` (B, T, n_embd), attending through `view`."""
         for block in self.h:
             x = block(x, view)
-        return self.ln_f(x)
+        return x
 
     def head(self, x: Tensor) -> Tensor:
         """Logits of hidden states: the language-model head (the token embedding, transposed, when tied)."""
@@ -274,6 +272,10 @@ class GPT2(nn.Module):
         """Logits (B, T, vocab_size) for token ids `ids` (B, T); `positions` default to 0..T-1, `view` to causal
         attention over the T tokens (a KV cache's prefill or decode view otherwise)."""
         return self.head(self.hidden(ids, positions, view))
+
+    def kv_cache(self, slots: int, max_len: int) -> KVCache:
+        """A KV cache for this model's layers (what an `Engine` decodes with): `slots` sequences of `max_len`."""
+        return KVCache(self.config, slots, max_len, self.dtype, self.device)
 
     def engine(self) -> Engine:
         """The default engine of `generate` (4 slots of n_positions tokens), made on first use."""
@@ -288,6 +290,30 @@ class GPT2(nn.Module):
         return self.engine().generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                       top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
                                       eos_token_id=eos_token_id, ignore_eos=ignore_eos)
+
+
+async def load_checkpoint(weights: Path, model: GPT2, load: Callable[[str, str, Any], None], need: set[str],
+                          shard: dict[str, tuple[list[str], int]] | None = None) -> None:
+    """Stream a Hugging Face GPT-2 safetensors file onto `model.device`: `load(key, name, tensor)` for each tensor,
+    `key` its GPT2Model name (a file's `transformer.` prefix dropped, older files' causal-mask buffers skipped,
+    `lm_head.weight` as the tied `wte.weight` where the model ties them); then the model's parameters realized.
+    `StateDictError` names the keys of `need` the file lacks. `shard`: stream_safetensors' (name patterns handed out
+    as ShardedTensors, each device's slice read straight to it)."""
+    loaded: set[str] = set()
+    async for name, t in stream_safetensors(weights, device=model.device, shard=shard):
+        key = name.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")):  # older files keep the causal mask as a buffer
+            continue
+        if key == "lm_head.weight" and model.lm_head is None:
+            key = "wte.weight"  # tied: the same table (files usually leave it out)
+            if key in loaded:
+                continue
+        load(key, name, t)
+        loaded.add(key)
+    missing = sorted(need - loaded)
+    if missing:
+        raise StateDictError(f"{weights}: missing tensors {missing}")
+    await realize(*model.parameters())
 
 
 # ------------------------------------------------------------------------------------------------ KV cache
@@ -588,7 +614,7 @@ class Engine:
             raise ArgumentError(f"min_window must be >= 1, got {min_window}")
         self.model = model
         self.max_waiting = max_waiting  # streamed requests that may wait for a slot (past that: NoFreeSlotError)
-        self.cache = KVCache(model.config, slots, max_len or model.config.n_positions, model.dtype, model.device)
+        self.cache = model.kv_cache(slots, max_len or model.config.n_positions)
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.waiting: deque[Sequence] = deque()  # streamed requests not yet prefilled
         self.live: set[Sequence] = set()  # every sequence not finished (waiting, prefilling, active, finishing)
