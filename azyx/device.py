@@ -13,15 +13,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from azyx import debug, optimize
+from azyx import debug
 from azyx.allocator import MemoryUsage
+from azyx.codegen import search_actions as optimize
+from azyx.codegen.dialect import Dialect
+from azyx.codegen.kernel import render_kernel
+from azyx.codegen.launch import Launch
+from azyx.codegen.render import kernel_source
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
-from azyx.cstyle import Dialect, kernel_source
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxError, CompileError, DeviceFailedError, IndexOutOfRange, RuntimeStateError, kept
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import CHECK_WORDS, Kernel, index_sites
-from azyx.launch import Launch, render_kernel
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread, in_worker_thread_within, lower_priority
@@ -362,7 +365,7 @@ class Device:
         if not dl.global_ids:
             return tiles | {optimize.BLOCK} if dl.gemm else tiles  # (BLOCK: the host product's block sizes)
         vector = {optimize.VECTOR} if dl.vector else set()
-        block = {optimize.BLOCK} if dl.gemm and (dl.glsl or dl.name == "cuda") else set()
+        block = {optimize.BLOCK} if dl.block_search else set()
         return tiles | {optimize.LOCAL, optimize.GROUP} | vector | block
 
     def identity(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from azyx import attention
+from azyx.codegen.templates import attention
 from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError

@@ -25,11 +25,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from azyx import attention, debug, gemm_host, optimize
-from azyx.cstyle import Dialect
+from azyx import debug
+from azyx.codegen import search_actions
+from azyx.codegen.dialect import ITEM_TILES, Dialect
+from azyx.codegen.kernel import product_of
+from azyx.codegen.launch import Launch
+from azyx.codegen.templates import attention, gemm_host
+from azyx.codegen.templates.gemm import product_dtypes
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
-from azyx.gemm import product_dtypes
 from azyx.graph import (
     ELEMENTWISE,
     MOVEMENT,
@@ -43,7 +47,6 @@ from azyx.graph import (
     view_through,
 )
 from azyx.ir import CHECK_WORDS, Attention, Kernel, V, ValueBuilder, format_kernel, index_sites, scalar_args, toposort
-from azyx.launch import Launch, product_of, product_target
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
 from azyx.plan import ExecutionPlan, KernelStep, Slot, Step, TransferStep
@@ -75,7 +78,7 @@ class DeviceFacts(Protocol):
     def free_memory(self) -> int: ...
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
-    def split_choice(self, site: optimize.SplitSite) -> int | None: ...
+    def split_choice(self, site: search_actions.SplitSite) -> int | None: ...
 
 
 class Devices(Protocol):
@@ -106,7 +109,7 @@ class Planner:
         self.rt, self.graph, self.walk, self.targets = rt, graph, walk, set(targets)
         self.override = override
         self.forced_splits = splits or {}  # split key -> parts, for the split search's timing plans (azyx.tune)
-        self.split_sites: dict[tuple[str, str], tuple[str, optimize.SplitSite]] = {}  # (device, key) -> the site
+        self.split_sites: dict[tuple[str, str], tuple[str, search_actions.SplitSite]] = {}  # (device, key) -> the site
         self.slots: list[Slot] = []
         self.steps: list[Step] = []
         self.done: dict[int, tuple[int, StridedView]] = {}
@@ -275,16 +278,16 @@ class Planner:
             if not dialect.split_columns or r < COLUMN_REDUCE or nid in self.temp_nodes \
                     or not self.reads_along_outputs(nid):  # (a split's own stages are never split again)
                 return None
-            kind, parts = optimize.COLUMNS, self.column_parts(nid, r)
+            kind, parts = search_actions.COLUMNS, self.column_parts(nid, r)
         else:
             if r < SPLIT_MIN_REDUCE:
                 return None
             per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
-            kind, parts = optimize.ROWS, next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1)
+            kind, parts = search_actions.ROWS, next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1)
                                                if r % d == 0), None)
         if nid in self.temp_nodes:  # a split's own stage: the heuristic's (never searched)
             return parts
-        site = optimize.SplitSite(kind, n.arg[0], n.dtype.name, outputs, r, parts or 0)
+        site = search_actions.SplitSite(kind, n.arg[0], n.dtype.name, outputs, r, parts or 0)
         self.split_sites[(device, site.key)] = (device, site)
         chosen = self.forced_splits.get(site.key)
         if chosen is None:
@@ -345,7 +348,7 @@ class Planner:
         n = self.graph[nid]
         if dl is None or not dl.gemm or n.arg[0] != "sum" or len(n.arg[1]) != 1:
             return False
-        if n.dtype not in product_dtypes(product_target(dl), dl.tensor_cores):
+        if n.dtype not in product_dtypes(dl.products, dl.tensor_cores):
             return False
         src = self.graph[n.src[0]]
         axis = n.arg[1][0]
@@ -437,8 +440,8 @@ class Planner:
             tile = None if tile == "retry" else tile
         k = best.kernel
         if tile is not None and k.stores[0][1].has_reduce:  # the heuristic's tile, as actions on the IR
-            if optimize.searchable(k):
-                k = optimize.apply(k, optimize.heuristic(tile, len(k.gvars)))
+            if search_actions.searchable(k):
+                k = search_actions.apply(k, search_actions.heuristic(tile, len(k.gvars)))
             else:  # (a gather's address in it: the actions do not rewrite those; built tiled instead, never searched)
                 tiled = self.attempt(root, device, groups, tile)
                 if tiled.kernel.stores[0][1].has_reduce:
@@ -637,7 +640,7 @@ class Planner:
         ta = next((t for t in (TILE[0], 4, 2) if a % t == 0), None)
         tb = next((t for t in (TILE[1], 16, 8) if b % t == 0), None)
         # (OpenCL on a CPU: its product template takes any sizes once the right operand is contiguous)
-        template = dev.dialect is not None and dev.dialect.gemm and product_target(dev.dialect) == "cl"
+        template = dev.dialect is not None and dev.dialect.gemm and dev.dialect.products == ITEM_TILES
         if (ta is None or tb is None) and not template:
             return None
         gi, gj = k.gvars[-2], k.gvars[-1]
@@ -925,7 +928,7 @@ def _unflatten(flat: Lin, shape: Shape) -> list[Lin]:
 def make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int], splits: dict[str, int] | None = None
               ) -> ExecutionPlan:
     """The plan of `targets`; `splits`: parts (0: none) to split the reductions of these keys into
-    (optimize.SplitSite.key), whatever the heuristics or the winner cache say (the split search's timing plans)."""
+    (search_actions.SplitSite.key), whatever the heuristics or the winner cache say (the split search's timings)."""
     with _deep_recursion(8 * len(walk.topo) + 1000):  # kernel building recurses along the graph's depth
         return _make_plan(rt, graph, walk, targets, splits)
 

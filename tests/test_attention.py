@@ -382,8 +382,9 @@ def test_the_tensor_core_kernel_tiles_and_compiles(dtype: str) -> None:
     an H100, else 16; the grid of 64-row blocks covers its blocks (numbered flat) either way; its two stages fit the
     48 KiB of shared memory; and it compiles (NVRTC, sm_90, where installed) with each mask kind, causal, odd lengths,
     E != Ev and both row counts."""
-    from azyx import attention
-    from azyx.cstyle import CUDA, kernel_source
+    from azyx.codegen.dialect import CUDA
+    from azyx.codegen.render import kernel_source
+    from azyx.codegen.templates import attention
     from azyx.dtypes import dtypes
     from azyx.ir import Attention
 

@@ -34,9 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from azyx import debug, gemm_host
+from azyx import debug
 from azyx.backends.host import HostDevice
-from azyx.cstyle import SHARED, C
+from azyx.codegen.dialect import C
+from azyx.codegen.launch import SHARED
+from azyx.codegen.templates import gemm_host
 from azyx.device import BatchState, Device, LaunchItem, cached_build, kernel_list, run_compiler
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args

@@ -10,9 +10,9 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from azyx.codegen.templates.gemm_sm90 import TensorMap
 from azyx.device import cached_build
 from azyx.errors import CompileError, DeviceError
-from azyx.gemm_sm90 import TensorMap
 from azyx.native import native
 
 try:

@@ -47,7 +47,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.backends.queued import QueuedDevice
-from azyx.cstyle import GLSL, Dialect
+from azyx.codegen.dialect import GLSL, Dialect
 from azyx.device import (
     CPU_SPIN_S,
     BatchState,

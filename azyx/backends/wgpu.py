@@ -33,17 +33,20 @@ from typing import Any
 
 import numpy as np
 
-from azyx import debug, optimize
+from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.codegen import search_actions as optimize
+from azyx.codegen.dialect import WGSL as WGSL_FACTS
+from azyx.codegen.dialect import WGSL_TYPES
+from azyx.codegen.launch import Launch
+from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
 from azyx.device import Buffer, Device, LaunchItem, host_read, kernel_list
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.ir import Kernel, scalar_args
-from azyx.launch import Launch
 from azyx.plan import KernelStep
-from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
 from azyx.workers import at_lower_priority
 
 try:

@@ -6,10 +6,10 @@ order (outputs read_write, inputs read), one each, or several consecutive ranges
 reaches past the adapter's storage binding size (`bindings`); where the kernel has scalar arguments, the binding after
 them is a uniform array of vec4<u32>, scalar j in words 2j and 2j+1 (a 64-bit word each, low first:
 `dtypes.SCALAR_CODES`), so a new value compiles nothing. Launch geometry comes from `launch.launch_for` with the facts
-of `WGSL_FACTS` (one work item per output point, or a work group per point for long reductions; grids past 65535
+of `dialect.WGSL` (one work item per output point, or a work group per point for long reductions; grids past 65535
 groups fold into a second dimension), so it is decided once, as for every other GPU dialect.
 
-Dtypes (`WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
+Dtypes (`dialect.WGSL_TYPES`, one row each): 32-bit types are native; bool, int8, uint8, int16, float16 and bfloat16 are
 stored packed in u32 words (byte addressed, as every other backend stores them) and computed in i32 or f32, rounded
 or wrapped to their own type after every op: that is exact (it is what C does to a narrow type at each assignment).
 Packed outputs are written with two atomics per element (and-clear, or-set), since neighbours share a word. int64 and
@@ -24,216 +24,23 @@ and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from azyx.cstyle import Dialect, along_loop, group_size, index_fits, kernel_name, vectorized
+from azyx.codegen.dialect import WGSL, WGSL_TYPES, WType
+from azyx.codegen.launch import Launch, along_loop, group_size, index_fits, launch_for, vectorized
+from azyx.codegen.preludes import WGSL_ISNAN64, WGSL_PRELUDE, WGSL_PRELUDE_F64, WGSL_PRELUDE_I64
+from azyx.codegen.render import Emitter, kernel_name
 from azyx.dtypes import DType, dtypes
 from azyx.errors import DTypeError, ShapeError
-from azyx.ir import Kernel, V, scalar_args, toposort
-from azyx.launch import Launch, launch_for
+from azyx.ir import Kernel, V, toposort
 from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Var
 
-# the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; nothing here is C-family text)
-WGSL_FACTS = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
-                     fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
-                     max_groups=65535, vector_width=4)  # (the width WGSL_VEC renders by default: the search's base)
 # plain elementwise float32 kernels: four points per work item (Kernel.vector: 2 or 4), each operand along the loop
 # bound as vectors
-WGSL_VEC = replace(WGSL_FACTS, vector="vec{n}<f32>", vector_width=4, block=256)
-
-
-@dataclass(frozen=True)
-class WType:
-    """How one dtype lives in WGSL: the type it is computed in, the element type of its storage array, how many
-    elements share a 32-bit word (1: stored as is), the adapter feature it needs, and (packed types) how a stored
-    element `{x}` (u32) becomes a value and a value `{x}` becomes its stored bits, and how a computed value is rounded
-    or wrapped to the dtype after each op."""
-
-    compute: str
-    storage: str
-    pack: int = 1
-    feature: str = ""
-    unpack: str = "{x}"
-    packs: str = "{x}"
-    rounds: str = ""
-
-    @property
-    def element_size(self) -> int:
-        """Bytes of one element of its storage array (a packed type's: a 32-bit word)."""
-        return 8 if self.storage in ("f64", "i64") else 4
-
-
-WGSL_TYPES: dict[str, WType] = {
-    "bool": WType("bool", "u32", 4, unpack="({x} != 0u)", packs="select(0u, 1u, {x})"),
-    "int8": WType("i32", "u32", 4, unpack="wrap8(bitcast<i32>({x}))", packs="bitcast<u32>({x})",
-                  rounds="wrap8({x})"),
-    "uint8": WType("i32", "u32", 4, unpack="bitcast<i32>({x})", packs="bitcast<u32>({x})", rounds="({x} & 255)"),
-    "int16": WType("i32", "u32", 2, unpack="wrap16(bitcast<i32>({x}))", packs="bitcast<u32>({x})",
-                   rounds="wrap16({x})"),
-    "int32": WType("i32", "i32"),
-    "uint32": WType("u32", "u32"),
-    "int64": WType("i64", "i64", feature="shader-int64"),
-    "float16": WType("f32", "u32", 2, unpack="unpack2x16float({x}).x", packs="pack2x16float(vec2<f32>({x}, 0.0f))",
-                     rounds="f16r({x})"),
-    "bfloat16": WType("f32", "u32", 2, unpack="bitcast<f32>({x} << 16u)", packs="f2bf({x})", rounds="bf16r({x})"),
-    "float32": WType("f32", "f32"),
-    "float64": WType("f64", "f64", feature="shader-f64"),
-}
-
-_PRELUDE = """fn isnan32(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
-fn wrap8(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 24u) >> 24u; }
-fn wrap16(x: i32) -> i32 { return bitcast<i32>(bitcast<u32>(x) << 16u) >> 16u; }
-fn f16r(x: f32) -> f32 {  // x rounded to float16 (to nearest even) in integer arithmetic, which no driver folds away
-  let u = bitcast<u32>(x); let s = u & 0x80000000u; let a = u ^ s;  // (NVIDIA's folds pack2x16float and back)
-  if (a >= 0x7f800000u || a == 0u) { return x; }
-  if (a >= 0x477ff000u) { return bitcast<f32>(s | 0x7f800000u); }
-  if (a >= 0x38800000u) { return bitcast<f32>(s | ((a + 0xfffu + ((a >> 13u) & 1u)) & 0xffffe000u)); }
-  let sh = 126u - (a >> 23u);  // a float16 subnormal: a multiple of 2^-24
-  if (sh > 24u) { return bitcast<f32>(s); }
-  let m = (a & 0x7fffffu) | 0x800000u; let r = m & ((1u << sh) - 1u); let h = 1u << (sh - 1u);
-  let q = (m >> sh) + select(0u, 1u, r > h || (r == h && ((m >> sh) & 1u) != 0u));
-  return bitcast<f32>(s | bitcast<u32>(f32(q) * 5.9604644775390625e-8f));
-}
-fn f2bf(f: f32) -> u32 {
-  let i = bitcast<u32>(f);
-  if (isnan32(f)) { return 0x7fc0u; }
-  return (i + 0x7fffu + ((i >> 16u) & 1u)) >> 16u;
-}
-fn bf16r(x: f32) -> f32 { return bitcast<f32>(f2bf(x) << 16u); }
-fn azyx_fmod(a: f32, b: f32) -> f32 { return a - b * trunc(a / b); }
-fn azyx_log1p(x: f32) -> f32 { let u = 1.0f + x; return select(log(u) * (x / (u - 1.0f)), x, u == 1.0f); }
-fn azyx_erf(x: f32) -> f32 {  // Abramowitz and Stegun 7.1.26: |error| < 1.5e-7
-  let t = 1.0f / (1.0f + 0.3275911f * abs(x));
-  let y = 1.0f - ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t
-    * exp(-x * x);
-  return select(y, -y, x < 0.0f);
-}
-fn azyx_pow(x: f32, y: f32) -> f32 {  // C's pow: WGSL's is undefined for x <= 0
-  if (y == 0.0f || x == 1.0f) { return 1.0f; }
-  if (x == 0.0f) { return select(0.0f, bitcast<f32>(0x7f800000u), y < 0.0f); }
-  var r = exp2(y * log2(abs(x)));
-  if (x < 0.0f) { if (y != floor(y)) { return bitcast<f32>(0x7fc00000u); } if (azyx_fmod(y, 2.0f) != 0.0f) { r = -r; } }
-  return r;
-}
-fn ipow(a0: i32, b0: i32) -> i32 {
-  var a = a0; var b = b0;
-  if (b < 0) { return select(select(0, select(1, -1, (b & 1) != 0), a == -1), 1, a == 1); }
-  var r = 1; while (b != 0) { if ((b & 1) != 0) { r *= a; } a *= a; b >>= 1u; } return r;
-}
-"""
-
-_PRELUDE_I64 = """fn ipow64(a0: i64, b0: i64) -> i64 {
-  var a = a0; var b = b0;
-  if (b < 0li) { return select(select(0li, select(1li, -1li, (b & 1li) != 0li), a == -1li), 1li, a == 1li); }
-  var r = 1li; while (b != 0li) { if ((b & 1li) != 0li) { r *= a; } a *= a; b >>= 1u; } return r;
-}
-"""
-
-# float64 math that SPIR-V's GLSL.std.450 lacks for doubles (its exp, log, sin... take 16/32-bit floats), to double
-# precision (the GLSL renderer's routines, in WGSL)
-_ISNAN64 = {  # by whether the device has 64-bit ints to look at the bits with
-    True: "fn isnan64(x: f64) -> bool { return (bitcast<u64>(x) & 0x7ffffffffffffffflu) > 0x7ff0000000000000lu; }\n",
-    False: "fn isnan64(x: f64) -> bool { return !(x == x); }\n"}
-_PRELUDE_F64 = """fn inf64() -> f64 { return f64(bitcast<f32>(0x7f800000u)); }  // (naga folds no bitcast in a const)
-fn nan64() -> f64 { return f64(bitcast<f32>(0x7fc00000u)); }
-fn azyx_fmod64(a: f64, b: f64) -> f64 { return a - b * trunc(a / b); }
-fn azyx_exp64(x: f64) -> f64 {
-  if (isnan64(x)) { return x; }
-  if (x > 709.8lf) { return inf64(); }
-  if (x < -745.2lf) { return 0.0lf; }
-  let k = floor(x * 1.44269504088896338700lf + 0.5lf);
-  let r = (x - k * 6.93147180369123816490e-01lf) - k * 1.90821492927058770002e-10lf;
-  var p = 1.0lf / 6227020800.0lf;
-  p = p * r + 1.0lf / 479001600.0lf; p = p * r + 1.0lf / 39916800.0lf; p = p * r + 1.0lf / 3628800.0lf;
-  p = p * r + 1.0lf / 362880.0lf; p = p * r + 1.0lf / 40320.0lf; p = p * r + 1.0lf / 5040.0lf;
-  p = p * r + 1.0lf / 720.0lf; p = p * r + 1.0lf / 120.0lf; p = p * r + 1.0lf / 24.0lf; p = p * r + 1.0lf / 6.0lf;
-  p = p * r + 0.5lf; p = p * r + 1.0lf; p = p * r + 1.0lf;
-  let e = i32(k);
-  if (e > 1000) { return ldexp(ldexp(p, e - 1000), 1000); }
-  if (e < -1000) { return ldexp(ldexp(p, e + 1000), -1000); }
-  return ldexp(p, e);
-}
-fn azyx_log64(x: f64) -> f64 {
-  if (isnan64(x) || x < 0.0lf) { return nan64(); }
-  if (x == 0.0lf) { return -inf64(); }
-  if (x == inf64()) { return x; }
-  var m = x; var e = 0;  // m * 2^e == x, m in [0.5, 1) (frexp of f64 crashes lavapipe's compiler)
-  while (m >= 18446744073709551616.0lf) { m *= 5.42101086242752217004e-20lf; e += 64; }
-  while (m < 5.42101086242752217004e-20lf) { m *= 18446744073709551616.0lf; e -= 64; }
-  let k = i32(floor(log2(f32(m))));
-  m = ldexp(m, -k); e += k;
-  while (m >= 1.0lf) { m *= 0.5lf; e += 1; }
-  while (m < 0.5lf) { m *= 2.0lf; e -= 1; }
-  if (m < 0.70710678118654752440lf) { m *= 2.0lf; e -= 1; }
-  let t = (m - 1.0lf) / (m + 1.0lf); let t2 = t * t; var p = 1.0lf / 25.0lf;
-  for (var n = 23; n >= 1; n -= 2) { p = p * t2 + 1.0lf / f64(n); }
-  return 2.0lf * t * p + f64(e) * 1.90821492927058770002e-10lf + f64(e) * 6.93147180369123816490e-01lf;
-}
-fn azyx_exp264(x: f64) -> f64 { return azyx_exp64(x * 6.93147180559945309417e-01lf); }
-fn azyx_log264(x: f64) -> f64 { return azyx_log64(x) * 1.44269504088896338700lf; }
-fn azyx_sin_r(r: f64) -> f64 {  // |r| <= pi/4
-  let r2 = r * r; var p = 1.0lf / 355687428096000.0lf;
-  p = p * r2 - 1.0lf / 1307674368000.0lf; p = p * r2 + 1.0lf / 6227020800.0lf; p = p * r2 - 1.0lf / 39916800.0lf;
-  p = p * r2 + 1.0lf / 362880.0lf; p = p * r2 - 1.0lf / 5040.0lf; p = p * r2 + 1.0lf / 120.0lf;
-  p = p * r2 - 1.0lf / 6.0lf; p = p * r2 + 1.0lf;
-  return r * p;
-}
-fn azyx_cos_r(r: f64) -> f64 {
-  let r2 = r * r; var p = 1.0lf / 20922789888000.0lf;
-  p = p * r2 - 1.0lf / 87178291200.0lf; p = p * r2 + 1.0lf / 479001600.0lf; p = p * r2 - 1.0lf / 3628800.0lf;
-  p = p * r2 + 1.0lf / 40320.0lf; p = p * r2 - 1.0lf / 720.0lf; p = p * r2 + 1.0lf / 24.0lf;
-  p = p * r2 - 0.5lf; p = p * r2 + 1.0lf;
-  return p;
-}
-fn azyx_trig(x: f64, shift: i32) -> f64 {  // sin (shift 0) or cos (shift 1) by quadrant
-  if (isnan64(x) || abs(x) == inf64()) { return nan64(); }
-  let k = floor(x * 6.36619772367581382433e-01lf + 0.5lf);
-  let r = ((x - k * 1.57079632673412561417e+00lf) - k * 6.07710050630396597660e-11lf)
-    - k * 2.02226624871116645580e-21lf;
-  let q = (i32(k) + shift) & 3;
-  let v = select(azyx_cos_r(r), azyx_sin_r(r), (q & 1) == 0);
-  return select(v, -v, q >= 2);
-}
-fn azyx_sin64(x: f64) -> f64 { return azyx_trig(x, 0); }
-fn azyx_cos64(x: f64) -> f64 { return azyx_trig(x, 1); }
-fn azyx_tan64(x: f64) -> f64 { return azyx_trig(x, 0) / azyx_trig(x, 1); }
-fn azyx_tanh64(x: f64) -> f64 {
-  let a = abs(x); var y: f64;
-  if (a < 0.05lf) {
-    let a2 = a * a;
-    y = a * (1.0lf + a2 * (-1.0lf / 3.0lf + a2 * (2.0lf / 15.0lf + a2 * (-17.0lf / 315.0lf + a2 * (62.0lf / 2835.0lf
-      + a2 * (-1382.0lf / 155925.0lf))))));
-  } else if (a > 22.0lf) { y = 1.0lf; }
-  else { let t = azyx_exp64(-2.0lf * a); y = (1.0lf - t) / (1.0lf + t); }
-  if (isnan64(x)) { return x; }
-  return select(y, -y, x < 0.0lf);
-}
-fn azyx_log1p64(x: f64) -> f64 { let u = 1.0lf + x; return select(azyx_log64(u) * (x / (u - 1.0lf)), x, u == 1.0lf); }
-fn azyx_erf64(x: f64) -> f64 {
-  let a = abs(x); var y: f64;
-  if (isnan64(x)) { return x; }
-  if (a < 2.0lf) {  // the Taylor series: 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1))
-    var term = a; var sum = a; let a2 = a * a;
-    for (var n = 1; n < 40; n++) { term *= -a2 / f64(n); sum += term / f64(2 * n + 1); }
-    y = sum * 1.12837916709551257390lf;
-  } else if (a < 6.0lf) {  // erfc by its continued fraction, evaluated from the tail
-    var f = a;
-    for (var n = 80; n >= 1; n--) { f = a + (f64(n) * 0.5lf) / f; }
-    y = 1.0lf - azyx_exp64(-a * a) / (f * 1.77245385090551602730lf);
-  } else { y = 1.0lf; }
-  return select(y, -y, x < 0.0lf);
-}
-fn azyx_pow64(x: f64, y: f64) -> f64 {
-  if (y == 0.0lf || x == 1.0lf) { return 1.0lf; }
-  if (x == 0.0lf) { return select(0.0lf, inf64(), y < 0.0lf); }
-  var r = azyx_exp64(y * azyx_log64(abs(x)));
-  if (x < 0.0lf) { if (y != floor(y)) { return nan64(); } if (azyx_fmod64(y, 2.0lf) != 0.0lf) { r = -r; } }
-  return r;
-}
-"""
+WGSL_VEC = replace(WGSL, vector="vec{n}<f32>", vector_width=4, block=256)
 
 # math functions by name, per compute type where they differ (float64 has its own routines)
 _FNS_F64 = {"exp": "azyx_exp64", "log": "azyx_log64", "exp2": "azyx_exp264", "log2": "azyx_log264",
@@ -243,6 +50,7 @@ _FNS_F32 = {"erf": "azyx_erf", "log1p": "azyx_log1p", "pow": "azyx_pow", "fmod":
 _BINOPS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
            "eq": "==", "ne": "!="}
 _BOOL_AS_INT = {"add", "sub", "mul", "lt", "le", "gt", "ge", "max", "min"}
+
 
 
 def wtype(d: DType, device: str, features: frozenset[str]) -> WType:
@@ -282,27 +90,24 @@ def literal(v: object, d: DType) -> str:
     return f"({s})" if s.startswith("-") else s
 
 
-class _Renderer:
+class _Renderer(Emitter):
     """One kernel's WGSL: the entry point's body (`lines`), then the interface before it (`interface`), which knows
     the dtypes, helpers and workgroup memory the body used."""
+
+    spaced = True
 
     def __init__(self, k: Kernel, name: str, device: str, features: frozenset[str], max_binding: int,
                  max_trips: int):
         assert not k.uvars, "WGSL kernels have no register tiles (the device says tiles = False)"
-        self.k, self.name, self.device, self.features = k, name, device, features
+        super().__init__(k, name)
+        self.device, self.features = device, features
         self.types = [wtype(d, device, features) for d in k.params]
         self.chunks = bindings(k, max_binding)
-        self.scalars = scalar_args(k)
-        self.names: dict[int, str] = {id(v): f"sc{i}" for i, v in enumerate(self.scalars)}
-        self.lines: list[str] = []
-        self.globals: list[str] = []
-        self.depth = 1
-        self.count = 0
-        self.group = group_size(k, WGSL_FACTS)
+        self.group = group_size(k, WGSL)
         # (a parameter split into ranges past the binding size keeps scalar accessors; so does an output also read)
         reread = any(v.op == "load" and v.arg[0] < len(k.stores) for v in toposort(*k.values))
         self.dl = WGSL_VEC if vectorized(k, WGSL_VEC) and all(n == 1 for n, _ in self.chunks) and not reread \
-            else WGSL_FACTS
+            else WGSL
         self.vec_params = along_loop(k, toposort(*k.values)) | set(range(len(k.stores))) \
             if self.dl is WGSL_VEC else set()
         self.vw = vectorized(k, WGSL_VEC) if self.dl is WGSL_VEC else 0
@@ -312,18 +117,6 @@ class _Renderer:
             raise ShapeError(f"{device}: a kernel of {k.global_size} points indexes past 2**31 elements (WGSL indices "
                              "are i32)")
         self.used: set[str] = set()  # dtypes the kernel computes in
-
-    # ------------------------------------------------------------------ text
-    def emit(self, line: str) -> None:
-        self.lines.append("  " * self.depth + line)
-
-    def open(self, line: str) -> None:
-        self.emit(line + " {")
-        self.depth += 1
-
-    def close(self) -> None:
-        self.depth -= 1
-        self.emit("}")
 
     def ct(self, d: DType) -> str:
         self.used.add(d.name)
@@ -349,11 +142,15 @@ class _Renderer:
                 parts.append(f"(u32({(x - lo).render()}) < {hi - lo}u)")
         return " && ".join(parts) if parts else "true"
 
-    def ref(self, v: V) -> str:
-        if v.op == "const":
-            self.ct(v.dtype)
-            return literal(v.arg, v.dtype)
-        return self.names[id(v)]
+    def literal(self, v: V) -> str:
+        self.ct(v.dtype)
+        return literal(v.arg, v.dtype)
+
+    def declare(self, name: str, v: V) -> str:
+        return f"let {name}: {self.ct(v.dtype)} = {self.expr(v)};"
+
+    def index_decl(self, name: str, value: str) -> str:
+        return f"let {name} = {value};"
 
     # ------------------------------------------------------------------ values
     def load(self, param: int, idx: str) -> str:
@@ -474,29 +271,21 @@ class _Renderer:
         raise AssertionError(f"no WGSL rendering for op {op}")
 
     # ------------------------------------------------------------------ statements
-    def stmt(self, v: V) -> None:
-        if v.op in ("const", "reduce") or id(v) in self.names:
-            return
-        if v.op == "index":  # an address read from memory: wrapped from the end, then clamped into its buffer
-            x, top, t = self.ref(v.src[0]), v.arg.vmax, self.ct(v.src[0].dtype)
-            if v.src[0].dtype.kind == "u":
-                e = f"min({x}, {t}({top}))"
-            else:
-                e = f"clamp(select({x}, {x} + {t}({top + 1}), {x} < {t}(0)), {t}(0), {t}({top}))"
-            self.emit(f"let {v.arg.name}: i32 = i32({e});")
-            self.names[id(v)] = v.arg.name
-            if self.k.check >= 0:  # (an index out of range writes the check words: see cstyle's check_index)
-                n, c = top + 1, f"d{self.k.check}"
-                bad = f"{x} > {t}({top})" if v.src[0].dtype.kind == "u" else f"{x} < {t}(-{n}) || {x} > {t}({top})"
-                lo = f"bitcast<i32>(u32({x} & 4294967295li))" if t == "i64" else f"i32({x})"
-                hi = f"i32({x} >> 32u)" if t == "i64" else "0" if t == "u32" else f"select(0, -1, {x} < {t}(0))"
-                self.emit(f"if ({bad}) {{ {c}[1] = {lo}; {c}[2] = {hi}; {c}[3] = {n}; "
-                          f"{c}[0] = {int(v.arg.name[2:]) + 1}; }}")
-            return
-        name = f"v{self.count}"
-        self.count += 1
-        self.emit(f"let {name}: {self.ct(v.dtype)} = {self.expr(v)};")
-        self.names[id(v)] = name
+    def index_stmt(self, v: V) -> None:
+        x, top, t = self.ref(v.src[0]), v.arg.vmax, self.ct(v.src[0].dtype)
+        if v.src[0].dtype.kind == "u":
+            e = f"min({x}, {t}({top}))"
+        else:
+            e = f"clamp(select({x}, {x} + {t}({top + 1}), {x} < {t}(0)), {t}(0), {t}({top}))"
+        self.emit(f"let {v.arg.name}: i32 = i32({e});")
+        self.names[id(v)] = v.arg.name
+        if self.k.check >= 0:  # (an index out of range writes the check words: see cfamily's check_index)
+            n, c = top + 1, f"d{self.k.check}"
+            bad = f"{x} > {t}({top})" if v.src[0].dtype.kind == "u" else f"{x} < {t}(-{n}) || {x} > {t}({top})"
+            lo = f"bitcast<i32>(u32({x} & 4294967295li))" if t == "i64" else f"i32({x})"
+            hi = f"i32({x} >> 32u)" if t == "i64" else "0" if t == "u32" else f"select(0, -1, {x} < {t}(0))"
+            self.emit(f"if ({bad}) {{ {c}[1] = {lo}; {c}[2] = {hi}; {c}[3] = {n}; "
+                      f"{c}[0] = {int(v.arg.name[2:]) + 1}; }}")
 
     def body_of(self, r: V, place: dict[int, object], order: list[V]) -> list[V]:
         """The values computed inside reduce `r`'s loop, in topological order."""
@@ -525,16 +314,10 @@ class _Renderer:
             if u > 1:
                 self.open("" if i == 0 else f"if (rb + {i * step} < {total})")
                 self.emit(f"let rl = rb + {i * step};")
-            inner = 1
-            for rv in reversed(rvars):  # the flat index back into the reduce's own variables
-                n = rv.vmax + 1
-                idx = "rl" if inner == 1 else f"(rl / {inner})"
-                self.emit(f"let {rv.name} = {idx if rv is rvars[0] else f'{idx} % {n}'};")
-                inner *= n
+            self.unflatten("rl", rvars)  # the flat index back into the reduce's own variables
             for v in self.body_of(r, place, order):
                 self.stmt(v)
-            b = r.src[0]
-            val = self.ref(b) if (b.op == "const" or id(b) in self.names) else self.expr(b)
+            val = self.store_value(r.src[0])
             if r.dtype.is_bool:
                 val = f"select(0i, 1i, {val})"
             self.emit(f"{name} = {comb.format(a=name, b=val)};")
@@ -585,8 +368,7 @@ class _Renderer:
             strides.append(stride)
             stride *= g.vmax + 1
         for lvl, (g, s) in enumerate(zip(k.gvars, reversed(strides))):
-            at = "gid" if s == 1 else f"(gid / {s})"
-            self.emit(f"let {g.name} = {at if lvl == 0 else f'{at} % {g.vmax + 1}'};")
+            self.emit(self.index_decl(g.name, self.unflat("gid", s, g.vmax + 1, lvl == 0)))
         for v in order:
             if id(v) in place:
                 continue
@@ -596,7 +378,7 @@ class _Renderer:
                 self.stmt(v)
         only = "if (lid == 0u) " if self.group else ""
         for i, (idx, v) in enumerate(k.stores):
-            val = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
+            val = self.store_value(v)
             if self.types[i].pack == 1 and self.chunks[i][0] == 1:
                 self.emit(f"{only}{{ d{i}[{idx.render()}] = {val}; }}")
             else:
@@ -615,20 +397,7 @@ class _Renderer:
             self.emit(f"let l{p} = d{p}[gid];")
         for i in range(len(k.stores)):
             self.emit(f"var s{i}: vec{w}<f32>;")
-        for lane, c in enumerate("xyzw"[:w]):
-            self.open("")
-            self.emit(f"let {g.name} = gid * {w} + {lane};")
-            saved = dict(self.names)
-            for v in order:
-                if v.op == "load" and v.arg[0] in self.vec_params:
-                    self.names[id(v)] = f"l{v.arg[0]}.{c}"
-            for v in order:
-                self.stmt(v)
-            for i, (_, v) in enumerate(k.stores):
-                val = self.ref(v) if (v.op == "const" or id(v) in self.names) else self.expr(v)
-                self.emit(f"s{i}.{c} = {val};")
-            self.names = saved
-            self.close()
+        self.lanes(order, self.vec_params, g, w)
         for i in range(len(k.stores)):
             self.emit(f"d{i}[gid] = s{i};")
 
@@ -652,8 +421,7 @@ class _Renderer:
         self.open(f"for (var {j.name} = 0; {j.name} < {j.vmax + 1}; {j.name}++)")
         for v in order:
             self.stmt(v)
-        val = self.ref(value) if (value.op == "const" or id(value) in self.names) else self.expr(value)
-        self.emit(f"d0[{idx.render()}] = d0[{idx.render()}] + {val};")
+        self.emit(f"d0[{idx.render()}] = d0[{idx.render()}] + {self.store_value(value)};")
         self.close()
 
     def entry(self) -> str:
@@ -693,11 +461,11 @@ class _Renderer:
         the words, workgroup memory."""
         k = self.k
         out = [f"// {self.name}"]
-        out.append(_PRELUDE)  # (wgpu enables f64 and i64 by device feature: no `enable` directive)
+        out.append(WGSL_PRELUDE)  # (wgpu enables f64 and i64 by device feature: no `enable` directive)
         if "int64" in self.used:
-            out.append(_PRELUDE_I64)
+            out.append(WGSL_PRELUDE_I64)
         if "float64" in self.used:
-            out.append(_ISNAN64["shader-int64" in self.features] + _PRELUDE_F64)
+            out.append(WGSL_ISNAN64["shader-int64" in self.features] + WGSL_PRELUDE_F64)
         binding = 0
         for i, (t, (n, per)) in enumerate(zip(self.types, self.chunks)):
             write = k.writes(i)

@@ -35,9 +35,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from azyx import debug, gemm, gemm_host
+from azyx import debug
+from azyx.codegen.dialect import SHADER_TILES, WARP_TILES, Dialect
+from azyx.codegen.launch import group_fits, vector_fits
+from azyx.codegen.templates import gemm, gemm_host
 from azyx.config import cache_dir
-from azyx.cstyle import Dialect, group_fits, vector_fits
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, has_index, toposort
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, var
 
@@ -267,10 +269,8 @@ def _fits(k: Kernel, opts: Opts) -> bool:
 
 
 def _gpu_product(k: Kernel, dl: Dialect) -> gemm.Gemm | None:
-    """The product `k` computes where a GPU dialect's tiled template (azyx.gemm: CUDA, Vulkan) takes it."""
-    if dl.glsl:
-        return gemm.match(k, "glsl")
-    return gemm.match(k, "cuda", dl.tensor_cores) if dl.name == "cuda" else None
+    """The product `k` computes where a GPU dialect's tiled template (templates.gemm: CUDA, Vulkan) takes it."""
+    return gemm.match(k, dl.products, dl.tensor_cores) if dl.products in (WARP_TILES, SHADER_TILES) else None
 
 
 def _tile_variants(g: gemm.Gemm) -> list[Opts]:

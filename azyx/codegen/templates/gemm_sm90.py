@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx.gemm import Gemm
+from azyx.codegen.templates.gemm import Gemm
 
 BM = 128  # rows of C per block: 64 per consumer warpgroup (one m64 wgmma)
 BK = 64  # K per stage: a 128-byte row of 16-bit elements, the swizzle's width

@@ -27,9 +27,9 @@ its 4 rows x Ev/8 output columns in registers.
 
 from __future__ import annotations
 
-from azyx.cstyle import Dialect
+from azyx.codegen.dialect import Dialect
+from azyx.codegen.templates.gemm_cuda import MMA_HELPERS
 from azyx.dtypes import DType, dtypes
-from azyx.gemm import MMA_HELPERS
 from azyx.ir import Attention, Kernel
 
 LOG2E = 1.4426950408889634

@@ -1,6 +1,6 @@
 """The matrix product for host dialects (C): a packed, cache-blocked kernel in the GotoBLAS/BLIS scheme.
 
-`gemm.match(k, "c")` recognises the product (any strides, batched); `render_c` fills the kernel. C is cut into blocks
+`gemm.match(k, BLOCKED)` recognises the product (any strides, batched); `render_c` fills the kernel. C is cut in blocks
 of MC rows x NC columns; the shared loop (cstyle SHARED: the C backend's threads take parts of it) runs over those
 blocks, batch outermost, then column panels, row blocks innermost, so that one call's consecutive blocks share their
 panel of B. For each slice of KC along K, a call packs the KC x NC panel of B it works on (zero-padded to whole
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from azyx import gemm
-from azyx.gemm import Gemm
+from azyx.codegen.dialect import BLOCKED, ITEM_TILES
+from azyx.codegen.templates import gemm
+from azyx.codegen.templates.gemm import Gemm
 from azyx.ir import Kernel
 
 
@@ -78,7 +79,7 @@ def product(k: Kernel, simd: int, workers: int, bf16_dot: bool = False) -> Gemm 
     generic path would copy W.T whole first, where packing transposes each thread's panels of it in cache.
     `bf16_dot`: the device has AVX-512 BF16 (Dialect.bf16_dot): a bfloat16 product with AVX-512's micro-kernel uses
     it."""
-    g = gemm.match(k, "c", simd=simd, workers=workers)
+    g = gemm.match(k, BLOCKED, simd=simd, workers=workers)
     if g is None or g.n < MIN_COLS or g.k < MIN_K or not takes(g.m, g.b[3] == 1 and g.b[4] != 1):
         return None  # (B's strides along K, along columns)
     return replace(g, bf16_dot=True) if bf16_dot and g.dtype == "bfloat16" and _width(simd) == 64 else g
@@ -414,7 +415,7 @@ CL_TILES = {64: (12, 16), 32: (6, 8), 16: (6, 4)}
 def product_cl(k: Kernel, simd: int) -> Gemm | None:
     """The product `k` computes where the OpenCL template takes it (float32, B contiguous along its columns: `x @ W.T`
     with W as stored gets W.T copied first, as on the generic path), else None."""
-    g = gemm.match(k, "cl", simd=simd)
+    g = gemm.match(k, ITEM_TILES, simd=simd)
     if g is None or g.b[4] != 1 or g.m < MIN_ROWS or g.n < MIN_COLS or g.k < MIN_K:
         return None
     return g
