@@ -3,7 +3,8 @@
 - `dialect`: one row per language (C, OpenCL C, CUDA C, GLSL, WGSL), the facts and capabilities everything here reads;
   `preludes`: each language's helper code.
 - `launch`: the `Launch` record and the analysis that decides it (grouped reductions, vector widths, host threads).
-- `render`: the emitter the renderers share; `cfamily`: the C-family renderer (C, OpenCL, CUDA, GLSL); `wgsl`: WGSL's.
+- `render`: the emitter the renderers share; `cfamily`: the C-family renderer (C, OpenCL, CUDA, GLSL), `cexpr` its
+  spelling of values; `wgsl`: WGSL's renderer, `wgsl_expr` its spelling of values.
 - `templates`: hand-shaped kernels for what the generic renderer does slowly: matrix products (`gemm`: matching and
   tiles; `gemm_cuda`, `gemm_glsl`, `gemm_host`, `gemm_sm90`: one family each) and fused attention.
 - `kernel`: `render_kernel`, which picks the template or the generic renderer for a kernel.

@@ -237,3 +237,14 @@ def parallel_loop(k: Kernel, dl: Dialect, threads: int) -> int | None:
         return None
     sizes = [v.vmax + 1 for v in k.gvars]
     return 1 if len(sizes) > 1 and sizes[0] < 2 * threads and sizes[1] > sizes[0] else 0
+
+
+def loop_steps(k: Kernel, group: int, max_trips: int) -> int:
+    """How many steps of each reduce loop one iteration takes (a power of two), so that a work item's loop iterations
+    stay within `max_trips` (0: no bound). Mesa's llvmpipe (lavapipe) ends every shader's loops after 65535
+    iterations in all, silently: a row of 34M elements summed by a group of 64 items would stop at 2M."""
+    trips = sum(-(-_numel(v.arg[1]) // max(group, 1)) for v in toposort(*k.values) if v.op == "reduce")
+    u = 1
+    while max_trips and trips > (max_trips - 64) * u and u < 1024:  # (64: the trees' loops and a margin)
+        u *= 2
+    return u

@@ -18,79 +18,29 @@ DTypeError naming the dtype, the device and the feature.
 
 NaN tests look at the bits (`isnan32`, `isnan64`): naga renders `!=` of floats as an ordered compare (false for NaN),
 and a driver that assumes no NaNs (NVIDIA's, without SPIR-V's float controls, which WGSL cannot ask for) may fold
-`x == x` to true. Reduce loops are unrolled where a driver bounds a shader's loop iterations (`unroll`).
+`x == x` to true. Reduce loops are unrolled where a driver bounds a shader's loop iterations (`launch.loop_steps`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-import numpy as np
-
-from azyx.codegen.dialect import WGSL, WGSL_TYPES, WType
-from azyx.codegen.launch import Launch, along_loop, group_size, index_fits, launch_for, vectorized
+from azyx.codegen.dialect import WGSL, WGSL_TYPES
+from azyx.codegen.launch import Launch, along_loop, group_size, index_fits, launch_for, loop_steps, vectorized
 from azyx.codegen.preludes import WGSL_ISNAN64, WGSL_PRELUDE, WGSL_PRELUDE_F64, WGSL_PRELUDE_I64
-from azyx.codegen.render import Emitter, kernel_name
-from azyx.dtypes import DType, dtypes
+from azyx.codegen.render import kernel_name
+from azyx.codegen.wgsl_expr import WgslValues, combine, literal, wtype
+from azyx.dtypes import dtypes
 from azyx.errors import DTypeError, ShapeError
 from azyx.ir import Kernel, V, toposort
 from azyx.ops import REDUCE
-from azyx.symbolic import Cond, Var
 
 # plain elementwise float32 kernels: four points per work item (Kernel.vector: 2 or 4), each operand along the loop
 # bound as vectors
 WGSL_VEC = replace(WGSL, vector="vec{n}<f32>", vector_width=4, block=256)
 
 # math functions by name, per compute type where they differ (float64 has its own routines)
-_FNS_F64 = {"exp": "azyx_exp64", "log": "azyx_log64", "exp2": "azyx_exp264", "log2": "azyx_log264",
-            "sin": "azyx_sin64", "cos": "azyx_cos64", "tan": "azyx_tan64", "tanh": "azyx_tanh64",
-            "erf": "azyx_erf64", "log1p": "azyx_log1p64", "pow": "azyx_pow64", "fmod": "azyx_fmod64"}
-_FNS_F32 = {"erf": "azyx_erf", "log1p": "azyx_log1p", "pow": "azyx_pow", "fmod": "azyx_fmod"}
-_BINOPS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
-           "eq": "==", "ne": "!="}
-_BOOL_AS_INT = {"add", "sub", "mul", "lt", "le", "gt", "ge", "max", "min"}
-
-
-
-def wtype(d: DType, device: str, features: frozenset[str]) -> WType:
-    """The WGSL row of dtype `d` on a device with adapter `features`; a DTypeError where the device cannot compute
-    it."""
-    t = WGSL_TYPES.get(d.name)
-    if t is None:
-        raise DTypeError(f"{device}: WGSL has no representation of dtype {d.name}")
-    if t.feature and t.feature not in features:
-        raise DTypeError(f"{device}: dtype {d.name} needs the WebGPU adapter feature {t.feature!r}, which this "
-                         f"adapter lacks (use another device for {d.name} tensors, or cast them)")
-    return t
-
-
-def literal(v: object, d: DType) -> str:
-    """A constant of dtype `d` in its compute type (WGSL has no literal of infinity or NaN: bit patterns)."""
-    t = WGSL_TYPES[d.name].compute
-    if t == "bool":
-        return "true" if v else "false"
-    if t in ("i32", "u32", "i64"):
-        iv = int(v)  # type: ignore[call-overload]
-        sfx = {"i32": "i", "u32": "u", "i64": "li"}[t]
-        lowest = {"i32": -(2**31), "i64": -(2**63)}.get(t)
-        if iv == lowest:
-            return f"({iv + 1}{sfx} - 1{sfx})"
-        return f"({iv}{sfx})" if iv < 0 else f"{iv}{sfx}"
-    fv = float(v)  # type: ignore[arg-type]
-    if t == "f32":
-        fv = float(np.float32(fv))  # (a value past float32's range is its infinity, not an invalid literal)
-    if math.isnan(fv) or math.isinf(fv):
-        bits = "0x7fc00000u" if math.isnan(fv) else ("0xff800000u" if fv < 0 else "0x7f800000u")
-        return f"bitcast<f32>({bits})" if t == "f32" else f"f64(bitcast<f32>({bits}))"
-    r = repr(fv)
-    if "e" not in r and "." not in r:
-        r += ".0"
-    s = r + ("f" if t == "f32" else "lf")
-    return f"({s})" if s.startswith("-") else s
-
-
-class _Renderer(Emitter):
+class _Renderer(WgslValues):
     """One kernel's WGSL: the entry point's body (`lines`), then the interface before it (`interface`), which knows
     the dtypes, helpers and workgroup memory the body used."""
 
@@ -112,35 +62,11 @@ class _Renderer(Emitter):
             if self.dl is WGSL_VEC else set()
         self.vw = vectorized(k, WGSL_VEC) if self.dl is WGSL_VEC else 0
         # steps per reduce loop iteration: what the driver's bound needs, or more where the kernel asks (Kernel.unroll)
-        self.unroll = max(unroll(k, self.group, max_trips), k.unroll)
+        self.unroll = max(loop_steps(k, self.group, max_trips), k.unroll)
         if not index_fits(k, self.group):
             raise ShapeError(f"{device}: a kernel of {k.global_size} points indexes past 2**31 elements (WGSL indices "
                              "are i32)")
-        self.used: set[str] = set()  # dtypes the kernel computes in
-
-    def ct(self, d: DType) -> str:
-        self.used.add(d.name)
-        return wtype(d, self.device, self.features).compute
-
-    def fn(self, name: str, d: DType) -> str:
-        t = self.ct(d)
-        return (_FNS_F64 if t == "f64" else _FNS_F32).get(name, name)
-
-    def isnan(self, x: str, d: DType) -> str:
-        return f"isnan{64 if self.ct(d) == 'f64' else 32}({x})"
-
-    def cond(self, c: Cond) -> str:
-        if c.never:
-            return "false"
-        parts = []
-        for x, lo, hi in c.facts:
-            if x.vmin >= lo:
-                parts.append(f"({x.render()} < {hi})")
-            elif x.vmax < hi:
-                parts.append(f"({x.render()} >= {lo})")
-            else:
-                parts.append(f"(u32({(x - lo).render()}) < {hi - lo}u)")
-        return " && ".join(parts) if parts else "true"
+        self.used = set()  # dtypes the kernel computes in
 
     def literal(self, v: V) -> str:
         self.ct(v.dtype)
@@ -158,10 +84,6 @@ class _Renderer(Emitter):
             return f"d{param}[{idx}]"
         return f"ld{param}({idx})"
 
-    def rounded(self, d: DType, e: str) -> str:
-        r = WGSL_TYPES[d.name].rounds
-        return r.format(x=e) if r else e
-
     def expr(self, v: V) -> str:
         if v.op == "load":
             param, idx, cond = v.arg
@@ -178,97 +100,6 @@ class _Renderer(Emitter):
         if v.op == "alu":
             return self.rounded(v.dtype, self.alu(v.arg, v.dtype, [self.ref(s) for s in v.src], v.src[0].dtype))
         raise AssertionError(v.op)
-
-    def cast(self, s: V, d: DType) -> str:
-        x, st, t = self.ref(s), self.ct(s.dtype), self.ct(d)
-        if d.is_bool:
-            return x if s.dtype.is_bool else f"({x} != {literal(0, s.dtype)})"
-        if s.dtype.is_bool:
-            return self.rounded(d, f"select({literal(0, d)}, {literal(1, d)}, {x})")
-        return self.rounded(d, x if st == t else f"{t}({x})")
-
-    def alu(self, op: str, d: DType, a: list[str], sd: DType) -> str:
-        """One elementwise op; `d` is the result dtype, `sd` the operands'."""
-        if sd.is_bool and op in _BOOL_AS_INT:  # no arithmetic or ordering on bool
-            e = self.alu(op, dtypes.int32, [f"select(0i, 1i, {x})" for x in a], dtypes.int32)
-            return f"({e} != 0i)" if d.is_bool and op in ("add", "sub", "mul", "max", "min") else e
-        t = self.ct(sd)
-        fl = sd.is_float
-        x = a[0]
-
-        def c(v: float | int) -> str:
-            return literal(v, sd)
-
-        if op == "neg":
-            return f"(-{x})"
-        if op == "abs":
-            return f"abs({x})"
-        if op == "not":
-            return f"(!{x})" if sd.is_bool else f"(~{x})"
-        if op == "square":
-            return f"({x} * {x})"
-        if op == "sign":
-            s = f"(select({c(0)}, {c(1)}, {x} > {c(0)}) - select({c(0)}, {c(1)}, {x} < {c(0)}))"
-            return f"select({s}, {x}, {self.isnan(x, sd)})" if fl else s
-        if op == "relu":  # NaN stays NaN, by its bits (NVIDIA's compiler turns the select into a max that drops it)
-            r = f"select({x}, {c(0)}, {x} < {c(0)})"
-            return f"select({r}, {x}, {self.isnan(x, sd)})" if fl else r
-        if op in ("exp", "log", "exp2", "log2", "sqrt", "sin", "cos", "tan", "tanh", "erf", "floor", "ceil", "round"):
-            return f"{self.fn(op, sd)}({x})"  # (WGSL's round rounds half to even, as numpy's)
-        if op == "rsqrt":
-            return f"({c(1)} / sqrt({x}))"
-        if op == "reciprocal":
-            return f"({c(1)} / {x})"
-        ex = self.fn("exp", sd)
-        if op == "sigmoid":
-            return f"({c(1)} / ({c(1)} + {ex}(-{x})))"
-        if op == "silu":
-            return f"({x} / ({c(1)} + {ex}(-{x})))"
-        if op == "gelu":
-            return f"({c(0.5)} * {x} * ({c(1)} + {self.fn('erf', sd)}({x} * {c(0.7071067811865476)})))"
-        if op == "gelu_tanh":  # x*sigmoid(2z): no cancellation in 1+tanh for very negative x
-            return f"({x} / ({c(1)} + {ex}({c(-1.5957691216057308)} * ({x} + {c(0.044715)} * {x} * {x} * {x}))))"
-        if op == "softplus":
-            return f"(max({x}, {c(0)}) + {self.fn('log1p', sd)}({ex}(-abs({x}))))"
-        y = a[1] if len(a) > 1 else ""
-        if op in ("eq", "ne") and fl and x == y:  # a NaN test (argmax's `x != x`), by the bits
-            return f"({'!' if op == 'eq' else ''}{self.isnan(x, sd)})"
-        if op == "ne" and fl:  # unordered: true where either is NaN (naga's float != is ordered)
-            return f"(!({x} == {y}))"
-        if op in _BINOPS:
-            return f"({x} {_BINOPS[op]} {y})"
-        if op in ("and", "or", "xor"):
-            if sd.is_bool:
-                return {"and": f"({x} && {y})", "or": f"({x} || {y})", "xor": f"({x} != {y})"}[op]
-            return f"({x} {({'and': '&', 'or': '|', 'xor': '^'})[op]} {y})"
-        if op in ("max", "min"):
-            return combine(op, sd).format(a=y, b=x)
-        rem = f"({x} - {x} / {y} * {y})"  # truncated, as C's % (naga's % gave wrong remainders on NVIDIA)
-        if op == "floordiv":
-            if fl:
-                return f"floor({x} / {y})"
-            adjust = f"select({c(0)}, {c(1)}, ({rem} != {c(0)}) && (({x} < {c(0)}) != ({y} < {c(0)})))"
-            return f"select({x} / {y} - {adjust}, {c(0)}, {y} == {c(0)})"
-        if op == "mod":
-            if fl:  # a zero remainder takes the divisor's sign (numpy, Python)
-                r = f"{self.fn('fmod', sd)}({x}, {y})"
-                m = f"select({r}, {r} + {y}, ({r} < {c(0)}) != ({y} < {c(0)}))"
-                u = {"f32": "u32", "f64": "u64"}[self.ct(sd)]
-                if u == "u64" and "shader-int64" not in self.features:
-                    return f"select(select({c(0.0)}, {c(-0.0)}, {y} < {c(0)}), {m}, {r} != {c(0)})"
-                # the zero's sign set in its bits: a driver that ignores signed zeros (NVIDIA's) folds float selects
-                top = "0x80000000u" if u == "u32" else "0x8000000000000000lu"
-                sign = f"(bitcast<{u}>({y}) & {top})"  # (on NVIDIA, select(0u, 0x80000000u, y < 0) gave it for y = 1)
-                return f"bitcast<{self.ct(sd)}>(select(bitcast<{u}>({m}), {sign}, (bitcast<{u}>({r}) << 1u) == {u}(0)))"
-            return f"select(select({rem}, {rem} + {y}, {rem} != {c(0)} && (({rem} < {c(0)}) != ({y} < {c(0)}))), " \
-                   f"{c(0)}, {y} == {c(0)})"
-        if op == "pow":
-            if fl:
-                return f"{self.fn('pow', sd)}({x}, {y})"
-            if t == "i64":
-                return f"ipow64({x}, {y})"
-            return f"ipow({x}, {y})"
-        raise AssertionError(f"no WGSL rendering for op {op}")
 
     # ------------------------------------------------------------------ statements
     def index_stmt(self, v: V) -> None:
@@ -307,7 +138,7 @@ class _Renderer(Emitter):
         start = "i32(lid)" if self.group else "0"
         if u == 1:
             self.open(f"for (var rl = {start}; rl < {total}; rl += {step})")
-        else:  # `u` steps per iteration (a driver that bounds a shader's loop iterations: see `unroll`)
+        else:  # `u` steps per iteration (a driver that bounds a shader's loop iterations: see `loop_steps`)
             self.open(f"for (var rb = {start}; rb < {total}; rb += {step * u})")
         for i in range(u):
             saved = dict(self.names)
@@ -502,20 +333,6 @@ class _Renderer(Emitter):
         return "\n".join(line for line in out if line) + "\n"
 
 
-def combine(op: str, d: DType) -> str:
-    """How a reduce of `op` over dtype `d` folds a new value {b} into its accumulator {a} (max and min of floats
-    propagate NaN)."""
-    if op == "sum":
-        return "({a} + {b})"
-    if op == "prod":
-        return "({a} * {b})"
-    if d.is_float:
-        cmp = ">" if op == "max" else "<"
-        nan = f"isnan{64 if d.itemsize == 8 else 32}"  # NaN by its bits: NVIDIA's compiler turns a select into a max
-        return f"select(select({{a}}, {{b}}, {{b}} {cmp} {{a}}), {{a}} + {{b}}, {nan}({{a}}) || {nan}({{b}}))"
-    return f"{op}({{a}}, {{b}})"
-
-
 def bindings(k: Kernel, max_binding: int) -> list[tuple[int, int]]:
     """Per parameter of `k`: how many storage bindings it takes and the bytes of each (but the last, which binds the
     rest of the buffer). A parameter whose elements reach past `max_binding` bytes (the adapter's storage binding
@@ -533,24 +350,6 @@ def bindings(k: Kernel, max_binding: int) -> list[tuple[int, int]]:
         t = WGSL_TYPES[d.name]
         nbytes = -(-n // t.pack) * t.element_size
         out.append((1, max_binding) if nbytes <= max_binding else (-(-nbytes // chunk), chunk))
-    return out
-
-
-def unroll(k: Kernel, group: int, max_trips: int) -> int:
-    """How many steps of each reduce loop one iteration takes (a power of two), so that a work item's loop iterations
-    stay within `max_trips` (0: no bound). Mesa's llvmpipe (lavapipe) ends every shader's loops after 65535
-    iterations in all, silently: a row of 34M elements summed by a group of 64 items would stop at 2M."""
-    trips = sum(-(-_numel(v.arg[1]) // max(group, 1)) for v in toposort(*k.values) if v.op == "reduce")
-    u = 1
-    while max_trips and trips > (max_trips - 64) * u and u < 1024:  # (64: the trees' loops and a margin)
-        u *= 2
-    return u
-
-
-def _numel(vs: tuple[Var, ...]) -> int:
-    out = 1
-    for v in vs:
-        out *= v.vmax + 1
     return out
 
 
