@@ -5,8 +5,8 @@ without searching.
 Reductions the planner splits in two stages (or could: schedule.Planner.split_parts) are searched first, by their
 parts (search_actions.SPLIT): for each such reduction without a cached winner, plans of a plain reduction of its sizes
 (its op and dtype over a contiguous tensor: `ROWS` kind as (outputs, r) reduced along its rows, `COLUMNS` as
-(r, outputs) along its columns) are made with each number of parts (search_actions.split_candidates, and no split) and timed whole
-(search.search_split); the graph is then planned again with the winners, and its kernels searched.
+(r, outputs) along its columns) are made with each number of parts (search_actions.split_candidates, and no split)
+and timed whole (search.search_split); the graph is then planned again with the winners, and its kernels searched.
 """
 
 from __future__ import annotations

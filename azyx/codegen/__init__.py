@@ -6,7 +6,8 @@
 - `render`: the emitter the renderers share; `cfamily`: the C-family renderer (C, OpenCL, CUDA, GLSL), `cexpr` its
   spelling of values; `wgsl`: WGSL's renderer, `wgsl_expr` its spelling of values.
 - `templates`: hand-shaped kernels for what the generic renderer does slowly: matrix products (`gemm`: matching and
-  tiles; `gemm_cuda`, `gemm_glsl`, `gemm_host`, `gemm_sm90`: one family each) and fused attention.
+  tiles; `gemm_cuda`, `gemm_glsl`, `gemm_host`, `gemm_sm90`: one family each) and fused attention (`attention`: the
+  facts the planner asks and the host kernel; `attention_cuda`: CUDA's kernels).
 - `kernel`: `render_kernel`, which picks the template or the generic renderer for a kernel.
 - `search_actions`: what a search may change in a kernel (`Opt`), applied to the IR, and the winners' cache.
 """

@@ -7,8 +7,8 @@ from azyx.codegen import cfamily
 from azyx.codegen.dialect import BLOCKED, ITEM_TILES, SHADER_TILES, Dialect
 from azyx.codegen.launch import SHARED, Launch, launch_for
 from azyx.codegen.render import kernel_name
-from azyx.codegen.templates import attention, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90
-from azyx.ir import Kernel, attention_of
+from azyx.codegen.templates import attention, attention_cuda, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90
+from azyx.ir import Attention, Kernel, attention_of
 
 
 def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tuple[str, str, Launch]:
@@ -19,7 +19,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
     take templates.gemm_sm90's kernel where they fit (unless a searched tile, Kernel.variant, asks for mma.sync's)."""
     a = attention_of(k)
     if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
-        src = attention.render(k, a, "KERNEL", dl)
+        src = _attention_source(k, a, dl)
         name = kernel_name(src)
         launch = (Launch(attention.cuda_grid(a), attention.CUDA_THREADS) if dl.global_ids else
                   Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
@@ -37,6 +37,18 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
         body = cfamily.render(k, "KERNEL", dl, threads)
     name = kernel_name(body)
     return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
+
+
+def _attention_source(k: Kernel, a: Attention, dl: Dialect) -> str:
+    """Attention kernel `k` (spec `a`) in dialect `dl`: CUDA's on tensor cores where they take it, else its float32
+    kernel, or the host's; its scale is scalar parameter sc0, or a literal."""
+    s = k.stores[0][1].src[0]
+    scale = "sc0" if s.op == "arg" else repr(float(s.arg))
+    if dl.global_ids:
+        if attention_cuda.mma_fits(a, dl, k.params):
+            return attention_cuda.render_mma(a, "KERNEL", dl, k.params, scale)
+        return attention_cuda.render_cuda(a, "KERNEL", dl, k.params, scale)
+    return attention.render_c(a, "KERNEL", dl, k.params, scale)
 
 
 def _product_source(g: gemm.Gemm, dl: Dialect) -> str | None:

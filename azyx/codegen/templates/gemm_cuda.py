@@ -40,7 +40,7 @@ def render_simt(g: Gemm, name: str, c: SimtTile, split: tuple[int, int]) -> str:
     b_load = _tile_load("B", "Bs", b_vec, b_elems, "n", tc, "j", b_sj, b_sk, g.n, b_sj != 1, threads, bk,
                         g.n % tc != 0, k_edge, it)
     params = ", ".join(f"const float* __restrict__ d{i}" for i in range(1, 1 + max(pa, pb)))
-    return f"""extern "C" __global__ void __launch_bounds__({threads}) {name}(float* __restrict__ C, {params}) {{
+    text = f"""extern "C" __global__ void __launch_bounds__({threads}) {name}(float* __restrict__ C, {params}) {{
   __shared__ __align__(16) float As[2][{bk}][{tr + 4}];
   __shared__ __align__(16) float Bs[2][{bk}][{tc + 4}];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -63,6 +63,15 @@ def render_simt(g: Gemm, name: str, c: SimtTile, split: tuple[int, int]) -> str:
   {a_load.store.replace("@BUF@", "0")}
   {b_load.store.replace("@BUF@", "0")}
   __syncthreads();
+"""
+    return (text
+            + _simt_main_loop(bk, tm, tn, lm, ln, a_load, b_load)
+            + _simt_epilogue(tm, tn, lm, g, ln, parts))
+
+
+def _simt_main_loop(bk: int, tm: int, tn: int, lm: int, ln: int, a_load: _Load, b_load: _Load) -> str:
+    """The main loop: each K slice multiplied from shared memory while the next is fetched into registers."""
+    return f"""\
   int buf = 0;
   for (int k0 = kbeg; k0 < kend; k0 += {bk}) {{
     const bool more = k0 + {bk} < kend;
@@ -89,6 +98,12 @@ def render_simt(g: Gemm, name: str, c: SimtTile, split: tuple[int, int]) -> str:
     }}
     __syncthreads();
   }}
+"""
+
+
+def _simt_epilogue(tm: int, tn: int, lm: int, g: Gemm, ln: int, parts: int) -> str:
+    """The register tile stored into C (added atomically where K is split)."""
+    return f"""\
   float* Cb = C + bz * {g.m * g.n}LL;
   #pragma unroll
   for (int m = 0; m < {tm}; m++) {{
@@ -294,7 +309,7 @@ def render_mma(g: Gemm, name: str) -> str:
     # two blocks of 8 warps per multiprocessor (128 registers a thread) where both operands are copied by cp.async;
     # element loads stage a slice in registers, which 128 would spill
     two = ", 2" if threads == 256 and a.async_copy and b.async_copy else ""
-    return MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
+    text = MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
 {name}(unsigned short* __restrict__ C, {params}) {{
   {a.decl}
   {b.decl}
@@ -313,6 +328,16 @@ def render_mma(g: Gemm, name: str) -> str:
       #pragma unroll
       for (int q = 0; q < 4; q++) acc[m][n][q] = 0.f;
   {chr(10).join("  " + x for x in first).lstrip()}
+"""
+    return (text
+            + _mma_main_loop(ahead, commit, mi, frags_a, frags_b, ni, kind, put, g, a, b)
+            + _mma_epilogue(mi, ni, wtm, wtn, store, g))
+
+
+def _mma_main_loop(ahead: int, commit: str, mi: int, frags_a: str, frags_b: str, ni: int, kind: str, put: str, g: Gemm,
+                   a: _MmaOperand, b: _MmaOperand) -> str:
+    """The main loop: per K slice, the slice two ahead copied into the stage freed, then mma.sync over the slice."""
+    return f"""\
   int s = 0;  // the stage of slice k0
   for (int k0 = 0; k0 < {g.k}; k0 += {MMA_BK}) {{
     asm volatile("cp.async.wait_group {MMA_STAGES - 2};" ::: "memory");  // slice k0 has landed
@@ -336,6 +361,12 @@ def render_mma(g: Gemm, name: str) -> str:
     }}
 {put}    s = s == {MMA_STAGES - 1} ? 0 : s + 1;
   }}
+"""
+
+
+def _mma_epilogue(mi: int, ni: int, wtm: int, wtn: int, store: str, g: Gemm) -> str:
+    """The accumulators rounded to C's dtype and stored, two elements a store where they are aligned."""
+    return f"""\
   unsigned short* Cb = C + bz * {g.m * g.n}LL;
   #pragma unroll
   for (int m = 0; m < {mi}; m++)

@@ -37,7 +37,7 @@ def render_glsl(g: Gemm, name: str, prelude: str, max_groups: int) -> str | None
     whole = f"C4.v[({row}) >> 2] = acc[m][q];"
     part = f"for (int c = 0; c < 4; c++) if (j + c < {g.n}) C.v[{row} + c] = acc[m][q][c];"
     store = f"if (j + 3 < {g.n}) {{ {whole} }} else {{ {part} }}" if g.n % 4 == 0 else part
-    return f"""{prelude}
+    text = f"""{prelude}
 // {name}
 layout(local_size_x = {THREADS}) in;
 layout(std430, set = 0, binding = 0) restrict readonly buffer W {{ uint sw[]; }};
@@ -66,6 +66,15 @@ void main() {{
   {a_load.store.replace("@BUF@", "0")}
   {b_load.store.replace("@BUF@", "0")}
   barrier();
+"""
+    return (text
+            + _main_loop(fma, tm, tn, a_load, b_load)
+            + _epilogue(tm, store, g, tn))
+
+
+def _main_loop(fma: str, tm: int, tn: int, a_load: _GlslLoad, b_load: _GlslLoad) -> str:
+    """The main loop: each K slice multiplied from shared memory while the next is fetched into registers."""
+    return f"""\
   int buf = 0;
   for (int k0 = 0; k0 < kend; k0 += {BK}) {{
     bool more = k0 + {BK} < kend;
@@ -86,6 +95,12 @@ void main() {{
     }}
     barrier();
   }}
+"""
+
+
+def _epilogue(tm: int, store: str, g: Gemm, tn: int) -> str:
+    """The register tile stored into C, whole 16-byte lines where C's rows allow."""
+    return f"""\
   for (int m = 0; m < {tm}; m++) {{
     int i = bi + ty * {tm} + m;
     if (i >= {g.m}) continue;

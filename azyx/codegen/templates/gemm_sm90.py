@@ -178,7 +178,7 @@ def render(g: Gemm, name: str) -> str:
     # the operands' offsets and strides live in the tensor maps: written here too, so that the kernel's name (a hash
     # of its source) tells kernels of different maps apart (a graph replay or a launch cache keyed by name)
     maps = "; ".join(f"d{m.arg} +{m.offset}, {m.dims[0]} x {m.dims[1]}, rows {m.row_bytes} B" for m in tensor_maps(g))
-    return HELPERS + wgmma_def + f"""// tensor maps: {maps}
+    text = HELPERS + wgmma_def + f"""// tensor maps: {maps}
 extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
     unsigned short* __restrict__ C{params}, const __grid_constant__ AzyxTensorMap ma,
     const __grid_constant__ AzyxTensorMap mb, const __grid_constant__ AzyxTensorMap mc) {{
@@ -200,6 +200,16 @@ extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
     bi = (first + t % {GROUP * tn} % rows) * {BM};
     bj = t % {GROUP * tn} / rows * {bn};
   }};
+"""
+    return (text
+            + _producer(a_bytes, load_b, stages, rows, tm, tn, g, b_bytes)
+            + _consumer_loop(wgmma, a_bytes, a_fields, b_bytes, b_step, b_fields, stages, bn, tm, tn, g, rows)
+            + _epilogue(rows, ab, bn))
+
+
+def _producer(a_bytes: int, load_b: str, stages: int, rows: int, tm: int, tn: int, g: Gemm, b_bytes: int) -> str:
+    """The producer warpgroup: one thread loads each tile's K slices by TMA into the ring of stages."""
+    return f"""\
   if (wg == 0) {{  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 {REGS[0]};");
     if (tid == 0) {{
@@ -218,6 +228,13 @@ extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
       }}
     }}
   }} else {{  // the consumers: rows (wg - 1) * {rows}.. of the tile
+"""
+
+
+def _consumer_loop(wgmma: str, a_bytes: int, a_fields: str, b_bytes: int, b_step: int, b_fields: str, stages: int,
+                   bn: int, tm: int, tn: int, g: Gemm, rows: int) -> str:
+    """The consumer warpgroups' main loop: wgmma over each stage as it lands, the stage freed a batch later."""
+    return f"""\
     asm volatile("setmaxnreg.inc.sync.aligned.u32 {REGS[1]};");
     const int cw = wg - 1, warp = tid / 32, lane = tid % 32;
     const unsigned mine = sc + cw * {rows * bn * 2};  // this warpgroup's part of C's staging tile
@@ -244,6 +261,12 @@ extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
       }}
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       if (lane == 0) azyx_mbar_arrive(empty(prev));
+"""
+
+
+def _epilogue(rows: int, ab: str, bn: int) -> str:
+    """C through shared memory, swizzled as the TMA store reads it, then stored by TMA."""
+    return f"""\
       // C through shared memory: d[4j + 0, 1] are row warp * 16 + lane / 4, columns 8j + 2 (lane % 4) + 0, 1;
       // d[4j + 2, 3] 8 rows down. Staged as {bn // 64} boxes of [{rows} rows][64 columns] with the 128-byte swizzle
       // TMA undoes, so a warp's 8 rows x 16 bytes fall in 8 distinct bank groups
