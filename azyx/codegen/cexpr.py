@@ -53,13 +53,16 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
     if dl.glsl and src_dtype.is_bool and op in _BOOL_AS_INT:  # GLSL has no arithmetic or ordering on bool
         e = alu_expr(op, dtypes.int32, [dl.cast.format(t="int", x=x) for x in a], dl, dtypes.int32)
         return f"({e}!=0)" if d.is_bool and op in ("add", "sub", "mul", "max", "min") else e
-    x = a[0]
-    sd = src_dtype
-    t = dl.compute_type(sd)
+    out = _unary(op, a[0], src_dtype, dl)
+    return out if out is not None else _binary(op, a[0], a[1] if len(a) > 1 else "", src_dtype, dl)
+
+
+def _unary(op: str, x: str, sd: DType, dl: Dialect) -> str | None:
+    """Op `op` of one operand `x` of dtype `sd` (None: not a one-operand op)."""
     fl = sd.is_float
 
     def c(e: str) -> str:  # `e` converted to the operands' compute type
-        return dl.cast.format(t=t, x=e)
+        return dl.cast.format(t=dl.compute_type(sd), x=e)
 
     if op == "neg":
         return f"(-{x})"
@@ -93,7 +96,16 @@ def alu_expr(op: str, d: DType, a: list[str], dl: Dialect, src_dtype: DType) -> 
                 f"({x}+{c('0.044715')}*{x}*{x}*{x}))))")
     if op == "softplus":
         return f"(({x}>0?{x}:{c('0')})+{_fn('log1p', sd, dl)}({_fn('exp', sd, dl)}(-{_fn('fabs', sd, dl)}({x}))))"
-    y = a[1] if len(a) > 1 else ""
+    return None
+
+
+def _binary(op: str, x: str, y: str, sd: DType, dl: Dialect) -> str:
+    """Op `op` of operands `x` and `y` of dtype `sd`."""
+    fl = sd.is_float
+
+    def c(e: str) -> str:  # `e` converted to the operands' compute type
+        return dl.cast.format(t=dl.compute_type(sd), x=e)
+
     binops = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
               "eq": "==", "ne": "!="}
     if op in binops:

@@ -161,14 +161,14 @@ class _Renderer(Emitter):
             self.close()
         self.names = saved  # names declared inside the block's braces go out of scope
 
-    def render(self) -> str:
-        k, dl = self.k, self.dl
-        order = toposort(*k.values)
+    def placement(self, order: list[V]) -> dict[int, object]:
+        """Where each value is computed (see the module docstring): id -> the global loop level (int; a reduce and
+        what depends on one: the innermost), a reduce (its loop's body) or "U" (inside each block of upcast loops)."""
+        k = self.k
         gindex = {v: i for i, v in enumerate(k.gvars)}
         n = len(k.gvars)
-        reduces = [v for v in order if v.op == "reduce"]
-        owner: dict[Var, V] = {rv: r for r in reduces for rv in r.arg[1]}
-        place: dict[int, object] = {}  # id -> level (int) | reduce V (its body) | "U" (per block)
+        owner: dict[Var, V] = {rv: r for r in order if r.op == "reduce" for rv in r.arg[1]}
+        place: dict[int, object] = {}
         dep_red: dict[int, bool] = {}
         for v in order:
             dr = v.op == "reduce" or any(dep_red[id(s)] for s in v.src)
@@ -182,7 +182,14 @@ class _Renderer(Emitter):
                 place[id(v)] = "U"
             else:
                 place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
+        return place
 
+    def render(self) -> str:
+        k, dl = self.k, self.dl
+        order = toposort(*k.values)
+        n = len(k.gvars)
+        reduces = [v for v in order if v.op == "reduce"]
+        place = self.placement(order)
         shared = parallel_loop(k, dl, self.threads)
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
         header = self.signature(shared, guarded)

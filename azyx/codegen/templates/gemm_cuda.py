@@ -263,6 +263,27 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     return _MmaOperand(decl, fetch, put, frag, async_copy)
 
 
+def _pair_store(g: Gemm, cvt: str) -> str:
+    """A lane's two neighbouring elements of C (c[0], c[1] at row i, columns j, j + 1) rounded by `cvt` and stored:
+    one aligned 4-byte store where j is even."""
+    row = f"(Cb + (long long)i * {g.n} + j)"
+    if g.n % 2 == 0:  # j is even: a pair of C's elements is one aligned 4-byte store
+        return (f"if (j < {g.n}) *(unsigned*)({row}) = (unsigned){cvt}(c[0]) | ((unsigned){cvt}(c[1]) << 16);")
+    else:
+        return f"if (j < {g.n}) {row}[0] = {cvt}(c[0]); if (j + 1 < {g.n}) {row}[1] = {cvt}(c[1]);"
+
+
+def _first_slices(g: Gemm, a: _MmaOperand, b: _MmaOperand, commit: str) -> list[str]:
+    """The first slices copied into stages 0.., a commit group each (empty past K: the count of groups stays)."""
+    first = []
+    for p in range(MMA_STAGES - 1):
+        copies = "\n  ".join(x for x in (a.fetch, a.put, b.fetch, b.put) if x)
+        if p * MMA_BK < g.k:
+            first.append(f"{{ const int k1 = {p * MMA_BK};\n  {copies.replace('@K0@', 'k1').replace('@S@', str(p))} }}")
+        first.append(commit)
+    return first
+
+
 def render_mma(g: Gemm, name: str) -> str:
     """The product of float16 or bfloat16 operands on tensor cores (sm_80 on): `mma.sync.m16n8k16` with float32
     accumulators. A block of 8 warps (2 x 4) computes a 128 x 128 tile of C, each warp 64 x 32 (4 x 4 mma tiles); a
@@ -288,11 +309,7 @@ def render_mma(g: Gemm, name: str) -> str:
                         for i in range(mi))
     frags_b = "\n".join("      " + b.frag.format(f=f"fb[{j}]", s="s", x=f"wn * {wtn} + {j * 16}", ks="ks")
                         for j in range(ni // 2))
-    row = f"(Cb + (long long)i * {g.n} + j)"
-    if g.n % 2 == 0:  # j is even: a pair of C's elements is one aligned 4-byte store
-        store = (f"if (j < {g.n}) *(unsigned*)({row}) = (unsigned){cvt}(c[0]) | ((unsigned){cvt}(c[1]) << 16);")
-    else:
-        store = f"if (j < {g.n}) {row}[0] = {cvt}(c[0]); if (j + 1 < {g.n}) {row}[1] = {cvt}(c[1]);"
+    store = _pair_store(g, cvt)
     ahead = (MMA_STAGES - 1) * MMA_BK  # the slice copied while slice k0 is multiplied: k0 + ahead
     put = "" if a.async_copy and b.async_copy else f"""    if (more) {{
       {a.put.replace("@K0@", "k1").replace("@S@", "sn")}
@@ -300,12 +317,7 @@ def render_mma(g: Gemm, name: str) -> str:
     }}
 """
     commit = 'asm volatile("cp.async.commit_group;" ::: "memory");'
-    first = []  # the first slices into stages 0.., a commit group each (empty past K: the count of groups stays)
-    for p in range(MMA_STAGES - 1):
-        copies = "\n  ".join(x for x in (a.fetch, a.put, b.fetch, b.put) if x)
-        if p * MMA_BK < g.k:
-            first.append(f"{{ const int k1 = {p * MMA_BK};\n  {copies.replace('@K0@', 'k1').replace('@S@', str(p))} }}")
-        first.append(commit)
+    first = _first_slices(g, a, b, commit)
     # two blocks of 8 warps per multiprocessor (128 registers a thread) where both operands are copied by cp.async;
     # element loads stage a slice in registers, which 128 would spill
     two = ", 2" if threads == 256 and a.async_copy and b.async_copy else ""
