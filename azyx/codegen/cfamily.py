@@ -212,11 +212,10 @@ class _Renderer(Emitter):
             if dl.max_groups:  # a folded grid's groups past the last point (whole groups: before any barrier)
                 self.emit(f"if (gid >= {k.global_size}) return;")
         elif vectorized(k, dl):  # `vw` points per work item, vector loads and stores
-            self.vector_body(order)
+            self.vector_body(order, along_loop(k, order), self.vw)
             return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
         elif dl.global_ids and n:  # one work item per point of the global loops
-            self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
-            self.emit(f"if (gid >= {k.global_size}) return;")
+            self.point_index(k.global_size)
         for lvl in range(n + 1):
             items = [v for v in order if place[id(v)] == lvl]
             if lvl < n:
@@ -272,8 +271,7 @@ class _Renderer(Emitter):
         (idx, value), = k.stores
         store = dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};")
         if dl.global_ids:
-            self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
-            self.emit(f"if (gid >= {k.global_size}) return;")
+            self.point_index(k.global_size)
             self.emit(f"{it} {outer.name} = gid/{inner.vmax + 1}, {inner.name} = gid%{inner.vmax + 1};")
         else:
             self.loop(outer, shared=shared == 0)
@@ -370,23 +368,19 @@ class _Renderer(Emitter):
             return dl.vector_store.format(n=self.vw, ptr=self.vec_ptr(p, idx, False), val=val)
         return f"(({dl.buffer_qual}{dl.vector.format(n=self.vw)}*)d{p})[{idx}] = {val};"
 
-    def vector_body(self, order: list[V]) -> None:
-        """A plain elementwise float32 kernel over one loop (see `vectorized`), `vw` points per work item: each
-        operand read along the loop is one vector load, each output one vector store, and the body is computed
-        for each of the lanes (other loads, broadcast ones, stay per lane)."""
-        k, dl, it, w = self.k, self.dl, self.it, self.vw
-        vec = dl.vector.format(n=w)
-        g = k.gvars[0]
-        self.emit(f"{it} gid = {self.cast(it, dl.global_ids)};")
-        self.emit(f"if (gid >= {k.global_size // w}) return;")
-        along = along_loop(k, order)
-        for p in sorted(along):
-            self.emit(f"{vec} l{p} = {self.vec_load(p, 'gid')};")
-        for i in range(len(k.stores)):
-            self.emit(f"{vec} s{i};")
-        self.lanes(order, along, g, w)
-        for i in range(len(k.stores)):
-            self.emit(self.vec_store(i, "gid", f"s{i}"))
+    def point_index(self, n: int) -> None:
+        it = self.it
+        self.emit(f"{it} gid = {self.cast(it, self.dl.global_ids)};")
+        self.emit(f"if (gid >= {n}) return;")
+
+    def vector_let(self, p: int) -> str:
+        return f"{self.dl.vector.format(n=self.vw)} l{p} = {self.vec_load(p, 'gid')};"
+
+    def vector_var(self, i: int) -> str:
+        return f"{self.dl.vector.format(n=self.vw)} s{i};"
+
+    def vector_store(self, i: int) -> str:
+        return self.vec_store(i, "gid", f"s{i}")
 
     def collect(self, roots: list[V], place: dict[int, object], body_of: V | None) -> list[V]:
         """Nodes of one block: those placed in it, plus per-block ("U") nodes it needs, in topological order."""

@@ -62,6 +62,22 @@ class Emitter:
     def index_stmt(self, v: V) -> None:
         raise NotImplementedError
 
+    def point_index(self, n: int) -> None:
+        """Declare `gid`, the work item's point of `n`, and return from items past the last."""
+        raise NotImplementedError
+
+    def vector_let(self, p: int) -> str:
+        """The statement reading parameter `p`'s vector at `gid` into `l{p}`."""
+        raise NotImplementedError
+
+    def vector_var(self, i: int) -> str:
+        """The declaration of output `i`'s vector `s{i}`."""
+        raise NotImplementedError
+
+    def vector_store(self, i: int) -> str:
+        """The statement storing `s{i}` as output `i`'s vector at `gid`."""
+        raise NotImplementedError
+
     def ref(self, v: V) -> str:
         if v.op == "const":
             return self.literal(v)
@@ -95,6 +111,20 @@ class Emitter:
             n = rv.vmax + 1
             self.emit(self.index_decl(rv.name, self.unflat(flat, inner, n, rv is rvars[0])))
             inner *= n
+
+    def vector_body(self, order: list[V], along: set[int], w: int) -> None:
+        """A plain elementwise float32 kernel over one loop (launch.vectorized), `w` points per work item: each
+        parameter `along` the loop read as one vector, each output stored as one, the body computed per lane (other
+        loads, broadcast ones, stay per lane)."""
+        k = self.k
+        self.point_index(k.global_size // w)
+        for p in sorted(along - set(range(len(k.stores)))):
+            self.emit(self.vector_let(p))
+        for i in range(len(k.stores)):
+            self.emit(self.vector_var(i))
+        self.lanes(order, along, k.gvars[0], w)
+        for i in range(len(k.stores)):
+            self.emit(self.vector_store(i))
 
     def lanes(self, order: list[V], along: set[int], g: Var, w: int) -> None:
         """The body of a vectorised elementwise kernel once per lane of its `w`-wide vectors: the lane's point of loop

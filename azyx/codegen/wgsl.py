@@ -184,15 +184,14 @@ class _Renderer(WgslValues):
             self.scatter_body(order)
             return self.entry()
         if self.vec_params:
-            self.vector_body(order)
+            self.vector_body(order, self.vec_params, self.vw)
             return self.entry()
         n = max(k.global_size, 1)
         if self.group:  # a work group per output point; no early return before the barriers but whole groups'
             self.emit("let gid = i32(wg.x + wg.y * nwg.x);")
             self.emit(f"if (gid >= {n}) {{ return; }}")
         else:
-            self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
-            self.emit(f"if (gid >= {n}) {{ return; }}")
+            self.point_index(n)
         stride = 1
         strides = []
         for g in reversed(k.gvars):
@@ -216,21 +215,18 @@ class _Renderer(WgslValues):
                 self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
         return self.entry()
 
-    def vector_body(self, order: list[V]) -> None:
-        """A plain elementwise float32 kernel over one loop (cstyle.vectorized), `vw` points per work item: each
-        operand read along the loop is one vector load, each output one vector store, and the body is computed per
-        lane (other loads, broadcast ones, stay scalar)."""
-        k, g, w = self.k, self.k.gvars[0], self.vw
+    def point_index(self, n: int) -> None:
         self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
-        self.emit(f"if (gid >= {k.global_size // w}) {{ return; }}")
-        loaded = sorted(self.vec_params - set(range(len(k.stores))))
-        for p in loaded:
-            self.emit(f"let l{p} = d{p}[gid];")
-        for i in range(len(k.stores)):
-            self.emit(f"var s{i}: vec{w}<f32>;")
-        self.lanes(order, self.vec_params, g, w)
-        for i in range(len(k.stores)):
-            self.emit(f"d{i}[gid] = s{i};")
+        self.emit(f"if (gid >= {n}) {{ return; }}")
+
+    def vector_let(self, p: int) -> str:
+        return f"let l{p} = d{p}[gid];"
+
+    def vector_var(self, i: int) -> str:
+        return f"var s{i}: vec{self.vw}<f32>;"
+
+    def vector_store(self, i: int) -> str:
+        return f"d{i}[gid] = s{i};"
 
     def scatter_body(self, order: list[V]) -> None:
         """A scatter-add (Kernel.scatter), as cstyle's: each point of the global loops (outer, inner: the axes before
@@ -243,8 +239,7 @@ class _Renderer(WgslValues):
         if self.types[0].pack != 1 or self.chunks[0][0] != 1:
             raise DTypeError(f"{self.device}: a scatter-add into {k.params[0].name} (a packed or split binding) is not "
                              "supported by the WGSL renderer")
-        self.emit(f"let gid = i32(gi.x + gi.y * nwg.x * {self.work_group()}u);")
-        self.emit(f"if (gid >= {max(k.global_size, 1)}) {{ return; }}")
+        self.point_index(max(k.global_size, 1))
         self.emit(f"let {outer.name} = gid / {inner.vmax + 1}; let {inner.name} = gid % {inner.vmax + 1};")
         self.open(f"for (var {r.name} = 0; {r.name} < {r.vmax + 1}; {r.name}++)")
         self.emit(f"d0[{zero_idx.render()}] = {literal(0, k.params[0])};")
