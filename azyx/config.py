@@ -18,7 +18,7 @@ COMPILE_TIMEOUT_S = 120.0
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
-    # loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
+    # loop unswitching: generic tuning without unswitching costs nothing measurable (see also codegen.dialect.C).
     # An OpenMP loop body loses its pointers' `restrict`, so gcc vectorises it behind run-time overlap checks, 10 pairs
     # at most by default: a multi-output kernel (3 stores, 6 loads) needs more, or runs scalar (4x slower)
     "c": {"enabled": True, "devices": 1, "compiler": "gcc",

@@ -340,7 +340,7 @@ class Planner:
 
     def tiled_product(self, nid: int, device: str) -> bool:
         """Whether reduce `nid` is a matrix product of 16 rows or more, K 64 or more, of a dtype that the device's
-        product template takes (azyx.gemm: float32, float16/bfloat16 on tensor cores; azyx.gemm_host: all three): it
+        product template takes (gemm: float32, float16/bfloat16 on tensor cores; gemm_host: all three): it
         gets that kernel, a kernel of its own, rather than being fused into its consumer (a bias, an activation) as a
         generic reduce, which on an H100 ran a 128 x 768 x 3072 product 60x slower (a half product is then rounded to
         its dtype, as PyTorch's)."""
@@ -472,7 +472,7 @@ class Planner:
         return out, StridedView.contiguous(shape)
 
     def attention_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
-        """ATTENTION: one kernel of azyx.attention that reads q, k, v (and the mask) where they lie, where the device's
+        """ATTENTION: one kernel (templates.attention) reading q, k, v (and the mask) where they lie, where the device's
         dialect has it and the lengths fit; else its composed form (the node's last source where nn made one: see
         nn._fused_attention), planned as any graph, or the kernel on the node's own device."""
         n = self.graph[root]

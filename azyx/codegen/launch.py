@@ -76,7 +76,7 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
     if not reduces or any(r.src[0].has_reduce for r in reduces):
         return 0
-    if k.group >= 0:  # an optimisation action chose it (azyx.optimize); a size the dialect cannot tree-reduce: none
+    if k.group >= 0:  # an optimisation action chose it (search_actions); a size the dialect cannot tree-reduce: none
         return k.group if group_fits(k.group, dl) else 0
     longest = max(reduces, key=lambda r: _numel(r.arg[1]))
     if _numel(longest.arg[1]) < size:

@@ -229,7 +229,7 @@ class _Renderer(WgslValues):
         return f"d{i}[gid] = s{i};"
 
     def scatter_body(self, order: list[V]) -> None:
-        """A scatter-add (Kernel.scatter), as cstyle's: each point of the global loops (outer, inner: the axes before
+        """A scatter-add (Kernel.scatter), as cfamily's: each point of the global loops (outer, inner: the axes before
         and after the scattered one) owns the output's elements along the scattered axis at its coordinates, zeroes
         them, then adds its values in order at the rows its index reads (no two points write one element)."""
         k = self.k

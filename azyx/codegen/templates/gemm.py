@@ -9,7 +9,7 @@ TM x TN register tile (on CUDA a warp owns a sub-tile of the block's, SimtTile).
 operand's contiguous axis allows it. Anything else renders through the generic C-family path.
 
 The block tile is a heuristic's (`Gemm.tile`, variant 0); the kernel search tries the other rows of the target's table
-(`tile_variants`: CUDA's SimtTiles, the tensor-core tiles, Vulkan's tiles), which optimize.BLOCK selects through
+(`tile_variants`: CUDA's SimtTiles, the tensor-core tiles, Vulkan's tiles), which search_actions.BLOCK selects through
 `Kernel.variant` (v: row v - 1), as it selects the host template's block sizes.
 """
 
@@ -245,7 +245,7 @@ def tile_variants(g: Gemm) -> int:
 
 def tile_config(g: Gemm) -> tuple[object, ...]:
     """What `g`'s kernel's shape depends on (its tile, the float32 kernel's SimtTile, K's split; a tensor-core product
-    of variant 0 may take azyx.gemm_sm90's kernel instead): variants of one configuration render the same kernel."""
+    of variant 0 may take gemm_sm90's kernel instead): variants of one configuration render the same kernel."""
     return (g.tile, g.simt if g.target == WARP_TILES and not g.mma else None, g.split, g.mma and not g.variant)
 
 

@@ -10,7 +10,7 @@ from azyx.codegen.templates.gemm import BK, THREADS, Gemm, slot_heads
 
 
 def render_glsl(g: Gemm, name: str, prelude: str, max_groups: int) -> str | None:
-    """The tiled product as a Vulkan compute shader (the shader interface of `cstyle.glsl_interface`: buffers by
+    """The tiled product as a Vulkan compute shader (the shader interface of `cfamily.glsl_interface`: buffers by
     device address from the words buffer, C first). Shared memory holds 4-float vectors, so a thread reads its
     register tile's operands 16 bytes at a time (a thread's columns of B and C interleave with its neighbours', so
     16 threads read 16 consecutive vectors: no bank conflicts, and C is written in whole lines); global loads are

@@ -1,7 +1,7 @@
 """The matrix product for host dialects (C): a packed, cache-blocked kernel in the GotoBLAS/BLIS scheme.
 
 `gemm.match(k, BLOCKED)` recognises the product (any strides, batched); `render_c` fills the kernel. C is cut in blocks
-of MC rows x NC columns; the shared loop (cstyle SHARED: the C backend's threads take parts of it) runs over those
+of MC rows x NC columns; the shared loop (launch.SHARED: the C backend's threads take parts of it) runs over those
 blocks, batch outermost, then column panels, row blocks innermost, so that one call's consecutive blocks share their
 panel of B. For each slice of KC along K, a call packs the KC x NC panel of B it works on (zero-padded to whole
 NR-column strips, each strip KC rows of NR contiguous floats) into thread-local scratch, then for each of its row
@@ -19,7 +19,7 @@ a broadcast pair of A with NR pairs of B per `_mm512_dpbf16_ps`, accumulating in
 exact in float32; vdpbf16ps treats denormal inputs and results as zero). Elsewhere, and for float16, the widening path.
 
 Block sizes are data (`HOST_BLOCKS`, per vector register width, and `DOT_BLOCKS`), the first of each the default; the
-kernel search tries the others (optimize.BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and
+kernel search tries the others (BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and
 column blocks, enough of them for every thread to have a few.
 """
 

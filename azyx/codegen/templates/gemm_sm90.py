@@ -1,6 +1,6 @@
 """The float16/bfloat16 matrix product on Hopper (compute capability 9.0, code for sm_90a): `wgmma.mma_async` fed by
 the tensor memory accelerator (TMA), for the products of `gemm.match` whose shapes and strides fit; others take
-`gemm.render_mma`.
+`gemm_cuda.render_mma`.
 
 A persistent grid of one block per multiprocessor walks C's 128 x BN tiles (BN 256, or 128 where 256 would leave
 multiprocessors idle) in groups of block-rows, so that the tiles in flight share their rows of A and columns of B in L2.
@@ -14,7 +14,7 @@ are kernel parameters, encoded at launch from the buffers' addresses.
 
 Measured on an H200 beside torch.matmul (cuBLAS) in the same dtype, bf16 and f16, A @ B and x @ W.T: the kernel alone
 0.88-1.25x at 4096^3 and 8192^3; through azyx (8 products in flight, host work included) 0.80-0.86x at 4096^3 and
-0.98-1.01x at 8192^3, where the mma.sync kernel of gemm.render_mma made 0.37-0.45x.
+0.98-1.01x at 8192^3, where the mma.sync kernel of gemm_cuda.render_mma made 0.37-0.45x.
 """
 
 from __future__ import annotations
