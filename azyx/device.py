@@ -14,10 +14,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from azyx import debug, optimize
+from azyx import debug
 from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.codegen import search_actions as optimize
+from azyx.codegen.dialect import Dialect
+from azyx.codegen.kernel import render_kernel
+from azyx.codegen.launch import Launch
+from azyx.codegen.render import kernel_source
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
-from azyx.cstyle import Dialect, kernel_source
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
     AllocationError,
@@ -30,7 +34,6 @@ from azyx.errors import (
 )
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import CHECK_WORDS, Kernel, index_sites
-from azyx.launch import Launch, render_kernel
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread, in_worker_thread_within, lower_priority
@@ -204,7 +207,6 @@ class Device:
     reserve_min = 0
     listed = True  # a compute device that azyx.devices() lists
     unlisted_compute = False  # a compute device that azyx.devices() does not list (the dummy: it plans, holds no data)
-    block_search = False  # a search may try the block sizes of its dialect's product template (GPU-style dialects)
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
@@ -394,14 +396,14 @@ class Device:
         assert self.dialect is not None
         return render_kernel(k, self.dialect, self.threads)
 
-    # kernel search: which actions (azyx.optimize) this device's renderer understands, and the winners found on it
+    # kernel search: which actions (search_actions) this device's renderer understands, and the winners found on it
     @property
     def search_actions(self) -> frozenset[str]:
         """The actions a search may try here: the C-family renderer's register tiles and reduce unrolls everywhere,
         work-group sizes where kernels run one work item per point (GPU-style dialects), vector widths where the
-        dialect has vector types, block sizes where a dialect has a product template with a table of them (the host's;
-        on a GPU-style dialect where the device says `block_search`: CUDA's and Vulkan's tiles, not OpenCL's CPU
-        template); none without a dialect. (Split reductions' parts,
+        dialect has vector types, block sizes where a dialect has a product template with a table of them
+        (`Dialect.block_search`: the host's, CUDA's and Vulkan's tiles, not OpenCL's CPU template); none without a
+        dialect. (Split reductions' parts,
         optimize.SPLIT, are searched by azyx.tune wherever the planner splits.)"""
         dl = self.dialect
         if dl is None:
@@ -410,7 +412,7 @@ class Device:
         if not dl.global_ids:
             return tiles | {optimize.BLOCK} if dl.gemm else tiles  # (BLOCK: the host product's block sizes)
         vector = {optimize.VECTOR} if dl.vector else set()
-        block = {optimize.BLOCK} if dl.gemm and self.block_search else set()
+        block = {optimize.BLOCK} if dl.block_search else set()
         return tiles | {optimize.LOCAL, optimize.GROUP} | vector | block
 
     def identity(self) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Op(IntEnum):
     # mask) v over the last two axes, q (..., L, E), k (..., S, E), v (..., S, Ev) and the mask (..., L, S) expanded to
     # the output's batch axes; scale is a 0-d CONST (a runtime scalar). `composed`, where there is one, is the same
     # value built from ordinary ops: what a device without an attention kernel computes instead, and what autograd
-    # differentiates (azyx.nn.scaled_dot_product_attention makes it; azyx.attention renders the fused kernel)
+    # differentiates (azyx.nn.scaled_dot_product_attention makes it; templates.attention renders the fused kernel)
     ATTENTION = 16
 
 

@@ -100,7 +100,7 @@ class ValueBuilder:
 
 @dataclass(frozen=True)
 class Attention:
-    """An attention kernel's shape, which azyx.attention renders whole: for each point of the batch axes,
+    """An attention kernel's shape, which codegen.templates.attention renders whole: for each point of the batch axes,
     out (L, Ev) = softmax(q (L, E) @ k (S, E)^T * scale + mask (L, S)) @ v (S, Ev), the output contiguous. Each operand
     is read where it lies: its element offset, then its strides along the batch axes (0 where broadcast), then along
     its two axes. Parameters: the output, q, k, v, then the mask where there is one."""
@@ -170,10 +170,10 @@ class Kernel:
     work: int = 0  # iterations of the innermost loops, for launch decisions
     # a scatter-add (its one store adds into the output at an index read from memory): (j, r, zero index). Each
     # point of the global loops zeroes the output at the zero index for every r, then, for j in order, adds its
-    # value at the store's index; the points own disjoint elements (see cstyle's scatter_body)
+    # value at the store's index; the points own disjoint elements (see codegen.cfamily's scatter_body)
     scatter: tuple[Var, Var, Lin] | None = None
     inplace: bool = False  # it writes part of its output, whose other elements it leaves as they are (an ASSIGN)
-    # schedule choices that optimisation actions set (azyx.optimize.apply); renderers read them as facts
+    # schedule choices that optimisation actions set (codegen.search_actions.apply); renderers read them as facts
     local: int = 0  # GPU-style, one work item per point: work items per group (0: the dialect's `block`)
     group: int = -1  # work items that reduce each output point together (0: one item per point, -1: the dialect's)
     variant: int = 0  # a template's variant: a matrix product's block sizes (gemm_host.HOST_BLOCKS; GPU: gemm tiles)
@@ -184,7 +184,7 @@ class Kernel:
     # (site + 1, the value's low and high 32 bits, the axis size), which the run's record reads when its work is done
     check: int = -1
     base: Kernel | None = field(default=None, repr=False, compare=False)  # the kernel before the actions
-    opts: tuple = ()  # the actions (optimize.Opt) that made it from `base`
+    opts: tuple = ()  # the actions (search_actions.Opt) that made it from `base`
 
     def writes(self, i: int) -> bool:
         """Whether the kernel writes parameter `i` (an output, or its check words)."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from azyx.codegen.launch import Launch
 from azyx.dtypes import DType
 from azyx.ir import Kernel, V, ValueBuilder, has_index, toposort
-from azyx.launch import Launch
 from azyx.plan import KernelStep, Step, TransferStep
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, lin_vars, var
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from azyx import attention
+from azyx.codegen.templates import attention
 from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
@@ -431,7 +431,7 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     to the scores; `causal`: query i attends to keys 0..i. `scale` defaults to 1/sqrt(E) and is a runtime value (a
     new scale compiles nothing). A query row with every key masked out gives NaN, as PyTorch's math kernel.
 
-    One kernel where the device has one (azyx.attention: C, CUDA), which never holds the (L, S) scores whole; float16
+    One kernel where the device has one (codegen.templates: C, CUDA), which never holds the (L, S) scores whole; float16
     and bfloat16 are computed in float32 there and rounded once. Elsewhere the composed ops run."""
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ShapeError(f"attention needs at least 2-D q, k, v, got {q.shape}, {k.shape}, {v.shape}")
@@ -452,7 +452,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causa
                      ) -> Tensor:
     """One ATTENTION node over q, k, v (and the mask) expanded to the output's batch axes, where one kernel can
     compute it (float32/float16/bfloat16 of one dtype, on one device; a bool or float mask of no other dtype): the
-    scheduler renders it as a kernel where the device's dialect has one (azyx.attention), else plans its composed
+    scheduler renders it as a kernel where the device's dialect has one (templates.attention), else plans its composed
     form, its last source. The composed form (the ops of `_attention_weights` and a product) is built only where it
     may be needed: a tape records (autograd differentiates it), or the tensors' device has no kernel for these lengths
     (building it costs ~0.2 ms, more than the kernel of a short sequence). Anything else is the composed form alone."""

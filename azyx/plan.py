@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from azyx.codegen.launch import Launch
+from azyx.codegen.search_actions import SplitSite
 from azyx.dtypes import DType, scalar_packer
 from azyx.graph import StridedView
 from azyx.ir import Kernel, scalar_args
-from azyx.launch import Launch
-from azyx.optimize import SplitSite
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ import numpy as np
 import sniffio
 
 from azyx import config as _config
-from azyx import debug, optimize, search, workers
+from azyx import debug, search, workers
 from azyx.backends import BACKENDS, Probe, probe
 from azyx.backends.disk import DiskDevice
 from azyx.backends.host import HostMemory
+from azyx.codegen import search_actions as optimize
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
 from azyx.executor import UnifiedExecutor

@@ -25,11 +25,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from azyx import attention, debug, gemm_host, optimize
-from azyx.cstyle import Dialect
+from azyx import debug
+from azyx.codegen import search_actions
+from azyx.codegen.dialect import ITEM_TILES, Dialect
+from azyx.codegen.kernel import product_of
+from azyx.codegen.launch import Launch
+from azyx.codegen.templates import attention, gemm_host
+from azyx.codegen.templates.gemm import product_dtypes
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
-from azyx.gemm import product_dtypes
 from azyx.graph import (
     ELEMENTWISE,
     MOVEMENT,
@@ -44,7 +48,6 @@ from azyx.graph import (
     view_through,
 )
 from azyx.ir import CHECK_WORDS, Attention, Kernel, V, ValueBuilder, format_kernel, index_sites, scalar_args, toposort
-from azyx.launch import Launch, product_of, product_target
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
 from azyx.plan import ExecutionPlan, KernelStep, Slot, Step, TransferStep
@@ -80,7 +83,7 @@ class DeviceFacts(Protocol):
     def free_memory(self) -> int: ...
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
-    def split_choice(self, site: optimize.SplitSite) -> int | None: ...
+    def split_choice(self, site: search_actions.SplitSite) -> int | None: ...
 
 
 class Devices(Protocol):
@@ -118,7 +121,7 @@ class Planner:
         self.rt, self.graph, self.walk, self.targets = rt, graph, walk, set(targets)
         self.override = override
         self.forced_splits = splits or {}  # split key -> parts, for the split search's timing plans (azyx.tune)
-        self.split_sites: dict[tuple[str, str], tuple[str, optimize.SplitSite]] = {}  # (device, key) -> the site
+        self.split_sites: dict[tuple[str, str], tuple[str, search_actions.SplitSite]] = {}  # (device, key) -> the site
         self.slots: list[Slot] = []
         self.steps: list[Step] = []
         self.done: dict[int, tuple[int, StridedView]] = {}
@@ -300,16 +303,16 @@ class Planner:
             if not dialect.split_columns or r < COLUMN_REDUCE or nid in self.temp_nodes \
                     or not self.reads_along_outputs(nid):  # (a split's own stages are never split again)
                 return None
-            kind, parts = optimize.COLUMNS, self.column_parts(nid, r)
+            kind, parts = search_actions.COLUMNS, self.column_parts(nid, r)
         else:
             if r < SPLIT_MIN_REDUCE:
                 return None
             per_part = 4 * dialect.group_size if dialect.group_size else 64  # a grouped part: 4 elements per item
-            kind, parts = optimize.ROWS, next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1)
+            kind, parts = search_actions.ROWS, next((d for d in range(min(SPLIT_PARTS, r // per_part), 15, -1)
                                                if r % d == 0), None)
         if nid in self.temp_nodes:  # a split's own stage: the heuristic's (never searched)
             return parts
-        site = optimize.SplitSite(kind, n.arg[0], n.dtype.name, outputs, r, parts or 0)
+        site = search_actions.SplitSite(kind, n.arg[0], n.dtype.name, outputs, r, parts or 0)
         self.split_sites[(device, site.key)] = (device, site)
         chosen = self.forced_splits.get(site.key)
         if chosen is None:
@@ -362,7 +365,7 @@ class Planner:
 
     def tiled_product(self, nid: int, device: str) -> bool:
         """Whether reduce `nid` is a matrix product of 16 rows or more, K 64 or more, of a dtype that the device's
-        product template takes (azyx.gemm: float32, float16/bfloat16 on tensor cores; azyx.gemm_host: all three): it
+        product template takes (gemm: float32, float16/bfloat16 on tensor cores; gemm_host: all three): it
         gets that kernel, a kernel of its own, rather than being fused into its consumer (a bias, an activation) as a
         generic reduce, which on an H100 ran a 128 x 768 x 3072 product 60x slower (a half product is then rounded to
         its dtype, as PyTorch's)."""
@@ -370,7 +373,7 @@ class Planner:
         n = self.graph[nid]
         if dl is None or not dl.gemm or n.arg[0] != "sum" or len(n.arg[1]) != 1:
             return False
-        if n.dtype not in product_dtypes(product_target(dl), dl.tensor_cores):
+        if n.dtype not in product_dtypes(dl.products, dl.tensor_cores):
             return False
         src = self.graph[n.src[0]]
         axis = n.arg[1][0]
@@ -462,8 +465,8 @@ class Planner:
             tile = None if tile == "retry" else tile
         k = best.kernel
         if tile is not None and k.stores[0][1].has_reduce:  # the heuristic's tile, as actions on the IR
-            if optimize.searchable(k):
-                k = optimize.apply(k, optimize.heuristic(tile, len(k.gvars)))
+            if search_actions.searchable(k):
+                k = search_actions.apply(k, search_actions.heuristic(tile, len(k.gvars)))
             else:  # (a gather's address in it: the actions do not rewrite those; built tiled instead, never searched)
                 tiled = self.attempt(root, device, groups, tile)
                 if tiled.kernel.stores[0][1].has_reduce:
@@ -494,7 +497,7 @@ class Planner:
         return out, StridedView.contiguous(shape)
 
     def attention_kernel(self, root: int, device: str) -> tuple[int, StridedView]:
-        """ATTENTION: one kernel of azyx.attention that reads q, k, v (and the mask) where they lie, where the device's
+        """ATTENTION: one kernel (templates.attention) reading q, k, v (and the mask) where they lie, where the device's
         dialect has it and the lengths fit; else its composed form (the node's last source where nn made one: see
         nn._fused_attention), planned as any graph, or the kernel on the node's own device."""
         n = self.graph[root]
@@ -662,7 +665,7 @@ class Planner:
         ta = next((t for t in (TILE[0], 4, 2) if a % t == 0), None)
         tb = next((t for t in (TILE[1], 16, 8) if b % t == 0), None)
         # (OpenCL on a CPU: its product template takes any sizes once the right operand is contiguous)
-        template = dev.dialect is not None and dev.dialect.gemm and product_target(dev.dialect) == "cl"
+        template = dev.dialect is not None and dev.dialect.gemm and dev.dialect.products == ITEM_TILES
         if (ta is None or tb is None) and not template:
             return None
         gi, gj = k.gvars[-2], k.gvars[-1]
@@ -949,7 +952,7 @@ def _unflatten(flat: Lin, shape: Shape) -> list[Lin]:
 def make_plan(rt: Devices, graph: Graph, walk: Walk, targets: list[int], splits: dict[str, int] | None = None
               ) -> ExecutionPlan:
     """The plan of `targets`; `splits`: parts (0: none) to split the reductions of these keys into
-    (optimize.SplitSite.key), whatever the heuristics or the winner cache say (the split search's timing plans)."""
+    (search_actions.SplitSite.key), whatever the heuristics or the winner cache say (the split search's timings)."""
     with _deep_recursion(8 * len(walk.topo) + 1000):  # kernel building recurses along the graph's depth
         return _make_plan(rt, graph, walk, targets, splits)
 

@@ -1,13 +1,13 @@
 """Kernel search: each kernel's schedule tried on the device it runs on, the winner cached on disk.
 
-For a kernel with no entry in its device's winner cache (optimize.WinnerCache), `search_step` (a worker thread:
-never the event loop) makes the candidates (optimize.candidates: action lists the device's renderer understands),
+For a kernel with no entry in its device's winner cache (search_actions.WinnerCache), `search_step` (a worker thread:
+never the event loop) makes the candidates (search_actions.candidates: action lists the device's renderer understands),
 compiles them on worker threads, and times each on scratch buffers of the kernel's real sizes filled with random
 inputs. The heuristic kernel runs first; a candidate's output must match its output (within float reassociation)
 before the candidate can win, and it must beat it by `MARGIN`. The winner (the heuristic's own actions where nothing
 beats them) goes to the disk cache, so a later process renders it at once and searches nothing.
 
-`search_split` does the same for a plan's action, the parts of a split reduction (optimize.SPLIT): it times whole
+`search_split` does the same for a plan's action, the parts of a split reduction (search_actions.SPLIT): it times whole
 plans (both stages) of one reduction split each way, which azyx.tune builds, and caches the winner under the
 reduction's `SplitSite.key`. With AZYX_DEBUG's search channel each candidate's time (or why it was rejected) is printed.
 """
@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from azyx import debug, optimize
+from azyx import debug
+from azyx.codegen import search_actions
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
 from azyx.errors import AzyxError
@@ -39,9 +40,9 @@ searches = 0  # kernels searched (not found in a cache) by this process, for tes
 @dataclass(frozen=True)
 class SearchResult:
     device: str
-    key: str  # optimize.kernel_key of the kernel's base
-    winner: optimize.Opts
-    heuristic: optimize.Opts
+    key: str  # search_actions.kernel_key of the kernel's base
+    winner: search_actions.Opts
+    heuristic: search_actions.Opts
     heuristic_s: float  # seconds per run (0 for a cache hit)
     winner_s: float
     tried: int  # candidates timed
@@ -64,9 +65,9 @@ def search_step(dev: Device, step: KernelStep, nbytes: list[int], level: str, bu
     worker thread). None for a kernel no action applies to. Concurrent searches of one kernel search it once."""
     global searches
     base = step.kernel.base or step.kernel
-    if not dev.search_actions or not optimize.searchable(base):
+    if not dev.search_actions or not search_actions.searchable(base):
         return None
-    key = optimize.kernel_key(base)
+    key = search_actions.kernel_key(base)
     cache = dev.winner_cache()
     with _lock(dev, key):
         got = cache.get(key)
@@ -87,7 +88,7 @@ def search_step(dev: Device, step: KernelStep, nbytes: list[int], level: str, bu
 def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[int], level: str, budget_s: float,
             t0: float) -> SearchResult:
     heur = step.kernel.opts
-    cands = [c for c in optimize.candidates(base, dev.dialect, dev.search_actions, level, heur) if c != heur]
+    cands = [c for c in search_actions.candidates(base, dev.dialect, dev.search_actions, level, heur) if c != heur]
     bufs = [dev.alloc(max(n, 1)) for n in nbytes]
     rng = np.random.default_rng(0)
     for i, (buf, n) in enumerate(zip(bufs, nbytes)):
@@ -99,7 +100,8 @@ def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[
     ref_t = _time(dev, step, bufs, words, level)
     ref = _outputs(dev, base, bufs, nbytes)
     best_t, tried, rejected = ref_t, 1, 0
-    timed: list[tuple[float, optimize.Opts, KernelStep]] = []  # (time, actions, step) of each candidate that ran right
+    # (time, actions, step) of each candidate that ran right
+    timed: list[tuple[float, search_actions.Opts, KernelStep]] = []
     seen = {(step.name, step.launch)}  # kernels timed (actions a renderer ignores make one timed already: not again)
     debug.log(debug.SEARCH, lambda: f"{dev.name}: kernel {key}: heuristic {list(heur)} {ref_t * 1e6:.0f} us; "
                                     f"{len(cands)} candidates")
@@ -117,7 +119,7 @@ def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[
                 seen.add((cand.name, cand.launch))
                 t = _time(dev, cand, bufs, words, level, best_t)
                 got = _outputs(dev, base, bufs, nbytes)
-            except (AzyxError, optimize.OptError, AssertionError) as e:
+            except (AzyxError, search_actions.OptError, AssertionError) as e:
                 rejected += 1
                 debug.log(debug.SEARCH, f"{dev.name}:   {list(opts)} failed: {str(e).splitlines()[0]}")
                 continue
@@ -148,9 +150,9 @@ def _search(dev: Device, step: KernelStep, base: Kernel, key: str, nbytes: list[
                         False)
 
 
-def _build(dev: Device, step: KernelStep, base: Kernel, opts: optimize.Opts) -> KernelStep:
+def _build(dev: Device, step: KernelStep, base: Kernel, opts: search_actions.Opts) -> KernelStep:
     """The candidate's step, compiled and loaded on `dev` (a worker thread)."""
-    cand = retuned(dev, step, optimize.apply(base, opts))
+    cand = retuned(dev, step, search_actions.apply(base, opts))
     if not dev.has_program(cand.name):
         dev.programs.update(dev.build(dev.source([cand]), [cand]))
     return cand
@@ -234,14 +236,14 @@ def _close(got: np.ndarray, ref: np.ndarray, d: DType) -> bool:
     return bool(np.allclose(a, b, rtol=tol, atol=tol * max(scale, 1e-30), equal_nan=True))
 
 
-def search_split(dev: Device, site: optimize.SplitSite, plans: list[tuple[int, ExecutionPlan]], level: str,
+def search_split(dev: Device, site: search_actions.SplitSite, plans: list[tuple[int, ExecutionPlan]], level: str,
                  budget_s: float) -> SearchResult:
     """Time the plans of one reduction split into each number of parts (`plans`: (parts, plan), the heuristic's
     first; 0 parts: not split) on `dev`, and cache the fastest whose result matches the heuristic's and that beats it
     by `MARGIN` (else the heuristic's) under `site.key`, or find it in the cache (blocking: call on a worker thread)."""
     global searches
     cache = dev.winner_cache()
-    heur = (optimize.Opt(optimize.SPLIT, 0, plans[0][0]),)
+    heur = (search_actions.Opt(search_actions.SPLIT, 0, plans[0][0]),)
     with _lock(dev, site.key):
         got = cache.get(site.key)
         if got is not None:
@@ -278,7 +280,8 @@ def search_split(dev: Device, site: optimize.SplitSite, plans: list[tuple[int, E
                     times[p] = min(times[p], _time_plan(dev, by_parts[p], level)[0])
         if times[best] >= MARGIN * times[plans[0][0]]:
             best = plans[0][0]
-        result = SearchResult(dev.name, site.key, (optimize.Opt(optimize.SPLIT, 0, best),), heur, times[plans[0][0]],
+        best_opts = (search_actions.Opt(search_actions.SPLIT, 0, best),)
+        result = SearchResult(dev.name, site.key, best_opts, heur, times[plans[0][0]],
                               times[best], tried, rejected, time.perf_counter() - t0, False)
         cache.put(site.key, result.winner, {"speedup": round(result.speedup, 3), "search_s": round(result.seconds, 3),
                                             "level": level})

@@ -3,17 +3,17 @@ ahead of serving) and cache the winners on disk, so that realizing the graph, he
 without searching.
 
 Reductions the planner splits in two stages (or could: schedule.Planner.split_parts) are searched first, by their
-parts (optimize.SPLIT): for each such reduction without a cached winner, plans of a plain reduction of its sizes (its
-op and dtype over a contiguous tensor: `ROWS` kind as (outputs, r) reduced along its rows, `COLUMNS` as (r, outputs)
-along its columns) are made with each number of parts (optimize.split_candidates, and no split) and timed whole
-(search.search_split); the graph is then planned again with the winners, and its kernels searched.
+parts (search_actions.SPLIT): for each such reduction without a cached winner, plans of a plain reduction of its sizes
+(its op and dtype over a contiguous tensor: `ROWS` kind as (outputs, r) reduced along its rows, `COLUMNS` as
+(r, outputs) along its columns) are made with each number of parts (search_actions.split_candidates, and no split)
+and timed whole (search.search_split); the graph is then planned again with the winners, and its kernels searched.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from azyx import optimize
+from azyx.codegen import search_actions
 from azyx.config import SEARCH_LEVELS, SearchConfigError
 from azyx.graph import GraphCopy
 from azyx.plan import ExecutionPlan
@@ -69,22 +69,23 @@ async def _search_splits(plan: ExecutionPlan, level: str, budget_s: float) -> tu
         dev = RT.device(device)
         if not dev.search_actions:
             continue
-        heur = (optimize.Opt(optimize.SPLIT, 0, site.heuristic),)
+        heur = (search_actions.Opt(search_actions.SPLIT, 0, site.heuristic),)
         got = dev.winner_cache().get(site.key)
         if got is not None:
             results.append(SearchResult(dev.name, site.key, got, heur, 0.0, 0.0, 0, 0, 0.0, True))
             continue
-        plans = [(p, split_plan(site, device, p)) for p in [site.heuristic, *optimize.split_candidates(site, level)]]
+        parts = [site.heuristic, *search_actions.split_candidates(site, level)]
+        plans = [(p, split_plan(site, device, p)) for p in parts]
         r = await in_worker_thread(search_split, dev, site, plans, level, budget_s)
         results.append(r)
         replan |= r.winner != heur
     return results, replan
 
 
-def split_plan(site: optimize.SplitSite, device: str, parts: int) -> ExecutionPlan:
+def split_plan(site: search_actions.SplitSite, device: str, parts: int) -> ExecutionPlan:
     """The plan of a plain reduction of `site`'s sizes on `device` (a contiguous input of zeros: the search times it
     on random data), split into `parts` (0: none)."""
-    shape, axis = ((site.r, site.outputs), 0) if site.kind == optimize.COLUMNS else ((site.outputs, site.r), 1)
+    shape, axis = ((site.r, site.outputs), 0) if site.kind == search_actions.COLUMNS else ((site.outputs, site.r), 1)
     x = Tensor(np.zeros(shape, np.float32), dtype=site.dtype, device=device)
     t = getattr(x, site.op)(axis=axis)
     walk = canonicalize(GRAPH, [t.id])

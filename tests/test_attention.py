@@ -382,8 +382,9 @@ def test_the_tensor_core_kernel_tiles_and_compiles(dtype: str) -> None:
     an H100, else 16; the grid of 64-row blocks covers its blocks (numbered flat) either way; its two stages fit the
     48 KiB of shared memory; and it compiles (NVRTC, sm_90, where installed) with each mask kind, causal, odd lengths,
     E != Ev and both row counts."""
-    from azyx import attention
-    from azyx.cstyle import CUDA, kernel_source
+    from azyx.codegen.dialect import CUDA
+    from azyx.codegen.render import kernel_source
+    from azyx.codegen.templates import attention, attention_cuda
     from azyx.dtypes import dtypes
     from azyx.ir import Attention
 
@@ -392,19 +393,19 @@ def test_the_tensor_core_kernel_tiles_and_compiles(dtype: str) -> None:
         return Attention((b, h), lq, lk, e, ev, (0, h * lq * e, lq * e, e, 1), (0, h * lk * e, lk * e, e, 1),
                          (0, h * lk * ev, lk * ev, ev, 1), (0, 0, 0, lk, 1) if mask else None, mask == "bool", causal)
 
-    assert attention.mma_tiles(spec(8, 8, 1024, 1024, 64, 64)) == (32, 64)
-    assert attention.mma_tiles(spec(1, 8, 128, 128, 64, 64)) == (16, 64)  # (8 blocks of 128 rows: too few)
+    assert attention_cuda.mma_tiles(spec(8, 8, 1024, 1024, 64, 64)) == (32, 64)
+    assert attention_cuda.mma_tiles(spec(1, 8, 128, 128, 64, 64)) == (16, 64)  # (8 blocks of 128 rows: too few)
     half = getattr(dtypes, dtype)
     sources = []
     for a in (spec(8, 8, 1024, 1024, 64, 64, True), spec(8, 8, 1000, 77, 64, 64, mask="bool"),
               spec(1, 8, 129, 131, 64, 64, mask="float"), spec(64, 4, 100, 66, 32, 48, True),
               spec(2, 3, 129, 77, 64, 64)):
-        wm, bk = attention.mma_tiles(a)
+        wm, bk = attention_cuda.mma_tiles(a)
         grid = attention.cuda_grid(a)
-        assert attention.mma_units(a, wm) <= grid[0] * grid[1] * grid[2]
-        assert 2 * attention._mma_smem(a, wm, bk)[2] <= 48 << 10
+        assert attention_cuda.mma_units(a, wm) <= grid[0] * grid[1] * grid[2]
+        assert 2 * attention_cuda._mma_smem(a, wm, bk)[2] <= 48 << 10
         params = [half] * 4 + ([] if a.mask is None else [dtypes.bool if a.mask_bool else half])
-        sources.append(attention.render_mma(a, f"attention{len(sources)}", CUDA, params, "sc0"))
+        sources.append(attention_cuda.render_mma(a, f"attention{len(sources)}", CUDA, params, "sc0"))
     try:
         from cuda.bindings import nvrtc
 

@@ -14,7 +14,7 @@ import numpy as np
 
 import azyx
 from azyx import Tensor
-from azyx.cstyle import OWN_REGION, SERIAL, SHARED, parallel_kind
+from azyx.codegen.launch import OWN_REGION, SERIAL, SHARED, parallel_kind
 from azyx.runtime import GRAPH, RT
 from tests.compare import sample
 from tests.runtime_state import settle

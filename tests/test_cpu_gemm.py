@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 import azyx
-from azyx import Tensor, gemm, gemm_host, launch, optimize
+from azyx import Tensor
 from azyx.backends import c as c_backend
-from azyx.cstyle import SHARED
+from azyx.codegen import kernel, search_actions
+from azyx.codegen.dialect import BLOCKED
+from azyx.codegen.launch import SHARED
+from azyx.codegen.templates import gemm, gemm_host
 from azyx.plan import KernelStep
 from azyx.runtime import RT
 
@@ -90,9 +93,9 @@ def test_batched_products_and_broadcast_batch_axes() -> None:
     refs = [x @ y, x @ w.T, q @ kk.swapaxes(-1, -2), (q @ kk.swapaxes(-1, -2)) @ v]
     steps = products(*outs)
     assert len(steps) == 4
-    g = gemm.match(steps[2].kernel, "c")
+    g = gemm.match(steps[2].kernel, BLOCKED)
     assert g is not None and (g.batch, g.m, g.n, g.k) == (8, 48, 48, 32)
-    g = gemm.match(steps[1].kernel, "c")  # the weight shared by the batch: one product of its 3 x 40 rows
+    g = gemm.match(steps[1].kernel, BLOCKED)  # the weight shared by the batch: one product of its 3 x 40 rows
     assert g is not None and (g.batch, g.m, g.n, g.k) == (1, 120, 33, 70)
     for t, ref in zip(outs, refs):
         close(t.numpy_sync(), ref, 70)
@@ -107,7 +110,7 @@ def test_half_storage_computes_in_float32_and_rounds_once(dtype: str) -> None:
     ta, tw = (Tensor(x, device=DEV).cast(dtype) for x in (a, w))
     out = ta @ tw.T
     (step,) = products(out)
-    g = gemm.match(step.kernel, "c")
+    g = gemm.match(step.kernel, BLOCKED)
     assert g is not None and g.dtype == dtype and gemm_host.blocks(g).kc == k
     ra, rw = ta.cast("float32").numpy_sync(), tw.cast("float32").numpy_sync()
     got = out.cast("float32").numpy_sync()
@@ -183,15 +186,16 @@ def test_the_search_tries_block_sizes_and_each_gives_numpys_product(fresh_cache:
     (step,) = products(ta @ tw.T)
     base = step.kernel.base or step.kernel
     dev = RT.device(DEV)
-    cands = optimize.candidates(base, dev.dialect, dev.search_actions, "thorough")
-    assert cands == [(optimize.Opt(optimize.BLOCK, 0, v),) for v in range(1, gemm_host.variants(dev.dialect.simd))]
-    srcs = {dev.render_ir(optimize.apply(base, c))[1] for c in cands} | {step.src}
+    cands = search_actions.candidates(base, dev.dialect, dev.search_actions, "thorough")
+    block = search_actions.BLOCK
+    assert cands == [(search_actions.Opt(block, 0, v),) for v in range(1, gemm_host.variants(dev.dialect.simd))]
+    srcs = {dev.render_ir(search_actions.apply(base, c))[1] for c in cands} | {step.src}
     assert len(srcs) == len(cands) + 1 and all(TILE in s for s in srcs)
     (found,) = azyx.tune_sync(ta @ tw.T, level="quick")
     assert not found.cached and found.rejected == 0 and found.tried == len(cands) + 1
     RT.plan_cache.clear()  # (planned again: with the winner)
     (again,) = products(ta @ tw.T)
-    assert again.src == dev.render_ir(optimize.apply(base, found.winner))[1]
+    assert again.src == dev.render_ir(search_actions.apply(base, found.winner))[1]
     close((ta @ tw.T).numpy_sync(), a @ w.T, k)
 
 
@@ -379,7 +383,7 @@ def test_without_avx512_bf16_the_widening_path_is_rendered(monkeypatch: pytest.M
     (step,) = products(x @ w.T)
     base = step.kernel.base or step.kernel
     plain = dataclasses.replace(dev.dialect, bf16_dot=False)
-    _, src, _ = launch.render_kernel(base, plain, dev.threads)
+    _, src, _ = kernel.render_kernel(base, plain, dev.threads)
     assert DOT not in src and "immintrin" not in src and "bf2f(" in src and TILE in src
     with_dot = dev.identity()
     monkeypatch.setattr(dev, "dialect", plain)

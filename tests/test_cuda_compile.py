@@ -20,11 +20,17 @@ except Exception as e:  # pragma: no cover - depends on the environment
 from kernel_families import BINARY, UNARY  # noqa: E402
 
 import azyx  # noqa: E402
-from azyx import Tensor, gemm, gemm_sm90  # noqa: E402
+from azyx import Tensor  # noqa: E402
 from azyx.backends.cuda_driver import nvrtc_compile  # noqa: E402
-from azyx.cstyle import CUDA, group_size, kernel_source  # noqa: E402
+from azyx.codegen.dialect import CUDA, WARP_TILES  # noqa: E402
+from azyx.codegen.kernel import render_kernel  # noqa: E402
+from azyx.codegen.launch import group_size  # noqa: E402
+from azyx.codegen.render import kernel_source  # noqa: E402
+from azyx.codegen.templates import (
+    gemm,  # noqa: E402
+    gemm_sm90,  # noqa: E402
+)
 from azyx.errors import CompileError  # noqa: E402
-from azyx.launch import render_kernel  # noqa: E402
 from azyx.plan import KernelStep  # noqa: E402
 from azyx.runtime import RT  # noqa: E402
 
@@ -231,7 +237,7 @@ def roomy(cuda_planning: None, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def products(*targets: Tensor) -> list:
-    return [s for s in kernels_of(*targets) if gemm.match(s.kernel, "cuda", True) is not None]
+    return [s for s in kernels_of(*targets) if gemm.match(s.kernel, WARP_TILES, True) is not None]
 
 
 def compile_for(steps: list, arch: str) -> None:
@@ -256,7 +262,7 @@ def test_half_matmul_uses_tensor_cores_in_every_layout(roomy: None, dtype: str,
     mma = products(*outs)
     assert len(mma) == len(outs)
     for s in mma:
-        g = gemm.match(s.kernel, "cuda", True)
+        g = gemm.match(s.kernel, WARP_TILES, True)
         assert g is not None and g.mma and g.dtype == dtype and (g.m * g.batch % m, g.n, g.k) == (0, n, k)
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in s.src and "ldmatrix" in s.src
         assert dims(s)[1] == g.threads and dims(s)[2] == 0
@@ -270,10 +276,10 @@ def test_tensor_core_tiles_and_grid(roomy: None) -> None:
     """128 x 128 tiles of 8 warps where they make a block per multiprocessor or more (4096^2: 32 x 32 blocks), else
     64 x 64 of 4 warps; K is never split (C is float16)."""
     (big,) = products(t(4096, 64).cast("bfloat16") @ t(64, 4096).cast("bfloat16"))
-    g = gemm.match(big.kernel, "cuda", True)
+    g = gemm.match(big.kernel, WARP_TILES, True)
     assert g is not None and g.tile == (128, 128) and dims(big) == ((32, 32, 1), 256, 0)
     (small,) = products(t(4, 100, 64).cast("float16") @ t(4, 64, 200).cast("float16"))
-    g = gemm.match(small.kernel, "cuda", True)
+    g = gemm.match(small.kernel, WARP_TILES, True)
     assert g is not None and g.tile == (64, 64) and g.split == (1, 64) and dims(small) == ((4, 2, 4), 128, 0)
 
 
@@ -285,7 +291,7 @@ def test_half_matmul_without_tensor_cores_renders_generically(cuda_planning: Non
     dev = RT.device(DEV)
     x, y = t(64, 64).cast("float16"), t(64, 64).cast("float16")
     (relu,) = [s for s in kernels_of((x[:32, :32] @ y[:32, :32]).relu()) if s.kernel.stores[0][1].has_reduce]
-    assert gemm.match(relu.kernel, "cuda", True) is None
+    assert gemm.match(relu.kernel, WARP_TILES, True) is None
     dev.dialect = dataclasses.replace(CUDA, tensor_cores=False)  # (the fixture's monkeypatch restores it)
     RT.plan_cache.clear()
     (old,) = [s for s in kernels_of(x @ y) if s.kernel.stores[0][1].has_reduce]
@@ -361,7 +367,8 @@ def test_attention_is_one_kernel_that_compiles(roomy: None, dtype: str) -> None:
     """scaled_dot_product_attention is one kernel of azyx.attention (no (L, S) buffer) with every kind of mask, a
     head dim it takes; its grid is (query blocks, batch points); half dtypes take the tensor-core kernel where the
     head dims are multiples of 16; a head dim past its tiles takes the composed form."""
-    from azyx import attention, nn
+    from azyx import nn
+    from azyx.codegen.templates import attention
     from azyx.ir import attention_of
 
     q, k, v = (t(2, 4, 100, 64).cast(dtype) for _ in range(3))

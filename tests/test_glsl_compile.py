@@ -15,7 +15,7 @@ from kernel_families import BINARY, UNARY
 
 import azyx
 from azyx import Tensor
-from azyx.cstyle import GLSL
+from azyx.codegen.dialect import GLSL
 from azyx.plan import KernelStep
 from azyx.runtime import RT
 

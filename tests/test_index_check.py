@@ -140,7 +140,8 @@ def test_checked_kernels_compile_as_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
     sm_90, without a GPU) and write the check words."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
     from azyx.backends.cuda_driver import nvrtc_compile
-    from azyx.cstyle import CUDA, kernel_source
+    from azyx.codegen.dialect import CUDA
+    from azyx.codegen.render import kernel_source
     from azyx.runtime import RT
 
     try:

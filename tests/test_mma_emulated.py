@@ -1,4 +1,4 @@
-"""The tensor-core product kernel (azyx.gemm.render_mma) run on the host by an emulator of what it does: its rendered
+"""The tensor-core product kernel (gemm_cuda.render_mma) run on the host by an emulator of what it does: its rendered
 source is read statement by statement (block order, each thread's copies into shared memory, the ldmatrix address
 each lane gives, the mma calls, the guarded stores of C), and ldmatrix and mma.sync.m16n8k16 act as the PTX ISA
 defines their fragments. Integer-valued operands make every product exact, so C must equal numpy's exactly. This
@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from azyx import gemm
+from azyx.codegen.dialect import WARP_TILES
+from azyx.codegen.templates import gemm, gemm_cuda
 
 # ------------------------------------------------------------------------------------------------ C -> Python
 
@@ -237,7 +238,7 @@ CASES = {  # name: (m, k, n, batch, A's strides (b, i, r), B's strides (b, r, j)
 def operands(case: tuple) -> tuple[gemm.Gemm, dict[int, np.ndarray], np.ndarray]:
     """The product of a case, the memory of its operands (small integers) and numpy's C."""
     m, k, n, batch, (a_sb, a_si, a_sk), (b_sb, b_sk, b_sj), (a_off, b_off) = case
-    g = gemm.Gemm(m, n, k, batch, (1, a_off, a_sb, a_si, a_sk), (2, b_off, b_sb, b_sk, b_sj), "cuda", "bfloat16")
+    g = gemm.Gemm(m, n, k, batch, (1, a_off, a_sb, a_si, a_sk), (2, b_off, b_sb, b_sk, b_sj), WARP_TILES, "bfloat16")
     rng = np.random.default_rng(0)
     size = lambda off, sb, s1, s2, e1, e2: off + (batch - 1) * sb + (e1 - 1) * s1 + (e2 - 1) * s2 + 1 + 8  # noqa: E731
     mem = {1: rng.integers(-3, 4, size(a_off, a_sb, a_si, a_sk, m, k)).astype(np.float64),
@@ -254,7 +255,8 @@ def test_the_tensor_core_kernel_emulated_equals_numpy(case: str) -> None:
     g, mem, want = operands(CASES[case])
     assert g.tile == (64, 64)
     gx, gy, gz = g.grid()
-    got = emulate(gemm.render_mma(g, "k"), g, mem, [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)])
+    blocks = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]
+    got = emulate(gemm_cuda.render_mma(g, "k"), g, mem, blocks)
     np.testing.assert_array_equal(got, want)
 
 
@@ -265,11 +267,11 @@ def test_the_large_tile_kernel_emulated_equals_numpy(layout: tuple) -> None:
     g, mem, want = operands((1576, 40, 1536, 1, *layout, (0, 0)))
     assert g.tile == (128, 128) and g.threads == 256
     gx, gy, _ = g.grid()
-    got = emulate(gemm.render_mma(g, "k"), g, mem, [(0, 0, 0), (5, 7, 0), (gx - 1, gy - 1, 0)])
+    got = emulate(gemm_cuda.render_mma(g, "k"), g, mem, [(0, 0, 0), (5, 7, 0), (gx - 1, gy - 1, 0)])
     done = ~np.isnan(got)
     assert done.sum() == 2 * 128 * 128 + 40 * 128
     np.testing.assert_array_equal(got[done], want[done])
-    block = Kernel(gemm.render_mma(g, "k"), g).block
+    block = Kernel(gemm_cuda.render_mma(g, "k"), g).block
     tiles = set()
     for y in range(gy):
         for x in range(gx):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import azyx
-from azyx import Tensor, debug, optimize, search
+from azyx import Tensor, debug, search
+from azyx.codegen import search_actions
 from azyx.config import SearchConfigError
 from azyx.runtime import RT
 
@@ -70,7 +71,7 @@ def test_search_on_realize_then_a_second_process_finds_the_cache(tmp_path: Path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "SEARCHES 1" in first.stdout and "won [" in first.stderr
     files = list((tmp_path / "azyx" / "search").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["format"] == optimize.FORMAT
+    assert len(files) == 1 and json.loads(files[0].read_text())["format"] == search_actions.FORMAT
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "SEARCHES 0" in second.stdout and "won [" not in second.stderr
@@ -83,9 +84,9 @@ def test_corrupt_or_stale_cache_entries_are_ignored(fresh_cache: Path, monkeypat
     a, b = Tensor(np.ones((16, 32), np.float32), device="c:0"), Tensor(np.ones((32, 64), np.float32), device="c:0")
     step = azyx.schedule(a @ b).kernels[0]
     base = step.kernel.base or step.kernel
-    key = optimize.kernel_key(base)
+    key = search_actions.kernel_key(base)
     cache = dev.winner_cache()
-    cache.put(key, (optimize.Opt(optimize.UPCAST, 7, 3),), {})  # a loop the kernel does not have
+    cache.put(key, (search_actions.Opt(search_actions.UPCAST, 7, 3),), {})  # a loop the kernel does not have
     dev.__dict__.pop("_winners")  # (read again from disk)
     assert dev.tuned(step.kernel) is step.kernel
     assert "do not apply" in capsys.readouterr().err
@@ -110,13 +111,13 @@ def test_actions_rewrite_the_ir_as_the_planner_tiles_it() -> None:
     a, b = Tensor(np.ones((8, 32), np.float32), device="c:0"), Tensor(np.ones((32, 64), np.float32), device="c:0")
     k = azyx.schedule(a @ b).kernels[0].kernel
     assert k.base is not None and [o.kind for o in k.opts] == ["upcast", "upcast", "swap"]
-    assert optimize.kernel_key(k.base) == optimize.kernel_key(optimize.apply(k.base, ()))
-    tiled = optimize.apply(k.base, (optimize.Opt(optimize.UPCAST, 1, 16),))
+    assert search_actions.kernel_key(k.base) == search_actions.kernel_key(search_actions.apply(k.base, ()))
+    tiled = search_actions.apply(k.base, (search_actions.Opt(search_actions.UPCAST, 1, 16),))
     assert [u.vmax + 1 for u in tiled.uvars] == [16] and [g.vmax + 1 for g in tiled.gvars] == [8, 4]
-    with pytest.raises(optimize.OptError, match="does not divide"):
-        optimize.apply(k.base, (optimize.Opt(optimize.UPCAST, 1, 48),))
-    cands = optimize.candidates(k.base, RT.device("c:0").dialect, RT.device("c:0").search_actions, "thorough")
-    assert len(cands) > len(optimize.candidates(k.base, RT.device("c:0").dialect,
+    with pytest.raises(search_actions.OptError, match="does not divide"):
+        search_actions.apply(k.base, (search_actions.Opt(search_actions.UPCAST, 1, 48),))
+    cands = search_actions.candidates(k.base, RT.device("c:0").dialect, RT.device("c:0").search_actions, "thorough")
+    assert len(cands) > len(search_actions.candidates(k.base, RT.device("c:0").dialect,
                                                 RT.device("c:0").search_actions, "quick")) > 3
 
 
@@ -142,8 +143,9 @@ def test_cuda_candidates_render_and_compile_with_nvrtc(level: str, monkeypatch: 
     """No GPU here: every candidate the search would time on a CUDA device renders and NVRTC compiles for sm_90."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
     from azyx.backends.cuda_driver import nvrtc_compile
-    from azyx.cstyle import CUDA, kernel_source
-    from azyx.launch import render_kernel
+    from azyx.codegen.dialect import CUDA
+    from azyx.codegen.kernel import render_kernel
+    from azyx.codegen.render import kernel_source
 
     try:
         from cuda.bindings import nvrtc
@@ -158,15 +160,15 @@ def test_cuda_candidates_render_and_compile_with_nvrtc(level: str, monkeypatch: 
     rng = np.random.default_rng(0)
     a, b = (Tensor(rng.standard_normal(s, dtype=np.float32), device="dummy:0") for s in ((64, 128), (128, 96)))
     x = Tensor(rng.standard_normal((256, 512), dtype=np.float32), device="dummy:0")
-    actions = frozenset(optimize.KINDS)
+    actions = frozenset(search_actions.KINDS)
     sources: dict[str, str] = {}
     for target in (a @ b, x.sum(axis=1), x.max(axis=0), (x * 2).exp()):
         for step in azyx.schedule(target).kernels:
             base = step.kernel.base or step.kernel
-            cands = optimize.candidates(base, CUDA, actions, level, step.kernel.opts)
+            cands = search_actions.candidates(base, CUDA, actions, level, step.kernel.opts)
             assert cands
             for opts in cands:
-                name, src, launch = render_kernel(optimize.apply(base, opts), CUDA)
+                name, src, launch = render_kernel(search_actions.apply(base, opts), CUDA)
                 assert launch.group <= 1024 and min(launch.grid) >= 1
                 sources[name] = src
     RT.plan_cache.clear()
@@ -176,8 +178,8 @@ def test_cuda_candidates_render_and_compile_with_nvrtc(level: str, monkeypatch: 
 
 def test_work_group_actions_reach_the_launch() -> None:
     """LOCAL and GROUP are facts the renderers read: the launch (and the source's work-group size) follow them."""
-    from azyx.cstyle import GLSL, OPENCL
-    from azyx.launch import render_kernel
+    from azyx.codegen.dialect import GLSL, OPENCL
+    from azyx.codegen.kernel import render_kernel
 
     dev = RT.device("c:0")
     x = Tensor(np.ones((64, 4096), np.float32), device="c:0")
@@ -185,13 +187,15 @@ def test_work_group_actions_reach_the_launch() -> None:
     for dl in (OPENCL, GLSL):
         _, _, heur = render_kernel(base, dl)
         assert heur.group == dl.group_size and heur.grid[0] == 64  # grouped: a group per row
-        _, _, one = render_kernel(optimize.apply(base, (optimize.Opt(optimize.GROUP, 0, 0),)), dl)
+        _, _, one = render_kernel(search_actions.apply(base, (search_actions.Opt(search_actions.GROUP, 0, 0),)), dl)
         assert one.group == 64 and one.grid[0] == 1  # one item per row, the 64 rows one group
-        _, src, two = render_kernel(optimize.apply(base, (optimize.Opt(optimize.GROUP, 0, 128),)), dl)
+        _, src, two = render_kernel(search_actions.apply(base, (search_actions.Opt(search_actions.GROUP, 0, 128),)), dl)
         assert two.group == 128 and "128" in src
     e = azyx.schedule((x * 2).exp()).kernels[0].kernel
-    _, _, local = render_kernel(optimize.apply(e, (optimize.Opt(optimize.LOCAL, 0, 32),)), OPENCL)
-    assert local.group == 32 and dev.search_actions == {optimize.UPCAST, optimize.SWAP, optimize.BLOCK, optimize.UNROLL}
+    _, _, local = render_kernel(search_actions.apply(e, (search_actions.Opt(search_actions.LOCAL, 0, 32),)), OPENCL)
+    sa = search_actions
+    assert local.group == 32 and dev.search_actions == {sa.UPCAST, sa.SWAP, sa.BLOCK, sa.UNROLL}
+
 
 
 def test_close_is_not_fooled_by_an_infinite_reference() -> None:

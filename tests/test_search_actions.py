@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 
 import azyx
-from azyx import Tensor, debug, gemm, optimize
-from azyx.cstyle import CUDA, GLSL, OPENCL, C, kernel_source
+from azyx import Tensor, debug
+from azyx.codegen import search_actions
+from azyx.codegen.dialect import CUDA, GLSL, OPENCL, SHADER_TILES, WARP_TILES, C
+from azyx.codegen.kernel import render_kernel
+from azyx.codegen.render import kernel_source
+from azyx.codegen.search_actions import SPLIT, UNROLL, VECTOR, Opt, OptError
+from azyx.codegen.templates import gemm
 from azyx.ir import Kernel
-from azyx.launch import render_kernel
-from azyx.optimize import SPLIT, UNROLL, VECTOR, Opt, OptError
 from azyx.plan import KernelStep
 from azyx.runtime import RT
 
@@ -59,7 +62,7 @@ def _kernel(t: Tensor) -> Kernel:
     return _step(t).kernel
 
 
-def _run_with(device: str, build: Build, opts: optimize.Opts) -> None:
+def _run_with(device: str, build: Build, opts: search_actions.Opts) -> None:
     """Realize `build`'s graph with `opts` as its kernel's cached winner: the kernel is made with them, and the result
     is numpy's."""
     dev = RT.device(device)
@@ -67,10 +70,10 @@ def _run_with(device: str, build: Build, opts: optimize.Opts) -> None:
     k = _kernel(t)
     base = k.base or k
     full = (*k.opts, *opts)  # (the heuristic's register tiles kept)
-    dev.winner_cache().put(optimize.kernel_key(base), full, {})
+    dev.winner_cache().put(search_actions.kernel_key(base), full, {})
     RT.plan_cache.clear()
     t, ref = build(device)
-    assert _step(t).name == dev.render_ir(optimize.apply(base, full))[0]  # (the step keeps the planner's kernel)
+    assert _step(t).name == dev.render_ir(search_actions.apply(base, full))[0]  # (the step keeps the planner's kernel)
     np.testing.assert_allclose(t.numpy_sync(), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -95,24 +98,24 @@ def test_actions_that_do_not_fit_raise_and_are_not_offered() -> None:
     odd = Tensor(ODD, device="c:0")
     k = _kernel(odd.sum(axis=1))
     with pytest.raises(OptError, match="does not divide"):
-        optimize.apply(k, (Opt(UNROLL, 0, 4),))
+        search_actions.apply(k, (Opt(UNROLL, 0, 4),))
     with pytest.raises(OptError, match="vector"):
-        optimize.apply(k, (Opt(VECTOR, 0, 4),))  # rows of 257: no aligned vectors along them
+        search_actions.apply(k, (Opt(VECTOR, 0, 4),))  # rows of 257: no aligned vectors along them
     with pytest.raises(OptError, match="vector"):  # reduced along a strided axis
-        optimize.apply(_kernel(Tensor(X, device="c:0").sum(axis=0)), (Opt(VECTOR, 0, 2),))
+        search_actions.apply(_kernel(Tensor(X, device="c:0").sum(axis=0)), (Opt(VECTOR, 0, 2),))
     with pytest.raises(OptError, match="vector"):  # 255 points: not whole vectors
-        optimize.apply(_kernel((Tensor(ODD[0, :255], device="c:0") * 2).exp()), (Opt(VECTOR, 0, 4),))
+        search_actions.apply(_kernel((Tensor(ODD[0, :255], device="c:0") * 2).exp()), (Opt(VECTOR, 0, 4),))
     with pytest.raises(OptError, match="flat reduces"):  # no reduce to unroll
-        optimize.apply(_kernel((odd * 2).exp()), (Opt(UNROLL, 0, 2),))
+        search_actions.apply(_kernel((odd * 2).exp()), (Opt(UNROLL, 0, 2),))
     with pytest.raises(OptError, match="plan's action"):
-        optimize.apply(k, (Opt(SPLIT, 0, 16),))
-    actions = frozenset(optimize.KINDS)
+        search_actions.apply(k, (Opt(SPLIT, 0, 16),))
+    actions = frozenset(search_actions.KINDS)
     for level in ("quick", "thorough"):
         for dl in (OPENCL, GLSL, CUDA):
-            kinds = {o.kind for c in optimize.candidates(k, dl, actions, level) for o in c}
+            kinds = {o.kind for c in search_actions.candidates(k, dl, actions, level) for o in c}
             assert UNROLL not in kinds and VECTOR not in kinds, (dl.name, level, kinds)
         good = _kernel(Tensor(X, device="c:0").sum(axis=1))
-        kinds = {o.kind for c in optimize.candidates(good, OPENCL, actions, level) for o in c}
+        kinds = {o.kind for c in search_actions.candidates(good, OPENCL, actions, level) for o in c}
         assert {UNROLL, VECTOR} <= kinds, (level, kinds)
 
 
@@ -121,14 +124,15 @@ def test_renderers_read_unroll_and_vector_as_facts() -> None:
     k = _kernel(Tensor(X, device="c:0").sum(axis=1))
     e = _kernel((Tensor(X, device="c:0") * 2).exp())
     plain = render_kernel(k, C)[1]
-    unrolled = render_kernel(optimize.apply(k, (Opt(UNROLL, 0, 4),)), C)[1]
+    unrolled = render_kernel(search_actions.apply(k, (Opt(UNROLL, 0, 4),)), C)[1]
     assert "r0_u += 4" in unrolled and "r0 = r0_u + 3;" in unrolled and "r0_u" not in plain
-    assert "rl0 += 512" in render_kernel(optimize.apply(k, (Opt(UNROLL, 0, 8),)), OPENCL)[1]  # 8 steps of 64 items
+    k8 = search_actions.apply(k, (Opt(UNROLL, 0, 8),))
+    assert "rl0 += 512" in render_kernel(k8, OPENCL)[1]  # 8 steps of 64 items
     for dl, load in ((OPENCL, "vload2("), (CUDA, "float2"), (GLSL, "vec2")):
-        _, src, launch = render_kernel(optimize.apply(e, (Opt(VECTOR, 0, 2),)), dl)
+        _, src, launch = render_kernel(search_actions.apply(e, (Opt(VECTOR, 0, 2),)), dl)
         assert load in src and launch.items >= e.global_size // 2
         assert launch.grid[0] * launch.group < e.global_size
-    _, src, launch = render_kernel(optimize.apply(e, (Opt(VECTOR, 0, 1),)), CUDA)
+    _, src, launch = render_kernel(search_actions.apply(e, (Opt(VECTOR, 0, 1),)), CUDA)
     assert "float4" not in src and "float2" not in src and launch.items >= e.global_size
     assert "vload" not in render_kernel(e, OPENCL)[1]  # (OpenCL's default: none)
 
@@ -155,12 +159,12 @@ def test_a_search_with_the_new_actions_keeps_the_heuristic_results(device: str, 
 def test_the_cache_round_trips_new_actions_and_ignores_bad_ones(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(debug, "LEVEL", debug.SEARCH)
-    opts = (Opt(UNROLL, 0, 4), Opt(VECTOR, 0, 2), Opt(optimize.BLOCK, 0, 3), Opt(SPLIT, 0, 256))
-    assert optimize.decode(json.loads(json.dumps(optimize.encode(opts)))) == opts
+    opts = (Opt(UNROLL, 0, 4), Opt(VECTOR, 0, 2), Opt(search_actions.BLOCK, 0, 3), Opt(SPLIT, 0, 256))
+    assert search_actions.decode(json.loads(json.dumps(search_actions.encode(opts)))) == opts
     dev = RT.device("opencl:0" if "opencl:0" in azyx.devices() else "c:0")
     t, ref = _rows(dev.name)
     k = _kernel(t)
-    key = optimize.kernel_key(k.base or k)
+    key = search_actions.kernel_key(k.base or k)
     cache = dev.winner_cache()
     cache.put(key, (Opt(UNROLL, 0, 4),), {})
     dev.__dict__.pop("_winners")  # (read again from disk)
@@ -175,7 +179,7 @@ def test_the_cache_round_trips_new_actions_and_ignores_bad_ones(fresh_cache: Pat
     cache.path.write_text(json.dumps(data))
     dev.__dict__.pop("_winners")
     assert dev.tuned(k) is k and "corrupt" in capsys.readouterr().err
-    data["format"] = optimize.FORMAT - 1  # a file from before these actions: searched again
+    data["format"] = search_actions.FORMAT - 1  # a file from before these actions: searched again
     cache.path.write_text(json.dumps(data))
     dev.__dict__.pop("_winners")
     assert dev.winners is None and "stale" in capsys.readouterr().err
@@ -203,7 +207,7 @@ def test_split_parts_come_from_the_cache_and_give_numpy_results(device: str, fre
     t, ref = _total(device)
     plan = azyx.schedule(t)
     ((where, site),) = plan.splits
-    assert where == device and site.kind == optimize.ROWS and site.r == BIG.size and site.outputs == 1
+    assert where == device and site.kind == search_actions.ROWS and site.r == BIG.size and site.outputs == 1
     assert site.heuristic > 1 and len(plan.kernels) == 2  # split by the heuristic: two stages
     cache = dev.winner_cache()
     for parts, kernels in ((0, 1), (64, 2), (4096, 2)):
@@ -245,12 +249,12 @@ def test_tune_searches_the_parts_of_a_split_and_caches_them(device: str, fresh_c
 
 
 def test_split_candidates_are_divisors_and_no_split() -> None:
-    site = optimize.SplitSite(optimize.ROWS, "sum", "float32", 1, 3 * (1 << 16), 1024)
-    quick, thorough = optimize.split_candidates(site, "quick"), optimize.split_candidates(site, "thorough")
+    site = search_actions.SplitSite(search_actions.ROWS, "sum", "float32", 1, 3 * (1 << 16), 1024)
+    quick, thorough = search_actions.split_candidates(site, "quick"), search_actions.split_candidates(site, "thorough")
     assert quick[0] == 0 and 1024 not in quick and len(quick) == 3 and set(quick) < set(thorough) | {0}
     assert all(p == 0 or site.r % p == 0 for p in thorough) and len(thorough) >= 5
-    cols = optimize.SplitSite(optimize.COLUMNS, "sum", "float32", 4096, 1000, 50)
-    assert all(p == 0 or (1000 % p == 0 and p >= 2) for p in optimize.split_candidates(cols, "thorough"))
+    cols = search_actions.SplitSite(search_actions.COLUMNS, "sum", "float32", 4096, 1000, 50)
+    assert all(p == 0 or (1000 % p == 0 and p >= 2) for p in search_actions.split_candidates(cols, "thorough"))
     assert not site.fits(7) and site.fits(0) and site.fits(3)
 
 
@@ -295,13 +299,14 @@ def test_cuda_product_tiles_are_searched_and_every_one_compiles(gpu_planning: Ca
         pytest.skip(f"NVRTC unavailable: {e}")
     gpu_planning(CUDA)
     sources, tiles = {}, set()
-    for k in _products("dummy:0", "cuda"):
-        cands = optimize.candidates(k, CUDA, frozenset(optimize.KINDS), "quick")
-        assert cands and all(len(c) == 1 and c[0].kind == optimize.BLOCK for c in cands)
-        assert len(cands) == len({gemm.tile_config(gemm.match(optimize.apply(k, c), "cuda", True)) for c in cands})
+    for k in _products("dummy:0", WARP_TILES):
+        cands = search_actions.candidates(k, CUDA, frozenset(search_actions.KINDS), "quick")
+        assert cands and all(len(c) == 1 and c[0].kind == search_actions.BLOCK for c in cands)
+        configs = {gemm.tile_config(gemm.match(search_actions.apply(k, c), WARP_TILES, True)) for c in cands}
+        assert len(cands) == len(configs)
         for c in cands:
-            t = optimize.apply(k, c)
-            tg = gemm.match(t, "cuda", True)
+            t = search_actions.apply(k, c)
+            tg = gemm.match(t, WARP_TILES, True)
             name, src, launch = render_kernel(t, CUDA, 1, sm90=132)
             assert tg is not None and launch.group == tg.threads and launch.grid == tg.grid()
             assert ("mma.sync" in src) == tg.mma
@@ -320,12 +325,12 @@ def test_vulkan_product_tiles_are_searched_and_every_one_compiles(gpu_planning: 
     dl = dialect_for((), True, 32)  # a GPU's GLSL: products in the tiled shader
     gpu_planning(dl)
     tiles = set()
-    for k in _products("dummy:0", "glsl"):  # (float16 products: the generic kernel on Vulkan)
-        cands = optimize.candidates(k, dl, frozenset(optimize.KINDS), "quick")
-        assert cands and all(c[0].kind == optimize.BLOCK for c in cands)
+    for k in _products("dummy:0", SHADER_TILES):  # (float16 products: the generic kernel on Vulkan)
+        cands = search_actions.candidates(k, dl, frozenset(search_actions.KINDS), "quick")
+        assert cands and all(c[0].kind == search_actions.BLOCK for c in cands)
         for c in cands:
-            name, src, launch = render_kernel(optimize.apply(k, c), dl)
-            g = gemm.match(optimize.apply(k, c), "glsl")
+            name, src, launch = render_kernel(search_actions.apply(k, c), dl)
+            g = gemm.match(search_actions.apply(k, c), SHADER_TILES)
             assert g is not None
             tiles.add(g.tile)
             assert launch.grid == g.grid() and f"As[2][8][{g.tile[0] // 4 + 1}]" in src

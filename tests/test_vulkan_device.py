@@ -27,7 +27,7 @@ azyx.configure({"c": {"devices": 1}, "vulkan": {"enabled": True, "device_ids": [
 from azyx.runtime import RT
 from azyx.dtypes import dtypes, scalar_packer
 from azyx.ir import Kernel, ValueBuilder
-from azyx.launch import Launch
+from azyx.codegen.launch import Launch
 from azyx.plan import KernelStep
 from azyx.symbolic import const
 

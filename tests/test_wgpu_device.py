@@ -124,10 +124,10 @@ def test_float64_without_int64_computes_but_takes_no_scalar() -> None:
 
 
 def test_the_renderer_refuses_what_the_features_do_not_allow() -> None:
+    from azyx.codegen.wgsl import render_wgsl
     from azyx.dtypes import dtypes
     from azyx.ir import Kernel, ValueBuilder
     from azyx.symbolic import const
-    from azyx.wgsl import render_wgsl
 
     vb = ValueBuilder()
     k = Kernel([dtypes.float64], [], [], [(const(0), vb.const(1.5, dtypes.float64))])

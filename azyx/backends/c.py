@@ -7,7 +7,7 @@ before it on the device's queue done or queued in C, its waits met) goes to the 
 queued batches in order with no Python, so it starts even while the submitting thread holds the GIL (building the next
 step's graph); a thread that waits in C with the GIL released advances the timeline as they complete (`_Runner`).
 Other batches run on the device's worker thread. The thread that runs a batch runs its kernels in
-order; a kernel that shares a loop (cstyle.parallel_kind SHARED: its loop over [lo, hi) of a range) is split into
+order; a kernel that shares a loop (launch.parallel_kind SHARED: its loop over [lo, hi) of a range) is split into
 parts, and the device's pool of helper threads (threads - 1 of them, in C) takes parts too. Each thread starts with its
 own run of parts (a static schedule, so that it keeps to its slice of the data) and then takes what others have left.
 Nobody waits for a helper that has not taken a part: a helper that sleeps or lost its core means fewer hands, never a
@@ -33,9 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from azyx import debug, gemm_host
+from azyx import debug
 from azyx.backends.host import HostDevice
-from azyx.cstyle import SHARED, C
+from azyx.codegen.dialect import C
+from azyx.codegen.launch import SHARED
+from azyx.codegen.templates import gemm_host
 from azyx.device import BatchState, Device, LaunchItem, artifact_key, cached_build, compiled, kernel_list
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
@@ -44,7 +46,7 @@ from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
 # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
-# loop unswitching: generic tuning without unswitching costs nothing measurable (see also cstyle.C).
+# loop unswitching: generic tuning without unswitching costs nothing measurable (see also codegen.dialect.C).
 # An OpenMP loop body loses its pointers' `restrict`, so gcc vectorises it behind run-time overlap checks, 10 pairs
 # at most by default: a multi-output kernel (3 stores, 6 loads) needs more, or runs scalar (4x slower)
 CONFIG = {"enabled": True, "devices": 1, "compiler": "gcc",
@@ -53,7 +55,7 @@ CONFIG = {"enabled": True, "devices": 1, "compiler": "gcc",
           "threads": None, "memory": None, "inline_work": 1 << 16}
 AUTO = True
 
-# kernel name -> (address of its `name_argv` entry, its cstyle.parallel_kind); shared by every C device (same compiler)
+# kernel name -> (address of its `name_argv` entry, its launch.parallel_kind); shared by every C device (one compiler)
 _PROGRAMS: dict[str, tuple[int, int]] = {}
 _LIBS: list[ctypes.CDLL] = []
 _RUNTIME_LIB: list[ctypes.CDLL] = []  # the C runtime's library (`_load_runtime`): azyx_run, the pools, the runner

@@ -37,12 +37,13 @@ from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
-from azyx.cstyle import CUDA
+from azyx.codegen.dialect import CUDA
+from azyx.codegen.kernel import render_kernel
+from azyx.codegen.launch import Launch
+from azyx.codegen.templates.gemm_sm90 import TensorMap
 from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, RunRecord, kernel_list
 from azyx.errors import AllocationError, CompileError, DeviceError
-from azyx.gemm_sm90 import TensorMap
 from azyx.ir import Kernel
-from azyx.launch import Launch, render_kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
 
@@ -107,7 +108,6 @@ def _queue_field(name: str) -> Any:
 
 class CUDADevice(StagedCopies):
     kind = "cuda"
-    block_search = True
     dialect = CUDA
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 

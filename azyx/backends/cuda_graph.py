@@ -9,7 +9,7 @@ from typing import Any
 
 from azyx import debug
 from azyx.backends.cuda_driver import check, cu, hot
-from azyx.launch import Launch
+from azyx.codegen.launch import Launch
 
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from azyx.allocator import MemoryUsage
-from azyx.cstyle import C
+from azyx.codegen.dialect import C
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
 from azyx.errors import AllocationError, DeviceError

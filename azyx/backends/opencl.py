@@ -27,10 +27,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from azyx import debug, gemm_host
+from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.queued import QueuedDevice
-from azyx.cstyle import OPENCL
+from azyx.codegen.dialect import OPENCL
+from azyx.codegen.templates import gemm_host
 from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError

@@ -2,7 +2,7 @@
 with a compute queue is a `vulkan:N` device. Each kernel is one GLSL compute shader (its KernelStep's `src`),
 compiled by `glslc` to SPIR-V (cached on disk), validated by `spirv-val`, and loaded as one compute pipeline.
 
-Shader interface (the renderer's contract, `cstyle.glsl_interface`): a shader reads its buffers by device address
+Shader interface (the renderer's contract, cfamily's `glsl_interface`): a shader reads its buffers by device address
 (`GL_EXT_buffer_reference`, Vulkan 1.2's bufferDeviceAddress), so neither the number of buffers nor a binding's range
 (`maxStorageBufferRange`: 128 MiB on lavapipe) limits a kernel. Its one binding (set 0, binding 0, a dynamic storage
 buffer) holds its words: the buffers' addresses in order, then the scalar arguments, a 64-bit word each (two uint32s,
@@ -46,7 +46,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.queued import QueuedDevice
-from azyx.cstyle import GLSL, Dialect
+from azyx.codegen.dialect import GLSL, Dialect
 from azyx.device import (
     CPU_SPIN_S,
     BatchState,
@@ -321,7 +321,6 @@ class _Kept:
 
 class VulkanDevice(QueuedDevice):
     kind = "vulkan"
-    block_search = True
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
     shaders = True
@@ -406,7 +405,7 @@ class VulkanDevice(QueuedDevice):
         self.spare: collections.deque[_Commands] = collections.deque()  # completed ones, to record anew
         self.orphans: collections.deque[_Commands] = collections.deque()  # kept ones of dropped plans (`_Kept`)
         self.all_commands: list[_Commands] = []
-        # every kernel's interface: binding 0 of set 0 is its words (the renderer's contract, cstyle.glsl_interface)
+        # every kernel's interface: binding 0 of set 0 is its words (the renderer's contract, codegen glsl_interface)
         words = vk.VkDescriptorSetLayoutBinding(binding=0, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC,
                                                 descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
         self.set_layout = vk.vkCreateDescriptorSetLayout(self.vkdev, vk.VkDescriptorSetLayoutCreateInfo(

@@ -1,6 +1,6 @@
 """The WebGPU backend on wgpu-py (wgpu-native): every adapter wgpu reports on a real driver (Vulkan, Metal, D3D12; its
 OpenGL fallback only where configured) is a `wgpu:N` device. Kernels are WGSL compute shaders from azyx's own WGSL
-renderer (`azyx/wgsl.py`), one pipeline each with an explicit layout: its buffers as storage bindings, its scalars in a
+renderer (codegen/wgsl.py), one pipeline each with an explicit layout: its buffers as storage bindings, its scalars in a
 uniform window of the device's words buffer (written by `queue.write_buffer` before each submission, so a new value
 compiles nothing).
 
@@ -33,16 +33,19 @@ from typing import Any
 
 import numpy as np
 
-from azyx import debug, optimize
+from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.queued import QueuedDevice
+from azyx.codegen import search_actions as optimize
+from azyx.codegen.dialect import WGSL as WGSL_FACTS
+from azyx.codegen.dialect import WGSL_TYPES
+from azyx.codegen.launch import Launch
+from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
 from azyx.device import Buffer, Device, LaunchItem, Lent, kernel_list
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
-from azyx.launch import Launch
 from azyx.plan import KernelStep
-from azyx.wgsl import WGSL_FACTS, WGSL_TYPES, bindings, render_wgsl
 from azyx.workers import at_lower_priority
 
 # backends: wgpu's backend types to use (default: the real drivers, Vulkan, Metal, D3D12; name "OpenGL" to allow

@@ -1,7 +1,7 @@
 """The matrix product for host dialects (C): a packed, cache-blocked kernel in the GotoBLAS/BLIS scheme.
 
-`gemm.match(k, "c")` recognises the product (any strides, batched); `render_c` fills the kernel. C is cut into blocks
-of MC rows x NC columns; the shared loop (cstyle SHARED: the C backend's threads take parts of it) runs over those
+`gemm.match(k, BLOCKED)` recognises the product (any strides, batched); `render_c` fills the kernel. C is cut in blocks
+of MC rows x NC columns; the shared loop (launch.SHARED: the C backend's threads take parts of it) runs over those
 blocks, batch outermost, then column panels, row blocks innermost, so that one call's consecutive blocks share their
 panel of B. For each slice of KC along K, a call packs the KC x NC panel of B it works on (zero-padded to whole
 NR-column strips, each strip KC rows of NR contiguous floats) into thread-local scratch, then for each of its row
@@ -19,7 +19,7 @@ a broadcast pair of A with NR pairs of B per `_mm512_dpbf16_ps`, accumulating in
 exact in float32; vdpbf16ps treats denormal inputs and results as zero). Elsewhere, and for float16, the widening path.
 
 Block sizes are data (`HOST_BLOCKS`, per vector register width, and `DOT_BLOCKS`), the first of each the default; the
-kernel search tries the others (optimize.BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and
+kernel search tries the others (BLOCK sets `Kernel.variant`). `blocks` fits them to a product: even row and
 column blocks, enough of them for every thread to have a few.
 """
 
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from azyx import gemm
-from azyx.gemm import Gemm
+from azyx.codegen.dialect import BLOCKED, ITEM_TILES
+from azyx.codegen.templates import gemm
+from azyx.codegen.templates.gemm import Gemm
 from azyx.ir import Kernel
 
 
@@ -78,7 +79,7 @@ def product(k: Kernel, simd: int, workers: int, bf16_dot: bool = False) -> Gemm 
     generic path would copy W.T whole first, where packing transposes each thread's panels of it in cache.
     `bf16_dot`: the device has AVX-512 BF16 (Dialect.bf16_dot): a bfloat16 product with AVX-512's micro-kernel uses
     it."""
-    g = gemm.match(k, "c", simd=simd, workers=workers)
+    g = gemm.match(k, BLOCKED, simd=simd, workers=workers)
     if g is None or g.n < MIN_COLS or g.k < MIN_K or not takes(g.m, g.b[3] == 1 and g.b[4] != 1):
         return None  # (B's strides along K, along columns)
     return replace(g, bf16_dot=True) if bf16_dot and g.dtype == "bfloat16" and _width(simd) == 64 else g
@@ -232,15 +233,17 @@ def render_c(g: Gemm, name: str, ctype: str) -> str:
     if skinny(g):
         return render_skinny(g, name, ctype)
     bl = blocks(g)
-    mr, nr, mc, kc, nc = bl.mr, bl.nr, bl.mc, bl.kc, bl.nc
     vl = _width(g.simd) // 4
+    tile, micro = _micro_kernel(bl.mr, bl.nr, vl, g.bf16_dot)
+    intrinsics = "#include <immintrin.h>\n" if g.bf16_dot else ""
+    return _HELPERS + intrinsics + micro + _blocked_loops(g, name, ctype, bl, tile)
+
+
+def _micro_kernel(mr: int, nr: int, vl: int, dot: bool) -> tuple[str, str]:
+    """(name, source) of the register tile of an MR x NR block of C: per k (per k pair: AVX-512 BF16), a row of A's
+    strip broadcast against NR/VL vectors of B's; C's tile set or added once, a partial one through a spill."""
     nv = nr // vl
     vt, vu = f"azyx_v{vl}", f"azyx_v{vl}u"
-    pa, a_off, a_sb, a_si, a_sk = g.a
-    pb, b_off, b_sb, b_sk, b_sj = g.b
-    n_i, n_j = _cdiv(g.m, mc), _cdiv(g.n, nc)
-    load, store = FLOAT_LOADS[g.dtype], FLOAT_STORES[g.dtype]
-    params = ", ".join(f"const {ctype}* restrict d{i}" for i in range(1, 1 + max(pa, pb)))
     acc = [[f"c{i}_{v}" for v in range(nv)] for i in range(mr)]
     decl = " ".join(f"{vt} {', '.join(f'{x} = {{0}}' for x in row)};" for row in acc)
     bload = " ".join(f"const {vt} b{v} = *(const {vt}*)(b + {v * vl});" for v in range(nv))
@@ -250,31 +253,14 @@ def render_c(g: Gemm, name: str, ctype: str) -> str:
     full_set = "\n".join(f"    *({vu}*)(c + {i} * ldc + {v * vl}) = {x};" for i, v, x in cells)
     full_add = "\n".join(f"    *({vu}*)(c + {i} * ldc + {v * vl}) += {x};" for i, v, x in cells)
     spill = "\n".join(f"    *({vt}*)(t + {i * nr + v * vl}) = {x};" for i, v, x in cells)
-    # packing: A's block -> strips of MR rows, each k-major (MR floats per k); B's panel -> strips of NR columns (NR
-    # floats per k); zero-padded to whole strips
-    dot = g.bf16_dot
-    if dot:  # bfloat16 pairs along K, one 32-bit word per (row or column, k pair): what vdpbf16ps multiplies
-        a_pack = _pack_pairs("A", "ap", "i0", "rows_ic", mr, a_si, a_sk)
-        b_pack = _pack_pairs("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk)
-    else:
-        a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load)
-        b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load)
-    f32 = g.dtype == "float32"
-    # C's block: float32 C is written in place (a later K slice adds to it); another dtype goes through a float32
-    # block (K unsliced: one pass), rounded once
-    cblock = "float* cb = C + (long)i0 * ldc + j0;" if f32 else "float* cb = cf;"
-    ldc = g.n if f32 else nc
-    out_round = "" if f32 else f"""
-      for (long i = 0; i < rows_ic; i++) for (long j = 0; j < cols_jc; j++)
-        Co[(long)(i0 + i) * {g.n} + j0 + j] = {store.format(x=f"cf[i * {nc} + j]")};"""
     tile = f"azyx_tile_{'bf16_' if dot else ''}{mr}x{nr}_{vl}"
-    word, kw, kws = ("unsigned int", "kp", _cdiv(kc, 2)) if dot else ("float", "kn", kc)  # (a packed k's type, count)
+    word = "unsigned int" if dot else "float"
     if dot:  # per k pair: A's pair broadcast, B's pairs of NR columns loaded, NR/VL dot products per row
         bload = " ".join(f"const __m512bh b{v} = (__m512bh)*(const __m512i*)(b + {v * vl});" for v in range(nv))
         fma = "\n".join(f"      {{ const __m512bh a = (__m512bh)_mm512_set1_epi32((int)ap[{i}]); "
                         + " ".join(f"{x} = _mm512_dpbf16_ps({x}, a, b{v});" for v, x in enumerate(row)) + " }"
                         for i, row in enumerate(acc))
-    return _HELPERS + ("#include <immintrin.h>\n" if dot else "") + f"""#ifndef {tile.upper()}
+    return tile, f"""#ifndef {tile.upper()}
 #define {tile.upper()}
 static inline __attribute__((always_inline)) void {tile}(long kn, const {word}* restrict ap, const {word}* restrict b,
     float* restrict c, long ldc, int first, long rows, long cols) {{
@@ -301,7 +287,37 @@ static inline __attribute__((always_inline)) void {tile}(long kn, const {word}* 
     for (long j = 0; j < cols; j++) c[i * ldc + j] = first ? t[i * {nr} + j] : c[i * ldc + j] + t[i * {nr} + j];
 }}
 #endif
+"""
 
+
+def _blocked_loops(g: Gemm, name: str, ctype: str, bl: Blocks, tile: str) -> str:
+    """The kernel around the micro-kernel: for each of its blocks of C, K in slices of KC, B's KC x NC panel packed
+    once per slice, A's MC x KC block per row block, then the micro-kernel over the block's MR x NR tiles."""
+    mr, nr, mc, kc, nc = bl.mr, bl.nr, bl.mc, bl.kc, bl.nc
+    pa, a_off, a_sb, a_si, a_sk = g.a
+    pb, b_off, b_sb, b_sk, b_sj = g.b
+    n_i, n_j = _cdiv(g.m, mc), _cdiv(g.n, nc)
+    load, store = FLOAT_LOADS[g.dtype], FLOAT_STORES[g.dtype]
+    params = ", ".join(f"const {ctype}* restrict d{i}" for i in range(1, 1 + max(pa, pb)))
+    # packing: A's block -> strips of MR rows, each k-major (MR floats per k); B's panel -> strips of NR columns (NR
+    # floats per k); zero-padded to whole strips
+    dot = g.bf16_dot
+    if dot:  # bfloat16 pairs along K, one 32-bit word per (row or column, k pair): what vdpbf16ps multiplies
+        a_pack = _pack_pairs("A", "ap", "i0", "rows_ic", mr, a_si, a_sk)
+        b_pack = _pack_pairs("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk)
+    else:
+        a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load)
+        b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load)
+    f32 = g.dtype == "float32"
+    # C's block: float32 C is written in place (a later K slice adds to it); another dtype goes through a float32
+    # block (K unsliced: one pass), rounded once
+    cblock = "float* cb = C + (long)i0 * ldc + j0;" if f32 else "float* cb = cf;"
+    ldc = g.n if f32 else nc
+    out_round = "" if f32 else f"""
+      for (long i = 0; i < rows_ic; i++) for (long j = 0; j < cols_jc; j++)
+        Co[(long)(i0 + i) * {g.n} + j0 + j] = {store.format(x=f"cf[i * {nc} + j]")};"""
+    word, kw, kws = ("unsigned int", "kp", _cdiv(kc, 2)) if dot else ("float", "kn", kc)  # (a packed k's type, count)
+    return f"""
 __attribute__((optimize("no-tree-loop-distribute-patterns")))  /* (a strip's row: no call to memcpy) */
 void {name}(long lo, long hi, {ctype}* restrict d0, {params}) {{
   {word}* bp = ({word}*)azyx_scratch(0, {kws * _cdiv(nc, nr) * nr});
@@ -414,7 +430,7 @@ CL_TILES = {64: (12, 16), 32: (6, 8), 16: (6, 4)}
 def product_cl(k: Kernel, simd: int) -> Gemm | None:
     """The product `k` computes where the OpenCL template takes it (float32, B contiguous along its columns: `x @ W.T`
     with W as stored gets W.T copied first, as on the generic path), else None."""
-    g = gemm.match(k, "cl", simd=simd)
+    g = gemm.match(k, ITEM_TILES, simd=simd)
     if g is None or g.b[4] != 1 or g.m < MIN_ROWS or g.n < MIN_COLS or g.k < MIN_K:
         return None
     return g

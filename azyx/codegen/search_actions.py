@@ -3,14 +3,14 @@
 An `Opt` is one action: upcast a global loop into a register tile (`UPCAST`, amount = tile length), put the
 column tiles outermost (`SWAP`), set the work items per group of a one-item-per-point GPU kernel (`LOCAL`), the work
 items that reduce each output point together (`GROUP`: 0 for one item per point), pick a matrix product's block sizes
-(`BLOCK`, amount = a row of azyx.gemm_host's table on the host, a block tile of azyx.gemm's tables on CUDA and Vulkan
+(`BLOCK`, amount = a row of gemm_host's table on the host, a block tile of templates.gemm's tables on CUDA and Vulkan
 GPUs, v > 0 being row v - 1 there; such a product takes no register tiles), unroll each reduce's innermost loop
 (`UNROLL`, amount = steps per iteration, a divisor of each reduce's innermost loop length; a grouped reduce unrolls its
 work item's strided loop, the remainder in a second loop: every C-family dialect and WGSL), or set the float32
 elements per vector load and store (`VECTOR`, amount 2 or 4, 1 for none: elementwise kernels over one contiguous loop,
 and grouped reduces reading their operands along the reduce, aligned, where the dialect has vector types: OpenCL
 float2/float4 by vloadn/vstoren, CUDA float2/float4, GLSL vec2/vec4, WGSL vec2/vec4 (elementwise only); provable from
-the IR's affine indices, cstyle.vector_fits). The steps keep each reduce's accumulation order: results equal the
+the IR's affine indices, launch.vector_fits). The steps keep each reduce's accumulation order: results equal the
 plain kernel's.
 `apply(base, opts)` makes the kernel the actions describe from the kernel without them; renderers read the result as
 facts (its upcast loops, `Kernel.local`, `Kernel.group`, `Kernel.variant`, `Kernel.unroll`, `Kernel.vector`) and stay
@@ -35,9 +35,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from azyx import debug, gemm, gemm_host
+from azyx import debug
+from azyx.codegen.dialect import SHADER_TILES, WARP_TILES, Dialect
+from azyx.codegen.launch import group_fits, vector_fits
+from azyx.codegen.templates import gemm, gemm_host
 from azyx.config import cache_dir
-from azyx.cstyle import Dialect, group_fits, vector_fits
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, has_index, toposort
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, var
 
@@ -267,10 +269,8 @@ def _fits(k: Kernel, opts: Opts) -> bool:
 
 
 def _gpu_product(k: Kernel, dl: Dialect) -> gemm.Gemm | None:
-    """The product `k` computes where a GPU dialect's tiled template (azyx.gemm: CUDA, Vulkan) takes it."""
-    if dl.glsl:
-        return gemm.match(k, "glsl")
-    return gemm.match(k, "cuda", dl.tensor_cores) if dl.name == "cuda" else None
+    """The product `k` computes where a GPU dialect's tiled template (templates.gemm: CUDA, Vulkan) takes it."""
+    return gemm.match(k, dl.products, dl.tensor_cores) if dl.products in (WARP_TILES, SHADER_TILES) else None
 
 
 def _tile_variants(g: gemm.Gemm) -> list[Opts]:

@@ -1,6 +1,6 @@
 """The float16/bfloat16 matrix product on Hopper (compute capability 9.0, code for sm_90a): `wgmma.mma_async` fed by
 the tensor memory accelerator (TMA), for the products of `gemm.match` whose shapes and strides fit; others take
-`gemm.render_mma`.
+`gemm_cuda.render_mma`.
 
 A persistent grid of one block per multiprocessor walks C's 128 x BN tiles (BN 256, or 128 where 256 would leave
 multiprocessors idle) in groups of block-rows, so that the tiles in flight share their rows of A and columns of B in L2.
@@ -14,14 +14,14 @@ are kernel parameters, encoded at launch from the buffers' addresses.
 
 Measured on an H200 beside torch.matmul (cuBLAS) in the same dtype, bf16 and f16, A @ B and x @ W.T: the kernel alone
 0.88-1.25x at 4096^3 and 8192^3; through azyx (8 products in flight, host work included) 0.80-0.86x at 4096^3 and
-0.98-1.01x at 8192^3, where the mma.sync kernel of gemm.render_mma made 0.37-0.45x.
+0.98-1.01x at 8192^3, where the mma.sync kernel of gemm_cuda.render_mma made 0.37-0.45x.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx.gemm import Gemm
+from azyx.codegen.templates.gemm import Gemm
 
 BM = 128  # rows of C per block: 64 per consumer warpgroup (one m64 wgmma)
 BK = 64  # K per stage: a 128-byte row of 16-bit elements, the swizzle's width
@@ -178,7 +178,7 @@ def render(g: Gemm, name: str) -> str:
     # the operands' offsets and strides live in the tensor maps: written here too, so that the kernel's name (a hash
     # of its source) tells kernels of different maps apart (a graph replay or a launch cache keyed by name)
     maps = "; ".join(f"d{m.arg} +{m.offset}, {m.dims[0]} x {m.dims[1]}, rows {m.row_bytes} B" for m in tensor_maps(g))
-    return HELPERS + wgmma_def + f"""// tensor maps: {maps}
+    text = HELPERS + wgmma_def + f"""// tensor maps: {maps}
 extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
     unsigned short* __restrict__ C{params}, const __grid_constant__ AzyxTensorMap ma,
     const __grid_constant__ AzyxTensorMap mb, const __grid_constant__ AzyxTensorMap mc) {{
@@ -200,6 +200,16 @@ extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
     bi = (first + t % {GROUP * tn} % rows) * {BM};
     bj = t % {GROUP * tn} / rows * {bn};
   }};
+"""
+    return (text
+            + _producer(a_bytes, load_b, stages, rows, tm, tn, g, b_bytes)
+            + _consumer_loop(wgmma, a_bytes, a_fields, b_bytes, b_step, b_fields, stages, bn, tm, tn, g, rows)
+            + _epilogue(rows, ab, bn))
+
+
+def _producer(a_bytes: int, load_b: str, stages: int, rows: int, tm: int, tn: int, g: Gemm, b_bytes: int) -> str:
+    """The producer warpgroup: one thread loads each tile's K slices by TMA into the ring of stages."""
+    return f"""\
   if (wg == 0) {{  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 {REGS[0]};");
     if (tid == 0) {{
@@ -218,6 +228,13 @@ extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
       }}
     }}
   }} else {{  // the consumers: rows (wg - 1) * {rows}.. of the tile
+"""
+
+
+def _consumer_loop(wgmma: str, a_bytes: int, a_fields: str, b_bytes: int, b_step: int, b_fields: str, stages: int,
+                   bn: int, tm: int, tn: int, g: Gemm, rows: int) -> str:
+    """The consumer warpgroups' main loop: wgmma over each stage as it lands, the stage freed a batch later."""
+    return f"""\
     asm volatile("setmaxnreg.inc.sync.aligned.u32 {REGS[1]};");
     const int cw = wg - 1, warp = tid / 32, lane = tid % 32;
     const unsigned mine = sc + cw * {rows * bn * 2};  // this warpgroup's part of C's staging tile
@@ -244,6 +261,12 @@ extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(
       }}
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       if (lane == 0) azyx_mbar_arrive(empty(prev));
+"""
+
+
+def _epilogue(rows: int, ab: str, bn: int) -> str:
+    """C through shared memory, swizzled as the TMA store reads it, then stored by TMA."""
+    return f"""\
       // C through shared memory: d[4j + 0, 1] are row warp * 16 + lane / 4, columns 8j + 2 (lane % 4) + 0, 1;
       // d[4j + 2, 3] 8 rows down. Staged as {bn // 64} boxes of [{rows} rows][64 columns] with the 128-byte swizzle
       // TMA undoes, so a warp's 8 rows x 16 bytes fall in 8 distinct bank groups

@@ -1,0 +1,74 @@
+"""A kernel's source and launch for a C-family dialect: the template that takes it (fused attention, a product
+template of the dialect's family) or else the generic rendering (codegen.cfamily). The one place that picks."""
+
+from __future__ import annotations
+
+from azyx.codegen import cfamily
+from azyx.codegen.dialect import BLOCKED, ITEM_TILES, SHADER_TILES, Dialect
+from azyx.codegen.launch import SHARED, Launch, launch_for
+from azyx.codegen.render import kernel_name
+from azyx.codegen.templates import attention, attention_cuda, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90
+from azyx.ir import Attention, Kernel, attention_of
+
+
+def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tuple[str, str, Launch]:
+    """(name, source, launch) of a kernel: the tiled matrix product where the dialect has it and `k` is one, else the
+    generic C-family rendering. The name hashes the source, so kernels of one source are one program (their launches
+    may still differ: a row-sum's rows, a product's batch, a shared loop's trip count are not in the source).
+    `sm90`: the multiprocessors of a CUDA device of compute capability 9.0 (0: none), whose float16/bfloat16 products
+    take templates.gemm_sm90's kernel where they fit (unless a searched tile, Kernel.variant, asks for mma.sync's)."""
+    a = attention_of(k)
+    if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
+        src = _attention_source(k, a, dl)
+        name = kernel_name(src)
+        launch = (Launch(attention.cuda_grid(a), attention.CUDA_THREADS) if dl.global_ids else
+                  Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
+        return name, src.replace("KERNEL", name, 1), launch
+    g = product_of(k, dl, threads)
+    if g is not None and sm90 and g.mma and gemm_sm90.fits(g) and not g.variant:  # (a searched tile: mma.sync's)
+        src = gemm_sm90.render(g, "KERNEL")
+        name = kernel_name(src)
+        launch = Launch(gemm_sm90.grid(g, sm90), gemm_sm90.THREADS, smem=gemm_sm90.smem_bytes(g),
+                        maps=gemm_sm90.tensor_maps(g))
+        return name, src.replace("KERNEL", name, 1), launch
+    body = None if g is None else _product_source(g, dl)
+    if body is None:
+        g = None
+        body = cfamily.render(k, "KERNEL", dl, threads)
+    name = kernel_name(body)
+    return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
+
+
+def _attention_source(k: Kernel, a: Attention, dl: Dialect) -> str:
+    """Attention kernel `k` (spec `a`) in dialect `dl`: CUDA's on tensor cores where they take it, else its float32
+    kernel, or the host's; its scale is scalar parameter sc0, or a literal."""
+    s = k.stores[0][1].src[0]
+    scale = "sc0" if s.op == "arg" else repr(float(s.arg))
+    if dl.global_ids:
+        if attention_cuda.mma_fits(a, dl, k.params):
+            return attention_cuda.render_mma(a, "KERNEL", dl, k.params, scale)
+        return attention_cuda.render_cuda(a, "KERNEL", dl, k.params, scale)
+    return attention.render_c(a, "KERNEL", dl, k.params, scale)
+
+
+def _product_source(g: gemm.Gemm, dl: Dialect) -> str | None:
+    """Product `g` by its template family's kernel (None: the GLSL template does not take it)."""
+    if g.target == BLOCKED:
+        return gemm_host.render_c(g, "KERNEL", dl.types[g.dtype])
+    if g.target == ITEM_TILES:
+        return gemm_host.render_cl(g, "KERNEL")
+    if g.target == SHADER_TILES:
+        return gemm_glsl.render_glsl(g, "KERNEL", dl.prelude, dl.max_groups)
+    return gemm_cuda.render_cuda(g, "KERNEL")
+
+
+def product_of(k: Kernel, dl: Dialect, threads: int = 1) -> gemm.Gemm | None:
+    """The matrix product `k` computes where `dl` has a template for it (its `products` family) and the template
+    takes it, else None (the generic C-family rendering)."""
+    if not dl.gemm:
+        return None
+    if dl.products == ITEM_TILES:
+        return gemm_host.product_cl(k, dl.simd)
+    if dl.products == BLOCKED:
+        return gemm_host.product(k, dl.simd, threads, dl.bf16_dot)
+    return gemm.match(k, dl.products, dl.tensor_cores)
