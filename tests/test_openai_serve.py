@@ -602,6 +602,13 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     assert r.status_code == 413 and r.json()["error"]["param"] == "input"
     r = httpx.post(url, headers=h, json={"model": GEN, "prompt": ["a"] * 8, "n": 9})
     assert r.status_code == 413 and r.json()["error"]["param"] == "n"
+    # a text past its characters, more stop strings than allowed: 413 naming them
+    r = httpx.post(server.base + "/v1/embeddings", headers=h, json={"model": EMB, "input": ["ok", "x" * 16_385]})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "input[1]", r.text
+    r = httpx.post(url, headers=h, json={"model": GEN, "prompt": "x" * 65_537})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(url, headers=h, json={"model": GEN, "prompt": "hi", "stop": ["s"] * 17})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "stop", r.text
     # more sequences than slots and waiting places: 429 with Retry-After, before any work
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=GEN, prompt="hi", n=SLOTS + WAITING + 1, max_tokens=4)
