@@ -17,9 +17,9 @@ import numpy as np
 from azyx.device import buffer_of, host_read
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, DTypeError, RuntimeStateError, fresh_copy
-from azyx.graph import CHAINS, GraphCopy, Op, prod, user_site
+from azyx.graph import CHAINS, GRAPH, GraphCopy, Op, prod, user_site
 from azyx.plan import ExecutionPlan
-from azyx.runtime import GRAPH, RT, InFlight, loop_identity
+from azyx.runtime import RT, InFlight, loop_identity
 from azyx.schedule import make_plan
 from azyx.walk import Walk, canonicalize
 from azyx.workers import in_python_thread, in_worker_thread

@@ -17,8 +17,9 @@ from scenarios import cancel_transfers, spread_tasks
 import azyx
 from azyx import Tensor
 from azyx.executor import SyncStrategy
+from azyx.graph import GRAPH
 from azyx.plan import TransferStep
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 
 GPUS = [d for d in azyx.devices() if d.startswith("cuda:")]
 pytestmark = pytest.mark.skipif(not GPUS, reason="no CUDA device")

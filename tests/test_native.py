@@ -17,9 +17,8 @@ from azyx import Tensor
 from azyx import walk as walk_mod
 from azyx.allocator import PoolAllocator
 from azyx.dtypes import SCALAR_CODES, dtypes
-from azyx.graph import Graph, Node, Op
+from azyx.graph import GRAPH, Graph, Node, Op
 from azyx.native import native
-from azyx.runtime import GRAPH
 from azyx.tape import GradientTape
 
 pytestmark = pytest.mark.skipif(native is None and os.environ.get("AZYX_NATIVE") == "0",

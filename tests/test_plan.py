@@ -8,9 +8,9 @@ import pytest
 import azyx
 from azyx import Tensor
 from azyx.executor import SyncStrategy
-from azyx.graph import Op
+from azyx.graph import GRAPH, Op
 from azyx.plan import KernelStep, TransferStep
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 
 rng = np.random.default_rng(7)
 
