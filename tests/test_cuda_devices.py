@@ -137,7 +137,7 @@ async def test_a_plan_of_one_kernel_runs_through_the_devices_lane() -> None:
     probe = (x * 2.0 + 1).relu()
     plan = RT.plan_cache.get(canonicalize(GRAPH, [probe.id]).key)
     assert plan is not None and len(plan.kernels) == 1
-    assert (RT.executor.prepared[plan][0].lane is not None) == (native is not None)
+    assert (RT.executor.prepared[plan].lane is not None) == (native is not None)
     await RT.executor.synchronize_all()
     gc.collect()
     assert dev.allocator.in_use == in_use  # (every run's output block went back)

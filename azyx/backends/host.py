@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from azyx.allocator import MemoryUsage, PoolAllocator
-from azyx.device import BatchState, Buffer, Device, LaunchItem, host_read
+from azyx.device import INLINE, QUEUED, BatchState, Buffer, Device, LaunchItem, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
@@ -72,7 +72,7 @@ class WorkQueue:
             idle = self.timeline.value == v - 1
             if (idle or self.native_last == v - 1) and all(t.value >= w for t, w in waits):
                 if inline and idle:
-                    self._execute(fn, v)
+                    self._execute(v, fn)
                     del fn  # the work's buffers go back to the pool before anyone sees the timeline advance
                     self.timeline.signal(v)
                     return v
@@ -86,9 +86,21 @@ class WorkQueue:
             self.q.put((fn, waits, v))
         return v
 
-    def _execute(self, fn: Callable[[], None], v: int) -> None:
+    def run_now(self, fn: Callable[..., None], *args: Any) -> int:
+        """Run `fn(*args)` on the calling thread as the queue's next item, where the queue is idle (everything before
+        it has run): returns its timeline value; 0 where the queue is busy (the caller queues the work instead)."""
+        with self.lock:
+            v = self.submitted + 1
+            if self.timeline.value != v - 1:
+                return 0
+            self.submitted = v
+            self._execute(v, fn, *args)
+            self.timeline.signal(v)
+        return v
+
+    def _execute(self, v: int, fn: Callable[..., None], *args: Any) -> None:
         try:
-            fn()
+            fn(*args)
         except BaseException as e:  # the run it belongs to raises it (RunRecord); the queue keeps going
             self.record_failure(v, e)
 
@@ -109,7 +121,7 @@ class WorkQueue:
             except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
                 self.record_failure(v, e)
             else:
-                self._execute(fn, v)
+                self._execute(v, fn)
             del fn  # release the work's buffers before signalling completion
             self.timeline.signal(v)
 
@@ -173,11 +185,24 @@ class HostDevice(Device):
     def queued(self) -> int:
         return self.queue.submitted
 
-    def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
-        return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
+    def runs_inline(self, work: int) -> bool:
+        """Whether work of this size runs on the submitting thread when the queue is idle (`inline_work`): handing it
+        to the worker thread would cost more than the work."""
+        return work <= self.inline_work
 
-    def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
+    def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
+        return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], self.runs_inline(work))
+
+    def prepare_batch(self, batch: BatchState) -> None:
+        """INLINE where the batch's work is small (`runs_inline`), else QUEUED."""
+        batch.how = INLINE if self.runs_inline(batch.work) else QUEUED
+
+    def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
+        raise NotImplementedError
+
+    def run_inline(self, items: list[LaunchItem], batch: BatchState) -> None:
+        """Run an INLINE batch's kernels now, on the calling thread."""
         raise NotImplementedError
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
@@ -186,9 +211,15 @@ class HostDevice(Device):
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
-        """Kernels back to back: one work item, so one hand-off to the worker thread for all of them."""
-        work = batch.work if batch is not None else sum(step.work for step, _, _ in items)
-        return self.submit(self.batch_fn(items, batch), waits, work)
+        """Kernels back to back. An INLINE batch whose waits are met runs here and now where the queue is idle (a
+        steady small request: no work item, no hand-off); any other is one work item, so one hand-off to the worker
+        thread (or the native queue) for all of them."""
+        if batch is None:
+            batch = self.batch_of(items)
+        if batch.how is INLINE and all(d.timeline.value >= w for d, w in waits) and (
+                v := self.queue.run_now(self.run_inline, items, batch)):
+            return v
+        return self.queue.submit(self.batch_fn(items, batch), [(d.timeline, w) for d, w in waits], False)
 
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
         """A memmove on this device's queue (also from another host-memory device of this kind: c:0 -> c:1)."""
