@@ -240,3 +240,38 @@ async def test_the_plan_cache_is_bounded_least_recently_used_first(device: str) 
         assert oldest not in cache and hit in cache and len(cache) <= cache.capacity
     finally:
         cache.capacity = saved
+
+
+async def test_a_new_graph_is_walked_once_and_again_only_where_it_changed_while_planned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A realize that misses the plan cache plans the walk it made and runs the plan on it (one walk); where the graph
+    changed while it was planned (a tensor rebound, a node realized by another realize), it walks again and computes
+    the graph as it is now."""
+    import asyncio
+    import importlib
+
+    realize_module = importlib.import_module("azyx.realize")  # (the module: `azyx.realize` is the function)
+
+    walks: list[list[int]] = []
+    real = realize_module.canonicalize
+    monkeypatch.setattr(realize_module, "canonicalize", lambda g, targets: walks.append(targets) or real(g, targets))
+    xn = rng.standard_normal((41, 43)).astype(np.float32)  # (a shape no other test has: new plans, new kernels)
+    x = await Tensor(xn, device="c:0").realize()
+    walks.clear()
+    y = (x * 3.25 + 0.5).exp()
+    np.testing.assert_allclose(await y.numpy(), np.exp(xn * np.float32(3.25) + np.float32(0.5)), rtol=1e-5)
+    assert len(walks) == 1  # (the read of a realized tensor walks nothing)
+    # rebound while its realize plans: the realize computes the tensor's new value
+    t = (x * 2.5 + 0.125).abs().sqrt()
+    task = asyncio.create_task(t.realize())
+    await asyncio.sleep(0)  # (the task walks and starts planning, then waits for its compile)
+    t.assign((x * 5.5 + 0.125).abs().sqrt())
+    await task
+    np.testing.assert_allclose(await t.numpy(), np.sqrt(np.abs(xn * np.float32(5.5) + np.float32(0.125))), rtol=1e-5)
+    # a node of the graph realized by another realize meanwhile: its buffer is read, not recomputed
+    a = x * 1.75 - 0.25
+    b = (a * a + 1.0).log()
+    await asyncio.gather(b.realize(), a.realize())
+    an = xn * np.float32(1.75) - np.float32(0.25)
+    np.testing.assert_allclose(await a.numpy(), an, rtol=1e-5, atol=1e-6)  # (a fused multiply-add)
+    np.testing.assert_allclose(await b.numpy(), np.log(an * an + 1), rtol=1e-5, atol=1e-6)
