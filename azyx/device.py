@@ -77,7 +77,7 @@ class BatchState:
         self.steps = steps
         self.work = sum(step.work for step in steps)
         self.how = QUEUED
-        self.prepared: object = None
+        self.prepared: Any = None
 
 
 # ---------------------------------------------------------------------------------------------- one runner per plan

@@ -235,10 +235,12 @@ class CDevice(HostDevice):
                 for name in arity}
 
     def prepare_batch(self, batch: BatchState) -> None:
-        """INLINE or QUEUED by its work (HostDevice), and its `_Layout`; the device's thread pools, and its runner,
-        start with the first batch that needs them."""
+        """INLINE or QUEUED by its work (HostDevice; QUEUED under AZYX_DEBUG's launch timings, which time each kernel
+        of a work item), and its `_Layout`; the device's thread pools, and its runner, start with the first batch that
+        needs them."""
         super().prepare_batch(batch)
-        batch.prepared = _Layout(batch.steps)
+        if debug.enabled(debug.LAUNCHES):
+            batch.how = QUEUED
         if self.pool is None:
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
             self.queue.native = _Runner(self.pool, self.timeline, self.name)
@@ -246,15 +248,7 @@ class CDevice(HostDevice):
         # that took a part and then lost its core to another process (a stall of a scheduler time slice)
         if batch.how is INLINE and self.serial_pool is None:
             self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
-
-    def run_inline(self, items: list[LaunchItem], batch: BatchState) -> None:
-        """Through the layout's scratch table (`_Layout.inline`): no work item is made."""
-        if debug.enabled(debug.LAUNCHES):
-            self.batch_fn(items, batch)()
-            return
-        layout, pool = batch.prepared, self.serial_pool
-        assert type(layout) is _Layout and pool is not None
-        layout.inline(pool, items)
+        batch.prepared = _Layout(batch.steps, self.serial_pool or 0)
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
@@ -291,10 +285,11 @@ class _Layout:
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
     __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
-                 "value_ptrs", "fill", "kinds_table", "call")
+                 "value_ptrs", "fill", "kinds_table", "call", "serial")
 
-    def __init__(self, steps: list[KernelStep]):
+    def __init__(self, steps: list[KernelStep], serial: int = 0):
         self.n = len(steps)
+        self.serial = serial  # the pool of one thread that an INLINE batch runs on (`inline`)
         self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
@@ -328,8 +323,9 @@ class _Layout:
             ctypes.addressof(self.scratch), len(self.scratch), ctypes.addressof(self.argc),
             ctypes.addressof(self.kinds_table), ctypes.addressof(self.trips)) if native is not None else None
 
-    def inline(self, pool: int, items: list[LaunchItem]) -> None:
-        """Run the batch now, on the calling thread, through the scratch table."""
+    def inline(self, items: list[LaunchItem]) -> None:
+        """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
+        pool = self.serial
         if not self.scalars:
             vals = [b.ptr for _, bufs, _ in items for b in bufs]
         else:

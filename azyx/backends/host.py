@@ -72,7 +72,7 @@ class WorkQueue:
             idle = self.timeline.value == v - 1
             if (idle or self.native_last == v - 1) and all(t.value >= w for t, w in waits):
                 if inline and idle:
-                    self._execute(v, fn)
+                    self._execute(fn, v)
                     del fn  # the work's buffers go back to the pool before anyone sees the timeline advance
                     self.timeline.signal(v)
                     return v
@@ -94,13 +94,16 @@ class WorkQueue:
             if self.timeline.value != v - 1:
                 return 0
             self.submitted = v
-            self._execute(v, fn, *args)
+            try:
+                fn(*args)
+            except BaseException as e:  # the run it belongs to raises it (RunRecord)
+                self.record_failure(v, e)
             self.timeline.signal(v)
         return v
 
-    def _execute(self, v: int, fn: Callable[..., None], *args: Any) -> None:
+    def _execute(self, fn: Callable[[], None], v: int) -> None:
         try:
-            fn(*args)
+            fn()
         except BaseException as e:  # the run it belongs to raises it (RunRecord); the queue keeps going
             self.record_failure(v, e)
 
@@ -121,7 +124,7 @@ class WorkQueue:
             except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
                 self.record_failure(v, e)
             else:
-                self._execute(v, fn)
+                self._execute(fn, v)
             del fn  # release the work's buffers before signalling completion
             self.timeline.signal(v)
 
@@ -194,15 +197,12 @@ class HostDevice(Device):
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], self.runs_inline(work))
 
     def prepare_batch(self, batch: BatchState) -> None:
-        """INLINE where the batch's work is small (`runs_inline`), else QUEUED."""
+        """INLINE where the batch's work is small (`runs_inline`), else QUEUED. A backend then leaves in an INLINE
+        batch's `prepared` what runs it now on the calling thread: `prepared.inline(items)`."""
         batch.how = INLINE if self.runs_inline(batch.work) else QUEUED
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
-        raise NotImplementedError
-
-    def run_inline(self, items: list[LaunchItem], batch: BatchState) -> None:
-        """Run an INLINE batch's kernels now, on the calling thread."""
         raise NotImplementedError
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
@@ -216,8 +216,8 @@ class HostDevice(Device):
         thread (or the native queue) for all of them."""
         if batch is None:
             batch = self.batch_of(items)
-        if batch.how is INLINE and all(d.timeline.value >= w for d, w in waits) and (
-                v := self.queue.run_now(self.run_inline, items, batch)):
+        if batch.how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
+                v := self.queue.run_now(batch.prepared.inline, items)):
             return v
         return self.queue.submit(self.batch_fn(items, batch), [(d.timeline, w) for d, w in waits], False)
 
