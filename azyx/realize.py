@@ -127,12 +127,13 @@ class _Miss:
         for i, n in zip(walk.targets, self.nodes):
             if _nodes[i] is not n:
                 return False
-        for i in walk.topo:
+        for i in walk.topo:  # (a node realized meanwhile may have freed its sources, which come first)
             n = _nodes[i]
-            if n.buffer is not None or n.op is Op.ASSIGN:  # type: ignore[union-attr]
+            if n is None or n.buffer is not None or n.op is Op.ASSIGN:
                 return False
         for i, b in zip(walk.leaves, self.bufs):
-            if _nodes[i].buffer is not b:  # type: ignore[union-attr]
+            n = _nodes[i]
+            if n is None or n.buffer is not b:
                 return False
         return True
 

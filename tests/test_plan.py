@@ -268,7 +268,9 @@ async def test_a_new_graph_is_walked_once_and_again_only_where_it_changed_while_
     t.assign((x * 5.5 + 0.125).abs().sqrt())
     await task
     np.testing.assert_allclose(await t.numpy(), np.sqrt(np.abs(xn * np.float32(5.5) + np.float32(0.125))), rtol=1e-5)
-    # a node of the graph realized by another realize meanwhile: its buffer is read, not recomputed
+    # a node of the graph realized by another realize meanwhile (a cached plan: at once), its sources freed: the graph
+    # is walked again and that node's buffer is read
+    await (x * 1.75 - 0.25).realize()
     a = x * 1.75 - 0.25
     b = (a * a + 1.0).log()
     await asyncio.gather(b.realize(), a.realize())
