@@ -25,11 +25,12 @@ from azyx.errors import (
     ShapeError,
     StateDictError,
 )
+from azyx.graph import GRAPH
 from azyx.jit import jit
 from azyx.plan import ExecutionPlan
 from azyx.realize import flat_targets
 from azyx.realize import realize as _realize
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 from azyx.schedule import make_plan
 from azyx.shard import DataParallel, ShardedTensor, replicate
 from azyx.stats import Stats, stats

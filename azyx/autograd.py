@@ -21,9 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from azyx.errors import DTypeError, ShapeError
-from azyx.graph import Node, Op
+from azyx.graph import GRAPH, Node, Op
 from azyx.ops import BINARY, UNARY
-from azyx.runtime import GRAPH
 from azyx.tensor import Tensor
 
 Grads = tuple[Tensor | None, ...]

@@ -73,20 +73,57 @@ class Buffer:
 
 
 LaunchItem = tuple["KernelStep", list["Buffer"], tuple[int, ...]]  # a kernel, its buffers, its scalar arguments' words
-# a plan's whole run on one device as one call (Device.lane): (bindings, scalars) -> the outputs' buffers and views, or
-# None when the device cannot run it that way now (the executor's path runs it then)
+# a plan's whole run on one device as one call (Runner.lane): (bindings, scalars) -> the outputs' buffers and views, or
+# None when the device's state does not let it run that way now (the executor's step path runs it then)
 Lane = Callable[[list["Buffer"], "Sequence[Any]"], "list[tuple[Buffer, StridedView]] | None"]
 
 
 class BatchState:
-    """Kernels that one plan runs back to back on one device (a batch): their total work, and what the device derives
-    from them once (`prepared`: its launch tables), kept by the executor with the plan for the plan's later runs."""
+    """Kernels that one plan runs back to back on one device (a batch): their total work, how the device runs them
+    (`how`) and what it derives from them once (`prepared`: its launch tables), both set by `Device.prepare` and kept by
+    the executor with the plan for the plan's later runs."""
 
-    __slots__ = ("work", "prepared")
+    __slots__ = ("steps", "work", "how", "prepared")
 
     def __init__(self, steps: list[KernelStep]):
+        self.steps = steps
         self.work = sum(step.work for step in steps)
-        self.prepared: object = None
+        self.how = QUEUED
+        self.prepared: Any = None
+
+
+# ---------------------------------------------------------------------------------------------- one runner per plan
+# How a device runs a batch of a plan's kernels (BatchState.how), decided once per plan by `Device.prepare`:
+INLINE = "inline"  # on the submitting thread, where the device's queue is idle and nothing is waited for (else queued)
+QUEUED = "queued"  # a work item on the device's queue (its worker thread, its native runner, its command stream)
+GRAPH = "graph"  # collected with the launches around it and submitted as one, replayed as a captured graph once steady
+
+
+class Runner:
+    """How a plan runs on one device, decided once, on the plan's first run (`Device.prepare`): the executor keeps it
+    with the plan and follows it; nothing on the run's path decides it again.
+    - `lane`: the plan's whole run as one call (a plan of one kernel on a device that has one: CUDA's `native.Lane`);
+      the executor's step path runs only where the lane declines for the device's state at that moment (see `Lane`);
+    - `together`: the device collects the run's launches from its start to its end (`begin_batch`/`end_batch`) and
+      submits them as one (a single-device plan on a device with graphs);
+    - per batch of the plan's kernels on the device, `BatchState.how` (INLINE, QUEUED or GRAPH)."""
+
+    __slots__ = ("lane", "together")
+
+    def __init__(self, lane: Lane | None = None, together: bool = False):
+        self.lane, self.together = lane, together
+
+
+def lone_kernel(plan: ExecutionPlan) -> KernelStep | None:
+    """The plan's one kernel where launching it is the whole run (what a lane replays): no transfer, nothing written
+    into an input in place, no upload kept, no index check, every output an input or written by the kernel; else
+    None."""
+    if len(plan.steps) != 1 or plan.adopt or plan.checks or not isinstance(step := plan.steps[0], KernelStep):
+        return None
+    if step.kernel.inplace and step.args[0] in plan.overwrites:
+        return None
+    written = step.args[:step.outs]
+    return step if all(s < plan.n_inputs or s in written for s, _ in plan.outputs) else None
 
 
 class RunRecord:
@@ -371,15 +408,28 @@ class Device:
             v = self.launch(step, bufs, waits if i == 0 else [], words)
         return v
 
-    def lane(self, plan: ExecutionPlan) -> Lane | None:
-        """The whole run of `plan`, one kernel on this device with no transfer and nothing written in place, as one call
-        made once per plan (see `Lane`); None (the base's answer) where the device has none: the executor's path then
-        runs it, step by step."""
-        return None
+    def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
+        """How `plan` runs on this device, decided once (its first run; the executor keeps the answer with the plan):
+        each of `batches` (the plan's kernels on this device, in runs) prepared (`prepare_batch`), and the `Runner`:
+        the base runs the plan step by step, with no lane and no run-long batch."""
+        for batch in batches:
+            self.prepare_batch(batch)
+        return Runner()
+
+    def prepare_batch(self, batch: BatchState) -> None:
+        """Decide how `batch` runs here (`batch.how`; the base: QUEUED) and derive what its runs reuse (`prepared`):
+        once per plan, or per call for kernels launched outside a plan (`batch_of`)."""
+        batch.how = QUEUED
+
+    def batch_of(self, items: list[LaunchItem]) -> BatchState:
+        """A batch prepared now for kernels launched outside a plan (azyx.search's timing runs)."""
+        batch = BatchState([step for step, _, _ in items])
+        self.prepare_batch(batch)
+        return batch
 
     def begin_batch(self) -> None:
-        """The launches until `end_batch` are one plan's, on this device alone: a device may submit them together
-        (CUDA replays them as a graph once steady)."""
+        """The launches until `end_batch` are one plan's, on this device alone (where its `Runner.together` says so):
+        the device submits them together (CUDA replays them as a graph once steady)."""
 
     def end_batch(self) -> None:
         pass

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, RunRecord
+from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Runner, RunRecord
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.ir import CHECK_WORDS
@@ -42,11 +42,11 @@ class SyncStrategy(Enum):
 class UnifiedExecutor:
     def __init__(self) -> None:
         self.devices: dict[str, Device] = {}
-        # what running a plan needs that the plan itself does not say (its batches, the devices' launch tables),
-        # derived on its first run here and kept while the plan lives
-        self.prepared: weakref.WeakKeyDictionary[ExecutionPlan, list[_Segment]] = weakref.WeakKeyDictionary()
+        # what running a plan needs that the plan itself does not say (its segments, its devices' runners), derived on
+        # its first run here and kept while the plan lives
+        self.prepared: weakref.WeakKeyDictionary[ExecutionPlan, Prepared] = weakref.WeakKeyDictionary()
         self.partial: RunRecord | None = None  # the record of the last run that raised part way (see `settle`)
-        self.last: tuple[ExecutionPlan | None, list[_Segment]] = (None, [])  # (the last plan run: a steady loop's)
+        self.last: tuple[ExecutionPlan | None, Prepared] = (None, _NOTHING)  # (the last plan run: a steady loop's)
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"
@@ -67,23 +67,19 @@ class UnifiedExecutor:
             return SyncStrategy.PEER
         return SyncStrategy.HOST_STAGED
 
-    def single_device_check(self, plan: ExecutionPlan) -> Device | None:
-        """The one device a plan touches, for the fast path without cross-device waits; None if several."""
-        return self.devices[plan.devices[0]] if len(plan.devices) == 1 else None
-
     @staticmethod
     def _waits(dev: Device, bufs: list[Buffer]) -> list[tuple[Device, int]]:
         """What `dev` must wait for: buffers of other devices not ready yet (its own queue is in order)."""
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
-    def execute_kernel(self, items: list[LaunchItem], same_device: bool = False,
-                       batch: BatchState | None = None, overwrites: bool = False) -> int:
+    def execute_kernel(self, dev: Device, items: list[LaunchItem], batch: BatchState, same_device: bool = False,
+                       overwrites: bool = False) -> int:
         """Kernels of one device that run back to back (one piece of work where the device can make it one), each
-        with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan, where the
-        device keeps what it derives from them for the plan's next run. `overwrites`: one writes into a buffer the
-        plan was given (ExecutionPlan.overwrites), so it waits for the work other devices have queued, which may
-        still read that buffer (a copy out of it)."""
-        dev = self.devices[items[0][0].device]
+        with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan (how the
+        device runs them, what it derived from them: `Device.prepare`). `same_device`: the plan's only device (its
+        queue is in order: nothing to wait for). `overwrites`: one writes into a buffer the plan was given
+        (ExecutionPlan.overwrites), so it waits for the work other devices have queued, which may still read that
+        buffer (a copy out of it)."""
         waits = [] if same_device else [w for step, bufs, _ in items for w in self._waits(dev, bufs[step.outs:])]
         if overwrites:
             waits += [(d, d.queued()) for d in self.devices.values() if d is not dev and d.pending()]
@@ -135,16 +131,17 @@ class UnifiedExecutor:
         walk's); returns the targets' buffers (not yet necessarily ready: each carries the timeline value at which it
         will be) and the uploads of host data that the inputs' leaves keep (`plan.adopt`, in its order)."""
         assert len(bindings) == plan.n_inputs and len(scalars) == plan.n_scalars
-        last, segments = self.last
+        last, prepared = self.last
         if last is not plan:  # (a weak dictionary's lookup is Python code: a steady loop skips it)
-            prepared = self.prepared.get(plan)
-            if prepared is None:
-                prepared = self.prepared[plan] = _segments(plan, self.devices)
-            self.last = (plan, segments := prepared)
-        if segments and (lane := segments[0].lane) is not None:  # (the device's one call for the whole run)
+            found = self.prepared.get(plan)
+            if found is None:
+                found = self.prepared[plan] = Prepared(plan, self.devices)
+            self.last = (plan, prepared := found)
+        if (lane := prepared.lane) is not None:  # (the device's one call for the whole run)
             got = lane(bindings if type(bindings) is list else list(bindings), scalars)
             if got is not None:
                 return got, []
+        segments, alone, together = prepared.segments, prepared.alone, prepared.together
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
         for s in plan.checks:  # (each run's own check words: kernels that read indices flag one out of range)
@@ -154,9 +151,8 @@ class UnifiedExecutor:
             if (r := binding.run) is not None and not r.clean:
                 parents.append(r)
         record = RunRecord(parents)
-        only = segments[0].only if segments else None  # (single_device_check, made once)
-        if only is not None:
-            only.begin_batch()
+        if together is not None:
+            together.begin_batch()
         try:
             for seg in segments:
                 dev = seg.dev
@@ -172,15 +168,9 @@ class UnifiedExecutor:
                         bufs[s] = made
                 if seg.transfer is not None:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
-                elif only is not None and not seg.overwrites:  # (execute_kernel's body for one device: no waits)
-                    items = seg.items(bufs, scalars)
-                    after = dev.launch_many(items, [], seg.batch)
-                    for k, kbufs, _ in items:
-                        for out in kbufs[:k.outs]:
-                            out.ready = after
                 else:
-                    after = self.execute_kernel(seg.items(bufs, scalars), only is not None, seg.batch,
-                                                 seg.overwrites)
+                    after = self.execute_kernel(dev, seg.items(bufs, scalars), seg.batch, alone,  # type: ignore[arg-type]
+                                                seg.overwrites)
                 spans = record.spans  # (record.cover's body)
                 spans[dev] = (spans[dev][0] if dev in spans else before, after)
                 for s in seg.frees:
@@ -208,8 +198,8 @@ class UnifiedExecutor:
             raise
         finally:
             bufs.clear()
-            if only is not None:
-                only.end_batch()
+            if together is not None:
+                together.end_batch()
 
     def _read_checks(self, plan: ExecutionPlan, record: RunRecord, bufs: list[Buffer | None]) -> None:
         """The run's record reads its check words (Device.check_words: the run's own) once its work is done
@@ -262,19 +252,17 @@ class UnifiedExecutor:
         for dev in self.devices.values():
             dev.close()
         self.devices.clear()
-        self.last = (None, [])
+        self.last = (None, _NOTHING)
 
 
 class _Segment:
     """One piece of submitted work of a plan: a transfer, or kernels in a row on one device (one batch); the slots
-    its outputs need and the slots whose last use it is. Derived once per plan (UnifiedExecutor.prepared)."""
+    its outputs need and the slots whose last use it is. Derived once per plan (`Prepared`)."""
 
-    __slots__ = ("device", "dev", "only", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites",
-                 "args", "lane")
+    __slots__ = ("device", "dev", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites", "args")
 
     def __init__(self, dev: Device, transfer: TransferStep | None, kernels: list[KernelStep]):
         self.device, self.dev, self.transfer, self.kernels = dev.name, dev, transfer, kernels
-        self.only: Device | None = None  # (on the first segment) the plan's one device, None when it has several
         self.allocs: list[int] = [transfer.dst] if transfer is not None else [
             s for k in kernels for s in k.args[:k.outs]]
         self.frees: list[int] = []
@@ -283,7 +271,6 @@ class _Segment:
         self.overwrites = False  # a kernel of it writes into an input of the plan (ExecutionPlan.overwrites)
         # per kernel, what picks its buffers out of a run's slots (made once the kernels are all in)
         self.args: list[Callable[[list[Any]], Any]] = []
-        self.lane: Lane | None = None  # (on a plan's only segment) the device's call for the plan's whole run
 
     def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
         """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
@@ -296,6 +283,28 @@ class _Segment:
     def items(self, bufs: list[Buffer | None], scalars: list[Any] | tuple[Any, ...]) -> list[LaunchItem]:
         """The kernels' launch items for a run: each kernel, its buffers (from the run's slots), its scalar words."""
         return [(k, list(get(bufs)), w) for k, get, w in zip(self.kernels, self.args, self.words(scalars))]
+
+
+class Prepared:
+    """How the executor runs a plan, derived on its first run and kept with it (UnifiedExecutor.prepared): its segments
+    and each device's `Runner` (`Device.prepare`, once), whose answers it follows on every run:
+    - `lane`: the plan's whole run as one call (a lone kernel's device's), tried first;
+    - `together`: the device that collects the run's launches from its start to its end (a single-device plan's);
+    - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order)."""
+
+    __slots__ = ("segments", "runners", "lane", "together", "alone")
+
+    def __init__(self, plan: ExecutionPlan, devices: dict[str, Device]):
+        self.segments = _segments(plan, devices)
+        self.alone = len(plan.devices) == 1
+        self.runners: dict[str, Runner] = {}
+        for name in plan.devices:
+            dev = devices[name]
+            batches = [seg.batch for seg in self.segments if seg.dev is dev and seg.batch is not None]
+            self.runners[name] = dev.prepare(plan, batches)
+        runners = list(self.runners.values())
+        self.lane: Lane | None = runners[0].lane if self.alone else None
+        self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
 
 
 def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]:
@@ -312,19 +321,16 @@ def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]
             assert isinstance(step, TransferStep)
             out.append(last := _Segment(devices[step.dst_device], step, []))
         last.frees.extend(frees)
-    if out and len(plan.devices) == 1:
-        out[0].only = devices[plan.devices[0]]
     for seg in out:
         seg.args = [itemgetter(*k.args) if len(k.args) > 1 else _one(k.args[0]) for k in seg.kernels]
         if seg.transfer is None:
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
-    if len(out) == 1 and (seg := out[0]).transfer is None and len(seg.kernels) == 1 and not seg.overwrites \
-            and not plan.adopt and not plan.checks \
-            and all(s < plan.n_inputs or s in seg.allocs for s, _ in plan.outputs):
-        seg.lane = seg.dev.lane(plan)  # (a plan of one kernel whose outputs it writes: a lane runs it in one call)
     return out
 
 
 def _one(slot: int) -> Callable[[list[Any]], tuple[Any]]:
     return lambda bufs: (bufs[slot],)
+
+
+_NOTHING = Prepared.__new__(Prepared)  # (UnifiedExecutor.last before any run: paired with no plan, never read)

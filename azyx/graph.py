@@ -254,6 +254,8 @@ class Graph:
 _release = native.release if native is not None else None
 _become_leaf = native.become_leaf if native is not None else None
 
+GRAPH = Graph()  # the process's one graph: every tensor's node (it outlives runtime restarts)
+
 
 class ChainWatch:
     """Warns once (LazyChainWarning) about a lazy chain that grows across realizes without being realized: the

@@ -45,10 +45,9 @@ from typing import Any
 from azyx import debug
 from azyx.device import Buffer, buffer_of
 from azyx.errors import ArgumentError
-from azyx.graph import Node
+from azyx.graph import GRAPH, Node
 from azyx.plan import ExecutionPlan
 from azyx.realize import done, run_plan, submit, wait_for
-from azyx.runtime import GRAPH
 from azyx.tensor import Tensor
 from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording, structure
 from azyx.walk import Walk, leaf_entry

@@ -18,8 +18,8 @@ from azyx.codegen.templates import attention
 from azyx.device import DISK, buffer_of
 from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, DTypeError, ShapeError, StateDictError
-from azyx.graph import Node, Op
-from azyx.runtime import GRAPH, RT
+from azyx.graph import GRAPH, Node, Op
+from azyx.runtime import RT
 from azyx.tensor import Tensor, _as_dtype, broadcast_shapes
 
 

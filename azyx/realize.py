@@ -17,9 +17,9 @@ import numpy as np
 from azyx.device import buffer_of, host_read
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, DTypeError, RuntimeStateError, fresh_copy
-from azyx.graph import CHAINS, GraphCopy, Op, prod, user_site
+from azyx.graph import CHAINS, GRAPH, GraphCopy, Op, prod, user_site
 from azyx.plan import ExecutionPlan
-from azyx.runtime import GRAPH, RT, InFlight, loop_identity
+from azyx.runtime import RT, InFlight, loop_identity
 from azyx.schedule import make_plan
 from azyx.walk import Walk, canonicalize
 from azyx.workers import in_python_thread, in_worker_thread
@@ -61,8 +61,8 @@ async def realize(*tensors: Handle) -> None:
     except AzyxError:
         await _settle_partial()
         raise
-    if isinstance(got, _WALK_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
-        got = await submit(tensors, True, got if isinstance(got, Walk) else None)
+    if isinstance(got, _MISS_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
+        got = await submit(tensors, True, got if isinstance(got, _Miss) else None)
     plan = got[0]
     bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
@@ -104,7 +104,41 @@ class _Reserve:
             dev.reserve(sizes)
 
 
-_WALK_OR_RESERVE = (Walk, _Reserve)
+class _Miss:
+    """A walk the plan cache lacks, and what it saw: the targets' nodes and the leaves' buffers. If the graph below the
+    targets is unchanged once the plan is made (`unchanged`), the plan runs on this walk: a miss walks the graph
+    once."""
+
+    __slots__ = ("walk", "nodes", "bufs")
+
+    def __init__(self, walk: Walk) -> None:
+        self.walk = walk
+        self.nodes = [_nodes[i] for i in walk.targets]
+        self.bufs = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
+
+    def unchanged(self, tensors: Sequence[Handle]) -> bool:
+        """Whether walking `tensors` now would give this walk: the same target nodes (no tensor rebound, no node
+        freed and its id reused), none of its nodes realized meanwhile (each unrealized node holds its sources, so
+        the nodes below are the same too), the same buffer on every leaf (none uploaded meanwhile), and no
+        assignment whose writing in place (in the key) may have changed with another reference to its base."""
+        walk = self.walk
+        if _targets(tensors) != walk.targets:
+            return False
+        for i, n in zip(walk.targets, self.nodes):
+            if _nodes[i] is not n:
+                return False
+        for i in walk.topo:  # (a node realized meanwhile may have freed its sources, which come first)
+            n = _nodes[i]
+            if n is None or n.buffer is not None or n.op is Op.ASSIGN:
+                return False
+        for i, b in zip(walk.leaves, self.bufs):
+            n = _nodes[i]
+            if n is None or n.buffer is not b:
+                return False
+        return True
+
+
+_MISS_OR_RESERVE = (_Miss, _Reserve)
 
 
 def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
@@ -128,28 +162,38 @@ def _reservation(needs: list[tuple[Any, list[int]]]) -> _Reserve | None:
     return _Reserve(short) if short else None
 
 
-def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitted | Walk | _Reserve:
-    """submit's common case, without a coroutine: the unrealized `tensors`' graph walked and, when its plan is cached,
-    submitted (see submit); else the walk, for submit to plan; or, for a cached plan whose large new buffers the pools
-    lack (and `reserved` false), what to reserve first (off the loop, then walked again)."""
+def _targets(tensors: Sequence[Handle]) -> list[int]:
+    """The ids of the unrealized `tensors`, each once, in order."""
     if len(tensors) == 1:  # (one tensor, the common case: no generator, no dict)
         tid = tensors[0].id
-        targets = [tid] if _nodes[tid].buffer is None else []  # type: ignore[union-attr]
-    else:
-        targets = list(dict.fromkeys(t.id for t in tensors if _nodes[t.id].buffer is None))  # type: ignore[union-attr]
+        return [tid] if _nodes[tid].buffer is None else []  # type: ignore[union-attr]
+    return list(dict.fromkeys(t.id for t in tensors if _nodes[t.id].buffer is None))  # type: ignore[union-attr]
+
+
+def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitted | _Miss | _Reserve:
+    """submit's common case, without a coroutine: the unrealized `tensors`' graph walked and, when its plan is cached,
+    submitted (see submit); else the walk (a `_Miss`), for submit to plan; or, for a cached plan whose large new
+    buffers the pools lack (and `reserved` false), what to reserve first (off the loop, then walked again)."""
+    targets = _targets(tensors)
     if not targets:
         return None, None, []
     walk = canonicalize(GRAPH, targets)
     cache = RT.plan_cache
     plan = cache.get(walk.key)
     if plan is None:
-        return walk
+        return _Miss(walk)
     cache.touch(plan)
+    return _run_walk(plan, walk, reserved)
+
+
+def _run_walk(plan: ExecutionPlan, walk: Walk, reserved: bool) -> Submitted | _Reserve:
+    """Submit `plan` for the graph `walk` walked (its targets then become leaves), or, where its large new buffers
+    must be reserved first (and `reserved` false), what to reserve."""
     if _reserves and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
         return r
     bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
     outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
-    for tid, (buf, view) in zip(targets, outs):
+    for tid, (buf, view) in zip(walk.targets, outs):
         GRAPH.become_leaf(tid, buf, view)
     return plan, walk, bindings  # type: ignore[return-value]
 
@@ -162,11 +206,11 @@ async def _settle_partial() -> None:
     await ex.settle(partial)
 
 
-async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | None = None) -> Submitted:
+async def submit(tensors: Sequence[Handle], gated: bool = False, miss: _Miss | None = None) -> Submitted:
     """Plan (or find the cached plan), compile and submit the computation of the unrealized `tensors`, which become
     leaves holding buffers that are ready once their work is done. Returns the plan that ran, its walk and the
     buffers bound to the walk's leaves (None, None, [] when everything was realized already). `gated`: the caller
-    has had its turn on a crowded loop already (`_gate`); `walk`: the caller's walk of a graph the cache lacked."""
+    has had its turn on a crowded loop already (`_gate`); `miss`: the caller's walk of a graph the cache lacked."""
     rt = RT
     if rt.probing:
         await rt.probed()
@@ -174,7 +218,7 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
         await _pace(fut)
     reserved = False
     while True:
-        if walk is None:
+        if miss is None:
             try:
                 got = _submit_cached(tensors, reserved)
             except AzyxError:
@@ -184,9 +228,10 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
                 await in_worker_thread(got)
                 reserved = True
                 continue
-            if not isinstance(got, Walk):
+            if not isinstance(got, _Miss):
                 return got
-            walk = got
+            miss = got
+        walk = miss.walk
         key = walk.key
         # a crowd of realizes of one new graph (200 requests that differ only in their scalars) plans it once: the
         # others wait for that plan (each planning it on a worker thread of its own, 200 threads of Python work held
@@ -199,11 +244,11 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
                 raise fresh_copy(job.error)
             if (fut := _gate()) is not None:
                 await _pace(fut)
-            walk = None
+            miss = None
             continue  # (the graph may have changed meanwhile: walk it again)
         job = rt.planning[key] = InFlight(loop_id)
         try:
-            rt.plan_cache[key] = await _plan(rt, walk, walk.targets)
+            plan = rt.plan_cache[key] = await _plan(rt, walk, walk.targets)
         except Exception as e:  # (a cancelled realize is no failure: whoever waited plans anew)
             job.error = e
             raise
@@ -213,7 +258,17 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, walk: Walk | No
             job.event.set()
         if (fut := _gate()) is not None:  # (the realizes that waited for this compile wake together)
             await _pace(fut)
-        walk = None  # (and walked again, as the graph may have changed meanwhile: it finds the plan now)
+        if miss.unchanged(tensors):  # (the usual case: the plan runs on the walk it was made from)
+            try:
+                ran = _run_walk(plan, walk, reserved)
+            except AzyxError:
+                await _settle_partial()
+                raise
+            if not isinstance(ran, _Reserve):
+                return ran
+            await in_worker_thread(ran)
+            reserved = True
+        miss = None  # (walked again, as the graph changed meanwhile or buffers were reserved: it finds the plan now)
 
 
 async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
@@ -429,8 +484,8 @@ async def to_numpy(t: Handle) -> np.ndarray:
     except AzyxError:
         await _settle_partial()
         raise
-    if isinstance(got, _WALK_OR_RESERVE):
-        got = await submit((t,), True, got if isinstance(got, Walk) else None)
+    if isinstance(got, _MISS_OR_RESERVE):
+        got = await submit((t,), True, got if isinstance(got, _Miss) else None)
     plan = got[0]
     n = _nodes[t.id]
     assert n is not None

@@ -28,12 +28,10 @@ from azyx.codegen import search_actions as optimize
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
 from azyx.executor import UnifiedExecutor
-from azyx.graph import Graph, StridedView
+from azyx.graph import GRAPH, StridedView
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import LoopEvent
 from azyx.workers import in_worker_thread
-
-GRAPH = Graph()
 
 
 class PlanCache(dict[tuple, ExecutionPlan]):

@@ -12,8 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from azyx.allocator import MemoryUsage
+from azyx.graph import GRAPH
 from azyx.jit import trace_count
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from azyx.backends.disk import DiskDevice, DiskFile, FileRange, covering, file_i
 from azyx.device import DISK, buffer_of
 from azyx.errors import AzyxIOError, DeviceError
 from azyx.fileformat import Header, SafetensorsError, TensorEntry, read_header
-from azyx.graph import MOVEMENT, Node, Op, StridedView, contiguous_strides, prod, view_through
-from azyx.runtime import GRAPH, RT
+from azyx.graph import GRAPH, MOVEMENT, Node, Op, StridedView, contiguous_strides, prod, view_through
+from azyx.runtime import RT
 
 _open: weakref.WeakValueDictionary[tuple[Any, ...], DiskFile] = weakref.WeakValueDictionary()
 _open_lock = threading.Lock()

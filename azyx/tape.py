@@ -9,7 +9,7 @@ from typing import Any, overload
 
 from azyx.autograd import gradient
 from azyx.errors import RuntimeStateError
-from azyx.runtime import GRAPH
+from azyx.graph import GRAPH
 from azyx.tensor import Tensor
 
 

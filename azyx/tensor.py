@@ -39,13 +39,13 @@ from azyx.errors import (
     RuntimeStateError,
     ShapeError,
 )
-from azyx.graph import READ_IN_PLACE, Node, Op, Shape, prod
+from azyx.graph import GRAPH, READ_IN_PLACE, Node, Op, Shape, prod
 from azyx.native import native
 from azyx.realize import done as _done
 from azyx.realize import realize as _realize
 from azyx.realize import run_sync
 from azyx.realize import to_numpy as _read
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 from azyx.storage import on_build, safetensors_node
 from azyx.traced import Traced, lift
 

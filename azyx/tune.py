@@ -15,10 +15,10 @@ import numpy as np
 
 from azyx.codegen import search_actions
 from azyx.config import SEARCH_LEVELS, SearchConfigError
-from azyx.graph import GraphCopy
+from azyx.graph import GRAPH, GraphCopy
 from azyx.plan import ExecutionPlan
 from azyx.realize import run_sync
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 from azyx.schedule import make_plan
 from azyx.search import SearchResult, search_split
 from azyx.tensor import Tensor

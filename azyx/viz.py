@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from azyx.runtime import GRAPH
+from azyx.graph import GRAPH
 
 if TYPE_CHECKING:
     from azyx.tensor import Tensor

@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 
 import azyx  # noqa: E402
 from azyx import Tensor  # noqa: E402
-from azyx.runtime import GRAPH, RT  # noqa: E402
+from azyx.graph import GRAPH  # noqa: E402
+from azyx.runtime import RT  # noqa: E402
 
 F32 = np.float32
 START, END = "<!-- bench:devices:start -->", "<!-- bench:devices:end -->"

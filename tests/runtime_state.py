@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 
 import azyx
-from azyx.runtime import GRAPH, RT
+from azyx.graph import GRAPH
+from azyx.runtime import RT
 
 
 def in_use() -> dict[str, int]:

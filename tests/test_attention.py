@@ -16,8 +16,9 @@ import pytest
 import azyx
 from azyx import GradientTape, Tensor, nn
 from azyx.errors import ArgumentError, ShapeError
+from azyx.graph import GRAPH
 from azyx.ir import attention_of
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 
 try:
     import torch

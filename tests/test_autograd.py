@@ -16,9 +16,8 @@ import pytest
 
 import azyx
 from azyx import GradientTape, Tensor
-from azyx.graph import Op
+from azyx.graph import GRAPH, Op
 from azyx.realize import run_sync
-from azyx.runtime import GRAPH
 
 try:
     import torch

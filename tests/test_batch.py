@@ -15,7 +15,8 @@ import numpy as np
 import azyx
 from azyx import Tensor
 from azyx.codegen.launch import OWN_REGION, SERIAL, SHARED, parallel_kind
-from azyx.runtime import GRAPH, RT
+from azyx.graph import GRAPH
+from azyx.runtime import RT
 from tests.compare import sample
 from tests.runtime_state import settle
 
@@ -144,7 +145,8 @@ def test_shutdown_runs_the_batches_queued_in_c_first(tmp_path: Path) -> None:
     script = """
 import asyncio, numpy as np, azyx
 from azyx import Tensor
-from azyx.runtime import GRAPH, RT
+from azyx.graph import GRAPH
+from azyx.runtime import RT
 azyx.configure({"opencl": {"enabled": False}})
 
 async def main():

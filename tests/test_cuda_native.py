@@ -14,8 +14,9 @@ import pytest
 
 import azyx
 from azyx import Tensor
+from azyx.graph import GRAPH
 from azyx.native import native
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 from azyx.walk import canonicalize
 
 GPUS = [d for d in azyx.devices() if d.startswith("cuda:")]
@@ -46,8 +47,8 @@ def _runs(dev: Any, plan: Any, x: Tensor, make: Any, lane: bool) -> list[tuple[A
     executor's path; per run what it left: its values relative to the first's base, the queue's tables, the output's
     record, view and buffer."""
     xbuf = GRAPH.nodes[x.id].buffer
-    segment = RT.executor.prepared[plan][0]
-    kept, segment.lane = segment.lane, (segment.lane if lane else None)
+    prepared = RT.executor.prepared[plan]
+    kept, prepared.lane = prepared.lane, (prepared.lane if lane else None)
     base = dev.submitted
     seen = []
     try:
@@ -62,7 +63,7 @@ def _runs(dev: Any, plan: Any, x: Tensor, make: Any, lane: bool) -> list[tuple[A
                          {d.name: (a - base, b - base) for d, (a, b) in buf.run.spans.items()},
                          buf.run.parents == [], view, buf))
     finally:
-        segment.lane = kept
+        prepared.lane = kept
     return seen
 
 

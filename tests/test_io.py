@@ -22,7 +22,8 @@ from test_fuzz_views import apply, chains
 
 import azyx
 from azyx import Tensor, dtypes
-from azyx.runtime import GRAPH, RT
+from azyx.graph import GRAPH
+from azyx.runtime import RT
 
 # numpy arrays for every dtype the format and azyx share (bfloat16: its bits as uint16)
 DTYPES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]

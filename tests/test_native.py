@@ -22,9 +22,8 @@ from azyx import walk as walk_mod
 from azyx.allocator import PoolAllocator
 from azyx.csrc import source_abi
 from azyx.dtypes import SCALAR_CODES, dtypes
-from azyx.graph import Graph, Node, Op
+from azyx.graph import GRAPH, Graph, Node, Op
 from azyx.native import native
-from azyx.runtime import GRAPH
 from azyx.tape import GradientTape
 
 pytestmark = pytest.mark.skipif(native is None and os.environ.get("AZYX_NATIVE") == "0",
@@ -521,7 +520,7 @@ def test_a_batch_call_in_c_matches_the_ctypes_call() -> None:
     plan = RT.plan_cache.get(walk_mod.canonicalize(GRAPH, [probe.id]).key)
     assert plan is not None and len(plan.kernels) > 1
     probe.numpy_sync()
-    layouts = [s.batch.prepared for s in RT.executor.prepared[plan] if s.batch is not None]
+    layouts = [s.batch.prepared for s in RT.executor.prepared[plan].segments if s.batch is not None]
     assert layouts and all(isinstance(lay, _Layout) and lay.call is not None and lay.scalars for lay in layouts)
     calls = [lay.call for lay in layouts]
     made: list[int] = []

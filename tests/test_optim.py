@@ -14,8 +14,9 @@ import pytest
 
 import azyx
 from azyx import GradientTape, Tensor, nn, optim
+from azyx.graph import GRAPH
 from azyx.realize import run_sync
-from azyx.runtime import GRAPH, RT
+from azyx.runtime import RT
 
 try:
     import torch

@@ -13,8 +13,7 @@ import pytest
 
 import azyx
 from azyx import Tensor
-from azyx.graph import Op
-from azyx.runtime import GRAPH
+from azyx.graph import GRAPH, Op
 
 SCRIPT = """
 import numpy as np, azyx

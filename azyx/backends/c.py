@@ -38,7 +38,16 @@ from azyx.backends.host import HostDevice
 from azyx.codegen.dialect import C
 from azyx.codegen.launch import SHARED
 from azyx.codegen.templates import gemm_host
-from azyx.device import BatchState, Device, LaunchItem, artifact_key, cached_build, compiled, kernel_list
+from azyx.device import (
+    INLINE,
+    QUEUED,
+    BatchState,
+    LaunchItem,
+    artifact_key,
+    cached_build,
+    compiled,
+    kernel_list,
+)
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
 from azyx.native import native
@@ -234,31 +243,25 @@ class CDevice(HostDevice):
         return {name: (ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0, kinds[name])
                 for name in arity}
 
-    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
-                    batch: BatchState | None = None) -> int:
-        """A plan's small batch whose layout is known runs here and now when the queue is idle and nothing is waited
-        for (a steady small request: no work item, no hand-off); anything else is a work item (HostDevice)."""
-        layout = batch.prepared if batch is not None else None
-        if (waits or type(layout) is not _Layout or layout.work > self.inline_work or self.serial_pool is None
-                or debug.enabled(debug.LAUNCHES)):
-            return super().launch_many(items, waits, batch)
-        q = self.queue
-        with q.lock:
-            v = q.submitted + 1
-            if q.timeline.value == v - 1:  # (else work is queued: this batch goes after it)
-                q.submitted = v
-                try:
-                    layout.inline(self.serial_pool, items)
-                except BaseException as e:  # the run it belongs to raises it (RunRecord)
-                    q.record_failure(v, e)
-                q.timeline.signal(v)
-                return v
-        return super().launch_many(items, waits, batch)
-
-    def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
-        if self.pool is None:  # its helper threads start with the first batch that shares a loop
+    def prepare_batch(self, batch: BatchState) -> None:
+        """INLINE or QUEUED by its work (HostDevice; QUEUED under AZYX_DEBUG's launch timings, which time each kernel
+        of a work item), and its `_Layout`; the device's thread pools, and its runner, start with the first batch that
+        needs them."""
+        super().prepare_batch(batch)
+        if debug.enabled(debug.LAUNCHES):
+            batch.how = QUEUED
+        if self.pool is None:
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
             self.queue.native = _Runner(self.pool, self.timeline, self.name)
+        # small work, which may run inline on the event loop's thread: by that thread alone, never waiting for a helper
+        # that took a part and then lost its core to another process (a stall of a scheduler time slice)
+        if batch.how is INLINE and self.serial_pool is None:
+            self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
+        batch.prepared = _Layout(batch.steps, self.serial_pool or 0)
+
+    def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
+        layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
+        assert type(layout) is _Layout and pool is not None and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
             calls = [_Batch([item], _Layout([item[0]]), self.pool) for item in items]
 
@@ -269,18 +272,7 @@ class CDevice(HostDevice):
                     debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
                                               f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        layout = batch.prepared if batch is not None else None
-        if not isinstance(layout, _Layout):
-            layout = _Layout([step for step, _, _ in items])
-            if batch is not None:
-                batch.prepared = layout
-        if layout.work > self.inline_work:
-            return _Batch(items, layout, self.pool)
-        # small work, which may run inline on the event loop's thread: by that thread alone, never waiting for a
-        # helper that took a part and then lost its core to another process (a stall of a scheduler time slice)
-        if self.serial_pool is None:
-            self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
-        return _Batch(items, layout, self.serial_pool)
+        return _Batch(items, layout, pool)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -302,10 +294,11 @@ class _Layout:
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
     __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
-                 "value_ptrs", "fill", "kinds_table", "call")
+                 "value_ptrs", "fill", "kinds_table", "call", "serial")
 
-    def __init__(self, steps: list[KernelStep]):
+    def __init__(self, steps: list[KernelStep], serial: int = 0):
         self.n = len(steps)
+        self.serial = serial  # the pool of one thread that an INLINE batch runs on (`inline`)
         self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
@@ -339,8 +332,9 @@ class _Layout:
             ctypes.addressof(self.scratch), len(self.scratch), ctypes.addressof(self.argc),
             ctypes.addressof(self.kinds_table), ctypes.addressof(self.trips)) if native is not None else None
 
-    def inline(self, pool: int, items: list[LaunchItem]) -> None:
-        """Run the batch now, on the calling thread, through the scratch table."""
+    def inline(self, items: list[LaunchItem]) -> None:
+        """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
+        pool = self.serial
         if not self.scalars:
             vals = [b.ptr for _, bufs, _ in items for b in bufs]
         else:

@@ -41,7 +41,18 @@ from azyx.codegen.dialect import CUDA
 from azyx.codegen.kernel import render_kernel
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates.gemm_sm90 import TensorMap
-from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, RunRecord, kernel_list
+from azyx.device import (
+    GRAPH,
+    INLINE,
+    BatchState,
+    Buffer,
+    Device,
+    LaunchItem,
+    Runner,
+    RunRecord,
+    kernel_list,
+    lone_kernel,
+)
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel
 from azyx.native import native
@@ -540,10 +551,12 @@ class CUDADevice(StagedCopies):
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
-        """Kernels in a row: collected into the batch (a single-device plan's; for a plan over several devices, a batch
-        of their own, after the first kernel when that one waits), so they cost one event and, once steady, one graph
-        launch."""
-        if self.batch is None and len(items) < 2:
+        """Kernels in a row: collected into the batch (a single-device plan's, open for its whole run; for a plan over
+        several devices, a GRAPH batch of their own, after the first kernel when that one waits), so they cost one event
+        and, once steady, one graph launch. An INLINE batch (one kernel) outside a run-long batch is one command."""
+        if batch is None:
+            batch = self.batch_of(items)
+        if self.batch is None and batch.how is INLINE:
             return super().launch_many(items, waits, batch)
         v = 0
         if waits:
@@ -569,19 +582,27 @@ class CUDADevice(StagedCopies):
                 self.end_batch()
         return v
 
-    def lane(self, plan: ExecutionPlan) -> Lane | None:
-        """The run of `plan`, one kernel on this device, as one C call (`native.Lane`): what `begin_batch`, `alloc`,
+    def prepare_batch(self, batch: BatchState) -> None:
+        """One kernel: INLINE (a command of its own, where no run-long batch is open); more: GRAPH (collected, one
+        event, replayed as a graph once steady)."""
+        batch.how = INLINE if len(batch.steps) == 1 else GRAPH
+
+    def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
+        """A single-device plan's launches are collected for its whole run (`together`: one batch, one graph once
+        steady); a plan of one kernel (`lone_kernel`) runs as one C call (`native.Lane`): what `begin_batch`, `alloc`,
         `launch_many` and `end_batch` do for a batch of one launch, and the executor's bookkeeping of the run, with no
-        Python between the call and the launch. None without the native core, or for a kernel that takes tensor maps
-        or a zeroed output (their launch is made here, in Python)."""
-        step = plan.steps[0]
-        assert isinstance(step, KernelStep)
+        Python between the call and the launch. No lane without the native core, or for a kernel that takes tensor
+        maps or a zeroed output (their launch is made here, in Python)."""
+        runner = super().prepare(plan, batches)
+        runner.together = len(plan.devices) == 1
+        step = lone_kernel(plan)
+        if step is None or native is None or self.native_queue is None or step.launch.maps or step.launch.zero:
+            return runner
         dims = step.launch
-        if native is None or self.native_queue is None or dims.maps or dims.zero:
-            return None
         sizes = tuple(-1 if i < plan.n_inputs else max(s.nbytes, 1) for i, s in enumerate(plan.slots))
-        return native.Lane(self.native_queue, self.programs[step.name], tuple(dims.grid), dims.group, dims.smem,
-                           step.args, step.outs, plan.n_inputs, sizes, plan.outputs, step.pack)
+        runner.lane = native.Lane(self.native_queue, self.programs[step.name], tuple(dims.grid), dims.group, dims.smem,
+                                  step.args, step.outs, plan.n_inputs, sizes, plan.outputs, step.pack)
+        return runner
 
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:
@@ -597,13 +618,7 @@ class CUDADevice(StagedCopies):
         batch, self.batch = self.batch, None
         try:
             assert batch is not None
-            if len(batch) == 1 and not self.deferred:  # (a small request's one launch: _flush's common case, inline)
-                if self.hot.current_context() != self.ctx_id:
-                    self.use()
-                fn, dims, ptrs, _ = batch[0]
-                self._launch_now(fn, dims, ptrs)
-                self._record(self.submitted, None, None)
-            elif batch:
+            if batch:
                 self._flush(batch)
         finally:
             self.lock.release()

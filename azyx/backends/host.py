@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from azyx.allocator import PoolAllocator
-from azyx.device import BatchState, Buffer, Device, LaunchItem, host_read
+from azyx.device import INLINE, QUEUED, BatchState, Buffer, Device, LaunchItem, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
@@ -84,6 +84,21 @@ class WorkQueue:
                 self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
                 self.thread.start()
             self.q.put((fn, waits, v))
+        return v
+
+    def run_now(self, fn: Callable[..., None], *args: Any) -> int:
+        """Run `fn(*args)` on the calling thread as the queue's next item, where the queue is idle (everything before
+        it has run): returns its timeline value; 0 where the queue is busy (the caller queues the work instead)."""
+        with self.lock:
+            v = self.submitted + 1
+            if self.timeline.value != v - 1:
+                return 0
+            self.submitted = v
+            try:
+                fn(*args)
+            except BaseException as e:  # the run it belongs to raises it (RunRecord)
+                self.record_failure(v, e)
+            self.timeline.signal(v)
         return v
 
     def _execute(self, fn: Callable[[], None], v: int) -> None:
@@ -167,10 +182,20 @@ class HostDevice(Device):
     def queued(self) -> int:
         return self.queue.submitted
 
-    def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
-        return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], work <= self.inline_work)
+    def runs_inline(self, work: int) -> bool:
+        """Whether work of this size runs on the submitting thread when the queue is idle (`inline_work`): handing it
+        to the worker thread would cost more than the work."""
+        return work <= self.inline_work
 
-    def batch_fn(self, items: list[LaunchItem], batch: BatchState | None = None) -> Callable[[], None]:
+    def submit(self, fn: Callable[[], None], waits: list[tuple[Device, int]], work: int) -> int:
+        return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], self.runs_inline(work))
+
+    def prepare_batch(self, batch: BatchState) -> None:
+        """INLINE where the batch's work is small (`runs_inline`), else QUEUED. A backend then leaves in an INLINE
+        batch's `prepared` what runs it now on the calling thread: `prepared.inline(items)`."""
+        batch.how = INLINE if self.runs_inline(batch.work) else QUEUED
+
+    def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
         raise NotImplementedError
 
@@ -180,9 +205,15 @@ class HostDevice(Device):
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
-        """Kernels back to back: one work item, so one hand-off to the worker thread for all of them."""
-        work = batch.work if batch is not None else sum(step.work for step, _, _ in items)
-        return self.submit(self.batch_fn(items, batch), waits, work)
+        """Kernels back to back. An INLINE batch whose waits are met runs here and now where the queue is idle (a
+        steady small request: no work item, no hand-off); any other is one work item, so one hand-off to the worker
+        thread (or the native queue) for all of them."""
+        if batch is None:
+            batch = self.batch_of(items)
+        if batch.how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
+                v := self.queue.run_now(batch.prepared.inline, items)):
+            return v
+        return self.queue.submit(self.batch_fn(items, batch), [(d.timeline, w) for d, w in waits], False)
 
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
         """A memmove on this device's queue (also from another host-memory device of this kind: c:0 -> c:1)."""

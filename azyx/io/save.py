@@ -22,9 +22,8 @@ from azyx.device import Buffer
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AzyxIOError, DTypeError
 from azyx.fileformat import DTYPES, SafetensorsError, TensorEntry, header_bytes
-from azyx.graph import Shape, StridedView, prod
+from azyx.graph import GRAPH, Shape, StridedView, prod
 from azyx.realize import realize
-from azyx.runtime import GRAPH
 from azyx.tensor import Tensor
 from azyx.workers import in_background, in_worker_thread, result_of, start_in_worker_thread
 
