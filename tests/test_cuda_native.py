@@ -85,7 +85,7 @@ async def test_a_lane_replays_what_the_python_batch_path_does() -> None:
     probe = make(x, 8)
     plan = RT.plan_cache.get(canonicalize(GRAPH, [probe.id]).key)
     assert plan is not None and len(plan.kernels) == 1
-    assert RT.executor.prepared[plan][0].lane is not None
+    assert RT.executor.prepared[plan].lane is not None
     xbuf = GRAPH.nodes[x.id].buffer
     results = {}
     for lane in (True, False):
