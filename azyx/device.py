@@ -165,6 +165,10 @@ def buffer_of(n: Node) -> Buffer:
 # the longest a query for completion spins on a device whose kernels run on this machine's CPU (PoCL, lavapipe): the
 # loop would spin on a core the kernels need
 CPU_SPIN_S = 100e-6
+# rough GFLOP/s by the kind of processor an API names (WebGPU's adapter types; Vulkan's device types map to them), for
+# AUTO placement; other kinds: ROUGH_GFLOPS_OTHER
+ROUGH_GFLOPS = {"CPU": 10.0, "IntegratedGPU": 200.0, "DiscreteGPU": 2000.0}
+ROUGH_GFLOPS_OTHER = 50.0
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:

@@ -50,6 +50,8 @@ from azyx.backends.queued import QueuedDevice
 from azyx.cstyle import GLSL, Dialect
 from azyx.device import (
     CPU_SPIN_S,
+    ROUGH_GFLOPS,
+    ROUGH_GFLOPS_OTHER,
     BatchState,
     Buffer,
     Device,
@@ -94,8 +96,8 @@ DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 BARRIER_SRC, BARRIER_DST = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, (vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT |
                                                                   vk.VK_PIPELINE_STAGE_HOST_BIT)
 ACCESS_DST = vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT
-COMPUTE = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: 10.0, vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: 200.0,
-           vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: 2000.0}  # rough GFLOP/s by device type, for AUTO placement
+PROCESSOR = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "CPU", vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "IntegratedGPU",
+             vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "DiscreteGPU"}  # a device type's name in ROUGH_GFLOPS
 # features a kernel may need, enabled where the device has them: (struct, field)
 OPTIONAL_FEATURES = [("core", "shaderInt64"), ("core", "shaderFloat64"), ("core", "shaderInt16"),
                      ("v11", "storageBuffer16BitAccess"), ("v12", "storageBuffer8BitAccess"), ("v12", "shaderInt8"),
@@ -376,7 +378,7 @@ class VulkanDevice(QueuedDevice):
                                      f"{self.name} staging")
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             self.spin_cap = CPU_SPIN_S
-        self.compute = COMPUTE.get(dtype, 50.0)
+        self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
         self.sem = self._semaphore()  # the timeline: submission v signals v
         self.gate = self._semaphore()  # host-opened gates of submissions that wait on other kinds of devices
         self.gates = 0  # gates handed out

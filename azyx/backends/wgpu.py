@@ -37,7 +37,7 @@ from azyx import debug, optimize
 from azyx.allocator import PoolAllocator
 from azyx.backends.queued import QueuedDevice
 from azyx.config import ConfigError
-from azyx.device import Buffer, Device, LaunchItem, Lent, kernel_list, word_table
+from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, Lent, kernel_list, word_table
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.launch import Launch
@@ -64,7 +64,6 @@ ADAPTER_ORDER = {"high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGP
 # by a substring of the adapter's device name: the renderer unrolls reduce loops to stay below it (wgsl.unroll)
 LOOP_LIMITS = {"llvmpipe": 65535}
 BIND_GROUPS = 4096  # bind groups a device keeps (by kernel, buffers and words window)
-COMPUTE = {"DiscreteGPU": 2000.0, "IntegratedGPU": 200.0, "CPU": 10.0}  # rough GFLOP/s, for AUTO placement
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 UPLOAD = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
@@ -176,7 +175,7 @@ class WgpuDevice(QueuedDevice):
         if limits["max-compute-workgroups-per-dimension"] < WGSL_FACTS.max_groups:
             raise DeviceError(f"{self.name}: {self.label} allows only "
                               f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
-        self.compute = COMPUTE.get(info["adapter_type"], 50.0)
+        self.compute = ROUGH_GFLOPS.get(info["adapter_type"], ROUGH_GFLOPS_OTHER)
         # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
         default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
