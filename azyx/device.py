@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -204,6 +205,10 @@ def buffer_of(n: Node) -> Buffer:
 # the longest a query for completion spins on a device whose kernels run on this machine's CPU (PoCL, lavapipe): the
 # loop would spin on a core the kernels need
 CPU_SPIN_S = 100e-6
+# rough GFLOP/s by the kind of processor an API names (WebGPU's adapter types; Vulkan's device types map to them), for
+# AUTO placement; other kinds: ROUGH_GFLOPS_OTHER
+ROUGH_GFLOPS = {"CPU": 10.0, "IntegratedGPU": 200.0, "DiscreteGPU": 2000.0}
+ROUGH_GFLOPS_OTHER = 50.0
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
 
 class Device:
@@ -216,19 +221,20 @@ class Device:
       `block_address` (a block's address, where kernels read buffers by address) and `max_block`. Host staging (for
       `copy_from_host` from memory the API copies fastest: pinned, mapped) is a second pool whose blocks are lent as
       `Lent` (`host_staging`, `staging_block`).
-    - queue + timeline (the event queue): in-order work, each item a value of the device's TimelineSignal
-      (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
-      value (`record_failure`). backends/queued.py is it for an API with completion events: the backend submits a
-      command, puts its native event on `completions` and says how to wait on one (`wait_event`); the waits of a
-      command on other devices' values are translated once (`QueuedDevice.native_waits`: the backend says which it
-      can wait on natively, `native_wait`; the host completes the rest). backends/host.py is it for host memory (an
-      in-order worker thread). The transfer calls the executor routes (`copy`, `copy_peer`, `copy_to_host`,
-      `copy_from_host`, `hold`) queue there too.
+    - queue + timeline (the event queue): in-order work, each item a value of the device's TimelineSignal (`pending`,
+      `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per value
+      (`record_failure`), `spun` the one spin of a `poll` that queries the API. backends/queued.py is it for an API
+      with completion events: the backend submits a command, puts its native event on `completions` and says how to
+      wait on one (`wait_event`); the waits of a command on other devices' values are translated once
+      (`QueuedDevice.native_waits`: the backend says which it can wait on natively, `native_wait`; the host completes
+      the rest). backends/host.py is it for host memory (an in-order worker thread). The transfer calls the executor
+      routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
       `build`: compile, on a worker thread, its artifacts in one on-disk cache, `cached_build`, within
       `compile_timeout_s`, `run_compiler` for a compiler that is a process).
     - program/launch: `render` (name, source, `Launch`: codegen's, in the device's `dialect`) and the backend's
-      `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars.
+      `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars (`word_table`
+      packs a batch's words where the API reads them from memory).
 
     So a new backend writes: `__init__` (open the API, make the pool), create/destroy a block, `native_wait` (or its
     own queue), `build`, `launch`, the transfer calls; and sets the facts below that differ (`kind`, `dialect`, ...)
@@ -616,6 +622,17 @@ class Device:
         do). Returns whether `v` is reached. Optional: a device without a cheap query says no."""
         return self.timeline.value >= v
 
+    def spun(self, done: Callable[[], bool], spin: float) -> bool:
+        """Whether `done()` holds now or, asked again and again, within `spin` seconds (at most `spin_cap`): the query
+        of a backend's `poll`."""
+        if done():
+            return True
+        deadline = time.perf_counter() + min(spin, self.spin_cap)
+        while time.perf_counter() < deadline:
+            if done():
+                return True
+        return False
+
     def close(self) -> None:
         pass
 
@@ -643,6 +660,19 @@ class Lent:
                     self.give_back(self.pool, self.block, self.size)
         except Exception:  # interpreter shutdown
             pass
+
+
+def word_table(rows: list[list[int]], sizes: list[int], align: int) -> tuple[list[int], np.ndarray]:
+    """The 64-bit words of several kernels in one table (uint64), each row at an offset aligned to `align` bytes and
+    taking `sizes[i]` bytes (at least its words): the rows' byte offsets and the table."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // align) * align
+    table = np.zeros(at // 8, np.uint64)
+    for off, row in zip(offsets, rows):
+        table[off // 8:off // 8 + len(row)] = row
+    return offsets, table
 
 
 def after_waits(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -54,8 +53,6 @@ _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a scalar arg
 def _masks(dts: tuple[DType, ...]) -> tuple[int, ...]:
     """The low bits of each scalar's word that its argument takes (as many as its size)."""
     return tuple((1 << 8 * scalar_size(d)) - 1 for d in dts)
-
-
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -95,8 +92,6 @@ class OpenCLDevice(QueuedDevice):
         if self.cl_device.type & cl.device_type.CPU:  # (PoCL) matrix products by a CPU-style template
             width = 4 * int(self.cl_device.native_vector_width_float)
             self.dialect = dataclasses.replace(OPENCL, gemm=True, simd=width if width in (16, 32, 64) else 16)
-        self.spin = float(options.get("spin_us", 20)) * 1e-6
-        if self.cl_device.type & cl.device_type.CPU:
             self.spin_cap = CPU_SPIN_S
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
@@ -171,12 +166,8 @@ class OpenCLDevice(QueuedDevice):
         ev = self.events.get(v)
         if ev is None:
             return self.timeline.value >= v
-        status = ev.command_execution_status  # (CL_COMPLETE is 0; queued, submitted, running above; errors below)
-        if status > 0 and spin > 0:
-            deadline = time.perf_counter() + min(spin, self.spin_cap)
-            while (status := ev.command_execution_status) > 0 and time.perf_counter() < deadline:
-                pass
-        if status != 0:
+        # (CL_COMPLETE is 0; queued, submitted, running above; errors below)
+        if not self.spun(lambda: ev.command_execution_status <= 0, spin) or ev.command_execution_status != 0:
             return self.timeline.value >= v
         self.timeline.signal(v)
         return True

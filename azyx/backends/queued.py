@@ -34,6 +34,7 @@ class QueuedDevice(Device):
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         self.submitted = 0
+        self.spin = float(options.get("spin_us", 0)) * 1e-6  # (its config section's, where `poll` may spin)
         self.events: dict[int, Any] = {}  # timeline value -> the event completing it (dropped once the waiter is past)
         self.holding: dict[int, Any] = {}  # what queued commands use, by value, held until they complete
         self.waited = 0  # the last value whose completion the waiter thread handled

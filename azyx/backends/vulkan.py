@@ -11,7 +11,8 @@ low first). A launch dispatches `Launch.grid` work groups; the shader declares i
 Command buffers: a plan's batch of kernels on this device (`BatchState`) is recorded once into a command buffer
 with a barrier after each dispatch, and submitted again on the plan's later runs: a run only writes its buffers'
 addresses and scalars into the command buffer's words (a few are kept per batch, so that runs in flight overlap).
-Other work (a lone launch, copies) records a one-time command buffer.
+Other work (a lone launch, copies) records a one-time command buffer, on the submitting thread: the event loop's for the
+executor's calls (a known cost on the loop, issue 35; wgpu's worker thread is the model for moving it off).
 
 Memory: pooled VkBuffers, each with its own VkDeviceMemory. Where the device's memory is host memory (a CPU device
 such as lavapipe, an integrated GPU) it is mapped once and stays mapped: host reads and writes are memcpys. Elsewhere
@@ -49,6 +50,8 @@ from azyx.backends.queued import QueuedDevice
 from azyx.codegen.dialect import GLSL, Dialect
 from azyx.device import (
     CPU_SPIN_S,
+    ROUGH_GFLOPS,
+    ROUGH_GFLOPS_OTHER,
     BatchState,
     Buffer,
     Device,
@@ -58,6 +61,7 @@ from azyx.device import (
     compiled,
     kernel_list,
     run_compiler,
+    word_table,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.plan import KernelStep
@@ -75,6 +79,7 @@ ffi = vk.ffi
 SYNC_STAGE = 1 << 20  # a ready host source up to this size is copied at once; larger ones on a worker thread
 WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in slices of this (so that close stops it)
 GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
+WORDS_TYPE = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC  # a kernel's one binding: its words
 SETS_PER_POOL = 64  # descriptor sets per descriptor pool (a command buffer keeps one set for its words)
 LLVMPIPE_TRIPS = 60000  # (llvmpipe ends a shader's loops after 65535 iterations, silently: a margin below it)
 WORDS_RANGE = 4096  # bytes of words one kernel may read (its buffers' addresses and its scalars: 512 64-bit words)
@@ -91,6 +96,8 @@ DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 BARRIER_SRC, BARRIER_DST = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, (vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT |
                                                                   vk.VK_PIPELINE_STAGE_HOST_BIT)
 ACCESS_DST = vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT
+PROCESSOR = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "CPU", vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "IntegratedGPU",
+             vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "DiscreteGPU"}  # a device type's name in ROUGH_GFLOPS
 # features a kernel may need, enabled where the device has them: (struct, field)
 OPTIONAL_FEATURES = [("core", "shaderInt64"), ("core", "shaderFloat64"), ("core", "shaderInt16"),
                      ("v11", "storageBuffer16BitAccess"), ("v12", "storageBuffer8BitAccess"), ("v12", "shaderInt8"),
@@ -101,11 +108,9 @@ OPTIONAL_FEATURES = [("core", "shaderInt64"), ("core", "shaderFloat64"), ("core"
 @functools.cache
 def instance() -> Any:
     """The process's VkInstance (Vulkan 1.2 at least: timeline semaphores are core there)."""
-    app = vk.VkApplicationInfo(sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName="azyx",
-                               apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
+    app = vk.VkApplicationInfo(pApplicationName="azyx", apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
     try:
-        inst = at_lower_priority(vk.vkCreateInstance, vk.VkInstanceCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pApplicationInfo=app), None)
+        inst = at_lower_priority(vk.vkCreateInstance, vk.VkInstanceCreateInfo(pApplicationInfo=app), None)
         at_lower_priority(vk.vkEnumeratePhysicalDevices, inst)  # (a driver's threads start with its devices)
         return inst
     except vk.VkError as e:
@@ -140,29 +145,21 @@ class _Context:
         self.pd = vk.vkEnumeratePhysicalDevices(instance())[index]
         self.props = vk.vkGetPhysicalDeviceProperties(self.pd)
         self.limits = self.props.limits
-        m3 = vk.VkPhysicalDeviceMaintenance3Properties(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES)
-        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=m3))
+        sg = vk.VkPhysicalDeviceSubgroupProperties()
+        fc = vk.VkPhysicalDeviceFloatControlsProperties(pNext=sg)
+        m3 = vk.VkPhysicalDeviceMaintenance3Properties(pNext=fc)
+        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(pNext=m3))
         self.max_allocation = int(m3.maxMemoryAllocationSize)
-        fc = vk.VkPhysicalDeviceFloatControlsProperties(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FLOAT_CONTROLS_PROPERTIES)
-        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=fc))
         self.preserve_nan = [w for w in (16, 32, 64) if getattr(fc, f"shaderSignedZeroInfNanPreserveFloat{w}")]
-        sg = vk.VkPhysicalDeviceSubgroupProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
-        vk.vkGetPhysicalDeviceProperties2(self.pd, vk.VkPhysicalDeviceProperties2(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=sg))
         shuffles = sg.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT and \
             sg.supportedOperations & vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT
         self.subgroup = int(sg.subgroupSize) if shuffles else 0  # lanes of a shuffle (0: no shuffles)
         self.gpu = self.props.deviceType != vk.VK_PHYSICAL_DEVICE_TYPE_CPU
         self.family = compute_family(self.pd)
         self.memory = vk.vkGetPhysicalDeviceMemoryProperties(self.pd)
-        v11 = vk.VkPhysicalDeviceVulkan11Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES)
-        v12 = vk.VkPhysicalDeviceVulkan12Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
-                                                  pNext=v11)
-        feats = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=v12)
+        v11 = vk.VkPhysicalDeviceVulkan11Features()
+        v12 = vk.VkPhysicalDeviceVulkan12Features(pNext=v11)
+        feats = vk.VkPhysicalDeviceFeatures2(pNext=v12)
         vk.vkGetPhysicalDeviceFeatures2(self.pd, feats)
         for need in ("timelineSemaphore", "bufferDeviceAddress"):
             if not getattr(v12, need):
@@ -171,20 +168,14 @@ class _Context:
         have = {"core": feats.features, "v11": v11, "v12": v12}
         self.features = {name: bool(getattr(have[s], name)) for s, name in OPTIONAL_FEATURES}
         # enable what the device has (a fresh chain: the queried one is the input)
-        on11 = vk.VkPhysicalDeviceVulkan11Features(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
-            **{n: 1 for s, n in OPTIONAL_FEATURES if s == "v11" and self.features[n]})
-        on12 = vk.VkPhysicalDeviceVulkan12Features(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, pNext=on11, timelineSemaphore=1,
-            bufferDeviceAddress=1,
-            **{n: 1 for s, n in OPTIONAL_FEATURES if s == "v12" and self.features[n]})
-        core = vk.VkPhysicalDeviceFeatures(**{n: 1 for s, n in OPTIONAL_FEATURES if s == "core" and self.features[n]})
-        queue = vk.VkDeviceQueueCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
-                                           queueFamilyIndex=self.family, queueCount=1, pQueuePriorities=[1.0])
+        on = {s: {n: 1 for t, n in OPTIONAL_FEATURES if t == s and self.features[n]} for s in have}
+        on12 = vk.VkPhysicalDeviceVulkan12Features(pNext=vk.VkPhysicalDeviceVulkan11Features(**on["v11"]),
+                                                   timelineSemaphore=1, bufferDeviceAddress=1, **on["v12"])
+        queue = vk.VkDeviceQueueCreateInfo(queueFamilyIndex=self.family, pQueuePriorities=[1.0])
         try:
             self.device = at_lower_priority(vk.vkCreateDevice, self.pd, vk.VkDeviceCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=on12, queueCreateInfoCount=1,
-                pQueueCreateInfos=[queue], pEnabledFeatures=core), None)
+                pNext=on12, pQueueCreateInfos=[queue], pEnabledFeatures=vk.VkPhysicalDeviceFeatures(**on["core"])),
+                None)
         except vk.VkError as e:
             raise DeviceError(f"vkCreateDevice failed on {self.props.deviceName}: {type(e).__name__}") from None
         self.queue = vk.vkGetDeviceQueue(self.device, self.family, 0)
@@ -287,18 +278,17 @@ class _Block:
         self.users = self.used = 0
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Commands:
     """A command buffer and the mapped block of its kernels' words, bound by its descriptor set (one dynamic storage
     buffer: each dispatch binds its words' offset). A one-time buffer is recycled once its submission completed; a
     kept one (`key`: see `_Kept`) stays recorded and is submitted again once `pending`, its last submission, is done."""
 
-    __slots__ = ("cb", "ds", "words", "key", "pending")
-
-    def __init__(self, cb: Any, ds: Any):
-        self.cb, self.ds = cb, ds
-        self.words: Lent | None = None
-        self.key: tuple[int, ...] | None = None  # kept: the zero-filled buffers it was recorded with
-        self.pending = 0
+    cb: Any
+    ds: Any
+    words: Lent | None = None
+    key: tuple[int, ...] | None = None  # kept: the zero-filled buffers it was recorded with
+    pending: int = 0
 
 
 class _Kept:
@@ -367,9 +357,7 @@ class VulkanDevice(QueuedDevice):
         self.tiles = not ctx.gpu  # register tiles for matrix products on a CPU (on a GPU: dialect.gemm)
         dtype = ctx.props.deviceType
         # memory types a storage buffer may take, and which to use for device buffers and for staging
-        probe = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=64, usage=BUFFER_USAGE,
-            sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+        probe = self._buffer(64)
         bits = vk.vkGetBufferMemoryRequirements(self.vkdev, probe).memoryTypeBits
         vk.vkDestroyBuffer(self.vkdev, probe, None)
         host_memory = dtype in (vk.VK_PHYSICAL_DEVICE_TYPE_CPU, vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU)
@@ -387,11 +375,9 @@ class VulkanDevice(QueuedDevice):
                                        functools.partial(self._create, device_type, self.mapped), self.name)
         self.staging = PoolAllocator(1 << 40, 1 << 40, functools.partial(self._create, staging_type, True),
                                      f"{self.name} staging")
-        self.spin = float(options.get("spin_us", 20)) * 1e-6
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             self.spin_cap = CPU_SPIN_S
-        self.compute = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: 10.0, vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: 200.0,
-                        vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: 2000.0}.get(dtype, 50.0)  # rough GFLOP/s
+        self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
         self.sem = self._semaphore()  # the timeline: submission v signals v
         self.gate = self._semaphore()  # host-opened gates of submissions that wait on other kinds of devices
         self.gates = 0  # gates handed out
@@ -399,20 +385,18 @@ class VulkanDevice(QueuedDevice):
         self.ready_gates: set[int] = set()  # gates whose conditions hold, not yet signalled (an earlier one is not)
         self.gate_lock = threading.Lock()
         self.cmd_pool = vk.vkCreateCommandPool(self.vkdev, vk.VkCommandPoolCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, queueFamilyIndex=ctx.family,
-            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
+            queueFamilyIndex=ctx.family, flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
         self.commands: dict[int, _Commands] = {}  # timeline value -> its one-time command buffer, until it completed
         self.spare: collections.deque[_Commands] = collections.deque()  # completed ones, to record anew
         self.orphans: collections.deque[_Commands] = collections.deque()  # kept ones of dropped plans (`_Kept`)
         self.all_commands: list[_Commands] = []
         # every kernel's interface: binding 0 of set 0 is its words (the renderer's contract, codegen glsl_interface)
-        words = vk.VkDescriptorSetLayoutBinding(binding=0, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC,
-                                                descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
+        words = vk.VkDescriptorSetLayoutBinding(binding=0, descriptorType=WORDS_TYPE, descriptorCount=1,
+                                                stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
         self.set_layout = vk.vkCreateDescriptorSetLayout(self.vkdev, vk.VkDescriptorSetLayoutCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=1, pBindings=[words]), None)
+            pBindings=[words]), None)
         self.layout = vk.vkCreatePipelineLayout(self.vkdev, vk.VkPipelineLayoutCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1, pSetLayouts=[self.set_layout]),
-            None)
+            pSetLayouts=[self.set_layout]), None)
         self.set_pools: list[Any] = []  # descriptor pools of the command buffers' sets
         self.sets_left = 0  # in the last pool
         api = ctx.props.apiVersion
@@ -428,10 +412,12 @@ class VulkanDevice(QueuedDevice):
         return None
 
     def _semaphore(self) -> Any:
-        kind = vk.VkSemaphoreTypeCreateInfo(sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
-                                            semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE, initialValue=0)
-        return vk.vkCreateSemaphore(self.vkdev, vk.VkSemaphoreCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, pNext=kind), None)
+        kind = vk.VkSemaphoreTypeCreateInfo(semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE, initialValue=0)
+        return vk.vkCreateSemaphore(self.vkdev, vk.VkSemaphoreCreateInfo(pNext=kind), None)
+
+    def _buffer(self, size: int) -> Any:
+        return vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
+            size=size, usage=BUFFER_USAGE, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
 
     # ------------------------------------------------------------------ memory
     def _create(self, type_index: int, mapped: bool, size: int) -> _Block:
@@ -454,22 +440,17 @@ class VulkanDevice(QueuedDevice):
 
     def _whole(self, type_index: int, mapped: bool, size: int) -> _Block:
         """A buffer of `size` bytes bound to memory of its own."""
-        buffer = vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=BUFFER_USAGE,
-            sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+        buffer = self._buffer(size)
         try:
             req = vk.vkGetBufferMemoryRequirements(self.vkdev, buffer)
-            flags = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
-                                                 flags=MEMORY_DEVICE_ADDRESS)
+            flags = vk.VkMemoryAllocateFlagsInfo(flags=MEMORY_DEVICE_ADDRESS)
             memory = vk.vkAllocateMemory(self.vkdev, vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=flags, allocationSize=req.size,
-                memoryTypeIndex=type_index), None)
-        except vk.VkError as e:
+                pNext=flags, allocationSize=req.size, memoryTypeIndex=type_index), None)
+        except BaseException as e:
             vk.vkDestroyBuffer(self.vkdev, buffer, None)
+            if not isinstance(e, vk.VkError):
+                raise
             raise AllocationError(f"{self.name}: allocating {size} bytes failed ({type(e).__name__})") from None
-        except BaseException:
-            vk.vkDestroyBuffer(self.vkdev, buffer, None)
-            raise
         vk.vkBindBufferMemory(self.vkdev, buffer, memory, 0)
         info = ffi.new("VkBufferDeviceAddressInfo*", {"sType": vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO,
                                                       "buffer": buffer})
@@ -531,7 +512,7 @@ class VulkanDevice(QueuedDevice):
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads: the host copy runs here)."""
         data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
-        self.timeline.wait_sync(self._from_host(data, buf, [], host, 0, at_once=True))
+        self.timeline.wait_sync(self.copy_from_host(data, buf, [], host, 0, at_once=True))
 
     # ------------------------------------------------------------------ compile
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
@@ -560,13 +541,11 @@ class VulkanDevice(QueuedDevice):
         dev = self.vkdev
         module = None
         try:
-            module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
-            stage = vk.VkPipelineShaderStageCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
-                                                       stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
+            module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None)
+            stage = vk.VkPipelineShaderStageCreateInfo(stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
                                                        pName="main")
             return vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
+                stage=stage, layout=self.layout)], None)[0]
         except vk.VkError as e:
             raise CompileError(f"{self.name}: creating the pipeline of {kernel_list([step.name])} (of "
                                f"{kernel_list(names)}) failed: {type(e).__name__}") from None
@@ -586,52 +565,38 @@ class VulkanDevice(QueuedDevice):
             cmd.key = None
         else:
             cb = vk.vkAllocateCommandBuffers(self.vkdev, vk.VkCommandBufferAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=self.cmd_pool,
-                level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+                commandPool=self.cmd_pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
             cmd = _Commands(cb, self._descriptor_set())
             self.all_commands.append(cmd)
         vk.vkBeginCommandBuffer(cmd.cb, vk.VkCommandBufferBeginInfo(
-            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
             flags=0 if kept else vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT))
         return cmd
 
     def _descriptor_set(self) -> Any:
         """Under the lock: a new descriptor set for a command buffer's words (a new pool when the last is used up)."""
         if not self.sets_left:
-            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC,
-                                           descriptorCount=SETS_PER_POOL)
+            size = vk.VkDescriptorPoolSize(type=WORDS_TYPE, descriptorCount=SETS_PER_POOL)
             self.set_pools.append(vk.vkCreateDescriptorPool(self.vkdev, vk.VkDescriptorPoolCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, maxSets=SETS_PER_POOL, poolSizeCount=1,
-                pPoolSizes=[size]), None))
+                maxSets=SETS_PER_POOL, pPoolSizes=[size]), None))
             self.sets_left = SETS_PER_POOL
         self.sets_left -= 1
         return vk.vkAllocateDescriptorSets(self.vkdev, vk.VkDescriptorSetAllocateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, descriptorPool=self.set_pools[-1],
-            descriptorSetCount=1, pSetLayouts=[self.set_layout]))[0]
+            descriptorPool=self.set_pools[-1], pSetLayouts=[self.set_layout]))[0]
 
     def _words(self, cmd: _Commands, items: list[LaunchItem]) -> list[int]:
         """Under the lock, with `cmd` not in flight: each kernel's words (its buffers' addresses, then its scalars)
         into the command buffer's words block (a larger block where it is too small, its descriptor set pointed at
         it); returns their offsets (the dynamic offsets of the dispatches)."""
-        offsets, rows, at = [], [], 0
-        for step, bufs, words in items:
-            row = [b.mem.address for b in bufs]
-            row += words
-            assert 8 * len(row) <= WORDS_RANGE, f"{step.name}: {len(row)} words, over {WORDS_RANGE // 8}"
-            offsets.append(at)
-            rows.append(row)
-            at += -(-8 * len(row) // self.align) * self.align
-        if cmd.words is None or cmd.words.block.size < at + WORDS_RANGE:
-            cmd.words = self._lend(at + WORDS_RANGE)
+        rows = [[b.mem.address for b in bufs] + list(words) for _, bufs, words in items]
+        assert all(8 * len(r) <= WORDS_RANGE for r in rows), f"over {WORDS_RANGE // 8} words: {items[0][0].name}.."
+        offsets, table = word_table(rows, [8 * len(r) for r in rows], self.align)
+        if cmd.words is None or cmd.words.block.size < table.nbytes + WORDS_RANGE:
+            cmd.words = self._lend(table.nbytes + WORDS_RANGE)
             block = cmd.words.block
             info = vk.VkDescriptorBufferInfo(buffer=block.buffer, offset=block.offset, range=WORDS_RANGE)
             vk.vkUpdateDescriptorSets(self.vkdev, 1, [vk.VkWriteDescriptorSet(
-                sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=cmd.ds, dstBinding=0, descriptorCount=1,
-                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC, pBufferInfo=[info])], 0, None)
-        table = np.zeros(at // 8, np.uint64)
-        for off, row in zip(offsets, rows):
-            table[off // 8:off // 8 + len(row)] = row
-        _mapping(cmd.words.block)[:at] = table.view(np.uint8)
+                dstSet=cmd.ds, dstBinding=0, descriptorType=WORDS_TYPE, pBufferInfo=[info])], 0, None)
+        _mapping(cmd.words.block)[:table.nbytes] = table.view(np.uint8)
         return offsets
 
     def _record_launches(self, cmd: _Commands, items: list[LaunchItem], offsets: list[int]) -> None:
@@ -764,14 +729,12 @@ class VulkanDevice(QueuedDevice):
 
     def _signal(self, sem: Any, value: int) -> None:
         vk.vkSignalSemaphore(self.vkdev, vk.VkSemaphoreSignalInfo(
-            sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO, semaphore=sem, value=value))
+            semaphore=sem, value=value))
 
     # ------------------------------------------------------------------ completion
     def wait_event(self, ev: Any, v: int) -> bool:
         """Wait (GIL released) until the timeline semaphore reaches `v`."""
-        values = ffi.new("uint64_t[1]", [v])
-        info = vk.VkSemaphoreWaitInfo(sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, semaphoreCount=1,
-                                      pSemaphores=[self.sem], pValues=values)
+        info = self._wait_info(v)
         while True:
             try:
                 vk.vkWaitSemaphores(self.vkdev, info, WAIT_SLICE_NS)
@@ -785,6 +748,9 @@ class VulkanDevice(QueuedDevice):
                 self.record_failure(v, cause)
                 self.fail(cause)
                 return False
+
+    def _wait_info(self, v: int) -> Any:
+        return vk.VkSemaphoreWaitInfo(pSemaphores=[self.sem], pValues=ffi.new("uint64_t[1]", [v]))
 
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         cmd = self.commands.pop(v, None)
@@ -800,13 +766,8 @@ class VulkanDevice(QueuedDevice):
         if (self.posts and self.posts[0] <= v) or self.closed:
             return False
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
-        if counter(vkdev, sem) < v:
-            if spin <= 0:
-                return False
-            deadline = time.perf_counter() + min(spin, self.spin_cap)
-            while counter(vkdev, sem) < v:
-                if time.perf_counter() > deadline:
-                    return False
+        if not self.spun(lambda: counter(vkdev, sem) >= v, spin):
+            return False
         self.timeline.signal(v)
         return True
 
@@ -838,34 +799,18 @@ class VulkanDevice(QueuedDevice):
         device-local memory goes through a staging block first (a copy command)."""
         n = out.nbytes
         flat = out.reshape(-1).view(np.uint8)
-        if self.mapped:
-            mapping = buf.mem.array
-
-            def post() -> None:
-                flat[:] = mapping[offset:offset + n]
-
-            return self._submit(None, waits, (buf, out), post)
-        lent = self._lend(max(n, 1))
-        staged = _mapping(lent.block)
-
-        def post_staged() -> None:
-            flat[:] = staged[:n]
-
-        return self._submit(lambda cmd: _copy(cmd, buf.mem, offset, lent.block, 0, n), waits, (buf, out, lent),
-                            post_staged)
+        lent = None if self.mapped else self._lend(max(n, 1))
+        src = _mapping(buf.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
+        record = None if lent is None else (lambda cmd: _copy(cmd, buf.mem, offset, lent.block, 0, n))
+        return self._submit(record, waits, (buf, out, lent), lambda: np.copyto(flat, src))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0) -> int:
-        """(A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst` is the
-        transfer's own, written once, as the executor's destinations are.)"""
-        return self._from_host(host, dst, waits, keep, offset, at_once=False)
-
-    def _from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any, offset: int,
-                   at_once: bool) -> int:
+                       offset: int = 0, at_once: bool = False) -> int:
         """From this device's staging (`host_staging`: `keep` is its block): a copy command. From other host memory:
         a host copy into the mapped buffer (or a staging block, then a copy command), at once where the source is
         ready and small (or `at_once`: a worker thread's blocking write), else on a worker thread once it is ready
-        (the submission waits for it at a gate)."""
+        (the submission waits for it at a gate). (A host copy into mapped memory waits for `waits`, not for this
+        device's earlier work: `dst` is the transfer's own, written once, as the executor's destinations are.)"""
         n = host.nbytes
         if isinstance(keep, Lent) and keep.pool is self.staging:  # (`host`: the block's mapping, or a part of it)
             at = host.ctypes.data - _mapping(keep.block).ctypes.data if n else 0
@@ -896,10 +841,7 @@ class VulkanDevice(QueuedDevice):
         try:
             for _ in range(2):
                 try:
-                    values = ffi.new("uint64_t[1]", [self.submitted])
-                    vk.vkWaitSemaphores(self.vkdev, vk.VkSemaphoreWaitInfo(
-                        sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, semaphoreCount=1, pSemaphores=[self.sem],
-                        pValues=values), 10 * WAIT_SLICE_NS)
+                    vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.submitted), 10 * WAIT_SLICE_NS)
                     break
                 except vk.VkTimeout:
                     with self.gate_lock:
@@ -911,21 +853,18 @@ class VulkanDevice(QueuedDevice):
             self.closed = True
         self.stop_waiter()
         with self.lock:
-            dev = self.vkdev
             for cmd in self.all_commands:
                 cmd.words = None
-            for pool in self.set_pools:
-                vk.vkDestroyDescriptorPool(dev, pool, None)
             self.all_commands, self.commands = [], {}
             self.spare, self.orphans = collections.deque(), collections.deque()
-            vk.vkDestroyCommandPool(dev, self.cmd_pool, None)
-            for pipeline in self.programs.values():
-                vk.vkDestroyPipeline(dev, pipeline, None)
+            for destroy, objs in ((vk.vkDestroyDescriptorPool, self.set_pools), (vk.vkDestroyCommandPool,
+                                  [self.cmd_pool]), (vk.vkDestroyPipeline, self.programs.values()),
+                                  (vk.vkDestroyPipelineLayout, [self.layout]),
+                                  (vk.vkDestroyDescriptorSetLayout, [self.set_layout]),
+                                  (vk.vkDestroySemaphore, [self.sem, self.gate])):
+                for obj in objs:
+                    destroy(self.vkdev, obj, None)
             self.programs = {}
-            vk.vkDestroyPipelineLayout(dev, self.layout, None)
-            vk.vkDestroyDescriptorSetLayout(dev, self.set_layout, None)
-            vk.vkDestroySemaphore(dev, self.sem, None)
-            vk.vkDestroySemaphore(dev, self.gate, None)
             done = self._take_done()
         del done
         for pool in (self.allocator, self.staging):
@@ -944,7 +883,7 @@ def _mapping(block: _Block) -> np.ndarray:
 
 def _barrier(cb: Any) -> None:
     vk.vkCmdPipelineBarrier(cb, BARRIER_SRC, BARRIER_DST, 0, 1, [vk.VkMemoryBarrier(
-        sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=vk.VK_ACCESS_MEMORY_WRITE_BIT,
+        srcAccessMask=vk.VK_ACCESS_MEMORY_WRITE_BIT,
         dstAccessMask=ACCESS_DST)], 0, None, 0, None)
 
 

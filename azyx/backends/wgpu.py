@@ -42,7 +42,7 @@ from azyx.codegen.dialect import WGSL_TYPES
 from azyx.codegen.launch import Launch
 from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
-from azyx.device import Buffer, Device, LaunchItem, Lent, kernel_list
+from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, Lent, kernel_list, word_table
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.plan import KernelStep
@@ -67,7 +67,6 @@ ADAPTER_ORDER = {"high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGP
 # by a substring of the adapter's device name: the renderer unrolls reduce loops to stay below it (wgsl.unroll)
 LOOP_LIMITS = {"llvmpipe": 65535}
 BIND_GROUPS = 4096  # bind groups a device keeps (by kernel, buffers and words window)
-COMPUTE = {"DiscreteGPU": 2000.0, "IntegratedGPU": 200.0, "CPU": 10.0}  # rough GFLOP/s, for AUTO placement
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 UPLOAD = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
@@ -179,7 +178,7 @@ class WgpuDevice(QueuedDevice):
         if limits["max-compute-workgroups-per-dimension"] < WGSL_FACTS.max_groups:
             raise DeviceError(f"{self.name}: {self.label} allows only "
                               f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
-        self.compute = COMPUTE.get(info["adapter_type"], 50.0)
+        self.compute = ROUGH_GFLOPS.get(info["adapter_type"], ROUGH_GFLOPS_OTHER)
         # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
         default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
@@ -213,12 +212,7 @@ class WgpuDevice(QueuedDevice):
         src = ("@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n"
                "@group(0) @binding(1) var<uniform> w: vec4<u32>;\n"
                "@compute @workgroup_size(1) fn warm() { o[0] = w.x; }\n")
-        layout = self.gpu.create_bind_group_layout(entries=[
-            {"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": "storage"}},
-            {"binding": 1, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": "uniform"}}])
-        pipeline = self.gpu.create_compute_pipeline(
-            layout=self.gpu.create_pipeline_layout(bind_group_layouts=[layout]),
-            compute={"module": self.gpu.create_shader_module(code=src), "entry_point": "warm"})
+        pipeline, layout = self._pipeline(src, "warm", ["storage", "uniform"])
         out, words = self.gpu.create_buffer(size=16, usage=STORAGE), self.gpu.create_buffer(size=16, usage=WORDS)
         staging, up = self.gpu.create_buffer(size=16, usage=STAGING), self.gpu.create_buffer(size=16, usage=UPLOAD)
         group = self.gpu.create_bind_group(layout=layout, entries=[
@@ -280,23 +274,23 @@ class WgpuDevice(QueuedDevice):
             nscalars = len(scalar_args(k))
             words = 16 * (-(-nscalars // 2))
             ranges = bindings(k, self.max_binding)
-            entries = [{"binding": b, "visibility": wgpu.ShaderStage.COMPUTE,
-                        "buffer": {"type": "storage" if k.writes(i) else "read-only-storage"}}
-                       for b, i in enumerate(i for i, (n, _) in enumerate(ranges) for _ in range(n))]
-            if words:
-                entries.append({"binding": len(entries), "visibility": wgpu.ShaderStage.COMPUTE,
-                                "buffer": {"type": "uniform"}})
+            types = ["storage" if k.writes(i) else "read-only-storage" for i, (n, _) in enumerate(ranges)
+                     for _ in range(n)]
             try:
-                module = self.gpu.create_shader_module(code=step.src)
-                layout = self.gpu.create_bind_group_layout(entries=entries)
-                pipeline = self.gpu.create_compute_pipeline(
-                    layout=self.gpu.create_pipeline_layout(bind_group_layouts=[layout]),
-                    compute={"module": module, "entry_point": step.name})
+                pipeline, layout = self._pipeline(step.src, step.name, types + ["uniform"] * bool(words))
             except Exception as e:
                 raise CompileError(f"{self.name}: building {kernel_list([step.name])} (of {kernel_list(names)}) "
                                    f"failed: {e}\n--- source ---\n{step.src}") from None
             out[step.name] = _Program(pipeline, layout, ranges, words)
         return out
+
+    def _pipeline(self, code: str, entry: str, types: list[str]) -> tuple[Any, Any]:
+        """A compute pipeline of WGSL `code`'s function `entry` and its bind group layout: bindings 0.. of `types`."""
+        layout = self.gpu.create_bind_group_layout(entries=[
+            {"binding": b, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": t}} for b, t in enumerate(types)])
+        return self.gpu.create_compute_pipeline(
+            layout=self.gpu.create_pipeline_layout(bind_group_layouts=[layout]),
+            compute={"module": self.gpu.create_shader_module(code=code), "entry_point": entry}), layout
 
     # ------------------------------------------------------------------ the queue
     def _enqueue(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], keep: Any) -> int:
@@ -346,10 +340,16 @@ class WgpuDevice(QueuedDevice):
         self.done = upto
         return True
 
-    def _submit(self, encode: Callable[[Any], None]) -> None:
+    def _submit(self, encode: Callable[[Any], None]) -> bool:
+        """(Worker thread.) One command buffer, submitted; False: its completion is the queue's to tell."""
         enc = self.gpu.create_command_encoder()
         encode(enc)
         self.queue.submit([enc.finish()])
+        return False
+
+    def _copy(self, src: Any, src_at: int, dst: Any, dst_at: int, n: int) -> bool:
+        """(Worker thread.) A copy of `n` bytes (a multiple of 4) between wgpu buffers, where there is one."""
+        return bool(n) and self._submit(lambda enc: enc.copy_buffer_to_buffer(src, src_at, dst, dst_at, n))
 
     # ------------------------------------------------------------------ launches
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
@@ -360,18 +360,11 @@ class WgpuDevice(QueuedDevice):
     def _run_kernels(self, items: list[LaunchItem]) -> bool:
         """(Worker thread.) Write the kernels' scalars into the words buffer, bind, dispatch, submit."""
         progs = [self.programs[step.name] for step, _, _ in items]
-        offsets, at = [], 0
-        for prog in progs:
-            offsets.append(at)
-            at += -(-prog.words // self.word_align) * self.word_align if prog.words else 0
-        if at:
-            if self.words.size < at:
-                self.words = self.gpu.create_buffer(size=max(at, 2 * self.words.size), usage=WORDS)
+        offsets, table = word_table([list(w) for _, _, w in items], [p.words for p in progs], self.word_align)
+        if table.nbytes:
+            if self.words.size < table.nbytes:
+                self.words = self.gpu.create_buffer(size=max(table.nbytes, 2 * self.words.size), usage=WORDS)
                 self.last_words = b""
-            table = np.zeros(at // 4, np.uint32)
-            for (_, _, w), off in zip(items, offsets):
-                if w:
-                    table[off // 4:off // 4 + 2 * len(w)] = np.array(w, np.uint64).view(np.uint32)
             data = table.tobytes()
             if not self.last_words.startswith(data):  # (a write is in queue order: the same words need none)
                 self.queue.write_buffer(self.words, 0, data)
@@ -388,8 +381,7 @@ class WgpuDevice(QueuedDevice):
                 cpass.dispatch_workgroups(*step.launch.grid)
             cpass.end()
 
-        self._submit(encode)
-        return False
+        return self._submit(encode)
 
     def _bind_group(self, name: str, prog: _Program, bufs: list[Buffer], off: int) -> Any:
         """(Worker thread.) The bind group of a kernel's buffers and words window: made once per combination and kept
@@ -413,12 +405,7 @@ class WgpuDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        def run() -> bool:
-            if n:
-                self._submit(lambda enc: enc.copy_buffer_to_buffer(src.mem, 0, dst.mem, 0, _ceil4(n)))
-            return False
-
-        return self._enqueue(run, waits, (src, dst))
+        return self._enqueue(lambda: self._copy(src.mem, 0, dst.mem, 0, _ceil4(n)), waits, (src, dst))
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """In queue order: a copy into a staging buffer, mapped once it is done (which says all before it is)."""
@@ -456,8 +443,7 @@ class WgpuDevice(QueuedDevice):
                     up.block.write_mapped(data[at:at + UPLOAD_PIECE], at)
             finally:
                 up.block.unmap()
-            self._submit(lambda enc: enc.copy_buffer_to_buffer(up.block, 0, dst.mem, offset & ~3, size))
-            return False
+            return self._copy(up.block, 0, dst.mem, offset & ~3, size)
 
         return self._enqueue(run, waits, (keep, dst))
 
