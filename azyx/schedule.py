@@ -879,26 +879,32 @@ class KernelBuild:
                 out.append(Lin({}, 0) if size == 1 else (linear // st if d == 0 else (linear // st) % size))
             return self.value(n.src[0], tuple(out), cond, in_reduce)
         if op is Op.PAD:
-            local = Cond()
-            new = []
-            for i, (b, a), size in zip(idx, n.arg, src.shape):
-                x = i - b
-                new.append(x)
-                if b > 0 or a > 0:
-                    local = local.add(x, 0, size)
-            k = p.walk.scalar_of.get(nid)
-            fill = vb.const(n.arg2, n.dtype) if k is None else vb.arg(k, n.dtype)
-            if local.never:
-                return fill
-            inner_cond = cond
-            for x, lo, hi in local.facts:
-                inner_cond = inner_cond.add(x, lo, hi)
-            inner = self.value(n.src[0], tuple(new), inner_cond, in_reduce)
-            if local.always:
-                return inner
-            self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
-            return vb.where(vb.cond(local, dtypes.bool), inner, fill)
+            return self._pad(nid, n, src, idx, cond, in_reduce)
         raise AssertionError(f"cannot fuse {n}")
+
+    def _pad(self, nid: int, n: Node, src: Node, idx: tuple[Lin, ...], cond: Cond, in_reduce: bool) -> V:
+        """A PAD's value at `idx`: its source's where the index falls inside it (the bounds added to the condition
+        its loads are guarded by), else the fill (a scalar argument where the walk made it one)."""
+        p, vb = self.p, self.vb
+        local = Cond()
+        new = []
+        for i, (b, a), size in zip(idx, n.arg, src.shape):
+            x = i - b
+            new.append(x)
+            if b > 0 or a > 0:
+                local = local.add(x, 0, size)
+        k = p.walk.scalar_of.get(nid)
+        fill = vb.const(n.arg2, n.dtype) if k is None else vb.arg(k, n.dtype)
+        if local.never:
+            return fill
+        inner_cond = cond
+        for x, lo, hi in local.facts:
+            inner_cond = inner_cond.add(x, lo, hi)
+        inner = self.value(n.src[0], tuple(new), inner_cond, in_reduce)
+        if local.always:
+            return inner
+        self.cost += sum(count_divmod(x) for x, _, _ in local.facts)
+        return vb.where(vb.cond(local, dtypes.bool), inner, fill)
 
     def epilogue_of_product(self, nid: int) -> bool:
         """Whether reduce `nid` is read by computation (not views alone) and is a product that the device runs best in a

@@ -150,7 +150,7 @@ class CUDADevice(StagedCopies):
             self.dialect = dataclasses.replace(CUDA, tensor_cores=False)
         sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "")
         # compute capability 9.0 compiles for sm_90a, whose wgmma and TMA its float16/bfloat16 products use
-        # (azyx.gemm_sm90: a grid of a block per multiprocessor)
+        # (codegen's gemm_sm90: a grid of a block per multiprocessor)
         self.sm90 = int(sms) if (major, minor) == (9, 0) else 0
         self.compile_arch = "sm_90a" if self.sm90 else self.arch
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
@@ -186,32 +186,38 @@ class CUDADevice(StagedCopies):
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
-        # the per-request steps in C (`poll`, `_take_done`, the lanes' runs), by a queue that owns the state they
-        # share with the Python paths (its counters, batch and tables: see `queue_state`); None without the native
-        # core. A lane's run also writes its value, in stream order after its event, into 8 bytes of mapped
-        # host memory (`done_flag`), where the device supports 64-bit stream memory operations: `poll` then reads the
-        # completion of a small plan's work from memory (cuEventQuery takes 2-3 us on an H200's VM)
-        self.native_queue: Any = None
-        self.done_flag = 0
-        if native is not None and self.hot.addresses is not None:
-            flag = (0, 0)
-            if self.hot.addresses[4] and int(check(cu.cuDeviceGetAttribute(
-                    attr.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, self.cu_device), "")):
-                self.done_flag = int(check(cu.cuMemHostAlloc(64, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
-                ctypes.memset(self.done_flag, 0, 64)
-                flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
-            queue = native.Queue(
-                device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.lock, qlock=self.qlock,
-                deferred=self.deferred, posts=self.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
-                watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
-                fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
-            # from here the queue's state is the native queue's own: its counters and batch, and its tables
-            assert not (self.holding or self.events or self.free_events or self.unwatched or self.submitted)
-            self.queue_state = self.native_queue = queue
-            self.holding, self.events, self.free_events, self.unwatched = (queue.holding, queue.events,
-                                                                           queue.free_events, queue.unwatched)
+        self._start_native_queue()
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
+
+
+    def _start_native_queue(self) -> None:
+        """The per-request steps in C (`poll`, `_take_done`, the lanes' runs), by a queue that owns the state they
+        share with the Python paths (its counters, batch and tables: see `queue_state`); None without the native
+        core. A lane's run also writes its value, in stream order after its event, into 8 bytes of mapped host memory
+        (`done_flag`), where the device supports 64-bit stream memory operations: `poll` then reads the completion of
+        a small plan's work from memory (cuEventQuery takes 2-3 us on an H200's VM)."""
+        self.native_queue: Any = None
+        self.done_flag = 0
+        if native is None or self.hot.addresses is None:
+            return
+        attr = cu.CUdevice_attribute
+        flag = (0, 0)
+        if self.hot.addresses[4] and int(check(cu.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, self.cu_device), "")):
+            self.done_flag = int(check(cu.cuMemHostAlloc(64, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
+            ctypes.memset(self.done_flag, 0, 64)
+            flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
+        queue = native.Queue(
+            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.lock, qlock=self.qlock,
+            deferred=self.deferred, posts=self.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
+            watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
+            fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
+        # from here the queue's state is the native queue's own: its counters and batch, and its tables
+        assert not (self.holding or self.events or self.free_events or self.unwatched or self.submitted)
+        self.queue_state = self.native_queue = queue
+        self.holding, self.events, self.free_events, self.unwatched = (queue.holding, queue.events,
+                                                                       queue.free_events, queue.unwatched)
 
     def identity(self) -> dict[str, Any]:
         """The GPU (name, compute capability: the base's label and arch), the driver's and NVRTC's versions."""
