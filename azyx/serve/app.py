@@ -43,11 +43,11 @@ import gc
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -57,6 +57,10 @@ from azyx.models.bert import BATCH_BUCKETS, EmbeddingService, MiniLM, QueueFull
 from azyx.models.gpt2 import GPT2, Engine, NoFreeSlotError, TokenStream, load_tokenizer
 from azyx.models.text import TextStream
 from azyx.stats import Heartbeat
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
 
 GENERATION_TYPES = ("gpt2",)
 EMBEDDING_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")  # (config.json's model_type)
@@ -386,13 +390,12 @@ def make_app(config: ServeConfig) -> Any:
     """The server as an ASGI app (Starlette inside an outer layer that counts requests and checks the API key). The
     models load in the background at start-up (GET /health answers meanwhile); `app.state.ready` is set once every
     one serves, `app.state.serving` holds them ("generators", "embedders" by name) and the loop's heartbeat ("beat")."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+    return Server(config).app()
 
-    cfg = config
+
+def _model_kinds(cfg: ServeConfig) -> dict[str, str]:
+    """Each model directory's `model_type` (ArgumentError for no directory, a type not served, or two models of
+    one name)."""
     if not cfg.models:
         raise ArgumentError("azyx serve needs at least one model directory")
     kinds = {}
@@ -405,72 +408,190 @@ def make_app(config: ServeConfig) -> Any:
     names = [_model_name(d) for d in cfg.models]
     if len(set(names)) != len(names):
         raise ArgumentError(f"two models share a name (their directories' names): {names}")
-    metrics = Metrics()
-    beat = Heartbeat()
-    generators: dict[str, Generator] = {}
-    embedders: dict[str, Embedder] = {}
-    ready = asyncio.Event()
-    state: dict[str, Any] = {"error": None, "created": int(time.time())}
+    return kinds
 
-    def gauges() -> None:
-        gens, embs = list(generators.values()), list(embedders.values())
-        metrics.queue_depth.set(sum(len(g.engine.waiting) for g in gens) + sum(e.service.queued for e in embs))
-        metrics.slots_in_use.set(sum(len(g.engine.active) for g in gens))
-        metrics.slots.set(sum(g.engine.cache.slots for g in gens))
-        metrics.lateness.set(beat.worst_within(10.0) / 1e3)
-        metrics.worst_lateness.set(beat.worst_ms / 1e3)
 
-    async def load() -> None:
-        try:
-            for d in cfg.models:
-                name = _model_name(d)
-                if kinds[d] in GENERATION_TYPES:
-                    model = await GPT2.from_pretrained(d, device=cfg.device)
-                    eng = Engine(model, slots=cfg.slots, max_waiting=cfg.waiting)
-                    if cfg.warmup:
-                        await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True)
-                    template, specials = chat_template(d)
-                    generators[name] = Generator(name, eng, load_tokenizer(d), template, specials)
-                else:
-                    m = await MiniLM.load(cfg.device, directory=Path(d))
-                    service = EmbeddingService(m, cfg.max_batch, 0.0, cfg.max_queued, cfg.max_batch_tokens)
-                    await service.__aenter__()
-                    if cfg.warmup:  # each batch bucket's plan for short inputs, compiled before serving
-                        for n in [b for b in BATCH_BUCKETS if b <= cfg.max_batch]:
-                            await m.embed(["warm-up"] * n)
-                    embedders[name] = Embedder(name, m, service)
-            gc.collect()
-            gc.freeze()  # what start-up made lives on: later full collections skip it (else a pause of tens of ms)
-            ready.set()
-        except Exception as e:  # (the server keeps answering: /health says why it does not serve)
-            state["error"] = f"{type(e).__name__}: {e}"
+def _error_response(e: BaseException) -> Response:
+    from starlette.responses import JSONResponse
 
+    err = _api_error(e)
+    return JSONResponse(err.body(), err.status, headers=err.headers)
+
+
+def _event(data: Any) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+Shape = Callable[[Choice, str, list[Any], str | None, bool], dict[str, Any]]
+
+
+@dataclass
+class Reply:
+    """A request's running choices and what answering them needs: `shape` makes each choice's entry (its text, its
+    tokens' log-probabilities, its finish_reason; the last argument: streamed), `first` a streamed choice's opening
+    entry (or None), `obj` names the answer's object; `include_usage`: a streamed answer ends with the usage."""
+
+    g: Generator
+    request: Request
+    choices: list[Choice]
+    prompt_tokens: int
+    shape: Shape
+    obj: str
+    first: Callable[[Choice], dict[str, Any] | None]
+    include_usage: bool = False
+    rid: str = field(init=False)
+    created: int = field(init=False)
+    started: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rid = f"{'chatcmpl' if self.obj.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        # (time to first token: from the request's arrival)
+        self.started = self.request.scope.get(ARRIVED, time.perf_counter())
+
+    def usage(self) -> dict[str, int]:
+        done = sum(len(c.stream.tokens) for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def cancel_all(self) -> None:
+        for c in self.choices:
+            c.stream.cancel()
+
+    def chunk(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """A streamed answer's chunk of some choices' entries."""
+        obj = self.obj + ".chunk" if self.obj.startswith("chat") else self.obj
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.g.name, "choices": entries}
+
+    def whole(self, per: int, keep: int) -> dict[str, Any]:
+        """The answer of the finished choices: of each prompt's `per` choices the `keep` best (best_of; usage counts
+        every token generated)."""
+        kept = _best(self.choices, per, keep) if per > keep else self.choices
+        return {"id": self.rid, "object": self.obj, "created": self.created, "model": self.g.name,
+                "choices": [self.shape(c, c.prompt_text + "".join(c.pieces), c.logprobs, c.finish_reason, False)
+                            for c in kept], "usage": self.usage()}
+
+
+class Server:
+    """What a served app's routes share: the config, the models by name (loaded in the background at start-up:
+    `ready` once every one serves, else `state["error"]`), the metrics and the loop's heartbeat. Its methods are the
+    routes, the checks of their fields, and the running and answering of choices."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.kinds = _model_kinds(cfg)
+        self.metrics = Metrics()
+        self.beat = Heartbeat()
+        self.generators: dict[str, Generator] = {}
+        self.embedders: dict[str, Embedder] = {}
+        self.ready = asyncio.Event()
+        self.state: dict[str, Any] = {"error": None, "created": int(time.time())}
+
+    def app(self) -> Outer:
+        """The ASGI app of the routes, inside `Outer`; its state holds `ready`, the config, the metrics and
+        `serving` (the models by kind and name, the load state, the heartbeat)."""
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        routes = [Route("/v1/completions", self.answering(self.completions), methods=["POST"]),
+                  Route("/v1/chat/completions", self.answering(self.chat), methods=["POST"]),
+                  Route("/v1/embeddings", self.answering(self.embeddings), methods=["POST"]),
+                  Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics_page)]
+        inner = Starlette(routes=routes, lifespan=self.lifespan, exception_handlers={HTTPException: self.http_error})
+        app = Outer(inner, self.metrics, self.cfg.api_key)
+        app.state.ready, app.state.config, app.state.metrics = self.ready, self.cfg, self.metrics
+        app.state.serving = {"generators": self.generators, "embedders": self.embedders, "state": self.state,
+                             "beat": self.beat}
+        return app
+
+    def answering(self, handle: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """A route of `handle`: a bad request answers its API error, a client gone 499 (nobody reads it)."""
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import Response
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except (ApiError, AzyxError) as e:
+                return _error_response(e)
+            except (svc.ClientGone, ClientDisconnect):
+                return Response(status_code=499)
+
+        return route
+
+    # -------------------------------------------------------------------------------------------- life
     @asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(beat.run()), asyncio.create_task(load())]
+    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(self.beat.run()), asyncio.create_task(self.load())]
         try:
             yield
         finally:
             for t in tasks:
                 t.cancel()
-            for g in generators.values():
+            for g in self.generators.values():
                 await g.engine.close()
-            for e in embedders.values():
+            for e in self.embedders.values():
                 await e.service.__aexit__(None, None, None)
 
-    def error_response(e: BaseException) -> Response:
-        err = _api_error(e)
-        return JSONResponse(err.body(), err.status, headers=err.headers)
+    async def load(self) -> None:
+        """Load every model, then set `ready`; a failure is kept in `state["error"]` (the server keeps answering:
+        /health says why it does not serve)."""
+        try:
+            for d in self.cfg.models:
+                if self.kinds[d] in GENERATION_TYPES:
+                    await self.load_generator(d)
+                else:
+                    await self.load_embedder(d)
+            gc.collect()
+            gc.freeze()  # what start-up made lives on: later full collections skip it (else a pause of tens of ms)
+            self.ready.set()
+        except Exception as e:
+            self.state["error"] = f"{type(e).__name__}: {e}"
 
-    def serving() -> None:
-        if not ready.is_set():
-            if state["error"]:
-                raise ApiError(503, f"the models failed to load: {state['error']}", type="server_error",
+    async def load_generator(self, d: str) -> None:
+        cfg = self.cfg
+        model = await GPT2.from_pretrained(d, device=cfg.device)
+        eng = Engine(model, slots=cfg.slots, max_waiting=cfg.waiting)
+        if cfg.warmup:
+            await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True)
+        template, specials = chat_template(d)
+        name = _model_name(d)
+        self.generators[name] = Generator(name, eng, load_tokenizer(d), template, specials)
+
+    async def load_embedder(self, d: str) -> None:
+        cfg = self.cfg
+        m = await MiniLM.load(cfg.device, directory=Path(d))
+        service = EmbeddingService(m, cfg.max_batch, 0.0, cfg.max_queued, cfg.max_batch_tokens)
+        await service.__aenter__()
+        if cfg.warmup:  # each batch bucket's plan for short inputs, compiled before serving
+            for n in [b for b in BATCH_BUCKETS if b <= cfg.max_batch]:
+                await m.embed(["warm-up"] * n)
+        name = _model_name(d)
+        self.embedders[name] = Embedder(name, m, service)
+
+    def gauges(self) -> None:
+        gens, embs = list(self.generators.values()), list(self.embedders.values())
+        metrics = self.metrics
+        metrics.queue_depth.set(sum(len(g.engine.waiting) for g in gens) + sum(e.service.queued for e in embs))
+        metrics.slots_in_use.set(sum(len(g.engine.active) for g in gens))
+        metrics.slots.set(sum(g.engine.cache.slots for g in gens))
+        metrics.lateness.set(self.beat.worst_within(10.0) / 1e3)
+        metrics.worst_lateness.set(self.beat.worst_ms / 1e3)
+
+    # -------------------------------------------------------------------------------------------- checks
+    def serving(self) -> None:
+        """503 unless every model serves."""
+        if not self.ready.is_set():
+            if self.state["error"]:
+                raise ApiError(503, f"the models failed to load: {self.state['error']}", type="server_error",
                                code="load_failed")
             raise ApiError(503, "the models are loading", type="server_error", code="loading",
                            headers={"Retry-After": "1"})
 
-    def pick(body: dict[str, Any], table: dict[str, Any], what: str) -> Any:
+    def pick(self, body: dict[str, Any], table: dict[str, Any], what: str) -> Any:
+        """The model `body` names in `table` (the only one if it names none)."""
         name = body.get("model")
         if name is None and len(table) == 1:
             return next(iter(table.values()))
@@ -481,13 +602,14 @@ def make_app(config: ServeConfig) -> Any:
                            f"(served: {', '.join(table) or 'none'})", "model", code="model_not_found")
         return table[name]
 
-    async def read_body(request: Request) -> dict[str, Any]:
-        body = await svc.read_json(request.headers, request.stream(), cfg.body)
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        body = await svc.read_json(request.headers, request.stream(), self.cfg.body)
         if not isinstance(body, dict):
             raise ApiError(422, f"the body must be a JSON object, got {type(body).__name__}", "body")
         return body
 
-    async def encode(g: Generator, text: str, name: str) -> list[int]:
+    async def encode(self, g: Generator, text: str, name: str) -> list[int]:
+        """The token ids of a text (on a worker thread when long), checked against the model's window."""
         def run() -> list[int]:
             try:
                 ids: list[int] = g.tokenizer.encode(text).ids
@@ -504,11 +626,13 @@ def make_app(config: ServeConfig) -> Any:
                            code="context_length_exceeded")
         return ids
 
-    async def prompts_of(body: dict[str, Any], g: Generator) -> list[list[int]]:
+    async def prompts_of(self, body: dict[str, Any], g: Generator) -> list[list[int]]:
+        """The token ids of a completions body's `prompt` (a string, strings, token ids or lists of them)."""
+        cfg = self.cfg
         v = body.get("prompt")
         vocab, limit = g.engine.model.config.vocab_size, g.engine.cache.max_len
         if isinstance(v, str):
-            return [await encode(g, svc.text(body, "prompt", cfg.max_prompt_chars) or "", "prompt")]
+            return [await self.encode(g, svc.text(body, "prompt", cfg.max_prompt_chars) or "", "prompt")]
         if not isinstance(v, list) or not v:
             raise ApiError(400, f"must be a string, a list of strings, token ids or lists of them, got {svc.short(v)}",
                            "prompt")
@@ -519,51 +643,66 @@ def make_app(config: ServeConfig) -> Any:
             return [_token_ids(v, "prompt", vocab, limit)]
         if all(isinstance(t, str) for t in v):
             texts = svc.texts(body, "prompt", cfg.max_prompts, cfg.max_prompt_chars)
-            return [await encode(g, t, f"prompt[{i}]") for i, t in enumerate(texts)]
+            return [await self.encode(g, t, f"prompt[{i}]") for i, t in enumerate(texts)]
         if all(isinstance(t, list) for t in v):
             return [_token_ids(p, f"prompt[{i}]", vocab, limit) for i, p in enumerate(v)]
         raise ApiError(400, "must be a string, a list of strings, token ids or lists of them (not mixed)", "prompt")
 
-    def check_room(g: Generator, sequences: int) -> None:
+    def check_room(self, g: Generator, sequences: int) -> None:
         """`sequences` asked of the engine: 413 past `max_choices`, 429 (before any work) past its free slots and
         waiting places."""
-        if sequences > cfg.max_choices:
+        if sequences > self.cfg.max_choices:
             raise ApiError(413, f"{sequences} sequences (prompts x n, or best_of) exceed the limit of "
-                           f"{cfg.max_choices}", "n", code="request_too_large")
+                           f"{self.cfg.max_choices}", "n", code="request_too_large")
         eng = g.engine
         room = eng.cache.slots + eng.max_waiting - len(eng.live)
         if sequences > room:
             raise NoFreeSlotError(f"{sequences} sequences asked, room for {max(room, 0)} (every slot and waiting "
                                   f"place taken)")
 
-    async def score(g: Generator, request: Request, prompts: list[list[int]], top: int) -> list[list[Any]]:
+    @asynccontextmanager
+    async def timeout(self) -> AsyncIterator[None]:
+        """The request's time limit (`request_timeout`): past it, 408."""
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout):
+                yield
+        except TimeoutError:
+            raise self.timed_out() from None
+
+    def timed_out(self) -> ApiError:
+        return ApiError(408, f"the request took longer than {self.cfg.request_timeout} s", type="timeout",
+                        code="timeout")
+
+    async def generation_request(self, request: Request, what: str, max_tokens_field: str = "max_tokens"
+                                 ) -> tuple[dict[str, Any], Generator, bool, bool, tuple[int, int], dict[str, Any],
+                                            list[str]]:
+        """The fields completions and chat share: the body, the model, stream, include_usage, (n, best_of), the
+        engine's arguments and the stop strings."""
+        cfg = self.cfg
+        self.serving()
+        body = await self.read_body(request)
+        g = self.pick(body, self.generators, what)
+        stream = svc.flag(body, "stream", False)
+        include_usage = _stream_options(body, stream)
+        n = _choice_count(body, cfg, stream)
+        return body, g, stream, include_usage, n, _sampling(body, cfg, g, max_tokens_field), _stops(body, cfg)
+
+    # -------------------------------------------------------------------------------------------- running choices
+    async def score(self, g: Generator, request: Request, prompts: list[list[int]], top: int) -> list[list[Any]]:
         """The prompts' tokens with their log-probabilities and `top` most likely tokens (echo with logprobs):
         (token, None, None) for each prompt's first token."""
         async def each() -> list[list[Any]]:
             return [await g.engine.prompt_logprobs(p, top) for p in prompts]
 
-        async with timeout():
+        async with self.timeout():
             rows = await svc.unless_gone(each(), request.receive)
         return [[(t, None, None) if e is None else (t, *e) for t, e in zip(p, r)] for p, r in zip(prompts, rows)]
 
-    @asynccontextmanager
-    async def timeout() -> AsyncIterator[None]:
-        """The request's time limit (`request_timeout`): past it, 408."""
-        try:
-            async with asyncio.timeout(cfg.request_timeout):
-                yield
-        except TimeoutError:
-            raise timed_out() from None
-
-    def timed_out() -> ApiError:
-        return ApiError(408, f"the request took longer than {cfg.request_timeout} s", type="timeout", code="timeout")
-
-    def start(g: Generator, prompts: list[list[int]], n: int, args: dict[str, Any], stop: list[str],
+    def start(self, g: Generator, prompts: list[list[int]], n: int, args: dict[str, Any], stop: list[str],
               logprobs: int | None, echo: bool, scored: list[list[Any]] | None = None) -> list[Choice]:
         """Every choice's stream (`n` per prompt; with `scored`, the prompts' own log-probabilities for an echo),
         or none (a full engine: 429 before any work)."""
-        check_room(g, len(prompts) * n)
-        eng = g.engine
+        self.check_room(g, len(prompts) * n)
         choices: list[Choice] = []
         try:
             for p, ids in enumerate(prompts):
@@ -571,7 +710,7 @@ def make_app(config: ServeConfig) -> Any:
                     a = dict(args)
                     if a["seed"] is not None:
                         a["seed"] = (a["seed"] + j) % (1 << 64)
-                    stream = eng.generate(ids, **a, logprobs=logprobs)
+                    stream = g.engine.generate(ids, **a, logprobs=logprobs)
                     prompt_text = g.tokenizer.decode(ids) if echo else ""
                     choices.append(Choice(p * n + j, stream, TextStream(g.tokenizer, stop), prompt_text,
                                           scored[p] if scored else []))
@@ -579,134 +718,101 @@ def make_app(config: ServeConfig) -> Any:
             for c in choices:
                 c.stream.cancel()
             raise
-        metrics.prompt_tokens.labels(g.name).inc(sum(len(p) for p in prompts))
+        self.metrics.prompt_tokens.labels(g.name).inc(sum(len(p) for p in prompts))
         return choices
 
-    async def run(g: Generator, request: Request, choices: list[Choice], stream: bool, include_usage: bool,
-                  prompt_tokens: int, shape: Callable[[Choice, str, list[Any], str | None, bool], dict[str, Any]],
-                  obj: str, first: Callable[[Choice], dict[str, Any] | None], per: int = 1, keep: int = 1
-                  ) -> Response:
-        """Run the choices: one JSON answer (`stream` false) or server-sent events, `shape` making each choice's
-        entry (its text, its tokens' log-probabilities, its finish_reason; the last argument: streamed). Of each
-        prompt's `per` choices the `keep` best are answered (best_of; usage counts every token generated)."""
-        rid = f"{'chatcmpl' if obj.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        started = request.scope.get(ARRIVED, time.perf_counter())  # (time to first token: from the request's arrival)
+    async def answer(self, reply: Reply, stream: bool, per: int = 1, keep: int = 1) -> Response:
+        """Run the choices: one JSON answer (`stream` false: of each prompt's `per` choices the `keep` best) or
+        server-sent events."""
+        from starlette.responses import Response, StreamingResponse
 
-        def usage() -> dict[str, int]:
-            done = sum(len(c.stream.tokens) for c in choices)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+        if stream:
+            return StreamingResponse(self.events(reply), media_type="text/event-stream")
+        await self.run_to_end(reply)
+        answer = reply.whole(per, keep)
+        return Response(await svc.json_bytes(answer, off_loop=len(reply.choices) > 4), media_type="application/json")
 
-        def cancel_all() -> None:
-            for c in choices:
-                c.stream.cancel()
+    async def run_to_end(self, reply: Reply) -> None:
+        """Drive every choice to its end, collecting its pieces and log-probabilities (408 past the time limit; a
+        client gone stops them all)."""
+        def collect(c: Choice, piece: str, entries: list[Any], finish: str | None) -> None:
+            c.pieces.append(piece)
+            c.logprobs.extend(entries)
 
-        if not stream:
-            def collect(c: Choice, piece: str, entries: list[Any], finish: str | None) -> None:
-                c.pieces.append(piece)
-                c.logprobs.extend(entries)
+        async def all_choices() -> None:
+            await asyncio.gather(*(_drive(c, reply.g, self.metrics, reply.started, collect) for c in reply.choices))
 
-            async def all_choices() -> None:
-                await asyncio.gather(*(_drive(c, g, metrics, started, collect) for c in choices))
+        try:
+            async with self.timeout():
+                await svc.unless_gone(all_choices(), reply.request.receive)
+        finally:
+            reply.cancel_all()
 
-            try:
-                async with timeout():
-                    await svc.unless_gone(all_choices(), request.receive)
-            finally:
-                cancel_all()
-            kept = _best(choices, per, keep) if per > keep else choices
-            answer = {"id": rid, "object": obj, "created": created, "model": g.name,
-                      "choices": [shape(c, c.prompt_text + "".join(c.pieces), c.logprobs, c.finish_reason, False)
-                                  for c in kept], "usage": usage()}
-            return Response(await svc.json_bytes(answer, off_loop=len(choices) > 4), media_type="application/json")
-
+    async def events(self, reply: Reply) -> AsyncIterator[bytes]:
+        """The server-sent events of a streamed reply: each choice's opening entry, then the choices' pieces as they
+        come (an error as an error event; past `request_timeout`, a timeout event), the usage if asked, [DONE]. A
+        client that leaves has its sequences cancelled at once, not at the next send."""
         queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
-        chunk_obj = obj + ".chunk" if obj.startswith("chat") else obj
-
-        def chunk(choices_: list[dict[str, Any]]) -> dict[str, Any]:
-            return {"id": rid, "object": chunk_obj, "created": created, "model": g.name, "choices": choices_}
 
         def put(c: Choice, piece: str, entries: list[Any], finish: str | None) -> None:
             if piece or entries or finish:
-                queue.put_nowait(chunk([shape(c, piece, entries, finish, True)]))
+                queue.put_nowait(reply.chunk([reply.shape(c, piece, entries, finish, True)]))
 
         async def one(c: Choice) -> None:
             try:
-                await _drive(c, g, metrics, started, put)
+                await _drive(c, reply.g, self.metrics, reply.started, put)
             except Exception as e:
                 queue.put_nowait(e)
             finally:
                 queue.put_nowait(None)
 
-        async def gone() -> None:  # the client went away: its slots are free at once, not at the next send
-            await svc.until_disconnect(request.receive)
-            cancel_all()
+        async def gone() -> None:
+            await svc.until_disconnect(reply.request.receive)
+            reply.cancel_all()
 
-        def event(data: Any) -> bytes:
-            return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
-
-        async def events() -> AsyncIterator[bytes]:
-            watch = asyncio.create_task(gone())
-            tasks = [asyncio.create_task(one(c)) for c in choices]
-            try:
-                for c in choices:
-                    head = first(c)
-                    if head is not None:
-                        yield event(chunk([head]))
-                left = len(choices)
-                try:
-                    async with asyncio.timeout(cfg.request_timeout):
-                        while left:
-                            item = await queue.get()
-                            if item is None:
-                                left -= 1
-                            elif isinstance(item, BaseException):
-                                yield event(_api_error(item).body())
-                            else:
-                                yield event(item)
-                except TimeoutError:
-                    cancel_all()
-                    yield event(timed_out().body())
-                if include_usage:
-                    yield event({**chunk([]), "usage": usage()})
-                yield b"data: [DONE]\n\n"
-            finally:
-                watch.cancel()
-                cancel_all()
-                for t in tasks:
-                    t.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def generation_request(request: Request, what: str, max_tokens_field: str = "max_tokens"
-                                 ) -> tuple[dict[str, Any], Generator, bool, bool, tuple[int, int], dict[str, Any],
-                                            list[str]]:
-        """The fields completions and chat share: the body, the model, stream, include_usage, (n, best_of), the
-        engine's arguments and the stop strings."""
-        serving()
-        body = await read_body(request)
-        g = pick(body, generators, what)
-        stream = svc.flag(body, "stream", False)
-        include_usage = _stream_options(body, stream)
-        n = _choice_count(body, cfg, stream)
-        return body, g, stream, include_usage, n, _sampling(body, cfg, g, max_tokens_field), _stops(body, cfg)
-
-    async def completions(request: Request) -> Response:
+        watch = asyncio.create_task(gone())
+        tasks = [asyncio.create_task(one(c)) for c in reply.choices]
         try:
-            body, g, stream, include_usage, n_best, args, stop = await generation_request(request, "completions")
-            (n, best_of) = n_best
-            logprobs = svc.integer(body, "logprobs", None, low=0, high=5)
-            echo = svc.flag(body, "echo", False)
-            prompts = await prompts_of(body, g)
-            check_room(g, len(prompts) * best_of)
-            scored = await score(g, request, prompts, logprobs) if echo and logprobs is not None else None
-            # (best_of > n ranks the choices by their tokens' log-probabilities: the engine keeps them)
-            kept = logprobs if logprobs is not None or best_of == n else 0
-            choices = start(g, prompts, best_of, args, stop, kept, echo, scored)
-        except (ApiError, AzyxError) as e:
-            return error_response(e)
-        except (svc.ClientGone, ClientDisconnect):
-            return Response(status_code=499)  # (nobody reads it)
+            for c in reply.choices:
+                head = reply.first(c)
+                if head is not None:
+                    yield _event(reply.chunk([head]))
+            left = len(reply.choices)
+            try:
+                async with asyncio.timeout(self.cfg.request_timeout):
+                    while left:
+                        item = await queue.get()
+                        if item is None:
+                            left -= 1
+                        elif isinstance(item, BaseException):
+                            yield _event(_api_error(item).body())
+                        else:
+                            yield _event(item)
+            except TimeoutError:
+                reply.cancel_all()
+                yield _event(self.timed_out().body())
+            if reply.include_usage:
+                yield _event({**reply.chunk([]), "usage": reply.usage()})
+            yield b"data: [DONE]\n\n"
+        finally:
+            watch.cancel()
+            reply.cancel_all()
+            for t in tasks:
+                t.cancel()
+
+    # -------------------------------------------------------------------------------------------- routes
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        body, g, stream, include_usage, (n, best_of), args, stop = await self.generation_request(request,
+                                                                                                 "completions")
+        logprobs = svc.integer(body, "logprobs", None, low=0, high=5)
+        echo = svc.flag(body, "echo", False)
+        prompts = await self.prompts_of(body, g)
+        self.check_room(g, len(prompts) * best_of)
+        scored = await self.score(g, request, prompts, logprobs) if echo and logprobs is not None else None
+        # (best_of > n ranks the choices by their tokens' log-probabilities: the engine keeps them)
+        kept = logprobs if logprobs is not None or best_of == n else 0
+        choices = self.start(g, prompts, best_of, args, stop, kept, echo, scored)
         offsets: dict[int, int] = {}
 
         def shape(c: Choice, text: str, entries: list[Any], finish: str | None, streamed: bool) -> dict[str, Any]:
@@ -724,76 +830,26 @@ def make_app(config: ServeConfig) -> Any:
             return {"index": c.index, "text": c.prompt_text, "logprobs": lp, "finish_reason": None} \
                 if c.prompt_text else None
 
-        try:
-            return await run(g, request, choices, stream, include_usage, sum(len(p) for p in prompts), shape,
-                             "text_completion", first, best_of, n)
-        except (ApiError, AzyxError) as e:
-            return error_response(e)
-        except (svc.ClientGone, ClientDisconnect):
-            return Response(status_code=499)
+        reply = Reply(g, request, choices, sum(len(p) for p in prompts), shape, "text_completion", first,
+                      include_usage)
+        return await self.answer(reply, stream, best_of, n)
 
-    def render(g: Generator, body: dict[str, Any]) -> str:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        v = body.get("messages")
-        if not isinstance(v, list) or not v:
-            raise ApiError(400, f"must be a non-empty list of messages, got {svc.short(v)}", "messages")
-        if len(v) > cfg.max_messages:
-            raise ApiError(413, f"{len(v)} messages exceed the limit of {cfg.max_messages}", "messages",
-                           code="request_too_large")
-        messages = []
-        for i, m in enumerate(v):
-            name = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise ApiError(400, f"must be an object, got {svc.short(m)}", name)
-            role = m.get("role")
-            if role not in ROLES:
-                raise ApiError(400, f"role must be one of {', '.join(ROLES)}, got {svc.short(role)}", f"{name}.role")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}]
-                parts = []
-                for j, p in enumerate(content):
-                    if not isinstance(p, dict) or p.get("type") != "text":
-                        raise ApiError(400, f"only text parts are supported, got {svc.short(p)}",
-                                       f"{name}.content[{j}]")
-                    key = f"{name}.content[{j}].text"
-                    parts.append(svc.text({key: p.get("text")}, key, cfg.max_prompt_chars) or "")
-                content = "".join(parts)
-            elif content is None and role == "assistant":
-                content = ""
-            else:
-                key = f"{name}.content"
-                content = svc.text({key: content}, key, cfg.max_prompt_chars)
-            messages.append({"role": role, "content": content})
-        try:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(g.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                           **g.specials)
-        except TemplateError as e:
-            raise ApiError(400, f"the chat template cannot render these messages ({svc.short(str(e), 120)})",
-                           "messages") from None
-
-    async def chat(request: Request) -> Response:
-        try:
-            body, g, stream, include_usage, (n, best_of), args, stop = await generation_request(
-                request, "chat completions", "max_completion_tokens")
-            want = svc.flag(body, "logprobs", False)
-            top = svc.integer(body, "top_logprobs", None, low=0, high=20)
-            if top is not None and not want:
-                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-            text = render(g, body)
-            if len(text) > cfg.max_prompt_chars:
-                raise ApiError(413, f"the rendered messages have {len(text)} characters, more than the limit of "
-                               f"{cfg.max_prompt_chars}", "messages", code="request_too_large")
-            prompt = await encode(g, text, "messages")
-            check_room(g, best_of)
-            choices = start(g, [prompt], best_of, args, stop, (top or 0) if want else 0 if best_of > n else None,
-                            False)
-        except (ApiError, AzyxError) as e:
-            return error_response(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
+    async def chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        body, g, stream, include_usage, (n, best_of), args, stop = await self.generation_request(
+            request, "chat completions", "max_completion_tokens")
+        want = svc.flag(body, "logprobs", False)
+        top = svc.integer(body, "top_logprobs", None, low=0, high=20)
+        if top is not None and not want:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        text = self.render(g, body)
+        if len(text) > self.cfg.max_prompt_chars:
+            raise ApiError(413, f"the rendered messages have {len(text)} characters, more than the limit of "
+                           f"{self.cfg.max_prompt_chars}", "messages", code="request_too_large")
+        prompt = await self.encode(g, text, "messages")
+        self.check_room(g, best_of)
+        choices = self.start(g, [prompt], best_of, args, stop, (top or 0) if want else 0 if best_of > n else None,
+                             False)
 
         def shape(c: Choice, text: str, entries: list[Any], finish: str | None, streamed: bool) -> dict[str, Any]:
             lp = _chat_logprobs(g, entries) if want else None
@@ -805,45 +861,83 @@ def make_app(config: ServeConfig) -> Any:
             return {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
 
-        try:
-            return await run(g, request, choices, stream, include_usage, len(prompt), shape, "chat.completion",
-                             first, best_of, n)
-        except (ApiError, AzyxError) as e:
-            return error_response(e)
-        except (svc.ClientGone, ClientDisconnect):
-            return Response(status_code=499)
+        reply = Reply(g, request, choices, len(prompt), shape, "chat.completion", first, include_usage)
+        return await self.answer(reply, stream, best_of, n)
 
-    async def embeddings(request: Request) -> Response:
+    def render(self, g: Generator, body: dict[str, Any]) -> str:
+        """A chat body's messages rendered by the model's chat template (400 if it cannot render them)."""
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        v = body.get("messages")
+        if not isinstance(v, list) or not v:
+            raise ApiError(400, f"must be a non-empty list of messages, got {svc.short(v)}", "messages")
+        if len(v) > self.cfg.max_messages:
+            raise ApiError(413, f"{len(v)} messages exceed the limit of {self.cfg.max_messages}", "messages",
+                           code="request_too_large")
+        messages = [self.message(m, f"messages[{i}]") for i, m in enumerate(v)]
         try:
-            serving()
-            body = await read_body(request)
-            e = pick(body, embedders, "embeddings")
-            fmt = body.get("encoding_format", "float")
-            if fmt not in ("float", "base64"):
-                raise ApiError(400, f"must be \"float\" or \"base64\", got {svc.short(fmt)}", "encoding_format")
-            dims = svc.integer(body, "dimensions", None, low=1)
-            if dims is not None and dims != e.model.hidden:
-                raise ApiError(400, f"this model's embeddings have {e.model.hidden} dimensions, not {dims}",
-                               "dimensions", code="unsupported")
-            encoded = await inputs_of(body, e)
-            metrics.prompt_tokens.labels(e.name).inc(sum(len(x) for x in encoded))
-            async with timeout():
-                rows = await svc.unless_gone(e.service.embed_ids(encoded), request.receive)
-        except (ApiError, AzyxError) as err:
-            return error_response(err)
-        except (svc.ClientGone, ClientDisconnect):
-            return Response(status_code=499)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            return env.from_string(g.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                           **g.specials)
+        except TemplateError as e:
+            raise ApiError(400, f"the chat template cannot render these messages ({svc.short(str(e), 120)})",
+                           "messages") from None
+
+    def message(self, m: Any, name: str) -> dict[str, Any]:
+        """One chat message as the template reads it: its role and its content's text (text parts joined)."""
+        if not isinstance(m, dict):
+            raise ApiError(400, f"must be an object, got {svc.short(m)}", name)
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"role must be one of {', '.join(ROLES)}, got {svc.short(role)}", f"{name}.role")
+        content = m.get("content")
+        limit = self.cfg.max_prompt_chars
+        if isinstance(content, list):  # [{"type": "text", "text": ...}]
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    raise ApiError(400, f"only text parts are supported, got {svc.short(p)}", f"{name}.content[{j}]")
+                key = f"{name}.content[{j}].text"
+                parts.append(svc.text({key: p.get("text")}, key, limit) or "")
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        else:
+            key = f"{name}.content"
+            content = svc.text({key: content}, key, limit)
+        return {"role": role, "content": content}
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings."""
+        from starlette.responses import Response
+
+        self.serving()
+        body = await self.read_body(request)
+        e = self.pick(body, self.embedders, "embeddings")
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise ApiError(400, f"must be \"float\" or \"base64\", got {svc.short(fmt)}", "encoding_format")
+        dims = svc.integer(body, "dimensions", None, low=1)
+        if dims is not None and dims != e.model.hidden:
+            raise ApiError(400, f"this model's embeddings have {e.model.hidden} dimensions, not {dims}",
+                           "dimensions", code="unsupported")
+        encoded = await self.inputs_of(body, e)
+        tokens = sum(len(x) for x in encoded)
+        self.metrics.prompt_tokens.labels(e.name).inc(tokens)
+        async with self.timeout():
+            rows = await svc.unless_gone(e.service.embed_ids(encoded), request.receive)
         if fmt == "base64":
             data = [base64.b64encode(r.astype("<f4").tobytes()).decode() for r in rows]
         else:
             data = rows.tolist()
-        tokens = sum(len(x) for x in encoded)
         answer = {"object": "list", "model": e.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                   "data": [{"object": "embedding", "index": i, "embedding": d} for i, d in enumerate(data)]}
         return Response(await svc.json_bytes(answer, off_loop=rows.size > 4096), media_type="application/json")
 
-    async def inputs_of(body: dict[str, Any], e: Embedder) -> list[list[int]]:
+    async def inputs_of(self, body: dict[str, Any], e: Embedder) -> list[list[int]]:
         """The inputs' token ids (each checked against the window: truncated with `truncate`, else 400)."""
+        cfg = self.cfg
         v = body.get("input")
         vocab, window = e.model.vocab_size, e.model.max_length
         if isinstance(v, str):
@@ -881,39 +975,40 @@ def make_app(config: ServeConfig) -> Any:
             return out
         raise ApiError(400, "must be a string, a list of strings, token ids or lists of them (not mixed)", "input")
 
-    async def models(request: Request) -> Response:
-        data = [{"id": name, "object": "model", "created": state["created"], "owned_by": "azyx",
-                 "kind": "generation" if name in generators else "embedding"}
-                for name in [*generators, *embedders]]
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models."""
+        from starlette.responses import JSONResponse
+
+        data = [{"id": name, "object": "model", "created": self.state["created"], "owned_by": "azyx",
+                 "kind": "generation" if name in self.generators else "embedding"}
+                for name in [*self.generators, *self.embedders]]
         return JSONResponse({"object": "list", "data": data})
 
-    async def health(request: Request) -> Response:
-        if ready.is_set():
+    async def health(self, request: Request) -> Response:
+        """GET /health: 200 once every model serves, else 503 (loading, or failed and why)."""
+        from starlette.responses import JSONResponse
+
+        if self.ready.is_set():
             return JSONResponse({"status": "ok"})
-        status = "failed" if state["error"] else "loading"
-        return JSONResponse({"status": status, **({"error": state["error"]} if state["error"] else {})}, 503)
+        error = self.state["error"]
+        return JSONResponse({"status": "failed" if error else "loading", **({"error": error} if error else {})}, 503)
 
-    async def metrics_page(request: Request) -> Response:
+    async def metrics_page(self, request: Request) -> Response:
+        """GET /metrics (Prometheus text)."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
 
-        gauges()
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        self.gauges()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's own errors (no such route, a method not allowed) in OpenAI's error shape."""
+        from starlette.exceptions import HTTPException
+
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         what = {404: "no such route", 405: "method not allowed"}.get(status, "error")
-        return error_response(ApiError(status, f"{what}: {request.method} {request.url.path}",
-                                       code=what.replace(" ", "_")))
-
-    routes = [Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/embeddings", embeddings, methods=["POST"]),
-              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics_page)]
-    inner = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    app = Outer(inner, metrics, cfg.api_key)
-    app.state.ready, app.state.config, app.state.metrics = ready, cfg, metrics
-    app.state.serving = {"generators": generators, "embedders": embedders, "state": state, "beat": beat}
-    return app
+        return _error_response(ApiError(status, f"{what}: {request.method} {request.url.path}",
+                                        code=what.replace(" ", "_")))
 
 
 class Outer:
