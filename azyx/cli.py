@@ -121,7 +121,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from azyx.serve import ServeConfig, make_app
+        from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app
     except ImportError as e:
         print(f"azyx serve needs its extra: pip install 'azyx[serve]' ({e})", file=sys.stderr)
         return 1
@@ -133,7 +133,8 @@ def serve(args: argparse.Namespace) -> int:
                       truncate=args.truncate)
     app = make_app(cfg)
     print(f"azyx serve: http://{cfg.host}:{cfg.port}/v1 ({', '.join(cfg.models)} on {cfg.device})", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, loop="asyncio")
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, loop="asyncio",
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

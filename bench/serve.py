@@ -454,8 +454,10 @@ def main() -> int:
     if args.peer_openai:
         import uvicorn
 
+        from azyx.serve import KEEP_ALIVE_S
+
         uvicorn.run(peer_openai_app(args.gpt2, args.minilm, torch_device(args.device)), host="127.0.0.1",
-                    port=args.peer_openai, log_level="warning", loop="asyncio")
+                    port=args.peer_openai, log_level="warning", loop="asyncio", timeout_keep_alive=KEEP_ALIVE_S)
         return 0
     try:
         import httpx  # noqa: F401

@@ -81,10 +81,12 @@ async def served(app: Any, timeout: float = 120) -> AsyncIterator[tuple[Any, int
     import httpx
     import uvicorn
 
+    from azyx.serve import KEEP_ALIVE_S
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 from azyx.models.bert import model_dir
-from azyx.serve import ServeConfig, make_app
+from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app
 
 
 def main() -> None:
@@ -37,7 +37,8 @@ def main() -> None:
     cfg = ServeConfig(models=(str(model_dir()),), device=args.device, port=args.port, max_batch=args.max_batch)
     print(f"serving on http://{cfg.host}:{cfg.port}/v1 (POST /v1/embeddings, GET /v1/models, /health, /metrics)",
           flush=True)
-    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio")
+    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio",
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from azyx.serve import ServeConfig, make_app
+from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app
 
 
 def main() -> None:
@@ -42,7 +42,8 @@ def main() -> None:
 
     cfg = ServeConfig(models=(args.model,), device=args.device, slots=args.slots, waiting=args.waiting,
                       port=args.port)
-    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio")
+    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio",
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

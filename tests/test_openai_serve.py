@@ -32,7 +32,7 @@ from test_gpt2 import build_checkpoint, hf_greedy, hf_logits, torch  # noqa: E40
 
 from azyx.models import load_tokenizer  # noqa: E402
 from azyx.models.bert import model_dir  # noqa: E402
-from azyx.serve import ServeConfig, make_app  # noqa: E402
+from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app  # noqa: E402
 from azyx.serve.app import DEFAULT_CHAT_TEMPLATE, embeddings_of  # noqa: E402
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text())
@@ -49,7 +49,8 @@ class Server:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.app = make_app(cfg)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.loop: asyncio.AbstractEventLoop | None = None
 
         async def serve() -> None:
@@ -823,7 +824,7 @@ def test_request_timeout_frees_the_slots_and_a_failed_load_answers_503(checkpoin
     app = make_app(ServeConfig(models=(str(broken),)))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S))
 
     async def run() -> tuple[Any, Any]:
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -15,6 +15,6 @@ name (the `model` field of requests, /v1/models) is its directory's name. See `a
 and the server's behaviour.
 """
 
-from azyx.serve.app import EMBEDDING_TYPES, GENERATION_TYPES, ServeConfig, make_app
+from azyx.serve.app import EMBEDDING_TYPES, GENERATION_TYPES, KEEP_ALIVE_S, ServeConfig, make_app
 
-__all__ = ["EMBEDDING_TYPES", "GENERATION_TYPES", "ServeConfig", "make_app"]
+__all__ = ["EMBEDDING_TYPES", "GENERATION_TYPES", "KEEP_ALIVE_S", "ServeConfig", "make_app"]

@@ -74,6 +74,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 ARRIVED = "azyx.arrived"  # the ASGI scope's key of a request's arrival time (perf_counter), set by `Outer`
 
 
+# how long an idle connection stays open: longer than clients keep theirs (5 s in httpx, which the openai package
+# uses; uvicorn's own default is 5 s too), so no client sends a request on a connection the server is closing at that
+# moment (the client would see a reset, httpx.ReadError, with no way to know whether the request was received)
+KEEP_ALIVE_S = 75
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """What `azyx serve` serves and its bounds: `models` (directories), the device, KV-cache `slots` and requests
