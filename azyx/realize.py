@@ -490,32 +490,44 @@ async def to_numpy(t: Handle) -> np.ndarray:
     n = _nodes[t.id]
     assert n is not None
     bufs = [buffer_of(n)]
-    if not done(bufs):
-        await wait_for(bufs, plan)
-    assert n.view is not None
-    buf, view, shape, dtype = buffer_of(n), n.view, n.shape, n.dtype
-    dev = buf.device
-    if not dev.host_memory and not dev.storage:  # a device with a queue: read in its order, await the timeline
-        # a crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too
+    dev = bufs[0].device
+    if dev.host_memory or dev.storage:
+        if not done(bufs):
+            await wait_for(bufs, plan)
+    else:  # a device with a queue reads in its order, right behind the work that writes the buffer: one wait for both
+        # (a crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too)
         if (fut := _gate()) is not None:
             await _pace(fut)
-        host = np.empty(buf.nbytes, np.uint8)
-        before = dev.queued()
-        v = dev.copy_to_host(buf, host, [])
-        if v is not None:
-            await dev.timeline.wait(v)
-            if (err := dev.failure_in(before, v)) is not None:
-                raise fresh_copy(err)
-            size = prod(shape) * dtype.itemsize
-            if dtype is not dtypes.bfloat16 and view.is_contiguous(shape) and LOOP_COPY_BYTES <= buf.nbytes <= 2 * size:
-                # the fresh array the device wrote becomes the caller's: no second copy of a large buffer
-                return host[view.offset * dtype.itemsize:][:size].view(dtype.np).reshape(shape)
-            if buf.nbytes < LOOP_COPY_BYTES:
-                return host_read(host, view, shape, dtype)
-            return await in_worker_thread(host_read, host, view, shape, dtype)
+        return await _read_queued(n, bufs, plan)
+    assert n.view is not None
+    buf, view, shape, dtype = buffer_of(n), n.view, n.shape, n.dtype
     if buf.nbytes >= LOOP_COPY_BYTES or dev.storage:  # large copies and file reads leave the loop free
         return await in_worker_thread(buf.device.read, buf, view, shape, dtype)
     return buf.device.read(buf, view, shape, dtype)
+
+
+
+async def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan) -> np.ndarray:
+    """The read of node `n`'s buffer on a device with a queue, queued now (done or not, the work that writes it is
+    ahead of it in the queue); then the run that wrote it answers for its failures (an index out of range, its work on
+    other devices) before the bytes are handed out."""
+    buf, view, shape, dtype = bufs[0], n.view, n.shape, n.dtype
+    dev = buf.device
+    host = np.empty(buf.nbytes, np.uint8)
+    before = dev.queued()
+    v = dev.copy_to_host(buf, host, [])
+    await dev.timeline.wait(v)
+    if (err := dev.failure_in(before, v)) is not None:
+        raise fresh_copy(err)
+    if not done(bufs):
+        await wait_for(bufs, plan)
+    size = prod(shape) * dtype.itemsize
+    if dtype is not dtypes.bfloat16 and view.is_contiguous(shape) and LOOP_COPY_BYTES <= buf.nbytes <= 2 * size:
+        # the fresh array the device wrote becomes the caller's: no second copy of a large buffer
+        return host[view.offset * dtype.itemsize:][:size].view(dtype.np).reshape(shape)
+    if buf.nbytes < LOOP_COPY_BYTES:
+        return host_read(host, view, shape, dtype)
+    return await in_worker_thread(host_read, host, view, shape, dtype)
 
 
 _local = threading.local()
