@@ -36,7 +36,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from common import cpu_model  # noqa: E402  (beside this script)
+from common import cpu_model, gpu_name  # noqa: E402  (beside this script)
 
 MIB = 1 << 20
 PREADV_PIECE = 16 * MIB
@@ -528,7 +528,7 @@ def main(args: argparse.Namespace) -> int:
     info = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
             f"machine: {cpu_model()}, {os.cpu_count()} logical cores, load average at "
             f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: noisy)" +
-            (f"; {_gpu_name()}" if gpu else ""),
+            (f"; {gpu_name()}" if gpu else ""),
             f"python {platform.python_version()}, numpy {np.__version__}",
             f"file: {args.size_mib} MiB ({len(layout(args.size_mib))} tensors, float32 and float16), largest tensor "
             f"{largest / MIB:.0f} MiB; page-cache-warm read of the whole file {data / warm_s / 1e9:.1f} GB/s "
@@ -544,15 +544,6 @@ def main(args: argparse.Namespace) -> int:
     write_results(Path(args.out), section)
     print(f"wrote {args.out}")
     return 0
-
-
-def _gpu_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return "GPU unknown"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,10 +40,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import cpu_model, write_section  # noqa: E402  (beside this script)
+from common import cpu_model, gpu_name, write_section  # noqa: E402  (beside this script)
 from devices import table  # noqa: E402
 
-OPENAI_START, OPENAI_END = "<!-- serve-openai:start -->", "<!-- serve-openai:end -->"
+
+def marks(device: str) -> tuple[str, str]:
+    """The markers of this device kind's section of bench/RESULTS.md (a CPU table and a GPU table)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return f"<!-- serve-openai-{kind}:start -->", f"<!-- serve-openai-{kind}:end -->"
+
+
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 
 def free_port() -> int:
@@ -428,12 +434,15 @@ def main_openai(args: argparse.Namespace) -> int:
     if not args.quick:
         which = f"from {gpt2.name}" if args.gpt2 else f"(random, {args.random_gpt2}: {RANDOM_GPT2[args.random_gpt2]}"\
             " as vocab, positions, width, layers, heads)"
-        section = "\n".join([OPENAI_START, "## Serving: `azyx serve` (OpenAI API) under load (bench/serve.py)",
-                             "", f"- machine: {cpu_model()}, {os.cpu_count()} logical cores; azyx device "
+        start, end = marks(args.device)
+        gpu = f"{gpu_name()}, host " if args.device.startswith("cuda") else ""
+        title = f"## Serving on {args.device}: `azyx serve` (OpenAI API) under load (bench/serve.py)"
+        section = "\n".join([start, title,
+                             "", f"- machine: {gpu}{cpu_model()}, {os.cpu_count()} logical cores; azyx device "
                              f"{args.device}, {slots} slots; GPT-2 {which}"
                              f"; {max_tokens} tokens per completion, {seconds:.0f} s per row; one sentence per "
-                             "embedding request", *[f"- {n}" for n in notes], "", text, "", OPENAI_END])
-        write_section(Path(args.out), OPENAI_START, OPENAI_END, section)
+                             "embedding request", *[f"- {n}" for n in notes], "", text, "", end])
+        write_section(Path(args.out), start, end, section)
     return 0
 
 
