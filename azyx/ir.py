@@ -116,6 +116,11 @@ class Attention:
     mask: tuple[int, ...] | None  # (a bool mask: True keeps a key; else added to the scores)
     mask_bool: bool
     causal: bool  # query i attends to keys 0..i
+    # the decode form (templates.attention_decode, a few query rows against a long cache): the keys of each query row
+    # cut into `splits` chunks; stage 1 computes each chunk's maximum, sum and weighted values (the output itself where
+    # there is one chunk), stage 2 combines the chunks. 0: the whole kernel (templates.attention)
+    splits: int = 0
+    stage: int = 0
 
     @property
     def batch_size(self) -> int:

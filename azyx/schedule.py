@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from azyx import debug
@@ -518,7 +518,11 @@ class Planner:
             device = n.device  # (made without its composed form only where its own device has the kernel)
             assert takes(device), f"attention without its composed form on {device}, which has no kernel for it"
         dl = self.rt.device(device).dialect
-        wide = dl is not None and dl.global_ids and max(e, ev) > attention.CUDA_MAX_HEAD  # (tensor cores alone: fits)
+        assert dl is not None
+        rows = prod(batch) * lq
+        splits = attention.decode_splits(dl, rows, lk) if attention.decode_takes(dl, lq, e, ev, n.dtype) else 0
+        # (tensor cores alone take long heads, and a GPU's decode kernel: rows 16 bytes a lane)
+        wide = dl.global_ids and (splits or max(e, ev) > attention.CUDA_MAX_HEAD)
         params, views = [], []
         for s in (q, k, v) if mask is None else (q, k, v, mask):
             slot, view = self.read_in_place(s, device)
@@ -528,15 +532,21 @@ class Planner:
             params.append(slot)
             views.append((view.offset, *view.strides))
         spec = Attention(tuple(batch), lq, lk, e, ev, views[0], views[1], views[2],
-                         views[3] if mask is not None else None, mask_kind == "bool", causal)
+                         views[3] if mask is not None else None, mask_kind == "bool", causal, splits, int(splits > 0))
         vb = ValueBuilder()
         sn, si = self.graph[scale], self.walk.scalar_of.get(scale)
         sv = vb.arg(si, sn.dtype) if si is not None else vb.const(sn.arg, sn.dtype)
-        kern = Kernel([n.dtype, *(self.slots[s].dtype for s in params)], [], [],
-                      [(Lin({}, 0), vb.attention(spec, n.dtype, sv))], attention.work(spec))
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(n.shape) * n.dtype.itemsize, kind)
-        self.emit(device, kern, (out, *params))
+        stages = [(spec, out, n.dtype, params)]
+        if splits > 1:  # the decode form's chunks: partials (m, l, o) per row and chunk, then combined into `out`
+            part = self._slot(device, dtypes.float32, 4 * rows * splits * (ev + 2), "temp")
+            stages = [(spec, part, dtypes.float32, params),
+                      (replace(spec, stage=2), out, n.dtype, [part])]
+        for sp, dst, dtype, srcs in stages:
+            kern = Kernel([dtype, *(self.slots[s].dtype for s in srcs)], [], [],
+                          [(Lin({}, 0), vb.attention(sp, dtype, sv))], attention.work(sp))
+            self.emit(device, kern, (dst, *srcs))
         return out, StridedView.contiguous(n.shape)
 
     def read_in_place(self, nid: int, device: str) -> tuple[int, StridedView]:

@@ -38,17 +38,51 @@ LOG2E = 1.4426950408889634
 C_TILES = {8: (3, 4), 16: (4, 2)}
 C_BQ, C_BK = 64, 64  # C: query rows per part (two tiles), keys per block
 C_MAX_HEAD = 256  # the longest E and Ev the C kernel takes (its blocks live on the stack)
-CUDA_MAX_HEAD = 64  # (its tiles fill the 48 KiB of shared memory a kernel may declare)
+CUDA_MAX_HEAD = 128  # (past 64, its tiles take dynamic shared memory: attention_cuda.cuda_smem)
 MMA_MAX_HEAD = 128  # the tensor-core kernel's longest E and Ev (tiles of 32 keys, two stages, in 48 KiB)
 CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys per tile, threads per block
+
+
+# the decode form (templates.attention_decode): query rows up to DECODE_ROWS against the cache, each row's keys cut
+# into chunks of at least DECODE_CHUNK so that the chunks of all rows number about DECODE_UNITS (host threads' parts,
+# or blocks: two per multiprocessor of an H100), DECODE_MAX_SPLITS at most; then combined
+DECODE_ROWS, DECODE_MAX_SPLITS = 4, 64
+DECODE_CHUNK = {False: 256, True: 128}  # by whether the dialect is a GPU's (global_ids)
+DECODE_UNITS = {False: 64, True: 264}
+
+
+def decode_takes(dl: Dialect, L: int, E: int, Ev: int, dtype: DType | None) -> bool:
+    """Whether the dialect's decode kernel takes L query rows of heads E, Ev in `dtype`: a GPU's reads rows 16 bytes a
+    lane (E and Ev multiples of 16 bytes, a row at most 32 lanes; `rows_aligned`, the planner copies a view that is
+    not)."""
+    if not dl.attention or L > DECODE_ROWS or dtype not in (dtypes.float32, dtypes.float16, dtypes.bfloat16):
+        return False
+    if not dl.global_ids:
+        return 0 < E <= C_MAX_HEAD and 0 < Ev <= C_MAX_HEAD
+    w = 16 // dtype.itemsize
+    return 0 < E <= 32 * w and 0 < Ev <= 32 * w and E % w == 0 and Ev % w == 0
+
+
+def decode_splits(dl: Dialect, rows: int, S: int) -> int:
+    """The chunks each of `rows` query rows cuts its S keys into (see DECODE_UNITS), none empty."""
+    gpu = bool(dl.global_ids)
+    n = max(1, min(DECODE_MAX_SPLITS, S // DECODE_CHUNK[gpu], -(-DECODE_UNITS[gpu] // rows)))
+    return -(-S // -(-S // n))
+
+
+def decode_chunk(a: Attention) -> int:
+    """Keys per chunk of the decode form (the last chunk may be shorter)."""
+    return -(-a.S // a.splits)
 
 
 def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = None) -> bool:
     """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs). On a
     GPU, heads longer than CUDA_MAX_HEAD take the tensor-core kernel alone, which reads q, k and v with aligned rows
-    (`rows_aligned`: the planner copies a view that is not)."""
+    (`rows_aligned`: the planner copies a view that is not), unless the decode kernel takes them (`decode_takes`)."""
     if not dl.attention:
         return False
+    if S > 0 and decode_takes(dl, L, E, Ev, dtype):
+        return True
     most = C_MAX_HEAD
     if dl.global_ids:
         tensor_cores = dl.tensor_cores and dtype in (dtypes.float16, dtypes.bfloat16) and E % 16 == 0 and Ev % 16 == 0
@@ -64,12 +98,18 @@ def rows_aligned(view: tuple[int, ...]) -> bool:
 
 def cuda_grid(a: Attention) -> tuple[int, int, int]:
     """(blocks of CUDA_BQ query rows, batch points): the float32 kernel's grid, and at least as many blocks as the
-    tensor-core kernel needs (it numbers its blocks flat; those past `mma_units` return at once)."""
+    tensor-core kernel needs (it numbers its blocks flat; those past `mma_units` return at once). The decode form:
+    (query rows, chunks) in stage 1, (query rows, 1) in stage 2."""
+    if a.splits:
+        return a.batch_size * a.L, a.splits if a.stage == 1 else 1, 1
     return -(-a.L // CUDA_BQ), a.batch_size, 1
 
 
 def parts(a: Attention) -> int:
-    """The C kernel's parallel parts: (batch point, block of query rows)."""
+    """The C kernel's parallel parts: (batch point, block of query rows); the decode form's (query row, chunk) in stage
+    1, query rows in stage 2."""
+    if a.splits:
+        return a.batch_size * a.L * (a.splits if a.stage == 1 else 1)
     return a.batch_size * -(-a.L // C_BQ)
 
 
