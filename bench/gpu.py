@@ -93,18 +93,26 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
             pair = [both(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2)]
             halves[dt, n] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in pair]
     heads = {}  # attention (issues 18, 38): (batch, heads, length, dim), the same values on each side, in each dtype
-    shapes = [(1, 8, 128, 128, 64, False), (8, 8, 1024, 1024, 64, False)]  # (batch, heads, L, S, dim, causal)
+    # (batch, heads, L, S, dim, causal, masked: a KV cache's valid lengths as a (batch, 1, 1, S) bool mask)
+    shapes = [(1, 8, 128, 128, 64, False, False), (8, 8, 1024, 1024, 64, False, False),
+              (1, 12, 1, 4096, 64, False, False)]
     if not quick:
-        shapes += [(1, 12, L, L, d, c) for L in (128, 1024, 8192) for d in (64, 128) for c in (False, True)]
-        shapes += [(1, 12, 1, S, d, False) for S in (1, 256, 4096) for d in (64, 128)]  # decode: 1 query, S cached
+        shapes += [(1, 12, L, L, d, c, False) for L in (128, 1024, 8192) for d in (64, 128) for c in (False, True)]
+        # decode (issue 38): 1 query against S cached rows, batch 1 and 64; a GPT-2 step's (its valid rows masked)
+        shapes += [(1, 12, 1, S, d, False, False) for S in (1, 256, 4096) for d in (64, 128) if (S, d) != (4096, 64)]
+        shapes += [(64, 12, 1, S, 64, False, False) for S in (1024, 4096)] + [(32, 12, 1, 1024, 64, False, True)]
     for dt in ("bfloat16", "float16", "float32"):
-        for batch, nh, length, cached, dim, causal in shapes:
+        for batch, nh, length, cached, dim, causal, masked in shapes:
             if dt == "float16" and (batch, length) in ((1, 128), (8, 1024)) and dim == 64 and not causal:
                 continue  # (the first rows: bf16 and f32 as before)
             q = both(rng.standard_normal((batch, nh, length, dim), dtype=np.float32))
             kv = [both(rng.standard_normal((batch, nh, cached, dim), dtype=np.float32)) for _ in range(2)]
-            heads[dt, batch, nh, length, cached, dim, causal] = [(x.cast(dt), tx.to(getattr(torch, dt)))
-                                                                   for x, tx in (q, *kv)]
+            qkv = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in (q, *kv)]
+            if masked:
+                valid = rng.integers(1, cached + 1, batch)
+                keep = (np.arange(cached)[None, :] < valid[:, None]).reshape(batch, 1, 1, cached)
+                qkv.append(both(keep))
+            heads[dt, batch, nh, length, cached, dim, causal] = qkv
     vectors = {}  # matrix-vector products (decode's linear layers): (1, K) @ (K, N), the weight read once
     gemv = 4096 if quick else 8192
     for dt in ("float32", "bfloat16", "float16"):
@@ -136,14 +144,19 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         cases.append((name, lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3, "GFLOP/s"))
         tolerance[name] = 1e-2 if dt == "bfloat16" else 2e-3  # C rounded to 8 or 11 bits
     short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-    for (dt, batch, nh, length, cached, dim, causal), ((q, tq), (k, tk), (v, tv)) in heads.items():
-        # torch: its flash / efficient kernels
-        shape = f"L={length}" if length == cached else f"1 query x {cached} cached"
+    for (dt, batch, nh, length, cached, dim, causal), ((q, tq), (k, tk), (v, tv), *mask) in heads.items():
+        # torch: its flash / efficient kernels (efficient or math under a mask)
+        (m, tm), = mask or [(None, None)]
+        shape = f"L={length}" if length == cached else f"1 query x {cached} cached{', masked' if mask else ''}"
         name = f"SDPA {batch}x{nh} heads x {dim}, {shape}{', causal' if causal else ''} {short[dt]}"
         pairs = batch * nh * length * cached // (2 if causal else 1)
-        cases.append((name, lambda q=q, k=k, v=v, c=causal: azyx.nn.scaled_dot_product_attention(q, k, v, causal=c),
-                      lambda tq=tq, tk=tk, tv=tv, c=causal: torch.nn.functional.scaled_dot_product_attention(
-                          tq, tk, tv, is_causal=c), 4 * pairs * dim, "GFLOP/s"))
+        work, unit = 4 * pairs * dim, "GFLOP/s"
+        if length == 1:  # decode: bandwidth-bound, GB/s of the keys and values read
+            work, unit = 2 * batch * nh * cached * dim * k.dtype.itemsize, "GB/s"
+        cases.append((name, lambda q=q, k=k, v=v, c=causal, m=m: azyx.nn.scaled_dot_product_attention(
+                          q, k, v, mask=m, causal=c),
+                      lambda tq=tq, tk=tk, tv=tv, c=causal, tm=tm: torch.nn.functional.scaled_dot_product_attention(
+                          tq, tk, tv, attn_mask=tm, is_causal=c), work, unit))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for dt, ((x, tx), (w, tw)) in vectors.items():  # bandwidth-bound: GB/s of the weight read
         name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}) {short[dt]}"
