@@ -1,9 +1,9 @@
 """Decode attention (flash-decoding: a few query rows against a long cache, the keys split into chunks and combined) on
 every test device: `scaled_dot_product_attention` split and unsplit against numpy, with causal, bool (a KV cache's
 valid lengths, broadcast over heads) and float masks, head dims 64 and 128, float32/float16/bfloat16; where the
-dialect has the decode kernel (C here) it plans into one kernel unsplit and two split (chunks, then their combine),
-elsewhere the composed split form (`nn._split_attention`) gives the same; a GPT-2 decode step's attention (keys of
-the cache gathered by slot, a window, positions as a mask). The CUDA decode kernels run on the host through
+dialect has the decode kernel (C and OpenCL here) it plans into one kernel unsplit and two split (chunks, then their
+combine), elsewhere the composed split form (`nn._split_attention`) gives the same; a GPT-2 decode step's attention
+(keys of the cache gathered by slot, a window, positions as a mask). The CUDA decode kernels run on the host through
 tests/cuda_host.py (g++): every dtype, head dims 64/128/80, masks, causal, broadcast strides, split and unsplit."""
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def randn(*shape: int) -> np.ndarray:
 
 
 def has_kernel(device: str) -> bool:
+    """Whether the device's dialect has the decode kernel (C, CUDA, OpenCL)."""
     dl = RT.device(device).dialect
-    return dl is not None and dl.attention
+    return dl is not None and (dl.attention or dl.decode)
 
 
 def cache_mask(b: int, s: int, lengths: list[int]) -> np.ndarray:

@@ -9,6 +9,7 @@ from azyx.codegen.launch import SHARED, Launch, launch_for
 from azyx.codegen.render import kernel_name
 from azyx.codegen.templates import attention, attention_cuda, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90
 from azyx.codegen.templates.attention_decode import render as render_decode
+from azyx.dtypes import DType
 from azyx.ir import Attention, Kernel, attention_of
 
 
@@ -22,13 +23,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
     if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
         src = _attention_source(k, a, dl)
         name = kernel_name(src)
-        smem = 0  # (the CUDA kernels' dynamic shared memory)
-        if dl.global_ids and not a.splits:
-            mma = attention_cuda.mma_fits(a, dl, k.params)
-            smem = attention_cuda.mma_smem_bytes(a) if mma else attention_cuda.cuda_smem(a)
-        launch = (Launch(attention.cuda_grid(a), attention.CUDA_THREADS, smem=smem) if dl.global_ids else
-                  Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
-        return name, src.replace("KERNEL", name, 1), launch
+        return name, src.replace("KERNEL", name, 1), _attention_launch(a, dl, k.params)
     g = product_of(k, dl, threads)
     if g is not None and sm90 and g.mma and gemm_sm90.fits(g) and not g.variant:  # (a searched tile: mma.sync's)
         src = gemm_sm90.render(g, "KERNEL")
@@ -42,6 +37,24 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
         body = cfamily.render(k, "KERNEL", dl, threads)
     name = kernel_name(body)
     return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
+
+
+def _attention_launch(a: Attention, dl: Dialect, params: list[DType]) -> Launch:
+    """The attention kernel's launch: the host's parts (its signature takes lo, hi: always SHARED); OpenCL's decode
+    form a work item per part; CUDA's grid of CUDA_THREADS blocks, with the dynamic shared memory of its whole
+    kernels."""
+    if not dl.global_ids:
+        return Launch(trip=attention.parts(a), parallel=SHARED)
+    if not attention.decode_lanes(dl):
+        return Launch((-(-attention.parts(a) // OPENCL_ITEMS), 1, 1), OPENCL_ITEMS)
+    smem = 0
+    if not a.splits:
+        mma = attention_cuda.mma_fits(a, dl, params)
+        smem = attention_cuda.mma_smem_bytes(a) if mma else attention_cuda.cuda_smem(a)
+    return Launch(attention.cuda_grid(a), attention.CUDA_THREADS, smem=smem)
+
+
+OPENCL_ITEMS = 64  # work items per group of OpenCL's decode kernel
 
 
 def _attention_source(k: Kernel, a: Attention, dl: Dialect) -> str:

@@ -55,12 +55,19 @@ def decode_takes(dl: Dialect, L: int, E: int, Ev: int, dtype: DType | None) -> b
     """Whether the dialect's decode kernel takes L query rows of heads E, Ev in `dtype`: a GPU's reads rows 16 bytes a
     lane (E and Ev multiples of 16 bytes, a row at most 32 lanes; `rows_aligned`, the planner copies a view that is
     not)."""
-    if not dl.attention or L > DECODE_ROWS or dtype not in (dtypes.float32, dtypes.float16, dtypes.bfloat16):
+    if not (dl.attention or dl.decode) or L > DECODE_ROWS or dtype not in (dtypes.float32, dtypes.float16,
+                                                                            dtypes.bfloat16):
         return False
-    if not dl.global_ids:
+    if not decode_lanes(dl):
         return 0 < E <= C_MAX_HEAD and 0 < Ev <= C_MAX_HEAD
     w = 16 // dtype.itemsize
     return 0 < E <= 32 * w and 0 < Ev <= 32 * w and E % w == 0 and Ev % w == 0
+
+
+def decode_lanes(dl: Dialect) -> bool:
+    """Whether `dl`'s decode kernel is CUDA's (a lane group per key, 16 bytes a lane), else the C one (a part, or a
+    work item, per chunk: the host's, OpenCL's)."""
+    return bool(dl.global_ids) and dl.attention
 
 
 def decode_splits(dl: Dialect, rows: int, S: int) -> int:
@@ -79,10 +86,10 @@ def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = Non
     """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs). On a
     GPU, heads longer than CUDA_MAX_HEAD take the tensor-core kernel alone, which reads q, k and v with aligned rows
     (`rows_aligned`: the planner copies a view that is not), unless the decode kernel takes them (`decode_takes`)."""
-    if not dl.attention:
-        return False
     if S > 0 and decode_takes(dl, L, E, Ev, dtype):
         return True
+    if not dl.attention:
+        return False
     most = C_MAX_HEAD
     if dl.global_ids:
         tensor_cores = dl.tensor_cores and dtype in (dtypes.float16, dtypes.bfloat16) and E % 16 == 0 and Ev % 16 == 0
@@ -134,7 +141,7 @@ def batch_offsets(a: Attention, index: str, it: str) -> list[str]:
 
 def kernel_params(dl: Dialect, params: list[DType], scale: str) -> list[str]:
     """The kernel's parameters: the output, the operands (read-only), the scale where it is a scalar argument."""
-    out = [f"{'const ' if i else ''}{dl.ctype(d)}* {dl.restrict} d{i}" for i, d in enumerate(params)]
+    out = [f"{dl.buffer_qual}{'const ' if i else ''}{dl.ctype(d)}* {dl.restrict} d{i}" for i, d in enumerate(params)]
     return out + ([f"float {scale}"] if scale.startswith("sc") else [])
 
 

@@ -23,6 +23,7 @@ from azyx.codegen.templates.attention import (
     LOG2E,
     batch_offsets,
     decode_chunk,
+    decode_lanes,
     kernel_params,
     load_expr,
 )
@@ -36,7 +37,7 @@ UNROLL = 4  # CUDA: keys a lane group loads before it computes (loads in flight)
 
 def render(a: Attention, name: str, dl: Dialect, params: list[DType], scale: str) -> str:
     """Stage 1 or 2 of the decode form of `a` in dialect `dl`."""
-    if dl.global_ids:
+    if decode_lanes(dl):
         return render_cuda(a, name, dl, params, scale)
     return render_c(a, name, dl, params, scale)
 
@@ -62,21 +63,31 @@ def _mask(a: Attention, dl: Dialect, params: list[DType], it: str, var: str, key
 # ------------------------------------------------------------------------------------------------ C
 
 
+def _loop(dl: Dialect, var: str, n: int) -> str:
+    """The loop over parts: the host's [lo, hi), or a work item's own (OpenCL: one trip, if any)."""
+    if dl.global_ids:
+        return f"for (long {var} = {dl.global_ids}; {var} < {n}; {var} += {n})"
+    return f"for (long {var} = lo; {var} < hi; {var}++)"
+
+
 def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: str) -> str:
     """Stage 1 (`name(lo, hi, out or partials, q, k, v[, mask], scalars...)` over parts (row, chunk)) or stage 2
-    (`name(lo, hi, out, partials, scalars...)` over rows)."""
+    (`name(lo, hi, out, partials, scalars...)` over rows); on OpenCL a work item per part, no lo and hi."""
     it, w, E, Ev = "long", _partial_width(a), a.E, a.Ev
-    sig = [f"{it} lo", f"{it} hi", *kernel_params(dl, params, scale)]
+    sig = [*([] if dl.global_ids else [f"{it} lo", f"{it} hi"]), *kernel_params(dl, params, scale)]
+    exp2, g = f"exp2{dl.fn_suffix_f32}", dl.buffer_qual
+    simd = "#pragma omp simd" if dl.pragmas else ""
+    rows = a.batch_size * a.L
     if a.stage == 2:
         return f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
-  for ({it} unit = lo; unit < hi; unit++) {{
-    const float* P = d1 + unit * {a.splits * w}L;
+  {_loop(dl, "unit", rows)} {{
+    {g}const float* P = d1 + unit * {a.splits * w}L;
     float mx = -INFINITY, l = 0.f, o[{Ev}];
     for (int s = 0; s < {a.splits}; s++) mx = P[s * {w}] > mx ? P[s * {w}] : mx;
     const float ms = mx == -INFINITY ? 0.f : mx;
     for (int c = 0; c < {Ev}; c++) o[c] = 0.f;
     for (int s = 0; s < {a.splits}; s++) {{
-      const float f = exp2f(P[s * {w}] - ms);
+      const float f = {exp2}(P[s * {w}] - ms);
       l += f * P[s * {w} + 1];
       for (int c = 0; c < {Ev}; c++) o[c] += f * P[s * {w} + 2 + c];
     }}
@@ -91,13 +102,13 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     if a.splits == 1:
         store = f"for (int c = 0; c < {Ev}; c++) {_store(dl, out_t, f'unit * {Ev}L + c', 'o[c] / l')}"
     else:
-        store = f"""float* P = d0 + (unit * {a.splits} + s) * {w}L;
+        store = f"""{g}float* P = d0 + (unit * {a.splits} + s) * {w}L;
     P[0] = m, P[1] = l;
     for (int c = 0; c < {Ev}; c++) P[2 + c] = o[c];"""
     offsets = "\n    ".join(batch_offsets(a, "b", it))
     return f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
   const float qs = (float)({scale}) * {LOG2E}f;
-  for ({it} part = lo; part < hi; part++) {{
+  {_loop(dl, "part", rows * a.splits)} {{
     const {it} unit = part / {a.splits}, b = unit / {a.L};
     const int i = (int)(unit % {a.L}), s = (int)(part % {a.splits});
     {offsets}
@@ -113,20 +124,20 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
       for (int j = 0; j < n; j++) {{
         const {it} key = j0 + j;
         float d = 0.f;
-        #pragma omp simd reduction(+:d)
+        {simd}{" reduction(+:d)" if simd else ""}
         for (int e = 0; e < {E}; e++) d += qv[e] * {kval};
         {_mask(a, dl, params, it, "d", "key", "1")}
         sc[j] = d;
         mx = d > mx ? d : mx;
       }}
-      const float ms = mx == -INFINITY ? 0.f : mx, alpha = exp2f(m - ms);
+      const float ms = mx == -INFINITY ? 0.f : mx, alpha = {exp2}(m - ms);
       l *= alpha;
       for (int c = 0; c < {Ev}; c++) o[c] *= alpha;
       for (int j = 0; j < n; j++) {{
         const {it} key = j0 + j;
-        const float p = exp2f(sc[j] - ms);
+        const float p = {exp2}(sc[j] - ms);
         l += p;
-        #pragma omp simd
+        {simd}
         for (int c = 0; c < {Ev}; c++) o[c] += p * {vval};
       }}
       m = mx;
