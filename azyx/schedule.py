@@ -521,8 +521,7 @@ class Planner:
         assert dl is not None
         rows = prod(batch) * lq
         splits = attention.decode_splits(dl, rows, lk) if attention.decode_takes(dl, lq, e, ev, n.dtype) else 0
-        # (tensor cores alone take long heads, and a GPU's decode kernel: rows 16 bytes a lane)
-        wide = (splits and attention.decode_lanes(dl)) or (dl.global_ids and max(e, ev) > attention.CUDA_MAX_HEAD)
+        wide = attention.copies_unaligned(dl, e, ev, n.dtype, splits)
         params, views = [], []
         for s in (q, k, v) if mask is None else (q, k, v, mask):
             slot, view = self.read_in_place(s, device)

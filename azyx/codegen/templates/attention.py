@@ -97,6 +97,16 @@ def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = Non
     return 0 < E <= most and 0 < Ev <= most and L > 0 and S > 0
 
 
+def copies_unaligned(dl: Dialect, E: int, Ev: int, dtype: DType, splits: int) -> bool:
+    """Whether the planner copies an operand whose rows do not start on 16 bytes (`rows_aligned`) before the kernel:
+    CUDA's decode kernel reads rows 16 bytes a lane; its tensor-core kernel does too, and for heads past 64 a copy
+    costs less than the float32 kernel that would take the view instead."""
+    if splits:
+        return decode_lanes(dl)
+    half = dtype in (dtypes.float16, dtypes.bfloat16) and E % 16 == 0 and Ev % 16 == 0
+    return bool(dl.global_ids) and dl.tensor_cores and half and max(E, Ev) > 64
+
+
 def rows_aligned(view: tuple[int, ...]) -> bool:
     """Whether an operand's view (offset, *strides) is read 16 bytes at a time by the tensor-core kernel: its last
     axis contiguous, the other strides and the offset multiples of 8 elements."""
