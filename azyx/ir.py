@@ -121,6 +121,10 @@ class Attention:
     # there is one chunk), stage 2 combines the chunks. 0: the whole kernel (templates.attention)
     splits: int = 0
     stage: int = 0
+    # k and v's first batch axis read through an int32 index into a table of this many rows (a KV cache's slots, each
+    # batch point's row gathered in the kernel): the parameter after the mask, then the check words where checked.
+    # 0: none
+    gather: int = 0
 
     @property
     def batch_size(self) -> int:

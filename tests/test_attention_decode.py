@@ -93,20 +93,41 @@ async def test_half_decode_against_numpy(device: str, dtype: str, monkeypatch: p
     np.testing.assert_allclose(await got.cast("float32").numpy(), want, rtol=tol, atol=tol)
 
 
-async def test_decode_of_a_gathered_cache_window(device: str) -> None:
+async def test_decode_of_a_gathered_cache_window(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPT-2 decode step's attention: each row's keys and values gathered from its slot of the cache, the first
-    `window` rows, its valid rows as a mask from the positions (models.gpt2.Decode)."""
-    slots, heads, max_len, e, window = 4, 2, 512, 64, 256
+    `window` rows, its valid rows as a mask from the positions (models.gpt2.Decode). Cut to the window first, the
+    decode kernel reads the cache through the slots itself (no gather kernel; Attention.gather), split or not; a
+    negative slot counts from the end."""
+    slots, heads, max_len, e, window = 4, 2, 1024, 64, 512
     cache_k, cache_v = randn(slots + 1, heads, max_len, e), randn(slots + 1, heads, max_len, e)
-    rows, pos = np.array([2, 0, 3]), np.array([5, 200, 255])
+    rows, pos = np.array([2, 0, -2]), np.array([5, 200, 255])
     q = randn(3, heads, 1, e)
     keep = (np.arange(window)[None, :] <= pos[:, None]).reshape(3, 1, 1, window)
     tk, tv = Tensor(cache_k, device=device), Tensor(cache_v, device=device)
     sl = Tensor(rows.astype(np.int32), device=device)
-    out = nn.scaled_dot_product_attention(Tensor(q, device=device), tk[sl][:, :, :window], tv[sl][:, :, :window],
-                                          mask=Tensor(keep, device=device), scale=0.2)
+    args = (Tensor(q, device=device), Tensor(keep, device=device))
     want = sdpa_ref(q, cache_k[rows][:, :, :window], cache_v[rows][:, :, :window], keep, scale=0.2)
-    np.testing.assert_allclose(await out.numpy(), want, rtol=1e-4, atol=2e-5)
+    for units in (1, 512):
+        monkeypatch.setitem(attention.DECODE_UNITS, False, units)
+        monkeypatch.setitem(attention.DECODE_UNITS, True, units)
+        RT.plan_cache.clear()
+        for k, v in ((tk[sl][:, :, :window], tv[sl][:, :, :window]), (tk[:, :, :window][sl], tv[:, :, :window][sl])):
+            out = nn.scaled_dot_product_attention(args[0], k, v, mask=args[1], scale=0.2)
+            specs = [attention_of(s.kernel) for s in azyx.schedule(out).kernels]
+            np.testing.assert_allclose(await out.numpy(), want, rtol=1e-4, atol=2e-5)
+        if has_kernel(device):  # (the last: cut, then gathered)
+            first = [a for a in specs if a is not None and a.stage == 1]
+            assert [a.gather for a in first] == [slots + 1]
+            assert len(specs) == 1 + (first[0].splits > 1), "a gather kernel ran"  # (the stages alone)
+
+
+async def test_a_gathered_slot_out_of_range_raises(device: str) -> None:
+    cache = Tensor(randn(3, 2, 64, 32), device=device)
+    q = Tensor(randn(2, 2, 1, 32), device=device)
+    for bad in (3, -4):
+        sl = Tensor(np.array([0, bad], np.int32), device=device)
+        with pytest.raises(azyx.IndexOutOfRange, match=f"index {bad} is out of range for an axis of size 3"):
+            await nn.scaled_dot_product_attention(q, cache[sl], cache[sl]).realize()
 
 
 def test_decode_splits_cover_the_cache() -> None:
@@ -153,6 +174,8 @@ CUDA_CASES = [  # (dtype, batch, heads, L, cache rows, S, E, Ev, mode, splits)
     ("float32", 2, 2, 1, 256, 200, 64, 64, "lengths", 1),
     ("float32", 1, 3, 3, 100, 97, 128, 128, "float", 2),
     ("bfloat16", 2, 1, 1, 96, 96, 80, 48, "none", 2),  # E != Ev, pieces not a power of 2
+    ("float16", 3, 2, 1, 200, 150, 64, 64, "gather", 3),  # the cache's slots read through an index
+    ("float32", 2, 2, 1, 100, 64, 64, 64, "gather", 1),
 ]
 
 
@@ -185,8 +208,14 @@ def test_cuda_decode_kernel_on_the_host(case: tuple) -> None:
         bufs.append(mb)
         params.append(d)
         mview = (0, 0, 0, s, 1)
+    gather = 0
+    if mode == "gather":  # batch point i reads slot slots[i] of b + 1 (the index's last: -1, the last slot)
+        slots = np.array([2, 0, -1][:b], np.int32)
+        bufs += [slots, np.zeros(4, np.int32)]
+        params += [dtypes.int32, dtypes.int32]
+        kview, vview, gather = (0, *kview[1:]), (0, *vview[1:]), b + 1
     a = Attention((b, h), lq, s, e, ev, (0, h * lq * e, lq * e, e, 1), kview, vview, mview, mode == "lengths",
-                  mode == "causal", splits, 1)
+                  mode == "causal", splits, 1, gather)
     assert attention.decode_takes(CUDA, lq, e, ev, d)
     scale = 0.3
     out = np.zeros(b * h * lq * ev, qb.dtype)
@@ -201,7 +230,10 @@ def test_cuda_decode_kernel_on_the_host(case: tuple) -> None:
         a2 = dataclasses.replace(a, stage=2)
         src2 = attention_decode.render_cuda(a2, "decode2", CUDA, [d, dtypes.float32], "sc0")
         launch(src2, "decode2", attention.cuda_grid(a2), attention.CUDA_THREADS, [out, part], (scale,))
-    want = sdpa_ref(qx, kx[1:, :, :s], vx[1:, :, :s], mask, mode == "causal", scale)
+    rows = slots if gather else np.arange(1, b + 1)
+    want = sdpa_ref(qx, kx[rows, :, :s], vx[rows, :, :s], mask, mode == "causal", scale)
+    if gather:
+        assert not bufs[-1].any()  # (no index out of range)
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dt]
     np.testing.assert_allclose(from_stored(out, dt).reshape(b, h, lq, ev), want, rtol=tol, atol=tol)
 

@@ -427,6 +427,13 @@ def test_decode_attention_plans_into_its_kernels_that_compile(roomy: None, dtype
         others.append(len(got) - 2)
         steps += got
     assert others[1] == others[0] + 1  # (the unaligned keys copied)
+    slots = Tensor(np.array([3, 0, 4, 1], np.int32), device=DEV)  # (a decode step's: the cache's rows by slot)
+    keys, values = cache[:, :, :, :64][slots], cache[:, :, :, 8:72][slots]
+    gathered = kernels_of(nn.scaled_dot_product_attention(q, keys, values))
+    stages = [attention_of(s.kernel) for s in gathered if attention_of(s.kernel) is not None]
+    assert [a.gather for a in stages] == [5, 5] and len(gathered) == 2 + (dtype != "float32") * 2  # type: ignore
+    assert "const int* __restrict__ d4, int* __restrict__ d5" in gathered[-2].src  # (the index, its check words)
+    steps += gathered
     big = t(64, 12, 1, 128).cast(dtype)
     (one,) = [s for s in kernels_of(nn.scaled_dot_product_attention(big, t(64, 12, 256, 128).cast(dtype),
                                                                      t(64, 12, 256, 128).cast(dtype)))

@@ -136,8 +136,10 @@ def work(a: Attention) -> int:
     return a.batch_size * a.L * keys * (a.E + a.Ev)
 
 
-def batch_offsets(a: Attention, index: str, it: str) -> list[str]:
-    """Lines that set qo, ko, vo (and mo) to the element offsets of batch point `index` in each operand."""
+def batch_offsets(a: Attention, index: str, it: str, params: int = 0) -> list[str]:
+    """Lines that set qo, ko, vo (and mo) to the element offsets of batch point `index` in each operand; k's and v's
+    first batch axis through the gather index where `a.gather` (checked where the kernel's `params` take the check
+    words: see `gather_check`)."""
     ops = [("qo", a.q), ("ko", a.k), ("vo", a.v)] + ([("mo", a.mask)] if a.mask is not None else [])
     lines = [f"{it} {name} = {spec[0]};" for name, spec in ops]
     if not a.batch:
@@ -145,13 +147,34 @@ def batch_offsets(a: Attention, index: str, it: str) -> list[str]:
     lines.append(f"{it} rest = {index}, c;")
     for ax in reversed(range(len(a.batch))):
         lines.append(f"c = rest % {a.batch[ax]}; rest /= {a.batch[ax]};")
-        lines += [f"{name} += c * {spec[1 + ax]};" for name, spec in ops if spec[1 + ax]]
+        gathered = ("ko", "vo") if ax == 0 and a.gather else ()
+        lines += [f"{name} += c * {spec[1 + ax]};" for name, spec in ops if spec[1 + ax] and name not in gathered]
+        if gathered:
+            lines.append(_gathered_row(a, it, params))
     return lines
 
 
-def kernel_params(dl: Dialect, params: list[DType], scale: str) -> list[str]:
-    """The kernel's parameters: the output, the operands (read-only), the scale where it is a scalar argument."""
-    out = [f"{dl.buffer_qual}{'const ' if i else ''}{dl.ctype(d)}* {dl.restrict} d{i}" for i, d in enumerate(params)]
+def gather_check(a: Attention, params: int) -> int | None:
+    """The parameter of the check words among a kernel's `params` parameters (after the gather index), or None."""
+    at = 5 + (a.mask is not None)
+    return at if a.gather and params > at else None
+
+
+def _gathered_row(a: Attention, it: str, params: int) -> str:
+    """k's and v's row of the table for batch coordinate c: the index wrapped from the end and clamped; one out of
+    [-rows, rows) writes the check words (ir.CHECK_WORDS: site 1, the value, the size) where the kernel has them."""
+    n, ix, ck = a.gather, 4 + (a.mask is not None), gather_check(a, params)
+    check = "" if ck is None else (f" if (at < -{n} || at > {n - 1}) {{ d{ck}[1] = at; d{ck}[2] = at < 0 ? -1 : 0; "
+                                   f"d{ck}[3] = {n}; d{ck}[0] = 1; }}")
+    return (f"{{ const int at = d{ix}[c]; {it} r = at < 0 ? at + {n} : at; r = r < 0 ? 0 : (r > {n - 1} ? {n - 1} : r);"
+            f"{check} ko += r * {a.k[1]}; vo += r * {a.v[1]}; }}")
+
+
+def kernel_params(dl: Dialect, params: list[DType], scale: str, written: int | None = None) -> list[str]:
+    """The kernel's parameters: the output, the operands (read-only), the scale where it is a scalar argument;
+    `written`: another parameter the kernel writes (the check words)."""
+    out = [f"{dl.buffer_qual}{'const ' if i and i != written else ''}{dl.ctype(d)}* {dl.restrict} d{i}"
+           for i, d in enumerate(params)]
     return out + ([f"float {scale}"] if scale.startswith("sc") else [])
 
 

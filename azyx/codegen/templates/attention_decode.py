@@ -24,6 +24,7 @@ from azyx.codegen.templates.attention import (
     batch_offsets,
     decode_chunk,
     decode_lanes,
+    gather_check,
     kernel_params,
     load_expr,
 )
@@ -74,7 +75,8 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     """Stage 1 (`name(lo, hi, out or partials, q, k, v[, mask], scalars...)` over parts (row, chunk)) or stage 2
     (`name(lo, hi, out, partials, scalars...)` over rows); on OpenCL a work item per part, no lo and hi."""
     it, w, E, Ev = "long", _partial_width(a), a.E, a.Ev
-    sig = [*([] if dl.global_ids else [f"{it} lo", f"{it} hi"]), *kernel_params(dl, params, scale)]
+    sig = [*([] if dl.global_ids else [f"{it} lo", f"{it} hi"]),
+           *kernel_params(dl, params, scale, gather_check(a, len(params)) if a.stage == 1 else None)]
     exp2, g = f"exp2{dl.fn_suffix_f32}", dl.buffer_qual
     simd = "#pragma omp simd" if dl.pragmas else ""
     rows = a.batch_size * a.L
@@ -105,7 +107,7 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
         store = f"""{g}float* P = d0 + (unit * {a.splits} + s) * {w}L;
     P[0] = m, P[1] = l;
     for (int c = 0; c < {Ev}; c++) P[2 + c] = o[c];"""
-    offsets = "\n    ".join(batch_offsets(a, "b", it))
+    offsets = "\n    ".join(batch_offsets(a, "b", it, len(params)))
     return f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
   const float qs = (float)({scale}) * {LOG2E}f;
   {_loop(dl, "part", rows * a.splits)} {{
@@ -186,7 +188,7 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
     """Stage 1 (grid (rows, chunks): each block's online softmax over its chunk, then its partial or the output) or
     stage 2 (grid (rows, 1): the partials combined)."""
     it, pw, Ev = "long long", _partial_width(a), a.Ev
-    sig = ", ".join(kernel_params(dl, params, scale))
+    sig = ", ".join(kernel_params(dl, params, scale, gather_check(a, len(params)) if a.stage == 1 else None))
     if a.stage == 2:
         return EX2 + f"""extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({sig}) {{
   const {it} unit = blockIdx.x;
@@ -215,7 +217,7 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
     if (lane == 0) P[0] = mx, P[1] = sum;
     #pragma unroll
     for (int t = 0; t < {w}; t++) P[2 + lane * {w} + t] = acc[t];"""
-    offsets = "\n  ".join(batch_offsets(a, "b", it))
+    offsets = "\n  ".join(batch_offsets(a, "b", it, len(params)))
     head = f"""extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({sig}) {{
   __shared__ float red[{warps}][{Ev + 2}];  /* each warp's m, l, o */
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane & {g - 1}, grp = lane / {g};
