@@ -453,7 +453,7 @@ def _composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     few query rows against many keys (attention.DECODE_ROWS; chunks of at least attention.DECODE_CHUNK keys, S a
     multiple of their count), else the scores' softmax times v."""
     lq, lk = q.shape[-2], k.shape[-2]
-    most = min(attention.DECODE_MAX_SPLITS, lk // attention.DECODE_CHUNK[True]) if lq <= attention.DECODE_ROWS else 1
+    most = min(attention.DECODE_MAX_SPLITS, lk // attention.DECODE_CHUNK) if lq <= attention.DECODE_ROWS else 1
     splits = next((n for n in range(most, 1, -1) if lk % n == 0), 1)
     if splits > 1:
         return _split_attention(q, k, v, mask, causal, scale, splits)

@@ -138,8 +138,8 @@ def test_decode_splits_cover_the_cache() -> None:
             n = attention.decode_splits(dl, rows, s)
             chunk = -(-s // n)
             assert 1 <= n <= attention.DECODE_MAX_SPLITS and (n - 1) * chunk < s
-            assert n == 1 or chunk >= attention.DECODE_CHUNK[gpu] // 2
-            if s >= attention.DECODE_MAX_SPLITS * attention.DECODE_CHUNK[gpu]:
+            assert n == 1 or chunk >= attention.DECODE_CHUNK // 2
+            if s >= attention.DECODE_MAX_SPLITS * attention.DECODE_CHUNK:
                 assert n * rows >= min(attention.DECODE_UNITS[gpu], attention.DECODE_MAX_SPLITS * rows)
 
 

@@ -44,10 +44,10 @@ CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys
 
 
 # the decode form (templates.attention_decode): query rows up to DECODE_ROWS against the cache, each row's keys cut
-# into chunks of at least DECODE_CHUNK so that the chunks of all rows number about DECODE_UNITS (host threads' parts,
-# or blocks: two per multiprocessor of an H100), DECODE_MAX_SPLITS at most; then combined
-DECODE_ROWS, DECODE_MAX_SPLITS = 4, 64
-DECODE_CHUNK = {False: 256, True: 128}  # by whether the dialect is a GPU's (global_ids)
+# into chunks of at least DECODE_CHUNK keys (a GPU block streams a chunk of bf16 heads of 64, 64 KiB, in about the
+# time of the launch a split adds) so that the chunks of all rows number about DECODE_UNITS (host threads' parts, or
+# blocks: two per multiprocessor of an H100), DECODE_MAX_SPLITS at most; then combined
+DECODE_ROWS, DECODE_MAX_SPLITS, DECODE_CHUNK = 4, 64, 256
 DECODE_UNITS = {False: 64, True: 264}
 
 
@@ -73,7 +73,7 @@ def decode_lanes(dl: Dialect) -> bool:
 def decode_splits(dl: Dialect, rows: int, S: int) -> int:
     """The chunks each of `rows` query rows cuts its S keys into (see DECODE_UNITS), none empty."""
     gpu = bool(dl.global_ids)
-    n = max(1, min(DECODE_MAX_SPLITS, S // DECODE_CHUNK[gpu], -(-DECODE_UNITS[gpu] // rows)))
+    n = max(1, min(DECODE_MAX_SPLITS, S // DECODE_CHUNK, -(-DECODE_UNITS[gpu] // rows)))
     return -(-S // -(-S // n))
 
 
