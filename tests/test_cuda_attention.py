@@ -97,3 +97,27 @@ async def test_a_few_query_rows_causal_against_torch(dtype: str) -> None:
                                  for n in (3, 2000, 2000)]
     out = nn.scaled_dot_product_attention(q, k, v, causal=True)
     await compare(out, F.scaled_dot_product_attention(tq, tk, tv, is_causal=True), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+async def test_decode_through_the_cache_slots_against_torch(dtype: str) -> None:
+    """A GPT-2 decode step's attention: each sequence's keys and values are its slot of the cache (gathered by an
+    int32 index after the window is cut: the kernel reads the cache through the index, no gather kernel), its valid
+    rows a mask; long enough to split."""
+    slots, heads, max_len, dim, window = 8, 12, 4096, 64, 2048
+    rng = np.random.default_rng(5)
+    (ck, tck), (cv, tcv) = [await pair(rng.standard_normal((slots + 1, heads, max_len, dim)).astype(np.float32),
+                                       dtype) for _ in range(2)]
+    rows = np.array([3, 0, 7, 5, 1], np.int32)
+    q, tq = await pair(rng.standard_normal((len(rows), heads, 1, dim)).astype(np.float32), dtype)
+    pos = rng.integers(0, window, len(rows))
+    keep = (np.arange(window)[None, :] <= pos[:, None]).reshape(len(rows), 1, 1, window)
+    sl = Tensor(rows, device="cuda:0")
+    out = nn.scaled_dot_product_attention(q, ck[:, :, :window][sl], cv[:, :, :window][sl],
+                                          mask=Tensor(keep, device="cuda:0"))
+    specs = [attention_of(s.kernel) for s in azyx.schedule(out).kernels]
+    assert [a.gather for a in specs if a is not None and a.stage == 1] == [slots + 1]
+    idx = torch.from_numpy(rows.astype(np.int64)).to("cuda:0")
+    want = F.scaled_dot_product_attention(tq, tck[idx][:, :, :window], tcv[idx][:, :, :window],
+                                          attn_mask=torch.from_numpy(keep).to("cuda:0"))
+    await compare(out, want, dtype)
