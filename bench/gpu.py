@@ -2,7 +2,7 @@
 same GPU) beside PyTorch's
 CUDA on that GPU, in the same run (issue 6's table, and issue 15's for Vulkan).
 
-    python bench/gpu.py [--quick] [--device cuda:0] [--out bench/RESULTS.md]
+    python bench/gpu.py [--quick] [--device cuda:0] [--only SDPA] [--out bench/RESULTS.md]
 
 Two timings per workload, both wall-clock around the await (azyx) or the call plus `torch.cuda.synchronize()`
 (PyTorch, every GPU synchronized), median of repeats after warm-up:
@@ -67,7 +67,7 @@ def torch_timed(torch: Any, fn: Callable[[], Any], repeats: int, n: int = 1, war
     return statistics.median(times)
 
 
-async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]], float]:
+async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[list[list[str]], float]:
     rng = np.random.default_rng(0)
     n_chain = 1 << (22 if quick else 26)
     n_sum = 1 << (24 if quick else 28)
@@ -170,6 +170,7 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     cases.append(("10-op graph, 1024 f32, steady", lambda: ten_ops(small), lambda: ten_ops(tsmall), 0, "us"))
     rows = []
     full_reps = reps
+    cases = [c for c in cases if only in c[0]]  # (--only: the workloads whose names hold it)
     for name, make, tfn, work, unit in cases:
         print(f"timing {name}", flush=True)
         one = await timed(lambda make=make: make().realize(), 1, warmup=1)
@@ -189,9 +190,10 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
                      f"{t_many / many:.2f}x"])
     reps = full_reps
-    rows += await searched(torch, mats, reps)
-    rows += await realize_only(torch, ten_ops, small, tsmall, reps)
-    rows += await crowd(torch, dev, quick)
+    if not only:
+        rows += await searched(torch, mats, reps)
+        rows += await realize_only(torch, ten_ops, small, tsmall, reps)
+        rows += await crowd(torch, dev, quick)
     # correctness of what was timed, against PyTorch
     for name, make, tfn, _, _ in cases:
         got = await make().numpy()  # (bfloat16 widened to float32)
@@ -357,11 +359,13 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     ap.add_argument("--device", default="cuda:0", help="the azyx device to time (cuda:N, vulkan:N or wgpu:N)")
+    ap.add_argument("--only", default="", help="time only the workloads whose names contain this (e.g. SDPA); "
+                    "no searched, concurrency or transfer rows")
     args = ap.parse_args()
     dev = args.device
     label = RT.device(dev).label  # type: ignore[attr-defined]
-    w, copy_bw = await workloads(torch, dev, args.quick)
-    tr = await transfers(torch, dev, args.quick)
+    w, copy_bw = await workloads(torch, dev, args.quick, args.only)
+    tr = [] if args.only else await transfers(torch, dev, args.quick)
     api = dev.split(":")[0]
     kind = {"cuda": "CUDA", "vulkan": f"{dev} (Vulkan)", "wgpu": f"{dev} (WebGPU)"}.get(api, dev)
     start, end = {"cuda": (START, END), "vulkan": (VK_START, VK_END), "wgpu": (WG_START, WG_END)}.get(api, (START, END))

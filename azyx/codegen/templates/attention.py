@@ -46,9 +46,10 @@ CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys
 # the decode form (templates.attention_decode): query rows up to DECODE_ROWS against the cache, each row's keys cut
 # into chunks of at least DECODE_CHUNK keys (a GPU block streams a chunk of bf16 heads of 64, 64 KiB, in about the
 # time of the launch a split adds) so that the chunks of all rows number about DECODE_UNITS (host threads' parts, or
-# blocks: two per multiprocessor of an H100), DECODE_MAX_SPLITS at most; then combined
+# blocks: eight per multiprocessor of an H100, over a wave of the ~5 its registers let in at once, so that a last
+# partial wave costs little), DECODE_MAX_SPLITS at most; then combined
 DECODE_ROWS, DECODE_MAX_SPLITS, DECODE_CHUNK = 4, 64, 256
-DECODE_UNITS = {False: 64, True: 264}
+DECODE_UNITS = {False: 64, True: 1056}
 
 
 def decode_takes(dl: Dialect, L: int, E: int, Ev: int, dtype: DType | None) -> bool:
