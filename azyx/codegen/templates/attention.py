@@ -16,6 +16,8 @@ queries, v's elements broadcast where they lie). k and v are read in place when 
 axis, else each block is packed as float32 first. The inner loops are GCC vector extensions of the device's vector
 width (Dialect.simd). Causal key blocks past a part's last query are skipped.
 
+A few query rows against a long cache (a decode step) take the decode form instead: templates.attention_decode.
+
 CUDA: FlashAttention-2's split, a block of 128 threads per block of query rows of one batch point, walking the keys
 in tiles staged in shared memory. float16/bfloat16 with head dims that are multiples of 16 (`render_mma`): tensor cores
 (mma.sync m16n8k16), a warp's 16 or 32 rows of q as fragments in registers (32: blocks of 128 rows, where there are
@@ -39,7 +41,7 @@ C_TILES = {8: (3, 4), 16: (4, 2)}
 C_BQ, C_BK = 64, 64  # C: query rows per part (two tiles), keys per block
 C_MAX_HEAD = 256  # the longest E and Ev the C kernel takes (its blocks live on the stack)
 CUDA_MAX_HEAD = 128  # (past 64, its tiles take dynamic shared memory: attention_cuda.cuda_smem)
-MMA_MAX_HEAD = 128  # the tensor-core kernel's longest E and Ev (tiles of 32 keys, two stages, in 48 KiB)
+MMA_MAX_HEAD = 128  # the tensor-core kernel's longest E and Ev (tiles of 64 keys, two stages: attention_cuda.MMA_SMEM)
 CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys per tile, threads per block
 
 
@@ -84,9 +86,9 @@ def decode_chunk(a: Attention) -> int:
 
 
 def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = None) -> bool:
-    """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs). On a
-    GPU, heads longer than CUDA_MAX_HEAD take the tensor-core kernel alone, which reads q, k and v with aligned rows
-    (`rows_aligned`: the planner copies a view that is not), unless the decode kernel takes them (`decode_takes`)."""
+    """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs): its
+    decode kernel (`decode_takes`: a few query rows, also on dialects without the whole kernel), or the whole kernel
+    with heads up to the dialect's most (a GPU's: MMA_MAX_HEAD on tensor cores, CUDA_MAX_HEAD in float32)."""
     if S > 0 and decode_takes(dl, L, E, Ev, dtype):
         return True
     if not dl.attention:
