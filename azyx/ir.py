@@ -116,6 +116,15 @@ class Attention:
     mask: tuple[int, ...] | None  # (a bool mask: True keeps a key; else added to the scores)
     mask_bool: bool
     causal: bool  # query i attends to keys 0..i
+    # the decode form (templates.attention_decode, a few query rows against a long cache): the keys of each query row
+    # cut into `splits` chunks; stage 1 computes each chunk's maximum, sum and weighted values (the output itself where
+    # there is one chunk), stage 2 combines the chunks. 0: the whole kernel (templates.attention)
+    splits: int = 0
+    stage: int = 0
+    # k and v's first batch axis read through an int32 index into a table of this many rows (a KV cache's slots, each
+    # batch point's row gathered in the kernel): the parameter after the mask, then the check words where checked.
+    # 0: none
+    gather: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -413,6 +413,11 @@ def _attention_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n
 
 
 def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float | None) -> Tensor:
+    return _scores(q, k, mask, causal, scale).softmax(-1)
+
+
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float | None) -> Tensor:
+    """q @ k^T * scale, masked (-inf where a key is dropped, a float mask added)."""
     lq, e, lk = q.shape[-2], q.shape[-1], k.shape[-2]
     s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(e) if scale is None else scale)
     if causal:  # query i attends to keys 0..i (the top-left triangle, as PyTorch's is_causal)
@@ -420,7 +425,39 @@ def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, 
         s = Tensor.where(keep, s, float("-inf"))
     elif mask is not None:
         s = Tensor.where(mask, s, float("-inf")) if mask.dtype is dtypes.bool else s + mask
-    return s.softmax(-1)
+    return s
+
+
+def _split_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+                     splits: int) -> Tensor:
+    """The attention of `scaled_dot_product_attention` as flash-decoding does it, in ops (any device): the S keys in
+    `splits` chunks (S a multiple of it), each chunk's maximum m, sum l of exp(s - m) and weighted values o, then
+    out = sum exp(m - M) o / sum exp(m - M) l with M the largest m (a chunk all masked adds nothing; a row all masked
+    is NaN, as the whole form). Float16 and bfloat16 are computed in float32 and rounded once."""
+    f32 = dtypes.float32
+    s = _scores(q, k, mask, causal, scale).cast(f32)
+    *lead, lq, lk = s.shape
+    ev, c = v.shape[-1], lk // splits
+    s = s.reshape(*lead, lq, splits, c)
+    m = s.max(-1, keepdim=True)  # (..., L, P, 1)
+    p = (s - Tensor.where(m == float("-inf"), 0.0, m)).exp()
+    chunks = v.cast(f32).reshape(*v.shape[:-2], splits, c, ev)  # (..., P, C, Ev)
+    o = (p.transpose(-3, -2) @ chunks).transpose(-3, -2)  # (..., L, P, Ev)
+    top = m.max(-2, keepdim=True)
+    w = (m - Tensor.where(top == float("-inf"), 0.0, top)).exp()  # (..., L, P, 1)
+    return ((o * w).sum(-2) / (p.sum(-1, keepdim=True) * w).sum(-2)).cast(q.dtype)
+
+
+def _composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None) -> Tensor:
+    """The attention in ops where no kernel takes it: split over the keys as flash-decoding (`_split_attention`) for a
+    few query rows against many keys (attention.DECODE_ROWS; chunks of at least attention.DECODE_CHUNK keys, S a
+    multiple of their count), else the scores' softmax times v."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    most = min(attention.DECODE_MAX_SPLITS, lk // attention.DECODE_CHUNK) if lq <= attention.DECODE_ROWS else 1
+    splits = next((n for n in range(most, 1, -1) if lk % n == 0), 1)
+    if splits > 1:
+        return _split_attention(q, k, v, mask, causal, scale, splits)
+    return _attention_weights(q, k, mask, causal, scale) @ v
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
@@ -464,7 +501,9 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causa
     lq, e, lk, ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     batch = broadcast_shapes(*(t.shape[:-2] for t in ops))
     composed = None
-    if GRAPH.recording or not _has_attention_kernel(q.device, lq, lk, e, ev, q.dtype):
+    if not _has_attention_kernel(q.device, lq, lk, e, ev, q.dtype):
+        composed = _composed(q, k, v, mask, causal, scale)
+    elif GRAPH.recording:  # (what autograd differentiates)
         composed = _attention_weights(q, k, mask, causal, scale) @ v
         if composed.shape != (*batch, lq, ev) or composed.dtype is not q.dtype:
             return composed

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from azyx import debug
@@ -518,26 +518,77 @@ class Planner:
             device = n.device  # (made without its composed form only where its own device has the kernel)
             assert takes(device), f"attention without its composed form on {device}, which has no kernel for it"
         dl = self.rt.device(device).dialect
-        wide = dl is not None and dl.global_ids and max(e, ev) > attention.CUDA_MAX_HEAD  # (tensor cores alone: fits)
+        assert dl is not None
+        rows = prod(batch) * lq
+        splits = attention.decode_splits(dl, rows, lk) if attention.decode_takes(dl, lq, e, ev, n.dtype) else 0
+        wide = attention.copies_unaligned(dl, e, ev, n.dtype, splits)
+        cache = self.gathered_cache(k, v, device, wide) if splits and batch else None
+        tables = {} if cache is None else {k: cache[0], v: cache[1]}
         params, views = [], []
         for s in (q, k, v) if mask is None else (q, k, v, mask):
-            slot, view = self.read_in_place(s, device)
+            if s in tables and s != q and s != mask:  # the table the rows are gathered from, read in place
+                slot, view = tables[s]
+            else:
+                slot, view = self.read_in_place(s, device)
             if wide and s != mask and not attention.rows_aligned((view.offset, *view.strides)):
                 slot, view = self.kernel(s)  # a contiguous copy, whose rows the kernel reads 16 bytes at a time
                 slot = self.on_device(slot, device)
             params.append(slot)
             views.append((view.offset, *view.strides))
+        if cache is not None:
+            params.append(cache[2])
         spec = Attention(tuple(batch), lq, lk, e, ev, views[0], views[1], views[2],
-                         views[3] if mask is not None else None, mask_kind == "bool", causal)
+                         views[3] if mask is not None else None, mask_kind == "bool", causal, splits, int(splits > 0),
+                         0 if cache is None else cache[3])
         vb = ValueBuilder()
         sn, si = self.graph[scale], self.walk.scalar_of.get(scale)
         sv = vb.arg(si, sn.dtype) if si is not None else vb.const(sn.arg, sn.dtype)
-        kern = Kernel([n.dtype, *(self.slots[s].dtype for s in params)], [], [],
-                      [(Lin({}, 0), vb.attention(spec, n.dtype, sv))], attention.work(spec))
         kind = "output" if root in self.targets else "temp"
         out = self._slot(device, n.dtype, prod(n.shape) * n.dtype.itemsize, kind)
-        self.emit(device, kern, (out, *params))
+        stages = [(spec, out, n.dtype, params)]
+        if splits > 1:  # the decode form's chunks: partials (m, l, o) per row and chunk, then combined into `out`
+            part = self._slot(device, dtypes.float32, 4 * rows * splits * (ev + 2), "temp")
+            stages = [(spec, part, dtypes.float32, params),
+                      (replace(spec, stage=2), out, n.dtype, [part])]
+        for sp, dst, dtype, srcs in stages:
+            kern = Kernel([dtype, *(self.slots[s].dtype for s in srcs)], [], [],
+                          [(Lin({}, 0), vb.attention(sp, dtype, sv))], attention.work(sp))
+            self.emit(device, kern, (dst, *srcs), checked=sp.stage == 1 and sp.gather > 0)
         return out, StridedView.contiguous(n.shape)
+
+    def gathered_cache(self, k: int, v: int, device: str, aligned: bool
+                       ) -> tuple[tuple[int, StridedView], tuple[int, StridedView], int, int] | None:
+        """k and v as a decode step reads a KV cache: each the rows of a table taken along its first axis by one
+        int32 index of a row per batch point (`cache[:, :, :window][slots]`): the tables' slots and views (read in
+        place, rows on 16 bytes where `aligned`), the index's slot, the tables' rows; else None (the gathers run)."""
+        found = []
+        for nid in (k, v):
+            n = self.graph[nid]
+            while n.op is Op.RESHAPE and n.shape == self.graph[n.src[0]].shape:  # (an identity reshape)
+                n = self.graph[n.src[0]]
+            if n.op is not Op.GATHER or n.arg != 0:
+                return None
+            table, ix = n.src
+            if self.graph[ix].op is Op.EXPAND and self.graph[self.graph[ix].src[0]].shape == (n.shape[0],) + (1,) * (
+                    len(n.shape) - 1):
+                ix = self.graph[ix].src[0]
+            if self.graph[ix].op is Op.RESHAPE and self.graph[self.graph[ix].src[0]].shape == (n.shape[0],):
+                ix = self.graph[ix].src[0]
+            if self.graph[ix].shape != (n.shape[0],) or self.graph[ix].dtype is not dtypes.int32 or \
+                    self.graph[table].shape[1:] != n.shape[1:]:
+                return None
+            found.append((table, ix))
+        (tk, ik), (tv, iv) = found
+        rows = self.graph[tk].shape[0]
+        if ik != iv or self.graph[tv].shape[0] != rows:
+            return None
+        tables = [self.read_in_place(t, device) for t in (tk, tv)]
+        if aligned and not all(attention.rows_aligned((w.offset, *w.strides)) for _, w in tables):
+            return None
+        slot, view = self.read_in_place(ik, device)
+        if view.offset or not view.is_contiguous(self.graph[ik].shape):
+            slot = self.on_device(self.kernel(ik)[0], device)  # (contiguous: the kernel reads index[c])
+        return tables[0], tables[1], slot, rows
 
     def read_in_place(self, nid: int, device: str) -> tuple[int, StridedView]:
         """The slot on `device` and the view through which a kernel of its own reads node `nid`: movement ops over a
@@ -603,11 +654,11 @@ class Planner:
         self.emit(device, k, (out, *kb.params))
         return out, view
 
-    def emit(self, device: str, k: Kernel, args: tuple[int, ...]) -> None:
+    def emit(self, device: str, k: Kernel, args: tuple[int, ...], checked: bool = False) -> None:
         """Render kernel `k` for `device` and append its step, reading and writing slots `args`. A kernel that reads
         indices from memory checks them (unless AZYX_CHECKS=0): its last parameter is the run's check words (a
         slot of kind "check", one per device per plan, which the executor binds; see ir.Kernel.check)."""
-        if self.check and k.check < 0 and index_sites(k):
+        if self.check and k.check < 0 and (checked or index_sites(k)):  # (checked: a template's own index reads)
             if device not in self.checks:
                 self.checks[device] = self._slot(device, dtypes.int32, 4 * CHECK_WORDS, "check")
             k.check = len(k.params)

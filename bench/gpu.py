@@ -2,7 +2,7 @@
 same GPU) beside PyTorch's
 CUDA on that GPU, in the same run (issue 6's table, and issue 15's for Vulkan).
 
-    python bench/gpu.py [--quick] [--device cuda:0] [--out bench/RESULTS.md]
+    python bench/gpu.py [--quick] [--device cuda:0] [--only SDPA] [--out bench/RESULTS.md]
 
 Two timings per workload, both wall-clock around the await (azyx) or the call plus `torch.cuda.synchronize()`
 (PyTorch, every GPU synchronized), median of repeats after warm-up:
@@ -67,7 +67,7 @@ def torch_timed(torch: Any, fn: Callable[[], Any], repeats: int, n: int = 1, war
     return statistics.median(times)
 
 
-async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]], float]:
+async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[list[list[str]], float]:
     rng = np.random.default_rng(0)
     n_chain = 1 << (22 if quick else 26)
     n_sum = 1 << (24 if quick else 28)
@@ -93,18 +93,26 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
             pair = [both(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2)]
             halves[dt, n] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in pair]
     heads = {}  # attention (issues 18, 38): (batch, heads, length, dim), the same values on each side, in each dtype
-    shapes = [(1, 8, 128, 128, 64, False), (8, 8, 1024, 1024, 64, False)]  # (batch, heads, L, S, dim, causal)
+    # (batch, heads, L, S, dim, causal, masked: a KV cache's valid lengths as a (batch, 1, 1, S) bool mask)
+    shapes = [(1, 8, 128, 128, 64, False, False), (8, 8, 1024, 1024, 64, False, False),
+              (1, 12, 1, 4096, 64, False, False)]
     if not quick:
-        shapes += [(1, 12, L, L, d, c) for L in (128, 1024, 8192) for d in (64, 128) for c in (False, True)]
-        shapes += [(1, 12, 1, S, d, False) for S in (1, 256, 4096) for d in (64, 128)]  # decode: 1 query, S cached
+        shapes += [(1, 12, L, L, d, c, False) for L in (128, 1024, 8192) for d in (64, 128) for c in (False, True)]
+        # decode (issue 38): 1 query against S cached rows, batch 1 and 64; a GPT-2 step's (its valid rows masked)
+        shapes += [(1, 12, 1, S, d, False, False) for S in (1, 256, 4096) for d in (64, 128) if (S, d) != (4096, 64)]
+        shapes += [(64, 12, 1, S, 64, False, False) for S in (1024, 4096)] + [(32, 12, 1, 1024, 64, False, True)]
     for dt in ("bfloat16", "float16", "float32"):
-        for batch, nh, length, cached, dim, causal in shapes:
+        for batch, nh, length, cached, dim, causal, masked in shapes:
             if dt == "float16" and (batch, length) in ((1, 128), (8, 1024)) and dim == 64 and not causal:
                 continue  # (the first rows: bf16 and f32 as before)
             q = both(rng.standard_normal((batch, nh, length, dim), dtype=np.float32))
             kv = [both(rng.standard_normal((batch, nh, cached, dim), dtype=np.float32)) for _ in range(2)]
-            heads[dt, batch, nh, length, cached, dim, causal] = [(x.cast(dt), tx.to(getattr(torch, dt)))
-                                                                   for x, tx in (q, *kv)]
+            qkv = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in (q, *kv)]
+            if masked:
+                valid = rng.integers(1, cached + 1, batch)
+                keep = (np.arange(cached)[None, :] < valid[:, None]).reshape(batch, 1, 1, cached)
+                qkv.append(both(keep))
+            heads[dt, batch, nh, length, cached, dim, causal] = qkv
     vectors = {}  # matrix-vector products (decode's linear layers): (1, K) @ (K, N), the weight read once
     gemv = 4096 if quick else 8192
     for dt in ("float32", "bfloat16", "float16"):
@@ -136,14 +144,19 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         cases.append((name, lambda x=x, y=y: x @ y, lambda tx=tx, ty=ty: tx @ ty, 2 * n**3, "GFLOP/s"))
         tolerance[name] = 1e-2 if dt == "bfloat16" else 2e-3  # C rounded to 8 or 11 bits
     short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-    for (dt, batch, nh, length, cached, dim, causal), ((q, tq), (k, tk), (v, tv)) in heads.items():
-        # torch: its flash / efficient kernels
-        shape = f"L={length}" if length == cached else f"1 query x {cached} cached"
+    for (dt, batch, nh, length, cached, dim, causal), ((q, tq), (k, tk), (v, tv), *mask) in heads.items():
+        # torch: its flash / efficient kernels (efficient or math under a mask)
+        (m, tm), = mask or [(None, None)]
+        shape = f"L={length}" if length == cached else f"1 query x {cached} cached{', masked' if mask else ''}"
         name = f"SDPA {batch}x{nh} heads x {dim}, {shape}{', causal' if causal else ''} {short[dt]}"
         pairs = batch * nh * length * cached // (2 if causal else 1)
-        cases.append((name, lambda q=q, k=k, v=v, c=causal: azyx.nn.scaled_dot_product_attention(q, k, v, causal=c),
-                      lambda tq=tq, tk=tk, tv=tv, c=causal: torch.nn.functional.scaled_dot_product_attention(
-                          tq, tk, tv, is_causal=c), 4 * pairs * dim, "GFLOP/s"))
+        work, unit = 4 * pairs * dim, "GFLOP/s"
+        if length == 1:  # decode: bandwidth-bound, GB/s of the keys and values read
+            work, unit = 2 * batch * nh * cached * dim * k.dtype.itemsize, "GB/s"
+        cases.append((name, lambda q=q, k=k, v=v, c=causal, m=m: azyx.nn.scaled_dot_product_attention(
+                          q, k, v, mask=m, causal=c),
+                      lambda tq=tq, tk=tk, tv=tv, c=causal, tm=tm: torch.nn.functional.scaled_dot_product_attention(
+                          tq, tk, tv, attn_mask=tm, is_causal=c), work, unit))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for dt, ((x, tx), (w, tw)) in vectors.items():  # bandwidth-bound: GB/s of the weight read
         name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}) {short[dt]}"
@@ -157,6 +170,7 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
     cases.append(("10-op graph, 1024 f32, steady", lambda: ten_ops(small), lambda: ten_ops(tsmall), 0, "us"))
     rows = []
     full_reps = reps
+    cases = [c for c in cases if only in c[0]]  # (--only: the workloads whose names hold it)
     for name, make, tfn, work, unit in cases:
         print(f"timing {name}", flush=True)
         one = await timed(lambda make=make: make().realize(), 1, warmup=1)
@@ -176,9 +190,10 @@ async def workloads(torch: Any, dev: str, quick: bool) -> tuple[list[list[str]],
         rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
                      f"{t_many / many:.2f}x"])
     reps = full_reps
-    rows += await searched(torch, mats, reps)
-    rows += await realize_only(torch, ten_ops, small, tsmall, reps)
-    rows += await crowd(torch, dev, quick)
+    if not only:
+        rows += await searched(torch, mats, reps)
+        rows += await realize_only(torch, ten_ops, small, tsmall, reps)
+        rows += await crowd(torch, dev, quick)
     # correctness of what was timed, against PyTorch
     for name, make, tfn, _, _ in cases:
         got = await make().numpy()  # (bfloat16 widened to float32)
@@ -344,11 +359,13 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     ap.add_argument("--device", default="cuda:0", help="the azyx device to time (cuda:N, vulkan:N or wgpu:N)")
+    ap.add_argument("--only", default="", help="time only the workloads whose names contain this (e.g. SDPA); "
+                    "no searched, concurrency or transfer rows")
     args = ap.parse_args()
     dev = args.device
     label = RT.device(dev).label  # type: ignore[attr-defined]
-    w, copy_bw = await workloads(torch, dev, args.quick)
-    tr = await transfers(torch, dev, args.quick)
+    w, copy_bw = await workloads(torch, dev, args.quick, args.only)
+    tr = [] if args.only else await transfers(torch, dev, args.quick)
     api = dev.split(":")[0]
     kind = {"cuda": "CUDA", "vulkan": f"{dev} (Vulkan)", "wgpu": f"{dev} (WebGPU)"}.get(api, dev)
     start, end = {"cuda": (START, END), "vulkan": (VK_START, VK_END), "wgpu": (WG_START, WG_END)}.get(api, (START, END))

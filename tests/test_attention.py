@@ -381,7 +381,8 @@ async def test_the_c_kernel_of_each_vector_width(simd: int, monkeypatch: pytest.
 def test_the_tensor_core_kernel_tiles_and_compiles(dtype: str) -> None:
     """The CUDA tensor-core kernel takes 32 query rows per warp (blocks of 128) where there are blocks enough to fill
     an H100, else 16; the grid of 64-row blocks covers its blocks (numbered flat) either way; its two stages fit the
-    48 KiB of shared memory; and it compiles (NVRTC, sm_90, where installed) with each mask kind, causal, odd lengths,
+    99 KiB of shared memory every GPU of compute capability 8.0 on gives a block (dynamic past 48 KiB: heads of 128);
+    and it compiles (NVRTC, sm_90, where installed) with each mask kind, causal, odd lengths,
     E != Ev and both row counts."""
     from azyx.codegen.dialect import CUDA
     from azyx.codegen.render import kernel_source
@@ -396,15 +397,18 @@ def test_the_tensor_core_kernel_tiles_and_compiles(dtype: str) -> None:
 
     assert attention_cuda.mma_tiles(spec(8, 8, 1024, 1024, 64, 64)) == (32, 64)
     assert attention_cuda.mma_tiles(spec(1, 8, 128, 128, 64, 64)) == (16, 64)  # (8 blocks of 128 rows: too few)
+    long_heads = spec(1, 12, 8192, 8192, 128, 128)  # (64 keys a tile: two stages in dynamic shared memory)
+    assert attention_cuda.mma_tiles(long_heads) == (16, 64) and attention_cuda.mma_smem_bytes(long_heads) > 48 << 10
+    assert attention_cuda.mma_smem_bytes(spec(8, 8, 1024, 1024, 64, 64)) == 0
     half = getattr(dtypes, dtype)
     sources = []
-    for a in (spec(8, 8, 1024, 1024, 64, 64, True), spec(8, 8, 1000, 77, 64, 64, mask="bool"),
+    for a in (spec(8, 8, 1024, 1024, 64, 64, True), spec(8, 8, 1000, 77, 64, 64, mask="bool"), long_heads,
               spec(1, 8, 129, 131, 64, 64, mask="float"), spec(64, 4, 100, 66, 32, 48, True),
               spec(2, 3, 129, 77, 64, 64)):
         wm, bk = attention_cuda.mma_tiles(a)
         grid = attention.cuda_grid(a)
         assert attention_cuda.mma_units(a, wm) <= grid[0] * grid[1] * grid[2]
-        assert 2 * attention_cuda._mma_smem(a, wm, bk)[2] <= 48 << 10
+        assert 2 * attention_cuda._mma_smem(a, wm, bk)[2] <= attention_cuda.MMA_SMEM
         params = [half] * 4 + ([] if a.mask is None else [dtypes.bool if a.mask_bool else half])
         sources.append(attention_cuda.render_mma(a, f"attention{len(sources)}", CUDA, params, "sc0"))
     try:

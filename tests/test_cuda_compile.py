@@ -366,7 +366,7 @@ def test_kernel_parameters_carry_tensor_maps_by_value(monkeypatch: pytest.Monkey
 def test_attention_is_one_kernel_that_compiles(roomy: None, dtype: str) -> None:
     """scaled_dot_product_attention is one kernel of azyx.attention (no (L, S) buffer) with every kind of mask, a
     head dim it takes; its grid is (query blocks, batch points); half dtypes take the tensor-core kernel where the
-    head dims are multiples of 16; a head dim past its tiles takes the composed form."""
+    head dims are multiples of 16; float32 heads past 64 take the float32 kernel's dynamic shared memory form."""
     from azyx import nn
     from azyx.codegen.templates import attention
     from azyx.ir import attention_of
@@ -385,20 +385,61 @@ def test_attention_is_one_kernel_that_compiles(roomy: None, dtype: str) -> None:
         assert ("mma.sync" in step.src) == half_tiles  # tensor cores for half dtypes, float32 FMA otherwise
         steps.append(step)
     compile_all(steps)
-    wide = t(2, 10, 80).cast(dtype)  # a head past the float32 kernel's tiles: tensor cores alone take it
-    fused = [s for s in kernels_of(nn.scaled_dot_product_attention(wide, wide, wide)) if attention_of(s.kernel)]
-    assert len(fused) == (dtype != "float32")
+    wide = t(2, 10, 80).cast(dtype)  # a head past 64: the float32 kernel's tiles in dynamic shared memory
+    (step,) = [s for s in kernels_of(nn.scaled_dot_product_attention(wide, wide, wide)) if attention_of(s.kernel)]
+    assert ("mma.sync" in step.src) == (dtype != "float32")
+    assert (step.launch.smem > 48 << 10) == (dtype == "float32")
+    steps.append(step)
     big = t(2, 4, 100, 136).cast(dtype)
     q, k, v = big[..., :128], big[..., 8:136], big[..., 1:129]  # v's rows start at odd elements: copied first
-    steps = kernels_of(nn.scaled_dot_product_attention(q, k, v))
-    fused = [s for s in steps if attention_of(s.kernel)]
-    if dtype == "float32":
-        assert not fused  # (E = 128: the composed form)
-        return
-    (step,) = fused
+    more = kernels_of(nn.scaled_dot_product_attention(q, k, v))
+    (step,) = [s for s in more if attention_of(s.kernel)]
+    steps += more
     a = attention_of(step.kernel)
-    assert a is not None and "mma.sync" in step.src and a.v[0] == 0 and a.q[0] == 0 and a.k[0] == 8
+    assert a is not None
+    if dtype == "float32":  # (read where they lie: the float32 kernel reads elements through their strides)
+        assert "mma.sync" not in step.src and (a.q[0], a.k[0], a.v[0]) == (0, 8, 1)
+    else:
+        assert "mma.sync" in step.src and a.v[0] == 0 and a.q[0] == 0 and a.k[0] == 8
     compile_all(steps)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_decode_attention_plans_into_its_kernels_that_compile(roomy: None, dtype: str) -> None:
+    """A decode step's attention (one query row; the keys a window of a cache, a valid-lengths mask over heads) plans
+    into the decode form: grid (rows, chunks) then its combine (rows, 1) where the rows leave the GPU idle, one kernel
+    where they do not; a view whose rows do not start on 16 bytes is copied first; all compile."""
+    from azyx import nn
+    from azyx.codegen.templates import attention
+    from azyx.ir import attention_of
+
+    cache = t(5, 12, 4096, 72).cast(dtype)
+    q = t(4, 12, 1, 64).cast(dtype)
+    lengths = np.array([1, 100, 4000, 4096])[:, None]
+    keep = Tensor(np.arange(4096)[None, :] < lengths, device=DEV).reshape(4, 1, 1, 4096)
+    steps, others = [], []
+    for keys, rows in ((cache[:4, :, :, :64], 48), (cache[1:, :, :, 1:65], 48)):
+        got = kernels_of(nn.scaled_dot_product_attention(q, keys, keys, mask=keep))
+        stages = [(s, attention_of(s.kernel)) for s in got if attention_of(s.kernel) is not None]
+        splits = attention.decode_splits(CUDA, rows, 4096)
+        assert splits > 1 and [a.stage for _, a in stages] == [1, 2]  # type: ignore[union-attr]
+        assert [s.launch.grid for s, _ in stages] == [(rows, splits, 1), (rows, 1, 1)]
+        others.append(len(got) - 2)
+        steps += got
+    assert others[1] == others[0] + 1  # (the unaligned keys copied)
+    slots = Tensor(np.array([3, 0, 4, 1], np.int32), device=DEV)  # (a decode step's: the cache's rows by slot)
+    keys, values = cache[:, :, :, :64][slots], cache[:, :, :, 8:72][slots]
+    gathered = kernels_of(nn.scaled_dot_product_attention(q, keys, values))
+    stages = [attention_of(s.kernel) for s in gathered if attention_of(s.kernel) is not None]
+    assert [a.gather for a in stages] == [5, 5] and len(gathered) == 2 + (dtype != "float32") * 2  # type: ignore
+    assert "const int* __restrict__ d4, int* __restrict__ d5" in gathered[-2].src  # (the index, its check words)
+    steps += gathered
+    big = t(64, 12, 1, 128).cast(dtype)
+    (one,) = [s for s in kernels_of(nn.scaled_dot_product_attention(big, t(64, 12, 256, 128).cast(dtype),
+                                                                     t(64, 12, 256, 128).cast(dtype)))
+              if attention_of(s.kernel) is not None]
+    assert attention_of(one.kernel).splits == 1 and one.launch.grid == (768, 1, 1)  # type: ignore[union-attr]
+    compile_all([*steps, one])
 
 
 def test_float32_products_keep_their_accumulators_in_registers(roomy: None) -> None:

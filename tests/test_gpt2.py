@@ -321,6 +321,23 @@ async def test_warmup_plans_every_shape_before_the_first_request(checkpoint: Pat
     assert (after.plans, after.kernels, after.traces) == (s.plans, s.kernels, s.traces)
 
 
+async def test_decode_attention_reads_the_cache_through_the_slots(checkpoint: Path, reference: Any) -> None:
+    """Each layer's attention in a decode step is the decode kernel reading the cache where it lies, each sequence's
+    rows through its slot (no gather kernel copies the window), and greedy tokens stay transformers'."""
+    from azyx.ir import attention_of
+
+    model = await load(checkpoint)
+    engine = Engine(model, slots=2)
+    assert await collect(engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True)) == hf_greedy(reference, PROMPT, 6)
+    steps = [engine.decode_step, *engine.decode_step.layouts.values()]
+    plans = [t.plan for j in steps for t in j.traces.values() if t.plan is not None]
+    assert plans
+    for plan in plans:
+        specs = [attention_of(s.kernel) for s in plan.kernels]
+        first = [a for a in specs if a is not None and a.stage == 1]
+        assert len(first) == model.config.n_layer and all(a.gather == engine.cache.slots + 1 for a in first)
+
+
 async def test_decode_steps_attend_over_windows_that_follow_the_lengths(checkpoint: Path, reference: Any) -> None:
     model = await load(checkpoint)
     engine = Engine(model, slots=2, min_window=4)  # windows of 4, 16 and 64 rows: sequences cross two of them

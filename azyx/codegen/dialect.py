@@ -48,6 +48,7 @@ class Dialect:
     products: str = ""
     tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
     attention: bool = False  # attention is one kernel of codegen.templates.attention (else its composed form runs)
+    decode: bool = False  # a decode step's attention (templates.attention_decode) is a kernel even without `attention`
     simd: int = 16  # host: vector register width in bytes (the C device's ISA: 32 AVX2, 64 AVX-512: gemm_host)
     bf16_dot: bool = False  # host: the compiler targets AVX-512 BF16 (vdpbf16ps), for bfloat16 products (gemm_host)
     group_ids: tuple[str, str] = ("", "")
@@ -143,6 +144,7 @@ OPENCL = Dialect(
     vector="float{n}",  # (none by default: PoCL vectorises work items itself; the search may try it)
     vector_load="vload{n}(0, {ptr})",
     vector_store="vstore{n}({val}, 0, {ptr});",
+    decode=True,
     products=ITEM_TILES,
 )
 

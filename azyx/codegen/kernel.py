@@ -8,6 +8,8 @@ from azyx.codegen.dialect import BLOCKED, ITEM_TILES, SHADER_TILES, Dialect
 from azyx.codegen.launch import SHARED, Launch, launch_for
 from azyx.codegen.render import kernel_name
 from azyx.codegen.templates import attention, attention_cuda, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90
+from azyx.codegen.templates.attention_decode import render as render_decode
+from azyx.dtypes import DType
 from azyx.ir import Attention, Kernel, attention_of
 
 
@@ -21,9 +23,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
     if a is not None:  # (the scheduler makes one only where the dialect has the kernel: attention.fits)
         src = _attention_source(k, a, dl)
         name = kernel_name(src)
-        launch = (Launch(attention.cuda_grid(a), attention.CUDA_THREADS) if dl.global_ids else
-                  Launch(trip=attention.parts(a), parallel=SHARED))  # (its signature takes lo, hi: always SHARED)
-        return name, src.replace("KERNEL", name, 1), launch
+        return name, src.replace("KERNEL", name, 1), _attention_launch(a, dl, k.params)
     g = product_of(k, dl, threads)
     if g is not None and sm90 and g.mma and gemm_sm90.fits(g) and not g.variant:  # (a searched tile: mma.sync's)
         src = gemm_sm90.render(g, "KERNEL")
@@ -39,11 +39,32 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
     return name, body.replace("KERNEL", name, 1), launch_for(k, dl, threads, g)
 
 
+def _attention_launch(a: Attention, dl: Dialect, params: list[DType]) -> Launch:
+    """The attention kernel's launch: the host's parts (its signature takes lo, hi: always SHARED); OpenCL's decode
+    form a work item per part; CUDA's grid of CUDA_THREADS blocks, with the dynamic shared memory of its whole
+    kernels."""
+    if not dl.global_ids:
+        return Launch(trip=attention.parts(a), parallel=SHARED)
+    if not attention.decode_lanes(dl):
+        return Launch((-(-attention.parts(a) // OPENCL_ITEMS), 1, 1), OPENCL_ITEMS)
+    smem = 0
+    if not a.splits:
+        mma = attention_cuda.mma_fits(a, dl, params)
+        smem = attention_cuda.mma_smem_bytes(a) if mma else attention_cuda.cuda_smem(a)
+    return Launch(attention.cuda_grid(a), attention.CUDA_THREADS, smem=smem)
+
+
+OPENCL_ITEMS = 64  # work items per group of OpenCL's decode kernel
+
+
 def _attention_source(k: Kernel, a: Attention, dl: Dialect) -> str:
-    """Attention kernel `k` (spec `a`) in dialect `dl`: CUDA's on tensor cores where they take it, else its float32
-    kernel, or the host's; its scale is scalar parameter sc0, or a literal."""
+    """Attention kernel `k` (spec `a`) in dialect `dl`: a stage of the decode form where `a` is one, else CUDA's on
+    tensor cores where they take it, its float32 kernel, or the host's; its scale is scalar parameter sc0, or a
+    literal."""
     s = k.stores[0][1].src[0]
     scale = "sc0" if s.op == "arg" else repr(float(s.arg))
+    if a.splits:  # the decode form's stage
+        return render_decode(a, "KERNEL", dl, k.params, scale)
     if dl.global_ids:
         if attention_cuda.mma_fits(a, dl, k.params):
             return attention_cuda.render_mma(a, "KERNEL", dl, k.params, scale)

@@ -386,8 +386,8 @@ class Decode:
         for i in range(q.shape[0]):
             keys[self.slots[i], :, self.positions[i]] = k[i, :, 0]
             values[self.slots[i], :, self.positions[i]] = v[i, :, 0]
-        w = self.window  # (every row's positions are below it: the rows past it are never read)
-        return nn.scaled_dot_product_attention(q, keys[self.slots][:, :, :w], values[self.slots][:, :, :w],
+        w = self.window  # (every row's positions are below it: the rows past it are never read, nor gathered)
+        return nn.scaled_dot_product_attention(q, keys[:, :, :w][self.slots], values[:, :, :w][self.slots],
                                                mask=self.mask, scale=scale)
 
 

@@ -16,6 +16,8 @@ queries, v's elements broadcast where they lie). k and v are read in place when 
 axis, else each block is packed as float32 first. The inner loops are GCC vector extensions of the device's vector
 width (Dialect.simd). Causal key blocks past a part's last query are skipped.
 
+A few query rows against a long cache (a decode step) take the decode form instead: templates.attention_decode.
+
 CUDA: FlashAttention-2's split, a block of 128 threads per block of query rows of one batch point, walking the keys
 in tiles staged in shared memory. float16/bfloat16 with head dims that are multiples of 16 (`render_mma`): tensor cores
 (mma.sync m16n8k16), a warp's 16 or 32 rows of q as fragments in registers (32: blocks of 128 rows, where there are
@@ -38,15 +40,57 @@ LOG2E = 1.4426950408889634
 C_TILES = {8: (3, 4), 16: (4, 2)}
 C_BQ, C_BK = 64, 64  # C: query rows per part (two tiles), keys per block
 C_MAX_HEAD = 256  # the longest E and Ev the C kernel takes (its blocks live on the stack)
-CUDA_MAX_HEAD = 64  # (its tiles fill the 48 KiB of shared memory a kernel may declare)
-MMA_MAX_HEAD = 128  # the tensor-core kernel's longest E and Ev (tiles of 32 keys, two stages, in 48 KiB)
+CUDA_MAX_HEAD = 128  # (past 64, its tiles take dynamic shared memory: attention_cuda.cuda_smem)
+MMA_MAX_HEAD = 128  # the tensor-core kernel's longest E and Ev (tiles of 64 keys, two stages: attention_cuda.MMA_SMEM)
 CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys per tile, threads per block
 
 
+# the decode form (templates.attention_decode): query rows up to DECODE_ROWS against the cache, each row's keys cut
+# into chunks of at least DECODE_CHUNK keys (a GPU block streams a chunk of bf16 heads of 64, 64 KiB, in about the
+# time of the launch a split adds) so that the chunks of all rows number about DECODE_UNITS (host threads' parts, or
+# blocks: eight per multiprocessor of an H100, over a wave of the ~5 its registers let in at once, so that a last
+# partial wave costs little), DECODE_MAX_SPLITS at most; then combined
+DECODE_ROWS, DECODE_MAX_SPLITS, DECODE_CHUNK = 4, 64, 256
+DECODE_UNITS = {False: 64, True: 1056}
+
+
+def decode_takes(dl: Dialect, L: int, E: int, Ev: int, dtype: DType | None) -> bool:
+    """Whether the dialect's decode kernel takes L query rows of heads E, Ev in `dtype`: a GPU's reads rows 16 bytes a
+    lane (E and Ev multiples of 16 bytes, a row at most 32 lanes; `rows_aligned`, the planner copies a view that is
+    not)."""
+    if not (dl.attention or dl.decode) or L > DECODE_ROWS or dtype not in (dtypes.float32, dtypes.float16,
+                                                                            dtypes.bfloat16):
+        return False
+    if not decode_lanes(dl):
+        return 0 < E <= C_MAX_HEAD and 0 < Ev <= C_MAX_HEAD
+    w = 16 // dtype.itemsize
+    return 0 < E <= 32 * w and 0 < Ev <= 32 * w and E % w == 0 and Ev % w == 0
+
+
+def decode_lanes(dl: Dialect) -> bool:
+    """Whether `dl`'s decode kernel is CUDA's (a lane group per key, 16 bytes a lane), else the C one (a part, or a
+    work item, per chunk: the host's, OpenCL's)."""
+    return bool(dl.global_ids) and dl.attention
+
+
+def decode_splits(dl: Dialect, rows: int, S: int) -> int:
+    """The chunks each of `rows` query rows cuts its S keys into (see DECODE_UNITS), none empty."""
+    gpu = bool(dl.global_ids)
+    n = max(1, min(DECODE_MAX_SPLITS, S // DECODE_CHUNK, -(-DECODE_UNITS[gpu] // rows)))
+    return -(-S // -(-S // n))
+
+
+def decode_chunk(a: Attention) -> int:
+    """Keys per chunk of the decode form (the last chunk may be shorter)."""
+    return -(-a.S // a.splits)
+
+
 def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = None) -> bool:
-    """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs). On a
-    GPU, heads longer than CUDA_MAX_HEAD take the tensor-core kernel alone, which reads q, k and v with aligned rows
-    (`rows_aligned`: the planner copies a view that is not)."""
+    """Whether the dialect's attention kernel takes these lengths for q of `dtype` (else the composed form runs): its
+    decode kernel (`decode_takes`: a few query rows, also on dialects without the whole kernel), or the whole kernel
+    with heads up to the dialect's most (a GPU's: MMA_MAX_HEAD on tensor cores, CUDA_MAX_HEAD in float32)."""
+    if S > 0 and decode_takes(dl, L, E, Ev, dtype):
+        return True
     if not dl.attention:
         return False
     most = C_MAX_HEAD
@@ -54,6 +98,16 @@ def fits(dl: Dialect, L: int, S: int, E: int, Ev: int, dtype: DType | None = Non
         tensor_cores = dl.tensor_cores and dtype in (dtypes.float16, dtypes.bfloat16) and E % 16 == 0 and Ev % 16 == 0
         most = MMA_MAX_HEAD if tensor_cores else CUDA_MAX_HEAD
     return 0 < E <= most and 0 < Ev <= most and L > 0 and S > 0
+
+
+def copies_unaligned(dl: Dialect, E: int, Ev: int, dtype: DType, splits: int) -> bool:
+    """Whether the planner copies an operand whose rows do not start on 16 bytes (`rows_aligned`) before the kernel:
+    CUDA's decode kernel reads rows 16 bytes a lane; its tensor-core kernel does too, and for heads past 64 a copy
+    costs less than the float32 kernel that would take the view instead."""
+    if splits:
+        return decode_lanes(dl)
+    half = dtype in (dtypes.float16, dtypes.bfloat16) and E % 16 == 0 and Ev % 16 == 0
+    return bool(dl.global_ids) and dl.tensor_cores and half and max(E, Ev) > 64
 
 
 def rows_aligned(view: tuple[int, ...]) -> bool:
@@ -64,12 +118,18 @@ def rows_aligned(view: tuple[int, ...]) -> bool:
 
 def cuda_grid(a: Attention) -> tuple[int, int, int]:
     """(blocks of CUDA_BQ query rows, batch points): the float32 kernel's grid, and at least as many blocks as the
-    tensor-core kernel needs (it numbers its blocks flat; those past `mma_units` return at once)."""
+    tensor-core kernel needs (it numbers its blocks flat; those past `mma_units` return at once). The decode form:
+    (query rows, chunks) in stage 1, (query rows, 1) in stage 2."""
+    if a.splits:
+        return a.batch_size * a.L, a.splits if a.stage == 1 else 1, 1
     return -(-a.L // CUDA_BQ), a.batch_size, 1
 
 
 def parts(a: Attention) -> int:
-    """The C kernel's parallel parts: (batch point, block of query rows)."""
+    """The C kernel's parallel parts: (batch point, block of query rows); the decode form's (query row, chunk) in stage
+    1, query rows in stage 2."""
+    if a.splits:
+        return a.batch_size * a.L * (a.splits if a.stage == 1 else 1)
     return a.batch_size * -(-a.L // C_BQ)
 
 
@@ -79,8 +139,10 @@ def work(a: Attention) -> int:
     return a.batch_size * a.L * keys * (a.E + a.Ev)
 
 
-def batch_offsets(a: Attention, index: str, it: str) -> list[str]:
-    """Lines that set qo, ko, vo (and mo) to the element offsets of batch point `index` in each operand."""
+def batch_offsets(a: Attention, index: str, it: str, params: int = 0) -> list[str]:
+    """Lines that set qo, ko, vo (and mo) to the element offsets of batch point `index` in each operand; k's and v's
+    first batch axis through the gather index where `a.gather` (checked where the kernel's `params` take the check
+    words: see `gather_check`)."""
     ops = [("qo", a.q), ("ko", a.k), ("vo", a.v)] + ([("mo", a.mask)] if a.mask is not None else [])
     lines = [f"{it} {name} = {spec[0]};" for name, spec in ops]
     if not a.batch:
@@ -88,13 +150,34 @@ def batch_offsets(a: Attention, index: str, it: str) -> list[str]:
     lines.append(f"{it} rest = {index}, c;")
     for ax in reversed(range(len(a.batch))):
         lines.append(f"c = rest % {a.batch[ax]}; rest /= {a.batch[ax]};")
-        lines += [f"{name} += c * {spec[1 + ax]};" for name, spec in ops if spec[1 + ax]]
+        gathered = ("ko", "vo") if ax == 0 and a.gather else ()
+        lines += [f"{name} += c * {spec[1 + ax]};" for name, spec in ops if spec[1 + ax] and name not in gathered]
+        if gathered:
+            lines.append(_gathered_row(a, it, params))
     return lines
 
 
-def kernel_params(dl: Dialect, params: list[DType], scale: str) -> list[str]:
-    """The kernel's parameters: the output, the operands (read-only), the scale where it is a scalar argument."""
-    out = [f"{'const ' if i else ''}{dl.ctype(d)}* {dl.restrict} d{i}" for i, d in enumerate(params)]
+def gather_check(a: Attention, params: int) -> int | None:
+    """The parameter of the check words among a kernel's `params` parameters (after the gather index), or None."""
+    at = 5 + (a.mask is not None)
+    return at if a.gather and params > at else None
+
+
+def _gathered_row(a: Attention, it: str, params: int) -> str:
+    """k's and v's row of the table for batch coordinate c: the index wrapped from the end and clamped; one out of
+    [-rows, rows) writes the check words (ir.CHECK_WORDS: site 1, the value, the size) where the kernel has them."""
+    n, ix, ck = a.gather, 4 + (a.mask is not None), gather_check(a, params)
+    check = "" if ck is None else (f" if (at < -{n} || at > {n - 1}) {{ d{ck}[1] = at; d{ck}[2] = at < 0 ? -1 : 0; "
+                                   f"d{ck}[3] = {n}; d{ck}[0] = 1; }}")
+    return (f"{{ const int at = d{ix}[c]; {it} r = at < 0 ? at + {n} : at; r = r < 0 ? 0 : (r > {n - 1} ? {n - 1} : r);"
+            f"{check} ko += r * {a.k[1]}; vo += r * {a.v[1]}; }}")
+
+
+def kernel_params(dl: Dialect, params: list[DType], scale: str, written: int | None = None) -> list[str]:
+    """The kernel's parameters: the output, the operands (read-only), the scale where it is a scalar argument;
+    `written`: another parameter the kernel writes (the check words)."""
+    out = [f"{dl.buffer_qual}{'const ' if i and i != written else ''}{dl.ctype(d)}* {dl.restrict} d{i}"
+           for i, d in enumerate(params)]
     return out + ([f"float {scale}"] if scale.startswith("sc") else [])
 
 

@@ -43,11 +43,19 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
         buf="d0", idx=f"b * {L * Ev}LL + row * {Ev}LL + col", val="o[r][j] * inv")
     kend = f"min({S}, q0 + {bq})" if a.causal else f"{S}"
     offsets = "\n  ".join(batch_offsets(a, "b", it))
-    text = f"""extern "C" __global__ void __launch_bounds__({threads}) {name}({", ".join(sig)}) {{
-  __shared__ float Qs[{bq}][{E + 1}];
+    if cuda_smem(a):  # (past the 48 KiB a kernel may declare: dynamic shared memory, carved)
+        shared = f"""extern __shared__ __align__(16) float azyx_dsm[];
+  float (*Qs)[{E + 1}] = (float (*)[{E + 1}])azyx_dsm;
+  float (*Ks)[{E + 1}] = (float (*)[{E + 1}])(azyx_dsm + {bq * (E + 1)});
+  float (*Vs)[{cols * 8}] = (float (*)[{cols * 8}])(azyx_dsm + {(bq + bk) * (E + 1)});
+  float (*Ps)[{bk + 1}] = (float (*)[{bk + 1}])(azyx_dsm + {(bq + bk) * (E + 1) + bk * cols * 8});"""
+    else:
+        shared = f"""__shared__ float Qs[{bq}][{E + 1}];
   __shared__ float Ks[{bk}][{E + 1}];
   __shared__ float Vs[{bk}][{cols * 8}];
-  __shared__ float Ps[{bq}][{bk + 1}];
+  __shared__ float Ps[{bq}][{bk + 1}];"""
+    text = f"""extern "C" __global__ void __launch_bounds__({threads}) {name}({", ".join(sig)}) {{
+  {shared}
   const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
   const {it} b = blockIdx.y;
   const int q0 = blockIdx.x * {bq};  /* (rows and keys in int: lengths under 2^31; addresses in 64 bits) */
@@ -69,6 +77,13 @@ def render_cuda(a: Attention, name: str, dl: Dialect, params: list[DType], scale
             + _cuda_scores(kend, bk, threads, E, Ev, dl, kt, cols, vt, k_s, k_e, v_s, v_e)
             + _cuda_softmax(cols, bk, masks)
             + _cuda_epilogue(L, cols, Ev, store))
+
+
+def cuda_smem(a: Attention) -> int:
+    """The float32 kernel's (`render_cuda`) dynamic shared memory in bytes: its tiles where they pass the 48 KiB a
+    kernel may declare (heads over 64), else 0 (declared)."""
+    nbytes = 4 * ((CUDA_BQ + CUDA_BK) * (a.E + 1) + CUDA_BK * -(-a.Ev // 8) * 8 + CUDA_BQ * (CUDA_BK + 1))
+    return nbytes if nbytes > 48 << 10 else 0
 
 
 def _cuda_scores(kend: str, bk: int, threads: int, E: int, Ev: int, dl: Dialect, kt: DType, cols: int, vt: DType,
@@ -201,17 +216,22 @@ __device__ inline unsigned azyx_half2_{kind}(float lo, float hi) {{  /* two floa
   unsigned r; asm("cvt.rn.{kind}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }}
 #endif
-#ifndef AZYX_EX2
-#define AZYX_EX2
-__device__ inline float azyx_ex2(float x) {{ float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }}
-#endif
-extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(sig)}) {{
+{EX2}extern "C" __global__ void __launch_bounds__({CUDA_THREADS}) {name}({", ".join(sig)}) {{
 {_mma_body(a, dl, params, scale, kind)}
 }}
 """
 
 
-MMA_SMEM = 48 << 10  # the shared memory a kernel may declare
+EX2 = """#ifndef AZYX_EX2
+#define AZYX_EX2
+__device__ inline float azyx_ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+#endif
+"""  # 2^x (of x = -inf: 0), the one instruction
+
+
+# the tensor-core kernel's shared memory: up to 99 KiB, the most a block may take on every GPU of compute capability
+# 8.0 on (8.6 and 8.9's limit); past the 48 KiB a kernel may declare, dynamic (`mma_smem_bytes`)
+MMA_SMEM = 99 << 10
 MMA_MIN_BLOCKS = 132  # (an H100's multiprocessors)
 
 
@@ -232,6 +252,12 @@ def mma_tiles(a: Attention) -> tuple[int, int]:
 
     wm = 32 if a.E <= 64 and a.Ev <= 64 and fits(32, 64) and mma_units(a, 32) >= MMA_MIN_BLOCKS else 16
     return wm, 64 if fits(wm, 64) else 32
+
+
+def mma_smem_bytes(a: Attention) -> int:
+    """The tensor-core kernel's dynamic shared memory in bytes (0: declared, within 48 KiB)."""
+    nbytes = 2 * _mma_smem(a, *mma_tiles(a))[2]
+    return nbytes if nbytes > 48 << 10 else 0
 
 
 def mma_units(a: Attention, wm: int) -> int:
@@ -395,7 +421,9 @@ def _mma_body(a: Attention, dl: Dialect, params: list[DType], scale: str, kind: 
     edge = "true" if a.mask is not None else "k1 > kend" + (" || k1 - 1 > w0" if a.causal else "")
     row0 = "w0 + i * 16"
     qfrag = "\n".join(f"    azyx_ldm4(qf[i][{kk}], qa + {kk * 32});" for kk in range(E // 16))
-    text = f"""  __shared__ __align__(16) unsigned short sm[{total}];  /* 2 stages of K ({bk} x {rk}), V; q */
+    decl = "extern __shared__ __align__(16) unsigned short sm[]" if mma_smem_bytes(a) else \
+        f"__shared__ __align__(16) unsigned short sm[{total}]"
+    text = f"""  {decl};  /* 2 stages of K ({bk} x {rk}), V; q */
 {c["head"]}
   const int w0 = q0 + warp * {wm};  /* the warp's first row */
   const unsigned sb = azyx_smem(sm);
