@@ -284,6 +284,8 @@ class Device:
         # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
         self.failures: dict[int, BaseException] = {}
         self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
+        # whether its runners may gather a crowd's runs (Runner.gathers), where the backend can: its section's `gather`
+        self.gather_runs = bool(options.get("gather", True))
         if not self.compile_timeout_s > 0:
             raise ConfigError(f"{self.kind}: compile_timeout_s must be a positive number of seconds, got "
                               f"{options.get('compile_timeout_s')!r}")

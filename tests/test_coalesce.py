@@ -6,6 +6,11 @@ runner does not gather, the same crowds run one by one and give the same values.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,3 +153,24 @@ async def test_a_request_cancelled_before_it_ran_is_not_submitted(device: str, c
             np.testing.assert_allclose(g, reference(xn, 1.0 + i / 8), rtol=1e-5, atol=1e-6)  # type: ignore[arg-type]
     if gathers_on(device):
         assert RT.executor.gathered - gathered == N - 1
+
+
+def test_gathering_turns_off_in_the_config(tmp_path: Path) -> None:
+    """`{"c": {"gather": false}}`: the same crowd runs one run per submission, with the same values."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"c": {"gather": False}}))
+    code = """if True:
+        import asyncio, numpy as np
+        from azyx import Tensor
+        from azyx.runtime import RT
+        async def main():
+            x = Tensor(np.linspace(-1, 1, 1 << 17, dtype=np.float32), device="c:0")
+            for _ in range(2):
+                got = await asyncio.gather(*(((x * a + 1).relu() * x).exp().numpy() for a in (0.5, 1.0, 2.0)))
+            return RT.executor.gathered, [float(g[-1]) for g in got]
+        print(*asyncio.run(main()))"""
+    env = {**os.environ, "AZYX_CONFIG": str(cfg)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+    gathered, rest = out.stdout.split(" ", 1)
+    assert gathered == "0"
+    np.testing.assert_allclose(json.loads(rest), [np.exp(max(a + 1, 0)) for a in (0.5, 1.0, 2.0)], rtol=1e-5)

@@ -59,7 +59,7 @@ from azyx.ir import Kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
 
-CONFIG = {"enabled": True, "memory": None, "spin_us": 20}  # (spin_us: as opencl's)
+CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True}  # (spin_us: as opencl's; gather: as c's)
 AUTO = True
 LIBRARIES = ("libcuda.so.1", "libcuda.so")
 
@@ -602,7 +602,7 @@ class CUDADevice(StagedCopies):
         maps or a zeroed output (their launch is made here, in Python)."""
         runner = super().prepare(plan, batches)
         runner.together = len(plan.devices) == 1
-        runner.gathers = gatherable(plan)
+        runner.gathers = self.gather_runs and gatherable(plan)
         step = lone_kernel(plan)
         if step is None or native is None or self.native_queue is None or step.launch.maps or step.launch.zero:
             return runner

@@ -235,7 +235,7 @@ class HostDevice(Device):
         not gathered: each runs where it is submitted, and its realize returns without waiting, where a gathered run
         is waited for (a wake-up of its task, ~10 us on a 2-core host, more than the run's own submission)."""
         runner = super().prepare(plan, batches)
-        runner.gathers = gatherable(plan) and any(b.how is QUEUED for b in batches)
+        runner.gathers = self.gather_runs and gatherable(plan) and any(b.how is QUEUED for b in batches)
         return runner
 
     def open_gather(self) -> None:
