@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,9 @@ import pytest
 
 import azyx
 from azyx import Tensor
+from azyx.backends.host import WorkQueue
 from azyx.runtime import RT
+from azyx.timeline import TimelineSignal
 
 N = 8  # requests in flight
 SIZE = 1 << 17  # floats a request: work past a C device's inline_work, so that its runs are handed to the queue
@@ -174,3 +177,32 @@ def test_gathering_turns_off_in_the_config(tmp_path: Path) -> None:
     gathered, rest = out.stdout.split(" ", 1)
     assert gathered == "0"
     np.testing.assert_allclose(json.loads(rest), [np.exp(max(a + 1, 0)) for a in (0.5, 1.0, 2.0)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("given_before_the_worker_takes_the_later_item", [True, False])
+def test_a_reserved_item_runs_before_later_items_that_the_worker_took(
+        given_before_the_worker_takes_the_later_item: bool) -> None:
+    """A host device's queue keeps program order around a gather's reserved value: an item submitted after the
+    reservation (another thread's, while the gather is open) waits for the reserved item, which the worker thread runs
+    first once it is given, even where the worker took the later item already (else it would wait for it forever)."""
+    timeline = TimelineSignal("test")
+    failures: list[tuple[int, BaseException]] = []
+    q = WorkQueue(timeline, "test", lambda v, e: failures.append((v, e)))
+    ran: list[str] = []
+    gate = threading.Event()
+    try:
+        v1 = q.submit(lambda: (gate.wait(30), ran.append("before")), [], False)  # busy: the worker holds it
+        r = q.reserve()
+        v3 = q.submit(lambda: ran.append("after"), [], False)  # queued behind the reservation
+        if given_before_the_worker_takes_the_later_item:
+            q.submit_reserved(lambda: ran.append("reserved"), r, False)
+            gate.set()
+        else:
+            gate.set()
+            timeline.wait_sync(v1)  # the worker now takes the later item, whose turn is after the reservation's
+            q.submit_reserved(lambda: ran.append("reserved"), r, False)
+        timeline.wait_sync(v3)
+        assert (v1, r, v3) == (1, 2, 3) and ran == ["before", "reserved", "after"] and not failures
+    finally:
+        gate.set()
+        q.close()

@@ -21,6 +21,7 @@ from azyx.timeline import TimelineSignal
 from azyx.workers import lower_priority
 
 ALIGN = 64
+_HANDED = object()  # (_HANDED, v): a WorkQueue's wake-up, reserved item `v` given to its worker (`submit_reserved`)
 WIDE_KEPT = 64  # gathers' batches kept per device (a crowd's gathers come in a few sizes)
 
 
@@ -66,6 +67,10 @@ class WorkQueue:
         self.record_failure = record_failure  # (timeline value, error) of a work item that failed
         self.native: NativeQueue | None = None
         self.native_last = 0  # the value of the last item handed to the native queue
+        # values reserved for items handed over later (`reserve`), with the item once given to this queue's worker
+        # (None until then; gone once run or handed to the native queue); the worker runs them before later items
+        self.reserved: dict[int, Callable[[], None] | None] = {}
+        self.handed = threading.Condition(self.lock)  # (notified when a reservation is given or resolved)
 
     def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], inline: bool) -> int:
         with self.lock:
@@ -90,29 +95,54 @@ class WorkQueue:
 
     def reserve(self) -> int:
         """The next timeline value, for a work item handed over later (`submit_reserved`); items submitted meanwhile
-        queue behind it (the worker thread runs an item once every value before it is reached)."""
+        come after it (none can run inline or go to the native queue before it: the worker thread takes them, and
+        runs the reserved item first once it is given)."""
         with self.lock:
             self.submitted += 1
+            self.reserved[self.submitted] = None
             return self.submitted
 
     def submit_reserved(self, fn: Callable[[], None], v: int, inline: bool) -> None:
         """The work item of value `v` (`reserve`'s): run here and now where `inline` and the queue is idle up to it,
-        else handed to the native queue where everything before it is done or there, else to the worker thread."""
+        else handed to the native queue where everything before it is done or there, else to the worker thread, which
+        runs it before any later item it took meanwhile (`_reserved_before`)."""
         with self.lock:
             idle = self.timeline.value == v - 1
             if inline and idle:
+                del self.reserved[v]
                 self._execute(fn, v)
                 del fn  # (as `submit`: the buffers back to the pool before the timeline advances)
                 self.timeline.signal(v)
-                return
-            if (idle or self.native_last == v - 1) and self.native is not None and self.native.takes(fn):
+            elif (idle or self.native_last == v - 1) and self.native is not None and self.native.takes(fn):
+                del self.reserved[v]
                 self.native.put(fn, v)
                 self.native_last = v
-                return
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
-                self.thread.start()
-            self.q.put((fn, [], v))
+            else:
+                self.reserved[v] = fn
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
+                    self.thread.start()
+                self.q.put((_HANDED, v))  # (wakes an idle worker; one that took a later item waits on `handed`)
+            self.handed.notify_all()
+
+    def _reserved_before(self, u: int) -> None:
+        """(The worker thread, before the item of value `u`.) Run the reserved items of lower values, in order, each
+        once it is given; one resolved elsewhere (inline, the native queue) is simply gone. Waiting for one is safe:
+        the queue's items below `u` were put before `u`'s, so this thread has taken them all."""
+        while True:
+            with self.lock:
+                lower = [r for r in self.reserved if r < u]
+                if not lower:
+                    return
+                r = min(lower)
+                fn = self.reserved[r]
+                if fn is None:
+                    self.handed.wait()
+                    continue
+                del self.reserved[r]
+                box = [fn]
+                del fn
+            self._run_in_order(box, [], r)
 
     def run_now(self, fn: Callable[..., None], *args: Any) -> int:
         """Run `fn(*args)` on the calling thread as the queue's next item, where the queue is idle (everything before
@@ -143,18 +173,30 @@ class WorkQueue:
             item = self.q.get()
             if item is None:
                 return
+            if item[0] is _HANDED:  # (every item below it is taken: those put before it)
+                self._reserved_before(item[1] + 1)
+                continue
             fn, waits, v = item
-            del item
-            try:
-                self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
-                for t, w in waits:
-                    t.wait_sync(w)
-            except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
-                self.record_failure(v, e)
-            else:
-                self._execute(fn, v)
-            del fn  # release the work's buffers before signalling completion
-            self.timeline.signal(v)
+            box = [fn]
+            del item, fn
+            if self.reserved:
+                self._reserved_before(v)
+            self._run_in_order(box, waits, v)
+
+    def _run_in_order(self, box: list[Callable[[], None]], waits: list[tuple[TimelineSignal, int]], v: int) -> None:
+        """(The worker thread.) Run item `v` (the one in `box`, taken out: the item's last reference is this
+        frame's) once every value before it and its `waits` are reached, then signal it."""
+        fn = box.pop()
+        try:
+            self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
+            for t, w in waits:
+                t.wait_sync(w)
+        except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
+            self.record_failure(v, e)
+        else:
+            self._execute(fn, v)
+        del fn  # release the work's buffers before signalling completion
+        self.timeline.signal(v)
 
     def close(self) -> None:
         if self.thread is not None:
