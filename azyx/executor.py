@@ -145,7 +145,8 @@ class UnifiedExecutor:
             if found is None:
                 found = self.prepared[plan] = Prepared(plan, self.devices)
             self.last = (plan, prepared := found)
-        gathered = (crowd is not None or bool(self.gathering)) and self._gather(prepared.gathers, crowd)
+        gathered = (self.gathering or crowd is not None and prepared.gathers is not None) and self._gather(
+            prepared.gathers, crowd)
         if not gathered and (lane := prepared.lane) is not None:  # (the device's one call for the whole run)
             got = lane(bindings if type(bindings) is list else list(bindings), scalars)
             if got is not None:
