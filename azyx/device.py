@@ -107,12 +107,24 @@ class Runner:
       the executor's step path runs only where the lane declines for the device's state at that moment (see `Lane`);
     - `together`: the device collects the run's launches from its start to its end (`begin_batch`/`end_batch`) and
       submits them as one (a single-device plan on a device with graphs);
+    - `gathers`: runs of the plan that become ready together (a crowd of realizes in one loop iteration) may be
+      gathered into one submission of the device (`open_gather`, `gather_launch`, `close_gather`): a plan of kernels
+      on this device alone (`gatherable`) on a device that can gather;
     - per batch of the plan's kernels on the device, `BatchState.how` (INLINE, QUEUED or GRAPH)."""
 
-    __slots__ = ("lane", "together")
+    __slots__ = ("lane", "together", "gathers")
 
-    def __init__(self, lane: Lane | None = None, together: bool = False):
-        self.lane, self.together = lane, together
+    def __init__(self, lane: Lane | None = None, together: bool = False, gathers: bool = False):
+        self.lane, self.together, self.gathers = lane, together, gathers
+
+
+def gatherable(plan: ExecutionPlan) -> bool:
+    """Whether runs of `plan` may be gathered with other runs into one submission of its device: its steps are all
+    kernels on one device (no transfer, so no wait on another device) and none writes into an input in place (such a
+    kernel waits for other devices' work that may still read that input)."""
+    if len(plan.devices) != 1 or not all(isinstance(s, KernelStep) for s in plan.steps):
+        return False
+    return not any(s.kernel.inplace and s.args[0] in plan.overwrites for s in plan.kernels)
 
 
 def lone_kernel(plan: ExecutionPlan) -> KernelStep | None:
@@ -272,6 +284,8 @@ class Device:
         # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
         self.failures: dict[int, BaseException] = {}
         self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
+        # whether its runners may gather a crowd's runs (Runner.gathers), where the backend can: its section's `gather`
+        self.gather_runs = bool(options.get("gather", True))
         if not self.compile_timeout_s > 0:
             raise ConfigError(f"{self.kind}: compile_timeout_s must be a positive number of seconds, got "
                               f"{options.get('compile_timeout_s')!r}")
@@ -439,6 +453,23 @@ class Device:
 
     def end_batch(self) -> None:
         pass
+
+    # gathering: runs of plans whose runner `gathers` (Runner.gathers), submitted by the executor one after the other
+    # in one loop iteration (a crowd of realizes), become one submission of the device (UnifiedExecutor.flush_gathers)
+    def open_gather(self) -> None:
+        """From now until `close_gather`, `gather_launch` collects kernels (the runs of a crowd) to submit as one piece
+        of work; other submissions to the device meanwhile keep program order (they come after the gathered kernels).
+        Only on a device that says `Runner.gathers` for some plan."""
+        raise NotImplementedError
+
+    def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
+        """Collect a run's kernels (`batch`'s, with no waits: a `gatherable` plan's) into the open gather; returns the
+        timeline value at which they will have completed (reserved now, reached once `close_gather` submitted them)."""
+        raise NotImplementedError
+
+    def close_gather(self) -> None:
+        """Submit what the open gather collected, as one piece of work (one work item, one batch with one event)."""
+        raise NotImplementedError
 
     def render(self, k: Kernel) -> tuple[str, str, Launch]:
         """(name, source, launch) of a kernel in this device's dialect, made with the actions that won the search for

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from enum import Enum
 from operator import itemgetter
+from threading import get_ident
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,12 @@ class UnifiedExecutor:
         self.prepared: weakref.WeakKeyDictionary[ExecutionPlan, Prepared] = weakref.WeakKeyDictionary()
         self.partial: RunRecord | None = None  # the record of the last run that raised part way (see `settle`)
         self.last: tuple[ExecutionPlan | None, Prepared] = (None, _NOTHING)  # (the last plan run: a steady loop's)
+        # a crowd's gathers (see `run`): the devices with one open, the loop whose iteration they belong to (it closes
+        # them: `flush_gathers`) and its thread; runs gathered and gathers closed, counted (what tests read)
+        self.gathering: list[Device] = []
+        self.gather_loop: Any = None
+        self.gather_thread = 0
+        self.gathered = self.gathers = 0
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"
@@ -75,17 +82,17 @@ class UnifiedExecutor:
         return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
 
     def execute_kernel(self, dev: Device, items: list[LaunchItem], batch: BatchState, same_device: bool = False,
-                       overwrites: bool = False) -> int:
+                       overwrites: bool = False, gathered: bool = False) -> int:
         """Kernels of one device that run back to back (one piece of work where the device can make it one), each
         with its buffers and the words of its scalar arguments; `batch` is these steps' state in their plan (how the
         device runs them, what it derived from them: `Device.prepare`). `same_device`: the plan's only device (its
         queue is in order: nothing to wait for). `overwrites`: one writes into a buffer the plan was given
         (ExecutionPlan.overwrites), so it waits for the work other devices have queued, which may still read that
-        buffer (a copy out of it)."""
+        buffer (a copy out of it). `gathered`: into the device's open gather (a gatherable plan's: no waits)."""
         waits = [] if same_device else [w for step, bufs, _ in items for w in self._waits(dev, bufs[step.outs:])]
         if overwrites:
             waits += [(d, d.queued()) for d in self.devices.values() if d is not dev and d.pending()]
-        v = dev.launch_many(items, waits, batch)
+        v = dev.gather_launch(items, batch) if gathered else dev.launch_many(items, waits, batch)
         for step, bufs, _ in items:
             for b in bufs[:step.outs]:
                 b.ready = v
@@ -127,11 +134,12 @@ class UnifiedExecutor:
             v = ddev.copy_from_host(host, dst, [(sdev, done)], keep, o)
         return v
 
-    def run(self, plan: ExecutionPlan, bindings: list[Buffer], scalars: list[Any] | tuple[Any, ...] = ()
-            ) -> tuple[list[tuple[Buffer, StridedView]], list[Buffer]]:
+    def run(self, plan: ExecutionPlan, bindings: list[Buffer], scalars: list[Any] | tuple[Any, ...] = (),
+            crowd: Any = None) -> tuple[list[tuple[Buffer, StridedView]], list[Buffer]]:
         """Submit every step of `plan` with `bindings` as its inputs and `scalars` as the values of its scalars (the
         walk's); returns the targets' buffers (not yet necessarily ready: each carries the timeline value at which it
-        will be) and the uploads of host data that the inputs' leaves keep (`plan.adopt`, in its order)."""
+        will be) and the uploads of host data that the inputs' leaves keep (`plan.adopt`, in its order).
+        `crowd`: the running asyncio loop, where other work is ready in its iteration (None: none is): see `_gather`."""
         assert len(bindings) == plan.n_inputs and len(scalars) == plan.n_scalars
         last, prepared = self.last
         if last is not plan:  # (a weak dictionary's lookup is Python code: a steady loop skips it)
@@ -139,7 +147,9 @@ class UnifiedExecutor:
             if found is None:
                 found = self.prepared[plan] = Prepared(plan, self.devices)
             self.last = (plan, prepared := found)
-        if (lane := prepared.lane) is not None:  # (the device's one call for the whole run)
+        gathered = (self.gathering or crowd is not None and prepared.gathers is not None) and self._gather(
+            prepared.gathers, crowd)
+        if not gathered and (lane := prepared.lane) is not None:  # (the device's one call for the whole run)
             got = lane(bindings if type(bindings) is list else list(bindings), scalars)
             if got is not None:
                 return got, []
@@ -153,7 +163,7 @@ class UnifiedExecutor:
             if (r := binding.run) is not None and not r.clean:
                 parents.append(r)
         record = RunRecord(parents)
-        if together is not None:
+        if together is not None and not gathered:
             together.begin_batch()
         try:
             for seg in segments:
@@ -172,9 +182,9 @@ class UnifiedExecutor:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 else:
                     after = self.execute_kernel(dev, seg.items(bufs, scalars), seg.batch, alone,  # type: ignore[arg-type]
-                                                seg.overwrites)
-                spans = record.spans  # (record.cover's body)
-                spans[dev] = (spans[dev][0] if dev in spans else before, after)
+                                                seg.overwrites, gathered)
+                spans = record.spans  # (record.cover's body; a gather's runs may share one value: `after - 1`)
+                spans[dev] = (spans[dev][0] if dev in spans else min(before, after - 1), after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
             if plan.checks:
@@ -200,8 +210,47 @@ class UnifiedExecutor:
             raise
         finally:
             bufs.clear()
-            if together is not None:
+            if together is not None and not gathered:
                 together.end_batch()
+
+    def _gather(self, dev: Device | None, crowd: Any) -> bool:
+        """Whether a run joins the gather of `dev`, the device that gathers its plan's runs (`Prepared.gathers`; None:
+        it has none), with a `crowd` on the loop (see `run`). It does where both are there: the first such run of the
+        loop's iteration opens the device's gather (`Device.open_gather`) and asks the loop to close the gathers once
+        the iteration's ready work has run (`flush_gathers`), so a crowd's runs become one submission (one work item,
+        one batch with one event, one graph launch once steady). Each run still has its own buffers, record and check
+        words: its own result, failure and cancellation. Another run of the loop's thread closes the gathers first
+        (it comes after them); another thread's run leaves them to their loop (it queues or waits behind them)."""
+        gathered = dev is not None and crowd is not None
+        if self.gathering and (not gathered or crowd is not self.gather_loop):
+            if self.gather_thread != get_ident():
+                return False
+            self.flush_gathers()
+        if not gathered:
+            return False
+        assert dev is not None
+        if not self.gathering:
+            crowd.call_soon(self.flush_gathers)
+            self.gather_loop, self.gather_thread = crowd, get_ident()
+        self.gathered += 1
+        if dev not in self.gathering:
+            dev.open_gather()
+            self.gathering.append(dev)
+        return True
+
+    def flush_gathers(self) -> None:
+        """Close the open gathers (`Device.close_gather`: each device submits what it gathered): at the end of the loop
+        iteration that opened them, or before a run that cannot join them (it comes after them). Only on the thread
+        whose loop opened them. A gather that cannot be submitted fails its device (its runs would wait forever)."""
+        if not self.gathering or self.gather_thread != get_ident():
+            return
+        devices, self.gathering, self.gather_loop = self.gathering, [], None
+        for dev in devices:
+            self.gathers += 1
+            try:
+                dev.close_gather()
+            except BaseException as e:
+                dev.fail(e)
 
     def _read_checks(self, plan: ExecutionPlan, record: RunRecord, bufs: list[Buffer | None]) -> None:
         """The run's record reads its check words (Device.check_words: the run's own) once its work is done
@@ -240,6 +289,7 @@ class UnifiedExecutor:
 
     async def synchronize_all(self) -> None:
         """Wait (on the event loop) until every device, and every compile started, has finished."""
+        self.flush_gathers()
         await drain()
         for dev in list(self.devices.values()):
             await dev.timeline.wait(dev.timeline.value + dev.pending())
@@ -251,6 +301,7 @@ class UnifiedExecutor:
         await checkpoint()
 
     def close(self) -> None:
+        self.flush_gathers()
         for dev in self.devices.values():
             dev.close()
         self.devices.clear()
@@ -292,9 +343,10 @@ class Prepared:
     and each device's `Runner` (`Device.prepare`, once), whose answers it follows on every run:
     - `lane`: the plan's whole run as one call (a lone kernel's device's), tried first;
     - `together`: the device that collects the run's launches from its start to its end (a single-device plan's);
-    - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order)."""
+    - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order);
+    - `gathers`: the device that gathers concurrent runs of the plan into one submission (`UnifiedExecutor.run`)."""
 
-    __slots__ = ("segments", "runners", "lane", "together", "alone")
+    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers")
 
     def __init__(self, plan: ExecutionPlan, devices: dict[str, Device]):
         self.segments = _segments(plan, devices)
@@ -307,6 +359,7 @@ class Prepared:
         runners = list(self.runners.values())
         self.lane: Lane | None = runners[0].lane if self.alone else None
         self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
+        self.gathers: Device | None = devices[plan.devices[0]] if self.alone and runners[0].gathers else None
 
 
 def _ordered(plan: ExecutionPlan) -> list[tuple[Any, tuple[int, ...]]]:

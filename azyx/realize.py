@@ -388,8 +388,10 @@ def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], 
              scalars: list[Any] | tuple[Any, ...] = ()) -> list[tuple[Buffer, StridedView]]:
     """Submit `plan` with `bindings` as its inputs and `scalars` as its scalars' values; returns the targets' buffers
     and views. Host data the plan uploads for an input stays on the device: `leaf(slot)`, the input's node, keeps the
-    uploaded buffer (None: nobody does)."""
-    outs, adopted = RT.executor.run(plan, bindings, scalars)
+    uploaded buffer (None: nobody does). Where other work is ready in the running asyncio loop's iteration (a crowd of
+    realizes, each submitting in turn), the executor may gather this run with theirs (UnifiedExecutor.run's `crowd`)."""
+    loop = _running_loop()
+    outs, adopted = RT.executor.run(plan, bindings, scalars, loop if getattr(loop, "_ready", None) else None)
     for (slot, _), buf in zip(plan.adopt, adopted):
         if (n := leaf(slot)) is not None:
             n.buffer = buf
@@ -428,6 +430,11 @@ async def wait_for(bufs: list[Buffer], plan: ExecutionPlan | None = None) -> Non
     for buf in bufs:
         if buf.ready > last.get(buf.device, -1):
             last[buf.device] = buf.ready
+    gathering = RT.executor.gathering
+    if gathering and any(dev in gathering for dev in last):
+        # the work is in a crowd's gather, which the loop submits next (UnifiedExecutor._gather): then ask the device
+        # (a gather run inline is done by then; the crowd's last realize may spin for the rest, and wakes the others)
+        await asyncio.sleep(0)
     start = time.perf_counter()
     for dev, ready in last.items():
         if dev.timeline.value >= ready:

@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common import machine_line, write_section  # noqa: E402  (beside this script)
+from crowd import crowd as crowd_rates  # noqa: E402
+from crowd import graph, realize_timings  # noqa: E402
 from devices import table, timed, transfer_time  # noqa: E402
 
 import azyx  # noqa: E402
@@ -228,33 +230,7 @@ async def realize_only(torch: Any, fn: Callable[[Any], Any], small: Tensor, tsma
     plan is cached; and the same function under `azyx.jit`, whose replay builds nothing. Beside PyTorch replaying
     the same ops captured as a CUDA graph."""
     jitted = azyx.jit(fn)
-
-    async def once() -> float:
-        t = fn(small)
-        t0 = time.perf_counter()
-        await t.realize()
-        return time.perf_counter() - t0
-
-    async def flight() -> float:
-        ts = [fn(small) for _ in range(FLIGHT)]
-        t0 = time.perf_counter()
-        await asyncio.gather(*(t.realize() for t in ts))
-        return (time.perf_counter() - t0) / FLIGHT
-
-    async def replay() -> float:
-        t0 = time.perf_counter()
-        await jitted(small)
-        return time.perf_counter() - t0
-
-    async def replays() -> float:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(jitted(small) for _ in range(FLIGHT)))
-        return (time.perf_counter() - t0) / FLIGHT
-
-    for _ in range(3):
-        for f in (once, flight, replay, replays):
-            await f()
-    ours = [statistics.median([await f() for _ in range(reps)]) for f in (once, flight, replay, replays)]
+    ours = await realize_timings(fn, jitted, small, reps, FLIGHT)
     with torch.cuda.device(0):  # the tensors' device (streams and graphs belong to the current one)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -279,47 +255,13 @@ async def crowd(torch: Any, dev: str, quick: bool) -> list[list[str]]:
     """Concurrent small requests, as a service sees them: each its own 1,024 floats and its own scalar through a 10-op
     graph, read back. azyx: one task per request on the loop; PyTorch: eager, each request in a thread pool (the way
     services run torch today). Requests per second, every result checked against numpy."""
-    from concurrent.futures import ThreadPoolExecutor
-
     n_req = 50 if quick else 200
-    rng = np.random.default_rng(3)
-    data = [rng.standard_normal(1024).astype(np.float32) for _ in range(n_req)]
-    scalars = [float(x) for x in rng.uniform(0.5, 2.0, n_req)]
-
-    def graph(s: Any, a: float) -> Any:  # azyx or torch
-        return ((((s * a + s) * 2 - s) / 3).relu() * s + 1).exp().sqrt() - s
-
-    def reference(x: np.ndarray, a: float) -> np.ndarray:
-        return np.sqrt(np.exp(np.maximum(((x * a + x) * 2 - x) / 3, 0) * x + 1)) - x
-
-    async def ours() -> list[np.ndarray]:
-        async def one(x: np.ndarray, a: float) -> np.ndarray:
-            return await graph(Tensor(x, device=dev), a).numpy()
-        return list(await asyncio.gather(*(one(x, a) for x, a in zip(data, scalars))))
-
     td = torch.device("cuda:0")
-    pool = ThreadPoolExecutor(16)
 
-    def theirs() -> list[np.ndarray]:
-        def one(x: np.ndarray, a: float) -> np.ndarray:
-            return graph(torch.from_numpy(x).to(td), a).cpu().numpy()  # type: ignore[no-any-return]
-        return list(pool.map(one, data, scalars))
+    def theirs(x: np.ndarray, a: float) -> np.ndarray:
+        return graph(torch.from_numpy(x).to(td), a).cpu().numpy()  # type: ignore[no-any-return]
 
-    for _ in range(3):
-        got, want = await ours(), theirs()
-    for g, w, x, a in zip(got, want, data, scalars):
-        np.testing.assert_allclose(g, reference(x, a), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(w, reference(x, a), rtol=1e-4, atol=1e-5)
-    az, pt = [], []
-    for _ in range(5 if quick else 15):
-        t0 = time.perf_counter()
-        await ours()
-        az.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        theirs()
-        pt.append(time.perf_counter() - t0)
-    pool.shutdown()
-    a, t = n_req / statistics.median(az), n_req / statistics.median(pt)
+    a, t = await crowd_rates(dev, n_req, 5 if quick else 15, 1024, theirs)
     return [[f"{n_req} concurrent requests (10 ops on 1,024 f32, own scalar, read back); torch: eager in a 16-thread "
              "pool", "req/s", f"{a:.0f}", f"{t:.0f}", f"{a / t:.2f}x", "", "", ""]]
 

@@ -61,7 +61,7 @@ from azyx.timeline import TimelineSignal
 CONFIG = {"enabled": True, "devices": 1, "compiler": "gcc",
           "flags": ["-O3", "-march=native", "-mtune=generic", "-fno-unswitch-loops", "-fopenmp", "-fno-math-errno",
                     "--param=vect-max-version-for-alias-checks=64"],
-          "threads": None, "memory": None, "inline_work": 1 << 16}
+          "threads": None, "memory": None, "inline_work": 1 << 16, "gather": True}
 AUTO = True
 
 # kernel name -> (address of its `name_argv` entry, its launch.parallel_kind); shared by every C device (one compiler)

@@ -50,6 +50,7 @@ from azyx.device import (
     LaunchItem,
     Runner,
     RunRecord,
+    gatherable,
     kernel_list,
     lone_kernel,
 )
@@ -58,7 +59,7 @@ from azyx.ir import Kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
 
-CONFIG = {"enabled": True, "memory": None, "spin_us": 20}  # (spin_us: as opencl's)
+CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True}  # (spin_us: as opencl's; gather: as c's)
 AUTO = True
 LIBRARIES = ("libcuda.so.1", "libcuda.so")
 
@@ -601,6 +602,7 @@ class CUDADevice(StagedCopies):
         maps or a zeroed output (their launch is made here, in Python)."""
         runner = super().prepare(plan, batches)
         runner.together = len(plan.devices) == 1
+        runner.gathers = self.gather_runs and gatherable(plan)
         step = lone_kernel(plan)
         if step is None or native is None or self.native_queue is None or step.launch.maps or step.launch.zero:
             return runner
@@ -628,6 +630,18 @@ class CUDADevice(StagedCopies):
                 self._flush(batch)
         finally:
             self.lock.release()
+
+    # a gather (Runner.gathers: a crowd's runs in one loop iteration) is a batch open across runs: one event for all of
+    # them and, once steady, one graph launch; a command submitted meanwhile comes after the launches collected so far
+    # (`_submit`), and other threads' submissions wait on the lock until the gather is closed (the next iteration)
+    def open_gather(self) -> None:
+        self.begin_batch()
+
+    def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
+        return self.launch_many(items, [], batch)
+
+    def close_gather(self) -> None:
+        self.end_batch()
 
     def _flush(self, batch: list[Collected]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;

@@ -12,7 +12,8 @@ from azyx.backends.cuda_driver import check, cu, hot
 from azyx.codegen.launch import Launch
 
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
-INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread
+INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread (as is
+# a batch's capture)
 GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
 
 Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
@@ -43,12 +44,17 @@ class GraphCache:
         return tuple([(name, dims.grid, dims.group, dims.zero, ptrs) for _, dims, ptrs, name in batch])
 
     def cheap(self, batch: list[Collected]) -> bool:
-        """Whether submitting the batch takes little time: a few launches, or one graph launch."""
-        if len(batch) <= INLINE_LAUNCHES:
+        """Whether submitting the batch takes little time: one graph launch, or a few launches where this sighting
+        does not capture the batch (a capture and its instantiation take milliseconds: the caller's submitter thread
+        does it, never the loop's)."""
+        if len(batch) == 1:
             return True
         key = self.key(batch)
         self.keyed = (batch, key)
-        return isinstance(self.graphs.get(key), _Graph)
+        graph = self.graphs.get(key)
+        if isinstance(graph, _Graph):
+            return True
+        return len(batch) <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
 
     def launch(self, batch: list[Collected], hold_gil: bool = True) -> None:
         """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady.
@@ -57,7 +63,8 @@ class GraphCache:
             fn, dims, ptrs, _ = batch[0]
             self.launch_one(fn, dims, ptrs, hold_gil)
             return
-        key = self.keyed[1] if self.keyed is not None and self.keyed[0] is batch else self.key(batch)
+        keyed = self.keyed  # (once: the submitter thread's launch and the loop's `cheap` may interleave)
+        key = keyed[1] if keyed is not None and keyed[0] is batch else self.key(batch)
         self.keyed = None
         graph = self.graphs.get(key)
         if not isinstance(graph, _Graph):

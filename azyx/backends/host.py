@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import queue
 import threading
@@ -12,14 +13,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from azyx.allocator import PoolAllocator
-from azyx.device import INLINE, QUEUED, BatchState, Buffer, Device, LaunchItem, host_read
+from azyx.device import INLINE, QUEUED, BatchState, Buffer, Device, LaunchItem, Runner, gatherable, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
-from azyx.plan import KernelStep
+from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import lower_priority
 
 ALIGN = 64
+_HANDED = object()  # (_HANDED, v): a WorkQueue's wake-up, reserved item `v` given to its worker (`submit_reserved`)
+WIDE_KEPT = 64  # gathers' batches kept per device (a crowd's gathers come in a few sizes)
 
 
 def _aligned(size: int) -> np.ndarray:
@@ -64,6 +67,10 @@ class WorkQueue:
         self.record_failure = record_failure  # (timeline value, error) of a work item that failed
         self.native: NativeQueue | None = None
         self.native_last = 0  # the value of the last item handed to the native queue
+        # values reserved for items handed over later (`reserve`), with the item once given to this queue's worker
+        # (None until then; gone once run or handed to the native queue); the worker runs them before later items
+        self.reserved: dict[int, Callable[[], None] | None] = {}
+        self.handed = threading.Condition(self.lock)  # (notified when a reservation is given or resolved)
 
     def submit(self, fn: Callable[[], None], waits: list[tuple[TimelineSignal, int]], inline: bool) -> int:
         with self.lock:
@@ -85,6 +92,57 @@ class WorkQueue:
                 self.thread.start()
             self.q.put((fn, waits, v))
         return v
+
+    def reserve(self) -> int:
+        """The next timeline value, for a work item handed over later (`submit_reserved`); items submitted meanwhile
+        come after it (none can run inline or go to the native queue before it: the worker thread takes them, and
+        runs the reserved item first once it is given)."""
+        with self.lock:
+            self.submitted += 1
+            self.reserved[self.submitted] = None
+            return self.submitted
+
+    def submit_reserved(self, fn: Callable[[], None], v: int, inline: bool) -> None:
+        """The work item of value `v` (`reserve`'s): run here and now where `inline` and the queue is idle up to it,
+        else handed to the native queue where everything before it is done or there, else to the worker thread, which
+        runs it before any later item it took meanwhile (`_reserved_before`)."""
+        with self.lock:
+            idle = self.timeline.value == v - 1
+            if inline and idle:
+                del self.reserved[v]
+                self._execute(fn, v)
+                del fn  # (as `submit`: the buffers back to the pool before the timeline advances)
+                self.timeline.signal(v)
+            elif (idle or self.native_last == v - 1) and self.native is not None and self.native.takes(fn):
+                del self.reserved[v]
+                self.native.put(fn, v)
+                self.native_last = v
+            else:
+                self.reserved[v] = fn
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
+                    self.thread.start()
+                self.q.put((_HANDED, v))  # (wakes an idle worker; one that took a later item waits on `handed`)
+            self.handed.notify_all()
+
+    def _reserved_before(self, u: int) -> None:
+        """(The worker thread, before the item of value `u`.) Run the reserved items of lower values, in order, each
+        once it is given; one resolved elsewhere (inline, the native queue) is simply gone. Waiting for one is safe:
+        the queue's items below `u` were put before `u`'s, so this thread has taken them all."""
+        while True:
+            with self.lock:
+                lower = [r for r in self.reserved if r < u]
+                if not lower:
+                    return
+                r = min(lower)
+                fn = self.reserved[r]
+                if fn is None:
+                    self.handed.wait()
+                    continue
+                del self.reserved[r]
+                box = [fn]
+                del fn
+            self._run_in_order(box, [], r)
 
     def run_now(self, fn: Callable[..., None], *args: Any) -> int:
         """Run `fn(*args)` on the calling thread as the queue's next item, where the queue is idle (everything before
@@ -115,18 +173,30 @@ class WorkQueue:
             item = self.q.get()
             if item is None:
                 return
+            if item[0] is _HANDED:  # (every item below it is taken: those put before it)
+                self._reserved_before(item[1] + 1)
+                continue
             fn, waits, v = item
-            del item
-            try:
-                self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
-                for t, w in waits:
-                    t.wait_sync(w)
-            except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
-                self.record_failure(v, e)
-            else:
-                self._execute(fn, v)
-            del fn  # release the work's buffers before signalling completion
-            self.timeline.signal(v)
+            box = [fn]
+            del item, fn
+            if self.reserved:
+                self._reserved_before(v)
+            self._run_in_order(box, waits, v)
+
+    def _run_in_order(self, box: list[Callable[[], None]], waits: list[tuple[TimelineSignal, int]], v: int) -> None:
+        """(The worker thread.) Run item `v` (the one in `box`, taken out: the item's last reference is this
+        frame's) once every value before it and its `waits` are reached, then signal it."""
+        fn = box.pop()
+        try:
+            self.timeline.wait_sync(v - 1)  # an item before it may be in the native queue
+            for t, w in waits:
+                t.wait_sync(w)
+        except BaseException as e:  # a device it waits for has failed (DeviceFailedError): its inputs are lost
+            self.record_failure(v, e)
+        else:
+            self._execute(fn, v)
+        del fn  # release the work's buffers before signalling completion
+        self.timeline.signal(v)
 
     def close(self) -> None:
         if self.thread is not None:
@@ -154,6 +224,12 @@ class HostDevice(Device):
         self.allocator = HostAllocator(self.capacity, self.capacity // 4, self.name)
         self.queue = WorkQueue(self.timeline, self.name, self.record_failure)
         self.inline_work = int(options.get("inline_work", 1 << 16))
+        # the open gather (`open_gather`): its reserved timeline value (0: none open), the runs' kernels and batches
+        self.gather_v = 0
+        self.gathered: list[LaunchItem] = []
+        self.gathered_batches: list[BatchState] = []
+        # a gather's batch by the batches it gathered (their ids: the batches are kept with it, so no id is reused)
+        self.wide: dict[tuple[int, ...], tuple[list[BatchState], BatchState]] = {}
 
     def alloc(self, nbytes: int) -> Buffer:
         (mem, ptr), size = self.allocator.alloc(nbytes)
@@ -194,6 +270,49 @@ class HostDevice(Device):
         """INLINE where the batch's work is small (`runs_inline`), else QUEUED. A backend then leaves in an INLINE
         batch's `prepared` what runs it now on the calling thread: `prepared.inline(items)`."""
         batch.how = INLINE if self.runs_inline(batch.work) else QUEUED
+
+    def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
+        """The base's runner (each batch INLINE or QUEUED), gathering where the plan is `gatherable` and its work is
+        handed to the queue (QUEUED): a crowd's runs are then one hand-off, not one each. An INLINE plan's runs are
+        not gathered: each runs where it is submitted, and its realize returns without waiting, where a gathered run
+        is waited for (a wake-up of its task, ~10 us on a 2-core host, more than the run's own submission)."""
+        runner = super().prepare(plan, batches)
+        runner.gathers = self.gather_runs and gatherable(plan) and any(b.how is QUEUED for b in batches)
+        return runner
+
+    def open_gather(self) -> None:
+        assert not self.gather_v
+        self.gather_v = self.queue.reserve()
+
+    def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
+        assert self.gather_v
+        self.gathered += items
+        self.gathered_batches.append(batch)
+        return self.gather_v
+
+    def close_gather(self) -> None:
+        """The gathered kernels as one batch (prepared once per combination of the runs' batches, by the device's own
+        rule: INLINE only where the whole is small work), one work item of the reserved value: on a C device one call
+        into C, which runs on the device's runner, not on the loop's thread, unless it is small."""
+        v, items, batches = self.gather_v, self.gathered, self.gathered_batches
+        self.gather_v, self.gathered, self.gathered_batches = 0, [], []
+        try:
+            key = tuple(map(id, batches))
+            found = self.wide.get(key)
+            if found is None:
+                if len(self.wide) >= WIDE_KEPT:
+                    self.wide.pop(next(iter(self.wide)))
+                wide = BatchState([step for b in batches for step in b.steps])
+                self.prepare_batch(wide)
+                found = self.wide[key] = (batches, wide)
+            wide = found[1]
+            if wide.how is INLINE:
+                self.queue.submit_reserved(functools.partial(wide.prepared.inline, items), v, True)
+            else:
+                self.queue.submit_reserved(self.batch_fn(items, wide), v, False)
+        except BaseException as e:  # (the runs' records raise it; their value still comes, or they would wait on)
+            self.record_failure(v, e)
+            self.queue.submit_reserved(_keep_alive(items), v, False)
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
