@@ -113,6 +113,8 @@ class UnifiedExecutor:
         into the destination's staging memory in pieces, and the destination writes each piece once it is read: the
         source reads piece i+1 while the destination writes piece i."""
         sdev, ddev = src.device, dst.device
+        if (sent := sdev.send(src, dst, n)) is not None:  # (the disk's loads: `DiskDevice.load`)
+            return sent
         if sdev.host_memory:
             return ddev.copy_from_host(src.mem.reshape(-1).view(np.uint8)[:n], dst, waits, src)
         if ddev.host_memory:
