@@ -333,10 +333,14 @@ class Ring:
                     self.blocks.append((mem, keep, 0))
 
     def used(self, i: int, v: int) -> None:
-        """Block `i`'s copies reach value `v`; once that is done, the ring is given back if nothing took it since."""
+        """Block `i`'s copies reach value `v` (it is read into again after that)."""
         with self.lock:
             mem, keep, last = self.blocks[i]
             self.blocks[i] = (mem, keep, max(last, v))
+
+    def give_back_after(self, v: int) -> None:
+        """Once value `v` is reached (a load's last copy), give the blocks back if nothing took one since."""
+        with self.lock:
             turn = self.turn
         self.dev.timeline.on_reach(v, lambda: self.idle(turn))
 
@@ -352,39 +356,44 @@ def _start_read(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, i
 
 
 def _read_job(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, int]]) -> None:
-    """A load's read (`DiskDevice.load`) on a reader thread: into `block` from byte `at` of it, else (None) straight
-    into its targets' buffers (host memory, allocated here where not yet); bfloat16 widened where asked. The disk's
-    timeline then reaches its values (the read's failure theirs)."""
-    disk, ext, dev, block, at = job.pop()
+    """A load's read (`DiskDevice.load`) on a reader thread; then the disk's timeline reaches its values (the read's
+    failure theirs), once nothing here holds its destinations."""
+    disk, ext = job[0][:2]
     with disk.lock:
         if disk.joinable is not None and disk.joinable[0] is ext:
             disk.joinable = None  # taken: later reads open another
+    values = [ext.value, *ext.values]
+    del ext
     err: BaseException | None = None
     try:
-        rng, n = ext.source, ext.nbytes
-        if block is not None:
-            got = None
-            if ext.direct and not ext.widen:
-                aligned = block[(-block.ctypes.data) % DIRECT_ALIGN :]
-                got = disk.read_direct(rng.file, rng.offset + ext.start, n, aligned, rng.what)
-            if got is None:
-                disk.read_range(rng, ext.start, [block[at : at + n].data])
-            if ext.widen:
-                _widen(block[at:], n)
-        else:
-            bufs = [t.allocate(dev) for t, _, _ in ext.parts]
-            outs = [b.mem.reshape(-1).view(np.uint8)[into : into + size].data if b is not None else
-                    memoryview(bytearray(size)) for b, (_, into, size) in zip(bufs, ext.parts)]  # (a failed one's)
-            bounce = _bounce(direct_span(rng.offset + ext.start, n)) if ext.direct and not ext.widen else None
-            disk.read_range(rng, ext.start, outs, bounce)
-            if ext.widen and bufs[0] is not None:
-                _widen(bufs[0].mem.reshape(-1).view(np.uint8), n)
+        _read(*job.pop())
     except BaseException as e:
         err = e
-    values = [ext.value, *ext.values]
-    del ext, block, job  # (the destinations) before the timeline says the read is done
     for v in values:
         disk._piece_done(v, err)
+
+
+def _read(disk: DiskDevice, ext: Extent, dev: Device, block: np.ndarray | None, at: int) -> None:
+    """An extent's bytes into `block` from byte `at` of it, else (None) straight into its targets' buffers (host memory,
+    allocated here where not yet); bfloat16 widened where asked."""
+    rng, n = ext.source, ext.nbytes
+    if block is not None:
+        got = None
+        if ext.direct and not ext.widen:
+            aligned = block[(-block.ctypes.data) % DIRECT_ALIGN :]
+            got = disk.read_direct(rng.file, rng.offset + ext.start, n, aligned, rng.what)
+        if got is None:
+            disk.read_range(rng, ext.start, [block[at : at + n].data])
+        if ext.widen:
+            _widen(block[at:], n)
+        return
+    bufs = [t.allocate(dev) for t, _, _ in ext.parts]
+    outs = [b.mem.reshape(-1).view(np.uint8)[into : into + size].data if b is not None else
+            memoryview(bytearray(size)) for b, (_, into, size) in zip(bufs, ext.parts)]  # (a failed one's: scratch)
+    bounce = _bounce(direct_span(rng.offset + ext.start, n)) if ext.direct and not ext.widen else None
+    disk.read_range(rng, ext.start, outs, bounce)
+    if ext.widen and bufs[0] is not None:
+        _widen(bufs[0].mem.reshape(-1).view(np.uint8), n)
 
 
 _bounces = threading.local()
@@ -576,6 +585,7 @@ class DiskDevice(Device):
         `value`: the disk's timeline value its read reaches (where its failure is recorded: a run covering the disk's
         values raises it, a stream asks `failure_in`)."""
         ring = None if dev.host_memory else self.ring(dev)
+        last = 0
         for ext in extents:
             with self.lock:
                 self.submitted += 1
@@ -588,11 +598,11 @@ class DiskDevice(Device):
             if ring is None:
                 _start_read([(self, ext, dev, None, 0)])
                 continue
-            i, mem, keep, last = ring.take()
+            i, mem, keep, after = ring.take()
             rng = ext.source
             at = (-mem.ctypes.data) % DIRECT_ALIGN + (rng.offset + ext.start) % DIRECT_ALIGN if \
                 ext.direct and not ext.widen and rng.runs is None else 0  # (where an O_DIRECT read lands)
-            dev.timeline.on_reach(last, partial(_start_read, [(self, ext, dev, mem, at)]))
+            dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, mem, at)]))
             copied = 0
             for target, into, n in ext.parts:
                 size = 2 * n if ext.widen else n
@@ -601,7 +611,9 @@ class DiskDevice(Device):
                         mem[at : at + size], buf, [(self, v)], keep, 2 * into if ext.widen else into))
                     copied = max(copied, c)
                 at += size
-            ring.used(i, copied or dev.hold([(self, v)], keep))  # (the block is read into again after that)
+            ring.used(i, last := copied or dev.hold([(self, v)], keep))  # (the block is read into again after that)
+        if ring is not None and extents:
+            ring.give_back_after(last)
 
     def _join(self, ext: Extent, dev: Device) -> bool:
         """Under the lock: join `ext` to the open read (`joinable`) where its bytes follow that read's, on one file."""
