@@ -598,21 +598,24 @@ class DiskDevice(Device):
             if ring is None:
                 _start_read([(self, ext, dev, None, 0)])
                 continue
+            bufs = [target.allocate(dev) for target, _, _ in ext.parts]  # (None: its error is raised when asked for)
+            if all(buf is None for buf in bufs):  # nothing to read it for
+                self._piece_done(v, None)
+                continue
             i, mem, keep, after = ring.take()
             rng = ext.source
             at = (-mem.ctypes.data) % DIRECT_ALIGN + (rng.offset + ext.start) % DIRECT_ALIGN if \
                 ext.direct and not ext.widen and rng.runs is None else 0  # (where an O_DIRECT read lands)
             dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, mem, at)]))
-            copied = 0
-            for target, into, n in ext.parts:
+            for (target, into, n), buf in zip(ext.parts, bufs):
                 size = 2 * n if ext.widen else n
-                if (buf := target.allocate(dev)) is not None:  # (else its bytes are dropped: its error is raised)
-                    target.ready = max(target.ready, c := dev.copy_from_host(
-                        mem[at : at + size], buf, [(self, v)], keep, 2 * into if ext.widen else into))
-                    copied = max(copied, c)
+                if buf is not None:
+                    last = dev.copy_from_host(mem[at : at + size], buf, [(self, v)], keep,
+                                              2 * into if ext.widen else into)
+                    target.ready = max(target.ready, last)
                 at += size
-            ring.used(i, last := copied or dev.hold([(self, v)], keep))  # (the block is read into again after that)
-        if ring is not None and extents:
+            ring.used(i, last)  # (the block is read into again once its copies are done)
+        if ring is not None and last:
             ring.give_back_after(last)
 
     def _join(self, ext: Extent, dev: Device) -> bool:
