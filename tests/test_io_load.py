@@ -109,7 +109,7 @@ def _changing_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("change", ["replaced", "truncated"])
-@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "cuda:0"])
 async def test_a_file_changed_while_it_streams_raises_naming_it_and_hands_out_no_partial_tensor(
         tmp_path: Path, staged: str, change: str) -> None:
     """Changed between two tensors of the stream (its own order: with prefetch=0 each tensor is read when asked for):
@@ -136,7 +136,7 @@ async def test_a_file_changed_while_it_streams_raises_naming_it_and_hands_out_no
 
 
 @pytest.mark.parametrize("change", ["replaced", "truncated"])
-@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "cuda:0"])
 async def test_a_file_changed_between_lazy_loads_raises_naming_it_and_realizes_nothing(
         tmp_path: Path, staged: str, change: str) -> None:
     """One lazy load, the file changed, a second load of the other tensors: it raises naming the file, none of
@@ -213,17 +213,19 @@ async def _lazy_load(p: Path, device: str) -> dict[str, np.ndarray]:
     return {name: await t.numpy() for name, t in moved.items()}
 
 
+@pytest.mark.parametrize("staged", ["vulkan:0", "cuda:0"])
 @pytest.mark.parametrize("path", ["stream", "lazy"])
 @pytest.mark.parametrize("direct_io", [False, True])
-async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Path, direct_io: bool, path: str) -> None:
-    """On a device written through staging blocks (vulkan:0 here, CUDA's pinned ones alike) both paths (the stream and
-    a plan's transfers) read through the device's ring (`disk.Ring`), each block read into again once its copy is
+async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Path, direct_io: bool, path: str,
+                                                                    staged: str) -> None:
+    """On a device written through staging blocks (vulkan:0's mapped ones, CUDA's pinned ones) both paths (the stream
+    and a plan's transfers) read through the device's ring (`disk.Ring`), each block read into again once its copy is
     done: with a ring of one block, tensors of three extents and more stream through it, a bfloat16 one too (widened
     in pieces), exactly; the ring never holds more than its blocks and gives them back once idle."""
     from safetensors.torch import save_file as torch_save
 
-    if "vulkan:0" not in azyx.devices():
-        pytest.skip("vulkan:0 is not available")
+    if staged not in azyx.devices():
+        pytest.skip(f"{staged} is not available")
     if path == "lazy" and direct_io:
         pytest.skip("a plan's transfers read through the page cache")
     rng = np.random.default_rng(14)
@@ -233,18 +235,18 @@ async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Pa
     p = tmp_path / "ring.safetensors"
     torch_save(tensors, p)
     base = await settle()
-    ring = disk().ring(azyx.runtime.RT.device("vulkan:0"))  # type: ignore[attr-defined]
+    ring = disk().ring(azyx.runtime.RT.device(staged))  # type: ignore[attr-defined]
     assert not ring.blocks  # (idle)
     ring.size = 1
     try:
         got = {}
         if path == "stream":
-            async for name, t in azyx.io.stream_safetensors(p, device="vulkan:0", direct_io=direct_io):
+            async for name, t in azyx.io.stream_safetensors(p, device=staged, direct_io=direct_io):
                 assert len(ring.blocks) <= 1
                 got[name] = await t.numpy()
             del t
         else:
-            got = await _lazy_load(p, "vulkan:0")
+            got = await _lazy_load(p, staged)
         for name, a in tensors.items():
             want = (a.float() if a.dtype == torch.bfloat16 else a).numpy()
             np.testing.assert_array_equal(got[name].astype(want.dtype), want)
@@ -253,7 +255,7 @@ async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Pa
         ring.size = RING
 
 
-@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "cuda:0"])
 async def test_cancelling_a_stream_frees_its_staging(tmp_path: Path, staged: str) -> None:
     if staged not in azyx.devices():
         pytest.skip(f"{staged} is not available")
