@@ -116,12 +116,15 @@ class UnifiedExecutor:
 
     @staticmethod
     def _host_staged(src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        """A transfer through host memory. Host memory takes no extra copy: a host-memory source is written from
+        """A transfer through host memory. A source that moves its bytes itself does (`Device.send`: a file's, by the
+        disk's load pipeline, off the loop). Host memory takes no extra copy: a host-memory source is written from
         directly, and a host-memory destination is read into directly (its queue then only waits for the read,
         holding both buffers). Otherwise the source reads, in its own program order (after the work that wrote src),
         into the destination's staging memory in pieces, and the destination writes each piece once it is read: the
         source reads piece i+1 while the destination writes piece i."""
         sdev, ddev = src.device, dst.device
+        if (sent := sdev.send(src, dst, n)) is not None:
+            return sent
         if sdev.host_memory:
             return ddev.copy_from_host(src.mem.reshape(-1).view(np.uint8)[:n], dst, waits, src)
         if ddev.host_memory:

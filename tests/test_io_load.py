@@ -21,7 +21,7 @@ from test_io import _cancel_stream
 
 import azyx
 from azyx import Tensor
-from azyx.io.stream import EXTENT
+from azyx.io.stream import EXTENT, RING
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]  # (and bfloat16 below)
@@ -109,7 +109,7 @@ def _changing_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("change", ["replaced", "truncated"])
-@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "cuda:0"])
 async def test_a_file_changed_while_it_streams_raises_naming_it_and_hands_out_no_partial_tensor(
         tmp_path: Path, staged: str, change: str) -> None:
     """Changed between two tensors of the stream (its own order: with prefetch=0 each tensor is read when asked for):
@@ -136,7 +136,7 @@ async def test_a_file_changed_while_it_streams_raises_naming_it_and_hands_out_no
 
 
 @pytest.mark.parametrize("change", ["replaced", "truncated"])
-@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "cuda:0"])
 async def test_a_file_changed_between_lazy_loads_raises_naming_it_and_realizes_nothing(
         tmp_path: Path, staged: str, change: str) -> None:
     """One lazy load, the file changed, a second load of the other tensors: it raises naming the file, none of
@@ -176,20 +176,25 @@ async def test_a_file_truncated_before_a_lazy_realize_raises_and_the_runtime_sta
     assert (await (Tensor(np.ones(3, np.float32), device="c:0") + 1).numpy()).tolist() == [2.0] * 3
 
 
-async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbours_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("into", ["c:1", "vulkan:0"])
+async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbours_load(tmp_path: Path,
+                                                                                        into: str) -> None:
     """Read ahead, one extent covers all three tensors; the middle one's buffer cannot be allocated (on the reader
-    thread): the first is still handed out whole, the error is raised when the second is asked for."""
+    thread; on a staged device, vulkan:0, as its copies are booked): the first is still handed out whole, the error
+    is raised when the second is asked for."""
+    if into not in azyx.devices():
+        pytest.skip(f"{into} is not available")
     rng = np.random.default_rng(13)
     arrays = {"a": rng.standard_normal(1000).astype(np.float32), "b": rng.standard_normal(1 << 18).astype(np.float32),
               "c": rng.standard_normal(1000).astype(np.float32)}
     p = tmp_path / "m.safetensors"
     save_file(arrays, p)
-    alloc = azyx.runtime.RT.device("c:1").allocator  # type: ignore[attr-defined]
+    alloc = azyx.runtime.RT.device(into).allocator  # type: ignore[attr-defined]
     base = await settle()
     capacity = alloc.capacity
     alloc.capacity = alloc.in_use + (64 << 10)  # room for a and c, not for b
     try:
-        stream = azyx.io.stream_safetensors(p, device="c:1")
+        stream = azyx.io.stream_safetensors(p, device=into)
         name, t = await stream.__anext__()
         assert name == "a"
         np.testing.assert_array_equal(await t.numpy(), arrays["a"])
@@ -201,35 +206,56 @@ async def test_a_tensor_that_does_not_fit_raises_when_asked_for_and_its_neighbou
     assert stream.closed and await settle() == base
 
 
+async def _lazy_load(p: Path, device: str) -> dict[str, np.ndarray]:
+    """The lazy path: every tensor of the file `.to(device)`, realized at once, read back."""
+    moved = {name: t.to(device) for name, t in azyx.io.load_safetensors(p).items()}
+    await azyx.realize(*moved.values())
+    return {name: await t.numpy() for name, t in moved.items()}
+
+
+@pytest.mark.parametrize("staged", ["vulkan:0", "cuda:0"])
+@pytest.mark.parametrize("path", ["stream", "lazy"])
 @pytest.mark.parametrize("direct_io", [False, True])
-async def test_a_staged_stream_reads_through_a_bounded_ring(tmp_path: Path, direct_io: bool) -> None:
-    """On a device written through staging blocks (vulkan:0 here, CUDA's pinned ones alike) the stream reads into a
-    ring of at most prefetch // EXTENT blocks (RING at most), each read into again once its copy is done: with one
-    block, a tensor of three extents and more streams through it, a bfloat16 one too (widened in pieces), exactly."""
+async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Path, direct_io: bool, path: str,
+                                                                    staged: str) -> None:
+    """On a device written through staging blocks (vulkan:0's mapped ones, CUDA's pinned ones) both paths (the stream
+    and a plan's transfers) read through the device's ring (`disk.Ring`), each block read into again once its copy is
+    done: with a ring of one block, tensors of three extents and more stream through it, a bfloat16 one too (widened
+    in pieces), exactly; the ring never holds more than its blocks and gives them back once idle."""
     from safetensors.torch import save_file as torch_save
 
-    if "vulkan:0" not in azyx.devices():
-        pytest.skip("vulkan:0 is not available")
+    if staged not in azyx.devices():
+        pytest.skip(f"{staged} is not available")
+    if path == "lazy" and direct_io:
+        pytest.skip("a plan's transfers read through the page cache")
     rng = np.random.default_rng(14)
     tensors = {"a": torch.randn(1001), "big": torch.randn(3 * EXTENT // 4 + 13), "c": torch.randn(7).bfloat16(),
-               "wide": torch.randn(EXTENT // 2 + 3).bfloat16(), "d": torch.from_numpy(rng.integers(0, 9, 5))}
+               "wide": torch.randn(EXTENT // 2 + 3).bfloat16(), "d": torch.from_numpy(rng.integers(0, 9, 5)),
+               "e": torch.randn(2 * EXTENT // 4 + 1)}
     p = tmp_path / "ring.safetensors"
     torch_save(tensors, p)
     base = await settle()
-    stream = azyx.io.stream_safetensors(p, device="vulkan:0", prefetch=EXTENT, direct_io=direct_io)
-    assert stream.ring_size == 1
-    got = []
-    async for name, t in stream:
-        assert stream.blocks <= 1
-        want = tensors[name].float() if name in ("c", "wide") else tensors[name]
-        np.testing.assert_array_equal((await t.numpy()).astype(want.numpy().dtype), want.numpy())
-        got.append(name)
-    del t
-    assert sorted(got) == sorted(tensors) and stream.closed and not stream.ring
-    assert await settle() == base
+    ring = disk().ring(azyx.runtime.RT.device(staged))  # type: ignore[attr-defined]
+    assert not ring.blocks  # (idle)
+    ring.size = 1
+    try:
+        got = {}
+        if path == "stream":
+            async for name, t in azyx.io.stream_safetensors(p, device=staged, direct_io=direct_io):
+                assert len(ring.blocks) <= 1
+                got[name] = await t.numpy()
+            del t
+        else:
+            got = await _lazy_load(p, staged)
+        for name, a in tensors.items():
+            want = (a.float() if a.dtype == torch.bfloat16 else a).numpy()
+            np.testing.assert_array_equal(got[name].astype(want.dtype), want)
+        assert await settle() == base and not ring.blocks  # (given back once idle)
+    finally:
+        ring.size = RING
 
 
-@pytest.mark.parametrize("staged", ["c:0", "vulkan:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "cuda:0"])
 async def test_cancelling_a_stream_frees_its_staging(tmp_path: Path, staged: str) -> None:
     if staged not in azyx.devices():
         pytest.skip(f"{staged} is not available")
@@ -345,6 +371,43 @@ async def test_gpt2_loads_tensor_parallel_and_its_mlp_matches_the_one_device_ref
 
 
 # ------------------------------------------------------------------------------------------------ the loop's heartbeat
+@pytest.mark.serial
+@pytest.mark.parametrize("path", ["stream", "lazy"])
+async def test_both_load_paths_keep_the_loops_heartbeat(tmp_path: Path, device: str, path: str) -> None:
+    """A 64 MiB load onto each device, by the stream and by one realize of every tensor `.to` it, beside a 1 ms
+    heartbeat: the loop's thread only books reads and copies (`DiskDevice.load`), so the lateness of the process's
+    own stays within test_loop_latency's bound (BOUND_MS: CI's shared machine; bench/io.py reports the figure on a
+    quiet one), and the bytes are the file's."""
+    from test_loop_latency import BOUND_MS, _worst_lateness_ms
+
+    if device == "wgpu:0":  # (its lazy case fails at d624a14 too; its stream case leaves a later upload failing)
+        pytest.skip("wgpu:0: 64 MiB of 4 MiB uploads: a copy_buffer_to_buffer gets a released buffer (wgpu.py)")
+    rng = np.random.default_rng(15)
+    arrays = {f"w{i}": rng.standard_normal((1024, 1024)).astype(np.float32) for i in range(16)}  # 4 MiB each
+    arrays.update({f"b{i}": rng.standard_normal(1000 + i).astype(np.float32) for i in range(16)})
+    p = tmp_path / "beat.safetensors"
+    save_file(arrays, p)
+    base = await settle()
+    got: dict[str, Any] = {}
+
+    async def load() -> None:
+        if path == "stream":
+            async for name, t in azyx.io.stream_safetensors(p, device=device):
+                got[name] = t  # (read back after the heartbeat)
+        else:
+            moved = {name: t.to(device) for name, t in azyx.io.load_safetensors(p).items()}
+            await azyx.realize(*moved.values())
+            got.update(moved)
+
+    worst, what = await _worst_lateness_ms(load)
+    print(f"{device} {path}: the heartbeat was {worst:.1f} ms late of its own; {what}")  # -rP
+    assert worst <= BOUND_MS, f"{device} {path}: the heartbeat was {worst:.1f} ms late of its own: {what}"
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(await got[name].numpy(), a)
+    got.clear()
+    assert await settle() == base
+
+
 FIRST_LOAD = """
 import asyncio, json, sys, time
 import azyx

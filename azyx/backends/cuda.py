@@ -170,6 +170,7 @@ class CUDADevice(StagedCopies):
         self.pieces: dict[int, int] = {}
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
+        self.pin_ring()
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
         self.params: dict[tuple, tuple[Any, Any, int]] = {}  # pointers (tensor maps) -> kernelParams (_launch_now)

@@ -17,7 +17,7 @@ from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
 from azyx.backends.queued import QueuedDevice
-from azyx.device import Buffer, Device, Lent, after_waits
+from azyx.device import RING, RING_BLOCK, Buffer, Device, Lent, after_waits
 from azyx.errors import DeviceError
 from azyx.workers import in_background
 
@@ -66,6 +66,14 @@ class StagedCopies(QueuedDevice):
         """A new pinned block for the staging pool."""
         self.use()  # pinned memory is allocated in a context, on whichever thread needs staging
         return _Pinned(size)
+
+    def pin_ring(self) -> None:
+        """Pin a load's ring of staging blocks (RING of RING_BLOCK bytes: azyx.backends.disk's `Ring`) into the staging
+        pool now, at the device's start (a worker thread): the ring takes them from the pool's cache (`host_staging`)
+        on the loop's thread, and no load pins memory beside the loop's driver calls (cuMemHostAlloc holds the
+        driver's lock for milliseconds)."""
+        blocks = [Lent(self.staging, RING_BLOCK) for _ in range(RING)]
+        del blocks  # (back to the pool, which keeps them cached)
 
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
         return self._submit(lambda: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "copy"), waits,

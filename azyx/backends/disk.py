@@ -2,10 +2,12 @@
 
 A tensor of a safetensors file is a Leaf on device "disk" whose Buffer is (file, offset, length). Nothing is read
 until a plan copies it to a compute device or `numpy()` reads it. Reads run on reader threads, never on the event
-loop. A transfer's read (`copy_to_host`) starts when the plan is submitted, beside the plan's other reads (a file
-range is always ready): straight into the destination's memory when that is host memory, else into its staging
-memory; the disk's timeline reaches the read's value once it and every earlier read are done, and the destination's
-queue waits for that, as for any other source device.
+loop. A plan's transfer out of a file (`send`) and a stream (azyx.io.stream) take the one pipeline, `load`: extents of
+up to EXTENT bytes read in parallel, straight into the destination's memory when that is host memory, else into the
+blocks of the destination's ring of staging memory (pinned on CUDA), each copied to the device by its queue once read
+and read into again once that copy is done; the loop's thread only books the reads and copies. The disk's timeline
+reaches a read's value once it and every earlier read are done, and the destination's queue waits for that, as for
+any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
 (see `azyx.storage.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
 """
@@ -18,15 +20,16 @@ import os
 import stat
 import threading
 import weakref
+from functools import partial
 from typing import Any
 
 import numpy as np
 import sniffio
 
 from azyx.allocator import MemoryUsage
-from azyx.device import DISK, Buffer, Device
+from azyx.device import DISK, EXTENT, RING, RING_BLOCK, Buffer, Device
 from azyx.dtypes import DType, dtypes
-from azyx.errors import AzyxIOError, DeviceError
+from azyx.errors import AzyxError, AzyxIOError, DeviceError
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
@@ -255,43 +258,158 @@ def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
     dev._read(buf, start, out)
 
 
-def _transfer_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview, int]]) -> None:
-    """A piece of the read of timeline value `v` (`DiskDevice.copy_to_host`), on a reader thread."""
-    dev, buf, start, out, v = job.pop()
+class Target:
+    """Where a load's bytes land: a buffer of the destination device (`buf`, or made by `allocate`'s first caller: a
+    reader thread where the device allows it), the timeline value its copies reach (`ready`; 0: read straight into
+    host memory), and `error`, set where its buffer could not be had (its bytes are then read and dropped)."""
+
+    __slots__ = ("buf", "nbytes", "ready", "error", "lock")
+
+    def __init__(self, buf: Buffer | None = None, nbytes: int = 0):
+        self.buf, self.nbytes = buf, nbytes
+        self.ready = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()  # (several extents of one target may be read at once: the first allocates)
+
+    def allocate(self, dev: Device) -> Buffer | None:
+        """Its buffer on `dev` (`nbytes`), allocated by the first caller; None (and `error` set) where that failed."""
+        with self.lock:
+            if self.buf is None and self.error is None:
+                try:
+                    self.buf = dev.alloc(max(self.nbytes, 1))
+                except AzyxError as e:
+                    self.error = e
+            return self.buf
+
+
+class Extent:
+    """One read of a load (`DiskDevice.load`): `nbytes` bytes of `source` from byte `start` of it, landing in `parts`
+    (target, byte offset in its buffer, bytes) one after the other. `widen`: bfloat16 widened to float32 on the way (a
+    target's bytes are twice the read's; one part). `direct`: read with O_DIRECT where the filesystem allows it. Set
+    by `load`: `value`, the disk's timeline value its read reaches (its failure recorded there)."""
+
+    __slots__ = ("source", "start", "nbytes", "parts", "widen", "direct", "value", "values")
+
+    def __init__(self, source: FileRange, start: int, widen: bool = False, direct: bool = False):
+        self.source, self.start, self.nbytes = source, start, 0
+        self.parts: list[tuple[Target, int, int]] = []
+        self.widen, self.direct = widen, direct
+        self.value = 0
+        self.values: list[int] = []  # (the values of later extents joined to this read: `DiskDevice.load`)
+
+
+class Ring:
+    """A device's staging blocks for loads (`Device.host_staging`, `RING_BLOCK` bytes each, `size` at most), read into
+    and copied from in turn: a block is read into again once its last copy is done (the read waits for that on the
+    disk's side), so a load of any size holds at most `size` blocks. Taken at the first read after an idle time (a
+    device that pins them pinned them at its start: `host_staging` finds them cached), given back when the last copy
+    is done and no read is waiting."""
+
+    def __init__(self, dev: Device, size: int = RING):
+        self.dev, self.size = dev, size
+        self.blocks: list[tuple[np.ndarray, Any, int]] = []  # (memory, keep, its last copy's value)
+        self.turn = 0  # reads taken so far
+        self.lock = threading.Lock()  # (`idle` runs on the thread that completes the last copy)
+
+    def take(self) -> tuple[int, np.ndarray, Any, int]:
+        """The next block in turn: (its index, memory, keep, the value of its last copy)."""
+        with self.lock:
+            i = self.turn % self.size
+            self.turn += 1
+            if i == len(self.blocks):
+                mem, keep = self.dev.host_staging(RING_BLOCK)
+                self.blocks.append((mem, keep, 0))
+            return i, *self.blocks[i]
+
+    def fill(self) -> None:
+        """Take the blocks not taken yet (a worker thread: a device's `staging_block` may pin or map memory there)."""
+        while True:
+            with self.lock:
+                if len(self.blocks) >= self.size:
+                    return
+            mem, keep = self.dev.staging_block(RING_BLOCK)
+            with self.lock:
+                if len(self.blocks) < self.size:
+                    self.blocks.append((mem, keep, 0))
+
+    def used(self, i: int, v: int) -> None:
+        """Block `i`'s copies reach value `v` (it is read into again after that)."""
+        with self.lock:
+            mem, keep, last = self.blocks[i]
+            self.blocks[i] = (mem, keep, max(last, v))
+
+    def give_back_after(self, v: int) -> None:
+        """Once value `v` is reached (a load's last copy), give the blocks back if nothing took one since."""
+        with self.lock:
+            turn = self.turn
+        self.dev.timeline.on_reach(v, lambda: self.idle(turn))
+
+    def idle(self, turn: int) -> None:
+        with self.lock:
+            if self.turn == turn:
+                self.blocks.clear()
+                self.turn = 0
+
+
+def _start_read(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, int]]) -> None:
+    _reader_pool().submit(_read_job, job)
+
+
+def _read_job(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, int]]) -> None:
+    """A load's read (`DiskDevice.load`) on a reader thread; then the disk's timeline reaches its values (the read's
+    failure theirs), once nothing here holds its destinations."""
+    disk, ext = job[0][:2]
+    with disk.lock:
+        if disk.joinable is not None and disk.joinable[0] is ext:
+            disk.joinable = None  # taken: later reads open another
+    values = [ext.value, *ext.values]
+    del ext
     err: BaseException | None = None
     try:
-        dev._read(buf, start, out)
+        _read(*job.pop())
     except BaseException as e:
         err = e
-    del buf, out  # before the timeline says the read is done
-    dev._piece_done(v, err)
+    for v in values:
+        disk._piece_done(v, err)
 
 
-class _Batch:
-    """Small reads of consecutive bytes of one file, made by one reader job with one `preadv` (`DiskDevice.copy_to_host`
-    joins a read to the open batch while no reader has taken it yet)."""
+def _read(disk: DiskDevice, ext: Extent, dev: Device, block: np.ndarray | None, at: int) -> None:
+    """An extent's bytes into `block` from byte `at` of it, else (None) straight into its targets' buffers (host memory,
+    allocated here where not yet); bfloat16 widened where asked."""
+    rng, n = ext.source, ext.nbytes
+    if block is not None:
+        got = None
+        if ext.direct and not ext.widen:
+            aligned = block[(-block.ctypes.data) % DIRECT_ALIGN :]
+            got = disk.read_direct(rng.file, rng.offset + ext.start, n, aligned, rng.what)
+        if got is None:
+            disk.read_range(rng, ext.start, [block[at : at + n].data])
+        if ext.widen:
+            _widen(block[at:], n)
+        return
+    bufs = [t.allocate(dev) for t, _, _ in ext.parts]
+    outs = [b.mem.reshape(-1).view(np.uint8)[into : into + size].data if b is not None else
+            memoryview(bytearray(size)) for b, (_, into, size) in zip(bufs, ext.parts)]  # (a failed one's: scratch)
+    bounce = _bounce(direct_span(rng.offset + ext.start, n)) if ext.direct and not ext.widen else None
+    disk.read_range(rng, ext.start, outs, bounce)
+    if ext.widen and bufs[0] is not None:
+        _widen(bufs[0].mem.reshape(-1).view(np.uint8), n)
 
-    __slots__ = ("file", "start", "end", "what", "items")
 
-    def __init__(self, file: DiskFile, start: int, what: str):
-        self.file, self.start, self.end, self.what = file, start, start, what
-        self.items: list[tuple[memoryview, int]] = []  # (destination, timeline value of its read)
+_bounces = threading.local()
 
 
-def _read_batch(job: list[tuple[DiskDevice, _Batch]]) -> None:
-    dev, batch = job.pop()
-    with dev.lock:
-        if dev.batch is batch:
-            dev.batch = None  # closed: later reads open another
-    err: BaseException | None = None
-    try:
-        dev.read_extent(batch.file, batch.start, [out for out, _ in batch.items], batch.what)
-    except BaseException as e:
-        err = e
-    items = [v for _, v in batch.items]
-    del batch  # (the destinations) before the timeline says the reads are done
-    for v in items:
-        dev._piece_done(v, err)
+def _bounce(span: int) -> np.ndarray:
+    """This reader thread's aligned block for O_DIRECT reads into host memory (kept: faulted in once)."""
+    block: np.ndarray | None = getattr(_bounces, "block", None)
+    if block is None or block.nbytes < span:
+        block = _bounces.block = direct_block(max(span, RING_BLOCK))
+    return block
+
+
+def _widen(mem: np.ndarray, n: int) -> None:
+    """bfloat16 (the first `n` bytes) widened in place to float32 (2n bytes): bfloat16 is a float32's upper half."""
+    mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16
 
 
 def _on_event_loop() -> bool:
@@ -335,9 +453,10 @@ class DiskDevice(Device):
         self.bytes_read = 0  # bytes read from files so far (tests: lazy loading and partial reads)
         self.reads = 0
         self.reads_on_loop = 0  # reads made on an event loop's thread, which they would block: should stay 0
-        self.submitted = 0  # the timeline value of the last read started by `copy_to_host`
+        self.submitted = 0  # the timeline value of the last read booked by `load`
         self.unread: dict[int, int] = {}  # timeline value -> pieces of its read not done yet (in value order)
-        self.batch: _Batch | None = None  # small consecutive reads not yet taken by a reader (`copy_to_host`)
+        self.joinable: tuple[Extent, Device] | None = None  # the last read into host memory no reader took yet (`load`)
+        self.rings: weakref.WeakKeyDictionary[Device, Ring] = weakref.WeakKeyDictionary()
 
     # memory: file ranges, accounted like a pool
     def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "",
@@ -438,40 +557,102 @@ class DiskDevice(Device):
         """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
         self._read_parallel(buf, 0, out.data.cast("B"))
 
-    def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
-        """Start reading `out.nbytes` bytes of the range from `offset` into `out` on the reader threads, now, in pieces
-        of `SPLIT` bytes read in parallel (smaller reads of consecutive bytes, e.g. a plan's small tensors of one
-        file, are joined into one `preadv` by whichever reader takes the first): a file range is always ready (no
-        `waits`), so a plan's reads all start when it is submitted. The timeline reaches the returned value once
-        this read and every earlier one are done; a piece that fails is that value's failure (`record_failure`),
-        raised to the run that asked for the read."""
-        assert not waits, "a file range is always ready"
-        view = out.reshape(-1).view(np.uint8).data
-        n = len(view)
-        with self.lock:
-            self.submitted += 1
-            v = self.submitted
-            self.unread[v] = max(-(-n // SPLIT), 1)
-        if not n:
-            self._piece_done(v, None)
-        rng: FileRange = buf.mem
-        if 0 < n < SPLIT and rng.runs is None:  # joins the reads just before it when they end where it starts
-            at = rng.offset + offset
+    # loads: the one pipeline of the stream (azyx.io.stream) and of a plan's transfers out of files (`send`)
+    def send(self, src: Buffer, dst: Buffer, n: int) -> int:
+        """A plan's transfer of `n` bytes of a file range into `dst` (any other device): `load`ed in extents of EXTENT
+        bytes, read in parallel, off the loop. Returns the destination's value at which dst is written: its copies'
+        (through its ring), or, read straight into host memory, its queue's hold until the reads are done."""
+        ddev, rng = dst.device, src.mem
+        target = Target(dst)
+        extents = []
+        for o in range(0, max(n, 1), EXTENT):
+            ext = Extent(rng, o)
+            ext.nbytes = min(EXTENT, n - o)
+            ext.parts.append((target, o, ext.nbytes))
+            extents.append(ext)
+        self.load(ddev, extents)
+        if ddev.host_memory:
+            return ddev.hold([(self, extents[-1].value)], (src, dst))
+        return target.ready
+
+    def load(self, dev: Device, extents: list[Extent]) -> None:
+        """Read `extents` (each at most EXTENT bytes; a widened one at most EXTENT // 2) into their targets on `dev`, on
+        the reader threads, in parallel; this (the loop's thread, often) only books them. Into host memory (`dev`'s
+        buffers, or a failed target's scratch), straight: a small read of the bytes right after a read no reader has
+        taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`Ring`): read once the
+        block's last copy is done, then copied into its targets by `dev`'s queue (`copy_from_host`, queued now, after
+        the read on the disk's timeline: a target's `ready`), so a load holds at most the ring's blocks. Each extent's
+        `value`: the disk's timeline value its read reaches (where its failure is recorded: a run covering the disk's
+        values raises it, a stream asks `failure_in`)."""
+        ring = None if dev.host_memory else self.ring(dev)
+        last = 0
+        for ext in extents:
             with self.lock:
-                batch = self.batch
-                opened = (batch is None or batch.file is not rng.file or batch.end != at
-                          or batch.end - batch.start > SPLIT)
-                if opened:
-                    batch = self.batch = _Batch(rng.file, at, rng.what)
-                assert batch is not None
-                batch.items.append((view, v))
-                batch.end += n
-            if opened:
-                _reader_pool().submit(_read_batch, [(self, batch)])
-            return v
-        for lo in range(0, n, SPLIT):
-            _reader_pool().submit(_transfer_piece, [(self, buf, offset + lo, view[lo : min(lo + SPLIT, n)], v)])
-        return v
+                self.submitted += 1
+                v = ext.value = self.submitted
+                self.unread[v] = 1
+                if ring is None:
+                    if self._join(ext, dev):
+                        continue
+                    self.joinable = (ext, dev) if ext.nbytes < EXTENT and not ext.widen else None
+            if ring is None:
+                _start_read([(self, ext, dev, None, 0)])
+                continue
+            bufs = [target.allocate(dev) for target, _, _ in ext.parts]  # (None: its error is raised when asked for)
+            if all(buf is None for buf in bufs):  # nothing to read it for
+                self._piece_done(v, None)
+                continue
+            i, mem, keep, after = ring.take()
+            rng = ext.source
+            at = (-mem.ctypes.data) % DIRECT_ALIGN + (rng.offset + ext.start) % DIRECT_ALIGN if \
+                ext.direct and not ext.widen and rng.runs is None else 0  # (where an O_DIRECT read lands)
+            dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, mem, at)]))
+            for (target, into, n), buf in zip(ext.parts, bufs):
+                size = 2 * n if ext.widen else n
+                if buf is not None:
+                    last = dev.copy_from_host(mem[at : at + size], buf, [(self, v)], keep,
+                                              2 * into if ext.widen else into)
+                    target.ready = max(target.ready, last)
+                at += size
+            ring.used(i, last)  # (the block is read into again once its copies are done)
+        if ring is not None and last:
+            ring.give_back_after(last)
+
+    def _join(self, ext: Extent, dev: Device) -> bool:
+        """Under the lock: join `ext` to the open read (`joinable`) where its bytes follow that read's, on one file."""
+        if self.joinable is None:
+            return False
+        into, at = self.joinable
+        a, b = into.source, ext.source
+        if at is not dev or a.file is not b.file or a.runs is not None or b.runs is not None or ext.widen or \
+                into.direct != ext.direct or a.offset + into.start + into.nbytes != b.offset + ext.start or \
+                into.nbytes + ext.nbytes > EXTENT:
+            return False
+        into.parts += ext.parts
+        into.nbytes += ext.nbytes
+        into.values.append(ext.value)
+        return True
+
+    def ring(self, dev: Device) -> Ring:
+        """`dev`'s ring of staging blocks for loads (one per device: its reads and copies take turns in it)."""
+        with self.lock:
+            ring = self.rings.get(dev)
+            if ring is None:
+                ring = self.rings[dev] = Ring(dev)
+            return ring
+
+    def read_range(self, rng: FileRange, start: int, outs: list[memoryview], direct: np.ndarray | None = None
+                   ) -> None:
+        """Blocking (reader threads): the range's bytes from `start` on into `outs`, one after the other
+        (`read_extent`; run by run where the range is runs)."""
+        if rng.runs is None:
+            return self.read_extent(rng.file, rng.offset + start, outs, rng.what, direct)
+        rng.file.check(rng.what)
+        for out in outs:
+            rng.read(start, out)
+            start += len(out)
+        rng.file.check(rng.what)
+        self.count_read(sum(len(o) for o in outs))
 
     def _piece_done(self, v: int, err: BaseException | None) -> None:
         """A piece of read `v` is done (any thread): once all of it is, the timeline reaches the last value whose read
