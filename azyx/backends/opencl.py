@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -35,7 +36,7 @@ from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
-from azyx.workers import at_lower_priority
+from azyx.workers import at_lower_priority, python_lane
 
 # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
 CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20}
@@ -46,13 +47,16 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
 _CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
-_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a scalar argument's bits, by its size
+# a scalar argument's bits, by its size: the unsigned C type pyopencl packs them as (`_set_arg_buf_pack_multi`; its
+# types stop at C's long: 8 bytes where it is that long, else packed here)
+_PACKS = {1: b"B", 2: b"H", 4: b"I", 8: b"L" if struct.calcsize("L") == 8 else None}
 
 
 @functools.cache
-def _masks(dts: tuple[DType, ...]) -> tuple[int, ...]:
-    """The low bits of each scalar's word that its argument takes (as many as its size)."""
-    return tuple((1 << 8 * scalar_size(d)) - 1 for d in dts)
+def _scalars(dts: tuple[DType, ...], first: int) -> tuple[tuple[int, bytes | None, int], ...]:
+    """Per scalar argument (after `first` buffers): its index, its pack type and the low bits of its word that it
+    takes (as many as its size)."""
+    return tuple((first + j, _PACKS[scalar_size(d)], (1 << 8 * scalar_size(d)) - 1) for j, d in enumerate(dts))
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -119,22 +123,19 @@ class OpenCLDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ compile and launch
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
-        """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread: pyopencl makes
-        each new kernel's Python invoker then, which takes milliseconds. (pyopencl caches built binaries on disk.)"""
+        """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread. pyopencl makes
+        each new kernel's Python invoker (generated source, compiled, kept in a database: ~1 ms of Python holding the
+        GIL) then: in workers' Python lane, in turn with the graphs being planned (two workers making invokers at once
+        beside two busy processes held the loop's thread off the GIL ~35 ms); launches set the arguments themselves
+        (`launch`), so no invoker for the scalars' types is made. (pyopencl caches built binaries on disk.)"""
         names = [s.name for s in steps]
         try:
             program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
             raise CompileError(f"{self.name}: OpenCL build of {kernel_list(names)} failed:\n{e}\n--- source ---\n"
                                f"{src}") from None
-        out = {}
-        for s in steps:
-            knl = cl.Kernel(program, s.name)
-            # scalars by value, each as the unsigned integer of its size that holds its bits (the low bytes of its
-            # word): pyopencl then packs them itself, in about a microsecond; as raw bytes its generic path took ~30
-            knl.set_scalar_arg_dtypes([None] * len(s.args) + [_UINTS[scalar_size(dt)] for dt in s.scalar_dtypes])
-            out[s.name] = knl
-        return out
+        with python_lane():
+            return {s.name: cl.Kernel(program, s.name) for s in steps}
 
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event of a device of this context."""
@@ -184,12 +185,22 @@ class OpenCLDevice(QueuedDevice):
                words: tuple[int, ...] = ()) -> int:
         knl = self.programs[step.name]  # a cl.Kernel
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
-        mems: list[Any] = [b.mem for b in bufs]
-        if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has (`build`)
-            mems += [w & m for w, m in zip(words, _masks(step.scalar_dtypes))]
+        mems = tuple(x for i, b in enumerate(bufs) for x in (i, b.mem))  # (index, buffer) pairs, flat
+        # scalar arguments by value: each word's low bytes, as many as the argument's type has, packed by pyopencl as
+        # the unsigned integer of its size (about a microsecond; as raw bytes its generic path took ~30)
+        scalars: tuple[Any, ...] = ()
+        packed: tuple[Any, ...] = ()
+        if words:
+            codes = list(zip(_scalars(step.scalar_dtypes, len(bufs)), words))
+            scalars = tuple(x for (i, pack, mask), w in codes if pack is not None for x in (i, pack, w & mask))
+            packed = tuple(x for (i, pack, mask), w in codes if pack is None for x in (i, struct.pack("=Q", w & mask)))
 
         def enqueue(wait_for: list[Any] | None) -> Any:
-            knl.set_args(*mems)
+            knl._set_arg_multi(mems)
+            if scalars:
+                knl._set_arg_buf_pack_multi(scalars)
+            if packed:
+                knl._set_arg_buf_multi(packed)
             return cl.enqueue_nd_range_kernel(self.queue, knl, glob, local, wait_for=wait_for)
 
         return self._enqueue(enqueue, waits, bufs)
