@@ -43,6 +43,7 @@ CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20}
 
 try:
     import pyopencl as cl
+    from pyopencl import _cl  # (the C calls that cl.enqueue_copy picks among in ~20 us of Python on the loop)
 except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
@@ -207,7 +208,7 @@ class OpenCLDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n, wait_for=w),
+        return self._enqueue(lambda w: _cl._enqueue_copy_buffer(self.queue, src.mem, dst.mem, n, 0, 0, w),
                              waits, (src, dst))
 
     def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
@@ -215,13 +216,13 @@ class OpenCLDevice(QueuedDevice):
         return self.copy(src, dst, n, waits) if cast(OpenCLDevice, src.device).ctx is self.ctx else None
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, src_offset=offset, is_blocking=False,
-                                                       wait_for=w), waits, (buf, out))
+        return self._enqueue(lambda w: _cl._enqueue_read_buffer(self.queue, buf.mem, out, offset, w, False),
+                             waits, (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, dst_offset=offset,
-                                                       is_blocking=False, wait_for=w), waits, (keep, dst))
+        return self._enqueue(lambda w: _cl._enqueue_write_buffer(self.queue, dst.mem, host, offset, w, False),
+                             waits, (keep, dst))
 
     def close(self) -> None:
         """Finish the queue, stop the waiter thread and drop what completed work held."""
