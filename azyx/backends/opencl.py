@@ -14,13 +14,20 @@ finalizing interpreter aborts the process).
 Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
 any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
 wait happens in the OpenCL runtime, never on the event loop.
+
+Submission: one submit thread per device makes the OpenCL calls that queue work (as wgpu's queue thread): the loop's
+thread only numbers the command and hands it over. A driver may block in them: PoCL's clEnqueue* wait while its own
+thread compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200
+requests' new kernels, beside two busy processes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
 import struct
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -101,7 +108,12 @@ class OpenCLDevice(QueuedDevice):
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
+        # (command, its waits, its value) for the submit thread, in value order; None stops it
+        self.submits: queue.SimpleQueue[tuple[Callable[[list[Any] | None], Any], list[tuple[Device, int]], int] |
+                                        None] = queue.SimpleQueue()
+        self.submitter = threading.Thread(target=self._submit_loop, name=f"azyx-{self.name}-submit", daemon=True)
         self.start_waiter()
+        self.submitter.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
     def identity(self) -> dict[str, Any]:
@@ -112,15 +124,8 @@ class OpenCLDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ memory (the pool: Device's)
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        if out.nbytes:
-            with self.lock:
-                ev = cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False)
-            ev.wait()
-
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        with self.lock:
-            ev = cl.enqueue_copy(self.queue, buf.mem, host, is_blocking=False)
-        ev.wait()
+        if out.nbytes:  # (in queue order, by the submit thread: QueuedDevice's)
+            super().read_into(buf, out)
 
     # ------------------------------------------------------------------ compile and launch
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
@@ -144,21 +149,37 @@ class OpenCLDevice(QueuedDevice):
 
     def _enqueue(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]],
                  keep: Any) -> int:
-        wait_for, host = self.native_waits(waits)
-        if host:  # one user event, completed once the other devices' timelines reach theirs (from their threads)
-            uev = cl.UserEvent(self.ctx)
-            after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
-            wait_for.append(uev)
+        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_loop`)."""
+        if not self.submitter.is_alive():
+            raise DeviceError(f"{self.name} is closed")
         with self.lock:
-            ev = enqueue(wait_for or None)
             self.submitted += 1
             v = self.submitted
-            self.events[v] = ev
             self.holding[v] = keep
+            self.submits.put((enqueue, waits, v))
             done = self._take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        self.completions.put((ev, v, None))
         return v
+
+    def _submit_loop(self) -> None:
+        """The submit thread: each command queued in value order after its waits (the native ones as events, the
+        rest as one user event that their devices' timelines complete), then to the waiter thread; a command that
+        cannot be queued fails its value."""
+        while (item := self.submits.get()) is not None:
+            enqueue, waits, v = item
+            ev = None
+            try:
+                wait_for, host = self.native_waits(waits)
+                if host:  # one user event, completed once the other devices' timelines reach theirs
+                    uev = cl.UserEvent(self.ctx)
+                    after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
+                    wait_for.append(uev)
+                with self.lock:
+                    ev = self.events[v] = enqueue(wait_for or None)
+            except BaseException as e:
+                self.record_failure(v, e)
+            self.completions.put((ev, v, None))
+            del item, enqueue, ev
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at
@@ -175,6 +196,8 @@ class OpenCLDevice(QueuedDevice):
         return True
 
     def wait_event(self, ev: Any, v: int) -> bool:
+        if ev is None:  # (it could not be queued: its failure is recorded)
+            return False
         try:
             ev.wait()
             return True
@@ -225,7 +248,10 @@ class OpenCLDevice(QueuedDevice):
                              waits, (keep, dst))
 
     def close(self) -> None:
-        """Finish the queue, stop the waiter thread and drop what completed work held."""
+        """Queue what was handed over, finish the queue, stop the waiter thread and drop what completed work held."""
+        self.submits.put(None)
+        if self.submitter.is_alive():
+            self.submitter.join()
         try:
             self.queue.finish()
         except cl.Error:
