@@ -68,6 +68,10 @@ class LoopStalls:
         # loop's thread ran and waited for a CPU, and how long that was (s)
         self.worst: tuple[float, list[list[tuple[str, str]]]] = (0.0, [])
         self.worst_sched: tuple[int, int, float] | None = None
+        # every thread of the process (drivers' own too) at the current stall's start, and in the longest stall the
+        # busiest: (name, ms on a CPU, ms runnable waiting for one), from its first sample to its end (Linux)
+        self._tasks0: dict[str, tuple[str, int, int]] = {}
+        self.worst_threads: list[tuple[str, float, float]] = []
 
     @property
     def worst_ms(self) -> float:
@@ -132,6 +136,7 @@ class LoopStalls:
                 self._stall_start = self._last
                 self._sched_start = on_time
                 self._others0 = self._waits()
+                self._tasks0 = _tasks()
             frames = sys._current_frames()
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
@@ -149,6 +154,12 @@ class LoopStalls:
             at, ran0, waited0 = self._sched_start
             ran, waited = self._sched()
             self.worst_sched = (ran - ran0, waited - waited0, max(end - at, 0.0)) if ran else None
+            now = _tasks()
+            py = {str(t.native_id): t.name for t in threading.enumerate()}  # (a Python thread's OS name is python's)
+            # (a thread started during the stall counts from its start: a driver's start-up thread, `at_lower_priority`)
+            busy = [(py.get(tid, name), (r - then[1]) / 1e6, (w - then[2]) / 1e6) for tid, (name, r, w) in now.items()
+                    if tid != str(self._loop_native) for then in [self._tasks0.get(tid, (name, 0, 0))]]
+            self.worst_threads = sorted(busy, key=lambda b: -b[1])[:4]
         self._stall = []
 
     def _waits(self) -> dict[str, int]:
@@ -212,6 +223,9 @@ class LoopStalls:
                          f"{waited / 1e6:.1f} ms for a CPU, slept {slept:.1f} ms (on the GIL, a lock or I/O)")
         if hasattr(os, "getloadavg"):
             lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
+        if self.worst_threads:  # (a thread that ran while the loop's thread slept may have held the GIL)
+            lines[0] += "; the busiest other threads in it (ms on a CPU / waiting for one): " + ", ".join(
+                f"{name} {ran:.1f}/{waited:.1f}" for name, ran, waited in self.worst_threads)
         lines[0] += "; stacks seen (count, thread):"
         loop_first = sorted(seen.most_common(), key=lambda kv: (kv[0][0] != "loop", -kv[1]))
         shown: collections.Counter[str] = collections.Counter()
@@ -220,6 +234,26 @@ class LoopStalls:
                 shown[name] += 1
                 lines.append(f"  {count:3d} {name}: {stack}")
         return "\n".join(lines)
+
+
+def _tasks() -> dict[str, tuple[str, int, int]]:
+    """Every thread of the process (Python's and drivers' own) by task id: its name, and its time so far on a CPU
+    and runnable waiting for one, in ns (Linux; {} elsewhere)."""
+    out: dict[str, tuple[str, int, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            out[tid] = (name, int(ran), int(waited))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 # a thread whose innermost frame is one of these is waiting, not working (its wait releases the GIL)

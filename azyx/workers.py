@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # (imported now, not by the first worker job, on the loop)
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from azyx.timeline import _LoopWaiter
@@ -122,8 +123,8 @@ async def in_worker_thread(fn: Callable[..., T], *args: Any) -> T:
 
 # held by the worker running Python-heavy work (`in_python_thread`): the GIL runs one thread's Python at a time anyway,
 # and each more thread that wants it makes the loop's thread wait longer for its turn (two workers planning graphs at
-# once beside a busy machine: the loop slept 10-43 ms on the GIL)
-_python_lane = threading.Lock()
+# once beside a busy machine: the loop slept 10-43 ms on the GIL). Re-entrant: a job in it may take it again
+_python_lane = threading.RLock()
 
 
 def _in_lane(fn: Callable[..., T], *args: Any) -> T:
@@ -134,6 +135,14 @@ def _in_lane(fn: Callable[..., T], *args: Any) -> T:
 async def in_python_thread(fn: Callable[..., T], *args: Any) -> T:
     """`in_worker_thread` for work that is mostly Python (planning a graph): such jobs run one at a time."""
     return await in_worker_thread(_in_lane, fn, *args)
+
+
+@contextlib.contextmanager
+def python_lane() -> Iterator[None]:
+    """On a worker thread: a stretch of mostly Python work inside a job that is not (a driver wrapper's Python after
+    a compile), in turn with `in_python_thread`'s jobs."""
+    with _python_lane:
+        yield
 
 
 def in_background(fn: Callable[[], Any]) -> None:

@@ -14,12 +14,20 @@ finalizing interpreter aborts the process).
 Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
 any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
 wait happens in the OpenCL runtime, never on the event loop.
+
+Submission: one submit thread per device makes the OpenCL calls that queue work (as wgpu's queue thread): the loop's
+thread only numbers the command and hands it over. A driver may block in them: PoCL's clEnqueue* wait while its own
+thread compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200
+requests' new kernels, beside two busy processes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import struct
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -35,24 +43,28 @@ from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
-from azyx.workers import at_lower_priority
+from azyx.workers import at_lower_priority, python_lane
 
 # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
 CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20}
 
 try:
     import pyopencl as cl
+    from pyopencl import _cl  # (the C calls that cl.enqueue_copy picks among in ~20 us of Python on the loop)
 except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
 _CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
-_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a scalar argument's bits, by its size
+# a scalar argument's bits, by its size: the unsigned C type pyopencl packs them as (`_set_arg_buf_pack_multi`; its
+# types stop at C's long: 8 bytes where it is that long, else packed here)
+_PACKS = {1: b"B", 2: b"H", 4: b"I", 8: b"L" if struct.calcsize("L") == 8 else None}
 
 
 @functools.cache
-def _masks(dts: tuple[DType, ...]) -> tuple[int, ...]:
-    """The low bits of each scalar's word that its argument takes (as many as its size)."""
-    return tuple((1 << 8 * scalar_size(d)) - 1 for d in dts)
+def _scalars(dts: tuple[DType, ...], first: int) -> tuple[tuple[int, bytes | None, int], ...]:
+    """Per scalar argument (after `first` buffers): its index, its pack type and the low bits of its word that it
+    takes (as many as its size)."""
+    return tuple((first + j, _PACKS[scalar_size(d)], (1 << 8 * scalar_size(d)) - 1) for j, d in enumerate(dts))
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -96,7 +108,12 @@ class OpenCLDevice(QueuedDevice):
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
+        # (command, its waits, its value) for the submit thread, in value order; None stops it
+        self.submits: queue.SimpleQueue[tuple[Callable[[list[Any] | None], Any], list[tuple[Device, int]], int] |
+                                        None] = queue.SimpleQueue()
+        self.submitter = threading.Thread(target=self._submit_loop, name=f"azyx-{self.name}-submit", daemon=True)
         self.start_waiter()
+        self.submitter.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
     def identity(self) -> dict[str, Any]:
@@ -107,34 +124,24 @@ class OpenCLDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ memory (the pool: Device's)
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        if out.nbytes:
-            with self.lock:
-                ev = cl.enqueue_copy(self.queue, out, buf.mem, is_blocking=False)
-            ev.wait()
-
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        with self.lock:
-            ev = cl.enqueue_copy(self.queue, buf.mem, host, is_blocking=False)
-        ev.wait()
+        if out.nbytes:  # (in queue order, by the submit thread: QueuedDevice's)
+            super().read_into(buf, out)
 
     # ------------------------------------------------------------------ compile and launch
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
-        """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread: pyopencl makes
-        each new kernel's Python invoker then, which takes milliseconds. (pyopencl caches built binaries on disk.)"""
+        """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread. pyopencl makes
+        each new kernel's Python invoker (generated source, compiled, kept in a database: ~1 ms of Python holding the
+        GIL) then: in workers' Python lane, in turn with the graphs being planned (two workers making invokers at once
+        beside two busy processes held the loop's thread off the GIL ~35 ms); launches set the arguments themselves
+        (`launch`), so no invoker for the scalars' types is made. (pyopencl caches built binaries on disk.)"""
         names = [s.name for s in steps]
         try:
             program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
             raise CompileError(f"{self.name}: OpenCL build of {kernel_list(names)} failed:\n{e}\n--- source ---\n"
                                f"{src}") from None
-        out = {}
-        for s in steps:
-            knl = cl.Kernel(program, s.name)
-            # scalars by value, each as the unsigned integer of its size that holds its bits (the low bytes of its
-            # word): pyopencl then packs them itself, in about a microsecond; as raw bytes its generic path took ~30
-            knl.set_scalar_arg_dtypes([None] * len(s.args) + [_UINTS[scalar_size(dt)] for dt in s.scalar_dtypes])
-            out[s.name] = knl
-        return out
+        with python_lane():
+            return {s.name: cl.Kernel(program, s.name) for s in steps}
 
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event of a device of this context."""
@@ -142,21 +149,37 @@ class OpenCLDevice(QueuedDevice):
 
     def _enqueue(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]],
                  keep: Any) -> int:
-        wait_for, host = self.native_waits(waits)
-        if host:  # one user event, completed once the other devices' timelines reach theirs (from their threads)
-            uev = cl.UserEvent(self.ctx)
-            after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
-            wait_for.append(uev)
+        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_loop`)."""
+        if not self.submitter.is_alive():
+            raise DeviceError(f"{self.name} is closed")
         with self.lock:
-            ev = enqueue(wait_for or None)
             self.submitted += 1
             v = self.submitted
-            self.events[v] = ev
             self.holding[v] = keep
+            self.submits.put((enqueue, waits, v))
             done = self._take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        self.completions.put((ev, v, None))
         return v
+
+    def _submit_loop(self) -> None:
+        """The submit thread: each command queued in value order after its waits (the native ones as events, the
+        rest as one user event that their devices' timelines complete), then to the waiter thread; a command that
+        cannot be queued fails its value."""
+        while (item := self.submits.get()) is not None:
+            enqueue, waits, v = item
+            ev = None
+            try:
+                wait_for, host = self.native_waits(waits)
+                if host:  # one user event, completed once the other devices' timelines reach theirs
+                    uev = cl.UserEvent(self.ctx)
+                    after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
+                    wait_for.append(uev)
+                with self.lock:
+                    ev = self.events[v] = enqueue(wait_for or None)
+            except BaseException as e:
+                self.record_failure(v, e)
+            self.completions.put((ev, v, None))
+            del item, enqueue, ev
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at
@@ -173,6 +196,8 @@ class OpenCLDevice(QueuedDevice):
         return True
 
     def wait_event(self, ev: Any, v: int) -> bool:
+        if ev is None:  # (it could not be queued: its failure is recorded)
+            return False
         try:
             ev.wait()
             return True
@@ -184,19 +209,29 @@ class OpenCLDevice(QueuedDevice):
                words: tuple[int, ...] = ()) -> int:
         knl = self.programs[step.name]  # a cl.Kernel
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
-        mems: list[Any] = [b.mem for b in bufs]
-        if words:  # scalar arguments by value: each word's low bytes, as many as the argument's type has (`build`)
-            mems += [w & m for w, m in zip(words, _masks(step.scalar_dtypes))]
+        mems = tuple(x for i, b in enumerate(bufs) for x in (i, b.mem))  # (index, buffer) pairs, flat
+        # scalar arguments by value: each word's low bytes, as many as the argument's type has, packed by pyopencl as
+        # the unsigned integer of its size (about a microsecond; as raw bytes its generic path took ~30)
+        scalars: tuple[Any, ...] = ()
+        packed: tuple[Any, ...] = ()
+        if words:
+            codes = list(zip(_scalars(step.scalar_dtypes, len(bufs)), words))
+            scalars = tuple(x for (i, pack, mask), w in codes if pack is not None for x in (i, pack, w & mask))
+            packed = tuple(x for (i, pack, mask), w in codes if pack is None for x in (i, struct.pack("=Q", w & mask)))
 
         def enqueue(wait_for: list[Any] | None) -> Any:
-            knl.set_args(*mems)
+            knl._set_arg_multi(mems)
+            if scalars:
+                knl._set_arg_buf_pack_multi(scalars)
+            if packed:
+                knl._set_arg_buf_multi(packed)
             return cl.enqueue_nd_range_kernel(self.queue, knl, glob, local, wait_for=wait_for)
 
         return self._enqueue(enqueue, waits, bufs)
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, src.mem, byte_count=n, wait_for=w),
+        return self._enqueue(lambda w: _cl._enqueue_copy_buffer(self.queue, src.mem, dst.mem, n, 0, 0, w),
                              waits, (src, dst))
 
     def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
@@ -204,16 +239,19 @@ class OpenCLDevice(QueuedDevice):
         return self.copy(src, dst, n, waits) if cast(OpenCLDevice, src.device).ctx is self.ctx else None
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, out, buf.mem, src_offset=offset, is_blocking=False,
-                                                       wait_for=w), waits, (buf, out))
+        return self._enqueue(lambda w: _cl._enqueue_read_buffer(self.queue, buf.mem, out, offset, w, False),
+                             waits, (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
-        return self._enqueue(lambda w: cl.enqueue_copy(self.queue, dst.mem, host, dst_offset=offset,
-                                                       is_blocking=False, wait_for=w), waits, (keep, dst))
+        return self._enqueue(lambda w: _cl._enqueue_write_buffer(self.queue, dst.mem, host, offset, w, False),
+                             waits, (keep, dst))
 
     def close(self) -> None:
-        """Finish the queue, stop the waiter thread and drop what completed work held."""
+        """Queue what was handed over, finish the queue, stop the waiter thread and drop what completed work held."""
+        self.submits.put(None)
+        if self.submitter.is_alive():
+            self.submitter.join()
         try:
             self.queue.finish()
         except cl.Error:

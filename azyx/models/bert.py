@@ -172,7 +172,8 @@ class MiniLM(nn.Module):
         this architecture in Hugging Face's layout) onto `device`, as stored, or in `dtype` (e.g. a float16
         checkpoint computed in float32, as `from_pretrained(..., dtype=)`)."""
         directory = model_dir() if directory is None else Path(directory)
-        model = MiniLM(directory, device)
+        with nn._zeros_until_loaded():  # (its weights follow: no random draws on the loop's thread)
+            model = MiniLM(directory, device)
         state = {name: t if dtype is None or not t.dtype.is_float else t.cast(dtype)
                  async for name, t in stream_safetensors(directory / "model.safetensors", device=device,
                                                                  progress=progress)
