@@ -43,6 +43,7 @@ from azyx.tensor import Tensor
 
 _KEYS = itertools.count(1)
 T = TypeVar("T")
+COMPILE = True  # plans run again become compiled graphs (False: always actor calls, as bench/scale.py compares)
 MAX_PLANS = 16  # plans kept for running again (each compiled one holds a thread of each of its hosts' actors)
 _PLANS: dict[Any, _Plan] = {}  # plan key -> the plan (least recently used first)
 
@@ -517,6 +518,7 @@ class _Plan:
         read = {q for qs in self.after.values() for q in qs}
         self.sinks = [p for p in self.programs if p not in read]
         self.runs = 0
+        self.closed = False
         self.dag: Any = None
         self.compiling: asyncio.Future | None = None
         self.thread: ThreadPoolExecutor | None = None  # where the compiled graph is made, run and torn down
@@ -526,7 +528,8 @@ class _Plan:
         (`cached`) runs as a compiled graph from its second run on."""
         self.runs += 1
         try:
-            outs = await (self._execute(binding) if cached and self.runs > 1 else self._submit(binding))
+            compiled = cached and COMPILE and self.runs > 1 and not self.closed  # (closed: dropped meanwhile)
+            outs = await (self._execute(binding) if compiled else self._submit(binding))
         except BaseException:
             for host, s in self.scratch:
                 _free(host.actor, binding[s])
@@ -547,7 +550,11 @@ class _Plan:
             for p, program in self.programs.items():
                 nodes[p] = self.hosts[p].actor.run.bind(program, binding, *(nodes[q] for q in self.after[p]))
             graph = MultiOutputNode([nodes[p] for p in self.sinks])
-        self.dag = graph.experimental_compile()
+        dag = graph.experimental_compile()
+        if self.closed:  # (dropped while it compiled)
+            dag.teardown()
+        else:
+            self.dag = dag
 
     def _execute_now(self, binding: tuple[int, ...]) -> list[_Output]:
         return [ref.get(timeout=-1) for ref in self.dag.execute(binding)]  # (-1: as long as the programs take)
@@ -562,7 +569,8 @@ class _Plan:
                 await asyncio.shield(self.compiling)
             except Exception as e:
                 raise await self._broken(e) from None
-        assert self.thread is not None
+        if self.thread is None:  # (closed while it compiled)
+            return await self._submit(binding)
         try:
             return await loop.run_in_executor(self.thread, self._execute_now, binding)
         except ray.exceptions.RayTaskError as e:
@@ -592,6 +600,7 @@ class _Plan:
 
     def close(self) -> Future | None:
         """Tear the compiled graph down (after the runs in flight), off the loop; returns that teardown."""
+        self.closed = True
         if self.thread is None:
             return None
         dag, self.dag = self.dag, None
