@@ -345,6 +345,7 @@ async def ray_rows(steps: int, reps: int) -> list[list[str]]:
              f"{1 / t1:.1f} steps/s on 1 host", f"{t1 / t2:.2f}x", "correct (tests/test_distributed.py)"],
             ["a step through Ray on 1 host (a compiled graph) beside the same step in this process",
              f"{t1 * 1e3:.1f} ms ({overhead * 1e3:.2f} ms overhead)", f"{t0 * 1e3:.1f} ms", f"{t0 / t1:.2f}x",
+             "noise (the in-process step slower)" if overhead < 0 else
              "met (<= 0.2 ms)" if overhead <= 2e-4 else "not met (<= 0.2 ms)"],
             ["the same step through Ray by actor calls (no compiled graph)", f"{t1_calls * 1e3:.1f} ms "
              f"({(t1_calls - t0) * 1e3:.2f} ms overhead)", f"{t0 * 1e3:.1f} ms", f"{t0 / t1_calls:.2f}x", "before"],
