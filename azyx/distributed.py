@@ -556,8 +556,9 @@ class _Plan:
         else:
             self.dag = dag
 
-    def _execute_now(self, binding: tuple[int, ...]) -> list[_Output]:
-        return [ref.get(timeout=-1) for ref in self.dag.execute(binding)]  # (-1: as long as the programs take)
+    @staticmethod
+    def _execute_now(dag: Any, binding: tuple[int, ...]) -> list[_Output]:
+        return [ref.get(timeout=-1) for ref in dag.execute(binding)]  # (-1: as long as the programs take)
 
     async def _execute(self, binding: tuple[int, ...]) -> list[_Output]:
         loop = asyncio.get_running_loop()
@@ -569,10 +570,10 @@ class _Plan:
                 await asyncio.shield(self.compiling)
             except Exception as e:
                 raise await self._broken(e) from None
-        if self.thread is None:  # (closed while it compiled)
+        if self.thread is None or self.dag is None:  # (closed while it compiled)
             return await self._submit(binding)
         try:
-            return await loop.run_in_executor(self.thread, self._execute_now, binding)
+            return await loop.run_in_executor(self.thread, self._execute_now, self.dag, binding)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, RemoteError):
                 raise e.cause from None
