@@ -75,7 +75,10 @@ class HostRuntime:
 
     def put(self, key: int, array: np.ndarray, device: str | None) -> tuple[tuple[int, ...], str]:
         """`array` as a realized Tensor on `device` of this host, kept under `key`; returns its shape and dtype."""
-        t = self._on_loop(Tensor(array, device=device).realize())
+        async def make() -> Tensor:  # (azyx's graph is the loop thread's: a Tensor is made and dropped there)
+            return await Tensor(array, device=device).realize()
+
+        t = self._on_loop(make())
         self.values[key] = t
         return t.shape, t.dtype.name
 
@@ -103,9 +106,8 @@ class HostRuntime:
         return self._on_loop(self.values[key].numpy())
 
     def free(self, *keys: int) -> None:
-        """Drop the values under `keys` (missing ones are ignored)."""
-        for k in keys:
-            self.values.pop(k, None)
+        """Drop the values under `keys` (missing ones are ignored), on the actor's event loop."""
+        self.loop.call_soon_threadsafe(_drop, self.values, keys)
 
 
 async def _run(host: HostRuntime, program: _Program, binding: tuple[int, ...], imports: tuple[_Output, ...]) -> _Output:
@@ -130,13 +132,18 @@ async def _run(host: HostRuntime, program: _Program, binding: tuple[int, ...], i
         state = [t for obj in used if hasattr(obj, "tensors") for t in obj.tensors()]
         await _realize(*targets, *state)
     finally:
-        host.free(*(binding[s] for s in program.drops))
+        _drop(host.values, [binding[s] for s in program.drops])
     meta = {s: m for upstream, _ in imports for s, m in upstream.items()}
     for s in program.keep:
         host.values[binding[s]] = env[s]
         if s in program.wanted:
             meta[s] = (env[s].shape, env[s].dtype.name)
     return meta, {s: await _value(_Ref(s), env, host.values, binding, used).numpy() for s in program.exports}
+
+
+def _drop(values: dict[int, Any], keys: Sequence[int]) -> None:
+    for k in keys:
+        values.pop(k, None)
 
 
 def _value(a: Any, env: dict[int, Any], values: dict[int, Any], binding: tuple[int, ...], used: list[Any]) -> Any:
