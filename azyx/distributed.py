@@ -9,21 +9,28 @@ function that builds azyx graphs on that host, with its remote tensors and objec
 a model, an optimiser, kept in the actor) as arguments.
 
 `await realize(*tensors)` splits the recorded graph into programs, one per host and stage (a stage ends where a value
-crosses to another host), and submits each as one actor call; the calls are chained by their ObjectRefs, so Ray
-starts each once the values it imports exist, and every program runs on its host as ONE ExecutionPlan. Results stay
-in the actors (a handle keeps its value; dropping it frees it there); `await t.numpy()` fetches one. The driver's
-event loop only awaits ObjectRefs (Ray's are awaitable): it never blocks.
+crosses to another host); every program runs on its host as ONE ExecutionPlan. A plan's first run submits each
+program as one actor call, chained by ObjectRefs. The driver keeps the plan (the same ops over the same hosts, values
+of the same shapes: a training step's), and its next run compiles it into a Ray compiled graph (`ray.dag`): a node per
+program on its host's actor, the arrays that cross hosts carried by the graph's channels (host-staged); later runs
+only write the values' keys and read the shapes of what was asked for. Compiling and running a compiled graph happen
+on a thread of the plan's own; the driver's event loop only awaits. Results stay in the actors (a handle keeps its
+value; dropping it frees it there); `await t.numpy()` fetches one.
 
-A dead actor makes every realize that needs it raise `RemoteError` naming the host; the other hosts work on.
+A dead actor makes every realize that needs it raise `RemoteError` naming the host (a compiled graph over it is dropped;
+the compiled graphs of the other hosts run on); a new `Cluster` (other actors) makes plans of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -35,6 +42,10 @@ from azyx.runtime import RT
 from azyx.tensor import Tensor
 
 _KEYS = itertools.count(1)
+T = TypeVar("T")
+COMPILE = True  # plans run again become compiled graphs (False: always actor calls, as bench/scale.py compares)
+MAX_PLANS = 16  # plans kept for running again (each compiled one holds a thread of each of its hosts' actors)
+_PLANS: dict[Any, _Plan] = {}  # plan key -> the plan (least recently used first)
 
 
 class RemoteError(AzyxError, RuntimeError):
@@ -43,100 +54,147 @@ class RemoteError(AzyxError, RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ the host side
 class HostRuntime:
-    """The actor on one host (a Ray async actor: its methods run on the actor's event loop, where azyx awaits).
+    """The actor on one host (a threaded Ray actor: Ray's calls, and each compiled graph's loop, run on threads of
+    their own; every azyx await runs on the actor's one event loop, `loop`, on a thread of its own).
     `values`: what the driver's handles name (realized Tensors, objects)."""
 
     def __init__(self, config: dict[str, Any] | None):
         if config:
             RT.configure(config)
         self.values: dict[int, Any] = {}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="azyx host loop", daemon=True).start()
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the actor's event loop; this (Ray's) thread waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def describe(self) -> tuple[str, list[str]]:
         """This host's Ray node id and its azyx devices."""
         return ray.get_runtime_context().get_node_id(), RT.device_names()
 
-    async def put(self, key: int, array: np.ndarray, device: str | None) -> tuple[tuple[int, ...], str]:
-        """Coroutine: `array` as a realized Tensor on `device` of this host, kept under `key`; returns its shape and
-        dtype."""
-        t = await Tensor(array, device=device).realize()
+    def put(self, key: int, array: np.ndarray, device: str | None) -> tuple[tuple[int, ...], str]:
+        """`array` as a realized Tensor on `device` of this host, kept under `key`; returns its shape and dtype."""
+        async def make() -> Tensor:  # (azyx's graph is the loop thread's: a Tensor is made and dropped there)
+            return await Tensor(array, device=device).realize()
+
+        t = self._on_loop(make())
         self.values[key] = t
         return t.shape, t.dtype.name
 
     def create(self, key: int, factory: Callable[..., Any], args: tuple) -> str:
         """Call `factory(*args)` on this host (a model, an optimiser), keep the result under `key`; returns its
         type's name."""
-        self.values[key] = factory(*args)
+
+        async def make() -> Any:
+            return factory(*args)
+
+        self.values[key] = self._on_loop(make())
         return type(self.values[key]).__name__
 
-    async def run(self, program: list[tuple], keep: list[int], exports: list[int], *imports: dict[int, np.ndarray]
-                  ) -> dict[int, Any]:
-        """Evaluate `program` (instructions (key, op, args, kwargs), in order), realize what is kept or exported in
-        one plan (with the state of the objects it used), keep `keep` here and return `exports` as numpy arrays
-        (with each kept value's shape and dtype, under its negative key)."""
-        env: dict[int, Any] = {}
-        imported = {k: v for d in imports for k, v in d.items()}
-        used: list[Any] = []
+    def run(self, program: _Program, binding: tuple[int, ...], *imports: _Output) -> _Output:
+        """Run one program of a plan (`binding`: each of the plan's slots' key): with the arrays that `imports` (the
+        outputs of the programs it waits for) carry, one ExecutionPlan on this host. A failure is a RemoteError
+        naming this host."""
+        try:
+            return self._on_loop(_run(self, program, binding, imports))
+        except Exception as e:
+            raise RemoteError(f"{program.host} failed: {e!r}") from None
 
-        def value(a: Any) -> Any:
-            if isinstance(a, _Ref):
-                if a.key in env:
-                    return env[a.key]
-                if a.key in imported:
-                    env[a.key] = Tensor(imported[a.key])
-                    return env[a.key]
-                v = self.values[a.key]
-                if not isinstance(v, Tensor):
-                    used.append(v)
-                return v
-            if isinstance(a, tuple):
-                return tuple(value(x) for x in a)
-            if isinstance(a, list):
-                return [value(x) for x in a]
-            return a
-
-        for key, op, args, kwargs in program:
-            vals = [value(a) for a in args]
-            kw = {k: value(v) for k, v in kwargs.items()}
-            if op == "call":
-                env[key] = vals[0](*vals[1:], **kw)
-            elif op == "item":
-                env[key] = vals[0][vals[1]]
-            elif op == "move":
-                env[key] = vals[0]
-            else:
-                env[key] = getattr(vals[0], op)(*vals[1:], **kw)
-        targets = [env[k] for k in [*keep, *exports]]
-        state = [t for obj in used if hasattr(obj, "tensors") for t in obj.tensors()]
-        await _realize(*targets, *state)
-        out: dict[int, Any] = {}
-        for k in keep:
-            self.values[k] = env[k]
-            out[-k] = (env[k].shape, env[k].dtype.name)
-        for k in exports:
-            out[k] = await env[k].numpy()
-        return out
-
-    async def fetch(self, key: int) -> np.ndarray:
-        """Coroutine: the value under `key` as a numpy array."""
-        return await self.values[key].numpy()
-
-    async def export(self, key: int) -> dict[int, np.ndarray]:
-        """A value this host holds, for a program on another host (an import of its `run`)."""
-        return {key: await self.values[key].numpy()}
+    def fetch(self, key: int) -> np.ndarray:
+        """The value under `key` as a numpy array."""
+        return self._on_loop(self.values[key].numpy())
 
     def free(self, *keys: int) -> None:
-        """Drop the values under `keys` (missing ones are ignored)."""
-        for k in keys:
-            self.values.pop(k, None)
+        """Drop the values under `keys` (missing ones are ignored), on the actor's event loop."""
+        self.loop.call_soon_threadsafe(_drop, self.values, keys)
+
+
+async def _run(host: HostRuntime, program: _Program, binding: tuple[int, ...], imports: tuple[_Output, ...]) -> _Output:
+    """HostRuntime.run's work, on the actor's event loop (a function: one async method would make the actor an async
+    actor, whose threads are event loops that a compiled graph's loop blocks)."""
+    # (imports copied at once: an array read from a compiled graph's channel holds the channel until it is dropped)
+    env: dict[int, Any] = {s: Tensor(v) for _, data in imports for s, v in data.items()}
+    used: list[Any] = []
+    try:
+        for slot, op, args, kwargs in program.ops:
+            vals = [_value(a, env, host.values, binding, used) for a in args]
+            kw = {k: _value(v, env, host.values, binding, used) for k, v in kwargs.items()}
+            if op == "call":
+                env[slot] = vals[0](*vals[1:], **kw)
+            elif op == "item":
+                env[slot] = vals[0][vals[1]]
+            elif op == "move":
+                env[slot] = vals[0]
+            else:
+                env[slot] = getattr(vals[0], op)(*vals[1:], **kw)
+        targets = [env[s] for s in (*program.keep, *program.exports) if s in env]
+        state = [t for obj in used if hasattr(obj, "tensors") for t in obj.tensors()]
+        await _realize(*targets, *state)
+    finally:
+        _drop(host.values, [binding[s] for s in program.drops])
+    meta = {s: m for upstream, _ in imports for s, m in upstream.items()}
+    for s in program.keep:
+        host.values[binding[s]] = env[s]
+        if s in program.wanted:
+            meta[s] = (env[s].shape, env[s].dtype.name)
+    return meta, {s: await _value(_Ref(s), env, host.values, binding, used).numpy() for s in program.exports}
+
+
+def _drop(values: dict[int, Any], keys: Sequence[int]) -> None:
+    for k in keys:
+        values.pop(k, None)
+
+
+def _value(a: Any, env: dict[int, Any], values: dict[int, Any], binding: tuple[int, ...], used: list[Any]) -> Any:
+    """An operand's value in a program: a slot's from `env` (computed or imported), else kept on the host under
+    the slot's key (an object among them noted in `used`)."""
+    if isinstance(a, _Ref):
+        if a.slot in env:
+            return env[a.slot]
+        v = values[binding[a.slot]]
+        if not isinstance(v, Tensor):
+            used.append(v)
+        return v
+    if isinstance(a, tuple):
+        return tuple(_value(x, env, values, binding, used) for x in a)
+    if isinstance(a, list):
+        return [_value(x, env, values, binding, used) for x in a]
+    return a
 
 
 class _Ref:
-    """An instruction's operand that names a value (of the program, imported, or held by the actor)."""
+    """An instruction's operand that names a value of the plan by its slot (a value the program computes, imports,
+    or finds kept on its host under the slot's key)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("slot",)
 
-    def __init__(self, key: int):
-        self.key = key
+    def __init__(self, slot: int):
+        self.slot = slot
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ref) and other.slot == self.slot
+
+    def __hash__(self) -> int:
+        return hash(("ref", self.slot))
+
+
+@dataclass(frozen=True)
+class _Program:
+    """What one host runs of a plan, in one ExecutionPlan: `ops` (slot, op, args, kwargs) in order; kept on the host
+    (under the slots' keys): `keep`, of which `wanted` are what the realize asked for (their shapes and dtypes go back
+    to the driver); `exports`: slots sent on to programs of other hosts, as arrays; `drops`: kept slots of earlier
+    programs it reads last. `host`: its host's name, for errors."""
+
+    host: str
+    ops: tuple[tuple[int, str, tuple, dict[str, Any]], ...]
+    keep: tuple[int, ...]
+    wanted: frozenset[int]
+    exports: tuple[int, ...]
+    drops: tuple[int, ...]
+
+
+_Output = tuple[dict[int, tuple[tuple[int, ...], str]], dict[int, np.ndarray]]  # a program's: (meta, arrays)
 
 
 # ------------------------------------------------------------------------------------------------ the driver side
@@ -159,18 +217,28 @@ class Cluster:
             if hosts > len(nodes):
                 raise ArgumentError(f"{hosts} hosts asked, the Ray cluster has {len(nodes)} nodes with CPUs")
             nodes = nodes[:hosts]
-        actor = ray.remote(num_cpus=0, max_restarts=0)(HostRuntime)
+        actor = ray.remote(**_ACTOR)(HostRuntime)
         handles: list[Any] = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                   .remote(config) for n in nodes]
+                              .remote(config) for n in nodes]
         described = await asyncio.gather(*(h.describe.remote() for h in handles))
         return cls([Host(h, i, node, devs) for i, (h, (node, devs)) in enumerate(zip(handles, described))])
 
     def shutdown(self) -> None:
-        """Stop every host's actor (its runtime and what it holds)."""
+        """Stop every host's actor (its runtime and what it holds), the compiled graphs over them torn down first."""
+        ids = {h.actor_id for h in self.hosts}
+        for k, plan in list(_PLANS.items()):
+            if any(h.actor_id in ids for h in plan.hosts.values()):
+                del _PLANS[k]
+                done = plan.close()
+                if done is not None:
+                    done.result()
         for h in self.hosts:
             ray.kill(h.actor)
 
 
+# a host's actor: threads, one per call in flight and one per compiled graph's loop (Ray's "_ray_system" group)
+_ACTOR: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 32,
+                          "concurrency_groups": {"_ray_system": MAX_PLANS}}
 _HOSTS: weakref.WeakValueDictionary[str, Host] = weakref.WeakValueDictionary()  # actor id (hex) -> its host
 
 
@@ -180,7 +248,8 @@ class Host:
     def __init__(self, actor: Any, index: int, node: str, devices: list[str]):
         self.actor, self.index, self.node, self.devices = actor, index, node, devices
         self.name = f"host {index} (node {node[:8]})"
-        _HOSTS[actor._actor_id.hex()] = self
+        self.actor_id = actor._actor_id.hex()
+        _HOSTS[self.actor_id] = self
 
     def __repr__(self) -> str:
         return f"Host({self.index}, node {self.node[:8]}, devices {self.devices})"
@@ -311,6 +380,8 @@ async def _remote(host: Host, ref: Any) -> Any:
         return await ref
     except ray.exceptions.RayTaskError as e:
         cause = e.cause
+        if isinstance(cause, RemoteError):  # (a program's own failure, named by its host)
+            raise cause from None
         if not isinstance(cause, ray.exceptions.RayActorError):
             raise RemoteError(f"{host.name} failed: {cause!r}") from None
         err = cause
@@ -322,8 +393,10 @@ async def _remote(host: Host, ref: Any) -> Any:
 
 
 async def realize(*tensors: RemoteTensor) -> None:
-    """Compute the remote tensors: their graph split into one program per host and stage, each submitted as one
-    actor call (one ExecutionPlan on its host), chained by ObjectRefs; each tensor's value then stays on its host."""
+    """Compute the remote tensors: their graph split into one program per host and stage (`_Plan`), each tensor's
+    value then kept on its host. A plan's first run submits each program as one actor call, chained by ObjectRefs;
+    when the same plan runs again (the same ops over the same hosts, values of the same shapes) it becomes a
+    compiled Ray graph, whose runs only write the values' keys and read what the driver needs."""
     order: list[RemoteTensor] = []
     seen: set[int] = set()
 
@@ -339,56 +412,221 @@ async def realize(*tensors: RemoteTensor) -> None:
         visit(t)
     if not order:
         return
-    # a lazy value read on another host ends its stage there: stage by stage, the programs' imports exist before
-    stage: dict[int, int] = {}
-    for t in order:
-        stage[t.key] = max((stage[a.key] + (a.host is not t.host) for a in _operands(t) if not a.realized), default=0)
-    programs: dict[tuple[int, int], list[RemoteTensor]] = {}
-    for t in order:
-        programs.setdefault((stage[t.key], t.host.index), []).append(t)
-    at = {t.key: (stage[t.key], t.host.index) for t in order}
-    wanted = {t.key for t in tensors}
-    keep: dict[tuple[int, int], set[int]] = {p: {t.key for t in ts if t.key in wanted} for p, ts in programs.items()}
-    exports: dict[tuple[int, int], set[int]] = {p: set() for p in programs}
-    after: dict[tuple[int, int], set[tuple[int, int]]] = {p: set() for p in programs}  # programs it waits for
-    held: dict[tuple[int, int], dict[int, RemoteTensor]] = {p: {} for p in programs}  # realized values it imports
-    scratch: list[tuple[Host, int]] = []  # values kept only for a later program on the same host
-    for p, ts in programs.items():
-        for t in ts:
-            for a in _operands(t):
-                if a.realized:
-                    if a.host is not t.host:
-                        held[p][a.key] = a
-                    continue
-                q = at[a.key]
-                if q == p:
-                    continue
-                after[p].add(q)
-                if a.host is t.host:  # a later stage on the same host reads it where it is kept
-                    if a.key not in keep[q]:
-                        keep[q].add(a.key)
-                        scratch.append((a.host, a.key))
-                else:
-                    exports[q].add(a.key)
-    refs: dict[tuple[int, int], Any] = {}
-    for p in sorted(programs):
-        ts = programs[p]
-        host = ts[0].host
-        instructions = [(t.key, t.op, tuple(_encode(a, host) for a in t.args),
-                         {k: _encode(v, host) for k, v in t.kwargs.items()}) for t in ts]
-        imports = [refs[q] for q in sorted(after[p])] + [a.host.actor.export.remote(k) for k, a in held[p].items()]
-        refs[p] = host.actor.run.remote(instructions, sorted(keep[p]), sorted(exports[p]), *imports)
+    slots = {t.key: i for i, t in enumerate(order)}
+    leaves: list[RemoteTensor | RemoteObject] = []
+
+    def encode(a: Any, host: Host) -> Any:
+        if isinstance(a, RemoteObject) and a.host is not host:
+            raise ArgumentError(f"an object kept on {a.host.name} cannot be used on {host.name}")
+        if isinstance(a, RemoteTensor | RemoteObject):
+            if a.key not in slots:
+                slots[a.key] = len(order) + len(leaves)
+                leaves.append(a)
+            return _Ref(slots[a.key])
+        if isinstance(a, tuple):
+            return tuple(encode(x, host) for x in a)
+        if isinstance(a, list):
+            return [encode(x, host) for x in a]
+        return a
+
+    ops = tuple((t.host, t.op, encode(t.args, t.host), {k: encode(v, t.host) for k, v in t.kwargs.items()})
+                for t in order)
+    wanted = frozenset(slots[t.key] for t in tensors if not t.realized)
+    binding = tuple(t.key for t in order) + tuple(a.key for a in leaves)
+    key = _plan_key(ops, leaves, wanted)
+    plan = _PLANS.pop(key, None) if key is not None else None
+    if plan is None:
+        plan = _Plan(ops, [a.host for a in leaves], wanted)
+    if key is not None:
+        _PLANS[key] = plan  # (the most recently used last)
+        while len(_PLANS) > MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS))).close()
+    meta = await plan.run(binding, key is not None)
+    for t in tensors:
+        s = slots.get(t.key)
+        if s in meta:
+            t.shape, t.dtype = meta[s]
+            t.op, t.args, t.kwargs, t.realized = "leaf", (), {}, True
+            _on_drop(t, t.host.actor, t.key)
+
+
+def _plan_key(ops: tuple, leaves: list[RemoteTensor | RemoteObject], wanted: frozenset[int]) -> Any:
+    """What makes two realizes the same plan: the ops (by host and operands' slots), the leaves' hosts, shapes and
+    dtypes, what is wanted. None where an operand cannot be compared (a numpy array as an index): never cached."""
+    def frozen(a: Any) -> Any:
+        if isinstance(a, list):
+            return ("list", tuple(frozen(x) for x in a))
+        if isinstance(a, tuple):
+            return tuple(frozen(x) for x in a)
+        if isinstance(a, dict):
+            return ("dict", tuple((k, frozen(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", a.start, a.stop, a.step)
+        return a if isinstance(a, _Ref) else (type(a), a)  # (1, 1.0 and True hash alike, but promote apart)
+
+    key = (tuple((h.actor_id, op, frozen(args), frozen(kw)) for h, op, args, kw in ops),
+           tuple((a.host.actor_id, getattr(a, "shape", None), getattr(a, "dtype", None)) for a in leaves), wanted)
     try:
-        results = await asyncio.gather(*(_remote(programs[p][0].host, r) for p, r in refs.items()))
-    finally:
-        for host, key in scratch:
-            _free(host.actor, key)
-    for res in results:
-        for t in tensors:
-            if -t.key in res:
-                t.shape, t.dtype = res[-t.key]
-                t.op, t.args, t.kwargs, t.realized = "leaf", (), {}, True
-                _on_drop(t, t.host.actor, t.key)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _Plan:
+    """A realize's graph as programs, one per host and stage (a stage ends where a value crosses to another host),
+    over slots (the graph's values in order, then the values it reads that hosts hold: a run's `binding` gives each
+    slot's key). A held value read on another host comes from a program on its own host that only exports it (stage
+    -1). `run` submits the programs as actor calls chained by ObjectRefs, or runs them as a compiled Ray graph: a node
+    per program on its host's actor, the arrays that cross hosts carried by the graph's channels."""
+
+    def __init__(self, ops: tuple, leaf_hosts: list[Host], wanted: frozenset[int]):
+        n = len(ops)
+        host_of = [h for h, *_ in ops] + leaf_hosts
+        stage: list[int] = []
+        readers: dict[int, list[int]] = {}  # slot -> the slots whose op reads it
+        for i, (h, _, args, kwargs) in enumerate(ops):
+            refs = _slots((args, kwargs))
+            for r in refs:
+                readers.setdefault(r, []).append(i)
+            stage.append(max((stage[r] + (host_of[r] is not h) for r in refs if r < n), default=0))
+        at = [(stage[i], host_of[i].index) for i in range(n)] + [(-1, h.index) for h in leaf_hosts]
+        progs: dict[tuple[int, int], list[int]] = {}
+        for i in range(n):
+            progs.setdefault(at[i], []).append(i)
+        for r, rs in readers.items():
+            if r >= n and any(host_of[i] is not host_of[r] for i in rs):
+                progs.setdefault(at[r], [])  # its host's exporting program
+        keep = {p: {i for i in slots if i in wanted} for p, slots in progs.items()}
+        exports: dict[tuple[int, int], set[int]] = {p: set() for p in progs}
+        after: dict[tuple[int, int], set[tuple[int, int]]] = {p: set() for p in progs}
+        drops: dict[tuple[int, int], set[int]] = {p: set() for p in progs}
+        self.scratch: list[tuple[Host, int]] = []  # (host, slot): kept only for later programs on that host
+        for r, rs in readers.items():
+            q = at[r]
+            later = sorted({at[i] for i in rs if at[i] != q and host_of[i] is host_of[r]}) if r < n else []
+            if later:  # read by later programs on its host: kept there, its readers in turn, the last dropping it
+                if r not in keep[q]:
+                    keep[q].add(r)
+                    drops[later[-1]].add(r)
+                    self.scratch.append((host_of[r], r))
+                for x, y in zip([q, *later], later):
+                    after[y].add(x)
+            for i in rs:
+                if host_of[i] is not host_of[r]:
+                    exports[q].add(r)
+                    after[at[i]].add(q)
+        hosts = {h.index: h for h in host_of}
+        self.hosts = {p: hosts[p[1]] for p in sorted(progs)}
+        self.programs = {p: _Program(self.hosts[p].name, tuple((i, *ops[i][1:]) for i in progs[p]),
+                                     tuple(sorted(keep[p])), wanted, tuple(sorted(exports[p])), tuple(sorted(drops[p])))
+                         for p in self.hosts}
+        self.after = {p: sorted(after[p]) for p in self.programs}
+        read = {q for qs in self.after.values() for q in qs}
+        self.sinks = [p for p in self.programs if p not in read]
+        self.runs = 0
+        self.closed = False
+        self.dag: Any = None
+        self.compiling: asyncio.Future | None = None
+        self.thread: ThreadPoolExecutor | None = None  # where the compiled graph is made, run and torn down
+
+    async def run(self, binding: tuple[int, ...], cached: bool) -> dict[int, tuple[tuple[int, ...], str]]:
+        """Run the programs with `binding`; returns the wanted slots' shapes and dtypes. A plan the driver keeps
+        (`cached`) runs as a compiled graph from its second run on."""
+        self.runs += 1
+        try:
+            compiled = cached and COMPILE and self.runs > 1 and not self.closed  # (closed: dropped meanwhile)
+            outs = await (self._execute(binding) if compiled else self._submit(binding))
+        except BaseException:
+            for host, s in self.scratch:
+                _free(host.actor, binding[s])
+            raise
+        return {s: m for meta, _ in outs for s, m in meta.items()}
+
+    async def _submit(self, binding: tuple[int, ...]) -> list[_Output]:
+        refs: dict[tuple[int, int], Any] = {}
+        for p, program in self.programs.items():
+            refs[p] = self.hosts[p].actor.run.remote(program, binding, *(refs[q] for q in self.after[p]))
+        return list(await asyncio.gather(*(_remote(self.hosts[p], refs[p]) for p in self.sinks)))
+
+    def _compile(self) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as binding:
+            nodes: dict[tuple[int, int], Any] = {}
+            for p, program in self.programs.items():
+                nodes[p] = self.hosts[p].actor.run.bind(program, binding, *(nodes[q] for q in self.after[p]))
+            graph = MultiOutputNode([nodes[p] for p in self.sinks])
+        dag = graph.experimental_compile()
+        if self.closed:  # (dropped while it compiled)
+            dag.teardown()
+        else:
+            self.dag = dag
+
+    @staticmethod
+    def _execute_now(dag: Any, binding: tuple[int, ...]) -> list[_Output]:
+        return [ref.get(timeout=-1) for ref in dag.execute(binding)]  # (-1: as long as the programs take)
+
+    async def _execute(self, binding: tuple[int, ...]) -> list[_Output]:
+        loop = asyncio.get_running_loop()
+        if self.dag is None:
+            if self.compiling is None:
+                self.thread = ThreadPoolExecutor(1, thread_name_prefix="azyx ray graph")
+                self.compiling = loop.run_in_executor(self.thread, self._compile)
+            try:
+                await asyncio.shield(self.compiling)
+            except Exception as e:
+                raise await self._broken(e) from None
+        if self.thread is None or self.dag is None:  # (closed while it compiled)
+            return await self._submit(binding)
+        try:
+            return await loop.run_in_executor(self.thread, self._execute_now, self.dag, binding)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RemoteError):
+                raise e.cause from None
+            raise RemoteError(f"{self.hosts[self.sinks[0]].name} failed: {e.cause!r}") from None
+        except Exception as e:  # the graph itself broke (a host died): Ray tears it down
+            raise await self._broken(e) from None
+
+    async def _broken(self, e: Exception) -> RemoteError:
+        """The error for a compiled graph that failed to compile or run: the plan dropped (its next realize starts
+        over), its hosts probed for the dead ones."""
+        for k, plan in list(_PLANS.items()):
+            if plan is self:
+                del _PLANS[k]
+        self.close()
+        hosts = {h.index: h for h in self.hosts.values()}.values()
+        dead = []
+        for h in hosts:
+            try:
+                await h.actor.describe.remote()
+            except ray.exceptions.RayActorError:
+                dead.append(h.name)
+        if not dead:
+            return RemoteError(f"the compiled graph over {', '.join(h.name for h in hosts)} failed: {e!r}")
+        return RemoteError(f"{', '.join(dead)} is gone (its actor died); what needs it cannot be computed")
+
+    def close(self) -> Future | None:
+        """Tear the compiled graph down (after the runs in flight), off the loop; returns that teardown."""
+        self.closed = True
+        if self.thread is None:
+            return None
+        dag, self.dag = self.dag, None
+        done = self.thread.submit(dag.teardown) if dag is not None else None
+        self.thread.shutdown(wait=False)
+        self.thread = None
+        return done
+
+
+def _slots(a: Any) -> list[int]:
+    """The slots an instruction's operands name."""
+    if isinstance(a, _Ref):
+        return [a.slot]
+    if isinstance(a, tuple | list):
+        return [s for x in a for s in _slots(x)]
+    if isinstance(a, dict):
+        return [s for x in a.values() for s in _slots(x)]
+    return []
 
 
 def _operands(t: RemoteTensor) -> list[RemoteTensor]:
@@ -399,21 +637,6 @@ def _operands(t: RemoteTensor) -> list[RemoteTensor]:
         elif isinstance(a, tuple | list):
             out.extend(x for x in a if isinstance(x, RemoteTensor))
     return out
-
-
-def _encode(a: Any, host: Host) -> Any:
-    """An operand as a program sees it: a remote value by its key (objects must be on the program's host)."""
-    if isinstance(a, RemoteTensor):
-        return _Ref(a.key)
-    if isinstance(a, RemoteObject):
-        if a.host is not host:
-            raise ArgumentError(f"an object kept on {a.host.name} cannot be used on {host.name}")
-        return _Ref(a.key)
-    if isinstance(a, tuple):
-        return tuple(_encode(x, host) for x in a)
-    if isinstance(a, list):
-        return [_encode(x, host) for x in a]
-    return a
 
 
 def all_reduce(values: Sequence[RemoteTensor], op: str = "sum") -> list[RemoteTensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'azyx
 
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
-from azyx import GradientTape, Tensor, nn, optim  # noqa: E402
+from azyx import GradientTape, Tensor, distributed, nn, optim  # noqa: E402
 from azyx.distributed import Cluster, RemoteError, RemoteTensor, all_reduce, realize, scatter  # noqa: E402
 
 pytestmark = pytest.mark.serial  # (a Ray cluster of three processes: alone, not beside the xdist workers)
@@ -168,3 +169,66 @@ async def test_a_dead_host_fails_what_needs_it_and_the_other_works_on(ray_cluste
         await (tb * 2).numpy()
     np.testing.assert_array_equal(await (ta * 3).numpy(), np.full(3, 3, np.float32))
     c.shutdown()
+
+
+async def test_a_plan_run_again_is_a_compiled_graph_a_dead_host_fails_it_and_a_new_cluster_compiles_anew(
+        ray_cluster: None) -> None:
+    c = await Cluster.start(hosts=2)
+    a, b = c.hosts
+    data = [(rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32))
+            for _ in range(4)]
+
+    async def over_both(hosts: list[Any], x: np.ndarray, w: np.ndarray) -> tuple[RemoteTensor, ...]:
+        tx, tw = await hosts[0].tensor(x), await hosts[1].tensor(w)
+        y = (tx * 0.5).exp().to(hosts[1]) @ tw  # on the second host
+        z = y.sum(axis=1).to(hosts[0]) + tx.sum(axis=1)  # back on the first
+        return y, z, (tx * 2).max(axis=0)  # the last: a plan of the first host alone
+
+    async def check(y: RemoteTensor, z: RemoteTensor, x: np.ndarray, w: np.ndarray) -> None:
+        want_y = np.exp(x * 0.5) @ w
+        np.testing.assert_allclose(await y.numpy(), want_y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(await z.numpy(), want_y.sum(1) + x.sum(1), rtol=1e-5, atol=1e-5)
+
+    gaps: list[float] = []
+
+    async def ticking(work: Any) -> None:
+        """Await `work` while a ticker notes the loop's longest gap between turns (compiling happens off it)."""
+        done = asyncio.ensure_future(work)
+        last = time.perf_counter()
+        while not done.done():
+            await asyncio.sleep(0.01)
+            gaps.append(time.perf_counter() - last)
+            last = time.perf_counter()
+        await done
+
+    for i, (x, w) in enumerate(data[:3]):  # the first run of each plan by actor calls, the later ones compiled
+        y, z, m = await over_both([a, b], x, w)
+        gaps.clear()
+        t0 = time.perf_counter()
+        await ticking(realize(y, z))
+        if i == 1:  # compiled the graph over both hosts meanwhile: seconds, the loop's turns far shorter
+            assert max(gaps) < (time.perf_counter() - t0) / 2
+        await realize(m)
+        await check(y, z, x, w)
+        np.testing.assert_array_equal(await m.numpy(), (x * 2).max(0))
+    compiled = {frozenset(h.index for h in p.hosts.values()): p for p in distributed._PLANS.values() if p.dag}
+    assert set(compiled) == {frozenset({0, 1}), frozenset({0})} and all(p.runs == 3 for p in compiled.values())
+    alone = compiled[frozenset({0})].dag
+    x, w = data[3]
+    y, z, m = await over_both([a, b], x, w)
+    ray.kill(b.actor)
+    await _dead(b.actor)
+    with pytest.raises(RemoteError, match="host 1"):
+        await realize(y, z)  # its compiled graph needs b
+    await realize(m)  # a's own plan runs on, as the same compiled graph
+    np.testing.assert_array_equal(await m.numpy(), (x * 2).max(0))
+    assert [p.dag for p in distributed._PLANS.values() if p.dag] == [alone]
+    c2 = await Cluster.start(hosts=2)  # a changed cluster: its plans compiled anew
+    for x, w in data[:2]:
+        y, z, _ = await over_both(c2.hosts, x, w)
+        await realize(y, z)
+        await check(y, z, x, w)
+    assert len([p for p in distributed._PLANS.values() if p.dag and c2.hosts[1] in p.hosts.values()]) == 1
+    c.shutdown()
+    c2.shutdown()
+    assert not distributed._PLANS  # (shutting a cluster down tears its compiled graphs down)
