@@ -51,7 +51,7 @@ from azyx.ir import CHECK_WORDS, Attention, Kernel, V, ValueBuilder, format_kern
 from azyx.merge import merge_kernels
 from azyx.ops import REDUCE
 from azyx.plan import ExecutionPlan, KernelStep, Slot, Step, TransferStep
-from azyx.symbolic import Cond, Lin, Var, count_divmod, var
+from azyx.symbolic import Cond, Lin, Var, count_divmod, lin_vars, var
 from azyx.walk import Walk
 
 EXPAND_REALIZE = 16  # a computed value broadcast this many times over is realized first instead of recomputed
@@ -62,6 +62,12 @@ SPLIT_MAX_OUTPUTS, SPLIT_MIN_REDUCE, SPLIT_PARTS = 256, 1 << 15, 1024  # two-sta
 COLUMN_REDUCE, COLUMN_ITEMS, COLUMN_PARTS, COLUMN_RUN, COLUMN_SCAN = 256, 1 << 18, 64, 16, 64
 TRANSFER_BYTES_PER_S = 5e9  # what moving an input to another device costs, for AUTO placement
 TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns vectorise)
+# prologue fusion (KernelBuild.prologue): an operand broadcast into a product that no template takes (a matrix-vector
+# product on a GPU: layernorm before it) is computed in the product's kernel where it costs at most PROLOGUE_OPS
+# operations per element (its statistics' counted too) instead of a buffer written and read back and a kernel of its
+# own; a statistic (a reduce whose result is the same along the enclosing reduce: a row's mean) fuses where it reduces
+# at most STAT_RATIO times as many elements per kernel point as the enclosing reduce (each point computes it once)
+PROLOGUE_OPS, STAT_RATIO = 24, 2
 
 class DeviceFacts(Protocol):
     """What the scheduler may know of a device: read-only facts, its load, and its renderer."""
@@ -363,7 +369,7 @@ class Planner:
             found = True
         return found
 
-    def tiled_product(self, nid: int, device: str) -> bool:
+    def tiled_product(self, nid: int, device: str, least_k: int = 64) -> bool:
         """Whether reduce `nid` is a matrix product of 16 rows or more, K 64 or more, of a dtype that the device's
         product template takes (gemm: float32, float16/bfloat16 on tensor cores; gemm_host: all three): it
         gets that kernel, a kernel of its own, rather than being fused into its consumer (a bias, an activation) as a
@@ -377,7 +383,7 @@ class Planner:
             return False
         src = self.graph[n.src[0]]
         axis = n.arg[1][0]
-        if (src.op is not Op.BINARY or src.arg != "mul" or len(src.src) != 2 or src.shape[axis] < 64
+        if (src.op is not Op.BINARY or src.arg != "mul" or len(src.src) != 2 or src.shape[axis] < least_k
                 or len(src.shape) < 3):
             return False
         col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
@@ -834,6 +840,7 @@ class KernelBuild:
         self.reduce_work = 0
         self.rcount = 0
         self.path: list[int] = []  # nodes being built, outermost first
+        self.reducing: list[tuple[int, frozenset[Var], int]] = []  # reduces being built: (node, vars, size)
         self.load_paths: dict[int, tuple[int, ...]] = {}
 
     def load(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> V:
@@ -878,8 +885,8 @@ class KernelBuild:
         if multi and nid in p.walk.heavy:  # a fused reduce below it (through any ops): compute once, not per consumer
             return self.load(nid, idx, cond)
         if op in ELEMENTWISE:
-            if multi and self.second_map(nid, idx, cond):  # read under a second index map: compute it once instead
-                return self.load(nid, idx, cond)
+            if multi and self.second_map(nid, idx, cond) and not self.recomputable(nid):
+                return self.load(nid, idx, cond)  # read under a second index map: compute it once instead
             srcs = [self.value(s, idx, cond, in_reduce) for s in n.src]
             if n.arg2 is not None and op is Op.BINARY:  # x op number: the number is a scalar argument
                 k = p.walk.scalar_of.get(nid)
@@ -903,14 +910,15 @@ class KernelBuild:
         if op is Op.REDUCE:
             fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
                            and p.split_parts(nid, self.device) is None and not self.epilogue_of_product(nid))
-            if not fuse:
+            if not fuse and not self.statistic(nid, idx):
                 return self.load(nid, idx, cond)
             return self.reduce(n, idx, cond)
         if op is Op.EXPAND:
             src_idx = tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape))
             # computed once, not once per broadcast copy (matmul inputs); a single element is computed once per kernel
             # anyway (it depends on no loop), so it fuses instead of costing a kernel of its own
-            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) > EXPAND_REALIZE and p.computes(n.src[0]):
+            if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) > EXPAND_REALIZE and p.computes(n.src[0]) \
+                    and not self.prologue(n.src[0], src_idx):
                 return self.load(n.src[0], src_idx, cond)
             return self.value(n.src[0], src_idx, cond, in_reduce)
         if op is Op.PERMUTE:
@@ -963,6 +971,73 @@ class KernelBuild:
         g = self.p.graph
         return (any(g[x].op not in MOVEMENT for x in self.path[:-1]) and self.p.tiled_product(nid, self.device))
 
+    def prologue(self, nid: int, idx: tuple[Lin, ...]) -> bool:
+        """Whether operand `nid`, broadcast into the reduce being built and read at `idx`, is computed in this kernel
+        (a prologue) rather than realized first: the device runs a work item (or group) per output point, as a GPU
+        does, where a matrix-vector product is bound by reading its weight and the recomputation hides behind it (on
+        a host device it did not: c:0, (1, 768) @ (768, 3072) 0.62 -> 1.26 ms with a layernorm prologue, x @ W.T
+        0.46 -> 4.3 ms, more than the three kernels it saved); the reduce is no product that a template takes (those
+        read their operands from memory: Planner.tiled_product); the operand costs at most PROLOGUE_OPS operations
+        per element (prologue_ops)."""
+        p = self.p
+        dl = p.rt.device(self.device).dialect
+        if not self.reducing or dl is None or not dl.global_ids or \
+                any(p.tiled_product(r, self.device, 1 if self.alone(r) else 64) for r, _, _ in self.reducing):
+            return False
+        moving = frozenset().union(*(rv for _, rv, _ in self.reducing))
+        return self.prologue_ops(nid, any(v in moving for i in idx for v in lin_vars(i))) <= PROLOGUE_OPS
+
+    def alone(self, nid: int) -> bool:
+        """Whether node `nid`, being built, is all the kernel computes (only movement ops above it): a product alone
+        takes its device's template at any K."""
+        return all(self.p.graph[i].op in MOVEMENT for i in self.path[:self.path.index(nid)])
+
+    def prologue_ops(self, nid: int, along: bool = True) -> int:
+        """Operations per element of computing `nid` in a kernel: elementwise ops and reduces down to what the kernel
+        loads (realized nodes, and shared nodes over a fused reduce, which get a buffer); PROLOGUE_OPS + 1 for an
+        op that is a kernel of its own (attention, scatter, assignment) or, where `nid` is read `along` the enclosing
+        reduce, a reduce of as many elements as `nid` (a product below a bias and an activation: those are its
+        kernel's epilogue, computed once per element there rather than once per use here; a statistic read across
+        the reduce is computed once per kernel point anyway)."""
+        p, seen, ops, stack = self.p, set(), 0, [nid]
+        numel = prod(p.graph[nid].shape) if along else 0
+        while stack and ops <= PROLOGUE_OPS:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            m = p.graph[i]
+            if i in p.done or m.buffer is not None or m.op in (Op.CONST, Op.TODEVICE) or i in p.targets or \
+                    p.walk.consumers.get(i, 0) > 1 and i in p.walk.heavy:
+                continue
+            if m.op in (Op.SCATTER, Op.ASSIGN, Op.ATTENTION) or m.op is Op.REDUCE and along and prod(m.shape) >= numel:
+                return PROLOGUE_OPS + 1
+            ops += m.op not in MOVEMENT
+            stack.extend(m.src)
+        return ops
+
+    def statistic(self, nid: int, idx: tuple[Lin, ...]) -> bool:
+        """Whether reduce `nid`, read inside another reduce, is computed in this kernel: a statistic of a prologue
+        (a row's mean or variance), read at an index that does not move with the enclosing reduce (so each kernel
+        point computes it once, before that loop), of one consumer, reducing at most STAT_RATIO times as many
+        elements as the enclosing reduce does per point (see prologue)."""
+        if not self.reducing or self.p.walk.consumers.get(nid, 0) != 1:
+            return False
+        n = self.p.graph[nid]
+        if self.p.split_parts(nid, self.device) is not None:
+            return False
+        moving = frozenset().union(*(rv for _, rv, _ in self.reducing))
+        if any(v in moving for i in idx for v in lin_vars(i)):
+            return False
+        src_shape = self.p.graph[n.src[0]].shape
+        return prod([src_shape[a] for a in n.arg[1]]) <= STAT_RATIO * self.reducing[0][2]
+
+    def recomputable(self, nid: int) -> bool:
+        """Whether elementwise node `nid`, shared and read here under a second index map, is computed again rather
+        than realized: inside a reduce (a prologue: `x - mean` is read by the variance and by the product), cheap
+        (prologue_ops)."""
+        return bool(self.reducing) and self.prologue_ops(nid) <= PROLOGUE_OPS
+
     def second_map(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> bool:
         """Whether node `nid`, shared by several consumers, is now read under a second index map."""
         ctx = self.contexts.setdefault(nid, set())
@@ -991,8 +1066,13 @@ class KernelBuild:
             for a in reversed(group):
                 new[a] = (var(rv) // inner) % src_shape[a] if a != group[0] else var(rv) // inner
                 inner *= src_shape[a]
-        self.reduce_work += prod([src_shape[a] for a in axes])
-        body = self.value(n.src[0], tuple(new), cond, True)
+        size = prod([src_shape[a] for a in axes])
+        self.reduce_work += size
+        self.reducing.append((self.path[-1], frozenset(rvars), size))
+        try:
+            body = self.value(n.src[0], tuple(new), cond, True)
+        finally:
+            self.reducing.pop()
         return self.vb.reduce(op, n.dtype, body, tuple(rvars))
 
 

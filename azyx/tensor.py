@@ -1732,38 +1732,31 @@ class Tensor:
     def _assigned(self, key: Any, value: Any) -> Tensor:
         """self with the view `key` replaced by `value` (the ASSIGN node; see __setitem__)."""
         shape = self.shape
-        axes: list[tuple] = []
-        region: list[builtins.int] = []
+        entries: list[tuple] = []  # per entry of the key: ("new",), ("slice", start, step, n), ("at" | "index", pos)
         positions: list[Tensor] = []
-        arrays = 0
         for k, dim in _key_axes(key if isinstance(key, tuple) else (key,), shape):
             if dim is None:
-                region.append(1)
+                entries.append(("new",))
                 continue
             n = shape[dim]
             if isinstance(k, slice):
                 start, _, step = k.indices(n)
-                axes.append(("slice", start, step, len(region)))
-                region.append(len(range(*k.indices(n))))
+                entries.append(("slice", start, step, len(range(*k.indices(n)))))
             elif isinstance(k, int | np.integer) and not isinstance(k, bool):
                 if not -n <= k < n:
                     raise IndexOutOfRange(f"index {k} is out of range for axis {dim} of size {n}")
-                axes.append(("at", len(positions)))
+                entries.append(("at", len(positions)))
                 pos = builtins.int(k) if isinstance(k, np.integer) else k  # (a traced int stays traced: azyx.jit)
                 positions.append(self._const_like(pos % n, shape=(), dtype=dtypes.int32))
             elif isinstance(k, Tensor) and not k.shape:
-                axes.append(("at", len(positions)))
+                entries.append(("at", len(positions)))
                 positions.append(self._rows(dim, k))
             elif isinstance(k, Tensor | list | np.ndarray):
-                arrays += 1
-                idx = self._rows(dim, k)
-                axes.append(("index", len(positions), tuple(range(len(region), len(region) + idx.ndim))))
-                positions.append(idx)
-                region.extend(idx.shape)
+                entries.append(("index", len(positions)))
+                positions.append(self._rows(dim, k))
             else:
                 raise IndexOutOfRange(f"unsupported index {k!r}")
-        if arrays > 1 or arrays and any(a[0] == "at" for a in axes):
-            raise IndexOutOfRange(f"an integer-tensor index in an assignment goes with slices only, got {key!r}")
+        axes, region = _assign_axes(entries, positions, key)
         if isinstance(value, Tensor):
             v = value
         elif isinstance(value, builtins.bool | builtins.int | builtins.float | np.generic):
@@ -1789,6 +1782,11 @@ class Tensor:
     def _region(self, arg: tuple, positions: Sequence[Tensor]) -> Tensor:
         """The view of self that ASSIGN's `arg` writes, as a tensor of the region's shape (the value's gradient)."""
         axes, region = arg
+        if sum(ax[0] == "index" for ax in axes) > 1:  # broadcast together (_assign_axes): numpy's gather of them
+            key = [positions[ax[1]] if ax[0] == "index" else
+                   slice(ax[1], ax[1] + ax[2] * region[ax[3]] if ax[1] + ax[2] * region[ax[3]] >= 0 else None, ax[2])
+                   for ax in axes]
+            return self[tuple(key)].reshape(region)
         x = self
         for d in reversed(range(len(axes))):  # last axis first: the axes before it keep their numbers
             ax = axes[d]
@@ -2366,6 +2364,45 @@ def _as_dtype(x: Any) -> DType | None:
         return to_dtype(x)
     except DTypeError:
         return None
+
+
+def _assign_axes(entries: list[tuple], positions: list[Tensor], key: Any) -> tuple[list[tuple], list[int]]:
+    """An assignment's axes (ASSIGN's arg, one per indexed axis) and the region it writes, from its key's `entries`
+    (Tensor._assigned). Several integer-tensor indices (with slices only) broadcast together, as numpy's: their shape
+    in the region where the first stood if they are adjacent, else in front (`cache[slots, :, positions] = kv`: one
+    row per sequence, each at its own slot and position); `positions` takes them broadcast."""
+    at = [i for i, e in enumerate(entries) if e[0] == "index"]
+    if len(at) > 1 and any(e[0] in ("at", "new") for e in entries) or at and any(e[0] == "at" for e in entries):
+        raise IndexOutOfRange(f"an integer-tensor index in an assignment goes with slices only, got {key!r}")
+    band: tuple[int, ...] | None = None  # the region axes of several broadcast indices
+    if len(at) > 1:
+        try:
+            shape = broadcast_shapes(*(positions[entries[i][1]].shape for i in at))
+        except ShapeError:
+            raise IndexOutOfRange(f"the integer-tensor indices of an assignment do not broadcast together: {key!r}") \
+                from None
+        for i in at:
+            positions[entries[i][1]] = positions[entries[i][1]]._broadcast_to(shape)
+    axes: list[tuple] = []
+    region: list[int] = []
+    for i, e in enumerate(entries):
+        if len(at) > 1 and band is None and (i == at[0] or at != list(range(at[0], at[-1] + 1))):
+            band = tuple(range(len(region), len(region) + len(shape)))
+            region.extend(shape)
+        if e[0] == "new":
+            region.append(1)
+        elif e[0] == "slice":
+            axes.append(("slice", e[1], e[2], len(region)))
+            region.append(e[3])
+        elif e[0] == "at":
+            axes.append(e)
+        elif band is not None:
+            axes.append(("index", e[1], band))
+        else:
+            idx = positions[e[1]]
+            axes.append(("index", e[1], tuple(range(len(region), len(region) + idx.ndim))))
+            region.extend(idx.shape)
+    return axes, region
 
 
 def _key_axes(key: tuple, shape: Shape) -> list[tuple[Any, int | None]]:

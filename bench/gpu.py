@@ -2,14 +2,18 @@
 same GPU) beside PyTorch's
 CUDA on that GPU, in the same run (issue 6's table, and issue 15's for Vulkan).
 
-    python bench/gpu.py [--quick] [--device cuda:0] [--only SDPA] [--out bench/RESULTS.md]
+    python bench/gpu.py [--quick] [--device cuda:0] [--out bench/RESULTS.md] [--only gemv,SDPA]
 
 Two timings per workload, both wall-clock around the await (azyx) or the call plus `torch.cuda.synchronize()`
 (PyTorch, every GPU synchronized), median of repeats after warm-up:
 - "1 op": one realize awaited (host overhead included: what a request handler sees);
 - "8 in flight": eight realizes submitted together and awaited together, per op (device throughput: the host
   work of one overlaps the GPU work of another), against eight PyTorch ops and one synchronize.
-Ratios are PyTorch time over azyx time (> 1: azyx is faster). TF32 is off in PyTorch. Transfers run through
+Ratios are PyTorch time over azyx time (> 1: azyx is faster). TF32 is off in PyTorch. `--only WORDS`: the workloads
+whose name holds one of the comma-separated words alone (no transfers, searched or crowd rows; nothing written).
+The matrix-vector rows (decode's linear layers: M = 1..64 rows against a weight read once, in both layouts, alone and
+with a layernorm prologue and a bias + GELU epilogue fused) are also given as a share of the device's copy bandwidth
+(a `copy` row is that ceiling as azyx reaches it). Transfers run through
 `UnifiedExecutor.execute_transfer` for every pair of devices present (peer between GPUs, host-staged to c:0).
 Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->` (`bench:vulkan-gpu` for a vulkan
 device, `bench:wgpu-gpu` for a wgpu device). Never asserts: it reports.
@@ -69,7 +73,7 @@ def torch_timed(torch: Any, fn: Callable[[], Any], repeats: int, n: int = 1, war
     return statistics.median(times)
 
 
-async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[list[list[str]], float]:
+async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple[list[list[str]], float]:
     rng = np.random.default_rng(0)
     n_chain = 1 << (22 if quick else 26)
     n_sum = 1 << (24 if quick else 28)
@@ -120,11 +124,19 @@ async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[
     for dt in ("float32", "bfloat16", "float16"):
         pair = [both(rng.standard_normal(shape, dtype=np.float32)) for shape in ((1, gemv), (gemv, gemv))]
         vectors[dt] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in pair]
+    decode = {}  # GPT-2 small's c_fc at decode time: M rows (sequences) of 768 against (768, 3072), both layouts
+    for dt in ("float32", "bfloat16", "float16"):
+        for m_rows in ((1, 32) if quick else (1, 8, 32, 64)):
+            ops = [both(rng.standard_normal(shape, dtype=np.float32) * scale) for shape, scale in
+                   (((m_rows, 768), 1.0), ((768, 3072), 0.05), ((3072, 768), 0.05), ((768,), 1.0), ((768,), 0.1),
+                    ((3072,), 0.1))]
+            decode[dt, m_rows] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in ops]
     t0 = time.perf_counter()
     await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])),
                        *(x for pair in halves.values() for x, _ in pair),
                        *(x for qkv in heads.values() for x, _ in qkv),
-                       *(x for pair in vectors.values() for x, _ in pair))
+                       *(x for pair in vectors.values() for x, _ in pair),
+                       *(x for ops in decode.values() for x, _ in ops))
     print(f"uploaded the inputs in {time.perf_counter() - t0:.2f} s", flush=True)
 
     # the device's copy bandwidth, the ceiling of the memory-bound rows (bytes read + written)
@@ -132,6 +144,7 @@ async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[
     copy_bw = 2 * 4 * n_sum / torch_timed(torch, lambda: big.copy_(ts), reps)
 
     cases: list[tuple[str, Callable[[], Tensor], Callable[[], Any], float, str]] = [
+        (f"copy {n_sum >> 20}M f32 (s + 0.5: read + write)", lambda: s + 0.5, lambda: ts + 0.5, 8 * n_sum, "GB/s"),
         (f"relu(a*b+c)*0.5+a, {n_chain >> 20}M f32", lambda: (a * b + c).relu() * 0.5 + a,
          lambda: torch.relu(ta * tb + tc) * 0.5 + ta, 16 * n_chain, "GB/s"),
         (f"sum, {n_sum >> 20}M f32", lambda: s.sum(), lambda: ts.sum(), 4 * n_sum, "GB/s"),
@@ -165,14 +178,29 @@ async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[
         cases.append((name, lambda x=x, w=w: x @ w, lambda tx=tx, tw=tw: tx @ tw, gemv * gemv * w.dtype.itemsize,
                       "GB/s"))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
+    for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (b, tb)) in decode.items():
+        size = w.dtype.itemsize * (768 * 3072 + m_rows * (768 + 3072))  # bytes moved: the weight once, x, the output
+        fused = (lambda x=x, w=w, g=g, beta=beta, b=b: ((x.layernorm() * g + beta) @ w + b).gelu(approximate="tanh"),
+                 lambda tx=tx, tw=tw, tg=tg, tbeta=tbeta, tb=tb: torch.nn.functional.gelu(
+                     torch.nn.functional.layer_norm(tx, (768,), tg, tbeta) @ tw + tb, approximate="tanh"))
+        for what, make, tfn in ((f"x @ W ({m_rows}, 768) @ (768, 3072)", lambda x=x, w=w: x @ w,
+                                 lambda tx=tx, tw=tw: tx @ tw),
+                                (f"x @ W.T ({m_rows}, 768) @ (3072, 768).T", lambda x=x, wt=wt: x @ wt.T,
+                                 lambda tx=tx, twt=twt: tx @ twt.T),
+                                (f"gelu(layernorm(x) @ W + b) ({m_rows}, 768) @ (768, 3072)", *fused)):
+            name = f"gemv {what} {short[dt]}"
+            cases.append((name, make, tfn, size, "GB/s"))
+            tolerance[name] = {"bfloat16": 2e-2, "float16": 4e-3}.get(dt, 1e-4)
+    if only:
+        cases = [c for c in cases if any(word in c[0] for word in only)]
 
     def ten_ops(s: Any) -> Any:  # azyx or torch
         return ((((s * 1.5 + s) * 2 - s) / 3).relu() * s + 1).exp().sqrt() - s
 
-    cases.append(("10-op graph, 1024 f32, steady", lambda: ten_ops(small), lambda: ten_ops(tsmall), 0, "us"))
+    if not only:
+        cases.append(("10-op graph, 1024 f32, steady", lambda: ten_ops(small), lambda: ten_ops(tsmall), 0, "us"))
     rows = []
     full_reps = reps
-    cases = [c for c in cases if only in c[0]]  # (--only: the workloads whose names hold it)
     for name, make, tfn, work, unit in cases:
         print(f"timing {name}", flush=True)
         one = await timed(lambda make=make: make().realize(), 1, warmup=1)
@@ -189,7 +217,8 @@ async def workloads(torch: Any, dev: str, quick: bool, only: str = "") -> tuple[
         def rate(t: float, work: float = work, unit: str = unit) -> str:
             return f"{t * 1e6:.1f}" if unit == "us" else f"{work / t / 1e9:.0f}"
 
-        rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many), rate(t_many),
+        share = f" ({work / many / copy_bw:.0%} of copy)" if name.startswith("gemv") else ""
+        rows.append([name, unit, rate(one), rate(t_one), f"{t_one / one:.2f}x", rate(many) + share, rate(t_many),
                      f"{t_many / many:.2f}x"])
     reps = full_reps
     if not only:
@@ -301,13 +330,13 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     ap.add_argument("--device", default="cuda:0", help="the azyx device to time (cuda:N, vulkan:N or wgpu:N)")
-    ap.add_argument("--only", default="", help="time only the workloads whose names contain this (e.g. SDPA); "
-                    "no searched, concurrency or transfer rows")
+    ap.add_argument("--only", default="", help="comma-separated words: the workloads whose name holds one, alone")
     args = ap.parse_args()
     dev = args.device
+    only = [w for w in args.only.split(",") if w]
     label = RT.device(dev).label  # type: ignore[attr-defined]
-    w, copy_bw = await workloads(torch, dev, args.quick, args.only)
-    tr = [] if args.only else await transfers(torch, dev, args.quick)
+    w, copy_bw = await workloads(torch, dev, args.quick, only)
+    tr = [] if only else await transfers(torch, dev, args.quick)
     api = dev.split(":")[0]
     kind = {"cuda": "CUDA", "vulkan": f"{dev} (Vulkan)", "wgpu": f"{dev} (WebGPU)"}.get(api, dev)
     start, end = {"cuda": (START, END), "vulkan": (VK_START, VK_END), "wgpu": (WG_START, WG_END)}.get(api, (START, END))
@@ -322,7 +351,8 @@ async def main() -> None:
         "Transfers (GB/s of payload) through `UnifiedExecutor.execute_transfer`, beside PyTorch's `.to()`:", "",
         table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "", end])
     print(text)
-    write_section(Path(args.out), start, end, text)
+    if not only:
+        write_section(Path(args.out), start, end, text)
 
 
 if __name__ == "__main__":

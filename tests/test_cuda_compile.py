@@ -461,3 +461,30 @@ def test_float32_products_keep_their_accumulators_in_registers(roomy: None) -> N
         assert b"0 bytes spill stores, 0 bytes spill loads" in log, (g.tile, g.simt, log.decode())
     assert tiles == {(128, 128), (128, 64), (64, 64)}
     assert gemm.match(kernels_of(x @ y)[0].kernel).simt == gemm.SimtTile(128, 128, 2, 2, lm=4, bk=8)  # type: ignore
+
+
+class PassThrough:
+    """An attention view that hands the values back (the decode attention is planned on its own)."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        return v
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("batch", [1, 32])
+def test_fused_decode_layer_renders_and_compiles(roomy: None, dtype: str, batch: int) -> None:
+    """GPT-2 small's layer at decode time (attention aside): at batch 1 four kernels (layernorm, bias, GELU and the
+    residual fused into the products: tests/test_fusion.py), each product reduced by a block per output with its
+    layernorm's statistics computed by that block first; at batch 32 the products take the tiled template. NVRTC
+    compiles every kernel for sm_90."""
+    from azyx.dtypes import to_dtype
+    from azyx.models.gpt2 import Block, GPT2Config
+
+    e = 768
+    block = Block(GPT2Config(n_layer=1, n_head=12, n_embd=e), 0, to_dtype(dtype), DEV)
+    for _, p in block.named_parameters():
+        p.assign(t(*p.shape).cast(dtype))
+    steps = kernels_of(block(t(batch, 1, e).cast(dtype), PassThrough()))
+    if batch == 1:
+        assert len(steps) == 4 and all(group_size(s.kernel, CUDA) for s in steps)
+    compile_all(steps)

@@ -73,6 +73,35 @@ def test_setitem_with_tensor_positions(device: str) -> None:
         t.numpy_sync()
 
 
+def test_setitem_with_several_tensor_indices(device: str) -> None:
+    """Integer-tensor indices broadcast together as numpy's: a KV cache's rows, each at its own slot and position
+    (adjacent indices keep their place in the region, separated ones go in front); a key-value gradient too."""
+    x = np.random.default_rng(3).standard_normal((5, 3, 8, 4)).astype(np.float32)
+    slots, rows = np.array([0, 4, 2], np.int32), np.array([1, 7, 3], np.int32)
+    for key in ((slots, slice(None), rows), (slots, rows % 3), (slice(1, 3), rows % 3, slots % 4)):
+        want = x.copy()
+        value = np.arange(want[key].size, dtype=np.float32).reshape(want[key].shape)
+        want[key] = value
+        t = Tensor(x, device=device)
+        t[tuple(Tensor(k, device=device) if isinstance(k, np.ndarray) else k for k in key)] = \
+            Tensor(value, device=device)
+        assert_matches(t, want, dtype="float32")
+    w = np.random.default_rng(4).standard_normal(x.shape).astype(np.float32)
+    tx, tv = Tensor(x, device=device), Tensor(np.ones((3, 3, 4), np.float32), device=device)
+    with GradientTape() as tape:
+        y = tx * 1
+        y[Tensor(slots, device=device), :, Tensor(rows, device=device)] = tv * 2
+        loss = (y * Tensor(w, device=device)).sum()
+    gx, gv = (g.numpy_sync() for g in tape.gradient(loss, [tx, tv]))
+    want_x = w.copy()
+    want_x[slots, :, rows] = 0
+    np.testing.assert_allclose(gx, want_x, rtol=1e-6)
+    np.testing.assert_allclose(gv, 2 * w[slots, :, rows], rtol=1e-6)
+    t = Tensor(x, device=device)
+    with pytest.raises(IndexOutOfRange, match="do not broadcast"):
+        t[Tensor(slots, device=device), :, Tensor(rows[:2], device=device)] = 1.0
+
+
 def test_bad_assignments_raise_at_the_call(device: str) -> None:
     t = Tensor(base(), device=device)
     with pytest.raises(IndexOutOfRange, match="index 4 is out of range"):

@@ -143,10 +143,10 @@ class _Renderer(Emitter):
         c = f"d{self.k.check}"
         self.emit(f"if ({bad}) {{ {c}[1] = {lo}; {c}[2] = {hi}; {c}[3] = {n}; {c}[0] = {int(v.arg.name[2:]) + 1}; }}")
 
-    def block(self, nodes: list[V], inner: Callable[[], list[str]]) -> None:
+    def block(self, nodes: list[V], inner: Callable[[], list[str]], uvars: list[Var] | None = None) -> None:
         """Emit `nodes` (topological order) nested in upcast loops by how many upcast vars each needs, then the
-        statements `inner` makes, innermost."""
-        uvars = self.k.uvars
+        statements `inner` makes, innermost (`uvars`: those loops alone, for a reduce that needs only some)."""
+        uvars = self.k.uvars if uvars is None else uvars
         depth = {id(v): max((uvars.index(u) + 1 for u in v.vars if u in self.uset), default=0) for v in nodes}
         saved = dict(self.names)
         for d in range(len(uvars) + 1):
@@ -529,10 +529,13 @@ class _Renderer(Emitter):
         if self.group:
             self.grouped_reduce(r, place, acc_t, init, name)
             return
-        dims = "".join(f"[{u.vmax + 1}]" for u in self.k.uvars)
+        # accumulators along the upcast vars the reduce depends on (a row's statistic in a product's prologue: its
+        # row's alone, or one)
+        uvars = [u for u in self.k.uvars if u in r.vars]
+        dims = "".join(f"[{u.vmax + 1}]" for u in uvars)
         if dims:
             self.emit(f"{acc_t} {name}{dims};")
-            self.block([], lambda: [f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)} = {init};"])
+            self.block([], lambda: [f"{name}{''.join(f'[{u.name}]' for u in uvars)} = {init};"], uvars)
         else:
             self.emit(f"{acc_t} {name} = {init};")
         use_red = not dims and self.dl.pragmas
@@ -549,7 +552,7 @@ class _Renderer(Emitter):
             self.loop(rv, p, opaque=bool(dims), step=unroll if rv is last else 1)
         body = self.collect([r.src[0]], place, r)
         body_v = r.src[0]
-        ref = f"{name}{''.join(f'[{u.name}]' for u in self.k.uvars)}"
+        ref = f"{name}{''.join(f'[{u.name}]' for u in uvars)}"
         comb = combine(op, r.dtype, self.dl)
 
         def step() -> list[str]:  # (the body value is referenced after emission inside the block)
@@ -560,7 +563,7 @@ class _Renderer(Emitter):
             if unroll > 1:
                 self.open("")
                 self.emit(f"{self.it} {last.name} = {last.name}_u + {j};")
-            self.block(body, step)
+            self.block(body, step, uvars)
             if unroll > 1:
                 self.close()
         for _ in rvars:

@@ -65,7 +65,9 @@ def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = N
 
 def group_size(k: Kernel, dl: Dialect) -> int:
     """The work-group size that reduces each output point of `k` on `dl`, or 0 for one work item per point.
-    Grouped: every reduce is flat (no reduce in its body), at least a group long, and either its loads run
+    Grouped: every reduce is flat (no reduce in its body that its own loop moves: a statistic of a product's
+    prologue, the same for every step of the product's loop, is computed before it, by the group too), at least a
+    group long, and either its loads run
     contiguously along it, or they do not along the outputs (then neither layout coalesces, and a group at least
     spreads the work), or the outputs are too few to occupy the device."""
     size = dl.group_size
@@ -74,7 +76,7 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     if dl.warp and k.global_size >= dl.warp_outputs:
         size = dl.warp  # outputs enough to fill the device with a warp each (no shared memory, no barrier)
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
-    if not reduces or any(r.src[0].has_reduce for r in reduces):
+    if not reduces or any(v.op == "reduce" and v.vars & set(r.arg[1]) for r in reduces for v in toposort(r.src[0])):
         return 0
     if k.group >= 0:  # an optimisation action chose it (search_actions); a size the dialect cannot tree-reduce: none
         return k.group if group_fits(k.group, dl) else 0

@@ -383,9 +383,8 @@ class Decode:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write each row's new key and value at its position in its slot, then attend over the slot's rows up to it."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
-        for i in range(q.shape[0]):
-            keys[self.slots[i], :, self.positions[i]] = k[i, :, 0]
-            values[self.slots[i], :, self.positions[i]] = v[i, :, 0]
+        keys[self.slots, :, self.positions] = k[:, :, 0]  # every row at once: one kernel, not one per row
+        values[self.slots, :, self.positions] = v[:, :, 0]
         w = self.window  # (every row's positions are below it: the rows past it are never read, nor gathered)
         return nn.scaled_dot_product_attention(q, keys[:, :, :w][self.slots], values[:, :, :w][self.slots],
                                                mask=self.mask, scale=scale)
