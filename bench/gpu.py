@@ -178,9 +178,10 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
         cases.append((name, lambda x=x, w=w: x @ w, lambda tx=tx, tw=tw: tx @ tw, gemv * gemv * w.dtype.itemsize,
                       "GB/s"))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
-    for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (b, tb)) in decode.items():
+    for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (bias, tb)) in decode.items():
         size = w.dtype.itemsize * (768 * 3072 + m_rows * (768 + 3072))  # bytes moved: the weight once, x, the output
-        fused = (lambda x=x, w=w, g=g, beta=beta, b=b: ((x.layernorm() * g + beta) @ w + b).gelu(approximate="tanh"),
+        fused = (lambda x=x, w=w, g=g, beta=beta, bias=bias: ((x.layernorm() * g + beta) @ w + bias).gelu(
+                     approximate="tanh"),
                  lambda tx=tx, tw=tw, tg=tg, tbeta=tbeta, tb=tb: torch.nn.functional.gelu(
                      torch.nn.functional.layer_norm(tx, (768,), tg, tbeta) @ tw + tb, approximate="tanh"))
         for what, make, tfn in ((f"x @ W ({m_rows}, 768) @ (768, 3072)", lambda x=x, w=w: x @ w,
