@@ -49,6 +49,26 @@ async def test_embeddings_match_sentence_transformers(model: Any) -> None:
     assert cosines(got, live).min() >= 0.9999
 
 
+async def test_sentences_of_mixed_lengths_run_packed_and_match_the_padded_forward(model: Any) -> None:
+    """A batch of sentences of mixed lengths runs packed (their tokens back to back: no padding rows in the products);
+    it gives the padded forward's rows, and each sentence's own when embedded alone. One length: padded."""
+    from azyx import Tensor
+
+    sentences = REFERENCE["sentences"]
+    encoded = model.encode(sentences)
+    ids, positions, rows, back, mask = model.pack(encoded)
+    assert len(ids) < mask.size * 0.8 and model.pack([encoded[0]] * 4) is None
+    assert all((ids[rows[i, : len(e)]] == e).all() and (positions[rows[i, : len(e)]] == np.arange(len(e))).all()
+               for i, e in enumerate(encoded))
+    assert all((back[rows[i, : len(e)]] == i * mask.shape[1] + np.arange(len(e))).all() for i, e in enumerate(encoded))
+    packed = await model.embed(sentences)
+    padded = await (await model.staged(*(Tensor(a, device="c:0") for a in model.pad(encoded)))).numpy()
+    alone = np.concatenate([await model.embed([s]) for s in sentences])
+    assert cosines(packed, padded[: len(sentences)]).min() >= 0.99999
+    assert cosines(packed, alone).min() >= 0.99999
+    assert cosines(packed, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
+
+
 @pytest.mark.parametrize("max_wait", [0.0, 0.05])
 async def test_service_batches_many_concurrent_requests(model: Any, max_wait: float) -> None:
     """Concurrent callers share batches, whether the batcher waits for more sentences or takes what is queued."""
