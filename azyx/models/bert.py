@@ -101,18 +101,39 @@ class SelfAttention(nn.Module):
         self.query = nn.Linear(hidden, hidden, device=device)
         self.key = nn.Linear(hidden, hidden, device=device)
         self.value = nn.Linear(hidden, hidden, device=device)
+        # the three projections' weights and biases side by side, with the ids of the parameters they were made of
+        self._fused: tuple[tuple[int, ...], Tensor, Tensor] | None = None
+
+    def _projections(self) -> list[Tensor]:
+        return [p for lin in (self.query, self.key, self.value) for p in (lin.weight, lin.bias) if p is not None]
+
+    def fuse(self) -> list[Tensor]:
+        """Make the three projections one product of (3 hidden, hidden) (x read and packed once, one kernel, one gather
+        when packed): its weight and bias, to realize before the forward is traced (the trace's constants, as the
+        parameters are). Unused once a parameter is assigned anew (the forward then takes the three products)."""
+        ps = self._projections()
+        w = Tensor.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = Tensor.cat([self.query.bias, self.key.bias, self.value.bias])
+        self._fused = (tuple(p.id for p in ps), w, bias)
+        return [w, bias]
 
     def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
         """x (b, n, hidden); or, with `packing`, the batch's tokens back to back (tokens, hidden): the products run on
         those rows only, attention on the (b, n) layout gathered from them and scattered back."""
         b, n = mask.shape[0], mask.shape[-1]
         hidden, h = x.shape[-1], self.heads
+        fused = self._fused
+        if fused is not None and fused[0] == tuple(p.id for p in self._projections()):
+            qkv = x @ fused[1].T + fused[2]
+            qkv = (qkv if packing is None else qkv[packing.rows]).reshape(b, n, 3, h, hidden // h)
+            q, k, v = (qkv[:, :, i].permute(0, 2, 1, 3) for i in range(3))  # (b, heads, n, hidden / heads)
+        else:
+            def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
+                t = t if packing is None else t[packing.rows]
+                return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
 
-        def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
-            t = t if packing is None else t[packing.rows]
-            return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
-
-        ctx = nn.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), mask)
+            q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        ctx = nn.scaled_dot_product_attention(q, k, v, mask)
         ctx = ctx.permute(0, 2, 1, 3).reshape(b, n, hidden)
         return ctx if packing is None else ctx.reshape(b * n, hidden)[packing.back]
 
@@ -207,6 +228,7 @@ class MiniLM(nn.Module):
                  if not name.startswith("pooler.") and name != "embeddings.position_ids"}  # (unused by the model)
         model.load_state_dict(state)
         await realize(*model.parameters())
+        await realize(*[t for layer in model.encoder.layer for t in layer.attention.self.fuse()])
         return model
 
     def encode(self, sentences: list[str]) -> list[list[int]]:
