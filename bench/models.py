@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -259,7 +260,8 @@ async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any
 def section(rows: list[list[str]], quick: bool, torch: Any, devices: list[str]) -> str:
     head = ["workload", "device", "azyx", "numpy", "torch (azyx speed-up over it)", "azyx / numpy", "target"]
     versions = f"python {platform.python_version()}, numpy {np.__version__}" + \
-        (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch is not None else "")
+        (f", torch {torch.__version__} ({torch.get_num_threads()} threads, OMP_WAIT_POLICY "
+         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})" if torch is not None else "")
     start, end = marks(devices)
     run = "quick" if quick else "full"
     lines = [start, "", f"## Transformer inference: models on {', '.join(devices)} ({run} run, written by "
@@ -279,6 +281,8 @@ def section(rows: list[list[str]], quick: bool, torch: Any, devices: list[str]) 
 
 async def main(args: argparse.Namespace) -> None:
     repeats = 10 if args.quick else 50
+    if args.omp_passive:  # (read when torch loads its OpenMP runtime)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     torch = import_torch()
     rows = []
     devices = [d for d in args.devices.split(",") if d in azyx.devices()]
@@ -313,6 +317,10 @@ if __name__ == "__main__":
     parser.add_argument("--devices", default="c:0")
     parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     parser.add_argument("--minilm-only", action="store_true", help="only the MiniLM rows (writes nothing)")
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="torch's OpenMP threads sleep at barriers (OMP_WAIT_POLICY=PASSIVE) rather than spin: "
+                        "on a machine with more runnable threads than cores, spinning ones take the cores from the "
+                        "threads they wait for (4-20x slower here at load 20)")
     parser.add_argument("--minilm-dir", type=Path, default=None,
                         help="an all-MiniLM-L6-v2 checkpoint directory other than the installed package's")
     asyncio.run(main(parser.parse_args()))
