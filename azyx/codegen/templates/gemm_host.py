@@ -57,7 +57,7 @@ HOST_BLOCKS: dict[int, tuple[Blocks, ...]] = {
 # 4096 x 384 x 1536 and 4096 x 1536 x 384: MC 288 / NC 1024 ran 5-20% faster than float32's 144 / 2048)
 DOT_BLOCKS = (Blocks(12, 32, 288, 384, 1024), Blocks(12, 32, 144, 384, 2048), Blocks(12, 32, 144, 384, 512),
               Blocks(12, 32, 192, 384, 1024))
-VERSION = 3  # part of the C and OpenCL CPU devices' identity: winners found for another template are not reused
+VERSION = 4  # part of the C and OpenCL CPU devices' identity: winners found for another template are not reused
 HALF_SCRATCH = 1 << 20
 PARTS_PER_THREAD = 4  # blocks of C per thread at least, where the product has that many MR x NR tiles
 FLOAT_LOADS = {"float32": "{x}", "float16": "(float)({x})", "bfloat16": "bf2f({x})"}
@@ -206,6 +206,9 @@ typedef float azyx_v4 __attribute__((vector_size(16)));
 typedef float azyx_v16u __attribute__((vector_size(64), aligned(4)));
 typedef float azyx_v8u __attribute__((vector_size(32), aligned(4)));
 typedef float azyx_v4u __attribute__((vector_size(16), aligned(4)));
+typedef int azyx_i16 __attribute__((vector_size(64)));
+typedef int azyx_i8 __attribute__((vector_size(32)));
+typedef int azyx_i4 __attribute__((vector_size(16)));
 /* Thread-local packing scratch, 64-byte aligned, grown as needed, freed when the thread ends. */
 static pthread_key_t azyx_scratch_key;
 static pthread_once_t azyx_scratch_once = PTHREAD_ONCE_INIT;
@@ -306,8 +309,8 @@ def _blocked_loops(g: Gemm, name: str, ctype: str, bl: Blocks, tile: str) -> str
         a_pack = _pack_pairs("A", "ap", "i0", "rows_ic", mr, a_si, a_sk)
         b_pack = _pack_pairs("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk)
     else:
-        a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load)
-        b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load)
+        a_pack = _pack("A", "ap", "i0", "rows_ic", mr, a_si, a_sk, load, _width(g.simd) // 4)
+        b_pack = _pack("B", "bp", "j0", "cols_jc", nr, b_sj, b_sk, load, _width(g.simd) // 4)
     f32 = g.dtype == "float32"
     # C's block: float32 C is written in place (a later K slice adds to it); another dtype goes through a float32
     # block (K unsliced: one pass), rounded once
@@ -351,7 +354,7 @@ void {name}(long lo, long hi, {ctype}* restrict d0, {params}) {{
 """
 
 
-def _pack(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int, load: str) -> str:
+def _pack(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int, load: str, vl: int = 0) -> str:
     """The loops that pack `n` rows (A) or columns (B) of operand `src` from `x0` on, K slice [k0, k0 + kn), into
     strips of `width` (strip s holds element (x, k) at `dst[s * width * kn + k * width + x % width]`; the last strip
     zero-padded). The loop along the operand's contiguous axis innermost, over the whole block where that is x (B as
@@ -373,15 +376,56 @@ def _pack(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int, l
         }}
       }}"""
     el = load.format(x=f"s[{'k' if s_k == 1 else f'k * {s_k}L'}]")
+    scalar = f"""for (long x = 0; x < {width} && x0 + x < n; x++) {{
+            const __typeof__({src}[0])* s = {src} + ({x0} + x0 + x) * {s_x}L + k0 * {s_k}L;
+            for (long k = k1; k < kn; k++) d[k * {width} + x] = {el};
+          }}"""
+    if not (s_k == 1 and load == "{x}" and vl > 1 and (width % vl == 0 or width < vl)):
+        return f"""{head}
+        for (long x0 = 0; x0 < n; x0 += {width}) {{
+          float* restrict d = {dst} + x0 * kn;
+          const long k1 = 0;
+          {scalar}
+        }}
+      }}"""
+    # float32 read along k (B as `x @ W.T` reads W, A as stored): VL x VL tiles of the operand transposed in vector
+    # registers, a whole strip at a time; a partial strip and K's last elements as above. A strip narrower than a
+    # vector (A's MR rows) stores whole vectors, each row's spill past the strip's width overwritten by the next row's
+    # store, the last one's by the scalar loop (which the vector loop leaves at least one k)
+    rows, last = min(width, vl), "<=" if width >= vl else "<"
     return f"""{head}
         for (long x0 = 0; x0 < n; x0 += {width}) {{
           float* restrict d = {dst} + x0 * kn;
-          for (long x = 0; x < {width} && x0 + x < n; x++) {{
-            const __typeof__({src}[0])* s = {src} + ({x0} + x0 + x) * {s_x}L + k0 * {s_k}L;
-            for (long k = 0; k < kn; k++) d[k * {width} + x] = {el};
-          }}
+          long k1 = 0;
+          if (x0 + {width} <= n)
+            for (; k1 + {vl} {last} kn; k1 += {vl})
+              for (long g = 0; g < {width}; g += {vl}) {{
+                const float* s = {src} + ({x0} + x0 + g) * {s_x}L + k0 + k1;
+                {_transpose(vl, rows, s_x, f"d + k1 * {width} + g", width)}
+              }}
+          {scalar}
         }}
       }}"""
+
+
+def _transpose(vl: int, rows: int, stride: int, out: str, ld: int) -> str:
+    """C statements: the `rows` x VL tile at `s` (rows `stride` floats apart; its last row read again for the VL -
+    rows past it) stored transposed at `out` (VL rows of VL floats, `ld` floats apart, in order), through VL vector
+    registers: log2(VL) rounds of two-input shuffles, round h swapping the off-diagonal h x h blocks of every 2h x 2h
+    block (row bit h with column bit h)."""
+    vt, vu = f"azyx_v{vl}", f"azyx_v{vl}u"
+    lines = [f"{vt} r{i} = *(const {vu}*)(s + {min(i, rows - 1) * stride}L);" for i in range(vl)]
+    h = vl // 2
+    while h:
+        lo = ", ".join(str(j if j & h == 0 else vl + j - h) for j in range(vl))  # row i: [A, C]
+        hi = ", ".join(str(j + h if j & h == 0 else vl + j) for j in range(vl))  # row i + h: [B, D]
+        for i in range(vl):
+            if i & h == 0:
+                lines.append(f"{{ const {vt} t = r{i}; r{i} = __builtin_shuffle(t, r{i + h}, (azyx_i{vl}){{{lo}}}); "
+                             f"r{i + h} = __builtin_shuffle(t, r{i + h}, (azyx_i{vl}){{{hi}}}); }}")
+        h //= 2
+    lines += [f"*({vu}*)({out} + {i * ld}) = r{i};" for i in range(vl)]
+    return "\n                ".join(lines)
 
 
 def _pack_pairs(src: str, dst: str, x0: str, n: str, width: int, s_x: int, s_k: int) -> str:
