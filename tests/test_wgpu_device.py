@@ -5,11 +5,15 @@ fallback refused, scalars bound without a recompile. Every result is checked aga
 
 from __future__ import annotations
 
+import gc
+from typing import Any
+
 import numpy as np
 import pytest
 
 import azyx
 from azyx import Tensor
+from azyx.device import Lent
 from azyx.errors import AllocationError, DTypeError
 from azyx.runtime import RT
 
@@ -217,3 +221,30 @@ async def test_new_scalar_values_compile_nothing() -> None:
     for s in (1.5, -2.0, 3.25, 1e-3):
         np.testing.assert_allclose(await (t * s + s).numpy(), x * np.float32(s) + np.float32(s), rtol=1e-6)
     assert len(dev.programs) == before
+
+
+# ------------------------------------------------------------------------------------------------ pooled memory
+def test_blocks_given_back_by_the_cyclic_gc_stay_usable() -> None:
+    """A Buffer or a lent staging/upload block that dies in a reference cycle gives its wgpu buffer back to the pool
+    from its finalizer, in the same GC pass that finalizes the wgpu buffer itself (wgpu-py releases its handle then):
+    the pool must not hand out a released buffer. Then sixteen 4 MiB uploads at once (through upload buffers) into
+    buffers from the pool and their read-backs (through staging buffers), against numpy."""
+    dev = RT.device(DEV)
+    n, count = 4 << 20, 16
+    rng = np.random.default_rng(7)
+    gc.collect()
+    cycle: list[Any] = [dev.alloc(n) for _ in range(count)]
+    cycle += [Lent(pool, n) for pool in (dev.staging, dev.uploads) for _ in range(4)]  # type: ignore[attr-defined]
+    cycle.append(cycle)
+    del cycle
+    assert gc.collect()
+    data = [rng.integers(0, 256, n, np.uint8) for _ in range(count)]
+    outs = [np.zeros(n, np.uint8) for _ in range(count)]
+    bufs = [dev.alloc(n) for _ in range(count)]
+    before = dev.submitted  # type: ignore[attr-defined]
+    writes = [dev.copy_from_host(d, b, [], d) for d, b in zip(data, bufs)]
+    last = max(dev.copy_to_host(b, o, [(dev, w)]) for b, o, w in zip(bufs, outs, writes))
+    dev.timeline.wait_sync(last)
+    assert dev.failure_in(before, last) is None, dev.failure_in(before, last)
+    for d, o in zip(data, outs):
+        np.testing.assert_array_equal(o, d)

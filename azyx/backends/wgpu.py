@@ -15,9 +15,10 @@ wgpu-py resolves from its own poller thread: no spinning); a read advances it it
 Memory: pooled storage buffers (sizes in multiples of 4 bytes: WebGPU copies and writes move 4-byte words); reads
 back copy into a pooled MAP_READ staging buffer and map it; writes are `queue.write_buffer` up to UPLOAD_DIRECT bytes,
 larger ones fill a pooled MAP_WRITE buffer and copy from it (2.4 GB/s against write_buffer's 0.7-1.0 for 64 MiB on
-lavapipe: write_buffer stages through a fresh allocation of the driver's each time). Limits come from the
-adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage binding size (a
-kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is refused with an
+lavapipe: write_buffer stages through a fresh allocation of the driver's each time). Each pool holds the buffers it
+makes until it lets them go (`_OwnedPool`): one given back by the cyclic GC is never one wgpu-py released. Limits come
+from the adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage binding size
+(a kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is refused with an
 AllocationError naming both), workgroups per dimension (the renderer folds long grids into a 2-D dispatch).
 """
 
@@ -106,6 +107,40 @@ def adapters(options: dict[str, Any]) -> list[Any]:
                   else len(order))
 
 
+class _OwnedPool(PoolAllocator):
+    """A pool of wgpu buffers that holds each one it makes (`blocks`, by id) until it lets it go: no buffer the pool
+    lends or keeps is ever garbage. A Buffer or Lent that dies in a reference cycle gives its block back from its
+    finalizer, in the same pass of the cyclic GC that finalizes the block's wgpu-py object, which releases its handle
+    (sets it to None): a pool holding its blocks only through their lenders would keep such a released buffer and
+    lend it again. Blocks given back past `keep` cached bytes are let go here (the pool underneath drops none): by
+    their last reference, which wgpu-native outlives for the commands queued that use them."""
+
+    def __init__(self, capacity: int, keep: int, create: Callable[[int], Any], what: str):
+        self.blocks: dict[int, Any] = {}
+        self.keep, self.make = keep, create
+        super().__init__(capacity, 1 << 62, self._own, what)
+        self.give = self.free  # the pool's own give-back (the native pool's, where the native core is)
+        self.free = self._free  # type: ignore[method-assign]
+
+    def _own(self, size: int) -> Any:
+        mem = self.make(size)
+        self.blocks[id(mem)] = mem
+        return mem
+
+    def _free(self, mem: Any, size: int) -> None:
+        """A block back (any thread, a finalizer's included): cached, or let go past `keep` cached bytes."""
+        if mem is not None and self.cached + size > self.keep:
+            self.blocks.pop(id(mem), None)
+            mem = None
+        self.give(mem, size)
+
+    def take_cached(self, keep: Callable[[Any], bool] | None = None) -> list[Any]:
+        out = super().take_cached(keep)
+        for mem in out:
+            self.blocks.pop(id(mem), None)
+        return out
+
+
 class _Program:
     """A kernel's pipeline and bind group layout, and how it binds: per buffer its ranges (`wgsl.bindings`: how many,
     the bytes of each), and the bytes of its scalars' uniform window (0: none)."""
@@ -142,6 +177,7 @@ class WgpuDevice(QueuedDevice):
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
     max_block_name = "max-buffer-size"
     shaders = True
+    allocator: _OwnedPool
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -184,11 +220,11 @@ class WgpuDevice(QueuedDevice):
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
         # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
-        self.allocator = PoolAllocator(self.capacity, self.capacity, self._storage, self.name)
+        self.allocator = _OwnedPool(self.capacity, self.capacity, self._storage, self.name)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
-        self.staging = PoolAllocator(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
+        self.staging = _OwnedPool(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
             size=_ceil4(size), usage=STAGING), f"{self.name} staging")
-        self.uploads = PoolAllocator(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
+        self.uploads = _OwnedPool(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
             size=_ceil4(size), usage=UPLOAD), f"{self.name} uploads")
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
@@ -486,3 +522,4 @@ class WgpuDevice(QueuedDevice):
         for pool in (self.allocator, self.staging, self.uploads):
             for mem in pool.take_cached():
                 mem.destroy()
+            pool.blocks.clear()  # (those lent go with their Buffers)
