@@ -514,7 +514,7 @@ async def to_numpy(t: Handle) -> np.ndarray:
 
 
 
-async def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan) -> np.ndarray:
+async def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan | None) -> np.ndarray:
     """The read of node `n`'s buffer on a device with a queue, queued now (done or not, the work that writes it is
     ahead of it in the queue); then the run that wrote it answers for its failures (an index out of range, its work on
     other devices) before the bytes are handed out."""
