@@ -28,7 +28,6 @@ import ctypes
 import dataclasses
 import operator
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -155,7 +154,6 @@ class CUDADevice(StagedCopies):
         self.sm90 = int(sms) if (major, minor) == (9, 0) else 0
         self.compile_arch = "sm_90a" if self.sm90 else self.arch
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
-        self.spin = float(options.get("spin_us", 20)) * 1e-6
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self.stream_h = int(self.stream)
         free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
@@ -499,14 +497,8 @@ class CUDADevice(StagedCopies):
         if ev is None or (self.posts and self.posts[0] <= v):
             return self.timeline.value >= v
         query, handle = self.hot.event_query, int(ev)
-        status = query(handle)
-        if status == NOT_READY and spin > 0:
-            deadline = time.perf_counter() + spin
-            while (status := query(handle)) == NOT_READY:
-                if time.perf_counter() > deadline:
-                    break
-        if status:  # not yet; an error stays for the waiter thread to report
-            return self.timeline.value >= v
+        if not self.spun(lambda: query(handle) != NOT_READY, spin) or query(handle):
+            return self.timeline.value >= v  # not yet; an error stays for the waiter thread to report
         done = []
         with self.lock, self.qlock:
             if self.waited >= self.handed:
