@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import queue
 import struct
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -108,12 +106,8 @@ class OpenCLDevice(QueuedDevice):
         self.max_local = int(self.cl_device.max_work_group_size)
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
-        # (command, its waits, its value) for the submit thread, in value order; None stops it
-        self.submits: queue.SimpleQueue[tuple[Callable[[list[Any] | None], Any], list[tuple[Device, int]], int] |
-                                        None] = queue.SimpleQueue()
-        self.submitter = threading.Thread(target=self._submit_loop, name=f"azyx-{self.name}-submit", daemon=True)
         self.start_waiter()
-        self.submitter.start()
+        self.submit_thread.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
     def identity(self) -> dict[str, Any]:
@@ -147,39 +141,17 @@ class OpenCLDevice(QueuedDevice):
         """The event of a device of this context."""
         return dev.events.get(v) if isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx else None
 
-    def _enqueue(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]],
-                 keep: Any) -> int:
-        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_loop`)."""
-        if not self.submitter.is_alive():
-            raise DeviceError(f"{self.name} is closed")
+    def submit(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]], v: int) -> Any:
+        """(The submit thread.) The command queued after its waits: the native ones as events, the rest as one user
+        event that their devices' timelines complete."""
+        wait_for, host = self.native_waits(waits)
+        if host:
+            uev = cl.UserEvent(self.ctx)
+            after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
+            wait_for.append(uev)
         with self.lock:
-            self.submitted += 1
-            v = self.submitted
-            self.holding[v] = keep
-            self.submits.put((enqueue, waits, v))
-            done = self._take_done()
-        del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        return v
-
-    def _submit_loop(self) -> None:
-        """The submit thread: each command queued in value order after its waits (the native ones as events, the
-        rest as one user event that their devices' timelines complete), then to the waiter thread; a command that
-        cannot be queued fails its value."""
-        while (item := self.submits.get()) is not None:
-            enqueue, waits, v = item
-            ev = None
-            try:
-                wait_for, host = self.native_waits(waits)
-                if host:  # one user event, completed once the other devices' timelines reach theirs
-                    uev = cl.UserEvent(self.ctx)
-                    after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
-                    wait_for.append(uev)
-                with self.lock:
-                    ev = self.events[v] = enqueue(wait_for or None)
-            except BaseException as e:
-                self.record_failure(v, e)
-            self.completions.put((ev, v, None))
-            del item, enqueue, ev
+            ev = self.events[v] = enqueue(wait_for or None)
+        return ev
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at
@@ -249,9 +221,7 @@ class OpenCLDevice(QueuedDevice):
 
     def close(self) -> None:
         """Queue what was handed over, finish the queue, stop the waiter thread and drop what completed work held."""
-        self.submits.put(None)
-        if self.submitter.is_alive():
-            self.submitter.join()
+        self.stop_submit_thread()
         try:
             self.queue.finish()
         except cl.Error:

@@ -21,6 +21,7 @@ import numpy as np
 
 from azyx.device import Buffer, Device, host_read
 from azyx.dtypes import DType
+from azyx.errors import DeviceError
 from azyx.graph import Shape, StridedView
 
 # (event, timeline value, what to run on the host once the command completed, before the timeline says so)
@@ -44,6 +45,12 @@ class QueuedDevice(Device):
         self.lock = threading.RLock()
         self.completions: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
         self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
+        # a subclass that submits from a thread of its own (OpenCL, wgpu): its commands by `_enqueue`, in value order,
+        # as (what to run, its waits, its value); None stops it (`stop_submit_thread`)
+        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int] | None] = queue.SimpleQueue()
+        self.submit_thread = threading.Thread(target=self._submit_each, name=f"azyx-{self.name}-submit", daemon=True)
+        self.through = 0  # the last value the submit thread is through with
+        self.closed = False
 
     # the API's part
     def start_waiter(self) -> None:
@@ -56,6 +63,11 @@ class QueuedDevice(Device):
     def wait_event(self, ev: Any, v: int) -> bool:
         """Block, with the GIL released, until `ev` (the event of the command of value `v`) completes; False when the
         command failed, its failure recorded (`record_failure`)."""
+        raise NotImplementedError
+
+    def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> Any:
+        """On the submit thread: queue the command of value `v` (`run`, as `_enqueue` was given it) after its waits.
+        Returns what the waiter thread waits on (`wait_event`); an exception fails the value."""
         raise NotImplementedError
 
     def retire(self, v: int, ev: Any) -> None:
@@ -127,6 +139,44 @@ class QueuedDevice(Device):
                 held = self.completed(v, post)
             del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
             self.timeline.signal(v)
+
+    def _enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any) -> int:
+        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`)."""
+        with self.lock:
+            if self.closed:
+                raise DeviceError(f"{self.name} is closed")
+            self.submitted += 1
+            v = self.submitted
+            self.holding[v] = keep
+            self.to_submit.put((run, waits, v))
+            done = self._take_done()
+        del done  # buffers of completed commands go back to their pools here, on the submitting thread
+        return v
+
+    def _submit_each(self) -> None:
+        """The submit thread: each command submitted in value order (`submit`), then to the waiter thread; a command
+        that cannot be submitted fails its value."""
+        while (item := self.to_submit.get()) is not None:
+            run, waits, v = item
+            ev = None
+            try:
+                ev = self.submit(run, waits, v)
+            except BaseException as e:
+                self.record_failure(v, e)
+            self.through = v
+            self.completions.put((ev, v, None))
+            del item, run, ev
+
+    def stop_submit_thread(self) -> bool:
+        """Let the submit thread submit what was queued, then stop it; False: it was stopped already."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            self.to_submit.put(None)
+        if self.submit_thread.is_alive():
+            self.submit_thread.join(timeout=30)
+        return True
 
     def _take_done(self) -> list[Any]:
         """Under the lock: what completed commands held that the waiter thread has not dropped (the queue is in

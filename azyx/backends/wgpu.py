@@ -4,10 +4,10 @@ renderer (codegen/wgsl.py), one pipeline each with an explicit layout: its buffe
 uniform window of the device's words buffer (written by `queue.write_buffer` before each submission, so a new value
 compiles nothing).
 
-Queue and completion: one worker thread per device owns every submission (submit, write_buffer, map). A driver may
-block a second `queue.submit` or a `map_async` while earlier work runs (lavapipe does), so none of them happen on the
-event loop: the loop only numbers a work item (its TimelineSignal value) and hands it to the worker. The worker waits
-for the item's waits on other devices (their timelines), encodes and submits it. A completion thread advances the
+Queue and completion: one submit thread per device (QueuedDevice's) owns every submission (submit, write_buffer, map).
+A driver may block a second `queue.submit` or a `map_async` while earlier work runs (lavapipe does), so none of them
+happen on the event loop: the loop only numbers a work item (its TimelineSignal value) and hands it to that thread. It
+waits for the item's waits on other devices (their timelines), encodes and submits it. A completion thread advances the
 timeline to the newest item submitted once the queue says its work is done (`queue.on_submitted_work_done_sync`, which
 wgpu-py resolves from its own poller thread: no spinning); a read advances it itself once its staging buffer is mapped
 (which implies everything before it: the queue is in order).
@@ -27,8 +27,6 @@ from __future__ import annotations
 import collections
 import functools
 import os
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -164,14 +162,10 @@ class _Program:
         return out
 
 
-# a work item of the device's queue: its timeline value, the (device, value) pairs it waits for, and what the worker
-# does for it (None: nothing but waiting; it returns True when the item's completion is known on return)
-_Item = tuple[int, list[tuple[Device, int]], Callable[[], bool] | None]
-
-
 class WgpuDevice(QueuedDevice):
-    """WebGPU has no events: a worker thread runs each item once its waits are reached (a submission of commands),
-    and the event queue's waiter thread waits for the work submitted so far (`wait_event`)."""
+    """WebGPU has no events: the submit thread runs each item once its waits are reached (a callable that submits
+    commands and says whether their completion is known on return, or None: nothing but waiting), and the event
+    queue's waiter thread waits for the work submitted so far (`wait_event`)."""
 
     kind = "wgpu"
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
@@ -228,13 +222,9 @@ class WgpuDevice(QueuedDevice):
             size=_ceil4(size), usage=UPLOAD), f"{self.name} uploads")
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
-        self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self.closed = False
-        self.worked = 0  # the last value the worker is done with (its commands submitted to wgpu)
         self.done = 0  # the last value known complete (`wait_event`: one wait covers all submitted before it)
         self._warm_up()
-        self.worker = threading.Thread(target=self._work, name=f"azyx-{self.name}-queue", daemon=True)
-        self.worker.start()
+        self.submit_thread.start()
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({info['adapter_type']}, wgpu {wgpu.__version__}; "
                                  f"features {', '.join(sorted(self.features)) or 'none'}; storage bindings up to "
@@ -330,44 +320,26 @@ class WgpuDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ the queue
     def _enqueue(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], keep: Any) -> int:
-        """Number a work item and hand it to the worker thread (the loop's whole part of any submission)."""
-        with self.lock:
-            self.check_alive()
-            if self.closed:
-                raise DeviceError(f"{self.name} is closed")
-            self.submitted += 1
-            v = self.submitted
-            self.holding[v] = keep
-            self.items.put((v, [w for w in waits if w[0].timeline.value < w[1]], run))
-            done = self._take_done()
-        del done  # buffers of completed items go back to their pools here, on the submitting thread
-        return v
+        """Number a work item and hand it to the submit thread (the loop's whole part of any submission)."""
+        self.check_alive()
+        return super()._enqueue(run, waits, keep)
 
-    def _work(self) -> None:
-        """The worker: items in order, each after its waits, then to the waiter thread (`wait_event`)."""
-        while (item := self.items.get()) is not None:
-            v, waits, run = item
-            known = False
-            try:
-                for dev, u in waits:
-                    try:
-                        dev.timeline.wait_sync(u)
-                    except Exception as e:  # a device it waits for failed: its input is lost, and so is this work
-                        self.record_failure(v, e)
-                if run is not None and v not in self.failures:
-                    known = run()
-            except BaseException as e:
-                self.record_failure(v, e)
-            self.worked = v
-            self.completions.put((known, v, None))
-            del item, run
+    def submit(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], v: int) -> bool:
+        """(The submit thread.) The item run after its waits; True: its own work says it is complete."""
+        for dev, u in waits:
+            if dev.timeline.value < u:
+                try:
+                    dev.timeline.wait_sync(u)
+                except Exception as e:  # a device it waits for failed: its input is lost, and so is this work
+                    self.record_failure(v, e)
+        return run is not None and v not in self.failures and run()
 
     def wait_event(self, known: bool, v: int) -> bool:
         """Item `v` is complete where its own work said so (a read, mapped), else once the queue's work submitted so
         far is (wgpu-py resolves that from its poller thread): one wait covers every item before."""
         if known or v <= self.done:
             return True
-        upto = self.worked
+        upto = self.through
         try:
             self.queue.on_submitted_work_done_sync()
         except Exception as e:
@@ -510,13 +482,9 @@ class WgpuDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Let the worker finish the items queued, then give the pooled buffers back to the driver."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            self.items.put(None)
-        self.worker.join(timeout=30)
+        """Let the submit thread finish the items queued, then give the pooled buffers back to the driver."""
+        if not self.stop_submit_thread():
+            return
         self.stop_waiter()
         self.groups.clear()
         for pool in (self.allocator, self.staging, self.uploads):
