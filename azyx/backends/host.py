@@ -87,11 +87,15 @@ class WorkQueue:
                     self.native.put(fn, v)
                     self.native_last = v
                     return v
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
-                self.thread.start()
-            self.q.put((fn, waits, v))
+            self._to_worker((fn, waits, v))
         return v
+
+    def _to_worker(self, item: Any) -> None:
+        """(Under the lock.) An item for the worker thread, started with the first."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
+            self.thread.start()
+        self.q.put(item)
 
     def reserve(self) -> int:
         """The next timeline value, for a work item handed over later (`submit_reserved`); items submitted meanwhile
@@ -119,10 +123,7 @@ class WorkQueue:
                 self.native_last = v
             else:
                 self.reserved[v] = fn
-                if self.thread is None:
-                    self.thread = threading.Thread(target=self._loop, name=f"azyx-{self.name}", daemon=True)
-                    self.thread.start()
-                self.q.put((_HANDED, v))  # (wakes an idle worker; one that took a later item waits on `handed`)
+                self._to_worker((_HANDED, v))  # (wakes an idle worker; one that took a later item waits on `handed`)
             self.handed.notify_all()
 
     def _reserved_before(self, u: int) -> None:
