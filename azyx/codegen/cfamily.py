@@ -425,7 +425,7 @@ class _Renderer(Emitter):
         if dl.max_trips:  # enough steps per iteration to stay within the driver's bound
             copies = max(copies, -(-trip // (size * dl.max_trips)))
         if copies > 1:  # `copies` steps per iteration, so that their loads are in flight together
-            self.open("")  # (a scope of its own: a kernel may hold several grouped reduces, a fused prologue's statistics)
+            self.open("")  # (a scope of its own: a kernel may hold several grouped reduces, a prologue's statistics)
             self.emit(f"{it} rl0 = lid;")
             self.open(f"for (; rl0 + {(copies - 1) * size} < {trip}; rl0 += {copies * size})")
             for u in range(copies):
