@@ -61,7 +61,11 @@ async def test_sentences_of_mixed_lengths_run_packed_and_match_the_padded_forwar
     assert all((ids[rows[i, : len(e)]] == e).all() and (positions[rows[i, : len(e)]] == np.arange(len(e))).all()
                for i, e in enumerate(encoded))
     assert all((back[rows[i, : len(e)]] == i * mask.shape[1] + np.arange(len(e))).all() for i, e in enumerate(encoded))
-    packed = await model.embed(sentences)
+    model.pack_mixed = True
+    try:
+        packed = await model.embed(sentences)
+    finally:
+        model.pack_mixed = False
     padded = await (await model.staged(*(Tensor(a, device="c:0") for a in model.pad(encoded)))).numpy()
     alone = np.concatenate([await model.embed([s]) for s in sentences])
     assert cosines(packed, padded[: len(sentences)]).min() >= 0.99999

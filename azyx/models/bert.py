@@ -15,7 +15,8 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
 - A batch of sentences of mixed lengths runs packed (`MiniLM.pack`, as TEI runs it): the sentences' tokens back to
   back, so the products and the feed-forward (nearly all the work) run on the real tokens only, not on the padding up
   to the longest; attention runs on the (batch, length) layout gathered from those rows, scattered back after. One
-  plan per (tokens, batch, length) bucket; sentences of about one length keep the padded forward.
+  plan per (tokens, batch, length) bucket; sentences of about one length keep the padded forward. Off unless
+  `model.pack_mixed` is set: its shapes are not bounded yet (a service would plan new ones while it serves).
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), pads them to a bucketed shape (so the
@@ -213,6 +214,9 @@ class MiniLM(nn.Module):
         # (a call skips building and walking the ~950 nodes of the graph); the weights are the trace's constants
         self.staged = jit(self.forward)
         self.staged_packed = jit(self.forward_packed)  # (per tokens, batch and length buckets)
+        # mixed-length batches packed (`pack`): off by default, since its shapes (a plan per tokens, batch and length
+        # bucket) are not bounded yet: a service would trace and plan new ones while it serves, and its plans grow
+        self.pack_mixed = False
 
     @staticmethod
     async def load(device: str = "c:0", progress: bool = False, directory: Path | None = None,
@@ -306,7 +310,7 @@ class MiniLM(nn.Module):
 
     async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
         """Embeddings of tokenized sentences (`encode`'s lists of ids), as a (len(encoded), 384) float32 array."""
-        packed = self.pack(encoded)
+        packed = self.pack(encoded) if self.pack_mixed else None
         if packed is None:
             emb = await self.staged(*(Tensor(a, device=self.device) for a in self.pad(encoded)))
         else:
