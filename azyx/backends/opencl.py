@@ -149,8 +149,9 @@ class OpenCLDevice(QueuedDevice):
             uev = cl.UserEvent(self.ctx)
             after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
             wait_for.append(uev)
+        ev = enqueue(wait_for or None)  # (not under the lock: PoCL's enqueue may block; the loop's _enqueue takes it)
         with self.lock:
-            ev = self.events[v] = enqueue(wait_for or None)
+            self.events[v] = ev
         return ev
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
