@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from azyx.allocator import bucket
 from azyx.backends.disk import DiskFile, Extent, FileRange, Target
 from azyx.device import EXTENT, RING
 from azyx.dtypes import dtypes
@@ -111,6 +112,7 @@ class SafetensorsStream:
         self.file: DiskFile | None = None
         self.entries: list[TensorEntry] = []
         self.next = 0  # index of the next entry to start reading
+        self.last_use: dict[int, int] = {}  # a host device's pooled block size -> the last entry that takes one
         self.ahead: deque[_Slot] = deque()  # started, not yet handed out (file order)
         self.ahead_bytes = 0  # read (or being read) but not yet handed out
         self.closed = False
@@ -184,6 +186,8 @@ class SafetensorsStream:
         self.widen_bf16 = dev.dialect is None or "bfloat16" not in dev.dialect.types
         self.file = await in_worker_thread(open_safetensors, self.path)
         self.entries = list(header_of(self.file).tensors.values())
+        self.last_use = {bucket(max(self._nbytes(e), 1)): i for i, e in enumerate(self.entries)
+                         if self._sharding(e.name) is None}
         if self.want_progress:
             from tqdm import tqdm
 
@@ -201,10 +205,16 @@ class SafetensorsStream:
     def _widens(self, entry: TensorEntry) -> bool:
         return self.widen_bf16 and entry.dtype is dtypes.bfloat16
 
-    def _fits(self, ahead: int) -> int:
-        """The index past the entries that `_start` would start with `ahead` bytes read ahead."""
+    def _nbytes(self, entry: TensorEntry) -> int:
+        """The bytes of the entry's buffer on the device (bfloat16 widened: twice the file's)."""
+        return entry.nbytes * (2 if self._widens(entry) else 1)
+
+    def _fits(self, ahead: int, budget: int | None = None) -> int:
+        """The index past the entries that `_start` would start with `ahead` bytes read ahead (of `budget`: the
+        prefetch)."""
         i = self.next
-        while i < len(self.entries) and ahead + self.entries[i].nbytes <= self.prefetch:
+        budget = self.prefetch if budget is None else budget
+        while i < len(self.entries) and ahead + self.entries[i].nbytes <= budget:
             ahead += self.entries[i].nbytes
             i += 1
         return i
@@ -216,8 +226,7 @@ class SafetensorsStream:
         dev = self.dev
         if self.direct or not dev.reserve_min:
             return
-        sizes = [e.nbytes * (2 if self._widens(e) else 1) for e in self.entries[self.next:end]
-                 if self._sharding(e.name) is None]
+        sizes = [self._nbytes(e) for e in self.entries[self.next:end] if self._sharding(e.name) is None]
         sizes = [n for n in sizes if n >= dev.reserve_min]
         if sizes and dev.allocator.cached < sum(sizes):
             await in_worker_thread(dev.reserve, sizes)
@@ -229,12 +238,11 @@ class SafetensorsStream:
         assert self.file is not None
         data_start = header_of(self.file).data_start
         extents: list[Extent] = []
+        end = min(len(self.entries), max(self._fits(self.ahead_bytes, budget), self.next + first))
+        drop = self._trim(self.next, end) if self.direct else []
         cur: Extent | None = None
-        while self.next < len(self.entries):
+        while self.next < end:
             entry = self.entries[self.next]
-            if self.ahead_bytes + entry.nbytes > budget and not first:
-                break
-            first = False
             self.next += 1
             self.ahead_bytes += entry.nbytes
             if self._sharding(entry.name) is not None:
@@ -243,6 +251,7 @@ class SafetensorsStream:
                 continue
             widen = self._widens(entry)
             slot = _Slot(entry, widen)
+            slot.drop = drop
             self.ahead.append(slot)
             if not self.dev.alloc_anywhere:  # (else the slot's first read allocates it, on a reader thread)
                 slot.allocate(self.dev)
@@ -262,6 +271,26 @@ class SafetensorsStream:
             if widen:
                 cur = None
         disk_device().load(self.dev, extents)
+
+    def _trim(self, begin: int, end: int) -> list[Any]:
+        """(A host device, before the buffers of entries `begin` to `end` are made.) Where the device's pool has no
+        cached block for one of them, take out of it the cached blocks that no entry left in the file would reuse (a
+        tensor's block the consumer dropped, of a size no later tensor has: the first, largest one, often), for the
+        new buffers to free before they are made (`Target.drop`): the pool grows for the stream only by what it holds
+        ahead and the tensor in use, so the host memory of a stream stays within `prefetch` + the largest tensor.
+        Blocks of sizes still to come stay cached (the next tensors reuse them)."""
+        pool = self.dev.allocator
+        if not pool.cached:
+            return []
+        sizes: dict[int, int] = {}
+        for entry in self.entries[begin:end]:
+            if self._sharding(entry.name) is None:
+                b = bucket(max(self._nbytes(entry), 1))
+                sizes[b] = sizes.get(b, 0) + 1
+        if all(len(pool.cached_blocks(b)) >= k for b, k in sizes.items()):
+            return []  # (the pool does not grow)
+        kept = {id(m) for b, last in self.last_use.items() if last >= begin for m in pool.cached_blocks(b)}
+        return pool.take_cached(keep=lambda m: id(m) in kept)
 
     async def _landed(self, slot: _Slot) -> Tensor:
         """The slot's tensor once its extents are read (their copies queued: its buffer ready at their value, like a
