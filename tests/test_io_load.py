@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -423,9 +424,6 @@ async def test_both_load_paths_keep_the_loops_heartbeat(tmp_path: Path, device: 
     quiet one), and the bytes are the file's."""
     from test_loop_latency import BOUND_MS, _worst_lateness_ms
 
-    if device == "wgpu:0":  # (its released-buffer failure is fixed: test_wgpu_device; this stall is not)
-        pytest.skip("wgpu:0: the stream makes its destinations on the loop's thread (wgpu-py create_buffer, 50-120 ms "
-                    "beside the reader threads on a loaded machine)")
     rng = np.random.default_rng(15)
     arrays = {f"w{i}": rng.standard_normal((1024, 1024)).astype(np.float32) for i in range(16)}  # 4 MiB each
     arrays.update({f"b{i}": rng.standard_normal(1000 + i).astype(np.float32) for i in range(16)})
@@ -492,3 +490,46 @@ def test_the_loop_keeps_its_heartbeat_during_a_first_load(tmp_path: Path) -> Non
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["rows"] == 24 * 256
     assert result["worst_ms"] < 250, result  # generous: a shared 2-core machine; the bench reports the real figure
+
+
+@pytest.mark.parametrize("path", ["stream", "lazy"])
+async def test_a_loads_large_destinations_are_made_off_the_loops_thread(tmp_path: Path, device: str, path: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block of 1 MiB and up that a load makes on the device is made on a thread other than the loop's: by the
+    reader threads (a stream onto host memory, `alloc_anywhere`) or a worker reserving it (`reserve_min`: a staged
+    stream's `load` and a plan's run take it from the pool's cache). A host device's plan (the lazy path on c) makes
+    its outputs on the loop: numpy's empty arrays, whose pages the reader threads fault in."""
+    from azyx.runtime import RT
+
+    await azyx.realize(Tensor(np.zeros(1, np.float32), device=device))  # (started)
+    dev = RT.device(device)
+    if path == "lazy" and not dev.reserve_min:
+        pytest.skip(f"{device}: reserve_min 0: a plan makes its outputs on the loop (host memory: np.empty, cheap)")
+    rng = np.random.default_rng(16)
+    # sizes no other test (nor the other path) makes, 1 MiB + 64 KiB steps + 4 KiB: not in the pool's cache, so made
+    first = 3 if path == "stream" else 20
+    arrays = {f"w{i:02d}": rng.standard_normal(((1 << 18) + (first + i) * (1 << 14) + 1024,)).astype(np.float32)
+              for i in range(14)}
+    p = tmp_path / "made.safetensors"
+    save_file(arrays, p)
+    made: list[tuple[int, int]] = []
+    create = dev.allocator.create
+
+    def recording(size: int) -> Any:
+        made.append((threading.get_ident(), size))
+        return create(size)
+
+    monkeypatch.setattr(dev.allocator, "create", recording)
+    got: dict[str, Tensor] = {}
+    if path == "stream":
+        async for name, t in azyx.io.stream_safetensors(p, device=device):
+            got[name] = t
+    else:
+        got = {name: t.to(device) for name, t in azyx.io.load_safetensors(p).items()}
+        await azyx.realize(*got.values())
+    loop = threading.get_ident()
+    big = [(tid, n) for tid, n in made if n >= 1 << 20]
+    assert big, f"{device} {path}: the load made no large block"
+    assert all(tid != loop for tid, _ in big), f"{device} {path}: large blocks made on the loop's thread: {big}"
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(await got[name].numpy(), a)

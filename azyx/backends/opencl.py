@@ -80,6 +80,8 @@ class OpenCLDevice(QueuedDevice):
     kind = "opencl"
     dialect = OPENCL
     tiles = True
+    alloc_anywhere = True  # (OpenCL's calls, clCreateBuffer's included, are thread-safe; the pool is locked)
+    reserve_min = 1 << 20  # (clCreateBuffer of a large block: made first on a worker thread, as on wgpu)
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:

@@ -222,14 +222,20 @@ class SafetensorsStream:
     async def _reserve(self, end: int) -> None:
         """The buffers of the entries up to `end` that `_start` will make on the loop's thread (a staged device's: its
         copies are queued there), made first on a worker thread where the device's pool lacks them and making them
-        is slow (`Device.reserve`: CUDA's cuMemAlloc waits on the driver's lock)."""
+        is slow (`Device.reserve_min`: a driver's allocation, which waits on its locks: CUDA's cuMemAlloc, wgpu's
+        create_buffer)."""
         dev = self.dev
         if self.direct or not dev.reserve_min:
             return
         sizes = [self._nbytes(e) for e in self.entries[self.next:end] if self._sharding(e.name) is None]
-        sizes = [n for n in sizes if n >= dev.reserve_min]
-        if sizes and dev.allocator.cached < sum(sizes):
-            await in_worker_thread(dev.reserve, sizes)
+        # (made first where the pool's cache lacks them: blocks of other sizes there do not count, or another load
+        # that had filled the cache left these to be made on the loop)
+        missing = dev.allocator.uncached([n for n in sizes if n >= dev.reserve_min])
+        if missing:
+            try:
+                await in_worker_thread(dev.reserve, missing)
+            except AzyxError:  # (one that does not fit raises when its tensor is asked for: its neighbours load)
+                pass
 
     def _start(self, budget: int, first: bool = False) -> None:
         """Start reading the next entries while the bytes ahead fit in `budget` (the next one whatever its size when
@@ -253,7 +259,8 @@ class SafetensorsStream:
             slot = _Slot(entry, widen)
             slot.drop = drop
             self.ahead.append(slot)
-            if not self.dev.alloc_anywhere:  # (else the slot's first read allocates it, on a reader thread)
+            if not self.dev.alloc_anywhere:  # (else its first read allocates it, on a reader thread; staged: `load`,
+                # which queues its copies, from the pool's cache, reserved first)
                 slot.allocate(self.dev)
             done = 0
             while done < entry.nbytes or not slot.extents:
