@@ -216,6 +216,44 @@ async def _lazy_load(p: Path, device: str) -> dict[str, np.ndarray]:
     return {name: await t.numpy() for name, t in moved.items()}
 
 
+@pytest.mark.parametrize("path", ["stream", "lazy"])
+async def test_the_loops_share_of_a_load_is_per_tensor_not_per_extent(tmp_path: Path, path: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors of three extents each onto c:0: the loop's thread numbers a load's reads in one step and hands them to
+    the booker (`DiskDevice._book`), waking a reader thread at most once per load (a tensor's transfer on the lazy
+    path, a read-ahead on the stream's), never once per extent; the reader threads start the reads. The bytes are the
+    file's."""
+    from azyx.backends.disk import _reader_pool
+
+    rng = np.random.default_rng(17)
+    arrays = {f"w{i}": rng.standard_normal(3 * EXTENT // 4 - 5 - i).astype(np.float32) for i in range(6)}
+    p = tmp_path / "share.safetensors"
+    save_file(arrays, p)
+    await azyx.realize(Tensor(np.zeros(1, np.float32), device="c:0"))  # (started)
+    pool = _reader_pool()
+    submit, loop = pool.submit, threading.get_ident()
+    on_loop = [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        on_loop[0] += threading.get_ident() == loop
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "submit", counting)
+    reads = disk().reads
+    if path == "stream":
+        got = {}
+        async for name, t in azyx.io.stream_safetensors(p, device="c:0", prefetch=0):  # (one tensor per load)
+            got[name] = await t.numpy()
+        del t
+    else:
+        got = await _lazy_load(p, "c:0")
+    monkeypatch.undo()
+    assert disk().reads - reads >= 3 * len(arrays)  # (three extents a tensor: their reads)
+    assert 0 < on_loop[0] <= len(arrays), f"{on_loop[0]} reader wake-ups from the loop for {len(arrays)} tensors"
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(got[name], a)
+
+
 @pytest.mark.parametrize("staged", ["vulkan:0", "cuda:0"])
 @pytest.mark.parametrize("path", ["stream", "lazy"])
 @pytest.mark.parametrize("direct_io", [False, True])
