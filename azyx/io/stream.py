@@ -13,8 +13,9 @@ copies queued: its buffer ready at their value, as a plan's results are), in fil
 While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
 (64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
 the tensor you are working on plus `prefetch`: drop each tensor when you are done with it (a loop variable keeps the
-previous one alive until the next is assigned). A host device's pool keeps freed blocks for reuse; that memory is the
-pool's (reused by later tensors of the same size), not the stream's.
+previous one alive until the next is assigned). A host device's pool keeps freed blocks for reuse by later tensors of
+the same size; before it grows for the stream, the blocks it keeps of sizes no tensor left in the file has (the first,
+largest tensor's, often) are given back, so the pool, too, stays within that bound.
 
 `shard={pattern: (devices, axis)}` hands out the tensors whose names match a pattern (`fnmatch`) as
 `azyx.shard.ShardedTensor`s: each device's slice read from the file (only its bytes) straight into its memory.
