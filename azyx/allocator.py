@@ -189,6 +189,12 @@ class PoolAllocator:
         with self.locked():
             return list(self.free_lists.get(size, []))
 
+    def uncached(self, sizes: list[int]) -> list[int]:
+        """The bucketed sizes of the blocks that `alloc`s of `sizes` bytes would make: those its cache lacks (cached
+        blocks of other sizes serve none of them)."""
+        want = collections.Counter(bucket(max(n, 1)) for n in sizes)
+        return [b for b, k in want.items() for _ in range(k - len(self.cached_blocks(b)))]
+
     def account(self, nbytes: int) -> None:
         """`nbytes` more in use (fewer where negative) outside the free lists: host data a buffer wraps."""
         if self.pool is not None:

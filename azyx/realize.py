@@ -156,9 +156,9 @@ def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
 
 
 def _reservation(needs: list[tuple[Any, list[int]]]) -> _Reserve | None:
-    """The reservation a plan's run needs now: of its large buffers (`_reserves`), those on devices whose pools do
-    not cache their bytes."""
-    short = [(dev, sizes) for dev, sizes in needs if dev.allocator.cached < sum(sizes)]
+    """The reservation a plan's run needs now: of its large buffers (`_reserves`), those their devices' pools do not
+    cache (blocks of other sizes there serve none)."""
+    short = [(dev, missing) for dev, sizes in needs if (missing := dev.allocator.uncached(sizes))]
     return _Reserve(short) if short else None
 
 

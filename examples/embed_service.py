@@ -15,12 +15,16 @@ would pull torch). This script is `azyx serve --model DIR` with DIR that package
 What serves it: `azyx.models.bert.MiniLM` (the BERT forward pass in azyx ops, streamed from its safetensors file)
 and its `EmbeddingService` (concurrent requests batched dynamically under a token budget, callers taken in turn, a
 caller that leaves has its queued sentences dropped), behind `azyx.serve.make_app` (bounds checked before work,
-OpenAI's error bodies, GET /health and /metrics); `bench/serve.py` measures it under load.
+OpenAI's error bodies, GET /health and /metrics); `bench/serve.py` measures it under load. It prints its time to
+ready: the seconds from start to the first answered request, /health answering while the model loads (ready.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import ready  # (first: its clock starts at its import; beside this script)
 
 from azyx.models.bert import model_dir
 from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app
@@ -37,6 +41,8 @@ def main() -> None:
     cfg = ServeConfig(models=(str(model_dir()),), device=args.device, port=args.port, max_batch=args.max_batch)
     print(f"serving on http://{cfg.host}:{cfg.port}/v1 (POST /v1/embeddings, GET /v1/models, /health, /metrics)",
           flush=True)
+    ready.watch(f"http://{cfg.host}:{cfg.port}", "/v1/embeddings",
+                {"model": Path(cfg.models[0]).resolve().name, "input": ["time to ready"]})
     uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio",
                 timeout_keep_alive=KEEP_ALIVE_S)
 

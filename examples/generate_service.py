@@ -20,12 +20,16 @@ sampling numbers data on the device, so a new temperature compiles nothing), beh
 /health answers at once while the weights stream in (503 on the /v1 routes until they are); streamed text is whole
 characters and stop strings are matched on it across token boundaries; every bound is checked before work (400
 naming the field, 413, 429 with Retry-After when slots and waiting places are taken); a client that disconnects
-frees its slot at once; GET /metrics counts tokens, time to first token and the loop's heartbeat lateness.
+frees its slot at once; GET /metrics counts tokens, time to first token and the loop's heartbeat lateness. It prints
+its time to ready: the seconds from start to the first answered request (ready.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import ready  # (first: its clock starts at its import; beside this script)
 
 from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app
 
@@ -42,6 +46,8 @@ def main() -> None:
 
     cfg = ServeConfig(models=(args.model,), device=args.device, slots=args.slots, waiting=args.waiting,
                       port=args.port)
+    ready.watch(f"http://{cfg.host}:{cfg.port}", "/v1/completions",
+                {"model": Path(args.model).resolve().name, "prompt": "Hello", "max_tokens": 1})
     uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio",
                 timeout_keep_alive=KEEP_ALIVE_S)
 

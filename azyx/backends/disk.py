@@ -5,7 +5,8 @@ until a plan copies it to a compute device or `numpy()` reads it. Reads run on r
 loop. A plan's transfer out of a file (`send`) and a stream (azyx.io.stream) take the one pipeline, `load`: extents of
 up to EXTENT bytes read in parallel, straight into the destination's memory when that is host memory, else into the
 blocks of the destination's ring of staging memory (pinned on CUDA), each copied to the device by its queue once read
-and read into again once that copy is done; the loop's thread only books the reads and copies. The disk's timeline
+and read into again once that copy is done; the loop's thread only numbers the reads (one step per load) and queues
+the staged copies, a reader thread (the booker, `_start_booked`) starts the reads. The disk's timeline
 reaches a read's value once it and every earlier read are done, and the destination's queue waits for that, as for
 any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
@@ -36,6 +37,7 @@ from azyx.timeline import TimelineSignal
 
 DIRECT_ALIGN = 4096  # O_DIRECT reads: offsets, lengths and memory aligned to this
 IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
+DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for reads into host memory (kept)
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
@@ -261,20 +263,24 @@ def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
 class Target:
     """Where a load's bytes land: a buffer of the destination device (`buf`, or made by `allocate`'s first caller: a
     reader thread where the device allows it), the timeline value its copies reach (`ready`; 0: read straight into
-    host memory), and `error`, set where its buffer could not be had (its bytes are then read and dropped)."""
+    host memory), and `error`, set where its buffer could not be had (its bytes are then read and dropped). `drop`:
+    blocks of the device's pool let go just before its buffer is made (shared with the other targets of a load: the
+    first to allocate frees them), so that the memory they held is there for it."""
 
-    __slots__ = ("buf", "nbytes", "ready", "error", "lock")
+    __slots__ = ("buf", "nbytes", "ready", "error", "lock", "drop")
 
     def __init__(self, buf: Buffer | None = None, nbytes: int = 0):
         self.buf, self.nbytes = buf, nbytes
         self.ready = 0
         self.error: BaseException | None = None
         self.lock = threading.Lock()  # (several extents of one target may be read at once: the first allocates)
+        self.drop: list[Any] = []
 
     def allocate(self, dev: Device) -> Buffer | None:
         """Its buffer on `dev` (`nbytes`), allocated by the first caller; None (and `error` set) where that failed."""
         with self.lock:
             if self.buf is None and self.error is None:
+                self.drop.clear()
                 try:
                     self.buf = dev.alloc(max(self.nbytes, 1))
                 except AzyxError as e:
@@ -390,7 +396,7 @@ def _read(disk: DiskDevice, ext: Extent, dev: Device, block: np.ndarray | None, 
     bufs = [t.allocate(dev) for t, _, _ in ext.parts]
     outs = [b.mem.reshape(-1).view(np.uint8)[into : into + size].data if b is not None else
             memoryview(bytearray(size)) for b, (_, into, size) in zip(bufs, ext.parts)]  # (a failed one's: scratch)
-    bounce = _bounce(direct_span(rng.offset + ext.start, n)) if ext.direct and not ext.widen else None
+    bounce = _bounce() if ext.direct and not ext.widen else None
     disk.read_range(rng, ext.start, outs, bounce)
     if ext.widen and bufs[0] is not None:
         _widen(bufs[0].mem.reshape(-1).view(np.uint8), n)
@@ -399,12 +405,35 @@ def _read(disk: DiskDevice, ext: Extent, dev: Device, block: np.ndarray | None, 
 _bounces = threading.local()
 
 
-def _bounce(span: int) -> np.ndarray:
-    """This reader thread's aligned block for O_DIRECT reads into host memory (kept: faulted in once)."""
+def _bounce() -> np.ndarray:
+    """This reader thread's aligned block for O_DIRECT reads into host memory (DIRECT_PIECE bytes: a read goes through
+    it a piece at a time; kept, faulted in once)."""
     block: np.ndarray | None = getattr(_bounces, "block", None)
-    if block is None or block.nbytes < span:
-        block = _bounces.block = direct_block(max(span, RING_BLOCK))
+    if block is None:
+        block = _bounces.block = direct_block(DIRECT_PIECE)
     return block
+
+
+def _skip(outs: list[memoryview], n: int) -> list[memoryview]:
+    """The byte views `outs`, one after the other, less their first `n` bytes."""
+    out = []
+    for o in outs:
+        if n >= len(o):
+            n -= len(o)
+        else:
+            out.append(o[n:])
+            n = 0
+    return out
+
+
+def _scatter(outs: list[memoryview], at: int, data: memoryview) -> None:
+    """Write `data` into the byte views `outs`, taken one after the other, from byte `at` of them."""
+    for o in _skip(outs, at):
+        if not len(data):
+            return
+        k = min(len(o), len(data))
+        o[:k] = data[:k]
+        data = data[k:]
 
 
 def _widen(mem: np.ndarray, n: int) -> None:
@@ -456,6 +485,8 @@ class DiskDevice(Device):
         self.submitted = 0  # the timeline value of the last read booked by `load`
         self.unread: dict[int, int] = {}  # timeline value -> pieces of its read not done yet (in value order)
         self.joinable: tuple[Extent, Device] | None = None  # the last read into host memory no reader took yet (`load`)
+        self.booked: list[tuple[Extent, Device, np.ndarray | None, int, int]] = []  # reads to start (`_book`)
+        self.booking = False  # whether a reader thread is starting them
         self.rings: weakref.WeakKeyDictionary[Device, Ring] = weakref.WeakKeyDictionary()
 
     # memory: file ranges, accounted like a pool
@@ -519,18 +550,21 @@ class DiskDevice(Device):
                     direct: np.ndarray | None = None) -> None:
         """Blocking (worker threads): the file's bytes from `offset` on into `outs`, one after the other, with one
         `preadv` (an extent covering several tensors, each landing in its own destination). With a `direct` block
-        (`direct_block` of at least `direct_span` bytes) they are read with O_DIRECT into it, then copied to `outs`,
-        where the filesystem allows it."""
+        (`direct_block`, DIRECT_ALIGN bytes at least) they are read with O_DIRECT into it, a block at a time, and
+        copied to `outs`, where the filesystem allows it."""
         n = sum(len(o) for o in outs)
         file.check(what)
-        got = file.pread_direct(offset, n, direct) if direct is not None else None
-        if got is None:
-            file.pread_scatter(offset, outs, what)
-        else:
-            at = 0
-            for o in outs:
-                o[:] = got[at : at + len(o)].data
-                at += len(o)
+        done = 0
+        while direct is not None and done < n:
+            lo = offset + done
+            hi = min(offset + n, lo - lo % DIRECT_ALIGN + direct.nbytes)  # (the aligned span fits the block)
+            got = file.pread_direct(lo, hi - lo, direct)
+            if got is None:
+                break
+            _scatter(outs, done, got.data)
+            done += hi - lo
+        if done < n:
+            file.pread_scatter(offset + done, _skip(outs, done), what)
         file.check(what)
         self.count_read(n)
 
@@ -577,7 +611,8 @@ class DiskDevice(Device):
 
     def load(self, dev: Device, extents: list[Extent]) -> None:
         """Read `extents` (each at most EXTENT bytes; a widened one at most EXTENT // 2) into their targets on `dev`, on
-        the reader threads, in parallel; this (the loop's thread, often) only books them. Into host memory (`dev`'s
+        the reader threads, in parallel; this (the loop's thread, often) numbers them in one step, queues their copies
+        where staged, and hands them to the booker (`_book`), which starts them. Into host memory (`dev`'s
         buffers, or a failed target's scratch), straight: a small read of the bytes right after a read no reader has
         taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`Ring`): read once the
         block's last copy is done, then copied into its targets by `dev`'s queue (`copy_from_host`, queued now, after
@@ -585,38 +620,70 @@ class DiskDevice(Device):
         `value`: the disk's timeline value its read reaches (where its failure is recorded: a run covering the disk's
         values raises it, a stream asks `failure_in`)."""
         ring = None if dev.host_memory else self.ring(dev)
-        last = 0
-        for ext in extents:
-            with self.lock:
+        with self.lock:  # (their values, in one step)
+            for ext in extents:
                 self.submitted += 1
-                v = ext.value = self.submitted
-                self.unread[v] = 1
-                if ring is None:
-                    if self._join(ext, dev):
-                        continue
-                    self.joinable = (ext, dev) if ext.nbytes < EXTENT and not ext.widen else None
-            if ring is None:
-                _start_read([(self, ext, dev, None, 0)])
-                continue
+                ext.value = self.submitted
+                self.unread[ext.value] = 1
+        if ring is None:
+            return self._book([(ext, dev, None, 0, 0) for ext in extents])
+        last, booked = 0, list[tuple[Extent, Device, np.ndarray | None, int, int]]()
+        for ext in extents:
             bufs = [target.allocate(dev) for target, _, _ in ext.parts]  # (None: its error is raised when asked for)
             if all(buf is None for buf in bufs):  # nothing to read it for
-                self._piece_done(v, None)
+                self._piece_done(ext.value, None)
                 continue
             i, mem, keep, after = ring.take()
             rng = ext.source
             at = (-mem.ctypes.data) % DIRECT_ALIGN + (rng.offset + ext.start) % DIRECT_ALIGN if \
                 ext.direct and not ext.widen and rng.runs is None else 0  # (where an O_DIRECT read lands)
-            dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, mem, at)]))
+            booked.append((ext, dev, mem, at, after))
             for (target, into, n), buf in zip(ext.parts, bufs):
                 size = 2 * n if ext.widen else n
                 if buf is not None:
-                    last = dev.copy_from_host(mem[at : at + size], buf, [(self, v)], keep,
+                    last = dev.copy_from_host(mem[at : at + size], buf, [(self, ext.value)], keep,
                                               2 * into if ext.widen else into)
                     target.ready = max(target.ready, last)
                 at += size
             ring.used(i, last)  # (the block is read into again once its copies are done)
-        if ring is not None and last:
+        self._book(booked)
+        if last:
             ring.give_back_after(last)
+
+    def _book(self, reads: list[tuple[Extent, Device, np.ndarray | None, int, int]]) -> None:
+        """Hand `reads` (extent, device, staging block or None, where in it, the device's value to read after) to the
+        booker, a reader thread that starts them (`_start_booked`): the caller (the loop's thread, often) takes the
+        lock once and wakes a thread at most once per batch, however many extents a load has."""
+        with self.lock:
+            self.booked.extend(reads)
+            if self.booking or not reads:
+                return
+            self.booking = True
+        _reader_pool().submit(self._start_booked)
+
+    def _start_booked(self) -> None:
+        """(A reader thread.) Start the booked reads, in order, until none is left: a read into host memory at once,
+        joined to the open one where its bytes follow (`_join`: one `preadv`); a read into a staging block once the
+        device has done the block's last copy (`Timeline.on_reach`)."""
+        while True:
+            with self.lock:
+                reads, self.booked = self.booked, []
+                if not reads:
+                    self.booking = False
+                    return
+            for ext, dev, block, at, after in reads:
+                try:
+                    if block is None:
+                        with self.lock:
+                            if self._join(ext, dev):
+                                continue
+                            self.joinable = (ext, dev) if ext.nbytes < EXTENT and not ext.widen else None
+                        _start_read([(self, ext, dev, None, 0)])
+                    else:
+                        dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, block, at)]))
+                except BaseException as e:  # (the pool shut down: its values fail rather than never come)
+                    for v in (ext.value, *ext.values):
+                        self._piece_done(v, e)
 
     def _join(self, ext: Extent, dev: Device) -> bool:
         """Under the lock: join `ext` to the open read (`joinable`) where its bytes follow that read's, on one file."""

@@ -80,6 +80,8 @@ class OpenCLDevice(QueuedDevice):
     kind = "opencl"
     dialect = OPENCL
     tiles = True
+    alloc_anywhere = True  # (OpenCL's calls, clCreateBuffer's included, are thread-safe; the pool is locked)
+    reserve_min = 1 << 20  # (clCreateBuffer of a large block: made first on a worker thread, as on wgpu)
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -149,8 +151,9 @@ class OpenCLDevice(QueuedDevice):
             uev = cl.UserEvent(self.ctx)
             after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
             wait_for.append(uev)
+        ev = enqueue(wait_for or None)  # (not under the lock: PoCL's enqueue may block; the loop's _enqueue takes it)
         with self.lock:
-            ev = self.events[v] = enqueue(wait_for or None)
+            self.events[v] = ev
         return ev
 
     def poll(self, v: int, spin: float = 0.0) -> bool:

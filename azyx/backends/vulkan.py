@@ -315,6 +315,8 @@ class VulkanDevice(QueuedDevice):
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
     shaders = True
     max_block_name = "maxMemoryAllocationSize"
+    alloc_anywhere = True  # (Vulkan makes buffers and memory on any thread; the pools, slabs and counts are locked)
+    reserve_min = 1 << 20  # (vkAllocateMemory of a large block: made first on a worker thread, as on wgpu)
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:

@@ -171,6 +171,13 @@ class WgpuDevice(QueuedDevice):
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
     max_block_name = "max-buffer-size"
     shaders = True
+    # wgpu-native makes buffers on any thread, and the pools are locked (the native pool's one C call per step, or
+    # PoolAllocator's lock; `_OwnedPool.blocks` changes by one dict store under the GIL)
+    alloc_anywhere = True
+    # a stream's destinations made on the loop's thread held it 50-120 ms in create_buffer beside the reader threads
+    # and the queue's (lavapipe, a loaded machine): a load's or a plan's blocks of this size and up are made first on a
+    # worker thread (`Device.reserve`) and taken from the pool's cache on the loop's
+    reserve_min = 1 << 20
     allocator: _OwnedPool
 
     @classmethod

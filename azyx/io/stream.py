@@ -13,8 +13,9 @@ copies queued: its buffer ready at their value, as a plan's results are), in fil
 While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
 (64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
 the tensor you are working on plus `prefetch`: drop each tensor when you are done with it (a loop variable keeps the
-previous one alive until the next is assigned). A host device's pool keeps freed blocks for reuse; that memory is the
-pool's (reused by later tensors of the same size), not the stream's.
+previous one alive until the next is assigned). A host device's pool keeps freed blocks for reuse by later tensors of
+the same size; before it grows for the stream, the blocks it keeps of sizes no tensor left in the file has (the first,
+largest tensor's, often) are given back, so the pool, too, stays within that bound.
 
 `shard={pattern: (devices, axis)}` hands out the tensors whose names match a pattern (`fnmatch`) as
 `azyx.shard.ShardedTensor`s: each device's slice read from the file (only its bytes) straight into its memory.
@@ -29,6 +30,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from azyx.allocator import bucket
 from azyx.backends.disk import DiskFile, Extent, FileRange, Target
 from azyx.device import EXTENT, RING
 from azyx.dtypes import dtypes
@@ -111,6 +113,7 @@ class SafetensorsStream:
         self.file: DiskFile | None = None
         self.entries: list[TensorEntry] = []
         self.next = 0  # index of the next entry to start reading
+        self.last_use: dict[int, int] = {}  # a host device's pooled block size -> the last entry that takes one
         self.ahead: deque[_Slot] = deque()  # started, not yet handed out (file order)
         self.ahead_bytes = 0  # read (or being read) but not yet handed out
         self.closed = False
@@ -184,6 +187,8 @@ class SafetensorsStream:
         self.widen_bf16 = dev.dialect is None or "bfloat16" not in dev.dialect.types
         self.file = await in_worker_thread(open_safetensors, self.path)
         self.entries = list(header_of(self.file).tensors.values())
+        self.last_use = {bucket(max(self._nbytes(e), 1)): i for i, e in enumerate(self.entries)
+                         if self._sharding(e.name) is None}
         if self.want_progress:
             from tqdm import tqdm
 
@@ -201,10 +206,16 @@ class SafetensorsStream:
     def _widens(self, entry: TensorEntry) -> bool:
         return self.widen_bf16 and entry.dtype is dtypes.bfloat16
 
-    def _fits(self, ahead: int) -> int:
-        """The index past the entries that `_start` would start with `ahead` bytes read ahead."""
+    def _nbytes(self, entry: TensorEntry) -> int:
+        """The bytes of the entry's buffer on the device (bfloat16 widened: twice the file's)."""
+        return entry.nbytes * (2 if self._widens(entry) else 1)
+
+    def _fits(self, ahead: int, budget: int | None = None) -> int:
+        """The index past the entries that `_start` would start with `ahead` bytes read ahead (of `budget`: the
+        prefetch)."""
         i = self.next
-        while i < len(self.entries) and ahead + self.entries[i].nbytes <= self.prefetch:
+        budget = self.prefetch if budget is None else budget
+        while i < len(self.entries) and ahead + self.entries[i].nbytes <= budget:
             ahead += self.entries[i].nbytes
             i += 1
         return i
@@ -212,15 +223,20 @@ class SafetensorsStream:
     async def _reserve(self, end: int) -> None:
         """The buffers of the entries up to `end` that `_start` will make on the loop's thread (a staged device's: its
         copies are queued there), made first on a worker thread where the device's pool lacks them and making them
-        is slow (`Device.reserve`: CUDA's cuMemAlloc waits on the driver's lock)."""
+        is slow (`Device.reserve_min`: a driver's allocation, which waits on its locks: CUDA's cuMemAlloc, wgpu's
+        create_buffer)."""
         dev = self.dev
         if self.direct or not dev.reserve_min:
             return
-        sizes = [e.nbytes * (2 if self._widens(e) else 1) for e in self.entries[self.next:end]
-                 if self._sharding(e.name) is None]
-        sizes = [n for n in sizes if n >= dev.reserve_min]
-        if sizes and dev.allocator.cached < sum(sizes):
-            await in_worker_thread(dev.reserve, sizes)
+        sizes = [self._nbytes(e) for e in self.entries[self.next:end] if self._sharding(e.name) is None]
+        # (made first where the pool's cache lacks them: blocks of other sizes there do not count, or another load
+        # that had filled the cache left these to be made on the loop)
+        missing = dev.allocator.uncached([n for n in sizes if n >= dev.reserve_min])
+        if missing:
+            try:
+                await in_worker_thread(dev.reserve, missing)
+            except AzyxError:  # (one that does not fit raises when its tensor is asked for: its neighbours load)
+                pass
 
     def _start(self, budget: int, first: bool = False) -> None:
         """Start reading the next entries while the bytes ahead fit in `budget` (the next one whatever its size when
@@ -229,12 +245,11 @@ class SafetensorsStream:
         assert self.file is not None
         data_start = header_of(self.file).data_start
         extents: list[Extent] = []
+        end = min(len(self.entries), max(self._fits(self.ahead_bytes, budget), self.next + first))
+        drop = self._trim(self.next, end) if self.direct else []
         cur: Extent | None = None
-        while self.next < len(self.entries):
+        while self.next < end:
             entry = self.entries[self.next]
-            if self.ahead_bytes + entry.nbytes > budget and not first:
-                break
-            first = False
             self.next += 1
             self.ahead_bytes += entry.nbytes
             if self._sharding(entry.name) is not None:
@@ -243,8 +258,10 @@ class SafetensorsStream:
                 continue
             widen = self._widens(entry)
             slot = _Slot(entry, widen)
+            slot.drop = drop
             self.ahead.append(slot)
-            if not self.dev.alloc_anywhere:  # (else the slot's first read allocates it, on a reader thread)
+            if not self.dev.alloc_anywhere:  # (else its first read allocates it, on a reader thread; staged: `load`,
+                # which queues its copies, from the pool's cache, reserved first)
                 slot.allocate(self.dev)
             done = 0
             while done < entry.nbytes or not slot.extents:
@@ -262,6 +279,26 @@ class SafetensorsStream:
             if widen:
                 cur = None
         disk_device().load(self.dev, extents)
+
+    def _trim(self, begin: int, end: int) -> list[Any]:
+        """(A host device, before the buffers of entries `begin` to `end` are made.) Where the device's pool has no
+        cached block for one of them, take out of it the cached blocks that no entry left in the file would reuse (a
+        tensor's block the consumer dropped, of a size no later tensor has: the first, largest one, often), for the
+        new buffers to free before they are made (`Target.drop`): the pool grows for the stream only by what it holds
+        ahead and the tensor in use, so the host memory of a stream stays within `prefetch` + the largest tensor.
+        Blocks of sizes still to come stay cached (the next tensors reuse them)."""
+        pool = self.dev.allocator
+        if not pool.cached:
+            return []
+        sizes: dict[int, int] = {}
+        for entry in self.entries[begin:end]:
+            if self._sharding(entry.name) is None:
+                b = bucket(max(self._nbytes(entry), 1))
+                sizes[b] = sizes.get(b, 0) + 1
+        if all(len(pool.cached_blocks(b)) >= k for b, k in sizes.items()):
+            return []  # (the pool does not grow)
+        kept = {id(m) for b, last in self.last_use.items() if last >= begin for m in pool.cached_blocks(b)}
+        return pool.take_cached(keep=lambda m: id(m) in kept)
 
     async def _landed(self, slot: _Slot) -> Tensor:
         """The slot's tensor once its extents are read (their copies queued: its buffer ready at their value, like a
