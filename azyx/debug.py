@@ -46,9 +46,12 @@ class LoopStalls:
     def __init__(self, period: float = 1e-3, late_after: float = 4e-3, every: float = 1e-3, depth: int = 8) -> None:
         self.period, self.late_after, self.every, self.depth = period, late_after, every, depth
         self.lateness: list[float] = []  # each wake-up's lateness past `period` (seconds)
-        # ... less the time the loop's thread waited, runnable, for a CPU during that beat (Linux; elsewhere the same):
-        # the lateness the process itself caused (work on the loop, the GIL held by its other threads), not the machine
+        # ... less the time the loop's thread waited, runnable, for a CPU during that beat and the time the hypervisor
+        # took a CPU from the machine meanwhile (Linux; elsewhere the same): the lateness the process itself caused
+        # (work on the loop, the GIL held by its other threads), not the machine's. (A bare 1 ms heartbeat on a shared
+        # 2-vCPU VM, no work at all: 5-25 ms late of its own a few times a minute, each time with 10-60 ms of steal.)
         self.own: list[float] = []
+        self.stolen: list[float] = []  # per beat: the most time taken from one CPU by the hypervisor (s, 10 ms steps)
         # per stall the sampler saw, by the beat that ended it: the longest time one of the process's other threads
         # waited, runnable, for a CPU during it (one holding the GIL while the machine had no core for it holds the
         # loop's thread asleep on the GIL for as long: the machine's doing, not the process's)
@@ -80,10 +83,11 @@ class LoopStalls:
 
     @property
     def worst_own_ms(self) -> float:
-        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU and, in a
-        stall the sampler saw, the longest time another thread of the process waited for one (a machine whose cores
-        are all busy delays any thread's wake-up, and a thread that holds the GIL meanwhile holds the loop's thread
-        with it; what is left is what the process's own work cost), in ms."""
+        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU, the time
+        the hypervisor took from a CPU (steal, in 10 ms steps) and, in a stall the sampler saw, the longest time
+        another thread of the process waited for a CPU (a machine whose cores are all busy delays any thread's
+        wake-up, and a thread that holds the GIL meanwhile holds the loop's thread with it; what is left is what the
+        process's own work cost), in ms."""
         own = [max(o - self._others_waited.get(w, 0.0), 0.0) for o, w in zip(self.own, self._wakes)]
         return max(own, default=0.0) * 1e3
 
@@ -98,6 +102,7 @@ class LoopStalls:
         await asyncio.sleep(self.period * 10)
         self.lateness.clear()
         self.own.clear()
+        self.stolen.clear()
         self._wakes.clear()
         return self
 
@@ -111,12 +116,14 @@ class LoopStalls:
     async def _beat(self) -> None:
         while self._running:
             t0 = time.perf_counter()
-            waited0 = self._sched()[1]
+            waited0, steal0 = self._sched()[1], _steal()
             await asyncio.sleep(self.period)
             self._last = now = time.perf_counter()
             late = now - t0 - self.period
             self.lateness.append(late)
-            self.own.append(max(late - (self._sched()[1] - waited0) * 1e-9, 0.0))
+            stolen = max((b - a for a, b in zip(steal0, _steal())), default=0) * _TICK
+            self.stolen.append(stolen)
+            self.own.append(max(late - (self._sched()[1] - waited0) * 1e-9 - stolen, 0.0))
             self._wakes.append(now)
 
     def _sample(self) -> None:
@@ -221,6 +228,9 @@ class LoopStalls:
             slept = max(window * 1e3 - (ran + waited) / 1e6, 0.0)
             lines[0] += (f"; in its last {window * 1e3:.1f} ms the loop's thread ran {ran / 1e6:.1f} ms, waited "
                          f"{waited / 1e6:.1f} ms for a CPU, slept {slept:.1f} ms (on the GIL, a lock or I/O)")
+        if any(self.stolen):
+            lines[0] += (f"; {sum(s > 0 for s in self.stolen)} beats saw the hypervisor take a CPU (up to "
+                         f"{max(self.stolen) * 1e3:.0f} ms, left out of the lateness of its own)")
         if hasattr(os, "getloadavg"):
             lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
         if self.worst_threads:  # (a thread that ran while the loop's thread slept may have held the GIL)
@@ -234,6 +244,18 @@ class LoopStalls:
                 shown[name] += 1
                 lines.append(f"  {count:3d} {name}: {stack}")
         return "\n".join(lines)
+
+
+_TICK = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)  # /proc/stat's unit (s)
+
+
+def _steal() -> list[int]:
+    """Each CPU's time so far taken by the hypervisor (steal), in /proc/stat's ticks (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(line.split()[8]) for line in f if line.startswith("cpu") and line[3].isdigit()]
+    except (OSError, ValueError, IndexError):
+        return []
 
 
 def _tasks() -> dict[str, tuple[str, int, int]]:
