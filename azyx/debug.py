@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import os
 import sys
@@ -52,10 +53,12 @@ class LoopStalls:
         # 2-vCPU VM, no work at all: 5-25 ms late of its own a few times a minute, each time with 10-60 ms of steal.)
         self.own: list[float] = []
         self.stolen: list[float] = []  # per beat: the most time taken from one CPU by the hypervisor (s, 10 ms steps)
-        # per stall the sampler saw, by the beat that ended it: the longest time one of the process's other threads
-        # waited, runnable, for a CPU during it (one holding the GIL while the machine had no core for it holds the
-        # loop's thread asleep on the GIL for as long: the machine's doing, not the process's)
-        self._others_waited: dict[float, float] = {}
+        # per stall the sampler saw (from its last on-time beat to the beat it last saw): the longest time one of the
+        # process's other threads waited, runnable, for a CPU during it (one holding the GIL while the machine had no
+        # core for it holds the loop's thread asleep on the GIL for as long: the machine's doing, not the process's).
+        # It counts for every beat that came back within the stall: a sampler that itself waited for a CPU sees the
+        # stall's end beats later than the beat that ended it
+        self._others_waited: list[tuple[float, float, float]] = []
         self._others0: dict[str, int] = {}
         self._wakes: list[float] = []
         self._last = 0.0
@@ -88,7 +91,11 @@ class LoopStalls:
         another thread of the process waited for a CPU (a machine whose cores are all busy delays any thread's
         wake-up, and a thread that holds the GIL meanwhile holds the loop's thread with it; what is left is what the
         process's own work cost), in ms."""
-        own = [max(o - self._others_waited.get(w, 0.0), 0.0) for o, w in zip(self.own, self._wakes)]
+        own = list(self.own)
+        for start, end, waited in self._others_waited:
+            lo, hi = bisect.bisect_right(self._wakes, start), bisect.bisect_right(self._wakes, end)
+            for k in range(lo, hi):
+                own[k] = max(own[k] - waited, 0.0)
         return max(own, default=0.0) * 1e3
 
     async def __aenter__(self) -> LoopStalls:
@@ -154,7 +161,7 @@ class LoopStalls:
     def _end_stall(self, end: float) -> None:
         others = self._waits()
         waits = (others[t] - w for t, w in self._others0.items() if t in others)
-        self._others_waited[end] = max(waits, default=0) * 1e-9
+        self._others_waited.append((self._stall_start, end, max(waits, default=0) * 1e-9))
         length = end - self._stall_start
         if length > self.worst[0]:
             self.worst = (length, self._stall)
