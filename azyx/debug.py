@@ -121,17 +121,19 @@ class LoopStalls:
             self._thread.join()
 
     async def _beat(self) -> None:
+        waited0, steal0 = self._sched()[1], _steal()  # (each beat's counters at its end are the next one's start)
         while self._running:
             t0 = time.perf_counter()
-            waited0, steal0 = self._sched()[1], _steal()
             await asyncio.sleep(self.period)
             self._last = now = time.perf_counter()
             late = now - t0 - self.period
             self.lateness.append(late)
-            stolen = max((b - a for a, b in zip(steal0, _steal())), default=0) * _TICK
+            waited, steal = self._sched()[1], _steal()
+            stolen = max((b - a for a, b in zip(steal0, steal)), default=0) * _TICK
             self.stolen.append(stolen)
-            self.own.append(max(late - (self._sched()[1] - waited0) * 1e-9 - stolen, 0.0))
+            self.own.append(max(late - (waited - waited0) * 1e-9 - stolen, 0.0))
             self._wakes.append(now)
+            waited0, steal0 = waited, steal
 
     def _sample(self) -> None:
         on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time
