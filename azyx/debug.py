@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import collections
 import os
+import platform
 import sys
 import threading
 import time
@@ -59,6 +60,12 @@ class LoopStalls:
         # It counts for every beat that came back within the stall: a sampler that itself waited for a CPU sees the
         # stall's end beats later than the beat that ended it
         self._others_waited: list[tuple[float, float, float]] = []
+        # per stall: how long the loop's thread lay in its selector's wait (epoll_wait, between two samples that saw it
+        # there) with the heartbeat's timer due: a wake-up the machine did not deliver (a bare heartbeat on a loaded
+        # 2-vCPU VM: 44 ms with the GIL free and the loop not waiting for a CPU), left out like steal
+        self._idle: list[float] = []
+        self._stall_idle = 0.0
+        self._idle_at: float | None = None  # (when a sample last saw it there)
         self._others0: dict[str, int] = {}
         self._wakes: list[float] = []
         self._last = 0.0
@@ -88,14 +95,15 @@ class LoopStalls:
     def worst_own_ms(self) -> float:
         """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU, the time
         the hypervisor took from a CPU (steal, in 10 ms steps) and, in a stall the sampler saw, the longest time
-        another thread of the process waited for a CPU (a machine whose cores are all busy delays any thread's
-        wake-up, and a thread that holds the GIL meanwhile holds the loop's thread with it; what is left is what the
-        process's own work cost), in ms."""
+        another thread of the process waited for a CPU or, where longer, the time the loop's thread lay in its
+        selector's wait with its timer due (a machine whose cores are all busy delays any thread's wake-up, and a
+        thread that holds the GIL meanwhile holds the loop's thread with it; what is left is what the process's own
+        work cost), in ms."""
         own = list(self.own)
-        for start, end, waited in self._others_waited:
+        for (start, end, waited), idle in zip(self._others_waited, self._idle):
             lo, hi = bisect.bisect_right(self._wakes, start), bisect.bisect_right(self._wakes, end)
-            for k in range(lo, hi):
-                own[k] = max(own[k] - waited, 0.0)
+            for k in range(lo, hi):  # (the larger of the two: they may overlap)
+                own[k] = max(own[k] - max(waited, idle), 0.0)
         return max(own, default=0.0) * 1e3
 
     async def __aenter__(self) -> LoopStalls:
@@ -153,7 +161,12 @@ class LoopStalls:
                 self._sched_start = on_time
                 self._others0 = self._waits()
                 self._tasks0 = _tasks()
+                self._stall_idle, self._idle_at = 0.0, None
             frames = sys._current_frames()
+            idle = self._loop_idle(frames.get(self._loop_thread))
+            if idle and self._idle_at is not None:
+                self._stall_idle += now - self._idle_at
+            self._idle_at = now if idle else None
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
         # a stall that the heartbeat's last beat ended counts; one begun after that beat (the heartbeat stopping) not
@@ -164,6 +177,7 @@ class LoopStalls:
         others = self._waits()
         waits = (others[t] - w for t, w in self._others0.items() if t in others)
         self._others_waited.append((self._stall_start, end, max(waits, default=0) * 1e-9))
+        self._idle.append(self._stall_idle)
         length = end - self._stall_start
         if length > self.worst[0]:
             self.worst = (length, self._stall)
@@ -177,6 +191,18 @@ class LoopStalls:
                     if tid != str(self._loop_native) for then in [self._tasks0.get(tid, (name, 0, 0))]]
             self.worst_threads = sorted(busy, key=lambda b: -b[1])[:4]
         self._stall = []
+
+    def _loop_idle(self, frame: types.FrameType | None) -> bool:
+        """Whether the loop's thread is in its selector's wait (asyncio's select, and the kernel's epoll_wait: not
+        back from it and waiting for the GIL, which is a futex), by its frame and /proc's syscall (Linux)."""
+        if frame is None or frame.f_code.co_name != "select" or frame.f_back is None \
+                or frame.f_back.f_code.co_name != "_run_once":
+            return False
+        try:
+            with open(f"/proc/self/task/{self._loop_native}/syscall") as f:
+                return int(f.read().split(maxsplit=1)[0]) in _EPOLL_WAITS
+        except (OSError, ValueError, IndexError):
+            return False
 
     def _waits(self) -> dict[str, int]:
         """Each other Python thread's time so far runnable and waiting for a CPU, in ns, by its task id (Linux; {}
@@ -237,6 +263,10 @@ class LoopStalls:
             slept = max(window * 1e3 - (ran + waited) / 1e6, 0.0)
             lines[0] += (f"; in its last {window * 1e3:.1f} ms the loop's thread ran {ran / 1e6:.1f} ms, waited "
                          f"{waited / 1e6:.1f} ms for a CPU, slept {slept:.1f} ms (on the GIL, a lock or I/O)")
+        if any(self._idle):
+            lines[0] += (f"; {sum(i > 0 for i in self._idle)} stalls had the loop's thread asleep in its selector with "
+                         f"its timer due (up to {max(self._idle) * 1e3:.0f} ms, a wake-up the machine did not deliver: "
+                         f"left out of the lateness of its own)")
         if any(self.stolen):
             lines[0] += (f"; {sum(s > 0 for s in self.stolen)} beats saw the hypervisor take a CPU (up to "
                          f"{max(self.stolen) * 1e3:.0f} ms, left out of the lateness of its own)")
@@ -255,6 +285,8 @@ class LoopStalls:
         return "\n".join(lines)
 
 
+# the kernel's epoll waits by machine (/proc's syscall numbers): x86_64's epoll_wait, epoll_pwait, epoll_pwait2
+_EPOLL_WAITS = {"x86_64": {232, 281, 441}, "aarch64": {22, 441}}.get(platform.machine(), set())
 _TICK = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)  # /proc/stat's unit (s)
 
 
