@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import os
+import platform
 import sys
 import threading
 import time
@@ -46,13 +48,24 @@ class LoopStalls:
     def __init__(self, period: float = 1e-3, late_after: float = 4e-3, every: float = 1e-3, depth: int = 8) -> None:
         self.period, self.late_after, self.every, self.depth = period, late_after, every, depth
         self.lateness: list[float] = []  # each wake-up's lateness past `period` (seconds)
-        # ... less the time the loop's thread waited, runnable, for a CPU during that beat (Linux; elsewhere the same):
-        # the lateness the process itself caused (work on the loop, the GIL held by its other threads), not the machine
+        # ... less the time the loop's thread waited, runnable, for a CPU during that beat and the time the hypervisor
+        # took a CPU from the machine meanwhile (Linux; elsewhere the same): the lateness the process itself caused
+        # (work on the loop, the GIL held by its other threads), not the machine's. (A bare 1 ms heartbeat on a shared
+        # 2-vCPU VM, no work at all: 5-25 ms late of its own a few times a minute, each time with 10-60 ms of steal.)
         self.own: list[float] = []
-        # per stall the sampler saw, by the beat that ended it: the longest time one of the process's other threads
-        # waited, runnable, for a CPU during it (one holding the GIL while the machine had no core for it holds the
-        # loop's thread asleep on the GIL for as long: the machine's doing, not the process's)
-        self._others_waited: dict[float, float] = {}
+        self.stolen: list[float] = []  # per beat: the most time taken from one CPU by the hypervisor (s, 10 ms steps)
+        # per stall the sampler saw (from its last on-time beat to the beat it last saw): the longest time one of the
+        # process's other threads waited, runnable, for a CPU during it (one holding the GIL while the machine had no
+        # core for it holds the loop's thread asleep on the GIL for as long: the machine's doing, not the process's).
+        # It counts for every beat that came back within the stall: a sampler that itself waited for a CPU sees the
+        # stall's end beats later than the beat that ended it
+        self._others_waited: list[tuple[float, float, float]] = []
+        # per stall: how long the loop's thread lay in its selector's wait (epoll_wait, between two samples that saw it
+        # there) with the heartbeat's timer due: a wake-up the machine did not deliver (a bare heartbeat on a loaded
+        # 2-vCPU VM: 44 ms with the GIL free and the loop not waiting for a CPU), left out like steal
+        self._idle: list[float] = []
+        self._stall_idle = 0.0
+        self._idle_at: float | None = None  # (when a sample last saw it there)
         self._others0: dict[str, int] = {}
         self._wakes: list[float] = []
         self._last = 0.0
@@ -80,11 +93,17 @@ class LoopStalls:
 
     @property
     def worst_own_ms(self) -> float:
-        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU and, in a
-        stall the sampler saw, the longest time another thread of the process waited for one (a machine whose cores
-        are all busy delays any thread's wake-up, and a thread that holds the GIL meanwhile holds the loop's thread
-        with it; what is left is what the process's own work cost), in ms."""
-        own = [max(o - self._others_waited.get(w, 0.0), 0.0) for o, w in zip(self.own, self._wakes)]
+        """The heartbeat's worst lateness less, in each beat, the time the loop's thread waited for a CPU, the time
+        the hypervisor took from a CPU (steal, in 10 ms steps) and, in a stall the sampler saw, the longest time
+        another thread of the process waited for a CPU or, where longer, the time the loop's thread lay in its
+        selector's wait with its timer due (a machine whose cores are all busy delays any thread's wake-up, and a
+        thread that holds the GIL meanwhile holds the loop's thread with it; what is left is what the process's own
+        work cost), in ms."""
+        own = list(self.own)
+        for (start, end, waited), idle in zip(self._others_waited, self._idle):
+            lo, hi = bisect.bisect_right(self._wakes, start), bisect.bisect_right(self._wakes, end)
+            for k in range(lo, hi):  # (the larger of the two: they may overlap)
+                own[k] = max(own[k] - max(waited, idle), 0.0)
         return max(own, default=0.0) * 1e3
 
     async def __aenter__(self) -> LoopStalls:
@@ -98,6 +117,7 @@ class LoopStalls:
         await asyncio.sleep(self.period * 10)
         self.lateness.clear()
         self.own.clear()
+        self.stolen.clear()
         self._wakes.clear()
         return self
 
@@ -109,15 +129,19 @@ class LoopStalls:
             self._thread.join()
 
     async def _beat(self) -> None:
+        waited0, steal0 = self._sched()[1], _steal()  # (each beat's counters at its end are the next one's start)
         while self._running:
             t0 = time.perf_counter()
-            waited0 = self._sched()[1]
             await asyncio.sleep(self.period)
             self._last = now = time.perf_counter()
             late = now - t0 - self.period
             self.lateness.append(late)
-            self.own.append(max(late - (self._sched()[1] - waited0) * 1e-9, 0.0))
+            waited, steal = self._sched()[1], _steal()
+            stolen = max((b - a for a, b in zip(steal0, steal)), default=0) * _TICK
+            self.stolen.append(stolen)
+            self.own.append(max(late - (waited - waited0) * 1e-9 - stolen, 0.0))
             self._wakes.append(now)
+            waited0, steal0 = waited, steal
 
     def _sample(self) -> None:
         on_time = (time.perf_counter(), *self._sched())  # the loop thread's counters when last seen on time
@@ -137,7 +161,12 @@ class LoopStalls:
                 self._sched_start = on_time
                 self._others0 = self._waits()
                 self._tasks0 = _tasks()
+                self._stall_idle, self._idle_at = 0.0, None
             frames = sys._current_frames()
+            idle = self._loop_idle(frames.get(self._loop_thread))
+            if idle and self._idle_at is not None:
+                self._stall_idle += now - self._idle_at
+            self._idle_at = now if idle else None
             self._stall.append([(self._name(tid), self._stack(f)) for tid, f in frames.items()
                                 if tid != threading.get_ident()])
         # a stall that the heartbeat's last beat ended counts; one begun after that beat (the heartbeat stopping) not
@@ -147,7 +176,8 @@ class LoopStalls:
     def _end_stall(self, end: float) -> None:
         others = self._waits()
         waits = (others[t] - w for t, w in self._others0.items() if t in others)
-        self._others_waited[end] = max(waits, default=0) * 1e-9
+        self._others_waited.append((self._stall_start, end, max(waits, default=0) * 1e-9))
+        self._idle.append(self._stall_idle)
         length = end - self._stall_start
         if length > self.worst[0]:
             self.worst = (length, self._stall)
@@ -161,6 +191,18 @@ class LoopStalls:
                     if tid != str(self._loop_native) for then in [self._tasks0.get(tid, (name, 0, 0))]]
             self.worst_threads = sorted(busy, key=lambda b: -b[1])[:4]
         self._stall = []
+
+    def _loop_idle(self, frame: types.FrameType | None) -> bool:
+        """Whether the loop's thread is in its selector's wait (asyncio's select, and the kernel's epoll_wait: not
+        back from it and waiting for the GIL, which is a futex), by its frame and /proc's syscall (Linux)."""
+        if frame is None or frame.f_code.co_name != "select" or frame.f_back is None \
+                or frame.f_back.f_code.co_name != "_run_once":
+            return False
+        try:
+            with open(f"/proc/self/task/{self._loop_native}/syscall") as f:
+                return int(f.read().split(maxsplit=1)[0]) in _EPOLL_WAITS
+        except (OSError, ValueError, IndexError):
+            return False
 
     def _waits(self) -> dict[str, int]:
         """Each other Python thread's time so far runnable and waiting for a CPU, in ns, by its task id (Linux; {}
@@ -221,6 +263,13 @@ class LoopStalls:
             slept = max(window * 1e3 - (ran + waited) / 1e6, 0.0)
             lines[0] += (f"; in its last {window * 1e3:.1f} ms the loop's thread ran {ran / 1e6:.1f} ms, waited "
                          f"{waited / 1e6:.1f} ms for a CPU, slept {slept:.1f} ms (on the GIL, a lock or I/O)")
+        if any(self._idle):
+            lines[0] += (f"; {sum(i > 0 for i in self._idle)} stalls had the loop's thread asleep in its selector with "
+                         f"its timer due (up to {max(self._idle) * 1e3:.0f} ms, a wake-up the machine did not deliver: "
+                         f"left out of the lateness of its own)")
+        if any(self.stolen):
+            lines[0] += (f"; {sum(s > 0 for s in self.stolen)} beats saw the hypervisor take a CPU (up to "
+                         f"{max(self.stolen) * 1e3:.0f} ms, left out of the lateness of its own)")
         if hasattr(os, "getloadavg"):
             lines[0] += f"; load average {os.getloadavg()[0]:.1f}"
         if self.worst_threads:  # (a thread that ran while the loop's thread slept may have held the GIL)
@@ -234,6 +283,20 @@ class LoopStalls:
                 shown[name] += 1
                 lines.append(f"  {count:3d} {name}: {stack}")
         return "\n".join(lines)
+
+
+# the kernel's epoll waits by machine (/proc's syscall numbers): x86_64's epoll_wait, epoll_pwait, epoll_pwait2
+_EPOLL_WAITS = {"x86_64": {232, 281, 441}, "aarch64": {22, 441}}.get(platform.machine(), set())
+_TICK = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)  # /proc/stat's unit (s)
+
+
+def _steal() -> list[int]:
+    """Each CPU's time so far taken by the hypervisor (steal), in /proc/stat's ticks (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(line.split()[8]) for line in f if line.startswith("cpu") and line[3].isdigit()]
+    except (OSError, ValueError, IndexError):
+        return []
 
 
 def _tasks() -> dict[str, tuple[str, int, int]]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import platform
 import sys
+import threading
 import time
+
+import pytest
 
 from azyx.debug import LoopStalls
 
@@ -50,3 +54,30 @@ async def test_a_loop_held_asleep_is_late_of_its_own() -> None:
     assert stalls.worst_own_ms >= 190, (stalls.own, stalls.lateness)
     assert stalls.worst_own_ms <= stalls.worst_ms + 1e-6
     assert len(stalls.own) == len(stalls.lateness)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"),
+                    reason="reads /proc's syscall numbers of x86_64 and aarch64")
+async def test_the_sampler_tells_a_loop_asleep_in_its_selector_from_one_held() -> None:
+    """A loop's thread asleep in its selector's wait is idle (in a stall: a wake-up the machine did not deliver, left
+    out of the lateness of its own); one held by a blocking call on it never is."""
+    def looks(stalls: LoopStalls, loop_thread: int, out: list[bool]) -> threading.Thread:
+        def run() -> None:
+            for _ in range(20):
+                time.sleep(2e-3)
+                out.append(stalls._loop_idle(sys._current_frames().get(loop_thread)))
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    waiting: list[bool] = []
+    held: list[bool] = []
+    async with LoopStalls() as stalls:
+        thread = looks(stalls, threading.get_ident(), waiting)
+        await asyncio.sleep(0.1)  # (the heartbeat wakes it each ms: asleep in its selector most of the time)
+        thread.join()
+        thread = looks(stalls, threading.get_ident(), held)
+        time.sleep(0.1)
+        thread.join()
+    assert any(waiting), waiting
+    assert len(held) == 20 and not any(held), held

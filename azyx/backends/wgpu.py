@@ -70,7 +70,6 @@ STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsag
 STAGING = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 UPLOAD = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
 UPLOAD_DIRECT = 1 << 20  # host writes up to this size go by queue.write_buffer, larger ones through upload buffers
-UPLOAD_PIECE = 2 << 20  # bytes an upload buffer is filled with per call (each holds the GIL: ~0.5 ms)
 WORDS = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
 
 
@@ -453,9 +452,8 @@ class WgpuDevice(QueuedDevice):
                 return False
             up = Lent(self.uploads, size)  # (back to the pool at once, in use until the copy is done: its next map
             up.block.map_sync("WRITE", 0, size)  # waits for that)
-            try:  # in pieces: write_mapped copies holding the GIL, which the event loop then waits for
-                for at in range(0, size, UPLOAD_PIECE):
-                    up.block.write_mapped(data[at:at + UPLOAD_PIECE], at)
+            try:  # (numpy's copy lets go of the GIL; write_mapped's held it through page faults, the loop asleep)
+                np.copyto(np.frombuffer(up.block._experimental_get_mapped_range(0, size), np.uint8), data)
             finally:
                 up.block.unmap()
             return self._copy(up.block, 0, dst.mem, offset & ~3, size)

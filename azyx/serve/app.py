@@ -57,6 +57,7 @@ from azyx.models.bert import BATCH_BUCKETS, EmbeddingService, MiniLM, QueueFull
 from azyx.models.gpt2 import GPT2, Engine, NoFreeSlotError, TokenStream, load_tokenizer
 from azyx.models.text import TextStream
 from azyx.stats import Heartbeat
+from azyx.workers import in_worker_thread
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -544,20 +545,28 @@ class Server:
     async def load(self) -> None:
         """Load every model, then set `ready`; a failure is kept in `state["error"]` (the server keeps answering:
         /health says why it does not serve)."""
+        # no full collection while the models load and warm up: the heap grows by the plans' kernels, and Python's
+        # collector went over all of it each time it grew by a quarter (on the loop's thread or on a worker planning,
+        # holding the GIL): 100-320 ms each, 5-6 times in a start-up of GPT-2 and MiniLM (the loop slept 300 ms on
+        # the GIL). The young generations are still collected; what start-up made lives on, frozen below
+        t0, t1, t2 = gc.get_threshold()
+        gc.set_threshold(t0, t1, 1 << 30)
         try:
             for d in self.cfg.models:
                 if self.kinds[d] in GENERATION_TYPES:
                     await self.load_generator(d)
                 else:
                     await self.load_embedder(d)
-            # what start-up made lives on: frozen, later full collections skip it (else a pause of tens of ms). The
-            # young generations are collected first; a full collection over the heap (~160k objects after GPT-2's and
-            # MiniLM's warm-up, mostly the plans' kernels) held the loop 120-130 ms and found no garbage
+            # frozen: later full collections skip it (else a pause of tens of ms). The young generations are
+            # collected first; a full collection over the heap (~160k objects after GPT-2's and MiniLM's warm-up,
+            # mostly the plans' kernels) held the loop 120-130 ms and found no garbage
             gc.collect(1)
             gc.freeze()
             self.ready.set()
         except Exception as e:
             self.state["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            gc.set_threshold(t0, t1, t2)
 
     async def load_generator(self, d: str) -> None:
         cfg = self.cfg
@@ -567,7 +576,8 @@ class Server:
             await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True)
         template, specials = chat_template(d)
         name = _model_name(d)
-        self.generators[name] = Generator(name, eng, load_tokenizer(d), template, specials)
+        tokenizer = await in_worker_thread(load_tokenizer, d)  # (reading tokenizer.json: ~25 ms, holding the GIL)
+        self.generators[name] = Generator(name, eng, tokenizer, template, specials)
 
     async def load_embedder(self, d: str) -> None:
         cfg = self.cfg
