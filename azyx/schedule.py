@@ -28,10 +28,11 @@ from typing import Any, Protocol
 from azyx import debug
 from azyx.codegen import search_actions
 from azyx.codegen.dialect import ITEM_TILES, Dialect
-from azyx.codegen.kernel import product_of
+from azyx.codegen.kernel import templated
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates import attention, gemm_host
 from azyx.codegen.templates.gemm import product_dtypes
+from azyx.codegen.templates.gemv import GEMV_ROWS
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
 from azyx.graph import (
@@ -388,8 +389,8 @@ class Planner:
             return False
         col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
         rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
-        if dl.global_ids or rows >= gemm_host.MIN_ROWS:
-            return rows >= 16
+        if dl.global_ids or rows >= gemm_host.MIN_ROWS:  # (up to GEMV_ROWS, the small-M kernel where the dialect has
+            return rows > GEMV_ROWS if dl.gemv else rows >= 16  # it: fused with its prologue and epilogue)
         # fewer rows: on the host still where the right operand is stored transposed (`x @ W.T`, gemm_host.takes)
         row = max((d for d in range(len(src.shape)) if d not in (axis, col)), default=-1)
         views = [self.view_of(s) for s in src.src] if row >= 0 else []
@@ -710,7 +711,7 @@ class Planner:
         dev = self.rt.device(att.device)
         if not k.stores[0][1].has_reduce or not dev.tiles:
             return None
-        if dev.dialect is not None and product_of(k, dev.dialect, dev.threads) is not None:
+        if dev.dialect is not None and templated(k, dev.dialect, dev.threads):
             return None  # the device's product template takes it (operands read where they lie)
         bound = dev.dialect.max_trips if dev.dialect is not None else 0
         if bound and any(prod([x.vmax + 1 for x in v.arg[1]]) > bound for v in toposort(*k.values) if v.op == "reduce"):

@@ -47,6 +47,9 @@ class Dialect:
     # which product template family the dialect's kernels take (azyx.codegen.templates; PRODUCT_FAMILIES)
     products: str = ""
     tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
+    # products of a few rows (templates.gemv.GEMV_ROWS), their fused prologue and epilogue with them, get the small-M
+    # kernel (codegen.cgemv: a block per slab of columns, 16-byte weight loads; needs `shuffle`)
+    gemv: bool = False
     attention: bool = False  # attention is one kernel of codegen.templates.attention (else its composed form runs)
     decode: bool = False  # a decode step's attention (templates.attention_decode) is a kernel even without `attention`
     simd: int = 16  # host: vector register width in bytes (the C device's ISA: 32 AVX2, 64 AVX-512: gemm_host)
@@ -164,6 +167,7 @@ CUDA = Dialect(
     block=256,
     gemm=True,
     tensor_cores=True,  # (a device older than sm_80 turns it off)
+    gemv=True,
     attention=True,
     loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},

@@ -1,0 +1,255 @@
+"""templates.gemv's small-M product in a C-family dialect that declares it (Dialect.gemv: CUDA C): a block of THREADS
+items owns a slab of C's columns for all M rows.
+
+1. Row phase: each value the prologue needs per row alone (a layernorm's mean and reciprocal deviation, the statistics
+   reduced by the whole block as the generic grouped reduce does) is computed once per row into shared memory.
+2. For each chunk of KC elements of K, the block computes A(i, r) (the prologue) for every row into shared memory,
+   each element once, then streams the weight: `x @ W.T` (W contiguous along K): each warp owns `cols_per_warp`
+   columns and its lanes read consecutive 16-byte vectors along K; `x @ W` (W contiguous along N): `lanes_along_n`
+   items read a row's ROW_BYTES of the slab's columns in 16-byte vectors, the others step down K. Every weight
+   element is multiplied by the M rows' staged values in float32 (a float16 / bfloat16 product is not rounded before
+   it is summed, as cuBLAS does).
+3. The items' partial sums combine by warp shuffles (and shared memory across warps), and each output point runs the
+   epilogue (bias, activation, residual: any expression of the sum and loads at the point) and stores.
+"""
+
+from __future__ import annotations
+
+from azyx.codegen.cfamily import CRenderer
+from azyx.codegen.dialect import Dialect
+from azyx.codegen.launch import index_fits
+from azyx.codegen.templates.gemv import THREADS, WARP, WARPS, Gemv, above
+from azyx.ir import Kernel, V, toposort
+
+
+class _GemvRenderer(CRenderer):
+    def __init__(self, k: Kernel, name: str, dl: Dialect, g: Gemv):
+        super().__init__(k, name, dl, 1)
+        assert dl.gemv and dl.shuffle and dl.warp == WARP
+        self.g = g
+        self.group = THREADS  # the row statistics: reduced by the whole block (grouped_reduce)
+        self.it = dl.narrow_index if dl.narrow_index and index_fits(k, THREADS) else dl.index_type
+
+    def render(self) -> str:
+        k, dl, g, it = self.k, self.dl, self.g, self.it
+        order = toposort(*k.values)
+        place = self.placement(order)
+        guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
+        header = self.signature(None, guarded)
+        self.emit(f"const {it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
+        self.emit(f"const {it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
+        frontier = self.frontier()
+        self.row_phase(frontier, order, place)
+        cols = g.cols_per_warp if g.along_k else g.vec
+        kc = g.chunk
+        self.declare_shared(f"__align__(16) {dl.shared} float xs[{g.m}][{kc}];")
+        self.emit(f"float pacc[{g.m}][{cols}];")
+        self.each("pacc[m][c] = 0.0f;", cols)
+        self.open(f"for ({it} k0 = 0; k0 < {g.k}; k0 += {kc})")
+        self.emit(f"const {it} kn = min(({it}){kc}, ({it}){g.k} - k0);")
+        self.emit(dl.barrier)  # (the previous chunk read by every item before it is overwritten)
+        self.stage(frontier, kc)
+        self.emit(dl.barrier)
+        if g.along_k:
+            self.stream_along_k(kc)
+        else:
+            self.stream_along_n()
+        self.close()
+        self.combine()
+        self.epilogue()
+        return f"{header} {{\n" + "\n".join(self.lines) + "\n}\n"
+
+    def each(self, stmt: str, cols: int) -> None:
+        """`stmt` for every row m and accumulator column c, in loops the compiler unrolls (the accumulators stay in
+        registers)."""
+        for line in (f"for (int m = 0; m < {self.g.m}; m++)", f"  for (int c = 0; c < {cols}; c++) {stmt}"):
+            if self.dl.unroll:
+                self.emit("#pragma unroll")
+            self.emit(line)
+
+    # ------------------------------------------------------------------ prologue
+    def frontier(self) -> list[V]:
+        """The values of A that do not move with r (per row, or per kernel) but are computed (a row's statistics and
+        what is derived from them, a load of the row alone): the row phase computes each once per row."""
+        g, out, seen = self.g, [], set()
+        for v in toposort(self.g.a):
+            if g.rv not in v.vars:
+                continue
+            for s in v.src:
+                if g.rv not in s.vars and s.op not in ("const", "arg") and (s.vars or s.has_reduce) \
+                        and id(s) not in seen:
+                    seen.add(id(s))
+                    out.append(s)
+        return out
+
+    def rows(self, flat: str) -> None:
+        """Declare the row loops' variables from the flat row `flat`."""
+        if self.g.rows:
+            self.unflatten(flat, self.g.rows)
+
+    def row_phase(self, frontier: list[V], order: list[V], place: dict[int, object]) -> None:
+        """Each frontier value for each row into shared memory (rw0, rw1, ...), computed by the whole block."""
+        if not frontier:
+            return
+        dl, g = self.dl, self.g
+        for n, _ in enumerate(frontier):
+            self.declare_shared(f"{dl.shared} float rw{n}[{g.m}];")
+        saved = dict(self.names)
+        self.open(f"for ({self.it} m = 0; m < {g.m}; m++)")  # (every item runs every row: the barriers are uniform)
+        self.rows("m")
+        for v in toposort(*frontier):
+            if isinstance(place.get(id(v)), V):  # inside a statistic's body: its reduce emits it
+                continue
+            if v.op == "reduce":
+                self.reduce_block(v, order, place, "")
+            else:
+                self.stmt(v)
+        for n, f in enumerate(frontier):
+            self.emit(f"if (lid == 0) rw{n}[m] = {self.store_value(f)};")
+        self.close()
+        self.names = saved
+        self.emit(dl.barrier)
+
+    def stage(self, frontier: list[V], kc: int) -> None:
+        """A(i, r) for every row and the chunk's r (zero past K) into xs."""
+        g, it = self.g, self.it
+        saved = dict(self.names)
+        self.open(f"for ({it} e = lid; e < {g.m * kc}; e += {THREADS})")
+        self.emit(f"const {it} m = e / {kc}, rr = e % {kc};")
+        self.emit("float av = 0.0f;")
+        self.open("if (rr < kn)")
+        self.emit(f"const {it} {g.rv.name} = k0 + rr;")
+        self.rows("m")
+        for n, f in enumerate(frontier):
+            self.names[id(f)] = f"rw{n}[m]"
+        for v in toposort(g.a):
+            if id(v) in self.names:
+                continue
+            if g.rv in v.vars or not (v.vars or v.has_reduce):
+                self.stmt(v)
+        self.emit(f"av = {self.store_value(g.a)};")
+        self.close()
+        self.emit("xs[m][rr] = av;")
+        self.close()
+        self.names = saved
+
+    # ------------------------------------------------------------------ the weight
+    def weight_load(self, dst: str, idx: str, guard: str) -> list[str]:
+        """Statements reading `vec` weight elements at element `idx` into float array `dst` (zeros where `guard`
+        fails)."""
+        g, dl = self.g, self.dl
+        v, p = g.vec, g.w.arg[0]
+        conv = dl.loads.get(g.dtype.name, "{buf}[{idx}]")
+        if v == 1:
+            return [f"{dst}[0] = ({guard}) ? {conv.format(buf=f'd{p}', idx=idx)} : 0.0f;"]
+        zero = " ".join(f"{dst}[{e}] = 0.0f;" for e in range(v))
+        if g.dtype.itemsize == 4:
+            get = f"const float4 q = *(const float4*)&d{p}[{idx}]; " + " ".join(
+                f"{dst}[{e}] = q.{c};" for e, c in enumerate("xyzw"))
+        else:  # 16 or 8 bytes of 16-bit elements
+            t, u = dl.ctype(g.dtype), "uint4" if v == 8 else "uint2"
+            get = f"const {u} q = *(const {u}*)&d{p}[{idx}]; const {t}* h = (const {t}*)&q; " + " ".join(
+                f"{dst}[{e}] = {conv.format(buf='h', idx=e)};" for e in range(v))
+        return [f"if ({guard}) {{ {get} }} else {{ {zero} }}"]
+
+    def stream_along_k(self, kc: int) -> None:
+        """x @ W.T: warp `warp`'s columns wj..wj+C-1, its lanes along K, `vec` elements a load."""
+        g, it, v, cols = self.g, self.it, self.g.vec, self.g.cols_per_warp
+        self.emit(f"const {it} wj = j0 + warp * {cols};")
+        if self.dl.unroll:  # loads in flight, while the registers of an iteration's weight and staged elements stay
+            # within 128 (NVRTC sm_90, M = 16: 255 registers at 4 iterations, 198 at 4 with 2 columns a warp)
+            self.emit(f"#pragma unroll {max(1, min(4, 128 // ((cols + g.m) * v)))}")
+        self.open(f"for ({it} kk = lane * {v}; kk < kn; kk += {WARP * v})")
+        for c in range(cols):
+            self.emit(f"float w{c}[{v}];")
+            idx = f"{g.w_off} + (wj + {c}) * {g.w_sj} + (k0 + kk)"
+            for line in self.weight_load(f"w{c}", idx, f"wj + {c} < {g.n}"):
+                self.emit(line)
+        self.emit("#pragma unroll")
+        self.open(f"for (int m = 0; m < {g.m}; m++)")
+        if v % 4 == 0:
+            self.emit(f"float a[{v}];")
+            for q in range(v // 4):
+                self.emit(f"{{ const float4 t = *(const float4*)&xs[m][kk + {4 * q}]; a[{4 * q}] = t.x; "
+                          f"a[{4 * q + 1}] = t.y; a[{4 * q + 2}] = t.z; a[{4 * q + 3}] = t.w; }}")
+        else:
+            self.emit("const float a[1] = {xs[m][kk]};")
+        for c in range(cols):
+            self.emit(f"pacc[m][{c}] += " + " + ".join(f"a[{e}] * w{c}[{e}]" for e in range(v)) + ";")
+        self.close()
+        self.close()
+
+    def stream_along_n(self) -> None:
+        """x @ W: item lid reads columns wj..wj+vec-1 of rows rt, rt + RT, ... of the chunk."""
+        g, it, v, ct = self.g, self.it, self.g.vec, self.g.lanes_along_n
+        self.emit(f"const {it} wj = j0 + (lid % {ct}) * {v};")
+        if self.dl.unroll:
+            self.emit("#pragma unroll 4")
+        self.open(f"for ({it} rr = lid / {ct}; rr < kn; rr += {THREADS // ct})")
+        self.emit(f"float w[{v}];")
+        for line in self.weight_load("w", f"{g.w_off} + (k0 + rr) * {g.w_sk} + wj", f"wj < {g.n}"):
+            self.emit(line)
+        self.emit("#pragma unroll")
+        self.open(f"for (int m = 0; m < {g.m}; m++)")
+        self.emit("const float a = xs[m][rr];")
+        for e in range(v):
+            self.emit(f"pacc[m][{e}] += a * w[{e}];")
+        self.close()
+        self.close()
+
+    # ------------------------------------------------------------------ combine, epilogue
+    def combine(self) -> None:
+        """The items' partial sums of each output point, combined into shared memory: `x @ W.T`, the warp's lanes
+        by shuffles into res[m][column]; `x @ W`, the lanes of a warp that share columns by shuffles, then one
+        partial per warp into red[warp][m][column] (the epilogue adds the warps')."""
+        g, dl = self.g, self.dl
+        cols = g.cols_per_warp if g.along_k else g.vec
+        first = 1 if g.along_k else g.lanes_along_n  # lanes xor this and up share columns
+        if first < WARP:
+            self.emit("#pragma unroll")
+            self.open(f"for (int o = {WARP // 2}; o >= {first}; o >>= 1)")
+            self.emit("#pragma unroll")
+            self.open(f"for (int m = 0; m < {g.m}; m++)")
+            for c in range(cols):
+                self.emit(f"pacc[m][{c}] += {dl.shuffle.format(x=f'pacc[m][{c}]', o='o')};")
+            self.close()
+            self.close()
+        if g.along_k:
+            self.declare_shared(f"{dl.shared} float res[{g.m}][{g.block_cols}];")
+            self.open("if (lane == 0)")
+            self.each(f"res[m][warp * {cols} + c] = pacc[m][c];", cols)
+        else:
+            self.declare_shared(f"{dl.shared} float red[{WARPS}][{g.m}][{g.block_cols}];")
+            self.open(f"if (lane < {first})")
+            self.each(f"red[warp][m][lane * {cols} + c] = pacc[m][c];", cols)
+        self.close()
+        self.emit(dl.barrier)
+
+    def epilogue(self) -> None:
+        """Each output point (the items share them out): its sum, then the epilogue's values, then its store."""
+        k, g, it = self.k, self.g, self.it
+        bc = g.block_cols
+        out_idx, value = k.stores[0]
+        self.open(f"for ({it} oi = lid; oi < {g.m * bc}; oi += {THREADS})")
+        self.emit(f"const {it} m = oi / {bc}, jj = oi % {bc}, {g.col.name} = j0 + jj;")
+        self.open(f"if ({g.col.name} < {g.n})")
+        self.rows("m")
+        if g.along_k:
+            self.emit("const float pv = res[m][jj];")
+        else:
+            self.emit("float pv = red[0][m][jj];")
+            for w in range(1, WARPS):
+                self.emit(f"pv += red[{w}][m][jj];")
+        self.names[id(g.product)] = "pv"
+        for v in above(value, g.product):
+            if v is not g.product:
+                self.stmt(v)
+        store = self.dl.stores.get(k.params[0].name, "{buf}[{idx}] = {val};")
+        self.emit(store.format(buf="d0", idx=out_idx.render(), val=self.store_value(value)))
+        self.close()
+        self.close()
+
+
+def render(k: Kernel, g: Gemv, name: str, dl: Dialect) -> str:
+    """Kernel `k` (the small-M product `g`) in dialect `dl` as one function named `name`."""
+    return _GemvRenderer(k, name, dl, g).render()

@@ -1,0 +1,88 @@
+"""The small-M product kernel (issue 38: decode's linear layers; azyx.codegen.templates.gemv, codegen.cgemv): planned
+for a device that renders CUDA C (the dummy device made to), its CUDA source run on the host (tests/cuda_host.py: g++,
+a host thread per CUDA thread) against numpy: float32, bfloat16 and float16, M = 1..16 rows, K and N that are no
+multiple of the load width, both weight layouts (x @ W with W stored (K, N), x @ W.T with W stored (N, K)), alone and
+with a layernorm in its prologue and bias, GELU and a residual in its epilogue, all one kernel. NVRTC compiles the
+GPT-2 shapes' kernels for sm_90 where it is installed. On a machine with a GPU, bench/gpu.py's gemv rows time them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from cuda_host import launch
+from test_attention_decode import as_stored, from_stored
+from test_fusion import gelu_tanh, layernorm
+
+import azyx
+from azyx import Tensor
+from azyx.codegen.dialect import CUDA
+from azyx.codegen.kernel import small_product
+from azyx.graph import GRAPH
+from azyx.plan import ExecutionPlan, KernelStep, TransferStep
+from azyx.runtime import RT
+from azyx.walk import canonicalize
+
+DEV = "dummy:0"  # plans without running; made to render CUDA C here
+TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+@pytest.fixture
+def cuda_planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    dev = RT.device(DEV)
+    monkeypatch.setattr(dev, "dialect", CUDA)
+    monkeypatch.setattr(dev, "tiles", False)
+    RT.plan_cache.clear()
+    yield
+    RT.plan_cache.clear()
+
+
+def run_on_host(out: Tensor, data: dict[int, np.ndarray], numel: int) -> tuple[KernelStep, np.ndarray]:
+    """Plan `out` (one kernel), run its CUDA source on the host with the leaves' buffers `data` (by tensor id);
+    (the step, the output buffer)."""
+    walk = canonicalize(GRAPH, [out.id])
+    plan: ExecutionPlan = azyx.schedule(out)
+    (step,) = plan.kernels
+    uploaded = {s.dst: s.src for s in plan.steps if isinstance(s, TransferStep)}  # (leaves still on the host)
+    bufs = []
+    for i, slot in enumerate(step.args):
+        if i < step.outs:
+            bufs.append(np.zeros(numel, data[next(iter(data))].dtype))
+        else:
+            slot = uploaded.get(slot, slot)
+            assert slot < plan.n_inputs
+            bufs.append(np.ascontiguousarray(data[walk.leaves[slot]]))
+    scalars = tuple(float(walk.scalars[i]) for i in step.scalars)
+    launch(step.src, step.name, step.launch.grid, step.launch.group, bufs, scalars)
+    return step, bufs[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, k, n, fused", [(1, 96, 80, False), (3, 75, 37, True), (16, 136, 72, True),
+                                                (5, 64, 41, False)])
+def test_small_products_on_the_cuda_kernel(cuda_planning: None, dtype: str, transposed: bool, rows: int, k: int,
+                                           n: int, fused: bool) -> None:
+    """`x @ W` / `x @ W.T`, alone or as `gelu(layernorm(x) * g + beta) @ W + b) + r`: one kernel, the small-M one,
+    equal to numpy on the (rounded) inputs."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    raw = {"x": (rows, k), "w": (n, k) if transposed else (k, n), "g": (k,), "beta": (k,), "b": (n,), "r": (rows, n)}
+    stored = {name: as_stored(rng.standard_normal(shape) * (0.2 if name == "w" else 1.0), dtype)
+              for name, shape in raw.items()}
+    host = {name: buf for name, (buf, _) in stored.items()}
+    ref = {name: value for name, (_, value) in stored.items()}
+    t = {name: Tensor(v.astype(np.float32), dtype=dtype, device=DEV) for name, v in ref.items()}
+    w = t["w"].T if transposed else t["w"]
+    w_ref = ref["w"].T if transposed else ref["w"]
+    if fused:
+        out = ((t["x"].layernorm() * t["g"] + t["beta"]) @ w + t["b"]).gelu(approximate="tanh") + t["r"]
+        want = gelu_tanh(layernorm(ref["x"], ref["g"], ref["beta"]) @ w_ref + ref["b"]) + ref["r"]
+    else:
+        out = t["x"] @ w
+        want = ref["x"] @ w_ref
+    step, got = run_on_host(out, {t[name].id: v for name, v in host.items()}, rows * n)
+    g = small_product(step.kernel, CUDA)
+    assert g is not None and (g.m, g.n, g.k, g.along_k) == (rows, n, k, transposed)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(from_stored(got, dtype).reshape(rows, n) / scale, want / scale, atol=TOL[dtype])
