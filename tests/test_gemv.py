@@ -60,7 +60,7 @@ def run_on_host(out: Tensor, data: dict[int, np.ndarray], numel: int) -> tuple[K
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows, k, n, fused", [(1, 96, 80, False), (3, 75, 37, True), (16, 136, 72, True),
+@pytest.mark.parametrize("rows, k, n, fused", [(1, 96, 80, False), (3, 75, 37, True), (16, 300, 72, True),
                                                 (5, 64, 41, False)])
 def test_small_products_on_the_cuda_kernel(cuda_planning: None, dtype: str, transposed: bool, rows: int, k: int,
                                            n: int, fused: bool) -> None:
@@ -86,3 +86,27 @@ def test_small_products_on_the_cuda_kernel(cuda_planning: None, dtype: str, tran
     assert g is not None and (g.m, g.n, g.k, g.along_k) == (rows, n, k, transposed)
     scale = np.abs(want).max()
     np.testing.assert_allclose(from_stored(got, dtype).reshape(rows, n) / scale, want / scale, atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("batch, dtype", [(1, "float32"), (16, "bfloat16")])
+def test_a_decode_step_is_four_small_product_kernels(cuda_planning: None, batch: int, dtype: str) -> None:
+    """A GPT-2 layer at decode time (attention aside; a narrow one: the dummy device's memory), planned for CUDA:
+    its four linear layers are four kernels, each the small-M one (ln_1 and its statistics in the QKV product's
+    prologue, the biases, GELU and residual adds in epilogues)."""
+
+    from test_fusion import PassThrough
+
+    from azyx.models.gpt2 import Block, GPT2Config
+
+    e = 96
+    config = GPT2Config(n_layer=1, n_head=4, n_embd=e, vocab_size=64, n_positions=16)
+    block = Block(config, 0, getattr(azyx.dtypes, dtype), DEV)
+    for _, p in block.named_parameters():
+        p.assign(Tensor(np.zeros(p.shape, np.float32), dtype=dtype, device=DEV))
+    out = block(Tensor(np.zeros((batch, 1, e), np.float32), dtype=dtype, device=DEV), PassThrough())
+    shapes = []
+    for step in azyx.schedule(out).kernels:
+        g = small_product(step.kernel, CUDA)
+        assert g is not None
+        shapes.append((g.m, g.k, g.n))
+    assert shapes == [(batch, e, 3 * e), (batch, e, e), (batch, e, 4 * e), (batch, 4 * e, e)]

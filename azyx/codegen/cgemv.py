@@ -21,6 +21,8 @@ from azyx.codegen.launch import index_fits
 from azyx.codegen.templates.gemv import THREADS, WARP, WARPS, Gemv, above
 from azyx.ir import Kernel, V, toposort
 
+REGISTERS = 160  # float registers an item's streaming loop may hold (accumulators, weight and staged elements)
+
 
 class _GemvRenderer(CRenderer):
     def __init__(self, k: Kernel, name: str, dl: Dialect, g: Gemv):
@@ -46,7 +48,8 @@ class _GemvRenderer(CRenderer):
         self.emit(f"float pacc[{g.m}][{cols}];")
         self.each("pacc[m][c] = 0.0f;", cols)
         self.open(f"for ({it} k0 = 0; k0 < {g.k}; k0 += {kc})")
-        self.emit(f"const {it} kn = min(({it}){kc}, ({it}){g.k} - k0);")
+        # (one chunk: a constant bound, so the compiler unrolls the streaming loop and keeps its loads in flight)
+        self.emit(f"const {it} kn = " + (f"{g.k};" if kc >= g.k else f"min(({it}){kc}, ({it}){g.k} - k0);"))
         self.emit(dl.barrier)  # (the previous chunk read by every item before it is overwritten)
         self.stage(frontier, kc)
         self.emit(dl.barrier)
@@ -66,6 +69,13 @@ class _GemvRenderer(CRenderer):
             if self.dl.unroll:
                 self.emit("#pragma unroll")
             self.emit(line)
+
+    @staticmethod
+    def steps(acc: int, per_step: int) -> int:
+        """Iterations of the streaming loop unrolled (their weight loads in flight together: a product of a few MB is
+        bound by round trips to memory, not by bandwidth), within REGISTERS for the accumulators and each
+        iteration's weight and staged elements (NVRTC sm_90, M = 16, x @ W.T in half: 255 registers at 4 steps)."""
+        return max(1, min(16, (REGISTERS - acc) // per_step))
 
     # ------------------------------------------------------------------ prologue
     def frontier(self) -> list[V]:
@@ -156,9 +166,8 @@ class _GemvRenderer(CRenderer):
         """x @ W.T: warp `warp`'s columns wj..wj+C-1, its lanes along K, `vec` elements a load."""
         g, it, v, cols = self.g, self.it, self.g.vec, self.g.cols_per_warp
         self.emit(f"const {it} wj = j0 + warp * {cols};")
-        if self.dl.unroll:  # loads in flight, while the registers of an iteration's weight and staged elements stay
-            # within 128 (NVRTC sm_90, M = 16: 255 registers at 4 iterations, 198 at 4 with 2 columns a warp)
-            self.emit(f"#pragma unroll {max(1, min(4, 128 // ((cols + g.m) * v)))}")
+        if self.dl.unroll:
+            self.emit(f"#pragma unroll {self.steps(cols * g.m, (cols + g.m) * v)}")
         self.open(f"for ({it} kk = lane * {v}; kk < kn; kk += {WARP * v})")
         for c in range(cols):
             self.emit(f"float w{c}[{v}];")
@@ -184,7 +193,7 @@ class _GemvRenderer(CRenderer):
         g, it, v, ct = self.g, self.it, self.g.vec, self.g.lanes_along_n
         self.emit(f"const {it} wj = j0 + (lid % {ct}) * {v};")
         if self.dl.unroll:
-            self.emit("#pragma unroll 4")
+            self.emit(f"#pragma unroll {self.steps(g.m * v, v + g.m)}")
         self.open(f"for ({it} rr = lid / {ct}; rr < kn; rr += {THREADS // ct})")
         self.emit(f"float w[{v}];")
         for line in self.weight_load("w", f"{g.w_off} + (k0 + rr) * {g.w_sk} + wj", f"wj < {g.n}"):
