@@ -1,5 +1,5 @@
-"""templates.gemv's small-M product in a C-family dialect that declares it (Dialect.gemv: CUDA C): a block of THREADS
-items owns a slab of C's columns for all M rows.
+"""templates.gemv's small-M product in a C-family dialect that declares it (Dialect.gemv: CUDA C): a block of
+`Gemv.threads` items owns a slab of C's columns for all M rows.
 
 1. Row phase: each value the prologue needs per row alone (a layernorm's mean and reciprocal deviation, the statistics
    reduced by the whole block as the generic grouped reduce does) is computed once per row into shared memory.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from azyx.codegen.cfamily import CRenderer
 from azyx.codegen.dialect import Dialect
 from azyx.codegen.launch import index_fits
-from azyx.codegen.templates.gemv import THREADS, WARP, WARPS, Gemv, above
+from azyx.codegen.templates.gemv import WARP, Gemv, above
 from azyx.ir import Kernel, V, toposort
 
 REGISTERS = 160  # float registers an item's streaming loop may hold (accumulators, weight and staged elements)
@@ -29,15 +29,18 @@ class _GemvRenderer(CRenderer):
         super().__init__(k, name, dl, 1)
         assert dl.gemv and dl.shuffle and dl.warp == WARP
         self.g = g
-        self.group = THREADS  # the row statistics: reduced by the whole block (grouped_reduce)
-        self.it = dl.narrow_index if dl.narrow_index and index_fits(k, THREADS) else dl.index_type
+        self.items = g.threads
+        self.group = g.threads  # the row statistics: reduced by the whole block (grouped_reduce)
+        self.it = dl.narrow_index if dl.narrow_index and index_fits(k, g.threads) else dl.index_type
 
     def render(self) -> str:
         k, dl, g, it = self.k, self.dl, self.g, self.it
         order = toposort(*k.values)
         place = self.placement(order)
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
-        header = self.signature(None, guarded)
+        # (the compiler keeps each item's registers within what a block of `threads` may hold)
+        header = self.signature(None, guarded).replace(dl.kernel_prefix, f"{dl.kernel_prefix} __launch_bounds__("
+                                                       f"{self.items})", 1)
         self.emit(f"const {it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
         self.emit(f"const {it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
         frontier = self.frontier()
@@ -70,12 +73,12 @@ class _GemvRenderer(CRenderer):
                 self.emit("#pragma unroll")
             self.emit(line)
 
-    @staticmethod
-    def steps(acc: int, per_step: int) -> int:
+    def steps(self, acc: int, per_step: int) -> int:
         """Iterations of the streaming loop unrolled (their weight loads in flight together: a product of a few MB is
         bound by round trips to memory, not by bandwidth), within REGISTERS for the accumulators and each
         iteration's weight and staged elements (NVRTC sm_90, M = 16, x @ W.T in half: 255 registers at 4 steps)."""
-        return max(1, min(16, (REGISTERS - acc) // per_step))
+        budget = min(REGISTERS, (1 << 16) // self.items - 24)  # (24: addresses, indices, the loop)
+        return max(1, min(16, (budget - acc) // per_step))
 
     # ------------------------------------------------------------------ prologue
     def frontier(self) -> list[V]:
@@ -124,7 +127,7 @@ class _GemvRenderer(CRenderer):
         """A(i, r) for every row and the chunk's r (zero past K) into xs."""
         g, it = self.g, self.it
         saved = dict(self.names)
-        self.open(f"for ({it} e = lid; e < {g.m * kc}; e += {THREADS})")
+        self.open(f"for ({it} e = lid; e < {g.m * kc}; e += {self.items})")
         self.emit(f"const {it} m = e / {kc}, rr = e % {kc};")
         self.emit("float av = 0.0f;")
         self.open("if (rr < kn)")
@@ -194,7 +197,7 @@ class _GemvRenderer(CRenderer):
         self.emit(f"const {it} wj = j0 + (lid % {ct}) * {v};")
         if self.dl.unroll:
             self.emit(f"#pragma unroll {self.steps(g.m * v, v + g.m)}")
-        self.open(f"for ({it} rr = lid / {ct}; rr < kn; rr += {THREADS // ct})")
+        self.open(f"for ({it} rr = lid / {ct}; rr < kn; rr += {self.items // ct})")
         self.emit(f"float w[{v}];")
         for line in self.weight_load("w", f"{g.w_off} + (k0 + rr) * {g.w_sk} + wj", f"wj < {g.n}"):
             self.emit(line)
@@ -228,7 +231,7 @@ class _GemvRenderer(CRenderer):
             self.open("if (lane == 0)")
             self.each(f"res[m][warp * {cols} + c] = pacc[m][c];", cols)
         else:
-            self.declare_shared(f"{dl.shared} float red[{WARPS}][{g.m}][{g.block_cols}];")
+            self.declare_shared(f"{dl.shared} float red[{self.items // WARP}][{g.m}][{g.block_cols}];")
             self.open(f"if (lane < {first})")
             self.each(f"red[warp][m][lane * {cols} + c] = pacc[m][c];", cols)
         self.close()
@@ -239,7 +242,7 @@ class _GemvRenderer(CRenderer):
         k, g, it = self.k, self.g, self.it
         bc = g.block_cols
         out_idx, value = k.stores[0]
-        self.open(f"for ({it} oi = lid; oi < {g.m * bc}; oi += {THREADS})")
+        self.open(f"for ({it} oi = lid; oi < {g.m * bc}; oi += {self.items})")
         self.emit(f"const {it} m = oi / {bc}, jj = oi % {bc}, {g.col.name} = j0 + jj;")
         self.open(f"if ({g.col.name} < {g.n})")
         self.rows("m")
@@ -247,8 +250,7 @@ class _GemvRenderer(CRenderer):
             self.emit("const float pv = res[m][jj];")
         else:
             self.emit("float pv = red[0][m][jj];")
-            for w in range(1, WARPS):
-                self.emit(f"pv += red[{w}][m][jj];")
+            self.emit(f"for (int w = 1; w < {self.items // WARP}; w++) pv += red[w][m][jj];")
         self.names[id(g.product)] = "pv"
         for v in above(value, g.product):
             if v is not g.product:

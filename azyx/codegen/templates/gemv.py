@@ -20,7 +20,10 @@ from azyx.ir import Kernel, V, toposort
 from azyx.symbolic import Lin, Var
 
 GEMV_ROWS = 16  # rows (M) up to which a product is this kernel's (the tiled templates take more)
-THREADS = 256
+THREADS = 256  # items a block (x @ W with few slabs of columns: up to MAX_THREADS)
+MAX_THREADS = 1024
+FEW_BLOCKS = 128  # x @ W in fewer blocks of THREADS than this (N = 768): more items a block, more loads in flight
+RED_BYTES = 16384  # x @ W: shared memory for the warps' partial sums (M x the slab's columns each)
 WARP = 32
 WARPS = THREADS // WARP
 LOAD_BYTES = 16  # bytes per weight load: 4 float32, 8 float16 / bfloat16
@@ -83,6 +86,17 @@ class Gemv:
         """KC: elements of K staged per round (a multiple of 8: float4 reads of a staged row stay aligned)."""
         whole = -(-self.k // 8) * 8
         return max(8, min(STAGE_FLOATS // self.m // 8 * 8, whole))
+
+    @property
+    def threads(self) -> int:
+        """Items a block: THREADS; x @ W whose slabs are few (a multiprocessor holds one block of them at most) up to
+        MAX_THREADS, so that each has that many more loads in flight, within RED_BYTES of partial sums."""
+        t = THREADS
+        if not self.along_k and -(-self.n // self.block_cols) < FEW_BLOCKS:
+            t = MAX_THREADS
+            while t > THREADS and t // WARP * self.m * self.block_cols * 4 > RED_BYTES:
+                t //= 2
+        return t
 
     def grid(self) -> tuple[int, int, int]:
         return -(-self.n // self.block_cols), 1, 1
