@@ -43,6 +43,11 @@ class _GemvRenderer(CRenderer):
                                                        f"{self.items})", 1)
         self.emit(f"const {it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
         self.emit(f"const {it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
+        wj = f"warp * {g.cols_per_warp}" if g.along_k else f"(lid % {g.lanes_along_n}) * {g.vec}"
+        self.emit(f"const {it} wj = j0 + {wj};  /* the item's first column */")
+        prefetched = self.prefetch_steps()
+        if prefetched:
+            self.prefetch(prefetched)
         frontier = self.frontier()
         self.row_phase(frontier, order, place)
         cols = g.cols_per_warp if g.along_k else g.vec
@@ -56,10 +61,7 @@ class _GemvRenderer(CRenderer):
         self.emit(dl.barrier)  # (the previous chunk read by every item before it is overwritten)
         self.stage(frontier, kc)
         self.emit(dl.barrier)
-        if g.along_k:
-            self.stream_along_k(kc)
-        else:
-            self.stream_along_n()
+        self.stream(prefetched)
         self.close()
         self.combine()
         self.epilogue()
@@ -165,48 +167,104 @@ class _GemvRenderer(CRenderer):
                 f"{dst}[{e}] = {conv.format(buf='h', idx=e)};" for e in range(v))
         return [f"if ({guard}) {{ {get} }} else {{ {zero} }}"]
 
-    def stream_along_k(self, kc: int) -> None:
-        """x @ W.T: warp `warp`'s columns wj..wj+C-1, its lanes along K, `vec` elements a load."""
-        g, it, v, cols = self.g, self.it, self.g.vec, self.g.cols_per_warp
-        self.emit(f"const {it} wj = j0 + warp * {cols};")
-        if self.dl.unroll:
-            self.emit(f"#pragma unroll {self.steps(cols * g.m, (cols + g.m) * v)}")
-        self.open(f"for ({it} kk = lane * {v}; kk < kn; kk += {WARP * v})")
-        for c in range(cols):
-            self.emit(f"float w{c}[{v}];")
-            idx = f"{g.w_off} + (wj + {c}) * {g.w_sj} + (k0 + kk)"
-            for line in self.weight_load(f"w{c}", idx, f"wj + {c} < {g.n}"):
-                self.emit(line)
+    def walk(self) -> tuple[str, str, int, int]:
+        """How an item steps along K: (its position's name, its first position in a chunk, the step, the steps it
+        takes over all of K): `x @ W.T`, a lane per `vec` elements of K (its warp's columns); `x @ W`, a row of the
+        chunk per `lanes_along_n` items."""
+        g = self.g
+        if g.along_k:
+            return "kk", f"lane * {g.vec}", WARP * g.vec, -(-g.k // (WARP * g.vec))
+        per = self.items // g.lanes_along_n
+        return "rr", f"lid / {g.lanes_along_n}", per, -(-g.k // per)
+
+    def loads(self, tag: str, k0: str, bounded: bool = False) -> tuple[list[str], list[str]]:
+        """(declarations, loads) of the weight elements an item uses at one position: `w{c}{tag}` per column it owns
+        (`vec` elements along K), or one `w{tag}` of `vec` columns; `k0` the chunk's start; `bounded`: the position may
+        pass K (zeros there)."""
+        g, v = self.g, self.g.vec
+        pos = self.walk()[0]
+        past = f" && {pos} < {g.k}" if bounded else ""
+        if not g.along_k:
+            idx = f"{g.w_off} + ({k0} + rr) * {g.w_sk} + wj"
+            return [f"float w{tag}[{v}];"], self.weight_load(f"w{tag}", idx, f"wj < {g.n}{past}")
+        decls, out = [], []
+        for c in range(g.cols_per_warp):
+            idx = f"{g.w_off} + (wj + {c}) * {g.w_sj} + ({k0} + kk)"
+            decls.append(f"float w{c}{tag}[{v}];")
+            out += self.weight_load(f"w{c}{tag}", idx, f"wj + {c} < {g.n}{past}")
+        return decls, out
+
+    def multiply(self, tag: str) -> None:
+        """The M rows' staged elements at the item's position times its weight elements (`tag`'s), into pacc."""
+        g, v = self.g, self.g.vec
         self.emit("#pragma unroll")
         self.open(f"for (int m = 0; m < {g.m}; m++)")
-        if v % 4 == 0:
-            self.emit(f"float a[{v}];")
-            for q in range(v // 4):
-                self.emit(f"{{ const float4 t = *(const float4*)&xs[m][kk + {4 * q}]; a[{4 * q}] = t.x; "
-                          f"a[{4 * q + 1}] = t.y; a[{4 * q + 2}] = t.z; a[{4 * q + 3}] = t.w; }}")
+        if not g.along_k:
+            self.emit("const float a = xs[m][rr];")
+            for e in range(v):
+                self.emit(f"pacc[m][{e}] += a * w{tag}[{e}];")
         else:
-            self.emit("const float a[1] = {xs[m][kk]};")
-        for c in range(cols):
-            self.emit(f"pacc[m][{c}] += " + " + ".join(f"a[{e}] * w{c}[{e}]" for e in range(v)) + ";")
-        self.close()
+            if v % 4 == 0:
+                self.emit(f"float a[{v}];")
+                for q in range(v // 4):
+                    self.emit(f"{{ const float4 t = *(const float4*)&xs[m][kk + {4 * q}]; a[{4 * q}] = t.x; "
+                              f"a[{4 * q + 1}] = t.y; a[{4 * q + 2}] = t.z; a[{4 * q + 3}] = t.w; }}")
+            else:
+                self.emit("const float a[1] = {xs[m][kk]};")
+            for c in range(g.cols_per_warp):
+                self.emit(f"pacc[m][{c}] += " + " + ".join(f"a[{e}] * w{c}{tag}[{e}]" for e in range(v)) + ";")
         self.close()
 
-    def stream_along_n(self) -> None:
-        """x @ W: item lid reads columns wj..wj+vec-1 of rows rt, rt + RT, ... of the chunk."""
-        g, it, v, ct = self.g, self.it, self.g.vec, self.g.lanes_along_n
-        self.emit(f"const {it} wj = j0 + (lid % {ct}) * {v};")
+    def unrolled(self) -> int:
+        """Steps of the streaming loop unrolled (see steps): the accumulators and each step's weight and staged
+        elements in the item's registers."""
+        g = self.g
+        if g.along_k:
+            cols = g.cols_per_warp
+            return self.steps(cols * g.m, (cols + g.m) * g.vec)
+        return self.steps(g.m * g.vec, g.vec + g.m)
+
+    def prefetch_steps(self) -> int:
+        """Steps whose weight elements are loaded before anything else (0: none): all of them, where K is one chunk
+        and they fit the item's registers, so that the loads are in flight while the block computes the prologue
+        (a decode step's products are bound by such round trips, not by bandwidth)."""
+        steps = self.walk()[3]
+        return steps if self.g.chunk >= self.g.k and steps <= self.unrolled() else 0
+
+    def prefetch(self, steps: int) -> None:
+        """Each step's weight elements into registers (w*_0, w*_1, ...) at the kernel's start."""
+        pos, start, stride, _ = self.walk()
+        for i in range(steps):
+            for line in self.loads(f"_{i}", "0")[0]:
+                self.emit(line)
+        for i in range(steps):
+            self.open("")
+            self.emit(f"const {self.it} {pos} = {start} + {i * stride};")
+            for line in self.loads(f"_{i}", "0", bounded=True)[1]:
+                self.emit(line)
+            self.close()
+
+    def stream(self, prefetched: int) -> None:
+        """The chunk's weight elements times the staged rows: the prefetched steps' (their registers), or a loop
+        that loads each step's."""
+        it = self.it
+        pos, start, stride, _ = self.walk()
+        if prefetched:
+            for i in range(prefetched):
+                self.open("")
+                self.emit(f"const {it} {pos} = {start} + {i * stride};")
+                self.open(f"if ({pos} < kn)")
+                self.multiply(f"_{i}")
+                self.close()
+                self.close()
+            return
         if self.dl.unroll:
-            self.emit(f"#pragma unroll {self.steps(g.m * v, v + g.m)}")
-        self.open(f"for ({it} rr = lid / {ct}; rr < kn; rr += {self.items // ct})")
-        self.emit(f"float w[{v}];")
-        for line in self.weight_load("w", f"{g.w_off} + (k0 + rr) * {g.w_sk} + wj", f"wj < {g.n}"):
+            self.emit(f"#pragma unroll {self.unrolled()}")
+        self.open(f"for ({it} {pos} = {start}; {pos} < kn; {pos} += {stride})")
+        decls, loads = self.loads("", "k0")
+        for line in decls + loads:
             self.emit(line)
-        self.emit("#pragma unroll")
-        self.open(f"for (int m = 0; m < {g.m}; m++)")
-        self.emit("const float a = xs[m][rr];")
-        for e in range(v):
-            self.emit(f"pacc[m][{e}] += a * w[{e}];")
-        self.close()
+        self.multiply("")
         self.close()
 
     # ------------------------------------------------------------------ combine, epilogue
