@@ -110,3 +110,23 @@ def test_a_decode_step_is_four_small_product_kernels(cuda_planning: None, batch:
         assert g is not None
         shapes.append((g.m, g.k, g.n))
     assert shapes == [(batch, e, 3 * e), (batch, e, e), (batch, e, 4 * e), (batch, 4 * e, e)]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_views_with_offsets(cuda_planning: None, transposed: bool) -> None:
+    """The weight a slice of a wider (taller) one and the activation rows a slice too: read where they lie (an offset
+    and strides that keep 16-byte loads aligned), equal to numpy."""
+    rng = np.random.default_rng(7)
+    k, n = 64, 48
+    shapes = {"x": (5, k), "w": (n + 8, k) if transposed else (k, n + 8), "b": (n,)}
+    stored = {name: as_stored(rng.standard_normal(shape), "float32") for name, shape in shapes.items()}
+    t = {name: Tensor(value.astype(np.float32), device=DEV) for name, (_, value) in stored.items()}
+    ref = {name: value for name, (_, value) in stored.items()}
+    w = t["w"][4:4 + n].T if transposed else t["w"][:, 4:4 + n]
+    w_ref = ref["w"][4:4 + n].T if transposed else ref["w"][:, 4:4 + n]
+    out = t["x"][1:4] @ w + t["b"]
+    step, got = run_on_host(out, {t[name].id: buf for name, (buf, _) in stored.items()}, 3 * n)
+    g = small_product(step.kernel, CUDA)
+    assert g is not None and g.w_off != 0 and g.vec == 4
+    want = ref["x"][1:4] @ w_ref + ref["b"]
+    np.testing.assert_allclose(got.reshape(3, n), want, rtol=1e-4, atol=1e-4)
