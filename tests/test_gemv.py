@@ -7,6 +7,7 @@ GPT-2 shapes' kernels for sm_90 where it is installed. On a machine with a GPU, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -130,3 +131,40 @@ def test_views_with_offsets(cuda_planning: None, transposed: bool) -> None:
     assert g is not None and g.w_off != 0 and g.vec == 4
     want = ref["x"][1:4] @ w_ref + ref["b"]
     np.testing.assert_allclose(got.reshape(3, n), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def opencl_gemv(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """opencl:0 with the small-M kernel turned on (its dialect row leaves it off: on PoCL's CPU device the generic
+    kernels ran decode's products 10-20x faster), so that its OpenCL rendering runs here."""
+    if "opencl:0" not in azyx.devices():
+        pytest.skip("no opencl:0")
+    dev = RT.device("opencl:0")
+    monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, gemv=True))
+    RT.plan_cache.clear()
+    yield "opencl:0"
+    RT.plan_cache.clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, k, n", [(1, 75, 37), (16, 300, 41)])
+async def test_the_kernel_rendered_as_opencl(opencl_gemv: str, dtype: str, transposed: bool, rows: int, k: int,
+                                             n: int) -> None:
+    """The same kernel through OpenCL C (vload4, a shared-memory tree where CUDA shuffles) on opencl:0:
+    `gelu(layernorm(x) * g + beta) @ W + b) + r` in one kernel, equal to numpy."""
+    rng = np.random.default_rng(rows + k)
+    shapes = {"x": (rows, k), "w": (n, k) if transposed else (k, n), "g": (k,), "beta": (k,), "b": (n,),
+              "r": (rows, n)}
+    ref = {name: as_stored(rng.standard_normal(shape) * (0.2 if name == "w" else 1.0), dtype)[1]
+           for name, shape in shapes.items()}
+    t = {name: Tensor(v.astype(np.float32), dtype=dtype, device=opencl_gemv) for name, v in ref.items()}
+    w = t["w"].T if transposed else t["w"]
+    out = ((t["x"].layernorm() * t["g"] + t["beta"]) @ w + t["b"]).gelu(approximate="tanh") + t["r"]
+    (step,) = azyx.schedule(out).kernels
+    assert small_product(step.kernel, RT.device(opencl_gemv).dialect) is not None
+    got = (await out.cast("float32").numpy()).astype(np.float64)
+    want = gelu_tanh(layernorm(ref["x"], ref["g"], ref["beta"]) @ (ref["w"].T if transposed else ref["w"]) +
+                     ref["b"]) + ref["r"]
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got / scale, want / scale, atol=TOL[dtype])

@@ -27,9 +27,10 @@ REGISTERS = 160  # float registers an item's streaming loop may hold (accumulato
 class _GemvRenderer(CRenderer):
     def __init__(self, k: Kernel, name: str, dl: Dialect, g: Gemv):
         super().__init__(k, name, dl, 1)
-        assert dl.gemv and dl.shuffle and dl.warp == WARP
+        assert dl.gemv and (not dl.shuffle or dl.warp == WARP)
         self.g = g
         self.items = g.threads
+        self.shared_decls: list[str] = []
         self.group = g.threads  # the row statistics: reduced by the whole block (grouped_reduce)
         self.it = dl.narrow_index if dl.narrow_index and index_fits(k, g.threads) else dl.index_type
 
@@ -38,9 +39,9 @@ class _GemvRenderer(CRenderer):
         order = toposort(*k.values)
         place = self.placement(order)
         guarded = any(v.op == "cond" or (v.op == "load" and not v.arg[2].always) for v in order)
-        # (the compiler keeps each item's registers within what a block of `threads` may hold)
-        header = self.signature(None, guarded).replace(dl.kernel_prefix, f"{dl.kernel_prefix} __launch_bounds__("
-                                                       f"{self.items})", 1)
+        # (the compiler keeps each item's registers within what a block of `items` may hold)
+        header = self.signature(None, guarded).replace(dl.kernel_prefix, dl.kernel_prefix + dl.bounds.format(
+            n=self.items), 1)
         self.emit(f"const {it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
         self.emit(f"const {it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
         wj = f"warp * {g.cols_per_warp}" if g.along_k else f"(lid % {g.lanes_along_n}) * {g.vec}"
@@ -52,7 +53,7 @@ class _GemvRenderer(CRenderer):
         self.row_phase(frontier, order, place)
         cols = g.cols_per_warp if g.along_k else g.vec
         kc = g.chunk
-        self.declare_shared(f"__align__(16) {dl.shared} float xs[{g.m}][{kc}];")
+        self.declare_shared(f"{dl.align.format(n=16)}{dl.shared} float xs[{g.m}][{kc}];")
         self.emit(f"float pacc[{g.m}][{cols}];")
         self.each("pacc[m][c] = 0.0f;", cols)
         self.open(f"for ({it} k0 = 0; k0 < {g.k}; k0 += {kc})")
@@ -65,7 +66,12 @@ class _GemvRenderer(CRenderer):
         self.close()
         self.combine()
         self.epilogue()
-        return f"{header} {{\n" + "\n".join(self.lines) + "\n}\n"
+        return f"{header} {{\n" + "\n".join(self.shared_decls + self.lines) + "\n}\n"
+
+    def declare_shared(self, line: str) -> None:
+        """Shared memory at the kernel's outermost scope (OpenCL requires it; the statistics' are declared in the rows'
+        loop)."""
+        self.shared_decls.append("  " + line)
 
     def each(self, stmt: str, cols: int) -> None:
         """`stmt` for every row m and accumulator column c, in loops the compiler unrolls (the accumulators stay in
@@ -149,6 +155,12 @@ class _GemvRenderer(CRenderer):
         self.names = saved
 
     # ------------------------------------------------------------------ the weight
+    def vec4(self, ptr: str) -> str:
+        """Four floats at `ptr` (16-byte aligned where the dialect reads through a cast pointer)."""
+        if self.dl.vector_load:
+            return self.dl.vector_load.format(n=4, ptr=ptr)
+        return f"*(const float4*)({ptr})"
+
     def weight_load(self, dst: str, idx: str, guard: str) -> list[str]:
         """Statements reading `vec` weight elements at element `idx` into float array `dst` (zeros where `guard`
         fails)."""
@@ -159,8 +171,10 @@ class _GemvRenderer(CRenderer):
             return [f"{dst}[0] = ({guard}) ? {conv.format(buf=f'd{p}', idx=idx)} : 0.0f;"]
         zero = " ".join(f"{dst}[{e}] = 0.0f;" for e in range(v))
         if g.dtype.itemsize == 4:
-            get = f"const float4 q = *(const float4*)&d{p}[{idx}]; " + " ".join(
+            get = f"const float4 q = {self.vec4(f'd{p} + {idx}')}; " + " ".join(
                 f"{dst}[{e}] = q.{c};" for e, c in enumerate("xyzw"))
+        elif dl.vector_load:  # (no cast pointers: element by element)
+            get = " ".join(f"{dst}[{e}] = {conv.format(buf=f'd{p}', idx=f'{idx} + {e}')};" for e in range(v))
         else:  # 16 or 8 bytes of 16-bit elements
             t, u = dl.ctype(g.dtype), "uint4" if v == 8 else "uint2"
             get = f"const {u} q = *(const {u}*)&d{p}[{idx}]; const {t}* h = (const {t}*)&q; " + " ".join(
@@ -207,7 +221,7 @@ class _GemvRenderer(CRenderer):
             if v % 4 == 0:
                 self.emit(f"float a[{v}];")
                 for q in range(v // 4):
-                    self.emit(f"{{ const float4 t = *(const float4*)&xs[m][kk + {4 * q}]; a[{4 * q}] = t.x; "
+                    self.emit(f"{{ const float4 t = {self.vec4(f'&xs[m][kk + {4 * q}]')}; a[{4 * q}] = t.x; "
                               f"a[{4 * q + 1}] = t.y; a[{4 * q + 2}] = t.z; a[{4 * q + 3}] = t.w; }}")
             else:
                 self.emit("const float a[1] = {xs[m][kk]};")
@@ -275,7 +289,7 @@ class _GemvRenderer(CRenderer):
         g, dl = self.g, self.dl
         cols = g.cols_per_warp if g.along_k else g.vec
         first = 1 if g.along_k else g.lanes_along_n  # lanes xor this and up share columns
-        if first < WARP:
+        if first < WARP and dl.shuffle:
             self.emit("#pragma unroll")
             self.open(f"for (int o = {WARP // 2}; o >= {first}; o >>= 1)")
             self.emit("#pragma unroll")
@@ -284,6 +298,18 @@ class _GemvRenderer(CRenderer):
                 self.emit(f"pacc[m][{c}] += {dl.shuffle.format(x=f'pacc[m][{c}]', o='o')};")
             self.close()
             self.close()
+        elif first < WARP:  # no shuffles: a tree in shared memory per accumulator (lanes below `first` end with it)
+            self.declare_shared(f"{dl.shared} float tree[{self.items}];")
+            for m in range(g.m):
+                for c in range(cols):
+                    self.emit(f"tree[lid] = pacc[{m}][{c}];")
+                    self.emit(dl.barrier)
+                    self.open(f"for (int o = {WARP // 2}; o >= {first}; o >>= 1)")
+                    self.emit("if (lane < o) tree[lid] += tree[lid + o];")
+                    self.emit(dl.barrier)
+                    self.close()
+                    self.emit(f"pacc[{m}][{c}] = tree[lid];")
+                    self.emit(dl.barrier)
         if g.along_k:
             self.declare_shared(f"{dl.shared} float res[{g.m}][{g.block_cols}];")
             self.open("if (lane == 0)")
