@@ -109,14 +109,23 @@ class _GemvRenderer(CRenderer):
             self.unflatten(flat, self.g.rows)
 
     def row_phase(self, frontier: list[V], order: list[V], place: dict[int, object]) -> None:
-        """Each frontier value for each row into shared memory (rw0, rw1, ...), computed by the whole block."""
+        """Each frontier value for each row into shared memory (rw0, rw1, ...): where the dialect shuffles, a warp per
+        row (the rows' statistics at once: a row at a time, each reduce's round trips to memory and barriers add up,
+        16 rows' layernorm 64 of them), else the whole block row by row (its barriers uniform)."""
         if not frontier:
             return
-        dl, g = self.dl, self.g
+        dl, g, it = self.dl, self.g, self.it
         for n, _ in enumerate(frontier):
             self.declare_shared(f"{dl.shared} float rw{n}[{g.m}];")
-        saved = dict(self.names)
-        self.open(f"for ({self.it} m = 0; m < {g.m}; m++)")  # (every item runs every row: the barriers are uniform)
+        saved, group = dict(self.names), self.group
+        by_warp = bool(dl.shuffle) and dl.warp == WARP
+        if by_warp:
+            self.open(f"for ({it} m = warp; m < {g.m}; m += {self.items // WARP})")
+            self.emit(f"const {it} lid = lane;  /* the warp's item: the statistics are reduced by the warp */")
+            self.group = WARP
+        else:
+            self.open(f"for ({it} m = 0; m < {g.m}; m++)")
+        first = "lane" if by_warp else "lid"
         self.rows("m")
         for v in toposort(*frontier):
             if isinstance(place.get(id(v)), V):  # inside a statistic's body: its reduce emits it
@@ -126,9 +135,9 @@ class _GemvRenderer(CRenderer):
             else:
                 self.stmt(v)
         for n, f in enumerate(frontier):
-            self.emit(f"if (lid == 0) rw{n}[m] = {self.store_value(f)};")
+            self.emit(f"if ({first} == 0) rw{n}[m] = {self.store_value(f)};")
         self.close()
-        self.names = saved
+        self.names, self.group = saved, group
         self.emit(dl.barrier)
 
     def stage(self, frontier: list[V], kc: int) -> None:
