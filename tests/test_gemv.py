@@ -62,7 +62,7 @@ def run_on_host(out: Tensor, data: dict[int, np.ndarray], numel: int) -> tuple[K
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows, k, n, fused", [(1, 96, 80, False), (3, 75, 37, True), (16, 300, 72, True),
-                                                (5, 64, 41, False)])
+                                                (5, 64, 41, False), (16, 320, 48, True), (8, 200, 24, False)])
 def test_small_products_on_the_cuda_kernel(cuda_planning: None, dtype: str, transposed: bool, rows: int, k: int,
                                            n: int, fused: bool) -> None:
     """`x @ W` / `x @ W.T`, alone or as `gelu(layernorm(x) * g + beta) @ W + b) + r`: one kernel, the small-M one,
