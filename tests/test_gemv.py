@@ -8,7 +8,10 @@ GPT-2 shapes' kernels for sm_90 where it is installed. On a machine with a GPU, 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,38 +136,70 @@ def test_views_with_offsets(cuda_planning: None, transposed: bool) -> None:
     np.testing.assert_allclose(got.reshape(3, n), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture
-def opencl_gemv(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """opencl:0 with the small-M kernel turned on (its dialect row leaves it off: on PoCL's CPU device the generic
-    kernels ran decode's products 10-20x faster), so that its OpenCL rendering runs here."""
-    if "opencl:0" not in azyx.devices():
-        pytest.skip("no opencl:0")
-    dev = RT.device("opencl:0")
+@pytest.fixture(params=["opencl:0", "vulkan:0"])
+def forced(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """opencl:0 or vulkan:0 with the small-M kernel turned on (their dialects leave it off on a CPU: there the generic
+    kernels ran (1, 768) @ (768, 3072) with its prologue and epilogue 8-20x faster, PoCL 0.8 against 16 ms, lavapipe 7
+    against 53), so that its OpenCL C and GLSL renderings run here."""
+    name = request.param
+    if name not in azyx.devices():
+        pytest.skip(f"no {name}")
+    dev = RT.device(name)
     monkeypatch.setattr(dev, "dialect", dataclasses.replace(dev.dialect, gemv=True))
     RT.plan_cache.clear()
-    yield "opencl:0"
+    yield name
     RT.plan_cache.clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows, k, n", [(1, 75, 37), (16, 300, 41)])
-async def test_the_kernel_rendered_as_opencl(opencl_gemv: str, dtype: str, transposed: bool, rows: int, k: int,
+async def test_the_kernel_in_opencl_and_glsl(forced: str, dtype: str, transposed: bool, rows: int, k: int,
                                              n: int) -> None:
-    """The same kernel through OpenCL C (vload4, a shared-memory tree where CUDA shuffles) on opencl:0:
-    `gelu(layernorm(x) * g + beta) @ W + b) + r` in one kernel, equal to numpy."""
+    """The same kernel through OpenCL C (vload4, a shared-memory tree where CUDA shuffles) on opencl:0 and through
+    GLSL on vulkan:0: `gelu(layernorm(x) * g + beta) @ W + b) + r` in one kernel, equal to numpy."""
     rng = np.random.default_rng(rows + k)
     shapes = {"x": (rows, k), "w": (n, k) if transposed else (k, n), "g": (k,), "beta": (k,), "b": (n,),
               "r": (rows, n)}
     ref = {name: as_stored(rng.standard_normal(shape) * (0.2 if name == "w" else 1.0), dtype)[1]
            for name, shape in shapes.items()}
-    t = {name: Tensor(v.astype(np.float32), dtype=dtype, device=opencl_gemv) for name, v in ref.items()}
+    t = {name: Tensor(v.astype(np.float32), dtype=dtype, device=forced) for name, v in ref.items()}
     w = t["w"].T if transposed else t["w"]
     out = ((t["x"].layernorm() * t["g"] + t["beta"]) @ w + t["b"]).gelu(approximate="tanh") + t["r"]
     (step,) = azyx.schedule(out).kernels
-    assert small_product(step.kernel, RT.device(opencl_gemv).dialect) is not None
+    assert small_product(step.kernel, RT.device(forced).dialect) is not None
     got = (await out.cast("float32").numpy()).astype(np.float64)
     want = gelu_tanh(layernorm(ref["x"], ref["g"], ref["beta"]) @ (ref["w"].T if transposed else ref["w"]) +
                      ref["b"]) + ref["r"]
     scale = np.abs(want).max()
     np.testing.assert_allclose(got / scale, want / scale, atol=TOL[dtype])
+
+
+@pytest.mark.skipif(shutil.which("glslc") is None, reason="glslc is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_vulkan_gpu_shader_compiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dtype: str,
+                                        transposed: bool) -> None:
+    """The kernel as a Vulkan GPU device's dialect renders it (subgroup shuffles, work groups of 256; the small-M
+    kernel on): a fused product's shader compiles to SPIR-V (glslc) and validates (spirv-val, where installed)."""
+    from azyx.backends.vulkan import dialect_for
+
+    dev = RT.device(DEV)
+    monkeypatch.setattr(dev, "dialect", dialect_for((), True, 32))
+    monkeypatch.setattr(dev, "tiles", False)
+    RT.plan_cache.clear()
+    try:
+        x, g, b = (Tensor(np.zeros(shape, np.float32), dtype=dtype, device=DEV) for shape in ((3, 96), (96,), (80,)))
+        w = Tensor(np.zeros((80, 96) if transposed else (96, 80), np.float32), dtype=dtype, device=DEV)
+        (step,) = azyx.schedule(((x.layernorm() * g) @ (w.T if transposed else w) + b).gelu()).kernels
+    finally:
+        RT.plan_cache.clear()
+    assert small_product(step.kernel, dev.dialect) is not None and "subgroupShuffleXor" in step.src
+    src, spv = tmp_path / "k.comp", tmp_path / "k.spv"
+    src.write_text(step.src)
+    r = subprocess.run(["glslc", "-fshader-stage=compute", "--target-env=vulkan1.2", "-O", str(src), "-o", str(spv)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    if shutil.which("spirv-val"):
+        r = subprocess.run(["spirv-val", "--target-env", "vulkan1.2", str(spv)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr

@@ -1,5 +1,6 @@
-"""templates.gemv's small-M product in a C-family dialect that declares it (Dialect.gemv: CUDA C): a block of
-`Gemv.threads` items owns a slab of C's columns for all M rows.
+"""templates.gemv's small-M product in a C-family dialect that takes it (Dialect.small_products: CUDA C, and GLSL on a
+Vulkan GPU; OpenCL C renders too, off on PoCL's CPU device): a block of `Gemv.threads` items owns a slab of C's columns
+for all M rows.
 
 1. Row phase: each value the prologue needs per row alone (a layernorm's mean and reciprocal deviation, the statistics
    reduced by the whole block as the generic grouped reduce does) is computed once per row into shared memory.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from azyx.codegen.cfamily import CRenderer
 from azyx.codegen.dialect import Dialect
-from azyx.codegen.launch import index_fits
+from azyx.codegen.launch import index_fits, work_group
 from azyx.codegen.templates.gemv import WARP, Gemv, above
 from azyx.ir import Kernel, V, toposort
 
@@ -27,10 +28,13 @@ REGISTERS = 160  # float registers an item's streaming loop may hold (accumulato
 class _GemvRenderer(CRenderer):
     def __init__(self, k: Kernel, name: str, dl: Dialect, g: Gemv):
         super().__init__(k, name, dl, 1)
-        assert dl.gemv and (not dl.shuffle or dl.warp == WARP)
+        assert dl.small_products
+        self.shuffles = bool(dl.shuffle)  # (of 32 lanes where there are any: Dialect.small_products)
         self.g = g
         self.items = g.threads
         self.shared_decls: list[str] = []
+        self.let = "" if dl.glsl else "const "  # (a GLSL const is a compile-time constant)
+        self.vec = dl.vector.format(n=4)
         self.group = g.threads  # the row statistics: reduced by the whole block (grouped_reduce)
         self.it = dl.narrow_index if dl.narrow_index and index_fits(k, g.threads) else dl.index_type
 
@@ -42,10 +46,10 @@ class _GemvRenderer(CRenderer):
         # (the compiler keeps each item's registers within what a block of `items` may hold)
         header = self.signature(None, guarded).replace(dl.kernel_prefix, dl.kernel_prefix + dl.bounds.format(
             n=self.items), 1)
-        self.emit(f"const {it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
-        self.emit(f"const {it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
+        self.emit(f"{self.let}{it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
+        self.emit(f"{self.let}{it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
         wj = f"warp * {g.cols_per_warp}" if g.along_k else f"(lid % {g.lanes_along_n}) * {g.vec}"
-        self.emit(f"const {it} wj = j0 + {wj};  /* the item's first column */")
+        self.emit(f"{self.let}{it} wj = j0 + {wj};  /* the item's first column */")
         prefetched = self.prefetch_steps()
         if prefetched:
             self.prefetch(prefetched)
@@ -58,7 +62,8 @@ class _GemvRenderer(CRenderer):
         self.each("pacc[m][c] = 0.0f;", cols)
         self.open(f"for ({it} k0 = 0; k0 < {g.k}; k0 += {kc})")
         # (one chunk: a constant bound, so the compiler unrolls the streaming loop and keeps its loads in flight)
-        self.emit(f"const {it} kn = " + (f"{g.k};" if kc >= g.k else f"min(({it}){kc}, ({it}){g.k} - k0);"))
+        bound = f"{g.k};" if kc >= g.k else f"min({self.cast(it, str(kc))}, {self.cast(it, str(g.k))} - k0);"
+        self.emit(f"{self.let}{it} kn = {bound}")
         self.emit(dl.barrier)  # (the previous chunk read by every item before it is overwritten)
         self.stage(frontier, kc)
         self.emit(dl.barrier)
@@ -66,19 +71,29 @@ class _GemvRenderer(CRenderer):
         self.close()
         self.combine()
         self.epilogue()
-        return f"{header} {{\n" + "\n".join(self.shared_decls + self.lines) + "\n}\n"
+        # (GLSL: the interface is written last, once the shared arrays and vector views are known)
+        interface = self.glsl_interface().replace(f"local_size_x = {work_group(k, dl)})",
+                                                  f"local_size_x = {self.items})")
+        return f"{interface}{header} {{\n" + "\n".join(self.shared_decls + self.lines) + "\n}\n"
 
     def declare_shared(self, line: str) -> None:
         """Shared memory at the kernel's outermost scope (OpenCL requires it; the statistics' are declared in the rows'
         loop)."""
-        self.shared_decls.append("  " + line)
+        if self.dl.glsl:
+            self.globals.append(line)
+        else:
+            self.shared_decls.append("  " + line)
+
+    def unroll(self, steps: int = 0) -> None:
+        """A pragma unrolling the next loop (`steps` times; 0: whole), where the dialect has one."""
+        if self.dl.unroll:
+            self.emit(f"#pragma unroll {steps}" if steps else "#pragma unroll")
 
     def each(self, stmt: str, cols: int) -> None:
         """`stmt` for every row m and accumulator column c, in loops the compiler unrolls (the accumulators stay in
         registers)."""
         for line in (f"for (int m = 0; m < {self.g.m}; m++)", f"  for (int c = 0; c < {cols}; c++) {stmt}"):
-            if self.dl.unroll:
-                self.emit("#pragma unroll")
+            self.unroll()
             self.emit(line)
 
     def steps(self, acc: int, per_step: int) -> int:
@@ -118,10 +133,10 @@ class _GemvRenderer(CRenderer):
         for n, _ in enumerate(frontier):
             self.declare_shared(f"{dl.shared} float rw{n}[{g.m}];")
         saved, group = dict(self.names), self.group
-        by_warp = bool(dl.shuffle) and dl.warp == WARP
+        by_warp = self.shuffles
         if by_warp:
             self.open(f"for ({it} m = warp; m < {g.m}; m += {self.items // WARP})")
-            self.emit(f"const {it} lid = lane;  /* the warp's item: the statistics are reduced by the warp */")
+            self.emit(f"{self.let}{it} lid = lane;  /* the warp's item: the statistics are reduced by the warp */")
             self.group = WARP
         else:
             self.open(f"for ({it} m = 0; m < {g.m}; m++)")
@@ -145,10 +160,10 @@ class _GemvRenderer(CRenderer):
         g, it = self.g, self.it
         saved = dict(self.names)
         self.open(f"for ({it} e = lid; e < {g.m * kc}; e += {self.items})")
-        self.emit(f"const {it} m = e / {kc}, rr = e % {kc};")
+        self.emit(f"{self.let}{it} m = e / {kc}, rr = e % {kc};")
         self.emit("float av = 0.0f;")
         self.open("if (rr < kn)")
-        self.emit(f"const {it} {g.rv.name} = k0 + rr;")
+        self.emit(f"{self.let}{it} {g.rv.name} = k0 + rr;")
         self.rows("m")
         for n, f in enumerate(frontier):
             self.names[id(f)] = f"rw{n}[m]"
@@ -164,10 +179,17 @@ class _GemvRenderer(CRenderer):
         self.names = saved
 
     # ------------------------------------------------------------------ the weight
-    def vec4(self, ptr: str) -> str:
-        """Four floats at `ptr` (16-byte aligned where the dialect reads through a cast pointer)."""
-        if self.dl.vector_load:
-            return self.dl.vector_load.format(n=4, ptr=ptr)
+    def vec4(self, buf: str, idx: str, param: int = -1) -> str:
+        """Four floats at element `idx` of `buf` (parameter `param`'s, or shared memory), 16-byte aligned where the
+        dialect reads through a cast pointer."""
+        dl = self.dl
+        if dl.glsl:  # (no pointers: a parameter through its vector view, shared memory element by element)
+            if param >= 0:
+                return self.vec_load(param, idx, element=True)
+            return f"vec4({', '.join(f'{buf}[{idx} + {e}]' for e in range(4))})"
+        ptr = f"{buf} + {idx}" if param >= 0 else f"&{buf}[{idx}]"
+        if dl.vector_load:
+            return dl.vector_load.format(n=4, ptr=ptr)
         return f"*(const float4*)({ptr})"
 
     def weight_load(self, dst: str, idx: str, guard: str) -> list[str]:
@@ -180,9 +202,9 @@ class _GemvRenderer(CRenderer):
             return [f"{dst}[0] = ({guard}) ? {conv.format(buf=f'd{p}', idx=idx)} : 0.0f;"]
         zero = " ".join(f"{dst}[{e}] = 0.0f;" for e in range(v))
         if g.dtype.itemsize == 4:
-            get = f"const float4 q = {self.vec4(f'd{p} + {idx}')}; " + " ".join(
+            get = f"{self.let}{self.vec} q = {self.vec4(f'd{p}', idx, p)}; " + " ".join(
                 f"{dst}[{e}] = q.{c};" for e, c in enumerate("xyzw"))
-        elif dl.vector_load:  # (no cast pointers: element by element)
+        elif dl.vector_load or dl.glsl:  # (no cast pointers: element by element)
             get = " ".join(f"{dst}[{e}] = {conv.format(buf=f'd{p}', idx=f'{idx} + {e}')};" for e in range(v))
         else:  # 16 or 8 bytes of 16-bit elements
             t, u = dl.ctype(g.dtype), "uint4" if v == 8 else "uint2"
@@ -220,20 +242,20 @@ class _GemvRenderer(CRenderer):
     def multiply(self, tag: str) -> None:
         """The M rows' staged elements at the item's position times its weight elements (`tag`'s), into pacc."""
         g, v = self.g, self.g.vec
-        self.emit("#pragma unroll")
+        self.unroll()
         self.open(f"for (int m = 0; m < {g.m}; m++)")
         if not g.along_k:
-            self.emit("const float a = xs[m][rr];")
+            self.emit("float a = xs[m][rr];")
             for e in range(v):
                 self.emit(f"pacc[m][{e}] += a * w{tag}[{e}];")
         else:
             if v % 4 == 0:
                 self.emit(f"float a[{v}];")
                 for q in range(v // 4):
-                    self.emit(f"{{ const float4 t = {self.vec4(f'&xs[m][kk + {4 * q}]')}; a[{4 * q}] = t.x; "
+                    self.emit(f"{{ {self.let}{self.vec} t = {self.vec4('xs[m]', f'kk + {4 * q}')}; a[{4 * q}] = t.x; "
                               f"a[{4 * q + 1}] = t.y; a[{4 * q + 2}] = t.z; a[{4 * q + 3}] = t.w; }}")
             else:
-                self.emit("const float a[1] = {xs[m][kk]};")
+                self.emit("float a[1]; a[0] = xs[m][kk];")
             for c in range(g.cols_per_warp):
                 self.emit(f"pacc[m][{c}] += " + " + ".join(f"a[{e}] * w{c}{tag}[{e}]" for e in range(v)) + ";")
         self.close()
@@ -262,7 +284,7 @@ class _GemvRenderer(CRenderer):
                 self.emit(line)
         for i in range(steps):
             self.open("")
-            self.emit(f"const {self.it} {pos} = {start} + {i * stride};")
+            self.emit(f"{self.let}{self.it} {pos} = {start} + {i * stride};")
             for line in self.loads(f"_{i}", "0", bounded=True)[1]:
                 self.emit(line)
             self.close()
@@ -275,14 +297,13 @@ class _GemvRenderer(CRenderer):
         if prefetched:
             for i in range(prefetched):
                 self.open("")
-                self.emit(f"const {it} {pos} = {start} + {i * stride};")
+                self.emit(f"{self.let}{it} {pos} = {start} + {i * stride};")
                 self.open(f"if ({pos} < kn)")
                 self.multiply(f"_{i}")
                 self.close()
                 self.close()
             return
-        if self.dl.unroll:
-            self.emit(f"#pragma unroll {self.unrolled()}")
+        self.unroll(self.unrolled())
         self.open(f"for ({it} {pos} = {start}; {pos} < kn; {pos} += {stride})")
         decls, loads = self.loads("", "k0")
         for line in decls + loads:
@@ -298,10 +319,10 @@ class _GemvRenderer(CRenderer):
         g, dl = self.g, self.dl
         cols = g.cols_per_warp if g.along_k else g.vec
         first = 1 if g.along_k else g.lanes_along_n  # lanes xor this and up share columns
-        if first < WARP and dl.shuffle:
-            self.emit("#pragma unroll")
+        if first < WARP and self.shuffles:
+            self.unroll()
             self.open(f"for (int o = {WARP // 2}; o >= {first}; o >>= 1)")
-            self.emit("#pragma unroll")
+            self.unroll()
             self.open(f"for (int m = 0; m < {g.m}; m++)")
             for c in range(cols):
                 self.emit(f"pacc[m][{c}] += {dl.shuffle.format(x=f'pacc[m][{c}]', o='o')};")
@@ -336,11 +357,11 @@ class _GemvRenderer(CRenderer):
         bc = g.block_cols
         out_idx, value = k.stores[0]
         self.open(f"for ({it} oi = lid; oi < {g.m * bc}; oi += {self.items})")
-        self.emit(f"const {it} m = oi / {bc}, jj = oi % {bc}, {g.col.name} = j0 + jj;")
+        self.emit(f"{self.let}{it} m = oi / {bc}, jj = oi % {bc}, {g.col.name} = j0 + jj;")
         self.open(f"if ({g.col.name} < {g.n})")
         self.rows("m")
         if g.along_k:
-            self.emit("const float pv = res[m][jj];")
+            self.emit("float pv = res[m][jj];")
         else:
             self.emit("float pv = red[0][m][jj];")
             self.emit(f"for (int w = 1; w < {self.items // WARP}; w++) pv += red[w][m][jj];")

@@ -91,6 +91,12 @@ class Dialect:
         has one with a table of them (the host's block sizes, CUDA's and Vulkan's tiles; not OpenCL's CPU template)."""
         return self.gemm and self.products in (BLOCKED, WARP_TILES, SHADER_TILES)
 
+    @property
+    def small_products(self) -> bool:
+        """Whether products of a few rows get the small-M kernel (codegen.cgemv): where the dialect asks (`gemv`) and
+        its shuffles, if any, are of the kernel's 32 lanes (a subgroup of 8 or 64: the generic kernels)."""
+        return self.gemv and (not self.shuffle or self.warp == 32)
+
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
 

@@ -90,8 +90,8 @@ def _product_source(g: gemm.Gemm, dl: Dialect) -> str | None:
 
 def small_product(k: Kernel, dl: Dialect) -> gemv.Gemv | None:
     """The small-M product (with its fused prologue and epilogue) that `k` computes where `dl` has the kernel for it
-    (Dialect.gemv), else None."""
-    return gemv.match(k) if dl.gemv else None
+    (Dialect.small_products), else None."""
+    return gemv.match(k) if dl.small_products else None
 
 
 def templated(k: Kernel, dl: Dialect, threads: int = 1) -> bool:

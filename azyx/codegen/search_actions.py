@@ -218,7 +218,7 @@ def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: st
     first. Where the heuristic tiles, quick tries other tiles and work-group sizes with its tile, never an untiled
     kernel (a product without register tiles is slow to even time). Unrolls and vector widths are tried on the
     heuristic's own actions; a product template's kernel only by its block sizes or tiles."""
-    if not searchable(k) or (dl is not None and dl.gemv and gemv.match(k) is not None):
+    if not searchable(k) or (dl is not None and dl.small_products and gemv.match(k) is not None):
         return [()]  # (the small-M product's kernel, templates.gemv, has no choices the actions set)
     if BLOCK in actions and dl is not None and dl.gemm and not dl.global_ids \
             and (g := gemm_host.product(k, dl.simd, 1, dl.bf16_dot)) is not None:  # the host template: block sizes

@@ -1,5 +1,5 @@
 """Small-M matrix products (decode's linear layers: a few rows of activation against a weight read once), with the
-prologue and epilogue the scheduler fused into them, for GPU-style dialects that declare the kernel (Dialect.gemv).
+prologue and epilogue the scheduler fused into them, for GPU-style dialects that take it (Dialect.small_products).
 
 `match` recognises a kernel of the IR that stores, for M <= GEMV_ROWS rows (the global loops but the last, flattened)
 and N columns (the last global loop), `epilogue(sum_r A(i, r) * W(r, j))`: W an unmasked affine load of one parameter
