@@ -389,8 +389,13 @@ class Planner:
             return False
         col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
         rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
-        if dl.global_ids or rows >= gemm_host.MIN_ROWS:  # (up to GEMV_ROWS, the small-M kernel where the dialect has
-            return rows > GEMV_ROWS if dl.small_products else rows >= 16  # it: fused with its prologue and epilogue)
+        if dl.global_ids or rows >= gemm_host.MIN_ROWS:
+            if dl.small_products and rows <= GEMV_ROWS and any(  # (one weight for every row: the small-M kernel, fused
+                    v is not None and all(v.strides[d] == 0 or src.shape[d] == 1 for d in range(len(src.shape))
+                                          if d not in (axis, col))
+                    for v in map(self.view_of, src.src)):  # with its prologue and epilogue)
+                return False
+            return rows >= 16
         # fewer rows: on the host still where the right operand is stored transposed (`x @ W.T`, gemm_host.takes)
         row = max((d for d in range(len(src.shape)) if d not in (axis, col)), default=-1)
         views = [self.view_of(s) for s in src.src] if row >= 0 else []

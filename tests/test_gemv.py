@@ -22,7 +22,7 @@ from test_fusion import gelu_tanh, layernorm
 import azyx
 from azyx import Tensor
 from azyx.codegen.dialect import CUDA
-from azyx.codegen.kernel import small_product
+from azyx.codegen.kernel import product_of, small_product
 from azyx.graph import GRAPH
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.runtime import RT
@@ -203,3 +203,11 @@ def test_the_vulkan_gpu_shader_compiles(monkeypatch: pytest.MonkeyPatch, tmp_pat
     if shutil.which("spirv-val"):
         r = subprocess.run(["spirv-val", "--target-env", "vulkan1.2", str(spv)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_a_weight_per_row_keeps_the_tiled_kernel(cuda_planning: None) -> None:
+    """16 rows, two against each matrix of its own ((8, 2, 64) @ (8, 64, 128), attention's scores per head): no weight
+    is read once for all rows, so the product stays the tiled template's (batched), not the small-M kernel."""
+    q, k = (Tensor(np.zeros(shape, np.float32), device=DEV) for shape in ((8, 2, 64), (8, 64, 128)))
+    (step,) = azyx.schedule(q @ k).kernels
+    assert small_product(step.kernel, CUDA) is None and product_of(step.kernel, CUDA) is not None
