@@ -185,10 +185,11 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
                           tq, tk, tv, attn_mask=tm, is_causal=c), work, unit))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for dt, ((x, tx), (w, tw)) in vectors.items():  # bandwidth-bound: GB/s of the weight read
-        name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}) {short[dt]}"
-        cases.append((name, lambda x=x, w=w: x @ w, lambda tx=tx, tw=tw: tx @ tw, gemv * gemv * w.dtype.itemsize,
-                      "GB/s"))
-        tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
+        for suffix, make, tfn in (("", lambda x=x, w=w: x @ w, lambda tx=tx, tw=tw: tx @ tw),
+                                  (".T", lambda x=x, w=w: x @ w.T, lambda tx=tx, tw=tw: tx @ tw.T)):
+            name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}){suffix} {short[dt]}"
+            cases.append((name, make, tfn, gemv * gemv * w.dtype.itemsize, "GB/s"))
+            tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (bias, tb)) in decode.items():
         size = w.dtype.itemsize * (768 * 3072 + m_rows * (768 + 3072))  # bytes moved: the weight once, x, the output
         fused = (lambda x=x, w=w, g=g, beta=beta, bias=bias: ((x.layernorm() * g + beta) @ w + bias).gelu(
