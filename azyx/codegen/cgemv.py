@@ -47,6 +47,8 @@ class _GemvRenderer(CRenderer):
         header = self.signature(None, guarded).replace(dl.kernel_prefix, dl.kernel_prefix + dl.bounds.format(
             n=self.items), 1)
         self.emit(f"{self.let}{it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
+        if dl.max_groups and g.grid()[0] > dl.max_groups:  # (a folded grid: its groups past the last, whole, first)
+            self.emit(f"if (blk >= {g.grid()[0]}) return;")
         self.emit(f"{self.let}{it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
         wj = f"warp * {g.cols_per_warp}" if g.along_k else f"(lid % {g.lanes_along_n}) * {g.vec}"
         self.emit(f"{self.let}{it} wj = j0 + {wj};  /* the item's first column */")

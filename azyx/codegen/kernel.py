@@ -28,7 +28,7 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
     if v is not None:
         src = cgemv.render(k, v, "KERNEL", dl)
         name = kernel_name(src)
-        return name, src.replace("KERNEL", name, 1), Launch(v.grid(), v.threads)
+        return name, src.replace("KERNEL", name, 1), Launch(v.grid(dl.max_groups), v.threads)
     g = product_of(k, dl, threads)
     if g is not None and sm90 and g.mma and gemm_sm90.fits(g) and not g.variant:  # (a searched tile: mma.sync's)
         src = gemm_sm90.render(g, "KERNEL")

@@ -98,8 +98,13 @@ class Gemv:
                 t //= 2
         return t
 
-    def grid(self) -> tuple[int, int, int]:
-        return -(-self.n // self.block_cols), 1, 1
+    def grid(self, max_groups: int = 0) -> tuple[int, int, int]:
+        """Blocks: one per slab of columns; where a dimension holds at most `max_groups` (0: no bound), rows of that
+        many (the kernel's group id reads both dimensions; codegen.cgemv returns from those past the last)."""
+        blocks = -(-self.n // self.block_cols)
+        if max_groups and blocks > max_groups:
+            return max_groups, -(-blocks // max_groups), 1
+        return blocks, 1, 1
 
 
 def above(root: V, stop: V) -> list[V]:
