@@ -211,3 +211,29 @@ def test_a_weight_per_row_keeps_the_tiled_kernel(cuda_planning: None) -> None:
     q, k = (Tensor(np.zeros(shape, np.float32), device=DEV) for shape in ((8, 2, 64), (8, 64, 128)))
     (step,) = azyx.schedule(q @ k).kernels
     assert small_product(step.kernel, CUDA) is None and product_of(step.kernel, CUDA) is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, k, n", [(1, 768, 2304), (4, 768, 768), (16, 3072, 768), (3, 75, 37)])
+async def test_on_a_cuda_device(dtype: str, transposed: bool, rows: int, k: int, n: int) -> None:
+    """On a machine with a GPU (cuda:0; skipped here): GPT-2's decode products and a ragged one as the small-M
+    kernel, with the layernorm prologue and the bias, GELU and residual epilogue, one kernel, against numpy."""
+    if "cuda:0" not in azyx.devices():
+        pytest.skip("no cuda:0")
+    dl = RT.device("cuda:0").dialect
+    rng = np.random.default_rng(rows + k + n)
+    shapes = {"x": (rows, k), "w": (n, k) if transposed else (k, n), "g": (k,), "beta": (k,), "b": (n,),
+              "r": (rows, n)}
+    ref = {name: as_stored(rng.standard_normal(shape) * (0.05 if name == "w" else 1.0), dtype)[1]
+           for name, shape in shapes.items()}
+    t = {name: Tensor(v.astype(np.float32), dtype=dtype, device="cuda:0") for name, v in ref.items()}
+    w = t["w"].T if transposed else t["w"]
+    out = ((t["x"].layernorm() * t["g"] + t["beta"]) @ w + t["b"]).gelu(approximate="tanh") + t["r"]
+    (step,) = azyx.schedule(out).kernels
+    assert small_product(step.kernel, dl) is not None
+    got = (await out.cast("float32").numpy()).astype(np.float64)
+    want = gelu_tanh(layernorm(ref["x"], ref["g"], ref["beta"]) @ (ref["w"].T if transposed else ref["w"]) +
+                     ref["b"]) + ref["r"]
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got / scale, want / scale, atol=TOL[dtype])
