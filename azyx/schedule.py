@@ -28,10 +28,11 @@ from typing import Any, Protocol
 from azyx import debug
 from azyx.codegen import search_actions
 from azyx.codegen.dialect import ITEM_TILES, Dialect
-from azyx.codegen.kernel import product_of
+from azyx.codegen.kernel import templated
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates import attention, gemm_host
 from azyx.codegen.templates.gemm import product_dtypes
+from azyx.codegen.templates.gemv import GEMV_ROWS
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
 from azyx.graph import (
@@ -389,6 +390,11 @@ class Planner:
         col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
         rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
         if dl.global_ids or rows >= gemm_host.MIN_ROWS:
+            if dl.small_products and rows <= GEMV_ROWS and any(  # (one weight for every row: the small-M kernel, fused
+                    v is not None and all(v.strides[d] == 0 or src.shape[d] == 1 for d in range(len(src.shape))
+                                          if d not in (axis, col))
+                    for v in map(self.view_of, src.src)):  # with its prologue and epilogue)
+                return False
             return rows >= 16
         # fewer rows: on the host still where the right operand is stored transposed (`x @ W.T`, gemm_host.takes)
         row = max((d for d in range(len(src.shape)) if d not in (axis, col)), default=-1)
@@ -710,7 +716,7 @@ class Planner:
         dev = self.rt.device(att.device)
         if not k.stores[0][1].has_reduce or not dev.tiles:
             return None
-        if dev.dialect is not None and product_of(k, dev.dialect, dev.threads) is not None:
+        if dev.dialect is not None and templated(k, dev.dialect, dev.threads):
             return None  # the device's product template takes it (operands read where they lie)
         bound = dev.dialect.max_trips if dev.dialect is not None else 0
         if bound and any(prod([x.vmax + 1 for x in v.arg[1]]) > bound for v in toposort(*k.values) if v.op == "reduce"):

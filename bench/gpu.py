@@ -11,8 +11,9 @@ Two timings per workload, both wall-clock around the await (azyx) or the call pl
   work of one overlaps the GPU work of another), against eight PyTorch ops and one synchronize.
 Ratios are PyTorch time over azyx time (> 1: azyx is faster). TF32 is off in PyTorch. `--only WORDS`: the workloads
 whose name holds one of the comma-separated words alone (no transfers, searched or crowd rows; nothing written).
-The matrix-vector rows (decode's linear layers: M = 1..64 rows against a weight read once, in both layouts, alone and
-with a layernorm prologue and a bias + GELU epilogue fused) are also given as a share of the device's copy bandwidth
+The matrix-vector rows (decode's linear layers: M = 1, 4, 16, 64 rows against a weight read once, in both layouts, alone
+and with a layernorm prologue and a bias + GELU epilogue fused; GPT-2 small's other layers with their bias at M = 1, 4,
+16) are also given as a share of the device's copy bandwidth
 (a `copy` row is that ceiling as azyx reaches it). Transfers run through
 `UnifiedExecutor.execute_transfer` for every pair of devices present (peer between GPUs, host-staged to c:0).
 Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->` (`bench:vulkan-gpu` for a vulkan
@@ -126,17 +127,27 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
         vectors[dt] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in pair]
     decode = {}  # GPT-2 small's c_fc at decode time: M rows (sequences) of 768 against (768, 3072), both layouts
     for dt in ("float32", "bfloat16", "float16"):
-        for m_rows in ((1, 32) if quick else (1, 8, 32, 64)):
+        for m_rows in ((1, 16) if quick else (1, 4, 16, 64)):
             ops = [both(rng.standard_normal(shape, dtype=np.float32) * scale) for shape, scale in
                    (((m_rows, 768), 1.0), ((768, 3072), 0.05), ((3072, 768), 0.05), ((768,), 1.0), ((768,), 0.1),
                     ((3072,), 0.1))]
             decode[dt, m_rows] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in ops]
+    # GPT-2 small's other linear layers at decode time, as it stores them ((in, out), Conv1D) with their bias: c_attn,
+    # attn.c_proj, mlp.c_proj (c_fc: the rows above), M sequences
+    layers = {}
+    for dt in ("float32", "bfloat16"):
+        for m_rows in ((1,) if quick else (1, 4, 16)):
+            for k_in, n_out in ((768, 2304), (768, 768), (3072, 768)):
+                ops = [both(rng.standard_normal(shape, dtype=np.float32) * scale) for shape, scale in
+                       (((m_rows, k_in), 1.0), ((k_in, n_out), 0.05), ((n_out,), 0.1))]
+                layers[dt, m_rows, k_in, n_out] = [(x.cast(dt), tx.to(getattr(torch, dt))) for x, tx in ops]
     t0 = time.perf_counter()
     await azyx.realize(a, b, c, s, m, small, *(t for (x, y) in mats.values() for t in (x[0], y[0])),
                        *(x for pair in halves.values() for x, _ in pair),
                        *(x for qkv in heads.values() for x, _ in qkv),
                        *(x for pair in vectors.values() for x, _ in pair),
-                       *(x for ops in decode.values() for x, _ in ops))
+                       *(x for ops in decode.values() for x, _ in ops),
+                       *(x for ops in layers.values() for x, _ in ops))
     print(f"uploaded the inputs in {time.perf_counter() - t0:.2f} s", flush=True)
 
     # the device's copy bandwidth, the ceiling of the memory-bound rows (bytes read + written)
@@ -174,10 +185,11 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
                           tq, tk, tv, attn_mask=tm, is_causal=c), work, unit))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for dt, ((x, tx), (w, tw)) in vectors.items():  # bandwidth-bound: GB/s of the weight read
-        name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}) {short[dt]}"
-        cases.append((name, lambda x=x, w=w: x @ w, lambda tx=tx, tw=tw: tx @ tw, gemv * gemv * w.dtype.itemsize,
-                      "GB/s"))
-        tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
+        for suffix, make, tfn in (("", lambda x=x, w=w: x @ w, lambda tx=tx, tw=tw: tx @ tw),
+                                  (".T", lambda x=x, w=w: x @ w.T, lambda tx=tx, tw=tw: tx @ tw.T)):
+            name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}){suffix} {short[dt]}"
+            cases.append((name, make, tfn, gemv * gemv * w.dtype.itemsize, "GB/s"))
+            tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (bias, tb)) in decode.items():
         size = w.dtype.itemsize * (768 * 3072 + m_rows * (768 + 3072))  # bytes moved: the weight once, x, the output
         fused = (lambda x=x, w=w, g=g, beta=beta, bias=bias: ((x.layernorm() * g + beta) @ w + bias).gelu(
@@ -192,6 +204,12 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
             name = f"gemv {what} {short[dt]}"
             cases.append((name, make, tfn, size, "GB/s"))
             tolerance[name] = {"bfloat16": 2e-2, "float16": 4e-3}.get(dt, 1e-4)
+    for (dt, m_rows, k_in, n_out), ((x, tx), (w, tw), (bias, tb)) in layers.items():
+        name = f"gemv GPT-2 x @ W + b ({m_rows}, {k_in}) @ ({k_in}, {n_out}) {short[dt]}"
+        size = w.dtype.itemsize * (k_in * n_out + m_rows * (k_in + n_out) + n_out)
+        cases.append((name, lambda x=x, w=w, bias=bias: x @ w + bias, lambda tx=tx, tw=tw, tb=tb: tx @ tw + tb, size,
+                      "GB/s"))
+        tolerance[name] = {"bfloat16": 2e-2}.get(dt, 1e-4)
     if only:
         cases = [c for c in cases if any(word in c[0] for word in only)]
 

@@ -34,6 +34,7 @@ using std::min; using std::max;
 typedef unsigned short f16_t;
 typedef unsigned short bf16_t;
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
 struct dim3_ { unsigned x, y, z; };
 static thread_local dim3_ threadIdx, blockIdx;

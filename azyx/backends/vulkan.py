@@ -234,7 +234,8 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
     - with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader asks (SPIR-V's
       SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
       NaN propagation and the signs of zeros would be lost;
-    - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm (on a CPU, lavapipe,
+    - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm and those of a few rows in
+      the small-M kernel (codegen.cgemv) (on a CPU, lavapipe,
       register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles), work groups of 256
       items, and four steps of a grouped reduce per loop iteration (GLSL has no unroll pragma: loads in flight);
     - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
@@ -249,7 +250,7 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
     group = 256 if gemm else GLSL.block  # (CUDA's size on a GPU; lavapipe's threads prefer 64)
     if warp:  # a group's subgroups' results are combined by one subgroup
         group = min(group, warp * warp)
-    return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, warp=warp,
+    return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, gemv=gemm, warp=warp,
                                shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
                                group_size=group, copies=4 if gemm else 1, max_trips=0 if gemm else LLVMPIPE_TRIPS)
 

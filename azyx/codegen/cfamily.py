@@ -38,7 +38,10 @@ from azyx.ops import REDUCE
 from azyx.symbolic import Cond, Var
 
 
-class _Renderer(Emitter):
+class CRenderer(Emitter):
+    """One kernel in a C-family dialect (see the module docstring); codegen.cgemv renders its small-M products
+    through it."""
+
     def __init__(self, k: Kernel, name: str, dl: Dialect, threads: int):
         super().__init__(k, name)
         self.dl, self.threads = dl, threads
@@ -582,4 +585,4 @@ class _Renderer(Emitter):
 
 def render(k: Kernel, name: str, dl: Dialect, threads: int = 1) -> str:
     """Kernel `k` in dialect `dl` as one C-family function (GLSL: one shader) named `name`."""
-    return _Renderer(k, name, dl, threads).render()
+    return CRenderer(k, name, dl, threads).render()

@@ -47,6 +47,11 @@ class Dialect:
     # which product template family the dialect's kernels take (azyx.codegen.templates; PRODUCT_FAMILIES)
     products: str = ""
     tensor_cores: bool = False  # ... and float16/bfloat16 products its tensor-core kernel (CUDA: mma.sync, sm_80 on)
+    # products of a few rows (templates.gemv.GEMV_ROWS), their fused prologue and epilogue with them, get the small-M
+    # kernel (codegen.cgemv: a block per slab of columns, 16-byte weight loads)
+    gemv: bool = False
+    bounds: str = ""  # after the kernel prefix: the block size {n} a kernel is launched with (CUDA: its registers)
+    align: str = ""  # before a shared array's declaration: its alignment {n} in bytes (read through cast pointers)
     attention: bool = False  # attention is one kernel of codegen.templates.attention (else its composed form runs)
     decode: bool = False  # a decode step's attention (templates.attention_decode) is a kernel even without `attention`
     simd: int = 16  # host: vector register width in bytes (the C device's ISA: 32 AVX2, 64 AVX-512: gemm_host)
@@ -85,6 +90,12 @@ class Dialect:
         """Whether the search may pick block sizes (search_actions.BLOCK) of the dialect's product template: where it
         has one with a table of them (the host's block sizes, CUDA's and Vulkan's tiles; not OpenCL's CPU template)."""
         return self.gemm and self.products in (BLOCKED, WARP_TILES, SHADER_TILES)
+
+    @property
+    def small_products(self) -> bool:
+        """Whether products of a few rows get the small-M kernel (codegen.cgemv): where the dialect asks (`gemv`) and
+        its shuffles, if any, are of the kernel's 32 lanes (a subgroup of 8 or 64: the generic kernels)."""
+        return self.gemv and (not self.shuffle or self.warp == 32)
 
     def ctype(self, d: DType) -> str:
         return self.types[d.name]
@@ -164,6 +175,9 @@ CUDA = Dialect(
     block=256,
     gemm=True,
     tensor_cores=True,  # (a device older than sm_80 turns it off)
+    gemv=True,
+    bounds=" __launch_bounds__({n})",
+    align="__align__({n}) ",
     attention=True,
     loads={"float16": "h2f({buf}[{idx}])", "bfloat16": "bf2f({buf}[{idx}])"},
     stores={"float16": "{buf}[{idx}] = f2h({val});", "bfloat16": "{buf}[{idx}] = f2bf({val});"},

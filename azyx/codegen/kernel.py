@@ -3,11 +3,11 @@ template of the dialect's family) or else the generic rendering (codegen.cfamily
 
 from __future__ import annotations
 
-from azyx.codegen import cfamily
+from azyx.codegen import cfamily, cgemv
 from azyx.codegen.dialect import BLOCKED, ITEM_TILES, SHADER_TILES, Dialect
 from azyx.codegen.launch import SHARED, Launch, launch_for
 from azyx.codegen.render import kernel_name
-from azyx.codegen.templates import attention, attention_cuda, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90
+from azyx.codegen.templates import attention, attention_cuda, gemm, gemm_cuda, gemm_glsl, gemm_host, gemm_sm90, gemv
 from azyx.codegen.templates.attention_decode import render as render_decode
 from azyx.dtypes import DType
 from azyx.ir import Attention, Kernel, attention_of
@@ -24,6 +24,11 @@ def render_kernel(k: Kernel, dl: Dialect, threads: int = 1, sm90: int = 0) -> tu
         src = _attention_source(k, a, dl)
         name = kernel_name(src)
         return name, src.replace("KERNEL", name, 1), _attention_launch(a, dl, k.params)
+    v = small_product(k, dl)
+    if v is not None:
+        src = cgemv.render(k, v, "KERNEL", dl)
+        name = kernel_name(src)
+        return name, src.replace("KERNEL", name, 1), Launch(v.grid(dl.max_groups), v.threads)
     g = product_of(k, dl, threads)
     if g is not None and sm90 and g.mma and gemm_sm90.fits(g) and not g.variant:  # (a searched tile: mma.sync's)
         src = gemm_sm90.render(g, "KERNEL")
@@ -81,6 +86,18 @@ def _product_source(g: gemm.Gemm, dl: Dialect) -> str | None:
     if g.target == SHADER_TILES:
         return gemm_glsl.render_glsl(g, "KERNEL", dl.prelude, dl.max_groups)
     return gemm_cuda.render_cuda(g, "KERNEL")
+
+
+def small_product(k: Kernel, dl: Dialect) -> gemv.Gemv | None:
+    """The small-M product (with its fused prologue and epilogue) that `k` computes where `dl` has the kernel for it
+    (Dialect.small_products), else None."""
+    return gemv.match(k) if dl.small_products else None
+
+
+def templated(k: Kernel, dl: Dialect, threads: int = 1) -> bool:
+    """Whether a template renders product `k` on `dl` (a small-M product's, or the dialect's product family's): it
+    reads its operands where they lie, so the scheduler tiles nothing for it."""
+    return small_product(k, dl) is not None or product_of(k, dl, threads) is not None
 
 
 def product_of(k: Kernel, dl: Dialect, threads: int = 1) -> gemm.Gemm | None:

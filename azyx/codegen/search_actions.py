@@ -38,7 +38,7 @@ from typing import Any
 from azyx import debug
 from azyx.codegen.dialect import SHADER_TILES, WARP_TILES, Dialect
 from azyx.codegen.launch import group_fits, vector_fits
-from azyx.codegen.templates import gemm, gemm_host
+from azyx.codegen.templates import gemm, gemm_host, gemv
 from azyx.config import cache_dir
 from azyx.ir import Kernel, V, ValueBuilder, format_kernel, has_index, toposort
 from azyx.symbolic import Cond, Div, Lin, Mod, Var, var
@@ -218,8 +218,8 @@ def candidates(k: Kernel, dl: Dialect | None, actions: frozenset[str], level: st
     first. Where the heuristic tiles, quick tries other tiles and work-group sizes with its tile, never an untiled
     kernel (a product without register tiles is slow to even time). Unrolls and vector widths are tried on the
     heuristic's own actions; a product template's kernel only by its block sizes or tiles."""
-    if not searchable(k):
-        return [()]
+    if not searchable(k) or (dl is not None and dl.small_products and gemv.match(k) is not None):
+        return [()]  # (the small-M product's kernel, templates.gemv, has no choices the actions set)
     if BLOCK in actions and dl is not None and dl.gemm and not dl.global_ids \
             and (g := gemm_host.product(k, dl.simd, 1, dl.bf16_dot)) is not None:  # the host template: block sizes
         n = 0 if gemm_host.skinny(g) else gemm_host.variants(dl.simd, g.bf16_dot)
