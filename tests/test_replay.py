@@ -167,3 +167,37 @@ async def test_steady_runs_hold_no_more_memory(device: str) -> None:
     await RT.executor.synchronize_all()
     np.testing.assert_allclose(await y.numpy(), reference(xn, 1.0 + 19 / 64)[1], rtol=1e-5, atol=1e-5)
     assert dev.memory().in_use <= held
+
+
+async def test_cuda_table_holds_what_each_launch_takes() -> None:
+    """The table CUDA binds a frozen batch into (cuda._Frozen: its bytes are the graph's key) holds, per kernel, what
+    its launch item would pass (its buffers' addresses, a temporary's in the run's one allocation, then its scalar
+    words), checked on a plan frozen on c:0 (no GPU needed: the table is data); the temporaries do not overlap."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    from azyx.backends.cuda import _Frozen
+    from azyx.device import ARENA_ALIGN
+
+    ws = await weights("c:0")
+    x = Tensor(rng.standard_normal((2, WIDTH)).astype(np.float32), device="c:0")
+    await x.realize()
+    for i in range(FREEZE_AFTER):
+        await chain(x, ws, 1.0 + i)[1].realize()
+    plan = RT.executor.last[0]
+    assert plan is not None
+    (replay,) = frozen(plan)
+    spans = sorted((off, off + plan.slots[s].nbytes) for s, off in replay.arena.items())
+    assert spans and all(a % ARENA_ALIGN == 0 and b <= c for (a, b), (c, _) in zip(spans, spans[1:] + [(1 << 62, 0)]))
+    assert spans[-1][1] <= replay.arena_size
+    dev = RT.device("c:0")
+    bufs: list = [None] * len(plan.slots)
+    for s in replay.bound:
+        bufs[s] = dev.alloc(max(plan.slots[s].nbytes, 1))
+    arena = dev.alloc(replay.arena_size)
+    programs = {k.name: 1000 + i for i, k in enumerate(replay.batch.steps)}
+    table = _Frozen(replay, programs)
+    for scalars in ([1.5] * plan.n_scalars, [-0.25 + i / 8 for i in range(plan.n_scalars)]):
+        got = table.launches(table.table(replay, bufs, arena, scalars))
+        want = [(programs[k.name], k.launch, tuple(bufs[s].ptr if s not in replay.arena else arena.ptr + replay.arena[s]
+                                                   for s in k.args) + k.words(scalars), k.name)
+                for k in replay.batch.steps]
+        assert got == want

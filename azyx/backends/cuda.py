@@ -103,6 +103,14 @@ class _Frozen:
         self.n, self.n_words, self.count = at, len(word_at), len(self.kernels)
         self.arg_at, self.word_at = np.array(arg_at, np.intp), np.array(word_at, np.intp)
 
+    def table(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any]) -> np.ndarray:
+        """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""
+        table = np.empty(self.n, np.uint64)
+        table[self.arg_at] = replay.addresses(bufs, arena)
+        if self.n_words:
+            table[self.word_at] = replay.words(scalars)
+        return table
+
     def launches(self, table: np.ndarray) -> list[Collected]:
         """The batch's launches for a run's table (where it is not replayed as a graph yet)."""
         values = table.tolist()
@@ -626,10 +634,7 @@ class CUDADevice(StagedCopies):
         steady, then captured and replayed as a graph (`GraphCache`, keyed by the record and the run's table): here
         where that is cheap, else by the submitter thread (as `_flush`; also where a wait needs host-side progress)."""
         frozen = replay.prepared
-        table = np.empty(frozen.n, np.uint64)
-        table[frozen.arg_at] = replay.addresses(bufs, arena)
-        if frozen.n_words:
-            table[frozen.word_at] = replay.words(scalars)
+        table = frozen.table(replay, bufs, arena, scalars)
         key, cache = (frozen, table.tobytes()), self.graph_cache
 
         def launch(hold_gil: bool = True) -> None:
