@@ -120,11 +120,12 @@ class Runner:
 
 
 ARENA_ALIGN = 256  # each temporary's offset in a replayed batch's one allocation (`Replay`): as cuMemAlloc aligns
+ARENA_MAX = 4 << 20  # the largest such allocation (`arena_of`)
 
 
 class Replay:
-    """A steady batch's launches frozen as data: made once per batch of a steady plan (the executor's, on the plan's
-    second run, where its device can replay it: `Device.freeze`), so that a run binds its buffers and scalar values
+    """A steady batch's launches frozen as data: made once per batch of a plan (the executor's, before its first run,
+    where its device can replay it: `Device.freeze`), so that a run binds its buffers and scalar values
     into it and submits, building nothing per kernel and deciding nothing again.
     - each kernel argument is a slot of the run: one the run binds (`bound`: an input, an output, a temporary that
       outlives the batch, check words), or a temporary of this batch alone, which lives at its offset (`arena`) in one
@@ -185,14 +186,18 @@ def _getter(slots: list[int]) -> Callable[[list[Any]], Any]:
 def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> tuple[dict[int, int], int]:
     """The temporaries that a batch of `plan` (`steps`, whose last uses free `frees`) writes and drops within itself,
     each at an offset (ARENA_ALIGN) in one allocation: (slot -> offset, bytes). Each gets room of its own: a batch's
-    buffers are all held until it has run, as each temporary's own buffer is."""
+    buffers are all held until it has run, as each temporary's own buffer is. The allocation's size is a power of two
+    (plans of other shapes share the pool's cached blocks, as their temporaries one by one would), and up to ARENA_MAX:
+    past it ({}, 0), the temporaries each have their own buffer (a batch that large pays little for allocating them)."""
     freed, offsets, at = set(frees) - {s for s, _ in plan.outputs}, {}, 0
     for k in steps:
         for s in k.args[:k.outs]:
             if s in freed and s not in offsets and plan.slots[s].kind == "temp":
                 offsets[s] = at
                 at += -(-max(plan.slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
-    return offsets, at
+    if not at or at > ARENA_MAX:
+        return {}, 0
+    return offsets, 1 << (at - 1).bit_length()
 
 
 def gatherable(plan: ExecutionPlan) -> bool:

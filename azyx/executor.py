@@ -34,7 +34,6 @@ from azyx.workers import drain
 STAGE = 8 << 20  # bytes per piece of a transfer staged through host memory (pieces overlap: see `_host_staged`)
 # a transfer of a plan's input up to this size runs before the plan's kernels (see `_ordered`)
 EARLY_BYTES = 1 << 20
-FREEZE_AFTER = 2  # a plan's run from which its batches replay frozen launch lists (`Prepared.freeze`)
 
 
 class SyncStrategy(Enum):
@@ -157,8 +156,6 @@ class UnifiedExecutor:
             got = lane(bindings if type(bindings) is list else list(bindings), scalars)
             if got is not None:
                 return got, []
-        if prepared.runs < FREEZE_AFTER:  # (a steady plan's batches are frozen once: `Prepared.freeze`)
-            prepared.count_run(plan)
         segments, alone, together = prepared.segments, prepared.alone, prepared.together
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
@@ -341,8 +338,8 @@ class _Segment:
         self.overwrites = False  # a kernel of it writes into an input of the plan (ExecutionPlan.overwrites)
         # per kernel, what picks its buffers out of a run's slots (made once the kernels are all in)
         self.args: list[Callable[[list[Any]], Any]] = []
-        # once the plan is steady, its kernels frozen for its device (`Prepared.freeze`), and the slots a run then
-        # allocates one by one (the rest are the frozen batch's temporaries, in one allocation)
+        # its kernels frozen for its device (`Prepared.freeze`), and the slots a run then allocates one by one (the
+        # rest are the frozen batch's temporaries, in one allocation)
         self.replay: Replay | None = None
         self.bound_allocs: list[int] = []
 
@@ -367,7 +364,7 @@ class Prepared:
     - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order);
     - `gathers`: the device that gathers concurrent runs of the plan into one submission (`UnifiedExecutor.run`)."""
 
-    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers", "runs")
+    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers")
 
     def __init__(self, plan: ExecutionPlan, devices: dict[str, Device]):
         self.segments = _segments(plan, devices)
@@ -381,18 +378,13 @@ class Prepared:
         self.lane: Lane | None = runners[0].lane if self.alone else None
         self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
         self.gathers: Device | None = devices[plan.devices[0]] if self.alone and runners[0].gathers else None
-        self.runs = 0  # runs so far, up to FREEZE_AFTER
-
-    def count_run(self, plan: ExecutionPlan) -> None:
-        """One more run of the plan: at the FREEZE_AFTER-th it is steady (`freeze`)."""
-        self.runs += 1
-        if self.runs == FREEZE_AFTER:
-            self.freeze(plan)
+        self.freeze(plan)
 
     def freeze(self, plan: ExecutionPlan) -> None:
-        """The plan is steady (its FREEZE_AFTER-th run: compiled, its runners decided): each batch of two kernels or
-        more becomes a `Replay` where its device replays one (`Device.freeze`); its temporaries share one allocation
-        per run where the device's kernels take addresses (`Device.arena`)."""
+        """A plan is steady from its first run (its shapes are its own; it is compiled and its runners are decided):
+        each batch of two kernels or more becomes a `Replay` where its device replays one (`Device.freeze`), so even
+        its first run binds one; its temporaries share one allocation per run where the device's kernels take
+        addresses (`Device.arena`; a transition from their own buffers would leave those cached in the pool)."""
         for seg in self.segments:
             batch = seg.batch
             if batch is None or len(seg.kernels) < 2:
