@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from azyx.codegen.kernel import render_kernel
 from azyx.codegen.launch import Launch
 from azyx.codegen.render import kernel_source
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
-from azyx.dtypes import DType, dtypes
+from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import (
     AllocationError,
     AzyxError,
@@ -116,6 +117,87 @@ class Runner:
 
     def __init__(self, lane: Lane | None = None, together: bool = False, gathers: bool = False):
         self.lane, self.together, self.gathers = lane, together, gathers
+
+
+ARENA_ALIGN = 256  # each temporary's offset in a replayed batch's one allocation (`Replay`): as cuMemAlloc aligns
+ARENA_MAX = 4 << 20  # the largest such allocation (`arena_of`)
+
+
+class Replay:
+    """A steady batch's launches frozen as data: made once per batch of a plan (the executor's, before its first run,
+    where its device can replay it: `Device.freeze`), so that a run binds its buffers and scalar values
+    into it and submits, building nothing per kernel and deciding nothing again.
+    - each kernel argument is a slot of the run: one the run binds (`bound`: an input, an output, a temporary that
+      outlives the batch, check words), or a temporary of this batch alone, which lives at its offset (`arena`) in one
+      allocation of `arena_size` bytes per run (where the device's kernels take buffers by address: `Device.arena`);
+    - `addresses`: the run's address of every buffer argument, kernel after kernel (one numpy gather);
+    - `words`: every kernel's scalar words for the run's values, packed by one call, kept while runs pass the same
+      values (a jit replay's), in kernel order (`word_counts` each);
+    - `written`: the bound slots the batch writes (their buffers' `ready` is the batch's value);
+    - `prepared`: what the device derived from it (`Device.freeze`: its table's layout, its graph's key parts)."""
+
+    __slots__ = ("batch", "arena", "arena_size", "bound", "written", "get", "offsets", "bound_at", "entries",
+                 "arg_counts", "word_counts", "pack", "last", "prepared")
+
+    def __init__(self, batch: BatchState, arena: dict[int, int], arena_size: int):
+        self.batch = batch
+        steps = batch.steps
+        self.arena, self.arena_size = arena, arena_size
+        used = list(dict.fromkeys(s for k in steps for s in k.args))  # (the batch's slots, in order of first use)
+        index = {s: i for i, s in enumerate(used)}
+        self.bound = [s for s in used if s not in arena]
+        self.written = [s for k in steps for s in k.args[:k.outs] if s not in arena]
+        self.get: Callable[[list[Any]], Any] = _getter(self.bound)
+        self.offsets = np.array([arena.get(s, 0) for s in used], np.uint64)  # (a bound slot's entry: overwritten)
+        self.bound_at = np.array([index[s] for s in self.bound], np.intp)
+        self.entries = np.array([index[s] for k in steps for s in k.args], np.intp)
+        self.arg_counts = [len(k.args) for k in steps]
+        self.word_counts = [len(k.scalars) for k in steps]
+        dts = [d for k in steps for d in k.scalar_dtypes]
+        self.pack = scalar_packer(dts, tuple(a for k in steps for a in k.scalars)) if dts else None
+        self.last: tuple[object, np.ndarray] = (None, np.zeros(0, np.uint64))
+        self.prepared: Any = None
+
+    def addresses(self, bufs: list[Any], arena: Buffer | None) -> np.ndarray:
+        """The run's address of each buffer argument of each kernel, in order (uint64): a temporary's in `arena`, a
+        bound slot's its buffer's (`bufs`: the run's buffers by slot)."""
+        at = self.offsets + np.uint64(arena.ptr) if arena is not None else self.offsets.copy()
+        bound = self.get(bufs)
+        at[self.bound_at] = [b.ptr for b in bound]
+        return at[self.entries]
+
+    def words(self, scalars: Sequence[Any]) -> np.ndarray:
+        """Every kernel's scalar words for the run's `scalars` (uint64), packed anew only for new values."""
+        last = self.last
+        if last[0] is not scalars and (scalars or last[0] is None):
+            packed = self.pack(scalars) if self.pack is not None else ()
+            self.last = last = (scalars, np.array(packed, np.uint64))
+        return last[1]
+
+
+def _getter(slots: list[int]) -> Callable[[list[Any]], Any]:
+    """What picks `slots`' entries out of a run's list, as a tuple (one C call, for any count)."""
+    if len(slots) == 1:
+        only = slots[0]
+        return lambda bufs: (bufs[only],)
+    return itemgetter(*slots) if slots else (lambda bufs: ())
+
+
+def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> tuple[dict[int, int], int]:
+    """The temporaries that a batch of `plan` (`steps`, whose last uses free `frees`) writes and drops within itself,
+    each at an offset (ARENA_ALIGN) in one allocation: (slot -> offset, bytes). Each gets room of its own: a batch's
+    buffers are all held until it has run, as each temporary's own buffer is. The allocation's size is a power of two
+    (plans of other shapes share the pool's cached blocks, as their temporaries one by one would), and up to ARENA_MAX:
+    past it ({}, 0), the temporaries each have their own buffer (a batch that large pays little for allocating them)."""
+    freed, offsets, at = set(frees) - {s for s, _ in plan.outputs}, {}, 0
+    for k in steps:
+        for s in k.args[:k.outs]:
+            if s in freed and s not in offsets and plan.slots[s].kind == "temp":
+                offsets[s] = at
+                at += -(-max(plan.slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
+    if not at or at > ARENA_MAX:
+        return {}, 0
+    return offsets, 1 << (at - 1).bit_length()
 
 
 def gatherable(plan: ExecutionPlan) -> bool:
@@ -271,6 +353,7 @@ class Device:
     listed = True  # a compute device that azyx.devices() lists
     unlisted_compute = False  # a compute device that azyx.devices() does not list (the dummy: it plans, holds no data)
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
+    arena = False  # a steady batch's temporaries may share one allocation per run (kernels take buffers by address)
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
@@ -454,6 +537,18 @@ class Device:
         batch = BatchState([step for step, _, _ in items])
         self.prepare_batch(batch)
         return batch
+
+    def freeze(self, replay: Replay) -> bool:
+        """Whether this device replays `replay` (a steady batch frozen as data: `launch_replay`), leaving in
+        `replay.prepared` what it derives from it once; the base does not (its batches run as launch items)."""
+        return False
+
+    def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
+                      waits: list[tuple[Device, int]]) -> int:
+        """Queue a frozen batch (`freeze`) for a run: its kernels with the run's buffers (`bufs`, by slot; the batch's
+        temporaries in `arena`, held with the bound buffers until the work has run) and `scalars`' words, after
+        `waits`, as `launch_many` would queue them; returns the timeline value at which all have completed."""
+        raise NotImplementedError
 
     def begin_batch(self) -> None:
         """The launches until `end_batch` are one plan's, on this device alone (where its `Runner.together` says so):

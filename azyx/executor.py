@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Runner, RunRecord
+from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Replay, Runner, RunRecord, arena_of
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.ir import CHECK_WORDS
-from azyx.plan import ExecutionPlan, KernelStep, TransferStep
+from azyx.plan import ExecutionPlan, KernelStep, Slot, TransferStep
 from azyx.timeline import checkpoint
 from azyx.workers import drain
 
@@ -174,15 +174,12 @@ class UnifiedExecutor:
                 if dev.timeline.failure is not None:
                     dev.check_alive()  # a failed device takes no more work
                 before = dev.queued()
-                # a slot is written once: its buffer is made right before the work that writes it
-                need = [s for s in seg.allocs if bufs[s] is None]
-                if len(need) == 1:
-                    bufs[need[0]] = dev.alloc(max(slots[need[0]].nbytes, 1))
-                elif need:
-                    for s, made in zip(need, dev.alloc_many([max(slots[s].nbytes, 1) for s in need])):
-                        bufs[s] = made
+                replay = seg.replay if not gathered else None
+                _alloc(dev, seg.allocs if replay is None else seg.bound_allocs, bufs, slots)
                 if seg.transfer is not None:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
+                elif replay is not None:
+                    after = self._replay(dev, replay, bufs, scalars, alone, seg.overwrites)
                 else:
                     after = self.execute_kernel(dev, seg.items(bufs, scalars), seg.batch, alone,  # type: ignore[arg-type]
                                                 seg.overwrites, gathered)
@@ -215,6 +212,19 @@ class UnifiedExecutor:
             bufs.clear()
             if together is not None and not gathered:
                 together.end_batch()
+
+    def _replay(self, dev: Device, replay: Replay, bufs: list[Buffer | None], scalars: list[Any] | tuple[Any, ...],
+                same_device: bool, overwrites: bool) -> int:
+        """A frozen batch's run (`Replay`): its temporaries in one allocation, its bound buffers and scalar words bound
+        into the frozen launches; waits as `execute_kernel`'s."""
+        waits = [] if same_device else self._waits(dev, [b for b in replay.get(bufs) if b is not None])
+        if overwrites:
+            waits += [(d, d.queued()) for d in self.devices.values() if d is not dev and d.pending()]
+        arena = dev.alloc(replay.arena_size) if replay.arena_size else None
+        v = dev.launch_replay(replay, bufs, arena, scalars, waits)
+        for s in replay.written:
+            bufs[s].ready = v  # type: ignore[union-attr]
+        return v
 
     def _gather(self, dev: Device | None, crowd: Any) -> bool:
         """Whether a run joins the gather of `dev`, the device that gathers its plan's runs (`Prepared.gathers`; None:
@@ -315,7 +325,8 @@ class _Segment:
     """One piece of submitted work of a plan: a transfer, or kernels in a row on one device (one batch); the slots
     its outputs need and the slots whose last use it is. Derived once per plan (`Prepared`)."""
 
-    __slots__ = ("device", "dev", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites", "args")
+    __slots__ = ("device", "dev", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites", "args",
+                 "replay", "bound_allocs")
 
     def __init__(self, dev: Device, transfer: TransferStep | None, kernels: list[KernelStep]):
         self.device, self.dev, self.transfer, self.kernels = dev.name, dev, transfer, kernels
@@ -327,6 +338,10 @@ class _Segment:
         self.overwrites = False  # a kernel of it writes into an input of the plan (ExecutionPlan.overwrites)
         # per kernel, what picks its buffers out of a run's slots (made once the kernels are all in)
         self.args: list[Callable[[list[Any]], Any]] = []
+        # its kernels frozen for its device (`Prepared.freeze`), and the slots a run then allocates one by one (the
+        # rest are the frozen batch's temporaries, in one allocation)
+        self.replay: Replay | None = None
+        self.bound_allocs: list[int] = []
 
     def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
         """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
@@ -363,6 +378,21 @@ class Prepared:
         self.lane: Lane | None = runners[0].lane if self.alone else None
         self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
         self.gathers: Device | None = devices[plan.devices[0]] if self.alone and runners[0].gathers else None
+        self.freeze(plan)
+
+    def freeze(self, plan: ExecutionPlan) -> None:
+        """A plan is steady from its first run (its shapes are its own; it is compiled and its runners are decided):
+        each batch of two kernels or more becomes a `Replay` where its device replays one (`Device.freeze`), so even
+        its first run binds one; its temporaries share one allocation per run where the device's kernels take
+        addresses (`Device.arena`; a transition from their own buffers would leave those cached in the pool)."""
+        for seg in self.segments:
+            batch = seg.batch
+            if batch is None or len(seg.kernels) < 2:
+                continue
+            arena, size = arena_of(plan, seg.kernels, seg.frees) if seg.dev.arena else ({}, 0)
+            replay = Replay(batch, arena, size)
+            if seg.dev.freeze(replay):
+                seg.replay, seg.bound_allocs = replay, [s for s in seg.allocs if s not in arena]
 
 
 def _ordered(plan: ExecutionPlan) -> list[tuple[Any, tuple[int, ...]]]:
@@ -400,6 +430,17 @@ def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
     return out
+
+
+def _alloc(dev: Device, allocs: list[int], bufs: list[Buffer | None], slots: tuple[Slot, ...]) -> None:
+    """A segment's buffers that its run has yet to make (a slot is written once: its buffer is made right before the
+    work that writes it)."""
+    need = [s for s in allocs if bufs[s] is None]
+    if len(need) == 1:
+        bufs[need[0]] = dev.alloc(max(slots[need[0]].nbytes, 1))
+    elif need:
+        for s, made in zip(need, dev.alloc_many([max(slots[s].nbytes, 1) for s in need])):
+            bufs[s] = made
 
 
 def _one(slot: int) -> Callable[[list[Any]], tuple[Any]]:

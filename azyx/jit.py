@@ -126,6 +126,10 @@ class Trace:
         self.guards = guards  # (read, value): the replay fits only while each read() gives its value
         self.sources = sources  # per leaf of the plan: (ARG, argument index) | (STATE, handle index) | (DRAWN, draw
         #                         index) | (CONST, the buffer bound at the trace)
+        # a replay's bindings start as the constants' buffers (None where a leaf is looked up each call: `live`, by
+        # position), so a trace of many constants (a model's weights) costs a replay one list copy for them
+        self.constants: list[Any] = [x if kind == CONST else None for kind, x in sources]
+        self.live = [(i, kind, x) for i, (kind, x) in enumerate(sources) if kind != CONST]
         self.checks = checks  # per STATE leaf: (handle index, how its value must look for the plan to fit it)
         self.results = results  # per result: (-1, target index) or a leaf source
         self.targets = targets  # per target of the plan: (shape, dtype, device, pinned) of its leaf
@@ -362,16 +366,12 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 return None
         drawn = [again() for again in trace.drawn] if trace.drawn else []  # in the function's order: the same stream
         of = {ARG: tensors, STATE: handles, DRAWN: drawn}  # where a source's tensor is, this call
-        nodes: list[Node | None] = []
-        bindings: list[Buffer] = []
-        for kind, x in trace.sources:
-            if kind == CONST:
-                bindings.append(x)
-                nodes.append(None)
-                continue
+        bindings: list[Buffer] = trace.constants.copy()
+        nodes: list[Node | None] = [None] * len(bindings)
+        for i, kind, x in trace.live:
             n = gn[of[kind][x].id]
-            nodes.append(n)
-            bindings.append(n.buffer)
+            nodes[i] = n
+            bindings[i] = n.buffer
         plan = trace.plan
         if plan is not None and plan.overwrites:
             for s in plan.overwrites:

@@ -50,8 +50,10 @@ class TimelineSignal:
                 ready.append(heapq.heappop(self._waiters)[2])
             if self._sync_waiters:
                 self._cond.notify_all()
-        for wake in ready:
-            wake()
+        if len(ready) == 1:
+            ready[0]()
+        elif ready:
+            _wake_all(ready)
 
     def fail(self, error: BaseException) -> None:
         """The device behind this timeline has failed: wake every waiter; each wait for a value not reached (now or
@@ -183,6 +185,31 @@ class _LoopWaiter:
 def _resolve(fut: Any) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _resolve_all(futs: list[Any]) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_result(None)
+
+
+def _wake_all(ready: list[Callable[[], None]]) -> None:
+    """Run the callbacks that one signal made ready, waking the tasks of one asyncio loop that wait on it with one
+    `call_soon_threadsafe` (a crowd's realizes whose work completed together): one write to the loop's self-pipe and
+    one callback, where one each would hand the GIL back and forth between this thread and the woken loop."""
+    loops: dict[Any, list[Any]] = {}
+    for wake in ready:
+        waiter = getattr(wake, "__self__", None)
+        if type(waiter) is _LoopWaiter and waiter._lib == "asyncio" and wake == waiter.wake:
+            if waiter._fut is not None:  # (None: the wait was cancelled)
+                loops.setdefault(waiter._loop, []).append(waiter._fut)
+        else:
+            wake()
+    for loop, futs in loops.items():
+        try:
+            loop.call_soon_threadsafe(_resolve_all, futs)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
 
 
 class LoopEvent:

@@ -120,6 +120,67 @@ async def realize_only(dev: str, reps: int, torch: Any, size: int) -> list[tuple
             (f"{what}, azyx.jit replay, {FLIGHT} in flight / us each", ours[3], t_many)]
 
 
+CHAIN, WIDTH = 100, 32  # the steady many-kernel plan: products in a row, none fusing into the next
+
+
+def product_chain(x: Any, ws: list[Any], s: Any) -> Any:  # azyx or torch
+    for w in ws:
+        x = (x @ w) * s
+    return x
+
+
+def check(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal to numpy within float32 rounding over CHAIN products (relative to the largest value)."""
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err < 1e-4, f"the {CHAIN}-product chain differs from numpy's by {err:.2e} (relative to its largest value)"
+
+
+async def steady_chain(dev: str, reps: int, torch: Any) -> list[tuple[str, float, float | None]]:
+    """A steady plan of CHAIN kernels (1 x WIDTH rows through CHAIN products, each scaled by a traced scalar that
+    changes every call) replayed by azyx.jit: seconds per replay, and the host's part of it, the executor's submission
+    of the run (`UnifiedExecutor.run`, timed around each call), beside the peer's eager calls (PyTorch on the CPU, or
+    numpy)."""
+    rng = np.random.default_rng(1)
+    xn = rng.standard_normal((1, WIDTH)).astype(np.float32)
+    wn = [(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for _ in range(CHAIN)]
+    x, ws = Tensor(xn, device=dev), [Tensor(w, device=dev) for w in wn]
+    await azyx.realize(x, *ws)
+    jitted = azyx.jit(lambda x, s: product_chain(x, ws, s))
+    for i in range(5):
+        y = await jitted(x, 1.0 + i / 64)
+    check(await y.numpy(), product_chain(xn, wn, np.float32(1.0 + 4 / 64)))
+    kernels = len(RT.executor.last[0].kernels)  # type: ignore[union-attr]
+    ex, runs = RT.executor, []
+    submit = ex.run
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return submit(*args, **kwargs)
+        finally:
+            runs.append(time.perf_counter() - t0)
+
+    ex.run = timed  # type: ignore[method-assign]
+    walls = []
+    try:
+        for i in range(reps):
+            t0 = time.perf_counter()
+            y = await jitted(x, 1.0 + (i % 7) / 64)
+            walls.append(time.perf_counter() - t0)
+    finally:
+        del ex.run
+    check(await y.numpy(), product_chain(xn, wn, np.float32(1.0 + ((reps - 1) % 7) / 64)))
+    tx, tw = (torch.from_numpy(xn), [torch.from_numpy(w) for w in wn]) if torch is not None else (xn, wn)
+    eager = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        product_chain(tx, tw, 1.0 + (i % 7) / 64)
+        eager.append(time.perf_counter() - t0)
+    what = f"{kernels}-kernel steady plan (1x{WIDTH} through {CHAIN} products, new scalar each call)"
+    return [(f"{what}, azyx.jit replay / us", statistics.median(walls), statistics.median(eager)),
+            (f"{what}, host submission per run (executor.run) / us", statistics.median(runs), None)]
+
+
 async def crowd(dev: str, n_req: int, runs: int, size: int, theirs_one: Callable[[np.ndarray, float], np.ndarray]
                 ) -> tuple[float, float]:
     """Requests per second of `n_req` concurrent requests, each its own `size` floats and its own scalar through the
@@ -168,17 +229,26 @@ async def main() -> None:
     ap.add_argument("--device", default="c:0")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--size", type=int, default=1024, help="floats per graph (1,024: bench/gpu.py's)")
+    ap.add_argument("--only", choices=("all", "chain"), default="all", help="chain: the steady many-kernel plan only")
     args = ap.parse_args()
     reps = 30 if args.quick else 200
+    peer = "torch (CPU, eager)" if torch is not None else "numpy"
+    chain = await steady_chain(args.device, reps, torch)
+    if args.only == "chain":
+        print(f"| workload ({args.device}) | azyx | {peer} | ratio |\n|---|---:|---:|---:|")
+        for what, ours, theirs in chain:
+            print(f"| {what} | {ours * 1e6:.1f} | " + (f"{theirs * 1e6:.1f} | {theirs / ours:.2f}x |" if theirs else
+                                                        "— | — |"))
+        return
     rows = await realize_only(args.device, reps, torch, args.size)
     n_req = 50 if args.quick else 200
     a, t = await crowd(args.device, n_req, 5 if args.quick else 15, args.size,
                        lambda x, a: graph(torch.from_numpy(x), a).numpy() if torch is not None else reference(x, a))
     name = f"{n_req} concurrent requests (10 ops on {args.size:,} f32, own scalar, read back) / req/s"
-    peer = "torch (CPU, eager)" if torch is not None else "numpy"
     print(f"| workload ({args.device}) | azyx | {peer} | ratio |\n|---|---:|---:|---:|")
-    for what, ours, theirs in rows:
-        print(f"| {what} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | {theirs / ours:.2f}x |")
+    for what, ours, theirs in [*rows, *chain]:
+        print(f"| {what} | {ours * 1e6:.1f} | " + (f"{theirs * 1e6:.1f} | {theirs / ours:.2f}x |" if theirs else
+                                                    "— | — |"))
     print(f"| {name} | {a:.0f} | {t:.0f} | {a / t:.2f}x |")
 
 

@@ -212,3 +212,23 @@ def test_a_reserved_item_runs_before_later_items_that_the_worker_took(
     finally:
         gate.set()
         q.close()
+
+
+async def test_one_signal_wakes_a_crowd_of_waiters() -> None:
+    """A crowd's realizes that wait for one timeline value, reached by another thread, all resume (with one wake-up of
+    the loop: `timeline._wake_all`), a cancelled one among them included as cancelled; a thread's callback on the same
+    value runs too."""
+    timeline = TimelineSignal("test")
+    ran = threading.Event()
+    timeline.on_reach(3, ran.set)
+    tasks = [asyncio.ensure_future(timeline.wait(3)) for _ in range(N)]
+    await asyncio.sleep(0)  # (each waits now)
+    tasks[1].cancel()
+    await asyncio.sleep(0)
+    thread = threading.Thread(target=timeline.signal, args=(3,))
+    thread.start()
+    done, pending = await asyncio.wait(tasks, timeout=30)
+    thread.join()
+    assert not pending and ran.is_set()
+    assert [t.cancelled() for t in tasks] == [i == 1 for i in range(N)]
+    assert all(t.result() is None for i, t in enumerate(tasks) if i != 1)

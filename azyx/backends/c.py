@@ -29,9 +29,11 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from azyx import debug
 from azyx.backends.host import HostDevice
@@ -42,7 +44,10 @@ from azyx.device import (
     INLINE,
     QUEUED,
     BatchState,
+    Buffer,
+    Device,
     LaunchItem,
+    Replay,
     artifact_key,
     cached_build,
     compiled,
@@ -206,6 +211,7 @@ class CDevice(HostDevice):
     dialect = C
     tiles = True
     kills_builds = True
+    arena = True
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
@@ -258,6 +264,28 @@ class CDevice(HostDevice):
         if batch.how is INLINE and self.serial_pool is None:
             self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
         batch.prepared = _Layout(batch.steps, self.serial_pool or 0)
+
+    def freeze(self, replay: Replay) -> bool:
+        """A steady batch replays through its `_Layout`'s table (`_Table`: where the run's addresses and words go);
+        not under AZYX_DEBUG's launch timings (each kernel its own call)."""
+        if debug.enabled(debug.LAUNCHES):
+            return False
+        replay.prepared = _Table(replay)
+        return True
+
+    def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
+                      waits: list[tuple[Device, int]]) -> int:
+        """As `launch_many`: here and now where INLINE and the queue is idle, else one work item (one `_Batch`)."""
+        table, batch = replay.prepared, replay.batch
+        addresses = replay.addresses(bufs, arena)
+        words = replay.words(scalars) if table.n_words else None
+        if batch.how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
+                v := self.queue.run_now(table.inline, addresses, words)):
+            return v
+        pool = self.pool if batch.how is QUEUED else self.serial_pool
+        assert pool is not None
+        work = table.batch(addresses, words, pool, (arena, replay.get(bufs)))
+        return self.queue.submit(work, [(d.timeline, w) for d, w in waits], False)
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
@@ -386,6 +414,55 @@ class _Batch:
     def __call__(self) -> None:
         lay = self.layout
         _RUNTIME_LIB[0].azyx_run(self.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
+
+
+class _Table:
+    """A frozen batch's (device.Replay) table in its `_Layout`'s format: per kernel its buffers' addresses, then
+    pointers to its scalar values; the values at the end. Where each goes is found once; a run places them with
+    numpy."""
+
+    __slots__ = ("layout", "n", "n_words", "buf_at", "pointer_at", "pointer_rel", "inline_table")
+
+    def __init__(self, replay: Replay):
+        layout = replay.batch.prepared
+        assert type(layout) is _Layout
+        self.layout, self.n, self.n_words = layout, len(layout.scratch), sum(replay.word_counts)
+        buf_at: list[int] = []
+        at = 0
+        for n_args, n_words in zip(replay.arg_counts, replay.word_counts):
+            buf_at += range(at, at + n_args)
+            at += n_args + n_words
+        self.buf_at = np.array(buf_at, np.intp)
+        self.pointer_at = np.array(layout.scalar_at, np.intp)
+        self.pointer_rel = np.arange(self.n - self.n_words, self.n, dtype=np.uint64) * np.uint64(8)
+        # an inline run's table is the layout's scratch (TableCall's): its value pointers are fixed
+        self.inline_table = np.zeros(self.n, np.uint64)
+        self.inline_table[self.pointer_at] = [p for at in layout.value_ptrs for p in at]
+
+    def inline(self, addresses: np.ndarray, words: np.ndarray | None) -> None:
+        """Run the batch now, on the calling thread (its serial pool)."""
+        table = self.inline_table.copy()
+        table[self.buf_at] = addresses
+        if words is not None:
+            table[self.n - self.n_words:] = words
+        lay = self.layout
+        if lay.call is not None:
+            lay.call(lay.serial, table.tolist())
+            return
+        lay.fill(lay.scratch, 0, *table.tolist())
+        _RUNTIME_LIB[0].azyx_run(lay.serial, lay.n, lay.fns, lay.scratch, lay.argc, lay.kinds, lay.trips)
+
+    def batch(self, addresses: np.ndarray, words: np.ndarray | None, pool: int, keep: Any) -> _Batch:
+        """The work item of a run: a table of its own (it lives until the batch has run, with `keep`: the buffers)."""
+        table = np.empty(self.n, np.uint64)
+        table[self.buf_at] = addresses
+        address = table.ctypes.data
+        if words is not None:
+            table[self.pointer_at] = self.pointer_rel + np.uint64(address)
+            table[self.n - self.n_words:] = words
+        work = _Batch.__new__(_Batch)
+        work.layout, work.ptrs, work.pool, work.items = self.layout, address, pool, [keep, table]  # type: ignore[list-item]
+        return work
 
 
 class _Runner:

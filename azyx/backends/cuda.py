@@ -28,8 +28,10 @@ import ctypes
 import dataclasses
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator
@@ -47,6 +49,7 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
+    Replay,
     Runner,
     RunRecord,
     gatherable,
@@ -78,6 +81,40 @@ def _kernel_params(ptrs: tuple[int, ...], maps: tuple[TensorMap, ...]) -> tuple[
         ctypes.memmove(at + 128 * i, encode_tensor_map(m, ptrs[m.arg]), 128)
     params = array.array("Q", [*range(base, base + 8 * len(ptrs), 8), *range(at, at + 128 * len(maps), 128)])
     return values, params, params.buffer_info()[0]
+
+
+class _Frozen:
+    """A frozen batch (device.Replay) as CUDA launches it: per kernel its function, dims and name, and where its
+    arguments' 64-bit values (buffer addresses, then scalar words: what kernelParams points at) sit in the run's
+    table."""
+
+    __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "kernels")
+
+    def __init__(self, replay: Replay, programs: dict[str, Any]):
+        arg_at: list[int] = []
+        word_at: list[int] = []
+        self.kernels: list[tuple[Any, Launch, str, int, int]] = []
+        at = 0
+        for step, n_args, n_words in zip(replay.batch.steps, replay.arg_counts, replay.word_counts):
+            arg_at += range(at, at + n_args)
+            word_at += range(at + n_args, at + n_args + n_words)
+            self.kernels.append((programs[step.name], step.launch, step.name, at, at + n_args + n_words))
+            at += n_args + n_words
+        self.n, self.n_words, self.count = at, len(word_at), len(self.kernels)
+        self.arg_at, self.word_at = np.array(arg_at, np.intp), np.array(word_at, np.intp)
+
+    def table(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any]) -> np.ndarray:
+        """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""
+        table = np.empty(self.n, np.uint64)
+        table[self.arg_at] = replay.addresses(bufs, arena)
+        if self.n_words:
+            table[self.word_at] = replay.words(scalars)
+        return table
+
+    def launches(self, table: np.ndarray) -> list[Collected]:
+        """The batch's launches for a run's table (where it is not replayed as a graph yet)."""
+        values = table.tolist()
+        return [(fn, dims, tuple(values[a:b]), name) for fn, dims, name, a, b in self.kernels]
 
 
 # ------------------------------------------------------------------------------------------------ the device
@@ -120,6 +157,7 @@ def _queue_field(name: str) -> Any:
 class CUDADevice(StagedCopies):
     kind = "cuda"
     dialect = CUDA
+    arena = True
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 
     @classmethod
@@ -376,10 +414,12 @@ class CUDADevice(StagedCopies):
         return ev
 
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
-                post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None) -> int:
+                post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None,
+                long: Callable[[], None] | None = None) -> int:
         """Put work on the stream after `waits` (now, or deferred until they can be expressed on the GPU); returns
         its timeline value. `host_wait` blocks (on the submitter thread) until host-side inputs are ready; `post`
-        runs on the waiter thread once the work completed, before the timeline reaches its value."""
+        runs on the waiter thread once the work completed, before the timeline reaches its value. `long`: the work
+        takes milliseconds to enqueue (launches one by one, a capture): the submitter thread runs it instead."""
         with self.lock:
             self.use()
             if self.batch:  # launches collected so far go first: the stream is in order
@@ -387,10 +427,10 @@ class CUDADevice(StagedCopies):
                 self.batch = []
             self.submitted += 1
             v = self.submitted
-            events = None if (host_wait is not None or self.deferred) else self._event_waits(waits)
+            events = None if (host_wait is not None or long is not None or self.deferred) else self._event_waits(waits)
             lost: DeviceError | None = None
             if events is None:
-                self._defer(_Job(host_wait, waits, enqueue, keep, post, v))
+                self._defer(_Job(host_wait, waits, long or enqueue, keep, post, v))
             else:
                 try:
                     for ev, _ in events:
@@ -581,6 +621,27 @@ class CUDADevice(StagedCopies):
             if own:
                 self.end_batch()
         return v
+
+    def freeze(self, replay: Replay) -> bool:
+        """A steady batch replays as one table of its launches' 64-bit values (`_Frozen`), whose bytes with the record
+        are its graph's key: a steady run's submission is one dict lookup and one graph launch."""
+        replay.prepared = _Frozen(replay, self.programs)
+        return True
+
+    def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
+                      waits: list[tuple[Device, int]]) -> int:
+        """As `launch_many` for the frozen batch: one command (one value, one event), its launches one by one until
+        steady, then captured and replayed as a graph (`GraphCache`, keyed by the record and the run's table): here
+        where that is cheap, else by the submitter thread (as `_flush`; also where a wait needs host-side progress)."""
+        frozen = replay.prepared
+        table = frozen.table(replay, bufs, arena, scalars)
+        key, cache = (frozen, table.tobytes()), self.graph_cache
+
+        def launch(hold_gil: bool = True) -> None:
+            cache.launch(lambda: frozen.launches(table), hold_gil, key)
+
+        long = None if cache.cheap_keyed(key, frozen.count) else lambda: launch(False)
+        return self._submit(launch, waits, (arena, replay.get(bufs)), long=long)
 
     def prepare_batch(self, batch: BatchState) -> None:
         """One kernel: INLINE (a command of its own, where no run-long batch is open); more: GRAPH (collected, one

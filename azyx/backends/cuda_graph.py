@@ -51,31 +51,41 @@ class GraphCache:
             return True
         key = self.key(batch)
         self.keyed = (batch, key)
+        return self.cheap_keyed(key, len(batch))
+
+    def cheap_keyed(self, key: tuple, launches: int) -> bool:
+        """`cheap` for a batch of `launches` keyed by its caller (a frozen batch's key: `CUDADevice.launch_replay`)."""
         graph = self.graphs.get(key)
         if isinstance(graph, _Graph):
             return True
-        return len(batch) <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
+        return launches <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
 
-    def launch(self, batch: list[Collected], hold_gil: bool = True) -> None:
+    def launch(self, batch: list[Collected] | Callable[[], list[Collected]], hold_gil: bool = True,
+               key: tuple | None = None) -> None:
         """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady.
-        `hold_gil` False: each launch lets other threads run (a long batch submitted off the loop's thread)."""
-        if len(batch) == 1:
-            fn, dims, ptrs, _ = batch[0]
-            self.launch_one(fn, dims, ptrs, hold_gil)
-            return
-        keyed = self.keyed  # (once: the submitter thread's launch and the loop's `cheap` may interleave)
-        key = keyed[1] if keyed is not None and keyed[0] is batch else self.key(batch)
-        self.keyed = None
+        `hold_gil` False: each launch lets other threads run (a long batch submitted off the loop's thread). With
+        `key` (a frozen batch's: its record and its table's bytes), `batch` is what makes its launches, called only
+        where they are launched one by one or captured."""
+        if key is None:
+            assert isinstance(batch, list)
+            if len(batch) == 1:
+                fn, dims, ptrs, _ = batch[0]
+                self.launch_one(fn, dims, ptrs, hold_gil)
+                return
+            keyed = self.keyed  # (once: the submitter thread's launch and the loop's `cheap` may interleave)
+            key = keyed[1] if keyed is not None and keyed[0] is batch else self.key(batch)
+            self.keyed = None
         graph = self.graphs.get(key)
         if not isinstance(graph, _Graph):
+            launches = batch if isinstance(batch, list) else batch()
             seen = (graph or 0) + 1
             if seen < GRAPH_AFTER:
                 self.graphs[key] = seen
-                for fn, dims, ptrs, _ in batch:
+                for fn, dims, ptrs, _ in launches:
                     self.launch_one(fn, dims, ptrs, hold_gil)
                 graph = None
             else:
-                graph = self.graphs[key] = self._capture(batch, hold_gil)
+                graph = self.graphs[key] = self._capture(launches, hold_gil)
         if graph is not None and (err := (self.hot if hold_gil else self.hot.releasing).graph_launch(graph.handle,
                                                                                                     self.stream_h)):
             self.hot.fail(err, "cuGraphLaunch")

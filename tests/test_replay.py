@@ -1,0 +1,202 @@
+"""A steady plan replays its launch list (issue 38): from a plan's first run, each batch of its kernels on a device
+that can (C, CUDA) is a frozen record (`device.Replay`) into which a run binds its buffers and scalar words, its
+temporaries in one allocation per run. On every device: results equal numpy's across changing scalar values and
+input buffers, realized outputs stay valid across later runs, a cancelled realize and a failed run leave the next
+runs right. Devices that do not replay run the same plans launch by launch and must give the same values."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import azyx
+from azyx import Tensor
+from azyx.errors import IndexOutOfRange
+from azyx.plan import ExecutionPlan
+from azyx.runtime import RT
+
+LAYERS = 6  # matrix products in a row: a kernel each (none fuses into the next)
+WIDTH = 16
+rng = np.random.default_rng(38)
+WEIGHTS = [(rng.standard_normal((WIDTH, WIDTH)) / 4).astype(np.float32) for _ in range(LAYERS)]
+
+
+def replays(device: str) -> bool:
+    """Whether the device freezes steady batches (the test then asserts that the plan's batch was frozen)."""
+    return RT.device(device).kind in ("c", "cuda")
+
+
+def chain(x: Tensor, ws: list[Tensor], s: float | Tensor) -> tuple[Tensor, Tensor]:
+    """A middle result (kept as a target) and the end of a chain of products, each scaled by `s`."""
+    mid = x
+    for w in ws[:LAYERS // 2]:
+        mid = (mid @ w) * s
+    y = mid
+    for w in ws[LAYERS // 2:]:
+        y = ((y @ w) * s).relu() + 0.25
+    return mid, y
+
+
+def reference(x: np.ndarray, s: float) -> tuple[np.ndarray, np.ndarray]:
+    mid = x
+    for w in WEIGHTS[:LAYERS // 2]:
+        mid = (mid @ w) * np.float32(s)
+    y = mid
+    for w in WEIGHTS[LAYERS // 2:]:
+        y = np.maximum((y @ w) * np.float32(s), 0) + np.float32(0.25)
+    return mid, y
+
+
+def frozen(plan: ExecutionPlan) -> list:
+    """The plan's frozen batches (the executor's record of it)."""
+    prepared = RT.executor.prepared.get(plan)
+    return [seg.replay for seg in prepared.segments if seg.replay is not None] if prepared is not None else []
+
+
+async def weights(device: str) -> list[Tensor]:
+    ws = [Tensor(w, device=device) for w in WEIGHTS]
+    for w in ws:
+        await w.realize()
+    return ws
+
+
+async def test_steady_runs_equal_numpy_across_scalars_and_inputs(device: str) -> None:
+    ws = await weights(device)
+    kept = []
+    for i in range(6):
+        xn = rng.standard_normal((2, WIDTH)).astype(np.float32)
+        s = 0.9 + 0.05 * i  # a new value each run: a kernel argument, never a new plan
+        x = Tensor(xn, device=device)  # a new input buffer each run
+        await x.realize()
+        mid, y = chain(x, ws, s)
+        await azyx.realize(mid, y)
+        kept.append((mid, y, xn, s))
+    plan = RT.executor.last[0]
+    assert plan is not None
+    if replays(device):
+        records = frozen(plan)
+        assert records and all(r.arena_size > 0 for r in records)  # its temporaries in one allocation per run
+    # every run's outputs are still right once later runs have run (none shares memory with a later run's)
+    for mid, y, xn, s in kept:
+        ref_mid, ref_y = reference(xn, s)
+        np.testing.assert_allclose(await mid.numpy(), ref_mid, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)
+
+
+async def test_jit_replays_bind_new_values(device: str) -> None:
+    ws = await weights(device)
+
+    @azyx.jit
+    def step(x: Tensor, s: float) -> Tensor:
+        return chain(x, ws, s)[1]
+
+    xn = rng.standard_normal((1, WIDTH)).astype(np.float32)
+    x = Tensor(xn, device=device)
+    outs = [(await step(x, 1.0 + i / 16), 1.0 + i / 16) for i in range(7)]
+    for y, s in outs:
+        np.testing.assert_allclose(await y.numpy(), reference(xn, s)[1], rtol=1e-5, atol=1e-5)
+    # the same value again (a jit's constants: its words packed once) and a new input
+    x2n = rng.standard_normal((1, WIDTH)).astype(np.float32)
+    for xin, xref in ((x, xn), (Tensor(x2n, device=device), x2n), (x, xn)):
+        y = await step(xin, 1.25)
+        np.testing.assert_allclose(await y.numpy(), reference(xref, 1.25)[1], rtol=1e-5, atol=1e-5)
+
+
+async def test_cancelled_realize_leaves_later_runs_right(device: str) -> None:
+    ws = await weights(device)
+    xn = rng.standard_normal((4096, WIDTH)).astype(np.float32)  # (work a C device queues: the realize waits for it)
+    x = Tensor(xn, device=device)
+    await x.realize()
+    for i in range(2):
+        await azyx.realize(*chain(x, ws, 1.0 + i / 8))
+    for i in range(3):
+        mid, y = chain(x, ws, 2.0)
+        task = asyncio.ensure_future(y.numpy())
+        await asyncio.sleep(0)  # (submitted: the task waits for its work)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del mid, y
+        mid, y = chain(x, ws, 0.75 + i / 4)
+        ref_mid, ref_y = reference(xn, 0.75 + i / 4)
+        np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(await mid.numpy(), ref_mid, rtol=1e-5, atol=1e-5)
+
+
+async def test_failed_run_does_not_poison_the_next(device: str) -> None:
+    """A run whose index is out of range raises IndexOutOfRange (its own check words); the runs before and after it,
+    of the same frozen plan, give numpy's values."""
+    ws = await weights(device)
+    table = rng.standard_normal((5, WIDTH)).astype(np.float32)
+    emb = Tensor(table, device=device)
+    await emb.realize()
+
+    def run(ids: list[int], s: float) -> Tensor:
+        return chain(emb[Tensor(np.array(ids, np.int32), device=device)], ws, s)[1]
+
+    for i, ids in enumerate([[0, 4], [1, 2], [3, 3], [4, 0]]):
+        np.testing.assert_allclose(await run(ids, 1.0 + i / 8).numpy(), reference(table[ids], 1.0 + i / 8)[1],
+                                   rtol=1e-5, atol=1e-5)
+    if replays(device):
+        assert frozen(RT.executor.last[0])  # type: ignore[arg-type]
+    with pytest.raises(IndexOutOfRange, match="index 7 is out of range for an axis of size 5"):
+        await run([1, 7], 1.5).numpy()
+    for ids, s in (([2, 1], 0.5), ([4, 4], 1.5)):
+        np.testing.assert_allclose(await run(ids, s).numpy(), reference(table[ids], s)[1], rtol=1e-5, atol=1e-5)
+
+
+async def test_steady_runs_hold_no_more_memory(device: str) -> None:
+    """A steady loop's runs take their temporaries' one allocation from the pool again: what the device holds after
+    many runs is what it held after a few."""
+    ws = await weights(device)
+    xn = rng.standard_normal((4, WIDTH)).astype(np.float32)
+    x = Tensor(xn, device=device)
+    await x.realize()
+    dev = RT.device(device)
+    for _ in range(4):
+        y = chain(x, ws, 1.0)[1]
+        await y.realize()
+    await RT.executor.synchronize_all()
+    held = dev.memory().in_use
+    for i in range(20):
+        y = chain(x, ws, 1.0 + i / 64)[1]
+        await y.realize()
+    await RT.executor.synchronize_all()
+    np.testing.assert_allclose(await y.numpy(), reference(xn, 1.0 + 19 / 64)[1], rtol=1e-5, atol=1e-5)
+    assert dev.memory().in_use <= held
+
+
+async def test_cuda_table_holds_what_each_launch_takes() -> None:
+    """The table CUDA binds a frozen batch into (cuda._Frozen: its bytes are the graph's key) holds, per kernel, what
+    its launch item would pass (its buffers' addresses, a temporary's in the run's one allocation, then its scalar
+    words), checked on a plan frozen on c:0 (no GPU needed: the table is data); the temporaries do not overlap."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    from azyx.backends.cuda import _Frozen
+    from azyx.device import ARENA_ALIGN
+
+    ws = await weights("c:0")
+    x = Tensor(rng.standard_normal((2, WIDTH)).astype(np.float32), device="c:0")
+    await x.realize()
+    for i in range(2):
+        await chain(x, ws, 1.0 + i)[1].realize()
+    plan = RT.executor.last[0]
+    assert plan is not None
+    (replay,) = frozen(plan)
+    spans = sorted((off, off + plan.slots[s].nbytes) for s, off in replay.arena.items())
+    assert spans and all(a % ARENA_ALIGN == 0 and b <= c for (a, b), (c, _) in zip(spans, spans[1:] + [(1 << 62, 0)]))
+    assert spans[-1][1] <= replay.arena_size
+    dev = RT.device("c:0")
+    bufs: list = [None] * len(plan.slots)
+    for s in replay.bound:
+        bufs[s] = dev.alloc(max(plan.slots[s].nbytes, 1))
+    arena = dev.alloc(replay.arena_size)
+    programs = {k.name: 1000 + i for i, k in enumerate(replay.batch.steps)}
+    table = _Frozen(replay, programs)
+    for scalars in ([1.5] * plan.n_scalars, [-0.25 + i / 8 for i in range(plan.n_scalars)]):
+        got = table.launches(table.table(replay, bufs, arena, scalars))
+        want = [(programs[k.name], k.launch, tuple(bufs[s].ptr if s not in replay.arena else arena.ptr + replay.arena[s]
+                                                   for s in k.args) + k.words(scalars), k.name)
+                for k in replay.batch.steps]
+        assert got == want
