@@ -25,7 +25,6 @@ from azyx.codegen.render import kernel_source
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
-    AllocationError,
     AzyxError,
     CompileError,
     DeviceFailedError,
@@ -35,6 +34,8 @@ from azyx.errors import (
 )
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import CHECK_WORDS, Kernel, index_sites
+from azyx.memory import Lent as Lent  # (re-exported: the lent blocks of staging pools)
+from azyx.memory import Memory
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread, in_worker_thread_within, lower_priority
@@ -276,16 +277,13 @@ class Device:
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
     shaders = False  # each kernel's source is a whole program (a shader), which `build` compiles alone
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
-    max_block = 0  # the most bytes one buffer may have (0: no limit; `max_block_name`: the API's name of the limit)
-    max_block_name = ""
-    allocator: PoolAllocator  # the memory part's pool (see the class docstring)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
         self.name = f"{self.kind}:{index}"
         self.options = options
         self.timeline = TimelineSignal(self.name)
-        self.capacity = 0
+        self.mem = self.memory_part()
         self.compute = 1.0
         self.threads = 1
         self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)
@@ -355,27 +353,50 @@ class Device:
         """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
         return self.timeline.value + self.pending()
 
-    # memory: the pool of blocks
+    # memory: the device's memory part (`mem`, azyx.memory); call sites reach it through these
+    def memory_part(self) -> Memory:
+        """The memory part this device starts with (a backend gives it its pool in `__init__`)."""
+        return Memory(self, Buffer)
+
+    @property
+    def capacity(self) -> int:
+        """The bytes its buffers may hold in all."""
+        return self.mem.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self.mem.capacity = value
+
+    @property
+    def allocator(self) -> PoolAllocator:
+        """The memory part's pool (AttributeError on a device that has none)."""
+        if self.mem.pool is None:
+            raise AttributeError(f"{self.name} has no pool")
+        return self.mem.pool
+
+    @allocator.setter
+    def allocator(self, pool: PoolAllocator) -> None:
+        self.mem.pool = pool
+
     def free_memory(self) -> int:
         """Bytes this device can still take."""
-        return self.capacity - self.allocator.in_use
+        return self.mem.free()
 
     def memory(self) -> MemoryUsage:
         """Bytes this device's buffers hold and bytes its pool caches for reuse (what `azyx.stats()` reports)."""
-        return self.allocator.usage()
-
-    def block_address(self, block: Any) -> int:
-        """A block's address (Buffer.ptr): where kernels or copies take it by address; 0 where the API has none."""
-        return 0
+        return self.mem.usage()
 
     def alloc(self, nbytes: int) -> Buffer:
-        """A buffer of at least `nbytes` bytes from the pool (AllocationError past `max_block` or the capacity)."""
-        if self.max_block and nbytes > self.max_block:
-            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one may be on "
-                                  f"{getattr(self, 'label', self.name)} ({self.max_block_name} = {self.max_block} "
-                                  f"bytes)")
-        block, size = self.allocator.alloc(nbytes)
-        return Buffer(self, size, block, self.block_address(block), True)
+        """A buffer of at least `nbytes` bytes from the pool (AllocationError past the API's limit or the capacity)."""
+        return self.mem.alloc(nbytes)
+
+    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
+        """A buffer of each size (a plan step's outputs, made together)."""
+        return [self.alloc(n) for n in sizes]
+
+    def release(self, buf: Buffer) -> None:
+        """A buffer's block back to the pool (Buffer.__del__)."""
+        self.mem.release(buf)
 
     def reserve(self, sizes: list[int]) -> None:
         """Make blocks of `sizes` bytes and give them back to the pool, which keeps them cached for the next `alloc`s
@@ -396,14 +417,6 @@ class Device:
             zeros = np.zeros(4 * CHECK_WORDS, np.uint8)
             buf.ready = self.copy_from_host(zeros, buf, [], zeros)
         return buf
-
-    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
-        """A buffer of each size (a plan step's outputs, made together)."""
-        return [self.alloc(n) for n in sizes]
-
-    def release(self, buf: Buffer) -> None:
-        """A buffer's block back to the pool (Buffer.__del__)."""
-        self.allocator.free(buf.mem, buf.nbytes)
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
         """A buffer that is `arr` itself: on a host-memory device only (host data reaches any other device through
@@ -680,31 +693,6 @@ class Device:
 
     def close(self) -> None:
         pass
-
-
-class Lent:
-    """A block lent by a pool (a device's staging memory: pinned, mapped), given back with its last reference, by
-    `give_back(pool, block, size)` (default: the pool's `free`). `block`: one the pool had cached (`reuse`), else one
-    is taken now."""
-
-    __slots__ = ("pool", "block", "size", "give_back")
-    block: Any
-    size: int
-
-    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[Any, int] | None = None,
-                 give_back: Callable[[PoolAllocator, Any, int], None] | None = None):
-        self.pool, self.give_back = pool, give_back
-        self.block, self.size = block if block is not None else pool.alloc(nbytes)
-
-    def __del__(self) -> None:
-        try:
-            if hasattr(self, "size"):  # not when the allocation failed
-                if self.give_back is None:
-                    self.pool.free(self.block, self.size)
-                else:
-                    self.give_back(self.pool, self.block, self.size)
-        except Exception:  # interpreter shutdown
-            pass
 
 
 def word_table(rows: list[list[int]], sizes: list[int], align: int) -> tuple[list[int], np.ndarray]:

@@ -2,7 +2,7 @@
 device, completion through the queue's events into the device's TimelineSignal.
 
 Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
-while it waits), then advances the timeline (`queued.QueuedDevice`). A realize whose work is small asks first
+while it waits), then advances the timeline (`queues.QueuedDevice`). A realize whose work is small asks first
 (`poll`): while the loop has nothing else to run it queries the event for about as long as the work took last time,
 and advances the timeline itself when it completed, without the waiter thread's wake-up of the loop (PoCL, AMD EPYC:
 a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129, scalars still passed as bytes). On a CPU
@@ -34,13 +34,13 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator
-from azyx.backends.queued import QueuedDevice
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
 from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
+from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority, python_lane
 
 # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)

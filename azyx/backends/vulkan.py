@@ -20,7 +20,7 @@ it is device-local and host transfers go through a pool of mapped staging buffer
 
 Completion: one timeline semaphore per device; every submission signals the next value, which is the value of the
 device's TimelineSignal. One waiter thread per device waits on it value by value (`vkWaitSemaphores`; cffi
-releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queued.QueuedDevice`).
+releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queues.QueuedDevice`).
 
 Waits: on another vulkan device of the same physical device (one VkDevice serves all the `vulkan:N` of one physical
 device, see `device_ids`) the submission waits on that device's timeline semaphore. On any other device (C, OpenCL,
@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import shutil
 import subprocess
 import threading
@@ -45,8 +46,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
-from azyx.backends.queued import QueuedDevice
+from azyx.allocator import PoolAllocator, Slabs
 from azyx.codegen.dialect import GLSL, Dialect
 from azyx.device import (
     CPU_SPIN_S,
@@ -56,7 +56,6 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
-    Lent,
     after_waits,
     compiled,
     kernel_list,
@@ -64,7 +63,9 @@ from azyx.device import (
     word_table,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.memory import Lent
 from azyx.plan import KernelStep
+from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority, in_background
 
 # device_ids: which physical devices (indices, all when empty; one may repeat); spin_us: as opencl's
@@ -265,17 +266,15 @@ def glslc_version() -> str:
 class _Block:
     """`size` bytes at `offset` in a VkBuffer: the whole of a buffer bound to its own VkDeviceMemory, or a piece of a
     slab (`slab`: the slab's block; `memory` None). `address` is its device address (what a shader reads it by),
-    `array` (uint8) and `ptr` its mapping (None, 0 unmapped). A slab counts its pieces (`users`) and the bytes carved
-    from it (`used`)."""
+    `array` (uint8) and `ptr` its mapping (None, 0 unmapped)."""
 
-    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr", "slab", "users", "used")
+    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr", "slab")
 
     def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None,
                  offset: int = 0, slab: _Block | None = None):
         self.buffer, self.memory, self.size, self.address, self.array = buffer, memory, size, address, array
         self.offset, self.slab = offset, slab
         self.ptr = array.ctypes.data if array is not None else 0
-        self.users = self.used = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -314,7 +313,6 @@ class VulkanDevice(QueuedDevice):
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
     shaders = True
-    max_block_name = "maxMemoryAllocationSize"
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -327,11 +325,9 @@ class VulkanDevice(QueuedDevice):
         glslc_version()  # (raises where glslc is missing: nothing could be compiled)
         if not 0 <= index < len(physical):
             raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
-        self.closed = False
         self.live = 0  # blocks made and not destroyed yet (made and destroyed on any thread: under live_lock)
         self.live_lock = threading.Lock()
-        self.slab_lock = threading.Lock()
-        self.slabs: dict[int, _Block] = {}  # memory type -> the slab its small blocks are carved from now
+        self.slabs = Slabs(SLAB, SLAB_ALIGN)  # per memory type, the slabs its small blocks are carved from
         self.ctx_gone = False
         self.torn_down = False  # close() has destroyed the device's own objects (blocks out may outlive it)
         self.ctx = context(physical[index])
@@ -348,7 +344,8 @@ class VulkanDevice(QueuedDevice):
         self.label = ctx.props.deviceName
         self.limits = ctx.limits
         self.max_groups = tuple(self.limits.maxComputeWorkGroupCount)
-        self.max_block = ctx.max_allocation  # (a shader reads buffers by address: no binding limits a kernel)
+        # (a shader reads buffers by address: no binding limits a kernel)
+        self.mem.max_block, self.mem.max_block_name = ctx.max_allocation, "maxMemoryAllocationSize"
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
         # a GPU's subgroups of 32 lanes (NVIDIA's) shuffle; lavapipe's (8 lanes of the CPU's vectors) do not pay
@@ -373,8 +370,8 @@ class VulkanDevice(QueuedDevice):
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
         self.allocator = PoolAllocator(self.capacity, self.capacity,
                                        functools.partial(self._create, device_type, self.mapped), self.name)
-        self.staging = PoolAllocator(1 << 40, 1 << 40, functools.partial(self._create, staging_type, True),
-                                     f"{self.name} staging")
+        self.staging = self.mem.staging_pool(functools.partial(self._create, staging_type, True), "staging")
+        self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             self.spin_cap = CPU_SPIN_S
         self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
@@ -425,18 +422,10 @@ class VulkanDevice(QueuedDevice):
         a piece of a slab (a driver's allocations are slow, and few: maxMemoryAllocationCount is 4096 on NVIDIA's)."""
         if size > SLAB_PIECE:
             return self._whole(type_index, mapped, size)
-        piece = -(-size // SLAB_ALIGN) * SLAB_ALIGN
-        with self.slab_lock:
-            slab = self.slabs.get(type_index)
-            if slab is None or slab.used + piece > slab.size:
-                slab = self.slabs[type_index] = self._whole(type_index, mapped, SLAB)
-            at = slab.used
-            slab.used += piece
-            slab.users += 1
-        array = None if slab.array is None else slab.array[at:at + size]
-        with self.live_lock:
-            self.live += 1
-        return _Block(slab.buffer, None, size, slab.address + at, array, at, slab)
+        slab, at = self.slabs.carve(type_index, size, lambda: self._whole(type_index, mapped, SLAB))
+        self._count(1)
+        return _Block(slab.buffer, None, size, slab.address + at, None if slab.array is None else
+                      slab.array[at:at + size], at, slab)
 
     def _whole(self, type_index: int, mapped: bool, size: int) -> _Block:
         """A buffer of `size` bytes bound to memory of its own."""
@@ -456,42 +445,27 @@ class VulkanDevice(QueuedDevice):
                                                       "buffer": buffer})
         address = vk.lib.vkGetBufferDeviceAddress(self.vkdev, info)  # (the package's wrapper drops the result)
         array = np.frombuffer(vk.vkMapMemory(self.vkdev, memory, 0, size, 0), np.uint8) if mapped else None
-        with self.live_lock:
-            self.live += 1
+        self._count(1)
         return _Block(buffer, memory, size, int(address), array)
 
     def _destroy(self, block: _Block) -> None:
-        """(Once the device has closed.) A slab goes with its last piece."""
-        slab = block.slab
-        if slab is None:
+        """(Once the device has closed: the memory part's `destroy`.) A slab goes with its last piece."""
+        if block.slab is None:
             vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
             vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
-        else:
-            with self.slab_lock:
-                slab.users -= 1
-                last = slab.users == 0
-            if last:
-                self._destroy(slab)
-        with self.live_lock:
-            self.live -= 1
+        elif self.slabs.drop(block.slab):
+            self._destroy(block.slab)
+        self._count(-1)
 
-    def _let_context_go(self) -> None:
-        """Once the device has closed (and destroyed its own objects) and its last block is destroyed: its use of the
-        shared context ends (once)."""
+    def _count(self, n: int) -> None:
+        """`n` blocks more made (fewer destroyed); the last destroyed once the device has closed (and destroyed its own
+        objects: `torn_down`) ends its use of the shared context (once)."""
         with self.live_lock:
-            if not self.torn_down or self.live or self.ctx_gone:
-                return
-            self.ctx_gone = True
-        self.ctx.release()
-
-    def give_back(self, pool: PoolAllocator, block: _Block, size: int) -> None:
-        """A block back to its pool; once the device has closed, destroyed instead (the last lets the context go)."""
-        if not self.closed:
-            pool.free(block, size)
-            return
-        pool.free(None, size)
-        self._destroy(block)
-        self._let_context_go()
+            self.live += n
+            last = not self.live and self.torn_down and not self.ctx_gone
+            self.ctx_gone = self.ctx_gone or last
+        if last:
+            self.ctx.release()
 
     def identity(self) -> dict[str, Any]:
         props = self.ctx.props
@@ -499,15 +473,9 @@ class VulkanDevice(QueuedDevice):
                 "api": int(props.apiVersion), "vendor_id": int(props.vendorID), "device_id": int(props.deviceID),
                 "glsl": self.dialect.name if self.dialect is not None else ""}
 
-    def block_address(self, block: _Block) -> int:
-        return block.ptr
-
-    def release(self, buf: Buffer) -> None:
-        self.give_back(self.allocator, buf.mem, buf.nbytes)
-
     def _lend(self, nbytes: int) -> Lent:
         """A staging block, back to the pool (or destroyed, once the device has closed) with its last reference."""
-        return Lent(self.staging, nbytes, give_back=self.give_back)
+        return Lent(self.staging, nbytes, give_back=self.mem.give_back)
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads: the host copy runs here)."""
@@ -849,8 +817,7 @@ class VulkanDevice(QueuedDevice):
                         self._signal(self.gate, self.gates)
         except vk.VkError:
             pass
-        with self.live_lock:
-            self.closed = True
+        self.closed = True
         self.stop_waiter()
         with self.lock:
             for cmd in self.all_commands:
@@ -867,12 +834,9 @@ class VulkanDevice(QueuedDevice):
             self.programs = {}
             done = self._take_done()
         del done
-        for pool in (self.allocator, self.staging):
-            for block in pool.take_cached():
-                self._destroy(block)
-        with self.live_lock:
-            self.torn_down = True
-        self._let_context_go()  # (or the last block given back, later)
+        self.mem.close()
+        self.torn_down = True
+        self._count(0)  # (or the last block given back, later)
 
 
 def _mapping(block: _Block) -> np.ndarray:
