@@ -234,21 +234,19 @@ RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: dis
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
-    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API:
+    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API.
 
-    - memory: a pool of blocks, `allocator` (allocator.PoolAllocator over the backend's "create a block of n
-      bytes"; its `free` back to the pool, `take_cached` to destroy them at close), of `capacity` bytes: `alloc`,
-      `alloc_many`, `release`, `memory`, `free_memory` are here. The backend makes the pool in `__init__` and says
-      `block_address` (a block's address, where kernels read buffers by address) and `max_block`. Host staging (for
-      `copy_from_host` from memory the API copies fastest: pinned, mapped) is a second pool whose blocks are lent as
-      `Lent` (`host_staging`, `staging_block`).
-    - queue + timeline (the event queue): in-order work, each item a value of the device's TimelineSignal (`pending`,
-      `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per value
-      (`record_failure`), `spun` the one spin of a `poll` that queries the API. backends/queued.py is it for an API
-      with completion events: the backend submits a command, puts its native event on `completions` and says how to
-      wait on one (`wait_event`); the waits of a command on other devices' values are translated once
-      (`QueuedDevice.native_waits`: the backend says which it can wait on natively, `native_wait`; the host completes
-      the rest). backends/host.py is it for host memory (an in-order worker thread). The transfer calls the executor
+    - memory: `mem`, a memory.Memory: the pool of blocks (`mem.pool`, reached as `allocator`: an
+      allocator.PoolAllocator over the backend's "create a block of n bytes") of `capacity` bytes, buffers of at most
+      `mem.max_block` bytes, the pools of host staging blocks (`mem.staging_pool`, lent as memory.Lent) and what
+      becomes of blocks once the device closed (`mem.close`: cached ones destroyed, `mem.destroy`, and those given
+      back later). `alloc`, `alloc_many`, `release`, `reserve`, `memory`, `free_memory` delegate to it. Host staging
+      for `copy_from_host` (`host_staging`, `staging_block`) is memory the API copies from fastest (pinned, mapped).
+    - queue + timeline, written in azyx.queues: in-order work, each item a value of the device's TimelineSignal
+      (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
+      value (`record_failure`). `queues.QueuedDevice` is it for an API with completion events (a waiter thread, a
+      submit thread where submitting may block, one translation of waits into native events); `queues.WorkQueue`,
+      which backends/host.py composes, for host memory (an in-order worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
       `build`: compile, on a worker thread, its artifacts in one on-disk cache, `cached_build`, within
@@ -257,9 +255,27 @@ class Device:
       `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars (`word_table`
       packs a batch's words where the API reads them from memory).
 
-    So a new backend writes: `__init__` (open the API, make the pool), create/destroy a block, `native_wait` (or its
-    own queue), `build`, `launch`, the transfer calls; and sets the facts below that differ (`kind`, `dialect`, ...)
-    and, in its module, `CONFIG` (its config section's defaults)."""
+    The protocol a new backend implements, in its module azyx/backends/<kind>.py (opencl.py is the shortest whole
+    example, ~200 lines):
+    1. `CONFIG` at the module's top (its config section's defaults; `AUTO`, `LIBRARIES` where they apply), and a
+       Device subclass (most: of queues.QueuedDevice) that sets the facts below that differ (`kind`, `dialect`, ...)
+       and `count` (how many devices its API has).
+    2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
+       create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
+       `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; then `start_waiter()` (and
+       `submit_thread.start()` where it submits from that thread).
+    3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
+       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits` and returns the event),
+       or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
+       `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
+       `query(v)` lets `poll` ask without a wake-up.
+    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}.
+    5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
+    6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
+       reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
+    7. `close`: stop the queue's threads (`stop_submit_thread`, `stop_waiter`), then `mem.close()`.
+    A host-memory backend subclasses backends/host.HostDevice instead, whose memory and queue are ready: it writes
+    `build`, `prepare_batch` and `batch_fn` (the work item that runs a batch of kernels)."""
 
     kind: str = "abstract"
     dialect: Dialect | None = None

@@ -5,6 +5,7 @@ address is (`address`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +117,14 @@ class HostBlocks(Memory):
     def release(self, buf: Any) -> None:
         assert self.pool is not None
         self.pool.free((buf.mem, buf.ptr) if buf.pooled else None, buf.nbytes)  # (a hot path: a call less)
+
+
+def memory_bytes() -> int:
+    """This machine's memory (bytes)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
 
 
 def aligned_block(size: int) -> tuple[np.ndarray, int]:

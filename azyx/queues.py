@@ -246,9 +246,18 @@ class QueuedDevice(Device):
     def retire(self, v: int, ev: Any) -> None:
         """Under the lock: the waiter thread is past `ev`, the event of value `v` (CUDA recycles it)."""
 
+    def peer(self, dev: Device) -> bool:
+        """Whether `dev` shares this device's API context (of its kind, on the same driver context): its buffers are
+        copied on this queue (`copy_peer`) and its completions waited for natively (`native_wait`)."""
+        return False
+
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """How `poll` asks the API whether the command of value `v` has completed; None: it cannot tell now."""
+        return None
+
     def native_wait(self, dev: Device, v: int) -> Any:
-        """What this device's queue can wait on natively for value `v` of `dev` (an event, a semaphore and its value),
-        or None: the host must see it reached (`native_waits`)."""
+        """What this device's queue can wait on natively for value `v` of `dev` (a `peer`'s event, semaphore and its
+        value), or None: the host must see it reached (`native_waits`)."""
         return None
 
     def native_waits(self, waits: list[tuple[Device, int]]) -> tuple[list[Any], list[tuple[Device, int]]]:
@@ -272,6 +281,22 @@ class QueuedDevice(Device):
         return self.holding.pop(v, None)
 
     # shared
+    def poll(self, v: int, spin: float = 0.0) -> bool:
+        """On the loop, before it would sleep: the command of value `v` seen complete now or within `spin` seconds (at
+        most `spin_cap`; the backend's `query`) advances the timeline here (the queue is in order: all before it is
+        complete too); the waiter thread still takes its completion in turn and drops what it held."""
+        if self.timeline.value >= v:
+            return True
+        done = self.query(v)
+        if done is None or not self.spun(done, spin):
+            return self.timeline.value >= v
+        self.timeline.signal(v)
+        return True
+
+    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
+        """A `peer`'s buffers are this queue's: a copy here. Between contexts there is no peer path."""
+        return self.copy(src, dst, n, waits) if self.peer(src.device) else None
+
     def alloc(self, nbytes: int) -> Buffer:
         # completed commands' buffers go back to the pool first (this request may reuse one): those of commands the
         # timeline is past, which `poll` may have seen complete before the waiter thread did
@@ -287,7 +312,8 @@ class QueuedDevice(Device):
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read on a worker thread (the buffer is ready): queued in order (`copy_to_host`), then waited
         for."""
-        self.timeline.wait_sync(self.copy_to_host(buf, out, []))
+        if out.nbytes:
+            self.timeline.wait_sync(self.copy_to_host(buf, out, []))
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes on a worker thread: queued in order (`copy_from_host`), then waited for."""
@@ -315,6 +341,7 @@ class QueuedDevice(Device):
 
     def _enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any) -> int:
         """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`)."""
+        self.check_alive()
         with self.lock:
             if self.closed:
                 raise DeviceError(f"{self.name} is closed")

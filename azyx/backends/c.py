@@ -96,19 +96,12 @@ def _load_runtime(device: str, compiler: str, flags: list[str], timeout_s: float
         if _RUNTIME_LIB:
             return
         lib = _compiled(_runtime(), compiler, flags, f"{device}: {compiler} compiling the C runtime", timeout_s)
-        lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_char_p, ctypes.c_void_p]
-        lib.azyx_run.restype = None
-        lib.azyx_pool_new.argtypes = [ctypes.c_int]
-        lib.azyx_pool_new.restype = ctypes.c_void_p
-        lib.azyx_pool_free.argtypes = [ctypes.c_void_p]
-        lib.azyx_pool_free.restype = None
-        lib.azyx_submit.argtypes = lib.azyx_run.argtypes
-        lib.azyx_submit.restype = None
-        lib.azyx_wait_done.argtypes = [ctypes.c_void_p, ctypes.c_long]
-        lib.azyx_wait_done.restype = ctypes.c_long
-        lib.azyx_runner_stop.argtypes = [ctypes.c_void_p]
-        lib.azyx_runner_stop.restype = None
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        run = [ptr, long, ptr, ptr, ptr, ctypes.c_char_p, ptr]  # (pool, n, fns, args, argc, kinds, trips)
+        for name, args, result in (("azyx_run", run, None), ("azyx_submit", run, None), ("azyx_wait_done", [ptr, long],
+                                   long), ("azyx_runner_stop", [ptr], None), ("azyx_pool_new", [ctypes.c_int], ptr),
+                                   ("azyx_pool_free", [ptr], None)):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
         _RUNTIME_LIB.append(lib)
 
 
@@ -281,12 +274,11 @@ class CDevice(HostDevice):
         if isinstance(runner, _Runner):
             runner.close()  # after the worker: it may wait for a batch in the runner's queue
             self.queue.native = None
-        if self.pool is not None and (worker is None or not worker.is_alive()):  # nothing runs on the pool any more
-            _RUNTIME_LIB[0].azyx_pool_free(self.pool)
-            self.pool = None
-        if self.serial_pool is not None and (worker is None or not worker.is_alive()):
-            _RUNTIME_LIB[0].azyx_pool_free(self.serial_pool)
-            self.serial_pool = None
+        if worker is None or not worker.is_alive():  # nothing runs on the pools any more
+            for pool in (self.pool, self.serial_pool):
+                if pool is not None:
+                    _RUNTIME_LIB[0].azyx_pool_free(pool)
+            self.pool = self.serial_pool = None
 
 
 class _Layout:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,18 +13,11 @@ import numpy as np
 from azyx.device import INLINE, QUEUED, BatchState, Buffer, Device, LaunchItem, Runner, gatherable, host_read
 from azyx.dtypes import DType
 from azyx.graph import Shape, StridedView
-from azyx.memory import HostBlocks
-from azyx.plan import ExecutionPlan, KernelStep
+from azyx.memory import HostBlocks, memory_bytes
+from azyx.plan import ExecutionPlan
 from azyx.queues import WorkQueue
 
 WIDE_KEPT = 64  # gathers' batches kept per device (a crowd's gathers come in a few sizes)
-
-
-def memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 << 30
 
 
 class HostDevice(Device):
@@ -123,10 +115,6 @@ class HostDevice(Device):
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         """The work item that runs these kernels in order (it holds their buffers until it has run)."""
         raise NotImplementedError
-
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        return self.launch_many([(step, bufs, words)], waits)
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:

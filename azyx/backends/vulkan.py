@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -647,9 +647,13 @@ class VulkanDevice(QueuedDevice):
         del done  # what completed work held goes back to its pools here, on the submitting thread
         return v
 
+    def peer(self, dev: Device) -> TypeGuard[VulkanDevice]:
+        """A vulkan device of this physical device (one VkDevice serves them all)."""
+        return isinstance(dev, VulkanDevice) and dev.ctx is self.ctx
+
     def native_wait(self, dev: Device, v: int) -> Any:
         """The timeline semaphore (and value) of a vulkan device of this context."""
-        return (dev.sem, v) if isinstance(dev, VulkanDevice) and dev.ctx is self.ctx else None
+        return (dev.sem, v) if self.peer(dev) else None
 
     def _wait_semaphores(self, waits: list[tuple[Device, int]], v: int,
                          fill: Callable[[], None] | None) -> tuple[list[Any], list[int]]:
@@ -726,18 +730,13 @@ class VulkanDevice(QueuedDevice):
             self.spare.append(cmd)
         return super().completed(v, post)
 
-    def poll(self, v: int, spin: float = 0.0) -> bool:
-        """The semaphore's counter, read at once or for up to `spin` seconds (at most `spin_cap`: lavapipe's kernels
-        run on the cores the loop would spin on), never past a value whose host copy has yet to run."""
-        if self.timeline.value >= v:
-            return True
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """The semaphore's counter (`poll` spins at most `spin_cap` on it: lavapipe's kernels run on the cores the loop
+        would spin on), never past a value whose host copy has yet to run."""
         if (self.posts and self.posts[0] <= v) or self.closed:
-            return False
+            return None
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
-        if not self.spun(lambda: counter(vkdev, sem) >= v, spin):
-            return False
-        self.timeline.signal(v)
-        return True
+        return lambda: counter(vkdev, sem) >= v
 
     # ------------------------------------------------------------------ launches
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
@@ -751,11 +750,6 @@ class VulkanDevice(QueuedDevice):
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
         return self._submit(lambda cmd: _copy(cmd, src.mem, 0, dst.mem, 0, n), waits, (src, dst))
-
-    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
-        """Devices of one physical device share a VkDevice: a copy on this queue. Otherwise no peer path."""
-        sdev = src.device
-        return self.copy(src, dst, n, waits) if isinstance(sdev, VulkanDevice) and sdev.ctx is self.ctx else None
 
     def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A mapped staging block: `copy_from_host` from it is a copy command in queue order."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +42,7 @@ from azyx.config import ConfigError
 from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, kernel_list, word_table
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
-from azyx.memory import Lent
+from azyx.memory import Lent, memory_bytes
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority
@@ -213,7 +212,7 @@ class WgpuDevice(QueuedDevice):
                               f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
         self.compute = ROUGH_GFLOPS.get(info["adapter_type"], ROUGH_GFLOPS_OTHER)
         # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
-        default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
+        default = {"CPU": memory_bytes() // 4,
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
         # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
@@ -323,11 +322,6 @@ class WgpuDevice(QueuedDevice):
             compute={"module": self.gpu.create_shader_module(code=code), "entry_point": entry}), layout
 
     # ------------------------------------------------------------------ the queue
-    def _enqueue(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], keep: Any) -> int:
-        """Number a work item and hand it to the submit thread (the loop's whole part of any submission)."""
-        self.check_alive()
-        return super()._enqueue(run, waits, keep)
-
     def submit(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], v: int) -> bool:
         """(The submit thread.) The item run after its waits; True: its own work says it is complete."""
         for dev, u in waits:
