@@ -40,7 +40,7 @@ from azyx.codegen.launch import Launch
 from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
 from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, kernel_list, word_table
-from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.memory import Lent, memory_bytes
 from azyx.plan import KernelStep
@@ -216,7 +216,8 @@ class WgpuDevice(QueuedDevice):
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
         # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
-        self.allocator = self.pool = _OwnedPool(self.capacity, self.capacity, self._storage, self.name)
+        self.allocator = self.pool = _OwnedPool(self.capacity, self.capacity, functools.partial(
+            self._buffer, STORAGE), self.name)  # (a driver's refusal: the pool's AllocationError)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
         self.staging, self.uploads = (_OwnedPool(1 << 40, 256 << 20, functools.partial(self._buffer, usage),
                                                  f"{self.name} {what}") for usage, what in ((STAGING, "staging"),
@@ -271,14 +272,8 @@ class WgpuDevice(QueuedDevice):
             raise DeviceError(f"{self.name}: a first kernel on {self.label} wrote {got}, not 7")
 
     # ------------------------------------------------------------------ memory
-    def _storage(self, size: int) -> Any:
-        try:
-            return self.gpu.create_buffer(size=_ceil4(max(size, 4)), usage=STORAGE)
-        except Exception as e:
-            raise AllocationError(f"{self.name}: allocating {size} bytes failed: {e}") from None
-
     def _buffer(self, usage: int, size: int) -> Any:
-        return self.gpu.create_buffer(size=_ceil4(size), usage=usage)
+        return self.gpu.create_buffer(size=_ceil4(max(size, 4)), usage=usage)
 
     # ------------------------------------------------------------------ compile
     # (WGSL: no register tiles; vectors in elementwise kernels, wgsl.WGSL_VEC)
