@@ -61,27 +61,20 @@ class Memory:
         assert self.pool is not None
         self.check(nbytes)
         block, size = self.pool.alloc(nbytes)
-        return self.wrap(block, size)
+        return self.buffer(self.device, size, block, self.address(block), True)
 
     def alloc_many(self, sizes: list[int]) -> list[Any]:
         """A buffer of each size, taken from the pool in one step (all or none)."""
         assert self.pool is not None
         for n in sizes:
             self.check(n)
-        return [self.wrap(block, size) for block, size in self.pool.alloc_many(sizes)]
-
-    def wrap(self, block: Any, size: int) -> Any:
-        """The buffer of a pooled block."""
-        return self.buffer(self.device, size, block, self.address(block), True)
-
-    def block(self, buf: Any) -> Any:
-        """The pooled block of a buffer (None: the buffer wraps memory that is not the pool's)."""
-        return buf.mem if buf.pooled else None
+        return [self.buffer(self.device, size, block, self.address(block), True)
+                for block, size in self.pool.alloc_many(sizes)]
 
     def release(self, buf: Any) -> None:
         """A buffer's block back to the pool (device.Buffer.__del__)."""
         assert self.pool is not None
-        self.give_back(self.pool, self.block(buf), buf.nbytes)
+        self.give_back(self.pool, buf.mem if buf.pooled else None, buf.nbytes)  # (not pooled: only its count)
 
     def give_back(self, pool: PoolAllocator, block: Any, size: int) -> None:
         """A block back to `pool` (a Buffer's, a Lent's); once the device has closed, destroyed instead."""
@@ -106,16 +99,21 @@ class HostBlocks(Memory):
     """Host memory: 64-byte aligned numpy blocks, each pooled with its address ((array, address): numpy's ctypes.data
     costs a microsecond, read once per block), a buffer's `mem` the array and its `ptr` the address."""
 
+    pool: PoolAllocator
+
     def __init__(self, device: Any, buffer: Callable[..., Any], capacity: int, cache_limit: int):
         super().__init__(device, buffer)
         self.capacity = capacity
         self.pool = PoolAllocator(capacity, cache_limit, aligned_block, device.name)
 
-    def wrap(self, block: Any, size: int) -> Any:
-        return self.buffer(self.device, size, block[0], block[1], True)
+    def alloc(self, nbytes: int) -> Any:  # (the hot path of a host device's run: no limit to check, a call less)
+        (mem, ptr), size = self.pool.alloc(nbytes)
+        return self.buffer(self.device, size, mem, ptr, True)
+
+    def alloc_many(self, sizes: list[int]) -> list[Any]:
+        return [self.buffer(self.device, size, mem, ptr, True) for (mem, ptr), size in self.pool.alloc_many(sizes)]
 
     def release(self, buf: Any) -> None:
-        assert self.pool is not None
         self.pool.free((buf.mem, buf.ptr) if buf.pooled else None, buf.nbytes)  # (a hot path: a call less)
 
 
