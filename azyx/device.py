@@ -262,8 +262,10 @@ class Device:
        and `count` (how many devices its API has).
     2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
        create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
-       `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; then `start_waiter()` (and
-       `submit_thread.start()` where it submits from that thread).
+       `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one buffer has a limit,
+       `self.mem.max_block`; host staging pools by `self.mem.staging_pool(create, what)`, their blocks lent as
+       `Lent(pool, n, give_back=self.mem.give_back)`; then `start_waiter()` (and `submit_thread.start()` where it
+       submits from that thread).
     3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
        `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits` and returns the event),
        or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;

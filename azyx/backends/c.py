@@ -327,21 +327,24 @@ class _Layout:
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
         pool = self.serial
-        if not self.scalars:
-            vals = [b.ptr for _, bufs, _ in items for b in bufs]
-        else:
-            vals = []
-            words: list[int] = []
-            for (_, bufs, ws), at in zip(items, self.value_ptrs):
-                vals += [b.ptr for b in bufs]
-                vals += at
-                words += ws
-            vals += words
+        vals = _arguments(items, self.value_ptrs) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
         if self.call is not None:
             self.call(pool, vals)
             return
         self.fill(self.scratch, 0, *vals)
         _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
+
+
+def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
+    """A batch's table of arguments: per kernel its buffers' addresses and then the pointers to its scalars' values
+    (`at`, per kernel; None: its words, as placeholders), then every scalar's value."""
+    vals: list[int] = []
+    words: list[int] = []
+    for i, (_, bufs, ws) in enumerate(items):
+        vals += [b.ptr for b in bufs]
+        vals += ws if at is None else at[i]
+        words += ws
+    return vals + words
 
 
 class _Batch:
@@ -359,17 +362,11 @@ class _Batch:
             self.ptrs = layout.last[1]
             return
         # the scalar arguments' values sit at the end of the same table, which lives until the batch has run; each
-        # kernel's entries after its buffers point at its values
-        ptrs = []
-        words: list[int] = []
-        for _, bufs, ws in items:
-            ptrs += [b.ptr for b in bufs]
-            ptrs += ws  # (placeholders: the addresses of the values, known once the table is, go here)
-            words += ws
-        ptrs += words
+        # kernel's entries after its buffers point at its values (their addresses, known once the table is)
+        ptrs = _arguments(items, None)
         if ptrs != layout.last[0]:
             table = layout.ptrs_type(*ptrs)
-            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(words))
+            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(layout.scalar_at))
             for j, at in enumerate(layout.scalar_at):  # the j-th value's pointer
                 table[at] = base + 8 * j
             layout.last = (ptrs, table)
