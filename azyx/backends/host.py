@@ -30,6 +30,9 @@ class HostDevice(Device):
         super().__init__(index, options)
         capacity = int(options.get("memory") or memory_bytes() * 3 // 4)
         self.mem = HostBlocks(self, Buffer, capacity, capacity // 4)
+        # the memory part's own calls, a frame less on a small run's path (each buffer taken and given back)
+        self.alloc, self.alloc_many, self.release = (  # type: ignore[method-assign]
+            self.mem.alloc, self.mem.alloc_many, self.mem.release)
         self.queue = WorkQueue(self.timeline, self.name, self.record_failure)
         self.inline_work = int(options.get("inline_work", 1 << 16))
         # the open gather (`open_gather`): its reserved timeline value (0: none open), the runs' kernels and batches
@@ -38,9 +41,6 @@ class HostDevice(Device):
         self.gathered_batches: list[BatchState] = []
         # a gather's batch by the batches it gathered (their ids: the batches are kept with it, so no id is reused)
         self.wide: dict[tuple[int, ...], tuple[list[BatchState], BatchState]] = {}
-
-    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
-        return self.mem.alloc_many(sizes)
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
         assert arr.flags.c_contiguous
