@@ -49,32 +49,36 @@ class Memory:
         assert self.pool is not None
         return self.capacity - self.pool.in_use
 
-    def check(self, nbytes: int) -> None:
-        """AllocationError where one buffer of `nbytes` bytes is over the API's limit."""
-        if self.max_block and nbytes > self.max_block:
-            dev = self.device
-            raise AllocationError(f"{dev.name}: a buffer of {nbytes} bytes is larger than one may be on "
-                                  f"{getattr(dev, 'label', dev.name)} ({self.max_block_name} = {self.max_block} bytes)")
+    def too_large(self, nbytes: int) -> AllocationError:
+        """The error of a buffer of `nbytes` bytes, over the API's limit (`max_block`)."""
+        dev = self.device
+        return AllocationError(f"{dev.name}: a buffer of {nbytes} bytes is larger than one may be on "
+                               f"{getattr(dev, 'label', dev.name)} ({self.max_block_name} = {self.max_block} bytes)")
 
     def alloc(self, nbytes: int) -> Any:
         """A buffer of at least `nbytes` bytes from the pool (AllocationError past `max_block` or the capacity)."""
         assert self.pool is not None
-        self.check(nbytes)
+        if self.max_block and nbytes > self.max_block:
+            raise self.too_large(nbytes)
         block, size = self.pool.alloc(nbytes)
         return self.buffer(self.device, size, block, self.address(block), True)
 
     def alloc_many(self, sizes: list[int]) -> list[Any]:
         """A buffer of each size, taken from the pool in one step (all or none)."""
         assert self.pool is not None
-        for n in sizes:
-            self.check(n)
+        if self.max_block and (big := [n for n in sizes if n > self.max_block]):
+            raise self.too_large(big[0])
         return [self.buffer(self.device, size, block, self.address(block), True)
                 for block, size in self.pool.alloc_many(sizes)]
 
     def release(self, buf: Any) -> None:
         """A buffer's block back to the pool (device.Buffer.__del__)."""
         assert self.pool is not None
-        self.give_back(self.pool, buf.mem if buf.pooled else None, buf.nbytes)  # (not pooled: only its count)
+        block = buf.mem if buf.pooled else None  # (not pooled: only its count)
+        if self.closed:
+            self.give_back(self.pool, block, buf.nbytes)
+        else:
+            self.pool.free(block, buf.nbytes)
 
     def give_back(self, pool: PoolAllocator, block: Any, size: int) -> None:
         """A block back to `pool` (a Buffer's, a Lent's); once the device has closed, destroyed instead."""

@@ -307,7 +307,7 @@ class QueuedDevice(Device):
                 first = 0
             if first <= self.timeline.value:
                 self.collect()
-        return super().alloc(nbytes)
+        return self.mem.alloc(nbytes)  # (the memory part: a frame less than Device.alloc)
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
         """Blocking read on a worker thread (the buffer is ready): queued in order (`copy_to_host`), then waited
