@@ -6,6 +6,7 @@ address is (`address`)."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,9 @@ class Memory:
     without one) of `capacity` bytes, buffers of at most `max_block` bytes each (0: no limit; `max_block_name`: the
     API's name of the limit), and the pools of host staging blocks (`staging_pool`) that a device lends as `Lent`.
     `buffer(device, nbytes, mem, ptr, pooled)` makes a buffer (device.Buffer). Once `close`d, cached blocks are
-    destroyed (`destroy`: None, they are dropped) and so are blocks given back later."""
+    destroyed (`destroy`: None, they are dropped) and so are blocks given back later; where the backend counts the
+    blocks its pools make (`count`), `on_empty` runs once the device has closed and its last block is destroyed (the
+    API's context may go then)."""
 
     def __init__(self, device: Any, buffer: Callable[..., Any]):
         self.device, self.buffer = device, buffer
@@ -33,6 +36,9 @@ class Memory:
         self.address: Callable[[Any], int] = lambda block: 0  # a block's address (Buffer.ptr), where the API has one
         self.destroy: Callable[[Any], None] | None = None
         self.closed = False
+        self.live = 0  # blocks made (`count`) and not destroyed yet, on any thread
+        self.on_empty: Callable[[], None] | None = None
+        self.lock = threading.Lock()
 
     def staging_pool(self, create: Callable[[int], Any], what: str, cache_limit: int = 1 << 40) -> PoolAllocator:
         """A pool of host staging blocks made by `create`, emptied with the device's pool at `close`."""
@@ -86,8 +92,24 @@ class Memory:
             pool.free(block, size)
             return
         pool.free(None, size)
+        self._destroyed(block)
+
+    def _destroyed(self, block: Any) -> None:
         if self.destroy is not None:
             self.destroy(block)
+            if self.live:  # (a backend that counts its blocks)
+                self.count(-1)
+
+    def count(self, n: int) -> None:
+        """`n` blocks more made by the pools (fewer: destroyed); once closed, the last one destroyed runs `on_empty`
+        (once)."""
+        with self.lock:
+            self.live += n
+            empty, on_empty = self.closed and not self.live, self.on_empty
+            if empty:
+                self.on_empty = None
+        if empty and on_empty is not None:
+            on_empty()
 
     def close(self) -> None:
         """From now on blocks given back are destroyed; those cached now are destroyed here."""
@@ -95,8 +117,8 @@ class Memory:
         for pool in [self.pool, *self.pools]:
             if pool is not None:
                 for block in pool.take_cached():
-                    if self.destroy is not None:
-                        self.destroy(block)
+                    self._destroyed(block)
+        self.count(0)  # (or the last block given back, later)
 
 
 class HostBlocks(Memory):

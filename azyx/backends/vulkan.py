@@ -62,7 +62,7 @@ from azyx.device import (
     run_compiler,
     word_table,
 )
-from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.errors import CompileError, DeviceError
 from azyx.memory import Lent
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
@@ -325,11 +325,7 @@ class VulkanDevice(QueuedDevice):
         glslc_version()  # (raises where glslc is missing: nothing could be compiled)
         if not 0 <= index < len(physical):
             raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
-        self.live = 0  # blocks made and not destroyed yet (made and destroyed on any thread: under live_lock)
-        self.live_lock = threading.Lock()
         self.slabs = Slabs(SLAB, SLAB_ALIGN)  # per memory type, the slabs its small blocks are carved from
-        self.ctx_gone = False
-        self.torn_down = False  # close() has destroyed the device's own objects (blocks out may outlive it)
         self.ctx = context(physical[index])
         try:
             self._setup(options)
@@ -372,6 +368,7 @@ class VulkanDevice(QueuedDevice):
                                        functools.partial(self._create, device_type, self.mapped), self.name)
         self.staging = self.mem.staging_pool(functools.partial(self._create, staging_type, True), "staging")
         self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
+        self.mem.on_empty = ctx.release  # (its use of the shared context ends with its last block)
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             self.spin_cap = CPU_SPIN_S
         self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
@@ -421,11 +418,13 @@ class VulkanDevice(QueuedDevice):
         """A new block for a pool of `size` bytes in memory of type `type_index`, mapped if `mapped`: a small one is
         a piece of a slab (a driver's allocations are slow, and few: maxMemoryAllocationCount is 4096 on NVIDIA's)."""
         if size > SLAB_PIECE:
-            return self._whole(type_index, mapped, size)
-        slab, at = self.slabs.carve(type_index, size, lambda: self._whole(type_index, mapped, SLAB))
-        self._count(1)
-        return _Block(slab.buffer, None, size, slab.address + at, None if slab.array is None else
-                      slab.array[at:at + size], at, slab)
+            block = self._whole(type_index, mapped, size)
+        else:
+            slab, at = self.slabs.carve(type_index, size, lambda: self._whole(type_index, mapped, SLAB))
+            block = _Block(slab.buffer, None, size, slab.address + at, None if slab.array is None else
+                           slab.array[at:at + size], at, slab)
+        self.mem.count(1)  # (the memory part's last destroyed lets the shared context go)
+        return block
 
     def _whole(self, type_index: int, mapped: bool, size: int) -> _Block:
         """A buffer of `size` bytes bound to memory of its own."""
@@ -435,17 +434,14 @@ class VulkanDevice(QueuedDevice):
             flags = vk.VkMemoryAllocateFlagsInfo(flags=MEMORY_DEVICE_ADDRESS)
             memory = vk.vkAllocateMemory(self.vkdev, vk.VkMemoryAllocateInfo(
                 pNext=flags, allocationSize=req.size, memoryTypeIndex=type_index), None)
-        except BaseException as e:
+        except BaseException:  # (a driver's refusal: the pool's AllocationError)
             vk.vkDestroyBuffer(self.vkdev, buffer, None)
-            if not isinstance(e, vk.VkError):
-                raise
-            raise AllocationError(f"{self.name}: allocating {size} bytes failed ({type(e).__name__})") from None
+            raise
         vk.vkBindBufferMemory(self.vkdev, buffer, memory, 0)
         info = ffi.new("VkBufferDeviceAddressInfo*", {"sType": vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO,
                                                       "buffer": buffer})
         address = vk.lib.vkGetBufferDeviceAddress(self.vkdev, info)  # (the package's wrapper drops the result)
         array = np.frombuffer(vk.vkMapMemory(self.vkdev, memory, 0, size, 0), np.uint8) if mapped else None
-        self._count(1)
         return _Block(buffer, memory, size, int(address), array)
 
     def _destroy(self, block: _Block) -> None:
@@ -455,17 +451,6 @@ class VulkanDevice(QueuedDevice):
             vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
         elif self.slabs.drop(block.slab):
             self._destroy(block.slab)
-        self._count(-1)
-
-    def _count(self, n: int) -> None:
-        """`n` blocks more made (fewer destroyed); the last destroyed once the device has closed (and destroyed its own
-        objects: `torn_down`) ends its use of the shared context (once)."""
-        with self.live_lock:
-            self.live += n
-            last = not self.live and self.torn_down and not self.ctx_gone
-            self.ctx_gone = self.ctx_gone or last
-        if last:
-            self.ctx.release()
 
     def identity(self) -> dict[str, Any]:
         props = self.ctx.props
@@ -828,9 +813,7 @@ class VulkanDevice(QueuedDevice):
             self.programs = {}
             done = self._take_done()
         del done
-        self.mem.close()
-        self.torn_down = True
-        self._count(0)  # (or the last block given back, later)
+        self.mem.close()  # (the last block destroyed, now or once given back, lets the context go: `mem.on_empty`)
 
 
 def _mapping(block: _Block) -> np.ndarray:
