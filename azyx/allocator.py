@@ -30,6 +30,39 @@ def bucket(nbytes: int) -> int:
     return -(-nbytes // gran) * gran
 
 
+class Slabs:
+    """Small blocks carved from slabs of `size` bytes (a driver's allocations are slow, and few), at offsets aligned
+    to `align`: per key (a memory type) the slab being carved, and per slab how many of its pieces are out."""
+
+    def __init__(self, size: int, align: int):
+        self.size, self.align = size, align
+        self.lock = threading.Lock()
+        self.carving: dict[Any, tuple[Any, int]] = {}  # key -> its slab being carved, the bytes carved from it
+        self.pieces: dict[Any, int] = {}  # slab -> its pieces out (`carve` less `drop`)
+
+    def carve(self, key: Any, size: int, new: Callable[[], Any]) -> tuple[Any, int]:
+        """A piece of `size` bytes: its slab and its offset there; `new()` makes a slab where the one being carved
+        for `key` has no room left."""
+        with self.lock:
+            slab, used = self.carving.get(key, (None, 0))
+            at = -(-used // self.align) * self.align
+            if slab is None or at + size > self.size:
+                slab, at = new(), 0
+            self.carving[key] = (slab, at + size)
+            self.pieces[slab] = self.pieces.get(slab, 0) + 1
+            return slab, at
+
+    def drop(self, slab: Any) -> bool:
+        """A piece of `slab` is gone for good; True: it was its last (and the slab is forgotten)."""
+        with self.lock:
+            self.pieces[slab] -= 1
+            if self.pieces[slab]:
+                return False
+            del self.pieces[slab]
+            self.carving = {k: c for k, c in self.carving.items() if c[0] is not slab}  # (nothing more from it)
+            return True
+
+
 class PoolAllocator:
     """Free lists per bucket and in-use accounting. `free` may be called from a finalizer (`Buffer.__del__`) at any
     point of any thread, the thread inside an `alloc` included: the cyclic GC runs finalizers wherever an allocation

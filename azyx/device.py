@@ -26,7 +26,6 @@ from azyx.codegen.render import kernel_source
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
 from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import (
-    AllocationError,
     AzyxError,
     CompileError,
     DeviceFailedError,
@@ -36,6 +35,8 @@ from azyx.errors import (
 )
 from azyx.graph import Node, Shape, StridedView
 from azyx.ir import CHECK_WORDS, Kernel, index_sites
+from azyx.memory import Lent as Lent  # (re-exported: the lent blocks of staging pools)
+from azyx.memory import Memory
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread, in_worker_thread_within, lower_priority
@@ -315,21 +316,19 @@ RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: dis
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
-    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API:
+    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API.
 
-    - memory: a pool of blocks, `allocator` (allocator.PoolAllocator over the backend's "create a block of n
-      bytes"; its `free` back to the pool, `take_cached` to destroy them at close), of `capacity` bytes: `alloc`,
-      `alloc_many`, `release`, `memory`, `free_memory` are here. The backend makes the pool in `__init__` and says
-      `block_address` (a block's address, where kernels read buffers by address) and `max_block`. Host staging (for
-      `copy_from_host` from memory the API copies fastest: pinned, mapped) is a second pool whose blocks are lent as
-      `Lent` (`host_staging`, `staging_block`).
-    - queue + timeline (the event queue): in-order work, each item a value of the device's TimelineSignal (`pending`,
-      `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per value
-      (`record_failure`), `spun` the one spin of a `poll` that queries the API. backends/queued.py is it for an API
-      with completion events: the backend submits a command, puts its native event on `completions` and says how to
-      wait on one (`wait_event`); the waits of a command on other devices' values are translated once
-      (`QueuedDevice.native_waits`: the backend says which it can wait on natively, `native_wait`; the host completes
-      the rest). backends/host.py is it for host memory (an in-order worker thread). The transfer calls the executor
+    - memory: `mem`, a memory.Memory: the pool of blocks (`mem.pool`, reached as `allocator`: an
+      allocator.PoolAllocator over the backend's "create a block of n bytes") of `capacity` bytes, buffers of at most
+      `mem.max_block` bytes, the pools of host staging blocks (`mem.staging_pool`, lent as memory.Lent) and what
+      becomes of blocks once the device closed (`mem.close`: cached ones destroyed, `mem.destroy`, and those given
+      back later). `alloc`, `alloc_many`, `release`, `reserve`, `memory`, `free_memory` delegate to it. Host staging
+      for `copy_from_host` (`host_staging`, `staging_block`) is memory the API copies from fastest (pinned, mapped).
+    - queue + timeline, written in azyx.queues: in-order work, each item a value of the device's TimelineSignal
+      (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
+      value (`record_failure`). `queues.QueuedDevice` is it for an API with completion events (a waiter thread, a
+      submit thread where submitting may block, one translation of waits into native events); `queues.WorkQueue`,
+      which backends/host.py composes, for host memory (an in-order worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
       `build`: compile, on a worker thread, its artifacts in one on-disk cache, `cached_build`, within
@@ -338,9 +337,29 @@ class Device:
       `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars (`word_table`
       packs a batch's words where the API reads them from memory).
 
-    So a new backend writes: `__init__` (open the API, make the pool), create/destroy a block, `native_wait` (or its
-    own queue), `build`, `launch`, the transfer calls; and sets the facts below that differ (`kind`, `dialect`, ...)
-    and, in its module, `CONFIG` (its config section's defaults)."""
+    The protocol a new backend implements, in its module azyx/backends/<kind>.py (opencl.py is the shortest whole
+    example, ~200 lines):
+    1. `CONFIG` at the module's top (its config section's defaults; `AUTO`, `LIBRARIES` where they apply), and a
+       Device subclass (most: of queues.QueuedDevice) that sets the facts below that differ (`kind`, `dialect`, ...)
+       and `count` (how many devices its API has).
+    2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
+       create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
+       `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one buffer has a limit,
+       `self.mem.max_block`; host staging pools by `self.mem.staging_pool(create, what)`, their blocks lent as
+       `Lent(pool, n, give_back=self.mem.give_back)`; then `start_waiter()` (and `submit_thread.start()` where it
+       submits from that thread).
+    3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
+       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits` and returns the event),
+       or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
+       `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
+       `query(v)` lets `poll` ask without a wake-up.
+    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}.
+    5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
+    6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
+       reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
+    7. `close`: stop the queue's threads (`stop_submit_thread`, `stop_waiter`), then `mem.close()`.
+    A host-memory backend subclasses backends/host.HostDevice instead, whose memory and queue are ready: it writes
+    `build`, `prepare_batch` and `batch_fn` (the work item that runs a batch of kernels)."""
 
     kind: str = "abstract"
     dialect: Dialect | None = None
@@ -359,16 +378,13 @@ class Device:
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
     shaders = False  # each kernel's source is a whole program (a shader), which `build` compiles alone
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
-    max_block = 0  # the most bytes one buffer may have (0: no limit; `max_block_name`: the API's name of the limit)
-    max_block_name = ""
-    allocator: PoolAllocator  # the memory part's pool (see the class docstring)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
         self.name = f"{self.kind}:{index}"
         self.options = options
         self.timeline = TimelineSignal(self.name)
-        self.capacity = 0
+        self.mem = self.memory_part()
         self.compute = 1.0
         self.threads = 1
         self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)
@@ -438,27 +454,50 @@ class Device:
         """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
         return self.timeline.value + self.pending()
 
-    # memory: the pool of blocks
+    # memory: the device's memory part (`mem`, azyx.memory); call sites reach it through these
+    def memory_part(self) -> Memory:
+        """The memory part this device starts with (a backend gives it its pool in `__init__`)."""
+        return Memory(self, Buffer)
+
+    @property
+    def capacity(self) -> int:
+        """The bytes its buffers may hold in all."""
+        return self.mem.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self.mem.capacity = value
+
+    @property
+    def allocator(self) -> PoolAllocator:
+        """The memory part's pool (AttributeError on a device that has none)."""
+        if self.mem.pool is None:
+            raise AttributeError(f"{self.name} has no pool")
+        return self.mem.pool
+
+    @allocator.setter
+    def allocator(self, pool: PoolAllocator) -> None:
+        self.mem.pool = pool
+
     def free_memory(self) -> int:
         """Bytes this device can still take."""
-        return self.capacity - self.allocator.in_use
+        return self.mem.free()
 
     def memory(self) -> MemoryUsage:
         """Bytes this device's buffers hold and bytes its pool caches for reuse (what `azyx.stats()` reports)."""
-        return self.allocator.usage()
-
-    def block_address(self, block: Any) -> int:
-        """A block's address (Buffer.ptr): where kernels or copies take it by address; 0 where the API has none."""
-        return 0
+        return self.mem.usage()
 
     def alloc(self, nbytes: int) -> Buffer:
-        """A buffer of at least `nbytes` bytes from the pool (AllocationError past `max_block` or the capacity)."""
-        if self.max_block and nbytes > self.max_block:
-            raise AllocationError(f"{self.name}: a buffer of {nbytes} bytes is larger than one may be on "
-                                  f"{getattr(self, 'label', self.name)} ({self.max_block_name} = {self.max_block} "
-                                  f"bytes)")
-        block, size = self.allocator.alloc(nbytes)
-        return Buffer(self, size, block, self.block_address(block), True)
+        """A buffer of at least `nbytes` bytes from the pool (AllocationError past the API's limit or the capacity)."""
+        return self.mem.alloc(nbytes)
+
+    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
+        """A buffer of each size (a plan step's outputs, made together)."""
+        return [self.alloc(n) for n in sizes]
+
+    def release(self, buf: Buffer) -> None:
+        """A buffer's block back to the pool (Buffer.__del__)."""
+        self.mem.release(buf)
 
     def reserve(self, sizes: list[int]) -> None:
         """Make blocks of `sizes` bytes and give them back to the pool, which keeps them cached for the next `alloc`s
@@ -479,14 +518,6 @@ class Device:
             zeros = np.zeros(4 * CHECK_WORDS, np.uint8)
             buf.ready = self.copy_from_host(zeros, buf, [], zeros)
         return buf
-
-    def alloc_many(self, sizes: list[int]) -> list[Buffer]:
-        """A buffer of each size (a plan step's outputs, made together)."""
-        return [self.alloc(n) for n in sizes]
-
-    def release(self, buf: Buffer) -> None:
-        """A buffer's block back to the pool (Buffer.__del__)."""
-        self.allocator.free(buf.mem, buf.nbytes)
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
         """A buffer that is `arr` itself: on a host-memory device only (host data reaches any other device through
@@ -775,31 +806,6 @@ class Device:
 
     def close(self) -> None:
         pass
-
-
-class Lent:
-    """A block lent by a pool (a device's staging memory: pinned, mapped), given back with its last reference, by
-    `give_back(pool, block, size)` (default: the pool's `free`). `block`: one the pool had cached (`reuse`), else one
-    is taken now."""
-
-    __slots__ = ("pool", "block", "size", "give_back")
-    block: Any
-    size: int
-
-    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[Any, int] | None = None,
-                 give_back: Callable[[PoolAllocator, Any, int], None] | None = None):
-        self.pool, self.give_back = pool, give_back
-        self.block, self.size = block if block is not None else pool.alloc(nbytes)
-
-    def __del__(self) -> None:
-        try:
-            if hasattr(self, "size"):  # not when the allocation failed
-                if self.give_back is None:
-                    self.pool.free(self.block, self.size)
-                else:
-                    self.give_back(self.pool, self.block, self.size)
-        except Exception:  # interpreter shutdown
-            pass
 
 
 def word_table(rows: list[list[int]], sizes: list[int], align: int) -> tuple[list[int], np.ndarray]:

@@ -18,8 +18,8 @@ import pytest
 
 import azyx
 from azyx import Tensor
-from azyx.backends.host import WorkQueue
 from azyx.native import native
+from azyx.queues import WorkQueue
 from azyx.runtime import RT
 from azyx.timeline import TimelineSignal
 

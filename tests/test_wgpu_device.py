@@ -179,7 +179,7 @@ def test_a_reduce_longer_than_a_drivers_loop_bound_is_whole() -> None:
 
 
 def test_a_buffer_past_the_buffer_size_limit_is_refused_naming_both() -> None:
-    limit = RT.device(DEV).max_block
+    limit = RT.device(DEV).mem.max_block
     if limit >= RT.device(DEV).capacity:
         pytest.skip(f"{DEV} takes buffers up to {limit} bytes, past its memory: its allocator refuses first")
     with pytest.raises(AllocationError, match=f"{limit} bytes"):

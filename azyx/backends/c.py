@@ -101,19 +101,12 @@ def _load_runtime(device: str, compiler: str, flags: list[str], timeout_s: float
         if _RUNTIME_LIB:
             return
         lib = _compiled(_runtime(), compiler, flags, f"{device}: {compiler} compiling the C runtime", timeout_s)
-        lib.azyx_run.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_char_p, ctypes.c_void_p]
-        lib.azyx_run.restype = None
-        lib.azyx_pool_new.argtypes = [ctypes.c_int]
-        lib.azyx_pool_new.restype = ctypes.c_void_p
-        lib.azyx_pool_free.argtypes = [ctypes.c_void_p]
-        lib.azyx_pool_free.restype = None
-        lib.azyx_submit.argtypes = lib.azyx_run.argtypes
-        lib.azyx_submit.restype = None
-        lib.azyx_wait_done.argtypes = [ctypes.c_void_p, ctypes.c_long]
-        lib.azyx_wait_done.restype = ctypes.c_long
-        lib.azyx_runner_stop.argtypes = [ctypes.c_void_p]
-        lib.azyx_runner_stop.restype = None
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        run = [ptr, long, ptr, ptr, ptr, ctypes.c_char_p, ptr]  # (pool, n, fns, args, argc, kinds, trips)
+        for name, args, result in (("azyx_run", run, None), ("azyx_submit", run, None), ("azyx_wait_done", [ptr, long],
+                                   long), ("azyx_runner_stop", [ptr], None), ("azyx_pool_new", [ctypes.c_int], ptr),
+                                   ("azyx_pool_free", [ptr], None)):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
         _RUNTIME_LIB.append(lib)
 
 
@@ -309,12 +302,11 @@ class CDevice(HostDevice):
         if isinstance(runner, _Runner):
             runner.close()  # after the worker: it may wait for a batch in the runner's queue
             self.queue.native = None
-        if self.pool is not None and (worker is None or not worker.is_alive()):  # nothing runs on the pool any more
-            _RUNTIME_LIB[0].azyx_pool_free(self.pool)
-            self.pool = None
-        if self.serial_pool is not None and (worker is None or not worker.is_alive()):
-            _RUNTIME_LIB[0].azyx_pool_free(self.serial_pool)
-            self.serial_pool = None
+        if worker is None or not worker.is_alive():  # nothing runs on the pools any more
+            for pool in (self.pool, self.serial_pool):
+                if pool is not None:
+                    _RUNTIME_LIB[0].azyx_pool_free(pool)
+            self.pool = self.serial_pool = None
 
 
 class _Layout:
@@ -363,21 +355,24 @@ class _Layout:
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
         pool = self.serial
-        if not self.scalars:
-            vals = [b.ptr for _, bufs, _ in items for b in bufs]
-        else:
-            vals = []
-            words: list[int] = []
-            for (_, bufs, ws), at in zip(items, self.value_ptrs):
-                vals += [b.ptr for b in bufs]
-                vals += at
-                words += ws
-            vals += words
+        vals = _arguments(items, self.value_ptrs) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
         if self.call is not None:
             self.call(pool, vals)
             return
         self.fill(self.scratch, 0, *vals)
         _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
+
+
+def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
+    """A batch's table of arguments: per kernel its buffers' addresses and then the pointers to its scalars' values
+    (`at`, per kernel; None: its words, as placeholders), then every scalar's value."""
+    vals: list[int] = []
+    words: list[int] = []
+    for i, (_, bufs, ws) in enumerate(items):
+        vals += [b.ptr for b in bufs]
+        vals += ws if at is None else at[i]
+        words += ws
+    return vals + words
 
 
 class _Batch:
@@ -395,17 +390,11 @@ class _Batch:
             self.ptrs = layout.last[1]
             return
         # the scalar arguments' values sit at the end of the same table, which lives until the batch has run; each
-        # kernel's entries after its buffers point at its values
-        ptrs = []
-        words: list[int] = []
-        for _, bufs, ws in items:
-            ptrs += [b.ptr for b in bufs]
-            ptrs += ws  # (placeholders: the addresses of the values, known once the table is, go here)
-            words += ws
-        ptrs += words
+        # kernel's entries after its buffers point at its values (their addresses, known once the table is)
+        ptrs = _arguments(items, None)
         if ptrs != layout.last[0]:
             table = layout.ptrs_type(*ptrs)
-            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(words))
+            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(layout.scalar_at))
             for j, at in enumerate(layout.scalar_at):  # the j-th value's pointer
                 table[at] = base + 8 * j
             layout.last = (ptrs, table)

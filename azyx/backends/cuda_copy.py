@@ -16,9 +16,9 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
-from azyx.backends.queued import QueuedDevice
 from azyx.device import RING, RING_BLOCK, Buffer, Device, Lent, after_waits
 from azyx.errors import DeviceError
+from azyx.queues import QueuedDevice
 from azyx.workers import in_background
 
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from azyx.allocator import MemoryUsage
+from azyx.allocator import PoolAllocator
 from azyx.codegen.dialect import C
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
-from azyx.errors import AllocationError, DeviceError
+from azyx.errors import DeviceError
 from azyx.graph import Shape, StridedView
 from azyx.plan import KernelStep
 
@@ -31,26 +31,11 @@ class DummyDevice(Device):
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
         self.capacity = int(options.get("memory", 1 << 30))
+        self.allocator = PoolAllocator(self.capacity, 0, _no_data, self.name)  # (accounting only)
         self.compute = float(options.get("compute", 0.0))
-        self.in_use = 0
         self.submitted = 0
         self.launched: list[str] = []  # kernel names, in launch order (for tests)
         self.scalars_bound = 0  # scalar arguments passed to kernels (for tests)
-
-    def memory(self) -> MemoryUsage:
-        return MemoryUsage(self.in_use, 0)
-
-    def free_memory(self) -> int:
-        return self.capacity - self.in_use
-
-    def alloc(self, nbytes: int) -> Buffer:
-        if self.in_use + nbytes > self.capacity:
-            raise AllocationError(f"{self.name}: allocating {nbytes} bytes exceeds its capacity of {self.capacity}")
-        self.in_use += nbytes
-        return Buffer(self, nbytes, None, 0, True)
-
-    def release(self, buf: Buffer) -> None:
-        self.in_use -= buf.nbytes
 
     def buffer_from_numpy(self, arr: np.ndarray) -> Buffer:
         return self.alloc(arr.nbytes)
@@ -93,3 +78,5 @@ class DummyDevice(Device):
         return None
 
 
+def _no_data(size: int) -> None:
+    """A dummy block: nothing."""

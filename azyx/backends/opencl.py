@@ -2,7 +2,7 @@
 device, completion through the queue's events into the device's TimelineSignal.
 
 Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
-while it waits), then advances the timeline (`queued.QueuedDevice`). A realize whose work is small asks first
+while it waits), then advances the timeline (`queues.QueuedDevice`). A realize whose work is small asks first
 (`poll`): while the loop has nothing else to run it queries the event for about as long as the work took last time,
 and advances the timeline itself when it completed, without the waiter thread's wake-up of the loop (PoCL, AMD EPYC:
 a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129, scalars still passed as bytes). On a CPU
@@ -28,19 +28,19 @@ import functools
 import struct
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator
-from azyx.backends.queued import QueuedDevice
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
 from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
+from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority, python_lane
 
 # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
@@ -118,11 +118,6 @@ class OpenCLDevice(QueuedDevice):
                 "driver": d.driver_version, "version": d.version, "units": int(d.max_compute_units),
                 "gemm": gemm_host.VERSION if self.dialect.gemm else None}
 
-    # ------------------------------------------------------------------ memory (the pool: Device's)
-    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        if out.nbytes:  # (in queue order, by the submit thread: QueuedDevice's)
-            super().read_into(buf, out)
-
     # ------------------------------------------------------------------ compile and launch
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Build and fetch the kernels (once: prg.name on each launch is slow), on a worker thread. pyopencl makes
@@ -139,9 +134,13 @@ class OpenCLDevice(QueuedDevice):
         with python_lane():
             return {s.name: cl.Kernel(program, s.name) for s in steps}
 
+    def peer(self, dev: Device) -> TypeGuard[OpenCLDevice]:
+        """A device of this context."""
+        return isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx
+
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event of a device of this context."""
-        return dev.events.get(v) if isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx else None
+        return dev.events.get(v) if self.peer(dev) else None
 
     def submit(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]], v: int) -> Any:
         """(The submit thread.) The command queued after its waits: the native ones as events, the rest as one user
@@ -156,19 +155,11 @@ class OpenCLDevice(QueuedDevice):
             self.events[v] = ev
         return ev
 
-    def poll(self, v: int, spin: float = 0.0) -> bool:
-        """On the loop, before it would sleep: the command of value `v` complete now or within `spin` seconds (at
-        most `spin_cap`) advances the timeline here (the queue is in order: all before it is
-        complete too); the waiter thread still takes its event in turn and drops what it held. A failed command is
-        left to the waiter thread, which records the failure before the timeline moves."""
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """The command's event: complete (CL_COMPLETE is 0; queued, submitted, running above). A failed one (below)
+        is left to the waiter thread, which records the failure before the timeline moves."""
         ev = self.events.get(v)
-        if ev is None:
-            return self.timeline.value >= v
-        # (CL_COMPLETE is 0; queued, submitted, running above; errors below)
-        if not self.spun(lambda: ev.command_execution_status <= 0, spin) or ev.command_execution_status != 0:
-            return self.timeline.value >= v
-        self.timeline.signal(v)
-        return True
+        return None if ev is None else lambda: ev.command_execution_status == 0
 
     def wait_event(self, ev: Any, v: int) -> bool:
         if ev is None:  # (it could not be queued: its failure is recorded)
@@ -209,10 +200,6 @@ class OpenCLDevice(QueuedDevice):
         return self._enqueue(lambda w: _cl._enqueue_copy_buffer(self.queue, src.mem, dst.mem, n, 0, 0, w),
                              waits, (src, dst))
 
-    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
-        """Devices of one context share buffers: a copy on this queue. Between contexts there is no peer path."""
-        return self.copy(src, dst, n, waits) if cast(OpenCLDevice, src.device).ctx is self.ctx else None
-
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         return self._enqueue(lambda w: _cl._enqueue_read_buffer(self.queue, buf.mem, out, offset, w, False),
                              waits, (buf, out))
@@ -223,10 +210,12 @@ class OpenCLDevice(QueuedDevice):
                              waits, (keep, dst))
 
     def close(self) -> None:
-        """Queue what was handed over, finish the queue, stop the waiter thread and drop what completed work held."""
+        """Queue what was handed over, finish the queue, stop the waiter thread, drop what completed work held and the
+        pool's cached blocks."""
         self.stop_submit_thread()
         try:
             self.queue.finish()
         except cl.Error:
             pass
         self.stop_waiter()
+        self.mem.close()

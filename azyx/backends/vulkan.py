@@ -20,7 +20,7 @@ it is device-local and host transfers go through a pool of mapped staging buffer
 
 Completion: one timeline semaphore per device; every submission signals the next value, which is the value of the
 device's TimelineSignal. One waiter thread per device waits on it value by value (`vkWaitSemaphores`; cffi
-releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queued.QueuedDevice`).
+releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queues.QueuedDevice`).
 
 Waits: on another vulkan device of the same physical device (one VkDevice serves all the `vulkan:N` of one physical
 device, see `device_ids`) the submission waits on that device's timeline semaphore. On any other device (C, OpenCL,
@@ -34,19 +34,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
-from azyx.backends.queued import QueuedDevice
+from azyx.allocator import PoolAllocator, Slabs
 from azyx.codegen.dialect import GLSL, Dialect
 from azyx.device import (
     CPU_SPIN_S,
@@ -56,15 +56,16 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
-    Lent,
     after_waits,
     compiled,
     kernel_list,
     run_compiler,
     word_table,
 )
-from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.errors import CompileError, DeviceError
+from azyx.memory import Lent
 from azyx.plan import KernelStep
+from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority, in_background
 
 # device_ids: which physical devices (indices, all when empty; one may repeat); spin_us: as opencl's
@@ -266,17 +267,15 @@ def glslc_version() -> str:
 class _Block:
     """`size` bytes at `offset` in a VkBuffer: the whole of a buffer bound to its own VkDeviceMemory, or a piece of a
     slab (`slab`: the slab's block; `memory` None). `address` is its device address (what a shader reads it by),
-    `array` (uint8) and `ptr` its mapping (None, 0 unmapped). A slab counts its pieces (`users`) and the bytes carved
-    from it (`used`)."""
+    `array` (uint8) and `ptr` its mapping (None, 0 unmapped)."""
 
-    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr", "slab", "users", "used")
+    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr", "slab")
 
     def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None,
                  offset: int = 0, slab: _Block | None = None):
         self.buffer, self.memory, self.size, self.address, self.array = buffer, memory, size, address, array
         self.offset, self.slab = offset, slab
         self.ptr = array.ctypes.data if array is not None else 0
-        self.users = self.used = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -315,7 +314,6 @@ class VulkanDevice(QueuedDevice):
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
     shaders = True
-    max_block_name = "maxMemoryAllocationSize"
     alloc_anywhere = True  # (Vulkan makes buffers and memory on any thread; the pools, slabs and counts are locked)
     reserve_min = 1 << 20  # (vkAllocateMemory of a large block: made first on a worker thread, as on wgpu)
 
@@ -330,13 +328,7 @@ class VulkanDevice(QueuedDevice):
         glslc_version()  # (raises where glslc is missing: nothing could be compiled)
         if not 0 <= index < len(physical):
             raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
-        self.closed = False
-        self.live = 0  # blocks made and not destroyed yet (made and destroyed on any thread: under live_lock)
-        self.live_lock = threading.Lock()
-        self.slab_lock = threading.Lock()
-        self.slabs: dict[int, _Block] = {}  # memory type -> the slab its small blocks are carved from now
-        self.ctx_gone = False
-        self.torn_down = False  # close() has destroyed the device's own objects (blocks out may outlive it)
+        self.slabs = Slabs(SLAB, SLAB_ALIGN)  # per memory type, the slabs its small blocks are carved from
         self.ctx = context(physical[index])
         try:
             self._setup(options)
@@ -351,7 +343,8 @@ class VulkanDevice(QueuedDevice):
         self.label = ctx.props.deviceName
         self.limits = ctx.limits
         self.max_groups = tuple(self.limits.maxComputeWorkGroupCount)
-        self.max_block = ctx.max_allocation  # (a shader reads buffers by address: no binding limits a kernel)
+        # (a shader reads buffers by address: no binding limits a kernel)
+        self.mem.max_block, self.mem.max_block_name = ctx.max_allocation, "maxMemoryAllocationSize"
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
         # a GPU's subgroups of 32 lanes (NVIDIA's) shuffle; lavapipe's (8 lanes of the CPU's vectors) do not pay
@@ -376,8 +369,9 @@ class VulkanDevice(QueuedDevice):
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
         self.allocator = PoolAllocator(self.capacity, self.capacity,
                                        functools.partial(self._create, device_type, self.mapped), self.name)
-        self.staging = PoolAllocator(1 << 40, 1 << 40, functools.partial(self._create, staging_type, True),
-                                     f"{self.name} staging")
+        self.staging = self.mem.staging_pool(functools.partial(self._create, staging_type, True), "staging")
+        self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
+        self.mem.on_empty = ctx.release  # (its use of the shared context ends with its last block)
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             self.spin_cap = CPU_SPIN_S
         self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
@@ -427,19 +421,13 @@ class VulkanDevice(QueuedDevice):
         """A new block for a pool of `size` bytes in memory of type `type_index`, mapped if `mapped`: a small one is
         a piece of a slab (a driver's allocations are slow, and few: maxMemoryAllocationCount is 4096 on NVIDIA's)."""
         if size > SLAB_PIECE:
-            return self._whole(type_index, mapped, size)
-        piece = -(-size // SLAB_ALIGN) * SLAB_ALIGN
-        with self.slab_lock:
-            slab = self.slabs.get(type_index)
-            if slab is None or slab.used + piece > slab.size:
-                slab = self.slabs[type_index] = self._whole(type_index, mapped, SLAB)
-            at = slab.used
-            slab.used += piece
-            slab.users += 1
-        array = None if slab.array is None else slab.array[at:at + size]
-        with self.live_lock:
-            self.live += 1
-        return _Block(slab.buffer, None, size, slab.address + at, array, at, slab)
+            block = self._whole(type_index, mapped, size)
+        else:
+            slab, at = self.slabs.carve(type_index, size, lambda: self._whole(type_index, mapped, SLAB))
+            block = _Block(slab.buffer, None, size, slab.address + at, None if slab.array is None else
+                           slab.array[at:at + size], at, slab)
+        self.mem.count(1)  # (the memory part's last destroyed lets the shared context go)
+        return block
 
     def _whole(self, type_index: int, mapped: bool, size: int) -> _Block:
         """A buffer of `size` bytes bound to memory of its own."""
@@ -449,52 +437,23 @@ class VulkanDevice(QueuedDevice):
             flags = vk.VkMemoryAllocateFlagsInfo(flags=MEMORY_DEVICE_ADDRESS)
             memory = vk.vkAllocateMemory(self.vkdev, vk.VkMemoryAllocateInfo(
                 pNext=flags, allocationSize=req.size, memoryTypeIndex=type_index), None)
-        except BaseException as e:
+        except BaseException:  # (a driver's refusal: the pool's AllocationError)
             vk.vkDestroyBuffer(self.vkdev, buffer, None)
-            if not isinstance(e, vk.VkError):
-                raise
-            raise AllocationError(f"{self.name}: allocating {size} bytes failed ({type(e).__name__})") from None
+            raise
         vk.vkBindBufferMemory(self.vkdev, buffer, memory, 0)
         info = ffi.new("VkBufferDeviceAddressInfo*", {"sType": vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO,
                                                       "buffer": buffer})
         address = vk.lib.vkGetBufferDeviceAddress(self.vkdev, info)  # (the package's wrapper drops the result)
         array = np.frombuffer(vk.vkMapMemory(self.vkdev, memory, 0, size, 0), np.uint8) if mapped else None
-        with self.live_lock:
-            self.live += 1
         return _Block(buffer, memory, size, int(address), array)
 
     def _destroy(self, block: _Block) -> None:
-        """(Once the device has closed.) A slab goes with its last piece."""
-        slab = block.slab
-        if slab is None:
+        """(Once the device has closed: the memory part's `destroy`.) A slab goes with its last piece."""
+        if block.slab is None:
             vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
             vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
-        else:
-            with self.slab_lock:
-                slab.users -= 1
-                last = slab.users == 0
-            if last:
-                self._destroy(slab)
-        with self.live_lock:
-            self.live -= 1
-
-    def _let_context_go(self) -> None:
-        """Once the device has closed (and destroyed its own objects) and its last block is destroyed: its use of the
-        shared context ends (once)."""
-        with self.live_lock:
-            if not self.torn_down or self.live or self.ctx_gone:
-                return
-            self.ctx_gone = True
-        self.ctx.release()
-
-    def give_back(self, pool: PoolAllocator, block: _Block, size: int) -> None:
-        """A block back to its pool; once the device has closed, destroyed instead (the last lets the context go)."""
-        if not self.closed:
-            pool.free(block, size)
-            return
-        pool.free(None, size)
-        self._destroy(block)
-        self._let_context_go()
+        elif self.slabs.drop(block.slab):
+            self._destroy(block.slab)
 
     def identity(self) -> dict[str, Any]:
         props = self.ctx.props
@@ -502,15 +461,9 @@ class VulkanDevice(QueuedDevice):
                 "api": int(props.apiVersion), "vendor_id": int(props.vendorID), "device_id": int(props.deviceID),
                 "glsl": self.dialect.name if self.dialect is not None else ""}
 
-    def block_address(self, block: _Block) -> int:
-        return block.ptr
-
-    def release(self, buf: Buffer) -> None:
-        self.give_back(self.allocator, buf.mem, buf.nbytes)
-
     def _lend(self, nbytes: int) -> Lent:
         """A staging block, back to the pool (or destroyed, once the device has closed) with its last reference."""
-        return Lent(self.staging, nbytes, give_back=self.give_back)
+        return Lent(self.staging, nbytes, give_back=self.mem.give_back)
 
     def write(self, buf: Buffer, host: np.ndarray) -> None:
         """Blocking write of raw bytes (worker threads: the host copy runs here)."""
@@ -682,9 +635,13 @@ class VulkanDevice(QueuedDevice):
         del done  # what completed work held goes back to its pools here, on the submitting thread
         return v
 
+    def peer(self, dev: Device) -> TypeGuard[VulkanDevice]:
+        """A vulkan device of this physical device (one VkDevice serves them all)."""
+        return isinstance(dev, VulkanDevice) and dev.ctx is self.ctx
+
     def native_wait(self, dev: Device, v: int) -> Any:
         """The timeline semaphore (and value) of a vulkan device of this context."""
-        return (dev.sem, v) if isinstance(dev, VulkanDevice) and dev.ctx is self.ctx else None
+        return (dev.sem, v) if self.peer(dev) else None
 
     def _wait_semaphores(self, waits: list[tuple[Device, int]], v: int,
                          fill: Callable[[], None] | None) -> tuple[list[Any], list[int]]:
@@ -761,18 +718,13 @@ class VulkanDevice(QueuedDevice):
             self.spare.append(cmd)
         return super().completed(v, post)
 
-    def poll(self, v: int, spin: float = 0.0) -> bool:
-        """The semaphore's counter, read at once or for up to `spin` seconds (at most `spin_cap`: lavapipe's kernels
-        run on the cores the loop would spin on), never past a value whose host copy has yet to run."""
-        if self.timeline.value >= v:
-            return True
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """The semaphore's counter (`poll` spins at most `spin_cap` on it: lavapipe's kernels run on the cores the loop
+        would spin on), never past a value whose host copy has yet to run."""
         if (self.posts and self.posts[0] <= v) or self.closed:
-            return False
+            return None
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
-        if not self.spun(lambda: counter(vkdev, sem) >= v, spin):
-            return False
-        self.timeline.signal(v)
-        return True
+        return lambda: counter(vkdev, sem) >= v
 
     # ------------------------------------------------------------------ launches
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
@@ -786,11 +738,6 @@ class VulkanDevice(QueuedDevice):
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
         return self._submit(lambda cmd: _copy(cmd, src.mem, 0, dst.mem, 0, n), waits, (src, dst))
-
-    def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
-        """Devices of one physical device share a VkDevice: a copy on this queue. Otherwise no peer path."""
-        sdev = src.device
-        return self.copy(src, dst, n, waits) if isinstance(sdev, VulkanDevice) and sdev.ctx is self.ctx else None
 
     def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A mapped staging block: `copy_from_host` from it is a copy command in queue order."""
@@ -852,8 +799,7 @@ class VulkanDevice(QueuedDevice):
                         self._signal(self.gate, self.gates)
         except vk.VkError:
             pass
-        with self.live_lock:
-            self.closed = True
+        self.closed = True
         self.stop_waiter()
         with self.lock:
             for cmd in self.all_commands:
@@ -870,12 +816,7 @@ class VulkanDevice(QueuedDevice):
             self.programs = {}
             done = self._take_done()
         del done
-        for pool in (self.allocator, self.staging):
-            for block in pool.take_cached():
-                self._destroy(block)
-        with self.live_lock:
-            self.torn_down = True
-        self._let_context_go()  # (or the last block given back, later)
+        self.mem.close()  # (the last block destroyed, now or once given back, lets the context go: `mem.on_empty`)
 
 
 def _mapping(block: _Block) -> np.ndarray:

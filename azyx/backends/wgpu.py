@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,17 +33,18 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator
-from azyx.backends.queued import QueuedDevice
 from azyx.codegen import search_actions as optimize
 from azyx.codegen.dialect import WGSL as WGSL_FACTS
 from azyx.codegen.dialect import WGSL_TYPES
 from azyx.codegen.launch import Launch
 from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
-from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, Lent, kernel_list, word_table
-from azyx.errors import AllocationError, CompileError, DeviceError
+from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, kernel_list, word_table
+from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
+from azyx.memory import Lent, memory_bytes
 from azyx.plan import KernelStep
+from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority
 
 # backends: wgpu's backend types to use (default: the real drivers, Vulkan, Metal, D3D12; name "OpenGL" to allow
@@ -75,6 +75,10 @@ WORDS = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
 
 def _ceil4(n: int) -> int:
     return -(-n // 4) * 4
+
+
+def _destroy(mem: Any) -> None:
+    mem.destroy()
 
 
 @functools.cache
@@ -168,7 +172,6 @@ class WgpuDevice(QueuedDevice):
 
     kind = "wgpu"
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
-    max_block_name = "max-buffer-size"
     shaders = True
     # wgpu-native makes buffers on any thread, and the pools are locked (the native pool's one C call per step, or
     # PoolAllocator's lock; `_OwnedPool.blocks` changes by one dict store under the GIL)
@@ -177,7 +180,6 @@ class WgpuDevice(QueuedDevice):
     # and the queue's (lavapipe, a loaded machine): a load's or a plan's blocks of this size and up are made first on a
     # worker thread (`Device.reserve`) and taken from the pool's cache on the loop's
     reserve_min = 1 << 20
-    allocator: _OwnedPool
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -207,7 +209,7 @@ class WgpuDevice(QueuedDevice):
             raise DeviceError(f"{self.name}: requesting a device of {self.label} failed: {e}") from None
         self.queue = self.gpu.queue
         self.max_binding = int(limits["max-storage-buffer-binding-size"])  # (larger buffers bind as several ranges)
-        self.max_block = int(limits["max-buffer-size"])
+        self.mem.max_block, self.mem.max_block_name = int(limits["max-buffer-size"]), "max-buffer-size"
         self.max_trips = next((n for name, n in LOOP_LIMITS.items() if name in info["device"]), 0)
         self.max_buffers = int(limits["max-storage-buffers-per-shader-stage"])
         self.word_align = int(limits["min-uniform-buffer-offset-alignment"])
@@ -216,16 +218,18 @@ class WgpuDevice(QueuedDevice):
                               f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
         self.compute = ROUGH_GFLOPS.get(info["adapter_type"], ROUGH_GFLOPS_OTHER)
         # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
-        default = {"CPU": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4,
+        default = {"CPU": memory_bytes() // 4,
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
         # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
-        self.allocator = _OwnedPool(self.capacity, self.capacity, self._storage, self.name)
+        self.allocator = self.pool = _OwnedPool(self.capacity, self.capacity, functools.partial(
+            self._buffer, STORAGE), self.name)  # (a driver's refusal: the pool's AllocationError)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
-        self.staging = _OwnedPool(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
-            size=_ceil4(size), usage=STAGING), f"{self.name} staging")
-        self.uploads = _OwnedPool(1 << 40, 256 << 20, lambda size: self.gpu.create_buffer(
-            size=_ceil4(size), usage=UPLOAD), f"{self.name} uploads")
+        self.staging, self.uploads = (_OwnedPool(1 << 40, 256 << 20, functools.partial(self._buffer, usage),
+                                                 f"{self.name} {what}") for usage, what in ((STAGING, "staging"),
+                                                                                            (UPLOAD, "uploads")))
+        self.mem.pools += [self.staging, self.uploads]
+        self.mem.destroy = _destroy
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
         self.done = 0  # the last value known complete (`wait_event`: one wait covers all submitted before it)
@@ -274,14 +278,8 @@ class WgpuDevice(QueuedDevice):
             raise DeviceError(f"{self.name}: a first kernel on {self.label} wrote {got}, not 7")
 
     # ------------------------------------------------------------------ memory
-    def _storage(self, size: int) -> Any:
-        try:
-            return self.gpu.create_buffer(size=_ceil4(max(size, 4)), usage=STORAGE)
-        except Exception as e:
-            raise AllocationError(f"{self.name}: allocating {size} bytes failed: {e}") from None
-
-    def release(self, buf: Buffer) -> None:
-        self.allocator.free(None if self.closed else buf.mem, buf.nbytes)
+    def _buffer(self, usage: int, size: int) -> Any:
+        return self.gpu.create_buffer(size=_ceil4(max(size, 4)), usage=usage)
 
     # ------------------------------------------------------------------ compile
     # (WGSL: no register tiles; vectors in elementwise kernels, wgsl.WGSL_VEC)
@@ -325,11 +323,6 @@ class WgpuDevice(QueuedDevice):
             compute={"module": self.gpu.create_shader_module(code=code), "entry_point": entry}), layout
 
     # ------------------------------------------------------------------ the queue
-    def _enqueue(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], keep: Any) -> int:
-        """Number a work item and hand it to the submit thread (the loop's whole part of any submission)."""
-        self.check_alive()
-        return super()._enqueue(run, waits, keep)
-
     def submit(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], v: int) -> bool:
         """(The submit thread.) The item run after its waits; True: its own work says it is complete."""
         for dev, u in waits:
@@ -492,7 +485,6 @@ class WgpuDevice(QueuedDevice):
             return
         self.stop_waiter()
         self.groups.clear()
-        for pool in (self.allocator, self.staging, self.uploads):
-            for mem in pool.take_cached():
-                mem.destroy()
+        self.mem.close()
+        for pool in (self.pool, self.staging, self.uploads):
             pool.blocks.clear()  # (those lent go with their Buffers)

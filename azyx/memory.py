@@ -1,0 +1,184 @@
+"""A device's memory part (device.Device's `mem`), written once for every backend: its pool of blocks and what it may
+hold of host staging, the buffers it makes and takes back, and what happens to blocks once the device has closed. A
+backend says only how a block is made (the pool's `create`), how one is destroyed (`destroy`) and where a block's
+address is (`address`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from azyx.allocator import MemoryUsage, PoolAllocator
+from azyx.errors import AllocationError
+
+ALIGN = 64  # host blocks' alignment
+
+
+class Memory:
+    """The pool (`pool`: allocator.PoolAllocator over the backend's "create a block of n bytes"; None on a device
+    without one) of `capacity` bytes, buffers of at most `max_block` bytes each (0: no limit; `max_block_name`: the
+    API's name of the limit), and the pools of host staging blocks (`staging_pool`) that a device lends as `Lent`.
+    `buffer(device, nbytes, mem, ptr, pooled)` makes a buffer (device.Buffer). Once `close`d, cached blocks are
+    destroyed (`destroy`: None, they are dropped) and so are blocks given back later; where the backend counts the
+    blocks its pools make (`count`), `on_empty` runs once the device has closed and its last block is destroyed (the
+    API's context may go then)."""
+
+    def __init__(self, device: Any, buffer: Callable[..., Any]):
+        self.device, self.buffer = device, buffer
+        self.pool: PoolAllocator | None = None
+        self.pools: list[PoolAllocator] = []  # the staging pools, which `close` empties with the pool
+        self.capacity = 0
+        self.max_block, self.max_block_name = 0, ""
+        self.address: Callable[[Any], int] = lambda block: 0  # a block's address (Buffer.ptr), where the API has one
+        self.destroy: Callable[[Any], None] | None = None
+        self.closed = False
+        self.live = 0  # blocks made (`count`) and not destroyed yet, on any thread
+        self.on_empty: Callable[[], None] | None = None
+        self.lock = threading.Lock()
+
+    def staging_pool(self, create: Callable[[int], Any], what: str, cache_limit: int = 1 << 40) -> PoolAllocator:
+        """A pool of host staging blocks made by `create`, emptied with the device's pool at `close`."""
+        pool = PoolAllocator(1 << 40, cache_limit, create, f"{self.device.name} {what}")
+        self.pools.append(pool)
+        return pool
+
+    def usage(self) -> MemoryUsage:
+        assert self.pool is not None
+        return self.pool.usage()
+
+    def free(self) -> int:
+        """Bytes the device can still take."""
+        assert self.pool is not None
+        return self.capacity - self.pool.in_use
+
+    def too_large(self, nbytes: int) -> AllocationError:
+        """The error of a buffer of `nbytes` bytes, over the API's limit (`max_block`)."""
+        dev = self.device
+        return AllocationError(f"{dev.name}: a buffer of {nbytes} bytes is larger than one may be on "
+                               f"{getattr(dev, 'label', dev.name)} ({self.max_block_name} = {self.max_block} bytes)")
+
+    def alloc(self, nbytes: int) -> Any:
+        """A buffer of at least `nbytes` bytes from the pool (AllocationError past `max_block` or the capacity)."""
+        assert self.pool is not None
+        if self.max_block and nbytes > self.max_block:
+            raise self.too_large(nbytes)
+        block, size = self.pool.alloc(nbytes)
+        return self.buffer(self.device, size, block, self.address(block), True)
+
+    def alloc_many(self, sizes: list[int]) -> list[Any]:
+        """A buffer of each size, taken from the pool in one step (all or none)."""
+        assert self.pool is not None
+        if self.max_block and (big := [n for n in sizes if n > self.max_block]):
+            raise self.too_large(big[0])
+        return [self.buffer(self.device, size, block, self.address(block), True)
+                for block, size in self.pool.alloc_many(sizes)]
+
+    def release(self, buf: Any) -> None:
+        """A buffer's block back to the pool (device.Buffer.__del__)."""
+        assert self.pool is not None
+        block = buf.mem if buf.pooled else None  # (not pooled: only its count)
+        if self.closed:
+            self.give_back(self.pool, block, buf.nbytes)
+        else:
+            self.pool.free(block, buf.nbytes)
+
+    def give_back(self, pool: PoolAllocator, block: Any, size: int) -> None:
+        """A block back to `pool` (a Buffer's, a Lent's); once the device has closed, destroyed instead."""
+        if not self.closed or block is None:
+            pool.free(block, size)
+            return
+        pool.free(None, size)
+        self._destroyed(block)
+
+    def _destroyed(self, block: Any) -> None:
+        if self.destroy is not None:
+            self.destroy(block)
+            if self.live:  # (a backend that counts its blocks)
+                self.count(-1)
+
+    def count(self, n: int) -> None:
+        """`n` blocks more made by the pools (fewer: destroyed); once closed, the last one destroyed runs `on_empty`
+        (once)."""
+        with self.lock:
+            self.live += n
+            empty, on_empty = self.closed and not self.live, self.on_empty
+            if empty:
+                self.on_empty = None
+        if empty and on_empty is not None:
+            on_empty()
+
+    def close(self) -> None:
+        """From now on blocks given back are destroyed; those cached now are destroyed here."""
+        self.closed = True
+        for pool in [self.pool, *self.pools]:
+            if pool is not None:
+                for block in pool.take_cached():
+                    self._destroyed(block)
+        self.count(0)  # (or the last block given back, later)
+
+
+class HostBlocks(Memory):
+    """Host memory: 64-byte aligned numpy blocks, each pooled with its address ((array, address): numpy's ctypes.data
+    costs a microsecond, read once per block), a buffer's `mem` the array and its `ptr` the address."""
+
+    pool: PoolAllocator
+
+    def __init__(self, device: Any, buffer: Callable[..., Any], capacity: int, cache_limit: int):
+        super().__init__(device, buffer)
+        self.capacity = capacity
+        self.pool = PoolAllocator(capacity, cache_limit, aligned_block, device.name)
+
+    def alloc(self, nbytes: int) -> Any:  # (the hot path of a host device's run: no limit to check, a call less)
+        (mem, ptr), size = self.pool.alloc(nbytes)
+        return self.buffer(self.device, size, mem, ptr, True)
+
+    def alloc_many(self, sizes: list[int]) -> list[Any]:
+        return [self.buffer(self.device, size, mem, ptr, True) for (mem, ptr), size in self.pool.alloc_many(sizes)]
+
+    def release(self, buf: Any) -> None:
+        self.pool.free((buf.mem, buf.ptr) if buf.pooled else None, buf.nbytes)  # (a hot path: a call less)
+
+
+def memory_bytes() -> int:
+    """This machine's memory (bytes)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def aligned_block(size: int) -> tuple[np.ndarray, int]:
+    """A 64-byte aligned host block of `size` bytes and its address."""
+    raw = np.empty(size + ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    mem = raw[off:off + size]
+    return mem, mem.ctypes.data
+
+
+class Lent:
+    """A block lent by a pool (a device's staging memory: pinned, mapped), given back with its last reference, by
+    `give_back(pool, block, size)` (default: the pool's `free`). `block`: one the pool had cached (`reuse`), else one
+    is taken now."""
+
+    __slots__ = ("pool", "block", "size", "give_back")
+    block: Any
+    size: int
+
+    def __init__(self, pool: PoolAllocator, nbytes: int, block: tuple[Any, int] | None = None,
+                 give_back: Callable[[PoolAllocator, Any, int], None] | None = None):
+        self.pool, self.give_back = pool, give_back
+        self.block, self.size = block if block is not None else pool.alloc(nbytes)
+
+    def __del__(self) -> None:
+        try:
+            if hasattr(self, "size"):  # not when the allocation failed
+                if self.give_back is None:
+                    self.pool.free(self.block, self.size)
+                else:
+                    self.give_back(self.pool, self.block, self.size)
+        except Exception:  # interpreter shutdown
+            pass
