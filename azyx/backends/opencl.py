@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeGuard
 
@@ -36,7 +36,7 @@ from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import CPU_SPIN_S, Buffer, Device, after_waits, kernel_list
+from azyx.device import CPU_SPIN_S, Buffer, Device, Replay, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
@@ -63,6 +63,59 @@ def _scalars(dts: tuple[DType, ...], first: int) -> tuple[tuple[int, bytes | Non
     """Per scalar argument (after `first` buffers): its index, its pack type and the low bits of its word that it
     takes (as many as its size)."""
     return tuple((first + j, _PACKS[scalar_size(d)], (1 << 8 * scalar_size(d)) - 1) for j, d in enumerate(dts))
+
+
+def _words(step: KernelStep, first: int, words: Sequence[int]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A kernel's scalar arguments by value, for `_set_arg_buf_pack_multi` and `_set_arg_buf_multi` (flat index, type,
+    value): each word's low bytes, as many as the argument's type has, packed by pyopencl as the unsigned integer of
+    its size (about a microsecond; as raw bytes its generic path took ~30), or here where pyopencl has no such type."""
+    codes = list(zip(_scalars(step.scalar_dtypes, first), words))
+    return (tuple(x for (i, pack, mask), w in codes if pack is not None for x in (i, pack, int(w) & mask)),
+            tuple(x for (i, pack, mask), w in codes if pack is None for x in (i, struct.pack("=Q", int(w) & mask))))
+
+
+class _Record:
+    """A frozen batch (device.Replay) as OpenCL queues it, used on the submit thread alone: per kernel its cl.Kernel,
+    sizes, where its buffers are among the batch's bound slots and where its words are among the batch's; the argument
+    tuples of the last run's buffers and words, rebuilt only when a run's differ. (pyopencl keeps one cl.Kernel per
+    kernel name, shared by every plan and by a batch's repeated kernels, so each launch sets all its arguments, each
+    kind in one C call; a kernel object of the record's own costs ~150 us of Python to make on PoCL.)"""
+
+    __slots__ = ("launches", "mem_at", "word_at", "steps", "mems", "mem_args", "words", "word_args")
+
+    def __init__(self, replay: Replay, programs: dict[str, Any]):
+        index = {s: i for i, s in enumerate(replay.bound)}
+        self.steps = replay.batch.steps
+        self.launches = [(programs[k.name], (k.launch.items,), (k.launch.group,)) for k in self.steps]
+        self.mem_at = [[index[s] for s in k.args] for k in self.steps]
+        ends = np.cumsum([0, *replay.word_counts]).tolist()
+        self.word_at = list(zip(ends, ends[1:]))
+        self.mems: tuple[Any, ...] | None = None
+        self.mem_args: list[tuple[Any, ...]] = []
+        self.words: Any = None
+        self.word_args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+
+    def enqueue(self, queue: Any, bound: tuple[Buffer, ...], words: np.ndarray, wait_for: list[Any] | None) -> Any:
+        """(The submit thread.) Every kernel bound and queued in one loop, the first after `wait_for` (the queue is in
+        order); returns the last one's event."""
+        mems = tuple(b.mem for b in bound)
+        if mems != self.mems:  # (by identity first: a pool's blocks come back as the same objects)
+            self.mems = mems
+            self.mem_args = [tuple(x for i, s in enumerate(at) for x in (i, mems[s])) for at in self.mem_at]
+        if words is not self.words:
+            self.words = words
+            values = words.tolist()
+            self.word_args = [_words(k, len(k.args), values[a:b]) for k, (a, b) in zip(self.steps, self.word_at)]
+        ev, enqueue = None, _cl.enqueue_nd_range_kernel
+        for (knl, glob, local), mem_args, (scalars, packed) in zip(self.launches, self.mem_args, self.word_args):
+            knl._set_arg_multi(mem_args)
+            if scalars:
+                knl._set_arg_buf_pack_multi(scalars)
+            if packed:
+                knl._set_arg_buf_multi(packed)
+            ev = enqueue(queue, knl, glob, local, None, wait_for)
+            wait_for = None
+        return ev
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -176,14 +229,7 @@ class OpenCLDevice(QueuedDevice):
         knl = self.programs[step.name]  # a cl.Kernel
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
         mems = tuple(x for i, b in enumerate(bufs) for x in (i, b.mem))  # (index, buffer) pairs, flat
-        # scalar arguments by value: each word's low bytes, as many as the argument's type has, packed by pyopencl as
-        # the unsigned integer of its size (about a microsecond; as raw bytes its generic path took ~30)
-        scalars: tuple[Any, ...] = ()
-        packed: tuple[Any, ...] = ()
-        if words:
-            codes = list(zip(_scalars(step.scalar_dtypes, len(bufs)), words))
-            scalars = tuple(x for (i, pack, mask), w in codes if pack is not None for x in (i, pack, w & mask))
-            packed = tuple(x for (i, pack, mask), w in codes if pack is None for x in (i, struct.pack("=Q", w & mask)))
+        scalars, packed = _words(step, len(bufs), words) if words else ((), ())
 
         def enqueue(wait_for: list[Any] | None) -> Any:
             knl._set_arg_multi(mems)
@@ -194,6 +240,19 @@ class OpenCLDevice(QueuedDevice):
             return cl.enqueue_nd_range_kernel(self.queue, knl, glob, local, wait_for=wait_for)
 
         return self._enqueue(enqueue, waits, bufs)
+
+    def freeze(self, replay: Replay) -> bool:
+        """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers and words, the submit
+        thread binds and queues every kernel in one loop (one command, one event)."""
+        replay.prepared = _Record(replay, self.programs)
+        return True
+
+    def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
+                      waits: list[tuple[Device, int]]) -> int:
+        assert arena is None  # (OpenCL kernels take buffer objects, not addresses: no `arena`)
+        bound = replay.get(bufs)
+        words = replay.words(scalars)
+        return self._enqueue(partial(replay.prepared.enqueue, self.queue, bound, words), waits, bound)
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
