@@ -130,7 +130,7 @@ class Replay:
     into it and submits, building nothing per kernel and deciding nothing again.
     - each kernel argument is a slot of the run: one the run binds (`bound`: an input, an output, a temporary that
       outlives the batch, check words), or a temporary of this batch alone, which lives at its offset (`arena`) in one
-      allocation of `arena_size` bytes per run (where the device's kernels take buffers by address: `Device.arena`);
+      allocation of `arena_size` bytes per run (where the device's kernels can take it: `Device.arena`);
     - `addresses`: the run's address of every buffer argument, kernel after kernel (one numpy gather);
     - `words`: every kernel's scalar words for the run's values, packed by one call, kept while runs pass the same
       values (a jit replay's), in kernel order (`word_counts` each);
@@ -372,7 +372,7 @@ class Device:
     listed = True  # a compute device that azyx.devices() lists
     unlisted_compute = False  # a compute device that azyx.devices() does not list (the dummy: it plans, holds no data)
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
-    arena = False  # a steady batch's temporaries may share one allocation per run (kernels take buffers by address)
+    arena = False  # a steady batch's temporaries may share one allocation per run (by address; OpenCL: sub-buffers)
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)

@@ -36,7 +36,7 @@ from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import CPU_SPIN_S, Buffer, Device, Replay, after_waits, kernel_list
+from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Device, Replay, after_waits, kernel_list
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import CompileError, DeviceError
 from azyx.plan import KernelStep
@@ -55,6 +55,7 @@ except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says wh
 _CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
 # a scalar argument's bits, by its size: the unsigned C type pyopencl packs them as (`_set_arg_buf_pack_multi`; its
 # types stop at C's long: 8 bytes where it is that long, else packed here)
+ARENA_BLOCKS = 4  # arena blocks whose sub-buffers a frozen batch keeps (`_Record`)
 _PACKS = {1: b"B", 2: b"H", 4: b"I", 8: b"L" if struct.calcsize("L") == 8 else None}
 
 
@@ -76,15 +77,22 @@ def _words(step: KernelStep, first: int, words: Sequence[int]) -> tuple[tuple[An
 
 class _Record:
     """A frozen batch (device.Replay) as OpenCL queues it, used on the submit thread alone: per kernel its cl.Kernel,
-    sizes, where its buffers are among the batch's bound slots and where its words are among the batch's; the argument
-    tuples of the last run's buffers and words, rebuilt only when a run's differ. (pyopencl keeps one cl.Kernel per
-    kernel name, shared by every plan and by a batch's repeated kernels, so each launch sets all its arguments, each
-    kind in one C call; a kernel object of the record's own costs ~150 us of Python to make on PoCL.)"""
+    sizes, where its buffers are among the run's (the bound slots, then the temporaries in the arena) and where its
+    words are among the batch's; the argument tuples of the last run's buffers and words, rebuilt only when a run's
+    differ. (pyopencl keeps one cl.Kernel per kernel name, shared by every plan and by a batch's repeated kernels, so
+    each launch sets all its arguments, each kind in one C call; a kernel object of the record's own costs ~150 us of
+    Python to make on PoCL.) The temporaries are sub-buffers of the run's arena, made once per arena block for the
+    last ARENA_BLOCKS blocks (a steady loop's runs take the same few blocks from the pool again; each kept block's
+    memory stays held until it is dropped from here)."""
 
-    __slots__ = ("launches", "mem_at", "word_at", "steps", "mems", "mem_args", "words", "word_args")
+    __slots__ = ("launches", "mem_at", "word_at", "steps", "regions", "subs", "mems", "mem_args", "words", "word_args")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
-        index = {s: i for i, s in enumerate(replay.bound)}
+        temps = sorted(replay.arena, key=replay.arena.__getitem__)
+        index = {s: i for i, s in enumerate([*replay.bound, *temps])}
+        ends = [replay.arena[s] for s in temps[1:]] + [replay.arena_size]
+        self.regions = [(replay.arena[s], end - replay.arena[s]) for s, end in zip(temps, ends)]
+        self.subs: dict[Any, tuple[Any, ...]] = {}  # arena block's cl.Buffer -> its temporaries' sub-buffers
         self.steps = replay.batch.steps
         self.launches = [(programs[k.name], (k.launch.items,), (k.launch.group,)) for k in self.steps]
         self.mem_at = [[index[s] for s in k.args] for k in self.steps]
@@ -95,10 +103,22 @@ class _Record:
         self.words: Any = None
         self.word_args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
 
-    def enqueue(self, queue: Any, bound: tuple[Buffer, ...], words: np.ndarray, wait_for: list[Any] | None) -> Any:
+    def temporaries(self, arena: Buffer | None) -> tuple[Any, ...]:
+        """The sub-buffers of `arena` where the batch's temporaries live (made once per arena block)."""
+        if arena is None:
+            return ()
+        subs = self.subs.get(arena.mem)
+        if subs is None:
+            if len(self.subs) >= ARENA_BLOCKS:
+                del self.subs[next(iter(self.subs))]
+            subs = self.subs[arena.mem] = tuple(arena.mem.get_sub_region(at, n) for at, n in self.regions)
+        return subs
+
+    def enqueue(self, queue: Any, bound: tuple[Buffer, ...], arena: Buffer | None, words: np.ndarray,
+                wait_for: list[Any] | None) -> Any:
         """(The submit thread.) Every kernel bound and queued in one loop, the first after `wait_for` (the queue is in
         order); returns the last one's event."""
-        mems = tuple(b.mem for b in bound)
+        mems = (*(b.mem for b in bound), *self.temporaries(arena))
         if mems != self.mems:  # (by identity first: a pool's blocks come back as the same objects)
             self.mems = mems
             self.mem_args = [tuple(x for i, s in enumerate(at) for x in (i, mems[s])) for at in self.mem_at]
@@ -159,6 +179,8 @@ class OpenCLDevice(QueuedDevice):
             self.dialect = dataclasses.replace(OPENCL, gemm=True, simd=width if width in (16, 32, 64) else 16)
             self.spin_cap = CPU_SPIN_S
         self.max_local = int(self.cl_device.max_work_group_size)
+        # a steady batch's temporaries as sub-buffers of one allocation, where their offsets suit a sub-buffer's origin
+        self.arena = int(self.cl_device.mem_base_addr_align) // 8 <= ARENA_ALIGN
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
         self.start_waiter()
@@ -242,17 +264,16 @@ class OpenCLDevice(QueuedDevice):
         return self._enqueue(enqueue, waits, bufs)
 
     def freeze(self, replay: Replay) -> bool:
-        """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers and words, the submit
-        thread binds and queues every kernel in one loop (one command, one event)."""
+        """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the
+        submit thread binds and queues every kernel in one loop (one command, one event)."""
         replay.prepared = _Record(replay, self.programs)
         return True
 
     def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
                       waits: list[tuple[Device, int]]) -> int:
-        assert arena is None  # (OpenCL kernels take buffer objects, not addresses: no `arena`)
         bound = replay.get(bufs)
         words = replay.words(scalars)
-        return self._enqueue(partial(replay.prepared.enqueue, self.queue, bound, words), waits, bound)
+        return self._enqueue(partial(replay.prepared.enqueue, self.queue, bound, arena, words), waits, (arena, bound))
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
