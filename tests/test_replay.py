@@ -126,6 +126,20 @@ async def test_cancelled_realize_leaves_later_runs_right(device: str) -> None:
         np.testing.assert_allclose(await mid.numpy(), ref_mid, rtol=1e-5, atol=1e-5)
 
 
+async def test_runs_in_flight_at_once_each_get_their_own_temporaries(device: str) -> None:
+    """Runs of one frozen plan submitted before any has completed each take their own arena block (more blocks than
+    an OpenCL record keeps sub-buffers for) and their own input and scale: every result equals numpy's."""
+    ws = await weights(device)
+    await azyx.realize(*chain(Tensor(np.zeros((1024, WIDTH), np.float32), device=device), ws, 1.0))
+    inputs = [rng.standard_normal((1024, WIDTH)).astype(np.float32) for _ in range(8)]
+    xs = [Tensor(xn, device=device) for xn in inputs]
+    await azyx.realize(*xs)
+    outs = [chain(x, ws, 0.5 + i / 8)[1] for i, x in enumerate(xs)]
+    got = await asyncio.gather(*(y.numpy() for y in outs))
+    for i, (xn, y) in enumerate(zip(inputs, got)):
+        np.testing.assert_allclose(y, reference(xn, 0.5 + i / 8)[1], rtol=1e-5, atol=1e-5)
+
+
 async def test_failed_run_does_not_poison_the_next(device: str) -> None:
     """A run whose index is out of range raises IndexOutOfRange (its own check words); the runs before and after it,
     of the same frozen plan, give numpy's values."""
