@@ -19,6 +19,11 @@ Submission: one submit thread per device makes the OpenCL calls that queue work 
 thread only numbers the command and hands it over. A driver may block in them: PoCL's clEnqueue* wait while its own
 thread compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200
 requests' new kernels, beside two busy processes).
+
+Replay: a steady batch (device.Replay) is a `_Record`: the loop's thread hands its run's buffers, arena and packed
+words to the submit thread as one command, which sets the kernels' arguments (each kind in one C call; the tuples
+rebuilt only when the run's buffers or words differ from the last) and queues them in one loop of pyopencl's C
+enqueue. The batch's temporaries are sub-buffers of one arena block per run.
 """
 
 from __future__ import annotations
