@@ -218,9 +218,10 @@ class QueuedDevice(Device):
         self.lock = threading.RLock()
         self.completions: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
         self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
-        # a subclass that submits from a thread of its own (OpenCL, wgpu): its commands by `_enqueue`, in value order,
-        # as (what to run, its waits, its value); None stops it (`stop_submit_thread`)
-        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int] | None] = queue.SimpleQueue()
+        # a subclass that submits from a thread of its own (OpenCL, Vulkan, wgpu): its commands by `_enqueue`, in value
+        # order, as (what to run, its waits, its value, its `post`); None stops it (`stop_submit_thread`)
+        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int, Callable[[], None] | None] | None] \
+            = queue.SimpleQueue()
         self.submit_thread = threading.Thread(target=self._submit_each, name=f"azyx-{self.name}-submit", daemon=True)
         self.through = 0  # the last value the submit thread is through with
         self.closed = False
@@ -275,7 +276,7 @@ class QueuedDevice(Device):
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
         it held, for the waiter thread to drop outside the lock."""
-        if post is not None:  # (a subclass appends `v` to `posts` as it submits a command with a `post`)
+        if post is not None:  # (`_enqueue`, or a subclass, appends `v` to `posts` as it takes a command with a `post`)
             self.posts.popleft()
         self.waited = v
         return self.holding.pop(v, None)
@@ -339,8 +340,10 @@ class QueuedDevice(Device):
             del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
             self.timeline.signal(v)
 
-    def _enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any) -> int:
-        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`)."""
+    def _enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
+                 post: Callable[[], None] | None = None) -> int:
+        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`); `post` runs on the
+        waiter thread once the command completed, before the timeline reaches its value."""
         self.check_alive()
         with self.lock:
             if self.closed:
@@ -348,7 +351,9 @@ class QueuedDevice(Device):
             self.submitted += 1
             v = self.submitted
             self.holding[v] = keep
-            self.to_submit.put((run, waits, v))
+            if post is not None:
+                self.posts.append(v)
+            self.to_submit.put((run, waits, v, post))
             done = self._take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         return v
@@ -357,15 +362,15 @@ class QueuedDevice(Device):
         """The submit thread: each command submitted in value order (`submit`), then to the waiter thread; a command
         that cannot be submitted fails its value."""
         while (item := self.to_submit.get()) is not None:
-            run, waits, v = item
+            run, waits, v, post = item
             ev = None
             try:
                 ev = self.submit(run, waits, v)
             except BaseException as e:
                 self.record_failure(v, e)
             self.through = v
-            self.completions.put((ev, v, None))
-            del item, run, ev
+            self.completions.put((ev, v, post))
+            del item, run, ev, post
 
     def stop_submit_thread(self) -> bool:
         """Let the submit thread submit what was queued, then stop it; False: it was stopped already."""

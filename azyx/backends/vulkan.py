@@ -11,8 +11,9 @@ low first). A launch dispatches `Launch.grid` work groups; the shader declares i
 Command buffers: a plan's batch of kernels on this device (`BatchState`) is recorded once into a command buffer
 with a barrier after each dispatch, and submitted again on the plan's later runs: a run only writes its buffers'
 addresses and scalars into the command buffer's words (a few are kept per batch, so that runs in flight overlap).
-Other work (a lone launch, copies) records a one-time command buffer, on the submitting thread: the event loop's for the
-executor's calls (a known cost on the loop, issue 35; wgpu's worker thread is the model for moving it off).
+Other work (a lone launch, copies) records a one-time command buffer. Recording, host copies into mapped memory and
+vkQueueSubmit all happen on the device's submit thread (`queues.QueuedDevice`, as OpenCL's and wgpu's): the caller (the
+event loop, for the executor's calls) only numbers the work and hands it over.
 
 Memory: pooled VkBuffers, each with its own VkDeviceMemory. Where the device's memory is host memory (a CPU device
 such as lavapipe, an integrated GPU) it is mapped once and stays mapped: host reads and writes are memcpys. Elsewhere
@@ -23,10 +24,9 @@ device's TimelineSignal. One waiter thread per device waits on it value by value
 releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queues.QueuedDevice`).
 
 Waits: on another vulkan device of the same physical device (one VkDevice serves all the `vulkan:N` of one physical
-device, see `device_ids`) the submission waits on that device's timeline semaphore. On any other device (C, OpenCL,
-CUDA, a vulkan device of another physical device) it waits on a value of this device's gate semaphore, which the
-host signals once the other device's timeline reaches its value (`TimelineSignal.on_reach`): nothing blocks the
-submitting thread or the event loop. Gates open in order (the queue runs in order anyway).
+device, see `device_ids`) whose submit thread has submitted the value waited for, the submission waits on that device's
+timeline semaphore. On any other device (C, OpenCL, CUDA, a vulkan device of another physical device) the submit
+thread waits until that device's timeline reaches the value, then submits: never the event loop.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
-    after_waits,
     compiled,
     kernel_list,
     run_compiler,
@@ -66,7 +65,7 @@ from azyx.errors import CompileError, DeviceError
 from azyx.memory import Lent
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
-from azyx.workers import at_lower_priority, in_background
+from azyx.workers import at_lower_priority
 
 # device_ids: which physical devices (indices, all when empty; one may repeat); spin_us: as opencl's
 CONFIG = {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20}
@@ -77,7 +76,6 @@ except (ImportError, OSError) as e:  # OSError: the package is there, the loader
     raise ImportError(f"the vulkan package or the Vulkan loader is missing: {e}") from None
 
 ffi = vk.ffi
-SYNC_STAGE = 1 << 20  # a ready host source up to this size is copied at once; larger ones on a worker thread
 WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in slices of this (so that close stops it)
 GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 WORDS_TYPE = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC  # a kernel's one binding: its words
@@ -336,6 +334,7 @@ class VulkanDevice(QueuedDevice):
             self.ctx.release()
             raise
         self.start_waiter()
+        self.submit_thread.start()
 
     def _setup(self, options: dict[str, Any]) -> None:
         ctx = self.ctx
@@ -376,11 +375,7 @@ class VulkanDevice(QueuedDevice):
             self.spin_cap = CPU_SPIN_S
         self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
         self.sem = self._semaphore()  # the timeline: submission v signals v
-        self.gate = self._semaphore()  # host-opened gates of submissions that wait on other kinds of devices
-        self.gates = 0  # gates handed out
-        self.gates_open = 0  # gates opened (signalled), in order
-        self.ready_gates: set[int] = set()  # gates whose conditions hold, not yet signalled (an earlier one is not)
-        self.gate_lock = threading.Lock()
+        self.ending = False  # (close waited for the queued work: the waiter thread fails what has not completed)
         self.cmd_pool = vk.vkCreateCommandPool(self.vkdev, vk.VkCommandPoolCreateInfo(
             queueFamilyIndex=ctx.family, flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
         self.commands: dict[int, _Commands] = {}  # timeline value -> its one-time command buffer, until it completed
@@ -465,11 +460,6 @@ class VulkanDevice(QueuedDevice):
         """A staging block, back to the pool (or destroyed, once the device has closed) with its last reference."""
         return Lent(self.staging, nbytes, give_back=self.mem.give_back)
 
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        """Blocking write of raw bytes (worker threads: the host copy runs here)."""
-        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
-        self.timeline.wait_sync(self.copy_from_host(data, buf, [], host, 0, at_once=True))
-
     # ------------------------------------------------------------------ compile
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
@@ -511,8 +501,8 @@ class VulkanDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ submission
     def _commands(self, kept: bool = False) -> _Commands:
-        """Under the lock: a command buffer to record (a completed one, or a new one with its descriptor set), begun;
-        `kept`: to be submitted again (see `_kept`), else submitted once."""
+        """(The submit thread.) A command buffer to record (a completed one, or a new one with its descriptor set),
+        begun; `kept`: to be submitted again (see `_kept`), else submitted once."""
         for _ in range(len(self.orphans)):  # kept ones of dropped plans, once their last submission is done
             cmd = self.orphans.popleft()
             (self.spare if cmd.pending <= self.timeline.value else self.orphans).append(cmd)
@@ -529,7 +519,8 @@ class VulkanDevice(QueuedDevice):
         return cmd
 
     def _descriptor_set(self) -> Any:
-        """Under the lock: a new descriptor set for a command buffer's words (a new pool when the last is used up)."""
+        """(The submit thread.) A new descriptor set for a command buffer's words (a new pool when the last is used
+        up)."""
         if not self.sets_left:
             size = vk.VkDescriptorPoolSize(type=WORDS_TYPE, descriptorCount=SETS_PER_POOL)
             self.set_pools.append(vk.vkCreateDescriptorPool(self.vkdev, vk.VkDescriptorPoolCreateInfo(
@@ -540,7 +531,7 @@ class VulkanDevice(QueuedDevice):
             descriptorPool=self.set_pools[-1], pSetLayouts=[self.set_layout]))[0]
 
     def _words(self, cmd: _Commands, items: list[LaunchItem]) -> list[int]:
-        """Under the lock, with `cmd` not in flight: each kernel's words (its buffers' addresses, then its scalars)
+        """(The submit thread, with `cmd` not in flight.) Each kernel's words (its buffers' addresses, then its scalars)
         into the command buffer's words block (a larger block where it is too small, its descriptor set pointed at
         it); returns their offsets (the dynamic offsets of the dispatches)."""
         rows = [[b.mem.address for b in bufs] + list(words) for _, bufs, words in items]
@@ -559,20 +550,17 @@ class VulkanDevice(QueuedDevice):
         """Each kernel's dispatch with its words, a barrier after each."""
         cb = cmd.cb
         for (step, bufs, _), offset in zip(items, offsets):
-            grid = step.launch.grid
-            assert all(g <= m for g, m in zip(grid, self.max_groups)), \
-                f"{self.name}: grid {grid} of {step.name} exceeds maxComputeWorkGroupCount {self.max_groups}"
             if step.launch.zero:
                 vk.vkCmdFillBuffer(cb, bufs[0].mem.buffer, bufs[0].mem.offset, step.launch.zero, 0)
                 _barrier(cb)
             vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.programs[step.name])
             vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.layout, 0, 1, [cmd.ds], 1,
                                        [offset])
-            vk.vkCmdDispatch(cb, *grid)
+            vk.vkCmdDispatch(cb, *step.launch.grid)
             _barrier(cb)
 
     def _kept(self, batch: BatchState, items: list[LaunchItem]) -> _Commands:
-        """Under the lock: the batch's command buffer recorded for these zero-filled buffers and not in flight, its
+        """(The submit thread.) The batch's command buffer recorded for these zero-filled buffers and not in flight, its
         words written; recorded now where none is (kept, while the batch keeps fewer than KEPT_PER_BATCH)."""
         kept = batch.prepared
         if not isinstance(kept, _Kept):
@@ -595,101 +583,61 @@ class VulkanDevice(QueuedDevice):
     def _submit(self, record: Callable[[_Commands], None] | None, waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, fill: Callable[[], None] | None = None,
                 batch: tuple[BatchState, list[LaunchItem]] | None = None) -> int:
-        """Queue work after `waits`: the commands `record` records (None: none, the submission only orders and
-        signals); returns its timeline value. `fill` (a host copy into memory the work reads) runs on a worker
-        thread once `waits` are reached, and the work waits for it; `post` runs on the waiter thread once the work
-        completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
+        """Queue work after `waits` (on the submit thread: `submit`): the commands `record` records (None: none, the
+        submission only orders and signals); returns its timeline value. `fill` (a host copy into memory the work
+        reads) runs once `waits` are reached, before the work is submitted; `post` runs on the waiter thread once the
+        work completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
         buffer (`_kept`)."""
-        with self.lock:
-            self.check_alive()
-            self.submitted += 1
-            v = self.submitted
-            sems, values = self._wait_semaphores(waits, v, fill)
-            cmd = None
-            try:
-                if batch is not None:
-                    cmd = self._kept(*batch)
-                elif record is not None:
-                    cmd = self._commands()
-                    record(cmd)
-                    _barrier(cmd.cb)
-                    vk.vkEndCommandBuffer(cmd.cb)
-                self.ctx.submit(cmd.cb if cmd is not None else None, sems, values, self.sem, v)
-            except vk.VkErrorDeviceLost as e:
-                raise self.fail(e) from None
-            except BaseException:  # nothing was submitted: the value is not used
-                self.submitted -= 1
-                if cmd is not None and cmd.key is None:
-                    vk.vkResetCommandBuffer(cmd.cb, 0)
-                    self.spare.append(cmd)
-                raise
+        return self._enqueue((record, fill, batch), waits, keep, post)
+
+    def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
+        """(The submit thread.) Once the waits the host sees reached are (`native_waits`), run the work's `fill`,
+        record its command buffer and submit it after the native waits (peers' timeline semaphores); it signals `v` on
+        this device's. Work whose wait or recording failed is left out (its failure recorded): the submission still
+        signals `v`."""
+        record, fill, batch = run
+        native, host = self.native_waits(waits)
+        cmd = None
+        try:
+            for dev, u in host:
+                dev.timeline.wait_sync(u)
+            if fill is not None:
+                fill()
+            if batch is not None:
+                cmd = self._kept(*batch)
+            elif record is not None:
+                cmd = self._commands()
+                record(cmd)
+                _barrier(cmd.cb)
+                vk.vkEndCommandBuffer(cmd.cb)
+        except BaseException as e:  # a device it waits for failed (its input is lost), or the host copy did
+            self.record_failure(v, e)
             if cmd is not None and cmd.key is None:
-                self.commands[v] = cmd
-            elif cmd is not None:
-                cmd.pending = v
-            self.holding[v] = keep
-            if post is not None:
-                self.posts.append(v)
-            self.completions.put((None, v, post))
-            done = self._take_done()
-        del done  # what completed work held goes back to its pools here, on the submitting thread
-        return v
+                vk.vkResetCommandBuffer(cmd.cb, 0)
+                self.spare.append(cmd)
+            cmd = None
+        sems, values = [s for s, _ in native], [u for _, u in native]
+        try:
+            self.ctx.submit(None if cmd is None else cmd.cb, sems, values, self.sem, v)
+        except vk.VkErrorDeviceLost as e:
+            raise self.fail(e) from None
+        except vk.VkError as e:  # (out of memory: the work is left out, the value still signalled)
+            self.record_failure(v, e)
+            cmd = None
+            self.ctx.submit(None, sems, values, self.sem, v)
+        if cmd is not None and cmd.key is None:
+            self.commands[v] = cmd
+        elif cmd is not None:
+            cmd.pending = v
 
     def peer(self, dev: Device) -> TypeGuard[VulkanDevice]:
         """A vulkan device of this physical device (one VkDevice serves them all)."""
         return isinstance(dev, VulkanDevice) and dev.ctx is self.ctx
 
     def native_wait(self, dev: Device, v: int) -> Any:
-        """The timeline semaphore (and value) of a vulkan device of this context."""
-        return (dev.sem, v) if self.peer(dev) else None
-
-    def _wait_semaphores(self, waits: list[tuple[Device, int]], v: int,
-                         fill: Callable[[], None] | None) -> tuple[list[Any], list[int]]:
-        """Under the lock: the semaphores (and values) submission `v` waits on: another vulkan device's of this
-        context directly, any other device's through a gate that the host opens (after `fill`, when given)."""
-        native, host = self.native_waits(waits)
-        sems, values = [s for s, _ in native], [u for _, u in native]
-        if host or fill is not None:
-            self.gates += 1
-            g = self.gates
-            sems.append(self.gate)
-            values.append(g)
-
-            def reached() -> None:
-                for dev, u in host:  # a device that failed: its output is lost, and so is this work's
-                    if dev.timeline.value < u and dev.timeline.failure is not None:
-                        self.record_failure(v, dev.timeline.failure)
-                if fill is None:
-                    self._open(g)
-                else:
-                    in_background(lambda: self._fill_then_open(fill, g, v))
-
-            after_waits(host, reached)
-        return sems, values
-
-    def _fill_then_open(self, fill: Callable[[], None], g: int, v: int) -> None:
-        try:
-            fill()
-        except BaseException as e:
-            self.record_failure(v, e)
-        finally:
-            self._open(g)
-
-    def _open(self, g: int) -> None:
-        """Gate `g`'s conditions hold: signal the gate semaphore up to the last gate whose predecessors all hold."""
-        with self.gate_lock:
-            self.ready_gates.add(g)
-            top = self.gates_open
-            while top + 1 in self.ready_gates:
-                top += 1
-                self.ready_gates.discard(top)
-            if top > self.gates_open:
-                self.gates_open = top
-                self._signal(self.gate, top)
-
-    def _signal(self, sem: Any, value: int) -> None:
-        vk.vkSignalSemaphore(self.vkdev, vk.VkSemaphoreSignalInfo(
-            semaphore=sem, value=value))
+        """The timeline semaphore (and value) of a vulkan device of this context, once its submit thread submitted
+        that value (a wait before the signal's submission, on the context's one queue, could wait for ever)."""
+        return (dev.sem, v) if self.peer(dev) and dev.through >= v else None
 
     # ------------------------------------------------------------------ completion
     def wait_event(self, ev: Any, v: int) -> bool:
@@ -700,7 +648,7 @@ class VulkanDevice(QueuedDevice):
                 vk.vkWaitSemaphores(self.vkdev, info, WAIT_SLICE_NS)
                 return True
             except vk.VkTimeout:
-                if self.closed:
+                if self.ending:
                     self.record_failure(v, DeviceError(f"{self.name}: work item {v} never completed before close"))
                     return False
             except vk.VkError as e:  # device lost: its work and everything queued behind it is gone
@@ -720,8 +668,9 @@ class VulkanDevice(QueuedDevice):
 
     def query(self, v: int) -> Callable[[], bool] | None:
         """The semaphore's counter (`poll` spins at most `spin_cap` on it: lavapipe's kernels run on the cores the loop
-        would spin on), never past a value whose host copy has yet to run."""
-        if (self.posts and self.posts[0] <= v) or self.closed:
+        would spin on), once the submit thread submitted `v` (as OpenCL's event), never past a value whose host copy
+        has yet to run."""
+        if self.through < v or (self.posts and self.posts[0] <= v) or self.closed:
             return None
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
         return lambda: counter(vkdev, sem) >= v
@@ -731,6 +680,11 @@ class VulkanDevice(QueuedDevice):
                     batch: BatchState | None = None) -> int:
         """The kernels back to back in one command buffer (a barrier after each), one submission; a plan's batch by
         command buffers recorded once (`_kept`)."""
+        if batch is None or batch.prepared is None:  # (checked here, where the caller sees it, before recording)
+            for step, _, _ in items:
+                assert all(g <= m for g, m in zip(step.launch.grid, self.max_groups)), \
+                    f"{self.name}: grid {step.launch.grid} of {step.name} exceeds maxComputeWorkGroupCount " \
+                    f"{self.max_groups}"
         if batch is not None:
             return self._submit(None, waits, items, batch=(batch, items))
         return self._submit(lambda cmd: self._record_launches(cmd, items, self._words(cmd, items)), waits, items)
@@ -755,12 +709,11 @@ class VulkanDevice(QueuedDevice):
         return self._submit(record, waits, (buf, out, lent), lambda: np.copyto(flat, src))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, at_once: bool = False) -> int:
+                       offset: int = 0) -> int:
         """From this device's staging (`host_staging`: `keep` is its block): a copy command. From other host memory:
-        a host copy into the mapped buffer (or a staging block, then a copy command), at once where the source is
-        ready and small (or `at_once`: a worker thread's blocking write), else on a worker thread once it is ready
-        (the submission waits for it at a gate). (A host copy into mapped memory waits for `waits`, not for this
-        device's earlier work: `dst` is the transfer's own, written once, as the executor's destinations are.)"""
+        a host copy into the mapped buffer (or a staging block, then a copy command), by the submit thread once the
+        source is ready. (A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst`
+        is the transfer's own, written once, as the executor's destinations are.)"""
         n = host.nbytes
         if isinstance(keep, Lent) and keep.pool is self.staging:  # (`host`: the block's mapping, or a part of it)
             at = host.ctypes.data - _mapping(keep.block).ctypes.data if n else 0
@@ -773,9 +726,6 @@ class VulkanDevice(QueuedDevice):
             target[:] = src
 
         record = None if lent is None else (lambda cmd: _copy(cmd, lent.block, 0, dst.mem, offset, n))
-        if at_once or (n <= SYNC_STAGE and all(d.timeline.value >= v for d, v in waits)):
-            fill()
-            return self._submit(record, [], (keep, dst, lent))
         return self._submit(record, waits, (keep, dst, lent), fill=fill)
 
     def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
@@ -783,23 +733,16 @@ class VulkanDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Wait until the queued work is done (opening every gate after a while: a device it waits for may never
-        get there), stop the waiter thread, and destroy everything this device made; buffers still out are
-        destroyed as they come back, and the last one lets the context go."""
-        if self.closed:
+        """Let the submit thread submit what was queued, wait until it is done, stop the waiter thread, and destroy
+        everything this device made; buffers still out are destroyed as they come back, and the last one lets the
+        context go."""
+        if not self.stop_submit_thread():
             return
         try:
-            for _ in range(2):
-                try:
-                    vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.submitted), 10 * WAIT_SLICE_NS)
-                    break
-                except vk.VkTimeout:
-                    with self.gate_lock:
-                        self.gates_open = self.gates
-                        self._signal(self.gate, self.gates)
-        except vk.VkError:
+            vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.through), 20 * WAIT_SLICE_NS)
+        except vk.VkError:  # (VkTimeout too: the waiter thread fails what never completed)
             pass
-        self.closed = True
+        self.ending = True
         self.stop_waiter()
         with self.lock:
             for cmd in self.all_commands:
@@ -810,7 +753,7 @@ class VulkanDevice(QueuedDevice):
                                   [self.cmd_pool]), (vk.vkDestroyPipeline, self.programs.values()),
                                   (vk.vkDestroyPipelineLayout, [self.layout]),
                                   (vk.vkDestroyDescriptorSetLayout, [self.set_layout]),
-                                  (vk.vkDestroySemaphore, [self.sem, self.gate])):
+                                  (vk.vkDestroySemaphore, [self.sem])):
                 for obj in objs:
                     destroy(self.vkdev, obj, None)
             self.programs = {}
