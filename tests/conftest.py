@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import azyx
+from azyx.codegen.dialect import CUDA
 from azyx.native import native
 from azyx.runtime import RT
 
@@ -77,4 +78,19 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         dev.__dict__.pop("_winners", None)
         if saved.get(name) is not None:
             dev.__dict__["_winners"] = saved[name]
+    RT.plan_cache.clear()
+
+
+CUDA_PLANNING = "dummy:0"  # plans without running; `cuda_planning` makes it render CUDA C
+
+
+@pytest.fixture
+def cuda_planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The dummy device (CUDA_PLANNING) plans as a CUDA device would (CUDA's dialect, no register tiling), on a
+    machine without a GPU: tests read the kernels it plans and render."""
+    dev = RT.device(CUDA_PLANNING)
+    monkeypatch.setattr(dev, "dialect", CUDA)
+    monkeypatch.setattr(dev, "tiles", False)
+    RT.plan_cache.clear()
+    yield
     RT.plan_cache.clear()

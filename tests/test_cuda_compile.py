@@ -4,8 +4,6 @@ itself (AZYX_TEST_DEVICES=cuda:0); here the rendering and the compiler are what 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
@@ -34,22 +32,12 @@ from azyx.errors import CompileError  # noqa: E402
 from azyx.plan import KernelStep  # noqa: E402
 from azyx.runtime import RT  # noqa: E402
 
-DEV = "dummy:0"  # plans without running; made to render CUDA C here
+DEV = "dummy:0"  # plans without running; made to render CUDA C here (conftest.cuda_planning)
 
 
 def dims(step: KernelStep) -> tuple[tuple[int, int, int], int, int]:
     """(grid, threads per block, bytes zeroed first): the launch the renderer decided for a CUDA kernel."""
     return step.launch.grid, step.launch.group, step.launch.zero
-
-
-@pytest.fixture
-def cuda_planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    dev = RT.device(DEV)
-    monkeypatch.setattr(dev, "dialect", CUDA)
-    monkeypatch.setattr(dev, "tiles", False)
-    RT.plan_cache.clear()
-    yield
-    RT.plan_cache.clear()
 
 
 def t(*shape: int, dtype: str = "float32") -> Tensor:

@@ -28,18 +28,8 @@ from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.runtime import RT
 from azyx.walk import canonicalize
 
-DEV = "dummy:0"  # plans without running; made to render CUDA C here
+DEV = "dummy:0"  # plans without running; made to render CUDA C here (conftest.cuda_planning)
 TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
-
-
-@pytest.fixture
-def cuda_planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    dev = RT.device(DEV)
-    monkeypatch.setattr(dev, "dialect", CUDA)
-    monkeypatch.setattr(dev, "tiles", False)
-    RT.plan_cache.clear()
-    yield
-    RT.plan_cache.clear()
 
 
 def run_on_host(out: Tensor, data: dict[int, np.ndarray], numel: int) -> tuple[KernelStep, np.ndarray]:
