@@ -148,7 +148,7 @@ class Replay:
         index = {s: i for i, s in enumerate(used)}
         self.bound = [s for s in used if s not in arena]
         self.written = [s for k in steps for s in k.args[:k.outs] if s not in arena]
-        self.get: Callable[[list[Any]], Any] = _getter(self.bound)
+        self.get: Callable[[list[Any]], Any] = slot_picker(self.bound)
         self.offsets = np.array([arena.get(s, 0) for s in used], np.uint64)  # (a bound slot's entry: overwritten)
         self.bound_at = np.array([index[s] for s in self.bound], np.intp)
         self.entries = np.array([index[s] for k in steps for s in k.args], np.intp)
@@ -176,7 +176,7 @@ class Replay:
         return last[1]
 
 
-def _getter(slots: list[int]) -> Callable[[list[Any]], Any]:
+def slot_picker(slots: Sequence[int]) -> Callable[[list[Any]], Any]:
     """What picks `slots`' entries out of a run's list, as a tuple (one C call, for any count)."""
     if len(slots) == 1:
         only = slots[0]

@@ -16,14 +16,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from enum import Enum
-from operator import itemgetter
 from threading import get_ident
 from typing import Any
 
 import numpy as np
 
 from azyx import debug
-from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Replay, Runner, RunRecord, arena_of
+from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Replay, Runner, RunRecord, arena_of, slot_picker
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.ir import CHECK_WORDS
@@ -425,7 +424,7 @@ def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]
             out.append(last := _Segment(devices[step.dst_device], step, []))
         last.frees.extend(frees)
     for seg in out:
-        seg.args = [itemgetter(*k.args) if len(k.args) > 1 else _one(k.args[0]) for k in seg.kernels]
+        seg.args = [slot_picker(k.args) for k in seg.kernels]
         if seg.transfer is None:
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
@@ -441,10 +440,6 @@ def _alloc(dev: Device, allocs: list[int], bufs: list[Buffer | None], slots: tup
     elif need:
         for s, made in zip(need, dev.alloc_many([max(slots[s].nbytes, 1) for s in need])):
             bufs[s] = made
-
-
-def _one(slot: int) -> Callable[[list[Any]], tuple[Any]]:
-    return lambda bufs: (bufs[slot],)
 
 
 _NOTHING = Prepared.__new__(Prepared)  # (UnifiedExecutor.last before any run: paired with no plan, never read)
