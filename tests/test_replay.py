@@ -184,7 +184,7 @@ async def test_steady_runs_hold_no_more_memory(device: str) -> None:
 
 
 async def test_cuda_table_holds_what_each_launch_takes() -> None:
-    """The table CUDA binds a frozen batch into (cuda._Frozen: its bytes are the graph's key) holds, per kernel, what
+    """The table CUDA binds a frozen batch into (cuda._Frozen: the data of its graph) holds, per kernel, what
     its launch item would pass (its buffers' addresses, a temporary's in the run's one allocation, then its scalar
     words), checked on a plan frozen on c:0 (no GPU needed: the table is data); the temporaries do not overlap."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
@@ -210,8 +210,36 @@ async def test_cuda_table_holds_what_each_launch_takes() -> None:
     programs = {k.name: 1000 + i for i, k in enumerate(replay.batch.steps)}
     table = _Frozen(replay, programs)
     for scalars in ([1.5] * plan.n_scalars, [-0.25 + i / 8 for i in range(plan.n_scalars)]):
-        got = table.launches(table.table(replay, bufs, arena, scalars))
+        got = table.launches(table.table(replay.addresses(bufs, arena), replay.words(scalars)))
         want = [(programs[k.name], k.launch, tuple(bufs[s].ptr if s not in replay.arena else arena.ptr + replay.arena[s]
                                                    for s in k.args) + k.words(scalars), k.name)
                 for k in replay.batch.steps]
         assert got == want
+
+
+async def test_cuda_graph_replays_new_buffers_and_scalars_as_data() -> None:
+    """On CUDA a steady frozen batch is one graph: new input and output buffers and a scalar that change every run (a
+    decode step's tokens, positions and logits) update the captured kernels' parameters instead of capturing a graph
+    per run, and every run gives numpy's values, those launched before the capture, at it and after it, each read
+    once later runs have replayed the graph with other values."""
+    if "cuda:0" not in azyx.devices():
+        pytest.skip("no CUDA device")
+    from azyx.backends.cuda_graph import _Graph
+
+    ws = await weights("cuda:0")
+    cache = RT.device("cuda:0").graph_cache
+    before = sum(isinstance(g, _Graph) for g in cache.graphs.values())
+    kept = []
+    for i in range(12):
+        s = 0.75 + i / 32
+        xn = rng.standard_normal((2, WIDTH)).astype(np.float32)
+        x = Tensor(xn, device="cuda:0")  # a new input buffer each run
+        mid, y = chain(x, ws, s)
+        await azyx.realize(mid, y)
+        kept.append((mid, y, xn, s))
+    graphs = sum(isinstance(g, _Graph) for g in cache.graphs.values()) - before
+    assert graphs == 1, f"{graphs} graphs captured for one plan across 12 runs"
+    for mid, y, xn, s in kept:
+        ref_mid, ref_y = reference(xn, s)
+        np.testing.assert_allclose(await mid.numpy(), ref_mid, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)

@@ -86,30 +86,54 @@ def _kernel_params(ptrs: tuple[int, ...], maps: tuple[TensorMap, ...]) -> tuple[
 class _Frozen:
     """A frozen batch (device.Replay) as CUDA launches it: per kernel its function, dims and name, and where its
     arguments' 64-bit values (buffer addresses, then scalar words: what kernelParams points at) sit in the run's
-    table."""
+    table. Its graph is keyed by the addresses a captured memset writes (`zeroed_at`: a memset node is not updated);
+    every other value is the graph's data (`refresh`)."""
 
-    __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "kernels")
+    __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "entry_kernel", "zeroed_at", "kernels")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
         arg_at: list[int] = []
         word_at: list[int] = []
+        entry_kernel: list[int] = []
+        zeroed_at: list[int] = []
         self.kernels: list[tuple[Any, Launch, str, int, int]] = []
         at = 0
-        for step, n_args, n_words in zip(replay.batch.steps, replay.arg_counts, replay.word_counts):
+        for i, (step, n_args, n_words) in enumerate(zip(replay.batch.steps, replay.arg_counts, replay.word_counts)):
+            if step.launch.zero:
+                zeroed_at.append(len(arg_at))  # (its first argument, in the run's addresses)
             arg_at += range(at, at + n_args)
             word_at += range(at + n_args, at + n_args + n_words)
+            entry_kernel += [i] * (n_args + n_words)
             self.kernels.append((programs[step.name], step.launch, step.name, at, at + n_args + n_words))
             at += n_args + n_words
         self.n, self.n_words, self.count = at, len(word_at), len(self.kernels)
         self.arg_at, self.word_at = np.array(arg_at, np.intp), np.array(word_at, np.intp)
+        self.entry_kernel, self.zeroed_at = np.array(entry_kernel, np.intp), np.array(zeroed_at, np.intp)
 
-    def table(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any]) -> np.ndarray:
+    def table(self, addresses: np.ndarray, words: np.ndarray) -> np.ndarray:
         """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""
         table = np.empty(self.n, np.uint64)
-        table[self.arg_at] = replay.addresses(bufs, arena)
+        table[self.arg_at] = addresses
         if self.n_words:
-            table[self.word_at] = replay.words(scalars)
+            table[self.word_at] = words
         return table
+
+    def key(self, addresses: np.ndarray) -> tuple:
+        """The run's graph's key: the record, and the addresses its memsets write."""
+        return (self, addresses[self.zeroed_at].tobytes()) if len(self.zeroed_at) else (self,)
+
+    def refresh(self, cache: GraphCache, graph: Any, table: np.ndarray, hold_gil: bool) -> None:
+        """The graph's kernels whose values (a new input's address, a new scalar) differ from the run's take the
+        run's: a steady batch replays one graph whatever its inputs and scalars, capturing nothing."""
+        last, graph.table = graph.table, table
+        if last is None or last is table:
+            return
+        changed = np.unique(self.entry_kernel[last != table]).tolist()
+        if changed:
+            values = table.tolist()
+            for i in changed:
+                fn, dims, _, a, b = self.kernels[i]
+                cache.set_params(graph, i, fn, dims, tuple(values[a:b]), hold_gil)
 
     def launches(self, table: np.ndarray) -> list[Collected]:
         """The batch's launches for a run's table (where it is not replayed as a graph yet)."""
@@ -223,7 +247,7 @@ class CUDADevice(StagedCopies):
         self.ready = threading.Condition(self.lock)
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
-        self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name)
+        self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
         self.start_waiter()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
@@ -563,14 +587,20 @@ class CUDADevice(StagedCopies):
             if err := hot.launch_values(fn, *grid, block, 1, 1, dims.smem, self.stream_h, ptrs):
                 hot.fail(err, "cuLaunchKernel")
             return
+        if err := hot.launch(fn, *grid, block, 1, 1, dims.smem, self.stream_h, self._params(ptrs, dims), None):
+            hot.fail(err, "cuLaunchKernel")
+
+    def _params(self, ptrs: tuple[int, ...], dims: Launch) -> int:
+        """kernelParams' address for a launch of `ptrs` (the driver copies them at the call: the arrays are kept for
+        the next launch with these values, a steady plan's)."""
+        maps = dims.maps
         key = (ptrs, maps) if maps else ptrs
         arrays = self.params.get(key)
         if arrays is None:
             if len(self.params) >= 4096:
                 self.params.clear()
             arrays = self.params[key] = _kernel_params(ptrs, maps)
-        if err := hot.launch(fn, *grid, block, 1, 1, dims.smem, self.stream_h, arrays[2], None):
-            hot.fail(err, "cuLaunchKernel")
+        return arrays[2]
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
@@ -623,22 +653,25 @@ class CUDADevice(StagedCopies):
         return v
 
     def freeze(self, replay: Replay) -> bool:
-        """A steady batch replays as one table of its launches' 64-bit values (`_Frozen`), whose bytes with the record
-        are its graph's key: a steady run's submission is one dict lookup and one graph launch."""
+        """A steady batch replays as one table of its launches' 64-bit values (`_Frozen`), the data of one graph per
+        record: a steady run's submission is one dict lookup, a parameter update per kernel whose values changed (a
+        new input buffer, a new scalar), and one graph launch."""
         replay.prepared = _Frozen(replay, self.programs)
         return True
 
     def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
                       waits: list[tuple[Device, int]]) -> int:
         """As `launch_many` for the frozen batch: one command (one value, one event), its launches one by one until
-        steady, then captured and replayed as a graph (`GraphCache`, keyed by the record and the run's table): here
+        steady, then captured and replayed as a graph (`GraphCache`, keyed by the record, its values updated): here
         where that is cheap, else by the submitter thread (as `_flush`; also where a wait needs host-side progress)."""
         frozen = replay.prepared
-        table = frozen.table(replay, bufs, arena, scalars)
-        key, cache = (frozen, table.tobytes()), self.graph_cache
+        addresses = replay.addresses(bufs, arena)
+        table = frozen.table(addresses, replay.words(scalars))
+        key, cache = frozen.key(addresses), self.graph_cache
 
         def launch(hold_gil: bool = True) -> None:
-            cache.launch(lambda: frozen.launches(table), hold_gil, key)
+            cache.launch(lambda: frozen.launches(table), hold_gil, key,
+                         lambda graph: frozen.refresh(cache, graph, table, hold_gil))
 
         long = None if cache.cheap_keyed(key, frozen.count) else lambda: launch(False)
         return self._submit(launch, waits, (arena, replay.get(bufs)), long=long)

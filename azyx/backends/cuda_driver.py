@@ -44,6 +44,7 @@ class Hot:
         self.event_record = _fn(lib.cuEventRecord, p, p)
         self.event_query = _fn(lib.cuEventQuery, p)
         self.graph_launch = _fn(lib.cuGraphLaunch, p, p)
+        self.graph_set_params = _fn(lib.cuGraphExecKernelNodeSetParams, p, p, p)
         self.memset_d32 = _fn(lib.cuMemsetD32Async, ctypes.c_uint64, u, z, p)
         self.htod = _fn(lib.cuMemcpyHtoDAsync_v2, ctypes.c_uint64, p, z, p)
         self.dtoh = _fn(lib.cuMemcpyDtoHAsync_v2, p, ctypes.c_uint64, z, p)

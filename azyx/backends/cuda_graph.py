@@ -1,9 +1,15 @@
 """CUDA graphs of steady batches. A single-device plan's launches on a CUDA device are collected into one batch
 (`CUDADevice.begin_batch`/`end_batch`); when a plan submits the same kernels on the same buffers again (the caching
-allocator hands back the same blocks), the batch is captured once and then replays as one graph launch."""
+allocator hands back the same blocks), the batch is captured once and then replays as one graph launch.
+
+A frozen batch's graph is keyed by its record (and the addresses its memsets write): its kernels' values are data. A
+run whose values differ from the graph's last ones updates the parameters of the kernels whose values changed
+(cuGraphExecKernelNodeSetParams) before the launch, so new input buffers and scalars every run (a decode step's
+tokens and positions) replay one graph, capturing nothing."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -19,21 +25,37 @@ GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that 
 Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
 
 
+class _NodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS (the driver's first version of it: what cuGraphExecKernelNodeSetParams takes)."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p)]
+
+
 class _Graph:
-    """A captured batch: the executable graph and its handle for the launch path."""
+    """A captured batch: the executable graph and its handle for the launch path; for a frozen batch, the graph it
+    was made from (its kernel nodes, in launch order, are what a parameter update names) and the table of values it
+    replays now."""
 
-    __slots__ = ("exe", "handle")
+    __slots__ = ("exe", "handle", "graph", "nodes", "table")
 
-    def __init__(self, exe: Any):
-        self.exe, self.handle = exe, int(exe)
+    def __init__(self, exe: Any, graph: Any, nodes: list[int]):
+        self.exe, self.handle, self.graph, self.nodes = exe, int(exe), graph, nodes
+        self.table: Any = None
+
+    def __del__(self) -> None:
+        if self.graph is not None:
+            cu.cuGraphDestroy(self.graph)
 
 
 class GraphCache:
     """One stream's graphs, by the launches they replay (kernel names, grids and pointers: one source may launch
     several grids); a batch not yet steady has a count of sightings instead."""
 
-    def __init__(self, stream: Any, launch: Callable[[Any, Launch, tuple[int, ...], bool], None], name: str):
+    def __init__(self, stream: Any, launch: Callable[[Any, Launch, tuple[int, ...], bool], None], name: str,
+                 params: Callable[[tuple[int, ...], Launch], int] | None = None):
         self.stream, self.launch_one, self.name = stream, launch, name
+        self.params = params  # a launch's kernelParams (void**) for its values, kept alive by the caller
         self.hot, self.stream_h = hot(), int(stream)
         self.graphs: dict[tuple, _Graph | int] = {}
         self.keyed: tuple[list[Collected], tuple] | None = None  # the last batch `cheap` keyed, and its key
@@ -61,11 +83,11 @@ class GraphCache:
         return launches <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
 
     def launch(self, batch: list[Collected] | Callable[[], list[Collected]], hold_gil: bool = True,
-               key: tuple | None = None) -> None:
+               key: tuple | None = None, refresh: Callable[[_Graph], None] | None = None) -> None:
         """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady.
         `hold_gil` False: each launch lets other threads run (a long batch submitted off the loop's thread). With
-        `key` (a frozen batch's: its record and its table's bytes), `batch` is what makes its launches, called only
-        where they are launched one by one or captured."""
+        `key` (a frozen batch's), `batch` is what makes its launches, called only where they are launched one by one
+        or captured, and `refresh(graph)` brings a graph's values up to the run's before its launch."""
         if key is None:
             assert isinstance(batch, list)
             if len(batch) == 1:
@@ -85,22 +107,50 @@ class GraphCache:
                     self.launch_one(fn, dims, ptrs, hold_gil)
                 graph = None
             else:
-                graph = self.graphs[key] = self._capture(launches, hold_gil)
+                graph = self.graphs[key] = self._capture(launches, hold_gil, refresh is not None)
+        if refresh is not None and graph is not None:
+            refresh(graph)
         if graph is not None and (err := (self.hot if hold_gil else self.hot.releasing).graph_launch(graph.handle,
                                                                                                     self.stream_h)):
             self.hot.fail(err, "cuGraphLaunch")
         if len(self.graphs) > GRAPHS_KEPT:
             self.graphs.pop(next(iter(self.graphs)))
 
-    def _capture(self, batch: list[Collected], hold_gil: bool) -> _Graph:
+    def _capture(self, batch: list[Collected], hold_gil: bool, nodes: bool = False) -> _Graph:
+        """The batch captured and instantiated; with `nodes`, each launch's kernel node is noted (the stream's
+        capture frontier after it) and the graph kept for parameter updates."""
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        kernels: list[int] = []
         try:
             for fn, dims, ptrs, _ in batch:
                 self.launch_one(fn, dims, ptrs, hold_gil)
+                if nodes:
+                    kernels.append(_frontier(self.stream))
         finally:
             graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        cu.cuGraphDestroy(graph)
         debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
-        return _Graph(exe)
+        if not nodes:
+            cu.cuGraphDestroy(graph)
+            return _Graph(exe, None, [])
+        return _Graph(exe, graph, kernels)
+
+    def set_params(self, graph: _Graph, i: int, fn: Any, dims: Launch, values: tuple[int, ...],
+                  hold_gil: bool) -> None:
+        """The graph's `i`th kernel launches with `values` (its buffers' addresses, then its scalar words) from its
+        next launch on."""
+        assert self.params is not None
+        p = _NodeParams(int(fn), (ctypes.c_uint * 3)(*dims.grid), (ctypes.c_uint * 3)(dims.group, 1, 1), dims.smem,
+                        self.params(values, dims), None)
+        hot = self.hot if hold_gil else self.hot.releasing
+        if err := hot.graph_set_params(graph.handle, graph.nodes[i], ctypes.byref(p)):
+            hot.fail(err, "cuGraphExecKernelNodeSetParams")
+
+
+def _frontier(stream: Any) -> int:
+    """The node a capturing stream's next work will depend on: after a launch, that launch's kernel node."""
+    result = check(cu.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
+    deps = next(r for r in result if isinstance(r, list))  # (the result's fields differ between CUDA 12 and 13)
+    assert len(deps) == 1, deps
+    return int(deps[0])
