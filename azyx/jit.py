@@ -179,9 +179,18 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Coroutine: run the function (traced on a new signature, else its trace replayed) and return its results
         realized."""
+        return await self._call(args, kwargs, True)
+
+    async def submit(self, *args: Any, **kwargs: Any) -> Any:
+        """Coroutine: as calling it, but a replay returns its results once their work is queued, not done: reading
+        one (`numpy()`, `item()`) then waits for the work and the read together, on a GPU one round trip instead of
+        two, and the work's failure is raised there. A call that traces waits as `__call__` does."""
+        return await self._call(args, kwargs, False)
+
+    async def _call(self, args: tuple, kwargs: dict[str, Any], wait: bool) -> Any:
         for a in args:
             if type(a) is not Tensor and hasattr(type(a), "jit_flatten"):  # (a missing attribute costs ~0.25 us)
-                return await self._call_flattened(args, kwargs)
+                return await self._call_flattened(args, kwargs, wait)
         nodes = GRAPH.nodes
         named = (*enumerate(args), *sorted(kwargs.items())) if kwargs else tuple(enumerate(args))
         tensors = [a for _, a in named if isinstance(a, Tensor)]
@@ -199,12 +208,12 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 self.replays += 1
                 results, plan = replay
                 bufs = [nodes[t.id].buffer for t in results]  # type: ignore[union-attr]
-                if not done(bufs):  # type: ignore[arg-type]  # (a small plan that ran inline is done by now)
+                if wait and not done(bufs):  # type: ignore[arg-type]  # (a small plan that ran inline is done by now)
                     await wait_for(bufs, plan)  # type: ignore[arg-type]
                 return trace.output(results)
         return await self._trace(key, args, kwargs, tensors, numbers)
 
-    async def _call_flattened(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+    async def _call_flattened(self, args: tuple, kwargs: dict[str, Any], wait: bool = True) -> Any:
         """A call with arguments made of tensors (a ShardedTensor: its `jit_flatten()` gives its tensors, a hashable
         layout and how to rebuild it from tensors): they pass as their tensors to a jit of its own per layout, and
         the function sees them rebuilt (replays bind the tensors like any argument)."""
@@ -245,7 +254,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             inner.static = static_at | {k for k in self.static if isinstance(k, str)}
         before = inner.replays
         try:
-            return await inner(*flat, **kwargs)
+            return await inner._call(tuple(flat), kwargs, wait)
         finally:
             self.replays += inner.replays - before
 

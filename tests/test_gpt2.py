@@ -272,6 +272,38 @@ async def test_concurrent_streams_join_and_leave_the_batch(checkpoint: Path, ref
     assert stream.finish_reason == "cancelled" and not engine.active and len(engine.cache.free) == 3
 
 
+async def test_streamed_steps_queue_ahead_and_give_the_step_by_step_tokens(checkpoint: Path, reference: Any) -> None:
+    """While a batch stays the same, the runner queues each step before the last one's tokens are read (the device's
+    tokens fed on): greedy streams give transformers' tokens, seeded sampled streams the tokens the same requests get
+    from `step()` one at a time (one draw per step, in order), a stop token ends its stream where it falls, and a
+    stream cancelled mid-way frees its slot."""
+    model = await load(checkpoint)
+    engine = Engine(model, slots=3)
+    greedy = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    sampled = engine.generate([5, 6, 7], max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=3,
+                              ignore_eos=True)
+    want_greedy = hf_greedy(reference, PROMPT, 12)
+    stop = want_greedy[7]
+    stopped = engine.generate(PROMPT, max_new_tokens=12, stop_token_ids=[stop], ignore_eos=True)
+    got = await asyncio.gather(collect(greedy), collect(sampled), collect(stopped))
+    assert engine.chained > 0
+    assert got[0] == want_greedy
+    assert got[2] == want_greedy[:want_greedy.index(stop)] and stopped.finish_reason == "stop"
+    alone = Engine(model, slots=1)
+    seq = await alone.add([5, 6, 7], alone.params(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=3,
+                                                  ignore_eos=True))
+    while not seq.done:
+        await alone.step()
+    assert got[1] == seq.tokens and alone.chained == 0
+    stream = engine.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 5:
+            stream.cancel()
+    assert stream.finish_reason == "cancelled" and len(engine.cache.free) == 3
+
+
 async def test_bad_input_raises_and_the_model_stays_usable(checkpoint: Path, reference: Any) -> None:
     with pytest.raises(DeviceError, match="nope:0"):
         await GPT2.from_pretrained(checkpoint, device="nope:0")

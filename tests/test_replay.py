@@ -243,3 +243,31 @@ async def test_cuda_graph_replays_new_buffers_and_scalars_as_data() -> None:
         ref_mid, ref_y = reference(xn, s)
         np.testing.assert_allclose(await mid.numpy(), ref_mid, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)
+
+
+async def test_jit_submit_hands_back_queued_results_that_read_right(device: str) -> None:
+    """`jit.submit` returns a replay's results once queued: reading each gives numpy's values (several submitted before
+    any is read), a bad index raises at the read of its own run, and later submissions still read right."""
+    ws = await weights(device)
+    table = rng.standard_normal((5, WIDTH)).astype(np.float32)
+    emb = Tensor(table, device=device)
+    await emb.realize()
+
+    @azyx.jit
+    def step(ids: Tensor, s: float) -> Tensor:
+        return chain(emb[ids], ws, s)[1]
+
+    def ids_of(ids: list[int]) -> Tensor:
+        return Tensor(np.array(ids, np.int32), device=device)
+
+    await step(ids_of([0, 1]), 1.0)  # (traced: later calls replay)
+    runs = [([0, 4], 1.0), ([1, 2], 1.125), ([3, 3], 0.75), ([4, 0], 1.5)]
+    outs = [await step.submit(ids_of(ids), s) for ids, s in runs]
+    assert step.replays >= len(runs)
+    for y, (ids, s) in zip(outs, runs):
+        np.testing.assert_allclose(await y.numpy(), reference(table[ids], s)[1], rtol=1e-5, atol=1e-5)
+    bad = await step.submit(ids_of([1, 7]), 1.5)
+    good = await step.submit(ids_of([2, 1]), 0.5)
+    with pytest.raises(IndexOutOfRange, match="index 7 is out of range for an axis of size 5"):
+        await bad.numpy()
+    np.testing.assert_allclose(await good.numpy(), reference(table[[2, 1]], 0.5)[1], rtol=1e-5, atol=1e-5)

@@ -595,6 +595,19 @@ def _bucket(n: int, limit: int) -> int:
     return next(b for b in _buckets(limit) if b >= n)
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A decode step queued on the device: its sequences, rows (None: padding), slots and tokens tensors (a chained
+    step feeds them on), its outputs, and the read of its tokens, started."""
+
+    seqs: list[Sequence]
+    rows: list[Sequence | None]
+    slots: Tensor
+    token: Tensor
+    logits: Tensor
+    read: asyncio.Future[np.ndarray]
+
+
 # ------------------------------------------------------------------------------------------------ engine
 class Engine:
     """Continuous batching over a `KVCache` of `slots` sequences of up to `max_len` tokens (default n_positions).
@@ -625,6 +638,8 @@ class Engine:
         self.logits: Tensor | None = None
         self.rows: list[Sequence | None] = []
         self.batch: list[Sequence] = []  # the sequences of the step in flight (or the last one)
+        self.inflight: _Launched | None = None  # a step queued whose tokens are not read yet (the runner's)
+        self.chained = 0  # steps queued before the last one's tokens were read (for tests and debugging)
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
         # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
         # the cache rows a decode step reads: the first bucket of WINDOW_BASE * 4**i (and max_len) above the
@@ -675,6 +690,7 @@ class Engine:
         if not self.cache.free:
             raise NoFreeSlotError(f"all {self.cache.slots} slots of the KV cache hold sequences")
         async with self.lock:
+            await self._settle()
             self.live.add(seq)
             try:
                 await self._prefill(seq)
@@ -773,15 +789,15 @@ class Engine:
             variants.append(dict(sample=True, filter_k=True, filter_p=True))
         sizes = range(1, self.cache.slots + 1) if batch_sizes is None else batch_sizes
         async with self.lock:
+            await self._settle()
             await self._ready()
             scratch = self.cache.scratch
             shapes = [(b, w) for b in sorted({_bucket(n, self.cache.slots) for n in sizes}) for w in self.windows]
             for b, w in shapes:
-                sampling, _ = self._sampling([None] * b)
-                for flags in variants:  # (three handles, as a step has: a handle passed twice would key otherwise)
-                    tokens, rows = self._device([0] * b, dtypes.int32), self._device([scratch] * b, dtypes.int32)
-                    await self.decode_step(tokens, rows, self._device([0] * b, dtypes.int32), *sampling, **flags,
-                                           window=w)
+                for flags in variants:
+                    ints, floats, _ = self._decode_inputs([0] * b, [self._sampling_row(None)] * b)
+                    slots, tokens = self._device([scratch] * b, dtypes.int32), self._device([0] * b, dtypes.int32)
+                    await self.decode_step(slots, tokens, ints, floats, **flags, window=w)
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -801,24 +817,33 @@ class Engine:
 
     # ---------------------------------------------------------------- the work
     async def _run(self) -> None:
-        """The runner: prefills waiting requests into free slots and steps the active ones until none is left. A
-        request's own failure (its prefill, its sampling values, a step) ends that request (or the step's batch)
-        with the error; the runner keeps serving the others."""
+        """The runner: prefills waiting requests into free slots and steps the active ones until none is left. While
+        the batch stays the same, the next step is queued before the last one's tokens are read (`_launch` chained
+        on the device's tokens): the host's work for a step overlaps the device's for the one before. A request's
+        own failure (its prefill, its sampling values, a step) ends that request (or the step's batch) with the
+        error; the runner keeps serving the others."""
         try:
-            while self.active or self.waiting:
+            while self.active or self.waiting or self.inflight is not None:
                 async with self.lock:
-                    while self.waiting and self.cache.free:
-                        seq = self.waiting.popleft()
-                        try:
-                            await self._prefill(seq)
-                        except Exception as e:
-                            self.fail(seq, e)
+                    chained = self.inflight if self.inflight is not None and self._chainable(self.inflight) else None
+                    if chained is None:
+                        await self._settle()
+                        while self.waiting and self.cache.free:
+                            seq = self.waiting.popleft()
+                            try:
+                                await self._prefill(seq)
+                            except Exception as e:
+                                self.fail(seq, e)
                     if self.active:
                         try:
-                            await self._step()
+                            launched = await self._launch(chained)
                         except Exception as e:  # the step's batch fails; later requests are served
+                            await self._settle()
                             for seq in self.batch:
                                 self.fail(seq, e)
+                            launched = None
+                        await self._settle()  # (the chained step's tokens: read while `launched` runs)
+                        self.inflight = launched
                 # a step whose work was done when awaited never gave the loop a turn: the clients' sends, new
                 # requests and disconnects are handled between steps, not after a whole sequence
                 await asyncio.sleep(0)
@@ -849,18 +874,30 @@ class Engine:
                                 f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
         return t, k, top_p, float(seq.rng.random())
 
-    def _sampling(self, seqs: list[Sequence | None],
-                  rows: list[tuple[float, int, float, float]] | None = None) -> tuple[list[Tensor], dict[str, bool]]:
-        """The per-row sampling tensors (`rows`, or each sequence's `_sampling_row`), and which parts of the sampler
-        some row uses (the others are left out of the plan)."""
-        v = self.model.config.vocab_size
-        rows = rows if rows is not None else [self._sampling_row(s) for s in seqs]
+    def _decode_inputs(self, positions: list[int], rows: list[tuple[float, int, float, float]]
+                       ) -> tuple[Tensor, Tensor, dict[str, bool]]:
+        """A decode step's per-row values besides its slots and tokens, as two tensors (two copies to the device, not
+        five): ints (2, B) of positions and top-k, floats (3, B) of temperature, top-p and the uniform draw; and the
+        sampler's parts some row uses."""
         t, k, p, u = zip(*rows)
+        return (self._device([positions, k], dtypes.int32), self._device([t, p, u], dtypes.float32),
+                self._parts(rows))
+
+    def _parts(self, rows: list[tuple[float, int, float, float]]) -> dict[str, bool]:
+        """Which parts of the sampler some row of `rows` (`_sampling_row`s) uses (the others are left out of the
+        plan)."""
+        v = self.model.config.vocab_size
         sampled = [r for r in rows if r[0] > 0]
-        flags = dict(sample=bool(sampled), filter_k=any(r[1] < v for r in sampled),
-                     filter_p=any(r[2] < 1.0 for r in sampled))
+        return dict(sample=bool(sampled), filter_k=any(r[1] < v for r in sampled),
+                    filter_p=any(r[2] < 1.0 for r in sampled))
+
+    def _sampling(self, seqs: list[Sequence | None]) -> tuple[list[Tensor], dict[str, bool]]:
+        """The per-row sampling tensors of `seqs` (their `_sampling_row`s; a prefill's), and which parts of the
+        sampler some row uses."""
+        rows = [self._sampling_row(s) for s in seqs]
+        t, k, p, u = zip(*rows)
         return [self._device(t, dtypes.float32), self._device(k, dtypes.int32), self._device(p, dtypes.float32),
-                self._device(u, dtypes.float32)], flags
+                self._device(u, dtypes.float32)], self._parts(rows)
 
     def _extras(self, rows: list[Sequence | None]) -> dict[str, Tensor | None]:
         """The optional parts of the sampler some row of a batch uses, as per-row tensors (None: left out of the
@@ -899,10 +936,12 @@ class Engine:
                               filter_p=filter_p, **extras)
         return token, logits
 
-    def _decode_graph(self, tokens: Tensor, slots: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
-                      top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
-                      filter_p: bool, window: int, **extras: Tensor | None) -> tuple[Tensor, Tensor]:
-        """One token per row (B,) at `positions` of `slots`: the next tokens and the logits (B, vocab)."""
+    def _decode_graph(self, slots: Tensor, tokens: Tensor, ints: Tensor, floats: Tensor, sample: bool,
+                      filter_k: bool, filter_p: bool, window: int, **extras: Tensor | None) -> tuple[Tensor, Tensor]:
+        """One token per row (B,) at `positions` of `slots` (`_decode_inputs`' tensors): the next tokens and the
+        logits (B, vocab)."""
+        positions, top_k = ints[0], ints[1]
+        temperature, top_p, uniform = floats[0], floats[1], floats[2]
         b = tokens.shape[0]
         view = Decode(self.cache, slots, positions, window)
         logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view)
@@ -932,9 +971,10 @@ class Engine:
             length = _bucket(n, self.cache.max_len)
             ids = self._device([seq.prompt + [0] * (length - n)], dtypes.int32)
             sampling, flags = self._sampling([seq])
-            token, logits = await self.prefill_step(ids, self._device(slot, dtypes.int32),
-                                                    self._device(n - 1, dtypes.int32), *sampling, **flags,
-                                                    **self._extras([seq]))
+            # (queued, not awaited: reading the token waits for the step and the read together, one round trip)
+            token, logits = await self.prefill_step.submit(ids, self._device(slot, dtypes.int32),
+                                                           self._device(n - 1, dtypes.int32), *sampling, **flags,
+                                                           **self._extras([seq]))
             self.logits, self.rows = logits, [seq]
             first = int((await token.numpy())[0])
             lps = await self._logprobs(logits, [seq], [first])
@@ -957,32 +997,62 @@ class Engine:
         else:
             seq.state = "new"
 
-    async def _step(self) -> dict[Sequence, int]:
+    def _chainable(self, step: _Launched) -> bool:
+        """Whether the step after `step` may be queued before `step`'s tokens are read: the same sequences go on (none
+        ended, none joins: no waiting request a free slot would take), none reaches its token budget or the cache's
+        end with `step`'s token, and no row's sampling reads the tokens generated so far (penalties)."""
+        if self.waiting and self.cache.free:
+            return False
+        if len(self.active) != len(step.seqs) or any(s.done or self.active.get(s.slot) is not s for s in step.seqs):
+            return False
+        return all(len(s.tokens) + 1 < s.params.max_new_tokens and s.cached + 2 < self.cache.max_len
+                   and s.params.repetition_penalty == 1.0 and not s.params.logit_bias
+                   and not s.params.presence_penalty and not s.params.frequency_penalty for s in step.seqs)
+
+    async def _launch(self, after: _Launched | None = None) -> _Launched | None:
+        """Queue a decode step of every active sequence and start reading its tokens; None when no sequence is left.
+        `after`: a step in flight whose tokens are not read yet (`_chainable`): this one feeds them from the device,
+        one position further."""
         await self._ready()
         values: list[tuple[float, int, float, float]] = []
         seqs: list[Sequence] = []
-        for s in [s for _, s in sorted(self.active.items())]:
+        for s in [s for _, s in sorted(self.active.items())] if after is None else after.seqs:
             try:
                 values.append(self._sampling_row(s))
                 seqs.append(s)
             except Exception as e:  # this request's own values: it fails, the batch goes on
                 self.fail(s, e)
         self.batch = seqs
-        if not seqs:
-            return {}
+        if not seqs or (after is not None and len(seqs) != len(after.seqs)):
+            return None
         b = _bucket(len(seqs), self.cache.slots)
         rows: list[Sequence | None] = [*seqs, *[None] * (b - len(seqs))]
-        scratch = self.cache.scratch
-        tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
-        slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
-        positions = self._device([s.cached if s else 0 for s in rows], dtypes.int32)
-        sampling, flags = self._sampling(rows, values + [self._sampling_row(None)] * (b - len(seqs)))
-        window = self._window(max(s.cached for s in seqs) + 1)
-        token, logits = await self.decode_step(tokens, slots, positions, *sampling, **flags, window=window,
-                                               **self._extras(rows))
-        self.logits, self.rows = logits, rows
-        out = (await token.numpy()).tolist()
-        lps = await self._logprobs(logits, seqs, out)
+        ahead = after is not None
+        positions = [s.cached + ahead if s else 0 for s in rows]
+        values += [self._sampling_row(None)] * (b - len(seqs))
+        if after is None:
+            scratch = self.cache.scratch
+            tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
+            slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
+        else:
+            tokens, slots = after.token, after.slots
+            self.chained += 1
+        ints, floats, flags = self._decode_inputs(positions, values)
+        window = self._window(max(positions) + 1)
+        token, logits = await self.decode_step.submit(slots, tokens, ints, floats, **flags, window=window,
+                                                      **self._extras(rows))
+        read = asyncio.ensure_future(token.numpy())
+        read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
+        launched = _Launched(seqs, rows, slots, token, logits, read)
+        await asyncio.sleep(0)  # (the read's turn: its copy is queued behind this step, ahead of the next one)
+        return launched
+
+    async def _land(self, step: _Launched) -> dict[Sequence, int]:
+        """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
+        self.logits, self.rows = step.logits, step.rows
+        out = (await step.read).tolist()
+        seqs = step.seqs
+        lps = await self._logprobs(step.logits, seqs, out)
         got: dict[Sequence, int] = {}
         for seq, tok, lp in zip(seqs, out, lps):
             if seq.done:  # removed while the step ran
@@ -991,6 +1061,24 @@ class Engine:
             got[seq] = tok
             self._accept(seq, tok, lp)
         return got
+
+    async def _settle(self) -> dict[Sequence, int]:
+        """Land the step in flight, if any (before anything that reads or changes the batch); its failure ends its
+        batch."""
+        step, self.inflight = self.inflight, None
+        if step is None:
+            return {}
+        try:
+            return await self._land(step)
+        except Exception as e:
+            for seq in step.seqs:
+                self.fail(seq, e)
+            return {}
+
+    async def _step(self) -> dict[Sequence, int]:
+        await self._settle()
+        launched = await self._launch()
+        return await self._land(launched) if launched is not None else {}
 
     async def _logprobs(self, logits: Tensor, seqs: list[Sequence], tokens: list[int]
                         ) -> list[tuple[float, list[tuple[int, float]]] | None]:
