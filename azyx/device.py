@@ -167,6 +167,21 @@ class Replay:
         at[self.bound_at] = [b.ptr for b in bound]
         return at[self.entries]
 
+    def table_at(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Where a run's values sit in a table of the batch's arguments that holds, kernel after kernel, its buffer
+        addresses and then its scalar words (CUDA's kernelParams, the C runtime's argument table): the positions of
+        the addresses (in `addresses`' order), of the words (in `words`' order), and each kernel's start in the
+        table, its end last (the table's length)."""
+        arg_at: list[int] = []
+        word_at: list[int] = []
+        starts = [0]
+        for n_args, n_words in zip(self.arg_counts, self.word_counts):
+            at = starts[-1]
+            arg_at += range(at, at + n_args)
+            word_at += range(at + n_args, at + n_args + n_words)
+            starts.append(at + n_args + n_words)
+        return np.array(arg_at, np.intp), np.array(word_at, np.intp), starts
+
     def words(self, scalars: Sequence[Any]) -> np.ndarray:
         """Every kernel's scalar words for the run's `scalars` (uint64), packed anew only for new values."""
         last = self.last

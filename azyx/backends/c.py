@@ -284,7 +284,8 @@ class CDevice(HostDevice):
         layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
         assert type(layout) is _Layout and pool is not None and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            calls = [_Batch([item], _Layout([item[0]]), self.pool) for item in items]
+            calls = [_Batch(lay, lay.table([item]), self.pool, [item]) for item in items
+                     for lay in [_Layout([item[0]])]]
 
             def timed() -> None:
                 for call, (step, _, _) in zip(calls, items):
@@ -293,7 +294,7 @@ class CDevice(HostDevice):
                     debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
                                               f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        return _Batch(items, layout, pool)
+        return _Batch(layout, layout.table(items), pool, items)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -352,6 +353,24 @@ class _Layout:
             ctypes.addressof(self.scratch), len(self.scratch), ctypes.addressof(self.argc),
             ctypes.addressof(self.kinds_table), ctypes.addressof(self.trips)) if native is not None else None
 
+    def table(self, items: list[LaunchItem]) -> Any:
+        """A queued run's table of arguments (`_Batch.ptrs`): its buffers' addresses kernel after kernel and, where
+        the kernels take scalars, each one's pointers to its values, which end the table. A steady plan gets the same
+        blocks from the pool and passes the same values: the last run's table serves again."""
+        if not self.scalars:
+            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]
+            if ptrs != self.last[0]:
+                self.last = (ptrs, self.ptrs_type(*ptrs))
+            return self.last[1]
+        ptrs = _arguments(items, None)
+        if ptrs != self.last[0]:
+            table = self.ptrs_type(*ptrs)
+            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(self.scalar_at))
+            for j, at in enumerate(self.scalar_at):  # the j-th value's pointer
+                table[at] = base + 8 * j
+            self.last = (ptrs, table)
+        return self.last[1]
+
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
         pool = self.serial
@@ -376,29 +395,14 @@ def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]
 
 
 class _Batch:
-    """Kernels run back to back by one call into C; holds their buffers until it has run (then the pool may reuse
-    them)."""
+    """Kernels run back to back by one call into C through `ptrs`, their table of arguments (`_Layout.table`, or a
+    frozen batch's: `_Table.batch`); holds `keep` (their buffers, the table's memory) until it has run (then the pool
+    may reuse them)."""
 
-    __slots__ = ("layout", "ptrs", "pool", "items")
+    __slots__ = ("layout", "ptrs", "pool", "keep")
 
-    def __init__(self, items: list[LaunchItem], layout: _Layout, pool: int):
-        self.layout, self.pool, self.items = layout, pool, items
-        if not layout.scalars:
-            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]  # every kernel's buffers
-            if ptrs != layout.last[0]:  # (a steady plan gets the same blocks from the pool: the same table serves)
-                layout.last = (ptrs, layout.ptrs_type(*ptrs))
-            self.ptrs = layout.last[1]
-            return
-        # the scalar arguments' values sit at the end of the same table, which lives until the batch has run; each
-        # kernel's entries after its buffers point at its values (their addresses, known once the table is)
-        ptrs = _arguments(items, None)
-        if ptrs != layout.last[0]:
-            table = layout.ptrs_type(*ptrs)
-            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(layout.scalar_at))
-            for j, at in enumerate(layout.scalar_at):  # the j-th value's pointer
-                table[at] = base + 8 * j
-            layout.last = (ptrs, table)
-        self.ptrs = layout.last[1]
+    def __init__(self, layout: _Layout, ptrs: Any, pool: int, keep: Any):
+        self.layout, self.ptrs, self.pool, self.keep = layout, ptrs, pool, keep
 
     def __call__(self) -> None:
         lay = self.layout
@@ -416,13 +420,7 @@ class _Table:
         layout = replay.batch.prepared
         assert type(layout) is _Layout
         self.layout, self.n, self.n_words = layout, len(layout.scratch), sum(replay.word_counts)
-        buf_at: list[int] = []
-        at = 0
-        for n_args, n_words in zip(replay.arg_counts, replay.word_counts):
-            buf_at += range(at, at + n_args)
-            at += n_args + n_words
-        self.buf_at = np.array(buf_at, np.intp)
-        self.pointer_at = np.array(layout.scalar_at, np.intp)
+        self.buf_at, self.pointer_at, _ = replay.table_at()  # (a kernel's words' places hold pointers to its values)
         self.pointer_rel = np.arange(self.n - self.n_words, self.n, dtype=np.uint64) * np.uint64(8)
         # an inline run's table is the layout's scratch (TableCall's): its value pointers are fixed
         self.inline_table = np.zeros(self.n, np.uint64)
@@ -449,9 +447,7 @@ class _Table:
         if words is not None:
             table[self.pointer_at] = self.pointer_rel + np.uint64(address)
             table[self.n - self.n_words:] = words
-        work = _Batch.__new__(_Batch)
-        work.layout, work.ptrs, work.pool, work.items = self.layout, address, pool, [keep, table]  # type: ignore[list-item]
-        return work
+        return _Batch(self.layout, address, pool, (keep, table))
 
 
 class _Runner:

@@ -91,17 +91,10 @@ class _Frozen:
     __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "kernels")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
-        arg_at: list[int] = []
-        word_at: list[int] = []
-        self.kernels: list[tuple[Any, Launch, str, int, int]] = []
-        at = 0
-        for step, n_args, n_words in zip(replay.batch.steps, replay.arg_counts, replay.word_counts):
-            arg_at += range(at, at + n_args)
-            word_at += range(at + n_args, at + n_args + n_words)
-            self.kernels.append((programs[step.name], step.launch, step.name, at, at + n_args + n_words))
-            at += n_args + n_words
-        self.n, self.n_words, self.count = at, len(word_at), len(self.kernels)
-        self.arg_at, self.word_at = np.array(arg_at, np.intp), np.array(word_at, np.intp)
+        self.arg_at, self.word_at, starts = replay.table_at()
+        self.kernels = [(programs[step.name], step.launch, step.name, a, b)
+                        for step, a, b in zip(replay.batch.steps, starts, starts[1:])]
+        self.n, self.n_words, self.count = starts[-1], len(self.word_at), len(self.kernels)
 
     def table(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any]) -> np.ndarray:
         """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""
