@@ -327,7 +327,7 @@ FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the r
 # stages through pinned memory pins them once, at its start, off the loop)
 EXTENT = 8 << 20
 RING = 8
-RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: disk.DIRECT_ALIGN)
+RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: files.DIRECT_ALIGN)
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written

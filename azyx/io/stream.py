@@ -31,11 +31,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from azyx.allocator import bucket
-from azyx.backends.disk import DiskFile, Extent, FileRange, Target
+from azyx.backends.disk import Extent, Target
 from azyx.device import EXTENT, RING
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError, fresh_copy
 from azyx.fileformat import TensorEntry
+from azyx.files import DiskFile, FileRange
 from azyx.graph import Node, Op, StridedView
 from azyx.runtime import RT
 from azyx.storage import disk_device, disk_node, header_of, open_safetensors
