@@ -373,13 +373,16 @@ class _Layout:
 
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
-        pool = self.serial
-        vals = _arguments(items, self.value_ptrs) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
+        self.run_scratch(_arguments(items, self.value_ptrs) if self.scalars else
+                         [b.ptr for _, bufs, _ in items for b in bufs])
+
+    def run_scratch(self, vals: list[int]) -> None:
+        """Run the batch now, on the calling thread (its serial pool), with `vals` as its scratch table."""
         if self.call is not None:
-            self.call(pool, vals)
+            self.call(self.serial, vals)
             return
         self.fill(self.scratch, 0, *vals)
-        _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
+        _RUNTIME_LIB[0].azyx_run(self.serial, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
 
 
 def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
@@ -432,12 +435,7 @@ class _Table:
         table[self.buf_at] = addresses
         if words is not None:
             table[self.n - self.n_words:] = words
-        lay = self.layout
-        if lay.call is not None:
-            lay.call(lay.serial, table.tolist())
-            return
-        lay.fill(lay.scratch, 0, *table.tolist())
-        _RUNTIME_LIB[0].azyx_run(lay.serial, lay.n, lay.fns, lay.scratch, lay.argc, lay.kinds, lay.trips)
+        self.layout.run_scratch(table.tolist())
 
     def batch(self, addresses: np.ndarray, words: np.ndarray | None, pool: int, keep: Any) -> _Batch:
         """The work item of a run: a table of its own (it lives until the batch has run, with `keep`: the buffers)."""
