@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import struct
-import subprocess
 import threading
 import time
 from collections import deque
@@ -40,6 +39,7 @@ from azyx.backends.host import HostDevice
 from azyx.codegen.dialect import C
 from azyx.codegen.launch import SHARED
 from azyx.codegen.templates import gemm_host
+from azyx.compiler import compiled, compiler_says
 from azyx.device import (
     INLINE,
     QUEUED,
@@ -48,9 +48,6 @@ from azyx.device import (
     Device,
     LaunchItem,
     Replay,
-    artifact_key,
-    cached_build,
-    compiled,
     kernel_list,
 )
 from azyx.errors import DeviceError
@@ -86,7 +83,7 @@ def _runtime() -> str:
 
 
 def _compiled(src: str, compiler: str, flags: list[str], what: str, timeout_s: float) -> ctypes.CDLL:
-    """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `device.run_compiler`), or
+    """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `compiler.run_compiler`), or
     found in the on-disk cache under the hash of both; loaded."""
     src = "#define _GNU_SOURCE\n" + src  # (the runtime's sched_getcpu)
     cmd = [compiler, *flags, "-shared", "-fPIC", "-std=gnu11", "{src}", "-o", "{out}", "-lm"]
@@ -145,6 +142,11 @@ def _cpu() -> dict[str, str]:
     return out
 
 
+def _cpu_key() -> tuple[str, str]:
+    """(-march=native: what the compiler says depends on the CPU too.)"""
+    return _cpu()["cpu"], _cpu()["isa"]
+
+
 def _simd(isa: str, flags: list[str]) -> int:
     """The widest vector registers the compiler may use for the CPU's ISA (bytes): 64 with AVX-512, 32 with AVX2 and
     FMA, else 16 (SSE2, NEON: every 64-bit target); 16 too where the flags do not ask for the CPU's own ISA."""
@@ -165,38 +167,14 @@ def bf16_dot(isa: str, flags: list[str], compiler: str = "gcc") -> bool:
 @functools.cache
 def _macros(compiler: str, *flags: str) -> frozenset[str]:
     """The macros `compiler` predefines under `flags` (empty where it cannot say)."""
-    out = _compiler_says(compiler, *flags, "-dM", "-E", "-x", "c", os.devnull)
+    out = compiler_says("c", compiler, *flags, "-dM", "-E", "-x", "c", os.devnull, key=_cpu_key())
     return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define ") and " " in line[8:])
 
 
 @functools.cache
 def _compiler_version(compiler: str) -> str:
-    out = _compiler_says(compiler, "--version")
+    out = compiler_says("c", compiler, "--version", key=_cpu_key())
     return out.splitlines()[0] if out else compiler
-
-
-def _compiler_says(compiler: str, *args: str) -> str:
-    """What `compiler *args` prints (empty where it cannot run), kept in the disk cache under the compiler's path, size
-    and time of change and the CPU: a process's start then runs no compiler before its first kernel's (tens of ms
-    each)."""
-    path = shutil.which(compiler)
-    if path is None:
-        return ""
-    path = os.path.realpath(path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ""
-    cpu = _cpu()  # (-march=native: what the compiler says depends on the CPU too)
-    key = artifact_key(path, str(st.st_size), str(st.st_mtime_ns), cpu["cpu"], cpu["isa"], *args)
-
-    def ask(tmp: Path) -> None:
-        tmp.write_text(subprocess.run([compiler, *args], capture_output=True, text=True, timeout=30, check=True).stdout)
-
-    try:
-        return cached_build("c", key, ".txt", ask).read_text()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 class CDevice(HostDevice):
@@ -230,7 +208,7 @@ class CDevice(HostDevice):
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry, compiled by the system compiler (killed at
-        compile_timeout_s: `device.run_compiler`) or found in the on-disk cache, then loaded: per kernel its entry's
+        compile_timeout_s: `compiler.run_compiler`) or found in the on-disk cache, then loaded: per kernel its entry's
         address and parallel kind. The C runtime that calls the entries is a library of its own (`_load_runtime`)."""
         arity = {s.name: len(s.args) for s in steps}
         kinds = {s.name: s.launch.parallel for s in steps}
