@@ -850,7 +850,9 @@ def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) ->
         arr = np.lib.stride_tricks.as_strided(flat[view.offset :], shape, tuple(s * item for s in view.strides))
     else:
         arr = np.empty(shape, dtype.np)
-    out = np.array(arr, copy=True, order="C")
-    if dtype is dtypes.bfloat16:
-        out = (out.astype(np.uint32) << 16).view(np.float32)
-    return out
+    return widened(np.array(arr, copy=True, order="C"), dtype)
+
+
+def widened(out: np.ndarray, dtype: DType) -> np.ndarray:
+    """`out`, of `dtype`, as every device's `read` returns it: bfloat16 widened to float32."""
+    return (out.astype(np.uint32) << 16).view(np.float32) if dtype is dtypes.bfloat16 else out

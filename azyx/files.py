@@ -230,8 +230,20 @@ class FileRange:
     def __repr__(self) -> str:
         return f"FileRange({self.file.path!r}, offset={self.offset}{f', runs={self.runs}' if self.runs else ''})"
 
+    def read_views(self, start: int, outs: list[memoryview], direct: np.ndarray | None = None) -> None:
+        """The range's bytes from `start` on into the byte views `outs`, one after the other, the file `check`ed
+        before and after: by `DiskFile.read_views` (one `preadv`; O_DIRECT through a `direct` block where given), run
+        by run where the range is runs."""
+        if self.runs is None:
+            return self.file.read_views(self.offset + start, outs, self.what, direct)
+        self.file.check(self.what)
+        for out in outs:
+            self.read(start, out)
+            start += len(out)
+        self.file.check(self.what)
+
     def read(self, start: int, out: memoryview) -> None:
-        """Bytes [start, start + len(out)) of the range into `out`."""
+        """Bytes [start, start + len(out)) of the range into `out` (unchecked: `read_views` checks)."""
         if self.runs is None:
             return self.file.pread_into(self.offset + start, out, self.what)
         run, step = self.runs

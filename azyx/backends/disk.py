@@ -26,8 +26,8 @@ import numpy as np
 import sniffio
 
 from azyx.allocator import MemoryUsage
-from azyx.device import DISK, EXTENT, RING, RING_BLOCK, Buffer, Device
-from azyx.dtypes import DType, dtypes
+from azyx.device import DISK, EXTENT, RING, RING_BLOCK, Buffer, Device, host_read, widened
+from azyx.dtypes import DType
 from azyx.errors import AzyxError, DeviceError
 from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, covering, direct_block
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
@@ -281,11 +281,7 @@ class DiskDevice(Device):
     # reads (blocking: called on worker threads)
     def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
         assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
-        rng: FileRange = buf.mem
-        rng.file.check(rng.what)
-        rng.read(start, out)
-        rng.file.check(rng.what)
-        self.count_read(len(out))
+        self.read_range(buf.mem, start, [out])
 
     def _read_parallel(self, buf: Buffer, start: int, out: memoryview) -> None:
         """`_read`, split into pieces (4 KiB multiples) read in parallel when large, the caller's thread reading the
@@ -306,15 +302,9 @@ class DiskDevice(Device):
         for f in rest:
             f.result()
 
-    def read_extent(self, file: DiskFile, offset: int, outs: list[memoryview], what: str = "",
-                    direct: np.ndarray | None = None) -> None:
-        """Blocking (worker threads): `DiskFile.read_views`, counted."""
-        file.read_views(offset, outs, what, direct)
-        self.count_read(sum(len(o) for o in outs))
-
     def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
                     ) -> np.ndarray | None:
-        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_extent`; None where the
+        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_range`; None where the
         filesystem refuses O_DIRECT (nothing read)."""
         file.check(what)
         got = file.pread_direct(offset, nbytes, block)
@@ -454,15 +444,8 @@ class DiskDevice(Device):
 
     def read_range(self, rng: FileRange, start: int, outs: list[memoryview], direct: np.ndarray | None = None
                    ) -> None:
-        """Blocking (reader threads): the range's bytes from `start` on into `outs`, one after the other
-        (`read_extent`; run by run where the range is runs)."""
-        if rng.runs is None:
-            return self.read_extent(rng.file, rng.offset + start, outs, rng.what, direct)
-        rng.file.check(rng.what)
-        for out in outs:
-            rng.read(start, out)
-            start += len(out)
-        rng.file.check(rng.what)
+        """Blocking (reader threads): `FileRange.read_views`, counted."""
+        rng.read_views(start, outs, direct)
         self.count_read(sum(len(o) for o in outs))
 
     def _piece_done(self, v: int, err: BaseException | None) -> None:
@@ -488,19 +471,13 @@ class DiskDevice(Device):
         if lo == hi:
             return np.empty(shape, dtype.numpy)
         item = dtype.itemsize
-        if view.strides == contiguous_strides(shape) or prod(shape) == 1:
+        if view.strides == contiguous_strides(shape) or prod(shape) == 1:  # (read in place, in parallel)
             out = np.empty(shape, dtype.np)
             self._read_parallel(buf, lo * item, out.reshape(-1).view(np.uint8).data)
-        else:
-            raw = np.empty((hi - lo) * item, np.uint8)
-            self._read(buf, lo * item, raw.data)
-            flat = raw.view(dtype.np)
-            strided = np.lib.stride_tricks.as_strided(flat[view.offset - lo :], shape,
-                                                      tuple(s * item for s in view.strides))
-            out = np.array(strided, copy=True, order="C")
-        if dtype is dtypes.bfloat16:
-            out = (out.astype(np.uint32) << 16).view(np.float32)
-        return out
+            return widened(out, dtype)
+        raw = np.empty((hi - lo) * item, np.uint8)
+        self._read(buf, lo * item, raw.data)
+        return host_read(raw, StridedView(view.offset - lo, view.strides), shape, dtype)
 
     # work: none happens here
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
