@@ -337,7 +337,7 @@ class Device:
       (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
       value (`record_failure`). `queues.QueuedDevice` is it for an API with completion events (a waiter thread, a
       submit thread where submitting may block, one translation of waits into native events); `queues.WorkQueue`,
-      which backends/host.py composes, for host memory (an in-order worker thread). The transfer calls the executor
+      which queues.HostDevice composes, for host memory (an in-order worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
       `build`: compile, on a worker thread, within `compile_timeout_s`; azyx.compiler holds the common ground: the one
@@ -367,7 +367,7 @@ class Device:
     6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
     7. `close`: stop the queue's threads (`stop_submit_thread`, `stop_waiter`), then `mem.close()`.
-    A host-memory backend subclasses backends/host.HostDevice instead, whose memory and queue are ready: it writes
+    A host-memory backend subclasses queues.HostDevice instead, whose memory and queue are ready: it writes
     `build`, `prepare_batch` and `batch_fn` (the work item that runs a batch of kernels)."""
 
     kind: str = "abstract"

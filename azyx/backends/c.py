@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.backends.host import HostDevice
 from azyx.codegen.dialect import C
 from azyx.codegen.launch import SHARED
 from azyx.codegen.templates import gemm_host
@@ -54,6 +53,7 @@ from azyx.errors import DeviceError
 from azyx.ir import scalar_args
 from azyx.native import native
 from azyx.plan import KernelStep
+from azyx.queues import HostDevice
 from azyx.timeline import TimelineSignal
 
 # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
