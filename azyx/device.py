@@ -347,7 +347,7 @@ class Device:
       packs a batch's words where the API reads them from memory).
 
     The protocol a new backend implements, in its module azyx/backends/<kind>.py (opencl.py is the shortest whole
-    example, ~200 lines):
+    example, ~300 lines):
     1. `CONFIG` at the module's top (its config section's defaults; `AUTO`, `LIBRARIES` where they apply), and a
        Device subclass (most: of queues.QueuedDevice) that sets the facts below that differ (`kind`, `dialect`, ...)
        and `count` (how many devices its API has).
@@ -362,7 +362,8 @@ class Device:
        or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.
-    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}.
+    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}; an artifact it keeps goes through
+       azyx.compiler (`compiled` for a compiler that is a process, `cached_build` for one in this process).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
     6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
