@@ -314,14 +314,6 @@ CPU_SPIN_S = 100e-6
 ROUGH_GFLOPS = {"CPU": 10.0, "IntegratedGPU": 200.0, "DiscreteGPU": 2000.0}
 ROUGH_GFLOPS_OTHER = 50.0
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
-# file loads staged through host memory (azyx.backends.disk's `DiskDevice.load`: the stream and the lazy path): bytes
-# per read (a read from the page cache runs at ~5 GB/s per thread: ~1.6 ms, long against what each costs the loop,
-# short against a file of gigabytes), and a device's ring of staging blocks, read into and copied from in turn (at most
-# RING reads in flight per device, RING * RING_BLOCK bytes of host memory whatever the file's size; a device that
-# stages through pinned memory pins them once, at its start, off the loop)
-EXTENT = 8 << 20
-RING = 8
-RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: files.DIRECT_ALIGN)
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written

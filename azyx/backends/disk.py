@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-import weakref
 from functools import partial
 from typing import Any
 
@@ -26,11 +25,12 @@ import numpy as np
 import sniffio
 
 from azyx.allocator import MemoryUsage
-from azyx.device import DISK, EXTENT, RING, RING_BLOCK, Buffer, Device, host_read, widened
+from azyx.device import DISK, Buffer, Device, host_read, widened
 from azyx.dtypes import DType
 from azyx.errors import AzyxError, DeviceError
 from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, covering, direct_block
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
+from azyx.memory import EXTENT
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
@@ -97,59 +97,6 @@ class Extent:
         self.widen, self.direct = widen, direct
         self.value = 0
         self.values: list[int] = []  # (the values of later extents joined to this read: `DiskDevice.load`)
-
-
-class Ring:
-    """A device's staging blocks for loads (`Device.host_staging`, `RING_BLOCK` bytes each, `size` at most), read into
-    and copied from in turn: a block is read into again once its last copy is done (the read waits for that on the
-    disk's side), so a load of any size holds at most `size` blocks. Taken at the first read after an idle time (a
-    device that pins them pinned them at its start: `host_staging` finds them cached), given back when the last copy
-    is done and no read is waiting."""
-
-    def __init__(self, dev: Device, size: int = RING):
-        self.dev, self.size = dev, size
-        self.blocks: list[tuple[np.ndarray, Any, int]] = []  # (memory, keep, its last copy's value)
-        self.turn = 0  # reads taken so far
-        self.lock = threading.Lock()  # (`idle` runs on the thread that completes the last copy)
-
-    def take(self) -> tuple[int, np.ndarray, Any, int]:
-        """The next block in turn: (its index, memory, keep, the value of its last copy)."""
-        with self.lock:
-            i = self.turn % self.size
-            self.turn += 1
-            if i == len(self.blocks):
-                mem, keep = self.dev.host_staging(RING_BLOCK)
-                self.blocks.append((mem, keep, 0))
-            return i, *self.blocks[i]
-
-    def fill(self) -> None:
-        """Take the blocks not taken yet (a worker thread: a device's `staging_block` may pin or map memory there)."""
-        while True:
-            with self.lock:
-                if len(self.blocks) >= self.size:
-                    return
-            mem, keep = self.dev.staging_block(RING_BLOCK)
-            with self.lock:
-                if len(self.blocks) < self.size:
-                    self.blocks.append((mem, keep, 0))
-
-    def used(self, i: int, v: int) -> None:
-        """Block `i`'s copies reach value `v` (it is read into again after that)."""
-        with self.lock:
-            mem, keep, last = self.blocks[i]
-            self.blocks[i] = (mem, keep, max(last, v))
-
-    def give_back_after(self, v: int) -> None:
-        """Once value `v` is reached (a load's last copy), give the blocks back if nothing took one since."""
-        with self.lock:
-            turn = self.turn
-        self.dev.timeline.on_reach(v, lambda: self.idle(turn))
-
-    def idle(self, turn: int) -> None:
-        with self.lock:
-            if self.turn == turn:
-                self.blocks.clear()
-                self.turn = 0
 
 
 def _start_read(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, int]]) -> None:
@@ -247,7 +194,6 @@ class DiskDevice(Device):
         self.joinable: tuple[Extent, Device] | None = None  # the last read into host memory no reader took yet (`load`)
         self.booked: list[tuple[Extent, Device, np.ndarray | None, int, int]] = []  # reads to start (`_book`)
         self.booking = False  # whether a reader thread is starting them
-        self.rings: weakref.WeakKeyDictionary[Device, Ring] = weakref.WeakKeyDictionary()
 
     # memory: file ranges, accounted like a pool
     def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "",
@@ -348,12 +294,12 @@ class DiskDevice(Device):
         the reader threads, in parallel; this (the loop's thread, often) numbers them in one step, queues their copies
         where staged, and hands them to the booker (`_book`), which starts them. Into host memory (`dev`'s
         buffers, or a failed target's scratch), straight: a small read of the bytes right after a read no reader has
-        taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`Ring`): read once the
+        taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`mem.ring`): read once the
         block's last copy is done, then copied into its targets by `dev`'s queue (`copy_from_host`, queued now, after
         the read on the disk's timeline: a target's `ready`), so a load holds at most the ring's blocks. Each extent's
         `value`: the disk's timeline value its read reaches (where its failure is recorded: a run covering the disk's
         values raises it, a stream asks `failure_in`)."""
-        ring = None if dev.host_memory else self.ring(dev)
+        ring = None if dev.host_memory else dev.mem.ring()
         with self.lock:  # (their values, in one step)
             for ext in extents:
                 self.submitted += 1
@@ -433,14 +379,6 @@ class DiskDevice(Device):
         into.nbytes += ext.nbytes
         into.values.append(ext.value)
         return True
-
-    def ring(self, dev: Device) -> Ring:
-        """`dev`'s ring of staging blocks for loads (one per device: its reads and copies take turns in it)."""
-        with self.lock:
-            ring = self.rings.get(dev)
-            if ring is None:
-                ring = self.rings[dev] = Ring(dev)
-            return ring
 
     def read_range(self, rng: FileRange, start: int, outs: list[memoryview], direct: np.ndarray | None = None
                    ) -> None:
