@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import signal
-import subprocess
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from operator import itemgetter
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,7 +17,7 @@ from azyx.codegen.dialect import Dialect
 from azyx.codegen.kernel import render_kernel
 from azyx.codegen.launch import Launch
 from azyx.codegen.render import kernel_source
-from azyx.config import COMPILE_TIMEOUT_S, ConfigError, cache_dir
+from azyx.config import COMPILE_TIMEOUT_S, ConfigError
 from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import (
     AzyxError,
@@ -39,7 +33,7 @@ from azyx.memory import Lent as Lent  # (re-exported: the lent blocks of staging
 from azyx.memory import Memory
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.timeline import TimelineSignal
-from azyx.workers import in_worker_thread, in_worker_thread_within, lower_priority
+from azyx.workers import in_worker_thread, in_worker_thread_within
 
 T = TypeVar("T")
 
@@ -166,6 +160,21 @@ class Replay:
         bound = self.get(bufs)
         at[self.bound_at] = [b.ptr for b in bound]
         return at[self.entries]
+
+    def table_at(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Where a run's values sit in a table of the batch's arguments that holds, kernel after kernel, its buffer
+        addresses and then its scalar words (CUDA's kernelParams, the C runtime's argument table): the positions of
+        the addresses (in `addresses`' order), of the words (in `words`' order), and each kernel's start in the
+        table, its end last (the table's length)."""
+        arg_at: list[int] = []
+        word_at: list[int] = []
+        starts = [0]
+        for n_args, n_words in zip(self.arg_counts, self.word_counts):
+            at = starts[-1]
+            arg_at += range(at, at + n_args)
+            word_at += range(at + n_args, at + n_args + n_words)
+            starts.append(at + n_args + n_words)
+        return np.array(arg_at, np.intp), np.array(word_at, np.intp), starts
 
     def words(self, scalars: Sequence[Any]) -> np.ndarray:
         """Every kernel's scalar words for the run's `scalars` (uint64), packed anew only for new values."""
@@ -305,14 +314,6 @@ CPU_SPIN_S = 100e-6
 ROUGH_GFLOPS = {"CPU": 10.0, "IntegratedGPU": 200.0, "DiscreteGPU": 2000.0}
 ROUGH_GFLOPS_OTHER = 50.0
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
-# file loads staged through host memory (azyx.backends.disk's `DiskDevice.load`: the stream and the lazy path): bytes
-# per read (a read from the page cache runs at ~5 GB/s per thread: ~1.6 ms, long against what each costs the loop,
-# short against a file of gigabytes), and a device's ring of staging blocks, read into and copied from in turn (at most
-# RING reads in flight per device, RING * RING_BLOCK bytes of host memory whatever the file's size; a device that
-# stages through pinned memory pins them once, at its start, off the loop)
-EXTENT = 8 << 20
-RING = 8
-RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: disk.DIRECT_ALIGN)
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
@@ -328,17 +329,17 @@ class Device:
       (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
       value (`record_failure`). `queues.QueuedDevice` is it for an API with completion events (a waiter thread, a
       submit thread where submitting may block, one translation of waits into native events); `queues.WorkQueue`,
-      which backends/host.py composes, for host memory (an in-order worker thread). The transfer calls the executor
+      which queues.HostDevice composes, for host memory (an in-order worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
-      `build`: compile, on a worker thread, its artifacts in one on-disk cache, `cached_build`, within
-      `compile_timeout_s`, `run_compiler` for a compiler that is a process).
+      `build`: compile, on a worker thread, within `compile_timeout_s`; azyx.compiler holds the common ground: the one
+      on-disk cache of artifacts, `cached_build`, `compiled` and `run_compiler` for a compiler that is a process).
     - program/launch: `render` (name, source, `Launch`: codegen's, in the device's `dialect`) and the backend's
       `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars (`word_table`
       packs a batch's words where the API reads them from memory).
 
     The protocol a new backend implements, in its module azyx/backends/<kind>.py (opencl.py is the shortest whole
-    example, ~200 lines):
+    example, ~300 lines):
     1. `CONFIG` at the module's top (its config section's defaults; `AUTO`, `LIBRARIES` where they apply), and a
        Device subclass (most: of queues.QueuedDevice) that sets the facts below that differ (`kind`, `dialect`, ...)
        and `count` (how many devices its API has).
@@ -353,12 +354,13 @@ class Device:
        or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.
-    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}.
+    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}; an artifact it keeps goes through
+       azyx.compiler (`compiled` for a compiler that is a process, `cached_build` for one in this process).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
     6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
     7. `close`: stop the queue's threads (`stop_submit_thread`, `stop_waiter`), then `mem.close()`.
-    A host-memory backend subclasses backends/host.HostDevice instead, whose memory and queue are ready: it writes
+    A host-memory backend subclasses queues.HostDevice instead, whose memory and queue are ready: it writes
     `build`, `prepare_batch` and `batch_fn` (the work item that runs a batch of kernels)."""
 
     kind: str = "abstract"
@@ -719,7 +721,8 @@ class Device:
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Compile `src` (the kernels of `steps`) and load it, on a worker thread: per kernel name, what launching it
-        needs (a function handle, an entry point). Compiled artifacts go to the on-disk cache (`cached_build`)."""
+        needs (a function handle, an entry point). Compiled artifacts go to the on-disk cache
+        (`compiler.cached_build`)."""
         raise NotImplementedError
 
     async def build_within_limit(self, names: list[str], build: Callable[..., T], *args: Any) -> T:
@@ -840,82 +843,9 @@ def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) ->
         arr = np.lib.stride_tricks.as_strided(flat[view.offset :], shape, tuple(s * item for s in view.strides))
     else:
         arr = np.empty(shape, dtype.np)
-    out = np.array(arr, copy=True, order="C")
-    if dtype is dtypes.bfloat16:
-        out = (out.astype(np.uint32) << 16).view(np.float32)
-    return out
+    return widened(np.array(arr, copy=True, order="C"), dtype)
 
 
-def artifact_key(*parts: str) -> str:
-    """The disk cache's key of an artifact made from `parts` (the source, the compiler's version and flags)."""
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-
-
-def compiled(kind: str, src: str, cmd: list[str], suffixes: tuple[str, str], what: str, timeout_s: float,
-             versions: Sequence[str] = (), check: Callable[[Path], None] | None = None) -> Path:
-    """The artifact (suffixes[1]) of compiling `src` (written to a file of suffixes[0]) by the compiler command `cmd`,
-    whose items "{src}" and "{out}" stand for the two files' paths: from the disk cache under the hash of the source,
-    the command and the compiler's `versions`, else built there (`run_compiler`: killed at `timeout_s`), `check`ed
-    (a validator run on the artifact) before it counts as built."""
-
-    def build(tmp: Path) -> None:
-        path = tmp.with_suffix(suffixes[0])  # the compiler's input, as private as its output
-        try:
-            path.write_text(src)
-            run_compiler([{"{src}": str(path), "{out}": str(tmp)}.get(a, a) for a in cmd], what, timeout_s, src)
-            if check is not None:
-                check(tmp)
-        finally:
-            path.unlink(missing_ok=True)
-
-    return cached_build(kind, artifact_key(src, *cmd, *versions), suffixes[1], build)
-
-
-def cached_build(kind: str, key: str, suffix: str, build: Callable[[Path], None]) -> Path:
-    """The path of a compiled artifact in the disk cache (`cache_dir()/kind/{key}{suffix}`), built first if absent.
-    `build(tmp)` writes it to a temporary path private to this process and thread, which then replaces the final path
-    atomically: concurrent builders (threads or processes) never collide, and a reader never sees half an artifact."""
-    path = cache_dir() / kind / f"{key}{suffix}"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            build(tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path
-
-
-def run_compiler(cmd: list[str], what: str, timeout_s: float, src: str) -> bytes:
-    """Run a compiler (worker thread) in a process group of its own, so that at `timeout_s` (a device's
-    compile_timeout_s) the whole group goes (a driver such as gcc runs cc1 and as as its children); raise CompileError
-    on a timeout or a failure, naming `what` (the device and the kernels). Returns its standard output."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    lower_priority(proc.pid)  # (before a driver such as gcc starts its children, which inherit it)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        raise CompileError(f"{what} took longer than compile_timeout_s={timeout_s:g} s; its process group was "
-                           f"killed") from None
-    finally:
-        if proc.poll() is None:  # any other way out (an interrupt): no compiler is left behind
-            _kill_group(proc)
-    if proc.returncode != 0:
-        raise CompileError(f"{what} failed (exit {proc.returncode}):\n{err.decode(errors='replace')}"
-                           f"{out.decode(errors='replace')}\n--- source ---\n{src}")
-    return out
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a compiler's process group and reap it (its pipes close with the group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    try:
-        proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:  # a process that left the group holds the pipes: stop reading them
-        proc.kill()
-        proc.wait()
+def widened(out: np.ndarray, dtype: DType) -> np.ndarray:
+    """`out`, of `dtype`, as every device's `read` returns it: bfloat16 widened to float32."""
+    return (out.astype(np.uint32) << 16).view(np.float32) if dtype is dtypes.bfloat16 else out

@@ -1,7 +1,8 @@
 """A device's memory part (device.Device's `mem`), written once for every backend: its pool of blocks and what it may
 hold of host staging, the buffers it makes and takes back, and what happens to blocks once the device has closed. A
 backend says only how a block is made (the pool's `create`), how one is destroyed (`destroy`) and where a block's
-address is (`address`)."""
+address is (`address`). Its host staging for file loads is a ring of blocks (`Ring`, by `Memory.ring`), made of what
+the device's `host_staging` lends."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.errors import AllocationError
 
 ALIGN = 64  # host blocks' alignment
+# file loads staged through host memory (azyx.backends.disk's `DiskDevice.load`: the stream and the lazy path): bytes
+# per read (a read from the page cache runs at ~5 GB/s per thread: ~1.6 ms, long against what each costs the loop,
+# short against a file of gigabytes), and a device's ring of staging blocks, read into and copied from in turn (at most
+# RING reads in flight per device, RING * RING_BLOCK bytes of host memory whatever the file's size; a device that
+# stages through pinned memory pins them once, at its start, off the loop)
+EXTENT = 8 << 20
+RING = 8
+RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: files.DIRECT_ALIGN)
 
 
 class Memory:
@@ -39,6 +48,15 @@ class Memory:
         self.live = 0  # blocks made (`count`) and not destroyed yet, on any thread
         self.on_empty: Callable[[], None] | None = None
         self.lock = threading.Lock()
+        self.loads: Ring | None = None  # (`ring`)
+
+    def ring(self) -> Ring:
+        """The device's ring of host staging blocks for file loads (one per device: its loads' reads and copies take
+        turns in it; made at its first load)."""
+        with self.lock:
+            if self.loads is None:
+                self.loads = Ring(self.device)
+            return self.loads
 
     def staging_pool(self, create: Callable[[int], Any], what: str, cache_limit: int = 1 << 40) -> PoolAllocator:
         """A pool of host staging blocks made by `create`, emptied with the device's pool at `close`."""
@@ -182,3 +200,56 @@ class Lent:
                     self.give_back(self.pool, self.block, self.size)
         except Exception:  # interpreter shutdown
             pass
+
+
+class Ring:
+    """A device's staging blocks for loads (`Device.host_staging`, `RING_BLOCK` bytes each, `size` at most), read into
+    and copied from in turn: a block is read into again once its last copy is done (the read waits for that on the
+    disk's side), so a load of any size holds at most `size` blocks. Taken at the first read after an idle time (a
+    device that pins them pinned them at its start: `host_staging` finds them cached), given back when the last copy
+    is done and no read is waiting."""
+
+    def __init__(self, dev: Any, size: int = RING):
+        self.dev, self.size = dev, size
+        self.blocks: list[tuple[np.ndarray, Any, int]] = []  # (memory, keep, its last copy's value)
+        self.turn = 0  # reads taken so far
+        self.lock = threading.Lock()  # (`idle` runs on the thread that completes the last copy)
+
+    def take(self) -> tuple[int, np.ndarray, Any, int]:
+        """The next block in turn: (its index, memory, keep, the value of its last copy)."""
+        with self.lock:
+            i = self.turn % self.size
+            self.turn += 1
+            if i == len(self.blocks):
+                mem, keep = self.dev.host_staging(RING_BLOCK)
+                self.blocks.append((mem, keep, 0))
+            return i, *self.blocks[i]
+
+    def fill(self) -> None:
+        """Take the blocks not taken yet (a worker thread: a device's `staging_block` may pin or map memory there)."""
+        while True:
+            with self.lock:
+                if len(self.blocks) >= self.size:
+                    return
+            mem, keep = self.dev.staging_block(RING_BLOCK)
+            with self.lock:
+                if len(self.blocks) < self.size:
+                    self.blocks.append((mem, keep, 0))
+
+    def used(self, i: int, v: int) -> None:
+        """Block `i`'s copies reach value `v` (it is read into again after that)."""
+        with self.lock:
+            mem, keep, last = self.blocks[i]
+            self.blocks[i] = (mem, keep, max(last, v))
+
+    def give_back_after(self, v: int) -> None:
+        """Once value `v` is reached (a load's last copy), give the blocks back if nothing took one since."""
+        with self.lock:
+            turn = self.turn
+        self.dev.timeline.on_reach(v, lambda: self.idle(turn))
+
+    def idle(self, turn: int) -> None:
+        with self.lock:
+            if self.turn == turn:
+                self.blocks.clear()
+                self.turn = 0

@@ -23,13 +23,13 @@ from azyx import config as _config
 from azyx import debug, search, workers
 from azyx.backends import BACKENDS, Probe, probe
 from azyx.backends.disk import DiskDevice
-from azyx.backends.host import HostMemory
 from azyx.codegen import search_actions as optimize
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
 from azyx.executor import UnifiedExecutor
 from azyx.graph import GRAPH, StridedView
 from azyx.plan import ExecutionPlan, KernelStep
+from azyx.queues import HostMemory
 from azyx.timeline import LoopEvent
 from azyx.workers import in_worker_thread
 

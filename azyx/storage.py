@@ -16,10 +16,11 @@ import threading
 import weakref
 from typing import Any
 
-from azyx.backends.disk import DiskDevice, DiskFile, FileRange, covering, file_identity
+from azyx.backends.disk import DiskDevice
 from azyx.device import DISK, buffer_of
 from azyx.errors import AzyxIOError, DeviceError
 from azyx.fileformat import Header, SafetensorsError, TensorEntry, read_header
+from azyx.files import DiskFile, FileRange, covering, file_identity
 from azyx.graph import GRAPH, MOVEMENT, Node, Op, StridedView, contiguous_strides, prod, view_through
 from azyx.runtime import RT
 

@@ -260,7 +260,7 @@ async def test_the_loops_share_of_a_load_is_per_tensor_not_per_extent(tmp_path: 
 async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Path, direct_io: bool, path: str,
                                                                     staged: str) -> None:
     """On a device written through staging blocks (vulkan:0's mapped ones, CUDA's pinned ones) both paths (the stream
-    and a plan's transfers) read through the device's ring (`disk.Ring`), each block read into again once its copy is
+    and a plan's transfers) read through the device's ring (`memory.Ring`), each block read into again once its copy is
     done: with a ring of one block, tensors of three extents and more stream through it, a bfloat16 one too (widened
     in pieces), exactly; the ring never holds more than its blocks and gives them back once idle."""
     from safetensors.torch import save_file as torch_save
@@ -276,7 +276,7 @@ async def test_a_staged_load_reads_through_the_devices_bounded_ring(tmp_path: Pa
     p = tmp_path / "ring.safetensors"
     torch_save(tensors, p)
     base = await settle()
-    ring = disk().ring(azyx.runtime.RT.device(staged))  # type: ignore[attr-defined]
+    ring = azyx.runtime.RT.device(staged).mem.ring()
     assert not ring.blocks  # (idle)
     ring.size = 1
     try:

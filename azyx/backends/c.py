@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import struct
-import subprocess
 import threading
 import time
 from collections import deque
@@ -36,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.backends.host import HostDevice
 from azyx.codegen.dialect import C
 from azyx.codegen.launch import SHARED
 from azyx.codegen.templates import gemm_host
+from azyx.compiler import compiled, compiler_says
 from azyx.device import (
     INLINE,
     QUEUED,
@@ -48,15 +47,13 @@ from azyx.device import (
     Device,
     LaunchItem,
     Replay,
-    artifact_key,
-    cached_build,
-    compiled,
     kernel_list,
 )
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
 from azyx.native import native
 from azyx.plan import KernelStep
+from azyx.queues import HostDevice
 from azyx.timeline import TimelineSignal
 
 # gcc 12.2 vectorises some pad-guarded loop nests wrongly (whole rows read as zeros) under its znver tuning and
@@ -86,7 +83,7 @@ def _runtime() -> str:
 
 
 def _compiled(src: str, compiler: str, flags: list[str], what: str, timeout_s: float) -> ctypes.CDLL:
-    """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `device.run_compiler`), or
+    """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `compiler.run_compiler`), or
     found in the on-disk cache under the hash of both; loaded."""
     src = "#define _GNU_SOURCE\n" + src  # (the runtime's sched_getcpu)
     cmd = [compiler, *flags, "-shared", "-fPIC", "-std=gnu11", "{src}", "-o", "{out}", "-lm"]
@@ -145,6 +142,11 @@ def _cpu() -> dict[str, str]:
     return out
 
 
+def _cpu_key() -> tuple[str, str]:
+    """(-march=native: what the compiler says depends on the CPU too.)"""
+    return _cpu()["cpu"], _cpu()["isa"]
+
+
 def _simd(isa: str, flags: list[str]) -> int:
     """The widest vector registers the compiler may use for the CPU's ISA (bytes): 64 with AVX-512, 32 with AVX2 and
     FMA, else 16 (SSE2, NEON: every 64-bit target); 16 too where the flags do not ask for the CPU's own ISA."""
@@ -165,38 +167,14 @@ def bf16_dot(isa: str, flags: list[str], compiler: str = "gcc") -> bool:
 @functools.cache
 def _macros(compiler: str, *flags: str) -> frozenset[str]:
     """The macros `compiler` predefines under `flags` (empty where it cannot say)."""
-    out = _compiler_says(compiler, *flags, "-dM", "-E", "-x", "c", os.devnull)
+    out = compiler_says("c", compiler, *flags, "-dM", "-E", "-x", "c", os.devnull, key=_cpu_key())
     return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define ") and " " in line[8:])
 
 
 @functools.cache
 def _compiler_version(compiler: str) -> str:
-    out = _compiler_says(compiler, "--version")
+    out = compiler_says("c", compiler, "--version", key=_cpu_key())
     return out.splitlines()[0] if out else compiler
-
-
-def _compiler_says(compiler: str, *args: str) -> str:
-    """What `compiler *args` prints (empty where it cannot run), kept in the disk cache under the compiler's path, size
-    and time of change and the CPU: a process's start then runs no compiler before its first kernel's (tens of ms
-    each)."""
-    path = shutil.which(compiler)
-    if path is None:
-        return ""
-    path = os.path.realpath(path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ""
-    cpu = _cpu()  # (-march=native: what the compiler says depends on the CPU too)
-    key = artifact_key(path, str(st.st_size), str(st.st_mtime_ns), cpu["cpu"], cpu["isa"], *args)
-
-    def ask(tmp: Path) -> None:
-        tmp.write_text(subprocess.run([compiler, *args], capture_output=True, text=True, timeout=30, check=True).stdout)
-
-    try:
-        return cached_build("c", key, ".txt", ask).read_text()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 class CDevice(HostDevice):
@@ -230,7 +208,7 @@ class CDevice(HostDevice):
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry, compiled by the system compiler (killed at
-        compile_timeout_s: `device.run_compiler`) or found in the on-disk cache, then loaded: per kernel its entry's
+        compile_timeout_s: `compiler.run_compiler`) or found in the on-disk cache, then loaded: per kernel its entry's
         address and parallel kind. The C runtime that calls the entries is a library of its own (`_load_runtime`)."""
         arity = {s.name: len(s.args) for s in steps}
         kinds = {s.name: s.launch.parallel for s in steps}
@@ -284,7 +262,8 @@ class CDevice(HostDevice):
         layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
         assert type(layout) is _Layout and pool is not None and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            calls = [_Batch([item], _Layout([item[0]]), self.pool) for item in items]
+            calls = [_Batch(lay, lay.table([item]), self.pool, [item]) for item in items
+                     for lay in [_Layout([item[0]])]]
 
             def timed() -> None:
                 for call, (step, _, _) in zip(calls, items):
@@ -293,7 +272,7 @@ class CDevice(HostDevice):
                     debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
                                               f"{(time.perf_counter() - t0) * 1e6:.1f} us")
             return timed
-        return _Batch(items, layout, pool)
+        return _Batch(layout, layout.table(items), pool, items)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -352,15 +331,36 @@ class _Layout:
             ctypes.addressof(self.scratch), len(self.scratch), ctypes.addressof(self.argc),
             ctypes.addressof(self.kinds_table), ctypes.addressof(self.trips)) if native is not None else None
 
+    def table(self, items: list[LaunchItem]) -> Any:
+        """A queued run's table of arguments (`_Batch.ptrs`): its buffers' addresses kernel after kernel and, where
+        the kernels take scalars, each one's pointers to its values, which end the table. A steady plan gets the same
+        blocks from the pool and passes the same values: the last run's table serves again."""
+        if not self.scalars:
+            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]
+            if ptrs != self.last[0]:
+                self.last = (ptrs, self.ptrs_type(*ptrs))
+            return self.last[1]
+        ptrs = _arguments(items, None)
+        if ptrs != self.last[0]:
+            table = self.ptrs_type(*ptrs)
+            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(self.scalar_at))
+            for j, at in enumerate(self.scalar_at):  # the j-th value's pointer
+                table[at] = base + 8 * j
+            self.last = (ptrs, table)
+        return self.last[1]
+
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
-        pool = self.serial
-        vals = _arguments(items, self.value_ptrs) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
+        self.run_scratch(_arguments(items, self.value_ptrs) if self.scalars else
+                         [b.ptr for _, bufs, _ in items for b in bufs])
+
+    def run_scratch(self, vals: list[int]) -> None:
+        """Run the batch now, on the calling thread (its serial pool), with `vals` as its scratch table."""
         if self.call is not None:
-            self.call(pool, vals)
+            self.call(self.serial, vals)
             return
         self.fill(self.scratch, 0, *vals)
-        _RUNTIME_LIB[0].azyx_run(pool, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
+        _RUNTIME_LIB[0].azyx_run(self.serial, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
 
 
 def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
@@ -376,29 +376,14 @@ def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]
 
 
 class _Batch:
-    """Kernels run back to back by one call into C; holds their buffers until it has run (then the pool may reuse
-    them)."""
+    """Kernels run back to back by one call into C through `ptrs`, their table of arguments (`_Layout.table`, or a
+    frozen batch's: `_Table.batch`); holds `keep` (their buffers, the table's memory) until it has run (then the pool
+    may reuse them)."""
 
-    __slots__ = ("layout", "ptrs", "pool", "items")
+    __slots__ = ("layout", "ptrs", "pool", "keep")
 
-    def __init__(self, items: list[LaunchItem], layout: _Layout, pool: int):
-        self.layout, self.pool, self.items = layout, pool, items
-        if not layout.scalars:
-            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]  # every kernel's buffers
-            if ptrs != layout.last[0]:  # (a steady plan gets the same blocks from the pool: the same table serves)
-                layout.last = (ptrs, layout.ptrs_type(*ptrs))
-            self.ptrs = layout.last[1]
-            return
-        # the scalar arguments' values sit at the end of the same table, which lives until the batch has run; each
-        # kernel's entries after its buffers point at its values (their addresses, known once the table is)
-        ptrs = _arguments(items, None)
-        if ptrs != layout.last[0]:
-            table = layout.ptrs_type(*ptrs)
-            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(layout.scalar_at))
-            for j, at in enumerate(layout.scalar_at):  # the j-th value's pointer
-                table[at] = base + 8 * j
-            layout.last = (ptrs, table)
-        self.ptrs = layout.last[1]
+    def __init__(self, layout: _Layout, ptrs: Any, pool: int, keep: Any):
+        self.layout, self.ptrs, self.pool, self.keep = layout, ptrs, pool, keep
 
     def __call__(self) -> None:
         lay = self.layout
@@ -416,13 +401,7 @@ class _Table:
         layout = replay.batch.prepared
         assert type(layout) is _Layout
         self.layout, self.n, self.n_words = layout, len(layout.scratch), sum(replay.word_counts)
-        buf_at: list[int] = []
-        at = 0
-        for n_args, n_words in zip(replay.arg_counts, replay.word_counts):
-            buf_at += range(at, at + n_args)
-            at += n_args + n_words
-        self.buf_at = np.array(buf_at, np.intp)
-        self.pointer_at = np.array(layout.scalar_at, np.intp)
+        self.buf_at, self.pointer_at, _ = replay.table_at()  # (a kernel's words' places hold pointers to its values)
         self.pointer_rel = np.arange(self.n - self.n_words, self.n, dtype=np.uint64) * np.uint64(8)
         # an inline run's table is the layout's scratch (TableCall's): its value pointers are fixed
         self.inline_table = np.zeros(self.n, np.uint64)
@@ -434,12 +413,7 @@ class _Table:
         table[self.buf_at] = addresses
         if words is not None:
             table[self.n - self.n_words:] = words
-        lay = self.layout
-        if lay.call is not None:
-            lay.call(lay.serial, table.tolist())
-            return
-        lay.fill(lay.scratch, 0, *table.tolist())
-        _RUNTIME_LIB[0].azyx_run(lay.serial, lay.n, lay.fns, lay.scratch, lay.argc, lay.kinds, lay.trips)
+        self.layout.run_scratch(table.tolist())
 
     def batch(self, addresses: np.ndarray, words: np.ndarray | None, pool: int, keep: Any) -> _Batch:
         """The work item of a run: a table of its own (it lives until the batch has run, with `keep`: the buffers)."""
@@ -449,9 +423,7 @@ class _Table:
         if words is not None:
             table[self.pointer_at] = self.pointer_rel + np.uint64(address)
             table[self.n - self.n_words:] = words
-        work = _Batch.__new__(_Batch)
-        work.layout, work.ptrs, work.pool, work.items = self.layout, address, pool, [keep, table]  # type: ignore[list-item]
-        return work
+        return _Batch(self.layout, address, pool, (keep, table))
 
 
 class _Runner:

@@ -92,23 +92,15 @@ class _Frozen:
     __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "entry_kernel", "zeroed_at", "kernels")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
-        arg_at: list[int] = []
-        word_at: list[int] = []
-        entry_kernel: list[int] = []
-        zeroed_at: list[int] = []
-        self.kernels: list[tuple[Any, Launch, str, int, int]] = []
-        at = 0
-        for i, (step, n_args, n_words) in enumerate(zip(replay.batch.steps, replay.arg_counts, replay.word_counts)):
-            if step.launch.zero:
-                zeroed_at.append(len(arg_at))  # (its first argument, in the run's addresses)
-            arg_at += range(at, at + n_args)
-            word_at += range(at + n_args, at + n_args + n_words)
-            entry_kernel += [i] * (n_args + n_words)
-            self.kernels.append((programs[step.name], step.launch, step.name, at, at + n_args + n_words))
-            at += n_args + n_words
-        self.n, self.n_words, self.count = at, len(word_at), len(self.kernels)
-        self.arg_at, self.word_at = np.array(arg_at, np.intp), np.array(word_at, np.intp)
-        self.entry_kernel, self.zeroed_at = np.array(entry_kernel, np.intp), np.array(zeroed_at, np.intp)
+        self.arg_at, self.word_at, starts = replay.table_at()
+        steps = replay.batch.steps
+        self.kernels = [(programs[step.name], step.launch, step.name, a, b)
+                        for step, a, b in zip(steps, starts, starts[1:])]
+        self.n, self.n_words, self.count = starts[-1], len(self.word_at), len(self.kernels)
+        self.entry_kernel = np.repeat(np.arange(len(steps), dtype=np.intp), np.diff(starts))  # each entry's kernel
+        # each memset's address (its kernel's first argument), in the run's addresses
+        self.zeroed_at = np.array([a for a, step in zip(np.cumsum([0, *replay.arg_counts]), steps) if step.launch.zero],
+                                  np.intp)
 
     def table(self, addresses: np.ndarray, words: np.ndarray) -> np.ndarray:
         """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""

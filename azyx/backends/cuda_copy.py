@@ -16,8 +16,9 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
-from azyx.device import RING, RING_BLOCK, Buffer, Device, Lent, after_waits
+from azyx.device import Buffer, Device, Lent, after_waits
 from azyx.errors import DeviceError
+from azyx.memory import RING, RING_BLOCK
 from azyx.queues import QueuedDevice
 from azyx.workers import in_background
 
@@ -68,7 +69,7 @@ class StagedCopies(QueuedDevice):
         return _Pinned(size)
 
     def pin_ring(self) -> None:
-        """Pin a load's ring of staging blocks (RING of RING_BLOCK bytes: azyx.backends.disk's `Ring`) into the staging
+        """Pin a load's ring of staging blocks (RING of RING_BLOCK bytes: memory.Ring) into the staging
         pool now, at the device's start (a worker thread): the ring takes them from the pool's cache (`host_staging`)
         on the loop's thread, and no load pins memory beside the loop's driver calls (cuMemHostAlloc holds the
         driver's lock for milliseconds)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from azyx.codegen.templates.gemm_sm90 import TensorMap
-from azyx.device import artifact_key, cached_build
+from azyx.compiler import artifact_key, cached_build
 from azyx.errors import CompileError, DeviceError
 from azyx.native import native
 

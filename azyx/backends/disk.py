@@ -16,11 +16,8 @@ The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk te
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import os
-import stat
 import threading
-import weakref
 from functools import partial
 from typing import Any
 
@@ -28,15 +25,15 @@ import numpy as np
 import sniffio
 
 from azyx.allocator import MemoryUsage
-from azyx.device import DISK, EXTENT, RING, RING_BLOCK, Buffer, Device
-from azyx.dtypes import DType, dtypes
-from azyx.errors import AzyxError, AzyxIOError, DeviceError
+from azyx.device import DISK, Buffer, Device, host_read, widened
+from azyx.dtypes import DType
+from azyx.errors import AzyxError, DeviceError
+from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, covering, direct_block
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
+from azyx.memory import EXTENT
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
-DIRECT_ALIGN = 4096  # O_DIRECT reads: offsets, lengths and memory aligned to this
-IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
 DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for reads into host memory (kept)
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
@@ -51,208 +48,6 @@ def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
             _readers = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 2),
                                                              thread_name_prefix="azyx-disk")
         return _readers
-
-
-class DiskFile:
-    """One file opened read-only, shared by every buffer over its ranges and closed when the last of them goes.
-    Reads go through this descriptor; each read is checked (`check`, before and after it), so a file replaced,
-    truncated or rewritten since it was opened raises `AzyxIOError` rather than serving the old bytes (or a mix of
-    old and new) to the tensors made from it; a file removed since still reads (the descriptor keeps its bytes)."""
-
-    __slots__ = ("path", "where", "fd", "size", "identity", "header", "close", "direct", "__weakref__")
-
-    def __init__(self, path: str):
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise AzyxIOError(f"{path}: cannot open: {e.strerror or e}") from e
-        self.fd, self.path = fd, path
-        self.where = os.path.abspath(path)  # (what `check` stats: the same file after a chdir)
-        # closed once unreachable, by a finalizer rather than __del__: a finalizer runs after the weak references are
-        # cleared, so a cache of open files (weak values) can never hand out a file whose descriptor is closing
-        self.close = weakref.finalize(self, os.close, fd)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            self.close()
-            raise AzyxIOError(f"{path}: not a regular file")
-        self.size = st.st_size
-        self.identity = file_identity(st)
-        self.header: Any = None  # what a format parser made of the file (azyx.io keeps its parsed header here)
-        self.direct: int | None = -1  # the O_DIRECT descriptor (opened at the first direct read; None: refused)
-
-    def __repr__(self) -> str:
-        return f"DiskFile({self.path!r}, {self.size} bytes)"
-
-    def check(self, what: str = "") -> None:
-        """Raise `AzyxIOError` naming the file (and `what`, the data being read) where it is no longer the version
-        opened: the open file truncated or rewritten in place (its size or modification time), or its path naming
-        another file now (replaced). A file removed since is not a change: the descriptor keeps its bytes whole.
-        Reads call it before and after each batch, so a load never hands out bytes of a file that changed while it
-        loaded, nor the old bytes of one replaced."""
-        now = file_identity(os.fstat(self.fd))
-        if now == self.identity:
-            try:
-                named = file_identity(os.stat(self.where))
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                raise AzyxIOError(f"{self._where(what)}: cannot stat it while it loads ({e.strerror or e})") from e
-            if named[:2] == now[:2]:
-                return
-            why = "replaced by another file"
-        elif now[2] < self.size:
-            why = f"truncated to {now[2]} bytes"
-        else:
-            why = "rewritten"
-        raise AzyxIOError(f"{self._where(what)}: {why} while it loaded (it had {self.size} bytes when opened): load "
-                          f"it again")
-
-    def _where(self, what: str) -> str:
-        return f"{what} of {self.path}" if what else self.path
-
-    def pread_into(self, offset: int, out: memoryview, what: str = "") -> None:
-        """Fill `out` (a writable byte view) with the bytes at `offset`: positional reads, safe from any thread.
-        `what` names the data (a tensor) in the error of a read that fails or finds the file shorter than it was."""
-        done, n = 0, len(out)
-        where = self._where(what)
-        while done < n:
-            try:
-                got = _preadv(self.fd, out[done:], offset + done)
-            except OSError as e:
-                raise self._failed(where, n, offset, e) from e
-            if got == 0:
-                raise self._ended(where, offset + done, n, offset)
-            done += got
-
-    def _failed(self, where: str, n: int, offset: int, e: OSError) -> AzyxIOError:
-        return AzyxIOError(f"{where}: read of {n} bytes at {offset} failed: {e.strerror or e}")
-
-    def _ended(self, where: str, at: int, n: int, offset: int) -> AzyxIOError:
-        return AzyxIOError(f"{where}: unexpected end of file at byte {at} while reading {n} bytes at {offset} (the "
-                           f"file was truncated, or changed after it was opened: it had {self.size} bytes then)")
-
-    def pread_direct(self, offset: int, nbytes: int, block: np.ndarray) -> np.ndarray | None:
-        """Bytes [offset, offset + nbytes) read with O_DIRECT (past the page cache) into `block` (uint8, aligned to
-        DIRECT_ALIGN, at least `direct_span(offset, nbytes)` bytes), in aligned pieces; returns the view of `block` that
-        holds them, or None where the platform or filesystem refuses O_DIRECT (then read them the usual way)."""
-        fd = self._direct_fd()
-        if fd is None:
-            return None
-        lo = offset - offset % DIRECT_ALIGN
-        span = direct_span(offset, nbytes)
-        assert block.nbytes >= span and block.ctypes.data % DIRECT_ALIGN == 0, "an unaligned O_DIRECT block"
-        view, done = block[:span].data, 0
-        want = min(span, self.size - lo)  # (the last aligned piece may run past the end of the file)
-        while done < want:
-            try:
-                got = os.preadv(fd, [view[done:]], lo + done)
-            except OSError as e:
-                if done == 0 and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                    self.direct = None  # refused after all (a filesystem that opens but will not read so)
-                    return None
-                raise self._failed(f"{self.path} (O_DIRECT)", nbytes, offset, e) from e
-            if got == 0:
-                raise self._ended(self.path, lo + done, nbytes, offset)
-            done += got
-        return block[offset - lo : offset - lo + nbytes]
-
-    def _direct_fd(self) -> int | None:
-        if self.direct == -1:
-            flag = getattr(os, "O_DIRECT", 0)
-            try:
-                fd = os.open(self.path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0)) if flag else None
-            except OSError:
-                fd = None
-            if fd is not None and file_identity(os.fstat(fd)) != self.identity:  # (another file by now)
-                os.close(fd)
-                fd = None
-            if fd is not None:
-                weakref.finalize(self, os.close, fd)
-            self.direct = fd
-        return self.direct
-
-    def pread_scatter(self, offset: int, outs: list[memoryview], what: str = "") -> None:
-        """Fill the byte views `outs`, one after the other, with the bytes from `offset` on: one `preadv` call for
-        them all (several tensors' destinations filled by one read), repeated where the kernel returns short."""
-        outs = [o for o in outs if len(o)]
-        where = self._where(what)
-        while outs:
-            if len(outs) == 1:
-                return self.pread_into(offset, outs[0], what)
-            n = sum(len(o) for o in outs)
-            try:
-                got = _preadv(self.fd, outs[:IOV_MAX], offset)
-            except OSError as e:
-                raise self._failed(where, n, offset, e) from e
-            if got == 0:
-                raise self._ended(where, offset, n, offset)
-            offset += got
-            while outs and got >= len(outs[0]):
-                got -= len(outs[0])
-                outs.pop(0)
-            if got:
-                outs[0] = outs[0][got:]
-
-
-def direct_span(offset: int, nbytes: int) -> int:
-    """The bytes an O_DIRECT read of [offset, offset + nbytes) covers: whole DIRECT_ALIGN pieces."""
-    lo = offset - offset % DIRECT_ALIGN
-    return -(-(offset + nbytes - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
-
-
-def direct_block(nbytes: int) -> np.ndarray:
-    """Host memory (uint8) aligned for O_DIRECT reads."""
-    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
-    at = (-raw.ctypes.data) % DIRECT_ALIGN
-    return raw[at : at + nbytes]
-
-
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What tells one version of a file from another: device, inode, size, modification time."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _preadv(fd: int, out: memoryview | list[memoryview], offset: int) -> int:
-    try:
-        outs = out if isinstance(out, list) else [out]
-        if hasattr(os, "preadv"):
-            return os.preadv(fd, outs, offset)
-        data = os.pread(fd, sum(len(o) for o in outs), offset)  # platforms without preadv: one extra copy
-        at = 0
-        for o in outs:
-            got = data[at : at + len(o)]
-            o[: len(got)] = got
-            at += len(got)
-        return len(data)
-    except InterruptedError:
-        return _preadv(fd, out, offset)
-
-
-class FileRange:
-    """A disk Buffer's memory: `nbytes` bytes (the Buffer's) of `file`, starting at byte `offset`; `what` names the
-    data for error messages (e.g. "tensor 'w'"). With `runs` (run, step) the bytes are runs of `run` bytes, one
-    every `step` bytes of the file from `offset` on, packed one after the other (a slice of a row-major tensor
-    along an inner axis: one device's columns; only those bytes are read)."""
-
-    __slots__ = ("file", "offset", "what", "runs")
-
-    def __init__(self, file: DiskFile, offset: int, what: str = "", runs: tuple[int, int] | None = None):
-        self.file, self.offset, self.what, self.runs = file, offset, what, runs
-
-    def __repr__(self) -> str:
-        return f"FileRange({self.file.path!r}, offset={self.offset}{f', runs={self.runs}' if self.runs else ''})"
-
-    def read(self, start: int, out: memoryview) -> None:
-        """Bytes [start, start + len(out)) of the range into `out`."""
-        if self.runs is None:
-            return self.file.pread_into(self.offset + start, out, self.what)
-        run, step = self.runs
-        done, n = 0, len(out)
-        while done < n:
-            i, within = divmod(start + done, run)
-            size = min(run - within, n - done)
-            self.file.pread_into(self.offset + i * step + within, out[done : done + size], self.what)
-            done += size
 
 
 def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
@@ -302,59 +97,6 @@ class Extent:
         self.widen, self.direct = widen, direct
         self.value = 0
         self.values: list[int] = []  # (the values of later extents joined to this read: `DiskDevice.load`)
-
-
-class Ring:
-    """A device's staging blocks for loads (`Device.host_staging`, `RING_BLOCK` bytes each, `size` at most), read into
-    and copied from in turn: a block is read into again once its last copy is done (the read waits for that on the
-    disk's side), so a load of any size holds at most `size` blocks. Taken at the first read after an idle time (a
-    device that pins them pinned them at its start: `host_staging` finds them cached), given back when the last copy
-    is done and no read is waiting."""
-
-    def __init__(self, dev: Device, size: int = RING):
-        self.dev, self.size = dev, size
-        self.blocks: list[tuple[np.ndarray, Any, int]] = []  # (memory, keep, its last copy's value)
-        self.turn = 0  # reads taken so far
-        self.lock = threading.Lock()  # (`idle` runs on the thread that completes the last copy)
-
-    def take(self) -> tuple[int, np.ndarray, Any, int]:
-        """The next block in turn: (its index, memory, keep, the value of its last copy)."""
-        with self.lock:
-            i = self.turn % self.size
-            self.turn += 1
-            if i == len(self.blocks):
-                mem, keep = self.dev.host_staging(RING_BLOCK)
-                self.blocks.append((mem, keep, 0))
-            return i, *self.blocks[i]
-
-    def fill(self) -> None:
-        """Take the blocks not taken yet (a worker thread: a device's `staging_block` may pin or map memory there)."""
-        while True:
-            with self.lock:
-                if len(self.blocks) >= self.size:
-                    return
-            mem, keep = self.dev.staging_block(RING_BLOCK)
-            with self.lock:
-                if len(self.blocks) < self.size:
-                    self.blocks.append((mem, keep, 0))
-
-    def used(self, i: int, v: int) -> None:
-        """Block `i`'s copies reach value `v` (it is read into again after that)."""
-        with self.lock:
-            mem, keep, last = self.blocks[i]
-            self.blocks[i] = (mem, keep, max(last, v))
-
-    def give_back_after(self, v: int) -> None:
-        """Once value `v` is reached (a load's last copy), give the blocks back if nothing took one since."""
-        with self.lock:
-            turn = self.turn
-        self.dev.timeline.on_reach(v, lambda: self.idle(turn))
-
-    def idle(self, turn: int) -> None:
-        with self.lock:
-            if self.turn == turn:
-                self.blocks.clear()
-                self.turn = 0
 
 
 def _start_read(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, int]]) -> None:
@@ -414,28 +156,6 @@ def _bounce() -> np.ndarray:
     return block
 
 
-def _skip(outs: list[memoryview], n: int) -> list[memoryview]:
-    """The byte views `outs`, one after the other, less their first `n` bytes."""
-    out = []
-    for o in outs:
-        if n >= len(o):
-            n -= len(o)
-        else:
-            out.append(o[n:])
-            n = 0
-    return out
-
-
-def _scatter(outs: list[memoryview], at: int, data: memoryview) -> None:
-    """Write `data` into the byte views `outs`, taken one after the other, from byte `at` of them."""
-    for o in _skip(outs, at):
-        if not len(data):
-            return
-        k = min(len(o), len(data))
-        o[:k] = data[:k]
-        data = data[k:]
-
-
 def _widen(mem: np.ndarray, n: int) -> None:
     """bfloat16 (the first `n` bytes) widened in place to float32 (2n bytes): bfloat16 is a float32's upper half."""
     mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16
@@ -448,19 +168,6 @@ def _on_event_loop() -> bool:
         return True
     except sniffio.AsyncLibraryNotFoundError:
         return False
-
-
-def covering(view: StridedView, shape: Shape) -> tuple[int, int]:
-    """The element range [lo, hi) that `view` reads for `shape` (empty when the shape has no elements)."""
-    if 0 in shape:
-        return view.offset, view.offset
-    lo = hi = view.offset
-    for n, s in zip(shape, view.strides):
-        if s > 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    return lo, hi + 1
 
 
 class DiskDevice(Device):
@@ -487,7 +194,6 @@ class DiskDevice(Device):
         self.joinable: tuple[Extent, Device] | None = None  # the last read into host memory no reader took yet (`load`)
         self.booked: list[tuple[Extent, Device, np.ndarray | None, int, int]] = []  # reads to start (`_book`)
         self.booking = False  # whether a reader thread is starting them
-        self.rings: weakref.WeakKeyDictionary[Device, Ring] = weakref.WeakKeyDictionary()
 
     # memory: file ranges, accounted like a pool
     def buffer(self, file: DiskFile, offset: int, nbytes: int, what: str = "",
@@ -521,11 +227,7 @@ class DiskDevice(Device):
     # reads (blocking: called on worker threads)
     def _read(self, buf: Buffer, start: int, out: memoryview) -> None:
         assert 0 <= start and start + len(out) <= buf.nbytes, f"read of {len(out)} bytes at {start} outside {buf}"
-        rng: FileRange = buf.mem
-        rng.file.check(rng.what)
-        rng.read(start, out)
-        rng.file.check(rng.what)
-        self.count_read(len(out))
+        self.read_range(buf.mem, start, [out])
 
     def _read_parallel(self, buf: Buffer, start: int, out: memoryview) -> None:
         """`_read`, split into pieces (4 KiB multiples) read in parallel when large, the caller's thread reading the
@@ -546,31 +248,9 @@ class DiskDevice(Device):
         for f in rest:
             f.result()
 
-    def read_extent(self, file: DiskFile, offset: int, outs: list[memoryview], what: str = "",
-                    direct: np.ndarray | None = None) -> None:
-        """Blocking (worker threads): the file's bytes from `offset` on into `outs`, one after the other, with one
-        `preadv` (an extent covering several tensors, each landing in its own destination). With a `direct` block
-        (`direct_block`, DIRECT_ALIGN bytes at least) they are read with O_DIRECT into it, a block at a time, and
-        copied to `outs`, where the filesystem allows it."""
-        n = sum(len(o) for o in outs)
-        file.check(what)
-        done = 0
-        while direct is not None and done < n:
-            lo = offset + done
-            hi = min(offset + n, lo - lo % DIRECT_ALIGN + direct.nbytes)  # (the aligned span fits the block)
-            got = file.pread_direct(lo, hi - lo, direct)
-            if got is None:
-                break
-            _scatter(outs, done, got.data)
-            done += hi - lo
-        if done < n:
-            file.pread_scatter(offset + done, _skip(outs, done), what)
-        file.check(what)
-        self.count_read(n)
-
     def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
                     ) -> np.ndarray | None:
-        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_extent`; None where the
+        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_range`; None where the
         filesystem refuses O_DIRECT (nothing read)."""
         file.check(what)
         got = file.pread_direct(offset, nbytes, block)
@@ -614,12 +294,12 @@ class DiskDevice(Device):
         the reader threads, in parallel; this (the loop's thread, often) numbers them in one step, queues their copies
         where staged, and hands them to the booker (`_book`), which starts them. Into host memory (`dev`'s
         buffers, or a failed target's scratch), straight: a small read of the bytes right after a read no reader has
-        taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`Ring`): read once the
+        taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`mem.ring`): read once the
         block's last copy is done, then copied into its targets by `dev`'s queue (`copy_from_host`, queued now, after
         the read on the disk's timeline: a target's `ready`), so a load holds at most the ring's blocks. Each extent's
         `value`: the disk's timeline value its read reaches (where its failure is recorded: a run covering the disk's
         values raises it, a stream asks `failure_in`)."""
-        ring = None if dev.host_memory else self.ring(dev)
+        ring = None if dev.host_memory else dev.mem.ring()
         with self.lock:  # (their values, in one step)
             for ext in extents:
                 self.submitted += 1
@@ -700,25 +380,10 @@ class DiskDevice(Device):
         into.values.append(ext.value)
         return True
 
-    def ring(self, dev: Device) -> Ring:
-        """`dev`'s ring of staging blocks for loads (one per device: its reads and copies take turns in it)."""
-        with self.lock:
-            ring = self.rings.get(dev)
-            if ring is None:
-                ring = self.rings[dev] = Ring(dev)
-            return ring
-
     def read_range(self, rng: FileRange, start: int, outs: list[memoryview], direct: np.ndarray | None = None
                    ) -> None:
-        """Blocking (reader threads): the range's bytes from `start` on into `outs`, one after the other
-        (`read_extent`; run by run where the range is runs)."""
-        if rng.runs is None:
-            return self.read_extent(rng.file, rng.offset + start, outs, rng.what, direct)
-        rng.file.check(rng.what)
-        for out in outs:
-            rng.read(start, out)
-            start += len(out)
-        rng.file.check(rng.what)
+        """Blocking (reader threads): `FileRange.read_views`, counted."""
+        rng.read_views(start, outs, direct)
         self.count_read(sum(len(o) for o in outs))
 
     def _piece_done(self, v: int, err: BaseException | None) -> None:
@@ -744,19 +409,13 @@ class DiskDevice(Device):
         if lo == hi:
             return np.empty(shape, dtype.numpy)
         item = dtype.itemsize
-        if view.strides == contiguous_strides(shape) or prod(shape) == 1:
+        if view.strides == contiguous_strides(shape) or prod(shape) == 1:  # (read in place, in parallel)
             out = np.empty(shape, dtype.np)
             self._read_parallel(buf, lo * item, out.reshape(-1).view(np.uint8).data)
-        else:
-            raw = np.empty((hi - lo) * item, np.uint8)
-            self._read(buf, lo * item, raw.data)
-            flat = raw.view(dtype.np)
-            strided = np.lib.stride_tricks.as_strided(flat[view.offset - lo :], shape,
-                                                      tuple(s * item for s in view.strides))
-            out = np.array(strided, copy=True, order="C")
-        if dtype is dtypes.bfloat16:
-            out = (out.astype(np.uint32) << 16).view(np.float32)
-        return out
+            return widened(out, dtype)
+        raw = np.empty((hi - lo) * item, np.uint8)
+        self._read(buf, lo * item, raw.data)
+        return host_read(raw, StridedView(view.offset - lo, view.strides), shape, dtype)
 
     # work: none happens here
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],

@@ -80,6 +80,16 @@ def _words(step: KernelStep, first: int, words: Sequence[int]) -> tuple[tuple[An
             tuple(x for (i, pack, mask), w in codes if pack is None for x in (i, struct.pack("=Q", int(w) & mask))))
 
 
+def _set_args(knl: Any, mems: tuple[Any, ...], word_args: tuple[tuple[Any, ...], tuple[Any, ...]]) -> None:
+    """A kernel's every argument set: its buffers (flat (index, buffer) pairs) and its scalars (`_words`)."""
+    scalars, packed = word_args
+    knl._set_arg_multi(mems)
+    if scalars:
+        knl._set_arg_buf_pack_multi(scalars)
+    if packed:
+        knl._set_arg_buf_multi(packed)
+
+
 class _Record:
     """A frozen batch (device.Replay) as OpenCL queues it, used on the submit thread alone: per kernel its cl.Kernel,
     sizes, where its buffers are among the run's (the bound slots, then the temporaries in the arena) and where its
@@ -132,12 +142,8 @@ class _Record:
             values = words.tolist()
             self.word_args = [_words(k, len(k.args), values[a:b]) for k, (a, b) in zip(self.steps, self.word_at)]
         ev, enqueue = None, _cl.enqueue_nd_range_kernel
-        for (knl, glob, local), mem_args, (scalars, packed) in zip(self.launches, self.mem_args, self.word_args):
-            knl._set_arg_multi(mem_args)
-            if scalars:
-                knl._set_arg_buf_pack_multi(scalars)
-            if packed:
-                knl._set_arg_buf_multi(packed)
+        for (knl, glob, local), mem_args, word_args in zip(self.launches, self.mem_args, self.word_args):
+            _set_args(knl, mem_args, word_args)
             ev = enqueue(queue, knl, glob, local, None, wait_for)
             wait_for = None
         return ev
@@ -256,14 +262,10 @@ class OpenCLDevice(QueuedDevice):
         knl = self.programs[step.name]  # a cl.Kernel
         glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
         mems = tuple(x for i, b in enumerate(bufs) for x in (i, b.mem))  # (index, buffer) pairs, flat
-        scalars, packed = _words(step, len(bufs), words) if words else ((), ())
+        word_args = _words(step, len(bufs), words) if words else ((), ())
 
         def enqueue(wait_for: list[Any] | None) -> Any:
-            knl._set_arg_multi(mems)
-            if scalars:
-                knl._set_arg_buf_pack_multi(scalars)
-            if packed:
-                knl._set_arg_buf_multi(packed)
+            _set_args(knl, mems, word_args)
             return cl.enqueue_nd_range_kernel(self.queue, knl, glob, local, wait_for=wait_for)
 
         return self._enqueue(enqueue, waits, bufs)

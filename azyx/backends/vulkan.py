@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import operator
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator, Slabs
 from azyx.codegen.dialect import GLSL, Dialect
+from azyx.compiler import compiled, compiler_says, run_compiler
 from azyx.device import (
     CPU_SPIN_S,
     ROUGH_GFLOPS,
@@ -56,9 +56,7 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
-    compiled,
     kernel_list,
-    run_compiler,
     word_table,
 )
 from azyx.errors import CompileError, DeviceError
@@ -258,7 +256,7 @@ def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect
 def glslc_version() -> str:
     if shutil.which("glslc") is None:
         raise DeviceError("glslc (GLSL -> SPIR-V) not found on PATH (Debian: apt install glslc)")
-    return subprocess.run(["glslc", "--version"], capture_output=True, text=True, timeout=30).stdout
+    return compiler_says("vulkan", "glslc", "--version")
 
 
 # ------------------------------------------------------------------------------------------------ memory

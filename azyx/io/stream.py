@@ -31,18 +31,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from azyx.allocator import bucket
-from azyx.backends.disk import DiskFile, Extent, FileRange, Target
-from azyx.device import EXTENT, RING
+from azyx.backends.disk import Extent, Target
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError, fresh_copy
 from azyx.fileformat import TensorEntry
+from azyx.files import DiskFile, FileRange
 from azyx.graph import Node, Op, StridedView
+from azyx.memory import EXTENT, RING
 from azyx.runtime import RT
 from azyx.storage import disk_device, disk_node, header_of, open_safetensors
 from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread
 
-# the read pipeline's facts are azyx.device's (EXTENT, RING: sized for a GPU host of about 16 cores; bench/io.py
+# the read pipeline's facts are azyx.memory's (EXTENT, RING: sized for a GPU host of about 16 cores; bench/io.py
 # measures them); the read-ahead is the stream's
 PREFETCH = 64 << 20  # bytes of tensors read ahead of the one handed out, by default
 __all__ = ["EXTENT", "PREFETCH", "RING", "SafetensorsStream", "stream_safetensors"]
@@ -196,7 +197,7 @@ class SafetensorsStream:
             self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                             desc=os.path.basename(self.file.path))
         if not self.direct:  # (its staging blocks taken off the loop: made, mapped or pinned where the pool lacks them)
-            await in_worker_thread(disk_device().ring(dev).fill)
+            await in_worker_thread(dev.mem.ring().fill)
         await self._reserve(self._fits(0))
         self._start(self.prefetch)
 
