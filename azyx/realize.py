@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from asyncio import _get_running_loop as _running_loop
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
@@ -514,15 +514,35 @@ async def to_numpy(t: Handle) -> np.ndarray:
 
 
 
-async def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan | None) -> np.ndarray:
+def read_now(t: Handle) -> Awaitable[np.ndarray]:
+    """`to_numpy` of a realized tensor whose copy is queued at this call, not when the awaitable first runs: on a device
+    with a queue the read goes behind the work that writes the tensor and ahead of work queued after this call (a
+    pipelined decode reads step N's tokens while step N+1 runs). Elsewhere the same as `to_numpy`."""
+    n = _nodes[t.id]
+    if n is None or n.buffer is None:
+        return to_numpy(t)
+    bufs = [buffer_of(n)]
+    dev = bufs[0].device
+    if dev.host_memory or dev.storage:
+        return to_numpy(t)
+    return _read_queued(n, bufs, None)
+
+
+def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan | None) -> Awaitable[np.ndarray]:
     """The read of node `n`'s buffer on a device with a queue, queued now (done or not, the work that writes it is
     ahead of it in the queue); then the run that wrote it answers for its failures (an index out of range, its work on
     other devices) before the bytes are handed out."""
+    dev = bufs[0].device
+    host = np.empty(bufs[0].nbytes, np.uint8)
+    before = dev.queued()
+    return _read_landed(n, bufs, plan, host, before, dev.copy_to_host(bufs[0], host, []))
+
+
+async def _read_landed(n: Any, bufs: list[Any], plan: ExecutionPlan | None, host: np.ndarray, before: int,
+                       v: int) -> np.ndarray:
+    """`_read_queued`'s wait for its copy (value `v` of the device's timeline) and the bytes handed out."""
     buf, view, shape, dtype = bufs[0], n.view, n.shape, n.dtype
     dev = buf.device
-    host = np.empty(buf.nbytes, np.uint8)
-    before = dev.queued()
-    v = dev.copy_to_host(buf, host, [])
     await dev.timeline.wait(v)
     if (err := dev.failure_in(before, v)) is not None:
         raise fresh_copy(err)

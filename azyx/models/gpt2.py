@@ -47,7 +47,7 @@ from azyx.dtypes import DType, dtypes, to_dtype
 from azyx.errors import ArgumentError, AzyxError, AzyxIOError, RuntimeStateError, ShapeError, StateDictError
 from azyx.io import stream_safetensors
 from azyx.jit import jit
-from azyx.realize import realize
+from azyx.realize import read_now, realize
 from azyx.runtime import RT
 from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread
@@ -797,7 +797,9 @@ class Engine:
                 for flags in variants:
                     ints, floats, _ = self._decode_inputs([0] * b, [self._sampling_row(None)] * b)
                     slots, tokens = self._device([scratch] * b, dtypes.int32), self._device([0] * b, dtypes.int32)
-                    await self.decode_step(slots, tokens, ints, floats, **flags, window=w)
+                    token, _ = await self.decode_step(slots, tokens, ints, floats, **flags, window=w)
+                    # and chained (`_launch`): tokens a step made on the device may key a trace of their own
+                    await self.decode_step(slots, token, ints, floats, **flags, window=w)
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -1041,11 +1043,11 @@ class Engine:
         window = self._window(max(positions) + 1)
         token, logits = await self.decode_step.submit(slots, tokens, ints, floats, **flags, window=window,
                                                       **self._extras(rows))
-        read = asyncio.ensure_future(token.numpy())
+        # the tokens' read queued now: behind this step, ahead of the next one (a chained step is queued before it is
+        # awaited)
+        read = asyncio.ensure_future(read_now(token))
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        launched = _Launched(seqs, rows, slots, token, logits, read)
-        await asyncio.sleep(0)  # (the read's turn: its copy is queued behind this step, ahead of the next one)
-        return launched
+        return _Launched(seqs, rows, slots, token, logits, read)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
