@@ -248,8 +248,9 @@ class ShardedTensor:
         """Pieces holding partial values of one whole (a replicated layout of partials) combined by `op` into the
         same result on every device. Devices that read each other's memory in place (C devices: the scheduler's
         `shares_memory`, which are parts of one machine's cores and memory) combine every piece in one kernel on the
-        first device, reading the others where they lie; the other devices read that result in place (a kernel of
-        theirs in the same plan), or copy it (realized as they are). Otherwise a ring reduce-scatters over the
+        first device, reading the others where they lie; the other devices' pieces are that result's buffer (their
+        kernels read it in place; realized, they hold it: no copy, and no assignment writes into it in place while
+        another holds it, graph.SHARED). Otherwise a ring reduce-scatters over the
         pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk per step), then each
         combined chunk is copied to every device; a swap where there are two devices and `chunks` is not given.
         `chunks`: the elements cut into that many rings side by side in the plan, so that one ring's transfers

@@ -4,8 +4,8 @@
 
 Rows: an all-reduce of a float32 tensor over the pair (each device's partial values, the sum on both) beside the
 executor's copy of the same bytes from one device to the other (the ceiling the all-reduce is judged by: target >=
-0.7x), as the default (C devices: one kernel per device reading both pieces in place; elsewhere a swap of copies)
-and as rings in 4 chunks (pipelined); all-gather, reduce-scatter and broadcast of the same bytes beside the same
+0.7x), as the default (C devices: one kernel reading both pieces in place, whose buffer the second device's piece
+holds; elsewhere a swap of copies) and as rings in 4 chunks (pipelined); all-gather, reduce-scatter and broadcast of the same bytes beside the same
 copy; on C devices the all-reduce over four (c:0..c:3); where both are CUDA devices, the all-reduce of 1 GiB beside
 torch.distributed's NCCL all-reduce of the same bytes over the same two GPUs (two processes, same run); tensor-
 parallel GPT-2 decode (azyx.models.gpt2_parallel through an Engine, 4 sequences, greedy) over the pair beside the

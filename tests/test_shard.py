@@ -71,8 +71,8 @@ async def test_elementwise_and_reductions_run_where_the_shards_are(pair: list[st
 @pytest.mark.parametrize("other", ["c:1", "opencl:0"])
 async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> None:
     """The partial sums' all-reduce in the pieces' plan: on C devices one kernel on c:0 combines both partial sums,
-    reading c:1's in place, and a kernel on c:1 reads that sum in place (no transfer step; realized as it is, c:1's
-    piece is a copy of its own); a pair whose memory is not shared moves them by transfer steps."""
+    reading c:1's in place, and a kernel on c:1 reads that sum in place (no transfer step; realized, c:1's piece holds
+    c:0's buffer); a pair whose memory is not shared moves them by transfer steps."""
     if other not in ALL:
         pytest.skip(f"{other} is not present")
     x = randn(8, 4)
@@ -90,8 +90,32 @@ async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> N
     np.testing.assert_allclose(await total.shards[0].numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(await used.numpy(), 6 * x.sum(0), rtol=1e-5, atol=1e-5)
     mine = await total.shards[1].realize()
-    assert mine.device == other
+    assert mine.device == other and (mine._node.buffer is total.shards[0]._node.buffer) is shared
     np.testing.assert_allclose(await mine.numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
+
+
+async def test_a_buffer_two_tensors_hold_is_never_written_in_place() -> None:
+    """An all-reduce's pieces on C devices hold one buffer (each device's kernels read it in place), as a realized view
+    holds its base's: an assignment into one of them writes a copy, and the others keep their values."""
+    x = randn(6)
+    total = ShardedTensor([Tensor(x, device="c:0"), Tensor(2 * x, device="c:1")], None).all_reduce("sum")
+    await total.realize()
+    a, b = total.shards
+    assert a._node.buffer is b._node.buffer and b.device == "c:1"
+    doubled = b * 2.0  # a kernel on c:1 reads the sum where it lies: no transfer step
+    assert not any(isinstance(st, TransferStep) for st in azyx.schedule(doubled).steps)
+    a[0:2] = 0.0  # (its old value has no other handle: a buffer of its own would be written in place)
+    await a.realize()
+    want = 3 * x
+    np.testing.assert_allclose(await doubled.numpy(), 2 * want, rtol=1e-6)
+    np.testing.assert_allclose(await b.numpy(), want, rtol=1e-6)
+    want[:2] = 0.0
+    np.testing.assert_allclose(await a.numpy(), want, rtol=1e-6)
+    y = await Tensor(x).realize()
+    view = await y.reshape(2, 3).realize()
+    y[0:6] = 0.0
+    np.testing.assert_array_equal(await y.numpy(), np.zeros(6, np.float32))
+    np.testing.assert_array_equal(await view.numpy(), x.reshape(2, 3))
 
 
 @pytest.mark.parametrize("n", [2, 3])
