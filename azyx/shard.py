@@ -296,7 +296,13 @@ class ShardedTensor:
                 for c in range(j * n, j * n + n):
                     holder = owner.index(c)
                     result[i].append(acc[holder] if holder == i else acc[holder]._readable_on(dev))
-        return ShardedTensor([Tensor.cat(r, axis=0).reshape(*shape) for r in result], None)
+        out = []
+        for i, dev in enumerate(self.devices):  # each combined chunk written into its place (a join by `cat` would
+            whole = Tensor.zeros(total, dtype=self.dtype, device=dev)  # read every chunk at each point: 15x slower)
+            for (lo, hi), part in zip(bounds, result[i]):
+                whole[lo:hi] = part
+            out.append(whole.reshape(*shape))
+        return ShardedTensor(out, None)
 
     def all_reduce(self, op: str = "sum") -> ShardedTensor:
         """A replicated tensor whose pieces hold partial values (one per device, e.g. each device's gradients)
