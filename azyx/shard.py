@@ -265,7 +265,7 @@ class ShardedTensor:
             whole = self.shards[0]
             for t in self.shards[1:]:
                 whole = combine(whole, t._readable_on(whole.device))
-            return ShardedTensor([whole._readable_on(d) for d in self.devices], None)
+            return self._replicas(whole)
         if n == 2 and chunks is None:
             a, b = self.shards
             return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
@@ -313,10 +313,17 @@ class ShardedTensor:
         return self._all_reduce(op)
 
     def all_gather(self) -> ShardedTensor:
-        """The whole tensor on every device (replicated)."""
+        """The whole tensor on every device (replicated). Devices that share memory (C devices) hold one buffer: the
+        pieces joined once, on the first device (see `_all_reduce`)."""
         if self.axis is None:
             return self
+        if _shared(self.devices):
+            return self._replicas(self.gather(self.devices[0]))
         return ShardedTensor([self.gather(d) for d in self.devices], None)
+
+    def _replicas(self, whole: Tensor) -> ShardedTensor:
+        """`whole` on every device, read in place where they share memory (a replica is then its buffer)."""
+        return ShardedTensor([whole._readable_on(d) for d in self.devices], None)
 
     def reduce_scatter(self, axis: int = 0, op: str = "sum") -> ShardedTensor:
         """Replicated partial values combined by `op`, each device keeping its piece along `axis` (the first half
@@ -338,9 +345,9 @@ class ShardedTensor:
         return ShardedTensor(out, ax)
 
     def broadcast(self, src: int = 0) -> ShardedTensor:
-        """Piece `src`'s value on every device (replicated)."""
+        """Piece `src`'s value on every device (replicated; where the devices share memory, one buffer)."""
         whole = self.shards[src] if self.axis is None else self.gather(self.devices[src])
-        return ShardedTensor([whole.to(d) for d in self.devices], None)
+        return self._replicas(whole)
 
     # ---------------------------------------------------------------- matrix products
     def __matmul__(self, other: Any) -> ShardedTensor:

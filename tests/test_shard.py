@@ -95,8 +95,9 @@ async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> N
 
 
 async def test_a_buffer_two_tensors_hold_is_never_written_in_place() -> None:
-    """An all-reduce's pieces on C devices hold one buffer (each device's kernels read it in place), as a realized view
-    holds its base's: an assignment into one of them writes a copy, and the others keep their values."""
+    """An all-reduce's pieces on C devices hold one buffer (each device's kernels read it in place; an all-gather's
+    and a broadcast's too), as a realized view holds its base's: an assignment into one of them writes a copy, and the
+    others keep their values."""
     x = randn(6)
     total = ShardedTensor([Tensor(x, device="c:0"), Tensor(2 * x, device="c:1")], None).all_reduce("sum")
     await total.realize()
@@ -111,6 +112,10 @@ async def test_a_buffer_two_tensors_hold_is_never_written_in_place() -> None:
     np.testing.assert_allclose(await b.numpy(), want, rtol=1e-6)
     want[:2] = 0.0
     np.testing.assert_allclose(await a.numpy(), want, rtol=1e-6)
+    for whole in (Tensor(x).shard(["c:0", "c:1"], 0).all_gather(), total.broadcast(1)):  # one buffer too
+        await whole.realize()
+        assert whole.shards[0]._node.buffer is whole.shards[1]._node.buffer
+    np.testing.assert_array_equal(await whole.shards[0].numpy(), 3 * x)
     y = await Tensor(x).realize()
     view = await y.reshape(2, 3).realize()
     y[0:6] = 0.0
