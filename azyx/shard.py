@@ -2,16 +2,17 @@
 
 `t.shard(devices, axis)` splits `t` along `axis` into one piece per device (numpy's `array_split` sizes);
 `azyx.replicate(t, devices)` puts a whole copy on each. A `ShardedTensor` is a list of ordinary lazy Tensors, one per
-device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on
-its own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together
-(`await s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce,
-all-gather, reduce-scatter, broadcast) are built from the pieces' slices and copies to other devices: between
-devices whose memory is this process's host memory (C devices) a kernel reads the other device's buffer in place,
-with no copy (`Tensor._readable_on`, `azyx.schedule.shares_memory`); elsewhere they become the plan's transfer
-steps, which the executor routes by its sync strategy (peer where the API has it, host-staged otherwise) and
-overlaps with compute where the plan allows. Matrix products with a sharded operand run row- or column-parallel, or
-as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
-replica per device, each a slice of every batch, gradients all-reduced in the step's plan.
+device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on its
+own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together (`await
+s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce, all-gather,
+reduce-scatter, broadcast) are built from the pieces' slices and copies to other devices: between devices whose memory
+is this process's host memory (C devices) a kernel reads the other device's buffer in place, with no copy
+(`Tensor._readable_on`, `azyx.schedule.shares_memory`), and a replicated result is one buffer that every device's piece
+holds (never written in place while they do: `azyx.graph.SHARED`); elsewhere they become the plan's transfer steps,
+which the executor routes by its sync strategy (peer where the API has it, host-staged otherwise) and overlaps with
+compute where the plan allows. Matrix products with a sharded operand run row- or column-parallel, or as partial
+products joined by an all-reduce. `DataParallel` trains a model data-parallel: a replica per device, each a slice of
+every batch, gradients all-reduced in the step's plan.
 
     x = Tensor(data).shard(["cuda:0", "cuda:1"], axis=0)  # rows split over two GPUs
     w = azyx.replicate(weights, ["cuda:0", "cuda:1"])     # a copy on each
