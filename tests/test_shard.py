@@ -295,32 +295,44 @@ rng = np.random.default_rng(11)
 REF = {"sum": np.add.reduce, "max": np.maximum.reduce, "min": np.minimum.reduce}
 
 
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+# per dtype: the range its pieces are drawn from (sums of 4 stay in range and exact; none: normal) and its shapes
+DRAWN = {"float32": (None, ((3,), (7, 5), (2, 40001))), "int32": ((-1000, 1000), ((3,), (7, 5), (2, 40001))),
+         "float16": (None, ((1,), (7, 5))), "float64": (None, ((1,), (7, 5))), "int64": ((-1000, 1000), ((1,), (7, 5))),
+         "uint8": ((0, 64), ((1,), (7, 5))), "int8": ((-30, 30), ((7, 5),)), "int16": ((-1000, 1000), ((7, 5),)),
+         "uint32": ((0, 1000), ((7, 5),)), "bool": ((0, 2), ((7, 5),)), "bfloat16": ((-30, 30), ((7, 5),))}
+
+
 async def main() -> None:
     for n in (2, 3, 4):
         devs = [f"c:{i}" for i in range(n)]
-        for dtype in ("float32", "float16", "int32", "int64", "float64", "uint8"):
-            for shape in ((3,), (7, 5), (2, 40001)) if dtype in ("float32", "int32") else ((1,), (7, 5)):
-                if dtype == "uint8":
-                    parts = [rng.integers(0, 256 // n, shape).astype(dtype) for _ in devs]
-                elif dtype.startswith("int"):
-                    parts = [rng.integers(-1000, 1000, shape).astype(dtype) for _ in devs]
-                else:
+        for dtype, (drawn, shapes) in DRAWN.items():
+            for shape in shapes:
+                if drawn is None:
                     parts = [rng.standard_normal(shape).astype(dtype) for _ in devs]
-                s = ShardedTensor([Tensor(p, device=d) for p, d in zip(parts, devs)], None)
-                for op in ("sum", "max", "min"):
-                    want = REF[op](parts)
+                else:  # (bfloat16: small integers, exact in it, drawn as float32)
+                    parts = [rng.integers(*drawn, shape).astype(np.float32 if dtype == "bfloat16" else dtype)
+                             for _ in devs]
+                s = ShardedTensor([Tensor(p, dtype=dtype, device=d) for p, d in zip(parts, devs)], None)
+                wants = {op: REF[op](parts) for op in REF}
+                if dtype == "bool":  # (a sum of bools is their or, as Tensor's +)
+                    wants["sum"] = np.logical_or.reduce(parts)
+                for op, want in wants.items():
                     for chunks in (None, 1, 3) if dtype == "float32" else (None, 2):
                         got = s._all_reduce(op, chunks)
                         assert got.devices == devs and got.replicated
                         for t in got.shards:
                             tol = 1e-2 if dtype == "float16" else 1e-5
-                            np.testing.assert_allclose(await t.numpy(), want, rtol=tol, atol=tol * n)
+                            np.testing.assert_allclose(f64(await t.numpy()), f64(want), rtol=tol, atol=tol * n)
                 # reduce-scatter, all-gather and broadcast of the same pieces
                 if len(shape) == 2:
                     rs = s.reduce_scatter(axis=1)
                     assert rs.axis == 1 and rs.sizes == tuple(len(b) for b in np.array_split(np.arange(shape[1]), n))
-                    np.testing.assert_allclose(await rs.numpy(), REF["sum"](parts), rtol=1e-2, atol=1e-2 * n)
-                    split = Tensor(parts[0]).shard(devs, 0 if shape[0] >= n else 1)
+                    np.testing.assert_allclose(f64(await rs.numpy()), f64(wants["sum"]), rtol=1e-2, atol=1e-2 * n)
+                    split = Tensor(parts[0], dtype=dtype).shard(devs, 0 if shape[0] >= n else 1)
                     for t in split.all_gather().shards:
                         np.testing.assert_array_equal(await t.numpy(), parts[0])
                 for t in s.broadcast(n - 1).shards:
