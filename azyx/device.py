@@ -201,7 +201,7 @@ def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> 
     past it ({}, 0), the temporaries each have their own buffer (a batch that large pays little for allocating them)."""
     freed, offsets, at = set(frees) - {s for s, _ in plan.outputs}, {}, 0
     for k in steps:
-        for s in k.args[:k.outs]:
+        for s in () if k.kernel.inplace else k.args[:k.outs]:  # (an assignment writes into a buffer made before it)
             if s in freed and s not in offsets and plan.slots[s].kind == "temp":
                 offsets[s] = at
                 at += -(-max(plan.slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN

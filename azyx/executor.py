@@ -77,8 +77,16 @@ class UnifiedExecutor:
 
     @staticmethod
     def _waits(dev: Device, bufs: list[Buffer]) -> list[tuple[Device, int]]:
-        """What `dev` must wait for: buffers of other devices not ready yet (its own queue is in order)."""
-        return [(b.device, b.ready) for b in bufs if b.device is not dev and b.device.timeline.value < b.ready]
+        """What `dev` must wait for: buffers of other devices not ready yet (its own queue is in order). A buffer of a
+        failed device (read in place where memory is shared) raises its failure: its memory went with it."""
+        waits = []
+        for b in bufs:
+            if b.device is not dev:
+                if b.device.timeline.failure is not None:
+                    b.device.check_alive()
+                if b.device.timeline.value < b.ready:
+                    waits.append((b.device, b.ready))
+        return waits
 
     def execute_kernel(self, dev: Device, items: list[LaunchItem], batch: BatchState, same_device: bool = False,
                        overwrites: bool = False, gathered: bool = False) -> int:

@@ -8,6 +8,7 @@ sources when realized, and a freed id leaves every tape at once, so a reused id 
 
 from __future__ import annotations
 
+import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +33,10 @@ class StorageDevice(Protocol):
     name: str
     listed: bool
 
+
+# buffers that more than one node holds (ExecutionPlan.aliased: a realized view of a tensor, a collective's replicas
+# in memory their devices share): an assignment never writes into one in place (walk.donates), the others would see it
+SHARED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 # a TODEVICE's arg (Tensor._readable_on): a kernel on a device that shares memory with the source's reads the source's
 # buffer in place, with no copy (azyx.schedule.shares_memory); a copy otherwise, as a plain TODEVICE (arg None)

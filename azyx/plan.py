@@ -87,6 +87,9 @@ class ExecutionPlan:
     # slots of kind "check": per device, the int32 words where its kernels flag an index out of range (ir.Kernel.check);
     # the executor binds each run's own check words there, and the run's record reads it when the work is done
     checks: tuple[int, ...] = ()
+    # targets (their positions) whose buffer another target or an input holds too (a realized view of an input, a
+    # collective's replicas in memory their devices share): such a buffer is never written in place (graph.SHARED)
+    aliased: tuple[int, ...] = ()
 
     @property
     def kernels(self) -> list[KernelStep]:

@@ -17,7 +17,7 @@ import numpy as np
 from azyx.device import buffer_of, host_read
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, DTypeError, RuntimeStateError, fresh_copy
-from azyx.graph import CHAINS, GRAPH, GraphCopy, Op, prod, user_site
+from azyx.graph import CHAINS, GRAPH, SHARED, GraphCopy, Op, prod, user_site
 from azyx.plan import ExecutionPlan
 from azyx.runtime import RT, InFlight, loop_identity
 from azyx.schedule import make_plan
@@ -392,6 +392,8 @@ def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], 
     realizes, each submitting in turn), the executor may gather this run with theirs (UnifiedExecutor.run's `crowd`)."""
     loop = _running_loop()
     outs, adopted = RT.executor.run(plan, bindings, scalars, loop if getattr(loop, "_ready", None) else None)
+    for i in plan.aliased:
+        SHARED.add(outs[i][0])
     for (slot, _), buf in zip(plan.adopt, adopted):
         if (n := leaf(slot)) is not None:
             n.buffer = buf

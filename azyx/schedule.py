@@ -155,8 +155,9 @@ class Planner:
     def on_device(self, slot: int, device: str) -> int:
         """The slot's contents on `device`, inserting a transfer the first time."""
         s = self.slots[slot]
-        if s.device == device:
-            return slot
+        if s.device == device or s.kind == "input" and self.leaf_device.get(slot) == device and \
+                shares_memory(self.rt.device(s.device), self.rt.device(device)):
+            return slot  # (a tensor of `device` whose buffer lies in memory it shares: a replica, `realize`)
         key = (slot, device)
         if key not in self.transfers:
             dst = self._slot(device, s.dtype, s.nbytes, "temp")
@@ -186,7 +187,11 @@ class Planner:
         n = self.graph[nid]
         if n.op is Op.TODEVICE:
             slot, view = self.realize(n.src[0])
-            out = (self.on_device(slot, self.device_of(n)), view)
+            held, device = self.slots[slot].device, self.device_of(n)
+            if n.arg == READ_IN_PLACE and shares_memory(self.rt.device(held), self.rt.device(device)):
+                out = (slot, view)  # a replica (a collective's) in memory both share: the source's buffer, no copy
+            else:
+                out = (self.on_device(slot, device), view)
         elif not copy and (sv := self.viewed(nid)) is not None:
             out = sv  # a view of a buffer: no kernel
         else:
@@ -830,7 +835,14 @@ class Planner:
                                    if isinstance(st, KernelStep) and st.kernel.inplace and st.args[0] < n_in}))
         return ExecutionPlan(tuple(self.steps), slots, n_in, outputs, tuple(tuple(f) for f in frees), devices,
                              tuple(self.adopt), len(self.walk.scalars), overwrites, tuple(self.split_sites.values()),
-                             tuple(self.checks.values()))
+                             tuple(self.checks.values()),
+                             _aliased([s for s, _ in outputs], n_in, overwrites))
+
+
+def _aliased(slots: list[int], n_inputs: int, overwrites: tuple[int, ...]) -> tuple[int, ...]:
+    """The positions of the targets whose slot is an input's (not one an assignment writes in place: its old value's
+    node goes) or another target's (ExecutionPlan.aliased)."""
+    return tuple(i for i, s in enumerate(slots) if s < n_inputs and s not in overwrites or slots.count(s) > 1)
 
 
 class KernelBuild:

@@ -2,16 +2,17 @@
 
 `t.shard(devices, axis)` splits `t` along `axis` into one piece per device (numpy's `array_split` sizes);
 `azyx.replicate(t, devices)` puts a whole copy on each. A `ShardedTensor` is a list of ordinary lazy Tensors, one per
-device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on
-its own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together
-(`await s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce,
-all-gather, reduce-scatter, broadcast) are built from the pieces' slices and copies to other devices: between
-devices whose memory is this process's host memory (C devices) a kernel reads the other device's buffer in place,
-with no copy (`Tensor._readable_on`, `azyx.schedule.shares_memory`); elsewhere they become the plan's transfer
-steps, which the executor routes by its sync strategy (peer where the API has it, host-staged otherwise) and
-overlaps with compute where the plan allows. Matrix products with a sharded operand run row- or column-parallel, or
-as partial products joined by an all-reduce. `DataParallel` trains a model data-parallel: a
-replica per device, each a slice of every batch, gradients all-reduced in the step's plan.
+device, and a layout (the split axis and the pieces' sizes, or replicated): ops on it build each piece's graph on its
+own device, so elementwise ops and reductions run where the shards are, and realizing the pieces together (`await
+s.realize()`, or `azyx.realize` of several) runs them as one ExecutionPlan. Collectives (all-reduce, all-gather,
+reduce-scatter, broadcast) are built from the pieces' slices and copies to other devices: between devices whose memory
+is this process's host memory (C devices) a kernel reads the other device's buffer in place, with no copy
+(`Tensor._readable_on`, `azyx.schedule.shares_memory`), and a replicated result is one buffer that every device's piece
+holds (never written in place while they do: `azyx.graph.SHARED`); elsewhere they become the plan's transfer steps,
+which the executor routes by its sync strategy (peer where the API has it, host-staged otherwise) and overlaps with
+compute where the plan allows. Matrix products with a sharded operand run row- or column-parallel, or as partial
+products joined by an all-reduce. `DataParallel` trains a model data-parallel: a replica per device, each a slice of
+every batch, gradients all-reduced in the step's plan.
 
     x = Tensor(data).shard(["cuda:0", "cuda:1"], axis=0)  # rows split over two GPUs
     w = azyx.replicate(weights, ["cuda:0", "cuda:1"])     # a copy on each
@@ -248,8 +249,9 @@ class ShardedTensor:
         """Pieces holding partial values of one whole (a replicated layout of partials) combined by `op` into the
         same result on every device. Devices that read each other's memory in place (C devices: the scheduler's
         `shares_memory`, which are parts of one machine's cores and memory) combine every piece in one kernel on the
-        first device, reading the others where they lie; the other devices read that result in place (a kernel of
-        theirs in the same plan), or copy it (realized as they are). Otherwise a ring reduce-scatters over the
+        first device, reading the others where they lie; the other devices' pieces are that result's buffer (their
+        kernels read it in place; realized, they hold it: no copy, and no assignment writes into it in place while
+        another holds it, graph.SHARED). Otherwise a ring reduce-scatters over the
         pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk per step), then each
         combined chunk is copied to every device; a swap where there are two devices and `chunks` is not given.
         `chunks`: the elements cut into that many rings side by side in the plan, so that one ring's transfers
@@ -264,7 +266,7 @@ class ShardedTensor:
             whole = self.shards[0]
             for t in self.shards[1:]:
                 whole = combine(whole, t._readable_on(whole.device))
-            return ShardedTensor([whole._readable_on(d) for d in self.devices], None)
+            return self._replicas(whole)
         if n == 2 and chunks is None:
             a, b = self.shards
             return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
@@ -295,7 +297,13 @@ class ShardedTensor:
                 for c in range(j * n, j * n + n):
                     holder = owner.index(c)
                     result[i].append(acc[holder] if holder == i else acc[holder]._readable_on(dev))
-        return ShardedTensor([Tensor.cat(r, axis=0).reshape(*shape) for r in result], None)
+        out = []
+        for i, dev in enumerate(self.devices):  # each combined chunk written into its place (a join by `cat` would
+            whole = Tensor.zeros(total, dtype=self.dtype, device=dev)  # read every chunk at each point: 15x slower)
+            for (lo, hi), part in zip(bounds, result[i]):
+                whole[lo:hi] = part
+            out.append(whole.reshape(*shape))
+        return ShardedTensor(out, None)
 
     def all_reduce(self, op: str = "sum") -> ShardedTensor:
         """A replicated tensor whose pieces hold partial values (one per device, e.g. each device's gradients)
@@ -306,10 +314,17 @@ class ShardedTensor:
         return self._all_reduce(op)
 
     def all_gather(self) -> ShardedTensor:
-        """The whole tensor on every device (replicated)."""
+        """The whole tensor on every device (replicated). Devices that share memory (C devices) hold one buffer: the
+        pieces joined once, on the first device (see `_all_reduce`)."""
         if self.axis is None:
             return self
+        if _shared(self.devices):
+            return self._replicas(self.gather(self.devices[0]))
         return ShardedTensor([self.gather(d) for d in self.devices], None)
+
+    def _replicas(self, whole: Tensor) -> ShardedTensor:
+        """`whole` on every device, read in place where they share memory (a replica is then its buffer)."""
+        return ShardedTensor([whole._readable_on(d) for d in self.devices], None)
 
     def reduce_scatter(self, axis: int = 0, op: str = "sum") -> ShardedTensor:
         """Replicated partial values combined by `op`, each device keeping its piece along `axis` (the first half
@@ -331,9 +346,9 @@ class ShardedTensor:
         return ShardedTensor(out, ax)
 
     def broadcast(self, src: int = 0) -> ShardedTensor:
-        """Piece `src`'s value on every device (replicated)."""
+        """Piece `src`'s value on every device (replicated; where the devices share memory, one buffer)."""
         whole = self.shards[src] if self.axis is None else self.gather(self.devices[src])
-        return ShardedTensor([whole.to(d) for d in self.devices], None)
+        return self._replicas(whole)
 
     # ---------------------------------------------------------------- matrix products
     def __matmul__(self, other: Any) -> ShardedTensor:

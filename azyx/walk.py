@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any
 
 from azyx.dtypes import dtypes
-from azyx.graph import Graph, Node, Op, prod
+from azyx.graph import SHARED, Graph, Node, Op, prod
 from azyx.native import native
 
 
@@ -112,12 +112,13 @@ _CONST, _PAD, _ASSIGN, _BINARY = Op.CONST, Op.PAD, Op.ASSIGN, Op.BINARY  # (an e
 
 def donates(graph: Graph, n: Node) -> bool:
     """Whether ASSIGN node `n` may write into its base's buffer: the base is realized and held by nothing but `n`
-    (no handle, no other node, no tape reads the old value; Graph.id_holds read none), so no one can see it change.
+    (no handle, no other node, no tape reads the old value; Graph.id_holds read none; no other node holds its
+    buffer: graph.SHARED), so no one can see it change.
     Structure: in the key."""
     b = n.src[0]
     base = graph.nodes[b]
     assert base is not None
-    return base.buffer is not None and base.rc - graph.id_holds.get(b, 0) == 1
+    return base.buffer is not None and base.rc - graph.id_holds.get(b, 0) == 1 and base.buffer not in SHARED
 
 
 def _entry(n: Node, i: int, srck: tuple[int, ...], scalars: list[Any], scalar_nodes: list[int]) -> tuple:

@@ -337,3 +337,14 @@ async def test_an_in_place_write_waits_for_other_devices_reading_the_buffer() ->
         await asyncio.gather(copied.realize(), write())
         np.testing.assert_array_equal(await copied.numpy(), x)
         np.testing.assert_array_equal(await t.numpy(), np.full_like(x, -1.0))
+
+
+async def test_assignments_of_values_computed_on_another_device() -> None:
+    """Halves computed on c:1 assigned into a c:0 tensor (odd sizes): the kernels after the second transfer run as one
+    batch, whose assignment writes into the buffer made before it (not a temporary of the batch's own memory)."""
+    x = np.arange(35, dtype=np.float32)
+    a = await Tensor(x, device="c:1").realize()
+    z = Tensor.zeros(35, device="c:0")
+    z[0:17] = (a[0:17] + 1.0).to("c:0")
+    z[17:35] = (a[17:35] + 1.0).to("c:0")
+    np.testing.assert_array_equal(await z.reshape(5, 7).numpy(), (x + 1).reshape(5, 7))

@@ -71,8 +71,8 @@ async def test_elementwise_and_reductions_run_where_the_shards_are(pair: list[st
 @pytest.mark.parametrize("other", ["c:1", "opencl:0"])
 async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> None:
     """The partial sums' all-reduce in the pieces' plan: on C devices one kernel on c:0 combines both partial sums,
-    reading c:1's in place, and a kernel on c:1 reads that sum in place (no transfer step; realized as it is, c:1's
-    piece is a copy of its own); a pair whose memory is not shared moves them by transfer steps."""
+    reading c:1's in place, and a kernel on c:1 reads that sum in place (no transfer step; realized, c:1's piece holds
+    c:0's buffer); a pair whose memory is not shared moves them by transfer steps."""
     if other not in ALL:
         pytest.skip(f"{other} is not present")
     x = randn(8, 4)
@@ -90,22 +90,53 @@ async def test_one_plan_reading_in_place_or_with_transfer_steps(other: str) -> N
     np.testing.assert_allclose(await total.shards[0].numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(await used.numpy(), 6 * x.sum(0), rtol=1e-5, atol=1e-5)
     mine = await total.shards[1].realize()
-    assert mine.device == other
+    assert mine.device == other and (mine._node.buffer is total.shards[0]._node.buffer) is shared
     np.testing.assert_allclose(await mine.numpy(), 2 * x.sum(0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-async def test_collectives_against_numpy(n: int) -> None:
-    devs = ["c:0", "c:1", "opencl:0"][:n] if n == 2 or "opencl:0" in ALL else None
-    if devs is None:
-        pytest.skip("three devices need opencl:0")
+async def test_a_buffer_two_tensors_hold_is_never_written_in_place() -> None:
+    """An all-reduce's pieces on C devices hold one buffer (each device's kernels read it in place; an all-gather's
+    and a broadcast's too), as a realized view holds its base's: an assignment into one of them writes a copy, and the
+    others keep their values."""
+    x = randn(6)
+    total = ShardedTensor([Tensor(x, device="c:0"), Tensor(2 * x, device="c:1")], None).all_reduce("sum")
+    await total.realize()
+    a, b = total.shards
+    assert a._node.buffer is b._node.buffer and b.device == "c:1"
+    doubled = b * 2.0  # a kernel on c:1 reads the sum where it lies: no transfer step
+    assert not any(isinstance(st, TransferStep) for st in azyx.schedule(doubled).steps)
+    a[0:2] = 0.0  # (its old value has no other handle: a buffer of its own would be written in place)
+    await a.realize()
+    want = 3 * x
+    np.testing.assert_allclose(await doubled.numpy(), 2 * want, rtol=1e-6)
+    np.testing.assert_allclose(await b.numpy(), want, rtol=1e-6)
+    want[:2] = 0.0
+    np.testing.assert_allclose(await a.numpy(), want, rtol=1e-6)
+    for whole in (Tensor(x).shard(["c:0", "c:1"], 0).all_gather(), total.broadcast(1)):  # one buffer too
+        await whole.realize()
+        assert whole.shards[0]._node.buffer is whole.shards[1]._node.buffer
+    np.testing.assert_array_equal(await whole.shards[0].numpy(), 3 * x)
+    y = await Tensor(x).realize()
+    view = await y.reshape(2, 3).realize()
+    y[0:6] = 0.0
+    np.testing.assert_array_equal(await y.numpy(), np.zeros(6, np.float32))
+    np.testing.assert_array_equal(await view.numpy(), x.reshape(2, 3))
+
+
+@pytest.mark.parametrize("devs", [["c:0", "c:1"], ["c:0", "opencl:0"], ["c:0", "c:1", "opencl:0"]],
+                         ids=lambda d: "+".join(d))
+async def test_collectives_against_numpy(devs: list[str]) -> None:
+    if not set(devs) <= set(ALL):
+        pytest.skip(f"{devs} are not all present")
+    n = len(devs)
     parts = [randn(5, 7) for _ in devs]
     partial = ShardedTensor([Tensor(p).to(d) for p, d in zip(parts, devs)], None)  # e.g. each device's gradients
     for op, ref in (("sum", np.sum), ("max", np.max), ("min", np.min)):
-        out = partial.all_reduce(op)
-        assert out.replicated and out.devices == devs
-        for t in out.shards:
-            np.testing.assert_allclose(await t.numpy(), ref(np.stack(parts), axis=0), rtol=1e-5, atol=1e-6)
+        rings = [partial._all_reduce(op, 3)] if op == "sum" else []  # (3 chunks: transfers where memory is not shared)
+        for out in (partial.all_reduce(op), *rings):
+            assert out.replicated and out.devices == devs
+            for t in out.shards:
+                np.testing.assert_allclose(await t.numpy(), ref(np.stack(parts), axis=0), rtol=1e-5, atol=1e-6)
     scattered = partial.reduce_scatter(axis=1)
     assert scattered.axis == 1 and scattered.devices == devs
     np.testing.assert_allclose(await scattered.numpy(), np.sum(parts, axis=0), rtol=1e-5, atol=1e-6)
@@ -264,32 +295,44 @@ rng = np.random.default_rng(11)
 REF = {"sum": np.add.reduce, "max": np.maximum.reduce, "min": np.minimum.reduce}
 
 
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+# per dtype: the range its pieces are drawn from (sums of 4 stay in range and exact; none: normal) and its shapes
+DRAWN = {"float32": (None, ((3,), (7, 5), (2, 40001))), "int32": ((-1000, 1000), ((3,), (7, 5), (2, 40001))),
+         "float16": (None, ((1,), (7, 5))), "float64": (None, ((1,), (7, 5))), "int64": ((-1000, 1000), ((1,), (7, 5))),
+         "uint8": ((0, 64), ((1,), (7, 5))), "int8": ((-30, 30), ((7, 5),)), "int16": ((-1000, 1000), ((7, 5),)),
+         "uint32": ((0, 1000), ((7, 5),)), "bool": ((0, 2), ((7, 5),)), "bfloat16": ((-30, 30), ((7, 5),))}
+
+
 async def main() -> None:
     for n in (2, 3, 4):
         devs = [f"c:{i}" for i in range(n)]
-        for dtype in ("float32", "float16", "int32", "int64", "float64", "uint8"):
-            for shape in ((3,), (7, 5), (2, 40001)) if dtype in ("float32", "int32") else ((1,), (7, 5)):
-                if dtype == "uint8":
-                    parts = [rng.integers(0, 256 // n, shape).astype(dtype) for _ in devs]
-                elif dtype.startswith("int"):
-                    parts = [rng.integers(-1000, 1000, shape).astype(dtype) for _ in devs]
-                else:
+        for dtype, (drawn, shapes) in DRAWN.items():
+            for shape in shapes:
+                if drawn is None:
                     parts = [rng.standard_normal(shape).astype(dtype) for _ in devs]
-                s = ShardedTensor([Tensor(p, device=d) for p, d in zip(parts, devs)], None)
-                for op in ("sum", "max", "min"):
-                    want = REF[op](parts)
+                else:  # (bfloat16: small integers, exact in it, drawn as float32)
+                    parts = [rng.integers(*drawn, shape).astype(np.float32 if dtype == "bfloat16" else dtype)
+                             for _ in devs]
+                s = ShardedTensor([Tensor(p, dtype=dtype, device=d) for p, d in zip(parts, devs)], None)
+                wants = {op: REF[op](parts) for op in REF}
+                if dtype == "bool":  # (a sum of bools is their or, as Tensor's +)
+                    wants["sum"] = np.logical_or.reduce(parts)
+                for op, want in wants.items():
                     for chunks in (None, 1, 3) if dtype == "float32" else (None, 2):
                         got = s._all_reduce(op, chunks)
                         assert got.devices == devs and got.replicated
                         for t in got.shards:
                             tol = 1e-2 if dtype == "float16" else 1e-5
-                            np.testing.assert_allclose(await t.numpy(), want, rtol=tol, atol=tol * n)
+                            np.testing.assert_allclose(f64(await t.numpy()), f64(want), rtol=tol, atol=tol * n)
                 # reduce-scatter, all-gather and broadcast of the same pieces
                 if len(shape) == 2:
                     rs = s.reduce_scatter(axis=1)
                     assert rs.axis == 1 and rs.sizes == tuple(len(b) for b in np.array_split(np.arange(shape[1]), n))
-                    np.testing.assert_allclose(await rs.numpy(), REF["sum"](parts), rtol=1e-2, atol=1e-2 * n)
-                    split = Tensor(parts[0]).shard(devs, 0 if shape[0] >= n else 1)
+                    np.testing.assert_allclose(f64(await rs.numpy()), f64(wants["sum"]), rtol=1e-2, atol=1e-2 * n)
+                    split = Tensor(parts[0], dtype=dtype).shard(devs, 0 if shape[0] >= n else 1)
                     for t in split.all_gather().shards:
                         np.testing.assert_array_equal(await t.numpy(), parts[0])
                 for t in s.broadcast(n - 1).shards:
