@@ -304,6 +304,18 @@ async def test_streamed_steps_queue_ahead_and_give_the_step_by_step_tokens(check
     assert stream.finish_reason == "cancelled" and len(engine.cache.free) == 3
 
 
+async def test_warmed_up_streams_trace_nothing_chained_or_not(checkpoint: Path, reference: Any) -> None:
+    """After `warmup`, streams whose steps run chained (tokens fed from the device) and not trace no new decode step."""
+    model = await load(checkpoint)
+    engine = Engine(model, slots=2)
+    await engine.warmup(prompt_lengths=[len(PROMPT), 3])
+    traces = len(engine.decode_step.traces)
+    got = await asyncio.gather(collect(engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)),
+                               collect(engine.generate([4, 4, 4], max_new_tokens=5, ignore_eos=True)))
+    assert got == [hf_greedy(reference, PROMPT, 8), hf_greedy(reference, [4, 4, 4], 5)]
+    assert engine.chained > 0 and len(engine.decode_step.traces) == traces
+
+
 async def test_bad_input_raises_and_the_model_stays_usable(checkpoint: Path, reference: Any) -> None:
     with pytest.raises(DeviceError, match="nope:0"):
         await GPT2.from_pretrained(checkpoint, device="nope:0")

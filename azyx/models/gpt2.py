@@ -797,9 +797,12 @@ class Engine:
                 for flags in variants:
                     ints, floats, _ = self._decode_inputs([0] * b, [self._sampling_row(None)] * b)
                     slots, tokens = self._device([scratch] * b, dtypes.int32), self._device([0] * b, dtypes.int32)
-                    token, _ = await self.decode_step(slots, tokens, ints, floats, **flags, window=w)
-                    # and chained (`_launch`): tokens a step made on the device may key a trace of their own
-                    await self.decode_step(slots, token, ints, floats, **flags, window=w)
+                    # traced, then replayed, then chained (`_launch`) on a replay's tokens and on a chained step's:
+                    # tokens a step made on the device may key a trace of their own
+                    for _ in range(2):
+                        token, _ = await self.decode_step(slots, tokens, ints, floats, **flags, window=w)
+                    for _ in range(2):
+                        token, _ = await self.decode_step(slots, token, ints, floats, **flags, window=w)
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
