@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
@@ -60,6 +61,9 @@ class HostRuntime:
     `values`: what the driver's handles name (realized Tensors, objects)."""
 
     def __init__(self, config: dict[str, Any] | None):
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 where it reserves none): the host's C devices would run
+        # their OpenMP kernels on one thread beside a pool of all the cores; they set it to their own threads instead
+        os.environ.pop("OMP_NUM_THREADS", None)
         if config:
             RT.configure(config)
         self.values: dict[int, Any] = {}
