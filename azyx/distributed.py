@@ -431,38 +431,14 @@ async def realize(*tensors: RemoteTensor) -> None:
     compiled Ray graph, whose runs only write the values' keys and read what the driver needs."""
     order: list[RemoteTensor] = []
     seen: set[int] = set()
-
-    def visit(t: RemoteTensor) -> None:
-        if t.key in seen or t.realized:
-            return
-        seen.add(t.key)
-        for a in _operands(t):
-            visit(a)
-        order.append(t)
-
     for t in tensors:
-        visit(t)
+        _visit(t, order, seen)
     if not order:
         return
     slots = {t.key: i for i, t in enumerate(order)}
     leaves: list[RemoteTensor | RemoteObject] = []
-
-    def encode(a: Any, host: Host) -> Any:
-        if isinstance(a, RemoteObject) and a.host is not host:
-            raise ArgumentError(f"an object kept on {a.host.name} cannot be used on {host.name}")
-        if isinstance(a, RemoteTensor | RemoteObject):
-            if a.key not in slots:
-                slots[a.key] = len(order) + len(leaves)
-                leaves.append(a)
-            return _Ref(slots[a.key])
-        if isinstance(a, tuple):
-            return tuple(encode(x, host) for x in a)
-        if isinstance(a, list):
-            return [encode(x, host) for x in a]
-        return a
-
-    ops = tuple((t.host, t.op, encode(t.args, t.host), {k: encode(v, t.host) for k, v in t.kwargs.items()})
-                for t in order)
+    ops = tuple((t.host, t.op, _encode(t.args, t.host, slots, leaves),
+                 {k: _encode(v, t.host, slots, leaves) for k, v in t.kwargs.items()}) for t in order)
     wanted = frozenset(slots[t.key] for t in tensors if not t.realized)
     binding = tuple(t.key for t in order) + tuple(a.key for a in leaves)
     key = _plan_key(ops, leaves, wanted)
@@ -482,27 +458,58 @@ async def realize(*tensors: RemoteTensor) -> None:
             _on_drop(t, t.host, t.key)
 
 
+# (module functions, not closures in realize: a recursive closure is a reference cycle, which would keep the
+# realize's handles, and so their values on the hosts, until the garbage collector next runs)
+def _visit(t: RemoteTensor, order: list[RemoteTensor], seen: set[int]) -> None:
+    """Append `t`'s unrealized graph to `order`, operands first."""
+    if t.key in seen or t.realized:
+        return
+    seen.add(t.key)
+    for a in _operands(t):
+        _visit(a, order, seen)
+    order.append(t)
+
+
+def _encode(a: Any, host: Host, slots: dict[int, int], leaves: list[RemoteTensor | RemoteObject]) -> Any:
+    """An op's operand with remote tensors and objects as `_Ref`s to their slots; a held one read for the first time
+    becomes a leaf (its slot after the graph's and the earlier leaves')."""
+    if isinstance(a, RemoteObject) and a.host is not host:
+        raise ArgumentError(f"an object kept on {a.host.name} cannot be used on {host.name}")
+    if isinstance(a, RemoteTensor | RemoteObject):
+        if a.key not in slots:
+            slots[a.key] = len(slots)
+            leaves.append(a)
+        return _Ref(slots[a.key])
+    if isinstance(a, tuple):
+        return tuple(_encode(x, host, slots, leaves) for x in a)
+    if isinstance(a, list):
+        return [_encode(x, host, slots, leaves) for x in a]
+    return a
+
+
 def _plan_key(ops: tuple, leaves: list[RemoteTensor | RemoteObject], wanted: frozenset[int]) -> Any:
     """What makes two realizes the same plan: the ops (by host and operands' slots), the leaves' hosts, shapes and
     dtypes, what is wanted. None where an operand cannot be compared (a numpy array as an index): never cached."""
-    def frozen(a: Any) -> Any:
-        if isinstance(a, list):
-            return ("list", tuple(frozen(x) for x in a))
-        if isinstance(a, tuple):
-            return tuple(frozen(x) for x in a)
-        if isinstance(a, dict):
-            return ("dict", tuple((k, frozen(v)) for k, v in a.items()))
-        if isinstance(a, slice):
-            return ("slice", a.start, a.stop, a.step)
-        return a if isinstance(a, _Ref) else (type(a), a)  # (1, 1.0 and True hash alike, but promote apart)
-
-    key = (tuple((h.actor_id, op, frozen(args), frozen(kw)) for h, op, args, kw in ops),
+    key = (tuple((h.actor_id, op, _frozen(args), _frozen(kw)) for h, op, args, kw in ops),
            tuple((a.host.actor_id, getattr(a, "shape", None), getattr(a, "dtype", None)) for a in leaves), wanted)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _frozen(a: Any) -> Any:
+    """An encoded operand as a hashable value of its own kind (lists, dicts and slices as tuples)."""
+    if isinstance(a, list):
+        return ("list", tuple(_frozen(x) for x in a))
+    if isinstance(a, tuple):
+        return tuple(_frozen(x) for x in a)
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _frozen(v)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", a.start, a.stop, a.step)
+    return a if isinstance(a, _Ref) else (type(a), a)  # (1, 1.0 and True hash alike, but promote apart)
 
 
 class _Plan:
