@@ -13,8 +13,14 @@ crosses to another host); every program runs on its host as ONE ExecutionPlan. A
 program as one actor call, chained by ObjectRefs. The driver keeps the plan (the same ops over the same hosts, values
 of the same shapes: a training step's), and its next run compiles it into a Ray compiled graph (`ray.dag`): a node per
 program on its host's actor, the arrays that cross hosts carried by the graph's channels (host-staged); later runs
-only write the values' keys and read the shapes of what was asked for. Compiling and running a compiled graph happen
-on a thread of the plan's own; the driver's event loop only awaits. Results stay in the actors (a handle keeps its
+only write the values' keys and read the shapes of what was asked for. Actor calls remain only where a compiled graph
+does not apply, decided in one place (`_Plan.run`): a plan's first run (compiling takes seconds and a thread of each
+of its hosts' actors, and most plans seen once are not seen again), a plan that cannot be kept (an operand that
+cannot be compared, as a numpy index), one dropped while it runs, and `COMPILE` off. Arrays cross hosts host-staged
+(numpy through the graph's channels) whatever their devices: Ray's NCCL transport between CUDA devices would need
+each actor to hold its GPUs as Ray resources and azyx's CUDA buffers to pass as torch tensors (DLPack), neither of
+which exists yet. Compiling and running a compiled graph happen on a thread of the plan's own; the driver's event
+loop only awaits. Results stay in the actors (a handle keeps its
 value; dropping it frees it there: its key goes with the next run on its host, so that a training step costs no
 actor call of its own); `await t.numpy()` fetches one.
 
@@ -579,6 +585,7 @@ class _Plan:
                 _flush(h)
         freed = {h.index: keys for h in mine.values() if (keys := _take_freed(h))}
         try:
+            # the one decision between a compiled graph and actor calls (the module's docstring says why)
             compiled = cached and COMPILE and self.runs > 1 and not self.closed  # (closed: dropped meanwhile)
             outs = await (self._execute((binding, freed)) if compiled else self._submit((binding, freed)))
         except BaseException:

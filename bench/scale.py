@@ -15,7 +15,8 @@ alone (target on two GPUs: >= 1.6x steps/s); where Ray is installed, the same st
 local Ray cluster (azyx.distributed: a head and two worker nodes on this machine) beside one host, and the overhead
 per step of going through Ray (one host via Ray beside the same step in this process: the plan as a compiled Ray
 graph, and as actor calls, azyx.distributed.COMPILE off); a tiny plan through Ray beside in this process, and Ray's
-own compiled graph through an actor that does nothing (Ray's overhead per execution on this machine). The pair
+own compiled graph through an actor on the host's node that returns its input (the round trip every step pays on
+this machine); each pair timed in turns, the fastest of each kept (`ray_rows`). The pair
 defaults to cuda:0,cuda:1 where both exist, else c:0,c:1 (two logical C devices share the machine's cores). Writes
 between `<!-- bench:scale:start -->` and `<!-- bench:scale:end -->`; never asserts.
 """
