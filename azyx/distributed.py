@@ -14,7 +14,7 @@ program as one actor call, chained by ObjectRefs. The driver keeps the plan (the
 of the same shapes: a training step's), and its next run compiles it into a Ray compiled graph (`ray.dag`): a node per
 program on its host's actor, the arrays that cross hosts carried by the graph's channels (host-staged); later runs
 only write the values' keys and read the shapes of what was asked for. Actor calls remain only where a compiled graph
-does not apply, decided in one place (`_Plan.run`): a plan's first run (compiling takes seconds and a thread of each
+does not apply, decided in one place (a plan's run): its first run (compiling takes seconds and a thread of each
 of its hosts' actors, and most plans seen once are not seen again), a plan that cannot be kept (an operand that
 cannot be compared, as a numpy index), one dropped while it runs, and `COMPILE` off. Arrays cross hosts host-staged
 (numpy through the graph's channels) whatever their devices: Ray's NCCL transport between CUDA devices would need
