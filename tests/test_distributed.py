@@ -115,22 +115,21 @@ async def test_compiled_runs_free_dropped_values_with_the_run_and_leave_the_driv
         return host.actor.__ray_call__.remote(lambda self: len(self.values))
 
     want = x
-    for _ in range(12):
+    for _ in range(24):
         want = np.tanh(want @ want)
     gaps: list[float] = []
     kept = await count(a)
     for i in range(4):  # run 1 by actor calls, run 2 compiles, runs 3 and 4 compiled
-        y = a.call(heavy, tx, 12).to(b).sum(axis=1) + held  # a, then b
-        last = time.perf_counter()
+        y = a.call(heavy, tx, 24).to(b).sum(axis=1) + held  # a, then b
+        t0 = last = time.perf_counter()
         run = asyncio.ensure_future(y.numpy())
-        t0 = last
         while not run.done():  # a heartbeat on the driver's loop while the hosts work
             await asyncio.sleep(0.002)
             gaps.append(time.perf_counter() - last)
             last = time.perf_counter()
         np.testing.assert_allclose(await run, want.sum(1) + np.arange(256), rtol=1e-4, atol=1e-3)
-        if i >= 2:
-            assert max(gaps) < (time.perf_counter() - t0) / 2, (gaps, time.perf_counter() - t0)
+        if i >= 2:  # (a loop blocked while the graph runs turns once; a free one every 2 ms, less what load takes)
+            assert len(gaps) >= 5, (gaps, time.perf_counter() - t0)
         gaps.clear()
         del y  # its value on b: freed with the next run on b (no actor call of its own)
     assert [len(p.hosts) for p in distributed._PLANS.values() if p.dag] == [2]
