@@ -13,9 +13,16 @@ crosses to another host); every program runs on its host as ONE ExecutionPlan. A
 program as one actor call, chained by ObjectRefs. The driver keeps the plan (the same ops over the same hosts, values
 of the same shapes: a training step's), and its next run compiles it into a Ray compiled graph (`ray.dag`): a node per
 program on its host's actor, the arrays that cross hosts carried by the graph's channels (host-staged); later runs
-only write the values' keys and read the shapes of what was asked for. Compiling and running a compiled graph happen
-on a thread of the plan's own; the driver's event loop only awaits. Results stay in the actors (a handle keeps its
-value; dropping it frees it there); `await t.numpy()` fetches one.
+only write the values' keys and read the shapes of what was asked for. Actor calls remain only where a compiled graph
+does not apply, decided in one place (a plan's run): its first run (compiling takes seconds and a thread of each
+of its hosts' actors, and most plans seen once are not seen again), a plan that cannot be kept (an operand that
+cannot be compared, as a numpy index), one dropped while it runs, and `COMPILE` off. Arrays cross hosts host-staged
+(numpy through the graph's channels) whatever their devices: Ray's NCCL transport between CUDA devices would need
+each actor to hold its GPUs as Ray resources and azyx's CUDA buffers to pass as torch tensors (DLPack), neither of
+which exists yet. Compiling and running a compiled graph happen on a thread of the plan's own; the driver's event
+loop only awaits. Results stay in the actors (a handle keeps its
+value; dropping it frees it there: its key goes with the next run on its host, so that a training step costs no
+actor call of its own); `await t.numpy()` fetches one.
 
 A dead actor makes every realize that needs it raise `RemoteError` naming the host (a compiled graph over it is dropped;
 the compiled graphs of the other hosts run on); a new `Cluster` (other actors) makes plans of its own.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
@@ -59,6 +67,9 @@ class HostRuntime:
     `values`: what the driver's handles name (realized Tensors, objects)."""
 
     def __init__(self, config: dict[str, Any] | None):
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 where it reserves none): the host's C devices would run
+        # their OpenMP kernels on one thread beside a pool of all the cores; they set it to their own threads instead
+        os.environ.pop("OMP_NUM_THREADS", None)
         if config:
             RT.configure(config)
         self.values: dict[int, Any] = {}
@@ -92,12 +103,12 @@ class HostRuntime:
         self.values[key] = self._on_loop(make())
         return type(self.values[key]).__name__
 
-    def run(self, program: _Program, binding: tuple[int, ...], *imports: _Output) -> _Output:
-        """Run one program of a plan (`binding`: each of the plan's slots' key): with the arrays that `imports` (the
-        outputs of the programs it waits for) carry, one ExecutionPlan on this host. A failure is a RemoteError
-        naming this host."""
+    def run(self, program: _Program, inputs: _Inputs, *imports: _Output) -> _Output:
+        """Run one program of a plan (`inputs`: each of the plan's slots' key, and per host the keys of values whose
+        handles the driver dropped since, dropped here too): with the arrays that `imports` (the outputs of the
+        programs it waits for) carry, one ExecutionPlan on this host. A failure is a RemoteError naming this host."""
         try:
-            return self._on_loop(_run(self, program, binding, imports))
+            return self._on_loop(_run(self, program, inputs, imports))
         except Exception as e:
             raise RemoteError(f"{program.host} failed: {e!r}") from None
 
@@ -110,9 +121,11 @@ class HostRuntime:
         self.loop.call_soon_threadsafe(_drop, self.values, keys)
 
 
-async def _run(host: HostRuntime, program: _Program, binding: tuple[int, ...], imports: tuple[_Output, ...]) -> _Output:
+async def _run(host: HostRuntime, program: _Program, inputs: _Inputs, imports: tuple[_Output, ...]) -> _Output:
     """HostRuntime.run's work, on the actor's event loop (a function: one async method would make the actor an async
     actor, whose threads are event loops that a compiled graph's loop blocks)."""
+    binding, freed = inputs
+    _drop(host.values, freed.get(program.index, ()))  # (dropped handles: no key among them is the binding's)
     # (imports copied at once: an array read from a compiled graph's channel holds the channel until it is dropped)
     env: dict[int, Any] = {s: Tensor(v) for _, data in imports for s, v in data.items()}
     used: list[Any] = []
@@ -184,9 +197,10 @@ class _Program:
     """What one host runs of a plan, in one ExecutionPlan: `ops` (slot, op, args, kwargs) in order; kept on the host
     (under the slots' keys): `keep`, of which `wanted` are what the realize asked for (their shapes and dtypes go back
     to the driver); `exports`: slots sent on to programs of other hosts, as arrays; `drops`: kept slots of earlier
-    programs it reads last. `host`: its host's name, for errors."""
+    programs it reads last. `host`: its host's name, for errors; `index`: its host's index."""
 
     host: str
+    index: int
     ops: tuple[tuple[int, str, tuple, dict[str, Any]], ...]
     keep: tuple[int, ...]
     wanted: frozenset[int]
@@ -195,6 +209,7 @@ class _Program:
 
 
 _Output = tuple[dict[int, tuple[tuple[int, ...], str]], dict[int, np.ndarray]]  # a program's: (meta, arrays)
+_Inputs = tuple[tuple[int, ...], dict[int, list[int]]]  # a run's: the slots' keys, per host index the keys to drop
 
 
 # ------------------------------------------------------------------------------------------------ the driver side
@@ -233,6 +248,7 @@ class Cluster:
                 if done is not None:
                     done.result()
         for h in self.hosts:
+            h.freed.clear()
             ray.kill(h.actor)
 
 
@@ -249,6 +265,7 @@ class Host:
         self.actor, self.index, self.node, self.devices = actor, index, node, devices
         self.name = f"host {index} (node {node[:8]})"
         self.actor_id = actor._actor_id.hex()
+        self.freed: list[int] = []  # keys of values whose handles were dropped, to free on the host (`_free`)
         _HOSTS[self.actor_id] = self
 
     def __repr__(self) -> str:
@@ -282,21 +299,42 @@ class RemoteObject:
 
     def __init__(self, host: Host, key: int):
         self.host, self.key = host, key
-        _on_drop(self, host.actor, key)
+        _on_drop(self, host, key)
 
 
-def _free(actor: Any, key: int) -> None:
-    if not ray.is_initialized():  # (Ray shut down: the actors are gone; a call would start a new local Ray)
+FREE_BATCH = 64  # dropped handles' keys a host gathers before an actor call of its own frees them
+
+
+def _free(host: Host, key: int) -> None:
+    """`key`'s handle was dropped: its value goes with the next run of a program on `host`, or with the next
+    realize (`_flush`), or once FREE_BATCH keys are waiting (never an actor call per dropped handle: a training
+    step drops a few, and each would be a Ray task of its own on the driver's and the host's cores)."""
+    host.freed.append(key)
+    if len(host.freed) >= FREE_BATCH:
+        _flush(host)
+
+
+def _take_freed(host: Host) -> list[int]:
+    """The keys waiting on `host`, taken (a key a finalizer appends meanwhile stays for the next)."""
+    keys = host.freed[:]
+    del host.freed[:len(keys)]
+    return keys
+
+
+def _flush(host: Host) -> None:
+    """Free the keys waiting on `host` by one actor call."""
+    keys = _take_freed(host)
+    if not keys or not ray.is_initialized():  # (Ray shut down: the actors are gone; a call would start a new Ray)
         return
     try:
-        actor.free.remote(key)
+        host.actor.free.remote(*keys)
     except Exception:  # (the actor died: nothing to free)
         pass
 
 
-def _on_drop(handle: object, actor: Any, key: int) -> None:
-    """Free `key` on its host once `handle` is dropped (not at interpreter exit: Ray goes first)."""
-    weakref.finalize(handle, _free, actor, key).atexit = False
+def _on_drop(handle: object, host: Host, key: int) -> None:
+    """Free `key` on `host` once `handle` is dropped (not at interpreter exit: Ray goes first)."""
+    weakref.finalize(handle, _free, host, key).atexit = False
 
 
 class RemoteTensor:
@@ -309,7 +347,7 @@ class RemoteTensor:
         self.realized = op == "leaf"
         self.shape, self.dtype = shape, dtype
         if self.realized:
-            _on_drop(self, host.actor, self.key)
+            _on_drop(self, host, self.key)
 
     def __repr__(self) -> str:
         state = f"shape {self.shape}, {self.dtype}" if self.realized else f"lazy {self.op}"
@@ -399,38 +437,14 @@ async def realize(*tensors: RemoteTensor) -> None:
     compiled Ray graph, whose runs only write the values' keys and read what the driver needs."""
     order: list[RemoteTensor] = []
     seen: set[int] = set()
-
-    def visit(t: RemoteTensor) -> None:
-        if t.key in seen or t.realized:
-            return
-        seen.add(t.key)
-        for a in _operands(t):
-            visit(a)
-        order.append(t)
-
     for t in tensors:
-        visit(t)
+        _visit(t, order, seen)
     if not order:
         return
     slots = {t.key: i for i, t in enumerate(order)}
     leaves: list[RemoteTensor | RemoteObject] = []
-
-    def encode(a: Any, host: Host) -> Any:
-        if isinstance(a, RemoteObject) and a.host is not host:
-            raise ArgumentError(f"an object kept on {a.host.name} cannot be used on {host.name}")
-        if isinstance(a, RemoteTensor | RemoteObject):
-            if a.key not in slots:
-                slots[a.key] = len(order) + len(leaves)
-                leaves.append(a)
-            return _Ref(slots[a.key])
-        if isinstance(a, tuple):
-            return tuple(encode(x, host) for x in a)
-        if isinstance(a, list):
-            return [encode(x, host) for x in a]
-        return a
-
-    ops = tuple((t.host, t.op, encode(t.args, t.host), {k: encode(v, t.host) for k, v in t.kwargs.items()})
-                for t in order)
+    ops = tuple((t.host, t.op, _encode(t.args, t.host, slots, leaves),
+                 {k: _encode(v, t.host, slots, leaves) for k, v in t.kwargs.items()}) for t in order)
     wanted = frozenset(slots[t.key] for t in tensors if not t.realized)
     binding = tuple(t.key for t in order) + tuple(a.key for a in leaves)
     key = _plan_key(ops, leaves, wanted)
@@ -447,30 +461,61 @@ async def realize(*tensors: RemoteTensor) -> None:
         if s in meta:
             t.shape, t.dtype = meta[s]
             t.op, t.args, t.kwargs, t.realized = "leaf", (), {}, True
-            _on_drop(t, t.host.actor, t.key)
+            _on_drop(t, t.host, t.key)
+
+
+# (module functions, not closures in realize: a recursive closure is a reference cycle, which would keep the
+# realize's handles, and so their values on the hosts, until the garbage collector next runs)
+def _visit(t: RemoteTensor, order: list[RemoteTensor], seen: set[int]) -> None:
+    """Append `t`'s unrealized graph to `order`, operands first."""
+    if t.key in seen or t.realized:
+        return
+    seen.add(t.key)
+    for a in _operands(t):
+        _visit(a, order, seen)
+    order.append(t)
+
+
+def _encode(a: Any, host: Host, slots: dict[int, int], leaves: list[RemoteTensor | RemoteObject]) -> Any:
+    """An op's operand with remote tensors and objects as `_Ref`s to their slots; a held one read for the first time
+    becomes a leaf (its slot after the graph's and the earlier leaves')."""
+    if isinstance(a, RemoteObject) and a.host is not host:
+        raise ArgumentError(f"an object kept on {a.host.name} cannot be used on {host.name}")
+    if isinstance(a, RemoteTensor | RemoteObject):
+        if a.key not in slots:
+            slots[a.key] = len(slots)
+            leaves.append(a)
+        return _Ref(slots[a.key])
+    if isinstance(a, tuple):
+        return tuple(_encode(x, host, slots, leaves) for x in a)
+    if isinstance(a, list):
+        return [_encode(x, host, slots, leaves) for x in a]
+    return a
 
 
 def _plan_key(ops: tuple, leaves: list[RemoteTensor | RemoteObject], wanted: frozenset[int]) -> Any:
     """What makes two realizes the same plan: the ops (by host and operands' slots), the leaves' hosts, shapes and
     dtypes, what is wanted. None where an operand cannot be compared (a numpy array as an index): never cached."""
-    def frozen(a: Any) -> Any:
-        if isinstance(a, list):
-            return ("list", tuple(frozen(x) for x in a))
-        if isinstance(a, tuple):
-            return tuple(frozen(x) for x in a)
-        if isinstance(a, dict):
-            return ("dict", tuple((k, frozen(v)) for k, v in a.items()))
-        if isinstance(a, slice):
-            return ("slice", a.start, a.stop, a.step)
-        return a if isinstance(a, _Ref) else (type(a), a)  # (1, 1.0 and True hash alike, but promote apart)
-
-    key = (tuple((h.actor_id, op, frozen(args), frozen(kw)) for h, op, args, kw in ops),
+    key = (tuple((h.actor_id, op, _frozen(args), _frozen(kw)) for h, op, args, kw in ops),
            tuple((a.host.actor_id, getattr(a, "shape", None), getattr(a, "dtype", None)) for a in leaves), wanted)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _frozen(a: Any) -> Any:
+    """An encoded operand as a hashable value of its own kind (lists, dicts and slices as tuples)."""
+    if isinstance(a, list):
+        return ("list", tuple(_frozen(x) for x in a))
+    if isinstance(a, tuple):
+        return tuple(_frozen(x) for x in a)
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _frozen(v)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", a.start, a.stop, a.step)
+    return a if isinstance(a, _Ref) else (type(a), a)  # (1, 1.0 and True hash alike, but promote apart)
 
 
 class _Plan:
@@ -518,7 +563,7 @@ class _Plan:
                     after[at[i]].add(q)
         hosts = {h.index: h for h in host_of}
         self.hosts = {p: hosts[p[1]] for p in sorted(progs)}
-        self.programs = {p: _Program(self.hosts[p].name, tuple((i, *ops[i][1:]) for i in progs[p]),
+        self.programs = {p: _Program(self.hosts[p].name, p[1], tuple((i, *ops[i][1:]) for i in progs[p]),
                                      tuple(sorted(keep[p])), wanted, tuple(sorted(exports[p])), tuple(sorted(drops[p])))
                          for p in self.hosts}
         self.after = {p: sorted(after[p]) for p in self.programs}
@@ -534,28 +579,36 @@ class _Plan:
         """Run the programs with `binding`; returns the wanted slots' shapes and dtypes. A plan the driver keeps
         (`cached`) runs as a compiled graph from its second run on."""
         self.runs += 1
+        mine = {h.actor_id: h for h in self.hosts.values()}
+        for h in list(_HOSTS.values()):  # (the keys freed on the plan's hosts go with its programs)
+            if h.freed and h.actor_id not in mine:
+                _flush(h)
+        freed = {h.index: keys for h in mine.values() if (keys := _take_freed(h))}
         try:
+            # the one decision between a compiled graph and actor calls (the module's docstring says why)
             compiled = cached and COMPILE and self.runs > 1 and not self.closed  # (closed: dropped meanwhile)
-            outs = await (self._execute(binding) if compiled else self._submit(binding))
+            outs = await (self._execute((binding, freed)) if compiled else self._submit((binding, freed)))
         except BaseException:
+            for h in mine.values():  # (perhaps not dropped: again with a later run)
+                h.freed.extend(freed.get(h.index, ()))
             for host, s in self.scratch:
-                _free(host.actor, binding[s])
+                _free(host, binding[s])
             raise
         return {s: m for meta, _ in outs for s, m in meta.items()}
 
-    async def _submit(self, binding: tuple[int, ...]) -> list[_Output]:
+    async def _submit(self, inputs: _Inputs) -> list[_Output]:
         refs: dict[tuple[int, int], Any] = {}
         for p, program in self.programs.items():
-            refs[p] = self.hosts[p].actor.run.remote(program, binding, *(refs[q] for q in self.after[p]))
+            refs[p] = self.hosts[p].actor.run.remote(program, inputs, *(refs[q] for q in self.after[p]))
         return list(await asyncio.gather(*(_remote(self.hosts[p], refs[p]) for p in self.sinks)))
 
     def _compile(self) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
-        with InputNode() as binding:
+        with InputNode() as inputs:
             nodes: dict[tuple[int, int], Any] = {}
             for p, program in self.programs.items():
-                nodes[p] = self.hosts[p].actor.run.bind(program, binding, *(nodes[q] for q in self.after[p]))
+                nodes[p] = self.hosts[p].actor.run.bind(program, inputs, *(nodes[q] for q in self.after[p]))
             graph = MultiOutputNode([nodes[p] for p in self.sinks])
         dag = graph.experimental_compile()
         if self.closed:  # (dropped while it compiled)
@@ -564,10 +617,10 @@ class _Plan:
             self.dag = dag
 
     @staticmethod
-    def _execute_now(dag: Any, binding: tuple[int, ...]) -> list[_Output]:
-        return [ref.get(timeout=-1) for ref in dag.execute(binding)]  # (-1: as long as the programs take)
+    def _execute_now(dag: Any, inputs: _Inputs) -> list[_Output]:
+        return [ref.get(timeout=-1) for ref in dag.execute(inputs)]  # (-1: as long as the programs take)
 
-    async def _execute(self, binding: tuple[int, ...]) -> list[_Output]:
+    async def _execute(self, inputs: _Inputs) -> list[_Output]:
         loop = asyncio.get_running_loop()
         if self.dag is None:
             if self.compiling is None:
@@ -578,9 +631,9 @@ class _Plan:
             except Exception as e:
                 raise await self._broken(e) from None
         if self.thread is None or self.dag is None:  # (closed while it compiled)
-            return await self._submit(binding)
+            return await self._submit(inputs)
         try:
-            return await loop.run_in_executor(self.thread, self._execute_now, self.dag, binding)
+            return await loop.run_in_executor(self.thread, self._execute_now, self.dag, inputs)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, RemoteError):
                 raise e.cause from None
@@ -640,18 +693,22 @@ def _operands(t: RemoteTensor) -> list[RemoteTensor]:
 
 
 def all_reduce(values: Sequence[RemoteTensor], op: str = "sum") -> list[RemoteTensor]:
-    """Partial values, one per host (each host's gradients), combined by `op` ("sum", "max", "min") on the first
-    value's host and carried back: the result on each value's host (lazy: realize with what reads them)."""
+    """Partial values, one per host (each host's gradients), combined by `op` ("sum", "max", "min"): the result on
+    each value's host (lazy: realize with what reads them). Every value is carried to every other host, and each
+    host combines them all in the same order (equal results): one exchange between the hosts, where reducing on one
+    host and carrying the result back takes two in turn (on a training step's path, a stage and a transfer fewer)."""
     combine = {"sum": "__add__", "max": "maximum", "min": "minimum"}.get(op)
     if combine is None:
         raise ArgumentError(f"all-reduce op must be sum, max or min, got {op!r}")
     if not values:
         raise ArgumentError("all-reduce of no values")
-    home = values[0].host
-    total = values[0]
-    for v in values[1:]:
-        total = total._op(combine, v.to(home))
-    return [total.to(v.host) for v in values]
+    out = []
+    for v in values:
+        total = values[0].to(v.host)
+        for w in values[1:]:
+            total = total._op(combine, w.to(v.host))
+        out.append(total)
+    return out
 
 
 async def scatter(hosts: Sequence[Host], data: Any) -> list[RemoteTensor]:

@@ -1,7 +1,9 @@
 """azyx.distributed on a local Ray cluster that the test starts (a head and two worker nodes, processes of this machine
 on its own address): a runtime per "host", remote tensors awaited from the driver's event loop, graphs split
 into per-host programs joined by transfers through the object store, data-parallel training over the two hosts
-giving one host's parameters, and a dead host failing what needs it while the other works on."""
+giving one host's parameters, and a dead host failing what needs it while the other works on; a plan run again
+as a Ray compiled graph giving the same values, the driver's loop turning while it runs, dropped handles' values
+freed with the next run."""
 
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ async def test_a_graph_over_two_hosts_splits_into_per_host_programs(cluster: Clu
         v = rng.standard_normal(6).astype(np.float32)
         on_a, on_b = all_reduce([tx.sum(axis=1), (await b.tensor(v)) * 1.0], op)
         assert on_a.host is a and on_b.host is b
-        for got in (await on_a.numpy(), await on_b.numpy()):
-            np.testing.assert_allclose(got, ref(x.sum(1), v), rtol=1e-5)
+        got_a, got_b = await on_a.numpy(), await on_b.numpy()
+        np.testing.assert_allclose(got_a, ref(x.sum(1), v), rtol=1e-5)
+        np.testing.assert_array_equal(got_a, got_b)  # (each host combined the same values in the same order)
     # an operand on another host without .to(): carried to the op's host (its first operand's)
     np.testing.assert_allclose(await (tx.sum(axis=0) + (await b.tensor(np.ones(5, np.float32)))).numpy(),
                                x.sum(0) + 1, rtol=1e-6)
@@ -92,6 +95,46 @@ async def test_many_awaits_from_the_driver_loop_run_concurrently(cluster: Cluste
     got = await asyncio.gather(*((t * float(i)).sum().numpy() for i, t in enumerate(ts)))
     for i, (g, x) in enumerate(zip(got, xs)):
         np.testing.assert_allclose(g, (x * i).sum(), rtol=1e-5, atol=1e-5)
+
+
+def heavy(x: Tensor, n: int) -> Tensor:
+    """`n` matrix products in a row: a program that takes a while on its host."""
+    for _ in range(n):
+        x = (x @ x).tanh()
+    return x
+
+
+async def test_compiled_runs_free_dropped_values_with_the_run_and_leave_the_driver_loop_free(
+        cluster: Cluster) -> None:
+    a, b = cluster.hosts
+    x = rng.standard_normal((256, 256)).astype(np.float32) / 16
+    tx = await a.tensor(x)
+    held = await b.tensor(np.arange(256, dtype=np.float32))
+
+    def count(host: Any) -> Any:
+        return host.actor.__ray_call__.remote(lambda self: len(self.values))
+
+    want = x
+    for _ in range(24):
+        want = np.tanh(want @ want)
+    gaps: list[float] = []
+    kept = await count(a)
+    for i in range(4):  # run 1 by actor calls, run 2 compiles, runs 3 and 4 compiled
+        y = a.call(heavy, tx, 24).to(b).sum(axis=1) + held  # a, then b
+        t0 = last = time.perf_counter()
+        run = asyncio.ensure_future(y.numpy())
+        while not run.done():  # a heartbeat on the driver's loop while the hosts work
+            await asyncio.sleep(0.002)
+            gaps.append(time.perf_counter() - last)
+            last = time.perf_counter()
+        np.testing.assert_allclose(await run, want.sum(1) + np.arange(256), rtol=1e-4, atol=1e-3)
+        if i >= 2:  # (a loop blocked while the graph runs turns once; a free one every 2 ms, less what load takes)
+            assert len(gaps) >= 5, (gaps, time.perf_counter() - t0)
+        gaps.clear()
+        del y  # its value on b: freed with the next run on b (no actor call of its own)
+    assert [len(p.hosts) for p in distributed._PLANS.values() if p.dag] == [2]
+    assert await count(a) == kept and await count(b) == 2 and len(b.freed) == 1  # (held, and the last y: waiting)
+    np.testing.assert_array_equal(await held.numpy(), np.arange(256, dtype=np.float32))
 
 
 class Trainer:
