@@ -118,7 +118,7 @@ class _Frozen:
         """The graph's kernels whose values (a new input's address, a new scalar) differ from the run's take the
         run's: a steady batch replays one graph whatever its inputs and scalars, capturing nothing."""
         last, graph.table = graph.table, table
-        if last is None or last is table:
+        if last is None:  # (just captured with this table)
             return
         changed = np.unique(self.entry_kernel[last != table]).tolist()
         if changed:

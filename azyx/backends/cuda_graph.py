@@ -137,7 +137,7 @@ class GraphCache:
         return _Graph(exe, graph, kernels)
 
     def set_params(self, graph: _Graph, i: int, fn: Any, dims: Launch, values: tuple[int, ...],
-                  hold_gil: bool) -> None:
+                   hold_gil: bool) -> None:
         """The graph's `i`th kernel launches with `values` (its buffers' addresses, then its scalar words) from its
         next launch on."""
         assert self.params is not None

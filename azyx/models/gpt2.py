@@ -840,15 +840,16 @@ class Engine:
                             except Exception as e:
                                 self.fail(seq, e)
                     if self.active:
+                        failed: Exception | None = None
                         try:
                             launched = await self._launch(chained)
                         except Exception as e:  # the step's batch fails; later requests are served
-                            await self._settle()
-                            for seq in self.batch:
-                                self.fail(seq, e)
-                            launched = None
+                            launched, failed = None, e
                         await self._settle()  # (the chained step's tokens: read while `launched` runs)
                         self.inflight = launched
+                        if failed is not None:
+                            for seq in self.batch:
+                                self.fail(seq, failed)
                 # a step whose work was done when awaited never gave the loop a turn: the clients' sends, new
                 # requests and disconnects are handled between steps, not after a whole sequence
                 await asyncio.sleep(0)
