@@ -1,10 +1,9 @@
 """The soak test's short form (bench/soak.py is the long one): `azyx serve` on uvicorn, its /v1/completions (GPT-2)
 and /v1/embeddings (MiniLM) driven by concurrent httpx clients with good streams, clients that leave at random points
 (before, during and after the prefill; with queued sentences), bad fields and oversized inputs. Afterwards slots,
-queue, plans, kernels, graph nodes and RSS (the C heap trimmed first) are where they were after warm-up, the pool's
-bytes too (the embedding service's from half-way: a cache follows the peak of concurrent work), and every good stream
-was text-identical to its reference: the same request alone on the quiet server, whose greedy streams match
-transformers."""
+queue, plans, kernels, graph nodes, the pool's bytes and RSS (the pool's cache given back and the C heap trimmed first)
+are where they were after warm-up, and every good stream was text-identical to its reference: the same request alone
+on the quiet server, whose greedy streams match transformers."""
 
 from __future__ import annotations
 
