@@ -89,7 +89,8 @@ class _Frozen:
     table. Its graph is keyed by the addresses a captured memset writes (`zeroed_at`: a memset node is not updated);
     every other value is the graph's data (`refresh`)."""
 
-    __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "entry_kernel", "zeroed_at", "kernels")
+    __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "entry_kernel", "zeroed_at", "kernels", "nodes",
+                 "pointers")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
         self.arg_at, self.word_at, starts = replay.table_at()
@@ -101,6 +102,8 @@ class _Frozen:
         # each memset's address (its kernel's first argument), in the run's addresses
         self.zeroed_at = np.array([a for a, step in zip(np.cumsum([0, *replay.arg_counts]), steps) if step.launch.zero],
                                   np.intp)
+        self.nodes: list[Any] | None = None  # each kernel's node parameters for an update (`GraphCache.node_params`)
+        self.pointers = np.arange(self.n, dtype=np.uint64) * np.uint64(8)  # each value's offset in a table's bytes
 
     def table(self, addresses: np.ndarray, words: np.ndarray) -> np.ndarray:
         """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""
@@ -114,18 +117,28 @@ class _Frozen:
         """The run's graph's key: the record, and the addresses its memsets write."""
         return (self, addresses[self.zeroed_at].tobytes()) if len(self.zeroed_at) else (self,)
 
-    def refresh(self, cache: GraphCache, graph: Any, table: np.ndarray, hold_gil: bool) -> None:
-        """The graph's kernels whose values (a new input's address, a new scalar) differ from the run's take the
-        run's: a steady batch replays one graph whatever its inputs and scalars, capturing nothing."""
-        last, graph.table = graph.table, table
-        if last is None:  # (just captured with this table)
+    def refresh(self, cache: GraphCache, graph: Any, exe: int, table: np.ndarray, hold_gil: bool) -> None:
+        """The kernels of the graph's executable graph `exe` whose values (a new input's address, a new scalar) differ
+        from the run's take the run's: a steady batch replays one graph whatever its inputs and scalars, capturing
+        nothing."""
+        last, graph.tables[exe] = graph.tables[exe], table
+        if last is None:  # just captured from this run's launches: every executable graph holds this table
+            graph.tables[:] = [table] * len(graph.tables)
             return
         changed = np.unique(self.entry_kernel[last != table]).tolist()
-        if changed:
-            values = table.tolist()
-            for i in changed:
-                fn, dims, _, a, b = self.kernels[i]
-                cache.set_params(graph, i, fn, dims, tuple(values[a:b]), hold_gil)
+        if not changed:
+            return
+        if self.nodes is None:
+            self.nodes = [cache.node_params(fn, dims) for fn, dims, _, _, _ in self.kernels]
+        # kernelParams point into the table itself (the driver copies the values at the update)
+        at = self.pointers + np.uint64(table.ctypes.data)
+        for i in changed:
+            fn, dims, _, a, b = self.kernels[i]
+            node = self.nodes[i]
+            if node is not None:
+                cache.update(graph, exe, i, node, at[a:], hold_gil)
+            else:  # (its values encode tensor maps)
+                cache.set_params(graph, exe, i, fn, dims, tuple(table[a:b].tolist()), hold_gil)
 
     def launches(self, table: np.ndarray) -> list[Collected]:
         """The batch's launches for a run's table (where it is not replayed as a graph yet)."""
@@ -663,7 +676,7 @@ class CUDADevice(StagedCopies):
 
         def launch(hold_gil: bool = True) -> None:
             cache.launch(lambda: frozen.launches(table), hold_gil, key,
-                         lambda graph: frozen.refresh(cache, graph, table, hold_gil))
+                         lambda graph, exe: frozen.refresh(cache, graph, exe, table, hold_gil))
 
         long = None if cache.cheap_keyed(key, frozen.count) else lambda: launch(False)
         return self._submit(launch, waits, (arena, replay.get(bufs)), long=long)

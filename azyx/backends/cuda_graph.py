@@ -21,6 +21,11 @@ GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is capture
 INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread (as is
 # a batch's capture)
 GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
+# executable graphs instantiated per frozen batch, launched in turn: a parameter update of an executable graph whose
+# last launch is still running makes the driver wait for that launch on the calling thread (a decode step chained
+# behind the one in flight waited a whole step: 636 us of a 1.55 ms step on an H200), so a run updates the one
+# launched longest ago
+EXECS = 2
 
 Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
 
@@ -33,15 +38,22 @@ class _NodeParams(ctypes.Structure):
 
 
 class _Graph:
-    """A captured batch: the executable graph and its handle for the launch path; for a frozen batch, the graph it
-    was made from (its kernel nodes, in launch order, are what a parameter update names) and the table of values it
-    replays now."""
+    """A captured batch: its executable graphs (one; a frozen batch's: EXECS, launched in turn, `turn()`); for a
+    frozen batch, the graph they were made from (its kernel nodes, in launch order, are what a parameter update names)
+    and, per executable graph, the table of values it replays now."""
 
-    __slots__ = ("exe", "handle", "graph", "nodes", "table")
+    __slots__ = ("exes", "handles", "graph", "nodes", "tables", "next")
 
-    def __init__(self, exe: Any, graph: Any, nodes: list[int]):
-        self.exe, self.handle, self.graph, self.nodes = exe, int(exe), graph, nodes
-        self.table: Any = None
+    def __init__(self, exes: list[Any], graph: Any, nodes: list[int]):
+        self.exes, self.handles, self.graph, self.nodes = exes, [int(e) for e in exes], graph, nodes
+        self.tables: list[Any] = [None] * len(exes)
+        self.next = 0
+
+    def turn(self) -> int:
+        """The executable graph this run launches: the one launched longest ago."""
+        i = self.next
+        self.next = (i + 1) % len(self.handles)
+        return i
 
     def __del__(self) -> None:
         if self.graph is not None:
@@ -83,11 +95,12 @@ class GraphCache:
         return launches <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
 
     def launch(self, batch: list[Collected] | Callable[[], list[Collected]], hold_gil: bool = True,
-               key: tuple | None = None, refresh: Callable[[_Graph], None] | None = None) -> None:
+               key: tuple | None = None, refresh: Callable[[_Graph, int], None] | None = None) -> None:
         """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady.
         `hold_gil` False: each launch lets other threads run (a long batch submitted off the loop's thread). With
         `key` (a frozen batch's), `batch` is what makes its launches, called only where they are launched one by one
-        or captured, and `refresh(graph)` brings a graph's values up to the run's before its launch."""
+        or captured, and `refresh(graph, i)` brings the values of its `i`th executable graph (`_Graph.turn`) up to the
+        run's before its launch."""
         if key is None:
             assert isinstance(batch, list)
             if len(batch) == 1:
@@ -108,10 +121,13 @@ class GraphCache:
                 graph = None
             else:
                 graph = self.graphs[key] = self._capture(launches, hold_gil, refresh is not None)
-        if refresh is not None and graph is not None:
-            refresh(graph)
-        if graph is not None and (err := (self.hot if hold_gil else self.hot.releasing).graph_launch(graph.handle,
-                                                                                                    self.stream_h)):
+        if graph is None:
+            return
+        i = 0
+        if refresh is not None:
+            i = graph.turn()
+            refresh(graph, i)
+        if err := (self.hot if hold_gil else self.hot.releasing).graph_launch(graph.handles[i], self.stream_h):
             self.hot.fail(err, "cuGraphLaunch")
         if len(self.graphs) > GRAPHS_KEPT:
             self.graphs.pop(next(iter(self.graphs)))
@@ -129,22 +145,39 @@ class GraphCache:
                     kernels.append(_frontier(self.stream))
         finally:
             graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
-        exe = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        exes = [check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate") for _ in range(EXECS if nodes else 1)]
         debug.log(debug.PLANS, f"{self.name}: captured {len(batch)} launches as a CUDA graph")
         if not nodes:
             cu.cuGraphDestroy(graph)
-            return _Graph(exe, None, [])
-        return _Graph(exe, graph, kernels)
+            return _Graph(exes, None, [])
+        return _Graph(exes, graph, kernels)
 
-    def set_params(self, graph: _Graph, i: int, fn: Any, dims: Launch, values: tuple[int, ...],
+    @staticmethod
+    def node_params(fn: Any, dims: Launch) -> _NodeParams | None:
+        """A kernel's node parameters for `update`, whose values' pointers each update sets (None where its values
+        encode tensor maps: `set_params`)."""
+        if dims.maps:
+            return None
+        return _NodeParams(int(fn), (ctypes.c_uint * 3)(*dims.grid), (ctypes.c_uint * 3)(dims.group, 1, 1), dims.smem,
+                           None, None)
+
+    def update(self, graph: _Graph, exe: int, i: int, node: _NodeParams, pointers: Any, hold_gil: bool) -> None:
+        """The `i`th kernel of the graph's executable graph `exe` launches with the values `pointers` point at (its
+        kernelParams: a uint64 array of addresses, read by the driver during this call) from its next launch on."""
+        node.params = pointers.ctypes.data
+        hot = self.hot if hold_gil else self.hot.releasing
+        if err := hot.graph_set_params(graph.handles[exe], graph.nodes[i], ctypes.byref(node)):
+            hot.fail(err, "cuGraphExecKernelNodeSetParams")
+
+    def set_params(self, graph: _Graph, exe: int, i: int, fn: Any, dims: Launch, values: tuple[int, ...],
                    hold_gil: bool) -> None:
-        """The graph's `i`th kernel launches with `values` (its buffers' addresses, then its scalar words) from its
-        next launch on."""
+        """The `i`th kernel of the graph's executable graph `exe` launches with `values` (its buffers' addresses, then
+        its scalar words) from its next launch on."""
         assert self.params is not None
         p = _NodeParams(int(fn), (ctypes.c_uint * 3)(*dims.grid), (ctypes.c_uint * 3)(dims.group, 1, 1), dims.smem,
                         self.params(values, dims), None)
         hot = self.hot if hold_gil else self.hot.releasing
-        if err := hot.graph_set_params(graph.handle, graph.nodes[i], ctypes.byref(p)):
+        if err := hot.graph_set_params(graph.handles[exe], graph.nodes[i], ctypes.byref(p)):
             hot.fail(err, "cuGraphExecKernelNodeSetParams")
 
 
