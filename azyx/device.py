@@ -282,6 +282,9 @@ class RunRecord:
         for dev, buf, host, plan in checks or ():
             words = host if host is not None else np.asarray(buf.mem).reshape(-1).view(np.int32)[:CHECK_WORDS]
             if not words[0]:
+                # still zero on the device: a later run takes them as they are (no write to clear them)
+                if host is not None and not host.any() and len(dev.zeroed_checks) < ZEROED_CHECKS:
+                    dev.zeroed_checks.append(buf)
                 continue
             site, lo, hi, size = (int(w) for w in words[:CHECK_WORDS])
             value = (hi << 32) | (lo & 0xFFFFFFFF)
@@ -314,6 +317,7 @@ CPU_SPIN_S = 100e-6
 ROUGH_GFLOPS = {"CPU": 10.0, "IntegratedGPU": 200.0, "DiscreteGPU": 2000.0}
 ROUGH_GFLOPS_OTHER = 50.0
 FAILURES_KEPT = 256  # failures a device remembers (by timeline value) for the runs that have yet to look
+ZEROED_CHECKS = 16  # check words a device keeps for reuse, found zero after a run (Device.check_words)
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
@@ -392,6 +396,7 @@ class Device:
         self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)
         # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
         self.failures: dict[int, BaseException] = {}
+        self.zeroed_checks: list[Buffer] = []  # check words a clean run left zero, for later runs (`check_words`)
         self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
         # whether its runners may gather a crowd's runs (Runner.gathers), where the backend can: its section's `gather`
         self.gather_runs = bool(options.get("gather", True))
@@ -511,8 +516,11 @@ class Device:
 
     def check_words(self) -> Buffer:
         """A run's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), which its
-        kernels that check the indices they read are bound to: taken from the pool and zeroed (host memory now,
-        another device's by a write queued before the run's kernels), so no run is blamed for another's index."""
+        kernels that check the indices they read are bound to: those an earlier run found still zero
+        (`RunRecord.checked`), else taken from the pool and zeroed (host memory now, another device's by a write
+        queued before the run's kernels), so no run is blamed for another's index."""
+        if self.zeroed_checks:
+            return self.zeroed_checks.pop()
         buf = self.alloc(4 * CHECK_WORDS)
         if self.host_memory:
             np.asarray(buf.mem).reshape(-1).view(np.uint8)[:4 * CHECK_WORDS] = 0

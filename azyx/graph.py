@@ -9,6 +9,7 @@ sources when realized, and a freed id leaves every tape at once, so a reused id 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -176,6 +177,21 @@ class Graph:
         n = self.nodes[i]
         assert n is not None, f"node {i} was released"
         return n
+
+    def below(self, roots: Iterable[TensorId], realized: bool = True) -> Iterator[tuple[TensorId, Node]]:
+        """Each node reachable from `roots`, once (depth first); `realized` False: not through a realized node's
+        sources (a node on the tape keeps them)."""
+        seen: set[TensorId] = set()
+        stack = list(roots)
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            n = self[i]
+            yield i, n
+            if realized or n.buffer is None:
+                stack.extend(n.src)
 
     def retain(self, i: TensorId) -> None:
         self.nodes[i].rc += 1  # type: ignore[union-attr]

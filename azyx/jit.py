@@ -43,11 +43,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from azyx import debug
-from azyx.device import Buffer, buffer_of
+from azyx.device import Buffer, Device, buffer_of
 from azyx.errors import ArgumentError
 from azyx.graph import GRAPH, Node
 from azyx.plan import ExecutionPlan
-from azyx.realize import done, run_plan, submit, wait_for
+from azyx.realize import done, realize, run_plan, submit, wait_for
 from azyx.tensor import Tensor
 from azyx.traced import TracedFloat, TracedInt, evaluate, evaluate_recipe, recording, structure
 from azyx.walk import Walk, leaf_entry
@@ -97,6 +97,20 @@ class Recorder:
         self.rebound.clear()
         self.drawn.clear()
         self.guards.clear()
+
+
+async def _place_constants(roots: list[Tensor], tensors: list[Tensor], rec: Recorder) -> None:
+    """Host data that the traced function made for a device (`Tensor.arange`, a table from numpy: a leaf held in host
+    memory until a plan uploads it) goes to its device now, once: the trace's plan then binds the device's copy, and
+    a replay uploads none of it (an argmax's index ramp over GPT-2's vocabulary was 201 KB a decode step). Not the
+    call's arguments, its handles' values, or random draws (each replay has its own)."""
+    skip = {t.id for t in tensors} | set(rec.rebound.values())
+    drawn = {id(b) for b, _ in rec.drawn}
+    found = [i for i, n in GRAPH.below([t.id for t in roots], realized=False)
+             if (b := n.buffer) is not None and b.device.name != n.device and isinstance(b.device, Device)
+             and b.device.host_memory and b.nbytes and i not in skip and id(b) not in drawn]
+    if found:  # (a one-element view of each: realizing it uploads the leaf, which keeps the upload)
+        await realize(*[Tensor._wrap(i).reshape(-1)[:1] for i in found])
 
 
 class Trace:
@@ -295,6 +309,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 Tensor.tracer = None
             outputs, output = _flatten(returned, self.fn.__qualname__)
             handles = list(rec.rebound)
+            await _place_constants([*outputs, *handles], tensors, rec)
             plan, walk, bindings = await submit([*outputs, *handles])
             trace = self._make(rec, tensors, outputs, output, handles, plan, walk, bindings)
             if trace is not None:

@@ -21,14 +21,7 @@ def plot_graph(tensors: Tensor | Sequence[Tensor], path: str | Path) -> Path:
     (RuntimeWarning). Returns the path written."""
     ts = [tensors] if not isinstance(tensors, Sequence) else list(tensors)
     lines = ["digraph azyx {", "  rankdir=BT; node [shape=box, fontname=monospace, fontsize=10];"]
-    seen: set[int] = set()
-    stack = [t.id for t in ts]
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        n = GRAPH[i]
+    for i, n in GRAPH.below([t.id for t in ts]):
         label = f"{i}: {n.op.name}"
         if n.arg is not None and n.op.name not in ("LEAF",):
             label += f" {n.arg}"
@@ -37,7 +30,6 @@ def plot_graph(tensors: Tensor | Sequence[Tensor], path: str | Path) -> Path:
         lines.append(f'  n{i} [label="{label}"{style}];')
         for s in n.src:
             lines.append(f"  n{s} -> n{i};")
-            stack.append(s)
     for t in ts:
         lines.append(f'  n{t.id} [peripheries=2];')
     lines.append("}")
