@@ -357,9 +357,11 @@ class Device:
     4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}; an artifact it keeps goes through
        azyx.compiler (`compiled` for a compiler that is a process, `cached_build` for one in this process).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
-    6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
+    6. Copies: `copy`, `copy_to_host`, `copy_from_host` (and `copy_peer` where `peer` is not enough; `hold` on a
+       host-memory device);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
-    7. `close`: stop the queue's threads (`stop_submit_thread`, `stop_waiter`), then `mem.close()`.
+    7. Closing (QueuedDevice's `close`, written once): `drain` (wait for the API's queue) and `let_go` (destroy
+       what the API made), where the API needs them.
     A host-memory backend subclasses queues.HostDevice instead, whose memory and queue are ready: it writes
     `build`, `prepare_batch` and `batch_fn` (the work item that runs a batch of kernels)."""
 

@@ -296,13 +296,8 @@ class OpenCLDevice(QueuedDevice):
         return self._enqueue(lambda w: _cl._enqueue_write_buffer(self.queue, dst.mem, host, offset, w, False),
                              waits, (keep, dst))
 
-    def close(self) -> None:
-        """Queue what was handed over, finish the queue, stop the waiter thread, drop what completed work held and the
-        pool's cached blocks."""
-        self.stop_submit_thread()
+    def drain(self) -> None:
         try:
             self.queue.finish()
         except cl.Error:
             pass
-        self.stop_waiter()
-        self.mem.close()

@@ -589,16 +589,14 @@ class VulkanDevice(QueuedDevice):
         return self._enqueue((record, fill, batch), waits, keep, post)
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
-        """(The submit thread.) Once the waits the host sees reached are (`native_waits`), run the work's `fill`,
+        """(The submit thread.) Once the waits the host sees are reached (`host_waited`), run the work's `fill`,
         record its command buffer and submit it after the native waits (peers' timeline semaphores); it signals `v` on
         this device's. Work whose wait or recording failed is left out (its failure recorded): the submission still
         signals `v`."""
-        record, fill, batch = run
-        native, host = self.native_waits(waits)
+        native, ok = self.host_waited(waits, v)
+        record, fill, batch = run if ok else (None, None, None)
         cmd = None
         try:
-            for dev, u in host:
-                dev.timeline.wait_sync(u)
             if fill is not None:
                 fill()
             if batch is not None:
@@ -608,7 +606,7 @@ class VulkanDevice(QueuedDevice):
                 record(cmd)
                 _barrier(cmd.cb)
                 vk.vkEndCommandBuffer(cmd.cb)
-        except BaseException as e:  # a device it waits for failed (its input is lost), or the host copy did
+        except BaseException as e:  # the host copy or the recording failed
             self.record_failure(v, e)
             if cmd is not None and cmd.key is None:
                 vk.vkResetCommandBuffer(cmd.cb, 0)
@@ -726,22 +724,17 @@ class VulkanDevice(QueuedDevice):
         record = None if lent is None else (lambda cmd: _copy(cmd, lent.block, 0, dst.mem, offset, n))
         return self._submit(record, waits, (keep, dst, lent), fill=fill)
 
-    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
-        return self._submit(None, waits, keep)
-
     # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Let the submit thread submit what was queued, wait until it is done, stop the waiter thread, and destroy
-        everything this device made; buffers still out are destroyed as they come back, and the last one lets the
-        context go."""
-        if not self.stop_submit_thread():
-            return
+    def drain(self) -> None:
         try:
             vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.through), 20 * WAIT_SLICE_NS)
         except vk.VkError:  # (VkTimeout too: the waiter thread fails what never completed)
             pass
         self.ending = True
-        self.stop_waiter()
+
+    def let_go(self) -> None:
+        """Everything this device made; its buffers still out are destroyed as they come back, and the last one lets
+        the context go (`mem.on_empty`)."""
         with self.lock:
             for cmd in self.all_commands:
                 cmd.words = None
@@ -757,7 +750,6 @@ class VulkanDevice(QueuedDevice):
             self.programs = {}
             done = self._take_done()
         del done
-        self.mem.close()  # (the last block destroyed, now or once given back, lets the context go: `mem.on_empty`)
 
 
 def _mapping(block: _Block) -> np.ndarray:

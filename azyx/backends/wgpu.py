@@ -324,14 +324,9 @@ class WgpuDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ the queue
     def submit(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], v: int) -> bool:
-        """(The submit thread.) The item run after its waits; True: its own work says it is complete."""
-        for dev, u in waits:
-            if dev.timeline.value < u:
-                try:
-                    dev.timeline.wait_sync(u)
-                except Exception as e:  # a device it waits for failed: its input is lost, and so is this work
-                    self.record_failure(v, e)
-        return run is not None and v not in self.failures and run()
+        """(The submit thread.) The item run after its waits (WebGPU has no events: all are the host's to see,
+        `host_waited`); True: its own work says it is complete."""
+        return self.host_waited(waits, v)[1] and run is not None and run()
 
     def wait_event(self, known: bool, v: int) -> bool:
         """Item `v` is complete where its own work said so (a read, mapped), else once the queue's work submitted so
@@ -475,16 +470,9 @@ class WgpuDevice(QueuedDevice):
         finally:
             staging.block.unmap()
 
-    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
-        return self._enqueue(None, waits, keep)
-
-    # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Let the submit thread finish the items queued, then give the pooled buffers back to the driver."""
-        if not self.stop_submit_thread():
-            return
-        self.stop_waiter()
+    def let_go(self) -> None:
+        """The kept bind groups, and the pools' hold on their buffers (those lent go with their Buffers)."""
         self.groups.clear()
-        self.mem.close()
-        for pool in (self.pool, self.staging, self.uploads):
+        for pool in (self.pool, self.staging.pool, self.uploads.pool):
+            assert isinstance(pool, _OwnedPool)
             pool.blocks.clear()  # (those lent go with their Buffers)
