@@ -321,7 +321,7 @@ class Device:
 
     - memory: `mem`, a memory.Memory: the pool of blocks (`mem.pool`, reached as `allocator`: an
       allocator.PoolAllocator over the backend's "create a block of n bytes") of `capacity` bytes, buffers of at most
-      `mem.max_block` bytes, the pools of host staging blocks (`mem.staging_pool`, lent as memory.Lent) and what
+      `mem.max_block` bytes, the pools of host staging blocks (`mem.staging`: memory.Staging, lent as Lent) and what
       becomes of blocks once the device closed (`mem.close`: cached ones destroyed, `mem.destroy`, and those given
       back later). `alloc`, `alloc_many`, `release`, `reserve`, `memory`, `free_memory` delegate to it. Host staging
       for `copy_from_host` (`host_staging`, `staging_block`) is memory the API copies from fastest (pinned, mapped).
@@ -346,11 +346,12 @@ class Device:
     2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
        create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
        `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one buffer has a limit,
-       `self.mem.max_block`; host staging pools by `self.mem.staging_pool(create, what)`, their blocks lent as
-       `Lent(pool, n, give_back=self.mem.give_back)`; then `start_waiter()` (and `submit_thread.start()` where it
+       `self.mem.max_block`; host staging by `self.mem.staging(create, what)` (memory.Staging: its blocks lent by
+       `lend(n)`, a mapped one's memory by `host(n)`); then `start_waiter()` (and `submit_thread.start()` where it
        submits from that thread).
     3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
-       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits` and returns the event),
+       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits`, or `host_waited` where
+       the host waits for the rest on the submit thread, and returns the event),
        or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.

@@ -366,7 +366,7 @@ class VulkanDevice(QueuedDevice):
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
         self.allocator = PoolAllocator(self.capacity, self.capacity,
                                        functools.partial(self._create, device_type, self.mapped), self.name)
-        self.staging = self.mem.staging_pool(functools.partial(self._create, staging_type, True), "staging")
+        self.staging = self.mem.staging(functools.partial(self._create, staging_type, True), "staging", view=_mapping)
         self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
         self.mem.on_empty = ctx.release  # (its use of the shared context ends with its last block)
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
@@ -454,10 +454,6 @@ class VulkanDevice(QueuedDevice):
                 "api": int(props.apiVersion), "vendor_id": int(props.vendorID), "device_id": int(props.deviceID),
                 "glsl": self.dialect.name if self.dialect is not None else ""}
 
-    def _lend(self, nbytes: int) -> Lent:
-        """A staging block, back to the pool (or destroyed, once the device has closed) with its last reference."""
-        return Lent(self.staging, nbytes, give_back=self.mem.give_back)
-
     # ------------------------------------------------------------------ compile
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
@@ -536,7 +532,7 @@ class VulkanDevice(QueuedDevice):
         assert all(8 * len(r) <= WORDS_RANGE for r in rows), f"over {WORDS_RANGE // 8} words: {items[0][0].name}.."
         offsets, table = word_table(rows, [8 * len(r) for r in rows], self.align)
         if cmd.words is None or cmd.words.block.size < table.nbytes + WORDS_RANGE:
-            cmd.words = self._lend(table.nbytes + WORDS_RANGE)
+            cmd.words = self.staging.lend(table.nbytes + WORDS_RANGE)
             block = cmd.words.block
             info = vk.VkDescriptorBufferInfo(buffer=block.buffer, offset=block.offset, range=WORDS_RANGE)
             vk.vkUpdateDescriptorSets(self.vkdev, 1, [vk.VkWriteDescriptorSet(
@@ -691,16 +687,22 @@ class VulkanDevice(QueuedDevice):
 
     def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A mapped staging block: `copy_from_host` from it is a copy command in queue order."""
-        lent = self._lend(nbytes)
-        return _mapping(lent.block)[:nbytes], lent
+        return self.staging.host(nbytes)
+
+    def _host_side(self, buf: Buffer, offset: int, n: int) -> tuple[np.ndarray, Lent | None]:
+        """The host memory a host copy of `n` bytes of `buf` from `offset` goes through: the buffer's own mapping where
+        device memory is mapped, else a staging block (returned: a copy command moves its bytes)."""
+        if self.mapped:
+            return _mapping(buf.mem)[offset:offset + n], None
+        host, lent = self.staging.host(max(n, 1))
+        return host[:n], lent
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """In queue order: mapped memory is copied out by the waiter thread once the work before completed;
         device-local memory goes through a staging block first (a copy command)."""
         n = out.nbytes
         flat = out.reshape(-1).view(np.uint8)
-        lent = None if self.mapped else self._lend(max(n, 1))
-        src = _mapping(buf.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
+        src, lent = self._host_side(buf, offset, n)
         record = None if lent is None else (lambda cmd: _copy(cmd, buf.mem, offset, lent.block, 0, n))
         return self._submit(record, waits, (buf, out, lent), lambda: np.copyto(flat, src))
 
@@ -711,12 +713,10 @@ class VulkanDevice(QueuedDevice):
         source is ready. (A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst`
         is the transfer's own, written once, as the executor's destinations are.)"""
         n = host.nbytes
-        if isinstance(keep, Lent) and keep.pool is self.staging:  # (`host`: the block's mapping, or a part of it)
-            at = host.ctypes.data - _mapping(keep.block).ctypes.data if n else 0
+        if (at := self.staging.at(host, keep)) is not None:  # (`host`: the block's mapping, or a part of it)
             return self._submit(lambda cmd: _copy(cmd, keep.block, at, dst.mem, offset, n), waits, (keep, dst))
         src = host.reshape(-1).view(np.uint8)
-        lent = None if self.mapped else self._lend(max(n, 1))
-        target = _mapping(dst.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
+        target, lent = self._host_side(dst, offset, n)
 
         def fill() -> None:
             target[:] = src

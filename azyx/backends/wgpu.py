@@ -42,7 +42,7 @@ from azyx.config import ConfigError
 from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, kernel_list, word_table
 from azyx.errors import CompileError, DeviceError
 from azyx.ir import Kernel, scalar_args
-from azyx.memory import Lent, memory_bytes
+from azyx.memory import memory_bytes
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority
@@ -225,10 +225,9 @@ class WgpuDevice(QueuedDevice):
         self.allocator = self.pool = _OwnedPool(self.capacity, self.capacity, functools.partial(
             self._buffer, STORAGE), self.name)  # (a driver's refusal: the pool's AllocationError)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
-        self.staging, self.uploads = (_OwnedPool(1 << 40, 256 << 20, functools.partial(self._buffer, usage),
-                                                 f"{self.name} {what}") for usage, what in ((STAGING, "staging"),
+        self.staging, self.uploads = (self.mem.staging(functools.partial(self._buffer, usage), what, 256 << 20,
+                                                       pool=_OwnedPool) for usage, what in ((STAGING, "staging"),
                                                                                             (UPLOAD, "uploads")))
-        self.mem.pools += [self.staging, self.uploads]
         self.mem.destroy = _destroy
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
@@ -438,7 +437,7 @@ class WgpuDevice(QueuedDevice):
                 self.queue.write_buffer(dst.mem, offset & ~3, data)
                 self.queue.submit([])
                 return False
-            up = Lent(self.uploads, size)  # (back to the pool at once, in use until the copy is done: its next map
+            up = self.uploads.lend(size)  # (back to the pool at once, in use until the copy is done: its next map
             up.block.map_sync("WRITE", 0, size)  # waits for that)
             try:  # (numpy's copy lets go of the GIL; write_mapped's held it through page faults, the loop asleep)
                 np.copyto(np.frombuffer(up.block._experimental_get_mapped_range(0, size), np.uint8), data)
@@ -460,7 +459,7 @@ class WgpuDevice(QueuedDevice):
     def _read_back(self, buf: Buffer, lo: int, size: int, out: np.ndarray, skip: int) -> None:
         """(Worker thread.) Into `out`, its bytes from byte `lo + skip` of `buf`: `size` bytes from `lo` (multiples of
         4) copied into a staging buffer, mapped once that copy is done (which says all before it is)."""
-        staging = Lent(self.staging, max(size, 4))
+        staging = self.staging.lend(max(size, 4))
         self._submit(lambda enc: enc.copy_buffer_to_buffer(buf.mem, lo, staging.block, 0, size) if size else None)
         staging.block.map_sync("READ", 0, max(size, 4))
         try:
