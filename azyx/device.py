@@ -17,6 +17,8 @@ from azyx.codegen.dialect import Dialect
 from azyx.codegen.kernel import render_kernel
 from azyx.codegen.launch import Launch
 from azyx.codegen.render import kernel_source
+from azyx.compiler import Compiler
+from azyx.compiler import kernel_list as kernel_list  # (re-exported: a message's kernel names)
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError
 from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import (
@@ -38,13 +40,6 @@ from azyx.workers import in_worker_thread, in_worker_thread_within
 T = TypeVar("T")
 
 DISK = "disk"  # the storage device's name (there is one: file-backed tensors, azyx.io)
-
-
-def kernel_list(names: list[str]) -> str:
-    """Kernel names for a message: the first few, and how many in all."""
-    shown = ", ".join(names[:4])
-    return f"kernel {shown}" if len(names) == 1 else f"kernels {shown}" + (f" ({len(names)} in all)" if len(names) > 4
-                                                                            else "")
 
 
 class Buffer:
@@ -390,6 +385,7 @@ class Device:
         self.options = options
         self.timeline = TimelineSignal(self.name)
         self.mem = self.memory_part()
+        self.builder = Compiler(self)  # the compiler part, which a backend's `build` compiles through
         self.compute = 1.0
         self.threads = 1
         self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)

@@ -37,7 +37,6 @@ import functools
 import operator
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -47,7 +46,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator, Slabs
 from azyx.codegen.dialect import GLSL, Dialect
-from azyx.compiler import compiled, compiler_says, run_compiler
+from azyx.compiler import compiler_says, kernel_list, run_compiler
 from azyx.device import (
     CPU_SPIN_S,
     ROUGH_GFLOPS,
@@ -56,10 +55,9 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
-    kernel_list,
     word_table,
 )
-from azyx.errors import CompileError, DeviceError
+from azyx.errors import DeviceError
 from azyx.memory import Lent
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
@@ -458,13 +456,9 @@ class VulkanDevice(QueuedDevice):
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
         in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""
-        deadline = time.monotonic() + self.compile_timeout_s
         names = [s.name for s in steps]
-        out = {}
-        for step in steps:
-            left = max(deadline - time.monotonic(), 0.001)
-            out[step.name] = self._pipeline(step, self._spirv(step, names, left), names)
-        return out
+        return self.builder.each(steps, lambda step, left: self._pipeline(self._spirv(step, names, left)),
+                                 "creating the pipeline", (vk.VkError,))
 
     def _spirv(self, step: KernelStep, names: list[str], timeout_s: float) -> bytes:
         def validate(spv: Path) -> None:
@@ -472,26 +466,20 @@ class VulkanDevice(QueuedDevice):
                 run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(spv)],
                              f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
 
-        return compiled("vulkan", step.src, ["glslc", *GLSLC_FLAGS, "{src}", "-o", "{out}"], (".comp", ".spv"),
-                        f"{self.name}: glslc compiling {kernel_list(names)}", timeout_s, [glslc_version()],
-                        validate).read_bytes()
+        return self.builder.artifact("vulkan", step.src, ["glslc", *GLSLC_FLAGS, "{src}", "-o", "{out}"],
+                                     (".comp", ".spv"), names, [glslc_version()], validate, timeout_s).read_bytes()
 
-    def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> Any:
-        """The kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
+    def _pipeline(self, code: bytes) -> Any:
+        """A kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
         dev = self.vkdev
-        module = None
+        module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None)
         try:
-            module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None)
             stage = vk.VkPipelineShaderStageCreateInfo(stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
                                                        pName="main")
             return vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
                 stage=stage, layout=self.layout)], None)[0]
-        except vk.VkError as e:
-            raise CompileError(f"{self.name}: creating the pipeline of {kernel_list([step.name])} (of "
-                               f"{kernel_list(names)}) failed: {type(e).__name__}") from None
         finally:
-            if module is not None:
-                vk.vkDestroyShaderModule(dev, module, None)
+            vk.vkDestroyShaderModule(dev, module, None)
 
     # ------------------------------------------------------------------ submission
     def _commands(self, kept: bool = False) -> _Commands:

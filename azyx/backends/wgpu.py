@@ -39,8 +39,8 @@ from azyx.codegen.dialect import WGSL_TYPES
 from azyx.codegen.launch import Launch
 from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
-from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, kernel_list, word_table
-from azyx.errors import CompileError, DeviceError
+from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, word_table
+from azyx.errors import DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.memory import memory_bytes
 from azyx.plan import KernelStep
@@ -296,22 +296,15 @@ class WgpuDevice(QueuedDevice):
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel a shader module (wgpu's naga compiles and validates the WGSL) and a compute pipeline with the
         layout of the renderer's interface. (No artifact to keep on disk: the driver compiles the pipeline.)"""
-        names = [s.name for s in steps]
-        out = {}
-        for step in steps:
-            k = step.kernel
-            nscalars = len(scalar_args(k))
-            words = 16 * (-(-nscalars // 2))
-            ranges = bindings(k, self.max_binding)
-            types = ["storage" if k.writes(i) else "read-only-storage" for i, (n, _) in enumerate(ranges)
-                     for _ in range(n)]
-            try:
-                pipeline, layout = self._pipeline(step.src, step.name, types + ["uniform"] * bool(words))
-            except Exception as e:
-                raise CompileError(f"{self.name}: building {kernel_list([step.name])} (of {kernel_list(names)}) "
-                                   f"failed: {e}\n--- source ---\n{step.src}") from None
-            out[step.name] = _Program(pipeline, layout, ranges, words)
-        return out
+        return self.builder.each(steps, lambda step, _: self._program(step), "building")
+
+    def _program(self, step: KernelStep) -> _Program:
+        k = step.kernel
+        words = 16 * (-(-len(scalar_args(k)) // 2))
+        ranges = bindings(k, self.max_binding)
+        types = ["storage" if k.writes(i) else "read-only-storage" for i, (n, _) in enumerate(ranges) for _ in range(n)]
+        pipeline, layout = self._pipeline(step.src, step.name, types + ["uniform"] * bool(words))
+        return _Program(pipeline, layout, ranges, words)
 
     def _pipeline(self, code: str, entry: str, types: list[str]) -> tuple[Any, Any]:
         """A compute pipeline of WGSL `code`'s function `entry` and its bind group layout: bindings 0.. of `types`."""
