@@ -327,8 +327,8 @@ class Device:
       which queues.HostDevice composes, for host memory (an in-order worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
-      `build`: compile, on a worker thread, within `compile_timeout_s`; azyx.compiler holds the common ground: the one
-      on-disk cache of artifacts, `cached_build`, `compiled` and `run_compiler` for a compiler that is a process).
+      `build`: compile, on a worker thread, within `compile_timeout_s`, through `builder`, a compiler.Compiler: the
+      one on-disk cache of artifacts, a compiler that is a process run and killed at the limit, one CompileError).
     - program/launch: `render` (name, source, `Launch`: codegen's, in the device's `dialect`) and the backend's
       `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars (`word_table`
       packs a batch's words where the API reads them from memory).
@@ -350,8 +350,9 @@ class Device:
        or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.
-    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}; an artifact it keeps goes through
-       azyx.compiler (`compiled` for a compiler that is a process, `cached_build` for one in this process).
+    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}, through `self.builder`: `artifact`
+       for a compiler that is a process (cached on disk), `each` for kernels built one by one, `failed` for the error
+       of a build that failed (an artifact of a compiler in this process: compiler.cached_build).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
     6. Copies: `copy`, `copy_to_host`, `copy_from_host` (and `copy_peer` where `peer` is not enough; `hold` on a
        host-memory device);

@@ -299,6 +299,7 @@ class WgpuDevice(QueuedDevice):
         return self.builder.each(steps, lambda step, _: self._program(step), "building")
 
     def _program(self, step: KernelStep) -> _Program:
+        """A kernel's pipeline, bound as its renderer's interface says (`wgsl.bindings`, its scalars' words)."""
         k = step.kernel
         words = 16 * (-(-len(scalar_args(k)) // 2))
         ranges = bindings(k, self.max_binding)
