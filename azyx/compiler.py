@@ -1,8 +1,9 @@
-"""The compiler part's common ground: source to artifact through one on-disk cache. A backend's `build` (see
-device.Device) compiles a source on a worker thread; an artifact it keeps (a shared library, SPIR-V, a cubin) goes
-through `cached_build` under `artifact_key` of what made it, a compiler that is a process runs by `run_compiler` (in a
-process group of its own, killed at the device's compile_timeout_s), and what a compiler says about itself (its
-version, its predefined macros) is asked once per compiler binary (`compiler_says`)."""
+"""A device's compiler part: source to artifact through one on-disk cache. A backend's `build` (see device.Device)
+compiles a source on a worker thread through its `Compiler` (the device's `builder`): an artifact it keeps (a shared
+library, SPIR-V, a cubin) goes through `cached_build` under `artifact_key` of what made it, a compiler that is a process
+runs by `run_compiler` (in a process group of its own, killed at the device's compile_timeout_s), a failed build is
+named one way (`Compiler.failed`), and what a compiler says about itself (its version, its predefined macros) is asked
+once per compiler binary (`compiler_says`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,68 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from azyx.config import cache_dir
 from azyx.errors import CompileError
+from azyx.plan import KernelStep
 from azyx.workers import lower_priority
+
+T = TypeVar("T")
+
+
+def kernel_list(names: list[str]) -> str:
+    """Kernel names for a message: the first few, and how many in all."""
+    shown = ", ".join(names[:4])
+    return f"kernel {shown}" if len(names) == 1 else f"kernels {shown}" + (f" ({len(names)} in all)" if len(names) > 4
+                                                                            else "")
+
+
+class Compiler:
+    """A device's compiler part (`Device.builder`), which its backend's `build` compiles through: an artifact by a
+    compiler that is a process, from the disk cache or built there within the device's `compile_timeout_s`
+    (`artifact`), kernels built one by one within that limit for all (`each`), and the one CompileError of a failed
+    build (`failed`: the device, what failed, the kernels, the compiler's message, the source)."""
+
+    def __init__(self, device: Any):
+        self.device = device  # (its `name`, and its `compile_timeout_s` as it is at each build)
+
+    def failed(self, what: str, names: list[str], err: BaseException | str, src: str,
+               one: str | None = None) -> CompileError:
+        """The error of a failed build: `what` failed ("OpenCL build", "creating the pipeline") of kernel `one` (of
+        `names`), or of `names`, with the compiler's message `err` and the source."""
+        of = kernel_list(names) if one is None else f"{kernel_list([one])} (of {kernel_list(names)})"
+        return CompileError(f"{self.device.name}: {what} of {of} failed: {str(err) or type(err).__name__}\n"
+                            f"--- source ---\n{src}")
+
+    def artifact(self, kind: str, src: str, cmd: list[str], suffixes: tuple[str, str], names: list[str],
+                 versions: Sequence[str] = (), check: Callable[[Path], None] | None = None,
+                 timeout_s: float | None = None, what: str | None = None) -> Path:
+        """`compiled`'s artifact of `src` by the compiler command `cmd` (under `kind` in the disk cache), killed at
+        `timeout_s` (default: the device's compile_timeout_s); its CompileError names the device, the compiler and
+        the kernels `names` (or `what`)."""
+        what = f"{self.device.name}: {cmd[0]} compiling {what or kernel_list(names)}"
+        limit = self.device.compile_timeout_s if timeout_s is None else timeout_s
+        return compiled(kind, src, cmd, suffixes, what, limit, versions, check)
+
+    def each(self, steps: list[KernelStep], build: Callable[[KernelStep, float], T], what: str,
+             errors: tuple[type[BaseException], ...] = (Exception,)) -> dict[str, T]:
+        """Per kernel of `steps`, what `build(step, seconds left)` makes of it, all within the device's
+        compile_timeout_s; an error of `errors` that is no CompileError is the kernel's (`failed`: `what` failed)."""
+        deadline = time.monotonic() + self.device.compile_timeout_s
+        names = [s.name for s in steps]
+        out = {}
+        for step in steps:
+            try:
+                out[step.name] = build(step, max(deadline - time.monotonic(), 0.001))
+            except CompileError:
+                raise
+            except errors as e:
+                raise self.failed(what, names, e, step.src, step.name) from None
+        return out
 
 
 def artifact_key(*parts: str) -> str:

@@ -17,6 +17,8 @@ from azyx.codegen.dialect import Dialect
 from azyx.codegen.kernel import render_kernel
 from azyx.codegen.launch import Launch
 from azyx.codegen.render import kernel_source
+from azyx.compiler import Compiler
+from azyx.compiler import kernel_list as kernel_list  # (re-exported: a message's kernel names)
 from azyx.config import COMPILE_TIMEOUT_S, ConfigError
 from azyx.dtypes import DType, dtypes, scalar_packer
 from azyx.errors import (
@@ -38,13 +40,6 @@ from azyx.workers import in_worker_thread, in_worker_thread_within
 T = TypeVar("T")
 
 DISK = "disk"  # the storage device's name (there is one: file-backed tensors, azyx.io)
-
-
-def kernel_list(names: list[str]) -> str:
-    """Kernel names for a message: the first few, and how many in all."""
-    shown = ", ".join(names[:4])
-    return f"kernel {shown}" if len(names) == 1 else f"kernels {shown}" + (f" ({len(names)} in all)" if len(names) > 4
-                                                                            else "")
 
 
 class Buffer:
@@ -325,7 +320,7 @@ class Device:
 
     - memory: `mem`, a memory.Memory: the pool of blocks (`mem.pool`, reached as `allocator`: an
       allocator.PoolAllocator over the backend's "create a block of n bytes") of `capacity` bytes, buffers of at most
-      `mem.max_block` bytes, the pools of host staging blocks (`mem.staging_pool`, lent as memory.Lent) and what
+      `mem.max_block` bytes, the pools of host staging blocks (`mem.staging`: memory.Staging, lent as Lent) and what
       becomes of blocks once the device closed (`mem.close`: cached ones destroyed, `mem.destroy`, and those given
       back later). `alloc`, `alloc_many`, `release`, `reserve`, `memory`, `free_memory` delegate to it. Host staging
       for `copy_from_host` (`host_staging`, `staging_block`) is memory the API copies from fastest (pinned, mapped).
@@ -336,8 +331,8 @@ class Device:
       which queues.HostDevice composes, for host memory (an in-order worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
-      `build`: compile, on a worker thread, within `compile_timeout_s`; azyx.compiler holds the common ground: the one
-      on-disk cache of artifacts, `cached_build`, `compiled` and `run_compiler` for a compiler that is a process).
+      `build`: compile, on a worker thread, within `compile_timeout_s`, through `builder`, a compiler.Compiler: the
+      one on-disk cache of artifacts, a compiler that is a process run and killed at the limit, one CompileError).
     - program/launch: `render` (name, source, `Launch`: codegen's, in the device's `dialect`) and the backend's
       `launch`/`launch_many` of a loaded program with its buffers and the 64-bit words of its scalars (`word_table`
       packs a batch's words where the API reads them from memory).
@@ -350,20 +345,24 @@ class Device:
     2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
        create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
        `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one buffer has a limit,
-       `self.mem.max_block`; host staging pools by `self.mem.staging_pool(create, what)`, their blocks lent as
-       `Lent(pool, n, give_back=self.mem.give_back)`; then `start_waiter()` (and `submit_thread.start()` where it
+       `self.mem.max_block`; host staging by `self.mem.staging(create, what)` (memory.Staging: its blocks lent by
+       `lend(n)`, a mapped one's memory by `host(n)`); then `start_waiter()` (and `submit_thread.start()` where it
        submits from that thread).
     3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
-       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits` and returns the event),
+       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits`, or `host_waited` where
+       the host waits for the rest on the submit thread, and returns the event),
        or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.
-    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}; an artifact it keeps goes through
-       azyx.compiler (`compiled` for a compiler that is a process, `cached_build` for one in this process).
+    4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}, through `self.builder`: `artifact`
+       for a compiler that is a process (cached on disk), `each` for kernels built one by one, `failed` for the error
+       of a build that failed (an artifact of a compiler in this process: compiler.cached_build).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
-    6. Copies: `copy`, `copy_to_host`, `copy_from_host`, `hold` (and `copy_peer` where `peer` is not enough);
+    6. Copies: `copy`, `copy_to_host`, `copy_from_host` (and `copy_peer` where `peer` is not enough; `hold` on a
+       host-memory device);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
-    7. `close`: stop the queue's threads (`stop_submit_thread`, `stop_waiter`), then `mem.close()`.
+    7. Closing (QueuedDevice's `close`, written once): `drain` (wait for the API's queue) and `let_go` (destroy
+       what the API made), where the API needs them.
     A host-memory backend subclasses queues.HostDevice instead, whose memory and queue are ready: it writes
     `build`, `prepare_batch` and `batch_fn` (the work item that runs a batch of kernels)."""
 
@@ -391,6 +390,7 @@ class Device:
         self.options = options
         self.timeline = TimelineSignal(self.name)
         self.mem = self.memory_part()
+        self.builder = Compiler(self)  # the compiler part, which a backend's `build` compiles through
         self.compute = 1.0
         self.threads = 1
         self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)

@@ -1,8 +1,9 @@
 """A device's memory part (device.Device's `mem`), written once for every backend: its pool of blocks and what it may
 hold of host staging, the buffers it makes and takes back, and what happens to blocks once the device has closed. A
 backend says only how a block is made (the pool's `create`), how one is destroyed (`destroy`) and where a block's
-address is (`address`). Its host staging for file loads is a ring of blocks (`Ring`, by `Memory.ring`), made of what
-the device's `host_staging` lends."""
+address is (`address`). Its host staging is a pool of blocks the API copies from fastest (`Staging`, by
+`Memory.staging`), and for file loads a ring of blocks (`Ring`, by `Memory.ring`), made of what the device's
+`host_staging` lends."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ RING_BLOCK = EXTENT + 2 * 4096  # (room for an O_DIRECT read's aligned ends: fil
 class Memory:
     """The pool (`pool`: allocator.PoolAllocator over the backend's "create a block of n bytes"; None on a device
     without one) of `capacity` bytes, buffers of at most `max_block` bytes each (0: no limit; `max_block_name`: the
-    API's name of the limit), and the pools of host staging blocks (`staging_pool`) that a device lends as `Lent`.
+    API's name of the limit), and the pools of host staging blocks (`staging`) that a device lends as `Lent`.
     `buffer(device, nbytes, mem, ptr, pooled)` makes a buffer (device.Buffer). Once `close`d, cached blocks are
     destroyed (`destroy`: None, they are dropped) and so are blocks given back later; where the backend counts the
     blocks its pools make (`count`), `on_empty` runs once the device has closed and its last block is destroyed (the
@@ -58,11 +59,12 @@ class Memory:
                 self.loads = Ring(self.device)
             return self.loads
 
-    def staging_pool(self, create: Callable[[int], Any], what: str, cache_limit: int = 1 << 40) -> PoolAllocator:
-        """A pool of host staging blocks made by `create`, emptied with the device's pool at `close`."""
-        pool = PoolAllocator(1 << 40, cache_limit, create, f"{self.device.name} {what}")
-        self.pools.append(pool)
-        return pool
+    def staging(self, create: Callable[[int], Any], what: str, cache_limit: int = 1 << 40,
+                view: Callable[[Any], np.ndarray] | None = None, pool: type[PoolAllocator] = PoolAllocator) -> Staging:
+        """Host staging blocks made by `create` (a `pool` of them, emptied with the device's pool at `close`)."""
+        staging = Staging(pool(1 << 40, cache_limit, create, f"{self.device.name} {what}"), self.give_back, view)
+        self.pools.append(staging.pool)
+        return staging
 
     def usage(self) -> MemoryUsage:
         assert self.pool is not None
@@ -200,6 +202,35 @@ class Lent:
                     self.give_back(self.pool, self.block, self.size)
         except Exception:  # interpreter shutdown
             pass
+
+
+class Staging:
+    """A device's host staging, written once (made by its memory part: `Memory.staging`): a pool of blocks that the
+    API copies to and from fastest (pinned memory, mapped buffers), each lent as a `Lent` that gives it back with its
+    last reference (destroyed instead once the device has closed: `give_back`), and where the blocks stay mapped, a
+    block's host memory (`view`: uint8), which `host` lends another device to read into."""
+
+    def __init__(self, pool: PoolAllocator, give_back: Callable[[PoolAllocator, Any, int], None],
+                 view: Callable[[Any], np.ndarray] | None):
+        self.pool, self.give_back, self.view = pool, give_back, view
+
+    def lend(self, nbytes: int, block: tuple[Any, int] | None = None) -> Lent:
+        """A block of at least `nbytes` bytes (`block`: one the pool had cached), lent until its last reference."""
+        return Lent(self.pool, nbytes, block, self.give_back)
+
+    def host(self, nbytes: int) -> tuple[np.ndarray, Lent]:
+        """`nbytes` bytes of a lent block's host memory, and the Lent that keeps them valid (`Device.host_staging`)."""
+        assert self.view is not None
+        lent = self.lend(nbytes)
+        return self.view(lent.block)[:nbytes], lent
+
+    def at(self, host: np.ndarray, keep: Any) -> int | None:
+        """Where `host` starts in its block, where `keep` is a block of this staging (`host` came from `host`: a copy
+        from it is one command of the API); else None."""
+        if not (isinstance(keep, Lent) and keep.pool is self.pool):
+            return None
+        assert self.view is not None
+        return host.ctypes.data - self.view(keep.block).ctypes.data if host.nbytes else 0
 
 
 class Ring:

@@ -279,6 +279,19 @@ class QueuedDevice(Device):
                     host.append((dev, v))
         return native, host
 
+    def host_waited(self, waits: list[tuple[Device, int]], v: int) -> tuple[list[Any], bool]:
+        """(The submit thread, where the API cannot wait on an event of the host's.) The command's native waits
+        (`native_waits`) once the host has seen the others reached, blocking here; False where one of those failed (a
+        device it waits for failed: its input is lost), the failure recorded for `v`: the command is then left out."""
+        native, host = self.native_waits(waits)
+        try:
+            for dev, u in host:
+                dev.timeline.wait_sync(u)
+        except BaseException as e:
+            self.record_failure(v, e)
+            return native, False
+        return native, True
+
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
         it held, for the waiter thread to drop outside the lock."""
@@ -413,6 +426,23 @@ class QueuedDevice(Device):
 
     def queued(self) -> int:
         return self.submitted
+
+    def close(self) -> None:
+        """Let the submit thread submit what was queued and stop it, let the API finish its queue (`drain`), stop the
+        waiter thread (what completed work held is dropped), let the API's objects go (`let_go`), then close the memory
+        part: its cached blocks are destroyed now, those still out as they come back."""
+        if not self.stop_submit_thread():
+            return
+        self.drain()
+        self.stop_waiter()
+        self.let_go()
+        self.mem.close()
+
+    def drain(self) -> None:
+        """(`close`) Wait, within reason, for the API's queue to complete what was submitted."""
+
+    def let_go(self) -> None:
+        """(`close`, the waiter thread stopped) Destroy what the API made for this device, its memory's blocks aside."""
 
     def stop_waiter(self) -> None:
         """Stop the waiter thread once it has handled the completions queued, and drop what completed work held."""

@@ -13,7 +13,6 @@ import pytest
 
 import azyx
 from azyx import Tensor
-from azyx.device import Lent
 from azyx.errors import AllocationError, DTypeError
 from azyx.runtime import RT
 
@@ -234,7 +233,7 @@ def test_blocks_given_back_by_the_cyclic_gc_stay_usable() -> None:
     rng = np.random.default_rng(7)
     gc.collect()
     cycle: list[Any] = [dev.alloc(n) for _ in range(count)]
-    cycle += [Lent(pool, n) for pool in (dev.staging, dev.uploads) for _ in range(4)]  # type: ignore[attr-defined]
+    cycle += [staging.lend(n) for staging in (dev.staging, dev.uploads) for _ in range(4)]  # type: ignore[attr-defined]
     cycle.append(cycle)
     del cycle
     assert gc.collect()

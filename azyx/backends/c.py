@@ -38,7 +38,7 @@ from azyx import debug
 from azyx.codegen.dialect import C
 from azyx.codegen.launch import SHARED
 from azyx.codegen.templates import gemm_host
-from azyx.compiler import compiled, compiler_says
+from azyx.compiler import Compiler, compiler_says
 from azyx.device import (
     INLINE,
     QUEUED,
@@ -47,7 +47,6 @@ from azyx.device import (
     Device,
     LaunchItem,
     Replay,
-    kernel_list,
 )
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
@@ -82,22 +81,23 @@ def _runtime() -> str:
     return files("azyx.backends").joinpath("c_runtime.c").read_text()
 
 
-def _compiled(src: str, compiler: str, flags: list[str], what: str, timeout_s: float) -> ctypes.CDLL:
-    """`src` built by `compiler` as a shared library under `flags` (killed at `timeout_s`: `compiler.run_compiler`), or
-    found in the on-disk cache under the hash of both; loaded."""
+def _compiled(builder: Compiler, src: str, compiler: str, flags: list[str], names: list[str],
+              what: str | None = None) -> ctypes.CDLL:
+    """`src` built by `compiler` as a shared library under `flags` (killed at the device's compile_timeout_s:
+    `Compiler.artifact`), or found in the on-disk cache under the hash of both; loaded."""
     src = "#define _GNU_SOURCE\n" + src  # (the runtime's sched_getcpu)
     cmd = [compiler, *flags, "-shared", "-fPIC", "-std=gnu11", "{src}", "-o", "{out}", "-lm"]
-    return ctypes.CDLL(str(compiled("c", src, cmd, (".c", ".so"), what, timeout_s)))
+    return ctypes.CDLL(str(builder.artifact("c", src, cmd, (".c", ".so"), names, what=what)))
 
 
-def _load_runtime(device: str, compiler: str, flags: list[str], timeout_s: float) -> None:
+def _load_runtime(builder: Compiler, compiler: str, flags: list[str]) -> None:
     """The C runtime (c_runtime.c) as a library of its own, built once by the first C device to compile (with its
     compiler and flags; cached on disk like a kernel library) and loaded: a kernel library holds its kernels alone, so
     a compile no longer pays ~0.1 s for the runtime each time (the runtime calls kernels through pointers only)."""
     with _RUNTIME_LOCK:
         if _RUNTIME_LIB:
             return
-        lib = _compiled(_runtime(), compiler, flags, f"{device}: {compiler} compiling the C runtime", timeout_s)
+        lib = _compiled(builder, _runtime(), compiler, flags, [], "the C runtime")
         ptr, long = ctypes.c_void_p, ctypes.c_long
         run = [ptr, long, ptr, ptr, ptr, ctypes.c_char_p, ptr]  # (pool, n, fns, args, argc, kinds, trips)
         for name, args, result in (("azyx_run", run, None), ("azyx_submit", run, None), ("azyx_wait_done", [ptr, long],
@@ -208,14 +208,14 @@ class CDevice(HostDevice):
 
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """The library of `src`, each kernel with its `name_argv` entry, compiled by the system compiler (killed at
-        compile_timeout_s: `compiler.run_compiler`) or found in the on-disk cache, then loaded: per kernel its entry's
+        compile_timeout_s: `Compiler.artifact`) or found in the on-disk cache, then loaded: per kernel its entry's
         address and parallel kind. The C runtime that calls the entries is a library of its own (`_load_runtime`)."""
         arity = {s.name: len(s.args) for s in steps}
         kinds = {s.name: s.launch.parallel for s in steps}
         scalars = {s.name: [C.compute_type(v.dtype) for v in scalar_args(s.kernel)] for s in steps}
-        _load_runtime(self.name, self.compiler, self.flags, self.compile_timeout_s)
-        lib = _compiled(src + "\n" + _entries(arity, kinds, scalars), self.compiler, self.flags,
-                        f"{self.name}: {self.compiler} compiling {kernel_list(list(arity))}", self.compile_timeout_s)
+        _load_runtime(self.builder, self.compiler, self.flags)
+        lib = _compiled(self.builder, src + "\n" + _entries(arity, kinds, scalars), self.compiler, self.flags,
+                        list(arity))
         _LIBS.append(lib)
         return {name: (ctypes.cast(getattr(lib, f"{name}_argv"), ctypes.c_void_p).value or 0, kinds[name])
                 for name in arity}

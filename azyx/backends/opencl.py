@@ -41,9 +41,9 @@ from azyx import debug
 from azyx.allocator import PoolAllocator
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Device, Replay, after_waits, kernel_list
+from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Device, Replay, after_waits
 from azyx.dtypes import DType, scalar_size
-from azyx.errors import CompileError, DeviceError
+from azyx.errors import DeviceError
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority, python_lane
@@ -215,8 +215,7 @@ class OpenCLDevice(QueuedDevice):
         try:
             program = cl.Program(self.ctx, src).build(options=["-cl-std=CL1.2"])
         except cl.Error as e:
-            raise CompileError(f"{self.name}: OpenCL build of {kernel_list(names)} failed:\n{e}\n--- source ---\n"
-                               f"{src}") from None
+            raise self.builder.failed("OpenCL build", names, e, src) from None
         with python_lane():
             return {s.name: cl.Kernel(program, s.name) for s in steps}
 
@@ -296,13 +295,8 @@ class OpenCLDevice(QueuedDevice):
         return self._enqueue(lambda w: _cl._enqueue_write_buffer(self.queue, dst.mem, host, offset, w, False),
                              waits, (keep, dst))
 
-    def close(self) -> None:
-        """Queue what was handed over, finish the queue, stop the waiter thread, drop what completed work held and the
-        pool's cached blocks."""
-        self.stop_submit_thread()
+    def drain(self) -> None:
         try:
             self.queue.finish()
         except cl.Error:
             pass
-        self.stop_waiter()
-        self.mem.close()

@@ -37,7 +37,6 @@ import functools
 import operator
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -47,7 +46,7 @@ import numpy as np
 from azyx import debug
 from azyx.allocator import PoolAllocator, Slabs
 from azyx.codegen.dialect import GLSL, Dialect
-from azyx.compiler import compiled, compiler_says, run_compiler
+from azyx.compiler import compiler_says, kernel_list, run_compiler
 from azyx.device import (
     CPU_SPIN_S,
     ROUGH_GFLOPS,
@@ -56,10 +55,9 @@ from azyx.device import (
     Buffer,
     Device,
     LaunchItem,
-    kernel_list,
     word_table,
 )
-from azyx.errors import CompileError, DeviceError
+from azyx.errors import DeviceError
 from azyx.memory import Lent
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
@@ -366,7 +364,7 @@ class VulkanDevice(QueuedDevice):
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
         self.allocator = PoolAllocator(self.capacity, self.capacity,
                                        functools.partial(self._create, device_type, self.mapped), self.name)
-        self.staging = self.mem.staging_pool(functools.partial(self._create, staging_type, True), "staging")
+        self.staging = self.mem.staging(functools.partial(self._create, staging_type, True), "staging", view=_mapping)
         self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
         self.mem.on_empty = ctx.release  # (its use of the shared context ends with its last block)
         if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
@@ -454,21 +452,13 @@ class VulkanDevice(QueuedDevice):
                 "api": int(props.apiVersion), "vendor_id": int(props.vendorID), "device_id": int(props.deviceID),
                 "glsl": self.dialect.name if self.dialect is not None else ""}
 
-    def _lend(self, nbytes: int) -> Lent:
-        """A staging block, back to the pool (or destroyed, once the device has closed) with its last reference."""
-        return Lent(self.staging, nbytes, give_back=self.mem.give_back)
-
     # ------------------------------------------------------------------ compile
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel its SPIR-V (glslc, cached on disk, validated by spirv-val) and a compute pipeline; glslc runs
         in a process group of its own, killed at compile_timeout_s (for all the kernels together)."""
-        deadline = time.monotonic() + self.compile_timeout_s
         names = [s.name for s in steps]
-        out = {}
-        for step in steps:
-            left = max(deadline - time.monotonic(), 0.001)
-            out[step.name] = self._pipeline(step, self._spirv(step, names, left), names)
-        return out
+        return self.builder.each(steps, lambda step, left: self._pipeline(self._spirv(step, names, left)),
+                                 "creating the pipeline", (vk.VkError,))
 
     def _spirv(self, step: KernelStep, names: list[str], timeout_s: float) -> bytes:
         def validate(spv: Path) -> None:
@@ -476,26 +466,20 @@ class VulkanDevice(QueuedDevice):
                 run_compiler(["spirv-val", "--target-env", "vulkan1.2", str(spv)],
                              f"{self.name}: spirv-val of {kernel_list([step.name])}", timeout_s, step.src)
 
-        return compiled("vulkan", step.src, ["glslc", *GLSLC_FLAGS, "{src}", "-o", "{out}"], (".comp", ".spv"),
-                        f"{self.name}: glslc compiling {kernel_list(names)}", timeout_s, [glslc_version()],
-                        validate).read_bytes()
+        return self.builder.artifact("vulkan", step.src, ["glslc", *GLSLC_FLAGS, "{src}", "-o", "{out}"],
+                                     (".comp", ".spv"), names, [glslc_version()], validate, timeout_s).read_bytes()
 
-    def _pipeline(self, step: KernelStep, code: bytes, names: list[str]) -> Any:
-        """The kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
+    def _pipeline(self, code: bytes) -> Any:
+        """A kernel's compute pipeline (every kernel has the device's one pipeline layout: its words)."""
         dev = self.vkdev
-        module = None
+        module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None)
         try:
-            module = vk.vkCreateShaderModule(dev, vk.VkShaderModuleCreateInfo(codeSize=len(code), pCode=code), None)
             stage = vk.VkPipelineShaderStageCreateInfo(stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module,
                                                        pName="main")
             return vk.vkCreateComputePipelines(dev, None, 1, [vk.VkComputePipelineCreateInfo(
                 stage=stage, layout=self.layout)], None)[0]
-        except vk.VkError as e:
-            raise CompileError(f"{self.name}: creating the pipeline of {kernel_list([step.name])} (of "
-                               f"{kernel_list(names)}) failed: {type(e).__name__}") from None
         finally:
-            if module is not None:
-                vk.vkDestroyShaderModule(dev, module, None)
+            vk.vkDestroyShaderModule(dev, module, None)
 
     # ------------------------------------------------------------------ submission
     def _commands(self, kept: bool = False) -> _Commands:
@@ -536,7 +520,7 @@ class VulkanDevice(QueuedDevice):
         assert all(8 * len(r) <= WORDS_RANGE for r in rows), f"over {WORDS_RANGE // 8} words: {items[0][0].name}.."
         offsets, table = word_table(rows, [8 * len(r) for r in rows], self.align)
         if cmd.words is None or cmd.words.block.size < table.nbytes + WORDS_RANGE:
-            cmd.words = self._lend(table.nbytes + WORDS_RANGE)
+            cmd.words = self.staging.lend(table.nbytes + WORDS_RANGE)
             block = cmd.words.block
             info = vk.VkDescriptorBufferInfo(buffer=block.buffer, offset=block.offset, range=WORDS_RANGE)
             vk.vkUpdateDescriptorSets(self.vkdev, 1, [vk.VkWriteDescriptorSet(
@@ -589,16 +573,14 @@ class VulkanDevice(QueuedDevice):
         return self._enqueue((record, fill, batch), waits, keep, post)
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
-        """(The submit thread.) Once the waits the host sees reached are (`native_waits`), run the work's `fill`,
+        """(The submit thread.) Once the waits the host sees are reached (`host_waited`), run the work's `fill`,
         record its command buffer and submit it after the native waits (peers' timeline semaphores); it signals `v` on
         this device's. Work whose wait or recording failed is left out (its failure recorded): the submission still
         signals `v`."""
-        record, fill, batch = run
-        native, host = self.native_waits(waits)
+        native, ok = self.host_waited(waits, v)
+        record, fill, batch = run if ok else (None, None, None)
         cmd = None
         try:
-            for dev, u in host:
-                dev.timeline.wait_sync(u)
             if fill is not None:
                 fill()
             if batch is not None:
@@ -608,7 +590,7 @@ class VulkanDevice(QueuedDevice):
                 record(cmd)
                 _barrier(cmd.cb)
                 vk.vkEndCommandBuffer(cmd.cb)
-        except BaseException as e:  # a device it waits for failed (its input is lost), or the host copy did
+        except BaseException as e:  # the host copy or the recording failed
             self.record_failure(v, e)
             if cmd is not None and cmd.key is None:
                 vk.vkResetCommandBuffer(cmd.cb, 0)
@@ -693,16 +675,22 @@ class VulkanDevice(QueuedDevice):
 
     def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A mapped staging block: `copy_from_host` from it is a copy command in queue order."""
-        lent = self._lend(nbytes)
-        return _mapping(lent.block)[:nbytes], lent
+        return self.staging.host(nbytes)
+
+    def _host_side(self, buf: Buffer, offset: int, n: int) -> tuple[np.ndarray, Lent | None]:
+        """The host memory a host copy of `n` bytes of `buf` from `offset` goes through: the buffer's own mapping where
+        device memory is mapped, else a staging block (returned: a copy command moves its bytes)."""
+        if self.mapped:
+            return _mapping(buf.mem)[offset:offset + n], None
+        host, lent = self.staging.host(max(n, 1))
+        return host[:n], lent
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """In queue order: mapped memory is copied out by the waiter thread once the work before completed;
         device-local memory goes through a staging block first (a copy command)."""
         n = out.nbytes
         flat = out.reshape(-1).view(np.uint8)
-        lent = None if self.mapped else self._lend(max(n, 1))
-        src = _mapping(buf.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
+        src, lent = self._host_side(buf, offset, n)
         record = None if lent is None else (lambda cmd: _copy(cmd, buf.mem, offset, lent.block, 0, n))
         return self._submit(record, waits, (buf, out, lent), lambda: np.copyto(flat, src))
 
@@ -713,12 +701,10 @@ class VulkanDevice(QueuedDevice):
         source is ready. (A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst`
         is the transfer's own, written once, as the executor's destinations are.)"""
         n = host.nbytes
-        if isinstance(keep, Lent) and keep.pool is self.staging:  # (`host`: the block's mapping, or a part of it)
-            at = host.ctypes.data - _mapping(keep.block).ctypes.data if n else 0
+        if (at := self.staging.at(host, keep)) is not None:  # (`host`: the block's mapping, or a part of it)
             return self._submit(lambda cmd: _copy(cmd, keep.block, at, dst.mem, offset, n), waits, (keep, dst))
         src = host.reshape(-1).view(np.uint8)
-        lent = None if self.mapped else self._lend(max(n, 1))
-        target = _mapping(dst.mem)[offset:offset + n] if lent is None else _mapping(lent.block)[:n]
+        target, lent = self._host_side(dst, offset, n)
 
         def fill() -> None:
             target[:] = src
@@ -726,22 +712,17 @@ class VulkanDevice(QueuedDevice):
         record = None if lent is None else (lambda cmd: _copy(cmd, lent.block, 0, dst.mem, offset, n))
         return self._submit(record, waits, (keep, dst, lent), fill=fill)
 
-    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
-        return self._submit(None, waits, keep)
-
     # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Let the submit thread submit what was queued, wait until it is done, stop the waiter thread, and destroy
-        everything this device made; buffers still out are destroyed as they come back, and the last one lets the
-        context go."""
-        if not self.stop_submit_thread():
-            return
+    def drain(self) -> None:
         try:
             vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.through), 20 * WAIT_SLICE_NS)
         except vk.VkError:  # (VkTimeout too: the waiter thread fails what never completed)
             pass
         self.ending = True
-        self.stop_waiter()
+
+    def let_go(self) -> None:
+        """Everything this device made; its buffers still out are destroyed as they come back, and the last one lets
+        the context go (`mem.on_empty`)."""
         with self.lock:
             for cmd in self.all_commands:
                 cmd.words = None
@@ -757,7 +738,6 @@ class VulkanDevice(QueuedDevice):
             self.programs = {}
             done = self._take_done()
         del done
-        self.mem.close()  # (the last block destroyed, now or once given back, lets the context go: `mem.on_empty`)
 
 
 def _mapping(block: _Block) -> np.ndarray:

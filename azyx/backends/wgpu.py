@@ -39,10 +39,10 @@ from azyx.codegen.dialect import WGSL_TYPES
 from azyx.codegen.launch import Launch
 from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
-from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, kernel_list, word_table
-from azyx.errors import CompileError, DeviceError
+from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, word_table
+from azyx.errors import DeviceError
 from azyx.ir import Kernel, scalar_args
-from azyx.memory import Lent, memory_bytes
+from azyx.memory import memory_bytes
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority
@@ -225,10 +225,9 @@ class WgpuDevice(QueuedDevice):
         self.allocator = self.pool = _OwnedPool(self.capacity, self.capacity, functools.partial(
             self._buffer, STORAGE), self.name)  # (a driver's refusal: the pool's AllocationError)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
-        self.staging, self.uploads = (_OwnedPool(1 << 40, 256 << 20, functools.partial(self._buffer, usage),
-                                                 f"{self.name} {what}") for usage, what in ((STAGING, "staging"),
+        self.staging, self.uploads = (self.mem.staging(functools.partial(self._buffer, usage), what, 256 << 20,
+                                                       pool=_OwnedPool) for usage, what in ((STAGING, "staging"),
                                                                                             (UPLOAD, "uploads")))
-        self.mem.pools += [self.staging, self.uploads]
         self.mem.destroy = _destroy
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
@@ -297,22 +296,16 @@ class WgpuDevice(QueuedDevice):
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """Per kernel a shader module (wgpu's naga compiles and validates the WGSL) and a compute pipeline with the
         layout of the renderer's interface. (No artifact to keep on disk: the driver compiles the pipeline.)"""
-        names = [s.name for s in steps]
-        out = {}
-        for step in steps:
-            k = step.kernel
-            nscalars = len(scalar_args(k))
-            words = 16 * (-(-nscalars // 2))
-            ranges = bindings(k, self.max_binding)
-            types = ["storage" if k.writes(i) else "read-only-storage" for i, (n, _) in enumerate(ranges)
-                     for _ in range(n)]
-            try:
-                pipeline, layout = self._pipeline(step.src, step.name, types + ["uniform"] * bool(words))
-            except Exception as e:
-                raise CompileError(f"{self.name}: building {kernel_list([step.name])} (of {kernel_list(names)}) "
-                                   f"failed: {e}\n--- source ---\n{step.src}") from None
-            out[step.name] = _Program(pipeline, layout, ranges, words)
-        return out
+        return self.builder.each(steps, lambda step, _: self._program(step), "building")
+
+    def _program(self, step: KernelStep) -> _Program:
+        """A kernel's pipeline, bound as its renderer's interface says (`wgsl.bindings`, its scalars' words)."""
+        k = step.kernel
+        words = 16 * (-(-len(scalar_args(k)) // 2))
+        ranges = bindings(k, self.max_binding)
+        types = ["storage" if k.writes(i) else "read-only-storage" for i, (n, _) in enumerate(ranges) for _ in range(n)]
+        pipeline, layout = self._pipeline(step.src, step.name, types + ["uniform"] * bool(words))
+        return _Program(pipeline, layout, ranges, words)
 
     def _pipeline(self, code: str, entry: str, types: list[str]) -> tuple[Any, Any]:
         """A compute pipeline of WGSL `code`'s function `entry` and its bind group layout: bindings 0.. of `types`."""
@@ -324,14 +317,9 @@ class WgpuDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ the queue
     def submit(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], v: int) -> bool:
-        """(The submit thread.) The item run after its waits; True: its own work says it is complete."""
-        for dev, u in waits:
-            if dev.timeline.value < u:
-                try:
-                    dev.timeline.wait_sync(u)
-                except Exception as e:  # a device it waits for failed: its input is lost, and so is this work
-                    self.record_failure(v, e)
-        return run is not None and v not in self.failures and run()
+        """(The submit thread.) The item run after its waits (WebGPU has no events: all are the host's to see,
+        `host_waited`); True: its own work says it is complete."""
+        return self.host_waited(waits, v)[1] and run is not None and run()
 
     def wait_event(self, known: bool, v: int) -> bool:
         """Item `v` is complete where its own work said so (a read, mapped), else once the queue's work submitted so
@@ -443,7 +431,7 @@ class WgpuDevice(QueuedDevice):
                 self.queue.write_buffer(dst.mem, offset & ~3, data)
                 self.queue.submit([])
                 return False
-            up = Lent(self.uploads, size)  # (back to the pool at once, in use until the copy is done: its next map
+            up = self.uploads.lend(size)  # (back to the pool at once, in use until the copy is done: its next map
             up.block.map_sync("WRITE", 0, size)  # waits for that)
             try:  # (numpy's copy lets go of the GIL; write_mapped's held it through page faults, the loop asleep)
                 np.copyto(np.frombuffer(up.block._experimental_get_mapped_range(0, size), np.uint8), data)
@@ -465,7 +453,7 @@ class WgpuDevice(QueuedDevice):
     def _read_back(self, buf: Buffer, lo: int, size: int, out: np.ndarray, skip: int) -> None:
         """(Worker thread.) Into `out`, its bytes from byte `lo + skip` of `buf`: `size` bytes from `lo` (multiples of
         4) copied into a staging buffer, mapped once that copy is done (which says all before it is)."""
-        staging = Lent(self.staging, max(size, 4))
+        staging = self.staging.lend(max(size, 4))
         self._submit(lambda enc: enc.copy_buffer_to_buffer(buf.mem, lo, staging.block, 0, size) if size else None)
         staging.block.map_sync("READ", 0, max(size, 4))
         try:
@@ -475,16 +463,9 @@ class WgpuDevice(QueuedDevice):
         finally:
             staging.block.unmap()
 
-    def hold(self, waits: list[tuple[Device, int]], keep: Any) -> int:
-        return self._enqueue(None, waits, keep)
-
-    # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Let the submit thread finish the items queued, then give the pooled buffers back to the driver."""
-        if not self.stop_submit_thread():
-            return
-        self.stop_waiter()
+    def let_go(self) -> None:
+        """The kept bind groups, and the pools' hold on their buffers (those lent go with their Buffers)."""
         self.groups.clear()
-        self.mem.close()
-        for pool in (self.pool, self.staging, self.uploads):
+        for pool in (self.pool, self.staging.pool, self.uploads.pool):
+            assert isinstance(pool, _OwnedPool)
             pool.blocks.clear()  # (those lent go with their Buffers)
