@@ -598,13 +598,14 @@ def _bucket(n: int, limit: int) -> int:
 @dataclass(eq=False)
 class _Launched:
     """A decode step queued on the device: its sequences, rows (None: padding), slots and tokens tensors (a chained
-    step feeds them on), its outputs, and the read of its tokens, started."""
+    step feeds them on, and its next ints), its outputs, and the read of its tokens, started."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
     slots: Tensor
     token: Tensor
     logits: Tensor
+    ints: Tensor  # the next step's positions and top-k (`_decode_graph`)
     read: asyncio.Future[np.ndarray]
 
 
@@ -640,6 +641,7 @@ class Engine:
         self.batch: list[Sequence] = []  # the sequences of the step in flight (or the last one)
         self.inflight: _Launched | None = None  # a step queued whose tokens are not read yet (the runner's)
         self.chained = 0  # steps queued before the last one's tokens were read (for tests and debugging)
+        self.greedy: dict[int, Tensor] = {}  # per batch size, the floats of a step no row of which samples
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
         # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
         # the cache rows a decode step reads: the first bucket of WINDOW_BASE * 4**i (and max_len) above the
@@ -795,14 +797,18 @@ class Engine:
             shapes = [(b, w) for b in sorted({_bucket(n, self.cache.slots) for n in sizes}) for w in self.windows]
             for b, w in shapes:
                 for flags in variants:
-                    ints, floats, _ = self._decode_inputs([0] * b, [self._sampling_row(None)] * b)
+                    # the step's inputs as `_launch` makes them: floats uploaded where a row samples, else the
+                    # device's greedy zeros
+                    rows = [(1.0, 1, 1.0, 0.0) if flags["sample"] else self._sampling_row(None)] * b
                     slots, tokens = self._device([scratch] * b, dtypes.int32), self._device([0] * b, dtypes.int32)
-                    # traced, then replayed, then chained (`_launch`) on a replay's tokens and on a chained step's:
-                    # tokens a step made on the device may key a trace of their own
-                    for _ in range(2):
-                        token, _ = await self.decode_step(slots, tokens, ints, floats, **flags, window=w)
-                    for _ in range(2):
-                        token, _ = await self.decode_step(slots, token, ints, floats, **flags, window=w)
+                    # traced, then replayed (the first run uploads the greedy zeros: a trace of their own), then
+                    # chained (`_launch`) on a replay's tokens and ints and on a chained step's: tensors a step made on
+                    # the device may key a trace of their own
+                    token, made = tokens, None
+                    for i in range(5):
+                        ints, floats, _ = self._decode_inputs([0] * b, rows, made if i >= 3 else None)
+                        token, _, made = await self.decode_step(slots, token if i >= 3 else tokens, ints, floats,
+                                                                **flags, window=w)
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -880,14 +886,21 @@ class Engine:
                                 f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
         return t, k, top_p, float(seq.rng.random())
 
-    def _decode_inputs(self, positions: list[int], rows: list[tuple[float, int, float, float]]
-                       ) -> tuple[Tensor, Tensor, dict[str, bool]]:
+    def _decode_inputs(self, positions: list[int], rows: list[tuple[float, int, float, float]],
+                       ints: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, bool]]:
         """A decode step's per-row values besides its slots and tokens, as two tensors (two copies to the device, not
-        five): ints (2, B) of positions and top-k, floats (3, B) of temperature, top-p and the uniform draw; and the
-        sampler's parts some row uses."""
+        five): ints (2, B) of positions and top-k (`ints`: a chained step's, made on the device by the step before),
+        floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device holds, which no
+        kernel reads); and the sampler's parts some row uses."""
         t, k, p, u = zip(*rows)
-        return (self._device([positions, k], dtypes.int32), self._device([t, p, u], dtypes.float32),
-                self._parts(rows))
+        parts = self._parts(rows)
+        ints = ints if ints is not None else self._device([positions, k], dtypes.int32)
+        if parts["sample"]:
+            return ints, self._device([t, p, u], dtypes.float32), parts
+        floats = self.greedy.get(len(rows))
+        if floats is None:
+            floats = self.greedy[len(rows)] = self._device(np.zeros((3, len(rows))), dtypes.float32)
+        return ints, floats, parts
 
     def _parts(self, rows: list[tuple[float, int, float, float]]) -> dict[str, bool]:
         """Which parts of the sampler some row of `rows` (`_sampling_row`s) uses (the others are left out of the
@@ -943,9 +956,10 @@ class Engine:
         return token, logits
 
     def _decode_graph(self, slots: Tensor, tokens: Tensor, ints: Tensor, floats: Tensor, sample: bool,
-                      filter_k: bool, filter_p: bool, window: int, **extras: Tensor | None) -> tuple[Tensor, Tensor]:
-        """One token per row (B,) at `positions` of `slots` (`_decode_inputs`' tensors): the next tokens and the
-        logits (B, vocab)."""
+                      filter_k: bool, filter_p: bool, window: int, **extras: Tensor | None
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+        """One token per row (B,) at `positions` of `slots` (`_decode_inputs`' tensors): the next tokens, the logits
+        (B, vocab), and the next step's ints (each position one further: a chained step's, made on the device)."""
         positions, top_k = ints[0], ints[1]
         temperature, top_p, uniform = floats[0], floats[1], floats[2]
         b = tokens.shape[0]
@@ -954,7 +968,7 @@ class Engine:
         logits = logits.reshape(b, -1)
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p, **extras)
-        return token, logits
+        return token, logits, Tensor.stack([positions + 1, top_k])
 
     def _score_graph(self, ids: Tensor) -> Tensor:
         """The logits (T, vocab) of a prompt (1, T) under causal attention over its own tokens (no cache)."""
@@ -1043,15 +1057,15 @@ class Engine:
         else:
             tokens, slots = after.token, after.slots
             self.chained += 1
-        ints, floats, flags = self._decode_inputs(positions, values)
+        ints, floats, flags = self._decode_inputs(positions, values, after.ints if after is not None else None)
         window = self._window(max(positions) + 1)
-        token, logits = await self.decode_step.submit(slots, tokens, ints, floats, **flags, window=window,
-                                                      **self._extras(rows))
+        token, logits, ints = await self.decode_step.submit(slots, tokens, ints, floats, **flags, window=window,
+                                                            **self._extras(rows))
         # the tokens' read queued now: behind this step, ahead of the next one (a chained step is queued before it is
         # awaited)
         read = asyncio.ensure_future(read_now(token))
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        return _Launched(seqs, rows, slots, token, logits, read)
+        return _Launched(seqs, rows, slots, token, logits, ints, read)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
