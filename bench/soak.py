@@ -109,15 +109,13 @@ class Figures:
     kernels: int
     nodes: int
     in_use: int  # pool bytes in use
-    cached: int  # pool bytes cached for reuse (their high-water mark follows the peak of concurrent work)
+    cached: int  # pool bytes cached for reuse (none: `figures` gives them back first)
     rss: int
     service: dict[str, int]
 
-    def problems(self, later: Figures, rss_budget: int, middle: Figures | None = None) -> list[str]:
-        """What grew from self to `later`. The pool's footprint (bytes in use and cached) is a cache whose high-water
-        mark follows the peak of concurrent work: with `middle` (figures half-way through the soak) it must not grow
-        from there to `later` (a leak grows all along; a cache that met a new peak of overlapping requests in the
-        first half stops)."""
+    def problems(self, later: Figures, rss_budget: int) -> list[str]:
+        """What grew from self to `later` (`figures` gives the pool's cached blocks back first: what it holds then is
+        in use)."""
         out = []
         if (later.plans, later.kernels) != (self.plans, self.kernels):
             out.append(f"plans/kernels {self.plans}/{self.kernels} -> {later.plans}/{later.kernels}")
@@ -125,10 +123,8 @@ class Figures:
             out.append(f"graph nodes {self.nodes} -> {later.nodes}")
         if later.in_use > self.in_use:
             out.append(f"pool bytes in use {self.in_use} -> {later.in_use}")
-        ref = middle if middle is not None else self
-        if later.in_use + later.cached > ref.in_use + ref.cached + (1 << 20):
-            out.append(f"pool bytes in use + cached {ref.in_use} + {ref.cached} -> {later.in_use} + {later.cached}"
-                       + (" (from half-way)" if middle is not None else ""))
+        if later.in_use + later.cached > self.in_use + self.cached + (1 << 20):
+            out.append(f"pool bytes in use + cached {self.in_use} + {self.cached} -> {later.in_use} + {later.cached}")
         if later.rss - self.rss > rss_budget:
             out.append(f"RSS grew {(later.rss - self.rss) / 2**20:.1f} MiB (budget {rss_budget / 2**20:.0f})")
         if later.service != self.service:
@@ -386,19 +382,15 @@ async def soak_embed(seconds: float, clients: int = 6, seed: int = 0,
         beat = app.state.serving["beat"]
         beat.reset()
         t0 = time.perf_counter()
-        middle = None
         while time.perf_counter() - t0 < seconds:
             await asyncio.gather(*(embed_actions(client, 5, random.Random(rng.random()), tally)
                                    for _ in range(clients)))
-            if middle is None and time.perf_counter() - t0 >= seconds / 2:
-                await settle(lambda: svc.queued == 0)
-                middle = await figures(state())
         wall = time.perf_counter() - t0
         lateness = beat.reset()
         await settle(lambda: svc.queued == 0)
         after = await figures(state())
     return ({"tally": dict(tally), "seconds": wall, "before": before, "after": after, "lateness": lateness,
-             "dropped": svc.stats.dropped - dropped}, before.problems(after, rss_budget, middle))
+             "dropped": svc.stats.dropped - dropped}, before.problems(after, rss_budget))
 
 
 # ------------------------------------------------------------------------------------------------ main
