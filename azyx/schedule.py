@@ -375,6 +375,22 @@ class Planner:
             found = True
         return found
 
+    def small_product(self, nid: int, dl: Dialect) -> bool:
+        """Whether reduce `nid` is a product of at most GEMV_ROWS rows against one weight for every row, which a
+        dialect that takes them (`small_products`) runs as the small-M kernel (templates.gemv)."""
+        n = self.graph[nid]
+        src = self.graph[n.src[0]]
+        if not dl.small_products or n.arg[0] != "sum" or len(n.arg[1]) != 1 or src.op is not Op.BINARY or \
+                src.arg != "mul" or len(src.src) != 2 or len(src.shape) < 3:
+            return False
+        axis = n.arg[1][0]
+        col = max(d for d in range(len(src.shape)) if d != axis)
+        rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
+        return rows <= GEMV_ROWS and any(  # (one weight for every row)
+            v is not None and all(v.strides[d] == 0 or src.shape[d] == 1 for d in range(len(src.shape))
+                                  if d not in (axis, col))
+            for v in map(self.view_of, src.src))
+
     def tiled_product(self, nid: int, device: str, least_k: int = 64) -> bool:
         """Whether reduce `nid` is a matrix product of 16 rows or more, K 64 or more, of a dtype that the device's
         product template takes (gemm: float32, float16/bfloat16 on tensor cores; gemm_host: all three): it
@@ -395,10 +411,7 @@ class Planner:
         col = max(d for d in range(len(src.shape)) if d != axis)  # (x @ y: (..., m, n, k) summed over k)
         rows = prod(src.shape) // (src.shape[axis] * max(src.shape[col], 1))
         if dl.global_ids or rows >= gemm_host.MIN_ROWS:
-            if dl.small_products and rows <= GEMV_ROWS and any(  # (one weight for every row: the small-M kernel, fused
-                    v is not None and all(v.strides[d] == 0 or src.shape[d] == 1 for d in range(len(src.shape))
-                                          if d not in (axis, col))
-                    for v in map(self.view_of, src.src)):  # with its prologue and epilogue)
+            if self.small_product(nid, dl):  # (the small-M kernel, fused with its prologue and epilogue)
                 return False
             return rows >= 16
         # fewer rows: on the host still where the right operand is stored transposed (`x @ W.T`, gemm_host.takes)
@@ -916,7 +929,7 @@ class KernelBuild:
                 return vb.where(*srcs)
             return vb.alu(n.arg, n.dtype, *srcs)
         if op is Op.GATHER:  # the index's value at this point, then x at it: one load whose address was loaded
-            if multi and self.second_map(nid, idx, cond):
+            if multi and self.second_map(nid, idx, cond) or self.in_small_product():
                 return self.load(nid, idx, cond)
             table, index = n.src
             rows = Lin({vb.index(self.value(index, idx, cond, in_reduce), p.graph[table].shape[n.arg]): 1})
@@ -1004,6 +1017,13 @@ class KernelBuild:
             return False
         moving = frozenset().union(*(rv for _, rv, _ in self.reducing))
         return self.prologue_ops(nid, any(v in moving for i in idx for v in lin_vars(i))) <= PROLOGUE_OPS
+
+    def in_small_product(self) -> bool:
+        """Whether the kernel being built is a small-M product (its outermost reduce: Planner.small_product), whose
+        loads are affine: what it would gather (a decode step's embedding under the first layernorm) is realized first,
+        and the product keeps that kernel."""
+        dl = self.p.rt.device(self.device).dialect
+        return bool(self.reducing) and dl is not None and self.p.small_product(self.reducing[0][0], dl)
 
     def alone(self, nid: int) -> bool:
         """Whether node `nid`, being built, is all the kernel computes (only movement ops above it): a product alone

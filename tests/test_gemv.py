@@ -227,3 +227,22 @@ async def test_on_a_cuda_device(dtype: str, transposed: bool, rows: int, k: int,
                      ref["b"]) + ref["r"]
     scale = np.abs(want).max()
     np.testing.assert_allclose(got / scale, want / scale, atol=TOL[dtype])
+
+
+def test_gathered_rows_under_a_layernorm_keep_the_small_product_kernel(cuda_planning: None) -> None:
+    """A decode step's first layer: the embedding (rows gathered at the tokens and positions) under a layernorm, into
+    the QKV product. The small-M kernel loads at affine addresses, so the gathers are realized first (kernels of their
+    own) and the product, its layernorm in its prologue, is still the small-M kernel."""
+    e, vocab, positions, rows = 96, 64, 16, 2
+    zeros = lambda *shape: Tensor(np.zeros(shape, np.float32), device=DEV)  # noqa: E731
+    wte, wpe, g, beta, w, b = zeros(vocab, e), zeros(positions, e), zeros(e), zeros(e), zeros(e, 3 * e), zeros(3 * e)
+    tokens = Tensor(np.zeros(rows, np.int32), device=DEV)
+    pos = Tensor(np.zeros(rows, np.int32), device=DEV)
+    x = wte[tokens] + wpe[pos]
+    mu = x.mean(-1, keepdim=True)
+    out = ((x - mu) / (((x - mu) * (x - mu)).mean(-1, keepdim=True) + 1e-5).sqrt() * g + beta) @ w + b
+    kernels = azyx.schedule(out).kernels
+    products = [small_product(s.kernel, CUDA) for s in kernels]
+    assert [(p.m, p.k, p.n) for p in products if p is not None] == [(rows, e, 3 * e)]
+    gathers = [s for s in kernels if s.kernel.check >= 0]  # (the kernels that read an index check it)
+    assert len(gathers) == 2 and all(small_product(s.kernel, CUDA) is None for s in gathers)
