@@ -53,6 +53,66 @@ def _odd_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return p, arrays
 
 
+# ------------------------------------------------------------------------------------------------ the native read
+def _reference_file(tmp_path: Path, size: int = 3 * 4096 + 777) -> tuple[Path, np.ndarray]:
+    raw = np.random.default_rng(21).integers(0, 256, size, dtype=np.uint8)
+    p = tmp_path / "bytes.bin"
+    raw.tofile(p)
+    return p, np.fromfile(p, np.uint8)
+
+
+def _split(n: int, cuts: list[int]) -> list[np.ndarray]:
+    """Fresh destinations for n bytes, cut at `cuts` (empty pieces included)."""
+    bounds = [0, *sorted(min(c, n) for c in cuts), n]
+    return [np.zeros(hi - lo, np.uint8) for lo, hi in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("offset,start,n", [(0, 0, 1), (1, 0, 4095), (4095, 3, 4099), (7, 4093, 8193), (0, 0, 13065)])
+def test_the_native_read_equals_numpys_read_of_the_file(tmp_path: Path, offset: int, start: int, n: int,
+                                                         direct: bool) -> None:
+    """`native.read_range` and `native.read_direct` (O_DIRECT through an aligned block smaller than the read, where
+    the filesystem allows it) through `FileRange.read_views`: the bytes at odd offsets and sizes, into destinations
+    cut at odd places (an empty one among them), equal numpy's read of the file, as do a range of runs' (a column
+    slice's bytes)."""
+    from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, direct_block
+    from azyx.native import native
+
+    if native is None:
+        pytest.skip("the native core is not built")
+    p, ref = _reference_file(tmp_path)
+    f = DiskFile(str(p))
+    n = min(n, f.size - offset - start)
+    outs = _split(n, [n // 3, n // 3, n - 1])
+    block = direct_block(2 * DIRECT_ALIGN) if direct else None
+    FileRange(f, offset, "bytes").read_views(start, [o.data for o in outs], block)
+    assert np.concatenate(outs).tobytes() == ref[offset + start : offset + start + n].tobytes()
+    run, step = 5, 13  # (5 bytes of every 13: the runs' bytes packed)
+    rows = (f.size - offset) // step
+    want = ref[offset : offset + rows * step].reshape(rows, step)[:, :run].reshape(-1)[start % 50 :]
+    outs = _split(len(want), [3, 4, 77])
+    FileRange(f, offset, "runs", (run, step)).read_views(start % 50, [o.data for o in outs], block)
+    assert np.concatenate(outs).tobytes() == want.tobytes()
+    f.close()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_the_native_read_of_a_short_file_raises_naming_it(tmp_path: Path, direct: bool) -> None:
+    """A read past the end of the file (the file shorter than the range) raises AzyxIOError naming the file and where
+    it ended; a file truncated after it was opened, naming what changed."""
+    from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, direct_block
+
+    p, _ = _reference_file(tmp_path)
+    f = DiskFile(str(p))
+    block = direct_block(DIRECT_ALIGN) if direct else None
+    with pytest.raises(azyx.AzyxIOError, match=rf"tensor 'w' of {p}: unexpected end of file at byte {f.size}"):
+        FileRange(f, f.size - 100, "tensor 'w'").read_views(0, [np.zeros(300, np.uint8).data], block)
+    os.truncate(p, 5000)
+    with pytest.raises(azyx.AzyxIOError, match=rf"tensor 'w' of {p}: truncated to 5000 bytes"):
+        FileRange(f, 0, "tensor 'w'").read_views(0, [np.zeros(300, np.uint8).data], block)
+    f.close()
+
+
 @pytest.mark.parametrize("prefetch,direct_io", [(0, False), (1 << 12, False), (64 << 20, False), (1 << 20, True)])
 async def test_stream_bytes_equal_safetensors_for_every_dtype(tmp_path: Path, device: str, prefetch: int,
                                                               direct_io: bool) -> None:

@@ -250,12 +250,10 @@ class DiskDevice(Device):
 
     def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
                     ) -> np.ndarray | None:
-        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_range`; None where the
+        """Blocking (worker threads): `DiskFile.read_direct` (checked), counted like `read_range`; None where the
         filesystem refuses O_DIRECT (nothing read)."""
-        file.check(what)
-        got = file.pread_direct(offset, nbytes, block)
+        got = file.read_direct(offset, nbytes, block, what)
         if got is not None:
-            file.check(what)
             self.count_read(nbytes)
         return got
 
