@@ -424,7 +424,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()
     device = args.device
     gpu = device != "c:0" or args.gpu_rows
     methods_what = {m: w.replace("c:0", device) for m, w in (CUDA_METHODS if gpu else LOAD_METHODS).items()}
@@ -543,10 +543,11 @@ def main(args: argparse.Namespace) -> int:
         if "error" in az:
             notes.append(f"azyx MiniLM {'not run' if 'skipped' in az else 'failed'}: {' '.join(az['error'])}")
     notes.extend(args.note or [])
-    load = os.getloadavg()
+    load, load_end = load_start, os.getloadavg()
     info = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
             f"machine: {cpu_model()}, {os.cpu_count()} logical cores, load average at "
-            f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: noisy)" +
+            f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at the end {load_end[0]:.2f} {load_end[1]:.2f} "
+            f"{load_end[2]:.2f} (shared machine: noisy)" +
             (f"; {gpu_name()}" if device != "c:0" else ""),
             f"python {platform.python_version()}, numpy {np.__version__}",
             f"file: {args.size_mib} MiB ({len(layout(args.size_mib))} tensors, float32 and float16), largest tensor "
