@@ -15,6 +15,7 @@ import numpy as np
 
 from azyx.errors import AzyxIOError
 from azyx.graph import Shape, StridedView
+from azyx.native import native
 
 DIRECT_ALIGN = 4096  # O_DIRECT reads: offsets, lengths and memory aligned to this
 IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
@@ -98,10 +99,67 @@ class DiskFile:
         return AzyxIOError(f"{where}: unexpected end of file at byte {at} while reading {n} bytes at {offset} (the "
                            f"file was truncated, or changed after it was opened: it had {self.size} bytes then)")
 
-    def pread_direct(self, offset: int, nbytes: int, block: np.ndarray) -> np.ndarray | None:
+    def read_native(self, offset: int, runs: tuple[int, int] | None, start: int, outs: list[memoryview],
+                    what: str = "", direct: np.ndarray | None = None) -> None:
+        """`read_views` by the native core (azyx/csrc/read.c): the range's bytes from `start` on (a range of `runs`
+        (run, step): the runs' bytes, packed) into `outs`, the file `check`ed before and after, in one call that holds
+        the GIL only to begin and to end: a reader thread takes it once per extent, not once per system call, so the
+        loop's thread does not wait for it behind many readers. With a `direct` block (aligned, DIRECT_ALIGN bytes at
+        least) a plain range is read with O_DIRECT through it, where the filesystem allows it."""
+        assert native is not None
+        run, step = runs or (0, 0)
+        n = sum(len(o) for o in outs)
+        got = -2
+        try:
+            if direct is not None and runs is None and (dfd := self._direct_fd()) is not None:
+                got = native.read_direct(dfd, offset + start, n, direct, outs, self.identity, self.where, self.fd)
+                if got == -2:
+                    self.direct = None  # refused after all (a filesystem that opens but will not read so)
+            if got == -2:
+                got = native.read_range(self.fd, offset, run, step, start, outs, self.identity, self.where)
+        except OSError as e:
+            raise self._failed(self._where(what), n, offset + start, e) from e
+        end = start + max(got, 0)
+        self._settle(got, n, what, offset + (end if run == 0 else end // run * step + end % run), offset + start)
+
+    def _settle(self, got: int, n: int, what: str, at: int, offset: int) -> None:
+        """Raise where a native read of `n` bytes at `offset` got `got`: -1, the file changed (`check` says how);
+        fewer, it ended at byte `at`."""
+        if got == -1:
+            self.check(what)
+            raise AzyxIOError(f"{self._where(what)}: changed while it loaded: load it again")
+        if got < n:
+            raise self._ended(self._where(what), at, n, offset)
+
+    def read_direct(self, offset: int, nbytes: int, block: np.ndarray, what: str = "") -> np.ndarray | None:
+        """`pread_direct`, the file `check`ed before and after (by the native core where it is built: the GIL released
+        throughout); None where the filesystem refuses O_DIRECT (nothing read)."""
+        if native is None:
+            self.check(what)
+            got = self.pread_direct(offset, nbytes, block, what)
+            if got is not None:
+                self.check(what)
+            return got
+        fd = self._direct_fd()
+        if fd is None:
+            return None
+        lo, span = offset - offset % DIRECT_ALIGN, direct_span(offset, nbytes)
+        assert block.nbytes >= span and block.ctypes.data % DIRECT_ALIGN == 0, "an unaligned O_DIRECT block"
+        try:
+            n = native.read_direct(fd, offset, nbytes, block[:span], None, self.identity, self.where, self.fd)
+        except OSError as e:
+            raise self._failed(f"{self._where(what)} (O_DIRECT)", nbytes, offset, e) from e
+        if n == -2:
+            self.direct = None
+            return None
+        self._settle(n, nbytes, what, offset + max(n, 0), offset)
+        return block[offset - lo : offset - lo + nbytes]
+
+    def pread_direct(self, offset: int, nbytes: int, block: np.ndarray, what: str = "") -> np.ndarray | None:
         """Bytes [offset, offset + nbytes) read with O_DIRECT (past the page cache) into `block` (uint8, aligned to
         DIRECT_ALIGN, at least `direct_span(offset, nbytes)` bytes), in aligned pieces; returns the view of `block` that
-        holds them, or None where the platform or filesystem refuses O_DIRECT (then read them the usual way)."""
+        holds them, or None where the platform or filesystem refuses O_DIRECT (then read them the usual way). `what`
+        names the data in the error of a read that fails or finds the file shorter."""
         fd = self._direct_fd()
         if fd is None:
             return None
@@ -117,10 +175,12 @@ class DiskFile:
                 if done == 0 and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                     self.direct = None  # refused after all (a filesystem that opens but will not read so)
                     return None
-                raise self._failed(f"{self.path} (O_DIRECT)", nbytes, offset, e) from e
+                raise self._failed(f"{self._where(what)} (O_DIRECT)", nbytes, offset, e) from e
             if got == 0:
-                raise self._ended(self.path, lo + done, nbytes, offset)
+                break
             done += got
+        if lo + done < offset + nbytes:
+            raise self._ended(self._where(what), lo + done, nbytes, offset)
         return block[offset - lo : offset - lo + nbytes]
 
     def _direct_fd(self) -> int | None:
@@ -172,7 +232,7 @@ class DiskFile:
         while direct is not None and done < n:
             lo = offset + done
             hi = min(offset + n, lo - lo % DIRECT_ALIGN + direct.nbytes)  # (the aligned span fits the block)
-            got = self.pread_direct(lo, hi - lo, direct)
+            got = self.pread_direct(lo, hi - lo, direct, what)
             if got is None:
                 break
             _scatter(outs, done, got.data)
@@ -232,8 +292,11 @@ class FileRange:
 
     def read_views(self, start: int, outs: list[memoryview], direct: np.ndarray | None = None) -> None:
         """The range's bytes from `start` on into the byte views `outs`, one after the other, the file `check`ed
-        before and after: by `DiskFile.read_views` (one `preadv`; O_DIRECT through a `direct` block where given), run
-        by run where the range is runs."""
+        before and after: by the native core where it is built (`DiskFile.read_native`), else by
+        `DiskFile.read_views` (one `preadv`; O_DIRECT through a `direct` block where given), run by run where the
+        range is runs."""
+        if native is not None:
+            return self.file.read_native(self.offset, self.runs, start, outs, self.what, direct)
         if self.runs is None:
             return self.file.read_views(self.offset + start, outs, self.what, direct)
         self.file.check(self.what)

@@ -22,7 +22,7 @@ import sniffio
 from azyx import config as _config
 from azyx import debug, search, workers
 from azyx.backends import BACKENDS, Probe, probe
-from azyx.backends.disk import DiskDevice
+from azyx.backends.disk import DiskDevice, start_readers
 from azyx.codegen import search_actions as optimize
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
@@ -130,9 +130,9 @@ class Runtime:
         if not self.workers_started:  # (starting them waits for each thread to run: tens of ms on a busy machine)
             self.workers_started = True
             if _on_event_loop():
-                threading.Thread(target=workers.start, name="azyx-start", daemon=True).start()
+                threading.Thread(target=_start_threads, name="azyx-start", daemon=True).start()
             else:
-                workers.start()
+                _start_threads()
         assert self.cfg is not None
         with self.probe_lock:
             for kind in todo:
@@ -413,6 +413,13 @@ class InFlight:
     def __init__(self, loop: int):
         self.loop, self.event = loop, LoopEvent()
         self.error: BaseException | None = None
+
+
+def _start_threads() -> None:
+    """The runtime's threads: the workers' and the disk's readers, each started at once rather than at a first use
+    that may be on the event loop (starting a thread waits for it to run)."""
+    workers.start()
+    start_readers()
 
 
 def _on_event_loop() -> bool:

@@ -2,12 +2,16 @@
 `readinto` of the same bytes and parallel `preadv` of them (the hardware's pace); the same from a file dropped from
 the page cache (cold: `posix_fadvise(POSIX_FADV_DONTNEED)` before the load); and MiniLM sentences/s on c:0 beside
 sentence-transformers on CPU. Each azyx row reports the worst heartbeat of a 1 ms timer on the event loop while it
-loads. With `--device cuda:0` the rows load onto that GPU instead, beside `safetensors.torch.load_file(device=)`
-(every child a fresh process, so the first load in a process is what its first column shows).
+loads, and the part of it the process caused (`azyx.debug.LoopStalls.worst_own_ms`: less the time the loop's thread
+waited for a CPU, and the hypervisor's steal); the progress lines show, per load, what the loop's thread and the
+others did in its longest stall. With `--device cuda:0` the rows load onto that GPU instead, beside
+`safetensors.torch.load_file(device=)` (every child a fresh process, so the first load in a process is what its first
+column shows).
 
 Run from the repository root:
 
-    python bench/io.py [--size-mib 1024] [--repeats 3] [--device cuda:0] [--out bench/RESULTS.md]
+    python bench/io.py [--size-mib 1024] [--repeats 3] [--device cuda:0] [--methods azyx_load,azyx_stream]
+                       [--out bench/RESULTS.md]
 
 The file is made in a temporary directory (deleted afterwards) and read once to warm the page cache. Every
 measurement runs in a fresh subprocess, so each method starts with a cold allocator and its own clean peak RSS:
@@ -188,14 +192,6 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[at : at + nbytes]
 
 
-async def heartbeat(stop: asyncio.Event, worst: list[float]) -> None:
-    """A 1 ms timer on the loop: the worst lateness of its wake-ups, in seconds."""
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        await asyncio.sleep(0.001)
-        worst[0] = max(worst[0], time.perf_counter() - t0 - 0.001)
-
-
 def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     """Two loads in one fresh process: the first into memory the process never touched (what a user's first load
     costs; for a `_cold` method, of a file dropped from the page cache first), the second after dropping the first's
@@ -232,7 +228,7 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     data = os.path.getsize(path) - 8 - n
     fd = os.open(path, os.O_RDONLY)
     kept: list[Any] = []
-    beats = [0.0]
+    beats: list[tuple[float, float, str]] = []  # per azyx load: worst lateness, of it the process's own (s), stall
 
     def read(out: Any, offset: int) -> None:
         view, done = memoryview(out).cast("B"), 0
@@ -240,13 +236,14 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
             done += os.preadv(fd, [view[done : done + 64 * MIB]], offset + done)
 
     async def beside_heartbeat(load: Any) -> Any:
-        stop = asyncio.Event()
-        beat = asyncio.ensure_future(heartbeat(stop, beats))
+        from azyx.debug import LoopStalls
+
+        stalls = LoopStalls(late_after=3e-3, depth=12)  # (a 1 ms heartbeat, and a sampler of the late beats)
         try:
-            return await load
+            async with stalls:
+                return await load
         finally:
-            stop.set()
-            await beat
+            beats.append((stalls.worst_ms / 1e3, stalls.worst_own_ms / 1e3, stalls.report()))
 
     def load() -> Any:
         if method == "raw":  # one buffer for the whole data section
@@ -306,19 +303,27 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     first = time.perf_counter() - t0
     peak = _status("VmHWM") - base
     got = _bytes_read() - read_before
-    first_beat = beats[0]
+    first_beats = list(beats)
     del result
     gc.collect()
     if cold:
         drop_cache(path)
-    beats[0] = 0.0  # (the second load's own)
+    beats.clear()  # (the second load's own)
     t0 = time.perf_counter()
     load()
     warm_s = time.perf_counter() - t0
     return {"seconds": first, "warm_seconds": warm_s, "bytes": data, "peak_rss_increase": peak,
-            "heartbeat_ms": first_beat * 1e3 if method.startswith("azyx") else None,
-            "heartbeat_second_ms": beats[0] * 1e3 if method.startswith("azyx") else None, "dropped": dropped,
+            **_beats(first_beats, ""), **_beats(beats, "_second"), "dropped": dropped,
             "bytes_read": got if method.startswith("azyx") else None}
+
+
+def _beats(beats: list[tuple[float, float, str]], which: str) -> dict[str, Any]:
+    """A load's heartbeat figures (ms; None where nothing ran beside a heartbeat) and its longest stall's report."""
+    if not beats:
+        return {f"heartbeat{which}_ms": None, f"heartbeat_own{which}_ms": None, f"stall{which}": None}
+    return {f"heartbeat{which}_ms": max(b[0] for b in beats) * 1e3,
+            f"heartbeat_own{which}_ms": max(b[1] for b in beats) * 1e3,
+            f"stall{which}": max(beats)[2]}
 
 
 def _bytes_read() -> int:
@@ -374,7 +379,7 @@ def run_child(*args: str, device: str = "c:0", timeout: float = 600) -> dict[str
 
 # ------------------------------------------------------------------------------------------------ report
 HEADER = ["workload", "first load, GB/s", "second load, GB/s", "peak RSS increase (first)", "vs safetensors",
-          "vs parallel preadv", "worst heartbeat (first / second), ms", "target", "met?"]
+          "vs parallel preadv", "worst heartbeat (first / second), ms (of it the process's own)", "target", "met?"]
 
 
 def results_section(info: list[str], rows: list[list[str]], notes: list[str], device: str) -> str:
@@ -387,7 +392,9 @@ def results_section(info: list[str], rows: list[list[str]], notes: list[str], de
              "drop the file from the page cache (posix_fadvise DONTNEED) before each load; the others read it from "
              "the page cache. GB/s counts the file's data bytes; peak RSS is the child's VmHWM increase, during the "
              "first load, over its RSS after imports and start-up; the heartbeat is the worst lateness of a 1 ms "
-             "timer on the event loop during the first load, then the second (azyx rows). Ratios: first/second load "
+             "timer on the event loop during the first load, then the second (azyx rows); own: less, per beat, the "
+             "time the loop's thread waited for a CPU and the hypervisor's steal (azyx.debug.LoopStalls.worst_own_ms: "
+             "what the process caused, not the machine's other load). Ratios: first/second load "
              "against the peer of the same temperature. Medians of the repeats (their range in parentheses).", ""]
     lines += [f"- {ln}" for ln in info] + [""]
     lines += ["| " + " | ".join(HEADER) + " |", "|---|" + "---:|" * 6 + "---|---|"]
@@ -417,7 +424,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()
     device = args.device
     gpu = device != "c:0" or args.gpu_rows
     methods_what = {m: w.replace("c:0", device) for m, w in (CUDA_METHODS if gpu else LOAD_METHODS).items()}
@@ -432,7 +439,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"file: {data / MIB:.0f} MiB of data, largest tensor {largest / MIB:.0f} MiB; first read "
               f"{data / cold / 1e9:.1f} GB/s, warm read {data / warm_s / 1e9:.1f} GB/s", flush=True)
         results: dict[str, list[dict[str, Any]]] = {}
-        methods = list(methods_what)
+        methods = [m for m in methods_what if not args.methods or m in args.methods]
         for rep in range(args.repeats):
             for method in methods[rep % len(methods):] + methods[: rep % len(methods)]:  # interleaved, rotated
                 r = run_child(method, str(path), device=device)
@@ -442,8 +449,10 @@ def main(args: argparse.Namespace) -> int:
                 print(f"  {method} #{rep}: " + (f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, then "
                                                 f"{r['bytes'] / r['warm_seconds'] / 1e9:.2f} GB/s; peak "
                                                 f"+{r['peak_rss_increase'] / MIB:.0f} MiB" +
-                                                (f"; heartbeat {r['heartbeat_ms']:.1f} ms" if r.get('heartbeat_ms')
-                                                 is not None else "")
+                                                (f"; heartbeat {r['heartbeat_ms']:.1f} / "
+                                                 f"{r['heartbeat_second_ms']:.1f} ms (own {r['heartbeat_own_ms']:.1f}"
+                                                 f" / {r['heartbeat_own_second_ms']:.1f}); first load's "
+                                                 f"{r['stall']}" if r.get('heartbeat_ms') is not None else "")
                                                 if "error" not in r else f"error {r['error']}"), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -464,7 +473,8 @@ def main(args: argparse.Namespace) -> int:
         ok = [r for r in results.get(method, []) if "error" not in r]
         if not ok:
             return None
-        if key in ("peak_rss_increase", "heartbeat_ms", "heartbeat_second_ms"):
+        if key in ("peak_rss_increase", "heartbeat_ms", "heartbeat_second_ms", "heartbeat_own_ms",
+                   "heartbeat_own_second_ms"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             return statistics.median(vals) if vals else None
         return statistics.median(r["bytes"] / r[key] / 1e9 for r in ok)
@@ -476,9 +486,12 @@ def main(args: argparse.Namespace) -> int:
     rows, notes = [], []
     peer = "safetensors_torch" if gpu else "safetensors"
     for method, what in methods_what.items():
+        if method not in results:  # (not among --methods)
+            continue
         first, second = med(method, "seconds"), med(method, "warm_seconds")
         peak, beat = med(method, "peak_rss_increase"), med(method, "heartbeat_ms")
         beat2 = med(method, "heartbeat_second_ms")
+        own, own2 = med(method, "heartbeat_own_ms"), med(method, "heartbeat_own_second_ms")
         if first is None or second is None or peak is None:
             rows.append([what, "failed", "", "", "", "", "", "", ""])
             notes.append(f"{method}: {results[method][-1].get('error')}")
@@ -509,7 +522,8 @@ def main(args: argparse.Namespace) -> int:
         rows.append([what, f"{first:.2f}{spread(method, 'seconds')}", f"{second:.2f}{spread(method, 'warm_seconds')}",
                      f"{peak / MIB:.1f} MiB", pair(vs_st) if method != peer + temp else "",
                      pair(vs_pv) if not method.startswith("preadv") else "",
-                     f"{beat:.1f} / {beat2:.1f}" if beat is not None and beat2 is not None else "",
+                     f"{beat:.1f} / {beat2:.1f} (own {own:.1f} / {own2:.1f})" if beat is not None and
+                     beat2 is not None and own is not None and own2 is not None else "",
                      "; ".join(c for c, _ in checks),
                      ", ".join("yes" if ok else "no" for _, ok in checks)])
         if temp and not all(r.get("dropped") for r in results[method] if "error" not in r):
@@ -529,10 +543,11 @@ def main(args: argparse.Namespace) -> int:
         if "error" in az:
             notes.append(f"azyx MiniLM {'not run' if 'skipped' in az else 'failed'}: {' '.join(az['error'])}")
     notes.extend(args.note or [])
-    load = os.getloadavg()
+    load, load_end = load_start, os.getloadavg()
     info = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
             f"machine: {cpu_model()}, {os.cpu_count()} logical cores, load average at "
-            f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: noisy)" +
+            f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at the end {load_end[0]:.2f} {load_end[1]:.2f} "
+            f"{load_end[2]:.2f} (shared machine: noisy)" +
             (f"; {gpu_name()}" if device != "c:0" else ""),
             f"python {platform.python_version()}, numpy {np.__version__}",
             f"file: {args.size_mib} MiB ({len(layout(args.size_mib))} tensors, float32 and float16), largest tensor "
@@ -558,6 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minilm-batches", type=int, default=10)
     p.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     p.add_argument("--note", action="append", help="a note to add under the table (repeatable)")
+    p.add_argument("--methods", type=lambda v: v.split(","), default=None,
+                   help="only these load methods, comma-separated (their names in the progress lines), e.g. "
+                   "azyx_load,azyx_stream,safetensors_torch,preadv (the table has their rows only)")
     p.add_argument("--device", default="c:0", help="load onto this device: c:0 (default) or a GPU, e.g. cuda:0")
     p.add_argument("--child", nargs=2, metavar=("METHOD", "ARG"), help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smoke run: a 64 MiB file, one repeat, writes nothing")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import sniffio
 
+from azyx import workers
 from azyx.allocator import MemoryUsage
 from azyx.device import DISK, Buffer, Device, host_read, widened
 from azyx.dtypes import DType
@@ -31,6 +32,7 @@ from azyx.errors import AzyxError, DeviceError
 from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, covering, direct_block
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.memory import EXTENT
+from azyx.native import native
 from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
@@ -38,16 +40,39 @@ DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for 
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
+_readers_started = False
 
 
 def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock)."""
+    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock).
+    Where the native core reads (`files.FileRange.read_views`: the GIL released from a read's first check to its
+    last) they run below the loop's priority (`workers.lower_priority`): reading a file from the page cache is a copy
+    that keeps a core busy, and on a machine with as many readers as cores, readers of the loop's priority kept its
+    thread waiting for a core for 5-15 ms at a time (2 cores, 4 readers). Python reads hold the GIL between their
+    system calls: those readers keep the loop's priority (see `workers._executor`)."""
     global _readers
     with _readers_lock:
         if _readers is None:
-            _readers = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 2),
-                                                             thread_name_prefix="azyx-disk")
+            _readers = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(4, os.cpu_count() or 2), thread_name_prefix="azyx-disk",
+                initializer=workers.lower_priority if native is not None else None)
         return _readers
+
+
+def start_readers() -> None:
+    """Start every reader thread now (the runtime's start-up, off the event loop): a pool that grows later starts a
+    thread inside a submit, which waits for it to run, and the first load in a process made those waits on the loop
+    (1-4 ms for its first two transfers on a 2-core machine)."""
+    global _readers_started
+    pool = _reader_pool()
+    with _readers_lock:
+        if _readers_started:
+            return
+        _readers_started = True
+    n = pool._max_workers
+    meet = threading.Barrier(n)
+    for f in [pool.submit(meet.wait, 5.0) for _ in range(n)]:
+        f.exception()  # (a reader already busy with a long read times the barrier out: it is started all the same)
 
 
 def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
@@ -250,12 +275,10 @@ class DiskDevice(Device):
 
     def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
                     ) -> np.ndarray | None:
-        """Blocking (worker threads): `DiskFile.pread_direct`, checked and counted like `read_range`; None where the
+        """Blocking (worker threads): `DiskFile.read_direct` (checked), counted like `read_range`; None where the
         filesystem refuses O_DIRECT (nothing read)."""
-        file.check(what)
-        got = file.pread_direct(offset, nbytes, block)
+        got = file.read_direct(offset, nbytes, block, what)
         if got is not None:
-            file.check(what)
             self.count_read(nbytes)
         return got
 

@@ -9,6 +9,7 @@ one file per concern, and their ABI: a hash of the sources themselves.
 - call.c: a batch's call into the C runtime (`TableCall`), a run's scalar words (`pack_words`), driver calls
 - queue.c: a CUDA device's command queue (`Queue`), replaying its record
 - lane.c: a plan of one kernel on a CUDA device (`Lane`), replaying its frozen record
+- read.c: positional reads of a file range into buffers, the GIL released throughout (azyx.files)
 - module.c: the module's table and its types
 
 setup.py passes `source_abi()` to the build as AZYX_ABI, which the module keeps as `ABI`; azyx.native loads a built
@@ -20,7 +21,7 @@ import hashlib
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("native.h", "node.c", "walk.c", "build.c", "pool.c", "call.c", "queue.c", "lane.c", "module.c")
+SOURCES = ("native.h", "node.c", "walk.c", "build.c", "pool.c", "call.c", "queue.c", "lane.c", "read.c", "module.c")
 
 
 def source_abi(folder: Path = HERE) -> str | None:

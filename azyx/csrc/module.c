@@ -34,6 +34,12 @@ static PyMethodDef methods[] = {
      "operators need"},
     {"binary", (PyCFunction)(void (*)(void))binary, METH_FASTCALL,
      "binary(op, flags, x, other) -> the new handle of x op other, or None where the caller builds it"},
+    {"read_range", (PyCFunction)(void (*)(void))read_range, METH_FASTCALL,
+     "read_range(fd, offset, run, step, start, outs, identity, path) -> bytes read, -1 where the file changed: a "
+     "range's bytes into writable buffers, the GIL released throughout (read.c)"},
+    {"read_direct", (PyCFunction)(void (*)(void))read_direct, METH_FASTCALL,
+     "read_direct(dfd, offset, nbytes, block, outs, identity, path, fd) -> bytes read, -1 where the file changed, -2 "
+     "where O_DIRECT is refused: an O_DIRECT read through an aligned block, the GIL released throughout (read.c)"},
     {NULL, NULL, 0, NULL},
 };
 

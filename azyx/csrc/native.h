@@ -1,8 +1,9 @@
 /* azyx's native core: the graph's node, the canonical walk and the release of nodes, the per-request work of every
  * realize (azyx.graph and azyx.walk hold the same in Python, which runs where this module is not built).
  *
- * Built against Python's stable ABI (3.11): one library serves every later Python. Nothing here releases the GIL;
- * the only calls back into Python are a leaf's view and buffer attributes and an ASSIGN's donation check. */
+ * Built against Python's stable ABI (3.11): one library serves every later Python. Nothing here releases the GIL
+ * but read.c's file reads; the only calls back into Python are a leaf's view and buffer attributes and an ASSIGN's
+ * donation check. */
 
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
@@ -108,3 +109,5 @@ PyObject *pack_words(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 PyObject *call(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 PyObject *call_out(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 PyObject *launch_kernel(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
+PyObject *read_range(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
+PyObject *read_direct(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
