@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from azyx import workers
+from azyx.native import native
 from azyx.runtime import RT
 
 
@@ -76,13 +77,18 @@ def test_a_python_thread_started_at_lower_priority_is_set_back() -> None:
 def test_python_threads_run_at_the_loops_priority_and_driver_threads_below() -> None:
     """Once the devices have started: every azyx thread that holds the GIL at times (workers, device queues and
     waiters) runs at the main thread's priority, and a CPU driver's threads that run kernels (llvmpipe's, for
-    lavapipe) below it. (A host device's own thread lowers itself: its kernels are C, run with the GIL released.)"""
+    lavapipe) below it. (A host device's own thread lowers itself: its kernels are C, run with the GIL released; so do
+    the disk readers where the native core reads files, with the GIL released from a read's start to its end.)"""
     assert RT.executor.devices
     mine = _nice(threading.get_native_id())
     host_queue = re.compile(r"azyx-[a-z]+:\d+$")
-    python = {t.name: _nice(t.native_id) for t in threading.enumerate() if t.native_id is not None
-              and t.name.startswith("azyx-") and not host_queue.match(t.name)}
+    threads = {t.name: _nice(t.native_id) for t in threading.enumerate() if t.native_id is not None
+               and t.name.startswith("azyx-") and not host_queue.match(t.name)}
+    readers = {name: n for name, n in threads.items() if name.startswith("azyx-disk")}
+    python = {name: n for name, n in threads.items() if name not in readers or native is None}
     assert python and all(n == mine for n in python.values()), python
+    if native is not None:
+        assert all(n > mine for n in readers.values()), readers
     drivers = _driver_threads()
     for name, nices in drivers.items():
         if name.startswith("llvmpipe"):
