@@ -128,16 +128,18 @@ class _Frozen:
         changed = np.unique(self.entry_kernel[last != table]).tolist()
         if not changed:
             return
-        if self.nodes is None:
-            self.nodes = [cache.node_params(fn, dims) for fn, dims, _, _, _ in self.kernels]
-        # kernelParams point into the table itself (the driver copies the values at the update)
+        if self.nodes is None:  # (None: its values encode tensor maps)
+            self.nodes = [None if dims.maps else cache.node_params(fn, dims) for fn, dims, _, _, _ in self.kernels]
+        # kernelParams point into the table itself (the driver copies the values at the update): `at` holds each
+        # value's address, a kernel's kernelParams are its slice of `at`
         at = self.pointers + np.uint64(table.ctypes.data)
         for i in changed:
             fn, dims, _, a, b = self.kernels[i]
             node = self.nodes[i]
             if node is not None:
-                cache.update(graph, exe, i, node, at[a:], hold_gil)
-            else:  # (its values encode tensor maps)
+                node.params = at.ctypes.data + 8 * a
+                cache.update(graph, exe, i, node, hold_gil)
+            else:
                 cache.set_params(graph, exe, i, fn, dims, tuple(table[a:b].tolist()), hold_gil)
 
     def launches(self, table: np.ndarray) -> list[Collected]:

@@ -153,32 +153,24 @@ class GraphCache:
         return _Graph(exes, graph, kernels)
 
     @staticmethod
-    def node_params(fn: Any, dims: Launch) -> _NodeParams | None:
-        """A kernel's node parameters for `update`, whose values' pointers each update sets (None where its values
-        encode tensor maps: `set_params`)."""
-        if dims.maps:
-            return None
+    def node_params(fn: Any, dims: Launch, params: int | None = None) -> _NodeParams:
+        """A kernel's node parameters: its function and grid, and `params` (its kernelParams' address; None: set by
+        each `update`)."""
         return _NodeParams(int(fn), (ctypes.c_uint * 3)(*dims.grid), (ctypes.c_uint * 3)(dims.group, 1, 1), dims.smem,
-                           None, None)
+                           params, None)
 
-    def update(self, graph: _Graph, exe: int, i: int, node: _NodeParams, pointers: Any, hold_gil: bool) -> None:
-        """The `i`th kernel of the graph's executable graph `exe` launches with the values `pointers` point at (its
-        kernelParams: a uint64 array of addresses, read by the driver during this call) from its next launch on."""
-        node.params = pointers.ctypes.data
+    def update(self, graph: _Graph, exe: int, i: int, node: _NodeParams, hold_gil: bool) -> None:
+        """The `i`th kernel of the graph's executable graph `exe` launches as `node` says (its kernelParams read by the
+        driver during this call) from its next launch on."""
         hot = self.hot if hold_gil else self.hot.releasing
         if err := hot.graph_set_params(graph.handles[exe], graph.nodes[i], ctypes.byref(node)):
             hot.fail(err, "cuGraphExecKernelNodeSetParams")
 
     def set_params(self, graph: _Graph, exe: int, i: int, fn: Any, dims: Launch, values: tuple[int, ...],
                    hold_gil: bool) -> None:
-        """The `i`th kernel of the graph's executable graph `exe` launches with `values` (its buffers' addresses, then
-        its scalar words) from its next launch on."""
+        """`update` with `values` (the kernel's buffers' addresses, then its scalar words; tensor maps encoded)."""
         assert self.params is not None
-        p = _NodeParams(int(fn), (ctypes.c_uint * 3)(*dims.grid), (ctypes.c_uint * 3)(dims.group, 1, 1), dims.smem,
-                        self.params(values, dims), None)
-        hot = self.hot if hold_gil else self.hot.releasing
-        if err := hot.graph_set_params(graph.handles[exe], graph.nodes[i], ctypes.byref(p)):
-            hot.fail(err, "cuGraphExecKernelNodeSetParams")
+        self.update(graph, exe, i, self.node_params(fn, dims, self.params(values, dims)), hold_gil)
 
 
 def _frontier(stream: Any) -> int:
