@@ -1,4 +1,4 @@
-"""Tensor-parallel GPT-2 (azyx.models.gpt2_parallel) on c:0 + c:1 against the same checkpoint on one device, and
+"""Tensor-parallel GPT-2 (azyx.models.gpt2_parallel) on c:0 + c:1 (and cuda:0 + cuda:1 where present) against the same checkpoint on one device, and
 against transformers: logits of a plain forward, greedy tokens through an Engine (prefill and cached decode steps,
 two sequences batched), the sharded load reading each device's slice, and bad layouts raising."""
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_gpt2 import PROMPT, VOCAB, build_checkpoint, hf_greedy, hf_logits
 
+import azyx
 from azyx import Tensor
 from azyx.errors import ArgumentError, StateDictError
 from azyx.models import GPT2, Engine, GPT2Config
@@ -18,6 +19,12 @@ from azyx.models.gpt2_parallel import ShardedKVCache, TensorParallelGPT2
 
 transformers = pytest.importorskip("transformers")
 PAIR = ["c:0", "c:1"]
+PAIRS = [PAIR] + ([["cuda:0", "cuda:1"]] if "cuda:1" in azyx.devices() else [])
+
+
+@pytest.fixture(params=PAIRS, ids="+".join)
+def pair(request: pytest.FixtureRequest) -> list[str]:
+    return list(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +37,12 @@ def reference(checkpoint: Path) -> Any:
     return transformers.GPT2LMHeadModel.from_pretrained(checkpoint).eval()
 
 
-async def test_logits_equal_one_device_and_transformers(checkpoint: Path, reference: Any) -> None:
-    one = await GPT2.from_pretrained(checkpoint, device="c:0")
-    tp = await TensorParallelGPT2.from_pretrained(checkpoint, devices=PAIR)
+async def test_logits_equal_one_device_and_transformers(checkpoint: Path, reference: Any, pair: list[str]) -> None:
+    one = await GPT2.from_pretrained(checkpoint, device=pair[0])
+    tp = await TensorParallelGPT2.from_pretrained(checkpoint, devices=pair)
     # each device holds its heads' columns of c_attn and its rows of the projections
     block = tp.h[0]
-    assert [w.weight.device for w in block.c_attn] == PAIR and [w.device for w in block.mlp_proj] == PAIR
+    assert [w.weight.device for w in block.c_attn] == pair and [w.device for w in block.mlp_proj] == pair
     assert [w.weight.shape for w in block.c_attn] == [(64, 96), (64, 96)]
     assert [w.shape for w in block.attn_proj] == [(32, 64), (32, 64)]
     ids = [[1, 2, 3, 250, 7, 99, 31, 8, 300], [VOCAB - 1, 0, 55, 55, 55, 12, 200, 100, 4]]
@@ -45,12 +52,12 @@ async def test_logits_equal_one_device_and_transformers(checkpoint: Path, refere
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, hf_logits(reference, ids), rtol=1e-4, atol=1e-4)
     # from a one-device model's parameters, sliced here
-    np.testing.assert_allclose(await TensorParallelGPT2.from_model(one, PAIR)(x).numpy(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(await TensorParallelGPT2.from_model(one, pair)(x).numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-async def test_engine_greedy_tokens_equal_one_device(checkpoint: Path, reference: Any) -> None:
-    one = await GPT2.from_pretrained(checkpoint, device="c:0")
-    tp = await TensorParallelGPT2.from_pretrained(checkpoint, devices=PAIR)
+async def test_engine_greedy_tokens_equal_one_device(checkpoint: Path, reference: Any, pair: list[str]) -> None:
+    one = await GPT2.from_pretrained(checkpoint, device=pair[0])
+    tp = await TensorParallelGPT2.from_pretrained(checkpoint, devices=pair)
     prompts = [PROMPT, PROMPT[:3] + [11, 12]]
 
     async def decode(model: GPT2) -> tuple[list[list[int]], list[np.ndarray]]:
