@@ -1,6 +1,7 @@
-"""Tensor-parallel GPT-2 (azyx.models.gpt2_parallel) on c:0 + c:1 (and cuda:0 + cuda:1 where present) against the same checkpoint on one device, and
-against transformers: logits of a plain forward, greedy tokens through an Engine (prefill and cached decode steps,
-two sequences batched), the sharded load reading each device's slice, and bad layouts raising."""
+"""Tensor-parallel GPT-2 (azyx.models.gpt2_parallel) on c:0 + c:1 (and cuda:0 + cuda:1 where present) against the
+same checkpoint on one device, and against transformers: logits of a plain forward, greedy tokens through an Engine
+(prefill and cached decode steps, two sequences batched), the sharded load reading each device's slice, and bad
+layouts raising."""
 
 from __future__ import annotations
 
