@@ -14,8 +14,10 @@ whose name holds one of the comma-separated words alone (no transfers, searched 
 The matrix-vector rows (decode's linear layers: M = 1, 4, 16, 64 rows against a weight read once, in both layouts, alone
 and with a layernorm prologue and a bias + GELU epilogue fused; GPT-2 small's other layers with their bias at M = 1, 4,
 16) are also given as a share of the device's copy bandwidth
-(a `copy` row is that ceiling as azyx reaches it). Transfers run through
-`UnifiedExecutor.execute_transfer` for every pair of devices present (peer between GPUs, host-staged to c:0).
+(a `copy` row is that ceiling as azyx reaches it); on CUDA a second table gives the same products' device time (each
+kernel's own time through CUPTI, the weight cold in L2, host work left out on both sides: `gemv_device`). Transfers
+run through `UnifiedExecutor.execute_transfer` for every pair of devices present
+(peer between GPUs, host-staged to c:0).
 Writes its table between `<!-- bench:cuda:start -->` and `<!-- bench:cuda:end -->` (`bench:vulkan-gpu` for a vulkan
 device, `bench:wgpu-gpu` for a wgpu device). Never asserts: it reports.
 """
@@ -319,6 +321,82 @@ def torch_device(name: str) -> str:
     return "cpu" if name.startswith("c:") else "cuda:0" if name.split(":")[0] in ("vulkan", "wgpu") else name
 
 
+L2_COLD = 120 << 20  # bytes of weight copies cycled through (over twice an H100's or H200's L2): each read from memory
+
+
+async def gemv_device(torch: Any, dev: str, quick: bool, copy_bw: float) -> list[list[str]]:
+    """Matrix-vector products' device time: each kernel's own time (CUPTI, through torch.profiler; the realize's
+    host work is left out on both sides) with the weight cold in L2 (copies of it cycled through, as a decode step's
+    weights are), azyx's product beside torch's (`addmm` where there is a bias) on the same values, as GB/s of the
+    weight and a share of the copy bandwidth (target >= 80%, issue 38)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_time(run: Callable[[], int]) -> float:  # seconds of GPU kernels per product
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            n = run()
+        return sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA") / n * 1e-6
+
+    rng = np.random.default_rng(7)
+    shapes = [(1, 8192, 8192, False, False), (1, 8192, 8192, True, False), (1, 768, 2304, False, True),
+              (1, 768, 768, False, True), (1, 768, 3072, False, True), (1, 3072, 768, False, True),
+              (1, 768, 50257, True, False), (16, 768, 3072, False, True)]
+    if quick:
+        shapes = [(1, 1024, 1024, False, False), (1, 1024, 1024, True, False)]
+    loop = asyncio.get_running_loop()
+    rows = []
+    for dt in ("float32", "bfloat16", "float16"):
+        tdt = getattr(torch, dt)
+        for m, k, n, trans, bias in shapes:
+            size = k * n * (4 if dt == "float32" else 2)
+            copies = max(2, -(-L2_COLD // size))
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            w = rng.standard_normal((n, k) if trans else (k, n), dtype=np.float32) * 0.05
+            b = rng.standard_normal(n, dtype=np.float32)
+            ax, ab = Tensor(x, device=dev).cast(dt), Tensor(b, device=dev).cast(dt)
+            aws = [(Tensor(w, device=dev) * (1 + i / 64)).cast(dt) for i in range(copies)]
+            await azyx.realize(ax, ab, *aws)
+            tx, tb = torch.tensor(x, device="cuda").to(tdt), torch.tensor(b, device="cuda").to(tdt)
+            tws = [(torch.tensor(w, device="cuda") * (1 + i / 64)).to(tdt) for i in range(copies)]
+
+            def make(aw: Tensor) -> Tensor:
+                y = ax @ (aw.T if trans else aw)
+                return y + ab if bias else y
+
+            def peer(tw: Any) -> Any:
+                tw = tw.T if trans else tw
+                return torch.addmm(tb, tx, tw) if bias else tx @ tw
+
+            async def ours() -> int:
+                for aw in aws * 3:
+                    await make(aw).realize()
+                return 3 * len(aws)
+
+            def theirs() -> int:
+                for tw in tws * 3:
+                    peer(tw)
+                sync_all(torch)
+                return 3 * len(tws)
+
+            got = await make(aws[0]).numpy()
+            want = peer(tws[0]).float().cpu().numpy()
+            err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+            assert err < (1e-4 if dt == "float32" else 2e-2), f"gemv {dt} {m}x{k}x{n}: relative error {err:.2e}"
+            await ours()
+            theirs()
+            def from_thread() -> int:  # (the profiler's thread; the realizes run on the loop)
+                return asyncio.run_coroutine_threadsafe(ours(), loop).result()
+
+            t_az = await asyncio.to_thread(kernel_time, from_thread)
+            t_pt = kernel_time(theirs)
+            share = size / t_az / copy_bw
+            name = f"({m}, {k}) @ ({n}, {k}).T" if trans else f"({m}, {k}) @ ({k}, {n})"
+            rows.append([name + (" + b" if bias else ""), dt,
+                         f"{t_az * 1e6:.1f} us ({size / t_az / 1e9:.0f} GB/s, {share:.0%} of copy)",
+                         f"{t_pt * 1e6:.1f} us ({size / t_pt / 1e9:.0f} GB/s, {size / t_pt / copy_bw:.0%})",
+                         f"{t_pt / t_az:.2f}x", "met" if share >= 0.8 else "NOT met"])
+    return rows
+
+
 async def transfers(torch: Any, dev: str, quick: bool) -> list[list[str]]:
     """`dev` to and from c:0 and every other GPU device (the other CUDA GPUs; CUDA and Vulkan on one GPU)."""
     nbytes = (64 if quick else 1024) << 20
@@ -356,6 +434,8 @@ async def main() -> None:
     label = RT.device(dev).label  # type: ignore[attr-defined]
     w, copy_bw = await workloads(torch, dev, args.quick, only)
     tr = [] if only else await transfers(torch, dev, args.quick)
+    gd = await gemv_device(torch, dev, args.quick, copy_bw) if dev.startswith("cuda") and (
+        not only or "gemv" in only) else []
     api = dev.split(":")[0]
     kind = {"cuda": "CUDA", "vulkan": f"{dev} (Vulkan)", "wgpu": f"{dev} (WebGPU)"}.get(api, dev)
     start, end = {"cuda": (START, END), "vulkan": (VK_START, VK_END), "wgpu": (WG_START, WG_END)}.get(api, (START, END))
@@ -368,7 +448,10 @@ async def main() -> None:
         table(["workload", "unit", "azyx 1 op", "torch 1 op", "ratio", f"azyx {FLIGHT} in flight",
                f"torch {FLIGHT} in flight", "ratio"], w), "",
         "Transfers (GB/s of payload) through `UnifiedExecutor.execute_transfer`, beside PyTorch's `.to()`:", "",
-        table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "", end])
+        table(["route", "sync strategy", "azyx GB/s", "torch GB/s", "ratio"], tr), "",
+        *(["Matrix-vector products, device time (`gemv_device`: each kernel's own time through CUPTI, the weight cold "
+           "in L2; host work left out on both sides):", "",
+           table(["product", "dtype", "azyx", "torch", "ratio", ">= 80% of copy"], gd), ""] if gd else []), end])
     print(text)
     if not only:
         write_section(Path(args.out), start, end, text)
