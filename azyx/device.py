@@ -753,6 +753,11 @@ class Device:
         """Queue a copy of the first `n` bytes of `src` into `dst`, both on this device."""
         raise NotImplementedError
 
+    def reads_peer(self, other: Device) -> bool:
+        """Whether this device's kernels read `other`'s buffers where they lie (a collective's pieces, no copy: the
+        scheduler's `reads_in_place`). No by default; CUDA devices of this process with peer access between them do."""
+        return False
+
     def copy_peer(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int | None:
         """Queue a copy of the first `n` bytes of `src`, on another device of this kind, into `dst` (on this one);
         None where the API has no peer path between the two (the executor then stages through host memory)."""

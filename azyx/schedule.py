@@ -91,6 +91,7 @@ class DeviceFacts(Protocol):
     def pending(self) -> int: ...
     def render(self, k: Kernel) -> tuple[str, str, Launch]: ...
     def split_choice(self, site: search_actions.SplitSite) -> int | None: ...
+    def reads_peer(self, other: Any) -> bool: ...  # its kernels read `other`'s buffers where they lie
 
 
 class Devices(Protocol):
@@ -119,6 +120,13 @@ def shares_memory(a: DeviceFacts, b: DeviceFacts) -> bool:
     process's host memory and they are of one kind (c:1 for c:0; not the host memory that numpy data waits in, whose
     uploads their tensors adopt)."""
     return a.host_memory and b.host_memory and a.kind == b.kind
+
+
+def reads_in_place(a: DeviceFacts, b: DeviceFacts) -> bool:
+    """Whether a kernel on `b` reads a buffer of `a` where it lies: memory both share (`shares_memory`), or a peer's
+    memory that `b`'s kernels address (CUDA devices with peer access: `Device.reads_peer`). A replica realized on `b`
+    is a copy in the second case: only kernels read across."""
+    return shares_memory(a, b) or b.reads_peer(a)
 
 
 # ------------------------------------------------------------------------------------------------ planner
@@ -169,13 +177,14 @@ class Planner:
 
     def read_from(self, nid: int, device: str) -> tuple[int, StridedView]:
         """The slot and view through which a kernel on `device` reads node `nid`: a TODEVICE marked READ_IN_PLACE
-        (and no target) from its source's buffer where that lies on `device` or on a device sharing memory with it
-        (the executor makes the kernel wait for the buffer's writer); else `nid` realized and moved to `device`."""
+        (and no target) from its source's buffer where that lies on `device` or on a device whose buffers its kernels
+        read (`reads_in_place`; the executor makes the kernel wait for the buffer's writer); else `nid` realized and
+        moved to `device`."""
         n = self.graph[nid]
         if n.op is Op.TODEVICE and n.arg == READ_IN_PLACE and nid not in self.done and nid not in self.targets:
             slot, view = self.realize(n.src[0])
             held = self.slots[slot].device
-            if held == device or shares_memory(self.rt.device(held), self.rt.device(device)):
+            if held == device or reads_in_place(self.rt.device(held), self.rt.device(device)):
                 return slot, view
         slot, view = self.realize(nid)
         return self.on_device(slot, device), view

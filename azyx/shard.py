@@ -253,7 +253,9 @@ class ShardedTensor:
         kernels read it in place; realized, they hold it: no copy, and no assignment writes into it in place while
         another holds it, graph.SHARED). Otherwise a ring reduce-scatters over the
         pieces' flattened elements (each device sends (n-1)/n of a piece, combining a chunk per step), then each
-        combined chunk is copied to every device; a swap where there are two devices and `chunks` is not given.
+        combined chunk is copied to every device; a swap where there are two devices and `chunks` is not given (where
+        a device's kernels read the other's memory, CUDA peers: `schedule.reads_in_place`, each reads the other's piece
+        where it lies, the two at once, with no copy).
         `chunks`: the elements cut into that many rings side by side in the plan, so that one ring's transfers
         overlap another's reductions (a pipeline; on C devices a ring too, each step read in place)."""
         if op not in REDUCE_OPS:
@@ -267,9 +269,9 @@ class ShardedTensor:
             for t in self.shards[1:]:
                 whole = combine(whole, t._readable_on(whole.device))
             return self._replicas(whole)
-        if n == 2 and chunks is None:
+        if n == 2 and chunks is None:  # (each device's kernel reads the other's piece over the link, where it can)
             a, b = self.shards
-            return ShardedTensor([combine(a, b.to(a.device)), combine(a.to(b.device), b)], None)
+            return ShardedTensor([combine(a, b._readable_on(a.device)), combine(a._readable_on(b.device), b)], None)
         shape = self.shape
         flat = [t.reshape(-1) for t in self.shards]
         total = flat[0].shape[0]

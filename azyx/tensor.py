@@ -1815,8 +1815,9 @@ class Tensor:
         return self._moved(RT.check_device(device), None)
 
     def _readable_on(self, device: str) -> Tensor:
-        """`to(device)` for kernels there to read (collectives): where this tensor's device and `device` share
-        memory (C devices: azyx.schedule.shares_memory) they read its buffer in place, with no copy; a copy else."""
+        """`to(device)` for kernels there to read (collectives): where kernels on `device` read this tensor's device's
+        memory (C devices sharing it, CUDA peers: azyx.schedule.reads_in_place) they read its buffer in place, with
+        no copy; a copy else."""
         return self._moved(RT.check_device(device), READ_IN_PLACE)
 
     def _moved(self, name: str, how: str | None) -> Tensor:

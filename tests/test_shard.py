@@ -13,6 +13,7 @@ import azyx
 from azyx import DataParallel, GradientTape, Tensor, nn, optim
 from azyx.errors import ArgumentError, ShapeError
 from azyx.plan import KernelStep, TransferStep
+from azyx.runtime import RT
 from azyx.shard import ShardedTensor, replicate
 
 ALL = azyx.devices()
@@ -123,8 +124,8 @@ async def test_a_buffer_two_tensors_hold_is_never_written_in_place() -> None:
     np.testing.assert_array_equal(await view.numpy(), x.reshape(2, 3))
 
 
-@pytest.mark.parametrize("devs", [["c:0", "c:1"], ["c:0", "opencl:0"], ["c:0", "c:1", "opencl:0"]],
-                         ids=lambda d: "+".join(d))
+@pytest.mark.parametrize("devs", [["c:0", "c:1"], ["c:0", "opencl:0"], ["c:0", "c:1", "opencl:0"],
+                                  ["cuda:0", "cuda:1"]], ids=lambda d: "+".join(d))
 async def test_collectives_against_numpy(devs: list[str]) -> None:
     if not set(devs) <= set(ALL):
         pytest.skip(f"{devs} are not all present")
@@ -145,6 +146,25 @@ async def test_collectives_against_numpy(devs: list[str]) -> None:
         np.testing.assert_array_equal(await t.numpy(), parts[0])
     for t in partial.broadcast(src=n - 1).shards:
         np.testing.assert_array_equal(await t.numpy(), parts[-1])
+
+
+async def test_two_gpus_read_each_others_piece_over_the_link() -> None:
+    """Two CUDA devices with peer access: the all-reduce's kernel on each reads the other's piece where it lies (an
+    argument on the other device, no transfer step); without peer access, transfer steps. Both give numpy's sum."""
+    if "cuda:1" not in ALL:
+        pytest.skip("two CUDA devices are needed")
+    parts = [randn(1000, 33) for _ in range(2)]
+    partial = ShardedTensor([Tensor(p).to(d) for p, d in zip(parts, ["cuda:0", "cuda:1"])], None)
+    await azyx.realize(*partial.shards)
+    out = partial.all_reduce("sum")
+    plan = azyx.schedule(*out.shards)
+    peer = RT.device("cuda:0").reads_peer(RT.device("cuda:1"))
+    kernels = [st for st in plan.steps if isinstance(st, KernelStep)]
+    assert {k.device for k in kernels} == {"cuda:0", "cuda:1"}
+    assert any(isinstance(st, TransferStep) for st in plan.steps) is not peer
+    assert any(plan.slots[a].device != k.device for k in kernels for a in k.args) is peer
+    for t in out.shards:
+        np.testing.assert_allclose(await t.numpy(), parts[0] + parts[1], rtol=1e-6)
 
 
 async def test_matrix_products_with_a_sharded_operand(pair: list[str]) -> None:

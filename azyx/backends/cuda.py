@@ -61,7 +61,8 @@ from azyx.ir import Kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
 
-CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True}  # (spin_us: as opencl's; gather: as c's)
+# (spin_us: as opencl's; gather: as c's; peer_reads: kernels read a peer device's buffers in place, `reads_peer`)
+CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True, "peer_reads": True}
 AUTO = True
 LIBRARIES = ("libcuda.so.1", "libcuda.so")
 
@@ -253,7 +254,7 @@ class CUDADevice(StagedCopies):
         self.deferred: collections.deque[_Job] = collections.deque()
         self.ready = threading.Condition(self.lock)
         self.submitter: threading.Thread | None = None
-        self.peers: set[int] = set()
+        self.peers: dict[int, bool] = {}
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
         self.start_waiter()
@@ -658,6 +659,14 @@ class CUDADevice(StagedCopies):
             if own:
                 self.end_batch()
         return v
+
+    def reads_peer(self, other: Device) -> bool:
+        """Another CUDA device of this process with peer access between the two (turned on here, once): this
+        device's kernels read its buffers over the link (a two-GPU all-reduce: each reads the other's piece, the two
+        links at once, with no copy)."""
+        if not isinstance(other, CUDADevice) or other is self or not self.options.get("peer_reads", True):
+            return False
+        return self._enable_peer(other)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as one table of its launches' 64-bit values (`_Frozen`), the data of one graph per

@@ -54,7 +54,7 @@ class StagedCopies(QueuedDevice):
     ctx: Any
     cu_device: Any
     staging: PoolAllocator  # pinned blocks, kept for reuse (freeing page-locked memory synchronises the device)
-    peers: set[int]  # indices of the devices peer access was asked for with
+    peers: dict[int, bool]  # per device index peer access was asked for with: whether it is on
 
     def use(self) -> None:
         raise NotImplementedError
@@ -176,12 +176,11 @@ class StagedCopies(QueuedDevice):
         after_waits(waits, lambda: in_background(stage))
         return v
 
-    def _enable_peer(self, other: StagedCopies) -> None:
-        """Peer access between the two contexts, both ways (a copy may run on either one's stream)."""
+    def _enable_peer(self, other: StagedCopies) -> bool:
+        """Peer access between the two contexts, both ways (a copy may run on either one's stream, a kernel of either
+        may read the other's memory); whether it is on."""
         if other.index in self.peers:
-            return
-        self.peers.add(other.index)
-        other.peers.add(self.index)
+            return self.peers[other.index]
         can = all(check(cu.cuDeviceCanAccessPeer(a.cu_device, b.cu_device), "cuDeviceCanAccessPeer")
                   for a, b in ((self, other), (other, self)))
         if can:
@@ -191,7 +190,9 @@ class StagedCopies(QueuedDevice):
                 if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
                     check((err,), "cuCtxEnablePeerAccess")
             self.use()
+        self.peers[other.index] = other.peers[self.index] = can
         debug.log(debug.DEVICES, f"{self.name} <-> {other.name}: peer access {'on' if can else 'unavailable'}")
+        return can
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """A read in stream order into the host array `out`, overlapped: each chunk's DMA lands in pinned memory and
