@@ -708,7 +708,8 @@ class CUDADevice(StagedCopies):
         runner.together = len(plan.devices) == 1
         runner.gathers = self.gather_runs and gatherable(plan)
         step = lone_kernel(plan)
-        if step is None or native is None or self.native_queue is None or step.launch.maps or step.launch.zero:
+        if step is None or not runner.together or native is None or self.native_queue is None or step.launch.maps \
+                or step.launch.zero:  # (a plan of several devices: its one kernel may be another's, reading here)
             return runner
         dims = step.launch
         sizes = tuple(-1 if i < plan.n_inputs else max(s.nbytes, 1) for i, s in enumerate(plan.slots))
