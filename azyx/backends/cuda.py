@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
+from azyx.allocator import PoolAllocator, Slabs
 from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
@@ -53,7 +53,6 @@ from azyx.device import (
     Runner,
     RunRecord,
     gatherable,
-    kernel_list,
     lone_kernel,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
@@ -231,12 +230,13 @@ class CUDADevice(StagedCopies):
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
         self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name, lowest=True)
         # blocks up to SLAB_PIECE bytes are carved from slabs of SLAB bytes (`_create`): piece -> its slab's base
-        self.slab_lock = threading.Lock()
-        self.slabs: list[int] = []
-        self.slab_used = 0  # bytes carved from the last slab
+        self.slabs = Slabs(SLAB, SLAB_ALIGN)
         self.pieces: dict[int, int] = {}
-        # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
+        # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device); once
+        # closed, the memory part destroys both kinds of block
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
+        self.mem.destroy = self._destroy
+        self.mem.adopt(self.staging, lambda block: cu.cuMemFreeHost(block.ptr))
         self.pin_ring()
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
@@ -305,15 +305,16 @@ class CUDADevice(StagedCopies):
         on the loop's thread when a crowd's pool grows), a larger one the driver's own."""
         if size > SLAB_PIECE:
             return self._driver_alloc(size)
-        with self.slab_lock:
-            at = -(-self.slab_used // SLAB_ALIGN) * SLAB_ALIGN
-            if not self.slabs or at + size > SLAB:
-                self.slabs.append(self._driver_alloc(SLAB))
-                at = 0
-            self.slab_used = at + size
-            ptr = self.slabs[-1] + at
-            self.pieces[ptr] = self.slabs[-1]
-        return ptr
+        slab, at = self.slabs.carve(None, size, lambda: self._driver_alloc(SLAB))
+        self.pieces[slab + at] = slab
+        return slab + at
+
+    def _destroy(self, ptr: int) -> None:
+        """(Closed: the memory part's `destroy`.) A block back to the driver; a piece, its slab once it was the last."""
+        self.use()
+        slab = self.pieces.pop(ptr, None)
+        if slab is None or self.slabs.drop(slab):
+            cu.cuMemFree(ptr if slab is None else slab)
 
     def _driver_alloc(self, size: int) -> int:
         self.use()
@@ -333,16 +334,6 @@ class CUDADevice(StagedCopies):
         for ptr in self.allocator.take_cached(keep=self.pieces.__contains__):
             cu.cuMemFree(ptr)
         self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
-
-    def _free_slabs(self) -> None:
-        """(Closing.) Every slab none of whose pieces is lent out goes back to the driver."""
-        cached = set(self.allocator.take_cached())
-        for ptr in cached - self.pieces.keys():
-            cu.cuMemFree(ptr)
-        lent = {self.pieces[p] for p in self.pieces.keys() - cached}
-        for base in self.slabs:
-            if base not in lent:
-                cu.cuMemFree(base)
 
     def free_memory(self) -> int:
         """What this device can still take: its budget less what is in use, and no more than the driver has free
@@ -368,7 +359,7 @@ class CUDADevice(StagedCopies):
         try:
             cubin = nvrtc_compile(src, self.compile_arch)
         except CompileError as e:
-            raise CompileError(f"{self.name}: compiling {kernel_list(names)}: {e}") from None
+            raise self.builder.failed("NVRTC's compile", names, e, src) from None
         self.use()
         try:
             module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -754,8 +745,8 @@ class CUDADevice(StagedCopies):
         self.graph_cache.launch(batch)
         self._record(v, None, None, first)
 
-    def close(self) -> None:
-        """Finish the stream, stop the threads, drop what completed work held and free the pools' cached memory."""
+    def drain(self) -> None:
+        """(`close`) Finish the stream, stop the submitter thread, hand the waiter thread every unwatched command."""
         try:
             self.use()
             cu.cuStreamSynchronize(self.stream)
@@ -769,15 +760,12 @@ class CUDADevice(StagedCopies):
             self.submitter.join(timeout=10)
         with self.qlock:
             self._hand_over()
-        self.stop_waiter()
-        try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
-            self.use()
-            self._free_slabs()
-            for block in self.staging.take_cached():
-                cu.cuMemFreeHost(block.ptr)
-            if self.done_flag:
-                self.native_queue = None  # (its lanes read the flag no more: the executor's devices are closed)
-                cu.cuMemFreeHost(self.done_flag)
-                self.done_flag = 0
-        except Exception:  # interpreter shutdown
-            pass
+
+    def let_go(self) -> None:
+        """(`close`) The lanes' completion flag goes (the executor's devices are closed: no lane reads it); the memory
+        part then gives the cached blocks back to the driver (a block still lent out goes as it comes back: it may
+        still be read)."""
+        if self.done_flag:
+            self.native_queue = None
+            cu.cuMemFreeHost(self.done_flag)
+            self.done_flag = 0
