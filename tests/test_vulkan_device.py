@@ -341,7 +341,7 @@ def test_rendered_glsl_kernels_run_and_match_numpy_past_the_binding_limits() -> 
 
 GPU_DIALECT = '''
 import dataclasses
-from azyx.backends.vulkan import dialect_for
+from azyx.codegen.dialect import glsl_dialect as dialect_for
 from azyx import Tensor
 ctx = vk0.ctx
 # the dialect a GPU gets (tiled products, subgroup shuffles), on this device whatever it is (lavapipe: 8 lanes)

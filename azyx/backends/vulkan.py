@@ -45,7 +45,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator, Slabs
-from azyx.codegen.dialect import GLSL, Dialect
+from azyx.codegen.dialect import GLSL, glsl_dialect
 from azyx.compiler import compiler_says, kernel_list, run_compiler
 from azyx.device import (
     CPU_SPIN_S,
@@ -76,7 +76,6 @@ WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in sli
 GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 WORDS_TYPE = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC  # a kernel's one binding: its words
 SETS_PER_POOL = 64  # descriptor sets per descriptor pool (a command buffer keeps one set for its words)
-LLVMPIPE_TRIPS = 60000  # (llvmpipe ends a shader's loops after 65535 iterations, silently: a margin below it)
 WORDS_RANGE = 4096  # bytes of words one kernel may read (its buffers' addresses and its scalars: 512 64-bit words)
 SLAB, SLAB_PIECE, SLAB_ALIGN = 4 << 20, 256 << 10, 256  # blocks of up to SLAB_PIECE bytes are pieces of slabs
 KEPT_PER_BATCH = 4  # command buffers recorded once and re-submitted, per batch of a plan on this device
@@ -224,33 +223,6 @@ def context(index: int) -> _Context:
 
 
 @functools.cache
-def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect:
-    """The GLSL dialect for one device:
-    - with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader asks (SPIR-V's
-      SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
-      NaN propagation and the signs of zeros would be lost;
-    - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm and those of a few rows in
-      the small-M kernel (codegen.cgemv) (on a CPU, lavapipe,
-      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles), work groups of 256
-      items, and four steps of a grouped reduce per loop iteration (GLSL has no unroll pragma: loads in flight);
-    - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
-      shared memory, no barrier), as CUDA's warps do."""
-    head = "#version 450\n"
-    assert GLSL.prelude.startswith(head)
-    mode = 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, {});\n'
-    extra = "#extension GL_EXT_spirv_intrinsics : require\n" if preserve_nan else ""
-    extra += "".join(mode.format(w) for w in preserve_nan)
-    if warp:
-        extra += "#extension GL_KHR_shader_subgroup_shuffle : require\n"
-    group = 256 if gemm else GLSL.block  # (CUDA's size on a GPU; lavapipe's threads prefer 64)
-    if warp:  # a group's subgroups' results are combined by one subgroup
-        group = min(group, warp * warp)
-    return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, gemv=gemm, warp=warp,
-                               shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
-                               group_size=group, copies=4 if gemm else 1, max_trips=0 if gemm else LLVMPIPE_TRIPS)
-
-
-@functools.cache
 def glslc_version() -> str:
     if shutil.which("glslc") is None:
         raise DeviceError("glslc (GLSL -> SPIR-V) not found on PATH (Debian: apt install glslc)")
@@ -343,7 +315,7 @@ class VulkanDevice(QueuedDevice):
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
         # a GPU's subgroups of 32 lanes (NVIDIA's) shuffle; lavapipe's (8 lanes of the CPU's vectors) do not pay
-        self.dialect = dialect_for(tuple(ctx.preserve_nan), ctx.gpu, ctx.subgroup if ctx.gpu and ctx.subgroup == 32
+        self.dialect = glsl_dialect(tuple(ctx.preserve_nan), ctx.gpu, ctx.subgroup if ctx.gpu and ctx.subgroup == 32
                                    else 0)
         self.tiles = not ctx.gpu  # register tiles for matrix products on a CPU (on a GPU: dialect.gemm)
         dtype = ctx.props.deviceType
