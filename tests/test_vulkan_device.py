@@ -265,7 +265,7 @@ assert vk0.memory().in_use == 0, vk0.memory()
 kept = vk0.alloc(4096)
 assert vkmod._CONTEXTS
 RT.shutdown()
-assert vk0.closed and vk0.mem.live > 0, vk0.mem.live  # (the kept buffer)
+assert vk0.queue.closed and vk0.mem.live > 0, vk0.mem.live  # (the kept buffer)
 del kept
 assert vk0.mem.live == 0 and not vkmod._CONTEXTS, (vk0.mem.live, vkmod._CONTEXTS)
 print("ok")

@@ -59,6 +59,7 @@ from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
+from azyx.queues import EventQueue
 
 CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True}  # (spin_us: as opencl's; gather: as c's)
 AUTO = True
@@ -174,19 +175,34 @@ class _QueueState:
         self.batch: list[Collected] | None = None
 
 
-def _queue_field(name: str) -> Any:
-    """A CUDADevice attribute that is its queue state's (`queue_state`): one value, which C and Python both advance.
-    Read through a C getter (no frame of Python): the submitting paths read these on every command."""
+def _queue_field(name: str, state: str = "queue_state") -> Any:
+    """An attribute (of a CUDADevice, of its event queue) that is its queue state's (`CUDADevice.queue_state`, at the
+    path `state`): one value, which C and Python both advance. Read through a C getter (no frame of Python): the
+    submitting paths read these on every command."""
+    holder = operator.attrgetter(state)
 
-    def put(dev: CUDADevice, value: Any) -> None:
-        setattr(dev.queue_state, name, value)
+    def put(obj: Any, value: Any) -> None:
+        setattr(holder(obj), name, value)
 
-    return property(operator.attrgetter(f"queue_state.{name}"), put)
+    return property(operator.attrgetter(f"{state}.{name}"), put)
+
+
+class _Queue(EventQueue):
+    """A CUDA device's event queue: its counters are the device's queue state's (which C advances too), and where the
+    native core is built, what completed commands held is taken in C (`native.Queue.take_done`)."""
+
+    dev: CUDADevice
+    submitted, waited = _queue_field("submitted", "dev.queue_state"), _queue_field("waited", "dev.queue_state")
+
+    def take_done(self) -> list[Any]:
+        native_queue = self.dev.native_queue
+        return native_queue.take_done() if native_queue is not None else super().take_done()
 
 
 class CUDADevice(StagedCopies):
     kind = "cuda"
     dialect = CUDA
+    event_queue = _Queue
     arena = True
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 
@@ -251,17 +267,17 @@ class CUDADevice(StagedCopies):
         self.timeline.demand = self._demand
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
-        self.ready = threading.Condition(self.lock)
+        self.ready = threading.Condition(self.queue.lock)
         self.submitter: threading.Thread | None = None
         self.peers: set[int] = set()
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
-        self.start_waiter()
+        self.queue.start(submits=False)
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
 
     def _start_native_queue(self) -> None:
-        """The per-request steps in C (`poll`, `_take_done`, the lanes' runs), by a queue that owns the state they
+        """The per-request steps in C (`poll`, `take_done`, the lanes' runs), by a queue that owns the state they
         share with the Python paths (its counters, batch and tables: see `queue_state`); None without the native
         core. A lane's run also writes its value, in stream order after its event, into 8 bytes of mapped host memory
         (`done_flag`), where the device supports 64-bit stream memory operations: `poll` then reads the completion of
@@ -278,15 +294,15 @@ class CUDADevice(StagedCopies):
             ctypes.memset(self.done_flag, 0, 64)
             flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
         queue = native.Queue(
-            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.lock, qlock=self.qlock,
-            deferred=self.deferred, posts=self.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
+            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock, qlock=self.qlock,
+            deferred=self.deferred, posts=self.queue.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
             watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
             fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
         # from here the queue's state is the native queue's own: its counters and batch, and its tables
-        assert not (self.holding or self.events or self.free_events or self.unwatched or self.submitted)
+        assert not (self.queue.holding or self.queue.events or self.free_events or self.unwatched or self.submitted)
         self.queue_state = self.native_queue = queue
-        self.holding, self.events, self.free_events, self.unwatched = (queue.holding, queue.events,
-                                                                       queue.free_events, queue.unwatched)
+        self.queue.holding, self.queue.events = queue.holding, queue.events
+        self.free_events, self.unwatched = queue.free_events, queue.unwatched
 
     def identity(self) -> dict[str, Any]:
         """The GPU (name, compute capability: the base's label and arch), the driver's and NVRTC's versions."""
@@ -378,13 +394,13 @@ class CUDADevice(StagedCopies):
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event (and value) of a command on another CUDA device's stream (None: host-side progress, or a CUDA
         command still deferred)."""
-        ev = dev.events.get(v) if isinstance(dev, CUDADevice) else None
+        ev = dev.queue.events.get(v) if isinstance(dev, CUDADevice) else None
         return (ev, v) if ev is not None else None
 
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
         """The events that `waits` translate to (`native_waits`); None when a wait has none: then the command must
         be deferred."""
-        native, host = self.native_waits(waits)
+        native, host = self.queue.native_waits(waits)
         return None if host else native
 
     def _record(self, v: int, keep: Any, post: Callable[[], None] | None, first: int = 0) -> None:
@@ -392,14 +408,14 @@ class CUDADevice(StagedCopies):
         `first` on that a batch reserved), and its completion."""
         ev = self._event()
         if not first or first == v:
-            self.events[v] = ev
+            self.queue.events[v] = ev
         else:
             for u in range(first, v + 1):
-                self.events[u] = ev
+                self.queue.events[u] = ev
         if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
-            self.holding[v] = keep
+            self.queue.holding[v] = keep
         if post is not None:
-            self.posts.append(v)
+            self.queue.posts.append(v)
         with self.qlock:
             if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
                 self.unwatched.append((ev, v))
@@ -409,14 +425,14 @@ class CUDADevice(StagedCopies):
     def _watch(self, ev: Any, v: int, post: Callable[[], None] | None = None) -> None:
         """Under `qlock`: the waiter thread takes the command of value `v` (event `ev`), after every unwatched one."""
         self._hand_over()
-        self.completions.put((ev, v, post))
+        self.queue.completions.put((ev, v, post))
         self.handed = v
 
     def _hand_over(self) -> None:
         """Under `qlock`: the waiter thread takes every unwatched command, in order."""
         while self.unwatched:
             ev, v = self.unwatched.popleft()
-            self.completions.put((ev, v, None))
+            self.queue.completions.put((ev, v, None))
             self.handed = v
 
     def _demand(self, v: int) -> None:
@@ -442,7 +458,7 @@ class CUDADevice(StagedCopies):
         its timeline value. `host_wait` blocks (on the submitter thread) until host-side inputs are ready; `post`
         runs on the waiter thread once the work completed, before the timeline reaches its value. `long`: the work
         takes milliseconds to enqueue (launches one by one, a capture): the submitter thread runs it instead."""
-        with self.lock:
+        with self.queue.lock:
             self.use()
             if self.batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
@@ -463,7 +479,7 @@ class CUDADevice(StagedCopies):
                     if not sticky(e):
                         raise
                     lost = e
-            done = self._take_done()
+            done = self.queue.take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         if lost is not None:  # an earlier kernel faulted: the context is gone (outside the lock: fail wakes waiters)
             raise self.fail(lost)
@@ -481,7 +497,7 @@ class CUDADevice(StagedCopies):
     def _submit_loop(self) -> None:
         """Put deferred commands on the stream in order, each once what it waits for is there."""
         while True:
-            with self.lock:
+            with self.queue.lock:
                 while not self.deferred:
                     self.ready.wait()
                 job = self.deferred[0]
@@ -495,7 +511,7 @@ class CUDADevice(StagedCopies):
                         dev.timeline.wait_sync(v)
                     else:
                         dev.wait_recorded(v)
-                with self.lock:
+                with self.queue.lock:
                     self.use()
                     events = self._event_waits(job.waits) or []  # every wait is recorded or reached by now
                     for ev, _ in events:
@@ -509,20 +525,20 @@ class CUDADevice(StagedCopies):
                 if sticky(e):
                     self.fail(e)
             try:
-                with self.lock:
+                with self.queue.lock:
                     self.use()
                     self._record(job.value, job.keep, job.post, job.first)
             except BaseException as e:  # no event: its completion cannot be known, the context is lost
                 self.record_failure(job.value, e)
                 self.fail(e)
-            with self.lock:
+            with self.queue.lock:
                 self.deferred.popleft()
                 self.ready.notify_all()
             del job  # its buffers go back to their pools when the command completes, not when the next one comes
 
     def wait_recorded(self, v: int) -> None:
         """Block (worker threads) until the command of value `v` is on the stream (its event exists)."""
-        with self.lock:
+        with self.queue.lock:
             while any(j.first <= v <= j.value for j in self.deferred):
                 self.ready.wait()
 
@@ -540,11 +556,8 @@ class CUDADevice(StagedCopies):
         self.fail(cause)
         return False
 
-    def _take_done(self) -> list[Any]:
-        return self.native_queue.take_done() if self.native_queue is not None else super()._take_done()
-
     def retire(self, v: int, ev: Any) -> None:
-        if self.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
+        if self.queue.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
             self.free_events.append(ev)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
@@ -555,18 +568,18 @@ class CUDADevice(StagedCopies):
         is handled here."""
         if self.native_queue is not None:  # (the same, in C)
             return self.native_queue.poll(v, spin)
-        ev = self.events.get(v)
-        if ev is None or (self.posts and self.posts[0] <= v):
+        ev = self.queue.events.get(v)
+        if ev is None or (self.queue.posts and self.queue.posts[0] <= v):
             return self.timeline.value >= v
         query, handle = self.hot.event_query, int(ev)
         if not self.spun(lambda: query(handle) != NOT_READY, spin) or query(handle):
             return self.timeline.value >= v  # not yet; an error stays for the waiter thread to report
         done = []
-        with self.lock, self.qlock:
+        with self.queue.lock, self.qlock:
             if self.waited >= self.handed:
                 while self.unwatched and self.unwatched[0][1] <= v:
                     u = self.unwatched.popleft()[1]
-                    done.append(self.holding.pop(u, None))
+                    done.append(self.queue.holding.pop(u, None))
                     self.waited = u
         del done  # the commands' buffers go back to their pools, outside the lock
         self.timeline.signal(v)
@@ -613,7 +626,7 @@ class CUDADevice(StagedCopies):
             self.batch.append((fn, dims, ptrs, step.name))
             self.submitted += 1  # reserved: end_batch records the event that completes it
             v = self.submitted
-            self.holding[v] = bufs
+            self.queue.holding[v] = bufs
             return v
         return self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
 
@@ -644,7 +657,7 @@ class CUDADevice(StagedCopies):
                            for s, bufs, w in items]
             self.submitted += len(items)  # reserved: end_batch records the event that completes them
             v = self.submitted
-            self.holding[v] = [bufs for _, bufs, _ in items]
+            self.queue.holding[v] = [bufs for _, bufs, _ in items]
         finally:
             if own:
                 self.end_batch()
@@ -704,12 +717,12 @@ class CUDADevice(StagedCopies):
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:
         """Launches until `end_batch` are collected, then submitted together (as a CUDA graph once steady)."""
-        self.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
+        self.queue.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
         self.batch = []
         # what completed work held goes back to the pools before the plan allocates (the waiter thread gives back what
         # it saw complete; this, what `poll` saw first): a steady loop then gets the same blocks each time, and its
         # batch the same key (a graph replay)
-        self._take_done()
+        self.queue.take_done()
 
     def end_batch(self) -> None:
         batch, self.batch = self.batch, None
@@ -718,7 +731,7 @@ class CUDADevice(StagedCopies):
             if batch:
                 self._flush(batch)
         finally:
-            self.lock.release()
+            self.queue.lock.release()
 
     # a gather (Runner.gathers: a crowd's runs in one loop iteration) is a batch open across runs: one event for all of
     # them and, once steady, one graph launch; a command submitted meanwhile comes after the launches collected so far
@@ -752,7 +765,7 @@ class CUDADevice(StagedCopies):
             cu.cuStreamSynchronize(self.stream)
         except Exception:
             pass
-        with self.lock:
+        with self.queue.lock:
             if self.submitter is not None:
                 self.deferred.append(_STOP)
                 self.ready.notify_all()

@@ -301,8 +301,7 @@ class VulkanDevice(QueuedDevice):
         except BaseException:
             self.ctx.release()
             raise
-        self.start_waiter()
-        self.submit_thread.start()
+        self.queue.start()
 
     def _setup(self, options: dict[str, Any]) -> None:
         ctx = self.ctx
@@ -542,14 +541,14 @@ class VulkanDevice(QueuedDevice):
         reads) runs once `waits` are reached, before the work is submitted; `post` runs on the waiter thread once the
         work completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
         buffer (`_kept`)."""
-        return self._enqueue((record, fill, batch), waits, keep, post)
+        return self.queue.enqueue((record, fill, batch), waits, keep, post)
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
         """(The submit thread.) Once the waits the host sees are reached (`host_waited`), run the work's `fill`,
         record its command buffer and submit it after the native waits (peers' timeline semaphores); it signals `v` on
         this device's. Work whose wait or recording failed is left out (its failure recorded): the submission still
         signals `v`."""
-        native, ok = self.host_waited(waits, v)
+        native, ok = self.queue.host_waited(waits, v)
         record, fill, batch = run if ok else (None, None, None)
         cmd = None
         try:
@@ -589,7 +588,7 @@ class VulkanDevice(QueuedDevice):
     def native_wait(self, dev: Device, v: int) -> Any:
         """The timeline semaphore (and value) of a vulkan device of this context, once its submit thread submitted
         that value (a wait before the signal's submission, on the context's one queue, could wait for ever)."""
-        return (dev.sem, v) if self.peer(dev) and dev.through >= v else None
+        return (dev.sem, v) if self.peer(dev) and dev.queue.through >= v else None
 
     # ------------------------------------------------------------------ completion
     def wait_event(self, ev: Any, v: int) -> bool:
@@ -612,17 +611,17 @@ class VulkanDevice(QueuedDevice):
     def _wait_info(self, v: int) -> Any:
         return vk.VkSemaphoreWaitInfo(pSemaphores=[self.sem], pValues=ffi.new("uint64_t[1]", [v]))
 
-    def completed(self, v: int, post: Callable[[], None] | None) -> Any:
+    def completed(self, v: int) -> None:
         cmd = self.commands.pop(v, None)
         if cmd is not None:
             self.spare.append(cmd)
-        return super().completed(v, post)
 
     def query(self, v: int) -> Callable[[], bool] | None:
         """The semaphore's counter (`poll` spins at most `spin_cap` on it: lavapipe's kernels run on the cores the loop
         would spin on), once the submit thread submitted `v` (as OpenCL's event), never past a value whose host copy
         has yet to run."""
-        if self.through < v or (self.posts and self.posts[0] <= v) or self.closed:
+        queue = self.queue
+        if queue.through < v or (queue.posts and queue.posts[0] <= v) or queue.closed:
             return None
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
         return lambda: counter(vkdev, sem) >= v
@@ -687,7 +686,7 @@ class VulkanDevice(QueuedDevice):
     # ------------------------------------------------------------------ close
     def drain(self) -> None:
         try:
-            vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.through), 20 * WAIT_SLICE_NS)
+            vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.queue.through), 20 * WAIT_SLICE_NS)
         except vk.VkError:  # (VkTimeout too: the waiter thread fails what never completed)
             pass
         self.ending = True
@@ -695,7 +694,7 @@ class VulkanDevice(QueuedDevice):
     def let_go(self) -> None:
         """Everything this device made; its buffers still out are destroyed as they come back, and the last one lets
         the context go (`mem.on_empty`)."""
-        with self.lock:
+        with self.queue.lock:
             for cmd in self.all_commands:
                 cmd.words = None
             self.all_commands, self.commands = [], {}
@@ -708,7 +707,7 @@ class VulkanDevice(QueuedDevice):
                 for obj in objs:
                     destroy(self.vkdev, obj, None)
             self.programs = {}
-            done = self._take_done()
+            done = self.queue.take_done()
         del done
 
 
