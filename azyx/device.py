@@ -326,9 +326,10 @@ class Device:
       for `copy_from_host` (`host_staging`, `staging_block`) is memory the API copies from fastest (pinned, mapped).
     - queue + timeline, written in azyx.queues: in-order work, each item a value of the device's TimelineSignal
       (`pending`, `queued`, `poll`, `collect`), what an item holds kept until it completed, failures recorded per
-      value (`record_failure`). `queues.QueuedDevice` is it for an API with completion events (a waiter thread, a
-      submit thread where submitting may block, one translation of waits into native events); `queues.WorkQueue`,
-      which queues.HostDevice composes, for host memory (an in-order worker thread). The transfer calls the executor
+      value (`record_failure`). The part is `queue`: a `queues.EventQueue`, which queues.QueuedDevice composes, for an
+      API with completion events (a waiter thread, a submit thread where submitting may block, one translation of
+      waits into native events); a `queues.WorkQueue`, which queues.HostDevice composes, for host memory (an in-order
+      worker thread). The transfer calls the executor
       routes (`copy`, `copy_peer`, `copy_to_host`, `copy_from_host`, `hold`) queue there too.
     - compiler: the kernels a plan needs -> one source (`source`) -> loaded `programs` (`compile`; the backend's
       `build`: compile, on a worker thread, within `compile_timeout_s`, through `builder`, a compiler.Compiler: the
@@ -346,12 +347,12 @@ class Device:
        create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
        `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one buffer has a limit,
        `self.mem.max_block`; host staging by `self.mem.staging(create, what)` (memory.Staging: its blocks lent by
-       `lend(n)`, a mapped one's memory by `host(n)`); then `start_waiter()` (and `submit_thread.start()` where it
-       submits from that thread).
+       `lend(n)`, a mapped one's memory by `host(n)`); then `queue.start()` (the waiter thread, and the submit thread
+       unless it submits on its own path: `start(submits=False)`).
     3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
-       `_enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `native_waits`, or `host_waited` where
-       the host waits for the rest on the submit thread, and returns the event),
-       or its own path that puts (event, value, post) on `completions`; `wait_event(ev, v)` blocks on one;
+       `queue.enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `queue.native_waits`, or
+       `queue.host_waited` where the host waits for the rest on the submit thread, and returns the event),
+       or its own path that puts (event, value, post) on `queue.completions`; `wait_event(ev, v)` blocks on one;
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.
     4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}, through `self.builder`: `artifact`

@@ -40,7 +40,8 @@ class Memory:
     def __init__(self, device: Any, buffer: Callable[..., Any]):
         self.device, self.buffer = device, buffer
         self.pool: PoolAllocator | None = None
-        self.pools: list[PoolAllocator] = []  # the staging pools, which `close` empties with the pool
+        # the staging pools, which `close` empties with the pool, each with its own `destroy` (None: the device's)
+        self.pools: dict[PoolAllocator, Callable[[Any], None] | None] = {}
         self.capacity = 0
         self.max_block, self.max_block_name = 0, ""
         self.address: Callable[[Any], int] = lambda block: 0  # a block's address (Buffer.ptr), where the API has one
@@ -63,8 +64,13 @@ class Memory:
                 view: Callable[[Any], np.ndarray] | None = None, pool: type[PoolAllocator] = PoolAllocator) -> Staging:
         """Host staging blocks made by `create` (a `pool` of them, emptied with the device's pool at `close`)."""
         staging = Staging(pool(1 << 40, cache_limit, create, f"{self.device.name} {what}"), self.give_back, view)
-        self.pools.append(staging.pool)
+        self.adopt(staging.pool)
         return staging
+
+    def adopt(self, pool: PoolAllocator, destroy: Callable[[Any], None] | None = None) -> None:
+        """A pool of host staging blocks that `close` empties with the device's pool, its blocks destroyed by
+        `destroy` where they are not the device's kind of block (CUDA's pinned memory beside its device memory)."""
+        self.pools[pool] = destroy
 
     def usage(self) -> MemoryUsage:
         assert self.pool is not None
@@ -112,11 +118,12 @@ class Memory:
             pool.free(block, size)
             return
         pool.free(None, size)
-        self._destroyed(block)
+        self._destroyed(block, self.pools.get(pool))
 
-    def _destroyed(self, block: Any) -> None:
-        if self.destroy is not None:
-            self.destroy(block)
+    def _destroyed(self, block: Any, destroy: Callable[[Any], None] | None = None) -> None:
+        destroy = destroy or self.destroy
+        if destroy is not None:
+            destroy(block)
             if self.live:  # (a backend that counts its blocks)
                 self.count(-1)
 
@@ -134,10 +141,10 @@ class Memory:
     def close(self) -> None:
         """From now on blocks given back are destroyed; those cached now are destroyed here."""
         self.closed = True
-        for pool in [self.pool, *self.pools]:
+        for pool, destroy in [(self.pool, None), *self.pools.items()]:
             if pool is not None:
                 for block in pool.take_cached():
-                    self._destroyed(block)
+                    self._destroyed(block, destroy)
         self.count(0)  # (or the last block given back, later)
 
 

@@ -5,16 +5,16 @@ backend builds on, each its memory and queue parts composed:
 - `WorkQueue`, for a device whose memory is host memory (`HostDevice`: memory.HostBlocks, gathering, batches that run
   inline or queued; `HostMemory`, the "host" device): an in-order worker thread, small work inline on the submitting
   thread, and where the device has one a native queue beside it (a C device's runner).
-- `QueuedDevice`, for an API with an in-order queue and completion events (CUDA, OpenCL, Vulkan, wgpu): each
-  command's event by its timeline value, what the command holds (buffers, host arrays) until it completes, one waiter
-  thread per device that waits on the events in queue order (the GIL released while it waits) and advances the
-  device's TimelineSignal (nothing polls), the one translation of a command's waits into native events
-  (`native_waits`), and where the API's submissions may block, a submit thread (`_enqueue`, `submit`). The waiter
+- `QueuedDevice`, for an API with an in-order queue and completion events (CUDA, OpenCL, Vulkan, wgpu), composing an
+  `EventQueue` (its `queue`): each command's event by its timeline value, what the command holds (buffers, host arrays)
+  until it completes, one waiter thread per device that waits on the events in queue order (the GIL released while it
+  waits) and advances the device's TimelineSignal (nothing polls), the one translation of a command's waits into native
+  events (`native_waits`), and where the API's submissions may block, a submit thread (`enqueue`, `submit`). The waiter
   thread drops a completed command's holdings (outside the lock) before it advances the timeline, so its buffers are
   back in their pools by the time anyone sees the value: a steady plan gets the same blocks each run, and a crowd's
   hundreds of completions are given back one by one as they come, not by the next submitting call (200 requests'
   holdings dropped at once took 0.3-0.6 ms of one realize on the loop of an H200's host). Commands whose completion
-  `poll` saw before the waiter thread did are dropped by a submitting thread (`_take_done`)."""
+  `poll` saw before the waiter thread did are dropped by a submitting thread (`take_done`)."""
 
 from __future__ import annotations
 
@@ -207,14 +207,17 @@ class WorkQueue:
 Completion = tuple[Any, int, Callable[[], None] | None]
 
 
-class QueuedDevice(Device):
-    """A device whose commands complete through events of its API. A subclass puts each command's event on
-    `completions` (in value order), says how to wait on one (`wait_event`) and starts the waiter (`start_waiter`)."""
+class EventQueue:
+    """The queue part of a device whose commands complete through events of its API (`QueuedDevice.queue`): each
+    command's event by its timeline value (`events`), what the command holds until it completes (`holding`), the
+    waiter thread that waits on the events in value order and advances the device's timeline, and where the API's
+    submissions may block, the submit thread (`enqueue`, `start`). What differs per API is the device's: how a command
+    is submitted (`QueuedDevice.submit`), how its event is waited on (`wait_event`) and recycled (`retire`), what
+    its queue can wait on natively (`native_wait`)."""
 
-    def __init__(self, index: int, options: dict[str, Any]):
-        super().__init__(index, options)
+    def __init__(self, dev: QueuedDevice):
+        self.dev = dev
         self.submitted = 0
-        self.spin = float(options.get("spin_us", 0)) * 1e-6  # (its config section's, where `poll` may spin)
         self.events: dict[int, Any] = {}  # timeline value -> the event completing it (dropped once the waiter is past)
         self.holding: dict[int, Any] = {}  # what queued commands use, by value, held until they complete
         self.waited = 0  # the last value whose completion the waiter thread handled
@@ -223,57 +226,31 @@ class QueuedDevice(Device):
         # (begin_batch .. end_batch), whose submissions take it again
         self.lock = threading.RLock()
         self.completions: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
-        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{self.name}-events", daemon=True)
-        # a subclass that submits from a thread of its own (OpenCL, Vulkan, wgpu): its commands by `_enqueue`, in value
+        self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{dev.name}-events", daemon=True)
+        # a device that submits from a thread of its own (OpenCL, Vulkan, wgpu): its commands by `enqueue`, in value
         # order, as (what to run, its waits, its value, its `post`); None stops it (`stop_submit_thread`)
         self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int, Callable[[], None] | None] | None] \
             = queue.SimpleQueue()
-        self.submit_thread = threading.Thread(target=self._submit_each, name=f"azyx-{self.name}-submit", daemon=True)
+        self.submit_thread = threading.Thread(target=self._submit_each, name=f"azyx-{dev.name}-submit", daemon=True)
         self.through = 0  # the last value the submit thread is through with
         self.closed = False
 
-    # the API's part
-    def start_waiter(self) -> None:
-        """Start the waiter thread (once the subclass's API state exists: the waiter may use its context)."""
+    def start(self, submits: bool = True) -> None:
+        """Start the waiter thread, and the submit thread where `submits` (once the device's API state exists: the
+        threads may use its context)."""
         self.waiter.start()
-
-    def on_waiter_thread(self) -> None:
-        """Called on the waiter thread before its first wait."""
-
-    def wait_event(self, ev: Any, v: int) -> bool:
-        """Block, with the GIL released, until `ev` (the event of the command of value `v`) completes; False when the
-        command failed, its failure recorded (`record_failure`)."""
-        raise NotImplementedError
-
-    def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> Any:
-        """On the submit thread: queue the command of value `v` (`run`, as `_enqueue` was given it) after its waits.
-        Returns what the waiter thread waits on (`wait_event`); an exception fails the value."""
-        raise NotImplementedError
-
-    def retire(self, v: int, ev: Any) -> None:
-        """Under the lock: the waiter thread is past `ev`, the event of value `v` (CUDA recycles it)."""
-
-    def peer(self, dev: Device) -> bool:
-        """Whether `dev` shares this device's API context (of its kind, on the same driver context): its buffers are
-        copied on this queue (`copy_peer`) and its completions waited for natively (`native_wait`)."""
-        return False
-
-    def query(self, v: int) -> Callable[[], bool] | None:
-        """How `poll` asks the API whether the command of value `v` has completed; None: it cannot tell now."""
-        return None
-
-    def native_wait(self, dev: Device, v: int) -> Any:
-        """What this device's queue can wait on natively for value `v` of `dev` (a `peer`'s event, semaphore and its
-        value), or None: the host must see it reached (`native_waits`)."""
-        return None
+        if submits:
+            self.submit_thread.start()
 
     def native_waits(self, waits: list[tuple[Device, int]]) -> tuple[list[Any], list[tuple[Device, int]]]:
-        """The one translation of a command's waits: of those not reached yet, the native ones (`native_wait`) and
-        the rest, which the host sees reached (a host-opened gate, a user event, or the command deferred)."""
+        """The one translation of a command's waits: of those not reached yet, the native ones (the device's
+        `native_wait`) and the rest, which the host sees reached (a host-opened gate, a user event, or the command
+        deferred)."""
         native, host = [], []
+        native_wait = self.dev.native_wait
         for dev, v in waits:
             if dev.timeline.value < v:
-                if (ev := self.native_wait(dev, v)) is not None:
+                if (ev := native_wait(dev, v)) is not None:
                     native.append(ev)
                 else:
                     host.append((dev, v))
@@ -288,17 +265,151 @@ class QueuedDevice(Device):
             for dev, u in host:
                 dev.timeline.wait_sync(u)
         except BaseException as e:
-            self.record_failure(v, e)
+            self.dev.record_failure(v, e)
             return native, False
         return native, True
 
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
         it held, for the waiter thread to drop outside the lock."""
-        if post is not None:  # (`_enqueue`, or a subclass, appends `v` to `posts` as it takes a command with a `post`)
+        if post is not None:  # (`enqueue`, or a device, appends `v` to `posts` as it takes a command with a `post`)
             self.posts.popleft()
         self.waited = v
+        self.dev.completed(v)
         return self.holding.pop(v, None)
+
+    def _wait_loop(self) -> None:
+        dev = self.dev
+        dev.on_waiter_thread()
+        while (item := self.completions.get()) is not None:
+            ev, v, post = item
+            if dev.wait_event(ev, v) and post is not None:
+                try:
+                    post()
+                except BaseException as e:
+                    dev.record_failure(v, e)
+            with self.lock:
+                held = self.completed(v, post)
+            del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
+            dev.timeline.signal(v)
+
+    def enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
+                post: Callable[[], None] | None = None) -> int:
+        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`); `post` runs on the
+        waiter thread once the command completed, before the timeline reaches its value."""
+        self.dev.check_alive()
+        with self.lock:
+            if self.closed:
+                raise DeviceError(f"{self.dev.name} is closed")
+            self.submitted += 1
+            v = self.submitted
+            self.holding[v] = keep
+            if post is not None:
+                self.posts.append(v)
+            self.to_submit.put((run, waits, v, post))
+            done = self.take_done()
+        del done  # buffers of completed commands go back to their pools here, on the submitting thread
+        return v
+
+    def _submit_each(self) -> None:
+        """The submit thread: each command submitted in value order (the device's `submit`), then to the waiter
+        thread; a command that cannot be submitted fails its value."""
+        submit = self.dev.submit
+        while (item := self.to_submit.get()) is not None:
+            run, waits, v, post = item
+            ev = None
+            try:
+                ev = submit(run, waits, v)
+            except BaseException as e:
+                self.dev.record_failure(v, e)
+            self.through = v
+            self.completions.put((ev, v, post))
+            del item, run, ev, post
+
+    def stop_submit_thread(self) -> bool:
+        """Let the submit thread submit what was queued, then stop it; False: it was stopped already."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            self.to_submit.put(None)
+        if self.submit_thread.is_alive():
+            self.submit_thread.join(timeout=30)
+        return True
+
+    def take_done(self) -> list[Any]:
+        """Under the lock: what completed commands held that the waiter thread has not dropped (the queue is in
+        order: all up to the timeline's value is complete, even where `poll` saw it first), for the caller to drop
+        outside the lock; the events the waiter thread is past are retired. Both tables are in the order of their
+        values."""
+        reached = self.dev.timeline.value
+        done = []
+        holding, events = self.holding, self.events
+        while holding and (k := next(iter(holding))) <= reached:
+            done.append(holding.pop(k))
+        while events and (k := next(iter(events))) <= self.waited:
+            self.dev.retire(k, events.pop(k))
+        return done
+
+    def collect(self) -> None:
+        with self.lock:
+            done = self.take_done()
+        del done
+
+    def stop_waiter(self) -> None:
+        """Stop the waiter thread once it has handled the completions queued, and drop what completed work held."""
+        self.completions.put(None)
+        if self.waiter.is_alive():
+            self.waiter.join(timeout=10)
+        self.collect()
+
+
+class QueuedDevice(Device):
+    """A device whose commands complete through events of its API, its queue part an `EventQueue` (`queue`, of the
+    class `event_queue`). A subclass submits its commands (`queue.enqueue`, and `submit` on the submit thread, or on
+    its own), says how to wait on an event (`wait_event`) and starts the queue's threads (`queue.start`)."""
+
+    event_queue: type[EventQueue] = EventQueue
+
+    def __init__(self, index: int, options: dict[str, Any]):
+        super().__init__(index, options)
+        self.spin = float(options.get("spin_us", 0)) * 1e-6  # (its config section's, where `poll` may spin)
+        self.queue = self.event_queue(self)
+
+    # the API's part
+    def on_waiter_thread(self) -> None:
+        """Called on the waiter thread before its first wait."""
+
+    def wait_event(self, ev: Any, v: int) -> bool:
+        """Block, with the GIL released, until `ev` (the event of the command of value `v`) completes; False when the
+        command failed, its failure recorded (`record_failure`)."""
+        raise NotImplementedError
+
+    def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> Any:
+        """On the submit thread: queue the command of value `v` (`run`, as `queue.enqueue` was given it) after its
+        waits. Returns what the waiter thread waits on (`wait_event`); an exception fails the value."""
+        raise NotImplementedError
+
+    def retire(self, v: int, ev: Any) -> None:
+        """Under the queue's lock: the waiter thread is past `ev`, the event of value `v` (CUDA recycles it)."""
+
+    def completed(self, v: int) -> None:
+        """Under the queue's lock, on the waiter thread: the command of value `v` completed (Vulkan recycles its
+        command buffer)."""
+
+    def peer(self, dev: Device) -> bool:
+        """Whether `dev` shares this device's API context (of its kind, on the same driver context): its buffers are
+        copied on this queue (`copy_peer`) and its completions waited for natively (`native_wait`)."""
+        return False
+
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """How `poll` asks the API whether the command of value `v` has completed; None: it cannot tell now."""
+        return None
+
+    def native_wait(self, dev: Device, v: int) -> Any:
+        """What this device's queue can wait on natively for value `v` of `dev` (a `peer`'s event, semaphore and its
+        value), or None: the host must see it reached (`EventQueue.native_waits`)."""
+        return None
 
     # shared
     def poll(self, v: int, spin: float = 0.0) -> bool:
@@ -320,13 +431,13 @@ class QueuedDevice(Device):
     def alloc(self, nbytes: int) -> Buffer:
         # completed commands' buffers go back to the pool first (this request may reuse one): those of commands the
         # timeline is past, which `poll` may have seen complete before the waiter thread did
-        if self.holding:  # (read without the lock, which the waiter thread holds as it drops entries: a changed
-            try:  # table is a completion, so collect then too)
-                first = next(iter(self.holding))
+        if holding := self.queue.holding:  # (read without the lock, which the waiter thread holds as it drops
+            try:  # entries: a changed table is a completion, so collect then too)
+                first = next(iter(holding))
             except (RuntimeError, StopIteration):
                 first = 0
             if first <= self.timeline.value:
-                self.collect()
+                self.queue.collect()
         return self.mem.alloc(nbytes)  # (the memory part: a frame less than Device.alloc)
 
     def read_into(self, buf: Buffer, out: np.ndarray) -> None:
@@ -345,96 +456,23 @@ class QueuedDevice(Device):
         self.read_into(buf, host)
         return host_read(host, view, shape, dtype)
 
-    def _wait_loop(self) -> None:
-        self.on_waiter_thread()
-        while (item := self.completions.get()) is not None:
-            ev, v, post = item
-            if self.wait_event(ev, v) and post is not None:
-                try:
-                    post()
-                except BaseException as e:
-                    self.record_failure(v, e)
-            with self.lock:
-                held = self.completed(v, post)
-            del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
-            self.timeline.signal(v)
-
-    def _enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
-                 post: Callable[[], None] | None = None) -> int:
-        """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`); `post` runs on the
-        waiter thread once the command completed, before the timeline reaches its value."""
-        self.check_alive()
-        with self.lock:
-            if self.closed:
-                raise DeviceError(f"{self.name} is closed")
-            self.submitted += 1
-            v = self.submitted
-            self.holding[v] = keep
-            if post is not None:
-                self.posts.append(v)
-            self.to_submit.put((run, waits, v, post))
-            done = self._take_done()
-        del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        return v
-
-    def _submit_each(self) -> None:
-        """The submit thread: each command submitted in value order (`submit`), then to the waiter thread; a command
-        that cannot be submitted fails its value."""
-        while (item := self.to_submit.get()) is not None:
-            run, waits, v, post = item
-            ev = None
-            try:
-                ev = self.submit(run, waits, v)
-            except BaseException as e:
-                self.record_failure(v, e)
-            self.through = v
-            self.completions.put((ev, v, post))
-            del item, run, ev, post
-
-    def stop_submit_thread(self) -> bool:
-        """Let the submit thread submit what was queued, then stop it; False: it was stopped already."""
-        with self.lock:
-            if self.closed:
-                return False
-            self.closed = True
-            self.to_submit.put(None)
-        if self.submit_thread.is_alive():
-            self.submit_thread.join(timeout=30)
-        return True
-
-    def _take_done(self) -> list[Any]:
-        """Under the lock: what completed commands held that the waiter thread has not dropped (the queue is in
-        order: all up to the timeline's value is complete, even where `poll` saw it first), for the caller to drop
-        outside the lock; the events the waiter thread is past are retired. Both tables are in the order of their
-        values."""
-        reached = self.timeline.value
-        done = []
-        holding, events = self.holding, self.events
-        while holding and (k := next(iter(holding))) <= reached:
-            done.append(holding.pop(k))
-        while events and (k := next(iter(events))) <= self.waited:
-            self.retire(k, events.pop(k))
-        return done
-
     def collect(self) -> None:
-        with self.lock:
-            done = self._take_done()
-        del done
+        self.queue.collect()
 
     def pending(self) -> int:
-        return self.submitted - self.timeline.value
+        return self.queue.submitted - self.timeline.value
 
     def queued(self) -> int:
-        return self.submitted
+        return self.queue.submitted
 
     def close(self) -> None:
         """Let the submit thread submit what was queued and stop it, let the API finish its queue (`drain`), stop the
         waiter thread (what completed work held is dropped), let the API's objects go (`let_go`), then close the memory
         part: its cached blocks are destroyed now, those still out as they come back."""
-        if not self.stop_submit_thread():
+        if not self.queue.stop_submit_thread():
             return
         self.drain()
-        self.stop_waiter()
+        self.queue.stop_waiter()
         self.let_go()
         self.mem.close()
 
@@ -443,13 +481,6 @@ class QueuedDevice(Device):
 
     def let_go(self) -> None:
         """(`close`, the waiter thread stopped) Destroy what the API made for this device, its memory's blocks aside."""
-
-    def stop_waiter(self) -> None:
-        """Stop the waiter thread once it has handled the completions queued, and drop what completed work held."""
-        self.completions.put(None)
-        if self.waiter.is_alive():
-            self.waiter.join(timeout=10)
-        self.collect()
 
 
 WIDE_KEPT = 64  # (HostDevice) gathers' batches kept per device (a crowd's gathers come in a few sizes)

@@ -184,13 +184,13 @@ async def test_small_blocks_are_pieces_of_slabs_and_hold_their_data() -> None:
     from azyx.backends.cuda import SLAB, SLAB_ALIGN
 
     dev = RT.device("cuda:0")
-    slabs = len(dev.slabs)
+    slabs = len(dev.slabs.pieces)  # (the slabs made: each has pieces out until the device closes)
     xs = [rng.standard_normal(n).astype(np.float32) for n in (1, 17, 250, 1000, 4097, 30000, 65536)] * 8
     ts = [await (Tensor(x, device="cuda:0") * 2 + 1).realize() for x in xs]
     ptrs = [GRAPH[t.id].buffer.ptr for t in ts]  # type: ignore[union-attr]
     assert len(set(ptrs)) == len(ptrs)
     assert all(p % SLAB_ALIGN == 0 and p in dev.pieces for p in ptrs)
-    assert len(dev.slabs) - slabs <= 1 + sum(x.nbytes for x in xs) * 2 // SLAB
+    assert len(dev.slabs.pieces) - slabs <= 1 + sum(x.nbytes for x in xs) * 2 // SLAB
     dev.empty_cache()
     for t, x in zip(ts, xs):
         np.testing.assert_array_equal(await t.numpy(), x * 2 + 1)

@@ -57,8 +57,8 @@ def _runs(dev: Any, plan: Any, x: Tensor, make: Any, lane: bool) -> list[tuple[A
             assert not uploads
             (buf, view), = outs
             seen.append((dev.submitted - base, buf.ready - base, dev.timeline.value >= dev.submitted,
-                         sorted(v - base for v in dev.holding if v > base),
-                         sorted(v - base for v in dev.events if v > base),
+                         sorted(v - base for v in dev.queue.holding if v > base),
+                         sorted(v - base for v in dev.queue.events if v > base),
                          [v - base for _, v in dev.unwatched if v > base],
                          {d.name: (a - base, b - base) for d, (a, b) in buf.run.spans.items()},
                          buf.run.parents == [], view, buf))
@@ -134,7 +134,7 @@ async def test_queue_poll_does_what_the_python_poll_does() -> None:
         finally:
             dev.native_queue = queue
         states.append((reached, dev.timeline.value - base, dev.waited - base, list(dev.unwatched),
-                       sorted(v - base for v in dev.holding if v > base)))
+                       sorted(v - base for v in dev.queue.holding if v > base)))
         for k, ((buf, view),) in enumerate(outs):
             got = np.empty(buf.nbytes, np.uint8)
             dev.read_into(buf, got)
@@ -156,10 +156,11 @@ def test_the_queue_state_is_the_native_queues_own() -> None:
         assert type(state) is _QueueState and dev.native_queue is None
     else:
         assert state is dev.native_queue and type(state) is native.Queue
-        for table in ("holding", "events", "free_events", "unwatched"):
-            assert getattr(dev, table) is getattr(state, table)
+        for owner, table in ((dev.queue, "holding"), (dev.queue, "events"), (dev, "free_events"), (dev, "unwatched")):
+            assert getattr(owner, table) is getattr(state, table)
             with pytest.raises(AttributeError):
                 setattr(state, table, None)
     dev.demanded = dev.demanded + 0  # (through the device: the state's member)
     assert (dev.submitted, dev.waited, dev.handed, dev.demanded, dev.batch) == \
         (state.submitted, state.waited, state.handed, state.demanded, state.batch)
+    assert (dev.queue.submitted, dev.queue.waited) == (state.submitted, state.waited)  # (the event queue's, too)

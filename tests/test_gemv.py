@@ -172,7 +172,7 @@ def test_the_vulkan_gpu_shader_compiles(monkeypatch: pytest.MonkeyPatch, tmp_pat
                                         transposed: bool) -> None:
     """The kernel as a Vulkan GPU device's dialect renders it (subgroup shuffles, work groups of 256; the small-M
     kernel on): a fused product's shader compiles to SPIR-V (glslc) and validates (spirv-val, where installed)."""
-    from azyx.backends.vulkan import dialect_for
+    from azyx.codegen.dialect import glsl_dialect as dialect_for
 
     dev = RT.device(DEV)
     monkeypatch.setattr(dev, "dialect", dialect_for((), True, 32))

@@ -320,7 +320,7 @@ def test_cuda_product_tiles_are_searched_and_every_one_compiles(gpu_planning: Ca
 @pytest.mark.skipif(shutil.which("glslc") is None, reason="glslc is not installed")
 def test_vulkan_product_tiles_are_searched_and_every_one_compiles(gpu_planning: Callable[[object], None],
                                                                    tmp_path: Path) -> None:
-    from azyx.backends.vulkan import dialect_for
+    from azyx.codegen.dialect import glsl_dialect as dialect_for
 
     dl = dialect_for((), True, 32)  # a GPU's GLSL: products in the tiled shader
     gpu_planning(dl)

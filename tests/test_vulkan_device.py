@@ -265,7 +265,7 @@ assert vk0.memory().in_use == 0, vk0.memory()
 kept = vk0.alloc(4096)
 assert vkmod._CONTEXTS
 RT.shutdown()
-assert vk0.closed and vk0.mem.live > 0, vk0.mem.live  # (the kept buffer)
+assert vk0.queue.closed and vk0.mem.live > 0, vk0.mem.live  # (the kept buffer)
 del kept
 assert vk0.mem.live == 0 and not vkmod._CONTEXTS, (vk0.mem.live, vkmod._CONTEXTS)
 print("ok")
@@ -341,7 +341,7 @@ def test_rendered_glsl_kernels_run_and_match_numpy_past_the_binding_limits() -> 
 
 GPU_DIALECT = '''
 import dataclasses
-from azyx.backends.vulkan import dialect_for
+from azyx.codegen.dialect import glsl_dialect as dialect_for
 from azyx import Tensor
 ctx = vk0.ctx
 # the dialect a GPU gets (tiled products, subgroup shuffles), on this device whatever it is (lavapipe: 8 lanes)

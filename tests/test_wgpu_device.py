@@ -240,7 +240,7 @@ def test_blocks_given_back_by_the_cyclic_gc_stay_usable() -> None:
     data = [rng.integers(0, 256, n, np.uint8) for _ in range(count)]
     outs = [np.zeros(n, np.uint8) for _ in range(count)]
     bufs = [dev.alloc(n) for _ in range(count)]
-    before = dev.submitted  # type: ignore[attr-defined]
+    before = dev.queued()
     writes = [dev.copy_from_host(d, b, [], d) for d, b in zip(data, bufs)]
     last = max(dev.copy_to_host(b, o, [(dev, w)]) for b, o, w in zip(bufs, outs, writes))
     dev.timeline.wait_sync(last)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
+from azyx.allocator import PoolAllocator, Slabs
 from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
@@ -53,13 +53,13 @@ from azyx.device import (
     Runner,
     RunRecord,
     gatherable,
-    kernel_list,
     lone_kernel,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.ir import Kernel
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
+from azyx.queues import EventQueue
 
 # (spin_us: as opencl's; gather: as c's; peer_reads: kernels read a peer device's buffers in place, `reads_peer`)
 CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True, "peer_reads": True}
@@ -176,19 +176,34 @@ class _QueueState:
         self.batch: list[Collected] | None = None
 
 
-def _queue_field(name: str) -> Any:
-    """A CUDADevice attribute that is its queue state's (`queue_state`): one value, which C and Python both advance.
-    Read through a C getter (no frame of Python): the submitting paths read these on every command."""
+def _queue_field(name: str, state: str = "queue_state") -> Any:
+    """An attribute (of a CUDADevice, of its event queue) that is its queue state's (`CUDADevice.queue_state`, at the
+    path `state`): one value, which C and Python both advance. Read through a C getter (no frame of Python): the
+    submitting paths read these on every command."""
+    holder = operator.attrgetter(state)
 
-    def put(dev: CUDADevice, value: Any) -> None:
-        setattr(dev.queue_state, name, value)
+    def put(obj: Any, value: Any) -> None:
+        setattr(holder(obj), name, value)
 
-    return property(operator.attrgetter(f"queue_state.{name}"), put)
+    return property(operator.attrgetter(f"{state}.{name}"), put)
+
+
+class _Queue(EventQueue):
+    """A CUDA device's event queue: its counters are the device's queue state's (which C advances too), and where the
+    native core is built, what completed commands held is taken in C (`native.Queue.take_done`)."""
+
+    dev: CUDADevice
+    submitted, waited = _queue_field("submitted", "dev.queue_state"), _queue_field("waited", "dev.queue_state")
+
+    def take_done(self) -> list[Any]:
+        native_queue = self.dev.native_queue
+        return native_queue.take_done() if native_queue is not None else super().take_done()
 
 
 class CUDADevice(StagedCopies):
     kind = "cuda"
     dialect = CUDA
+    event_queue = _Queue
     arena = True
     tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
 
@@ -232,12 +247,13 @@ class CUDADevice(StagedCopies):
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
         self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name, lowest=True)
         # blocks up to SLAB_PIECE bytes are carved from slabs of SLAB bytes (`_create`): piece -> its slab's base
-        self.slab_lock = threading.Lock()
-        self.slabs: list[int] = []
-        self.slab_used = 0  # bytes carved from the last slab
+        self.slabs = Slabs(SLAB, SLAB_ALIGN)
         self.pieces: dict[int, int] = {}
-        # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
+        # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device); once
+        # closed, the memory part destroys both kinds of block
         self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
+        self.mem.destroy = self._destroy
+        self.mem.adopt(self.staging, lambda block: cu.cuMemFreeHost(block.ptr))
         self.pin_ring()
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
@@ -252,17 +268,17 @@ class CUDADevice(StagedCopies):
         self.timeline.demand = self._demand
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
-        self.ready = threading.Condition(self.lock)
+        self.ready = threading.Condition(self.queue.lock)
         self.submitter: threading.Thread | None = None
         self.peers: dict[int, bool] = {}
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
-        self.start_waiter()
+        self.queue.start(submits=False)
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
 
     def _start_native_queue(self) -> None:
-        """The per-request steps in C (`poll`, `_take_done`, the lanes' runs), by a queue that owns the state they
+        """The per-request steps in C (`poll`, `take_done`, the lanes' runs), by a queue that owns the state they
         share with the Python paths (its counters, batch and tables: see `queue_state`); None without the native
         core. A lane's run also writes its value, in stream order after its event, into 8 bytes of mapped host memory
         (`done_flag`), where the device supports 64-bit stream memory operations: `poll` then reads the completion of
@@ -279,15 +295,15 @@ class CUDADevice(StagedCopies):
             ctypes.memset(self.done_flag, 0, 64)
             flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
         queue = native.Queue(
-            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.lock, qlock=self.qlock,
-            deferred=self.deferred, posts=self.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
+            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock, qlock=self.qlock,
+            deferred=self.deferred, posts=self.queue.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
             watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
             fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
         # from here the queue's state is the native queue's own: its counters and batch, and its tables
-        assert not (self.holding or self.events or self.free_events or self.unwatched or self.submitted)
+        assert not (self.queue.holding or self.queue.events or self.free_events or self.unwatched or self.submitted)
         self.queue_state = self.native_queue = queue
-        self.holding, self.events, self.free_events, self.unwatched = (queue.holding, queue.events,
-                                                                       queue.free_events, queue.unwatched)
+        self.queue.holding, self.queue.events = queue.holding, queue.events
+        self.free_events, self.unwatched = queue.free_events, queue.unwatched
 
     def identity(self) -> dict[str, Any]:
         """The GPU (name, compute capability: the base's label and arch), the driver's and NVRTC's versions."""
@@ -306,15 +322,16 @@ class CUDADevice(StagedCopies):
         on the loop's thread when a crowd's pool grows), a larger one the driver's own."""
         if size > SLAB_PIECE:
             return self._driver_alloc(size)
-        with self.slab_lock:
-            at = -(-self.slab_used // SLAB_ALIGN) * SLAB_ALIGN
-            if not self.slabs or at + size > SLAB:
-                self.slabs.append(self._driver_alloc(SLAB))
-                at = 0
-            self.slab_used = at + size
-            ptr = self.slabs[-1] + at
-            self.pieces[ptr] = self.slabs[-1]
-        return ptr
+        slab, at = self.slabs.carve(None, size, lambda: self._driver_alloc(SLAB))
+        self.pieces[slab + at] = slab
+        return slab + at
+
+    def _destroy(self, ptr: int) -> None:
+        """(Closed: the memory part's `destroy`.) A block back to the driver; a piece, its slab once it was the last."""
+        self.use()
+        slab = self.pieces.pop(ptr, None)
+        if slab is None or self.slabs.drop(slab):
+            cu.cuMemFree(ptr if slab is None else slab)
 
     def _driver_alloc(self, size: int) -> int:
         self.use()
@@ -334,16 +351,6 @@ class CUDADevice(StagedCopies):
         for ptr in self.allocator.take_cached(keep=self.pieces.__contains__):
             cu.cuMemFree(ptr)
         self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
-
-    def _free_slabs(self) -> None:
-        """(Closing.) Every slab none of whose pieces is lent out goes back to the driver."""
-        cached = set(self.allocator.take_cached())
-        for ptr in cached - self.pieces.keys():
-            cu.cuMemFree(ptr)
-        lent = {self.pieces[p] for p in self.pieces.keys() - cached}
-        for base in self.slabs:
-            if base not in lent:
-                cu.cuMemFree(base)
 
     def free_memory(self) -> int:
         """What this device can still take: its budget less what is in use, and no more than the driver has free
@@ -369,7 +376,7 @@ class CUDADevice(StagedCopies):
         try:
             cubin = nvrtc_compile(src, self.compile_arch)
         except CompileError as e:
-            raise CompileError(f"{self.name}: compiling {kernel_list(names)}: {e}") from None
+            raise self.builder.failed("NVRTC's compile", names, e, src) from None
         self.use()
         try:
             module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -388,13 +395,13 @@ class CUDADevice(StagedCopies):
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event (and value) of a command on another CUDA device's stream (None: host-side progress, or a CUDA
         command still deferred)."""
-        ev = dev.events.get(v) if isinstance(dev, CUDADevice) else None
+        ev = dev.queue.events.get(v) if isinstance(dev, CUDADevice) else None
         return (ev, v) if ev is not None else None
 
     def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
         """The events that `waits` translate to (`native_waits`); None when a wait has none: then the command must
         be deferred."""
-        native, host = self.native_waits(waits)
+        native, host = self.queue.native_waits(waits)
         return None if host else native
 
     def _record(self, v: int, keep: Any, post: Callable[[], None] | None, first: int = 0) -> None:
@@ -402,14 +409,14 @@ class CUDADevice(StagedCopies):
         `first` on that a batch reserved), and its completion."""
         ev = self._event()
         if not first or first == v:
-            self.events[v] = ev
+            self.queue.events[v] = ev
         else:
             for u in range(first, v + 1):
-                self.events[u] = ev
+                self.queue.events[u] = ev
         if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
-            self.holding[v] = keep
+            self.queue.holding[v] = keep
         if post is not None:
-            self.posts.append(v)
+            self.queue.posts.append(v)
         with self.qlock:
             if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
                 self.unwatched.append((ev, v))
@@ -419,14 +426,14 @@ class CUDADevice(StagedCopies):
     def _watch(self, ev: Any, v: int, post: Callable[[], None] | None = None) -> None:
         """Under `qlock`: the waiter thread takes the command of value `v` (event `ev`), after every unwatched one."""
         self._hand_over()
-        self.completions.put((ev, v, post))
+        self.queue.completions.put((ev, v, post))
         self.handed = v
 
     def _hand_over(self) -> None:
         """Under `qlock`: the waiter thread takes every unwatched command, in order."""
         while self.unwatched:
             ev, v = self.unwatched.popleft()
-            self.completions.put((ev, v, None))
+            self.queue.completions.put((ev, v, None))
             self.handed = v
 
     def _demand(self, v: int) -> None:
@@ -452,7 +459,7 @@ class CUDADevice(StagedCopies):
         its timeline value. `host_wait` blocks (on the submitter thread) until host-side inputs are ready; `post`
         runs on the waiter thread once the work completed, before the timeline reaches its value. `long`: the work
         takes milliseconds to enqueue (launches one by one, a capture): the submitter thread runs it instead."""
-        with self.lock:
+        with self.queue.lock:
             self.use()
             if self.batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
@@ -473,7 +480,7 @@ class CUDADevice(StagedCopies):
                     if not sticky(e):
                         raise
                     lost = e
-            done = self._take_done()
+            done = self.queue.take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         if lost is not None:  # an earlier kernel faulted: the context is gone (outside the lock: fail wakes waiters)
             raise self.fail(lost)
@@ -491,7 +498,7 @@ class CUDADevice(StagedCopies):
     def _submit_loop(self) -> None:
         """Put deferred commands on the stream in order, each once what it waits for is there."""
         while True:
-            with self.lock:
+            with self.queue.lock:
                 while not self.deferred:
                     self.ready.wait()
                 job = self.deferred[0]
@@ -505,7 +512,7 @@ class CUDADevice(StagedCopies):
                         dev.timeline.wait_sync(v)
                     else:
                         dev.wait_recorded(v)
-                with self.lock:
+                with self.queue.lock:
                     self.use()
                     events = self._event_waits(job.waits) or []  # every wait is recorded or reached by now
                     for ev, _ in events:
@@ -519,20 +526,20 @@ class CUDADevice(StagedCopies):
                 if sticky(e):
                     self.fail(e)
             try:
-                with self.lock:
+                with self.queue.lock:
                     self.use()
                     self._record(job.value, job.keep, job.post, job.first)
             except BaseException as e:  # no event: its completion cannot be known, the context is lost
                 self.record_failure(job.value, e)
                 self.fail(e)
-            with self.lock:
+            with self.queue.lock:
                 self.deferred.popleft()
                 self.ready.notify_all()
             del job  # its buffers go back to their pools when the command completes, not when the next one comes
 
     def wait_recorded(self, v: int) -> None:
         """Block (worker threads) until the command of value `v` is on the stream (its event exists)."""
-        with self.lock:
+        with self.queue.lock:
             while any(j.first <= v <= j.value for j in self.deferred):
                 self.ready.wait()
 
@@ -550,11 +557,8 @@ class CUDADevice(StagedCopies):
         self.fail(cause)
         return False
 
-    def _take_done(self) -> list[Any]:
-        return self.native_queue.take_done() if self.native_queue is not None else super()._take_done()
-
     def retire(self, v: int, ev: Any) -> None:
-        if self.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
+        if self.queue.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past
             self.free_events.append(ev)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
@@ -565,18 +569,18 @@ class CUDADevice(StagedCopies):
         is handled here."""
         if self.native_queue is not None:  # (the same, in C)
             return self.native_queue.poll(v, spin)
-        ev = self.events.get(v)
-        if ev is None or (self.posts and self.posts[0] <= v):
+        ev = self.queue.events.get(v)
+        if ev is None or (self.queue.posts and self.queue.posts[0] <= v):
             return self.timeline.value >= v
         query, handle = self.hot.event_query, int(ev)
         if not self.spun(lambda: query(handle) != NOT_READY, spin) or query(handle):
             return self.timeline.value >= v  # not yet; an error stays for the waiter thread to report
         done = []
-        with self.lock, self.qlock:
+        with self.queue.lock, self.qlock:
             if self.waited >= self.handed:
                 while self.unwatched and self.unwatched[0][1] <= v:
                     u = self.unwatched.popleft()[1]
-                    done.append(self.holding.pop(u, None))
+                    done.append(self.queue.holding.pop(u, None))
                     self.waited = u
         del done  # the commands' buffers go back to their pools, outside the lock
         self.timeline.signal(v)
@@ -623,7 +627,7 @@ class CUDADevice(StagedCopies):
             self.batch.append((fn, dims, ptrs, step.name))
             self.submitted += 1  # reserved: end_batch records the event that completes it
             v = self.submitted
-            self.holding[v] = bufs
+            self.queue.holding[v] = bufs
             return v
         return self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
 
@@ -654,7 +658,7 @@ class CUDADevice(StagedCopies):
                            for s, bufs, w in items]
             self.submitted += len(items)  # reserved: end_batch records the event that completes them
             v = self.submitted
-            self.holding[v] = [bufs for _, bufs, _ in items]
+            self.queue.holding[v] = [bufs for _, bufs, _ in items]
         finally:
             if own:
                 self.end_batch()
@@ -723,12 +727,12 @@ class CUDADevice(StagedCopies):
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:
         """Launches until `end_batch` are collected, then submitted together (as a CUDA graph once steady)."""
-        self.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
+        self.queue.lock.acquire()  # held through the batch: other threads' enqueues come before or after it
         self.batch = []
         # what completed work held goes back to the pools before the plan allocates (the waiter thread gives back what
         # it saw complete; this, what `poll` saw first): a steady loop then gets the same blocks each time, and its
         # batch the same key (a graph replay)
-        self._take_done()
+        self.queue.take_done()
 
     def end_batch(self) -> None:
         batch, self.batch = self.batch, None
@@ -737,7 +741,7 @@ class CUDADevice(StagedCopies):
             if batch:
                 self._flush(batch)
         finally:
-            self.lock.release()
+            self.queue.lock.release()
 
     # a gather (Runner.gathers: a crowd's runs in one loop iteration) is a batch open across runs: one event for all of
     # them and, once steady, one graph launch; a command submitted meanwhile comes after the launches collected so far
@@ -764,14 +768,14 @@ class CUDADevice(StagedCopies):
         self.graph_cache.launch(batch)
         self._record(v, None, None, first)
 
-    def close(self) -> None:
-        """Finish the stream, stop the threads, drop what completed work held and free the pools' cached memory."""
+    def drain(self) -> None:
+        """(`close`) Finish the stream, stop the submitter thread, hand the waiter thread every unwatched command."""
         try:
             self.use()
             cu.cuStreamSynchronize(self.stream)
         except Exception:
             pass
-        with self.lock:
+        with self.queue.lock:
             if self.submitter is not None:
                 self.deferred.append(_STOP)
                 self.ready.notify_all()
@@ -779,15 +783,12 @@ class CUDADevice(StagedCopies):
             self.submitter.join(timeout=10)
         with self.qlock:
             self._hand_over()
-        self.stop_waiter()
-        try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
-            self.use()
-            self._free_slabs()
-            for block in self.staging.take_cached():
-                cu.cuMemFreeHost(block.ptr)
-            if self.done_flag:
-                self.native_queue = None  # (its lanes read the flag no more: the executor's devices are closed)
-                cu.cuMemFreeHost(self.done_flag)
-                self.done_flag = 0
-        except Exception:  # interpreter shutdown
-            pass
+
+    def let_go(self) -> None:
+        """(`close`) The lanes' completion flag goes (the executor's devices are closed: no lane reads it); the memory
+        part then gives the cached blocks back to the driver (a block still lent out goes as it comes back: it may
+        still be read)."""
+        if self.done_flag:
+            self.native_queue = None
+            cu.cuMemFreeHost(self.done_flag)
+            self.done_flag = 0

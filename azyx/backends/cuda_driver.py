@@ -178,7 +178,8 @@ def nvrtc_version() -> int:
 # ------------------------------------------------------------------------------------------------ compilation
 def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
     """CUDA C -> a cubin for `arch` (e.g. "sm_90"), through NVRTC; runs without a GPU. Cached on disk by source,
-    architecture and NVRTC version."""
+    architecture and NVRTC version. A failure's CompileError holds NVRTC's log (a device's `builder.failed` adds the
+    kernels and the source)."""
     key = artifact_key(src, arch, str(nvrtc_version()))
 
     def build(out: Path) -> None:
@@ -190,7 +191,7 @@ def nvrtc_compile(src: str, arch: str, name: str = "azyx.cu") -> bytes:
                 size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
                 log = b" " * size
                 nvrtc.nvrtcGetProgramLog(prog, log)
-                raise CompileError(f"NVRTC failed for {arch}:\n{log.decode(errors='replace')}\n--- source ---\n{src}")
+                raise CompileError(f"NVRTC failed for {arch}:\n{log.decode(errors='replace')}")
             size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
             cubin = b" " * size
             check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

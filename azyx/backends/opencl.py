@@ -180,7 +180,7 @@ class OpenCLDevice(QueuedDevice):
         if plat not in _CONTEXTS:
             _CONTEXTS[plat] = cl.Context([d for p, d in devices if p == plat])
         self.ctx = _CONTEXTS[plat]
-        self.queue = cl.CommandQueue(self.ctx, self.cl_device)
+        self.cl_queue = cl.CommandQueue(self.ctx, self.cl_device)
         self.capacity = int(options.get("memory") or self.cl_device.global_mem_size * 3 // 4)
         self.allocator = PoolAllocator(self.capacity, self.capacity // 4,
                                        lambda size: cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size), self.name)
@@ -194,8 +194,7 @@ class OpenCLDevice(QueuedDevice):
         self.arena = int(self.cl_device.mem_base_addr_align) // 8 <= ARENA_ALIGN
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
-        self.start_waiter()
-        self.submit_thread.start()
+        self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
     def identity(self) -> dict[str, Any]:
@@ -225,25 +224,25 @@ class OpenCLDevice(QueuedDevice):
 
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event of a device of this context."""
-        return dev.events.get(v) if self.peer(dev) else None
+        return dev.queue.events.get(v) if self.peer(dev) else None
 
     def submit(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]], v: int) -> Any:
         """(The submit thread.) The command queued after its waits: the native ones as events, the rest as one user
         event that their devices' timelines complete."""
-        wait_for, host = self.native_waits(waits)
+        wait_for, host = self.queue.native_waits(waits)
         if host:
             uev = cl.UserEvent(self.ctx)
             after_waits(host, partial(uev.set_status, cl.command_execution_status.COMPLETE))
             wait_for.append(uev)
-        ev = enqueue(wait_for or None)  # (not under the lock: PoCL's enqueue may block; the loop's _enqueue takes it)
-        with self.lock:
-            self.events[v] = ev
+        ev = enqueue(wait_for or None)  # (not under the lock: PoCL's enqueue may block; the loop's enqueue takes it)
+        with self.queue.lock:
+            self.queue.events[v] = ev
         return ev
 
     def query(self, v: int) -> Callable[[], bool] | None:
         """The command's event: complete (CL_COMPLETE is 0; queued, submitted, running above). A failed one (below)
         is left to the waiter thread, which records the failure before the timeline moves."""
-        ev = self.events.get(v)
+        ev = self.queue.events.get(v)
         return None if ev is None else lambda: ev.command_execution_status == 0
 
     def wait_event(self, ev: Any, v: int) -> bool:
@@ -265,9 +264,9 @@ class OpenCLDevice(QueuedDevice):
 
         def enqueue(wait_for: list[Any] | None) -> Any:
             _set_args(knl, mems, word_args)
-            return cl.enqueue_nd_range_kernel(self.queue, knl, glob, local, wait_for=wait_for)
+            return cl.enqueue_nd_range_kernel(self.cl_queue, knl, glob, local, wait_for=wait_for)
 
-        return self._enqueue(enqueue, waits, bufs)
+        return self.queue.enqueue(enqueue, waits, bufs)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the
@@ -279,24 +278,25 @@ class OpenCLDevice(QueuedDevice):
                       waits: list[tuple[Device, int]]) -> int:
         bound = replay.get(bufs)
         words = replay.words(scalars)
-        return self._enqueue(partial(replay.prepared.enqueue, self.queue, bound, arena, words), waits, (arena, bound))
+        run = partial(replay.prepared.enqueue, self.cl_queue, bound, arena, words)
+        return self.queue.enqueue(run, waits, (arena, bound))
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        return self._enqueue(lambda w: _cl._enqueue_copy_buffer(self.queue, src.mem, dst.mem, n, 0, 0, w),
+        return self.queue.enqueue(lambda w: _cl._enqueue_copy_buffer(self.cl_queue, src.mem, dst.mem, n, 0, 0, w),
                              waits, (src, dst))
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
-        return self._enqueue(lambda w: _cl._enqueue_read_buffer(self.queue, buf.mem, out, offset, w, False),
+        return self.queue.enqueue(lambda w: _cl._enqueue_read_buffer(self.cl_queue, buf.mem, out, offset, w, False),
                              waits, (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
-        return self._enqueue(lambda w: _cl._enqueue_write_buffer(self.queue, dst.mem, host, offset, w, False),
+        return self.queue.enqueue(lambda w: _cl._enqueue_write_buffer(self.cl_queue, dst.mem, host, offset, w, False),
                              waits, (keep, dst))
 
     def drain(self) -> None:
         try:
-            self.queue.finish()
+            self.cl_queue.finish()
         except cl.Error:
             pass

@@ -45,7 +45,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator, Slabs
-from azyx.codegen.dialect import GLSL, Dialect
+from azyx.codegen.dialect import GLSL, glsl_dialect
 from azyx.compiler import compiler_says, kernel_list, run_compiler
 from azyx.device import (
     CPU_SPIN_S,
@@ -76,7 +76,6 @@ WAIT_SLICE_NS = 1_000_000_000  # the waiter thread waits on the semaphore in sli
 GLSLC_FLAGS = ["-fshader-stage=compute", "--target-env=vulkan1.2", "-O"]
 WORDS_TYPE = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC  # a kernel's one binding: its words
 SETS_PER_POOL = 64  # descriptor sets per descriptor pool (a command buffer keeps one set for its words)
-LLVMPIPE_TRIPS = 60000  # (llvmpipe ends a shader's loops after 65535 iterations, silently: a margin below it)
 WORDS_RANGE = 4096  # bytes of words one kernel may read (its buffers' addresses and its scalars: 512 64-bit words)
 SLAB, SLAB_PIECE, SLAB_ALIGN = 4 << 20, 256 << 10, 256  # blocks of up to SLAB_PIECE bytes are pieces of slabs
 KEPT_PER_BATCH = 4  # command buffers recorded once and re-submitted, per batch of a plan on this device
@@ -224,33 +223,6 @@ def context(index: int) -> _Context:
 
 
 @functools.cache
-def dialect_for(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect:
-    """The GLSL dialect for one device:
-    - with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader asks (SPIR-V's
-      SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
-      NaN propagation and the signs of zeros would be lost;
-    - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm and those of a few rows in
-      the small-M kernel (codegen.cgemv) (on a CPU, lavapipe,
-      register tiles of the generic renderer run 3x faster than it; see VulkanDevice.tiles), work groups of 256
-      items, and four steps of a grouped reduce per loop iteration (GLSL has no unroll pragma: loads in flight);
-    - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
-      shared memory, no barrier), as CUDA's warps do."""
-    head = "#version 450\n"
-    assert GLSL.prelude.startswith(head)
-    mode = 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, {});\n'
-    extra = "#extension GL_EXT_spirv_intrinsics : require\n" if preserve_nan else ""
-    extra += "".join(mode.format(w) for w in preserve_nan)
-    if warp:
-        extra += "#extension GL_KHR_shader_subgroup_shuffle : require\n"
-    group = 256 if gemm else GLSL.block  # (CUDA's size on a GPU; lavapipe's threads prefer 64)
-    if warp:  # a group's subgroups' results are combined by one subgroup
-        group = min(group, warp * warp)
-    return dataclasses.replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, gemv=gemm, warp=warp,
-                               shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
-                               group_size=group, copies=4 if gemm else 1, max_trips=0 if gemm else LLVMPIPE_TRIPS)
-
-
-@functools.cache
 def glslc_version() -> str:
     if shutil.which("glslc") is None:
         raise DeviceError("glslc (GLSL -> SPIR-V) not found on PATH (Debian: apt install glslc)")
@@ -329,8 +301,7 @@ class VulkanDevice(QueuedDevice):
         except BaseException:
             self.ctx.release()
             raise
-        self.start_waiter()
-        self.submit_thread.start()
+        self.queue.start()
 
     def _setup(self, options: dict[str, Any]) -> None:
         ctx = self.ctx
@@ -343,7 +314,7 @@ class VulkanDevice(QueuedDevice):
         self.align = max(int(self.limits.minStorageBufferOffsetAlignment), 8)
         self.features = ctx.features
         # a GPU's subgroups of 32 lanes (NVIDIA's) shuffle; lavapipe's (8 lanes of the CPU's vectors) do not pay
-        self.dialect = dialect_for(tuple(ctx.preserve_nan), ctx.gpu, ctx.subgroup if ctx.gpu and ctx.subgroup == 32
+        self.dialect = glsl_dialect(tuple(ctx.preserve_nan), ctx.gpu, ctx.subgroup if ctx.gpu and ctx.subgroup == 32
                                    else 0)
         self.tiles = not ctx.gpu  # register tiles for matrix products on a CPU (on a GPU: dialect.gemm)
         dtype = ctx.props.deviceType
@@ -570,14 +541,14 @@ class VulkanDevice(QueuedDevice):
         reads) runs once `waits` are reached, before the work is submitted; `post` runs on the waiter thread once the
         work completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
         buffer (`_kept`)."""
-        return self._enqueue((record, fill, batch), waits, keep, post)
+        return self.queue.enqueue((record, fill, batch), waits, keep, post)
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
         """(The submit thread.) Once the waits the host sees are reached (`host_waited`), run the work's `fill`,
         record its command buffer and submit it after the native waits (peers' timeline semaphores); it signals `v` on
         this device's. Work whose wait or recording failed is left out (its failure recorded): the submission still
         signals `v`."""
-        native, ok = self.host_waited(waits, v)
+        native, ok = self.queue.host_waited(waits, v)
         record, fill, batch = run if ok else (None, None, None)
         cmd = None
         try:
@@ -617,7 +588,7 @@ class VulkanDevice(QueuedDevice):
     def native_wait(self, dev: Device, v: int) -> Any:
         """The timeline semaphore (and value) of a vulkan device of this context, once its submit thread submitted
         that value (a wait before the signal's submission, on the context's one queue, could wait for ever)."""
-        return (dev.sem, v) if self.peer(dev) and dev.through >= v else None
+        return (dev.sem, v) if self.peer(dev) and dev.queue.through >= v else None
 
     # ------------------------------------------------------------------ completion
     def wait_event(self, ev: Any, v: int) -> bool:
@@ -640,17 +611,17 @@ class VulkanDevice(QueuedDevice):
     def _wait_info(self, v: int) -> Any:
         return vk.VkSemaphoreWaitInfo(pSemaphores=[self.sem], pValues=ffi.new("uint64_t[1]", [v]))
 
-    def completed(self, v: int, post: Callable[[], None] | None) -> Any:
+    def completed(self, v: int) -> None:
         cmd = self.commands.pop(v, None)
         if cmd is not None:
             self.spare.append(cmd)
-        return super().completed(v, post)
 
     def query(self, v: int) -> Callable[[], bool] | None:
         """The semaphore's counter (`poll` spins at most `spin_cap` on it: lavapipe's kernels run on the cores the loop
         would spin on), once the submit thread submitted `v` (as OpenCL's event), never past a value whose host copy
         has yet to run."""
-        if self.through < v or (self.posts and self.posts[0] <= v) or self.closed:
+        queue = self.queue
+        if queue.through < v or (queue.posts and queue.posts[0] <= v) or queue.closed:
             return None
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
         return lambda: counter(vkdev, sem) >= v
@@ -715,7 +686,7 @@ class VulkanDevice(QueuedDevice):
     # ------------------------------------------------------------------ close
     def drain(self) -> None:
         try:
-            vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.through), 20 * WAIT_SLICE_NS)
+            vk.vkWaitSemaphores(self.vkdev, self._wait_info(self.queue.through), 20 * WAIT_SLICE_NS)
         except vk.VkError:  # (VkTimeout too: the waiter thread fails what never completed)
             pass
         self.ending = True
@@ -723,7 +694,7 @@ class VulkanDevice(QueuedDevice):
     def let_go(self) -> None:
         """Everything this device made; its buffers still out are destroyed as they come back, and the last one lets
         the context go (`mem.on_empty`)."""
-        with self.lock:
+        with self.queue.lock:
             for cmd in self.all_commands:
                 cmd.words = None
             self.all_commands, self.commands = [], {}
@@ -736,7 +707,7 @@ class VulkanDevice(QueuedDevice):
                 for obj in objs:
                     destroy(self.vkdev, obj, None)
             self.programs = {}
-            done = self._take_done()
+            done = self.queue.take_done()
         del done
 
 

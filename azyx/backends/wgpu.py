@@ -207,7 +207,7 @@ class WgpuDevice(QueuedDevice):
                 required_limits={k: limits[k] for k in wanted}))
         except Exception as e:
             raise DeviceError(f"{self.name}: requesting a device of {self.label} failed: {e}") from None
-        self.queue = self.gpu.queue
+        self.gpu_queue = self.gpu.queue
         self.max_binding = int(limits["max-storage-buffer-binding-size"])  # (larger buffers bind as several ranges)
         self.mem.max_block, self.mem.max_block_name = int(limits["max-buffer-size"]), "max-buffer-size"
         self.max_trips = next((n for name, n in LOOP_LIMITS.items() if name in info["device"]), 0)
@@ -233,8 +233,7 @@ class WgpuDevice(QueuedDevice):
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
         self.done = 0  # the last value known complete (`wait_event`: one wait covers all submitted before it)
         self._warm_up()
-        self.submit_thread.start()
-        self.start_waiter()
+        self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({info['adapter_type']}, wgpu {wgpu.__version__}; "
                                  f"features {', '.join(sorted(self.features)) or 'none'}; storage bindings up to "
                                  f"{self.max_binding >> 20} MiB, {self.max_buffers} per kernel)")
@@ -253,7 +252,7 @@ class WgpuDevice(QueuedDevice):
         group = self.gpu.create_bind_group(layout=layout, entries=[
             {"binding": 0, "resource": {"buffer": out, "offset": 0, "size": 16}},
             {"binding": 1, "resource": {"buffer": words, "offset": 0, "size": 16}}])
-        self.queue.write_buffer(words, 0, np.arange(7, 11, dtype=np.uint32))
+        self.gpu_queue.write_buffer(words, 0, np.arange(7, 11, dtype=np.uint32))
         up.map_sync("WRITE", 0, 16)
         up.write_mapped(np.zeros(16, np.uint8), 0)
         up.unmap()
@@ -265,9 +264,9 @@ class WgpuDevice(QueuedDevice):
         cpass.end()
         enc.copy_buffer_to_buffer(out, 0, staging, 0, 16)
         enc.copy_buffer_to_buffer(up, 0, out, 0, 16)
-        self.queue.submit([enc.finish()])
-        self.queue.submit([])
-        self.queue.on_submitted_work_done_sync()
+        self.gpu_queue.submit([enc.finish()])
+        self.gpu_queue.submit([])
+        self.gpu_queue.on_submitted_work_done_sync()
         staging.map_sync("READ", 0, 16)
         got = np.frombuffer(staging.read_mapped(0, 16, copy=False), np.uint32)[0]
         staging.unmap()
@@ -319,16 +318,16 @@ class WgpuDevice(QueuedDevice):
     def submit(self, run: Callable[[], bool] | None, waits: list[tuple[Device, int]], v: int) -> bool:
         """(The submit thread.) The item run after its waits (WebGPU has no events: all are the host's to see,
         `host_waited`); True: its own work says it is complete."""
-        return self.host_waited(waits, v)[1] and run is not None and run()
+        return self.queue.host_waited(waits, v)[1] and run is not None and run()
 
     def wait_event(self, known: bool, v: int) -> bool:
         """Item `v` is complete where its own work said so (a read, mapped), else once the queue's work submitted so
         far is (wgpu-py resolves that from its poller thread): one wait covers every item before."""
         if known or v <= self.done:
             return True
-        upto = self.through
+        upto = self.queue.through
         try:
-            self.queue.on_submitted_work_done_sync()
+            self.gpu_queue.on_submitted_work_done_sync()
         except Exception as e:
             self.record_failure(v, e)
             return False
@@ -339,7 +338,7 @@ class WgpuDevice(QueuedDevice):
         """(Worker thread.) One command buffer, submitted; False: its completion is the queue's to tell."""
         enc = self.gpu.create_command_encoder()
         encode(enc)
-        self.queue.submit([enc.finish()])
+        self.gpu_queue.submit([enc.finish()])
         return False
 
     def _copy(self, src: Any, src_at: int, dst: Any, dst_at: int, n: int) -> bool:
@@ -350,7 +349,7 @@ class WgpuDevice(QueuedDevice):
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
         """The kernels in one compute pass, one submission (WebGPU orders each dispatch's writes before the next
         dispatch's reads)."""
-        return self._enqueue(lambda: self._run_kernels(items), waits, items)
+        return self.queue.enqueue(lambda: self._run_kernels(items), waits, items)
 
     def _run_kernels(self, items: list[LaunchItem]) -> bool:
         """(Worker thread.) Write the kernels' scalars into the words buffer, bind, dispatch, submit."""
@@ -362,7 +361,7 @@ class WgpuDevice(QueuedDevice):
                 self.last_words = b""
             data = table.tobytes()
             if not self.last_words.startswith(data):  # (a write is in queue order: the same words need none)
-                self.queue.write_buffer(self.words, 0, data)
+                self.gpu_queue.write_buffer(self.words, 0, data)
                 self.last_words = data
         groups = [self._bind_group(step.name, prog, bufs, off) for (step, bufs, _), prog, off in
                   zip(items, progs, offsets)]
@@ -400,7 +399,7 @@ class WgpuDevice(QueuedDevice):
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        return self._enqueue(lambda: self._copy(src.mem, 0, dst.mem, 0, _ceil4(n)), waits, (src, dst))
+        return self.queue.enqueue(lambda: self._copy(src.mem, 0, dst.mem, 0, _ceil4(n)), waits, (src, dst))
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """In queue order: a copy into a staging buffer, mapped once it is done (which says all before it is)."""
@@ -412,7 +411,7 @@ class WgpuDevice(QueuedDevice):
             self._read_back(buf, lo, _ceil4(offset + n) - lo, flat, offset - lo)
             return True
 
-        return self._enqueue(run, waits, (buf, out))
+        return self.queue.enqueue(run, waits, (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
@@ -428,8 +427,8 @@ class WgpuDevice(QueuedDevice):
             data = src if src.nbytes % 4 == 0 and offset % 4 == 0 else self._padded(src, dst, offset)
             size = data.nbytes
             if size <= UPLOAD_DIRECT:
-                self.queue.write_buffer(dst.mem, offset & ~3, data)
-                self.queue.submit([])
+                self.gpu_queue.write_buffer(dst.mem, offset & ~3, data)
+                self.gpu_queue.submit([])
                 return False
             up = self.uploads.lend(size)  # (back to the pool at once, in use until the copy is done: its next map
             up.block.map_sync("WRITE", 0, size)  # waits for that)
@@ -439,7 +438,7 @@ class WgpuDevice(QueuedDevice):
                 up.block.unmap()
             return self._copy(up.block, 0, dst.mem, offset & ~3, size)
 
-        return self._enqueue(run, waits, (keep, dst))
+        return self.queue.enqueue(run, waits, (keep, dst))
 
     def _padded(self, src: np.ndarray, dst: Buffer, offset: int) -> np.ndarray:
         """(Worker thread, rare: an unaligned write.) The words `src` lands in at `offset`, the bytes around it read

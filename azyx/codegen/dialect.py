@@ -9,7 +9,8 @@ SHADER_TILES, the same scheme as a Vulkan compute shader without float atomics (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 
 from azyx.codegen.preludes import C_PRELUDE, CL_PRELUDE, CUDA_PRELUDE, GLSL_PRELUDE
 from azyx.dtypes import DType, dtypes
@@ -235,6 +236,36 @@ GLSL = Dialect(
     max_groups=65535,
     products=SHADER_TILES,
 )
+
+LLVMPIPE_TRIPS = 60000  # (llvmpipe ends a shader's loops after 65535 iterations, silently: a margin below it)
+
+
+@functools.cache
+def glsl_dialect(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialect:
+    """The GLSL dialect for one device:
+    - with the float widths whose signed zeros, infinities and NaNs the device keeps when a shader asks (SPIR-V's
+      SignedZeroInfNanPreserve): without it a driver may fold `x != x` to false and -0.0 to 0.0 (NVIDIA's does), and
+      NaN propagation and the signs of zeros would be lost;
+    - with `gemm` (a GPU's), matrix products in the shared-memory tiled shader of azyx.gemm and those of a few rows in
+      the small-M kernel (codegen.cgemv) (on a CPU, lavapipe, register tiles of the generic renderer run 3x faster
+      than it; see the Vulkan backend's VulkanDevice.tiles), work groups of 256 items, and four steps
+      of a grouped reduce per loop iteration (GLSL has no unroll pragma: loads in flight);
+    - with `warp` (a subgroup's lanes, which shuffle), reductions combine within a subgroup by butterfly shuffles (no
+      shared memory, no barrier), as CUDA's warps do."""
+    head = "#version 450\n"
+    assert GLSL.prelude.startswith(head)
+    mode = 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, {});\n'
+    extra = "#extension GL_EXT_spirv_intrinsics : require\n" if preserve_nan else ""
+    extra += "".join(mode.format(w) for w in preserve_nan)
+    if warp:
+        extra += "#extension GL_KHR_shader_subgroup_shuffle : require\n"
+    group = 256 if gemm else GLSL.block  # (CUDA's size on a GPU; lavapipe's threads prefer 64)
+    if warp:  # a group's subgroups' results are combined by one subgroup
+        group = min(group, warp * warp)
+    return replace(GLSL, prelude=head + extra + GLSL.prelude[len(head):], gemm=gemm, gemv=gemm, warp=warp,
+                   shuffle="subgroupShuffleXor({x}, {o})" if warp else "", block=group,
+                   group_size=group, copies=4 if gemm else 1, max_trips=0 if gemm else LLVMPIPE_TRIPS)
+
 
 # the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; its text is codegen.wgsl's, its
 # dtypes WGSL_TYPES)
