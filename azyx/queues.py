@@ -205,24 +205,26 @@ class WorkQueue:
 
 class Reserved:
     """A command numbered ahead (`QueuedDevice.reserve_commands`), given later by another thread (`give`): the submit
-    thread waits for it in turn (`take`); held until it completed, with what it keeps."""
+    thread waits for it in turn (`take`); held until it completed, with what it keeps. `given`: a lock held until
+    then (made by the thousand on the loop's thread: a lock costs a fraction of an Event)."""
 
     __slots__ = ("given", "run", "waits", "keep")
 
     def __init__(self) -> None:
-        self.given = threading.Event()
+        self.given = threading.Lock()
+        self.given.acquire()
         self.run: Any = None
         self.waits: list[tuple[Device, int]] = []
         self.keep: Any = None
 
     def give(self, run: Any, waits: list[tuple[Device, int]], keep: Any) -> None:
         self.run, self.waits, self.keep = run, waits, keep
-        self.given.set()
+        self.given.release()
 
     def take(self) -> tuple[Any, list[tuple[Device, int]]]:
         """(The submit thread.) The command once given: what it runs and waits for."""
-        self.given.wait()
-        run, self.run = self.run, None
+        with self.given:
+            run, self.run = self.run, None
         return run, self.waits
 
 
