@@ -226,7 +226,7 @@ class CUDADevice(StagedCopies):
         self.slab_used = 0  # bytes carved from the last slab
         self.pieces: dict[int, int] = {}
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device)
-        self.staging = PoolAllocator(1 << 40, 1 << 40, self._pinned, f"{self.name} staging")
+        self.staging = self.mem.staging(self._pinned, "staging", view=operator.attrgetter("array"))
         self.pin_ring()
         self.compute = float(sms * 128 * 2 * 1.7)  # FP32 lanes x 2 FLOP x ~GHz: rough GFLOP/s for AUTO placement
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
@@ -764,7 +764,7 @@ class CUDADevice(StagedCopies):
         try:  # what the pools cache goes back to the driver (a block still lent out stays: it may still be read)
             self.use()
             self._free_slabs()
-            for block in self.staging.take_cached():
+            for block in self.staging.pool.take_cached():
                 cu.cuMemFreeHost(block.ptr)
             if self.done_flag:
                 self.native_queue = None  # (its lanes read the flag no more: the executor's devices are closed)

@@ -14,11 +14,10 @@ from typing import Any, cast
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
 from azyx.device import Buffer, Device, Lent, after_waits
 from azyx.errors import DeviceError
-from azyx.memory import RING, RING_BLOCK
+from azyx.memory import RING, RING_BLOCK, Staging
 from azyx.queues import QueuedDevice
 from azyx.workers import in_background
 
@@ -96,7 +95,7 @@ class StagedCopies(QueuedDevice):
     hot: Hot
     ctx: Any
     cu_device: Any
-    staging: PoolAllocator  # pinned blocks, kept for reuse (freeing page-locked memory synchronises the device)
+    staging: Staging  # pinned blocks (`_pinned`), kept for reuse (freeing page-locked memory synchronises the device)
     peers: set[int]  # indices of the devices peer access was asked for with
     batch: Any  # launches collected and not submitted yet (a list), or None
     reserved: dict[int, Reserved]  # commands numbered ahead and not given yet, by value (`reserve_commands`)
@@ -147,7 +146,7 @@ class StagedCopies(QueuedDevice):
         pool now, at the device's start (a worker thread): the ring takes them from the pool's cache (`host_staging`)
         on the loop's thread, and no load pins memory beside the loop's driver calls (cuMemHostAlloc holds the
         driver's lock for milliseconds)."""
-        blocks = [Lent(self.staging, RING_BLOCK) for _ in range(RING)]
+        blocks = [self.staging.lend(RING_BLOCK) for _ in range(RING)]
         del blocks  # (back to the pool, which keeps them cached)
 
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
@@ -164,15 +163,15 @@ class StagedCopies(QueuedDevice):
         """A pinned block the staging pool has cached, to be read into and then copied from with one DMA. Else plain
         host memory: this runs on the loop, and pinning fresh memory takes milliseconds, so `copy_from_host` stages
         that through pinned chunks on a worker thread instead (whose blocks the pool then keeps for the next time)."""
-        block = self.staging.reuse(nbytes)
+        block = self.staging.pool.reuse(nbytes)
         if block is None:
             return super().host_staging(nbytes)
-        staged = Lent(self.staging, nbytes, block)
+        staged = self.staging.lend(nbytes, block)
         return staged.block.array[:nbytes], staged
 
     def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A pinned block from the staging pool, pinned now when it has none cached (worker threads only)."""
-        staged = Lent(self.staging, max(nbytes, 1))
+        staged = self.staging.lend(max(nbytes, 1))
         return staged.block.array[:nbytes], staged
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
@@ -181,7 +180,7 @@ class StagedCopies(QueuedDevice):
         or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`; into a
         reserved value `into`: one chunk)."""
         n = host.nbytes
-        if isinstance(keep, Lent) and keep.pool is self.staging:
+        if isinstance(keep, Lent) and keep.pool is self.staging.pool:
             src = host.ctypes.data if n else keep.block.ptr
 
             def dma() -> None:
@@ -219,13 +218,13 @@ class StagedCopies(QueuedDevice):
 
         def fill_chunk(i: int, block: tuple[_Pinned, int] | None = None) -> None:
             o, size = chunks[i]
-            stages[i].append(Lent(self.staging, max(size, 1), block))
+            stages[i].append(self.staging.lend(max(size, 1), block))
             fill(o, stages[i][0].block.array[:size])
 
         if at_once and all(d.timeline.value >= v for d, v in waits):
             # staged here from blocks the pool has cached; else (pinning fresh memory takes milliseconds, and this
             # may be the loop's thread) as a large source is, on a worker thread
-            blocks = [self.staging.reuse(max(size, 1)) for _, size in chunks]
+            blocks = [self.staging.pool.reuse(max(size, 1)) for _, size in chunks]
             if all(b is not None for b in blocks):
                 for i, b in enumerate(blocks):
                     fill_chunk(i, b)
@@ -233,7 +232,7 @@ class StagedCopies(QueuedDevice):
                     self._submit(dma_all, [], (keep, stages))
             for b in blocks:
                 if b is not None:
-                    self.staging.free(*b)
+                    self.staging.pool.free(*b)
         staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
@@ -282,7 +281,7 @@ class StagedCopies(QueuedDevice):
             cell: list[Lent] = []  # its pinned block: taken here when small, else on the submitter thread
 
             def take(size: int = size, cell: list[Lent] = cell) -> None:
-                cell.append(Lent(self.staging, max(size, 1)))
+                cell.append(self.staging.lend(max(size, 1)))
 
             def enqueue(o: int = o, size: int = size, cell: list[Lent] = cell) -> None:
                 if size:
@@ -298,9 +297,9 @@ class StagedCopies(QueuedDevice):
 
             # a small read takes a block the pool has cached; pinning fresh memory takes milliseconds (1.2 ms for a
             # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submitter's
-            block = self.staging.reuse(max(size, 1)) if n <= SYNC_STAGE else None
+            block = self.staging.pool.reuse(max(size, 1)) if n <= SYNC_STAGE else None
             if block is not None:
-                cell.append(Lent(self.staging, max(size, 1), block))
+                cell.append(self.staging.lend(max(size, 1), block))
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
             else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
