@@ -359,7 +359,8 @@ class Device:
        of a build that failed (an artifact of a compiler in this process: compiler.cached_build).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
     6. Copies: `copy`, `copy_to_host`, `copy_from_host` (and `copy_peer` where `peer` is not enough; `hold` on a
-       host-memory device);
+       host-memory device; `reserve_commands`, written once in queues.QueuedDevice, where other threads may queue a
+       load's copies into values the loop numbered);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
     7. Closing (QueuedDevice's `close`, written once): `drain` (wait for the API's queue) and `let_go` (destroy
        what the API made), where the API needs them.
