@@ -61,10 +61,12 @@ class Memory:
             return self.loads
 
     def staging(self, create: Callable[[int], Any], what: str, cache_limit: int = 1 << 40,
-                view: Callable[[Any], np.ndarray] | None = None, pool: type[PoolAllocator] = PoolAllocator) -> Staging:
-        """Host staging blocks made by `create` (a `pool` of them, emptied with the device's pool at `close`)."""
+                view: Callable[[Any], np.ndarray] | None = None, pool: type[PoolAllocator] = PoolAllocator,
+                destroy: Callable[[Any], None] | None = None) -> Staging:
+        """Host staging blocks made by `create` (a `pool` of them, emptied with the device's pool at `close`; its
+        blocks destroyed by `destroy` where they are not the device's kind: `adopt`)."""
         staging = Staging(pool(1 << 40, cache_limit, create, f"{self.device.name} {what}"), self.give_back, view)
-        self.adopt(staging.pool)
+        self.adopt(staging.pool, destroy)
         return staging
 
     def adopt(self, pool: PoolAllocator, destroy: Callable[[Any], None] | None = None) -> None:

@@ -208,7 +208,8 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
         import azyx
         from azyx.runtime import RT
 
-        azyx.configure({"c": {"devices": 2 if method == "azyx_stream_shard" else 1}, "opencl": {"enabled": False}})
+        azyx.configure({"c": {"devices": 2 if method == "azyx_stream_shard" else 1},
+                        "opencl": {"enabled": device.startswith("opencl")}})  # (PoCL: only where loaded onto)
         (azyx.Tensor(np.ones(4, np.float32), device=device) + 1).numpy_sync()  # start devices and worker threads
         if method == "azyx_stream_sum":  # compile the sums first (compiling is not loading), then empty the pool
             shapes = {(t.shape, t.dtype.name) for t in azyx.io.load_safetensors(path).values()}

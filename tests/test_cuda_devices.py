@@ -167,14 +167,14 @@ async def test_small_copies_with_no_pinned_block_cached_pin_off_the_loop() -> No
 
     dev = RT.device("cuda:0")
     await settle()
-    for block in dev.staging.take_cached():
+    for block in dev.staging.pool.take_cached():
         cu.cuMemFreeHost(block.ptr)
     xn = rng.standard_normal(1000).astype(np.float32)
     t = await Tensor(xn, device="cuda:0").realize()
-    for block in dev.staging.take_cached():
+    for block in dev.staging.pool.take_cached():
         cu.cuMemFreeHost(block.ptr)
     np.testing.assert_array_equal(await (t * 3).numpy(), xn * 3)
-    assert dev.staging.usage().cached > 0  # (the read's block, pinned on the submitter, is kept for the next)
+    assert dev.staging.pool.usage().cached > 0  # (the read's block, pinned on the submitter, is kept for the next)
     np.testing.assert_array_equal(await (t - 1).numpy(), xn - 1)
 
 
@@ -209,18 +209,17 @@ def test_a_staging_block_in_a_garbage_cycle_goes_back_to_its_pool_intact() -> No
     import gc
 
     from azyx.backends.cuda_driver import check, cu
-    from azyx.device import Lent
 
     dev = RT.device("cuda:0")
     size_attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE
     for n in (64, 8192, 3 << 20):
-        staged = Lent(dev.staging, n)  # type: ignore[attr-defined]
+        staged = dev.staging.lend(n)  # type: ignore[attr-defined]
         ptr, size = staged.block.ptr, staged.size
         cycle: list[object] = [staged]
         cycle.append(cycle)
         del staged, cycle
         gc.collect()
-        assert ptr in [b.ptr for b in dev.staging.cached_blocks(size)]  # type: ignore[attr-defined]
+        assert ptr in [b.ptr for b in dev.staging.pool.cached_blocks(size)]  # type: ignore[attr-defined]
         assert check(cu.cuPointerGetAttribute(size_attr, ptr), "cuPointerGetAttribute") == size
         xn = rng.standard_normal(n // 4).astype(np.float32)
         np.testing.assert_array_equal((Tensor(xn, device="c:0").to("cuda:0") + 1).numpy_sync(), xn + 1)

@@ -14,11 +14,10 @@ from typing import Any, cast
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
 from azyx.backends.cuda_driver import Hot, check, cu, describe_pointer
 from azyx.device import Buffer, Device, Lent, after_waits
 from azyx.errors import DeviceError
-from azyx.memory import RING, RING_BLOCK
+from azyx.memory import RING, RING_BLOCK, Staging
 from azyx.queues import QueuedDevice
 from azyx.workers import in_background
 
@@ -40,6 +39,49 @@ class _Pinned:
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
 
 
+class Job:
+    """A command deferred until host-side progress lets it go on the stream (see CUDADevice._submit)."""
+
+    __slots__ = ("host_wait", "waits", "enqueue", "keep", "post", "value", "first")
+
+    def __init__(self, host_wait: Callable[[], None] | None, waits: list[tuple[Device, int]],
+                 enqueue: Callable[[], None], keep: Any, post: Callable[[], None] | None, value: int, first: int = 0):
+        self.host_wait, self.waits, self.enqueue, self.keep, self.post = host_wait, waits, enqueue, keep, post
+        self.value, self.first = value, first or value
+
+
+class Reserved(Job):
+    """A command numbered ahead (`StagedCopies.reserve_commands`) and deferred at once, given later by another thread
+    (`give`): the submitter thread waits for it in turn (its host wait), then puts it on the stream as any other.
+    `given`: a lock held until then (made by the hundred on the loop's thread: a lock costs a fraction of an Event)."""
+
+    __slots__ = ("given", "then")
+
+    def __init__(self, value: int):
+        given, then = threading.Lock(), list[Callable[[], None]]()
+        given.acquire()
+        super().__init__(partial(_after_given, given, then), [], _nothing, None, None, value)
+        self.given, self.then = given, then
+
+    def give(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
+             host_wait: Callable[[], None] | None = None) -> None:
+        self.enqueue, self.waits, self.keep = enqueue, waits, keep
+        if host_wait is not None:
+            self.then.append(host_wait)
+        self.given.release()
+
+
+def _after_given(given: threading.Lock, then: list[Callable[[], None]]) -> None:
+    with given:
+        pass
+    for wait in then:
+        wait()
+
+
+def _nothing() -> None:
+    pass
+
+
 class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
@@ -53,8 +95,11 @@ class StagedCopies(QueuedDevice):
     hot: Hot
     ctx: Any
     cu_device: Any
-    staging: PoolAllocator  # pinned blocks, kept for reuse (freeing page-locked memory synchronises the device)
+    staging: Staging  # pinned blocks (`_pinned`), kept for reuse (freeing page-locked memory synchronises the device)
     peers: dict[int, bool]  # per device index peer access was asked for with: whether it is on
+    batch: Any  # launches collected and not submitted yet (a list), or None
+    reserved: dict[int, Reserved]  # commands numbered ahead and not given yet, by value (`reserve_commands`)
+    submitted: int  # the last value numbered (the device's queue state's)
 
     def use(self) -> None:
         raise NotImplementedError
@@ -62,6 +107,35 @@ class StagedCopies(QueuedDevice):
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None) -> int:
         raise NotImplementedError
+
+    def _flush(self, batch: Any) -> None:
+        raise NotImplementedError
+
+    def _defer(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def reserve_commands(self, n: int) -> int:
+        """`n` commands numbered now (after the launches collected so far) and deferred: the submitter thread puts
+        each on the stream once it is given (`_give`, by `copy_from_host(..., into=v)` on a reader thread) and what
+        it waits for is there; commands submitted meanwhile queue behind them."""
+        with self.queue.lock:
+            if self.batch:  # (as `_submit`: the stream is in order)
+                self._flush(self.batch)
+                self.batch = []
+            first = self.submitted + 1
+            self.submitted += n
+            for v in range(first, first + n):
+                self.reserved[v] = job = Reserved(v)
+                self._defer(job)
+        return first
+
+    def _give(self, v: int, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
+              host_wait: Callable[[], None] | None = None) -> int:
+        """The command of reserved value `v` (any thread): `_submit`'s arguments."""
+        with self.queue.lock:
+            job = self.reserved.pop(v)
+        job.give(enqueue, waits, keep, host_wait)
+        return v
 
     def _pinned(self, size: int) -> _Pinned:
         """A new pinned block for the staging pool."""
@@ -73,7 +147,7 @@ class StagedCopies(QueuedDevice):
         pool now, at the device's start (a worker thread): the ring takes them from the pool's cache (`host_staging`)
         on the loop's thread, and no load pins memory beside the loop's driver calls (cuMemHostAlloc holds the
         driver's lock for milliseconds)."""
-        blocks = [Lent(self.staging, RING_BLOCK) for _ in range(RING)]
+        blocks = [self.staging.lend(RING_BLOCK) for _ in range(RING)]
         del blocks  # (back to the pool, which keeps them cached)
 
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
@@ -90,42 +164,44 @@ class StagedCopies(QueuedDevice):
         """A pinned block the staging pool has cached, to be read into and then copied from with one DMA. Else plain
         host memory: this runs on the loop, and pinning fresh memory takes milliseconds, so `copy_from_host` stages
         that through pinned chunks on a worker thread instead (whose blocks the pool then keeps for the next time)."""
-        block = self.staging.reuse(nbytes)
+        block = self.staging.pool.reuse(nbytes)
         if block is None:
             return super().host_staging(nbytes)
-        staged = Lent(self.staging, nbytes, block)
+        staged = self.staging.lend(nbytes, block)
         return staged.block.array[:nbytes], staged
 
     def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A pinned block from the staging pool, pinned now when it has none cached (worker threads only)."""
-        staged = Lent(self.staging, max(nbytes, 1))
+        staged = self.staging.lend(max(nbytes, 1))
         return staged.block.array[:nbytes], staged
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0) -> int:
+                       offset: int = 0, into: int = 0) -> int:
         """From this device's pinned staging (`host_staging`, `staging_block`: `keep` is its block, `host` that block
-        or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`)."""
+        or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`; into a
+        reserved value `into`: one chunk)."""
         n = host.nbytes
-        if isinstance(keep, Lent) and keep.pool is self.staging:
+        if isinstance(keep, Lent) and keep.pool is self.staging.pool:
             src = host.ctypes.data if n else keep.block.ptr
 
             def dma() -> None:
                 if n and (err := self.hot.here().htod(dst.ptr + offset, src, n, self.stream_h)):
                     self.hot.fail(err, "H2D")
 
-            return self._submit(dma, waits, (keep, dst))
+            return self._give(into, dma, waits, (keep, dst)) if into else self._submit(dma, waits, (keep, dst))
         flat = host.reshape(-1).view(np.uint8)
         return self._upload(n, lambda o, out: out.__setitem__(slice(None), flat[o:o + out.nbytes]), dst, offset,
-                            waits, (keep, dst), at_once=n <= SYNC_STAGE)
+                            waits, (keep, dst), at_once=n <= SYNC_STAGE, into=into)
 
     def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, offset: int,
-                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False) -> int:
+                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False, into: int = 0) -> int:
         """Host bytes -> this device (into `dst` from byte `offset`) through pinned chunks: `fill(o, chunk)` writes
         each (`o`: its offset in the bytes). A ready source that may be staged `at_once` (small) is staged here;
         otherwise a worker thread fills the chunks once the source is ready, and each chunk's DMA is a deferred
         command that goes on the stream once its chunk is filled (the DMA of one chunk overlaps the filling of the
         next)."""
         chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
+        assert not into or len(chunks) == 1, f"{n} bytes into one reserved command"
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
         # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
         stages: list[list[Lent]] = [[] for _ in chunks]
@@ -143,20 +219,21 @@ class StagedCopies(QueuedDevice):
 
         def fill_chunk(i: int, block: tuple[_Pinned, int] | None = None) -> None:
             o, size = chunks[i]
-            stages[i].append(Lent(self.staging, max(size, 1), block))
+            stages[i].append(self.staging.lend(max(size, 1), block))
             fill(o, stages[i][0].block.array[:size])
 
         if at_once and all(d.timeline.value >= v for d, v in waits):
             # staged here from blocks the pool has cached; else (pinning fresh memory takes milliseconds, and this
             # may be the loop's thread) as a large source is, on a worker thread
-            blocks = [self.staging.reuse(max(size, 1)) for _, size in chunks]
+            blocks = [self.staging.pool.reuse(max(size, 1)) for _, size in chunks]
             if all(b is not None for b in blocks):
                 for i, b in enumerate(blocks):
                     fill_chunk(i, b)
-                return self._submit(dma_all, [], (keep, stages))
+                return self._give(into, dma_all, [], (keep, stages)) if into else \
+                    self._submit(dma_all, [], (keep, stages))
             for b in blocks:
                 if b is not None:
-                    self.staging.free(*b)
+                    self.staging.pool.free(*b)
         staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
@@ -172,7 +249,8 @@ class StagedCopies(QueuedDevice):
 
         v = 0
         for i in range(len(chunks)):
-            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
+            v = (partial(self._give, into) if into else self._submit)(
+                partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
         after_waits(waits, lambda: in_background(stage))
         return v
 
@@ -205,7 +283,7 @@ class StagedCopies(QueuedDevice):
             cell: list[Lent] = []  # its pinned block: taken here when small, else on the submitter thread
 
             def take(size: int = size, cell: list[Lent] = cell) -> None:
-                cell.append(Lent(self.staging, max(size, 1)))
+                cell.append(self.staging.lend(max(size, 1)))
 
             def enqueue(o: int = o, size: int = size, cell: list[Lent] = cell) -> None:
                 if size:
@@ -221,9 +299,9 @@ class StagedCopies(QueuedDevice):
 
             # a small read takes a block the pool has cached; pinning fresh memory takes milliseconds (1.2 ms for a
             # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submitter's
-            block = self.staging.reuse(max(size, 1)) if n <= SYNC_STAGE else None
+            block = self.staging.pool.reuse(max(size, 1)) if n <= SYNC_STAGE else None
             if block is not None:
-                cell.append(Lent(self.staging, max(size, 1), block))
+                cell.append(self.staging.lend(max(size, 1), block))
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
             else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
