@@ -316,7 +316,7 @@ ZEROED_CHECKS = 16  # check words a device keeps for reuse, found zero after a r
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
-    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API.
+    once; a backend (one module, azyx/backends/<kind>.py, found by azyx.registry) writes only what differs for its API.
 
     - memory: `mem`, a memory.Memory: the pool of blocks (`mem.pool`, reached as `allocator`: an
       allocator.PoolAllocator over the backend's "create a block of n bytes") of `capacity` bytes, buffers of at most
