@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from azyx.autograd import no_grad
-from azyx.backends import BACKENDS
 from azyx.config import ConfigError
 from azyx.dtypes import DType, dtypes
 from azyx.errors import (
@@ -30,6 +29,7 @@ from azyx.jit import jit
 from azyx.plan import ExecutionPlan
 from azyx.realize import flat_targets
 from azyx.realize import realize as _realize
+from azyx.registry import BACKENDS
 from azyx.runtime import RT
 from azyx.schedule import make_plan
 from azyx.shard import DataParallel, ShardedTensor, replicate

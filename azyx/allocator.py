@@ -31,14 +31,35 @@ def bucket(nbytes: int) -> int:
 
 
 class Slabs:
-    """Small blocks carved from slabs of `size` bytes (a driver's allocations are slow, and few), at offsets aligned
-    to `align`: per key (a memory type) the slab being carved, and per slab how many of its pieces are out."""
+    """Small blocks (of at most `piece_max` bytes) carved from slabs of `size` bytes (a driver's allocations are slow,
+    and few), at offsets aligned to `align`: per key (a memory type) the slab being carved, per slab how many of its
+    pieces are out, and per piece its slab. A device's pool makes its blocks by `block` and destroys them by
+    `destroy`: the decision "a piece or the API's own block" is made here, once for every backend."""
 
-    def __init__(self, size: int, align: int):
-        self.size, self.align = size, align
+    def __init__(self, size: int, align: int, piece_max: int):
+        self.size, self.align, self.piece_max = size, align, piece_max
         self.lock = threading.Lock()
         self.carving: dict[Any, tuple[Any, int]] = {}  # key -> its slab being carved, the bytes carved from it
         self.pieces: dict[Any, int] = {}  # slab -> its pieces out (`carve` less `drop`)
+        self.of: dict[Any, Any] = {}  # piece -> its slab (`block`)
+
+    def block(self, key: Any, size: int, whole: Callable[[int], Any], piece: Callable[[Any, int, int], Any]) -> Any:
+        """A block of `size` bytes: past `piece_max` the API's own (`whole(size)`), else `piece(slab, at, size)`, the
+        block of `size` bytes at `at` in a slab of `key`'s (a slab: `whole(self.size)`)."""
+        if size > self.piece_max:
+            return whole(size)
+        slab, at = self.carve(key, size, lambda: whole(self.size))
+        block = piece(slab, at, size)
+        self.of[block] = slab
+        return block
+
+    def destroy(self, block: Any, destroy: Callable[[Any], Any]) -> None:
+        """`block` is gone for good: `destroy`ed where it is the API's own; a piece, its slab once it was the last."""
+        slab = self.of.pop(block, None)
+        if slab is None:
+            destroy(block)
+        elif self.drop(slab):
+            destroy(slab)
 
     def carve(self, key: Any, size: int, new: Callable[[], Any]) -> tuple[Any, int]:
         """A piece of `size` bytes: its slab and its offset there; `new()` makes a slab where the one being carved

@@ -17,7 +17,7 @@ from azyx.errors import AzyxError
 COMPILE_TIMEOUT_S = 120.0
 
 # the sections of the settings that configure no backend; each backend's own section (its defaults) is the `CONFIG` of
-# its module, which `add_backends` puts before these (azyx.backends does, as it is imported)
+# its module, which `add_backends` puts before these (azyx.registry does, as it is imported)
 DEFAULTS: dict[str, dict[str, Any]] = {
     # ExecutionPlans kept for graphs of a structure seen before (least recently used go first): a service that sees
     # ever new shapes must not grow without bound

@@ -316,7 +316,7 @@ ZEROED_CHECKS = 16  # check words a device keeps for reuse, found zero after a r
 
 class Device:
     """One logical device, made of four parts, split as runtimes that serve many APIs split it. Each part is written
-    once; a backend (one module, azyx/backends/<kind>.py: see azyx.backends) writes only what differs for its API.
+    once; a backend (one module, azyx/backends/<kind>.py, found by azyx.registry) writes only what differs for its API.
 
     - memory: `mem`, a memory.Memory: the pool of blocks (`mem.pool`, reached as `allocator`: an
       allocator.PoolAllocator over the backend's "create a block of n bytes") of `capacity` bytes, buffers of at most
@@ -344,11 +344,13 @@ class Device:
        Device subclass (most: of queues.QueuedDevice) that sets the facts below that differ (`kind`, `dialect`, ...)
        and `count` (how many devices its API has).
     2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
-       create, self.name)` where `create(n)` makes a block of n bytes; where blocks must be freed through the API,
-       `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one buffer has a limit,
-       `self.mem.max_block`; host staging by `self.mem.staging(create, what)` (memory.Staging: its blocks lent by
-       `lend(n)`, a mapped one's memory by `host(n)`); then `queue.start()` (the waiter thread, and the submit thread
-       unless it submits on its own path: `start(submits=False)`).
+       create, self.name)` where `create(n)` makes a block of n bytes (small ones as pieces of slabs where the
+       API's allocations are slow: allocator.Slabs' `block` and `destroy`; a pool that holds its blocks, where the
+       API's block objects release their handle as they are finalized: memory.OwnedPool); where blocks must be freed
+       through the API, `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one
+       buffer has a limit, `self.mem.max_block`; host staging by `self.mem.staging(create, what)` (memory.Staging: its
+       blocks lent by `lend(n)`, a mapped one's memory by `host(n)`); then `queue.start()` (the waiter thread, and the
+       submit thread unless it submits on its own path: `start(submits=False)`).
     3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
        `queue.enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `queue.native_waits`, or
        `queue.host_waited` where the host waits for the rest on the submit thread, and returns the event),

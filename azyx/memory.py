@@ -242,6 +242,40 @@ class Staging:
         return host.ctypes.data - self.view(keep.block).ctypes.data if host.nbytes else 0
 
 
+class OwnedPool(PoolAllocator):
+    """A pool that holds each block it makes (`blocks`, by id) until it lets it go: no block the pool lends or keeps
+    is ever garbage. For an API whose block objects release their handle when finalized (wgpu-py's buffers): a
+    Buffer or Lent that dies in a reference cycle gives its block back from its finalizer, in the same pass of the
+    cyclic GC that finalizes the block's object; a pool holding its blocks only through their lenders would keep such
+    a released block and lend it again. Blocks given back past `keep` cached bytes are let go here (the pool
+    underneath drops none): by their last reference (wgpu-native outlives it for the commands queued that use them)."""
+
+    def __init__(self, capacity: int, keep: int, create: Callable[[int], Any], what: str):
+        self.blocks: dict[int, Any] = {}
+        self.keep, self.make = keep, create
+        super().__init__(capacity, 1 << 62, self._own, what)
+        self.give = self.free  # the pool's own give-back (the native pool's, where the native core is)
+        self.free = self._free  # type: ignore[method-assign]
+
+    def _own(self, size: int) -> Any:
+        mem = self.make(size)
+        self.blocks[id(mem)] = mem
+        return mem
+
+    def _free(self, mem: Any, size: int) -> None:
+        """A block back (any thread, a finalizer's included): cached, or let go past `keep` cached bytes."""
+        if mem is not None and self.cached + size > self.keep:
+            self.blocks.pop(id(mem), None)
+            mem = None
+        self.give(mem, size)
+
+    def take_cached(self, keep: Callable[[Any], bool] | None = None) -> list[Any]:
+        out = super().take_cached(keep)
+        for mem in out:
+            self.blocks.pop(id(mem), None)
+        return out
+
+
 class Ring:
     """A device's staging blocks for loads (`Device.host_staging`, `RING_BLOCK` bytes each, `size` at most), read into
     and copied from in turn: a block is read into again once its last copy is done (the read waits for that on the

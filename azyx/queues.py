@@ -23,11 +23,13 @@ import ctypes
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
+from azyx import debug
 from azyx.device import INLINE, QUEUED, BatchState, Buffer, Device, LaunchItem, Runner, gatherable, host_read
 from azyx.dtypes import DType
 from azyx.errors import DeviceError
@@ -580,9 +582,21 @@ class HostDevice(Device):
         return self.queue.submit(fn, [(d.timeline, v) for d, v in waits], self.runs_inline(work))
 
     def prepare_batch(self, batch: BatchState) -> None:
-        """INLINE where the batch's work is small (`runs_inline`), else QUEUED. A backend then leaves in an INLINE
-        batch's `prepared` what runs it now on the calling thread: `prepared.inline(items)`."""
-        batch.how = INLINE if self.runs_inline(batch.work) else QUEUED
+        """INLINE where the batch's work is small (`runs_inline`), else QUEUED (always under AZYX_DEBUG's launch
+        timings, which time each kernel of a work item: `timed`). A backend then leaves in an INLINE batch's
+        `prepared` what runs it now on the calling thread: `prepared.inline(items)`."""
+        batch.how = INLINE if self.runs_inline(batch.work) and not debug.enabled(debug.LAUNCHES) else QUEUED
+
+    def timed(self, calls: list[Callable[[], None]], items: list[LaunchItem]) -> Callable[[], None]:
+        """The work item of AZYX_DEBUG's launch timings: `calls` (one per kernel of `items`) in turn, each timed."""
+
+        def run() -> None:
+            for call, (step, _, _) in zip(calls, items):
+                t0 = time.perf_counter()
+                call()
+                debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
+                                          f"{(time.perf_counter() - t0) * 1e6:.1f} us")
+        return run
 
     def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
         """The base's runner (each batch INLINE or QUEUED), gathering where the plan is `gatherable` and its work is

@@ -21,7 +21,6 @@ import sniffio
 
 from azyx import config as _config
 from azyx import debug, search, workers
-from azyx.backends import BACKENDS, Probe, probe
 from azyx.backends.disk import DiskDevice, start_readers
 from azyx.codegen import search_actions as optimize
 from azyx.device import Buffer, Device
@@ -30,6 +29,7 @@ from azyx.executor import UnifiedExecutor
 from azyx.graph import GRAPH, StridedView
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.queues import HostMemory
+from azyx.registry import BACKENDS, Probe, probe
 from azyx.timeline import LoopEvent
 from azyx.workers import in_worker_thread
 

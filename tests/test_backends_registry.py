@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from azyx import config
-from azyx.backends import BACKENDS
+from azyx.registry import BACKENDS
 
 # the module of a new backend, complete: a host-memory device that runs the C backend's kernels under its own kind
 # (it subclasses the C device to be short; a real one would subclass Device or the shared bases)
@@ -29,9 +29,9 @@ class EchoDevice(CDevice):
 SCRIPT = """
 import asyncio, sys
 import numpy as np
-from azyx import backends, config
+from azyx import backends, config, registry
 backends.__path__.append(sys.argv[1])  # (where the new module lies: beside the package's own, as if added to it)
-backends.register()
+registry.register()
 import azyx
 azyx.configure({"echo": {"loudness": 4}})
 names = asyncio.run(azyx.start("echo"))

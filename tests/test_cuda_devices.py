@@ -189,7 +189,7 @@ async def test_small_blocks_are_pieces_of_slabs_and_hold_their_data() -> None:
     ts = [await (Tensor(x, device="cuda:0") * 2 + 1).realize() for x in xs]
     ptrs = [GRAPH[t.id].buffer.ptr for t in ts]  # type: ignore[union-attr]
     assert len(set(ptrs)) == len(ptrs)
-    assert all(p % SLAB_ALIGN == 0 and p in dev.pieces for p in ptrs)
+    assert all(p % SLAB_ALIGN == 0 and p in dev.slabs.of for p in ptrs)
     assert len(dev.slabs.pieces) - slabs <= 1 + sum(x.nbytes for x in xs) * 2 // SLAB
     dev.empty_cache()
     for t, x in zip(ts, xs):

@@ -65,7 +65,7 @@ def test_an_auto_program_probes_only_the_auto_backends() -> None:
 def test_start_probes_every_backend_off_the_loop_and_devices_answers_from_it() -> None:
     script = """
 import asyncio, threading, azyx
-from azyx.backends import BACKENDS
+from azyx.registry import BACKENDS
 from azyx.runtime import RT
 
 async def main():

@@ -26,7 +26,6 @@ import platform
 import shutil
 import struct
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -221,12 +220,9 @@ class CDevice(HostDevice):
                 for name in arity}
 
     def prepare_batch(self, batch: BatchState) -> None:
-        """INLINE or QUEUED by its work (HostDevice; QUEUED under AZYX_DEBUG's launch timings, which time each kernel
-        of a work item), and its `_Layout`; the device's thread pools, and its runner, start with the first batch that
-        needs them."""
+        """INLINE or QUEUED (HostDevice's), and its `_Layout`; the device's thread pools, and its runner, start with
+        the first batch that needs them."""
         super().prepare_batch(batch)
-        if debug.enabled(debug.LAUNCHES):
-            batch.how = QUEUED
         if self.pool is None:
             self.pool = _RUNTIME_LIB[0].azyx_pool_new(self.threads)
             self.queue.native = _Runner(self.pool, self.timeline, self.name)
@@ -262,16 +258,8 @@ class CDevice(HostDevice):
         layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
         assert type(layout) is _Layout and pool is not None and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            calls = [_Batch(lay, lay.table([item]), self.pool, [item]) for item in items
-                     for lay in [_Layout([item[0]])]]
-
-            def timed() -> None:
-                for call, (step, _, _) in zip(calls, items):
-                    t0 = time.perf_counter()
-                    call()
-                    debug.log(debug.LAUNCHES, f"{self.name}: {step.name} work={step.work} "
-                                              f"{(time.perf_counter() - t0) * 1e6:.1f} us")
-            return timed
+            return self.timed([_Batch(lay, lay.table([item]), self.pool, [item]) for item in items
+                               for lay in [_Layout([item[0]])]], items)
         return _Batch(layout, layout.table(items), pool, items)
 
     def close(self) -> None:

@@ -236,9 +236,8 @@ class CUDADevice(StagedCopies):
         self.driver_free = int(free)
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
         self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name, lowest=True)
-        # blocks up to SLAB_PIECE bytes are carved from slabs of SLAB bytes (`_create`): piece -> its slab's base
-        self.slabs = Slabs(SLAB, SLAB_ALIGN)
-        self.pieces: dict[int, int] = {}
+        # blocks up to SLAB_PIECE bytes are carved from slabs of SLAB bytes (`_create`)
+        self.slabs = Slabs(SLAB, SLAB_ALIGN, SLAB_PIECE)
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device); once
         # closed, the memory part destroys both kinds of block
         self.staging = self.mem.staging(self._pinned, "staging", view=operator.attrgetter("array"),
@@ -311,18 +310,12 @@ class CUDADevice(StagedCopies):
     def _create(self, size: int) -> int:
         """A new block for the pool: a small one is a piece of a slab (cuMemAlloc takes 0.3-1.5 ms on an H200's host,
         on the loop's thread when a crowd's pool grows), a larger one the driver's own."""
-        if size > SLAB_PIECE:
-            return self._driver_alloc(size)
-        slab, at = self.slabs.carve(None, size, lambda: self._driver_alloc(SLAB))
-        self.pieces[slab + at] = slab
-        return slab + at
+        return self.slabs.block(None, size, self._driver_alloc, lambda slab, at, _: slab + at)
 
     def _destroy(self, ptr: int) -> None:
         """(Closed: the memory part's `destroy`.) A block back to the driver; a piece, its slab once it was the last."""
         self.use()
-        slab = self.pieces.pop(ptr, None)
-        if slab is None or self.slabs.drop(slab):
-            cu.cuMemFree(ptr if slab is None else slab)
+        self.slabs.destroy(ptr, cu.cuMemFree)
 
     def _driver_alloc(self, size: int) -> int:
         self.use()
@@ -339,7 +332,7 @@ class CUDADevice(StagedCopies):
         """Return every cached block to the driver, but the pieces of slabs (they stay cached, for the next small
         blocks; the slabs go when the device closes)."""
         self.use()
-        for ptr in self.allocator.take_cached(keep=self.pieces.__contains__):
+        for ptr in self.allocator.take_cached(keep=self.slabs.of.__contains__):
             cu.cuMemFree(ptr)
         self.driver_free = int(check(cu.cuMemGetInfo(), "cuMemGetInfo")[0])
 

@@ -232,16 +232,21 @@ def glslc_version() -> str:
 # ------------------------------------------------------------------------------------------------ memory
 class _Block:
     """`size` bytes at `offset` in a VkBuffer: the whole of a buffer bound to its own VkDeviceMemory, or a piece of a
-    slab (`slab`: the slab's block; `memory` None). `address` is its device address (what a shader reads it by),
+    slab (`memory` None: allocator.Slabs knows its slab). `address` is its device address (what a shader reads it by),
     `array` (uint8) and `ptr` its mapping (None, 0 unmapped)."""
 
-    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr", "slab")
+    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr")
 
-    def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None,
-                 offset: int = 0, slab: _Block | None = None):
+    def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None, offset: int = 0):
         self.buffer, self.memory, self.size, self.address, self.array = buffer, memory, size, address, array
-        self.offset, self.slab = offset, slab
+        self.offset = offset
         self.ptr = array.ctypes.data if array is not None else 0
+
+    @staticmethod
+    def piece(slab: _Block, at: int, size: int) -> _Block:
+        """The piece of `size` bytes at `at` in a slab."""
+        return _Block(slab.buffer, None, size, slab.address + at, None if slab.array is None else
+                      slab.array[at:at + size], at)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -294,7 +299,7 @@ class VulkanDevice(QueuedDevice):
         glslc_version()  # (raises where glslc is missing: nothing could be compiled)
         if not 0 <= index < len(physical):
             raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
-        self.slabs = Slabs(SLAB, SLAB_ALIGN)  # per memory type, the slabs its small blocks are carved from
+        self.slabs = Slabs(SLAB, SLAB_ALIGN, SLAB_PIECE)  # per memory type, the slabs its small blocks are carved from
         self.ctx = context(physical[index])
         try:
             self._setup(options)
@@ -382,12 +387,7 @@ class VulkanDevice(QueuedDevice):
     def _create(self, type_index: int, mapped: bool, size: int) -> _Block:
         """A new block for a pool of `size` bytes in memory of type `type_index`, mapped if `mapped`: a small one is
         a piece of a slab (a driver's allocations are slow, and few: maxMemoryAllocationCount is 4096 on NVIDIA's)."""
-        if size > SLAB_PIECE:
-            block = self._whole(type_index, mapped, size)
-        else:
-            slab, at = self.slabs.carve(type_index, size, lambda: self._whole(type_index, mapped, SLAB))
-            block = _Block(slab.buffer, None, size, slab.address + at, None if slab.array is None else
-                           slab.array[at:at + size], at, slab)
+        block = self.slabs.block(type_index, size, functools.partial(self._whole, type_index, mapped), _Block.piece)
         self.mem.count(1)  # (the memory part's last destroyed lets the shared context go)
         return block
 
@@ -411,11 +411,11 @@ class VulkanDevice(QueuedDevice):
 
     def _destroy(self, block: _Block) -> None:
         """(Once the device has closed: the memory part's `destroy`.) A slab goes with its last piece."""
-        if block.slab is None:
-            vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
-            vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
-        elif self.slabs.drop(block.slab):
-            self._destroy(block.slab)
+        self.slabs.destroy(block, self._free)
+
+    def _free(self, block: _Block) -> None:
+        vk.vkDestroyBuffer(self.vkdev, block.buffer, None)
+        vk.vkFreeMemory(self.vkdev, block.memory, None)  # (unmaps it)
 
     def identity(self) -> dict[str, Any]:
         props = self.ctx.props

@@ -16,10 +16,11 @@ Memory: pooled storage buffers (sizes in multiples of 4 bytes: WebGPU copies and
 back copy into a pooled MAP_READ staging buffer and map it; writes are `queue.write_buffer` up to UPLOAD_DIRECT bytes,
 larger ones fill a pooled MAP_WRITE buffer and copy from it (2.4 GB/s against write_buffer's 0.7-1.0 for 64 MiB on
 lavapipe: write_buffer stages through a fresh allocation of the driver's each time). Each pool holds the buffers it
-makes until it lets them go (`_OwnedPool`): one given back by the cyclic GC is never one wgpu-py released. Limits come
-from the adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage binding size
-(a kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is refused with an
-AllocationError naming both), workgroups per dimension (the renderer folds long grids into a 2-D dispatch).
+makes until it lets them go (`memory.OwnedPool`): one given back by the cyclic GC is never one wgpu-py released.
+Limits come from the adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage
+binding size (a kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is
+refused with an AllocationError naming both), workgroups per dimension (the renderer folds long grids into a 2-D
+dispatch).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
 from azyx.codegen import search_actions as optimize
 from azyx.codegen.dialect import WGSL as WGSL_FACTS
 from azyx.codegen.dialect import WGSL_TYPES
@@ -42,7 +42,7 @@ from azyx.config import ConfigError
 from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, word_table
 from azyx.errors import DeviceError
 from azyx.ir import Kernel, scalar_args
-from azyx.memory import memory_bytes
+from azyx.memory import OwnedPool, memory_bytes
 from azyx.plan import KernelStep
 from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority
@@ -108,40 +108,6 @@ def adapters(options: dict[str, Any]) -> list[Any]:
                   else len(order))
 
 
-class _OwnedPool(PoolAllocator):
-    """A pool of wgpu buffers that holds each one it makes (`blocks`, by id) until it lets it go: no buffer the pool
-    lends or keeps is ever garbage. A Buffer or Lent that dies in a reference cycle gives its block back from its
-    finalizer, in the same pass of the cyclic GC that finalizes the block's wgpu-py object, which releases its handle
-    (sets it to None): a pool holding its blocks only through their lenders would keep such a released buffer and
-    lend it again. Blocks given back past `keep` cached bytes are let go here (the pool underneath drops none): by
-    their last reference, which wgpu-native outlives for the commands queued that use them."""
-
-    def __init__(self, capacity: int, keep: int, create: Callable[[int], Any], what: str):
-        self.blocks: dict[int, Any] = {}
-        self.keep, self.make = keep, create
-        super().__init__(capacity, 1 << 62, self._own, what)
-        self.give = self.free  # the pool's own give-back (the native pool's, where the native core is)
-        self.free = self._free  # type: ignore[method-assign]
-
-    def _own(self, size: int) -> Any:
-        mem = self.make(size)
-        self.blocks[id(mem)] = mem
-        return mem
-
-    def _free(self, mem: Any, size: int) -> None:
-        """A block back (any thread, a finalizer's included): cached, or let go past `keep` cached bytes."""
-        if mem is not None and self.cached + size > self.keep:
-            self.blocks.pop(id(mem), None)
-            mem = None
-        self.give(mem, size)
-
-    def take_cached(self, keep: Callable[[Any], bool] | None = None) -> list[Any]:
-        out = super().take_cached(keep)
-        for mem in out:
-            self.blocks.pop(id(mem), None)
-        return out
-
-
 class _Program:
     """A kernel's pipeline and bind group layout, and how it binds: per buffer its ranges (`wgsl.bindings`: how many,
     the bytes of each), and the bytes of its scalars' uniform window (0: none)."""
@@ -174,7 +140,7 @@ class WgpuDevice(QueuedDevice):
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
     shaders = True
     # wgpu-native makes buffers on any thread, and the pools are locked (the native pool's one C call per step, or
-    # PoolAllocator's lock; `_OwnedPool.blocks` changes by one dict store under the GIL)
+    # PoolAllocator's lock; `OwnedPool.blocks` changes by one dict store under the GIL)
     alloc_anywhere = True
     # a stream's destinations made on the loop's thread held it 50-120 ms in create_buffer beside the reader threads
     # and the queue's (lavapipe, a loaded machine): a load's or a plan's blocks of this size and up are made first on a
@@ -222,11 +188,11 @@ class WgpuDevice(QueuedDevice):
                    "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
         self.capacity = int(options.get("memory") or default)
         # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
-        self.allocator = self.pool = _OwnedPool(self.capacity, self.capacity, functools.partial(
+        self.allocator = self.pool = OwnedPool(self.capacity, self.capacity, functools.partial(
             self._buffer, STORAGE), self.name)  # (a driver's refusal: the pool's AllocationError)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
         self.staging, self.uploads = (self.mem.staging(functools.partial(self._buffer, usage), what, 256 << 20,
-                                                       pool=_OwnedPool) for usage, what in ((STAGING, "staging"),
+                                                       pool=OwnedPool) for usage, what in ((STAGING, "staging"),
                                                                                             (UPLOAD, "uploads")))
         self.mem.destroy = _destroy
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
@@ -466,5 +432,5 @@ class WgpuDevice(QueuedDevice):
         """The kept bind groups, and the pools' hold on their buffers (those lent go with their Buffers)."""
         self.groups.clear()
         for pool in (self.pool, self.staging.pool, self.uploads.pool):
-            assert isinstance(pool, _OwnedPool)
+            assert isinstance(pool, OwnedPool)
             pool.blocks.clear()  # (those lent go with their Buffers)
