@@ -261,6 +261,9 @@ async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any
             ta = statistics.median(ta_all[packed])
             torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"),
                                            MINILM_TARGET)
+            if tp_all:  # each round's ratio: a spread says the machine's other load moved one side (see the notes)
+                ratios = [p / a for a, p in zip(ta_all[packed], tp_all)]
+                torch_cell += f"; rounds {min(ratios):.2f}-{max(ratios):.2f}x"
             how = ", mixed lengths packed (model.pack_mixed)" if packed else ""
             rows.append([f"all-MiniLM-L6-v2, batch {batch}{how} ({batch / ta:.0f} sentences/s)", device,
                          f"{ta * 1e3:.1f} ms", "-", torch_cell, "-", target])
@@ -285,7 +288,11 @@ def section(rows: list[list[str]], quick: bool, torch: Any, devices: list[str]) 
               "- the issue's target is the CPU's (c:0); opencl:0 (PoCL) and vulkan:0 (lavapipe) are CPU "
               "implementations of GPU APIs, shown for the record",
               "- the machine is shared (see the load average): numpy's and PyTorch's times move with it as azyx's do; "
-              "compare the ratios of one run", "", end]
+              "compare the ratios of one run",
+              "- MiniLM: medians of MINILM_ROUNDS rounds that alternate the sides, each round's ratio's range beside; "
+              "torch's OpenMP threads spin at barriers, so where another process holds a core the peer runs 4-16x "
+              "slower (a wide range of round ratios; --omp-passive), which once read as azyx 4.11x at batch 32",
+              "", end]
     return "\n".join(lines) + "\n"
 
 
