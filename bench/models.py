@@ -236,24 +236,37 @@ async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any
     rows = []
     for batch in batches:
         sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
-        got = await model.embed(sentences)
-        if peer is not None:
-            want = peer(sentences)
-            assert (got * want).sum(-1).min() >= 0.9999, "azyx's MiniLM embeddings differ from transformers'"
+        # the default (padded to the batch's bucket) and, where the batch's lengths are mixed enough, packed
+        # (model.pack_mixed: the products on the real tokens' rows, as TEI runs them)
+        modes = [False] + ([True] if model.pack(model.encode(sentences)) is not None else [])
+        want = peer(sentences) if peer is not None else None
+        for packed in modes:
+            model.pack_mixed = packed
+            got = await model.embed(sentences)
+            if want is not None:
+                assert (got * want).sum(-1).min() >= 0.9999, "azyx's MiniLM embeddings differ from transformers'"
         # rounds that alternate azyx and the peer (a shared machine's load moves both alike within a round); the
         # medians over all rounds' repeats
-        ta_all: list[float] = []
+        ta_all: dict[bool, list[float]] = {p: [] for p in modes}
         tp_all: list[float] = []
         for _ in range(MINILM_ROUNDS):
-            ta_all.append(await median_time_async(lambda: model.embed(sentences), max(3, repeats // 10)))
+            for packed in modes:
+                model.pack_mixed = packed
+                ta_all[packed].append(await median_time_async(lambda: model.embed(sentences), max(3, repeats // 10)))
             if peer is not None:
                 tp_all.append(median_time(lambda: peer(sentences), max(3, repeats // 10)))
-        ta = statistics.median(ta_all)
+        model.pack_mixed = False
         tp = statistics.median(tp_all) if tp_all else None
-        torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"),
-                                       MINILM_TARGET)
-        rows.append([f"all-MiniLM-L6-v2, batch {batch} ({batch / ta:.0f} sentences/s)", device, f"{ta * 1e3:.1f} ms",
-                     "-", torch_cell, "-", target])
+        for packed in modes:
+            ta = statistics.median(ta_all[packed])
+            torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"),
+                                           MINILM_TARGET)
+            if tp_all:  # each round's ratio: a spread says the machine's other load moved one side (see the notes)
+                ratios = [p / a for a, p in zip(ta_all[packed], tp_all)]
+                torch_cell += f"; rounds {min(ratios):.2f}-{max(ratios):.2f}x"
+            how = ", mixed lengths packed (model.pack_mixed)" if packed else ""
+            rows.append([f"all-MiniLM-L6-v2, batch {batch}{how} ({batch / ta:.0f} sentences/s)", device,
+                         f"{ta * 1e3:.1f} ms", "-", torch_cell, "-", target])
     return rows
 
 
@@ -275,7 +288,11 @@ def section(rows: list[list[str]], quick: bool, torch: Any, devices: list[str]) 
               "- the issue's target is the CPU's (c:0); opencl:0 (PoCL) and vulkan:0 (lavapipe) are CPU "
               "implementations of GPU APIs, shown for the record",
               "- the machine is shared (see the load average): numpy's and PyTorch's times move with it as azyx's do; "
-              "compare the ratios of one run", "", end]
+              "compare the ratios of one run",
+              "- MiniLM: medians of MINILM_ROUNDS rounds that alternate the sides, each round's ratio's range beside; "
+              "torch's OpenMP threads spin at barriers, so where another process holds a core the peer runs 4-16x "
+              "slower (a wide range of round ratios; --omp-passive), which once read as azyx 4.11x at batch 32",
+              "", end]
     return "\n".join(lines) + "\n"
 
 

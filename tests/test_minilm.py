@@ -57,7 +57,9 @@ async def test_sentences_of_mixed_lengths_run_packed_and_match_the_padded_forwar
     sentences = REFERENCE["sentences"]
     encoded = model.encode(sentences)
     ids, positions, rows, back, mask = model.pack(encoded)
-    assert len(ids) < mask.size * 0.8 and model.pack([encoded[0]] * 4) is None
+    assert len(ids) < mask.size * 0.8 and model.pack([encoded[0]] * 4) is None and model.pack(encoded[:1]) is None
+    # the packed rows: the tokens rounded up to eighths of the padded bucket's rows (a few shapes per bucket)
+    assert len(ids) % (mask.size // 8) == 0 and len(ids) - mask.size // 8 < sum(map(len, encoded)) <= len(ids)
     assert all((ids[rows[i, : len(e)]] == e).all() and (positions[rows[i, : len(e)]] == np.arange(len(e))).all()
                for i, e in enumerate(encoded))
     assert all((back[rows[i, : len(e)]] == i * mask.shape[1] + np.arange(len(e))).all() for i, e in enumerate(encoded))

