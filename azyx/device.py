@@ -362,8 +362,7 @@ class Device:
        of a build that failed (an artifact of a compiler in this process: compiler.cached_build).
     5. Launch: `launch(step, bufs, waits, words)` (or `launch_many` for several at once).
     6. Copies: `copy`, `copy_to_host`, `copy_from_host` (and `copy_peer` where `peer` is not enough; `hold` on a
-       host-memory device; `reserve_commands`, written once in queues.QueuedDevice, where other threads may queue a
-       load's copies into values the loop numbered);
+       host-memory device);
        reads and blocking writes come from them (QueuedDevice's `read`, `read_into`, `write`).
     7. Closing (QueuedDevice's `close`, written once): `drain` (wait for the API's queue) and `let_go` (destroy
        what the API made), where the API needs them.
@@ -773,17 +772,10 @@ class Device:
         raise NotImplementedError
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
+                       offset: int = 0) -> int:
         """Queue a write of the host bytes `host` into `dst` from byte `offset`; `keep` keeps `host` valid, and is
-        held (with `dst`) until the write is done. `host` may come from `host_staging` (with its keep-alive). `into`:
-        the value `reserve_commands` numbered it with, where it was (any thread may then queue it)."""
+        held (with `dst`) until the write is done. `host` may come from `host_staging` (with its keep-alive)."""
         raise NotImplementedError
-
-    def reserve_commands(self, n: int) -> int:
-        """Number `n` commands of this device's queue now, in order, for other threads to queue later by value (a
-        staged load's copies: `copy_from_host(..., into=v)`, each exactly once); later commands run after them.
-        Returns the first value; 0: this device numbers each command as it is queued."""
-        return 0
 
     def host_staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """Host memory (uint8) for `nbytes` bytes that another device reads into for `copy_from_host`, and what keeps

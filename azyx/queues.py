@@ -205,31 +205,6 @@ class WorkQueue:
             self.thread = None
 
 
-class Reserved:
-    """A command numbered ahead (`QueuedDevice.reserve_commands`), given later by another thread (`give`): the submit
-    thread waits for it in turn (`take`); held until it completed, with what it keeps. `given`: a lock held until
-    then (made by the thousand on the loop's thread: a lock costs a fraction of an Event)."""
-
-    __slots__ = ("given", "run", "waits", "keep")
-
-    def __init__(self) -> None:
-        self.given = threading.Lock()
-        self.given.acquire()
-        self.run: Any = None
-        self.waits: list[tuple[Device, int]] = []
-        self.keep: Any = None
-
-    def give(self, run: Any, waits: list[tuple[Device, int]], keep: Any) -> None:
-        self.run, self.waits, self.keep = run, waits, keep
-        self.given.release()
-
-    def take(self) -> tuple[Any, list[tuple[Device, int]]]:
-        """(The submit thread.) The command once given: what it runs and waits for."""
-        with self.given:
-            run, self.run = self.run, None
-        return run, self.waits
-
-
 # (event, timeline value, what to run on the host once the command completed, before the timeline says so)
 Completion = tuple[Any, int, Callable[[], None] | None]
 
@@ -320,29 +295,10 @@ class EventQueue:
             del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
             dev.timeline.signal(v)
 
-    def reserve_commands(self, n: int) -> int:
-        """Number `n` commands now, in queue order, that another thread queues later (`enqueue(..., into=v)`: a
-        staged load's copies, numbered on the loop's thread, built by a reader thread); the submit thread takes each
-        once it is given, and the commands queued meanwhile after them. Returns the first value."""
-        with self.lock:
-            first = self.submitted + 1
-            self.submitted += n
-            for v in range(first, first + n):
-                self.holding[v] = slot = Reserved()
-                self.to_submit.put((slot, [], v, None))
-        return first
-
     def enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
-                post: Callable[[], None] | None = None, into: int = 0) -> int:
+                post: Callable[[], None] | None = None) -> int:
         """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`); `post` runs on the
-        waiter thread once the command completed, before the timeline reaches its value. `into`: the value
-        `reserve_commands` numbered it with (no `post`)."""
-        if into:
-            assert post is None, "a reserved command has no post"
-            with self.lock:
-                slot = self.holding[into]
-            slot.give(run, waits, keep)
-            return into
+        waiter thread once the command completed, before the timeline reaches its value."""
         self.dev.check_alive()
         with self.lock:
             if self.closed:
@@ -363,8 +319,6 @@ class EventQueue:
         submit = self.dev.submit
         while (item := self.to_submit.get()) is not None:
             run, waits, v, post = item
-            if isinstance(run, Reserved):  # (its command, once given)
-                run, waits = run.take()
             ev = None
             try:
                 ev = submit(run, waits, v)
@@ -512,9 +466,6 @@ class QueuedDevice(Device):
 
     def queued(self) -> int:
         return self.queue.submitted
-
-    def reserve_commands(self, n: int) -> int:
-        return self.queue.reserve_commands(n)
 
     def close(self) -> None:
         """Let the submit thread submit what was queued and stop it, let the API finish its queue (`drain`), stop the
@@ -668,8 +619,7 @@ class HostDevice(Device):
     copy_peer = copy
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
-        assert not into, "host memory: nothing is reserved"
+                       offset: int = 0) -> int:
 
         def copy() -> None:
             assert keep is not None

@@ -314,56 +314,6 @@ async def test_the_loops_share_of_a_load_is_per_tensor_not_per_extent(tmp_path: 
         np.testing.assert_array_equal(got[name], a)
 
 
-@pytest.mark.parametrize("staged", ["opencl:0", "vulkan:0", "wgpu:0", "cuda:0"])
-@pytest.mark.parametrize("path", ["stream", "lazy"])
-async def test_a_staged_loads_copies_are_numbered_on_the_loop_and_queued_by_the_readers(
-        tmp_path: Path, path: str, staged: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tensors of three extents each onto a device written through staging blocks: the loop's thread numbers a load's
-    copies to the device in one step (`reserve_commands`: at most one call per tensor on the lazy path, where each
-    tensor's transfer is a load, and per read-ahead on the stream's) and queues none of them itself; a reader thread
-    queues each extent's copy into its reserved value. The bytes are the file's."""
-    if staged not in azyx.devices():
-        pytest.skip(f"{staged} is not available")
-    rng = np.random.default_rng(18)
-    arrays = {f"w{i}": rng.standard_normal(3 * EXTENT // 4 - 5 - i).astype(np.float32) for i in range(6)}
-    p = tmp_path / "numbered.safetensors"
-    save_file(arrays, p)
-    await azyx.realize(Tensor(np.zeros(1, np.float32), device=staged))  # (started)
-    dev = RT.device(staged)
-    loop = threading.get_ident()
-    copies: list[tuple[bool, int]] = []  # (on the loop's thread, the reserved value)
-    reserved: list[tuple[bool, int]] = []  # (on the loop's thread, how many)
-    copy_from_host, reserve = dev.copy_from_host, dev.reserve_commands
-
-    def copying(*args: Any, **kwargs: Any) -> Any:
-        copies.append((threading.get_ident() == loop, args[5] if len(args) > 5 else kwargs.get("into", 0)))
-        return copy_from_host(*args, **kwargs)
-
-    def reserving(n: int) -> int:
-        reserved.append((threading.get_ident() == loop, n))
-        return reserve(n)
-
-    monkeypatch.setattr(dev, "copy_from_host", copying)
-    monkeypatch.setattr(dev, "reserve_commands", reserving)
-    if path == "stream":
-        got = {}
-        async for name, t in azyx.io.stream_safetensors(p, device=staged, prefetch=0):  # (one tensor per load)
-            got[name] = await t.numpy()
-        del t
-    else:
-        got = await _lazy_load(p, staged)
-    monkeypatch.undo()
-    for name, a in arrays.items():
-        np.testing.assert_array_equal(got[name], a)
-    assert not [c for c in copies if c[0]], f"{staged} {path}: copies queued on the loop's thread"
-    loads = [n for on_loop, n in reserved if on_loop]
-    assert 0 < len(loads) <= len(arrays), f"{len(loads)} numberings on the loop for {len(arrays)} tensors"
-    assert sum(loads) >= 3 * len(arrays)  # (three extents a tensor: a copy each)
-    staged_copies = sorted(v for _, v in copies if v)
-    assert len(staged_copies) == sum(n for _, n in reserved), (len(staged_copies), reserved)
-    assert len(set(staged_copies)) == len(staged_copies)  # (each reserved value given once)
-
-
 @pytest.mark.parametrize("staged", ["vulkan:0", "cuda:0"])
 @pytest.mark.parametrize("path", ["stream", "lazy"])
 @pytest.mark.parametrize("direct_io", [False, True])

@@ -35,8 +35,7 @@ import numpy as np
 
 from azyx import debug
 from azyx.allocator import PoolAllocator, Slabs
-from azyx.backends.cuda_copy import Job as _Job
-from azyx.backends.cuda_copy import Reserved, StagedCopies
+from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.codegen.dialect import CUDA
@@ -151,6 +150,17 @@ class _Frozen:
 
 
 # ------------------------------------------------------------------------------------------------ the device
+class _Job:
+    """A command deferred until host-side progress lets it go on the stream (see CUDADevice._submit)."""
+
+    __slots__ = ("host_wait", "waits", "enqueue", "keep", "post", "value", "first")
+
+    def __init__(self, host_wait: Callable[[], None] | None, waits: list[tuple[Device, int]],
+                 enqueue: Callable[[], None], keep: Any, post: Callable[[], None] | None, value: int, first: int = 0):
+        self.host_wait, self.waits, self.enqueue, self.keep, self.post = host_wait, waits, enqueue, keep, post
+        self.value, self.first = value, first or value
+
+
 _STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter thread
 
 
@@ -257,7 +267,6 @@ class CUDADevice(StagedCopies):
         self.timeline.demand = self._demand
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
-        self.reserved: dict[int, Reserved] = {}  # commands numbered ahead, by value, until given (`reserve_commands`)
         self.ready = threading.Condition(self.queue.lock)
         self.submitter: threading.Thread | None = None
         self.peers: dict[int, bool] = {}

@@ -39,49 +39,6 @@ class _Pinned:
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
 
 
-class Job:
-    """A command deferred until host-side progress lets it go on the stream (see CUDADevice._submit)."""
-
-    __slots__ = ("host_wait", "waits", "enqueue", "keep", "post", "value", "first")
-
-    def __init__(self, host_wait: Callable[[], None] | None, waits: list[tuple[Device, int]],
-                 enqueue: Callable[[], None], keep: Any, post: Callable[[], None] | None, value: int, first: int = 0):
-        self.host_wait, self.waits, self.enqueue, self.keep, self.post = host_wait, waits, enqueue, keep, post
-        self.value, self.first = value, first or value
-
-
-class Reserved(Job):
-    """A command numbered ahead (`StagedCopies.reserve_commands`) and deferred at once, given later by another thread
-    (`give`): the submitter thread waits for it in turn (its host wait), then puts it on the stream as any other.
-    `given`: a lock held until then (made by the hundred on the loop's thread: a lock costs a fraction of an Event)."""
-
-    __slots__ = ("given", "then")
-
-    def __init__(self, value: int):
-        given, then = threading.Lock(), list[Callable[[], None]]()
-        given.acquire()
-        super().__init__(partial(_after_given, given, then), [], _nothing, None, None, value)
-        self.given, self.then = given, then
-
-    def give(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
-             host_wait: Callable[[], None] | None = None) -> None:
-        self.enqueue, self.waits, self.keep = enqueue, waits, keep
-        if host_wait is not None:
-            self.then.append(host_wait)
-        self.given.release()
-
-
-def _after_given(given: threading.Lock, then: list[Callable[[], None]]) -> None:
-    with given:
-        pass
-    for wait in then:
-        wait()
-
-
-def _nothing() -> None:
-    pass
-
-
 class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
@@ -97,9 +54,6 @@ class StagedCopies(QueuedDevice):
     cu_device: Any
     staging: Staging  # pinned blocks (`_pinned`), kept for reuse (freeing page-locked memory synchronises the device)
     peers: dict[int, bool]  # per device index peer access was asked for with: whether it is on
-    batch: Any  # launches collected and not submitted yet (a list), or None
-    reserved: dict[int, Reserved]  # commands numbered ahead and not given yet, by value (`reserve_commands`)
-    submitted: int  # the last value numbered (the device's queue state's)
 
     def use(self) -> None:
         raise NotImplementedError
@@ -107,35 +61,6 @@ class StagedCopies(QueuedDevice):
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None) -> int:
         raise NotImplementedError
-
-    def _flush(self, batch: Any) -> None:
-        raise NotImplementedError
-
-    def _defer(self, job: Job) -> None:
-        raise NotImplementedError
-
-    def reserve_commands(self, n: int) -> int:
-        """`n` commands numbered now (after the launches collected so far) and deferred: the submitter thread puts
-        each on the stream once it is given (`_give`, by `copy_from_host(..., into=v)` on a reader thread) and what
-        it waits for is there; commands submitted meanwhile queue behind them."""
-        with self.queue.lock:
-            if self.batch:  # (as `_submit`: the stream is in order)
-                self._flush(self.batch)
-                self.batch = []
-            first = self.submitted + 1
-            self.submitted += n
-            for v in range(first, first + n):
-                self.reserved[v] = job = Reserved(v)
-                self._defer(job)
-        return first
-
-    def _give(self, v: int, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
-              host_wait: Callable[[], None] | None = None) -> int:
-        """The command of reserved value `v` (any thread): `_submit`'s arguments."""
-        with self.queue.lock:
-            job = self.reserved.pop(v)
-        job.give(enqueue, waits, keep, host_wait)
-        return v
 
     def _pinned(self, size: int) -> _Pinned:
         """A new pinned block for the staging pool."""
@@ -176,10 +101,9 @@ class StagedCopies(QueuedDevice):
         return staged.block.array[:nbytes], staged
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
+                       offset: int = 0) -> int:
         """From this device's pinned staging (`host_staging`, `staging_block`: `keep` is its block, `host` that block
-        or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`; into a
-        reserved value `into`: one chunk)."""
+        or a part of it): one DMA. From other host memory: through pinned chunks, overlapped (`_upload`)."""
         n = host.nbytes
         if isinstance(keep, Lent) and keep.pool is self.staging.pool:
             src = host.ctypes.data if n else keep.block.ptr
@@ -188,20 +112,19 @@ class StagedCopies(QueuedDevice):
                 if n and (err := self.hot.here().htod(dst.ptr + offset, src, n, self.stream_h)):
                     self.hot.fail(err, "H2D")
 
-            return self._give(into, dma, waits, (keep, dst)) if into else self._submit(dma, waits, (keep, dst))
+            return self._submit(dma, waits, (keep, dst))
         flat = host.reshape(-1).view(np.uint8)
         return self._upload(n, lambda o, out: out.__setitem__(slice(None), flat[o:o + out.nbytes]), dst, offset,
-                            waits, (keep, dst), at_once=n <= SYNC_STAGE, into=into)
+                            waits, (keep, dst), at_once=n <= SYNC_STAGE)
 
     def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, offset: int,
-                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False, into: int = 0) -> int:
+                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False) -> int:
         """Host bytes -> this device (into `dst` from byte `offset`) through pinned chunks: `fill(o, chunk)` writes
         each (`o`: its offset in the bytes). A ready source that may be staged `at_once` (small) is staged here;
         otherwise a worker thread fills the chunks once the source is ready, and each chunk's DMA is a deferred
         command that goes on the stream once its chunk is filled (the DMA of one chunk overlaps the filling of the
         next)."""
         chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
-        assert not into or len(chunks) == 1, f"{n} bytes into one reserved command"
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
         # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
         stages: list[list[Lent]] = [[] for _ in chunks]
@@ -229,8 +152,7 @@ class StagedCopies(QueuedDevice):
             if all(b is not None for b in blocks):
                 for i, b in enumerate(blocks):
                     fill_chunk(i, b)
-                return self._give(into, dma_all, [], (keep, stages)) if into else \
-                    self._submit(dma_all, [], (keep, stages))
+                return self._submit(dma_all, [], (keep, stages))
             for b in blocks:
                 if b is not None:
                     self.staging.pool.free(*b)
@@ -249,8 +171,7 @@ class StagedCopies(QueuedDevice):
 
         v = 0
         for i in range(len(chunks)):
-            v = (partial(self._give, into) if into else self._submit)(
-                partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
+            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
         after_waits(waits, lambda: in_background(stage))
         return v
 

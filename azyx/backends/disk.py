@@ -5,11 +5,10 @@ until a plan copies it to a compute device or `numpy()` reads it. Reads run on r
 loop. A plan's transfer out of a file (`send`) and a stream (azyx.io.stream) take the one pipeline, `load`: extents of
 up to EXTENT bytes read in parallel, straight into the destination's memory when that is host memory, else into the
 blocks of the destination's ring of staging memory (pinned on CUDA), each copied to the device by its queue once read
-and read into again once that copy is done. The loop's thread only numbers a load's reads and its copies (one step
-each per load: the copies' values on the destination's queue reserved, `Device.reserve_commands`); a reader thread
-(the booker, `_start_booked`) queues each copy into its value and starts the reads. The disk's timeline reaches a
-read's value once it and every earlier read are done, and the destination's queue waits for that, as for any other
-source device.
+and read into again once that copy is done; the loop's thread only numbers the reads (one step per load) and queues
+the staged copies, a reader thread (the booker, `_start_booked`) starts the reads. The disk's timeline
+reaches a read's value once it and every earlier read are done, and the destination's queue waits for that, as for
+any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
 (see `azyx.storage.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
 """
@@ -125,11 +124,6 @@ class Extent:
         self.values: list[int] = []  # (the values of later extents joined to this read: `DiskDevice.load`)
 
 
-# a booked read (`DiskDevice._book`): extent, device, staging block or None, where in it, the device's value to read
-# after, and (the block's keep, the copies out of it: from, bytes, into buffer at, reserved value) or None
-Booked = tuple[Extent, Device, np.ndarray | None, int, int, tuple[Any, list[tuple[int, int, Buffer, int, int]]] | None]
-
-
 def _start_read(job: list[tuple[DiskDevice, Extent, Device, np.ndarray | None, int]]) -> None:
     _reader_pool().submit(_read_job, job)
 
@@ -223,8 +217,7 @@ class DiskDevice(Device):
         self.submitted = 0  # the timeline value of the last read booked by `load`
         self.unread: dict[int, int] = {}  # timeline value -> pieces of its read not done yet (in value order)
         self.joinable: tuple[Extent, Device] | None = None  # the last read into host memory no reader took yet (`load`)
-        self.booked: list[Booked] = []  # reads to start (`_book`)
-        self.loading = threading.Lock()  # (`load`)
+        self.booked: list[tuple[Extent, Device, np.ndarray | None, int, int]] = []  # reads to start (`_book`)
         self.booking = False  # whether a reader thread is starting them
 
     # memory: file ranges, accounted like a pool
@@ -321,64 +314,49 @@ class DiskDevice(Device):
 
     def load(self, dev: Device, extents: list[Extent]) -> None:
         """Read `extents` (each at most EXTENT bytes; a widened one at most EXTENT // 2) into their targets on `dev`, on
-        the reader threads, in parallel; this (the loop's thread, often) numbers them and hands them to the booker
-        (`_book`), which starts them. Into host memory (`dev`'s buffers, or a failed target's scratch), straight: a
-        small read of the bytes right after a read no reader has taken yet joins it (one `preadv`). Else each through
-        the next block of `dev`'s ring (`mem.ring`): read once the block's last copy is done, then copied into its
-        targets by `dev`'s queue (`copy_from_host`, after the read on the disk's timeline), so a load holds at most the
-        ring's blocks. Those copies are numbered here, in one step (`reserve_commands`: a target's `ready` is known
-        at once), and queued by the booker (`_start_booked`): the loop's thread makes no device call per extent.
-        Each extent's `value`: the disk's timeline value its read reaches (where its failure is recorded: a run
-        covering the disk's values raises it, a stream asks `failure_in`)."""
+        the reader threads, in parallel; this (the loop's thread, often) numbers them in one step, queues their copies
+        where staged, and hands them to the booker (`_book`), which starts them. Into host memory (`dev`'s
+        buffers, or a failed target's scratch), straight: a small read of the bytes right after a read no reader has
+        taken yet joins it (one `preadv`). Else each through the next block of `dev`'s ring (`mem.ring`): read once the
+        block's last copy is done, then copied into its targets by `dev`'s queue (`copy_from_host`, queued now, after
+        the read on the disk's timeline: a target's `ready`), so a load holds at most the ring's blocks. Each extent's
+        `value`: the disk's timeline value its read reaches (where its failure is recorded: a run covering the disk's
+        values raises it, a stream asks `failure_in`)."""
         ring = None if dev.host_memory else dev.mem.ring()
-        with self.loading:  # (loads numbered, their blocks taken and booked in one order: the booker's)
-            with self.lock:  # (their values, in one step)
-                for ext in extents:
-                    self.submitted += 1
-                    ext.value = self.submitted
-                    self.unread[ext.value] = 1
-            if ring is None:
-                return self._book([(ext, dev, None, 0, 0, None) for ext in extents])
-            staged = []
+        with self.lock:  # (their values, in one step)
             for ext in extents:
-                bufs = [target.allocate(dev) for target, _, _ in ext.parts]  # (None: its error is raised when asked)
-                if all(buf is None for buf in bufs):  # nothing to read it for
-                    self._piece_done(ext.value, None)
-                else:
-                    staged.append((ext, bufs))
-            copies_n = sum(b is not None for _, bufs in staged for b in bufs)
-            first = dev.reserve_commands(copies_n) if copies_n else 0
-            v, last, booked = first, 0, list[Booked]()
-            for ext, bufs in staged:
-                i, mem, keep, after = ring.take()
-                rng = ext.source
-                at = (-mem.ctypes.data) % DIRECT_ALIGN + (rng.offset + ext.start) % DIRECT_ALIGN if \
-                    ext.direct and not ext.widen and rng.runs is None else 0  # (where an O_DIRECT read lands)
-                copies: list[tuple[int, int, Buffer, int, int]] = []  # (from, bytes, into buffer at, its value)
-                start = at
-                for (target, into, n), buf in zip(ext.parts, bufs):
-                    size = 2 * n if ext.widen else n
-                    if buf is not None:
-                        offset = 2 * into if ext.widen else into
-                        if first:
-                            copies.append((start, size, buf, offset, v))
-                            last = v
-                            v += 1
-                        else:  # (a device that numbers each command as it is queued: queued here)
-                            last = dev.copy_from_host(mem[start : start + size], buf, [(self, ext.value)], keep, offset)
-                        target.ready = max(target.ready, last)
-                    start += size
-                ring.used(i, last)  # (the block is read into again once its copies are done)
-                booked.append((ext, dev, mem, at, after, (keep, copies) if copies else None))
-            self._book(booked)
+                self.submitted += 1
+                ext.value = self.submitted
+                self.unread[ext.value] = 1
+        if ring is None:
+            return self._book([(ext, dev, None, 0, 0) for ext in extents])
+        last, booked = 0, list[tuple[Extent, Device, np.ndarray | None, int, int]]()
+        for ext in extents:
+            bufs = [target.allocate(dev) for target, _, _ in ext.parts]  # (None: its error is raised when asked for)
+            if all(buf is None for buf in bufs):  # nothing to read it for
+                self._piece_done(ext.value, None)
+                continue
+            i, mem, keep, after = ring.take()
+            rng = ext.source
+            at = (-mem.ctypes.data) % DIRECT_ALIGN + (rng.offset + ext.start) % DIRECT_ALIGN if \
+                ext.direct and not ext.widen and rng.runs is None else 0  # (where an O_DIRECT read lands)
+            booked.append((ext, dev, mem, at, after))
+            for (target, into, n), buf in zip(ext.parts, bufs):
+                size = 2 * n if ext.widen else n
+                if buf is not None:
+                    last = dev.copy_from_host(mem[at : at + size], buf, [(self, ext.value)], keep,
+                                              2 * into if ext.widen else into)
+                    target.ready = max(target.ready, last)
+                at += size
+            ring.used(i, last)  # (the block is read into again once its copies are done)
+        self._book(booked)
         if last:
             ring.give_back_after(last)
 
-    def _book(self, reads: list[Booked]) -> None:
-        """Hand `reads` (extent, device, staging block or None, where in it, the device's value to read after, the
-        block's keep and its copies to queue into reserved values) to the booker, a reader thread that starts them
-        (`_start_booked`): the caller (the loop's thread, often) takes the lock once and wakes a thread at most once
-        per batch, however many extents a load has."""
+    def _book(self, reads: list[tuple[Extent, Device, np.ndarray | None, int, int]]) -> None:
+        """Hand `reads` (extent, device, staging block or None, where in it, the device's value to read after) to the
+        booker, a reader thread that starts them (`_start_booked`): the caller (the loop's thread, often) takes the
+        lock once and wakes a thread at most once per batch, however many extents a load has."""
         with self.lock:
             self.booked.extend(reads)
             if self.booking or not reads:
@@ -389,15 +367,14 @@ class DiskDevice(Device):
     def _start_booked(self) -> None:
         """(A reader thread.) Start the booked reads, in order, until none is left: a read into host memory at once,
         joined to the open one where its bytes follow (`_join`: one `preadv`); a read into a staging block once the
-        device has done the block's last copy (`Timeline.on_reach`), its copies out of the block queued first, into
-        the values `load` reserved for them (after the read, on the disk's timeline)."""
+        device has done the block's last copy (`Timeline.on_reach`)."""
         while True:
             with self.lock:
                 reads, self.booked = self.booked, []
                 if not reads:
                     self.booking = False
                     return
-            for ext, dev, block, at, after, copies in reads:
+            for ext, dev, block, at, after in reads:
                 try:
                     if block is None:
                         with self.lock:
@@ -405,12 +382,8 @@ class DiskDevice(Device):
                                 continue
                             self.joinable = (ext, dev) if ext.nbytes < EXTENT and not ext.widen else None
                         _start_read([(self, ext, dev, None, 0)])
-                        continue
-                    if copies is not None:
-                        keep, each = copies
-                        for start, size, buf, offset, v in each:
-                            dev.copy_from_host(block[start : start + size], buf, [(self, ext.value)], keep, offset, v)
-                    dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, block, at)]))
+                    else:
+                        dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, block, at)]))
                 except BaseException as e:  # (the pool shut down: its values fail rather than never come)
                     for v in (ext.value, *ext.values):
                         self._piece_done(v, e)
@@ -473,7 +446,7 @@ class DiskDevice(Device):
         raise DeviceError("the disk device runs no kernels")
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
+                       offset: int = 0) -> int:
         raise DeviceError("nothing is copied to the disk device; write files with azyx.io.save_safetensors")
 
     async def compile(self, steps: list[KernelStep]) -> None:

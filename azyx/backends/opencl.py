@@ -291,9 +291,9 @@ class OpenCLDevice(QueuedDevice):
                              waits, (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
+                       offset: int = 0) -> int:
         return self.queue.enqueue(lambda w: _cl._enqueue_write_buffer(self.cl_queue, dst.mem, host, offset, w, False),
-                                  waits, (keep, dst), into=into)
+                                  waits, (keep, dst))
 
     def drain(self) -> None:
         try:

@@ -535,13 +535,13 @@ class VulkanDevice(QueuedDevice):
 
     def _submit(self, record: Callable[[_Commands], None] | None, waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, fill: Callable[[], None] | None = None,
-                batch: tuple[BatchState, list[LaunchItem]] | None = None, into: int = 0) -> int:
+                batch: tuple[BatchState, list[LaunchItem]] | None = None) -> int:
         """Queue work after `waits` (on the submit thread: `submit`): the commands `record` records (None: none, the
         submission only orders and signals); returns its timeline value. `fill` (a host copy into memory the work
         reads) runs once `waits` are reached, before the work is submitted; `post` runs on the waiter thread once the
         work completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
-        buffer (`_kept`). `into`: its value, reserved (`reserve_commands`)."""
-        return self.queue.enqueue((record, fill, batch), waits, keep, post, into)
+        buffer (`_kept`)."""
+        return self.queue.enqueue((record, fill, batch), waits, keep, post)
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
         """(The submit thread.) Once the waits the host sees are reached (`host_waited`), run the work's `fill`,
@@ -666,15 +666,14 @@ class VulkanDevice(QueuedDevice):
         return self._submit(record, waits, (buf, out, lent), lambda: np.copyto(flat, src))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
+                       offset: int = 0) -> int:
         """From this device's staging (`host_staging`: `keep` is its block): a copy command. From other host memory:
         a host copy into the mapped buffer (or a staging block, then a copy command), by the submit thread once the
         source is ready. (A host copy into mapped memory waits for `waits`, not for this device's earlier work: `dst`
         is the transfer's own, written once, as the executor's destinations are.)"""
         n = host.nbytes
         if (at := self.staging.at(host, keep)) is not None:  # (`host`: the block's mapping, or a part of it)
-            return self._submit(lambda cmd: _copy(cmd, keep.block, at, dst.mem, offset, n), waits, (keep, dst),
-                                into=into)
+            return self._submit(lambda cmd: _copy(cmd, keep.block, at, dst.mem, offset, n), waits, (keep, dst))
         src = host.reshape(-1).view(np.uint8)
         target, lent = self._host_side(dst, offset, n)
 
@@ -682,7 +681,7 @@ class VulkanDevice(QueuedDevice):
             target[:] = src
 
         record = None if lent is None else (lambda cmd: _copy(cmd, lent.block, 0, dst.mem, offset, n))
-        return self._submit(record, waits, (keep, dst, lent), fill=fill, into=into)
+        return self._submit(record, waits, (keep, dst, lent), fill=fill)
 
     # ------------------------------------------------------------------ close
     def drain(self) -> None:

@@ -380,7 +380,7 @@ class WgpuDevice(QueuedDevice):
         return self.queue.enqueue(run, waits, (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0, into: int = 0) -> int:
+                       offset: int = 0) -> int:
         """Once `waits` are reached: `queue.write_buffer` (flushed by an empty submission), or for more than
         UPLOAD_DIRECT bytes a pooled upload buffer mapped for writing (a map waits until the queue's earlier copies
         from it are done) and a copy command. Copies move whole 4-byte words: an unaligned piece is padded with the
@@ -404,7 +404,7 @@ class WgpuDevice(QueuedDevice):
                 up.block.unmap()
             return self._copy(up.block, 0, dst.mem, offset & ~3, size)
 
-        return self.queue.enqueue(run, waits, (keep, dst), into=into)
+        return self.queue.enqueue(run, waits, (keep, dst))
 
     def _padded(self, src: np.ndarray, dst: Buffer, offset: int) -> np.ndarray:
         """(Worker thread, rare: an unaligned write.) The words `src` lands in at `offset`, the bytes around it read
