@@ -269,13 +269,10 @@ class ShardedTensor:
             for t in self.shards[1:]:
                 whole = combine(whole, t._readable_on(whole.device))
             return self._replicas(whole)
-        if n == 2 and chunks is None:  # (each device's kernel reads the other's piece over the link, where it can)
-            a, b = self.shards
-            return ShardedTensor([combine(a, b._readable_on(a.device)), combine(a._readable_on(b.device), b)], None)
-        shape = self.shape
-        flat = [t.reshape(-1) for t in self.shards]
-        total = flat[0].shape[0]
-        if total < n:  # fewer elements than devices: each device combines every piece
+        total = int(np.prod(self.shards[0].shape))
+        if n == 2 and chunks is None or total < n:
+            # each device combines every piece, reading the others where they lie where its kernels can: a swap of two
+            # (CUDA peers: both links at once), or fewer elements than devices
             out = []
             for dev in self.devices:
                 whole = self.shards[0]._readable_on(dev)
@@ -283,6 +280,8 @@ class ShardedTensor:
                     whole = combine(whole, t._readable_on(dev))
                 out.append(whole)
             return ShardedTensor(out, None)
+        shape = self.shape
+        flat = [t.reshape(-1) for t in self.shards]
         k = max(1, min(chunks or 1, total // n))
         m = n * k
         bounds = [(total * i // m, total * (i + 1) // m) for i in range(m)]
