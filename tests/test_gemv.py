@@ -1,9 +1,10 @@
 """The small-M product kernel (issue 38: decode's linear layers; azyx.codegen.templates.gemv, codegen.cgemv): planned
-for a device that renders CUDA C (the dummy device made to), its CUDA source run on the host (tests/cuda_host.py: g++,
-a host thread per CUDA thread) against numpy: float32, bfloat16 and float16, M = 1..16 rows, K and N that are no
-multiple of the load width, both weight layouts (x @ W with W stored (K, N), x @ W.T with W stored (N, K)), alone and
-with a layernorm in its prologue and bias, GELU and a residual in its epilogue, all one kernel. NVRTC compiles the
-GPT-2 shapes' kernels for sm_90 where it is installed. On a machine with a GPU, bench/gpu.py's gemv rows time them."""
+for a device that renders CUDA C (the dummy device made to), its CUDA source run on the host (tests/cuda_host.py: g++, a
+host thread per CUDA thread) against numpy: float32, bfloat16 and float16, M = 1..16 rows (split over blocks in groups
+of rows, the last one short), K and N that are no multiple of the load width, both weight layouts (x @ W with W stored
+(K, N), x @ W.T with W stored (N, K)), alone and with a layernorm in its prologue and bias, GELU and a residual in its
+epilogue, all one kernel. NVRTC compiles the GPT-2 shapes' kernels for sm_90 where it is installed. On a machine with a
+GPU, bench/gpu.py's gemv rows time them."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def run_on_host(out: Tensor, data: dict[int, np.ndarray], numel: int) -> tuple[K
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows, k, n, fused", [(1, 96, 80, False), (3, 75, 37, True), (16, 300, 72, True),
-                                                (5, 64, 41, False), (16, 320, 48, True), (8, 200, 24, False)])
+                                                (5, 64, 41, False), (16, 320, 48, True), (8, 200, 24, False),
+                                                (13, 40, 700, True)])
 def test_small_products_on_the_cuda_kernel(cuda_planning: None, dtype: str, transposed: bool, rows: int, k: int,
                                            n: int, fused: bool) -> None:
     """`x @ W` / `x @ W.T`, alone or as `gelu(layernorm(x) * g + beta) @ W + b) + r`: one kernel, the small-M one,
@@ -143,7 +145,7 @@ def forced(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows, k, n", [(1, 75, 37), (16, 300, 41)])
+@pytest.mark.parametrize("rows, k, n", [(1, 75, 37), (16, 300, 41), (13, 60, 700)])
 async def test_the_kernel_in_opencl_and_glsl(forced: str, dtype: str, transposed: bool, rows: int, k: int,
                                              n: int) -> None:
     """The same kernel through OpenCL C (vload4, a shared-memory tree where CUDA shuffles) on opencl:0 and through
@@ -205,7 +207,8 @@ def test_a_weight_per_row_keeps_the_tiled_kernel(cuda_planning: None) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows, k, n", [(1, 768, 2304), (4, 768, 768), (16, 3072, 768), (3, 75, 37)])
+@pytest.mark.parametrize("rows, k, n", [(1, 768, 2304), (4, 768, 768), (16, 3072, 768), (3, 75, 37),
+                                        (16, 768, 3072), (13, 3072, 768)])
 async def test_on_a_cuda_device(dtype: str, transposed: bool, rows: int, k: int, n: int) -> None:
     """On a machine with a GPU (cuda:0; skipped here): GPT-2's decode products and a ragged one as the small-M
     kernel, with the layernorm prologue and the bias, GELU and residual epilogue, one kernel, against numpy."""

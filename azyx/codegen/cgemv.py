@@ -49,7 +49,12 @@ class _GemvRenderer(CRenderer):
         self.emit(f"{self.let}{it} blk = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
         if dl.max_groups and g.grid()[0] > dl.max_groups:  # (a folded grid: its groups past the last, whole, first)
             self.emit(f"if (blk >= {g.grid()[0]}) return;")
-        self.emit(f"{self.let}{it} lane = lid % {WARP}, warp = lid / {WARP}, j0 = blk * {g.block_cols};")
+        if g.groups > 1:  # (a group of rows per block of a slab: its first row i0, its rows mr)
+            self.emit(f"{self.let}{it} slab = blk % {g.slabs}, i0 = (blk / {g.slabs}) * {g.mb};")
+            if g.m % g.mb:
+                self.emit(f"{self.let}{it} mr = min({self.cast(it, str(g.mb))}, {self.cast(it, str(g.m))} - i0);")
+        self.emit(f"{self.let}{it} lane = lid % {WARP}, warp = lid / {WARP}, "
+                  f"j0 = {'slab' if g.groups > 1 else 'blk'} * {g.block_cols};")
         wj = f"warp * {g.cols_per_warp}" if g.along_k else f"(lid % {g.lanes_along_n}) * {g.vec}"
         self.emit(f"{self.let}{it} wj = j0 + {wj};  /* the item's first column */")
         prefetched = self.prefetch_steps()
@@ -59,8 +64,8 @@ class _GemvRenderer(CRenderer):
         self.row_phase(frontier, order, place)
         cols = g.cols_per_warp if g.along_k else g.vec
         kc = g.chunk
-        self.declare_shared(f"{dl.align.format(n=16)}{dl.shared} float xs[{g.m}][{kc}];")
-        self.emit(f"float pacc[{g.m}][{cols}];")
+        self.declare_shared(f"{dl.align.format(n=16)}{dl.shared} float xs[{g.mb}][{kc}];")
+        self.emit(f"float pacc[{g.mb}][{cols}];")
         self.each("pacc[m][c] = 0.0f;", cols)
         self.open(f"for ({it} k0 = 0; k0 < {g.k}; k0 += {kc})")
         # (one chunk: a constant bound, so the compiler unrolls the streaming loop and keeps its loads in flight)
@@ -94,7 +99,7 @@ class _GemvRenderer(CRenderer):
     def each(self, stmt: str, cols: int) -> None:
         """`stmt` for every row m and accumulator column c, in loops the compiler unrolls (the accumulators stay in
         registers)."""
-        for line in (f"for (int m = 0; m < {self.g.m}; m++)", f"  for (int c = 0; c < {cols}; c++) {stmt}"):
+        for line in (f"for (int m = 0; m < {self.g.mb}; m++)", f"  for (int c = 0; c < {cols}; c++) {stmt}"):
             self.unroll()
             self.emit(line)
 
@@ -120,10 +125,15 @@ class _GemvRenderer(CRenderer):
                     out.append(s)
         return out
 
-    def rows(self, flat: str) -> None:
-        """Declare the row loops' variables from the flat row `flat`."""
+    @property
+    def mr(self) -> str:
+        """The block's rows (`Gemv.mb`; fewer in the last group of rows)."""
+        return "mr" if self.g.m % self.g.mb else str(self.g.mb)
+
+    def rows(self, local: str) -> None:
+        """Declare the row loops' variables from the block's row `local` (the block's first row i0 added)."""
         if self.g.rows:
-            self.unflatten(flat, self.g.rows)
+            self.unflatten(f"(i0 + {local})" if self.g.groups > 1 else local, self.g.rows)
 
     def row_phase(self, frontier: list[V], order: list[V], place: dict[int, object]) -> None:
         """Each frontier value for each row into shared memory (rw0, rw1, ...): where the dialect shuffles, a warp per
@@ -133,15 +143,15 @@ class _GemvRenderer(CRenderer):
             return
         dl, g, it = self.dl, self.g, self.it
         for n, _ in enumerate(frontier):
-            self.declare_shared(f"{dl.shared} float rw{n}[{g.m}];")
+            self.declare_shared(f"{dl.shared} float rw{n}[{g.mb}];")
         saved, group = dict(self.names), self.group
         by_warp = self.shuffles
         if by_warp:
-            self.open(f"for ({it} m = warp; m < {g.m}; m += {self.items // WARP})")
+            self.open(f"for ({it} m = warp; m < {self.mr}; m += {self.items // WARP})")
             self.emit(f"{self.let}{it} lid = lane;  /* the warp's item: the statistics are reduced by the warp */")
             self.group = WARP
         else:
-            self.open(f"for ({it} m = 0; m < {g.m}; m++)")
+            self.open(f"for ({it} m = 0; m < {self.mr}; m++)")
         first = "lane" if by_warp else "lid"
         self.rows("m")
         for v in toposort(*frontier):
@@ -161,10 +171,10 @@ class _GemvRenderer(CRenderer):
         """A(i, r) for every row and the chunk's r (zero past K) into xs."""
         g, it = self.g, self.it
         saved = dict(self.names)
-        self.open(f"for ({it} e = lid; e < {g.m * kc}; e += {self.items})")
+        self.open(f"for ({it} e = lid; e < {g.mb * kc}; e += {self.items})")
         self.emit(f"{self.let}{it} m = e / {kc}, rr = e % {kc};")
         self.emit("float av = 0.0f;")
-        self.open("if (rr < kn)")
+        self.open("if (rr < kn)" if self.mr == str(g.mb) else "if (rr < kn && m < mr)")
         self.emit(f"{self.let}{it} {g.rv.name} = k0 + rr;")
         self.rows("m")
         for n, f in enumerate(frontier):
@@ -245,7 +255,7 @@ class _GemvRenderer(CRenderer):
         """The M rows' staged elements at the item's position times its weight elements (`tag`'s), into pacc."""
         g, v = self.g, self.g.vec
         self.unroll()
-        self.open(f"for (int m = 0; m < {g.m}; m++)")
+        self.open(f"for (int m = 0; m < {g.mb}; m++)")
         if not g.along_k:
             self.emit("float a = xs[m][rr];")
             for e in range(v):
@@ -268,8 +278,8 @@ class _GemvRenderer(CRenderer):
         g = self.g
         if g.along_k:
             cols = g.cols_per_warp
-            return self.steps(cols * g.m, (cols + g.m) * g.vec)
-        return self.steps(g.m * g.vec, g.vec + g.m)
+            return self.steps(cols * g.mb, (cols + g.mb) * g.vec)
+        return self.steps(g.mb * g.vec, g.vec + g.mb)
 
     def prefetch_steps(self) -> int:
         """Steps whose weight elements are loaded before anything else (0: none): all of them, where K is one chunk
@@ -325,14 +335,14 @@ class _GemvRenderer(CRenderer):
             self.unroll()
             self.open(f"for (int o = {WARP // 2}; o >= {first}; o >>= 1)")
             self.unroll()
-            self.open(f"for (int m = 0; m < {g.m}; m++)")
+            self.open(f"for (int m = 0; m < {g.mb}; m++)")
             for c in range(cols):
                 self.emit(f"pacc[m][{c}] += {dl.shuffle.format(x=f'pacc[m][{c}]', o='o')};")
             self.close()
             self.close()
         elif first < WARP:  # no shuffles: a tree in shared memory per accumulator (lanes below `first` end with it)
             self.declare_shared(f"{dl.shared} float tree[{self.items}];")
-            for m in range(g.m):
+            for m in range(g.mb):
                 for c in range(cols):
                     self.emit(f"tree[lid] = pacc[{m}][{c}];")
                     self.emit(dl.barrier)
@@ -343,11 +353,11 @@ class _GemvRenderer(CRenderer):
                     self.emit(f"pacc[{m}][{c}] = tree[lid];")
                     self.emit(dl.barrier)
         if g.along_k:
-            self.declare_shared(f"{dl.shared} float res[{g.m}][{g.block_cols}];")
+            self.declare_shared(f"{dl.shared} float res[{g.mb}][{g.block_cols}];")
             self.open("if (lane == 0)")
             self.each(f"res[m][warp * {cols} + c] = pacc[m][c];", cols)
         else:
-            self.declare_shared(f"{dl.shared} float red[{self.items // WARP}][{g.m}][{g.block_cols}];")
+            self.declare_shared(f"{dl.shared} float red[{self.items // WARP}][{g.mb}][{g.block_cols}];")
             self.open(f"if (lane < {first})")
             self.each(f"red[warp][m][lane * {cols} + c] = pacc[m][c];", cols)
         self.close()
@@ -358,9 +368,9 @@ class _GemvRenderer(CRenderer):
         k, g, it = self.k, self.g, self.it
         bc = g.block_cols
         out_idx, value = k.stores[0]
-        self.open(f"for ({it} oi = lid; oi < {g.m * bc}; oi += {self.items})")
+        self.open(f"for ({it} oi = lid; oi < {g.mb * bc}; oi += {self.items})")
         self.emit(f"{self.let}{it} m = oi / {bc}, jj = oi % {bc}, {g.col.name} = j0 + jj;")
-        self.open(f"if ({g.col.name} < {g.n})")
+        self.open(f"if ({g.col.name} < {g.n})" if self.mr == str(g.mb) else f"if ({g.col.name} < {g.n} && m < mr)")
         self.rows("m")
         if g.along_k:
             self.emit("float pv = res[m][jj];")

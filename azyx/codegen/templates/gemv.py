@@ -13,13 +13,14 @@ W's contiguous axis, the M rows reusing every load, and accumulates in float32 w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from azyx.dtypes import DType
 from azyx.ir import Kernel, V, toposort
 from azyx.symbolic import Lin, Var
 
 GEMV_ROWS = 16  # rows (M) up to which a product is this kernel's (the tiled templates take more)
+SPREAD_BLOCKS = 256  # a product whose slabs of columns make fewer blocks than this splits its rows over more blocks
 THREADS = 256  # items a block (x @ W with few slabs of columns: up to MAX_THREADS)
 MAX_THREADS = 1024
 FEW_BLOCKS = 128  # x @ W in fewer blocks of THREADS than this (N = 768): more items a block, more loads in flight
@@ -36,7 +37,8 @@ STAGE_FLOATS = 4096  # the staged chunk of A: M x KC float32 in shared memory (1
 class Gemv:
     """One small-M product: `m` rows (`rows`: their loops, outer first), `n` columns (loop `col`), `k` summed (the
     product's loop `rv`); `product` its sum, `a` the activation's value (the prologue), `w` the weight's load at
-    `w_off + r * w_sk + j * w_sj`; `along_k`: W is contiguous along K, else along N."""
+    `w_off + r * w_sk + j * w_sj`; `along_k`: W is contiguous along K, else along N. A block computes `mb` of the
+    rows (`spread`) for its slab of columns: the geometry below is a block's."""
 
     m: int
     n: int
@@ -52,12 +54,32 @@ class Gemv:
     w_sj: int
     along_k: bool
     dtype: DType  # the weight's
+    mb: int = 0  # rows a block computes (0: all m)
+
+    def spread(self) -> Gemv:
+        """This product with its rows split over blocks where its slabs of columns alone make fewer than
+        SPREAD_BLOCKS (M = 16 rows of `x @ W` with N = 768: 24 slabs, each streaming K x 32 of the weight for all
+        rows): groups of rows, each block of a group reading its slab again (from L2: the weight is read from memory
+        about once), so that the product runs on about SPREAD_BLOCKS blocks. One row: unchanged."""
+        whole = replace(self, mb=self.m)
+        groups = min(self.m, -(-SPREAD_BLOCKS // whole.slabs))
+        return replace(self, mb=-(-self.m // groups))
+
+    @property
+    def slabs(self) -> int:
+        """Slabs of `block_cols` columns."""
+        return -(-self.n // self.block_cols)
+
+    @property
+    def groups(self) -> int:
+        """Groups of `mb` rows (the last one may hold fewer)."""
+        return -(-self.m // self.mb)
 
     @property
     def vec(self) -> int:
         """Weight elements per load: 16 bytes where the layout keeps every vector whole and aligned, else 1."""
         v = LOAD_BYTES // self.dtype.itemsize
-        if not self.along_k and self.m * v > MAX_ACC:  # (a half weight's 8 columns x 16 rows: 8-byte loads)
+        if not self.along_k and self.mb * v > MAX_ACC:  # (a half weight's 8 columns x 16 rows: 8-byte loads)
             v //= 2
         if self.along_k:
             ok = self.k % v == 0 and self.w_sj % v == 0 and self.w_off % v == 0
@@ -69,7 +91,7 @@ class Gemv:
     def cols_per_warp(self) -> int:
         """x @ W.T: columns each warp owns (its lanes split K), more where rows are many: each staged element of A
         read from shared memory then serves that many weight loads."""
-        return 1 if self.m <= 2 else 2
+        return 1 if self.mb <= 2 else 2
 
     @property
     def lanes_along_n(self) -> int:
@@ -85,23 +107,24 @@ class Gemv:
     def chunk(self) -> int:
         """KC: elements of K staged per round (a multiple of 8: float4 reads of a staged row stay aligned)."""
         whole = -(-self.k // 8) * 8
-        return max(8, min(STAGE_FLOATS // self.m // 8 * 8, whole))
+        return max(8, min(STAGE_FLOATS // self.mb // 8 * 8, whole))
 
     @property
     def threads(self) -> int:
         """Items a block: THREADS; x @ W whose slabs are few (a multiprocessor holds one block of them at most) up to
         MAX_THREADS, so that each has that many more loads in flight, within RED_BYTES of partial sums."""
         t = THREADS
-        if not self.along_k and -(-self.n // self.block_cols) < FEW_BLOCKS:
+        if not self.along_k and self.slabs * self.groups < FEW_BLOCKS:
             t = MAX_THREADS
-            while t > THREADS and t // WARP * self.m * self.block_cols * 4 > RED_BYTES:
+            while t > THREADS and t // WARP * self.mb * self.block_cols * 4 > RED_BYTES:
                 t //= 2
         return t
 
     def grid(self, max_groups: int = 0) -> tuple[int, int, int]:
-        """Blocks: one per slab of columns; where a dimension holds at most `max_groups` (0: no bound), rows of that
-        many (the kernel's group id reads both dimensions; codegen.cgemv returns from those past the last)."""
-        blocks = -(-self.n // self.block_cols)
+        """Blocks: one per slab of columns and group of rows (the slab the faster); where a dimension holds at most
+        `max_groups` (0: no bound), rows of that many (the kernel's group id reads both dimensions; codegen.cgemv
+        returns from those past the last)."""
+        blocks = self.slabs * self.groups
         if max_groups and blocks > max_groups:
             return max_groups, -(-blocks // max_groups), 1
         return blocks, 1, 1
@@ -170,4 +193,4 @@ def match(k: Kernel) -> Gemv | None:
     moving = {a: c for a, c in out_idx.terms.items() if c and (a is col or a.vmax > 0)}
     if out_idx.const != 0 or moving != {g: c for g, c in want.items() if g is col or g.vmax > 0}:
         return None
-    return Gemv(m, n, kk, rows, col, rv, p, x, y, off, sk, sj, sk == 1, y.dtype)
+    return Gemv(m, n, kk, rows, col, rv, p, x, y, off, sk, sj, sk == 1, y.dtype).spread()
