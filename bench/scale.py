@@ -15,9 +15,10 @@ GPUs: >= 1.6x steps/s); where Ray is installed, the same step data-parallel over
 (azyx.distributed: a head and two worker nodes on this machine) beside one host, and the overhead per step of going
 through Ray (one host via Ray beside the same step in this process: the plan as a compiled Ray graph, and as actor
 calls, azyx.distributed.COMPILE off); a tiny plan through Ray beside in this process, and Ray's own compiled graph
-through an actor on the host's node that returns its input (the round trip every step pays on this machine); each
-pair timed in turns, the fastest of each kept (`ray_rows`). The pair defaults to cuda:0,cuda:1 where both exist, else
-c:0,c:1 (two logical C devices share the machine's cores).
+through an actor on the host's node that returns its input (the round trip every step pays on this machine), and
+one of the data-parallel step's shape over both hosts' nodes whose actors only send each other the gradients'
+bytes (the floor of the two-host step); each pair timed in turns, the fastest of each kept (`ray_rows`). The pair
+defaults to cuda:0,cuda:1 where both exist, else c:0,c:1 (two logical C devices share the machine's cores).
 Writes between `<!-- bench:scale:start -->` and `<!-- bench:scale:end -->`; never asserts.
 """
 
@@ -271,10 +272,53 @@ def apply(tr: Trainer, *grads: Tensor) -> Tensor:
 
 
 class Echo:
-    """A Ray actor that does nothing: a compiled graph through it times Ray's own overhead per execution."""
+    """A Ray actor that does nothing: compiled graphs through it time Ray's own overhead per execution. `sizes`: the
+    float32 arrays it sends (`send`: a host's gradients, as a program exports them)."""
+
+    def __init__(self, sizes: tuple[int, ...] = ()) -> None:
+        self.arrays = {i: np.zeros(n, np.float32) for i, n in enumerate(sizes)}
 
     def echo(self, x: int) -> int:
         return x
+
+    def send(self, x: int) -> dict[int, np.ndarray]:
+        return self.arrays
+
+    def take(self, x: int, *sent: dict[int, np.ndarray]) -> int:
+        return x
+
+
+def step_graph(nodes: list[str], sizes: tuple[int, ...]) -> tuple[Any, list[Any]]:
+    """Ray's compiled graph of a step's shape over `nodes`, with nothing done: an actor on each node (`Echo`); on one,
+    it returns its input (the round trip every step pays); on more, each sends its arrays and each takes its own and
+    the others' (the exchange of a data-parallel step's gradients too)."""
+    import ray
+    from ray.dag import InputNode, MultiOutputNode
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actors = [ray.remote(Echo).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n, soft=False)).remote(sizes) for n in nodes]
+    with InputNode() as inp:
+        if len(actors) == 1:
+            graph = actors[0].echo.bind(inp)
+        else:
+            sent = [a.send.bind(inp) for a in actors]
+            graph = MultiOutputNode([a.take.bind(inp, sent[i], *sent[:i], *sent[i + 1:])
+                                     for i, a in enumerate(actors)])
+    compiled = graph.experimental_compile()
+    ray.get(compiled.execute(0), timeout=120)  # (the actors' processes start first: slow on a loaded machine)
+    return compiled, actors
+
+
+def executions(graph: Any, steps: int) -> Callable[[], Awaitable[None]]:
+    """`steps` executions of a compiled graph, each awaited through a worker thread (as azyx.distributed's are)."""
+    import ray
+
+    async def run() -> None:
+        for _ in range(steps):
+            await asyncio.to_thread(lambda: ray.get(graph.execute(0)))
+
+    return run
 
 
 async def ray_rows(steps: int, reps: int) -> list[list[str]]:
@@ -284,13 +328,13 @@ async def ray_rows(steps: int, reps: int) -> list[list[str]]:
     step on one of them (each host's C device on its node's one thread, so that two hosts do not ask four threads of
     this machine's two cores); the step through Ray on one host (a compiled graph; the host's runtime as this
     process's) beside the same step in this process, which is the overhead per step (target <= 0.2 ms); the same
-    step by actor calls; a tiny plan; and Ray's own floor: a compiled graph through an actor on a worker node that
-    returns its input (a round trip between two nodes, which every step pays)."""
+    step by actor calls; a tiny plan; and Ray's own floor (`step_graph`): a compiled graph through an actor on a
+    worker node that returns its input (a round trip between two nodes, which every step pays), and one of the
+    data-parallel step's shape over both hosts' nodes, whose actors only send each other the gradients' bytes, beside
+    the round trip (in turns: what the exchange itself costs Ray here)."""
     try:
         import ray
         from ray.cluster_utils import Cluster as RayCluster
-        from ray.dag import InputNode
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     except ImportError:
         return []
     from azyx import distributed
@@ -323,8 +367,15 @@ async def ray_rows(steps: int, reps: int) -> list[list[str]]:
 
         pair = await Cluster.start(hosts=2, config={"c": {"threads": 1}})
         t1, t2 = await fastest_in_turns(await stepper(pair.hosts[:1]), await stepper(pair.hosts), turns)
-        pair.shutdown()
         t1, t2 = t1 / steps, t2 / steps
+        sizes = tuple(int(np.prod(p.shape)) for p in MLP("c:0").parameters())
+        floors = [step_graph([h.node for h in hosts], sizes) for hosts in (pair.hosts[:1], pair.hosts)]
+        f1, f2 = (t / steps for t in await fastest_in_turns(*(executions(g, steps) for g, _ in floors), turns))
+        for g, actors in floors:
+            g.teardown()
+            for a in actors:
+                ray.kill(a)
+        pair.shutdown()
 
         cluster = await Cluster.start(hosts=1)
         one = cluster.hosts[0]
@@ -355,11 +406,7 @@ async def ray_rows(steps: int, reps: int) -> list[list[str]]:
         t_tiny, t_tiny_local = await fastest_in_turns(lambda: realize(tiny + 1.0),
                                                       lambda: (tiny_local + 1.0).realize(), 20 * reps)
         cluster.shutdown()
-        echo = ray.remote(Echo).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            one.node, soft=False)).remote()
-        with InputNode() as inp:
-            graph = echo.echo.bind(inp).experimental_compile()
-        ray.get(graph.execute(0))
+        graph, _ = step_graph([one.node], ())
         t_ray_thread, t_ray_direct = await fastest_in_turns(
             lambda: asyncio.to_thread(lambda: ray.get(graph.execute(0))), _sync(lambda: ray.get(graph.execute(0))),
             20 * reps)
@@ -372,6 +419,10 @@ async def ray_rows(steps: int, reps: int) -> list[list[str]]:
     return [[f"data-parallel MLP step over a local Ray cluster, batch {BATCH}", f"{1 / t2:.1f} steps/s on 2 hosts",
              f"{1 / t1:.1f} steps/s on 1 host", f"{t1 / t2:.2f}x",
              ">= 0.9x: " + ("met" if t1 / t2 >= 0.9 else "not met")],
+            [f"Ray's own compiled graph of that step's shape, nothing done (an actor on each host's node sending the "
+             f"other the gradients, {4 * sum(sizes) / 1e6:.2f} MB): the floor of the 2-host step, beside the same "
+             "graph on 1 host", f"{f2 * 1e3:.2f} ms on 2 hosts", f"{f1 * 1e3:.2f} ms on 1 host", "",
+             f"2 hosts' exchange: {(f2 - f1) * 1e3:.2f} ms a step more"],
             ["a step through Ray on 1 host (a compiled graph) beside the same step in this process",
              f"{t_ray * 1e3:.2f} ms ({overhead * 1e3:.2f} ms overhead)", f"{t0 * 1e3:.2f} ms", f"{t0 / t_ray:.2f}x",
              "<= 0.2 ms: " + ("met" if overhead <= 2e-4 else "not met")],
