@@ -147,6 +147,8 @@ class Memory:
             if pool is not None:
                 for block in pool.take_cached():
                     self._destroyed(block, destroy)
+                if isinstance(pool, OwnedPool):  # its hold on the blocks still lent (they go with their lenders)
+                    pool.blocks.clear()
         self.count(0)  # (or the last block given back, later)
 
 
