@@ -229,6 +229,12 @@ class Staging:
         """A block of at least `nbytes` bytes (`block`: one the pool had cached), lent until its last reference."""
         return Lent(self.pool, nbytes, block, self.give_back)
 
+    def cached(self, nbytes: int) -> Lent | None:
+        """A block of at least `nbytes` bytes that the pool has cached, lent; None where it has none (making one takes
+        time: pinning memory, milliseconds)."""
+        block = self.pool.reuse(nbytes)
+        return None if block is None else self.lend(nbytes, block)
+
     def host(self, nbytes: int) -> tuple[np.ndarray, Lent]:
         """`nbytes` bytes of a lent block's host memory, and the Lent that keeps them valid (`Device.host_staging`)."""
         assert self.view is not None
