@@ -147,6 +147,8 @@ class Memory:
             if pool is not None:
                 for block in pool.take_cached():
                     self._destroyed(block, destroy)
+                if isinstance(pool, OwnedPool):  # its hold on the blocks still lent (they go with their lenders)
+                    pool.blocks.clear()
         self.count(0)  # (or the last block given back, later)
 
 
@@ -226,6 +228,12 @@ class Staging:
     def lend(self, nbytes: int, block: tuple[Any, int] | None = None) -> Lent:
         """A block of at least `nbytes` bytes (`block`: one the pool had cached), lent until its last reference."""
         return Lent(self.pool, nbytes, block, self.give_back)
+
+    def cached(self, nbytes: int) -> Lent | None:
+        """A block of at least `nbytes` bytes that the pool has cached, lent; None where it has none (making one takes
+        time: pinning memory, milliseconds)."""
+        block = self.pool.reuse(nbytes)
+        return None if block is None else self.lend(nbytes, block)
 
     def host(self, nbytes: int) -> tuple[np.ndarray, Lent]:
         """`nbytes` bytes of a lent block's host memory, and the Lent that keeps them valid (`Device.host_staging`)."""

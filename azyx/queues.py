@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, Self, TypeGuard
 
 import numpy as np
 
@@ -372,6 +372,7 @@ class QueuedDevice(Device):
     its own), says how to wait on an event (`wait_event`) and starts the queue's threads (`queue.start`)."""
 
     event_queue: type[EventQueue] = EventQueue
+    ctx: Any = None  # the API's context, where one serves several devices (`peer`)
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
@@ -399,10 +400,11 @@ class QueuedDevice(Device):
         """Under the queue's lock, on the waiter thread: the command of value `v` completed (Vulkan recycles its
         command buffer)."""
 
-    def peer(self, dev: Device) -> bool:
-        """Whether `dev` shares this device's API context (of its kind, on the same driver context): its buffers are
-        copied on this queue (`copy_peer`) and its completions waited for natively (`native_wait`)."""
-        return False
+    def peer(self, dev: Device) -> TypeGuard[Self]:
+        """Whether `dev` shares this device's API context (of its kind, on the same driver context: `ctx`, where the
+        API's context serves several devices): its buffers are copied on this queue (`copy_peer`) and its completions
+        waited for natively (`native_wait`)."""
+        return self.ctx is not None and isinstance(dev, type(self)) and dev.ctx is self.ctx
 
     def query(self, v: int) -> Callable[[], bool] | None:
         """How `poll` asks the API whether the command of value `v` has completed; None: it cannot tell now."""

@@ -89,10 +89,8 @@ class StagedCopies(QueuedDevice):
         """A pinned block the staging pool has cached, to be read into and then copied from with one DMA. Else plain
         host memory: this runs on the loop, and pinning fresh memory takes milliseconds, so `copy_from_host` stages
         that through pinned chunks on a worker thread instead (whose blocks the pool then keeps for the next time)."""
-        block = self.staging.pool.reuse(nbytes)
-        if block is None:
+        if (staged := self.staging.cached(nbytes)) is None:
             return super().host_staging(nbytes)
-        staged = self.staging.lend(nbytes, block)
         return staged.block.array[:nbytes], staged
 
     def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
@@ -140,22 +138,20 @@ class StagedCopies(QueuedDevice):
             for i in range(len(chunks)):
                 dma(i)
 
-        def fill_chunk(i: int, block: tuple[_Pinned, int] | None = None) -> None:
+        def fill_chunk(i: int, staged: Lent | None = None) -> None:
             o, size = chunks[i]
-            stages[i].append(self.staging.lend(max(size, 1), block))
+            stages[i].append(staged or self.staging.lend(max(size, 1)))
             fill(o, stages[i][0].block.array[:size])
 
         if at_once and all(d.timeline.value >= v for d, v in waits):
             # staged here from blocks the pool has cached; else (pinning fresh memory takes milliseconds, and this
-            # may be the loop's thread) as a large source is, on a worker thread
-            blocks = [self.staging.pool.reuse(max(size, 1)) for _, size in chunks]
-            if all(b is not None for b in blocks):
-                for i, b in enumerate(blocks):
-                    fill_chunk(i, b)
+            # may be the loop's thread) as a large source is, on a worker thread (those taken go back with `cached`)
+            cached = [self.staging.cached(max(size, 1)) for _, size in chunks]
+            if all(c is not None for c in cached):
+                for i, c in enumerate(cached):
+                    fill_chunk(i, c)
                 return self._submit(dma_all, [], (keep, stages))
-            for b in blocks:
-                if b is not None:
-                    self.staging.pool.free(*b)
+            del cached
         staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
@@ -220,9 +216,9 @@ class StagedCopies(QueuedDevice):
 
             # a small read takes a block the pool has cached; pinning fresh memory takes milliseconds (1.2 ms for a
             # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submitter's
-            block = self.staging.pool.reuse(max(size, 1)) if n <= SYNC_STAGE else None
-            if block is not None:
-                cell.append(self.staging.lend(max(size, 1), block))
+            staged = self.staging.cached(max(size, 1)) if n <= SYNC_STAGE else None
+            if staged is not None:
+                cell.append(staged)
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
             else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)

@@ -33,7 +33,7 @@ import functools
 import struct
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
@@ -217,10 +217,6 @@ class OpenCLDevice(QueuedDevice):
             raise self.builder.failed("OpenCL build", names, e, src) from None
         with python_lane():
             return {s.name: cl.Kernel(program, s.name) for s in steps}
-
-    def peer(self, dev: Device) -> TypeGuard[OpenCLDevice]:
-        """A device of this context."""
-        return isinstance(dev, OpenCLDevice) and dev.ctx is self.ctx
 
     def native_wait(self, dev: Device, v: int) -> Any:
         """The event of a device of this context."""

@@ -39,7 +39,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
@@ -295,12 +295,9 @@ class VulkanDevice(QueuedDevice):
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
-        physical = device_list(options)
         glslc_version()  # (raises where glslc is missing: nothing could be compiled)
-        if not 0 <= index < len(physical):
-            raise DeviceError(f"no Vulkan device {index}: {len(physical)} configured with a compute queue")
         self.slabs = Slabs(SLAB, SLAB_ALIGN, SLAB_PIECE)  # per memory type, the slabs its small blocks are carved from
-        self.ctx = context(physical[index])
+        self.ctx = context(device_list(options)[index])  # (index < `count`: the registry's)
         try:
             self._setup(options)
         except BaseException:
@@ -580,10 +577,6 @@ class VulkanDevice(QueuedDevice):
             self.commands[v] = cmd
         elif cmd is not None:
             cmd.pending = v
-
-    def peer(self, dev: Device) -> TypeGuard[VulkanDevice]:
-        """A vulkan device of this physical device (one VkDevice serves them all)."""
-        return isinstance(dev, VulkanDevice) and dev.ctx is self.ctx
 
     def native_wait(self, dev: Device, v: int) -> Any:
         """The timeline semaphore (and value) of a vulkan device of this context, once its submit thread submitted

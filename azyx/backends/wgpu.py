@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -75,10 +76,6 @@ WORDS = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
 
 def _ceil4(n: int) -> int:
     return -(-n // 4) * 4
-
-
-def _destroy(mem: Any) -> None:
-    mem.destroy()
 
 
 @functools.cache
@@ -153,10 +150,7 @@ class WgpuDevice(QueuedDevice):
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
-        found = adapters(options)
-        if not 0 <= index < len(found):
-            raise DeviceError(f"no wgpu adapter {index}: {len(found)} configured")
-        self.adapter = found[index]
+        self.adapter = adapters(options)[index]  # (index < `count`: the registry's)
         info = self.adapter.info
         self.label = f"{info['device']} ({info['backend_type']})"
         wanted_features = FEATURES if options.get("features") is None else frozenset(options["features"])
@@ -194,7 +188,7 @@ class WgpuDevice(QueuedDevice):
         self.staging, self.uploads = (self.mem.staging(functools.partial(self._buffer, usage), what, 256 << 20,
                                                        pool=OwnedPool) for usage, what in ((STAGING, "staging"),
                                                                                             (UPLOAD, "uploads")))
-        self.mem.destroy = _destroy
+        self.mem.destroy = operator.methodcaller("destroy")
         self.words = self.gpu.create_buffer(size=1 << 16, usage=WORDS)  # the scalars of a submission (worker only)
         self.last_words = b""  # what the words buffer holds from its start, once the queue's writes are done
         self.done = 0  # the last value known complete (`wait_event`: one wait covers all submitted before it)
@@ -205,41 +199,25 @@ class WgpuDevice(QueuedDevice):
                                  f"{self.max_binding >> 20} MiB, {self.max_buffers} per kernel)")
 
     def _warm_up(self) -> None:
-        """Make every wgpu-py call the device makes once, at its start (a kernel with a storage buffer and scalars,
-        run, copied, read back and written): wgpu-py's cffi parses each C type the first time it meets it, in Python
-        (pycparser, ~1 ms a type), and the first requests of a process held the event loop's thread off the GIL for
-        25-230 ms while the queue's threads parsed (two busy processes beside them)."""
+        """Make every wgpu-py call the device makes once, at its start, through its own paths (a kernel with a storage
+        buffer and scalars run, read back, then written through an upload buffer): wgpu-py's cffi parses each C type
+        the first time it meets it, in Python (pycparser, ~1 ms a type), and the first requests of a process held the
+        event loop's thread off the GIL for 25-230 ms while the queue's threads parsed (two busy processes beside
+        them)."""
         src = ("@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n"
                "@group(0) @binding(1) var<uniform> w: vec4<u32>;\n"
                "@compute @workgroup_size(1) fn warm() { o[0] = w.x; }\n")
-        pipeline, layout = self._pipeline(src, "warm", ["storage", "uniform"])
-        out, words = self.gpu.create_buffer(size=16, usage=STORAGE), self.gpu.create_buffer(size=16, usage=WORDS)
-        staging, up = self.gpu.create_buffer(size=16, usage=STAGING), self.gpu.create_buffer(size=16, usage=UPLOAD)
-        group = self.gpu.create_bind_group(layout=layout, entries=[
-            {"binding": 0, "resource": {"buffer": out, "offset": 0, "size": 16}},
-            {"binding": 1, "resource": {"buffer": words, "offset": 0, "size": 16}}])
-        self.gpu_queue.write_buffer(words, 0, np.arange(7, 11, dtype=np.uint32))
-        up.map_sync("WRITE", 0, 16)
-        up.write_mapped(np.zeros(16, np.uint8), 0)
-        up.unmap()
-        enc = self.gpu.create_command_encoder()
-        cpass = enc.begin_compute_pass()
-        cpass.set_pipeline(pipeline)
-        cpass.set_bind_group(0, group)
-        cpass.dispatch_workgroups(1, 1, 1)
-        cpass.end()
-        enc.copy_buffer_to_buffer(out, 0, staging, 0, 16)
-        enc.copy_buffer_to_buffer(up, 0, out, 0, 16)
-        self.gpu_queue.submit([enc.finish()])
+        prog = _Program(*self._pipeline(src, "warm", ["storage", "uniform"]), [(1, 16)], 16)
+        out, got = self.alloc(16), np.zeros(16, np.uint8)
+        self._write_words(np.arange(7, 11, dtype=np.uint32).tobytes())
+        self._dispatch([(prog.pipeline, self._bind_group("warm", prog, [out], 0), (1, 1, 1))])
+        self._read_back(out, 0, 16, got, 0)
+        self._upload(got, out.mem, 0)
         self.gpu_queue.submit([])
         self.gpu_queue.on_submitted_work_done_sync()
-        staging.map_sync("READ", 0, 16)
-        got = np.frombuffer(staging.read_mapped(0, 16, copy=False), np.uint32)[0]
-        staging.unmap()
-        for buf in (out, words, staging, up):
-            buf.destroy()
-        if got != 7:
-            raise DeviceError(f"{self.name}: a first kernel on {self.label} wrote {got}, not 7")
+        self.groups.clear()
+        if got.view(np.uint32)[0] != 7:
+            raise DeviceError(f"{self.name}: a first kernel on {self.label} wrote {got.view(np.uint32)[0]}, not 7")
 
     # ------------------------------------------------------------------ memory
     def _buffer(self, usage: int, size: int) -> Any:
@@ -322,23 +300,31 @@ class WgpuDevice(QueuedDevice):
         progs = [self.programs[step.name] for step, _, _ in items]
         offsets, table = word_table([list(w) for _, _, w in items], [p.words for p in progs], self.word_align)
         if table.nbytes:
-            if self.words.size < table.nbytes:
-                self.words = self.gpu.create_buffer(size=max(table.nbytes, 2 * self.words.size), usage=WORDS)
-                self.last_words = b""
-            data = table.tobytes()
-            if not self.last_words.startswith(data):  # (a write is in queue order: the same words need none)
-                self.gpu_queue.write_buffer(self.words, 0, data)
-                self.last_words = data
-        groups = [self._bind_group(step.name, prog, bufs, off) for (step, bufs, _), prog, off in
-                  zip(items, progs, offsets)]
+            self._write_words(table.tobytes())
+        assert not any(step.launch.zero for step, _, _ in items), "WGSL kernels zero nothing first"
+        return self._dispatch([(prog.pipeline, self._bind_group(step.name, prog, bufs, off), step.launch.grid)
+                               for (step, bufs, _), prog, off in zip(items, progs, offsets)])
+
+    def _write_words(self, data: bytes) -> None:
+        """(Worker thread.) A submission's scalars into the words buffer (a larger one where it is too small), where
+        it does not hold them already (a write is in queue order: the same words need none)."""
+        if self.words.size < len(data):
+            self.words = self.gpu.create_buffer(size=max(len(data), 2 * self.words.size), usage=WORDS)
+            self.last_words = b""
+        if not self.last_words.startswith(data):
+            self.gpu_queue.write_buffer(self.words, 0, data)
+            self.last_words = data
+
+    def _dispatch(self, launches: list[tuple[Any, Any, tuple[int, ...]]]) -> bool:
+        """(Worker thread.) The launches (pipeline, bind group, grid) in one compute pass, one submission (WebGPU
+        orders each dispatch's writes before the next dispatch's reads)."""
 
         def encode(enc: Any) -> None:
             cpass = enc.begin_compute_pass()
-            for (step, _, _), prog, group in zip(items, progs, groups):
-                assert not step.launch.zero, "WGSL kernels zero nothing first"
-                cpass.set_pipeline(prog.pipeline)
+            for pipeline, group, grid in launches:
+                cpass.set_pipeline(pipeline)
                 cpass.set_bind_group(0, group)
-                cpass.dispatch_workgroups(*step.launch.grid)
+                cpass.dispatch_workgroups(*grid)
             cpass.end()
 
         return self._submit(encode)
@@ -396,15 +382,21 @@ class WgpuDevice(QueuedDevice):
                 self.gpu_queue.write_buffer(dst.mem, offset & ~3, data)
                 self.gpu_queue.submit([])
                 return False
-            up = self.uploads.lend(size)  # (back to the pool at once, in use until the copy is done: its next map
-            up.block.map_sync("WRITE", 0, size)  # waits for that)
-            try:  # (numpy's copy lets go of the GIL; write_mapped's held it through page faults, the loop asleep)
-                np.copyto(np.frombuffer(up.block._experimental_get_mapped_range(0, size), np.uint8), data)
-            finally:
-                up.block.unmap()
-            return self._copy(up.block, 0, dst.mem, offset & ~3, size)
+            return self._upload(data, dst.mem, offset & ~3)
 
         return self.queue.enqueue(run, waits, (keep, dst))
+
+    def _upload(self, data: np.ndarray, dst: Any, at: int) -> bool:
+        """(Worker thread.) `data` (whole words) into wgpu buffer `dst` from byte `at`: through a pooled upload buffer
+        mapped for writing (a map waits until the queue's earlier copies from it are done), then a copy command."""
+        size = data.nbytes
+        up = self.uploads.lend(size)  # (back to the pool at once, in use until the copy is done: its next map waits)
+        up.block.map_sync("WRITE", 0, size)
+        try:  # (numpy's copy lets go of the GIL; write_mapped's held it through page faults, the loop asleep)
+            np.copyto(np.frombuffer(up.block._experimental_get_mapped_range(0, size), np.uint8), data)
+        finally:
+            up.block.unmap()
+        return self._copy(up.block, 0, dst, at, size)
 
     def _padded(self, src: np.ndarray, dst: Buffer, offset: int) -> np.ndarray:
         """(Worker thread, rare: an unaligned write.) The words `src` lands in at `offset`, the bytes around it read
@@ -429,8 +421,5 @@ class WgpuDevice(QueuedDevice):
             staging.block.unmap()
 
     def let_go(self) -> None:
-        """The kept bind groups, and the pools' hold on their buffers (those lent go with their Buffers)."""
+        """The kept bind groups (the memory part lets its pools' buffers go: `Memory.close`)."""
         self.groups.clear()
-        for pool in (self.pool, self.staging.pool, self.uploads.pool):
-            assert isinstance(pool, OwnedPool)
-            pool.blocks.clear()  # (those lent go with their Buffers)

@@ -311,5 +311,3 @@ WGSL_TYPES: dict[str, WType] = {
     "float32": WType("f32", "f32"),
     "float64": WType("f64", "f64", feature="shader-f64"),
 }
-
-DIALECTS = {d.name: d for d in (C, OPENCL, CUDA, GLSL, WGSL)}
