@@ -51,8 +51,9 @@ BATCH_BUCKETS = (1, 4, 16, 32)  # the padded forward's batches
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
 ONE_BLOCK = LENGTH_BUCKETS[-1]  # a packed batch of at most this many tokens runs as one block (of such a length)
 BLOCKS = (32, 64, 128, 256)  # a longer batch's block: the first that holds its longest sentence
-BLOCK_COUNTS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)  # its blocks: its tokens rounded up to these
+BLOCK_COUNTS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # its blocks: its tokens rounded up to these
 MAX_SENTENCES = 32  # sentences per packed run (the pooling's rows); `embed_ids` runs more in turns
+BATCH_TOKENS = 4096  # an EmbeddingService batch's padded tokens (sentences x longest), at most: bounds its layouts
 TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
 
 
@@ -94,15 +95,20 @@ def layout(lengths: list[int]) -> tuple[int, int]:
     return _bucket(-(-total // block), BLOCK_COUNTS), block
 
 
-def layouts(max_batch: int, max_length: int) -> list[tuple[int, int]]:
-    """Every `layout` of a batch of 1 to `max_batch` (at most MAX_SENTENCES) sentences of 1 to `max_length` tokens."""
+def layouts(max_batch: int, max_length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Every `layout` of a batch of 1 to `max_batch` (at most MAX_SENTENCES) sentences of 1 to `max_length` tokens
+    whose number times the longest's tokens is at most `max_tokens` (EmbeddingService's budget; a lone sentence
+    always)."""
     shapes = {(1, _length_bucket(n)) for n in range(1, max_length + 1)}  # a lone sentence
     if max_batch > 1:
-        shapes |= {(1, _length_bucket(t)) for t in range(2, min(ONE_BLOCK, max_batch * max_length) + 1)}
+        most = max_batch * max_length if max_tokens is None else max_tokens
+        shapes |= {(1, _length_bucket(t)) for t in range(2, min(ONE_BLOCK, max_batch * max_length, most) + 1)}
         for block in {_block(n) for n in range(1, max_length + 1)}:
             shortest = block // 2 + 1 if block > BLOCKS[0] else 1  # (the longest sentence of a batch of this block)
-            first, last = max(ONE_BLOCK + 1, shortest + 1), max_batch * min(block, max_length)  # its tokens
-            shapes |= {(_bucket(c, BLOCK_COUNTS), block) for c in range(-(-first // block), -(-last // block) + 1)}
+            first = max(ONE_BLOCK + 1, shortest + 1)  # its tokens: the fewest, the most
+            last = min(max_batch * min(block, max_length), most) if 2 * shortest <= most else 0
+            if first <= last:
+                shapes |= {(_bucket(c, BLOCK_COUNTS), block) for c in range(-(-first // block), -(-last // block) + 1)}
     return sorted(shapes)
 
 
@@ -378,11 +384,11 @@ class MiniLM(nn.Module):
         emb = await staged(*(Tensor(a, device=self.device) for a in arrays))
         return (await emb.numpy())[: len(encoded)]
 
-    async def warmup(self, max_batch: int = MAX_SENTENCES) -> list[tuple[int, int]]:
-        """Trace and plan the packed forward of every `layout` a batch of up to `max_batch` sentences can take (a
-        shape's first run otherwise builds and plans its graph while others wait), so that embedding plans nothing
-        new after; the layouts."""
-        shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length)
+    async def warmup(self, max_batch: int = MAX_SENTENCES, max_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Trace and plan the packed forward of every `layout` a batch of up to `max_batch` sentences (and, with
+        `max_tokens`, up to that many padded tokens: EmbeddingService's budget) can take (a shape's first run otherwise
+        builds and plans its graph while others wait), so that embedding plans nothing new after; the layouts."""
+        shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length, max_tokens)
         for shape in shapes:
             await self._run_packed([[0]], shape)
         return shapes
@@ -420,7 +426,7 @@ class EmbeddingService:
     runs on a worker thread for large requests."""
 
     def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.0, max_queued: int = 4096,
-                 max_batch_tokens: int = 16384):
+                 max_batch_tokens: int = BATCH_TOKENS):
         self.model, self.max_batch, self.max_wait, self.max_queued = model, max_batch, max_wait, max_queued
         self.max_batch_tokens = max_batch_tokens  # padded tokens (batch x longest sentence) a batch may hold
         self.jobs: deque[_Job] = deque()
