@@ -32,6 +32,7 @@ import asyncio
 import importlib.resources
 import json
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -370,19 +371,29 @@ class MiniLM(nn.Module):
     async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
         """Embeddings of tokenized sentences (`encode`'s lists of ids, each of 1 to max_length ids in the
         vocabulary: ArgumentError otherwise), as a (len(encoded), 384) float32 array: packed, MAX_SENTENCES a run."""
-        self.check_ids(encoded)
-        parts = [await self._run_packed(encoded[i : i + MAX_SENTENCES])
-                 for i in range(0, len(encoded), MAX_SENTENCES)]
-        return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
+        return await (await self.submit_ids(encoded))()
 
-    async def _run_packed(self, encoded: list[list[int]], shape: tuple[int, int] | None = None) -> np.ndarray:
+    async def submit_ids(self, encoded: list[list[int]]) -> Callable[[], Awaitable[np.ndarray]]:
+        """`embed_ids`, returning once the work is queued on the device: the coroutine function returned reads the
+        rows (waiting for the work; its failure is raised there)."""
+        self.check_ids(encoded)
+        runs = [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
+                for i in range(0, len(encoded), MAX_SENTENCES)]
+
+        async def read() -> np.ndarray:
+            parts = [(await emb.numpy())[:n] for emb, n in runs]
+            return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
+
+        return read
+
+    async def _submit_packed(self, encoded: list[list[int]], shape: tuple[int, int] | None = None) -> Tensor:
         arrays = self.pack(encoded, shape)
         block = arrays[2].shape[1] if arrays[2].shape[0] > 1 else 0  # (one block: a jit of its own)
         staged = self.staged_packed.get(block)
         if staged is None:
             staged = self.staged_packed[block] = jit(self.forward_packed)
-        emb = await staged(*(Tensor(a, device=self.device) for a in arrays))
-        return (await emb.numpy())[: len(encoded)]
+        emb: Tensor = await staged.submit(*(Tensor(a, device=self.device) for a in arrays))
+        return emb
 
     async def warmup(self, max_batch: int = MAX_SENTENCES, max_tokens: int | None = None) -> list[tuple[int, int]]:
         """Trace and plan the packed forward of every `layout` a batch of up to `max_batch` sentences (and, with
@@ -390,7 +401,7 @@ class MiniLM(nn.Module):
         builds and plans its graph while others wait), so that embedding plans nothing new after; the layouts."""
         shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length, max_tokens)
         for shape in shapes:
-            await self._run_packed([[0]], shape)
+            await (await self._submit_packed([[0]], shape)).realize()
         return shapes
 
 
@@ -522,34 +533,60 @@ class EmbeddingService:
         return batch
 
     async def _batcher(self) -> None:
+        """Batches, one after another; while one runs, the next is queued behind it on the device only when it is full
+        (a backlog: the device goes from one to the next while the loop answers the first's callers), else it waits
+        for the running one and takes what arrived meanwhile."""
         loop = asyncio.get_running_loop()
-        while True:
-            while not self.jobs:
-                self.arrived.clear()
-                await self.arrived.wait()
-            await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
-            deadline = loop.time() + self.max_wait
-            while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
-                self.arrived.clear()
+        running: asyncio.Task[None] | None = None  # the batch last queued, until its callers have their rows
+        try:
+            while True:
+                while not self.jobs:
+                    self.arrived.clear()
+                    await self.arrived.wait()
+                await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
+                deadline = loop.time() + self.max_wait
+                while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
+                    self.arrived.clear()
+                    try:
+                        await asyncio.wait_for(self.arrived.wait(), left)
+                    except TimeoutError:
+                        break
+                if running is not None and self.queued < self.max_batch:
+                    await asyncio.wait([running])
+                batch = self._take()
+                if not batch:
+                    continue
                 try:
-                    await asyncio.wait_for(self.arrived.wait(), left)
-                except TimeoutError:
-                    break
-            batch = self._take()
-            if not batch:
-                continue
-            try:
-                out = await self.model.embed_ids([ids for _, _, ids in batch])
-            except Exception as e:  # a failed batch fails its callers, the service keeps going
-                for job in {job for job, _, _ in batch}:
-                    if not job.future.done():
-                        job.future.set_exception(e)
-                continue
-            self.stats.batches += 1
-            self.stats.sentences += len(batch)
-            self.stats.batch_sizes.append(len(batch))
-            for (job, i, _), row in zip(batch, out):
-                job.rows[i] = row
-                job.left -= 1
-                if job.left == 0 and not job.future.done():
-                    job.future.set_result(job.rows)
+                    read = await self.model.submit_ids([ids for _, _, ids in batch])
+                except Exception as e:  # a failed batch fails its callers, the service keeps going
+                    self._fail(batch, e)
+                    continue
+                if running is not None:  # (at most two batches queued: the one before is answered first)
+                    await asyncio.wait([running])
+                running = asyncio.create_task(self._answer(batch, read))
+        finally:
+            if running is not None:
+                running.cancel()
+
+    async def _answer(self, batch: list[tuple[_Job, int, list[int]]], read: Callable[[], Awaitable[np.ndarray]]
+                      ) -> None:
+        """A queued batch's rows read and handed to its callers."""
+        try:
+            out = await read()
+        except Exception as e:
+            self._fail(batch, e)
+            return
+        self.stats.batches += 1
+        self.stats.sentences += len(batch)
+        self.stats.batch_sizes.append(len(batch))
+        for (job, i, _), row in zip(batch, out):
+            job.rows[i] = row
+            job.left -= 1
+            if job.left == 0 and not job.future.done():
+                job.future.set_result(job.rows)
+
+    @staticmethod
+    def _fail(batch: list[tuple[_Job, int, list[int]]], e: Exception) -> None:
+        for job in {job for job, _, _ in batch}:
+            if not job.future.done():
+                job.future.set_exception(e)
