@@ -54,7 +54,7 @@ def test_layouts_are_few_and_hold_every_batch() -> None:
     256 tokens); its blocks hold its tokens, and a block its longest sentence."""
     from azyx.models.bert import MAX_SENTENCES, layout, layouts
 
-    every, budgeted = layouts(MAX_SENTENCES, 256), layouts(MAX_SENTENCES, 256, 4096)
+    every, budgeted = layouts(MAX_SENTENCES, 256), layouts(MAX_SENTENCES, 256, 2048)
     assert len(every) <= 50 and len(budgeted) < len(every) and len(layouts(4, 256)) < 20
     rng = np.random.default_rng(0)
     for _ in range(3000):
@@ -62,7 +62,7 @@ def test_layouts_are_few_and_hold_every_batch() -> None:
         lengths = [int(n) for n in rng.integers(1, longest + 1, count)]
         blocks, block = layout(lengths)
         assert (blocks, block) in every and blocks * block >= sum(lengths)
-        if len(lengths) == 1 or len(lengths) * max(lengths) <= 4096:  # (within EmbeddingService's default budget)
+        if len(lengths) == 1 or len(lengths) * max(lengths) <= 2048:  # (within EmbeddingService's default budget)
             assert (blocks, block) in budgeted
         assert blocks == 1 or (block >= max(lengths) and blocks * block < 1.25 * (sum(lengths) + block))
 

@@ -54,7 +54,7 @@ ONE_BLOCK = LENGTH_BUCKETS[-1]  # a packed batch of at most this many tokens run
 BLOCKS = (32, 64, 128, 256)  # a longer batch's block: the first that holds its longest sentence
 BLOCK_COUNTS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # its blocks: its tokens rounded up to these
 MAX_SENTENCES = 32  # sentences per packed run (the pooling's rows); `embed_ids` runs more in turns
-BATCH_TOKENS = 4096  # an EmbeddingService batch's padded tokens (sentences x longest), at most: bounds its layouts
+BATCH_TOKENS = 2048  # an EmbeddingService batch's padded tokens (sentences x longest), at most: bounds its layouts
 TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
 
 
