@@ -533,13 +533,13 @@ class EmbeddingService:
         return batch
 
     async def _batcher(self) -> None:
-        """Batches, one after another; while one runs, the next is queued behind it on the device only when it is full
-        (a backlog: the device goes from one to the next while the loop answers the first's callers), else it waits
-        for the running one and takes what arrived meanwhile."""
+        """Batches, one after another: the next is taken when the last one's rows are read, and queued on the device
+        before that one's callers are answered (their answers' JSON and sends would otherwise hold the loop while the
+        device waits for the next)."""
         loop = asyncio.get_running_loop()
-        running: asyncio.Task[None] | None = None  # the batch last queued, until its callers have their rows
-        try:
-            while True:
+        done: tuple[list[tuple[_Job, int, list[int]]], np.ndarray] | None = None  # read, not yet answered
+        while True:
+            if done is None:
                 while not self.jobs:
                     self.arrived.clear()
                     await self.arrived.wait()
@@ -551,31 +551,24 @@ class EmbeddingService:
                         await asyncio.wait_for(self.arrived.wait(), left)
                     except TimeoutError:
                         break
-                if running is not None and self.queued < self.max_batch:
-                    await asyncio.wait([running])
-                batch = self._take()
-                if not batch:
-                    continue
+            batch = self._take()
+            read = None
+            if batch:
                 try:
                     read = await self.model.submit_ids([ids for _, _, ids in batch])
                 except Exception as e:  # a failed batch fails its callers, the service keeps going
                     self._fail(batch, e)
-                    continue
-                if running is not None:  # (at most two batches queued: the one before is answered first)
-                    await asyncio.wait([running])
-                running = asyncio.create_task(self._answer(batch, read))
-        finally:
-            if running is not None:
-                running.cancel()
+            if done is not None:
+                self._answer(*done)
+                done = None
+            if read is not None:
+                try:
+                    done = (batch, await read())
+                except Exception as e:
+                    self._fail(batch, e)
 
-    async def _answer(self, batch: list[tuple[_Job, int, list[int]]], read: Callable[[], Awaitable[np.ndarray]]
-                      ) -> None:
-        """A queued batch's rows read and handed to its callers."""
-        try:
-            out = await read()
-        except Exception as e:
-            self._fail(batch, e)
-            return
+    def _answer(self, batch: list[tuple[_Job, int, list[int]]], out: np.ndarray) -> None:
+        """A batch's rows handed to its callers."""
         self.stats.batches += 1
         self.stats.sentences += len(batch)
         self.stats.batch_sizes.append(len(batch))
