@@ -11,7 +11,7 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
   the device, as stored, so `load_state_dict` takes the file's tensors by name.
 - The forward pass is the BERT encoder: embeddings (token rows gathered by id, plus position and type) and
   LayerNorm, self-attention with the padding mask, GELU (erf) feed-forward, residuals and LayerNorms, then mean
-  pooling over the real tokens and L2 normalisation. No realize inside: one plan per (batch, length) bucket.
+  pooling over the real tokens and L2 normalisation. No realize inside: one plan per shape.
 - A batch runs packed (`MiniLM.pack`, as TEI runs it): its sentences' tokens back to back in blocks of `block`
   tokens, so the products and the feed-forward (nearly all the work) run on the real tokens, not on padding up to
   the longest. A sentence lies in at most two neighbouring blocks (a block holds the longest), so each block's tokens
@@ -23,7 +23,7 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
-  the whole batch once, and resolves each caller's future with its rows.
+  the whole batch once, and resolves each caller's future with its rows, after queueing the next batch.
 """
 
 from __future__ import annotations
