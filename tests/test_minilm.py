@@ -52,7 +52,7 @@ async def test_embeddings_match_sentence_transformers(model: Any) -> None:
 def test_layouts_are_few_and_hold_every_batch() -> None:
     """A batch's packed shape (blocks, block) is one of `layouts`' few (48 for batches of up to 32 sentences of up to
     256 tokens); its blocks hold its tokens, and a block its longest sentence."""
-    from azyx.models.bert import MAX_SENTENCES, layout, layouts
+    from azyx.models.bert import MAX_SENTENCES, layout, layouts, pads_as_well
 
     every, budgeted = layouts(MAX_SENTENCES, 256), layouts(MAX_SENTENCES, 256, 2048)
     assert len(every) <= 50 and len(budgeted) < len(every) and len(layouts(4, 256)) < 20
@@ -65,6 +65,9 @@ def test_layouts_are_few_and_hold_every_batch() -> None:
         if len(lengths) == 1 or len(lengths) * max(lengths) <= 2048:  # (within EmbeddingService's default budget)
             assert (blocks, block) in budgeted
         assert blocks == 1 or (block >= max(lengths) and blocks * block < 1.25 * (sum(lengths) + block))
+    # a full batch of one length runs padded (as many tokens; attention within each sentence only), a mixed one packed
+    assert pads_as_well([16] * MAX_SENTENCES) and not pads_as_well([16] * (MAX_SENTENCES - 1))
+    assert not pads_as_well([7, 8, 9, 18, 10, 12] * 5 + [7, 8]) and not pads_as_well([17] * MAX_SENTENCES)
 
 
 async def test_packed_batches_match_the_padded_forward(model: Any) -> None:
@@ -94,6 +97,9 @@ async def test_packed_batches_match_the_padded_forward(model: Any) -> None:
         got, want = await model.embed_ids(encoded), await padded(encoded)
         assert got.shape == (count, 384)
         np.testing.assert_allclose(got, want, atol=2e-6)
+    same = [[int(t) for t in rng.integers(1000, 20000, 16)] for _ in range(MAX_SENTENCES)]  # (run padded)
+    np.testing.assert_allclose(await model.embed_ids(same), await padded(same), atol=2e-6)
+    np.testing.assert_allclose((await model.embed_ids(same + same[:1]))[-1], (await padded(same[:1]))[0], atol=2e-6)
     alone = np.concatenate([await model.embed([s]) for s in REFERENCE["sentences"]])
     assert cosines(alone, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
 

@@ -18,8 +18,9 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
   attend to the keys of its block and its two neighbours, masked to their own sentence: the lengths, positions and
   sentence of each token are data (uploaded values), never shapes. The shapes are few: a batch of at most ONE_BLOCK
   tokens (and a lone sentence) is one block of a LENGTH_BUCKETS length; a longer one is BLOCK_COUNTS blocks of one
-  of BLOCKS. `MiniLM.warmup` traces and plans every one a batch can take (`azyx serve` runs it at load), so serving
-  plans nothing new. The padded forward (`forward`: a (batch, length) layout) stays as the reference.
+  of BLOCKS. A full batch of sentences of about one length runs padded (`forward`, (batch, length): its attention
+  over each sentence's own tokens, where blocks attend to their neighbours' too; `pads_as_well`). `MiniLM.warmup`
+  traces and plans every shape a batch can take (`azyx serve` runs it at load), so serving plans nothing new.
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
@@ -94,6 +95,14 @@ def layout(lengths: list[int]) -> tuple[int, int]:
         return 1, _length_bucket(total)
     block = _block(max(lengths))
     return _bucket(-(-total // block), BLOCK_COUNTS), block
+
+
+def pads_as_well(lengths: list[int]) -> bool:
+    """Whether a full batch (MAX_SENTENCES sentences) takes no more tokens padded to its LENGTH_BUCKETS length than
+    packed (sentences of about one length): it runs padded, each sentence's attention over its own tokens only, where
+    packed blocks attend to their neighbours' too."""
+    blocks, block = layout(lengths)
+    return len(lengths) == MAX_SENTENCES and MAX_SENTENCES * _length_bucket(max(lengths)) <= blocks * block
 
 
 def layouts(max_batch: int, max_length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -387,6 +396,9 @@ class MiniLM(nn.Module):
         return read
 
     async def _submit_packed(self, encoded: list[list[int]], shape: tuple[int, int] | None = None) -> Tensor:
+        if shape is None and pads_as_well([len(e) for e in encoded]):
+            padded: Tensor = await self.staged.submit(*(Tensor(a, device=self.device) for a in self.pad(encoded)))
+            return padded
         arrays = self.pack(encoded, shape)
         block = arrays[2].shape[1] if arrays[2].shape[0] > 1 else 0  # (one block: a jit of its own)
         staged = self.staged_packed.get(block)
@@ -402,6 +414,11 @@ class MiniLM(nn.Module):
         shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length, max_tokens)
         for shape in shapes:
             await (await self._submit_packed([[0]], shape)).realize()
+        if max_batch >= MAX_SENTENCES:  # (full batches of about one length: `pads_as_well`)
+            most = MAX_SENTENCES * _length_bucket(self.max_length) if max_tokens is None else max_tokens
+            for n in sorted({_length_bucket(n) for n in range(1, self.max_length + 1)}):
+                if MAX_SENTENCES * n <= most:
+                    await (await self._submit_packed([[0] * n] * MAX_SENTENCES)).realize()
         return shapes
 
 
