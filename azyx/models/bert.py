@@ -24,7 +24,7 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
-  the whole batch once, and resolves each caller's future with its rows, after queueing the next batch.
+  the whole batch once, and resolves each caller's future with its rows.
 """
 
 from __future__ import annotations
@@ -550,39 +550,28 @@ class EmbeddingService:
         return batch
 
     async def _batcher(self) -> None:
-        """Batches, one after another: the next is taken when the last one's rows are read, and queued on the device
-        before that one's callers are answered (their answers' JSON and sends would otherwise hold the loop while the
-        device waits for the next)."""
         loop = asyncio.get_running_loop()
-        done: tuple[list[tuple[_Job, int, list[int]]], np.ndarray] | None = None  # read, not yet answered
         while True:
-            if done is None:
-                while not self.jobs:
-                    self.arrived.clear()
-                    await self.arrived.wait()
-                await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
-                deadline = loop.time() + self.max_wait
-                while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
-                    self.arrived.clear()
-                    try:
-                        await asyncio.wait_for(self.arrived.wait(), left)
-                    except TimeoutError:
-                        break
+            while not self.jobs:
+                self.arrived.clear()
+                await self.arrived.wait()
+            await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
+            deadline = loop.time() + self.max_wait
+            while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), left)
+                except TimeoutError:
+                    break
             batch = self._take()
-            read = None
-            if batch:
-                try:
-                    read = await self.model.submit_ids([ids for _, _, ids in batch])
-                except Exception as e:  # a failed batch fails its callers, the service keeps going
-                    self._fail(batch, e)
-            if done is not None:
-                self._answer(*done)
-                done = None
-            if read is not None:
-                try:
-                    done = (batch, await read())
-                except Exception as e:
-                    self._fail(batch, e)
+            if not batch:
+                continue
+            try:
+                out = await self.model.embed_ids([ids for _, _, ids in batch])
+            except Exception as e:  # a failed batch fails its callers, the service keeps going
+                self._fail(batch, e)
+                continue
+            self._answer(batch, out)
 
     def _answer(self, batch: list[tuple[_Job, int, list[int]]], out: np.ndarray) -> None:
         """A batch's rows handed to its callers."""
