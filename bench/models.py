@@ -236,37 +236,28 @@ async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any
     rows = []
     for batch in batches:
         sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
-        # the default (padded to the batch's bucket) and, where the batch's lengths are mixed enough, packed
-        # (model.pack_mixed: the products on the real tokens' rows, as TEI runs them)
-        modes = [False] + ([True] if model.pack(model.encode(sentences)) is not None else [])
-        want = peer(sentences) if peer is not None else None
-        for packed in modes:
-            model.pack_mixed = packed
-            got = await model.embed(sentences)
-            if want is not None:
-                assert (got * want).sum(-1).min() >= 0.9999, "azyx's MiniLM embeddings differ from transformers'"
+        got = await model.embed(sentences)  # (the default: packed, MiniLM.pack)
+        if peer is not None:
+            want = peer(sentences)
+            assert (got * want).sum(-1).min() >= 0.9999, "azyx's MiniLM embeddings differ from transformers'"
         # rounds that alternate azyx and the peer (a shared machine's load moves both alike within a round); the
         # medians over all rounds' repeats
-        ta_all: dict[bool, list[float]] = {p: [] for p in modes}
+        ta_all: list[float] = []
         tp_all: list[float] = []
         for _ in range(MINILM_ROUNDS):
-            for packed in modes:
-                model.pack_mixed = packed
-                ta_all[packed].append(await median_time_async(lambda: model.embed(sentences), max(3, repeats // 10)))
+            ta_all.append(await median_time_async(lambda: model.embed(sentences), max(3, repeats // 10)))
             if peer is not None:
                 tp_all.append(median_time(lambda: peer(sentences), max(3, repeats // 10)))
-        model.pack_mixed = False
         tp = statistics.median(tp_all) if tp_all else None
-        for packed in modes:
-            ta = statistics.median(ta_all[packed])
-            torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"),
-                                           MINILM_TARGET)
-            if tp_all:  # each round's ratio: a spread says the machine's other load moved one side (see the notes)
-                ratios = [p / a for a, p in zip(ta_all[packed], tp_all)]
-                torch_cell += f"; rounds {min(ratios):.2f}-{max(ratios):.2f}x"
-            how = ", mixed lengths packed (model.pack_mixed)" if packed else ""
-            rows.append([f"all-MiniLM-L6-v2, batch {batch}{how} ({batch / ta:.0f} sentences/s)", device,
-                         f"{ta * 1e3:.1f} ms", "-", torch_cell, "-", target])
+        ta = statistics.median(ta_all)
+        torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"),
+                                       MINILM_TARGET)
+        if tp_all:  # each round's ratio: a spread says the machine's other load moved one side (see the notes)
+            ratios = [p / a for a, p in zip(ta_all, tp_all)]
+            torch_cell += f"; rounds {min(ratios):.2f}-{max(ratios):.2f}x"
+        blocks, block = model.pack(model.encode(sentences))[2].shape
+        rows.append([f"all-MiniLM-L6-v2, batch {batch}, packed {blocks}x{block} tokens ({batch / ta:.0f} "
+                     "sentences/s)", device, f"{ta * 1e3:.1f} ms", "-", torch_cell, "-", target])
     return rows
 
 

@@ -264,8 +264,8 @@ def bench_openai_server(name: str, cmd: list[str], port: int, conns: list[int], 
             return rows
         script = tmp / f"embed-{emb_model}.lua"
         script.write_text(EMBED_SCRIPT.replace("MODEL", emb_model))
-        # untimed: the sentence's shapes at every batch size the load makes (azyx compiles a plan for each; the
-        # server's own warm-up covers its batch sizes at its warm-up sentence's length only)
+        # untimed: both sides' first batches (azyx serve planned every shape of its batches at load; the peer's torch
+        # warms its allocator and threads)
         asyncio.run(_embed_load(port, emb_model, max(conns), min(seconds, 5.0)))
         for c in conns:
             w = wrk_url(port, c, seconds, script, "/v1/embeddings") if shutil.which("wrk") else \

@@ -49,30 +49,97 @@ async def test_embeddings_match_sentence_transformers(model: Any) -> None:
     assert cosines(got, live).min() >= 0.9999
 
 
-async def test_sentences_of_mixed_lengths_run_packed_and_match_the_padded_forward(model: Any) -> None:
-    """A batch of sentences of mixed lengths runs packed (their tokens back to back: no padding rows in the products);
-    it gives the padded forward's rows, and each sentence's own when embedded alone. One length: padded."""
-    from azyx import Tensor
+def test_layouts_are_few_and_hold_every_batch() -> None:
+    """A batch's packed shape (blocks, block) is one of `layouts`' few (48 for batches of up to 32 sentences of up to
+    256 tokens); its blocks hold its tokens, and a block its longest sentence."""
+    from azyx.models.bert import MAX_SENTENCES, layout, layouts, pads_as_well
 
-    sentences = REFERENCE["sentences"]
-    encoded = model.encode(sentences)
-    ids, positions, rows, back, mask = model.pack(encoded)
-    assert len(ids) < mask.size * 0.8 and model.pack([encoded[0]] * 4) is None and model.pack(encoded[:1]) is None
-    # the packed rows: the tokens rounded up to eighths of the padded bucket's rows (a few shapes per bucket)
-    assert len(ids) % (mask.size // 8) == 0 and len(ids) - mask.size // 8 < sum(map(len, encoded)) <= len(ids)
-    assert all((ids[rows[i, : len(e)]] == e).all() and (positions[rows[i, : len(e)]] == np.arange(len(e))).all()
-               for i, e in enumerate(encoded))
-    assert all((back[rows[i, : len(e)]] == i * mask.shape[1] + np.arange(len(e))).all() for i, e in enumerate(encoded))
-    model.pack_mixed = True
-    try:
-        packed = await model.embed(sentences)
-    finally:
-        model.pack_mixed = False
-    padded = await (await model.staged(*(Tensor(a, device="c:0") for a in model.pad(encoded)))).numpy()
-    alone = np.concatenate([await model.embed([s]) for s in sentences])
-    assert cosines(packed, padded[: len(sentences)]).min() >= 0.99999
-    assert cosines(packed, alone).min() >= 0.99999
-    assert cosines(packed, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
+    every, budgeted = layouts(MAX_SENTENCES, 256), layouts(MAX_SENTENCES, 256, 2048)
+    assert len(every) <= 50 and len(budgeted) < len(every) and len(layouts(4, 256)) < 20
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        count, longest = rng.integers(1, MAX_SENTENCES + 1), rng.choice([4, 16, 40, 100, 256])
+        lengths = [int(n) for n in rng.integers(1, longest + 1, count)]
+        blocks, block = layout(lengths)
+        assert (blocks, block) in every and blocks * block >= sum(lengths)
+        if len(lengths) == 1 or len(lengths) * max(lengths) <= 2048:  # (within EmbeddingService's default budget)
+            assert (blocks, block) in budgeted
+        assert blocks == 1 or (block >= max(lengths) and blocks * block < 1.25 * (sum(lengths) + block))
+    # a full batch of one length runs padded (as many tokens; attention within each sentence only), a mixed one packed
+    assert pads_as_well([16] * MAX_SENTENCES) and not pads_as_well([16] * (MAX_SENTENCES - 1))
+    assert not pads_as_well([7, 8, 9, 18, 10, 12] * 5 + [7, 8]) and not pads_as_well([17] * MAX_SENTENCES)
+
+
+async def test_packed_batches_match_the_padded_forward(model: Any) -> None:
+    """The default path packs a batch (its tokens back to back in blocks, attention within each sentence across
+    neighbouring blocks): mixed lengths, sentences that straddle blocks, more sentences than a run takes (two runs),
+    one sentence, the longest the model takes; each gives the padded forward's rows."""
+    from azyx import Tensor
+    from azyx.models.bert import MAX_SENTENCES
+
+    rng = np.random.default_rng(1)
+
+    async def padded(encoded: list[list[int]]) -> np.ndarray:
+        out = [await (await model.staged(*(Tensor(a, device="c:0") for a in model.pad(encoded[i : i + 32])))).numpy()
+               for i in range(0, len(encoded), 32)]
+        return np.concatenate([o[: len(encoded[i * 32 : i * 32 + 32])] for i, o in enumerate(out)])
+
+    for count, longest in ((1, 256), (3, 8), (7, 60), (MAX_SENTENCES, 40), (MAX_SENTENCES + 9, 20)):
+        encoded = [[int(t) for t in rng.integers(1000, 20000, rng.integers(1, longest + 1))] for _ in range(count)]
+        encoded[0] = encoded[0][:1]  # (a one-token sentence)
+        if count > 1:
+            encoded[-1] = [int(t) for t in rng.integers(1000, 20000, longest)]
+        ids, positions, segments, scales = model.pack(encoded[:MAX_SENTENCES])
+        at = np.cumsum([0] + [len(e) for e in encoded[:MAX_SENTENCES]])
+        assert (ids[: at[-1]] == np.concatenate(encoded[:MAX_SENTENCES])).all()
+        assert (segments.reshape(-1)[at[-1] :] == -1).all() and (scales[: len(encoded)] > 0).all()
+        assert all((positions[at[i] : at[i + 1]] == np.arange(at[i + 1] - at[i])).all() for i in range(len(at) - 1))
+        got, want = await model.embed_ids(encoded), await padded(encoded)
+        assert got.shape == (count, 384)
+        np.testing.assert_allclose(got, want, atol=2e-6)
+    same = [[int(t) for t in rng.integers(1000, 20000, 16)] for _ in range(MAX_SENTENCES)]  # (run padded)
+    np.testing.assert_allclose(await model.embed_ids(same), await padded(same), atol=2e-6)
+    np.testing.assert_allclose((await model.embed_ids(same + same[:1]))[-1], (await padded(same[:1]))[0], atol=2e-6)
+    alone = np.concatenate([await model.embed([s]) for s in REFERENCE["sentences"]])
+    assert cosines(alone, np.array(REFERENCE["embeddings"], np.float32)).min() >= 0.9999
+
+
+async def test_empty_and_odd_inputs(model: Any) -> None:
+    """No sentences: no rows. An empty string is its two special tokens (as sentence-transformers embeds it); an
+    empty token list, one past the window and an id outside the vocabulary raise ArgumentError naming them."""
+    from azyx.errors import ArgumentError
+
+    assert (await model.embed([])).shape == (0, 384)
+    got = await model.embed(["", "x", "a sentence"])
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(got[0], (await model.embed([""]))[0], atol=2e-6)
+    with pytest.raises(ArgumentError, match="sentence 1 has 0 tokens"):
+        await model.embed_ids([[101, 102], []])
+    with pytest.raises(ArgumentError, match="257 tokens"):
+        await model.embed_ids([[101] * 257])
+    with pytest.raises(ArgumentError, match="sentence 0 has a token id outside the vocabulary of 30522"):
+        await model.embed_ids([[101, 30522]])
+
+
+async def test_serving_new_lengths_after_warmup_plans_nothing(model: Any) -> None:
+    """After `warmup(max_batch)`, a service of that batch size serving sentences of lengths it never saw (every
+    layout a batch of them can take) traces, plans and compiles nothing: the loop only replays plans."""
+    import azyx
+
+    shapes = await model.warmup(4)
+    before = azyx.stats()
+    rng = np.random.default_rng(2)
+    seen = set()
+    async with EmbeddingService(model, max_batch=4) as service:
+        for _ in range(6):
+            requests = [[[int(t) for t in rng.integers(1000, 20000, rng.integers(1, rng.choice([5, 30, 90, 256]) + 1))]]
+                        for _ in range(int(rng.integers(1, 9)))]
+            answers = await asyncio.gather(*(service.embed_ids(r) for r in requests))
+            assert all(a.shape == (1, 384) for a in answers)
+            seen.add(len(answers))
+    after = azyx.stats()
+    assert (after.traces, after.plans, after.kernels) == (before.traces, before.plans, before.kernels)
+    assert len(shapes) < 20 and len(seen) > 1
 
 
 @pytest.mark.parametrize("max_wait", [0.0, 0.05])

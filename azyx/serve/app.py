@@ -53,7 +53,7 @@ import numpy as np
 
 from azyx.errors import ArgumentError, AzyxError, AzyxIOError
 from azyx.models import service as svc
-from azyx.models.bert import BATCH_BUCKETS, EmbeddingService, MiniLM, QueueFull
+from azyx.models.bert import BATCH_TOKENS, EmbeddingService, MiniLM, QueueFull
 from azyx.models.gpt2 import GPT2, Engine, NoFreeSlotError, TokenStream, load_tokenizer
 from azyx.models.text import TextStream
 from azyx.stats import Heartbeat
@@ -107,7 +107,7 @@ class ServeConfig:
     max_inputs: int = 256  # embedding inputs per request
     max_input_chars: int = 16_384
     max_batch: int = 32  # embedding batch sentences
-    max_batch_tokens: int = 16_384  # padded tokens per embedding batch
+    max_batch_tokens: int = BATCH_TOKENS  # padded tokens per embedding batch (its shapes are planned at load)
     max_queued: int = 4096  # embedding sentences waiting
     truncate: bool = False  # embeddings: truncate inputs past the model's window (else 400)
     warmup: bool = True  # plan and compile the common shapes before serving
@@ -584,9 +584,8 @@ class Server:
         m = await MiniLM.load(cfg.device, directory=Path(d))
         service = EmbeddingService(m, cfg.max_batch, 0.0, cfg.max_queued, cfg.max_batch_tokens)
         await service.__aenter__()
-        if cfg.warmup:  # each batch bucket's plan for short inputs, compiled before serving
-            for n in [b for b in BATCH_BUCKETS if b <= cfg.max_batch]:
-                await m.embed(["warm-up"] * n)
+        if cfg.warmup:  # every packed shape a batch can take, planned before serving (none while it serves)
+            await m.warmup(cfg.max_batch, cfg.max_batch_tokens)
         name = _model_name(d)
         self.embedders[name] = Embedder(name, m, service)
 
