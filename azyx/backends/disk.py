@@ -15,6 +15,7 @@ The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk te
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import threading
@@ -356,13 +357,19 @@ class DiskDevice(Device):
     def _book(self, reads: list[tuple[Extent, Device, np.ndarray | None, int, int]]) -> None:
         """Hand `reads` (extent, device, staging block or None, where in it, the device's value to read after) to the
         booker, a reader thread that starts them (`_start_booked`): the caller (the loop's thread, often) takes the
-        lock once and wakes a thread at most once per batch, however many extents a load has."""
+        lock once and wakes a thread at most once per batch, however many extents a load has. On an asyncio loop's
+        thread the booker is woken once the loop's current step is over: a plan's run queues all its loads first. Woken
+        at once, the readers' Python between their reads took the GIL from the loop's thread while it was still
+        queueing the plan's copies (cuda:0, 128 tensors of 16 MiB: the realize's step 11.8-32.5 ms, then 8.3-11.4)."""
         with self.lock:
             self.booked.extend(reads)
             if self.booking or not reads:
                 return
             self.booking = True
-        _reader_pool().submit(self._start_booked)
+        try:
+            asyncio.get_running_loop().call_soon(_reader_pool().submit, self._start_booked)
+        except RuntimeError:  # (no asyncio loop on this thread)
+            _reader_pool().submit(self._start_booked)
 
     def _start_booked(self) -> None:
         """(A reader thread.) Start the booked reads, in order, until none is left: a read into host memory at once,
