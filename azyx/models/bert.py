@@ -33,7 +33,6 @@ import asyncio
 import importlib.resources
 import json
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -379,21 +378,13 @@ class MiniLM(nn.Module):
 
     async def embed_ids(self, encoded: list[list[int]]) -> np.ndarray:
         """Embeddings of tokenized sentences (`encode`'s lists of ids, each of 1 to max_length ids in the
-        vocabulary: ArgumentError otherwise), as a (len(encoded), 384) float32 array: packed, MAX_SENTENCES a run."""
-        return await (await self.submit_ids(encoded))()
-
-    async def submit_ids(self, encoded: list[list[int]]) -> Callable[[], Awaitable[np.ndarray]]:
-        """`embed_ids`, returning once the work is queued on the device: the coroutine function returned reads the
-        rows (waiting for the work; its failure is raised there)."""
+        vocabulary: ArgumentError otherwise), as a (len(encoded), 384) float32 array: packed, MAX_SENTENCES a run
+        (every run queued on the device before the first one's rows are read)."""
         self.check_ids(encoded)
         runs = [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
                 for i in range(0, len(encoded), MAX_SENTENCES)]
-
-        async def read() -> np.ndarray:
-            parts = [(await emb.numpy())[:n] for emb, n in runs]
-            return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
-
-        return read
+        parts = [(await emb.numpy())[:n] for emb, n in runs]
+        return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
 
     async def _submit_packed(self, encoded: list[list[int]], shape: tuple[int, int] | None = None) -> Tensor:
         if shape is None and pads_as_well([len(e) for e in encoded]):
@@ -569,23 +560,15 @@ class EmbeddingService:
             try:
                 out = await self.model.embed_ids([ids for _, _, ids in batch])
             except Exception as e:  # a failed batch fails its callers, the service keeps going
-                self._fail(batch, e)
+                for job in {job for job, _, _ in batch}:
+                    if not job.future.done():
+                        job.future.set_exception(e)
                 continue
-            self._answer(batch, out)
-
-    def _answer(self, batch: list[tuple[_Job, int, list[int]]], out: np.ndarray) -> None:
-        """A batch's rows handed to its callers."""
-        self.stats.batches += 1
-        self.stats.sentences += len(batch)
-        self.stats.batch_sizes.append(len(batch))
-        for (job, i, _), row in zip(batch, out):
-            job.rows[i] = row
-            job.left -= 1
-            if job.left == 0 and not job.future.done():
-                job.future.set_result(job.rows)
-
-    @staticmethod
-    def _fail(batch: list[tuple[_Job, int, list[int]]], e: Exception) -> None:
-        for job in {job for job, _, _ in batch}:
-            if not job.future.done():
-                job.future.set_exception(e)
+            self.stats.batches += 1
+            self.stats.sentences += len(batch)
+            self.stats.batch_sizes.append(len(batch))
+            for (job, i, _), row in zip(batch, out):
+                job.rows[i] = row
+                job.left -= 1
+                if job.left == 0 and not job.future.done():
+                    job.future.set_result(job.rows)
