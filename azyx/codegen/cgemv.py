@@ -51,7 +51,7 @@ class _GemvRenderer(CRenderer):
             self.emit(f"if (blk >= {g.grid()[0]}) return;")
         if g.groups > 1:  # (a group of rows per block of a slab: its first row i0, its rows mr)
             self.emit(f"{self.let}{it} slab = blk % {g.slabs}, i0 = (blk / {g.slabs}) * {g.mb};")
-            if g.m % g.mb:
+            if g.ragged:
                 self.emit(f"{self.let}{it} mr = min({self.cast(it, str(g.mb))}, {self.cast(it, str(g.m))} - i0);")
         self.emit(f"{self.let}{it} lane = lid % {WARP}, warp = lid / {WARP}, "
                   f"j0 = {'slab' if g.groups > 1 else 'blk'} * {g.block_cols};")
@@ -128,7 +128,7 @@ class _GemvRenderer(CRenderer):
     @property
     def mr(self) -> str:
         """The block's rows (`Gemv.mb`; fewer in the last group of rows)."""
-        return "mr" if self.g.m % self.g.mb else str(self.g.mb)
+        return "mr" if self.g.ragged else str(self.g.mb)
 
     def rows(self, local: str) -> None:
         """Declare the row loops' variables from the block's row `local` (the block's first row i0 added)."""
@@ -174,7 +174,7 @@ class _GemvRenderer(CRenderer):
         self.open(f"for ({it} e = lid; e < {g.mb * kc}; e += {self.items})")
         self.emit(f"{self.let}{it} m = e / {kc}, rr = e % {kc};")
         self.emit("float av = 0.0f;")
-        self.open("if (rr < kn)" if self.mr == str(g.mb) else "if (rr < kn && m < mr)")
+        self.open("if (rr < kn && m < mr)" if g.ragged else "if (rr < kn)")
         self.emit(f"{self.let}{it} {g.rv.name} = k0 + rr;")
         self.rows("m")
         for n, f in enumerate(frontier):
@@ -370,7 +370,7 @@ class _GemvRenderer(CRenderer):
         out_idx, value = k.stores[0]
         self.open(f"for ({it} oi = lid; oi < {g.mb * bc}; oi += {self.items})")
         self.emit(f"{self.let}{it} m = oi / {bc}, jj = oi % {bc}, {g.col.name} = j0 + jj;")
-        self.open(f"if ({g.col.name} < {g.n})" if self.mr == str(g.mb) else f"if ({g.col.name} < {g.n} && m < mr)")
+        self.open(f"if ({g.col.name} < {g.n} && m < mr)" if g.ragged else f"if ({g.col.name} < {g.n})")
         self.rows("m")
         if g.along_k:
             self.emit("float pv = res[m][jj];")

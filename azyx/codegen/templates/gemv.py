@@ -54,7 +54,7 @@ class Gemv:
     w_sj: int
     along_k: bool
     dtype: DType  # the weight's
-    mb: int = 0  # rows a block computes (0: all m)
+    mb: int = 0  # rows a block computes: set by `spread` (every product `match` makes is spread)
 
     def spread(self) -> Gemv:
         """This product with its rows split over blocks where its slabs of columns alone make fewer than
@@ -72,8 +72,13 @@ class Gemv:
 
     @property
     def groups(self) -> int:
-        """Groups of `mb` rows (the last one may hold fewer)."""
+        """Groups of `mb` rows (the last one may hold fewer: `ragged`)."""
         return -(-self.m // self.mb)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the last group of rows holds fewer than `mb`."""
+        return self.m % self.mb != 0
 
     @property
     def vec(self) -> int:
