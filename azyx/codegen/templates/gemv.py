@@ -24,13 +24,18 @@ SPREAD_BLOCKS = 256  # a product whose slabs of columns make fewer blocks than t
 THREADS = 256  # items a block (x @ W with few slabs of columns: up to MAX_THREADS)
 MAX_THREADS = 1024
 FEW_BLOCKS = 128  # x @ W in fewer blocks of THREADS than this (N = 768): more items a block, more loads in flight
+ITEMS = 1 << 17  # x @ W: items its blocks hold together, at most, where `threads` adds items for a long K
+WIDE_BLOCKS = 256  # x @ W.T: blocks of two columns a warp at least, for a warp to own two at one row
+MIN_STEPS = 8  # rows of K an item reads, at least, when ITEMS adds items to a block
 RED_BYTES = 16384  # x @ W: shared memory for the warps' partial sums (M x the slab's columns each)
 WARP = 32
 WARPS = THREADS // WARP
 LOAD_BYTES = 16  # bytes per weight load: 4 float32, 8 float16 / bfloat16
 MAX_ACC = 64  # float32 accumulators per item (M x columns) beyond which x @ W's loads narrow
 ROW_BYTES = 64  # contiguous bytes of a weight row a block reads per row along N (x @ W)
-STAGE_FLOATS = 4096  # the staged chunk of A: M x KC float32 in shared memory (16 KiB)
+STAGE_FLOATS = 4096  # one row's staged chunk of A: KC float32 in shared memory (16 KiB)
+SHARED_FLOATS = 8192  # rows' staged chunk, partial sums and statistics: float32 in a block's shared memory (32 KiB)
+ROW_FLOATS = 256  # of SHARED_FLOATS, kept for the rows' statistics
 
 
 @dataclass(frozen=True)
@@ -94,9 +99,11 @@ class Gemv:
 
     @property
     def cols_per_warp(self) -> int:
-        """x @ W.T: columns each warp owns (its lanes split K), more where rows are many: each staged element of A
-        read from shared memory then serves that many weight loads."""
-        return 1 if self.mb <= 2 else 2
+        """x @ W.T: columns each warp owns (its lanes split K), more where rows are many (each staged element of A
+        read from shared memory then serves that many weight loads) or columns are (the blocks still many: each
+        warp keeps twice the loads in flight; 8192 x 8192 on an H200: float32 3,120 -> 3,932 GB/s, bfloat16 3,040
+        -> 3,548)."""
+        return 2 if self.mb > 2 or self.n >= 2 * WARPS * WIDE_BLOCKS else 1
 
     @property
     def lanes_along_n(self) -> int:
@@ -110,19 +117,36 @@ class Gemv:
 
     @property
     def chunk(self) -> int:
-        """KC: elements of K staged per round (a multiple of 8: float4 reads of a staged row stay aligned)."""
+        """KC: elements of K staged per round (a multiple of 8: float4 reads of a staged row stay aligned): one row,
+        STAGE_FLOATS; several, what SHARED_FLOATS leaves beside the partial sums, so that a decode layer's K is one
+        chunk whose weight loads are issued before the prologue (16 x 768 @ 768 x 3072 on an H200: float32 10.6 ->
+        7.5 us, bfloat16 11.4 -> 9.4; one row of float32 8192 x 8192 staged whole is slower, 3,999 -> 2,407 GB/s,
+        not understood)."""
         whole = -(-self.k // 8) * 8
-        return max(8, min(STAGE_FLOATS // self.mb // 8 * 8, whole))
+        room = STAGE_FLOATS if self.mb == 1 else SHARED_FLOATS - ROW_FLOATS - self.partials
+        return max(8, min(room // self.mb // 8 * 8, whole))
+
+    @property
+    def partials(self) -> int:
+        """Float32 partial sums the block combines in shared memory (codegen.cgemv's `res`, or `red`: a warp's)."""
+        return self.mb * self.block_cols * (1 if self.along_k else self.threads // WARP)
 
     @property
     def threads(self) -> int:
         """Items a block: THREADS; x @ W whose slabs are few (a multiprocessor holds one block of them at most) up to
-        MAX_THREADS, so that each has that many more loads in flight, within RED_BYTES of partial sums."""
-        t = THREADS
-        if not self.along_k and self.slabs * self.groups < FEW_BLOCKS:
+        MAX_THREADS, so that each has that many more loads in flight; and x @ W of a long K twice as many while
+        the blocks then hold at most ITEMS and each item still reads MIN_STEPS rows (a half weight of 8192 x 8192:
+        256 slabs of 32 columns, 1,891 -> 3,098 GB/s on an H200; 14,336 x 4,096: 1,685 -> 2,680); within RED_BYTES
+        of partial sums."""
+        t, blocks = THREADS, self.slabs * self.groups
+        if self.along_k:
+            return t
+        if blocks < FEW_BLOCKS:
             t = MAX_THREADS
-            while t > THREADS and t // WARP * self.mb * self.block_cols * 4 > RED_BYTES:
-                t //= 2
+        while t < MAX_THREADS and blocks * 2 * t <= ITEMS and 2 * t // self.lanes_along_n * MIN_STEPS <= self.k:
+            t *= 2
+        while t > THREADS and t // WARP * self.mb * self.block_cols * 4 > RED_BYTES:
+            t //= 2
         return t
 
     def grid(self, max_groups: int = 0) -> tuple[int, int, int]:
