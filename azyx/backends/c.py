@@ -242,17 +242,12 @@ class CDevice(HostDevice):
 
     def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
                       waits: list[tuple[Device, int]]) -> int:
-        """As `launch_many`: here and now where INLINE and the queue is idle, else one work item (one `_Batch`)."""
-        table, batch = replay.prepared, replay.batch
+        """As `launch_many` (`run_batch`): here and now through the table, or one work item (one `_Batch`)."""
+        table, how = replay.prepared, replay.batch.how
         addresses = replay.addresses(bufs, arena)
         words = replay.words(scalars) if table.n_words else None
-        if batch.how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
-                v := self.queue.run_now(table.inline, addresses, words)):
-            return v
-        pool = self.pool if batch.how is QUEUED else self.serial_pool
-        assert pool is not None
-        work = table.batch(addresses, words, pool, (arena, replay.get(bufs)))
-        return self.queue.submit(work, [(d.timeline, w) for d, w in waits], False)
+        return self.run_batch(how, waits, table.inline, (addresses, words), functools.partial(
+            table.batch, addresses, words, self.pool if how is QUEUED else self.serial_pool, (arena, replay.get(bufs))))
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
