@@ -230,7 +230,8 @@ class CDevice(HostDevice):
         # that took a part and then lost its core to another process (a stall of a scheduler time slice)
         if batch.how is INLINE and self.serial_pool is None:
             self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
-        batch.prepared = _Layout(batch.steps, self.serial_pool or 0)
+        batch.prepared = _Layout(batch.steps, self.serial_pool or 0,
+                                 self.pool if batch.how is QUEUED else self.serial_pool or 0)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays through its `_Layout`'s table (`_Table`: where the run's addresses and words go);
@@ -246,16 +247,16 @@ class CDevice(HostDevice):
         table, how = replay.prepared, replay.batch.how
         addresses = replay.addresses(bufs, arena)
         words = replay.words(scalars) if table.n_words else None
-        return self.run_batch(how, waits, table.inline, (addresses, words), functools.partial(
-            table.batch, addresses, words, self.pool if how is QUEUED else self.serial_pool, (arena, replay.get(bufs))))
+        return self.run_batch(how, waits, table.inline, (addresses, words),
+                              functools.partial(table.batch, addresses, words, (arena, replay.get(bufs))))
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
-        layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
-        assert type(layout) is _Layout and pool is not None and self.pool is not None
+        layout = batch.prepared
+        assert type(layout) is _Layout and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            return self.timed([_Batch(lay, lay.table([item]), self.pool, [item]) for item in items
-                               for lay in [_Layout([item[0]])]], items)
-        return _Batch(layout, layout.table(items), pool, items)
+            return self.timed([_Batch(lay, lay.table([item]), [item]) for item in items
+                               for lay in [_Layout([item[0]], 0, self.pool)]], items)
+        return _Batch(layout, layout.table(items), items)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -276,11 +277,12 @@ class _Layout:
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
     __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
-                 "value_ptrs", "fill", "kinds_table", "call", "serial")
+                 "value_ptrs", "fill", "kinds_table", "call", "serial", "pool")
 
-    def __init__(self, steps: list[KernelStep], serial: int = 0):
+    def __init__(self, steps: list[KernelStep], serial: int, pool: int):
         self.n = len(steps)
         self.serial = serial  # the pool of one thread that an INLINE batch runs on (`inline`)
+        self.pool = pool  # the pool its queued runs take (`_Batch`): the device's, or the serial one for small work
         self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
@@ -360,17 +362,17 @@ def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]
 
 class _Batch:
     """Kernels run back to back by one call into C through `ptrs`, their table of arguments (`_Layout.table`, or a
-    frozen batch's: `_Table.batch`); holds `keep` (their buffers, the table's memory) until it has run (then the pool
-    may reuse them)."""
+    frozen batch's: `_Table.batch`) on its layout's pool; holds `keep` (their buffers, the table's memory) until it has
+    run (then the pool may reuse them)."""
 
-    __slots__ = ("layout", "ptrs", "pool", "keep")
+    __slots__ = ("layout", "ptrs", "keep")
 
-    def __init__(self, layout: _Layout, ptrs: Any, pool: int, keep: Any):
-        self.layout, self.ptrs, self.pool, self.keep = layout, ptrs, pool, keep
+    def __init__(self, layout: _Layout, ptrs: Any, keep: Any):
+        self.layout, self.ptrs, self.keep = layout, ptrs, keep
 
     def __call__(self) -> None:
         lay = self.layout
-        _RUNTIME_LIB[0].azyx_run(self.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
+        _RUNTIME_LIB[0].azyx_run(lay.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
 
 
 class _Table:
@@ -398,7 +400,7 @@ class _Table:
             table[self.n - self.n_words:] = words
         self.layout.run_scratch(table.tolist())
 
-    def batch(self, addresses: np.ndarray, words: np.ndarray | None, pool: int, keep: Any) -> _Batch:
+    def batch(self, addresses: np.ndarray, words: np.ndarray | None, keep: Any) -> _Batch:
         """The work item of a run: a table of its own (it lives until the batch has run, with `keep`: the buffers)."""
         table = np.empty(self.n, np.uint64)
         table[self.buf_at] = addresses
@@ -406,7 +408,7 @@ class _Table:
         if words is not None:
             table[self.pointer_at] = self.pointer_rel + np.uint64(address)
             table[self.n - self.n_words:] = words
-        return _Batch(self.layout, address, pool, (keep, table))
+        return _Batch(self.layout, address, (keep, table))
 
 
 class _Runner:
