@@ -463,9 +463,6 @@ class QueuedDevice(Device):
     def collect(self) -> None:
         self.queue.collect()
 
-    def pending(self) -> int:
-        return self.queue.submitted - self.timeline.value
-
     def queued(self) -> int:
         return self.queue.submitted
 
@@ -519,9 +516,6 @@ class HostDevice(Device):
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         return host_read(buf.mem, view, shape, dtype)
-
-    def pending(self) -> int:
-        return self.queue.submitted - self.timeline.value
 
     def queued(self) -> int:
         return self.queue.submitted
