@@ -320,12 +320,7 @@ class _Layout:
         """A queued run's table of arguments (`_Batch.ptrs`): its buffers' addresses kernel after kernel and, where
         the kernels take scalars, each one's pointers to its values, which end the table. A steady plan gets the same
         blocks from the pool and passes the same values: the last run's table serves again."""
-        if not self.scalars:
-            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]
-            if ptrs != self.last[0]:
-                self.last = (ptrs, self.ptrs_type(*ptrs))
-            return self.last[1]
-        ptrs = _arguments(items, None)
+        ptrs = self.values(items, None)
         if ptrs != self.last[0]:
             table = self.ptrs_type(*ptrs)
             base = ctypes.addressof(table) + 8 * (len(ptrs) - len(self.scalar_at))
@@ -334,10 +329,13 @@ class _Layout:
             self.last = (ptrs, table)
         return self.last[1]
 
+    def values(self, items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
+        """The run's table's values (`_arguments`); without scalars, its buffers' addresses alone."""
+        return _arguments(items, at) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
+
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
-        self.run_scratch(_arguments(items, self.value_ptrs) if self.scalars else
-                         [b.ptr for _, bufs, _ in items for b in bufs])
+        self.run_scratch(self.values(items, self.value_ptrs))
 
     def run_scratch(self, vals: list[int]) -> None:
         """Run the batch now, on the calling thread (its serial pool), with `vals` as its scratch table."""
