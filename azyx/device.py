@@ -461,8 +461,13 @@ class Device:
         self.timeline.check()
 
     def queued(self) -> int:
-        """The timeline value of the last work item submitted (its completion is `timeline` reaching it)."""
-        return self.timeline.value + self.pending()
+        """The timeline value of the last work item submitted (its completion is `timeline` reaching it); a device
+        with a queue says it (the base submits nothing of its own)."""
+        return self.timeline.value
+
+    def pending(self) -> int:
+        """How many submitted work items have not completed yet."""
+        return self.queued() - self.timeline.value
 
     # memory: the device's memory part (`mem`, azyx.memory); call sites reach it through these
     def memory_part(self) -> Memory:
@@ -542,9 +547,6 @@ class Device:
 
     # program/launch, onto the queue: `waits` are (device, timeline value) pairs to wait for first, on the device side
     # (its queue's wait primitive or its worker thread), never on the event loop
-    def pending(self) -> int:
-        return 0
-
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
         """Queue a kernel with its buffers and the 64-bit words of its scalar arguments (KernelStep.words); returns the

@@ -312,7 +312,7 @@ class UnifiedExecutor:
         self.flush_gathers()
         await drain()
         for dev in list(self.devices.values()):
-            await dev.timeline.wait(dev.timeline.value + dev.pending())
+            await dev.timeline.wait(dev.queued())
         for dev in list(self.devices.values()):
             dev.collect()
         # a checkpoint, always (as in trio): until the calling task yields, the loop's handle that resumed it still

@@ -463,9 +463,6 @@ class QueuedDevice(Device):
     def collect(self) -> None:
         self.queue.collect()
 
-    def pending(self) -> int:
-        return self.queue.submitted - self.timeline.value
-
     def queued(self) -> int:
         return self.queue.submitted
 
@@ -519,9 +516,6 @@ class HostDevice(Device):
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         return host_read(buf.mem, view, shape, dtype)
-
-    def pending(self) -> int:
-        return self.queue.submitted - self.timeline.value
 
     def queued(self) -> int:
         return self.queue.submitted
@@ -605,10 +599,18 @@ class HostDevice(Device):
         thread (or the native queue) for all of them."""
         if batch is None:
             batch = self.batch_of(items)
-        if batch.how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
-                v := self.queue.run_now(batch.prepared.inline, items)):
+        return self.run_batch(batch.how, waits, batch.prepared.inline, (items,),
+                              functools.partial(self.batch_fn, items, batch))
+
+    def run_batch(self, how: str, waits: list[tuple[Device, int]], inline: Callable[..., None], args: tuple[Any, ...],
+                  queued: Callable[[], Callable[[], None]]) -> int:
+        """Where a batch's run goes, decided here alone (for launch items and frozen batches alike): an INLINE batch
+        (`prepare_batch`) whose waits are met runs here and now, `inline(*args)`, where the queue is idle; any other
+        run is one work item (`queued()`), so one hand-off to the worker thread (or the native queue)."""
+        if how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
+                v := self.queue.run_now(inline, *args)):
             return v
-        return self.queue.submit(self.batch_fn(items, batch), [(d.timeline, w) for d, w in waits], False)
+        return self.queue.submit(queued(), [(d.timeline, w) for d, w in waits], False)
 
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
         """A memmove on this device's queue (also from another host-memory device of this kind: c:0 -> c:1)."""

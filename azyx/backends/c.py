@@ -230,7 +230,8 @@ class CDevice(HostDevice):
         # that took a part and then lost its core to another process (a stall of a scheduler time slice)
         if batch.how is INLINE and self.serial_pool is None:
             self.serial_pool = _RUNTIME_LIB[0].azyx_pool_new(1)
-        batch.prepared = _Layout(batch.steps, self.serial_pool or 0)
+        batch.prepared = _Layout(batch.steps, self.serial_pool or 0,
+                                 self.pool if batch.how is QUEUED else self.serial_pool or 0)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays through its `_Layout`'s table (`_Table`: where the run's addresses and words go);
@@ -242,25 +243,20 @@ class CDevice(HostDevice):
 
     def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
                       waits: list[tuple[Device, int]]) -> int:
-        """As `launch_many`: here and now where INLINE and the queue is idle, else one work item (one `_Batch`)."""
-        table, batch = replay.prepared, replay.batch
+        """As `launch_many` (`run_batch`): here and now through the table, or one work item (one `_Batch`)."""
+        table, how = replay.prepared, replay.batch.how
         addresses = replay.addresses(bufs, arena)
         words = replay.words(scalars) if table.n_words else None
-        if batch.how is INLINE and (not waits or all(d.timeline.value >= w for d, w in waits)) and (
-                v := self.queue.run_now(table.inline, addresses, words)):
-            return v
-        pool = self.pool if batch.how is QUEUED else self.serial_pool
-        assert pool is not None
-        work = table.batch(addresses, words, pool, (arena, replay.get(bufs)))
-        return self.queue.submit(work, [(d.timeline, w) for d, w in waits], False)
+        return self.run_batch(how, waits, table.inline, (addresses, words),
+                              functools.partial(table.batch, addresses, words, (arena, replay.get(bufs))))
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
-        layout, pool = batch.prepared, self.pool if batch.how is QUEUED else self.serial_pool
-        assert type(layout) is _Layout and pool is not None and self.pool is not None
+        layout = batch.prepared
+        assert type(layout) is _Layout and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            return self.timed([_Batch(lay, lay.table([item]), self.pool, [item]) for item in items
-                               for lay in [_Layout([item[0]])]], items)
-        return _Batch(layout, layout.table(items), pool, items)
+            return self.timed([_Batch(lay, lay.table([item]), [item]) for item in items
+                               for lay in [_Layout([item[0]], 0, self.pool)]], items)
+        return _Batch(layout, layout.table(items), items)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -281,11 +277,12 @@ class _Layout:
     buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
 
     __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
-                 "value_ptrs", "fill", "kinds_table", "call", "serial")
+                 "value_ptrs", "fill", "kinds_table", "call", "serial", "pool")
 
-    def __init__(self, steps: list[KernelStep], serial: int = 0):
+    def __init__(self, steps: list[KernelStep], serial: int, pool: int):
         self.n = len(steps)
         self.serial = serial  # the pool of one thread that an INLINE batch runs on (`inline`)
+        self.pool = pool  # the pool its queued runs take (`_Batch`): the device's, or the serial one for small work
         self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
@@ -323,12 +320,7 @@ class _Layout:
         """A queued run's table of arguments (`_Batch.ptrs`): its buffers' addresses kernel after kernel and, where
         the kernels take scalars, each one's pointers to its values, which end the table. A steady plan gets the same
         blocks from the pool and passes the same values: the last run's table serves again."""
-        if not self.scalars:
-            ptrs = [b.ptr for _, bufs, _ in items for b in bufs]
-            if ptrs != self.last[0]:
-                self.last = (ptrs, self.ptrs_type(*ptrs))
-            return self.last[1]
-        ptrs = _arguments(items, None)
+        ptrs = self.values(items, None)
         if ptrs != self.last[0]:
             table = self.ptrs_type(*ptrs)
             base = ctypes.addressof(table) + 8 * (len(ptrs) - len(self.scalar_at))
@@ -337,10 +329,13 @@ class _Layout:
             self.last = (ptrs, table)
         return self.last[1]
 
+    def values(self, items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
+        """The run's table's values (`_arguments`); without scalars, its buffers' addresses alone."""
+        return _arguments(items, at) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
+
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
-        self.run_scratch(_arguments(items, self.value_ptrs) if self.scalars else
-                         [b.ptr for _, bufs, _ in items for b in bufs])
+        self.run_scratch(self.values(items, self.value_ptrs))
 
     def run_scratch(self, vals: list[int]) -> None:
         """Run the batch now, on the calling thread (its serial pool), with `vals` as its scratch table."""
@@ -365,17 +360,17 @@ def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]
 
 class _Batch:
     """Kernels run back to back by one call into C through `ptrs`, their table of arguments (`_Layout.table`, or a
-    frozen batch's: `_Table.batch`); holds `keep` (their buffers, the table's memory) until it has run (then the pool
-    may reuse them)."""
+    frozen batch's: `_Table.batch`) on its layout's pool; holds `keep` (their buffers, the table's memory) until it has
+    run (then the pool may reuse them)."""
 
-    __slots__ = ("layout", "ptrs", "pool", "keep")
+    __slots__ = ("layout", "ptrs", "keep")
 
-    def __init__(self, layout: _Layout, ptrs: Any, pool: int, keep: Any):
-        self.layout, self.ptrs, self.pool, self.keep = layout, ptrs, pool, keep
+    def __init__(self, layout: _Layout, ptrs: Any, keep: Any):
+        self.layout, self.ptrs, self.keep = layout, ptrs, keep
 
     def __call__(self) -> None:
         lay = self.layout
-        _RUNTIME_LIB[0].azyx_run(self.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
+        _RUNTIME_LIB[0].azyx_run(lay.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
 
 
 class _Table:
@@ -403,7 +398,7 @@ class _Table:
             table[self.n - self.n_words:] = words
         self.layout.run_scratch(table.tolist())
 
-    def batch(self, addresses: np.ndarray, words: np.ndarray | None, pool: int, keep: Any) -> _Batch:
+    def batch(self, addresses: np.ndarray, words: np.ndarray | None, keep: Any) -> _Batch:
         """The work item of a run: a table of its own (it lives until the batch has run, with `keep`: the buffers)."""
         table = np.empty(self.n, np.uint64)
         table[self.buf_at] = addresses
@@ -411,7 +406,7 @@ class _Table:
         if words is not None:
             table[self.pointer_at] = self.pointer_rel + np.uint64(address)
             table[self.n - self.n_words:] = words
-        return _Batch(self.layout, address, pool, (keep, table))
+        return _Batch(self.layout, address, (keep, table))
 
 
 class _Runner:

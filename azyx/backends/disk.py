@@ -429,8 +429,8 @@ class DiskDevice(Device):
             reached = next(iter(self.unread), self.submitted + 1) - 1
         self.timeline.signal(reached)
 
-    def pending(self) -> int:
-        return self.submitted - self.timeline.value
+    def queued(self) -> int:
+        return self.submitted
 
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         """A new C-contiguous array of the view (bfloat16 widened to float32, like every device's `read`); only the
