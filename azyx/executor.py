@@ -34,9 +34,9 @@ from azyx.workers import drain
 STAGE = 8 << 20  # bytes per piece of a transfer staged through host memory (pieces overlap: see `_host_staged`)
 # a transfer of a plan's input up to this size runs before the plan's kernels (see `_ordered`)
 EARLY_BYTES = 1 << 20
-# a run that queues this many copies staged out of files or more is long: its caller runs it off the event loop's
-# thread (`runs_long`; each copy is ~10-40 us of Python: 256 of a 2 GiB load held an H200 host's loop 8-11 ms)
-LONG_RUN_COPIES = 16
+# a run whose loads out of files come to this many pieces of Python or more is long: its caller runs it off the event
+# loop's thread (`runs_long`; each piece ~10-40 us: 256 staged copies of a 2 GiB load held an H200 host's loop 8-11 ms)
+LONG_RUN = 32
 
 
 class SyncStrategy(Enum):
@@ -61,18 +61,18 @@ class UnifiedExecutor:
         self.gathered = self.gathers = 0
 
     def runs_long(self, plan: ExecutionPlan) -> bool:
-        """Whether a run of `plan` is long Python work: it loads from files onto devices whose memory is not the
-        host's, each EXTENT bytes a copy of its own from the destination's staging ring, queued one by one
-        (`DiskDevice.load`), LONG_RUN_COPIES copies or more; and every device of it may allocate on any thread
+        """Whether a run of `plan` is long Python work: its transfers out of files (each a load's bookkeeping,
+        `DiskDevice.send`) and the copies they stage (one per EXTENT bytes onto a device whose memory is not the host's,
+        queued one by one) come to LONG_RUN pieces or more; and every device of it may allocate on any thread
         (`alloc_anywhere`). Its caller runs it on a worker thread, not the event loop's (`realize`; asked once per
         plan)."""
-        copies = 0
+        pieces = 0
         for step in plan.steps:
-            if isinstance(step, TransferStep) and self.devices[step.src_device].storage and \
-                    not self.devices[step.dst_device].host_memory:
-                copies += -(-plan.slots[step.dst].nbytes // EXTENT)
-        return copies >= LONG_RUN_COPIES and all(self.devices[d].alloc_anywhere or self.devices[d].storage
-                                                 for d in plan.devices)
+            if isinstance(step, TransferStep) and self.devices[step.src_device].storage:
+                staged = not self.devices[step.dst_device].host_memory
+                pieces += 1 + (-(-plan.slots[step.dst].nbytes // EXTENT) if staged else 0)
+        return pieces >= LONG_RUN and all(self.devices[d].alloc_anywhere or self.devices[d].storage
+                                          for d in plan.devices)
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"

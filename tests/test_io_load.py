@@ -670,23 +670,24 @@ async def test_a_loads_large_destinations_are_made_off_the_loops_thread(tmp_path
         np.testing.assert_array_equal(await got[name].numpy(), a)
 
 
-@pytest.mark.parametrize("staged", ["vulkan:0", "opencl:0", "wgpu:0", "cuda:0"])
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "opencl:0", "wgpu:0", "cuda:0"])
 async def test_a_long_load_is_submitted_off_the_loops_thread_and_its_bytes_are_the_files(
         tmp_path: Path, staged: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lazy load whose run queues many staged copies (LONG_RUN_COPIES and more: `UnifiedExecutor.runs_long`) runs
-    on a worker thread, the loop's thread only walking it and making its targets leaves: the bytes equal the file's,
-    also for two realizes of it at once. Cancelled while its run is in flight, it leaves its tensors unrealized and
-    every buffer back once the run's work is done, and loads whole again. A short load still runs on the loop."""
+    """A lazy load whose run is long (LONG_RUN transfers out of the file and staged copies or more:
+    `UnifiedExecutor.runs_long`) runs on a worker thread, the loop's thread only walking it and making its targets
+    leaves, onto host memory (c:0) and through staging: the bytes equal the file's, also for two realizes of it at
+    once. Cancelled while its run is in flight, it leaves its tensors unrealized and every buffer back once the run's
+    work is done, and loads whole again. A short load still runs on the loop."""
     import asyncio
 
-    from azyx.executor import LONG_RUN_COPIES
+    from azyx.executor import LONG_RUN
     from azyx.graph import GRAPH
 
     if staged not in azyx.devices():
         pytest.skip(f"{staged} is not available")
     rng = np.random.default_rng(40)
-    n = LONG_RUN_COPIES // 2 + 1  # (tensors of two extents: more copies than LONG_RUN_COPIES)
-    arrays = {f"w{i:02d}": rng.standard_normal(EXTENT // 4 + 1 + 2 * i).astype(np.float32) for i in range(n)}
+    arrays = {f"w{i:02d}": rng.standard_normal(EXTENT // 4 + 1 + 2 * i).astype(np.float32) for i in range(2)}
+    arrays.update({f"v{i:02d}": rng.standard_normal(4099 + 8 * i).astype(np.float32) for i in range(LONG_RUN)})
     arrays["odd"] = rng.integers(-9, 9, (3, 5, 7), dtype=np.int16)
     p = tmp_path / "long.safetensors"
     save_file(arrays, p)
