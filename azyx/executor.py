@@ -26,6 +26,7 @@ from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Replay, Ru
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.ir import CHECK_WORDS
+from azyx.memory import EXTENT
 from azyx.plan import ExecutionPlan, KernelStep, Slot, TransferStep
 from azyx.timeline import checkpoint
 from azyx.workers import drain
@@ -33,6 +34,9 @@ from azyx.workers import drain
 STAGE = 8 << 20  # bytes per piece of a transfer staged through host memory (pieces overlap: see `_host_staged`)
 # a transfer of a plan's input up to this size runs before the plan's kernels (see `_ordered`)
 EARLY_BYTES = 1 << 20
+# a run whose loads out of files come to this many pieces of Python or more is long: its caller runs it off the event
+# loop's thread (`runs_long`; each piece ~10-40 us: 256 staged copies of a 2 GiB load held an H200 host's loop 8-11 ms)
+LONG_RUN = 32
 
 
 class SyncStrategy(Enum):
@@ -55,6 +59,20 @@ class UnifiedExecutor:
         self.gather_loop: Any = None
         self.gather_thread = 0
         self.gathered = self.gathers = 0
+
+    def runs_long(self, plan: ExecutionPlan) -> bool:
+        """Whether a run of `plan` is long Python work: its transfers out of files (each a load's bookkeeping,
+        `DiskDevice.send`) and the copies they stage (one per EXTENT bytes onto a device whose memory is not the host's,
+        queued one by one) come to LONG_RUN pieces or more; and every device of it may allocate on any thread
+        (`alloc_anywhere`). Its caller runs it on a worker thread, not the event loop's (`realize`; asked once per
+        plan)."""
+        pieces = 0
+        for step in plan.steps:
+            if isinstance(step, TransferStep) and self.devices[step.src_device].storage:
+                staged = not self.devices[step.dst_device].host_memory
+                pieces += 1 + (-(-plan.slots[step.dst].nbytes // EXTENT) if staged else 0)
+        return pieces >= LONG_RUN and all(self.devices[d].alloc_anywhere or self.devices[d].storage
+                                          for d in plan.devices)
 
     def add_device(self, device: Device) -> None:
         assert device.name not in self.devices, f"device {device.name} added twice"

@@ -61,7 +61,9 @@ async def realize(*tensors: Handle) -> None:
     except AzyxError:
         await _settle_partial()
         raise
-    if isinstance(got, _MISS_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
+    if isinstance(got, _OffLoop):  # (a long run: on a worker thread)
+        got = await got.run()
+    elif isinstance(got, _MISS_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
         got = await submit(tensors, True, got if isinstance(got, _Miss) else None)
     plan = got[0]
     bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
@@ -138,7 +140,35 @@ class _Miss:
         return True
 
 
-_MISS_OR_RESERVE = (_Miss, _Reserve)
+# the plans whose runs are long Python work (`UnifiedExecutor.runs_long`: a load queueing hundreds of staged copies)
+_long_runs: weakref.WeakSet[ExecutionPlan] = weakref.WeakSet()
+
+
+class _OffLoop:
+    """A cached plan's run that is long Python work (`UnifiedExecutor.runs_long`: a load queueing hundreds of staged
+    copies), for `run` to submit on a worker thread: the loop's thread does only the bookkeeping (the walk, then its
+    targets made leaves). A target realized meanwhile (another realize of it) keeps that buffer."""
+
+    __slots__ = ("plan", "walk", "bindings")
+
+    def __init__(self, plan: ExecutionPlan, walk: Walk) -> None:
+        self.plan, self.walk = plan, walk
+        self.bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
+
+    async def run(self) -> Submitted:
+        plan, walk = self.plan, self.walk
+        try:
+            outs = await in_python_thread(run_plan, plan, self.bindings, lambda slot: None, walk.scalars)
+        except AzyxError:
+            await _settle_partial()
+            raise
+        for tid, (buf, view) in zip(walk.targets, outs):
+            if _nodes[tid].buffer is None:  # type: ignore[union-attr]
+                GRAPH.become_leaf(tid, buf, view)
+        return plan, walk, self.bindings  # type: ignore[return-value]
+
+
+_MISS_OR_RESERVE = (_Miss, _Reserve, _OffLoop)
 
 
 def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
@@ -170,10 +200,11 @@ def _targets(tensors: Sequence[Handle]) -> list[int]:
     return list(dict.fromkeys(t.id for t in tensors if _nodes[t.id].buffer is None))  # type: ignore[union-attr]
 
 
-def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitted | _Miss | _Reserve:
+def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitted | _Miss | _Reserve | _OffLoop:
     """submit's common case, without a coroutine: the unrealized `tensors`' graph walked and, when its plan is cached,
     submitted (see submit); else the walk (a `_Miss`), for submit to plan; or, for a cached plan whose large new
-    buffers the pools lack (and `reserved` false), what to reserve first (off the loop, then walked again)."""
+    buffers the pools lack (and `reserved` false), what to reserve first (off the loop, then walked again); or a long
+    run to submit off the loop (`_OffLoop`)."""
     targets = _targets(tensors)
     if not targets:
         return None, None, []
@@ -186,9 +217,12 @@ def _submit_cached(tensors: Sequence[Handle], reserved: bool = False) -> Submitt
     return _run_walk(plan, walk, reserved)
 
 
-def _run_walk(plan: ExecutionPlan, walk: Walk, reserved: bool) -> Submitted | _Reserve:
+def _run_walk(plan: ExecutionPlan, walk: Walk, reserved: bool) -> Submitted | _Reserve | _OffLoop:
     """Submit `plan` for the graph `walk` walked (its targets then become leaves), or, where its large new buffers
-    must be reserved first (and `reserved` false), what to reserve."""
+    must be reserved first (and `reserved` false), what to reserve; or, on an asyncio loop, a long run to submit off
+    the loop's thread (`_OffLoop`)."""
+    if _long_runs and plan in _long_runs and _running_loop() is not None:  # (its worker makes its buffers too)
+        return _OffLoop(plan, walk)
     if _reserves and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
         return r
     bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
@@ -228,6 +262,8 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, miss: _Miss | N
                 await in_worker_thread(got)
                 reserved = True
                 continue
+            if isinstance(got, _OffLoop):
+                return await got.run()
             if not isinstance(got, _Miss):
                 return got
             miss = got
@@ -264,6 +300,8 @@ async def submit(tensors: Sequence[Handle], gated: bool = False, miss: _Miss | N
             except AzyxError:
                 await _settle_partial()
                 raise
+            if isinstance(ran, _OffLoop):
+                return await ran.run()
             if not isinstance(ran, _Reserve):
                 return ran
             await in_worker_thread(ran)
@@ -283,6 +321,8 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
                                                                 walk.scalars, walk.scalar_nodes, walk.donated), targets)
     plan = await rt.compile(plan)  # (the graph may change meanwhile: the caller walks it again)
     _note_reserves(rt, plan)
+    if not plan.adopt and rt.executor.runs_long(plan):
+        _long_runs.add(plan)
     return plan
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -47,3 +50,21 @@ def write_section(path: Path, start: str, end: str, text: str) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + text
     path.write_text(new if new.endswith("\n") else new + "\n")
+
+
+def time_calls(obj: Any, name: str, thread: int | None = None) -> list[float]:
+    """Time every call of `obj`'s method `name` from now on (an instance attribute wraps it; `del obj.<name>` ends
+    it), or only those made on the thread `thread` (an ident): the list that each call's seconds are appended to."""
+    plain, seconds = getattr(obj, name), list[float]()
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if thread is not None and threading.get_ident() != thread:
+            return plain(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+    return seconds

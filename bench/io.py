@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from common import cpu_model, gpu_name  # noqa: E402  (beside this script)
+from common import cpu_model, gpu_name, time_calls  # noqa: E402  (beside this script)
 
 MIB = 1 << 20
 PREADV_PIECE = 16 * MIB
@@ -229,7 +230,11 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     data = os.path.getsize(path) - 8 - n
     fd = os.open(path, os.O_RDONLY)
     kept: list[Any] = []
-    beats: list[tuple[float, float, str]] = []  # per azyx load: worst lateness, of it the process's own (s), stall
+    # per azyx load: worst lateness, of it the process's own (s), stall, the longest plan run on the loop's thread (s)
+    beats: list[tuple[float, float, str, float]] = []
+    # (the executor's plan runs on the loop's thread, this one, during a load: what a lazy load's realize holds it for;
+    # a long one runs on a worker thread: `UnifiedExecutor.runs_long`)
+    runs = time_calls(RT.executor, "run", threading.get_ident()) if method.startswith("azyx") else []
 
     def read(out: Any, offset: int) -> None:
         view, done = memoryview(out).cast("B"), 0
@@ -240,11 +245,12 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
         from azyx.debug import LoopStalls
 
         stalls = LoopStalls(late_after=3e-3, depth=12)  # (a 1 ms heartbeat, and a sampler of the late beats)
+        runs.clear()
         try:
             async with stalls:
                 return await load
         finally:
-            beats.append((stalls.worst_ms / 1e3, stalls.worst_own_ms / 1e3, stalls.report()))
+            beats.append((stalls.worst_ms / 1e3, stalls.worst_own_ms / 1e3, stalls.report(), max(runs, default=0.0)))
 
     def load() -> Any:
         if method == "raw":  # one buffer for the whole data section
@@ -318,13 +324,15 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
             "bytes_read": got if method.startswith("azyx") else None}
 
 
-def _beats(beats: list[tuple[float, float, str]], which: str) -> dict[str, Any]:
-    """A load's heartbeat figures (ms; None where nothing ran beside a heartbeat) and its longest stall's report."""
+def _beats(beats: list[tuple[float, float, str, float]], which: str) -> dict[str, Any]:
+    """A load's heartbeat figures (ms; None where nothing ran beside a heartbeat), its longest stall's report and its
+    longest plan run on the loop's thread (ms: the realize's own step, the heartbeat's floor)."""
     if not beats:
-        return {f"heartbeat{which}_ms": None, f"heartbeat_own{which}_ms": None, f"stall{which}": None}
+        return {f"heartbeat{which}_ms": None, f"heartbeat_own{which}_ms": None, f"stall{which}": None,
+                f"plan_run{which}_ms": None}
     return {f"heartbeat{which}_ms": max(b[0] for b in beats) * 1e3,
             f"heartbeat_own{which}_ms": max(b[1] for b in beats) * 1e3,
-            f"stall{which}": max(beats)[2]}
+            f"stall{which}": max(beats)[2], f"plan_run{which}_ms": max(b[3] for b in beats) * 1e3}
 
 
 def _bytes_read() -> int:
@@ -395,8 +403,11 @@ def results_section(info: list[str], rows: list[list[str]], notes: list[str], de
              "first load, over its RSS after imports and start-up; the heartbeat is the worst lateness of a 1 ms "
              "timer on the event loop during the first load, then the second (azyx rows); own: less, per beat, the "
              "time the loop's thread waited for a CPU and the hypervisor's steal (azyx.debug.LoopStalls.worst_own_ms: "
-             "what the process caused, not the machine's other load). Ratios: first/second load "
-             "against the peer of the same temperature. Medians of the repeats (their range in parentheses).", ""]
+             "what the process caused, not the machine's other load); plan run: the longest plan run the executor "
+             "made on the loop's thread during the load (`UnifiedExecutor.run`: a lazy load's realize queueing its "
+             "transfers, the floor under its heartbeat; 0: a long run is made on a worker thread). Ratios: "
+             "first/second load against the peer of the same temperature. Medians of the repeats (their range in "
+             "parentheses).", ""]
     lines += [f"- {ln}" for ln in info] + [""]
     lines += ["| " + " | ".join(HEADER) + " |", "|---|" + "---:|" * 6 + "---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -452,8 +463,10 @@ def main(args: argparse.Namespace) -> int:
                                                 f"+{r['peak_rss_increase'] / MIB:.0f} MiB" +
                                                 (f"; heartbeat {r['heartbeat_ms']:.1f} / "
                                                  f"{r['heartbeat_second_ms']:.1f} ms (own {r['heartbeat_own_ms']:.1f}"
-                                                 f" / {r['heartbeat_own_second_ms']:.1f}); first load's "
-                                                 f"{r['stall']}" if r.get('heartbeat_ms') is not None else "")
+                                                 f" / {r['heartbeat_own_second_ms']:.1f}); longest plan run on the "
+                                                 f"loop {r['plan_run_ms']:.1f} / {r['plan_run_second_ms']:.1f} ms; "
+                                                 f"first load's {r['stall']}" if r.get('heartbeat_ms') is not None
+                                                 else "")
                                                 if "error" not in r else f"error {r['error']}"), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -475,7 +488,7 @@ def main(args: argparse.Namespace) -> int:
         if not ok:
             return None
         if key in ("peak_rss_increase", "heartbeat_ms", "heartbeat_second_ms", "heartbeat_own_ms",
-                   "heartbeat_own_second_ms"):
+                   "heartbeat_own_second_ms", "plan_run_ms", "plan_run_second_ms"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             return statistics.median(vals) if vals else None
         return statistics.median(r["bytes"] / r[key] / 1e9 for r in ok)
@@ -493,6 +506,7 @@ def main(args: argparse.Namespace) -> int:
         peak, beat = med(method, "peak_rss_increase"), med(method, "heartbeat_ms")
         beat2 = med(method, "heartbeat_second_ms")
         own, own2 = med(method, "heartbeat_own_ms"), med(method, "heartbeat_own_second_ms")
+        run, run2 = med(method, "plan_run_ms"), med(method, "plan_run_second_ms")
         if first is None or second is None or peak is None:
             rows.append([what, "failed", "", "", "", "", "", "", ""])
             notes.append(f"{method}: {results[method][-1].get('error')}")
@@ -523,8 +537,9 @@ def main(args: argparse.Namespace) -> int:
         rows.append([what, f"{first:.2f}{spread(method, 'seconds')}", f"{second:.2f}{spread(method, 'warm_seconds')}",
                      f"{peak / MIB:.1f} MiB", pair(vs_st) if method != peer + temp else "",
                      pair(vs_pv) if not method.startswith("preadv") else "",
-                     f"{beat:.1f} / {beat2:.1f} (own {own:.1f} / {own2:.1f})" if beat is not None and
-                     beat2 is not None and own is not None and own2 is not None else "",
+                     f"{beat:.1f} / {beat2:.1f} (own {own:.1f} / {own2:.1f}" +
+                     (f"; plan run {run:.1f} / {run2:.1f}" if run is not None and run2 is not None else "") + ")"
+                     if beat is not None and beat2 is not None and own is not None and own2 is not None else "",
                      "; ".join(c for c, _ in checks),
                      ", ".join("yes" if ok else "no" for _, ok in checks)])
         if temp and not all(r.get("dropped") for r in results[method] if "error" not in r):

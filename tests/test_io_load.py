@@ -668,3 +668,71 @@ async def test_a_loads_large_destinations_are_made_off_the_loops_thread(tmp_path
     assert all(tid != loop for tid, _ in big), f"{device} {path}: large blocks made on the loop's thread: {big}"
     for name, a in arrays.items():
         np.testing.assert_array_equal(await got[name].numpy(), a)
+
+
+@pytest.mark.parametrize("staged", ["c:0", "vulkan:0", "opencl:0", "wgpu:0", "cuda:0"])
+async def test_a_long_load_is_submitted_off_the_loops_thread_and_its_bytes_are_the_files(
+        tmp_path: Path, staged: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazy load whose run is long (LONG_RUN transfers out of the file and staged copies or more:
+    `UnifiedExecutor.runs_long`) runs on a worker thread, the loop's thread only walking it and making its targets
+    leaves, onto host memory (c:0) and through staging: the bytes equal the file's, also for two realizes of it at
+    once. Cancelled while its run is in flight, it leaves its tensors unrealized and every buffer back once the run's
+    work is done, and loads whole again. A short load still runs on the loop."""
+    import asyncio
+
+    from azyx.executor import LONG_RUN
+    from azyx.graph import GRAPH
+
+    if staged not in azyx.devices():
+        pytest.skip(f"{staged} is not available")
+    rng = np.random.default_rng(40)
+    arrays = {f"w{i:02d}": rng.standard_normal(EXTENT // 4 + 1 + 2 * i).astype(np.float32) for i in range(2)}
+    arrays.update({f"v{i:02d}": rng.standard_normal(4099 + 8 * i).astype(np.float32) for i in range(LONG_RUN)})
+    arrays["odd"] = rng.integers(-9, 9, (3, 5, 7), dtype=np.int16)
+    p = tmp_path / "long.safetensors"
+    save_file(arrays, p)
+    small = tmp_path / "short.safetensors"
+    save_file({"s": arrays["odd"]}, small)
+    await azyx.realize(Tensor(np.zeros(1, np.float32), device=staged))  # (started)
+    ran: list[int] = []
+    started, go = threading.Event(), threading.Event()
+    go.set()
+    run = RT.executor.run
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        ran.append(threading.get_ident())
+        started.set()
+        go.wait(30)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(RT.executor, "run", recording)
+    loop = threading.get_ident()
+    for together in (1, 2):
+        ran.clear()
+        moved = {name: t.to(staged) for name, t in azyx.io.load_safetensors(p).items()}
+        await asyncio.gather(*(azyx.realize(*moved.values()) for _ in range(together)))
+        assert ran and loop not in ran, f"{staged}: the long load ran on the loop's thread"
+        for name, a in arrays.items():
+            np.testing.assert_array_equal(await moved[name].numpy(), a)
+        del moved
+    ran.clear()
+    short = azyx.io.load_safetensors(small)["s"].to(staged)
+    await azyx.realize(short)
+    assert ran == [loop], f"{staged}: a short load left the loop's thread"
+    np.testing.assert_array_equal(await short.numpy(), arrays["odd"])
+
+    moved = {name: t.to(staged) for name, t in azyx.io.load_safetensors(p).items()}
+    base = await settle()
+    started.clear()
+    go.clear()
+    task = asyncio.ensure_future(azyx.realize(*moved.values()))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)  # (its run waits for `go`)
+    task.cancel()
+    go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert all(GRAPH[t.id].buffer is None for t in moved.values())  # type: ignore[union-attr]
+    assert await settle() == base
+    await azyx.realize(*moved.values())
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(await moved[name].numpy(), a)

@@ -5,8 +5,9 @@ until a plan copies it to a compute device or `numpy()` reads it. Reads run on r
 loop. A plan's transfer out of a file (`send`) and a stream (azyx.io.stream) take the one pipeline, `load`: extents of
 up to EXTENT bytes read in parallel, straight into the destination's memory when that is host memory, else into the
 blocks of the destination's ring of staging memory (pinned on CUDA), each copied to the device by its queue once read
-and read into again once that copy is done; the loop's thread only numbers the reads (one step per load) and queues
-the staged copies, a reader thread (the booker, `_start_booked`) starts the reads. The disk's timeline
+and read into again once that copy is done; the thread that runs the plan only numbers the reads (one step per load)
+and queues the staged copies (the loop's, or for a run of many such copies a worker's: `UnifiedExecutor.runs_long`),
+a reader thread (the booker, `_start_booked`) starts the reads. The disk's timeline
 reaches a read's value once it and every earlier read are done, and the destination's queue waits for that, as for
 any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
