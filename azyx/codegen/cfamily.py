@@ -27,6 +27,7 @@ from azyx.codegen.launch import (
     parallel_kind,
     parallel_loop,
     reduce_vector_operands,
+    streams,
     vector_width,
     vectorized,
     work_group,
@@ -204,6 +205,9 @@ class CRenderer(Emitter):
         # loop around it instead where the inner one reads with a stride (a transposing copy: 15x slower); not where
         # loads are guarded (see C.guarded_prefix)
         simd = "#pragma omp simd" if not k.uvars and not reduces and not guarded else ""
+        if simd and streams(k, dl):
+            self.stream_body(order, place, shared == 0)
+            return f"{dl.stream}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
         it = self.it
         if self.group and self.group == dl.warp:  # a warp per output point, the group's size / warp points a group
             per = dl.group_size // dl.warp
@@ -248,6 +252,41 @@ class CRenderer(Emitter):
                 self.close()
         body = "\n".join(self.lines)
         return f"{self.glsl_interface()}{header} {{\n{body}\n}}\n"
+
+    def stream_body(self, order: list[V], place: dict[int, object], shared: bool) -> None:
+        """A `streams` kernel's loop (over [lo, hi) where `shared`) in three parts: plain stores up to the output's
+        first element aligned to a streaming store (Dialect.stream), then AZYX_NT elements a step computed into an
+        aligned block and stored streaming, then the tail plainly; a fence after them, so that the stores are
+        ordered before the kernel (each thread's part) returns."""
+        k, it, g = self.k, self.it, self.k.gvars[0].name
+        first, end = ("lo", "hi") if shared else ("0", str(k.global_size))
+        for v in order:
+            if place[id(v)] == 0:
+                self.stmt(v)
+        self.emit(f"{it} nt_a = {first}, nt_e = {end};")
+        self.emit("while (nt_a < nt_e && ((unsigned long)(d0 + nt_a) & (4 * AZYX_NT - 1))) nt_a++;")
+        self.emit(f"{it} nt_b = nt_a + (nt_e - nt_a) / AZYX_NT * AZYX_NT;")
+        (idx, value), = k.stores
+
+        def part(lo: str, hi: str, target: str) -> None:  # one loop over [lo, hi), its output to `target`[idx]
+            saved = dict(self.names)
+            self.emit(self.simd)
+            self.open(f"for ({it} {g} = {lo}; {g} < {hi}; {g}++)")
+            for v in order:
+                if place[id(v)] == 1:
+                    self.stmt(v)
+            self.block(self.collect(k.values, place, None), lambda: [f"{target} = {self.store_value(value)};"])
+            self.close()
+            self.names = saved
+
+        part(first, "nt_a", f"d0[{idx.render()}]")
+        self.open(f"for ({it} nt_s = nt_a; nt_s < nt_b; nt_s += AZYX_NT)")
+        self.emit("float nt_t[AZYX_NT] __attribute__((aligned(32)));")
+        part("nt_s", "nt_s + AZYX_NT", f"nt_t[{g} - nt_s]")
+        self.emit("AZYX_NT_STORE(d0 + nt_s, nt_t);")
+        self.close()
+        part("nt_b", "nt_e", f"d0[{idx.render()}]")
+        self.emit("AZYX_NT_FENCE();")
 
     def signature(self, shared: int | None, guarded: bool) -> str:
         """The kernel's header (GLSL: main, after which the parameters' addresses and the scalars are read)."""

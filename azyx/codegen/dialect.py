@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from azyx.codegen.preludes import C_PRELUDE, CL_PRELUDE, CUDA_PRELUDE, GLSL_PRELUDE
+from azyx.codegen.preludes import C_PRELUDE, C_STREAM, CL_PRELUDE, CUDA_PRELUDE, GLSL_PRELUDE
 from azyx.dtypes import DType, dtypes
 
 BLOCKED, ITEM_TILES, WARP_TILES, SHADER_TILES = "blocked", "item_tiles", "warp_tiles", "shader_tiles"
@@ -73,6 +73,9 @@ class Dialect:
     vector_width: int = 0
     vector_load: str = ""
     vector_store: str = ""
+    # streaming stores (codegen.launch.streams): C defining AZYX_NT (floats a store), AZYX_NT_STORE(p, t) (store the
+    # AZYX_NT floats at t to p, p aligned to them) and AZYX_NT_FENCE() (orders them before the kernel returns)
+    stream: str = ""
     copies: int = 1  # a grouped reduce's steps per loop iteration (where the dialect has no unroll pragma: GLSL)
     max_trips: int = 0  # a driver's bound on a shader's loop iterations (llvmpipe stops loops silently past 65535)
     # integer max/min as azyx_max/azyx_min of the prelude: NVRTC (CUDA 13) miscompiles `(-x > acc ? -x : acc)` in
@@ -118,6 +121,7 @@ C = Dialect(
            "float32": "float", "float64": "double"},
     fn_suffix_f32="f",
     prelude=C_PRELUDE,
+    stream=C_STREAM,
     pragmas=True,
     gemm=True,
     opaque='__asm__("" : "+r"({x}));',

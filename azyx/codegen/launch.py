@@ -127,6 +127,19 @@ def elementwise_vector_fits(k: Kernel, w: int) -> bool:
     return all(k.params[i] is dtypes.float32 and _is_var(idx, k.gvars[0]) for i, (idx, _) in enumerate(k.stores))
 
 
+# A host kernel whose output is at least this large stores it streaming (non-temporal: past the caches, no read for
+# ownership of each line; see `streams`). Below it the output stays in the cache for the next kernel (the last level is
+# 32 MiB on the EPYC hosts measured, shared with the inputs streaming through).
+STREAM_BYTES = 8 << 20
+
+
+def streams(k: Kernel, dl: Dialect) -> bool:
+    """Whether host kernel `k` stores its output with the dialect's streaming stores (Dialect.stream): a plain
+    elementwise kernel writing one float32 output whole along its one loop, at least STREAM_BYTES of it."""
+    return bool(dl.stream) and len(k.stores) == 1 and 4 * k.global_size >= STREAM_BYTES and \
+        elementwise_vector_fits(k, 1)
+
+
 def reduce_vector_operands(k: Kernel, r: V, w: int, body: list[V]) -> set[int] | None:
     """The float32 parameters that reduce `r`'s body (`body`: its values) reads along its one reduce variable, each at
     an index that is a multiple of `w` once that variable is (so `w` neighbours are one aligned vector load); None

@@ -14,6 +14,25 @@ def ipow(qualifiers: str, t: str) -> str:
 
 
 
+# The C dialect's streaming stores (Dialect.stream): 8 floats a store with AVX, 4 with SSE, else plain stores
+C_STREAM = """#if defined(__AVX__)
+#include <immintrin.h>
+#define AZYX_NT 8
+#define AZYX_NT_STORE(p, t) _mm256_stream_ps((p), _mm256_load_ps(t))
+#define AZYX_NT_FENCE() _mm_sfence()
+#elif defined(__SSE__)
+#include <xmmintrin.h>
+#define AZYX_NT 4
+#define AZYX_NT_STORE(p, t) _mm_stream_ps((p), _mm_load_ps(t))
+#define AZYX_NT_FENCE() _mm_sfence()
+#else
+#define AZYX_NT 1
+#define AZYX_NT_STORE(p, t) (*(p) = *(t))
+#define AZYX_NT_FENCE() ((void)0)
+#endif
+"""
+
+
 C_PRELUDE = """#include <math.h>
 #if defined(__x86_64__) && defined(__GLIBC__) && !defined(__FAST_MATH__)
 /* glibc's vector math (libmvec, pulled in by -lm): loops that call these vectorise (without, one libm call per
