@@ -10,6 +10,7 @@ import pytest
 import azyx
 from azyx import Tensor
 from azyx.codegen.launch import STREAM_BYTES
+from azyx.errors import IndexOutOfRange
 from azyx.runtime import RT
 from azyx.shard import ShardedTensor
 
@@ -62,3 +63,15 @@ async def test_the_all_reduce_over_c0_and_c1_streams_and_sums() -> None:
     assert "AZYX_NT_STORE(" in RT.device(step.device).render_ir(step.kernel)[1]
     for s in total.shards:
         np.testing.assert_allclose(await s.numpy(), parts[0] + parts[1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_large_gather_streams_and_still_checks_its_indices() -> None:
+    """The index a gather reads is checked inside the streamed loop: in range, numpy's values; out of range, raised."""
+    x = RNG.standard_normal(1000, dtype=np.float32)
+    i = RNG.integers(0, 1000, LARGE).astype(np.int32)
+    t = Tensor(x, device="c:0")[Tensor(i, device="c:0")]
+    assert "AZYX_NT_STORE(" in _source(t, "c:0")
+    np.testing.assert_array_equal(t.numpy_sync(), x[i])
+    i[[LARGE // 3, LARGE - 5]] = 1000  # in the streamed middle and the plainly stored tail
+    with pytest.raises(IndexOutOfRange, match="1000"):
+        Tensor(x, device="c:0")[Tensor(i, device="c:0")].numpy_sync()
