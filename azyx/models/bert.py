@@ -24,7 +24,9 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
-  the whole batch once, and resolves each caller's future with its rows.
+  the whole batch once, and resolves each caller's future with its rows. Once a batch's rows are read, the next one
+  (what queued meanwhile) is queued on the device before the callers are answered: their handlers' work (the JSON,
+  the sends) runs on the loop while the device computes, where it ran while the device waited.
 """
 
 from __future__ import annotations
@@ -381,8 +383,16 @@ class MiniLM(nn.Module):
         vocabulary: ArgumentError otherwise), as a (len(encoded), 384) float32 array: packed, MAX_SENTENCES a run
         (every run queued on the device before the first one's rows are read)."""
         self.check_ids(encoded)
-        runs = [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
+        return await self.read_runs(await self.submit_ids(encoded))
+
+    async def submit_ids(self, encoded: list[list[int]]) -> list[tuple[Tensor, int]]:
+        """`embed_ids`' runs queued on the device, not waited for (ids checked already): each run's embeddings and
+        its sentences, for `read_runs`."""
+        return [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
                 for i in range(0, len(encoded), MAX_SENTENCES)]
+
+    async def read_runs(self, runs: list[tuple[Tensor, int]]) -> np.ndarray:
+        """The rows of `submit_ids`' runs (waiting for their work; its failure is raised here)."""
         parts = [(await emb.numpy())[:n] for emb, n in runs]
         return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
 
@@ -541,29 +551,21 @@ class EmbeddingService:
         return batch
 
     async def _batcher(self) -> None:
-        loop = asyncio.get_running_loop()
+        running: tuple[list[tuple[_Job, int, list[int]]], list[tuple[Tensor, int]]] | None = None
         while True:
-            while not self.jobs:
-                self.arrived.clear()
-                await self.arrived.wait()
-            await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
-            deadline = loop.time() + self.max_wait
-            while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
-                self.arrived.clear()
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), left)
-                except TimeoutError:
-                    break
-            batch = self._take()
-            if not batch:
+            if running is None:
+                running = await self._submit(await self._next())
                 continue
+            batch, runs = running
             try:
-                out = await self.model.embed_ids([ids for _, _, ids in batch])
+                out = await self.model.read_runs(runs)
             except Exception as e:  # a failed batch fails its callers, the service keeps going
-                for job in {job for job, _, _ in batch}:
-                    if not job.future.done():
-                        job.future.set_exception(e)
+                self._fail(batch, e)
+                running = None
                 continue
+            # what queued while this batch ran goes on the device before this batch's callers are answered: their
+            # handlers' JSON and sends then run on the loop while the device computes, not while it waits
+            running = await self._submit(self._take()) if self.jobs and self.max_wait <= 0 else None
             self.stats.batches += 1
             self.stats.sentences += len(batch)
             self.stats.batch_sizes.append(len(batch))
@@ -572,3 +574,37 @@ class EmbeddingService:
                 job.left -= 1
                 if job.left == 0 and not job.future.done():
                     job.future.set_result(job.rows)
+
+    async def _next(self) -> list[tuple[_Job, int, list[int]]]:
+        """The next batch once the device is idle: what is queued after a turn of the loop (requests that arrived with
+        it join), or after `max_wait` for more."""
+        loop = asyncio.get_running_loop()
+        while not self.jobs:
+            self.arrived.clear()
+            await self.arrived.wait()
+        await asyncio.sleep(0)
+        deadline = loop.time() + self.max_wait
+        while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                break
+        return self._take()
+
+    async def _submit(self, batch: list[tuple[_Job, int, list[int]]]
+                      ) -> tuple[list[tuple[_Job, int, list[int]]], list[tuple[Tensor, int]]] | None:
+        """`batch` queued on the device (None for none, or where queueing failed: its callers failed)."""
+        if not batch:
+            return None
+        try:
+            return batch, await self.model.submit_ids([ids for _, _, ids in batch])
+        except Exception as e:
+            self._fail(batch, e)
+            return None
+
+    @staticmethod
+    def _fail(batch: list[tuple[_Job, int, list[int]]], e: Exception) -> None:
+        for job in {job for job, _, _ in batch}:
+            if not job.future.done():
+                job.future.set_exception(e)
