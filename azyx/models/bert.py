@@ -25,9 +25,9 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
-  the whole batch once, and resolves each caller's future with its rows. Once a batch's rows are read, the next one
-  (what queued meanwhile) is queued on the device before the callers are answered: their handlers' work (the JSON,
-  the sends) runs on the loop while the device computes, where it ran while the device waited.
+  the whole batch once, and resolves each caller's future with its rows. Under a backlog (as many sentences queued
+  while a batch ran as it held), the next batch is queued on the device once a batch's rows are read, before its
+  callers are answered: their handlers' work (the JSON, the sends) runs on the loop while the device computes.
 """
 
 from __future__ import annotations
@@ -571,9 +571,12 @@ class EmbeddingService:
                 self._fail(batch, e)
                 running = None
                 continue
-            # what queued while this batch ran goes on the device before this batch's callers are answered: their
-            # handlers' JSON and sends then run on the loop while the device computes, not while it waits
-            running = await self._submit(self._take()) if self.jobs and self.max_wait <= 0 else None
+            # a backlog (as many sentences queued while this batch ran as it held) goes on the device before this
+            # batch's callers are answered: their handlers' JSON and sends then run on the loop while the device
+            # computes, not while it waits. Less waits for them and a turn of the loop (`_next`), so their next
+            # requests may join it: else clients that split into uneven cohorts (28 and 4 of 32) kept that split
+            backlog = self.queued >= len(batch) and self.max_wait <= 0
+            running = await self._submit(self._take()) if backlog else None
             self.stats.batches += 1
             self.stats.sentences += len(batch)
             self.stats.batch_sizes.append(len(batch))
