@@ -16,7 +16,9 @@ The peers in the same run: transformers' `generate` (a streamer) and sentence-tr
 Starlette/uvicorn stack, inference in a thread pool, on the same device as azyx (`--device cuda:N`: torch's `cuda:N`,
 else the CPU); the embeddings peer micro-batches concurrent requests as azyx serve does (`EmbedBatcher`: what queued
 while a batch ran, up to 32 sentences, one `encode`). `--embeddings-only` and `--connections 32,128` narrow a run
-(and write nothing).
+(and write nothing). `--rounds N` runs only the embeddings rows: it keeps both servers up and alternates their
+/v1/embeddings runs N times (which goes first changes each round), so that a shared machine's load falls on both
+alike: a row per run with the load average at its start, then each side's range and the ratio of each round.
 
 On a GPU machine: the bench needs, beside torch, transformers, tokenizers, safetensors and numpy, the packages
 starlette, uvicorn (with h11, click), jinja2, prometheus_client and httpx (the load generator); sentence-transformers
@@ -362,6 +364,55 @@ class EmbedBatcher:
                     at += len(ss)
 
 
+def alternate_embeddings(servers: list[tuple[str, list[str], int, str]], conns: list[int], seconds: float,
+                         rounds: int, tmp: Path) -> str:
+    """/v1/embeddings of `servers` ((name, command, port, model): the first is azyx, the others peers), all up at
+    once, run after one another `rounds` times at each number of connections (the first server changing each round):
+    a table of every run (requests/s, p50 / p99 ms, the 1-minute load average at its start) and, per number of
+    connections, each server's range and the first's ratio to each other in each round."""
+    import asyncio
+
+    procs = []
+    try:
+        for _, cmd, port, _ in servers:
+            procs.append(start(cmd, port, timeout=600))
+        scripts = []
+        for _, _, port, model in servers:  # (untimed: each side's first batches)
+            scripts.append(tmp / f"embed-{len(scripts)}-{model}.lua")
+            scripts[-1].write_text(EMBED_SCRIPT.replace("MODEL", model))
+            asyncio.run(_embed_load(port, model, max(conns), min(seconds, 5.0)))
+        runs: dict[tuple[int, int], list[dict[str, float]]] = {}
+        rows = []
+        for r in range(rounds):
+            order = [(i + r) % len(servers) for i in range(len(servers))]
+            for c in conns:
+                for i in order:
+                    name, _, port, model = servers[i]
+                    load = os.getloadavg()[0]
+                    w = wrk_url(port, c, seconds, scripts[i], "/v1/embeddings") if shutil.which("wrk") else \
+                        asyncio.run(_embed_load(port, model, c, seconds))
+                    runs.setdefault((i, c), []).append(w)
+                    rows.append([str(r + 1), name, str(c), f"{w['rps']:.1f}", f"{w['p50']:.1f} / {w['p99']:.1f}",
+                                 f"{load:.1f}", str(int(w["errors"]))])
+                    print(" | ".join(rows[-1]), flush=True)
+    finally:
+        for proc in procs:
+            stop(proc)
+    lines = [table(["round", "server", "connections", "requests/s", "latency p50 / p99 ms", "load average", "errors"],
+                   rows), ""]
+    for c in conns:
+        for i, (name, *_) in enumerate(servers):
+            ws = runs[(i, c)]
+            p99 = " / ".join(f"{w['p99']:.0f}" for w in ws)
+            lines.append(f"- {c} connections, {name}: {min(w['rps'] for w in ws):.1f}-{max(w['rps'] for w in ws):.1f}"
+                         f" req/s, p99 {p99} ms")
+        for i in range(1, len(servers)):
+            lines.append(f"- {c} connections, {servers[0][0]} / {servers[i][0]} in each round: " + ", ".join(
+                f"{a['rps'] / b['rps']:.2f}x (p99 {a['p99']:.0f} vs {b['p99']:.0f} ms)"
+                for a, b in zip(runs[(0, c)], runs[(i, c)])))
+    return "\n".join(lines)
+
+
 def peer_openai_app(gpt2: str, minilm: str | None, device: str, max_batch: int = 32) -> Any:
     """The peers behind the same stack and the same OpenAI routes, on torch `device`: transformers' `generate`
     streaming through a streamer (generation on a worker thread, its tokens put on the loop) and
@@ -472,6 +523,18 @@ def main_openai(args: argparse.Namespace) -> int:
         served = [str(gpt2)] + ([str(minilm)] if minilm is not None else [])
         cmd = [sys.executable, "-m", "azyx", "serve", *[a for d in served for a in ("--model", d)], "--device",
                args.device, "--port", str(port), "--slots", str(slots), "--waiting", "512"]
+        if args.rounds > 1:
+            if minilm is None or importlib.util.find_spec("sentence_transformers") is None:
+                print("--rounds needs MiniLM and sentence-transformers (the embeddings peer)")
+                return 1
+            peer_port = free_port()
+            peer = [sys.executable, "bench/serve.py", "--peer-openai", str(peer_port), "--gpt2", str(gpt2),
+                    "--device", args.device, "--minilm", str(minilm)]
+            print(alternate_embeddings([("azyx serve", cmd, port, minilm.resolve().name),
+                                        ("sentence-transformers", peer, peer_port, "minilm")],
+                                       conns, seconds, args.rounds, tmp))
+            print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores; azyx device {args.device}")
+            return 0
         gen_model = None if args.embeddings_only else gpt2.resolve().name
         rows += bench_openai_server("azyx serve", cmd, port, conns, seconds, gen_model,
                                     minilm.resolve().name if minilm is not None else None, tmp, max_tokens)
@@ -524,6 +587,9 @@ def main() -> int:
     ap.add_argument("--embeddings-only", action="store_true",
                     help="only the /v1/embeddings rows (writes nothing)")
     ap.add_argument("--connections", help="the connection counts, comma-separated (writes nothing)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the embeddings rows only: both servers up, their runs alternated this many times "
+                         "(writes nothing)")
     ap.add_argument("--peer-openai", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_openai:

