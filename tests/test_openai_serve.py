@@ -403,6 +403,22 @@ def test_stop_strings_split_across_tokens_and_multibyte_text_streams_whole(clien
     assert any(ord(ch) > 127 and ch != "\ufffd" for t in texts for ch in t), texts
 
 
+def test_float_answers_read_back_as_their_float32_values_in_at_most_9_digits() -> None:
+    """`short_floats` at every float32 magnitude (subnormal to the largest), signed zeros, infinities: JSON's text of
+    each reads back as the float32 value, with at most 9 significant digits."""
+    from azyx.serve.app import short_floats
+
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal(50000) * 10.0 ** rng.integers(-45, 39, 50000)).astype(np.float32)
+    a = np.concatenate([a, np.float32([0.0, -0.0, 1.0, -1.0, 3.4028235e38, 1.4e-45, 1.1754944e-38, np.inf, -np.inf])])
+    text = json.dumps(short_floats(a.reshape(-1, 43)))
+    back = np.array(json.loads(text), np.float32).reshape(-1)
+    np.testing.assert_array_equal(back, a)
+    numbers = text.replace("[", "").replace("]", "").split(", ")
+    digits = [len(v.lstrip("-").split("e")[0].replace(".", "").strip("0")) for v in numbers if "Infinity" not in v]
+    assert max(digits) <= 9
+
+
 def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, server: Server) -> None:
     sentences = REFERENCE["sentences"]
     ref = np.array(REFERENCE["embeddings"], np.float32)
@@ -411,10 +427,12 @@ def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, ser
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert got.shape == ref.shape and cos.min() >= 0.999 and r.usage.prompt_tokens > len(sentences)
     h = {"Authorization": f"Bearer {KEY}"}
-    for fmt in ("float", "base64"):
-        a = httpx.post(server.base + "/v1/embeddings", headers=h, timeout=60,
-                       json={"model": EMB, "input": sentences[:2], "encoding_format": fmt}).json()
-        np.testing.assert_allclose(embeddings_of(a), got[:2], atol=1e-6)
+    answers = {fmt: np.array(embeddings_of(httpx.post(
+        server.base + "/v1/embeddings", headers=h, timeout=60,
+        json={"model": EMB, "input": sentences[:2], "encoding_format": fmt}).json()), np.float32)
+        for fmt in ("float", "base64")}
+    np.testing.assert_allclose(answers["base64"], got[:2], atol=1e-6)
+    np.testing.assert_array_equal(answers["float"], answers["base64"])  # (the float form reads back exactly)
     one = client.embeddings.create(model=EMB, input=sentences[0], encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, got[0], atol=1e-5)
     # token ids as input, and a sentence past the window: refused (the server is not told to truncate)
