@@ -129,7 +129,11 @@ class Gemv:
     @property
     def partials(self) -> int:
         """Float32 partial sums the block combines in shared memory (codegen.cgemv's `res`, or `red`: a warp's)."""
-        return self.mb * self.block_cols * (1 if self.along_k else self.threads // WARP)
+        return self.partials_at(self.threads)
+
+    def partials_at(self, threads: int) -> int:
+        """`partials` for a block of `threads` items."""
+        return self.mb * self.block_cols * (1 if self.along_k else threads // WARP)
 
     @property
     def threads(self) -> int:
@@ -145,7 +149,7 @@ class Gemv:
             t = MAX_THREADS
         while t < MAX_THREADS and blocks * 2 * t <= ITEMS and 2 * t // self.lanes_along_n * MIN_STEPS <= self.k:
             t *= 2
-        while t > THREADS and t // WARP * self.mb * self.block_cols * 4 > RED_BYTES:
+        while t > THREADS and self.partials_at(t) * 4 > RED_BYTES:
             t //= 2
         return t
 
