@@ -245,6 +245,45 @@ async def test_cuda_graph_replays_new_buffers_and_scalars_as_data() -> None:
         np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)
 
 
+def test_a_run_launches_the_executable_graph_that_holds_its_values() -> None:
+    """`_Graph.turn`: a run whose values an executable graph holds already launches that one (no update); another
+    takes the one launched longest ago."""
+    from azyx.backends.cuda_graph import _Graph
+
+    g = _Graph([10, 11, 12], None, [])
+    g.tables[:] = [b"a", b"b", b"c"]
+    assert [g.turn(t) for t in (b"b", b"b", b"x")] == [1, 1, 0]  # 0: launched longest ago
+    g.tables[0] = b"x"
+    assert [g.turn(t) for t in (b"c", b"y", b"a")] == [2, 1, 0]  # 1 then 0: the least recently launched
+    assert g.turn(b"x") == 0
+
+
+async def test_cuda_runs_on_values_a_graph_holds_update_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A steady plan run on a few sets of buffers in turn (a chained decode step's inputs and outputs cycle so) makes
+    no parameter update once each set has an executable graph of its own, and every run gives numpy's values."""
+    if "cuda:0" not in azyx.devices():
+        pytest.skip("no CUDA device")
+    from azyx.backends import cuda_graph
+
+    updates = []
+    update = cuda_graph.GraphCache.update
+    monkeypatch.setattr(cuda_graph.GraphCache, "update", lambda self, *a: updates.append(a[2]) or update(self, *a))
+    ws = await weights("cuda:0")
+    inputs = [rng.standard_normal((2, WIDTH)).astype(np.float32) for _ in range(3)]
+    xs = [Tensor(xn, device="cuda:0") for xn in inputs]
+    await azyx.realize(*xs)
+    counts = []
+    for i in range(18):
+        before = len(updates)
+        mid, y = chain(xs[i % 3], ws, 0.5)
+        await azyx.realize(mid, y)
+        ref_mid, ref_y = reference(inputs[i % 3], 0.5)
+        np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(await mid.numpy(), ref_mid, rtol=1e-5, atol=1e-5)
+        counts.append(len(updates) - before)
+    assert sum(counts[-6:]) == 0, counts
+
+
 async def test_jit_submit_hands_back_queued_results_that_read_right(device: str) -> None:
     """`jit.submit` returns a replay's results once queued: reading each gives numpy's values (several submitted before
     any is read), a bad index raises at the read of its own run, and later submissions still read right."""

@@ -21,11 +21,12 @@ GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is capture
 INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread (as is
 # a batch's capture)
 GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
-# executable graphs instantiated per frozen batch, launched in turn: a parameter update of an executable graph whose
-# last launch is still running makes the driver wait for that launch on the calling thread (a decode step chained
-# behind the one in flight waited a whole step: 636 us of a 1.55 ms step on an H200), so a run updates the one
-# launched longest ago
-EXECS = 2
+# executable graphs instantiated per frozen batch (`_Graph.turn`): a run launches the one that already holds its values
+# where one does (a chained decode step's inputs and outputs cycle through a few buffers: each update is a driver call
+# of several us, ~40 a GPT-2 step), else updates the one launched longest ago (a parameter update of an executable
+# graph whose last launch is still running makes the driver wait for that launch on the calling thread: a decode step
+# chained behind the one in flight waited a whole step, 636 us of a 1.55 ms step on an H200)
+EXECS = 4
 
 Collected = tuple[Any, Launch, tuple[int, ...], str]  # a batch's launch: function, dims, argument words, kernel name
 
@@ -38,21 +39,24 @@ class _NodeParams(ctypes.Structure):
 
 
 class _Graph:
-    """A captured batch: its executable graphs (one; a frozen batch's: EXECS, launched in turn, `turn()`); for a
-    frozen batch, the graph they were made from (its kernel nodes, in launch order, are what a parameter update names)
-    and, per executable graph, the table of values it replays now."""
+    """A captured batch: its executable graphs (one; a frozen batch's: EXECS, `turn`); for a frozen batch, the graph
+    they were made from (its kernel nodes, in launch order, are what a parameter update names) and, per executable
+    graph, the table of values it replays now (bytes)."""
 
-    __slots__ = ("exes", "handles", "graph", "nodes", "tables", "next")
+    __slots__ = ("exes", "handles", "graph", "nodes", "tables", "order")
 
     def __init__(self, exes: list[Any], graph: Any, nodes: list[int]):
         self.exes, self.handles, self.graph, self.nodes = exes, [int(e) for e in exes], graph, nodes
-        self.tables: list[Any] = [None] * len(exes)
-        self.next = 0
+        self.tables: list[bytes | None] = [None] * len(exes)
+        self.order = list(range(len(exes)))  # the executable graphs, launched longest ago first
 
-    def turn(self) -> int:
-        """The executable graph this run launches: the one launched longest ago."""
-        i = self.next
-        self.next = (i + 1) % len(self.handles)
+    def turn(self, table: bytes) -> int:
+        """The executable graph a run of values `table` launches: one that holds them already (no update), else the
+        one launched longest ago (updated: `_Frozen.refresh`)."""
+        order = self.order
+        i = next((i for i in reversed(order) if self.tables[i] == table), order[0])
+        order.remove(i)
+        order.append(i)
         return i
 
     def __del__(self) -> None:
@@ -95,12 +99,12 @@ class GraphCache:
         return launches <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
 
     def launch(self, batch: list[Collected] | Callable[[], list[Collected]], hold_gil: bool = True,
-               key: tuple | None = None, refresh: Callable[[_Graph, int], None] | None = None) -> None:
+               key: tuple | None = None, refresh: Callable[[_Graph], int] | None = None) -> None:
         """Under the device's lock: the batch's launches on the stream, one graph launch once the batch is steady.
         `hold_gil` False: each launch lets other threads run (a long batch submitted off the loop's thread). With
         `key` (a frozen batch's), `batch` is what makes its launches, called only where they are launched one by one
-        or captured, and `refresh(graph, i)` brings the values of its `i`th executable graph (`_Graph.turn`) up to the
-        run's before its launch."""
+        or captured, and `refresh(graph)` picks the executable graph to launch (`_Graph.turn`) and brings its values up
+        to the run's."""
         if key is None:
             assert isinstance(batch, list)
             if len(batch) == 1:
@@ -123,10 +127,7 @@ class GraphCache:
                 graph = self.graphs[key] = self._capture(launches, hold_gil, refresh is not None)
         if graph is None:
             return
-        i = 0
-        if refresh is not None:
-            i = graph.turn()
-            refresh(graph, i)
+        i = refresh(graph) if refresh is not None else 0
         if err := (self.hot if hold_gil else self.hot.releasing).graph_launch(graph.handles[i], self.stream_h):
             self.hot.fail(err, "cuGraphLaunch")
         if len(self.graphs) > GRAPHS_KEPT:
