@@ -265,8 +265,12 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
 
 def _pair_store(g: Gemm, cvt: str) -> str:
     """A lane's two neighbouring elements of C (c[0], c[1] at row i, columns j, j + 1) rounded by `cvt` and stored:
-    one aligned 4-byte store where j is even."""
+    one aligned 4-byte store where j is even (float32 C, a split product's partial sums: unrounded, 8 bytes)."""
     row = f"(Cb + (long long)i * {g.n} + j)"
+    if g.c_dtype == "float32":
+        if g.n % 2 == 0:
+            return f"if (j < {g.n}) *(float2*)({row}) = make_float2(c[0], c[1]);"
+        return f"if (j < {g.n}) {row}[0] = c[0]; if (j + 1 < {g.n}) {row}[1] = c[1];"
     if g.n % 2 == 0:  # j is even: a pair of C's elements is one aligned 4-byte store
         return (f"if (j < {g.n}) *(unsigned*)({row}) = (unsigned){cvt}(c[0]) | ((unsigned){cvt}(c[1]) << 16);")
     else:
@@ -290,7 +294,8 @@ def render_mma(g: Gemm, name: str) -> str:
     small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through three shared-memory
     stages: the next two slices' copies (cp.async) are in flight while one is multiplied. Blocks run in
     groups of 8 block-rows, so the blocks resident at once share their A rows and B columns in L2. Edges: loads past
-    M, N or K read zeros, stores are guarded; C is rounded to its dtype once."""
+    M, N or K read zeros, stores are guarded; C is rounded to its dtype once (a split product's float32 partial sums,
+    Gemm.out, are stored as they are: gemm.split_k)."""
     assert g.mma and g.split[0] == 1
     bm, bn = g.tile
     wms, wns = MMA_WARPS[g.tile]
@@ -321,8 +326,9 @@ def render_mma(g: Gemm, name: str) -> str:
     # two blocks of 8 warps per multiprocessor (128 registers a thread) where both operands are copied by cp.async;
     # element loads stage a slice in registers, which 128 would spill
     two = ", 2" if threads == 256 and a.async_copy and b.async_copy else ""
+    c_type = "float" if g.c_dtype == "float32" else "unsigned short"
     text = MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
-{name}(unsigned short* __restrict__ C, {params}) {{
+{name}({c_type}* __restrict__ C, {params}) {{
   {a.decl}
   {b.decl}
   const int tid = threadIdx.x, lane = tid & 31, wm = (tid >> 5) / {wns}, wn = (tid >> 5) % {wns};
@@ -377,9 +383,10 @@ def _mma_main_loop(ahead: int, commit: str, mi: int, frags_a: str, frags_b: str,
 
 
 def _mma_epilogue(mi: int, ni: int, wtm: int, wtn: int, store: str, g: Gemm) -> str:
-    """The accumulators rounded to C's dtype and stored, two elements a store where they are aligned."""
+    """The accumulators rounded to C's dtype (float32: as they are) and stored, two elements a store where they are
+    aligned."""
     return f"""\
-  unsigned short* Cb = C + bz * {g.m * g.n}LL;
+  {"float" if g.c_dtype == "float32" else "unsigned short"}* Cb = C + bz * {g.m * g.n}LL;
   #pragma unroll
   for (int m = 0; m < {mi}; m++)
     #pragma unroll
