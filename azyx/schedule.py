@@ -1008,10 +1008,9 @@ class KernelBuild:
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:
             alone = not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
-            if alone and not top and self.epilogue_of_product(nid):
-                summed = p.split_product(nid, self.device)
-                if summed is not None:  # the epilogue adds up the product's parts over K (Planner.split_product)
-                    return self.value(summed, idx, cond, in_reduce)
+            summed = p.split_product(nid, self.device) if alone and not top else None
+            if summed is not None:  # its consumer adds up the product's parts over K (Planner.split_product)
+                return self.value(summed, idx, cond, in_reduce)
             fuse = top or (alone and p.split_parts(nid, self.device) is None and not self.epilogue_of_product(nid)) \
                 or (not in_reduce and nid in p.product_sums)
             if not fuse and not self.statistic(nid, idx):
