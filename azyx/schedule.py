@@ -147,7 +147,7 @@ class Planner:
         self.check = os.environ.get("AZYX_CHECKS", "1") != "0"  # kernels check the indices they read (see `emit`)
         self.checks: dict[str, int] = {}  # per device: the slot of its check words
         self.temp_nodes: list[int] = []  # graph nodes the planner made (split reductions); released when done
-        self.split_products: dict[int, int | None] = {}  # product -> its split form's node (split_product)
+        self.split_products: dict[tuple[int, str], int | None] = {}  # (product, device) -> its split form's node
         self.product_sums: set[int] = set()  # the stage-2 sums of split products (fused into their consumers)
         self.donated_chain: set[int] = set()  # ASSIGNs that wrote in place into a donated input's buffer
         self.leaf_device: dict[int, str] = {}
@@ -486,9 +486,9 @@ class Planner:
         could have read the product (Builder.value), else it is a kernel of its own. Made once per product."""
         if self.graph[nid].op is not Op.REDUCE:
             return None
-        if nid in self.split_products:
-            return self.split_products[nid]
-        self.split_products[nid] = None
+        if (nid, device) in self.split_products:
+            return self.split_products[(nid, device)]
+        self.split_products[(nid, device)] = None
         dev = self.rt.device(device)
         dl = dev.dialect
         if dl is None or dl.products != WARP_TILES or not dev.multiprocessors or nid in self.temp_nodes \
@@ -521,7 +521,7 @@ class Planner:
             x = self.temp_node(n, Op.CAST, (x,), None, (1, rows, cols, 1))
         x = self.temp_node(n, Op.RESHAPE, (x,), n.shape, n.shape)
         debug.log(debug.PLANS, lambda: f"product {nid} {n.shape} split over K in {parts}")
-        self.split_products[nid] = x
+        self.split_products[(nid, device)] = x
         return x
 
     def kernel(self, root: int) -> tuple[int, StridedView]:

@@ -18,8 +18,8 @@ from test_mma_emulated import emulate
 
 import azyx
 from azyx import Tensor
-from azyx.codegen.dialect import CUDA
-from azyx.codegen.kernel import product_of
+from azyx.codegen.dialect import CUDA, WARP_TILES
+from azyx.codegen.kernel import product_of, small_product
 from azyx.codegen.templates import gemm
 from azyx.graph import GRAPH
 from azyx.plan import ExecutionPlan, KernelStep, TransferStep
@@ -29,7 +29,6 @@ from azyx.walk import canonicalize
 DEV = "dummy:0"  # plans without running; made to render CUDA C here (conftest.cuda_planning)
 H200_SMS = 132
 TOL = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
-NP = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.uint16}
 
 
 @pytest.fixture
@@ -105,3 +104,53 @@ def test_a_split_product_with_its_epilogue_equals_numpy(sms: None, monkeypatch: 
         assert [(g.m, g.n, g.k, g.batch) for g in products] == [(m, n, k // parts, parts) if split else (m, n, k, 1)]
         assert products[0].c_dtype == ("float32" if split else dtype)
         np.testing.assert_allclose(from_stored(got, dtype).reshape(m, n) / scale, want / scale, atol=TOL[dtype])
+
+
+def test_the_split_is_decided_from_the_shape_and_the_multiprocessors() -> None:
+    """gemm.split_k: GPT-2's decode products at batch 32 split to about one block per multiprocessor (12 tiles of
+    32 x 768 on 132: 6 parts of K = 768, 8 of 3072 in 16 bits), none where the device is not known, where the tiles
+    fill half of it, where a part would hold fewer than SPLIT_SLICES slices, or where no divisor of K keeps its parts
+    on 8 elements (K a multiple of 8: 16-byte loads)."""
+    assert gemm.split_k(32, 768, 768, "bfloat16", H200_SMS) == 6
+    assert gemm.split_k(32, 768, 3072, "float16", H200_SMS) == 8
+    assert gemm.split_k(64, 2304, 768, "bfloat16", H200_SMS) == 4
+    assert gemm.split_k(32, 768, 768, "float32", H200_SMS) == 8
+    assert gemm.split_k(32, 768, 768, "bfloat16", 0) == 1
+    assert gemm.split_k(256, 4096, 768, "bfloat16", H200_SMS) == 1  # (256 tiles)
+    assert gemm.split_k(32, 768, 192, "bfloat16", H200_SMS) == 1  # (parts of 96 < 4 slices of 32)
+    assert gemm.split_k(32, 768, 8 * 131, "bfloat16", H200_SMS) == 1  # (parts of 131 x 8 / d: not on 8 elements)
+    assert gemm.split_k(32, 768, 387, "bfloat16", H200_SMS) == 3  # (K odd: parts of 129)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_few_rows_keep_the_small_product_kernel(sms: None, rows: int) -> None:
+    """M <= GEMV_ROWS: the small-M kernel (templates.gemv), one kernel with its epilogue, never split."""
+    rng = np.random.default_rng(rows)
+    x, w, b = (Tensor(rng.standard_normal(s).astype(np.float32), dtype="bfloat16", device=DEV)
+               for s in ((rows, 768), (768, 256), (256,)))
+    (step,) = azyx.schedule((x @ w + b).gelu()).kernels
+    assert small_product(step.kernel, CUDA) is not None
+
+
+def test_the_gpt2_split_kernels_compile() -> None:
+    """NVRTC compiles stage 1 of GPT-2's decode products at batch 32 and 64 (float32 C, 16-bit operands) for sm_90."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+    try:  # NVRTC's library ships in the nvidia-cuda-nvrtc wheel
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # pragma: no cover - depends on the environment
+        pytest.skip(f"NVRTC unavailable: {e}")
+    from azyx.backends.cuda_driver import nvrtc_compile
+    from azyx.codegen.render import kernel_source
+    from azyx.codegen.templates import gemm_cuda
+
+    srcs = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for m in (32, 64):
+            for k, n in ((768, 2304), (768, 3072), (768, 768), (3072, 768)):
+                p = gemm.split_k(m, n, k, dtype, H200_SMS)
+                kp = k // p
+                out = "float32" if dtype != "float32" else ""
+                g = gemm.Gemm(m, n, kp, p, (1, 0, kp, k, 1), (2, 0, kp * n, n, 1), WARP_TILES, dtype, out=out)
+                assert p > 1 and g.split[0] == 1 and g.tile == (64, 64)
+                srcs.append(gemm_cuda.render_cuda(g, f"k_{dtype}_{m}_{k}_{n}"))
+    assert nvrtc_compile(kernel_source(srcs, CUDA), "sm_90")[:4] == b"\x7fELF"  # (a cubin: an ELF image)
