@@ -8,6 +8,11 @@ memory (the next slice is fetched into registers while the current one is multip
 TM x TN register tile (on CUDA a warp owns a sub-tile of the block's, SimtTile). Loads are 16 bytes wide where an
 operand's contiguous axis allows it. Anything else renders through the generic C-family path.
 
+A product of few rows against one weight (a linear layer at decode, 17-64 rows) whose tiles would leave most of a CUDA
+device idle is split over K by the planner (`split_k` decides the parts from the shape and the device's
+multiprocessors; schedule.Planner.split_product): each part a batch element of this kernel writing float32 partial
+sums (16-bit operands on tensor cores: `Gemm.out`), which the product's consumer adds up with its epilogue.
+
 The block tile is a heuristic's (`Gemm.tile`, variant 0); the kernel search tries the other rows of the target's table
 (`tile_variants`: CUDA's SimtTiles, the tensor-core tiles, Vulkan's tiles), which search_actions.BLOCK selects through
 `Kernel.variant` (v: row v - 1), as it selects the host template's block sizes.
@@ -108,7 +113,9 @@ class Gemm:
         bm, bn = self.tile
         tiles = -(-self.m // bm) * -(-self.n // bn) * self.batch
         bk = self.simt.bk if self.target == WARP_TILES and not self.mma else BK
-        if tiles >= 64 or self.target != WARP_TILES or self.mma:  # (tensor cores: C is float16, no atomics)
+        # (tensor cores: C is 16-bit, no atomics; a product of few rows against one weight is split by the planner
+        # instead, split_k, whose parts make tiles enough here)
+        if tiles >= 64 or self.target != WARP_TILES or self.mma:
             parts = 1
         else:
             parts = max(1, min(8, 128 // tiles, self.k // (4 * bk)))

@@ -1,6 +1,7 @@
 """CUDA's tiled matrix products (the WARP_TILES family, codegen.templates.gemm's `Gemm`): float32 on CUDA cores
 (`render_simt`: SimtTile warp tiles, K split over blocks with atomic adds where tiles are few) and float16/bfloat16 on
-tensor cores (`render_mma`: mma.sync m16n8k16, K slices copied MMA_STAGES deep by cp.async)."""
+tensor cores (`render_mma`: mma.sync m16n8k16, K slices copied MMA_STAGES deep by cp.async; float32 C where the
+planner split the product over K, gemm.split_k)."""
 
 from __future__ import annotations
 
