@@ -307,3 +307,15 @@ def test_a_product_split_over_k_sums_to_numpy(dtype: str, m: int, k: int, n: int
         assert gz == g.batch
         got = emulate(src, g, mem, [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)])
         np.testing.assert_array_equal(got.reshape(g.batch, m, n).sum(0), a @ w)
+
+
+@pytest.mark.parametrize("case", ["a@b odd", "a@w.T odd", "at.T@b odd", "at.T@w.T aligned", "batched, offsets"])
+def test_the_32_row_tile_emulated_equals_numpy(case: str) -> None:
+    """The 32 x 64 tile (a searched variant, gemm.MMA_TILES: 4 warps of 32 x 16), its rows of 64 bytes swizzled in
+    every layout (A's outer-major rows too)."""
+    g, mem, want = operands(CASES[case])
+    g = replace(g, variant=gemm.MMA_TILES.index((32, 64)) + 1)
+    assert g.tile == (32, 64) and g.threads == 128
+    gx, gy, gz = g.grid()
+    blocks = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]
+    np.testing.assert_array_equal(emulate(gemm_cuda.render_mma(g, "k"), g, mem, blocks), want)

@@ -31,7 +31,8 @@ THREADS = 256
 BK = 8
 MMA_BK = 32  # the tensor-core kernel's K slice
 MMA_STAGES = 3  # K slices in shared memory: one multiplied while the next two are copied
-MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2)}  # block tile -> warps along M x N (a warp: 64 x 32 or 32 x 32)
+# block tile -> warps along M x N (a warp: 64 x 32, 32 x 32, 32 x 16)
+MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2), (32, 64): (1, 4)}
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ CUDA_TILES = {(128, 128): SimtTile(128, 128, 2, 2, lm=4, bk=8), (128, 64): SimtT
 # three, 128 x 64 in slices of 8 k, and 64 x 128), the tensor-core kernel's, Vulkan's (256 threads, 16 x 16)
 CUDA_VARIANTS = (SimtTile(128, 128, 2, 2, lm=4, bk=8), SimtTile(128, 64, 2, 2), SimtTile(64, 64, 2, 2),
                  SimtTile(128, 64, 2, 2, bk=8), SimtTile(64, 128, 2, 2))
-MMA_TILES = ((128, 128), (64, 64))
+MMA_TILES = ((128, 128), (64, 64), (32, 64))  # (32 x 64: half a 64 x 64 tile's rows, for products of 32 rows or fewer)
 GLSL_TILES = ((128, 64), (64, 64), (128, 128), (64, 128))
 
 

@@ -214,6 +214,7 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     (a partial chunk at an edge is zero-filled); else element by element through registers. A row's 16-byte chunks
     are permuted (XOR swizzle) so that the 8 rows an ldmatrix reads fall in distinct banks without padding (three
     stages of 128 x 128 tiles fill the 48 KiB a kernel may declare)."""
+    assert MMA_BK == 32 and t % 32 == 0
     aligned = off % 8 == 0 and s_b % 8 == 0
     if s_k == 1 and s_outer % 8 == 0 and aligned:
         k_major, async_copy = True, True
@@ -226,9 +227,10 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     decl = f"__shared__ __align__(16) unsigned short {sh}[{MMA_STAGES}][{rows}][{cols}];"
 
     def swizzled(r: str, c: str) -> str:
-        """Where element c of shared row r lies: its chunk c / 8 XORed with bits of r (k-major rows are 64 bytes, two
-        to a 128-byte line of banks: bits 1-2 of r; outer-major rows fill whole lines: bits 0-2)."""
-        bits = f"(({r} >> 1) & 3)" if k_major else f"({r} & 7)"
+        """Where element c of shared row r lies: its chunk c / 8 XORed with bits of r (rows of 64 bytes, k-major ones
+        and a 32-wide tile's outer-major ones, lie two to a 128-byte line of banks: bits 1-2 of r; longer rows fill
+        whole lines: bits 0-2)."""
+        bits = f"(({r} >> 1) & 3)" if cols == 32 else f"({r} & 7)"
         return f"(((({c}) >> 3) ^ {bits}) << 3 | (({c}) & 7))"
 
     per = (bk if k_major else t) // (8 if async_copy else 1)  # loads per shared row
