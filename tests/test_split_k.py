@@ -160,3 +160,32 @@ def test_the_gpt2_split_kernels_compile() -> None:
                     g = replace(g, variant=gemm.MMA_TILES.index((32, 64)) + 1)
                     srcs.append(gemm_cuda.render_cuda(g, f"k_{dtype}_{m}_{k}_{n}_32"))
     assert nvrtc_compile(kernel_source(srcs, CUDA), "sm_90")[:4] == b"\x7fELF"  # (a cubin: an ELF image)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_decode_layer_at_batch_32_keeps_its_kernel_count(sms: None, monkeypatch: pytest.MonkeyPatch,
+                                                            dtype: str) -> None:
+    """A GPT-2 layer at decode time, batch 32 (attention aside; a narrow one, the dummy device's memory, its parts
+    allowed a slice each): each of its four linear layers splits over K, and the layer plans into as many kernels
+    as unsplit, each split's sum fused into the kernel of its bias, GELU or residual."""
+    from test_fusion import PassThrough
+
+    from azyx.models.gpt2 import Block, GPT2Config
+
+    monkeypatch.setattr(gemm, "SPLIT_SLICES", 1)
+    monkeypatch.setattr(RT.device(DEV), "free_memory", lambda: 1 << 30)  # (float32's partial sums: more than 1 MiB)
+    e = 96
+    config = GPT2Config(n_layer=1, n_head=4, n_embd=e, vocab_size=64, n_positions=16)
+    block = Block(config, 0, getattr(azyx.dtypes, dtype), DEV)
+    for _, p in block.named_parameters():
+        p.assign(Tensor(np.zeros(p.shape, np.float32), dtype=dtype, device=DEV))
+    x = Tensor(np.zeros((32, 1, e), np.float32), dtype=dtype, device=DEV)
+    counts, splits = [], []
+    for sms_ in (H200_SMS, 0):
+        monkeypatch.setattr(RT.device(DEV), "multiprocessors", sms_)
+        RT.plan_cache.clear()
+        kernels = azyx.schedule(block(x, PassThrough())).kernels
+        counts.append(len(kernels))
+        splits.append([g.batch for g in (product_of(s.kernel, CUDA) for s in kernels) if g is not None])
+    assert len(splits[0]) == 4 and all(p > 1 for p in splits[0]) and splits[1] == [1, 1, 1, 1]
+    assert counts[0] == counts[1]
