@@ -386,6 +386,7 @@ class Device:
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
     shaders = False  # each kernel's source is a whole program (a shader), which `build` compiles alone
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
+    multiprocessors = 0  # a GPU's multiprocessors (CUDA's SMs), which a product's split over K fills (0: not known)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index

@@ -27,11 +27,11 @@ from typing import Any, Protocol
 
 from azyx import debug
 from azyx.codegen import search_actions
-from azyx.codegen.dialect import ITEM_TILES, Dialect
+from azyx.codegen.dialect import ITEM_TILES, WARP_TILES, Dialect
 from azyx.codegen.kernel import templated
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates import attention, gemm_host
-from azyx.codegen.templates.gemm import product_dtypes
+from azyx.codegen.templates.gemm import product_dtypes, split_k
 from azyx.codegen.templates.gemv import GEMV_ROWS
 from azyx.dtypes import DType, dtypes
 from azyx.errors import AllocationError
@@ -83,6 +83,8 @@ class DeviceFacts(Protocol):
     def compute(self) -> float: ...
     @property
     def max_buffers(self) -> int: ...  # storage buffers one kernel may bind (0: no limit)
+    @property
+    def multiprocessors(self) -> int: ...  # a GPU's multiprocessors (0: not known)
     @property
     def kind(self) -> str: ...
     @property
@@ -145,6 +147,8 @@ class Planner:
         self.check = os.environ.get("AZYX_CHECKS", "1") != "0"  # kernels check the indices they read (see `emit`)
         self.checks: dict[str, int] = {}  # per device: the slot of its check words
         self.temp_nodes: list[int] = []  # graph nodes the planner made (split reductions); released when done
+        self.split_products: dict[tuple[int, str], int | None] = {}  # (product, device) -> its split form's node
+        self.product_sums: set[int] = set()  # the stage-2 sums of split products (fused into their consumers)
         self.donated_chain: set[int] = set()  # ASSIGNs that wrote in place into a donated input's buffer
         self.leaf_device: dict[int, str] = {}
         for leaf in walk.leaves:
@@ -445,13 +449,9 @@ class Planner:
         r = prod([src.shape[a] for a in axes])
         keep = [a for a in range(len(src.shape)) if a not in axes]
         outer = tuple(src.shape[a] for a in keep)
-        g = self.graph
 
         def node(op: Op, srcs: tuple[int, ...], arg: Any, shape: Shape) -> int:
-            i = g.add(Node(op, srcs, arg, shape, n.dtype, n.device, n.pinned))
-            g.retain(i)
-            self.temp_nodes.append(i)
-            return i
+            return self.temp_node(n, op, srcs, arg, shape)
 
         x = n.src[0]
         if prod(n.shape) >= SPLIT_MAX_OUTPUTS:  # a column split (column_parts): P partial rows, each part's work items
@@ -468,12 +468,71 @@ class Planner:
         x = node(Op.REDUCE, (x,), (op, (k + 1,)), outer + (p, 1))  # stage 1: P partials per output
         return node(Op.REDUCE, (x,), (op, (k,)), outer + (1, 1))  # stage 2: as many elements as `root`
 
+    def temp_node(self, like: Node, op: Op, srcs: tuple[int, ...], arg: Any, shape: Shape,
+                  dtype: DType | None = None) -> int:
+        """A graph node the planner makes (a stage of a split), on `like`'s device, of its dtype unless `dtype`."""
+        i = self.graph.add(Node(op, srcs, arg, shape, dtype or like.dtype, like.device, like.pinned))
+        self.graph.retain(i)
+        self.temp_nodes.append(i)
+        return i
+
+    def split_product(self, nid: int, device: str) -> int | None:
+        """The node that computes product `nid` from parts of its K (gemm.split_k decides how many, from the shape
+        and the device's multiprocessors), else None: a product of rows against one weight (a linear layer at
+        decode) whose tiles alone would leave most of a CUDA device idle. Stage 1 is the product of P parts, a batch
+        element each, in float32 (float16/bfloat16 operands widened: the tensor-core kernel then stores its float32
+        accumulators, gemm.Gemm.out); stage 2 sums the P partials and rounds once to the product's dtype. Stage 2 is
+        a reduce that fuses into the product's consumer (its epilogue: bias, GELU, a residual) where that consumer
+        could have read the product (Builder.value), else it is a kernel of its own. Made once per product."""
+        if self.graph[nid].op is not Op.REDUCE:
+            return None
+        if (nid, device) in self.split_products:
+            return self.split_products[(nid, device)]
+        self.split_products[(nid, device)] = None
+        dev = self.rt.device(device)
+        dl = dev.dialect
+        if dl is None or dl.products != WARP_TILES or not dev.multiprocessors or nid in self.temp_nodes \
+                or not self.tiled_product(nid, device):
+            return None
+        n = self.graph[nid]
+        src = self.graph[n.src[0]]
+        *lead, m, cols, k = src.shape
+        if n.arg[1] != (len(src.shape) - 1,) or not any(  # (one weight for every row)
+                v is not None and all(v.strides[d] == 0 or src.shape[d] == 1 for d in range(len(lead) + 1))
+                for v in map(self.view_of, src.src)):
+            return None
+        rows = prod(lead) * m
+        parts = split_k(rows, cols, k, n.dtype.name, dev.multiprocessors)
+        if parts < 2:
+            return None
+        kp, wide = k // parts, dtypes.float32
+        operands = []
+        for x in src.src:  # (P, rows, cols, K / P): the parts a batch
+            x = self.temp_node(n, Op.RESHAPE, (x,), (rows, cols, parts, kp), (rows, cols, parts, kp))
+            x = self.temp_node(n, Op.PERMUTE, (x,), (2, 0, 1, 3), (parts, rows, cols, kp))
+            if n.dtype is not wide:
+                x = self.temp_node(n, Op.CAST, (x,), None, (parts, rows, cols, kp), wide)
+            operands.append(x)
+        x = self.temp_node(n, Op.BINARY, tuple(operands), "mul", (parts, rows, cols, kp), wide)
+        x = self.temp_node(n, Op.REDUCE, (x,), ("sum", (3,)), (parts, rows, cols, 1), wide)  # stage 1
+        x = self.temp_node(n, Op.REDUCE, (x,), ("sum", (0,)), (1, rows, cols, 1), wide)  # stage 2
+        self.product_sums.add(x)
+        if n.dtype is not wide:
+            x = self.temp_node(n, Op.CAST, (x,), None, (1, rows, cols, 1))
+        x = self.temp_node(n, Op.RESHAPE, (x,), n.shape, n.shape)
+        debug.log(debug.PLANS, lambda: f"product {nid} {n.shape} split over K in {parts}")
+        self.split_products[(nid, device)] = x
+        return x
+
     def kernel(self, root: int) -> tuple[int, StridedView]:
         n = self.graph[root]
         device = self.place(root)
         split = self.split_reduce(root, device)
         if split is not None:  # same elements, contiguous: only the shape differs
             return self.realize(split)[0], StridedView.contiguous(n.shape)
+        split = self.split_product(root, device)
+        if split is not None:  # (a product read by no epilogue that could sum its parts: the sum is a kernel)
+            return self.realize(split)
         if n.op is Op.ASSIGN:
             return self.assign_kernel(root, device)
         if n.op is Op.ATTENTION:
@@ -948,8 +1007,12 @@ class KernelBuild:
             return self.load(nid, idx, cond)
         src = p.graph[n.src[0]]
         if op is Op.REDUCE:
-            fuse = top or (not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
-                           and p.split_parts(nid, self.device) is None and not self.epilogue_of_product(nid))
+            alone = not in_reduce and p.walk.consumers.get(nid, 0) == 1 and prod(n.shape) == self.out_numel
+            summed = p.split_product(nid, self.device) if alone and not top else None
+            if summed is not None:  # its consumer adds up the product's parts over K (Planner.split_product)
+                return self.value(summed, idx, cond, in_reduce)
+            fuse = top or (alone and p.split_parts(nid, self.device) is None and not self.epilogue_of_product(nid)) \
+                or (not in_reduce and nid in p.product_sums)
             if not fuse and not self.statistic(nid, idx):
                 return self.load(nid, idx, cond)
             return self.reduce(n, idx, cond)

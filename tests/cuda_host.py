@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-PRELUDE = r"""#include <barrier>
+PRELUDE = r"""#include <atomic>
+#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -30,12 +31,16 @@ using std::min; using std::max;
 #define __launch_bounds__(n)
 #define __restrict__ __restrict
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 typedef unsigned short f16_t;
 typedef unsigned short bf16_t;
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 struct dim3_ { unsigned x, y, z; };
 static thread_local dim3_ threadIdx, blockIdx;
 static dim3_ gridDim, blockDim;

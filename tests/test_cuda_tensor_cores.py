@@ -137,3 +137,23 @@ async def test_linear_with_bias_and_activation_matches_torch(dtype: str) -> None
     await check((x @ w.T + b).relu(), torch.relu(tx @ tw.T + tb), 512, dtype)
     (h, th) = await pair((4, 100, 512), dtype, 15)
     await check(h @ w.T + b, th @ tw.T + tb, 512, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["a@b", "a@w.T"])
+@pytest.mark.parametrize("shape", [(32, 768, 768), (32, 768, 2304), (64, 3072, 768), (33, 387, 72), (17, 768, 3072)])
+async def test_small_m_products_split_over_k_match_torch(dtype: str, layout: str, shape: tuple[int, int, int]) -> None:
+    """Decode's linear layers at 17-64 rows (issue 38): K split over blocks (gemm.split_k from the GPU's
+    multiprocessors), the tensor-core kernel storing float32 partial sums, the sum and the one rounding in the
+    consumer's kernel; alone and under GELU and a residual, against PyTorch."""
+    m, k, n = shape
+    (a, ta), (b, tb), (w, tw), (bias, tbias), (r, tr) = [
+        await pair(s, dtype, 20 + i) for i, s in enumerate([(m, k), (k, n), (n, k), (n,), (m, n)])]
+    f = LAYOUTS[layout]
+    out = f(a, None, b, w)
+    srcs = [s.src for s in azyx.schedule(out).kernels]
+    assert any("mma.sync" in s and "float* __restrict__ C" in s for s in srcs), "the product was not split over K"
+    await check(out, f(ta, None, tb, tw), k, dtype)
+    gelu = torch.nn.functional.gelu
+    await check((f(a, None, b, w) + bias).gelu(approximate="tanh") + r,
+                gelu(f(ta, None, tb, tw) + tbias, approximate="tanh") + tr, k, dtype)

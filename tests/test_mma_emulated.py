@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -133,7 +134,7 @@ class Kernel:
         assert acc is not None
         self.mi, self.ni = int(acc[1]), int(acc[2])
         self.ij = re.search(r"const int (i = .*), (j = .*);\n", body)[0][len("const int "):-2]  # type: ignore[index]
-        self.pair = "*(unsigned*)" in body
+        self.pair = "*(unsigned*)" in body or "*(float2*)" in body
 
     def copy(self, loops: list, env0: dict[str, int], sh: dict[str, np.ndarray], regs: dict, mem: dict) -> None:
         """Every thread's copies of `loops` (of the slice at env0's k1: cp.async into shared memory at once, element
@@ -278,3 +279,43 @@ def test_the_large_tile_kernel_emulated_equals_numpy(layout: tuple) -> None:
             env = assign(block, {"blockIdx_x": x, "blockIdx_y": y})
             tiles.add((env["bi"], env["bj"]))
     assert tiles == {(i * 128, j * 128) for i in range(gy) for j in range(gx)}
+
+
+@pytest.mark.parametrize("dtype, m, k, n, parts, transposed", [
+    ("bfloat16", 1, 192, 40, 3, False), ("float16", 16, 256, 24, 4, True), ("bfloat16", 17, 99, 24, 3, False),
+    ("float16", 17, 99, 24, 3, True), ("bfloat16", 32, 384, 72, 3, True), ("float16", 33, 160, 17, 5, False),
+    ("bfloat16", 64, 129, 64, 3, True), ("float16", 64, 256, 40, 2, False)])
+def test_a_product_split_over_k_sums_to_numpy(dtype: str, m: int, k: int, n: int, parts: int,
+                                              transposed: bool) -> None:
+    """The split form of `x @ W` / `x @ W.T` (gemm.split_k; schedule.Planner.split_product): K in `parts` parts, a
+    batch element each, A's and B's batch strides a part of K; the kernel stores float32 partial sums (Gemm.out:
+    float C, no rounding), whose sum over the parts is numpy's product, as the unsplit kernel's C is. Odd parts of K
+    (99 / 3, 129 / 3: element loads), ragged M (17, 33) and N (17), M = 1..64."""
+    kp = k // parts
+    b_strides = (kp, 1, k) if transposed else (kp * n, n, 1)
+    rng = np.random.default_rng(m + k + n)
+    mem = {1: rng.integers(-3, 4, m * k + 8).astype(np.float64), 2: rng.integers(-3, 4, k * n + 8).astype(np.float64)}
+    a = mem[1][:m * k].reshape(m, k)
+    w = mem[2][:k * n].reshape(n, k).T if transposed else mem[2][:k * n].reshape(k, n)
+    split = gemm.Gemm(m, n, kp, parts, (1, 0, kp, k, 1), (2, 0, *b_strides), WARP_TILES, dtype, out="float32")
+    whole = replace(split, k=k, batch=1, out="")
+    for g in (split, whole):
+        assert g.tile == (64, 64) and g.split[0] == 1
+        src = gemm_cuda.render_mma(g, "k")
+        assert ("float* __restrict__ C" in src) == (g is split)
+        gx, gy, gz = g.grid()
+        assert gz == g.batch
+        got = emulate(src, g, mem, [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)])
+        np.testing.assert_array_equal(got.reshape(g.batch, m, n).sum(0), a @ w)
+
+
+@pytest.mark.parametrize("case", ["a@b odd", "a@w.T odd", "at.T@b odd", "at.T@w.T aligned", "batched, offsets"])
+def test_the_32_row_tile_emulated_equals_numpy(case: str) -> None:
+    """The 32 x 64 tile (a searched variant, gemm.MMA_TILES: 4 warps of 32 x 16), its rows of 64 bytes swizzled in
+    every layout (A's outer-major rows too)."""
+    g, mem, want = operands(CASES[case])
+    g = replace(g, variant=gemm.MMA_TILES.index((32, 64)) + 1)
+    assert g.tile == (32, 64) and g.threads == 128
+    gx, gy, gz = g.grid()
+    blocks = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]
+    np.testing.assert_array_equal(emulate(gemm_cuda.render_mma(g, "k"), g, mem, blocks), want)

@@ -242,6 +242,7 @@ class CUDADevice(StagedCopies):
         # compute capability 9.0 compiles for sm_90a, whose wgmma and TMA its float16/bfloat16 products use
         # (codegen's gemm_sm90: a grid of a block per multiprocessor)
         self.sm90 = int(sms) if (major, minor) == (9, 0) else 0
+        self.multiprocessors = int(sms)
         self.compile_arch = "sm_90a" if self.sm90 else self.arch
         self.label = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName").split(b"\0")[0].decode()
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")

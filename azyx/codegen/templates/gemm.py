@@ -8,6 +8,11 @@ memory (the next slice is fetched into registers while the current one is multip
 TM x TN register tile (on CUDA a warp owns a sub-tile of the block's, SimtTile). Loads are 16 bytes wide where an
 operand's contiguous axis allows it. Anything else renders through the generic C-family path.
 
+A product of few rows against one weight (a linear layer at decode, 17-64 rows) whose tiles would leave most of a CUDA
+device idle is split over K by the planner (`split_k` decides the parts from the shape and the device's
+multiprocessors; schedule.Planner.split_product): each part a batch element of this kernel writing float32 partial
+sums (16-bit operands on tensor cores: `Gemm.out`), which the product's consumer adds up with its epilogue.
+
 The block tile is a heuristic's (`Gemm.tile`, variant 0); the kernel search tries the other rows of the target's table
 (`tile_variants`: CUDA's SimtTiles, the tensor-core tiles, Vulkan's tiles), which search_actions.BLOCK selects through
 `Kernel.variant` (v: row v - 1), as it selects the host template's block sizes.
@@ -26,7 +31,8 @@ THREADS = 256
 BK = 8
 MMA_BK = 32  # the tensor-core kernel's K slice
 MMA_STAGES = 3  # K slices in shared memory: one multiplied while the next two are copied
-MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2)}  # block tile -> warps along M x N (a warp: 64 x 32 or 32 x 32)
+# block tile -> warps along M x N (a warp: 64 x 32, 32 x 32, 32 x 16)
+MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2), (32, 64): (1, 4)}
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,13 @@ class Gemm:
     workers: int = 1  # host: threads that share the kernel's blocks
     variant: int = 0  # which block sizes (host) or block tile (GPU: tile_variants) (Kernel.variant, set by search)
     bf16_dot: bool = False  # host: bfloat16 packed in pairs along K, for AVX-512 BF16 (gemm_host.render_c)
+    # C's dtype where it is not the operands': float32, the partial sums of a float16/bfloat16 product split over K
+    # (split_k: each part a batch element, its operands cast to float32 in the IR; render_mma stores them unrounded)
+    out: str = ""
+
+    @property
+    def c_dtype(self) -> str:
+        return self.out or self.dtype
 
     @property
     def mma(self) -> bool:
@@ -74,7 +87,8 @@ class Gemm:
         1024^3 at 128 x 64 21 TFLOP/s against 14 at 128 x 128 with K split in 4; 2048^3 at 128 x 128 31 against 27;
         the kernel of 4 warps (SimtTile) alone, x @ y 1024^3: 128 x 64 32 TFLOP/s, 128 x 128 21 (K split in 2: 30),
         64 x 64 28; cuBLAS 28).
-        Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64.
+        Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64. 64 rows or fewer
+        (decode's linear layers; split over K where the tiles are few: split_k): 64 x 64.
         A searched variant (Kernel.variant > 0): that row of the target's table (tile_variants)."""
         if self.variant and self.target in (WARP_TILES, SHADER_TILES):
             if self.target == WARP_TILES and not self.mma:
@@ -82,6 +96,8 @@ class Gemm:
                 return c.bm, c.bn
             table = MMA_TILES if self.mma else GLSL_TILES
             return table[(self.variant - 1) % len(table)]
+        if self.m <= 64 and self.target == WARP_TILES:  # (a 128-row tile of so few rows would be mostly zeros)
+            return 64, 64
         if self.mma:
             return (128, 128) if -(-self.m // 128) * -(-self.n // 128) * self.batch >= 128 else (64, 64)
         tiles = ((128, 128, 128), (128, 64, 64)) if self.target == WARP_TILES else ((128, 64, 64),)
@@ -98,7 +114,9 @@ class Gemm:
         bm, bn = self.tile
         tiles = -(-self.m // bm) * -(-self.n // bn) * self.batch
         bk = self.simt.bk if self.target == WARP_TILES and not self.mma else BK
-        if tiles >= 64 or self.target != WARP_TILES or self.mma:  # (tensor cores: C is float16, no atomics)
+        # (tensor cores: C is 16-bit, no atomics; a product of few rows against one weight is split by the planner
+        # instead, split_k, whose parts make tiles enough here)
+        if tiles >= 64 or self.target != WARP_TILES or self.mma:
             parts = 1
         else:
             parts = max(1, min(8, 128 // tiles, self.k // (4 * bk)))
@@ -109,6 +127,26 @@ class Gemm:
     def grid(self) -> tuple[int, int, int]:
         bm, bn = self.tile
         return -(-self.n // bn), -(-self.m // bm), self.batch * self.split[0]
+
+
+SPLIT_SLICES = 4  # K slices (of the kernel's BK) a part of a product split over K holds at least
+
+
+def split_k(m: int, n: int, k: int, dtype: str, sms: int) -> int:
+    """The parts (1: none) that a product of `m` rows against one `k` x `n` weight (a linear layer at decode: 16 to a
+    few hundred rows) splits K into on a CUDA device of `sms` multiprocessors, each part its own blocks writing its
+    float32 partial sums, which the product's consumer adds up (schedule.Planner.product_split; float16/bfloat16 C
+    is rounded once, after the sum). Where C's 64 x 64 tiles fill fewer than half the multiprocessors (32 x 768 @
+    768 x 768: 12 blocks, each walking all of K, on an H200's 132), as many parts as bring the blocks up to about one
+    per multiprocessor: the largest divisor of K up to that whose parts hold SPLIT_SLICES slices of the kernel's K
+    step or more, and stay multiples of 8 elements where K is (16-byte loads of each part, as of the whole)."""
+    bm, bn = 64, 64  # (what Gemm.tile takes for so few tiles, each part a batch element)
+    tiles = -(-m // bm) * -(-n // bn)
+    if sms <= 0 or 2 * tiles > sms:
+        return 1
+    step = MMA_BK if dtype != "float32" else CUDA_TILES[(bm, bn)].bk
+    most = min(-(-sms // tiles), k // (SPLIT_SLICES * step))
+    return next((d for d in range(most, 1, -1) if k % d == 0 and (k % 8 or k // d % 8 == 0)), 1)
 
 
 def _affine(x: Lin, allowed: dict[Var, str]) -> dict[str, int] | None:
@@ -122,6 +160,13 @@ def _affine(x: Lin, allowed: dict[Var, str]) -> dict[str, int] | None:
 
 def _operand(v: V, dt: DType) -> V | None:
     return v if v.op == "load" and v.dtype is dt and v.arg[2].always else None
+
+
+def _widened(v: V) -> V | None:
+    """The float16/bfloat16 load that `v` casts to float32 (a product split over K: split_k), else None."""
+    if v.op != "cast" or v.dtype is not dtypes.float32:
+        return None
+    return _operand(v.src[0], v.src[0].dtype) if v.src[0].dtype in (dtypes.float16, dtypes.bfloat16) else None
 
 
 def product_dtypes(target: str, tensor_cores: bool = False) -> tuple[DType, ...]:
@@ -141,15 +186,20 @@ def match(k: Kernel, target: str = WARP_TILES, tensor_cores: bool = False, simd:
     dt = r.dtype
     if dt not in product_dtypes(target, tensor_cores):
         return None
-    if r.op != "reduce" or r.arg[0] != "sum" or k.uvars or len(r.arg[1]) != 1:
-        return None
-    if len(k.gvars) < 2 or any(p is not dt for p in k.params):
+    if r.op != "reduce" or r.arg[0] != "sum" or k.uvars or len(r.arg[1]) != 1 or len(k.gvars) < 2:
         return None
     body = r.src[0]
     if body.op != "alu" or body.arg != "mul":
         return None
     x, y = (_operand(s, dt) for s in body.src)
-    if x is None or y is None:
+    wide = ""  # C's dtype where it is not the operands'
+    if (x is None or y is None) and dt is dtypes.float32 and target == WARP_TILES and tensor_cores:
+        # float16/bfloat16 operands widened to float32: tensor cores, C (partial sums) in float32
+        x, y = (_widened(s) for s in body.src)
+        wide = "float32"
+        if x is not None and y is not None and x.dtype is y.dtype:
+            dt = x.dtype
+    if x is None or y is None or any(p is not dt for p in k.params[1:]) or k.params[0].name != (wide or dt.name):
         return None
     rv = r.arg[1][0]
     *gbs, gi, gj = k.gvars
@@ -177,7 +227,8 @@ def match(k: Kernel, target: str = WARP_TILES, tensor_cores: bool = False, simd:
         m, batch, xb = m * batch, 1, 0
     return Gemm(m, n, kk, batch,
                 (x.arg[0], fx["off"], xb, fx.get("i", 0), fx["r"]),
-                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target, dt.name, simd, workers, k.variant)
+                (y.arg[0], fy["off"], yb, fy["r"], fy.get("j", 0)), target, dt.name, simd, workers, k.variant,
+                out=wide)
 
 
 def _batch_strides(sizes: list[int], names: list[str], *maps: dict[str, int]) -> tuple[int, tuple[int, ...]] | None:
@@ -231,7 +282,7 @@ CUDA_TILES = {(128, 128): SimtTile(128, 128, 2, 2, lm=4, bk=8), (128, 64): SimtT
 # three, 128 x 64 in slices of 8 k, and 64 x 128), the tensor-core kernel's, Vulkan's (256 threads, 16 x 16)
 CUDA_VARIANTS = (SimtTile(128, 128, 2, 2, lm=4, bk=8), SimtTile(128, 64, 2, 2), SimtTile(64, 64, 2, 2),
                  SimtTile(128, 64, 2, 2, bk=8), SimtTile(64, 128, 2, 2))
-MMA_TILES = ((128, 128), (64, 64))
+MMA_TILES = ((128, 128), (64, 64), (32, 64))  # (32 x 64: half a 64 x 64 tile's rows, for products of 32 rows or fewer)
 GLSL_TILES = ((128, 64), (64, 64), (128, 128), (64, 128))
 
 

@@ -1,6 +1,7 @@
 """CUDA's tiled matrix products (the WARP_TILES family, codegen.templates.gemm's `Gemm`): float32 on CUDA cores
 (`render_simt`: SimtTile warp tiles, K split over blocks with atomic adds where tiles are few) and float16/bfloat16 on
-tensor cores (`render_mma`: mma.sync m16n8k16, K slices copied MMA_STAGES deep by cp.async)."""
+tensor cores (`render_mma`: mma.sync m16n8k16, K slices copied MMA_STAGES deep by cp.async; float32 C where the
+planner split the product over K, gemm.split_k)."""
 
 from __future__ import annotations
 
@@ -213,6 +214,7 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     (a partial chunk at an edge is zero-filled); else element by element through registers. A row's 16-byte chunks
     are permuted (XOR swizzle) so that the 8 rows an ldmatrix reads fall in distinct banks without padding (three
     stages of 128 x 128 tiles fill the 48 KiB a kernel may declare)."""
+    assert MMA_BK == 32 and t % 32 == 0
     aligned = off % 8 == 0 and s_b % 8 == 0
     if s_k == 1 and s_outer % 8 == 0 and aligned:
         k_major, async_copy = True, True
@@ -225,9 +227,10 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
     decl = f"__shared__ __align__(16) unsigned short {sh}[{MMA_STAGES}][{rows}][{cols}];"
 
     def swizzled(r: str, c: str) -> str:
-        """Where element c of shared row r lies: its chunk c / 8 XORed with bits of r (k-major rows are 64 bytes, two
-        to a 128-byte line of banks: bits 1-2 of r; outer-major rows fill whole lines: bits 0-2)."""
-        bits = f"(({r} >> 1) & 3)" if k_major else f"({r} & 7)"
+        """Where element c of shared row r lies: its chunk c / 8 XORed with bits of r (rows of 64 bytes, k-major ones
+        and a 32-wide tile's outer-major ones, lie two to a 128-byte line of banks: bits 1-2 of r; longer rows fill
+        whole lines: bits 0-2)."""
+        bits = f"(({r} >> 1) & 3)" if cols == 32 else f"({r} & 7)"
         return f"(((({c}) >> 3) ^ {bits}) << 3 | (({c}) & 7))"
 
     per = (bk if k_major else t) // (8 if async_copy else 1)  # loads per shared row
@@ -265,8 +268,12 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
 
 def _pair_store(g: Gemm, cvt: str) -> str:
     """A lane's two neighbouring elements of C (c[0], c[1] at row i, columns j, j + 1) rounded by `cvt` and stored:
-    one aligned 4-byte store where j is even."""
+    one aligned 4-byte store where j is even (float32 C, a split product's partial sums: unrounded, 8 bytes)."""
     row = f"(Cb + (long long)i * {g.n} + j)"
+    if g.c_dtype == "float32":
+        if g.n % 2 == 0:
+            return f"if (j < {g.n}) *(float2*)({row}) = make_float2(c[0], c[1]);"
+        return f"if (j < {g.n}) {row}[0] = c[0]; if (j + 1 < {g.n}) {row}[1] = c[1];"
     if g.n % 2 == 0:  # j is even: a pair of C's elements is one aligned 4-byte store
         return (f"if (j < {g.n}) *(unsigned*)({row}) = (unsigned){cvt}(c[0]) | ((unsigned){cvt}(c[1]) << 16);")
     else:
@@ -290,7 +297,8 @@ def render_mma(g: Gemm, name: str) -> str:
     small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through three shared-memory
     stages: the next two slices' copies (cp.async) are in flight while one is multiplied. Blocks run in
     groups of 8 block-rows, so the blocks resident at once share their A rows and B columns in L2. Edges: loads past
-    M, N or K read zeros, stores are guarded; C is rounded to its dtype once."""
+    M, N or K read zeros, stores are guarded; C is rounded to its dtype once (a split product's float32 partial sums,
+    Gemm.out, are stored as they are: gemm.split_k)."""
     assert g.mma and g.split[0] == 1
     bm, bn = g.tile
     wms, wns = MMA_WARPS[g.tile]
@@ -321,8 +329,9 @@ def render_mma(g: Gemm, name: str) -> str:
     # two blocks of 8 warps per multiprocessor (128 registers a thread) where both operands are copied by cp.async;
     # element loads stage a slice in registers, which 128 would spill
     two = ", 2" if threads == 256 and a.async_copy and b.async_copy else ""
+    c_type = "float" if g.c_dtype == "float32" else "unsigned short"
     text = MMA_HELPERS + f"""extern "C" __global__ void __launch_bounds__({threads}{two}) \
-{name}(unsigned short* __restrict__ C, {params}) {{
+{name}({c_type}* __restrict__ C, {params}) {{
   {a.decl}
   {b.decl}
   const int tid = threadIdx.x, lane = tid & 31, wm = (tid >> 5) / {wns}, wn = (tid >> 5) % {wns};
@@ -377,9 +386,10 @@ def _mma_main_loop(ahead: int, commit: str, mi: int, frags_a: str, frags_b: str,
 
 
 def _mma_epilogue(mi: int, ni: int, wtm: int, wtn: int, store: str, g: Gemm) -> str:
-    """The accumulators rounded to C's dtype and stored, two elements a store where they are aligned."""
+    """The accumulators rounded to C's dtype (float32: as they are) and stored, two elements a store where they are
+    aligned."""
     return f"""\
-  unsigned short* Cb = C + bz * {g.m * g.n}LL;
+  {"float" if g.c_dtype == "float32" else "unsigned short"}* Cb = C + bz * {g.m * g.n}LL;
   #pragma unroll
   for (int m = 0; m < {mi}; m++)
     #pragma unroll

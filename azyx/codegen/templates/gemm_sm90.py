@@ -34,10 +34,10 @@ GROUP = 16  # block-rows per group of the tile order
 
 
 def fits(g: Gemm) -> bool:
-    """Whether the kernel takes `g`: one float16/bfloat16 product whose M, N and K are multiples of its tiles, A with
-    K contiguous, B with K or N contiguous (x @ W.T or A @ B), rows apart by at least their length and 16-byte
-    aligned (what TMA reads)."""
-    if not g.mma or g.batch != 1 or g.m % BM or g.n % 128 or g.k % BK:
+    """Whether the kernel takes `g`: one float16/bfloat16 product (C in that dtype) whose M, N and K are multiples of
+    its tiles, A with K contiguous, B with K or N contiguous (x @ W.T or A @ B), rows apart by at least their length
+    and 16-byte aligned (what TMA reads)."""
+    if not g.mma or g.out or g.batch != 1 or g.m % BM or g.n % 128 or g.k % BK:
         return False
     _, a_off, _, a_si, a_sk = g.a
     _, b_off, _, b_sk, b_sj = g.b
