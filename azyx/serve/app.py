@@ -656,7 +656,7 @@ class Server:
                 raise ApiError(400, f"cannot be tokenized ({svc.short(str(e), 80)})", name) from None
             return ids
 
-        ids = await asyncio.to_thread(run) if len(text) > TOKENIZE_ON_LOOP_CHARS else run()
+        ids = await in_worker_thread(run) if len(text) > TOKENIZE_ON_LOOP_CHARS else run()
         limit = g.engine.cache.max_len
         if not ids:
             raise ApiError(400, "must not be empty (no tokens)", name)
@@ -994,7 +994,7 @@ class Server:
         if all(isinstance(t, str) for t in v):
             texts = svc.texts(body, "input", cfg.max_inputs, cfg.max_input_chars, non_empty=True)
             big = sum(len(t) for t in texts) > TOKENIZE_ON_LOOP_CHARS
-            ids, cut = await asyncio.to_thread(e.model.encode_checked, texts) if big else \
+            ids, cut = await in_worker_thread(e.model.encode_checked, texts) if big else \
                 e.model.encode_checked(texts)
             if not cfg.truncate and any(cut):
                 i = cut.index(True)
