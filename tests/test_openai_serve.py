@@ -12,6 +12,7 @@ import gc
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -681,6 +682,23 @@ BAD = [  # (endpoint, body, the field named)
     ("embeddings", {"input": ["a"], "encoding_format": "hex"}, "encoding_format"),
     ("embeddings", {"input": ["a"], "dimensions": 3}, "dimensions"),
     ("embeddings", {"input": [[1, 2], [10**7]]}, "input[1]"),
+    ("embeddings", {"input": ["a", [1, 2]]}, "input"),
+    ("embeddings", {"input": ["a"], "model": 5}, "model"),
+    ("completions", {"prompt": PROMPT, "best_of": 0}, "best_of"),
+    ("completions", {"prompt": PROMPT, "logit_bias": [1, 2]}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "stop_token_ids": 5}, "stop_token_ids"),
+    ("completions", {"prompt": PROMPT, "stream": True, "stream_options": "usage"}, "stream_options"),
+    ("completions", {"prompt": PROMPT, "echo": "yes"}, "echo"),
+    ("completions", {"prompt": [1, "a"]}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ("chat/completions", {"messages": ["hi"]}, "messages[0]"),
 ]
 
 
@@ -846,6 +864,12 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) ->
                 metrics = httpx.get(server.base + "/metrics").text  # (the server's loop ran on since the event)
                 assert "azyx_queue_depth 2.0" in metrics.splitlines()
                 assert len(eng.live) == len(eng.waiting) == 2  # the client stays: both still wait for the engine
+                # the room left (slots and waiting places less the two): a request of more is told to come back at
+                # once, before any work (429, Retry-After), and nothing of it joins the engine
+                over = c.post(server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": GEN, "prompt": "hi", "n": SLOTS + WAITING - 1})
+                assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+                assert over.json()["error"]["code"] == "rate_limit_exceeded" and len(eng.live) == 2
             # (the connection closed: the server removes both sequences at once, the engine still held)
         deadline = time.monotonic() + 30
         while eng.live and time.monotonic() < deadline:
@@ -1116,10 +1140,10 @@ def test_health_answers_while_loading_and_the_v1_routes_503_then_embeddings_trun
 def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(checkpoint: Path, tok: Any,
                                                                             reference: Any, tmp_path: Path) -> None:
     """`python -m azyx serve` and the `azyx` console script's `serve`, each in a fresh process: it answers the openai
-    client (greedy text as transformers'), wants its API key (`--api-key`, or AZYX_API_KEY), listens on 127.0.0.1
-    unless `--host` says otherwise (another address of the loopback network is refused: 127.0.0.2, or 127.0.0.1 when
-    told 127.0.0.2), and stops on SIGINT with status 0. A model directory of a type not served exits 1 naming it; no
-    --model exits 2."""
+    client (greedy text as transformers'; chat rendered by the model directory's own template), wants its API key
+    (`--api-key`, or AZYX_API_KEY), listens on 127.0.0.1 unless `--host` says otherwise (another address of the
+    loopback network is refused: 127.0.0.2, or 127.0.0.1 when told 127.0.0.2), and stops on SIGINT with status 0. A
+    model directory of a type not served exits 1 naming it; no --model exits 2."""
     import azyx
 
     root = str(Path(azyx.__file__).resolve().parent.parent)  # (the processes import the azyx under test)
@@ -1128,6 +1152,14 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
     entry = [e.value for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "azyx"]
     assert entry == ["azyx.cli:main"] and script.is_file(), (entry, script)
     want = tok.decode(hf_greedy(reference, tok.encode(PROMPT).ids, 8))
+    # the model directory with a chat template of its own (tokenizer_config.json, using its eos_token)
+    model = tmp_path / "models" / GEN
+    shutil.copytree(checkpoint, model)
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}", "eos_token": "</s>"}))
+    chat_ids = tok.encode("<user>the lazy dog</s><assistant>").ids
+    chat_want = tok.decode(hf_greedy(reference, chat_ids, 8))
 
     def refused(host: str, port: int) -> bool:
         try:
@@ -1144,7 +1176,7 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
             port = sock.getsockname()[1]
         log = tmp_path / f"serve{i}.log"
         with log.open("w") as out:
-            p = subprocess.Popen([*cmd, "--model", str(checkpoint), "--port", str(port), "--slots", "2"],
+            p = subprocess.Popen([*cmd, "--model", str(model), "--port", str(port), "--slots", "2"],
                                  env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
             base = f"http://{host}:{port}"
@@ -1162,6 +1194,9 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
             r = c.completions.create(model=GEN, prompt=PROMPT, max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True})
             assert r.choices[0].text == want
+            m = c.chat.completions.create(model=GEN, messages=[{"role": "user", "content": "the lazy dog"}],
+                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            assert (m.choices[0].message.content, m.usage.prompt_tokens) == (chat_want, len(chat_ids))
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
             assert refused(other, port)
