@@ -1142,8 +1142,9 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
     """`python -m azyx serve` and the `azyx` console script's `serve`, each in a fresh process: it answers the openai
     client (greedy text as transformers'; chat rendered by the model directory's own template), wants its API key
     (`--api-key`, or AZYX_API_KEY), listens on 127.0.0.1 unless `--host` says otherwise (another address of the
-    loopback network is refused: 127.0.0.2, or 127.0.0.1 when told 127.0.0.2), and stops on SIGINT with status 0. A
-    model directory of a type not served exits 1 naming it; no --model exits 2."""
+    loopback network is refused: 127.0.0.2, or 127.0.0.1 when told 127.0.0.2), takes the bounds it is given
+    (--max-body-bytes: 413; --max-tokens: 400), and stops on SIGINT with status 0. A model directory of a type not
+    served exits 1 naming it; no --model exits 2."""
     import azyx
 
     root = str(Path(azyx.__file__).resolve().parent.parent)  # (the processes import the azyx under test)
@@ -1168,7 +1169,8 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
             return True
         return False
 
-    runs = [([sys.executable, "-m", "azyx", "serve", "--api-key", "k1"], {}, "k1", "127.0.0.1", "127.0.0.2"),
+    bounds = ["--max-body-bytes", "4096", "--max-tokens", "8"]
+    runs = [([sys.executable, "-m", "azyx", "serve", "--api-key", "k1", *bounds], {}, "k1", "127.0.0.1", "127.0.0.2"),
             ([str(script), "serve", "--host", "127.0.0.2"], {"AZYX_API_KEY": "k2"}, "k2", "127.0.0.2", "127.0.0.1")]
     for i, (cmd, extra, key, host, other) in enumerate(runs):
         with socket.socket() as sock:
@@ -1200,6 +1202,12 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
             assert refused(other, port)
+            if i == 0:  # the bounds given on the command line: a body past 4096 bytes, max_tokens past 8
+                h = {"Authorization": f"Bearer {key}"}
+                r = httpx.post(base + "/v1/completions", headers=h, json={"prompt": "x" * 4096})
+                assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+                r = httpx.post(base + "/v1/completions", headers=h, json={"prompt": "x", "max_tokens": 9})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
             assert log.read_text().startswith(f"azyx serve: {base}/v1 "), log.read_text()
         finally:
             p.send_signal(signal.SIGINT)

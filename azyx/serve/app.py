@@ -7,7 +7,9 @@ Endpoints (OpenAI's request and response shapes; unknown fields are ignored, as 
   log-probability under the model and the most likely tokens'), `echo`, `stream` (server-sent events ending with
   `data: [DONE]`; `stream_options.include_usage`), `presence_penalty`, `frequency_penalty`, `logit_bias`, and
   vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (every sampling value is
-  data on the device: a new value compiles nothing). `echo` with `logprobs` scores the prompt too (one forward pass:
+  data on the device: a new value compiles nothing; a stop token, of `stop_token_ids` or the model's eos unless
+  `ignore_eos`, ends its choice with finish_reason "stop" and is not returned, where vLLM returns one that is not a
+  special token). `echo` with `logprobs` scores the prompt too (one forward pass:
   each prompt token's log-probability given those before it, null for the first, as OpenAI and vLLM answer; with
   `max_tokens: 0`, the prompt alone). `best_of` (>= n, not streamed) generates best_of choices per prompt (choice i
   seeded seed + i) and answers the n whose tokens have the highest summed log-probability under the model, as vLLM
