@@ -72,21 +72,18 @@ class Server:
         return self.ready()
 
     def ready(self) -> Server:
-        """Wait until /health says ok (it answers 503 "loading" meanwhile)."""
-        loading = None
+        """Wait until /health says ok (it answers 503 "loading" meanwhile: test_health_answers_while_loading...)."""
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # /health answers while the weights load, then says ok
+        while True:
+            assert time.monotonic() < deadline, "the server did not get ready"
             try:
                 r = httpx.get(self.base + "/health", timeout=5)
             except httpx.TransportError:
                 continue  # (not listening yet)
             if r.status_code == 200:
                 assert r.json() == {"status": "ok"}
-                break
+                return self
             assert r.status_code == 503 and r.json()["status"] == "loading", r.text
-            loading = r.json()
-        assert loading is not None or self.app.state.ready.is_set()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
@@ -646,6 +643,7 @@ BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "max_tokens": 10**9}, "max_tokens"),
     ("completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("completions", {"prompt": PROMPT, "seed": -3}, "seed"),
+    ("completions", {"prompt": PROMPT, "seed": 2**63}, "seed"),
     ("completions", {"prompt": PROMPT, "top_k": 2**31}, "top_k"),  # (it once killed the shared decode runner)
     ("completions", {"prompt": PROMPT, "top_k": 10**400}, "top_k"),
     ("completions", {"prompt": PROMPT, "temperature": 10**400}, "temperature"),
@@ -1152,6 +1150,8 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
     script = Path(sys.executable).parent / "azyx"
     entry = [e.value for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "azyx"]
     assert entry == ["azyx.cli:main"] and script.is_file(), (entry, script)
+    extra = {r.split(">")[0] for r in importlib.metadata.requires("azyx") or [] if 'extra == "serve"' in r}
+    assert {"starlette", "uvicorn", "jinja2", "prometheus_client"} <= extra, extra  # (pip install 'azyx[serve]')
     want = tok.decode(hf_greedy(reference, tok.encode(PROMPT).ids, 8))
     # the model directory with a chat template of its own (tokenizer_config.json, using its eos_token)
     model = tmp_path / "models" / GEN
