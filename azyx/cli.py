@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -128,9 +129,13 @@ def serve(args: argparse.Namespace) -> int:
     if not args.model:
         print("azyx serve: give at least one --model DIR", file=sys.stderr)
         return 2
+    def given(*names: str) -> dict[str, Any]:  # (the bounds left out keep ServeConfig's defaults)
+        return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+    body = dataclasses.replace(ServeConfig().body, **given("max_body_bytes", "body_timeout"))
     cfg = ServeConfig(models=tuple(args.model), device=args.device, slots=args.slots, waiting=args.waiting,
                       host=args.host, port=args.port, api_key=args.api_key or os.environ.get("AZYX_API_KEY"),
-                      truncate=args.truncate)
+                      truncate=args.truncate, body=body, **given("request_timeout", "max_tokens"))
     app = make_app(cfg)
     print(f"azyx serve: http://{cfg.host}:{cfg.port}/v1 ({', '.join(cfg.models)} on {cfg.device})", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, loop="asyncio",
@@ -159,6 +164,14 @@ def _serve_arguments(sp: argparse.ArgumentParser) -> None:
                                                     "AZYX_API_KEY)")
     sp.add_argument("--truncate", action="store_true", help="embeddings: truncate inputs longer than the model's "
                                                              "window (default: refuse them with 400)")
+    sp.add_argument("--max-body-bytes", type=int, help="a request body past this many bytes answers 413, before it "
+                                                         "is read (default 1 MiB)")
+    sp.add_argument("--body-timeout", type=float, help="seconds a client may take to send a body, then 408 (default "
+                                                       "10)")
+    sp.add_argument("--request-timeout", type=float, help="seconds a request may take, streamed or not, then 408 or "
+                                                          "an error event (default 600)")
+    sp.add_argument("--max-tokens", type=int, help="the most tokens a request may ask per choice, more: 400 "
+                                                   "(default 4096)")
     sp.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.metadata
 import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +69,21 @@ class Server:
 
     def __enter__(self) -> Server:
         self.thread.start()
-        loading = None
+        return self.ready()
+
+    def ready(self) -> Server:
+        """Wait until /health says ok (it answers 503 "loading" meanwhile: test_health_answers_while_loading...)."""
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # /health answers while the weights load, then says ok
+        while True:
+            assert time.monotonic() < deadline, "the server did not get ready"
             try:
                 r = httpx.get(self.base + "/health", timeout=5)
             except httpx.TransportError:
                 continue  # (not listening yet)
             if r.status_code == 200:
                 assert r.json() == {"status": "ok"}
-                break
+                return self
             assert r.status_code == 503 and r.json()["status"] == "loading", r.text
-            loading = r.json()
-        assert loading is not None or self.app.state.ready.is_set()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
@@ -137,6 +145,47 @@ def streamed(client: Any, **kw: Any) -> tuple[dict[int, str], dict[int, str | No
     return texts, finish, usage
 
 
+@contextmanager
+def workers_held() -> Iterator[Callable[[], int]]:
+    """Every azyx worker thread busy (waiting on an event) until the block ends: work handed to them waits. Yields
+    the count of jobs queued for them."""
+    from azyx import workers
+
+    pool = workers._executor()
+    gate, started = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> bool:
+        started.release()
+        return gate.wait(300)
+
+    held = [workers.start_in_worker_thread(hold) for _ in range(pool._max_workers)]
+    try:
+        for _ in held:
+            assert started.acquire(timeout=60)
+        yield pool._work_queue.qsize
+    finally:
+        gate.set()
+        assert all(f.result(60) for f in held)
+
+
+def events(server: Server, path: str, body: dict[str, Any]) -> list[Any]:
+    """A streamed answer as read off the wire: each server-sent event's JSON ("[DONE]" as it is); every line of the
+    body is an event's `data: ` line or the blank line ending it."""
+    r = httpx.post(server.base + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    lines = [line for line in r.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+
+def rendered(messages: list[dict[str, str]]) -> str:
+    """The default chat template's text of some messages (as the server renders them)."""
+    import jinja2
+
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(DEFAULT_CHAT_TEMPLATE).render(
+        messages=messages, add_generation_prompt=True)
+
+
 def test_completions_greedy_match_transformers_streamed_or_not(client: Any, tok: Any, reference: Any,
                                                                server: Server) -> None:
     ids = tok.encode(PROMPT).ids
@@ -157,6 +206,26 @@ def test_completions_greedy_match_transformers_streamed_or_not(client: Any, tok:
     got, finish, usage = streamed(client, model=GEN, prompt=PROMPT, max_tokens=20, temperature=0,
                                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     assert got == {0: tok.decode(want)} and finish == {0: "length"} and usage.completion_tokens == 20
+    # on the wire: every event a chunk, `data: [DONE]` last; with include_usage one more chunk before it, of no
+    # choices and the usage, and no usage in any other chunk (none at all without include_usage)
+    body = {"model": GEN, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True, "ignore_eos": True}
+    for include in (True, False):
+        ev = events(server, "/v1/completions", {**body, "stream_options": {"include_usage": include}})
+        assert ev[-1] == "[DONE]" and "[DONE]" not in ev[:-1]
+        chunks = ev[:-1]
+        if include:
+            *chunks, last = chunks
+            assert last["choices"] == [] and last["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 20,
+                                                               "total_tokens": len(ids) + 20}
+        assert all(c["object"] == "text_completion" and c.get("usage") is None for c in chunks)
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == tok.decode(want)
+    # a list of strings: one choice each, in order
+    other = tok.encode("a lazy dog").ids
+    r = client.completions.create(model=GEN, prompt=[PROMPT, "a lazy dog"], max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert {c.index: c.text for c in r.choices} == {0: tok.decode(want[:6]),
+                                                    1: tok.decode(hf_greedy(reference, other, 6))}
+    assert r.usage.prompt_tokens == len(ids) + len(other) and r.usage.completion_tokens == 12
     # echo: the prompt, then the completion
     r = client.completions.create(model=GEN, prompt=PROMPT, max_tokens=5, temperature=0, echo=True,
                                   extra_body={"ignore_eos": True})
@@ -222,12 +291,26 @@ def test_logprobs_match_a_transformers_forward_pass(client: Any, tok: Any, refer
         assert len(top) <= 3 and tok.decode([int(best[0])]) in top
         np.testing.assert_allclose(max(top.values()), rows[i, best[0]], atol=2e-4)
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
-    # chat: logprobs with top_logprobs, per content token
-    c = client.chat.completions.create(model=GEN, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    # chat: logprobs with top_logprobs per content token, against the forward pass of the rendered messages and the
+    # answer (max_completion_tokens, the chat API's name of max_tokens); streamed, the same entries chunk by chunk
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tok.encode(rendered(messages)).ids
+    want = hf_greedy(reference, ids, 4)
+    logits = torch.log_softmax(torch.tensor(hf_logits(reference, [ids + want])[0], dtype=torch.float64), -1).numpy()
+    rows = logits[len(ids) - 1: len(ids) + 3]
+    kw: dict[str, Any] = dict(model=GEN, messages=messages, max_completion_tokens=4, temperature=0, logprobs=True,
+                              top_logprobs=2, extra_body={"ignore_eos": True})
+    c = client.chat.completions.create(**kw)
     content = c.choices[0].logprobs.content
-    assert len(content) == 4 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
-    assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    assert [e.token for e in content] == [tok.decode([t]) for t in want] and c.usage.completion_tokens == 4
+    np.testing.assert_allclose([e.logprob for e in content], [rows[i, t] for i, t in enumerate(want)], atol=2e-4)
+    for i, e in enumerate(content):
+        best = np.argsort(-rows[i])[:2]
+        assert e.bytes == list(e.token.encode()) and e.top_logprobs[0].token == tok.decode([int(best[0])])
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], rows[i, best], atol=2e-4)
+    entries = [(e.token, e.logprob) for chunk in client.chat.completions.create(stream=True, **kw)
+               for ch in chunk.choices if ch.logprobs for e in ch.logprobs.content]
+    assert entries == [(e.token, e.logprob) for e in content]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_a_transformers_forward_pass(client: Any, tok: Any,
@@ -352,12 +435,36 @@ def test_penalties_logit_bias_and_min_p_match_a_reference_and_compile_nothing_ne
     assert (after.kernels, after.plans) == (before.kernels, before.plans)  # nothing planned nor compiled
 
 
-def test_chat_renders_the_template_and_streams_deltas(client: Any, tok: Any, reference: Any) -> None:
-    import jinja2
+def test_stop_tokens_the_eos_token_top_k_and_top_p_reach_the_sampler(client: Any, tok: Any, reference: Any,
+                                                                     checkpoint: Path) -> None:
+    """stop_token_ids end a choice at that token (finish_reason "stop", the token not returned), streamed or not; the
+    model's eos token (config.json's eos_token_id) too, unless ignore_eos; top_k 1 and a tiny top_p keep only the
+    most likely token whatever the temperature (the seed's draw at that temperature leaves the greedy path)."""
+    ids = tok.encode(PROMPT).ids
+    greedy = hf_greedy(reference, ids, 16)
+    j = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])
+    kw: dict[str, Any] = dict(model=GEN, prompt=ids, max_tokens=16, temperature=0)
+    stops = {"ignore_eos": True, "stop_token_ids": [greedy[j]]}
+    r = client.completions.create(**kw, extra_body=stops)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (tok.decode(greedy[:j]), "stop")
+    assert r.usage.completion_tokens == j
+    assert streamed(client, **kw, extra_body=stops)[:2] == ({0: tok.decode(greedy[:j])}, {0: "stop"})
+    eos = json.loads((checkpoint / "config.json").read_text())["eos_token_id"]
+    r = client.completions.create(**{**kw, "max_tokens": 4}, logit_bias={str(eos): 100})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 0)
+    r = client.completions.create(**{**kw, "max_tokens": 4}, logit_bias={str(eos): 100},
+                                  extra_body={"ignore_eos": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (tok.decode([eos] * 4), "length")
+    hot: dict[str, Any] = {**kw, "temperature": 1.5, "seed": 3}
+    assert client.completions.create(**hot, extra_body={"ignore_eos": True}).choices[0].text != tok.decode(greedy)
+    for extra in ({"extra_body": {"ignore_eos": True, "top_k": 1}},
+                  {"top_p": 1e-6, "extra_body": {"ignore_eos": True}}):
+        assert client.completions.create(**hot, **extra).choices[0].text == tok.decode(greedy), extra
 
+
+def test_chat_renders_the_template_and_streams_deltas(client: Any, tok: Any, reference: Any) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the lazy dog"}]
-    text = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(DEFAULT_CHAT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=True)
+    text = rendered(messages)
     want = tok.decode(hf_greedy(reference, tok.encode(text).ids, 10))
     r = client.chat.completions.create(model=GEN, messages=messages, max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -439,6 +546,10 @@ def test_embeddings_match_the_reference_vectors_float_or_base64(client: Any, ser
     ids = server.app.state.serving["embedders"][EMB].model.encode([sentences[0]])[0]
     np.testing.assert_allclose(client.embeddings.create(model=EMB, input=ids, encoding_format="float").data[0]
                                .embedding, got[0], atol=1e-5)
+    more = server.app.state.serving["embedders"][EMB].model.encode(sentences[1:3])
+    two = client.embeddings.create(model=EMB, input=[ids, *more], encoding_format="float")
+    np.testing.assert_allclose([d.embedding for d in sorted(two.data, key=lambda d: d.index)], got[:3], atol=1e-5)
+    assert two.usage.prompt_tokens == len(ids) + sum(len(m) for m in more)
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=EMB, input=["short", "word " * 400])
     assert e.value.param == "input[1]" and e.value.code == "context_length_exceeded"
@@ -532,6 +643,7 @@ BAD = [  # (endpoint, body, the field named)
     ("completions", {"prompt": PROMPT, "max_tokens": 10**9}, "max_tokens"),
     ("completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("completions", {"prompt": PROMPT, "seed": -3}, "seed"),
+    ("completions", {"prompt": PROMPT, "seed": 2**63}, "seed"),
     ("completions", {"prompt": PROMPT, "top_k": 2**31}, "top_k"),  # (it once killed the shared decode runner)
     ("completions", {"prompt": PROMPT, "top_k": 10**400}, "top_k"),
     ("completions", {"prompt": PROMPT, "temperature": 10**400}, "temperature"),
@@ -568,6 +680,23 @@ BAD = [  # (endpoint, body, the field named)
     ("embeddings", {"input": ["a"], "encoding_format": "hex"}, "encoding_format"),
     ("embeddings", {"input": ["a"], "dimensions": 3}, "dimensions"),
     ("embeddings", {"input": [[1, 2], [10**7]]}, "input[1]"),
+    ("embeddings", {"input": ["a", [1, 2]]}, "input"),
+    ("embeddings", {"input": ["a"], "model": 5}, "model"),
+    ("completions", {"prompt": PROMPT, "best_of": 0}, "best_of"),
+    ("completions", {"prompt": PROMPT, "logit_bias": [1, 2]}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "stop_token_ids": 5}, "stop_token_ids"),
+    ("completions", {"prompt": PROMPT, "stream": True, "stream_options": "usage"}, "stream_options"),
+    ("completions", {"prompt": PROMPT, "echo": "yes"}, "echo"),
+    ("completions", {"prompt": [1, "a"]}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ("chat/completions", {"messages": ["hi"]}, "messages[0]"),
 ]
 
 
@@ -676,6 +805,40 @@ def test_the_reliability_attacks_replayed_against_azyx_serve(server: Server) -> 
     assert not server.engine().live
 
 
+def test_long_texts_are_tokenized_off_the_loop(server: Server) -> None:
+    """The attack of a 10 MB prompt tokenized on the loop (every client stalled 11.9 s; here a body that large is
+    refused before it is read, 413): a long text that is admitted is tokenized on an azyx worker thread. With every
+    worker held busy, a prompt and embedding inputs of 60,000 characters (bodies small enough to be parsed on the
+    loop) wait for one while the loop answers others (/health, a short prompt past the window: 400 at once); once
+    the workers are free, they answer 400 context_length_exceeded."""
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(base_url=server.base, headers=h, timeout=120) as c:
+            with workers_held() as queued:
+                async def until(n: int) -> None:  # (the server runs in its own thread: poll what it does)
+                    deadline = time.monotonic() + 60
+                    while queued() < n:
+                        assert time.monotonic() < deadline, "the text was not handed to a worker"
+                        await asyncio.sleep(0.001)
+
+                prompt = asyncio.create_task(c.post("/v1/completions", json={"model": GEN, "prompt": "x " * 30_000}))
+                await until(1)
+                inputs = asyncio.create_task(c.post("/v1/embeddings", json={"model": EMB,
+                                                                            "input": ["word " * 3000] * 4}))
+                await until(2)
+                assert (await c.get("/health")).status_code == 200
+                r = await c.post("/v1/completions", json={"model": GEN, "prompt": "x " * 200})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+                assert not prompt.done() and not inputs.done()
+            return list(await asyncio.gather(prompt, inputs))
+
+    prompt, inputs = asyncio.run(run())
+    assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt", prompt.text
+    assert prompt.json()["error"]["code"] == "context_length_exceeded"
+    assert inputs.status_code == 400 and inputs.json()["error"]["param"] == "input[0]", inputs.text
+
+
 def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) -> None:
     """The client reads the first event of a streamed chat of n=2 and leaves: both sequences are removed at once
     (no token was decoded: the engine is held, its lock taken on the server's loop, so that the tiny model cannot
@@ -699,6 +862,12 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: Server, tok: Any) ->
                 metrics = httpx.get(server.base + "/metrics").text  # (the server's loop ran on since the event)
                 assert "azyx_queue_depth 2.0" in metrics.splitlines()
                 assert len(eng.live) == len(eng.waiting) == 2  # the client stays: both still wait for the engine
+                # the room left (slots and waiting places less the two): a request of more is told to come back at
+                # once, before any work (429, Retry-After), and nothing of it joins the engine
+                over = c.post(server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": GEN, "prompt": "hi", "n": SLOTS + WAITING - 1})
+                assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+                assert over.json()["error"]["code"] == "rate_limit_exceeded" and len(eng.live) == 2
             # (the connection closed: the server removes both sequences at once, the engine still held)
         deadline = time.monotonic() + 30
         while eng.live and time.monotonic() < deadline:
@@ -757,20 +926,61 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(server: Server) -> N
     assert after.rss - before.rss < 16 << 20, f"RSS grew {(after.rss - before.rss) / 2**20:.1f} MiB"
 
 
-def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(server: Server, client: Any) -> None:
+def test_metrics_count_requests_tokens_and_latency_and_no_client_resets_them(server: Server, client: Any,
+                                                                             tok: Any) -> None:
+    """Between two scrapes of /metrics: the requests by route and status (one answered, one bad field, one unknown
+    route, one embedding, the first scrape), the prompt tokens of each model, the generated tokens, one time to first
+    token and an inter-token latency per later token, each counted exactly. While a stream's sequence holds a slot
+    (the engine held, on the server's loop, once it is active) the slots in use say so. Nothing resets them."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    m0 = scrape(server)
     client.completions.create(model=GEN, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
-
+    assert httpx.post(server.base + "/v1/completions", headers=h, json={"prompt": "x", "n": 0}).status_code == 400
+    assert httpx.get(server.base + "/v1/nothing", headers=h).status_code == 404
+    e = client.embeddings.create(model=EMB, input=["a lazy dog", "the river bank"])
     m = scrape(server)
-    ok = m['azyx_requests_total{route="/v1/completions",status="200"}']
-    assert ok >= 1 and m['azyx_generation_tokens_total{model="gpt2-tiny"}'] >= 3
-    assert m['azyx_time_to_first_token_seconds_count{model="gpt2-tiny"}'] >= 1
-    assert m['azyx_inter_token_latency_seconds_count{model="gpt2-tiny"}'] >= 2
+
+    def grew(key: str) -> float:
+        return m.get(key, 0.0) - m0.get(key, 0.0)
+
+    requests = {(route, status): grew(f'azyx_requests_total{{route="{route}",status="{status}"}}') for route, status in
+                (("/v1/completions", 200), ("/v1/completions", 400), ("other", 404), ("/v1/embeddings", 200),
+                 ("/metrics", 200))}
+    assert set(requests.values()) == {1.0}, requests
+    assert grew(f'azyx_prompt_tokens_total{{model="{GEN}"}}') == len(tok.encode(PROMPT).ids)
+    assert grew(f'azyx_prompt_tokens_total{{model="{EMB}"}}') == e.usage.prompt_tokens
+    assert grew(f'azyx_generation_tokens_total{{model="{GEN}"}}') == 3
+    assert grew(f'azyx_time_to_first_token_seconds_count{{model="{GEN}"}}') == 1
+    assert grew(f'azyx_inter_token_latency_seconds_count{{model="{GEN}"}}') == 2
     assert m["azyx_slots"] == SLOTS and m["azyx_slots_in_use"] == 0 and m["azyx_queue_depth"] == 0
     assert m["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_lateness_seconds"] >= 0
+    # a slot in use: the engine is held once the stream's sequence is active (decoding at most a step of it)
+    eng = server.engine()
+    assert server.loop is not None
+
+    async def hold_once_active() -> None:
+        while not eng.active:
+            await asyncio.sleep(0)
+        await eng.lock.acquire()
+
+    held = asyncio.run_coroutine_threadsafe(hold_once_active(), server.loop)
+    body = {"model": GEN, "prompt": "hi", "max_tokens": 50, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60, headers=h) as c, c.stream("POST", server.base + "/v1/completions", json=body) as r:
+        try:
+            held.result(30)
+            busy = scrape(server)
+            assert (busy["azyx_slots_in_use"], busy["azyx_queue_depth"]) == (1, 0), busy
+        finally:
+            server.loop.call_soon_threadsafe(eng.lock.release)
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    deadline = time.monotonic() + 30
+    while scrape(server)["azyx_slots_in_use"]:  # (the finished sequence leaving)
+        assert time.monotonic() < deadline
     for method in ("POST", "DELETE"):  # nothing resets them
         assert httpx.request(method, server.base + "/metrics").status_code == 405
     again = scrape(server)
-    assert again['azyx_requests_total{route="/v1/completions",status="200"}'] == ok
+    assert again['azyx_requests_total{route="/v1/completions",status="200"}'] == \
+        m['azyx_requests_total{route="/v1/completions",status="200"}'] + 1
     assert again["azyx_heartbeat_worst_lateness_seconds"] >= m["azyx_heartbeat_worst_lateness_seconds"]
 
 
@@ -872,3 +1082,143 @@ def test_the_chat_template_comes_from_tokenizer_config(tmp_path: Path) -> None:
         "chat_template": [{"name": "tool_use", "template": "no"}, {"name": "default", "template": mine}],
         "eos_token": {"content": "</s>"}, "bos_token": "<s>"}))
     assert chat_template(tmp_path) == (mine, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def test_health_answers_while_loading_and_the_v1_routes_503_then_embeddings_truncate_as_configured() -> None:
+    """While the weights load, GET /health answers 503 "loading" and every /v1 route 503 (code "loading", with
+    Retry-After; /metrics answers): the load is held here by every azyx worker thread being busy (MiniLM's load
+    reads its tokenizer on one), so that it is still loading when asked. Then, the server told to `truncate`, an
+    input past the model's window is cut to it instead of refused: a text as the tokenizer truncates it (the
+    vector of transformers' forward pass of those tokens), token ids to the window's first ones."""
+    import transformers
+
+    s = Server(ServeConfig(models=(str(model_dir()),), truncate=True, warmup=False))
+    try:
+        with workers_held():
+            s.thread.start()
+            while True:
+                try:
+                    health = httpx.get(s.base + "/health", timeout=5)
+                    break
+                except httpx.TransportError:
+                    continue  # (not listening yet)
+            assert (health.status_code, health.json()) == (503, {"status": "loading"})
+            for route in ("/v1/embeddings", "/v1/completions"):
+                r = httpx.post(s.base + route, json={"model": EMB, "input": "hi", "prompt": "hi"}, timeout=60)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert r.json()["error"]["code"] == "loading" and r.json()["error"]["type"] == "server_error"
+            assert httpx.get(s.base + "/metrics").status_code == 200 and not s.app.state.ready.is_set()
+        s.ready()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir())
+        bert = transformers.AutoModel.from_pretrained(model_dir()).eval()
+
+        def reference(ids: list[int]) -> np.ndarray:  # (mean pooling, L2-normalised: the model's own pooling)
+            with torch.no_grad():
+                v = bert(torch.tensor([ids])).last_hidden_state[0].numpy().astype(np.float64).mean(0)
+            return v / np.linalg.norm(v)
+
+        window = s.app.state.serving["embedders"][EMB].model.max_length
+        text = " ".join(REFERENCE["sentences"] * 5)
+        full = tokenizer(text)["input_ids"]
+        cut = tokenizer(text, truncation=True, max_length=window)["input_ids"]
+        assert window < len(full) <= 512 and len(cut) == window
+        short = REFERENCE["sentences"][0]
+        r = httpx.post(s.base + "/v1/embeddings", json={"model": EMB, "input": [text, short], "encoding_format":
+                                                        "base64"}, timeout=300)
+        assert r.status_code == 200, r.text
+        rows = embeddings_of(r.json())
+        assert rows[0] @ reference(cut) >= 0.9999 and rows[1] @ reference(tokenizer(short)["input_ids"]) >= 0.9999
+        assert r.json()["usage"]["prompt_tokens"] == window + len(tokenizer(short)["input_ids"])
+        r = httpx.post(s.base + "/v1/embeddings", json={"model": EMB, "input": full}, timeout=300)
+        assert r.status_code == 200 and embeddings_of(r.json())[0] @ reference(full[:window]) >= 0.9999
+    finally:
+        s.__exit__(None, None, None)
+
+
+def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(checkpoint: Path, tok: Any,
+                                                                            reference: Any, tmp_path: Path) -> None:
+    """`python -m azyx serve` and the `azyx` console script's `serve`, each in a fresh process: it answers the openai
+    client (greedy text as transformers'; chat rendered by the model directory's own template), wants its API key
+    (`--api-key`, or AZYX_API_KEY), listens on 127.0.0.1 unless `--host` says otherwise (another address of the
+    loopback network is refused: 127.0.0.2, or 127.0.0.1 when told 127.0.0.2), takes the bounds it is given
+    (--max-body-bytes: 413; --max-tokens: 400), and stops on SIGINT with status 0. A model directory of a type not
+    served exits 1 naming it; no --model exits 2."""
+    import azyx
+
+    root = str(Path(azyx.__file__).resolve().parent.parent)  # (the processes import the azyx under test)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AZYX_")}, "PYTHONPATH": root}
+    script = Path(sys.executable).parent / "azyx"
+    entry = [e.value for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "azyx"]
+    assert entry == ["azyx.cli:main"] and script.is_file(), (entry, script)
+    extra = {r.split(">")[0] for r in importlib.metadata.requires("azyx") or [] if 'extra == "serve"' in r}
+    assert {"starlette", "uvicorn", "jinja2", "prometheus_client"} <= extra, extra  # (pip install 'azyx[serve]')
+    want = tok.decode(hf_greedy(reference, tok.encode(PROMPT).ids, 8))
+    # the model directory with a chat template of its own (tokenizer_config.json, using its eos_token)
+    model = tmp_path / "models" / GEN
+    shutil.copytree(checkpoint, model)
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}", "eos_token": "</s>"}))
+    chat_ids = tok.encode("<user>the lazy dog</s><assistant>").ids
+    chat_want = tok.decode(hf_greedy(reference, chat_ids, 8))
+
+    def refused(host: str, port: int) -> bool:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    bounds = ["--max-body-bytes", "4096", "--max-tokens", "8"]
+    runs = [([sys.executable, "-m", "azyx", "serve", "--api-key", "k1", *bounds], {}, "k1", "127.0.0.1", "127.0.0.2"),
+            ([str(script), "serve", "--host", "127.0.0.2"], {"AZYX_API_KEY": "k2"}, "k2", "127.0.0.2", "127.0.0.1")]
+    for i, (cmd, extra, key, host, other) in enumerate(runs):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = tmp_path / f"serve{i}.log"
+        with log.open("w") as out:
+            p = subprocess.Popen([*cmd, "--model", str(model), "--port", str(port), "--slots", "2"],
+                                 env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            base = f"http://{host}:{port}"
+            deadline = time.monotonic() + 300
+            while True:  # (waiting on the process between tries: it exits early on a failure)
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, log.read_text()
+                with pytest.raises(subprocess.TimeoutExpired):
+                    p.wait(0.05)
+            c = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+            r = c.completions.create(model=GEN, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want
+            m = c.chat.completions.create(model=GEN, messages=[{"role": "user", "content": "the lazy dog"}],
+                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            assert (m.choices[0].message.content, m.usage.prompt_tokens) == (chat_want, len(chat_ids))
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+            assert refused(other, port)
+            if i == 0:  # the bounds given on the command line: a body past 4096 bytes, max_tokens past 8
+                h = {"Authorization": f"Bearer {key}"}
+                r = httpx.post(base + "/v1/completions", headers=h, json={"prompt": "x" * 4096})
+                assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+                r = httpx.post(base + "/v1/completions", headers=h, json={"prompt": "x", "max_tokens": 9})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+            assert log.read_text().startswith(f"azyx serve: {base}/v1 "), log.read_text()
+        finally:
+            p.send_signal(signal.SIGINT)
+            status = p.wait(60)
+        assert status == 0, log.read_text()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    done = subprocess.run([sys.executable, "-m", "azyx", "serve", "--model", str(bad)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "model_type 'llama' is not served" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "azyx", "serve"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "--model" in done.stderr, done.stderr

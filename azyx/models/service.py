@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from azyx.errors import ArgumentError
+from azyx.workers import in_worker_thread
 
 INT32_MAX = (1 << 31) - 1
 FLOAT32_MAX = 3.4028234663852886e38
@@ -81,7 +82,7 @@ async def read_json(headers: Mapping[str, str], chunks: AsyncIterator[bytes], li
     except TimeoutError:
         raise BadRequest("body", f"not received within {limits.body_timeout} s", 408) from None
     raw = b"".join(parts)
-    return await asyncio.to_thread(parse_json, raw) if len(raw) > OFF_LOOP_BYTES else parse_json(raw)
+    return await in_worker_thread(parse_json, raw) if len(raw) > OFF_LOOP_BYTES else parse_json(raw)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -97,7 +98,7 @@ def parse_json(raw: bytes) -> Any:
 async def json_bytes(value: Any, off_loop: bool = True) -> bytes:
     """`value` as compact JSON bytes (NaN and infinities refused: ValueError), encoded on a worker thread unless
     `off_loop` is False (a small answer: the thread's hop would cost more than the encoding)."""
-    return await asyncio.to_thread(_dumps, value) if off_loop else _dumps(value)
+    return await in_worker_thread(_dumps, value) if off_loop else _dumps(value)
 
 
 def _dumps(value: Any) -> bytes:

@@ -7,7 +7,9 @@ Endpoints (OpenAI's request and response shapes; unknown fields are ignored, as 
   log-probability under the model and the most likely tokens'), `echo`, `stream` (server-sent events ending with
   `data: [DONE]`; `stream_options.include_usage`), `presence_penalty`, `frequency_penalty`, `logit_bias`, and
   vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` (every sampling value is
-  data on the device: a new value compiles nothing). `echo` with `logprobs` scores the prompt too (one forward pass:
+  data on the device: a new value compiles nothing; a stop token, of `stop_token_ids` or the model's eos unless
+  `ignore_eos`, ends its choice with finish_reason "stop" and is not returned, where vLLM returns one that is not a
+  special token). `echo` with `logprobs` scores the prompt too (one forward pass:
   each prompt token's log-probability given those before it, null for the first, as OpenAI and vLLM answer; with
   `max_tokens: 0`, the prompt alone). `best_of` (>= n, not streamed) generates best_of choices per prompt (choice i
   seeded seed + i) and answers the n whose tokens have the highest summed log-probability under the model, as vLLM
@@ -656,7 +658,7 @@ class Server:
                 raise ApiError(400, f"cannot be tokenized ({svc.short(str(e), 80)})", name) from None
             return ids
 
-        ids = await asyncio.to_thread(run) if len(text) > TOKENIZE_ON_LOOP_CHARS else run()
+        ids = await in_worker_thread(run) if len(text) > TOKENIZE_ON_LOOP_CHARS else run()
         limit = g.engine.cache.max_len
         if not ids:
             raise ApiError(400, "must not be empty (no tokens)", name)
@@ -994,7 +996,7 @@ class Server:
         if all(isinstance(t, str) for t in v):
             texts = svc.texts(body, "input", cfg.max_inputs, cfg.max_input_chars, non_empty=True)
             big = sum(len(t) for t in texts) > TOKENIZE_ON_LOOP_CHARS
-            ids, cut = await asyncio.to_thread(e.model.encode_checked, texts) if big else \
+            ids, cut = await in_worker_thread(e.model.encode_checked, texts) if big else \
                 e.model.encode_checked(texts)
             if not cfg.truncate and any(cut):
                 i = cut.index(True)
