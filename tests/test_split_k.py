@@ -119,6 +119,7 @@ def test_the_split_is_decided_from_the_shape_and_the_multiprocessors() -> None:
     assert gemm.split_k(32, 768, 768, "float32", H200_SMS) == 8
     assert gemm.split_k(32, 768, 768, "bfloat16", 0) == 1
     assert gemm.split_k(256, 4096, 768, "bfloat16", H200_SMS) == 1  # (256 tiles)
+    assert gemm.split_k(256, 384, 512, "bfloat16", H200_SMS) == 1  # (24 tiles, but past SPLIT_ROWS: wgmma's on sm_90)
     assert gemm.split_k(32, 768, 192, "bfloat16", H200_SMS) == 1  # (parts of 96 < 4 slices of 32)
     assert gemm.split_k(32, 768, 8 * 131, "bfloat16", H200_SMS) == 1  # (parts of 131 x 8 / d: not on 8 elements)
     assert gemm.split_k(32, 768, 387, "bfloat16", H200_SMS) == 3  # (K odd: parts of 129)

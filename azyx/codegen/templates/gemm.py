@@ -130,11 +130,15 @@ class Gemm:
 
 
 SPLIT_SLICES = 4  # K slices (of the kernel's BK) a part of a product split over K holds at least
+# the most rows a product split over K has: one 64-row tile (Gemm.tile's for so few rows, which the tensor-core kernel
+# renders with float32 partials; a larger product on compute capability 9.0 takes gemm_sm90's wgmma kernel, which
+# stores C in the operands' dtype)
+SPLIT_ROWS = 64
 
 
 def split_k(m: int, n: int, k: int, dtype: str, sms: int) -> int:
-    """The parts (1: none) that a product of `m` rows against one `k` x `n` weight (a linear layer at decode: 16 to a
-    few hundred rows) splits K into on a CUDA device of `sms` multiprocessors, each part its own blocks writing its
+    """The parts (1: none) that a product of `m` rows against one `k` x `n` weight (a linear layer at decode: 17 to
+    SPLIT_ROWS rows) splits K into on a CUDA device of `sms` multiprocessors, each part its own blocks writing its
     float32 partial sums, which the product's consumer adds up (schedule.Planner.product_split; float16/bfloat16 C
     is rounded once, after the sum). Where C's 64 x 64 tiles fill fewer than half the multiprocessors (32 x 768 @
     768 x 768: 12 blocks, each walking all of K, on an H200's 132), as many parts as bring the blocks up to about one
@@ -142,7 +146,7 @@ def split_k(m: int, n: int, k: int, dtype: str, sms: int) -> int:
     step or more, and stay multiples of 8 elements where K is (16-byte loads of each part, as of the whole)."""
     bm, bn = 64, 64  # (what Gemm.tile takes for so few tiles, each part a batch element)
     tiles = -(-m // bm) * -(-n // bn)
-    if sms <= 0 or 2 * tiles > sms:
+    if sms <= 0 or m > SPLIT_ROWS or 2 * tiles > sms:
         return 1
     step = MMA_BK if dtype != "float32" else CUDA_TILES[(bm, bn)].bk
     most = min(-(-sms // tiles), k // (SPLIT_SLICES * step))
