@@ -18,6 +18,12 @@ from azyx.allocator import MemoryUsage, PoolAllocator
 from azyx.errors import AllocationError
 
 ALIGN = 64  # host blocks' alignment
+# a host block of HUGE_MIN bytes or more (numpy asks the kernel for transparent huge pages on arrays that large) starts
+# at a multiple of HUGE, a huge page: else the kernel backs its unaligned first and last parts with 4 KiB pages, and a
+# file load's first touch of fresh memory (most of its cost) took 0.51 s of system time per GB instead of 0.29 (2-core
+# AMD EPYC VM, 16 MiB blocks: 29,700 page faults against 780). The block then takes up to HUGE bytes more of address
+# space (`block_bytes`: what numpy allocates, and tracemalloc counts), never touched, so not memory.
+HUGE, HUGE_MIN = 2 << 20, 4 << 20
 # file loads staged through host memory (azyx.backends.disk's `DiskDevice.load`: the stream and the lazy path): bytes
 # per read (a read from the page cache runs at ~5 GB/s per thread: ~1.6 ms, long against what each costs the loop,
 # short against a file of gigabytes), and a device's ring of staging blocks, read into and copied from in turn (at most
@@ -182,10 +188,17 @@ def memory_bytes() -> int:
         return 8 << 30
 
 
+def block_bytes(size: int) -> int:
+    """The bytes `aligned_block(size)` allocates: room to align its start."""
+    return size + (HUGE if size >= HUGE_MIN else ALIGN)
+
+
 def aligned_block(size: int) -> tuple[np.ndarray, int]:
-    """A 64-byte aligned host block of `size` bytes and its address."""
-    raw = np.empty(size + ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % ALIGN
+    """A 64-byte aligned host block of `size` bytes (a huge page's multiple where it is HUGE_MIN or more) and its
+    address."""
+    align = HUGE if size >= HUGE_MIN else ALIGN
+    raw = np.empty(block_bytes(size), np.uint8)
+    off = (-raw.ctypes.data) % align
     mem = raw[off:off + size]
     return mem, mem.ctypes.data
 
