@@ -853,16 +853,20 @@ def after_waits(waits: list[tuple[Device, int]], fn: Callable[[], None]) -> None
     dev.timeline.on_reach(v, lambda: after_waits(rest, fn))
 
 
-def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
-    """Copy a strided view of host memory into a new C-contiguous array (bfloat16 widened to float32)."""
+def host_view(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+    """A strided view of host memory as an array of `dtype`'s numpy type (bfloat16: its raw 16 bits), no copy."""
     item = dtype.itemsize
     raw = mem.reshape(-1).view(np.uint8)
     flat = raw[: len(raw) // item * item].view(dtype.np)
-    if not shape or 0 not in shape:
-        arr = np.lib.stride_tricks.as_strided(flat[view.offset :], shape, tuple(s * item for s in view.strides))
-    else:
-        arr = np.empty(shape, dtype.np)
-    return widened(np.array(arr, copy=True, order="C"), dtype)
+    if shape and 0 in shape:
+        return np.empty(shape, dtype.np)
+    return np.lib.stride_tricks.as_strided(flat[view.offset :], shape, tuple(s * item for s in view.strides),
+                                           writeable=False)
+
+
+def host_read(mem: np.ndarray, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
+    """Copy a strided view of host memory into a new C-contiguous array (bfloat16 widened to float32)."""
+    return widened(np.array(host_view(mem, view, shape, dtype), copy=True, order="C"), dtype)
 
 
 def widened(out: np.ndarray, dtype: DType) -> np.ndarray:

@@ -11,6 +11,7 @@ import pytest
 
 import azyx
 from azyx import GradientTape, RuntimeStateError, Tensor, dtypes, nn
+from azyx.runtime import RT
 
 
 async def test_await_realizes_and_returns_the_tensor(device):
@@ -45,6 +46,25 @@ async def test_repr_shows_values_when_realized(device, monkeypatch):
     assert repr(big).startswith("Tensor([   0,    2,    4, ..., 9994, 9996, 9998], dtype=int32")
     monkeypatch.setattr(azyx.tensor, "REPR_MAX_ELEMENTS", 4096)  # larger than this: not read for a repr
     assert repr(big) == f"<Tensor realized shape=(5000,) dtype=int32 device={device}>"
+
+
+async def test_repr_of_a_host_memory_tensor_reads_it_in_place(device, monkeypatch):
+    """A realized tensor in host memory is shown from its memory, not from a copy of all of it (Python 3.11's
+    asyncio.run formats its main task's result after each run: the tensors a realize returned)."""
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    t = await (Tensor(x, device=device) * 2)
+    tt = await Tensor(x, device=device).T  # (a strided view)
+    big = await (Tensor.arange(1 << 20, device=device) + 0)
+    dev = RT.device(device)
+    if dev.host_memory:
+        def refuse(*_: object) -> None:
+            raise AssertionError("a repr copied the tensor")
+        monkeypatch.setattr(dev, "read", refuse)
+    assert repr(t) == f"Tensor({np.array2string(x * 2, separator=', ', prefix='Tensor(')}, dtype=float32, " \
+                      f"device={device!r})"
+    assert repr(tt) == f"Tensor({np.array2string(x.T, separator=', ', prefix='Tensor(')}, dtype=float32, " \
+                       f"device={device!r})"
+    assert repr(big).startswith("Tensor([      0,       1,       2, ..., 1048573, 1048574, 1048575], dtype=int32")
 
 
 async def test_python_scalars_of_realized_tensors(device):
