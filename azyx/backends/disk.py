@@ -189,12 +189,11 @@ def _widen(mem: np.ndarray, n: int) -> None:
 
 
 def _on_event_loop() -> bool:
-    """Whether the calling thread is running an asyncio or trio event loop."""
-    try:
-        sniffio.current_async_library()
-        return True
-    except sniffio.AsyncLibraryNotFoundError:
-        return False
+    """Whether the calling thread is running an asyncio event loop, or one that sniffio is told of (trio's). Asked of
+    every read, on the reader threads: without raising (`sniffio.current_async_library` raised twice on a thread that
+    runs no loop, the most Python a read made besides its own bookkeeping)."""
+    return asyncio._get_running_loop() is not None or sniffio.thread_local.name is not None or \
+        sniffio.current_async_library_cvar.get() is not None
 
 
 class DiskDevice(Device):
