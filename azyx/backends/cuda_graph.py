@@ -22,8 +22,9 @@ INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is su
 # a batch's capture)
 GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
 # executable graphs instantiated per frozen batch (`_Graph.turn`): a run launches the one that already holds its values
-# where one does (a chained decode step's inputs and outputs cycle through a few buffers: each update is a driver call
-# of several us, ~40 a GPT-2 step), else updates the one launched longest ago (a parameter update of an executable
+# where one does (runs that take a few sets of buffers in turn; each update is a driver call of several us. A chained
+# GPT-2 decode step's buffers were measured not to come back within 6 steps: ~34 updates a step), else updates the one
+# launched longest ago (a parameter update of an executable
 # graph whose last launch is still running makes the driver wait for that launch on the calling thread: a decode step
 # chained behind the one in flight waited a whole step, 636 us of a 1.55 ms step on an H200)
 EXECS = 4
