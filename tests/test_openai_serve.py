@@ -921,7 +921,7 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(server: Server) -> N
     cycles(100)
     after = settled()
     assert (after.plans, after.kernels) == (before.plans, before.kernels)
-    assert abs(after.nodes - before.nodes) <= 2, (before, after)
+    assert after.nodes - before.nodes <= 2, (before, after)  # (fewer is no leak: a CI run freed 3 held before)
     assert after.pool_bytes("c:0") <= before.pool_bytes("c:0"), (before, after)
     assert after.rss - before.rss < 16 << 20, f"RSS grew {(after.rss - before.rss) / 2**20:.1f} MiB"
 
