@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from azyx.timeline import _LoopWaiter
 
 T = TypeVar("T")
-WORKER_NICE = 10
+WORKER_NICE = int(os.environ.get("AZYX_WORKER_NICE", "10"))  # how far below the loop's thread workers run
 # how long the loop's thread waits for the GIL while another thread runs Python (planning, a driver's Python
 # wrapper) before that thread must let go: the loop takes the GIL back after each call that released it (its select,
 # each driver call), so at Python's 5 ms a realize that made several such calls beside a worker planning a graph
