@@ -135,7 +135,8 @@ def serve(args: argparse.Namespace) -> int:
     body = dataclasses.replace(ServeConfig().body, **given("max_body_bytes", "body_timeout"))
     cfg = ServeConfig(models=tuple(args.model), device=args.device, slots=args.slots, waiting=args.waiting,
                       host=args.host, port=args.port, api_key=args.api_key or os.environ.get("AZYX_API_KEY"),
-                      truncate=args.truncate, body=body, **given("request_timeout", "max_tokens"))
+                      truncate=args.truncate, body=body,
+                      **given("request_timeout", "max_tokens", "max_batch", "max_batch_tokens"))
     app = make_app(cfg)
     print(f"azyx serve: http://{cfg.host}:{cfg.port}/v1 ({', '.join(cfg.models)} on {cfg.device})", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, loop="asyncio",
@@ -172,6 +173,10 @@ def _serve_arguments(sp: argparse.ArgumentParser) -> None:
                                                           "an error event (default 600)")
     sp.add_argument("--max-tokens", type=int, help="the most tokens a request may ask per choice, more: 400 "
                                                    "(default 4096)")
+    sp.add_argument("--max-batch", type=int, help="embeddings: sentences a batch may hold (default 32)")
+    sp.add_argument("--max-batch-tokens", type=int, help="embeddings: padded tokens (sentences x the longest) a "
+                                                         "batch may hold, as TEI's; the batch shapes planned at load "
+                                                         "follow from it (default 2048)")
     sp.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 

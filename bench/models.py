@@ -220,7 +220,7 @@ def _torch_minilm(torch: Any, directory: Path, device: str) -> Any:
 
 
 async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any,
-                 directory: Path | None = None) -> list[list[str]]:
+                 directory: Path | None = None, rounds: int = MINILM_ROUNDS) -> list[list[str]]:
     """all-MiniLM-L6-v2 (azyx.models.bert) against transformers with sentence-transformers' pooling;
     `directory`: a checkpoint of it in another dtype (float16: 44 MB where the package's 88 MB cannot travel),
     computed in float32 on both sides."""
@@ -244,10 +244,10 @@ async def minilm(device: str, batches: tuple[int, ...], repeats: int, torch: Any
         # medians over all rounds' repeats
         ta_all: list[float] = []
         tp_all: list[float] = []
-        for _ in range(MINILM_ROUNDS):
-            ta_all.append(await median_time_async(lambda: model.embed(sentences), max(3, repeats // 10)))
+        for _ in range(rounds):
+            ta_all.append(await median_time_async(lambda: model.embed(sentences), max(1, repeats // 10)))
             if peer is not None:
-                tp_all.append(median_time(lambda: peer(sentences), max(3, repeats // 10)))
+                tp_all.append(median_time(lambda: peer(sentences), max(1, repeats // 10)))
         tp = statistics.median(tp_all) if tp_all else None
         ta = statistics.median(ta_all)
         torch_cell, target = _vs_torch(ta, tp, "sentence-transformers' computation", device, ("c:", "cuda:"),
@@ -288,7 +288,7 @@ def section(rows: list[list[str]], quick: bool, torch: Any, devices: list[str]) 
 
 
 async def main(args: argparse.Namespace) -> None:
-    repeats = 10 if args.quick else 50
+    repeats, rounds = (3, 1) if args.quick else (50, MINILM_ROUNDS)
     if args.omp_passive:  # (read when torch loads its OpenMP runtime)
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     torch = import_torch()
@@ -299,7 +299,7 @@ async def main(args: argparse.Namespace) -> None:
             print(f"[models bench] {device}: not available here, skipped", file=sys.stderr)
             continue
         if args.minilm_only:
-            rows += await minilm(device, (32, 1), repeats, torch, args.minilm_dir)
+            rows += await minilm(device, (32, 1), repeats, torch, args.minilm_dir, rounds)
             continue
         print(f"[models bench] {device} embedding ...", file=sys.stderr, flush=True)
         rows.append(await embedding(device, repeats, torch))
@@ -310,7 +310,7 @@ async def main(args: argparse.Namespace) -> None:
             rows.append(await attention(device, length, repeats, torch))
             print(" | ".join(rows[-1]), flush=True)
         if device.startswith(("c:", "cuda:")):  # (the model on the devices the targets name)
-            for row in await minilm(device, (32, 1), repeats, torch, args.minilm_dir):
+            for row in await minilm(device, (32, 1), repeats, torch, args.minilm_dir, rounds):
                 rows.append(row)
                 print(" | ".join(row), flush=True)
     text = section(rows, args.quick, torch, devices)

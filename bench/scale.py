@@ -484,7 +484,7 @@ async def main() -> None:
     devs = args.devices.split(",") if args.devices else (
         ["cuda:0", "cuda:1"] if "cuda:1" in have else ["c:0", "c:1"])
     cuda = all(d.startswith("cuda") for d in devs)
-    mib, steps, reps = (16, 3, 2) if args.quick else (256 if cuda else 64, 20, 5)
+    mib, steps, reps = (4, 2, 1) if args.quick else (256 if cuda else 64, 20, 5)
     if args.ray:
         rows = await ray_rows(3 if args.quick else 10, reps)
         args.collectives = True

@@ -2,7 +2,7 @@
 in the same run.
 
     python bench/serve.py [--gpt2 DIR | --random-gpt2 small] [--device cuda:0]   # writes bench/RESULTS.md
-    python bench/serve.py --quick    # smoke run: 1 and 8 connections, 2 s each, nothing written
+    python bench/serve.py --quick    # smoke run: 4 connections, 1 s each, nothing written
 
 The server holds GPT-2 (`--gpt2 DIR`, or a random one made here with numpy: `--random-gpt2 tiny`, the default, 4
 layers of 256, which keeps CI's quick mode fast; `small`, GPT-2 small's shape, 12 layers of 768 and 50257 tokens) and
@@ -496,10 +496,10 @@ def peer_openai_app(gpt2: str, minilm: str | None, device: str, max_batch: int =
 
 
 def main_openai(args: argparse.Namespace) -> int:
-    conns = [1, 8] if args.quick else [1, 8, 32, 128]
+    conns = [4] if args.quick else [1, 8, 32, 128]
     if args.connections:
         conns = [int(c) for c in args.connections.split(",")]
-    seconds = 2.0 if args.quick else args.seconds
+    seconds = 1.0 if args.quick else args.seconds
     max_tokens = 16 if args.quick else 64
     slots = min(args.slots, 4) if args.quick else args.slots  # (fewer batch shapes to compile at start-up)
     notes: list[str] = []
@@ -522,7 +522,8 @@ def main_openai(args: argparse.Namespace) -> int:
         port = free_port()
         served = [str(gpt2)] + ([str(minilm)] if minilm is not None else [])
         cmd = [sys.executable, "-m", "azyx", "serve", *[a for d in served for a in ("--model", d)], "--device",
-               args.device, "--port", str(port), "--slots", str(slots), "--waiting", "512"]
+               args.device, "--port", str(port), "--slots", str(slots), "--waiting", "512",
+               *(["--max-batch-tokens", "256"] if args.quick else [])]  # (quick: 11 embedding shapes to plan, not 43)
         if args.rounds > 1:
             if minilm is None or importlib.util.find_spec("sentence_transformers") is None:
                 print("--rounds needs MiniLM and sentence-transformers (the embeddings peer)")
@@ -574,7 +575,7 @@ def main_openai(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 and 8 connections, 2 s each; writes nothing")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 connections, 1 s each; writes nothing")
     ap.add_argument("--device", default="c:0")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))

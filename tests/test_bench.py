@@ -19,6 +19,8 @@ SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
 
 
 def _skip_reason(script: str) -> str | None:
+    if script == "soak.py":  # (its two soaks, each a server's start-up and warm-up, are the suite's test_soak.py)
+        return "tests/test_soak.py runs bench/soak.py's soaks (soak_generate, soak_embed) and its rows"
     if script == "gpu.py":
         try:
             import azyx

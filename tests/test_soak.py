@@ -31,6 +31,7 @@ async def test_the_generation_service_stays_flat_and_exact_under_a_mix_of_abuse(
     assert all(tally.get(k, 0) >= 3 for k in ("good", "leave", "abort", "bad", "oversized")), tally
     assert result["after"].service == {"live": 0, "waiting": 0, "active": 0, "free_slots": 4}
     assert result["generated"] < result["most"]  # streams whose clients left were cut short
+    assert soak.row("generation", result, problems).endswith("| ok |")  # (the bench's row of it)
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from azyx.models import load_tokenizer
@@ -57,3 +58,4 @@ async def test_the_embedding_service_stays_flat_and_exact_under_a_mix_of_abuse()
     assert all(tally.get(k, 0) >= 3 for k in ("good", "leave", "bad", "oversized")), tally
     assert result["after"].service == {"queued": 0, "jobs": 0}
     assert result["dropped"] > 0  # clients that left had sentences dropped
+    assert soak.row("embeddings", result, problems).endswith("| ok |")  # (the bench's row of it)
