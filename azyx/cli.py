@@ -117,26 +117,33 @@ def doctor(args: argparse.Namespace) -> int:
     return 0 if working == len(names) else 1
 
 
+def serve_config(args: argparse.Namespace) -> Any:
+    """The `ServeConfig` that `azyx serve`'s arguments `args` ask for (the bounds left out keep its defaults)."""
+    from azyx.serve import ServeConfig
+
+    def given(*names: str) -> dict[str, Any]:
+        return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+    body = dataclasses.replace(ServeConfig().body, **given("max_body_bytes", "body_timeout"))
+    return ServeConfig(models=tuple(args.model), device=args.device, slots=args.slots, waiting=args.waiting,
+                       host=args.host, port=args.port, api_key=args.api_key or os.environ.get("AZYX_API_KEY"),
+                       truncate=args.truncate, body=body,
+                       **given("request_timeout", "max_tokens", "max_batch", "max_batch_tokens"))
+
+
 def serve(args: argparse.Namespace) -> int:
     """`azyx serve --model DIR ...`: the OpenAI-compatible server (azyx.serve) under uvicorn, until interrupted."""
     try:
         import uvicorn
 
-        from azyx.serve import KEEP_ALIVE_S, ServeConfig, make_app
+        from azyx.serve import KEEP_ALIVE_S, make_app
     except ImportError as e:
         print(f"azyx serve needs its extra: pip install 'azyx[serve]' ({e})", file=sys.stderr)
         return 1
     if not args.model:
         print("azyx serve: give at least one --model DIR", file=sys.stderr)
         return 2
-    def given(*names: str) -> dict[str, Any]:  # (the bounds left out keep ServeConfig's defaults)
-        return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-
-    body = dataclasses.replace(ServeConfig().body, **given("max_body_bytes", "body_timeout"))
-    cfg = ServeConfig(models=tuple(args.model), device=args.device, slots=args.slots, waiting=args.waiting,
-                      host=args.host, port=args.port, api_key=args.api_key or os.environ.get("AZYX_API_KEY"),
-                      truncate=args.truncate, body=body,
-                      **given("request_timeout", "max_tokens", "max_batch", "max_batch_tokens"))
+    cfg = serve_config(args)
     app = make_app(cfg)
     print(f"azyx serve: http://{cfg.host}:{cfg.port}/v1 ({', '.join(cfg.models)} on {cfg.device})", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, loop="asyncio",
@@ -150,6 +157,13 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "serve": (serve, "an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/embeddings) of the "
                      "models given"),
 }
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _serve_arguments(sp: argparse.ArgumentParser) -> None:
@@ -173,8 +187,8 @@ def _serve_arguments(sp: argparse.ArgumentParser) -> None:
                                                           "an error event (default 600)")
     sp.add_argument("--max-tokens", type=int, help="the most tokens a request may ask per choice, more: 400 "
                                                    "(default 4096)")
-    sp.add_argument("--max-batch", type=int, help="embeddings: sentences a batch may hold (default 32)")
-    sp.add_argument("--max-batch-tokens", type=int, help="embeddings: padded tokens (sentences x the longest) a "
+    sp.add_argument("--max-batch", type=_positive, help="embeddings: sentences a batch may hold (default 32)")
+    sp.add_argument("--max-batch-tokens", type=_positive, help="embeddings: padded tokens (sentences x the longest) a "
                                                          "batch may hold, as TEI's; the batch shapes planned at load "
                                                          "follow from it (default 2048)")
     sp.add_argument("--log-level", default="warning", help="uvicorn's log level")

@@ -1222,3 +1222,21 @@ def test_python_m_azyx_serve_and_the_console_script_serve_the_openai_client(chec
     done = subprocess.run([sys.executable, "-m", "azyx", "serve"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2 and "--model" in done.stderr, done.stderr
+
+
+def test_the_commands_bounds_reach_the_server_config_and_bad_ones_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`azyx serve`'s flags become the ServeConfig the server is made from (those left out keep its defaults); a batch
+    bound below 1 is refused by the command, naming the flag."""
+    from azyx.cli import parser, serve_config
+
+    p = parser()
+    cfg = serve_config(p.parse_args(["serve", "--model", "m", "--max-batch", "8", "--max-batch-tokens", "256",
+                                     "--max-tokens", "9", "--max-body-bytes", "4096", "--request-timeout", "2.5"]))
+    assert (cfg.models, cfg.max_batch, cfg.max_batch_tokens, cfg.max_tokens, cfg.body.max_body_bytes,
+            cfg.request_timeout) == (("m",), 8, 256, 9, 4096, 2.5)
+    assert serve_config(p.parse_args(["serve", "--model", "m"])) == ServeConfig(models=("m",))
+    for flag in ("--max-batch", "--max-batch-tokens"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["serve", "--model", "m", flag, "0"])
+        assert f"{flag}: must be at least 1, got 0" in capsys.readouterr().err
