@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -157,19 +158,8 @@ class Replay:
         return at[self.entries]
 
     def table_at(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Where a run's values sit in a table of the batch's arguments that holds, kernel after kernel, its buffer
-        addresses and then its scalar words (CUDA's kernelParams, the C runtime's argument table): the positions of
-        the addresses (in `addresses`' order), of the words (in `words`' order), and each kernel's start in the
-        table, its end last (the table's length)."""
-        arg_at: list[int] = []
-        word_at: list[int] = []
-        starts = [0]
-        for n_args, n_words in zip(self.arg_counts, self.word_counts):
-            at = starts[-1]
-            arg_at += range(at, at + n_args)
-            word_at += range(at + n_args, at + n_args + n_words)
-            starts.append(at + n_args + n_words)
-        return np.array(arg_at, np.intp), np.array(word_at, np.intp), starts
+        """Where a run's values sit in a table of the batch's arguments (`table_at`)."""
+        return table_at(self.batch.steps)
 
     def words(self, scalars: Sequence[Any]) -> np.ndarray:
         """Every kernel's scalar words for the run's `scalars` (uint64), packed anew only for new values."""
@@ -178,6 +168,22 @@ class Replay:
             packed = self.pack(scalars) if self.pack is not None else ()
             self.last = last = (scalars, np.array(packed, np.uint64))
         return last[1]
+
+
+def table_at(steps: list[KernelStep]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Where a run's values sit in a table of the arguments of kernels `steps` that holds, kernel after kernel, its
+    buffer addresses and then its scalar words (CUDA's kernelParams, the C runtime's argument table): the positions
+    of the addresses (in the order of `Replay.addresses`), of the words (in `Replay.words`' order), and each kernel's
+    start in the table, its end last (the table's length)."""
+    arg_at: list[int] = []
+    word_at: list[int] = []
+    starts = [0]
+    for k in steps:
+        at = starts[-1]
+        arg_at += range(at, at + len(k.args))
+        word_at += range(at + len(k.args), at + len(k.args) + len(k.scalars))
+        starts.append(at + len(k.args) + len(k.scalars))
+    return np.array(arg_at, np.intp), np.array(word_at, np.intp), starts
 
 
 def slot_picker(slots: Sequence[int]) -> Callable[[list[Any]], Any]:
@@ -826,8 +832,55 @@ class Device:
                 return True
         return False
 
+    def runs_on(self, processor: str) -> None:
+        """The kind of processor the API names (ROUGH_GFLOPS' keys: WebGPU's adapter types, what Vulkan's device types
+        map to): its rough GFLOP/s (`compute`, for AUTO placement), and on a CPU the most `poll` spins at once
+        (CPU_SPIN_S: its kernels run on the cores the loop would spin on)."""
+        self.compute = ROUGH_GFLOPS.get(processor, ROUGH_GFLOPS_OTHER)
+        if processor == "CPU":
+            self.spin_cap = CPU_SPIN_S
+
+    def lost(self, v: int, cause: BaseException) -> bool:
+        """Work item `v` failed and took the device with it (the device lost, a kernel that faulted: the API's context
+        is unusable): its failure recorded and the device failed (`fail`); False (what `wait_event` returns then)."""
+        self.record_failure(v, cause)
+        self.fail(cause)
+        return False
+
     def close(self) -> None:
         pass
+
+
+class Contexts:
+    """An API's contexts by key (a physical device, a platform), each shared by the devices of this process that use
+    it (so that they wait on each other's events and copy between each other's buffers: `QueuedDevice.peer`): made by
+    the first to `take` it and, where the API's context must be destroyed (`close`), destroyed once the last user
+    `release`s it."""
+
+    def __init__(self, close: Callable[[Any], None] | None = None):
+        self.close = close
+        self.lock = threading.Lock()
+        self.held: dict[Any, tuple[Any, int]] = {}  # key -> (its context, its users)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def take(self, key: Any, make: Callable[[], T]) -> T:
+        """The context of `key` (made by `make()` where there is none), with one user more."""
+        with self.lock:
+            ctx, users = self.held[key] if key in self.held else (make(), 0)
+            self.held[key] = (ctx, users + 1)
+            return ctx
+
+    def release(self, key: Any) -> None:
+        """A user of `key`'s context is done with it; the last one closes it."""
+        with self.lock:
+            ctx, users = self.held.pop(key)
+            if users > 1:
+                self.held[key] = (ctx, users - 1)
+                return
+        if self.close is not None:
+            self.close(ctx)
 
 
 def word_table(rows: list[list[int]], sizes: list[int], align: int) -> tuple[list[int], np.ndarray]:

@@ -58,6 +58,14 @@ class Memory:
         self.lock = threading.Lock()
         self.loads: Ring | None = None  # (`ring`)
 
+    def open_pool(self, options: dict[str, Any], default: float, create: Callable[[int], Any], cache_share: float = 1.0,
+                  pool: type[PoolAllocator] = PoolAllocator, **kw: Any) -> PoolAllocator:
+        """The device's pool of blocks that `create(n)` makes, over its config section's `memory` bytes (else
+        `default`), caching up to `cache_share` of that in blocks given back for reuse (`kw`: the pool's options)."""
+        self.capacity = int(options.get("memory") or default)
+        self.pool = pool(self.capacity, int(self.capacity * cache_share), create, self.device.name, **kw)
+        return self.pool
+
     def ring(self) -> Ring:
         """The device's ring of host staging blocks for file loads (one per device: its loads' reads and copies take
         turns in it; made at its first load)."""
@@ -249,9 +257,10 @@ class Staging:
         return None if block is None else self.lend(nbytes, block)
 
     def host(self, nbytes: int) -> tuple[np.ndarray, Lent]:
-        """`nbytes` bytes of a lent block's host memory, and the Lent that keeps them valid (`Device.host_staging`)."""
+        """`nbytes` bytes of a lent block's host memory (a block of one byte at least), and the Lent that keeps them
+        valid (`Device.host_staging`)."""
         assert self.view is not None
-        lent = self.lend(nbytes)
+        lent = self.lend(max(nbytes, 1))
         return self.view(lent.block)[:nbytes], lent
 
     def at(self, host: np.ndarray, keep: Any) -> int | None:

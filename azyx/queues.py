@@ -285,7 +285,12 @@ class EventQueue:
         dev.on_waiter_thread()
         while (item := self.completions.get()) is not None:
             ev, v, post = item
-            if dev.wait_event(ev, v) and post is not None:
+            try:
+                ok = dev.wait_event(ev, v)
+            except BaseException as e:  # (the API's error: the command failed)
+                dev.record_failure(v, e)
+                ok = False
+            if ok and post is not None:
                 try:
                     post()
                 except BaseException as e:
@@ -372,6 +377,16 @@ class QueuedDevice(Device):
     its own), says how to wait on an event (`wait_event`) and starts the queue's threads (`queue.start`)."""
 
     event_queue: type[EventQueue] = EventQueue
+    # each such API makes blocks on any thread (clCreateBuffer, vkAllocateMemory, wgpu-native's create_buffer,
+    # cuMemAlloc once the context is made current there), and the pools are locked (the native pool's one C call per
+    # step, or PoolAllocator's lock; wgpu's `OwnedPool.blocks` changes by one dict store under the GIL)
+    alloc_anywhere = True
+    # a large block made on the loop's thread held it: wgpu's create_buffer 50-120 ms beside a stream's reader threads
+    # and the queue's (lavapipe, a loaded machine); cuMemAlloc past a slab's pieces waits on the driver's lock, held for
+    # hundreds of ms while other threads pin staging memory (a first 2 GB lazy load: the loop's thread slept 494 ms).
+    # A load's or a plan's blocks of this size and up are made first on a worker thread (`Device.reserve`) and taken
+    # from the pool's cache on the loop's
+    reserve_min = 1 << 20
     ctx: Any = None  # the API's context, where one serves several devices (`peer`)
 
     def __init__(self, index: int, options: dict[str, Any]):
@@ -385,7 +400,8 @@ class QueuedDevice(Device):
 
     def wait_event(self, ev: Any, v: int) -> bool:
         """Block, with the GIL released, until `ev` (the event of the command of value `v`) completes; False when the
-        command failed, its failure recorded (`record_failure`)."""
+        command failed, its failure recorded (`record_failure`; an error raised here is recorded by the waiter
+        thread)."""
         raise NotImplementedError
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> Any:
@@ -407,7 +423,8 @@ class QueuedDevice(Device):
         return self.ctx is not None and isinstance(dev, type(self)) and dev.ctx is self.ctx
 
     def query(self, v: int) -> Callable[[], bool] | None:
-        """How `poll` asks the API whether the command of value `v` has completed; None: it cannot tell now."""
+        """How `poll` asks the API whether the command of value `v` has completed (once the submit thread submitted it,
+        and no read's host copy before it is left to run: `poll`); None: it cannot tell now."""
         return None
 
     def native_wait(self, dev: Device, v: int) -> Any:
@@ -422,7 +439,8 @@ class QueuedDevice(Device):
         complete too); the waiter thread still takes its completion in turn and drops what it held."""
         if self.timeline.value >= v:
             return True
-        done = self.query(v)
+        queue = self.queue  # (asked only of a command submitted, with no host-side `post` before it left to run)
+        done = None if queue.through < v or (queue.posts and queue.posts[0] <= v) or queue.closed else self.query(v)
         if done is None or not self.spun(done, spin):
             return self.timeline.value >= v
         self.timeline.signal(v)

@@ -46,6 +46,7 @@ from azyx.device import (
     Device,
     LaunchItem,
     Replay,
+    table_at,
 )
 from azyx.errors import DeviceError
 from azyx.ir import scalar_args
@@ -234,21 +235,22 @@ class CDevice(HostDevice):
                                  self.pool if batch.how is QUEUED else self.serial_pool or 0)
 
     def freeze(self, replay: Replay) -> bool:
-        """A steady batch replays through its `_Layout`'s table (`_Table`: where the run's addresses and words go);
-        not under AZYX_DEBUG's launch timings (each kernel its own call)."""
+        """A steady batch replays through its `_Layout` (which knows where the run's addresses and words go); not
+        under AZYX_DEBUG's launch timings (each kernel its own call)."""
         if debug.enabled(debug.LAUNCHES):
             return False
-        replay.prepared = _Table(replay)
+        assert type(replay.batch.prepared) is _Layout
+        replay.prepared = replay.batch.prepared
         return True
 
     def launch_replay(self, replay: Replay, bufs: list[Any], arena: Buffer | None, scalars: Sequence[Any],
                       waits: list[tuple[Device, int]]) -> int:
         """As `launch_many` (`run_batch`): here and now through the table, or one work item (one `_Batch`)."""
-        table, how = replay.prepared, replay.batch.how
+        layout, how = replay.prepared, replay.batch.how
         addresses = replay.addresses(bufs, arena)
-        words = replay.words(scalars) if table.n_words else None
-        return self.run_batch(how, waits, table.inline, (addresses, words),
-                              functools.partial(table.batch, addresses, words, (arena, replay.get(bufs))))
+        words = replay.words(scalars) if layout.n_words else None
+        return self.run_batch(how, waits, layout.frozen_inline, (addresses, words),
+                              functools.partial(layout.frozen_batch, addresses, words, (arena, replay.get(bufs))))
 
     def batch_fn(self, items: list[LaunchItem], batch: BatchState) -> Callable[[], None]:
         layout = batch.prepared
@@ -274,39 +276,36 @@ class CDevice(HostDevice):
 
 class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
-    buffers each takes): made once per plan's batch, so a run only fills in the buffers' addresses."""
+    buffers each takes, where its table holds what: `device.table_at`): made once per plan's batch, so a run only
+    fills in the buffers' addresses, from launch items or, where the batch is frozen (device.Replay), with numpy
+    (`frozen_inline`, `frozen_batch`)."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "scalar_at", "work", "last", "scratch",
-                 "value_ptrs", "fill", "kinds_table", "call", "serial", "pool")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "buf_at", "pointer_at", "last",
+                 "scratch", "value_ptrs", "fill", "kinds_table", "call", "serial", "pool", "n_words", "pointer_rel",
+                 "inline_table")
 
     def __init__(self, steps: list[KernelStep], serial: int, pool: int):
         self.n = len(steps)
         self.serial = serial  # the pool of one thread that an INLINE batch runs on (`inline`)
         self.pool = pool  # the pool its queued runs take (`_Batch`): the device's, or the serial one for small work
-        self.work = sum(step.work for step in steps)
         entries = [_PROGRAMS[step.name] for step in steps]
         self.fns = (ctypes.c_void_p * self.n)(*[address for address, _ in entries])
         self.argc = (ctypes.c_long * self.n)(*[len(step.args) + len(step.scalars) for step in steps])
         self.kinds = bytes([kind for _, kind in entries])
         self.trips = (ctypes.c_long * self.n)(*[step.launch.trip for step in steps])
-        n_words = sum(len(step.scalars) for step in steps)
+        # per kernel its buffers' addresses and then pointers to its scalar arguments (at `pointer_at`, where the
+        # device table holds the words); the scalars' values end the table
+        self.buf_at, self.pointer_at, _ = table_at(steps)
+        self.n_words = n_words = len(self.pointer_at)
         self.ptrs_type = ctypes.c_void_p * (sum(self.argc) + n_words)  # one type per layout, not per run
-        self.scalars = n_words > 0  # pointers to scalar arguments follow a kernel's buffers; their values end the table
-        self.scalar_at: list[int] = []  # where those pointers are
+        self.scalars = n_words > 0
         self.last: tuple[list[int], Any] = ([], None)  # the last run's table and what it was made of (read-only in C)
-        at = 0
-        for step in steps:
-            self.scalar_at += range(at + len(step.args), at + len(step.args) + len(step.scalars))
-            at += len(step.args) + len(step.scalars)
         # the table of a batch that runs where it is submitted (`inline`): one per layout, rewritten by each such run
         # (runs of a device's queue never overlap), its value pointers fixed once
         self.scratch = self.ptrs_type()
         base = ctypes.addressof(self.scratch) + 8 * (len(self.scratch) - n_words)
-        self.value_ptrs: list[list[int]] = []  # per kernel: where its scalar values sit in the scratch table
-        j = 0
-        for step in steps:
-            self.value_ptrs.append([base + 8 * (j + i) for i in range(len(step.scalars))])
-            j += len(step.scalars)
+        values = iter(range(base, base + 8 * n_words, 8))
+        self.value_ptrs = [[next(values) for _ in step.scalars] for step in steps]  # per kernel: its values' places
         self.fill = struct.Struct(f"<{len(self.scratch)}Q").pack_into
         # the call itself in C where azyx's native core is built: no ctypes conversions, and the GIL stays held (the
         # work is small), where ctypes would let it go and take it back
@@ -315,6 +314,11 @@ class _Layout:
             ctypes.cast(_RUNTIME_LIB[0].azyx_run, ctypes.c_void_p).value, self.n, ctypes.addressof(self.fns),
             ctypes.addressof(self.scratch), len(self.scratch), ctypes.addressof(self.argc),
             ctypes.addressof(self.kinds_table), ctypes.addressof(self.trips)) if native is not None else None
+        # a frozen batch's tables: its values' offsets in a table of its own (`frozen_batch`), and the scratch's
+        # (`frozen_inline`, TableCall's) with its value pointers fixed
+        self.pointer_rel = np.arange(len(self.scratch) - n_words, len(self.scratch), dtype=np.uint64) * np.uint64(8)
+        self.inline_table = np.zeros(len(self.scratch), np.uint64)
+        self.inline_table[self.pointer_at] = [p for at in self.value_ptrs for p in at]
 
     def table(self, items: list[LaunchItem]) -> Any:
         """A queued run's table of arguments (`_Batch.ptrs`): its buffers' addresses kernel after kernel and, where
@@ -323,8 +327,8 @@ class _Layout:
         ptrs = self.values(items, None)
         if ptrs != self.last[0]:
             table = self.ptrs_type(*ptrs)
-            base = ctypes.addressof(table) + 8 * (len(ptrs) - len(self.scalar_at))
-            for j, at in enumerate(self.scalar_at):  # the j-th value's pointer
+            base = ctypes.addressof(table) + 8 * (len(ptrs) - self.n_words)
+            for j, at in enumerate(self.pointer_at.tolist()):  # the j-th value's pointer
                 table[at] = base + 8 * j
             self.last = (ptrs, table)
         return self.last[1]
@@ -345,6 +349,25 @@ class _Layout:
         self.fill(self.scratch, 0, *vals)
         _RUNTIME_LIB[0].azyx_run(self.serial, self.n, self.fns, self.scratch, self.argc, self.kinds, self.trips)
 
+    def frozen_inline(self, addresses: np.ndarray, words: np.ndarray | None) -> None:
+        """Run a frozen batch now, on the calling thread (its serial pool), with a run's addresses and words."""
+        table = self.inline_table.copy()
+        table[self.buf_at] = addresses
+        if words is not None:
+            table[len(table) - self.n_words:] = words
+        self.run_scratch(table.tolist())
+
+    def frozen_batch(self, addresses: np.ndarray, words: np.ndarray | None, keep: Any) -> _Batch:
+        """The work item of a frozen batch's run: a table of its own (it lives until the batch has run, with `keep`:
+        the buffers)."""
+        table = np.empty(len(self.inline_table), np.uint64)
+        table[self.buf_at] = addresses
+        address = table.ctypes.data
+        if words is not None:
+            table[self.pointer_at] = self.pointer_rel + np.uint64(address)
+            table[len(table) - self.n_words:] = words
+        return _Batch(self, address, (keep, table))
+
 
 def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
     """A batch's table of arguments: per kernel its buffers' addresses and then the pointers to its scalars' values
@@ -360,8 +383,8 @@ def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]
 
 class _Batch:
     """Kernels run back to back by one call into C through `ptrs`, their table of arguments (`_Layout.table`, or a
-    frozen batch's: `_Table.batch`) on its layout's pool; holds `keep` (their buffers, the table's memory) until it has
-    run (then the pool may reuse them)."""
+    frozen batch's: `_Layout.frozen_batch`) on its layout's pool; holds `keep` (their buffers, the table's memory)
+    until it has run (then the pool may reuse them)."""
 
     __slots__ = ("layout", "ptrs", "keep")
 
@@ -371,42 +394,6 @@ class _Batch:
     def __call__(self) -> None:
         lay = self.layout
         _RUNTIME_LIB[0].azyx_run(lay.pool, lay.n, lay.fns, self.ptrs, lay.argc, lay.kinds, lay.trips)
-
-
-class _Table:
-    """A frozen batch's (device.Replay) table in its `_Layout`'s format: per kernel its buffers' addresses, then
-    pointers to its scalar values; the values at the end. Where each goes is found once; a run places them with
-    numpy."""
-
-    __slots__ = ("layout", "n", "n_words", "buf_at", "pointer_at", "pointer_rel", "inline_table")
-
-    def __init__(self, replay: Replay):
-        layout = replay.batch.prepared
-        assert type(layout) is _Layout
-        self.layout, self.n, self.n_words = layout, len(layout.scratch), sum(replay.word_counts)
-        self.buf_at, self.pointer_at, _ = replay.table_at()  # (a kernel's words' places hold pointers to its values)
-        self.pointer_rel = np.arange(self.n - self.n_words, self.n, dtype=np.uint64) * np.uint64(8)
-        # an inline run's table is the layout's scratch (TableCall's): its value pointers are fixed
-        self.inline_table = np.zeros(self.n, np.uint64)
-        self.inline_table[self.pointer_at] = [p for at in layout.value_ptrs for p in at]
-
-    def inline(self, addresses: np.ndarray, words: np.ndarray | None) -> None:
-        """Run the batch now, on the calling thread (its serial pool)."""
-        table = self.inline_table.copy()
-        table[self.buf_at] = addresses
-        if words is not None:
-            table[self.n - self.n_words:] = words
-        self.layout.run_scratch(table.tolist())
-
-    def batch(self, addresses: np.ndarray, words: np.ndarray | None, keep: Any) -> _Batch:
-        """The work item of a run: a table of its own (it lives until the batch has run, with `keep`: the buffers)."""
-        table = np.empty(self.n, np.uint64)
-        table[self.buf_at] = addresses
-        address = table.ctypes.data
-        if words is not None:
-            table[self.pointer_at] = self.pointer_rel + np.uint64(address)
-            table[self.n - self.n_words:] = words
-        return _Batch(self.layout, address, (keep, table))
 
 
 class _Runner:

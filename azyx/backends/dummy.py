@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from azyx.allocator import PoolAllocator
 from azyx.codegen.dialect import C
 from azyx.device import Buffer, Device
 from azyx.dtypes import DType
@@ -30,8 +29,7 @@ class DummyDevice(Device):
 
     def __init__(self, index: int, options: dict[str, Any]):
         super().__init__(index, options)
-        self.capacity = int(options.get("memory", 1 << 30))
-        self.allocator = PoolAllocator(self.capacity, 0, _no_data, self.name)  # (accounting only)
+        self.mem.open_pool(options, 1 << 30, _no_data, 0)  # (accounting only)
         self.compute = float(options.get("compute", 0.0))
         self.submitted = 0
         self.launched: list[str] = []  # kernel names, in launch order (for tests)

@@ -38,10 +38,9 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Device, Replay, after_waits
+from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Contexts, Device, Replay, after_waits
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import DeviceError
 from azyx.plan import KernelStep
@@ -57,7 +56,7 @@ try:
 except ImportError as e:  # the runtime skips this backend (AZYX_DEBUG=1 says why)
     raise ImportError(f"pyopencl is not installed: {e}") from None
 
-_CONTEXTS: dict[int, Any] = {}  # platform index -> context shared by that platform's devices
+_CONTEXTS = Contexts()  # platform index -> context shared by that platform's devices
 # a scalar argument's bits, by its size: the unsigned C type pyopencl packs them as (`_set_arg_buf_pack_multi`; its
 # types stop at C's long: 8 bytes where it is that long, else packed here)
 ARENA_BLOCKS = 4  # arena blocks whose sub-buffers a frozen batch keeps (`_Record`)
@@ -164,8 +163,6 @@ class OpenCLDevice(QueuedDevice):
     kind = "opencl"
     dialect = OPENCL
     tiles = True
-    alloc_anywhere = True  # (OpenCL's calls, clCreateBuffer's included, are thread-safe; the pool is locked)
-    reserve_min = 1 << 20  # (clCreateBuffer of a large block: made first on a worker thread, as on wgpu)
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -177,13 +174,10 @@ class OpenCLDevice(QueuedDevice):
         if index >= len(devices):
             raise DeviceError(f"no OpenCL device {index} (found {len(devices)})")
         plat, self.cl_device = devices[index]
-        if plat not in _CONTEXTS:
-            _CONTEXTS[plat] = cl.Context([d for p, d in devices if p == plat])
-        self.ctx = _CONTEXTS[plat]
+        self.ctx = _CONTEXTS.take(plat, lambda: cl.Context([d for p, d in devices if p == plat]))
         self.cl_queue = cl.CommandQueue(self.ctx, self.cl_device)
-        self.capacity = int(options.get("memory") or self.cl_device.global_mem_size * 3 // 4)
-        self.allocator = PoolAllocator(self.capacity, self.capacity // 4,
-                                       lambda size: cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size), self.name)
+        self.mem.open_pool(options, self.cl_device.global_mem_size * 3 // 4,
+                           lambda size: cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size), 1 / 4)
         self.compute = float(self.cl_device.max_compute_units * 25)  # rough GFLOP/s, for AUTO placement
         if self.cl_device.type & cl.device_type.CPU:  # (PoCL) matrix products by a CPU-style template
             width = 4 * int(self.cl_device.native_vector_width_float)
@@ -244,12 +238,8 @@ class OpenCLDevice(QueuedDevice):
     def wait_event(self, ev: Any, v: int) -> bool:
         if ev is None:  # (it could not be queued: its failure is recorded)
             return False
-        try:
-            ev.wait()
-            return True
-        except cl.Error as e:
-            self.record_failure(v, e)
-            return False
+        ev.wait()  # (a cl.Error: the command failed, recorded by the waiter thread)
+        return True
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:

@@ -44,19 +44,10 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator, Slabs
+from azyx.allocator import Slabs
 from azyx.codegen.dialect import GLSL, glsl_dialect
 from azyx.compiler import compiler_says, kernel_list, run_compiler
-from azyx.device import (
-    CPU_SPIN_S,
-    ROUGH_GFLOPS,
-    ROUGH_GFLOPS_OTHER,
-    BatchState,
-    Buffer,
-    Device,
-    LaunchItem,
-    word_table,
-)
+from azyx.device import BatchState, Buffer, Contexts, Device, LaunchItem, word_table
 from azyx.errors import DeviceError
 from azyx.memory import Lent
 from azyx.plan import KernelStep
@@ -91,7 +82,7 @@ BARRIER_SRC, BARRIER_DST = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, (vk.VK_PIPELIN
                                                                   vk.VK_PIPELINE_STAGE_HOST_BIT)
 ACCESS_DST = vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT
 PROCESSOR = {vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "CPU", vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "IntegratedGPU",
-             vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "DiscreteGPU"}  # a device type's name in ROUGH_GFLOPS
+             vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "DiscreteGPU"}  # a device type's name (Device.runs_on)
 # features a kernel may need, enabled where the device has them: (struct, field)
 OPTIONAL_FEATURES = [("core", "shaderInt64"), ("core", "shaderFloat64"), ("core", "shaderInt16"),
                      ("v11", "storageBuffer16BitAccess"), ("v12", "storageBuffer8BitAccess"), ("v12", "shaderInt8"),
@@ -174,7 +165,6 @@ class _Context:
             raise DeviceError(f"vkCreateDevice failed on {self.props.deviceName}: {type(e).__name__}") from None
         self.queue = vk.vkGetDeviceQueue(self.device, self.family, 0)
         self.qlock = threading.Lock()
-        self.users = 0  # vulkan devices (and their buffers still out after they closed) that use it
 
     def submit(self, cb: Any, sems: list[Any], values: list[int], signal: Any, value: int) -> None:
         """One submission: command buffer `cb` (or None) after semaphores `sems` reach `values`, then `signal` set
@@ -200,26 +190,14 @@ class _Context:
         if result != vk.VK_SUCCESS:
             raise vk.exception_codes.get(result, vk.VkError)()
 
-    def release(self) -> None:
-        """A user is done with it; the last one destroys the VkDevice."""
-        self.users -= 1
-        if self.users == 0:
-            _CONTEXTS.pop(self.index, None)
-            vk.vkDeviceWaitIdle(self.device)
-            vk.vkDestroyDevice(self.device, None)
+
+def _close(ctx: _Context) -> None:
+    """The last user of a context is done with it (`_CONTEXTS`): its VkDevice is destroyed."""
+    vk.vkDeviceWaitIdle(ctx.device)
+    vk.vkDestroyDevice(ctx.device, None)
 
 
-_CONTEXTS: dict[int, _Context] = {}  # physical device index -> its context
-_CONTEXT_LOCK = threading.Lock()
-
-
-def context(index: int) -> _Context:
-    with _CONTEXT_LOCK:
-        ctx = _CONTEXTS.get(index)
-        if ctx is None:
-            ctx = _CONTEXTS[index] = _Context(index)
-        ctx.users += 1
-        return ctx
+_CONTEXTS = Contexts(_close)  # physical device index -> its context, while a vulkan device (or a block of one) uses it
 
 
 @functools.cache
@@ -285,8 +263,6 @@ class VulkanDevice(QueuedDevice):
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
     shaders = True
-    alloc_anywhere = True  # (Vulkan makes buffers and memory on any thread; the pools, slabs and counts are locked)
-    reserve_min = 1 << 20  # (vkAllocateMemory of a large block: made first on a worker thread, as on wgpu)
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -297,11 +273,12 @@ class VulkanDevice(QueuedDevice):
         super().__init__(index, options)
         glslc_version()  # (raises where glslc is missing: nothing could be compiled)
         self.slabs = Slabs(SLAB, SLAB_ALIGN, SLAB_PIECE)  # per memory type, the slabs its small blocks are carved from
-        self.ctx = context(device_list(options)[index])  # (index < `count`: the registry's)
+        pd = device_list(options)[index]  # (index < `count`: the registry's)
+        self.ctx = _CONTEXTS.take(pd, functools.partial(_Context, pd))
         try:
             self._setup(options)
         except BaseException:
-            self.ctx.release()
+            _CONTEXTS.release(pd)
             raise
         self.queue.start()
 
@@ -333,16 +310,12 @@ class VulkanDevice(QueuedDevice):
         if device_type is None or staging_type is None:
             raise DeviceError(f"{self.name}: no memory type for storage buffers")
         heap = ctx.memory.memoryHeaps[ctx.memory.memoryTypes[device_type].heapIndex].size
-        self.capacity = int(options.get("memory") or heap * 3 // 4)
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
-        self.allocator = PoolAllocator(self.capacity, self.capacity,
-                                       functools.partial(self._create, device_type, self.mapped), self.name)
+        self.mem.open_pool(options, heap * 3 // 4, functools.partial(self._create, device_type, self.mapped))
         self.staging = self.mem.staging(functools.partial(self._create, staging_type, True), "staging", view=_mapping)
         self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
-        self.mem.on_empty = ctx.release  # (its use of the shared context ends with its last block)
-        if dtype == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
-            self.spin_cap = CPU_SPIN_S
-        self.compute = ROUGH_GFLOPS.get(PROCESSOR.get(dtype, ""), ROUGH_GFLOPS_OTHER)
+        self.mem.on_empty = functools.partial(_CONTEXTS.release, ctx.index)  # (its use of it ends with its last block)
+        self.runs_on(PROCESSOR.get(dtype, ""))
         self.sem = self._semaphore()  # the timeline: submission v signals v
         self.ending = False  # (close waited for the queued work: the waiter thread fails what has not completed)
         self.cmd_pool = vk.vkCreateCommandPool(self.vkdev, vk.VkCommandPoolCreateInfo(
@@ -596,10 +569,7 @@ class VulkanDevice(QueuedDevice):
                     self.record_failure(v, DeviceError(f"{self.name}: work item {v} never completed before close"))
                     return False
             except vk.VkError as e:  # device lost: its work and everything queued behind it is gone
-                cause = DeviceError(f"{self.name}: waiting for work item {v} failed: {type(e).__name__}")
-                self.record_failure(v, cause)
-                self.fail(cause)
-                return False
+                return self.lost(v, DeviceError(f"{self.name}: waiting for work item {v} failed: {type(e).__name__}"))
 
     def _wait_info(self, v: int) -> Any:
         return vk.VkSemaphoreWaitInfo(pSemaphores=[self.sem], pValues=ffi.new("uint64_t[1]", [v]))
@@ -611,11 +581,7 @@ class VulkanDevice(QueuedDevice):
 
     def query(self, v: int) -> Callable[[], bool] | None:
         """The semaphore's counter (`poll` spins at most `spin_cap` on it: lavapipe's kernels run on the cores the loop
-        would spin on), once the submit thread submitted `v` (as OpenCL's event), never past a value whose host copy
-        has yet to run."""
-        queue = self.queue
-        if queue.through < v or (queue.posts and queue.posts[0] <= v) or queue.closed:
-            return None
+        would spin on)."""
         counter, vkdev, sem = vk.vkGetSemaphoreCounterValue, self.vkdev, self.sem
         return lambda: counter(vkdev, sem) >= v
 
@@ -646,8 +612,7 @@ class VulkanDevice(QueuedDevice):
         device memory is mapped, else a staging block (returned: a copy command moves its bytes)."""
         if self.mapped:
             return _mapping(buf.mem)[offset:offset + n], None
-        host, lent = self.staging.host(max(n, 1))
-        return host[:n], lent
+        return self.staging.host(n)
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """In queue order: mapped memory is copied out by the waiter thread once the work before completed;

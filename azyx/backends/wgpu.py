@@ -40,7 +40,7 @@ from azyx.codegen.dialect import WGSL_TYPES
 from azyx.codegen.launch import Launch
 from azyx.codegen.wgsl import bindings, render_wgsl
 from azyx.config import ConfigError
-from azyx.device import ROUGH_GFLOPS, ROUGH_GFLOPS_OTHER, Buffer, Device, LaunchItem, word_table
+from azyx.device import Buffer, Device, LaunchItem, word_table
 from azyx.errors import DeviceError
 from azyx.ir import Kernel, scalar_args
 from azyx.memory import OwnedPool, memory_bytes
@@ -136,13 +136,6 @@ class WgpuDevice(QueuedDevice):
     kind = "wgpu"
     dialect = WGSL_FACTS  # launch facts only: `render` is the WGSL renderer's
     shaders = True
-    # wgpu-native makes buffers on any thread, and the pools are locked (the native pool's one C call per step, or
-    # PoolAllocator's lock; `OwnedPool.blocks` changes by one dict store under the GIL)
-    alloc_anywhere = True
-    # a stream's destinations made on the loop's thread held it 50-120 ms in create_buffer beside the reader threads
-    # and the queue's (lavapipe, a loaded machine): a load's or a plan's blocks of this size and up are made first on a
-    # worker thread (`Device.reserve`) and taken from the pool's cache on the loop's
-    reserve_min = 1 << 20
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -176,14 +169,11 @@ class WgpuDevice(QueuedDevice):
         if limits["max-compute-workgroups-per-dimension"] < WGSL_FACTS.max_groups:
             raise DeviceError(f"{self.name}: {self.label} allows only "
                               f"{limits['max-compute-workgroups-per-dimension']} workgroups per dimension")
-        self.compute = ROUGH_GFLOPS.get(info["adapter_type"], ROUGH_GFLOPS_OTHER)
-        # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it)
-        default = {"CPU": memory_bytes() // 4,
-                   "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
-        self.capacity = int(options.get("memory") or default)
-        # blocks are kept for reuse up to the capacity: a kept bind group names its buffers (`_bind_group`)
-        self.allocator = self.pool = OwnedPool(self.capacity, self.capacity, functools.partial(
-            self._buffer, STORAGE), self.name)  # (a driver's refusal: the pool's AllocationError)
+        self.runs_on(info["adapter_type"])
+        # (WebGPU does not tell a device's memory: config section 'wgpu', "memory", says it); blocks are kept for reuse
+        # up to the capacity: a kept bind group names its buffers (`_bind_group`)
+        default = {"CPU": memory_bytes() // 4, "DiscreteGPU": 16 << 30}.get(info["adapter_type"], 4 << 30)
+        self.mem.open_pool(options, default, functools.partial(self._buffer, STORAGE), pool=OwnedPool)
         self.groups: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
         self.staging, self.uploads = (self.mem.staging(functools.partial(self._buffer, usage), what, 256 << 20,
                                                        pool=OwnedPool) for usage, what in ((STAGING, "staging"),
@@ -270,11 +260,7 @@ class WgpuDevice(QueuedDevice):
         if known or v <= self.done:
             return True
         upto = self.queue.through
-        try:
-            self.gpu_queue.on_submitted_work_done_sync()
-        except Exception as e:
-            self.record_failure(v, e)
-            return False
+        self.gpu_queue.on_submitted_work_done_sync()  # (an error: recorded by the waiter thread)
         self.done = upto
         return True
 
