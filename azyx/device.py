@@ -349,10 +349,11 @@ class Device:
     1. `CONFIG` at the module's top (its config section's defaults; `AUTO`, `LIBRARIES` where they apply), and a
        Device subclass (most: of queues.QueuedDevice) that sets the facts below that differ (`kind`, `dialect`, ...)
        and `count` (how many devices its API has).
-    2. `__init__`: open the API; `self.capacity = ...`; `self.allocator = PoolAllocator(capacity, cache_limit,
-       create, self.name)` where `create(n)` makes a block of n bytes (small ones as pieces of slabs where the
+    2. `__init__`: open the API (a context its devices share: `Contexts`); `self.mem.open_pool(options, default,
+       create)` where `create(n)` makes a block of n bytes (small ones as pieces of slabs where the
        API's allocations are slow: allocator.Slabs' `block` and `destroy`; a pool that holds its blocks, where the
-       API's block objects release their handle as they are finalized: memory.OwnedPool); where blocks must be freed
+       API's block objects release their handle as they are finalized: memory.OwnedPool); `runs_on(processor)` where
+       the API names the kind of processor; where blocks must be freed
        through the API, `self.mem.destroy`; where kernels take buffers by address, `self.mem.address`; where one
        buffer has a limit, `self.mem.max_block`; host staging by `self.mem.staging(create, what)` (memory.Staging: its
        blocks lent by `lend(n)`, a mapped one's memory by `host(n)`); then `queue.start()` (the waiter thread, and the
@@ -360,7 +361,8 @@ class Device:
     3. Completion: submit each command after its waits and hand its native event to the waiter thread: by
        `queue.enqueue(run, waits, keep)` and `submit(run, waits, v)` (which calls `queue.native_waits`, or
        `queue.host_waited` where the host waits for the rest on the submit thread, and returns the event),
-       or its own path that puts (event, value, post) on `queue.completions`; `wait_event(ev, v)` blocks on one;
+       or its own path that puts (event, value, post) on `queue.completions`; `wait_event(ev, v)` blocks on one
+       (an error it raises fails the command; `lost` where the device is gone with it);
        `native_wait(dev, v)` and `peer(dev)` say what it waits on natively (the rest the host completes);
        `query(v)` lets `poll` ask without a wake-up.
     4. Compile: `build(src, steps)` -> {kernel name: what launching it needs}, through `self.builder`: `artifact`
