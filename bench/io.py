@@ -41,6 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(1, str(REPO))  # (this tree's azyx, as the children's PYTHONPATH says)
 from common import cpu_model, gpu_name, time_calls  # noqa: E402  (beside this script)
 
 MIB = 1 << 20
@@ -72,7 +73,6 @@ CUDA_METHODS = {
     "azyx_stream_cold": "cold file: azyx.io.stream_safetensors(device=GPU)",
     "azyx_stream_direct_cold": "cold file: azyx.io.stream_safetensors(device=GPU, direct_io=True) (O_DIRECT)",
 }
-PREFETCH = 64 * MIB  # azyx.io.stream's default read-ahead (the peak-memory target's term)
 SHARDS = {"embed.weight": 1, "layers.*.w_in": 0, "layers.*.w_out": 1}  # the sharded row's split: name -> axis
 SENTENCES = [f"{w} is sentence number {i} of the benchmark, about a {w.lower()} that waits for its embedding."
              for i, w in enumerate(["Cat", "Dog", "River", "Mountain", "Server", "Tensor", "Garden", "Violin"] * 4)]
@@ -305,9 +305,9 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     dropped = drop_cache(path) if cold else False
     read_before = _bytes_read()
     base = _reset_peak()
-    t0 = time.perf_counter()
+    c0, t0 = _cpu(), time.perf_counter()
     result = load()
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, _cpu() - c0
     peak = _status("VmHWM") - base
     got = _bytes_read() - read_before
     first_beats = list(beats)
@@ -316,12 +316,21 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     if cold:
         drop_cache(path)
     beats.clear()  # (the second load's own)
-    t0 = time.perf_counter()
+    c0, t0 = _cpu(), time.perf_counter()
     load()
-    warm_s = time.perf_counter() - t0
+    warm_s, warm_cpu = time.perf_counter() - t0, _cpu() - c0
     return {"seconds": first, "warm_seconds": warm_s, "bytes": data, "peak_rss_increase": peak,
+            "cpu_seconds": first_cpu, "cpu_warm_seconds": warm_cpu,
             **_beats(first_beats, ""), **_beats(beats, "_second"), "dropped": dropped,
             "bytes_read": got if method.startswith("azyx") else None}
+
+
+def _cpu() -> float:
+    """The CPU seconds (user and system) the process has spent so far, all its threads."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _beats(beats: list[tuple[float, float, str, float]], which: str) -> dict[str, Any]:
@@ -387,7 +396,8 @@ def run_child(*args: str, device: str = "c:0", timeout: float = 600) -> dict[str
 
 
 # ------------------------------------------------------------------------------------------------ report
-HEADER = ["workload", "first load, GB/s", "second load, GB/s", "peak RSS increase (first)", "vs safetensors",
+HEADER = ["workload", "first load, GB/s", "second load, GB/s", "peak RSS increase (first)",
+          "CPU s per GB (first / second)", "vs safetensors",
           "vs parallel preadv", "worst heartbeat (first / second), ms (of it the process's own)", "target", "met?"]
 
 
@@ -395,21 +405,22 @@ def results_section(info: list[str], rows: list[list[str]], notes: list[str], de
     lines = [MARK_START if device == "c:0" else MARK_START.replace("io:", f"io-{device.replace(':', '')}:"), "",
              f"## azyx.io: safetensors loading onto {device}" + (" and MiniLM serving" if device == "c:0" else ""), "",
              f"Reproduce: `.venv/bin/python bench/io.py{'' if device == 'c:0' else ' --device ' + device}`. Each "
-             "method runs in a fresh subprocess and loads the file twice: first into memory the process never "
-             "touched (the first load in the process), then again after dropping the first result (warm memory: "
-             "azyx's pool and the raw reads reuse theirs, the safetensors package allocates anew). Rows marked cold "
-             "drop the file from the page cache (posix_fadvise DONTNEED) before each load; the others read it from "
-             "the page cache. GB/s counts the file's data bytes; peak RSS is the child's VmHWM increase, during the "
-             "first load, over its RSS after imports and start-up; the heartbeat is the worst lateness of a 1 ms "
-             "timer on the event loop during the first load, then the second (azyx rows); own: less, per beat, the "
-             "time the loop's thread waited for a CPU and the hypervisor's steal (azyx.debug.LoopStalls.worst_own_ms: "
-             "what the process caused, not the machine's other load); plan run: the longest plan run the executor "
-             "made on the loop's thread during the load (`UnifiedExecutor.run`: a lazy load's realize queueing its "
-             "transfers, the floor under its heartbeat; 0: a long run is made on a worker thread). Ratios: "
-             "first/second load against the peer of the same temperature. Medians of the repeats (their range in "
-             "parentheses).", ""]
+             "method runs in a fresh subprocess and loads the file twice: first into memory the process never touched "
+             "(the first load in the process), then again after dropping the first result (warm memory: azyx's pool "
+             "and the raw reads reuse theirs, the safetensors package allocates anew). Rows marked cold drop the file "
+             "from the page cache (posix_fadvise DONTNEED) before each load; the others read it from the page cache. "
+             "GB/s counts the file's data bytes; CPU s per GB: the child's CPU time (user and system, every thread: "
+             "what a load costs, however loaded the machine) per GB of the load; peak RSS is the child's VmHWM "
+             "increase, during the first load, over its RSS after imports and start-up; the heartbeat is the worst "
+             "lateness of a 1 ms timer on the event loop during the first load, then the second (azyx rows); own: "
+             "less, per beat, the time the loop's thread waited for a CPU and the hypervisor's steal "
+             "(azyx.debug.LoopStalls.worst_own_ms: what the process caused, not the machine's other load); plan run: "
+             "the longest plan run the executor made on the loop's thread during the load (`UnifiedExecutor.run`: a "
+             "lazy load's realize queueing its transfers, the floor under its heartbeat; 0: a long run is made on a "
+             "worker thread). Ratios: first/second load against the peer of the same temperature. Medians of the "
+             "repeats (their range in parentheses).", ""]
     lines += [f"- {ln}" for ln in info] + [""]
-    lines += ["| " + " | ".join(HEADER) + " |", "|---|" + "---:|" * 6 + "---|---|"]
+    lines += ["| " + " | ".join(HEADER) + " |", "|---|" + "---:|" * 7 + "---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     notes = [n for n in notes if n]
     if notes:
@@ -460,7 +471,9 @@ def main(args: argparse.Namespace) -> int:
                 results.setdefault(method, []).append(r)
                 print(f"  {method} #{rep}: " + (f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, then "
                                                 f"{r['bytes'] / r['warm_seconds'] / 1e9:.2f} GB/s; peak "
-                                                f"+{r['peak_rss_increase'] / MIB:.0f} MiB" +
+                                                f"+{r['peak_rss_increase'] / MIB:.0f} MiB; CPU "
+                                                f"{r['cpu_seconds'] * 1e9 / r['bytes']:.2f} / "
+                                                f"{r['cpu_warm_seconds'] * 1e9 / r['bytes']:.2f} s per GB" +
                                                 (f"; heartbeat {r['heartbeat_ms']:.1f} / "
                                                  f"{r['heartbeat_second_ms']:.1f} ms (own {r['heartbeat_own_ms']:.1f}"
                                                  f" / {r['heartbeat_own_second_ms']:.1f}); longest plan run on the "
@@ -493,9 +506,15 @@ def main(args: argparse.Namespace) -> int:
             return statistics.median(vals) if vals else None
         return statistics.median(r["bytes"] / r[key] / 1e9 for r in ok)
 
+    def cpu(method: str, key: str) -> float:
+        """The median CPU seconds (the process's, every thread) per GB of a load."""
+        return statistics.median(r[key] * 1e9 / r["bytes"] for r in results[method] if "error" not in r)
+
     def spread(method: str, key: str) -> str:
         rates = [r["bytes"] / r[key] / 1e9 for r in results[method] if "error" not in r]
         return f" ({min(rates):.1f}-{max(rates):.1f})" if len(rates) > 1 else ""
+
+    from azyx.io.stream import PREFETCH  # (the stream's default read-ahead: the peak-memory target's term)
 
     rows, notes = [], []
     peer = "safetensors_torch" if gpu else "safetensors"
@@ -508,7 +527,7 @@ def main(args: argparse.Namespace) -> int:
         own, own2 = med(method, "heartbeat_own_ms"), med(method, "heartbeat_own_second_ms")
         run, run2 = med(method, "plan_run_ms"), med(method, "plan_run_second_ms")
         if first is None or second is None or peak is None:
-            rows.append([what, "failed", "", "", "", "", "", "", ""])
+            rows.append([what, "failed", "", "", "", "", "", "", "", ""])
             notes.append(f"{method}: {results[method][-1].get('error')}")
             continue
         temp = "_cold" if method.endswith("_cold") else ""
@@ -535,7 +554,9 @@ def main(args: argparse.Namespace) -> int:
             return " / ".join(f"{r:.2f}x" if r else "-" for r in rs) if any(rs) else ""
 
         rows.append([what, f"{first:.2f}{spread(method, 'seconds')}", f"{second:.2f}{spread(method, 'warm_seconds')}",
-                     f"{peak / MIB:.1f} MiB", pair(vs_st) if method != peer + temp else "",
+                     f"{peak / MIB:.1f} MiB",
+                     f"{cpu(method, 'cpu_seconds'):.3f} / {cpu(method, 'cpu_warm_seconds'):.3f}",
+                     pair(vs_st) if method != peer + temp else "",
                      pair(vs_pv) if not method.startswith("preadv") else "",
                      f"{beat:.1f} / {beat2:.1f} (own {own:.1f} / {own2:.1f}" +
                      (f"; plan run {run:.1f} / {run2:.1f}" if run is not None and run2 is not None else "") + ")"
@@ -550,9 +571,9 @@ def main(args: argparse.Namespace) -> int:
         st_rate = stm["sentences"] / stm["seconds"] if "error" not in stm else None
         rows.append(["all-MiniLM-L6-v2, batch 32 on c:0, azyx (sentences/s)",
                      f"{az_rate:.1f}" if az_rate else "not run" if "skipped" in az else "failed",
-                     "", "", "", "", "", "", ""])
+                     "", "", "", "", "", "", "", ""])
         rows.append([f"all-MiniLM-L6-v2, batch 32, sentence-transformers on CPU, {stm.get('threads', '?')} torch "
-                     f"threads (sentences/s)", f"{st_rate:.1f}" if st_rate else "not run", "", "",
+                     f"threads (sentences/s)", f"{st_rate:.1f}" if st_rate else "not run", "", "", "",
                      f"azyx/ST {az_rate / st_rate:.2f}x" if az_rate and st_rate else "", "", "", "", ""])
         if "error" in stm:
             notes.append(f"sentence-transformers not measured: {' '.join(stm['error'])}")
