@@ -55,8 +55,8 @@ def np_timed(fn: Callable[[], Any], repeats: int) -> float:
 
 async def workloads(devices: list[str], quick: bool) -> list[list[str]]:
     rng = np.random.default_rng(0)
-    n16, side, mm = (1 << 22, 2048, 512) if quick else (1 << 24, 4096, 1024)
-    reps = 3 if quick else 7
+    n16, side, mm = (1 << 20, 512, 256) if quick else (1 << 24, 4096, 1024)
+    reps = 2 if quick else 7
     rows: list[list[str]] = []
     a_np, b_np, c_np = (rng.random(n16, dtype=F32) for _ in range(3))
     m_np = rng.random((side, side), dtype=F32)
@@ -106,8 +106,8 @@ async def workloads(devices: list[str], quick: bool) -> list[list[str]]:
 
 
 async def transfers(quick: bool) -> list[list[str]]:
-    nbytes = (16 if quick else 64) << 20
-    reps = 3 if quick else 7
+    nbytes = (4 if quick else 64) << 20
+    reps = 2 if quick else 7
     src_np = np.random.default_rng(1).random(nbytes // 4, dtype=F32)
     dst_np = np.empty_like(src_np)
     copy_t = np_timed(lambda: np.copyto(dst_np, src_np), reps)
@@ -165,7 +165,7 @@ async def main() -> None:
         f"{time.strftime('%Y-%m-%d')}, devices {', '.join(devices)})", "", machine_line(), "",
         "Rates (higher is better) or microseconds; the ratio columns are speed relative to numpy.", "",
         table(["workload", *devices, "numpy", *(f"{d}/numpy" for d in devices)], w), "",
-        "Transfers through `UnifiedExecutor.execute_transfer` (64 MiB; quick: 16 MiB), GB/s, beside a numpy copy "
+        "Transfers through `UnifiedExecutor.execute_transfer` (64 MiB; quick: 4 MiB), GB/s, beside a numpy copy "
         "of the same size:", "",
         table(["route", "sync strategy", "GB/s", "numpy copy GB/s", "ratio"], tr), "", END])
     print(text)
