@@ -93,10 +93,10 @@ class Config:
 
 def make_config(quick: bool, device: str) -> Config:
     if quick:
-        return Config(quick=True, device=device, build_ops=1000, build_repeats=3, small_n=1024, small_repeats=50,
-                      chain_ops=400, chain_reps=1, heartbeat_n=16 * MIB, fused_n=4 * MIB, sum_n=4 * MIB,
-                      rowsum_side=2048, matmul_sizes=(256, 512), copy_bytes=64 * MIB, repeats=3, budget_s=2.0,
-                      timeout_s=60.0, run_budget_s=90.0)
+        return Config(quick=True, device=device, build_ops=1000, build_repeats=2, small_n=1024, small_repeats=20,
+                      chain_ops=400, chain_reps=1, heartbeat_n=4 * MIB, fused_n=1 * MIB, sum_n=1 * MIB,
+                      rowsum_side=512, matmul_sizes=(128, 256), copy_bytes=16 * MIB, repeats=2, budget_s=1.0,
+                      timeout_s=60.0, run_budget_s=45.0)
     return Config(quick=False, device=device, build_ops=1000, build_repeats=7, small_n=1024, small_repeats=300,
                   chain_ops=400, chain_reps=3, heartbeat_n=64 * MIB, fused_n=16 * MIB, sum_n=16 * MIB,
                   rowsum_side=4096, matmul_sizes=(1024, 2048), copy_bytes=256 * MIB, repeats=11, budget_s=8.0,

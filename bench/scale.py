@@ -486,7 +486,7 @@ async def main() -> None:
     cuda = all(d.startswith("cuda") for d in devs)
     mib, steps, reps = (4, 2, 1) if args.quick else (256 if cuda else 64, 20, 5)
     if args.ray:
-        rows = await ray_rows(3 if args.quick else 10, reps)
+        rows = await ray_rows(1 if args.quick else 10, reps)
         args.collectives = True
     else:
         rows = await collective_rows(devs, mib, reps)
@@ -497,7 +497,7 @@ async def main() -> None:
     if not args.collectives:
         rows += [await tensor_parallel_row(devs, 4 if args.quick else 16, reps),
                  await data_parallel_row(devs, steps, reps),
-                 *([] if args.no_ray else await ray_rows(3 if args.quick else 10, reps))]
+                 *([] if args.no_ray else await ray_rows(1 if args.quick else 10, reps))]
     text = "\n".join([
         START, "", f"## Scale-out on one host: {' + '.join(devs)} ({'quick' if args.quick else 'full'} run, "
         f"{time.strftime('%Y-%m-%d')})", "", machine_line(), "",
