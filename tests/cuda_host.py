@@ -5,9 +5,10 @@ block's threads); `__syncthreads` is a barrier of the block's fibers, and `__shf
 of the warp's 32 (each lane posts its value, reads its partner's), so a kernel whose warps shuffle in step computes
 what the GPU does. A fiber runs until it waits at a barrier; the scheduler then resumes the next one that can go on,
 in thread order, or reversed every other pass and block: a read of another thread's write that no barrier orders
-sees the value from before the write in one of the two orders, and a barrier that some thread never reaches fails
-the launch (where a GPU hangs). Inline PTX has no host meaning: 2^x (`azyx_ex2`) and the float16 conversions are the
-prelude's. Not for the tensor-core kernels (their ldmatrix and mma are PTX: tests/test_mma_emulated.py reads those)."""
+reads the old value where the reader runs first (a later thread's write in thread order, an earlier one's reversed),
+and a barrier that some thread never reaches fails the launch (where a GPU hangs). Inline PTX has no host meaning:
+2^x (`azyx_ex2`) and the float16 conversions are the prelude's. Not for the tensor-core kernels (their ldmatrix and
+mma are PTX: tests/test_mma_emulated.py reads those)."""
 
 from __future__ import annotations
 
