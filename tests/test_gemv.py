@@ -1,6 +1,6 @@
 """The small-M product kernel (issue 38: decode's linear layers; azyx.codegen.templates.gemv, codegen.cgemv): planned
-for a device that renders CUDA C (the dummy device made to), its CUDA source run on the host (tests/cuda_host.py: g++, a
-host thread per CUDA thread) against numpy: float32, bfloat16 and float16, M = 1..16 rows (split over blocks in groups
+for a device that renders CUDA C (the dummy device made to), its CUDA source run on the host (tests/cuda_host.py: gcc, a
+fiber per CUDA thread) against numpy: float32, bfloat16 and float16, M = 1..16 rows (split over blocks in groups
 of rows, the last one short), K and N that are no multiple of the load width, both weight layouts (x @ W with W stored
 (K, N), x @ W.T with W stored (N, K)), alone and with a layernorm in its prologue and bias, GELU and a residual in its
 epilogue, all one kernel. NVRTC compiles the GPT-2 shapes' kernels for sm_90 where it is installed. On a machine with a
