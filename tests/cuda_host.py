@@ -197,8 +197,13 @@ def launch(src: str, name: str, grid: tuple[int, int, int], threads: int, buffer
                      2: f"{threads} threads a block: 1..1024", 3: "no memory for the threads' stacks"}[rc]
 
 
+# (-O0: 0.13 s of CPU a compile against 0.23 at -O1, and the suite's 80 kernels run in 2.8 s against 2.0: a fresh
+# machine compiles each once. gcc, not g++: no libstdc++ to link)
+GCC = ["gcc", "-x", "c++", "-std=c++20", "-O0", "-fno-exceptions", "-shared", "-fPIC", "-Wno-unknown-pragmas"]
+
+
 def _build(text: str) -> ctypes.CDLL:
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*GCC, text]).encode()).hexdigest()[:16]  # (the flags too: a change rebuilds)
     folder = Path(tempfile.gettempdir()) / f"azyx-cuda-host-{os.getuid()}"
     folder.mkdir(exist_ok=True)
     lib = folder / f"{key}.so"
@@ -206,10 +211,7 @@ def _build(text: str) -> ctypes.CDLL:
         cpp = folder / f"{key}.cpp"
         cpp.write_text(text)
         tmp = folder / f"{key}.{os.getpid()}.so"
-        # (-O0: 0.13 s of CPU a compile against 0.23 at -O1, and the suite's 80 kernels run in 2.8 s against 2.0:
-        # a fresh machine compiles each once. gcc, not g++: no libstdc++ to link)
-        r = subprocess.run(["gcc", "-x", "c++", "-std=c++20", "-O0", "-fno-exceptions", "-shared", "-fPIC",
-                            "-Wno-unknown-pragmas", str(cpp), "-o", str(tmp), "-lm"], capture_output=True, text=True)
-        assert r.returncode == 0, f"g++ failed on {cpp}:\n{r.stderr[-4000:]}"
+        r = subprocess.run([*GCC, str(cpp), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+        assert r.returncode == 0, f"gcc failed on {cpp}:\n{r.stderr[-4000:]}"
         tmp.replace(lib)
     return ctypes.CDLL(str(lib))
