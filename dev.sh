@@ -67,6 +67,9 @@ case "$job" in
     # not below it: beside the other test processes' busy threads they would get a tenth of a core, and a PoCL build
     # took 9-27 s instead of 1.5-2.4; the serial stage runs them below the loop's, as users get it)
     export AZYX_WORKER_NICE=0
+    # (AZYX_TEST_EACH=2: each device test on c:0 and one other device in turn, tests/conftest.py; unset it for the
+    # whole matrix, about 45 minutes here)
+    export AZYX_TEST_EACH=2
     AZYX_TEST_SPLIT=native .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
     AZYX_NATIVE=0 AZYX_TEST_SPLIT=python .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
     unset AZYX_WORKER_NICE

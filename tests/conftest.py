@@ -35,26 +35,41 @@ def device(request: pytest.FixtureRequest) -> str:
 # device-parametrized test (a whole second pass of them, with AZYX_NATIVE=0, after a full one).
 SPLIT = os.environ.get("AZYX_TEST_SPLIT")
 assert SPLIT in (None, "native", "python", "devices"), f"AZYX_TEST_SPLIT={SPLIT!r}: native, python or devices"
+# AZYX_TEST_EACH=N (CI: 2): each device-parametrized test runs on N of the devices, the first (c:0, the fastest)
+# and N - 1 of the others in turn from test to test, so every device still runs about (N - 1) / (len - 1) of them,
+# with and without the native core. CI's 30 minutes on 2 cores do not hold every test on every device: PoCL and
+# lavapipe take about a second a test, compiling each kernel in LLVM (a pass of all on all: ~45 minutes). Unset:
+# every device
+EACH = min(int(os.environ.get("AZYX_TEST_EACH") or len(DEVICES)), len(DEVICES))
+assert EACH >= 1, f"AZYX_TEST_EACH={EACH}: 1 or more"
 
 
 def split_side(nodeid: str, device: str | None) -> str | None:
     """Which half of CI's split runs the test `nodeid` (on `device`, where it takes the `device` fixture): "native" or
-    "python"; None for a test the `devices` pass leaves out (one on no device)."""
+    "python"; "" for none (a device not among the test's EACH); None for a test on no device of DEVICES, which the
+    `devices` pass leaves out."""
     if device is None or device not in DEVICES:
         return None
-    flip = zlib.crc32(nodeid.replace(device, "").encode()) + DEVICES.index(device)
-    return ("native", "python")[flip % 2]
+    base = zlib.crc32(nodeid.replace(device, "").encode())
+    i = DEVICES.index(device)
+    if i and (i - 1 - base) % (len(DEVICES) - 1) >= EACH - 1:
+        return ""
+    return ("native", "python")[(base + i) % 2]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if SPLIT is None:
+    if SPLIT is None and EACH == len(DEVICES):
         return
-    assert (SPLIT == "native") == (native is not None), "AZYX_TEST_SPLIT=python or devices go with AZYX_NATIVE=0"
+    assert SPLIT is None or (SPLIT == "native") == (native is not None), \
+        "AZYX_TEST_SPLIT=python or devices go with AZYX_NATIVE=0"
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
         side = split_side(item.nodeid, callspec.params.get("device") if callspec is not None else None)
-        kept = side is not None if SPLIT == "devices" else (side or "native") == SPLIT
+        if SPLIT is None:  # (AZYX_TEST_EACH alone: each device test on its EACH devices, with the core as it is)
+            kept = side != ""
+        else:
+            kept = bool(side) if SPLIT == "devices" else (side if side is not None else "native") == SPLIT
         (keep if kept else drop).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)

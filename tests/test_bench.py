@@ -67,8 +67,12 @@ def test_bench_script_runs_in_quick_mode(script: str, tmp_path: Path) -> None:
     # (PYTHONFAULTHANDLER: a script that hangs is sent SIGABRT at the timeout, and every Python process of its group
     # prints each thread's stack, which the failure then shows: where it hung, not just that it did)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen([sys.executable, f"bench/{script}", "--quick", "--out", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # (scale.py's Ray rows start a three-node cluster, 250 s of a CI worker: tests/test_distributed.py runs
+    # azyx.distributed on its own cluster, and `bench/scale.py --quick --ray` runs the rows)
+    extra = ["--no-ray"] if script == "scale.py" else []
+    proc = subprocess.Popen([sys.executable, f"bench/{script}", "--quick", *extra, "--out", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -107,7 +107,10 @@ def reference(checkpoint: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[Server]:
-    cfg = ServeConfig(models=(str(checkpoint), str(model_dir())), slots=SLOTS, waiting=WAITING, api_key=KEY)
+    # (max_batch_tokens 256: MiniLM's warm-up plans 13 batch shapes, not 55, which took 4 minutes of a CI worker;
+    # batches of up to 16 of the tests' sentences, still shared by concurrent callers)
+    cfg = ServeConfig(models=(str(checkpoint), str(model_dir())), slots=SLOTS, waiting=WAITING, api_key=KEY,
+                      max_batch_tokens=256)
     with Server(cfg) as s:
         yield s
 
