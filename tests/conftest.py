@@ -36,10 +36,9 @@ def device(request: pytest.FixtureRequest) -> str:
 SPLIT = os.environ.get("AZYX_TEST_SPLIT")
 assert SPLIT in (None, "native", "python", "devices"), f"AZYX_TEST_SPLIT={SPLIT!r}: native, python or devices"
 # AZYX_TEST_EACH=N (CI: 2): each device-parametrized test runs on N of the devices, the first (c:0, the fastest)
-# and N - 1 of the others in turn from test to test, so every device still runs about (N - 1) / (len - 1) of them,
-# with and without the native core. CI's 30 minutes on 2 cores do not hold every test on every device: PoCL and
-# lavapipe take about a second a test, compiling each kernel in LLVM (a pass of all on all: ~45 minutes). Unset:
-# every device
+# and N - 1 of the others in turn from test to test, so every device still runs about (N - 1) / (len - 1) of them.
+# CI's 30 minutes on 2 cores do not hold every test on every device: PoCL and lavapipe take about a second a test,
+# compiling each kernel in LLVM (all on all, with and without the native core: about an hour). Unset: every device
 EACH = min(int(os.environ.get("AZYX_TEST_EACH") or len(DEVICES)), len(DEVICES))
 assert EACH >= 1, f"AZYX_TEST_EACH={EACH}: 1 or more"
 
