@@ -348,14 +348,16 @@ async def embed_actions(client: Any, n: int, rng: random.Random, tally: Counter[
         tally[kind] += 1
 
 
-async def soak_embed(seconds: float, clients: int = 6, seed: int = 0,
-                     rss_budget: int = 32 << 20) -> tuple[dict[str, Any], list[str]]:
+async def soak_embed(seconds: float, clients: int = 6, seed: int = 0, rss_budget: int = 32 << 20,
+                     max_batch_tokens: int | None = None) -> tuple[dict[str, Any], list[str]]:
     """`azyx serve` holding all-MiniLM-L6-v2 (its package's), soaked for `seconds` (after a warm-up) by `clients`
-    clients; (figures, problems). figures["dropped"]: the sentences dropped because their client left."""
-    from azyx.models.bert import BATCH_BUCKETS, LENGTH_BUCKETS, _bucket, model_dir
+    clients; (figures, problems). figures["dropped"]: the sentences dropped because their client left.
+    `max_batch_tokens`: the service's batch budget (None: its default), which sets the shapes its warm-up plans."""
+    from azyx.models.bert import BATCH_BUCKETS, BATCH_TOKENS, LENGTH_BUCKETS, _bucket, model_dir
     from azyx.serve import ServeConfig, make_app
 
-    app = make_app(ServeConfig(models=(str(model_dir()),), max_batch=16, body=Limits(max_body_bytes=1 << 20)))
+    app = make_app(ServeConfig(models=(str(model_dir()),), max_batch=16, body=Limits(max_body_bytes=1 << 20),
+                               max_batch_tokens=max_batch_tokens or BATCH_TOKENS))
     rng = random.Random(seed)
     tally: Counter[str] = Counter()
     async with served(app) as (client, _):
