@@ -27,17 +27,20 @@ ROTATE = """extern "C" __global__ void rotate(float* __restrict__ out, const flo
 """
 
 
+def run(src: str, name: str, threads: int, x: np.ndarray) -> np.ndarray:
+    """Kernel `name` of `src` over 2 blocks of `threads` with input `x`: its output."""
+    out = np.zeros_like(x)
+    launch(src, name, (2, 1, 1), threads, [out, x])
+    return out
+
+
 def test_a_warp_sums_by_shuffles_with_its_partners() -> None:
     """Butterfly shuffles (lane ^ 16, 8, .. 1) leave every lane of each warp its warp's sum; with the partner lane ^ o
     ^ 1 (a wrong one: lane ^ 0 is the lane itself) they do not."""
     x = np.arange(2 * 96, dtype=np.float32) % 7 - 3  # (2 blocks of 3 warps)
     want = np.repeat(x.reshape(-1, 32).sum(1), 32)
-    got = np.zeros_like(x)
-    launch(WARP_SUM.replace("PARTNER", "o"), "warp_sum", (2, 1, 1), 96, [got, x])
-    np.testing.assert_array_equal(got, want)
-    wrong = np.zeros_like(x)
-    launch(WARP_SUM.replace("PARTNER", "o ^ 1"), "warp_sum", (2, 1, 1), 96, [wrong, x])
-    assert not np.array_equal(wrong, want)
+    np.testing.assert_array_equal(run(WARP_SUM.replace("PARTNER", "o"), "warp_sum", 96, x), want)
+    assert not np.array_equal(run(WARP_SUM.replace("PARTNER", "o ^ 1"), "warp_sum", 96, x), want)
 
 
 def test_shared_memory_is_read_after_the_barrier() -> None:
@@ -45,12 +48,8 @@ def test_shared_memory_is_read_after_the_barrier() -> None:
     fibers run to their barrier one after another, so the neighbour's write has not happened yet)."""
     x = np.arange(2 * 64, dtype=np.float32) + 1
     want = np.roll(x.reshape(2, 64), -1, axis=1).reshape(-1)
-    got = np.zeros_like(x)
-    launch(ROTATE.replace("BARRIER", "__syncthreads();"), "rotate", (2, 1, 1), 64, [got, x])
-    np.testing.assert_array_equal(got, want)
-    racy = np.zeros_like(x)
-    launch(ROTATE.replace("BARRIER", ""), "rotate", (2, 1, 1), 64, [racy, x])
-    assert not np.array_equal(racy, want)
+    np.testing.assert_array_equal(run(ROTATE.replace("BARRIER", "__syncthreads();"), "rotate", 64, x), want)
+    assert not np.array_equal(run(ROTATE.replace("BARRIER", ""), "rotate", 64, x), want)
 
 
 def test_a_barrier_some_threads_skip_fails_the_launch() -> None:
