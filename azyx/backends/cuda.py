@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.allocator import PoolAllocator, Slabs
+from azyx.allocator import Slabs
 from azyx.backends.cuda_copy import StagedCopies
 from azyx.backends.cuda_driver import check, cu, encode_tensor_map, hot, init, nvrtc_compile, sticky, versions
 from azyx.backends.cuda_graph import Collected, GraphCache
@@ -248,10 +248,9 @@ class CUDADevice(StagedCopies):
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self.stream_h = int(self.stream)
         free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
-        self.capacity = int(options.get("memory") or free * 0.9)
         self.driver_free = int(free)
         # freed blocks stay cached (like PyTorch's allocator); an allocation the driver refuses empties the cache
-        self.allocator = PoolAllocator(self.capacity, self.capacity, self._create, self.name, lowest=True)
+        self.mem.open_pool(options, free * 0.9, self._create, lowest=True)
         # blocks up to SLAB_PIECE bytes are carved from slabs of SLAB bytes (`_create`)
         self.slabs = Slabs(SLAB, SLAB_ALIGN, SLAB_PIECE)
         # pinned staging blocks are kept for reuse (freeing page-locked memory synchronises the whole device); once
@@ -529,8 +528,7 @@ class CUDADevice(StagedCopies):
                     self.use()
                     self._record(job.value, job.keep, job.post, job.first)
             except BaseException as e:  # no event: its completion cannot be known, the context is lost
-                self.record_failure(job.value, e)
-                self.fail(e)
+                self.lost(job.value, e)
             with self.queue.lock:
                 self.deferred.popleft()
                 self.ready.notify_all()
@@ -551,10 +549,7 @@ class CUDADevice(StagedCopies):
             return True
         # a kernel that faulted (illegal address, trap) leaves the context unusable (a sticky error): the device
         # fails, and every waiter on it gets DeviceFailedError instead of waiting forever
-        cause = DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}")
-        self.record_failure(v, cause)
-        self.fail(cause)
-        return False
+        return self.lost(v, DeviceError(f"{self.name}: command {v} failed: {cu.cuGetErrorName(err)[1].decode()}"))
 
     def retire(self, v: int, ev: Any) -> None:
         if self.queue.events.get(v + 1) is not ev:  # a batch's values share one event: free once its last value is past

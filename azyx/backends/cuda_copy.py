@@ -42,11 +42,6 @@ class _Pinned:
 class StagedCopies(QueuedDevice):
     """A CUDA device's transfers (see the module docstring); what it needs of the device is declared here."""
 
-    alloc_anywhere = True  # (its pool is locked, and a new block makes the context current on the calling thread)
-    # cuMemAlloc of a block past a slab's pieces waits on the driver's lock, held for hundreds of ms while other threads
-    # pin staging memory (a first 2 GB lazy load: the loop's thread slept 494 ms there)
-    reserve_min = 1 << 20
-
     stream: Any
     stream_h: int  # the stream's handle, for the ctypes calls of `hot`
     hot: Hot
@@ -95,8 +90,7 @@ class StagedCopies(QueuedDevice):
 
     def staging_block(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A pinned block from the staging pool, pinned now when it has none cached (worker threads only)."""
-        staged = self.staging.lend(max(nbytes, 1))
-        return staged.block.array[:nbytes], staged
+        return self.staging.host(nbytes)
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
