@@ -54,6 +54,10 @@ fi
 case "$job" in
   quickstart) exec .venv/bin/python examples/quickstart.py ;;
   test)
+    # (bytecode written: where the environment says not to, every test process, xdist worker and script a test starts
+    # compiled azyx and the tests anew, and pytest rewrote every test module's asserts at each collection: ~10 s a
+    # process here. The caches stay in the clone, ignored by git)
+    unset PYTHONDONTWRITEBYTECODE
     .venv/bin/ruff check azyx tests bench examples
     .venv/bin/mypy
     .venv/bin/lint-imports  # the layering: pyproject.toml [tool.importlinter]

@@ -35,10 +35,13 @@ def main() -> None:
     ap.add_argument("--device", default="c:0")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--max-batch", type=int, default=32, help="sentences per batch")
+    ap.add_argument("--max-batch-tokens", type=int, default=ServeConfig.max_batch_tokens,
+                    help="padded tokens per batch (each batch shape is planned before the service is ready)")
     args = ap.parse_args()
     import uvicorn
 
-    cfg = ServeConfig(models=(str(model_dir()),), device=args.device, port=args.port, max_batch=args.max_batch)
+    cfg = ServeConfig(models=(str(model_dir()),), device=args.device, port=args.port, max_batch=args.max_batch,
+                      max_batch_tokens=args.max_batch_tokens)
     print(f"serving on http://{cfg.host}:{cfg.port}/v1 (POST /v1/embeddings, GET /v1/models, /health, /metrics)",
           flush=True)
     ready.watch(f"http://{cfg.host}:{cfg.port}", "/v1/embeddings",

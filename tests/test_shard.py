@@ -330,7 +330,8 @@ async def main() -> None:
     for n in (2, 3, 4):
         devs = [f"c:{i}" for i in range(n)]
         for dtype, (drawn, shapes) in DRAWN.items():
-            if n > 2 and dtype not in ("float32", "int32", "bfloat16"):  # (rings of 3 and 4: three dtypes do)
+            # (rings of 3 and 4: the dtypes whose sums are exact or toleranced alike; each case is a compile)
+            if dtype not in {2: DRAWN, 3: ("float32", "int32"), 4: ("float32",)}[n]:
                 continue
             for shape in shapes:
                 if drawn is None:
@@ -367,6 +368,6 @@ asyncio.run(main())
 
 def test_collectives_match_numpy_for_every_dtype_odd_sizes_and_2_to_4_devices() -> None:
     """all-reduce (the swap, a ring, rings side by side; each op), reduce-scatter, all-gather and broadcast over 2
-    C devices for every dtype, over 3 and 4 for float32, int32 and bfloat16 (a process of its own: four devices
+    C devices for every dtype, over 3 for float32 and int32, over 4 for float32 (a process of its own: four devices
     configured before the runtime starts) against numpy."""
     assert run_script(COLLECTIVES, timeout=600).strip().endswith("OK")

@@ -269,7 +269,7 @@ from azyx.models.bert import model_dir
 from azyx.serve import ServeConfig, make_app
 
 async def main():
-    app = make_app(ServeConfig(models=(sys.argv[1], str(model_dir()))))  # (made before the loop runs, as the CLI)
+    app = make_app(ServeConfig(models=(sys.argv[1], str(model_dir())), max_batch_tokens=256))  # (as the CLI)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
