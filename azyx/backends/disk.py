@@ -24,7 +24,6 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import sniffio
 
 from azyx import workers
 from azyx.allocator import MemoryUsage
@@ -194,14 +193,6 @@ def _widen(mem: np.ndarray, n: int) -> None:
     mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16
 
 
-def _on_event_loop() -> bool:
-    """Whether the calling thread is running an asyncio event loop, or one that sniffio is told of (trio's). Asked of
-    every read, on the reader threads: without raising (`sniffio.current_async_library` raised twice on a thread that
-    runs no loop, the most Python a read made besides its own bookkeeping)."""
-    return asyncio._get_running_loop() is not None or sniffio.thread_local.name is not None or \
-        sniffio.current_async_library_cvar.get() is not None
-
-
 class DiskDevice(Device):
     """Device "disk": buffers over file ranges, positional reads, no kernels, no allocation."""
 
@@ -291,7 +282,7 @@ class DiskDevice(Device):
 
     def count_read(self, n: int) -> None:
         """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""
-        on_loop = _on_event_loop()
+        on_loop = workers.on_event_loop()
         with self.lock:
             self.bytes_read += n
             self.reads += 1
