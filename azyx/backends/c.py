@@ -122,22 +122,13 @@ def _entries(arity: dict[str, int], kinds: dict[str, int], scalars: dict[str, li
 def _cpu() -> dict[str, str]:
     """The CPU's model name and ISA flags (/proc/cpuinfo's first processor; empty where there is none). Where
     /proc/cpuinfo names no model, the processor Python's `platform` reports (a subprocess on Linux: read last)."""
-    out = {"cpu": "", "isa": ""}
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not out["cpu"]:
-            out["cpu"] = value.strip()
-        elif key in ("flags", "Features") and not out["isa"]:
-            out["isa"] = " ".join(sorted(value.split()))
-        elif not line.strip() and out["isa"]:
-            break
-    out["cpu"] = out["cpu"] or platform.processor() or platform.machine()
-    return out
+        first = ""
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return {"cpu": info.get("model name") or platform.processor() or platform.machine(),
+            "isa": " ".join(sorted((info.get("flags") or info.get("Features", "")).split()))}
 
 
 def _cpu_key() -> tuple[str, str]:
