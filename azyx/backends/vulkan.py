@@ -196,15 +196,14 @@ def glslc_version() -> str:
 # ------------------------------------------------------------------------------------------------ memory
 class _Block:
     """`size` bytes at `offset` in a VkBuffer: the whole of a buffer bound to its own VkDeviceMemory, or a piece of a
-    slab (`memory` None: allocator.Slabs knows its slab). `address` is its device address (what a shader reads it by),
-    `array` (uint8) and `ptr` its mapping (None, 0 unmapped)."""
+    slab (`memory` None: allocator.Slabs knows its slab). `address` is its device address (what a shader reads it by:
+    its Buffer's `ptr`), `array` its mapping (uint8; None unmapped)."""
 
-    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr")
+    __slots__ = ("buffer", "memory", "offset", "size", "address", "array")
 
     def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None, offset: int = 0):
-        self.buffer, self.memory, self.size, self.address, self.array = buffer, memory, size, address, array
-        self.offset = offset
-        self.ptr = array.ctypes.data if array is not None else 0
+        self.buffer, self.memory, self.size, self.address, self.array, self.offset = (buffer, memory, size, address,
+                                                                                      array, offset)
 
     @staticmethod
     def piece(slab: _Block, at: int, size: int) -> _Block:
@@ -299,7 +298,7 @@ class VulkanDevice(QueuedDevice):
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
         self.mem.open_pool(options, heap * 3 // 4, functools.partial(self._create, device_type, self.mapped))
         self.staging = self.mem.staging(functools.partial(self._create, staging_type, True), "staging", view=_mapping)
-        self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
+        self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("address")
         self.mem.on_empty = functools.partial(_CONTEXTS.release, ctx.index)  # (its use of it ends with its last block)
         self.runs_on(PROCESSOR.get(dtype, ""))
         self.sem = vk.vkCreateSemaphore(self.vkdev, vk.VkSemaphoreCreateInfo(pNext=vk.VkSemaphoreTypeCreateInfo(
@@ -440,7 +439,7 @@ class VulkanDevice(QueuedDevice):
         """(The submit thread, with `cmd` not in flight.) Each kernel's words (its buffers' addresses, then its scalars)
         into the command buffer's words block (a larger block where it is too small, its descriptor set pointed at
         it); returns their offsets (the dynamic offsets of the dispatches)."""
-        rows = [[b.mem.address for b in bufs] + list(words) for _, bufs, words in items]
+        rows = [[b.ptr for b in bufs] + list(words) for _, bufs, words in items]
         assert all(8 * len(r) <= WORDS_RANGE for r in rows), f"over {WORDS_RANGE // 8} words: {items[0][0].name}.."
         offsets, table = word_table(rows, [8 * len(r) for r in rows], self.align)
         if cmd.words is None or cmd.words.block.size < table.nbytes + WORDS_RANGE:
@@ -471,7 +470,7 @@ class VulkanDevice(QueuedDevice):
         kept = batch.prepared
         if not isinstance(kept, _Kept):
             kept = batch.prepared = _Kept(self)
-        key = tuple(bufs[0].mem.address if step.launch.zero else 0 for step, bufs, _ in items)
+        key = tuple(bufs[0].ptr if step.launch.zero else 0 for step, bufs, _ in items)
         for cmd in kept.cmds:
             if cmd.key == key and cmd.pending <= self.timeline.value:
                 self._words(cmd, items)
