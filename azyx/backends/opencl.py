@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -27,7 +27,7 @@ import numpy as np
 from azyx import debug
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Contexts, Device, Replay, after_waits
+from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Contexts, Device, LaunchItem, Replay, after_waits
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import DeviceError
 from azyx.plan import KernelStep
@@ -127,12 +127,18 @@ class _Record:
             self.words = words
             values = words.tolist()
             self.word_args = [_words(k, len(k.args), values[a:b]) for k, (a, b) in zip(self.steps, self.word_at)]
-        ev, enqueue = None, _cl.enqueue_nd_range_kernel
-        for (knl, glob, local), mem_args, word_args in zip(self.launches, self.mem_args, self.word_args):
-            _set_args(knl, mem_args, word_args)
-            ev = enqueue(queue, knl, glob, local, None, wait_for)
-            wait_for = None
-        return ev
+        return _enqueue(queue, zip(self.launches, self.mem_args, self.word_args), wait_for)
+
+
+def _enqueue(queue: Any, launches: Iterable[Any], wait_for: list[Any] | None) -> Any:
+    """(The submit thread.) Kernels ((cl.Kernel, global size, local size), buffer arguments, `_words`) bound and queued
+    in one loop, the first after `wait_for` (the queue is in order); returns the last one's event."""
+    ev, enqueue = None, _cl.enqueue_nd_range_kernel
+    for (knl, glob, local), mem_args, word_args in launches:
+        _set_args(knl, mem_args, word_args)
+        ev = enqueue(queue, knl, glob, local, None, wait_for)
+        wait_for = None
+    return ev
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -224,18 +230,13 @@ class OpenCLDevice(QueuedDevice):
         ev.wait()  # (a cl.Error: the command failed, recorded by the waiter thread)
         return True
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        knl = self.programs[step.name]  # a cl.Kernel
-        glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
-        mems = tuple(x for i, b in enumerate(bufs) for x in (i, b.mem))  # (index, buffer) pairs, flat
-        word_args = _words(step, len(bufs), words) if words else ((), ())
-
-        def enqueue(wait_for: list[Any] | None) -> Any:
-            _set_args(knl, mems, word_args)
-            return cl.enqueue_nd_range_kernel(self.cl_queue, knl, glob, local, wait_for=wait_for)
-
-        return self.queue.enqueue(enqueue, waits, bufs)
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
+        """The kernels as one command (one event), bound and queued in one loop on the submit thread (`_enqueue`; a
+        kernel returns early past its global size)."""
+        launches = [((self.programs[s.name], (s.launch.items,), (s.launch.group,)),
+                     tuple(x for i, b in enumerate(bufs) for x in (i, b.mem)),  # (index, buffer) pairs, flat
+                     _words(s, len(bufs), w) if w else ((), ())) for s, bufs, w in items]
+        return self.queue.enqueue(partial(_enqueue, self.cl_queue, launches), waits, items)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the
