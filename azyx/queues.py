@@ -428,9 +428,10 @@ class QueuedDevice(Device):
         return None
 
     def native_wait(self, dev: Device, v: int) -> Any:
-        """What this device's queue can wait on natively for value `v` of `dev` (a `peer`'s event, semaphore and its
-        value), or None: the host must see it reached (`EventQueue.native_waits`)."""
-        return None
+        """What this device's queue can wait on natively for value `v` of `dev`, or None: the host must see it reached
+        (`EventQueue.native_waits`). By default a `peer`'s event of that value, where its queue has one yet (OpenCL's;
+        Vulkan waits on a peer's semaphore, CUDA on any CUDA device's event)."""
+        return dev.queue.events.get(v) if self.peer(dev) else None
 
     # shared
     def poll(self, v: int, spin: float = 0.0) -> bool:

@@ -129,7 +129,7 @@ class Runtime:
             return
         if not self.workers_started:  # (starting them waits for each thread to run: tens of ms on a busy machine)
             self.workers_started = True
-            if _on_event_loop():
+            if workers.on_event_loop():
                 threading.Thread(target=_start_threads, name="azyx-start", daemon=True).start()
             else:
                 _start_threads()
@@ -287,7 +287,7 @@ class Runtime:
             return name
         kind, _, index = name.partition(":")
         if kind in BACKENDS and kind not in self.probes:
-            if index.isdigit() and _on_event_loop() and self.cfg is not None \
+            if index.isdigit() and workers.on_event_loop() and self.cfg is not None \
                     and self.cfg.get(kind, {}).get("enabled", BACKENDS[kind].config.get("enabled", True)):
                 self.probe_in_background([kind])
                 return name
@@ -420,15 +420,6 @@ def _start_threads() -> None:
     that may be on the event loop (starting a thread waits for it to run)."""
     workers.start()
     start_readers()
-
-
-def _on_event_loop() -> bool:
-    """Whether this thread runs an event loop (asyncio's or trio's) right now."""
-    try:
-        sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        return False
-    return True
 
 
 def loop_identity() -> int:

@@ -6,6 +6,7 @@ work, which still runs to its end; `drain()` waits for everything started so far
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import concurrent.futures.thread  # (imported now, not by the first worker job, on the loop)
 import contextlib
@@ -14,6 +15,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+
+import sniffio
 
 from azyx.timeline import _LoopWaiter
 
@@ -53,6 +56,14 @@ def start() -> None:
     _executor()
     if sys.getswitchinterval() > SWITCH_INTERVAL:
         sys.setswitchinterval(SWITCH_INTERVAL)
+
+
+def on_event_loop() -> bool:
+    """Whether the calling thread is running an asyncio event loop, or one that sniffio is told of (trio's). Without
+    raising: the disk's reader threads ask it of every read (`sniffio.current_async_library` raised twice on a thread
+    that runs no loop, the most Python a read made besides its own bookkeeping)."""
+    return asyncio._get_running_loop() is not None or sniffio.thread_local.name is not None or \
+        sniffio.current_async_library_cvar.get() is not None
 
 
 def lower_priority(pid: int | None = None) -> None:

@@ -93,7 +93,6 @@ def _fn(f: Any, *argtypes: Any) -> Any:
     return f
 
 
-
 # errors after which the context is unusable (a kernel faulted): the device fails (Device.fail)
 STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
           "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",

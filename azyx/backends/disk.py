@@ -1,15 +1,9 @@
 """The disk as a device: its buffers are byte ranges of open files, its memory pool the files it holds open.
 
 A tensor of a safetensors file is a Leaf on device "disk" whose Buffer is (file, offset, length). Nothing is read until
-a plan copies it to a compute device or `numpy()` reads it. Reads run on reader threads, never on the event loop. A
-plan's transfer out of a file (`send`) and a stream (azyx.io.stream) take the one pipeline, `load`: extents of up to
-EXTENT bytes (a plan's transfer into host memory: HOST_EXTENT) read in parallel, straight into the destination's memory
-when that is host memory, else into the blocks of the destination's ring of staging memory (pinned on CUDA), each copied
-to the device by its queue once read and read into again once that copy is done; the thread that runs the plan only
-numbers the reads (one step per load) and queues the staged copies (the loop's, or for a run of many such copies a
-worker's: `UnifiedExecutor.runs_long`), a reader thread (the booker, `_start_booked`) starts the reads. The disk's
-timeline reaches a read's value once it and every earlier read are done, and the destination's queue waits for that, as
-for any other source device.
+a plan copies it to a compute device (`send`), a stream loads it (azyx.io.stream: both by `load`) or `numpy()` reads
+it; reads run on reader threads, never on the event loop. The disk's timeline reaches a read's value once it and every
+earlier read are done, and the destination's queue waits for that, as for any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
 (see `azyx.storage.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
 """
@@ -24,7 +18,6 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import sniffio
 
 from azyx import workers
 from azyx.allocator import MemoryUsage
@@ -194,14 +187,6 @@ def _widen(mem: np.ndarray, n: int) -> None:
     mem[: 2 * n].view(np.uint32)[:] = mem[:n].view(np.uint16).astype(np.uint32) << 16
 
 
-def _on_event_loop() -> bool:
-    """Whether the calling thread is running an asyncio event loop, or one that sniffio is told of (trio's). Asked of
-    every read, on the reader threads: without raising (`sniffio.current_async_library` raised twice on a thread that
-    runs no loop, the most Python a read made besides its own bookkeeping)."""
-    return asyncio._get_running_loop() is not None or sniffio.thread_local.name is not None or \
-        sniffio.current_async_library_cvar.get() is not None
-
-
 class DiskDevice(Device):
     """Device "disk": buffers over file ranges, positional reads, no kernels, no allocation."""
 
@@ -291,7 +276,7 @@ class DiskDevice(Device):
 
     def count_read(self, n: int) -> None:
         """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""
-        on_loop = _on_event_loop()
+        on_loop = workers.on_event_loop()
         with self.lock:
             self.bytes_read += n
             self.reads += 1

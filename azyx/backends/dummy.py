@@ -31,7 +31,6 @@ class DummyDevice(Device):
         super().__init__(index, options)
         self.mem.open_pool(options, 1 << 30, _no_data, 0)  # (accounting only)
         self.compute = float(options.get("compute", 0.0))
-        self.submitted = 0
         self.launched: list[str] = []  # kernel names, in launch order (for tests)
         self.scalars_bound = 0  # scalar arguments passed to kernels (for tests)
 
@@ -41,13 +40,10 @@ class DummyDevice(Device):
     def read(self, buf: Buffer, view: StridedView, shape: Shape, dtype: DType) -> np.ndarray:
         raise DeviceError(NO_DATA.format(self.name))
 
-    def queued(self) -> int:
-        return self.submitted
-
     def _done(self) -> int:
-        self.submitted += 1
-        self.timeline.signal(self.submitted)
-        return self.submitted
+        """Work submitted and done at once: the timeline's next value."""
+        self.timeline.signal(v := self.timeline.value + 1)
+        return v
 
     def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
                words: tuple[int, ...] = ()) -> int:
@@ -66,7 +62,7 @@ class DummyDevice(Device):
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
         """The read fails (there is no data): its run raises the error, as a read of a buffer here does."""
-        self.record_failure(self.submitted + 1, DeviceError(NO_DATA.format(self.name)))
+        self.record_failure(self.timeline.value + 1, DeviceError(NO_DATA.format(self.name)))
         return self._done()
 
     def has_program(self, name: str) -> bool:

@@ -1,29 +1,16 @@
 """The OpenCL backend (pyopencl): kernels in OpenCL C from the shared C-family renderer, one in-order queue per
-device, completion through the queue's events into the device's TimelineSignal.
+device, each command's event completing its TimelineSignal value (`queues.QueuedDevice`: a waiter thread waits on the
+events in order, the GIL released).
 
-Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
-while it waits), then advances the timeline (`queues.QueuedDevice`). A realize whose work is small asks first
-(`poll`): while the loop has nothing else to run it queries the event for about as long as the work took last time,
-and advances the timeline itself when it completed, without the waiter thread's wake-up of the loop (PoCL, AMD EPYC:
-a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129, scalars still passed as bytes). On a CPU
-device the query spins on one of the cores the kernels run on, so it stops after `CPU_SPIN_S`. pyopencl's
-`Event.set_callback` was the first choice for completion, but it starts an OS thread per callback, which costs more
-than the work of a small kernel and races the interpreter's shutdown (a callback thread acquiring the GIL of a
+A realize whose work is small asks first (`poll`, `query`): the loop queries the event instead of waiting for the
+waiter thread's wake-up (PoCL, AMD EPYC: a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129).
+pyopencl's `Event.set_callback` was the first choice for completion, but it starts an OS thread per callback, which
+costs more than a small kernel's work and races the interpreter's shutdown (a callback thread acquiring the GIL of a
 finalizing interpreter aborts the process).
 
-Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
-any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
-wait happens in the OpenCL runtime, never on the event loop.
-
-Submission: one submit thread per device makes the OpenCL calls that queue work (as wgpu's queue thread): the loop's
-thread only numbers the command and hands it over. A driver may block in them: PoCL's clEnqueue* wait while its own
-thread compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200
-requests' new kernels, beside two busy processes).
-
-Replay: a steady batch (device.Replay) is a `_Record`: the loop's thread hands its run's buffers, arena and packed
-words to the submit thread as one command, which sets the kernels' arguments (each kind in one C call; the tuples
-rebuilt only when the run's buffers or words differ from the last) and queues them in one loop of pyopencl's C
-enqueue. The batch's temporaries are sub-buffers of one arena block per run.
+The OpenCL calls that queue work run on the device's submit thread: PoCL's clEnqueue* wait while its own thread
+compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200 requests'
+new kernels, beside two busy processes). A steady batch (device.Replay) replays as a `_Record`.
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -40,7 +27,7 @@ import numpy as np
 from azyx import debug
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Contexts, Device, Replay, after_waits
+from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Contexts, Device, LaunchItem, Replay, after_waits
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import DeviceError
 from azyx.plan import KernelStep
@@ -140,12 +127,18 @@ class _Record:
             self.words = words
             values = words.tolist()
             self.word_args = [_words(k, len(k.args), values[a:b]) for k, (a, b) in zip(self.steps, self.word_at)]
-        ev, enqueue = None, _cl.enqueue_nd_range_kernel
-        for (knl, glob, local), mem_args, word_args in zip(self.launches, self.mem_args, self.word_args):
-            _set_args(knl, mem_args, word_args)
-            ev = enqueue(queue, knl, glob, local, None, wait_for)
-            wait_for = None
-        return ev
+        return _enqueue(queue, zip(self.launches, self.mem_args, self.word_args), wait_for)
+
+
+def _enqueue(queue: Any, launches: Iterable[Any], wait_for: list[Any] | None) -> Any:
+    """(The submit thread.) Kernels ((cl.Kernel, global size, local size), buffer arguments, `_words`) bound and queued
+    in one loop, the first after `wait_for` (the queue is in order); returns the last one's event."""
+    ev, enqueue = None, _cl.enqueue_nd_range_kernel
+    for (knl, glob, local), mem_args, word_args in launches:
+        _set_args(knl, mem_args, word_args)
+        ev = enqueue(queue, knl, glob, local, None, wait_for)
+        wait_for = None
+    return ev
 
 
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -212,10 +205,6 @@ class OpenCLDevice(QueuedDevice):
         with python_lane():
             return {s.name: cl.Kernel(program, s.name) for s in steps}
 
-    def native_wait(self, dev: Device, v: int) -> Any:
-        """The event of a device of this context."""
-        return dev.queue.events.get(v) if self.peer(dev) else None
-
     def submit(self, enqueue: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]], v: int) -> Any:
         """(The submit thread.) The command queued after its waits: the native ones as events, the rest as one user
         event that their devices' timelines complete."""
@@ -241,18 +230,13 @@ class OpenCLDevice(QueuedDevice):
         ev.wait()  # (a cl.Error: the command failed, recorded by the waiter thread)
         return True
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        knl = self.programs[step.name]  # a cl.Kernel
-        glob, local = (step.launch.items,), (step.launch.group,)  # (the kernel returns early past its global size)
-        mems = tuple(x for i, b in enumerate(bufs) for x in (i, b.mem))  # (index, buffer) pairs, flat
-        word_args = _words(step, len(bufs), words) if words else ((), ())
-
-        def enqueue(wait_for: list[Any] | None) -> Any:
-            _set_args(knl, mems, word_args)
-            return cl.enqueue_nd_range_kernel(self.cl_queue, knl, glob, local, wait_for=wait_for)
-
-        return self.queue.enqueue(enqueue, waits, bufs)
+    def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
+        """The kernels as one command (one event), bound and queued in one loop on the submit thread (`_enqueue`; a
+        kernel returns early past its global size)."""
+        launches = [((self.programs[s.name], (s.launch.items,), (s.launch.group,)),
+                     tuple(x for i, b in enumerate(bufs) for x in (i, b.mem)),  # (index, buffer) pairs, flat
+                     _words(s, len(bufs), w) if w else ((), ())) for s, bufs, w in items]
+        return self.queue.enqueue(partial(_enqueue, self.cl_queue, launches), waits, items)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the

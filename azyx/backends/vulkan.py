@@ -8,25 +8,11 @@ Shader interface (the renderer's contract, cfamily's `glsl_interface`): a shader
 buffer) holds its words: the buffers' addresses in order, then the scalar arguments, a 64-bit word each (two uint32s,
 low first). A launch dispatches `Launch.grid` work groups; the shader declares its own local size.
 
-Command buffers: a plan's batch of kernels on this device (`BatchState`) is recorded once into a command buffer
-with a barrier after each dispatch, and submitted again on the plan's later runs: a run only writes its buffers'
-addresses and scalars into the command buffer's words (a few are kept per batch, so that runs in flight overlap).
-Other work (a lone launch, copies) records a one-time command buffer. Recording, host copies into mapped memory and
-vkQueueSubmit all happen on the device's submit thread (`queues.QueuedDevice`, as OpenCL's and wgpu's): the caller (the
-event loop, for the executor's calls) only numbers the work and hands it over.
-
-Memory: pooled VkBuffers, each with its own VkDeviceMemory. Where the device's memory is host memory (a CPU device
-such as lavapipe, an integrated GPU) it is mapped once and stays mapped: host reads and writes are memcpys. Elsewhere
-it is device-local and host transfers go through a pool of mapped staging buffers, by copy commands on the queue.
-
-Completion: one timeline semaphore per device; every submission signals the next value, which is the value of the
-device's TimelineSignal. One waiter thread per device waits on it value by value (`vkWaitSemaphores`; cffi
-releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queues.QueuedDevice`).
-
-Waits: on another vulkan device of the same physical device (one VkDevice serves all the `vulkan:N` of one physical
-device, see `device_ids`) whose submit thread has submitted the value waited for, the submission waits on that device's
-timeline semaphore. On any other device (C, OpenCL, CUDA, a vulkan device of another physical device) the submit
-thread waits until that device's timeline reaches the value, then submits: never the event loop.
+A plan's batch is recorded once into a few command buffers that its runs submit again (`_Kept`); other work records a
+one-time one. Recording, host copies into mapped memory and vkQueueSubmit happen on the submit thread
+(`queues.QueuedDevice`); every submission signals the next value of the device's timeline semaphore, which the
+waiter thread waits on (`wait_event`). Memory: pooled VkBuffers; where the device's memory is host memory (lavapipe,
+an integrated GPU) it stays mapped and host copies are memcpys, elsewhere they go through mapped staging buffers.
 """
 
 from __future__ import annotations
@@ -210,15 +196,14 @@ def glslc_version() -> str:
 # ------------------------------------------------------------------------------------------------ memory
 class _Block:
     """`size` bytes at `offset` in a VkBuffer: the whole of a buffer bound to its own VkDeviceMemory, or a piece of a
-    slab (`memory` None: allocator.Slabs knows its slab). `address` is its device address (what a shader reads it by),
-    `array` (uint8) and `ptr` its mapping (None, 0 unmapped)."""
+    slab (`memory` None: allocator.Slabs knows its slab). `address` is its device address (what a shader reads it by:
+    its Buffer's `ptr`), `array` its mapping (uint8; None unmapped)."""
 
-    __slots__ = ("buffer", "memory", "offset", "size", "address", "array", "ptr")
+    __slots__ = ("buffer", "memory", "offset", "size", "address", "array")
 
     def __init__(self, buffer: Any, memory: Any, size: int, address: int, array: np.ndarray | None, offset: int = 0):
-        self.buffer, self.memory, self.size, self.address, self.array = buffer, memory, size, address, array
-        self.offset = offset
-        self.ptr = array.ctypes.data if array is not None else 0
+        self.buffer, self.memory, self.size, self.address, self.array, self.offset = (buffer, memory, size, address,
+                                                                                      array, offset)
 
     @staticmethod
     def piece(slab: _Block, at: int, size: int) -> _Block:
@@ -313,10 +298,11 @@ class VulkanDevice(QueuedDevice):
         # blocks are never dropped by the pools (their memory must be destroyed here): the cache limit is the capacity
         self.mem.open_pool(options, heap * 3 // 4, functools.partial(self._create, device_type, self.mapped))
         self.staging = self.mem.staging(functools.partial(self._create, staging_type, True), "staging", view=_mapping)
-        self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("ptr")
+        self.mem.destroy, self.mem.address = self._destroy, operator.attrgetter("address")
         self.mem.on_empty = functools.partial(_CONTEXTS.release, ctx.index)  # (its use of it ends with its last block)
         self.runs_on(PROCESSOR.get(dtype, ""))
-        self.sem = self._semaphore()  # the timeline: submission v signals v
+        self.sem = vk.vkCreateSemaphore(self.vkdev, vk.VkSemaphoreCreateInfo(pNext=vk.VkSemaphoreTypeCreateInfo(
+            semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE, initialValue=0)), None)  # the timeline: submission v signals v
         self.ending = False  # (close waited for the queued work: the waiter thread fails what has not completed)
         self.cmd_pool = vk.vkCreateCommandPool(self.vkdev, vk.VkCommandPoolCreateInfo(
             queueFamilyIndex=ctx.family, flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
@@ -344,10 +330,6 @@ class VulkanDevice(QueuedDevice):
             if bits & (1 << i) and mem.memoryTypes[i].propertyFlags & flags == flags:
                 return i
         return None
-
-    def _semaphore(self) -> Any:
-        kind = vk.VkSemaphoreTypeCreateInfo(semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE, initialValue=0)
-        return vk.vkCreateSemaphore(self.vkdev, vk.VkSemaphoreCreateInfo(pNext=kind), None)
 
     def _buffer(self, size: int) -> Any:
         return vk.vkCreateBuffer(self.vkdev, vk.VkBufferCreateInfo(
@@ -457,7 +439,7 @@ class VulkanDevice(QueuedDevice):
         """(The submit thread, with `cmd` not in flight.) Each kernel's words (its buffers' addresses, then its scalars)
         into the command buffer's words block (a larger block where it is too small, its descriptor set pointed at
         it); returns their offsets (the dynamic offsets of the dispatches)."""
-        rows = [[b.mem.address for b in bufs] + list(words) for _, bufs, words in items]
+        rows = [[b.ptr for b in bufs] + list(words) for _, bufs, words in items]
         assert all(8 * len(r) <= WORDS_RANGE for r in rows), f"over {WORDS_RANGE // 8} words: {items[0][0].name}.."
         offsets, table = word_table(rows, [8 * len(r) for r in rows], self.align)
         if cmd.words is None or cmd.words.block.size < table.nbytes + WORDS_RANGE:
@@ -488,7 +470,7 @@ class VulkanDevice(QueuedDevice):
         kept = batch.prepared
         if not isinstance(kept, _Kept):
             kept = batch.prepared = _Kept(self)
-        key = tuple(bufs[0].mem.address if step.launch.zero else 0 for step, bufs, _ in items)
+        key = tuple(bufs[0].ptr if step.launch.zero else 0 for step, bufs, _ in items)
         for cmd in kept.cmds:
             if cmd.key == key and cmd.pending <= self.timeline.value:
                 self._words(cmd, items)
