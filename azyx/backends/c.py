@@ -2,16 +2,18 @@
 with ctypes and launched on the device's worker thread.
 
 The kernels a plan runs back to back on the device are one batch: one work item, one call into C (`azyx_run`, in the C
-runtime's library), the GIL released for all of it, on the worker thread or, where its turn has come when it is
-submitted, on the device's runner, a C thread that starts it with no Python and no GIL (`_Runner`). The thread that runs
-a batch runs its kernels in order; a kernel that shares a loop (launch.parallel_kind SHARED: its loop over [lo, hi) of a
-range) is split into parts, and the device's pool of helper threads (threads - 1 of them, in C) takes parts too. Each
-thread starts with its own run of parts (a static schedule, so that it keeps to its slice of the data) and then takes
-what others have left. Nobody waits for a helper that has not taken a part: a helper that sleeps or lost its core means
-fewer hands, never a stall, which keeps a busy machine (or PyTorch's OpenMP team beside ours, which makes OpenMP sleep
-between regions) from costing a wake-up per kernel. Helpers spin for a while between batches and sleep after that, or at
-once when they lose their core; one woken onto the worker's core moves off it (its CPU affinity then excludes that
-core).
+runtime's library), the GIL released for all of it. A batch whose turn has come when it is submitted (all
+before it on the device's queue done or queued in C, its waits met) goes to the device's runner, a C thread that runs
+queued batches in order with no Python, so it starts even while the submitting thread holds the GIL (building the next
+step's graph); a thread that waits in C with the GIL released advances the timeline as they complete (`_Runner`).
+Other batches run on the device's worker thread. The thread that runs a batch runs its kernels in
+order; a kernel that shares a loop (launch.parallel_kind SHARED: its loop over [lo, hi) of a range) is split into
+parts, and the device's pool of helper threads (threads - 1 of them, in C) takes parts too. Each thread starts with its
+own run of parts (a static schedule, so that it keeps to its slice of the data) and then takes what others have left.
+Nobody waits for a helper that has not taken a part: a helper that sleeps or lost its core means fewer hands, never a
+stall, which keeps a busy machine (or PyTorch's OpenMP team beside ours, which makes OpenMP sleep between regions) from
+costing a wake-up per kernel. Helpers spin for a while between batches and sleep after that, or at once when they lose
+their core; one woken onto the worker's core moves off it (its CPU affinity then excludes that core).
 """
 
 from __future__ import annotations

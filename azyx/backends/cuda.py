@@ -1,14 +1,23 @@
 """The CUDA backend on NVIDIA's cuda-bindings (driver API + NVRTC): kernels in CUDA C from the shared C-family
-renderer, compiled by NVRTC to a cubin for the device's architecture, launched on one stream per device; an event
-recorded after each command completes its TimelineSignal value (`queues.QueuedDevice`'s waiter thread, nothing polls).
+renderer (matrix products from the tiled kernels of `codegen.templates`), compiled by NVRTC to a cubin for the
+device's architecture, launched on one stream per device.
 
-Waits: on another CUDA device's buffer, `cuStreamWaitEvent` on the event that produced it. A command that must wait
-for host-side progress (a C kernel's output, a staging copy into pinned memory) is deferred (`_submit`): a submitter
-thread puts it on the stream once its conditions hold, every later command behind it. (A GPU-side wait on host memory,
-a spinning kernel or `cuStreamWaitValue32`, was tried first: it can hold the device busy while a module load waits
-for the device to idle, which deadlocks.) Copies: peer-to-peer between CUDA devices, through pinned staging to and
-from host memory, in chunks so the DMA and the host copy overlap. A single-device plan's launches replay as one CUDA
-graph once steady (`begin_batch`/`end_batch`, `cuda_graph.GraphCache`).
+Completion: an event is recorded after each command, and one waiter thread per device waits on them in stream
+order (the GIL is released while it waits) and advances the device's TimelineSignal (`queues.QueuedDevice`); nothing
+polls the loop.
+
+Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it. A command that must
+wait for progress on the host side (a C kernel's output, a staging copy into pinned memory) is not put on the
+stream before it can run: it waits in the device's deferred queue, in order, and a submitter thread puts it on
+the stream once its conditions hold (every later command queues behind it, so the stream keeps program order).
+A GPU-side wait on host memory (a spinning kernel, `cuStreamWaitValue32`) was tried first: it can hold the
+device busy while a module load waits for the device to idle, which deadlocks. Copies (the executor routes them):
+peer-to-peer between CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers
+to and from host memory, in chunks so the DMA and the host copy overlap.
+
+Steady state: when a single-device plan submits the same kernels on the same buffers again (the caching
+allocator hands back the same blocks), its launches replay as one CUDA graph (`begin_batch`/`end_batch`, and
+`cuda_graph.GraphCache`).
 """
 
 from __future__ import annotations
@@ -231,7 +240,7 @@ class CUDADevice(QueuedDevice):
     dialect = CUDA
     event_queue = _Queue
     arena = True
-    tiles = False  # matrix products get the shared-memory kernel of azyx.gemm instead of register tiles
+    tiles = False  # matrix products get the shared-memory kernel of codegen.templates.gemm instead of register tiles
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:

@@ -1,9 +1,15 @@
 """The disk as a device: its buffers are byte ranges of open files, its memory pool the files it holds open.
 
 A tensor of a safetensors file is a Leaf on device "disk" whose Buffer is (file, offset, length). Nothing is read until
-a plan copies it to a compute device (`send`), a stream loads it (azyx.io.stream: both by `load`) or `numpy()` reads
-it; reads run on reader threads, never on the event loop. The disk's timeline reaches a read's value once it and every
-earlier read are done, and the destination's queue waits for that, as for any other source device.
+a plan copies it to a compute device or `numpy()` reads it. Reads run on reader threads, never on the event loop. A
+plan's transfer out of a file (`send`) and a stream (azyx.io.stream) take the one pipeline, `load`: extents of up to
+EXTENT bytes (a plan's transfer into host memory: HOST_EXTENT) read in parallel, straight into the destination's memory
+when that is host memory, else into the blocks of the destination's ring of staging memory (pinned on CUDA), each copied
+to the device by its queue once read and read into again once that copy is done; the thread that runs the plan only
+numbers the reads (one step per load) and queues the staged copies (the loop's, or for a run of many such copies a
+worker's: `UnifiedExecutor.runs_long`), a reader thread (the booker, `_start_booked`) starts the reads. The disk's
+timeline reaches a read's value once it and every earlier read are done, and the destination's queue waits for that, as
+for any other source device.
 The disk runs no kernels and is not listed by `azyx.devices()`; an op on disk tensors computes on the AUTO device
 (see `azyx.storage.on_build`). Every byte read is counted (`bytes_read`), so tests see what a realize read.
 """

@@ -1,16 +1,29 @@
 """The OpenCL backend (pyopencl): kernels in OpenCL C from the shared C-family renderer, one in-order queue per
-device, each command's event completing its TimelineSignal value (`queues.QueuedDevice`: a waiter thread waits on the
-events in order, the GIL released).
+device, completion through the queue's events into the device's TimelineSignal.
 
-A realize whose work is small asks first (`poll`, `query`): the loop queries the event instead of waiting for the
-waiter thread's wake-up (PoCL, AMD EPYC: a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129).
-pyopencl's `Event.set_callback` was the first choice for completion, but it starts an OS thread per callback, which
-costs more than a small kernel's work and races the interpreter's shutdown (a callback thread acquiring the GIL of a
+Completion: one waiter thread per device takes the events in queue order and waits on each (the GIL is released
+while it waits), then advances the timeline (`queues.QueuedDevice`). A realize whose work is small asks first
+(`poll`): while the loop has nothing else to run it queries the event for about as long as the work took last time,
+and advances the timeline itself when it completed, without the waiter thread's wake-up of the loop (PoCL, AMD EPYC:
+a 10-op graph on 1024 elements realized in 82-86 us instead of 123-129, scalars still passed as bytes). On a CPU
+device the query spins on one of the cores the kernels run on, so it stops after `CPU_SPIN_S`. pyopencl's
+`Event.set_callback` was the first choice for completion, but it starts an OS thread per callback, which costs more
+than the work of a small kernel and races the interpreter's shutdown (a callback thread acquiring the GIL of a
 finalizing interpreter aborts the process).
 
-The OpenCL calls that queue work run on the device's submit thread: PoCL's clEnqueue* wait while its own thread
-compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200 requests'
-new kernels, beside two busy processes). A steady batch (device.Replay) replays as a `_Record`.
+Waits: on a buffer of another OpenCL device of the same context, the event that produced it; on a buffer of
+any other device, a user event completed by that device's timeline (`TimelineSignal.on_reach`), so the
+wait happens in the OpenCL runtime, never on the event loop.
+
+Submission: one submit thread per device makes the OpenCL calls that queue work (as wgpu's queue thread): the loop's
+thread only numbers the command and hands it over. A driver may block in them: PoCL's clEnqueue* wait while its own
+thread compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200
+requests' new kernels, beside two busy processes).
+
+Replay: a steady batch (device.Replay) is a `_Record`: the loop's thread hands its run's buffers, arena and packed
+words to the submit thread as one command, which sets the kernels' arguments (each kind in one C call; the tuples
+rebuilt only when the run's buffers or words differ from the last) and queues them in one loop of pyopencl's C
+enqueue. The batch's temporaries are sub-buffers of one arena block per run.
 """
 
 from __future__ import annotations

@@ -8,11 +8,25 @@ Shader interface (the renderer's contract, cfamily's `glsl_interface`): a shader
 buffer) holds its words: the buffers' addresses in order, then the scalar arguments, a 64-bit word each (two uint32s,
 low first). A launch dispatches `Launch.grid` work groups; the shader declares its own local size.
 
-A plan's batch is recorded once into a few command buffers that its runs submit again (`_Kept`); other work records a
-one-time one. Recording, host copies into mapped memory and vkQueueSubmit happen on the submit thread
-(`queues.QueuedDevice`); every submission signals the next value of the device's timeline semaphore, which the
-waiter thread waits on (`wait_event`). Memory: pooled VkBuffers; where the device's memory is host memory (lavapipe,
-an integrated GPU) it stays mapped and host copies are memcpys, elsewhere they go through mapped staging buffers.
+Command buffers: a plan's batch of kernels on this device (`BatchState`) is recorded once into a command buffer
+with a barrier after each dispatch, and submitted again on the plan's later runs: a run only writes its buffers'
+addresses and scalars into the command buffer's words (a few are kept per batch, so that runs in flight overlap).
+Other work (a lone launch, copies) records a one-time command buffer. Recording, host copies into mapped memory and
+vkQueueSubmit all happen on the device's submit thread (`queues.QueuedDevice`, as OpenCL's and wgpu's): the caller (the
+event loop, for the executor's calls) only numbers the work and hands it over.
+
+Memory: pooled VkBuffers, each with its own VkDeviceMemory. Where the device's memory is host memory (a CPU device
+such as lavapipe, an integrated GPU) it is mapped once and stays mapped: host reads and writes are memcpys. Elsewhere
+it is device-local and host transfers go through a pool of mapped staging buffers, by copy commands on the queue.
+
+Completion: one timeline semaphore per device; every submission signals the next value, which is the value of the
+device's TimelineSignal. One waiter thread per device waits on it value by value (`vkWaitSemaphores`; cffi
+releases the GIL in C calls), runs a read's host copy, then advances the timeline (`queues.QueuedDevice`).
+
+Waits: on another vulkan device of the same physical device (one VkDevice serves all the `vulkan:N` of one physical
+device, see `device_ids`) whose submit thread has submitted the value waited for, the submission waits on that device's
+timeline semaphore. On any other device (C, OpenCL, CUDA, a vulkan device of another physical device) the submit
+thread waits until that device's timeline reaches the value, then submits: never the event loop.
 """
 
 from __future__ import annotations

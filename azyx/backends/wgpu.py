@@ -4,16 +4,23 @@ renderer (codegen/wgsl.py), one pipeline each with an explicit layout: its buffe
 uniform window of the device's words buffer (written by `queue.write_buffer` before each submission, so a new value
 compiles nothing).
 
-Every submission, write_buffer and map happens on the submit thread (QueuedDevice's): a driver may block a second
-`queue.submit` or a `map_async` while earlier work runs (lavapipe does). WebGPU has no events (`WgpuDevice`).
+Queue and completion: one submit thread per device (QueuedDevice's) owns every submission (submit, write_buffer, map).
+A driver may block a second `queue.submit` or a `map_async` while earlier work runs (lavapipe does), so none of them
+happen on the event loop: the loop only numbers a work item (its TimelineSignal value) and hands it to that thread. It
+waits for the item's waits on other devices (their timelines), encodes and submits it. A completion thread advances the
+timeline to the newest item submitted once the queue says its work is done (`queue.on_submitted_work_done_sync`, which
+wgpu-py resolves from its own poller thread: no spinning); a read advances it itself once its staging buffer is mapped
+(which implies everything before it: the queue is in order).
 
-Memory: pooled storage buffers (sizes in multiples of 4 bytes: WebGPU copies and writes move 4-byte words), each pool
-holding the buffers it makes (`memory.OwnedPool`). Reads go through pooled MAP_READ staging buffers; writes are
-`queue.write_buffer` up to UPLOAD_DIRECT bytes, larger ones fill a pooled MAP_WRITE buffer and copy from it (2.4 GB/s
-against write_buffer's 0.7-1.0 for 64 MiB on lavapipe: write_buffer stages through a fresh allocation each time).
-The adapter's limits hold: storage bindings per stage (`max_buffers`, which the scheduler respects), the binding size
-(a larger buffer binds as several ranges, `wgsl.bindings`), the buffer size (a larger one: AllocationError),
-workgroups per dimension (the renderer folds long grids into a 2-D dispatch).
+Memory: pooled storage buffers (sizes in multiples of 4 bytes: WebGPU copies and writes move 4-byte words); reads
+back copy into a pooled MAP_READ staging buffer and map it; writes are `queue.write_buffer` up to UPLOAD_DIRECT bytes,
+larger ones fill a pooled MAP_WRITE buffer and copy from it (2.4 GB/s against write_buffer's 0.7-1.0 for 64 MiB on
+lavapipe: write_buffer stages through a fresh allocation of the driver's each time). Each pool holds the buffers it
+makes until it lets them go (`memory.OwnedPool`): one given back by the cyclic GC is never one wgpu-py released.
+Limits come from the adapter: storage bindings per stage (`max_buffers`, which the scheduler respects), the storage
+binding size (a kernel binds a larger buffer as several ranges, `wgsl.bindings`), the buffer size (a larger one is
+refused with an AllocationError naming both), workgroups per dimension (the renderer folds long grids into a 2-D
+dispatch).
 """
 
 from __future__ import annotations
