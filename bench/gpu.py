@@ -174,16 +174,16 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
     short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
     for (dt, batch, nh, length, cached, dim, causal), ((q, tq), (k, tk), (v, tv), *mask) in heads.items():
         # torch: its flash / efficient kernels (efficient or math under a mask)
-        (m, tm), = mask or [(None, None)]
+        (keep, tkeep), = mask or [(None, None)]
         shape = f"L={length}" if length == cached else f"1 query x {cached} cached{', masked' if mask else ''}"
         name = f"SDPA {batch}x{nh} heads x {dim}, {shape}{', causal' if causal else ''} {short[dt]}"
         pairs = batch * nh * length * cached // (2 if causal else 1)
         work, unit = 4 * pairs * dim, "GFLOP/s"
         if length == 1:  # decode: bandwidth-bound, GB/s of the keys and values read
             work, unit = 2 * batch * nh * cached * dim * k.dtype.itemsize, "GB/s"
-        cases.append((name, lambda q=q, k=k, v=v, c=causal, m=m: azyx.nn.scaled_dot_product_attention(
+        cases.append((name, lambda q=q, k=k, v=v, c=causal, m=keep: azyx.nn.scaled_dot_product_attention(
                           q, k, v, mask=m, causal=c),
-                      lambda tq=tq, tk=tk, tv=tv, c=causal, tm=tm: torch.nn.functional.scaled_dot_product_attention(
+                      lambda tq=tq, tk=tk, tv=tv, c=causal, tm=tkeep: torch.nn.functional.scaled_dot_product_attention(
                           tq, tk, tv, attn_mask=tm, is_causal=c), work, unit))
         tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
     for dt, ((x, tx), (w, tw)) in vectors.items():  # bandwidth-bound: GB/s of the weight read
@@ -192,12 +192,12 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
             name = f"gemv (1, {gemv}) @ ({gemv}, {gemv}){suffix} {short[dt]}"
             cases.append((name, make, tfn, gemv * gemv * w.dtype.itemsize, "GB/s"))
             tolerance[name] = {"bfloat16": 1e-2, "float16": 2e-3}.get(dt, 1e-4)
-    for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (bias, tb)) in decode.items():
+    for (dt, m_rows), ((x, tx), (w, tw), (wt, twt), (g, tg), (beta, tbeta), (bias, tbias)) in decode.items():
         size = w.dtype.itemsize * (768 * 3072 + m_rows * (768 + 3072))  # bytes moved: the weight once, x, the output
         fused = (lambda x=x, w=w, g=g, beta=beta, bias=bias: ((x.layernorm() * g + beta) @ w + bias).gelu(
                      approximate="tanh"),
-                 lambda tx=tx, tw=tw, tg=tg, tbeta=tbeta, tb=tb: torch.nn.functional.gelu(
-                     torch.nn.functional.layer_norm(tx, (768,), tg, tbeta) @ tw + tb, approximate="tanh"))
+                 lambda tx=tx, tw=tw, tg=tg, tbeta=tbeta, tbias=tbias: torch.nn.functional.gelu(
+                     torch.nn.functional.layer_norm(tx, (768,), tg, tbeta) @ tw + tbias, approximate="tanh"))
         for what, make, tfn in ((f"x @ W ({m_rows}, 768) @ (768, 3072)", lambda x=x, w=w: x @ w,
                                  lambda tx=tx, tw=tw: tx @ tw),
                                 (f"x @ W.T ({m_rows}, 768) @ (3072, 768).T", lambda x=x, wt=wt: x @ wt.T,
@@ -206,11 +206,11 @@ async def workloads(torch: Any, dev: str, quick: bool, only: list[str]) -> tuple
             name = f"gemv {what} {short[dt]}"
             cases.append((name, make, tfn, size, "GB/s"))
             tolerance[name] = {"bfloat16": 2e-2, "float16": 4e-3}.get(dt, 1e-4)
-    for (dt, m_rows, k_in, n_out), ((x, tx), (w, tw), (bias, tb)) in layers.items():
+    for (dt, m_rows, k_in, n_out), ((x, tx), (w, tw), (bias, tbias)) in layers.items():
         name = f"gemv GPT-2 x @ W + b ({m_rows}, {k_in}) @ ({k_in}, {n_out}) {short[dt]}"
         size = w.dtype.itemsize * (k_in * n_out + m_rows * (k_in + n_out) + n_out)
-        cases.append((name, lambda x=x, w=w, bias=bias: x @ w + bias, lambda tx=tx, tw=tw, tb=tb: tx @ tw + tb, size,
-                      "GB/s"))
+        cases.append((name, lambda x=x, w=w, bias=bias: x @ w + bias,
+                      lambda tx=tx, tw=tw, tbias=tbias: tx @ tw + tbias, size, "GB/s"))
         tolerance[name] = {"bfloat16": 2e-2}.get(dt, 1e-4)
     if only:
         cases = [c for c in cases if any(word in c[0] for word in only)]
