@@ -597,16 +597,45 @@ def _bucket(n: int, limit: int) -> int:
 
 @dataclass(eq=False)
 class _Launched:
-    """A decode step queued on the device: its sequences, rows (None: padding), slots and tokens tensors (a chained
-    step feeds them on, and its next ints), its outputs, and the read of its tokens, started."""
+    """A decode step queued on the device: its sequences, rows (None: padding), its outputs, and the read of its
+    tokens, started."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
-    slots: Tensor
     token: Tensor
     logits: Tensor
-    ints: Tensor  # the next step's positions and top-k (`_decode_graph`)
     read: asyncio.Future[np.ndarray]
+
+
+TOKEN, POSITION, TOP_K = range(3)  # the rows of a decode step's state (`_Chain`)
+STATE_ROWS = 3
+
+
+class _Chain:
+    """A batch bucket's decode state on the device, (STATE_ROWS, B) int32: each row's token, position and top-k;
+    and its rows' slots (B,), which a chained step reads again. `state` is what the next step reads; the step writes
+    the state after it in place into `written` (one kernel), and `turn()` then swaps the two, so chained steps read
+    and write the same two buffers in turn: every kernel that reads the slots, tokens or positions (each layer's key
+    and value writes and attention) keeps its arguments from step to step (on CUDA, no parameter update of the
+    step's graph). `start(slots, state)`: a step's slots and state from the host."""
+
+    def __init__(self, state: Tensor, written: Tensor, spare: Tensor):
+        self.state, self.written, self.spare = state, written, spare  # (three buffers of their own)
+        self.slots: Tensor | None = None
+
+    def start(self, slots: Tensor, state: Tensor) -> None:
+        """The next step reads `slots` and `state` (uploaded by the host)."""
+        self.slots = slots
+        self.state.assign(state)
+
+    def turn(self) -> None:
+        """After a step: the state it wrote is the next one's, and the state it read is where the next one writes (a
+        handle's rebinding each: `written`'s buffer is then held by nothing else, so the step's write stays in
+        place)."""
+        self.spare.assign(self.state)
+        self.state.assign(self.written)
+        self.written.assign(self.spare)
+        self.spare.assign(self.state)  # (not the written buffer's second holder)
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -642,6 +671,7 @@ class Engine:
         self.inflight: _Launched | None = None  # a step queued whose tokens are not read yet (the runner's)
         self.chained = 0  # steps queued before the last one's tokens were read (for tests and debugging)
         self.greedy: dict[int, Tensor] = {}  # per batch size, the floats of a step no row of which samples
+        self.chains: dict[int, _Chain] = {}  # per batch size, the decode state on the device (`_Chain`)
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
         # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
         # the cache rows a decode step reads: the first bucket of WINDOW_BASE * 4**i (and max_len) above the
@@ -800,15 +830,17 @@ class Engine:
                     # the step's inputs as `_launch` makes them: floats uploaded where a row samples, else the
                     # device's greedy zeros
                     rows = [(1.0, 1, 1.0, 0.0) if flags["sample"] else self._sampling_row(None)] * b
-                    slots, tokens = self._device([scratch] * b, dtypes.int32), self._device([0] * b, dtypes.int32)
                     # traced, then replayed (the first run uploads the greedy zeros: a trace of their own), then
-                    # chained (`_launch`) on a replay's tokens and ints and on a chained step's: tensors a step made on
-                    # the device may key a trace of their own
-                    token, made = tokens, None
+                    # chained (`_launch`) on the state a step wrote: tensors a step made on the device may key a trace
+                    # of their own
+                    chain = await self._chain(b)
                     for i in range(5):
-                        ints, floats, _ = self._decode_inputs([0] * b, rows, made if i >= 3 else None)
-                        token, _, made = await self.decode_step(slots, token if i >= 3 else tokens, ints, floats,
-                                                                **flags, window=w)
+                        if i < 3:
+                            chain.start(self._device([scratch] * b, dtypes.int32),
+                                        self._device([[0] * b, [0] * b, [r[1] for r in rows]], dtypes.int32))
+                        floats, _ = self._decode_floats(rows)
+                        await self.decode_step(chain.slots, chain.state, floats, **flags, window=w)
+                        chain.turn()
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -886,21 +918,26 @@ class Engine:
                                 f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
         return t, k, top_p, float(seq.rng.random())
 
-    def _decode_inputs(self, positions: list[int], rows: list[tuple[float, int, float, float]],
-                       ints: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, bool]]:
-        """A decode step's per-row values besides its slots and tokens, as two tensors (two copies to the device, not
-        five): ints (2, B) of positions and top-k (`ints`: a chained step's, made on the device by the step before),
-        floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device holds, which no
-        kernel reads); and the sampler's parts some row uses."""
-        t, k, p, u = zip(*rows)
+    def _decode_floats(self, rows: list[tuple[float, int, float, float]]) -> tuple[Tensor, dict[str, bool]]:
+        """A decode step's floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device
+        holds, which no kernel reads), and the sampler's parts some row uses."""
+        t, _, p, u = zip(*rows)
         parts = self._parts(rows)
-        ints = ints if ints is not None else self._device([positions, k], dtypes.int32)
         if parts["sample"]:
-            return ints, self._device([t, p, u], dtypes.float32), parts
+            return self._device([t, p, u], dtypes.float32), parts
         floats = self.greedy.get(len(rows))
         if floats is None:
             floats = self.greedy[len(rows)] = self._device(np.zeros((3, len(rows))), dtypes.float32)
-        return ints, floats, parts
+        return floats, parts
+
+    async def _chain(self, b: int) -> _Chain:
+        """Batch bucket `b`'s chain (made on first use, its buffers realized: a step writes into them in place)."""
+        chain = self.chains.get(b)
+        if chain is None:
+            chain = _Chain(*(self._device(np.zeros((STATE_ROWS, b)), dtypes.int32) for _ in range(3)))
+            await realize(chain.state, chain.written, chain.spare)
+            self.chains[b] = chain
+        return chain
 
     def _parts(self, rows: list[tuple[float, int, float, float]]) -> dict[str, bool]:
         """Which parts of the sampler some row of `rows` (`_sampling_row`s) uses (the others are left out of the
@@ -955,12 +992,14 @@ class Engine:
                               filter_p=filter_p, **extras)
         return token, logits
 
-    def _decode_graph(self, slots: Tensor, tokens: Tensor, ints: Tensor, floats: Tensor, sample: bool,
-                      filter_k: bool, filter_p: bool, window: int, **extras: Tensor | None
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-        """One token per row (B,) at `positions` of `slots` (`_decode_inputs`' tensors): the next tokens, the logits
-        (B, vocab), and the next step's ints (each position one further: a chained step's, made on the device)."""
-        positions, top_k = ints[0], ints[1]
+    def _decode_graph(self, slots: Tensor, state: Tensor, floats: Tensor, sample: bool, filter_k: bool, filter_p: bool, window: int,
+                      **extras: Tensor | None) -> tuple[Tensor, Tensor]:
+        """One token per row at its position of its slot (`slots`, B), `state` (STATE_ROWS, B) holding each row's
+        token, position and top-k (`_Chain`), `floats` (3, B) its temperature, top-p and uniform draw: the next tokens (B,)
+        and the logits (B, vocab). The next step's state (each token sampled, each position one further) is written
+        in place into the batch's chain (`_Chain.written`): a chained step reads it there, so the buffers every
+        layer's kernels read keep their addresses from step to step."""
+        tokens, positions, top_k = state[TOKEN], state[POSITION], state[TOP_K]
         temperature, top_p, uniform = floats[0], floats[1], floats[2]
         b = tokens.shape[0]
         view = Decode(self.cache, slots, positions, window)
@@ -968,7 +1007,8 @@ class Engine:
         logits = logits.reshape(b, -1)
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p, **extras)
-        return token, logits, Tensor.stack([positions + 1, top_k])
+        self.chains[b].written[:] = Tensor.stack([token, positions + 1, top_k])
+        return token, logits
 
     def _score_graph(self, ids: Tensor) -> Tensor:
         """The logits (T, vocab) of a prompt (1, T) under causal attention over its own tokens (no cache)."""
@@ -1050,22 +1090,24 @@ class Engine:
         ahead = after is not None
         positions = [s.cached + ahead if s else 0 for s in rows]
         values += [self._sampling_row(None)] * (b - len(seqs))
-        if after is None:
+        chain = await self._chain(b)
+        if after is None:  # the batch's state from the host: its rows' slots, tokens, positions and top-k
             scratch = self.cache.scratch
-            tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
-            slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
-        else:
-            tokens, slots = after.token, after.slots
+            chain.start(self._device([s.slot if s else scratch for s in rows], dtypes.int32),
+                        self._device([[s.pending if s else 0 for s in rows], positions, [k for _, k, _, _ in values]],
+                                     dtypes.int32))
+        else:  # the state the step before wrote on the device
             self.chained += 1
-        ints, floats, flags = self._decode_inputs(positions, values, after.ints if after is not None else None)
+        floats, flags = self._decode_floats(values)
         window = self._window(max(positions) + 1)
-        token, logits, ints = await self.decode_step.submit(slots, tokens, ints, floats, **flags, window=window,
-                                                            **self._extras(rows))
+        token, logits = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
+                                                      **self._extras(rows))
+        chain.turn()
         # the tokens' read queued now: behind this step, ahead of the next one (a chained step is queued before it is
         # awaited)
         read = asyncio.ensure_future(read_now(token))
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        return _Launched(seqs, rows, slots, token, logits, ints, read)
+        return _Launched(seqs, rows, token, logits, read)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
