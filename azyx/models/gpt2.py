@@ -597,13 +597,12 @@ def _bucket(n: int, limit: int) -> int:
 
 @dataclass(eq=False)
 class _Launched:
-    """A decode step queued on the device: its sequences, rows (None: padding), its outputs, and the read of its
-    tokens, started."""
+    """A decode step queued on the device: its sequences, rows (None: padding), its logits (None unless a row asked
+    for logprobs), and the read of the state it wrote (its tokens: `_Chain`), started."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
-    token: Tensor
-    logits: Tensor
+    logits: Tensor | None
     read: asyncio.Future[np.ndarray]
 
 
@@ -664,7 +663,8 @@ class Engine:
         self.lock = asyncio.Lock()
         self.runner: asyncio.Task[None] | None = None
         self.ready = False
-        # the last prefill's or step's logits (rows, vocab), realized, and the sequence of each row (None: padding)
+        # the last prefill's or step's logits (rows, vocab), realized (a streamed step's only where a row asked for
+        # logprobs: else None), and the sequence of each row (None: padding)
         self.logits: Tensor | None = None
         self.rows: list[Sequence | None] = []
         self.batch: list[Sequence] = []  # the sequences of the step in flight (or the last one)
@@ -810,15 +810,17 @@ class Engine:
         return next(w for w in self.windows if w >= n)
 
     async def warmup(self, batch_sizes: Iterable[int] | None = None, prompt_lengths: Iterable[int] = (),
-                     sampled: bool = False) -> None:
+                     sampled: bool = False, logprobs: bool = False) -> None:
         """Trace, plan and compile the decode step of every batch bucket that `batch_sizes` fall in (default: every
         one up to the slots) at every attention window (`windows`), and the prefill of every bucket of
-        `prompt_lengths`, greedy (and, with `sampled`, with temperature, top-k and top-p on), before serving. A
+        `prompt_lengths`, greedy (and, with `sampled`, with temperature, top-k and top-p on; with `logprobs`, also
+        the steps that keep their logits for the rows that ask for logprobs), before serving. A
         shape's first step otherwise builds, walks and releases its whole graph on the event loop (tens of ms for
         GPT-2 small) while the streams in flight wait. Runs on the scratch slot: no sequence's cache is touched."""
         variants = [dict(sample=False, filter_k=False, filter_p=False)]
         if sampled:
             variants.append(dict(sample=True, filter_k=True, filter_p=True))
+        steps = [{**v, "logits": keep} for keep in ((False, True) if logprobs else (False,)) for v in variants]
         sizes = range(1, self.cache.slots + 1) if batch_sizes is None else batch_sizes
         async with self.lock:
             await self._settle()
@@ -826,7 +828,7 @@ class Engine:
             scratch = self.cache.scratch
             shapes = [(b, w) for b in sorted({_bucket(n, self.cache.slots) for n in sizes}) for w in self.windows]
             for b, w in shapes:
-                for flags in variants:
+                for flags in steps:
                     # the step's inputs as `_launch` makes them: floats uploaded where a row samples, else the
                     # device's greedy zeros
                     rows = [(1.0, 1, 1.0, 0.0) if flags["sample"] else self._sampling_row(None)] * b
@@ -992,23 +994,25 @@ class Engine:
                               filter_p=filter_p, **extras)
         return token, logits
 
-    def _decode_graph(self, slots: Tensor, state: Tensor, floats: Tensor, sample: bool, filter_k: bool, filter_p: bool, window: int,
-                      **extras: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _decode_graph(self, slots: Tensor, state: Tensor, floats: Tensor, sample: bool, filter_k: bool, filter_p: bool,
+                      window: int, logits: bool = False, **extras: Tensor | None) -> tuple[Tensor, ...]:
         """One token per row at its position of its slot (`slots`, B), `state` (STATE_ROWS, B) holding each row's
-        token, position and top-k (`_Chain`), `floats` (3, B) its temperature, top-p and uniform draw: the next tokens (B,)
-        and the logits (B, vocab). The next step's state (each token sampled, each position one further) is written
-        in place into the batch's chain (`_Chain.written`): a chained step reads it there, so the buffers every
-        layer's kernels read keep their addresses from step to step."""
+        token, position and top-k (`_Chain`), `floats` (3, B) its temperature, top-p and uniform draw. The next step's
+        state (each row's token sampled, its position one further) is written in place into the batch's chain
+        (`_Chain.written`) and returned: the host reads the tokens there, a chained step reads the state there, so
+        the buffers that every layer's kernels read and the step writes keep their addresses from step to step. With
+        `logits` (a row asked for logprobs), the logits (B, vocab) are returned too (else they stay a temporary of
+        the step)."""
         tokens, positions, top_k = state[TOKEN], state[POSITION], state[TOP_K]
         temperature, top_p, uniform = floats[0], floats[1], floats[2]
         b = tokens.shape[0]
         view = Decode(self.cache, slots, positions, window)
-        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view)
-        logits = logits.reshape(b, -1)
-        token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
+        out = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view).reshape(b, -1)
+        token = sample_tokens(out, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p, **extras)
-        self.chains[b].written[:] = Tensor.stack([token, positions + 1, top_k])
-        return token, logits
+        written = self.chains[b].written
+        written[:] = Tensor.stack([token, positions + 1, top_k])
+        return (written, out) if logits else (written,)
 
     def _score_graph(self, ids: Tensor) -> Tensor:
         """The logits (T, vocab) of a prompt (1, T) under causal attention over its own tokens (no cache)."""
@@ -1069,10 +1073,11 @@ class Engine:
                    and s.params.repetition_penalty == 1.0 and not s.params.logit_bias
                    and not s.params.presence_penalty and not s.params.frequency_penalty for s in step.seqs)
 
-    async def _launch(self, after: _Launched | None = None) -> _Launched | None:
+    async def _launch(self, after: _Launched | None = None, logits: bool = False) -> _Launched | None:
         """Queue a decode step of every active sequence and start reading its tokens; None when no sequence is left.
         `after`: a step in flight whose tokens are not read yet (`_chainable`): this one feeds them from the device,
-        one position further."""
+        one position further. The step keeps its logits (`self.logits`) with `logits` (`step()`'s) or where a row
+        asked for logprobs."""
         await self._ready()
         values: list[tuple[float, int, float, float]] = []
         seqs: list[Sequence] = []
@@ -1100,19 +1105,22 @@ class Engine:
             self.chained += 1
         floats, flags = self._decode_floats(values)
         window = self._window(max(positions) + 1)
-        token, logits = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
-                                                      **self._extras(rows))
+        logits = logits or any(s.params.logprobs is not None for s in seqs)
+        state, *kept = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
+                                                     logits=logits, **self._extras(rows))
+        if state is chain.written:  # (a call that traced returns the handle itself, which `turn` rebinds)
+            state = Tensor.zeros(*state.shape, dtype=dtypes.int32, device=state.device).assign(state)
         chain.turn()
-        # the tokens' read queued now: behind this step, ahead of the next one (a chained step is queued before it is
-        # awaited)
-        read = asyncio.ensure_future(read_now(token))
+        # the tokens' read (the state the step wrote) queued now: behind this step, ahead of the next one (a chained
+        # step is queued before it is awaited, and writes the other buffer)
+        read = asyncio.ensure_future(read_now(state))
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        return _Launched(seqs, rows, token, logits, read)
+        return _Launched(seqs, rows, kept[0] if kept else None, read)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
         self.logits, self.rows = step.logits, step.rows
-        out = (await step.read).tolist()
+        out = (await step.read)[TOKEN].tolist()
         seqs = step.seqs
         lps = await self._logprobs(step.logits, seqs, out)
         got: dict[Sequence, int] = {}
@@ -1139,10 +1147,10 @@ class Engine:
 
     async def _step(self) -> dict[Sequence, int]:
         await self._settle()
-        launched = await self._launch()
+        launched = await self._launch(logits=True)
         return await self._land(launched) if launched is not None else {}
 
-    async def _logprobs(self, logits: Tensor, seqs: list[Sequence], tokens: list[int]
+    async def _logprobs(self, logits: Tensor | None, seqs: list[Sequence], tokens: list[int]
                         ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """Per row, for the sequences that asked (`params.logprobs`), the log-probability of its token under the
         model's distribution (log_softmax of the logits) and the most likely tokens'; None for the others. The
@@ -1150,6 +1158,7 @@ class Engine:
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
         if want:
+            assert logits is not None, "a step with rows that ask for logprobs keeps its logits"
             rows = (await logits.numpy())[want]
             counts = [seqs[i].params.logprobs or 0 for i in want]
             for i, entry in zip(want, await in_worker_thread(top_logprobs, rows, [tokens[i] for i in want], counts)):
