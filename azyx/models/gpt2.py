@@ -613,28 +613,30 @@ STATE_ROWS = 3
 class _Chain:
     """A batch bucket's decode state on the device, (STATE_ROWS, B) int32: each row's token, position and top-k;
     and its rows' slots (B,), which a chained step reads again. `state` is what the next step reads; the step writes
-    the state after it in place into `written` (one kernel), and `turn()` then swaps the two, so chained steps read
-    and write the same two buffers in turn: every kernel that reads the slots, tokens or positions (each layer's key
-    and value writes and attention) keeps its arguments from step to step (on CUDA, no parameter update of the
-    step's graph). `start(slots, state)`: a step's slots and state from the host."""
+    the state after it in place into `written` (one kernel), and `turn(...)` then swaps the two, so chained steps
+    read and write the same two buffers in turn: every kernel that reads the slots, tokens or positions (each
+    layer's key and value writes and attention) keeps its arguments from step to step (on CUDA, no parameter update
+    of the step's graph). `start(slots, state)`: a step's slots and state from the host."""
 
-    def __init__(self, state: Tensor, written: Tensor, spare: Tensor):
-        self.state, self.written, self.spare = state, written, spare  # (three buffers of their own)
+    def __init__(self, written: Tensor):
+        self.written = written  # (realized: a buffer of its own)
+        self.state: Tensor | None = None
         self.slots: Tensor | None = None
 
     def start(self, slots: Tensor, state: Tensor) -> None:
         """The next step reads `slots` and `state` (uploaded by the host)."""
-        self.slots = slots
-        self.state.assign(state)
+        self.slots, self.state = slots, state
 
-    def turn(self) -> None:
-        """After a step: the state it wrote is the next one's, and the state it read is where the next one writes (a
-        handle's rebinding each: `written`'s buffer is then held by nothing else, so the step's write stays in
-        place)."""
-        self.spare.assign(self.state)
-        self.state.assign(self.written)
-        self.written.assign(self.spare)
-        self.spare.assign(self.state)  # (not the written buffer's second holder)
+    def turn(self, wrote: Tensor) -> Tensor:
+        """After a step that returned `wrote` (its handle of what it wrote into `written`): that state is the next
+        step's, and the state the step read is where the next one writes (`written`'s buffer is then held by nothing
+        else, so the next step's write stays in place). Returns the tensor of the state written (the next step's)."""
+        if wrote is self.written:  # (a call that traced returns the handle itself, which is rebound here)
+            wrote = Tensor.zeros(*wrote.shape, dtype=dtypes.int32, device=wrote.device).assign(wrote)
+        assert self.state is not None
+        self.written.assign(self.state)
+        self.state = wrote
+        return wrote
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -841,8 +843,8 @@ class Engine:
                             chain.start(self._device([scratch] * b, dtypes.int32),
                                         self._device([[0] * b, [0] * b, [r[1] for r in rows]], dtypes.int32))
                         floats, _ = self._decode_floats(rows)
-                        await self.decode_step(chain.slots, chain.state, floats, **flags, window=w)
-                        chain.turn()
+                        out = await self.decode_step(chain.slots, chain.state, floats, **flags, window=w)
+                        chain.turn(out[0])
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -936,8 +938,8 @@ class Engine:
         """Batch bucket `b`'s chain (made on first use, its buffers realized: a step writes into them in place)."""
         chain = self.chains.get(b)
         if chain is None:
-            chain = _Chain(*(self._device(np.zeros((STATE_ROWS, b)), dtypes.int32) for _ in range(3)))
-            await realize(chain.state, chain.written, chain.spare)
+            chain = _Chain(self._device(np.zeros((STATE_ROWS, b)), dtypes.int32))
+            await realize(chain.written)
             self.chains[b] = chain
         return chain
 
@@ -1108,9 +1110,7 @@ class Engine:
         logits = logits or any(s.params.logprobs is not None for s in seqs)
         state, *kept = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
                                                      logits=logits, **self._extras(rows))
-        if state is chain.written:  # (a call that traced returns the handle itself, which `turn` rebinds)
-            state = Tensor.zeros(*state.shape, dtype=dtypes.int32, device=state.device).assign(state)
-        chain.turn()
+        state = chain.turn(state)
         # the tokens' read (the state the step wrote) queued now: behind this step, ahead of the next one (a chained
         # step is queued before it is awaited, and writes the other buffer)
         read = asyncio.ensure_future(read_now(state))
