@@ -440,7 +440,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             else:
                 results.append(Tensor._wrap(of[kind][x].id))
         for h, r in trace.rebind:
-            h.assign(results[r])  # type: ignore[arg-type]
+            h.assign(results[r])
         return results[:n_out], plan  # type: ignore[return-value]
 
 
