@@ -191,7 +191,9 @@ class UnifiedExecutor:
                 bufs[s], used[i] = words, (*used[i][1:], words)
         parents = []  # (the records of the inputs' runs that may still fail)
         for binding in bindings:
-            if (r := binding.run) is not None and not r.clean:
+            # (each once: a decode step's cache tensors were all written by the step before, whose record a failure()
+            # walked once per tensor, 25 times a GPT-2 step)
+            if (r := binding.run) is not None and not r.clean and r not in parents:
                 parents.append(r)
         record = RunRecord(parents)
         if together is not None and not gathered:
