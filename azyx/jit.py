@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
+from operator import is_
 from typing import Any
 
 from azyx import debug
@@ -145,6 +146,7 @@ class Trace:
         self.constants: list[Any] = [x if kind == CONST else None for kind, x in sources]
         self.live = [(i, kind, x) for i, (kind, x) in enumerate(sources) if kind != CONST]
         self.checks = checks  # per STATE leaf: (handle index, how its value must look for the plan to fit it)
+        self.checked: list[Any] = []  # the nodes a replay found to fit (`checks`), in their order
         self.results = results  # per result: (-1, target index) or a leaf source
         self.targets = targets  # per target of the plan: (shape, dtype, device, pinned) of its leaf
         self.handles = handles  # the handles the function rebinds ...
@@ -398,9 +400,13 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             values = [evaluate(x, token, numbers, memo) for x in trace.numbers]
             for i, k in trace.traced:
                 scalars[i] = values[k]
-        for x, entry in trace.checks:
-            if leaf_entry(gn[handles[x].id]) != entry:  # type: ignore[arg-type]
-                return None
+        if trace.checks:  # (the nodes the last replay checked, or left the handles on, fit still: not again)
+            now = [gn[handles[x].id] for x, _ in trace.checks]
+            if not all(map(is_, now, trace.checked)):
+                for n, (_, entry) in zip(now, trace.checks):
+                    if leaf_entry(n) != entry:  # type: ignore[arg-type]
+                        return None
+                trace.checked = now
         drawn = [again() for again in trace.drawn] if trace.drawn else []  # in the function's order: the same stream
         of = {ARG: tensors, STATE: handles, DRAWN: drawn}  # where a source's tensor is, this call
         bindings: list[Buffer] = trace.constants.copy()
