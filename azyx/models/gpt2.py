@@ -598,12 +598,17 @@ def _bucket(n: int, limit: int) -> int:
 @dataclass(eq=False)
 class _Launched:
     """A decode step queued on the device: its sequences, rows (None: padding), its logits (None unless a row asked
-    for logprobs), and the read of the state it wrote (its tokens: `_Chain`), started."""
+    for logprobs), the read of the state it wrote (its tokens: `_Chain`), started, and its other inputs."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
     logits: Tensor | None
     read: asyncio.Future[np.ndarray]
+    # its inputs besides the state, which a chained step takes again (the rows and their values are the same; a
+    # sampled step's floats are new: its uniform draws)
+    floats: Tensor
+    flags: dict[str, bool]
+    extras: dict[str, Tensor | None]
 
 
 TOKEN, POSITION, TOP_K = range(3)  # the rows of a decode step's state (`_Chain`)
@@ -1096,7 +1101,8 @@ class Engine:
         rows: list[Sequence | None] = [*seqs, *[None] * (b - len(seqs))]
         ahead = after is not None
         positions = [s.cached + ahead if s else 0 for s in rows]
-        values += [self._sampling_row(None)] * (b - len(seqs))
+        if b > len(seqs):
+            values += [self._sampling_row(None)] * (b - len(seqs))
         chain = await self._chain(b)
         if after is None:  # the batch's state from the host: its rows' slots, tokens, positions and top-k
             scratch = self.cache.scratch
@@ -1105,17 +1111,21 @@ class Engine:
                                      dtypes.int32))
         else:  # the state the step before wrote on the device
             self.chained += 1
-        floats, flags = self._decode_floats(values)
+        if after is not None and not after.flags["sample"]:  # (the same rows and values: greedy zeros again)
+            floats, flags, extras = after.floats, after.flags, after.extras
+        else:
+            floats, flags = self._decode_floats(values)
+            extras = self._extras(rows) if after is None else after.extras
+            flags["logits"] = logits or any(s.params.logprobs is not None for s in seqs)
         window = self._window(max(positions) + 1)
-        logits = logits or any(s.params.logprobs is not None for s in seqs)
         state, *kept = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
-                                                     logits=logits, **self._extras(rows))
+                                                     **extras)
         state = chain.turn(state)
         # the tokens' read (the state the step wrote) queued now: behind this step, ahead of the next one (a chained
         # step is queued before it is awaited, and writes the other buffer)
         read = asyncio.ensure_future(read_now(state))
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        return _Launched(seqs, rows, kept[0] if kept else None, read)
+        return _Launched(seqs, rows, kept[0] if kept else None, read, floats, flags, extras)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
