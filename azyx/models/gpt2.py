@@ -1132,7 +1132,8 @@ class Engine:
         self.logits, self.rows = step.logits, step.rows
         out = (await step.read)[TOKEN].tolist()
         seqs = step.seqs
-        lps = await self._logprobs(step.logits, seqs, out)
+        # (a step keeps no logits where no row asked for logprobs: `_launch`)
+        lps = await self._logprobs(step.logits, seqs, out) if step.logits is not None else [None] * len(seqs)
         got: dict[Sequence, int] = {}
         for seq, tok, lp in zip(seqs, out, lps):
             if seq.done:  # removed while the step ran
