@@ -284,7 +284,7 @@ class RunRecord:
             words = host if host is not None else np.asarray(buf.mem).reshape(-1).view(np.int32)[:CHECK_WORDS]
             if not words[0]:
                 # still zero on the device: a later run takes them as they are (no write to clear them)
-                if host is not None and not host.any() and len(dev.zeroed_checks) < ZEROED_CHECKS:
+                if not words.any() and len(dev.zeroed_checks) < ZEROED_CHECKS:
                     dev.zeroed_checks.append(buf)
                 continue
             site, lo, hi, size = (int(w) for w in words[:CHECK_WORDS])
