@@ -17,7 +17,10 @@ cache pooled in slots, and a generation engine that decodes many sequences in on
   one plan (per batch-size bucket; every position, slot, length mask and sampling value is data, so a step never
   plans or compiles again; both are staged with `azyx.jit`, so a step replays its plan without building the
   graph), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
-  a runner task admits new requests between steps, so requests join and leave the running batch at any step.
+  a runner task admits new requests between steps, so requests join and leave the running batch at any step; while
+  the batch stays the same, each step is queued before the last one's tokens are read, and reads the tokens and
+  positions that step wrote on the device, in one of two buffers the steps write in place in turn (`_Chain`: a
+  step's kernels take the same arguments every other step).
   Each sequence is a state machine (new, waiting, prefilling, active, then finished; "finishing" when ended while
   its prefill runs) whose end frees whatever it holds in every state; a request's own failure (its prefill, its
   sampling values, its step) ends that request with the error, and the runner keeps serving the others.
