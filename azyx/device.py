@@ -284,7 +284,7 @@ class RunRecord:
             words = host if host is not None else np.asarray(buf.mem).reshape(-1).view(np.int32)[:CHECK_WORDS]
             if not words[0]:
                 # still zero on the device: a later run takes them as they are (no write to clear them)
-                if host is not None and not host.any() and len(dev.zeroed_checks) < ZEROED_CHECKS:
+                if not words.any() and len(dev.zeroed_checks) < ZEROED_CHECKS:
                     dev.zeroed_checks.append(buf)
                 continue
             site, lo, hi, size = (int(w) for w in words[:CHECK_WORDS])
@@ -531,13 +531,18 @@ class Device:
         bufs = self.alloc_many(sizes)
         del bufs
 
-    def check_words(self) -> Buffer:
+    def check_words(self, prefer: Buffer | None = None) -> Buffer:
         """A run's check words (ir.CHECK_WORDS int32, zero until a kernel finds an index out of range), which its
         kernels that check the indices they read are bound to: those an earlier run found still zero
-        (`RunRecord.checked`), else taken from the pool and zeroed (host memory now, another device's by a write
+        (`RunRecord.checked`; `prefer` where it is one of them: a replayed plan's runs then bind the same few
+        addresses in turn), else taken from the pool and zeroed (host memory now, another device's by a write
         queued before the run's kernels), so no run is blamed for another's index."""
-        if self.zeroed_checks:
-            return self.zeroed_checks.pop()
+        if zeroed := self.zeroed_checks:
+            if prefer is not None:
+                for i, b in enumerate(zeroed):
+                    if b is prefer:
+                        return zeroed.pop(i)
+            return zeroed.pop()
         buf = self.alloc(4 * CHECK_WORDS)
         if self.host_memory:
             np.asarray(buf.mem).reshape(-1).view(np.uint8)[:4 * CHECK_WORDS] = 0

@@ -184,11 +184,16 @@ class UnifiedExecutor:
         segments, alone, together = prepared.segments, prepared.alone, prepared.together
         slots = plan.slots
         bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
-        for s in plan.checks:  # (each run's own check words: kernels that read indices flag one out of range)
-            bufs[s] = self.devices[slots[s].device].check_words()
+        if plan.checks:  # (each run's own check words: kernels that read indices flag one out of range)
+            used = prepared.checks
+            for i, s in enumerate(plan.checks):
+                words = self.devices[slots[s].device].check_words(used[i][0])
+                bufs[s], used[i] = words, (*used[i][1:], words)
         parents = []  # (the records of the inputs' runs that may still fail)
         for binding in bindings:
-            if (r := binding.run) is not None and not r.clean:
+            # (each once: a decode step's cache tensors were all written by the step before, whose record a failure()
+            # walked once per tensor, 25 times a GPT-2 step)
+            if (r := binding.run) is not None and not r.clean and r not in parents:
                 parents.append(r)
         record = RunRecord(parents)
         if together is not None and not gathered:
@@ -381,6 +386,9 @@ class _Segment:
         return [(k, list(get(bufs)), w) for k, get, w in zip(self.kernels, self.args, self.words(scalars))]
 
 
+CHECKS_KEPT = 4  # runs back whose check words a plan's run prefers (`Prepared.checks`)
+
+
 class Prepared:
     """How the executor runs a plan, derived on its first run and kept with it (UnifiedExecutor.prepared): its segments
     and each device's `Runner` (`Device.prepare`, once), whose answers it follows on every run:
@@ -389,11 +397,14 @@ class Prepared:
     - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order);
     - `gathers`: the device that gathers concurrent runs of the plan into one submission (`UnifiedExecutor.run`)."""
 
-    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers")
+    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers", "checks")
 
     def __init__(self, plan: ExecutionPlan, devices: dict[str, Device]):
         self.segments = _segments(plan, devices)
         self.alone = len(plan.devices) == 1
+        # per check slot, the words of the plan's last CHECKS_KEPT runs: a run prefers the oldest
+        # (`Device.check_words`), so that chained runs take a few buffers in turn, as a replayed batch's graphs do
+        self.checks: list[tuple[Buffer | None, ...]] = [(None,) * CHECKS_KEPT] * len(plan.checks)
         self.runners: dict[str, Runner] = {}
         for name in plan.devices:
             dev = devices[name]

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
+from operator import is_
 from typing import Any
 
 from azyx import debug
@@ -121,7 +122,7 @@ class Trace:
                  handle_results: list[int], output: Callable[[list[Tensor]], Any],
                  drawn: list[Callable[[], Tensor]], guards: list[tuple[Callable[[], Any], Any]],
                  token: object = None, scalars: list[Any] | None = None,
-                 scalar_guards: list[tuple[tuple, Any]] | None = None):
+                 scalar_guards: list[tuple[tuple, Any]] | None = None, views: list[Any] | None = None):
         self.plan = plan
         self.token = token  # the traced numbers' trace
         self.scalars = scalars or []  # the plan's scalars at the trace: constants, or traced numbers computed anew
@@ -145,12 +146,25 @@ class Trace:
         self.constants: list[Any] = [x if kind == CONST else None for kind, x in sources]
         self.live = [(i, kind, x) for i, (kind, x) in enumerate(sources) if kind != CONST]
         self.checks = checks  # per STATE leaf: (handle index, how its value must look for the plan to fit it)
+        self.checked: list[Any] = []  # the nodes a replay found to fit (`checks`), in their order
         self.results = results  # per result: (-1, target index) or a leaf source
         self.targets = targets  # per target of the plan: (shape, dtype, device, pinned) of its leaf
         self.handles = handles  # the handles the function rebinds ...
         self.handle_results = handle_results  # ... and the result each one is rebound to
         self.output = output  # the function's results (tensors) -> what it returned (their structure)
         self.drawn = drawn
+        # the handles whose new value the plan writes in place into the buffer they hold (a KV cache's tensors): per
+        # such target, its handle's index. A replay leaves those handles on the node they hold (the same buffer,
+        # seen the same way: nothing to rebind), and a result that is one of them is its handle's node
+        self.kept: dict[int, int] = {}
+        if plan is not None:
+            n_out = len(results) - len(handles)
+            for k, (kind, x) in enumerate(results[n_out:]):
+                slot = plan.outputs[x][0] if kind == -1 else -1
+                if 0 <= slot < plan.n_inputs and slot in plan.overwrites and sources[slot] == (STATE, k) and \
+                        x not in self.kept and views is not None and _same_view(plan.outputs[x][1], views[slot]):
+                    self.kept[x] = k
+        self.rebind = [(h, r) for k, (h, r) in enumerate(zip(handles, handle_results)) if k not in self.kept.values()]
 
 
 class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
@@ -363,7 +377,8 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                                        f"targets, {len(handles)} rebound handles, {len(rec.drawn)} random tensors")
         return Trace(plan, sources, checks, results, targets, handles,
                      list(range(len(outputs), len(results))), output, [again for _, again in rec.drawn],
-                     list(rec.guards), scalars=list(walk.scalars) if walk is not None else [])
+                     list(rec.guards), scalars=list(walk.scalars) if walk is not None else [],
+                     views=[GRAPH[i].view if kind == STATE else None for i, (kind, _) in zip(leaves, sources)])
 
     @staticmethod
     def _replay(trace: Trace, tensors: list[Tensor], numbers: dict[Any, Any]
@@ -385,9 +400,13 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             values = [evaluate(x, token, numbers, memo) for x in trace.numbers]
             for i, k in trace.traced:
                 scalars[i] = values[k]
-        for x, entry in trace.checks:
-            if leaf_entry(gn[handles[x].id]) != entry:  # type: ignore[arg-type]
-                return None
+        if trace.checks:  # (the nodes the last replay checked, or left the handles on, fit still: not again)
+            now = [gn[handles[x].id] for x, _ in trace.checks]
+            if not all(map(is_, now, trace.checked)):
+                for n, (_, entry) in zip(now, trace.checks):
+                    if leaf_entry(n) != entry:  # type: ignore[arg-type]
+                        return None
+                trace.checked = now
         drawn = [again() for again in trace.drawn] if trace.drawn else []  # in the function's order: the same stream
         of = {ARG: tensors, STATE: handles, DRAWN: drawn}  # where a source's tensor is, this call
         bindings: list[Buffer] = trace.constants.copy()
@@ -405,12 +424,17 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         made: list[Tensor | int] = []  # per target, its handle (or its id, once a result has that handle)
         if plan is not None:
             outs = run_plan(plan, bindings, nodes.__getitem__, scalars)  # a constant's host copy is bound again
-            realized = Tensor._realized
-            for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs):
-                made.append(realized(shape, dtype, device, pinned, buf, view))
-        results = []
-        for kind, x in trace.results:
-            if kind == -1:
+            realized, kept = Tensor._realized, trace.kept
+            for i, ((shape, dtype, device, pinned), (buf, view)) in enumerate(zip(trace.targets, outs)):
+                # (written in place into the buffer its handle holds: the handle's node)
+                made.append(realized(shape, dtype, device, pinned, buf, view) if i not in kept else
+                            handles[kept[i]].id)
+        results: list[Tensor | None] = []
+        n_out = len(trace.results) - len(handles)
+        for j, (kind, x) in enumerate(trace.results):
+            if j >= n_out and kind == -1 and x in trace.kept:  # (a handle that keeps its node)
+                results.append(None)
+            elif kind == -1:
                 t = made[x]
                 if type(t) is int:  # (a target returned twice: a second handle of it)
                     t = Tensor._wrap(t)
@@ -421,9 +445,14 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 results.append(Tensor._wrap(x.id))
             else:
                 results.append(Tensor._wrap(of[kind][x].id))
-        for h, r in zip(handles, trace.handle_results):
+        for h, r in trace.rebind:
             h.assign(results[r])
-        return results[:len(results) - len(handles)], plan
+        return results[:n_out], plan  # type: ignore[return-value]
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether two strided views read a buffer the same way."""
+    return a is not None and b is not None and (a.offset, tuple(a.strides)) == (b.offset, tuple(b.strides))
 
 
 def _traced(value: Any, recipe: tuple) -> Any:

@@ -1,7 +1,7 @@
 """Generation benchmark (issue 19): GPT-2 in azyx (`azyx.models.gpt2`) beside transformers' GPT2LMHeadModel on the
 same weights and the same device kind, in the same run.
 
-    python bench/generate.py [--quick] [--device c:0] [--out bench/RESULTS.md]
+    python bench/generate.py [--quick] [--device c:0] [--out bench/RESULTS.md] [--only static-b1]
 
 The checkpoint is made here from a fixed seed in Hugging Face's layout (GPT-2 small: 12 layers, 768 wide, 50257
 tokens; `--quick`: a 2-layer, 64-wide model), since no GPT-2 checkpoint can be installed from the package registries.
@@ -14,8 +14,9 @@ Rows, each against the issue's target:
 - the best PyTorch recipe (bench/torch_gpt2.py: a static KV cache, the whole step captured in one CUDA graph on a GPU,
   eager on a CPU; the token read back each step) at batch 1 and at the streams' batch, fp32 (and bf16 on a GPU):
   prompt and new tokens, whole requests timed on both sides, its tokens checked against azyx's.
-Every azyx result is checked first: its greedy tokens against transformers'. Times are medians; the script never
-asserts them. transformers and torch are bench-only: without them the peer columns say so.
+`--only static-b1`: the batch-1 rows against the best PyTorch recipe alone (fp32, and bf16 on a GPU), printed, not
+written. Every azyx result is checked first: its greedy tokens against transformers'. Times are medians; the script
+never asserts them. transformers and torch are bench-only: without them the peer columns say so.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ async def token_stamps(engine: Engine, prompt: list[int], n: int) -> list[float]
 
 
 async def static_rows(torch: Any, hf: Any, path: str, device: str, dtype: str, prompts: list[list[int]], n_new: int,
-                      repeats: int) -> list[list[str]]:
+                      repeats: int, batches: tuple[int, ...] | None = None) -> list[list[str]]:
     """Batch 1 and batch len(prompts) greedy decoding: azyx (`Engine`, weights in `dtype`) against the static-cache
     PyTorch peer (bench/torch_gpt2.py) in the same dtype, its tokens checked equal to azyx's."""
     from torch_gpt2 import StaticGPT2
@@ -100,12 +101,13 @@ async def static_rows(torch: Any, hf: Any, path: str, device: str, dtype: str, p
     dev = torch_device(device)
     model = await GPT2.from_pretrained(path, device=device, dtype=dtype)
     batch = len(prompts)
-    engine = Engine(model, slots=batch)
+    sizes = batches or (1, batch)
+    engine = Engine(model, slots=max(sizes))
     await engine.warmup(prompt_lengths=[len(prompts[0])])
     short = "bf16" if dtype == "bfloat16" else "fp32"
     recipe = "static KV cache + one CUDA graph per step" if dev == "cuda" else "static KV cache, eager"
     rows = []
-    for b in (1, batch):
+    for b in sizes:
         peer = StaticGPT2(torch, hf, b, len(prompts[0]) + n_new + 1, getattr(torch, dtype), dev)
         peer.capture()
         want = peer.generate(prompts[:b], n_new)
@@ -139,6 +141,13 @@ async def main(args: argparse.Namespace) -> None:
     rows: list[list[str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_checkpoint(Path(tmp), quick, torch, transformers).to(dev)
+        if args.only == "static-b1":
+            vocab = hf.config.vocab_size
+            prompts = [[j * 17 % vocab for j in range(8)]]
+            for dtype in (("float32", "bfloat16") if dev == "cuda" else ("float32",)):
+                rows += await static_rows(torch, hf, tmp, device, dtype, prompts, n_new, repeats, (1,))
+            print("\n".join("| " + " | ".join(r) + " |" for r in rows))
+            return
         model = await GPT2.from_pretrained(tmp, device=device)
         engine = Engine(model, slots=streams)
         await engine.warmup(prompt_lengths=[8, 128])  # every batch shape planned before the clock (as a service does)
@@ -233,4 +242,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="c:0")
     parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    parser.add_argument("--only", choices=["static-b1"], help="static-b1: the batch-1 rows against the best PyTorch "
+                        "recipe alone, printed (not written)")
     asyncio.run(main(parser.parse_args()))

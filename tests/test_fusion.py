@@ -176,5 +176,6 @@ async def test_decode_steps_give_transformers_logits(device: str, gpt2: tuple[Pa
     (trace,) = [tr for tr in engine.decode_step.traces.values()]
     assert trace.plan is not None
     writes = [s for s in trace.plan.steps if isinstance(s, KernelStep) and s.kernel.inplace]
-    assert len(writes) == 2 * model.config.n_layer  # keys and values, every row at once
+    # keys and values, every row at once, and the next step's state (tokens, positions: `_Chain`), in place
+    assert len(writes) == 2 * model.config.n_layer + 1
 

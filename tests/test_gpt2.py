@@ -390,3 +390,46 @@ async def test_decode_steps_attend_over_windows_that_follow_the_lengths(checkpoi
     got = await asyncio.gather(collect(engine.generate(long, max_new_tokens=12, ignore_eos=True)),
                                collect(engine.generate(short, max_new_tokens=20, ignore_eos=True)))
     assert got == [hf_greedy(reference, long, 12), hf_greedy(reference, short, 20)]
+
+
+async def test_chained_steps_read_and_write_the_same_buffers_step_after_step(checkpoint: Path, reference: Any) -> None:
+    """A streamed step chained on the one before reads its slots, tokens, positions and sampling values from buffers
+    whose addresses do not change from step to step (the state two steps share, written in place: on a GPU, kernels
+    whose arguments stay the same), and the tokens stay transformers'; a logprobs request's steps keep their
+    logits, whose log-probabilities are those of transformers' logits."""
+    model = await load(checkpoint)
+    engine = Engine(model, slots=1)
+    seen: list[tuple[int, ...]] = []
+    submit = engine.decode_step.submit
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(tuple(a._node.buffer.ptr for a in args))  # (the arguments are realized: a step's inputs)
+        return await submit(*args, **kwargs)
+
+    engine.decode_step.submit = spy  # type: ignore[method-assign]
+    dev = azyx.runtime.RT.device("c:0")
+    words: list[int] = []
+    check_words = dev.check_words
+
+    def spy_words(prefer: Any = None) -> Any:  # (each run's own check words: `Device.check_words`)
+        buf = check_words(prefer)
+        words.append(buf.ptr)
+        return buf
+
+    dev.check_words = spy_words  # type: ignore[method-assign]
+    try:
+        got = await collect(engine.generate(PROMPT, max_new_tokens=16, ignore_eos=True))
+    finally:
+        del dev.check_words
+    assert got == hf_greedy(reference, PROMPT, 16)
+    assert engine.chained >= 12 and len(seen) == 15
+    # the first step's inputs come from the host; each chained step reads one of two states, written in place
+    assert len(set(seen[1:])) == 2 and seen[1::2] == [seen[1]] * len(seen[1::2])
+    # and binds its check words in turn with the step four before (a period the CUDA graphs of a step hold)
+    steps = words[-12:]  # (the steady steps' runs: the prefill's and the first steps' words come from elsewhere)
+    assert steps[4:] == steps[:-4]
+    stream = engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True, logprobs=2)
+    tokens = await collect(stream)
+    full = hf_logits(reference, [PROMPT + tokens[:-1]])[0][len(PROMPT) - 1:].astype(np.float64)
+    lp = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
+    np.testing.assert_allclose([x for x, _ in stream.logprobs], lp[np.arange(6), tokens], rtol=1e-4, atol=1e-4)

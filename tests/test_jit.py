@@ -174,6 +174,35 @@ async def test_a_handle_rebound_outside_between_calls_is_read_anew(device: str) 
     assert decay.replays == replays + 1
 
 
+async def test_a_handle_written_in_place_keeps_its_node_and_returns_its_value(device: str) -> None:
+    """A handle whose new value the plan writes into the buffer it holds (`cache[i] = x`, a KV cache's write) stays
+    on its node on a replay (nothing rebound); returned by a replay, it is a second handle of that node; the values
+    are the function's."""
+    cache = Tensor(np.zeros((4, 3), np.float32), device=device)
+    await cache.realize()
+
+    @azyx.jit
+    def write(i: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        cache[i] = x * 2
+        return cache, x.sum()
+
+    want = np.zeros((4, 3), np.float32)
+    ids, buffers = [], []
+    for i in range(4):
+        x = np.arange(3, dtype=np.float32) + i
+        got, total = await write(i, Tensor(x, device=device))
+        want[i] = x * 2
+        np.testing.assert_allclose(await got.numpy(), want)
+        assert await total.item() == pytest.approx(float(x.sum()))
+        ids.append(cache.id)
+        buffers.append(cache._node.buffer.ptr)
+        assert got.id == cache.id and (got is not cache or i == 0)  # (the trace returns the handle itself)
+        del got
+    assert write.replays == 3 and len(set(buffers)) == 1  # one plan, written in place
+    assert ids[1] == ids[2] == ids[3]  # the replays left the handle on its node
+    np.testing.assert_allclose(await cache.numpy(), want)
+
+
 async def test_tensors_read_from_outside_are_constants_of_the_trace() -> None:
     c = Tensor(np.full(3, 2.0, np.float32))
     f = azyx.jit(lambda x: x * c)

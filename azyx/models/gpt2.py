@@ -17,7 +17,10 @@ cache pooled in slots, and a generation engine that decodes many sequences in on
   one plan (per batch-size bucket; every position, slot, length mask and sampling value is data, so a step never
   plans or compiles again; both are staged with `azyx.jit`, so a step replays its plan without building the
   graph), `remove(seq)` frees its slot at once. `generate(...)` streams one request's tokens while
-  a runner task admits new requests between steps, so requests join and leave the running batch at any step.
+  a runner task admits new requests between steps, so requests join and leave the running batch at any step; while
+  the batch stays the same, each step is queued before the last one's tokens are read, and reads the tokens and
+  positions that step wrote on the device, in one of two buffers the steps write in place in turn (`_Chain`: a
+  step's kernels take the same arguments every other step).
   Each sequence is a state machine (new, waiting, prefilling, active, then finished; "finishing" when ended while
   its prefill runs) whose end frees whatever it holds in every state; a request's own failure (its prefill, its
   sampling values, its step) ends that request with the error, and the runner keeps serving the others.
@@ -597,16 +600,51 @@ def _bucket(n: int, limit: int) -> int:
 
 @dataclass(eq=False)
 class _Launched:
-    """A decode step queued on the device: its sequences, rows (None: padding), slots and tokens tensors (a chained
-    step feeds them on, and its next ints), its outputs, and the read of its tokens, started."""
+    """A decode step queued on the device: its sequences, rows (None: padding), its logits (None unless a row asked
+    for logprobs), the read of the state it wrote (its tokens: `_Chain`), started, and its other inputs."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
-    slots: Tensor
-    token: Tensor
-    logits: Tensor
-    ints: Tensor  # the next step's positions and top-k (`_decode_graph`)
+    logits: Tensor | None
     read: asyncio.Future[np.ndarray]
+    # its inputs besides the state, which a chained step takes again (the rows and their values are the same; a
+    # sampled step's floats are new: its uniform draws)
+    floats: Tensor
+    flags: dict[str, bool]
+    extras: dict[str, Tensor | None]
+
+
+TOKEN, POSITION, TOP_K = range(3)  # the rows of a decode step's state (`_Chain`)
+STATE_ROWS = 3
+
+
+class _Chain:
+    """A batch bucket's decode state on the device, (STATE_ROWS, B) int32: each row's token, position and top-k;
+    and its rows' slots (B,), which a chained step reads again. `state` is what the next step reads; the step writes
+    the state after it in place into `written` (one kernel), and `turn(...)` then swaps the two, so chained steps
+    read and write the same two buffers in turn: every kernel that reads the slots, tokens or positions (each
+    layer's key and value writes and attention) keeps its arguments from step to step (on CUDA, no parameter update
+    of the step's graph). `start(slots, state)`: a step's slots and state from the host."""
+
+    def __init__(self, written: Tensor):
+        self.written = written  # (realized: a buffer of its own)
+        self.state: Tensor | None = None
+        self.slots: Tensor | None = None
+
+    def start(self, slots: Tensor, state: Tensor) -> None:
+        """The next step reads `slots` and `state` (uploaded by the host)."""
+        self.slots, self.state = slots, state
+
+    def turn(self, wrote: Tensor) -> Tensor:
+        """After a step that returned `wrote` (its handle of what it wrote into `written`): that state is the next
+        step's, and the state the step read is where the next one writes (`written`'s buffer is then held by nothing
+        else, so the next step's write stays in place). Returns the tensor of the state written (the next step's)."""
+        if wrote is self.written:  # (a call that traced returns the handle itself, which is rebound here)
+            wrote = Tensor.zeros(*wrote.shape, dtype=dtypes.int32, device=wrote.device).assign(wrote)
+        assert self.state is not None
+        self.written.assign(self.state)
+        self.state = wrote
+        return wrote
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -635,13 +673,15 @@ class Engine:
         self.lock = asyncio.Lock()
         self.runner: asyncio.Task[None] | None = None
         self.ready = False
-        # the last prefill's or step's logits (rows, vocab), realized, and the sequence of each row (None: padding)
+        # the last prefill's or step's logits (rows, vocab), realized (a streamed step's only where a row asked for
+        # logprobs: else None), and the sequence of each row (None: padding)
         self.logits: Tensor | None = None
         self.rows: list[Sequence | None] = []
         self.batch: list[Sequence] = []  # the sequences of the step in flight (or the last one)
         self.inflight: _Launched | None = None  # a step queued whose tokens are not read yet (the runner's)
         self.chained = 0  # steps queued before the last one's tokens were read (for tests and debugging)
         self.greedy: dict[int, Tensor] = {}  # per batch size, the floats of a step no row of which samples
+        self.chains: dict[int, _Chain] = {}  # per batch size, the decode state on the device (`_Chain`)
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
         # handles they write are rebound to the new values; the weights are the trace's: reload means a new engine)
         # the cache rows a decode step reads: the first bucket of WINDOW_BASE * 4**i (and max_len) above the
@@ -780,15 +820,17 @@ class Engine:
         return next(w for w in self.windows if w >= n)
 
     async def warmup(self, batch_sizes: Iterable[int] | None = None, prompt_lengths: Iterable[int] = (),
-                     sampled: bool = False) -> None:
+                     sampled: bool = False, logprobs: bool = False) -> None:
         """Trace, plan and compile the decode step of every batch bucket that `batch_sizes` fall in (default: every
         one up to the slots) at every attention window (`windows`), and the prefill of every bucket of
-        `prompt_lengths`, greedy (and, with `sampled`, with temperature, top-k and top-p on), before serving. A
+        `prompt_lengths`, greedy (and, with `sampled`, with temperature, top-k and top-p on; with `logprobs`, also
+        the steps that keep their logits for the rows that ask for logprobs), before serving. A
         shape's first step otherwise builds, walks and releases its whole graph on the event loop (tens of ms for
         GPT-2 small) while the streams in flight wait. Runs on the scratch slot: no sequence's cache is touched."""
         variants = [dict(sample=False, filter_k=False, filter_p=False)]
         if sampled:
             variants.append(dict(sample=True, filter_k=True, filter_p=True))
+        steps = [{**v, "logits": keep} for keep in ((False, True) if logprobs else (False,)) for v in variants]
         sizes = range(1, self.cache.slots + 1) if batch_sizes is None else batch_sizes
         async with self.lock:
             await self._settle()
@@ -796,19 +838,21 @@ class Engine:
             scratch = self.cache.scratch
             shapes = [(b, w) for b in sorted({_bucket(n, self.cache.slots) for n in sizes}) for w in self.windows]
             for b, w in shapes:
-                for flags in variants:
+                for flags in steps:
                     # the step's inputs as `_launch` makes them: floats uploaded where a row samples, else the
                     # device's greedy zeros
                     rows = [(1.0, 1, 1.0, 0.0) if flags["sample"] else self._sampling_row(None)] * b
-                    slots, tokens = self._device([scratch] * b, dtypes.int32), self._device([0] * b, dtypes.int32)
                     # traced, then replayed (the first run uploads the greedy zeros: a trace of their own), then
-                    # chained (`_launch`) on a replay's tokens and ints and on a chained step's: tensors a step made on
-                    # the device may key a trace of their own
-                    token, made = tokens, None
+                    # chained (`_launch`) on the state a step wrote: tensors a step made on the device may key a trace
+                    # of their own
+                    chain = await self._chain(b)
                     for i in range(5):
-                        ints, floats, _ = self._decode_inputs([0] * b, rows, made if i >= 3 else None)
-                        token, _, made = await self.decode_step(slots, token if i >= 3 else tokens, ints, floats,
-                                                                **flags, window=w)
+                        if i < 3:
+                            chain.start(self._device([scratch] * b, dtypes.int32),
+                                        self._device([[0] * b, [0] * b, [r[1] for r in rows]], dtypes.int32))
+                        floats, _ = self._decode_floats(rows)
+                        out = await self.decode_step(chain.slots, chain.state, floats, **flags, window=w)
+                        chain.turn(out[0])
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
                 sampling, _ = self._sampling([None])
                 ids = self._device([[0] * length], dtypes.int32)
@@ -886,21 +930,26 @@ class Engine:
                                 f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
         return t, k, top_p, float(seq.rng.random())
 
-    def _decode_inputs(self, positions: list[int], rows: list[tuple[float, int, float, float]],
-                       ints: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, bool]]:
-        """A decode step's per-row values besides its slots and tokens, as two tensors (two copies to the device, not
-        five): ints (2, B) of positions and top-k (`ints`: a chained step's, made on the device by the step before),
-        floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device holds, which no
-        kernel reads); and the sampler's parts some row uses."""
-        t, k, p, u = zip(*rows)
+    def _decode_floats(self, rows: list[tuple[float, int, float, float]]) -> tuple[Tensor, dict[str, bool]]:
+        """A decode step's floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device
+        holds, which no kernel reads), and the sampler's parts some row uses."""
+        t, _, p, u = zip(*rows)
         parts = self._parts(rows)
-        ints = ints if ints is not None else self._device([positions, k], dtypes.int32)
         if parts["sample"]:
-            return ints, self._device([t, p, u], dtypes.float32), parts
+            return self._device([t, p, u], dtypes.float32), parts
         floats = self.greedy.get(len(rows))
         if floats is None:
             floats = self.greedy[len(rows)] = self._device(np.zeros((3, len(rows))), dtypes.float32)
-        return ints, floats, parts
+        return floats, parts
+
+    async def _chain(self, b: int) -> _Chain:
+        """Batch bucket `b`'s chain (made on first use, its buffers realized: a step writes into them in place)."""
+        chain = self.chains.get(b)
+        if chain is None:
+            chain = _Chain(self._device(np.zeros((STATE_ROWS, b)), dtypes.int32))
+            await realize(chain.written)
+            self.chains[b] = chain
+        return chain
 
     def _parts(self, rows: list[tuple[float, int, float, float]]) -> dict[str, bool]:
         """Which parts of the sampler some row of `rows` (`_sampling_row`s) uses (the others are left out of the
@@ -955,20 +1004,25 @@ class Engine:
                               filter_p=filter_p, **extras)
         return token, logits
 
-    def _decode_graph(self, slots: Tensor, tokens: Tensor, ints: Tensor, floats: Tensor, sample: bool,
-                      filter_k: bool, filter_p: bool, window: int, **extras: Tensor | None
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-        """One token per row (B,) at `positions` of `slots` (`_decode_inputs`' tensors): the next tokens, the logits
-        (B, vocab), and the next step's ints (each position one further: a chained step's, made on the device)."""
-        positions, top_k = ints[0], ints[1]
+    def _decode_graph(self, slots: Tensor, state: Tensor, floats: Tensor, sample: bool, filter_k: bool, filter_p: bool,
+                      window: int, logits: bool = False, **extras: Tensor | None) -> tuple[Tensor, ...]:
+        """One token per row at its position of its slot (`slots`, B), `state` (STATE_ROWS, B) holding each row's
+        token, position and top-k (`_Chain`), `floats` (3, B) its temperature, top-p and uniform draw. The next step's
+        state (each row's token sampled, its position one further) is written in place into the batch's chain
+        (`_Chain.written`) and returned: the host reads the tokens there, a chained step reads the state there, so
+        the buffers that every layer's kernels read and the step writes keep their addresses from step to step. With
+        `logits` (a row asked for logprobs), the logits (B, vocab) are returned too (else they stay a temporary of
+        the step)."""
+        tokens, positions, top_k = state[TOKEN], state[POSITION], state[TOP_K]
         temperature, top_p, uniform = floats[0], floats[1], floats[2]
         b = tokens.shape[0]
         view = Decode(self.cache, slots, positions, window)
-        logits = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view)
-        logits = logits.reshape(b, -1)
-        token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
+        out = self.model(tokens.reshape(b, 1), positions.reshape(b, 1), view).reshape(b, -1)
+        token = sample_tokens(out, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p, **extras)
-        return token, logits, Tensor.stack([positions + 1, top_k])
+        written = self.chains[b].written
+        written[:] = Tensor.stack([token, positions + 1, top_k])
+        return (written, out) if logits else (written,)
 
     def _score_graph(self, ids: Tensor) -> Tensor:
         """The logits (T, vocab) of a prompt (1, T) under causal attention over its own tokens (no cache)."""
@@ -1029,10 +1083,11 @@ class Engine:
                    and s.params.repetition_penalty == 1.0 and not s.params.logit_bias
                    and not s.params.presence_penalty and not s.params.frequency_penalty for s in step.seqs)
 
-    async def _launch(self, after: _Launched | None = None) -> _Launched | None:
+    async def _launch(self, after: _Launched | None = None, logits: bool = False) -> _Launched | None:
         """Queue a decode step of every active sequence and start reading its tokens; None when no sequence is left.
         `after`: a step in flight whose tokens are not read yet (`_chainable`): this one feeds them from the device,
-        one position further."""
+        one position further. The step keeps its logits (`self.logits`) with `logits` (`step()`'s) or where a row
+        asked for logprobs."""
         await self._ready()
         values: list[tuple[float, int, float, float]] = []
         seqs: list[Sequence] = []
@@ -1049,30 +1104,39 @@ class Engine:
         rows: list[Sequence | None] = [*seqs, *[None] * (b - len(seqs))]
         ahead = after is not None
         positions = [s.cached + ahead if s else 0 for s in rows]
-        values += [self._sampling_row(None)] * (b - len(seqs))
-        if after is None:
+        if b > len(seqs):
+            values += [self._sampling_row(None)] * (b - len(seqs))
+        chain = await self._chain(b)
+        if after is None:  # the batch's state from the host: its rows' slots, tokens, positions and top-k
             scratch = self.cache.scratch
-            tokens = self._device([s.pending if s else 0 for s in rows], dtypes.int32)
-            slots = self._device([s.slot if s else scratch for s in rows], dtypes.int32)
-        else:
-            tokens, slots = after.token, after.slots
+            chain.start(self._device([s.slot if s else scratch for s in rows], dtypes.int32),
+                        self._device([[s.pending if s else 0 for s in rows], positions, [k for _, k, _, _ in values]],
+                                     dtypes.int32))
+        else:  # the state the step before wrote on the device
             self.chained += 1
-        ints, floats, flags = self._decode_inputs(positions, values, after.ints if after is not None else None)
+        if after is not None and not after.flags["sample"]:  # (the same rows and values: greedy zeros again)
+            floats, flags, extras = after.floats, after.flags, after.extras
+        else:
+            floats, flags = self._decode_floats(values)
+            extras = self._extras(rows) if after is None else after.extras
+            flags["logits"] = logits or any(s.params.logprobs is not None for s in seqs)
         window = self._window(max(positions) + 1)
-        token, logits, ints = await self.decode_step.submit(slots, tokens, ints, floats, **flags, window=window,
-                                                            **self._extras(rows))
-        # the tokens' read queued now: behind this step, ahead of the next one (a chained step is queued before it is
-        # awaited)
-        read = asyncio.ensure_future(read_now(token))
+        state, *kept = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
+                                                     **extras)
+        state = chain.turn(state)
+        # the tokens' read (the state the step wrote) queued now: behind this step, ahead of the next one (a chained
+        # step is queued before it is awaited, and writes the other buffer)
+        read = asyncio.ensure_future(read_now(state))
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        return _Launched(seqs, rows, slots, token, logits, ints, read)
+        return _Launched(seqs, rows, kept[0] if kept else None, read, floats, flags, extras)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
         self.logits, self.rows = step.logits, step.rows
-        out = (await step.read).tolist()
+        out = (await step.read)[TOKEN].tolist()
         seqs = step.seqs
-        lps = await self._logprobs(step.logits, seqs, out)
+        # (a step keeps no logits where no row asked for logprobs: `_launch`)
+        lps = await self._logprobs(step.logits, seqs, out) if step.logits is not None else [None] * len(seqs)
         got: dict[Sequence, int] = {}
         for seq, tok, lp in zip(seqs, out, lps):
             if seq.done:  # removed while the step ran
@@ -1097,10 +1161,10 @@ class Engine:
 
     async def _step(self) -> dict[Sequence, int]:
         await self._settle()
-        launched = await self._launch()
+        launched = await self._launch(logits=True)
         return await self._land(launched) if launched is not None else {}
 
-    async def _logprobs(self, logits: Tensor, seqs: list[Sequence], tokens: list[int]
+    async def _logprobs(self, logits: Tensor | None, seqs: list[Sequence], tokens: list[int]
                         ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """Per row, for the sequences that asked (`params.logprobs`), the log-probability of its token under the
         model's distribution (log_softmax of the logits) and the most likely tokens'; None for the others. The
@@ -1108,6 +1172,7 @@ class Engine:
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
         if want:
+            assert logits is not None, "a step with rows that ask for logprobs keeps its logits"
             rows = (await logits.numpy())[want]
             counts = [seqs[i].params.logprobs or 0 for i in want]
             for i, entry in zip(want, await in_worker_thread(top_logprobs, rows, [tokens[i] for i in want], counts)):
