@@ -407,27 +407,11 @@ async def test_chained_steps_read_and_write_the_same_buffers_step_after_step(che
         return await submit(*args, **kwargs)
 
     engine.decode_step.submit = spy  # type: ignore[method-assign]
-    dev = azyx.runtime.RT.device("c:0")
-    words: list[int] = []
-    check_words = dev.check_words
-
-    def spy_words(prefer: Any = None) -> Any:  # (each run's own check words: `Device.check_words`)
-        buf = check_words(prefer)
-        words.append(buf.ptr)
-        return buf
-
-    dev.check_words = spy_words  # type: ignore[method-assign]
-    try:
-        got = await collect(engine.generate(PROMPT, max_new_tokens=16, ignore_eos=True))
-    finally:
-        del dev.check_words
+    got = await collect(engine.generate(PROMPT, max_new_tokens=16, ignore_eos=True))
     assert got == hf_greedy(reference, PROMPT, 16)
     assert engine.chained >= 12 and len(seen) == 15
     # the first step's inputs come from the host; each chained step reads one of two states, written in place
     assert len(set(seen[1:])) == 2 and seen[1::2] == [seen[1]] * len(seen[1::2])
-    # and binds its check words in turn with the step four before (a period the CUDA graphs of a step hold)
-    steps = words[-12:]  # (the steady steps' runs: the prefill's and the first steps' words come from elsewhere)
-    assert steps[4:] == steps[:-4]
     stream = engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True, logprobs=2)
     tokens = await collect(stream)
     full = hf_logits(reference, [PROMPT + tokens[:-1]])[0][len(PROMPT) - 1:].astype(np.float64)
