@@ -596,7 +596,7 @@ class Server:
         model = await GPT2.from_pretrained(d, device=cfg.device)
         eng = Engine(model, slots=cfg.slots, max_waiting=cfg.waiting)
         if cfg.warmup:
-            await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True)
+            await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True, logprobs=True)
         template, specials = chat_template(d)
         name = _model_name(d)
         tokenizer = await in_worker_thread(load_tokenizer, d)  # (reading tokenizer.json: ~25 ms, holding the GIL)
