@@ -114,6 +114,26 @@ def test_auto_device_for_new_tensors_prefers_free_compute() -> None:
     assert RT.device(order[0]).compute == RT.device(best).compute
 
 
+async def test_opencl_queues_a_steady_command_on_the_calling_thread() -> None:
+    """PoCL's enqueue blocks while its thread compiles a launch's work-group function: a command with a launch queued
+    for the first time goes to the device's submit thread, and so does any while one such is running; then the same
+    launches and the reads are queued by their caller (no hand-over to that thread), with the same values."""
+    dev = RT.device("opencl:0")
+    x = Tensor(np.arange(1000, dtype=np.float32), device="opencl:0")
+    await x.realize()
+    before = dev.queue.handed
+    want = np.maximum(np.arange(1000, dtype=np.float32) * 2 - 7, 0)
+    np.testing.assert_allclose(await ((x * 2 - 7).relu()).numpy(), want)  # (a new launch)
+    assert dev.queue.handed > before
+    await azyx.synchronize()
+    for _ in range(2):  # (the first again: the read of the steady run's output may have been handed over)
+        before = dev.queue.handed
+        np.testing.assert_allclose(await ((x * 2 - 7).relu()).numpy(), want)
+    assert dev.queue.handed == before
+    np.testing.assert_allclose(await ((x * 1e-3).exp().sum()).numpy(), np.exp(np.arange(1000) * 1e-3).sum(), rtol=1e-5)
+    assert dev.queue.handed > before  # (new launches)
+
+
 async def test_opencl_build_error_carries_the_build_log() -> None:
     x = Tensor(np.ones(8, np.float32), device="opencl:0") + 2.5
     step = azyx.schedule(x).kernels[0]

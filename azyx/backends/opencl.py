@@ -194,6 +194,10 @@ class OpenCLDevice(QueuedDevice):
         self.arena = int(self.cl_device.mem_base_addr_align) // 8 <= ARENA_ALIGN
         if self.max_local < OPENCL.group_size:
             raise DeviceError(f"{self.name}: work groups of {self.max_local} items are too small for grouped reduces")
+        # the launches queued so far ((kernel, global, local) sizes), and the last command that queued a new one:
+        # PoCL compiles a work-group function for a launch's first runs, and its clEnqueue* block meanwhile
+        self.launched: set[tuple[str, int, int]] = set()
+        self.fresh_v = 0
         self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
@@ -249,7 +253,21 @@ class OpenCLDevice(QueuedDevice):
         launches = [((self.programs[s.name], (s.launch.items,), (s.launch.group,)),
                      tuple(x for i, b in enumerate(bufs) for x in (i, b.mem)),  # (index, buffer) pairs, flat
                      _words(s, len(bufs), w) if w else ((), ())) for s, bufs, w in items]
-        return self.queue.enqueue(partial(_enqueue, self.cl_queue, launches), waits, items)
+        keys = [(s.name, s.launch.items, s.launch.group) for s, _, _ in items]
+        with self.queue.lock:
+            return self.queue.enqueue(partial(_enqueue, self.cl_queue, launches), waits, items,
+                                      inline=self._inline(keys))
+
+    def _inline(self, keys: Sequence[tuple[str, int, int]] = ()) -> bool:
+        """(Under the queue's lock.) Whether the next command may be queued on the calling thread: PoCL's enqueue
+        blocks the caller while its own thread compiles a launch's work-group function (200-370 ms of the loop's
+        thread beside two busy processes), which it does for a launch's first runs. So: every launch of it (`keys`)
+        queued before, and every command that queued a new one complete; else the submit thread queues it."""
+        if not all(k in self.launched for k in keys):
+            self.launched.update(keys)
+            self.fresh_v = self.queue.submitted + 1
+            return False
+        return self.timeline.value >= self.fresh_v
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the
@@ -262,21 +280,26 @@ class OpenCLDevice(QueuedDevice):
         bound = replay.get(bufs)
         words = replay.words(scalars)
         run = partial(replay.prepared.enqueue, self.cl_queue, bound, arena, words)
-        return self.queue.enqueue(run, waits, (arena, bound))
+        with self.queue.lock:  # (a steady batch: its launches ran before)
+            return self.queue.enqueue(run, waits, (arena, bound), inline=self._inline())
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        return self.queue.enqueue(lambda w: _cl._enqueue_copy_buffer(self.cl_queue, src.mem, dst.mem, n, 0, 0, w),
-                             waits, (src, dst))
+        with self.queue.lock:
+            return self.queue.enqueue(lambda w: _cl._enqueue_copy_buffer(self.cl_queue, src.mem, dst.mem, n, 0, 0, w),
+                                      waits, (src, dst), inline=self._inline())
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
-        return self.queue.enqueue(lambda w: _cl._enqueue_read_buffer(self.cl_queue, buf.mem, out, offset, w, False),
-                             waits, (buf, out))
+        with self.queue.lock:
+            return self.queue.enqueue(lambda w: _cl._enqueue_read_buffer(self.cl_queue, buf.mem, out, offset, w, False),
+                                      waits, (buf, out), inline=self._inline())
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
-        return self.queue.enqueue(lambda w: _cl._enqueue_write_buffer(self.cl_queue, dst.mem, host, offset, w, False),
-                                  waits, (keep, dst))
+        with self.queue.lock:
+            return self.queue.enqueue(lambda w: _cl._enqueue_write_buffer(self.cl_queue, dst.mem, host, offset, w,
+                                                                          False), waits, (keep, dst),
+                                      inline=self._inline())
 
     def drain(self) -> None:
         try:
