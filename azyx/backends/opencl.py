@@ -18,7 +18,9 @@ wait happens in the OpenCL runtime, never on the event loop.
 Submission: one submit thread per device makes the OpenCL calls that queue work (as wgpu's queue thread): the loop's
 thread only numbers the command and hands it over. A driver may block in them: PoCL's clEnqueue* wait while its own
 thread compiles a new kernel's work-group function (a read-back's enqueue on the loop waited 200-370 ms beside 200
-requests' new kernels, beside two busy processes).
+requests' new kernels, beside two busy processes). Where it cannot (every launch of a command queued before, and no
+command with a first launch still running) and the submit thread is idle, the caller queues it itself (`_command`:
+a small realize 200-260 us -> ~100 without the hand-over).
 
 Replay: a steady batch (device.Replay) is a `_Record`: the loop's thread hands its run's buffers, arena and packed
 words to the submit thread as one command, which sets the kernels' arguments (each kind in one C call; the tuples
@@ -248,26 +250,28 @@ class OpenCLDevice(QueuedDevice):
         return True
 
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]], batch: Any = None) -> int:
-        """The kernels as one command (one event), bound and queued in one loop on the submit thread (`_enqueue`; a
+        """The kernels as one command (one event), bound and queued in one loop (`_enqueue`, where `_command` says; a
         kernel returns early past its global size)."""
         launches = [((self.programs[s.name], (s.launch.items,), (s.launch.group,)),
                      tuple(x for i, b in enumerate(bufs) for x in (i, b.mem)),  # (index, buffer) pairs, flat
                      _words(s, len(bufs), w) if w else ((), ())) for s, bufs, w in items]
         keys = [(s.name, s.launch.items, s.launch.group) for s, _, _ in items]
-        with self.queue.lock:
-            return self.queue.enqueue(partial(_enqueue, self.cl_queue, launches), waits, items,
-                                      inline=self._inline(keys))
+        return self._command(partial(_enqueue, self.cl_queue, launches), waits, items, keys)
 
-    def _inline(self, keys: Sequence[tuple[str, int, int]] = ()) -> bool:
-        """(Under the queue's lock.) Whether the next command may be queued on the calling thread: PoCL's enqueue
-        blocks the caller while its own thread compiles a launch's work-group function (200-370 ms of the loop's
-        thread beside two busy processes), which it does for a launch's first runs. So: every launch of it (`keys`)
-        queued before, and every command that queued a new one complete; else the submit thread queues it."""
-        if not all(k in self.launched for k in keys):
-            self.launched.update(keys)
-            self.fresh_v = self.queue.submitted + 1
-            return False
-        return self.timeline.value >= self.fresh_v
+    def _command(self, run: Callable[[list[Any] | None], Any], waits: list[tuple[Device, int]], keep: Any,
+                 keys: Sequence[tuple[str, int, int]] = ()) -> int:
+        """Queue command `run` (its launches `keys`), on the calling thread where PoCL cannot block it, else on the
+        submit thread (`EventQueue.enqueue`'s `inline`): PoCL's enqueue blocks the caller while its own thread compiles
+        a launch's work-group function (200-370 ms of the loop's thread beside two busy processes), which it does for
+        a launch's first runs. So: every launch of it queued before, and every command that queued a new one
+        complete."""
+        with self.queue.lock:
+            if all(k in self.launched for k in keys):
+                inline = self.timeline.value >= self.fresh_v
+            else:
+                self.launched.update(keys)
+                self.fresh_v, inline = self.queue.submitted + 1, False
+            return self.queue.enqueue(run, waits, keep, inline=inline)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the
@@ -280,26 +284,21 @@ class OpenCLDevice(QueuedDevice):
         bound = replay.get(bufs)
         words = replay.words(scalars)
         run = partial(replay.prepared.enqueue, self.cl_queue, bound, arena, words)
-        with self.queue.lock:  # (a steady batch: its launches ran before)
-            return self.queue.enqueue(run, waits, (arena, bound), inline=self._inline())
+        return self._command(run, waits, (arena, bound))  # (a steady batch: its launches ran before)
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
-        with self.queue.lock:
-            return self.queue.enqueue(lambda w: _cl._enqueue_copy_buffer(self.cl_queue, src.mem, dst.mem, n, 0, 0, w),
-                                      waits, (src, dst), inline=self._inline())
+        return self._command(lambda w: _cl._enqueue_copy_buffer(self.cl_queue, src.mem, dst.mem, n, 0, 0, w), waits,
+                             (src, dst))
 
     def copy_to_host(self, buf: Buffer, out: np.ndarray, waits: list[tuple[Device, int]], offset: int = 0) -> int:
-        with self.queue.lock:
-            return self.queue.enqueue(lambda w: _cl._enqueue_read_buffer(self.cl_queue, buf.mem, out, offset, w, False),
-                                      waits, (buf, out), inline=self._inline())
+        return self._command(lambda w: _cl._enqueue_read_buffer(self.cl_queue, buf.mem, out, offset, w, False), waits,
+                             (buf, out))
 
     def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
                        offset: int = 0) -> int:
-        with self.queue.lock:
-            return self.queue.enqueue(lambda w: _cl._enqueue_write_buffer(self.cl_queue, dst.mem, host, offset, w,
-                                                                          False), waits, (keep, dst),
-                                      inline=self._inline())
+        return self._command(lambda w: _cl._enqueue_write_buffer(self.cl_queue, dst.mem, host, offset, w, False),
+                             waits, (keep, dst))
 
     def drain(self) -> None:
         try:
