@@ -128,7 +128,7 @@ def serve_config(args: argparse.Namespace) -> Any:
     return ServeConfig(models=tuple(args.model), device=args.device, slots=args.slots, waiting=args.waiting,
                        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("AZYX_API_KEY"),
                        truncate=args.truncate, body=body,
-                       **given("request_timeout", "max_tokens", "max_batch", "max_batch_tokens"))
+                       **given("request_timeout", "max_tokens", "max_batch", "max_batch_tokens", "prefill_batch"))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -173,6 +173,9 @@ def _serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--device", default="c:0", help="the device the models run on (default c:0)")
     sp.add_argument("--slots", type=int, default=8, help="sequences decoded together (the KV cache's slots)")
     sp.add_argument("--waiting", type=int, default=64, help="requests that may wait for a slot (past that: 429)")
+    sp.add_argument("--prefill-batch", type=int, default=None, help="prompts of one length bucket that arrive "
+                    "together are prefilled in one plan, up to this many (default 1; each batch bucket up to it is "
+                    "planned at start-up)")
     sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this host only)")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--api-key", default=None, help="requests to /v1/ need `Authorization: Bearer KEY` (or set "

@@ -94,15 +94,16 @@ async def token_stamps(engine: Engine, prompt: list[int], n: int) -> list[float]
 
 async def static_rows(torch: Any, hf: Any, path: str, device: str, dtype: str, prompts: list[list[int]], n_new: int,
                       repeats: int, batches: tuple[int, ...] | None = None) -> list[list[str]]:
-    """Batch 1 and batch len(prompts) greedy decoding: azyx (`Engine`, weights in `dtype`) against the static-cache
-    PyTorch peer (bench/torch_gpt2.py) in the same dtype, its tokens checked equal to azyx's."""
+    """Batch 1 and batch len(prompts) greedy decoding: azyx (`Engine`, weights in `dtype`, a batch's prompts prefilled
+    in one plan as the peer prefills them) against the static-cache PyTorch peer (bench/torch_gpt2.py) in the same
+    dtype, its tokens checked equal to azyx's."""
     from torch_gpt2 import StaticGPT2
 
     dev = torch_device(device)
     model = await GPT2.from_pretrained(path, device=device, dtype=dtype)
     batch = len(prompts)
     sizes = batches or (1, batch)
-    engine = Engine(model, slots=max(sizes))
+    engine = Engine(model, slots=max(sizes), prefill_batch=max(sizes))
     await engine.warmup(prompt_lengths=[len(prompts[0])])
     short = "bf16" if dtype == "bfloat16" else "fp32"
     recipe = "static KV cache + one CUDA graph per step" if dev == "cuda" else "static KV cache, eager"

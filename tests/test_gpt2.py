@@ -365,6 +365,34 @@ async def test_warmup_plans_every_shape_before_the_first_request(checkpoint: Pat
     assert (after.plans, after.kernels, after.traces) == (s.plans, s.kernels, s.traces)
 
 
+async def test_a_crowd_of_prompts_prefills_in_one_plan(checkpoint: Path, reference: Any) -> None:
+    """Requests waiting together whose prompts fall in one length bucket are prefilled in one plan (`prefill_batch`),
+    each into its own slot, and decode transformers' tokens; another bucket's prompt waits for a plan of its own; a
+    request whose own sampling values do not fit fails alone; warmed up, the crowd traces nothing."""
+    model = await load(checkpoint)
+    engine = Engine(model, slots=6, prefill_batch=4)
+    await engine.warmup(prompt_lengths=[len(PROMPT), 3])
+    groups: list[int] = []
+    prefill = engine._prefill
+
+    async def counted(seqs: list[Any], rows: list[Any]) -> None:
+        groups.append(len(seqs))
+        await prefill(seqs, rows)
+
+    engine._prefill = counted  # type: ignore[method-assign]
+    traces = len(engine.prefill_step.traces), len(engine.decode_step.traces)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[1:], [4, 4, 4], PROMPT[2:]]  # lengths 7, 5, 6, 3, 5: buckets 8, 8, 8, 4, 8
+    streams = [engine.generate(p, max_new_tokens=6 + i, ignore_eos=True) for i, p in enumerate(prompts)]
+    bad = engine.generate(PROMPT, max_new_tokens=4, temperature=0.5, ignore_eos=True)
+    object.__setattr__(bad.seq.params, "top_k", 2**40)  # (past validation: a bug upstream would do this)
+    got = await asyncio.gather(*(collect(s) for s in streams), collect(bad), return_exceptions=True)
+    assert got[:5] == [hf_greedy(reference, p, 6 + i) for i, p in enumerate(prompts)]
+    assert isinstance(got[5], ArgumentError) and "top_k" in str(got[5])
+    assert groups == [4, 1] and bad.finish_reason == "error"  # (the bad one: failed before a prefill took it)
+    assert (len(engine.prefill_step.traces), len(engine.decode_step.traces)) == traces
+    assert len(engine.cache.free) == 6
+
+
 async def test_decode_attention_reads_the_cache_through_the_slots(checkpoint: Path, reference: Any) -> None:
     """Each layer's attention in a decode step is the decode kernel reading the cache where it lies, each sequence's
     rows through its slot (no gather kernel copies the window), and greedy tokens stay transformers'."""

@@ -56,6 +56,7 @@ from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread
 
 WINDOW_BASE = 64  # the smallest number of cache rows a decode step attends over (then x4 per bucket, up to max_len)
+PREFILL_TOKENS = 8192  # most prompt tokens (padded) one batched prefill takes (Engine.prefill_batch)
 SEARCH_WIDTH = 7  # points a threshold search tries per round (one reduction over the vocabulary for all of them)
 SEARCH_ROUNDS = 14  # rounds of the top-k and top-p threshold searches: the interval shrinks by 8**-14 = 2**-42
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -360,16 +361,19 @@ class KVCache:
 
 
 class Prefill:
-    """A prompt of one sequence: its keys and values written to rows 0..T-1 of its slot, causal attention over it."""
+    """Prompts of a batch, one a row (padded on the right to one length): row i's keys and values written to rows
+    0..T-1 of slot `slots[i]` (a padding row's: the scratch slot), causal attention over the row's own tokens (a
+    prompt's padding comes after it: no real position attends to it, and the decode steps overwrite its cache rows
+    before they read them)."""
 
-    def __init__(self, cache: KVCache, slot: Tensor):
-        self.cache, self.slot = cache, slot
+    def __init__(self, cache: KVCache, slots: Tensor):
+        self.cache, self.slots = cache, slots
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Write the prompt's keys and values into rows 0..T-1 of the slot, then attend causally over them."""
+        """Write every row's keys and values into rows 0..T-1 of its slot, then attend causally over them."""
         t = k.shape[2]
-        self.cache.keys[layer][self.slot, :, :t] = k[0]
-        self.cache.values[layer][self.slot, :, :t] = v[0]
+        self.cache.keys[layer][self.slots, :, :t] = k  # every row at once: one kernel
+        self.cache.values[layer][self.slots, :, :t] = v
         return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
 
 
@@ -659,12 +663,18 @@ class Engine:
     (prefill, step) runs under one lock, so they never interleave."""
 
     def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None, max_waiting: int = 0,
-                 min_window: int = WINDOW_BASE):
+                 min_window: int = WINDOW_BASE, prefill_batch: int = 1):
         if max_waiting < 0:
             raise ArgumentError(f"max_waiting must be >= 0, got {max_waiting}")
         if min_window < 1:
             raise ArgumentError(f"min_window must be >= 1, got {min_window}")
+        if not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= slots:
+            raise ArgumentError(f"prefill_batch must be in [1, slots={slots}], got {prefill_batch!r}")
         self.model = model
+        # requests waiting together whose prompts fall in one length bucket are prefilled in one plan, up to this
+        # many (and PREFILL_TOKENS padded tokens): a crowd arriving at once starts together (vLLM batches prefills
+        # alike); each batch bucket up to it is a plan of its own that `warmup` makes
+        self.prefill_batch = prefill_batch
         self.max_waiting = max_waiting  # streamed requests that may wait for a slot (past that: NoFreeSlotError)
         self.cache = model.kv_cache(slots, max_len or model.config.n_positions)
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
@@ -735,7 +745,7 @@ class Engine:
             await self._settle()
             self.live.add(seq)
             try:
-                await self._prefill(seq)
+                await self._prefill([seq], [self._sampling_row(seq)])
             except BaseException:
                 self.remove(seq, "error")
                 raise
@@ -854,11 +864,12 @@ class Engine:
                         out = await self.decode_step(chain.slots, chain.state, floats, **flags, window=w)
                         chain.turn(out[0])
             for length in sorted({_bucket(n, self.cache.max_len) for n in prompt_lengths}):
-                sampling, _ = self._sampling([None])
-                ids = self._device([[0] * length], dtypes.int32)
-                for flags in variants:
-                    await self.prefill_step(ids, self._device(scratch, dtypes.int32), self._device(0, dtypes.int32),
-                                            *sampling, **flags)
+                for b in _buckets(self._prefill_limit(length)):
+                    sampling, _ = self._sampling([None] * b)
+                    ids = self._device([[0] * length] * b, dtypes.int32)
+                    for flags in variants:
+                        await self.prefill_step(ids, self._device([scratch] * b, dtypes.int32),
+                                                self._device([0] * b, dtypes.int32), *sampling, **flags)
 
     async def close(self) -> None:
         """Stop the runner; every stream in flight ends with RuntimeStateError."""
@@ -884,11 +895,19 @@ class Engine:
                     if chained is None:
                         await self._settle()
                         while self.waiting and self.cache.free:
-                            seq = self.waiting.popleft()
+                            group, rows = [], []
+                            for seq in self._prefill_group():
+                                try:  # (a request's own sampling values that do not fit fail it alone)
+                                    rows.append(self._sampling_row(seq))
+                                    group.append(seq)
+                                except Exception as e:
+                                    self.fail(seq, e)
                             try:
-                                await self._prefill(seq)
+                                if group:
+                                    await self._prefill(group, rows)
                             except Exception as e:
-                                self.fail(seq, e)
+                                for seq in group:
+                                    self.fail(seq, e)
                     if self.active:
                         failed: Exception | None = None
                         try:
@@ -962,7 +981,10 @@ class Engine:
     def _sampling(self, seqs: list[Sequence | None]) -> tuple[list[Tensor], dict[str, bool]]:
         """The per-row sampling tensors of `seqs` (their `_sampling_row`s; a prefill's), and which parts of the
         sampler some row uses."""
-        rows = [self._sampling_row(s) for s in seqs]
+        return self._sampling_of([self._sampling_row(s) for s in seqs])
+
+    def _sampling_of(self, rows: list[tuple[float, int, float, float]]) -> tuple[list[Tensor], dict[str, bool]]:
+        """`_sampling` of rows made already (`_sampling_row` draws the row's uniform number: once a row)."""
         t, k, p, u = zip(*rows)
         return [self._device(t, dtypes.float32), self._device(k, dtypes.int32), self._device(p, dtypes.float32),
                 self._device(u, dtypes.float32)], self._parts(rows)
@@ -994,12 +1016,15 @@ class Engine:
             out["min_p"] = self._device([s.params.min_p if s is not None else 0.0 for s in rows], dtypes.float32)
         return out
 
-    def _prefill_graph(self, ids: Tensor, slot: Tensor, last: Tensor, temperature: Tensor, top_k: Tensor,
+    def _prefill_graph(self, ids: Tensor, slots: Tensor, lasts: Tensor, temperature: Tensor, top_k: Tensor,
                        top_p: Tensor, uniform: Tensor, sample: bool, filter_k: bool,
                        filter_p: bool, **extras: Tensor | None) -> tuple[Tensor, Tensor]:
-        """A prompt (1, T) into `slot`: the next token and the logits at position `last` (tensors: data)."""
-        h = self.model.hidden(ids, view=Prefill(self.cache, slot))
-        logits = self.model.head(h[0][last]).reshape(1, -1)
+        """Prompts (B, T), one a row, into `slots` (B): each row's next token and logits (B, vocab) at its position
+        `lasts` (B; tensors: data)."""
+        b = ids.shape[0]
+        h = self.model.hidden(ids, view=Prefill(self.cache, slots))
+        e = h.shape[-1]
+        logits = self.model.head(h.gather(1, lasts.reshape(b, 1, 1).expand(b, 1, e)).reshape(b, e))
         token = sample_tokens(logits, temperature, top_k, top_p, uniform, sample=sample, filter_k=filter_k,
                               filter_p=filter_p, **extras)
         return token, logits
@@ -1028,39 +1053,71 @@ class Engine:
         """The logits (T, vocab) of a prompt (1, T) under causal attention over its own tokens (no cache)."""
         return self.model(ids)[0]
 
-    async def _prefill(self, seq: Sequence) -> None:
-        """Prefill `seq` (state "new") into a free slot: "prefilling" while its prompt runs, then "active" with its
-        first token; ended meanwhile ("finishing"), its slot is freed when the prefill returns. A failure frees the
-        slot and raises."""
-        seq.state = "prefilling"
+    def _prefill_limit(self, length: int) -> int:
+        """The most prompts of padded `length` one prefill takes (`prefill_batch`, within PREFILL_TOKENS)."""
+        return max(1, min(self.prefill_batch, PREFILL_TOKENS // length))
+
+    def _prefill_group(self) -> list[Sequence]:
+        """The waiting requests to prefill next, taken off the queue: the first in line, and after it those whose
+        prompts fall in its length bucket, up to `_prefill_limit` and the free slots (a crowd's prompts of one
+        bucket start in one plan; the others wait for the next)."""
+        first = self.waiting.popleft()
+        length = _bucket(len(first.prompt), self.cache.max_len)
+        limit = min(self._prefill_limit(length), len(self.cache.free))
+        group = [first]
+        for seq in list(self.waiting):
+            if len(group) >= limit:
+                break
+            if _bucket(len(seq.prompt), self.cache.max_len) == length:
+                self.waiting.remove(seq)
+                group.append(seq)
+        for seq in group:
+            seq.state = "new"  # (off the queue)
+        return group
+
+    async def _prefill(self, seqs: list[Sequence], rows: list[tuple[float, int, float, float]]) -> None:
+        """Prefill `seqs` (state "new", prompts of one length bucket; `rows` their `_sampling_row`s) into free slots
+        in one plan: "prefilling" while their prompts run, then "active" with their first tokens; one ended meanwhile
+        ("finishing") has its slot freed when the prefill returns. A failure frees the slots and raises."""
+        for seq in seqs:
+            seq.state = "prefilling"
         await self._ready()
-        if seq.state == "finishing":  # ended before its prompt ran: it never held a slot
-            seq.state = "finished"
-            self.live.discard(seq)
+        live = []
+        for seq, row in zip(seqs, rows):
+            if seq.state == "finishing":  # ended before its prompt ran: it never held a slot
+                seq.state = "finished"
+                self.live.discard(seq)
+            else:
+                seq.slot = self.cache.allocate()
+                live.append((seq, row))
+        if not live:
             return
-        seq.slot = self.cache.allocate()
-        slot = seq.slot
+        batch = [seq for seq, _ in live]
         try:
-            n = len(seq.prompt)
-            length = _bucket(n, self.cache.max_len)
-            ids = self._device([seq.prompt + [0] * (length - n)], dtypes.int32)
-            sampling, flags = self._sampling([seq])
-            # (queued, not awaited: reading the token waits for the step and the read together, one round trip)
-            token, logits = await self.prefill_step.submit(ids, self._device(slot, dtypes.int32),
-                                                           self._device(n - 1, dtypes.int32), *sampling, **flags,
-                                                           **self._extras([seq]))
-            self.logits, self.rows = logits, [seq]
-            first = int((await token.numpy())[0])
-            lps = await self._logprobs(logits, [seq], [first])
+            length = _bucket(max(len(s.prompt) for s in batch), self.cache.max_len)
+            pad = _bucket(len(batch), self._prefill_limit(length)) - len(batch)  # (padding rows: the scratch slot)
+            ids = self._device([s.prompt + [0] * (length - len(s.prompt)) for s in batch] + [[0] * length] * pad,
+                               dtypes.int32)
+            slots = self._device([s.slot for s in batch] + [self.cache.scratch] * pad, dtypes.int32)
+            lasts = self._device([len(s.prompt) - 1 for s in batch] + [0] * pad, dtypes.int32)
+            sampling, flags = self._sampling_of([row for _, row in live] + [self._sampling_row(None)] * pad)
+            # (queued, not awaited: reading the tokens waits for the step and the read together, one round trip)
+            token, logits = await self.prefill_step.submit(ids, slots, lasts, *sampling, **flags,
+                                                           **self._extras([*batch, *[None] * pad]))
+            self.logits, self.rows = logits, [*batch, *[None] * pad]
+            firsts = [int(t) for t in (await token.numpy())[:len(batch)]]
+            lps = await self._logprobs(logits, batch, firsts)
         except BaseException:
-            self._unslot(seq)
+            for seq in batch:
+                self._unslot(seq)
             raise
-        if seq.state == "finishing":  # ended while its prompt ran
-            self._unslot(seq)
-            return
-        seq.cached, seq.state = n, "active"
-        self.active[slot] = seq
-        self._accept(seq, first, lps[0])
+        for seq, first, lp in zip(batch, firsts, lps):
+            if seq.state == "finishing":  # ended while its prompt ran
+                self._unslot(seq)
+                continue
+            seq.cached, seq.state = len(seq.prompt), "active"
+            self.active[seq.slot] = seq
+            self._accept(seq, first, lp)
 
     def _unslot(self, seq: Sequence) -> None:
         """A prefill that did not make `seq` active: its slot back to the pool; ended if it was ("finishing")."""

@@ -108,7 +108,7 @@ def _local(view: AttentionView, i: int, device: str) -> AttentionView:
     if isinstance(view, Prefill):
         cache = view.cache
         assert isinstance(cache, ShardedKVCache)
-        return Prefill(cache.parts[i], view.slot.to(device))
+        return Prefill(cache.parts[i], view.slots.to(device))
     return view
 
 

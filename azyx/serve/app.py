@@ -94,6 +94,7 @@ class ServeConfig:
     device: str = "c:0"
     slots: int = 8
     waiting: int = 64
+    prefill_batch: int = 1  # waiting prompts of one length bucket prefilled in one plan (Engine.prefill_batch)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -594,7 +595,7 @@ class Server:
     async def load_generator(self, d: str) -> None:
         cfg = self.cfg
         model = await GPT2.from_pretrained(d, device=cfg.device)
-        eng = Engine(model, slots=cfg.slots, max_waiting=cfg.waiting)
+        eng = Engine(model, slots=cfg.slots, max_waiting=cfg.waiting, prefill_batch=cfg.prefill_batch)
         if cfg.warmup:
             await eng.warmup(prompt_lengths=WARM_PROMPTS, sampled=True, logprobs=True)
         template, specials = chat_template(d)
