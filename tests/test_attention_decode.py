@@ -62,6 +62,7 @@ async def test_decode_split_and_unsplit_against_numpy(device: str, shape: tuple[
     for units in (1, 512):  # (the kernel's chunks: as few as the units allow, then several)
         monkeypatch.setitem(attention.DECODE_UNITS, False, units)
         monkeypatch.setitem(attention.DECODE_UNITS, True, units)
+        monkeypatch.setattr(attention, "DECODE_LANE_UNITS", units)
         RT.plan_cache.clear()  # (a plan of the other chunking is cached for this graph)
         out = nn.scaled_dot_product_attention(*args, mask=tm, causal=mode == "causal")
         plan = azyx.schedule(out)
@@ -79,6 +80,7 @@ async def test_decode_split_and_unsplit_against_numpy(device: str, shape: tuple[
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 async def test_half_decode_against_numpy(device: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(attention.DECODE_UNITS, False, 512)
+    monkeypatch.setattr(attention, "DECODE_LANE_UNITS", 512)
     RT.plan_cache.clear()
     b, h, s, e = 3, 2, 600, 64
     halves = [Tensor(randn(*sh), device=device).cast(dtype) for sh in ((b, h, 1, e), (b, h, s, e), (b, h, s, e))]
@@ -110,6 +112,7 @@ async def test_decode_of_a_gathered_cache_window(device: str, monkeypatch: pytes
     for units in (1, 512):
         monkeypatch.setitem(attention.DECODE_UNITS, False, units)
         monkeypatch.setitem(attention.DECODE_UNITS, True, units)
+        monkeypatch.setattr(attention, "DECODE_LANE_UNITS", units)
         RT.plan_cache.clear()
         for k, v in ((tk[sl][:, :, :window], tv[sl][:, :, :window]), (tk[:, :, :window][sl], tv[:, :, :window][sl])):
             out = nn.scaled_dot_product_attention(args[0], k, v, mask=args[1], scale=0.2)
@@ -131,16 +134,21 @@ async def test_a_gathered_slot_out_of_range_raises(device: str) -> None:
 
 
 def test_decode_splits_cover_the_cache() -> None:
-    """Chunks: none empty, at least DECODE_CHUNK keys, as many as fill DECODE_UNITS, DECODE_MAX_SPLITS at most."""
-    for gpu in (False, True):
-        dl = CUDA if gpu else dataclasses.replace(CUDA, global_ids="")
+    """Chunks: none empty, at least DECODE_CHUNK keys (CUDA's lane kernel: DECODE_LANE_CHUNK), as many as fill
+    DECODE_UNITS (DECODE_LANE_UNITS), DECODE_MAX_SPLITS at most; CUDA splits a batch-1 decode's window of 256 keys
+    and leaves a batch of 32 (384 rows) whole."""
+    for dl in (CUDA, dataclasses.replace(CUDA, global_ids=""), dataclasses.replace(CUDA, attention=False)):
+        lanes = attention.decode_lanes(dl)
+        least = attention.DECODE_LANE_CHUNK if lanes else attention.DECODE_CHUNK
+        units = attention.DECODE_LANE_UNITS if lanes else attention.DECODE_UNITS[bool(dl.global_ids)]
         for rows, s in ((1, 1), (12, 4096), (12, 255), (768, 4096), (1, 1 << 20), (3, 1000)):
             n = attention.decode_splits(dl, rows, s)
             chunk = -(-s // n)
             assert 1 <= n <= attention.DECODE_MAX_SPLITS and (n - 1) * chunk < s
-            assert n == 1 or chunk >= attention.DECODE_CHUNK // 2
-            if s >= attention.DECODE_MAX_SPLITS * attention.DECODE_CHUNK:
-                assert n * rows >= min(attention.DECODE_UNITS[gpu], attention.DECODE_MAX_SPLITS * rows)
+            assert n == 1 or chunk >= least // 2
+            if s >= attention.DECODE_MAX_SPLITS * least:
+                assert n * rows >= min(units, attention.DECODE_MAX_SPLITS * rows)
+    assert attention.decode_splits(CUDA, 12, 256) == 4 and attention.decode_splits(CUDA, 384, 256) == 1
 
 
 # ------------------------------------------------------------------------------------------------ CUDA on the host

@@ -52,6 +52,12 @@ CUDA_BQ, CUDA_BK, CUDA_THREADS = 64, 32, 128  # CUDA: query rows per block, keys
 # partial wave costs little), DECODE_MAX_SPLITS at most; then combined
 DECODE_ROWS, DECODE_MAX_SPLITS, DECODE_CHUNK = 4, 64, 256
 DECODE_UNITS = {False: 64, True: 1056}
+# CUDA's lane-group kernel (decode_lanes) splits only while the rows leave multiprocessors idle: chunks of at least
+# DECODE_LANE_CHUNK keys, about DECODE_LANE_UNITS blocks in all (two per multiprocessor of an H200). GPT-2 small's
+# batch-1 decode (12 rows, a window of 256 keys: 12 blocks unsplit) on one H200, fp32: 1.74-1.81x -> 1.94-1.96x the
+# CUDA-graph peer with chunks of 64 (four splits); its batch 32 (384 rows) stays whole, as a split then only adds a
+# combining kernel a layer
+DECODE_LANE_CHUNK, DECODE_LANE_UNITS = 64, 264
 
 
 def decode_takes(dl: Dialect, L: int, E: int, Ev: int, dtype: DType | None) -> bool:
@@ -74,9 +80,13 @@ def decode_lanes(dl: Dialect) -> bool:
 
 
 def decode_splits(dl: Dialect, rows: int, S: int) -> int:
-    """The chunks each of `rows` query rows cuts its S keys into (see DECODE_UNITS), none empty."""
-    gpu = bool(dl.global_ids)
-    n = max(1, min(DECODE_MAX_SPLITS, S // DECODE_CHUNK, -(-DECODE_UNITS[gpu] // rows)))
+    """The chunks each of `rows` query rows cuts its S keys into (see DECODE_UNITS, DECODE_LANE_UNITS), none
+    empty."""
+    if decode_lanes(dl):
+        chunk, units = DECODE_LANE_CHUNK, DECODE_LANE_UNITS
+    else:
+        chunk, units = DECODE_CHUNK, DECODE_UNITS[bool(dl.global_ids)]
+    n = max(1, min(DECODE_MAX_SPLITS, S // chunk, -(-units // rows)))
     return -(-S // -(-S // n))
 
 
