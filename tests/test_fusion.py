@@ -153,8 +153,8 @@ async def test_a_decoder_layers_decode_step_is_four_kernels(device: str, batch: 
 
 @pytest.mark.parametrize("batch", [1, 2])
 async def test_decode_steps_give_transformers_logits(device: str, gpt2: tuple[Path, Any], batch: int) -> None:
-    """Decode steps of GPT-2 (2 layers) through Engine, its products fused as above, its cache written for every
-    sequence of the batch by one kernel per layer and tensor: the logits are transformers' (a full forward)."""
+    """Decode steps of GPT-2 (2 layers) through Engine, its products fused as above, its cache's keys and values
+    written for every sequence of the batch by one kernel per layer: the logits are transformers' (a full forward)."""
     import torch
 
     from azyx.models import GPT2, Engine
@@ -176,6 +176,6 @@ async def test_decode_steps_give_transformers_logits(device: str, gpt2: tuple[Pa
     (trace,) = [tr for tr in engine.decode_step.traces.values()]
     assert trace.plan is not None
     writes = [s for s in trace.plan.steps if isinstance(s, KernelStep) and s.kernel.inplace]
-    # keys and values, every row at once, and the next step's state (tokens, positions: `_Chain`), in place
-    assert len(writes) == 2 * model.config.n_layer + 1
+    # a layer's keys and values, every row at once, and the next step's state (tokens, positions: `_Chain`), in place
+    assert len(writes) == model.config.n_layer + 1
 

@@ -323,9 +323,10 @@ async def load_checkpoint(weights: Path, model: GPT2, load: Callable[[str, str, 
 
 # ------------------------------------------------------------------------------------------------ KV cache
 class KVCache:
-    """Keys and values of every layer for `slots` sequences of up to `max_len` tokens, allocated once as
-    (slots + 1, heads, max_len, head_dim) per layer (the last slot is scratch for padding rows) and written in
-    place. `allocate()` hands out a free slot (NoFreeSlotError when none is), `release(slot)` takes it back."""
+    """Keys and values of every layer for `slots` sequences of up to `max_len` tokens, allocated once as one tensor
+    (slots + 1, 2, heads, max_len, head_dim) per layer (`kv`: [:, 0] the keys, [:, 1] the values; the last slot is
+    scratch for padding rows) and written in place: a step writes a layer's new keys and values in one kernel.
+    `allocate()` hands out a free slot (NoFreeSlotError when none is), `release(slot)` takes it back."""
 
     def __init__(self, config: GPT2Config, slots: int, max_len: int, dtype: DType, device: str):
         if not isinstance(slots, int) or slots < 1:
@@ -333,9 +334,8 @@ class KVCache:
         if not isinstance(max_len, int) or not 1 <= max_len <= config.n_positions:
             raise ArgumentError(f"max_len must be in [1, n_positions={config.n_positions}], got {max_len!r}")
         self.slots, self.max_len = slots, max_len
-        shape = (slots + 1, config.n_head, max_len, config.head_dim)
-        self.keys = [Tensor.zeros(*shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.values = [Tensor.zeros(*shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        shape = (slots + 1, 2, config.n_head, max_len, config.head_dim)
+        self.kv = [Tensor.zeros(*shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.free = list(range(slots))
 
     @property
@@ -344,8 +344,8 @@ class KVCache:
         return self.slots
 
     def tensors(self) -> list[Tensor]:
-        """Every layer's key and value tensors (keys first): what a step that writes the cache rebinds."""
-        return [*self.keys, *self.values]
+        """Every layer's keys-and-values tensor: what a step that writes the cache rebinds."""
+        return list(self.kv)
 
     def allocate(self) -> int:
         """A free slot's index, the lowest (`NoFreeSlotError` when every slot holds a sequence)."""
@@ -372,8 +372,7 @@ class Prefill:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write every row's keys and values into rows 0..T-1 of its slot, then attend causally over them."""
         t = k.shape[2]
-        self.cache.keys[layer][self.slots, :, :t] = k  # every row at once: one kernel
-        self.cache.values[layer][self.slots, :, :t] = v
+        self.cache.kv[layer][self.slots, :, :, :t] = Tensor.stack([k, v], axis=1)  # every row's at once: one kernel
         return nn.scaled_dot_product_attention(q, k, v, causal=True, scale=scale)
 
 
@@ -390,11 +389,11 @@ class Decode:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write each row's new key and value at its position in its slot, then attend over the slot's rows up to it."""
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        keys[self.slots, :, self.positions] = k[:, :, 0]  # every row at once: one kernel, not one per row
-        values[self.slots, :, self.positions] = v[:, :, 0]
+        kv = self.cache.kv[layer]
+        # every row's key and value at once: one kernel, not one per row nor one for the keys and one for the values
+        kv[self.slots, :, :, self.positions] = Tensor.stack([k[:, :, 0], v[:, :, 0]], axis=1)
         w = self.window  # (every row's positions are below it: the rows past it are never read, nor gathered)
-        return nn.scaled_dot_product_attention(q, keys[:, :, :w][self.slots], values[:, :, :w][self.slots],
+        return nn.scaled_dot_product_attention(q, kv[:, 0, :, :w][self.slots], kv[:, 1, :, :w][self.slots],
                                                mask=self.mask, scale=scale)
 
 

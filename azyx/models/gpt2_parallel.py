@@ -91,11 +91,11 @@ class ShardedKVCache(KVCache):
         self.parts = [KVCache(GPT2Config(**{**config.__dict__, "n_head": h, "n_embd": h * config.head_dim}), slots,
                               max_len, dtype, d) for h, d in zip(heads, devices)]
         self.slots, self.max_len = slots, max_len
-        self.keys, self.values = [], []  # (each part holds its own)
+        self.kv = []  # (each part holds its own)
         self.free = list(range(slots))
 
     def tensors(self) -> list[Tensor]:
-        """Every part's key and value tensors."""
+        """Every part's keys-and-values tensors."""
         return [t for p in self.parts for t in p.tensors()]
 
 
