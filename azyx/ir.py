@@ -254,7 +254,8 @@ def format_kernel(k: Kernel) -> str:
     """A readable dump of a kernel's loops and value DAG (AZYX_DEBUG=8)."""
     loops = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.gvars)
     ups = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.uvars)
-    lines = [f"kernel params={[d.name for d in k.params]} loops=[{loops}]" + (f" upcast=[{ups}]" if ups else "")]
+    lines = [f"kernel params={[d.name for d in k.params]} loops=[{loops}]" + (f" upcast=[{ups}]" if ups else "") +
+             (" (a group per row)" if k.rows else "")]
     names: dict[int, str] = {}
     for i, v in enumerate(toposort(*k.values)):
         names[id(v)] = f"%{i}"

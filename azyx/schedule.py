@@ -862,22 +862,25 @@ class Planner:
 
     def row_candidate(self, root: int, device: str) -> bool:
         """Whether `root`'s kernel is built as a row kernel first (KernelBuild.row_statistic): its device's dialect
-        runs them (Dialect.rows, with grouped reductions), `root` is elementwise or a view of one, and a reduce lies
-        among what its kernel would compute (unrealized nodes, ROW_SCAN of them at most)."""
+        runs them (Dialect.rows, with grouped reductions), `root` is elementwise or a view of one, and among what its
+        kernel would compute (unrealized nodes, ROW_SCAN of them at most) lies a reduce of fewer outputs than `root`
+        has (one of as many would be the kernel's own reduce: a product and its epilogue)."""
         dl = self.rt.device(device).dialect
-        if dl is None or not dl.rows or not dl.global_ids or not dl.group_size or \
-                self.graph[root].op not in ELEMENTWISE | MOVEMENT:
+        n = self.graph[root]
+        if dl is None or not dl.rows or not dl.global_ids or not dl.group_size or n.op not in ELEMENTWISE | MOVEMENT:
             return False
-        seen, stack = set(), list(self.graph[root].src)
+        seen: set[int] = set()
+        stack, numel = list(n.src), prod(n.shape)
         while stack and len(seen) < ROW_SCAN:
             i = stack.pop()
             if i in seen:
                 continue
             seen.add(i)
             m = self.graph[i]
-            if i in self.done or m.buffer is not None or i in self.targets:
+            if i in self.done or m.buffer is not None or i in self.targets or \
+                    self.walk.consumers.get(i, 0) > 1 and i in self.walk.heavy:  # (read from a buffer: KernelBuild)
                 continue
-            if m.op is Op.REDUCE:
+            if m.op is Op.REDUCE and prod(m.shape) < numel:
                 return True
             if m.op in ELEMENTWISE | MOVEMENT:
                 stack.extend(m.src)

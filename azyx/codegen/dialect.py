@@ -281,8 +281,8 @@ def glsl_dialect(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialec
 # the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; its text is codegen.wgsl's, its
 # dtypes WGSL_TYPES)
 WGSL = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
-               fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
-               max_groups=65535, vector_width=4, rows=True)  # (the width wgsl.WGSL_VEC renders by default: the search's base)
+               fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64, rows=True,
+               max_groups=65535, vector_width=4)  # (the width wgsl.WGSL_VEC renders by default: the search's base)
 
 
 @dataclass(frozen=True)
