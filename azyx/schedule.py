@@ -3,7 +3,9 @@
 Fusion: a kernel is a root node and everything it can compute by index arithmetic: elementwise ops and
 movement ops fuse, a reduce fuses into a consumer of the same size, constants are literals or scalar arguments. A node
 is realized into its own buffer when it is a target, a reduce consumed by a kernel of another size or by more than one
-consumer, a node a kernel would read under two different index maps, or a device transfer. Placement: a kernel goes
+consumer, a node a kernel would read under two different index maps, or a device transfer. On a GPU-style device an
+elementwise kernel that reads statistics of its own rows (a layernorm's mean and variance) computes them itself, a work
+group per row (a row kernel: KernelBuild.row_statistic). Placement: a kernel goes
 where its inputs are unless another device is clearly faster (AUTO), and a plan that does not fit moves to a device
 with room. Lowering: each kernel's value DAG (azyx.ir), rendered by its device; then merging (azyx.merge).
 

@@ -142,3 +142,17 @@ def test_a_decode_steps_layernorms_are_a_kernel_each(cuda_planning: None, batch:
     assert sum(s.kernel.rows for s in kernels) == rows and len(kernels) == total
     if rows:  # (the statistics are in the row kernels: no other kernel reduces a row of e elements)
         assert all(small_product(s.kernel, CUDA) is None for s in kernels)
+
+
+async def test_rows_of_a_higher_rank_tensor(device: str) -> None:
+    """A layernorm over the last axis of a (3, 5, 200) tensor plus a residual, and a softmax over the last axis of a
+    (2, 3, 40) one scaled: on a GPU-style device each one row kernel (its outer axes one loop of rows), as numpy."""
+    rng = np.random.default_rng(3)
+    x, r, s = (rng.standard_normal(shape).astype(np.float32) for shape in ((3, 5, 200), (3, 5, 200), (2, 3, 40)))
+    outs = [Tensor(x, device=device).layernorm() + Tensor(r, device=device), (Tensor(s, device=device) * 0.5).softmax()]
+    for out in outs:
+        kernels = azyx.schedule(out).kernels
+        assert not gpu_style(device) or (len(kernels) == 1 and kernels[0].kernel.rows)
+    want = [np_layernorm(x.astype(np.float64)) + r, np_softmax(s.astype(np.float64) * 0.5)]
+    for out, w in zip(outs, want):
+        np.testing.assert_allclose(await out.numpy(), w, rtol=1e-4, atol=1e-5)

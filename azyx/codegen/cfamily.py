@@ -7,7 +7,10 @@ variables are computed inside small constant-bound loops that the compiler unrol
 GPU-style dialects (`global_ids`) run one work item per output point. Where a reduce is long and its loads
 are contiguous along it (a row sum), or there are too few outputs to fill the device, a work group of
 `group_size` items reduces each output instead ("grouped"): each item accumulates a strided share, then a tree
-in shared memory combines them, so neighbouring items read neighbouring addresses (see `group_size`).
+in shared memory combines them, so neighbouring items read neighbouring addresses (see `group_size`). A row kernel
+(`Kernel.rows`: a layernorm, a softmax) runs a work group per point of its global loops but the last: the group computes
+its reduces so (in dependence order: the variance after the mean it reads), then its items walk the last loop's points,
+each storing its own.
 
 Facts that search actions set (codegen.search_actions) are read here as they are: `Kernel.unroll` steps of a reduce's
 innermost loop per iteration (each step in braces of its own, in the loop's order: the accumulation order stays the
