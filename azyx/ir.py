@@ -192,6 +192,10 @@ class Kernel:
     # memory (-1: it does not): an index out of range still reads clamped, and writes CHECK_WORDS words there
     # (site + 1, the value's low and high 32 bits, the axis size), which the run's record reads when its work is done
     check: int = -1
+    # a row kernel (schedule.KernelBuild.rows): a work group per point of the global loops but the last, which computes
+    # the reduces (none moves with the last loop: statistics of the row, a layernorm's mean and variance) once, then its
+    # work items walk the last loop's points (GPU-style dialects with `Dialect.rows`)
+    rows: bool = False
     base: Kernel | None = field(default=None, repr=False, compare=False)  # the kernel before the actions
     opts: tuple = ()  # the actions (search_actions.Opt) that made it from `base`
 
@@ -205,6 +209,11 @@ class Kernel:
         for v in self.gvars:
             out *= v.vmax + 1
         return out
+
+    @property
+    def points(self) -> int:
+        """The points that a work item (a work group, of a row kernel: Kernel.rows) each computes the kernel at."""
+        return self.global_size // (self.gvars[-1].vmax + 1) if self.rows else self.global_size
 
     @property
     def values(self) -> list[V]:
@@ -245,7 +254,8 @@ def format_kernel(k: Kernel) -> str:
     """A readable dump of a kernel's loops and value DAG (AZYX_DEBUG=8)."""
     loops = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.gvars)
     ups = " ".join(f"{v.name}<{v.vmax + 1}" for v in k.uvars)
-    lines = [f"kernel params={[d.name for d in k.params]} loops=[{loops}]" + (f" upcast=[{ups}]" if ups else "")]
+    lines = [f"kernel params={[d.name for d in k.params]} loops=[{loops}]" + (f" upcast=[{ups}]" if ups else "") +
+             (" (a group per row)" if k.rows else "")]
     names: dict[int, str] = {}
     for i, v in enumerate(toposort(*k.values)):
         names[id(v)] = f"%{i}"

@@ -3,7 +3,9 @@
 Fusion: a kernel is a root node and everything it can compute by index arithmetic: elementwise ops and
 movement ops fuse, a reduce fuses into a consumer of the same size, constants are literals or scalar arguments. A node
 is realized into its own buffer when it is a target, a reduce consumed by a kernel of another size or by more than one
-consumer, a node a kernel would read under two different index maps, or a device transfer. Placement: a kernel goes
+consumer, a node a kernel would read under two different index maps, or a device transfer. On a GPU-style device an
+elementwise kernel that reads statistics of its own rows (a layernorm's mean and variance) computes them itself, a work
+group per row (a row kernel: KernelBuild.row_statistic). Placement: a kernel goes
 where its inputs are unless another device is clearly faster (AUTO), and a plan that does not fit moves to a device
 with room. Lowering: each kernel's value DAG (azyx.ir), rendered by its device; then merging (azyx.merge).
 
@@ -69,6 +71,9 @@ TILE = (8, 32)  # register tile of a matmul-like reduce: rows x columns (columns
 # own; a statistic (a reduce whose result is the same along the enclosing reduce: a row's mean) fuses where it reduces
 # at most STAT_RATIO times as many elements per kernel point as the enclosing reduce (each point computes it once)
 PROLOGUE_OPS, STAT_RATIO = 24, 2
+# row kernels (KernelBuild.row): rows and statistics of at most ROW_MAX elements; ROW_SCAN: nodes looked at to tell
+# whether a kernel may be one
+ROW_MAX, ROW_SCAN = 8192, 256
 
 class DeviceFacts(Protocol):
     """What the scheduler may know of a device: read-only facts, its load, and its renderer."""
@@ -115,6 +120,7 @@ class Attempt:
     cost: int  # index arithmetic (divisions and modulos) it computes per point
     load_paths: dict[int, tuple[int, ...]]  # per load (id of its value): the nodes it was read through, outermost first
     root: int
+    misfit: bool = False  # built as a row kernel (KernelBuild.row), which it cannot be
 
 
 def shares_memory(a: DeviceFacts, b: DeviceFacts) -> bool:
@@ -546,17 +552,20 @@ class Planner:
             return self.scatter_kernel(root, device, out)
         dims = [i for i, s in enumerate(shape) if s != 1]
         groups = [[d] for d in dims]
-        best = self.attempt(root, device, groups, None)
+        best = self.attempt(root, device, groups, None, rows=self.row_candidate(root, device))
+        if best.misfit:  # (no row kernel after all: built as any other)
+            best = self.attempt(root, device, groups, None)
+        rows = best.kernel.rows
         i = 0
-        while i < len(groups) - 1:
+        while i < len(groups) - 1 - rows:  # (a row kernel's last loop stays the row's)
             cand = groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2 :]
-            trial = self.attempt(root, device, cand, None)
-            if trial.cost <= best.cost:
+            trial = self.attempt(root, device, cand, None, rows)
+            if trial.cost <= best.cost and not trial.misfit:
                 groups, best = cand, trial
             else:
                 i += 1
         best = self.within_binding_limit(root, device, groups, best)
-        tile = self.tile_for(best, groups, shape)
+        tile = None if rows else self.tile_for(best, groups, shape)
         if tile == "retry":  # an operand was made contiguous: build again, reading it
             best = self.attempt(root, device, groups, None)
             tile = self.tile_for(best, groups, shape)
@@ -778,7 +787,7 @@ class Planner:
             if wide[0] is None or wide[1] < 2:
                 break  # nothing to split: the device refuses the kernel when it compiles it
             self.realize(wide[0], copy=True)
-            best = self.attempt(root, device, groups, None)
+            best = self.attempt(root, device, groups, None, best.kernel.rows)
         return best
 
     def inputs_below(self, nid: int) -> int:
@@ -853,7 +862,37 @@ class Planner:
             return None
         return 1, tb
 
-    def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None) -> Attempt:
+    def row_candidate(self, root: int, device: str) -> bool:
+        """Whether `root`'s kernel is built as a row kernel first (KernelBuild.row_statistic): its device's dialect
+        runs them (Dialect.rows, with grouped reductions), `root` is elementwise or a view of one, and among what its
+        kernel would compute (unrealized nodes, ROW_SCAN of them at most) lies a reduce of fewer outputs than `root`
+        has (one of as many would be the kernel's own reduce: a product and its epilogue)."""
+        dl = self.rt.device(device).dialect
+        n = self.graph[root]
+        if dl is None or not dl.rows or not dl.global_ids or not dl.group_size or n.op not in ELEMENTWISE | MOVEMENT:
+            return False
+        seen: set[int] = set()
+        stack, numel = list(n.src), prod(n.shape)
+        while stack and len(seen) < ROW_SCAN:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            m = self.graph[i]
+            if i in self.done or m.buffer is not None or i in self.targets or \
+                    self.walk.consumers.get(i, 0) > 1 and i in self.walk.heavy:  # (read from a buffer: KernelBuild)
+                continue
+            if m.op is Op.REDUCE and prod(m.shape) < numel:
+                return True
+            if m.op in ELEMENTWISE | MOVEMENT:
+                stack.extend(m.src)
+        return False
+
+    def attempt(self, root: int, device: str, groups: list[list[int]], tile: tuple[int, int] | None,
+                rows: bool = False) -> Attempt:
+        """The kernel of `root` over global loops `groups` (axes of its output, each group one loop), register tile
+        `tile` of the last two; `rows`: built as a row kernel (KernelBuild.row), its `misfit` where it is none (then the
+        caller builds it again as any other kernel)."""
         n = self.graph[root]
         shape = n.shape
         idx: list[Lin] = [Lin({}, 0)] * len(shape)
@@ -878,7 +917,7 @@ class Planner:
                 inner *= shape[d]
         if tile is not None and len(gvars) > 1:  # column tiles outermost: a tile of the right operand stays in cache
             gvars[-2], gvars[-1] = gvars[-1], gvars[-2]  # over all rows
-        kb = KernelBuild(self, root, device, prod(shape))
+        kb = KernelBuild(self, root, device, prod(shape), gvars[-1] if rows and gvars and tile is None else None)
         value = kb.value(root, tuple(idx), Cond(), False, top=True)
         strides = contiguous_strides(shape)
         out_idx = Lin({}, 0)
@@ -886,7 +925,11 @@ class Planner:
             out_idx = out_idx + i * s
         k = Kernel([n.dtype, *(self.slots[s].dtype for s in kb.params)], gvars, uvars, [(out_idx, value)])
         k.work = prod(shape) * (1 + kb.reduce_work)
-        return Attempt(k, kb.params, device, kb.cost, kb.load_paths, root)
+        if kb.row is not None:
+            reduces = [v for v in toposort(value) if v.op == "reduce"]
+            k.rows = bool(kb.stats) and not any(kb.row in v.vars for v in reduces)
+            k.work = prod(shape) + k.points * kb.reduce_work
+        return Attempt(k, kb.params, device, kb.cost, kb.load_paths, root, kb.row is not None and not k.rows)
 
     def check_memory(self) -> dict[str, int]:
         need: dict[str, int] = {}
@@ -929,8 +972,10 @@ def _aliased(slots: list[int], n_inputs: int, overwrites: tuple[int, ...]) -> tu
 class KernelBuild:
     """Builds one kernel's value DAG by pushing index maps through movement ops down to loads."""
 
-    def __init__(self, planner: Planner, root: int, device: str, out_numel: int):
+    def __init__(self, planner: Planner, root: int, device: str, out_numel: int, row: Var | None = None):
         self.p, self.root, self.device, self.out_numel = planner, root, device, out_numel
+        self.row = row  # built as a row kernel (see row_statistic): its last global loop, which its work groups walk
+        self.stats: dict[tuple, V] = {}  # a row kernel's statistics, by node and index (read inside reduces and out)
         self.vb = ValueBuilder()
         self.params: list[int] = []  # slots read, in parameter order (parameter 0 is the output)
         self.memo: dict[tuple, V] = {}
@@ -1013,15 +1058,22 @@ class KernelBuild:
                 return self.value(summed, idx, cond, in_reduce)
             fuse = top or (alone and p.split_parts(nid, self.device) is None and not self.epilogue_of_product(nid)) \
                 or (not in_reduce and nid in p.product_sums)
-            if not fuse and not self.statistic(nid, idx):
+            if fuse:
+                return self.reduce(n, idx, cond)
+            if not self.row_statistic(nid, idx) and not self.statistic(nid, idx):
                 return self.load(nid, idx, cond)
-            return self.reduce(n, idx, cond)
+            if self.row is None:
+                return self.reduce(n, idx, cond)
+            key = (nid, tuple(i.key for i in idx), cond.key)  # (once, whether read in a reduce or out of one)
+            if key not in self.stats:
+                self.stats[key] = self.reduce(n, idx, cond)
+            return self.stats[key]
         if op is Op.EXPAND:
             src_idx = tuple(Lin({}, 0) if s == 1 else i for i, s in zip(idx, src.shape))
             # computed once, not once per broadcast copy (matmul inputs); a single element is computed once per kernel
             # anyway (it depends on no loop), so it fuses instead of costing a kernel of its own
             if prod(n.shape) >= EXPAND_REALIZE * prod(src.shape) > EXPAND_REALIZE and p.computes(n.src[0]) \
-                    and not self.prologue(n.src[0], src_idx):
+                    and not self.prologue(n.src[0], src_idx) and not self.row_operand(n.src[0], src_idx):
                 return self.load(n.src[0], src_idx, cond)
             return self.value(n.src[0], src_idx, cond, in_reduce)
         if op is Op.PERMUTE:
@@ -1142,11 +1194,63 @@ class KernelBuild:
         src_shape = self.p.graph[n.src[0]].shape
         return prod([src_shape[a] for a in n.arg[1]]) <= STAT_RATIO * self.reducing[0][2]
 
+    def row_statistic(self, nid: int, idx: tuple[Lin, ...]) -> bool:
+        """Whether reduce `nid`, read outside any reduce at `idx`, is computed in this kernel as a statistic of its row:
+        the kernel is built as a row kernel (`row`: Planner.row_candidate), whose work group per point of the global
+        loops but the last computes each statistic once (the existing grouped reduce, in dependence order: the
+        variance after the mean it reads), then its items walk the row's points (codegen.cfamily, codegen.wgsl), so a
+        layernorm, a softmax, an RMSNorm is one kernel instead of a kernel per statistic and one for the
+        normalization, whose statistics make a round trip through memory. Where: `idx` does not move with the last
+        loop (the statistic is the same along the row) and the reduce fits (row_reduce). The kernel is a row kernel
+        only if no reduce in it moves with that loop (a product fused as the kernel's own reduce: built again as any
+        other kernel, Planner.attempt); register tiles are never applied to one; a value shared by the statistics and
+        the outputs (`x - mean`) is recomputed (recomputable). A statistic read inside a reduce (the mean in the
+        variance) is one of the reduce's `statistic`s, as in a product's prologue."""
+        if self.row is None or self.reducing or any(self.row in lin_vars(i) for i in idx):
+            return False
+        return self.row_reduce(nid)
+
+    def row_reduce(self, nid: int) -> bool:
+        """Whether reduce `nid` may be a statistic of the row kernel being built (row_statistic): of one consumer, not
+        split in stages (split_parts), the row and the reduce at most ROW_MAX elements long (a work group's items
+        take a few elements each) and the reduce at most STAT_RATIO times the row (each group computes it once)."""
+        p, n, row = self.p, self.p.graph[nid], self.row
+        if row is None or p.walk.consumers.get(nid, 0) != 1 or p.split_parts(nid, self.device) is not None:
+            return False
+        src_shape = p.graph[n.src[0]].shape
+        size = prod([src_shape[a] for a in n.arg[1]])
+        return row.vmax + 1 <= ROW_MAX and size <= min(ROW_MAX, STAT_RATIO * (row.vmax + 1))
+
+    def row_operand(self, nid: int, idx: tuple[Lin, ...]) -> bool:
+        """Whether operand `nid`, broadcast along the row of the row kernel being built and read at `idx` outside any
+        reduce, is computed in it rather than realized first: its statistics of the row (row_statistic) and at most
+        PROLOGUE_OPS operations between them and what the kernel loads (scanned as prologue_ops does)."""
+        if self.row is None or self.reducing or any(self.row in lin_vars(i) for i in idx):
+            return False
+        p, seen, stack, ops, stats = self.p, set(), [nid], 0, 0
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            m = p.graph[i]
+            if i in p.done or m.buffer is not None or m.op in (Op.CONST, Op.TODEVICE) or i in p.targets or \
+                    p.walk.consumers.get(i, 0) > 1 and i in p.walk.heavy:
+                continue
+            if m.op in (Op.SCATTER, Op.ASSIGN, Op.ATTENTION) or m.op is Op.REDUCE and not self.row_reduce(i):
+                return False
+            stats += m.op is Op.REDUCE
+            ops += m.op not in MOVEMENT
+            if ops > PROLOGUE_OPS:
+                return False
+            stack.extend(m.src)
+        return stats > 0
+
     def recomputable(self, nid: int) -> bool:
         """Whether elementwise node `nid`, shared and read here under a second index map, is computed again rather
-        than realized: inside a reduce (a prologue: `x - mean` is read by the variance and by the product), cheap
-        (prologue_ops)."""
-        return bool(self.reducing) and self.prologue_ops(nid) <= PROLOGUE_OPS
+        than realized: inside a reduce (a prologue: `x - mean` is read by the variance and by the product) or a row
+        kernel (`x - mean` read by the variance and by the output), cheap (prologue_ops)."""
+        return (bool(self.reducing) or self.row is not None) and self.prologue_ops(nid) <= PROLOGUE_OPS
 
     def second_map(self, nid: int, idx: tuple[Lin, ...], cond: Cond) -> bool:
         """Whether node `nid`, shared by several consumers, is now read under a second index map."""

@@ -7,7 +7,10 @@ variables are computed inside small constant-bound loops that the compiler unrol
 GPU-style dialects (`global_ids`) run one work item per output point. Where a reduce is long and its loads
 are contiguous along it (a row sum), or there are too few outputs to fill the device, a work group of
 `group_size` items reduces each output instead ("grouped"): each item accumulates a strided share, then a tree
-in shared memory combines them, so neighbouring items read neighbouring addresses (see `group_size`).
+in shared memory combines them, so neighbouring items read neighbouring addresses (see `group_size`). A row kernel
+(`Kernel.rows`: a layernorm, a softmax) runs a work group per point of its global loops but the last: the group computes
+its reduces so (in dependence order: the variance after the mean it reads), then its items walk the last loop's points,
+each storing its own.
 
 Facts that search actions set (codegen.search_actions) are read here as they are: `Kernel.unroll` steps of a reduce's
 innermost loop per iteration (each step in braces of its own, in the loop's order: the accumulation order stays the
@@ -178,14 +181,15 @@ class CRenderer(Emitter):
             dr = v.op == "reduce" or any(dep_red[id(s)] for s in v.src)
             dep_red[id(v)] = dr
             own = next((owner[x] for x in v.vars if x in owner), None)
+            low = n - 1 if k.rows else n  # (a row kernel's reduces: before its last loop, which its items walk)
             if v.op == "reduce":
-                place[id(v)] = n
+                place[id(v)] = low
             elif own is not None:
                 place[id(v)] = own
             elif v.vars & self.uset:
                 place[id(v)] = "U"
             else:
-                place[id(v)] = n if dr else max((gindex[x] + 1 for x in v.vars if x in gindex), default=0)
+                place[id(v)] = max([low if dr else 0, *(gindex[x] + 1 for x in v.vars if x in gindex)])
         return place
 
     def render(self) -> str:
@@ -213,11 +217,11 @@ class CRenderer(Emitter):
             per = dl.group_size // dl.warp
             self.emit(f"{it} gid = {self.cast(it, dl.group_ids[0])} * {per} + ({self.cast(it, dl.group_ids[1])} / "
                       f"{dl.warp}), lid = {self.cast(it, dl.group_ids[1])} % {dl.warp};")
-            self.emit(f"if (gid >= {k.global_size}) return;  /* whole warps return: their shuffles stay uniform */")
+            self.emit(f"if (gid >= {k.points}) return;  /* whole warps return: their shuffles stay uniform */")
         elif self.group:  # one work group per point of the global loops; no early return (all reach the barriers)
             self.emit(f"{it} gid = {self.cast(it, dl.group_ids[0])}, lid = {self.cast(it, dl.group_ids[1])};")
             if dl.max_groups:  # a folded grid's groups past the last point (whole groups: before any barrier)
-                self.emit(f"if (gid >= {k.global_size}) return;")
+                self.emit(f"if (gid >= {k.points}) return;")
         elif vectorized(k, dl):  # `vw` points per work item, vector loads and stores
             self.vector_body(order, along_loop(k, order), self.vw)
             return f"{self.glsl_interface()}{header} {{\n" + "\n".join(self.lines) + "\n}\n"
@@ -227,11 +231,17 @@ class CRenderer(Emitter):
             items = [v for v in order if place[id(v)] == lvl]
             if lvl < n:
                 for v in items:
-                    self.stmt(v)
+                    if v.op == "reduce":  # (a row kernel's statistics, in dependence order)
+                        self.reduce_block(v, order, place, "")
+                    else:
+                        self.stmt(v)
                 if dl.global_ids:
                     g = k.gvars[lvl]
+                    if k.rows and lvl == n - 1:  # the group's items walk the row
+                        self.open(f"for ({it} {g.name} = lid; {g.name} < {g.vmax + 1}; {g.name} += {self.group})")
+                        continue
                     stride = 1
-                    for later in k.gvars[lvl + 1 :]:
+                    for later in k.gvars[lvl + 1 : n - 1 if k.rows else n]:
                         stride *= later.vmax + 1
                     self.emit(self.index_decl(g.name, self.unflat("gid", stride, g.vmax + 1, lvl == 0)))
                 else:
@@ -244,9 +254,11 @@ class CRenderer(Emitter):
                     self.stmt(v)
         # epilogue: everything that depends on upcast vars, then the stores
         epi = self.collect(k.values, place, None)
-        only = "if (lid == 0) " if self.group else ""  # the group's result is in every item: one stores it
+        only = "if (lid == 0) " if self.group and not k.rows else ""  # the group's result is in every item: one stores
         self.block(epi, lambda: [only + self.dl.stores.get(k.params[i].name, "{buf}[{idx}] = {val};").format(
             buf=f"d{i}", idx=idx.render(), val=self.store_value(v)) for i, (idx, v) in enumerate(k.stores)])
+        if k.rows:
+            self.close()
         if not dl.global_ids:
             for _ in k.gvars:
                 self.close()

@@ -87,6 +87,10 @@ class Dialect:
     double_suffix: str = ""  # (GLSL: an unsuffixed literal is a float)
     glsl: bool = False  # buffers are addresses and scalars words of a words buffer, shared memory is global, entry main
     bools: tuple[str, str] = ("0", "1")  # false, true
+    # row kernels (ir.Kernel.rows): an elementwise kernel that reads statistics of its own rows (a layernorm's mean and
+    # variance, a softmax's maximum and sum) is one kernel of a work group per row, where the dialect has grouped
+    # reductions (group_size)
+    rows: bool = False
     max_groups: int = 0  # work groups per grid dimension (0: no limit); a longer grid folds into the next dimension
 
     @property
@@ -162,6 +166,7 @@ OPENCL = Dialect(
     vector_store="vstore{n}({val}, 0, {ptr});",
     decode=True,
     products=ITEM_TILES,
+    rows=True,
 )
 
 CUDA = Dialect(
@@ -200,6 +205,7 @@ CUDA = Dialect(
     vector_width=4,
     int_minmax=True,
     products=WARP_TILES,
+    rows=True,
 )
 
 GLSL = Dialect(
@@ -239,6 +245,7 @@ GLSL = Dialect(
     bools=("false", "true"),
     max_groups=65535,
     products=SHADER_TILES,
+    rows=True,
 )
 
 LLVMPIPE_TRIPS = 60000  # (llvmpipe ends a shader's loops after 65535 iterations, silently: a margin below it)
@@ -274,7 +281,7 @@ def glsl_dialect(preserve_nan: tuple[int, ...], gemm: bool, warp: int) -> Dialec
 # the launch facts of WGSL kernels (launch.launch_for and the scheduler read these; its text is codegen.wgsl's, its
 # dtypes WGSL_TYPES)
 WGSL = Dialect(name="wgsl", kernel_prefix="", buffer_qual="", restrict="", index_type="i32", types={},
-               fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64,
+               fn_suffix_f32="", prelude="", pragmas=False, global_ids="gid", block=64, group_size=64, rows=True,
                max_groups=65535, vector_width=4)  # (the width wgsl.WGSL_VEC renders by default: the search's base)
 
 

@@ -91,7 +91,7 @@ def _product_source(g: gemm.Gemm, dl: Dialect) -> str | None:
 def small_product(k: Kernel, dl: Dialect) -> gemv.Gemv | None:
     """The small-M product (with its fused prologue and epilogue) that `k` computes where `dl` has the kernel for it
     (Dialect.small_products), else None."""
-    return gemv.match(k) if dl.small_products else None
+    return gemv.match(k) if dl.small_products and not k.rows else None
 
 
 def templated(k: Kernel, dl: Dialect, threads: int = 1) -> bool:
@@ -103,7 +103,7 @@ def templated(k: Kernel, dl: Dialect, threads: int = 1) -> bool:
 def product_of(k: Kernel, dl: Dialect, threads: int = 1) -> gemm.Gemm | None:
     """The matrix product `k` computes where `dl` has a template for it (its `products` family) and the template
     takes it, else None (the generic C-family rendering)."""
-    if not dl.gemm:
+    if not dl.gemm or k.rows:
         return None
     if dl.products == ITEM_TILES:
         return gemm_host.product_cl(k, dl.simd)

@@ -52,7 +52,7 @@ def launch_for(k: Kernel, dl: Dialect, threads: int = 1, g: gemm.Gemm | None = N
     if not dl.global_ids:  # host: the kernel loops itself; threads may share one of its loops
         loop = parallel_loop(k, dl, threads)
         return Launch(trip=0 if loop is None else k.gvars[loop].vmax + 1, parallel=parallel_kind(k, dl, threads))
-    n = max(k.global_size, 1)
+    n = max(k.points, 1)
     group = work_group(k, dl)
     if group_size(k, dl):  # a group per output point (a warp per point: several points per group)
         groups = -(-n // (group // dl.warp)) if dl.warp and group_size(k, dl) == dl.warp else n
@@ -73,6 +73,8 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     size = dl.group_size
     if not size or k.uvars:
         return 0
+    if k.rows:
+        return row_group(k, dl)
     if dl.warp and k.global_size >= dl.warp_outputs:
         size = dl.warp  # outputs enough to fill the device with a warp each (no shared memory, no barrier)
     reduces = [v for v in toposort(*k.values) if v.op == "reduce"]
@@ -87,6 +89,17 @@ def group_size(k: Kernel, dl: Dialect) -> int:
     along_r = any(x.terms.get(longest.arg[1][-1]) == 1 for x in loads)
     along_g = bool(k.gvars) and any(x.terms.get(k.gvars[-1]) == 1 for x in loads)
     return size if along_r or not along_g or k.global_size < size else 0
+
+
+def row_group(k: Kernel, dl: Dialect) -> int:
+    """The work items that walk each row of row kernel `k` (Kernel.rows) and reduce its statistics: the dialect's group,
+    a warp where the rows are enough to fill the device with a warp each (as `group_size` does for outputs), or, for a
+    short row, the least power of two that covers it (not below a warp, whose shuffles take 32 lanes)."""
+    size = dl.warp if dl.warp and k.points >= dl.warp_outputs else dl.group_size
+    row = k.gvars[-1].vmax + 1
+    while size // 2 >= max(row, dl.warp, 2):
+        size //= 2
+    return size
 
 
 def group_fits(size: int, dl: Dialect) -> bool:
@@ -221,7 +234,7 @@ def _magnitude(x: Lin) -> int:
 def index_fits(k: Kernel, group: int = 0) -> bool:
     """Whether every index `k` computes fits a 32-bit int (then GPU dialects use one: 64-bit division is slow)."""
     limit = (1 << 31) - 1
-    sizes = [k.global_size * max(group, 1), *(_magnitude(idx) for idx, _ in k.stores)]
+    sizes = [max(k.global_size, k.points * max(group, 1)), *(_magnitude(idx) for idx, _ in k.stores)]
     if k.scatter is not None:
         sizes.append(_magnitude(k.scatter[2]))
     for v in toposort(*k.values):

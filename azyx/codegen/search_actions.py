@@ -72,8 +72,9 @@ Opts = tuple[Opt, ...]
 
 
 def searchable(k: Kernel) -> bool:
-    """Whether actions may apply to `k`: a plain loop nest (no gather, scatter or assignment, no tile yet)."""
-    return not k.uvars and not has_index(k) and bool(k.gvars)
+    """Whether actions may apply to `k`: a plain loop nest (no gather, scatter or assignment, no tile yet; no row
+    kernel, Kernel.rows, whose last loop is its work groups')."""
+    return not k.uvars and not has_index(k) and bool(k.gvars) and not k.rows
 
 
 def apply(base: Kernel, opts: Sequence[Opt]) -> Kernel:

@@ -186,33 +186,42 @@ class _Renderer(WgslValues):
         if self.vec_params:
             self.vector_body(order, self.vec_params, self.vw)
             return self.entry()
-        n = max(k.global_size, 1)
+        n = max(k.points, 1)
         if self.group:  # a work group per output point; no early return before the barriers but whole groups'
             self.emit("let gid = i32(wg.x + wg.y * nwg.x);")
             self.emit(f"if (gid >= {n}) {{ return; }}")
         else:
             self.point_index(n)
+        gvars = k.gvars[:-1] if k.rows else k.gvars  # (a row kernel: a group per row, whose items walk the last)
         stride = 1
         strides = []
-        for g in reversed(k.gvars):
+        for g in reversed(gvars):
             strides.append(stride)
             stride *= g.vmax + 1
-        for lvl, (g, s) in enumerate(zip(k.gvars, reversed(strides))):
+        for lvl, (g, s) in enumerate(zip(gvars, reversed(strides))):
             self.emit(self.index_decl(g.name, self.unflat("gid", s, g.vmax + 1, lvl == 0)))
-        for v in order:
-            if id(v) in place:
+        last = k.gvars[-1] if k.rows else None
+        for v in order:  # (a row kernel's statistics first, then the row's points)
+            if id(v) in place or last is not None and last in v.vars:
                 continue
             if v.op == "reduce":
                 self.reduce(v, place, order)
             else:
                 self.stmt(v)
-        only = "if (lid == 0u) " if self.group else ""
+        if last is not None:
+            self.open(f"for (var {last.name} = i32(lid); {last.name} < {last.vmax + 1}; {last.name} += {self.group})")
+            for v in order:
+                if id(v) not in place and last in v.vars:
+                    self.stmt(v)
+        only = "if (lid == 0u) " if self.group and last is None else ""
         for i, (idx, v) in enumerate(k.stores):
             val = self.store_value(v)
             if self.types[i].pack == 1 and self.chunks[i][0] == 1:
                 self.emit(f"{only}{{ d{i}[{idx.render()}] = {val}; }}")
             else:
                 self.emit(f"{only}{{ st{i}({idx.render()}, {val}); }}")
+        if last is not None:
+            self.close()
         return self.entry()
 
     def point_index(self, n: int) -> None:
