@@ -173,7 +173,7 @@ def _serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--device", default="c:0", help="the device the models run on (default c:0)")
     sp.add_argument("--slots", type=int, default=8, help="sequences decoded together (the KV cache's slots)")
     sp.add_argument("--waiting", type=int, default=64, help="requests that may wait for a slot (past that: 429)")
-    sp.add_argument("--prefill-batch", type=int, default=None, help="prompts of one length bucket that arrive "
+    sp.add_argument("--prefill-batch", type=_positive, default=None, help="prompts of one length bucket that arrive "
                     "together are prefilled in one plan, up to this many (default 1; each batch bucket up to it is "
                     "planned at start-up)")
     sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this host only)")

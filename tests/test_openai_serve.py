@@ -1240,11 +1240,12 @@ def test_the_commands_bounds_reach_the_server_config_and_bad_ones_are_refused(
 
     p = parser()
     cfg = serve_config(p.parse_args(["serve", "--model", "m", "--max-batch", "8", "--max-batch-tokens", "256",
-                                     "--max-tokens", "9", "--max-body-bytes", "4096", "--request-timeout", "2.5"]))
+                                     "--max-tokens", "9", "--max-body-bytes", "4096", "--request-timeout", "2.5",
+                                     "--prefill-batch", "4"]))
     assert (cfg.models, cfg.max_batch, cfg.max_batch_tokens, cfg.max_tokens, cfg.body.max_body_bytes,
-            cfg.request_timeout) == (("m",), 8, 256, 9, 4096, 2.5)
+            cfg.request_timeout, cfg.prefill_batch) == (("m",), 8, 256, 9, 4096, 2.5, 4)
     assert serve_config(p.parse_args(["serve", "--model", "m"])) == ServeConfig(models=("m",))
-    for flag in ("--max-batch", "--max-batch-tokens"):
+    for flag in ("--max-batch", "--max-batch-tokens", "--prefill-batch"):
         with pytest.raises(SystemExit):
             p.parse_args(["serve", "--model", "m", flag, "0"])
         assert f"{flag}: must be at least 1, got 0" in capsys.readouterr().err

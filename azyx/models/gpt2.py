@@ -658,8 +658,9 @@ class Engine:
     the first token; `await step()` feeds every active sequence's last token in one plan and returns the new tokens;
     `remove(seq)` frees the slot at once. A sequence that meets a stop token, max_new_tokens or max_len is removed
     by the step that ends it. Or, streaming: `async for token in engine.generate(prompt, ...)`, many at once; a
-    runner task admits new requests between steps and decodes every active one together. Every call on the model
-    (prefill, step) runs under one lock, so they never interleave."""
+    runner task admits new requests between steps and decodes every active one together; with `prefill_batch` > 1 it
+    prefills up to that many waiting prompts of one length bucket in one plan (a crowd arriving at once starts
+    together). Every call on the model (prefill, step) runs under one lock, so they never interleave."""
 
     def __init__(self, model: GPT2, slots: int = 4, max_len: int | None = None, max_waiting: int = 0,
                  min_window: int = WINDOW_BASE, prefill_batch: int = 1):
