@@ -1161,9 +1161,22 @@ class KernelBuild:
         reduce, a reduce of as many elements as `nid` (a product below a bias and an activation: those are its
         kernel's epilogue, computed once per element there rather than once per use here; a statistic read across
         the reduce is computed once per kernel point anyway)."""
-        p, seen, ops, stack = self.p, set(), 0, [nid]
-        numel = prod(p.graph[nid].shape) if along else 0
-        while stack and ops <= PROLOGUE_OPS:
+        numel = prod(self.p.graph[nid].shape) if along else 0
+        ops = 0
+        for _, m in self.computed(nid):
+            if m.op in (Op.SCATTER, Op.ASSIGN, Op.ATTENTION) or m.op is Op.REDUCE and along and prod(m.shape) >= numel:
+                return PROLOGUE_OPS + 1
+            ops += m.op not in MOVEMENT
+            if ops > PROLOGUE_OPS:
+                break
+        return ops
+
+    def computed(self, nid: int) -> Iterator[tuple[int, Node]]:
+        """The nodes this kernel computes to compute `nid`, each once, depth first (a node's sources are visited after
+        it is yielded): down to what it loads (realized nodes, targets, constants, transfers, and shared nodes over a
+        fused reduce, which get a buffer)."""
+        p, seen, stack = self.p, set(), [nid]
+        while stack:
             i = stack.pop()
             if i in seen:
                 continue
@@ -1172,11 +1185,8 @@ class KernelBuild:
             if i in p.done or m.buffer is not None or m.op in (Op.CONST, Op.TODEVICE) or i in p.targets or \
                     p.walk.consumers.get(i, 0) > 1 and i in p.walk.heavy:
                 continue
-            if m.op in (Op.SCATTER, Op.ASSIGN, Op.ATTENTION) or m.op is Op.REDUCE and along and prod(m.shape) >= numel:
-                return PROLOGUE_OPS + 1
-            ops += m.op not in MOVEMENT
+            yield i, m
             stack.extend(m.src)
-        return ops
 
     def statistic(self, nid: int, idx: tuple[Lin, ...]) -> bool:
         """Whether reduce `nid`, read inside another reduce, is computed in this kernel: a statistic of a prologue
@@ -1227,23 +1237,14 @@ class KernelBuild:
         PROLOGUE_OPS operations between them and what the kernel loads (scanned as prologue_ops does)."""
         if self.row is None or self.reducing or any(self.row in lin_vars(i) for i in idx):
             return False
-        p, seen, stack, ops, stats = self.p, set(), [nid], 0, 0
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            m = p.graph[i]
-            if i in p.done or m.buffer is not None or m.op in (Op.CONST, Op.TODEVICE) or i in p.targets or \
-                    p.walk.consumers.get(i, 0) > 1 and i in p.walk.heavy:
-                continue
+        ops = stats = 0
+        for i, m in self.computed(nid):
             if m.op in (Op.SCATTER, Op.ASSIGN, Op.ATTENTION) or m.op is Op.REDUCE and not self.row_reduce(i):
                 return False
             stats += m.op is Op.REDUCE
             ops += m.op not in MOVEMENT
             if ops > PROLOGUE_OPS:
                 return False
-            stack.extend(m.src)
         return stats > 0
 
     def recomputable(self, nid: int) -> bool:
