@@ -930,7 +930,9 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(server: Server) -> N
     after = settled()
     assert (after.plans, after.kernels) == (before.plans, before.kernels)
     assert after.nodes - before.nodes <= 2, (before, after)  # (fewer is no leak: a CI run freed 3 held before)
-    assert after.pool_bytes("c:0") <= before.pool_bytes("c:0"), (before, after)
+    # the pool keeps its high-water mark: a step more in flight at once than in the warm-up (a loaded machine) adds one
+    # small block (a CI run: one 12-byte decode state), while a leak of a byte a cycle would add 100
+    assert after.pool_bytes("c:0") - before.pool_bytes("c:0") <= 64, (before, after)
     assert after.rss - before.rss < 16 << 20, f"RSS grew {(after.rss - before.rss) / 2**20:.1f} MiB"
 
 
