@@ -862,6 +862,13 @@ class Planner:
             return None
         return 1, tb
 
+    def loads(self, nid: int) -> bool:
+        """Whether a kernel that reads node `nid` loads it from memory rather than computing it: a realized node, a
+        target, a transfer, or a node of several consumers over a fused reduce, which gets a buffer of its own."""
+        n = self.graph[nid]
+        return nid in self.done or n.buffer is not None or n.op is Op.TODEVICE or nid in self.targets or \
+            self.walk.consumers.get(nid, 0) > 1 and nid in self.walk.heavy
+
     def row_candidate(self, root: int, device: str) -> bool:
         """Whether `root`'s kernel is built as a row kernel first (KernelBuild.row_statistic): its device's dialect
         runs them (Dialect.rows, with grouped reductions), `root` is elementwise or a view of one, and among what its
@@ -879,8 +886,7 @@ class Planner:
                 continue
             seen.add(i)
             m = self.graph[i]
-            if i in self.done or m.buffer is not None or i in self.targets or \
-                    self.walk.consumers.get(i, 0) > 1 and i in self.walk.heavy:  # (read from a buffer: KernelBuild)
+            if self.loads(i):
                 continue
             if m.op is Op.REDUCE and prod(m.shape) < numel:
                 return True
@@ -1182,8 +1188,7 @@ class KernelBuild:
                 continue
             seen.add(i)
             m = p.graph[i]
-            if i in p.done or m.buffer is not None or m.op in (Op.CONST, Op.TODEVICE) or i in p.targets or \
-                    p.walk.consumers.get(i, 0) > 1 and i in p.walk.heavy:
+            if m.op is Op.CONST or p.loads(i):
                 continue
             yield i, m
             stack.extend(m.src)
