@@ -231,8 +231,10 @@ CASES = {  # name: (m, k, n, batch, A's strides (b, i, r), B's strides (b, r, j)
     "at.T@w.T aligned": (72, 48, 80, 1, (0, 1, 72), (0, 1, 48), (0, 0)),
     "batched, offsets": (40, 40, 24, 3, (1600, 40, 1), (960, 24, 1), (8, 16)),
     "broadcast B, ragged K": (24, 44, 16, 2, (1056, 48, 1), (0, 1, 48), (0, 0)),
-    "a@w.T long K": (16, 232, 24, 1, (0, 232, 1), (0, 1, 232), (0, 0)),  # 8 slices through the 3 stages
-    "at.T@b long K, odd": (17, 201, 9, 1, (0, 1, 17), (0, 9, 1), (0, 0)),
+    # (products of 64 rows or fewer take Gemm.stages deep pipelines: 16 slices through 8 stages, then 6)
+    "a@w.T long K": (16, 488, 24, 1, (0, 488, 1), (0, 1, 488), (0, 0)),
+    "at.T@b long K, odd": (17, 457, 9, 1, (0, 1, 17), (0, 9, 1), (0, 0)),
+    "a@b long K, 64 rows": (40, 457, 24, 1, (0, 457, 1), (0, 24, 1), (0, 0)),
 }
 
 
@@ -254,7 +256,7 @@ def operands(case: tuple) -> tuple[gemm.Gemm, dict[int, np.ndarray], np.ndarray]
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_tensor_core_kernel_emulated_equals_numpy(case: str) -> None:
     g, mem, want = operands(CASES[case])
-    assert g.tile == (64, 64)
+    assert g.tile == ((32, 64) if g.m <= 32 else (64, 64))
     gx, gy, gz = g.grid()
     blocks = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]
     got = emulate(gemm_cuda.render_mma(g, "k"), g, mem, blocks)
@@ -300,7 +302,7 @@ def test_a_product_split_over_k_sums_to_numpy(dtype: str, m: int, k: int, n: int
     split = gemm.Gemm(m, n, kp, parts, (1, 0, kp, k, 1), (2, 0, *b_strides), WARP_TILES, dtype, out="float32")
     whole = replace(split, k=k, batch=1, out="")
     for g in (split, whole):
-        assert g.tile == (64, 64) and g.split[0] == 1
+        assert g.tile == ((32, 64) if m <= 32 else (64, 64)) and g.split[0] == 1
         src = gemm_cuda.render_mma(g, "k")
         assert ("float* __restrict__ C" in src) == (g is split)
         gx, gy, gz = g.grid()
@@ -311,8 +313,8 @@ def test_a_product_split_over_k_sums_to_numpy(dtype: str, m: int, k: int, n: int
 
 @pytest.mark.parametrize("case", ["a@b odd", "a@w.T odd", "at.T@b odd", "at.T@w.T aligned", "batched, offsets"])
 def test_the_32_row_tile_emulated_equals_numpy(case: str) -> None:
-    """The 32 x 64 tile (a searched variant, gemm.MMA_TILES: 4 warps of 32 x 16), its rows of 64 bytes swizzled in
-    every layout (A's outer-major rows too)."""
+    """The 32 x 64 tile (gemm.MMA_TILES: 4 warps of 32 x 16; a product of 32 rows or fewer takes it, any other as a
+    searched variant), its rows of 64 bytes swizzled in every layout (A's outer-major rows too)."""
     g, mem, want = operands(CASES[case])
     g = replace(g, variant=gemm.MMA_TILES.index((32, 64)) + 1)
     assert g.tile == (32, 64) and g.threads == 128

@@ -137,7 +137,7 @@ def test_a_few_rows_keep_the_small_product_kernel(sms: None, rows: int) -> None:
 
 def test_the_gpt2_split_kernels_compile() -> None:
     """NVRTC compiles stage 1 of GPT-2's decode products at batch 32 and 64 (float32 C, 16-bit operands; at 32 rows
-    also in 32 x 64 tiles) for sm_90."""
+    also in 64 x 64 tiles) for sm_90."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
     try:  # NVRTC's library ships in the nvidia-cuda-nvrtc wheel
         nvrtc.nvrtcVersion()
@@ -155,11 +155,11 @@ def test_the_gpt2_split_kernels_compile() -> None:
                 kp = k // p
                 out = "float32" if dtype != "float32" else ""
                 g = gemm.Gemm(m, n, kp, p, (1, 0, kp, k, 1), (2, 0, kp * n, n, 1), WARP_TILES, dtype, out=out)
-                assert p > 1 and g.split[0] == 1 and g.tile == (64, 64)
+                assert p > 1 and g.split[0] == 1 and g.tile == ((32, 64) if g.mma and m <= 32 else (64, 64))
                 srcs.append(gemm_cuda.render_cuda(g, f"k_{dtype}_{m}_{k}_{n}"))
-                if g.mma and m <= 32:  # (the 32 x 64 tile, a searched variant)
-                    g = replace(g, variant=gemm.MMA_TILES.index((32, 64)) + 1)
-                    srcs.append(gemm_cuda.render_cuda(g, f"k_{dtype}_{m}_{k}_{n}_32"))
+                if g.mma and m <= 32:  # (the 64 x 64 tile, a searched variant)
+                    g = replace(g, variant=gemm.MMA_TILES.index((64, 64)) + 1)
+                    srcs.append(gemm_cuda.render_cuda(g, f"k_{dtype}_{m}_{k}_{n}_64"))
     assert nvrtc_compile(kernel_source(srcs, CUDA), "sm_90")[:4] == b"\x7fELF"  # (a cubin: an ELF image)
 
 

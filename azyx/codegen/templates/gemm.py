@@ -31,6 +31,10 @@ THREADS = 256
 BK = 8
 MMA_BK = 32  # the tensor-core kernel's K slice
 MMA_STAGES = 3  # K slices in shared memory: one multiplied while the next two are copied
+# a product of few rows (decode's linear layers, SPLIT_ROWS or fewer) is a stream of its weight: its blocks, about one a
+# multiprocessor, keep as many slices in flight as the shared memory a kernel may declare holds (MMA_SHARED bytes)
+MMA_DEEP_STAGES = 8
+MMA_SHARED = 48 << 10
 # block tile -> warps along M x N (a warp: 64 x 32, 32 x 32, 32 x 16)
 MMA_WARPS = {(128, 128): (2, 4), (64, 64): (2, 2), (32, 64): (1, 4)}
 
@@ -64,6 +68,15 @@ class Gemm:
         return self.dtype != "float32" and self.target == WARP_TILES
 
     @property
+    def stages(self) -> int:
+        """The tensor-core kernel's K slices in shared memory: MMA_STAGES, or for a product of SPLIT_ROWS rows or fewer
+        as many as MMA_SHARED holds (up to MMA_DEEP_STAGES)."""
+        if self.m > SPLIT_ROWS:
+            return MMA_STAGES
+        bm, bn = self.tile
+        return max(MMA_STAGES, min(MMA_DEEP_STAGES, MMA_SHARED // ((bm + bn) * MMA_BK * 2)))
+
+    @property
     def threads(self) -> int:
         if self.mma:
             return MMA_WARPS[self.tile][0] * MMA_WARPS[self.tile][1] * 32
@@ -88,7 +101,8 @@ class Gemm:
         the kernel of 4 warps (SimtTile) alone, x @ y 1024^3: 128 x 64 32 TFLOP/s, 128 x 128 21 (K split in 2: 30),
         64 x 64 28; cuBLAS 28).
         Tensor cores: 128 x 128 where that makes a block per multiprocessor or more, else 64 x 64. 64 rows or fewer
-        (decode's linear layers; split over K where the tiles are few: split_k): 64 x 64.
+        (decode's linear layers; split over K where the tiles are few: split_k): 64 x 64, on tensor cores 32 x 64 for
+        32 rows or fewer (every warp's rows real: H200, 32 x 768 @ 768 x 3072 bf16 3.8 us against 4.4).
         A searched variant (Kernel.variant > 0): that row of the target's table (tile_variants)."""
         if self.variant and self.target in (WARP_TILES, SHADER_TILES):
             if self.target == WARP_TILES and not self.mma:
@@ -97,7 +111,7 @@ class Gemm:
             table = MMA_TILES if self.mma else GLSL_TILES
             return table[(self.variant - 1) % len(table)]
         if self.m <= 64 and self.target == WARP_TILES:  # (a 128-row tile of so few rows would be mostly zeros)
-            return 64, 64
+            return (32, 64) if self.mma and self.m <= 32 else (64, 64)
         if self.mma:
             return (128, 128) if -(-self.m // 128) * -(-self.n // 128) * self.batch >= 128 else (64, 64)
         tiles = ((128, 128, 128), (128, 64, 64)) if self.target == WARP_TILES else ((128, 64, 64),)

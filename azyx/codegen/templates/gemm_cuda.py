@@ -1,13 +1,13 @@
 """CUDA's tiled matrix products (the WARP_TILES family, codegen.templates.gemm's `Gemm`): float32 on CUDA cores
 (`render_simt`: SimtTile warp tiles, K split over blocks with atomic adds where tiles are few) and float16/bfloat16 on
-tensor cores (`render_mma`: mma.sync m16n8k16, K slices copied MMA_STAGES deep by cp.async; float32 C where the
+tensor cores (`render_mma`: mma.sync m16n8k16, K slices copied Gemm.stages deep by cp.async; float32 C where the
 planner split the product over K, gemm.split_k)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from azyx.codegen.templates.gemm import MMA_BK, MMA_STAGES, MMA_WARPS, Gemm, SimtTile, slot_heads
+from azyx.codegen.templates.gemm import MMA_BK, MMA_WARPS, Gemm, SimtTile, slot_heads
 
 
 def render_cuda(g: Gemm, name: str) -> str:
@@ -199,7 +199,7 @@ __device__ inline void azyx_ldm4t(unsigned* r, unsigned a) {
 @dataclass(frozen=True)
 class _MmaOperand:
     """How one operand's BK-slice reaches shared memory, and how a warp reads it back as mma fragments."""
-    decl: str  # the shared array (MMA_STAGES stages) and any registers
+    decl: str  # the shared array (Gemm.stages stages) and any registers
     fetch: str  # start moving the slice at k @K0@ into stage @S@ (cp.async), or into registers
     put: str  # registers -> stage @S@ (element loads only)
     frag: str  # the ldmatrix of fragment {f} at row/column {x} of the warp's tile, k {ks} of stage {s}
@@ -224,7 +224,7 @@ def _mma_operand(mat: str, origin: str, extent: int, s_outer: int, s_k: int, off
         k_major, async_copy = abs(s_k) <= abs(s_outer), False
     bk, sh = MMA_BK, f"{mat}s"
     rows, cols = (t, bk) if k_major else (bk, t)
-    decl = f"__shared__ __align__(16) unsigned short {sh}[{MMA_STAGES}][{rows}][{cols}];"
+    decl = f"__shared__ __align__(16) unsigned short {sh}[{g.stages}][{rows}][{cols}];"
 
     def swizzled(r: str, c: str) -> str:
         """Where element c of shared row r lies: its chunk c / 8 XORed with bits of r (rows of 64 bytes, k-major ones
@@ -283,7 +283,7 @@ def _pair_store(g: Gemm, cvt: str) -> str:
 def _first_slices(g: Gemm, a: _MmaOperand, b: _MmaOperand, commit: str) -> list[str]:
     """The first slices copied into stages 0.., a commit group each (empty past K: the count of groups stays)."""
     first = []
-    for p in range(MMA_STAGES - 1):
+    for p in range(g.stages - 1):
         copies = "\n  ".join(x for x in (a.fetch, a.put, b.fetch, b.put) if x)
         if p * MMA_BK < g.k:
             first.append(f"{{ const int k1 = {p * MMA_BK};\n  {copies.replace('@K0@', 'k1').replace('@S@', str(p))} }}")
@@ -294,8 +294,9 @@ def _first_slices(g: Gemm, a: _MmaOperand, b: _MmaOperand, commit: str) -> list[
 def render_mma(g: Gemm, name: str) -> str:
     """The product of float16 or bfloat16 operands on tensor cores (sm_80 on): `mma.sync.m16n8k16` with float32
     accumulators. A block of 8 warps (2 x 4) computes a 128 x 128 tile of C, each warp 64 x 32 (4 x 4 mma tiles); a
-    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through three shared-memory
-    stages: the next two slices' copies (cp.async) are in flight while one is multiplied. Blocks run in
+    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through `g.stages` shared-memory
+    stages (three; a product of few rows, a stream of its weight, as many as 48 KiB holds): the next slices' copies
+    (cp.async) are in flight while one is multiplied. Blocks run in
     groups of 8 block-rows, so the blocks resident at once share their A rows and B columns in L2. Edges: loads past
     M, N or K read zeros, stores are guarded; C is rounded to its dtype once (a split product's float32 partial sums,
     Gemm.out, are stored as they are: gemm.split_k)."""
@@ -318,7 +319,7 @@ def render_mma(g: Gemm, name: str) -> str:
     frags_b = "\n".join("      " + b.frag.format(f=f"fb[{j}]", s="s", x=f"wn * {wtn} + {j * 16}", ks="ks")
                         for j in range(ni // 2))
     store = _pair_store(g, cvt)
-    ahead = (MMA_STAGES - 1) * MMA_BK  # the slice copied while slice k0 is multiplied: k0 + ahead
+    ahead = (g.stages - 1) * MMA_BK  # the slice copied while slice k0 is multiplied: k0 + ahead
     put = "" if a.async_copy and b.async_copy else f"""    if (more) {{
       {a.put.replace("@K0@", "k1").replace("@S@", "sn")}
       {b.put.replace("@K0@", "k1").replace("@S@", "sn")}
@@ -361,9 +362,9 @@ def _mma_main_loop(ahead: int, commit: str, mi: int, frags_a: str, frags_b: str,
     return f"""\
   int s = 0;  // the stage of slice k0
   for (int k0 = 0; k0 < {g.k}; k0 += {MMA_BK}) {{
-    asm volatile("cp.async.wait_group {MMA_STAGES - 2};" ::: "memory");  // slice k0 has landed
+    asm volatile("cp.async.wait_group {g.stages - 2};" ::: "memory");  // slice k0 has landed
     __syncthreads();  // ... for all; and every warp is done with slice k0 - {MMA_BK}: its stage sn takes slice k1
-    const int sn = s == 0 ? {MMA_STAGES - 1} : s - 1, k1 = k0 + {ahead};
+    const int sn = s == 0 ? {g.stages - 1} : s - 1, k1 = k0 + {ahead};
     const bool more = k1 < {g.k};
     if (more) {{
       {a.fetch.replace("@K0@", "k1").replace("@S@", "sn")}
@@ -380,7 +381,7 @@ def _mma_main_loop(ahead: int, commit: str, mi: int, frags_a: str, frags_b: str,
         #pragma unroll
         for (int n = 0; n < {ni}; n++) azyx_mma_{kind}(acc[m][n], fa[m], &fb[n >> 1][(n & 1) * 2]);
     }}
-{put}    s = s == {MMA_STAGES - 1} ? 0 : s + 1;
+{put}    s = s == {g.stages - 1} ? 0 : s + 1;
   }}
 """
 
