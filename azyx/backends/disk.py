@@ -45,41 +45,26 @@ DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for 
 # and a 128 MiB read-ahead its first load took 0.27 -> 0.37 CPU s per GB and its second was no faster
 HOST_EXTENT = 2 * EXTENT
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
-_readers: concurrent.futures.ThreadPoolExecutor | None = None
+_readers: list[concurrent.futures.ThreadPoolExecutor] = []
 _readers_lock = threading.Lock()
-_readers_started = False
 
 
 def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock).
-    Where the native core reads (`files.FileRange.read_views`: the GIL released from a read's first check to its
-    last) they run below the loop's priority (`workers.lower_priority`): reading a file from the page cache is a copy
-    that keeps a core busy, and on a machine with as many readers as cores, readers of the loop's priority kept its
-    thread waiting for a core for 5-15 ms at a time (2 cores, 4 readers). Python reads hold the GIL between their
-    system calls: those readers keep the loop's priority (see `workers._executor`)."""
-    global _readers
+    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock),
+    every one started at once (`workers.started_pool`: by the runtime's start-up, `start_readers`). Where the native
+    core reads (`files.FileRange.read_views`: the GIL released from a read's first check to its last) they run below
+    the loop's priority (`workers.lower_priority`): reading a file from the page cache is a copy that keeps a core busy,
+    and on a machine with as many readers as cores, readers of the loop's priority kept its thread waiting for a core
+    for 5-15 ms at a time (2 cores, 4 readers). Python reads hold the GIL between their system calls: those readers keep
+    the loop's priority (see `workers._executor`)."""
     with _readers_lock:
-        if _readers is None:
-            _readers = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(4, os.cpu_count() or 2), thread_name_prefix="azyx-disk",
-                initializer=workers.lower_priority if native is not None else None)
-        return _readers
+        if not _readers:
+            _readers.append(workers.started_pool(max(4, os.cpu_count() or 2), "azyx-disk",
+                                                 workers.lower_priority if native is not None else None))
+        return _readers[0]
 
 
-def start_readers() -> None:
-    """Start every reader thread now (the runtime's start-up, off the event loop): a pool that grows later starts a
-    thread inside a submit, which waits for it to run, and the first load in a process made those waits on the loop
-    (1-4 ms for its first two transfers on a 2-core machine)."""
-    global _readers_started
-    pool = _reader_pool()
-    with _readers_lock:
-        if _readers_started:
-            return
-        _readers_started = True
-    n = pool._max_workers
-    meet = threading.Barrier(n)
-    for f in [pool.submit(meet.wait, 5.0) for _ in range(n)]:
-        f.exception()  # (a reader already busy with a long read times the barrier out: it is started all the same)
+start_readers = _reader_pool  # (the runtime's start-up: every reader thread started off the event loop)
 
 
 def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
