@@ -34,7 +34,6 @@ from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, covering, direct_block
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.memory import EXTENT
 from azyx.native import native
-from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
 DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for reads into host memory (kept)
@@ -431,17 +430,3 @@ class DiskDevice(Device):
         self._read(buf, lo * item, raw.data)
         return host_read(raw, StridedView(view.offset - lo, view.strides), shape, dtype)
 
-    # work: none happens here
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        raise DeviceError("the disk device runs no kernels")
-
-    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0) -> int:
-        raise DeviceError("nothing is copied to the disk device; write files with azyx.io.save_safetensors")
-
-    async def compile(self, steps: list[KernelStep]) -> None:
-        raise DeviceError("the disk device runs no kernels")
-
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        raise DeviceError("disk tensors are read-only; write files with azyx.io.save_safetensors")
