@@ -145,7 +145,9 @@ def _read(disk: DiskDevice, ext: Extent, dev: Device, block: np.ndarray | None, 
         got = None
         if ext.direct and not ext.widen:
             aligned = block[(-block.ctypes.data) % DIRECT_ALIGN :]
-            got = disk.read_direct(rng.file, rng.offset + ext.start, n, aligned, rng.what)
+            got = rng.file.read_direct(rng.offset + ext.start, n, aligned, rng.what)  # (None: O_DIRECT refused)
+            if got is not None:
+                disk.count_read(n)
         if got is None:
             disk.read_range(rng, ext.start, [block[at : at + n].data])
         if ext.widen:
@@ -254,15 +256,6 @@ class DiskDevice(Device):
             concurrent.futures.wait(rest)  # never return while a piece may still write into `out`
         for f in rest:
             f.result()
-
-    def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
-                    ) -> np.ndarray | None:
-        """Blocking (worker threads): `DiskFile.read_direct` (checked), counted like `read_range`; None where the
-        filesystem refuses O_DIRECT (nothing read)."""
-        got = file.read_direct(offset, nbytes, block, what)
-        if got is not None:
-            self.count_read(nbytes)
-        return got
 
     def count_read(self, n: int) -> None:
         """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""
