@@ -265,10 +265,6 @@ class DiskDevice(Device):
             self.reads += 1
             self.reads_on_loop += on_loop
 
-    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
-        self._read_parallel(buf, 0, out.data.cast("B"))
-
     # loads: the one pipeline of the stream (azyx.io.stream) and of a plan's transfers out of files (`send`)
     def send(self, src: Buffer, dst: Buffer, n: int) -> int:
         """A plan's transfer of `n` bytes of a file range into `dst` (any other device): `load`ed in extents of EXTENT
