@@ -395,6 +395,7 @@ class Device:
     shaders = False  # each kernel's source is a whole program (a shader), which `build` compiles alone
     max_buffers = 0  # storage buffers one kernel may bind, a scalar words buffer included (0: no limit)
     multiprocessors = 0  # a GPU's multiprocessors (CUDA's SMs), which a product's split over K fills (0: not known)
+    sm90 = 0  # the multiprocessors of a CUDA device of compute capability 9.0: its products take wgmma (render_kernel)
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.index = index
@@ -644,7 +645,7 @@ class Device:
     def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
         """(name, source, launch) of exactly kernel `k`."""
         assert self.dialect is not None
-        return render_kernel(k, self.dialect, self.threads)
+        return render_kernel(k, self.dialect, self.threads, self.sm90)
 
     # kernel search: which actions (search_actions) this device's renderer understands, and the winners found on it
     @property

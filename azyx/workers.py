@@ -37,17 +37,23 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            n = max(2, os.cpu_count() or 2)
             # (at the loop's own priority: they run Python, and a thread of lower priority that holds the GIL when
             # a busy machine preempts it holds the loop's thread off the GIL until it gets a core again: 100-160 ms
             # beside two busy processes at nice 10; the compilers they start run at a lower priority, `run_compiler`)
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="azyx-worker")
-            # start every thread now (the runtime's start-up): a pool that grows later starts a thread inside a submit,
-            # which waits for it to run, and a busy machine made that wait tens of ms on the loop
-            meet = threading.Barrier(n)
-            for _ in range(n):
-                _pool.submit(meet.wait, 5.0)
+            _pool = started_pool(max(2, os.cpu_count() or 2), "azyx-worker")
         return _pool
+
+
+def started_pool(n: int, name: str, initializer: Callable[[], None] | None = None
+                 ) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of `n` threads named `name`-i, each started now (made at the runtime's start-up, off the loop): a pool
+    that grows later starts a thread inside a submit, which waits for it to run, and a busy machine made that wait
+    tens of ms on the loop (the disk's readers: 1-4 ms for a process's first two transfers on a 2-core machine)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=name, initializer=initializer)
+    meet = threading.Barrier(n)
+    for _ in range(n):
+        pool.submit(meet.wait, 5.0)
+    return pool
 
 
 def start() -> None:

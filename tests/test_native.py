@@ -521,7 +521,7 @@ def test_a_batch_call_in_c_matches_the_ctypes_call() -> None:
     assert plan is not None and len(plan.kernels) > 1
     probe.numpy_sync()
     layouts = [s.batch.prepared for s in RT.executor.prepared[plan].segments if s.batch is not None]
-    assert layouts and all(isinstance(lay, _Layout) and lay.call is not None and lay.scalars for lay in layouts)
+    assert layouts and all(isinstance(lay, _Layout) and lay.call is not None and lay.n_words for lay in layouts)
     calls = [lay.call for lay in layouts]
     made: list[int] = []
 

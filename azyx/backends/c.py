@@ -247,9 +247,8 @@ class CDevice(HostDevice):
         layout = batch.prepared
         assert type(layout) is _Layout and self.pool is not None
         if debug.enabled(debug.LAUNCHES):  # one call per kernel, each timed
-            return self.timed([_Batch(lay, lay.table([item]), [item]) for item in items
-                               for lay in [_Layout([item[0]], 0, self.pool)]], items)
-        return _Batch(layout, layout.table(items), items)
+            return self.timed([_Layout([item[0]], 0, self.pool).batch([item]) for item in items], items)
+        return layout.batch(items)
 
     def close(self) -> None:
         worker = self.queue.thread
@@ -268,12 +267,12 @@ class CDevice(HostDevice):
 class _Layout:
     """What a batch's call into C needs that depends on its kernels alone (entry points, kinds, trip counts, how many
     buffers each takes, where its table holds what: `device.table_at`): made once per plan's batch, so a run only
-    fills in the buffers' addresses, from launch items or, where the batch is frozen (device.Replay), with numpy
-    (`frozen_inline`, `frozen_batch`)."""
+    fills in the buffers' addresses and words: from launch items into the scratch table where it runs inline
+    (`inline`), else with numpy (a frozen batch's runs, device.Replay: `frozen_inline`; every queued run, frozen or
+    of launch items: `frozen_batch`)."""
 
-    __slots__ = ("n", "fns", "argc", "kinds", "trips", "ptrs_type", "scalars", "buf_at", "pointer_at", "last",
-                 "scratch", "value_ptrs", "fill", "kinds_table", "call", "serial", "pool", "n_words", "pointer_rel",
-                 "inline_table")
+    __slots__ = ("n", "fns", "argc", "kinds", "trips", "buf_at", "pointer_at", "last", "scratch", "value_ptrs",
+                 "fill", "kinds_table", "call", "serial", "pool", "n_words", "pointer_rel", "inline_table")
 
     def __init__(self, steps: list[KernelStep], serial: int, pool: int):
         self.n = len(steps)
@@ -288,12 +287,10 @@ class _Layout:
         # device table holds the words); the scalars' values end the table
         self.buf_at, self.pointer_at, _ = table_at(steps)
         self.n_words = n_words = len(self.pointer_at)
-        self.ptrs_type = ctypes.c_void_p * (sum(self.argc) + n_words)  # one type per layout, not per run
-        self.scalars = n_words > 0
-        self.last: tuple[list[int], Any] = ([], None)  # the last run's table and what it was made of (read-only in C)
+        self.last: tuple[Any, Any] = (None, None)  # what the last queued run's table was made of, and its work item
         # the table of a batch that runs where it is submitted (`inline`): one per layout, rewritten by each such run
         # (runs of a device's queue never overlap), its value pointers fixed once
-        self.scratch = self.ptrs_type()
+        self.scratch = (ctypes.c_void_p * (sum(self.argc) + n_words))()
         base = ctypes.addressof(self.scratch) + 8 * (len(self.scratch) - n_words)
         values = iter(range(base, base + 8 * n_words, 8))
         self.value_ptrs = [[next(values) for _ in step.scalars] for step in steps]  # per kernel: its values' places
@@ -311,26 +308,23 @@ class _Layout:
         self.inline_table = np.zeros(len(self.scratch), np.uint64)
         self.inline_table[self.pointer_at] = [p for at in self.value_ptrs for p in at]
 
-    def table(self, items: list[LaunchItem]) -> Any:
-        """A queued run's table of arguments (`_Batch.ptrs`): its buffers' addresses kernel after kernel and, where
-        the kernels take scalars, each one's pointers to its values, which end the table. A steady plan gets the same
-        blocks from the pool and passes the same values: the last run's table serves again."""
-        ptrs = self.values(items, None)
-        if ptrs != self.last[0]:
-            table = self.ptrs_type(*ptrs)
-            base = ctypes.addressof(table) + 8 * (len(ptrs) - self.n_words)
-            for j, at in enumerate(self.pointer_at.tolist()):  # the j-th value's pointer
-                table[at] = base + 8 * j
-            self.last = (ptrs, table)
-        return self.last[1]
-
-    def values(self, items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
-        """The run's table's values (`_arguments`); without scalars, its buffers' addresses alone."""
-        return _arguments(items, at) if self.scalars else [b.ptr for _, bufs, _ in items for b in bufs]
+    def batch(self, items: list[LaunchItem]) -> _Batch:
+        """The work item of a queued run of launch items, through a table of its own as a frozen batch's run has
+        (`frozen_batch`). A steady plan gets the same blocks from the pool and passes the same values: the last run's
+        table serves again (C only reads it)."""
+        ptrs = [b.ptr for _, bufs, _ in items for b in bufs]
+        words = [w for _, _, ws in items for w in ws]
+        if self.last[0] != (ptrs, words):
+            self.last = ((ptrs, words), self.frozen_batch(np.array(ptrs, np.uint64),
+                                                          np.array(words, np.uint64) if words else None, None))
+        made = self.last[1]
+        return _Batch(self, made.ptrs, (items, made.keep))
 
     def inline(self, items: list[LaunchItem]) -> None:
-        """Run the batch now, on the calling thread (its serial pool), through the scratch table."""
-        self.run_scratch(self.values(items, self.value_ptrs))
+        """Run the batch now, on the calling thread (its serial pool), through the scratch table: its buffers'
+        addresses and its values' places kernel after kernel (`_arguments`), or its buffers' addresses alone."""
+        self.run_scratch(_arguments(items, self.value_ptrs) if self.n_words else
+                         [b.ptr for _, bufs, _ in items for b in bufs])
 
     def run_scratch(self, vals: list[int]) -> None:
         """Run the batch now, on the calling thread (its serial pool), with `vals` as its scratch table."""
@@ -349,8 +343,8 @@ class _Layout:
         self.run_scratch(table.tolist())
 
     def frozen_batch(self, addresses: np.ndarray, words: np.ndarray | None, keep: Any) -> _Batch:
-        """The work item of a frozen batch's run: a table of its own (it lives until the batch has run, with `keep`:
-        the buffers)."""
+        """The work item of a queued run (a frozen batch's, or launch items': `batch`): a table of its own (it lives
+        until the batch has run, with `keep`: the buffers)."""
         table = np.empty(len(self.inline_table), np.uint64)
         table[self.buf_at] = addresses
         address = table.ctypes.data
@@ -360,22 +354,22 @@ class _Layout:
         return _Batch(self, address, (keep, table))
 
 
-def _arguments(items: list[LaunchItem], at: list[list[int]] | None) -> list[int]:
+def _arguments(items: list[LaunchItem], at: list[list[int]]) -> list[int]:
     """A batch's table of arguments: per kernel its buffers' addresses and then the pointers to its scalars' values
-    (`at`, per kernel; None: its words, as placeholders), then every scalar's value."""
+    (`at`, per kernel), then every scalar's value."""
     vals: list[int] = []
     words: list[int] = []
     for i, (_, bufs, ws) in enumerate(items):
         vals += [b.ptr for b in bufs]
-        vals += ws if at is None else at[i]
+        vals += at[i]
         words += ws
     return vals + words
 
 
 class _Batch:
-    """Kernels run back to back by one call into C through `ptrs`, their table of arguments (`_Layout.table`, or a
-    frozen batch's: `_Layout.frozen_batch`) on its layout's pool; holds `keep` (their buffers, the table's memory)
-    until it has run (then the pool may reuse them)."""
+    """Kernels run back to back by one call into C through `ptrs`, the address of their table of arguments
+    (`_Layout.frozen_batch`) on its layout's pool; holds `keep` (their buffers, the table's memory) until it has run
+    (then the pool may reuse them)."""
 
     __slots__ = ("layout", "ptrs", "keep")
 

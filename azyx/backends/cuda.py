@@ -49,7 +49,6 @@ from azyx.backends.cuda_driver import (
 )
 from azyx.backends.cuda_graph import Collected, GraphCache
 from azyx.codegen.dialect import CUDA
-from azyx.codegen.kernel import render_kernel
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates.gemm_sm90 import TensorMap
 from azyx.device import (
@@ -68,7 +67,6 @@ from azyx.device import (
     lone_kernel,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
-from azyx.ir import Kernel
 from azyx.memory import RING, RING_BLOCK
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
@@ -85,7 +83,7 @@ UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatche
 # blocks of up to SLAB_PIECE bytes are pieces of SLAB-byte slabs, each at an address aligned as cuMemAlloc's (256)
 SLAB, SLAB_PIECE, SLAB_ALIGN = 2 << 20, 256 << 10, 256
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
-SYNC_STAGE = 1 << 20  # a ready host source up to this size is staged at once; larger ones on a worker thread
+SYNC_STAGE = 1 << 20  # a ready host source up to this size (one chunk) is staged at once; larger on a worker thread
 
 
 class _Pinned:
@@ -392,10 +390,6 @@ class CUDADevice(QueuedDevice):
         return [Buffer(self, size, ptr, ptr, True) for ptr, size in self.allocator.alloc_many(sizes)]
 
     # ------------------------------------------------------------------ compile and launch
-    def render_ir(self, k: Kernel) -> tuple[str, str, Launch]:
-        assert self.dialect is not None
-        return render_kernel(k, self.dialect, self.threads, self.sm90)
-
     def build(self, src: str, steps: list[KernelStep]) -> dict[str, Any]:
         """NVRTC's cubin (cached on disk), loaded as a module: per kernel its CUfunction. On a worker thread: a module
         load takes milliseconds, and waits for the device to idle."""
@@ -796,17 +790,14 @@ class CUDADevice(QueuedDevice):
                     self.hot.fail(err, "H2D")
 
             return self._submit(dma, waits, (keep, dst))
-        flat = host.reshape(-1).view(np.uint8)
-        return self._upload(n, lambda o, out: out.__setitem__(slice(None), flat[o:o + out.nbytes]), dst, offset,
-                            waits, (keep, dst), at_once=n <= SYNC_STAGE)
+        return self._upload(host.reshape(-1).view(np.uint8), dst, offset, waits, (keep, dst))
 
-    def _upload(self, n: int, fill: Callable[[int, np.ndarray], None], dst: Buffer, offset: int,
-                waits: list[tuple[Device, int]], keep: Any, at_once: bool = False) -> int:
-        """Host bytes -> this device (into `dst` from byte `offset`) through pinned chunks: `fill(o, chunk)` writes
-        each (`o`: its offset in the bytes). A ready source that may be staged `at_once` (small) is staged here;
-        otherwise a worker thread fills the chunks once the source is ready, and each chunk's DMA is a deferred
-        command that goes on the stream once its chunk is filled (the DMA of one chunk overlaps the filling of the
-        next)."""
+    def _upload(self, flat: np.ndarray, dst: Buffer, offset: int, waits: list[tuple[Device, int]], keep: Any) -> int:
+        """Host bytes `flat` -> this device (into `dst` from byte `offset`) through pinned chunks. A ready source of up
+        to SYNC_STAGE bytes (one chunk) is staged here; otherwise a worker thread fills the chunks once the source is
+        ready, and each chunk's DMA is a deferred command that goes on the stream once its chunk is filled (the DMA of
+        one chunk overlaps the filling of the next)."""
+        n = flat.nbytes
         chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
         # is done); taken from the pool by whoever fills the chunk: pinning fresh memory takes milliseconds per chunk
@@ -819,24 +810,18 @@ class CUDADevice(QueuedDevice):
                 if err := self.hot.here().htod(at, pinned.ptr, size, self.stream_h):  # (often the submitter's)
                     self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
-        def dma_all() -> None:
-            for i in range(len(chunks)):
-                dma(i)
-
         def fill_chunk(i: int, staged: Lent | None = None) -> None:
             o, size = chunks[i]
             stages[i].append(staged or self.staging.lend(max(size, 1)))
-            fill(o, stages[i][0].block.array[:size])
+            stages[i][0].block.array[:size] = flat[o:o + size]
 
-        if at_once and all(d.timeline.value >= v for d, v in waits):
-            # staged here from blocks the pool has cached; else (pinning fresh memory takes milliseconds, and this
-            # may be the loop's thread) as a large source is, on a worker thread (those taken go back with `cached`)
-            cached = [self.staging.cached(max(size, 1)) for _, size in chunks]
-            if all(c is not None for c in cached):
-                for i, c in enumerate(cached):
-                    fill_chunk(i, c)
-                return self._submit(dma_all, [], (keep, stages))
-            del cached
+        if n <= SYNC_STAGE and all(d.timeline.value >= v for d, v in waits):
+            # staged here from a block the pool has cached; else (pinning fresh memory takes milliseconds, and this
+            # may be the loop's thread) as a large source is, on a worker thread
+            cached = self.staging.cached(max(n, 1))
+            if cached is not None:
+                fill_chunk(0, cached)
+                return self._submit(partial(dma, 0), [], (keep, stages))
         staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
 
         def stage() -> None:
@@ -908,13 +893,6 @@ class CUDADevice(QueuedDevice):
             else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
         return v
-
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        """Blocking write of raw bytes (worker threads)."""
-        data = host.reshape(-1).view(np.uint8)[:buf.nbytes]
-        v = self._upload(data.nbytes, lambda o, out: out.__setitem__(slice(None), data[o:o + out.nbytes]), buf, 0, [],
-                         (buf, host), at_once=True)
-        self.timeline.wait_sync(v)
 
     # ------------------------------------------------------------------ graphs of a steady plan
     def begin_batch(self) -> None:

@@ -34,7 +34,6 @@ from azyx.files import DIRECT_ALIGN, DiskFile, FileRange, covering, direct_block
 from azyx.graph import Shape, StridedView, contiguous_strides, prod
 from azyx.memory import EXTENT
 from azyx.native import native
-from azyx.plan import KernelStep
 from azyx.timeline import TimelineSignal
 
 DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for reads into host memory (kept)
@@ -45,41 +44,26 @@ DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for 
 # and a 128 MiB read-ahead its first load took 0.27 -> 0.37 CPU s per GB and its second was no faster
 HOST_EXTENT = 2 * EXTENT
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
-_readers: concurrent.futures.ThreadPoolExecutor | None = None
+_readers: list[concurrent.futures.ThreadPoolExecutor] = []
 _readers_lock = threading.Lock()
-_readers_started = False
 
 
 def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock).
-    Where the native core reads (`files.FileRange.read_views`: the GIL released from a read's first check to its
-    last) they run below the loop's priority (`workers.lower_priority`): reading a file from the page cache is a copy
-    that keeps a core busy, and on a machine with as many readers as cores, readers of the loop's priority kept its
-    thread waiting for a core for 5-15 ms at a time (2 cores, 4 readers). Python reads hold the GIL between their
-    system calls: those readers keep the loop's priority (see `workers._executor`)."""
-    global _readers
+    """Threads that only read file ranges into memory (they never wait on anything, so splitting cannot deadlock),
+    every one started at once (`workers.started_pool`: by the runtime's start-up, `start_readers`). Where the native
+    core reads (`files.FileRange.read_views`: the GIL released from a read's first check to its last) they run below
+    the loop's priority (`workers.lower_priority`): reading a file from the page cache is a copy that keeps a core busy,
+    and on a machine with as many readers as cores, readers of the loop's priority kept its thread waiting for a core
+    for 5-15 ms at a time (2 cores, 4 readers). Python reads hold the GIL between their system calls: those readers keep
+    the loop's priority (see `workers._executor`)."""
     with _readers_lock:
-        if _readers is None:
-            _readers = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(4, os.cpu_count() or 2), thread_name_prefix="azyx-disk",
-                initializer=workers.lower_priority if native is not None else None)
-        return _readers
+        if not _readers:
+            _readers.append(workers.started_pool(max(4, os.cpu_count() or 2), "azyx-disk",
+                                                 workers.lower_priority if native is not None else None))
+        return _readers[0]
 
 
-def start_readers() -> None:
-    """Start every reader thread now (the runtime's start-up, off the event loop): a pool that grows later starts a
-    thread inside a submit, which waits for it to run, and the first load in a process made those waits on the loop
-    (1-4 ms for its first two transfers on a 2-core machine)."""
-    global _readers_started
-    pool = _reader_pool()
-    with _readers_lock:
-        if _readers_started:
-            return
-        _readers_started = True
-    n = pool._max_workers
-    meet = threading.Barrier(n)
-    for f in [pool.submit(meet.wait, 5.0) for _ in range(n)]:
-        f.exception()  # (a reader already busy with a long read times the barrier out: it is started all the same)
+start_readers = _reader_pool  # (the runtime's start-up: every reader thread started off the event loop)
 
 
 def _read_piece(job: list[tuple[DiskDevice, Buffer, int, memoryview]]) -> None:
@@ -161,7 +145,9 @@ def _read(disk: DiskDevice, ext: Extent, dev: Device, block: np.ndarray | None, 
         got = None
         if ext.direct and not ext.widen:
             aligned = block[(-block.ctypes.data) % DIRECT_ALIGN :]
-            got = disk.read_direct(rng.file, rng.offset + ext.start, n, aligned, rng.what)
+            got = rng.file.read_direct(rng.offset + ext.start, n, aligned, rng.what)  # (None: O_DIRECT refused)
+            if got is not None:
+                disk.count_read(n)
         if got is None:
             disk.read_range(rng, ext.start, [block[at : at + n].data])
         if ext.widen:
@@ -271,15 +257,6 @@ class DiskDevice(Device):
         for f in rest:
             f.result()
 
-    def read_direct(self, file: DiskFile, offset: int, nbytes: int, block: np.ndarray, what: str = ""
-                    ) -> np.ndarray | None:
-        """Blocking (worker threads): `DiskFile.read_direct` (checked), counted like `read_range`; None where the
-        filesystem refuses O_DIRECT (nothing read)."""
-        got = file.read_direct(offset, nbytes, block, what)
-        if got is not None:
-            self.count_read(nbytes)
-        return got
-
     def count_read(self, n: int) -> None:
         """Account one read of `n` bytes (`bytes_read`, `reads`, `reads_on_loop`)."""
         on_loop = workers.on_event_loop()
@@ -287,10 +264,6 @@ class DiskDevice(Device):
             self.bytes_read += n
             self.reads += 1
             self.reads_on_loop += on_loop
-
-    def read_into(self, buf: Buffer, out: np.ndarray) -> None:
-        """The first `out.nbytes` bytes of the range, straight into `out` (e.g. a host device's pooled buffer)."""
-        self._read_parallel(buf, 0, out.data.cast("B"))
 
     # loads: the one pipeline of the stream (azyx.io.stream) and of a plan's transfers out of files (`send`)
     def send(self, src: Buffer, dst: Buffer, n: int) -> int:
@@ -446,17 +419,3 @@ class DiskDevice(Device):
         self._read(buf, lo * item, raw.data)
         return host_read(raw, StridedView(view.offset - lo, view.strides), shape, dtype)
 
-    # work: none happens here
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        raise DeviceError("the disk device runs no kernels")
-
-    def copy_from_host(self, host: np.ndarray, dst: Buffer, waits: list[tuple[Device, int]], keep: Any,
-                       offset: int = 0) -> int:
-        raise DeviceError("nothing is copied to the disk device; write files with azyx.io.save_safetensors")
-
-    async def compile(self, steps: list[KernelStep]) -> None:
-        raise DeviceError("the disk device runs no kernels")
-
-    def write(self, buf: Buffer, host: np.ndarray) -> None:
-        raise DeviceError("disk tensors are read-only; write files with azyx.io.save_safetensors")
