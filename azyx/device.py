@@ -112,6 +112,9 @@ class Runner:
 
 ARENA_ALIGN = 256  # each temporary's offset in a replayed batch's one allocation (`Replay`): as cuMemAlloc aligns
 ARENA_MAX = 4 << 20  # the largest such allocation (`arena_of`)
+# the largest temporary that lives in it: a larger one has its own buffer, so that a few large temporaries (a batch-32
+# decode step's 6.4 MB of logits) do not push a batch's many small ones (~140 at GPT-2's batch 32) out of the arena
+ARENA_PIECE = 1 << 20
 
 
 class Replay:
@@ -199,11 +202,12 @@ def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> 
     each at an offset (ARENA_ALIGN) in one allocation: (slot -> offset, bytes). Each gets room of its own: a batch's
     buffers are all held until it has run, as each temporary's own buffer is. The allocation's size is a power of two
     (plans of other shapes share the pool's cached blocks, as their temporaries one by one would), and up to ARENA_MAX:
-    past it ({}, 0), the temporaries each have their own buffer (a batch that large pays little for allocating them)."""
+    past it ({}, 0), the temporaries each have their own buffer (a batch that large pays little for allocating them).
+    A temporary of more than ARENA_PIECE bytes has its own buffer too."""
     freed, offsets, at = set(frees) - {s for s, _ in plan.outputs}, {}, 0
     for k in steps:
         for s in () if k.kernel.inplace else k.args[:k.outs]:  # (an assignment writes into a buffer made before it)
-            if s in freed and s not in offsets and plan.slots[s].kind == "temp":
+            if s in freed and s not in offsets and plan.slots[s].kind == "temp" and plan.slots[s].nbytes <= ARENA_PIECE:
                 offsets[s] = at
                 at += -(-max(plan.slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
     if not at or at > ARENA_MAX:
