@@ -86,6 +86,36 @@ async def test_steady_runs_equal_numpy_across_scalars_and_inputs(device: str) ->
         np.testing.assert_allclose(await y.numpy(), ref_y, rtol=1e-5, atol=1e-5)
 
 
+async def test_a_large_temporary_keeps_its_own_buffer_beside_the_arena(device: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temporary of more than ARENA_PIECE bytes has its own buffer each run, and the batch's small temporaries still
+    share its arena (a batch-32 decode step's logits beside its ~140 small temporaries); runs equal numpy's."""
+    monkeypatch.setattr("azyx.device.ARENA_PIECE", 1024)
+    ws = await weights(device)
+    wide_n = (rng.standard_normal((WIDTH, 128)) / 4).astype(np.float32)
+    narrow_n = (rng.standard_normal((128, WIDTH)) / 8).astype(np.float32)
+    wide, narrow = Tensor(wide_n, device=device), Tensor(narrow_n, device=device)
+    await azyx.realize(wide, narrow)
+    kept = []
+    for i in range(4):
+        xn = rng.standard_normal((4, WIDTH)).astype(np.float32)
+        s = 1.0 + i / 8
+        x = Tensor(xn, device=device)
+        h = ((x @ wide) * s).relu()  # (4, 128) float32: 2 KiB, past the patched ARENA_PIECE
+        y = chain(h @ narrow, ws, s)[1]
+        await y.realize()
+        kept.append((y, xn, s))
+    plan = RT.executor.last[0]
+    assert plan is not None
+    if replays(device) and RT.device(device).arena:
+        (record,) = frozen(plan)
+        big = [sl for sl in record.bound if plan.slots[sl].kind == "temp" and plan.slots[sl].nbytes > 1024]
+        assert big and record.arena and all(plan.slots[sl].nbytes <= 1024 for sl in record.arena)
+    for y, xn, s in kept:
+        h = np.maximum((xn @ wide_n) * np.float32(s), 0)
+        np.testing.assert_allclose(await y.numpy(), reference(h @ narrow_n, s)[1], rtol=1e-4, atol=1e-4)
+
+
 async def test_jit_replays_bind_new_values(device: str) -> None:
     ws = await weights(device)
 
