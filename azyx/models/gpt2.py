@@ -607,7 +607,9 @@ class Sequence:
     # "active" (holds a slot, decoded by each step) -> "finished"; a sequence ended while its prefill is in flight
     # is "finishing" until the prefill returns and its slot is freed
     state: str = "new"
-    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    # its generator of uniform numbers (params.seed's), made at its first sampled draw: a greedy row reads none, and
+    # default_rng() takes 30-80 us (OS entropy, seed hashing), which a crowd of greedy requests paid on the loop
+    rng: np.random.Generator | None = None
     queue: _Inbox = field(default_factory=_Inbox)
 
     @property
@@ -741,7 +743,7 @@ class Engine:
         bad = [t for t, _ in params.logit_bias if not 0 <= t < v]
         if bad:
             raise ArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary of {v}")
-        seq = Sequence(ids, params, rng=np.random.default_rng(params.seed))
+        seq = Sequence(ids, params)
         if params.penalized:
             seq.counts = np.zeros(v, np.float32)
             seq.in_prompt = np.zeros(v, bool)
@@ -971,6 +973,10 @@ class Engine:
         if not (0.0 <= t <= FLOAT32_MAX and 0 <= k <= INT32_MAX and 0.0 < top_p <= 1.0):
             raise ArgumentError(f"sampling values past the kernels' range: temperature {_short(p.temperature)}, "
                                 f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
+        if t == 0.0:  # (greedy: the sampler reads no uniform number)
+            return t, k, top_p, 0.0
+        if seq.rng is None:
+            seq.rng = np.random.default_rng(p.seed)
         return t, k, top_p, float(seq.rng.random())
 
     def _decode_floats(self, rows: list[tuple[float, int, float, float]]) -> tuple[Tensor, dict[str, bool]]:
