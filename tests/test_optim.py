@@ -237,12 +237,12 @@ async def test_ten_thousand_steps_keep_graph_and_memory_flat() -> None:
         assert len(GRAPH) == graph_base, f"iteration {i}: {len(GRAPH)} live nodes, baseline {graph_base}"
         if i % 1000 == 999:
             samples.append(_rss_bytes() - rss_base)
-    # fixed slack for allocator and interpreter noise (measured: under 100 KiB) and for a block the process makes once
-    # meanwhile (a CI run: one step of 4,084 KiB, flat before and after, in a worker that had run other tests). A leak
-    # grows in every interval: the median interval's growth, 16 KiB over 1,000 steps, is 16 bytes a step, less than
-    # one leaked node, handle or buffer per step
+    # fixed slack for allocator and interpreter noise (measured: under 100 KiB) and for blocks the process makes once
+    # meanwhile (CI runs, in a worker that had run other tests: one step of 4,084 KiB; two of 5,108 and 3,576 KiB, flat
+    # before, between and after). A leak grows in every interval: the median interval's growth, 16 KiB over 1,000
+    # steps, is 16 bytes a step, less than one leaked node, handle or buffer per step
     trend = statistics.median(b - a for a, b in zip(samples, samples[1:]))
-    assert max(samples) < 8 << 20, f"RSS grew by {[s >> 10 for s in samples]} KiB over the loop"
+    assert max(samples) < 16 << 20, f"RSS grew by {[s >> 10 for s in samples]} KiB over the loop"
     assert trend < 16 << 10, f"RSS trend {[s >> 10 for s in samples]} KiB"
     assert len(RT.plan_cache) == plans
 
