@@ -1178,9 +1178,13 @@ class Engine:
         await self._ready()
         values: list[tuple[float, int, float, float]] = []
         seqs: list[Sequence] = []
-        if after is not None and not after.flags["sample"]:  # (greedy rows checked when the chain began: no draw)
-            seqs = list(after.seqs)
-        for s in [s for _, s in sorted(self.active.items())] if after is None else [] if seqs else after.seqs:
+        if after is None:
+            rows_of: list[Sequence] = [s for _, s in sorted(self.active.items())]
+        elif after.flags["sample"]:  # (each row draws its next uniform number)
+            rows_of = after.seqs
+        else:  # (greedy rows, checked when the chain began)
+            rows_of, seqs = [], list(after.seqs)
+        for s in rows_of:
             try:
                 values.append(self._sampling_row(s))
                 seqs.append(s)
