@@ -414,12 +414,18 @@ class _Segment:
         new values (a plan without scalars, or a replay of the same values such as azyx.jit's constants, packs none;
         a run's scalars are never changed once bound)."""
         if self.last[0] is not scalars and (scalars or self.last[0] is None):
-            self.last = (scalars, [k.pack(scalars) if k.pack is not None else () for k in self.kernels])
+            words: list[tuple[int, ...]] = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+            for k in self.kernels:
+                words.append(k.pack(scalars) if k.pack is not None else ())
+            self.last = (scalars, words)
         return self.last[1]
 
     def items(self, bufs: list[Buffer | None], scalars: list[Any] | tuple[Any, ...]) -> list[LaunchItem]:
         """The kernels' launch items for a run: each kernel, its buffers (from the run's slots), its scalar words."""
-        return [(k, list(get(bufs)), w) for k, get, w in zip(self.kernels, self.args, self.words(scalars))]
+        out: list[LaunchItem] = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+        for k, get, w in zip(self.kernels, self.args, self.words(scalars)):
+            out.append((k, list(get(bufs)), w))
+        return out
 
 
 CHECKS_KEPT = 4  # runs back whose check words a plan's run prefers (`Prepared.checks`)
@@ -517,8 +523,11 @@ def _parents(bindings: list[Buffer] | list[Buffer | None]) -> list[RunRecord]:
     """The records of the runs that wrote `bindings` (a run's inputs) that may still fail, each once (a decode step's
     cache tensors were all written by the step before, whose record a failure() walked once per tensor, 25 times a
     GPT-2 step)."""
-    found = [r for b in bindings if (r := b.run) is not None and not r.clean]  # type: ignore[union-attr]
-    return found if len(found) < 2 else list(dict.fromkeys(found))
+    parents: list[RunRecord] = []
+    for binding in bindings:
+        if (r := binding.run) is not None and not r.clean and r not in parents:  # type: ignore[union-attr]
+            parents.append(r)
+    return parents
 
 
 def _sizes(plan: ExecutionPlan, allocs: list[int]) -> list[tuple[int, int]]:

@@ -233,8 +233,13 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 return await self._call_flattened(args, kwargs, wait)
         nodes = GRAPH.nodes
         named = (*enumerate(args), *sorted(kwargs.items())) if kwargs else tuple(enumerate(args))
-        tensors = [a for _, a in named if isinstance(a, Tensor)]
-        lazy = [t for t in tensors if nodes[t.id].buffer is None]  # type: ignore[union-attr]
+        tensors: list[Tensor] = []
+        lazy: list[Tensor] = []
+        for _, a in named:  # (a loop: a comprehension is a call of its own on Python 3.11)
+            if isinstance(a, Tensor):
+                tensors.append(a)
+                if nodes[a.id].buffer is None:  # type: ignore[union-attr]
+                    lazy.append(a)
         if lazy:  # arguments are leaves of the trace: realize them first
             await submit(lazy)
         key, numbers = self._signature(named)
@@ -246,7 +251,9 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             if replay is not None:
                 self.replays += 1
                 results, plan = replay
-                bufs = [nodes[t.id].buffer for t in results]  # type: ignore[union-attr]
+                bufs = []
+                for t in results:
+                    bufs.append(nodes[t.id].buffer)  # type: ignore[union-attr]
                 if wait and not done(bufs):  # type: ignore[arg-type]  # (a small plan that ran inline is done by now)
                     await wait_for(bufs, plan)  # type: ignore[arg-type]
                 return trace.output(results)
@@ -443,8 +450,9 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
             outs = run_plan(plan, bindings, nodes.__getitem__, scalars)  # a constant's host copy is bound again
             realized, kept = Tensor._realized, trace.kept
             if trace.plain:  # (the results are the new leaves, in order)
-                return [realized(shape, dtype, device, pinned, buf, view)
-                        for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs)], plan
+                for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs):
+                    made.append(realized(shape, dtype, device, pinned, buf, view))
+                return made, plan  # type: ignore[return-value]
             # (a target written in place into the buffer its handle holds: the handle's node)
             made = [realized(shape, dtype, device, pinned, buf, view) if i not in kept else handles[kept[i]].id
                     for i, ((shape, dtype, device, pinned), (buf, view)) in enumerate(zip(trace.targets, outs))]

@@ -66,7 +66,8 @@ async def realize(*tensors: Handle) -> None:
     elif isinstance(got, _MISS_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
         got = await submit(tensors, True, got if isinstance(got, _Miss) else None)
     plan = got[0]
-    bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
+    bufs: list[Buffer] = [_nodes[tensors[0].id].buffer] if len(tensors) == 1 else [  # type: ignore[list-item,union-attr]
+        _nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
 
@@ -229,7 +230,9 @@ def _run_walk(plan: ExecutionPlan, walk: Walk, reserved: bool) -> Submitted | _R
         return _OffLoop(plan, walk)
     if _ANY["reserves"] and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
         return r
-    bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
+    bindings = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+    for i in walk.leaves:
+        bindings.append(_nodes[i].buffer)  # type: ignore[union-attr]
     outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
     for tid, (buf, view) in zip(walk.targets, outs):
         GRAPH.become_leaf(tid, buf, view)

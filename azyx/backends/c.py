@@ -364,7 +364,10 @@ def _arguments(items: list[LaunchItem], at: list[list[int]]) -> list[int]:
     (`at`, per kernel), then every scalar's value."""
     if len(items) == 1:  # (one kernel, a fused graph's: no loop)
         _, bufs, ws = items[0]
-        return [b.ptr for b in bufs] + at[0] + [*ws]
+        one: list[int] = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+        for b in bufs:
+            one.append(b.ptr)
+        return one + at[0] + [*ws]
     vals: list[int] = []
     words: list[int] = []
     for i, (_, bufs, ws) in enumerate(items):
