@@ -27,7 +27,7 @@ from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.ir import CHECK_WORDS
 from azyx.memory import EXTENT
-from azyx.plan import ExecutionPlan, KernelStep, Slot, TransferStep
+from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.timeline import checkpoint
 from azyx.workers import drain
 
@@ -181,21 +181,18 @@ class UnifiedExecutor:
             got = lane(bindings if type(bindings) is list else list(bindings), scalars)
             if got is not None:
                 return got, []
-        segments, alone, together = prepared.segments, prepared.alone, prepared.together
         slots = plan.slots
-        bufs: list[Buffer | None] = [*bindings, *([None] * (len(slots) - plan.n_inputs))]
+        bufs: list[Buffer | None] = (bindings if type(bindings) is list else list(bindings)) + prepared.pad
+        if prepared.one is not None and not gathered:
+            return self._run_one(plan, prepared.one, bindings, bufs, scalars), []
+        segments, alone, together = prepared.segments, prepared.alone, prepared.together
         if plan.checks:  # (each run's own check words: kernels that read indices flag one out of range)
             used = prepared.checks
             for i, s in enumerate(plan.checks):
                 words = self.devices[slots[s].device].check_words(used[i][0])
                 bufs[s], used[i] = words, (*used[i][1:], words)
-        parents = []  # (the records of the inputs' runs that may still fail)
-        for binding in bindings:
-            # (each once: a decode step's cache tensors were all written by the step before, whose record a failure()
-            # walked once per tensor, 25 times a GPT-2 step)
-            if (r := binding.run) is not None and not r.clean and r not in parents:
-                parents.append(r)
-        record = RunRecord(parents)
+        record = RunRecord(_parents(bindings))
+        spans = record.spans  # (record.cover's body; a gather's runs may share one value: `after - 1`)
         if together is not None and not gathered:
             together.begin_batch()
         try:
@@ -205,29 +202,28 @@ class UnifiedExecutor:
                     dev.check_alive()  # a failed device takes no more work
                 before = dev.queued()
                 replay = seg.replay if not gathered else None
-                _alloc(dev, seg.allocs if replay is None else seg.bound_allocs, bufs, slots)
+                _alloc(dev, seg.sizes if replay is None else seg.bound_sizes, bufs)
                 if seg.transfer is not None:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 elif replay is not None:
                     after = self._replay(dev, replay, bufs, scalars, alone, seg.overwrites)
+                elif alone and not gathered and not seg.overwrites:  # (execute_kernel's case with nothing to wait for)
+                    after = dev.launch_many(seg.items(bufs, scalars), [], seg.batch)
+                    for s in seg.allocs:  # (the slots its kernels write)
+                        bufs[s].ready = after  # type: ignore[union-attr]
                 else:
                     after = self.execute_kernel(dev, seg.items(bufs, scalars), seg.batch, alone,  # type: ignore[arg-type]
                                                 seg.overwrites, gathered)
-                spans = record.spans  # (record.cover's body; a gather's runs may share one value: `after - 1`)
                 spans[dev] = (spans[dev][0] if dev in spans else min(before, after - 1), after)
                 for s in seg.frees:
                     bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
             if plan.checks:
                 self._read_checks(plan, record, bufs)
-            outs = []
-            for slot, view in plan.outputs:
-                b = bufs[slot]
-                if b is None:  # an empty output: no kernel wrote it
-                    b = bufs[slot] = self.devices[slots[slot].device].alloc(max(slots[slot].nbytes, 1))
-                b.run = record
-                outs.append((b, view))
+            outs = self._outputs(plan, bufs, record)
+            if not plan.adopt:
+                return outs, []
             adopted: list[Buffer] = [bufs[dst] for _, dst in plan.adopt]  # type: ignore[misc]
-            if adopted and record.checks is not None:  # (an index out of range is the outputs' error, not the uploads')
+            if record.checks is not None:  # (an index out of range is the outputs' error, not the uploads')
                 uploads = RunRecord(record.parents)
                 uploads.spans = record.spans
             else:
@@ -242,6 +238,43 @@ class UnifiedExecutor:
             bufs.clear()
             if together is not None and not gathered:
                 together.end_batch()
+
+    def _run_one(self, plan: ExecutionPlan, seg: _Segment, bindings: list[Buffer], bufs: list[Buffer | None],
+                 scalars: list[Any] | tuple[Any, ...]) -> list[tuple[Buffer, StridedView]]:
+        """`run` of a plan that is one batch of kernels on one device and nothing else (`Prepared.one`): the general
+        path's steps for that case alone (`bufs`: the run's slots, `bindings` bound)."""
+        record = RunRecord(_parents(bindings))
+        dev = seg.dev
+        try:
+            if dev.timeline.failure is not None:
+                dev.check_alive()  # a failed device takes no more work
+            before = dev.queued()
+            _alloc(dev, seg.sizes, bufs)
+            after = dev.launch_many(seg.items(bufs, scalars), [], seg.batch)  # (one device: nothing to wait for)
+            for s in seg.allocs:  # (the slots its kernels write)
+                bufs[s].ready = after  # type: ignore[union-attr]
+            record.spans[dev] = (min(before, after - 1), after)
+            for s in seg.frees:
+                bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
+            return self._outputs(plan, bufs, record)
+        except BaseException:
+            self.partial = record  # what the failed run had submitted, for its caller to `settle`
+            raise
+        finally:
+            bufs.clear()
+
+    def _outputs(self, plan: ExecutionPlan, bufs: list[Buffer | None], record: RunRecord
+                 ) -> list[tuple[Buffer, StridedView]]:
+        """A run's targets' buffers and views, each carrying the run's record."""
+        outs = []
+        for slot, view in plan.outputs:
+            b = bufs[slot]
+            if b is None:  # an empty output: no kernel wrote it
+                s = plan.slots[slot]
+                b = bufs[slot] = self.devices[s.device].alloc(max(s.nbytes, 1))
+            b.run = record
+            outs.append((b, view))
+        return outs
 
     def _replay(self, dev: Device, replay: Replay, bufs: list[Buffer | None], scalars: list[Any] | tuple[Any, ...],
                 same_device: bool, overwrites: bool) -> int:
@@ -356,7 +389,7 @@ class _Segment:
     its outputs need and the slots whose last use it is. Derived once per plan (`Prepared`)."""
 
     __slots__ = ("device", "dev", "transfer", "kernels", "allocs", "frees", "batch", "last", "overwrites", "args",
-                 "replay", "bound_allocs")
+                 "replay", "bound_allocs", "sizes", "bound_sizes")
 
     def __init__(self, dev: Device, transfer: TransferStep | None, kernels: list[KernelStep]):
         self.device, self.dev, self.transfer, self.kernels = dev.name, dev, transfer, kernels
@@ -372,18 +405,27 @@ class _Segment:
         # rest are the frozen batch's temporaries, in one allocation)
         self.replay: Replay | None = None
         self.bound_allocs: list[int] = []
+        # (slot, bytes) of `allocs` and of `bound_allocs`, for `_alloc` (made once the kernels are all in)
+        self.sizes: list[tuple[int, int]] = []
+        self.bound_sizes: list[tuple[int, int]] = []
 
     def words(self, scalars: list[Any] | tuple[Any, ...]) -> list[tuple[int, ...]]:
         """Each kernel's scalar arguments as the words that carry them, for this run's values: packed anew only for
         new values (a plan without scalars, or a replay of the same values such as azyx.jit's constants, packs none;
         a run's scalars are never changed once bound)."""
         if self.last[0] is not scalars and (scalars or self.last[0] is None):
-            self.last = (scalars, [k.pack(scalars) if k.pack is not None else () for k in self.kernels])
+            words: list[tuple[int, ...]] = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+            for k in self.kernels:
+                words.append(k.pack(scalars) if k.pack is not None else ())
+            self.last = (scalars, words)
         return self.last[1]
 
     def items(self, bufs: list[Buffer | None], scalars: list[Any] | tuple[Any, ...]) -> list[LaunchItem]:
         """The kernels' launch items for a run: each kernel, its buffers (from the run's slots), its scalar words."""
-        return [(k, list(get(bufs)), w) for k, get, w in zip(self.kernels, self.args, self.words(scalars))]
+        out: list[LaunchItem] = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+        for k, get, w in zip(self.kernels, self.args, self.words(scalars)):
+            out.append((k, list(get(bufs)), w))
+        return out
 
 
 CHECKS_KEPT = 4  # runs back whose check words a plan's run prefers (`Prepared.checks`)
@@ -397,10 +439,11 @@ class Prepared:
     - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order);
     - `gathers`: the device that gathers concurrent runs of the plan into one submission (`UnifiedExecutor.run`)."""
 
-    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers", "checks")
+    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers", "checks", "pad", "one")
 
     def __init__(self, plan: ExecutionPlan, devices: dict[str, Device]):
         self.segments = _segments(plan, devices)
+        self.pad: list[None] = [None] * (len(plan.slots) - plan.n_inputs)  # (a run's slots past its inputs, empty)
         self.alone = len(plan.devices) == 1
         # per check slot, the words of the plan's last CHECKS_KEPT runs: a run prefers the oldest
         # (`Device.check_words`), so that chained runs take a few buffers in turn, as a replayed batch's graphs do
@@ -415,6 +458,12 @@ class Prepared:
         self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
         self.gathers: Device | None = devices[plan.devices[0]] if self.alone and runners[0].gathers else None
         self.freeze(plan)
+        # the plan's one segment where the run is that alone (`UnifiedExecutor._run_one`): kernels of its one device,
+        # run as launch items (not frozen), writing no input in place, with no index check and no upload kept
+        seg = self.segments[0] if len(self.segments) == 1 else None
+        self.one: _Segment | None = seg if (
+            seg is not None and self.alone and self.together is None and seg.transfer is None and seg.replay is None
+            and not seg.overwrites and not plan.checks and not plan.adopt) else None
 
     def freeze(self, plan: ExecutionPlan) -> None:
         """A plan is steady from its first run (its shapes are its own; it is compiled and its runners are decided):
@@ -429,6 +478,7 @@ class Prepared:
             replay = Replay(batch, arena, size)
             if seg.dev.freeze(replay):
                 seg.replay, seg.bound_allocs = replay, [s for s in seg.allocs if s not in arena]
+                seg.bound_sizes = _sizes(plan, seg.bound_allocs)
 
 
 def _ordered(plan: ExecutionPlan) -> list[tuple[Any, tuple[int, ...]]]:
@@ -462,20 +512,42 @@ def _segments(plan: ExecutionPlan, devices: dict[str, Device]) -> list[_Segment]
         last.frees.extend(frees)
     for seg in out:
         seg.args = [slot_picker(k.args) for k in seg.kernels]
+        seg.sizes = _sizes(plan, seg.allocs)
         if seg.transfer is None:
             seg.batch = BatchState(seg.kernels)
             seg.overwrites = any(k.args[0] in plan.overwrites for k in seg.kernels if k.kernel.inplace)
     return out
 
 
-def _alloc(dev: Device, allocs: list[int], bufs: list[Buffer | None], slots: tuple[Slot, ...]) -> None:
-    """A segment's buffers that its run has yet to make (a slot is written once: its buffer is made right before the
-    work that writes it)."""
-    need = [s for s in allocs if bufs[s] is None]
+def _parents(bindings: list[Buffer] | list[Buffer | None]) -> list[RunRecord]:
+    """The records of the runs that wrote `bindings` (a run's inputs) that may still fail, each once (a decode step's
+    cache tensors were all written by the step before, whose record a failure() walked once per tensor, 25 times a
+    GPT-2 step)."""
+    parents: list[RunRecord] = []
+    for binding in bindings:
+        if (r := binding.run) is not None and not r.clean and r not in parents:  # type: ignore[union-attr]
+            parents.append(r)
+    return parents
+
+
+def _sizes(plan: ExecutionPlan, allocs: list[int]) -> list[tuple[int, int]]:
+    """Each slot of `allocs` with the bytes its buffer takes (at least one)."""
+    return [(s, max(plan.slots[s].nbytes, 1)) for s in allocs]
+
+
+def _alloc(dev: Device, sizes: list[tuple[int, int]], bufs: list[Buffer | None]) -> None:
+    """A segment's buffers that its run has yet to make (`sizes`: (slot, bytes); a slot is written once: its buffer is
+    made right before the work that writes it)."""
+    if len(sizes) == 1:
+        s, n = sizes[0]
+        if bufs[s] is None:
+            bufs[s] = dev.alloc(n)
+        return
+    need = [(s, n) for s, n in sizes if bufs[s] is None]
     if len(need) == 1:
-        bufs[need[0]] = dev.alloc(max(slots[need[0]].nbytes, 1))
+        bufs[need[0][0]] = dev.alloc(need[0][1])
     elif need:
-        for s, made in zip(need, dev.alloc_many([max(slots[s].nbytes, 1) for s in need])):
+        for (s, _), made in zip(need, dev.alloc_many([n for _, n in need])):
             bufs[s] = made
 
 

@@ -56,6 +56,7 @@ from azyx.walk import Walk, leaf_entry
 MAX_TRACES = 32  # signatures kept per function (the oldest is dropped)
 
 ARG, STATE, DRAWN, CONST = range(4)  # where a trace's leaf comes from on a replay
+KEPT = -2  # (a replay's result that is a handle keeping its node: `Trace.steps`)
 
 _JITTED: weakref.WeakSet[jit] = weakref.WeakSet()  # every live jitted function (azyx.stats counts their traces)
 
@@ -145,6 +146,10 @@ class Trace:
         # position), so a trace of many constants (a model's weights) costs a replay one list copy for them
         self.constants: list[Any] = [x if kind == CONST else None for kind, x in sources]
         self.live = [(i, kind, x) for i, (kind, x) in enumerate(sources) if kind != CONST]
+        # the same split once for the replay: the leaves bound to arguments, by (leaf, argument index), and the rest
+        self.live_args = [(i, x) for i, kind, x in self.live if kind == ARG]
+        self.live_other = [(i, kind, x) for i, kind, x in self.live if kind != ARG]
+        self.no_nodes: list[Any] = [None] * len(sources)  # (a replay's nodes per leaf start as a copy of it)
         self.checks = checks  # per STATE leaf: (handle index, how its value must look for the plan to fit it)
         self.checked: list[Any] = []  # the nodes a replay found to fit (`checks`), in their order
         self.results = results  # per result: (-1, target index) or a leaf source
@@ -165,6 +170,13 @@ class Trace:
                         x not in self.kept and views is not None and _same_view(plan.outputs[x][1], views[slot]):
                     self.kept[x] = k
         self.rebind = [(h, r) for k, (h, r) in enumerate(zip(handles, handle_results)) if k not in self.kept.values()]
+        # the common case, decided once: the results are the plan's targets, each once and in order, and no handle is
+        # rebound (a replay's results are then the new leaves it made, as they are)
+        self.plain = plan is not None and not handles and results == [(-1, k) for k in range(len(targets))]
+        # `results` as a replay reads them: a handle's result that keeps its node (`kept`) marked KEPT
+        n_out = len(results) - len(handles)
+        self.steps = [(KEPT, x) if j >= n_out and kind == -1 and x in self.kept else (kind, x)
+                      for j, (kind, x) in enumerate(results)]
 
 
 class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
@@ -221,21 +233,27 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 return await self._call_flattened(args, kwargs, wait)
         nodes = GRAPH.nodes
         named = (*enumerate(args), *sorted(kwargs.items())) if kwargs else tuple(enumerate(args))
-        tensors = [a for _, a in named if isinstance(a, Tensor)]
-        lazy = [t for t in tensors if nodes[t.id].buffer is None]  # type: ignore[union-attr]
+        tensors: list[Tensor] = []
+        lazy: list[Tensor] = []
+        for _, a in named:  # (a loop: a comprehension is a call of its own on Python 3.11)
+            if isinstance(a, Tensor):
+                tensors.append(a)
+                if nodes[a.id].buffer is None:  # type: ignore[union-attr]
+                    lazy.append(a)
         if lazy:  # arguments are leaves of the trace: realize them first
             await submit(lazy)
         key, numbers = self._signature(named)
         trace = self.traces.get(key)
         if trace is not None:
-            handles = [h for h in trace.handles if nodes[h.id].buffer is None]  # type: ignore[union-attr]
-            if handles:  # rebound outside the function since: their new values first
-                await submit(handles)
+            if trace.handles and (handles := [h for h in trace.handles if nodes[h.id].buffer is None]):  # type: ignore[union-attr]
+                await submit(handles)  # (rebound outside the function since: their new values first)
             replay = self._replay(trace, tensors, numbers)
             if replay is not None:
                 self.replays += 1
                 results, plan = replay
-                bufs = [nodes[t.id].buffer for t in results]  # type: ignore[union-attr]
+                bufs = []
+                for t in results:
+                    bufs.append(nodes[t.id].buffer)  # type: ignore[union-attr]
                 if wait and not done(bufs):  # type: ignore[arg-type]  # (a small plan that ran inline is done by now)
                     await wait_for(bufs, plan)  # type: ignore[arg-type]
                 return trace.output(results)
@@ -389,17 +407,18 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         for read, value in trace.guards:
             if read() != value:
                 return None
-        token = trace.token
-        memo: dict[int, Any] = {}  # this replay's value of each traced number computed so far
-        for recipe, value in trace.scalar_guards:
-            if evaluate_recipe(recipe, token, numbers, memo) != value:
-                return None
         scalars = trace.scalars
-        if trace.traced:  # this call's values of the traced numbers
-            scalars = list(scalars)
-            values = [evaluate(x, token, numbers, memo) for x in trace.numbers]
-            for i, k in trace.traced:
-                scalars[i] = values[k]
+        if trace.scalar_guards or trace.traced:
+            token = trace.token
+            memo: dict[int, Any] = {}  # this replay's value of each traced number computed so far
+            for recipe, value in trace.scalar_guards:
+                if evaluate_recipe(recipe, token, numbers, memo) != value:
+                    return None
+            if trace.traced:  # this call's values of the traced numbers
+                scalars = list(scalars)
+                values = [evaluate(x, token, numbers, memo) for x in trace.numbers]
+                for i, k in trace.traced:
+                    scalars[i] = values[k]
         if trace.checks:  # (the nodes the last replay checked, or left the handles on, fit still: not again)
             now = [gn[handles[x].id] for x, _ in trace.checks]
             if not all(map(is_, now, trace.checked)):
@@ -407,14 +426,19 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                     if leaf_entry(n) != entry:  # type: ignore[arg-type]
                         return None
                 trace.checked = now
-        drawn = [again() for again in trace.drawn] if trace.drawn else []  # in the function's order: the same stream
-        of = {ARG: tensors, STATE: handles, DRAWN: drawn}  # where a source's tensor is, this call
         bindings: list[Buffer] = trace.constants.copy()
-        nodes: list[Node | None] = [None] * len(bindings)
-        for i, kind, x in trace.live:
-            n = gn[of[kind][x].id]
+        nodes: list[Node | None] = trace.no_nodes.copy()
+        for i, x in trace.live_args:
+            n = gn[tensors[x].id]
             nodes[i] = n
             bindings[i] = n.buffer
+        if trace.live_other or trace.drawn or not trace.plain:
+            drawn = [again() for again in trace.drawn] if trace.drawn else []  # in the function's order: one stream
+            of = {ARG: tensors, STATE: handles, DRAWN: drawn}  # where a source's tensor is, this call
+            for i, kind, x in trace.live_other:
+                n = gn[of[kind][x].id]
+                nodes[i] = n
+                bindings[i] = n.buffer
         plan = trace.plan
         if plan is not None and plan.overwrites:
             for s in plan.overwrites:
@@ -425,14 +449,16 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
         if plan is not None:
             outs = run_plan(plan, bindings, nodes.__getitem__, scalars)  # a constant's host copy is bound again
             realized, kept = Tensor._realized, trace.kept
-            for i, ((shape, dtype, device, pinned), (buf, view)) in enumerate(zip(trace.targets, outs)):
-                # (written in place into the buffer its handle holds: the handle's node)
-                made.append(realized(shape, dtype, device, pinned, buf, view) if i not in kept else
-                            handles[kept[i]].id)
+            if trace.plain:  # (the results are the new leaves, in order)
+                for (shape, dtype, device, pinned), (buf, view) in zip(trace.targets, outs):
+                    made.append(realized(shape, dtype, device, pinned, buf, view))
+                return made, plan  # type: ignore[return-value]
+            # (a target written in place into the buffer its handle holds: the handle's node)
+            made = [realized(shape, dtype, device, pinned, buf, view) if i not in kept else handles[kept[i]].id
+                    for i, ((shape, dtype, device, pinned), (buf, view)) in enumerate(zip(trace.targets, outs))]
         results: list[Tensor | None] = []
-        n_out = len(trace.results) - len(handles)
-        for j, (kind, x) in enumerate(trace.results):
-            if j >= n_out and kind == -1 and x in trace.kept:  # (a handle that keeps its node)
+        for kind, x in trace.steps:
+            if kind == KEPT:  # (a handle that keeps its node)
                 results.append(None)
             elif kind == -1:
                 t = made[x]
@@ -447,7 +473,7 @@ class jit:  # noqa: N801  (a decorator, named like a function: azyx.jit)
                 results.append(Tensor._wrap(of[kind][x].id))
         for h, r in trace.rebind:
             h.assign(results[r])
-        return results[:n_out], plan  # type: ignore[return-value]
+        return results[:len(trace.results) - len(handles)], plan  # type: ignore[return-value]
 
 
 def _same_view(a: Any, b: Any) -> bool:

@@ -66,7 +66,8 @@ async def realize(*tensors: Handle) -> None:
     elif isinstance(got, _MISS_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
         got = await submit(tensors, True, got if isinstance(got, _Miss) else None)
     plan = got[0]
-    bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
+    bufs: list[Buffer] = [_nodes[tensors[0].id].buffer] if len(tensors) == 1 else [  # type: ignore[list-item,union-attr]
+        _nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
 
@@ -142,6 +143,9 @@ class _Miss:
 
 # the plans whose runs are long Python work (`UnifiedExecutor.runs_long`: a load queueing hundreds of staged copies)
 _long_runs: weakref.WeakSet[ExecutionPlan] = weakref.WeakSet()
+# whether any plan was ever put in `_long_runs`, in `_reserves` (a weak collection's len() and lookups are Python
+# code: a steady realize, whose process has no such plan, asks these first)
+_ANY: dict[str, bool] = {"long": False, "reserves": False}
 
 
 class _OffLoop:
@@ -183,6 +187,7 @@ def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
     needs = [(dev, sizes) for dev, sizes in by_dev.items() if sum(sizes) >= RESERVE_BYTES]
     if needs:
         _reserves[plan] = needs
+        _ANY["reserves"] = True
 
 
 def _reservation(needs: list[tuple[Any, list[int]]]) -> _Reserve | None:
@@ -221,11 +226,13 @@ def _run_walk(plan: ExecutionPlan, walk: Walk, reserved: bool) -> Submitted | _R
     """Submit `plan` for the graph `walk` walked (its targets then become leaves), or, where its large new buffers
     must be reserved first (and `reserved` false), what to reserve; or, on an asyncio loop, a long run to submit off
     the loop's thread (`_OffLoop`)."""
-    if _long_runs and plan in _long_runs and _running_loop() is not None:  # (its worker makes its buffers too)
+    if _ANY["long"] and plan in _long_runs and _running_loop() is not None:  # (its worker makes its buffers too)
         return _OffLoop(plan, walk)
-    if _reserves and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
+    if _ANY["reserves"] and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
         return r
-    bindings = [_nodes[i].buffer for i in walk.leaves]  # type: ignore[union-attr]
+    bindings = []  # (a loop: a comprehension is a call of its own on Python 3.11)
+    for i in walk.leaves:
+        bindings.append(_nodes[i].buffer)  # type: ignore[union-attr]
     outs = run_plan(plan, bindings, lambda slot: GRAPH[walk.leaves[slot]], walk.scalars)  # type: ignore[arg-type]
     for tid, (buf, view) in zip(walk.targets, outs):
         GRAPH.become_leaf(tid, buf, view)
@@ -323,6 +330,7 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
     _note_reserves(rt, plan)
     if not plan.adopt and rt.executor.runs_long(plan):
         _long_runs.add(plan)
+        _ANY["long"] = True
     return plan
 
 
@@ -431,7 +439,8 @@ def run_plan(plan: ExecutionPlan, bindings: list[Buffer], leaf: Callable[[int], 
     uploaded buffer (None: nobody does). Where other work is ready in the running asyncio loop's iteration (a crowd of
     realizes, each submitting in turn), the executor may gather this run with theirs (UnifiedExecutor.run's `crowd`)."""
     loop = _running_loop()
-    outs, adopted = RT.executor.run(plan, bindings, scalars, loop if getattr(loop, "_ready", None) else None)
+    ex = RT._executor or RT.executor  # (the property's answer once started, without its call)
+    outs, adopted = ex.run(plan, bindings, scalars, loop if getattr(loop, "_ready", None) else None)
     for i in plan.aliased:
         SHARED.add(outs[i][0])
     for (slot, _), buf in zip(plan.adopt, adopted):
