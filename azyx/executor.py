@@ -183,8 +183,6 @@ class UnifiedExecutor:
                 return got, []
         slots = plan.slots
         bufs: list[Buffer | None] = (bindings if type(bindings) is list else list(bindings)) + prepared.pad
-        if prepared.one is not None and not gathered:
-            return self._run_one(plan, prepared.one, bindings, bufs, scalars), []
         segments, alone, together = prepared.segments, prepared.alone, prepared.together
         if plan.checks:  # (each run's own check words: kernels that read indices flag one out of range)
             used = prepared.checks
@@ -238,30 +236,6 @@ class UnifiedExecutor:
             bufs.clear()
             if together is not None and not gathered:
                 together.end_batch()
-
-    def _run_one(self, plan: ExecutionPlan, seg: _Segment, bindings: list[Buffer], bufs: list[Buffer | None],
-                 scalars: list[Any] | tuple[Any, ...]) -> list[tuple[Buffer, StridedView]]:
-        """`run` of a plan that is one batch of kernels on one device and nothing else (`Prepared.one`): the general
-        path's steps for that case alone (`bufs`: the run's slots, `bindings` bound)."""
-        record = RunRecord(_parents(bindings))
-        dev = seg.dev
-        try:
-            if dev.timeline.failure is not None:
-                dev.check_alive()  # a failed device takes no more work
-            before = dev.queued()
-            _alloc(dev, seg.sizes, bufs)
-            after = dev.launch_many(seg.items(bufs, scalars), [], seg.batch)  # (one device: nothing to wait for)
-            for s in seg.allocs:  # (the slots its kernels write)
-                bufs[s].ready = after  # type: ignore[union-attr]
-            record.spans[dev] = (min(before, after - 1), after)
-            for s in seg.frees:
-                bufs[s] = None  # queued work still holds it; the pool gets it back after that work ran
-            return self._outputs(plan, bufs, record)
-        except BaseException:
-            self.partial = record  # what the failed run had submitted, for its caller to `settle`
-            raise
-        finally:
-            bufs.clear()
 
     def _outputs(self, plan: ExecutionPlan, bufs: list[Buffer | None], record: RunRecord
                  ) -> list[tuple[Buffer, StridedView]]:
@@ -439,7 +413,7 @@ class Prepared:
     - `alone`: the plan has one device (its kernels wait for nothing: that device's queue is in order);
     - `gathers`: the device that gathers concurrent runs of the plan into one submission (`UnifiedExecutor.run`)."""
 
-    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers", "checks", "pad", "one")
+    __slots__ = ("segments", "runners", "lane", "together", "alone", "gathers", "checks", "pad")
 
     def __init__(self, plan: ExecutionPlan, devices: dict[str, Device]):
         self.segments = _segments(plan, devices)
@@ -458,12 +432,6 @@ class Prepared:
         self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
         self.gathers: Device | None = devices[plan.devices[0]] if self.alone and runners[0].gathers else None
         self.freeze(plan)
-        # the plan's one segment where the run is that alone (`UnifiedExecutor._run_one`): kernels of its one device,
-        # run as launch items (not frozen), writing no input in place, with no index check and no upload kept
-        seg = self.segments[0] if len(self.segments) == 1 else None
-        self.one: _Segment | None = seg if (
-            seg is not None and self.alone and self.together is None and seg.transfer is None and seg.replay is None
-            and not seg.overwrites and not plan.checks and not plan.adopt) else None
 
     def freeze(self, plan: ExecutionPlan) -> None:
         """A plan is steady from its first run (its shapes are its own; it is compiled and its runners are decided):
