@@ -627,8 +627,6 @@ class HostDevice(Device):
         thread (or the native queue) for all of them."""
         if batch is None:
             batch = self.batch_of(items)
-        if not waits and batch.how is INLINE and (v := self.queue.run_now(batch.prepared.inline, items)):
-            return v  # (run_batch's first case, without making its queued work item)
         return self.run_batch(batch.how, waits, batch.prepared.inline, (items,),
                               functools.partial(self.batch_fn, items, batch))
 

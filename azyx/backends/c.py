@@ -240,8 +240,6 @@ class CDevice(HostDevice):
         layout, how = replay.prepared, replay.batch.how
         addresses = replay.addresses(bufs, arena)
         words = replay.words(scalars) if layout.n_words else None
-        if not waits and how is INLINE and (v := self.queue.run_now(layout.frozen_inline, addresses, words)):
-            return v  # (run_batch's first case, without making its queued work item)
         return self.run_batch(how, waits, layout.frozen_inline, (addresses, words),
                               functools.partial(layout.frozen_batch, addresses, words, (arena, replay.get(bufs))))
 
