@@ -205,10 +205,6 @@ class UnifiedExecutor:
                     after = self._transfer(record, bufs[seg.transfer.src], bufs[seg.transfer.dst])  # type: ignore[arg-type]
                 elif replay is not None:
                     after = self._replay(dev, replay, bufs, scalars, alone, seg.overwrites)
-                elif alone and not gathered and not seg.overwrites:  # (execute_kernel's case with nothing to wait for)
-                    after = dev.launch_many(seg.items(bufs, scalars), [], seg.batch)
-                    for s in seg.allocs:  # (the slots its kernels write)
-                        bufs[s].ready = after  # type: ignore[union-attr]
                 else:
                     after = self.execute_kernel(dev, seg.items(bufs, scalars), seg.batch, alone,  # type: ignore[arg-type]
                                                 seg.overwrites, gathered)
