@@ -502,11 +502,6 @@ def _sizes(plan: ExecutionPlan, allocs: list[int]) -> list[tuple[int, int]]:
 def _alloc(dev: Device, sizes: list[tuple[int, int]], bufs: list[Buffer | None]) -> None:
     """A segment's buffers that its run has yet to make (`sizes`: (slot, bytes); a slot is written once: its buffer is
     made right before the work that writes it)."""
-    if len(sizes) == 1:
-        s, n = sizes[0]
-        if bufs[s] is None:
-            bufs[s] = dev.alloc(n)
-        return
     need = [(s, n) for s, n in sizes if bufs[s] is None]
     if len(need) == 1:
         bufs[need[0][0]] = dev.alloc(need[0][1])

@@ -66,8 +66,7 @@ async def realize(*tensors: Handle) -> None:
     elif isinstance(got, _MISS_OR_RESERVE):  # (a new plan to make, or large buffers to reserve first: submit does it)
         got = await submit(tensors, True, got if isinstance(got, _Miss) else None)
     plan = got[0]
-    bufs: list[Buffer] = [_nodes[tensors[0].id].buffer] if len(tensors) == 1 else [  # type: ignore[list-item,union-attr]
-        _nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
+    bufs: list[Buffer] = [_nodes[t.id].buffer for t in tensors]  # type: ignore[misc,union-attr]
     if not done(bufs):
         await wait_for(bufs, plan)
 
@@ -143,9 +142,6 @@ class _Miss:
 
 # the plans whose runs are long Python work (`UnifiedExecutor.runs_long`: a load queueing hundreds of staged copies)
 _long_runs: weakref.WeakSet[ExecutionPlan] = weakref.WeakSet()
-# whether any plan was ever put in `_long_runs`, in `_reserves` (a weak collection's len() and lookups are Python
-# code: a steady realize, whose process has no such plan, asks these first)
-_ANY: dict[str, bool] = {"long": False, "reserves": False}
 
 
 class _OffLoop:
@@ -187,7 +183,6 @@ def _note_reserves(rt: Any, plan: ExecutionPlan) -> None:
     needs = [(dev, sizes) for dev, sizes in by_dev.items() if sum(sizes) >= RESERVE_BYTES]
     if needs:
         _reserves[plan] = needs
-        _ANY["reserves"] = True
 
 
 def _reservation(needs: list[tuple[Any, list[int]]]) -> _Reserve | None:
@@ -226,9 +221,9 @@ def _run_walk(plan: ExecutionPlan, walk: Walk, reserved: bool) -> Submitted | _R
     """Submit `plan` for the graph `walk` walked (its targets then become leaves), or, where its large new buffers
     must be reserved first (and `reserved` false), what to reserve; or, on an asyncio loop, a long run to submit off
     the loop's thread (`_OffLoop`)."""
-    if _ANY["long"] and plan in _long_runs and _running_loop() is not None:  # (its worker makes its buffers too)
+    if _long_runs and plan in _long_runs and _running_loop() is not None:  # (its worker makes its buffers too)
         return _OffLoop(plan, walk)
-    if _ANY["reserves"] and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
+    if _reserves and not reserved and (needs := _reserves.get(plan)) and (r := _reservation(needs)) is not None:
         return r
     bindings = []  # (a loop: a comprehension is a call of its own on Python 3.11)
     for i in walk.leaves:
@@ -330,7 +325,6 @@ async def _plan(rt: Any, walk: Walk, targets: list[int]) -> ExecutionPlan:
     _note_reserves(rt, plan)
     if not plan.adopt and rt.executor.runs_long(plan):
         _long_runs.add(plan)
-        _ANY["long"] = True
     return plan
 
 

@@ -41,18 +41,13 @@ class TimelineSignal:
 
     def signal(self, v: int) -> None:
         """Advance to `v` (callable from any thread) and wake everything waiting for a value <= v."""
+        ready: list[Callable[[], None]] = []
         with self._lock:
             if v <= self.value:
                 return
             self.value = v
-            waiters = self._waiters
-            if not waiters or waiters[0][0] > v:  # (the common case: nobody waits on the loop for it)
-                if self._sync_waiters:
-                    self._cond.notify_all()
-                return
-            ready: list[Callable[[], None]] = []
-            while waiters and waiters[0][0] <= v:
-                ready.append(heapq.heappop(waiters)[2])
+            while self._waiters and self._waiters[0][0] <= v:
+                ready.append(heapq.heappop(self._waiters)[2])
             if self._sync_waiters:
                 self._cond.notify_all()
         if len(ready) == 1:

@@ -323,11 +323,8 @@ class _Layout:
     def inline(self, items: list[LaunchItem]) -> None:
         """Run the batch now, on the calling thread (its serial pool), through the scratch table: its buffers'
         addresses and its values' places kernel after kernel (`_arguments`), or its buffers' addresses alone."""
-        vals = _arguments(items, self.value_ptrs) if self.n_words else [b.ptr for _, bufs, _ in items for b in bufs]
-        if self.call is not None:  # (run_scratch's first case, a call less)
-            self.call(self.serial, vals)
-        else:
-            self.run_scratch(vals)
+        self.run_scratch(_arguments(items, self.value_ptrs) if self.n_words else
+                         [b.ptr for _, bufs, _ in items for b in bufs])
 
     def run_scratch(self, vals: list[int]) -> None:
         """Run the batch now, on the calling thread (its serial pool), with `vals` as its scratch table."""
@@ -360,12 +357,6 @@ class _Layout:
 def _arguments(items: list[LaunchItem], at: list[list[int]]) -> list[int]:
     """A batch's table of arguments: per kernel its buffers' addresses and then the pointers to its scalars' values
     (`at`, per kernel), then every scalar's value."""
-    if len(items) == 1:  # (one kernel, a fused graph's: no loop)
-        _, bufs, ws = items[0]
-        one: list[int] = []  # (a loop: a comprehension is a call of its own on Python 3.11)
-        for b in bufs:
-            one.append(b.ptr)
-        return one + at[0] + [*ws]
     vals: list[int] = []
     words: list[int] = []
     for i, (_, bufs, ws) in enumerate(items):

@@ -1178,13 +1178,7 @@ class Engine:
         await self._ready()
         values: list[tuple[float, int, float, float]] = []
         seqs: list[Sequence] = []
-        if after is None:
-            rows_of: list[Sequence] = [s for _, s in sorted(self.active.items())]
-        elif after.flags["sample"]:  # (each row draws its next uniform number)
-            rows_of = after.seqs
-        else:  # (greedy rows, checked when the chain began)
-            rows_of, seqs = [], list(after.seqs)
-        for s in rows_of:
+        for s in [s for _, s in sorted(self.active.items())] if after is None else after.seqs:
             try:
                 values.append(self._sampling_row(s))
                 seqs.append(s)

@@ -158,7 +158,8 @@ def split_k(m: int, n: int, k: int, dtype: str, sms: int) -> int:
     768 x 768: 12 blocks, each walking all of K, on an H200's 132), as many parts as bring the blocks up to about one
     per multiprocessor: the largest divisor of K up to that whose parts hold SPLIT_SLICES slices of the kernel's K
     step or more, and stay multiples of 8 elements where K is (16-byte loads of each part, as of the whole)."""
-    bm, bn = 64, 64  # (what Gemm.tile takes for so few tiles, each part a batch element)
+    bm, bn = 64, 64  # (Gemm.tile's for so few rows, each part a batch element; its 32 x 64 tiles of 32 rows or
+    # fewer on tensor cores make as many)
     tiles = -(-m // bm) * -(-n // bn)
     if sms <= 0 or m > SPLIT_ROWS or 2 * tiles > sms:
         return 1

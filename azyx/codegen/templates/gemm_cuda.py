@@ -294,9 +294,9 @@ def _first_slices(g: Gemm, a: _MmaOperand, b: _MmaOperand, commit: str) -> list[
 def render_mma(g: Gemm, name: str) -> str:
     """The product of float16 or bfloat16 operands on tensor cores (sm_80 on): `mma.sync.m16n8k16` with float32
     accumulators. A block of 8 warps (2 x 4) computes a 128 x 128 tile of C, each warp 64 x 32 (4 x 4 mma tiles); a
-    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each. K steps by slices of 32 through `g.stages` shared-memory
-    stages (three; a product of few rows, a stream of its weight, as many as 48 KiB holds): the next slices' copies
-    (cp.async) are in flight while one is multiplied. Blocks run in
+    small product takes 64 x 64 tiles of 4 warps, 32 x 32 each (32 rows or fewer: 32 x 64, 32 x 16 each). K steps by
+    slices of 32 through `g.stages` shared-memory stages (three; a product of few rows, a stream of its weight, as
+    many as 48 KiB holds): the next slices' copies (cp.async) are in flight while one is multiplied. Blocks run in
     groups of 8 block-rows, so the blocks resident at once share their A rows and B columns in L2. Edges: loads past
     M, N or K read zeros, stores are guarded; C is rounded to its dtype once (a split product's float32 partial sums,
     Gemm.out, are stored as they are: gemm.split_k)."""
