@@ -57,7 +57,8 @@ def run_on_host(out: Tensor, data: dict[int, np.ndarray], numel: int) -> tuple[K
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows, k, n, fused", [(1, 96, 80, False), (3, 75, 37, True), (16, 300, 72, True),
                                                 (5, 64, 41, False), (16, 320, 48, True), (8, 200, 24, False),
-                                                (13, 40, 700, True), (1, 16, 4096, False)])
+                                                (13, 40, 700, True), (1, 16, 4096, False),
+                                                (1, 6000, 40, False)])
 def test_small_products_on_the_cuda_kernel(cuda_planning: None, dtype: str, transposed: bool, rows: int, k: int,
                                            n: int, fused: bool) -> None:
     """`x @ W` / `x @ W.T`, alone or as `gelu(layernorm(x) * g + beta) @ W + b) + r`: one kernel, the small-M one,
@@ -208,7 +209,8 @@ def test_a_weight_per_row_keeps_the_tiled_kernel(cuda_planning: None) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows, k, n", [(1, 768, 2304), (4, 768, 768), (16, 3072, 768), (3, 75, 37),
-                                        (16, 768, 3072), (13, 3072, 768), (1, 2048, 4096)])
+                                        (16, 768, 3072), (13, 3072, 768), (1, 2048, 4096),
+                                        (1, 8192, 512)])
 async def test_on_a_cuda_device(dtype: str, transposed: bool, rows: int, k: int, n: int) -> None:
     """On a machine with a GPU (cuda:0; skipped here): GPT-2's decode products and a ragged one as the small-M
     kernel, with the layernorm prologue and the bias, GELU and residual epilogue, one kernel, against numpy."""

@@ -34,6 +34,7 @@ LOAD_BYTES = 16  # bytes per weight load: 4 float32, 8 float16 / bfloat16
 MAX_ACC = 64  # float32 accumulators per item (M x columns) beyond which x @ W's loads narrow
 ROW_BYTES = 64  # contiguous bytes of a weight row a block reads per row along N (x @ W)
 STAGE_FLOATS = 4096  # one row's staged chunk of A: KC float32 in shared memory (16 KiB)
+HALF_STAGE_FLOATS = 8192  # the same for a half-precision weight (32 KiB): see Gemv.chunk
 SHARED_FLOATS = 8192  # rows' staged chunk, partial sums and statistics: float32 in a block's shared memory (32 KiB)
 ROW_FLOATS = 256  # of SHARED_FLOATS, kept for the rows' statistics
 
@@ -121,9 +122,12 @@ class Gemv:
         STAGE_FLOATS; several, what SHARED_FLOATS leaves beside the partial sums, so that a decode layer's K is one
         chunk whose weight loads are issued before the prologue (16 x 768 @ 768 x 3072 on an H200: float32 10.6 ->
         7.5 us, bfloat16 11.4 -> 9.4; one row of float32 8192 x 8192 staged whole is slower, 3,999 -> 2,407 GB/s,
-        not understood)."""
+        not understood). One row against a half-precision weight stages up to HALF_STAGE_FLOATS: a K of 8192 is then
+        one chunk with a constant bound (H200, cold L2, 8192 x 8192 x @ W: bfloat16 3,075 -> 3,720 GB/s, float16
+        3,128 -> 3,694; 14,336 x 4,096 x @ W.T: bfloat16 2,721 -> 3,288; float32 x @ W fell 3,899 -> 2,398 with it)."""
         whole = -(-self.k // 8) * 8
-        room = STAGE_FLOATS if self.mb == 1 else SHARED_FLOATS - ROW_FLOATS - self.partials
+        one = HALF_STAGE_FLOATS if self.dtype.itemsize == 2 else STAGE_FLOATS
+        room = one if self.mb == 1 else SHARED_FLOATS - ROW_FLOATS - self.partials
         return max(8, min(room // self.mb // 8 * 8, whole))
 
     @property
