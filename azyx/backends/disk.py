@@ -295,8 +295,9 @@ class DiskDevice(Device):
         right after a read no reader has taken yet joins it where one of them is small (`_join`: one `preadv`). Else
         each through the next block of `dev`'s ring (`mem.ring`): read once the block's last copy is done, then copied
         into its targets by `dev`'s queue (`copy_from_host`, queued now, after the read on the disk's timeline: a
-        target's `ready`), so a load holds at most the ring's blocks. Each extent's `value`: the disk's timeline value its read reaches (where its failure
-        is recorded: a run covering the disk's values raises it, a stream asks `failure_in`)."""
+        target's `ready`), so a load holds at most the ring's blocks. Each extent's `value`: the disk's timeline value
+        its read reaches (where its failure is recorded: a run covering the disk's values raises it, a stream asks
+        `failure_in`)."""
         ring = None if dev.host_memory else dev.mem.ring()
         with self.lock:  # (their values, in one step)
             for ext in extents:
@@ -386,10 +387,10 @@ class DiskDevice(Device):
 
     def _join(self, ext: Extent, dev: Device) -> bool:
         """Under the lock: join `ext` to the open read (`joinable`) where its bytes follow that read's, on one file, and
-        the two come to EXTENT bytes at most, or one of them is SMALL (then HOST_EXTENT + SMALL at most). Two large reads
-        stay two, for two readers. A model's small tensors (biases, norms) lie between its large ones, each of them a
-        read that cost a reader's Python (and the GIL) as much as a large one's (a lazy 2 GiB load onto c:0: 240 reads,
-        112 of them of 4-16 KiB)."""
+        the two come to EXTENT bytes at most, or one of them is SMALL (then HOST_EXTENT + SMALL at most). Two large
+        reads stay two, for two readers. A model's small tensors (biases, norms) lie between its large ones, each of
+        them a read that cost a reader's Python (and the GIL) as much as a large one's (a lazy 2 GiB load onto c:0: 240
+        reads, 112 of them of 4-16 KiB)."""
         if self.joinable is None:
             return False
         into, at = self.joinable
