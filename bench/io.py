@@ -245,7 +245,7 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
         while done < len(view):
             done += os.preadv(fd, [view[done : done + 64 * MIB]], offset + done)
 
-    async def beside_heartbeat(load: Any) -> Any:
+    async def beside_heartbeat(load: Any) -> None:
         from azyx.debug import LoopStalls
 
         stalls = LoopStalls(late_after=3e-3, depth=12)  # (a 1 ms heartbeat, and a sampler of the late beats)
@@ -254,8 +254,8 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
         try:
             async with stalls:
                 marks.append(time.perf_counter())
-                try:
-                    return await load
+                try:  # (nothing returned: asyncio.run's end formats its main task's result, a repr of each tensor)
+                    await load
                 finally:
                     marks.append(time.perf_counter())
         finally:
