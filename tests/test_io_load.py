@@ -316,6 +316,26 @@ async def test_the_loops_share_of_a_load_is_per_tensor_not_per_extent(tmp_path: 
         np.testing.assert_array_equal(got[name], a)
 
 
+async def test_a_small_tensors_read_joins_its_large_neighbours(tmp_path: Path) -> None:
+    """A plan's transfers onto c:0 of two large tensors (HOST_EXTENT bytes: a read each), each followed in the file by
+    a small one (a bias), are two reads: a read of SMALL bytes or less joins its neighbour's, whatever that one's size
+    (`DiskDevice._join`, the plan's reads started in file order), where each had been a read of its own; the two
+    large ones stay two reads (two readers). The bytes are the file's."""
+    rng = np.random.default_rng(23)
+    arrays = {}
+    for i in range(2):  # (in the file in name order: weight, bias, weight, bias)
+        arrays[f"l{i}.a_weight"] = rng.standard_normal(HOST_EXTENT // 4).astype(np.float32)
+        arrays[f"l{i}.b_bias"] = rng.standard_normal(1000 + i).astype(np.float32)
+    p = tmp_path / "neighbours.safetensors"
+    save_file(arrays, p)
+    await azyx.realize(Tensor(np.zeros(1, np.float32), device="c:0"))  # (started)
+    reads = disk().reads
+    got = await _lazy_load(p, "c:0")
+    assert disk().reads - reads == 2
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(got[name], a)
+
+
 @pytest.mark.parametrize("staged", ["vulkan:0", "cuda:0"])
 @pytest.mark.parametrize("path", ["stream", "lazy"])
 @pytest.mark.parametrize("direct_io", [False, True])

@@ -44,6 +44,8 @@ DIRECT_PIECE = (1 << 20) + DIRECT_ALIGN  # a reader thread's O_DIRECT block for 
 # and a 128 MiB read-ahead its first load took 0.27 -> 0.37 CPU s per GB and its second was no faster
 HOST_EXTENT = 2 * EXTENT
 SPLIT = 8 << 20  # a read of at least twice this is split across threads: faulting fresh memory in is the slow part
+SMALL = EXTENT // 8  # a read of at most this joins its neighbour's, whatever that one's size (`DiskDevice._join`)
+READERS = max(4, os.cpu_count() or 2)  # reader threads: one per core (a read from the page cache keeps one busy)
 _readers: list[concurrent.futures.ThreadPoolExecutor] = []
 _readers_lock = threading.Lock()
 
@@ -58,7 +60,7 @@ def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
     the loop's priority (see `workers._executor`)."""
     with _readers_lock:
         if not _readers:
-            _readers.append(workers.started_pool(max(4, os.cpu_count() or 2), "azyx-disk",
+            _readers.append(workers.started_pool(READERS, "azyx-disk",
                                                  workers.lower_priority if native is not None else None))
         return _readers[0]
 
@@ -289,12 +291,13 @@ class DiskDevice(Device):
         """Read `extents` (each at most EXTENT bytes, a plan's transfer's HOST_EXTENT into host memory; a widened one at
         most EXTENT // 2) into their targets on `dev`, on the reader threads, in parallel; this (the loop's thread,
         often) numbers them in one step, queues their copies where staged, and hands them to the booker (`_book`), which
-        starts them. Into host memory (`dev`'s buffers, or a failed target's scratch), straight: a small read of the
-        bytes right after a read no reader has taken yet joins it (one `preadv`). Else each through the next block of
-        `dev`'s ring (`mem.ring`): read once the block's last copy is done, then copied into its targets by `dev`'s
-        queue (`copy_from_host`, queued now, after the read on the disk's timeline: a target's `ready`), so a load holds
-        at most the ring's blocks. Each extent's `value`: the disk's timeline value its read reaches (where its failure
-        is recorded: a run covering the disk's values raises it, a stream asks `failure_in`)."""
+        starts them. Into host memory (`dev`'s buffers, or a failed target's scratch), straight: a read of the bytes
+        right after a read no reader has taken yet joins it where one of them is small (`_join`: one `preadv`). Else
+        each through the next block of `dev`'s ring (`mem.ring`): read once the block's last copy is done, then copied
+        into its targets by `dev`'s queue (`copy_from_host`, queued now, after the read on the disk's timeline: a
+        target's `ready`), so a load holds at most the ring's blocks. Each extent's `value`: the disk's timeline value
+        its read reaches (where its failure is recorded: a run covering the disk's values raises it, a stream asks
+        `failure_in`)."""
         ring = None if dev.host_memory else dev.mem.ring()
         with self.lock:  # (their values, in one step)
             for ext in extents:
@@ -344,38 +347,58 @@ class DiskDevice(Device):
             _reader_pool().submit(self._start_booked)
 
     def _start_booked(self) -> None:
-        """(A reader thread.) Start the booked reads, in order, until none is left: a read into host memory at once,
-        joined to the open one where its bytes follow (`_join`: one `preadv`); a read into a staging block once the
-        device has done the block's last copy (`Timeline.on_reach`)."""
+        """(A reader thread.) Start the booked reads, in order (a batch of reads into host memory in file order), until
+        none is left: a read into host memory once the next one of its batch is seen not to join it (`_join`: one
+        `preadv`; the batch's last at its end, joinable by the next batch's first until a reader takes it); a read into
+        a staging block once the device has done the block's last copy (`Timeline.on_reach`)."""
         while True:
             with self.lock:
                 reads, self.booked = self.booked, []
                 if not reads:
                     self.booking = False
                     return
+            if all(block is None for _, _, block, _, _ in reads):  # (in file order: neighbours join; a stream's are)
+                reads.sort(key=lambda r: (id(r[0].source.file), r[0].source.offset + r[0].start))
+            held: list[tuple[Extent, Device]] = []  # (the batch's last read into host memory, not started yet)
             for ext, dev, block, at, after in reads:
-                try:
-                    if block is None:
-                        with self.lock:
-                            if self._join(ext, dev):
-                                continue
-                            self.joinable = (ext, dev) if ext.nbytes < EXTENT and not ext.widen else None
-                        _start_read([(self, ext, dev, None, 0)])
-                    else:
-                        dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, block, at)]))
-                except BaseException as e:  # (the pool shut down: its values fail rather than never come)
-                    for v in (ext.value, *ext.values):
-                        self._piece_done(v, e)
+                if block is None:
+                    with self.lock:
+                        if self._join(ext, dev):
+                            continue
+                        self.joinable = None if ext.widen else (ext, dev)
+                    if held:
+                        self._begin(*held.pop())
+                    held.append((ext, dev))
+                else:
+                    self._begin(ext, dev, block, at, after)
+            if held:
+                self._begin(*held.pop())
+
+    def _begin(self, ext: Extent, dev: Device, block: np.ndarray | None = None, at: int = 0, after: int = 0) -> None:
+        """Start a booked read: into host memory at once, into a staging block once the device reaches `after`."""
+        try:
+            if block is None:
+                _start_read([(self, ext, dev, None, 0)])
+            else:
+                dev.timeline.on_reach(after, partial(_start_read, [(self, ext, dev, block, at)]))
+        except BaseException as e:  # (the pool shut down: its values fail rather than never come)
+            for v in (ext.value, *ext.values):
+                self._piece_done(v, e)
 
     def _join(self, ext: Extent, dev: Device) -> bool:
-        """Under the lock: join `ext` to the open read (`joinable`) where its bytes follow that read's, on one file."""
+        """Under the lock: join `ext` to the open read (`joinable`) where its bytes follow that read's, on one file, and
+        the two come to EXTENT bytes at most, or one of them is SMALL (then HOST_EXTENT + SMALL at most). Two large
+        reads stay two, for two readers. A model's small tensors (biases, norms) lie between its large ones, each of
+        them a read that cost a reader's Python (and the GIL) as much as a large one's (a lazy 2 GiB load onto c:0: 240
+        reads, 112 of them of 4-16 KiB)."""
         if self.joinable is None:
             return False
         into, at = self.joinable
         a, b = into.source, ext.source
+        n = into.nbytes + ext.nbytes
         if at is not dev or a.file is not b.file or a.runs is not None or b.runs is not None or ext.widen or \
                 into.direct != ext.direct or a.offset + into.start + into.nbytes != b.offset + ext.start or \
-                into.nbytes + ext.nbytes > EXTENT:
+                n > EXTENT and (min(into.nbytes, ext.nbytes) > SMALL or n > HOST_EXTENT + SMALL):
             return False
         into.parts += ext.parts
         into.nbytes += ext.nbytes
