@@ -70,7 +70,7 @@ from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.memory import RING, RING_BLOCK
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
-from azyx.queues import EventQueue, QueuedDevice
+from azyx.queues import UNWATCHED, EventQueue, QueuedDevice
 from azyx.workers import in_background
 
 # (spin_us: as opencl's; gather: as c's; peer_reads: kernels read a peer device's buffers in place, `reads_peer`)
@@ -78,8 +78,6 @@ CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True, "peer_
 AUTO = True
 LIBRARIES = ("libcuda.so.1", "libcuda.so")
 
-NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
-UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
 # blocks of up to SLAB_PIECE bytes are pieces of SLAB-byte slabs, each at an address aligned as cuMemAlloc's (256)
 SLAB, SLAB_PIECE, SLAB_ALIGN = 2 << 20, 256 << 10, 256
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
@@ -227,6 +225,9 @@ class _Queue(EventQueue):
 
     dev: CUDADevice
     submitted, waited = _queue_field("submitted", "dev.queue_state"), _queue_field("waited", "dev.queue_state")
+    watched, demanded = _queue_field("handed", "dev.queue_state"), _queue_field("demanded", "dev.queue_state")
+    # (a command is on the stream once its event is in `events`, which `query` reads: `poll` may ask of any value)
+    through = property(lambda _: 1 << 62, lambda *_: None)
 
     def take_done(self) -> list[Any]:
         native_queue = self.dev.native_queue
@@ -244,10 +245,9 @@ class CUDADevice(QueuedDevice):
     def count(cls, options: dict[str, Any]) -> int:
         return int(options["devices"]) if "devices" in options else init()
 
-    # the queue's counters (the last value reserved, handled by the waiter thread, handed to it, waited for) and its
-    # open batch: the queue state's (native.Queue's members where the native core is built)
-    submitted, waited, handed = _queue_field("submitted"), _queue_field("waited"), _queue_field("handed")
-    demanded, batch = _queue_field("demanded"), _queue_field("batch")
+    # the queue's counters (the last value reserved, handled by the waiter thread) and its open batch: the queue
+    # state's (native.Queue's members where the native core is built)
+    submitted, waited, batch = _queue_field("submitted"), _queue_field("waited"), _queue_field("batch")
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.queue_state: Any = _QueueState()  # (first: the base's __init__ sets the counters)
@@ -291,13 +291,6 @@ class CUDADevice(QueuedDevice):
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
         self.params: dict[tuple, tuple[Any, Any, int]] = {}  # pointers (tensor maps) -> kernelParams (_launch_now)
         self.modules: list[Any] = []
-        # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
-        # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread
-        # is handed it. A realize that `poll` finds complete never wakes that thread: its wake-up, and its taking
-        # the GIL from the loop's thread while the next plan is submitted, cost more than the work on that VM.
-        self.qlock = threading.Lock()  # guards `unwatched` and `handed`; taken under `lock`, never the reverse
-        self.unwatched: collections.deque[tuple[Any, int]] = collections.deque()
-        self.timeline.demand = self._demand
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.deferred: collections.deque[_Job] = collections.deque()
         self.ready = threading.Condition(self.queue.lock)
@@ -326,15 +319,17 @@ class CUDADevice(QueuedDevice):
             ctypes.memset(self.done_flag, 0, 64)
             flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
         queue = native.Queue(
-            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock, qlock=self.qlock,
-            deferred=self.deferred, posts=self.queue.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
-            watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
-            fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
+            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock,
+            qlock=self.queue.qlock, deferred=self.deferred, posts=self.queue.posts, alloc=self.alloc, use=self.use,
+            new_event=self._new_event, watch=self.queue.watch, fail=self.hot.fail, check_alive=self.check_alive,
+            buffer=Buffer, record=RunRecord, fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h,
+            unwatched_max=UNWATCHED)
         # from here the queue's state is the native queue's own: its counters and batch, and its tables
-        assert not (self.queue.holding or self.queue.events or self.free_events or self.unwatched or self.submitted)
+        assert not (self.queue.holding or self.queue.events or self.free_events or self.queue.unwatched
+                    or self.submitted)
         self.queue_state = self.native_queue = queue
         self.queue.holding, self.queue.events = queue.holding, queue.events
-        self.free_events, self.unwatched = queue.free_events, queue.unwatched
+        self.free_events, self.queue.unwatched = queue.free_events, queue.unwatched
 
     def identity(self) -> dict[str, Any]:
         """The GPU (name, compute capability: the base's label and arch), the driver's and NVRTC's versions."""
@@ -438,31 +433,7 @@ class CUDADevice(QueuedDevice):
             self.queue.holding[v] = keep
         if post is not None:
             self.queue.posts.append(v)
-        with self.qlock:
-            if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
-                self.unwatched.append((ev, v))
-            else:
-                self._watch(ev, v, post)
-
-    def _watch(self, ev: Any, v: int, post: Callable[[], None] | None = None) -> None:
-        """Under `qlock`: the waiter thread takes the command of value `v` (event `ev`), after every unwatched one."""
-        self._hand_over()
-        self.queue.completions.put((ev, v, post))
-        self.handed = v
-
-    def _hand_over(self) -> None:
-        """Under `qlock`: the waiter thread takes every unwatched command, in order."""
-        while self.unwatched:
-            ev, v = self.unwatched.popleft()
-            self.queue.completions.put((ev, v, None))
-            self.handed = v
-
-    def _demand(self, v: int) -> None:
-        """The timeline's hook: someone waits for a value not reached yet, so the waiter thread must watch it: now, or
-        when it is recorded (a command still in a batch or deferred)."""
-        with self.qlock:
-            self.demanded = max(self.demanded, v)
-            self._hand_over()
+        self.queue.record(ev, v, post, first)
 
     def _new_event(self) -> Any:
         return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
@@ -579,29 +550,19 @@ class CUDADevice(QueuedDevice):
             self.free_events.append(ev)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
-        """On the loop, before it would sleep: a command's event complete now or within `spin` seconds (a small plan's
-        is, a few microseconds after its launch) advances the timeline here, without the waiter thread. Not past a
-        value whose host-side `post` has yet to run (a read's copy out of pinned memory). Unwatched commands up to `v`
-        are complete then (the stream is in order): when the waiter thread has nothing older left, their completion
-        is handled here."""
-        if self.native_queue is not None:  # (the same, in C)
+        """(QueuedDevice's: a small plan's event is complete a few microseconds after its launch.) In C where the
+        native core is built."""
+        if self.native_queue is not None:
             return self.native_queue.poll(v, spin)
+        return super().poll(v, spin)
+
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """The command's event, once recorded: complete (an error is left for the waiter thread to report)."""
         ev = self.queue.events.get(v)
-        if ev is None or (self.queue.posts and self.queue.posts[0] <= v):
-            return self.timeline.value >= v
+        if ev is None:
+            return None
         query, handle = self.hot.event_query, int(ev)
-        if not self.spun(lambda: query(handle) != NOT_READY, spin) or query(handle):
-            return self.timeline.value >= v  # not yet; an error stays for the waiter thread to report
-        done = []
-        with self.queue.lock, self.qlock:
-            if self.waited >= self.handed:
-                while self.unwatched and self.unwatched[0][1] <= v:
-                    u = self.unwatched.popleft()[1]
-                    done.append(self.queue.holding.pop(u, None))
-                    self.waited = u
-        del done  # the commands' buffers go back to their pools, outside the lock
-        self.timeline.signal(v)
-        return True
+        return lambda: query(handle) == 0
 
     def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...], hold_gil: bool = True) -> None:
         grid, block, zero = dims.grid, dims.group, dims.zero
@@ -951,8 +912,6 @@ class CUDADevice(QueuedDevice):
                 self.ready.notify_all()
         if self.submitter is not None:
             self.submitter.join(timeout=10)
-        with self.qlock:
-            self._hand_over()
 
     def let_go(self) -> None:
         """(`close`) The lanes' completion flag goes (the executor's devices are closed: no lane reads it); the memory
