@@ -592,23 +592,6 @@ class CUDADevice(QueuedDevice):
             arrays = self.params[key] = _kernel_params(ptrs, maps)
         return arrays[2]
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        fn = self.programs[step.name]  # a CUfunction's handle
-        # per kernel, not per name: kernels of one source may differ in grid (a row-sum's rows, a product's batch are
-        # not in their source, so several shapes share one compiled function)
-        dims = step.launch
-        # the buffers' device pointers, then the scalar arguments' words: kernelParams points at each 64-bit value
-        # (the driver reads as many low bytes as the parameter has), and a steady batch's graph is keyed by them all
-        ptrs = tuple(b.ptr for b in bufs) + words if words else tuple(b.ptr for b in bufs)
-        if self.batch is not None and not waits:
-            self.batch.append((fn, dims, ptrs, step.name))
-            self.submitted += 1  # reserved: end_batch records the event that completes it
-            v = self.submitted
-            self.queue.holding[v] = bufs
-            return v
-        return self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
-
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
         """Kernels in a row: collected into the batch (a single-device plan's, open for its whole run; for a plan over
@@ -616,12 +599,14 @@ class CUDADevice(QueuedDevice):
         and, once steady, one graph launch. An INLINE batch (one kernel) outside a run-long batch is one command."""
         if batch is None:
             batch = self.batch_of(items)
-        if self.batch is None and batch.how is INLINE:
-            return super().launch_many(items, waits, batch)
         v = 0
-        if waits:
+        if waits or (self.batch is None and batch.how is INLINE):
             step, bufs, words = items[0]
-            v = self.launch(step, bufs, waits, words)
+            # (per kernel, not per name: kernels of one source may differ in grid.) kernelParams points at each 64-bit
+            # value, the buffers' device pointers then the scalars' words (the driver reads as many low bytes as the
+            # parameter has), and a steady batch's graph is keyed by them all
+            fn, dims, ptrs = self.programs[step.name], step.launch, tuple([b.ptr for b in bufs]) + words
+            v = self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
             items = items[1:]
             if not items:
                 return v
