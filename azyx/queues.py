@@ -231,13 +231,17 @@ class EventQueue:
         self.lock = threading.RLock()
         self.completions: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
         self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{dev.name}-events", daemon=True)
-        # a device that submits from a thread of its own (OpenCL, Vulkan, wgpu): its commands by `enqueue`, in value
-        # order, as (what to run, its waits, its value, its `post`); None stops it (`stop_submit_thread`)
-        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int, Callable[[], None] | None] | None] \
-            = queue.SimpleQueue()
+        # the submit thread's commands (`enqueue`), in value order, as (what to run, its waits, its value, its `post`,
+        # the first value it completes); None stops it (`stop_submit_thread`)
+        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int, Callable[[], None] | None, int]
+                                          | None] = queue.SimpleQueue()
         self.submit_thread = threading.Thread(target=self._submit_each, name=f"azyx-{dev.name}-submit", daemon=True)
         self.through = 0  # the last value the submit thread is through with
         self.handed = 0  # commands handed to the submit thread (the others their caller submitted: `enqueue`)
+        # the first value of each command handed to the submit thread and not submitted yet (`submitted_to`; CUDA's
+        # native queue reads its length: its lanes submit only behind none)
+        self.pending: collections.deque[int] = collections.deque()
+        self.moved = threading.Condition(self.lock)  # (notified as the submit thread submits a command)
         self.closed = False
         # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
         # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread is
@@ -249,12 +253,11 @@ class EventQueue:
         self.watched = self.demanded = 0  # (`demanded`: the highest value someone waited for)
         dev.timeline.demand = self.demand
 
-    def start(self, submits: bool = True) -> None:
-        """Start the waiter thread, and the submit thread where `submits` (once the device's API state exists: the
-        threads may use its context)."""
+    def start(self) -> None:
+        """Start the waiter thread and the submit thread (once the device's API state exists: the threads may use its
+        context)."""
         self.waiter.start()
-        if submits:
-            self.submit_thread.start()
+        self.submit_thread.start()
 
     def native_waits(self, waits: list[tuple[Device, int]]) -> tuple[list[Any], list[tuple[Device, int]]]:
         """The one translation of a command's waits: of those not reached yet, the native ones (the device's
@@ -354,30 +357,34 @@ class EventQueue:
             dev.timeline.signal(v)
 
     def enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
-                post: Callable[[], None] | None = None, inline: bool = False) -> int:
+                post: Callable[[], None] | None = None, inline: bool = False, first: int = 0) -> int:
         """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`); `post` runs on the
         waiter thread once the command completed, before the timeline reaches its value. `inline`: the device says
         its API cannot block on this command; where the submit thread is through with every earlier one, it is
-        submitted here and now (a thread's hand-over and wake-up less: OpenCL's small realize 200-280 -> ~100 us)."""
+        submitted here and now (a thread's hand-over and wake-up less: OpenCL's small realize 200-280 -> ~100 us).
+        `first`: the command completes the values reserved from `first` on (CUDA's batch, holding what they use)."""
         self.dev.check_alive()
         with self.lock:
             if self.closed:
                 raise DeviceError(f"{self.dev.name} is closed")
-            self.submitted += 1
+            if not first:
+                self.submitted += 1
+                self.holding[self.submitted] = keep
             v = self.submitted
-            self.holding[v] = keep
             if post is not None:
                 self.posts.append(v)
-            if inline and self.through == v - 1:
-                self._submit(run, waits, v, post)
+            if inline and not self.pending:
+                self._submit(run, waits, v, post, first)
             else:
                 self.handed += 1
-                self.to_submit.put((run, waits, v, post))
+                self.pending.append(first or v)
+                self.to_submit.put((run, waits, v, post, first))
             done = self.take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         return v
 
-    def _submit(self, run: Any, waits: list[tuple[Device, int]], v: int, post: Callable[[], None] | None) -> None:
+    def _submit(self, run: Any, waits: list[tuple[Device, int]], v: int, post: Callable[[], None] | None,
+                first: int = 0) -> None:
         """Submit command `v` (the device's `submit`) and hand it to the waiter thread; a command that cannot be
         submitted fails its value. `through` moves last: at `v` the submit thread is idle."""
         ev = None
@@ -385,13 +392,22 @@ class EventQueue:
             ev = self.dev.submit(run, waits, v)
         except BaseException as e:
             self.dev.record_failure(v, e)
-        self.record(ev, v, post)
+        self.record(ev, v, post, first)
 
     def _submit_each(self) -> None:
         """The submit thread: each command submitted in value order (`_submit`)."""
         while (item := self.to_submit.get()) is not None:
             self._submit(*item)
             del item
+            with self.lock:
+                self.pending.popleft()
+                self.moved.notify_all()
+
+    def submitted_to(self, v: int) -> None:
+        """Block (another device's submit thread) until the command of value `v` is submitted: its event exists."""
+        with self.lock:
+            while self.pending and self.pending[0] <= v:
+                self.moved.wait()
 
     def stop_submit_thread(self) -> bool:
         """Let the submit thread submit what was queued, then stop it; False: it was stopped already."""

@@ -8,8 +8,9 @@ polls the loop.
 
 Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it. A command that must
 wait for progress on the host side (a C kernel's output, a staging copy into pinned memory) is not put on the
-stream before it can run: it waits in the device's deferred queue, in order, and a submitter thread puts it on
-the stream once its conditions hold (every later command queues behind it, so the stream keeps program order).
+stream before it can run: it goes to the event queue's submit thread (as every command of OpenCL, Vulkan and wgpu
+does), which puts it on the stream once its conditions hold (every later command queues behind it, so the stream
+keeps program order); other commands are put on the stream by their caller.
 A GPU-side wait on host memory (a spinning kernel, `cuStreamWaitValue32`) was tried first: it can hold the
 device busy while a module load waits for the device to idle, which deadlocks. Copies (the executor routes them):
 peer-to-peer between CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers
@@ -23,7 +24,6 @@ allocator hands back the same blocks), its launches replay as one CUDA graph (`b
 from __future__ import annotations
 
 import array
-import collections
 import ctypes
 import dataclasses
 import operator
@@ -181,20 +181,6 @@ class _Frozen:
 
 
 # ------------------------------------------------------------------------------------------------ the device
-class _Job:
-    """A command deferred until host-side progress lets it go on the stream (see CUDADevice._submit)."""
-
-    __slots__ = ("host_wait", "waits", "enqueue", "keep", "post", "value", "first")
-
-    def __init__(self, host_wait: Callable[[], None] | None, waits: list[tuple[Device, int]],
-                 enqueue: Callable[[], None], keep: Any, post: Callable[[], None] | None, value: int, first: int = 0):
-        self.host_wait, self.waits, self.enqueue, self.keep, self.post = host_wait, waits, enqueue, keep, post
-        self.value, self.first = value, first or value
-
-
-_STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter thread
-
-
 class _QueueState:
     """A CUDA device's queue counters and open batch where the native core is not built; otherwise they are
     `native.Queue`'s own members, which its lanes and `poll` advance in C and the device's Python paths through the
@@ -292,13 +278,10 @@ class CUDADevice(QueuedDevice):
         self.params: dict[tuple, tuple[Any, Any, int]] = {}  # pointers (tensor maps) -> kernelParams (_launch_now)
         self.modules: list[Any] = []
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
-        self.deferred: collections.deque[_Job] = collections.deque()
-        self.ready = threading.Condition(self.queue.lock)
-        self.submitter: threading.Thread | None = None
         self.peers: dict[int, bool] = {}
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
-        self.queue.start(submits=False)
+        self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
     def _start_native_queue(self) -> None:
@@ -320,7 +303,7 @@ class CUDADevice(QueuedDevice):
             flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
         queue = native.Queue(
             device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock,
-            qlock=self.queue.qlock, deferred=self.deferred, posts=self.queue.posts, alloc=self.alloc, use=self.use,
+            qlock=self.queue.qlock, deferred=self.queue.pending, posts=self.queue.posts, alloc=self.alloc, use=self.use,
             new_event=self._new_event, watch=self.queue.watch, fail=self.hot.fail, check_alive=self.check_alive,
             buffer=Buffer, record=RunRecord, fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h,
             unwatched_max=UNWATCHED)
@@ -414,27 +397,6 @@ class CUDADevice(QueuedDevice):
         ev = dev.queue.events.get(v) if isinstance(dev, CUDADevice) else None
         return (ev, v) if ev is not None else None
 
-    def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
-        """The events that `waits` translate to (`native_waits`); None when a wait has none: then the command must
-        be deferred."""
-        native, host = self.queue.native_waits(waits)
-        return None if host else native
-
-    def _record(self, v: int, keep: Any, post: Callable[[], None] | None, first: int = 0) -> None:
-        """Under the lock, after the command of value `v` is on the stream: its event (also for the values from
-        `first` on that a batch reserved), and its completion."""
-        ev = self._event()
-        if not first or first == v:
-            self.queue.events[v] = ev
-        else:
-            for u in range(first, v + 1):
-                self.queue.events[u] = ev
-        if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
-            self.queue.holding[v] = keep
-        if post is not None:
-            self.queue.posts.append(v)
-        self.queue.record(ev, v, post, first)
-
     def _new_event(self) -> Any:
         return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
@@ -447,97 +409,60 @@ class CUDADevice(QueuedDevice):
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None,
                 long: Callable[[], None] | None = None) -> int:
-        """Put work on the stream after `waits` (now, or deferred until they can be expressed on the GPU); returns
-        its timeline value. `host_wait` blocks (on the submitter thread) until host-side inputs are ready; `post`
-        runs on the waiter thread once the work completed, before the timeline reaches its value. `long`: the work
-        takes milliseconds to enqueue (launches one by one, a capture): the submitter thread runs it instead."""
+        """Put work on the stream after `waits` (`queue.enqueue`: now, where every wait is an event and nothing is
+        queued for the submit thread, else by that thread once it can go on the GPU); returns its timeline value.
+        `host_wait` blocks (on the submit thread) until host-side inputs are ready; `post` runs on the waiter thread
+        once the work completed, before the timeline reaches its value. `long`: the work takes milliseconds to enqueue
+        (launches one by one, a capture): the submit thread runs it instead."""
         with self.queue.lock:
-            self.use()
             if self.batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
                 self.batch = []
-            self.submitted += 1
-            v = self.submitted
-            events = None if (host_wait is not None or long is not None or self.deferred) else self._event_waits(waits)
-            lost: DeviceError | None = None
-            if events is None:
-                self._defer(_Job(host_wait, waits, long or enqueue, keep, post, v))
-            else:
-                try:
-                    for ev, _ in events:
-                        check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                    enqueue()
-                    self._record(v, keep, post)
-                except DeviceError as e:
-                    if not sticky(e):
-                        raise
-                    lost = e
-            done = self.queue.take_done()
-        del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        if lost is not None:  # an earlier kernel faulted: the context is gone (outside the lock: fail wakes waiters)
-            raise self.fail(lost)
-        return v
+            inline = host_wait is None and long is None and not self.queue.native_waits(waits)[1]
+            return self.queue.enqueue((host_wait, long or enqueue, 0), waits, keep, post, inline)
 
-    def _defer(self, job: _Job) -> None:
-        """Under the lock: queue a command behind the deferred ones, for the submitter thread."""
-        self.deferred.append(job)
-        if self.submitter is None:
-            self.submitter = threading.Thread(target=self._submit_loop, name=f"azyx-{self.name}-submit",
-                                              daemon=True)
-            self.submitter.start()
-        self.ready.notify()
-
-    def _submit_loop(self) -> None:
-        """Put deferred commands on the stream in order, each once what it waits for is there."""
-        while True:
-            with self.queue.lock:
-                while not self.deferred:
-                    self.ready.wait()
-                job = self.deferred[0]
-            if job is _STOP:
-                return
-            try:
-                if job.host_wait is not None:
-                    job.host_wait()
-                for dev, v in job.waits:  # host devices, and CUDA commands deferred on their own device
-                    if not isinstance(dev, CUDADevice):
-                        dev.timeline.wait_sync(v)
-                    else:
-                        dev.wait_recorded(v)
+    def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> Any:
+        """(The submit thread, or the caller under the lock: `_submit`.) Once its host-side inputs are ready and each
+        CUDA command it waits for is on its stream, the command on the stream after the events of `waits` (the rest,
+        host devices', waited for here); returns its event, which completes the values from its `first` on (a batch's).
+        A command whose waits or enqueue failed is left out, its failure recorded: its event still completes it."""
+        host_wait, enqueue, first = run
+        try:
+            if host_wait is not None:
+                host_wait()
+            for dev, u in self.queue.native_waits(waits)[1]:  # (none where it is submitted by the caller)
+                if isinstance(dev, CUDADevice):
+                    dev.queue.submitted_to(u)
+            native, ok = self.queue.host_waited(waits, v)
+            if ok:
                 with self.queue.lock:
                     self.use()
-                    events = self._event_waits(job.waits) or []  # every wait is recorded or reached by now
-                    for ev, _ in events:
+                    for ev, _ in native:
                         check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                # outside the lock (a long batch's launches take milliseconds, and the loop's thread takes the lock to
-                # submit or poll): while this job heads the queue, every other command queues behind it, so the
-                # stream is this thread's alone
-                job.enqueue()
-            except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
-                self.record_failure(job.value, e)
-                if sticky(e):
-                    self.fail(e)
-            try:
-                with self.queue.lock:
-                    self.use()
-                    self._record(job.value, job.keep, job.post, job.first)
-            except BaseException as e:  # no event: its completion cannot be known, the context is lost
-                self.lost(job.value, e)
+                # outside the lock on the submit thread (a long batch's launches take milliseconds, and the loop's
+                # thread takes the lock to submit or poll): while this command is pending, every later one queues
+                # behind it, so the stream is this thread's alone
+                enqueue()
+        except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
+            self.record_failure(v, e)
+            if sticky(e):
+                self.fail(e)
+        try:
             with self.queue.lock:
-                self.deferred.popleft()
-                self.ready.notify_all()
-            del job  # its buffers go back to their pools when the command completes, not when the next one comes
-
-    def wait_recorded(self, v: int) -> None:
-        """Block (worker threads) until the command of value `v` is on the stream (its event exists)."""
-        with self.queue.lock:
-            while any(j.first <= v <= j.value for j in self.deferred):
-                self.ready.wait()
+                self.use()
+                ev = self._event()
+                for u in range(first or v, v + 1):
+                    self.queue.events[u] = ev
+                return ev
+        except BaseException as e:  # no event: its completion cannot be known, the context is lost
+            return self.lost(v, e)
 
     def on_waiter_thread(self) -> None:
         self.use()
 
     def wait_event(self, ev: Any, v: int) -> bool:
+        if ev is False:  # (no event: `submit`, the device failed)
+            return False
         err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
         if int(err) == 0:
             return True
@@ -872,31 +797,20 @@ class CUDADevice(QueuedDevice):
         self.end_batch()
 
     def _flush(self, batch: list[Collected]) -> None:
-        """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;
-        behind the deferred commands when there are any."""
-        self.use()
-        first, v = self.submitted - len(batch) + 1, self.submitted
-        if self.deferred or not self.graph_cache.cheap(batch):
-            # a long batch launched one by one (or captured into a graph) takes milliseconds: the submitter thread does
-            # it, letting the loop's thread have the GIL between launches
-            self._defer(_Job(None, [], lambda: self.graph_cache.launch(batch, hold_gil=False), None, None, v, first))
-            return
-        self.graph_cache.launch(batch)
-        self._record(v, None, None, first)
+        """Under the lock: submit the batch's launches (reserved values first..last) as one command, one event: here
+        where that is cheap, else (a long batch launched one by one, or captured into a graph, takes milliseconds) by
+        the submit thread, letting the loop's thread have the GIL between launches."""
+        first, cheap = self.submitted - len(batch) + 1, self.graph_cache.cheap(batch)
+        launch = partial(self.graph_cache.launch, batch, cheap)
+        self.queue.enqueue((None, launch, first), [], None, inline=cheap, first=first)
 
     def drain(self) -> None:
-        """(`close`) Finish the stream, stop the submitter thread, hand the waiter thread every unwatched command."""
+        """(`close`, the submit thread stopped) Finish the stream."""
         try:
             self.use()
             cu.cuStreamSynchronize(self.stream)
         except Exception:
             pass
-        with self.queue.lock:
-            if self.submitter is not None:
-                self.deferred.append(_STOP)
-                self.ready.notify_all()
-        if self.submitter is not None:
-            self.submitter.join(timeout=10)
 
     def let_go(self) -> None:
         """(`close`) The lanes' completion flag goes (the executor's devices are closed: no lane reads it); the memory
