@@ -27,7 +27,6 @@ import array
 import ctypes
 import dataclasses
 import operator
-import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, cast
@@ -62,7 +61,6 @@ from azyx.device import (
     Replay,
     Runner,
     RunRecord,
-    after_waits,
     gatherable,
     lone_kernel,
 )
@@ -71,7 +69,6 @@ from azyx.memory import RING, RING_BLOCK
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.queues import UNWATCHED, EventQueue, QueuedDevice
-from azyx.workers import in_background
 
 # (spin_us: as opencl's; gather: as c's; peer_reads: kernels read a peer device's buffers in place, `reads_peer`)
 CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True, "peer_reads": True}
@@ -665,9 +662,9 @@ class CUDADevice(QueuedDevice):
 
     def _upload(self, flat: np.ndarray, dst: Buffer, offset: int, waits: list[tuple[Device, int]], keep: Any) -> int:
         """Host bytes `flat` -> this device (into `dst` from byte `offset`) through pinned chunks. A ready source of up
-        to SYNC_STAGE bytes (one chunk) is staged here; otherwise a worker thread fills the chunks once the source is
-        ready, and each chunk's DMA is a deferred command that goes on the stream once its chunk is filled (the DMA of
-        one chunk overlaps the filling of the next)."""
+        to SYNC_STAGE bytes (one chunk) is staged here; otherwise each chunk's DMA is a command that the submit thread
+        puts on the stream once it has filled the chunk (the first once the source is ready): the DMA of one chunk
+        overlaps the filling of the next."""
         n = flat.nbytes
         chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
@@ -682,34 +679,22 @@ class CUDADevice(QueuedDevice):
                     self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def fill_chunk(i: int, staged: Lent | None = None) -> None:
+            for d, u in waits if i == 0 else []:  # (the source is ready once they are reached)
+                d.timeline.wait_sync(u)
             o, size = chunks[i]
             stages[i].append(staged or self.staging.lend(max(size, 1)))
             stages[i][0].block.array[:size] = flat[o:o + size]
 
         if n <= SYNC_STAGE and all(d.timeline.value >= v for d, v in waits):
             # staged here from a block the pool has cached; else (pinning fresh memory takes milliseconds, and this
-            # may be the loop's thread) as a large source is, on a worker thread
+            # may be the loop's thread) as a large source is, on the submit thread
             cached = self.staging.cached(max(n, 1))
             if cached is not None:
                 fill_chunk(0, cached)
                 return self._submit(partial(dma, 0), [], (keep, stages))
-        staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
-
-        def stage() -> None:
-            try:
-                for i in range(len(chunks)):
-                    fill_chunk(i)
-                    staged[i].set()
-            except BaseException as e:
-                self.record_failure(v, e)  # (v: the last chunk's value, set before this runs)
-            finally:
-                for ev in staged:  # never leave the submitter waiting
-                    ev.set()
-
         v = 0
         for i in range(len(chunks)):
-            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
-        after_waits(waits, lambda: in_background(stage))
+            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(fill_chunk, i))
         return v
 
     def _enable_peer(self, other: CUDADevice) -> bool:
@@ -820,8 +805,3 @@ class CUDADevice(QueuedDevice):
             self.native_queue = None
             cu.cuMemFreeHost(self.done_flag)
             self.done_flag = 0
-
-
-def _wait_set(ev: threading.Event) -> None:
-    ev.wait()
-
