@@ -772,14 +772,10 @@ class CUDADevice(QueuedDevice):
     # a gather (Runner.gathers: a crowd's runs in one loop iteration) is a batch open across runs: one event for all of
     # them and, once steady, one graph launch; a command submitted meanwhile comes after the launches collected so far
     # (`_submit`), and other threads' submissions wait on the lock until the gather is closed (the next iteration)
-    def open_gather(self) -> None:
-        self.begin_batch()
+    open_gather, close_gather = begin_batch, end_batch
 
     def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
         return self.launch_many(items, [], batch)
-
-    def close_gather(self) -> None:
-        self.end_batch()
 
     def _flush(self, batch: list[Collected]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last) as one command, one event: here
