@@ -8,7 +8,8 @@ backend builds on, each its memory and queue parts composed:
 - `QueuedDevice`, for an API with an in-order queue and completion events (CUDA, OpenCL, Vulkan, wgpu), composing an
   `EventQueue` (its `queue`): each command's event by its timeline value, what the command holds (buffers, host arrays)
   until it completes, one waiter thread per device that waits on the events in queue order (the GIL released while it
-  waits) and advances the device's TimelineSignal (nothing polls), the one translation of a command's waits into native
+  waits) and advances the device's TimelineSignal, handed a command once someone waits for it (until then `poll`
+  may see it complete first: `EventQueue.unwatched`), the one translation of a command's waits into native
   events (`native_waits`), and where the API's submissions may block, a submit thread (`enqueue`, `submit`). The waiter
   thread drops a completed command's holdings (outside the lock) before it advances the timeline, so its buffers are
   back in their pools by the time anyone sees the value: a steady plan gets the same blocks each run, and a crowd's
@@ -207,6 +208,7 @@ class WorkQueue:
 
 # (event, timeline value, what to run on the host once the command completed, before the timeline says so)
 Completion = tuple[Any, int, Callable[[], None] | None]
+UNWATCHED = 64  # completed commands noticed lazily at most (EventQueue.unwatched); more go to the waiter thread
 
 
 class EventQueue:
@@ -229,21 +231,33 @@ class EventQueue:
         self.lock = threading.RLock()
         self.completions: queue.SimpleQueue[Completion | None] = queue.SimpleQueue()
         self.waiter = threading.Thread(target=self._wait_loop, name=f"azyx-{dev.name}-events", daemon=True)
-        # a device that submits from a thread of its own (OpenCL, Vulkan, wgpu): its commands by `enqueue`, in value
-        # order, as (what to run, its waits, its value, its `post`); None stops it (`stop_submit_thread`)
-        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int, Callable[[], None] | None] | None] \
-            = queue.SimpleQueue()
+        # the submit thread's commands (`enqueue`), in value order, as (what to run, its waits, its value, its `post`,
+        # the first value it completes); None stops it (`stop_submit_thread`)
+        self.to_submit: queue.SimpleQueue[tuple[Any, list[tuple[Device, int]], int, Callable[[], None] | None, int]
+                                          | None] = queue.SimpleQueue()
         self.submit_thread = threading.Thread(target=self._submit_each, name=f"azyx-{dev.name}-submit", daemon=True)
         self.through = 0  # the last value the submit thread is through with
         self.handed = 0  # commands handed to the submit thread (the others their caller submitted: `enqueue`)
+        # the first value of each command handed to the submit thread and not submitted yet (`submitted_to`; CUDA's
+        # native queue reads its length: its lanes submit only behind none)
+        self.pending: collections.deque[int] = collections.deque()
+        self.moved = threading.Condition(self.lock)  # (notified as the submit thread submits a command)
         self.closed = False
+        # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
+        # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread is
+        # handed it (`watched`: the last value it was). A realize that `poll` finds complete never wakes that thread:
+        # its wake-up, and its taking the GIL from the loop's thread while the next plan is submitted, cost more than
+        # the work (CUDA on an H200's VM)
+        self.qlock = threading.Lock()  # guards `unwatched` and `watched`; taken under `lock`, never the reverse
+        self.unwatched: collections.deque[tuple[Any, int]] = collections.deque()
+        self.watched = self.demanded = 0  # (`demanded`: the highest value someone waited for)
+        dev.timeline.demand = self.demand
 
-    def start(self, submits: bool = True) -> None:
-        """Start the waiter thread, and the submit thread where `submits` (once the device's API state exists: the
-        threads may use its context)."""
+    def start(self) -> None:
+        """Start the waiter thread and the submit thread (once the device's API state exists: the threads may use its
+        context)."""
         self.waiter.start()
-        if submits:
-            self.submit_thread.start()
+        self.submit_thread.start()
 
     def native_waits(self, waits: list[tuple[Device, int]]) -> tuple[list[Any], list[tuple[Device, int]]]:
         """The one translation of a command's waits: of those not reached yet, the native ones (the device's
@@ -271,6 +285,47 @@ class EventQueue:
             self.dev.record_failure(v, e)
             return native, False
         return native, True
+
+    def record(self, ev: Any, v: int, post: Callable[[], None] | None, first: int = 0) -> None:
+        """Once the command of value `v` (and the values from `first` on, that a batch reserved) is submitted with
+        event `ev`: its completion left for `poll` to notice, or handed to the waiter thread (see `unwatched`)."""
+        with self.qlock:
+            if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
+                self.unwatched.append((ev, v))
+            else:
+                self.watch(ev, v, post)
+        self.through = v
+
+    def watch(self, ev: Any, v: int, post: Callable[[], None] | None = None) -> None:
+        """Under `qlock`: the waiter thread takes the command of value `v` (event `ev`), after every unwatched one."""
+        self.hand_over()
+        self.completions.put((ev, v, post))
+        self.watched = v
+
+    def hand_over(self) -> None:
+        """Under `qlock`: the waiter thread takes every unwatched command, in order."""
+        while self.unwatched:
+            ev, v = self.unwatched.popleft()
+            self.completions.put((ev, v, None))
+            self.watched = v
+
+    def demand(self, v: int) -> None:
+        """The timeline's hook: someone waits for a value not reached yet, so the waiter thread must watch it: now, or
+        when it is recorded (a command not submitted yet)."""
+        with self.qlock:
+            self.demanded = max(self.demanded, v)
+            self.hand_over()
+
+    def polled(self, v: int) -> list[Any]:
+        """Under the lock: `poll` saw the command of value `v` complete, so the unwatched ones up to it are (the queue
+        is in order): where the waiter thread has nothing older left, their completion is handled here. Returns what
+        they held, for the caller to drop outside the lock."""
+        done = []
+        with self.qlock:
+            if self.waited >= self.watched:
+                while self.unwatched and self.unwatched[0][1] <= v:
+                    done.append(self.completed(self.unwatched.popleft()[1], None))
+        return done
 
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
@@ -302,30 +357,34 @@ class EventQueue:
             dev.timeline.signal(v)
 
     def enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
-                post: Callable[[], None] | None = None, inline: bool = False) -> int:
+                post: Callable[[], None] | None = None, inline: bool = False, first: int = 0) -> int:
         """Number a command, keep what it holds, and hand it to the submit thread (`_submit_each`); `post` runs on the
         waiter thread once the command completed, before the timeline reaches its value. `inline`: the device says
         its API cannot block on this command; where the submit thread is through with every earlier one, it is
-        submitted here and now (a thread's hand-over and wake-up less: OpenCL's small realize 200-280 -> ~100 us)."""
+        submitted here and now (a thread's hand-over and wake-up less: OpenCL's small realize 200-280 -> ~100 us).
+        `first`: the command completes the values reserved from `first` on (CUDA's batch, holding what they use)."""
         self.dev.check_alive()
         with self.lock:
             if self.closed:
                 raise DeviceError(f"{self.dev.name} is closed")
-            self.submitted += 1
+            if not first:
+                self.submitted += 1
+                self.holding[self.submitted] = keep
             v = self.submitted
-            self.holding[v] = keep
             if post is not None:
                 self.posts.append(v)
-            if inline and self.through == v - 1:
-                self._submit(run, waits, v, post)
+            if inline and not self.pending:
+                self._submit(run, waits, v, post, first)
             else:
                 self.handed += 1
-                self.to_submit.put((run, waits, v, post))
+                self.pending.append(first or v)
+                self.to_submit.put((run, waits, v, post, first))
             done = self.take_done()
         del done  # buffers of completed commands go back to their pools here, on the submitting thread
         return v
 
-    def _submit(self, run: Any, waits: list[tuple[Device, int]], v: int, post: Callable[[], None] | None) -> None:
+    def _submit(self, run: Any, waits: list[tuple[Device, int]], v: int, post: Callable[[], None] | None,
+                first: int = 0) -> None:
         """Submit command `v` (the device's `submit`) and hand it to the waiter thread; a command that cannot be
         submitted fails its value. `through` moves last: at `v` the submit thread is idle."""
         ev = None
@@ -333,14 +392,22 @@ class EventQueue:
             ev = self.dev.submit(run, waits, v)
         except BaseException as e:
             self.dev.record_failure(v, e)
-        self.completions.put((ev, v, post))
-        self.through = v
+        self.record(ev, v, post, first)
 
     def _submit_each(self) -> None:
         """The submit thread: each command submitted in value order (`_submit`)."""
         while (item := self.to_submit.get()) is not None:
             self._submit(*item)
             del item
+            with self.lock:
+                self.pending.popleft()
+                self.moved.notify_all()
+
+    def submitted_to(self, v: int) -> None:
+        """Block (another device's submit thread) until the command of value `v` is submitted: its event exists."""
+        with self.lock:
+            while self.pending and self.pending[0] <= v:
+                self.moved.wait()
 
     def stop_submit_thread(self) -> bool:
         """Let the submit thread submit what was queued, then stop it; False: it was stopped already."""
@@ -373,7 +440,10 @@ class EventQueue:
         del done
 
     def stop_waiter(self) -> None:
-        """Stop the waiter thread once it has handled the completions queued, and drop what completed work held."""
+        """Stop the waiter thread once it has handled the completions queued (every unwatched one handed to it first),
+        and drop what completed work held."""
+        with self.qlock:
+            self.hand_over()
         self.completions.put(None)
         if self.waiter.is_alive():
             self.waiter.join(timeout=10)
@@ -446,13 +516,17 @@ class QueuedDevice(Device):
     def poll(self, v: int, spin: float = 0.0) -> bool:
         """On the loop, before it would sleep: the command of value `v` seen complete now or within `spin` seconds (at
         most `spin_cap`; the backend's `query`) advances the timeline here (the queue is in order: all before it is
-        complete too); the waiter thread still takes its completion in turn and drops what it held."""
+        complete too), and the completion of the unwatched commands up to it is handled here (`EventQueue.polled`);
+        a command the waiter thread was handed, it still takes in turn."""
         if self.timeline.value >= v:
             return True
         queue = self.queue  # (asked only of a command submitted, with no host-side `post` before it left to run)
         done = None if queue.through < v or (queue.posts and queue.posts[0] <= v) or queue.closed else self.query(v)
         if done is None or not self.spun(done, spin):
             return self.timeline.value >= v
+        with queue.lock:
+            held = queue.polled(v)
+        del held  # the commands' buffers go back to their pools, outside the lock
         self.timeline.signal(v)
         return True
 

@@ -32,7 +32,7 @@ async def _settled(dev: Any, buf: Any) -> None:
     dev.read_into(buf, np.empty(buf.nbytes, np.uint8))
     gc.collect()
     dev.collect()
-    assert dev.timeline.value == dev.submitted == dev.waited == dev.handed
+    assert dev.timeline.value == dev.submitted == dev.waited == dev.queue.watched
 
 
 def _scalars(plan: Any, t: Tensor) -> list[Any]:
@@ -59,7 +59,7 @@ def _runs(dev: Any, plan: Any, x: Tensor, make: Any, lane: bool) -> list[tuple[A
             seen.append((dev.submitted - base, buf.ready - base, dev.timeline.value >= dev.submitted,
                          sorted(v - base for v in dev.queue.holding if v > base),
                          sorted(v - base for v in dev.queue.events if v > base),
-                         [v - base for _, v in dev.unwatched if v > base],
+                         [v - base for _, v in dev.queue.unwatched if v > base],
                          {d.name: (a - base, b - base) for d, (a, b) in buf.run.spans.items()},
                          buf.run.parents == [], view, buf))
     finally:
@@ -127,13 +127,13 @@ async def test_queue_poll_does_what_the_python_poll_does() -> None:
         await _settled(dev, xbuf)
         base = dev.submitted
         outs = [RT.executor.run(plan, [xbuf], _scalars(plan, make(x, k)))[0] for k in range(RUNS)]
-        assert [v - base for _, v in dev.unwatched] == list(range(1, RUNS + 1))
+        assert [v - base for _, v in dev.queue.unwatched] == list(range(1, RUNS + 1))
         dev.native_queue = queue if native_poll else None  # (None: CUDADevice.poll's Python)
         try:
             reached = dev.poll(dev.submitted, 1.0)
         finally:
             dev.native_queue = queue
-        states.append((reached, dev.timeline.value - base, dev.waited - base, list(dev.unwatched),
+        states.append((reached, dev.timeline.value - base, dev.waited - base, list(dev.queue.unwatched),
                        sorted(v - base for v in dev.queue.holding if v > base)))
         for k, ((buf, view),) in enumerate(outs):
             got = np.empty(buf.nbytes, np.uint8)
@@ -156,11 +156,12 @@ def test_the_queue_state_is_the_native_queues_own() -> None:
         assert type(state) is _QueueState and dev.native_queue is None
     else:
         assert state is dev.native_queue and type(state) is native.Queue
-        for owner, table in ((dev.queue, "holding"), (dev.queue, "events"), (dev, "free_events"), (dev, "unwatched")):
+        for owner, table in ((dev.queue, "holding"), (dev.queue, "events"), (dev.queue, "unwatched"),
+                             (dev, "free_events")):
             assert getattr(owner, table) is getattr(state, table)
             with pytest.raises(AttributeError):
                 setattr(state, table, None)
-    dev.demanded = dev.demanded + 0  # (through the device: the state's member)
-    assert (dev.submitted, dev.waited, dev.handed, dev.demanded, dev.batch) == \
+    dev.queue.demanded = dev.queue.demanded + 0  # (through the event queue: the state's member)
+    assert (dev.submitted, dev.waited, dev.queue.watched, dev.queue.demanded, dev.batch) == \
         (state.submitted, state.waited, state.handed, state.demanded, state.batch)
     assert (dev.queue.submitted, dev.queue.waited) == (state.submitted, state.waited)  # (the event queue's, too)

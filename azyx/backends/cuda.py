@@ -8,8 +8,9 @@ polls the loop.
 
 Waits: on a buffer of another CUDA device, `cuStreamWaitEvent` on the event that produced it. A command that must
 wait for progress on the host side (a C kernel's output, a staging copy into pinned memory) is not put on the
-stream before it can run: it waits in the device's deferred queue, in order, and a submitter thread puts it on
-the stream once its conditions hold (every later command queues behind it, so the stream keeps program order).
+stream before it can run: it goes to the event queue's submit thread (as every command of OpenCL, Vulkan and wgpu
+does), which puts it on the stream once its conditions hold (every later command queues behind it, so the stream
+keeps program order); other commands are put on the stream by their caller.
 A GPU-side wait on host memory (a spinning kernel, `cuStreamWaitValue32`) was tried first: it can hold the
 device busy while a module load waits for the device to idle, which deadlocks. Copies (the executor routes them):
 peer-to-peer between CUDA devices (peer access enabled where the hardware allows it), through pinned staging buffers
@@ -23,11 +24,9 @@ allocator hands back the same blocks), its launches replay as one CUDA graph (`b
 from __future__ import annotations
 
 import array
-import collections
 import ctypes
 import dataclasses
 import operator
-import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, cast
@@ -62,7 +61,6 @@ from azyx.device import (
     Replay,
     Runner,
     RunRecord,
-    after_waits,
     gatherable,
     lone_kernel,
 )
@@ -70,16 +68,13 @@ from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.memory import RING, RING_BLOCK
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
-from azyx.queues import EventQueue, QueuedDevice
-from azyx.workers import in_background
+from azyx.queues import UNWATCHED, EventQueue, QueuedDevice
 
 # (spin_us: as opencl's; gather: as c's; peer_reads: kernels read a peer device's buffers in place, `reads_peer`)
 CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True, "peer_reads": True}
 AUTO = True
 LIBRARIES = ("libcuda.so.1", "libcuda.so")
 
-NOT_READY = 600  # CUDA_ERROR_NOT_READY: an event's work is still running
-UNWATCHED = 64  # completed commands noticed lazily at most (CUDADevice.unwatched); more go to the waiter thread
 # blocks of up to SLAB_PIECE bytes are pieces of SLAB-byte slabs, each at an address aligned as cuMemAlloc's (256)
 SLAB, SLAB_PIECE, SLAB_ALIGN = 2 << 20, 256 << 10, 256
 STAGE = 8 << 20  # bytes per pinned staging chunk of a host <-> device copy
@@ -183,20 +178,6 @@ class _Frozen:
 
 
 # ------------------------------------------------------------------------------------------------ the device
-class _Job:
-    """A command deferred until host-side progress lets it go on the stream (see CUDADevice._submit)."""
-
-    __slots__ = ("host_wait", "waits", "enqueue", "keep", "post", "value", "first")
-
-    def __init__(self, host_wait: Callable[[], None] | None, waits: list[tuple[Device, int]],
-                 enqueue: Callable[[], None], keep: Any, post: Callable[[], None] | None, value: int, first: int = 0):
-        self.host_wait, self.waits, self.enqueue, self.keep, self.post = host_wait, waits, enqueue, keep, post
-        self.value, self.first = value, first or value
-
-
-_STOP = _Job(None, [], lambda: None, None, None, 1 << 62)  # ends a submitter thread
-
-
 class _QueueState:
     """A CUDA device's queue counters and open batch where the native core is not built; otherwise they are
     `native.Queue`'s own members, which its lanes and `poll` advance in C and the device's Python paths through the
@@ -227,6 +208,9 @@ class _Queue(EventQueue):
 
     dev: CUDADevice
     submitted, waited = _queue_field("submitted", "dev.queue_state"), _queue_field("waited", "dev.queue_state")
+    watched, demanded = _queue_field("handed", "dev.queue_state"), _queue_field("demanded", "dev.queue_state")
+    # (a command is on the stream once its event is in `events`, which `query` reads: `poll` may ask of any value)
+    through = property(lambda _: 1 << 62, lambda *_: None)
 
     def take_done(self) -> list[Any]:
         native_queue = self.dev.native_queue
@@ -244,10 +228,9 @@ class CUDADevice(QueuedDevice):
     def count(cls, options: dict[str, Any]) -> int:
         return int(options["devices"]) if "devices" in options else init()
 
-    # the queue's counters (the last value reserved, handled by the waiter thread, handed to it, waited for) and its
-    # open batch: the queue state's (native.Queue's members where the native core is built)
-    submitted, waited, handed = _queue_field("submitted"), _queue_field("waited"), _queue_field("handed")
-    demanded, batch = _queue_field("demanded"), _queue_field("batch")
+    # the queue's counters (the last value reserved, handled by the waiter thread) and its open batch: the queue
+    # state's (native.Queue's members where the native core is built)
+    submitted, waited, batch = _queue_field("submitted"), _queue_field("waited"), _queue_field("batch")
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.queue_state: Any = _QueueState()  # (first: the base's __init__ sets the counters)
@@ -291,21 +274,11 @@ class CUDADevice(QueuedDevice):
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
         self.params: dict[tuple, tuple[Any, Any, int]] = {}  # pointers (tensor maps) -> kernelParams (_launch_now)
         self.modules: list[Any] = []
-        # Completed work is noticed lazily: a command's event waits in `unwatched` until someone waits for it (the
-        # timeline's `demand`), a `post` needs the waiter thread, or too many pile up; only then the waiter thread
-        # is handed it. A realize that `poll` finds complete never wakes that thread: its wake-up, and its taking
-        # the GIL from the loop's thread while the next plan is submitted, cost more than the work on that VM.
-        self.qlock = threading.Lock()  # guards `unwatched` and `handed`; taken under `lock`, never the reverse
-        self.unwatched: collections.deque[tuple[Any, int]] = collections.deque()
-        self.timeline.demand = self._demand
         # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
-        self.deferred: collections.deque[_Job] = collections.deque()
-        self.ready = threading.Condition(self.queue.lock)
-        self.submitter: threading.Thread | None = None
         self.peers: dict[int, bool] = {}
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
-        self.queue.start(submits=False)
+        self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.label} ({self.arch}, {sms} SMs, {total >> 20} MiB)")
 
     def _start_native_queue(self) -> None:
@@ -326,15 +299,17 @@ class CUDADevice(QueuedDevice):
             ctypes.memset(self.done_flag, 0, 64)
             flag = (self.done_flag, int(check(cu.cuMemHostGetDevicePointer(self.done_flag, 0), "")))
         queue = native.Queue(
-            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock, qlock=self.qlock,
-            deferred=self.deferred, posts=self.queue.posts, alloc=self.alloc, use=self.use, new_event=self._new_event,
-            watch=self._watch, fail=self.hot.fail, check_alive=self.check_alive, buffer=Buffer, record=RunRecord,
-            fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h, unwatched_max=UNWATCHED)
+            device=self, timeline=self.timeline, pool=self.allocator.pool, lock=self.queue.lock,
+            qlock=self.queue.qlock, deferred=self.queue.pending, posts=self.queue.posts, alloc=self.alloc, use=self.use,
+            new_event=self._new_event, watch=self.queue.watch, fail=self.hot.fail, check_alive=self.check_alive,
+            buffer=Buffer, record=RunRecord, fns=self.hot.addresses, flag=flag, ctx=self.ctx_id, stream=self.stream_h,
+            unwatched_max=UNWATCHED)
         # from here the queue's state is the native queue's own: its counters and batch, and its tables
-        assert not (self.queue.holding or self.queue.events or self.free_events or self.unwatched or self.submitted)
+        assert not (self.queue.holding or self.queue.events or self.free_events or self.queue.unwatched
+                    or self.submitted)
         self.queue_state = self.native_queue = queue
         self.queue.holding, self.queue.events = queue.holding, queue.events
-        self.free_events, self.unwatched = queue.free_events, queue.unwatched
+        self.free_events, self.queue.unwatched = queue.free_events, queue.unwatched
 
     def identity(self) -> dict[str, Any]:
         """The GPU (name, compute capability: the base's label and arch), the driver's and NVRTC's versions."""
@@ -419,51 +394,6 @@ class CUDADevice(QueuedDevice):
         ev = dev.queue.events.get(v) if isinstance(dev, CUDADevice) else None
         return (ev, v) if ev is not None else None
 
-    def _event_waits(self, waits: list[tuple[Device, int]]) -> list[tuple[Any, int]] | None:
-        """The events that `waits` translate to (`native_waits`); None when a wait has none: then the command must
-        be deferred."""
-        native, host = self.queue.native_waits(waits)
-        return None if host else native
-
-    def _record(self, v: int, keep: Any, post: Callable[[], None] | None, first: int = 0) -> None:
-        """Under the lock, after the command of value `v` is on the stream: its event (also for the values from
-        `first` on that a batch reserved), and its completion."""
-        ev = self._event()
-        if not first or first == v:
-            self.queue.events[v] = ev
-        else:
-            for u in range(first, v + 1):
-                self.queue.events[u] = ev
-        if keep is not None:  # a batch's launches hold their own buffers (CUDADevice.launch)
-            self.queue.holding[v] = keep
-        if post is not None:
-            self.queue.posts.append(v)
-        with self.qlock:
-            if post is None and self.demanded < (first or v) and len(self.unwatched) < UNWATCHED:
-                self.unwatched.append((ev, v))
-            else:
-                self._watch(ev, v, post)
-
-    def _watch(self, ev: Any, v: int, post: Callable[[], None] | None = None) -> None:
-        """Under `qlock`: the waiter thread takes the command of value `v` (event `ev`), after every unwatched one."""
-        self._hand_over()
-        self.queue.completions.put((ev, v, post))
-        self.handed = v
-
-    def _hand_over(self) -> None:
-        """Under `qlock`: the waiter thread takes every unwatched command, in order."""
-        while self.unwatched:
-            ev, v = self.unwatched.popleft()
-            self.queue.completions.put((ev, v, None))
-            self.handed = v
-
-    def _demand(self, v: int) -> None:
-        """The timeline's hook: someone waits for a value not reached yet, so the waiter thread must watch it: now, or
-        when it is recorded (a command still in a batch or deferred)."""
-        with self.qlock:
-            self.demanded = max(self.demanded, v)
-            self._hand_over()
-
     def _new_event(self) -> Any:
         return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
@@ -476,97 +406,60 @@ class CUDADevice(QueuedDevice):
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None,
                 long: Callable[[], None] | None = None) -> int:
-        """Put work on the stream after `waits` (now, or deferred until they can be expressed on the GPU); returns
-        its timeline value. `host_wait` blocks (on the submitter thread) until host-side inputs are ready; `post`
-        runs on the waiter thread once the work completed, before the timeline reaches its value. `long`: the work
-        takes milliseconds to enqueue (launches one by one, a capture): the submitter thread runs it instead."""
+        """Put work on the stream after `waits` (`queue.enqueue`: now, where every wait is an event and nothing is
+        queued for the submit thread, else by that thread once it can go on the GPU); returns its timeline value.
+        `host_wait` blocks (on the submit thread) until host-side inputs are ready; `post` runs on the waiter thread
+        once the work completed, before the timeline reaches its value. `long`: the work takes milliseconds to enqueue
+        (launches one by one, a capture): the submit thread runs it instead."""
         with self.queue.lock:
-            self.use()
             if self.batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
                 self.batch = []
-            self.submitted += 1
-            v = self.submitted
-            events = None if (host_wait is not None or long is not None or self.deferred) else self._event_waits(waits)
-            lost: DeviceError | None = None
-            if events is None:
-                self._defer(_Job(host_wait, waits, long or enqueue, keep, post, v))
-            else:
-                try:
-                    for ev, _ in events:
-                        check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                    enqueue()
-                    self._record(v, keep, post)
-                except DeviceError as e:
-                    if not sticky(e):
-                        raise
-                    lost = e
-            done = self.queue.take_done()
-        del done  # buffers of completed commands go back to their pools here, on the submitting thread
-        if lost is not None:  # an earlier kernel faulted: the context is gone (outside the lock: fail wakes waiters)
-            raise self.fail(lost)
-        return v
+            inline = host_wait is None and long is None and not self.queue.native_waits(waits)[1]
+            return self.queue.enqueue((host_wait, long or enqueue, 0), waits, keep, post, inline)
 
-    def _defer(self, job: _Job) -> None:
-        """Under the lock: queue a command behind the deferred ones, for the submitter thread."""
-        self.deferred.append(job)
-        if self.submitter is None:
-            self.submitter = threading.Thread(target=self._submit_loop, name=f"azyx-{self.name}-submit",
-                                              daemon=True)
-            self.submitter.start()
-        self.ready.notify()
-
-    def _submit_loop(self) -> None:
-        """Put deferred commands on the stream in order, each once what it waits for is there."""
-        while True:
-            with self.queue.lock:
-                while not self.deferred:
-                    self.ready.wait()
-                job = self.deferred[0]
-            if job is _STOP:
-                return
-            try:
-                if job.host_wait is not None:
-                    job.host_wait()
-                for dev, v in job.waits:  # host devices, and CUDA commands deferred on their own device
-                    if not isinstance(dev, CUDADevice):
-                        dev.timeline.wait_sync(v)
-                    else:
-                        dev.wait_recorded(v)
+    def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> Any:
+        """(The submit thread, or the caller under the lock: `_submit`.) Once its host-side inputs are ready and each
+        CUDA command it waits for is on its stream, the command on the stream after the events of `waits` (the rest,
+        host devices', waited for here); returns its event, which completes the values from its `first` on (a batch's).
+        A command whose waits or enqueue failed is left out, its failure recorded: its event still completes it."""
+        host_wait, enqueue, first = run
+        try:
+            if host_wait is not None:
+                host_wait()
+            for dev, u in self.queue.native_waits(waits)[1]:  # (none where it is submitted by the caller)
+                if isinstance(dev, CUDADevice):
+                    dev.queue.submitted_to(u)
+            native, ok = self.queue.host_waited(waits, v)
+            if ok:
                 with self.queue.lock:
                     self.use()
-                    events = self._event_waits(job.waits) or []  # every wait is recorded or reached by now
-                    for ev, _ in events:
+                    for ev, _ in native:
                         check(cu.cuStreamWaitEvent(self.stream, ev, 0), "cuStreamWaitEvent")
-                # outside the lock (a long batch's launches take milliseconds, and the loop's thread takes the lock to
-                # submit or poll): while this job heads the queue, every other command queues behind it, so the
-                # stream is this thread's alone
-                job.enqueue()
-            except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
-                self.record_failure(job.value, e)
-                if sticky(e):
-                    self.fail(e)
-            try:
-                with self.queue.lock:
-                    self.use()
-                    self._record(job.value, job.keep, job.post, job.first)
-            except BaseException as e:  # no event: its completion cannot be known, the context is lost
-                self.lost(job.value, e)
+                # outside the lock on the submit thread (a long batch's launches take milliseconds, and the loop's
+                # thread takes the lock to submit or poll): while this command is pending, every later one queues
+                # behind it, so the stream is this thread's alone
+                enqueue()
+        except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
+            self.record_failure(v, e)
+            if sticky(e):
+                self.fail(e)
+        try:
             with self.queue.lock:
-                self.deferred.popleft()
-                self.ready.notify_all()
-            del job  # its buffers go back to their pools when the command completes, not when the next one comes
-
-    def wait_recorded(self, v: int) -> None:
-        """Block (worker threads) until the command of value `v` is on the stream (its event exists)."""
-        with self.queue.lock:
-            while any(j.first <= v <= j.value for j in self.deferred):
-                self.ready.wait()
+                self.use()
+                ev = self._event()
+                for u in range(first or v, v + 1):
+                    self.queue.events[u] = ev
+                return ev
+        except BaseException as e:  # no event: its completion cannot be known, the context is lost
+            return self.lost(v, e)
 
     def on_waiter_thread(self) -> None:
         self.use()
 
     def wait_event(self, ev: Any, v: int) -> bool:
+        if ev is False:  # (no event: `submit`, the device failed)
+            return False
         err = cu.cuEventSynchronize(ev)[0]  # releases the GIL while it waits
         if int(err) == 0:
             return True
@@ -579,29 +472,19 @@ class CUDADevice(QueuedDevice):
             self.free_events.append(ev)
 
     def poll(self, v: int, spin: float = 0.0) -> bool:
-        """On the loop, before it would sleep: a command's event complete now or within `spin` seconds (a small plan's
-        is, a few microseconds after its launch) advances the timeline here, without the waiter thread. Not past a
-        value whose host-side `post` has yet to run (a read's copy out of pinned memory). Unwatched commands up to `v`
-        are complete then (the stream is in order): when the waiter thread has nothing older left, their completion
-        is handled here."""
-        if self.native_queue is not None:  # (the same, in C)
+        """(QueuedDevice's: a small plan's event is complete a few microseconds after its launch.) In C where the
+        native core is built."""
+        if self.native_queue is not None:
             return self.native_queue.poll(v, spin)
+        return super().poll(v, spin)
+
+    def query(self, v: int) -> Callable[[], bool] | None:
+        """The command's event, once recorded: complete (an error is left for the waiter thread to report)."""
         ev = self.queue.events.get(v)
-        if ev is None or (self.queue.posts and self.queue.posts[0] <= v):
-            return self.timeline.value >= v
+        if ev is None:
+            return None
         query, handle = self.hot.event_query, int(ev)
-        if not self.spun(lambda: query(handle) != NOT_READY, spin) or query(handle):
-            return self.timeline.value >= v  # not yet; an error stays for the waiter thread to report
-        done = []
-        with self.queue.lock, self.qlock:
-            if self.waited >= self.handed:
-                while self.unwatched and self.unwatched[0][1] <= v:
-                    u = self.unwatched.popleft()[1]
-                    done.append(self.queue.holding.pop(u, None))
-                    self.waited = u
-        del done  # the commands' buffers go back to their pools, outside the lock
-        self.timeline.signal(v)
-        return True
+        return lambda: query(handle) == 0
 
     def _launch_now(self, fn: Any, dims: Launch, ptrs: tuple[int, ...], hold_gil: bool = True) -> None:
         grid, block, zero = dims.grid, dims.group, dims.zero
@@ -631,23 +514,6 @@ class CUDADevice(QueuedDevice):
             arrays = self.params[key] = _kernel_params(ptrs, maps)
         return arrays[2]
 
-    def launch(self, step: KernelStep, bufs: list[Buffer], waits: list[tuple[Device, int]],
-               words: tuple[int, ...] = ()) -> int:
-        fn = self.programs[step.name]  # a CUfunction's handle
-        # per kernel, not per name: kernels of one source may differ in grid (a row-sum's rows, a product's batch are
-        # not in their source, so several shapes share one compiled function)
-        dims = step.launch
-        # the buffers' device pointers, then the scalar arguments' words: kernelParams points at each 64-bit value
-        # (the driver reads as many low bytes as the parameter has), and a steady batch's graph is keyed by them all
-        ptrs = tuple(b.ptr for b in bufs) + words if words else tuple(b.ptr for b in bufs)
-        if self.batch is not None and not waits:
-            self.batch.append((fn, dims, ptrs, step.name))
-            self.submitted += 1  # reserved: end_batch records the event that completes it
-            v = self.submitted
-            self.queue.holding[v] = bufs
-            return v
-        return self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
-
     def launch_many(self, items: list[LaunchItem], waits: list[tuple[Device, int]],
                     batch: BatchState | None = None) -> int:
         """Kernels in a row: collected into the batch (a single-device plan's, open for its whole run; for a plan over
@@ -655,12 +521,14 @@ class CUDADevice(QueuedDevice):
         and, once steady, one graph launch. An INLINE batch (one kernel) outside a run-long batch is one command."""
         if batch is None:
             batch = self.batch_of(items)
-        if self.batch is None and batch.how is INLINE:
-            return super().launch_many(items, waits, batch)
         v = 0
-        if waits:
+        if waits or (self.batch is None and batch.how is INLINE):
             step, bufs, words = items[0]
-            v = self.launch(step, bufs, waits, words)
+            # (per kernel, not per name: kernels of one source may differ in grid.) kernelParams points at each 64-bit
+            # value, the buffers' device pointers then the scalars' words (the driver reads as many low bytes as the
+            # parameter has), and a steady batch's graph is keyed by them all
+            fn, dims, ptrs = self.programs[step.name], step.launch, tuple([b.ptr for b in bufs]) + words
+            v = self._submit(lambda: self._launch_now(fn, dims, ptrs), waits, bufs)
             items = items[1:]
             if not items:
                 return v
@@ -794,9 +662,9 @@ class CUDADevice(QueuedDevice):
 
     def _upload(self, flat: np.ndarray, dst: Buffer, offset: int, waits: list[tuple[Device, int]], keep: Any) -> int:
         """Host bytes `flat` -> this device (into `dst` from byte `offset`) through pinned chunks. A ready source of up
-        to SYNC_STAGE bytes (one chunk) is staged here; otherwise a worker thread fills the chunks once the source is
-        ready, and each chunk's DMA is a deferred command that goes on the stream once its chunk is filled (the DMA of
-        one chunk overlaps the filling of the next)."""
+        to SYNC_STAGE bytes (one chunk) is staged here; otherwise each chunk's DMA is a command that the submit thread
+        puts on the stream once it has filled the chunk (the first once the source is ready): the DMA of one chunk
+        overlaps the filling of the next."""
         n = flat.nbytes
         chunks = [(o, min(STAGE, n - o)) for o in range(0, n, STAGE)] or [(0, 0)]
         # each chunk's pinned block, in a cell of its own that its DMA command keeps (back to the pool once that DMA
@@ -811,34 +679,22 @@ class CUDADevice(QueuedDevice):
                     self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def fill_chunk(i: int, staged: Lent | None = None) -> None:
+            for d, u in waits if i == 0 else []:  # (the source is ready once they are reached)
+                d.timeline.wait_sync(u)
             o, size = chunks[i]
             stages[i].append(staged or self.staging.lend(max(size, 1)))
             stages[i][0].block.array[:size] = flat[o:o + size]
 
         if n <= SYNC_STAGE and all(d.timeline.value >= v for d, v in waits):
             # staged here from a block the pool has cached; else (pinning fresh memory takes milliseconds, and this
-            # may be the loop's thread) as a large source is, on a worker thread
+            # may be the loop's thread) as a large source is, on the submit thread
             cached = self.staging.cached(max(n, 1))
             if cached is not None:
                 fill_chunk(0, cached)
                 return self._submit(partial(dma, 0), [], (keep, stages))
-        staged = [threading.Event() for _ in chunks]  # set as the worker fills each chunk
-
-        def stage() -> None:
-            try:
-                for i in range(len(chunks)):
-                    fill_chunk(i)
-                    staged[i].set()
-            except BaseException as e:
-                self.record_failure(v, e)  # (v: the last chunk's value, set before this runs)
-            finally:
-                for ev in staged:  # never leave the submitter waiting
-                    ev.set()
-
         v = 0
         for i in range(len(chunks)):
-            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(_wait_set, staged[i]))
-        after_waits(waits, lambda: in_background(stage))
+            v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(fill_chunk, i))
         return v
 
     def _enable_peer(self, other: CUDADevice) -> bool:
@@ -916,43 +772,26 @@ class CUDADevice(QueuedDevice):
     # a gather (Runner.gathers: a crowd's runs in one loop iteration) is a batch open across runs: one event for all of
     # them and, once steady, one graph launch; a command submitted meanwhile comes after the launches collected so far
     # (`_submit`), and other threads' submissions wait on the lock until the gather is closed (the next iteration)
-    def open_gather(self) -> None:
-        self.begin_batch()
+    open_gather, close_gather = begin_batch, end_batch
 
     def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
         return self.launch_many(items, [], batch)
 
-    def close_gather(self) -> None:
-        self.end_batch()
-
     def _flush(self, batch: list[Collected]) -> None:
-        """Under the lock: submit the batch's launches (reserved values first..last), then one event for the last;
-        behind the deferred commands when there are any."""
-        self.use()
-        first, v = self.submitted - len(batch) + 1, self.submitted
-        if self.deferred or not self.graph_cache.cheap(batch):
-            # a long batch launched one by one (or captured into a graph) takes milliseconds: the submitter thread does
-            # it, letting the loop's thread have the GIL between launches
-            self._defer(_Job(None, [], lambda: self.graph_cache.launch(batch, hold_gil=False), None, None, v, first))
-            return
-        self.graph_cache.launch(batch)
-        self._record(v, None, None, first)
+        """Under the lock: submit the batch's launches (reserved values first..last) as one command, one event: here
+        where that is cheap, else (a long batch launched one by one, or captured into a graph, takes milliseconds) by
+        the submit thread, letting the loop's thread have the GIL between launches."""
+        first, cheap = self.submitted - len(batch) + 1, self.graph_cache.cheap(batch)
+        launch = partial(self.graph_cache.launch, batch, cheap)
+        self.queue.enqueue((None, launch, first), [], None, inline=cheap, first=first)
 
     def drain(self) -> None:
-        """(`close`) Finish the stream, stop the submitter thread, hand the waiter thread every unwatched command."""
+        """(`close`, the submit thread stopped) Finish the stream."""
         try:
             self.use()
             cu.cuStreamSynchronize(self.stream)
         except Exception:
             pass
-        with self.queue.lock:
-            if self.submitter is not None:
-                self.deferred.append(_STOP)
-                self.ready.notify_all()
-        if self.submitter is not None:
-            self.submitter.join(timeout=10)
-        with self.qlock:
-            self._hand_over()
 
     def let_go(self) -> None:
         """(`close`) The lanes' completion flag goes (the executor's devices are closed: no lane reads it); the memory
@@ -962,8 +801,3 @@ class CUDADevice(QueuedDevice):
             self.native_queue = None
             cu.cuMemFreeHost(self.done_flag)
             self.done_flag = 0
-
-
-def _wait_set(ev: threading.Event) -> None:
-    ev.wait()
-
