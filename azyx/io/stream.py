@@ -11,12 +11,11 @@ and copies (queued at once, each after its read); a tensor is handed out as soon
 copies queued: its buffer ready at their value, as a plan's results are), in file order.
 
 While you work on one tensor, the next ones are already being read, as long as the bytes read ahead fit in `prefetch`
-(`PREFETCH` by default: 64 MiB, or two extents per reader thread where that is more, 256 MiB on 16 cores); a tensor
-larger than that is read when you ask for it. So the memory the stream holds is at most the tensor you are working on
-plus `prefetch`: drop each tensor when you are done with it (a loop variable keeps the previous one alive until the
-next is assigned). A host device's pool keeps freed blocks for reuse by later tensors of the same size; before it grows
-for the stream, the blocks it keeps of sizes no tensor left in the file has (the first, largest tensor's, often) are
-given back, so the pool, too, stays within that bound.
+(64 MiB by default); a tensor larger than that is read when you ask for it. So the memory the stream holds is at most
+the tensor you are working on plus `prefetch`: drop each tensor when you are done with it (a loop variable keeps the
+previous one alive until the next is assigned). A host device's pool keeps freed blocks for reuse by later tensors of
+the same size; before it grows for the stream, the blocks it keeps of sizes no tensor left in the file has (the first,
+largest tensor's, often) are given back, so the pool, too, stays within that bound.
 
 `shard={pattern: (devices, axis)}` hands out the tensors whose names match a pattern (`fnmatch`) as
 `azyx.shard.ShardedTensor`s: each device's slice read from the file (only its bytes) straight into its memory.
@@ -32,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from azyx.allocator import bucket
-from azyx.backends.disk import READERS, Extent, Target
+from azyx.backends.disk import Extent, Target
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError, fresh_copy
 from azyx.fileformat import TensorEntry
@@ -45,12 +44,10 @@ from azyx.tensor import Tensor
 from azyx.workers import in_worker_thread
 
 # the read pipeline's facts are azyx.memory's (EXTENT, RING: sized for a GPU host of about 16 cores; bench/io.py
-# measures them); the read-ahead is the stream's: bytes of tensors read ahead of the one handed out, by default 64 MiB,
-# or two extents per reader thread where that is more. The read-ahead is all a stream keeps in flight: 64 MiB of 8 MiB
-# extents kept at most 8 of a 16-core host's 16 readers busy (the stream's second load onto c:0 at 16.8 GB/s against
-# parallel preadv's 35.9). Each reader needs one extent being read and one waiting for it: the tensors are handed out
-# in file order, and a read ahead of the next tensor's waits until that one is handed out and more is read ahead
-PREFETCH = max(64 << 20, 2 * READERS * EXTENT)
+# measures them); the read-ahead is the stream's. Two extents per reader thread (256 MiB on 16 cores, all 16 readers
+# busy) read the H200 host's 2 GiB file 10-15% faster, but the loop's heartbeat went 4-7 -> 11-16 ms (16 readers'
+# Python beside the loop's thread): kept at 64 MiB
+PREFETCH = 64 << 20  # bytes of tensors read ahead of the one handed out, by default
 __all__ = ["EXTENT", "PREFETCH", "RING", "SafetensorsStream", "stream_safetensors"]
 
 
