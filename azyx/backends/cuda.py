@@ -274,7 +274,6 @@ class CUDADevice(QueuedDevice):
         self.free_events: list[Any] = []  # events the waiter thread is past, to record anew
         self.params: dict[tuple, tuple[Any, Any, int]] = {}  # pointers (tensor maps) -> kernelParams (_launch_now)
         self.modules: list[Any] = []
-        # commands that wait for host-side progress, in order: (host wait, CUDA waits, enqueue, keep, post, value)
         self.peers: dict[int, bool] = {}
         self.graph_cache: GraphCache = GraphCache(self.stream, self._launch_now, self.name, self._params)
         self._start_native_queue()
@@ -399,7 +398,7 @@ class CUDADevice(QueuedDevice):
 
     def _event(self) -> Any:
         ev = self.free_events.pop() if self.free_events else self._new_event()
-        if err := self.hot.here().event_record(int(ev), self.stream_h):  # (on the loop, or the submitter thread)
+        if err := self.hot.here().event_record(int(ev), self.stream_h):  # (on the loop, or the submit thread)
             self.hot.fail(err, "cuEventRecord")
         return ev
 
@@ -568,7 +567,7 @@ class CUDADevice(QueuedDevice):
                       waits: list[tuple[Device, int]]) -> int:
         """As `launch_many` for the frozen batch: one command (one value, one event), its launches one by one until
         steady, then captured and replayed as a graph (`GraphCache`, keyed by the record, its values updated): here
-        where that is cheap, else by the submitter thread (as `_flush`; also where a wait needs host-side progress)."""
+        where that is cheap, else by the submit thread (as `_flush`; also where a wait needs host-side progress)."""
         frozen = replay.prepared
         addresses = replay.addresses(bufs, arena)
         table = frozen.table(addresses, replay.words(scalars))
@@ -675,7 +674,7 @@ class CUDADevice(QueuedDevice):
             o, size = chunks[i]
             if size:
                 pinned, at = stages[i][0].block, dst.ptr + offset + o
-                if err := self.hot.here().htod(at, pinned.ptr, size, self.stream_h):  # (often the submitter's)
+                if err := self.hot.here().htod(at, pinned.ptr, size, self.stream_h):  # (often the submit thread's)
                     self.hot.fail(err, f"H2D of {size} bytes to {at:#x} (of {dst.nbytes}) from {pinned.ptr:#x}")
 
         def fill_chunk(i: int, staged: Lent | None = None) -> None:
@@ -723,7 +722,7 @@ class CUDADevice(QueuedDevice):
         v = 0
         for o in range(0, max(n, 1), STAGE):
             size = min(STAGE, n - o)
-            cell: list[Lent] = []  # its pinned block: taken here when small, else on the submitter thread
+            cell: list[Lent] = []  # its pinned block: taken here when small, else on the submit thread
 
             def take(size: int = size, cell: list[Lent] = cell) -> None:
                 cell.append(self.staging.lend(max(size, 1)))
@@ -741,7 +740,7 @@ class CUDADevice(QueuedDevice):
                 flat[o:o + size] = cell[0].block.array[:size]  # on the waiter thread
 
             # a small read takes a block the pool has cached; pinning fresh memory takes milliseconds (1.2 ms for a
-            # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submitter's
+            # few bytes on an H200's host): never on the caller's (the loop's) thread, but the submit thread's
             staged = self.staging.cached(max(size, 1)) if n <= SYNC_STAGE else None
             if staged is not None:
                 cell.append(staged)

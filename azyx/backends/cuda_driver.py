@@ -31,7 +31,7 @@ class Hot:
 
     On an event loop's thread the calls hold the GIL: each returns at once (copies are from and to pinned memory), and
     released and taken back hundreds of times a step, the GIL would go to another thread at each launch and the loop's
-    thread wait for it to come back. Every other thread (the submitter, workers) takes `releasing`, the same calls
+    thread wait for it to come back. Every other thread (the submit thread, workers) takes `releasing`, the same calls
     letting the GIL go: there a call can block, on the driver's own lock while another thread pins host memory
     (cuMemHostAlloc: 3-5 ms per 8 MiB on an H200's host), and holding the GIL through that would stop the loop."""
 

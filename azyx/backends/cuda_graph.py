@@ -84,7 +84,7 @@ class GraphCache:
 
     def cheap(self, batch: list[Collected]) -> bool:
         """Whether submitting the batch takes little time: one graph launch, or a few launches where this sighting
-        does not capture the batch (a capture and its instantiation take milliseconds: the caller's submitter thread
+        does not capture the batch (a capture and its instantiation take milliseconds: the caller's submit thread
         does it, never the loop's)."""
         if len(batch) == 1:
             return True
@@ -112,7 +112,7 @@ class GraphCache:
                 fn, dims, ptrs, _ = batch[0]
                 self.launch_one(fn, dims, ptrs, hold_gil)
                 return
-            keyed = self.keyed  # (once: the submitter thread's launch and the loop's `cheap` may interleave)
+            keyed = self.keyed  # (once: the submit thread's launch and the loop's `cheap` may interleave)
             key = keyed[1] if keyed is not None and keyed[0] is batch else self.key(batch)
             self.keyed = None
         graph = self.graphs.get(key)

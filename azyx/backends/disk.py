@@ -359,20 +359,20 @@ class DiskDevice(Device):
                     return
             if all(block is None for _, _, block, _, _ in reads):  # (in file order: neighbours join; a stream's are)
                 reads.sort(key=lambda r: (id(r[0].source.file), r[0].source.offset + r[0].start))
-            held: list[tuple[Extent, Device]] = []  # (the batch's last read into host memory, not started yet)
+            held: tuple[Extent, Device] | None = None  # (the batch's last read into host memory, not started yet)
             for ext, dev, block, at, after in reads:
                 if block is None:
                     with self.lock:
                         if self._join(ext, dev):
                             continue
                         self.joinable = None if ext.widen else (ext, dev)
-                    if held:
-                        self._begin(*held.pop())
-                    held.append((ext, dev))
+                    if held is not None:
+                        self._begin(*held)
+                    held = (ext, dev)
                 else:
                     self._begin(ext, dev, block, at, after)
-            if held:
-                self._begin(*held.pop())
+            if held is not None:
+                self._begin(*held)
 
     def _begin(self, ext: Extent, dev: Device, block: np.ndarray | None = None, at: int = 0, after: int = 0) -> None:
         """Start a booked read: into host memory at once, into a staging block once the device reaches `after`."""

@@ -201,7 +201,7 @@ static Py_ssize_t lane_submit(LaneObject *self, PyObject **bufs, Py_ssize_t *raw
             bufs[s] = b;
         }
     /* launched: what it holds until it completes (first: whatever fails next, its buffers stay out of the pools while
-     * it may run), its event, its place in the unwatched queue (CUDADevice._record) */
+     * it may run), its event, its place in the unwatched queue (EventQueue.record) */
     PyObject *vo = PyLong_FromSsize_t(v), *held = vo != NULL ? PyTuple_New(self->n_args) : NULL;
     if (held != NULL) {
         for (Py_ssize_t k = 0; k < self->n_args; k++) {
