@@ -247,14 +247,20 @@ async def test_cuda_table_holds_what_each_launch_takes() -> None:
         assert got == want
 
 
-async def test_cuda_graph_replays_new_buffers_and_scalars_as_data() -> None:
+@pytest.mark.parametrize("inline_updates", [48, 0])
+async def test_cuda_graph_replays_new_buffers_and_scalars_as_data(inline_updates: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA a steady frozen batch is one graph: new input and output buffers and a scalar that change every run (a
     decode step's tokens, positions and logits) update the captured kernels' parameters instead of capturing a graph
     per run, and every run gives numpy's values, those launched before the capture, at it and after it, each read
-    once later runs have replayed the graph with other values."""
+    once later runs have replayed the graph with other values. With INLINE_UPDATES 0 every update is made by the
+    submit thread (a crowd's first steps: too many updates for the loop's thread)."""
     if "cuda:0" not in azyx.devices():
         pytest.skip("no CUDA device")
+    from azyx.backends import cuda_graph
     from azyx.backends.cuda_graph import _Graph
+
+    monkeypatch.setattr(cuda_graph, "INLINE_UPDATES", inline_updates)
 
     ws = await weights("cuda:0")
     cache = RT.device("cuda:0").graph_cache

@@ -153,8 +153,7 @@ class _Frozen:
             return exe
         if last == values:
             return exe
-        kernels = self.entry_kernel[np.frombuffer(last, np.uint64) != table]  # (ascending: entries in kernel order)
-        changed = kernels[np.concatenate(([True], kernels[1:] != kernels[:-1]))].tolist()
+        changed = self.changed(last, table)
         if self.nodes is None:  # (None: its values encode tensor maps)
             self.nodes = [None if dims.maps else cache.node_params(fn, dims) for fn, dims, _, _, _ in self.kernels]
         # kernelParams point into the table itself (the driver copies the values at the update): `at` holds each
@@ -170,6 +169,17 @@ class _Frozen:
             else:
                 cache.set_params(graph, exe, i, fn, dims, tuple(table[a:b].tolist()), hold_gil)
         return exe
+
+    def changed(self, last: bytes, table: np.ndarray) -> list[int]:
+        """The kernels whose values differ between an executable graph's table `last` and the run's `table`."""
+        kernels = self.entry_kernel[np.frombuffer(last, np.uint64) != table]  # (ascending: entries in kernel order)
+        return kernels[np.concatenate(([True], kernels[1:] != kernels[:-1]))].tolist()
+
+    def updates(self, graph: Any, table: np.ndarray) -> int:
+        """How many kernels `refresh` would update for this run (a graph just captured: none)."""
+        values = table.tobytes()
+        last = graph.tables[graph.pick(values)]
+        return 0 if last is None or last == values else len(self.changed(last, table))
 
     def launches(self, table: np.ndarray) -> list[Collected]:
         """The batch's launches for a run's table (where it is not replayed as a graph yet)."""
@@ -577,7 +587,8 @@ class CUDADevice(QueuedDevice):
             cache.launch(lambda: frozen.launches(table), hold_gil, key,
                          lambda graph: frozen.refresh(cache, graph, table, hold_gil))
 
-        long = None if cache.cheap_keyed(key, frozen.count) else lambda: launch(False)
+        cheap = cache.cheap_keyed(key, frozen.count, lambda graph: frozen.updates(graph, table))
+        long = None if cheap else lambda: launch(False)
         return self._submit(launch, waits, (arena, replay.get(bufs)), long=long)
 
     def prepare_batch(self, batch: BatchState) -> None:

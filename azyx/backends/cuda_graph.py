@@ -20,6 +20,8 @@ from azyx.codegen.launch import Launch
 GRAPH_AFTER = 2  # a batch seen this many times with the same buffers is captured into a CUDA graph
 INLINE_LAUNCHES = 16  # a batch of more launches, not replayed as a graph, is submitted off the loop's thread (as is
 # a batch's capture)
+INLINE_UPDATES = 48  # a graph launch needing more parameter updates (a few us each) is submitted off the loop's thread:
+# a crowd's first steps, on buffers new to every executable graph, update each kernel (~125 for GPT-2 small)
 GRAPHS_KEPT = 256  # batches (graphs or sighting counts) remembered: plans that come and go keep the cache bounded
 # executable graphs instantiated per frozen batch (`_Graph.turn`): a run launches the one that already holds its values
 # where one does (runs that take a few sets of buffers in turn; each update is a driver call of several us. A chained
@@ -51,13 +53,16 @@ class _Graph:
         self.tables: list[bytes | None] = [None] * len(exes)
         self.order = list(range(len(exes)))  # the executable graphs, launched longest ago first
 
-    def turn(self, table: bytes) -> int:
+    def pick(self, table: bytes) -> int:
         """The executable graph a run of values `table` launches: one that holds them already (no update), else the
         one launched longest ago (updated: `_Frozen.refresh`)."""
-        order = self.order
-        i = next((i for i in reversed(order) if self.tables[i] == table), order[0])
-        order.remove(i)
-        order.append(i)
+        return next((i for i in reversed(self.order) if self.tables[i] == table), self.order[0])
+
+    def turn(self, table: bytes) -> int:
+        """`pick`, now the graph launched last."""
+        i = self.pick(table)
+        self.order.remove(i)
+        self.order.append(i)
         return i
 
     def __del__(self) -> None:
@@ -92,11 +97,12 @@ class GraphCache:
         self.keyed = (batch, key)
         return self.cheap_keyed(key, len(batch))
 
-    def cheap_keyed(self, key: tuple, launches: int) -> bool:
-        """`cheap` for a batch of `launches` keyed by its caller (a frozen batch's key: `CUDADevice.launch_replay`)."""
+    def cheap_keyed(self, key: tuple, launches: int, updates: Callable[[_Graph], int] | None = None) -> bool:
+        """`cheap` for a batch of `launches` keyed by its caller (a frozen batch's key: `CUDADevice.launch_replay`);
+        `updates(graph)`: how many parameter updates its graph's launch would make (at most INLINE_UPDATES: cheap)."""
         graph = self.graphs.get(key)
         if isinstance(graph, _Graph):
-            return True
+            return updates is None or updates(graph) <= INLINE_UPDATES
         return launches <= INLINE_LAUNCHES and (graph or 0) + 1 < GRAPH_AFTER
 
     def launch(self, batch: list[Collected] | Callable[[], list[Collected]], hold_gil: bool = True,
