@@ -141,7 +141,7 @@ async def test_nothing_is_read_until_realized(tmp_path: Path) -> None:
 
 
 async def test_large_reads_are_split_across_threads(tmp_path: Path) -> None:
-    from azyx.backends.disk import SPLIT
+    from azyx.loads import SPLIT
 
     x = np.random.default_rng(5).standard_normal((5 * SPLIT // 2 + 12) // 4).astype(np.float32)  # pieces unaligned
     p = tmp_path / "big.safetensors"
