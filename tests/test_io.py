@@ -148,8 +148,9 @@ async def test_large_reads_are_split_across_threads(tmp_path: Path) -> None:
     save_file({"x": x}, p)
     t = Tensor.from_safetensors(p, "x")
     reads, nbytes = disk().reads, disk().bytes_read
-    np.testing.assert_array_equal(await t.to("c:0").numpy(), x)  # read_into: pieces on the reader threads
+    np.testing.assert_array_equal(await t.numpy(), x)  # the disk's own read (`Loads.read_split`): pieces on the readers
     assert disk().bytes_read - nbytes == x.nbytes and disk().reads - reads >= min(2, os.cpu_count() or 1)
+    np.testing.assert_array_equal(await t.to("c:0").numpy(), x)  # (a plan's transfer: the load pipeline's extents)
     streamed = [await v.numpy() async for _, v in azyx.io.stream_safetensors(p, device="c:0")]
     np.testing.assert_array_equal(streamed[0], x)
 
