@@ -6,9 +6,9 @@ into the destination's memory when that is host memory, else into the blocks of 
 memory (pinned on CUDA), each copied to the device by its queue once read and read into again once that copy is done;
 the thread that runs the plan only numbers the reads (one step per load) and queues the staged copies (the loop's, or
 for a run of many such copies a worker's: `UnifiedExecutor.runs_long`), a reader thread (the booker, `_start_booked`)
-starts the reads. The reads are numbered on the timeline of the device that owns the pipeline (`Loads.source`: the
-disk, a part of it), which reaches a read's value once it and every earlier read are done; the destination's queue
-waits for that, as for any other source device. Every byte read is counted by the source (`Loads.count`).
+starts the reads. The reads are numbered on the timeline of the device the pipeline is a part of (`Loads.source`: the
+disk), which reaches a read's value once it and every earlier read are done; the destination's queue waits for that,
+as for any other source device. Every byte read is counted by that device (`Loads.count`).
 """
 
 from __future__ import annotations
