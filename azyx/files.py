@@ -1,7 +1,7 @@
 """Files read positionally: an open file checked against change at each read (`DiskFile`), a range of one that a
 disk tensor is (`FileRange`), O_DIRECT reads past the page cache, and the element range a view of a file's tensor
-covers. Storage logic below the devices: the disk device (azyx.backends.disk) reads through it and counts what it
-read; azyx.storage and azyx.io open files and name ranges with it."""
+covers. Storage logic below the devices: the disk device (azyx.backends.disk) and its load pipeline (azyx.loads) read
+through it and count what they read; azyx.storage and azyx.io open files and name ranges with it."""
 
 from __future__ import annotations
 

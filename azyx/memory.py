@@ -24,7 +24,7 @@ ALIGN = 64  # host blocks' alignment
 # AMD EPYC VM, 16 MiB blocks: 29,700 page faults against 780). The block then takes up to HUGE bytes more of address
 # space (`block_bytes`: what numpy allocates, and tracemalloc counts), never touched, so not memory.
 HUGE, HUGE_MIN = 2 << 20, 4 << 20
-# file loads staged through host memory (azyx.backends.disk's `DiskDevice.load`: the stream and the lazy path): bytes
+# file loads staged through host memory (azyx.loads: the stream and the lazy path): bytes
 # per read (a read from the page cache runs at ~5 GB/s per thread: ~1.6 ms, long against what each costs the loop,
 # short against a file of gigabytes), and a device's ring of staging blocks, read into and copied from in turn (at most
 # RING reads in flight per device, RING * RING_BLOCK bytes of host memory whatever the file's size; a device that

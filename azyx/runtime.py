@@ -21,12 +21,13 @@ import sniffio
 
 from azyx import config as _config
 from azyx import debug, search, workers
-from azyx.backends.disk import DiskDevice, start_readers
+from azyx.backends.disk import DiskDevice
 from azyx.codegen import search_actions as optimize
 from azyx.device import Buffer, Device
 from azyx.errors import AllocationError, DeviceError, RuntimeStateError, fresh_copy
 from azyx.executor import UnifiedExecutor
 from azyx.graph import GRAPH, StridedView
+from azyx.loads import start_readers
 from azyx.plan import ExecutionPlan, KernelStep
 from azyx.queues import HostMemory
 from azyx.registry import BACKENDS, Probe, probe

@@ -141,15 +141,16 @@ async def test_nothing_is_read_until_realized(tmp_path: Path) -> None:
 
 
 async def test_large_reads_are_split_across_threads(tmp_path: Path) -> None:
-    from azyx.backends.disk import SPLIT
+    from azyx.loads import SPLIT
 
     x = np.random.default_rng(5).standard_normal((5 * SPLIT // 2 + 12) // 4).astype(np.float32)  # pieces unaligned
     p = tmp_path / "big.safetensors"
     save_file({"x": x}, p)
     t = Tensor.from_safetensors(p, "x")
     reads, nbytes = disk().reads, disk().bytes_read
-    np.testing.assert_array_equal(await t.to("c:0").numpy(), x)  # read_into: pieces on the reader threads
+    np.testing.assert_array_equal(await t.numpy(), x)  # the disk's own read (`Loads.read_split`): pieces on the readers
     assert disk().bytes_read - nbytes == x.nbytes and disk().reads - reads >= min(2, os.cpu_count() or 1)
+    np.testing.assert_array_equal(await t.to("c:0").numpy(), x)  # (a plan's transfer: the load pipeline's extents)
     streamed = [await v.numpy() async for _, v in azyx.io.stream_safetensors(p, device="c:0")]
     np.testing.assert_array_equal(streamed[0], x)
 

@@ -23,9 +23,9 @@ from test_io import _cancel_stream
 
 import azyx
 from azyx import Tensor, workers
-from azyx.backends.disk import HOST_EXTENT
 from azyx.device import buffer_of
 from azyx.io.stream import EXTENT, RING
+from azyx.loads import HOST_EXTENT
 from azyx.runtime import RT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,10 +282,10 @@ async def _lazy_load(p: Path, device: str) -> dict[str, np.ndarray]:
 async def test_the_loops_share_of_a_load_is_per_tensor_not_per_extent(tmp_path: Path, path: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors of three extents each onto c:0 (two on the lazy path: a plan's reads into host memory are HOST_EXTENT
-    bytes): the loop's thread numbers a load's reads in one step and hands them to the booker (`DiskDevice._book`),
+    bytes): the loop's thread numbers a load's reads in one step and hands them to the booker (`Loads._book`),
     waking a reader thread at most once per load (a tensor's transfer on the lazy path, a read-ahead on the stream's),
     never once per extent; the reader threads start the reads. The bytes are the file's."""
-    from azyx.backends.disk import _reader_pool
+    from azyx.loads import _reader_pool
 
     rng = np.random.default_rng(17)
     arrays = {f"w{i}": rng.standard_normal(3 * EXTENT // 4 - 5 - i).astype(np.float32) for i in range(6)}
@@ -319,7 +319,7 @@ async def test_the_loops_share_of_a_load_is_per_tensor_not_per_extent(tmp_path: 
 async def test_a_small_tensors_read_joins_its_large_neighbours(tmp_path: Path) -> None:
     """A plan's transfers onto c:0 of two large tensors (HOST_EXTENT bytes: a read each), each followed in the file by
     a small one (a bias), are two reads: a read of SMALL bytes or less joins its neighbour's, whatever that one's size
-    (`DiskDevice._join`, the plan's reads started in file order), where each had been a read of its own; the two
+    (`Loads._join`, the plan's reads started in file order), where each had been a read of its own; the two
     large ones stay two reads (two readers). The bytes are the file's."""
     rng = np.random.default_rng(23)
     arrays = {}
@@ -419,7 +419,7 @@ async def test_a_streams_host_memory_stays_within_prefetch_and_the_largest_tenso
     within prefetch + the largest tensor. The block of the first tensor, dropped, is a size no later tensor takes: the
     stream gives it back rather than growing the pool beside it (16 MiB over in bench/io.py's summing row before).
     O_DIRECT reads into host memory go through one DIRECT_PIECE block per reader thread (kept by the thread)."""
-    from azyx.backends.disk import DIRECT_PIECE, _reader_pool
+    from azyx.loads import DIRECT_PIECE, _reader_pool
     from azyx.memory import block_bytes
 
     rng = np.random.default_rng(16)
@@ -543,7 +543,7 @@ async def test_gpt2_loads_tensor_parallel_and_its_mlp_matches_the_one_device_ref
 @pytest.mark.parametrize("path", ["stream", "lazy"])
 async def test_both_load_paths_keep_the_loops_heartbeat(tmp_path: Path, device: str, path: str) -> None:
     """A 64 MiB load onto each device, by the stream and by one realize of every tensor `.to` it, beside a 1 ms
-    heartbeat: the loop's thread only books reads and copies (`DiskDevice.load`), so the lateness of the process's
+    heartbeat: the loop's thread only books reads and copies (`Loads.load`), so the lateness of the process's
     own stays within test_loop_latency's bound (BOUND_MS: CI's shared machine; bench/io.py reports the figure on a
     quiet one), and the bytes are the file's."""
     from test_loop_latency import BOUND_MS, _worst_lateness_ms
@@ -640,7 +640,7 @@ def test_the_readers_start_with_the_runtime_below_the_loops_priority() -> None:
     """Every reader thread runs once the runtime has started (none is started by a load), below the priority of the
     thread that started the runtime where the native core reads (the GIL released through a read: a reader holds it
     only to begin and end one), else at its priority (Python reads hold the GIL between system calls)."""
-    from azyx.backends.disk import _reader_pool
+    from azyx.loads import _reader_pool
     from azyx.native import native
 
     RT.start(["c"])

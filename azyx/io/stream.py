@@ -1,6 +1,6 @@
 """Streaming a safetensors file onto a device: realized tensors one by one, with bounded read-ahead.
 
-The file is read by azyx.backends.disk's one load pipeline (`DiskDevice.load`, which a plan's transfer out of a file
+The file is read by the one load pipeline (azyx.loads: the disk's `loads`, which a plan's transfer out of a file
 takes too): reader threads (never the event loop) read extents of up to `EXTENT` bytes in parallel, consecutive small
 tensors sharing one `preadv`, a large tensor several extents. On a device whose memory is host memory (the C backend)
 each extent lands straight in its tensors' pooled device buffers (no copy after the read). On another device (CUDA,
@@ -31,12 +31,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from azyx.allocator import bucket
-from azyx.backends.disk import Extent, Target
 from azyx.dtypes import dtypes
 from azyx.errors import AzyxError, AzyxIOError, fresh_copy
 from azyx.fileformat import TensorEntry
 from azyx.files import DiskFile, FileRange
 from azyx.graph import Node, Op, StridedView
+from azyx.loads import Extent, Target
 from azyx.memory import EXTENT, RING
 from azyx.runtime import RT
 from azyx.storage import disk_device, disk_node, header_of, open_safetensors
@@ -88,7 +88,7 @@ def stream_safetensors(path: Any, device: str | None = None, *, prefetch: int = 
 
 
 class _Slot(Target):
-    """A tensor being read: its entry, its extents (`disk.Extent`, maybe shared with its neighbours), whether it is
+    """A tensor being read: its entry, its extents (`loads.Extent`, maybe shared with its neighbours), whether it is
     widened (bfloat16 to float32) or sharded; its buffer, readiness and error are its `Target`'s."""
 
     __slots__ = ("entry", "extents", "widen", "sharded")
@@ -244,7 +244,7 @@ class SafetensorsStream:
     def _start(self, budget: int, first: bool = False) -> None:
         """Start reading the next entries while the bytes ahead fit in `budget` (the next one whatever its size when
         `first`: it is asked for), in extents: consecutive entries share one up to EXTENT bytes; a larger entry is
-        several (`DiskDevice.load` reads them)."""
+        several (`Loads.load` reads them)."""
         assert self.file is not None
         data_start = header_of(self.file).data_start
         extents: list[Extent] = []
@@ -281,7 +281,7 @@ class SafetensorsStream:
                 done += n
             if widen:
                 cur = None
-        disk_device().load(self.dev, extents)
+        disk_device().loads.load(self.dev, extents)
 
     def _trim(self, begin: int, end: int) -> list[Any]:
         """(A host device, before the buffers of entries `begin` to `end` are made.) Where the device's pool has no
