@@ -551,8 +551,8 @@ async def to_numpy(t: Handle) -> np.ndarray:
         if (fut := _gate()) is not None:
             await _pace(fut)
         return await _read_queued(n, bufs, plan)
-    got = _read_host(n)
-    return got if isinstance(got, np.ndarray) else await got
+    read = _read_host(n)
+    return read if isinstance(read, np.ndarray) else await read
 
 
 def _read_host(n: Any) -> np.ndarray | Awaitable[np.ndarray]:
@@ -570,8 +570,8 @@ async def _read_realized(n: Any, bufs: list[Any]) -> np.ndarray:
     no pacing (as `_read_queued`), only the wait for the work that writes it and that work's failure."""
     if not done(bufs):
         await wait_for(bufs)
-    got = _read_host(n)
-    return got if isinstance(got, np.ndarray) else await got
+    read = _read_host(n)
+    return read if isinstance(read, np.ndarray) else await read
 
 
 

@@ -637,7 +637,8 @@ def _bucket(n: int, limit: int) -> int:
 @dataclass(eq=False)
 class _Launched:
     """A decode step queued on the device: its sequences, rows (None: padding), its logits (None unless a row asked
-    for logprobs), the read of the state it wrote (its tokens: `_Chain`), started, and its other inputs."""
+    for logprobs), the read of the state it wrote (its tokens: `_Chain`; `read_now`'s coroutine, awaited by `_land`),
+    and its other inputs."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
@@ -648,10 +649,10 @@ class _Launched:
     floats: Tensor
     flags: dict[str, bool]
     extras: dict[str, Tensor | None]
-    # what `_chainable` asks, known at the launch so that it costs no pass over the rows: the engine's `changes` when
-    # the launch took its rows (a sequence ended, failed or joined since: not the same batch), how many steps after this one's the batch has
-    # room for (each row's token budget and cache), whether a row's sampling reads the tokens so far (penalties),
-    # and the highest position a row feeds (the attention window)
+    # what `_chainable` asks, known at the launch so that it costs no pass over the rows: the engine's `changes`
+    # when the launch took its rows (a sequence ended, failed or joined since: not the same batch), how many steps
+    # after this one's the batch has room for (each row's token budget and cache), whether a row's sampling reads
+    # the tokens so far (penalties), and the highest position a row feeds (the attention window)
     changes: int = 0
     room: int = 0
     penalized: bool = False
