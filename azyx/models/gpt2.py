@@ -615,6 +615,12 @@ class Sequence:
     # its generator of uniform numbers (params.seed's), made at its first sampled draw: a greedy row reads none, and
     # default_rng() takes 30-80 us (OS entropy, seed hashing), which a crowd of greedy requests paid on the loop
     rng: np.random.Generator | None = None
+    # its next uniform numbers, drawn from `rng` DRAWS at a time (the same stream as one draw a step), last first
+    draws: list[float] = field(default_factory=list)
+    # the params whose sampling values were last checked against the kernels' ranges, and those values (SamplingParams
+    # is frozen: a sampled step checks a row's values once, not each step)
+    checked: SamplingParams | None = None
+    values: tuple[float, int, float] = (0.0, 0, 1.0)
     queue: _Inbox = field(default_factory=_Inbox)
 
     @property
@@ -659,6 +665,7 @@ class _Launched:
     top: int = 0
 
 
+DRAWS = 32  # a sampled sequence's uniform numbers drawn at once (`Engine._sampling_row`)
 TOKEN, POSITION, TOP_K = range(3)  # the rows of a decode step's state (`_Chain`)
 STATE_ROWS = 3
 
@@ -992,15 +999,20 @@ class Engine:
         if seq is None:
             return 0.0, v, 1.0, 0.0
         p = seq.params
-        t, k, top_p = float(p.temperature), int(p.top_k or v), float(p.top_p)
-        if not (0.0 <= t <= FLOAT32_MAX and 0 <= k <= INT32_MAX and 0.0 < top_p <= 1.0):
-            raise ArgumentError(f"sampling values past the kernels' range: temperature {_short(p.temperature)}, "
-                                f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
+        if seq.checked is not p:
+            t, k, top_p = float(p.temperature), int(p.top_k or v), float(p.top_p)
+            if not (0.0 <= t <= FLOAT32_MAX and 0 <= k <= INT32_MAX and 0.0 < top_p <= 1.0):
+                raise ArgumentError(f"sampling values past the kernels' range: temperature {_short(p.temperature)}, "
+                                    f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
+            seq.checked, seq.values = p, (t, k, top_p)
+        t, k, top_p = seq.values
         if t == 0.0:  # (greedy: the sampler reads no uniform number)
             return t, k, top_p, 0.0
-        if seq.rng is None:
-            seq.rng = np.random.default_rng(p.seed)
-        return t, k, top_p, float(seq.rng.random())
+        if not seq.draws:
+            if seq.rng is None:
+                seq.rng = np.random.default_rng(p.seed)
+            seq.draws = seq.rng.random(DRAWS).tolist()[::-1]
+        return t, k, top_p, seq.draws.pop()
 
     def _decode_floats(self, rows: list[tuple[float, int, float, float]]) -> tuple[Tensor, dict[str, bool]]:
         """A decode step's floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device
