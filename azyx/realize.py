@@ -574,7 +574,6 @@ async def _read_realized(n: Any, bufs: list[Any]) -> np.ndarray:
     return read if isinstance(read, np.ndarray) else await read
 
 
-
 def read_now(t: Handle) -> Coroutine[Any, Any, np.ndarray]:
     """`to_numpy` of a realized tensor whose copy is queued at this call, not when the coroutine first runs: on a device
     with a queue the read goes behind the work that writes the tensor and ahead of work queued after this call (a
