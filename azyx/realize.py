@@ -551,29 +551,47 @@ async def to_numpy(t: Handle) -> np.ndarray:
         if (fut := _gate()) is not None:
             await _pace(fut)
         return await _read_queued(n, bufs, plan)
+    read = _read_host(n)
+    return read if isinstance(read, np.ndarray) else await read
+
+
+def _read_host(n: Any) -> np.ndarray | Awaitable[np.ndarray]:
+    """The bytes of node `n`, realized and done, on a host-memory (or storage) device: read here, or (a large copy, a
+    file's read) what a worker thread's read is awaited as (the loop stays free)."""
     assert n.view is not None
     buf, view, shape, dtype = buffer_of(n), n.view, n.shape, n.dtype
-    if buf.nbytes >= LOOP_COPY_BYTES or dev.storage:  # large copies and file reads leave the loop free
-        return await in_worker_thread(buf.device.read, buf, view, shape, dtype)
+    if buf.nbytes >= LOOP_COPY_BYTES or buf.device.storage:
+        return in_worker_thread(buf.device.read, buf, view, shape, dtype)
     return buf.device.read(buf, view, shape, dtype)
 
 
+async def _read_realized(n: Any, bufs: list[Any]) -> np.ndarray:
+    """`to_numpy` of a realized tensor (node `n`, its buffer `bufs`) on a host-memory device: nothing to submit, so
+    no pacing (as `_read_queued`), only the wait for the work that writes it and that work's failure."""
+    if not done(bufs):
+        await wait_for(bufs)
+    read = _read_host(n)
+    return read if isinstance(read, np.ndarray) else await read
 
-def read_now(t: Handle) -> Awaitable[np.ndarray]:
-    """`to_numpy` of a realized tensor whose copy is queued at this call, not when the awaitable first runs: on a device
+
+def read_now(t: Handle) -> Coroutine[Any, Any, np.ndarray]:
+    """`to_numpy` of a realized tensor whose copy is queued at this call, not when the coroutine first runs: on a device
     with a queue the read goes behind the work that writes the tensor and ahead of work queued after this call (a
-    pipelined decode reads step N's tokens while step N+1 runs). Elsewhere the same as `to_numpy`."""
+    pipelined decode reads step N's tokens while step N+1 runs). Elsewhere the same as `to_numpy` (on a host-memory
+    device, the bytes as they are once the work that writes them is done)."""
     n = _nodes[t.id]
     if n is None or n.buffer is None:
         return to_numpy(t)
     bufs = [buffer_of(n)]
     dev = bufs[0].device
-    if dev.host_memory or dev.storage:
+    if dev.storage:
         return to_numpy(t)
+    if dev.host_memory:
+        return _read_realized(n, bufs)
     return _read_queued(n, bufs, None)
 
 
-def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan | None) -> Awaitable[np.ndarray]:
+def _read_queued(n: Any, bufs: list[Any], plan: ExecutionPlan | None) -> Coroutine[Any, Any, np.ndarray]:
     """The read of node `n`'s buffer on a device with a queue, queued now (done or not, the work that writes it is
     ahead of it in the queue); then the run that wrote it answers for its failures (an index out of range, its work on
     other devices) before the bytes are handed out."""

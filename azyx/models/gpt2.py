@@ -38,7 +38,7 @@ import asyncio
 import json
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -564,27 +564,32 @@ def _short(v: Any, limit: int = 60) -> str:
 
 
 class _Inbox:
-    """A sequence's tokens on their way to its stream (then None at its end, or the error that ended it): what
-    asyncio.Queue does for one consumer, with less work a token (a batch-32 step hands out 32)."""
+    """A sequence's tokens on their way to its stream (then None at its end, or the error that ended it), for one
+    consumer (`TokenStream.__anext__`). A consumer that finds nothing waits on a future, and the next item is handed
+    over in that future itself, not through the deque: a batch-32 step wakes 32 consumers, each with no queue work
+    past its own wake-up. An item handed over to a consumer cancelled before it ran goes back to the deque's front."""
 
     __slots__ = ("items", "waiter")
 
     def __init__(self) -> None:
         self.items: deque[int | BaseException | None] = deque()
-        self.waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[int | BaseException | None] | None = None
 
     def put_nowait(self, item: int | BaseException | None) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():  # (done: its consumer was cancelled while it waited)
+                waiter.set_result(item)
+                return
         self.items.append(item)
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():  # (done: its consumer was cancelled while it waited)
-            waiter.set_result(None)
 
-    async def get(self) -> int | BaseException | None:
-        items = self.items
-        while not items:
-            waiter = self.waiter = asyncio.get_running_loop().create_future()
-            await waiter
-        return items.popleft()
+    def dropped(self, waiter: asyncio.Future[int | BaseException | None]) -> None:
+        """The consumer waiting on `waiter` was cancelled: an item handed over in it goes back to the deque's front."""
+        if waiter.done() and not waiter.cancelled():
+            self.items.appendleft(waiter.result())
+        elif self.waiter is waiter:
+            self.waiter = None
 
 
 @dataclass(eq=False)
@@ -610,6 +615,12 @@ class Sequence:
     # its generator of uniform numbers (params.seed's), made at its first sampled draw: a greedy row reads none, and
     # default_rng() takes 30-80 us (OS entropy, seed hashing), which a crowd of greedy requests paid on the loop
     rng: np.random.Generator | None = None
+    # its next uniform numbers, drawn from `rng` DRAWS at a time (the same stream as one draw a step), last first
+    draws: list[float] = field(default_factory=list)
+    # the params whose sampling values were last checked against the kernels' ranges, and those values (SamplingParams
+    # is frozen: a sampled step checks a row's values once, not each step)
+    checked: SamplingParams | None = None
+    values: tuple[float, int, float] = (0.0, 0, 1.0)
     queue: _Inbox = field(default_factory=_Inbox)
 
     @property
@@ -624,25 +635,37 @@ def _buckets(limit: int) -> list[int]:
 
 
 def _bucket(n: int, limit: int) -> int:
-    return next(b for b in _buckets(limit) if b >= n)
+    """The first of `_buckets(limit)` that holds `n` (<= limit)."""
+    b = 1 << max(n - 1, 0).bit_length()
+    return b if b < limit else limit
 
 
 @dataclass(eq=False)
 class _Launched:
     """A decode step queued on the device: its sequences, rows (None: padding), its logits (None unless a row asked
-    for logprobs), the read of the state it wrote (its tokens: `_Chain`), started, and its other inputs."""
+    for logprobs), the read of the state it wrote (its tokens: `_Chain`; `read_now`'s coroutine, awaited by `_land`),
+    and its other inputs."""
 
     seqs: list[Sequence]
     rows: list[Sequence | None]
     logits: Tensor | None
-    read: asyncio.Future[np.ndarray]
+    read: Coroutine[Any, Any, np.ndarray]
     # its inputs besides the state, which a chained step takes again (the rows and their values are the same; a
     # sampled step's floats are new: its uniform draws)
     floats: Tensor
     flags: dict[str, bool]
     extras: dict[str, Tensor | None]
+    # what `_chainable` asks, known at the launch so that it costs no pass over the rows: the engine's `changes`
+    # when the launch took its rows (a sequence ended, failed or joined since: not the same batch), how many steps
+    # after this one's the batch has room for (each row's token budget and cache), whether a row's sampling reads
+    # the tokens so far (penalties), and the highest position a row feeds (the attention window)
+    changes: int = 0
+    room: int = 0
+    penalized: bool = False
+    top: int = 0
 
 
+DRAWS = 32  # a sampled sequence's uniform numbers drawn at once (`Engine._sampling_row`)
 TOKEN, POSITION, TOP_K = range(3)  # the rows of a decode step's state (`_Chain`)
 STATE_ROWS = 3
 
@@ -716,6 +739,7 @@ class Engine:
         self.batch: list[Sequence] = []  # the sequences of the step in flight (or the last one)
         self.inflight: _Launched | None = None  # a step queued whose tokens are not read yet (the runner's)
         self.chained = 0  # steps queued before the last one's tokens were read (for tests and debugging)
+        self.changes = 0  # counts the changes of the active batch (a sequence ended or joined): `_chainable`
         self.greedy: dict[int, Tensor] = {}  # per batch size, the floats of a step no row of which samples
         self.chains: dict[int, _Chain] = {}  # per batch size, the decode state on the device (`_Chain`)
         # the graphs, staged: the first call of a shape traces and plans it, later ones replay the plan (the cache
@@ -790,6 +814,7 @@ class Engine:
         if seq.done:
             return
         seq.finish_reason = reason
+        self.changes += 1
         if seq.state == "waiting":
             self.waiting.remove(seq)
         elif seq.state == "active":
@@ -940,8 +965,10 @@ class Engine:
                             launched = await self._launch(chained)
                         except Exception as e:  # the step's batch fails; later requests are served
                             launched, failed = None, e
-                        await self._settle()  # (the chained step's tokens: read while `launched` runs)
-                        self.inflight = launched
+                        try:
+                            await self._settle()  # (the chained step's tokens: read while `launched` runs)
+                        finally:
+                            self.inflight = launched
                         if failed is not None:
                             for seq in self.batch:
                                 self.fail(seq, failed)
@@ -950,6 +977,9 @@ class Engine:
                 await asyncio.sleep(0)
         except BaseException as e:
             err = e if isinstance(e, Exception) else RuntimeStateError("the generation engine was closed")
+            if self.inflight is not None:  # (its tokens are never read)
+                self.inflight.read.close()
+                self.inflight = None
             for seq in list(self.live):
                 self.fail(seq, err)
             raise
@@ -969,15 +999,20 @@ class Engine:
         if seq is None:
             return 0.0, v, 1.0, 0.0
         p = seq.params
-        t, k, top_p = float(p.temperature), int(p.top_k or v), float(p.top_p)
-        if not (0.0 <= t <= FLOAT32_MAX and 0 <= k <= INT32_MAX and 0.0 < top_p <= 1.0):
-            raise ArgumentError(f"sampling values past the kernels' range: temperature {_short(p.temperature)}, "
-                                f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
+        if seq.checked is not p:
+            t, k, top_p = float(p.temperature), int(p.top_k or v), float(p.top_p)
+            if not (0.0 <= t <= FLOAT32_MAX and 0 <= k <= INT32_MAX and 0.0 < top_p <= 1.0):
+                raise ArgumentError(f"sampling values past the kernels' range: temperature {_short(p.temperature)}, "
+                                    f"top_k {_short(p.top_k)}, top_p {_short(p.top_p)}")
+            seq.checked, seq.values = p, (t, k, top_p)
+        t, k, top_p = seq.values
         if t == 0.0:  # (greedy: the sampler reads no uniform number)
             return t, k, top_p, 0.0
-        if seq.rng is None:
-            seq.rng = np.random.default_rng(p.seed)
-        return t, k, top_p, float(seq.rng.random())
+        if not seq.draws:
+            if seq.rng is None:
+                seq.rng = np.random.default_rng(p.seed)
+            seq.draws = seq.rng.random(DRAWS).tolist()[::-1]
+        return t, k, top_p, seq.draws.pop()
 
     def _decode_floats(self, rows: list[tuple[float, int, float, float]]) -> tuple[Tensor, dict[str, bool]]:
         """A decode step's floats (3, B) of temperature, top-p and the uniform draw (no row sampling: zeros the device
@@ -1147,6 +1182,7 @@ class Engine:
                 continue
             seq.cached, seq.state = len(seq.prompt), "active"
             self.active[seq.slot] = seq
+            self.changes += 1
             self._accept(seq, first, lp)
 
     def _unslot(self, seq: Sequence) -> None:
@@ -1160,62 +1196,69 @@ class Engine:
 
     def _chainable(self, step: _Launched) -> bool:
         """Whether the step after `step` may be queued before `step`'s tokens are read: the same sequences go on (none
-        ended, none joins: no waiting request a free slot would take), none reaches its token budget or the cache's
-        end with `step`'s token, and no row's sampling reads the tokens generated so far (penalties)."""
+        ended, none joined since `step`'s launch, and no waiting request a free slot would take), none reaches its
+        token budget or the cache's end with `step`'s token, and no row's sampling reads the tokens generated so far
+        (penalties). What it reads was counted at `step`'s launch (`_launch`): no pass over the rows."""
         if self.waiting and self.cache.free:
             return False
-        if len(self.active) != len(step.seqs) or any(s.done or self.active.get(s.slot) is not s for s in step.seqs):
-            return False
-        return all(len(s.tokens) + 1 < s.params.max_new_tokens and s.cached + 2 < self.cache.max_len
-                   and s.params.repetition_penalty == 1.0 and not s.params.logit_bias
-                   and not s.params.presence_penalty and not s.params.frequency_penalty for s in step.seqs)
+        return step.changes == self.changes and step.room > 0 and not step.penalized
 
     async def _launch(self, after: _Launched | None = None, logits: bool = False) -> _Launched | None:
         """Queue a decode step of every active sequence and start reading its tokens; None when no sequence is left.
         `after`: a step in flight whose tokens are not read yet (`_chainable`): this one feeds them from the device,
         one position further. The step keeps its logits (`self.logits`) with `logits` (`step()`'s) or where a row
         asked for logprobs."""
-        await self._ready()
+        if not self.ready:
+            await self._ready()
+        changes = self.changes  # (the batch as taken now: any change from here on, awaits included, breaks the chain)
         values: list[tuple[float, int, float, float]] = []
         seqs: list[Sequence] = []
-        for s in [s for _, s in sorted(self.active.items())] if after is None else after.seqs:
-            try:
-                values.append(self._sampling_row(s))
-                seqs.append(s)
-            except Exception as e:  # this request's own values: it fails, the batch goes on
-                self.fail(s, e)
+        if after is not None and not after.flags["sample"]:  # (the same rows and checked values: no row draws)
+            seqs = after.seqs
+        else:
+            for s in [s for _, s in sorted(self.active.items())] if after is None else after.seqs:
+                try:
+                    values.append(self._sampling_row(s))
+                    seqs.append(s)
+                except Exception as e:  # this request's own values: it fails, the batch goes on
+                    self.fail(s, e)
         self.batch = seqs
         if not seqs or (after is not None and len(seqs) != len(after.seqs)):
             return None
         b = _bucket(len(seqs), self.cache.slots)
-        rows: list[Sequence | None] = [*seqs, *[None] * (b - len(seqs))]
-        ahead = after is not None
-        positions = [s.cached + ahead if s else 0 for s in rows]
-        if b > len(seqs):
-            values += [self._sampling_row(None)] * (b - len(seqs))
-        chain = await self._chain(b)
+        chain = self.chains.get(b) or await self._chain(b)
         if after is None:  # the batch's state from the host: its rows' slots, tokens, positions and top-k
-            scratch = self.cache.scratch
+            rows: list[Sequence | None] = [*seqs, *[None] * (b - len(seqs))]
+            values += [self._sampling_row(None)] * (b - len(seqs))
+            positions = [s.cached if s else 0 for s in rows]
+            scratch, limit = self.cache.scratch, self.cache.max_len
             chain.start(self._device([s.slot if s else scratch for s in rows], dtypes.int32),
                         self._device([[s.pending if s else 0 for s in rows], positions, [k for _, k, _, _ in values]],
                                      dtypes.int32))
-        else:  # the state the step before wrote on the device
+            # (the steps after this one that every row has room for: its token budget and the cache's end)
+            room = min(min(s.params.max_new_tokens - len(s.tokens), limit - s.cached - 1) for s in seqs) - 1
+            penalized = any(s.params.penalized or s.params.logit_bias for s in seqs)
+            top = max(positions)
+        else:  # the state the step before wrote on the device (each row one position further, the same values)
             self.chained += 1
-        if after is not None and not after.flags["sample"]:  # (the same rows and values: greedy zeros again)
+            rows, room, penalized, top = after.rows, after.room - 1, after.penalized, after.top + 1
+            if values:
+                values += [self._sampling_row(None)] * (b - len(seqs))
+        if after is not None and not after.flags["sample"]:
             floats, flags, extras = after.floats, after.flags, after.extras
         else:
             floats, flags = self._decode_floats(values)
             extras = self._extras(rows) if after is None else after.extras
             flags["logits"] = logits or any(s.params.logprobs is not None for s in seqs)
-        window = self._window(max(positions) + 1)
+        window = self._window(top + 1)
         state, *kept = await self.decode_step.submit(chain.slots, chain.state, floats, **flags, window=window,
                                                      **extras)
         state = chain.turn(state)
         # the tokens' read (the state the step wrote) queued now: behind this step, ahead of the next one (a chained
-        # step is queued before it is awaited, and writes the other buffer)
-        read = asyncio.ensure_future(read_now(state))
-        read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved by _land, or dropped)
-        return _Launched(seqs, rows, kept[0] if kept else None, read, floats, flags, extras)
+        # step is queued before it is awaited, and writes the other buffer); awaited by `_land` (or closed: `_run`)
+        read = read_now(state)
+        return _Launched(seqs, rows, kept[0] if kept else None, read, floats, flags, extras, changes, room,
+                         penalized, top)
 
     async def _land(self, step: _Launched) -> dict[Sequence, int]:
         """Read a launched step's tokens and hand each to its sequence (those ended meanwhile skip theirs)."""
@@ -1226,7 +1269,7 @@ class Engine:
         lps = await self._logprobs(step.logits, seqs, out) if step.logits is not None else [None] * len(seqs)
         got: dict[Sequence, int] = {}
         for seq, tok, lp in zip(seqs, out, lps):
-            if seq.done:  # removed while the step ran
+            if seq.finish_reason is not None:  # removed while the step ran (`done`)
                 continue
             seq.cached += 1
             got[seq] = tok
@@ -1315,12 +1358,21 @@ class TokenStream:
         return self
 
     async def __anext__(self) -> int:
-        item = await self.seq.queue.get()
+        inbox = self.seq.queue
+        if inbox.items:
+            item = inbox.items.popleft()
+        else:
+            waiter = inbox.waiter = asyncio.get_running_loop().create_future()  # (the next item comes in it)
+            try:
+                item = await waiter
+            except asyncio.CancelledError:
+                inbox.dropped(waiter)
+                raise
+        if type(item) is int:
+            return item
         if item is None:
             raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        raise item  # type: ignore[misc]
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the stream now (its slot is freed, whatever the sequence's state); `reason` becomes its
