@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from asyncio import _get_running_loop as _running_loop
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
@@ -552,10 +552,10 @@ async def to_numpy(t: Handle) -> np.ndarray:
             await _pace(fut)
         return await _read_queued(n, bufs, plan)
     read = _read_host(n)
-    return read if isinstance(read, np.ndarray) else await read
+    return await read if isinstance(read, Coroutine) else read  # (a 0-d read may be a numpy scalar)
 
 
-def _read_host(n: Any) -> np.ndarray | Awaitable[np.ndarray]:
+def _read_host(n: Any) -> np.ndarray | Coroutine[Any, Any, np.ndarray]:
     """The bytes of node `n`, realized and done, on a host-memory (or storage) device: read here, or (a large copy, a
     file's read) what a worker thread's read is awaited as (the loop stays free)."""
     assert n.view is not None
@@ -571,7 +571,7 @@ async def _read_realized(n: Any, bufs: list[Any]) -> np.ndarray:
     if not done(bufs):
         await wait_for(bufs)
     read = _read_host(n)
-    return read if isinstance(read, np.ndarray) else await read
+    return await read if isinstance(read, Coroutine) else read  # (a 0-d read may be a numpy scalar)
 
 
 def read_now(t: Handle) -> Coroutine[Any, Any, np.ndarray]:
