@@ -544,34 +544,25 @@ async def to_numpy(t: Handle) -> np.ndarray:
     bufs = [buffer_of(n)]
     dev = bufs[0].device
     if dev.host_memory or dev.storage:
-        if not done(bufs):
-            await wait_for(bufs, plan)
-    else:  # a device with a queue reads in its order, right behind the work that writes the buffer: one wait for both
-        # (a crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too)
-        if (fut := _gate()) is not None:
-            await _pace(fut)
-        return await _read_queued(n, bufs, plan)
-    read = _read_host(n)
-    return await read if isinstance(read, Coroutine) else read  # (a 0-d read may be a numpy scalar)
+        return await _read_realized(n, bufs, plan)
+    # a device with a queue reads in its order, right behind the work that writes the buffer: one wait for both (a
+    # crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too)
+    if (fut := _gate()) is not None:
+        await _pace(fut)
+    return await _read_queued(n, bufs, plan)
 
 
-def _read_host(n: Any) -> np.ndarray | Coroutine[Any, Any, np.ndarray]:
-    """The bytes of node `n`, realized and done, on a host-memory (or storage) device: read here, or (a large copy, a
-    file's read) what a worker thread's read is awaited as (the loop stays free)."""
-    assert n.view is not None
-    buf, view, shape, dtype = buffer_of(n), n.view, n.shape, n.dtype
-    if buf.nbytes >= LOOP_COPY_BYTES or buf.device.storage:
-        return in_worker_thread(buf.device.read, buf, view, shape, dtype)
-    return buf.device.read(buf, view, shape, dtype)
-
-
-async def _read_realized(n: Any, bufs: list[Any]) -> np.ndarray:
-    """`to_numpy` of a realized tensor (node `n`, its buffer `bufs`) on a host-memory device: nothing to submit, so
-    no pacing (as `_read_queued`), only the wait for the work that writes it and that work's failure."""
+async def _read_realized(n: Any, bufs: list[Any], plan: ExecutionPlan | None = None) -> np.ndarray:
+    """The bytes of node `n` (its buffer `bufs`) on a host-memory (or storage) device, once the work that writes them
+    is done (that work's failure raised): nothing to submit, so no pacing (as `_read_queued`). Read here, or (a large
+    copy, a file's read) on a worker thread: the loop stays free."""
     if not done(bufs):
-        await wait_for(bufs)
-    read = _read_host(n)
-    return await read if isinstance(read, Coroutine) else read  # (a 0-d read may be a numpy scalar)
+        await wait_for(bufs, plan)
+    assert n.view is not None
+    buf, view, shape, dtype = bufs[0], n.view, n.shape, n.dtype
+    if buf.nbytes >= LOOP_COPY_BYTES or buf.device.storage:
+        return await in_worker_thread(buf.device.read, buf, view, shape, dtype)
+    return buf.device.read(buf, view, shape, dtype)
 
 
 def read_now(t: Handle) -> Coroutine[Any, Any, np.ndarray]:
