@@ -28,6 +28,7 @@ import socket
 import sys
 import tempfile
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -112,6 +113,7 @@ class Figures:
     cached: int  # pool bytes cached for reuse (none: `figures` gives them back first)
     rss: int
     service: dict[str, int]
+    held: weakref.WeakSet[Any]  # c:0's pooled buffers alive at the figure (`held_buffers`)
 
     def problems(self, later: Figures, rss_budget: int) -> list[str]:
         """What grew from self to `later` (`figures` gives the pool's cached blocks back first: what it holds then is
@@ -122,7 +124,7 @@ class Figures:
         if abs(later.nodes - self.nodes) > 4:
             out.append(f"graph nodes {self.nodes} -> {later.nodes}")
         if later.in_use > self.in_use:
-            out.append(f"pool bytes in use {self.in_use} -> {later.in_use}")
+            out.append(f"pool bytes in use {self.in_use} -> {later.in_use}; {held_since(self.held, later.held)}")
         if later.in_use + later.cached > self.in_use + self.cached + (1 << 20):
             out.append(f"pool bytes in use + cached {self.in_use} + {self.cached} -> {later.in_use} + {later.cached}")
         if later.rss - self.rss > rss_budget:
@@ -142,7 +144,39 @@ async def figures(service: dict[str, int]) -> Figures:
     trim_heap()
     s = azyx.stats()
     m = s.memory.get("c:0")
-    return Figures(s.plans, s.kernels, s.nodes, m.in_use if m else 0, m.cached if m else 0, s.rss, service)
+    return Figures(s.plans, s.kernels, s.nodes, m.in_use if m else 0, m.cached if m else 0, s.rss, service,
+                   held_buffers())
+
+
+def held_buffers() -> weakref.WeakSet[Any]:
+    """c:0's pooled buffers alive now (a census of the gc's objects: only when a soak takes its figures)."""
+    from azyx.device import Buffer
+
+    return weakref.WeakSet(o for o in gc.get_objects()
+                           if isinstance(o, Buffer) and o.pooled and o.device.name == "c:0")
+
+
+def held_since(before: weakref.WeakSet[Any], after: weakref.WeakSet[Any]) -> str:
+    """What holds the buffers alive at `after` that were not at `before`: their count and bytes, and for the largest
+    the chain of the objects that refer to it (containers passed through), what a growth of the pool's bytes in use
+    is."""
+    new = sorted((b for b in after if b not in before), key=lambda b: -b.nbytes)
+    out = [f"{len(new)} buffers held since ({sum(b.nbytes for b in new)} bytes)"]
+    top = new[:4]
+    for b in top:
+        ours = {id(new), id(top)}
+        chain, o = [], b
+        for _ in range(12):
+            refs = gc.get_referrers(o)
+            ours.add(id(refs))
+            refs = [r for r in refs if id(r) not in ours and type(r).__name__ not in ("frame", "coroutine")]
+            if not refs:
+                break
+            o = refs[0]
+            if not isinstance(o, (list, tuple, dict, set)):
+                chain.append(type(o).__qualname__ + ("" if chain else f" {repr(o)[:80]}"))
+        out.append(f"{b.nbytes} bytes <- " + " <- ".join(chain))
+    return "; ".join(out)
 
 
 def trim_heap() -> None:
