@@ -167,7 +167,9 @@ class Runtime:
         threading.Thread(target=self._probe, args=(todo, fut), name="azyx-probe", daemon=True).start()
 
     def _probe(self, kinds: list[str], fut: concurrent.futures.Future[None]) -> None:
-        workers.lower_priority()
+        # (at the loop's priority, as the caller's thread would probe: the threads it starts inherit it, and a thread
+        # cannot raise its priority again. The worker threads run Python beside the loop's; the drivers' and readers'
+        # threads, the device queues' and the compilers lower their own: `workers.at_lower_priority`)
         try:
             self.ensure(kinds)
         except BaseException as e:  # (a bug: the realize that waits raises it)

@@ -124,7 +124,8 @@ class Figures:
         if abs(later.nodes - self.nodes) > 4:
             out.append(f"graph nodes {self.nodes} -> {later.nodes}")
         if later.in_use > self.in_use:
-            out.append(f"pool bytes in use {self.in_use} -> {later.in_use}; {held_since(self.held, later.held)}")
+            out.append(f"pool bytes in use {self.in_use} -> {later.in_use} (plans {later.plans}); "
+                       f"{held_since(self.held, later.held)}")
         if later.in_use + later.cached > self.in_use + self.cached + (1 << 20):
             out.append(f"pool bytes in use + cached {self.in_use} + {self.cached} -> {later.in_use} + {later.cached}")
         if later.rss - self.rss > rss_budget:

@@ -99,3 +99,39 @@ def test_python_threads_run_at_the_loops_priority_and_driver_threads_below() -> 
 def test_the_gil_changes_hands_quickly_once_the_runtime_runs() -> None:
     assert RT.executor.devices
     assert sys.getswitchinterval() <= workers.SWITCH_INTERVAL
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_a_runtime_started_by_a_first_realize_on_a_loop_gives_its_threads_the_same_priorities() -> None:
+    """The first realize on an event loop starts the runtime on a probe thread of its own (off the loop): the threads
+    it starts inherit that thread's priority, and a thread cannot raise its own again, so the probe runs at the loop's
+    priority; the workers and the device queues' waiters then run at it as when the runtime starts on the caller's
+    thread, and the readers (native reads) and a host device's own thread below it. (A fresh process: this one's
+    runtime has started.)"""
+    import json
+    import subprocess
+
+    script = """if True:
+        import asyncio, json, os, threading
+        import numpy as np
+        import azyx
+        from azyx.native import native
+
+        async def main():
+            await (azyx.Tensor(np.arange(4, dtype=np.float32), device="c:0") + 1).realize()
+            return {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
+                    if t.name.startswith("azyx-") and t.native_id is not None}
+
+        print(json.dumps({"threads": asyncio.run(main()), "native": native is not None,
+                          "mine": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}))
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    mine, threads = got["mine"], got["threads"]
+    below = min(mine + workers.WORKER_NICE, 19)
+    assert [n for n in threads if n.startswith("azyx-worker")], threads
+    for name, nice in threads.items():
+        if name.startswith("azyx-worker") or name.endswith("-events"):
+            assert nice == mine, (name, threads)
+        elif name == "azyx-c:0" or (name.startswith("azyx-disk") and got["native"]):
+            assert nice == below, (name, threads)
