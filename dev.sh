@@ -76,7 +76,9 @@ case "$job" in
     # (AZYX_TEST_EACH=2: each device test on c:0 and one other device in turn, tests/conftest.py; unset it for the
     # whole matrix, about 45 minutes here)
     export AZYX_TEST_EACH=2
-    AZYX_TEST_SPLIT=native .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial"
+    # (--durations: the slowest tests, named in every CI log: CI has 30 minutes)
+    AZYX_TEST_SPLIT=native .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(nproc)" -m "not serial" \
+      --durations=25
     # (without the native core: c:0's half of the device tests, for CI's 30 minutes; the core's node, walk, plan
     # building and pool run alike on every device, its call tables on the host's. AZYX_TEST_DEVICES unset: every
     # device's half, 8 more minutes here)
