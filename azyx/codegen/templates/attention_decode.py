@@ -77,30 +77,12 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     it, w, E, Ev = "long", _partial_width(a), a.E, a.Ev
     sig = [*([] if dl.global_ids else [f"{it} lo", f"{it} hi"]),
            *kernel_params(dl, params, scale, gather_check(a, len(params)) if a.stage == 1 else None)]
-    exp2, g = f"exp2{dl.fn_suffix_f32}", dl.buffer_qual
-    simd = "#pragma omp simd" if dl.pragmas else ""
+    head, g = f"{dl.kernel_prefix} {name}({', '.join(sig)}) {{", dl.buffer_qual
     rows = a.batch_size * a.L
     if a.stage == 2:
-        return f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
-  {_loop(dl, "unit", rows)} {{
-    {g}const float* P = d1 + unit * {a.splits * w}L;
-    float mx = -INFINITY, l = 0.f, o[{Ev}];
-    for (int s = 0; s < {a.splits}; s++) mx = P[s * {w}] > mx ? P[s * {w}] : mx;
-    const float ms = mx == -INFINITY ? 0.f : mx;
-    for (int c = 0; c < {Ev}; c++) o[c] = 0.f;
-    for (int s = 0; s < {a.splits}; s++) {{
-      const float f = {exp2}(P[s * {w}] - ms);
-      l += f * P[s * {w} + 1];
-      for (int c = 0; c < {Ev}; c++) o[c] += f * P[s * {w} + 2 + c];
-    }}
-    for (int c = 0; c < {Ev}; c++) {_store(dl, params[0], f"unit * {Ev}L + c", "o[c] / l")}
-  }}
-}}
-"""
-    out_t, qt, kt, vt = params[:4]
+        return head + _c_combine(a, dl, params[0], rows)
+    out_t, qt = params[:2]
     chunk = decode_chunk(a)
-    kval = load_expr(dl, kt, "d2", f"ko + key * {a.k[-2]}L + e * {a.k[-1]}L")
-    vval = load_expr(dl, vt, "d3", f"vo + key * {a.v[-2]}L + c * {a.v[-1]}L")
     if a.splits == 1:
         store = f"for (int c = 0; c < {Ev}; c++) {_store(dl, out_t, f'unit * {Ev}L + c', 'o[c] / l')}"
     else:
@@ -108,7 +90,7 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     P[0] = m, P[1] = l;
     for (int c = 0; c < {Ev}; c++) P[2 + c] = o[c];"""
     offsets = "\n    ".join(batch_offsets(a, "b", it, len(params)))
-    return f"""{dl.kernel_prefix} {name}({", ".join(sig)}) {{
+    return head + f"""
   const float qs = (float)({scale}) * {LOG2E}f;
   {_loop(dl, "part", rows * a.splits)} {{
     const {it} unit = part / {a.splits}, b = unit / {a.L};
@@ -120,31 +102,61 @@ def render_c(a: Attention, name: str, dl: Dialect, params: list[DType], scale: s
     float qv[{E}], o[{Ev}], sc[{C_KEYS}], m = -INFINITY, l = 0.f;
     for (int e = 0; e < {E}; e++) qv[e] = {load_expr(dl, qt, "d1", f"qo + i * {a.q[-2]}L + e * {a.q[-1]}L")} * qs;
     for (int c = 0; c < {Ev}; c++) o[c] = 0.f;
-    for ({it} j0 = k0; j0 < k1; j0 += {C_KEYS}) {{
+{_c_keys(a, dl, params, it)}
+    {store}
+  }}
+}}
+"""
+
+
+def _c_keys(a: Attention, dl: Dialect, params: list[DType], it: str) -> str:
+    """Stage 1's loop over its chunk's keys, C_KEYS at a time: their scores (masked), then the online softmax's
+    rescale and the values they weigh."""
+    exp2, simd = f"exp2{dl.fn_suffix_f32}", "#pragma omp simd" if dl.pragmas else ""
+    kval = load_expr(dl, params[2], "d2", f"ko + key * {a.k[-2]}L + e * {a.k[-1]}L")
+    vval = load_expr(dl, params[3], "d3", f"vo + key * {a.v[-2]}L + c * {a.v[-1]}L")
+    return f"""    for ({it} j0 = k0; j0 < k1; j0 += {C_KEYS}) {{
       const int n = k1 - j0 < {C_KEYS} ? (int)(k1 - j0) : {C_KEYS};
       float mx = m;
       for (int j = 0; j < n; j++) {{
         const {it} key = j0 + j;
         float d = 0.f;
         {simd}{" reduction(+:d)" if simd else ""}
-        for (int e = 0; e < {E}; e++) d += qv[e] * {kval};
+        for (int e = 0; e < {a.E}; e++) d += qv[e] * {kval};
         {_mask(a, dl, params, it, "d", "key", "1")}
         sc[j] = d;
         mx = d > mx ? d : mx;
       }}
       const float ms = mx == -INFINITY ? 0.f : mx, alpha = {exp2}(m - ms);
       l *= alpha;
-      for (int c = 0; c < {Ev}; c++) o[c] *= alpha;
+      for (int c = 0; c < {a.Ev}; c++) o[c] *= alpha;
       for (int j = 0; j < n; j++) {{
         const {it} key = j0 + j;
         const float p = {exp2}(sc[j] - ms);
         l += p;
         {simd}
-        for (int c = 0; c < {Ev}; c++) o[c] += p * {vval};
+        for (int c = 0; c < {a.Ev}; c++) o[c] += p * {vval};
       }}
       m = mx;
+    }}"""
+
+
+def _c_combine(a: Attention, dl: Dialect, out_t: DType, rows: int) -> str:
+    """Stage 2's body: per row, the chunks' partials (max, sum, weighted values) combined into the output."""
+    w, Ev, g, exp2 = _partial_width(a), a.Ev, dl.buffer_qual, f"exp2{dl.fn_suffix_f32}"
+    return f"""
+  {_loop(dl, "unit", rows)} {{
+    {g}const float* P = d1 + unit * {a.splits * w}L;
+    float mx = -INFINITY, l = 0.f, o[{Ev}];
+    for (int s = 0; s < {a.splits}; s++) mx = P[s * {w}] > mx ? P[s * {w}] : mx;
+    const float ms = mx == -INFINITY ? 0.f : mx;
+    for (int c = 0; c < {Ev}; c++) o[c] = 0.f;
+    for (int s = 0; s < {a.splits}; s++) {{
+      const float f = {exp2}(P[s * {w}] - ms);
+      l += f * P[s * {w} + 1];
+      for (int c = 0; c < {Ev}; c++) o[c] += f * P[s * {w} + 2 + c];
     }}
-    {store}
+    for (int c = 0; c < {Ev}; c++) {_store(dl, out_t, f"unit * {Ev}L + c", "o[c] / l")}
   }}
 }}
 """
