@@ -439,6 +439,14 @@ def row(name: str, result: dict[str, Any], problems: list[str]) -> str:
             f"{result['lateness']['worst_lateness_ms']:.1f} | {'ok' if not problems else 'FAILED'} |")
 
 
+def outcome(name: str, result: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """A soak's result as JSON data, its bench row included: tests/test_soak.py runs each soak in a process of its own
+    (`python -c`), whose pool, plans and threads hold only what the server does, as a deployed server's process."""
+    out = {"tally": result["tally"], "service": result["after"].service, "problems": problems,
+           "row": row(name, result, problems), "refs": [[i, *r] for i, r in result.get("refs", {}).items()]}
+    return out | {k: result[k] for k in ("dropped", "generated", "most") if k in result}
+
+
 async def main(args: argparse.Namespace) -> int:
     seconds = 3.0 if args.quick else args.seconds
     rows, failed = [], False
