@@ -169,7 +169,7 @@ class Runtime:
     def _probe(self, kinds: list[str], fut: concurrent.futures.Future[None]) -> None:
         # (at the loop's priority, as the caller's thread would probe: the threads it starts inherit it, and a thread
         # cannot raise its priority again. The worker threads run Python beside the loop's; the drivers' and readers'
-        # threads, the device queues' and the compilers lower their own: `workers.at_lower_priority`)
+        # threads, the device queues' and the compilers lower their own: `workers.lower_priority`, `at_lower_priority`)
         try:
             self.ensure(kinds)
         except BaseException as e:  # (a bug: the realize that waits raises it)
