@@ -34,6 +34,20 @@ def _driver_threads() -> dict[str, list[int]]:
     return out
 
 
+HOST_QUEUE = re.compile(r"azyx-[a-z]+:\d+$")  # a host device's own thread (its kernels: C, the GIL released)
+
+
+def _check_azyx_threads(threads: dict[str, int], mine: int, native_reads: bool) -> None:
+    """`threads` (azyx's, name -> nice) at the priorities they should have beside a loop of nice `mine`: every one that
+    holds the GIL at times (workers, device queues' submitters and waiters) at `mine`, and the disk readers
+    WORKER_NICE below it where the native core reads (the GIL released from a read's start to its end). A host
+    device's own thread is left to the caller."""
+    readers = {name: n for name, n in threads.items() if name.startswith("azyx-disk") and native_reads}
+    python = {name: n for name, n in threads.items() if name not in readers and not HOST_QUEUE.match(name)}
+    assert python and all(n == mine for n in python.values()), python
+    assert all(n == min(mine + workers.WORKER_NICE, 19) for n in readers.values()), readers
+
+
 def test_at_lower_priority_returns_raises_and_lowers_only_its_own_thread() -> None:
     mine = _nice(threading.get_native_id())
     seen: list[int] = []
@@ -81,15 +95,9 @@ def test_python_threads_run_at_the_loops_priority_and_driver_threads_below() -> 
     the disk readers where the native core reads files, with the GIL released from a read's start to its end.)"""
     assert RT.executor.devices
     mine = _nice(threading.get_native_id())
-    host_queue = re.compile(r"azyx-[a-z]+:\d+$")
-    threads = {t.name: _nice(t.native_id) for t in threading.enumerate() if t.native_id is not None
-               and t.name.startswith("azyx-") and not host_queue.match(t.name)}
-    readers = {name: n for name, n in threads.items() if name.startswith("azyx-disk")}
-    python = {name: n for name, n in threads.items() if name not in readers or native is None}
     below = min(mine + workers.WORKER_NICE, 19)  # (AZYX_WORKER_NICE: 10 unless set)
-    assert python and all(n == mine for n in python.values()), python
-    if native is not None:
-        assert all(n == below for n in readers.values()), readers
+    _check_azyx_threads({t.name: _nice(t.native_id) for t in threading.enumerate()
+                         if t.native_id is not None and t.name.startswith("azyx-")}, mine, native is not None)
     drivers = _driver_threads()
     for name, nices in drivers.items():
         if name.startswith("llvmpipe"):
@@ -105,9 +113,9 @@ def test_the_gil_changes_hands_quickly_once_the_runtime_runs() -> None:
 def test_a_runtime_started_by_a_first_realize_on_a_loop_gives_its_threads_the_same_priorities() -> None:
     """The first realize on an event loop starts the runtime on a probe thread of its own (off the loop): the threads
     it starts inherit that thread's priority, and a thread cannot raise its own again, so the probe runs at the loop's
-    priority; the workers and the device queues' waiters then run at it as when the runtime starts on the caller's
-    thread, and the readers (native reads) and a host device's own thread below it. (A fresh process: this one's
-    runtime has started.)"""
+    priority; the workers then run at it as when the runtime starts on the caller's thread, and the readers (native
+    reads) below it. (A fresh process: this one's runtime has started. Its small realize runs inline on c:0: no queue
+    thread of c:0's starts.)"""
     import json
     import subprocess
 
@@ -128,10 +136,5 @@ def test_a_runtime_started_by_a_first_realize_on_a_loop_gives_its_threads_the_sa
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     mine, threads = got["mine"], got["threads"]
-    below = min(mine + workers.WORKER_NICE, 19)
     assert [n for n in threads if n.startswith("azyx-worker")], threads
-    for name, nice in threads.items():
-        if name.startswith("azyx-worker") or name.endswith("-events"):
-            assert nice == mine, (name, threads)
-        elif name == "azyx-c:0" or (name.startswith("azyx-disk") and got["native"]):
-            assert nice == below, (name, threads)
+    _check_azyx_threads(threads, mine, got["native"])
