@@ -440,15 +440,30 @@ def test_float32_products_keep_their_accumulators_in_registers(roomy: None) -> N
         g = gemm.match(s.kernel)
         assert g is not None and dims(s)[1] == g.threads == 128
         tiles.add(g.tile)
-        err, prog = nvrtc.nvrtcCreateProgram(s.src.encode(), b"k.cu", 0, [], [])
-        opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
-        assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-        size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        assert b"0 bytes spill stores, 0 bytes spill loads" in log, (g.tile, g.simt, log.decode())
+        assert_no_spills(s.src, g)
     assert tiles == {(128, 128), (128, 64), (64, 64)}
     assert gemm.match(kernels_of(x @ y)[0].kernel).simt == gemm.SimtTile(128, 128, 2, 2, lm=4, bk=8)  # type: ignore
+
+
+def test_products_of_32_rows_take_32_row_tiles(roomy: None) -> None:
+    """A float32 product of 32 rows or fewer computes no rows of zeros: 32 x 128 tiles of 4 warps, or 32 x 64 tiles of 2
+    warps for a wide one (an LM head's), both compiling for sm_90 without spilling."""
+    for out, tile, threads in ((t(32, 768) @ t(768, 3072), (32, 128), 128), (t(24, 256) @ t(256, 20000), (32, 64), 64)):
+        (s,) = kernels_of(out)
+        g = gemm.match(s.kernel)
+        assert g is not None and g.tile == tile and dims(s)[1] == g.threads == threads
+        assert_no_spills(s.src, g)
+
+
+def assert_no_spills(src: str, g: gemm.Gemm) -> None:
+    """The kernel compiles for sm_90 and ptxas reports no register spills."""
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"k.cu", 0, [], [])
+    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
+    assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    assert b"0 bytes spill stores, 0 bytes spill loads" in log, (g.tile, g.simt, log.decode())
 
 
 class PassThrough:

@@ -71,6 +71,7 @@ def run_plan(out: Tensor, data: dict[int, np.ndarray]) -> tuple[list[KernelStep]
 @pytest.mark.parametrize("dtype, m, k, n, epilogue, transposed", [
     ("bfloat16", 32, 384, 64, True, False), ("float16", 17, 387, 72, True, True),
     ("float32", 33, 256, 40, True, False), ("float32", 64, 384, 64, False, True),
+    ("float32", 32, 384, 64, True, False), ("float32", 20, 256, 130, True, True),
     ("bfloat16", 64, 256, 17, False, False)])
 def test_a_split_product_with_its_epilogue_equals_numpy(sms: None, monkeypatch: pytest.MonkeyPatch, dtype: str,
                                                         m: int, k: int, n: int, epilogue: bool,
@@ -110,13 +111,13 @@ def test_a_split_product_with_its_epilogue_equals_numpy(sms: None, monkeypatch: 
 
 def test_the_split_is_decided_from_the_shape_and_the_multiprocessors() -> None:
     """gemm.split_k: GPT-2's decode products at batch 32 split to about one block per multiprocessor (12 tiles of
-    32 x 768 on 132: 6 parts of K = 768, 8 of 3072 in 16 bits), none where the device is not known, where the tiles
-    fill half of it, where a part would hold fewer than SPLIT_SLICES slices, or where no divisor of K keeps its parts
-    on 8 elements (K a multiple of 8: 16-byte loads)."""
+    32 x 768 on 132: 6 parts of K = 768, 8 of 3072 in 16 bits; float32's 6 tiles of 32 x 128: 12 parts), none where
+    the device is not known, where the tiles fill half of it, where a part would hold fewer than SPLIT_SLICES slices,
+    or where no divisor of K keeps its parts on 8 elements (K a multiple of 8: 16-byte loads)."""
     assert gemm.split_k(32, 768, 768, "bfloat16", H200_SMS) == 6
     assert gemm.split_k(32, 768, 3072, "float16", H200_SMS) == 8
     assert gemm.split_k(64, 2304, 768, "bfloat16", H200_SMS) == 4
-    assert gemm.split_k(32, 768, 768, "float32", H200_SMS) == 8
+    assert gemm.split_k(32, 768, 768, "float32", H200_SMS) == 12  # (6 tiles of 32 x 128 in float32)
     assert gemm.split_k(32, 768, 768, "bfloat16", 0) == 1
     assert gemm.split_k(256, 4096, 768, "bfloat16", H200_SMS) == 1  # (256 tiles)
     assert gemm.split_k(256, 384, 512, "bfloat16", H200_SMS) == 1  # (24 tiles, but past SPLIT_ROWS: wgmma's on sm_90)
@@ -155,7 +156,9 @@ def test_the_gpt2_split_kernels_compile() -> None:
                 kp = k // p
                 out = "float32" if dtype != "float32" else ""
                 g = gemm.Gemm(m, n, kp, p, (1, 0, kp, k, 1), (2, 0, kp * n, n, 1), WARP_TILES, dtype, out=out)
-                assert p > 1 and g.split[0] == 1 and g.tile == ((32, 64) if g.mma and m <= 32 else (64, 64))
+                tile = gemm.few_rows_tile(m, n, g.mma)
+                assert p > 1 and g.split[0] == 1 and g.tile == tile == ((64, 64) if m > 32 else (32, 64) if g.mma else
+                                                                        (32, 128))
                 srcs.append(gemm_cuda.render_cuda(g, f"k_{dtype}_{m}_{k}_{n}"))
                 if g.mma and m <= 32:  # (the 64 x 64 tile, a searched variant)
                     g = replace(g, variant=gemm.MMA_TILES.index((64, 64)) + 1)

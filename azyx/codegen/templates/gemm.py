@@ -111,7 +111,7 @@ class Gemm:
             table = MMA_TILES if self.mma else GLSL_TILES
             return table[(self.variant - 1) % len(table)]
         if self.m <= 64 and self.target == WARP_TILES:  # (a 128-row tile of so few rows would be mostly zeros)
-            return (32, 64) if self.mma and self.m <= 32 else (64, 64)
+            return few_rows_tile(self.m, self.n, self.mma)
         if self.mma:
             return (128, 128) if -(-self.m // 128) * -(-self.n // 128) * self.batch >= 128 else (64, 64)
         tiles = ((128, 128, 128), (128, 64, 64)) if self.target == WARP_TILES else ((128, 64, 64),)
@@ -150,16 +150,29 @@ SPLIT_SLICES = 4  # K slices (of the kernel's BK) a part of a product split over
 SPLIT_ROWS = 64
 
 
+# a float32 product of 32 rows or fewer whose 32 x 64 tiles along N number this many or more keeps them (the LM
+# head's 786); narrower ones take 32 x 128 tiles (CUDA_TILES' figures)
+WIDE = 256
+
+
+def few_rows_tile(m: int, n: int, mma: bool) -> tuple[int, int]:
+    """Gemm.tile's block tile for a CUDA product of 64 rows or fewer: 64 x 64, or for 32 rows or fewer 32-row tiles
+    (no lane computes rows of zeros): 32 x 64 on tensor cores and for a wide product in float32, else 32 x 128."""
+    if m > 32:
+        return 64, 64
+    return (32, 64) if mma or -(-n // 64) >= WIDE else (32, 128)
+
+
 def split_k(m: int, n: int, k: int, dtype: str, sms: int) -> int:
     """The parts (1: none) that a product of `m` rows against one `k` x `n` weight (a linear layer at decode: 17 to
     SPLIT_ROWS rows) splits K into on a CUDA device of `sms` multiprocessors, each part its own blocks writing its
     float32 partial sums, which the product's consumer adds up (schedule.Planner.product_split; float16/bfloat16 C
-    is rounded once, after the sum). Where C's 64 x 64 tiles fill fewer than half the multiprocessors (32 x 768 @
-    768 x 768: 12 blocks, each walking all of K, on an H200's 132), as many parts as bring the blocks up to about one
-    per multiprocessor: the largest divisor of K up to that whose parts hold SPLIT_SLICES slices of the kernel's K
-    step or more, and stay multiples of 8 elements where K is (16-byte loads of each part, as of the whole)."""
-    bm, bn = 64, 64  # (Gemm.tile's for so few rows, each part a batch element; its 32 x 64 tiles of 32 rows or
-    # fewer on tensor cores make as many)
+    is rounded once, after the sum). Where C's tiles (few_rows_tile's) fill fewer than half the multiprocessors (32 x
+    768 @ 768 x 768: 12 blocks, each walking all of K, on an H200's 132), as many parts as bring the blocks up to
+    about one per multiprocessor: the largest divisor of K up to that whose parts hold SPLIT_SLICES slices of the
+    kernel's K step or more, and stay multiples of 8 elements where K is (16-byte loads of each part, as of the
+    whole)."""
+    bm, bn = few_rows_tile(m, n, dtype != "float32")  # (Gemm.tile's for so few rows, each part a batch element)
     tiles = -(-m // bm) * -(-n // bn)
     if sms <= 0 or m > SPLIT_ROWS or 2 * tiles > sms:
         return 1
@@ -295,12 +308,17 @@ class SimtTile:
 # 4 warps a block; in 128 x 128 tiles a warp per 64 x 64, 16 x 8 a lane (128 accumulators, as cuBLAS's SIMT kernels).
 # H200, kernel alone against cuBLAS, 4096^3 x @ y / x @ W.T: 8 x 16 a lane 0.87x / 0.91x (16 k a slice: 0.91x /
 # 0.67x), 16 x 8 0.96x / 0.95x (16 k: 0.94x / 0.76x); 256 threads of 8 x 8 0.78-0.91x; 2048^3 16 x 8 0.96-1.08x
+# 32 rows or fewer (decode's linear layers at batch 17-32): 32-row tiles, every lane's rows real (a 64 x 64 tile
+# computes as many rows of zeros): H200, float32 C's kernel time, 64 x 64 / 32 x 64 (2 warps) / 32 x 128 (4 warps):
+# 32 x 768 @ 768 x 3072 + b 26.0 / 20.8 / 16.1 us, 32 x 3072 @ 3072 x 768 28.0 / 27.4 / 16.7, 32 x 768 @ 768 x 50257
+# (786 tiles of 32 x 64, few_rows_tile's WIDE) 187 / 98.9 / 105.9; torch (TF32 off) 19.9, 26.4, 84.6
 CUDA_TILES = {(128, 128): SimtTile(128, 128, 2, 2, lm=4, bk=8), (128, 64): SimtTile(128, 64, 2, 2),
-              (64, 64): SimtTile(64, 64, 2, 2)}
+              (64, 64): SimtTile(64, 64, 2, 2), (32, 64): SimtTile(32, 64, 1, 2), (32, 128): SimtTile(32, 128, 1, 4)}
 # the block tiles the kernel search tries (Kernel.variant v > 0: row v - 1): CUDA's float32 kernel (the heuristic's
 # three, 128 x 64 in slices of 8 k, and 64 x 128), the tensor-core kernel's, Vulkan's (256 threads, 16 x 16)
 CUDA_VARIANTS = (SimtTile(128, 128, 2, 2, lm=4, bk=8), SimtTile(128, 64, 2, 2), SimtTile(64, 64, 2, 2),
-                 SimtTile(128, 64, 2, 2, bk=8), SimtTile(64, 128, 2, 2))
+                 SimtTile(128, 64, 2, 2, bk=8), SimtTile(64, 128, 2, 2), SimtTile(32, 64, 1, 2),
+                 SimtTile(32, 128, 1, 4))
 MMA_TILES = ((128, 128), (64, 64), (32, 64))  # (32 x 64: half a 64 x 64 tile's rows, for products of 32 rows or fewer)
 GLSL_TILES = ((128, 64), (64, 64), (128, 128), (64, 128))
 
