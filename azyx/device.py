@@ -112,10 +112,10 @@ class Runner:
 
 
 ARENA_ALIGN = 256  # each temporary's offset in a replayed batch's one allocation (`Replay`): as cuMemAlloc aligns
-ARENA_MAX = 4 << 20  # the largest such allocation (`arena_of`)
-# the largest temporary that lives in it: a larger one has its own buffer, so that a few large temporaries (a batch-32
-# decode step's 6.4 MB of logits) do not push a batch's many small ones (~140 at GPT-2's batch 32) out of the arena
-ARENA_PIECE = 1 << 20
+ARENA_MAX = 16 << 20  # the largest such allocation (`arena_of`)
+# the largest temporary that lives in it (a batch-32 GPT-2 decode step's 6.4 MB of logits does, beside its ~140 small
+# temporaries: one allocation a step); a larger one has its own buffer
+ARENA_PIECE = 8 << 20
 
 
 class Replay:
@@ -131,13 +131,15 @@ class Replay:
     - `written`: the bound slots the batch writes (their buffers' `ready` is the batch's value);
     - `prepared`: what the device derived from it (`Device.freeze`: its table's layout, its graph's key parts)."""
 
-    __slots__ = ("batch", "arena", "arena_size", "bound", "written", "get", "offsets", "bound_at", "entries",
+    __slots__ = ("batch", "extents", "arena", "arena_size", "bound", "written", "get", "offsets", "bound_at", "entries",
                  "arg_counts", "word_counts", "pack", "last", "prepared")
 
-    def __init__(self, batch: BatchState, arena: dict[int, int], arena_size: int):
+    def __init__(self, batch: BatchState, extents: dict[int, tuple[int, int]], arena_size: int):
         self.batch = batch
         steps = batch.steps
-        self.arena, self.arena_size = arena, arena_size
+        self.extents = extents  # temporary slot -> (offset, bytes) in the arena (`arena_of`: lives apart share room)
+        self.arena = arena = {s: at for s, (at, _) in extents.items()}
+        self.arena_size = arena_size
         used = list(dict.fromkeys(s for k in steps for s in k.args))  # (the batch's slots, in order of first use)
         index = {s: i for i, s in enumerate(used)}
         self.bound = [s for s in used if s not in arena]
@@ -198,22 +200,52 @@ def slot_picker(slots: Sequence[int]) -> Callable[[list[Any]], Any]:
     return itemgetter(*slots) if slots else (lambda bufs: ())
 
 
-def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> tuple[dict[int, int], int]:
+def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> tuple[dict[int, tuple[int, int]], int]:
     """The temporaries that a batch of `plan` (`steps`, whose last uses free `frees`) writes and drops within itself,
-    each at an offset (ARENA_ALIGN) in one allocation: (slot -> offset, bytes). Each gets room of its own: a batch's
-    buffers are all held until it has run, as each temporary's own buffer is. The allocation's size is a power of two
-    (plans of other shapes share the pool's cached blocks, as their temporaries one by one would), and up to ARENA_MAX:
-    past it ({}, 0), the temporaries each have their own buffer (a batch that large pays little for allocating them).
-    A temporary of more than ARENA_PIECE bytes has its own buffer too."""
-    freed, offsets, at = set(frees) - {s for s, _ in plan.outputs}, {}, 0
-    for k in steps:
+    each at an offset (ARENA_ALIGN) in one allocation: (slot -> (offset, bytes of room), the allocation's bytes).
+    Temporaries whose lives in the batch do not overlap share room: the batch runs in order on its device's queue (a
+    CUDA stream or graph captured from one, the C runtime's kernels one after another, an in-order OpenCL queue), so a
+    temporary's last reader has run before a later kernel writes over it. The allocation's size is a power of two
+    (plans of other shapes share the pool's cached blocks, as their temporaries one by one would), up to ARENA_MAX:
+    where the temporaries need more, the largest have buffers of their own until the rest fit (none fit: ({}, 0)). A
+    temporary of more than ARENA_PIECE bytes has its own buffer too."""
+    freed, slots = set(frees) - {s for s, _ in plan.outputs}, plan.slots
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, k in enumerate(steps):
         for s in () if k.kernel.inplace else k.args[:k.outs]:  # (an assignment writes into a buffer made before it)
-            if s in freed and s not in offsets and plan.slots[s].kind == "temp" and plan.slots[s].nbytes <= ARENA_PIECE:
-                offsets[s] = at
-                at += -(-max(plan.slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
-    if not at or at > ARENA_MAX:
-        return {}, 0
-    return offsets, 1 << (at - 1).bit_length()
+            if s in freed and s not in first and slots[s].kind == "temp" and slots[s].nbytes <= ARENA_PIECE:
+                first[s] = i
+        for s in k.args:
+            if s in first:
+                last[s] = i
+    rooms = {s: -(-max(slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN for s in first}
+    order = sorted(first, key=lambda s: (-rooms[s], first[s]))  # (first fit, largest first)
+    while order:
+        extents, top = _pack(order, first, last, rooms)
+        if top <= ARENA_MAX:
+            return extents, 1 << (top - 1).bit_length()
+        order = order[1:]  # (the largest of those left gets a buffer of its own)
+    return {}, 0
+
+
+def _pack(order: list[int], first: dict[int, int], last: dict[int, int], rooms: dict[int, int]
+          ) -> tuple[dict[int, tuple[int, int]], int]:
+    """Each temporary of `order` at the lowest offset where it overlaps no temporary placed before it that is alive at
+    the same time (kernels `first`..`last`); (slot -> (offset, room), the end of the highest)."""
+    placed: list[tuple[int, int, int, int]] = []  # (first kernel, last kernel, offset, end)
+    extents: dict[int, tuple[int, int]] = {}
+    top = 0
+    for s in order:
+        room, lo, hi, at = rooms[s], first[s], last[s], 0
+        for start, end in sorted((a, e) for f, l, a, e in placed if f <= hi and lo <= l):  # (alive beside it)
+            if at + room <= start:
+                break
+            at = max(at, end)
+        placed.append((lo, hi, at, at + room))
+        extents[s] = (at, room)
+        top = max(top, at + room)
+    return extents, top
 
 
 def gatherable(plan: ExecutionPlan) -> bool:

@@ -216,7 +216,8 @@ async def test_steady_runs_hold_no_more_memory(device: str) -> None:
 async def test_cuda_table_holds_what_each_launch_takes() -> None:
     """The table CUDA binds a frozen batch into (cuda._Frozen: the data of its graph) holds, per kernel, what
     its launch item would pass (its buffers' addresses, a temporary's in the run's one allocation, then its scalar
-    words), checked on a plan frozen on c:0 (no GPU needed: the table is data); the temporaries do not overlap."""
+    words), checked on a plan frozen on c:0 (no GPU needed: the table is data); temporaries alive together (from
+    the kernel that writes one to the last that reads it) do not overlap, and some apart in time share room."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
     from azyx.backends.cuda import _Frozen
     from azyx.device import ARENA_ALIGN
@@ -229,9 +230,18 @@ async def test_cuda_table_holds_what_each_launch_takes() -> None:
     plan = RT.executor.last[0]
     assert plan is not None
     (replay,) = frozen(plan)
-    spans = sorted((off, off + plan.slots[s].nbytes) for s, off in replay.arena.items())
-    assert spans and all(a % ARENA_ALIGN == 0 and b <= c for (a, b), (c, _) in zip(spans, spans[1:] + [(1 << 62, 0)]))
-    assert spans[-1][1] <= replay.arena_size
+    steps = replay.batch.steps
+    lives = {s: [i for i, k in enumerate(steps) if s in k.args] for s in replay.arena}
+    spans = {s: (off, off + plan.slots[s].nbytes) for s, off in replay.arena.items()}
+    assert spans and all(a % ARENA_ALIGN == 0 and b <= replay.arena_size for a, b in spans.values())
+    shared = 0
+    for s, (a, b) in spans.items():
+        for t, (c, d) in spans.items():
+            if s < t and a < d and c < b:  # (sharing room: only with a temporary whose life is over)
+                assert lives[s][-1] < lives[t][0] or lives[t][-1] < lives[s][0], (s, t, lives[s], lives[t])
+                shared += 1
+    assert shared
+    assert replay.arena_size < sum(b - a for a, b in spans.values())
     dev = RT.device("c:0")
     bufs: list = [None] * len(plan.slots)
     for s in replay.bound:

@@ -104,10 +104,9 @@ class _Record:
     __slots__ = ("launches", "mem_at", "word_at", "steps", "regions", "subs", "mems", "mem_args", "words", "word_args")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
-        temps = sorted(replay.arena, key=replay.arena.__getitem__)
+        temps = list(replay.extents)
         index = {s: i for i, s in enumerate([*replay.bound, *temps])}
-        ends = [replay.arena[s] for s in temps[1:]] + [replay.arena_size]
-        self.regions = [(replay.arena[s], end - replay.arena[s]) for s, end in zip(temps, ends)]
+        self.regions = list(replay.extents.values())  # (temporaries apart in time may share room: arena_of)
         self.subs: dict[Any, tuple[Any, ...]] = {}  # arena block's cl.Buffer -> its temporaries' sub-buffers
         self.steps = replay.batch.steps
         self.launches = [(programs[k.name], (k.launch.items,), (k.launch.group,)) for k in self.steps]
