@@ -105,6 +105,8 @@ async def static_rows(torch: Any, hf: Any, path: str, device: str, dtype: str, p
     sizes = batches or (1, batch)
     engine = Engine(model, slots=max(sizes), prefill_batch=max(sizes))
     await engine.warmup(prompt_lengths=[len(prompts[0])])
+    gc.collect()
+    gc.freeze()  # (as main's streams, and a service once started: README)
     short = "bf16" if dtype == "bfloat16" else "fp32"
     recipe = "static KV cache + one CUDA graph per step" if dev == "cuda" else "static KV cache, eager"
     rows = []
