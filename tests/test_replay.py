@@ -213,6 +213,42 @@ async def test_steady_runs_hold_no_more_memory(device: str) -> None:
     assert dev.memory().in_use <= held
 
 
+async def test_temporaries_past_the_arena_limit_leave_it_largest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a batch's temporaries need more room than ARENA_MAX, the largest get buffers of their own until the rest
+    fit (not all or none): a chain whose first products are wide keeps its narrow temporaries in the arena; the runs
+    equal numpy's."""
+    from azyx import device
+
+    wide_n = (rng.standard_normal((WIDTH, 256)) / 4).astype(np.float32)
+    back_n = (rng.standard_normal((256, WIDTH)) / 16).astype(np.float32)
+    ws = await weights("c:0")
+    wide, back = Tensor(wide_n, device="c:0"), Tensor(back_n, device="c:0")
+    await azyx.realize(wide, back)
+
+    def step(x: Tensor, s: float) -> Tensor:
+        h = (((x @ wide) * s).relu() @ back) * s  # (8, 256) float32 temporaries: 8 KiB each
+        return chain(h, ws, s)[1]
+
+    xn = rng.standard_normal((8, WIDTH)).astype(np.float32)
+    x = Tensor(xn, device="c:0")
+    await step(x, 1.0).realize()
+    plan = RT.executor.last[0]
+    assert plan is not None
+    (replay,) = frozen(plan)
+    seg = [s for s in RT.executor.prepared[plan].segments if s.replay is replay][0]
+    rooms = {s: n for s, (_, n) in replay.extents.items()}
+    assert max(rooms.values()) >= 8192 and min(rooms.values()) < 1024
+    monkeypatch.setattr(device, "ARENA_MAX", 4096)  # (room for the narrow ones, not the wide)
+    extents, size = device.arena_of(plan, seg.kernels, seg.frees)
+    assert extents and size <= 4096 and set(extents) == {s for s, n in rooms.items() if n < 8192}
+    for i in range(3):  # (a plan made under the patched limit runs right)
+        RT.executor.prepared.pop(plan, None)
+        RT.executor.last = (None, RT.executor.last[1])
+        got = await step(x, 1.0 + i / 8).numpy()
+        h = (np.maximum((xn @ wide_n) * np.float32(1 + i / 8), 0) @ back_n) * np.float32(1 + i / 8)
+        np.testing.assert_allclose(got, reference(h, 1.0 + i / 8)[1], rtol=1e-4, atol=1e-4)
+
+
 async def test_cuda_table_holds_what_each_launch_takes() -> None:
     """The table CUDA binds a frozen batch into (cuda._Frozen: the data of its graph) holds, per kernel, what
     its launch item would pass (its buffers' addresses, a temporary's in the run's one allocation, then its scalar
