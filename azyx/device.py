@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -205,47 +206,63 @@ def arena_of(plan: ExecutionPlan, steps: list[KernelStep], frees: list[int]) -> 
     each at an offset (ARENA_ALIGN) in one allocation: (slot -> (offset, bytes of room), the allocation's bytes).
     Temporaries whose lives in the batch do not overlap share room: the batch runs in order on its device's queue (a
     CUDA stream or graph captured from one, the C runtime's kernels one after another, an in-order OpenCL queue), so a
-    temporary's last reader has run before a later kernel writes over it. The allocation's size is a power of two
-    (plans of other shapes share the pool's cached blocks, as their temporaries one by one would), up to ARENA_MAX:
-    where the temporaries need more, the largest have buffers of their own until the rest fit (none fit: ({}, 0)). A
-    temporary of more than ARENA_PIECE bytes has its own buffer too."""
+    temporary's last reader has run before a later kernel writes over it. Kernel by kernel, each temporary it writes
+    takes the smallest free room that holds it (freed by lives that ended before the kernel), else room on top, up to
+    ARENA_MAX: one that finds none has a buffer of its own, as has one of more than ARENA_PIECE bytes. The
+    allocation's size is a power of two (plans of other shapes share the pool's cached blocks, as their temporaries
+    one by one would); ({}, 0) where no temporary lives in it."""
     freed, slots = set(frees) - {s for s, _ in plan.outputs}, plan.slots
-    first: dict[int, int] = {}
+    born: list[list[int]] = [[] for _ in steps]
     last: dict[int, int] = {}
     for i, k in enumerate(steps):
         for s in () if k.kernel.inplace else k.args[:k.outs]:  # (an assignment writes into a buffer made before it)
-            if s in freed and s not in first and slots[s].kind == "temp" and slots[s].nbytes <= ARENA_PIECE:
-                first[s] = i
-        for s in k.args:
-            if s in first:
+            if s in freed and s not in last and slots[s].kind == "temp" and slots[s].nbytes <= ARENA_PIECE:
+                born[i].append(s)
                 last[s] = i
-    rooms = {s: -(-max(slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN for s in first}
-    order = sorted(first, key=lambda s: (-rooms[s], first[s]))  # (first fit, largest first)
-    while order:
-        extents, top = _pack(order, first, last, rooms)
-        if top <= ARENA_MAX:
-            return extents, 1 << (top - 1).bit_length()
-        order = order[1:]  # (the largest of those left gets a buffer of its own)
-    return {}, 0
-
-
-def _pack(order: list[int], first: dict[int, int], last: dict[int, int], rooms: dict[int, int]
-          ) -> tuple[dict[int, tuple[int, int]], int]:
-    """Each temporary of `order` at the lowest offset where it overlaps no temporary placed before it that is alive at
-    the same time (kernels `first`..`last`); (slot -> (offset, room), the end of the highest)."""
-    placed: list[tuple[int, int, int, int]] = []  # (first kernel, last kernel, offset, end)
+        for s in k.args:
+            if s in last:
+                last[s] = i
     extents: dict[int, tuple[int, int]] = {}
+    ends: dict[int, list[int]] = {}
+    free: list[tuple[int, int]] = []  # rooms free below the top, by offset, none touching another
     top = 0
-    for s in order:
-        room, lo, hi, at = rooms[s], first[s], last[s], 0
-        for start, end in sorted((a, e) for f, l, a, e in placed if f <= hi and lo <= l):  # (alive beside it)
-            if at + room <= start:
-                break
-            at = max(at, end)
-        placed.append((lo, hi, at, at + room))
-        extents[s] = (at, room)
-        top = max(top, at + room)
-    return extents, top
+    for i, written in enumerate(born):
+        for s in sorted(written, key=lambda s: -slots[s].nbytes):
+            room = -(-max(slots[s].nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
+            fits = [j for j, (a, e) in enumerate(free) if e - a >= room]
+            if fits:
+                j = min(fits, key=lambda j: free[j][1] - free[j][0])
+                at, end = free[j]
+                if end - at == room:
+                    del free[j]
+                else:
+                    free[j] = (at + room, end)
+            elif free and free[-1][1] == top and free[-1][0] + room <= ARENA_MAX:  # (the free room on top, grown)
+                at = free.pop()[0]
+                top = at + room
+            elif top + room <= ARENA_MAX:
+                at, top = top, top + room
+            else:
+                continue  # (no room: a buffer of its own)
+            extents[s] = (at, room)
+            ends.setdefault(last[s], []).append(s)
+        for s in ends.pop(i, ()):  # (lives that end with this kernel: free for the kernels after it)
+            _give_room(free, *extents[s])
+    if not top:
+        return {}, 0
+    return extents, 1 << (top - 1).bit_length()
+
+
+def _give_room(free: list[tuple[int, int]], at: int, room: int) -> None:
+    """Room [at, at + room) free again: into `free` (by offset), joined with the rooms it touches."""
+    j = bisect.bisect(free, (at, at))
+    start, end = at, at + room
+    if j < len(free) and free[j][0] == end:
+        end = free.pop(j)[1]
+    if j and free[j - 1][1] == start:
+        j -= 1
+        start = free.pop(j)[0]
+    free.insert(j, (start, end))
 
 
 def gatherable(plan: ExecutionPlan) -> bool:

@@ -213,10 +213,10 @@ async def test_steady_runs_hold_no_more_memory(device: str) -> None:
     assert dev.memory().in_use <= held
 
 
-async def test_temporaries_past_the_arena_limit_leave_it_largest_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a batch's temporaries need more room than ARENA_MAX, the largest get buffers of their own until the rest
-    fit (not all or none): a chain whose first products are wide keeps its narrow temporaries in the arena; the runs
-    equal numpy's."""
+async def test_temporaries_past_the_arena_limit_have_buffers_and_the_rest_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a batch's temporaries need more room than ARENA_MAX, those that find none get buffers of their own and
+    the rest stay in the arena (not all or none): a chain whose first products are wide keeps its narrow temporaries
+    there; the runs equal numpy's."""
     from azyx import device
 
     wide_n = (rng.standard_normal((WIDTH, 256)) / 4).astype(np.float32)
