@@ -128,8 +128,9 @@ async def test_compiled_runs_free_dropped_values_with_the_run_and_leave_the_driv
             gaps.append(time.perf_counter() - last)
             last = time.perf_counter()
         np.testing.assert_allclose(await run, want.sum(1) + np.arange(256), rtol=1e-4, atol=1e-3)
-        if i >= 2:  # (a loop blocked while the graph runs turns once; a free one every 2 ms, less what load takes)
-            assert len(gaps) >= 5, (gaps, time.perf_counter() - t0)
+        if i >= 2:  # (a loop blocked while the graph runs turns once; a free one every 2 ms, less what load takes: a
+            # run of 12 ms turned it 4 times in a CI run on a loaded machine: three turns tell the two apart)
+            assert len(gaps) >= 3, (gaps, time.perf_counter() - t0)
         gaps.clear()
         del y  # its value on b: freed with the next run on b (no actor call of its own)
     assert [len(p.hosts) for p in distributed._PLANS.values() if p.dag] == [2]
