@@ -585,9 +585,7 @@ class EmbeddingService:
                 job.left -= 1
                 if job.left == 0 and not job.future.done():
                     job.future.set_result(job.rows)
-            # (not held while the service waits for the next batch: the batch's device buffers, whose bytes in use
-            # would otherwise be the last batch's, 24 or 48 KiB by its size: the soak read that as growth)
-            del batch, runs, out
+            del batch, runs, out  # (an idle service holds none of a finished batch's device buffers)
 
     async def _next(self) -> list[tuple[_Job, int, list[int]]]:
         """The next batch once the device is idle: what is queued after a turn of the loop (requests that arrived with
