@@ -36,7 +36,7 @@ from azyx.graph import Node, Shape, StridedView, contiguous_strides, prod
 from azyx.ir import CHECK_WORDS, Kernel, index_sites
 from azyx.memory import Lent as Lent  # (re-exported: the lent blocks of staging pools)
 from azyx.memory import Memory
-from azyx.plan import ExecutionPlan, KernelStep
+from azyx.plan import ExecutionPlan, KernelStep, TransferStep
 from azyx.timeline import TimelineSignal
 from azyx.workers import in_worker_thread, in_worker_thread_within
 
@@ -265,11 +265,28 @@ def _give_room(free: list[tuple[int, int]], at: int, room: int) -> None:
     free.insert(j, (start, end))
 
 
-def gatherable(plan: ExecutionPlan) -> bool:
+def work_devices(plan: ExecutionPlan) -> list[str]:
+    """The plan's devices less those that only hand it inputs (each of their steps a transfer of a plan input out of
+    them: host data uploaded for a request). A plan whose work is on one device runs there as one batch (`Runner.
+    together`) even where it uploads its inputs first."""
+    work = {s.device for s in plan.steps if isinstance(s, KernelStep)}
+    for s in plan.steps:
+        if isinstance(s, TransferStep):
+            work.add(s.dst_device)
+            if s.src >= plan.n_inputs:
+                work.add(s.src_device)
+    return [d for d in plan.devices if d in work]
+
+
+def gatherable(plan: ExecutionPlan, uploads: bool = False) -> bool:
     """Whether runs of `plan` may be gathered with other runs into one submission of its device: its steps are all
     kernels on one device (no transfer, so no wait on another device) and none writes into an input in place (such a
-    kernel waits for other devices' work that may still read that input)."""
-    if len(plan.devices) != 1 or not all(isinstance(s, KernelStep) for s in plan.steps):
+    kernel waits for other devices' work that may still read that input). `uploads`: the device gathers copies too
+    (CUDA), so a plan may also copy its inputs in from devices that only hand it inputs (a copy that must wait for
+    its source is submitted after the gathered work, in order, as any other submission)."""
+    work = work_devices(plan) if uploads else plan.devices
+    if len(work) != 1 or not all(isinstance(s, KernelStep) or uploads and s.dst_device == work[0] and s.src
+                                 < plan.n_inputs for s in plan.steps):
         return False
     return not any(s.kernel.inplace and s.args[0] in plan.overwrites for s in plan.kernels)
 
@@ -443,6 +460,9 @@ class Device:
     unlisted_compute = False  # a compute device that azyx.devices() does not list (the dummy: it plans, holds no data)
     storage = False  # buffers are file ranges (disk): reading them waits on storage, so never on the event loop
     arena = False  # a steady batch's temporaries may share one allocation per run (by address; OpenCL: sub-buffers)
+    # its open batch or gather takes copies too (`gatherable(plan, uploads=True)`; a crowd's reads join its gather:
+    # `UnifiedExecutor.gather_read`): one command for a crowd's uploads, kernels and reads
+    gathers_copies = False
     spin = 0.0  # seconds `poll` may query for completion when the loop would sleep otherwise (see realize.wait_for)
     spin_cap = float("inf")  # the most `poll` queries for at once (CPU_SPIN_S on a device whose kernels run on the CPU)
     kills_builds = False  # its compiler is a process that `build` kills at compile_timeout_s (else: abandoned)
@@ -463,6 +483,7 @@ class Device:
         self.programs: dict[str, Any] = {}  # kernel name -> what launching it needs (Device.build's)
         # failures of queued work by timeline value, for the runs whose work they were (RunRecord)
         self.failures: dict[int, BaseException] = {}
+        self.failed_from: dict[int, int] = {}  # a failed batch's first value, by its last (`record_failure`)
         self.zeroed_checks: list[Buffer] = []  # check words a clean run left zero, for later runs (`check_words`)
         self.compile_timeout_s = float(options.get("compile_timeout_s", COMPILE_TIMEOUT_S))  # see config.py
         # whether its runners may gather a crowd's runs (Runner.gathers), where the backend can: its section's `gather`
@@ -481,24 +502,28 @@ class Device:
         return int(options.get("devices", 1))
 
     # failures
-    def record_failure(self, v: int, err: BaseException) -> None:
+    def record_failure(self, v: int, err: BaseException, first: int = 0) -> None:
         """The work item of timeline value `v` failed (any thread; before the timeline reaches `v`). The first
-        failure of an item is kept; an error that is no AzyxError is wrapped in one that names the device."""
+        failure of an item is kept; an error that is no AzyxError is wrapped in one that names the device. `first`:
+        the item completes the values reserved from `first` on (a batch's), each of which fails with it."""
         if v in self.failures:
             return
+        if first and first < v:
+            self.failed_from[v] = first
         if not isinstance(err, AzyxError):  # (a bug, most likely: its traceback goes into the message)
             tb = "".join(traceback.format_exception(err)).rstrip()
             err = RuntimeStateError(f"{self.name}: work item {v} failed: {err!r}\n{tb}")
         self.failures[v] = kept(err)  # waiters raise fresh copies of it
         while len(self.failures) > FAILURES_KEPT:
-            self.failures.pop(next(iter(self.failures)), None)
+            self.failed_from.pop(gone := next(iter(self.failures)), None)
+            self.failures.pop(gone, None)
         debug.log(debug.DEVICES, f"{self.name}: work item {v} failed: {err}")
 
     def failure_in(self, lo: int, hi: int) -> BaseException | None:
         """The failure of a work item with a timeline value in (lo, hi], if any."""
         if self.failures:
             for v, err in list(self.failures.items()):
-                if lo < v <= hi:
+                if lo < v and self.failed_from.get(v, v) <= hi:
                     return err
         return None
 

@@ -22,7 +22,19 @@ from typing import Any
 import numpy as np
 
 from azyx import debug
-from azyx.device import BatchState, Buffer, Device, Lane, LaunchItem, Replay, Runner, RunRecord, arena_of, slot_picker
+from azyx.device import (
+    BatchState,
+    Buffer,
+    Device,
+    Lane,
+    LaunchItem,
+    Replay,
+    Runner,
+    RunRecord,
+    arena_of,
+    slot_picker,
+    work_devices,
+)
 from azyx.errors import DeviceError
 from azyx.graph import StridedView
 from azyx.ir import CHECK_WORDS
@@ -259,7 +271,14 @@ class UnifiedExecutor:
             bufs[s].ready = v  # type: ignore[union-attr]
         return v
 
-    def _gather(self, dev: Device | None, crowd: Any) -> bool:
+    def gather_read(self, dev: Device, crowd: Any) -> None:
+        """A read of `dev`'s queued by the loop's thread while a `crowd` is ready on the loop (a crowd of requests
+        reading their results): into `dev`'s gather, opened for the iteration where none is, where its gathers take
+        copies (`Device.gathers_copies`): the crowd's reads are one command with its runs."""
+        if dev.gathers_copies:
+            self._gather(dev, crowd, run=False)
+
+    def _gather(self, dev: Device | None, crowd: Any, run: bool = True) -> bool:
         """Whether a run joins the gather of `dev`, the device that gathers its plan's runs (`Prepared.gathers`; None:
         it has none), with a `crowd` on the loop (see `run`). It does where both are there: the first such run of the
         loop's iteration opens the device's gather (`Device.open_gather`) and asks the loop to close the gathers once
@@ -278,7 +297,7 @@ class UnifiedExecutor:
         if not self.gathering:
             crowd.call_soon(self.flush_gathers)
             self.gather_loop, self.gather_thread = crowd, get_ident()
-        self.gathered += 1
+        self.gathered += run
         if dev not in self.gathering:
             dev.open_gather()
             self.gathering.append(dev)
@@ -425,8 +444,11 @@ class Prepared:
             self.runners[name] = dev.prepare(plan, batches)
         runners = list(self.runners.values())
         self.lane: Lane | None = runners[0].lane if self.alone else None
-        self.together: Device | None = devices[plan.devices[0]] if self.alone and runners[0].together else None
-        self.gathers: Device | None = devices[plan.devices[0]] if self.alone and runners[0].gathers else None
+        # (a plan whose work is on one device, its inputs uploaded from others first, is that device's)
+        work = plan.devices if self.alone else work_devices(plan)
+        one = self.runners[work[0]] if len(work) == 1 else None
+        self.together: Device | None = devices[work[0]] if one is not None and one.together else None
+        self.gathers: Device | None = devices[work[0]] if one is not None and one.gathers else None
         self.freeze(plan)
 
     def freeze(self, plan: ExecutionPlan) -> None:

@@ -330,8 +330,11 @@ class EventQueue:
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
         it held, for the waiter thread to drop outside the lock."""
-        if post is not None:  # (`enqueue`, or a device, appends `v` to `posts` as it takes a command with a `post`)
-            self.posts.popleft()
+        # (`enqueue`, or a device, appends `v` to `posts` as it takes a command with a `post`; a CUDA batch, the value
+        # of each of its copies that has one: all of them ran with the command's `post`)
+        posts = self.posts
+        while posts and posts[0] <= v:
+            posts.popleft()
         self.waited = v
         self.dev.completed(v)
         return self.holding.pop(v, None)

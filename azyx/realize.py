@@ -549,6 +549,8 @@ async def to_numpy(t: Handle) -> np.ndarray:
     # crowd of realizes whose work finished together wakes in one loop iteration: their reads are paced too)
     if (fut := _gate()) is not None:
         await _pace(fut)
+    if getattr(loop := _running_loop(), "_ready", None):
+        RT.executor.gather_read(dev, loop)  # (a crowd's reads: one command with its runs, where the device can)
     return await _read_queued(n, bufs, plan)
 
 

@@ -18,10 +18,14 @@ import pytest
 
 import azyx
 from azyx import Tensor
+from azyx.device import gatherable, work_devices
+from azyx.graph import GRAPH
 from azyx.native import native
+from azyx.plan import TransferStep
 from azyx.queues import WorkQueue
 from azyx.runtime import RT
 from azyx.timeline import TimelineSignal
+from azyx.walk import canonicalize
 
 N = 8  # requests in flight
 SIZE = 1 << 17  # floats a request: work past a C device's inline_work, so that its runs are handed to the queue
@@ -55,14 +59,17 @@ async def test_concurrent_realizes_each_return_their_own_values(device: str) -> 
     scalars = [float(a) for a in rng.uniform(0.5, 2.0, N)]
     await crowd(device, data, scalars)  # (the plan made and cached)
     ex, dev = RT.executor, RT.device(device)
-    gathered, submitted = ex.gathered, dev.queued()
+    gathered, gathers, submitted = ex.gathered, ex.gathers, dev.queued()
     got = await crowd(device, data, scalars)
     for g, x, a in zip(got, data, scalars):
         np.testing.assert_allclose(g, reference(x, a), rtol=1e-5, atol=1e-6)
-    if gathers_on(device) and dev.host_memory:  # (elsewhere each request's plan uploads its data: not gathered)
+    if gathers_on(device) and dev.host_memory:  # (elsewhere each request's plan uploads its data)
         # every run joined a gather, and the crowd cost fewer submissions than runs
         assert ex.gathered - gathered == N
         assert 0 < dev.queued() - submitted < N
+    if dev.gathers_copies:  # each request's upload, kernel and read: its runs and reads in fewer gathers than runs
+        assert ex.gathered - gathered == N
+        assert 0 < ex.gathers - gathers < N
 
 
 async def test_prebuilt_graphs_in_flight_coalesce(device: str) -> None:
@@ -232,3 +239,37 @@ async def test_one_signal_wakes_a_crowd_of_waiters() -> None:
     assert not pending and ran.is_set()
     assert [t.cancelled() for t in tasks] == [i == 1 for i in range(N)]
     assert all(t.result() is None for i, t in enumerate(tasks) if i != 1)
+
+
+async def test_a_request_plan_that_uploads_its_data_is_its_devices(device: str) -> None:
+    """A request's plan that uploads host data for its input (a TransferStep out of the host device) has its work on
+    the request's device alone (`work_devices`): it runs there as one batch and, where the device's gathers take
+    copies (CUDA), a crowd's runs of it gather (`gatherable(plan, uploads=True)`); a host-memory device uploads
+    nothing."""
+    x = rng.standard_normal(1024).astype(np.float32)
+    t = request(Tensor(x, device=device), 0.75)
+    np.testing.assert_allclose(await t.numpy(), reference(x, 0.75), rtol=1e-5, atol=1e-6)
+    again = request(Tensor(x, device=device), 0.75)  # (its graph walked: the cached plan's key)
+    plan = RT.plan_cache.get(canonicalize(GRAPH, [again.id]).key)
+    assert plan is not None
+    assert work_devices(plan) == [device]
+    uploads = [s for s in plan.steps if isinstance(s, TransferStep)]
+    assert bool(uploads) == (not RT.device(device).host_memory)
+    assert gatherable(plan, uploads=True) and gatherable(plan) == (not uploads)
+
+
+def test_a_failed_batch_fails_every_value_it_reserved() -> None:
+    """A batch submitted as one command completes the values it reserved from its first on: its failure, recorded at
+    its last value with its first (`record_failure`), is every one of those values' (`failure_in`), none outside."""
+    dev = RT.device("c:0")
+    base = dev.timeline.value + 1_000_000  # (values no work of this process reaches)
+    err = azyx.DeviceError("the batch failed")
+    dev.record_failure(base + 9, err, first=base + 5)
+    try:
+        for lo, hi in ((base + 4, base + 5), (base + 6, base + 7), (base + 8, base + 9), (base, base + 20)):
+            assert dev.failure_in(lo, hi) is not None, (lo - base, hi - base)
+        for lo, hi in ((base, base + 4), (base + 9, base + 12)):
+            assert dev.failure_in(lo, hi) is None, (lo - base, hi - base)
+    finally:
+        dev.failures.pop(base + 9, None)
+        dev.failed_from.pop(base + 9, None)

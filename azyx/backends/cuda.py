@@ -46,7 +46,7 @@ from azyx.backends.cuda_driver import (
     sticky,
     versions,
 )
-from azyx.backends.cuda_graph import Collected, GraphCache
+from azyx.backends.cuda_graph import INLINE_LAUNCHES, Collected, GraphCache
 from azyx.codegen.dialect import CUDA
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates.gemm_sm90 import TensorMap
@@ -63,6 +63,7 @@ from azyx.device import (
     RunRecord,
     gatherable,
     lone_kernel,
+    work_devices,
 )
 from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.memory import RING, RING_BLOCK
@@ -93,6 +94,12 @@ class _Pinned:
         self.nbytes = nbytes
         self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+
+
+def _each(calls: list[Callable[[], None]]) -> None:
+    """(The waiter thread) a batch's copies' `post`s, in order."""
+    for call in calls:
+        call()
 
 
 def _kernel_params(ptrs: tuple[int, ...], maps: tuple[TensorMap, ...]) -> tuple[Any, Any, int]:
@@ -232,6 +239,7 @@ class CUDADevice(QueuedDevice):
     dialect = CUDA
     event_queue = _Queue
     arena = True
+    gathers_copies = True
     tiles = False  # matrix products get the shared-memory kernel of codegen.templates.gemm instead of register tiles
 
     @classmethod
@@ -244,6 +252,8 @@ class CUDADevice(QueuedDevice):
 
     def __init__(self, index: int, options: dict[str, Any]):
         self.queue_state: Any = _QueueState()  # (first: the base's __init__ sets the counters)
+        self.batch_copies = 0  # copies in the open batch (`_submit`), and their host-side ends (`post`s)
+        self.batch_posts: list[Callable[[], None]] = []
         super().__init__(index, options)
         count = init()
         if index >= count:
@@ -414,14 +424,29 @@ class CUDADevice(QueuedDevice):
 
     def _submit(self, enqueue: Callable[[], None], waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, host_wait: Callable[[], None] | None = None,
-                long: Callable[[], None] | None = None) -> int:
+                long: Callable[[], None] | None = None, copy: bool = False) -> int:
         """Put work on the stream after `waits` (`queue.enqueue`: now, where every wait is an event and nothing is
         queued for the submit thread, else by that thread once it can go on the GPU); returns its timeline value.
         `host_wait` blocks (on the submit thread) until host-side inputs are ready; `post` runs on the waiter thread
         once the work completed, before the timeline reaches its value. `long`: the work takes milliseconds to enqueue
-        (launches one by one, a capture): the submit thread runs it instead."""
+        (launches one by one, a capture): the submit thread runs it instead. `copy`: a small copy between pinned
+        staging and the device, which joins the open batch where one is (a run's, a crowd's gather) and waits for
+        nothing: one command and one event with the batch's launches, in their order."""
         with self.queue.lock:
-            if self.batch:  # launches collected so far go first: the stream is in order
+            batch = self.batch
+            if copy and batch is not None and not waits:
+                # (a Collected of no function: `_in_order` calls it; the batch is then never a graph, whose copies'
+                # host blocks would differ from run to run)
+                batch.append(cast(Collected, (None, enqueue, (), "copy")))
+                self.batch_copies += 1
+                self.submitted += 1  # reserved: the batch's event completes it (`_flush`)
+                v = self.submitted
+                self.queue.holding[v] = keep
+                if post is not None:  # (its value is not reached, nor seen complete by `poll`, before it ran)
+                    self.batch_posts.append(post)
+                    self.queue.posts.append(v)
+                return v
+            if batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
                 self.batch = []
             inline = host_wait is None and long is None and not self.queue.native_waits(waits)[1]
@@ -450,7 +475,7 @@ class CUDADevice(QueuedDevice):
                 # behind it, so the stream is this thread's alone
                 enqueue()
         except BaseException as e:  # the command is lost; its value still completes, and its run raises the error
-            self.record_failure(v, e)
+            self.record_failure(v, e, first)
             if sticky(e):
                 self.fail(e)
         try:
@@ -604,8 +629,8 @@ class CUDADevice(QueuedDevice):
         maps or a zeroed output (their launch is made here, in Python). A crowd's runs are gathered (`gathers`) for
         a plan without a lane only."""
         runner = super().prepare(plan, batches)
-        runner.together = len(plan.devices) == 1
-        runner.gathers = self.gather_runs and gatherable(plan)
+        runner.together = work_devices(plan) == [self.name]  # (its inputs' uploads join the batch: `_submit`)
+        runner.gathers = self.gather_runs and gatherable(plan, uploads=True)
         step = lone_kernel(plan)
         if step is None or not runner.together or native is None or self.native_queue is None or step.launch.maps \
                 or step.launch.zero:  # (a plan of several devices: its one kernel may be another's, reading here)
@@ -701,7 +726,7 @@ class CUDADevice(QueuedDevice):
             cached = self.staging.cached(max(n, 1))
             if cached is not None:
                 fill_chunk(0, cached)
-                return self._submit(partial(dma, 0), [], (keep, stages))
+                return self._submit(partial(dma, 0), [], (keep, stages), copy=True)
         v = 0
         for i in range(len(chunks)):
             v = self._submit(partial(dma, i), [], (keep, stages[i]), host_wait=partial(fill_chunk, i))
@@ -755,7 +780,7 @@ class CUDADevice(QueuedDevice):
             staged = self.staging.cached(max(size, 1)) if n <= SYNC_STAGE else None
             if staged is not None:
                 cell.append(staged)
-                v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post)
+                v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, copy=True)
             else:
                 v = self._submit(enqueue, waits if o == 0 else [], (buf, cell, out), post, host_wait=take)
         return v
@@ -790,10 +815,26 @@ class CUDADevice(QueuedDevice):
     def _flush(self, batch: list[Collected]) -> None:
         """Under the lock: submit the batch's launches (reserved values first..last) as one command, one event: here
         where that is cheap, else (a long batch launched one by one, or captured into a graph, takes milliseconds) by
-        the submit thread, letting the loop's thread have the GIL between launches."""
-        first, cheap = self.submitted - len(batch) + 1, self.graph_cache.cheap(batch)
+        the submit thread, letting the loop's thread have the GIL between launches. A batch with copies (`_submit`)
+        runs in order, its copies' `post`s on the waiter thread once it completed."""
+        first = self.submitted - len(batch) + 1
+        if self.batch_copies:
+            posts, self.batch_posts, self.batch_copies = self.batch_posts, [], 0
+            cheap = len(batch) <= INLINE_LAUNCHES
+            self.queue.enqueue((None, partial(self._in_order, batch, cheap), first), [], None,
+                               partial(_each, posts) if posts else None, inline=cheap, first=first)
+            return
+        cheap = self.graph_cache.cheap(batch)
         launch = partial(self.graph_cache.launch, batch, cheap)
         self.queue.enqueue((None, launch, first), [], None, inline=cheap, first=first)
+
+    def _in_order(self, batch: list[Collected], hold_gil: bool) -> None:
+        """A batch with copies on the stream: each launch or copy (a Collected of no function) in turn."""
+        for fn, dims, ptrs, _ in batch:
+            if fn is None:
+                cast(Callable[[], None], dims)()
+            else:
+                self._launch_now(fn, dims, ptrs, hold_gil)
 
     def drain(self) -> None:
         """(`close`, the submit thread stopped) Finish the stream."""
