@@ -117,6 +117,7 @@ ARENA_MAX = 16 << 20  # the largest such allocation (`arena_of`)
 # the largest temporary that lives in it (a batch-32 GPT-2 decode step's 6.4 MB of logits does, beside its ~140 small
 # temporaries: one allocation a step); a larger one has its own buffer
 ARENA_PIECE = 8 << 20
+ADDRESSES_KEPT = 16  # a frozen batch's runs whose addresses it keeps (`Replay.addresses`)
 
 
 class Replay:
@@ -126,14 +127,15 @@ class Replay:
     - each kernel argument is a slot of the run: one the run binds (`bound`: an input, an output, a temporary that
       outlives the batch, check words), or a temporary of this batch alone, which lives at its offset (`arena`) in one
       allocation of `arena_size` bytes per run (where the device's kernels can take it: `Device.arena`);
-    - `addresses`: the run's address of every buffer argument, kernel after kernel (one numpy gather);
+    - `addresses`: the run's address of every buffer argument, kernel after kernel (one numpy gather), kept for the
+      last ADDRESSES_KEPT runs' buffers (chained steps take a few buffers in turn: their runs gather nothing);
     - `words`: every kernel's scalar words for the run's values, packed by one call, kept while runs pass the same
       values (a jit replay's), in kernel order (`word_counts` each);
     - `written`: the bound slots the batch writes (their buffers' `ready` is the batch's value);
     - `prepared`: what the device derived from it (`Device.freeze`: its table's layout, its graph's key parts)."""
 
     __slots__ = ("batch", "extents", "arena", "arena_size", "bound", "written", "get", "offsets", "bound_at", "entries",
-                 "arg_counts", "word_counts", "pack", "last", "prepared")
+                 "arg_counts", "word_counts", "pack", "last", "prepared", "seen")
 
     def __init__(self, batch: BatchState, extents: dict[int, tuple[int, int]], arena_size: int):
         self.batch = batch
@@ -155,14 +157,23 @@ class Replay:
         self.pack = scalar_packer(dts, tuple(a for k in steps for a in k.scalars)) if dts else None
         self.last: tuple[object, np.ndarray] = (None, np.zeros(0, np.uint64))
         self.prepared: Any = None
+        self.seen: dict[tuple[int, ...], np.ndarray] = {}  # (arena, bound buffers' addresses) -> addresses
 
     def addresses(self, bufs: list[Any], arena: Buffer | None) -> np.ndarray:
         """The run's address of each buffer argument of each kernel, in order (uint64): a temporary's in `arena`, a
-        bound slot's its buffer's (`bufs`: the run's buffers by slot)."""
-        at = self.offsets + np.uint64(arena.ptr) if arena is not None else self.offsets.copy()
-        bound = self.get(bufs)
-        at[self.bound_at] = [b.ptr for b in bound]
-        return at[self.entries]
+        bound slot's its buffer's (`bufs`: the run's buffers by slot). Read-only: the array is kept for later runs."""
+        ptrs = [b.ptr for b in self.get(bufs)]
+        key = (arena.ptr if arena is not None else 0, *ptrs)
+        found = self.seen.get(key)
+        if found is not None:
+            return found
+        at = self.offsets + np.uint64(key[0]) if arena is not None else self.offsets.copy()
+        at[self.bound_at] = ptrs
+        if len(self.seen) >= ADDRESSES_KEPT:
+            self.seen.pop(next(iter(self.seen)))
+        found = self.seen[key] = at[self.entries]
+        found.flags.writeable = False
+        return found
 
     def table_at(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Where a run's values sit in a table of the batch's arguments (`table_at`)."""

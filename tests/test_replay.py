@@ -285,12 +285,19 @@ async def test_cuda_table_holds_what_each_launch_takes() -> None:
     arena = dev.alloc(replay.arena_size)
     programs = {k.name: 1000 + i for i, k in enumerate(replay.batch.steps)}
     table = _Frozen(replay, programs)
+    moved = list(bufs)  # (the first bound slot in a buffer of its own: a run that binds another)
+    moved[replay.bound[0]] = dev.alloc(max(plan.slots[replay.bound[0]].nbytes, 1))
     for scalars in ([1.5] * plan.n_scalars, [-0.25 + i / 8 for i in range(plan.n_scalars)]):
-        got = table.launches(table.table(replay.addresses(bufs, arena), replay.words(scalars)))
-        want = [(programs[k.name], k.launch, tuple(bufs[s].ptr if s not in replay.arena else arena.ptr + replay.arena[s]
-                                                   for s in k.args) + k.words(scalars), k.name)
-                for k in replay.batch.steps]
-        assert got == want
+        for run in (bufs, moved, bufs):
+            got = table.launches(table.table(replay.addresses(run, arena), replay.words(scalars)))
+            want = [(programs[k.name], k.launch, tuple(run[s].ptr if s not in replay.arena else
+                                                       arena.ptr + replay.arena[s] for s in k.args) + k.words(scalars),
+                     k.name) for k in replay.batch.steps]
+            assert got == want
+        # runs that bind the same buffers and values reuse the addresses and table kept (a chained step's)
+        kept = replay.addresses(bufs, arena)
+        assert replay.addresses(list(bufs), arena) is kept
+        assert table.table(kept, replay.words(list(scalars))) is table.table(kept, replay.words(scalars))
 
 
 @pytest.mark.parametrize("inline_updates", [48, 0])

@@ -51,6 +51,7 @@ from azyx.codegen.dialect import CUDA
 from azyx.codegen.launch import Launch
 from azyx.codegen.templates.gemm_sm90 import TensorMap
 from azyx.device import (
+    ADDRESSES_KEPT,
     GRAPH,
     INLINE,
     BatchState,
@@ -121,7 +122,7 @@ class _Frozen:
     every other value is the graph's data (`refresh`)."""
 
     __slots__ = ("n", "n_words", "count", "arg_at", "word_at", "entry_kernel", "zeroed_at", "kernels", "nodes",
-                 "pointers")
+                 "pointers", "tables")
 
     def __init__(self, replay: Replay, programs: dict[str, Any]):
         self.arg_at, self.word_at, starts = replay.table_at()
@@ -135,13 +136,25 @@ class _Frozen:
                                   np.intp)
         self.nodes: list[Any] | None = None  # each kernel's node parameters for an update (`GraphCache.node_params`)
         self.pointers = np.arange(self.n, dtype=np.uint64) * np.uint64(8)  # each value's offset in a table's bytes
+        # the last runs' tables, by their addresses' array (kept by `Replay` for runs that bind the same buffers: a
+        # chained step's), which each entry holds so that its id stays its own, and their words
+        self.tables: dict[tuple[int, bytes], tuple[np.ndarray, np.ndarray]] = {}
 
     def table(self, addresses: np.ndarray, words: np.ndarray) -> np.ndarray:
-        """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words."""
+        """A run's table: each kernel's buffer addresses (`Replay.addresses`), then its scalar words. Read-only: kept
+        for later runs of the same addresses and words."""
+        key = (id(addresses), words.tobytes())
+        found = self.tables.get(key)
+        if found is not None:
+            return found[1]
         table = np.empty(self.n, np.uint64)
         table[self.arg_at] = addresses
         if self.n_words:
             table[self.word_at] = words
+        table.flags.writeable = False
+        if len(self.tables) >= ADDRESSES_KEPT:
+            self.tables.pop(next(iter(self.tables)))
+        self.tables[key] = (addresses, table)
         return table
 
     def key(self, addresses: np.ndarray) -> tuple:
