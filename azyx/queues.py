@@ -394,7 +394,7 @@ class EventQueue:
         try:
             ev = self.dev.submit(run, waits, v)
         except BaseException as e:
-            self.dev.record_failure(v, e)
+            self.dev.record_failure(v, e, first)
         self.record(ev, v, post, first)
 
     def _submit_each(self) -> None:

@@ -34,9 +34,10 @@ rng = np.random.default_rng(38)
 
 def gathers_on(device: str) -> bool:
     """Whether the device's runner gathers a crowd's runs of these requests' plans (the test then asserts that it
-    did): C devices; CUDA only without the native core, since with it a plan of one kernel runs through its lane."""
+    did): C and OpenCL devices; CUDA only without the native core, since with it a plan of one kernel runs through
+    its lane."""
     kind = RT.device(device).kind
-    return kind == "c" or (kind == "cuda" and native is None)
+    return kind in ("c", "opencl") or (kind == "cuda" and native is None)
 
 
 def request(x: Tensor, a: float) -> Tensor:

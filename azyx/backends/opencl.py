@@ -42,15 +42,27 @@ import numpy as np
 from azyx import debug
 from azyx.codegen.dialect import OPENCL
 from azyx.codegen.templates import gemm_host
-from azyx.device import ARENA_ALIGN, CPU_SPIN_S, Buffer, Contexts, Device, LaunchItem, Replay, after_waits
+from azyx.device import (
+    ARENA_ALIGN,
+    CPU_SPIN_S,
+    BatchState,
+    Buffer,
+    Contexts,
+    Device,
+    LaunchItem,
+    Replay,
+    Runner,
+    after_waits,
+    gatherable,
+)
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import DeviceError
-from azyx.plan import KernelStep
+from azyx.plan import ExecutionPlan, KernelStep
 from azyx.queues import QueuedDevice
 from azyx.workers import at_lower_priority, python_lane
 
 # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
-CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20}
+CONFIG = {"enabled": True, "platform_ids": [], "spin_us": 20, "gather": True}
 
 try:
     import pyopencl as cl
@@ -155,6 +167,18 @@ def _enqueue(queue: Any, launches: Iterable[Any], wait_for: list[Any] | None) ->
     return ev
 
 
+def _in_order(runs: list[Callable[[list[Any] | None], Any]], events: list[Any], wait_for: list[Any] | None) -> Any:
+    """(A gather's command) its commands queued in turn, the first after `wait_for`, each one's event kept in `events`
+    (held until the gather's command completed: pyopencl's event of a read, dropped before its read is done, waits for
+    it holding the GIL, which the work queued before it may need); returns the last one's event."""
+    ev = None
+    for run in runs:
+        ev = run(wait_for)
+        events.append(ev)
+        wait_for = None
+    return ev
+
+
 def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
     """(platform index, cl.Device) for every device of the configured platforms (all when none are named)."""
     try:
@@ -170,6 +194,7 @@ class OpenCLDevice(QueuedDevice):
     kind = "opencl"
     dialect = OPENCL
     tiles = True
+    gathers_copies = True
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -199,6 +224,9 @@ class OpenCLDevice(QueuedDevice):
         # PoCL compiles a work-group function for a launch's first runs, and its clEnqueue* block meanwhile
         self.launched: set[tuple[str, int, int]] = set()
         self.fresh_v = 0
+        # the open gather's commands (None: none open) and their launches (`_command`, `close_gather`)
+        self.gathered: list[Callable[[list[Any] | None], Any]] | None = None
+        self.gathered_keys: list[tuple[str, int, int]] = []
         self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
 
@@ -263,14 +291,59 @@ class OpenCLDevice(QueuedDevice):
         submit thread (`EventQueue.enqueue`'s `inline`): PoCL's enqueue blocks the caller while its own thread compiles
         a launch's work-group function (200-370 ms of the loop's thread beside two busy processes), which it does for
         a launch's first runs. So: every launch of it queued before, and every command that queued a new one
-        complete."""
-        with self.queue.lock:
-            if all(k in self.launched for k in keys):
-                inline = self.timeline.value >= self.fresh_v
-            else:
-                self.launched.update(keys)
-                self.fresh_v, inline = self.queue.submitted + 1, False
-            return self.queue.enqueue(run, waits, keep, inline=inline)
+        complete. In an open gather a command that waits for nothing joins it (its value reserved: the gather's one
+        command completes it); one that waits comes after the commands gathered so far."""
+        queue = self.queue
+        with queue.lock:
+            if self.gathered is not None:
+                if not waits:
+                    self.gathered.append(run)
+                    self.gathered_keys += keys
+                    queue.submitted += 1
+                    queue.holding[queue.submitted] = keep
+                    return queue.submitted
+                self._flush_gathered()
+            return queue.enqueue(run, waits, keep, inline=self._inline(keys))
+
+    def _inline(self, keys: Sequence[tuple[str, int, int]]) -> bool:
+        """Under the lock: whether a command of launches `keys` may be queued on the calling thread (`_command`)."""
+        if all(k in self.launched for k in keys):
+            return self.timeline.value >= self.fresh_v
+        self.launched.update(keys)
+        self.fresh_v = self.queue.submitted + 1
+        return False
+
+    # a gather (Runner.gathers: a crowd's runs in one loop iteration, and their reads) is one command of the commands
+    # it took, in order, one event; other threads' commands wait on the lock until it is closed (the next iteration)
+    def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
+        runner = super().prepare(plan, batches)
+        runner.gathers = self.gather_runs and gatherable(plan, uploads=True)
+        return runner
+
+    def open_gather(self) -> None:
+        self.queue.lock.acquire()
+        self.gathered = []
+
+    def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
+        return self.launch_many(items, [], batch)
+
+    def close_gather(self) -> None:
+        try:
+            self._flush_gathered()
+        finally:
+            self.gathered = None
+            self.queue.lock.release()
+
+    def _flush_gathered(self) -> None:
+        """Under the lock: the commands gathered so far as one command (their reserved values first..last)."""
+        runs, keys = self.gathered, self.gathered_keys
+        if runs:
+            self.gathered, self.gathered_keys = [], []
+            queue = self.queue
+            events: list[Any] = []
+            first, last = queue.submitted - len(runs) + 1, queue.submitted
+            queue.holding[last] = (queue.holding[last], events)
+            queue.enqueue(partial(_in_order, runs, events), [], None, inline=self._inline(keys), first=first)
 
     def freeze(self, replay: Replay) -> bool:
         """A steady batch replays as a `_Record`: the loop's thread hands over the run's buffers, arena and words, the
