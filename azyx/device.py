@@ -293,8 +293,8 @@ def gatherable(plan: ExecutionPlan, uploads: bool = False) -> bool:
     """Whether runs of `plan` may be gathered with other runs into one submission of its device: its steps are all
     kernels on one device (no transfer, so no wait on another device) and none writes into an input in place (such a
     kernel waits for other devices' work that may still read that input). `uploads`: the device gathers copies too
-    (CUDA), so a plan may also copy its inputs in from devices that only hand it inputs (a copy that must wait for
-    its source is submitted after the gathered work, in order, as any other submission)."""
+    (`Device.gathers_copies`), so a plan may also copy its inputs in from devices that only hand it inputs (a copy
+    that must wait for its source is submitted after the gathered work, in order, as any other submission)."""
     work = work_devices(plan) if uploads else plan.devices
     if len(work) != 1 or not all(isinstance(s, KernelStep) or uploads and s.dst_device == work[0] and s.src
                                  < plan.n_inputs for s in plan.steps):

@@ -330,8 +330,8 @@ class EventQueue:
     def completed(self, v: int, post: Callable[[], None] | None) -> Any:
         """Under the lock, on the waiter thread: the command of value `v` completed (and its `post` ran). Returns what
         it held, for the waiter thread to drop outside the lock."""
-        # (`enqueue`, or a device, appends `v` to `posts` as it takes a command with a `post`; a CUDA batch, the value
-        # of each of its copies that has one: all of them ran with the command's `post`)
+        # (`enqueue` appends `v` to `posts` as it takes a command with a `post`, `reserve` each reserved value with a
+        # host-side end: all of them ran with the command's `post`)
         posts = self.posts
         while posts and posts[0] <= v:
             posts.popleft()
@@ -358,6 +358,17 @@ class EventQueue:
                 held = self.completed(v, post)
             del ev, item, post, held  # (its buffers back to their pools, outside the lock, before anyone sees `v`)
             dev.timeline.signal(v)
+
+    def reserve(self, keep: Any, post: bool = False) -> int:
+        """Under the lock: number a command that an open batch or gather takes (the batch's one command, submitted
+        with `first`, completes it), keeping what it holds; `post`: it has a host-side end that runs with the
+        command's `post` (until then `poll` does not see its value complete)."""
+        self.submitted += 1
+        v = self.submitted
+        self.holding[v] = keep
+        if post:
+            self.posts.append(v)
+        return v
 
     def enqueue(self, run: Any, waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, inline: bool = False, first: int = 0) -> int:

@@ -452,13 +452,9 @@ class CUDADevice(QueuedDevice):
                 # host blocks would differ from run to run)
                 batch.append(cast(Collected, (None, enqueue, (), "copy")))
                 self.batch_copies += 1
-                self.submitted += 1  # reserved: the batch's event completes it (`_flush`)
-                v = self.submitted
-                self.queue.holding[v] = keep
-                if post is not None:  # (its value is not reached, nor seen complete by `poll`, before it ran)
+                if post is not None:
                     self.batch_posts.append(post)
-                    self.queue.posts.append(v)
-                return v
+                return self.queue.reserve(keep, post is not None)  # (the batch's event completes it: `_flush`)
             if batch:  # launches collected so far go first: the stream is in order
                 self._flush(self.batch)
                 self.batch = []
@@ -643,7 +639,7 @@ class CUDADevice(QueuedDevice):
         a plan without a lane only."""
         runner = super().prepare(plan, batches)
         runner.together = work_devices(plan) == [self.name]  # (its inputs' uploads join the batch: `_submit`)
-        runner.gathers = self.gather_runs and gatherable(plan, uploads=True)
+        runner.gathers = self.gather_runs and gatherable(plan, uploads=self.gathers_copies)
         step = lone_kernel(plan)
         if step is None or not runner.together or native is None or self.native_queue is None or step.launch.maps \
                 or step.launch.zero:  # (a plan of several devices: its one kernel may be another's, reading here)

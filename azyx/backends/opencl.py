@@ -299,9 +299,7 @@ class OpenCLDevice(QueuedDevice):
                 if not waits:
                     self.gathered.append(run)
                     self.gathered_keys += keys
-                    queue.submitted += 1
-                    queue.holding[queue.submitted] = keep
-                    return queue.submitted
+                    return queue.reserve(keep)
                 self._flush_gathered()
             return queue.enqueue(run, waits, keep, inline=self._inline(keys))
 
@@ -317,7 +315,7 @@ class OpenCLDevice(QueuedDevice):
     # it took, in order, one event; other threads' commands wait on the lock until it is closed (the next iteration)
     def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
         runner = super().prepare(plan, batches)
-        runner.gathers = self.gather_runs and gatherable(plan, uploads=True)
+        runner.gathers = self.gather_runs and gatherable(plan, uploads=self.gathers_copies)
         return runner
 
     def open_gather(self) -> None:
