@@ -600,6 +600,41 @@ class QueuedDevice(Device):
         """(`close`, the waiter thread stopped) Destroy what the API made for this device, its memory's blocks aside."""
 
 
+class CommandGathers(QueuedDevice):
+    """A queued device whose gather (Runner.gathers: a crowd's runs in one loop iteration, their uploads of host data
+    and their reads) is one command of the commands it took, in order, with one event: while it is open the loop's
+    thread holds the queue's lock, a command that waits for nothing joins it (`gathered`; its value reserved, which
+    the gather's one command completes), and one that waits comes after the commands gathered so far
+    (`_flush_gathered`); other threads' commands wait on the lock until it is closed (the next iteration). A subclass
+    says what a gathered command is and submits them (`_flush_gathered`)."""
+
+    gathers_copies = True
+    gathered: list[Any] | None = None  # the open gather's commands (None: none open)
+
+    def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
+        runner = super().prepare(plan, batches)
+        runner.gathers = self.gather_runs and gatherable(plan, uploads=True)
+        return runner
+
+    def open_gather(self) -> None:
+        self.queue.lock.acquire()
+        self.gathered = []
+
+    def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
+        return self.launch_many(items, [], batch)
+
+    def close_gather(self) -> None:
+        try:
+            self._flush_gathered()
+        finally:
+            self.gathered = None
+            self.queue.lock.release()
+
+    def _flush_gathered(self) -> None:
+        """Under the lock: the commands gathered so far as one command (their reserved values first..last)."""
+        raise NotImplementedError
+
+
 WIDE_KEPT = 64  # (HostDevice) gathers' batches kept per device (a crowd's gathers come in a few sizes)
 
 
@@ -755,6 +790,12 @@ class HostDevice(Device):
 
     def close(self) -> None:
         self.queue.close()
+
+
+def run_each(calls: list[Callable[[], None]]) -> None:
+    """(The waiter thread) the `post`s of the commands a batch or gather took, in order: its one command's `post`."""
+    for call in calls:
+        call()
 
 
 def _keep_alive(*objs: object) -> Callable[[], None]:

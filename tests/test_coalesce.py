@@ -1,7 +1,7 @@
 """Concurrent realizes of one cached plan coalesce (issue 38 item 2): a crowd's runs that become ready in one loop
 iteration are one submission of the device where its runner gathers them (c:N for plans whose work is handed to its
-queue; CUDA), and each request still gets its own result, its own failure and its own cancellation. On devices whose
-runner does not gather, the same crowds run one by one and give the same values."""
+queue; CUDA, OpenCL, Vulkan), and each request still gets its own result, its own failure and its own cancellation.
+On devices whose runner does not gather, the same crowds run one by one and give the same values."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ rng = np.random.default_rng(38)
 
 def gathers_on(device: str) -> bool:
     """Whether the device's runner gathers a crowd's runs of these requests' plans (the test then asserts that it
-    did): C and OpenCL devices; CUDA only without the native core, since with it a plan of one kernel runs through
-    its lane."""
+    did): C, OpenCL and Vulkan devices; CUDA only without the native core, since with it a plan of one kernel runs
+    through its lane."""
     kind = RT.device(device).kind
-    return kind in ("c", "opencl") or (kind == "cuda" and native is None)
+    return kind in ("c", "opencl", "vulkan") or (kind == "cuda" and native is None)
 
 
 def request(x: Tensor, a: float) -> Tensor:

@@ -70,7 +70,7 @@ from azyx.errors import AllocationError, CompileError, DeviceError
 from azyx.memory import RING, RING_BLOCK
 from azyx.native import native
 from azyx.plan import ExecutionPlan, KernelStep
-from azyx.queues import UNWATCHED, EventQueue, QueuedDevice
+from azyx.queues import UNWATCHED, EventQueue, QueuedDevice, run_each
 
 # (spin_us: as opencl's; gather: as c's; peer_reads: kernels read a peer device's buffers in place, `reads_peer`)
 CONFIG = {"enabled": True, "memory": None, "spin_us": 20, "gather": True, "peer_reads": True}
@@ -95,12 +95,6 @@ class _Pinned:
         self.nbytes = nbytes
         self.ptr = int(check(cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
-
-
-def _each(calls: list[Callable[[], None]]) -> None:
-    """(The waiter thread) a batch's copies' `post`s, in order."""
-    for call in calls:
-        call()
 
 
 def _kernel_params(ptrs: tuple[int, ...], maps: tuple[TensorMap, ...]) -> tuple[Any, Any, int]:
@@ -831,7 +825,7 @@ class CUDADevice(QueuedDevice):
             posts, self.batch_posts, self.batch_copies = self.batch_posts, [], 0
             cheap = len(batch) <= INLINE_LAUNCHES
             self.queue.enqueue((None, partial(self._in_order, batch, cheap), first), [], None,
-                               partial(_each, posts) if posts else None, inline=cheap, first=first)
+                               partial(run_each, posts) if posts else None, inline=cheap, first=first)
             return
         cheap = self.graph_cache.cheap(batch)
         launch = partial(self.graph_cache.launch, batch, cheap)

@@ -45,20 +45,17 @@ from azyx.codegen.templates import gemm_host
 from azyx.device import (
     ARENA_ALIGN,
     CPU_SPIN_S,
-    BatchState,
     Buffer,
     Contexts,
     Device,
     LaunchItem,
     Replay,
-    Runner,
     after_waits,
-    gatherable,
 )
 from azyx.dtypes import DType, scalar_size
 from azyx.errors import DeviceError
-from azyx.plan import ExecutionPlan, KernelStep
-from azyx.queues import QueuedDevice
+from azyx.plan import KernelStep
+from azyx.queues import CommandGathers
 from azyx.workers import at_lower_priority, python_lane
 
 # spin_us: how long a realize may query its work's completion on an idle loop before it sleeps (realize.wait_for)
@@ -190,11 +187,10 @@ def device_list(options: dict[str, Any]) -> list[tuple[int, Any]]:
     return [(p, d) for p in wanted if p < len(platforms) for d in at_lower_priority(platforms[p].get_devices)]
 
 
-class OpenCLDevice(QueuedDevice):
+class OpenCLDevice(CommandGathers):
     kind = "opencl"
     dialect = OPENCL
     tiles = True
-    gathers_copies = True
 
     @classmethod
     def count(cls, options: dict[str, Any]) -> int:
@@ -224,8 +220,7 @@ class OpenCLDevice(QueuedDevice):
         # PoCL compiles a work-group function for a launch's first runs, and its clEnqueue* block meanwhile
         self.launched: set[tuple[str, int, int]] = set()
         self.fresh_v = 0
-        # the open gather's commands (None: none open) and their launches (`_command`, `close_gather`)
-        self.gathered: list[Callable[[list[Any] | None], Any]] | None = None
+        # (a gather's commands, `gathered`, each queues its pyopencl commands); their launches
         self.gathered_keys: list[tuple[str, int, int]] = []
         self.queue.start()
         debug.log(debug.DEVICES, f"{self.name}: {self.cl_device.name} ({self.cl_device.platform.name})")
@@ -311,29 +306,8 @@ class OpenCLDevice(QueuedDevice):
         self.fresh_v = self.queue.submitted + 1
         return False
 
-    # a gather (Runner.gathers: a crowd's runs in one loop iteration, and their reads) is one command of the commands
-    # it took, in order, one event; other threads' commands wait on the lock until it is closed (the next iteration)
-    def prepare(self, plan: ExecutionPlan, batches: list[BatchState]) -> Runner:
-        runner = super().prepare(plan, batches)
-        runner.gathers = self.gather_runs and gatherable(plan, uploads=self.gathers_copies)
-        return runner
-
-    def open_gather(self) -> None:
-        self.queue.lock.acquire()
-        self.gathered = []
-
-    def gather_launch(self, items: list[LaunchItem], batch: BatchState) -> int:
-        return self.launch_many(items, [], batch)
-
-    def close_gather(self) -> None:
-        try:
-            self._flush_gathered()
-        finally:
-            self.gathered = None
-            self.queue.lock.release()
-
+    # a gather (CommandGathers) is one command queueing the commands it took, in order, one event
     def _flush_gathered(self) -> None:
-        """Under the lock: the commands gathered so far as one command (their reserved values first..last)."""
         runs, keys = self.gathered, self.gathered_keys
         if runs:
             self.gathered, self.gathered_keys = [], []

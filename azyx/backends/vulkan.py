@@ -51,11 +51,11 @@ from azyx.device import BatchState, Buffer, Contexts, Device, LaunchItem, word_t
 from azyx.errors import DeviceError
 from azyx.memory import Lent
 from azyx.plan import KernelStep
-from azyx.queues import QueuedDevice
+from azyx.queues import CommandGathers, run_each
 from azyx.workers import at_lower_priority
 
 # device_ids: which physical devices (indices, all when empty; one may repeat); spin_us: as opencl's
-CONFIG = {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20}
+CONFIG = {"enabled": True, "device_ids": [], "memory": None, "spin_us": 20, "gather": True}
 
 try:
     import vulkan as vk
@@ -257,7 +257,7 @@ class _Kept:
             pass
 
 
-class VulkanDevice(QueuedDevice):
+class VulkanDevice(CommandGathers):
     kind = "vulkan"
     dialect = GLSL  # kernels are complete shaders (Device.source)
     kills_builds = True  # glslc runs as a process, killed at compile_timeout_s
@@ -324,6 +324,8 @@ class VulkanDevice(QueuedDevice):
         self.spare: collections.deque[_Commands] = collections.deque()  # completed ones, to record anew
         self.orphans: collections.deque[_Commands] = collections.deque()  # kept ones of dropped plans (`_Kept`)
         self.all_commands: list[_Commands] = []
+        # (a gather's commands, `gathered`, are each (record, fill, launch items); their posts)
+        self.gathered_posts: list[Callable[[], None]] = []
         # every kernel's interface: binding 0 of set 0 is its words (the renderer's contract, codegen glsl_interface)
         words = vk.VkDescriptorSetLayoutBinding(binding=0, descriptorType=WORDS_TYPE, descriptorCount=1,
                                                 stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
@@ -501,13 +503,24 @@ class VulkanDevice(QueuedDevice):
 
     def _submit(self, record: Callable[[_Commands], None] | None, waits: list[tuple[Device, int]], keep: Any,
                 post: Callable[[], None] | None = None, fill: Callable[[], None] | None = None,
-                batch: tuple[BatchState, list[LaunchItem]] | None = None) -> int:
+                batch: tuple[BatchState, list[LaunchItem]] | None = None, items: list[LaunchItem] | None = None
+                ) -> int:
         """Queue work after `waits` (on the submit thread: `submit`): the commands `record` records (None: none, the
         submission only orders and signals); returns its timeline value. `fill` (a host copy into memory the work
         reads) runs once `waits` are reached, before the work is submitted; `post` runs on the waiter thread once the
         work completed, before the timeline reaches its value. `batch`: a plan's kernels, submitted by a kept command
-        buffer (`_kept`)."""
-        return self.queue.enqueue((record, fill, batch), waits, keep, post)
+        buffer (`_kept`). In an open gather, work that waits for nothing joins it (`items`: its launches, recorded
+        with the gather's other launches' words); work that waits comes after the work gathered so far."""
+        queue = self.queue
+        with queue.lock:
+            if self.gathered is not None:
+                if not waits:
+                    self.gathered.append((record, fill, items))
+                    if post is not None:
+                        self.gathered_posts.append(post)
+                    return queue.reserve(keep, post is not None)  # (the gather's one submission completes it)
+                self._flush_gathered()
+            return queue.enqueue((record, fill, batch, 0), waits, keep, post)
 
     def submit(self, run: Any, waits: list[tuple[Device, int]], v: int) -> None:
         """(The submit thread.) Once the waits the host sees are reached (`host_waited`), run the work's `fill`,
@@ -515,7 +528,7 @@ class VulkanDevice(QueuedDevice):
         this device's. Work whose wait or recording failed is left out (its failure recorded): the submission still
         signals `v`."""
         native, ok = self.queue.host_waited(waits, v)
-        record, fill, batch = run if ok else (None, None, None)
+        record, fill, batch, first = run if ok else (None, None, None, run[3])
         cmd = None
         try:
             if fill is not None:
@@ -528,7 +541,7 @@ class VulkanDevice(QueuedDevice):
                 _barrier(cmd.cb)
                 vk.vkEndCommandBuffer(cmd.cb)
         except BaseException as e:  # the host copy or the recording failed
-            self.record_failure(v, e)
+            self.record_failure(v, e, first)
             if cmd is not None and cmd.key is None:
                 vk.vkResetCommandBuffer(cmd.cb, 0)
                 self.spare.append(cmd)
@@ -539,7 +552,7 @@ class VulkanDevice(QueuedDevice):
         except vk.VkErrorDeviceLost as e:
             raise self.fail(e) from None
         except vk.VkError as e:  # (out of memory: the work is left out, the value still signalled)
-            self.record_failure(v, e)
+            self.record_failure(v, e, first)
             cmd = None
             self.ctx.submit(None, sems, values, self.sem, v)
         if cmd is not None and cmd.key is None:
@@ -592,8 +605,37 @@ class VulkanDevice(QueuedDevice):
                     f"{self.name}: grid {step.launch.grid} of {step.name} exceeds maxComputeWorkGroupCount " \
                     f"{self.max_groups}"
         if batch is not None:
-            return self._submit(None, waits, items, batch=(batch, items))
-        return self._submit(lambda cmd: self._record_launches(cmd, items, self._words(cmd, items)), waits, items)
+            return self._submit(None, waits, items, batch=(batch, items), items=items)
+        return self._submit(lambda cmd: self._record_launches(cmd, items, self._words(cmd, items)), waits, items,
+                            items=items)
+
+    # a gather (CommandGathers) is one submission of one command buffer recording the commands it took, in order
+    def _flush_gathered(self) -> None:
+        """Under the lock: the work gathered so far as one submission (its reserved values first..last): the fills,
+        then one command buffer of every command in turn, the posts after it completed."""
+        work, posts = self.gathered, self.gathered_posts
+        if work:
+            self.gathered, self.gathered_posts = [], []
+            queue = self.queue
+            first = queue.submitted - len(work) + 1
+            fills = [fill for _, fill, _ in work if fill is not None]
+            queue.enqueue((functools.partial(self._record_gathered, work), functools.partial(run_each, fills) if fills
+                           else None, None, first), [], None, functools.partial(run_each, posts) if posts else None,
+                          first=first)
+
+    def _record_gathered(self, work: list[tuple[Callable[[_Commands], None] | None, Any, list[LaunchItem] | None]],
+                         cmd: _Commands) -> None:
+        """(The submit thread.) A gather's commands into one command buffer, in order: each one's launches (their words
+        written together) or its copies, a barrier after each."""
+        launches = [item for _, _, items in work if items for item in items]
+        offsets, at = self._words(cmd, launches) if launches else [], 0
+        for record, _, items in work:
+            if items:
+                self._record_launches(cmd, items, offsets[at:at + len(items)])
+                at += len(items)
+            elif record is not None:
+                record(cmd)
+                _barrier(cmd.cb)
 
     # ------------------------------------------------------------------ copies
     def copy(self, src: Buffer, dst: Buffer, n: int, waits: list[tuple[Device, int]]) -> int:
